@@ -1,0 +1,50 @@
+/**
+ * The packed micro-batch contract (shared/DESIGN.md §3). These names are read by trainers and outside checks:
+ * keep them; extend, never rename.
+ */
+
+/** Sequences of a batch in CSR form: sequence i is tokens[offsets[i] .. offsets[i+1]). */
+export interface Sequences {
+  tokens: Int32Array; // [M]
+  offsets: Int32Array; // [S+1], offsets[0] = 0, offsets[S] = M
+}
+
+/** The node and unmerge arrays: what the packer computes from token sequences alone. */
+export interface Forest {
+  input_ids: Int32Array; // [N] token of node p
+  position_ids: Int32Array; // [N] depth of p
+  parent: Int32Array; // [N] packed position of the previous token, -1 for a root
+  subtree_end: Int32Array; // [N] one past the last position of p's subtree
+  seq_offsets: Int32Array; // [S+1] CSR offsets into the occurrence arrays
+  seq_positions: Int32Array; // [M] packed position of token t of sequence i at seq_offsets[i] + t
+}
+
+export const NODE_FIELDS = ['input_ids', 'position_ids', 'parent', 'subtree_end'] as const;
+export const OCCURRENCE_FLOAT_FIELDS = ['advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs'] as const;
+export type OccurrenceFloatField = (typeof OCCURRENCE_FLOAT_FIELDS)[number];
+
+/** Header metadata of a micro-batch file: every value is a string in safetensors' `__metadata__`. */
+export interface MicroBatchMeta {
+  format: 'treepack/1';
+  num_sequences: number;
+  num_tokens_naive: number;
+  num_tokens_packed: number;
+  tokenizer: string;
+  sequence_ids: string[]; // input order
+}
+
+/** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */
+export interface MicroBatch extends Forest {
+  loss_mask: Uint8Array; // [M], 0 for t = 0
+  advantages?: Float32Array; // [M]
+  old_logprobs?: Float32Array; // [M]
+  ref_logprobs?: Float32Array; // [M]
+  rollout_logprobs?: Float32Array; // [M]
+  meta: MicroBatchMeta;
+}
+
+/** The format string written to and required in every micro-batch header. */
+export const FORMAT = 'treepack/1';
+
+/** Largest packed or naive length a micro-batch may have: positions are int32. */
+export const MAX_TOKENS = 0x7fffffff;

@@ -1,0 +1,138 @@
+/**
+ * The TypeScript reference packer: token sequences (CSR) → the exact prefix forest in canonical DFS preorder.
+ *
+ * Canonical layout: the trie of all sequences, roots and children ordered by ascending token id, laid out in
+ * preorder. Walking the sequences in lexicographic order (a proper prefix before its extensions) visits the trie
+ * in exactly that preorder, so after sorting, sequence j only adds its tokens past lcp(j-1, j). The node arrays
+ * therefore depend on the multiset of sequences alone, and N is the number of distinct prefixes by construction.
+ *
+ * The sort is an LCP-aware merge sort (Ng & Kakehi): every head in a merge carries its LCP with the last output,
+ * so a token is compared only where it can decide something. Agent data is chains of requests that extend each
+ * other; a plain comparison sort would rescan those shared prefixes at every level of the sort.
+ */
+import type { Forest, Sequences } from './contract.js';
+import { validateSequences } from './validate.js';
+
+/** Length of the common prefix of sequences a and b, starting the scan at `from` (known equal before it). */
+function lcpFrom(tokens: Int32Array, offsets: Int32Array, a: number, b: number, from: number): number {
+  const sa = offsets[a], sb = offsets[b];
+  const n = Math.min(offsets[a + 1] - sa, offsets[b + 1] - sb);
+  let h = from;
+  while (h < n && tokens[sa + h] === tokens[sb + h]) h++;
+  return h;
+}
+
+/**
+ * Sorts sequence indices lexicographically. Returns `order` (sorted indices) and `lcp` where lcp[k] is the
+ * common prefix length of order[k-1] and order[k] (lcp[0] = 0). Equal sequences keep input order.
+ */
+export function sortSequences(seqs: Sequences): { order: Int32Array; lcp: Int32Array } {
+  const { tokens, offsets } = seqs;
+  const S = offsets.length - 1;
+  let order = new Int32Array(S);
+  let lcp = new Int32Array(S);
+  for (let i = 0; i < S; i++) order[i] = i;
+  let nextOrder = new Int32Array(S);
+  let nextLcp = new Int32Array(S);
+  for (let width = 1; width < S; width *= 2) {
+    for (let lo = 0; lo < S; lo += 2 * width) {
+      const mid = Math.min(lo + width, S), hi = Math.min(lo + 2 * width, S);
+      if (mid >= hi) {
+        nextOrder.set(order.subarray(lo, hi), lo);
+        nextLcp.set(lcp.subarray(lo, hi), lo);
+        continue;
+      }
+      // Heads i (left run) and j (right run); hi_/hj are their LCPs with the last element written.
+      let i = lo, j = mid, out = lo;
+      let hA = 0, hB = 0;
+      while (i < mid && j < hi) {
+        const a = order[i], b = order[j];
+        if (hA > hB) {
+          nextOrder[out] = a; nextLcp[out++] = hA; i++;
+          if (i < mid) hA = lcp[i];
+        } else if (hA < hB) {
+          nextOrder[out] = b; nextLcp[out++] = hB; j++;
+          if (j < hi) hB = lcp[j];
+        } else {
+          const h = lcpFrom(tokens, offsets, a, b, hA);
+          const la = offsets[a + 1] - offsets[a], lb = offsets[b + 1] - offsets[b];
+          // A sequence that ends first is smaller; ties (equal sequences) take the left run for stability.
+          const aFirst = h === la ? true : h === lb ? false : tokens[offsets[a] + h] < tokens[offsets[b] + h];
+          if (aFirst) {
+            nextOrder[out] = a; nextLcp[out++] = hA; i++;
+            hB = h;
+            if (i < mid) hA = lcp[i];
+          } else {
+            nextOrder[out] = b; nextLcp[out++] = hB; j++;
+            hA = h;
+            if (j < hi) hB = lcp[j];
+          }
+        }
+      }
+      // The first element of a leftover run carries its LCP with the last written element, the rest keep theirs.
+      if (i < mid) {
+        nextOrder.set(order.subarray(i, mid), out);
+        nextLcp.set(lcp.subarray(i, mid), out);
+        nextLcp[out] = hA;
+        out += mid - i;
+      }
+      if (j < hi) {
+        nextOrder.set(order.subarray(j, hi), out);
+        nextLcp.set(lcp.subarray(j, hi), out);
+        nextLcp[out] = hB;
+      }
+    }
+    [order, nextOrder] = [nextOrder, order];
+    [lcp, nextLcp] = [nextLcp, lcp];
+  }
+  if (S > 0) lcp[0] = 0;
+  return { order, lcp };
+}
+
+/** Builds every forest array of the contract from CSR sequences. */
+export function packForest(seqs: Sequences): Forest {
+  validateSequences(seqs);
+  return layoutForest(seqs, sortSequences(seqs));
+}
+
+/** Lays out the forest from sequences already sorted, with their adjacent LCPs (see sortSequences). */
+export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
+  const { tokens, offsets } = seqs;
+  const { order, lcp } = sorted;
+  const S = offsets.length - 1;
+  const M = offsets[S];
+  let N = 0;
+  for (let k = 0; k < S; k++) {
+    const s = order[k];
+    N += offsets[s + 1] - offsets[s] - lcp[k];
+  }
+  const input_ids = new Int32Array(N);
+  const position_ids = new Int32Array(N);
+  const parent = new Int32Array(N);
+  const subtree_end = new Int32Array(N);
+  const seq_positions = new Int32Array(M);
+  let pos = 0;
+  let prevStart = 0; // where the previous sorted sequence's positions start in seq_positions
+  for (let k = 0; k < S; k++) {
+    const s = order[k];
+    const start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
+    // The shared prefix reuses the previous sorted sequence's nodes.
+    if (h > 0) seq_positions.copyWithin(start, prevStart, prevStart + h);
+    let par = h > 0 ? seq_positions[start + h - 1] : -1;
+    for (let t = h; t < len; t++) {
+      input_ids[pos] = tokens[start + t];
+      position_ids[pos] = t;
+      parent[pos] = par;
+      subtree_end[pos] = pos + 1;
+      seq_positions[start + t] = pos;
+      par = pos++;
+    }
+    prevStart = start;
+  }
+  // Children follow their parent in preorder, so one backward pass finalises every subtree before its parent.
+  for (let p = N - 1; p >= 0; p--) {
+    const q = parent[p];
+    if (q >= 0 && subtree_end[p] > subtree_end[q]) subtree_end[q] = subtree_end[p];
+  }
+  return { input_ids, position_ids, parent, subtree_end, seq_offsets: offsets.slice(), seq_positions };
+}
