@@ -1,0 +1,56 @@
+/** What the readers produce: chat records (to be tokenized) and samples (already token ids). */
+
+/** Where a record came from, for error messages: file name (or "-") and 1-based line. */
+export interface Source {
+  file: string;
+  line: number;
+}
+
+export interface ToolCall {
+  id?: string;
+  type?: string;
+  function: { name: string; arguments: string | Record<string, unknown> };
+}
+
+/** An OpenAI chat message. `content` may be null on assistant messages that only call tools. */
+export interface ChatMessage {
+  role: string;
+  content: string | null;
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+  name?: string;
+  reasoning_content?: string;
+}
+
+/** One LLM call: the context sent (`messages`, `tools`) and the answer the policy generated (`response`). */
+export interface ChatRecord {
+  kind: 'chat';
+  id: string; // unique within the input: `${episode}/${k}` for episodes
+  group: string; // GRPO group (task id)
+  episode: string; // the trajectory this call belongs to
+  agent?: string;
+  reward?: number;
+  messages: ChatMessage[];
+  tools?: unknown[] | null;
+  response: ChatMessage;
+  source: Source;
+}
+
+/** A token sequence ready for packing: per-token arrays all as long as `tokens`. */
+export interface Sample {
+  kind: 'sample';
+  id: string;
+  group: string;
+  episode: string;
+  reward?: number;
+  advantage?: number; // one value for the whole sample; `advantages` wins when both are given
+  tokens: Int32Array;
+  loss_mask: Uint8Array; // 0 at t = 0 always
+  rollout_logprobs?: Float32Array;
+  old_logprobs?: Float32Array;
+  ref_logprobs?: Float32Array;
+  advantages?: Float32Array;
+  source: Source;
+}
+
+export type TrainRecord = ChatRecord | Sample;
