@@ -1,0 +1,84 @@
+/**
+ * Samples → one packed micro-batch: concatenates the per-token fields in input order (the occurrence arrays of
+ * the contract) and builds the forest with whichever packer the caller resolved.
+ */
+import { TreepackError } from '../errors.js';
+import type { Sample } from '../records/types.js';
+import { FORMAT, MAX_TOKENS, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type OccurrenceFloatField, type Sequences } from './contract.js';
+
+/** Concatenates sample tokens into CSR form. */
+export function toSequences(samples: readonly Sample[]): Sequences {
+  const offsets = new Int32Array(samples.length + 1);
+  let m = 0;
+  for (let i = 0; i < samples.length; i++) {
+    m += samples[i].tokens.length;
+    if (m > MAX_TOKENS) {
+      throw new TreepackError('E_LIMIT', `micro-batch exceeds ${MAX_TOKENS} naive tokens (int32 positions)`, { record: samples[i].id });
+    }
+    offsets[i + 1] = m;
+  }
+  const tokens = new Int32Array(m);
+  for (let i = 0; i < samples.length; i++) tokens.set(samples[i].tokens, offsets[i]);
+  return { tokens, offsets };
+}
+
+/**
+ * A float occurrence field is written only when every sample provides it: a partial column would need a
+ * placeholder value, and a placeholder in a trainable position would silently enter the loss.
+ */
+function floatField(samples: readonly Sample[], offsets: Int32Array, field: OccurrenceFloatField): Float32Array | undefined {
+  const has = (s: Sample) => s[field] !== undefined || (field === 'advantages' && s.advantage !== undefined);
+  const first = samples.findIndex(has);
+  if (first < 0) return undefined;
+  const missing = samples.find((s) => !has(s));
+  if (missing) {
+    throw new TreepackError(
+      'E_INPUT',
+      `sample ${JSON.stringify(samples[first].id)} has ${field} but this one has none; a micro-batch needs it on every sample or none`,
+      { file: missing.source.file, line: missing.source.line, record: missing.id, field },
+    );
+  }
+  const out = new Float32Array(offsets[samples.length]);
+  for (let i = 0; i < samples.length; i++) {
+    const s = samples[i];
+    const v = s[field];
+    if (v) out.set(v, offsets[i]);
+    else out.fill(s.advantage!, offsets[i], offsets[i + 1]);
+  }
+  return out;
+}
+
+export interface AssembleOptions {
+  tokenizer: string;
+  packForest: (seqs: Sequences) => Forest;
+}
+
+export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
+  const seqs = toSequences(samples);
+  const forest = opts.packForest(seqs);
+  const M = seqs.tokens.length;
+  const loss_mask = new Uint8Array(M);
+  for (let i = 0; i < samples.length; i++) {
+    const off = seqs.offsets[i];
+    loss_mask.set(samples[i].loss_mask, off);
+    // Token 0 of a sequence has no logprob (nothing precedes it), whatever the record said.
+    if (samples[i].tokens.length > 0) loss_mask[off] = 0;
+  }
+  const mb: MicroBatch = {
+    ...forest,
+    loss_mask,
+    meta: {
+      format: FORMAT,
+      num_sequences: samples.length,
+      num_tokens_naive: M,
+      num_tokens_packed: forest.input_ids.length,
+      tokenizer: opts.tokenizer,
+      sequence_ids: samples.map((s) => s.id),
+    },
+  };
+  for (const f of OCCURRENCE_FLOAT_FIELDS) {
+    const col = floatField(samples, seqs.offsets, f);
+    if (col) mb[f] = col;
+  }
+  return mb;
+}

@@ -1,0 +1,85 @@
+/** Seeded random batches of token sequences for property tests (shared by every backend's suite). */
+import type { Sequences } from '../../src/pack/contract.js';
+
+/** mulberry32: small, fast, and deterministic across platforms. */
+export function rng(seed: number): () => number {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+export function csr(seqs: ArrayLike<number>[]): Sequences {
+  const offsets = new Int32Array(seqs.length + 1);
+  for (let i = 0; i < seqs.length; i++) offsets[i + 1] = offsets[i] + seqs[i].length;
+  const tokens = new Int32Array(offsets[seqs.length]);
+  for (let i = 0; i < seqs.length; i++) tokens.set(seqs[i], offsets[i]);
+  return { tokens, offsets };
+}
+
+export function toArrays(s: Sequences): number[][] {
+  const out: number[][] = [];
+  for (let i = 0; i + 1 < s.offsets.length; i++) out.push(Array.from(s.tokens.subarray(s.offsets[i], s.offsets[i + 1])));
+  return out;
+}
+
+/**
+ * Random sequences with heavy sharing: each new sequence is, with some probability, a prefix of an earlier one
+ * extended by fresh tokens, an exact duplicate, or a fresh sequence; small alphabets make accidental sharing
+ * likely too.
+ */
+export function randomBatch(seed: number, opts: { count?: number; maxLen?: number; alphabet?: number } = {}): number[][] {
+  const r = rng(seed);
+  const count = opts.count ?? 1 + Math.floor(r() * 40);
+  const maxLen = opts.maxLen ?? 24;
+  const alphabet = opts.alphabet ?? 2 + Math.floor(r() * 6);
+  const tok = () => Math.floor(r() * alphabet);
+  const out: number[][] = [];
+  for (let i = 0; i < count; i++) {
+    const u = r();
+    if (out.length && u < 0.15) out.push(out[Math.floor(r() * out.length)].slice());
+    else if (out.length && u < 0.7) {
+      const base = out[Math.floor(r() * out.length)];
+      const cut = Math.floor(r() * (base.length + 1));
+      const s = base.slice(0, cut);
+      const extra = Math.floor(r() * maxLen);
+      for (let k = 0; k < extra; k++) s.push(tok());
+      out.push(s);
+    } else {
+      const len = Math.floor(r() * maxLen);
+      out.push(Array.from({ length: len }, tok));
+    }
+  }
+  return out;
+}
+
+/** Agent-shaped chains: per episode, request k+1 extends request k; episodes of a group share a long prompt. */
+export function agentBatch(seed: number, opts: { groups: number; episodes: number; turns: number; prompt: number; step: number }): Sequences {
+  const r = rng(seed);
+  const seqs: Int32Array[] = [];
+  for (let g = 0; g < opts.groups; g++) {
+    const prompt = Array.from({ length: opts.prompt }, () => 1 + Math.floor(r() * 150000));
+    for (let e = 0; e < opts.episodes; e++) {
+      const ep = prompt.slice();
+      for (let t = 0; t < opts.turns; t++) {
+        for (let k = 0; k < opts.step; k++) ep.push(1 + Math.floor(r() * 150000));
+        seqs.push(Int32Array.from(ep));
+      }
+    }
+  }
+  return csr(seqs);
+}
+
+export function shuffled<T>(xs: readonly T[], seed: number): { items: T[]; perm: number[] } {
+  const r = rng(seed);
+  const perm = xs.map((_, i) => i);
+  for (let i = perm.length - 1; i > 0; i--) {
+    const j = Math.floor(r() * (i + 1));
+    [perm[i], perm[j]] = [perm[j], perm[i]];
+  }
+  return { items: perm.map((i) => xs[i]), perm };
+}
