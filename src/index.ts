@@ -1,1 +1,39 @@
-export const version = "0.1.0";
+/**
+ * treepack: prefix-tree packing of multi-turn agent rollouts.
+ *
+ * Data flows one way: records (readRecords) → samples (ChatEncoder) → micro-batches (packSamples) → files
+ * (writeMicroBatch). Each step is also exported on its own.
+ */
+import { resolveKernel, type BackendName } from './backend/index.js';
+import { assembleMicroBatch } from './pack/batch.js';
+import type { MicroBatch } from './pack/contract.js';
+import type { Sample } from './records/types.js';
+
+export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
+export * from './pack/contract.js';
+export type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './records/types.js';
+export { packForest, sortSequences } from './pack/forest.js';
+export { assembleMicroBatch, toSequences } from './pack/batch.js';
+export { branchDepthHistogram } from './pack/shape.js';
+export { readRecords } from './records/read.js';
+export { loadTokenizer } from './tokenize/tokenizer.js';
+export { ChatEncoder } from './tokenize/chat.js';
+export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
+export { readSafetensors, writeSafetensors } from './io/safetensors.js';
+export { checkForest } from './pack/invariants.js';
+export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
+export { VERSION } from './version.js';
+
+export interface PackOptions {
+  /** Which backend builds the forest; default: the fastest available (native addon, else TypeScript). */
+  backend?: BackendName | 'auto';
+  /** Tokenizer name recorded in the micro-batch metadata. */
+  tokenizer?: string;
+}
+
+/** Packs samples into one micro-batch; `report` says which backend ran and why. */
+export async function packSamples(samples: readonly Sample[], opts: PackOptions = {}): Promise<{ batch: MicroBatch; report: string }> {
+  const packer = await resolveKernel('packForest', opts.backend);
+  const batch = assembleMicroBatch(samples, { tokenizer: opts.tokenizer ?? 'unknown', packForest: packer.kernel });
+  return { batch, report: packer.report };
+}

@@ -1,0 +1,32 @@
+/** Option parsing shared by the commands: node's parseArgs plus the checks that turn strings into values. */
+import { parseArgs, type ParseArgsConfig } from 'node:util';
+import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
+import { TreepackError } from '../errors.js';
+
+export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string) {
+  try {
+    return parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
+  } catch (err) {
+    throw new TreepackError('E_ARG', `${(err as Error).message}\n\n${usage}`);
+  }
+}
+
+export function positiveInt(name: string, v: string | undefined, fallback?: number): number | undefined {
+  if (v === undefined) return fallback;
+  const n = Number(v);
+  if (!Number.isSafeInteger(n) || n < 1) throw new TreepackError('E_ARG', `Expected a positive integer for ${name} but received ${JSON.stringify(v)}`);
+  return n;
+}
+
+export function backendOption(v: string | undefined): BackendName | 'auto' {
+  if (v === undefined || v === 'auto') return 'auto';
+  if (!(BACKEND_NAMES as readonly string[]).includes(v)) {
+    throw new TreepackError('E_ARG', `Expected one of auto, ${BACKEND_NAMES.join(', ')} for --backend but received ${JSON.stringify(v)}`);
+  }
+  return v as BackendName;
+}
+
+export function oneInput(positionals: string[], usage: string): string {
+  if (positionals.length !== 1) throw new TreepackError('E_ARG', `expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
+  return positionals[0];
+}

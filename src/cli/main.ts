@@ -1,0 +1,57 @@
+#!/usr/bin/env node
+/** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
+import { TreepackError } from '../errors.js';
+import { packCommand, PACK_USAGE } from './pack.js';
+import { statsCommand, STATS_USAGE } from './stats.js';
+import { VERSION } from '../version.js';
+
+const USAGE = `Usage: treepack <command> [options]
+
+Commands:
+  pack <input|->     pack rollouts into prefix-tree micro-batches (safetensors + manifest.json)
+  stats <input|->    report naive vs packed tokens, per group, and branch depths
+  help [command]     help for a command
+
+Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
+
+const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage: string }> = {
+  pack: { run: packCommand, usage: PACK_USAGE },
+  stats: { run: statsCommand, usage: STATS_USAGE },
+};
+
+async function main(argv: string[]): Promise<number> {
+  const [cmd, ...rest] = argv;
+  if (cmd === undefined || cmd === '--help' || cmd === '-h') {
+    console.log(USAGE);
+    return cmd === undefined ? 2 : 0;
+  }
+  if (cmd === '--version' || cmd === '-v') {
+    console.log(VERSION);
+    return 0;
+  }
+  if (cmd === 'help') {
+    console.log(commands[rest[0]]?.usage ?? USAGE);
+    return 0;
+  }
+  const command = commands[cmd];
+  if (!command) {
+    console.error(`treepack: unknown command ${JSON.stringify(cmd)}\n\n${USAGE}`);
+    return 2;
+  }
+  try {
+    return await command.run(rest);
+  } catch (err) {
+    if (err instanceof TreepackError) {
+      console.error(`treepack ${cmd}: ${err.message}`);
+      return err.code === 'E_ARG' ? 2 : 1;
+    }
+    throw err;
+  }
+}
+
+// EPIPE on stdout (e.g. `treepack stats … | head`) is a normal way for a reader to stop.
+process.stdout.on('error', (err: NodeJS.ErrnoException) => {
+  if (err.code === 'EPIPE') process.exit(0);
+  throw err;
+});
+process.exitCode = await main(process.argv.slice(2));

@@ -1,0 +1,109 @@
+/**
+ * `treepack pack`: writes micro-batches and a manifest. Everything goes to a staging directory first and is
+ * moved into place only when the whole input was read without error, so bad input never leaves partial files
+ * and never replaces a previous run's output.
+ */
+import { mkdirSync, readdirSync, renameSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { TreepackError } from '../errors.js';
+import { writeFileAtomic } from '../io/atomic.js';
+import { writeMicroBatch } from '../io/microbatch.js';
+import { backendOption, oneInput, parse, positiveInt } from './args.js';
+import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
+import { progressReporter } from './progress.js';
+
+export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [options]
+
+Reads agent rollouts (chat episodes, chat records, pre-tokenized or slime samples; JSONL) and writes
+prefix-tree packed micro-batches: DIR/microbatch-00000.safetensors … and DIR/manifest.json.
+
+Options:
+  --out DIR               output directory (created if missing)            [required]
+  --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
+  --backend NAME          packer backend: auto, cpu, js                     [default: auto]
+  --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
+                                                                            [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
+  --vocab-size V          reject token ids >= V in pre-tokenized input
+  --quiet                 no summary line
+  -h, --help              this help`;
+
+export interface ManifestEntry {
+  file: string;
+  sequences: number;
+  naive_tokens: number;
+  packed_tokens: number;
+}
+
+export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
+
+export async function packCommand(argv: string[]): Promise<number> {
+  const { values, positionals } = parse(
+    argv,
+    {
+      out: { type: 'string' },
+      tokenizer: { type: 'string' },
+      backend: { type: 'string' },
+      'max-naive-tokens': { type: 'string' },
+      'vocab-size': { type: 'string' },
+      quiet: { type: 'boolean' },
+    },
+    PACK_USAGE,
+  );
+  if (values.help) {
+    console.log(PACK_USAGE);
+    return 0;
+  }
+  const input = oneInput(positionals, PACK_USAGE);
+  const out = values.out as string | undefined;
+  if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
+  const opts = {
+    tokenizer: values.tokenizer as string | undefined,
+    backend: backendOption(values.backend as string | undefined),
+    maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
+    vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
+  };
+
+  mkdirSync(out, { recursive: true });
+  const staging = join(out, `.treepack-staging-${process.pid}`);
+  mkdirSync(staging);
+  const stats = emptyStats();
+  const progress = progressReporter();
+  const manifest: ManifestEntry[] = [];
+  try {
+    for await (const { batch } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
+      const file = fileName(manifest.length);
+      writeMicroBatch(join(staging, file), batch);
+      manifest.push({ file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed });
+    }
+  } catch (err) {
+    rmSync(staging, { recursive: true, force: true });
+    throw err;
+  } finally {
+    progress.done();
+  }
+  for (const m of manifest) renameSync(join(staging, m.file), join(out, m.file));
+  rmSync(staging, { recursive: true, force: true });
+  const keep = new Set(manifest.map((m) => m.file));
+  // A previous run may have written more micro-batches; they would contradict the new manifest.
+  for (const f of readdirSync(out)) if (/^microbatch-\d+\.safetensors$/.test(f) && !keep.has(f)) rmSync(join(out, f));
+  const doc = {
+    format: 'treepack/1',
+    input,
+    tokenizer: stats.tokenizer,
+    backend: stats.backend,
+    records: stats.records,
+    sequences: stats.samples,
+    naive_tokens: stats.naiveTokens,
+    packed_tokens: stats.packedTokens,
+    micro_batches: manifest,
+  };
+  writeFileAtomic(join(out, 'manifest.json'), [Buffer.from(JSON.stringify(doc, null, 2) + '\n')]);
+  if (!values.quiet) {
+    const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
+    console.error(
+      `treepack: ${stats.samples} sequences from ${stats.records} records → ${manifest.length} micro-batch(es) in ${out}: ` +
+        `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×); ${stats.backend}`,
+    );
+  }
+  return 0;
+}

@@ -1,0 +1,20 @@
+/** A one-line progress display on stderr, only when stderr is a terminal (never in pipes, logs or CI). */
+import type { PipelineStats } from './pipeline.js';
+
+export function progressReporter(enabled = process.stderr.isTTY === true): { update: (s: PipelineStats) => void; done: () => void } {
+  let last = 0;
+  let shown = false;
+  const update = (s: PipelineStats) => {
+    if (!enabled) return;
+    const now = Date.now();
+    if (now - last < 200) return;
+    last = now;
+    shown = true;
+    const mb = (s.bytesRead / 1e6).toFixed(1);
+    process.stderr.write(`\r\x1b[K  ${s.records} records, ${s.samples} samples, ${s.naiveTokens} tokens, ${mb} MB read`);
+  };
+  const done = () => {
+    if (shown) process.stderr.write('\r\x1b[K');
+  };
+  return { update, done };
+}

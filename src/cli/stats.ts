@@ -1,0 +1,158 @@
+/** `treepack stats`: how much packing saves on an input, overall, per group and by branch depth. */
+import { performance } from 'node:perf_hooks';
+import { backendOption, oneInput, parse, positiveInt } from './args.js';
+import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
+import { toSequences } from '../pack/batch.js';
+import type { Sample } from '../records/types.js';
+import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream, type PipelineStats } from './pipeline.js';
+import { progressReporter } from './progress.js';
+import { resolveKernel } from '../backend/index.js';
+
+export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
+
+Prints records, samples, naive and packed tokens, compression (naive ÷ packed), per-group figures and a
+histogram of the depths at which the prefix trees branch.
+
+Options:
+  --json                  one JSON object on stdout
+  --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
+  --backend NAME          packer backend: auto, cpu, js                     [default: auto]
+  --max-naive-tokens T    micro-batch cut, as in pack                       [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
+  --vocab-size V          reject token ids >= V in pre-tokenized input
+  --groups K              groups listed in the text report               [default: 10]
+  -h, --help              this help`;
+
+export interface GroupStats {
+  group: string;
+  samples: number;
+  naive_tokens: number;
+  packed_tokens: number;
+  compression: number;
+}
+
+export interface StatsReport {
+  input: string;
+  records: number;
+  samples: number;
+  naive_tokens: number;
+  packed_tokens: number;
+  compression: number;
+  micro_batches: number;
+  tokenizer: string;
+  backend: string;
+  seconds: PipelineStats['seconds'] & { total: number };
+  groups: GroupStats[];
+  branch_depth_histogram: { depth: string; count: number }[];
+  tokenizer_cache?: PipelineStats['tokenizerCache'];
+}
+
+const ratio = (a: number, b: number) => (b > 0 ? a / b : 0);
+
+export async function statsCommand(argv: string[]): Promise<number> {
+  const { values, positionals } = parse(
+    argv,
+    {
+      json: { type: 'boolean' },
+      tokenizer: { type: 'string' },
+      backend: { type: 'string' },
+      'max-naive-tokens': { type: 'string' },
+      'vocab-size': { type: 'string' },
+      groups: { type: 'string' },
+    },
+    STATS_USAGE,
+  );
+  if (values.help) {
+    console.log(STATS_USAGE);
+    return 0;
+  }
+  const input = oneInput(positionals, STATS_USAGE);
+  const backend = backendOption(values.backend as string | undefined);
+  const stats = emptyStats();
+  const progress = progressReporter();
+  const histogram: number[] = [];
+  const groups = new Map<string, Sample[]>();
+  const t0 = performance.now();
+  const packer = await resolveKernel('packForest', backend);
+  const groupFigures: GroupStats[] = [];
+  // A group's own forest tells how much it shares internally; groups are finished when their micro-batch is.
+  const closeGroups = () => {
+    for (const [group, samples] of groups) {
+      const seqs = toSequences(samples);
+      const packed = packer.kernel(seqs).input_ids.length;
+      const naive = seqs.tokens.length;
+      groupFigures.push({ group, samples: samples.length, naive_tokens: naive, packed_tokens: packed, compression: ratio(naive, packed) });
+    }
+    groups.clear();
+  };
+  try {
+    const opts = {
+      tokenizer: values.tokenizer as string | undefined,
+      backend,
+      maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
+      vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
+      onProgress: progress.update,
+    };
+    for await (const { batch, samples } of packStream(input, opts, stats)) {
+      branchDepthHistogram(batch, histogram);
+      for (const s of samples) {
+        const list = groups.get(s.group);
+        if (list) list.push(s);
+        else groups.set(s.group, [s]);
+      }
+      closeGroups();
+    }
+  } finally {
+    progress.done();
+  }
+  const report: StatsReport = {
+    input,
+    records: stats.records,
+    samples: stats.samples,
+    naive_tokens: stats.naiveTokens,
+    packed_tokens: stats.packedTokens,
+    compression: ratio(stats.naiveTokens, stats.packedTokens),
+    micro_batches: stats.microBatches,
+    tokenizer: stats.tokenizer,
+    backend: stats.backend,
+    seconds: { ...stats.seconds, total: (performance.now() - t0) / 1000 },
+    groups: groupFigures,
+    branch_depth_histogram: histogram.map((count, k) => ({ depth: bucketLabel(k), count })),
+    tokenizer_cache: stats.tokenizerCache,
+  };
+  if (values.json) console.log(JSON.stringify(report));
+  else console.log(formatStats(report, positiveInt('--groups', values.groups as string | undefined, 10)!));
+  return 0;
+}
+
+export function formatStats(r: StatsReport, maxGroups: number): string {
+  const n = (x: number) => x.toLocaleString('en-US');
+  const lines = [
+    `input          ${r.input}`,
+    `records        ${n(r.records)}`,
+    `samples        ${n(r.samples)}`,
+    `naive tokens   ${n(r.naive_tokens)}`,
+    `packed tokens  ${n(r.packed_tokens)}  (${r.micro_batches} micro-batch${r.micro_batches === 1 ? '' : 'es'})`,
+    `compression    ${r.compression.toFixed(2)}× (naive ÷ packed)`,
+    `tokenizer      ${r.tokenizer}`,
+    `packer         ${r.backend}`,
+    `time           ${r.seconds.total.toFixed(2)} s (read+parse ${r.seconds.readParse.toFixed(2)}, tokenize ${r.seconds.tokenize.toFixed(2)}, pack ${r.seconds.pack.toFixed(2)})`,
+  ];
+  if (r.groups.length) {
+    const top = [...r.groups].sort((a, b) => b.naive_tokens - a.naive_tokens).slice(0, maxGroups);
+    lines.push('', `groups (${r.groups.length}; largest ${top.length} by naive tokens)`);
+    const w = Math.max(5, ...top.map((g) => g.group.length));
+    lines.push(`  ${'group'.padEnd(w)}  samples      naive     packed  compression`);
+    for (const g of top) {
+      lines.push(`  ${g.group.padEnd(w)}  ${String(g.samples).padStart(7)}  ${String(g.naive_tokens).padStart(9)}  ${String(g.packed_tokens).padStart(9)}  ${g.compression.toFixed(2).padStart(10)}×`);
+    }
+  }
+  if (r.branch_depth_histogram.length) {
+    lines.push('', 'branch depth (tokens before a branch starts)');
+    const max = Math.max(...r.branch_depth_histogram.map((b) => b.count));
+    for (const b of r.branch_depth_histogram) {
+      const bar = '#'.repeat(max ? Math.round((40 * b.count) / max) : 0);
+      lines.push(`  ${b.depth.padStart(13)}  ${String(b.count).padStart(7)}  ${bar}`);
+    }
+  }
+  return lines.join('\n');
+}
