@@ -3,9 +3,15 @@ import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
 
-export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string) {
+export interface Parsed {
+  values: Record<string, string | boolean | undefined>;
+  positionals: string[];
+}
+
+export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string): Parsed {
   try {
-    return parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
+    const { values, positionals } = parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
+    return { values: values as Parsed['values'], positionals };
   } catch (err) {
     throw new TreepackError('E_ARG', `${(err as Error).message}\n\n${usage}`);
   }

@@ -91,7 +91,7 @@ export async function packCommand(argv: string[]): Promise<number> {
     input,
     tokenizer: stats.tokenizer,
     backend: stats.backend,
-    records: stats.records,
+    records: stats.read.lines,
     sequences: stats.samples,
     naive_tokens: stats.naiveTokens,
     packed_tokens: stats.packedTokens,
@@ -101,7 +101,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
-      `treepack: ${stats.samples} sequences from ${stats.records} records → ${manifest.length} micro-batch(es) in ${out}: ` +
+      `treepack: ${stats.samples} sequences from ${stats.read.lines} records → ${manifest.length} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×); ${stats.backend}`,
     );
   }

@@ -8,9 +8,9 @@ import { resolveKernel, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
 import { assembleMicroBatch } from '../pack/batch.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
-import { readRecords } from '../records/read.js';
+import { readRecords, type ReadStats } from '../records/read.js';
 import type { Sample } from '../records/types.js';
-import { ChatEncoder } from '../tokenize/chat.js';
+import { ChatEncoder, type SegmentCacheStats } from '../tokenize/chat.js';
 import { loadTokenizer } from '../tokenize/tokenizer.js';
 
 export interface PipelineOptions {
@@ -24,17 +24,16 @@ export interface PipelineOptions {
 }
 
 export interface PipelineStats {
-  records: number; // input lines holding a record
+  read: ReadStats; // input lines parsed and records they held (an episode line holds one per request)
   samples: number;
   chatSamples: number;
   naiveTokens: number;
   packedTokens: number;
   microBatches: number;
-  bytesRead: number;
   seconds: { readParse: number; tokenize: number; pack: number };
   tokenizer: string;
   backend: string; // the packer's report: what ran and why
-  tokenizerCache?: { segments: number; unique: number; totalChars: number; encodedChars: number };
+  tokenizerCache?: SegmentCacheStats;
 }
 
 export const DEFAULT_MAX_NAIVE_TOKENS = 4 * 1024 * 1024;
@@ -67,7 +66,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     return out;
   };
 
-  const records = readRecords(input, { vocabSize: opts.vocabSize, stats });
+  const records = readRecords(input, { vocabSize: opts.vocabSize, stats: stats.read });
   for (;;) {
     let t0 = performance.now();
     const next = await records.next();
@@ -82,7 +81,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
       stats.seconds.tokenize += (performance.now() - t0) / 1000;
       stats.chatSamples++;
       stats.tokenizer = tokenizerName();
-      stats.tokenizerCache = encoder.cacheStats();
+      stats.tokenizerCache = encoder.stats;
     } else {
       sample = rec;
     }
@@ -109,13 +108,12 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
 
 export function emptyStats(): PipelineStats {
   return {
-    records: 0,
+    read: { lines: 0, records: 0 },
     samples: 0,
     chatSamples: 0,
     naiveTokens: 0,
     packedTokens: 0,
     microBatches: 0,
-    bytesRead: 0,
     seconds: { readParse: 0, tokenize: 0, pack: 0 },
     tokenizer: '',
     backend: '',

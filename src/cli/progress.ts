@@ -10,8 +10,7 @@ export function progressReporter(enabled = process.stderr.isTTY === true): { upd
     if (now - last < 200) return;
     last = now;
     shown = true;
-    const mb = (s.bytesRead / 1e6).toFixed(1);
-    process.stderr.write(`\r\x1b[K  ${s.records} records, ${s.samples} samples, ${s.naiveTokens} tokens, ${mb} MB read`);
+    process.stderr.write(`\r\x1b[K  ${s.read.lines} lines, ${s.samples} samples, ${s.naiveTokens} naive tokens, ${s.microBatches} micro-batches`);
   };
   const done = () => {
     if (shown) process.stderr.write('\r\x1b[K');

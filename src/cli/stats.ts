@@ -106,7 +106,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   }
   const report: StatsReport = {
     input,
-    records: stats.records,
+    records: stats.read.lines,
     samples: stats.samples,
     naive_tokens: stats.naiveTokens,
     packed_tokens: stats.packedTokens,
@@ -149,7 +149,9 @@ export function formatStats(r: StatsReport, maxGroups: number): string {
   if (r.branch_depth_histogram.length) {
     lines.push('', 'branch depth (tokens before a branch starts)');
     const max = Math.max(...r.branch_depth_histogram.map((b) => b.count));
-    for (const b of r.branch_depth_histogram) {
+    // Agent data branches only after its shared prompt: leading empty buckets would be most of the chart.
+    const first = r.branch_depth_histogram.findIndex((b) => b.count > 0);
+    for (const b of r.branch_depth_histogram.slice(first)) {
       const bar = '#'.repeat(max ? Math.round((40 * b.count) / max) : 0);
       lines.push(`  ${b.depth.padStart(13)}  ${String(b.count).padStart(7)}  ${bar}`);
     }

@@ -1,0 +1,120 @@
+/**
+ * `npm run bench`: the main job on a built-in dataset, then on real trajectories when they are present.
+ *
+ * Per dataset: naive and packed tokens, compression, the time of each stage (read+parse, tokenize, pack), and
+ * packer throughput against a plain copy measured in the same run (the machine is shared and noisy: ratios
+ * within one run are the figures to trust). Options: --quick (smaller data, shorter timing), --json FILE.
+ */
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { dirname, join, resolve } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { fileURLToPath } from 'node:url';
+import { parseArgs } from 'node:util';
+import { listBackends } from '../src/backend/index.js';
+import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
+import { toSequences } from '../src/pack/batch.js';
+import type { Sequences } from '../src/pack/contract.js';
+import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
+import type { Sample } from '../src/records/types.js';
+import { measurePacker, type Timing } from './throughput.js';
+
+const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
+const quick = values.quick === true;
+const maxTime = quick ? 0.5 : 2;
+const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
+const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
+
+interface DatasetReport {
+  name: string;
+  stats: PipelineStats;
+  compression: number;
+  throughput: Timing[];
+}
+
+const fmt = (x: number, d = 2) => x.toFixed(d);
+const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
+
+/** Runs the CLI's pipeline on a file and gathers every sample's tokens for the packer timing. */
+async function pipeline(file: string): Promise<{ stats: PipelineStats; seqs: Sequences }> {
+  const stats = emptyStats();
+  const samples: Sample[] = [];
+  for await (const mb of packStream(file, {}, stats)) samples.push(...mb.samples);
+  return { stats, seqs: toSequences(samples) };
+}
+
+function printThroughput(t: Timing[]): void {
+  const copyFresh = t.find((x) => x.name === 'copy int32, fresh buffer')!;
+  const copyReused = t.find((x) => x.name === 'copy int32, reused buffer')!;
+  const nativeFresh = t.find((x) => x.name === 'native, fresh buffers');
+  for (const x of t) {
+    const base = x.name.includes('reused') ? copyReused : copyFresh;
+    const vsCopy = x === base ? 'baseline' : `${fmt(x.seconds / base.seconds)}× the copy's time`;
+    const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${fmt(x.seconds / nativeFresh.seconds)}× native` : '';
+    console.log(`    ${x.name.padEnd(28)} ${fmt(x.seconds * 1e3, 3).padStart(10)} ms ±${fmt(x.rme, 1).padStart(4)}%  ${big(x.tokensPerSecond).padStart(8)} tok/s  (${vsCopy}${vsNative})`);
+  }
+}
+
+function printDataset(r: DatasetReport): void {
+  const s = r.stats;
+  console.log(`\n## ${r.name}`);
+  console.log(`  records ${s.read.lines}, samples ${s.samples}, micro-batches ${s.microBatches}`);
+  console.log(`  naive tokens ${s.naiveTokens.toLocaleString('en-US')}, packed tokens ${s.packedTokens.toLocaleString('en-US')}, compression ${fmt(r.compression)}×`);
+  console.log(`  stages: read+parse ${fmt(s.seconds.readParse, 3)} s, tokenize ${fmt(s.seconds.tokenize, 3)} s, pack ${fmt(s.seconds.pack, 3)} s  (${s.backend})`);
+  if (s.tokenizerCache) {
+    const c = s.tokenizerCache;
+    console.log(`  tokenizer cache: ${c.segments} segments, ${c.unique} tokenized (${fmt((100 * c.encodedChars) / Math.max(1, c.totalChars), 1)}% of ${big(c.totalChars)} chars)`);
+  }
+  console.log('  packer throughput (tokens in memory → all contract arrays):');
+  printThroughput(r.throughput);
+}
+
+async function chatDataset(name: string, file: string): Promise<DatasetReport> {
+  const { stats, seqs } = await pipeline(file);
+  return { name, stats, compression: stats.naiveTokens / Math.max(1, stats.packedTokens), throughput: measurePacker(seqs, maxTime) };
+}
+
+/** Pre-tokenized agent-shaped samples built straight into typed arrays: the packer at scale, no tokenizer. */
+function syntheticTokens(groups: number): Sequences {
+  const arrays: Int32Array[] = [];
+  for (const s of generateTokenSamples({ groups, seed: 7 })) arrays.push(Int32Array.from(s.tokens));
+  const offsets = new Int32Array(arrays.length + 1);
+  for (let i = 0; i < arrays.length; i++) offsets[i + 1] = offsets[i] + arrays[i].length;
+  const tokens = new Int32Array(offsets[arrays.length]);
+  arrays.forEach((a, i) => tokens.set(a, offsets[i]));
+  return { tokens, offsets };
+}
+
+const t0 = performance.now();
+console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}`);
+for (const b of await listBackends()) console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}`);
+
+const reports: DatasetReport[] = [];
+const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
+try {
+  const groups = quick ? 4 : 16;
+  const file = join(dir, 'generated.jsonl');
+  writeFileSync(file, [...generateJsonlLines({ groups, seed: 1 })].join('\n') + '\n');
+  reports.push(await chatDataset(`generated chat episodes (${groups} groups × 8 episodes, Qwen3 template)`, file));
+  printDataset(reports[reports.length - 1]);
+} finally {
+  rmSync(dir, { recursive: true, force: true });
+}
+if (existsSync(tauBench)) {
+  reports.push(await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench));
+  printDataset(reports[reports.length - 1]);
+} else {
+  console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+}
+
+const bigGroups = quick ? 8 : 64;
+const seqs = syntheticTokens(bigGroups);
+const M = seqs.tokens.length;
+console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups} groups × 8 episodes, ${seqs.offsets.length - 1} samples, ${big(M)} naive tokens)`);
+const scale = measurePacker(seqs, maxTime);
+printThroughput(scale);
+
+console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
+if (values.json) {
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale } }, null, 2));
+}
