@@ -1,0 +1,132 @@
+/**
+ * The `treepack` command end to end, as a user runs it: the compiled bin (built by `npm test`'s pretest step),
+ * real files, exit codes. Output is checked by reading it back and re-deriving every sequence.
+ */
+import { execFileSync, spawnSync } from 'node:child_process';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { afterAll, describe, expect, it } from 'vitest';
+import { readMicroBatch } from '../src/io/microbatch.js';
+import { checkForest } from '../src/pack/invariants.js';
+import { generateJsonl, generateTokenSamples } from '../src/records/generator.js';
+
+const BIN = resolve(__dirname, '../dist/src/cli/main.js');
+const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-'));
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+function cli(args: string[], input?: string) {
+  const r = spawnSync(process.execPath, [BIN, ...args], { input, encoding: 'utf8' });
+  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
+}
+
+const tokenLines = [...generateTokenSamples({ groups: 3, seed: 5, minTurns: 3, maxTurns: 6 })].map((s) => JSON.stringify(s));
+const tokenFile = join(dir, 'tokens.jsonl');
+writeFileSync(tokenFile, tokenLines.join('\n') + '\n');
+
+describe('treepack CLI', () => {
+  it('prints help for the tool and for every command', () => {
+    expect(cli(['--help']).stdout).toMatch(/Commands:/);
+    for (const cmd of ['pack', 'stats']) {
+      const r = cli([cmd, '--help']);
+      expect(r.code).toBe(0);
+      expect(r.stdout).toMatch(new RegExp(`Usage: treepack ${cmd}`));
+    }
+    expect(cli(['frobnicate']).code).toBe(2);
+  });
+
+  it('pack writes micro-batches that read back to exactly the input sequences', () => {
+    const out = join(dir, 'packed');
+    const r = cli(['pack', tokenFile, '--out', out, '--max-naive-tokens', '20000']);
+    expect(r.code, r.stderr).toBe(0);
+    const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
+    expect(manifest.micro_batches.length).toBeGreaterThan(1);
+    const inputs = tokenLines.map((l) => JSON.parse(l) as { id: string; tokens: number[]; loss_mask: number[] });
+    let k = 0;
+    for (const m of manifest.micro_batches) {
+      const { batch } = readMicroBatch(join(out, m.file));
+      expect(checkForest(batch)).toEqual([]);
+      expect(batch.meta.num_tokens_packed).toBe(m.packed_tokens);
+      expect(batch.input_ids.length).toBeLessThan(batch.seq_positions.length);
+      for (let i = 0; i < batch.meta.num_sequences; i++, k++) {
+        const want = inputs[k];
+        expect(batch.meta.sequence_ids[i]).toBe(want.id);
+        const pos = batch.seq_positions.subarray(batch.seq_offsets[i], batch.seq_offsets[i + 1]);
+        expect(Array.from(pos, (p) => batch.input_ids[p])).toEqual(want.tokens);
+        const mask = Array.from(batch.loss_mask.subarray(batch.seq_offsets[i], batch.seq_offsets[i + 1]));
+        expect(mask).toEqual([0, ...want.loss_mask.slice(1)]);
+      }
+    }
+    expect(k).toBe(inputs.length);
+    expect(readdirSync(out).filter((f) => f.startsWith('.'))).toEqual([]);
+  });
+
+  it('reads stdin and agrees with stats --json', () => {
+    const out = join(dir, 'stdin');
+    expect(cli(['pack', '-', '--out', out, '--quiet'], tokenLines.join('\n')).code).toBe(0);
+    const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
+    const r = cli(['stats', tokenFile, '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const s = JSON.parse(r.stdout);
+    expect(s.records).toBe(tokenLines.length);
+    expect(s.samples).toBe(tokenLines.length);
+    expect(s.naive_tokens).toBe(manifest.naive_tokens);
+    expect(s.packed_tokens).toBe(manifest.packed_tokens);
+    expect(s.compression).toBeCloseTo(s.naive_tokens / s.packed_tokens, 12);
+    expect(s.groups.map((g: { group: string }) => g.group).sort()).toEqual(['task-0', 'task-1', 'task-2']);
+    expect(s.branch_depth_histogram.reduce((a: number, b: { count: number }) => a + b.count, 0)).toBeGreaterThan(0);
+  });
+
+  it('packs chat episodes through the Qwen3 template on both backends with identical bytes', () => {
+    const file = join(dir, 'chat.jsonl');
+    writeFileSync(file, generateJsonl({ groups: 1, episodesPerGroup: 3, minTurns: 3, maxTurns: 5, seed: 2 }));
+    const outs = ['cpu', 'js'].map((backend) => {
+      const out = join(dir, `chat-${backend}`);
+      const r = cli(['pack', file, '--out', out, '--backend', backend]);
+      expect(r.code, r.stderr).toBe(0);
+      return readFileSync(join(out, 'microbatch-00000.safetensors'));
+    });
+    expect(outs[0].equals(outs[1])).toBe(true);
+    const { batch } = readMicroBatch(join(dir, 'chat-cpu', 'microbatch-00000.safetensors'));
+    expect(batch.meta.tokenizer).toMatch(/Qwen3/);
+    expect(batch.meta.num_tokens_packed).toBeLessThan(batch.meta.num_tokens_naive / 2);
+  });
+
+  it('bad input: exit 1, names file, line and field, leaves earlier output untouched', () => {
+    const out = join(dir, 'keep');
+    expect(cli(['pack', tokenFile, '--out', out, '--quiet']).code).toBe(0);
+    const before = readFileSync(join(out, 'microbatch-00000.safetensors'));
+    const manifestBefore = readFileSync(join(out, 'manifest.json'), 'utf8');
+    const bad = join(dir, 'bad.jsonl');
+    const broken = JSON.parse(tokenLines[2]);
+    broken.loss_mask = broken.loss_mask.slice(1);
+    writeFileSync(bad, [tokenLines[0], tokenLines[1], JSON.stringify(broken), tokenLines[3]].join('\n'));
+    const r = cli(['pack', bad, '--out', out]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain(`${bad}:3`);
+    expect(r.stderr).toContain('loss_mask');
+    expect(readFileSync(join(out, 'microbatch-00000.safetensors')).equals(before)).toBe(true);
+    expect(readFileSync(join(out, 'manifest.json'), 'utf8')).toBe(manifestBefore);
+    expect(readdirSync(out).filter((f) => f.startsWith('.'))).toEqual([]);
+
+    writeFileSync(bad, tokenLines[0] + '\n{"tokens": [1, 2,\n');
+    const r2 = cli(['pack', bad, '--out', join(dir, 'never')]);
+    expect(r2.code).toBe(1);
+    expect(r2.stderr).toContain(`${bad}:2`);
+    expect(existsSync(join(dir, 'never', 'manifest.json'))).toBe(false);
+    expect(readdirSync(join(dir, 'never'))).toEqual([]);
+  });
+
+  it('bad options: exit 2 with the usage', () => {
+    const r = cli(['pack', tokenFile]);
+    expect(r.code).toBe(2);
+    expect(r.stderr).toMatch(/--out DIR is required/);
+    expect(cli(['stats', tokenFile, '--backend', 'tpu']).stderr).toMatch(/Expected one of auto, cuda, webgpu, cpu, js for --backend/);
+    expect(cli(['stats', tokenFile, '--max-naive-tokens', '-3']).code).toBe(2);
+  });
+
+  it('version matches package.json', () => {
+    const pkg = JSON.parse(readFileSync(resolve(__dirname, '../package.json'), 'utf8'));
+    expect(execFileSync(process.execPath, [BIN, '--version'], { encoding: 'utf8' }).trim()).toBe(pkg.version);
+  });
+});
