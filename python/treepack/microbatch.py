@@ -1,0 +1,376 @@
+"""Packed micro-batch files (shared/DESIGN.md §3) on the trainer side, with numpy only.
+
+A micro-batch file is safetensors: an 8-byte little-endian header length n, n bytes of UTF-8 JSON naming each
+tensor's dtype, shape and byte range, then the data. The file is memory-mapped and every tensor is a read-only
+numpy view on the mapping, so loading costs no copy whatever the file size (copy an array to modify it).
+
+The checks mirror src/io/microbatch.ts (shapes on load) and src/pack/invariants.ts (``check_invariants``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import numpy as np
+
+FORMAT = "treepack/1"
+
+NODE_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end")
+OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+_META_NUMBERS = ("num_sequences", "num_tokens_naive", "num_tokens_packed")
+
+# Contract tensors and their dtypes; F32 ones are optional.
+_CONTRACT_DTYPES = {
+    **{f: "I32" for f in NODE_FIELDS},
+    "seq_offsets": "I32",
+    "seq_positions": "I32",
+    "loss_mask": "U8",
+    **{f: "F32" for f in OCCURRENCE_FLOAT_FIELDS},
+}
+
+# BF16 and F8 have no numpy dtype: they are carried as their raw bits.
+_DTYPES = {
+    "BOOL": np.dtype("?"),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "F8_E4M3": np.dtype("u1"),
+    "F8_E5M2": np.dtype("u1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "F32": np.dtype("<f4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F64": np.dtype("<f8"),
+}
+
+_HEADER = "__header__"
+_METADATA = "__metadata__"
+
+# A broken forest tends to break at every node: each kind of violation names its first few positions.
+_EXAMPLES = 5
+
+
+class TreepackError(ValueError):
+    """Same codes and location as the TypeScript TreepackError: ``code`` (E_INPUT, E_IO, ...), ``file``, ``field``;
+    ``reason`` is the message without the location."""
+
+    def __init__(self, code: str, message: str, file: Optional[str] = None, field: Optional[str] = None):
+        where = [w for w in (file, None if field is None else f"field {json.dumps(field)}") if w is not None]
+        super().__init__((", ".join(where) + ": " if where else "") + message)
+        self.code = code
+        self.reason = message
+        self.file = file
+        self.field = field
+
+
+class SafetensorsFile(NamedTuple):
+    tensors: Dict[str, np.ndarray]
+    dtypes: Dict[str, str]  # the safetensors dtype names (BF16 and F8 arrays are raw bits)
+    metadata: Dict[str, str]
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_safetensors(path: str) -> SafetensorsFile:
+    """Reads any safetensors file; each inconsistency is a TreepackError(E_INPUT) naming the tensor."""
+    path = os.fspath(path)
+
+    def bad(fld: str, message: str) -> TreepackError:
+        return TreepackError("E_INPUT", message, path, fld)
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise bad(_HEADER, f"file is {size} bytes, shorter than the 8-byte header length")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise TreepackError("E_IO", str(e), path) from e
+    n = int.from_bytes(buf[:8], "little")
+    if n > size - 8:
+        raise bad(_HEADER, f"header length {n} runs past the end of the file ({size - 8} bytes after the length)")
+    try:
+        header = json.loads(buf[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(_HEADER, f"header is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad(_HEADER, "header is not a JSON object")
+
+    metadata: Dict[str, str] = {}
+    raw_meta = header.get(_METADATA)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict):
+            raise bad(_METADATA, f"{_METADATA} is not an object")
+        for k, v in raw_meta.items():
+            if not isinstance(v, str):
+                raise bad(k, f"metadata value {json.dumps(k)} is not a string")
+            metadata[k] = v
+
+    start = 8 + n
+    data_len = size - start
+    tensors: Dict[str, np.ndarray] = {}
+    dtypes: Dict[str, str] = {}
+    spans = []
+    for name, info in header.items():
+        if name == _METADATA:
+            continue
+        label = f"tensor {json.dumps(name)}"
+        if not isinstance(info, dict):
+            raise bad(name, f"{label}: entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise bad(name, f"{label}: unknown dtype {json.dumps(dtype)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise bad(name, f"{label}: shape {json.dumps(shape)} is not a list of non-negative integers")
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets) and offsets[0] <= offsets[1]
+        ):
+            raise bad(name, f"{label}: data_offsets {json.dumps(offsets)} is not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        if end > data_len:
+            raise bad(name, f"{label}: data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes; file truncated?)")
+        dt = _DTYPES[dtype]
+        count = math.prod(shape)
+        if end - begin != count * dt.itemsize:
+            raise bad(
+                name, f"{label}: shape {json.dumps(shape)} of {dtype} needs {count * dt.itemsize} bytes but data_offsets span {end - begin}"
+            )
+        spans.append((begin, end, name))
+        if count == 0:
+            arr = np.empty(shape, dtype=dt)
+        else:
+            arr = np.frombuffer(buf, dtype=dt, count=count, offset=start + begin).reshape(shape)
+        tensors[name] = arr
+        dtypes[name] = dtype
+    spans.sort()
+    for (pb, pe, pname), (b, e, name) in zip(spans, spans[1:]):
+        if b < pe:
+            raise bad(name, f"tensor {json.dumps(name)}: data_offsets [{b}, {e}] overlap tensor {json.dumps(pname)} [{pb}, {pe}]")
+    return SafetensorsFile(tensors, dtypes, metadata)
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch; field names and meanings are the contract's (DESIGN §3)."""
+
+    input_ids: np.ndarray  # int32 [N]
+    position_ids: np.ndarray  # int32 [N]
+    parent: np.ndarray  # int32 [N], -1 for a root
+    subtree_end: np.ndarray  # int32 [N]
+    seq_offsets: np.ndarray  # int32 [S+1]
+    seq_positions: np.ndarray  # int32 [M]
+    loss_mask: np.ndarray  # uint8 [M]
+    meta: Dict[str, Any]  # numbers as int, sequence_ids as a list; other keys as stored
+    extra: Dict[str, np.ndarray] = field(default_factory=dict)  # tensors outside the contract
+    advantages: Optional[np.ndarray] = None  # float32 [M]
+    old_logprobs: Optional[np.ndarray] = None
+    ref_logprobs: Optional[np.ndarray] = None
+    rollout_logprobs: Optional[np.ndarray] = None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_offsets) - 1
+
+    def sequence(self, i: int) -> np.ndarray:
+        """Tokens of sequence i, gathered from the packed stream (DESIGN §7 invariant 1)."""
+        if not 0 <= i < self.num_sequences:
+            raise IndexError(f"sequence {i} out of range [0, {self.num_sequences})")
+        return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
+
+
+def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> None:
+    N, M, S = len(mb.input_ids), len(mb.seq_positions), len(mb.seq_offsets) - 1
+    if S < 0:
+        raise fail("seq_offsets", "seq_offsets is empty; it needs S+1 >= 1 entries")
+    for f in NODE_FIELDS:
+        if len(getattr(mb, f)) != N:
+            raise fail(f, f"{f} has {len(getattr(mb, f))} elements but input_ids has N = {N}")
+    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+        a = getattr(mb, f)
+        if a is not None and len(a) != M:
+            raise fail(f, f"{f} has {len(a)} elements but seq_positions has M = {M}")
+    for key, value in zip(_META_NUMBERS, (S, M, N)):
+        if mb.meta[key] != value:
+            raise fail(key, f"{key} = {mb.meta[key]} but the tensors say {value}")
+    ids = mb.meta["sequence_ids"]
+    if not isinstance(ids, list) or len(ids) != S or not all(isinstance(x, str) for x in ids):
+        raise fail("sequence_ids", f"sequence_ids must be a list of {S} strings")
+    off = mb.seq_offsets.astype(np.int64)
+    if off[0] != 0:
+        raise fail("seq_offsets", f"seq_offsets[0] = {off[0]}, expected 0")
+    dec = np.flatnonzero(np.diff(off) < 0)
+    if dec.size:
+        i = int(dec[0])
+        raise fail("seq_offsets", f"seq_offsets decreases at {i + 1}: {off[i]} > {off[i + 1]}")
+    if off[S] != M:
+        raise fail("seq_offsets", f"seq_offsets[S] = {off[S]} but seq_positions has M = {M} elements")
+
+
+def load(path: str) -> MicroBatch:
+    """Loads a micro-batch file, checking format, dtypes, lengths and metadata (not the forest invariants)."""
+    path = os.fspath(path)
+
+    def fail(fld: str, message: str) -> TreepackError:
+        return TreepackError("E_INPUT", message, path, fld)
+
+    st = read_safetensors(path)
+    md = st.metadata
+    if md.get("format") != FORMAT:
+        got = "missing" if "format" not in md else json.dumps(md["format"])
+        raise fail("format", f"format is {got}, expected {json.dumps(FORMAT)}")
+    meta: Dict[str, Any] = dict(md)
+    for key in _META_NUMBERS:
+        s = md.get(key)
+        if s is None or not re.fullmatch(r"0|[1-9][0-9]*", s):
+            raise fail(key, f"{key} is {'missing' if s is None else json.dumps(s)}, expected a non-negative integer")
+        meta[key] = int(s)
+    if "tokenizer" not in md:
+        raise fail("tokenizer", "tokenizer is missing")
+    try:
+        meta["sequence_ids"] = json.loads(md.get("sequence_ids", "null"))
+    except ValueError:
+        raise fail("sequence_ids", "sequence_ids is not JSON") from None
+
+    fields: Dict[str, np.ndarray] = {}
+    for name, dtype in _CONTRACT_DTYPES.items():
+        if name not in st.tensors:
+            if dtype == "F32":
+                continue
+            raise fail(name, f"required tensor {name} is missing")
+        if st.dtypes[name] != dtype:
+            raise fail(name, f"tensor {name} has dtype {st.dtypes[name]}, expected {dtype}")
+        if st.tensors[name].ndim != 1:
+            raise fail(name, f"tensor {name} has shape {list(st.tensors[name].shape)}, expected 1-D")
+        fields[name] = st.tensors[name]
+    extra = {k: v for k, v in st.tensors.items() if k not in _CONTRACT_DTYPES}
+    mb = MicroBatch(meta=meta, extra=extra, **fields)
+    _check_shapes(mb, fail)
+    return mb
+
+
+def _report(out: List[str], mask: np.ndarray, what: str, describe: Callable[[int], str]) -> None:
+    idx = np.flatnonzero(mask)
+    if idx.size:
+        examples = "; ".join(describe(int(i)) for i in idx[:_EXAMPLES])
+        more = "; …" if idx.size > _EXAMPLES else ""
+        out.append(f"{what} ({idx.size}): {examples}{more}")
+
+
+def check_invariants(mb: MicroBatch) -> List[str]:
+    """DESIGN §7 invariants 1, 2 and 4, vectorised; an empty list when the micro-batch is valid.
+
+    Node checks: parent before child, position_ids = depth, and subtree_end exact. [p, subtree_end[p]) is
+    exactly p's subtree (the attention rule ``k <= q < subtree_end[k]``) iff every child's interval nests in
+    its parent's and each interval's length is 1 + the sum of its children's lengths: nesting puts every
+    descendant inside, the lengths leave room for nothing else. Occurrence checks: seq_offsets is CSR,
+    seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
+    position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0.
+    """
+    out: List[str] = []
+    N, M = len(mb.input_ids), len(mb.seq_positions)
+    for f in NODE_FIELDS[1:]:
+        if len(getattr(mb, f)) != N:
+            out.append(f"{f} has {len(getattr(mb, f))} elements: expected N = {N} (length of input_ids)")
+    if out:
+        return out
+    pos = mb.position_ids.astype(np.int64)
+    parent = mb.parent.astype(np.int64)
+    end = mb.subtree_end.astype(np.int64)
+    nodes = np.arange(N, dtype=np.int64)
+
+    bad_parent = (parent < -1) | (parent >= nodes)
+    _report(out, bad_parent, "parent not -1 or a position before the node", lambda p: f"parent[{p}] = {parent[p]}")
+    child = ~bad_parent & (parent >= 0)
+    q = np.where(child, parent, 0)
+    depth = np.where(child, pos[q] + 1, 0)
+    _report(
+        out,
+        ~bad_parent & (pos != depth),
+        "position_ids not the depth",
+        lambda p: f"position_ids[{p}] = {pos[p]}, expected {depth[p]}",
+    )
+    if not bad_parent.any():
+        size = end - nodes
+        children = np.zeros(N, dtype=np.int64)
+        np.add.at(children, parent[child], size[child])
+        _report(
+            out,
+            (size < 1) | (end > N),
+            "subtree_end out of (p, N]",
+            lambda p: f"subtree_end[{p}] = {end[p]}",
+        )
+        _report(
+            out,
+            child & (end > end[q]),
+            "subtree_end past the parent's",
+            lambda p: f"subtree_end[{p}] = {end[p]} > subtree_end[{parent[p]}] = {end[parent[p]]}",
+        )
+        _report(
+            out,
+            size != 1 + children,
+            "subtree_end not 1 + the children's subtrees (or layout not a DFS preorder)",
+            lambda p: f"subtree_end[{p}] = {end[p]}, children's subtrees cover {children[p]}",
+        )
+
+    S = len(mb.seq_offsets) - 1
+    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+        a = getattr(mb, f)
+        if a is not None and len(a) != M:
+            out.append(f"{f} has {len(a)} elements: expected M = {M} (length of seq_positions)")
+    if S < 0:
+        out.append("seq_offsets is empty: expected S+1 >= 1 entries")
+        return out
+    off = mb.seq_offsets.astype(np.int64)
+    csr_ok = off[0] == 0 and off[S] == M and not (np.diff(off) < 0).any()
+    if not csr_ok:
+        out.append(f"seq_offsets is not CSR offsets of M = {M} occurrences: starts at {off[0]}, ends at {off[S]}")
+        return out
+    lengths = np.diff(off)
+    t = np.arange(M, dtype=np.int64) - np.repeat(off[:-1], lengths)
+    seq = np.repeat(np.arange(S), lengths)
+    sp = mb.seq_positions.astype(np.int64)
+
+    def at(k: int) -> str:
+        return f"(sequence {seq[k]}, t = {t[k]})"
+
+    if len(mb.loss_mask) == M:
+        _report(
+            out,
+            (t == 0) & (mb.loss_mask != 0),
+            "loss_mask not 0 at t = 0",
+            lambda k: f"loss_mask[{k}] = {mb.loss_mask[k]} {at(k)}",
+        )
+    in_range = (sp >= 0) & (sp < N)
+    _report(out, ~in_range, f"seq_positions not in [0, {N})", lambda k: f"seq_positions[{k}] = {sp[k]} {at(k)}")
+    p = np.where(in_range, sp, 0)
+    prev = np.full(M, -1, dtype=np.int64)
+    prev[1:] = sp[:-1]
+    prev[t == 0] = -1
+    # With N = 0 every occurrence is out of range and p (all zeros) must not index the empty node arrays.
+    node_parent = parent[p] if N else prev
+    node_pos = pos[p] if N else t
+    _report(
+        out,
+        in_range & (node_parent != prev),
+        "parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)",
+        lambda k: f"parent[{sp[k]}] = {node_parent[k]}, expected {prev[k]} {at(k)}",
+    )
+    _report(
+        out,
+        in_range & (node_pos != t),
+        "position_ids[seq_positions[k]] not t",
+        lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
+    )
+    return out

@@ -1,0 +1,138 @@
+/**
+ * Packed micro-batch files (shared/DESIGN.md §3): one safetensors file per micro-batch, tensors and
+ * `__metadata__` named exactly as the contract. Tensors outside the contract (mask lowerings and the like) travel
+ * alongside as `extra`, untouched.
+ *
+ * Both directions check the same shape rules: every contract tensor 1-D with its dtype and length, the metadata
+ * numbers equal to those lengths, `seq_offsets` a CSR offset array ending at M. Reading reports E_INPUT naming
+ * the file and tensor/field; writing reports E_ARG before anything touches the disk. The deeper forest
+ * invariants (DESIGN §7) are `checkForest` in src/pack/invariants.ts, which costs a pass over the data.
+ */
+import { argError, TreepackError } from '../errors.js';
+import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';
+import { readSafetensors, writeSafetensors, type Dtype, type Tensor, type TypedArray } from './safetensors.js';
+
+const META_NUMBERS = ['num_sequences', 'num_tokens_naive', 'num_tokens_packed'] as const;
+
+/** Contract tensors and their dtypes; F32 ones are optional. */
+const CONTRACT_DTYPES: ReadonlyMap<string, Dtype> = new Map<string, Dtype>([
+  ...NODE_FIELDS.map((f) => [f, 'I32'] as const),
+  ['seq_offsets', 'I32'],
+  ['seq_positions', 'I32'],
+  ['loss_mask', 'U8'],
+  ...OCCURRENCE_FLOAT_FIELDS.map((f) => [f, 'F32'] as const),
+]);
+
+export interface MicroBatchFile {
+  batch: MicroBatch;
+  extra: Map<string, Tensor>;
+}
+
+type Fail = (field: string, message: string) => TreepackError;
+
+/** Shape rules shared by reader and writer; `fail` decides the error code and location. */
+function checkShapes(mb: MicroBatch, fail: Fail): void {
+  if (mb.meta.format !== FORMAT) throw fail('format', `format is ${JSON.stringify(mb.meta.format)}, expected ${JSON.stringify(FORMAT)}`);
+  const N = mb.input_ids.length;
+  const M = mb.seq_positions.length;
+  const S = mb.seq_offsets.length - 1;
+  if (N > MAX_TOKENS || M > MAX_TOKENS) throw fail(N > MAX_TOKENS ? 'input_ids' : 'seq_positions', `more than ${MAX_TOKENS} tokens`);
+  if (S < 0) throw fail('seq_offsets', 'seq_offsets is empty; it needs S+1 >= 1 entries');
+  for (const f of NODE_FIELDS) {
+    if (mb[f].length !== N) throw fail(f, `${f} has ${mb[f].length} elements but input_ids has N = ${N}`);
+  }
+  for (const f of ['loss_mask', ...OCCURRENCE_FLOAT_FIELDS] as const) {
+    const a = mb[f];
+    if (a !== undefined && a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
+  }
+  const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
+  for (const key of META_NUMBERS) {
+    if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
+  }
+  if (!Array.isArray(mb.meta.sequence_ids) || mb.meta.sequence_ids.length !== S || !mb.meta.sequence_ids.every((id) => typeof id === 'string')) {
+    throw fail('sequence_ids', `sequence_ids must be a list of ${S} strings`);
+  }
+  if (typeof mb.meta.tokenizer !== 'string') throw fail('tokenizer', 'tokenizer must be a string');
+  const off = mb.seq_offsets;
+  if (off[0] !== 0) throw fail('seq_offsets', `seq_offsets[0] = ${off[0]}, expected 0`);
+  for (let i = 0; i < S; i++) {
+    if (off[i + 1] < off[i]) throw fail('seq_offsets', `seq_offsets decreases at ${i + 1}: ${off[i]} > ${off[i + 1]}`);
+  }
+  if (off[S] !== M) throw fail('seq_offsets', `seq_offsets[S] = ${off[S]} but seq_positions has M = ${M} elements`);
+}
+
+/**
+ * Writes `batch` (and `extra` tensors, under names outside the contract) atomically. Typed arrays are streamed
+ * from their own memory, so a batch of hundreds of MB costs no second copy.
+ */
+export function writeMicroBatch(path: string, batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>): void {
+  if (batch === null || typeof batch !== 'object' || batch.meta === null || typeof batch.meta !== 'object') {
+    throw argError('batch', 'a MicroBatch', batch);
+  }
+  const tensors = new Map<string, Tensor>();
+  for (const [name, dtype] of CONTRACT_DTYPES) {
+    const data = batch[name as keyof MicroBatch] as TypedArray | undefined;
+    if (data === undefined && dtype === 'F32') continue;
+    const ctor = dtype === 'I32' ? Int32Array : dtype === 'U8' ? Uint8Array : Float32Array;
+    if (!(data instanceof ctor)) throw argError(`batch.${name}`, `a ${ctor.name}`, data);
+    tensors.set(name, { dtype, shape: [data.length], data });
+  }
+  checkShapes(batch, (field, message) => new TreepackError('E_ARG', message, { file: path, field }));
+  for (const [name, t] of extra ?? []) {
+    if (CONTRACT_DTYPES.has(name)) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
+    tensors.set(name, t);
+  }
+  const m = batch.meta;
+  writeSafetensors(path, tensors, {
+    format: m.format,
+    num_sequences: String(m.num_sequences),
+    num_tokens_naive: String(m.num_tokens_naive),
+    num_tokens_packed: String(m.num_tokens_packed),
+    tokenizer: m.tokenizer,
+    sequence_ids: JSON.stringify(m.sequence_ids),
+  });
+}
+
+/**
+ * Reads a micro-batch file. Contract tensors are zero-copy views on the file's bytes when aligned (always, for
+ * files this library writes). Metadata keys outside the contract are not kept.
+ */
+export function readMicroBatch(path: string): MicroBatchFile {
+  const fail: Fail = (field, message) => new TreepackError('E_INPUT', message, { file: path, field });
+  const { tensors, metadata } = readSafetensors(path);
+  if (metadata.format !== FORMAT) {
+    throw fail('format', `format is ${metadata.format === undefined ? 'missing' : JSON.stringify(metadata.format)}, expected ${JSON.stringify(FORMAT)}`);
+  }
+  const nums = {} as Record<(typeof META_NUMBERS)[number], number>;
+  for (const key of META_NUMBERS) {
+    const s = metadata[key];
+    if (s === undefined || !/^(0|[1-9][0-9]*)$/.test(s) || !Number.isSafeInteger(Number(s))) {
+      throw fail(key, `${key} is ${s === undefined ? 'missing' : JSON.stringify(s)}, expected a non-negative integer`);
+    }
+    nums[key] = Number(s);
+  }
+  if (metadata.tokenizer === undefined) throw fail('tokenizer', 'tokenizer is missing');
+  let sequence_ids: unknown;
+  try {
+    sequence_ids = JSON.parse(metadata.sequence_ids ?? 'null');
+  } catch {
+    throw fail('sequence_ids', 'sequence_ids is not JSON');
+  }
+  const meta: MicroBatchMeta = { format: FORMAT, ...nums, tokenizer: metadata.tokenizer, sequence_ids: sequence_ids as string[] };
+
+  const fields: Record<string, TypedArray> = {};
+  for (const [name, dtype] of CONTRACT_DTYPES) {
+    const t = tensors.get(name);
+    if (t === undefined) {
+      if (dtype === 'F32') continue;
+      throw fail(name, `required tensor ${name} is missing`);
+    }
+    if (t.dtype !== dtype) throw fail(name, `tensor ${name} has dtype ${t.dtype}, expected ${dtype}`);
+    if (t.shape.length !== 1) throw fail(name, `tensor ${name} has shape ${JSON.stringify(t.shape)}, expected 1-D`);
+    fields[name] = t.data;
+  }
+  const batch = { ...fields, meta } as unknown as MicroBatch;
+  checkShapes(batch, fail);
+  const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name)));
+  return { batch, extra };
+}
