@@ -1,0 +1,367 @@
+/**
+ * Record readers: one JSONL stream in, TrainRecords out, the format detected per line so files may mix them.
+ * Every rejection is an E_INPUT TreepackError naming file, line, record and field, because the data sets this
+ * reads are too large to debug by eye.
+ */
+import { TreepackError, describeValue } from '../errors.js';
+import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
+import type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './types.js';
+
+export interface ReadStats {
+  lines: number; // non-blank lines parsed
+  records: number; // records yielded (an episode line yields one per request)
+}
+
+export interface ReadOptions {
+  /** Reject token ids ≥ vocabSize in pre-tokenized records. */
+  vocabSize?: number;
+  /** Counters updated in place as the generator advances. */
+  stats?: ReadStats;
+  /** Name used in errors and default ids for a Readable input. */
+  name?: string;
+  maxLineBytes?: number;
+}
+
+export interface ParseOptions {
+  vocabSize?: number;
+  /** Id of a record without one; the default `${file}:${line}` (`line-N` for streams) is stable across runs. */
+  defaultId?: string;
+}
+
+const MAX_TOKEN_ID = 0x7fffffff;
+/** Logprobs come from float16/bfloat16 kernels: tiny positive values are rounding, larger ones a bug upstream. */
+const LOGPROB_TOLERANCE = 1e-3;
+
+export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): AsyncGenerator<TrainRecord> {
+  const file = inputName(input, opts.name);
+  const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;
+  const stats = opts.stats;
+  for await (const { line, text } of readJsonlLines(input, { name: opts.name, maxLineBytes: opts.maxLineBytes })) {
+    if (stats) stats.lines++;
+    let value: unknown;
+    try {
+      value = JSON.parse(text);
+    } catch (e) {
+      throw new TreepackError('E_INPUT', `malformed JSON: ${(e as Error).message}`, { file, line });
+    }
+    const parsed = parseRecords(value, { file, line }, {
+      vocabSize: opts.vocabSize,
+      defaultId: named ? `${file}:${line}` : `line-${line}`,
+    });
+    for (const r of parsed) {
+      if (stats) stats.records++;
+      yield r;
+    }
+  }
+}
+
+/** Records of one parsed JSONL value; an episode gives one ChatRecord per request. */
+export function parseRecords(value: unknown, source: Source, opts: ParseOptions = {}): TrainRecord[] {
+  const ctx: Ctx = { file: source.file, line: source.line, record: undefined };
+  const defaultId = opts.defaultId ?? `${source.file}:${source.line}`;
+  if (!isObject(value)) throw fail(ctx, undefined, `expected a JSON object per line, got ${describeValue(value)}`);
+  if ('requests' in value) return parseEpisode(value, ctx, defaultId);
+  if ('messages' in value) return [parseChat(value, ctx, '', chatIds(value, ctx, defaultId))];
+  if ('tokens' in value) {
+    const slime = 'response_length' in value || 'rollout_log_probs' in value;
+    return [slime ? parseSlime(value, ctx, defaultId, opts.vocabSize) : parseTokens(value, ctx, defaultId, opts.vocabSize)];
+  }
+  const keys = Object.keys(value).slice(0, 8).map((k) => JSON.stringify(k));
+  throw fail(
+    ctx,
+    undefined,
+    `unknown record format: expected "requests" (episode), "messages" (chat) or "tokens" (pre-tokenized), got keys [${keys.join(', ')}]`,
+  );
+}
+
+/** Rejects token ids ≥ vocabSize; for samples built elsewhere (the readers check while parsing). */
+export function checkVocab(sample: Sample, vocabSize: number): void {
+  const t = sample.tokens;
+  for (let i = 0; i < t.length; i++) {
+    if (t[i]! >= vocabSize) {
+      const ctx: Ctx = { file: sample.source.file, line: sample.source.line, record: sample.id };
+      throw fail(ctx, `tokens[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
+    }
+  }
+}
+
+interface Ctx {
+  file: string;
+  line: number;
+  record: string | undefined;
+}
+
+type Obj = Record<string, unknown>;
+
+function fail(ctx: Ctx, field: string | undefined, msg: string): TreepackError {
+  return new TreepackError('E_INPUT', msg, { file: ctx.file, line: ctx.line, record: ctx.record, field });
+}
+
+function isObject(v: unknown): v is Obj {
+  return typeof v === 'object' && v !== null && !Array.isArray(v);
+}
+
+// JSON null on an optional field means "absent": exporters write it for missing values.
+
+function optString(o: Obj, key: string, ctx: Ctx, path: string): string | undefined {
+  const v = o[key];
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'string') throw fail(ctx, path + key, `expected a string, got ${describeValue(v)}`);
+  return v;
+}
+
+/** Ids and groups: strings, or integers (slime's `index`, numeric task ids) kept as their decimal text. */
+function optId(o: Obj, key: string, ctx: Ctx, path = ''): string | undefined {
+  const v = o[key];
+  if (v === undefined || v === null) return undefined;
+  if (typeof v === 'string') return v;
+  if (Number.isInteger(v)) return String(v);
+  throw fail(ctx, path + key, `expected a string or integer id, got ${describeValue(v)}`);
+}
+
+function optNumber(o: Obj, key: string, ctx: Ctx, path = ''): number | undefined {
+  const v = o[key];
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'number' || !Number.isFinite(v)) throw fail(ctx, path + key, `expected a finite number, got ${describeValue(v)}`);
+  return v;
+}
+
+function tokenArray(v: unknown, ctx: Ctx, field: string, vocabSize: number | undefined): Int32Array {
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of token ids, got ${describeValue(v)}`);
+  const n = v.length;
+  const out = new Int32Array(n);
+  const limit = vocabSize === undefined ? MAX_TOKEN_ID : Math.min(vocabSize - 1, MAX_TOKEN_ID);
+  for (let i = 0; i < n; i++) {
+    const x = v[i];
+    if (!Number.isInteger(x) || x < 0 || x > limit) {
+      const why =
+        Number.isInteger(x) && x >= 0 && x <= MAX_TOKEN_ID
+          ? `token id ${x} is outside the vocabulary (size ${vocabSize})`
+          : `expected a token id (an integer in 0..${MAX_TOKEN_ID}), got ${describeValue(x)}`;
+      throw fail(ctx, `${field}[${i}]`, why);
+    }
+    out[i] = x;
+  }
+  return out;
+}
+
+function checkLength(v: unknown[], expected: number, what: string, ctx: Ctx, field: string): void {
+  if (v.length !== expected) throw fail(ctx, field, `expected ${expected} values (${what}), got ${v.length}`);
+}
+
+/** 0/1 values written into `out` from `offset`. */
+function maskInto(v: unknown, out: Uint8Array, offset: number, what: string, ctx: Ctx, field: string): void {
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of 0/1, got ${describeValue(v)}`);
+  checkLength(v, out.length - offset, what, ctx, field);
+  for (let i = 0; i < v.length; i++) {
+    const x = v[i];
+    if (x !== 0 && x !== 1) throw fail(ctx, `${field}[${i}]`, `expected 0 or 1, got ${describeValue(x)}`);
+    out[offset + i] = x;
+  }
+}
+
+/** Finite numbers written into `out` from `offset`; logprobs must also be ≤ 0 (up to rounding). */
+function floatsInto(v: unknown, out: Float32Array, offset: number, logprob: boolean, what: string, ctx: Ctx, field: string): void {
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of numbers, got ${describeValue(v)}`);
+  checkLength(v, out.length - offset, what, ctx, field);
+  for (let i = 0; i < v.length; i++) {
+    const x = v[i];
+    if (typeof x !== 'number' || !Number.isFinite(x))
+      throw fail(ctx, `${field}[${i}]`, `expected a finite number, got ${describeValue(x)}`);
+    if (logprob && x > LOGPROB_TOLERANCE)
+      throw fail(ctx, `${field}[${i}]`, `a log-probability must be ≤ 0, got ${x} (probabilities instead of logprobs?)`);
+    out[offset + i] = x;
+  }
+}
+
+function optFloats(o: Obj, key: string, n: number, logprob: boolean, ctx: Ctx): Float32Array | undefined {
+  const v = o[key];
+  if (v === undefined || v === null) return undefined;
+  const out = new Float32Array(n);
+  floatsInto(v, out, 0, logprob, 'one per token', ctx, key);
+  return out;
+}
+
+function baseSample(o: Obj, ctx: Ctx, id: string, group: string, tokens: Int32Array, loss_mask: Uint8Array): Sample {
+  if (tokens.length > 0) loss_mask[0] = 0; // token 0 has no logprob: nothing predicts it
+  const s: Sample = {
+    kind: 'sample',
+    id,
+    group,
+    episode: optId(o, 'episode', ctx) ?? id,
+    tokens,
+    loss_mask,
+    source: { file: ctx.file, line: ctx.line },
+  };
+  const reward = optNumber(o, 'reward', ctx);
+  if (reward !== undefined) s.reward = reward;
+  return s;
+}
+
+function parseTokens(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | undefined): Sample {
+  const id = optId(o, 'id', ctx) ?? defaultId;
+  ctx.record = id;
+  const tokens = tokenArray(o.tokens, ctx, 'tokens', vocabSize);
+  const n = tokens.length;
+  let loss_mask: Uint8Array;
+  if (o.loss_mask === undefined || o.loss_mask === null) loss_mask = new Uint8Array(n).fill(1);
+  else maskInto(o.loss_mask, (loss_mask = new Uint8Array(n)), 0, 'one per token', ctx, 'loss_mask');
+  const s = baseSample(o, ctx, id, optId(o, 'group', ctx) ?? id, tokens, loss_mask);
+  for (const key of ['rollout_logprobs', 'old_logprobs', 'ref_logprobs'] as const) {
+    const a = optFloats(o, key, n, true, ctx);
+    if (a) s[key] = a;
+  }
+  const advantages = optFloats(o, 'advantages', n, false, ctx);
+  if (advantages) s.advantages = advantages;
+  const advantage = optNumber(o, 'advantage', ctx);
+  if (advantage !== undefined) s.advantage = advantage;
+  return s;
+}
+
+/** slime's Sample: per-response arrays, expanded here to full length with the prompt untrained. */
+function parseSlime(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | undefined): Sample {
+  const id = optId(o, 'id', ctx) ?? optId(o, 'index', ctx) ?? defaultId;
+  ctx.record = id;
+  const tokens = tokenArray(o.tokens, ctx, 'tokens', vocabSize);
+  const n = tokens.length;
+  const rl = o.response_length ?? n;
+  if (!Number.isInteger(rl) || (rl as number) < 0)
+    throw fail(ctx, 'response_length', `expected a non-negative integer, got ${describeValue(rl)}`);
+  if ((rl as number) > n)
+    throw fail(ctx, 'response_length', `response_length ${rl} is larger than the number of tokens (${n})`);
+  const prompt = n - (rl as number);
+  const loss_mask = new Uint8Array(n);
+  const what = `one per response token, response_length = ${rl}`;
+  if (o.loss_mask === undefined || o.loss_mask === null) loss_mask.fill(1, prompt);
+  else maskInto(o.loss_mask, loss_mask, prompt, what, ctx, 'loss_mask');
+  const group = optId(o, 'group', ctx) ?? optId(o, 'group_index', ctx) ?? id;
+  const s = baseSample(o, ctx, id, group, tokens, loss_mask);
+  if (o.rollout_log_probs !== undefined && o.rollout_log_probs !== null) {
+    const lp = new Float32Array(n);
+    floatsInto(o.rollout_log_probs, lp, prompt, true, what, ctx, 'rollout_log_probs');
+    s.rollout_logprobs = lp;
+  }
+  return s;
+}
+
+interface ChatIds {
+  id: string;
+  group: string;
+  episode: string;
+  reward: number | undefined;
+}
+
+function chatIds(o: Obj, ctx: Ctx, defaultId: string): ChatIds {
+  const id = optId(o, 'id', ctx) ?? defaultId;
+  ctx.record = id;
+  return { id, group: optId(o, 'group', ctx) ?? id, episode: optId(o, 'episode', ctx) ?? id, reward: optNumber(o, 'reward', ctx) };
+}
+
+function parseEpisode(o: Obj, ctx: Ctx, defaultId: string): ChatRecord[] {
+  const episode = optId(o, 'episode_id', ctx) ?? defaultId;
+  ctx.record = episode;
+  const group = optId(o, 'task_id', ctx) ?? optId(o, 'group', ctx) ?? episode;
+  let reward: number | undefined;
+  if (o.meta !== undefined && o.meta !== null) {
+    if (!isObject(o.meta)) throw fail(ctx, 'meta', `expected an object, got ${describeValue(o.meta)}`);
+    reward = optNumber(o.meta, 'reward', ctx, 'meta.');
+  }
+  const requests = o.requests;
+  if (!Array.isArray(requests)) throw fail(ctx, 'requests', `expected an array of requests, got ${describeValue(requests)}`);
+  const out: ChatRecord[] = new Array(requests.length);
+  for (let k = 0; k < requests.length; k++) {
+    const r = requests[k];
+    const path = `requests[${k}]`;
+    ctx.record = `${episode}/${k}`;
+    if (!isObject(r)) throw fail(ctx, path, `expected a request object, got ${describeValue(r)}`);
+    out[k] = parseChat(r, ctx, path + '.', { id: ctx.record, group, episode, reward });
+  }
+  return out;
+}
+
+function parseChat(o: Obj, ctx: Ctx, path: string, ids: ChatIds): ChatRecord {
+  const messages = o.messages;
+  if (!Array.isArray(messages)) throw fail(ctx, path + 'messages', `expected an array of messages, got ${describeValue(messages)}`);
+  const parsed: ChatMessage[] = new Array(messages.length);
+  for (let i = 0; i < messages.length; i++) parsed[i] = parseMessage(messages[i], ctx, `${path}messages[${i}]`, undefined);
+  let response: ChatMessage;
+  if (typeof o.response === 'string') response = { role: 'assistant', content: o.response };
+  else response = parseMessage(o.response, ctx, path + 'response', 'assistant');
+  if (response.role !== 'assistant')
+    throw fail(ctx, path + 'response.role', `the response is what the policy generated: expected role "assistant", got ${JSON.stringify(response.role)}`);
+  const tools = o.tools;
+  if (tools !== undefined && tools !== null) {
+    if (!Array.isArray(tools)) throw fail(ctx, path + 'tools', `expected an array of tool schemas, got ${describeValue(tools)}`);
+    for (let i = 0; i < tools.length; i++)
+      if (!isObject(tools[i])) throw fail(ctx, `${path}tools[${i}]`, `expected a tool schema object, got ${describeValue(tools[i])}`);
+  }
+  const rec: ChatRecord = {
+    kind: 'chat',
+    id: ids.id,
+    group: ids.group,
+    episode: ids.episode,
+    messages: parsed,
+    tools: tools as unknown[] | null | undefined,
+    response,
+    source: { file: ctx.file, line: ctx.line },
+  };
+  const agent = optString(o, 'agent', ctx, path);
+  if (agent !== undefined) rec.agent = agent;
+  if (ids.reward !== undefined) rec.reward = ids.reward;
+  return rec;
+}
+
+function parseMessage(v: unknown, ctx: Ctx, path: string, defaultRole: string | undefined): ChatMessage {
+  if (!isObject(v)) throw fail(ctx, path, `expected a message object, got ${describeValue(v)}`);
+  const role = v.role ?? defaultRole;
+  if (typeof role !== 'string') throw fail(ctx, path + '.role', `expected a role string, got ${describeValue(role)}`);
+  const m: ChatMessage = { role, content: parseContent(v.content, ctx, path + '.content') };
+  const p = path + '.';
+  if (v.tool_calls !== undefined && v.tool_calls !== null) m.tool_calls = parseToolCalls(v.tool_calls, ctx, p + 'tool_calls');
+  for (const key of ['tool_call_id', 'name', 'reasoning_content'] as const) {
+    const s = optString(v, key, ctx, p);
+    if (s !== undefined) m[key] = s;
+  }
+  return m;
+}
+
+/** OpenAI content: a string, null, or parts of which only text can be rendered by a text chat template. */
+function parseContent(v: unknown, ctx: Ctx, field: string): string | null {
+  if (v === undefined || v === null) return null;
+  if (typeof v === 'string') return v;
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected a string, null or an array of text parts, got ${describeValue(v)}`);
+  let text = '';
+  for (let i = 0; i < v.length; i++) {
+    const part = v[i];
+    if (!isObject(part) || part.type !== 'text' || typeof part.text !== 'string') {
+      const got = isObject(part) ? `a part of type ${JSON.stringify(part.type)}` : describeValue(part);
+      throw fail(ctx, `${field}[${i}]`, `expected a text part {"type": "text", "text": string}, got ${got}`);
+    }
+    text += part.text;
+  }
+  return text;
+}
+
+function parseToolCalls(v: unknown, ctx: Ctx, field: string): ToolCall[] {
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of tool calls, got ${describeValue(v)}`);
+  const out: ToolCall[] = new Array(v.length);
+  for (let i = 0; i < v.length; i++) {
+    const c = v[i];
+    const p = `${field}[${i}]`;
+    if (!isObject(c)) throw fail(ctx, p, `expected a tool call object, got ${describeValue(c)}`);
+    const fn = c.function;
+    if (!isObject(fn)) throw fail(ctx, p + '.function', `expected {"name", "arguments"}, got ${describeValue(fn)}`);
+    if (typeof fn.name !== 'string' || fn.name === '')
+      throw fail(ctx, p + '.function.name', `expected a function name, got ${describeValue(fn.name)}`);
+    const args = fn.arguments ?? {};
+    if (typeof args !== 'string' && !isObject(args))
+      throw fail(ctx, p + '.function.arguments', `expected a JSON string or an object, got ${describeValue(args)}`);
+    const call: ToolCall = { function: { name: fn.name, arguments: args as string | Record<string, unknown> } };
+    const id = optString(c, 'id', ctx, p + '.');
+    if (id !== undefined) call.id = id;
+    const type = optString(c, 'type', ctx, p + '.');
+    if (type !== undefined) call.type = type;
+    out[i] = call;
+  }
+  return out;
+}

