@@ -17,7 +17,7 @@ export interface JsonlOptions {
 
 export type JsonlInput = string | Readable;
 
-export const DEFAULT_MAX_LINE_BYTES = 256 * 1024 * 1024;
+const DEFAULT_MAX_LINE_BYTES = 256 * 1024 * 1024;
 
 const LF = 0x0a;
 const CR = 0x0d;
