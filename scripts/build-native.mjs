@@ -1,1 +1,72 @@
-process.exit(0)
+// Builds the CPU addon build/Release/treepack.node with node-gyp, offline.
+//
+//   node scripts/build-native.mjs            npm's `install` script: a failed build only warns (exit 0), since
+//                                            treepack still works on its js backend
+//   node scripts/build-native.mjs --strict   `npm run build:native`: a failed build exits non-zero
+//   TREEPACK_SKIP_NATIVE=1                   builds nothing
+//
+// node-gyp downloads Node's headers unless --nodedir points at an installed copy, so the build passes the Node
+// prefix whenever it holds node_api.h.
+import { spawnSync } from 'node:child_process';
+import fs from 'node:fs';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const strict = process.argv.includes('--strict');
+const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
+const addon = path.join(root, 'build', 'Release', 'treepack.node');
+
+if (process.env.TREEPACK_SKIP_NATIVE === '1') {
+  console.log('treepack: TREEPACK_SKIP_NATIVE=1, native addon not built; treepack will use the js backend.');
+  process.exit(0);
+}
+
+/** The node-gyp to run: npm's own (inside npm scripts), the one bundled with this Node's npm, or `npm exec`. */
+function nodeGypCommand() {
+  const bin = path.dirname(process.execPath);
+  const bundled = ['../lib/node_modules', 'node_modules'] // Unix prefix layout, Windows installer layout
+    .map((dir) => path.join(bin, dir, 'npm/node_modules/node-gyp/bin/node-gyp.js'));
+  for (const script of [process.env.npm_config_node_gyp, ...bundled]) {
+    if (script && fs.existsSync(script)) return { command: process.execPath, args: [script], shell: false };
+  }
+  const win = process.platform === 'win32';
+  return { command: win ? 'npm.cmd' : 'npm', args: ['exec', '--no', '--', 'node-gyp'], shell: win };
+}
+
+function build() {
+  const gyp = nodeGypCommand();
+  const args = [...gyp.args, 'rebuild'];
+  const prefix = path.dirname(path.dirname(process.execPath));
+  if (fs.existsSync(path.join(prefix, 'include', 'node', 'node_api.h'))) args.push(`--nodedir=${prefix}`);
+  const r = spawnSync(gyp.command, args, {
+    cwd: root,
+    shell: gyp.shell,
+    stdio: strict ? 'inherit' : 'pipe',
+    encoding: 'utf8',
+    maxBuffer: 64 * 1024 * 1024,
+  });
+  const log = `${r.stdout ?? ''}${r.stderr ?? ''}`;
+  if (r.error) return { ok: false, why: `could not run node-gyp (${r.error.message})`, log };
+  if (r.status !== 0) return { ok: false, why: `node-gyp rebuild exited with ${r.status ?? r.signal}`, log };
+  try {
+    // A build that links but cannot load (wrong ABI, missing symbol) is as useless as no build.
+    createRequire(import.meta.url)(addon).version();
+  } catch (e) {
+    return { ok: false, why: `the built addon does not load (${e instanceof Error ? e.message : String(e)})`, log };
+  }
+  return { ok: true };
+}
+
+const result = build();
+if (result.ok) {
+  console.log(`treepack: built ${path.relative(root, addon)}`);
+} else if (strict) {
+  console.error(`treepack: native build failed: ${result.why}`);
+  process.exit(1);
+} else {
+  const tail = result.log.trim().split('\n').slice(-20).join('\n');
+  if (tail) console.warn(tail);
+  console.warn(`treepack: WARNING: native addon not built: ${result.why}. treepack will use the js backend ` +
+    '(run `npm run build:native` to retry, TREEPACK_SKIP_NATIVE=1 to skip).');
+}

@@ -1,0 +1,333 @@
+// The prefix forest of a batch of token sequences, laid out exactly as the TypeScript reference
+// (src/pack/forest.ts): sort the sequences lexicographically, then sorted sequence k adds its tokens past
+// lcp(k-1, k) in DFS preorder.
+//
+// The sort is a natural LCP merge sort. Agent rollouts arrive as chains (request k+1 extends request k), so the
+// input is mostly made of already sorted runs; one pass compares neighbours, keeping their LCPs, and the merges
+// then only compare heads whose LCPs with the last output tie (Ng & Kakehi), never rescanning a shared prefix.
+// On such data every token is read from memory about once, which is what keeps the packer near a plain copy.
+#include "treepack.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TP_X86_SIMD 1
+#include <immintrin.h>
+#endif
+
+struct tp_plan {
+  const int32_t* tokens;
+  const int32_t* offsets;
+  int32_t num_seqs;
+  int32_t* order;  // [S] sequence indices in sorted order
+  int32_t* lcp;    // [S] lcp[k] = common prefix length of order[k-1] and order[k]; lcp[0] = 0
+  int32_t* spare;  // [2S] merge buffers during the sort, the open-path stack during the layout
+};
+
+namespace {
+
+// First index in [from, n) where a and b differ, or n. Shared prefixes of agent data are thousands of tokens, so the
+// scan runs 64 bytes a step and only looks for the exact token once a step differs.
+#ifdef TP_X86_SIMD
+__attribute__((target("avx2"))) int64_t mismatch_avx2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
+  int64_t i = from;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i e0 = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
+    const __m256i e1 = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i + 8)),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 8)));
+    if (static_cast<unsigned>(_mm256_movemask_epi8(_mm256_and_si256(e0, e1))) != 0xffffffffu) {
+      const unsigned m0 = static_cast<unsigned>(_mm256_movemask_epi8(e0));
+      if (m0 != 0xffffffffu) return i + (__builtin_ctz(~m0) >> 2);
+      return i + 8 + (__builtin_ctz(~static_cast<unsigned>(_mm256_movemask_epi8(e1))) >> 2);
+    }
+  }
+  for (; i < n && a[i] == b[i]; i++) {
+  }
+  return i;
+}
+
+int64_t mismatch_sse2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
+  int64_t i = from;
+  for (; i + 16 <= n; i += 16) {
+    __m128i e[4];
+    for (int q = 0; q < 4; q++) {
+      e[q] = _mm_cmpeq_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i + 4 * q)),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 4 * q)));
+    }
+    if (_mm_movemask_epi8(_mm_and_si128(_mm_and_si128(e[0], e[1]), _mm_and_si128(e[2], e[3]))) != 0xffff) {
+      for (int q = 0;; q++) {
+        const unsigned m = static_cast<unsigned>(_mm_movemask_epi8(e[q]));
+        if (m != 0xffff) return i + 4 * q + (__builtin_ctz(~m) >> 2);
+      }
+    }
+  }
+  for (; i < n && a[i] == b[i]; i++) {
+  }
+  return i;
+}
+
+inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
+  // AVX2 halves the steps of the SSE2 loop (x86-64's baseline); the check runs once per process.
+  static const bool has_avx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return has_avx2 ? mismatch_avx2(a, b, from, n) : mismatch_sse2(a, b, from, n);
+}
+#else
+inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
+  int64_t i = from;
+  for (; i + 2 <= n; i += 2) {
+    uint64_t x, y;
+    std::memcpy(&x, a + i, sizeof x);
+    std::memcpy(&y, b + i, sizeof y);
+    if (x != y) return a[i] == b[i] ? i + 1 : i;
+  }
+  for (; i < n && a[i] == b[i]; i++) {
+  }
+  return i;
+}
+#endif
+
+struct Compared {
+  int32_t lcp;
+  bool a_first;  // a sorts before b, or they are equal
+};
+
+// Compares sequences a and b, which are known to agree on their first `from` tokens.
+inline Compared compare(const int32_t* tokens, const int32_t* offsets, int32_t a, int32_t b, int32_t from) {
+  const int32_t sa = offsets[a], la = offsets[a + 1] - sa;
+  const int32_t sb = offsets[b], lb = offsets[b + 1] - sb;
+  const int32_t h = static_cast<int32_t>(mismatch(tokens + sa, tokens + sb, from, std::min(la, lb)));
+  // A sequence that ends first is smaller (a proper prefix precedes its extensions).
+  const bool a_first = h == la ? true : h == lb ? false : tokens[sa + h] < tokens[sb + h];
+  return {h, a_first};
+}
+
+// Splits 0..S into maximal sorted runs: ascending, or strictly descending and then reversed in place (strictness
+// keeps equal sequences in input order, as the reference's stable sort does). Writes order/lcp within each run and
+// the run starts to `runs`; returns the number of runs. A run's first lcp is left 0: merging sets it.
+int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, int32_t* order, int32_t* lcp,
+                  int32_t* runs) {
+  int32_t num_runs = 0;
+  int32_t i = 0;
+  while (i < S) {
+    runs[num_runs++] = i;
+    order[i] = i;
+    lcp[i] = 0;
+    int32_t j = i;
+    if (j + 1 < S) {
+      Compared c = compare(tokens, offsets, j, j + 1, 0);
+      const bool ascending = c.a_first;
+      while (c.a_first == ascending) {
+        ++j;
+        order[j] = j;
+        lcp[j] = c.lcp;  // lcp(j-1, j), symmetric, so it also holds once a descending run is reversed
+        if (j + 1 == S) break;
+        c = compare(tokens, offsets, j, j + 1, 0);
+      }
+      if (!ascending) {
+        std::reverse(order + i, order + j + 1);
+        std::reverse(lcp + i + 1, lcp + j + 1);
+      }
+    }
+    i = j + 1;
+  }
+  return num_runs;
+}
+
+// Merges the sorted runs [lo, mid) and [mid, hi) of (order, lcp) into (out_order, out_lcp) at lo. hA and hB are
+// the LCPs of the two heads with the last element written: the larger one goes first without looking at a token,
+// and a tie is resolved by scanning from the tied length.
+void merge(const int32_t* tokens, const int32_t* offsets, const int32_t* order, const int32_t* lcp, int32_t lo,
+           int32_t mid, int32_t hi, int32_t* out_order, int32_t* out_lcp) {
+  int32_t i = lo, j = mid, out = lo;
+  int32_t hA = 0, hB = 0;
+  while (i < mid && j < hi) {
+    if (hA > hB) {
+      out_order[out] = order[i];
+      out_lcp[out++] = hA;
+      if (++i < mid) hA = lcp[i];
+    } else if (hA < hB) {
+      out_order[out] = order[j];
+      out_lcp[out++] = hB;
+      if (++j < hi) hB = lcp[j];
+    } else {
+      const Compared c = compare(tokens, offsets, order[i], order[j], hA);
+      if (c.a_first) {
+        out_order[out] = order[i];
+        out_lcp[out++] = hA;
+        hB = c.lcp;
+        if (++i < mid) hA = lcp[i];
+      } else {
+        out_order[out] = order[j];
+        out_lcp[out++] = hB;
+        hA = c.lcp;
+        if (++j < hi) hB = lcp[j];
+      }
+    }
+  }
+  // The first element of the leftover run carries its LCP with the last written element, the rest keep theirs.
+  const int32_t rest = i < mid ? i : j, rest_end = i < mid ? mid : hi;
+  if (rest < rest_end) {
+    std::memcpy(out_order + out, order + rest, sizeof(int32_t) * (rest_end - rest));
+    std::memcpy(out_lcp + out, lcp + rest, sizeof(int32_t) * (rest_end - rest));
+    out_lcp[out] = i < mid ? hA : hB;
+  }
+}
+
+// Sorts into (order, lcp), using (order2, lcp2) and runs[S] as scratch; returns the pair that holds the result.
+void sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, int32_t* order, int32_t* lcp,
+                    int32_t* order2, int32_t* lcp2, int32_t* runs, int32_t** sorted_order, int32_t** sorted_lcp) {
+  int32_t num_runs = find_runs(tokens, offsets, S, order, lcp, runs);
+  while (num_runs > 1) {
+    int32_t kept = 0;
+    for (int32_t r = 0; r < num_runs; r += 2) {
+      const int32_t lo = runs[r];
+      if (r + 1 == num_runs) {
+        std::memcpy(order2 + lo, order + lo, sizeof(int32_t) * (S - lo));
+        std::memcpy(lcp2 + lo, lcp + lo, sizeof(int32_t) * (S - lo));
+      } else {
+        merge(tokens, offsets, order, lcp, lo, runs[r + 1], r + 2 < num_runs ? runs[r + 2] : S, order2, lcp2);
+      }
+      runs[kept++] = lo;  // kept <= r, so the starts still to be read are untouched
+    }
+    num_runs = kept;
+    std::swap(order, order2);
+    std::swap(lcp, lcp2);
+  }
+  *sorted_order = order;
+  *sorted_lcp = lcp;
+}
+
+inline void iota(int32_t* __restrict dst, int32_t n, int32_t first) {
+  for (int32_t t = 0; t < n; t++) dst[t] = first + t;
+}
+
+inline void fill(int32_t* __restrict dst, int32_t n, int32_t value) {
+  for (int32_t t = 0; t < n; t++) dst[t] = value;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* tp_version(void) { return TP_VERSION; }
+
+const char* tp_status_string(int code) {
+  switch (code) {
+    case TP_OK:
+      return "ok";
+    case TP_ERR_ARG:
+      return "invalid argument: a required pointer is null or a count is negative";
+    case TP_ERR_OFFSETS:
+      return "invalid offsets: offsets[0] must be 0, offsets must be non-decreasing and offsets[S] must equal the "
+             "number of tokens";
+    case TP_ERR_TOO_LARGE:
+      return "too large: counts and positions must fit in int32";
+    case TP_ERR_ALLOC:
+      return "out of memory";
+    default:
+      return "unknown treepack status";
+  }
+}
+
+int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* offsets, int64_t num_seqs,
+                   tp_plan** plan_out, int64_t* num_nodes) {
+  if (plan_out == nullptr || num_nodes == nullptr) return TP_ERR_ARG;
+  *plan_out = nullptr;
+  if (num_seqs < 0 || num_tokens < 0 || offsets == nullptr || (tokens == nullptr && num_tokens > 0)) {
+    return TP_ERR_ARG;
+  }
+  // S + 1 offsets and every index must be an int32.
+  if (num_seqs >= INT32_MAX || num_tokens > INT32_MAX) return TP_ERR_TOO_LARGE;
+  const int32_t S = static_cast<int32_t>(num_seqs);
+  if (offsets[0] != 0 || offsets[S] != num_tokens) return TP_ERR_OFFSETS;
+  for (int32_t i = 0; i < S; i++) {
+    if (offsets[i + 1] < offsets[i]) return TP_ERR_OFFSETS;
+  }
+
+  // One allocation: the header, then order, lcp, their two merge twins and the run starts (5S int32).
+  const size_t header = (sizeof(tp_plan) + 63) & ~size_t{63};
+  char* block = static_cast<char*>(std::malloc(header + sizeof(int32_t) * 5 * static_cast<size_t>(S)));
+  if (block == nullptr) return TP_ERR_ALLOC;
+  tp_plan* plan = reinterpret_cast<tp_plan*>(block);
+  int32_t* a = reinterpret_cast<int32_t*>(block + header);
+  int32_t* b = a + 2 * static_cast<size_t>(S);
+  int32_t* runs = b + 2 * static_cast<size_t>(S);
+  plan->tokens = tokens;
+  plan->offsets = offsets;
+  plan->num_seqs = S;
+  sort_sequences(tokens, offsets, S, a, a + S, b, b + S, runs, &plan->order, &plan->lcp);
+  plan->spare = plan->order == a ? b : a;
+
+  int64_t n = 0;
+  for (int32_t k = 0; k < S; k++) {
+    const int32_t s = plan->order[k];
+    n += offsets[s + 1] - offsets[s] - plan->lcp[k];
+  }
+  *num_nodes = n;
+  *plan_out = plan;
+  return TP_OK;
+}
+
+int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int32_t* parent,
+                   int32_t* subtree_end, int32_t* seq_positions) {
+  if (plan == nullptr) return TP_ERR_ARG;
+  const int32_t S = plan->num_seqs;
+  const int32_t* __restrict tokens = plan->tokens;
+  const int32_t* __restrict offsets = plan->offsets;
+  const int32_t* __restrict order = plan->order;
+  const int32_t* __restrict lcp = plan->lcp;
+  if (offsets[S] > 0 && (input_ids == nullptr || position_ids == nullptr || parent == nullptr ||
+                         subtree_end == nullptr || seq_positions == nullptr)) {
+    return TP_ERR_ARG;
+  }
+
+  // The previous sorted sequence's path, as segments of consecutive nodes: segment e starts at depth
+  // depth[e] and packed position pos[e] and ends where segment e+1 starts (the last one at prev_len). A node's
+  // subtree ends where the first later sequence that does not go through it starts adding nodes, so when sequence
+  // k diverges at depth h, every open node at depth >= h gets subtree_end = the position of k's first new node.
+  int32_t* __restrict depth = plan->spare;
+  int32_t* __restrict pos = plan->spare + S;
+  int32_t open = 0;
+  int32_t next = 0, prev_start = 0, prev_len = 0;
+  const auto close_from = [&](int32_t h, int32_t end) {
+    int32_t hi = prev_len;
+    while (open > 0 && depth[open - 1] >= h) {
+      --open;
+      fill(subtree_end + pos[open], hi - depth[open], end);
+      hi = depth[open];
+    }
+    if (open > 0 && h < hi) fill(subtree_end + pos[open - 1] + (h - depth[open - 1]), hi - h, end);
+  };
+
+  for (int32_t k = 0; k < S; k++) {
+    const int32_t s = order[k];
+    const int32_t start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
+    close_from(h, next);
+    // The shared prefix is the previous sorted sequence's nodes; its positions are still hot in cache.
+    if (h > 0) std::memcpy(seq_positions + start, seq_positions + prev_start, sizeof(int32_t) * h);
+    const int32_t fresh = len - h;
+    if (fresh > 0) {
+      std::memcpy(input_ids + next, tokens + start + h, sizeof(int32_t) * fresh);
+      iota(position_ids + next, fresh, h);
+      parent[next] = h > 0 ? seq_positions[start + h - 1] : -1;
+      iota(parent + next + 1, fresh - 1, next);
+      iota(seq_positions + start + h, fresh, next);
+      depth[open] = h;
+      pos[open++] = next;
+      next += fresh;
+    }
+    prev_start = start;
+    prev_len = len;
+  }
+  close_from(0, next);
+  return TP_OK;
+}
+
+void tp_plan_free(tp_plan* plan) { std::free(plan); }
+
+}  // extern "C"

@@ -1,0 +1,51 @@
+/*
+ * treepack CUDA C ABI (libtreepack_cuda.so, and linked into treepack_cuda.node): the device layer the mask and loss
+ * kernels sit on. Every function returns a cudaError_t value (0 = cudaSuccess); tp_cuda_error_string names it.
+ * With static cudart nothing here needs a GPU to load: without a driver calls return 35
+ * (cudaErrorInsufficientDriver), on a host with a driver but no GPU 100 (cudaErrorNoDevice).
+ */
+#ifndef TREEPACK_CUDA_H
+#define TREEPACK_CUDA_H
+
+#include <stdint.h>
+
+#include "../core/treepack.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tp_cuda_device {
+  char name[256];
+  int32_t major; /* compute capability */
+  int32_t minor;
+  int32_t multiprocessor_count;
+  int64_t total_global_mem; /* bytes */
+} tp_cuda_device;
+
+/* cudaGetErrorString: "CUDA driver version is insufficient for CUDA runtime version" for 35; static storage. */
+TP_API const char* tp_cuda_error_string(int code);
+
+/*
+ * Versions (1000 * major + 10 * minor; driver 0 when there is none), the device count, and the properties of the
+ * first min(count, capacity) devices. The versions are filled even when counting devices fails.
+ */
+TP_API int tp_cuda_device_info(int32_t* runtime_version, int32_t* driver_version, int32_t* count,
+                               tp_cuda_device* devices, int32_t capacity);
+
+/*
+ * dst[i] = src[idx[i]] for i in [0, n) on device pointers, enqueued on `stream` (a cudaStream_t; NULL is the
+ * default stream); an index outside [0, src_n) gives 0. This is the unmerge gather, e.g. input_ids[seq_positions].
+ * Returns the launch status; errors of the kernel itself surface at the next synchronisation.
+ */
+TP_API int tp_cuda_gather_i32(const int32_t* src, int64_t src_n, const int32_t* idx, int64_t n, int32_t* dst,
+                              void* stream);
+
+/* The same on host arrays through the current device: copies in, gathers, copies back, synchronously. */
+TP_API int tp_cuda_gather_i32_host(const int32_t* src, int64_t src_n, const int32_t* idx, int64_t n, int32_t* dst);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TREEPACK_CUDA_H */

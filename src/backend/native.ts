@@ -1,0 +1,133 @@
+/**
+ * Loads the native addons: the CPU addon `treepack.node` (node-gyp: build/Release, or cmake-js: build-cmake/Release)
+ * and, lazily and separately, the CUDA addon `treepack_cuda.node` (cmake-js only). Loading never throws: every
+ * failed attempt is collected into one `error` string that says why the backend is unavailable.
+ *
+ * Overrides: TREEPACK_NATIVE_BINDING / TREEPACK_CUDA_BINDING name one addon file (relative to the working
+ * directory); when set, only that file is tried.
+ */
+import fs from 'node:fs';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { TreepackError } from '../errors.js';
+import type { Forest, Sequences } from '../pack/contract.js';
+import { validateSequences } from '../pack/validate.js';
+
+/**
+ * Preallocated output arrays for reuse across calls. Each given array must be at least as long as needed (N for the
+ * node arrays, for which M is always enough; M for seq_positions; S+1 for seq_offsets) and must not share memory with
+ * the input or another output. The returned Forest holds views of exactly the needed length on the same memory.
+ */
+export type ForestBuffers = Partial<Forest>;
+
+export interface NativeBinding {
+  packForest(tokens: Int32Array, offsets: Int32Array, out?: ForestBuffers): Forest;
+  version(): string;
+  init(errorClass: typeof TreepackError): void;
+}
+
+export interface CudaDevice {
+  name: string;
+  major: number; // compute capability
+  minor: number;
+  totalGlobalMem: number; // bytes
+  multiProcessorCount: number;
+}
+
+export interface CudaBinding {
+  /** code is a cudaError_t: 0 ok, 35 no driver or one older than the runtime, 100 no device. */
+  deviceInfo(): { code: number; message: string; runtimeVersion: number; driverVersion: number; devices: CudaDevice[] };
+  /** dst[i] = src[idx[i]] on the first GPU (an index outside src gives 0); throws TreepackError E_BACKEND. */
+  gatherI32(src: Int32Array, idx: Int32Array): Int32Array;
+  version(): string;
+  init(errorClass: typeof TreepackError): void;
+}
+
+export type Loaded<B> = { binding: B; path: string } | { error: string };
+
+export type CudaDeviceInfo = { available: true; devices: CudaDevice[] } | { available: false; reason: string };
+
+const requireAddon = createRequire(import.meta.url);
+
+/** The nearest directory above this file whose package.json is treepack's: works from src/ and from dist/src/. */
+function packageRoot(): string {
+  const here = path.dirname(fileURLToPath(import.meta.url));
+  for (let dir = here; ; dir = path.dirname(dir)) {
+    try {
+      if (JSON.parse(fs.readFileSync(path.join(dir, 'package.json'), 'utf8')).name === 'treepack') return dir;
+    } catch {
+      // no package.json here, or not ours: keep walking up
+    }
+    if (path.dirname(dir) === dir) return path.resolve(here, '..', '..');
+  }
+}
+
+function loadAddon<B extends { init(errorClass: typeof TreepackError): void }>(
+  overrideVar: string,
+  relativePaths: string[],
+  buildHint: string,
+): Loaded<B> {
+  const override = process.env[overrideVar];
+  const root = override ? '' : packageRoot();
+  const candidates = override ? [path.resolve(override)] : relativePaths.map((p) => path.join(root, p));
+  const errors: string[] = [];
+  for (const file of candidates) {
+    if (!fs.existsSync(file)) {
+      errors.push(`${file}: not found`);
+      continue;
+    }
+    try {
+      const binding = requireAddon(file) as B;
+      binding.init(TreepackError);
+      return { binding, path: file };
+    } catch (e) {
+      errors.push(`${file}: ${e instanceof Error ? e.message : String(e)}`);
+    }
+  }
+  const prefix = override ? `${overrideVar} is set; ` : '';
+  return { error: `${prefix}${errors.join('; ')} (${buildHint})` };
+}
+
+let native: Loaded<NativeBinding> | undefined;
+let cuda: Loaded<CudaBinding> | undefined;
+
+/** The CPU addon, loaded once; `{error}` says why it is unavailable. */
+export function loadNative(): Loaded<NativeBinding> {
+  native ??= loadAddon<NativeBinding>(
+    'TREEPACK_NATIVE_BINDING',
+    ['build/Release/treepack.node', 'build-cmake/Release/treepack.node'],
+    'build it with `npm run build:native`',
+  );
+  return native;
+}
+
+/** The CUDA addon, loaded on first use only; loading succeeds without a GPU or driver (see cudaDeviceInfo). */
+export function loadCuda(): Loaded<CudaBinding> {
+  cuda ??= loadAddon<CudaBinding>(
+    'TREEPACK_CUDA_BINDING',
+    ['build-cmake/Release/treepack_cuda.node'],
+    'build it with `npm run build:cuda` on a machine with nvcc',
+  );
+  return cuda;
+}
+
+/** Whether the CUDA backend can run here, and if not, why (no addon, no driver, no device). Never throws. */
+export function cudaDeviceInfo(): CudaDeviceInfo {
+  const loaded = loadCuda();
+  if ('error' in loaded) return { available: false, reason: `CUDA addon not loaded: ${loaded.error}` };
+  const info = loaded.binding.deviceInfo();
+  if (info.code !== 0) {
+    return { available: false, reason: `CUDA error ${info.code}: ${info.message} (driver version ${info.driverVersion})` };
+  }
+  if (info.devices.length === 0) return { available: false, reason: 'no CUDA device' };
+  return { available: true, devices: info.devices };
+}
+
+/** packForest (src/pack/forest.ts) on the CPU addon: the same arrays, byte for byte. */
+export function packForestNative(seqs: Sequences, out?: ForestBuffers): Forest {
+  validateSequences(seqs);
+  const loaded = loadNative();
+  if ('error' in loaded) throw new TreepackError('E_BACKEND', `native backend unavailable: ${loaded.error}`);
+  return loaded.binding.packForest(seqs.tokens, seqs.offsets, out);
+}
