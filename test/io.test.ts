@@ -13,6 +13,7 @@ import { parseSafetensors, readSafetensors, writeSafetensors, type Tensor } from
 import { FORMAT, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type Sequences } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { checkForest } from '../src/pack/invariants.js';
+import { caught } from './helpers/errors.js';
 import { csr, randomBatch, rng } from './helpers/sequences.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-io-'));
@@ -65,14 +66,8 @@ function splitFile(bytes: Uint8Array): { header: Record<string, any>; data: Uint
 }
 
 function expectInputError(fn: () => unknown, file: string | undefined, field: string, message?: RegExp): void {
-  let caught: unknown;
-  try {
-    fn();
-  } catch (err) {
-    caught = err;
-  }
-  expect(caught).toBeInstanceOf(TreepackError);
-  const e = caught as TreepackError;
+  const e = caught(fn) as TreepackError;
+  expect(e).toBeInstanceOf(TreepackError);
   expect(e.code).toBe('E_INPUT');
   expect(e.where.file).toBe(file);
   expect(e.where.field).toBe(field);
@@ -241,15 +236,10 @@ describe('micro-batch files', () => {
       [{ advantages: new Float32Array(1 + batch.seq_positions.length) }, 'advantages'],
     ];
     for (const [change, field] of cases) {
-      let caught: unknown;
-      try {
-        writeMicroBatch(path, { ...batch, ...change });
-      } catch (err) {
-        caught = err;
-      }
-      expect(caught, field).toBeInstanceOf(TreepackError);
-      expect((caught as TreepackError).code).toBe('E_ARG');
-      expect((caught as TreepackError).where.field).toBe(field);
+      const err = caught(() => writeMicroBatch(path, { ...batch, ...change })) as TreepackError;
+      expect(err, field).toBeInstanceOf(TreepackError);
+      expect(err.code).toBe('E_ARG');
+      expect(err.where.field).toBe(field);
     }
     expect(() => writeMicroBatch(path, { ...batch, input_ids: Array.from(batch.input_ids) as never })).toThrow(/batch\.input_ids/);
     expect(() => writeMicroBatch(path, batch, new Map([['parent', { dtype: 'U8', shape: [0], data: new Uint8Array(0) }]]))).toThrow(/contract/);

@@ -4,35 +4,10 @@ import { cudaDeviceInfo, type ForestBuffers, loadCuda, loadNative, packForestNat
 import { TreepackError } from '../src/errors.js';
 import type { Forest, Sequences } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
+import { caught } from './helpers/errors.js';
+import { csr, rng, shuffle } from './helpers/sequences.js';
 
 const FIELDS = ['input_ids', 'position_ids', 'parent', 'subtree_end', 'seq_offsets', 'seq_positions'] as const;
-
-function mulberry32(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
-
-function toBatch(seqs: ArrayLike<number>[]): Sequences {
-  const offsets = new Int32Array(seqs.length + 1);
-  for (let i = 0; i < seqs.length; i++) offsets[i + 1] = offsets[i] + seqs[i].length;
-  const tokens = new Int32Array(offsets[seqs.length]);
-  seqs.forEach((s, i) => tokens.set(s, offsets[i]));
-  return { tokens, offsets };
-}
-
-function shuffle<T>(xs: T[], rand: () => number): T[] {
-  for (let i = xs.length - 1; i > 0; i--) {
-    const j = Math.floor(rand() * (i + 1));
-    [xs[i], xs[j]] = [xs[j], xs[i]];
-  }
-  return xs;
-}
 
 function bytes(a: Int32Array): Buffer {
   return Buffer.from(a.buffer, a.byteOffset, a.byteLength);
@@ -85,7 +60,7 @@ function randomBatch(rand: () => number): Sequences {
       seqs.push(Array.from({ length: Math.floor(rand() * (maxLen + 1)) }, () => alphabet[Math.floor(rand() * alphabet.length)]));
     }
   }
-  return toBatch(seqs);
+  return csr(seqs);
 }
 
 /** Episodes of requests where request k+1 extends request k, all behind one system prompt. */
@@ -115,7 +90,7 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
   });
 
   it('equals the js reference on random small-alphabet batches', () => {
-    const rand = mulberry32(12345);
+    const rand = rng(12345);
     for (let trial = 0; trial < 600; trial++) {
       const batch = randomBatch(rand);
       expectMatchesJs(batch);
@@ -127,49 +102,49 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
         for (let t = 0; t < Math.min(x.length, y.length); t++) if (x[t] !== y[t]) return x[t] - y[t];
         return x.length - y.length;
       });
-      expectMatchesJs(toBatch(order.map((i) => seqs[i])));
-      expectMatchesJs(toBatch(order.reverse().map((i) => seqs[i])));
+      expectMatchesJs(csr(order.map((i) => seqs[i])));
+      expectMatchesJs(csr(order.reverse().map((i) => seqs[i])));
     }
   });
 
   it('handles the edge cases: empty batch, empty sequences, single token, prefixes', () => {
-    expect(expectMatchesJs(toBatch([])).input_ids.length).toBe(0);
-    expect(expectMatchesJs(toBatch([[], [], []])).input_ids.length).toBe(0);
-    expectMatchesJs(toBatch([[], [7], [], [7]]));
-    expect(expectMatchesJs(toBatch([[42]])).parent).toEqual(new Int32Array([-1]));
-    expectMatchesJs(toBatch([[1, 2, 3, 4], [1, 2]]));
-    expectMatchesJs(toBatch([[1, 2], [1, 2, 3, 4]]));
-    expectMatchesJs(toBatch([[3, 2, 1], [3, 2], [3], []]));
-    expect(expectMatchesJs(toBatch([[1, 2, 3], [1, 2, 3]])).input_ids.length).toBe(3);
+    expect(expectMatchesJs(csr([])).input_ids.length).toBe(0);
+    expect(expectMatchesJs(csr([[], [], []])).input_ids.length).toBe(0);
+    expectMatchesJs(csr([[], [7], [], [7]]));
+    expect(expectMatchesJs(csr([[42]])).parent).toEqual(new Int32Array([-1]));
+    expectMatchesJs(csr([[1, 2, 3, 4], [1, 2]]));
+    expectMatchesJs(csr([[1, 2], [1, 2, 3, 4]]));
+    expectMatchesJs(csr([[3, 2, 1], [3, 2], [3], []]));
+    expect(expectMatchesJs(csr([[1, 2, 3], [1, 2, 3]])).input_ids.length).toBe(3);
   });
 
   it('handles a very deep batch: 200k tokens plus its prefixes', () => {
-    const rand = mulberry32(7);
+    const rand = rng(7);
     const long = Array.from({ length: 200_000 }, () => Math.floor(rand() * 3));
     const lengths = [0, 1, 2, 1000, 65_536, 100_000, 199_999, 200_000];
     for (let i = 0; i < 40; i++) lengths.push(Math.floor(rand() * 200_001));
-    const got = expectMatchesJs(toBatch(shuffle(lengths.map((n) => long.slice(0, n)), rand)));
+    const got = expectMatchesJs(csr(shuffle(lengths.map((n) => long.slice(0, n)), rand)));
     expect(got.input_ids.length).toBe(200_000);
     expect(got.subtree_end[0]).toBe(200_000);
   });
 
   it('handles a very wide batch: 10k sequences diverging at token 1', () => {
-    const rand = mulberry32(8);
+    const rand = rng(8);
     const seqs = Array.from({ length: 10_000 }, (_, i) => [7, i, ...Array.from({ length: Math.floor(rand() * 5) }, () => Math.floor(rand() * 4))]);
-    const got = expectMatchesJs(toBatch(shuffle(seqs, rand)));
+    const got = expectMatchesJs(csr(shuffle(seqs, rand)));
     expect(got.subtree_end[0]).toBe(got.input_ids.length);
   });
 
   it('handles agent-shaped chains in order, shuffled and reversed', () => {
-    const rand = mulberry32(9);
+    const rand = rng(9);
     const seqs = agentBatch(rand, 12, 9, 300, 40);
-    expectMatchesJs(toBatch(seqs));
-    expectMatchesJs(toBatch([...seqs].reverse()));
-    expectMatchesJs(toBatch(shuffle([...seqs], rand)));
+    expectMatchesJs(csr(seqs));
+    expectMatchesJs(csr([...seqs].reverse()));
+    expectMatchesJs(csr(shuffle([...seqs], rand)));
   });
 
   it('writes into reused output buffers and returns views of the needed length', () => {
-    const rand = mulberry32(10);
+    const rand = rng(10);
     const cap = 50_000;
     const out = {
       input_ids: new Int32Array(cap),
@@ -180,12 +155,12 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
       seq_offsets: new Int32Array(1000),
     };
     for (let trial = 0; trial < 20; trial++) {
-      const batch = trial % 2 ? randomBatch(rand) : toBatch(agentBatch(rand, 4, 5, 100, 30));
+      const batch = trial % 2 ? randomBatch(rand) : csr(agentBatch(rand, 4, 5, 100, 30));
       const got = expectMatchesJs(batch, out);
       for (const f of FIELDS) expect(got[f].buffer, f).toBe(out[f].buffer);
     }
     // Exact-length buffers come back as themselves; arrays left out are allocated.
-    const batch = toBatch([[1, 2, 3], [1, 2, 4]]);
+    const batch = csr([[1, 2, 3], [1, 2, 4]]);
     const exact = { input_ids: new Int32Array(4), seq_positions: new Int32Array(6) };
     const got = expectMatchesJs(batch, exact);
     expect(got.input_ids).toBe(exact.input_ids);
@@ -204,15 +179,10 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     const tokens = new Int32Array([1, 2, 3]);
     const offsets = new Int32Array([0, 1, 3]);
     const expectError = (f: () => unknown, code: string, message: RegExp) => {
-      let caught: unknown;
-      try {
-        f();
-      } catch (e) {
-        caught = e;
-      }
-      expect(caught).toBeInstanceOf(TreepackError);
-      expect((caught as TreepackError).code).toBe(code);
-      expect((caught as TreepackError).message).toMatch(message);
+      const err = caught(f);
+      expect(err).toBeInstanceOf(TreepackError);
+      expect((err as TreepackError).code).toBe(code);
+      expect((err as TreepackError).message).toMatch(message);
     };
     // Through the loader: validated in TypeScript first.
     expectError(() => packForestNative({ tokens: [1, 2, 3] as unknown as Int32Array, offsets }), 'E_ARG', /Int32Array for sequences.tokens/);

@@ -2,6 +2,7 @@
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
+import type { PipelineOptions } from './pipeline.js';
 
 export interface Parsed {
   values: Record<string, string | boolean | undefined>;
@@ -35,4 +36,21 @@ export function backendOption(v: string | undefined): BackendName | 'auto' {
 export function oneInput(positionals: string[], usage: string): string {
   if (positionals.length !== 1) throw new TreepackError('E_ARG', `expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
   return positionals[0];
+}
+
+/** The options every command that runs the pipeline takes (see PACK_USAGE for their help text). */
+export const PIPELINE_OPTIONS = {
+  tokenizer: { type: 'string' },
+  backend: { type: 'string' },
+  'max-naive-tokens': { type: 'string' },
+  'vocab-size': { type: 'string' },
+} as const;
+
+export function pipelineOptions(values: Parsed['values']): PipelineOptions {
+  return {
+    tokenizer: values.tokenizer as string | undefined,
+    backend: backendOption(values.backend as string | undefined),
+    maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
+    vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
+  };
 }

@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
-import { backendOption, oneInput, parse, positiveInt } from './args.js';
+import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions } from './args.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
 
@@ -40,11 +40,8 @@ export async function packCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
     {
+      ...PIPELINE_OPTIONS,
       out: { type: 'string' },
-      tokenizer: { type: 'string' },
-      backend: { type: 'string' },
-      'max-naive-tokens': { type: 'string' },
-      'vocab-size': { type: 'string' },
       quiet: { type: 'boolean' },
     },
     PACK_USAGE,
@@ -56,12 +53,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   const input = oneInput(positionals, PACK_USAGE);
   const out = values.out as string | undefined;
   if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
-  const opts = {
-    tokenizer: values.tokenizer as string | undefined,
-    backend: backendOption(values.backend as string | undefined),
-    maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
-    vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
-  };
+  const opts = pipelineOptions(values);
 
   mkdirSync(out, { recursive: true });
   const staging = join(out, `.treepack-staging-${process.pid}`);

@@ -1,6 +1,6 @@
 /** `treepack stats`: how much packing saves on an input, overall, per group and by branch depth. */
 import { performance } from 'node:perf_hooks';
-import { backendOption, oneInput, parse, positiveInt } from './args.js';
+import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt } from './args.js';
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
 import type { Sample } from '../records/types.js';
@@ -52,11 +52,8 @@ export async function statsCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
     {
+      ...PIPELINE_OPTIONS,
       json: { type: 'boolean' },
-      tokenizer: { type: 'string' },
-      backend: { type: 'string' },
-      'max-naive-tokens': { type: 'string' },
-      'vocab-size': { type: 'string' },
       groups: { type: 'string' },
     },
     STATS_USAGE,
@@ -66,33 +63,31 @@ export async function statsCommand(argv: string[]): Promise<number> {
     return 0;
   }
   const input = oneInput(positionals, STATS_USAGE);
-  const backend = backendOption(values.backend as string | undefined);
+  const opts = pipelineOptions(values);
+  const maxGroups = positiveInt('--groups', values.groups as string | undefined, 10)!;
   const stats = emptyStats();
   const progress = progressReporter();
   const histogram: number[] = [];
   const groups = new Map<string, Sample[]>();
   const t0 = performance.now();
-  const packer = await resolveKernel('packForest', backend);
-  const groupFigures: GroupStats[] = [];
-  // A group's own forest tells how much it shares internally; groups are finished when their micro-batch is.
+  const packer = await resolveKernel('packForest', opts.backend);
+  const groupFigures = new Map<string, GroupStats>();
+  // A group's own forest tells how much it shares internally. A group too large for one micro-batch is packed
+  // in parts, and its figures are the sum of its parts: what the micro-batches really hold.
   const closeGroups = () => {
     for (const [group, samples] of groups) {
       const seqs = toSequences(samples);
-      const packed = packer.kernel(seqs).input_ids.length;
-      const naive = seqs.tokens.length;
-      groupFigures.push({ group, samples: samples.length, naive_tokens: naive, packed_tokens: packed, compression: ratio(naive, packed) });
+      const g = groupFigures.get(group) ?? { group, samples: 0, naive_tokens: 0, packed_tokens: 0, compression: 0 };
+      g.samples += samples.length;
+      g.naive_tokens += seqs.tokens.length;
+      g.packed_tokens += packer.kernel(seqs).input_ids.length;
+      g.compression = ratio(g.naive_tokens, g.packed_tokens);
+      groupFigures.set(group, g);
     }
     groups.clear();
   };
   try {
-    const opts = {
-      tokenizer: values.tokenizer as string | undefined,
-      backend,
-      maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
-      vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
-      onProgress: progress.update,
-    };
-    for await (const { batch, samples } of packStream(input, opts, stats)) {
+    for await (const { batch, samples } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
       branchDepthHistogram(batch, histogram);
       for (const s of samples) {
         const list = groups.get(s.group);
@@ -115,12 +110,12 @@ export async function statsCommand(argv: string[]): Promise<number> {
     tokenizer: stats.tokenizer,
     backend: stats.backend,
     seconds: { ...stats.seconds, total: (performance.now() - t0) / 1000 },
-    groups: groupFigures,
+    groups: [...groupFigures.values()],
     branch_depth_histogram: histogram.map((count, k) => ({ depth: bucketLabel(k), count })),
     tokenizer_cache: stats.tokenizerCache,
   };
   if (values.json) console.log(JSON.stringify(report));
-  else console.log(formatStats(report, positiveInt('--groups', values.groups as string | undefined, 10)!));
+  else console.log(formatStats(report, maxGroups));
   return 0;
 }
 

@@ -74,12 +74,16 @@ export function agentBatch(seed: number, opts: { groups: number; episodes: numbe
   return csr(seqs);
 }
 
-export function shuffled<T>(xs: readonly T[], seed: number): { items: T[]; perm: number[] } {
-  const r = rng(seed);
-  const perm = xs.map((_, i) => i);
-  for (let i = perm.length - 1; i > 0; i--) {
-    const j = Math.floor(r() * (i + 1));
-    [perm[i], perm[j]] = [perm[j], perm[i]];
+/** Fisher–Yates in place; returns `xs`. */
+export function shuffle<T>(xs: T[], rand: () => number): T[] {
+  for (let i = xs.length - 1; i > 0; i--) {
+    const j = Math.floor(rand() * (i + 1));
+    [xs[i], xs[j]] = [xs[j], xs[i]];
   }
+  return xs;
+}
+
+export function shuffled<T>(xs: readonly T[], seed: number): { items: T[]; perm: number[] } {
+  const perm = shuffle(xs.map((_, i) => i), rng(seed));
   return { items: perm.map((i) => xs[i]), perm };
 }
