@@ -12,6 +12,7 @@ import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { listBackends } from '../src/backend/index.js';
+import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
 import { toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
@@ -87,7 +88,10 @@ function syntheticTokens(groups: number): Sequences {
 
 const t0 = performance.now();
 console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}`);
-for (const b of await listBackends()) console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}`);
+for (const b of await listBackends()) {
+  console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`);
+}
+await releaseWebGPU();
 
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));

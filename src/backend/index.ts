@@ -1,6 +1,7 @@
 /** Registers the built-in backends. Importing this module is what makes them resolvable. */
 import { packForest } from '../pack/forest.js';
-import { loadNative, packForestNative } from './native.js';
+import { cudaDeviceInfo, loadNative, packForestNative } from './native.js';
+import { webgpuContext } from './webgpu/device.js';
 import { registerBackend, registerKernel } from './registry.js';
 
 registerBackend('js', 0, () => 'TypeScript reference');
@@ -12,6 +13,20 @@ registerBackend('cpu', 10, () => {
   return `native addon ${loaded.path}`;
 });
 registerKernel('cpu', 'packForest', (seqs) => packForestNative(seqs));
+
+// GPU backends: registered so that `listBackends()` says whether each can run here and why not; their kernels
+// register beside them as the mask and loss steps add them.
+registerBackend('cuda', 30, () => {
+  const info = cudaDeviceInfo();
+  if (!info.available) throw new Error(info.reason);
+  return info.devices.map((d) => `${d.name} (sm_${d.major}${d.minor})`).join(', ');
+});
+
+registerBackend('webgpu', 20, async () => {
+  const r = await webgpuContext();
+  if (!r.ok) throw new Error(r.reason);
+  return `${r.ctx.description} via Dawn ${r.ctx.backend}${r.ctx.isFallbackAdapter ? ' (software adapter)' : ''}`;
+});
 
 export { listBackends, resolveKernel, BACKEND_NAMES } from './registry.js';
 export type { BackendName, BackendStatus, Resolved } from './registry.js';
