@@ -229,6 +229,12 @@ const char* tp_status_string(int code) {
       return "too large: counts and positions must fit in int32";
     case TP_ERR_ALLOC:
       return "out of memory";
+    case TP_ERR_TREE:
+      return "not a packed forest: parent[p] must be in [-1, p) and subtree_end[p] in (p, N]";
+    case TP_ERR_CAPACITY:
+      return "output array too small";
+    case TP_ERR_SHARED:
+      return "cu_seqlens needs a forest with no sharing, but a node has more than one child";
     default:
       return "unknown treepack status";
   }

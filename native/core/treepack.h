@@ -36,7 +36,10 @@ enum tp_status {
   TP_ERR_ARG = 1,       /* a null pointer where data is required, or a negative count */
   TP_ERR_OFFSETS = 2,   /* offsets[0] != 0, offsets decreasing, or offsets[S] != number of tokens */
   TP_ERR_TOO_LARGE = 3, /* a count over INT32_MAX: positions and indices are int32 */
-  TP_ERR_ALLOC = 4      /* out of memory */
+  TP_ERR_ALLOC = 4,     /* out of memory */
+  TP_ERR_TREE = 5,      /* parent or subtree_end out of range: parent[p] in [-1, p), subtree_end[p] in (p, N] */
+  TP_ERR_CAPACITY = 6,  /* the output array is too small; the needed count was written */
+  TP_ERR_SHARED = 7     /* the forest shares prefixes, so cu_seqlens cannot express its mask */
 };
 
 /* Opaque: the sorted order of the sequences plus the scratch the layout needs. */
@@ -69,5 +72,7 @@ TP_API void tp_plan_free(tp_plan* plan);
 #ifdef __cplusplus
 }
 #endif
+
+#include "mask.h"
 
 #endif /* TREEPACK_H */

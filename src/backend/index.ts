@@ -1,11 +1,22 @@
 /** Registers the built-in backends. Importing this module is what makes them resolvable. */
+import { maskBlocks } from '../mask/blocks.js';
+import { maskCuSeqlens } from '../mask/cuseqlens.js';
+import { maskBits, maskDense } from '../mask/dense.js';
+import { maskSlices } from '../mask/slices.js';
 import { packForest } from '../pack/forest.js';
+import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
 import { cudaDeviceInfo, loadNative, packForestNative } from './native.js';
 import { webgpuContext } from './webgpu/device.js';
+import { maskBitsWebGPU, maskBlocksWebGPU, maskDenseWebGPU } from './webgpu/mask.js';
 import { registerBackend, registerKernel } from './registry.js';
 
 registerBackend('js', 0, () => 'TypeScript reference');
 registerKernel('js', 'packForest', packForest);
+registerKernel('js', 'maskDense', async (t) => maskDense(t));
+registerKernel('js', 'maskBits', async (t) => maskBits(t));
+registerKernel('js', 'maskBlocks', async (t, b) => maskBlocks(t, b));
+registerKernel('js', 'maskSlices', async (t) => maskSlices(t));
+registerKernel('js', 'maskCuSeqlens', async (t) => maskCuSeqlens(t));
 
 registerBackend('cpu', 10, () => {
   const loaded = loadNative();
@@ -13,6 +24,11 @@ registerBackend('cpu', 10, () => {
   return `native addon ${loaded.path}`;
 });
 registerKernel('cpu', 'packForest', (seqs) => packForestNative(seqs));
+registerKernel('cpu', 'maskDense', async (t) => maskDenseCpu(t));
+registerKernel('cpu', 'maskBits', async (t) => maskBitsCpu(t));
+registerKernel('cpu', 'maskBlocks', async (t, b) => maskBlocksCpu(t, b));
+registerKernel('cpu', 'maskSlices', async (t) => maskSlicesCpu(t));
+registerKernel('cpu', 'maskCuSeqlens', async (t) => maskCuSeqlensCpu(t));
 
 // GPU backends: registered so that `listBackends()` says whether each can run here and why not; their kernels
 // register beside them as the mask and loss steps add them.
@@ -27,6 +43,11 @@ registerBackend('webgpu', 20, async () => {
   if (!r.ok) throw new Error(r.reason);
   return `${r.ctx.description} via Dawn ${r.ctx.backend}${r.ctx.isFallbackAdapter ? ' (software adapter)' : ''}`;
 });
+// Slices and cu_seqlens are one sequential O(N) walk of the tree whose output the trainer consumes on the host:
+// GPU backends leave them to cpu/js.
+registerKernel('webgpu', 'maskDense', maskDenseWebGPU);
+registerKernel('webgpu', 'maskBits', maskBitsWebGPU);
+registerKernel('webgpu', 'maskBlocks', maskBlocksWebGPU);
 
 export { listBackends, resolveKernel, BACKEND_NAMES } from './registry.js';
 export type { BackendName, BackendStatus, Resolved } from './registry.js';

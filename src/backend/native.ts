@@ -11,6 +11,7 @@ import { createRequire } from 'node:module';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { TreepackError } from '../errors.js';
+import type { BlockMask } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 import { validateSequences } from '../pack/validate.js';
 
@@ -23,6 +24,12 @@ export type ForestBuffers = Partial<Forest>;
 
 export interface NativeBinding {
   packForest(tokens: Int32Array, offsets: Int32Array, out?: ForestBuffers): Forest;
+  /** Mask lowerings (native/core/mask.h); the arrays are validated by src/mask/validate.ts first. */
+  maskDense(parent: Int32Array, subtree_end: Int32Array): Uint8Array;
+  maskBits(parent: Int32Array, subtree_end: Int32Array): Uint32Array;
+  maskBlocks(subtree_end: Int32Array, blockSize: number): Omit<BlockMask, 'block_size' | 'num_blocks'>;
+  maskSlices(parent: Int32Array, subtree_end: Int32Array): Int32Array;
+  maskCuSeqlens(parent: Int32Array): Int32Array;
   version(): string;
   init(errorClass: typeof TreepackError): void;
 }

@@ -5,6 +5,7 @@
  * together with a report of what was tried and why, so callers can say what ran.
  */
 import { TreepackError } from '../errors.js';
+import type { BlockMask, TreeArrays } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 
 export type BackendName = 'cuda' | 'webgpu' | 'cpu' | 'js';
@@ -13,6 +14,12 @@ export const BACKEND_NAMES: readonly BackendName[] = ['cuda', 'webgpu', 'cpu', '
 /** Every op a backend may implement. Later pipeline steps (masks, loss) add theirs here. */
 export interface Kernels {
   packForest: (seqs: Sequences) => Forest;
+  /** Mask lowerings (src/mask): async because GPU backends read their results back. */
+  maskDense: (tree: TreeArrays) => Promise<Uint8Array>;
+  maskBits: (tree: TreeArrays) => Promise<Uint32Array>;
+  maskBlocks: (tree: TreeArrays, blockSize: number) => Promise<BlockMask>;
+  maskSlices: (tree: TreeArrays) => Promise<Int32Array>;
+  maskCuSeqlens: (tree: TreeArrays) => Promise<Int32Array>;
 }
 export type OpName = keyof Kernels;
 

@@ -19,13 +19,12 @@ class Violations {
 }
 
 /**
- * Node invariants. Parents must precede their children (which also makes the parent relation acyclic) and
- * position_ids must be depths. One backward pass then recomputes, per node, the end of the smallest interval
- * holding its subtree and its subtree's size: the interval is exactly the subtree, as the attention rule
- * `k <= q < subtree_end[k]` needs, iff its length equals that size (the layout is a DFS preorder).
+ * Tree invariants. Parents must precede their children (which also makes the parent relation acyclic). One
+ * backward pass then recomputes, per node, the end of the smallest interval holding its subtree and its subtree's
+ * size: the interval is exactly the subtree, as the attention rule `k <= q < subtree_end[k]` needs, iff its
+ * length equals that size (the layout is a DFS preorder).
  */
-function checkNodes(f: Forest, out: Violations): void {
-  const { position_ids, parent, subtree_end } = f;
+function checkTree(parent: Int32Array, subtree_end: Int32Array, out: Violations): void {
   const N = parent.length;
   const end = new Int32Array(N);
   const size = new Int32Array(N);
@@ -33,14 +32,7 @@ function checkNodes(f: Forest, out: Violations): void {
     end[p] = p + 1;
     size[p] = 1;
     const q = parent[p];
-    if (!(q >= -1 && q < p)) {
-      out.add(`parent[${p}] = ${q}: expected -1 (a root) or a position before ${p}`);
-      continue;
-    }
-    const depth = q < 0 ? 0 : position_ids[q] + 1;
-    if (position_ids[p] !== depth) {
-      out.add(`position_ids[${p}] = ${position_ids[p]}: expected ${depth} (${q < 0 ? 'a root' : `parent ${q} has position ${position_ids[q]}`})`);
-    }
+    if (!(q >= -1 && q < p)) out.add(`parent[${p}] = ${q}: expected -1 (a root) or a position before ${p}`);
   }
   for (let p = N - 1; p >= 0; p--) {
     const q = parent[p];
@@ -54,6 +46,27 @@ function checkNodes(f: Forest, out: Violations): void {
       out.add(`subtree of ${p} is not contiguous: positions ${p}..${end[p] - 1} hold only ${size[p]} of its nodes (layout is not a DFS preorder)`);
     }
     if (subtree_end[p] !== end[p]) out.add(`subtree_end[${p}] = ${subtree_end[p]}: expected ${end[p]} from parent`);
+  }
+}
+
+/** Violations of the tree invariants alone (parent before child, DFS preorder, subtree_end from parent). */
+export function treeViolations(parent: Int32Array, subtree_end: Int32Array): string[] {
+  const out = new Violations();
+  checkTree(parent, subtree_end, out);
+  return out.result();
+}
+
+/** Node invariants: the tree, and position_ids = depth. */
+function checkNodes(f: Forest, out: Violations): void {
+  const { position_ids, parent, subtree_end } = f;
+  checkTree(parent, subtree_end, out);
+  for (let p = 0; p < parent.length; p++) {
+    const q = parent[p];
+    if (!(q >= -1 && q < p)) continue;
+    const depth = q < 0 ? 0 : position_ids[q] + 1;
+    if (position_ids[p] !== depth) {
+      out.add(`position_ids[${p}] = ${position_ids[p]}: expected ${depth} (${q < 0 ? 'a root' : `parent ${q} has position ${position_ids[q]}`})`);
+    }
   }
 }
 

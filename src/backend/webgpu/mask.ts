@@ -1,0 +1,140 @@
+/**
+ * The mask lowerings on WebGPU (kernels in mask.wgsl.ts). Inputs are validated in TS, outputs sized against the
+ * device's limits before anything is allocated (the Mesa GL software adapter binds at most 128 MiB per storage
+ * buffer), and read back into typed arrays equal to the js reference's.
+ */
+import { TreepackError } from '../../errors.js';
+import { numBlocks } from '../../mask/blocks.js';
+import { bitsWordsPerRow } from '../../mask/dense.js';
+import type { BlockMask, TreeArrays } from '../../mask/types.js';
+import { checkBytes, validateBlockSize, validateTree } from '../../mask/validate.js';
+import { webgpuContext, type WebGPUContext } from './device.js';
+import { BITS_WGSL, BLOCK_ENDS_WGSL, BLOCK_ROWS_WGSL, DENSE_WGSL, WORKGROUP_SIZE } from './mask.wgsl.js';
+
+async function context(): Promise<WebGPUContext> {
+  const r = await webgpuContext();
+  if (!r.ok) throw new TreepackError('E_BACKEND', `webgpu backend unavailable: ${r.reason}`);
+  return r.ctx;
+}
+
+/** The largest buffer one binding may hold on this device. */
+function maxBindingBytes(device: GPUDevice): number {
+  return Math.min(device.limits.maxStorageBufferBindingSize, device.limits.maxBufferSize);
+}
+
+function checkFits(device: GPUDevice, what: string, bytes: number, N: number): void {
+  checkBytes(what, bytes, maxBindingBytes(device), `webgpu storage-buffer (maxStorageBufferBindingSize)`, N);
+}
+
+const pipelines = new WeakMap<GPUDevice, Map<string, GPUComputePipeline>>();
+
+function pipeline(device: GPUDevice, code: string): GPUComputePipeline {
+  let cache = pipelines.get(device);
+  if (!cache) pipelines.set(device, (cache = new Map()));
+  let p = cache.get(code);
+  if (!p) {
+    p = device.createComputePipeline({ layout: 'auto', compute: { module: device.createShaderModule({ code }), entryPoint: 'main' } });
+    cache.set(code, p);
+  }
+  return p;
+}
+
+/** Storage buffers are at least 4 bytes (an empty binding is invalid) and a multiple of 4. */
+function storage(device: GPUDevice, bytes: number, data?: Int32Array): GPUBuffer {
+  const size = Math.max(4, Math.ceil(bytes / 4) * 4);
+  const buf = device.createBuffer({ size, usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST });
+  if (data && data.byteLength > 0) device.queue.writeBuffer(buf, 0, data.buffer, data.byteOffset, data.byteLength);
+  return buf;
+}
+
+function params(device: GPUDevice, n: number, block: number, nb: number, width: number): GPUBuffer {
+  const buf = device.createBuffer({ size: 16, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
+  device.queue.writeBuffer(buf, 0, new Uint32Array([n, block, nb, width]));
+  return buf;
+}
+
+function dispatch(device: GPUDevice, pass: GPUComputePassEncoder, code: string, buffers: GPUBuffer[], invocations: number): void {
+  const p = pipeline(device, code);
+  pass.setPipeline(p);
+  pass.setBindGroup(0, device.createBindGroup({ layout: p.getBindGroupLayout(0), entries: buffers.map((buffer, binding) => ({ binding, resource: { buffer } })) }));
+  const groups = Math.ceil(invocations / WORKGROUP_SIZE);
+  const maxX = device.limits.maxComputeWorkgroupsPerDimension;
+  const x = Math.max(1, Math.min(groups, maxX));
+  pass.dispatchWorkgroups(x, Math.max(1, Math.ceil(groups / x)));
+}
+
+/** Runs the passes, then copies `outputs` into mappable buffers and reads them back (the first `bytes` of each). */
+async function run(device: GPUDevice, encode: (pass: GPUComputePassEncoder) => void, outputs: [GPUBuffer, number][], owned: GPUBuffer[]): Promise<ArrayBuffer[]> {
+  const enc = device.createCommandEncoder();
+  const pass = enc.beginComputePass();
+  encode(pass);
+  pass.end();
+  const reads = outputs.map(([buf]) => device.createBuffer({ size: buf.size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST }));
+  outputs.forEach(([buf], i) => enc.copyBufferToBuffer(buf, 0, reads[i], 0, buf.size));
+  device.pushErrorScope('validation');
+  device.pushErrorScope('out-of-memory');
+  device.queue.submit([enc.finish()]);
+  const oom = await device.popErrorScope();
+  const invalid = await device.popErrorScope();
+  try {
+    if (oom || invalid) throw new TreepackError('E_BACKEND', `webgpu mask kernel failed: ${(oom ?? invalid)!.message}`);
+    return await Promise.all(
+      reads.map(async (r, i) => {
+        await r.mapAsync(GPUMapMode.READ);
+        const copy = r.getMappedRange(0, outputs[i][1]).slice(0);
+        r.unmap();
+        return copy;
+      }),
+    );
+  } finally {
+    for (const b of [...reads, ...owned]) b.destroy();
+  }
+}
+
+export async function maskDenseWebGPU(tree: TreeArrays): Promise<Uint8Array> {
+  const N = validateTree(tree);
+  const { device } = await context();
+  checkFits(device, 'a dense mask', N * N, N);
+  const words = Math.ceil((N * N) / 4);
+  const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * words), P = params(device, N, 0, 0, words);
+  const [bytes] = await run(device, (pass) => dispatch(device, pass, DENSE_WGSL, [P, se, out], words), [[out, N * N]], [se, out, P]);
+  return new Uint8Array(bytes);
+}
+
+export async function maskBitsWebGPU(tree: TreeArrays): Promise<Uint32Array> {
+  const N = validateTree(tree);
+  const { device } = await context();
+  const W = bitsWordsPerRow(N);
+  checkFits(device, 'a bitmask', 4 * N * W, N);
+  const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * N * W), P = params(device, N, 0, 0, W);
+  const [bytes] = await run(device, (pass) => dispatch(device, pass, BITS_WGSL, [P, se, out], N * W), [[out, 4 * N * W]], [se, out, P]);
+  return new Uint32Array(bytes);
+}
+
+export async function maskBlocksWebGPU(tree: TreeArrays, blockSize: number): Promise<BlockMask> {
+  const N = validateTree(tree);
+  const B = validateBlockSize(blockSize);
+  const { device } = await context();
+  const nb = numBlocks(N, B);
+  checkFits(device, 'a block mask index array', 4 * nb * nb, N);
+  const se = storage(device, 4 * N, tree.subtree_end), ends = storage(device, 8 * nb), nums = storage(device, 8 * nb);
+  const kvIdx = storage(device, 4 * nb * nb), fullIdx = storage(device, 4 * nb * nb), P = params(device, N, B, nb, 0);
+  const [numBytes, kvBytes, fullBytes] = await run(
+    device,
+    (pass) => {
+      dispatch(device, pass, BLOCK_ENDS_WGSL, [P, se, ends], nb);
+      dispatch(device, pass, BLOCK_ROWS_WGSL, [P, ends, nums, kvIdx, fullIdx], nb);
+    },
+    [[nums, 8 * nb], [kvIdx, 4 * nb * nb], [fullIdx, 4 * nb * nb]],
+    [se, ends, nums, kvIdx, fullIdx, P],
+  );
+  const counts = new Int32Array(numBytes);
+  return {
+    block_size: B,
+    num_blocks: nb,
+    block_kv_num_blocks: counts.slice(0, nb),
+    block_kv_indices: new Int32Array(kvBytes),
+    block_full_kv_num_blocks: counts.slice(nb),
+    block_full_kv_indices: new Int32Array(fullBytes),
+  };
+}
