@@ -108,39 +108,27 @@ int tp_mask_blocks(const int32_t* subtree_end, int64_t n, int32_t block_size, in
   if (nb > 0 && (kv_num == nullptr || kv_idx == nullptr || full_num == nullptr || full_idx == nullptr)) {
     return TP_ERR_ARG;
   }
-  // Per kv block j: query blocks (j, full_end[j]) see it whole, [.., any_end[j]) in part.
-  Scratch<int32_t> full_end = Allocate<int32_t>(nb), any_end = Allocate<int32_t>(nb);
-  if (!full_end || !any_end) return TP_ERR_ALLOC;
+  if (nb == 0) return TP_OK;
+  std::memset(kv_num, 0, sizeof(int32_t) * static_cast<size_t>(nb));
+  std::memset(full_num, 0, sizeof(int32_t) * static_cast<size_t>(nb));
+  // Column by column: kv block j is full for query blocks (j, full_end) and partial for [.., any_end), so only
+  // listed entries are visited, and ascending j keeps every row ascending.
   for (int64_t j = 0; j < nb; j++) {
     int32_t lo = INT32_MAX, hi = 0;
     for (int64_t k = j * B, end = std::min(n, k + B); k < end; k++) {
       lo = std::min(lo, subtree_end[k]);
       hi = std::max(hi, subtree_end[k]);
     }
-    full_end[j] = static_cast<int32_t>(lo / B);
-    any_end[j] = static_cast<int32_t>(std::min<int64_t>(nb, (hi + B - 1) / B));
-  }
-  // Row by row, so each index row is written front to back (a column walk would stride by nb at every write).
-  for (int64_t i = 0; i < nb; i++) {
-    int32_t* part = kv_idx + i * nb;
-    int32_t* full = full_idx + i * nb;
-    int32_t np = 0, nf = 0;
-    for (int64_t j = 0; j < i; j++) {
-      if (i < full_end[j]) {
-        full[nf++] = static_cast<int32_t>(j);
-      } else if (i < any_end[j]) {
-        part[np++] = static_cast<int32_t>(j);
-      }
-    }
+    const int32_t jj = static_cast<int32_t>(j);
     if (B == 1) {
-      full[nf++] = static_cast<int32_t>(i);
+      full_idx[j * nb + full_num[j]++] = jj;
     } else {
-      part[np++] = static_cast<int32_t>(i);
+      kv_idx[j * nb + kv_num[j]++] = jj;
     }
-    std::fill(part + np, part + nb, 0);
-    std::fill(full + nf, full + nb, 0);
-    kv_num[i] = np;
-    full_num[i] = nf;
+    const int64_t full_end = lo / B, any_end = std::min<int64_t>(nb, (hi + B - 1) / B);
+    int64_t i = j + 1;
+    for (; i < full_end; i++) full_idx[i * nb + full_num[i]++] = jj;
+    for (; i < any_end; i++) kv_idx[i * nb + kv_num[i]++] = jj;
   }
   return TP_OK;
 }

@@ -25,7 +25,9 @@ TP_API int tp_mask_bits(const int32_t* parent, const int32_t* subtree_end, int64
 
 /*
  * FlexAttention BlockMask for block size B >= 1, nb = ceil(n / B): kv_num[nb], kv_idx[nb * nb] (partial kv
- * blocks per query block, ascending, padded with 0), full_num[nb], full_idx[nb * nb] (full blocks likewise).
+ * blocks per query block, ascending), full_num[nb], full_idx[nb * nb] (full blocks likewise). Work is
+ * O(n + listed blocks): kv_idx and full_idx must come zeroed (calloc, torch.zeros), as the padding is 0 and is
+ * not written; the counts are.
  */
 TP_API int tp_mask_blocks(const int32_t* subtree_end, int64_t n, int32_t block_size, int32_t* kv_num, int32_t* kv_idx,
                           int32_t* full_num, int32_t* full_idx);

@@ -1,6 +1,7 @@
 /** Packed-forest tree arrays for mask tests: random preorder shapes straight from a seed, and brute-force oracles. */
 import type { TreeArrays } from '../../src/mask/types.js';
-import { rng } from './sequences.js';
+import { packForest } from '../../src/pack/forest.js';
+import { csr, randomBatch, rng } from './sequences.js';
 
 /** subtree_end from parent by the backward pass of src/pack/forest.ts (parents precede children). */
 export function subtreeEnds(parent: Int32Array): Int32Array {
@@ -36,4 +37,23 @@ export function ancestorOracle(parent: Int32Array): (q: number, k: number) => bo
     for (let x = q; x >= 0; x = parent[x]) if (x === k) return true;
     return false;
   };
+}
+
+export const packed = (seqs: number[][]): TreeArrays => packForest(csr(seqs));
+
+/** Named small forests: the edge cases of the contract plus random shapes. */
+export function smallForests(): [string, TreeArrays][] {
+  const cases: [string, TreeArrays][] = [
+    ['empty batch', packed([])],
+    ['empty sequences only', packed([[], []])],
+    ['one token', packed([[7]])],
+    ['duplicates', packed([[1, 2, 3], [1, 2, 3], [1, 2, 3]])],
+    ['a sequence that is a prefix of another', packed([[1, 2], [1, 2, 3, 4], [1]])],
+    ['deep chain', packed([Array.from({ length: 300 }, (_, i) => i % 5)])],
+    ['wide fan-out', packed(Array.from({ length: 200 }, (_, i) => [9, i]))],
+    ['roots only', packed(Array.from({ length: 150 }, (_, i) => [i]))],
+  ];
+  for (let seed = 1; seed <= 12; seed++) cases.push([`random batch ${seed}`, packed(randomBatch(seed, { count: 30, maxLen: 20 }))]);
+  for (const [i, pop] of [0, 0.05, 0.3, 0.8, 1].entries()) cases.push([`random tree pop=${pop}`, randomTree(100 + i, 333, { pop })]);
+  return cases;
 }

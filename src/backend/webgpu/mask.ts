@@ -81,7 +81,8 @@ async function run(device: GPUDevice, encode: (pass: GPUComputePassEncoder) => v
     return await Promise.all(
       reads.map(async (r, i) => {
         await r.mapAsync(GPUMapMode.READ);
-        const copy = r.getMappedRange(0, outputs[i][1]).slice(0);
+        // Mapped ranges come in multiples of 4 bytes; the dense mask may end mid-word.
+        const copy = r.getMappedRange().slice(0, outputs[i][1]);
         r.unmap();
         return copy;
       }),
