@@ -9,6 +9,7 @@
 import { afterAll, describe, expect, it } from 'vitest';
 import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
 import type { OpName } from '../src/backend/registry.js';
+import { cudaDeviceInfo, loadCuda } from '../src/backend/native.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
 import { maskBlocks } from '../src/mask/blocks.js';
@@ -17,6 +18,7 @@ import { maskBits, maskDense } from '../src/mask/dense.js';
 import { maskSlices } from '../src/mask/slices.js';
 import type { TreeArrays } from '../src/mask/types.js';
 import { packForest } from '../src/pack/forest.js';
+import { caught } from './helpers/errors.js';
 import { agentBatch } from './helpers/sequences.js';
 import { packed, randomTree, smallForests } from './helpers/trees.js';
 
@@ -122,6 +124,20 @@ describe('mask backends: limits and fallback', () => {
     const blocks = (await resolveKernel('maskBlocks', 'webgpu')).kernel;
     await expect(blocks(tree, 16)).rejects.toMatchObject({ code: 'E_LIMIT', message: expect.stringMatching(/block mask index array for N = 100000 needs 156250000 bytes, over the webgpu storage-buffer/) });
     await expect((await resolveKernel('maskDense', 'webgpu')).kernel(tree)).rejects.toMatchObject({ code: 'E_LIMIT' });
+  });
+
+  it('an unavailable backend is refused with its reason when named, and never crashes the process', async () => {
+    for (const s of statuses.filter((b) => !b.available)) {
+      await expect(resolveKernel('maskBlocks', s.name)).rejects.toMatchObject({ code: 'E_BACKEND', message: expect.stringContaining(s.detail) });
+    }
+    // The CUDA addon, when built, loads without a GPU and its kernels answer with the CUDA error.
+    const cuda = loadCuda();
+    const info = cudaDeviceInfo();
+    if ('error' in cuda || info.available) return console.log(`cuda no-device check skipped: ${'error' in cuda ? cuda.error : 'a GPU is present'}`);
+    const err = caught(() => cuda.binding.maskBlocks(randomTree(1, 100).subtree_end, 64)) as TreepackError;
+    expect(err).toBeInstanceOf(TreepackError);
+    expect(err.code).toBe('E_BACKEND');
+    expect(err.message).toMatch(/^CUDA error \d+: /);
   });
 
   it('auto resolution reports what it skipped and falls back to a backend that has the op', async () => {

@@ -44,6 +44,22 @@ TP_API int tp_cuda_gather_i32(const int32_t* src, int64_t src_n, const int32_t* 
 /* The same on host arrays through the current device: copies in, gathers, copies back, synchronously. */
 TP_API int tp_cuda_gather_i32_host(const int32_t* src, int64_t src_n, const int32_t* idx, int64_t n, int32_t* dst);
 
+/*
+ * Mask lowerings (native/core/mask.h gives the layouts) on device pointers, enqueued on `stream`; the whole
+ * output is written, padding included. subtree_end must satisfy subtree_end[k] in (k, n]; the caller validates
+ * the tree (src/mask/validate.ts). The block mask needs a device workspace of 2 * nb int32.
+ */
+TP_API int tp_cuda_mask_dense(const int32_t* subtree_end, int64_t n, uint8_t* out, void* stream);
+TP_API int tp_cuda_mask_bits(const int32_t* subtree_end, int64_t n, uint32_t* out, void* stream);
+TP_API int tp_cuda_mask_blocks(const int32_t* subtree_end, int64_t n, int32_t block_size, int32_t* workspace,
+                               int32_t* kv_num, int32_t* kv_idx, int32_t* full_num, int32_t* full_idx, void* stream);
+
+/* The same on host arrays through the current device, synchronously; *kernel_ms gets the kernels' time alone. */
+TP_API int tp_cuda_mask_dense_host(const int32_t* subtree_end, int64_t n, uint8_t* out, float* kernel_ms);
+TP_API int tp_cuda_mask_bits_host(const int32_t* subtree_end, int64_t n, uint32_t* out, float* kernel_ms);
+TP_API int tp_cuda_mask_blocks_host(const int32_t* subtree_end, int64_t n, int32_t block_size, int32_t* kv_num,
+                                    int32_t* kv_idx, int32_t* full_num, int32_t* full_idx, float* kernel_ms);
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,6 +5,7 @@
 
 #include "../cuda/treepack_cuda.h"
 #include "addon_util.h"
+#include "cuda_mask_binding.h"
 
 namespace {
 
@@ -59,6 +60,7 @@ Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   exports.Set("gatherI32", Napi::Function::New(env, GatherI32, "gatherI32"));
   exports.Set("version", Napi::Function::New(env, Version, "version"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
+  RegisterCudaMask(env, exports);
   return exports;
 }
 

@@ -4,6 +4,7 @@ import { maskCuSeqlens } from '../mask/cuseqlens.js';
 import { maskBits, maskDense } from '../mask/dense.js';
 import { maskSlices } from '../mask/slices.js';
 import { packForest } from '../pack/forest.js';
+import { maskBitsCuda, maskBlocksCudaTimed, maskDenseCuda } from './mask-cuda.js';
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
 import { cudaDeviceInfo, loadNative, packForestNative } from './native.js';
 import { webgpuContext } from './webgpu/device.js';
@@ -30,13 +31,16 @@ registerKernel('cpu', 'maskBlocks', async (t, b) => maskBlocksCpu(t, b));
 registerKernel('cpu', 'maskSlices', async (t) => maskSlicesCpu(t));
 registerKernel('cpu', 'maskCuSeqlens', async (t) => maskCuSeqlensCpu(t));
 
-// GPU backends: registered so that `listBackends()` says whether each can run here and why not; their kernels
-// register beside them as the mask and loss steps add them.
+// GPU backends: registered so that `listBackends()` says whether each can run here and why not; each kernel
+// registers beside its backend.
 registerBackend('cuda', 30, () => {
   const info = cudaDeviceInfo();
   if (!info.available) throw new Error(info.reason);
   return info.devices.map((d) => `${d.name} (sm_${d.major}${d.minor})`).join(', ');
 });
+registerKernel('cuda', 'maskDense', async (t) => maskDenseCuda(t));
+registerKernel('cuda', 'maskBits', async (t) => maskBitsCuda(t));
+registerKernel('cuda', 'maskBlocks', async (t, b) => maskBlocksCudaTimed(t, b).mask);
 
 registerBackend('webgpu', 20, async () => {
   const r = await webgpuContext();

@@ -47,6 +47,10 @@ export interface CudaBinding {
   deviceInfo(): { code: number; message: string; runtimeVersion: number; driverVersion: number; devices: CudaDevice[] };
   /** dst[i] = src[idx[i]] on the first GPU (an index outside src gives 0); throws TreepackError E_BACKEND. */
   gatherI32(src: Int32Array, idx: Int32Array): Int32Array;
+  /** Mask lowerings on the first GPU (native/cuda/mask.cu); kernelMs is the kernels' own time. E_BACKEND on failure. */
+  maskDense(subtree_end: Int32Array): { data: Uint8Array; kernelMs: number };
+  maskBits(subtree_end: Int32Array): { data: Uint32Array; kernelMs: number };
+  maskBlocks(subtree_end: Int32Array, blockSize: number): { data: Omit<BlockMask, 'block_size' | 'num_blocks'>; kernelMs: number };
   version(): string;
   init(errorClass: typeof TreepackError): void;
 }
