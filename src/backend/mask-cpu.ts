@@ -1,6 +1,7 @@
 /** The mask lowerings on the CPU addon (native/core/mask.cc): validation and limits here, the work in C++. */
 import { TreepackError } from '../errors.js';
 import { blockMaskBytes, MAX_BLOCK_MASK_BYTES, numBlocks } from '../mask/blocks.js';
+import { checkNoSharing } from '../mask/cuseqlens.js';
 import { bitsBytes, denseBytes, MAX_DENSE_BYTES } from '../mask/dense.js';
 import type { BlockMask, TreeArrays } from '../mask/types.js';
 import { checkBytes, validateBlockSize, validateTree } from '../mask/validate.js';
@@ -38,5 +39,6 @@ export function maskSlicesCpu(tree: TreeArrays): Int32Array {
 
 export function maskCuSeqlensCpu(tree: TreeArrays): Int32Array {
   validateTree(tree);
+  checkNoSharing(tree.parent);
   return addon().maskCuSeqlens(tree.parent);
 }

@@ -25,10 +25,10 @@ export function positiveInt(name: string, v: string | undefined, fallback?: numb
   return n;
 }
 
-export function backendOption(v: string | undefined): BackendName | 'auto' {
+export function backendOption(v: string | undefined, name = '--backend'): BackendName | 'auto' {
   if (v === undefined || v === 'auto') return 'auto';
   if (!(BACKEND_NAMES as readonly string[]).includes(v)) {
-    throw new TreepackError('E_ARG', `Expected one of auto, ${BACKEND_NAMES.join(', ')} for --backend but received ${JSON.stringify(v)}`);
+    throw new TreepackError('E_ARG', `Expected one of auto, ${BACKEND_NAMES.join(', ')} for ${name} but received ${JSON.stringify(v)}`);
   }
   return v as BackendName;
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/env node
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
+import { releaseWebGPU } from '../backend/webgpu/device.js';
 import { TreepackError } from '../errors.js';
+import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
 import { packCommand, PACK_USAGE } from './pack.js';
 import { statsCommand, STATS_USAGE } from './stats.js';
 import { VERSION } from '../version.js';
@@ -10,6 +12,7 @@ const USAGE = `Usage: treepack <command> [options]
 Commands:
   pack <input|->     pack rollouts into prefix-tree micro-batches (safetensors + manifest.json)
   stats <input|->    report naive vs packed tokens, per group, and branch depths
+  doctor             which backends (cuda, webgpu, cpu, js) can run here, and why not
   help [command]     help for a command
 
 Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
@@ -17,6 +20,7 @@ Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
 const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage: string }> = {
   pack: { run: packCommand, usage: PACK_USAGE },
   stats: { run: statsCommand, usage: STATS_USAGE },
+  doctor: { run: doctorCommand, usage: DOCTOR_USAGE },
 };
 
 async function main(argv: string[]): Promise<number> {
@@ -46,6 +50,9 @@ async function main(argv: string[]): Promise<number> {
       return err.code === 'E_ARG' ? 2 : 1;
     }
     throw err;
+  } finally {
+    // A live WebGPU device (mask lowerings, doctor) keeps Node from exiting.
+    await releaseWebGPU();
   }
 }
 

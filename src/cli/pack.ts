@@ -8,7 +8,8 @@ import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
-import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions } from './args.js';
+import { maskTensors, MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
+import { backendOption, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions } from './args.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
 
@@ -24,6 +25,10 @@ Options:
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
                                                                             [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
+  --masks LIST            add attention-mask lowerings to every micro-batch, comma-separated:
+                          ${MASKS_OPTION_HELP}
+                          e.g. --masks block:128,slices (tensors named as in README; block_size in the metadata)
+  --mask-backend NAME     backend for the masks: auto, cuda, webgpu, cpu, js   [default: auto]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -42,6 +47,8 @@ export async function packCommand(argv: string[]): Promise<number> {
     {
       ...PIPELINE_OPTIONS,
       out: { type: 'string' },
+      masks: { type: 'string' },
+      'mask-backend': { type: 'string' },
       quiet: { type: 'boolean' },
     },
     PACK_USAGE,
@@ -54,6 +61,8 @@ export async function packCommand(argv: string[]): Promise<number> {
   const out = values.out as string | undefined;
   if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
   const opts = pipelineOptions(values);
+  const masks = parseMaskSpecs((values.masks as string | undefined) ?? '');
+  const maskBackend = backendOption(values['mask-backend'] as string | undefined, '--mask-backend');
 
   mkdirSync(out, { recursive: true });
   const staging = join(out, `.treepack-staging-${process.pid}`);
@@ -61,10 +70,15 @@ export async function packCommand(argv: string[]): Promise<number> {
   const stats = emptyStats();
   const progress = progressReporter();
   const manifest: ManifestEntry[] = [];
+  let maskReport: string[] = [];
   try {
     for await (const { batch } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
       const file = fileName(manifest.length);
-      writeMicroBatch(join(staging, file), batch);
+      const lowered = masks.length ? await maskTensors(batch, masks, maskBackend).catch((err: unknown) => {
+        throw err instanceof TreepackError ? new TreepackError(err.code, err.message, { file }) : err;
+      }) : undefined;
+      if (lowered) maskReport = lowered.reports;
+      writeMicroBatch(join(staging, file), batch, lowered?.tensors, lowered?.metadata);
       manifest.push({ file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed });
     }
   } catch (err) {
@@ -83,6 +97,7 @@ export async function packCommand(argv: string[]): Promise<number> {
     input,
     tokenizer: stats.tokenizer,
     backend: stats.backend,
+    ...(masks.length ? { masks: masks.map((m) => (m.kind === 'blocks' ? `block:${m.blockSize}` : m.kind)), mask_backend: maskReport } : {}),
     records: stats.read.lines,
     sequences: stats.samples,
     naive_tokens: stats.naiveTokens,

@@ -26,7 +26,12 @@ const CONTRACT_DTYPES: ReadonlyMap<string, Dtype> = new Map<string, Dtype>([
 export interface MicroBatchFile {
   batch: MicroBatch;
   extra: Map<string, Tensor>;
+  /** Header metadata outside the contract (e.g. `block_size` beside a block mask), as written. */
+  extraMeta: Record<string, string>;
 }
+
+/** Header keys the contract owns; extra metadata must use others. */
+const CONTRACT_META_KEYS = new Set(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids']);
 
 type Fail = (field: string, message: string) => TreepackError;
 
@@ -62,10 +67,10 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
 }
 
 /**
- * Writes `batch` (and `extra` tensors, under names outside the contract) atomically. Typed arrays are streamed
- * from their own memory, so a batch of hundreds of MB costs no second copy.
+ * Writes `batch` (and `extra` tensors and `extraMeta` header entries, under names outside the contract)
+ * atomically. Typed arrays are streamed from their own memory, so a batch of hundreds of MB costs no second copy.
  */
-export function writeMicroBatch(path: string, batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>): void {
+export function writeMicroBatch(path: string, batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, extraMeta?: Readonly<Record<string, string>>): void {
   if (batch === null || typeof batch !== 'object' || batch.meta === null || typeof batch.meta !== 'object') {
     throw argError('batch', 'a MicroBatch', batch);
   }
@@ -82,8 +87,13 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
     if (CONTRACT_DTYPES.has(name)) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
     tensors.set(name, t);
   }
+  for (const [key, value] of Object.entries(extraMeta ?? {})) {
+    if (CONTRACT_META_KEYS.has(key)) throw argError('extra metadata key', 'a key outside the micro-batch contract', key);
+    if (typeof value !== 'string') throw argError(`extra metadata ${key}`, 'a string', value);
+  }
   const m = batch.meta;
   writeSafetensors(path, tensors, {
+    ...extraMeta,
     format: m.format,
     num_sequences: String(m.num_sequences),
     num_tokens_naive: String(m.num_tokens_naive),
@@ -95,7 +105,7 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
 
 /**
  * Reads a micro-batch file. Contract tensors are zero-copy views on the file's bytes when aligned (always, for
- * files this library writes). Metadata keys outside the contract are not kept.
+ * files this library writes). Metadata keys outside the contract come back in `extraMeta`.
  */
 export function readMicroBatch(path: string): MicroBatchFile {
   const fail: Fail = (field, message) => new TreepackError('E_INPUT', message, { file: path, field });
@@ -134,5 +144,6 @@ export function readMicroBatch(path: string): MicroBatchFile {
   const batch = { ...fields, meta } as unknown as MicroBatch;
   checkShapes(batch, fail);
   const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name)));
-  return { batch, extra };
+  const extraMeta = Object.fromEntries(Object.entries(metadata).filter(([key]) => !CONTRACT_META_KEYS.has(key)));
+  return { batch, extra, extraMeta };
 }

@@ -6,19 +6,19 @@ import { TreepackError } from '../errors.js';
 import { validateTree } from './validate.js';
 import type { TreeArrays } from './types.js';
 
-/** The first node with a second child (branching there makes the mask not block-diagonal), or -1. */
-export function firstSharedNode(parent: Int32Array): number {
-  for (let p = 0; p < parent.length; p++) if (parent[p] >= 0 && parent[p] !== p - 1) return parent[p];
-  return -1;
+/** Throws, naming the first node with a second child, unless every node has at most one (every backend's check). */
+export function checkNoSharing(parent: Int32Array): void {
+  for (let p = 0; p < parent.length; p++) {
+    if (parent[p] >= 0 && parent[p] !== p - 1) {
+      throw new TreepackError('E_INPUT', `cu_seqlens needs a forest with no sharing, but node ${parent[p]} has more than one child; use the block-sparse or slices lowering`, { field: 'parent' });
+    }
+  }
 }
 
 export function maskCuSeqlens(tree: TreeArrays): Int32Array {
   const N = validateTree(tree);
   const { parent } = tree;
-  const shared = firstSharedNode(parent);
-  if (shared >= 0) {
-    throw new TreepackError('E_INPUT', `cu_seqlens needs a forest with no sharing, but node ${shared} has more than one child; use the block-sparse or slices lowering`, { field: 'parent' });
-  }
+  checkNoSharing(parent);
   let roots = 0;
   for (let p = 0; p < N; p++) if (parent[p] < 0) roots++;
   const out = new Int32Array(roots + 1);
