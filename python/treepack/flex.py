@@ -1,0 +1,143 @@
+"""Attention masks of a packed micro-batch for trainers: torch FlexAttention and MagiAttention.
+
+The rule (shared/DESIGN.md §3): query q attends to key k iff ``k <= q < subtree_end[k]``. ``treepack pack
+--masks block:128,slices`` stores its lowerings in the micro-batch file (README, "Mask lowerings"):
+
+    >>> mb = treepack.load("packed/microbatch-00000.safetensors")
+    >>> block_mask = flex_block_mask(mb, device="cuda")            # torch BlockMask, no N² work
+    >>> out = flex_attention(q, k, v, block_mask=block_mask)       # q, k, v: [1, H, N, D]
+    >>> q_ranges, k_ranges, types = magi_slices(mb)                # MagiAttention's attn ranges and type map
+
+torch is imported only inside the functions that need it, so the numpy parts work without it. The numpy
+references ``dense_mask`` and ``block_arrays_from_dense`` are O(N²): for tests and small batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Tuple
+
+import numpy as np
+
+from .microbatch import MicroBatch, TreepackError
+
+BLOCK_TENSORS = ("block_kv_num_blocks", "block_kv_indices", "block_full_kv_num_blocks", "block_full_kv_indices")
+SLICE_FULL, SLICE_CAUSAL = 0, 1
+
+
+class BlockArrays(NamedTuple):
+    """FlexAttention's kv-block layout for one sequence: [nb] counts and [nb, nb] ascending indices, padded."""
+
+    block_size: int
+    kv_num_blocks: np.ndarray
+    kv_indices: np.ndarray
+    full_kv_num_blocks: np.ndarray
+    full_kv_indices: np.ndarray
+
+
+def _fail(field: str, message: str) -> TreepackError:
+    return TreepackError(f"field {field!r}: {message}")
+
+
+def block_arrays(mb: MicroBatch) -> BlockArrays:
+    """The block mask stored in a micro-batch (``--masks block:B``), with its shapes checked."""
+    missing = [name for name in BLOCK_TENSORS if name not in mb.extra]
+    if missing:
+        raise _fail(missing[0], "no block mask in this micro-batch (pack it with --masks block:128)")
+    size = mb.meta.get("block_size")
+    if not isinstance(size, str) or not size.isdigit() or int(size) < 1:
+        raise _fail("block_size", f"expected a positive integer in the metadata, got {size!r}")
+    block_size = int(size)
+    n = len(mb.subtree_end)
+    nb = -(-n // block_size)
+    arrays = [np.asarray(mb.extra[name]) for name in BLOCK_TENSORS]
+    for name, a, shape in zip(BLOCK_TENSORS, arrays, ((nb,), (nb, nb), (nb,), (nb, nb))):
+        if a.dtype != np.int32 or a.shape != shape:
+            raise _fail(name, f"expected int32 {list(shape)} for N = {n}, block_size = {block_size}, got {a.dtype} {list(a.shape)}")
+    return BlockArrays(block_size, *arrays)
+
+
+def tree_mask_mod(subtree_end: Any) -> Callable[[Any, Any, Any, Any], Any]:
+    """FlexAttention ``mask_mod`` of the tree rule; ``subtree_end`` a torch int tensor on the attention's device."""
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    return mask_mod
+
+
+def flex_block_mask(mb: MicroBatch, device: str = "cuda") -> Any:
+    """A torch ``BlockMask`` (batch 1, broadcast over heads) from the stored block arrays and ``subtree_end``.
+
+    Full blocks skip the mask_mod; partial ones evaluate it. Costs O(nb²) copies, no N² work.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    arrays = block_arrays(mb)
+    n = len(mb.subtree_end)
+    subtree_end = torch.as_tensor(np.ascontiguousarray(mb.subtree_end), device=device)
+
+    def t(a: np.ndarray) -> Any:
+        return torch.as_tensor(np.ascontiguousarray(a), device=device)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        t(arrays.kv_num_blocks),
+        t(arrays.kv_indices),
+        t(arrays.full_kv_num_blocks),
+        t(arrays.full_kv_indices),
+        BLOCK_SIZE=arrays.block_size,
+        mask_mod=tree_mask_mod(subtree_end),
+        seq_lengths=(n, n),
+    )
+
+
+def magi_slices(mb: MicroBatch) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+    """MagiAttention's ``q_ranges``, ``k_ranges`` and ``attn_type_map`` (0 full, 1 causal) from the stored slices."""
+    if "slices" not in mb.extra:
+        raise _fail("slices", "no slices in this micro-batch (pack it with --masks slices)")
+    s = np.asarray(mb.extra["slices"])
+    if s.dtype != np.int32 or s.ndim != 2 or s.shape[1] != 5:
+        raise _fail("slices", f"expected int32 [K, 5], got {s.dtype} {list(s.shape)}")
+    return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
+
+
+def dense_mask(subtree_end: np.ndarray) -> np.ndarray:
+    """bool [N, N], row = query: the reference every lowering is checked against (O(N²))."""
+    se = np.asarray(subtree_end, dtype=np.int64)
+    q = np.arange(len(se))[:, None]
+    k = np.arange(len(se))[None, :]
+    return (k <= q) & (q < se[None, :])
+
+
+def block_arrays_from_dense(mask: np.ndarray, block_size: int) -> BlockArrays:
+    """What torch's ``create_block_mask`` derives from a dense mask: padding counts as masked, so only whole
+    visible tiles are full; indices ascending, padded with 0 (torch pads with the other columns instead, which
+    FlexAttention never reads)."""
+    n = mask.shape[0]
+    nb = -(-n // block_size)
+    padded = np.zeros((nb * block_size, nb * block_size), dtype=bool)
+    padded[:n, :n] = mask
+    counts = padded.reshape(nb, block_size, nb, block_size).sum(axis=(1, 3))
+    full = counts == block_size * block_size
+    partial = (counts > 0) & ~full
+
+    def ordered(sel: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        num = sel.sum(axis=1).astype(np.int32)
+        idx = np.zeros((nb, nb), dtype=np.int32)
+        for i in range(nb):
+            cols = np.nonzero(sel[i])[0]
+            idx[i, : len(cols)] = cols
+        return num, idx
+
+    return BlockArrays(block_size, *ordered(partial), *ordered(full))
+
+
+def slices_to_dense(slices: np.ndarray, n: int) -> np.ndarray:
+    """How many slices cover each pair, int [N, N]: 1 on visible pairs and 0 elsewhere for exact slices."""
+    cover = np.zeros((n, n), dtype=np.int32)
+    for qs, qe, ks, ke, kind in np.asarray(slices).reshape(-1, 5).tolist():
+        block = np.ones((qe - qs, ke - ks), dtype=np.int32)
+        if kind == SLICE_CAUSAL:
+            block = np.tril(block)
+        cover[qs:qe, ks:ke] += block
+    return cover
