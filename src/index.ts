@@ -21,6 +21,7 @@ export { ChatEncoder } from './tokenize/chat.js';
 export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
+export * from './mask/index.js';
 export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
 export { VERSION } from './version.js';
 

@@ -76,7 +76,7 @@ describe('treepack pack --masks', () => {
     const r = cli(['pack', file, '--out', out, '--masks', 'cu_seqlens']);
     expect(r.code, r.stderr).toBe(0);
     const { extra } = readMicroBatch(join(out, 'microbatch-00000.safetensors'));
-    expect(Array.from(extra.get('cu_seqlens')!.data)).toEqual([0, 3, 5]);
+    expect(Array.from(extra.get('cu_seqlens')!.data as Int32Array)).toEqual([0, 3, 5]);
   });
 
   it('rejects a bad --masks or --mask-backend with usage', () => {

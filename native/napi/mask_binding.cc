@@ -100,8 +100,8 @@ Napi::Value MaskSlices(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   Tree t;
   if (!ReadTree(info, true, &t)) return env.Undefined();
-  // Agent forests give about two slices per radix run; retry once with the exact count when that is not enough.
-  int64_t capacity = 2 * t.n + 16, count = 0;
+  // Agent forests need few slices (long runs): try a small array first, then the exact count.
+  int64_t capacity = 4096, count = 0;
   for (;;) {
     Napi::Int32Array out = Napi::Int32Array::New(env, static_cast<size_t>(5 * capacity));
     TP_RETURN_IF_PENDING(env);
@@ -111,7 +111,6 @@ Napi::Value MaskSlices(const Napi::CallbackInfo& info) {
       continue;
     }
     TP_REQUIRE_OK(env, rc);
-    if (count == capacity) return out;
     return Napi::Int32Array::New(env, static_cast<size_t>(5 * count), out.ArrayBuffer(), 0);
   }
 }
