@@ -5,20 +5,10 @@
 
 #include "../core/treepack.h"
 #include "addon_util.h"
+#include "mask_arrays.h"
 #include "mask_binding.h"
 
 namespace {
-
-const char* ErrorCodeOf(int status) {
-  switch (status) {
-    case TP_ERR_TOO_LARGE:
-      return "E_LIMIT";
-    case TP_ERR_ALLOC:
-      return "E_BACKEND";
-    default:
-      return "E_ARG";
-  }
-}
 
 // In the order tp_plan_layout takes them, then seq_offsets, which is a copy of the input offsets.
 const char* const kOutputNames[] = {"input_ids", "position_ids", "parent", "subtree_end", "seq_positions",
@@ -61,7 +51,7 @@ Napi::Value PackForest(const Napi::CallbackInfo& info) {
   int64_t num_nodes = 0;
   int status = tp_plan_create(tokens.Data(), static_cast<int64_t>(M), offsets.Data(), static_cast<int64_t>(S),
                               &raw_plan, &num_nodes);
-  TP_REQUIRE(env, status == TP_OK, ErrorCodeOf(status), tp_status_string(status));
+  TP_REQUIRE(env, status == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status));
   std::unique_ptr<tp_plan, void (*)(tp_plan*)> plan(raw_plan, tp_plan_free);
   const size_t N = static_cast<size_t>(num_nodes);
   const size_t needs[kNumOutputs] = {N, N, N, N, M, S + 1};
@@ -96,7 +86,7 @@ Napi::Value PackForest(const Napi::CallbackInfo& info) {
 
   status = tp_plan_layout(plan.get(), outs[0].array.Data(), outs[1].array.Data(), outs[2].array.Data(),
                           outs[3].array.Data(), outs[4].array.Data());
-  TP_REQUIRE(env, status == TP_OK, ErrorCodeOf(status), tp_status_string(status));
+  TP_REQUIRE(env, status == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status));
   std::memcpy(outs[5].array.Data(), offsets.Data(), sizeof(int32_t) * (S + 1));
 
   Napi::Object result = Napi::Object::New(env);

@@ -5,6 +5,7 @@
 #include "../cuda/treepack_cuda.h"
 #include "addon_util.h"
 #include "cuda_mask_binding.h"
+#include "mask_arrays.h"
 
 namespace {
 
@@ -49,26 +50,13 @@ Napi::Value MaskBits(const Napi::CallbackInfo& info) {
 // maskBlocks(subtree_end, blockSize) -> {data: {block_kv_num_blocks, ...}, kernelMs}
 Napi::Value MaskBlocks(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  TP_REQUIRE(env, info.Length() >= 2 && treepack::IsInt32Array(info[0]) && info[1].IsNumber(), "E_ARG",
-             "Expected an Int32Array for subtree_end and a number for blockSize");
-  Napi::Int32Array se = info[0].As<Napi::Int32Array>();
-  const int64_t block = info[1].As<Napi::Number>().Int64Value();
-  TP_REQUIRE(env, block >= 1 && block <= INT32_MAX, "E_ARG", "Expected a positive block size");
-  const int64_t n = static_cast<int64_t>(se.ElementLength()), nb = (n + block - 1) / block;
-  Napi::Int32Array kv_num = Napi::Int32Array::New(env, nb), kv_idx = Napi::Int32Array::New(env, nb * nb);
-  TP_RETURN_IF_PENDING(env);
-  Napi::Int32Array full_num = Napi::Int32Array::New(env, nb), full_idx = Napi::Int32Array::New(env, nb * nb);
-  TP_RETURN_IF_PENDING(env);
+  treepack::BlockMaskCall c;
+  if (!c.Read(info)) return env.Undefined();
   float ms = 0;
-  const int code = tp_cuda_mask_blocks_host(se.Data(), n, static_cast<int32_t>(block), kv_num.Data(), kv_idx.Data(),
-                                            full_num.Data(), full_idx.Data(), &ms);
+  const int code = tp_cuda_mask_blocks_host(c.subtree_end.Data(), c.n, c.block, c.out.kv_num.Data(),
+                                            c.out.kv_idx.Data(), c.out.full_num.Data(), c.out.full_idx.Data(), &ms);
   TP_REQUIRE_CUDA(env, code);
-  Napi::Object data = Napi::Object::New(env);
-  data.Set("block_kv_num_blocks", kv_num);
-  data.Set("block_kv_indices", kv_idx);
-  data.Set("block_full_kv_num_blocks", full_num);
-  data.Set("block_full_kv_indices", full_idx);
-  return WithTime(env, data, ms);
+  return WithTime(env, c.out.ToObject(env), ms);
 }
 
 }  // namespace

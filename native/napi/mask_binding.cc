@@ -4,25 +4,13 @@
 
 #include "../core/treepack.h"
 #include "addon_util.h"
+#include "mask_arrays.h"
 #include "mask_binding.h"
 
 namespace {
 
-const char* CodeOf(int status) {
-  switch (status) {
-    case TP_ERR_TOO_LARGE:
-      return "E_LIMIT";
-    case TP_ERR_ALLOC:
-      return "E_BACKEND";
-    case TP_ERR_TREE:
-    case TP_ERR_SHARED:
-      return "E_INPUT";
-    default:
-      return "E_ARG";
-  }
-}
-
-#define TP_REQUIRE_OK(env, status) TP_REQUIRE(env, (status) == TP_OK, CodeOf(status), tp_status_string(status))
+#define TP_REQUIRE_OK(env, status) \
+  TP_REQUIRE(env, (status) == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status))
 
 // The tree arguments: parent (and subtree_end, when `with_end`) as Int32Arrays of one length.
 struct Tree {
@@ -75,24 +63,11 @@ Napi::Value MaskBits(const Napi::CallbackInfo& info) {
 // maskBlocks(subtree_end, blockSize) -> {block_kv_num_blocks, block_kv_indices, block_full_kv_num_blocks, ...}
 Napi::Value MaskBlocks(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  TP_REQUIRE(env, info.Length() >= 2 && treepack::IsInt32Array(info[0]) && info[1].IsNumber(), "E_ARG",
-             "Expected an Int32Array for subtree_end and a number for blockSize");
-  Napi::Int32Array se = info[0].As<Napi::Int32Array>();
-  const int64_t block = info[1].As<Napi::Number>().Int64Value();
-  TP_REQUIRE(env, block >= 1 && block <= INT32_MAX, "E_ARG", "Expected a positive block size");
-  const int64_t n = static_cast<int64_t>(se.ElementLength()), nb = (n + block - 1) / block;
-  Napi::Int32Array kv_num = Napi::Int32Array::New(env, nb), kv_idx = Napi::Int32Array::New(env, nb * nb);
-  TP_RETURN_IF_PENDING(env);
-  Napi::Int32Array full_num = Napi::Int32Array::New(env, nb), full_idx = Napi::Int32Array::New(env, nb * nb);
-  TP_RETURN_IF_PENDING(env);
-  TP_REQUIRE_OK(env, tp_mask_blocks(se.Data(), n, static_cast<int32_t>(block), kv_num.Data(), kv_idx.Data(),
-                                    full_num.Data(), full_idx.Data()));
-  Napi::Object result = Napi::Object::New(env);
-  result.Set("block_kv_num_blocks", kv_num);
-  result.Set("block_kv_indices", kv_idx);
-  result.Set("block_full_kv_num_blocks", full_num);
-  result.Set("block_full_kv_indices", full_idx);
-  return result;
+  treepack::BlockMaskCall c;
+  if (!c.Read(info)) return env.Undefined();
+  TP_REQUIRE_OK(env, tp_mask_blocks(c.subtree_end.Data(), c.n, c.block, c.out.kv_num.Data(), c.out.kv_idx.Data(),
+                                    c.out.full_num.Data(), c.out.full_idx.Data()));
+  return c.out.ToObject(env);
 }
 
 // maskSlices(parent, subtree_end) -> Int32Array [K * 5]

@@ -59,8 +59,12 @@ def block_arrays(mb: MicroBatch) -> BlockArrays:
 def tree_mask_mod(subtree_end: Any) -> Callable[[Any, Any, Any, Any], Any]:
     """FlexAttention ``mask_mod`` of the tree rule; ``subtree_end`` a torch int tensor on the attention's device."""
 
+    last = max(int(subtree_end.shape[0]) - 1, 0)
+
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+        # FlexAttention may evaluate padded positions of the last block (kv_idx >= N): clamp the lookup; such
+        # keys fail kv_idx <= q_idx for every real query anyway.
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx.clamp(max=last)])
 
     return mask_mod
 
