@@ -1,15 +1,15 @@
 /**
  * Every mask lowering on every available backend equals the js reference, element for element: the small forests
- * and edge cases, packed agent-shaped batches, and random forests up to N = 256k. Sizes per backend: cpu runs
- * every size; webgpu (the Mesa GL software adapter here, llvmpipe on 2 cores) runs the block mask up to 64k and the
- * dense forms up to a few thousand tokens, so the suite stays at a few minutes; cuda runs every size where a GPU is.
+ * and edge cases, packed agent-shaped batches, and random forests up to N = 256k. Sizes per backend: the block
+ * mask up to 256k everywhere; the dense forms (quadratic) up to 4096 tokens on cpu and cuda and 2048 on webgpu
+ * (the Mesa GL software adapter here, llvmpipe on 2 cores), so the suite stays at a few minutes.
  * Unavailable backends are reported with their reason; WebGPU must not be skipped where TREEPACK_REQUIRE_WEBGPU=1
  * (CI).
  */
 import { afterAll, describe, expect, it } from 'vitest';
 import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
 import type { OpName } from '../src/backend/registry.js';
-import { cudaDeviceInfo, loadCuda } from '../src/backend/native.js';
+import { cudaDeviceInfo, loadCuda, loadNative } from '../src/backend/native.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
 import { maskBlocks } from '../src/mask/blocks.js';
@@ -29,7 +29,7 @@ const statuses = await listBackends();
 /** Largest N per lowering each backend is tested at (see the header). */
 const SIZES: Record<Exclude<BackendName, 'js'>, { dense: number; blocks: number }> = {
   cpu: { dense: 4096, blocks: 1 << 18 },
-  webgpu: { dense: 2048, blocks: 1 << 16 },
+  webgpu: { dense: 2048, blocks: 1 << 18 },
   cuda: { dense: 4096, blocks: 1 << 18 },
 };
 
@@ -138,6 +138,17 @@ describe('mask backends: limits and fallback', () => {
     expect(err).toBeInstanceOf(TreepackError);
     expect(err.code).toBe('E_BACKEND');
     expect(err.message).toMatch(/^CUDA error \d+: /);
+  });
+
+  it('the C ABI refuses out-of-range trees even when TS validation is bypassed', () => {
+    const native = loadNative();
+    if ('error' in native) return console.log(`native C ABI check skipped: ${native.error}`);
+    for (const call of [() => native.binding.maskBlocks(Int32Array.from([5, 2]), 64), () => native.binding.maskSlices(Int32Array.from([-1, 3]), Int32Array.from([2, 2])), () => native.binding.maskDense(Int32Array.from([0]), Int32Array.from([1]))]) {
+      const err = caught(call) as TreepackError;
+      expect(err).toBeInstanceOf(TreepackError);
+      expect(err.code).toBe('E_INPUT');
+      expect(err.message).toMatch(/not a packed forest/);
+    }
   });
 
   it('auto resolution reports what it skipped and falls back to a backend that has the op', async () => {

@@ -63,16 +63,26 @@ function dispatch(device: GPUDevice, pass: GPUComputePassEncoder, code: string, 
   pass.dispatchWorkgroups(x, Math.max(1, Math.ceil(groups / x)));
 }
 
-/** Runs the passes, then copies `outputs` into mappable buffers and reads them back (the first `bytes` of each). */
-async function run(device: GPUDevice, encode: (pass: GPUComputePassEncoder) => void, outputs: [GPUBuffer, number][], owned: GPUBuffer[]): Promise<ArrayBuffer[]> {
+interface Job {
+  encode: (pass: GPUComputePassEncoder) => void;
+  outputs: [GPUBuffer, number][]; // buffers to read back, and how many bytes of each
+  owned: GPUBuffer[]; // destroyed afterwards
+}
+
+/**
+ * Creates the job's buffers, runs its passes, then copies its outputs into mappable buffers and reads them back.
+ * Allocation, pipeline and bind-group errors surface through error scopes, not as exceptions.
+ */
+async function run(device: GPUDevice, build: () => Job): Promise<ArrayBuffer[]> {
+  device.pushErrorScope('validation');
+  device.pushErrorScope('out-of-memory');
+  const { encode, outputs, owned } = build();
   const enc = device.createCommandEncoder();
   const pass = enc.beginComputePass();
   encode(pass);
   pass.end();
   const reads = outputs.map(([buf]) => device.createBuffer({ size: buf.size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST }));
   outputs.forEach(([buf], i) => enc.copyBufferToBuffer(buf, 0, reads[i], 0, buf.size));
-  device.pushErrorScope('validation');
-  device.pushErrorScope('out-of-memory');
   device.queue.submit([enc.finish()]);
   const oom = await device.popErrorScope();
   const invalid = await device.popErrorScope();
@@ -97,8 +107,10 @@ export async function maskDenseWebGPU(tree: TreeArrays): Promise<Uint8Array> {
   const { device } = await context();
   checkFits(device, 'a dense mask', N * N, N);
   const words = Math.ceil((N * N) / 4);
-  const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * words), P = params(device, N, 0, 0, words);
-  const [bytes] = await run(device, (pass) => dispatch(device, pass, DENSE_WGSL, [P, se, out], words), [[out, N * N]], [se, out, P]);
+  const [bytes] = await run(device, () => {
+    const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * words), P = params(device, N, 0, 0, words);
+    return { encode: (pass) => dispatch(device, pass, DENSE_WGSL, [P, se, out], words), outputs: [[out, N * N]], owned: [se, out, P] };
+  });
   return new Uint8Array(bytes);
 }
 
@@ -107,8 +119,10 @@ export async function maskBitsWebGPU(tree: TreeArrays): Promise<Uint32Array> {
   const { device } = await context();
   const W = bitsWordsPerRow(N);
   checkFits(device, 'a bitmask', 4 * N * W, N);
-  const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * N * W), P = params(device, N, 0, 0, W);
-  const [bytes] = await run(device, (pass) => dispatch(device, pass, BITS_WGSL, [P, se, out], N * W), [[out, 4 * N * W]], [se, out, P]);
+  const [bytes] = await run(device, () => {
+    const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * N * W), P = params(device, N, 0, 0, W);
+    return { encode: (pass) => dispatch(device, pass, BITS_WGSL, [P, se, out], N * W), outputs: [[out, 4 * N * W]], owned: [se, out, P] };
+  });
   return new Uint32Array(bytes);
 }
 
@@ -118,17 +132,18 @@ export async function maskBlocksWebGPU(tree: TreeArrays, blockSize: number): Pro
   const { device } = await context();
   const nb = numBlocks(N, B);
   checkFits(device, 'a block mask index array', 4 * nb * nb, N);
-  const se = storage(device, 4 * N, tree.subtree_end), ends = storage(device, 8 * nb), nums = storage(device, 8 * nb);
-  const kvIdx = storage(device, 4 * nb * nb), fullIdx = storage(device, 4 * nb * nb), P = params(device, N, B, nb, 0);
-  const [numBytes, kvBytes, fullBytes] = await run(
-    device,
-    (pass) => {
-      dispatch(device, pass, BLOCK_ENDS_WGSL, [P, se, ends], nb);
-      dispatch(device, pass, BLOCK_ROWS_WGSL, [P, ends, nums, kvIdx, fullIdx], nb);
-    },
-    [[nums, 8 * nb], [kvIdx, 4 * nb * nb], [fullIdx, 4 * nb * nb]],
-    [se, ends, nums, kvIdx, fullIdx, P],
-  );
+  const [numBytes, kvBytes, fullBytes] = await run(device, () => {
+    const se = storage(device, 4 * N, tree.subtree_end), ends = storage(device, 8 * nb), nums = storage(device, 8 * nb);
+    const kvIdx = storage(device, 4 * nb * nb), fullIdx = storage(device, 4 * nb * nb), P = params(device, N, B, nb, 0);
+    return {
+      encode: (pass) => {
+        dispatch(device, pass, BLOCK_ENDS_WGSL, [P, se, ends], nb);
+        dispatch(device, pass, BLOCK_ROWS_WGSL, [P, ends, nums, kvIdx, fullIdx], nb);
+      },
+      outputs: [[nums, 8 * nb], [kvIdx, 4 * nb * nb], [fullIdx, 4 * nb * nb]],
+      owned: [se, ends, nums, kvIdx, fullIdx, P],
+    };
+  });
   const counts = new Int32Array(numBytes);
   return {
     block_size: B,
