@@ -18,6 +18,7 @@ import { toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 import type { Sample } from '../src/records/types.js';
+import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { measurePacker, type Timing } from './throughput.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
@@ -31,6 +32,7 @@ interface DatasetReport {
   stats: PipelineStats;
   compression: number;
   throughput: Timing[];
+  microBatching: MicroBatchRow[];
 }
 
 const fmt = (x: number, d = 2) => x.toFixed(d);
@@ -56,7 +58,7 @@ function printThroughput(t: Timing[]): void {
   }
 }
 
-function printDataset(r: DatasetReport): void {
+function printDataset(r: Omit<DatasetReport, 'microBatching'>): void {
   const s = r.stats;
   console.log(`\n## ${r.name}`);
   console.log(`  records ${s.read.lines}, samples ${s.samples}, micro-batches ${s.microBatches}`);
@@ -72,7 +74,9 @@ function printDataset(r: DatasetReport): void {
 
 async function chatDataset(name: string, file: string): Promise<DatasetReport> {
   const { stats, seqs } = await pipeline(file);
-  return { name, stats, compression: stats.naiveTokens / Math.max(1, stats.packedTokens), throughput: measurePacker(seqs, maxTime) };
+  const report = { name, stats, compression: stats.naiveTokens / Math.max(1, stats.packedTokens), throughput: measurePacker(seqs, maxTime) };
+  printDataset(report);
+  return { ...report, microBatching: benchMicroBatch(name, seqs) };
 }
 
 /** Pre-tokenized agent-shaped samples built straight into typed arrays: the packer at scale, no tokenizer. */
@@ -100,13 +104,11 @@ try {
   const file = join(dir, 'generated.jsonl');
   writeFileSync(file, [...generateJsonlLines({ groups, seed: 1 })].join('\n') + '\n');
   reports.push(await chatDataset(`generated chat episodes (${groups} groups × 8 episodes, Qwen3 template)`, file));
-  printDataset(reports[reports.length - 1]);
 } finally {
   rmSync(dir, { recursive: true, force: true });
 }
 if (existsSync(tauBench)) {
   reports.push(await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench));
-  printDataset(reports[reports.length - 1]);
 } else {
   console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
 }
@@ -118,7 +120,9 @@ console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups}
 const scale = measurePacker(seqs, maxTime);
 printThroughput(scale);
 
+const collectors = benchCollectors();
+
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale } }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, collectors }, null, 2));
 }

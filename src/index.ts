@@ -21,6 +21,10 @@ export { ChatEncoder } from './tokenize/chat.js';
 export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
+export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
+export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
+export { assignRanks, attentionPairs, imbalance, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
 export { VERSION } from './version.js';
 

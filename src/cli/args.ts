@@ -25,6 +25,13 @@ export function positiveInt(name: string, v: string | undefined, fallback?: numb
   return n;
 }
 
+export function nonNegativeNumber(name: string, v: string | undefined, fallback: number): number {
+  if (v === undefined) return fallback;
+  const n = Number(v);
+  if (v.trim() === '' || !Number.isFinite(n) || n < 0) throw new TreepackError('E_ARG', `Expected a number >= 0 for ${name} but received ${JSON.stringify(v)}`);
+  return n;
+}
+
 export function backendOption(v: string | undefined): BackendName | 'auto' {
   if (v === undefined || v === 'auto') return 'auto';
   if (!(BACKEND_NAMES as readonly string[]).includes(v)) {

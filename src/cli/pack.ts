@@ -8,7 +8,8 @@ import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
-import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions } from './args.js';
+import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { nonNegativeNumber, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, type Parsed } from './args.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
 
@@ -24,6 +25,14 @@ Options:
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
                                                                             [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
+  --max-tokens T          split each cut into micro-batches of at most T packed tokens (padding included),
+                          keeping shared prefixes together; a cut is then a window of groups
+  --dp K                  data-parallel ranks: micro-batches per window are a multiple of K, balanced
+                          by cost over the ranks (manifest: rank, step)                    [default: 1]
+  --pad-multiple P        pad each micro-batch's packed length to a multiple of P          [default: 1]
+  --pad-id ID             token id of pad nodes                                            [default: 0]
+  --cost-token A          cost per packed token                                            [default: ${DEFAULT_COST.a}]
+  --cost-pair B           cost per attention pair under the tree mask                      [default: ${DEFAULT_COST.b}]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -32,6 +41,35 @@ export interface ManifestEntry {
   sequences: number;
   naive_tokens: number;
   packed_tokens: number;
+  /** with --max-tokens */
+  rank?: number;
+  step?: number;
+  pad_tokens?: number;
+  attention_pairs?: number;
+  cost?: number;
+}
+
+const BUDGET_FLAGS = ['dp', 'pad-multiple', 'pad-id', 'cost-token', 'cost-pair'] as const;
+
+function budgetOptions(values: Parsed['values']) {
+  const maxTokens = positiveInt('--max-tokens', values['max-tokens'] as string | undefined);
+  if (maxTokens === undefined) {
+    const stray = BUDGET_FLAGS.find((f) => values[f] !== undefined);
+    if (stray) throw new TreepackError('E_ARG', `--${stray} needs --max-tokens T (the per-micro-batch token budget)`);
+    return undefined;
+  }
+  const padTokenId = values['pad-id'] === undefined ? 0 : Number(values['pad-id']);
+  if (!Number.isSafeInteger(padTokenId) || padTokenId < 0) throw new TreepackError('E_ARG', `Expected a token id >= 0 for --pad-id but received ${JSON.stringify(values['pad-id'])}`);
+  return {
+    maxTokens,
+    dp: positiveInt('--dp', values.dp as string | undefined, 1),
+    padMultiple: positiveInt('--pad-multiple', values['pad-multiple'] as string | undefined, 1),
+    padTokenId,
+    cost: {
+      a: nonNegativeNumber('--cost-token', values['cost-token'] as string | undefined, DEFAULT_COST.a),
+      b: nonNegativeNumber('--cost-pair', values['cost-pair'] as string | undefined, DEFAULT_COST.b),
+    },
+  };
 }
 
 export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
@@ -43,6 +81,8 @@ export async function packCommand(argv: string[]): Promise<number> {
       ...PIPELINE_OPTIONS,
       out: { type: 'string' },
       quiet: { type: 'boolean' },
+      'max-tokens': { type: 'string' },
+      ...Object.fromEntries(BUDGET_FLAGS.map((f) => [f, { type: 'string' } as const])),
     },
     PACK_USAGE,
   );
@@ -53,7 +93,8 @@ export async function packCommand(argv: string[]): Promise<number> {
   const input = oneInput(positionals, PACK_USAGE);
   const out = values.out as string | undefined;
   if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
-  const opts = pipelineOptions(values);
+  const budget = budgetOptions(values);
+  const opts = { ...pipelineOptions(values), budget };
 
   mkdirSync(out, { recursive: true });
   const staging = join(out, `.treepack-staging-${process.pid}`);
@@ -62,10 +103,15 @@ export async function packCommand(argv: string[]): Promise<number> {
   const progress = progressReporter();
   const manifest: ManifestEntry[] = [];
   try {
-    for await (const { batch } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
+    for await (const { batch, plan } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
       const file = fileName(manifest.length);
       writeMicroBatch(join(staging, file), batch);
-      manifest.push({ file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed });
+      const entry: ManifestEntry = { file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed };
+      if (plan && budget) {
+        // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
+        Object.assign(entry, { rank: plan.rank, step: Math.floor(manifest.length / budget.dp!), pad_tokens: plan.padTokens, attention_pairs: plan.attentionPairs, cost: plan.cost });
+      }
+      manifest.push(entry);
     }
   } catch (err) {
     rmSync(staging, { recursive: true, force: true });
@@ -87,6 +133,15 @@ export async function packCommand(argv: string[]): Promise<number> {
     sequences: stats.samples,
     naive_tokens: stats.naiveTokens,
     packed_tokens: stats.packedTokens,
+    ...(budget && {
+      max_tokens: budget.maxTokens,
+      dp: budget.dp,
+      pad_multiple: budget.padMultiple,
+      cost_model: budget.cost,
+      optimum_tokens: stats.optimumTokens,
+      rank_costs: stats.rankCosts,
+      imbalance: imbalance(stats.rankCosts),
+    }),
     micro_batches: manifest,
   };
   writeFileAtomic(join(out, 'manifest.json'), [Buffer.from(JSON.stringify(doc, null, 2) + '\n')]);
@@ -94,7 +149,9 @@ export async function packCommand(argv: string[]): Promise<number> {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
       `treepack: ${stats.samples} sequences from ${stats.read.lines} records → ${manifest.length} micro-batch(es) in ${out}: ` +
-        `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×); ${stats.backend}`,
+        `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×)` +
+        (budget ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}` : '') +
+        `; ${stats.backend}`,
     );
   }
   return 0;

@@ -7,7 +7,9 @@ import type { Readable } from 'node:stream';
 import { resolveKernel, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
 import { assembleMicroBatch } from '../pack/batch.js';
+import type { MicroBatchPlan } from '../pack/budget.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
+import { packWindow, type WindowOptions } from '../pack/window.js';
 import { readRecords, type ReadStats } from '../records/read.js';
 import type { Sample } from '../records/types.js';
 import { ChatEncoder, type SegmentCacheStats } from '../tokenize/chat.js';
@@ -17,8 +19,12 @@ export interface PipelineOptions {
   /** Tokenizer directory (tokenizer.json + tokenizer_config.json); default Qwen3. */
   tokenizer?: string;
   backend?: BackendName | 'auto';
-  /** Cut micro-batches at group boundaries once this many naive tokens are gathered. */
+  /**
+   * Cut at group boundaries once this many naive tokens are gathered: each cut is a micro-batch, or with
+   * `budget` a window that is split into micro-batches under the token budget.
+   */
   maxNaiveTokens?: number;
+  budget?: Omit<WindowOptions, 'tokenizer' | 'packForest'>;
   vocabSize?: number;
   onProgress?: (p: PipelineStats) => void;
 }
@@ -30,6 +36,9 @@ export interface PipelineStats {
   naiveTokens: number;
   packedTokens: number;
   microBatches: number;
+  /** with a budget: Σ over windows of the window's single-forest size, and the summed cost per rank */
+  optimumTokens: number;
+  rankCosts: number[];
   seconds: { readParse: number; tokenize: number; pack: number };
   tokenizer: string;
   backend: string; // the packer's report: what ran and why
@@ -41,6 +50,8 @@ export const DEFAULT_MAX_NAIVE_TOKENS = 4 * 1024 * 1024;
 export interface Packed {
   batch: MicroBatch;
   samples: Sample[];
+  /** with a budget: rank, step (within the window), cost */
+  plan?: MicroBatchPlan;
 }
 
 export async function* packStream(input: string | Readable, opts: PipelineOptions, stats: PipelineStats): AsyncGenerator<Packed> {
@@ -54,13 +65,21 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
 
   let pending: Sample[] = [];
   let pendingTokens = 0;
-  const flush = (): Packed => {
+  const flush = (): Packed[] => {
     const t0 = performance.now();
-    const batch = assembleMicroBatch(pending, { tokenizer: tokenizerName(), packForest: packer.kernel });
+    let out: Packed[];
+    if (opts.budget) {
+      const w = packWindow(pending, { ...opts.budget, tokenizer: tokenizerName(), packForest: packer.kernel });
+      out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
+      stats.optimumTokens += w.plan.optimumTokens;
+      w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
+    } else {
+      out = [{ batch: assembleMicroBatch(pending, { tokenizer: tokenizerName(), packForest: packer.kernel }), samples: pending }];
+      stats.optimumTokens += out[0].batch.meta.num_tokens_packed;
+    }
     stats.seconds.pack += (performance.now() - t0) / 1000;
-    stats.packedTokens += batch.meta.num_tokens_packed;
-    stats.microBatches++;
-    const out = { batch, samples: pending };
+    for (const p of out) stats.packedTokens += p.batch.meta.num_tokens_packed;
+    stats.microBatches += out.length;
     pending = [];
     pendingTokens = 0;
     return out;
@@ -88,7 +107,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     const prev = pending[pending.length - 1];
     // Groups share their prompts, so a group is kept whole unless it alone outgrows the budget several times.
     if (prev && ((prev.group !== sample.group && pendingTokens >= budget) || (prev.episode !== sample.episode && pendingTokens >= 4 * budget))) {
-      yield flush();
+      yield* flush();
     }
     if (pendingTokens + sample.tokens.length > MAX_TOKENS) {
       throw new TreepackError('E_LIMIT', `one episode exceeds ${MAX_TOKENS} naive tokens; a micro-batch indexes tokens with int32`, {
@@ -103,7 +122,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     stats.naiveTokens += sample.tokens.length;
     opts.onProgress?.(stats);
   }
-  if (pending.length) yield flush();
+  if (pending.length) yield* flush();
 }
 
 export function emptyStats(): PipelineStats {
@@ -114,6 +133,8 @@ export function emptyStats(): PipelineStats {
     naiveTokens: 0,
     packedTokens: 0,
     microBatches: 0,
+    optimumTokens: 0,
+    rankCosts: [],
     seconds: { readParse: 0, tokenize: 0, pack: 0 },
     tokenizer: '',
     backend: '',
