@@ -24,6 +24,9 @@ Options:
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
                                                                             [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
+  --no-merge              pack every record as its own sample (no timeline merge)
+  --timeline-compare-level L
+                          timeline merge compares messages by text or token [default: text]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -84,6 +87,8 @@ export async function packCommand(argv: string[]): Promise<number> {
     tokenizer: stats.tokenizer,
     backend: stats.backend,
     records: stats.read.lines,
+    timelines: stats.timelines,
+    absorbed: stats.absorbed,
     sequences: stats.samples,
     naive_tokens: stats.naiveTokens,
     packed_tokens: stats.packedTokens,
@@ -93,7 +98,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
-      `treepack: ${stats.samples} sequences from ${stats.read.lines} records → ${manifest.length} micro-batch(es) in ${out}: ` +
+      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${manifest.length} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×); ${stats.backend}`,
     );
   }
