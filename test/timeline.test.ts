@@ -386,3 +386,29 @@ describe('timeline merge properties', () => {
     }
   }
 });
+
+describe('timeline merge in the pipeline', () => {
+  it('accounts for every record, and --no-merge packs each record as ChatEncoder encodes it', async () => {
+    const { Readable } = await import('node:stream');
+    const { generateJsonl } = await import('../src/records/generator.js');
+    const { emptyStats, packStream } = await import('../src/cli/pipeline.js');
+    const text = generateJsonl({ groups: 1, seed: 3, minTurns: 3, maxTurns: 8 });
+    const run = async (merge: MergeOptions | false) => {
+      const stats = emptyStats();
+      const samples: Sample[] = [];
+      for await (const mb of packStream(Readable.from([text]), { merge: merge === false ? false : { ...merge, detectTimelineSnap: true } }, stats)) samples.push(...mb.samples);
+      return { stats, samples };
+    };
+    const merged = await run({});
+    const plain = await run(false);
+    expect(merged.stats.read.records).toBe(merged.stats.samples + merged.stats.absorbed);
+    expect(merged.stats.absorbed).toBeGreaterThan(0);
+    expect(merged.stats.snaps.length).toBeGreaterThan(0); // the generator truncates every 4th episode
+    expect(merged.stats.snaps.every((s) => s.kind === 'truncation')).toBe(true);
+    expect(merged.stats.packedTokens).toBeLessThanOrEqual(plain.stats.packedTokens);
+    expect(plain.stats.samples).toBe(plain.stats.read.records);
+    const records = text.trim().split('\n').flatMap((l, i) => parseRecords(JSON.parse(l), { file: '<stream>', line: i + 1 }, { defaultId: `line-${i + 1}` })) as ChatRecord[];
+    expect(plain.samples.map((s) => arr(s.tokens))).toEqual(records.map((r) => arr(encoder.encode(r).tokens)));
+    expect(plain.samples.map((s) => arr(s.loss_mask))).toEqual(records.map((r) => arr(encoder.encode(r).loss_mask)));
+  }, 60_000);
+});
