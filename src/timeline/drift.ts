@@ -53,29 +53,36 @@ export function engineTokens(rendered: Int32Array, from: number, to: number, res
   return out;
 }
 
-/** Bytes of a sampled message (tokens, mask, logprobs) as a string: equal strings, same sample. */
-export function versionKey(m: TimelineMessage): string {
-  const b = (a: ArrayBufferView) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('latin1');
-  return b(m.tokens) + '\u0001' + b(m.lossMask) + '\u0001' + (m.logprobs ? b(m.logprobs) : '');
+/** A fixed order on sampled versions (tokens, then mask, then logprobs, element by element); 0 when equal. */
+export function compareVersions(a: TimelineMessage, b: TimelineMessage): number {
+  if (a === b) return 0;
+  const arrays: [ArrayLike<number> | undefined, ArrayLike<number> | undefined][] = [
+    [a.tokens, b.tokens],
+    [a.lossMask, b.lossMask],
+    [a.logprobs, b.logprobs],
+  ];
+  for (const [x, y] of arrays) {
+    if (x === undefined || y === undefined) {
+      if (x !== y) return x === undefined ? -1 : 1;
+      continue;
+    }
+    if (x.length !== y.length) return x.length - y.length;
+    for (let i = 0; i < x.length; i++) if (x[i] !== y[i]) return x[i]! < y[i]! ? -1 : 1;
+  }
+  return 0;
 }
 
 /**
- * Per trie node, the sampled version of its message: among the `llm` messages at the node, the one with the
- * smallest version key (any fixed rule makes the choice independent of input order). Returns the chosen message
- * per node (undefined where nothing was sampled) and the chosen key.
+ * Per trie node, the sampled version of its message: among the `llm` messages at the node, the smallest under
+ * compareVersions (any fixed rule makes the choice independent of input order); undefined where nothing was
+ * sampled. Most nodes hold one sampled message, so comparisons are rare.
  */
-export function sampledVersions(nodes: number, visit: (f: (node: number, m: TimelineMessage) => void) => void): { chosen: (TimelineMessage | undefined)[]; keys: (string | undefined)[] } {
+export function sampledVersions(nodes: number, visit: (f: (node: number, m: TimelineMessage) => void) => void): (TimelineMessage | undefined)[] {
   const chosen: (TimelineMessage | undefined)[] = new Array(nodes);
-  const keys: (string | undefined)[] = new Array(nodes);
   visit((n, m) => {
-    if (m.author !== 'llm') return;
-    const k = versionKey(m);
-    if (keys[n] === undefined || k < keys[n]!) {
-      keys[n] = k;
-      chosen[n] = m;
-    }
+    if (m.author === 'llm' && (chosen[n] === undefined || compareVersions(m, chosen[n]!) < 0)) chosen[n] = m;
   });
-  return { chosen, keys };
+  return chosen;
 }
 
 /** Messages (trie nodes) whose re-rendered context copies differ from the tokens sampled for them. */

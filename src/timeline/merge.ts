@@ -10,11 +10,11 @@
  *  2. Author toggle: where an absorbed timeline generated a message (`llm`) that is context in the leaf, the
  *     merged message takes the absorbed one's sampled tokens, mask and logprobs, so it stays trainable.
  *  3. Text compare can equate messages the policy sampled differently (same text, other tokens or logprobs). A
- *     sample can hold only one of them, so each node keeps the version with the smallest bytes and a timeline
+ *     sample can hold only one of them, so each node keeps the version with the smallest version and a timeline
  *     holding another version is not merged at all: it is emitted as it came, losing nothing.
  */
 import type { Sample } from '../records/types.js';
-import { countContextDrift, sampledVersions, versionKey } from './drift.js';
+import { compareVersions, countContextDrift, sampledVersions } from './drift.js';
 import { timelineToSample } from './build.js';
 import { mergeDefaults, type MergeOptions, type ResolvedMergeOptions, type Timeline, type TimelineMessage } from './model.js';
 import { detectSnaps, type Snap } from './snap.js';
@@ -80,10 +80,10 @@ function mergeGroups(timelines: readonly Timeline[], o: ResolvedMergeOptions): I
 function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], report: MergeReport): void {
   const trie = buildTrie(ts, o.timelineCompareLevel);
   const visit = (f: (node: number, m: TimelineMessage, t: number) => void) => visitMessages(trie, ts, f);
-  const { chosen, keys } = sampledVersions(trie.size, visit);
+  const chosen = sampledVersions(trie.size, visit);
   const apart = new Uint8Array(ts.length);
   visit((n, m, t) => {
-    if (m.author === 'llm' && versionKey(m) !== keys[n]) apart[t] = 1;
+    if (m.author === 'llm' && compareVersions(m, chosen[n]!) !== 0) apart[t] = 1;
   });
   report.driftedMessages += countContextDrift(chosen, visit);
   if (o.detectTimelineSnap) report.snaps.push(...detectSnaps(ts, trie));

@@ -27,6 +27,9 @@ export function messageIdentity(m: TimelineMessage, level: 'text' | 'token'): st
   return `${m.role}\u0000${m.calls}\u0000${tokenString(m.tokens)}`;
 }
 
+/** Past this many children a node's child lookup goes through a map instead of a scan. */
+const SCAN_CHILDREN = 8;
+
 export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token'): Trie {
   let cap = 1024;
   let parent = new Int32Array(cap);
@@ -34,20 +37,25 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
   const key: string[] = [''];
   parent[0] = -1;
   let size = 1;
-  // One map for all edges: "parent node, identity" → child. Identities are interned to small ints first so the
-  // edge key stays short however long the message is.
-  const interned = new Map<string, number>();
-  const edges = new Map<string, number>();
+  // Chains dominate agent data: a node usually has one child, and the message arriving is that child's. Comparing
+  // the two strings (a length check, then memcmp) is far cheaper than hashing a copy of a 10 kB system prompt
+  // for a map lookup, so children are scanned and only wide nodes get a map.
+  const children: (number[] | undefined)[] = [undefined];
+  const wide = new Map<number, Map<string, number>>();
   const terminal = new Int32Array(timelines.length);
   for (let t = 0; t < timelines.length; t++) {
     let node = 0;
     for (const m of timelines[t]!.messages) {
       const id = messageIdentity(m, level);
-      let k = interned.get(id);
-      if (k === undefined) interned.set(id, (k = interned.size));
-      const edge = `${node}:${k}`;
-      let child = edges.get(edge);
-      if (child === undefined) {
+      const list = children[node];
+      let child = -1;
+      if (list && list.length <= SCAN_CHILDREN) {
+        for (const c of list) if (key[c] === id) {
+          child = c;
+          break;
+        }
+      } else if (list) child = wide.get(node)!.get(id) ?? -1;
+      if (child < 0) {
         if (size === cap) {
           cap *= 2;
           const p = new Int32Array(cap), d = new Int32Array(cap);
@@ -60,7 +68,13 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
         parent[child] = node;
         depth[child] = depth[node]! + 1;
         key[child] = id;
-        edges.set(edge, child);
+        children[child] = undefined;
+        if (!list) children[node] = [child];
+        else {
+          list.push(child);
+          if (list.length === SCAN_CHILDREN + 1) wide.set(node, new Map(list.map((c) => [key[c]!, c])));
+          else if (list.length > SCAN_CHILDREN + 1) wide.get(node)!.set(id, child);
+        }
       }
       node = child;
     }
