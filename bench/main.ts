@@ -20,6 +20,9 @@ import { generateJsonlLines, generateTokenSamples } from '../src/records/generat
 import type { Sample } from '../src/records/types.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { measurePacker, type Timing } from './throughput.js';
+import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
+import { ChatEncoder } from '../src/tokenize/chat.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
 const quick = values.quick === true;
@@ -120,9 +123,38 @@ console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups}
 const scale = measurePacker(seqs, maxTime);
 printThroughput(scale);
 
+/** Timeline merge against the AgentJet-style greedy pairwise merge, on the same timelines (bench/merge.ts). */
+async function mergeSection(): Promise<MergeBenchRow[]> {
+  const rows: MergeBenchRow[] = [];
+  const encoder = new ChatEncoder(await loadTokenizer());
+  const groups = quick ? 8 : 64; // 64 groups × 8 episodes ≈ 10k timelines
+  const mdir = mkdtempSync(join(tmpdir(), 'treepack-bench-merge-'));
+  const sets: [string, string][] = [];
+  try {
+    const file = join(mdir, 'generated.jsonl');
+    writeFileSync(file, [...generateJsonlLines({ groups, seed: 11 })].join('\n') + '\n');
+    sets.push([`generated chat episodes (${groups} groups × 8 episodes)`, file]);
+    if (existsSync(tauBench)) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
+    for (const [name, f] of sets) {
+      const tracked = await loadTracked(f, encoder);
+      console.log(`\n## timeline merge: ${name}`);
+      for (const pool of [false, true]) {
+        const row = compareMerges(name, tracked, pool, quick ? 1 : 3);
+        printMergeRow(row);
+        rows.push(row);
+      }
+    }
+  } finally {
+    rmSync(mdir, { recursive: true, force: true });
+  }
+  if (!existsSync(tauBench)) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  return rows;
+}
+
+const merge = await mergeSection();
 const collectors = benchCollectors();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, collectors }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors }, null, 2));
 }

@@ -33,6 +33,9 @@ Options:
   --pad-id ID             token id of pad nodes                                            [default: 0]
   --cost-token A          cost per packed token                                            [default: ${DEFAULT_COST.a}]
   --cost-pair B           cost per attention pair under the tree mask                      [default: ${DEFAULT_COST.b}]
+  --no-merge              pack every record as its own sample (no timeline merge)
+  --timeline-compare-level L
+                          timeline merge compares messages by text or token [default: text]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -130,6 +133,8 @@ export async function packCommand(argv: string[]): Promise<number> {
     tokenizer: stats.tokenizer,
     backend: stats.backend,
     records: stats.read.lines,
+    timelines: stats.timelines,
+    absorbed: stats.absorbed,
     sequences: stats.samples,
     naive_tokens: stats.naiveTokens,
     packed_tokens: stats.packedTokens,
@@ -148,7 +153,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
-      `treepack: ${stats.samples} sequences from ${stats.read.lines} records → ${manifest.length} micro-batch(es) in ${out}: ` +
+      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${manifest.length} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×)` +
         (budget ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}` : '') +
         `; ${stats.backend}`,

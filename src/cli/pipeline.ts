@@ -1,6 +1,8 @@
 /**
- * The streaming path shared by `pack` and `stats`: records → samples → micro-batches, one micro-batch in memory
- * at a time. Stage times are measured here so both commands (and the bench) report the same figures.
+ * The streaming path shared by `pack` and `stats`: records → timelines → merged samples → micro-batches, one
+ * episode and one micro-batch in memory at a time. The merge sees the timelines of one episode at once, so an
+ * episode whose records are not contiguous in the input is merged piecewise (each piece correctly, less merged).
+ * Stage times are measured here so both commands (and the bench) report the same figures.
  */
 import { performance } from 'node:perf_hooks';
 import type { Readable } from 'node:stream';
@@ -12,6 +14,10 @@ import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
 import { packWindow, type WindowOptions } from '../pack/window.js';
 import { readRecords, type ReadStats } from '../records/read.js';
 import type { Sample } from '../records/types.js';
+import { timelineFromChat, timelineFromSample, timelineToSample } from '../timeline/build.js';
+import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
+import { mergeDefaults, timelineLength, type MergeOptions, type Timeline } from '../timeline/model.js';
+import type { Snap } from '../timeline/snap.js';
 import { ChatEncoder, type SegmentCacheStats } from '../tokenize/chat.js';
 import { loadTokenizer } from '../tokenize/tokenizer.js';
 
@@ -26,20 +32,28 @@ export interface PipelineOptions {
   maxNaiveTokens?: number;
   budget?: Omit<WindowOptions, 'tokenizer' | 'packForest'>;
   vocabSize?: number;
+  /** Timeline merge policy; false packs every record as its own sample (drift repair of responses still applies). */
+  merge?: MergeOptions | false;
   onProgress?: (p: PipelineStats) => void;
 }
 
 export interface PipelineStats {
   read: ReadStats; // input lines parsed and records they held (an episode line holds one per request)
-  samples: number;
+  samples: number; // after merging
   chatSamples: number;
-  naiveTokens: number;
+  timelines: number; // records that entered the merge: timelines = samples + absorbed
+  timelineTokens: number; // naive tokens before merging
+  absorbed: number;
+  apart: number;
+  driftedMessages: number;
+  snaps: Snap[];
+  naiveTokens: number; // after merging: what is packed
   packedTokens: number;
   microBatches: number;
   /** with a budget: Σ over windows of the window's single-forest size, and the summed cost per rank */
   optimumTokens: number;
   rankCosts: number[];
-  seconds: { readParse: number; tokenize: number; pack: number };
+  seconds: { readParse: number; tokenize: number; merge: number; pack: number };
   tokenizer: string;
   backend: string; // the packer's report: what ran and why
   tokenizerCache?: SegmentCacheStats;
@@ -85,25 +99,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     return out;
   };
 
-  const records = readRecords(input, { vocabSize: opts.vocabSize, stats: stats.read });
-  for (;;) {
-    let t0 = performance.now();
-    const next = await records.next();
-    stats.seconds.readParse += (performance.now() - t0) / 1000;
-    if (next.done) break;
-    const rec = next.value;
-    let sample: Sample;
-    if (rec.kind === 'chat') {
-      t0 = performance.now();
-      encoder ??= new ChatEncoder(await loadTokenizer(opts.tokenizer));
-      sample = encoder.encode(rec);
-      stats.seconds.tokenize += (performance.now() - t0) / 1000;
-      stats.chatSamples++;
-      stats.tokenizer = tokenizerName();
-      stats.tokenizerCache = encoder.stats;
-    } else {
-      sample = rec;
-    }
+  const addSample = function* (sample: Sample): Generator<Packed> {
     const prev = pending[pending.length - 1];
     // Groups share their prompts, so a group is kept whole unless it alone outgrows the budget several times.
     if (prev && ((prev.group !== sample.group && pendingTokens >= budget) || (prev.episode !== sample.episode && pendingTokens >= 4 * budget))) {
@@ -121,7 +117,59 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     stats.samples++;
     stats.naiveTokens += sample.tokens.length;
     opts.onProgress?.(stats);
+  };
+
+  const policy = mergeDefaults(opts.merge || {});
+  const merging = opts.merge !== false;
+  let episode: (Timeline | Sample)[] = [];
+  const flushEpisode = function* (): Generator<Packed> {
+    const items = episode;
+    episode = [];
+    const t0 = performance.now();
+    let samples: Sample[];
+    if (merging) {
+      const timelines = items.filter((x): x is Timeline => !('kind' in x));
+      const { samples: merged, report } = mergeTimelines(timelines, policy);
+      samples = merged.concat(items.filter((x): x is Sample => 'kind' in x)).sort((a, b) => byId(a.id, b.id));
+      stats.absorbed += report.absorbed;
+      stats.apart += report.apart;
+      stats.driftedMessages += report.driftedMessages;
+      stats.snaps.push(...report.snaps);
+    } else {
+      samples = items.map((x) => ('kind' in x ? x : timelineToSample(x)));
+      if (policy.detectTimelineSnap) stats.snaps.push(...snapsOnly(items.filter((x): x is Timeline => !('kind' in x)), policy));
+    }
+    stats.seconds.merge += (performance.now() - t0) / 1000;
+    for (const s of samples) yield* addSample(s);
+  };
+
+  const records = readRecords(input, { vocabSize: opts.vocabSize, stats: stats.read });
+  for (;;) {
+    let t0 = performance.now();
+    const next = await records.next();
+    stats.seconds.readParse += (performance.now() - t0) / 1000;
+    if (next.done) break;
+    const rec = next.value;
+    let item: Timeline | Sample;
+    if (rec.kind === 'chat') {
+      t0 = performance.now();
+      encoder ??= new ChatEncoder(await loadTokenizer(opts.tokenizer));
+      const built = timelineFromChat(rec, encoder, policy);
+      if (built.drifted) stats.driftedMessages++;
+      item = built.timeline;
+      stats.seconds.tokenize += (performance.now() - t0) / 1000;
+      stats.chatSamples++;
+      stats.tokenizer = tokenizerName();
+      stats.tokenizerCache = encoder.stats;
+    } else {
+      item = timelineFromSample(rec) ?? rec;
+    }
+    stats.timelines++;
+    stats.timelineTokens += 'kind' in item ? item.tokens.length : timelineLength(item);
+    if (episode.length > 0 && episode[0]!.episode !== rec.episode) yield* flushEpisode();
+    episode.push(item);
   }
+  if (episode.length) yield* flushEpisode();
   if (pending.length) yield* flush();
 }
 
@@ -130,12 +178,18 @@ export function emptyStats(): PipelineStats {
     read: { lines: 0, records: 0 },
     samples: 0,
     chatSamples: 0,
+    timelines: 0,
+    timelineTokens: 0,
+    absorbed: 0,
+    apart: 0,
+    driftedMessages: 0,
+    snaps: [],
     naiveTokens: 0,
     packedTokens: 0,
     microBatches: 0,
     optimumTokens: 0,
     rankCosts: [],
-    seconds: { readParse: 0, tokenize: 0, pack: 0 },
+    seconds: { readParse: 0, tokenize: 0, merge: 0, pack: 0 },
     tokenizer: '',
     backend: '',
   };
