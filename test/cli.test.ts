@@ -70,7 +70,8 @@ describe('treepack CLI', () => {
     const s = JSON.parse(r.stdout);
     expect(s.records).toBe(tokenLines.length);
     expect(s.samples).toBe(tokenLines.length);
-    expect(s.naive_tokens).toBe(manifest.naive_tokens);
+    expect(s.naive_tokens).toBe(manifest.naive_tokens); // token samples without message boundaries are not merged
+    expect(s.merged_tokens).toBe(manifest.naive_tokens);
     expect(s.packed_tokens).toBe(manifest.packed_tokens);
     expect(s.compression).toBeCloseTo(s.naive_tokens / s.packed_tokens, 12);
     expect(s.groups.map((g: { group: string }) => g.group).sort()).toEqual(['task-0', 'task-1', 'task-2']);

@@ -43,8 +43,7 @@ export interface StatsReport {
   timelines: number; // records read (an episode line holds one per request): timelines = samples + absorbed
   samples: number; // after merging
   absorbed: number;
-  merged_tokens: number; // naive tokens after merging (= naive_tokens); timeline_tokens before
-  timeline_tokens: number;
+  merged_tokens: number; // naive tokens of the samples after merging: what the micro-batches hold unpacked
   drifted_messages: number;
   snaps: number;
   snap_lost_tokens: number;
@@ -125,15 +124,14 @@ export async function statsCommand(argv: string[]): Promise<number> {
     samples: stats.samples,
     absorbed: stats.absorbed,
     merged_tokens: stats.naiveTokens,
-    timeline_tokens: stats.timelineTokens,
     drifted_messages: stats.driftedMessages,
     snaps: stats.snaps.length,
     snap_lost_tokens: stats.snaps.reduce((a, x) => a + x.lostTokens, 0),
     snap_kinds: snapKinds(stats.snaps),
     snap_list: stats.snaps.slice(0, SNAP_LIST_MAX),
-    naive_tokens: stats.naiveTokens,
+    naive_tokens: stats.timelineTokens, // every call as its own sample: what an unpacked trainer runs
     packed_tokens: stats.packedTokens,
-    compression: ratio(stats.naiveTokens, stats.packedTokens),
+    compression: ratio(stats.timelineTokens, stats.packedTokens),
     micro_batches: stats.microBatches,
     tokenizer: stats.tokenizer,
     backend: stats.backend,
@@ -159,10 +157,11 @@ export function formatStats(r: StatsReport, maxGroups: number): string {
     `input          ${r.input}`,
     `records        ${n(r.records)}`,
     `timelines      ${n(r.timelines)}`,
-    `samples        ${n(r.samples)}  (${n(r.absorbed)} timelines merged into others; ${n(r.timeline_tokens)} → ${n(r.merged_tokens)} naive tokens)`,
+    `samples        ${n(r.samples)}  (${n(r.absorbed)} timelines merged into others)`,
     `drifted        ${n(r.drifted_messages)} messages (re-rendered tokens differ from the sampled ones)`,
     `snaps          ${n(r.snaps)}  (${n(r.snap_lost_tokens)} tokens of sharing lost${Object.entries(r.snap_kinds).map(([k, c]) => `; ${k} ${c}`).join('')})`,
-    `naive tokens   ${n(r.naive_tokens)}`,
+    `naive tokens   ${n(r.naive_tokens)}  (every timeline as its own sample)`,
+    `merged tokens  ${n(r.merged_tokens)}  (samples after the timeline merge)`,
     `packed tokens  ${n(r.packed_tokens)}  (${r.micro_batches} micro-batch${r.micro_batches === 1 ? '' : 'es'})`,
     `compression    ${r.compression.toFixed(2)}× (naive ÷ packed)`,
     `tokenizer      ${r.tokenizer}`,
