@@ -10,12 +10,12 @@ import { cudaDeviceInfo } from '../src/backend/native.js';
 import type { BackendName } from '../src/backend/registry.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, computeLoss, computeLossCompact, episodeAdvantages, resolveLossConfig, type LossConfig } from '../src/loss/index.js';
+import { buildCompactPlan, computeLoss, computeLossCompact, episodeAdvantages, resolveLossConfig, type LossConfig, type LossMetrics } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { caught } from './helpers/errors.js';
-import { randomLossCase, unpackedLoss, type UnpackedSeq } from './helpers/loss.js';
+import { randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { csr, randomBatch, rng } from './helpers/sequences.js';
 
 afterAll(releaseWebGPU);
@@ -112,7 +112,7 @@ const CONFIGS: Partial<LossConfig>[] = [
   { aggregation: 'seq-mean-token-mean', global_sequences: 90, tis: 'sequence' },
 ];
 
-function expectMatchesReference(got: { loss: number; metrics: Record<string, number> }, want: ReturnType<typeof unpackedLoss>, tol: number, what: string) {
+function expectMatchesReference(got: { loss: number; metrics: LossMetrics }, want: ReturnType<typeof unpackedLoss>, tol: number, what: string) {
   close(got.loss, want.loss, tol, `${what} loss`);
   close(got.metrics.pg_loss, want.pg_loss, tol, `${what} pg_loss`);
   close(got.metrics.kl_loss, want.kl_loss, tol, `${what} kl_loss`);
@@ -326,4 +326,3 @@ describe('advantages', () => {
   });
 });
 
-export type { UnpackedSeq };

@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
+import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
 import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions } from './args.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
@@ -24,6 +25,9 @@ Options:
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
                                                                             [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
+  --advantages NAME       estimator for samples with a reward and no advantages: grpo, dr-grpo, rloo,
+                          reinforce++-baseline, none (per group = task id, one value per episode broadcast
+                          to all its turns; groups are then never split)    [default: grpo]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -36,12 +40,21 @@ export interface ManifestEntry {
 
 export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
 
+function advantagesOption(v: string | undefined): AdvantageEstimator | 'none' {
+  if (v === undefined) return 'grpo';
+  if (v !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(v)) {
+    throw new TreepackError('E_ARG', `Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none for --advantages but received ${JSON.stringify(v)}`);
+  }
+  return v as AdvantageEstimator | 'none';
+}
+
 export async function packCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
     {
       ...PIPELINE_OPTIONS,
       out: { type: 'string' },
+      advantages: { type: 'string' },
       quiet: { type: 'boolean' },
     },
     PACK_USAGE,
@@ -53,7 +66,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   const input = oneInput(positionals, PACK_USAGE);
   const out = values.out as string | undefined;
   if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
-  const opts = pipelineOptions(values);
+  const opts = { ...pipelineOptions(values), advantages: advantagesOption(values.advantages as string | undefined) };
 
   mkdirSync(out, { recursive: true });
   const staging = join(out, `.treepack-staging-${process.pid}`);

@@ -6,6 +6,7 @@
  * trainable token of every turn of that trajectory. Single-call data is the case of one-turn episodes.
  */
 import { describeValue, TreepackError } from '../errors.js';
+import type { Sample } from '../records/types.js';
 
 export const ADVANTAGE_ESTIMATORS = ['grpo', 'dr-grpo', 'rloo', 'reinforce++-baseline'] as const;
 export type AdvantageEstimator = (typeof ADVANTAGE_ESTIMATORS)[number];
@@ -128,4 +129,15 @@ export function sampleAdvantages(
   }
   const adv = episodeAdvantages(rewards, groups, opts, tokens);
   return Float64Array.from(which, (e) => adv[e]);
+}
+
+/**
+ * Sets `advantage` on the samples that have a reward and no advantages of their own (what `treepack pack` does
+ * when rewards are given). The samples must hold whole groups: a group's baseline needs all its episodes.
+ */
+export function fillAdvantages(samples: Sample[], opts: AdvantageOptions): void {
+  const todo = samples.filter((s) => s.reward !== undefined && s.advantage === undefined && s.advantages === undefined);
+  if (todo.length === 0) return;
+  const adv = sampleAdvantages(todo, opts);
+  todo.forEach((s, i) => (s.advantage = adv[i]));
 }
