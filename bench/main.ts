@@ -18,6 +18,7 @@ import { toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 import type { Sample } from '../src/records/types.js';
+import { benchLoss } from './loss.js';
 import { measurePacker, type Timing } from './throughput.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
@@ -118,7 +119,9 @@ console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups}
 const scale = measurePacker(seqs, maxTime);
 printThroughput(scale);
 
+const loss = await benchLoss({ quick });
+
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale } }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, loss }, null, 2));
 }
