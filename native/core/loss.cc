@@ -48,7 +48,6 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, con
 
   std::vector<double> acc(grad != nullptr ? static_cast<size_t>(num_nodes) : 0);
   tl::Sums sums;
-  tl::Term t;
   for (int64_t i = 0; i < num_seqs; i++) {
     const int32_t n = counts[i];
     if (n == 0) continue;
@@ -69,19 +68,8 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, con
     for (int64_t j = a; j < e; j++) {
       if (!mask[j]) continue;
       const int32_t p = pos[j];
-      const double x = lp[p], o = old[j], A = adv[j];
-      const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(o - roll[j], c) : seq_tis;
-      const int flags = c.policy == TP_POLICY_CISPO
-                            ? tl::Cispo(x, o, A, c, &t)
-                            : tl::ClippedSurrogate(c.policy == TP_POLICY_GSPO ? seq_log_ratio : x - o, A, c, &t);
-      sums.pg += w * tis * t.value;
-      double g = w * tis * t.deriv;
-      sums.Add(1, flags, t.ratio, o - x);
-      if (c.kl != TP_KL_NONE) {
-        tl::Kl(c.kl, x, ref[j], &t);
-        sums.kl += w * t.value;
-        g += c.kl_coef * w * t.deriv;
-      }
+      const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
+      const double g = tl::Occurrence(c, w, tis, seq_log_ratio, lp[p], old[j], adv[j], ref != nullptr ? ref[j] : 0, &sums);
       if (grad != nullptr) acc[p] += g;
     }
   }
@@ -102,27 +90,10 @@ int tp_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const
   }
   const tp_loss_config& c = *cfg;
   tl::Sums sums;
-  tl::NodeTerm t;
-  tl::Term k;
   for (int64_t p = 0; p < N; p++) {
-    const int32_t n = n_train[p];
-    if (n == 0) {
-      if (grad != nullptr) grad[p] = 0;
-      continue;
-    }
-    const double x = lp[p];
-    tl::CompactNode(x, old[p], pos_w[p], neg_w[p], c, &t);
-    sums.pg += t.value;
-    double g = t.deriv;
-    const double om = old[p] - x;
-    sums.Add(n - n_pos[p] - n_neg[p], c.policy == TP_POLICY_CISPO ? t.pos_flags : 0, t.ratio, om);
-    sums.Add(n_pos[p], t.pos_flags, t.ratio, om);
-    sums.Add(n_neg[p], t.neg_flags, t.ratio, om);
-    if (c.kl != TP_KL_NONE) {
-      tl::Kl(c.kl, x, ref[p], &k);
-      sums.kl += kl_w[p] * k.value;
-      g += c.kl_coef * kl_w[p] * k.deriv;
-    }
+    const double g = n_train[p] == 0 ? 0
+                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p], ref != nullptr ? ref[p] : 0,
+                                                n_train[p], n_pos[p], n_neg[p], &sums);
     if (grad != nullptr) grad[p] = static_cast<float>(g);
   }
   sums.Finish(c.kl_coef, out);

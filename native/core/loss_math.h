@@ -4,6 +4,7 @@
 #define TREEPACK_LOSS_MATH_H
 
 #include <math.h>
+#include <stdint.h>
 
 #include "loss.h"
 
@@ -179,6 +180,45 @@ struct Sums {
     m->trainable_tokens = static_cast<int64_t>(n);
   }
 };
+
+// One trainable occurrence with aggregation weight w and IS weight tis: adds to the sums, returns dloss/dlp.
+TP_HD double Occurrence(const tp_loss_config& c, double w, double tis, double seq_log_ratio, double x, double old,
+                        double A, double ref, Sums* s) {
+  Term t;
+  const int flags = c.policy == TP_POLICY_CISPO
+                        ? Cispo(x, old, A, c, &t)
+                        : ClippedSurrogate(c.policy == TP_POLICY_GSPO ? seq_log_ratio : x - old, A, c, &t);
+  s->pg += w * tis * t.value;
+  double g = w * tis * t.deriv;
+  s->Add(1, flags, t.ratio, old - x);
+  if (c.kl != TP_KL_NONE) {
+    Kl(c.kl, x, ref, &t);
+    s->kl += w * t.value;
+    g += c.kl_coef * w * t.deriv;
+  }
+  return g;
+}
+
+// One node of the compact form (n trainable occurrences, n_pos / n_neg of them with A > 0 / A < 0): adds to the
+// sums, returns dloss/dlp.
+TP_HD double Node(const tp_loss_config& c, double x, double old, double P, double Q, double kl_w, double ref, int32_t n,
+                  int32_t n_pos, int32_t n_neg, Sums* s) {
+  NodeTerm t;
+  CompactNode(x, old, P, Q, c, &t);
+  s->pg += t.value;
+  double g = t.deriv;
+  const double om = old - x;
+  s->Add(n - n_pos - n_neg, c.policy == TP_POLICY_CISPO ? t.pos_flags : 0, t.ratio, om);
+  s->Add(n_pos, t.pos_flags, t.ratio, om);
+  s->Add(n_neg, t.neg_flags, t.ratio, om);
+  if (c.kl != TP_KL_NONE) {
+    Term k;
+    Kl(c.kl, x, ref, &k);
+    s->kl += kl_w * k.value;
+    g += c.kl_coef * kl_w * k.deriv;
+  }
+  return g;
+}
 
 }  // namespace loss
 }  // namespace treepack

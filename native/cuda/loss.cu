@@ -85,20 +85,8 @@ __global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, con
           contrib[j] = 0;
           continue;
         }
-        tl::Term t;
-        const double x = lp[pos[j]], o = old[j], A = adv[j];
-        const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(o - roll[j], c) : seq_tis;
-        const int flags = c.policy == TP_POLICY_CISPO
-                              ? tl::Cispo(x, o, A, c, &t)
-                              : tl::ClippedSurrogate(c.policy == TP_POLICY_GSPO ? seq_lr : x - o, A, c, &t);
-        s.pg += w * tis * t.value;
-        double g = w * tis * t.deriv;
-        s.Add(1, flags, t.ratio, o - x);
-        if (c.kl != TP_KL_NONE) {
-          tl::Kl(c.kl, x, ref[j], &t);
-          s.kl += w * t.value;
-          g += c.kl_coef * w * t.deriv;
-        }
+        const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
+        const double g = tl::Occurrence(c, w, tis, seq_lr, lp[pos[j]], old[j], adv[j], ref != nullptr ? ref[j] : 0, &s);
         contrib[j] = g;
       }
     } else {
@@ -146,26 +134,9 @@ __global__ void CompactNodes(tp_loss_config c, int64_t N, const float* lp, const
                              const int32_t* n_pos, const int32_t* n_neg, float* grad, tl::Sums* block_sums) {
   tl::Sums s;
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < N; p += gridDim.x * static_cast<int64_t>(blockDim.x)) {
-    const int32_t n = n_train[p];
-    if (n == 0) {
-      if (grad) grad[p] = 0;
-      continue;
-    }
-    tl::NodeTerm t;
-    const double x = lp[p];
-    tl::CompactNode(x, old[p], pos_w[p], neg_w[p], c, &t);
-    s.pg += t.value;
-    double g = t.deriv;
-    const double om = old[p] - x;
-    s.Add(n - n_pos[p] - n_neg[p], c.policy == TP_POLICY_CISPO ? t.pos_flags : 0, t.ratio, om);
-    s.Add(n_pos[p], t.pos_flags, t.ratio, om);
-    s.Add(n_neg[p], t.neg_flags, t.ratio, om);
-    if (c.kl != TP_KL_NONE) {
-      tl::Term k;
-      tl::Kl(c.kl, x, ref[p], &k);
-      s.kl += kl_w[p] * k.value;
-      g += c.kl_coef * kl_w[p] * k.deriv;
-    }
+    const double g = n_train[p] == 0 ? 0
+                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p], ref != nullptr ? ref[p] : 0,
+                                                n_train[p], n_pos[p], n_neg[p], &s);
     if (grad) grad[p] = static_cast<float>(g);
   }
   s = BlockReduce(s);
