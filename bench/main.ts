@@ -19,6 +19,7 @@ import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 import type { Sample } from '../src/records/types.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
+import { benchLoss } from './loss.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
@@ -153,8 +154,9 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
 
 const merge = await mergeSection();
 const collectors = benchCollectors();
+const loss = await benchLoss({ quick });
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss }, null, 2));
 }

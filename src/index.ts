@@ -31,6 +31,24 @@ export { assignRanks, attentionPairs, imbalance, DEFAULT_COST, type CostModel, t
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
 export { VERSION } from './version.js';
+export {
+  computeLoss,
+  computeLossCompact,
+  buildCompactPlan,
+  resolveLossConfig,
+  episodeAdvantages,
+  sampleAdvantages,
+  DEFAULT_LOSS_CONFIG,
+  ADVANTAGE_ESTIMATORS,
+  type LossConfig,
+  type LossOptions,
+  type LossRun,
+  type LossResult,
+  type LossMetrics,
+  type LossBatch,
+  type CompactPlan,
+  type AdvantageEstimator,
+} from './loss/index.js';
 
 export interface PackOptions {
   /** Which backend builds the forest; default: the fastest available (native addon, else TypeScript). */

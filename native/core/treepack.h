@@ -70,4 +70,6 @@ TP_API void tp_plan_free(tp_plan* plan);
 }
 #endif
 
+#include "loss.h"
+
 #endif /* TREEPACK_H */

@@ -5,6 +5,7 @@
 
 #include "../core/treepack.h"
 #include "addon_util.h"
+#include "loss_binding.h"
 
 namespace {
 
@@ -117,6 +118,7 @@ Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   exports.Set("packForest", Napi::Function::New(env, PackForest, "packForest"));
   exports.Set("version", Napi::Function::New(env, Version, "version"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
+  RegisterLoss(env, exports);
   return exports;
 }
 

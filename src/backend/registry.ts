@@ -5,6 +5,8 @@
  * together with a report of what was tried and why, so callers can say what ran.
  */
 import { TreepackError } from '../errors.js';
+import type { LossConfig } from '../loss/config.js';
+import type { CompactPlan, LossBatch, LossResult } from '../loss/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 
 export type BackendName = 'cuda' | 'webgpu' | 'cpu' | 'js';
@@ -13,6 +15,10 @@ export const BACKEND_NAMES: readonly BackendName[] = ['cuda', 'webgpu', 'cpu', '
 /** Every op a backend may implement. Later pipeline steps (masks, loss) add theirs here. */
 export interface Kernels {
   packForest: (seqs: Sequences) => Forest;
+  /** Per-occurrence RL loss, gradient and metrics; inputs validated by src/loss (computeLoss). */
+  loss: (batch: LossBatch, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
+  /** The same from a compact per-node plan (buildCompactPlan). */
+  lossCompact: (plan: CompactPlan, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
 }
 export type OpName = keyof Kernels;
 

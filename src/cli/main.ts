@@ -1,6 +1,7 @@
 #!/usr/bin/env node
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
 import { TreepackError } from '../errors.js';
+import { lossCommand, LOSS_USAGE } from './loss.js';
 import { packCommand, PACK_USAGE } from './pack.js';
 import { statsCommand, STATS_USAGE } from './stats.js';
 import { VERSION } from '../version.js';
@@ -10,6 +11,7 @@ const USAGE = `Usage: treepack <command> [options]
 Commands:
   pack <input|->     pack rollouts into prefix-tree micro-batches (safetensors + manifest.json)
   stats <input|->    report naive vs packed tokens, per group, and branch depths
+  loss <mb>          RL loss, metrics and dloss/dlp of a dumped micro-batch and node logprobs
   help [command]     help for a command
 
 Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
@@ -17,6 +19,7 @@ Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
 const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage: string }> = {
   pack: { run: packCommand, usage: PACK_USAGE },
   stats: { run: statsCommand, usage: STATS_USAGE },
+  loss: { run: lossCommand, usage: LOSS_USAGE },
 };
 
 async function main(argv: string[]): Promise<number> {

@@ -9,6 +9,7 @@ import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
 import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
 import { nonNegativeNumber, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, type Parsed } from './args.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
@@ -36,6 +37,9 @@ Options:
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]
+  --advantages NAME       estimator for samples with a reward and no advantages: grpo, dr-grpo, rloo,
+                          reinforce++-baseline, none (per group = task id, one value per episode broadcast
+                          to all its turns; groups are then never split)    [default: grpo]
   --quiet                 no summary line
   -h, --help              this help`;
 
@@ -77,12 +81,21 @@ function budgetOptions(values: Parsed['values']) {
 
 export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
 
+function advantagesOption(v: string | undefined): AdvantageEstimator | 'none' {
+  if (v === undefined) return 'grpo';
+  if (v !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(v)) {
+    throw new TreepackError('E_ARG', `Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none for --advantages but received ${JSON.stringify(v)}`);
+  }
+  return v as AdvantageEstimator | 'none';
+}
+
 export async function packCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
     {
       ...PIPELINE_OPTIONS,
       out: { type: 'string' },
+      advantages: { type: 'string' },
       quiet: { type: 'boolean' },
       'max-tokens': { type: 'string' },
       ...Object.fromEntries(BUDGET_FLAGS.map((f) => [f, { type: 'string' } as const])),
@@ -97,7 +110,7 @@ export async function packCommand(argv: string[]): Promise<number> {
   const out = values.out as string | undefined;
   if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
   const budget = budgetOptions(values);
-  const opts = { ...pipelineOptions(values), budget };
+  const opts = { ...pipelineOptions(values), budget, advantages: advantagesOption(values.advantages as string | undefined) };
 
   mkdirSync(out, { recursive: true });
   const staging = join(out, `.treepack-staging-${process.pid}`);

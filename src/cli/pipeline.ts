@@ -8,6 +8,7 @@ import { performance } from 'node:perf_hooks';
 import type { Readable } from 'node:stream';
 import { resolveKernel, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
+import { fillAdvantages, type AdvantageEstimator } from '../loss/advantages.js';
 import { assembleMicroBatch } from '../pack/batch.js';
 import type { MicroBatchPlan } from '../pack/budget.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
@@ -34,6 +35,8 @@ export interface PipelineOptions {
   vocabSize?: number;
   /** Timeline merge policy; false packs every record as its own sample (drift repair of responses still applies). */
   merge?: MergeOptions | false;
+  /** Estimator for samples that have rewards but no advantages (per group, per episode); 'none' writes none. */
+  advantages?: AdvantageEstimator | 'none';
   onProgress?: (p: PipelineStats) => void;
 }
 
@@ -79,7 +82,23 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
 
   let pending: Sample[] = [];
   let pendingTokens = 0;
+  const estimator = opts.advantages ?? 'none';
+  const flushedGroups = new Set<string>();
   const flush = (): Packed[] => {
+    if (estimator !== 'none') {
+      for (const s of pending) {
+        if (flushedGroups.has(s.group)) {
+          throw new TreepackError('E_INPUT', `group ${JSON.stringify(s.group)} appears again after its micro-batch was written: advantages need a group's records to be contiguous in the input`, {
+            file: s.source.file,
+            line: s.source.line,
+            record: s.id,
+            field: 'group',
+          });
+        }
+      }
+      fillAdvantages(pending, { estimator });
+      for (const s of pending) flushedGroups.add(s.group);
+    }
     const t0 = performance.now();
     let out: Packed[];
     if (opts.budget) {
@@ -101,8 +120,10 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
 
   const addSample = function* (sample: Sample): Generator<Packed> {
     const prev = pending[pending.length - 1];
-    // Groups share their prompts, so a group is kept whole unless it alone outgrows the budget several times.
-    if (prev && ((prev.group !== sample.group && pendingTokens >= budget) || (prev.episode !== sample.episode && pendingTokens >= 4 * budget))) {
+    // Groups share their prompts, and advantages need whole groups: a group is split (at an episode boundary) only
+    // when no estimator runs and it alone outgrows the budget several times.
+    const splitGroup = estimator === 'none' && prev?.episode !== sample.episode && pendingTokens >= 4 * budget;
+    if (prev && ((prev.group !== sample.group && pendingTokens >= budget) || splitGroup)) {
       yield* flush();
     }
     if (pendingTokens + sample.tokens.length > MAX_TOKENS) {
