@@ -19,7 +19,12 @@ import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 import type { Sample } from '../src/records/types.js';
 import { benchMasks } from './masks.js';
+import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
+import { benchLoss } from './loss.js';
 import { measurePacker, type Timing } from './throughput.js';
+import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
+import { ChatEncoder } from '../src/tokenize/chat.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
 const quick = values.quick === true;
@@ -32,6 +37,7 @@ interface DatasetReport {
   stats: PipelineStats;
   compression: number;
   throughput: Timing[];
+  microBatching: MicroBatchRow[];
 }
 
 const fmt = (x: number, d = 2) => x.toFixed(d);
@@ -57,7 +63,7 @@ function printThroughput(t: Timing[]): void {
   }
 }
 
-function printDataset(r: DatasetReport): void {
+function printDataset(r: Omit<DatasetReport, 'microBatching'>): void {
   const s = r.stats;
   console.log(`\n## ${r.name}`);
   console.log(`  records ${s.read.lines}, samples ${s.samples}, micro-batches ${s.microBatches}`);
@@ -73,7 +79,9 @@ function printDataset(r: DatasetReport): void {
 
 async function chatDataset(name: string, file: string): Promise<DatasetReport> {
   const { stats, seqs } = await pipeline(file);
-  return { name, stats, compression: stats.naiveTokens / Math.max(1, stats.packedTokens), throughput: measurePacker(seqs, maxTime) };
+  const report = { name, stats, compression: stats.naiveTokens / Math.max(1, stats.packedTokens), throughput: measurePacker(seqs, maxTime) };
+  printDataset(report);
+  return { ...report, microBatching: benchMicroBatch(name, seqs) };
 }
 
 /** Pre-tokenized agent-shaped samples built straight into typed arrays: the packer at scale, no tokenizer. */
@@ -101,13 +109,11 @@ try {
   const file = join(dir, 'generated.jsonl');
   writeFileSync(file, [...generateJsonlLines({ groups, seed: 1 })].join('\n') + '\n');
   reports.push(await chatDataset(`generated chat episodes (${groups} groups × 8 episodes, Qwen3 template)`, file));
-  printDataset(reports[reports.length - 1]);
 } finally {
   rmSync(dir, { recursive: true, force: true });
 }
 if (existsSync(tauBench)) {
   reports.push(await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench));
-  printDataset(reports[reports.length - 1]);
 } else {
   console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
 }
@@ -119,10 +125,41 @@ console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups}
 const scale = measurePacker(seqs, maxTime);
 printThroughput(scale);
 
+/** Timeline merge against the AgentJet-style greedy pairwise merge, on the same timelines (bench/merge.ts). */
+async function mergeSection(): Promise<MergeBenchRow[]> {
+  const rows: MergeBenchRow[] = [];
+  const encoder = new ChatEncoder(await loadTokenizer());
+  const groups = quick ? 8 : 64; // 64 groups × 8 episodes ≈ 10k timelines
+  const mdir = mkdtempSync(join(tmpdir(), 'treepack-bench-merge-'));
+  const sets: [string, string][] = [];
+  try {
+    const file = join(mdir, 'generated.jsonl');
+    writeFileSync(file, [...generateJsonlLines({ groups, seed: 11 })].join('\n') + '\n');
+    sets.push([`generated chat episodes (${groups} groups × 8 episodes)`, file]);
+    if (existsSync(tauBench)) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
+    for (const [name, f] of sets) {
+      const tracked = await loadTracked(f, encoder);
+      console.log(`\n## timeline merge: ${name}`);
+      for (const pool of [false, true]) {
+        const row = compareMerges(name, tracked, pool, quick ? 1 : 3);
+        printMergeRow(row);
+        rows.push(row);
+      }
+    }
+  } finally {
+    rmSync(mdir, { recursive: true, force: true });
+  }
+  if (!existsSync(tauBench)) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  return rows;
+}
+
+const merge = await mergeSection();
+const collectors = benchCollectors();
+const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
 await releaseWebGPU();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, masks }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks }, null, 2));
 }

@@ -20,11 +20,14 @@ export interface ErrorWhere {
 export class TreepackError extends Error {
   readonly code: ErrorCode;
   readonly where: ErrorWhere;
+  /** The message without the location prefix. */
+  readonly detail: string;
   constructor(code: ErrorCode, message: string, where: ErrorWhere = {}) {
     super(formatWhere(where) + message);
     this.name = 'TreepackError';
     this.code = code;
     this.where = where;
+    this.detail = message;
   }
 }
 

@@ -18,12 +18,38 @@ export { branchDepthHistogram } from './pack/shape.js';
 export { readRecords } from './records/read.js';
 export { loadTokenizer } from './tokenize/tokenizer.js';
 export { ChatEncoder } from './tokenize/chat.js';
+export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, type TimelineMessage } from './timeline/model.js';
+export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
+export { mergeTimelines, snapsOnly, type MergeReport, type MergeResult } from './timeline/merge.js';
+export type { Snap, SnapKind } from './timeline/snap.js';
 export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';
+export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
+export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
+export { assignRanks, attentionPairs, imbalance, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
 export { VERSION } from './version.js';
+export {
+  computeLoss,
+  computeLossCompact,
+  buildCompactPlan,
+  resolveLossConfig,
+  episodeAdvantages,
+  sampleAdvantages,
+  DEFAULT_LOSS_CONFIG,
+  ADVANTAGE_ESTIMATORS,
+  type LossConfig,
+  type LossOptions,
+  type LossRun,
+  type LossResult,
+  type LossMetrics,
+  type LossBatch,
+  type CompactPlan,
+  type AdvantageEstimator,
+} from './loss/index.js';
 
 export interface PackOptions {
   /** Which backend builds the forest; default: the fastest available (native addon, else TypeScript). */

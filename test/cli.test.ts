@@ -70,7 +70,8 @@ describe('treepack CLI', () => {
     const s = JSON.parse(r.stdout);
     expect(s.records).toBe(tokenLines.length);
     expect(s.samples).toBe(tokenLines.length);
-    expect(s.naive_tokens).toBe(manifest.naive_tokens);
+    expect(s.naive_tokens).toBe(manifest.naive_tokens); // token samples without message boundaries are not merged
+    expect(s.merged_tokens).toBe(manifest.naive_tokens);
     expect(s.packed_tokens).toBe(manifest.packed_tokens);
     expect(s.compression).toBeCloseTo(s.naive_tokens / s.packed_tokens, 12);
     expect(s.groups.map((g: { group: string }) => g.group).sort()).toEqual(['task-0', 'task-1', 'task-2']);
@@ -115,6 +116,40 @@ describe('treepack CLI', () => {
     expect(r2.stderr).toContain(`${bad}:2`);
     expect(existsSync(join(dir, 'never', 'manifest.json'))).toBe(false);
     expect(readdirSync(join(dir, 'never'))).toEqual([]);
+  });
+
+  it('pack --max-tokens --dp --pad-multiple: budgeted micro-batches, ranks and costs in the manifest', () => {
+    const out = join(dir, 'budget');
+    const longest = Math.max(...tokenLines.map((l) => JSON.parse(l).tokens.length));
+    const T = 4 * Math.ceil(longest / 128) * 128;
+    const r = cli(['pack', tokenFile, '--out', out, '--max-tokens', String(T), '--dp', '2', '--pad-multiple', '128']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stderr).toMatch(/rank imbalance/);
+    const m = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
+    expect(m.micro_batches.length % 2).toBe(0);
+    expect([m.max_tokens, m.dp, m.pad_multiple]).toEqual([T, 2, 128]);
+    const ids: string[] = [];
+    m.micro_batches.forEach((e: { file: string; rank: number; step: number; packed_tokens: number; pad_tokens: number; cost: number }, k: number) => {
+      const { batch } = readMicroBatch(join(out, e.file));
+      expect(checkForest(batch)).toEqual([]);
+      expect(batch.input_ids.length).toBe(e.packed_tokens);
+      expect(e.packed_tokens).toBeLessThanOrEqual(T);
+      expect(e.packed_tokens % 128).toBe(0);
+      expect(batch.meta.num_pad_tokens).toBe(e.pad_tokens);
+      expect([e.rank, e.step]).toEqual([k % 2, Math.floor(k / 2)]);
+      expect(e.cost).toBeGreaterThan(0);
+      ids.push(...batch.meta.sequence_ids);
+    });
+    expect(ids.sort()).toEqual(tokenLines.map((l) => JSON.parse(l).id).sort());
+    expect(m.packed_tokens).toBeGreaterThanOrEqual(m.optimum_tokens);
+    expect(m.imbalance).toBeCloseTo((Math.max(...m.rank_costs) * 2) / (m.rank_costs[0] + m.rank_costs[1]), 12);
+
+    const small = cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(longest - 1)]);
+    expect(small.code).toBe(2);
+    expect(small.stderr).toContain(`use a budget of at least ${longest}`);
+    expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--dp', '0']).stderr).toMatch(/--dp/);
+    expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--dp', '2']).stderr).toMatch(/--dp needs --max-tokens/);
+    expect(existsSync(join(dir, 'never2', 'manifest.json'))).toBe(false);
   });
 
   it('bad options: exit 2 with the usage', () => {

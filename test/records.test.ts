@@ -60,8 +60,13 @@ describe('readJsonlLines', () => {
   it('reassembles multi-byte characters and long lines split across tiny chunks', async () => {
     const long = JSON.stringify({ text: '你好 héllo 🙂 '.repeat(40_000) }); // ~600 KB, longer than an episode line
     const file = tempFile(`${long}\n{"x":"🙂"}\n`);
-    const lines = await collect(readJsonlLines(createReadStream(file, { highWaterMark: 7 }), { name: file }));
-    expect(lines.map((l) => l.text)).toEqual([long, '{"x":"🙂"}']);
+    // Chunk sizes coprime with the 1–4 byte characters, so chunk edges fall inside characters many times.
+    for (const highWaterMark of [1021, 7]) {
+      const text = highWaterMark === 7 ? long.slice(0, 20_000) + '"}' : long;
+      writeFileSync(file, `${text}\n{"x":"🙂"}\n`);
+      const lines = await collect(readJsonlLines(createReadStream(file, { highWaterMark }), { name: file }));
+      expect(lines.map((l) => l.text)).toEqual([text, '{"x":"🙂"}']);
+    }
   });
 
   it('rejects a line over maxLineBytes with E_LIMIT naming the line, and counts a CRLF as no content', async () => {

@@ -74,5 +74,6 @@ TP_API void tp_plan_free(tp_plan* plan);
 #endif
 
 #include "mask.h"
+#include "loss.h"
 
 #endif /* TREEPACK_H */

@@ -60,6 +60,33 @@ TP_API int tp_cuda_mask_bits_host(const int32_t* subtree_end, int64_t n, uint32_
 TP_API int tp_cuda_mask_blocks_host(const int32_t* subtree_end, int64_t n, int32_t block_size, int32_t* kv_num,
                                     int32_t* kv_idx, int32_t* full_num, int32_t* full_idx, float* kernel_ms);
 
+/*
+ * The RL loss (native/core/loss.h semantics) on device pointers, enqueued on `stream` (NULL = default stream);
+ * returns after synchronising the stream, with the metrics in host memory `out`. Arrays as tp_loss plus M (the
+ * number of occurrences). Deterministic: no float atomics, fixed reduction order (bit-identical run to run). grad
+ * may be NULL. Scratch is allocated stream-ordered (cudaMallocAsync) and freed before returning.
+ */
+TP_API int tp_cuda_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* seq_offsets, int64_t num_occ,
+                        const int32_t* seq_positions, const uint8_t* loss_mask, const float* advantages,
+                        const float* old_logprobs, const float* ref_logprobs, const float* rollout_logprobs,
+                        int64_t num_nodes, const float* lp, float* grad, tp_loss_metrics* out, void* stream);
+
+/* The compact per-node form (tp_loss_compact) on device pointers. */
+TP_API int tp_cuda_loss_compact(const tp_loss_config* cfg, int64_t num_nodes, const float* lp, const float* old,
+                                const float* ref, const float* pos_weight, const float* neg_weight,
+                                const float* kl_weight, const int32_t* n_train, const int32_t* n_pos,
+                                const int32_t* n_neg, float* grad, tp_loss_metrics* out, void* stream);
+
+/* The same two on host arrays (copied to the current device and back), synchronously: the JS addon's path. */
+TP_API int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* seq_offsets,
+                             const int32_t* seq_positions, const uint8_t* loss_mask, const float* advantages,
+                             const float* old_logprobs, const float* ref_logprobs, const float* rollout_logprobs,
+                             int64_t num_nodes, const float* lp, float* grad, tp_loss_metrics* out);
+TP_API int tp_cuda_loss_compact_host(const tp_loss_config* cfg, int64_t num_nodes, const float* lp, const float* old,
+                                     const float* ref, const float* pos_weight, const float* neg_weight,
+                                     const float* kl_weight, const int32_t* n_train, const int32_t* n_pos,
+                                     const int32_t* n_neg, float* grad, tp_loss_metrics* out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -7,6 +7,7 @@
 #include "addon_util.h"
 #include "mask_arrays.h"
 #include "mask_binding.h"
+#include "loss_binding.h"
 
 namespace {
 
@@ -109,6 +110,7 @@ Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   exports.Set("version", Napi::Function::New(env, Version, "version"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
   RegisterMask(env, exports);
+  RegisterLoss(env, exports);
   return exports;
 }
 

@@ -6,6 +6,7 @@
 #include "../cuda/treepack_cuda.h"
 #include "addon_util.h"
 #include "cuda_mask_binding.h"
+#include "loss_binding.h"
 
 namespace {
 
@@ -52,12 +53,37 @@ Napi::Value GatherI32(const Napi::CallbackInfo& info) {
   return dst;
 }
 
+// loss(...) and lossCompact(...): the CPU addon's signatures (loss_binding.h), run on the current GPU.
+Napi::Value Loss(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  treepack::LossArgs a;
+  if (!treepack::ParseLossArgs(info, &a)) return env.Undefined();
+  tp_loss_metrics m;
+  const int code = tp_cuda_loss_host(&a.config, a.S, a.seq_offsets, a.seq_positions, a.loss_mask, a.advantages,
+                                     a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.N, a.lp, a.grad, &m);
+  TP_REQUIRE(env, code == 0, "E_BACKEND", "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code));
+  return treepack::LossMetricsObject(env, m);
+}
+
+Napi::Value LossCompact(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  treepack::CompactArgs a;
+  if (!treepack::ParseCompactArgs(info, &a)) return env.Undefined();
+  tp_loss_metrics m;
+  const int code = tp_cuda_loss_compact_host(&a.config, a.N, a.lp, a.old, a.ref, a.pos_weight, a.neg_weight,
+                                             a.kl_weight, a.n_train, a.n_pos, a.n_neg, a.grad, &m);
+  TP_REQUIRE(env, code == 0, "E_BACKEND", "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code));
+  return treepack::LossMetricsObject(env, m);
+}
+
 Napi::Value Version(const Napi::CallbackInfo& info) { return Napi::String::New(info.Env(), TP_VERSION); }
 
 Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   env.SetInstanceData(new treepack::AddonData());
   exports.Set("deviceInfo", Napi::Function::New(env, DeviceInfo, "deviceInfo"));
   exports.Set("gatherI32", Napi::Function::New(env, GatherI32, "gatherI32"));
+  exports.Set("loss", Napi::Function::New(env, Loss, "loss"));
+  exports.Set("lossCompact", Napi::Function::New(env, LossCompact, "lossCompact"));
   exports.Set("version", Napi::Function::New(env, Version, "version"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
   RegisterCudaMask(env, exports);

@@ -1,13 +1,17 @@
 /** Registers the built-in backends. Importing this module is what makes them resolvable. */
+import { TreepackError } from '../errors.js';
+import { lossCompactReference, lossReference } from '../loss/reference.js';
 import { maskBlocks } from '../mask/blocks.js';
 import { maskCuSeqlens } from '../mask/cuseqlens.js';
 import { maskBits, maskDense } from '../mask/dense.js';
 import { maskSlices } from '../mask/slices.js';
 import { packForest } from '../pack/forest.js';
+import { addonLoss, addonLossCompact, type LossAddon } from './loss_addon.js';
 import { maskBitsCuda, maskBlocksCudaTimed, maskDenseCuda } from './mask-cuda.js';
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
-import { cudaDeviceInfo, loadNative, packForestNative } from './native.js';
+import { cudaDeviceInfo, loadCuda, loadNative, packForestNative, type Loaded } from './native.js';
 import { webgpuContext } from './webgpu/device.js';
+import { lossWebGPU } from './webgpu/loss.js';
 import { maskBitsWebGPU, maskBlocksWebGPU, maskDenseWebGPU } from './webgpu/mask.js';
 import { registerBackend, registerKernel } from './registry.js';
 
@@ -18,6 +22,13 @@ registerKernel('js', 'maskBits', async (t) => maskBits(t));
 registerKernel('js', 'maskBlocks', async (t, b) => maskBlocks(t, b));
 registerKernel('js', 'maskSlices', async (t) => maskSlices(t));
 registerKernel('js', 'maskCuSeqlens', async (t) => maskCuSeqlens(t));
+registerKernel('js', 'loss', async (b, lp, cfg) => lossReference(b, lp, cfg));
+registerKernel('js', 'lossCompact', async (plan, lp, cfg) => lossCompactReference(plan, lp, cfg));
+
+function addon(loaded: Loaded<LossAddon>, name: string): LossAddon {
+  if ('error' in loaded) throw new TreepackError('E_BACKEND', `${name} addon unavailable: ${loaded.error}`);
+  return loaded.binding;
+}
 
 registerBackend('cpu', 10, () => {
   const loaded = loadNative();
@@ -30,6 +41,8 @@ registerKernel('cpu', 'maskBits', async (t) => maskBitsCpu(t));
 registerKernel('cpu', 'maskBlocks', async (t, b) => maskBlocksCpu(t, b));
 registerKernel('cpu', 'maskSlices', async (t) => maskSlicesCpu(t));
 registerKernel('cpu', 'maskCuSeqlens', async (t) => maskCuSeqlensCpu(t));
+registerKernel('cpu', 'loss', async (b, lp, cfg) => addonLoss(addon(loadNative(), 'native'), b, lp, cfg));
+registerKernel('cpu', 'lossCompact', async (plan, lp, cfg) => addonLossCompact(addon(loadNative(), 'native'), plan, lp, cfg));
 
 // GPU backends: registered so that `listBackends()` says whether each can run here and why not; each kernel
 // registers beside its backend.
@@ -41,6 +54,8 @@ registerBackend('cuda', 30, () => {
 registerKernel('cuda', 'maskDense', async (t) => maskDenseCuda(t));
 registerKernel('cuda', 'maskBits', async (t) => maskBitsCuda(t));
 registerKernel('cuda', 'maskBlocks', async (t, b) => maskBlocksCudaTimed(t, b).mask);
+registerKernel('cuda', 'loss', async (b, lp, cfg) => addonLoss(addon(loadCuda(), 'CUDA'), b, lp, cfg));
+registerKernel('cuda', 'lossCompact', async (plan, lp, cfg) => addonLossCompact(addon(loadCuda(), 'CUDA'), plan, lp, cfg));
 
 registerBackend('webgpu', 20, async () => {
   const r = await webgpuContext();
@@ -52,6 +67,7 @@ registerBackend('webgpu', 20, async () => {
 registerKernel('webgpu', 'maskDense', maskDenseWebGPU);
 registerKernel('webgpu', 'maskBits', maskBitsWebGPU);
 registerKernel('webgpu', 'maskBlocks', maskBlocksWebGPU);
+registerKernel('webgpu', 'loss', lossWebGPU);
 
 export { listBackends, resolveKernel, BACKEND_NAMES } from './registry.js';
 export type { BackendName, BackendStatus, Resolved } from './registry.js';

@@ -14,6 +14,7 @@ import { TreepackError } from '../errors.js';
 import type { BlockMask } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 import { validateSequences } from '../pack/validate.js';
+import type { LossAddon } from './loss_addon.js';
 
 /**
  * Preallocated output arrays for reuse across calls. Each given array must be at least as long as needed (N for the
@@ -22,7 +23,7 @@ import { validateSequences } from '../pack/validate.js';
  */
 export type ForestBuffers = Partial<Forest>;
 
-export interface NativeBinding {
+export interface NativeBinding extends LossAddon {
   packForest(tokens: Int32Array, offsets: Int32Array, out?: ForestBuffers): Forest;
   /** Mask lowerings (native/core/mask.h); the arrays are validated by src/mask/validate.ts first. */
   maskDense(parent: Int32Array, subtree_end: Int32Array): Uint8Array;
@@ -42,7 +43,7 @@ export interface CudaDevice {
   multiProcessorCount: number;
 }
 
-export interface CudaBinding {
+export interface CudaBinding extends LossAddon {
   /** code is a cudaError_t: 0 ok, 35 no driver or one older than the runtime, 100 no device. */
   deviceInfo(): { code: number; message: string; runtimeVersion: number; driverVersion: number; devices: CudaDevice[] };
   /** dst[i] = src[idx[i]] on the first GPU (an index outside src gives 0); throws TreepackError E_BACKEND. */

@@ -6,6 +6,8 @@
  */
 import { TreepackError } from '../errors.js';
 import type { BlockMask, TreeArrays } from '../mask/types.js';
+import type { LossConfig } from '../loss/config.js';
+import type { CompactPlan, LossBatch, LossResult } from '../loss/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 
 export type BackendName = 'cuda' | 'webgpu' | 'cpu' | 'js';
@@ -20,6 +22,10 @@ export interface Kernels {
   maskBlocks: (tree: TreeArrays, blockSize: number) => Promise<BlockMask>;
   maskSlices: (tree: TreeArrays) => Promise<Int32Array>;
   maskCuSeqlens: (tree: TreeArrays) => Promise<Int32Array>;
+  /** Per-occurrence RL loss, gradient and metrics; inputs validated by src/loss (computeLoss). */
+  loss: (batch: LossBatch, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
+  /** The same from a compact per-node plan (buildCompactPlan). */
+  lossCompact: (plan: CompactPlan, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
 }
 export type OpName = keyof Kernels;
 

@@ -25,6 +25,13 @@ export function positiveInt(name: string, v: string | undefined, fallback?: numb
   return n;
 }
 
+export function nonNegativeNumber(name: string, v: string | undefined, fallback: number): number {
+  if (v === undefined) return fallback;
+  const n = Number(v);
+  if (v.trim() === '' || !Number.isFinite(n) || n < 0) throw new TreepackError('E_ARG', `Expected a number >= 0 for ${name} but received ${JSON.stringify(v)}`);
+  return n;
+}
+
 export function backendOption(v: string | undefined, name = '--backend'): BackendName | 'auto' {
   if (v === undefined || v === 'auto') return 'auto';
   if (!(BACKEND_NAMES as readonly string[]).includes(v)) {
@@ -44,6 +51,8 @@ export const PIPELINE_OPTIONS = {
   backend: { type: 'string' },
   'max-naive-tokens': { type: 'string' },
   'vocab-size': { type: 'string' },
+  'no-merge': { type: 'boolean' },
+  'timeline-compare-level': { type: 'string' },
 } as const;
 
 export function pipelineOptions(values: Parsed['values']): PipelineOptions {
@@ -52,5 +61,11 @@ export function pipelineOptions(values: Parsed['values']): PipelineOptions {
     backend: backendOption(values.backend as string | undefined),
     maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
     vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
+    merge: values['no-merge'] ? false : { timelineCompareLevel: compareLevel(values['timeline-compare-level'] as string | undefined) },
   };
+}
+
+function compareLevel(v: string | undefined): 'text' | 'token' {
+  if (v === undefined || v === 'text' || v === 'token') return v ?? 'text';
+  throw new TreepackError('E_ARG', `Expected text or token for --timeline-compare-level but received ${JSON.stringify(v)}`);
 }

@@ -3,6 +3,7 @@
 import { releaseWebGPU } from '../backend/webgpu/device.js';
 import { TreepackError } from '../errors.js';
 import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
+import { lossCommand, LOSS_USAGE } from './loss.js';
 import { packCommand, PACK_USAGE } from './pack.js';
 import { statsCommand, STATS_USAGE } from './stats.js';
 import { VERSION } from '../version.js';
@@ -13,6 +14,7 @@ Commands:
   pack <input|->     pack rollouts into prefix-tree micro-batches (safetensors + manifest.json)
   stats <input|->    report naive vs packed tokens, per group, and branch depths
   doctor             which backends (cuda, webgpu, cpu, js) can run here, and why not
+  loss <mb>          RL loss, metrics and dloss/dlp of a dumped micro-batch and node logprobs
   help [command]     help for a command
 
 Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
@@ -21,6 +23,7 @@ const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage
   pack: { run: packCommand, usage: PACK_USAGE },
   stats: { run: statsCommand, usage: STATS_USAGE },
   doctor: { run: doctorCommand, usage: DOCTOR_USAGE },
+  loss: { run: lossCommand, usage: LOSS_USAGE },
 };
 
 async function main(argv: string[]): Promise<number> {

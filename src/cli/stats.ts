@@ -7,11 +7,15 @@ import type { Sample } from '../records/types.js';
 import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream, type PipelineStats } from './pipeline.js';
 import { progressReporter } from './progress.js';
 import { resolveKernel } from '../backend/index.js';
+import type { Snap } from '../timeline/snap.js';
+
+const SNAP_LIST_MAX = 100;
 
 export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 
-Prints records, samples, naive and packed tokens, compression (naive ÷ packed), per-group figures and a
-histogram of the depths at which the prefix trees branch.
+Prints records, timelines and samples after the timeline merge, naive and packed tokens, compression
+(naive ÷ packed), drifted messages, timeline snaps (contexts that extend no earlier context of their episode),
+per-group figures and a histogram of the depths at which the prefix trees branch.
 
 Options:
   --json                  one JSON object on stdout
@@ -19,6 +23,9 @@ Options:
   --backend NAME          packer backend: auto, cpu, js                     [default: auto]
   --max-naive-tokens T    micro-batch cut, as in pack                       [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
+  --no-merge              pack every record as its own sample (no timeline merge)
+  --timeline-compare-level L
+                          timeline merge compares messages by text or token [default: text]
   --groups K              groups listed in the text report               [default: 10]
   -h, --help              this help`;
 
@@ -32,8 +39,17 @@ export interface GroupStats {
 
 export interface StatsReport {
   input: string;
-  records: number;
-  samples: number;
+  records: number; // input lines
+  timelines: number; // records read (an episode line holds one per request): timelines = samples + absorbed
+  samples: number; // after merging
+  absorbed: number;
+  merged_tokens: number; // naive tokens of the samples after merging: what the micro-batches hold unpacked
+  drifted_messages: number;
+  snaps: number;
+  snap_lost_tokens: number;
+  snap_kinds: Record<string, number>;
+  snap_list: Snap[]; // the first SNAP_LIST_MAX
+
   naive_tokens: number;
   packed_tokens: number;
   compression: number;
@@ -63,7 +79,9 @@ export async function statsCommand(argv: string[]): Promise<number> {
     return 0;
   }
   const input = oneInput(positionals, STATS_USAGE);
-  const opts = pipelineOptions(values);
+  const base = pipelineOptions(values);
+  // A diagnostic command: snap detection is worth its cost here.
+  const opts = { ...base, merge: base.merge === false ? (false as const) : { ...base.merge, detectTimelineSnap: true } };
   const maxGroups = positiveInt('--groups', values.groups as string | undefined, 10)!;
   const stats = emptyStats();
   const progress = progressReporter();
@@ -102,10 +120,18 @@ export async function statsCommand(argv: string[]): Promise<number> {
   const report: StatsReport = {
     input,
     records: stats.read.lines,
+    timelines: stats.timelines,
     samples: stats.samples,
-    naive_tokens: stats.naiveTokens,
+    absorbed: stats.absorbed,
+    merged_tokens: stats.naiveTokens,
+    drifted_messages: stats.driftedMessages,
+    snaps: stats.snaps.length,
+    snap_lost_tokens: stats.snaps.reduce((a, x) => a + x.lostTokens, 0),
+    snap_kinds: snapKinds(stats.snaps),
+    snap_list: stats.snaps.slice(0, SNAP_LIST_MAX),
+    naive_tokens: stats.timelineTokens, // every call as its own sample: what an unpacked trainer runs
     packed_tokens: stats.packedTokens,
-    compression: ratio(stats.naiveTokens, stats.packedTokens),
+    compression: ratio(stats.timelineTokens, stats.packedTokens),
     micro_batches: stats.microBatches,
     tokenizer: stats.tokenizer,
     backend: stats.backend,
@@ -119,18 +145,28 @@ export async function statsCommand(argv: string[]): Promise<number> {
   return 0;
 }
 
+function snapKinds(list: Snap[]): Record<string, number> {
+  const counts: Record<string, number> = {};
+  for (const s of list) counts[s.kind] = (counts[s.kind] ?? 0) + 1;
+  return counts;
+}
+
 export function formatStats(r: StatsReport, maxGroups: number): string {
   const n = (x: number) => x.toLocaleString('en-US');
   const lines = [
     `input          ${r.input}`,
     `records        ${n(r.records)}`,
-    `samples        ${n(r.samples)}`,
-    `naive tokens   ${n(r.naive_tokens)}`,
+    `timelines      ${n(r.timelines)}`,
+    `samples        ${n(r.samples)}  (${n(r.absorbed)} timelines merged into others)`,
+    `drifted        ${n(r.drifted_messages)} messages (re-rendered tokens differ from the sampled ones)`,
+    `snaps          ${n(r.snaps)}  (${n(r.snap_lost_tokens)} tokens of sharing lost${Object.entries(r.snap_kinds).map(([k, c]) => `; ${k} ${c}`).join('')})`,
+    `naive tokens   ${n(r.naive_tokens)}  (every timeline as its own sample)`,
+    `merged tokens  ${n(r.merged_tokens)}  (samples after the timeline merge)`,
     `packed tokens  ${n(r.packed_tokens)}  (${r.micro_batches} micro-batch${r.micro_batches === 1 ? '' : 'es'})`,
     `compression    ${r.compression.toFixed(2)}× (naive ÷ packed)`,
     `tokenizer      ${r.tokenizer}`,
     `packer         ${r.backend}`,
-    `time           ${r.seconds.total.toFixed(2)} s (read+parse ${r.seconds.readParse.toFixed(2)}, tokenize ${r.seconds.tokenize.toFixed(2)}, pack ${r.seconds.pack.toFixed(2)})`,
+    `time           ${r.seconds.total.toFixed(2)} s (read+parse ${r.seconds.readParse.toFixed(2)}, tokenize ${r.seconds.tokenize.toFixed(2)}, merge ${r.seconds.merge.toFixed(2)}, pack ${r.seconds.pack.toFixed(2)})`,
   ];
   if (r.groups.length) {
     const top = [...r.groups].sort((a, b) => b.naive_tokens - a.naive_tokens).slice(0, maxGroups);

@@ -50,6 +50,8 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
     const a = mb[f];
     if (a !== undefined && a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
   }
+  const pad = mb.meta.num_pad_tokens;
+  if (pad !== undefined && !(Number.isSafeInteger(pad) && pad >= 0 && pad <= N)) throw fail('num_pad_tokens', `num_pad_tokens = ${pad}, expected an integer in [0, N = ${N}]`);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
@@ -100,6 +102,7 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
     num_tokens_packed: String(m.num_tokens_packed),
     tokenizer: m.tokenizer,
     sequence_ids: JSON.stringify(m.sequence_ids),
+    ...(m.num_pad_tokens !== undefined ? { num_pad_tokens: String(m.num_pad_tokens) } : {}),
   });
 }
 
@@ -129,6 +132,11 @@ export function readMicroBatch(path: string): MicroBatchFile {
     throw fail('sequence_ids', 'sequence_ids is not JSON');
   }
   const meta: MicroBatchMeta = { format: FORMAT, ...nums, tokenizer: metadata.tokenizer, sequence_ids: sequence_ids as string[] };
+  const pad = metadata.num_pad_tokens;
+  if (pad !== undefined) {
+    if (!/^(0|[1-9][0-9]*)$/.test(pad)) throw fail('num_pad_tokens', `num_pad_tokens is ${JSON.stringify(pad)}, expected a non-negative integer`);
+    meta.num_pad_tokens = Number(pad);
+  }
 
   const fields: Record<string, TypedArray> = {};
   for (const [name, dtype] of CONTRACT_DTYPES) {

@@ -31,6 +31,11 @@ export interface MicroBatchMeta {
   num_tokens_packed: number;
   tokenizer: string;
   sequence_ids: string[]; // input order
+  /**
+   * Extension (micro-batching under a token budget): the last num_pad_tokens nodes are padding, each a root
+   * with no occurrence, so N - num_pad_tokens is the forest's own size. Absent when the batch was not padded.
+   */
+  num_pad_tokens?: number;
 }
 
 /** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */

@@ -107,7 +107,7 @@ function sameOffsets(a: Int32Array, b: Int32Array): boolean {
  * occurrence: seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
  * position_ids[seq_positions[t]] = t. With `seqs` (the sequences the forest was packed from) also
  * input_ids[seq_positions] = tokens. Given a MicroBatch it also checks the occurrence fields' lengths and that
- * loss_mask is 0 at t = 0.
+ * loss_mask is 0 at t = 0, and that its num_pad_tokens pad nodes are childless roots no occurrence maps to.
  */
 export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): string[] {
   const out = new Violations();
@@ -137,6 +137,11 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
   }
   if (!checkOffsets(seq_offsets, M, out)) return out.result();
 
+  // Padding (the num_pad_tokens extension) is the tail of the node arrays: roots no sequence reaches.
+  const pad = Math.min(N, mb?.meta?.num_pad_tokens ?? 0);
+  for (let p = N - pad; p < N; p++) {
+    if (parent[p] !== -1 || subtree_end[p] !== p + 1) out.add(`pad node ${p}: expected a root with no children (parent -1, subtree_end ${p + 1})`);
+  }
   const S = seq_offsets.length - 1;
   for (let i = 0; i < S; i++) {
     const off = seq_offsets[i];
@@ -150,6 +155,7 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
         out.add(`seq_positions[${k}] = ${p}: not a position in [0, ${N}) ${at}`);
         continue;
       }
+      if (p >= N - pad) out.add(`seq_positions[${k}] = ${p}: a pad node (the last ${pad} nodes are padding) ${at}`);
       const expectedParent = t === 0 ? -1 : seq_positions[k - 1];
       if (parent[p] !== expectedParent) {
         out.add(`parent[seq_positions[${k}]] = parent[${p}] = ${parent[p]}: expected ${t === 0 ? '-1 (a root)' : `seq_positions[${k - 1}] = ${expectedParent}`} ${at}`);

@@ -5,7 +5,7 @@
  */
 import { TreepackError, describeValue } from '../errors.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
-import type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './types.js';
+import { AUTHORS, type Author, type ChatMessage, type ChatRecord, type Sample, type Source, type ToolCall, type TrainRecord } from './types.js';
 
 export interface ReadStats {
   lines: number; // non-blank lines parsed
@@ -215,7 +215,39 @@ function parseTokens(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | un
   if (advantages) s.advantages = advantages;
   const advantage = optNumber(o, 'advantage', ctx);
   if (advantage !== undefined) s.advantage = advantage;
+  const agent = optString(o, 'agent', ctx, '');
+  if (agent !== undefined) s.agent = agent;
+  parseMessageBoundaries(o, ctx, s);
   return s;
+}
+
+/** `message_offsets` (start of each message, first 0, strictly increasing) and optional `message_authors`. */
+function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
+  if (o.message_offsets === undefined || o.message_offsets === null) {
+    if (o.message_authors !== undefined && o.message_authors !== null)
+      throw fail(ctx, 'message_authors', 'message_authors needs message_offsets (where each message starts)');
+    return;
+  }
+  const n = s.tokens.length;
+  const v = o.message_offsets;
+  if (!Array.isArray(v) || v.length === 0) throw fail(ctx, 'message_offsets', `expected a non-empty array of token offsets, got ${describeValue(v)}`);
+  const offsets = new Int32Array(v.length);
+  for (let i = 0; i < v.length; i++) {
+    const x = v[i];
+    const prev = i === 0 ? -1 : offsets[i - 1]!;
+    if (!Number.isInteger(x) || (i === 0 ? x !== 0 : x <= prev || x >= n))
+      throw fail(ctx, `message_offsets[${i}]`, i === 0 ? `the first message starts at 0, got ${describeValue(x)}` : `expected an offset in ${prev + 1}..${n - 1} (increasing, inside the ${n} tokens), got ${describeValue(x)}`);
+    offsets[i] = x as number;
+  }
+  s.message_offsets = offsets;
+  const a = o.message_authors;
+  if (a === undefined || a === null) return;
+  if (!Array.isArray(a)) throw fail(ctx, 'message_authors', `expected an array of authors, got ${describeValue(a)}`);
+  checkLength(a, offsets.length, 'one per message', ctx, 'message_authors');
+  for (let i = 0; i < a.length; i++)
+    if (!(AUTHORS as readonly unknown[]).includes(a[i]))
+      throw fail(ctx, `message_authors[${i}]`, `expected one of ${AUTHORS.join(', ')}, got ${describeValue(a[i])}`);
+  s.message_authors = a as Author[];
 }
 
 /** slime's Sample: per-response arrays, expanded here to full length with the prompt untrained. */
@@ -289,6 +321,7 @@ function parseChat(o: Obj, ctx: Ctx, path: string, ids: ChatIds): ChatRecord {
   else response = parseMessage(o.response, ctx, path + 'response', 'assistant');
   if (response.role !== 'assistant')
     throw fail(ctx, path + 'response.role', `the response is what the policy generated: expected role "assistant", got ${JSON.stringify(response.role)}`);
+  if (isObject(o.response)) parseEngineOutput(o.response, response, ctx, path + 'response.');
   const tools = o.tools;
   if (tools !== undefined && tools !== null) {
     if (!Array.isArray(tools)) throw fail(ctx, path + 'tools', `expected an array of tool schemas, got ${describeValue(tools)}`);
@@ -309,6 +342,18 @@ function parseChat(o: Obj, ctx: Ctx, path: string, ids: ChatIds): ChatRecord {
   if (agent !== undefined) rec.agent = agent;
   if (ids.reward !== undefined) rec.reward = ids.reward;
   return rec;
+}
+
+/** The inference engine's own record of a response: `token_ids` and `logprobs`, one per generated token. */
+function parseEngineOutput(o: Obj, m: ChatMessage, ctx: Ctx, path: string): void {
+  if (o.token_ids !== undefined && o.token_ids !== null) m.token_ids = tokenArray(o.token_ids, ctx, path + 'token_ids', undefined);
+  if (o.logprobs === undefined || o.logprobs === null) return;
+  if (!Array.isArray(o.logprobs)) throw fail(ctx, path + 'logprobs', `expected an array of numbers, got ${describeValue(o.logprobs)}`);
+  const lp = new Float32Array(o.logprobs.length);
+  const what = m.token_ids ? 'one per token_ids entry' : 'one per generated token';
+  if (m.token_ids) checkLength(o.logprobs, m.token_ids.length, what, ctx, path + 'logprobs');
+  floatsInto(o.logprobs, lp, 0, true, what, ctx, path + 'logprobs');
+  m.logprobs = lp;
 }
 
 function parseMessage(v: unknown, ctx: Ctx, path: string, defaultRole: string | undefined): ChatMessage {

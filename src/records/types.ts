@@ -20,6 +20,10 @@ export interface ChatMessage {
   tool_call_id?: string;
   name?: string;
   reasoning_content?: string;
+  /** Response only: the tokens the inference engine generated (after the assistant header, end-of-turn included). */
+  token_ids?: Int32Array;
+  /** Response only: the engine's logprob of each generated token (of `token_ids`, else of the rendered response). */
+  logprobs?: Float32Array;
 }
 
 /** One LLM call: the context sent (`messages`, `tools`) and the answer the policy generated (`response`). */
@@ -36,6 +40,10 @@ export interface ChatRecord {
   source: Source;
 }
 
+/** Who wrote a timeline message: the policy (`llm`, trainable) or the context around it. */
+export type Author = 'llm' | 'user' | 'env' | 'tool' | 'system' | 'initialization';
+export const AUTHORS: readonly Author[] = ['llm', 'user', 'env', 'tool', 'system', 'initialization'];
+
 /** A token sequence ready for packing: per-token arrays all as long as `tokens`. */
 export interface Sample {
   kind: 'sample';
@@ -50,6 +58,13 @@ export interface Sample {
   old_logprobs?: Float32Array;
   ref_logprobs?: Float32Array;
   advantages?: Float32Array;
+  agent?: string;
+  /** Start of each message in `tokens` (first 0, increasing): lets the timeline merge see message boundaries. */
+  message_offsets?: Int32Array;
+  /** Author of each message; default `llm` for a message with trainable tokens, else `env`. */
+  message_authors?: Author[];
+  /** Ids of the records absorbed into this sample by the timeline merge (not including its own). */
+  merged_from?: string[];
   source: Source;
 }
 

@@ -97,23 +97,19 @@ export class ChatEncoder {
       if (this.vocabSize !== undefined) checkVocab(record, this.vocabSize);
       return record;
     }
-    const text = this.render(record);
-    const segments = this.split(text);
-    const found: Segment[] = new Array(segments.length);
+    const turns = this.encodeTurns(record);
     let total = 0;
-    for (let i = 0; i < segments.length; i++) total += (found[i] = this.lookup(segments[i]!)).ids.length;
-    const last = found[found.length - 1]!;
-    if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1]!, last, record);
-
+    for (const ids of turns.ids) total += ids.length;
+    const last = turns.ids[turns.ids.length - 1]!;
     const tokens = new Int32Array(total);
     const loss_mask = new Uint8Array(total);
     let at = 0;
-    for (const s of found) {
-      tokens.set(s.ids, at);
-      at += s.ids.length;
+    for (const ids of turns.ids) {
+      tokens.set(ids, at);
+      at += ids.length;
     }
-    const offset = total - last.ids.length;
-    loss_mask.fill(1, offset + last.trainableFrom, offset + last.trainableTo);
+    const offset = total - last.length;
+    loss_mask.fill(1, offset + turns.trainableFrom, offset + turns.trainableTo);
     loss_mask[0] = 0;
     const sample: Sample = {
       kind: 'sample',
@@ -126,6 +122,20 @@ export class ChatEncoder {
     };
     if (record.reward !== undefined) sample.reward = record.reward;
     return sample;
+  }
+
+  /**
+   * The token ids of each turn of a chat record (the rendered text cut at turn starts, see split()) and the
+   * trainable range [trainableFrom, trainableTo) inside the last turn, the response. The arrays are the cache's
+   * own: callers must not write to them.
+   */
+  encodeTurns(record: ChatRecord): { ids: Int32Array[]; trainableFrom: number; trainableTo: number } {
+    const segments = this.split(this.render(record));
+    const found: Segment[] = new Array(segments.length);
+    for (let i = 0; i < segments.length; i++) found[i] = this.lookup(segments[i]!);
+    const last = found[found.length - 1]!;
+    if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1]!, last, record);
+    return { ids: found.map((f) => f.ids), trainableFrom: last.trainableFrom, trainableTo: last.trainableTo };
   }
 
   /** The full text of a record: `messages + [response]`, no generation prompt. */

@@ -1,0 +1,157 @@
+/**
+ * Micro-batching under a token budget, per dataset, for T ∈ {8k, 32k, 128k} and K ∈ {1, 8}: total packed tokens
+ * against the single-forest optimum and against two baselines run on the same sequences (naive per-sample
+ * first-fit, and dedup-aware first-fit in input order as AReaL packs trees), micro-batch counts, rank imbalance
+ * (max ÷ mean cost) and planning time. Then the streaming collectors on simulated completion times.
+ */
+import { performance } from 'node:perf_hooks';
+import { DEFAULT_COST, imbalance, microBatchCost } from '../src/pack/balance.js';
+import { planMicroBatches, roundUp } from '../src/pack/budget.js';
+import type { Sequences } from '../src/pack/contract.js';
+import { sortSequences } from '../src/pack/forest.js';
+import { simulateCollector, type CollectorPolicy } from '../src/pack/schedule.js';
+import { rng } from '../test/helpers/sequences.js';
+
+export interface MicroBatchRow {
+  dataset: string;
+  maxTokens: number;
+  dp: number;
+  feasible: boolean;
+  optimum: number;
+  longest: number;
+  ours?: Result;
+  firstFit?: Result;
+  naive?: Result;
+}
+
+interface Result {
+  tokens: number;
+  microBatches: number;
+  imbalance: number;
+  seconds: number;
+}
+
+const tri = (L: number) => (L * (L + 1)) / 2;
+
+/**
+ * First-fit in input order. With `dedup`, a sequence costs its tokens past the longest prefix it shares with a
+ * sequence already in the micro-batch (a trie per micro-batch, kept as sorted ranks with an LCP range-minimum
+ * table); without, its full length. Micro-batches go to ranks round-robin, empty ones added to reach a
+ * multiple of K, as a first-fit trainer does.
+ */
+function firstFit(seqs: Sequences, T: number, K: number, dedup: boolean): Result {
+  const t0 = performance.now();
+  const S = seqs.offsets.length - 1;
+  const { order, lcp } = sortSequences(seqs);
+  const rankOf = new Int32Array(S);
+  order.forEach((s, k) => (rankOf[s] = k));
+  // Sparse table over lcp: lcpOf(a, b) for ranks a < b is min(lcp[a+1..b]).
+  const table: Int32Array[] = [lcp];
+  for (let w = 1; 2 * w <= S; w *= 2) {
+    const prev = table[table.length - 1], next = new Int32Array(S);
+    for (let i = 0; i + 2 * w <= S; i++) next[i] = Math.min(prev[i], prev[i + w]);
+    table.push(next);
+  }
+  const lcpOf = (a: number, b: number) => {
+    const lo = a + 1, k = 31 - Math.clz32(b - lo + 1);
+    return Math.min(table[k][lo], table[k][b - (1 << k) + 1]);
+  };
+  const bins: { ranks: number[]; tokens: number }[] = [];
+  for (let s = 0; s < S; s++) {
+    const len = seqs.offsets[s + 1] - seqs.offsets[s], r = rankOf[s];
+    let placed = false;
+    for (const bin of bins) {
+      let at = 0, hi = bin.ranks.length;
+      while (at < hi) {
+        const mid = (at + hi) >> 1;
+        if (bin.ranks[mid] < r) at = mid + 1;
+        else hi = mid;
+      }
+      let shared = 0;
+      if (dedup && at > 0) shared = Math.max(shared, lcpOf(bin.ranks[at - 1], r));
+      if (dedup && at < bin.ranks.length) shared = Math.max(shared, lcpOf(r, bin.ranks[at]));
+      if (bin.tokens + len - shared > T) continue;
+      bin.ranks.splice(at, 0, r);
+      bin.tokens += len - shared;
+      placed = true;
+      break;
+    }
+    if (!placed) bins.push({ ranks: [r], tokens: len });
+  }
+  const seconds = (performance.now() - t0) / 1000;
+  const n = roundUp(Math.max(1, bins.length), K);
+  const loads = new Float64Array(K);
+  let tokens = 0;
+  bins.forEach((bin, b) => {
+    let pairs = 0;
+    bin.ranks.forEach((r, k) => {
+      const s = order[r];
+      pairs += tri(seqs.offsets[s + 1] - seqs.offsets[s]) - (dedup && k > 0 ? tri(lcpOf(bin.ranks[k - 1], r)) : 0);
+    });
+    loads[b % K] += microBatchCost(bin.tokens, pairs, DEFAULT_COST);
+    tokens += bin.tokens;
+  });
+  return { tokens, microBatches: n, imbalance: imbalance(loads), seconds };
+}
+
+export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow[] {
+  const S = seqs.offsets.length - 1;
+  let longest = 0;
+  for (let i = 0; i < S; i++) longest = Math.max(longest, seqs.offsets[i + 1] - seqs.offsets[i]);
+  const optimum = planMicroBatches(seqs, { maxTokens: Math.max(1, longest) }).optimumTokens;
+  console.log(`\n## micro-batching under a token budget: ${dataset}`);
+  console.log(`  ${S} sequences, longest ${longest} tokens, single-forest optimum ${optimum.toLocaleString('en-US')} packed tokens`);
+  console.log('  T      K  | ours: tokens ÷opt  mbs  imbal   ms | first-fit dedup: ÷opt  mbs  imbal   ms | naive first-fit: ÷opt  mbs  imbal');
+  const rows: MicroBatchRow[] = [];
+  for (const T of [8192, 32768, 131072]) {
+    for (const K of [1, 8]) {
+      const row: MicroBatchRow = { dataset, maxTokens: T, dp: K, feasible: T >= longest, optimum, longest };
+      rows.push(row);
+      const label = `  ${String(T / 1024).padStart(3)}k ${String(K).padStart(2)}  |`;
+      if (!row.feasible) {
+        console.log(`${label} infeasible: the longest sequence has ${longest} tokens (the planner rejects T < ${longest})`);
+        continue;
+      }
+      const t0 = performance.now();
+      const plan = planMicroBatches(seqs, { maxTokens: T, dp: K });
+      const seconds = (performance.now() - t0) / 1000;
+      row.ours = { tokens: plan.microBatches.reduce((a, m) => a + m.packedTokens, 0), microBatches: plan.microBatches.length, imbalance: plan.imbalance, seconds };
+      row.firstFit = firstFit(seqs, T, K, true);
+      row.naive = firstFit(seqs, T, K, false);
+      const f = (r: Result) => `${(r.tokens / optimum).toFixed(3).padStart(6)} ${String(r.microBatches).padStart(4)} ${r.imbalance.toFixed(3)}`;
+      const goal = T >= 4 * longest ? `  goal ≤1.05×opt: ${row.ours.tokens <= 1.05 * optimum ? 'met' : 'MISSED'}` : '';
+      console.log(
+        `${label} ${row.ours.tokens.toLocaleString('en-US').padStart(12)} ${f(row.ours)} ${(seconds * 1e3).toFixed(1).padStart(6)} |` +
+          `      ${f(row.firstFit)} ${(row.firstFit.seconds * 1e3).toFixed(1).padStart(6)} |      ${f(row.naive)}${goal}`,
+      );
+    }
+  }
+  return rows;
+}
+
+/**
+ * 1024 groups submitted at a steady rate with heavy-tailed generation times (log-normal, σ = 1: a few groups
+ * take 10× the median, as long agent episodes do), trained 32 groups per batch.
+ */
+export function benchCollectors(): { policy: string; meanStaleness: number; maxStaleness: number; meanWait: number }[] {
+  const r = rng(11);
+  const groups = Array.from({ length: 1024 }, (_, i) => {
+    const u = Math.max(1e-12, r()), v = r();
+    const gen = Math.exp(Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * v));
+    return { submitted: i * 0.05, completed: i * 0.05 + gen };
+  });
+  console.log('\n## streaming collectors: 1024 groups, log-normal generation time (median 1), 32 groups per batch');
+  const out = [];
+  const policies: [string, CollectorPolicy][] = [
+    ['windowed FIFO W=32', { kind: 'windowed-fifo', window: 32 }],
+    ['windowed FIFO W=64', { kind: 'windowed-fifo', window: 64 }],
+    ['windowed FIFO W=256', { kind: 'windowed-fifo', window: 256 }],
+    ['fully async', { kind: 'async' }],
+  ];
+  for (const [policy, p] of policies) {
+    const s = simulateCollector(p, groups, 32);
+    console.log(`  ${policy.padEnd(20)} staleness mean ${s.meanStaleness.toFixed(2)} max ${s.maxStaleness}, finished group waits ${s.meanWait.toFixed(2)} on average`);
+    out.push({ policy, meanStaleness: s.meanStaleness, maxStaleness: s.maxStaleness, meanWait: s.meanWait });
+  }
+  return out;
+}

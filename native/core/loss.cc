@@ -1,0 +1,103 @@
+// The RL loss on the CPU: per occurrence (tp_loss) and per node (tp_loss_compact). See loss.h.
+#include <vector>
+
+#include "loss_math.h"
+#include "treepack.h"
+
+namespace tl = treepack::loss;
+
+namespace {
+
+bool ConfigOk(const tp_loss_config* c) {
+  return c != nullptr && c->policy >= 0 && c->policy <= 2 && c->aggregation >= 0 && c->aggregation <= 3 &&
+         c->kl >= 0 && c->kl <= 4 && c->tis >= 0 && c->tis <= 2;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, const int32_t* pos, const uint8_t* mask,
+            const float* adv, const float* old, const float* ref, const float* roll, int64_t num_nodes,
+            const float* lp, float* grad, tp_loss_metrics* out) {
+  if (!ConfigOk(cfg) || out == nullptr || num_seqs < 0 || num_nodes < 0 || off == nullptr) return TP_ERR_ARG;
+  const tp_loss_config& c = *cfg;
+  const int64_t M = off[num_seqs];
+  if (off[0] != 0 || M < 0) return TP_ERR_OFFSETS;
+  if (M > 0 && (pos == nullptr || mask == nullptr || adv == nullptr || old == nullptr ||
+                (c.kl != TP_KL_NONE && ref == nullptr) || (c.tis != TP_TIS_NONE && roll == nullptr))) {
+    return TP_ERR_ARG;
+  }
+  if (num_nodes > 0 && lp == nullptr) return TP_ERR_ARG;
+  // Pass 1: trainable counts, and the bounds checks that keep the scatter below in memory.
+  std::vector<int32_t> counts(static_cast<size_t>(num_seqs));
+  double tokens = 0, sequences = 0;
+  for (int64_t i = 0; i < num_seqs; i++) {
+    if (off[i + 1] < off[i]) return TP_ERR_OFFSETS;
+    int32_t n = 0;
+    for (int64_t j = off[i]; j < off[i + 1]; j++) {
+      if (pos[j] < 0 || pos[j] >= num_nodes) return TP_ERR_ARG;
+      n += mask[j] != 0;
+    }
+    counts[i] = n;
+    tokens += n;
+    sequences += n > 0;
+  }
+  if (c.global_tokens > 0) tokens = c.global_tokens;
+  if (c.global_sequences > 0) sequences = c.global_sequences;
+
+  std::vector<double> acc(grad != nullptr ? static_cast<size_t>(num_nodes) : 0);
+  tl::Sums sums;
+  for (int64_t i = 0; i < num_seqs; i++) {
+    const int32_t n = counts[i];
+    if (n == 0) continue;
+    const double w = tl::SequenceWeight(c, n, tokens, sequences);
+    const int64_t a = off[i], e = off[i + 1];
+    double seq_log_ratio = 0, seq_tis = 1;
+    if (c.policy == TP_POLICY_GSPO) {
+      for (int64_t j = a; j < e; j++)
+        if (mask[j]) seq_log_ratio += static_cast<double>(lp[pos[j]]) - old[j];
+      seq_log_ratio /= n;
+    }
+    if (c.tis == TP_TIS_SEQUENCE) {
+      double s = 0;
+      for (int64_t j = a; j < e; j++)
+        if (mask[j]) s += static_cast<double>(old[j]) - roll[j];
+      seq_tis = tl::TruncatedWeight(s, c);
+    }
+    for (int64_t j = a; j < e; j++) {
+      if (!mask[j]) continue;
+      const int32_t p = pos[j];
+      const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
+      const double g = tl::Occurrence(c, w, tis, seq_log_ratio, lp[p], old[j], adv[j], ref != nullptr ? ref[j] : 0, &sums);
+      if (grad != nullptr) acc[p] += g;
+    }
+  }
+  if (grad != nullptr) {
+    for (int64_t p = 0; p < num_nodes; p++) grad[p] = static_cast<float>(acc[p]);
+  }
+  sums.Finish(c.kl_coef, out);
+  return TP_OK;
+}
+
+int tp_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const float* old, const float* ref,
+                    const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
+                    const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out) {
+  if (!ConfigOk(cfg) || out == nullptr || N < 0 || cfg->policy == TP_POLICY_GSPO) return TP_ERR_ARG;
+  if (N > 0 && (lp == nullptr || old == nullptr || pos_w == nullptr || neg_w == nullptr || kl_w == nullptr ||
+                n_train == nullptr || n_pos == nullptr || n_neg == nullptr || (cfg->kl != TP_KL_NONE && ref == nullptr))) {
+    return TP_ERR_ARG;
+  }
+  const tp_loss_config& c = *cfg;
+  tl::Sums sums;
+  for (int64_t p = 0; p < N; p++) {
+    const double g = n_train[p] == 0 ? 0
+                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p], ref != nullptr ? ref[p] : 0,
+                                                n_train[p], n_pos[p], n_neg[p], &sums);
+    if (grad != nullptr) grad[p] = static_cast<float>(g);
+  }
+  sums.Finish(c.kl_coef, out);
+  return TP_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,166 @@
+// Argument plumbing of the loss functions, shared by the CPU addon (loss_binding.cc) and the CUDA addon
+// (cuda_binding.cc): both take the same typed arrays and return the same metrics object. Inputs are validated in
+// TypeScript (src/loss/validate.ts); here only types and lengths are re-checked.
+#ifndef TREEPACK_NAPI_LOSS_BINDING_H
+#define TREEPACK_NAPI_LOSS_BINDING_H
+
+#include <napi.h>
+
+#include <string>
+
+#include "../core/treepack.h"
+#include "addon_util.h"
+
+namespace treepack {
+
+struct LossArgs {
+  tp_loss_config config;
+  int64_t S = 0, M = 0, N = 0;
+  const int32_t *seq_offsets = nullptr, *seq_positions = nullptr;
+  const uint8_t* loss_mask = nullptr;
+  const float *advantages = nullptr, *old_logprobs = nullptr, *ref_logprobs = nullptr, *rollout_logprobs = nullptr;
+  const float* lp = nullptr;
+  float* grad = nullptr;
+};
+
+struct CompactArgs {
+  tp_loss_config config;
+  int64_t N = 0;
+  const float *lp = nullptr, *old = nullptr, *ref = nullptr, *pos_weight = nullptr, *neg_weight = nullptr,
+              *kl_weight = nullptr;
+  const int32_t *n_train = nullptr, *n_pos = nullptr, *n_neg = nullptr;
+  float* grad = nullptr;
+};
+
+inline bool IsTyped(const Napi::Value& v, napi_typedarray_type type) {
+  return v.IsTypedArray() && v.As<Napi::TypedArray>().TypedArrayType() == type;
+}
+
+inline size_t Length(const Napi::Value& v) { return v.As<Napi::TypedArray>().ElementLength(); }
+
+template <typename T>
+T* DataOf(const Napi::Value& v) {
+  if (!v.IsTypedArray()) return nullptr;
+  Napi::TypedArray a = v.As<Napi::TypedArray>();
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(a.ArrayBuffer().Data()) + a.ByteOffset());
+}
+
+// The config as a Float64Array in tp_loss_config's field order (src/backend/loss_cpu.ts configVector).
+inline bool ReadLossConfig(const Napi::Value& v, tp_loss_config* c) {
+  if (!IsTyped(v, napi_float64_array) || Length(v) != 13) return false;
+  const double* a = DataOf<double>(v);
+  c->policy = static_cast<int32_t>(a[0]);
+  c->aggregation = static_cast<int32_t>(a[1]);
+  c->kl = static_cast<int32_t>(a[2]);
+  c->tis = static_cast<int32_t>(a[3]);
+  c->clip_low = a[4];
+  c->clip_high = a[5];
+  c->dual_clip = a[6];
+  c->log_ratio_clamp = a[7];
+  c->norm_constant = a[8];
+  c->global_tokens = a[9];
+  c->global_sequences = a[10];
+  c->kl_coef = a[11];
+  c->tis_cap = a[12];
+  return true;
+}
+
+// (config, seq_offsets, seq_positions, loss_mask, advantages, old, ref|null, rollout|null, lp, grad|null)
+// Returns false with a TreepackError pending.
+inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
+  Napi::Env env = info.Env();
+  auto fail = [&env](const std::string& m) {
+    ThrowTreepackError(env, "E_ARG", m);
+    return false;
+  };
+  if (info.Length() != 10 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
+  if (!IsTyped(info[1], napi_int32_array) || Length(info[1]) < 1) return fail("Expected an Int32Array for seq_offsets");
+  if (!IsTyped(info[2], napi_int32_array)) return fail("Expected an Int32Array for seq_positions");
+  a->S = static_cast<int64_t>(Length(info[1])) - 1;
+  a->M = static_cast<int64_t>(Length(info[2]));
+  a->seq_offsets = DataOf<int32_t>(info[1]);
+  a->seq_positions = DataOf<int32_t>(info[2]);
+  if (a->seq_offsets[a->S] != a->M) return fail("seq_offsets[S] must equal M");
+  if (!IsTyped(info[3], napi_uint8_array) || static_cast<int64_t>(Length(info[3])) != a->M) {
+    return fail("Expected a Uint8Array of length M for loss_mask");
+  }
+  a->loss_mask = DataOf<uint8_t>(info[3]);
+  const char* names[] = {"advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"};
+  const float** fields[] = {&a->advantages, &a->old_logprobs, &a->ref_logprobs, &a->rollout_logprobs};
+  for (int k = 0; k < 4; k++) {
+    const Napi::Value v = info[4 + k];
+    const bool needed = k < 2 || (k == 2 && a->config.kl != TP_KL_NONE) || (k == 3 && a->config.tis != TP_TIS_NONE);
+    if (!needed && v.IsNull()) continue;
+    if (!IsTyped(v, napi_float32_array) || static_cast<int64_t>(Length(v)) != a->M) {
+      return fail(std::string("Expected a Float32Array of length M for ") + names[k]);
+    }
+    *fields[k] = DataOf<float>(v);
+  }
+  if (!IsTyped(info[8], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
+  a->N = static_cast<int64_t>(Length(info[8]));
+  a->lp = DataOf<float>(info[8]);
+  if (!info[9].IsNull()) {
+    if (!IsTyped(info[9], napi_float32_array) || static_cast<int64_t>(Length(info[9])) != a->N) {
+      return fail("Expected a Float32Array of length N for grad");
+    }
+    a->grad = DataOf<float>(info[9]);
+  }
+  return true;
+}
+
+// (config, lp, old, ref|null, pos_weight, neg_weight, kl_weight, n_train, n_pos, n_neg, grad|null)
+inline bool ParseCompactArgs(const Napi::CallbackInfo& info, CompactArgs* a) {
+  Napi::Env env = info.Env();
+  auto fail = [&env](const std::string& m) {
+    ThrowTreepackError(env, "E_ARG", m);
+    return false;
+  };
+  if (info.Length() != 11 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
+  if (!IsTyped(info[1], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
+  a->N = static_cast<int64_t>(Length(info[1]));
+  const float** floats[] = {&a->lp, &a->old, &a->ref, &a->pos_weight, &a->neg_weight, &a->kl_weight};
+  for (int k = 1; k <= 6; k++) {
+    if (k == 3 && info[k].IsNull() && a->config.kl == TP_KL_NONE) continue;
+    if (!IsTyped(info[k], napi_float32_array) || static_cast<int64_t>(Length(info[k])) != a->N) {
+      return fail("Expected Float32Arrays of length N for the compact plan");
+    }
+    *floats[k - 1] = DataOf<float>(info[k]);
+  }
+  const int32_t** ints[] = {&a->n_train, &a->n_pos, &a->n_neg};
+  for (int k = 7; k <= 9; k++) {
+    if (!IsTyped(info[k], napi_int32_array) || static_cast<int64_t>(Length(info[k])) != a->N) {
+      return fail("Expected Int32Arrays of length N for the compact plan");
+    }
+    *ints[k - 7] = DataOf<int32_t>(info[k]);
+  }
+  if (!info[10].IsNull()) {
+    if (!IsTyped(info[10], napi_float32_array) || static_cast<int64_t>(Length(info[10])) != a->N) {
+      return fail("Expected a Float32Array of length N for grad");
+    }
+    a->grad = DataOf<float>(info[10]);
+  }
+  return true;
+}
+
+inline Napi::Value LossMetricsObject(Napi::Env env, const tp_loss_metrics& m) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("loss", m.loss);
+  o.Set("pg_loss", m.pg_loss);
+  o.Set("kl_loss", m.kl_loss);
+  o.Set("clipfrac_high", m.clipfrac_high);
+  o.Set("clipfrac_low", m.clipfrac_low);
+  o.Set("clipfrac_dual", m.clipfrac_dual);
+  o.Set("approx_kl", m.approx_kl);
+  o.Set("ratio_min", m.ratio_min);
+  o.Set("ratio_mean", m.ratio_mean);
+  o.Set("ratio_max", m.ratio_max);
+  o.Set("trainable_tokens", static_cast<double>(m.trainable_tokens));
+  return o;
+}
+
+}  // namespace treepack
+
+// Registers loss() and lossCompact() of the CPU addon.
+void RegisterLoss(Napi::Env env, Napi::Object exports);
+
+#endif  // TREEPACK_NAPI_LOSS_BINDING_H

@@ -1,0 +1,128 @@
+"""The loss through ctypes on libtreepack_core.so against the shared float64 fixture; the torch Function when
+torch is installed (on the GPU host: CUDA and CPU tensors against a plain torch implementation). Each part is
+skipped, with its reason, where its library or torch is missing."""
+
+import json
+import os
+import unittest
+
+import numpy as np
+
+from treepack import loss as tl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "..", "..", "..", "shared", "fixtures", "loss_reference.json")
+
+try:
+    tl.core_library()
+    CORE_SKIP = ""
+except OSError as e:
+    CORE_SKIP = str(e)
+
+try:
+    import torch  # noqa: F401
+
+    TORCH_SKIP = ""
+except ImportError:
+    TORCH_SKIP = "torch not installed (the torch tests run on the GPU host)"
+
+
+def fixture_batch(fx):
+    """The fixture's sequences with a leading untrainable token each; one node per occurrence (no sharing)."""
+    off, pos, mask, fields, lp = [0], [], [], {f: [] for f in tl._FIELDS}, []
+    for s in fx["sequences"]:
+        n = len(s["logprobs"]) + 1
+        for t in range(n):
+            pos.append(len(lp))
+            lp.append(0.0 if t == 0 else s["logprobs"][t - 1])
+            mask.append(0 if t == 0 else 1)
+            fields["advantages"].append(s["advantage"])
+            for f in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+                fields[f].append(0.0 if t == 0 else s[f][t - 1])
+        off.append(off[-1] + n)
+    batch = {"seq_offsets": np.array(off), "seq_positions": np.array(pos), "loss_mask": np.array(mask)}
+    batch.update({f: np.array(v, dtype=np.float32) for f, v in fields.items()})
+    return batch, np.array(lp, dtype=np.float32)
+
+
+@unittest.skipIf(CORE_SKIP != "" or not os.path.exists(FIXTURE), CORE_SKIP or f"{FIXTURE} not found")
+class CoreLossTest(unittest.TestCase):
+    def setUp(self):
+        with open(FIXTURE) as f:
+            self.fx = json.load(f)
+        self.batch, self.lp = fixture_batch(self.fx)
+        p = self.fx["params"]
+        self.vanilla = {"clip_low": p["clip_low"], "clip_high": p["clip_high"], "dual_clip": p["dual_clip_c"], "log_ratio_clamp": p["log_ratio_clamp"]}
+
+    def test_fixture(self):
+        e = self.fx["expected"]
+        for agg, want in e["loss"].items():
+            loss, _, _ = tl.loss_numpy(self.batch, self.lp, {**self.vanilla, "aggregation": agg, "norm_constant": 3})
+            self.assertAlmostEqual(loss, want, delta=1e-6, msg=agg)
+        loss, grad, m = tl.loss_numpy(self.batch, self.lp, self.vanilla)
+        self.assertAlmostEqual(m["clipfrac_high"] + m["clipfrac_low"], e["pg_clipfrac"], delta=1e-6)
+        self.assertAlmostEqual(m["approx_kl"], e["ppo_kl_token_mean"], delta=1e-6)
+        self.assertEqual(m["trainable_tokens"], 5)
+        cispo, _, _ = tl.loss_numpy(self.batch, self.lp, {"clip_low": 0.2, "clip_high": 0.28, "policy": "cispo"})
+        self.assertAlmostEqual(cispo, e["cispo_token_mean"], delta=1e-6)
+        # Gradient against central differences in float32 inputs (coarse: the kernel reads float32 logprobs).
+        for p in range(len(self.lp)):
+            up, down = self.lp.copy(), self.lp.copy()
+            up[p] += 1e-2
+            down[p] -= 1e-2
+            fd = (tl.loss_numpy(self.batch, up, self.vanilla)[0] - tl.loss_numpy(self.batch, down, self.vanilla)[0]) / 2e-2
+            self.assertAlmostEqual(grad[p], fd, delta=2e-3, msg=f"d/dlp[{p}]")
+
+    def test_bad_input(self):
+        with self.assertRaisesRegex(ValueError, "policy"):
+            tl.make_config({"policy": "ppo2"})
+        with self.assertRaisesRegex(ValueError, "dual_clip"):
+            tl.make_config({"dual_clip": 1})
+        with self.assertRaisesRegex(ValueError, "clip_low"):
+            tl.make_config({"clip_low": -1})
+        with self.assertRaisesRegex(ValueError, "unknown loss option"):
+            tl.make_config({"clip": 1})
+        bad = self.lp.copy()
+        bad[1] = np.nan
+        with self.assertRaisesRegex(ValueError, "logprobs"):
+            tl.loss_numpy(self.batch, bad, self.vanilla)
+        with self.assertRaisesRegex(ValueError, "logprobs has 3 elements"):
+            tl.loss_numpy(self.batch, self.lp[:3], self.vanilla)
+
+
+@unittest.skipIf(TORCH_SKIP != "" or CORE_SKIP != "" or not os.path.exists(FIXTURE), TORCH_SKIP or CORE_SKIP or "no fixture")
+class TorchLossTest(unittest.TestCase):
+    def _plain_torch(self, batch, lp, c):
+        """verl's vanilla PPO loss with dual clip on the unpacked batch, token-mean, in plain torch autograd."""
+        g = lp[batch["seq_positions"].long()]
+        m = batch["loss_mask"].bool()
+        r = torch.exp(torch.clamp(g - batch["old_logprobs"], -20, 20))
+        A = batch["advantages"]
+        l1, l2 = -A * r, -A * torch.clamp(r, 1 - c["clip_low"], 1 + c["clip_high"])
+        L = torch.maximum(l1, l2)
+        L = torch.where(A < 0, torch.minimum(L, -A * c["dual_clip"]), L)
+        return (L * m).sum() / m.sum()
+
+    def test_against_plain_torch(self):
+        with open(FIXTURE) as f:
+            fx = json.load(f)
+        batch, lp = fixture_batch(fx)
+        p = fx["params"]
+        c = {"clip_low": p["clip_low"], "clip_high": p["clip_high"], "dual_clip": p["dual_clip_c"]}
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for dev in devices:
+            t = {k: torch.from_numpy(np.asarray(v)).to(dev) for k, v in batch.items()}
+            t["seq_offsets"] = t["seq_offsets"].int()
+            t["seq_positions"] = t["seq_positions"].int()
+            t["loss_mask"] = t["loss_mask"].to(torch.uint8)
+            x = torch.tensor(lp, device=dev, requires_grad=True)
+            tl.PackedLoss.apply(x, t, c).backward()
+            y = torch.tensor(lp, dtype=torch.float64, device=dev, requires_grad=True)
+            ref = self._plain_torch({k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, y, c)
+            ref.backward()
+            self.assertAlmostEqual(float(ref), fx["expected"]["loss"]["token-mean"], delta=1e-6)
+            self.assertTrue(torch.allclose(x.grad.double(), y.grad, atol=1e-6), dev)
+
+
+if __name__ == "__main__":
+    unittest.main()

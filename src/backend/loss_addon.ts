@@ -1,0 +1,89 @@
+/**
+ * The loss on the addons: the CPU addon (C++ core) and the CUDA addon take the same typed arrays (native/napi/
+ * loss_binding.h), so one wrapper serves both. Inputs are validated by the caller (src/loss/validate.ts).
+ */
+import { configCodes, type LossConfig } from '../loss/config.js';
+import type { CompactPlan, LossBatch, LossMetrics, LossResult } from '../loss/types.js';
+
+export interface LossAddon {
+  loss(
+    config: Float64Array,
+    seq_offsets: Int32Array,
+    seq_positions: Int32Array,
+    loss_mask: Uint8Array,
+    advantages: Float32Array,
+    old_logprobs: Float32Array,
+    ref_logprobs: Float32Array | null,
+    rollout_logprobs: Float32Array | null,
+    lp: Float32Array,
+    grad: Float32Array | null,
+  ): LossMetrics;
+  lossCompact(
+    config: Float64Array,
+    lp: Float32Array,
+    old: Float32Array,
+    ref: Float32Array | null,
+    pos_weight: Float32Array,
+    neg_weight: Float32Array,
+    kl_weight: Float32Array,
+    n_train: Int32Array,
+    n_pos: Int32Array,
+    n_neg: Int32Array,
+    grad: Float32Array | null,
+  ): LossMetrics;
+}
+
+/** tp_loss_config (native/core/loss.h) in field order. */
+export function configVector(cfg: LossConfig): Float64Array {
+  const c = configCodes(cfg);
+  return Float64Array.of(
+    c.policy,
+    c.aggregation,
+    c.kl,
+    c.tis,
+    cfg.clip_low,
+    cfg.clip_high,
+    cfg.dual_clip,
+    cfg.log_ratio_clamp,
+    cfg.norm_constant,
+    cfg.global_tokens,
+    cfg.global_sequences,
+    cfg.kl_coef,
+    cfg.tis_cap,
+  );
+}
+
+export function addonLoss(addon: LossAddon, b: LossBatch, lp: Float32Array, cfg: LossConfig): LossResult {
+  const grad = new Float32Array(lp.length);
+  const metrics = addon.loss(
+    configVector(cfg),
+    b.seq_offsets,
+    b.seq_positions,
+    b.loss_mask,
+    b.advantages!,
+    b.old_logprobs!,
+    cfg.kl !== 'none' ? b.ref_logprobs! : null,
+    cfg.tis !== 'none' ? b.rollout_logprobs! : null,
+    lp,
+    grad,
+  );
+  return { loss: metrics.loss, grad, metrics };
+}
+
+export function addonLossCompact(addon: LossAddon, plan: CompactPlan, lp: Float32Array, cfg: LossConfig): LossResult {
+  const grad = new Float32Array(lp.length);
+  const metrics = addon.lossCompact(
+    configVector(cfg),
+    lp,
+    plan.old,
+    cfg.kl !== 'none' ? plan.ref : null,
+    plan.pos_weight,
+    plan.neg_weight,
+    plan.kl_weight,
+    plan.n_train,
+    plan.n_pos,
+    plan.n_neg,
+    grad,
+  );
+  return { loss: metrics.loss, grad, metrics };
+}

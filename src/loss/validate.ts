@@ -1,0 +1,67 @@
+/**
+ * Checks before any loss kernel runs, so every backend can assume well-formed input: shapes, the unmerge index in
+ * range, the fields the config needs, and finite values wherever a token is trainable (masked positions may hold
+ * anything: they never enter the loss). Errors are TreepackError naming the field, and the sequence and token.
+ */
+import { TreepackError } from '../errors.js';
+import type { LossConfig } from './config.js';
+import type { CompactPlan, LossBatch } from './types.js';
+
+function fail(field: string, message: string): TreepackError {
+  return new TreepackError('E_INPUT', message, { field });
+}
+
+/** The occurrence fields the config reads. */
+export function requiredFields(cfg: LossConfig): ('advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs')[] {
+  const f: ('advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs')[] = ['advantages', 'old_logprobs'];
+  if (cfg.kl !== 'none') f.push('ref_logprobs');
+  if (cfg.tis !== 'none') f.push('rollout_logprobs');
+  return f;
+}
+
+function checkLogprobs(lp: unknown, N: number): asserts lp is Float32Array {
+  if (!(lp instanceof Float32Array)) throw new TreepackError('E_ARG', `Expected a Float32Array for logprobs but received ${lp === null ? 'null' : typeof lp}`, { field: 'logprobs' });
+  if (lp.length !== N) throw new TreepackError('E_ARG', `logprobs has ${lp.length} elements but the micro-batch has N = ${N} nodes`, { field: 'logprobs' });
+}
+
+export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): asserts lp is Float32Array {
+  const N = b.input_ids.length;
+  checkLogprobs(lp, N);
+  const { seq_offsets: off, seq_positions: pos, loss_mask: mask } = b;
+  const M = pos.length;
+  const S = off.length - 1;
+  if (S < 0 || off[0] !== 0 || off[S] !== M) throw fail('seq_offsets', `seq_offsets must run from 0 to M = ${M}`);
+  if (mask.length !== M) throw fail('loss_mask', `loss_mask has ${mask.length} elements but seq_positions has M = ${M}`);
+  const fields = requiredFields(cfg);
+  const arrays: Float32Array[] = [];
+  for (const f of fields) {
+    const a = b[f];
+    if (!a) throw fail(f, `the loss config needs ${f} but the micro-batch has none`);
+    if (a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
+    arrays.push(a);
+  }
+  for (let i = 0; i < S; i++) {
+    if (off[i + 1] < off[i]) throw fail('seq_offsets', `seq_offsets decreases at ${i + 1}`);
+    for (let j = off[i]; j < off[i + 1]; j++) {
+      const p = pos[j];
+      if (!(p >= 0 && p < N)) throw fail('seq_positions', `seq_positions[${j}] = ${p} is outside [0, ${N})`);
+      if (!mask[j]) continue;
+      // One sum catches NaN and ±inf in every field at once; the loop below only runs to name the culprit.
+      let s = lp[p];
+      for (const a of arrays) s += a[j] * 0;
+      if (Number.isFinite(s)) continue;
+      const where = `at sequence ${i} token ${j - off[i]} (a trainable position)`;
+      if (!Number.isFinite(lp[p])) throw fail('logprobs', `logprobs[${p}] is ${lp[p]} ${where}`);
+      for (let k = 0; k < fields.length; k++) if (!Number.isFinite(arrays[k][j])) throw fail(fields[k], `${fields[k]}[${j}] is ${arrays[k][j]} ${where}`);
+    }
+  }
+}
+
+export function validateCompactInputs(plan: CompactPlan, lp: unknown): asserts lp is Float32Array {
+  checkLogprobs(lp, plan.num_nodes);
+  for (let p = 0; p < plan.num_nodes; p++) {
+    if (plan.n_train[p] > 0 && !Number.isFinite(lp[p])) throw fail('logprobs', `logprobs[${p}] is ${lp[p]} at a node with trainable occurrences`);
+  }
+}
+
+export { fail as lossInputError };

@@ -1,0 +1,266 @@
+/**
+ * Micro-batching under a token budget: which sequences of a window go into which micro-batch, on which
+ * data-parallel rank.
+ *
+ * Sequences in lexicographic order are the leaves of the window's forest in DFS preorder, and a contiguous run
+ * of them packs into exactly Σ len − Σ lcp(adjacent) nodes (the forest of the run). So if the window is cut
+ * into contiguous runs, the micro-batches hold N + Σ lcp(at each cut) tokens in all, where N is the single
+ * forest's size: a cut repeats exactly the prefix shared across it, and a cut between two trees repeats
+ * nothing. That is tree splitting at subtree boundaries, and the whole cost of splitting is visible per cut.
+ *
+ * The plan: the fewest micro-batches that fit the budget (greedy, optimal for contiguous runs), rounded up to a
+ * multiple of K; with K > 1, the smallest feasible maximum micro-batch cost (binary search), plus a small
+ * slack; then a dynamic program over the cuts that minimises Σ lcp under both limits, so cuts fall between
+ * groups and episodes, not inside shared prompts. Micro-batches are then spread over the ranks (balance.ts).
+ * Every sequence goes whole into one micro-batch, so each (sequence, token) occurrence is trainable in exactly
+ * one of them.
+ */
+import { TreepackError, argError } from '../errors.js';
+import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, type CostModel } from './balance.js';
+import type { Sequences } from './contract.js';
+import { sortSequences } from './forest.js';
+import { validateSequences } from './validate.js';
+
+export interface BudgetOptions {
+  /** most packed tokens of a micro-batch, padding included */
+  maxTokens: number;
+  /** data-parallel ranks: the number of micro-batches is a multiple of it; default 1 */
+  dp?: number;
+  /** pad every micro-batch's packed length to a multiple of this; default 1 (no padding) */
+  padMultiple?: number;
+  cost?: CostModel;
+}
+
+export interface MicroBatchPlan {
+  /** indices of the window's sequences, ascending (input order) */
+  sequences: Int32Array;
+  rank: number;
+  /** step on its rank, 0-based */
+  step: number;
+  naiveTokens: number;
+  /** packed tokens including padTokens */
+  packedTokens: number;
+  padTokens: number;
+  /** attention pairs under the tree mask, padding included */
+  attentionPairs: number;
+  cost: number;
+}
+
+export interface Plan {
+  /** step-major: step 0 of ranks 0..K-1, then step 1, … */
+  microBatches: MicroBatchPlan[];
+  /** packed tokens of the window as one forest: the lower bound of any split */
+  optimumTokens: number;
+  rankCosts: Float64Array;
+  /** max ÷ mean of rankCosts */
+  imbalance: number;
+}
+
+const positiveInt = (name: string, v: unknown): number => {
+  if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < 1) throw argError(name, 'an integer >= 1', v);
+  return v;
+};
+
+export const roundUp = (x: number, m: number): number => Math.ceil(x / m) * m;
+
+/** Checks the options against the window's longest sequence and returns the unpadded per-micro-batch budget. */
+function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly string[]): number {
+  const T = positiveInt('maxTokens', opts.maxTokens);
+  const P = positiveInt('padMultiple', opts.padMultiple ?? 1);
+  if (P > T) throw new TreepackError('E_ARG', `pad multiple ${P} is larger than the token budget ${T}: no micro-batch could hold a token`);
+  let longest = 0, at = -1;
+  for (let i = 0; i + 1 < seqOffsets.length; i++) {
+    const len = seqOffsets[i + 1] - seqOffsets[i];
+    if (len > longest) [longest, at] = [len, i];
+  }
+  const need = roundUp(longest, P);
+  if (need > T) {
+    const what = P > 1 ? `${longest} tokens, ${need} padded to a multiple of ${P}` : `${longest} tokens`;
+    throw new TreepackError(
+      'E_ARG',
+      `the token budget ${T} is smaller than the longest sequence (${what}); a sequence is never split, so use a budget of at least ${need}`,
+      ids ? { record: ids[at] } : {},
+    );
+  }
+  // roundUp(n, P) <= T exactly when n <= floor(T / P)·P.
+  return Math.floor(T / P) * P;
+}
+
+
+/** Slack on the smallest feasible maximum cost: room for the cut program to move cuts to shallow points. */
+const COST_SLACK = 0.03;
+/** The cut program keeps one choice per (micro-batch, sequence); past this many it falls back to greedy cuts. */
+const MAX_DP_CELLS = 1 << 24;
+
+/** Sorted sequences with prefix sums, so any contiguous run's packed tokens and pairs cost O(1). */
+class Runs {
+  readonly S: number;
+  readonly order: Int32Array;
+  readonly lcp: Int32Array;
+  private readonly len: Float64Array; // prefix sums over sorted positions
+  private readonly shared: Float64Array;
+  private readonly lenPairs: Float64Array;
+  private readonly sharedPairs: Float64Array;
+  constructor(seqs: Sequences, private readonly cost: CostModel) {
+    const { order, lcp } = sortSequences(seqs);
+    const S = (this.S = order.length);
+    this.order = order;
+    this.lcp = lcp;
+    this.len = new Float64Array(S + 1);
+    this.shared = new Float64Array(S + 1);
+    this.lenPairs = new Float64Array(S + 1);
+    this.sharedPairs = new Float64Array(S + 1);
+    // A path of L nodes has depths 0..L-1 and so L(L+1)/2 visible pairs.
+    const tri = (L: number) => (L * (L + 1)) / 2;
+    for (let k = 0; k < S; k++) {
+      const L = seqs.offsets[order[k] + 1] - seqs.offsets[order[k]];
+      this.len[k + 1] = this.len[k] + L;
+      this.lenPairs[k + 1] = this.lenPairs[k] + tri(L);
+      this.shared[k + 1] = this.shared[k] + lcp[k];
+      this.sharedPairs[k + 1] = this.sharedPairs[k] + tri(lcp[k]);
+    }
+  }
+  /** packed tokens of sorted run [i, j), j > i */
+  tokens(i: number, j: number): number {
+    return this.len[j] - this.len[i] - (this.shared[j] - this.shared[i + 1]);
+  }
+  pairs(i: number, j: number): number {
+    return this.lenPairs[j] - this.lenPairs[i] - (this.sharedPairs[j] - this.sharedPairs[i + 1]);
+  }
+  costOf(i: number, j: number): number {
+    return microBatchCost(this.tokens(i, j), this.pairs(i, j), this.cost);
+  }
+  fits(i: number, j: number, B: number, U: number): boolean {
+    return this.tokens(i, j) <= B && this.costOf(i, j) <= U;
+  }
+  /** Cuts as late as the limits allow: the fewest runs (optimal for contiguous runs); Infinity if one sequence alone is over U. */
+  greedy(B: number, U: number): number[] {
+    const cuts: number[] = [];
+    for (let i = 0; i < this.S; ) {
+      if (!this.fits(i, i + 1, B, U)) return [Infinity];
+      let j = i + 1;
+      while (j < this.S && this.fits(i, j + 1, B, U)) j++;
+      cuts.push(j);
+      i = j;
+    }
+    return cuts;
+  }
+}
+
+/**
+ * Run ends (ascending, last = S) of at most n runs within the limits, minimising Σ lcp at the cuts. Feasible
+ * run starts for a given end form a window [lo(j), j) moving right with j, so each layer is a sliding-window
+ * minimum.
+ */
+function cheapestCuts(runs: Runs, n: number, B: number, U: number): number[] {
+  const S = runs.S;
+  if (n * (S + 1) > MAX_DP_CELLS) return runs.greedy(B, U);
+  const lo = new Int32Array(S + 1);
+  for (let j = 1, i = 0; j <= S; j++) {
+    while (!runs.fits(i, j, B, U)) i++;
+    lo[j] = i;
+  }
+  const cutCost = (i: number) => (i > 0 ? runs.lcp[i] : 0);
+  let prev = new Float64Array(S + 1).fill(Infinity);
+  prev[0] = 0;
+  let cur = new Float64Array(S + 1);
+  const from: Int32Array[] = [];
+  const deque = new Int32Array(S + 1);
+  let bestC = -1, best = Infinity;
+  for (let c = 1; c <= n; c++) {
+    const choice = new Int32Array(S + 1).fill(-1);
+    cur.fill(Infinity);
+    let head = 0, tail = 0;
+    for (let j = 1; j <= S; j++) {
+      const i = j - 1;
+      const g = prev[i] + cutCost(i);
+      while (tail > head && prev[deque[tail - 1]] + cutCost(deque[tail - 1]) >= g) tail--;
+      deque[tail++] = i;
+      while (deque[head] < lo[j]) head++;
+      const k = deque[head];
+      cur[j] = prev[k] + cutCost(k);
+      choice[j] = k;
+    }
+    from.push(choice);
+    // Among equally cheap plans the one with more runs spreads the work more evenly.
+    if (cur[S] <= best && cur[S] < Infinity) [best, bestC] = [cur[S], c];
+    [prev, cur] = [cur, prev];
+  }
+  if (bestC < 0) return runs.greedy(B, U);
+  const ends: number[] = [];
+  for (let c = bestC, j = S; c >= 1; c--) {
+    ends.push(j);
+    j = from[c - 1][j];
+  }
+  return ends.reverse();
+}
+
+/**
+ * Plans the micro-batches of one window of sequences (CSR, input order). `ids` name sequences in error
+ * messages.
+ */
+export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: readonly string[]): Plan {
+  validateSequences(seqs);
+  const K = positiveInt('dp', opts.dp ?? 1);
+  const P = opts.padMultiple ?? 1;
+  const cost = opts.cost ?? DEFAULT_COST;
+  checkCostModel(cost);
+  const B = tokenBudget(seqs.offsets, opts, ids);
+  const runs = new Runs(seqs, cost);
+  const S = runs.S;
+  const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
+  if (S === 0) return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1 };
+
+  const n = roundUp(runs.greedy(B, Infinity).length, K);
+  let U = Infinity;
+  if (K > 1) {
+    // The smallest maximum run cost with at most n runs: feasibility is monotone in the limit.
+    let hi = runs.costOf(0, S), lo = 0;
+    for (let k = 0; k < S; k++) lo = Math.max(lo, runs.costOf(k, k + 1));
+    if (runs.greedy(B, lo).length > n) {
+      for (let it = 0; it < 60 && hi - lo > 1e-9 * hi; it++) {
+        const mid = (lo + hi) / 2;
+        if (runs.greedy(B, mid).length <= n) hi = mid;
+        else lo = mid;
+      }
+    } else hi = lo;
+    U = hi * (1 + COST_SLACK);
+  }
+  const ends = cheapestCuts(runs, n, B, U);
+
+  const costs = new Float64Array(n);
+  const tokens = new Float64Array(n);
+  const pairs = new Float64Array(n);
+  const pads = new Float64Array(n);
+  const members: Int32Array[] = [];
+  for (let b = 0, start = 0; b < n; b++) {
+    const end = b < ends.length ? ends[b] : start;
+    // Runs past the last end stay empty: every rank still runs the same number of steps.
+    const t = end > start ? runs.tokens(start, end) : 0;
+    const pad = (pads[b] = roundUp(t, P) - t);
+    tokens[b] = t + pad;
+    // A pad node is a root: it sees itself only.
+    pairs[b] = (end > start ? runs.pairs(start, end) : 0) + pad;
+    costs[b] = microBatchCost(tokens[b], pairs[b], cost);
+    members.push(runs.order.slice(start, end).sort());
+    start = end;
+  }
+  const { rank, step, loads } = assignRanks(costs, K);
+  const microBatches: MicroBatchPlan[] = new Array(n);
+  for (let b = 0; b < n; b++) {
+    const sequences = members[b];
+    let naive = 0;
+    for (const i of sequences) naive += seqs.offsets[i + 1] - seqs.offsets[i];
+    microBatches[step[b] * K + rank[b]] = {
+      sequences,
+      rank: rank[b],
+      step: step[b],
+      naiveTokens: naive,
+      packedTokens: tokens[b],
+      padTokens: pads[b],
+      attentionPairs: pairs[b],
+      cost: costs[b],
+    };
+  }
+  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads) };
+}

@@ -1,0 +1,58 @@
+/**
+ * One window of samples → budgeted micro-batches: plans the split (budget.ts), then assembles each micro-batch
+ * from its samples with the caller's packer and pads it.
+ */
+import { TreepackError } from '../errors.js';
+import type { Sample } from '../records/types.js';
+import { assembleMicroBatch, toSequences, type AssembleOptions } from './batch.js';
+import { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './budget.js';
+import type { Forest, MicroBatch } from './contract.js';
+
+export interface WindowOptions extends AssembleOptions, BudgetOptions {
+  /** token id of pad nodes; default 0 */
+  padTokenId?: number;
+}
+
+export interface BudgetedMicroBatch {
+  batch: MicroBatch;
+  samples: Sample[];
+  plan: MicroBatchPlan;
+}
+
+export function packWindow(samples: readonly Sample[], opts: WindowOptions): { microBatches: BudgetedMicroBatch[]; plan: Plan } {
+  const plan = planMicroBatches(toSequences(samples), opts, samples.map((s) => s.id));
+  const microBatches = plan.microBatches.map((mb) => {
+    const members = Array.from(mb.sequences, (i) => samples[i]);
+    const batch = assembleMicroBatch(members, opts);
+    const unpadded = mb.packedTokens - mb.padTokens;
+    // The plan counts tokens from sorted prefixes, the packer builds the forest: a mismatch is a bug in one of them.
+    if (batch.meta.num_tokens_packed !== unpadded) {
+      throw new TreepackError('E_BACKEND', `planned ${unpadded} packed tokens for a micro-batch but its forest has ${batch.meta.num_tokens_packed}`);
+    }
+    const padded = mb.padTokens > 0 ? padForest(batch, mb.padTokens, opts.padTokenId ?? 0) : batch;
+    if ((opts.padMultiple ?? 1) > 1) padded.meta = { ...padded.meta, num_tokens_packed: mb.packedTokens, num_pad_tokens: mb.padTokens };
+    return { batch: padded, samples: members, plan: mb };
+  });
+  return { microBatches, plan };
+}
+
+/**
+ * Appends `count` pad nodes: each a root that attends only to itself, at position 0, with no occurrence, so no
+ * sequence and no loss term reads it. The occurrence arrays are untouched.
+ */
+export function padForest<F extends Forest>(f: F, count: number, padTokenId: number): F {
+  const N = f.input_ids.length, n = N + count;
+  const grow = (a: Int32Array, fill: (p: number) => number) => {
+    const out = new Int32Array(n);
+    out.set(a);
+    for (let p = N; p < n; p++) out[p] = fill(p);
+    return out;
+  };
+  return {
+    ...f,
+    input_ids: grow(f.input_ids, () => padTokenId),
+    position_ids: grow(f.position_ids, () => 0),
+    parent: grow(f.parent, () => -1),
+    subtree_end: grow(f.subtree_end, (p) => p + 1),
+  };
+}
