@@ -109,8 +109,15 @@ export function assignRanks(costs: ArrayLike<number>, K: number): RankAssignment
     rank[bi] = r;
     rank[bj] = hi;
   }
+  return { rank, step: stepsByCost(costs, rank, K), loads };
+}
+
+/** Step of each micro-batch on its rank: by decreasing cost, ties by index. */
+export function stepsByCost(costs: ArrayLike<number>, rank: Int32Array, K: number): Int32Array {
+  const n = costs.length;
+  const order = Array.from({ length: n }, (_, i) => i).sort((x, y) => costs[y] - costs[x] || x - y);
   const step = new Int32Array(n);
   const next = new Int32Array(K);
   for (const i of order) step[i] = next[rank[i]]++;
-  return { rank, step, loads };
+  return step;
 }
