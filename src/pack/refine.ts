@@ -55,7 +55,7 @@ const MAX_WORK = 1 << 22;
  * where units are coarse (a few episodes per micro-batch); in large micro-batches single moves already come in
  * fine steps, and all pairs of units would be quadratic.
  */
-const MAX_SWAP_PAIRS = 1 << 14;
+const MAX_SWAP_PAIRS = 1 << 12;
 /** Ranks within 0.1% of the mean are balanced: finer gains are below the cost model's accuracy. */
 const TOLERANCE = 1e-3;
 const tri = (L: number) => (L * (L + 1)) / 2;
