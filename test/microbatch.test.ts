@@ -267,11 +267,15 @@ describe('balancing refinement: subtrees moved between ranks', () => {
 
   it('never worse than the contiguous plan; budget, occurrences, loss and order independence hold', () => {
     let moved = 0, cases = 0;
+    const branches = { goalKept: 0, noGrowth: 0, slackOnly: 0 };
     for (let seed = 1; seed <= 24; seed++) {
+      // Agent-shaped, random, and random behind one long prompt common to all (each micro-batch repeats it).
       const seqs =
-        seed % 2
+        seed % 3 === 1
           ? toArrays(agentBatch(seed, { groups: 2 + (seed % 4), episodes: 3 + (seed % 5), turns: 2 + (seed % 4), prompt: 20 + seed * 7, step: 5 + (seed % 9) }))
-          : randomBatch(seed, { count: 12 + seed, maxLen: 30, alphabet: 3 });
+          : seed % 3 === 2
+            ? randomBatch(seed, { count: 12 + seed, maxLen: 30, alphabet: 3 })
+            : randomBatch(seed, { count: 12 + seed, maxLen: 30, alphabet: 3 }).map((q) => [...prompt(40, 9000), ...q]);
       const samples = samplesOf(seqs, seed);
       const L = Math.max(1, longest(seqs));
       for (const [factor, dp, pad, slack] of [[1, 2, 1, 0.01], [2, 3, 4, 0], [4, 8, 1, 0.01], [6, 4, 1, 0.2], [20, 8, 8, 0.01]] as const) {
@@ -286,7 +290,25 @@ describe('balancing refinement: subtrees moved between ranks', () => {
         expect(max(plan)).toBeLessThanOrEqual(max(contiguous) * (1 + 1e-12));
         expect(plan.imbalance).toBeLessThanOrEqual(contiguous.imbalance * (1 + 1e-12));
         expect(total(plan)).toBeLessThanOrEqual(Math.floor(total(contiguous) * (1 + slack)));
-        if (T >= 4 * L && total(contiguous) <= 1.05 * plan.optimumTokens) expect(total(plan)).toBeLessThanOrEqual(1.05 * plan.optimumTokens);
+        if (T >= 4 * L) {
+          // The 5% goal applies. Kept if the contiguous plan meets it; else no growth, unless every non-empty
+          // micro-batch repeating the prefix common to all sequences already breaks it.
+          const goal = 1.05 * plan.optimumTokens;
+          let common = Infinity;
+          for (let i = 1; i < seqs.length; i++) {
+            let h = 0;
+            while (h < seqs[0].length && h < seqs[i].length && seqs[0][h] === seqs[i][h]) h++;
+            common = Math.min(common, h);
+          }
+          const nonEmpty = contiguous.microBatches.filter((m) => m.sequences.length > 0).length;
+          if (total(contiguous) <= goal) {
+            branches.goalKept++;
+            expect(total(plan)).toBeLessThanOrEqual(goal);
+          } else if (plan.optimumTokens + (nonEmpty - 1) * common <= goal) {
+            branches.noGrowth++;
+            expect(total(plan)).toBeLessThanOrEqual(total(contiguous));
+          } else branches.slackOnly++;
+        }
         // The same multiset of sequences in another order gives the same micro-batches on the same ranks.
         const { items } = shuffled(seqs, seed);
         const again = planMicroBatches(csr(items), opts);
@@ -296,6 +318,7 @@ describe('balancing refinement: subtrees moved between ranks', () => {
     }
     // Not vacuous: the refinement changed a good share of these plans.
     expect(moved).toBeGreaterThan(cases / 5);
+    for (const count of Object.values(branches)) expect(count).toBeGreaterThan(0);
   });
 });
 

@@ -35,8 +35,8 @@ Options:
   --cost-token A          cost per packed token                                            [default: ${DEFAULT_COST.a}]
   --cost-pair B           cost per attention pair under the tree mask                      [default: ${DEFAULT_COST.b}]
   --balance-slack F       with --dp > 1, subtrees move between ranks to lower the slowest one, adding at
-                          most this fraction of packed tokens (0: none; kept within 5% of the optimum where
-                          T >= 4x the longest sequence and the contiguous plan is)            [default: 0.01]
+                          most this fraction of packed tokens (0: none; where T >= 4x the longest sequence,
+                          never past 5% of the optimum if that is reachable)                 [default: 0.01]
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]

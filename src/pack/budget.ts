@@ -37,8 +37,9 @@ export interface BudgetOptions {
   refine?: boolean;
   /**
    * Packed tokens the refinement may add, as a fraction of the contiguous plan's; default 0.01. When T is at least
-   * 4× the longest sequence and the contiguous plan is within 5% of the single-forest optimum, the refined plan
-   * stays within that 5% too.
+   * 4× the longest sequence (the 5%-of-optimum goal applies), the refined plan stays within 5% of the single-forest
+   * optimum if the contiguous plan is, and adds nothing if the contiguous plan is not but the goal is reachable with
+   * that many micro-batches (beyond it only when each must repeat a common prompt that alone breaks the 5%).
    */
   balanceSlack?: number;
 }
@@ -269,10 +270,18 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   if (K > 1 && opts.refine !== false) {
     const contiguous = tokens.reduce((a, t) => a + t, 0);
     let maxTotal = Math.floor(contiguous * (1 + slack));
-    // Keep the packed-token goal wherever the contiguous plan meets it; where it cannot (K micro-batches that each
-    // repeat a shared prompt), only the slack applies.
-    const goal = Math.floor(GOAL_RATIO * optimumTokens);
-    if (opts.maxTokens >= GOAL_BUDGET_FACTOR * longest && contiguous <= goal) maxTotal = Math.min(maxTotal, goal);
+    if (opts.maxTokens >= GOAL_BUDGET_FACTOR * longest) {
+      // The packed-token goal applies. Kept where the contiguous plan meets it; where it does not, no tokens may be
+      // added unless the goal is out of reach anyway: m non-empty micro-batches each repeat the prefix common to
+      // every sequence (a shared system prompt), so they hold at least optimum + (m − 1)·common tokens.
+      const goal = Math.floor(GOAL_RATIO * optimumTokens);
+      let common = S > 1 ? Infinity : 0, nonEmpty = 0;
+      for (let k = 1; k < S; k++) common = Math.min(common, runs.lcp[k]);
+      for (const m of members) if (m.length > 0) nonEmpty++;
+      const floor = optimumTokens + (nonEmpty - 1) * common;
+      if (contiguous <= goal) maxTotal = Math.min(maxTotal, goal);
+      else if (floor <= goal) maxTotal = contiguous;
+    }
     const refined = refineBalance({ len: runs.seqLen, lcpOf: lcpQuery(runs.lcp), members, rank, K, budget: B, padMultiple: P, cost, maxTotal });
     ({ members, tokens, pairs, moves } = refined);
   }
