@@ -6,7 +6,7 @@
  * ranks) side by side. Then the streaming collectors on simulated completion times.
  */
 import { performance } from 'node:perf_hooks';
-import { DEFAULT_COST, imbalance, microBatchCost } from '../src/pack/balance.js';
+import { DEFAULT_COST, imbalance, microBatchCost, pathPairs } from '../src/pack/balance.js';
 import { planMicroBatches, roundUp, type Plan } from '../src/pack/budget.js';
 import type { Sequences } from '../src/pack/contract.js';
 import { sortSequences } from '../src/pack/forest.js';
@@ -39,7 +39,6 @@ interface Result {
   moves?: number;
 }
 
-const tri = (L: number) => (L * (L + 1)) / 2;
 
 /**
  * First-fit in input order. With `dedup`, a sequence costs its tokens past the longest prefix it shares with a
@@ -84,7 +83,7 @@ function firstFit(seqs: Sequences, T: number, K: number, dedup: boolean): Result
     let pairs = 0;
     bin.ranks.forEach((r, k) => {
       const s = order[r];
-      pairs += tri(seqs.offsets[s + 1] - seqs.offsets[s]) - (dedup && k > 0 ? tri(lcpOf(bin.ranks[k - 1], r)) : 0);
+      pairs += pathPairs(seqs.offsets[s + 1] - seqs.offsets[s]) - (dedup && k > 0 ? pathPairs(lcpOf(bin.ranks[k - 1], r)) : 0);
     });
     loads[b % K] += microBatchCost(bin.tokens, pairs, DEFAULT_COST);
     tokens += bin.tokens;
@@ -110,7 +109,7 @@ export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow
   for (let i = 0; i < S; i++) {
     const L = seqs.offsets[i + 1] - seqs.offsets[i];
     longest = Math.max(longest, L);
-    costliest = Math.max(costliest, microBatchCost(L, tri(L), DEFAULT_COST));
+    costliest = Math.max(costliest, microBatchCost(L, pathPairs(L), DEFAULT_COST));
   }
   const optimum = planMicroBatches(seqs, { maxTokens: Math.max(1, longest) }).optimumTokens;
   // Every non-empty micro-batch repeats the prefix common to all sequences (a shared system prompt).

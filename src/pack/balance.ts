@@ -37,6 +37,9 @@ export function attentionPairs(position_ids: Int32Array): number {
   return s;
 }
 
+/** Attention pairs of a path of L nodes (depths 0..L-1): L(L+1)/2; a sequence alone, or its part below a shared prefix by difference. */
+export const pathPairs = (L: number): number => (L * (L + 1)) / 2;
+
 export const microBatchCost = (tokens: number, pairs: number, cost: CostModel): number => cost.a * tokens + cost.b * pairs;
 
 /** max ÷ mean of the per-rank loads (1 for no load at all: nothing is waiting on anything). */

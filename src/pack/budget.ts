@@ -18,7 +18,7 @@
  * one of them.
  */
 import { TreepackError, argError } from '../errors.js';
-import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, stepsByCost, type CostModel } from './balance.js';
+import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, pathPairs, stepsByCost, type CostModel } from './balance.js';
 import type { Sequences } from './contract.js';
 import { sortSequences } from './forest.js';
 import { lcpQuery } from './lcp.js';
@@ -132,14 +132,12 @@ class Runs {
     this.lenPairs = new Float64Array(S + 1);
     this.sharedPairs = new Float64Array(S + 1);
     this.seqLen = new Int32Array(S);
-    // A path of L nodes has depths 0..L-1 and so L(L+1)/2 visible pairs.
-    const tri = (L: number) => (L * (L + 1)) / 2;
     for (let k = 0; k < S; k++) {
       const L = (this.seqLen[k] = seqs.offsets[order[k] + 1] - seqs.offsets[order[k]]);
       this.len[k + 1] = this.len[k] + L;
-      this.lenPairs[k + 1] = this.lenPairs[k] + tri(L);
+      this.lenPairs[k + 1] = this.lenPairs[k] + pathPairs(L);
       this.shared[k + 1] = this.shared[k] + lcp[k];
-      this.sharedPairs[k + 1] = this.sharedPairs[k] + tri(lcp[k]);
+      this.sharedPairs[k + 1] = this.sharedPairs[k] + pathPairs(lcp[k]);
     }
   }
   /** packed tokens of sorted run [i, j), j > i */
@@ -264,7 +262,8 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   }
   // A pad node is a root: it sees itself only.
   const padOf = (t: number) => roundUp(t, P) - t;
-  const costsOf = () => Float64Array.from(tokens, (t, b) => microBatchCost(t + padOf(t), pairs[b] + padOf(t), cost));
+  const costOf = (t: number, p: number) => microBatchCost(t + padOf(t), p + padOf(t), cost);
+  const costsOf = () => Float64Array.from(tokens, (t, b) => costOf(t, pairs[b]));
   const { rank } = assignRanks(costsOf(), K);
   let moves = 0;
   if (K > 1 && opts.refine !== false) {
@@ -282,7 +281,7 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
       if (contiguous <= goal) maxTotal = Math.min(maxTotal, goal);
       else if (floor <= goal) maxTotal = contiguous;
     }
-    const refined = refineBalance({ len: runs.seqLen, lcpOf: lcpQuery(runs.lcp), members, rank, K, budget: B, padMultiple: P, cost, maxTotal });
+    const refined = refineBalance({ len: runs.seqLen, lcpOf: lcpQuery(runs.lcp), members, rank, K, budget: B, costOf, maxTotal });
     ({ members, tokens, pairs, moves } = refined);
   }
   const costs = costsOf();

@@ -19,7 +19,7 @@
  * multiset of sequences.
  */
 import { TreepackError } from '../errors.js';
-import { microBatchCost, type CostModel } from './balance.js';
+import { pathPairs } from './balance.js';
 import type { LcpQuery } from './lcp.js';
 
 export interface RefineInput {
@@ -33,8 +33,8 @@ export interface RefineInput {
   K: number;
   /** most unpadded packed tokens per micro-batch */
   budget: number;
-  padMultiple: number;
-  cost: CostModel;
+  /** cost of a micro-batch from its unpadded packed tokens and attention pairs (padding added by the caller's rule) */
+  costOf: (tokens: number, pairs: number) => number;
   /** most unpadded packed tokens over all micro-batches */
   maxTotal: number;
 }
@@ -58,7 +58,6 @@ const MAX_WORK = 1 << 22;
 const MAX_SWAP_PAIRS = 1 << 12;
 /** Ranks within 0.1% of the mean are balanced: finer gains are below the cost model's accuracy. */
 const TOLERANCE = 1e-3;
-const tri = (L: number) => (L * (L + 1)) / 2;
 
 /** A unit: members [i, j) of a micro-batch (indices into its sorted member list). */
 interface Unit {
@@ -84,9 +83,9 @@ class Bin {
   readonly tokens: number;
   readonly pairs: number;
   private readonly L: Float64Array; // Σ len over members [0, t)
-  private readonly LP: Float64Array; // Σ tri(len)
+  private readonly LP: Float64Array; // Σ pathPairs(len)
   private readonly H: Float64Array; // Σ lcp(m[u-1], m[u]) for u in 1..t
-  private readonly HP: Float64Array; // Σ tri(lcp)
+  private readonly HP: Float64Array; // Σ pathPairs(lcp)
   private unitList?: Unit[];
   constructor(m: Int32Array, private readonly ctx: RefineInput) {
     const k = m.length;
@@ -98,11 +97,11 @@ class Bin {
     for (let t = 0; t < k; t++) {
       const l = ctx.len[m[t]];
       this.L[t + 1] = this.L[t] + l;
-      this.LP[t + 1] = this.LP[t] + tri(l);
+      this.LP[t + 1] = this.LP[t] + pathPairs(l);
       if (t > 0) {
         const h = ctx.lcpOf(m[t - 1], m[t]);
         this.H[t] = this.H[t - 1] + h;
-        this.HP[t] = this.HP[t - 1] + tri(h);
+        this.HP[t] = this.HP[t - 1] + pathPairs(h);
       }
     }
     this.tokens = k > 0 ? this.L[k] - this.H[k - 1] : 0;
@@ -144,7 +143,7 @@ class Bin {
     if (j < k) (dt += H[j] - H[j - 1]), (dp += HP[j] - HP[j - 1]);
     if (i > 0 && j < k) {
       const x = this.ctx.lcpOf(m[i - 1], m[j]);
-      (dt -= x), (dp -= tri(x));
+      (dt -= x), (dp -= pathPairs(x));
     }
     d[0] = dt;
     d[1] = dp;
@@ -179,24 +178,24 @@ class Bin {
       while (e < ys.length && (q < 0 || ys[e] < q)) e++;
       for (let t = g; t < e; t++) {
         dt += len[ys[t]];
-        dp += tri(len[ys[t]]);
+        dp += pathPairs(len[ys[t]]);
         if (t > g) {
           const x = lcpOf(ys[t - 1], ys[t]);
-          (dt -= x), (dp -= tri(x));
+          (dt -= x), (dp -= pathPairs(x));
         }
       }
       const p = pi >= 0 ? m[pi] : -1;
       if (p >= 0) {
         const x = lcpOf(p, ys[g]);
-        (dt -= x), (dp -= tri(x));
+        (dt -= x), (dp -= pathPairs(x));
       }
       if (q >= 0) {
         const x = lcpOf(ys[e - 1], q);
-        (dt -= x), (dp -= tri(x));
+        (dt -= x), (dp -= pathPairs(x));
       }
       if (p >= 0 && q >= 0) {
         const x = lcpOf(p, q);
-        (dt += x), (dp += tri(x));
+        (dt += x), (dp += pathPairs(x));
       }
       g = e;
     }
@@ -215,13 +214,9 @@ function replaced(a: Int32Array, i: number, j: number, ys: Int32Array): Int32Arr
 }
 
 export function refineBalance(input: RefineInput): Refined {
-  const { K, budget, padMultiple: P, cost, maxTotal, rank } = input;
+  const { K, budget, costOf, maxTotal, rank } = input;
   const n = input.members.length;
   const bins = input.members.map((m) => new Bin(m, input));
-  const costOf = (t: number, p: number) => {
-    const pad = Math.ceil(t / P) * P - t;
-    return microBatchCost(t + pad, p + pad, cost);
-  };
   const costs = Float64Array.from(bins, (b) => costOf(b.tokens, b.pairs));
   const loads = new Float64Array(K);
   for (let b = 0; b < n; b++) loads[rank[b]] += costs[b];
