@@ -149,6 +149,7 @@ describe('treepack CLI', () => {
     expect(small.stderr).toContain(`use a budget of at least ${longest}`);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--dp', '0']).stderr).toMatch(/--dp/);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--dp', '2']).stderr).toMatch(/--dp needs --max-tokens/);
+    expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--balance-slack', '-1']).stderr).toMatch(/--balance-slack/);
     expect(existsSync(join(dir, 'never2', 'manifest.json'))).toBe(false);
   });
 

@@ -35,6 +35,9 @@ Options:
   --pad-id ID             token id of pad nodes                                            [default: 0]
   --cost-token A          cost per packed token                                            [default: ${DEFAULT_COST.a}]
   --cost-pair B           cost per attention pair under the tree mask                      [default: ${DEFAULT_COST.b}]
+  --balance-slack F       with --dp > 1, subtrees move between ranks to lower the slowest one, adding at
+                          most this fraction of packed tokens (0: none; where T >= 4x the longest sequence,
+                          never past 5% of the optimum if that is reachable)                 [default: 0.01]
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]
@@ -61,7 +64,7 @@ export interface ManifestEntry {
   cost?: number;
 }
 
-const BUDGET_FLAGS = ['dp', 'pad-multiple', 'pad-id', 'cost-token', 'cost-pair'] as const;
+const BUDGET_FLAGS = ['dp', 'pad-multiple', 'pad-id', 'cost-token', 'cost-pair', 'balance-slack'] as const;
 
 function budgetOptions(values: Parsed['values']) {
   const maxTokens = positiveInt('--max-tokens', values['max-tokens'] as string | undefined);
@@ -81,6 +84,7 @@ function budgetOptions(values: Parsed['values']) {
       a: nonNegativeNumber('--cost-token', values['cost-token'] as string | undefined, DEFAULT_COST.a),
       b: nonNegativeNumber('--cost-pair', values['cost-pair'] as string | undefined, DEFAULT_COST.b),
     },
+    ...(values['balance-slack'] !== undefined && { balanceSlack: nonNegativeNumber('--balance-slack', values['balance-slack'] as string, 0) }),
   };
 }
 

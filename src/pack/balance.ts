@@ -37,6 +37,9 @@ export function attentionPairs(position_ids: Int32Array): number {
   return s;
 }
 
+/** Attention pairs of a path of L nodes (depths 0..L-1): L(L+1)/2; a sequence alone, or its part below a shared prefix by difference. */
+export const pathPairs = (L: number): number => (L * (L + 1)) / 2;
+
 export const microBatchCost = (tokens: number, pairs: number, cost: CostModel): number => cost.a * tokens + cost.b * pairs;
 
 /** max ÷ mean of the per-rank loads (1 for no load at all: nothing is waiting on anything). */
@@ -109,8 +112,15 @@ export function assignRanks(costs: ArrayLike<number>, K: number): RankAssignment
     rank[bi] = r;
     rank[bj] = hi;
   }
+  return { rank, step: stepsByCost(costs, rank, K), loads };
+}
+
+/** Step of each micro-batch on its rank: by decreasing cost, ties by index. */
+export function stepsByCost(costs: ArrayLike<number>, rank: Int32Array, K: number): Int32Array {
+  const n = costs.length;
+  const order = Array.from({ length: n }, (_, i) => i).sort((x, y) => costs[y] - costs[x] || x - y);
   const step = new Int32Array(n);
   const next = new Int32Array(K);
   for (const i of order) step[i] = next[rank[i]]++;
-  return { rank, step, loads };
+  return step;
 }

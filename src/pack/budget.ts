@@ -11,14 +11,18 @@
  * The plan: the fewest micro-batches that fit the budget (greedy, optimal for contiguous runs), rounded up to a
  * multiple of K; with K > 1, the smallest feasible maximum micro-batch cost (binary search), plus a small
  * slack; then a dynamic program over the cuts that minimises Σ lcp under both limits, so cuts fall between
- * groups and episodes, not inside shared prompts. Micro-batches are then spread over the ranks (balance.ts).
+ * groups and episodes, not inside shared prompts. Micro-batches are then spread over the ranks (balance.ts),
+ * and with K > 1 a refinement moves whole subtrees between micro-batches of different ranks where contiguous runs
+ * cannot balance them (refine.ts), within a bound on the extra packed tokens (`balanceSlack`).
  * Every sequence goes whole into one micro-batch, so each (sequence, token) occurrence is trainable in exactly
  * one of them.
  */
 import { TreepackError, argError } from '../errors.js';
-import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, type CostModel } from './balance.js';
+import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, pathPairs, stepsByCost, type CostModel } from './balance.js';
 import type { Sequences } from './contract.js';
 import { sortSequences } from './forest.js';
+import { lcpQuery } from './lcp.js';
+import { refineBalance } from './refine.js';
 import { validateSequences } from './validate.js';
 
 export interface BudgetOptions {
@@ -29,6 +33,15 @@ export interface BudgetOptions {
   /** pad every micro-batch's packed length to a multiple of this; default 1 (no padding) */
   padMultiple?: number;
   cost?: CostModel;
+  /** with dp > 1, move subtrees between micro-batches of different ranks to lower the slowest rank; default true */
+  refine?: boolean;
+  /**
+   * Packed tokens the refinement may add, as a fraction of the contiguous plan's; default 0.01. When T is at least
+   * 4× the longest sequence (the 5%-of-optimum goal applies), the refined plan stays within 5% of the single-forest
+   * optimum if the contiguous plan is, and adds nothing if the contiguous plan is not but the goal is reachable with
+   * that many micro-batches (beyond it only when each must repeat a common prompt that alone breaks the 5%).
+   */
+  balanceSlack?: number;
 }
 
 export interface MicroBatchPlan {
@@ -54,6 +67,8 @@ export interface Plan {
   rankCosts: Float64Array;
   /** max ÷ mean of rankCosts */
   imbalance: number;
+  /** units moved or swapped between micro-batches by the balancing refinement (0 without it) */
+  moves: number;
 }
 
 const positiveInt = (name: string, v: unknown): number => {
@@ -63,8 +78,8 @@ const positiveInt = (name: string, v: unknown): number => {
 
 export const roundUp = (x: number, m: number): number => Math.ceil(x / m) * m;
 
-/** Checks the options against the window's longest sequence and returns the unpadded per-micro-batch budget. */
-function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly string[]): number {
+/** Checks the options against the window's longest sequence; returns it and the unpadded per-micro-batch budget. */
+function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly string[]): { B: number; longest: number } {
   const T = positiveInt('maxTokens', opts.maxTokens);
   const P = positiveInt('padMultiple', opts.padMultiple ?? 1);
   if (P > T) throw new TreepackError('E_ARG', `pad multiple ${P} is larger than the token budget ${T}: no micro-batch could hold a token`);
@@ -83,12 +98,16 @@ function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly
     );
   }
   // roundUp(n, P) <= T exactly when n <= floor(T / P)·P.
-  return Math.floor(T / P) * P;
+  return { B: Math.floor(T / P) * P, longest };
 }
 
 
 /** Slack on the smallest feasible maximum cost: room for the cut program to move cuts to shallow points. */
 const COST_SLACK = 0.03;
+const DEFAULT_BALANCE_SLACK = 0.01;
+/** The packed-token goal: within 5% of the single forest whenever T is at least 4× the longest sequence. */
+const GOAL_RATIO = 1.05;
+const GOAL_BUDGET_FACTOR = 4;
 /** The cut program keeps one choice per (micro-batch, sequence); past this many it falls back to greedy cuts. */
 const MAX_DP_CELLS = 1 << 24;
 
@@ -97,6 +116,8 @@ class Runs {
   readonly S: number;
   readonly order: Int32Array;
   readonly lcp: Int32Array;
+  /** sequence length by sorted position */
+  readonly seqLen: Int32Array;
   private readonly len: Float64Array; // prefix sums over sorted positions
   private readonly shared: Float64Array;
   private readonly lenPairs: Float64Array;
@@ -110,14 +131,13 @@ class Runs {
     this.shared = new Float64Array(S + 1);
     this.lenPairs = new Float64Array(S + 1);
     this.sharedPairs = new Float64Array(S + 1);
-    // A path of L nodes has depths 0..L-1 and so L(L+1)/2 visible pairs.
-    const tri = (L: number) => (L * (L + 1)) / 2;
+    this.seqLen = new Int32Array(S);
     for (let k = 0; k < S; k++) {
-      const L = seqs.offsets[order[k] + 1] - seqs.offsets[order[k]];
+      const L = (this.seqLen[k] = seqs.offsets[order[k] + 1] - seqs.offsets[order[k]]);
       this.len[k + 1] = this.len[k] + L;
-      this.lenPairs[k + 1] = this.lenPairs[k] + tri(L);
+      this.lenPairs[k + 1] = this.lenPairs[k] + pathPairs(L);
       this.shared[k + 1] = this.shared[k] + lcp[k];
-      this.sharedPairs[k + 1] = this.sharedPairs[k] + tri(lcp[k]);
+      this.sharedPairs[k + 1] = this.sharedPairs[k] + pathPairs(lcp[k]);
     }
   }
   /** packed tokens of sorted run [i, j), j > i */
@@ -205,11 +225,13 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   const P = opts.padMultiple ?? 1;
   const cost = opts.cost ?? DEFAULT_COST;
   checkCostModel(cost);
-  const B = tokenBudget(seqs.offsets, opts, ids);
+  const slack = opts.balanceSlack ?? DEFAULT_BALANCE_SLACK;
+  if (typeof slack !== 'number' || !Number.isFinite(slack) || slack < 0) throw argError('balanceSlack', 'a finite number >= 0', slack);
+  const { B, longest } = tokenBudget(seqs.offsets, opts, ids);
   const runs = new Runs(seqs, cost);
   const S = runs.S;
   const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
-  if (S === 0) return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1 };
+  if (S === 0) return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1, moves: 0 };
 
   const n = roundUp(runs.greedy(B, Infinity).length, K);
   let U = Infinity;
@@ -228,39 +250,60 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   }
   const ends = cheapestCuts(runs, n, B, U);
 
-  const costs = new Float64Array(n);
-  const tokens = new Float64Array(n);
-  const pairs = new Float64Array(n);
-  const pads = new Float64Array(n);
-  const members: Int32Array[] = [];
+  // Members as sorted positions; runs past the last end stay empty: every rank still runs the same number of steps.
+  let members: Int32Array[] = [];
+  let tokens: Float64Array = new Float64Array(n);
+  let pairs: Float64Array = new Float64Array(n);
   for (let b = 0, start = 0; b < n; b++) {
     const end = b < ends.length ? ends[b] : start;
-    // Runs past the last end stay empty: every rank still runs the same number of steps.
-    const t = end > start ? runs.tokens(start, end) : 0;
-    const pad = (pads[b] = roundUp(t, P) - t);
-    tokens[b] = t + pad;
-    // A pad node is a root: it sees itself only.
-    pairs[b] = (end > start ? runs.pairs(start, end) : 0) + pad;
-    costs[b] = microBatchCost(tokens[b], pairs[b], cost);
-    members.push(runs.order.slice(start, end).sort());
+    members.push(Int32Array.from({ length: end - start }, (_, k) => start + k));
+    if (end > start) [tokens[b], pairs[b]] = [runs.tokens(start, end), runs.pairs(start, end)];
     start = end;
   }
-  const { rank, step, loads } = assignRanks(costs, K);
+  // A pad node is a root: it sees itself only.
+  const padOf = (t: number) => roundUp(t, P) - t;
+  const costOf = (t: number, p: number) => microBatchCost(t + padOf(t), p + padOf(t), cost);
+  const costsOf = () => Float64Array.from(tokens, (t, b) => costOf(t, pairs[b]));
+  const { rank } = assignRanks(costsOf(), K);
+  let moves = 0;
+  if (K > 1 && opts.refine !== false) {
+    const contiguous = tokens.reduce((a, t) => a + t, 0);
+    let maxTotal = Math.floor(contiguous * (1 + slack));
+    if (opts.maxTokens >= GOAL_BUDGET_FACTOR * longest) {
+      // The packed-token goal applies. Kept where the contiguous plan meets it; where it does not, no tokens may be
+      // added unless the goal is out of reach anyway: m non-empty micro-batches each repeat the prefix common to
+      // every sequence (a shared system prompt), so they hold at least optimum + (m − 1)·common tokens.
+      const goal = Math.floor(GOAL_RATIO * optimumTokens);
+      let common = S > 1 ? Infinity : 0, nonEmpty = 0;
+      for (let k = 1; k < S; k++) common = Math.min(common, runs.lcp[k]);
+      for (const m of members) if (m.length > 0) nonEmpty++;
+      const floor = optimumTokens + (nonEmpty - 1) * common;
+      if (contiguous <= goal) maxTotal = Math.min(maxTotal, goal);
+      else if (floor <= goal) maxTotal = contiguous;
+    }
+    const refined = refineBalance({ len: runs.seqLen, lcpOf: lcpQuery(runs.lcp), members, rank, K, budget: B, costOf, maxTotal });
+    ({ members, tokens, pairs, moves } = refined);
+  }
+  const costs = costsOf();
+  const loads = new Float64Array(K);
+  for (let b = 0; b < n; b++) loads[rank[b]] += costs[b];
+  const step = stepsByCost(costs, rank, K);
   const microBatches: MicroBatchPlan[] = new Array(n);
   for (let b = 0; b < n; b++) {
-    const sequences = members[b];
+    const sequences = Int32Array.from(members[b], (k) => runs.order[k]).sort();
     let naive = 0;
     for (const i of sequences) naive += seqs.offsets[i + 1] - seqs.offsets[i];
+    const pad = padOf(tokens[b]);
     microBatches[step[b] * K + rank[b]] = {
       sequences,
       rank: rank[b],
       step: step[b],
       naiveTokens: naive,
-      packedTokens: tokens[b],
-      padTokens: pads[b],
-      attentionPairs: pairs[b],
+      packedTokens: tokens[b] + pad,
+      padTokens: pad,
+      attentionPairs: pairs[b] + pad,
       cost: costs[b],
     };
   }
-  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads) };
+  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves };
 }
