@@ -23,6 +23,7 @@ struct tp_plan {
   const int32_t* tokens;
   const int32_t* offsets;
   int32_t num_seqs;
+  int64_t num_nodes;
   int32_t* order;  // [S] sequence indices in sorted order
   int32_t* lcp;    // [S] lcp[k] = common prefix length of order[k-1] and order[k]; lcp[0] = 0
   int32_t* spare;  // [2S] merge buffers during the sort, the open-path stack during the layout
@@ -30,12 +31,30 @@ struct tp_plan {
 
 namespace {
 
+// How far ahead of a scan of b to prefetch, with Prefetch. The run detection reads the batch front to back, b
+// being the sequence it reads for the first time; one stream of loads that each wait for DRAM leaves the hardware
+// prefetcher behind, so asking 8 KiB ahead brings the scan near a plain read. Prefetching past b (into the
+// sequences read next, or past the batch) is harmless: it never faults.
+constexpr uintptr_t kPrefetchBytes = 8192;
+
+inline void prefetch_ahead(const int32_t* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes));
+}
+
 // First index in [from, n) where a and b differ, or n. Shared prefixes of agent data are thousands of tokens, so the
 // scan runs 64 bytes a step and only looks for the exact token once a step differs.
 #ifdef TP_X86_SIMD
+// The check runs once per process.
+inline bool has_avx2() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return yes;
+}
+
+template <bool Prefetch>
 __attribute__((target("avx2"))) int64_t mismatch_avx2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
   int64_t i = from;
   for (; i + 16 <= n; i += 16) {
+    if (Prefetch) prefetch_ahead(b + i);
     const __m256i e0 = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)),
                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
     const __m256i e1 = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i + 8)),
@@ -51,9 +70,11 @@ __attribute__((target("avx2"))) int64_t mismatch_avx2(const int32_t* a, const in
   return i;
 }
 
+template <bool Prefetch>
 int64_t mismatch_sse2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
   int64_t i = from;
   for (; i + 16 <= n; i += 16) {
+    if (Prefetch) prefetch_ahead(b + i);
     __m128i e[4];
     for (int q = 0; q < 4; q++) {
       e[q] = _mm_cmpeq_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i + 4 * q)),
@@ -71,15 +92,17 @@ int64_t mismatch_sse2(const int32_t* a, const int32_t* b, int64_t from, int64_t 
   return i;
 }
 
+template <bool Prefetch>
 inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
-  // AVX2 halves the steps of the SSE2 loop (x86-64's baseline); the check runs once per process.
-  static const bool has_avx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
-  return has_avx2 ? mismatch_avx2(a, b, from, n) : mismatch_sse2(a, b, from, n);
+  // AVX2 halves the steps of the SSE2 loop (x86-64's baseline).
+  return has_avx2() ? mismatch_avx2<Prefetch>(a, b, from, n) : mismatch_sse2<Prefetch>(a, b, from, n);
 }
 #else
+template <bool Prefetch>
 inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
   int64_t i = from;
   for (; i + 2 <= n; i += 2) {
+    if (Prefetch && (i & 15) == 0) prefetch_ahead(b + i);
     uint64_t x, y;
     std::memcpy(&x, a + i, sizeof x);
     std::memcpy(&y, b + i, sizeof y);
@@ -97,10 +120,11 @@ struct Compared {
 };
 
 // Compares sequences a and b, which are known to agree on their first `from` tokens.
+template <bool Prefetch = false>
 inline Compared compare(const int32_t* tokens, const int32_t* offsets, int32_t a, int32_t b, int32_t from) {
   const int32_t sa = offsets[a], la = offsets[a + 1] - sa;
   const int32_t sb = offsets[b], lb = offsets[b + 1] - sb;
-  const int32_t h = static_cast<int32_t>(mismatch(tokens + sa, tokens + sb, from, std::min(la, lb)));
+  const int32_t h = static_cast<int32_t>(mismatch<Prefetch>(tokens + sa, tokens + sb, from, std::min(la, lb)));
   // A sequence that ends first is smaller (a proper prefix precedes its extensions).
   const bool a_first = h == la ? true : h == lb ? false : tokens[sa + h] < tokens[sb + h];
   return {h, a_first};
@@ -119,14 +143,14 @@ int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, int3
     lcp[i] = 0;
     int32_t j = i;
     if (j + 1 < S) {
-      Compared c = compare(tokens, offsets, j, j + 1, 0);
+      Compared c = compare<true>(tokens, offsets, j, j + 1, 0);
       const bool ascending = c.a_first;
       while (c.a_first == ascending) {
         ++j;
         order[j] = j;
         lcp[j] = c.lcp;  // lcp(j-1, j), symmetric, so it also holds once a descending run is reversed
         if (j + 1 == S) break;
-        c = compare(tokens, offsets, j, j + 1, 0);
+        c = compare<true>(tokens, offsets, j, j + 1, 0);
       }
       if (!ascending) {
         std::reverse(order + i, order + j + 1);
@@ -202,13 +226,123 @@ void sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, in
   *sorted_lcp = lcp;
 }
 
-inline void iota(int32_t* __restrict dst, int32_t n, int32_t first) {
-  for (int32_t t = 0; t < n; t++) dst[t] = first + t;
+inline void iota(int32_t* __restrict dst, int64_t n, int32_t first) {
+  for (int64_t t = 0; t < n; t++) dst[t] = first + static_cast<int32_t>(t);
 }
 
-inline void fill(int32_t* __restrict dst, int32_t n, int32_t value) {
-  for (int32_t t = 0; t < n; t++) dst[t] = value;
+inline void fill(int32_t* __restrict dst, int64_t n, int32_t value) {
+  for (int64_t t = 0; t < n; t++) dst[t] = value;
 }
+
+// The tokens a sequence adds are the only ones the layout reads, a few hundred scattered over the batch for each
+// agent request: fetched while the sequence before is laid out, they cost no wait on DRAM. The first 4 KiB is enough
+// for the hardware prefetcher to take over a longer run.
+inline void prefetch_fresh(const int32_t* tokens, const int32_t* offsets, int32_t s, int32_t h) {
+  const char* p = reinterpret_cast<const char*>(tokens + offsets[s] + h);
+  const char* end = reinterpret_cast<const char*>(tokens + offsets[s + 1]);
+  if (end - p > 4096) end = p + 4096;
+  for (; p < end; p += 64) {
+    __builtin_prefetch(p);
+    // GCC counts a prefetch as no side effect and deletes a loop of nothing else; an empty asm keeps it.
+    asm volatile("" : : "r"(p));
+  }
+}
+
+// Outputs past this size cannot stay in the cache for the caller anyway; below it, streaming would only evict them.
+constexpr size_t kStreamBytes = size_t{32} << 20;
+
+#ifdef TP_X86_SIMD
+// Streaming stores of int32 runs: every whole 64-byte line is written with two non-temporal 32-byte stores, which
+// skip reading the line before overwriting it; the partial lines at a run's ends take plain stores, so no line is
+// ever written both ways at once.
+inline int64_t whole_lines_from(const int32_t* dst, int64_t n) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(dst);
+  if (address % alignof(int32_t) != 0) return n;  // not from the C ABI's callers; plain stores cope
+  const int64_t head = static_cast<int64_t>((-address & 63) / sizeof(int32_t));
+  return head + 16 <= n ? head : n;
+}
+
+__attribute__((target("avx2"))) void stream_iota(int32_t* dst, int64_t n, int32_t first) {
+  int64_t i = whole_lines_from(dst, n);
+  iota(dst, i, first);
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + static_cast<int32_t>(i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (; i + 16 <= n; i += 16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    v = _mm256_add_epi32(v, eight);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8), v);
+    v = _mm256_add_epi32(v, eight);
+  }
+  iota(dst + i, n - i, first + static_cast<int32_t>(i));
+}
+
+__attribute__((target("avx2"))) void stream_fill(int32_t* dst, int64_t n, int32_t value) {
+  int64_t i = whole_lines_from(dst, n);
+  fill(dst, i, value);
+  const __m256i v = _mm256_set1_epi32(value);
+  for (; i + 16 <= n; i += 16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8), v);
+  }
+  fill(dst + i, n - i, value);
+}
+
+__attribute__((target("avx2"))) void stream_copy(int32_t* dst, const int32_t* src, int64_t n) {
+  int64_t i = whole_lines_from(dst, n);
+  std::memcpy(dst, src, sizeof(int32_t) * i);
+  for (; i + 16 <= n; i += 16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8)));
+  }
+  std::memcpy(dst + i, src + i, sizeof(int32_t) * (n - i));
+}
+#endif
+
+// The layout's writes: streaming for outputs past kStreamBytes where AVX2 is there, plain stores otherwise.
+class Stores {
+ public:
+  explicit Stores(size_t bytes) {
+#ifdef TP_X86_SIMD
+    stream_ = bytes >= kStreamBytes && has_avx2();
+#else
+    (void)bytes;
+#endif
+  }
+
+  bool streaming() const { return stream_; }
+
+  void iota(int32_t* dst, int64_t n, int32_t first) const {
+#ifdef TP_X86_SIMD
+    if (stream_) return stream_iota(dst, n, first);
+#endif
+    ::iota(dst, n, first);
+  }
+
+  void fill(int32_t* dst, int64_t n, int32_t value) const {
+#ifdef TP_X86_SIMD
+    if (stream_) return stream_fill(dst, n, value);
+#endif
+    ::fill(dst, n, value);
+  }
+
+  void copy(int32_t* dst, const int32_t* src, int64_t n) const {
+#ifdef TP_X86_SIMD
+    if (stream_) return stream_copy(dst, src, n);
+#endif
+    std::memcpy(dst, src, sizeof(int32_t) * n);
+  }
+
+  // Non-temporal stores are weakly ordered: fence them before the caller (or another thread) reads the outputs.
+  void finish() const {
+#ifdef TP_X86_SIMD
+    if (stream_) _mm_sfence();
+#endif
+  }
+
+ private:
+  bool stream_ = false;
+};
 
 }  // namespace
 
@@ -268,6 +402,7 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
     const int32_t s = plan->order[k];
     n += offsets[s + 1] - offsets[s] - plan->lcp[k];
   }
+  plan->num_nodes = n;
   *num_nodes = n;
   *plan_out = plan;
   return TP_OK;
@@ -286,10 +421,13 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
     return TP_ERR_ARG;
   }
 
-  // The previous sorted sequence's path, as segments of consecutive nodes: segment e starts at depth
-  // depth[e] and packed position pos[e] and ends where segment e+1 starts (the last one at prev_len). A node's
+  const Stores out(sizeof(int32_t) * (static_cast<size_t>(offsets[S]) + 4 * static_cast<size_t>(plan->num_nodes)));
+
+  // The current sorted sequence's path, as segments of consecutive nodes: segment e starts at depth depth[e] and
+  // packed position pos[e] and ends where segment e+1 starts (the last one at the sequence's length). A node's
   // subtree ends where the first later sequence that does not go through it starts adding nodes, so when sequence
   // k diverges at depth h, every open node at depth >= h gets subtree_end = the position of k's first new node.
+  // Streaming, the segments also give every seq_positions entry, so that nothing written is read back from memory.
   int32_t* __restrict depth = plan->spare;
   int32_t* __restrict pos = plan->spare + S;
   int32_t open = 0;
@@ -298,33 +436,42 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
     int32_t hi = prev_len;
     while (open > 0 && depth[open - 1] >= h) {
       --open;
-      fill(subtree_end + pos[open], hi - depth[open], end);
+      out.fill(subtree_end + pos[open], hi - depth[open], end);
       hi = depth[open];
     }
-    if (open > 0 && h < hi) fill(subtree_end + pos[open - 1] + (h - depth[open - 1]), hi - h, end);
+    if (open > 0 && h < hi) out.fill(subtree_end + pos[open - 1] + (h - depth[open - 1]), hi - h, end);
   };
 
   for (int32_t k = 0; k < S; k++) {
     const int32_t s = order[k];
     const int32_t start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
+    if (k + 1 < S) prefetch_fresh(tokens, offsets, order[k + 1], lcp[k + 1]);
     close_from(h, next);
-    // The shared prefix is the previous sorted sequence's nodes; its positions are still hot in cache.
-    if (h > 0) std::memcpy(seq_positions + start, seq_positions + prev_start, sizeof(int32_t) * h);
     const int32_t fresh = len - h;
     if (fresh > 0) {
-      std::memcpy(input_ids + next, tokens + start + h, sizeof(int32_t) * fresh);
-      iota(position_ids + next, fresh, h);
-      parent[next] = h > 0 ? seq_positions[start + h - 1] : -1;
-      iota(parent + next + 1, fresh - 1, next);
-      iota(seq_positions + start + h, fresh, next);
+      out.copy(input_ids + next, tokens + start + h, fresh);
+      out.iota(position_ids + next, fresh, h);
+      parent[next] = h > 0 ? pos[open - 1] + (h - 1 - depth[open - 1]) : -1;
+      out.iota(parent + next + 1, fresh - 1, next);
       depth[open] = h;
       pos[open++] = next;
       next += fresh;
+    }
+    if (out.streaming()) {
+      for (int32_t e = 0; e < open; e++) {
+        const int32_t end = e + 1 < open ? depth[e + 1] : len;
+        out.iota(seq_positions + start + depth[e], end - depth[e], pos[e]);
+      }
+    } else {
+      // In cache, copying the previous sorted sequence's positions beats generating them: memcpy stores wider.
+      if (h > 0) std::memcpy(seq_positions + start, seq_positions + prev_start, sizeof(int32_t) * h);
+      iota(seq_positions + start + h, fresh, next - fresh);
     }
     prev_start = start;
     prev_len = len;
   }
   close_from(0, next);
+  out.finish();
   return TP_OK;
 }
 

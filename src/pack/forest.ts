@@ -13,13 +13,35 @@
 import type { Forest, Sequences } from './contract.js';
 import { validateSequences } from './validate.js';
 
-/** Length of the common prefix of sequences a and b, starting the scan at `from` (known equal before it). */
-function lcpFrom(tokens: Int32Array, offsets: Int32Array, a: number, b: number, from: number): number {
+/** Tokens compared one by one before a block compare: most comparisons in a merge end within a few tokens. */
+const PROBE = 32;
+/** The largest block one native compare covers. */
+const MAX_BLOCK = 4096;
+
+/**
+ * Length of the common prefix of sequences a and b, starting the scan at `from` (known equal before it). `bytes` is
+ * the tokens' memory: chains of requests share thousands of tokens, and memcmp (Buffer.compare) passes over them
+ * several times faster than a loop over the Int32Array. Blocks double while they match, then halve down to PROBE
+ * tokens around the first difference, which a short loop finds.
+ */
+function lcpFrom(tokens: Int32Array, bytes: Buffer, offsets: Int32Array, a: number, b: number, from: number): number {
   const sa = offsets[a], sb = offsets[b];
   const n = Math.min(offsets[a + 1] - sa, offsets[b + 1] - sb);
   let h = from;
-  // Four at a time: chains of requests share thousands of tokens, and the unrolled test halves the loop overhead.
-  while (h + 4 <= n && tokens[sa + h] === tokens[sb + h] && tokens[sa + h + 1] === tokens[sb + h + 1] && tokens[sa + h + 2] === tokens[sb + h + 2] && tokens[sa + h + 3] === tokens[sb + h + 3]) h += 4;
+  const probe = Math.min(n, h + PROBE);
+  while (h < probe && tokens[sa + h] === tokens[sb + h]) h++;
+  if (h < probe) return h;
+  let step = PROBE;
+  let growing = true;
+  while (step >= PROBE) {
+    if (h + step <= n && bytes.compare(bytes, 4 * (sb + h), 4 * (sb + h + step), 4 * (sa + h), 4 * (sa + h + step)) === 0) {
+      h += step;
+      if (growing && step < MAX_BLOCK) step *= 2;
+    } else {
+      growing = false;
+      step >>= 1;
+    }
+  }
   while (h < n && tokens[sa + h] === tokens[sb + h]) h++;
   return h;
 }
@@ -30,6 +52,7 @@ function lcpFrom(tokens: Int32Array, offsets: Int32Array, a: number, b: number, 
  */
 export function sortSequences(seqs: Sequences): { order: Int32Array; lcp: Int32Array } {
   const { tokens, offsets } = seqs;
+  const bytes = Buffer.from(tokens.buffer, tokens.byteOffset, tokens.byteLength);
   const S = offsets.length - 1;
   let order = new Int32Array(S);
   let lcp = new Int32Array(S);
@@ -56,7 +79,7 @@ export function sortSequences(seqs: Sequences): { order: Int32Array; lcp: Int32A
           nextOrder[out] = b; nextLcp[out++] = hB; j++;
           if (j < hi) hB = lcp[j];
         } else {
-          const h = lcpFrom(tokens, offsets, a, b, hA);
+          const h = lcpFrom(tokens, bytes, offsets, a, b, hA);
           const la = offsets[a + 1] - offsets[a], lb = offsets[b + 1] - offsets[b];
           // A sequence that ends first is smaller; ties (equal sequences) take the left run for stability.
           const aFirst = h === la ? true : h === lb ? false : tokens[offsets[a] + h] < tokens[offsets[b] + h];
@@ -120,14 +143,17 @@ export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: 
     const start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
     // The shared prefix reuses the previous sorted sequence's nodes.
     if (h > 0) seq_positions.copyWithin(start, prevStart, prevStart + h);
-    let par = h > 0 ? seq_positions[start + h - 1] : -1;
-    for (let t = h; t < len; t++) {
-      input_ids[pos] = tokens[start + t];
-      position_ids[pos] = t;
-      parent[pos] = par;
-      subtree_end[pos] = pos + 1;
-      seq_positions[start + t] = pos;
-      par = pos++;
+    // Sequence k adds the chain of nodes pos .. pos + fresh - 1, one per token past the shared prefix. One simple
+    // loop per array: the JIT compiles each into a tight store loop, where one loop storing to five arrays is slow.
+    const fresh = len - h;
+    if (fresh > 0) {
+      input_ids.set(tokens.subarray(start + h, start + len), pos);
+      parent[pos] = h > 0 ? seq_positions[start + h - 1] : -1;
+      for (let t = 1; t < fresh; t++) parent[pos + t] = pos + t - 1;
+      for (let t = 0; t < fresh; t++) position_ids[pos + t] = h + t;
+      for (let t = 0; t < fresh; t++) subtree_end[pos + t] = pos + t + 1;
+      for (let t = 0; t < fresh; t++) seq_positions[start + h + t] = pos + t;
+      pos += fresh;
     }
     prevStart = start;
   }
