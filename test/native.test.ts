@@ -143,6 +143,51 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     expectMatchesJs(csr(shuffle([...seqs], rand)));
   });
 
+  it('streams the outputs of a batch over 32 MiB: chains, a truncated chain, equal, prefix, empty, descending', () => {
+    // Past 32 MiB of output (kStreamBytes in native/core/forest.cc) the core writes whole cache lines with
+    // non-temporal stores and builds seq_positions from the path's segments instead of copying the previous sequence.
+    const rand = rng(13);
+    const piece = (n: number) => Int32Array.from({ length: n }, () => Math.floor(rand() * 150_000));
+    const concat = (parts: Int32Array[]) => {
+      const out = new Int32Array(parts.reduce((n, p) => n + p.length, 0));
+      let at = 0;
+      for (const p of parts) {
+        out.set(p, at);
+        at += p.length;
+      }
+      return out;
+    };
+    const system = piece(3001);
+    const seqs: Int32Array[] = [new Int32Array(0), system.slice(0, 1)];
+    for (let e = 0; e < 48; e++) {
+      const turns = [system, piece(61)];
+      const episode: Int32Array[] = [];
+      for (let k = 0; k < 28; k++) {
+        // From turn 20 on, the context keeps only the system prompt and the last 6 turns, which breaks the chain.
+        episode.push(concat(k < 20 ? turns : [system, ...turns.slice(-6)]));
+        turns.push(piece(15 + Math.floor(rand() * 400)));
+      }
+      if (e % 5 === 1) episode.reverse(); // a descending run
+      if (e % 7 === 2) episode.splice(3, 0, episode[3].slice()); // equal neighbours
+      if (e % 9 === 4) episode.splice(5, 0, episode[5].slice(0, 3001 + 61 + 7)); // a prefix of its neighbour, cut mid-turn
+      seqs.push(...episode);
+    }
+    seqs.push(system.slice(), new Int32Array(0));
+    const batch = csr(seqs);
+    const expected = packForest(batch);
+    const M = batch.tokens.length, N = expected.input_ids.length;
+    expect(4 * M + 16 * N).toBeGreaterThan(32 << 20);
+    expectSameForest(packForestNative(batch), expected);
+    // Views 1 to 5 elements past a cache line's start put partial lines at both ends of every run.
+    const out: ForestBuffers = {};
+    FIELDS.forEach((f, i) => {
+      const need = f === 'seq_offsets' ? seqs.length + 1 : f === 'seq_positions' ? M : N;
+      out[f] = new Int32Array(need + 8).subarray(1 + i, 1 + i + need);
+    });
+    expectSameForest(packForestNative(batch, out), expected);
+    expectMatchesJs(csr([...seqs].reverse()));
+  });
+
   it('writes into reused output buffers and returns views of the needed length', () => {
     const rand = rng(10);
     const cap = 50_000;
