@@ -114,9 +114,19 @@ inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t from, int64_
 }
 #endif
 
+// The sort keeps, for every element, its LCP with the element before it and its key: its token at that LCP, or kEnd
+// where the sequence ends there. On a merge tie the two keys decide without touching the tokens, which are far
+// apart in memory by then; only heads whose keys tie too are scanned, from one past the tie.
+constexpr int64_t kEnd = INT64_MIN;  // below every token: a proper prefix precedes its extensions
+
+inline int64_t key_at(const int32_t* tokens, int32_t start, int32_t len, int32_t h) {
+  return h < len ? tokens[start + h] : kEnd;
+}
+
 struct Compared {
   int32_t lcp;
-  bool a_first;  // a sorts before b, or they are equal
+  int64_t key_a, key_b;  // a's and b's keys at lcp
+  bool a_first() const { return key_a <= key_b; }  // a sorts before b, or they are equal
 };
 
 // Compares sequences a and b, which are known to agree on their first `from` tokens.
@@ -125,105 +135,123 @@ inline Compared compare(const int32_t* tokens, const int32_t* offsets, int32_t a
   const int32_t sa = offsets[a], la = offsets[a + 1] - sa;
   const int32_t sb = offsets[b], lb = offsets[b + 1] - sb;
   const int32_t h = static_cast<int32_t>(mismatch<Prefetch>(tokens + sa, tokens + sb, from, std::min(la, lb)));
-  // A sequence that ends first is smaller (a proper prefix precedes its extensions).
-  const bool a_first = h == la ? true : h == lb ? false : tokens[sa + h] < tokens[sb + h];
-  return {h, a_first};
+  return {h, key_at(tokens, sa, la, h), key_at(tokens, sb, lb, h)};
 }
 
+// Sequence indices in sorted order with, per element, the LCP with the element before it and the key at that LCP.
+// A run's first element has LCP 0.
+struct Sorted {
+  int32_t* order;
+  int32_t* lcp;
+  int64_t* key;
+};
+
 // Splits 0..S into maximal sorted runs: ascending, or strictly descending and then reversed in place (strictness
-// keeps equal sequences in input order, as the reference's stable sort does). Writes order/lcp within each run and
-// the run starts to `runs`; returns the number of runs. A run's first lcp is left 0: merging sets it.
-int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, int32_t* order, int32_t* lcp,
-                  int32_t* runs) {
+// keeps equal sequences in input order, as the reference's stable sort does). Writes the runs to `out` and their
+// starts to `runs`; returns the number of runs.
+int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted out, int32_t* runs) {
   int32_t num_runs = 0;
   int32_t i = 0;
   while (i < S) {
     runs[num_runs++] = i;
-    order[i] = i;
-    lcp[i] = 0;
+    out.order[i] = i;
+    out.lcp[i] = 0;
     int32_t j = i;
     if (j + 1 < S) {
       Compared c = compare<true>(tokens, offsets, j, j + 1, 0);
-      const bool ascending = c.a_first;
-      while (c.a_first == ascending) {
+      const bool ascending = c.a_first();
+      while (c.a_first() == ascending) {
         ++j;
-        order[j] = j;
-        lcp[j] = c.lcp;  // lcp(j-1, j), symmetric, so it also holds once a descending run is reversed
+        out.order[j] = j;
+        // lcp(j-1, j) is symmetric; the key is that of whichever of the two comes second once the run is sorted.
+        out.lcp[j] = c.lcp;
+        out.key[j] = ascending ? c.key_b : c.key_a;
         if (j + 1 == S) break;
         c = compare<true>(tokens, offsets, j, j + 1, 0);
       }
       if (!ascending) {
-        std::reverse(order + i, order + j + 1);
-        std::reverse(lcp + i + 1, lcp + j + 1);
+        std::reverse(out.order + i, out.order + j + 1);
+        std::reverse(out.lcp + i + 1, out.lcp + j + 1);
+        std::reverse(out.key + i + 1, out.key + j + 1);
       }
     }
+    const int32_t first = out.order[i];
+    out.key[i] = key_at(tokens, offsets[first], offsets[first + 1] - offsets[first], 0);
     i = j + 1;
   }
   return num_runs;
 }
 
-// Merges the sorted runs [lo, mid) and [mid, hi) of (order, lcp) into (out_order, out_lcp) at lo. hA and hB are
-// the LCPs of the two heads with the last element written: the larger one goes first without looking at a token,
-// and a tie is resolved by scanning from the tied length.
-void merge(const int32_t* tokens, const int32_t* offsets, const int32_t* order, const int32_t* lcp, int32_t lo,
-           int32_t mid, int32_t hi, int32_t* out_order, int32_t* out_lcp) {
-  int32_t i = lo, j = mid, out = lo;
-  int32_t hA = 0, hB = 0;
+// Merges the sorted runs [lo, mid) and [mid, hi) of `in` into `out` at lo. hA and hB are the LCPs of the two heads
+// with the last element written and kA, kB their keys: the larger LCP goes first without looking at a token, a tie
+// is decided by the keys, and only a tie of keys too is resolved by scanning the tokens.
+void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo, int32_t mid, int32_t hi,
+           Sorted out) {
+  int32_t i = lo, j = mid, at = lo;
+  int32_t hA = in.lcp[i], hB = in.lcp[j];
+  int64_t kA = in.key[i], kB = in.key[j];
+  const auto take_a = [&] {
+    out.order[at] = in.order[i];
+    out.lcp[at] = hA;
+    out.key[at++] = kA;
+    if (++i < mid) hA = in.lcp[i], kA = in.key[i];
+  };
+  const auto take_b = [&] {
+    out.order[at] = in.order[j];
+    out.lcp[at] = hB;
+    out.key[at++] = kB;
+    if (++j < hi) hB = in.lcp[j], kB = in.key[j];
+  };
   while (i < mid && j < hi) {
-    if (hA > hB) {
-      out_order[out] = order[i];
-      out_lcp[out++] = hA;
-      if (++i < mid) hA = lcp[i];
-    } else if (hA < hB) {
-      out_order[out] = order[j];
-      out_lcp[out++] = hB;
-      if (++j < hi) hB = lcp[j];
+    if (hA != hB) {
+      hA > hB ? take_a() : take_b();
+    } else if (kA != kB || kA == kEnd) {
+      // They differ at hA (or are equal): the one written leaves the other's LCP and key with it unchanged.
+      kA <= kB ? take_a() : take_b();
     } else {
-      const Compared c = compare(tokens, offsets, order[i], order[j], hA);
-      if (c.a_first) {
-        out_order[out] = order[i];
-        out_lcp[out++] = hA;
-        hB = c.lcp;
-        if (++i < mid) hA = lcp[i];
+      const Compared c = compare(tokens, offsets, in.order[i], in.order[j], hA + 1);
+      if (c.a_first()) {
+        take_a();
+        hB = c.lcp, kB = c.key_b;
       } else {
-        out_order[out] = order[j];
-        out_lcp[out++] = hB;
-        hA = c.lcp;
-        if (++j < hi) hB = lcp[j];
+        take_b();
+        hA = c.lcp, kA = c.key_a;
       }
     }
   }
-  // The first element of the leftover run carries its LCP with the last written element, the rest keep theirs.
+  // The first element of the leftover run carries its LCP and key with the last written element, the rest keep
+  // theirs.
   const int32_t rest = i < mid ? i : j, rest_end = i < mid ? mid : hi;
   if (rest < rest_end) {
-    std::memcpy(out_order + out, order + rest, sizeof(int32_t) * (rest_end - rest));
-    std::memcpy(out_lcp + out, lcp + rest, sizeof(int32_t) * (rest_end - rest));
-    out_lcp[out] = i < mid ? hA : hB;
+    std::memcpy(out.order + at, in.order + rest, sizeof(int32_t) * (rest_end - rest));
+    std::memcpy(out.lcp + at, in.lcp + rest, sizeof(int32_t) * (rest_end - rest));
+    std::memcpy(out.key + at, in.key + rest, sizeof(int64_t) * (rest_end - rest));
+    out.lcp[at] = i < mid ? hA : hB;
+    out.key[at] = i < mid ? kA : kB;
   }
 }
 
-// Sorts into (order, lcp), using (order2, lcp2) and runs[S] as scratch; returns the pair that holds the result.
-void sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, int32_t* order, int32_t* lcp,
-                    int32_t* order2, int32_t* lcp2, int32_t* runs, int32_t** sorted_order, int32_t** sorted_lcp) {
-  int32_t num_runs = find_runs(tokens, offsets, S, order, lcp, runs);
+// Sorts with `a` and `b` as the two buffers of the merge passes and runs[S] as scratch; returns the one that holds
+// the result.
+Sorted sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted a, Sorted b, int32_t* runs) {
+  int32_t num_runs = find_runs(tokens, offsets, S, a, runs);
   while (num_runs > 1) {
     int32_t kept = 0;
     for (int32_t r = 0; r < num_runs; r += 2) {
       const int32_t lo = runs[r];
       if (r + 1 == num_runs) {
-        std::memcpy(order2 + lo, order + lo, sizeof(int32_t) * (S - lo));
-        std::memcpy(lcp2 + lo, lcp + lo, sizeof(int32_t) * (S - lo));
+        std::memcpy(b.order + lo, a.order + lo, sizeof(int32_t) * (S - lo));
+        std::memcpy(b.lcp + lo, a.lcp + lo, sizeof(int32_t) * (S - lo));
+        std::memcpy(b.key + lo, a.key + lo, sizeof(int64_t) * (S - lo));
       } else {
-        merge(tokens, offsets, order, lcp, lo, runs[r + 1], r + 2 < num_runs ? runs[r + 2] : S, order2, lcp2);
+        merge(tokens, offsets, a, lo, runs[r + 1], r + 2 < num_runs ? runs[r + 2] : S, b);
       }
       runs[kept++] = lo;  // kept <= r, so the starts still to be read are untouched
     }
     num_runs = kept;
-    std::swap(order, order2);
-    std::swap(lcp, lcp2);
+    std::swap(a, b);
   }
-  *sorted_order = order;
-  *sorted_lcp = lcp;
+  return a;
 }
 
 inline void iota(int32_t* __restrict dst, int64_t n, int32_t first) {
@@ -383,19 +411,24 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
     if (offsets[i + 1] < offsets[i]) return TP_ERR_OFFSETS;
   }
 
-  // One allocation: the header, then order, lcp, their two merge twins and the run starts (5S int32).
+  // One allocation: the header, the two merge buffers' keys (2S int64), then their orders and LCPs and the run
+  // starts (5S int32).
   const size_t header = (sizeof(tp_plan) + 63) & ~size_t{63};
-  char* block = static_cast<char*>(std::malloc(header + sizeof(int32_t) * 5 * static_cast<size_t>(S)));
+  const size_t count = static_cast<size_t>(S);
+  char* block = static_cast<char*>(std::malloc(header + sizeof(int64_t) * 2 * count + sizeof(int32_t) * 5 * count));
   if (block == nullptr) return TP_ERR_ALLOC;
   tp_plan* plan = reinterpret_cast<tp_plan*>(block);
-  int32_t* a = reinterpret_cast<int32_t*>(block + header);
-  int32_t* b = a + 2 * static_cast<size_t>(S);
-  int32_t* runs = b + 2 * static_cast<size_t>(S);
+  int64_t* keys = reinterpret_cast<int64_t*>(block + header);
+  int32_t* ints = reinterpret_cast<int32_t*>(keys + 2 * count);
+  const Sorted a{ints, ints + count, keys}, b{ints + 2 * count, ints + 3 * count, keys + count};
+  int32_t* runs = ints + 4 * count;
   plan->tokens = tokens;
   plan->offsets = offsets;
   plan->num_seqs = S;
-  sort_sequences(tokens, offsets, S, a, a + S, b, b + S, runs, &plan->order, &plan->lcp);
-  plan->spare = plan->order == a ? b : a;
+  const Sorted sorted = sort_sequences(tokens, offsets, S, a, b, runs);
+  plan->order = sorted.order;
+  plan->lcp = sorted.lcp;
+  plan->spare = sorted.order == a.order ? b.order : a.order;  // order and lcp are adjacent: 2S int32
 
   int64_t n = 0;
   for (int32_t k = 0; k < S; k++) {
