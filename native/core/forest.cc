@@ -146,17 +146,28 @@ struct Sorted {
   int64_t* key;
 };
 
+// The runs of a merge pass. Run r holds the input sequences start[r] .. start[r+1]-1, in some order. Any two
+// sequences of a run share at least floor[r] tokens, the smallest LCP of two input neighbours inside it, and link[r]
+// is the LCP of the input neighbours across its end. So the first comparison of a merge starts at the floor instead
+// of 0: agent batches open every sequence with the same long system prompt, which would otherwise be rescanned
+// once per merge.
+struct Runs {
+  int32_t* start;
+  int32_t* floor;
+  int32_t* link;
+};
+
 // Splits 0..S into maximal sorted runs: ascending, or strictly descending and then reversed in place (strictness
-// keeps equal sequences in input order, as the reference's stable sort does). Writes the runs to `out` and their
-// starts to `runs`; returns the number of runs.
-int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted out, int32_t* runs) {
+// keeps equal sequences in input order, as the reference's stable sort does). Writes the runs to `out` and `runs`;
+// returns their number.
+int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted out, Runs runs) {
   int32_t num_runs = 0;
   int32_t i = 0;
   while (i < S) {
-    runs[num_runs++] = i;
     out.order[i] = i;
     out.lcp[i] = 0;
-    int32_t j = i;
+    int32_t j = i, floor = INT32_MAX;
+    runs.link[num_runs] = 0;  // stays for the last run, which has no neighbour
     if (j + 1 < S) {
       Compared c = compare<true>(tokens, offsets, j, j + 1, 0);
       const bool ascending = c.a_first();
@@ -166,9 +177,11 @@ int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sort
         // lcp(j-1, j) is symmetric; the key is that of whichever of the two comes second once the run is sorted.
         out.lcp[j] = c.lcp;
         out.key[j] = ascending ? c.key_b : c.key_a;
+        floor = std::min(floor, c.lcp);
         if (j + 1 == S) break;
         c = compare<true>(tokens, offsets, j, j + 1, 0);
       }
+      if (j + 1 < S) runs.link[num_runs] = c.lcp;  // the comparison that ended the run
       if (!ascending) {
         std::reverse(out.order + i, out.order + j + 1);
         std::reverse(out.lcp + i + 1, out.lcp + j + 1);
@@ -177,18 +190,21 @@ int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sort
     }
     const int32_t first = out.order[i];
     out.key[i] = key_at(tokens, offsets[first], offsets[first + 1] - offsets[first], 0);
+    runs.start[num_runs] = i;
+    runs.floor[num_runs++] = floor;
     i = j + 1;
   }
   return num_runs;
 }
 
-// Merges the sorted runs [lo, mid) and [mid, hi) of `in` into `out` at lo. hA and hB are the LCPs of the two heads
-// with the last element written and kA, kB their keys: the larger LCP goes first without looking at a token, a tie
-// is decided by the keys, and only a tie of keys too is resolved by scanning the tokens.
+// Merges the sorted runs [lo, mid) and [mid, hi) of `in`, whose sequences all share their first `floor` tokens,
+// into `out` at lo. hA and hB are the LCPs of the two heads with the last element written and kA, kB their keys:
+// the larger LCP goes first without looking at a token, a tie is decided by the keys, and only a tie of keys too is
+// resolved by scanning the tokens.
 void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo, int32_t mid, int32_t hi,
-           Sorted out) {
+           int32_t floor, Sorted out) {
   int32_t i = lo, j = mid, at = lo;
-  int32_t hA = in.lcp[i], hB = in.lcp[j];
+  int32_t hA = in.lcp[i], hB = in.lcp[j];  // 0: a run's first element
   int64_t kA = in.key[i], kB = in.key[j];
   const auto take_a = [&] {
     out.order[at] = in.order[i];
@@ -202,6 +218,17 @@ void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo,
     out.key[at++] = kB;
     if (++j < hi) hB = in.lcp[j], kB = in.key[j];
   };
+  // Nothing is written yet: the heads are compared with each other, from the floor.
+  {
+    const Compared c = compare(tokens, offsets, in.order[i], in.order[j], floor);
+    if (c.a_first()) {
+      take_a();
+      hB = c.lcp, kB = c.key_b;
+    } else {
+      take_b();
+      hA = c.lcp, kA = c.key_a;
+    }
+  }
   while (i < mid && j < hi) {
     if (hA != hB) {
       hA > hB ? take_a() : take_b();
@@ -231,22 +258,26 @@ void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo,
   }
 }
 
-// Sorts with `a` and `b` as the two buffers of the merge passes and runs[S] as scratch; returns the one that holds
-// the result.
-Sorted sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted a, Sorted b, int32_t* runs) {
+// Sorts with `a` and `b` as the two buffers of the merge passes and `runs` (S entries each) as scratch; returns the
+// buffer that holds the result.
+Sorted sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, Sorted a, Sorted b, Runs runs) {
   int32_t num_runs = find_runs(tokens, offsets, S, a, runs);
   while (num_runs > 1) {
     int32_t kept = 0;
     for (int32_t r = 0; r < num_runs; r += 2) {
-      const int32_t lo = runs[r];
+      const int32_t lo = runs.start[r];
       if (r + 1 == num_runs) {
         std::memcpy(b.order + lo, a.order + lo, sizeof(int32_t) * (S - lo));
         std::memcpy(b.lcp + lo, a.lcp + lo, sizeof(int32_t) * (S - lo));
         std::memcpy(b.key + lo, a.key + lo, sizeof(int64_t) * (S - lo));
+        runs.floor[kept] = runs.floor[r];
       } else {
-        merge(tokens, offsets, a, lo, runs[r + 1], r + 2 < num_runs ? runs[r + 2] : S, b);
+        const int32_t floor = std::min({runs.floor[r], runs.link[r], runs.floor[r + 1]});
+        merge(tokens, offsets, a, lo, runs.start[r + 1], r + 2 < num_runs ? runs.start[r + 2] : S, floor, b);
+        runs.floor[kept] = floor;
+        runs.link[kept] = runs.link[r + 1];
       }
-      runs[kept++] = lo;  // kept <= r, so the starts still to be read are untouched
+      runs.start[kept++] = lo;  // kept <= r, so the entries still to be read are untouched
     }
     num_runs = kept;
     std::swap(a, b);
@@ -411,17 +442,17 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
     if (offsets[i + 1] < offsets[i]) return TP_ERR_OFFSETS;
   }
 
-  // One allocation: the header, the two merge buffers' keys (2S int64), then their orders and LCPs and the run
-  // starts (5S int32).
+  // One allocation: the header, the two merge buffers' keys (2S int64), then their orders and LCPs and the runs
+  // (7S int32).
   const size_t header = (sizeof(tp_plan) + 63) & ~size_t{63};
   const size_t count = static_cast<size_t>(S);
-  char* block = static_cast<char*>(std::malloc(header + sizeof(int64_t) * 2 * count + sizeof(int32_t) * 5 * count));
+  char* block = static_cast<char*>(std::malloc(header + sizeof(int64_t) * 2 * count + sizeof(int32_t) * 7 * count));
   if (block == nullptr) return TP_ERR_ALLOC;
   tp_plan* plan = reinterpret_cast<tp_plan*>(block);
   int64_t* keys = reinterpret_cast<int64_t*>(block + header);
   int32_t* ints = reinterpret_cast<int32_t*>(keys + 2 * count);
   const Sorted a{ints, ints + count, keys}, b{ints + 2 * count, ints + 3 * count, keys + count};
-  int32_t* runs = ints + 4 * count;
+  const Runs runs{ints + 4 * count, ints + 5 * count, ints + 6 * count};
   plan->tokens = tokens;
   plan->offsets = offsets;
   plan->num_seqs = S;
