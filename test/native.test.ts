@@ -128,6 +128,17 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     expect(got.subtree_end[0]).toBe(200_000);
   });
 
+  it('handles sequences past the 65,536-token path buffer and short branches off them', () => {
+    const rand = rng(14);
+    const long = Array.from({ length: 150_000 }, () => Math.floor(rand() * 1000));
+    const branch = (at: number) => [...long.slice(0, at), 1000 + at];
+    const seqs = [long, long.slice(0, 65_536), long.slice(0, 65_537), branch(70_000), branch(65_535), branch(20_000), branch(100_000), long.slice(0, 10), branch(3)];
+    expectMatchesJs(csr(seqs));
+    expectMatchesJs(csr(shuffle(seqs, rand)));
+    // Sorted: a short sequence, the long one diverging from it at once, then a branch sharing 60k tokens with it.
+    expectMatchesJs(csr([branch(30_000), [-5, 1, 2, 3], branch(60_000), long]));
+  });
+
   it('handles a very wide batch: 10k sequences diverging at token 1', () => {
     const rand = rng(8);
     const seqs = Array.from({ length: 10_000 }, (_, i) => [7, i, ...Array.from({ length: Math.floor(rand() * 5) }, () => Math.floor(rand() * 4))]);
@@ -173,6 +184,9 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
       seqs.push(...episode);
     }
     seqs.push(system.slice(), new Int32Array(0));
+    // Sequences past the layout's 65,536-token path buffer, and a short branch that follows one in sorted order.
+    const long = concat([system, piece(100_000)]);
+    seqs.push(long, concat([long, piece(10)]), long.slice(0, 70_000), concat([long.slice(0, 53_001), Int32Array.of(200_000)]));
     const batch = csr(seqs);
     const expected = packForest(batch);
     const M = batch.tokens.length, N = expected.input_ids.length;

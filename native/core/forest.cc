@@ -27,6 +27,8 @@ struct tp_plan {
   int32_t* order;  // [S] sequence indices in sorted order
   int32_t* lcp;    // [S] lcp[k] = common prefix length of order[k-1] and order[k]; lcp[0] = 0
   int32_t* spare;  // [2S] merge buffers during the sort, the open-path stack during the layout
+  int32_t* path;   // [path_cap] the positions of the current sequence's path during the layout
+  int32_t path_cap;
 };
 
 namespace {
@@ -307,6 +309,11 @@ inline void prefetch_fresh(const int32_t* tokens, const int32_t* offsets, int32_
   }
 }
 
+// The longest sequence whose positions the layout assembles in a buffer (256 KiB, which stays in cache) before
+// copying them out; a longer one takes them from the path's segments directly, which writes each position once but
+// pays for every segment boundary.
+constexpr int32_t kPathTokens = 1 << 16;
+
 // Outputs past this size cannot stay in the cache for the caller anyway; below it, streaming would only evict them.
 constexpr size_t kStreamBytes = size_t{32} << 20;
 
@@ -368,8 +375,6 @@ class Stores {
     (void)bytes;
 #endif
   }
-
-  bool streaming() const { return stream_; }
 
   void iota(int32_t* dst, int64_t n, int32_t first) const {
 #ifdef TP_X86_SIMD
@@ -438,15 +443,19 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
   if (num_seqs >= INT32_MAX || num_tokens > INT32_MAX) return TP_ERR_TOO_LARGE;
   const int32_t S = static_cast<int32_t>(num_seqs);
   if (offsets[0] != 0 || offsets[S] != num_tokens) return TP_ERR_OFFSETS;
+  int32_t max_len = 0;
   for (int32_t i = 0; i < S; i++) {
     if (offsets[i + 1] < offsets[i]) return TP_ERR_OFFSETS;
+    max_len = std::max(max_len, offsets[i + 1] - offsets[i]);
   }
+  const int32_t path_cap = std::min(max_len, kPathTokens);
 
-  // One allocation: the header, the two merge buffers' keys (2S int64), then their orders and LCPs and the runs
-  // (7S int32).
+  // One allocation: the header, the two merge buffers' keys (2S int64), then their orders and LCPs, the runs (7S
+  // int32) and the path.
   const size_t header = (sizeof(tp_plan) + 63) & ~size_t{63};
   const size_t count = static_cast<size_t>(S);
-  char* block = static_cast<char*>(std::malloc(header + sizeof(int64_t) * 2 * count + sizeof(int32_t) * 7 * count));
+  char* block = static_cast<char*>(std::malloc(header + sizeof(int64_t) * 2 * count +
+                                               sizeof(int32_t) * (7 * count + static_cast<size_t>(path_cap))));
   if (block == nullptr) return TP_ERR_ALLOC;
   tp_plan* plan = reinterpret_cast<tp_plan*>(block);
   int64_t* keys = reinterpret_cast<int64_t*>(block + header);
@@ -460,6 +469,8 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
   plan->order = sorted.order;
   plan->lcp = sorted.lcp;
   plan->spare = sorted.order == a.order ? b.order : a.order;  // order and lcp are adjacent: 2S int32
+  plan->path = ints + 7 * count;
+  plan->path_cap = path_cap;
 
   int64_t n = 0;
   for (int32_t k = 0; k < S; k++) {
@@ -491,11 +502,20 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
   // packed position pos[e] and ends where segment e+1 starts (the last one at the sequence's length). A node's
   // subtree ends where the first later sequence that does not go through it starts adding nodes, so when sequence
   // k diverges at depth h, every open node at depth >= h gets subtree_end = the position of k's first new node.
-  // Streaming, the segments also give every seq_positions entry, so that nothing written is read back from memory.
   int32_t* __restrict depth = plan->spare;
   int32_t* __restrict pos = plan->spare + S;
   int32_t open = 0;
-  int32_t next = 0, prev_start = 0, prev_len = 0;
+  int32_t next = 0, prev_len = 0;
+  // Writes the positions of the path's depths [from, to) to dst[from, to), to <= the current sequence's length.
+  const auto path_positions = [&](int32_t* dst, int32_t from, int32_t to, const Stores& stores) {
+    for (int32_t e = 0; e < open && depth[e] < to; e++) {
+      const int32_t lo = std::max(depth[e], from), hi = e + 1 < open ? std::min(depth[e + 1], to) : to;
+      if (lo < hi) stores.iota(dst + lo, hi - lo, pos[e] + (lo - depth[e]));
+    }
+  };
+  const Stores plain(0);
+  int32_t* __restrict path = plan->path;
+  int32_t path_valid = 0;  // path[0, path_valid) holds the previous sequence's first positions
   const auto close_from = [&](int32_t h, int32_t end) {
     int32_t hi = prev_len;
     while (open > 0 && depth[open - 1] >= h) {
@@ -521,17 +541,17 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
       pos[open++] = next;
       next += fresh;
     }
-    if (out.streaming()) {
-      for (int32_t e = 0; e < open; e++) {
-        const int32_t end = e + 1 < open ? depth[e + 1] : len;
-        out.iota(seq_positions + start + depth[e], end - depth[e], pos[e]);
-      }
+    // seq_positions: `path` keeps the positions of the path so far, so the shared prefix is already in place and
+    // the sequence is one copy (streamed or not) of a buffer in cache.
+    if (len <= plan->path_cap) {
+      if (path_valid < h) path_positions(path, path_valid, h, plain);  // after a sequence too long for the buffer
+      iota(path + h, fresh, next - fresh);
+      path_valid = len;
+      out.copy(seq_positions + start, path, len);
     } else {
-      // In cache, copying the previous sorted sequence's positions beats generating them: memcpy stores wider.
-      if (h > 0) std::memcpy(seq_positions + start, seq_positions + prev_start, sizeof(int32_t) * h);
-      iota(seq_positions + start + h, fresh, next - fresh);
+      path_positions(seq_positions + start, 0, len, out);
+      path_valid = std::min(path_valid, h);
     }
-    prev_start = start;
     prev_len = len;
   }
   close_from(0, next);
