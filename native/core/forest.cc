@@ -332,7 +332,8 @@ __attribute__((target("avx2"))) void stream_iota(int32_t* dst, int64_t n, int32_
   int64_t i = whole_lines_from(dst, n);
   iota(dst, i, first);
   const __m256i eight = _mm256_set1_epi32(8);
-  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + static_cast<int32_t>(i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + static_cast<int32_t>(i)),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (; i + 16 <= n; i += 16) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
     v = _mm256_add_epi32(v, eight);
@@ -357,7 +358,8 @@ __attribute__((target("avx2"))) void stream_copy(int32_t* dst, const int32_t* sr
   int64_t i = whole_lines_from(dst, n);
   std::memcpy(dst, src, sizeof(int32_t) * i);
   for (; i + 16 <= n; i += 16) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8)));
   }
@@ -547,7 +549,7 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
       if (path_valid < h) path_positions(path, path_valid, h, plain);  // after a sequence too long for the buffer
       iota(path + h, fresh, next - fresh);
       path_valid = len;
-      out.copy(seq_positions + start, path, len);
+      if (len > 0) out.copy(seq_positions + start, path, len);  // seq_positions is null when M is 0
     } else {
       path_positions(seq_positions + start, 0, len, out);
       path_valid = std::min(path_valid, h);
