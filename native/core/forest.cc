@@ -55,7 +55,7 @@ inline bool has_avx2() {
 template <bool Prefetch>
 __attribute__((target("avx2"))) int64_t mismatch_avx2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
   int64_t i = from;
-  for (; i + 16 <= n; i += 16) {
+  for (; n - i >= 16; i += 16) {
     if (Prefetch) prefetch_ahead(b + i);
     const __m256i e0 = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)),
                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
@@ -75,7 +75,7 @@ __attribute__((target("avx2"))) int64_t mismatch_avx2(const int32_t* a, const in
 template <bool Prefetch>
 int64_t mismatch_sse2(const int32_t* a, const int32_t* b, int64_t from, int64_t n) {
   int64_t i = from;
-  for (; i + 16 <= n; i += 16) {
+  for (; n - i >= 16; i += 16) {
     if (Prefetch) prefetch_ahead(b + i);
     __m128i e[4];
     for (int q = 0; q < 4; q++) {
@@ -287,12 +287,13 @@ Sorted sort_sequences(const int32_t* tokens, const int32_t* offsets, int32_t S, 
   return a;
 }
 
-inline void iota(int32_t* __restrict dst, int64_t n, int32_t first) {
-  for (int64_t t = 0; t < n; t++) dst[t] = first + static_cast<int32_t>(t);
+// Counts are int32 here: a 64-bit counter makes GCC widen the iota's vector lanes and narrow them back every step.
+inline void iota(int32_t* __restrict dst, int32_t n, int32_t first) {
+  for (int32_t t = 0; t < n; t++) dst[t] = first + t;
 }
 
-inline void fill(int32_t* __restrict dst, int64_t n, int32_t value) {
-  for (int64_t t = 0; t < n; t++) dst[t] = value;
+inline void fill(int32_t* __restrict dst, int32_t n, int32_t value) {
+  for (int32_t t = 0; t < n; t++) dst[t] = value;
 }
 
 // The tokens a sequence adds are the only ones the layout reads, a few hundred scattered over the batch for each
@@ -321,49 +322,49 @@ constexpr size_t kStreamBytes = size_t{32} << 20;
 // Streaming stores of int32 runs: every whole 64-byte line is written with two non-temporal 32-byte stores, which
 // skip reading the line before overwriting it; the partial lines at a run's ends take plain stores, so no line is
 // ever written both ways at once.
-inline int64_t whole_lines_from(const int32_t* dst, int64_t n) {
+inline int32_t whole_lines_from(const int32_t* dst, int32_t n) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(dst);
   if (address % alignof(int32_t) != 0) return n;  // not from the C ABI's callers; plain stores cope
-  const int64_t head = static_cast<int64_t>((-address & 63) / sizeof(int32_t));
+  const int32_t head = static_cast<int32_t>((-address & 63) / sizeof(int32_t));
   return head + 16 <= n ? head : n;
 }
 
-__attribute__((target("avx2"))) void stream_iota(int32_t* dst, int64_t n, int32_t first) {
-  int64_t i = whole_lines_from(dst, n);
+__attribute__((target("avx2"))) void stream_iota(int32_t* dst, int32_t n, int32_t first) {
+  int32_t i = whole_lines_from(dst, n);
   iota(dst, i, first);
   const __m256i eight = _mm256_set1_epi32(8);
-  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + static_cast<int32_t>(i)),
+  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + i),
                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (; i + 16 <= n; i += 16) {
+  for (; n - i >= 16; i += 16) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
     v = _mm256_add_epi32(v, eight);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8), v);
     v = _mm256_add_epi32(v, eight);
   }
-  iota(dst + i, n - i, first + static_cast<int32_t>(i));
+  iota(dst + i, n - i, first + i);
 }
 
-__attribute__((target("avx2"))) void stream_fill(int32_t* dst, int64_t n, int32_t value) {
-  int64_t i = whole_lines_from(dst, n);
+__attribute__((target("avx2"))) void stream_fill(int32_t* dst, int32_t n, int32_t value) {
+  int32_t i = whole_lines_from(dst, n);
   fill(dst, i, value);
   const __m256i v = _mm256_set1_epi32(value);
-  for (; i + 16 <= n; i += 16) {
+  for (; n - i >= 16; i += 16) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8), v);
   }
   fill(dst + i, n - i, value);
 }
 
-__attribute__((target("avx2"))) void stream_copy(int32_t* dst, const int32_t* src, int64_t n) {
-  int64_t i = whole_lines_from(dst, n);
-  std::memcpy(dst, src, sizeof(int32_t) * i);
-  for (; i + 16 <= n; i += 16) {
+__attribute__((target("avx2"))) void stream_copy(int32_t* dst, const int32_t* src, int32_t n) {
+  int32_t i = whole_lines_from(dst, n);
+  std::memcpy(dst, src, sizeof(int32_t) * static_cast<size_t>(i));
+  for (; n - i >= 16; i += 16) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 8),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8)));
   }
-  std::memcpy(dst + i, src + i, sizeof(int32_t) * (n - i));
+  std::memcpy(dst + i, src + i, sizeof(int32_t) * static_cast<size_t>(n - i));
 }
 #endif
 
@@ -378,25 +379,25 @@ class Stores {
 #endif
   }
 
-  void iota(int32_t* dst, int64_t n, int32_t first) const {
+  void iota(int32_t* dst, int32_t n, int32_t first) const {
 #ifdef TP_X86_SIMD
     if (stream_) return stream_iota(dst, n, first);
 #endif
     ::iota(dst, n, first);
   }
 
-  void fill(int32_t* dst, int64_t n, int32_t value) const {
+  void fill(int32_t* dst, int32_t n, int32_t value) const {
 #ifdef TP_X86_SIMD
     if (stream_) return stream_fill(dst, n, value);
 #endif
     ::fill(dst, n, value);
   }
 
-  void copy(int32_t* dst, const int32_t* src, int64_t n) const {
+  void copy(int32_t* dst, const int32_t* src, int32_t n) const {
 #ifdef TP_X86_SIMD
     if (stream_) return stream_copy(dst, src, n);
 #endif
-    std::memcpy(dst, src, sizeof(int32_t) * n);
+    std::memcpy(dst, src, sizeof(int32_t) * static_cast<size_t>(n));
   }
 
   // Non-temporal stores are weakly ordered: fence them before the caller (or another thread) reads the outputs.
