@@ -110,7 +110,7 @@ describe('packForest (js reference)', () => {
   });
 
   it('sortSequences finds exact LCPs of long sequences that differ anywhere around its compare blocks', () => {
-    // lcpFrom compares token by token for 32 tokens, then in blocks that double up to 4096 and halve again.
+    // lcpFrom compares token by token for 64 tokens, then in blocks of 4096 that halve down to 64.
     const base = Array.from({ length: 20_000 }, (_, i) => (i * 7919) % 1000);
     const at = new Set<number>();
     for (let h = 0; h <= 300; h++) at.add(h);

@@ -13,15 +13,16 @@
 import type { Forest, Sequences } from './contract.js';
 import { validateSequences } from './validate.js';
 
-/** Tokens compared one by one before a block compare: most comparisons in a merge end within a few tokens. */
-const PROBE = 32;
+/** Tokens compared one by one before any block compare (most comparisons end within a few), and the smallest block. */
+const PROBE = 64;
 /** The largest block one native compare covers. */
 const MAX_BLOCK = 4096;
 
 /**
  * Length of the common prefix of sequences a and b, starting the scan at `from` (known equal before it). `bytes` is
  * the tokens' memory: chains of requests share thousands of tokens, and memcmp (Buffer.compare) passes over them
- * several times faster than a loop over the Int32Array. Blocks double while they match, then halve down to PROBE
+ * several times faster than a loop over the Int32Array. A block that matches is skipped, one that differs is halved
+ * (memcmp stops at the first difference, so a failed block costs no more than its matching part), down to PROBE
  * tokens around the first difference, which a short loop finds.
  */
 function lcpFrom(tokens: Int32Array, bytes: Buffer, offsets: Int32Array, a: number, b: number, from: number): number {
@@ -31,16 +32,10 @@ function lcpFrom(tokens: Int32Array, bytes: Buffer, offsets: Int32Array, a: numb
   const probe = Math.min(n, h + PROBE);
   while (h < probe && tokens[sa + h] === tokens[sb + h]) h++;
   if (h < probe) return h;
-  let step = PROBE;
-  let growing = true;
-  while (step >= PROBE) {
-    if (h + step <= n && bytes.compare(bytes, 4 * (sb + h), 4 * (sb + h + step), 4 * (sa + h), 4 * (sa + h + step)) === 0) {
-      h += step;
-      if (growing && step < MAX_BLOCK) step *= 2;
-    } else {
-      growing = false;
-      step >>= 1;
-    }
+  for (let step = MAX_BLOCK; step >= PROBE; ) {
+    const equal = h + step <= n && bytes.compare(bytes, 4 * (sb + h), 4 * (sb + h + step), 4 * (sa + h), 4 * (sa + h + step)) === 0;
+    if (equal) h += step;
+    else step >>= 1;
   }
   while (h < n && tokens[sa + h] === tokens[sb + h]) h++;
   return h;
