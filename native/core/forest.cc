@@ -6,6 +6,11 @@
 // input is mostly made of already sorted runs; one pass compares neighbours, keeping their LCPs, and the merges
 // then only compare heads whose LCPs with the last output tie (Ng & Kakehi), never rescanning a shared prefix.
 // On such data every token is read from memory about once, which is what keeps the packer near a plain copy.
+//
+// The memory traffic is then the floor: the tokens read once (the neighbour pass, prefetching ahead) and
+// seq_positions written once (from a path buffer in cache, with streaming stores when the outputs outgrow the
+// cache). What is left over is made small: merge ties are mostly decided by a cached key, a merge's first
+// comparison starts past the prefix all its sequences share, and the layout reads back nothing it wrote.
 #include "treepack.h"
 
 #include <algorithm>
