@@ -225,9 +225,9 @@ void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo,
     out.key[at++] = kB;
     if (++j < hi) hB = in.lcp[j], kB = in.key[j];
   };
-  // Nothing is written yet: the heads are compared with each other, from the floor.
-  {
-    const Compared c = compare(tokens, offsets, in.order[i], in.order[j], floor);
+  // Scans the heads from `from`, writes the smaller, and keeps the other's LCP and key with it.
+  const auto take_scanned = [&](int32_t from) {
+    const Compared c = compare(tokens, offsets, in.order[i], in.order[j], from);
     if (c.a_first()) {
       take_a();
       hB = c.lcp, kB = c.key_b;
@@ -235,7 +235,8 @@ void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo,
       take_b();
       hA = c.lcp, kA = c.key_a;
     }
-  }
+  };
+  take_scanned(floor);  // nothing is written yet: the heads are compared with each other
   while (i < mid && j < hi) {
     if (hA != hB) {
       hA > hB ? take_a() : take_b();
@@ -243,14 +244,7 @@ void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo,
       // They differ at hA (or are equal): the one written leaves the other's LCP and key with it unchanged.
       kA <= kB ? take_a() : take_b();
     } else {
-      const Compared c = compare(tokens, offsets, in.order[i], in.order[j], hA + 1);
-      if (c.a_first()) {
-        take_a();
-        hB = c.lcp, kB = c.key_b;
-      } else {
-        take_b();
-        hA = c.lcp, kA = c.key_a;
-      }
+      take_scanned(hA + 1);
     }
   }
   // The first element of the leftover run carries its LCP and key with the last written element, the rest keep
