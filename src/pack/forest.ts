@@ -121,11 +121,16 @@ export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: 
   const { order, lcp } = sorted;
   const S = offsets.length - 1;
   const M = offsets[S];
-  let N = 0;
+  let N = 0, maxLen = 0;
   for (let k = 0; k < S; k++) {
     const s = order[k];
     N += offsets[s + 1] - offsets[s] - lcp[k];
+    maxLen = Math.max(maxLen, offsets[s + 1] - offsets[s]);
   }
+  // A node's position, parent, first subtree_end and seq_positions entry are runs of consecutive integers: copied
+  // out of one iota, as typed-array set() copies at memcpy speed where a JS loop stores one element at a time.
+  const iota = new Int32Array(Math.max(N, maxLen) + 1);
+  for (let i = 0; i < iota.length; i++) iota[i] = i;
   const input_ids = new Int32Array(N);
   const position_ids = new Int32Array(N);
   const parent = new Int32Array(N);
@@ -138,16 +143,15 @@ export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: 
     const start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
     // The shared prefix reuses the previous sorted sequence's nodes.
     if (h > 0) seq_positions.copyWithin(start, prevStart, prevStart + h);
-    // Sequence k adds the chain of nodes pos .. pos + fresh - 1, one per token past the shared prefix. One simple
-    // loop per array: the JIT compiles each into a tight store loop, where one loop storing to five arrays is slow.
+    // Sequence k adds the chain of nodes pos .. pos + fresh - 1, one per token past the shared prefix.
     const fresh = len - h;
     if (fresh > 0) {
       input_ids.set(tokens.subarray(start + h, start + len), pos);
+      position_ids.set(iota.subarray(h, len), pos);
       parent[pos] = h > 0 ? seq_positions[start + h - 1] : -1;
-      for (let t = 1; t < fresh; t++) parent[pos + t] = pos + t - 1;
-      for (let t = 0; t < fresh; t++) position_ids[pos + t] = h + t;
-      for (let t = 0; t < fresh; t++) subtree_end[pos + t] = pos + t + 1;
-      for (let t = 0; t < fresh; t++) seq_positions[start + h + t] = pos + t;
+      parent.set(iota.subarray(pos, pos + fresh - 1), pos + 1);
+      subtree_end.set(iota.subarray(pos + 1, pos + fresh + 1), pos);
+      seq_positions.set(iota.subarray(pos, pos + fresh), start + h);
       pos += fresh;
     }
     prevStart = start;
