@@ -318,6 +318,15 @@ constexpr int32_t kPathTokens = 1 << 16;
 constexpr size_t kStreamBytes = size_t{32} << 20;
 
 #ifdef TP_X86_SIMD
+// In cache too, AVX2's 32-byte stores fill the node arrays nearly twice as fast as the baseline's 16-byte ones.
+__attribute__((target("avx2"))) void iota_avx2(int32_t* __restrict dst, int32_t n, int32_t first) {
+  for (int32_t t = 0; t < n; t++) dst[t] = first + t;
+}
+
+__attribute__((target("avx2"))) void fill_avx2(int32_t* __restrict dst, int32_t n, int32_t value) {
+  for (int32_t t = 0; t < n; t++) dst[t] = value;
+}
+
 // Streaming stores of int32 runs: every whole 64-byte line is written with two non-temporal 32-byte stores, which
 // skip reading the line before overwriting it; the partial lines at a run's ends take plain stores, so no line is
 // ever written both ways at once.
@@ -372,7 +381,8 @@ class Stores {
  public:
   explicit Stores(size_t bytes) {
 #ifdef TP_X86_SIMD
-    stream_ = bytes >= kStreamBytes && has_avx2();
+    avx2_ = has_avx2();
+    stream_ = bytes >= kStreamBytes && avx2_;
 #else
     (void)bytes;
 #endif
@@ -381,6 +391,7 @@ class Stores {
   void iota(int32_t* dst, int32_t n, int32_t first) const {
 #ifdef TP_X86_SIMD
     if (stream_) return stream_iota(dst, n, first);
+    if (avx2_) return iota_avx2(dst, n, first);
 #endif
     ::iota(dst, n, first);
   }
@@ -388,6 +399,7 @@ class Stores {
   void fill(int32_t* dst, int32_t n, int32_t value) const {
 #ifdef TP_X86_SIMD
     if (stream_) return stream_fill(dst, n, value);
+    if (avx2_) return fill_avx2(dst, n, value);
 #endif
     ::fill(dst, n, value);
   }
@@ -407,6 +419,7 @@ class Stores {
   }
 
  private:
+  bool avx2_ = false;
   bool stream_ = false;
 };
 
@@ -547,7 +560,7 @@ int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int
     // the sequence is one copy (streamed or not) of a buffer in cache.
     if (len <= plan->path_cap) {
       if (path_valid < h) path_positions(path, path_valid, h, plain);  // after a sequence too long for the buffer
-      iota(path + h, fresh, next - fresh);
+      plain.iota(path + h, fresh, next - fresh);
       path_valid = len;
       if (len > 0) out.copy(seq_positions + start, path, len);  // seq_positions is null when M is 0
     } else {
