@@ -109,6 +109,30 @@ describe('packForest (js reference)', () => {
     }
   });
 
+  it('sortSequences finds exact LCPs of long sequences that differ anywhere around its compare blocks', () => {
+    // lcpFrom compares token by token for 64 tokens, then in blocks of 4096 that halve down to 64.
+    const base = Array.from({ length: 20_000 }, (_, i) => (i * 7919) % 1000);
+    const at = new Set<number>();
+    for (let h = 0; h <= 300; h++) at.add(h);
+    for (let p = 32; p <= 16_384; p *= 2) for (const h of [p - 33, p - 32, p - 31, p - 1, p, p + 1, p + 31, p + 32, p + 33, 3 * p - 1]) at.add(h);
+    const seqs: number[][] = [base, base.slice(0, 19_999)];
+    for (const h of at) {
+      if (h >= base.length) continue;
+      const s = base.slice(0, h + 1 + (h % 5) * 1000);
+      s[h] += h % 2 ? 1 : -1; // first difference at h, one sequence above the base and the next below
+      seqs.push(s, s.slice(0, h + 1));
+    }
+    const { order, lcp } = sortSequences(csr(seqs));
+    for (let k = 1; k < order.length; k++) {
+      const x = seqs[order[k - 1]], y = seqs[order[k]];
+      let h = 0;
+      while (h < x.length && h < y.length && x[h] === y[h]) h++;
+      expect(lcp[k], `lcp[${k}]`).toBe(h);
+      const ordered = h === x.length || (h < y.length && x[h] < y[h]);
+      expect(ordered, `order at ${k}`).toBe(true);
+    }
+  });
+
   it('invariant 7: node arrays depend only on the multiset of sequences', () => {
     for (let seed = 1; seed <= 100; seed++) {
       const seqs = randomBatch(seed);

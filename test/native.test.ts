@@ -128,6 +128,17 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     expect(got.subtree_end[0]).toBe(200_000);
   });
 
+  it('handles sequences past the 65,536-token path buffer and short branches off them', () => {
+    const rand = rng(14);
+    const long = Array.from({ length: 150_000 }, () => Math.floor(rand() * 1000));
+    const branch = (at: number) => [...long.slice(0, at), 1000 + at];
+    const seqs = [long, long.slice(0, 65_536), long.slice(0, 65_537), branch(70_000), branch(65_535), branch(20_000), branch(100_000), long.slice(0, 10), branch(3)];
+    expectMatchesJs(csr(seqs));
+    expectMatchesJs(csr(shuffle(seqs, rand)));
+    // Sorted: a short sequence, the long one diverging from it at once, then a branch sharing 60k tokens with it.
+    expectMatchesJs(csr([branch(30_000), [-5, 1, 2, 3], branch(60_000), long]));
+  });
+
   it('handles a very wide batch: 10k sequences diverging at token 1', () => {
     const rand = rng(8);
     const seqs = Array.from({ length: 10_000 }, (_, i) => [7, i, ...Array.from({ length: Math.floor(rand() * 5) }, () => Math.floor(rand() * 4))]);
@@ -141,6 +152,54 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     expectMatchesJs(csr(seqs));
     expectMatchesJs(csr([...seqs].reverse()));
     expectMatchesJs(csr(shuffle([...seqs], rand)));
+  });
+
+  it('streams the outputs of a batch over 32 MiB: chains, a truncated chain, equal, prefix, empty, descending', () => {
+    // Past 32 MiB of output (kStreamBytes in native/core/forest.cc) the core writes whole cache lines with
+    // non-temporal stores and builds seq_positions from the path's segments instead of copying the previous sequence.
+    const rand = rng(13);
+    const piece = (n: number) => Int32Array.from({ length: n }, () => Math.floor(rand() * 150_000));
+    const concat = (parts: Int32Array[]) => {
+      const out = new Int32Array(parts.reduce((n, p) => n + p.length, 0));
+      let at = 0;
+      for (const p of parts) {
+        out.set(p, at);
+        at += p.length;
+      }
+      return out;
+    };
+    const system = piece(3001);
+    const seqs: Int32Array[] = [new Int32Array(0), system.slice(0, 1)];
+    for (let e = 0; e < 48; e++) {
+      const turns = [system, piece(61)];
+      const episode: Int32Array[] = [];
+      for (let k = 0; k < 28; k++) {
+        // From turn 20 on, the context keeps only the system prompt and the last 6 turns, which breaks the chain.
+        episode.push(concat(k < 20 ? turns : [system, ...turns.slice(-6)]));
+        turns.push(piece(15 + Math.floor(rand() * 400)));
+      }
+      if (e % 5 === 1) episode.reverse(); // a descending run
+      if (e % 7 === 2) episode.splice(3, 0, episode[3].slice()); // equal neighbours
+      if (e % 9 === 4) episode.splice(5, 0, episode[5].slice(0, 3001 + 61 + 7)); // a prefix of its neighbour, cut mid-turn
+      seqs.push(...episode);
+    }
+    seqs.push(system.slice(), new Int32Array(0));
+    // Sequences past the layout's 65,536-token path buffer, and a short branch that follows one in sorted order.
+    const long = concat([system, piece(100_000)]);
+    seqs.push(long, concat([long, piece(10)]), long.slice(0, 70_000), concat([long.slice(0, 53_001), Int32Array.of(200_000)]));
+    const batch = csr(seqs);
+    const expected = packForest(batch);
+    const M = batch.tokens.length, N = expected.input_ids.length;
+    expect(4 * M + 16 * N).toBeGreaterThan(32 << 20);
+    expectSameForest(packForestNative(batch), expected);
+    // Views 1 to 5 elements past a cache line's start put partial lines at both ends of every run.
+    const out: ForestBuffers = {};
+    FIELDS.forEach((f, i) => {
+      const need = f === 'seq_offsets' ? seqs.length + 1 : f === 'seq_positions' ? M : N;
+      out[f] = new Int32Array(need + 8).subarray(1 + i, 1 + i + need);
+    });
+    expectSameForest(packForestNative(batch, out), expected);
+    expectMatchesJs(csr([...seqs].reverse()));
   });
 
   it('writes into reused output buffers and returns views of the needed length', () => {
