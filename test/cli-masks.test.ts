@@ -2,24 +2,19 @@
  * `treepack doctor` and `treepack pack --masks` end to end, through the compiled bin: the mask tensors in each
  * micro-batch file equal the js reference recomputed from the file's own tree arrays.
  */
-import { spawnSync } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join, resolve } from 'node:path';
+import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { maskBlocks } from '../src/mask/blocks.js';
 import { maskSlices } from '../src/mask/slices.js';
 import { generateTokenSamples } from '../src/records/generator.js';
+import { cli } from './helpers/cli.js';
 
-const BIN = resolve(__dirname, '../dist/src/cli/main.js');
 const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-masks-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-function cli(args: string[]) {
-  const r = spawnSync(process.execPath, [BIN, ...args], { encoding: 'utf8' });
-  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
-}
 
 const tokenFile = join(dir, 'tokens.jsonl');
 writeFileSync(tokenFile, [...generateTokenSamples({ groups: 2, seed: 3, minTurns: 3, maxTurns: 5 })].map((s) => JSON.stringify(s)).join('\n') + '\n');

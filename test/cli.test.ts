@@ -2,7 +2,7 @@
  * The `treepack` command end to end, as a user runs it: the compiled bin (built by `npm test`'s pretest step),
  * real files, exit codes. Output is checked by reading it back and re-deriving every sequence.
  */
-import { execFileSync, spawnSync } from 'node:child_process';
+import { execFileSync } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
@@ -10,15 +10,11 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { checkForest } from '../src/pack/invariants.js';
 import { generateJsonl, generateTokenSamples } from '../src/records/generator.js';
+import { BIN, cli } from './helpers/cli.js';
 
-const BIN = resolve(__dirname, '../dist/src/cli/main.js');
 const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-function cli(args: string[], input?: string) {
-  const r = spawnSync(process.execPath, [BIN, ...args], { input, encoding: 'utf8' });
-  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
-}
 
 const tokenLines = [...generateTokenSamples({ groups: 3, seed: 5, minTurns: 3, maxTurns: 6 })].map((s) => JSON.stringify(s));
 const tokenFile = join(dir, 'tokens.jsonl');

@@ -1,8 +1,7 @@
 /** `treepack loss` and the advantages `treepack pack` writes, end to end through the compiled bin. */
-import { spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join, resolve } from 'node:path';
+import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
@@ -11,15 +10,11 @@ import { lossReference } from '../src/loss/reference.js';
 import { generateTokenSamples } from '../src/records/generator.js';
 import { randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
+import { cli } from './helpers/cli.js';
 
-const BIN = resolve(__dirname, '../dist/src/cli/main.js');
 const dir = mkdtempSync(join(tmpdir(), 'treepack-loss-cli-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-function cli(args: string[]) {
-  const r = spawnSync(process.execPath, [BIN, ...args], { encoding: 'utf8' });
-  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
-}
 
 describe('treepack loss', () => {
   const { batch, lp, unpacked } = randomLossCase(randomBatch(3, { count: 25 }), 3);
