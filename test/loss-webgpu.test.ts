@@ -57,15 +57,15 @@ describe('chunk layout', () => {
   it('indexes a chunk: local node offsets clipped to its occurrences, then whole nodes per thread', () => {
     const nodeOff = offsets([0, 5, 1, 0, 0, 2, 3]);
     // chunk {nodes 1..2, occurrences 4..6}: node 1 keeps its last occurrence, node 2 its one
-    expect(Array.from(chunkIndex(nodeOff, { n0: 1, n1: 2, o0: 4, o1: 6 }).index)).toEqual([0, 1, 2, 0, 2]);
+    expect(Array.from(chunkIndex(nodeOff, { n0: 1, n1: 2, o0: 4, o1: 6 }, 32).index)).toEqual([0, 1, 2, 0, 2]);
     // 100 nodes of 20 occurrences: a thread closes once it holds ≥ 32, i.e. every 2 nodes
     const wide = offsets(Array.from({ length: 100 }, () => 20));
-    const { index, threads } = chunkIndex(wide, { n0: 0, n1: 99, o0: 0, o1: 2000 });
+    const { index, threads } = chunkIndex(wide, { n0: 0, n1: 99, o0: 0, o1: 2000 }, 32);
     expect(threads).toBe(50);
     expect(Array.from(index.subarray(101, 104))).toEqual([0, 2, 4]);
     expect(index[index.length - 1]).toBe(100);
-    // 200 nodes with no occurrences: at most 64 nodes per thread
-    expect(chunkIndex(offsets([1, ...Array.from({ length: 199 }, () => 0)]), { n0: 0, n1: 199, o0: 0, o1: 1 }).threads).toBe(4);
+    // 200 nodes with no occurrences: at most 64 nodes per thread at 64 per thread
+    expect(chunkIndex(offsets([1, ...Array.from({ length: 199 }, () => 0)]), { n0: 0, n1: 199, o0: 0, o1: 1 }, 64).threads).toBe(4);
   });
 
   it('cuts the sequence stream with a sequence split across chunks', () => {

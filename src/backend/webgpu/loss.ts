@@ -19,6 +19,7 @@ import {
   COMPACT_NODES_PER_THREAD,
   OCC_BYTES,
   occArrays,
+  occPerThread,
   occStream,
   planOccChunks,
   SEQ_OCC_BYTES,
@@ -212,8 +213,9 @@ function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit
   const seqLr = gspo ? B.buffer(4 * G, GPUBufferUsage.STORAGE) : B.dummyWritable;
   // idx holds L+1 node offsets and at most L+1 thread starts: 8 bytes per node.
   const chunks = planOccChunks(stream.nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1);
+  const perThread = occPerThread(stream.occ.length);
   const outputs = chunks.map((c) => {
-    const { index, threads } = chunkIndex(stream.nodeOff, c);
+    const { index, threads } = chunkIndex(stream.nodeOff, c, perThread);
     const arrays = occArrays(b, cfg, stream, c.o0, c.o1, withB);
     const L = c.n1 - c.n0 + 1;
     return { c, index, threads, occA: B.storage(arrays.a), occB: arrays.b ? B.storage(arrays.b) : B.dummy, L };

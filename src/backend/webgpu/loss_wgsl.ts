@@ -178,55 +178,69 @@ fn occ_nodes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id
     let C = P.log_clamp;
     let hi = 1.0 + P.clip_high;
     let lo = 1.0 - P.clip_low;
+    // One loop over the thread's occurrences (the same trip count on every lane), stepping to the next node at
+    // each boundary; nodes without occurrences get a zero gradient.
     let q1 = idx[P.base + t + 1u];
-    for (var q = idx[P.base + t]; q < q1; q++) {
-      let x = lp[q];
-      var g = 0.0;
-      let k1 = idx[q + 1u];
-      for (var k = idx[q]; k < k1; k++) {
-        let o = occ_a[k];
-        let A = o.y;
-        let old = o.z;
-        var value = 0.0;
-        var d = 0.0;
-        var r = 0.0;
-        if (P.policy == 2u) {
-          r = exp(clamp(x - old, -C, C));
-          let w = clamp(r, lo, hi);
-          value = -w * A * x;
-          d = -w * A;
-          acc.high += select(0u, 1u, r > hi);
-          acc.low += select(0u, 1u, r < lo);
-        } else {
-          var lr = x - old;
-          if (P.policy == 1u) { lr = seq_lr[bitcast<u32>(occ_b[k].y)]; }
-          r = exp(clamp(lr, -C, C));
-          let l1 = -A * r;
-          let l2 = -A * clamp(r, lo, hi);
-          value = l1;
-          d = -A * select(0.0, r, lr >= -C && lr <= C);
-          if (l2 > l1) {
-            value = l2;
-            d = 0.0;
-            acc.high += select(0u, 1u, A > 0.0);
-            acc.low += select(0u, 1u, A <= 0.0);
-          }
-          if (A < 0.0 && P.dual_clip > 0.0 && value > -A * P.dual_clip) {
-            value = -A * P.dual_clip;
-            d = 0.0;
-            acc.dual += 1u;
-          }
-        }
-        acc.pg += o.x * value;
-        g += o.x * d;
-        if (P.kl != 0u) {
-          let kt = kl_term(x, occ_b[k].x);
-          acc.kl += o.w * kt.x;
-          g += P.kl_coef * o.w * kt.y;
-        }
-        acc_ratio(&acc, 1u, r, x - old);
+    var q = idx[P.base + t];
+    let k1 = idx[q1];
+    var next = idx[q + 1u];
+    var x = lp[q];
+    var g = 0.0;
+    for (var k = idx[q]; k < k1; k++) {
+      while (k == next) {
+        grad[q] = g;
+        g = 0.0;
+        q++;
+        next = idx[q + 1u];
+        x = lp[q];
       }
+      let o = occ_a[k];
+      let A = o.y;
+      let old = o.z;
+      var value = 0.0;
+      var d = 0.0;
+      var r = 0.0;
+      if (P.policy == 2u) {
+        r = exp(clamp(x - old, -C, C));
+        let w = clamp(r, lo, hi);
+        value = -w * A * x;
+        d = -w * A;
+        acc.high += select(0u, 1u, r > hi);
+        acc.low += select(0u, 1u, r < lo);
+      } else {
+        var lr = x - old;
+        if (P.policy == 1u) { lr = seq_lr[bitcast<u32>(occ_b[k].y)]; }
+        r = exp(clamp(lr, -C, C));
+        let l1 = -A * r;
+        let l2 = -A * clamp(r, lo, hi);
+        value = l1;
+        d = -A * select(0.0, r, lr >= -C && lr <= C);
+        if (l2 > l1) {
+          value = l2;
+          d = 0.0;
+          acc.high += select(0u, 1u, A > 0.0);
+          acc.low += select(0u, 1u, A <= 0.0);
+        }
+        if (A < 0.0 && P.dual_clip > 0.0 && value > -A * P.dual_clip) {
+          value = -A * P.dual_clip;
+          d = 0.0;
+          acc.dual += 1u;
+        }
+      }
+      acc.pg += o.x * value;
+      g += o.x * d;
+      if (P.kl != 0u) {
+        let kt = kl_term(x, occ_b[k].x);
+        acc.kl += o.w * kt.x;
+        g += P.kl_coef * o.w * kt.y;
+      }
+      acc_ratio(&acc, 1u, r, x - old);
+    }
+    loop {
       grad[q] = g;
+      g = 0.0;
+      q++;
+      if (q >= q1) { break; }
     }
   }
   reduce_store(acc, lid.x, group);
