@@ -16,7 +16,7 @@ import {
   chunkIndex,
   compactArrays,
   COMPACT_NODE_BYTES,
-  COMPACT_NODES_PER_THREAD,
+  compactPerThread,
   OCC_BYTES,
   occArrays,
   occPerThread,
@@ -245,13 +245,13 @@ function occDispatch(B: Builder, o: { index: Uint32Array; threads: number; occA:
 function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limit: number): Omit<Job, 'key' | 'tail'> {
   const B = new Builder(dev, cfg);
   const maxNodes = Math.floor(limit / COMPACT_NODE_BYTES);
-  const perGroup = WG * COMPACT_NODES_PER_THREAD;
+  const per = compactPerThread(plan.num_nodes);
   for (let n0 = 0; n0 < plan.num_nodes; n0 += maxNodes) {
     const L = Math.min(maxNodes, plan.num_nodes - n0);
     const { a, b } = compactArrays(plan, n0, L);
-    const groups = Math.ceil(L / perGroup);
+    const groups = Math.ceil(L / (WG * per));
     const out = B.output(n0, L, groups);
-    B.dispatch('compact', groups, { 0: B.params(L, 0, 0, 0, COMPACT_NODES_PER_THREAD), 3: out.lp, 5: out.grad, 6: out.partials, 10: B.storage(a), 11: B.storage(b) });
+    B.dispatch('compact', groups, { 0: B.params(L, 0, 0, 0, per), 3: out.lp, 5: out.grad, 6: out.partials, 10: B.storage(a), 11: B.storage(b) });
   }
   return { device: dev, dispatches: B.dispatches, outputs: B.outputs, buffers: B.buffers };
 }

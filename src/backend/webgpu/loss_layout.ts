@@ -17,16 +17,17 @@ import { truncatedWeight } from '../../loss/policy.js';
 import type { CompactPlan, LossBatch } from '../../loss/types.js';
 
 /**
- * Occurrences per thread: enough threads to fill a GPU (TARGET_THREADS), and beyond that as much work per thread as
- * possible, which amortises the per-workgroup metric reduction (on the llvmpipe software adapter, 128 per thread
- * runs about 1.5× faster than 32 at 1M occurrences).
+ * Work items per thread: enough threads to fill a GPU (TARGET_THREADS), and beyond that as much work per thread as
+ * allowed, which amortises the per-workgroup metric reduction (on the llvmpipe software adapter, 128 occurrences per
+ * thread run about 1.5× faster than 32 at 1M occurrences).
  */
 const TARGET_THREADS = 8192;
-export function occPerThread(occurrences: number): number {
-  return Math.min(256, Math.max(32, Math.ceil(occurrences / TARGET_THREADS)));
+function perThread(items: number, min: number, max: number): number {
+  return Math.min(max, Math.max(min, Math.ceil(items / TARGET_THREADS)));
 }
+export const occPerThread = (occurrences: number) => perThread(occurrences, 32, 256);
 /** Compact mode: nodes per thread, strided by the workgroup size so that neighbouring threads read neighbouring nodes. */
-export const COMPACT_NODES_PER_THREAD = 16;
+export const compactPerThread = (nodes: number) => perThread(nodes, 4, 64);
 
 /** Bytes per trainable occurrence in the occurrence stream's largest array (vec4: pg weight, advantage, old, KL weight). */
 export const OCC_BYTES = 16;
