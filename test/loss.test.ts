@@ -15,7 +15,7 @@ import { lossReference } from '../src/loss/reference.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { caught } from './helpers/errors.js';
-import { randomLossCase, unpackedLoss } from './helpers/loss.js';
+import { close, LOSS_CONFIGS as CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { csr, randomBatch, rng } from './helpers/sequences.js';
 
 afterAll(releaseWebGPU);
@@ -30,10 +30,6 @@ for (const b of statuses.filter((s) => !s.available)) console.log(`loss tests on
 if (!cudaDeviceInfo().available) console.log('CUDA loss kernel: compiled only here, runtime tests await a GPU host');
 // float32 end to end (WGSL has no f64) against a float64 oracle.
 const tolerance = (b: BackendName) => (b === 'webgpu' ? 2e-5 : 1e-6);
-
-function close(a: number, b: number, tol: number, what: string): void {
-  expect(Math.abs(a - b), `${what}: ${a} vs ${b}`).toBeLessThanOrEqual(tol * Math.max(1, Math.abs(b)));
-}
 
 describe.skipIf(fixtureMissing !== '')('shared fixture loss_reference.json', () => {
   const fx = fixtureMissing ? undefined : JSON.parse(readFileSync(fixturePath, 'utf8'));
@@ -101,16 +97,6 @@ describe.skipIf(fixtureMissing !== '')('shared fixture loss_reference.json', () 
   }
 });
 
-const CONFIGS: Partial<LossConfig>[] = [
-  {},
-  { clip_low: 0.2, clip_high: 0.28, dual_clip: 3, aggregation: 'seq-mean-token-sum' },
-  { clip_low: 0.1, clip_high: 0.3, aggregation: 'seq-mean-token-mean', kl: 'k3', kl_coef: 0.1 },
-  { aggregation: 'seq-mean-token-sum-norm', norm_constant: 17, kl: 'k1', kl_coef: 0.05, tis: 'token', tis_cap: 1.5 },
-  { policy: 'gspo', clip_low: 3e-4, clip_high: 4e-4, aggregation: 'seq-mean-token-mean', kl: 'k2', kl_coef: 0.2 },
-  { policy: 'cispo', clip_low: 0.5, clip_high: 0.3, kl: 'abs', kl_coef: 0.3, tis: 'sequence', tis_cap: 3 },
-  { log_ratio_clamp: 0.25, dual_clip: 1.5, global_tokens: 500 },
-  { aggregation: 'seq-mean-token-mean', global_sequences: 90, tis: 'sequence' },
-];
 
 function expectMatchesReference(got: { loss: number; metrics: LossMetrics }, want: ReturnType<typeof unpackedLoss>, tol: number, what: string) {
   close(got.loss, want.loss, tol, `${what} loss`);
@@ -245,7 +231,7 @@ describe('random packed batches', () => {
 });
 
 describe('compact per-node mode', () => {
-  for (const backend of ['js', 'cpu', 'cuda'] as BackendName[]) {
+  for (const backend of ['js', 'cpu', 'webgpu', 'cuda'] as BackendName[]) {
     const skip = !available.includes(backend);
     it.skipIf(skip)(`${backend}: equals the per-occurrence mode when occurrences share old and ref${skip ? ' (skipped: unavailable here)' : ''}`, async () => {
       for (const seed of [1, 2, 3, 4, 5]) {
@@ -254,9 +240,16 @@ describe('compact per-node mode', () => {
           const plan = buildCompactPlan(batch, config);
           const a = await computeLossCompact(plan, lp, config, { backend });
           const b = lossReference(batch, lp, resolveLossConfig(config));
-          close(a.loss, b.loss, 1e-6, 'loss');
-          for (const key of Object.keys(b.metrics) as (keyof typeof b.metrics)[]) close(a.metrics[key], b.metrics[key], 1e-6, key);
-          a.grad.forEach((g, p) => close(g, b.grad[p], 1e-6, `grad[${p}]`));
+          const tol = tolerance(backend);
+          close(a.loss, b.loss, tol, 'loss');
+          for (const key of Object.keys(b.metrics) as (keyof typeof b.metrics)[]) close(a.metrics[key], b.metrics[key], tol, key);
+          a.grad.forEach((g, p) => close(g, b.grad[p], tol, `grad[${p}]`));
+          if (backend !== 'js') {
+            // and equal to the same backend's per-occurrence mode
+            const c = await computeLoss(batch, lp, config, { backend });
+            close(a.loss, c.loss, tol, 'loss vs per-occurrence');
+            a.grad.forEach((g, p) => close(g, c.grad[p], tol, `grad[${p}] vs per-occurrence`));
+          }
         }
       }
     });

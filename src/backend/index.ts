@@ -11,7 +11,7 @@ import { maskBitsCuda, maskBlocksCudaTimed, maskDenseCuda } from './mask-cuda.js
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
 import { cudaDeviceInfo, loadCuda, loadNative, packForestNative, type Loaded } from './native.js';
 import { webgpuContext } from './webgpu/device.js';
-import { lossWebGPU } from './webgpu/loss.js';
+import { lossCompactWebGPU, lossWebGPU } from './webgpu/loss.js';
 import { maskBitsWebGPU, maskBlocksWebGPU, maskDenseWebGPU } from './webgpu/mask.js';
 import { registerBackend, registerKernel } from './registry.js';
 
@@ -68,6 +68,7 @@ registerKernel('webgpu', 'maskDense', maskDenseWebGPU);
 registerKernel('webgpu', 'maskBits', maskBitsWebGPU);
 registerKernel('webgpu', 'maskBlocks', maskBlocksWebGPU);
 registerKernel('webgpu', 'loss', lossWebGPU);
+registerKernel('webgpu', 'lossCompact', lossCompactWebGPU);
 
 export { listBackends, resolveKernel, BACKEND_NAMES } from './registry.js';
 export type { BackendName, BackendStatus, Resolved } from './registry.js';

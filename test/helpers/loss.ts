@@ -3,6 +3,7 @@
  * the formulas in shared/fixtures/loss_reference.json, sharing no code with src/loss), and random packed batches
  * whose node logprobs are a function of the node's prefix, so the unpacked view needs no forest at all.
  */
+import { expect } from 'vitest';
 import type { LossConfig } from '../../src/loss/config.js';
 import { FORMAT, type MicroBatch } from '../../src/pack/contract.js';
 import { packForest } from '../../src/pack/forest.js';
@@ -213,3 +214,20 @@ function chains(offsets: Int32Array) {
   }
   return { input_ids: new Int32Array(M), position_ids, parent, subtree_end: new Int32Array(M), seq_offsets: offsets, seq_positions };
 }
+
+/** |a − b| ≤ tol · max(1, |b|). */
+export function close(a: number, b: number, tol: number, what: string): void {
+  expect(Math.abs(a - b), `${what}: ${a} vs ${b}`).toBeLessThanOrEqual(tol * Math.max(1, Math.abs(b)));
+}
+
+/** Configs covering every policy, aggregation, KL estimator, TIS level, the clamps and the global normalisers. */
+export const LOSS_CONFIGS: Partial<LossConfig>[] = [
+  {},
+  { clip_low: 0.2, clip_high: 0.28, dual_clip: 3, aggregation: 'seq-mean-token-sum' },
+  { clip_low: 0.1, clip_high: 0.3, aggregation: 'seq-mean-token-mean', kl: 'k3', kl_coef: 0.1 },
+  { aggregation: 'seq-mean-token-sum-norm', norm_constant: 17, kl: 'k1', kl_coef: 0.05, tis: 'token', tis_cap: 1.5 },
+  { policy: 'gspo', clip_low: 3e-4, clip_high: 4e-4, aggregation: 'seq-mean-token-mean', kl: 'k2', kl_coef: 0.2 },
+  { policy: 'cispo', clip_low: 0.5, clip_high: 0.3, kl: 'abs', kl_coef: 0.3, tis: 'sequence', tis_cap: 3 },
+  { log_ratio_clamp: 0.25, dual_clip: 1.5, global_tokens: 500 },
+  { aggregation: 'seq-mean-token-mean', global_sequences: 90, tis: 'sequence' },
+];

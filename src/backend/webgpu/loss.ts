@@ -1,199 +1,358 @@
 /**
- * The loss on WebGPU. The host prepares, once per (batch, config), the list of trainable occurrences with their
- * weights and the node → occurrences index (a stable counting sort, so the gradient sums in a fixed order); each
- * call uploads lp, runs loss_wgsl.ts's three kernels, and reads back the gradient and per-workgroup metric
- * partials, which are summed here in float64.
+ * The loss on WebGPU, per occurrence and in the compact per-node mode. Once per (batch or plan, config, chunk size)
+ * the host lays the data out in chunks that each fit one storage binding (loss_layout.ts), uploads them and builds
+ * every buffer and bind group a call needs; each call then only uploads lp, submits one command buffer and maps one
+ * staging buffer per chunk (gradient slice and metric partials). Partials are summed here in float64 in a fixed
+ * order, and a node cut between chunks sums its partial gradients in chunk order: results are identical run to run.
+ *
+ * `TREEPACK_WEBGPU_LOSS_CHUNK_BYTES` lowers the bytes per binding below the device's limit (tests use it to cross
+ * chunk boundaries on small inputs). Calls on the same batch are serialised: they share their buffers.
  */
 import { TreepackError } from '../../errors.js';
-import { countTrainable, sequenceWeight } from '../../loss/aggregate.js';
 import { configCodes, type LossConfig } from '../../loss/config.js';
-import { truncatedWeight } from '../../loss/policy.js';
-import type { LossBatch, LossResult } from '../../loss/types.js';
+import type { CompactPlan, LossBatch, LossMetrics, LossResult } from '../../loss/types.js';
 import { webgpuContext } from './device.js';
+import {
+  chunkIndex,
+  compactArrays,
+  COMPACT_NODE_BYTES,
+  compactPerThread,
+  OCC_BYTES,
+  occArrays,
+  occPerThread,
+  occStream,
+  planOccChunks,
+  SEQ_OCC_BYTES,
+  seqChunks,
+} from './loss_layout.js';
 import { LOSS_WGSL } from './loss_wgsl.js';
 
 const WG = 128; // as in loss_wgsl.ts
 const NSUMS = 10;
+export const CHUNK_BYTES_ENV = 'TREEPACK_WEBGPU_LOSS_CHUNK_BYTES';
 
-interface Prepared {
+type Entry = 'gspo_seq' | 'occ_nodes' | 'compact';
+
+interface Dispatch {
+  entry: Entry;
+  bind: GPUBindGroup;
+  groups: [number, number];
+}
+
+/** One chunk's outputs: the gradient of nodes [n0, n0 + nodes) and its metric partials. */
+interface Output {
+  n0: number;
+  nodes: number;
+  /** Its first node continues from the previous chunk / its last node goes on in the next. */
+  splitFirst: boolean;
+  splitLast: boolean;
+  lp: GPUBuffer;
+  grad: GPUBuffer;
+  partials: GPUBuffer;
+  groups: number;
+  staging: GPUBuffer;
+}
+
+interface Job {
   key: string;
-  count: number; // trainable occurrences T
-  occ: GPUBuffer; // 8 f32 per occurrence
-  seqRange: GPUBuffer; // [S+1] u32
-  nodeOff: GPUBuffer; // [N+1] u32
-  nodeOcc: GPUBuffer; // [T] u32
+  device: GPUDevice;
+  dispatches: Dispatch[];
+  outputs: Output[];
+  /** GSPO reads lp by node across all chunks: the whole of it, unless the one chunk already holds it. */
+  lpWhole?: GPUBuffer;
+  buffers: GPUBuffer[];
+  tail: Promise<unknown>;
 }
 
-const prepared = new WeakMap<LossBatch, Prepared>();
-const pipelines = new WeakMap<GPUDevice, Record<'gspo_seq' | 'occurrences' | 'nodes', GPUComputePipeline>>();
+const jobs = new WeakMap<object, Job>();
+const pipelines = new WeakMap<GPUDevice, Record<Entry, GPUComputePipeline>>();
 
-function upload(device: GPUDevice, data: ArrayBufferView, usage = GPUBufferUsage.STORAGE): GPUBuffer {
-  const size = Math.max(16, Math.ceil(data.byteLength / 4) * 4);
-  const buf = device.createBuffer({ size, usage: usage | GPUBufferUsage.COPY_DST });
-  if (data.byteLength) device.queue.writeBuffer(buf, 0, data.buffer, data.byteOffset, data.byteLength);
-  return buf;
-}
-
-function prepare(device: GPUDevice, b: LossBatch, cfg: LossConfig): Prepared {
-  const key = JSON.stringify(cfg);
-  const cached = prepared.get(b);
-  if (cached?.key === key) return cached;
-  if (cached) for (const buf of [cached.occ, cached.seqRange, cached.nodeOff, cached.nodeOcc]) buf.destroy();
-  const { seq_offsets: off, seq_positions: pos, loss_mask: mask } = b;
-  const S = off.length - 1;
-  const N = b.input_ids.length;
-  const counts = new Int32Array(S);
-  const norm = countTrainable(off, mask, cfg, counts);
-  let T = 0;
-  for (let i = 0; i < S; i++) T += counts[i];
-  const limit = device.limits.maxStorageBufferBindingSize;
-  if (T * 32 > limit) {
-    throw new TreepackError('E_LIMIT', `webgpu loss: ${T} trainable occurrences need ${T * 32} bytes, over this adapter's storage binding limit of ${limit}`);
-  }
-  const occ = new Float32Array(8 * T);
-  const occU = new Uint32Array(occ.buffer);
-  const seqRange = new Uint32Array(S + 1);
-  const perNode = new Uint32Array(N + 1);
-  let k = 0;
-  for (let i = 0; i < S; i++) {
-    seqRange[i] = k;
-    if (counts[i] === 0) continue;
-    const w = sequenceWeight(cfg, counts[i], norm);
-    let seqTis = 1;
-    if (cfg.tis === 'sequence') {
-      let s = 0;
-      for (let j = off[i]; j < off[i + 1]; j++) if (mask[j]) s += b.old_logprobs![j] - b.rollout_logprobs![j];
-      seqTis = truncatedWeight(s, cfg.log_ratio_clamp, cfg.tis_cap);
-    }
-    for (let j = off[i]; j < off[i + 1]; j++) {
-      if (!mask[j]) continue;
-      const old = b.old_logprobs![j];
-      const tis = cfg.tis === 'token' ? truncatedWeight(old - b.rollout_logprobs![j], cfg.log_ratio_clamp, cfg.tis_cap) : seqTis;
-      const o = 8 * k;
-      occ[o] = w * tis;
-      occ[o + 1] = w;
-      occ[o + 2] = b.advantages![j];
-      occ[o + 3] = old;
-      occ[o + 4] = cfg.kl !== 'none' ? b.ref_logprobs![j] : 0;
-      occU[o + 5] = pos[j];
-      occU[o + 6] = i;
-      perNode[pos[j] + 1]++;
-      k++;
-    }
-  }
-  seqRange[S] = k;
-  for (let p = 0; p < N; p++) perNode[p + 1] += perNode[p];
-  const nodeOcc = new Uint32Array(T);
-  const fill = perNode.slice(0, N);
-  for (let t = 0; t < T; t++) nodeOcc[fill[occU[8 * t + 5]]++] = t;
-  const p: Prepared = {
-    key,
-    count: T,
-    occ: upload(device, occ),
-    seqRange: upload(device, seqRange),
-    nodeOff: upload(device, perNode),
-    nodeOcc: upload(device, nodeOcc),
-  };
-  prepared.set(b, p);
-  return p;
-}
-
-function pipelinesFor(device: GPUDevice) {
+function pipelinesFor(device: GPUDevice): Record<Entry, GPUComputePipeline> {
   let p = pipelines.get(device);
   if (!p) {
     const module = device.createShaderModule({ code: LOSS_WGSL });
-    const make = (entryPoint: string) => device.createComputePipeline({ layout: 'auto', compute: { module, entryPoint } });
-    p = { gspo_seq: make('gspo_seq'), occurrences: make('occurrences'), nodes: make('nodes') };
+    const make = (entryPoint: Entry) => device.createComputePipeline({ layout: 'auto', compute: { module, entryPoint } });
+    p = { gspo_seq: make('gspo_seq'), occ_nodes: make('occ_nodes'), compact: make('compact') };
     pipelines.set(device, p);
   }
   return p;
 }
 
-/** Workgroup grid for n threads: at most 65535 per dimension. */
-function grid(n: number): [number, number] {
-  const groups = Math.max(1, Math.ceil(n / WG));
-  const x = Math.min(groups, 65535);
-  return [x, Math.ceil(groups / x)];
+/** The bytes one binding may hold: the device's limit, or the test override when lower. */
+export function chunkBytes(device: GPUDevice): number {
+  const limit = Math.min(device.limits.maxStorageBufferBindingSize, device.limits.maxBufferSize);
+  const raw = process.env[CHUNK_BYTES_ENV];
+  if (raw === undefined || raw === '') return limit;
+  const v = Number(raw);
+  if (!Number.isInteger(v) || v < 64) throw new TreepackError('E_ARG', `Expected an integer ≥ 64 for ${CHUNK_BYTES_ENV} but received ${JSON.stringify(raw)}`, { field: CHUNK_BYTES_ENV });
+  return Math.min(v, limit);
 }
 
-export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+/** Workgroup grid for n groups: at most 65535 per dimension (the kernels flatten it and skip the overshoot). */
+function grid(device: GPUDevice, groups: number): [number, number] {
+  const x = Math.max(1, Math.min(groups, device.limits.maxComputeWorkgroupsPerDimension));
+  return [x, Math.max(1, Math.ceil(groups / x))];
+}
+
+/** Builds a job's buffers; every one it creates is recorded for destruction. */
+class Builder {
+  readonly buffers: GPUBuffer[] = [];
+  readonly dispatches: Dispatch[] = [];
+  readonly outputs: Output[] = [];
+  private readonly pipes: Record<Entry, GPUComputePipeline>;
+  /** Stand-ins for bindings an entry point declares but this config never touches: one read-only, one writable (one buffer cannot be both in a dispatch). */
+  readonly dummy: GPUBuffer;
+  readonly dummyWritable: GPUBuffer;
+
+  constructor(
+    readonly device: GPUDevice,
+    private readonly cfg: LossConfig,
+  ) {
+    this.pipes = pipelinesFor(device);
+    this.dummy = this.buffer(16, GPUBufferUsage.STORAGE);
+    this.dummyWritable = this.buffer(16, GPUBufferUsage.STORAGE);
+  }
+
+  buffer(bytes: number, usage: number, data?: ArrayBufferView): GPUBuffer {
+    const size = Math.max(16, Math.ceil(bytes / 4) * 4);
+    const buf = this.device.createBuffer({ size, usage: usage | GPUBufferUsage.COPY_DST });
+    this.buffers.push(buf);
+    if (data && data.byteLength) this.device.queue.writeBuffer(buf, 0, data.buffer, data.byteOffset, data.byteLength);
+    return buf;
+  }
+
+  storage(data: ArrayBufferView): GPUBuffer {
+    return this.buffer(data.byteLength, GPUBufferUsage.STORAGE, data);
+  }
+
+  /** The uniform Params of loss_wgsl.ts: the config, then one dispatch's counts. */
+  params(count: number, base = 0, firstTotal = 0, lastOpen = 0, perThread = 0): GPUBuffer {
+    const c = configCodes(this.cfg);
+    const data = new ArrayBuffer(48);
+    new Float32Array(data, 0, 5).set([this.cfg.clip_low, this.cfg.clip_high, this.cfg.dual_clip, this.cfg.log_ratio_clamp, this.cfg.kl_coef]);
+    new Uint32Array(data, 20, 7).set([c.policy, c.kl, count, base, firstTotal, lastOpen, perThread]);
+    return this.buffer(48, GPUBufferUsage.UNIFORM, new Uint8Array(data));
+  }
+
+  dispatch(entry: Entry, groups: number, bindings: Record<number, GPUBuffer>): void {
+    const layout = this.pipes[entry].getBindGroupLayout(0);
+    const entries = Object.entries(bindings).map(([binding, buffer]) => ({ binding: Number(binding), resource: { buffer } }));
+    this.dispatches.push({ entry, bind: this.device.createBindGroup({ layout, entries }), groups: grid(this.device, groups) });
+  }
+
+  /** The per-chunk buffers every entry point writes: lp slice in, gradient slice and partials out, and their staging. */
+  output(n0: number, nodes: number, groups: number, splitFirst = false, splitLast = false): Output {
+    const [x, y] = grid(this.device, groups);
+    const out: Output = {
+      n0,
+      nodes,
+      splitFirst,
+      splitLast,
+      groups: x * y,
+      lp: this.buffer(4 * nodes, GPUBufferUsage.STORAGE),
+      grad: this.buffer(4 * nodes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC),
+      partials: this.buffer(4 * NSUMS * x * y, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC),
+      staging: this.buffer(4 * nodes + 4 * NSUMS * x * y, GPUBufferUsage.MAP_READ),
+    };
+    this.outputs.push(out);
+    return out;
+  }
+}
+
+async function errorsOf<T>(device: GPUDevice, what: string, build: () => T, destroy: (t: T | undefined) => void): Promise<T> {
+  device.pushErrorScope('validation');
+  device.pushErrorScope('out-of-memory');
+  let built: T | undefined;
+  let thrown: unknown;
+  try {
+    built = build();
+  } catch (err) {
+    thrown = err;
+  }
+  const oom = await device.popErrorScope();
+  const invalid = await device.popErrorScope();
+  if (thrown || oom || invalid) {
+    destroy(built);
+    if (thrown) throw thrown;
+    if (oom) throw new TreepackError('E_LIMIT', `webgpu loss: out of device memory while preparing ${what}: ${oom.message}`);
+    throw new TreepackError('E_BACKEND', `webgpu loss: ${invalid!.message}`);
+  }
+  return built!;
+}
+
+function destroyJob(job: Pick<Job, 'buffers'> | undefined): void {
+  for (const b of job?.buffers ?? []) b.destroy();
+}
+
+async function device(): Promise<GPUDevice> {
   const acquired = await webgpuContext();
   if (!acquired.ok) throw new TreepackError('E_BACKEND', `webgpu unavailable: ${acquired.reason}`);
-  const device = acquired.ctx.device;
-  const prep = prepare(device, b, cfg);
-  const S = b.seq_offsets.length - 1;
-  const N = lp.length;
-  const codes = configCodes(cfg);
-  const params = new ArrayBuffer(48);
-  new Float32Array(params, 0, 5).set([cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.log_ratio_clamp, cfg.kl_coef]);
-  new Uint32Array(params, 20, 5).set([codes.policy, codes.kl, prep.count, S, N]);
-  const uniform = upload(device, new Uint8Array(params), GPUBufferUsage.UNIFORM);
-  const lpBuf = upload(device, lp);
-  const seqLr = device.createBuffer({ size: Math.max(16, 4 * S), usage: GPUBufferUsage.STORAGE });
-  const contrib = device.createBuffer({ size: Math.max(16, 4 * prep.count), usage: GPUBufferUsage.STORAGE });
-  const [ox, oy] = grid(prep.count);
-  const partialBytes = 4 * NSUMS * ox * oy;
-  const partials = device.createBuffer({ size: partialBytes, usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC });
-  const gradBuf = device.createBuffer({ size: Math.max(16, 4 * N), usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC });
-  const readGrad = device.createBuffer({ size: Math.max(16, 4 * N), usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-  const readPartials = device.createBuffer({ size: partialBytes, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-  const buffers: Record<number, GPUBuffer> = { 0: uniform, 1: prep.occ, 2: lpBuf, 3: seqLr, 4: prep.seqRange, 5: contrib, 6: partials, 7: prep.nodeOff, 8: prep.nodeOcc, 9: gradBuf };
-  const used: Record<string, number[]> = { gspo_seq: [0, 1, 2, 3, 4], occurrences: [0, 1, 2, 3, 5, 6], nodes: [0, 5, 7, 8, 9] };
-  device.pushErrorScope('validation');
-  const pipes = pipelinesFor(device);
-  const enc = device.createCommandEncoder();
-  const pass = enc.beginComputePass();
-  const run = (name: 'gspo_seq' | 'occurrences' | 'nodes', n: number) => {
-    const bindings = used[name]; // auto layouts hold exactly the bindings an entry point references
-    const pipeline = pipes[name];
-    pass.setPipeline(pipeline);
-    pass.setBindGroup(0, device.createBindGroup({ layout: pipeline.getBindGroupLayout(0), entries: bindings.map((i) => ({ binding: i, resource: { buffer: buffers[i] } })) }));
-    const [x, y] = grid(name === 'gspo_seq' ? n * WG : n);
-    pass.dispatchWorkgroups(x, y);
-  };
-  if (codes.policy === 1) run('gspo_seq', S);
-  run('occurrences', prep.count);
-  run('nodes', N);
-  pass.end();
-  enc.copyBufferToBuffer(gradBuf, 0, readGrad, 0, Math.max(16, 4 * N));
-  enc.copyBufferToBuffer(partials, 0, readPartials, 0, partialBytes);
-  device.queue.submit([enc.finish()]);
-  const invalid = await device.popErrorScope();
-  if (invalid) {
-    for (const buf of [uniform, lpBuf, seqLr, contrib, partials, gradBuf, readGrad, readPartials]) buf.destroy();
-    throw new TreepackError('E_BACKEND', `webgpu loss: ${invalid.message}`);
-  }
-  await Promise.all([readGrad.mapAsync(GPUMapMode.READ), readPartials.mapAsync(GPUMapMode.READ)]);
-  const grad = new Float32Array(readGrad.getMappedRange().slice(0, 4 * N));
-  const part = new Float32Array(readPartials.getMappedRange().slice(0));
-  for (const buf of [uniform, lpBuf, seqLr, contrib, partials, gradBuf, readGrad, readPartials]) buf.destroy();
+  return acquired.ctx.device;
+}
 
+/** The cached job of `owner` for this key, or a new one built by `build` (the old one is destroyed once idle). */
+async function jobFor(owner: object, dev: GPUDevice, key: string, what: string, build: () => Omit<Job, 'key' | 'tail'>): Promise<Job> {
+  const cached = jobs.get(owner);
+  if (cached?.key === key && cached.device === dev) return cached;
+  const job: Job = { ...(await errorsOf(dev, what, build, destroyJob)), key, tail: Promise.resolve() };
+  if (cached) void cached.tail.then(() => destroyJob(cached));
+  jobs.set(owner, job);
+  return job;
+}
+
+function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit: number): Omit<Job, 'key' | 'tail'> {
+  const N = b.input_ids.length;
+  const gspo = cfg.policy === 'gspo';
+  const stream = occStream(b, cfg);
+  const G = stream.seqIndex.length;
+  const deviceLimit = Math.min(dev.limits.maxStorageBufferBindingSize, dev.limits.maxBufferSize);
+  if (gspo && 4 * N > deviceLimit) throw new TreepackError('E_LIMIT', `webgpu loss: gspo reads logprobs of any node in one binding: N = ${N} nodes need ${4 * N} bytes, over this adapter's limit of ${deviceLimit}`);
+  if (gspo && 4 * G > deviceLimit) throw new TreepackError('E_LIMIT', `webgpu loss: gspo keeps one ratio per sequence in one binding: ${G} sequences need ${4 * G} bytes, over this adapter's limit of ${deviceLimit}`);
+  const B = new Builder(dev, cfg);
+  const withB = cfg.kl !== 'none' || gspo;
+  const seqLr = gspo ? B.buffer(4 * G, GPUBufferUsage.STORAGE) : B.dummyWritable;
+  // idx holds L+1 node offsets and at most L+1 thread starts: 8 bytes per node.
+  const chunks = planOccChunks(stream.nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1);
+  const perThread = occPerThread(stream.occ.length);
+  const outputs = chunks.map((c) => {
+    const { index, threads } = chunkIndex(stream.nodeOff, c, perThread);
+    const arrays = occArrays(b, cfg, stream, c.o0, c.o1, withB);
+    const L = c.n1 - c.n0 + 1;
+    return { c, index, threads, occA: B.storage(arrays.a), occB: arrays.b ? B.storage(arrays.b) : B.dummy, L };
+  });
+  let lpWhole: GPUBuffer | undefined;
+  if (gspo) {
+    const one = chunks.length === 1 && chunks[0].n0 === 0 && chunks[0].n1 === N - 1;
+    lpWhole = one || chunks.length === 0 ? undefined : B.buffer(4 * N, GPUBufferUsage.STORAGE);
+    const outs: Output[] = [];
+    for (const o of outputs) outs.push(B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]));
+    const lpAll = lpWhole ?? outs[0]?.lp ?? B.dummy;
+    for (const s of seqChunks(b, stream, Math.floor(limit / SEQ_OCC_BYTES))) {
+      const nseq = s.range.length - 1;
+      B.dispatch('gspo_seq', nseq, { 0: B.params(nseq, s.r0, s.firstTotal, s.lastOpen ? 1 : 0), 3: lpAll, 7: seqLr, 8: B.storage(s.pairs), 9: B.storage(s.range) });
+    }
+    outputs.forEach((o, i) => occDispatch(B, o, outs[i], seqLr));
+  } else {
+    for (const o of outputs) occDispatch(B, o, B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]), seqLr);
+  }
+  return { device: dev, dispatches: B.dispatches, outputs: B.outputs, lpWhole, buffers: B.buffers };
+}
+
+function occDispatch(B: Builder, o: { index: Uint32Array; threads: number; occA: GPUBuffer; occB: GPUBuffer; L: number }, out: Output, seqLr: GPUBuffer): void {
+  B.dispatch('occ_nodes', Math.ceil(o.threads / WG), { 0: B.params(o.threads, o.L + 1), 1: o.occA, 2: o.occB, 3: out.lp, 4: B.storage(o.index), 5: out.grad, 6: out.partials, 7: seqLr });
+}
+
+function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limit: number): Omit<Job, 'key' | 'tail'> {
+  const B = new Builder(dev, cfg);
+  const maxNodes = Math.floor(limit / COMPACT_NODE_BYTES);
+  const per = compactPerThread(plan.num_nodes);
+  for (let n0 = 0; n0 < plan.num_nodes; n0 += maxNodes) {
+    const L = Math.min(maxNodes, plan.num_nodes - n0);
+    const { a, b } = compactArrays(plan, n0, L);
+    const groups = Math.ceil(L / (WG * per));
+    const out = B.output(n0, L, groups);
+    B.dispatch('compact', groups, { 0: B.params(L, 0, 0, 0, per), 3: out.lp, 5: out.grad, 6: out.partials, 10: B.storage(a), 11: B.storage(b) });
+  }
+  return { device: dev, dispatches: B.dispatches, outputs: B.outputs, buffers: B.buffers };
+}
+
+/** Runs calls on one job one at a time: they share its buffers. */
+function serial<T>(job: Job, fn: () => Promise<T>): Promise<T> {
+  const run = job.tail.then(fn);
+  job.tail = run.catch(() => undefined);
+  return run;
+}
+
+async function execute(job: Job, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+  const dev = job.device;
+  const write = (buf: GPUBuffer, n0: number, n: number) => dev.queue.writeBuffer(buf, 0, lp.buffer, lp.byteOffset + 4 * n0, 4 * n);
+  for (const o of job.outputs) write(o.lp, o.n0, o.nodes);
+  if (job.lpWhole && lp.length) write(job.lpWhole, 0, lp.length);
+  const pipes = pipelinesFor(dev);
+  dev.pushErrorScope('validation');
+  const enc = dev.createCommandEncoder();
+  if (job.dispatches.length) {
+    const pass = enc.beginComputePass();
+    for (const d of job.dispatches) {
+      pass.setPipeline(pipes[d.entry]);
+      pass.setBindGroup(0, d.bind);
+      pass.dispatchWorkgroups(d.groups[0], d.groups[1]);
+    }
+    pass.end();
+  }
+  for (const o of job.outputs) {
+    enc.copyBufferToBuffer(o.grad, 0, o.staging, 0, 4 * o.nodes);
+    enc.copyBufferToBuffer(o.partials, 0, o.staging, 4 * o.nodes, 4 * NSUMS * o.groups);
+  }
+  dev.queue.submit([enc.finish()]);
+  const invalid = dev.popErrorScope();
+  const mapped = await Promise.allSettled(job.outputs.map((o) => o.staging.mapAsync(GPUMapMode.READ)));
+  const err = await invalid;
+  if (err) throw new TreepackError('E_BACKEND', `webgpu loss: ${err.message}`);
+  for (const m of mapped) if (m.status === 'rejected') throw new TreepackError('E_BACKEND', `webgpu loss: reading the results failed: ${String(m.reason)}`);
+  const grad = new Float32Array(lp.length);
   const s = new Float64Array(NSUMS);
   s[8] = Infinity;
   s[9] = -Infinity;
-  for (let g = 0; g < ox * oy; g++) {
-    for (let f = 0; f < 8; f++) s[f] += part[g * NSUMS + f];
-    s[8] = Math.min(s[8], part[g * NSUMS + 8]);
-    s[9] = Math.max(s[9], part[g * NSUMS + 9]);
+  let open = 0; // the partial sum of a node cut between chunks, carried in float64
+  try {
+    for (const o of job.outputs) {
+      const range = o.staging.getMappedRange();
+      const g = new Float32Array(range, 0, o.nodes);
+      grad.set(g, o.n0);
+      if (o.splitFirst) grad[o.n0] = open + g[0];
+      if (o.splitLast) open = o.nodes === 1 && o.splitFirst ? open + g[0] : g[o.nodes - 1];
+      else open = 0;
+      const pf = new Float32Array(range, 4 * o.nodes, NSUMS * o.groups);
+      const pu = new Uint32Array(range, 4 * o.nodes, NSUMS * o.groups);
+      for (let k = 0; k < o.groups; k++) {
+        const at = k * NSUMS;
+        s[0] += pf[at];
+        s[1] += pf[at + 1];
+        for (let f = 2; f < 6; f++) s[f] += pu[at + f];
+        s[6] += pf[at + 6];
+        s[7] += pf[at + 7];
+        s[8] = Math.min(s[8], pf[at + 8]);
+        s[9] = Math.max(s[9], pf[at + 9]);
+      }
+    }
+  } finally {
+    for (const o of job.outputs) o.staging.unmap();
   }
+  return { loss: s[0] + cfg.kl_coef * s[1], grad, metrics: metrics(s, cfg) };
+}
+
+function metrics(s: Float64Array, cfg: LossConfig): LossMetrics {
   const n = s[2];
   const per = (x: number) => (n ? x / n : 0);
   const loss = s[0] + cfg.kl_coef * s[1];
   return {
     loss,
-    grad,
-    metrics: {
-      loss,
-      pg_loss: s[0],
-      kl_loss: s[1],
-      clipfrac_high: per(s[3]),
-      clipfrac_low: per(s[4]),
-      clipfrac_dual: per(s[5]),
-      approx_kl: per(s[6]),
-      ratio_mean: per(s[7]),
-      ratio_min: n ? s[8] : 0,
-      ratio_max: n ? s[9] : 0,
-      trainable_tokens: n,
-    },
+    pg_loss: s[0],
+    kl_loss: s[1],
+    clipfrac_high: per(s[3]),
+    clipfrac_low: per(s[4]),
+    clipfrac_dual: per(s[5]),
+    approx_kl: per(s[6]),
+    ratio_mean: per(s[7]),
+    ratio_min: n ? s[8] : 0,
+    ratio_max: n ? s[9] : 0,
+    trainable_tokens: n,
   };
+}
+
+/** Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in place between calls. */
+export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+  const dev = await device();
+  const limit = chunkBytes(dev);
+  const job = await jobFor(b, dev, `${limit} ${JSON.stringify(cfg)}`, 'the loss batch', () => prepareOccurrences(dev, b, cfg, limit));
+  return serial(job, () => execute(job, lp, cfg));
+}
+
+/** Compact per-node loss; the uploaded plan is cached per plan object and config. */
+export async function lossCompactWebGPU(plan: CompactPlan, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+  const dev = await device();
+  const limit = chunkBytes(dev);
+  const job = await jobFor(plan, dev, `${limit} ${JSON.stringify(cfg)}`, 'the compact plan', () => prepareCompact(dev, plan, cfg, limit));
+  return serial(job, () => execute(job, lp, cfg));
 }

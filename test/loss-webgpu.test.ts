@@ -1,0 +1,244 @@
+/**
+ * The WebGPU loss beyond the parity suite of loss.test.ts: the chunk layout checked by hand, every chunk boundary
+ * crossed on small inputs (TREEPACK_WEBGPU_LOSS_CHUNK_BYTES lowers the bytes per binding: a node's occurrences and a
+ * sequence split across chunks), determinism run to run, the compact mode chunked, and one batch whose trainable
+ * occurrences exceed the adapter's real binding limit.
+ */
+import { afterAll, afterEach, describe, expect, it } from 'vitest';
+import { listBackends } from '../src/backend/index.js';
+import { releaseWebGPU, webgpuContext } from '../src/backend/webgpu/device.js';
+import { CHUNK_BYTES_ENV } from '../src/backend/webgpu/loss.js';
+import { chunkIndex, OCC_BYTES, occStream, planOccChunks, seqChunks } from '../src/backend/webgpu/loss_layout.js';
+import { TreepackError } from '../src/errors.js';
+import { buildCompactPlan, computeLoss, computeLossCompact, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
+import { lossReference } from '../src/loss/reference.js';
+import type { LossBatch } from '../src/loss/types.js';
+import { close, LOSS_CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
+import { randomBatch, rng } from './helpers/sequences.js';
+
+afterAll(releaseWebGPU);
+afterEach(() => {
+  delete process.env[CHUNK_BYTES_ENV];
+});
+
+const webgpu = (await listBackends()).find((b) => b.name === 'webgpu')!;
+if (!webgpu.available) console.log(`webgpu loss tests skipped: ${webgpu.detail}`);
+const TOL = 2e-5; // f32 end to end against a float64 oracle, as in loss.test.ts
+
+function expectEqualsJs(got: LossResult, want: LossResult, tol: number, what: string): void {
+  close(got.loss, want.loss, tol, `${what} loss`);
+  for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[]) close(got.metrics[key], want.metrics[key], tol, `${what} ${key}`);
+  for (let p = 0; p < want.grad.length; p++) close(got.grad[p], want.grad[p], tol, `${what} grad[${p}]`);
+}
+
+/** Node-sorted occurrence stream offsets from per-node counts. */
+const offsets = (counts: number[]) => Uint32Array.from([0, ...counts.map((_, i) => counts.slice(0, i + 1).reduce((a, b) => a + b, 0))]);
+
+describe('chunk layout', () => {
+  it('cuts the node-sorted stream by occurrences mid-node and by nodes at node boundaries', () => {
+    // nodes 0..6 hold 0, 5, 1, 0, 0, 2, 3 trainable occurrences
+    const nodeOff = offsets([0, 5, 1, 0, 0, 2, 3]);
+    expect(planOccChunks(nodeOff, 2, 3)).toEqual([
+      { n0: 1, n1: 1, o0: 0, o1: 2 },
+      { n0: 1, n1: 1, o0: 2, o1: 4 },
+      { n0: 1, n1: 2, o0: 4, o1: 6 }, // node 1 ends here after three chunks; node 2 fits
+      { n0: 5, n1: 5, o0: 6, o1: 8 }, // nodes 3 and 4 have none: skipped
+      { n0: 6, n1: 6, o0: 8, o1: 10 },
+      { n0: 6, n1: 6, o0: 10, o1: 11 },
+    ]);
+    expect(planOccChunks(offsets([1, 1, 1, 1, 1]), 100, 2)).toEqual([
+      { n0: 0, n1: 1, o0: 0, o1: 2 },
+      { n0: 2, n1: 3, o0: 2, o1: 4 },
+      { n0: 4, n1: 4, o0: 4, o1: 5 },
+    ]);
+    expect(planOccChunks(offsets([0, 0]), 4, 4)).toEqual([]);
+  });
+
+  it('indexes a chunk: local node offsets clipped to its occurrences, then whole nodes per thread', () => {
+    const nodeOff = offsets([0, 5, 1, 0, 0, 2, 3]);
+    // chunk {nodes 1..2, occurrences 4..6}: node 1 keeps its last occurrence, node 2 its one
+    expect(Array.from(chunkIndex(nodeOff, { n0: 1, n1: 2, o0: 4, o1: 6 }, 32).index)).toEqual([0, 1, 2, 0, 2]);
+    // 100 nodes of 20 occurrences: a thread closes once it holds ≥ 32, i.e. every 2 nodes
+    const wide = offsets(Array.from({ length: 100 }, () => 20));
+    const { index, threads } = chunkIndex(wide, { n0: 0, n1: 99, o0: 0, o1: 2000 }, 32);
+    expect(threads).toBe(50);
+    expect(Array.from(index.subarray(101, 104))).toEqual([0, 2, 4]);
+    expect(index[index.length - 1]).toBe(100);
+    // 200 nodes with no occurrences: at most 64 nodes per thread at 64 per thread
+    expect(chunkIndex(offsets([1, ...Array.from({ length: 199 }, () => 0)]), { n0: 0, n1: 199, o0: 0, o1: 1 }, 64).threads).toBe(4);
+  });
+
+  it('cuts the sequence stream with a sequence split across chunks', () => {
+    // sequence 0: 5 tokens, 3 trainable (1, 2, 4); sequence 1: no trainable token; sequence 2: 2 trainable
+    const b: LossBatch = {
+      input_ids: new Int32Array(10),
+      seq_offsets: Int32Array.from([0, 5, 7, 10]),
+      seq_positions: Int32Array.from([0, 1, 2, 3, 4, 0, 5, 0, 6, 7]),
+      loss_mask: Uint8Array.from([0, 1, 1, 0, 1, 0, 0, 0, 1, 1]),
+      advantages: new Float32Array(10),
+      old_logprobs: Float32Array.from([0, -1, -2, 0, -4, 0, 0, 0, -8, -9]),
+    };
+    const s = occStream(b, resolveLossConfig({ policy: 'gspo' }));
+    expect(Array.from(s.seqIndex)).toEqual([0, 2]);
+    const chunks = seqChunks(b, s, 2);
+    expect(chunks.map((c) => [c.r0, c.o0, c.o1, c.firstTotal, c.lastOpen, Array.from(c.range)])).toEqual([
+      [0, 0, 2, 0, true, [0, 2]],
+      [0, 2, 4, 3, true, [0, 1, 2]], // sequence 0 ends here (its mean needs its total, 3); sequence 2 starts
+      [1, 4, 5, 2, false, [0, 1]], // and ends here
+    ]);
+    const nodes = chunks.map((c) => Array.from(new Uint32Array(c.pairs.buffer)).filter((_, k) => k % 2 === 0));
+    expect(nodes).toEqual([[1, 2], [4, 6], [7]]);
+    expect(chunks.map((c) => Array.from(c.pairs).filter((_, k) => k % 2 === 1))).toEqual([[-1, -2], [-4, -8], [-9]]);
+  });
+});
+
+describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
+  /** Sets the chunk size, and checks that this batch really gets a node and a sequence cut between chunks. */
+  function chunked(bytes: number, b: LossBatch, cfg: LossConfig): void {
+    process.env[CHUNK_BYTES_ENV] = String(bytes);
+    const s = occStream(b, cfg);
+    const chunks = planOccChunks(s.nodeOff, Math.floor(bytes / OCC_BYTES), Math.floor(bytes / 8) - 1);
+    expect(chunks.some((c) => c.o0 > s.nodeOff[c.n0]), 'a node split across chunks').toBe(true);
+    if (cfg.policy === 'gspo') expect(seqChunks(b, s, Math.floor(bytes / 8)).some((c) => c.firstTotal > 0), 'a sequence split across chunks').toBe(true);
+  }
+
+  it('random batches, every config, 64- and 512-byte chunks: equal to js and to the unpacked reference', async () => {
+    for (const seed of [1, 2, 3, 4]) {
+      // many duplicates: nodes with many occurrences
+      const { batch, lp, unpacked } = randomLossCase(randomBatch(seed, { count: 60, alphabet: 2 }), seed);
+      for (const [k, config] of LOSS_CONFIGS.entries()) {
+        const cfg = resolveLossConfig(config);
+        const js = lossReference(batch, lp, cfg);
+        for (const bytes of [64, 512]) {
+          chunked(bytes, batch, cfg);
+          const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+          expectEqualsJs(got, js, TOL, `seed ${seed} config ${k} chunk ${bytes}`);
+          const want = unpackedLoss(unpacked, cfg);
+          close(got.loss, want.loss, TOL, `seed ${seed} config ${k} chunk ${bytes} vs unpacked`);
+        }
+      }
+    }
+  });
+
+  it('adversarial shapes in chunks: one token, a node shared by 300 sequences, a 20k-token gspo sequence', async () => {
+    const r = rng(9);
+    const long = Array.from({ length: 20_000 }, () => Math.floor(r() * 50));
+    const shapes: [string, number[][], number][] = [
+      ['one token', [[7, 8]], 64],
+      ['wide', Array.from({ length: 300 }, (_, i) => [0, 1, i % 150, i]), 64],
+      ['long', [long, long.slice(0, 15_000).concat([1, 2, 3])], 4096],
+    ];
+    for (const [name, seqs, bytes] of shapes) {
+      const { batch, lp } = randomLossCase(seqs, 11, { maskRate: 0.1 });
+      for (const config of [LOSS_CONFIGS[1], LOSS_CONFIGS[4], LOSS_CONFIGS[5]]) {
+        const cfg = resolveLossConfig(config);
+        if (name !== 'one token') chunked(bytes, batch, cfg);
+        else process.env[CHUNK_BYTES_ENV] = String(bytes);
+        const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+        expectEqualsJs(got, lossReference(batch, lp, cfg), name === 'long' ? 1e-4 : TOL, `${name} ${cfg.policy}`);
+      }
+    }
+  });
+
+  it('is bit-identical run to run, with a fresh layout too', async () => {
+    const { batch, lp } = randomLossCase(randomBatch(5, { count: 50, alphabet: 3 }), 5);
+    for (const config of [LOSS_CONFIGS[2], LOSS_CONFIGS[4]]) {
+      process.env[CHUNK_BYTES_ENV] = '128';
+      const a = await computeLoss(batch, lp, config, { backend: 'webgpu' });
+      const b = await computeLoss(batch, lp, config, { backend: 'webgpu' });
+      const c = await computeLoss({ ...batch }, lp, config, { backend: 'webgpu' }); // a new object: prepared again
+      for (const other of [b, c]) {
+        expect(Buffer.from(other.grad.buffer).equals(Buffer.from(a.grad.buffer))).toBe(true);
+        expect(other.metrics).toEqual(a.metrics);
+      }
+    }
+  });
+
+  it('concurrent calls on one batch give the same results as one at a time', async () => {
+    const { batch, lp } = randomLossCase(randomBatch(8, { count: 40 }), 8);
+    const lp2 = lp.map((x) => x - 0.05);
+    const [a, b] = await Promise.all([computeLoss(batch, lp, {}, { backend: 'webgpu' }), computeLoss(batch, lp2, {}, { backend: 'webgpu' })]);
+    expect(a.grad).toEqual((await computeLoss(batch, lp, {}, { backend: 'webgpu' })).grad);
+    expect(b.grad).toEqual((await computeLoss(batch, lp2, {}, { backend: 'webgpu' })).grad);
+  });
+
+  it('compact mode in 64-byte chunks equals js and the per-occurrence mode', async () => {
+    for (const seed of [1, 2, 3]) {
+      const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
+      for (const config of LOSS_CONFIGS.filter((c) => c.policy !== 'gspo')) {
+        process.env[CHUNK_BYTES_ENV] = '64';
+        const plan = buildCompactPlan(batch, config);
+        const got = await computeLossCompact(plan, lp, config, { backend: 'webgpu' });
+        expectEqualsJs(got, lossReference(batch, lp, resolveLossConfig(config)), TOL, `seed ${seed} compact`);
+        expectEqualsJs(got, await computeLoss(batch, lp, config, { backend: 'webgpu' }), TOL, `seed ${seed} compact vs per-occurrence`);
+      }
+    }
+  });
+
+  it('refuses a chunk size below 64 bytes, naming the variable', async () => {
+    process.env[CHUNK_BYTES_ENV] = '8';
+    const { batch, lp } = randomLossCase([[1, 2, 3]], 1);
+    const err = await computeLoss(batch, lp, {}, { backend: 'webgpu' }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(TreepackError);
+    expect((err as TreepackError).where.field).toBe(CHUNK_BYTES_ENV);
+  });
+});
+
+/**
+ * 9.4M occurrences (8.4M trainable) in 256 groups of 8 sequences sharing a 1200-token prompt: over the 128 MiB
+ * binding limit of the software adapter at 16 bytes per trainable occurrence, so it runs in two chunks there.
+ */
+function bigBatch(): { batch: LossBatch; lp: Float32Array } {
+  const groups = 256;
+  const per = 8;
+  const prompt = 1200;
+  const own = 3400;
+  const len = prompt + own;
+  const S = groups * per;
+  const M = S * len;
+  const N = groups * (prompt + per * own);
+  const seq_offsets = Int32Array.from({ length: S + 1 }, (_, i) => i * len);
+  const seq_positions = new Int32Array(M);
+  const loss_mask = new Uint8Array(M);
+  const advantages = new Float32Array(M);
+  const old_logprobs = new Float32Array(M);
+  const ref_logprobs = new Float32Array(M);
+  const value = (x: number) => -4 * (((Math.imul(x + 1, 2654435761) >>> 0) % 100_003) / 100_003);
+  for (let i = 0; i < S; i++) {
+    const g = Math.floor(i / per);
+    const base = g * (prompt + per * own);
+    const a = ((i % per) - 3.5) / 2;
+    for (let t = 0; t < len; t++) {
+      const j = i * len + t;
+      seq_positions[j] = t < prompt ? base + t : base + prompt + (i % per) * own + (t - prompt);
+      // the prompt is trainable after its first 200 tokens, so shared nodes have 8 occurrences each
+      loss_mask[j] = t >= 200 && t % 19 !== 0 ? 1 : 0;
+      advantages[j] = a;
+      old_logprobs[j] = Math.fround(value(seq_positions[j]) + 0.01 * ((j % 7) - 3));
+      ref_logprobs[j] = Math.fround(value(seq_positions[j] + 17));
+    }
+  }
+  const lp = Float32Array.from({ length: N }, (_, p) => Math.fround(value(p) + 0.02 * ((p % 5) - 2)));
+  return { batch: { input_ids: new Int32Array(N), seq_offsets, seq_positions, loss_mask, advantages, old_logprobs, ref_logprobs }, lp };
+}
+
+describe.skipIf(!webgpu.available)('webgpu loss over the real binding limit', () => {
+  it('8.4M trainable occurrences: equals js', { timeout: 300_000 }, async () => {
+    const { batch, lp } = bigBatch();
+    const ctx = await webgpuContext();
+    const limit = ctx.ok ? Math.min(ctx.ctx.device.limits.maxStorageBufferBindingSize, ctx.ctx.device.limits.maxBufferSize) : 0;
+    const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
+    const s = occStream(batch, cfg);
+    const chunks = planOccChunks(s.nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1).length;
+    console.log(`8.4M-occurrence case: ${s.occ.length} trainable occurrences in ${chunks} chunk(s) of at most ${limit} bytes`);
+    if (s.occ.length * OCC_BYTES > limit) expect(chunks).toBeGreaterThan(1);
+    const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+    const want = lossReference(batch, lp, cfg);
+    expect(got.metrics.trainable_tokens).toBe(s.occ.length);
+    close(got.loss, want.loss, TOL, 'loss');
+    for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[]) close(got.metrics[key], want.metrics[key], 1e-4, key);
+    let worst = 0;
+    for (let p = 0; p < want.grad.length; p++) worst = Math.max(worst, Math.abs(got.grad[p] - want.grad[p]) / Math.max(1, Math.abs(want.grad[p])));
+    expect(worst).toBeLessThanOrEqual(TOL);
+  });
+});
