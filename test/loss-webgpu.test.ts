@@ -8,7 +8,7 @@ import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { listBackends } from '../src/backend/index.js';
 import { releaseWebGPU, webgpuContext } from '../src/backend/webgpu/device.js';
 import { CHUNK_BYTES_ENV } from '../src/backend/webgpu/loss.js';
-import { chunkIndex, OCC_BYTES, occStream, planOccChunks, seqChunks } from '../src/backend/webgpu/loss_layout.js';
+import { chunkIndex, OCC_BYTES, occStream, planOccChunks, seqChunks } from '../src/backend/webgpu/loss-layout.js';
 import { TreepackError } from '../src/errors.js';
 import { buildCompactPlan, computeLoss, computeLossCompact, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';

@@ -6,7 +6,7 @@ import { maskCuSeqlens } from '../mask/cuseqlens.js';
 import { maskBits, maskDense } from '../mask/dense.js';
 import { maskSlices } from '../mask/slices.js';
 import { packForest } from '../pack/forest.js';
-import { addonLoss, addonLossCompact, type LossAddon } from './loss_addon.js';
+import { addonLoss, addonLossCompact, type LossAddon } from './loss-addon.js';
 import { maskBitsCuda, maskBlocksCudaTimed, maskDenseCuda } from './mask-cuda.js';
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
 import { cudaDeviceInfo, loadCuda, loadNative, packForestNative, type Loaded } from './native.js';

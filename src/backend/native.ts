@@ -14,7 +14,7 @@ import { TreepackError } from '../errors.js';
 import type { BlockMask } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 import { validateSequences } from '../pack/validate.js';
-import type { LossAddon } from './loss_addon.js';
+import type { LossAddon } from './loss-addon.js';
 
 /**
  * Preallocated output arrays for reuse across calls. Each given array must be at least as long as needed (N for the

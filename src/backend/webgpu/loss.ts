@@ -1,6 +1,6 @@
 /**
  * The loss on WebGPU, per occurrence and in the compact per-node mode. Once per (batch or plan, config, chunk size)
- * the host lays the data out in chunks that each fit one storage binding (loss_layout.ts), uploads them and builds
+ * the host lays the data out in chunks that each fit one storage binding (loss-layout.ts), uploads them and builds
  * every buffer and bind group a call needs; each call then only uploads lp, submits one command buffer and maps one
  * staging buffer per chunk (gradient slice and metric partials). Partials are summed here in float64 in a fixed
  * order, and a node cut between chunks sums its partial gradients in chunk order: results are identical run to run.
@@ -24,10 +24,10 @@ import {
   planOccChunks,
   SEQ_OCC_BYTES,
   seqChunks,
-} from './loss_layout.js';
-import { LOSS_WGSL } from './loss_wgsl.js';
+} from './loss-layout.js';
+import { LOSS_WGSL } from './loss.wgsl.js';
 
-const WG = 128; // as in loss_wgsl.ts
+const WG = 128; // as in loss.wgsl.ts
 const NSUMS = 10;
 export const CHUNK_BYTES_ENV = 'TREEPACK_WEBGPU_LOSS_CHUNK_BYTES';
 
@@ -125,7 +125,7 @@ class Builder {
     return this.buffer(data.byteLength, GPUBufferUsage.STORAGE, data);
   }
 
-  /** The uniform Params of loss_wgsl.ts: the config, then one dispatch's counts. */
+  /** The uniform Params of loss.wgsl.ts: the config, then one dispatch's counts. */
   params(count: number, base = 0, firstTotal = 0, lastOpen = 0, perThread = 0): GPUBuffer {
     const c = configCodes(this.cfg);
     const data = new ArrayBuffer(48);

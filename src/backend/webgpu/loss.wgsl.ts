@@ -1,6 +1,6 @@
 // WGSL source of the loss kernels, kept in a .ts module so that it ships inside dist/ with no loader.
 export const LOSS_WGSL = /* wgsl */ `
-// The RL loss on WebGPU (f32; semantics of src/loss/policy.ts, kl.ts and reference.ts). Layout in loss_layout.ts:
+// The RL loss on WebGPU (f32; semantics of src/loss/policy.ts, kl.ts and reference.ts). Layout in loss-layout.ts:
 // the host hands over only trainable occurrences, sorted by node, with their weights precomputed, in chunks that
 // each fit one binding. Three entry points, none with atomics, every sum in a fixed order:
 //   gspo_seq   workgroup per sequence of a sequence-stream chunk: GSPO's mean log ratio (running sum across chunks)
