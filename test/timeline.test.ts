@@ -12,6 +12,7 @@ import { parseRecords } from '../src/records/read.js';
 import type { ChatRecord, Sample } from '../src/records/types.js';
 import { timelineFromChat, timelineFromSample, timelineToSample } from '../src/timeline/build.js';
 import { mergeTimelines } from '../src/timeline/merge.js';
+import { addSnaps, emptySnapSummary, type Snap } from '../src/timeline/snap.js';
 import { mergeDefaults, type Author, type MergeOptions, type Timeline, type TimelineMessage } from '../src/timeline/model.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
 import { loadTokenizer } from '../src/tokenize/tokenizer.js';
@@ -353,6 +354,19 @@ function forestOf(seqs: ArrayLike<number>[]) {
   return { input_ids: arr(f.input_ids), parent: arr(f.parent), position_ids: arr(f.position_ids), subtree_end: arr(f.subtree_end) };
 }
 
+describe('snap summary', () => {
+  it('counts every snap but keeps only the first ones', () => {
+    const snap = (i: number, kind: Snap['kind']): Snap => ({ episode: 'e', record: `r${i}`, previous: `r${i - 1}`, message: 1, kind, lostTokens: i });
+    const summary = emptySnapSummary();
+    addSnaps(summary, [snap(1, 'truncation'), snap(2, 'rewrite'), snap(3, 'truncation')], 2);
+    addSnaps(summary, [snap(4, 'system')], 2);
+    expect(summary.count).toBe(4);
+    expect(summary.lostTokens).toBe(1 + 2 + 3 + 4);
+    expect(summary.kinds).toEqual({ truncation: 2, rewrite: 1, system: 1 });
+    expect(summary.first.map((s) => s.record)).toEqual(['r1', 'r2']);
+  });
+});
+
 describe('timeline merge properties', () => {
   for (const level of ['text', 'token'] as const) {
     for (const drift of [false, true]) {
@@ -403,8 +417,9 @@ describe('timeline merge in the pipeline', () => {
     const plain = await run(false);
     expect(merged.stats.read.records).toBe(merged.stats.samples + merged.stats.absorbed);
     expect(merged.stats.absorbed).toBeGreaterThan(0);
-    expect(merged.stats.snaps.length).toBeGreaterThan(0); // the generator truncates every 4th episode
-    expect(merged.stats.snaps.every((s) => s.kind === 'truncation')).toBe(true);
+    expect(merged.stats.snaps.count).toBeGreaterThan(0); // the generator truncates every 4th episode
+    expect(merged.stats.snaps.kinds).toEqual({ truncation: merged.stats.snaps.count });
+    expect(merged.stats.snaps.first.every((s) => s.kind === 'truncation')).toBe(true);
     expect(merged.stats.packedTokens).toBeLessThanOrEqual(plain.stats.packedTokens);
     expect(plain.stats.samples).toBe(plain.stats.read.records);
     const records = text.trim().split('\n').flatMap((l, i) => parseRecords(JSON.parse(l), { file: '<stream>', line: i + 1 }, { defaultId: `line-${i + 1}` })) as ChatRecord[];

@@ -18,7 +18,7 @@ import type { Sample } from '../records/types.js';
 import { timelineFromChat, timelineFromSample, timelineToSample } from '../timeline/build.js';
 import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
 import { mergeDefaults, timelineLength, type MergeOptions, type Timeline } from '../timeline/model.js';
-import type { Snap } from '../timeline/snap.js';
+import { addSnaps, emptySnapSummary, type SnapSummary } from '../timeline/snap.js';
 import { ChatEncoder, type SegmentCacheStats } from '../tokenize/chat.js';
 import { loadTokenizer } from '../tokenize/tokenizer.js';
 
@@ -49,7 +49,7 @@ export interface PipelineStats {
   absorbed: number;
   apart: number;
   driftedMessages: number;
-  snaps: Snap[];
+  snaps: SnapSummary;
   naiveTokens: number; // after merging: what is packed
   packedTokens: number;
   microBatches: number;
@@ -155,10 +155,10 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
       stats.absorbed += report.absorbed;
       stats.apart += report.apart;
       stats.driftedMessages += report.driftedMessages;
-      stats.snaps.push(...report.snaps);
+      addSnaps(stats.snaps, report.snaps);
     } else {
       samples = items.map((x) => ('kind' in x ? x : timelineToSample(x)));
-      if (policy.detectTimelineSnap) stats.snaps.push(...snapsOnly(items.filter((x): x is Timeline => !('kind' in x)), policy));
+      if (policy.detectTimelineSnap) addSnaps(stats.snaps, snapsOnly(items.filter((x): x is Timeline => !('kind' in x)), policy));
     }
     stats.seconds.merge += (performance.now() - t0) / 1000;
     for (const s of samples) yield* addSample(s);
@@ -204,7 +204,7 @@ export function emptyStats(): PipelineStats {
     absorbed: 0,
     apart: 0,
     driftedMessages: 0,
-    snaps: [],
+    snaps: emptySnapSummary(),
     naiveTokens: 0,
     packedTokens: 0,
     microBatches: 0,

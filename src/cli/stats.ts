@@ -9,8 +9,6 @@ import { progressReporter } from './progress.js';
 import { resolveKernel } from '../backend/index.js';
 import type { Snap } from '../timeline/snap.js';
 
-const SNAP_LIST_MAX = 100;
-
 export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 
 Prints records, timelines and samples after the timeline merge, naive and packed tokens, compression
@@ -48,7 +46,7 @@ export interface StatsReport {
   snaps: number;
   snap_lost_tokens: number;
   snap_kinds: Record<string, number>;
-  snap_list: Snap[]; // the first SNAP_LIST_MAX
+  snap_list: Snap[]; // the first 100
 
   naive_tokens: number;
   packed_tokens: number;
@@ -125,10 +123,10 @@ export async function statsCommand(argv: string[]): Promise<number> {
     absorbed: stats.absorbed,
     merged_tokens: stats.naiveTokens,
     drifted_messages: stats.driftedMessages,
-    snaps: stats.snaps.length,
-    snap_lost_tokens: stats.snaps.reduce((a, x) => a + x.lostTokens, 0),
-    snap_kinds: snapKinds(stats.snaps),
-    snap_list: stats.snaps.slice(0, SNAP_LIST_MAX),
+    snaps: stats.snaps.count,
+    snap_lost_tokens: stats.snaps.lostTokens,
+    snap_kinds: stats.snaps.kinds,
+    snap_list: stats.snaps.first,
     naive_tokens: stats.timelineTokens, // every call as its own sample: what an unpacked trainer runs
     packed_tokens: stats.packedTokens,
     compression: ratio(stats.timelineTokens, stats.packedTokens),
@@ -145,11 +143,6 @@ export async function statsCommand(argv: string[]): Promise<number> {
   return 0;
 }
 
-function snapKinds(list: Snap[]): Record<string, number> {
-  const counts: Record<string, number> = {};
-  for (const s of list) counts[s.kind] = (counts[s.kind] ?? 0) + 1;
-  return counts;
-}
 
 export function formatStats(r: StatsReport, maxGroups: number): string {
   const n = (x: number) => x.toLocaleString('en-US');

@@ -25,6 +25,30 @@ export interface Snap {
   lostTokens: number; // tokens of the previous timeline past the break: sharing it would have had
 }
 
+/**
+ * Snap figures of a whole input in bounded memory: counts, tokens lost and kinds over every snap, and the
+ * snaps themselves only up to `keep` (an input far larger than memory may snap once per call).
+ */
+export interface SnapSummary {
+  count: number;
+  lostTokens: number;
+  kinds: Partial<Record<SnapKind, number>>;
+  first: Snap[];
+}
+
+export function emptySnapSummary(): SnapSummary {
+  return { count: 0, lostTokens: 0, kinds: {}, first: [] };
+}
+
+export function addSnaps(summary: SnapSummary, snaps: readonly Snap[], keep = 100): void {
+  for (const s of snaps) {
+    summary.count++;
+    summary.lostTokens += s.lostTokens;
+    summary.kinds[s.kind] = (summary.kinds[s.kind] ?? 0) + 1;
+    if (summary.first.length < keep) summary.first.push(s);
+  }
+}
+
 export function detectSnaps(ts: readonly Timeline[], trie: Trie): Snap[] {
   const { parent, depth, terminal, key } = trie;
   const first = new Int32Array(trie.size).fill(ts.length); // earliest timeline ending at each node
