@@ -98,14 +98,11 @@ export function chunkIndex(nodeOff: Uint32Array, c: OccChunk, perThread: number)
   return { index, threads: starts.length - 1 };
 }
 
-/** The node-sorted occurrence stream of a batch under a config (see the file comment). */
+/** The node-sorted occurrence stream of a batch under a config (see the file comment), as counts and offsets only. */
 export interface OccStream {
   /** Node p's occurrences are [nodeOff[p], nodeOff[p+1]) of the stream. */
   nodeOff: Uint32Array;
-  /** Per stream position: the occurrence's index in the batch, and its sequence's rank among non-empty sequences. */
-  occ: Int32Array;
-  rank: Int32Array;
-  /** Per rank: aggregation weight and sequence-level truncated IS weight (1 unless tis = 'sequence'). */
+  /** Per rank (a sequence's rank among non-empty sequences): aggregation weight and sequence-level truncated IS weight (1 unless tis = 'sequence'). */
   weight: Float64Array;
   seqTis: Float64Array;
   /** Per rank: first position in the sequence-ordered stream of trainable occurrences ([G+1]), and the batch's sequence. */
@@ -141,50 +138,78 @@ export function occStream(b: LossBatch, cfg: LossConfig): OccStream {
     g++;
   }
   for (let p = 0; p < N; p++) nodeOff[p + 1] += nodeOff[p];
-  const T = nodeOff[N];
-  const occ = new Int32Array(T);
-  const rank = new Int32Array(T);
-  const fill = nodeOff.slice(0, N);
-  for (let r = 0; r < G; r++) {
-    const i = seqIndex[r];
-    for (let j = off[i]; j < off[i + 1]; j++) {
-      if (!mask[j]) continue;
-      const k = fill[pos[j]]++;
-      occ[k] = j;
-      rank[k] = r;
-    }
-  }
-  return { nodeOff, occ, rank, weight, seqTis, seqStart, seqIndex };
+  return { nodeOff, weight, seqTis, seqStart, seqIndex };
+}
+
+/** Where one chunk's occurrence arrays go (typically the mapped ranges of its upload buffers). */
+export interface OccTarget {
+  /** [4·n]: pg weight = aggregation × truncated IS weight, advantage, old, KL weight. */
+  a: Float32Array;
+  /** [2·n], when KL or GSPO needs it: ref, bitcast sequence rank. */
+  b?: Float32Array;
 }
 
 /**
- * The arrays of stream positions [o0, o1): a [4·n] (pg weight = aggregation × truncated IS weight, advantage, old,
- * KL weight) and, when KL or GSPO needs it, b [2·n] (ref, bitcast sequence rank).
+ * Writes every chunk's occurrence arrays in one pass over the batch in sequence order, scattering each trainable
+ * occurrence to its place in the node-sorted stream (a counting sort over seq_positions: reads stay sequential, and
+ * no index arrays or per-occurrence objects are built). Chunks are consecutive runs of the stream, so a node's
+ * occurrences leave its first chunk only when that chunk ends mid-node.
  */
-export function occArrays(b: LossBatch, cfg: LossConfig, s: OccStream, o0: number, o1: number, withB: boolean): { a: Float32Array; b?: Float32Array } {
-  const n = o1 - o0;
-  const a = new Float32Array(4 * n);
-  const bb = withB ? new Float32Array(2 * n) : undefined;
-  const bu = bb && new Uint32Array(bb.buffer);
+export function fillOccArrays(b: LossBatch, cfg: LossConfig, s: OccStream, chunks: OccChunk[], targets: OccTarget[]): void {
+  const { seq_offsets: off, seq_positions: pos, loss_mask: mask } = b;
+  const N = s.nodeOff.length - 1;
+  const C = chunks.length;
+  const o0 = new Uint32Array(C);
+  const o1 = new Uint32Array(C);
+  // The chunk holding each node's next occurrence; reverse order so that a node shared by two chunks starts in the first.
+  const chunkOf = new Uint32Array(N);
+  for (let c = C - 1; c >= 0; c--) {
+    o0[c] = chunks[c].o0;
+    o1[c] = chunks[c].o1;
+    chunkOf.fill(c, chunks[c].n0, chunks[c].n1 + 1);
+  }
+  const fill = s.nodeOff.slice(0, N);
   const old = b.old_logprobs!;
   const adv = b.advantages!;
   const ref = cfg.kl !== 'none' ? b.ref_logprobs! : undefined;
   const roll = cfg.tis === 'token' ? b.rollout_logprobs! : undefined;
-  for (let k = 0; k < n; k++) {
-    const j = s.occ[o0 + k];
-    const r = s.rank[o0 + k];
+  const withB = targets.some((t) => t.b);
+  const aOf = targets.map((t) => t.a);
+  const bOf = targets.map((t) => t.b ?? t.a);
+  const uOf = bOf.map((x) => new Uint32Array(x.buffer, x.byteOffset, x.length));
+  // One chunk is the common case: its arrays stay in locals and no occurrence looks its chunk up.
+  let a = aOf[0];
+  let bf = bOf[0];
+  let bu = uOf[0];
+  for (let r = 0; r < s.seqIndex.length; r++) {
+    const i = s.seqIndex[r];
     const w = s.weight[r];
-    const tis = roll ? truncatedWeight(old[j] - roll[j], cfg.log_ratio_clamp, cfg.tis_cap) : s.seqTis[r];
-    a[4 * k] = w * tis;
-    a[4 * k + 1] = adv[j];
-    a[4 * k + 2] = old[j];
-    a[4 * k + 3] = w;
-    if (bb) {
-      bb[2 * k] = ref ? ref[j] : 0;
-      bu![2 * k + 1] = r;
+    const pw = w * s.seqTis[r];
+    for (let j = off[i]; j < off[i + 1]; j++) {
+      if (!mask[j]) continue;
+      const p = pos[j];
+      let q = fill[p]++;
+      if (C > 1) {
+        let c = chunkOf[p];
+        if (q >= o1[c]) {
+          while (q >= o1[c]) c++;
+          chunkOf[p] = c;
+        }
+        q -= o0[c];
+        a = aOf[c];
+        bf = bOf[c];
+        bu = uOf[c];
+      }
+      a[4 * q] = roll ? w * truncatedWeight(old[j] - roll[j], cfg.log_ratio_clamp, cfg.tis_cap) : pw;
+      a[4 * q + 1] = adv[j];
+      a[4 * q + 2] = old[j];
+      a[4 * q + 3] = w;
+      if (withB) {
+        bf[2 * q] = ref ? ref[j] : 0;
+        bu[2 * q + 1] = r;
+      }
     }
   }
-  return { a, b: bb };
 }
 
 export interface SeqChunk {

@@ -17,8 +17,8 @@ import {
   compactArrays,
   COMPACT_NODE_BYTES,
   compactPerThread,
+  fillOccArrays,
   OCC_BYTES,
-  occArrays,
   occPerThread,
   occStream,
   planOccChunks,
@@ -113,9 +113,9 @@ class Builder {
     this.dummyWritable = this.buffer(16, GPUBufferUsage.STORAGE);
   }
 
-  buffer(bytes: number, usage: number, data?: ArrayBufferView): GPUBuffer {
+  buffer(bytes: number, usage: number, data?: ArrayBufferView, mappedAtCreation = false): GPUBuffer {
     const size = Math.max(16, Math.ceil(bytes / 4) * 4);
-    const buf = this.device.createBuffer({ size, usage: usage | GPUBufferUsage.COPY_DST });
+    const buf = this.device.createBuffer({ size, usage: usage | GPUBufferUsage.COPY_DST, mappedAtCreation });
     this.buffers.push(buf);
     if (data && data.byteLength) this.device.queue.writeBuffer(buf, 0, data.buffer, data.byteOffset, data.byteLength);
     return buf;
@@ -123,6 +123,11 @@ class Builder {
 
   storage(data: ArrayBufferView): GPUBuffer {
     return this.buffer(data.byteLength, GPUBufferUsage.STORAGE, data);
+  }
+
+  /** A storage buffer mapped for the host to write its contents in place (no staging copy); unmap before use. */
+  mapped(bytes: number): GPUBuffer {
+    return this.buffer(bytes, GPUBufferUsage.STORAGE, undefined, true);
   }
 
   /** The uniform Params of loss.wgsl.ts: the config, then one dispatch's counts. */
@@ -213,13 +218,17 @@ function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit
   const seqLr = gspo ? B.buffer(4 * G, GPUBufferUsage.STORAGE) : B.dummyWritable;
   // idx holds L+1 node offsets and at most L+1 thread starts: 8 bytes per node.
   const chunks = planOccChunks(stream.nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1);
-  const perThread = occPerThread(stream.occ.length);
+  const perThread = occPerThread(stream.nodeOff[N]);
   const outputs = chunks.map((c) => {
     const { index, threads } = chunkIndex(stream.nodeOff, c, perThread);
-    const arrays = occArrays(b, cfg, stream, c.o0, c.o1, withB);
-    const L = c.n1 - c.n0 + 1;
-    return { c, index, threads, occA: B.storage(arrays.a), occB: arrays.b ? B.storage(arrays.b) : B.dummy, L };
+    const n = c.o1 - c.o0;
+    return { c, index, threads, occA: B.mapped(OCC_BYTES * n), occB: withB ? B.mapped(8 * n) : B.dummy, L: c.n1 - c.n0 + 1 };
   });
+  fillOccArrays(b, cfg, stream, chunks, outputs.map((o) => ({ a: new Float32Array(o.occA.getMappedRange()), b: withB ? new Float32Array(o.occB.getMappedRange()) : undefined })));
+  for (const o of outputs) {
+    o.occA.unmap();
+    if (withB) o.occB.unmap();
+  }
   let lpWhole: GPUBuffer | undefined;
   if (gspo) {
     const one = chunks.length === 1 && chunks[0].n0 === 0 && chunks[0].n1 === N - 1;
