@@ -162,3 +162,52 @@ describe('treepack CLI', () => {
     expect(execFileSync(process.execPath, [BIN, '--version'], { encoding: 'utf8' }).trim()).toBe(pkg.version);
   });
 });
+
+describe('treepack pack: inputs checked beyond their syntax', () => {
+  const write = (name: string, lines: object[]) => {
+    const f = join(dir, name);
+    writeFileSync(f, lines.map((l) => JSON.stringify(l)).join('\n') + '\n');
+    return f;
+  };
+
+  it('engine token ids of a chat response are checked against the vocabulary', () => {
+    const f = write('engine.jsonl', [{ messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } }]);
+    const r = cli(['pack', f, '--out', join(dir, 'engine')]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain(`${f}:1`);
+    expect(r.stderr).toMatch(/field "response\.token_ids\[0\]": token id 999999999 is outside the vocabulary \(size 151669\)/);
+  });
+
+  it('a group repeated after a cut is fine when nothing is estimated from rewards', () => {
+    const f = write('groups.jsonl', [
+      { id: 'a1', group: 'A', tokens: [1, 2, 3] },
+      { id: 'b1', group: 'B', tokens: [1, 2, 4] },
+      { id: 'a2', group: 'A', tokens: [1, 2, 5] },
+    ]);
+    expect(cli(['pack', f, '--out', join(dir, 'groups'), '--max-naive-tokens', '2', '--quiet']).code).toBe(0);
+    const withRewards = write('groups-r.jsonl', [
+      { id: 'a1', group: 'A', episode: 'a1', reward: 1, tokens: [1, 2, 3] },
+      { id: 'b1', group: 'B', episode: 'b1', reward: 1, tokens: [1, 2, 4] },
+      { id: 'a2', group: 'A', episode: 'a2', reward: 0, tokens: [1, 2, 5] },
+    ]);
+    const r = cli(['pack', withRewards, '--out', join(dir, 'groups-r'), '--max-naive-tokens', '2']);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toMatch(/groups-r\.jsonl:3, record "a2", field "group": group "A" appears again/);
+  });
+
+  it('a group mixing given advantages with rewards to estimate is refused, naming file and line', () => {
+    const f = write('mixed.jsonl', [
+      { id: 'a1', group: 'A', episode: 'e1', reward: 1, tokens: [1, 2, 3] },
+      { id: 'a2', group: 'A', episode: 'e2', reward: 0, advantage: -5, tokens: [1, 2, 4] },
+      { id: 'a3', group: 'A', episode: 'e3', reward: 0, tokens: [1, 2, 5] },
+    ]);
+    const r = cli(['pack', f, '--out', join(dir, 'mixed')]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toMatch(/mixed\.jsonl:2, record "a2", field "advantage": group "A" mixes samples/);
+    const episode = write('episode.jsonl', [
+      { id: 'a1', group: 'A', episode: 'e1', reward: 1, tokens: [1, 2, 3] },
+      { id: 'a2', group: 'A', episode: 'e1', reward: 0, tokens: [1, 2, 4] },
+    ]);
+    expect(cli(['pack', episode, '--out', join(dir, 'episode')]).stderr).toMatch(/episode\.jsonl:2, record "a2", field "reward": episode "e1" has turns with different rewards/);
+  });
+});

@@ -153,6 +153,9 @@ export async function packCommand(argv: string[]): Promise<number> {
   } finally {
     progress.done();
   }
+  // The manifest is the commit point: the old one goes before any file is replaced and the new one is written
+  // last, so a crash while publishing leaves no manifest rather than one that contradicts the files.
+  rmSync(join(out, 'manifest.json'), { force: true });
   for (const m of manifest) renameSync(join(staging, m.file), join(out, m.file));
   rmSync(staging, { recursive: true, force: true });
   const keep = new Set(manifest.map((m) => m.file));

@@ -8,12 +8,12 @@ import { performance } from 'node:perf_hooks';
 import type { Readable } from 'node:stream';
 import { resolveKernel, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
-import { fillAdvantages, type AdvantageEstimator } from '../loss/advantages.js';
+import { fillAdvantages, needsAdvantage, type AdvantageEstimator } from '../loss/advantages.js';
 import { assembleMicroBatch } from '../pack/batch.js';
 import type { MicroBatchPlan } from '../pack/budget.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
 import { packWindow, type WindowOptions } from '../pack/window.js';
-import { readRecords, type ReadStats } from '../records/read.js';
+import { checkResponseVocab, readRecords, type ReadStats } from '../records/read.js';
 import type { Sample } from '../records/types.js';
 import { timelineFromChat, timelineFromSample, timelineToSample } from '../timeline/build.js';
 import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
@@ -86,7 +86,9 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
   const flushedGroups = new Set<string>();
   const flush = (): Packed[] => {
     if (estimator !== 'none') {
-      for (const s of pending) {
+      // Only groups whose advantages are estimated here need to be whole; samples without rewards may repeat a group.
+      const estimated = pending.filter(needsAdvantage);
+      for (const s of estimated) {
         if (flushedGroups.has(s.group)) {
           throw new TreepackError('E_INPUT', `group ${JSON.stringify(s.group)} appears again after its micro-batch was written: advantages need a group's records to be contiguous in the input`, {
             file: s.source.file,
@@ -97,7 +99,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
         }
       }
       fillAdvantages(pending, { estimator });
-      for (const s of pending) flushedGroups.add(s.group);
+      for (const s of estimated) flushedGroups.add(s.group);
     }
     const t0 = performance.now();
     let out: Packed[];
@@ -175,6 +177,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     if (rec.kind === 'chat') {
       t0 = performance.now();
       encoder ??= new ChatEncoder(await loadTokenizer(opts.tokenizer));
+      checkResponseVocab(rec, opts.vocabSize ?? encoder.tokenizer.vocabSize);
       const built = timelineFromChat(rec, encoder, policy);
       if (built.drifted) stats.driftedMessages++;
       item = built.timeline;

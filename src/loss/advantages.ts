@@ -101,7 +101,7 @@ function whiten(a: Float64Array, tokens?: ArrayLike<number>): void {
  * each takes its reward from its samples, which must agree. Returns one advantage per sample.
  */
 export function sampleAdvantages(
-  samples: readonly { id: string; group: string; episode: string; reward?: number; loss_mask: Uint8Array }[],
+  samples: readonly { id: string; group: string; episode: string; reward?: number; loss_mask: Uint8Array; source?: { file: string; line: number } }[],
   opts: AdvantageOptions,
 ): Float64Array {
   const episodeOf = new Map<string, number>();
@@ -111,7 +111,8 @@ export function sampleAdvantages(
   const which = new Int32Array(samples.length);
   for (let i = 0; i < samples.length; i++) {
     const s = samples[i];
-    if (s.reward === undefined) throw new TreepackError('E_INPUT', `sample has no reward; advantages need one on every sample`, { record: s.id, field: 'reward' });
+    const where = { file: s.source?.file, line: s.source?.line, record: s.id };
+    if (s.reward === undefined) throw new TreepackError('E_INPUT', `sample has no reward; advantages need one on every sample`, { ...where, field: 'reward' });
     let e = episodeOf.get(s.episode);
     if (e === undefined) {
       episodeOf.set(s.episode, (e = rewards.length));
@@ -120,7 +121,7 @@ export function sampleAdvantages(
       tokens.push(0);
     } else if (rewards[e] !== s.reward || groups[e] !== s.group) {
       throw new TreepackError('E_INPUT', `episode ${JSON.stringify(s.episode)} has turns with different rewards or groups (${rewards[e]} in ${groups[e]}, ${s.reward} in ${s.group})`, {
-        record: s.id,
+        ...where,
         field: rewards[e] !== s.reward ? 'reward' : 'group',
       });
     }
@@ -136,8 +137,25 @@ export function sampleAdvantages(
  * when rewards are given). The samples must hold whole groups: a group's baseline needs all its episodes.
  */
 export function fillAdvantages(samples: Sample[], opts: AdvantageOptions): void {
-  const todo = samples.filter((s) => s.reward !== undefined && s.advantage === undefined && s.advantages === undefined);
+  const todo = samples.filter(needsAdvantage);
   if (todo.length === 0) return;
+  // A group's baseline needs all its episodes: estimating over the ones that bring no advantage of their own
+  // would silently use a partial group.
+  const estimated = new Set(todo.map((s) => s.group));
+  const given = samples.find((s) => estimated.has(s.group) && (s.advantage !== undefined || s.advantages !== undefined));
+  if (given) {
+    throw new TreepackError('E_INPUT', `group ${JSON.stringify(given.group)} mixes samples with their own advantages and samples whose advantages would be estimated from rewards; give advantages for all of the group or none`, {
+      file: given.source.file,
+      line: given.source.line,
+      record: given.id,
+      field: given.advantages !== undefined ? 'advantages' : 'advantage',
+    });
+  }
   const adv = sampleAdvantages(todo, opts);
   todo.forEach((s, i) => (s.advantage = adv[i]));
+}
+
+/** A sample whose advantage `fillAdvantages` estimates: it has a reward and brings no advantages of its own. */
+export function needsAdvantage(s: Sample): boolean {
+  return s.reward !== undefined && s.advantage === undefined && s.advantages === undefined;
 }

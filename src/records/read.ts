@@ -76,12 +76,21 @@ export function parseRecords(value: unknown, source: Source, opts: ParseOptions 
 
 /** Rejects token ids ≥ vocabSize; for samples built elsewhere (the readers check while parsing). */
 export function checkVocab(sample: Sample, vocabSize: number): void {
-  const t = sample.tokens;
+  checkIds(sample.tokens, vocabSize, { file: sample.source.file, line: sample.source.line, record: sample.id }, 'tokens');
+}
+
+/**
+ * Rejects engine token ids of a chat response ≥ vocabSize: unlike rendered text, they come from outside and
+ * would otherwise reach the trainer's embedding lookup unchecked.
+ */
+export function checkResponseVocab(rec: ChatRecord, vocabSize: number): void {
+  const ids = rec.response.token_ids;
+  if (ids) checkIds(ids, vocabSize, { file: rec.source.file, line: rec.source.line, record: rec.id }, 'response.token_ids');
+}
+
+function checkIds(t: Int32Array, vocabSize: number, ctx: Ctx, field: string): void {
   for (let i = 0; i < t.length; i++) {
-    if (t[i]! >= vocabSize) {
-      const ctx: Ctx = { file: sample.source.file, line: sample.source.line, record: sample.id };
-      throw fail(ctx, `tokens[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
-    }
+    if (t[i]! >= vocabSize) throw fail(ctx, `${field}[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
   }
 }
 
