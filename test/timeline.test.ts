@@ -239,6 +239,8 @@ describe('bad input', () => {
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [0, 1], message_authors: ['llm', 'robot'] }, /one of llm/, 'message_authors[1]'],
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [0, 1], message_authors: ['llm'] }, /expected 2 values/, 'message_authors'],
       [{ id: 'r', tokens: [1, 2, 3], message_authors: ['llm'] }, /needs message_offsets/, 'message_authors'],
+      // A trainable token outside an 'llm' message would be dropped when its timeline is absorbed.
+      [{ id: 'r', tokens: [1, 2, 3, 4], loss_mask: [0, 0, 1, 1], message_offsets: [0, 2], message_authors: ['user', 'user'] }, /loss_mask\[2\] = 1\) but its author is "user"/, 'message_authors[1]'],
     ];
     for (const [value, re, field] of cases) {
       const e = caught(() => parseRecords(value, where)) as TreepackError;

@@ -256,6 +256,15 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   for (let i = 0; i < a.length; i++)
     if (!(AUTHORS as readonly unknown[]).includes(a[i]))
       throw fail(ctx, `message_authors[${i}]`, `expected one of ${AUTHORS.join(', ')}, got ${describeValue(a[i])}`);
+  // Only what the policy generated is trained, and the merge trains 'llm' messages only: a trainable token in a
+  // message of another author would be dropped silently when its timeline is absorbed.
+  for (let i = 0; i < a.length; i++) {
+    if (a[i] === 'llm') continue;
+    const end = i + 1 < offsets.length ? offsets[i + 1]! : n;
+    for (let t = Math.max(offsets[i]!, 1); t < end; t++) {
+      if (s.loss_mask[t]) throw fail(ctx, `message_authors[${i}]`, `message ${i} has a trainable token (loss_mask[${t}] = 1) but its author is ${JSON.stringify(a[i])}; trainable tokens belong to 'llm' messages`);
+    }
+  }
   s.message_authors = a as Author[];
 }
 
