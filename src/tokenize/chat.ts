@@ -130,12 +130,35 @@ export class ChatEncoder {
    * own: callers must not write to them.
    */
   encodeTurns(record: ChatRecord): { ids: Int32Array[]; trainableFrom: number; trainableTo: number } {
+    this.checkNoTurnMarker(record);
     const segments = this.split(this.render(record));
     const found: Segment[] = new Array(segments.length);
     for (let i = 0; i < segments.length; i++) found[i] = this.lookup(segments[i]!);
     const last = found[found.length - 1]!;
     if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1]!, last, record);
     return { ids: found.map((f) => f.ids), trainableFrom: last.trainableFrom, trainableTo: last.trainableTo };
+  }
+
+  /**
+   * Turns are found by the turn-start token, so message text that contains it would shift every turn boundary
+   * after it, and with them the loss mask.
+   */
+  private checkNoTurnMarker(record: ChatRecord): void {
+    const check = (m: ChatMessage, path: string) => {
+      for (const field of ['content', 'reasoning_content'] as const) {
+        const text = m[field];
+        if (typeof text === 'string' && text.includes(this.turnStart)) {
+          throw new TreepackError('E_INPUT', `message text contains the turn marker ${JSON.stringify(this.turnStart)}, which would split the conversation at the wrong place`, {
+            file: record.source.file,
+            line: record.source.line,
+            record: record.id,
+            field: `${path}.${field}`,
+          });
+        }
+      }
+    };
+    record.messages.forEach((m, i) => check(m, `messages[${i}]`));
+    check(record.response, 'response');
   }
 
   /** The full text of a record: `messages + [response]`, no generation prompt. */
