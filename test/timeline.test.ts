@@ -57,6 +57,23 @@ describe('timeline merge scenarios', () => {
     expect(report).toMatchObject({ timelines: 3, samples: 1, absorbed: 2, apart: 0, driftedMessages: 0 });
   });
 
+  it('timelines with and without rollout logprobs merge separately instead of failing as one sample', () => {
+    const plain = (k: number) => msg('llm', `b${k}`, [300 + k, 400 + k]);
+    const ts = [tl('e/0', [sys(), user(1), sampled(1)]), tl('e/1', [sys(), user(1), context(1), user(2), plain(2)]), tl('e/2', [sys(), user(1)])];
+    const { samples, report } = mergeTimelines(ts, { detectTimelineSnap: true });
+    // e/2 trains nothing: it joins the logprob kind and is absorbed there.
+    expect(samples.map((s) => [s.id, s.merged_from])).toEqual([
+      ['e/0', ['e/2']],
+      ['e/1', undefined],
+    ]);
+    expect(arr(samples[0]!.rollout_logprobs)).toEqual([0, 0, 0, 0, 0, -1.5, -0.25]);
+    expect(samples[1]!.rollout_logprobs).toBeUndefined();
+    expect(arr(samples[1]!.loss_mask)).toEqual([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+    expect(report).toMatchObject({ timelines: 3, samples: 2, absorbed: 1 });
+    // Snaps still see the whole episode: e/2 goes back before e/1's turns.
+    expect(report.snaps.map((x) => [x.record, x.kind])).toEqual([['e/2', 'rollback']]);
+  });
+
   it('a branch gives two samples and the shared response is trained in exactly one', () => {
     const ts = [
       tl('e/0', [sys(), user(1), sampled(1)]),

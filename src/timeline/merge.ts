@@ -50,7 +50,10 @@ export function mergeTimelines(timelines: readonly Timeline[], options: MergeOpt
   const o = mergeDefaults(options);
   const samples: Sample[] = [];
   const report = emptyMergeReport();
-  for (const g of mergeGroups(timelines, o)) mergeGroup(g, o, samples, report);
+  for (const g of mergeGroups(timelines, o)) {
+    if (o.detectTimelineSnap) report.snaps.push(...detectSnaps(g, buildTrie(g, o.timelineCompareLevel)));
+    for (const part of byLogprobs(g)) mergeGroup(part, o, samples, report);
+  }
   samples.sort((a, b) => byId(a.id, b.id));
   report.timelines = timelines.length;
   report.samples = samples.length;
@@ -63,6 +66,26 @@ export function snapsOnly(timelines: readonly Timeline[], options: MergeOptions 
   const snaps: Snap[] = [];
   for (const g of mergeGroups(timelines, o)) snaps.push(...detectSnaps(g, buildTrie(g, o.timelineCompareLevel)));
   return snaps;
+}
+
+/**
+ * A merge group split by whether its generated messages carry rollout logprobs: one sample cannot hold messages
+ * with and without them (timelineToSample), so the two kinds merge separately. Timelines that train nothing go
+ * with the logprob kind when the group has it (they only contribute context either way). Input order is kept.
+ */
+function byLogprobs(g: Timeline[]): Timeline[][] {
+  const kind = (t: Timeline) => {
+    let trains = false;
+    for (const m of t.messages) {
+      if (!m.lossMask.includes(1)) continue;
+      if (m.logprobs) return 2;
+      trains = true;
+    }
+    return trains ? 1 : 0;
+  };
+  const kinds = g.map(kind);
+  if (!kinds.includes(1) || !kinds.includes(2)) return [g];
+  return [g.filter((_, i) => kinds[i] !== 1), g.filter((_, i) => kinds[i] === 1)];
 }
 
 /** Timelines split by merge group, each in input order (the snap diagnostic reads input order as time). */
@@ -86,7 +109,6 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
     if (m.author === 'llm' && compareVersions(m, chosen[n]!) !== 0) apart[t] = 1;
   });
   report.driftedMessages += countContextDrift(chosen, visit);
-  if (o.detectTimelineSnap) report.snaps.push(...detectSnaps(ts, trie));
 
   const canon = canonicalLeaves(trie, ts.length, (t) => apart[t] === 0);
   const buckets = new Map<number, number[]>();
