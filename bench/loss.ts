@@ -12,6 +12,7 @@ import { resolveLossConfig } from '../src/loss/config.js';
 import { compactPlan } from '../src/loss/reference.js';
 import type { LossBatch } from '../src/loss/types.js';
 import { lossInputError, validateLossInputs } from '../src/loss/validate.js';
+import { concatSequences } from '../src/pack/batch.js';
 import { generateTokenSamples } from '../src/records/generator.js';
 
 export interface LossBenchRow {
@@ -35,10 +36,7 @@ async function forestBatch(target: number): Promise<{ batch: LossBatch; lp: Floa
       M += s.tokens.length;
     }
   }
-  const offsets = new Int32Array(tokens.length + 1);
-  tokens.forEach((t, i) => (offsets[i + 1] = offsets[i] + t.length));
-  const flat = new Int32Array(M);
-  tokens.forEach((t, i) => flat.set(t, offsets[i]));
+  const { tokens: flat, offsets } = concatSequences(tokens);
   const forest = (await resolveKernel('packForest', 'auto')).kernel({ tokens: flat, offsets });
   const N = forest.input_ids.length;
   const nodeVal = (p: number, k: number) => Math.fround(-3 * (((Math.imul(p + 1, 2654435761) ^ k) >>> 0) / 4294967296));

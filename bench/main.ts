@@ -14,7 +14,7 @@ import { parseArgs } from 'node:util';
 import { listBackends } from '../src/backend/index.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
-import { toSequences } from '../src/pack/batch.js';
+import { concatSequences, toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 import type { Sample } from '../src/records/types.js';
@@ -98,13 +98,7 @@ async function chatDataset(name: string, file: string): Promise<DatasetReport> {
 
 /** Pre-tokenized agent-shaped samples built straight into typed arrays: the packer at scale, no tokenizer. */
 function syntheticTokens(groups: number): Sequences {
-  const arrays: Int32Array[] = [];
-  for (const s of generateTokenSamples({ groups, seed: 7 })) arrays.push(Int32Array.from(s.tokens));
-  const offsets = new Int32Array(arrays.length + 1);
-  for (let i = 0; i < arrays.length; i++) offsets[i + 1] = offsets[i] + arrays[i].length;
-  const tokens = new Int32Array(offsets[arrays.length]);
-  arrays.forEach((a, i) => tokens.set(a, offsets[i]));
-  return { tokens, offsets };
+  return concatSequences(Array.from(generateTokenSamples({ groups, seed: 7 }), (s) => s.tokens));
 }
 
 const t0 = performance.now();

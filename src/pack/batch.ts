@@ -6,20 +6,31 @@ import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
 import { FORMAT, MAX_TOKENS, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type OccurrenceFloatField, type Sequences } from './contract.js';
 
-/** Concatenates sample tokens into CSR form. */
-export function toSequences(samples: readonly Sample[]): Sequences {
-  const offsets = new Int32Array(samples.length + 1);
+/**
+ * Concatenates token sequences into CSR form. `idOf(i)` names sequence i in the error when the total passes the
+ * int32 positions of the contract.
+ */
+export function concatSequences(seqs: readonly ArrayLike<number>[], idOf: (i: number) => string = String): Sequences {
+  const offsets = new Int32Array(seqs.length + 1);
   let m = 0;
-  for (let i = 0; i < samples.length; i++) {
-    m += samples[i].tokens.length;
+  for (let i = 0; i < seqs.length; i++) {
+    m += seqs[i].length;
     if (m > MAX_TOKENS) {
-      throw new TreepackError('E_LIMIT', `micro-batch exceeds ${MAX_TOKENS} naive tokens (int32 positions)`, { record: samples[i].id });
+      throw new TreepackError('E_LIMIT', `micro-batch exceeds ${MAX_TOKENS} naive tokens (int32 positions)`, { record: idOf(i) });
     }
     offsets[i + 1] = m;
   }
   const tokens = new Int32Array(m);
-  for (let i = 0; i < samples.length; i++) tokens.set(samples[i].tokens, offsets[i]);
+  for (let i = 0; i < seqs.length; i++) tokens.set(seqs[i], offsets[i]);
   return { tokens, offsets };
+}
+
+/** Concatenates sample tokens into CSR form. */
+export function toSequences(samples: readonly Sample[]): Sequences {
+  return concatSequences(
+    samples.map((s) => s.tokens),
+    (i) => samples[i].id,
+  );
 }
 
 /**

@@ -1,5 +1,8 @@
 /** Seeded random batches of token sequences for property tests (shared by every backend's suite). */
+import { concatSequences as csr } from '../../src/pack/batch.js';
 import type { Sequences } from '../../src/pack/contract.js';
+
+export { csr };
 
 /** mulberry32: small, fast, and deterministic across platforms. */
 export function rng(seed: number): () => number {
@@ -11,14 +14,6 @@ export function rng(seed: number): () => number {
     t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
     return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
   };
-}
-
-export function csr(seqs: ArrayLike<number>[]): Sequences {
-  const offsets = new Int32Array(seqs.length + 1);
-  for (let i = 0; i < seqs.length; i++) offsets[i + 1] = offsets[i] + seqs[i].length;
-  const tokens = new Int32Array(offsets[seqs.length]);
-  for (let i = 0; i < seqs.length; i++) tokens.set(seqs[i], offsets[i]);
-  return { tokens, offsets };
 }
 
 export function toArrays(s: Sequences): number[][] {
