@@ -22,7 +22,9 @@ export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, 
 export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
 export { mergeTimelines, snapsOnly, type MergeReport, type MergeResult } from './timeline/merge.js';
 export type { Snap, SnapKind } from './timeline/snap.js';
-export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
+export { readMicroBatch, writeMicroBatch, type MicroBatchFile } from './io/microbatch.js';
+export { readManifest, microBatchPaths, readMicroBatches, type Manifest, type ManifestEntry, type DirectoryMicroBatch } from './io/manifest.js';
+export { openPublish, type PublishRun } from './io/publish.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';

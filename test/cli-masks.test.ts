@@ -6,6 +6,7 @@ import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSy
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { microBatchPaths } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { maskBlocks } from '../src/mask/blocks.js';
 import { maskSlices } from '../src/mask/slices.js';
@@ -70,7 +71,7 @@ describe('treepack pack --masks', () => {
     const out = join(dir, 'chains');
     const r = cli(['pack', file, '--out', out, '--masks', 'cu_seqlens']);
     expect(r.code, r.stderr).toBe(0);
-    const { extra } = readMicroBatch(join(out, 'microbatch-00000.safetensors'));
+    const { extra } = readMicroBatch(microBatchPaths(out)[0]);
     expect(Array.from(extra.get('cu_seqlens')!.data as Int32Array)).toEqual([0, 3, 5]);
   });
 

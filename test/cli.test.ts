@@ -7,6 +7,7 @@ import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSy
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { microBatchPaths } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { checkForest } from '../src/pack/invariants.js';
 import { generateJsonl, generateTokenSamples } from '../src/records/generator.js';
@@ -81,10 +82,10 @@ describe('treepack CLI', () => {
       const out = join(dir, `chat-${backend}`);
       const r = cli(['pack', file, '--out', out, '--backend', backend]);
       expect(r.code, r.stderr).toBe(0);
-      return readFileSync(join(out, 'microbatch-00000.safetensors'));
+      return readFileSync(microBatchPaths(out)[0]);
     });
     expect(outs[0].equals(outs[1])).toBe(true);
-    const { batch } = readMicroBatch(join(dir, 'chat-cpu', 'microbatch-00000.safetensors'));
+    const { batch } = readMicroBatch(microBatchPaths(join(dir, 'chat-cpu'))[0]);
     expect(batch.meta.tokenizer).toMatch(/Qwen3/);
     expect(batch.meta.num_tokens_packed).toBeLessThan(batch.meta.num_tokens_naive / 2);
   });
@@ -92,7 +93,7 @@ describe('treepack CLI', () => {
   it('bad input: exit 1, names file, line and field, leaves earlier output untouched', () => {
     const out = join(dir, 'keep');
     expect(cli(['pack', tokenFile, '--out', out, '--quiet']).code).toBe(0);
-    const before = readFileSync(join(out, 'microbatch-00000.safetensors'));
+    const before = readFileSync(microBatchPaths(out)[0]);
     const manifestBefore = readFileSync(join(out, 'manifest.json'), 'utf8');
     const bad = join(dir, 'bad.jsonl');
     const broken = JSON.parse(tokenLines[2]);
@@ -102,7 +103,7 @@ describe('treepack CLI', () => {
     expect(r.code).toBe(1);
     expect(r.stderr).toContain(`${bad}:3`);
     expect(r.stderr).toContain('loss_mask');
-    expect(readFileSync(join(out, 'microbatch-00000.safetensors')).equals(before)).toBe(true);
+    expect(readFileSync(microBatchPaths(out)[0]).equals(before)).toBe(true);
     expect(readFileSync(join(out, 'manifest.json'), 'utf8')).toBe(manifestBefore);
     expect(readdirSync(out).filter((f) => f.startsWith('.'))).toEqual([]);
 
@@ -110,8 +111,8 @@ describe('treepack CLI', () => {
     const r2 = cli(['pack', bad, '--out', join(dir, 'never')]);
     expect(r2.code).toBe(1);
     expect(r2.stderr).toContain(`${bad}:2`);
-    expect(existsSync(join(dir, 'never', 'manifest.json'))).toBe(false);
-    expect(readdirSync(join(dir, 'never'))).toEqual([]);
+    expect(existsSync(join(dir, 'never'))).toBe(false);
+    expect(readdirSync(dir).filter((f) => f.startsWith('.'))).toEqual([]);
   });
 
   it('pack --max-tokens --dp --pad-multiple: budgeted micro-batches, ranks and costs in the manifest', () => {
@@ -146,7 +147,7 @@ describe('treepack CLI', () => {
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--dp', '0']).stderr).toMatch(/--dp/);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--dp', '2']).stderr).toMatch(/--dp needs --max-tokens/);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--balance-slack', '-1']).stderr).toMatch(/--balance-slack/);
-    expect(existsSync(join(dir, 'never2', 'manifest.json'))).toBe(false);
+    expect(existsSync(join(dir, 'never2'))).toBe(false);
   });
 
   it('bad options: exit 2 with the usage', () => {

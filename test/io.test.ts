@@ -14,40 +14,12 @@ import { FORMAT, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type Seq
 import { packForest } from '../src/pack/forest.js';
 import { checkForest } from '../src/pack/invariants.js';
 import { caught } from './helpers/errors.js';
-import { csr, randomBatch, rng } from './helpers/sequences.js';
+import { csr, randomBatch, randomMicroBatch, rng } from './helpers/sequences.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-io-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 let fileCounter = 0;
 const tmpFile = (name = 'f') => join(dir, `${name}-${fileCounter++}.safetensors`);
-
-function randomMicroBatch(seed: number): { batch: MicroBatch; seqs: Sequences } {
-  const r = rng(seed * 7919 + 3);
-  const arrays = seed % 10 === 0 ? [] : seed % 10 === 1 ? [[], [4], []] : randomBatch(seed);
-  const seqs = csr(arrays);
-  const forest = packForest(seqs);
-  const M = seqs.tokens.length;
-  const loss_mask = new Uint8Array(M);
-  for (let i = 0; i < arrays.length; i++) {
-    for (let t = 1; t < arrays[i].length; t++) loss_mask[seqs.offsets[i] + t] = r() < 0.6 ? 1 : 0;
-  }
-  const batch: MicroBatch = {
-    ...forest,
-    loss_mask,
-    meta: {
-      format: FORMAT,
-      num_sequences: arrays.length,
-      num_tokens_naive: M,
-      num_tokens_packed: forest.input_ids.length,
-      tokenizer: seed % 3 === 0 ? 'Qwen/Qwen3-8B' : '',
-      sequence_ids: arrays.map((_, i) => (i % 5 === 4 ? `ü"\\\n${i}` : `s${seed}-${i}`)),
-    },
-  };
-  for (const f of OCCURRENCE_FLOAT_FIELDS) {
-    if (r() < 0.5) batch[f] = Float32Array.from({ length: M }, () => (r() - 0.5) * 20);
-  }
-  return { batch, seqs };
-}
 
 /** A safetensors file from a header given as JSON text (or object) and raw data, with an optional length lie. */
 function handBuilt(header: string | object, data: Uint8Array, lengthField?: bigint): Uint8Array {

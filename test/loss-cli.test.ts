@@ -3,6 +3,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { microBatchPaths } from '../src/io/manifest.js';
 import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
 import { resolveLossConfig } from '../src/loss/config.js';
@@ -61,7 +62,7 @@ describe('treepack pack writes advantages', () => {
     writeFileSync(input, samples.map((s) => JSON.stringify(s)).join('\n') + '\n');
     const out = join(dir, 'packed');
     expect(cli(['pack', input, '--out', out, '--quiet']).code).toBe(0);
-    const { batch } = readMicroBatch(join(out, 'microbatch-00000.safetensors'));
+    const { batch } = readMicroBatch(microBatchPaths(out)[0]);
     expect(batch.advantages).toBeDefined();
     // Expected: per group, (r − mean)/(std + 1e-6) over its episodes, with the unbiased std.
     const episodes = new Map<string, { group: string; reward: number }>();
@@ -78,7 +79,7 @@ describe('treepack pack writes advantages', () => {
     });
     const none = join(dir, 'packed-none');
     expect(cli(['pack', input, '--out', none, '--quiet', '--advantages', 'none']).code).toBe(0);
-    expect(readMicroBatch(join(none, 'microbatch-00000.safetensors')).batch.advantages).toBeUndefined();
+    expect(readMicroBatch(microBatchPaths(none)[0]).batch.advantages).toBeUndefined();
     expect(cli(['pack', input, '--out', none, '--advantages', 'ppo']).code).toBe(2);
   });
 });

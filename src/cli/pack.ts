@@ -3,11 +3,10 @@
  * moved into place only when the whole input was read without error, so bad input never leaves partial files
  * and never replaces a previous run's output.
  */
-import { mkdirSync, readdirSync, renameSync, rmSync } from 'node:fs';
-import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
-import { writeFileAtomic } from '../io/atomic.js';
 import { writeMicroBatch } from '../io/microbatch.js';
+import type { ManifestEntry } from '../io/manifest.js';
+import { openPublish } from '../io/publish.js';
 import { maskTensors, MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
 import { DEFAULT_COST, imbalance } from '../pack/balance.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
@@ -18,7 +17,8 @@ import { progressReporter } from './progress.js';
 export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [options]
 
 Reads agent rollouts (chat episodes, chat records, pre-tokenized or slime samples; JSONL) and writes
-prefix-tree packed micro-batches: DIR/microbatch-00000.safetensors … and DIR/manifest.json.
+prefix-tree packed micro-batches: DIR/manifest.json names the files DIR/gen-NNNNNN/microbatch-00000.safetensors …
+published atomically as a whole (README, "Output directory").
 
 Options:
   --out DIR               output directory (created if missing)            [required]
@@ -51,19 +51,6 @@ Options:
   --quiet                 no summary line
   -h, --help              this help`;
 
-export interface ManifestEntry {
-  file: string;
-  sequences: number;
-  naive_tokens: number;
-  packed_tokens: number;
-  /** with --max-tokens */
-  rank?: number;
-  step?: number;
-  pad_tokens?: number;
-  attention_pairs?: number;
-  cost?: number;
-}
-
 const BUDGET_FLAGS = ['dp', 'pad-multiple', 'pad-id', 'cost-token', 'cost-pair', 'balance-slack'] as const;
 
 function budgetOptions(values: Parsed['values']) {
@@ -87,6 +74,8 @@ function budgetOptions(values: Parsed['values']) {
     ...(values['balance-slack'] !== undefined && { balanceSlack: nonNegativeNumber('--balance-slack', values['balance-slack'] as string, 0) }),
   };
 }
+
+const SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
 
 export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
 
@@ -125,9 +114,13 @@ export async function packCommand(argv: string[]): Promise<number> {
   const masks = parseMaskSpecs((values.masks as string | undefined) ?? '');
   const maskBackend = backendOption(values['mask-backend'] as string | undefined, '--mask-backend');
 
-  mkdirSync(out, { recursive: true });
-  const staging = join(out, `.treepack-staging-${process.pid}`);
-  mkdirSync(staging);
+  const run = openPublish(out);
+  // Interrupted: remove the staging now rather than leave it for the next run, then die of the same signal.
+  const interrupted = (signal: NodeJS.Signals) => {
+    run.abort();
+    process.kill(process.pid, signal);
+  };
+  for (const signal of SIGNALS) process.once(signal, interrupted);
   const stats = emptyStats();
   const progress = progressReporter();
   const manifest: ManifestEntry[] = [];
@@ -139,8 +132,8 @@ export async function packCommand(argv: string[]): Promise<number> {
         throw err instanceof TreepackError ? new TreepackError(err.code, err.message, { file }) : err;
       }) : undefined;
       if (lowered) maskReport = lowered.reports;
-      writeMicroBatch(join(staging, file), batch, lowered?.tensors, lowered?.metadata);
-      const entry: ManifestEntry = { file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed };
+      const path = run.stage(file, (p) => writeMicroBatch(p, batch, lowered?.tensors, lowered?.metadata));
+      const entry: ManifestEntry = { file: path, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed };
       if (plan && budget) {
         // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
         Object.assign(entry, { rank: plan.rank, step: Math.floor(manifest.length / budget.dp!), pad_tokens: plan.padTokens, attention_pairs: plan.attentionPairs, cost: plan.cost });
@@ -148,19 +141,12 @@ export async function packCommand(argv: string[]): Promise<number> {
       manifest.push(entry);
     }
   } catch (err) {
-    rmSync(staging, { recursive: true, force: true });
+    run.abort();
     throw err;
   } finally {
     progress.done();
+    for (const signal of SIGNALS) process.removeListener(signal, interrupted);
   }
-  // The manifest is the commit point: the old one goes before any file is replaced and the new one is written
-  // last, so a crash while publishing leaves no manifest rather than one that contradicts the files.
-  rmSync(join(out, 'manifest.json'), { force: true });
-  for (const m of manifest) renameSync(join(staging, m.file), join(out, m.file));
-  rmSync(staging, { recursive: true, force: true });
-  const keep = new Set(manifest.map((m) => m.file));
-  // A previous run may have written more micro-batches; they would contradict the new manifest.
-  for (const f of readdirSync(out)) if (/^microbatch-\d+\.safetensors$/.test(f) && !keep.has(f)) rmSync(join(out, f));
   const doc = {
     format: 'treepack/1',
     input,
@@ -184,7 +170,8 @@ export async function packCommand(argv: string[]): Promise<number> {
     }),
     micro_batches: manifest,
   };
-  writeFileAtomic(join(out, 'manifest.json'), [Buffer.from(JSON.stringify(doc, null, 2) + '\n')]);
+  run.commit(doc);
+  for (const note of run.notes) console.error(`treepack pack: ${note}`);
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(

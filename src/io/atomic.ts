@@ -20,11 +20,17 @@ export type AtomicData = string | ArrayBufferView | Iterable<ArrayBufferView>;
 const FLUSH_BYTES = 16 << 20;
 const FLUSH_BUFFERS = 1024;
 
-/** Wraps a failed fs call as E_IO naming the file; anything else (a producer's own error) passes unchanged. */
-export function ioError(err: unknown, file: string): unknown {
+/**
+ * Wraps a failed fs call as E_IO naming the path, with what was being done and the system's reason
+ * ("cannot create the output directory: EROFS: read-only file system"); anything else (a producer's own error, a
+ * TreepackError) passes unchanged.
+ */
+export function ioError(err: unknown, file: string, action?: string): unknown {
   if (err instanceof TreepackError) return err;
   if (err instanceof Error && typeof (err as NodeJS.ErrnoException).syscall === 'string') {
-    const e = new TreepackError('E_IO', err.message, { file });
+    // Node's message is "CODE: description, syscall 'path'": the path is already in `file`.
+    const reason = /^[A-Z0-9_]+: [^,]*/.exec(err.message)?.[0] ?? err.message;
+    const e = new TreepackError('E_IO', action ? `cannot ${action}: ${reason}` : reason, { file });
     e.cause = err;
     return e;
   }
@@ -105,7 +111,7 @@ export function writeFileAtomic(path: string, data: AtomicData): void {
  * Some platforms cannot open or fsync a directory (Windows: EISDIR/EPERM; some filesystems: EINVAL). There the
  * rename is as durable as the platform allows, so only those refusals are ignored.
  */
-function syncDirectory(dir: string): void {
+export function syncDirectory(dir: string): void {
   let fd: number | undefined;
   try {
     fd = openSync(dir, 'r');

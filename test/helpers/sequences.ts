@@ -1,6 +1,7 @@
 /** Seeded random batches of token sequences for property tests (shared by every backend's suite). */
 import { concatSequences as csr } from '../../src/pack/batch.js';
-import type { Sequences } from '../../src/pack/contract.js';
+import { FORMAT, OCCURRENCE_FLOAT_FIELDS, type MicroBatch, type Sequences } from '../../src/pack/contract.js';
+import { packForest } from '../../src/pack/forest.js';
 
 export { csr };
 
@@ -81,4 +82,33 @@ export function shuffle<T>(xs: T[], rand: () => number): T[] {
 export function shuffled<T>(xs: readonly T[], seed: number): { items: T[]; perm: number[] } {
   const perm = shuffle(xs.map((_, i) => i), rng(seed));
   return { items: perm.map((i) => xs[i]), perm };
+}
+
+/** A seeded micro-batch: empty (seed % 10 = 0), empty sequences (1), else random; random float fields and ids. */
+export function randomMicroBatch(seed: number): { batch: MicroBatch; seqs: Sequences } {
+  const r = rng(seed * 7919 + 3);
+  const arrays = seed % 10 === 0 ? [] : seed % 10 === 1 ? [[], [4], []] : randomBatch(seed);
+  const seqs = csr(arrays);
+  const forest = packForest(seqs);
+  const M = seqs.tokens.length;
+  const loss_mask = new Uint8Array(M);
+  for (let i = 0; i < arrays.length; i++) {
+    for (let t = 1; t < arrays[i].length; t++) loss_mask[seqs.offsets[i] + t] = r() < 0.6 ? 1 : 0;
+  }
+  const batch: MicroBatch = {
+    ...forest,
+    loss_mask,
+    meta: {
+      format: FORMAT,
+      num_sequences: arrays.length,
+      num_tokens_naive: M,
+      num_tokens_packed: forest.input_ids.length,
+      tokenizer: seed % 3 === 0 ? 'Qwen/Qwen3-8B' : '',
+      sequence_ids: arrays.map((_, i) => (i % 5 === 4 ? `ü"\\\n${i}` : `s${seed}-${i}`)),
+    },
+  };
+  for (const f of OCCURRENCE_FLOAT_FIELDS) {
+    if (r() < 0.5) batch[f] = Float32Array.from({ length: M }, () => (r() - 0.5) * 20);
+  }
+  return { batch, seqs };
 }
