@@ -22,6 +22,8 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 let seq = 0;
 const fresh = () => join(dir, `case-${seq++}`);
 
+const manifestOf = (run: PublishRun, entries: object[]) => Buffer.from(JSON.stringify({ format: 'treepack/1', generation: run.generation, micro_batches: entries }));
+
 /** Writes `n` small micro-batches through `run` and commits; returns the file bytes in manifest order. */
 function publish(run: PublishRun, n: number, seed = 1): Buffer[] {
   const entries = [];
@@ -30,7 +32,7 @@ function publish(run: PublishRun, n: number, seed = 1): Buffer[] {
     const name = `microbatch-${String(i).padStart(5, '0')}.safetensors`;
     entries.push({ file: run.stage(name, (p) => writeMicroBatch(p, batch)), sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed });
   }
-  run.commit({ format: 'treepack/1', micro_batches: entries });
+  run.commit(manifestOf(run, entries));
   return microBatchPaths(run.out).map((p) => readFileSync(p));
 }
 
@@ -89,7 +91,7 @@ describe('generations and the commit point', () => {
     run.abort();
     run.abort();
     expect(differences(snapshot(out), before)).toEqual([]);
-    expect(() => run.commit({ format: 'treepack/1', micro_batches: [] })).toThrow(/already committed or aborted/);
+    expect(() => run.commit(manifestOf(run, []))).toThrow(/already committed or aborted/);
 
     const parent = fresh();
     mkdirSync(parent);
@@ -117,7 +119,7 @@ describe('concurrent writers', () => {
     run.stage('a.safetensors', (p) => writeMicroBatch(p, randomMicroBatch(1).batch));
     writeFileSync(join(out, 'manifest.json'), JSON.stringify({ format: 'treepack/1', generation: 1, micro_batches: [] }));
     const before = new Map([...snapshot(out)].filter(([rel]) => !rel.startsWith('.treepack-staging-')));
-    expect(() => run.commit({ format: 'treepack/1', micro_batches: [] })).toThrow(ioError(out, /another writer published to this directory while this run was staging/));
+    expect(() => run.commit(manifestOf(run, []))).toThrow(ioError(out, /another writer published to this directory while this run was staging/));
     expect(differences(snapshot(out), before)).toEqual([]);
   });
 
@@ -302,11 +304,7 @@ describe('unusable --out: one line naming the path, exit 1, nothing changed', ()
     try {
       const out = join(mnt, 'out');
       mkdirSync(out);
-      const { batch } = randomMicroBatch(3);
-      // An earlier run small enough to fit, then one that cannot.
-      const small = openPublish(out);
-      const file = small.stage('microbatch-00000.safetensors', (p) => writeMicroBatch(p, batch));
-      small.commit({ format: 'treepack/1', micro_batches: [{ file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed }] });
+      publish(openPublish(out), 1, 3); // an earlier run small enough to fit, then one that cannot
       const before = snapshot(out);
       const r = pack(out, limit);
       expectOneLine(r, out, mounted ? /cannot write microbatch-00000\.safetensors: ENOSPC: no space left on device/ : /cannot write microbatch-00000\.safetensors: EFBIG: file too large/);

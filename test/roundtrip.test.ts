@@ -33,19 +33,22 @@ describe('round trips', () => {
     const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
     const files = manifest.micro_batches.map((m: { file: string }) => join(out, m.file));
     expect(files.length).toBeGreaterThan(1);
-    const check = run('python3', ['-m', 'treepack', 'check', ...files], { PYTHONPATH: join(root, 'python') });
+    // The directory as a trainer reads it: the manifest, then the files it names.
+    const check = run('python3', ['-m', 'treepack', 'check', out], { PYTHONPATH: join(root, 'python') });
     expect(check.status, check.stdout + check.stderr).toBe(0);
+    expect(check.stdout.trim().split('\n')).toHaveLength(files.length);
     // Python's view of each micro-batch, compared with the TypeScript reader's on the same files.
     const script = `
 import json, sys, treepack
 out = []
-for f in sys.argv[1:]:
+assert treepack.list_microbatches(sys.argv[1]) == sys.argv[2:], (treepack.list_microbatches(sys.argv[1]), sys.argv[2:])
+for f in sys.argv[2:]:
     mb = treepack.load(f)
     out.append({"ids": mb.meta["sequence_ids"], "n": int(mb.input_ids.shape[0]),
                 "seqs": [mb.sequence(i).tolist() for i in range(mb.meta["num_sequences"])],
                 "trainable": int(mb.loss_mask.sum())})
 print(json.dumps(out))`;
-    const r = run('python3', ['-c', script, ...files], { PYTHONPATH: join(root, 'python') });
+    const r = run('python3', ['-c', script, out, ...files], { PYTHONPATH: join(root, 'python') });
     expect(r.status, r.stderr).toBe(0);
     const fromPython = JSON.parse(r.stdout) as { ids: string[]; n: number; seqs: number[][]; trainable: number }[];
     const ts = run(process.execPath, ['--import', 'tsx', '-e', `

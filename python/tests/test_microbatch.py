@@ -373,5 +373,77 @@ class CliTest(unittest.TestCase):
             self.assertTrue(any(line.startswith(f"{os.path.join(d, 'none')}: error [E_IO]") for line in lines))
 
 
+class DirectoryTest(unittest.TestCase):
+    """A packed directory as `treepack pack` lays it out: manifest.json naming files in a generation directory,
+    beside files no reader may pick up (the previous generation, a run in progress)."""
+
+    def setUp(self) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        self.dir = self._dir.name
+        rnd = random.Random(7)
+        self.entries = []
+        for gen, count in (("gen-000001", 3), ("gen-000002", 2)):
+            os.makedirs(os.path.join(self.dir, gen))
+            for i in range(count):
+                seqs = random_seqs(rnd, count=3 + i)
+                tensors, meta = micro_batch_tensors(seqs, rnd)
+                name = f"{gen}/microbatch-{i:05d}.safetensors"
+                with open(os.path.join(self.dir, name), "wb") as f:
+                    f.write(safetensors_bytes(tensors, meta))
+                if gen == "gen-000002":
+                    self.entries.append(
+                        {"file": name, "sequences": len(seqs), "naive_tokens": int(meta["num_tokens_naive"]),
+                         "packed_tokens": int(meta["num_tokens_packed"])}
+                    )
+        os.makedirs(os.path.join(self.dir, ".treepack-staging-gen-000003", "files"))
+        self.write_manifest({"format": "treepack/1", "generation": 2, "micro_batches": self.entries})
+
+    def tearDown(self) -> None:
+        self._dir.cleanup()
+
+    def write_manifest(self, doc: object) -> None:
+        with open(os.path.join(self.dir, "manifest.json"), "w") as f:
+            json.dump(doc, f)
+
+    def test_lists_only_what_the_manifest_names(self) -> None:
+        files = treepack.list_microbatches(self.dir)
+        self.assertEqual(files, [os.path.join(self.dir, "gen-000002", f"microbatch-{i:05d}.safetensors") for i in range(2)])
+        self.assertEqual(treepack.read_manifest(self.dir)["generation"], 2)
+        for path, e in zip(files, self.entries):
+            treepack.check_entry(treepack.load(path), e, path)
+
+    def test_rejects_paths_outside_and_bad_entries(self) -> None:
+        for bad in ("../x.safetensors", "/etc/passwd", "./gen-000002/a", "gen-000002//a", "", 3, "a\\b"):
+            self.write_manifest({"format": "treepack/1", "micro_batches": [dict(self.entries[0], file=bad)]})
+            with self.assertRaises(TreepackError) as cm:
+                treepack.list_microbatches(self.dir)
+            self.assertEqual((cm.exception.code, cm.exception.field), ("E_INPUT", "micro_batches[0].file"), bad)
+        self.write_manifest({"format": "treepack/1", "micro_batches": [dict(self.entries[0], sequences=-1)]})
+        with self.assertRaises(TreepackError) as cm:
+            treepack.read_manifest(self.dir)
+        self.assertEqual(cm.exception.field, "micro_batches[0].sequences")
+        self.write_manifest({"format": "treepack/0", "micro_batches": []})
+        with self.assertRaises(TreepackError) as cm:
+            treepack.read_manifest(self.dir)
+        self.assertEqual(cm.exception.field, "format")
+        os.remove(os.path.join(self.dir, "manifest.json"))
+        with self.assertRaises(TreepackError) as cm:
+            treepack.read_manifest(self.dir)
+        self.assertEqual(cm.exception.code, "E_IO")
+
+    def test_check_directory(self) -> None:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(main(["check", self.dir]), 0)
+        self.assertEqual(len(out.getvalue().splitlines()), 2)
+        self.assertIn("gen-000002", out.getvalue())
+        # An entry naming a file of another run (other counts) fails the check.
+        self.write_manifest({"format": "treepack/1", "micro_batches": [dict(self.entries[0], file="gen-000001/microbatch-00002.safetensors")]})
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(main(["check", self.dir]), 1)
+        self.assertIn("a file of another run", out.getvalue())
+
+
 if __name__ == "__main__":
     unittest.main()

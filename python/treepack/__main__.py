@@ -1,19 +1,45 @@
-"""``python -m treepack check FILE...``: prints each file's status; exit status 1 if any file is invalid."""
+"""``python -m treepack check FILE|DIR...``: prints each file's status; exit status 1 if any file is invalid.
+
+A directory is checked as a packed output directory: its manifest, then every file the manifest names, each
+against its entry."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from .microbatch import TreepackError, check_invariants, load
+from .microbatch import TreepackError, check_entry, check_invariants, load, read_manifest
 
 
-def check(files: List[str]) -> int:
-    failed = False
-    for path in files:
+def _targets(paths: List[str]) -> Tuple[List[Tuple[str, Optional[Dict[str, Any]]]], bool]:
+    """Files to check, each with its manifest entry when it comes from a directory; False if a manifest failed."""
+    out: List[Tuple[str, Optional[Dict[str, Any]]]] = []
+    ok = True
+    for path in paths:
+        if not os.path.isdir(path):
+            out.append((path, None))
+            continue
+        try:
+            entries = read_manifest(path)["micro_batches"]
+        except TreepackError as e:
+            where = "" if e.field is None else f" (field {e.field})"
+            print(f"{e.file}: error [{e.code}]{where}: {e.reason}")
+            ok = False
+            continue
+        out.extend((os.path.join(path, *e["file"].split("/")), e) for e in entries)
+    return out, ok
+
+
+def check(paths: List[str]) -> int:
+    targets, ok = _targets(paths)
+    failed = not ok
+    for path, entry in targets:
         try:
             mb = load(path)
+            if entry is not None:
+                check_entry(mb, entry, path)
         except TreepackError as e:
             where = "" if e.field is None else f" (field {e.field})"
             print(f"{path}: error [{e.code}]{where}: {e.reason}")
@@ -37,8 +63,10 @@ def check(files: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treepack", description="treepack micro-batch tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    check_cmd = commands.add_parser("check", help="check micro-batch files: format, shapes and forest invariants")
-    check_cmd.add_argument("files", nargs="+", metavar="FILE")
+    check_cmd = commands.add_parser(
+        "check", help="check micro-batch files, or packed directories by their manifest: format, shapes and forest invariants"
+    )
+    check_cmd.add_argument("files", nargs="+", metavar="FILE|DIR")
     args = parser.parse_args(argv)
     return check(args.files)
 

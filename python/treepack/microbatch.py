@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import numpy as np
 
 FORMAT = "treepack/1"
+MANIFEST_FILE = "manifest.json"
 
 NODE_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end")
 OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -374,3 +375,62 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
     )
     return out
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    """Reads ``<directory>/manifest.json``, the commit point of the run that wrote the directory, and checks it:
+    format, and each ``micro_batches`` entry's ``file`` a relative path inside the directory with its counts.
+
+    Only the files the manifest names belong to the committed run; others in the directory (the previous
+    generation, a run in progress) must never be read, so a packed directory is never globbed.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, MANIFEST_FILE)
+
+    def fail(fld: str, message: str) -> TreepackError:
+        return TreepackError("E_INPUT", message, path, fld)
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        raise TreepackError("E_IO", f"cannot read the manifest: {e.strerror}", path) from e
+    try:
+        doc = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TreepackError("E_INPUT", f"not UTF-8 JSON: {e}", path) from None
+    if not isinstance(doc, dict):
+        raise TreepackError("E_INPUT", "not a JSON object", path)
+    if doc.get("format") != FORMAT:
+        raise fail("format", f"format is {json.dumps(doc.get('format'))}, expected {json.dumps(FORMAT)}")
+    entries = doc.get("micro_batches")
+    if not isinstance(entries, list):
+        raise fail("micro_batches", "micro_batches is not a list")
+    for i, e in enumerate(entries):
+        at = f"micro_batches[{i}]"
+        if not isinstance(e, dict):
+            raise fail(at, f"{at} is not an object")
+        f = e.get("file")
+        parts = f.split("/") if isinstance(f, str) else []
+        if not parts or any(p in ("", ".", "..") for p in parts) or "\\" in f or os.path.isabs(f):
+            raise fail(f"{at}.file", f"{at}.file is {json.dumps(f)}, expected a relative path inside the directory")
+        for k in ("sequences", "naive_tokens", "packed_tokens"):
+            if not _is_count(e.get(k)):
+                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(e.get(k))}, expected an integer >= 0")
+    return doc
+
+
+def list_microbatches(directory: str) -> List[str]:
+    """Paths of the micro-batch files ``directory``'s committed manifest names, in manifest order
+    (``os.path.join(directory, entry["file"])`` for each entry). The way to enumerate a packed directory."""
+    directory = os.fspath(directory)
+    return [os.path.join(directory, *e["file"].split("/")) for e in read_manifest(directory)["micro_batches"]]
+
+
+def check_entry(mb: MicroBatch, entry: Dict[str, Any], path: str) -> None:
+    """Raises E_INPUT if a loaded file disagrees with its manifest entry (a file of another run)."""
+    for k, key in (("sequences", "num_sequences"), ("naive_tokens", "num_tokens_naive"), ("packed_tokens", "num_tokens_packed")):
+        if mb.meta[key] != entry[k]:
+            raise TreepackError(
+                "E_INPUT", f"the manifest says {k} = {entry[k]} but the file has {mb.meta[key]} (a file of another run?)", path, k
+            )

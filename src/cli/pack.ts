@@ -1,23 +1,17 @@
-/**
- * `treepack pack`: writes micro-batches and a manifest. Everything goes to a staging directory first and is
- * moved into place only when the whole input was read without error, so bad input never leaves partial files
- * and never replaces a previous run's output.
- */
+/** `treepack pack`: flags → packRecords → DirectorySink (micro-batches + manifest.json) → a summary line. */
 import { TreepackError } from '../errors.js';
-import { writeMicroBatch } from '../io/microbatch.js';
-import type { ManifestEntry } from '../io/manifest.js';
-import { openPublish } from '../io/publish.js';
-import { maskTensors, MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
-import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { DirectorySink } from '../io/directory-sink.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
+import { MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
+import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { DEFAULT_WINDOW_TOKENS, packRecords } from '../packer/index.js';
 import { backendOption, nonNegativeNumber, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, type Parsed } from './args.js';
-import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
 
 export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [options]
 
 Reads agent rollouts (chat episodes, chat records, pre-tokenized or slime samples; JSONL) and writes
-prefix-tree packed micro-batches: DIR/manifest.json names the files DIR/gen-NNNNNN/microbatch-00000.safetensors …
+prefix-tree packed micro-batches: DIR/manifest.json names the files DIR/gen-NNNNNN/microbatch-00000.safetensors …,
 published atomically as a whole (README, "Output directory").
 
 Options:
@@ -25,7 +19,7 @@ Options:
   --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
   --backend NAME          packer backend: auto, cpu, js                     [default: auto]
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
-                                                                            [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
+                                                                            [default: ${DEFAULT_WINDOW_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
   --max-tokens T          split each cut into micro-batches of at most T packed tokens (padding included),
                           keeping shared prefixes together; a cut is then a window of groups
@@ -77,8 +71,6 @@ function budgetOptions(values: Parsed['values']) {
 
 const SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
 
-export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
-
 function advantagesOption(v: string | undefined): AdvantageEstimator | 'none' {
   if (v === undefined) return 'grpo';
   if (v !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(v)) {
@@ -114,68 +106,28 @@ export async function packCommand(argv: string[]): Promise<number> {
   const masks = parseMaskSpecs((values.masks as string | undefined) ?? '');
   const maskBackend = backendOption(values['mask-backend'] as string | undefined, '--mask-backend');
 
-  const run = openPublish(out);
+  const progress = progressReporter();
+  const run = packRecords(input, { ...opts, masks, maskBackend, onProgress: progress.update });
+  const sink = new DirectorySink(out);
   // Interrupted: remove the staging now rather than leave it for the next run, then die of the same signal.
   const interrupted = (signal: NodeJS.Signals) => {
-    run.abort();
+    sink.abort();
     process.kill(process.pid, signal);
   };
   for (const signal of SIGNALS) process.once(signal, interrupted);
-  const stats = emptyStats();
-  const progress = progressReporter();
-  const manifest: ManifestEntry[] = [];
-  let maskReport: string[] = [];
+  let microBatches: number;
   try {
-    for await (const { batch, plan } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
-      const file = fileName(manifest.length);
-      const lowered = masks.length ? await maskTensors(batch, masks, maskBackend).catch((err: unknown) => {
-        throw err instanceof TreepackError ? new TreepackError(err.code, err.message, { file }) : err;
-      }) : undefined;
-      if (lowered) maskReport = lowered.reports;
-      const path = run.stage(file, (p) => writeMicroBatch(p, batch, lowered?.tensors, lowered?.metadata));
-      const entry: ManifestEntry = { file: path, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed };
-      if (plan && budget) {
-        // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
-        Object.assign(entry, { rank: plan.rank, step: Math.floor(manifest.length / budget.dp!), pad_tokens: plan.padTokens, attention_pairs: plan.attentionPairs, cost: plan.cost });
-      }
-      manifest.push(entry);
-    }
-  } catch (err) {
-    run.abort();
-    throw err;
+    microBatches = (await run.writeTo(sink)).micro_batches.length;
   } finally {
     progress.done();
     for (const signal of SIGNALS) process.removeListener(signal, interrupted);
+    for (const note of sink.notes) console.error(`treepack pack: ${note}`);
   }
-  const doc = {
-    format: 'treepack/1',
-    input,
-    tokenizer: stats.tokenizer,
-    backend: stats.backend,
-    ...(masks.length ? { masks: masks.map((m) => (m.kind === 'blocks' ? `block:${m.blockSize}` : m.kind)), mask_backend: maskReport } : {}),
-    records: stats.read.lines,
-    timelines: stats.timelines,
-    absorbed: stats.absorbed,
-    sequences: stats.samples,
-    naive_tokens: stats.naiveTokens,
-    packed_tokens: stats.packedTokens,
-    ...(budget && {
-      max_tokens: budget.maxTokens,
-      dp: budget.dp,
-      pad_multiple: budget.padMultiple,
-      cost_model: budget.cost,
-      optimum_tokens: stats.optimumTokens,
-      rank_costs: stats.rankCosts,
-      imbalance: imbalance(stats.rankCosts),
-    }),
-    micro_batches: manifest,
-  };
-  run.commit(doc);
-  for (const note of run.notes) console.error(`treepack pack: ${note}`);
+  const stats = run.report();
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
-      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${manifest.length} micro-batch(es) in ${out}: ` +
+      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${microBatches} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×)` +
         (budget ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}` : '') +
         `; ${stats.backend}`,

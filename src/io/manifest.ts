@@ -7,39 +7,15 @@
 import { readFileSync } from 'node:fs';
 import { isAbsolute, join, normalize, sep } from 'node:path';
 import { TreepackError } from '../errors.js';
-import { FORMAT } from '../pack/contract.js';
 import { ioError } from './atomic.js';
-import { MANIFEST } from './publish.js';
 import { readMicroBatch, type MicroBatchFile } from './microbatch.js';
-
-export interface ManifestEntry {
-  /** Path relative to the directory: `gen-NNNNNN/microbatch-00000.safetensors`. */
-  file: string;
-  sequences: number;
-  naive_tokens: number;
-  packed_tokens: number;
-  /** with --max-tokens */
-  rank?: number;
-  step?: number;
-  pad_tokens?: number;
-  attention_pairs?: number;
-  cost?: number;
-}
-
-/** manifest.json: run-level fields (README, "Output directory") and one entry per micro-batch, in order. */
-export interface Manifest {
-  format: string;
-  /** Which generation of the directory this manifest commits (absent in directories of older treepack versions). */
-  generation?: number;
-  micro_batches: ManifestEntry[];
-  [field: string]: unknown;
-}
+import { MANIFEST_FILE, MANIFEST_FORMAT, type Manifest, type ManifestEntry } from './sink.js';
 
 const COUNTS = ['sequences', 'naive_tokens', 'packed_tokens'] as const;
 
 /** Reads and checks `<dir>/manifest.json`; every problem is E_INPUT naming the manifest and the field. */
 export function readManifest(dir: string): Manifest {
-  const path = join(dir, MANIFEST);
+  const path = join(dir, MANIFEST_FILE);
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
@@ -54,7 +30,7 @@ export function readManifest(dir: string): Manifest {
     throw new TreepackError('E_INPUT', `not JSON: ${(err as Error).message}`, { file: path });
   }
   if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) throw new TreepackError('E_INPUT', 'not a JSON object', { file: path });
-  if (doc.format !== FORMAT) throw fail('format', `format is ${JSON.stringify(doc.format)}, expected ${JSON.stringify(FORMAT)}`);
+  if (doc.format !== MANIFEST_FORMAT) throw fail('format', `format is ${JSON.stringify(doc.format)}, expected ${JSON.stringify(MANIFEST_FORMAT)}`);
   if (!Array.isArray(doc.micro_batches)) throw fail('micro_batches', 'micro_batches is not a list');
   doc.micro_batches.forEach((e, i) => {
     const at = `micro_batches[${i}]`;

@@ -25,8 +25,8 @@ import { hostname } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { ioError, syncDirectory, writeFileAtomic } from './atomic.js';
+import { MANIFEST_FILE } from './sink.js';
 
-export const MANIFEST = 'manifest.json';
 const GEN = /^gen-(\d{6,})$/;
 const STAGING = /^\.treepack-staging-gen-(\d{6,})$/;
 /** Leftovers that name their owner's pid: a claim being built, a run into a new --out, temp files of atomic writes. */
@@ -159,10 +159,10 @@ function scan(out: string): Scan {
 function readCommitted(out: string): Scan['committed'] {
   let bytes: string;
   try {
-    bytes = readFileSync(join(out, MANIFEST), 'utf8');
+    bytes = readFileSync(join(out, MANIFEST_FILE), 'utf8');
   } catch (err) {
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') return { generation: 0, names: new Set(), bytes: undefined };
-    throw ioError(err, join(out, MANIFEST), 'read the committed manifest');
+    throw ioError(err, join(out, MANIFEST_FILE), 'read the committed manifest');
   }
   try {
     const doc = JSON.parse(bytes) as { generation?: unknown; micro_batches?: { file?: unknown }[] };
@@ -190,10 +190,11 @@ export interface PublishRun {
    */
   stage(name: string, write: (path: string) => void): string;
   /**
-   * Makes the staged files and `manifest` (with `generation` added) the content of --out in one atomic step, then
-   * removes generations older than the previous one. Throws (and aborts) if --out changed since the run opened.
+   * Makes the staged files and `manifest` (the bytes of manifest.json, which should record `generation`) the
+   * content of --out in one atomic step, then removes generations older than the previous one. Throws (and
+   * aborts) if --out changed since the run opened.
    */
-  commit(manifest: Record<string, unknown>): void;
+  commit(manifest: Uint8Array): void;
   /** Removes everything the run made; --out is left as it was. Safe to call twice, and after commit (no-op). */
   abort(): void;
 }
@@ -319,11 +320,11 @@ function openExisting(out: string): PublishRun {
         if (now.committed.bytes !== s.committed.bytes || highest(now) > n) {
           throw new TreepackError('E_IO', 'another writer published to this directory while this run was staging; this run published nothing', { file: out });
         }
-        writeFileAtomic(join(staging, MANIFEST), manifestText(manifest, n));
+        writeFileAtomic(join(staging, MANIFEST_FILE), manifest);
         fsCall(join(out, genName(n)), 'publish the new generation', () => renameSync(join(staging, 'files'), join(out, genName(n))));
         genPublished = true;
         fsCall(out, 'sync the output directory', () => syncDirectory(out));
-        fsCall(join(out, MANIFEST), 'commit the manifest', () => renameSync(join(staging, MANIFEST), join(out, MANIFEST)));
+        fsCall(join(out, MANIFEST_FILE), 'commit the manifest', () => renameSync(join(staging, MANIFEST_FILE), join(out, MANIFEST_FILE)));
         genPublished = false;
         done = true;
         fsCall(out, 'sync the output directory', () => syncDirectory(out));
@@ -369,11 +370,6 @@ function stageFile(out: string, path: string, name: string, gen: string, write: 
   return `${gen}/${name}`;
 }
 
-function manifestText(manifest: Record<string, unknown>, generation: number): string {
-  const { format, ...rest } = manifest;
-  return JSON.stringify({ ...(format !== undefined && { format }), generation, ...rest }, null, 2) + '\n';
-}
-
 /** The nearest ancestor of `path` that exists (the run stages there, on the file system --out will be on). */
 function existingAncestor(path: string): string {
   let dir = dirname(path);
@@ -414,7 +410,7 @@ function openNew(out: string): PublishRun {
     commit(manifest) {
       if (done) throw new TreepackError('E_ARG', 'this publish run was already committed or aborted', { file: out });
       try {
-        writeFileAtomic(join(tmp, 'out', MANIFEST), manifestText(manifest, 1));
+        writeFileAtomic(join(tmp, 'out', MANIFEST_FILE), manifest);
         fsCall(dirname(target), 'create the parent of the output directory', () => mkdirSync(dirname(target), { recursive: true }));
         try {
           renameSync(join(tmp, 'out'), target);
