@@ -3,7 +3,11 @@ import { microBatchBytes } from './microbatch.js';
 import { MANIFEST_FILE, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch } from './sink.js';
 
 export class MemorySink implements Sink {
-  /** After commit: every file by name, manifest.json included, byte for byte as DirectorySink writes them. */
+  /**
+   * After commit: every file by name, manifest.json included. Micro-batch files are byte for byte as DirectorySink
+   * writes them; DirectorySink's manifest also records the generation directory they live in (`generation`,
+   * `gen-NNNNNN/` in each entry's file).
+   */
   files = new Map<string, Uint8Array>();
   #staged = new Map<string, Uint8Array>();
   #entries: ManifestEntry[] = [];
