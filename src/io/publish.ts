@@ -23,7 +23,7 @@ import { randomBytes } from 'node:crypto';
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync } from 'node:fs';
 import { hostname } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
-import { TreepackError } from '../errors.js';
+import { argError, TreepackError } from '../errors.js';
 import { ioError, syncDirectory, writeFileAtomic } from './atomic.js';
 import { MANIFEST_FILE } from './sink.js';
 
@@ -320,7 +320,7 @@ function openExisting(out: string): PublishRun {
         if (now.committed.bytes !== s.committed.bytes || highest(now) > n) {
           throw new TreepackError('E_IO', 'another writer published to this directory while this run was staging; this run published nothing', { file: out });
         }
-        writeFileAtomic(join(staging, MANIFEST_FILE), manifest);
+        fsCall(out, 'write the manifest', () => writeFileAtomic(join(staging, MANIFEST_FILE), manifest));
         fsCall(join(out, genName(n)), 'publish the new generation', () => renameSync(join(staging, 'files'), join(out, genName(n))));
         genPublished = true;
         fsCall(out, 'sync the output directory', () => syncDirectory(out));
@@ -362,6 +362,7 @@ function collectGarbage(out: string, n: number, previous: Set<string> | undefine
 }
 
 function stageFile(out: string, path: string, name: string, gen: string, write: (path: string) => void): string {
+  if (typeof name !== 'string' || !/^[^/\\]+$/.test(name) || name === '.' || name === '..') throw argError('a staged file name', 'a plain file name', name);
   try {
     write(path);
   } catch (err) {
@@ -410,7 +411,7 @@ function openNew(out: string): PublishRun {
     commit(manifest) {
       if (done) throw new TreepackError('E_ARG', 'this publish run was already committed or aborted', { file: out });
       try {
-        writeFileAtomic(join(tmp, 'out', MANIFEST_FILE), manifest);
+        fsCall(out, 'write the manifest', () => writeFileAtomic(join(tmp, 'out', MANIFEST_FILE), manifest));
         fsCall(dirname(target), 'create the parent of the output directory', () => mkdirSync(dirname(target), { recursive: true }));
         try {
           renameSync(join(tmp, 'out'), target);
