@@ -129,11 +129,11 @@ export function createPacker(options: PackerOptions = {}): Packer {
       check('endGroup');
       intake.endGroup(group);
     },
-    drain() {
+    async drain() {
       check('drain');
       return run(false);
     },
-    end() {
+    async end() {
       check('end');
       state = 'ended';
       return run(true);
