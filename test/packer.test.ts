@@ -12,7 +12,7 @@
  */
 import { Readable } from 'node:stream';
 import { describe, expect, it } from 'vitest';
-import { createPacker, manifestHeader, microBatchBytes, packRecords, TreepackError, type PackedMicroBatch, type PackerOptions } from '../src/index.js';
+import { createPacker, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TrainRecord } from '../src/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
 
 /** A small deterministic PRNG (mulberry32), so a failing order can be replayed. */
@@ -148,8 +148,7 @@ describe('incremental use: misuse and failures', () => {
   });
 
   it('mixing parsed records and JSON objects is refused, and the packer goes on', async () => {
-    const { readRecords } = await import('../src/index.js');
-    const parsed = [];
+    const parsed: TrainRecord[] = [];
     for await (const r of readRecords(Readable.from([tokenLines.slice(0, 2).map((l) => l.text).join('\n')]))) parsed.push(r);
     const packer = createPacker({});
     packer.push(parsed[0]);
@@ -204,8 +203,7 @@ describe('incremental use: misuse and failures', () => {
   });
 
   it("estimated advantages never touch the caller's records", async () => {
-    const { readRecords } = await import('../src/index.js');
-    const parsed = [];
+    const parsed: TrainRecord[] = [];
     for await (const r of readRecords(Readable.from([tokenLines.slice(0, 6).map((l) => l.text).join('\n')]))) parsed.push(r);
     const run = async () => {
       const packer = createPacker({ merge: false });
