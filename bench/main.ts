@@ -16,11 +16,12 @@ import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { packRecords, type PackReport } from '../src/index.js';
 import { concatSequences, toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
-import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
+import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import type { Sample } from '../src/records/types.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { benchLoss } from './loss.js';
+import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
@@ -163,9 +164,10 @@ const merge = await mergeSection();
 const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
+const memory = await benchMemory(quick);
 await releaseWebGPU();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory }, null, 2));
 }

@@ -9,7 +9,7 @@ import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { checkForest } from '../src/pack/invariants.js';
-import { generateJsonl, generateTokenSamples } from '../src/records/generator.js';
+import { generateJsonl, generateTokenSamples } from '../bench/dataset.js';
 import { BIN, cli } from './helpers/cli.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-'));

@@ -7,7 +7,7 @@ import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
 import { resolveLossConfig } from '../src/loss/config.js';
 import { lossReference } from '../src/loss/reference.js';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from '../bench/dataset.js';
 import { randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
 import { cli } from './helpers/cli.js';

@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { createPacker, DirectorySink, MemorySink, packRecords, readRecords, TreepackError, type PackerOptions } from '../src/index.js';
-import { generateJsonl, generateTokenSamples } from '../src/records/generator.js';
+import { generateJsonl, generateTokenSamples } from '../bench/dataset.js';
 import { cli } from './helpers/cli.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-packer-cli-'));

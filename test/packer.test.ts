@@ -13,7 +13,7 @@
 import { Readable } from 'node:stream';
 import { describe, expect, it } from 'vitest';
 import { createPacker, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TrainRecord } from '../src/index.js';
-import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
+import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 
 /** A small deterministic PRNG (mulberry32), so a failing order can be replayed. */
 function rng(seed: number): () => number {
