@@ -14,18 +14,7 @@ import { Readable } from 'node:stream';
 import { describe, expect, it } from 'vitest';
 import { createPacker, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TrainRecord } from '../src/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
-
-/** A small deterministic PRNG (mulberry32), so a failing order can be replayed. */
-function rng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
+import { rng } from './helpers/sequences.js';
 
 function shuffle<T>(xs: T[], seed: number): T[] {
   const r = rng(seed);

@@ -27,7 +27,7 @@ Options:
   --groups K              groups listed in the text report               [default: 10]
   -h, --help              this help`;
 
-export interface GroupStats {
+interface GroupStats {
   group: string;
   samples: number;
   naive_tokens: number;
@@ -35,7 +35,7 @@ export interface GroupStats {
   compression: number;
 }
 
-export interface StatsReport {
+interface StatsReport {
   input: string;
   records: number; // input lines
   timelines: number; // records read (an episode line holds one per request): timelines = samples + absorbed
@@ -146,7 +146,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
 }
 
 
-export function formatStats(r: StatsReport, maxGroups: number): string {
+function formatStats(r: StatsReport, maxGroups: number): string {
   const n = (x: number) => x.toLocaleString('en-US');
   const lines = [
     `input          ${r.input}`,
