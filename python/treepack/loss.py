@@ -1,7 +1,7 @@
 """The RL loss of a packed micro-batch from Python, through treepack's C ABI (ctypes, no Node).
 
-CPU: ``libtreepack_core.so`` (``tp_loss``; ``npm run build:cuda`` builds it into build-cmake/Release, or set
-TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers; TREEPACK_CUDA_LIB).
+CPU: ``libtreepack_core.so`` (``tp_loss``; ``npm install`` builds it into build/Release, ``npm run build:cuda`` into
+build-cmake/Release, or set TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers; TREEPACK_CUDA_LIB).
 
     >>> from treepack.loss import loss_numpy, PackedLoss
     >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})   # numpy arrays
@@ -88,6 +88,7 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
 def _library(env: str, name: str) -> ctypes.CDLL:
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [os.environ[env]] if os.environ.get(env) else [
+        os.path.join(here, "..", "..", "build", "Release", name),  # npm install (node-gyp): the core only
         os.path.join(here, "..", "..", "build-cmake", "Release", name),
         os.path.join(here, "..", "..", "build-cmake", name),
     ]
@@ -97,7 +98,7 @@ def _library(env: str, name: str) -> ctypes.CDLL:
             return ctypes.CDLL(os.path.abspath(path))
         except OSError as e:
             errors.append(f"{path}: {e}")
-    raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm run build:cuda` or set {env}")
+    raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}")
 
 
 _P = ctypes.c_void_p
