@@ -83,7 +83,8 @@ def forests(vocab: int, seed: int = 0) -> Dict[str, List[List[int]]]:
 
 
 def tiny_model(family: str, dtype, attn: str = "treepack", vocab: int = 97, seed: int = 0):
-    """A 2-layer random-weight Qwen3 or Llama (GQA, RoPE) from transformers, in ``dtype``, eval mode (no dropout)."""
+    """A 2-layer random-weight Qwen3 or Llama (GQA, RoPE) from transformers, in ``dtype``, eval mode (no dropout);
+    in float64 its norms stay in float64 (``patch_norms_to_input_dtype``)."""
     import torch
     import transformers
 
@@ -99,4 +100,50 @@ def tiny_model(family: str, dtype, attn: str = "treepack", vocab: int = 97, seed
     model = cls(cfg).to(dtype)
     model.set_attn_implementation(attn)
     model.eval()
+    if dtype == torch.float64:
+        patch_norms_to_input_dtype(model)
     return model
+
+
+_ST = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32"}
+
+
+def write_microbatch(path: str, mb: MicroBatch, metadata: Optional[Dict[str, str]] = None, dtypes: Optional[Dict[str, str]] = None) -> None:
+    """A micro-batch file as the TypeScript writer lays it out (tests need files they can also break: ``metadata``
+    overrides header keys, ``dtypes`` stores a field as another numpy dtype)."""
+    import json
+
+    arrays = {f: getattr(mb, f) for f in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions", "loss_mask",
+                                         "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs") if getattr(mb, f) is not None}
+    arrays.update(mb.extra)
+    for k, dt in (dtypes or {}).items():
+        arrays[k] = np.asarray(arrays[k]).astype(dt)
+    meta = {k: (json.dumps(v) if k == "sequence_ids" else str(v)) for k, v in mb.meta.items()}
+    meta.update(metadata or {})
+    header: Dict[str, object] = {"__metadata__": meta}
+    blobs, at = [], 0
+    for k, a in arrays.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[k] = {"dtype": _ST[np.asarray(a).dtype], "shape": list(np.shape(a)), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def patch_norms_to_input_dtype(model) -> None:
+    """HF's Qwen3/Llama RMSNorm computes in float32 whatever the input dtype (~1e-7 of noise that float64 tests
+    cannot tell from a bug); this keeps it in the input dtype, with the same formula."""
+    import types
+
+    import torch
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = types.MethodType(forward, m)

@@ -10,8 +10,17 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
 
 from .attention import TreeMask, attend, dense_tree_mask, register, tree_attention, tree_mask
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, read_manifest
+from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
+from .loss import METRICS, PackedLoss, packed_loss
 
 __all__ = [
+    "METRICS",
+    "NodeScores",
+    "PackedLoss",
+    "gather_occurrences",
+    "packed_logprobs",
+    "packed_loss",
+    "scored_nodes",
     "PackedBatch",
     "PackedDataset",
     "TreeMask",
