@@ -177,6 +177,9 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
         fn = _compiled_flex
     elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
         raise TreepackError("E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU", field="mode")
+    else:
+        # torch refuses requires_grad inputs on CPU even under no_grad, where nothing is recorded anyway.
+        query, key, value = query.detach(), key.detach(), value.detach()
     return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
