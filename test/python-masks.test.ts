@@ -40,6 +40,7 @@ describe.skipIf(skipReason !== '')('python flex helpers on stored masks', () => 
     const res = py.run(['-m', 'unittest', '-v', 'tests.test_flex', 'tests.test_flex_gpu'], { env: { TREEPACK_MASK_FILES: files.join(delimiter) } });
     expect(res.status, res.stderr).toBe(0);
     expect(res.stderr).toMatch(/test_every_file_agrees_with_the_dense_rule \(.*\) \.\.\. ok/);
+    expect(res.stderr).toMatch(/test_python_builders_equal_the_stored_lowerings \(.*\) \.\.\. ok/);
     const gpu = res.stderr.match(/test_flex_attention_matches_sdpa \(.*\) \.\.\. (.*)/)?.[1];
     console.log(`python FlexAttention vs SDPA: ${gpu}`);
     expect(gpu).toBeDefined();

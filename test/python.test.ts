@@ -45,7 +45,7 @@ describe.skipIf(skipReason !== '')('python reader', () => {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-py-'));
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  it('python unit tests pass', () => {
+  it('python unit tests pass', { timeout: 120_000 }, () => {
     const res = python(['-m', 'unittest', 'discover', '-s', 'tests']);
     expect(res.status, res.stderr).toBe(0);
   });

@@ -111,7 +111,7 @@ def cu_seqlens(parent: Any) -> np.ndarray:
     if shared.size:
         p = int(shared[0])
         raise _fail("parent", f"cu_seqlens needs a forest with no sharing, but node {par[p]} has more than one child; use the block-sparse or slices lowering")
-    return np.concatenate([np.flatnonzero(par < 0), [n] if n else []]).astype(np.int32)
+    return np.concatenate([np.flatnonzero(par < 0), [n]]).astype(np.int32)
 
 
 def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:

@@ -72,7 +72,7 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
         if key not in DEFAULTS:
             raise TreepackError("E_ARG", f"unknown loss option {key!r}; expected one of {', '.join(DEFAULTS)}", field=key)
     c = {**DEFAULTS, **given}
-    if c["clip_high"] is None:
+    if "clip_high" not in given:  # as in TypeScript, only an absent clip_high means clip_low (None is refused)
         c["clip_high"] = c["clip_low"]
 
     def bad(name: str, expected: str) -> TreepackError:

@@ -13,7 +13,7 @@ const env = pythonEnv();
 export interface PythonRunner {
   /** '' when the suite can run; else why it is skipped. */
   skipReason: string;
-  run(args: string[], opts?: { cwd?: string; env?: Record<string, string>; timeout?: number }): SpawnSyncReturns<string>;
+  run(args: string[], opts?: { cwd?: string; env?: Record<string, string>; timeout?: number; input?: string }): SpawnSyncReturns<string>;
 }
 
 export function pythonFor(suite: string, needs: 'numpy' | 'torch'): PythonRunner {
@@ -31,6 +31,7 @@ export function pythonFor(suite: string, needs: 'numpy' | 'torch'): PythonRunner
         encoding: 'utf8',
         maxBuffer: 64 << 20,
         timeout: opts.timeout,
+        input: opts.input,
       }),
   };
 }
