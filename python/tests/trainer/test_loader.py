@@ -126,6 +126,20 @@ class Loader(unittest.TestCase):
             tpt.load_microbatch(b"\x01\x00")
         self.assertEqual(cm.exception.field, "__header__")
 
+    def test_naive_batch_is_the_unshared_forest(self):
+        from treepack import MicroBatch, check_invariants
+
+        b = tpt.load_microbatch(self.path)
+        n = tpt.naive_batch(b)
+        self.assertEqual(n.num_nodes, b.num_occurrences)
+        self.assertTrue(torch.equal(n.input_ids, b.input_ids[b.seq_positions]))
+        as_np = MicroBatch(meta=n.meta, **{f: getattr(n, f).numpy().astype(np.int32) for f in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")},
+                           loss_mask=n.loss_mask.numpy().astype(np.uint8))
+        self.assertEqual(check_invariants(as_np), [])
+        self.assertTrue(torch.equal(tpt.dense_tree_mask(n.subtree_end), tpt.dense_tree_mask(n.subtree_end) & (n.seq_index[:, None] == n.seq_index[None, :])))
+        for i in range(b.num_sequences):
+            self.assertTrue(torch.equal(n.sequence(i), b.sequence(i)))
+
     @unittest.skipIf(not torch.cuda.is_available(), "pinned memory and device copies need a CUDA device")
     def test_pinned_memory_to_cuda(self):
         b = tpt.load_microbatch(self.path, device="cuda", pin_memory=True)

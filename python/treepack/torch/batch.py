@@ -96,6 +96,28 @@ class PackedBatch:
         return self.input_ids[self.seq_positions[a:b]]
 
 
+def naive_batch(batch: PackedBatch) -> PackedBatch:
+    """The same occurrences with no sharing: one node per (sequence, token), each sequence its own chain, N = M. A
+    trainer's baseline: the packed batch must give the same loss and gradients at lower cost."""
+    M = batch.num_occurrences
+    occ = torch.arange(M, device=batch.device)
+    meta = {k: v for k, v in batch.meta.items() if k != "num_pad_tokens"}
+    meta["num_tokens_packed"] = M
+    return PackedBatch(
+        input_ids=batch.input_ids[batch.seq_positions],
+        position_ids=batch.token_index.clone(),
+        parent=torch.where(batch.token_index == 0, -1, occ - 1),
+        subtree_end=batch.seq_offsets[batch.seq_index + 1],
+        seq_offsets=batch.seq_offsets.clone(),
+        seq_positions=occ,
+        loss_mask=batch.loss_mask.clone(),
+        seq_index=batch.seq_index.clone(),
+        token_index=batch.token_index.clone(),
+        meta=meta,
+        **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS},
+    )
+
+
 def _tensor(a: np.ndarray, dtype: Optional[np.dtype], device: Optional[Union[str, torch.device]], pin: bool) -> torch.Tensor:
     # np.array copies: the file's arrays are read-only views on a memory map.
     t = torch.from_numpy(np.array(a, dtype=dtype))
