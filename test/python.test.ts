@@ -50,7 +50,7 @@ describe.skipIf(skipReason !== '')('python reader', () => {
     expect(res.status, res.stderr).toBe(0);
   });
 
-  it('loads TypeScript-written micro-batches with identical arrays, sequences and metadata', () => {
+  it('loads TypeScript-written micro-batches with identical arrays, sequences and metadata; pack_sequences lays them out alike', () => {
     const cases = [];
     for (let seed = 0; seed < 12; seed++) {
       const batch = randomMicroBatch(seed);
@@ -86,6 +86,10 @@ for case in json.load(open(sys.argv[1])):
         assert mb.sequence(i).tolist() == s, i
     assert mb.extra["mask_blocks"].tolist() == [case["extra"][:2], case["extra"][2:]]
     assert treepack.check_invariants(mb) == [], treepack.check_invariants(mb)
+    # pack_sequences (the C core through ctypes) lays the same sequences out byte for byte like packForest.
+    packed = treepack.pack_sequences(case["seqs"])
+    for name in ["input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions"]:
+        assert getattr(packed, name).tolist() == case["fields"][name], name
 print("ok", len(json.load(open(sys.argv[1]))))
 `;
     const res = python(['-c', script, expectedFile]);

@@ -3,15 +3,15 @@ the forest shapes the tests cover, and tiny random-weight Hugging Face models.""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from treepack import FORMAT, MicroBatch
+from treepack import MicroBatch
 from treepack.loss import core_library
+from treepack.pack import pack_sequences
 
 try:
     core_library()
@@ -23,44 +23,23 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 
 def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True) -> MicroBatch:
-    """Packs token sequences with tp_plan_create / tp_plan_layout; ``pad`` pad nodes appended as the budgeted
-    packer does (roots of token 0 that attend only to themselves, ``num_pad_tokens``); random trainable masks and
-    per-occurrence floats."""
-    lib = core_library()
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tp_plan_create.argtypes = [P, I64, P, I64, ctypes.POINTER(P), ctypes.POINTER(I64)]
-    lib.tp_plan_layout.argtypes = [P, P, P, P, P, P]
-    lib.tp_plan_free.argtypes = [P]
-    tokens = np.array([t for s in seqs for t in s], dtype=np.int32)
-    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int32)
-    plan, n = P(), I64()
-    assert lib.tp_plan_create(tokens.ctypes.data, len(tokens), offsets.ctypes.data, len(seqs), ctypes.byref(plan), ctypes.byref(n)) == 0
-    N, M = n.value, len(tokens)
-    arrays = [np.zeros(N, dtype=np.int32) for _ in range(4)] + [np.zeros(M, dtype=np.int32)]
-    try:
-        assert lib.tp_plan_layout(plan, *(a.ctypes.data for a in arrays)) == 0
-    finally:
-        lib.tp_plan_free(plan)
-    input_ids, position_ids, parent, subtree_end, seq_positions = arrays
+    """``pack_sequences`` (the C core's packer) plus ``pad`` pad nodes appended as the budgeted packer does (roots of
+    token 0 that attend only to themselves, ``num_pad_tokens``), random trainable masks and per-occurrence floats."""
+    mb = pack_sequences(seqs)
+    N, M = len(mb.input_ids), len(mb.seq_positions)
     if pad:
-        input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int32)])
-        position_ids = np.concatenate([position_ids, np.zeros(pad, dtype=np.int32)])
-        parent = np.concatenate([parent, np.full(pad, -1, dtype=np.int32)])
-        subtree_end = np.concatenate([subtree_end, np.arange(N + 1, N + pad + 1, dtype=np.int32)])
+        mb.input_ids = np.concatenate([mb.input_ids, np.zeros(pad, dtype=np.int32)])
+        mb.position_ids = np.concatenate([mb.position_ids, np.zeros(pad, dtype=np.int32)])
+        mb.parent = np.concatenate([mb.parent, np.full(pad, -1, dtype=np.int32)])
+        mb.subtree_end = np.concatenate([mb.subtree_end, np.arange(N + 1, N + pad + 1, dtype=np.int32)])
+        mb.meta.update(num_tokens_packed=N + pad, num_pad_tokens=pad)
     r = np.random.default_rng(seed)
-    mask = (r.random(M) < 0.7).astype(np.uint8)
-    mask[offsets[:-1][np.diff(offsets) > 0]] = 0
-    meta = {"format": FORMAT, "num_sequences": len(seqs), "num_tokens_naive": M, "num_tokens_packed": N + pad,
-            "tokenizer": "test", "sequence_ids": [str(i) for i in range(len(seqs))]}
-    if pad:
-        meta["num_pad_tokens"] = pad
-    fl: Dict[str, Optional[np.ndarray]] = {}
-    for f in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
-        fl[f] = None
-        if floats:
-            fl[f] = (r.standard_normal(M) if f == "advantages" else -r.random(M) * 3).astype(np.float32)
-    return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end,
-                      seq_offsets=offsets, seq_positions=seq_positions, loss_mask=mask, meta=meta, **fl)
+    mb.loss_mask = (mb.loss_mask * (r.random(M) < 0.7)).astype(np.uint8)
+    if floats:
+        mb.advantages = r.standard_normal(M).astype(np.float32)
+        for f in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+            setattr(mb, f, (-r.random(M) * 3).astype(np.float32))
+    return mb
 
 
 def forests(vocab: int, seed: int = 0) -> Dict[str, List[List[int]]]:
