@@ -4,6 +4,7 @@
     >>> mb = treepack.load("out/mb-000000.safetensors")
     >>> mb.sequence(0)                 # tokens of the first sequence
     >>> treepack.check_invariants(mb)  # [] when valid
+    >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]])   # pack in process (C core)
 
 ``python -m treepack check FILE...`` runs the same checks from the shell.
 """
@@ -18,6 +19,8 @@ from .microbatch import (
     read_safetensors,
 )
 
+from .pack import pack_sequences
+
 __all__ = [
     "FORMAT",
     "MicroBatch",
@@ -25,5 +28,6 @@ __all__ = [
     "TreepackError",
     "check_invariants",
     "load",
+    "pack_sequences",
     "read_safetensors",
 ]
