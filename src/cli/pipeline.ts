@@ -38,6 +38,9 @@ export interface PipelineOptions {
   /** Estimator for samples that have rewards but no advantages (per group, per episode); 'none' writes none. */
   advantages?: AdvantageEstimator | 'none';
   onProgress?: (p: PipelineStats) => void;
+  /** See ReadOptions: episode lines sharing an id are parts of one episode; invalid UTF-8 read as U+FFFD. */
+  repeatedEpisodeIds?: boolean;
+  lossyUtf8?: boolean;
 }
 
 export interface PipelineStats {
@@ -166,7 +169,7 @@ export async function* packStream(input: string | Readable, opts: PipelineOption
     for (const s of samples) yield* addSample(s);
   };
 
-  const records = readRecords(input, { vocabSize: opts.vocabSize, stats: stats.read });
+  const records = readRecords(input, { vocabSize: opts.vocabSize, stats: stats.read, repeatedEpisodeIds: opts.repeatedEpisodeIds, lossyUtf8: opts.lossyUtf8 });
   for (;;) {
     let t0 = performance.now();
     const next = await records.next();
