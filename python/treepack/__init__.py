@@ -4,6 +4,7 @@
     >>> mb = treepack.load("out/mb-000000.safetensors")
     >>> mb.sequence(0)                 # tokens of the first sequence
     >>> treepack.check_invariants(mb)  # [] when valid
+    >>> treepack.check_values(mb, vocab_size=151936)  # masks 0/1, ids in range, finite where trainable
 
 ``python -m treepack check FILE...`` runs the same checks from the shell.
 """
@@ -14,6 +15,7 @@ from .microbatch import (
     SafetensorsFile,
     TreepackError,
     check_invariants,
+    check_values,
     load,
     read_safetensors,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "SafetensorsFile",
     "TreepackError",
     "check_invariants",
+    "check_values",
     "load",
     "read_safetensors",
 ]
