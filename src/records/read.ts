@@ -3,8 +3,8 @@
  * Every rejection is an E_INPUT TreepackError naming file, line, record and field, because the data sets this
  * reads are too large to debug by eye.
  */
-import { createHash } from 'node:crypto';
 import { TreepackError, describeValue } from '../errors.js';
+import { EpisodeIds } from './episode-ids.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
 import { AUTHORS, type Author, type ChatMessage, type ChatRecord, type Sample, type Source, type ToolCall, type TrainRecord } from './types.js';
 
@@ -25,9 +25,7 @@ export interface ReadOptions {
   lossyUtf8?: boolean;
   /**
    * Episode lines (`requests`) that share an `episode_id` are parts of one episode (e.g. one line per agent).
-   * Off by default: two different lines with one id are then an error naming both, since merging them would
-   * silently turn two rollouts into one (GRPO would see fewer episodes). A byte-identical repeat of a line is
-   * always accepted as the same episode.
+   * Off by default: two different lines with one id are an error naming both (see episode-ids.ts).
    */
   repeatedEpisodeIds?: boolean;
 }
@@ -46,8 +44,7 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
   const file = inputName(input, opts.name);
   const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;
   const stats = opts.stats;
-  // episode_id → the first line that used it and a digest of that line, to tell a repeat from a collision
-  const episodes = opts.repeatedEpisodeIds ? undefined : new Map<string, { line: number; digest: string }>();
+  const episodes = opts.repeatedEpisodeIds ? undefined : new EpisodeIds();
   for await (const { line, text } of readJsonlLines(input, { name: opts.name, maxLineBytes: opts.maxLineBytes, lossyUtf8: opts.lossyUtf8 })) {
     if (stats) stats.lines++;
     let value: unknown;
@@ -60,19 +57,7 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
       vocabSize: opts.vocabSize,
       defaultId: named ? `${file}:${line}` : `line-${line}`,
     });
-    if (episodes && parsed.length > 0 && parsed[0]!.kind === 'chat' && 'requests' in (value as object)) {
-      const episode = parsed[0]!.episode;
-      const digest = createHash('sha1').update(text).digest('base64');
-      const first = episodes.get(episode);
-      if (first === undefined) episodes.set(episode, { line, digest });
-      else if (first.digest !== digest) {
-        throw new TreepackError(
-          'E_INPUT',
-          `episode_id ${JSON.stringify(episode)} was already used by a different episode on line ${first.line}; episode ids must be unique (pass --repeated-episode-ids, or repeatedEpisodeIds, if lines sharing an id are parts of one episode)`,
-          { file, line, record: episode, field: 'episode_id' },
-        );
-      }
-    }
+    episodes?.check(value, parsed, text, file, line);
     for (const r of parsed) {
       if (stats) stats.records++;
       yield r;
