@@ -1,8 +1,9 @@
 /**
  * Checks before any loss kernel runs, so every backend can assume well-formed input: shapes, the unmerge index in
- * range, the fields the config needs, and finite values wherever a token is trainable (masked positions may hold
- * anything: they never enter the loss), loss_mask 0 or 1 and input_ids ≥ 0 (a file with other values was not written
- * by treepack, and a trainer would count 7 as trainable or index an embedding at -1). Errors are TreepackError naming the field, and the sequence and token.
+ * range, the fields the config needs, finite values wherever a token is trainable (masked positions may hold
+ * anything: they never enter the loss), loss_mask 0 or 1 and input_ids >= 0 (treepack never writes other values;
+ * a trainer would count a mask of 7 as trainable and index its embedding at -1). Errors are TreepackError naming
+ * the field, and the sequence and token.
  */
 import { TreepackError } from '../errors.js';
 import type { LossConfig } from './config.js';
