@@ -11,7 +11,7 @@ import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
 import { judge, reference, restore, stackTrace, startPack, watchOut, type Normalize, type Reference, type RunResult } from './helpers/faults.js';
 

@@ -11,7 +11,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { microBatchPaths, readManifest, readMicroBatches } from '../src/io/manifest.js';
 import { writeMicroBatch } from '../src/io/microbatch.js';
 import { openPublish, type PublishRun } from '../src/io/publish.js';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from '../bench/dataset.js';
 import { BIN } from './helpers/cli.js';
 import { differences, snapshot } from './helpers/faults.js';
 import { randomMicroBatch } from './helpers/sequences.js';

@@ -4,6 +4,8 @@
     >>> mb = treepack.load("out/mb-000000.safetensors")
     >>> mb.sequence(0)                 # tokens of the first sequence
     >>> treepack.check_invariants(mb)  # [] when valid
+    >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]])   # pack in process (C core)
+    >>> treepack.check_values(mb, vocab_size=151936)  # masks 0/1, ids in range, finite where trainable
     >>> treepack.list_microbatches("out")  # a packed directory: the files its manifest names, in order
 
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
@@ -17,11 +19,14 @@ from .microbatch import (
     TreepackError,
     check_entry,
     check_invariants,
+    check_values,
     list_microbatches,
     load,
     read_manifest,
     read_safetensors,
 )
+
+from .pack import pack_sequences
 
 __all__ = [
     "FORMAT",
@@ -31,8 +36,10 @@ __all__ = [
     "TreepackError",
     "check_entry",
     "check_invariants",
+    "check_values",
     "list_microbatches",
     "load",
+    "pack_sequences",
     "read_manifest",
     "read_safetensors",
 ]

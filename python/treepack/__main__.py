@@ -1,4 +1,5 @@
-"""``python -m treepack check FILE|DIR...``: prints each file's status; exit status 1 if any file is invalid.
+"""``python -m treepack check FILE|DIR... [--vocab-size V]``: prints each file's status (format, shapes, forest
+invariants, values a trainer would misread); exit status 1 if any file is invalid, 2 for bad usage.
 
 A directory is checked as a packed output directory: its manifest, then every file the manifest names, each
 against its entry."""
@@ -10,7 +11,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from .microbatch import TreepackError, check_entry, check_invariants, load, read_manifest
+from .microbatch import TreepackError, check_entry, check_invariants, check_values, load, read_manifest
 
 
 def _targets(paths: List[str]) -> Tuple[List[Tuple[str, Optional[Dict[str, Any]]]], bool]:
@@ -32,7 +33,7 @@ def _targets(paths: List[str]) -> Tuple[List[Tuple[str, Optional[Dict[str, Any]]
     return out, ok
 
 
-def check(paths: List[str]) -> int:
+def check(paths: List[str], vocab_size: Optional[int] = None) -> int:
     targets, ok = _targets(paths)
     failed = not ok
     for path, entry in targets:
@@ -45,7 +46,7 @@ def check(paths: List[str]) -> int:
             print(f"{path}: error [{e.code}]{where}: {e.reason}")
             failed = True
             continue
-        violations = check_invariants(mb)
+        violations = check_invariants(mb) + check_values(mb, vocab_size)
         if violations:
             failed = True
             print(f"{path}: {len(violations)} violation(s)")
@@ -64,11 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treepack", description="treepack micro-batch tools")
     commands = parser.add_subparsers(dest="command", required=True)
     check_cmd = commands.add_parser(
-        "check", help="check micro-batch files, or packed directories by their manifest: format, shapes and forest invariants"
+        "check", help="check micro-batch files, or packed directories by their manifest: format, shapes, forest invariants, values"
     )
     check_cmd.add_argument("files", nargs="+", metavar="FILE|DIR")
+    check_cmd.add_argument("--vocab-size", type=int, default=None, metavar="V", help="also reject input_ids >= V")
     args = parser.parse_args(argv)
-    return check(args.files)
+    return check(args.files, args.vocab_size)
 
 
 if __name__ == "__main__":
