@@ -83,11 +83,12 @@ beforeAll(async () => {
   refC0 = reference('C', join(dir, 'ref-c0'));
 }, 120_000);
 
-afterAll(() => {
-  const report = JSON.stringify({ scale: SCALE, profileOver, profileFresh, ...counts }, null, 1);
-  console.log(`fault injection: ${report}`);
-  if (process.env.TREEPACK_FAULT_REPORT) writeFileSync(process.env.TREEPACK_FAULT_REPORT, report + '\n');
-});
+const report = () => JSON.stringify({ scale: SCALE, profileOver, profileFresh, ...counts }, null, 1);
+/** After every trial, so a long run (a large TREEPACK_FAULT_SCALE) can be stopped with its counts so far. */
+function flush() {
+  if (process.env.TREEPACK_FAULT_REPORT) writeFileSync(process.env.TREEPACK_FAULT_REPORT, report() + '\n');
+}
+afterAll(() => console.log(`fault injection: ${report()}`));
 
 /** Kills a run of `input` into `out` at a random time of its run, or at a random file-system event in --out. */
 async function killTrial(seed: number, input: string, out: string, profile: { ms: number; events: number }): Promise<RunResult> {
@@ -132,6 +133,7 @@ describe('kill -9 during staging and publish', () => {
       if (stackTrace(res.stderr)) counts.stackTraces.push(`kill-${t}: ${res.stderr}`);
       await recover(`kill-${t}`, B, out, refB, [refA]);
       rmSync(join(dir, `kill-${t}`), { recursive: true, force: true });
+      flush();
     }
     expect(counts.broken).toEqual([]);
     expect(counts.recoveryFailures).toEqual([]);
@@ -149,6 +151,7 @@ describe('kill -9 during staging and publish', () => {
       if (v.hidden.length) counts.leftoversAfterKill++;
       await recover(`fresh-${t}`, B, out, refB0, []);
       rmSync(join(dir, `fresh-${t}`), { recursive: true, force: true });
+      flush();
     }
     expect(counts.broken.slice(before)).toEqual([]);
     expect(counts.recoveryFailures).toEqual([]);
@@ -193,6 +196,7 @@ describe('two writers into one --out', () => {
       if (paused && r1.signal === null) counts.overlapping++;
       judgeConcurrent(`pause-${t}`, out, [refA, refB, refC], r1, w2, ['B', 'C']);
       rmSync(join(dir, `pause-${t}`), { recursive: true, force: true });
+      flush();
     }
     expect(counts.broken.slice(before)).toEqual([]);
     expect(counts.stackTraces).toEqual([]);
@@ -213,6 +217,7 @@ describe('two writers into one --out', () => {
       counts.overlapping++;
       judgeConcurrent(`race-${t}`, out, fresh ? [refB0, refC0] : [refA, refB, refC], r1, r2, ['B', 'C']);
       rmSync(join(dir, `race-${t}`), { recursive: true, force: true });
+      flush();
     }
     expect(counts.broken.slice(before)).toEqual([]);
     expect(counts.stackTraces).toEqual([]);
