@@ -12,7 +12,7 @@ import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { listBackends } from '../src/backend/index.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
+import { disposeBackends } from '../src/backend/index.js';
 import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
 import { concatSequences, toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
@@ -106,7 +106,7 @@ console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}
 for (const b of await listBackends()) {
   console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`);
 }
-await releaseWebGPU();
+await disposeBackends();
 
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
@@ -163,7 +163,7 @@ const merge = await mergeSection();
 const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
-await releaseWebGPU();
+await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {

@@ -10,7 +10,7 @@ import { delimiter, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { afterAll, describe, expect, it } from 'vitest';
 import { writeMicroBatch } from '../src/io/microbatch.js';
-import { maskTensors } from '../src/mask/index.js';
+import { maskTensors } from '../src/io/masks.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { csr, randomBatch } from './helpers/sequences.js';
