@@ -7,8 +7,9 @@ TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device po
     >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})   # numpy arrays
     >>> loss = PackedLoss.apply(lp_tensor, batch_tensors, config)                          # torch, autograd
 
-Config names, defaults and semantics are those of src/loss/config.ts (README "Loss"); the TypeScript side is the
-reference and does the full validation, here the names and ranges are checked before the call.
+Config names, defaults, enum codes, status codes and struct layouts come from _abi.py, generated from the same
+table as the C header (src/backend/abi.ts); a library built from other tables is refused at load. make_config
+checks every field as src/loss/config.ts does (ValueError naming the field).
 """
 
 from __future__ import annotations
@@ -17,72 +18,76 @@ import ctypes
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import math
+
 import numpy as np
 
-POLICIES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("none", "k1", "abs", "k2", "k3")
-TIS_LEVELS = ("none", "token", "sequence")
+from . import _abi
 
-DEFAULTS: Dict[str, Any] = {
-    "policy": "ppo",
-    "clip_low": 0.2,
-    "clip_high": None,  # = clip_low
-    "dual_clip": 0.0,
-    "log_ratio_clamp": 20.0,
-    "aggregation": "token-mean",
-    "norm_constant": 0.0,
-    "global_tokens": 0.0,
-    "global_sequences": 0.0,
-    "kl": "none",
-    "kl_coef": 0.0,
-    "tis": "none",
-    "tis_cap": 2.0,
-}
+POLICIES = _abi.POLICY_NAMES
+AGGREGATIONS = _abi.AGGREGATION_NAMES
+KL_ESTIMATORS = _abi.KL_NAMES
+TIS_LEVELS = _abi.TIS_NAMES
+DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)
+_ENUMS = {"policy": POLICIES, "aggregation": AGGREGATIONS, "kl": KL_ESTIMATORS, "tis": TIS_LEVELS}
 
 
 class LossConfig(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("policy", "aggregation", "kl", "tis")] + [
-        (n, ctypes.c_double)
-        for n in ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "norm_constant", "global_tokens",
-                  "global_sequences", "kl_coef", "tis_cap")
-    ]
+    _fields_ = [(n, ctypes.c_int32) for n in _abi.ENUM_FIELDS] + [(n, ctypes.c_double) for n in _abi.NUMBER_FIELDS]
 
 
 class LossMetrics(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_double)
-        for n in ("loss", "pg_loss", "kl_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl",
-                  "ratio_min", "ratio_mean", "ratio_max")
-    ] + [("trainable_tokens", ctypes.c_int64)]
+    _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
 
     def as_dict(self) -> Dict[str, float]:
         return {n: getattr(self, n) for n, _ in self._fields_}
 
 
+# Each number field: its check and what the message expects (src/loss/config.ts resolveLossConfig).
+_RANGES = {
+    "clip_low": (lambda x: x >= 0, "a number >= 0"),
+    "clip_high": (lambda x: x >= 0, "a number >= 0"),
+    "dual_clip": (lambda x: x == 0 or x > 1, "a number > 1 (or 0 for no dual clip)"),
+    "log_ratio_clamp": (lambda x: x > 0, "a number > 0"),
+    "norm_constant": (lambda x: x >= 0, "a number > 0"),
+    "global_tokens": (lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
+    "global_sequences": (lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
+    "kl_coef": (lambda x: True, "a finite number"),
+    "tis_cap": (lambda x: x > 0, "a number > 0"),
+}
+
+
 def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
-    """Defaults filled, names and ranges checked (ValueError naming the field)."""
+    """Defaults filled, names and ranges checked as src/loss/config.ts does (ValueError naming the field)."""
     given = dict(config or {})
     for key in given:
         if key not in DEFAULTS:
             raise ValueError(f"unknown loss option {key!r}; expected one of {', '.join(DEFAULTS)}")
     c = {**DEFAULTS, **given}
-    if c["clip_high"] is None:
+    if given.get("clip_high") is None:
         c["clip_high"] = c["clip_low"]
     codes = {}
-    for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS)):
-        if c[name] not in table:
+    for name, table in _ENUMS.items():
+        if not isinstance(c[name], str) or c[name] not in table:
             raise ValueError(f"Expected one of {', '.join(table)} for {name} but received {c[name]!r}")
         codes[name] = table.index(c[name])
-    for name in ("clip_low", "clip_high"):
-        if not c[name] >= 0:
-            raise ValueError(f"Expected a number >= 0 for {name} but received {c[name]!r}")
-    if not (c["dual_clip"] == 0 or c["dual_clip"] > 1):
-        raise ValueError(f"Expected a number > 1 (or 0 for no dual clip) for dual_clip but received {c['dual_clip']!r}")
+    for name, (ok, expected) in _RANGES.items():
+        v = c[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"Expected {expected} for {name} but received {v!r}")
+    if c["dual_clip"] != 0 and c["policy"] != "ppo":
+        raise ValueError(f"Expected 0 with policy {c['policy']!r} (dual clip applies to ppo) for dual_clip but received {c['dual_clip']!r}")
     if c["aggregation"] == "seq-mean-token-sum-norm" and not c["norm_constant"] > 0:
-        raise ValueError("Expected a number > 0 for norm_constant with aggregation 'seq-mean-token-sum-norm'")
-    floats = {k: float(c[k]) for k in DEFAULTS if k not in codes}
-    return LossConfig(**codes, **floats)
+        raise ValueError(f"Expected a number > 0 with aggregation 'seq-mean-token-sum-norm' for norm_constant but received {c['norm_constant']!r}")
+    return LossConfig(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
+
+
+def status_message(code: int) -> str:
+    """The name and message of a status of the C ABIs (CPU and CUDA share them)."""
+    if 0 <= code < len(_abi.STATUSES):
+        name, message, _ = _abi.STATUSES[code]
+        return f"{name}: {message}"
+    return f"unknown treepack status {code}"
 
 
 def _library(env: str, name: str) -> ctypes.CDLL:
@@ -94,9 +99,20 @@ def _library(env: str, name: str) -> ctypes.CDLL:
     errors = []
     for path in candidates:
         try:
-            return ctypes.CDLL(os.path.abspath(path))
+            lib = ctypes.CDLL(os.path.abspath(path))
         except OSError as e:
             errors.append(f"{path}: {e}")
+            continue
+        abi_fn = getattr(lib, "tp_abi" if name == "libtreepack_core.so" else "tp_cuda_abi", None)
+        if abi_fn is None:
+            errors.append(f"{path}: no ABI fingerprint (built by an older treepack)")
+            continue
+        abi_fn.restype = ctypes.c_char_p
+        abi = abi_fn().decode()
+        if abi != _abi.ABI:
+            errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI})")
+            continue
+        return lib
     raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm run build:cuda` or set {env}")
 
 
@@ -110,7 +126,7 @@ def core_library() -> ctypes.CDLL:
     global _core
     if _core is None:
         lib = _library("TREEPACK_CORE_LIB", "libtreepack_core.so")
-        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
+        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
         lib.tp_loss.restype = ctypes.c_int
         lib.tp_status_string.restype = ctypes.c_char_p
         _core = lib
@@ -124,6 +140,7 @@ def cuda_library() -> ctypes.CDLL:
         lib.tp_cuda_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics), _P]
         lib.tp_cuda_loss.restype = ctypes.c_int
         lib.tp_cuda_error_string.restype = ctypes.c_char_p
+        lib.tp_cuda_last_error.restype = ctypes.c_int
         _cuda = lib
     return _cuda
 
@@ -169,9 +186,9 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] =
     metrics = LossMetrics()
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     lib = core_library()
-    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
+    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
     if rc != 0:
-        raise ValueError(f"tp_loss: {lib.tp_status_string(rc).decode()}")
+        raise ValueError(f"tp_loss: {status_message(rc)}")
     return metrics.loss, grad, metrics.as_dict()
 
 
@@ -200,7 +217,9 @@ def _torch_function():
                                       ptr(t["seq_positions"]), ptr(t["loss_mask"]), *(ptr(fields[f]) for f in _FIELDS), lp_c.numel(),
                                       ptr(lp_c), ptr(grad), ctypes.byref(metrics), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
                 if rc != 0:
-                    raise RuntimeError(f"tp_cuda_loss: CUDA error {rc}: {lib.tp_cuda_error_string(rc).decode()}")
+                    cuda = lib.tp_cuda_last_error()
+                    detail = f" (CUDA error {cuda}: {lib.tp_cuda_error_string(cuda).decode()})" if rc == _abi.TP_ERR_DEVICE else ""
+                    raise RuntimeError(f"tp_cuda_loss: {status_message(rc)}{detail}")
                 value, m = metrics.loss, metrics.as_dict()
             else:
                 arrays = {k: (v.detach().cpu().numpy() if v is not None else None) for k, v in batch.items()}

@@ -14,11 +14,11 @@ function binding(): CudaBinding {
 }
 
 export async function maskDenseCuda(tree: TreeArrays): Promise<Uint8Array> {
-  return binding().maskDense(tree.subtree_end).data;
+  return binding().maskDense(tree.parent, tree.subtree_end).data;
 }
 
 export async function maskBitsCuda(tree: TreeArrays): Promise<Uint32Array> {
-  return binding().maskBits(tree.subtree_end).data;
+  return binding().maskBits(tree.parent, tree.subtree_end).data;
 }
 
 /** The block mask and the time its kernels took on the GPU (the bench's figure for the CUDA goal). */

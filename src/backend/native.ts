@@ -16,6 +16,7 @@ import { TreepackError } from '../errors.js';
 import type { BlockMask } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 import { validateSequences } from '../pack/validate.js';
+import { ABI_HASH } from './abi.js';
 import type { LossAddon } from './loss-addon.js';
 
 /**
@@ -34,6 +35,8 @@ export interface NativeBinding extends LossAddon {
   maskSlices(parent: Int32Array, subtree_end: Int32Array): Int32Array;
   maskCuSeqlens(parent: Int32Array): Int32Array;
   version(): string;
+  /** The fingerprint of the ABI tables it was built with (TP_ABI). */
+  abi(): string;
   init(errorClass: typeof TreepackError): void;
 }
 
@@ -51,10 +54,11 @@ export interface CudaBinding extends LossAddon {
   /** dst[i] = src[idx[i]] on the first GPU (an index outside src gives 0); throws TreepackError E_BACKEND. */
   gatherI32(src: Int32Array, idx: Int32Array): Int32Array;
   /** Mask lowerings on the first GPU (native/cuda/mask.cu); kernelMs is the kernels' own time. E_BACKEND on failure. */
-  maskDense(subtree_end: Int32Array): { data: Uint8Array; kernelMs: number };
-  maskBits(subtree_end: Int32Array): { data: Uint32Array; kernelMs: number };
+  maskDense(parent: Int32Array, subtree_end: Int32Array): { data: Uint8Array; kernelMs: number };
+  maskBits(parent: Int32Array, subtree_end: Int32Array): { data: Uint32Array; kernelMs: number };
   maskBlocks(subtree_end: Int32Array, blockSize: number): { data: Omit<BlockMask, 'block_size' | 'num_blocks'>; kernelMs: number };
   version(): string;
+  abi(): string;
   init(errorClass: typeof TreepackError): void;
 }
 
@@ -78,14 +82,19 @@ function packageRoot(): string {
 }
 
 /** The functions each addon must export: a binding injected by a trainer is checked against them. */
-const NATIVE_FUNCTIONS = ['packForest', 'maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens', 'loss', 'lossCompact', 'version', 'init'] as const;
-const CUDA_FUNCTIONS = ['deviceInfo', 'gatherI32', 'maskDense', 'maskBits', 'maskBlocks', 'loss', 'lossCompact', 'version', 'init'] as const;
+const NATIVE_FUNCTIONS = ['packForest', 'maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
+const CUDA_FUNCTIONS = ['deviceInfo', 'gatherI32', 'maskDense', 'maskBits', 'maskBlocks', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
 
-/** Calls init(TreepackError) on a loaded addon after checking it exports every function the backend uses. */
+/**
+ * Calls init(TreepackError) on a loaded addon after checking it exports every function the backend uses and was
+ * built from this package's ABI tables (src/backend/abi.ts): a stale or foreign build would misread the config.
+ */
 function adopt<B extends { init(errorClass: typeof TreepackError): void }>(binding: unknown, functions: readonly string[]): B {
   if (binding === null || typeof binding !== 'object') throw new Error(`not an addon object (${typeof binding})`);
   const missing = functions.filter((f) => typeof (binding as Record<string, unknown>)[f] !== 'function');
-  if (missing.length) throw new Error(`not a treepack addon: missing ${missing.join(', ')}`);
+  if (missing.length) throw new Error(`not a treepack addon of this version: missing ${missing.join(', ')} (rebuild it)`);
+  const abi = (binding as { abi(): string }).abi();
+  if (abi !== ABI_HASH) throw new Error(`built from other ABI tables (${abi}, this package has ${ABI_HASH}): rebuild it`);
   (binding as B).init(TreepackError);
   return binding as B;
 }
