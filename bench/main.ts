@@ -11,20 +11,14 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { listBackends } from '../src/backend/index.js';
-import { disposeBackends } from '../src/backend/index.js';
-import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
-import { concatSequences, toSequences } from '../src/pack/batch.js';
-import type { Sequences } from '../src/pack/contract.js';
-import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
-import type { Sample } from '../src/records/types.js';
+import { ChatEncoder, concatSequences, disposeBackends, listBackends, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
+import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { benchLoss } from './loss.js';
+import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
-import { ChatEncoder } from '../src/tokenize/chat.js';
-import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
 const quick = values.quick === true;
@@ -34,7 +28,7 @@ const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_ai
 
 interface DatasetReport {
   name: string;
-  stats: PipelineStats;
+  stats: PackReport;
   compression: number;
   throughputTokens: number;
   throughput: Timing[];
@@ -44,12 +38,12 @@ interface DatasetReport {
 const fmt = (x: number, d = 2) => x.toFixed(d);
 const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
 
-/** Runs the CLI's pipeline on a file and gathers every sample's tokens for the packer timing. */
-async function pipeline(file: string, merge = true): Promise<{ stats: PipelineStats; seqs: Sequences }> {
-  const stats = emptyStats();
+/** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
+async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
+  const run = packRecords(file, { advantages: 'none', ...(merge ? {} : { merge: false }) });
   const samples: Sample[] = [];
-  for await (const mb of packStream(file, merge ? {} : { merge: false }, stats)) samples.push(...mb.samples);
-  return { stats, seqs: toSequences(samples) };
+  for await (const mb of run) samples.push(...mb.samples);
+  return { stats: run.report(), seqs: toSequences(samples) };
 }
 
 function printThroughput(t: Timing[]): void {
@@ -163,9 +157,10 @@ const merge = await mergeSection();
 const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
+const memory = await benchMemory(quick);
 await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory }, null, 2));
 }

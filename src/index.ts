@@ -1,19 +1,15 @@
 /**
  * treepack: prefix-tree packing of multi-turn agent rollouts.
  *
- * Data flows one way: records (readRecords) → samples (ChatEncoder) → micro-batches (packSamples) → files
- * (writeMicroBatch). Each step is also exported on its own.
+ * The pipeline is `packRecords` (or `createPacker` for records that arrive one by one): records → timelines →
+ * merged samples → advantages → windows → micro-batches, written by a sink (`DirectorySink`: files and
+ * manifest.json, as `treepack pack` writes them). Each step is also exported on its own.
  */
-import { resolveKernel, type BackendName } from './backend/index.js';
-import { assembleMicroBatch } from './pack/batch.js';
-import type { MicroBatch } from './pack/contract.js';
-import type { Sample } from './records/types.js';
-
 export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
 export * from './pack/contract.js';
 export type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './records/types.js';
 export { packForest, sortSequences } from './pack/forest.js';
-export { assembleMicroBatch, toSequences } from './pack/batch.js';
+export { assembleMicroBatch, concatSequences, toSequences } from './pack/batch.js';
 export { branchDepthHistogram } from './pack/shape.js';
 export { readRecords } from './records/read.js';
 export { loadTokenizer } from './tokenize/tokenizer.js';
@@ -22,14 +18,19 @@ export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, 
 export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
 export { mergeTimelines, snapsOnly, type MergeReport, type MergeResult } from './timeline/merge.js';
 export type { Snap, SnapKind } from './timeline/snap.js';
-export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
+export { createPacker, packRecords, manifestHeader, DEFAULT_WINDOW_TOKENS, type Packer, type PackInput, type PackRun, type PackedMicroBatch, type PackerOptions, type BudgetSettings, type PackReport } from './packer/index.js';
+export { DirectorySink } from './io/directory-sink.js';
+export { MemorySink } from './io/memory-sink.js';
+export { MANIFEST_FILE, MANIFEST_FORMAT, microBatchFileName, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch, type ExtraTensors } from './io/sink.js';
+export { microBatchBytes, readMicroBatch, writeMicroBatch } from './io/microbatch.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';
 export { maskTensors, type MaskTensors } from './io/masks.js';
 export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
 export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
-export { assignRanks, attentionPairs, imbalance, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export {
   listBackends,
@@ -61,17 +62,3 @@ export {
   type CompactPlan,
   type AdvantageEstimator,
 } from './loss/index.js';
-
-export interface PackOptions {
-  /** Which backend builds the forest; default: the fastest available (native addon, else TypeScript). */
-  backend?: BackendName | 'auto';
-  /** Tokenizer name recorded in the micro-batch metadata. */
-  tokenizer?: string;
-}
-
-/** Packs samples into one micro-batch; `report` says which backend ran and why. */
-export async function packSamples(samples: readonly Sample[], opts: PackOptions = {}): Promise<{ batch: MicroBatch; report: string }> {
-  const packer = await resolveKernel('packForest', opts.backend);
-  const batch = assembleMicroBatch(samples, { tokenizer: opts.tokenizer ?? 'unknown', packForest: packer.kernel });
-  return { batch, report: packer.report };
-}
