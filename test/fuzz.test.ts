@@ -20,7 +20,7 @@ import { TreepackError } from '../src/errors.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { OCCURRENCE_FLOAT_FIELDS } from '../src/pack/contract.js';
 import { checkForest } from '../src/pack/invariants.js';
-import { generateEpisodes, generateTokenSamples } from '../src/records/generator.js';
+import { generateEpisodes, generateTokenSamples } from '../bench/dataset.js';
 import { cli } from './helpers/cli.js';
 import { rng } from './helpers/sequences.js';
 

@@ -14,7 +14,7 @@ import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { writeSafetensors } from '../src/io/safetensors.js';
 import { episodeAdvantages, sampleAdvantages } from '../src/loss/advantages.js';
 import { computeLoss } from '../src/backend/index.js';
-import { generateEpisodes } from '../src/records/generator.js';
+import { generateEpisodes } from '../bench/dataset.js';
 import { firstInvalidUtf8 } from '../src/records/jsonl.js';
 import { readRecords, type ReadOptions } from '../src/records/read.js';
 import type { TrainRecord } from '../src/records/types.js';
