@@ -395,3 +395,25 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
     )
     return out
+
+
+def check_values(mb: MicroBatch, vocab_size: Optional[int] = None) -> List[str]:
+    """What the trainer would read wrong without failing: loss_mask other than 0/1 (a 7 counts as trainable),
+    input_ids < 0 or >= vocab_size (when known; an embedding lookup out of range), and non-finite advantages or
+    logprobs at trainable occurrences (masked ones never enter the loss). Empty when the values are valid."""
+    out: List[str] = []
+    ids = mb.input_ids.astype(np.int64)
+    _report(out, ids < 0, "input_ids negative", lambda p: f"input_ids[{p}] = {ids[p]}")
+    if vocab_size is not None:
+        _report(out, ids >= vocab_size, f"input_ids not below the vocabulary size {vocab_size}", lambda p: f"input_ids[{p}] = {ids[p]}")
+    mask = mb.loss_mask
+    _report(out, mask > 1, "loss_mask not 0 or 1", lambda k: f"loss_mask[{k}] = {mask[k]}")
+    M = len(mb.seq_positions)
+    if len(mask) != M:
+        return out
+    trainable = mask != 0
+    for f in OCCURRENCE_FLOAT_FIELDS:
+        a = getattr(mb, f)
+        if a is not None and len(a) == M:
+            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", lambda k, a=a, f=f: f"{f}[{k}] = {a[k]}")
+    return out
