@@ -38,10 +38,18 @@ export class Collector {
   /** Up to `max` groups the policy allows now, marked taken. */
   take(max: number): number[] {
     const out = this.peek(max);
-    for (const g of out) this.taken.add(g);
+    this.takeGroups(out);
+    return out;
+  }
+
+  /** Marks these finished groups taken: a decision made earlier (by take), replayed from a log. */
+  takeGroups(groups: readonly number[]): void {
+    for (const g of groups) {
+      if (!this.done.has(g) || this.taken.has(g)) throw argError('group', 'a completed group not taken before', g);
+      this.taken.add(g);
+    }
     while (this.taken.has(this.front)) this.front++;
     while (this.firstUntaken < this.finished.length && this.taken.has(this.finished[this.firstUntaken])) this.firstUntaken++;
-    return out;
   }
 
   /** Up to `max` groups the policy allows now, left in place. */
