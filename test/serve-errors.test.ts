@@ -13,7 +13,7 @@ const json = (body: unknown, headers: Record<string, string> = {}) => ({ method:
 const chat = (content = 'hi') => ({ model: 'm', messages: [{ role: 'user', content }] });
 type ErrorBody = { error: { message: string } };
 
-describe('service errors', () => {
+describe('service errors', { timeout: 30_000 }, () => {
   let stub: StubEngine;
   let svc: Service;
   let base: string;
