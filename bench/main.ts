@@ -13,7 +13,7 @@ import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { listBackends } from '../src/backend/index.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
-import { emptyStats, packStream, type PipelineStats } from '../src/cli/pipeline.js';
+import { packRecords, type PackReport } from '../src/index.js';
 import { concatSequences, toSequences } from '../src/pack/batch.js';
 import type { Sequences } from '../src/pack/contract.js';
 import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
@@ -34,7 +34,7 @@ const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_ai
 
 interface DatasetReport {
   name: string;
-  stats: PipelineStats;
+  stats: PackReport;
   compression: number;
   throughputTokens: number;
   throughput: Timing[];
@@ -44,12 +44,12 @@ interface DatasetReport {
 const fmt = (x: number, d = 2) => x.toFixed(d);
 const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
 
-/** Runs the CLI's pipeline on a file and gathers every sample's tokens for the packer timing. */
-async function pipeline(file: string, merge = true): Promise<{ stats: PipelineStats; seqs: Sequences }> {
-  const stats = emptyStats();
+/** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
+async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
+  const run = packRecords(file, { advantages: 'none', ...(merge ? {} : { merge: false }) });
   const samples: Sample[] = [];
-  for await (const mb of packStream(file, merge ? {} : { merge: false }, stats)) samples.push(...mb.samples);
-  return { stats, seqs: toSequences(samples) };
+  for await (const mb of run) samples.push(...mb.samples);
+  return { stats: run.report(), seqs: toSequences(samples) };
 }
 
 function printThroughput(t: Timing[]): void {

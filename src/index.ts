@@ -1,8 +1,9 @@
 /**
  * treepack: prefix-tree packing of multi-turn agent rollouts.
  *
- * Data flows one way: records (readRecords) → samples (ChatEncoder) → micro-batches (packSamples) → files
- * (writeMicroBatch). Each step is also exported on its own.
+ * The pipeline is `packRecords` (or `createPacker` for records that arrive one by one): records → timelines →
+ * merged samples → advantages → windows → micro-batches, written by a sink (`DirectorySink`: files and
+ * manifest.json, as `treepack pack` writes them). Each step is also exported on its own.
  */
 import { resolveKernel, type BackendName } from './backend/index.js';
 import { assembleMicroBatch } from './pack/batch.js';
@@ -22,7 +23,11 @@ export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, 
 export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
 export { mergeTimelines, snapsOnly, type MergeReport, type MergeResult } from './timeline/merge.js';
 export type { Snap, SnapKind } from './timeline/snap.js';
-export { readMicroBatch, writeMicroBatch } from './io/microbatch.js';
+export { createPacker, packRecords, manifestHeader, DEFAULT_WINDOW_TOKENS, type Packer, type PackInput, type PackRun, type PackedMicroBatch, type PackerOptions, type BudgetSettings, type PackReport } from './packer/index.js';
+export { DirectorySink } from './io/directory-sink.js';
+export { MemorySink } from './io/memory-sink.js';
+export { MANIFEST_FILE, MANIFEST_FORMAT, microBatchFileName, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch, type ExtraTensors } from './io/sink.js';
+export { microBatchBytes, readMicroBatch, writeMicroBatch } from './io/microbatch.js';
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';

@@ -424,13 +424,13 @@ describe('timeline merge in the pipeline', () => {
   it('accounts for every record, and --no-merge packs each record as ChatEncoder encodes it', async () => {
     const { Readable } = await import('node:stream');
     const { generateJsonl } = await import('../src/records/generator.js');
-    const { emptyStats, packStream } = await import('../src/cli/pipeline.js');
+    const { packRecords } = await import('../src/packer/index.js');
     const text = generateJsonl({ groups: 1, seed: 3, minTurns: 3, maxTurns: 8 });
     const run = async (merge: MergeOptions | false) => {
-      const stats = emptyStats();
+      const packed = packRecords(Readable.from([text]), { advantages: 'none', merge: merge === false ? false : { ...merge, detectTimelineSnap: true } });
       const samples: Sample[] = [];
-      for await (const mb of packStream(Readable.from([text]), { merge: merge === false ? false : { ...merge, detectTimelineSnap: true } }, stats)) samples.push(...mb.samples);
-      return { stats, samples };
+      for await (const mb of packed) samples.push(...mb.samples);
+      return { stats: packed.report(), samples };
     };
     const merged = await run({});
     const plain = await run(false);

@@ -2,7 +2,7 @@
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
-import type { PipelineOptions } from './pipeline.js';
+import type { PackerOptions } from '../packer/index.js';
 
 export interface Parsed {
   values: Record<string, string | boolean | undefined>;
@@ -55,11 +55,11 @@ export const PIPELINE_OPTIONS = {
   'timeline-compare-level': { type: 'string' },
 } as const;
 
-export function pipelineOptions(values: Parsed['values']): PipelineOptions {
+export function pipelineOptions(values: Parsed['values']): PackerOptions {
   return {
     tokenizer: values.tokenizer as string | undefined,
     backend: backendOption(values.backend as string | undefined),
-    maxNaiveTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
+    windowTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
     vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
     merge: values['no-merge'] ? false : { timelineCompareLevel: compareLevel(values['timeline-compare-level'] as string | undefined) },
   };

@@ -1,18 +1,11 @@
-/**
- * `treepack pack`: writes micro-batches and a manifest. Everything goes to a staging directory first and is
- * moved into place only when the whole input was read without error, so bad input never leaves partial files
- * and never replaces a previous run's output.
- */
-import { mkdirSync, readdirSync, renameSync, rmSync } from 'node:fs';
-import { join } from 'node:path';
+/** `treepack pack`: flags → packRecords → DirectorySink (micro-batches + manifest.json) → a summary line. */
 import { TreepackError } from '../errors.js';
-import { writeFileAtomic } from '../io/atomic.js';
-import { writeMicroBatch } from '../io/microbatch.js';
-import { maskTensors, MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
-import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { DirectorySink } from '../io/directory-sink.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
+import { MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
+import { DEFAULT_COST, imbalance } from '../pack/balance.js';
+import { DEFAULT_WINDOW_TOKENS, packRecords } from '../packer/index.js';
 import { backendOption, nonNegativeNumber, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, type Parsed } from './args.js';
-import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream } from './pipeline.js';
 import { progressReporter } from './progress.js';
 
 export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [options]
@@ -25,7 +18,7 @@ Options:
   --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
   --backend NAME          packer backend: auto, cpu, js                     [default: auto]
   --max-naive-tokens T    start a new micro-batch at the next group once T naive tokens are gathered
-                                                                            [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
+                                                                            [default: ${DEFAULT_WINDOW_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
   --max-tokens T          split each cut into micro-batches of at most T packed tokens (padding included),
                           keeping shared prefixes together; a cut is then a window of groups
@@ -51,19 +44,6 @@ Options:
   --quiet                 no summary line
   -h, --help              this help`;
 
-export interface ManifestEntry {
-  file: string;
-  sequences: number;
-  naive_tokens: number;
-  packed_tokens: number;
-  /** with --max-tokens */
-  rank?: number;
-  step?: number;
-  pad_tokens?: number;
-  attention_pairs?: number;
-  cost?: number;
-}
-
 const BUDGET_FLAGS = ['dp', 'pad-multiple', 'pad-id', 'cost-token', 'cost-pair', 'balance-slack'] as const;
 
 function budgetOptions(values: Parsed['values']) {
@@ -87,8 +67,6 @@ function budgetOptions(values: Parsed['values']) {
     ...(values['balance-slack'] !== undefined && { balanceSlack: nonNegativeNumber('--balance-slack', values['balance-slack'] as string, 0) }),
   };
 }
-
-export const fileName = (i: number) => `microbatch-${String(i).padStart(5, '0')}.safetensors`;
 
 function advantagesOption(v: string | undefined): AdvantageEstimator | 'none' {
   if (v === undefined) return 'grpo';
@@ -125,70 +103,19 @@ export async function packCommand(argv: string[]): Promise<number> {
   const masks = parseMaskSpecs((values.masks as string | undefined) ?? '');
   const maskBackend = backendOption(values['mask-backend'] as string | undefined, '--mask-backend');
 
-  mkdirSync(out, { recursive: true });
-  const staging = join(out, `.treepack-staging-${process.pid}`);
-  mkdirSync(staging);
-  const stats = emptyStats();
   const progress = progressReporter();
-  const manifest: ManifestEntry[] = [];
-  let maskReport: string[] = [];
+  const run = packRecords(input, { ...opts, masks, maskBackend, onProgress: progress.update });
+  let microBatches: number;
   try {
-    for await (const { batch, plan } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
-      const file = fileName(manifest.length);
-      const lowered = masks.length ? await maskTensors(batch, masks, maskBackend).catch((err: unknown) => {
-        throw err instanceof TreepackError ? new TreepackError(err.code, err.message, { file }) : err;
-      }) : undefined;
-      if (lowered) maskReport = lowered.reports;
-      writeMicroBatch(join(staging, file), batch, lowered?.tensors, lowered?.metadata);
-      const entry: ManifestEntry = { file, sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed };
-      if (plan && budget) {
-        // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
-        Object.assign(entry, { rank: plan.rank, step: Math.floor(manifest.length / budget.dp!), pad_tokens: plan.padTokens, attention_pairs: plan.attentionPairs, cost: plan.cost });
-      }
-      manifest.push(entry);
-    }
-  } catch (err) {
-    rmSync(staging, { recursive: true, force: true });
-    throw err;
+    microBatches = (await run.writeTo(new DirectorySink(out))).micro_batches.length;
   } finally {
     progress.done();
   }
-  // The manifest is the commit point: the old one goes before any file is replaced and the new one is written
-  // last, so a crash while publishing leaves no manifest rather than one that contradicts the files.
-  rmSync(join(out, 'manifest.json'), { force: true });
-  for (const m of manifest) renameSync(join(staging, m.file), join(out, m.file));
-  rmSync(staging, { recursive: true, force: true });
-  const keep = new Set(manifest.map((m) => m.file));
-  // A previous run may have written more micro-batches; they would contradict the new manifest.
-  for (const f of readdirSync(out)) if (/^microbatch-\d+\.safetensors$/.test(f) && !keep.has(f)) rmSync(join(out, f));
-  const doc = {
-    format: 'treepack/1',
-    input,
-    tokenizer: stats.tokenizer,
-    backend: stats.backend,
-    ...(masks.length ? { masks: masks.map((m) => (m.kind === 'blocks' ? `block:${m.blockSize}` : m.kind)), mask_backend: maskReport } : {}),
-    records: stats.read.lines,
-    timelines: stats.timelines,
-    absorbed: stats.absorbed,
-    sequences: stats.samples,
-    naive_tokens: stats.naiveTokens,
-    packed_tokens: stats.packedTokens,
-    ...(budget && {
-      max_tokens: budget.maxTokens,
-      dp: budget.dp,
-      pad_multiple: budget.padMultiple,
-      cost_model: budget.cost,
-      optimum_tokens: stats.optimumTokens,
-      rank_costs: stats.rankCosts,
-      imbalance: imbalance(stats.rankCosts),
-    }),
-    micro_batches: manifest,
-  };
-  writeFileAtomic(join(out, 'manifest.json'), [Buffer.from(JSON.stringify(doc, null, 2) + '\n')]);
+  const stats = run.report();
   if (!values.quiet) {
     const ratio = stats.packedTokens ? (stats.naiveTokens / stats.packedTokens).toFixed(2) : '-';
     console.error(
-      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${manifest.length} micro-batch(es) in ${out}: ` +
+      `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${microBatches} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×)` +
         (budget ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}` : '') +
         `; ${stats.backend}`,

@@ -1,10 +1,10 @@
 /** A one-line progress display on stderr, only when stderr is a terminal (never in pipes, logs or CI). */
-import type { PipelineStats } from './pipeline.js';
+import type { PackReport } from '../packer/index.js';
 
-export function progressReporter(enabled = process.stderr.isTTY === true): { update: (s: PipelineStats) => void; done: () => void } {
+export function progressReporter(enabled = process.stderr.isTTY === true): { update: (s: PackReport) => void; done: () => void } {
   let last = 0;
   let shown = false;
-  const update = (s: PipelineStats) => {
+  const update = (s: PackReport) => {
     if (!enabled) return;
     const now = Date.now();
     if (now - last < 200) return;

@@ -4,7 +4,7 @@ import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt } from 
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
 import type { Sample } from '../records/types.js';
-import { DEFAULT_MAX_NAIVE_TOKENS, emptyStats, packStream, type PipelineStats } from './pipeline.js';
+import { DEFAULT_WINDOW_TOKENS, packRecords, type PackReport } from '../packer/index.js';
 import { progressReporter } from './progress.js';
 import { resolveKernel } from '../backend/index.js';
 import type { Snap } from '../timeline/snap.js';
@@ -19,7 +19,7 @@ Options:
   --json                  one JSON object on stdout
   --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
   --backend NAME          packer backend: auto, cpu, js                     [default: auto]
-  --max-naive-tokens T    micro-batch cut, as in pack                       [default: ${DEFAULT_MAX_NAIVE_TOKENS}]
+  --max-naive-tokens T    micro-batch cut, as in pack                       [default: ${DEFAULT_WINDOW_TOKENS}]
   --vocab-size V          reject token ids >= V in pre-tokenized input
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
@@ -54,10 +54,10 @@ export interface StatsReport {
   micro_batches: number;
   tokenizer: string;
   backend: string;
-  seconds: PipelineStats['seconds'] & { total: number };
+  seconds: PackReport['seconds'] & { total: number };
   groups: GroupStats[];
   branch_depth_histogram: { depth: string; count: number }[];
-  tokenizer_cache?: PipelineStats['tokenizerCache'];
+  tokenizer_cache?: PackReport['tokenizerCache'];
 }
 
 const ratio = (a: number, b: number) => (b > 0 ? a / b : 0);
@@ -81,11 +81,12 @@ export async function statsCommand(argv: string[]): Promise<number> {
   // A diagnostic command: snap detection is worth its cost here.
   const opts = { ...base, merge: base.merge === false ? (false as const) : { ...base.merge, detectTimelineSnap: true } };
   const maxGroups = positiveInt('--groups', values.groups as string | undefined, 10)!;
-  const stats = emptyStats();
   const progress = progressReporter();
   const histogram: number[] = [];
   const groups = new Map<string, Sample[]>();
   const t0 = performance.now();
+  // No advantages: stats reports tokens, and need not refuse an input whose groups are not contiguous.
+  const run = packRecords(input, { ...opts, advantages: 'none', onProgress: progress.update });
   const packer = await resolveKernel('packForest', opts.backend);
   const groupFigures = new Map<string, GroupStats>();
   // A group's own forest tells how much it shares internally. A group too large for one micro-batch is packed
@@ -103,7 +104,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
     groups.clear();
   };
   try {
-    for await (const { batch, samples } of packStream(input, { ...opts, onProgress: progress.update }, stats)) {
+    for await (const { batch, samples } of run) {
       branchDepthHistogram(batch, histogram);
       for (const s of samples) {
         const list = groups.get(s.group);
@@ -115,6 +116,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   } finally {
     progress.done();
   }
+  const stats = run.report();
   const report: StatsReport = {
     input,
     records: stats.read.lines,

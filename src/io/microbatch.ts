@@ -10,7 +10,8 @@
  */
 import { argError, TreepackError } from '../errors.js';
 import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';
-import { readSafetensors, writeSafetensors, type Dtype, type Tensor, type TypedArray } from './safetensors.js';
+import { readSafetensors, safetensorsChunks, writeSafetensors, type Dtype, type Tensor, type TypedArray } from './safetensors.js';
+import type { ExtraTensors } from './sink.js';
 
 const META_NUMBERS = ['num_sequences', 'num_tokens_naive', 'num_tokens_packed'] as const;
 
@@ -73,6 +74,17 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
  * atomically. Typed arrays are streamed from their own memory, so a batch of hundreds of MB costs no second copy.
  */
 export function writeMicroBatch(path: string, batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, extraMeta?: Readonly<Record<string, string>>): void {
+  const { tensors, metadata } = fileContent(batch, extra, extraMeta, path);
+  writeSafetensors(path, tensors, metadata);
+}
+
+/** The bytes `writeMicroBatch` writes for a micro-batch and its mask lowerings, for a caller that sends them elsewhere. */
+export function microBatchBytes(mb: { batch: MicroBatch; masks?: ExtraTensors }): Uint8Array {
+  const { tensors, metadata } = fileContent(mb.batch, mb.masks?.tensors, mb.masks?.metadata);
+  return Buffer.concat(safetensorsChunks(tensors, metadata));
+}
+
+function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, extraMeta?: Readonly<Record<string, string>>, file?: string) {
   if (batch === null || typeof batch !== 'object' || batch.meta === null || typeof batch.meta !== 'object') {
     throw argError('batch', 'a MicroBatch', batch);
   }
@@ -84,7 +96,7 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
     if (!(data instanceof ctor)) throw argError(`batch.${name}`, `a ${ctor.name}`, data);
     tensors.set(name, { dtype, shape: [data.length], data });
   }
-  checkShapes(batch, (field, message) => new TreepackError('E_ARG', message, { file: path, field }));
+  checkShapes(batch, (field, message) => new TreepackError('E_ARG', message, { file, field }));
   for (const [name, t] of extra ?? []) {
     if (CONTRACT_DTYPES.has(name)) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
     tensors.set(name, t);
@@ -94,7 +106,7 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
     if (typeof value !== 'string') throw argError(`extra metadata ${key}`, 'a string', value);
   }
   const m = batch.meta;
-  writeSafetensors(path, tensors, {
+  const metadata: Record<string, string> = {
     ...extraMeta,
     format: m.format,
     num_sequences: String(m.num_sequences),
@@ -103,7 +115,8 @@ export function writeMicroBatch(path: string, batch: MicroBatch, extra?: Readonl
     tokenizer: m.tokenizer,
     sequence_ids: JSON.stringify(m.sequence_ids),
     ...(m.num_pad_tokens !== undefined ? { num_pad_tokens: String(m.num_pad_tokens) } : {}),
-  });
+  };
+  return { tensors, metadata };
 }
 
 /**

@@ -1,0 +1,80 @@
+/**
+ * Where packed micro-batches go: `manifest.json` and the files it lists. A sink receives micro-batches in order
+ * and publishes them with the manifest only on `commit`, so a failed run leaves nothing a reader would trust.
+ * Readers resolve files as join(out, entry.file) for each manifest entry, never by listing the directory.
+ */
+import type { MicroBatch } from '../pack/contract.js';
+import type { CostModel } from '../pack/balance.js';
+import type { Tensor } from './safetensors.js';
+
+export const MANIFEST_FORMAT = 'treepack/1';
+export const MANIFEST_FILE = 'manifest.json';
+
+export interface ManifestEntry {
+  file: string;
+  sequences: number;
+  naive_tokens: number;
+  packed_tokens: number;
+  /** with a token budget */
+  rank?: number;
+  step?: number;
+  pad_tokens?: number;
+  attention_pairs?: number;
+  cost?: number;
+}
+
+/** manifest.json, keys in the order they are written. */
+export interface Manifest {
+  format: typeof MANIFEST_FORMAT;
+  input: string;
+  tokenizer: string;
+  backend: string;
+  /** with mask lowerings: their names as `--masks` spells them, and which backend built each */
+  masks?: string[];
+  mask_backend?: string[];
+  records: number;
+  timelines: number;
+  absorbed: number;
+  sequences: number;
+  naive_tokens: number;
+  packed_tokens: number;
+  /** with a token budget */
+  max_tokens?: number;
+  dp?: number;
+  pad_multiple?: number;
+  cost_model?: CostModel;
+  optimum_tokens?: number;
+  rank_costs?: number[];
+  imbalance?: number;
+  micro_batches: ManifestEntry[];
+}
+
+export type ManifestHeader = Omit<Manifest, 'micro_batches'>;
+
+/** Tensors and header entries outside the contract that travel in a micro-batch's file (mask lowerings). */
+export interface ExtraTensors {
+  tensors: ReadonlyMap<string, Tensor>;
+  metadata: Readonly<Record<string, string>>;
+}
+
+export interface SinkMicroBatch {
+  batch: MicroBatch;
+  masks?: ExtraTensors;
+  entry: ManifestEntry;
+}
+
+export interface Sink {
+  /** Prepares the destination; called once before the first write. */
+  open(): void;
+  write(mb: SinkMicroBatch): void;
+  /** Publishes every written micro-batch under `header` + their entries; returns the manifest. */
+  commit(header: ManifestHeader): Manifest;
+  /** Drops everything written since `open`; a previous commit's output stays as it was. */
+  abort(): void;
+}
+
+export const microBatchFileName = (index: number): string => `microbatch-${String(index).padStart(5, '0')}.safetensors`;
+
+export function manifestBytes(manifest: Manifest): Uint8Array {
+  return Buffer.from(JSON.stringify(manifest, null, 2) + '\n');
+}
