@@ -65,6 +65,8 @@ export class Feed {
   /** steps whose records could not be packed, and why */
   readonly errors: string[] = [];
   private waiters: (() => void)[] = [];
+  /** the producers are done: steps smaller than groupsPerStep may form from what is left (not logged: a restart forgets it) */
+  flushing = false;
   /** steps before it are done */
   private firstOpen = 0;
 
@@ -137,6 +139,11 @@ export class Feed {
     step.slots = step.slots.map((s) => ({ ...s, out: { ...s.out, bytes: new Uint8Array(0) } }));
   }
 
+  flush(): void {
+    this.flushing = true;
+    this.wake();
+  }
+
   private wake(): void {
     const w = this.waiters;
     this.waiters = [];
@@ -193,9 +200,10 @@ export class Feed {
 
   /** Takes the next step's groups if the policy allows a full step now; true when a step was formed. */
   private formStep(): boolean {
-    if (this.collector.peek(this.opts.groupsPerStep).length < this.opts.groupsPerStep) return false;
+    const groups = this.collector.ready(this.opts.groupsPerStep, this.pool.bySeq.length, this.flushing);
+    if (groups.length === 0) return false;
     // Taken now, in memory, so no later completion can slip in front; handed out only once logged.
-    const groups = this.collector.take(this.opts.groupsPerStep);
+    this.collector.takeGroups(groups);
     const n = this.steps.length;
     this.addStep(n, groups, this.append({ type: 'take', step: n, groups }));
     return true;

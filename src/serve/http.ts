@@ -84,6 +84,12 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
     return { id, step: r.step, step_done: r.stepDone, trainer_version: r.trainerVersion };
   });
 
+  /** The producers are done: the groups left may form steps smaller than --groups-per-step. */
+  app.post('/v1/feed/flush', async () => {
+    svc.feed.flush();
+    return { flushing: true };
+  });
+
   app.get('/v1/feed', async () => {
     const d = svc.feed.depth();
     return {
