@@ -13,7 +13,7 @@ import { compactPlan } from '../src/loss/reference.js';
 import type { LossBatch } from '../src/loss/types.js';
 import { lossInputError, validateLossInputs } from '../src/loss/validate.js';
 import { concatSequences } from '../src/pack/batch.js';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from './dataset.js';
 
 export interface LossBenchRow {
   M: number;

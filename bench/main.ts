@@ -11,20 +11,15 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { listBackends } from '../src/backend/index.js';
 import { releaseWebGPU } from '../src/backend/webgpu/device.js';
-import { packRecords, type PackReport } from '../src/index.js';
-import { concatSequences, toSequences } from '../src/pack/batch.js';
-import type { Sequences } from '../src/pack/contract.js';
-import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
-import type { Sample } from '../src/records/types.js';
+import { ChatEncoder, concatSequences, listBackends, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
+import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { benchLoss } from './loss.js';
+import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
-import { ChatEncoder } from '../src/tokenize/chat.js';
-import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
 const quick = values.quick === true;
@@ -163,9 +158,10 @@ const merge = await mergeSection();
 const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
+const memory = await benchMemory(quick);
 await releaseWebGPU();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks }, null, 2));
+  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory }, null, 2));
 }

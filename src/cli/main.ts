@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
 import { releaseWebGPU } from '../backend/webgpu/device.js';
-import { TreepackError } from '../errors.js';
+import { EXIT_OK, EXIT_USAGE, exitStatus, TreepackError } from '../errors.js';
 import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
 import { lossCommand, LOSS_USAGE } from './loss.js';
 import { packCommand, PACK_USAGE } from './pack.js';
@@ -33,27 +33,27 @@ async function main(argv: string[]): Promise<number> {
   const [cmd, ...rest] = argv;
   if (cmd === undefined || cmd === '--help' || cmd === '-h') {
     console.log(USAGE);
-    return cmd === undefined ? 2 : 0;
+    return cmd === undefined ? EXIT_USAGE : EXIT_OK;
   }
   if (cmd === '--version' || cmd === '-v') {
     console.log(VERSION);
-    return 0;
+    return EXIT_OK;
   }
   if (cmd === 'help') {
     console.log(commands[rest[0]]?.usage ?? USAGE);
-    return 0;
+    return EXIT_OK;
   }
   const command = commands[cmd];
   if (!command) {
     console.error(`treepack: unknown command ${JSON.stringify(cmd)}\n\n${USAGE}`);
-    return 2;
+    return EXIT_USAGE;
   }
   try {
     return await command.run(rest);
   } catch (err) {
     if (err instanceof TreepackError) {
       console.error(`treepack ${cmd}: ${err.message}`);
-      return err.code === 'E_ARG' ? 2 : 1;
+      return exitStatus(err);
     }
     throw err;
   } finally {

@@ -116,7 +116,7 @@ export function packForest(seqs: Sequences): Forest {
 }
 
 /** Lays out the forest from sequences already sorted, with their adjacent LCPs (see sortSequences). */
-export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
+function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
   const { tokens, offsets } = seqs;
   const { order, lcp } = sorted;
   const S = offsets.length - 1;
