@@ -24,6 +24,8 @@ Options:
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]
+  --repeated-episode-ids  episode lines sharing an episode_id are parts of one episode, as in pack
+  --lossy-utf8            read invalid UTF-8 as U+FFFD, as in pack
   --groups K              groups listed in the text report               [default: 10]
   -h, --help              this help`;
 
