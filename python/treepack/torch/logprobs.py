@@ -18,7 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
-from .attention import tree_mask
+from .attention import dense_tree_mask, tree_mask
 from .batch import PackedBatch
 
 
@@ -99,8 +99,6 @@ def packed_logprobs(
         if impl == "treepack":
             mask: Any = tree_mask(batch, mode=attention)
         elif impl in ("sdpa", "eager"):
-            from .attention import dense_tree_mask
-
             mask = dense_tree_mask(batch.subtree_end)[None, None]
         else:
             raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
