@@ -3,7 +3,10 @@
  *
  * Per dataset: naive and packed tokens, compression, the time of each stage (read+parse, tokenize, pack), and
  * packer throughput against a plain copy measured in the same run (the machine is shared and noisy: ratios
- * within one run are the figures to trust). Options: --quick (smaller data, shorter timing), --json FILE.
+ * within one run are the figures to trust). First of all, the training step (bench/step.ts): naive, merged and
+ * packed steps of a Qwen3-shape model through the PyTorch trainer side. Options: --full (every workload, longer
+ * timing; the default run is the short one), --json FILE, --html FILE (default: next to the JSON, else
+ * ./bench-report.html), --data FILE (tau-bench JSONL).
  */
 import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -24,10 +27,16 @@ import { benchLoss } from './loss.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
+import { superviseDawnWarnings } from './dawn-warnings.js';
+import { big, fmt } from './format.js';
+import { renderHtml } from './report.js';
+import { benchStep, type StepSection } from './step.js';
+import { analyzeStep, type StepSummary } from './step-report.js';
 import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
-const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
-const quick = values.quick === true;
+await superviseDawnWarnings();
+const { values } = parseArgs({ options: { full: { type: 'boolean' }, json: { type: 'string' }, html: { type: 'string' }, data: { type: 'string' } } });
+const quick = values.full !== true;
 const maxTime = quick ? 0.5 : 2;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
@@ -41,8 +50,6 @@ interface DatasetReport {
   microBatching: MicroBatchRow[];
 }
 
-const fmt = (x: number, d = 2) => x.toFixed(d);
-const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
 
 /** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
 async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
@@ -102,11 +109,24 @@ function syntheticTokens(groups: number): Sequences {
 }
 
 const t0 = performance.now();
-console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}`);
+console.log(`# treepack bench${quick ? ' (default run; --full for every workload)' : ' (--full)'}  node ${process.version}`);
+const environment = [`node ${process.version}, ${process.platform} ${process.arch}`];
 for (const b of await listBackends()) {
-  console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`);
+  const line = `backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`;
+  console.log(`  ${line}`);
+  environment.push(line);
 }
 await releaseWebGPU();
+
+const tauPresent = existsSync(tauBench);
+const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+let step: StepSummary | null = null;
+if (stepSection.skipped) console.log(`\n## training step: skipped, ${stepSection.skipped}`);
+else {
+  step = analyzeStep(stepSection);
+  console.log(`\n${step.text}`);
+  environment.push(`training step: ${stepSection.device}, torch ${stepSection.torch}, Python ${stepSection.python}`);
+}
 
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
@@ -118,8 +138,12 @@ try {
 } finally {
   rmSync(dir, { recursive: true, force: true });
 }
-if (existsSync(tauBench)) {
-  reports.push(await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench));
+if (tauPresent) {
+  // A malformed file is reported (the error names file and line) and the other sections still run.
+  await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench).then(
+    (r) => reports.push(r),
+    (e: Error) => console.log(`\n## tau-bench: FAILED, ${e.message}`),
+  );
 } else {
   console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
 }
@@ -142,9 +166,10 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
     const file = join(mdir, 'generated.jsonl');
     writeFileSync(file, [...generateJsonlLines({ groups, seed: 11 })].join('\n') + '\n');
     sets.push([`generated chat episodes (${groups} groups × 8 episodes)`, file]);
-    if (existsSync(tauBench)) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
+    if (tauPresent) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
     for (const [name, f] of sets) {
-      const tracked = await loadTracked(f, encoder);
+      const tracked = await loadTracked(f, encoder).catch((e: Error) => (console.log(`\n## timeline merge: ${name}: FAILED, ${e.message}`), null));
+      if (!tracked) continue;
       console.log(`\n## timeline merge: ${name}`);
       for (const pool of [false, true]) {
         const row = compareMerges(name, tracked, pool, quick ? 1 : 3);
@@ -155,7 +180,7 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
   } finally {
     rmSync(mdir, { recursive: true, force: true });
   }
-  if (!existsSync(tauBench)) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  if (!tauPresent) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
   return rows;
 }
 
@@ -166,6 +191,24 @@ const masks = await benchMasks(quick, syntheticTokens);
 await releaseWebGPU();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks }, null, 2));
+const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks };
+if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
+const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
+const page = await renderHtml(
+  {
+    title: `treepack bench${quick ? '' : ' (--full)'}`,
+    generated: `generated ${new Date().toISOString()} by npm run bench${quick ? '' : ' -- --full'}`,
+    environment,
+    step: step ? { device: `${stepSection.device}, ${stepSection.dtype}, ${stepSection.attention} attention`, rows: step.rows } : { skipped: stepSection.skipped ?? 'no result' },
+    sparsity: masks.sparsity,
+    loss,
+    merge,
+  },
+  step ? [step.text] : [],
+);
+writeFileSync(html, page);
+console.log(`report: ${resolve(html)}${values.json ? `, ${resolve(values.json)}` : ''}`);
+if (step?.lossMismatches.length) {
+  console.error(`bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`);
+  process.exitCode = 2;
 }
