@@ -15,6 +15,22 @@
       "msvs_settings": {
         "VCCLCompilerTool": { "AdditionalOptions": ["/std:c++17"] }
       }
+    },
+    {
+      "target_name": "treepack_core",
+      "type": "shared_library",
+      "product_prefix": "lib",
+      "sources": ["native/core/forest.cc", "native/core/mask.cc", "native/core/loss.cc"],
+      "cflags_cc!": ["-std=gnu++17"],
+      "cflags_cc": ["-O3", "-std=c++17", "-fvisibility=hidden"],
+      "xcode_settings": {
+        "CLANG_CXX_LANGUAGE_STANDARD": "c++17",
+        "GCC_OPTIMIZATION_LEVEL": "3",
+        "GCC_SYMBOLS_PRIVATE_EXTERN": "YES"
+      },
+      "msvs_settings": {
+        "VCCLCompilerTool": { "AdditionalOptions": ["/std:c++17"] }
+      }
     }
   ]
 }

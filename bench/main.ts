@@ -14,25 +14,19 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { listBackends } from '../src/backend/index.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
-import { packRecords, type PackReport } from '../src/index.js';
-import { concatSequences, toSequences } from '../src/pack/batch.js';
-import type { Sequences } from '../src/pack/contract.js';
-import { generateJsonlLines, generateTokenSamples } from '../src/records/generator.js';
-import type { Sample } from '../src/records/types.js';
+import { ChatEncoder, concatSequences, disposeBackends, listBackends, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
+import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { benchLoss } from './loss.js';
+import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
-import { ChatEncoder } from '../src/tokenize/chat.js';
 import { superviseDawnWarnings } from './dawn-warnings.js';
 import { big, fmt } from './format.js';
 import { renderHtml } from './report.js';
 import { benchStep, type StepSection } from './step.js';
 import { analyzeStep, type StepSummary } from './step-report.js';
-import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 
 await superviseDawnWarnings();
 const { values } = parseArgs({ options: { full: { type: 'boolean' }, json: { type: 'string' }, html: { type: 'string' }, data: { type: 'string' } } });
@@ -116,7 +110,7 @@ for (const b of await listBackends()) {
   console.log(`  ${line}`);
   environment.push(line);
 }
-await releaseWebGPU();
+await disposeBackends();
 
 const tauPresent = existsSync(tauBench);
 const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
@@ -188,10 +182,11 @@ const merge = await mergeSection();
 const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
-await releaseWebGPU();
+const memory = await benchMemory(quick);
+await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks };
+const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
 const page = await renderHtml(

@@ -9,14 +9,7 @@
  * (a long-horizon run, or a framework merging a whole batch), where the pairwise cost shows.
  */
 import { performance } from 'node:perf_hooks';
-import { packForest } from '../src/pack/forest.js';
-import { toSequences } from '../src/pack/batch.js';
-import { readRecords } from '../src/records/read.js';
-import type { ChatRecord } from '../src/records/types.js';
-import { timelineFromChat, timelineToSample } from '../src/timeline/build.js';
-import { mergeTimelines } from '../src/timeline/merge.js';
-import { mergeDefaults, type Timeline, type TimelineMessage } from '../src/timeline/model.js';
-import { ChatEncoder } from '../src/tokenize/chat.js';
+import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type ChatRecord, type Timeline, type TimelineMessage } from '../src/index.js';
 
 /** A timeline as AgentJet sees it in text mode: the content of each message, nothing else. */
 interface Tracked {

@@ -6,12 +6,7 @@
  * ranks) side by side. Then the streaming collectors on simulated completion times.
  */
 import { performance } from 'node:perf_hooks';
-import { DEFAULT_COST, imbalance, microBatchCost, pathPairs } from '../src/pack/balance.js';
-import { planMicroBatches, roundUp, type Plan } from '../src/pack/budget.js';
-import type { Sequences } from '../src/pack/contract.js';
-import { sortSequences } from '../src/pack/forest.js';
-import { lcpQuery } from '../src/pack/lcp.js';
-import { simulateCollector, type CollectorPolicy } from '../src/pack/schedule.js';
+import { DEFAULT_COST, imbalance, lcpQuery, microBatchCost, pathPairs, planMicroBatches, simulateCollector, sortSequences, type CollectorPolicy, type Plan, type Sequences } from '../src/index.js';
 import { rng } from '../test/helpers/sequences.js';
 
 export interface MicroBatchRow {
@@ -76,7 +71,7 @@ function firstFit(seqs: Sequences, T: number, K: number, dedup: boolean): Result
     if (!placed) bins.push({ ranks: [r], tokens: len });
   }
   const seconds = (performance.now() - t0) / 1000;
-  const n = roundUp(Math.max(1, bins.length), K);
+  const n = Math.ceil(Math.max(1, bins.length) / K) * K;
   const loads = new Float64Array(K);
   let tokens = 0;
   bins.forEach((bin, b) => {

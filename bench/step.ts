@@ -10,7 +10,7 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { DirectorySink, packRecords, type PackReport } from '../src/index.js';
-import { generateJsonlLines, type GeneratorOptions } from '../src/records/generator.js';
+import { generateJsonlLines, type GeneratorOptions } from './dataset.js';
 import { type ModelShape, type SideFigures } from './cost-model.js';
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');

@@ -5,8 +5,7 @@
  */
 import Benchmark from 'benchmark';
 import { loadNative, packForestNative, type ForestBuffers } from '../src/backend/native.js';
-import type { Sequences } from '../src/pack/contract.js';
-import { packForest } from '../src/pack/forest.js';
+import { packForest, type Sequences } from '../src/index.js';
 
 export interface Timing {
   name: string;

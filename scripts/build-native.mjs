@@ -1,4 +1,5 @@
-// Builds the CPU addon build/Release/treepack.node with node-gyp, offline.
+// Builds the CPU addon build/Release/treepack.node, and the same core as a plain C library for Python's ctypes
+// (build/Release/libtreepack_core.so), with node-gyp, offline.
 //
 //   node scripts/build-native.mjs            npm's `install` script: a failed build only warns (exit 0), since
 //                                            treepack still works on its js backend
@@ -16,6 +17,8 @@ import { fileURLToPath } from 'node:url';
 const strict = process.argv.includes('--strict');
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
 const addon = path.join(root, 'build', 'Release', 'treepack.node');
+const coreName = { win32: 'treepack_core.dll', darwin: 'libtreepack_core.dylib' }[process.platform] ?? 'libtreepack_core.so';
+const core = path.join(root, 'build', 'Release', coreName);
 
 if (process.env.TREEPACK_SKIP_NATIVE === '1') {
   console.log('treepack: TREEPACK_SKIP_NATIVE=1, native addon not built; treepack will use the js backend.');
@@ -55,12 +58,13 @@ function build() {
   } catch (e) {
     return { ok: false, why: `the built addon does not load (${e instanceof Error ? e.message : String(e)})`, log };
   }
+  if (!fs.existsSync(core)) return { ok: false, why: `node-gyp did not produce ${path.relative(root, core)}`, log };
   return { ok: true };
 }
 
 const result = build();
 if (result.ok) {
-  console.log(`treepack: built ${path.relative(root, addon)}`);
+  console.log(`treepack: built ${path.relative(root, addon)} and ${path.relative(root, core)}`);
 } else if (strict) {
   console.error(`treepack: native build failed: ${result.why}`);
   process.exit(1);

@@ -5,10 +5,25 @@
  */
 export type ErrorCode =
   | 'E_INPUT' // malformed or inconsistent input data (JSON, lengths, values)
-  | 'E_ARG' // bad argument to an API call or CLI option
+  | 'E_ARG' // bad argument to an API call (or a bad value in a config file the CLI read)
+  | 'E_USAGE' // the command line itself: unknown option, malformed or missing option value
   | 'E_LIMIT' // a size over a documented limit
   | 'E_IO' // reading or writing files
   | 'E_BACKEND'; // a backend could not be loaded or failed
+
+/**
+ * The CLI's exit status, one table for every command: 0 success; 2 bad usage, i.e. what the command line alone
+ * shows to be wrong (unknown command or option, malformed or missing option value), found before any input is
+ * read; 1 everything else: bad input files (data, micro-batches, logprobs, config files), a size limit, a file
+ * system or backend failure.
+ */
+export const EXIT_OK = 0;
+export const EXIT_FAILURE = 1;
+export const EXIT_USAGE = 2;
+
+export function exitStatus(err: TreepackError): number {
+  return err.code === 'E_USAGE' ? EXIT_USAGE : EXIT_FAILURE;
+}
 
 export interface ErrorWhere {
   file?: string;

@@ -5,16 +5,11 @@
  * merged samples → advantages → windows → micro-batches, written by a sink (`DirectorySink`: files and
  * manifest.json, as `treepack pack` writes them). Each step is also exported on its own.
  */
-import { resolveKernel, type BackendName } from './backend/index.js';
-import { assembleMicroBatch } from './pack/batch.js';
-import type { MicroBatch } from './pack/contract.js';
-import type { Sample } from './records/types.js';
-
 export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
 export * from './pack/contract.js';
 export type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './records/types.js';
 export { packForest, sortSequences } from './pack/forest.js';
-export { assembleMicroBatch, toSequences } from './pack/batch.js';
+export { assembleMicroBatch, concatSequences, toSequences } from './pack/batch.js';
 export { branchDepthHistogram } from './pack/shape.js';
 export { readRecords } from './records/read.js';
 export { loadTokenizer } from './tokenize/tokenizer.js';
@@ -31,15 +26,29 @@ export { microBatchBytes, readMicroBatch, writeMicroBatch } from './io/microbatc
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';
+export { maskTensors, type MaskTensors } from './io/masks.js';
 export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
 export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
-export { assignRanks, attentionPairs, imbalance, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
-export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
-export { VERSION } from './version.js';
 export {
+  listBackends,
+  resolveKernel,
+  disposeBackends,
+  configureBackends,
   computeLoss,
   computeLossCompact,
+  BACKEND_NAMES,
+  type BackendName,
+  type BackendStatus,
+  type BackendLimits,
+  type BackendOptions,
+  type LossOptions,
+  type LossRun,
+} from './backend/index.js';
+export { VERSION } from './version.js';
+export {
   buildCompactPlan,
   resolveLossConfig,
   episodeAdvantages,
@@ -47,25 +56,9 @@ export {
   DEFAULT_LOSS_CONFIG,
   ADVANTAGE_ESTIMATORS,
   type LossConfig,
-  type LossOptions,
-  type LossRun,
   type LossResult,
   type LossMetrics,
   type LossBatch,
   type CompactPlan,
   type AdvantageEstimator,
 } from './loss/index.js';
-
-export interface PackOptions {
-  /** Which backend builds the forest; default: the fastest available (native addon, else TypeScript). */
-  backend?: BackendName | 'auto';
-  /** Tokenizer name recorded in the micro-batch metadata. */
-  tokenizer?: string;
-}
-
-/** Packs samples into one micro-batch; `report` says which backend ran and why. */
-export async function packSamples(samples: readonly Sample[], opts: PackOptions = {}): Promise<{ batch: MicroBatch; report: string }> {
-  const packer = await resolveKernel('packForest', opts.backend);
-  const batch = assembleMicroBatch(samples, { tokenizer: opts.tokenizer ?? 'unknown', packForest: packer.kernel });
-  return { batch, report: packer.report };
-}

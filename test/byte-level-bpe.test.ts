@@ -10,7 +10,7 @@ import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { Tokenizer } from '@huggingface/tokenizers';
 import { afterAll, describe, expect, it } from 'vitest';
-import { generateEpisodes } from '../src/records/generator.js';
+import { generateEpisodes } from '../bench/dataset.js';
 import { parseRecords, readRecords } from '../src/records/read.js';
 import type { ChatRecord } from '../src/records/types.js';
 import { byteLevelBpe, type ByteLevelBpe } from '../src/tokenize/byte-level-bpe.js';

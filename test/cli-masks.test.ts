@@ -9,7 +9,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { maskBlocks } from '../src/mask/blocks.js';
 import { maskSlices } from '../src/mask/slices.js';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from '../bench/dataset.js';
 import { cli } from './helpers/cli.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-masks-'));

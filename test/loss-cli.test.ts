@@ -7,7 +7,7 @@ import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
 import { resolveLossConfig } from '../src/loss/config.js';
 import { lossReference } from '../src/loss/reference.js';
-import { generateTokenSamples } from '../src/records/generator.js';
+import { generateTokenSamples } from '../bench/dataset.js';
 import { randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
 import { cli } from './helpers/cli.js';
@@ -43,12 +43,12 @@ describe('treepack loss', () => {
     const short = join(dir, 'short.safetensors');
     writeSafetensors(short, new Map([['logprobs', { dtype: 'F32', shape: [3], data: lp.slice(0, 3) }]]));
     const r1 = cli(['loss', mb, '--logprobs', short]);
-    expect(r1.code).toBe(2);
+    expect(r1.code).toBe(1); // a bad input file, not bad usage
     expect(r1.stderr).toMatch(/short\.safetensors, field "logprobs": logprobs has 3 elements but the micro-batch has N = \d+ nodes/);
     const bad = join(dir, 'bad.json');
     writeFileSync(bad, JSON.stringify({ policy: 'ppo2' }));
     const r2 = cli(['loss', mb, '--logprobs', lpFile, '--config', bad]);
-    expect(r2.code).toBe(2);
+    expect(r2.code).toBe(1);
     expect(r2.stderr).toMatch(/bad\.json, field "policy": Expected one of ppo, gspo, cispo for policy but received "ppo2"/);
     expect(cli(['loss', mb]).code).toBe(2);
   });

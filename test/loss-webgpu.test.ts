@@ -1,28 +1,39 @@
 /**
  * The WebGPU loss beyond the parity suite of loss.test.ts: the chunk layout checked by hand, every chunk boundary
- * crossed on small inputs (TREEPACK_WEBGPU_LOSS_CHUNK_BYTES lowers the bytes per binding: a node's occurrences and a
- * sequence split across chunks), determinism run to run, the compact mode chunked, and one batch whose trainable
- * occurrences exceed the adapter's real binding limit.
+ * crossed on small inputs (`chunkBytes` lowers the bytes per binding: a node's occurrences and a sequence split
+ * across chunks), determinism run to run, the compact mode chunked, and one batch whose trainable occurrences exceed
+ * the adapter's real binding limit. The chunk size is passed per call, never through the process environment, so a
+ * test still running past its time budget cannot change another test's layout.
  */
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
-import { listBackends } from '../src/backend/index.js';
-import { releaseWebGPU, webgpuContext } from '../src/backend/webgpu/device.js';
-import { CHUNK_BYTES_ENV } from '../src/backend/webgpu/loss.js';
+import { afterEach, describe, expect, it } from 'vitest';
+import { computeLoss } from '../src/backend/index.js';
+import { CHUNK_BYTES_ENV, lossCompactWebGPU, lossWebGPU } from '../src/backend/webgpu/loss.js';
 import { chunkIndex, OCC_BYTES, occStream, planOccChunks, seqChunks } from '../src/backend/webgpu/loss-layout.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, computeLoss, computeLossCompact, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
+import { buildCompactPlan, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
-import type { LossBatch } from '../src/loss/types.js';
+import type { CompactPlan, LossBatch } from '../src/loss/types.js';
+import { validateCompactInputs, validateLossInputs } from '../src/loss/validate.js';
+import { describeBackends } from './helpers/backends.js';
 import { close, LOSS_CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { randomBatch, rng } from './helpers/sequences.js';
 
-afterAll(releaseWebGPU);
 afterEach(() => {
   delete process.env[CHUNK_BYTES_ENV];
 });
 
-const webgpu = (await listBackends()).find((b) => b.name === 'webgpu')!;
-if (!webgpu.available) console.log(`webgpu loss tests skipped: ${webgpu.detail}`);
+/** computeLoss on webgpu with an explicit chunk size (validated as computeLoss does). */
+async function gpu(b: LossBatch, lp: Float32Array, config: Partial<LossConfig>, chunkBytes?: number): Promise<LossResult> {
+  const cfg = resolveLossConfig(config);
+  validateLossInputs(b, lp, cfg);
+  return lossWebGPU(b, lp, cfg, { chunkBytes });
+}
+
+async function gpuCompact(plan: CompactPlan, lp: Float32Array, config: Partial<LossConfig>, chunkBytes?: number): Promise<LossResult> {
+  validateCompactInputs(plan, lp);
+  return lossCompactWebGPU(plan, lp, resolveLossConfig(config), { chunkBytes });
+}
+
 const TOL = 2e-5; // f32 end to end against a float64 oracle, as in loss.test.ts
 
 function expectEqualsJs(got: LossResult, want: LossResult, tol: number, what: string): void {
@@ -92,17 +103,16 @@ describe('chunk layout', () => {
   });
 });
 
-describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
-  /** Sets the chunk size, and checks that this batch really gets a node and a sequence cut between chunks. */
+await describeBackends('loss', () => describe('webgpu loss in chunks', () => {
+  /** Checks that this batch really gets a node and a sequence cut between chunks of this size. */
   function chunked(bytes: number, b: LossBatch, cfg: LossConfig): void {
-    process.env[CHUNK_BYTES_ENV] = String(bytes);
     const s = occStream(b, cfg);
     const chunks = planOccChunks(s.nodeOff, Math.floor(bytes / OCC_BYTES), Math.floor(bytes / 8) - 1);
     expect(chunks.some((c) => c.o0 > s.nodeOff[c.n0]), 'a node split across chunks').toBe(true);
     if (cfg.policy === 'gspo') expect(seqChunks(b, s, Math.floor(bytes / 8)).some((c) => c.firstTotal > 0), 'a sequence split across chunks').toBe(true);
   }
 
-  it('random batches, every config, 64- and 512-byte chunks: equal to js and to the unpacked reference', async () => {
+  it('random batches, every config, 64- and 512-byte chunks: equal to js and to the unpacked reference', { timeout: 120_000 }, async () => {
     for (const seed of [1, 2, 3, 4]) {
       // many duplicates: nodes with many occurrences
       const { batch, lp, unpacked } = randomLossCase(randomBatch(seed, { count: 60, alphabet: 2 }), seed);
@@ -111,7 +121,7 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
         const js = lossReference(batch, lp, cfg);
         for (const bytes of [64, 512]) {
           chunked(bytes, batch, cfg);
-          const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+          const got = await gpu(batch, lp, cfg, bytes);
           expectEqualsJs(got, js, TOL, `seed ${seed} config ${k} chunk ${bytes}`);
           const want = unpackedLoss(unpacked, cfg);
           close(got.loss, want.loss, TOL, `seed ${seed} config ${k} chunk ${bytes} vs unpacked`);
@@ -120,7 +130,7 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
     }
   });
 
-  it('adversarial shapes in chunks: one token, a node shared by 300 sequences, a 20k-token gspo sequence', async () => {
+  it('adversarial shapes in chunks: one token, a node shared by 300 sequences, a 20k-token gspo sequence', { timeout: 120_000 }, async () => {
     const r = rng(9);
     const long = Array.from({ length: 20_000 }, () => Math.floor(r() * 50));
     const shapes: [string, number[][], number][] = [
@@ -133,20 +143,18 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
       for (const config of [LOSS_CONFIGS[1], LOSS_CONFIGS[4], LOSS_CONFIGS[5]]) {
         const cfg = resolveLossConfig(config);
         if (name !== 'one token') chunked(bytes, batch, cfg);
-        else process.env[CHUNK_BYTES_ENV] = String(bytes);
-        const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+        const got = await gpu(batch, lp, cfg, bytes);
         expectEqualsJs(got, lossReference(batch, lp, cfg), name === 'long' ? 1e-4 : TOL, `${name} ${cfg.policy}`);
       }
     }
   });
 
-  it('is bit-identical run to run, with a fresh layout too', async () => {
+  it('is bit-identical run to run, with a fresh layout too', { timeout: 60_000 }, async () => {
     const { batch, lp } = randomLossCase(randomBatch(5, { count: 50, alphabet: 3 }), 5);
     for (const config of [LOSS_CONFIGS[2], LOSS_CONFIGS[4]]) {
-      process.env[CHUNK_BYTES_ENV] = '128';
-      const a = await computeLoss(batch, lp, config, { backend: 'webgpu' });
-      const b = await computeLoss(batch, lp, config, { backend: 'webgpu' });
-      const c = await computeLoss({ ...batch }, lp, config, { backend: 'webgpu' }); // a new object: prepared again
+      const a = await gpu(batch, lp, config, 128);
+      const b = await gpu(batch, lp, config, 128);
+      const c = await gpu({ ...batch }, lp, config, 128); // a new object: prepared again
       for (const other of [b, c]) {
         expect(Buffer.from(other.grad.buffer).equals(Buffer.from(a.grad.buffer))).toBe(true);
         expect(other.metrics).toEqual(a.metrics);
@@ -154,7 +162,7 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
     }
   });
 
-  it('concurrent calls on one batch give the same results as one at a time', async () => {
+  it('concurrent calls on one batch give the same results as one at a time', { timeout: 60_000 }, async () => {
     const { batch, lp } = randomLossCase(randomBatch(8, { count: 40 }), 8);
     const lp2 = lp.map((x) => x - 0.05);
     const [a, b] = await Promise.all([computeLoss(batch, lp, {}, { backend: 'webgpu' }), computeLoss(batch, lp2, {}, { backend: 'webgpu' })]);
@@ -162,27 +170,34 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
     expect(b.grad).toEqual((await computeLoss(batch, lp2, {}, { backend: 'webgpu' })).grad);
   });
 
-  it('compact mode in 64-byte chunks equals js and the per-occurrence mode', async () => {
+  it('compact mode in 64-byte chunks equals js and the per-occurrence mode', { timeout: 120_000 }, async () => {
     for (const seed of [1, 2, 3]) {
       const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
       for (const config of LOSS_CONFIGS.filter((c) => c.policy !== 'gspo')) {
-        process.env[CHUNK_BYTES_ENV] = '64';
         const plan = buildCompactPlan(batch, config);
-        const got = await computeLossCompact(plan, lp, config, { backend: 'webgpu' });
+        const got = await gpuCompact(plan, lp, config, 64);
         expectEqualsJs(got, lossReference(batch, lp, resolveLossConfig(config)), TOL, `seed ${seed} compact`);
-        expectEqualsJs(got, await computeLoss(batch, lp, config, { backend: 'webgpu' }), TOL, `seed ${seed} compact vs per-occurrence`);
+        expectEqualsJs(got, await gpu(batch, lp, config, 64), TOL, `seed ${seed} compact vs per-occurrence`);
       }
     }
   });
 
-  it('refuses a chunk size below 64 bytes, naming the variable', async () => {
+  it('takes the chunk size from the environment, and refuses one below 64 bytes, naming the variable or option', async () => {
+    const { batch, lp } = randomLossCase(randomBatch(3, { count: 30, alphabet: 2 }), 3);
+    const cfg = resolveLossConfig(LOSS_CONFIGS[1]);
+    chunked(64, batch, cfg);
+    const explicit = await gpu(batch, lp, cfg, 64);
+    process.env[CHUNK_BYTES_ENV] = '64';
+    const fromEnv = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+    expect(Buffer.from(fromEnv.grad.buffer).equals(Buffer.from(explicit.grad.buffer))).toBe(true);
     process.env[CHUNK_BYTES_ENV] = '8';
-    const { batch, lp } = randomLossCase([[1, 2, 3]], 1);
     const err = await computeLoss(batch, lp, {}, { backend: 'webgpu' }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(TreepackError);
     expect((err as TreepackError).where.field).toBe(CHUNK_BYTES_ENV);
+    const opt = await gpu(batch, lp, {}, 8).catch((e: unknown) => e);
+    expect((opt as TreepackError).where.field).toBe('chunkBytes');
   });
-});
+}), { only: ['webgpu'] });
 
 /**
  * 9.4M occurrences (8.4M trainable) in 256 groups of 8 sequences sharing a 1200-token prompt: over the 128 MiB
@@ -222,11 +237,10 @@ function bigBatch(): { batch: LossBatch; lp: Float32Array } {
   return { batch: { input_ids: new Int32Array(N), seq_offsets, seq_positions, loss_mask, advantages, old_logprobs, ref_logprobs }, lp };
 }
 
-describe.skipIf(!webgpu.available)('webgpu loss over the real binding limit', () => {
+await describeBackends('loss', (_, status) => describe('webgpu loss over the real binding limit', () => {
   it('8.4M trainable occurrences: equals js', { timeout: 300_000 }, async () => {
     const { batch, lp } = bigBatch();
-    const ctx = await webgpuContext();
-    const limit = ctx.ok ? Math.min(ctx.ctx.device.limits.maxStorageBufferBindingSize, ctx.ctx.device.limits.maxBufferSize) : 0;
+    const limit = status.limits!.maxArrayBytes;
     const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
     const { nodeOff } = occStream(batch, cfg);
     const T = nodeOff[nodeOff.length - 1];
@@ -242,4 +256,4 @@ describe.skipIf(!webgpu.available)('webgpu loss over the real binding limit', ()
     for (let p = 0; p < want.grad.length; p++) worst = Math.max(worst, Math.abs(got.grad[p] - want.grad[p]) / Math.max(1, Math.abs(want.grad[p])));
     expect(worst).toBeLessThanOrEqual(TOL);
   });
-});
+}), { only: ['webgpu'] });

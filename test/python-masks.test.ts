@@ -3,22 +3,19 @@
  * what torch's create_block_mask derives from the dense rule (numpy reference), and the slices cover exactly the
  * visible pairs. The FlexAttention-vs-SDPA test (torch + CUDA) reports its skip here and runs on the GPU host.
  */
-import { spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { delimiter, join } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { afterAll, describe, expect, it } from 'vitest';
 import { writeMicroBatch } from '../src/io/microbatch.js';
-import { maskTensors } from '../src/mask/index.js';
+import { maskTensors } from '../src/io/masks.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
+import { pythonFor } from './helpers/python.js';
 import { csr, randomBatch } from './helpers/sequences.js';
 
-const pythonDir = fileURLToPath(new URL('../python', import.meta.url));
-const probe = spawnSync('python3', ['-c', 'import numpy'], { encoding: 'utf8' });
-const skipReason = probe.error ? `python3 not runnable (${probe.error.message})` : probe.status !== 0 ? 'python3 cannot import numpy' : '';
-if (skipReason) console.log(`test/python-masks.test.ts skipped: ${skipReason}`);
+const py = pythonFor('test/python-masks.test.ts', 'numpy');
+const skipReason = py.skipReason;
 
 describe.skipIf(skipReason !== '')('python flex helpers on stored masks', () => {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-py-masks-'));
@@ -40,10 +37,10 @@ describe.skipIf(skipReason !== '')('python flex helpers on stored masks', () => 
       writeMicroBatch(path, batch, tensors, metadata);
       files.push(path);
     }
-    const env = { ...process.env, PYTHONPATH: pythonDir, PYTHONDONTWRITEBYTECODE: '1', TREEPACK_MASK_FILES: files.join(delimiter) };
-    const res = spawnSync('python3', ['-m', 'unittest', '-v', 'tests.test_flex', 'tests.test_flex_gpu'], { cwd: pythonDir, env, encoding: 'utf8' });
+    const res = py.run(['-m', 'unittest', '-v', 'tests.test_flex', 'tests.test_flex_gpu'], { env: { TREEPACK_MASK_FILES: files.join(delimiter) } });
     expect(res.status, res.stderr).toBe(0);
     expect(res.stderr).toMatch(/test_every_file_agrees_with_the_dense_rule \(.*\) \.\.\. ok/);
+    expect(res.stderr).toMatch(/test_python_builders_equal_the_stored_lowerings \(.*\) \.\.\. ok/);
     const gpu = res.stderr.match(/test_flex_attention_matches_sdpa \(.*\) \.\.\. (.*)/)?.[1];
     console.log(`python FlexAttention vs SDPA: ${gpu}`);
     expect(gpu).toBeDefined();

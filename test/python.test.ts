@@ -1,30 +1,22 @@
 /**
  * The Python reader (python/treepack) on files written by the TypeScript writer, and the Python unit tests.
- * Skipped, with the reason printed, where python3 with numpy is not available.
+ * Skipped, with the reason printed, where no Python with numpy is found (test/helpers/python.ts).
  */
 import { afterAll, describe, expect, it } from 'vitest';
-import { spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { writeMicroBatch } from '../src/io/microbatch.js';
 import type { Tensor } from '../src/io/safetensors.js';
 import { FORMAT, OCCURRENCE_FLOAT_FIELDS, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { checkForest } from '../src/pack/invariants.js';
+import { pythonFor } from './helpers/python.js';
 import { csr, randomBatch, rng, toArrays } from './helpers/sequences.js';
 
-const pythonDir = fileURLToPath(new URL('../python', import.meta.url));
-const env = { ...process.env, PYTHONPATH: pythonDir, PYTHONDONTWRITEBYTECODE: '1' };
-
-function python(args: string[], cwd = pythonDir) {
-  return spawnSync('python3', args, { cwd, env, encoding: 'utf8', maxBuffer: 64 << 20 });
-}
-
-const probe = python(['-c', 'import numpy']);
-const skipReason = probe.error ? `python3 not runnable (${probe.error.message})` : probe.status !== 0 ? `python3 cannot import numpy (${probe.stderr.trim().split('\n').pop()})` : '';
-if (skipReason) console.log(`test/python.test.ts skipped: ${skipReason}`);
+const py = pythonFor('test/python.test.ts', 'numpy');
+const skipReason = py.skipReason;
+const python = (args: string[]) => py.run(args);
 
 function randomMicroBatch(seed: number): MicroBatch {
   const r = rng(seed + 77);
@@ -53,12 +45,12 @@ describe.skipIf(skipReason !== '')('python reader', () => {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-py-'));
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  it('python unit tests pass', () => {
+  it('python unit tests pass', { timeout: 120_000 }, () => {
     const res = python(['-m', 'unittest', 'discover', '-s', 'tests']);
     expect(res.status, res.stderr).toBe(0);
   });
 
-  it('loads TypeScript-written micro-batches with identical arrays, sequences and metadata', () => {
+  it('loads TypeScript-written micro-batches with identical arrays, sequences and metadata; pack_sequences lays them out alike', () => {
     const cases = [];
     for (let seed = 0; seed < 12; seed++) {
       const batch = randomMicroBatch(seed);
@@ -94,6 +86,10 @@ for case in json.load(open(sys.argv[1])):
         assert mb.sequence(i).tolist() == s, i
     assert mb.extra["mask_blocks"].tolist() == [case["extra"][:2], case["extra"][2:]]
     assert treepack.check_invariants(mb) == [], treepack.check_invariants(mb)
+    # pack_sequences (the C core through ctypes) lays the same sequences out byte for byte like packForest.
+    packed = treepack.pack_sequences(case["seqs"])
+    for name in ["input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions"]:
+        assert getattr(packed, name).tolist() == case["fields"][name], name
 print("ok", len(json.load(open(sys.argv[1]))))
 `;
     const res = python(['-c', script, expectedFile]);

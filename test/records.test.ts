@@ -7,7 +7,7 @@ import { Readable } from 'node:stream';
 import { fileURLToPath } from 'node:url';
 import { afterAll, describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
-import { generateEpisodes, generateJsonl, generateTokenSamples, type EpisodeJson } from '../src/records/generator.js';
+import { generateEpisodes, generateJsonl, generateTokenSamples, type EpisodeJson } from '../bench/dataset.js';
 import { readJsonlLines } from '../src/records/jsonl.js';
 import { parseRecords, readRecords, type ReadOptions, type ReadStats } from '../src/records/read.js';
 import type { ChatRecord, Sample, TrainRecord } from '../src/records/types.js';

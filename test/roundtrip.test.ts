@@ -7,7 +7,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { generateJsonl } from '../src/records/generator.js';
+import { generateJsonl } from '../bench/dataset.js';
 
 const root = resolve(__dirname, '..');
 const BIN = join(root, 'dist/src/cli/main.js');

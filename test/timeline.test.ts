@@ -423,7 +423,7 @@ describe('timeline merge properties', () => {
 describe('timeline merge in the pipeline', () => {
   it('accounts for every record, and --no-merge packs each record as ChatEncoder encodes it', async () => {
     const { Readable } = await import('node:stream');
-    const { generateJsonl } = await import('../src/records/generator.js');
+    const { generateJsonl } = await import('../bench/dataset.js');
     const { packRecords } = await import('../src/packer/index.js');
     const text = generateJsonl({ groups: 1, seed: 3, minTurns: 3, maxTurns: 8 });
     const run = async (merge: MergeOptions | false) => {

@@ -10,7 +10,7 @@ import { dirname, join } from 'node:path';
 import { Template } from '@huggingface/jinja';
 import { afterAll, describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
-import { generateEpisodes } from '../src/records/generator.js';
+import { generateEpisodes } from '../bench/dataset.js';
 import { parseRecords } from '../src/records/read.js';
 import type { ChatMessage, ChatRecord, Sample } from '../src/records/types.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';

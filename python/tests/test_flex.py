@@ -1,6 +1,6 @@
 """Tests of treepack.flex that need numpy only; the FlexAttention-vs-SDPA check is test_flex_gpu.py (torch, GPU).
 
-Micro-batch files with masks are written by the TypeScript side (test/python.test.ts passes their paths in
+Micro-batch files with masks are written by the TypeScript side (test/python-masks.test.ts passes their paths in
 TREEPACK_MASK_FILES); without them only the file-independent tests run.
 """
 
@@ -12,7 +12,23 @@ import unittest
 import numpy as np
 
 import treepack
-from treepack.flex import block_arrays, block_arrays_from_dense, dense_mask, magi_slices, slices_to_dense
+from treepack.flex import (
+    block_arrays,
+    block_arrays_from_dense,
+    block_arrays_from_tree,
+    cu_seqlens,
+    dense_mask,
+    magi_slices,
+    slices_from_tree,
+    slices_to_dense,
+)
+from treepack.loss import core_library
+
+try:
+    core_library()
+    CORE_SKIP = ""
+except OSError as e:
+    CORE_SKIP = str(e)
 
 
 def parent_dense(parent: np.ndarray) -> np.ndarray:
@@ -43,6 +59,55 @@ class DenseReference(unittest.TestCase):
         np.testing.assert_array_equal(b.kv_indices[2], [0, 1, 2])
 
 
+class TreeBuilders(unittest.TestCase):
+    """The lowerings built in Python from the tree arrays (no --masks needed)."""
+
+    def test_block_arrays_from_tree_equal_the_dense_derivation(self) -> None:
+        rng = np.random.default_rng(3)
+        for trial in range(60):
+            n = int(rng.integers(0, 40))
+            parent = np.array([-1 if p == 0 or rng.random() < 0.15 else int(rng.integers(0, p)) for p in range(n)], dtype=np.int64)
+            # A preorder needs each child after its parent's earlier subtrees: rebuild one by DFS.
+            children = [[] for _ in range(n)]
+            for p in range(n):
+                if parent[p] >= 0:
+                    children[parent[p]].append(p)
+            order, stack = [], [p for p in reversed(range(n)) if parent[p] < 0]
+            while stack:
+                p = stack.pop()
+                order.append(p)
+                stack.extend(reversed(children[p]))
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n)
+            par = np.array([-1 if parent[p] < 0 else rank[parent[p]] for p in order], dtype=np.int64)
+            size = np.ones(n, dtype=np.int64)
+            for p in reversed(range(n)):
+                if par[p] >= 0:
+                    size[par[p]] += size[p]
+            se = np.arange(n) + size
+            np.testing.assert_array_equal(dense_mask(se), parent_dense(par))
+            for B in (1, 2, 3, 8, 128):
+                got, want = block_arrays_from_tree(se, B), block_arrays_from_dense(dense_mask(se), B)
+                for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"trial {trial}, B = {B}: {name}")
+
+    def test_cu_seqlens(self) -> None:
+        np.testing.assert_array_equal(cu_seqlens(np.array([-1, 0, 1, -1, 3, -1])), [0, 3, 5, 6])
+        np.testing.assert_array_equal(cu_seqlens(np.array([], dtype=np.int32)), [0])
+        with self.assertRaises(treepack.TreepackError) as cm:
+            cu_seqlens(np.array([-1, 0, 0]))
+        self.assertEqual(cm.exception.field, "parent")
+
+    def test_bad_tree_names_the_field(self) -> None:
+        for se, field in ((np.array([1, 1]), "subtree_end"), (np.array([1.0]), "subtree_end")):
+            with self.assertRaises(treepack.TreepackError) as cm:
+                block_arrays_from_tree(se, 4)
+            self.assertEqual(cm.exception.field, field)
+        with self.assertRaises(treepack.TreepackError) as cm:
+            block_arrays_from_tree(np.array([1]), 0)
+        self.assertEqual(cm.exception.field, "block_size")
+
+
 @unittest.skipUnless(os.environ.get("TREEPACK_MASK_FILES"), "no micro-batch files with masks given (TREEPACK_MASK_FILES)")
 class StoredMasks(unittest.TestCase):
     def test_every_file_agrees_with_the_dense_rule(self) -> None:
@@ -56,6 +121,17 @@ class StoredMasks(unittest.TestCase):
             q_ranges, k_ranges, types = magi_slices(mb)
             slices = np.array([q + k + [t] for q, k, t in zip(q_ranges, k_ranges, types)], dtype=np.int32).reshape(-1, 5)
             np.testing.assert_array_equal(slices_to_dense(slices, len(mb.parent)), dense.astype(np.int32), err_msg=path)
+
+    def test_python_builders_equal_the_stored_lowerings(self) -> None:
+        # What Python builds from subtree_end / parent is what the TypeScript side wrote, element for element.
+        for path in os.environ["TREEPACK_MASK_FILES"].split(os.pathsep):
+            mb = treepack.load(path)
+            stored = block_arrays(mb)
+            built = block_arrays_from_tree(mb.subtree_end, stored.block_size)
+            for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                np.testing.assert_array_equal(getattr(built, name), getattr(stored, name), err_msg=f"{path}: {name}")
+            if not CORE_SKIP:
+                np.testing.assert_array_equal(slices_from_tree(mb.parent, mb.subtree_end), mb.extra["slices"], err_msg=path)
 
 
 if __name__ == "__main__":

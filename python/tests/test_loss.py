@@ -116,7 +116,7 @@ class TorchLossTest(unittest.TestCase):
             t["seq_positions"] = t["seq_positions"].int()
             t["loss_mask"] = t["loss_mask"].to(torch.uint8)
             x = torch.tensor(lp, device=dev, requires_grad=True)
-            tl.PackedLoss.apply(x, t, c).backward()
+            tl.PackedLoss.apply(x, t, c)[0].backward()
             y = torch.tensor(lp, dtype=torch.float64, device=dev, requires_grad=True)
             ref = self._plain_torch({k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, y, c)
             ref.backward()

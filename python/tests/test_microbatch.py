@@ -351,6 +351,45 @@ class InvariantTest(unittest.TestCase):
         self.assertGreater(not_preorder, 50)
 
 
+class ValuesTest(unittest.TestCase):
+    def write(self, d: str, name: str, change: Dict[str, np.ndarray]) -> str:
+        tensors, meta = micro_batch_tensors([[1, 2, 3], [1, 2], [4, 5]], random.Random(3))
+        tensors = [(k, dt, change.get(k, a)) for k, dt, a in tensors]
+        tensors.append(("old_logprobs", "F32", change.get("old_logprobs", np.full(7, -1.0, "<f4"))))
+        path = os.path.join(d, name)
+        with open(path, "wb") as f:
+            f.write(safetensors_bytes(tensors, meta))
+        return path
+
+    def test_values(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            good = treepack.load(self.write(d, "good.safetensors", {}))
+            self.assertEqual(treepack.check_values(good, vocab_size=6), [])
+            self.assertEqual(len(treepack.check_values(good, vocab_size=5)), 1)  # token 5 is out of a vocabulary of 5
+            ids = good.input_ids.copy()
+            ids[2] = -1
+            bad = treepack.check_values(treepack.load(self.write(d, "ids.safetensors", {"input_ids": ids})))
+            self.assertEqual(bad, ["input_ids negative (1): input_ids[2] = -1"])
+            mask = np.array([0, 1, 7, 0, 1, 0, 1], "u1")
+            self.assertEqual(
+                treepack.check_values(treepack.load(self.write(d, "mask.safetensors", {"loss_mask": mask}))),
+                ["loss_mask not 0 or 1 (1): loss_mask[2] = 7"],
+            )
+            # non-finite at a masked occurrence is fine, at a trainable one it is not
+            mask = np.array([0, 1, 1, 0, 0, 0, 1], "u1")
+            old = np.array([np.inf, -1, -np.inf, np.nan, np.nan, 0, -1], "<f4")
+            path = self.write(d, "inf.safetensors", {"loss_mask": mask, "old_logprobs": old})
+            self.assertEqual(
+                treepack.check_values(treepack.load(path)), ["old_logprobs not finite at a trainable occurrence (1): old_logprobs[2] = -inf"]
+            )
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                self.assertEqual(main(["check", path]), 1)
+                self.assertEqual(main(["check", os.path.join(d, "good.safetensors"), "--vocab-size", "5"]), 1)
+                self.assertEqual(main(["check", os.path.join(d, "good.safetensors"), "--vocab-size", "6"]), 0)
+            self.assertIn("old_logprobs not finite", out.getvalue())
+
+
 class CliTest(unittest.TestCase):
     def test_check(self) -> None:
         with tempfile.TemporaryDirectory() as d:

@@ -1,4 +1,5 @@
-"""``python -m treepack check FILE...``: prints each file's status; exit status 1 if any file is invalid."""
+"""``python -m treepack check FILE... [--vocab-size V]``: prints each file's status (format, shapes, forest invariants,
+values a trainer would misread); exit status 1 if any file is invalid, 2 for bad usage."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .microbatch import TreepackError, check_invariants, load
+from .microbatch import TreepackError, check_invariants, check_values, load
 
 
-def check(files: List[str]) -> int:
+def check(files: List[str], vocab_size: Optional[int] = None) -> int:
     failed = False
     for path in files:
         try:
@@ -19,7 +20,7 @@ def check(files: List[str]) -> int:
             print(f"{path}: error [{e.code}]{where}: {e.reason}")
             failed = True
             continue
-        violations = check_invariants(mb)
+        violations = check_invariants(mb) + check_values(mb, vocab_size)
         if violations:
             failed = True
             print(f"{path}: {len(violations)} violation(s)")
@@ -39,8 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check_cmd = commands.add_parser("check", help="check micro-batch files: format, shapes and forest invariants")
     check_cmd.add_argument("files", nargs="+", metavar="FILE")
+    check_cmd.add_argument("--vocab-size", type=int, default=None, metavar="V", help="also reject input_ids >= V")
     args = parser.parse_args(argv)
-    return check(args.files)
+    return check(args.files, args.vocab_size)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class BlockArrays(NamedTuple):
 
 
 def _fail(field: str, message: str) -> TreepackError:
-    return TreepackError(f"field {field!r}: {message}")
+    return TreepackError("E_INPUT", message, field=field)
 
 
 def block_arrays(mb: MicroBatch) -> BlockArrays:
@@ -54,6 +54,98 @@ def block_arrays(mb: MicroBatch) -> BlockArrays:
         if a.dtype != np.int32 or a.shape != shape:
             raise _fail(name, f"expected int32 {list(shape)} for N = {n}, block_size = {block_size}, got {a.dtype} {list(a.shape)}")
     return BlockArrays(block_size, *arrays)
+
+
+def _subtree_end(subtree_end: Any) -> np.ndarray:
+    se = np.asarray(subtree_end)
+    if se.ndim != 1 or se.dtype.kind not in "iu":
+        raise _fail("subtree_end", f"expected a 1-D integer array, got {se.dtype} {list(se.shape)}")
+    n = len(se)
+    bad = np.flatnonzero((se <= np.arange(n)) | (se > n))
+    if bad.size:
+        raise _fail("subtree_end", f"subtree_end[{bad[0]}] = {se[bad[0]]} is not in ({bad[0]}, N = {n}]")
+    return se.astype(np.int64)
+
+
+def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArrays:
+    """The block mask of ``--masks block:B``, built here from ``subtree_end`` in O(N + listed blocks), equal element
+    for element to the TypeScript lowering (src/mask/blocks.ts): for kv block j with least / greatest subtree_end
+    lo_j / hi_j, query block i > j sees it whole iff (i+1)·B <= lo_j and in part iff i·B < hi_j; the diagonal is
+    partial (full for B = 1); indices ascending, 0-padded."""
+    if not (isinstance(block_size, (int, np.integer)) and block_size >= 1):
+        raise _fail("block_size", f"expected an integer >= 1, got {block_size!r}")
+    se = _subtree_end(subtree_end)
+    B, n = int(block_size), len(se)
+    nb = -(-n // B)
+    padded = np.concatenate([se, np.full(nb * B - n, n, dtype=np.int64)]).reshape(nb, B)
+    lo = padded.min(axis=1) if nb else padded[:, 0]
+    hi = padded.max(axis=1) if nb else padded[:, 0]
+    j = np.arange(nb)
+    full_end = np.maximum(lo // B, j + 1)  # rows j+1 .. full_end-1 see block j whole
+    any_end = np.maximum(np.minimum(nb, -(-hi // B)), full_end)  # then rows .. any_end-1 in part
+    diag_full = B == 1
+
+    def layout(starts: np.ndarray, ends: np.ndarray, diag: bool) -> Tuple[np.ndarray, np.ndarray]:
+        counts = ends - starts
+        cols = np.repeat(j, counts)
+        rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(starts, counts)
+        if diag:
+            rows, cols = np.concatenate([rows, j]), np.concatenate([cols, j])
+        order = np.lexsort((cols, rows))
+        rows, cols = rows[order], cols[order]
+        num = np.bincount(rows, minlength=nb).astype(np.int32)
+        slot = np.arange(len(rows)) - np.repeat(np.cumsum(num) - num, num)
+        idx = np.zeros((nb, nb), dtype=np.int32)
+        idx[rows, slot] = cols
+        return num, idx
+
+    return BlockArrays(B, *layout(full_end, any_end, not diag_full), *layout(j + 1, full_end, diag_full))
+
+
+def cu_seqlens(parent: Any) -> np.ndarray:
+    """flash-attn varlen offsets, int32 [R+1], for a forest with no sharing (each node at most one child, so the
+    mask is block-diagonal causal); TreepackError naming ``parent`` when a node has a second child."""
+    par = np.asarray(parent, dtype=np.int64)
+    n = len(par)
+    shared = np.flatnonzero((par >= 0) & (par != np.arange(n) - 1))
+    if shared.size:
+        p = int(shared[0])
+        raise _fail("parent", f"cu_seqlens needs a forest with no sharing, but node {par[p]} has more than one child; use the block-sparse or slices lowering")
+    return np.concatenate([np.flatnonzero(par < 0), [n]]).astype(np.int32)
+
+
+def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
+    """The ``--masks slices`` lowering (MagiAttention ranges), int32 [K, 5], through the C core (``tp_mask_slices``
+    in libtreepack_core.so, the same code as the cpu backend)."""
+    import ctypes
+
+    from .loss import core_library
+
+    par = np.ascontiguousarray(parent, dtype=np.int32)
+    se = np.ascontiguousarray(_subtree_end(subtree_end), dtype=np.int32)
+    if par.shape != se.shape:
+        raise _fail("parent", f"parent has {len(par)} elements but subtree_end has {len(se)}")
+    lib = core_library()
+    fn = lib.tp_mask_slices
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    fn.restype = ctypes.c_int
+    count = ctypes.c_int64(0)
+    out = np.zeros((max(1, 2 * len(par)), 5), dtype=np.int32)
+    for _ in range(2):  # the second call has the capacity the first reported
+        rc = fn(par.ctypes.data, se.ctypes.data, len(par), out.ctypes.data, out.shape[0], ctypes.byref(count))
+        if rc == 6:  # TP_ERR_CAPACITY
+            out = np.zeros((count.value, 5), dtype=np.int32)
+            continue
+        if rc != 0:
+            raise _fail("parent", f"tp_mask_slices: {lib.tp_status_string(rc).decode()}")
+        return out[: count.value].copy()
+    raise _fail("parent", "tp_mask_slices asked for more room twice")
+
+
+def magi_ranges(parent: Any, subtree_end: Any) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+    """MagiAttention's ``q_ranges``, ``k_ranges`` and ``attn_type_map`` (0 full, 1 causal) built from the tree."""
+    s = slices_from_tree(parent, subtree_end)
+    return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
 
 
 def tree_mask_mod(subtree_end: Any) -> Callable[[Any, Any, Any, Any], Any]:

@@ -1,103 +1,131 @@
 """The RL loss of a packed micro-batch from Python, through treepack's C ABI (ctypes, no Node).
 
-CPU: ``libtreepack_core.so`` (``tp_loss``; ``npm run build:cuda`` builds it into build-cmake/Release, or set
-TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers; TREEPACK_CUDA_LIB).
+CPU: ``libtreepack_core.so`` (``tp_loss``; ``npm install`` builds it into build/Release, ``npm run build:cuda`` into
+build-cmake/Release, or set TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers; TREEPACK_CUDA_LIB).
 
     >>> from treepack.loss import loss_numpy, PackedLoss
     >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})   # numpy arrays
-    >>> loss = PackedLoss.apply(lp_tensor, batch_tensors, config)                          # torch, autograd
+    >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                # torch, autograd
 
-Config names, defaults and semantics are those of src/loss/config.ts (README "Loss"); the TypeScript side is the
-reference and does the full validation, here the names and ranges are checked before the call.
+Config names, defaults, semantics and validation are those of src/loss/config.ts (README "Loss"); every error is a
+TreepackError naming the field. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
+generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-POLICIES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("none", "k1", "abs", "k2", "k3")
-TIS_LEVELS = ("none", "token", "sequence")
+from . import _abi
+from .microbatch import TreepackError
 
-DEFAULTS: Dict[str, Any] = {
-    "policy": "ppo",
-    "clip_low": 0.2,
-    "clip_high": None,  # = clip_low
-    "dual_clip": 0.0,
-    "log_ratio_clamp": 20.0,
-    "aggregation": "token-mean",
-    "norm_constant": 0.0,
-    "global_tokens": 0.0,
-    "global_sequences": 0.0,
-    "kl": "none",
-    "kl_coef": 0.0,
-    "tis": "none",
-    "tis_cap": 2.0,
-}
+POLICIES = _abi.POLICY_NAMES
+AGGREGATIONS = _abi.AGGREGATION_NAMES
+KL_ESTIMATORS = _abi.KL_NAMES
+TIS_LEVELS = _abi.TIS_NAMES
+DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
 class LossConfig(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("policy", "aggregation", "kl", "tis")] + [
-        (n, ctypes.c_double)
-        for n in ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "norm_constant", "global_tokens",
-                  "global_sequences", "kl_coef", "tis_cap")
-    ]
+    _fields_ = [(n, ctypes.c_int32) for n in _abi.ENUM_FIELDS] + [(n, ctypes.c_double) for n in _abi.NUMBER_FIELDS]
 
 
 class LossMetrics(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_double)
-        for n in ("loss", "pg_loss", "kl_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl",
-                  "ratio_min", "ratio_mean", "ratio_max")
-    ] + [("trainable_tokens", ctypes.c_int64)]
+    _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
 
     def as_dict(self) -> Dict[str, float]:
         return {n: getattr(self, n) for n, _ in self._fields_}
 
 
 def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
-    """Defaults filled, names and ranges checked (ValueError naming the field)."""
+    """Defaults filled, every field checked as src/loss/config.ts checks it (TreepackError E_ARG naming the field)."""
+    if config is not None and not isinstance(config, Mapping):
+        raise TreepackError("E_ARG", f"Expected an object for loss config but received {type(config).__name__}", field="loss config")
     given = dict(config or {})
     for key in given:
         if key not in DEFAULTS:
-            raise ValueError(f"unknown loss option {key!r}; expected one of {', '.join(DEFAULTS)}")
+            raise TreepackError("E_ARG", f"unknown loss option {key!r}; expected one of {', '.join(DEFAULTS)}", field=key)
     c = {**DEFAULTS, **given}
-    if c["clip_high"] is None:
+    if "clip_high" not in given:  # as in TypeScript, only an absent clip_high means clip_low (None is refused)
         c["clip_high"] = c["clip_low"]
+
+    def bad(name: str, expected: str) -> TreepackError:
+        return TreepackError("E_ARG", f"Expected {expected} for {name} but received {c[name]!r}", field=name)
+
     codes = {}
     for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS)):
-        if c[name] not in table:
-            raise ValueError(f"Expected one of {', '.join(table)} for {name} but received {c[name]!r}")
+        if not isinstance(c[name], str) or c[name] not in table:
+            raise bad(name, f"one of {', '.join(table)}")
         codes[name] = table.index(c[name])
-    for name in ("clip_low", "clip_high"):
-        if not c[name] >= 0:
-            raise ValueError(f"Expected a number >= 0 for {name} but received {c[name]!r}")
-    if not (c["dual_clip"] == 0 or c["dual_clip"] > 1):
-        raise ValueError(f"Expected a number > 1 (or 0 for no dual clip) for dual_clip but received {c['dual_clip']!r}")
+    for name, ok, expected in (
+        ("clip_low", lambda x: x >= 0, "a number >= 0"),
+        ("clip_high", lambda x: x >= 0, "a number >= 0"),
+        ("dual_clip", lambda x: x == 0 or x > 1, "a number > 1 (or 0 for no dual clip)"),
+        ("log_ratio_clamp", lambda x: x > 0, "a number > 0"),
+        ("norm_constant", lambda x: x >= 0, "a number > 0"),
+        ("global_tokens", lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
+        ("global_sequences", lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
+        ("kl_coef", lambda x: True, "a finite number"),
+        ("tis_cap", lambda x: x > 0, "a number > 0"),
+    ):
+        v = c[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise bad(name, expected)
+    if c["dual_clip"] != 0 and c["policy"] != "ppo":
+        raise bad("dual_clip", f"0 with policy {c['policy']!r} (dual clip applies to ppo)")
     if c["aggregation"] == "seq-mean-token-sum-norm" and not c["norm_constant"] > 0:
-        raise ValueError("Expected a number > 0 for norm_constant with aggregation 'seq-mean-token-sum-norm'")
-    floats = {k: float(c[k]) for k in DEFAULTS if k not in codes}
-    return LossConfig(**codes, **floats)
+        raise bad("norm_constant", "a number > 0 with aggregation 'seq-mean-token-sum-norm'")
+    return LossConfig(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
+
+
+def status_message(code: int) -> str:
+    """The name and message of a status of the C ABIs (the CPU and CUDA libraries share them)."""
+    if 0 <= code < len(_abi.STATUSES):
+        name, message, _ = _abi.STATUSES[code]
+        return f"{name}: {message}"
+    return f"unknown treepack status {code}"
+
+
+def cuda_status_error(lib: ctypes.CDLL, what: str, rc: int) -> TreepackError:
+    """The TreepackError of a failed call of the CUDA C ABI: its status, and for a CUDA runtime failure the CUDA error."""
+    detail = ""
+    if rc in (_abi.TP_ERR_DEVICE, _abi.TP_ERR_ALLOC):
+        code = lib.tp_cuda_last_error()
+        detail = f" (CUDA error {code}: {lib.tp_cuda_error_string(code).decode()})"
+    error = _abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND"
+    return TreepackError(error, f"{what}: {status_message(rc)}{detail}", field="logprobs")
 
 
 def _library(env: str, name: str) -> ctypes.CDLL:
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [os.environ[env]] if os.environ.get(env) else [
+        os.path.join(here, "..", "..", "build", "Release", name),  # npm install (node-gyp): the core only
         os.path.join(here, "..", "..", "build-cmake", "Release", name),
         os.path.join(here, "..", "..", "build-cmake", name),
     ]
     errors = []
     for path in candidates:
         try:
-            return ctypes.CDLL(os.path.abspath(path))
+            lib = ctypes.CDLL(os.path.abspath(path))
         except OSError as e:
             errors.append(f"{path}: {e}")
-    raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm run build:cuda` or set {env}")
+            continue
+        abi_fn = getattr(lib, "tp_abi" if name == "libtreepack_core.so" else "tp_cuda_abi", None)
+        if abi_fn is None:
+            errors.append(f"{path}: no ABI fingerprint (built by an older treepack; rebuild it)")
+            continue
+        abi_fn.restype = ctypes.c_char_p
+        abi = abi_fn().decode()
+        if abi != _abi.ABI:
+            errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI}; rebuild it)")
+            continue
+        return lib
+    raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}")
 
 
 _P = ctypes.c_void_p
@@ -110,7 +138,7 @@ def core_library() -> ctypes.CDLL:
     global _core
     if _core is None:
         lib = _library("TREEPACK_CORE_LIB", "libtreepack_core.so")
-        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
+        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
         lib.tp_loss.restype = ctypes.c_int
         lib.tp_status_string.restype = ctypes.c_char_p
         _core = lib
@@ -124,6 +152,7 @@ def cuda_library() -> ctypes.CDLL:
         lib.tp_cuda_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics), _P]
         lib.tp_cuda_loss.restype = ctypes.c_int
         lib.tp_cuda_error_string.restype = ctypes.c_char_p
+        lib.tp_cuda_last_error.restype = ctypes.c_int
         _cuda = lib
     return _cuda
 
@@ -147,79 +176,38 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] =
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     M, N = pos.shape[0], lp.shape[0]
     if off.shape[0] < 1 or off[-1] != M or mask.shape[0] != M:
-        raise ValueError("seq_offsets, seq_positions and loss_mask disagree on M")
+        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
     if M and (pos.min() < 0 or pos.max() >= N):
-        raise ValueError(f"logprobs has {N} elements but seq_positions indexes up to {pos.max()}")
+        raise TreepackError("E_INPUT", f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}", field="seq_positions" if pos.min() < 0 else "logprobs")
     arrays = {}
     for f in _FIELDS:
         a = get(f)
         if a is None:
             if _needed(cfg, f):
-                raise ValueError(f"the loss config needs {f} but the batch has none")
+                raise TreepackError("E_INPUT", f"the loss config needs {f} but the batch has none", field=f)
             arrays[f] = None
             continue
         arrays[f] = np.ascontiguousarray(a, dtype=np.float32)
         if arrays[f].shape[0] != M:
-            raise ValueError(f"{f} has {arrays[f].shape[0]} elements, expected M = {M}")
+            raise TreepackError("E_INPUT", f"{f} has {arrays[f].shape[0]} elements, expected M = {M}", field=f)
     trainable = mask != 0
     for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(cfg, f))):
         if not np.isfinite(a[trainable]).all():
-            raise ValueError(f"{name} has a non-finite value at a trainable position")
+            raise TreepackError("E_INPUT", f"{name} has a non-finite value at a trainable position", field=name)
     grad = np.zeros(N, dtype=np.float32)
     metrics = LossMetrics()
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     lib = core_library()
-    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
+    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
     if rc != 0:
-        raise ValueError(f"tp_loss: {lib.tp_status_string(rc).decode()}")
+        raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field="seq_offsets")
     return metrics.loss, grad, metrics.as_dict()
 
 
-def _torch_function():
-    import torch
-
-    class PackedLoss(torch.autograd.Function):
-        """loss = PackedLoss.apply(lp, batch, config): lp a float32 tensor [N] (CPU or CUDA, requires_grad), batch a
-        mapping of the contract's tensors on the same device. Backward returns grad_output · dloss/dlp, computed in
-        the forward pass by the same kernel. ``PackedLoss.last_metrics`` holds the metrics of the latest call."""
-
-        last_metrics: Dict[str, float] = {}
-
-        @staticmethod
-        def forward(ctx, lp, batch, config=None):
-            if lp.is_cuda:
-                cfg = make_config(config)
-                t = {k: batch[k].contiguous() for k in ("seq_offsets", "seq_positions", "loss_mask")}
-                fields = {f: (batch[f].contiguous() if batch.get(f) is not None and _needed(cfg, f) else None) for f in _FIELDS}
-                lp_c = lp.detach().contiguous()
-                grad = torch.zeros_like(lp_c)
-                metrics = LossMetrics()
-                ptr = lambda a: None if a is None else a.data_ptr()  # noqa: E731
-                lib = cuda_library()
-                rc = lib.tp_cuda_loss(ctypes.byref(cfg), t["seq_offsets"].numel() - 1, ptr(t["seq_offsets"]), t["seq_positions"].numel(),
-                                      ptr(t["seq_positions"]), ptr(t["loss_mask"]), *(ptr(fields[f]) for f in _FIELDS), lp_c.numel(),
-                                      ptr(lp_c), ptr(grad), ctypes.byref(metrics), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-                if rc != 0:
-                    raise RuntimeError(f"tp_cuda_loss: CUDA error {rc}: {lib.tp_cuda_error_string(rc).decode()}")
-                value, m = metrics.loss, metrics.as_dict()
-            else:
-                arrays = {k: (v.detach().cpu().numpy() if v is not None else None) for k, v in batch.items()}
-                value, g, m = loss_numpy(arrays, lp.detach().cpu().numpy(), config)
-                grad = torch.from_numpy(g)
-            PackedLoss.last_metrics = m
-            ctx.save_for_backward(grad)
-            return torch.tensor(value, dtype=torch.float64, device=lp.device)
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            (grad,) = ctx.saved_tensors
-            return (grad_output.to(grad.dtype) * grad, None, None)
-
-    return PackedLoss
-
-
 def __getattr__(name: str):
-    # torch is imported only when PackedLoss is asked for: numpy users need no torch.
+    # The torch Function lives in treepack.torch.loss; imported only when asked for, so numpy users need no torch.
     if name == "PackedLoss":
-        return _torch_function()
+        from .torch.loss import PackedLoss
+
+        return PackedLoss
     raise AttributeError(name)

@@ -15,7 +15,7 @@ import mmap
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -83,26 +83,40 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def read_safetensors(path: str) -> SafetensorsFile:
-    """Reads any safetensors file; each inconsistency is a TreepackError(E_INPUT) naming the tensor."""
-    path = os.fspath(path)
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
-    def bad(fld: str, message: str) -> TreepackError:
-        return TreepackError("E_INPUT", message, path, fld)
 
+def _source(src: Source) -> Tuple[Any, int, str]:
+    """(buffer, size, name for errors): a file is memory-mapped; bytes are read in place ("<bytes>")."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        buf = memoryview(src).cast("B")
+        if buf.nbytes < 8:
+            raise TreepackError("E_INPUT", f"buffer is {buf.nbytes} bytes, shorter than the 8-byte header length", "<bytes>", _HEADER)
+        return buf, buf.nbytes, "<bytes>"
+    path = os.fspath(src)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
-                raise bad(_HEADER, f"file is {size} bytes, shorter than the 8-byte header length")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                raise TreepackError("E_INPUT", f"file is {size} bytes, shorter than the 8-byte header length", path, _HEADER)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size, path
     except OSError as e:
         raise TreepackError("E_IO", str(e), path) from e
+
+
+def read_safetensors(src: Source) -> SafetensorsFile:
+    """Reads any safetensors file (a path, or its bytes); each inconsistency is a TreepackError(E_INPUT) naming the
+    tensor."""
+    buf, size, path = _source(src)
+
+    def bad(fld: str, message: str) -> TreepackError:
+        return TreepackError("E_INPUT", message, path, fld)
+
     n = int.from_bytes(buf[:8], "little")
     if n > size - 8:
         raise bad(_HEADER, f"header length {n} runs past the end of the file ({size - 8} bytes after the length)")
     try:
-        header = json.loads(buf[8 : 8 + n].decode("utf-8"))
+        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(_HEADER, f"header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(header, dict):
@@ -218,14 +232,15 @@ def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> 
         raise fail("seq_offsets", f"seq_offsets[S] = {off[S]} but seq_positions has M = {M} elements")
 
 
-def load(path: str) -> MicroBatch:
-    """Loads a micro-batch file, checking format, dtypes, lengths and metadata (not the forest invariants)."""
-    path = os.fspath(path)
+def load(src: Source) -> MicroBatch:
+    """Loads a micro-batch (a file path, or the file's bytes), checking format, dtypes, lengths and metadata (not the
+    forest invariants)."""
+    path = "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
 
     def fail(fld: str, message: str) -> TreepackError:
         return TreepackError("E_INPUT", message, path, fld)
 
-    st = read_safetensors(path)
+    st = read_safetensors(src)
     md = st.metadata
     if md.get("format") != FORMAT:
         got = "missing" if "format" not in md else json.dumps(md["format"])
@@ -236,6 +251,12 @@ def load(path: str) -> MicroBatch:
         if s is None or not re.fullmatch(r"0|[1-9][0-9]*", s):
             raise fail(key, f"{key} is {'missing' if s is None else json.dumps(s)}, expected a non-negative integer")
         meta[key] = int(s)
+    pad = md.get("num_pad_tokens")
+    if pad is not None:
+        # Extension (micro-batching under a token budget): the last num_pad_tokens nodes are padding roots.
+        if not re.fullmatch(r"0|[1-9][0-9]*", pad) or int(pad) > meta["num_tokens_packed"]:
+            raise fail("num_pad_tokens", f"num_pad_tokens is {json.dumps(pad)}, expected an integer in [0, N = {meta['num_tokens_packed']}]")
+        meta["num_pad_tokens"] = int(pad)
     if "tokenizer" not in md:
         raise fail("tokenizer", "tokenizer is missing")
     try:
@@ -373,4 +394,26 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         "position_ids[seq_positions[k]] not t",
         lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
     )
+    return out
+
+
+def check_values(mb: MicroBatch, vocab_size: Optional[int] = None) -> List[str]:
+    """What the trainer would read wrong without failing: loss_mask other than 0/1 (a 7 counts as trainable),
+    input_ids < 0 or >= vocab_size (when known; an embedding lookup out of range), and non-finite advantages or
+    logprobs at trainable occurrences (masked ones never enter the loss). Empty when the values are valid."""
+    out: List[str] = []
+    ids = mb.input_ids.astype(np.int64)
+    _report(out, ids < 0, "input_ids negative", lambda p: f"input_ids[{p}] = {ids[p]}")
+    if vocab_size is not None:
+        _report(out, ids >= vocab_size, f"input_ids not below the vocabulary size {vocab_size}", lambda p: f"input_ids[{p}] = {ids[p]}")
+    mask = mb.loss_mask
+    _report(out, mask > 1, "loss_mask not 0 or 1", lambda k: f"loss_mask[{k}] = {mask[k]}")
+    M = len(mb.seq_positions)
+    if len(mask) != M:
+        return out
+    trainable = mask != 0
+    for f in OCCURRENCE_FLOAT_FIELDS:
+        a = getattr(mb, f)
+        if a is not None and len(a) == M:
+            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", lambda k, a=a, f=f: f"{f}[{k}] = {a[k]}")
     return out

@@ -9,39 +9,54 @@ export interface Parsed {
   positionals: string[];
 }
 
+/** An error in the command line itself (exit status 2, see errors.ts). */
+export function usageError(message: string): TreepackError {
+  return new TreepackError('E_USAGE', message);
+}
+
+/** Runs the parsing of an option's value by a library function, its argument errors being usage errors. */
+export function optionValue<T>(parseValue: () => T): T {
+  try {
+    return parseValue();
+  } catch (err) {
+    if (err instanceof TreepackError && err.code === 'E_ARG') throw new TreepackError('E_USAGE', err.detail, err.where);
+    throw err;
+  }
+}
+
 export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string): Parsed {
   try {
     const { values, positionals } = parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
     return { values: values as Parsed['values'], positionals };
   } catch (err) {
-    throw new TreepackError('E_ARG', `${(err as Error).message}\n\n${usage}`);
+    throw usageError(`${(err as Error).message}\n\n${usage}`);
   }
 }
 
 export function positiveInt(name: string, v: string | undefined, fallback?: number): number | undefined {
   if (v === undefined) return fallback;
   const n = Number(v);
-  if (!Number.isSafeInteger(n) || n < 1) throw new TreepackError('E_ARG', `Expected a positive integer for ${name} but received ${JSON.stringify(v)}`);
+  if (!Number.isSafeInteger(n) || n < 1) throw usageError(`Expected a positive integer for ${name} but received ${JSON.stringify(v)}`);
   return n;
 }
 
 export function nonNegativeNumber(name: string, v: string | undefined, fallback: number): number {
   if (v === undefined) return fallback;
   const n = Number(v);
-  if (v.trim() === '' || !Number.isFinite(n) || n < 0) throw new TreepackError('E_ARG', `Expected a number >= 0 for ${name} but received ${JSON.stringify(v)}`);
+  if (v.trim() === '' || !Number.isFinite(n) || n < 0) throw usageError(`Expected a number >= 0 for ${name} but received ${JSON.stringify(v)}`);
   return n;
 }
 
 export function backendOption(v: string | undefined, name = '--backend'): BackendName | 'auto' {
   if (v === undefined || v === 'auto') return 'auto';
   if (!(BACKEND_NAMES as readonly string[]).includes(v)) {
-    throw new TreepackError('E_ARG', `Expected one of auto, ${BACKEND_NAMES.join(', ')} for ${name} but received ${JSON.stringify(v)}`);
+    throw usageError(`Expected one of auto, ${BACKEND_NAMES.join(', ')} for ${name} but received ${JSON.stringify(v)}`);
   }
   return v as BackendName;
 }
 
 export function oneInput(positionals: string[], usage: string): string {
-  if (positionals.length !== 1) throw new TreepackError('E_ARG', `expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
+  if (positionals.length !== 1) throw usageError(`expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
   return positionals[0];
 }
 
@@ -53,6 +68,8 @@ export const PIPELINE_OPTIONS = {
   'vocab-size': { type: 'string' },
   'no-merge': { type: 'boolean' },
   'timeline-compare-level': { type: 'string' },
+  'repeated-episode-ids': { type: 'boolean' },
+  'lossy-utf8': { type: 'boolean' },
 } as const;
 
 export function pipelineOptions(values: Parsed['values']): PackerOptions {
@@ -62,10 +79,12 @@ export function pipelineOptions(values: Parsed['values']): PackerOptions {
     windowTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
     vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
     merge: values['no-merge'] ? false : { timelineCompareLevel: compareLevel(values['timeline-compare-level'] as string | undefined) },
+    ...(values['repeated-episode-ids'] && { repeatedEpisodeIds: true }),
+    ...(values['lossy-utf8'] && { lossyUtf8: true }),
   };
 }
 
 function compareLevel(v: string | undefined): 'text' | 'token' {
   if (v === undefined || v === 'text' || v === 'token') return v ?? 'text';
-  throw new TreepackError('E_ARG', `Expected text or token for --timeline-compare-level but received ${JSON.stringify(v)}`);
+  throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(v)}`);
 }

@@ -7,8 +7,8 @@ import { ioError } from '../io/atomic.js';
 import { TreepackError } from '../errors.js';
 import { readMicroBatch } from '../io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../io/safetensors.js';
-import { computeLoss } from '../loss/index.js';
-import { backendOption, parse } from './args.js';
+import { computeLoss } from '../backend/index.js';
+import { backendOption, parse, usageError } from './args.js';
 
 export const LOSS_USAGE = `Usage: treepack loss <microbatch.safetensors> --logprobs FILE --config loss.json [options]
 
@@ -35,9 +35,9 @@ export async function lossCommand(argv: string[]): Promise<number> {
     console.log(LOSS_USAGE);
     return 0;
   }
-  if (positionals.length !== 1) throw new TreepackError('E_ARG', `expected exactly one micro-batch file, got ${positionals.length}\n\n${LOSS_USAGE}`);
+  if (positionals.length !== 1) throw usageError(`expected exactly one micro-batch file, got ${positionals.length}\n\n${LOSS_USAGE}`);
   const lpFile = values.logprobs as string | undefined;
-  if (!lpFile) throw new TreepackError('E_ARG', `--logprobs FILE is required\n\n${LOSS_USAGE}`);
+  if (!lpFile) throw usageError(`--logprobs FILE is required\n\n${LOSS_USAGE}`);
   const backend = backendOption(values.backend as string | undefined);
   const { batch } = readMicroBatch(positionals[0]);
   const lpTensor = readSafetensors(lpFile).tensors.get('logprobs');

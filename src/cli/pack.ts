@@ -1,11 +1,10 @@
 /** `treepack pack`: flags → packRecords → DirectorySink (micro-batches + manifest.json) → a summary line. */
-import { TreepackError } from '../errors.js';
 import { DirectorySink } from '../io/directory-sink.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
-import { MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
+import { MASKS_OPTION_HELP, parseMaskSpecs } from '../io/masks.js';
 import { DEFAULT_COST, imbalance } from '../pack/balance.js';
 import { DEFAULT_WINDOW_TOKENS, packRecords } from '../packer/index.js';
-import { backendOption, nonNegativeNumber, oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, type Parsed } from './args.js';
+import { backendOption, nonNegativeNumber, oneInput, optionValue, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, usageError, type Parsed } from './args.js';
 import { progressReporter } from './progress.js';
 
 export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [options]
@@ -34,6 +33,9 @@ Options:
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]
+  --repeated-episode-ids  episode lines sharing an episode_id are parts of one episode (default: an error
+                          naming both lines, unless the lines are identical)
+  --lossy-utf8            read invalid UTF-8 as U+FFFD (default: an error naming line and byte offset)
   --advantages NAME       estimator for samples with a reward and no advantages: grpo, dr-grpo, rloo,
                           reinforce++-baseline, none (per group = task id, one value per episode broadcast
                           to all its turns; groups are then never split)    [default: grpo]
@@ -50,11 +52,11 @@ function budgetOptions(values: Parsed['values']) {
   const maxTokens = positiveInt('--max-tokens', values['max-tokens'] as string | undefined);
   if (maxTokens === undefined) {
     const stray = BUDGET_FLAGS.find((f) => values[f] !== undefined);
-    if (stray) throw new TreepackError('E_ARG', `--${stray} needs --max-tokens T (the per-micro-batch token budget)`);
+    if (stray) throw usageError(`--${stray} needs --max-tokens T (the per-micro-batch token budget)`);
     return undefined;
   }
   const padTokenId = values['pad-id'] === undefined ? 0 : Number(values['pad-id']);
-  if (!Number.isSafeInteger(padTokenId) || padTokenId < 0) throw new TreepackError('E_ARG', `Expected a token id >= 0 for --pad-id but received ${JSON.stringify(values['pad-id'])}`);
+  if (!Number.isSafeInteger(padTokenId) || padTokenId < 0) throw usageError(`Expected a token id >= 0 for --pad-id but received ${JSON.stringify(values['pad-id'])}`);
   return {
     maxTokens,
     dp: positiveInt('--dp', values.dp as string | undefined, 1),
@@ -71,7 +73,7 @@ function budgetOptions(values: Parsed['values']) {
 function advantagesOption(v: string | undefined): AdvantageEstimator | 'none' {
   if (v === undefined) return 'grpo';
   if (v !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(v)) {
-    throw new TreepackError('E_ARG', `Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none for --advantages but received ${JSON.stringify(v)}`);
+    throw usageError(`Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none for --advantages but received ${JSON.stringify(v)}`);
   }
   return v as AdvantageEstimator | 'none';
 }
@@ -97,10 +99,10 @@ export async function packCommand(argv: string[]): Promise<number> {
   }
   const input = oneInput(positionals, PACK_USAGE);
   const out = values.out as string | undefined;
-  if (!out) throw new TreepackError('E_ARG', `--out DIR is required\n\n${PACK_USAGE}`);
+  if (!out) throw usageError(`--out DIR is required\n\n${PACK_USAGE}`);
   const budget = budgetOptions(values);
   const opts = { ...pipelineOptions(values), budget, advantages: advantagesOption(values.advantages as string | undefined) };
-  const masks = parseMaskSpecs((values.masks as string | undefined) ?? '');
+  const masks = optionValue(() => parseMaskSpecs((values.masks as string | undefined) ?? ''));
   const maskBackend = backendOption(values['mask-backend'] as string | undefined, '--mask-backend');
 
   const progress = progressReporter();

@@ -24,10 +24,12 @@ Options:
   --no-merge              pack every record as its own sample (no timeline merge)
   --timeline-compare-level L
                           timeline merge compares messages by text or token [default: text]
+  --repeated-episode-ids  episode lines sharing an episode_id are parts of one episode, as in pack
+  --lossy-utf8            read invalid UTF-8 as U+FFFD, as in pack
   --groups K              groups listed in the text report               [default: 10]
   -h, --help              this help`;
 
-export interface GroupStats {
+interface GroupStats {
   group: string;
   samples: number;
   naive_tokens: number;
@@ -35,7 +37,7 @@ export interface GroupStats {
   compression: number;
 }
 
-export interface StatsReport {
+interface StatsReport {
   input: string;
   records: number; // input lines
   timelines: number; // records read (an episode line holds one per request): timelines = samples + absorbed
@@ -146,7 +148,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
 }
 
 
-export function formatStats(r: StatsReport, maxGroups: number): string {
+function formatStats(r: StatsReport, maxGroups: number): string {
   const n = (x: number) => x.toLocaleString('en-US');
   const lines = [
     `input          ${r.input}`,

@@ -78,11 +78,11 @@ function assertLittleEndian(): void {
   if (!LITTLE_ENDIAN) throw new TreepackError('E_IO', 'safetensors I/O needs a little-endian host (typed arrays are written as they lie in memory)');
 }
 
-export function isDtype(s: unknown): s is Dtype {
+function isDtype(s: unknown): s is Dtype {
   return typeof s === 'string' && Object.prototype.hasOwnProperty.call(DTYPES, s);
 }
 
-export function dtypeSize(dtype: Dtype): number {
+function dtypeSize(dtype: Dtype): number {
   return DTYPES[dtype].BYTES_PER_ELEMENT;
 }
 

@@ -1,7 +1,9 @@
 /**
  * Checks before any loss kernel runs, so every backend can assume well-formed input: shapes, the unmerge index in
- * range, the fields the config needs, and finite values wherever a token is trainable (masked positions may hold
- * anything: they never enter the loss). Errors are TreepackError naming the field, and the sequence and token.
+ * range, the fields the config needs, finite values wherever a token is trainable (masked positions may hold
+ * anything: they never enter the loss), loss_mask 0 or 1 and input_ids >= 0 (treepack never writes other values;
+ * a trainer would count a mask of 7 as trainable and index its embedding at -1). Errors are TreepackError naming
+ * the field, and the sequence and token.
  */
 import { TreepackError } from '../errors.js';
 import type { LossConfig } from './config.js';
@@ -40,11 +42,14 @@ export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): 
     if (a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
     arrays.push(a);
   }
+  const ids = b.input_ids;
+  for (let p = 0; p < N; p++) if (ids[p] < 0) throw fail('input_ids', `input_ids[${p}] = ${ids[p]} is not a token id (ids are ≥ 0)`);
   for (let i = 0; i < S; i++) {
     if (off[i + 1] < off[i]) throw fail('seq_offsets', `seq_offsets decreases at ${i + 1}`);
     for (let j = off[i]; j < off[i + 1]; j++) {
       const p = pos[j];
       if (!(p >= 0 && p < N)) throw fail('seq_positions', `seq_positions[${j}] = ${p} is outside [0, ${N})`);
+      if (mask[j] > 1) throw fail('loss_mask', `loss_mask[${j}] = ${mask[j]} at sequence ${i} token ${j - off[i]}: expected 0 or 1`);
       if (!mask[j]) continue;
       // One sum catches NaN and ±inf in every field at once; the loop below only runs to name the culprit.
       let s = lp[p];

@@ -76,7 +76,7 @@ const positiveInt = (name: string, v: unknown): number => {
   return v;
 };
 
-export const roundUp = (x: number, m: number): number => Math.ceil(x / m) * m;
+const roundUp = (x: number, m: number): number => Math.ceil(x / m) * m;
 
 /** Checks the options against the window's longest sequence; returns it and the unpadded per-micro-batch budget. */
 function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly string[]): { B: number; longest: number } {

@@ -10,6 +10,7 @@
  */
 import { TreepackError } from '../errors.js';
 import { checkVocab, parseRecords } from '../records/read.js';
+import { EpisodeIds } from '../records/episode-ids.js';
 import type { Source, TrainRecord } from '../records/types.js';
 import { PackerCore, type PackedMicroBatch } from './core.js';
 import { resolveOptions, type PackerOptions, type ResolvedOptions } from './options.js';
@@ -33,6 +34,7 @@ export class Intake {
   #mode: 'records' | 'json' | undefined;
   #lastSource: Source | undefined;
   #lastGroup: string | undefined;
+  #episodes = new EpisodeIds();
 
   constructor(core: PackerCore, opts: ResolvedOptions) {
     this.#core = core;
@@ -61,6 +63,7 @@ export class Intake {
       const named = source?.file ?? this.#core.report.input;
       // Default ids as readRecords makes them: `file:line` for a named input, `line-N` for a stream.
       records = parseRecords(value, { file: named, line }, { vocabSize: this.#opts.vocabSize, defaultId: named === '<stream>' ? `line-${line}` : `${named}:${line}` });
+      if (!this.#opts.repeatedEpisodeIds) this.#episodes.check(value, records, JSON.stringify(value), named, line);
     }
     this.#mode = mode;
     if (mode === 'json') read.lines++;
@@ -129,11 +132,11 @@ export function createPacker(options: PackerOptions = {}): Packer {
       check('endGroup');
       intake.endGroup(group);
     },
-    drain() {
+    async drain() {
       check('drain');
       return run(false);
     },
-    end() {
+    async end() {
       check('end');
       state = 'ended';
       return run(true);

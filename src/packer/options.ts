@@ -5,7 +5,8 @@
 import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
 import { argError } from '../errors.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
-import { parseMaskSpecs, type MaskSpec } from '../mask/index.js';
+import { parseMaskSpecs } from '../io/masks.js';
+import type { MaskSpec } from '../mask/index.js';
 import { checkCostModel, DEFAULT_COST, type CostModel } from '../pack/balance.js';
 import { mergeDefaults, type MergeOptions } from '../timeline/model.js';
 import type { PackReport } from './report.js';
@@ -46,6 +47,10 @@ export interface PackerOptions {
   maskBackend?: BackendName | 'auto';
   /** Name of the input in errors, default ids, the report and the manifest (a path names itself). */
   name?: string;
+  /** Episode lines sharing an episode_id are parts of one episode; default: an error naming both lines (`--repeated-episode-ids`). */
+  repeatedEpisodeIds?: boolean;
+  /** Read invalid UTF-8 in JSONL as U+FFFD; default: an error naming line and byte offset (`--lossy-utf8`). */
+  lossyUtf8?: boolean;
   /** Called as samples enter a window, with the report so far. */
   onProgress?: (report: PackReport) => void;
 }
@@ -63,6 +68,8 @@ export interface ResolvedOptions {
   masks: MaskSpec[];
   maskBackend: BackendName | 'auto';
   onProgress?: (report: PackReport) => void;
+  repeatedEpisodeIds: boolean;
+  lossyUtf8: boolean;
 }
 
 const isInt = (v: unknown, min: number): v is number => typeof v === 'number' && Number.isSafeInteger(v) && v >= min;
@@ -95,6 +102,8 @@ export function resolveOptions(o: PackerOptions = {}): ResolvedOptions {
     masks,
     maskBackend: backendName('maskBackend', o.maskBackend),
     onProgress: o.onProgress,
+    repeatedEpisodeIds: o.repeatedEpisodeIds === true,
+    lossyUtf8: o.lossyUtf8 === true,
   };
 }
 

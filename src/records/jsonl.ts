@@ -1,4 +1,5 @@
 /** Streaming JSONL line reader: memory is bounded by the longest line plus one chunk, never by the file. */
+import { isUtf8 } from 'node:buffer';
 import { createReadStream } from 'node:fs';
 import type { Readable } from 'node:stream';
 import { TreepackError } from '../errors.js';
@@ -13,6 +14,11 @@ export interface JsonlOptions {
   maxLineBytes?: number;
   /** Name used in errors for a Readable input (a path names itself, `-` is stdin). */
   name?: string;
+  /**
+   * Decode invalid UTF-8 as U+FFFD instead of rejecting the line. Off by default: a replaced byte silently changes
+   * text (a group or episode name, a message the tokenizer then sees).
+   */
+  lossyUtf8?: boolean;
 }
 
 export type JsonlInput = string | Readable;
@@ -44,6 +50,7 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
   let pending: Buffer[] = [];
   let pendingBytes = 0;
   let line = 0;
+  let lineStart = 0; // byte offset of the current line in the input
 
   const tooLong = (): TreepackError =>
     new TreepackError(
@@ -58,11 +65,17 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
     if (total > maxLineBytes) throw tooLong();
     line++;
     let buf = pending.length === 0 ? tail : Buffer.concat([...pending, tail], pendingBytes + tail.length);
+    const at = lineStart;
+    lineStart += buf.length + 1;
     pending = [];
     pendingBytes = 0;
     let start = 0;
     if (line === 1 && total >= 3 && buf[0] === 0xef && buf[1] === 0xbb && buf[2] === 0xbf) start = 3;
     if (start !== 0 || total !== buf.length) buf = buf.subarray(start, total);
+    if (!opts.lossyUtf8 && !isUtf8(buf)) {
+      const bad = start + firstInvalidUtf8(buf);
+      throw new TreepackError('E_INPUT', `invalid UTF-8 at byte ${bad} of the line (byte ${at + bad} of the input); fix the encoding, or pass --lossy-utf8 (lossyUtf8) to read it as U+FFFD`, { file, line });
+    }
     const text = buf.toString('utf8');
     return /\S/.test(text) ? { line, text } : undefined;
   };
@@ -92,4 +105,35 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
     const got = finish(Buffer.alloc(0));
     if (got) yield got;
   }
+}
+
+/** Offset of the first byte that does not start or continue a well-formed UTF-8 sequence (RFC 3629: no overlongs, no surrogates, ≤ U+10FFFF). */
+export function firstInvalidUtf8(b: Uint8Array): number {
+  let i = 0;
+  while (i < b.length) {
+    const c = b[i]!;
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    let n: number;
+    let lo = 0x80;
+    let hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) n = 1;
+    else if (c >= 0xe0 && c <= 0xef) {
+      n = 2;
+      if (c === 0xe0) lo = 0xa0;
+      else if (c === 0xed) hi = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      n = 3;
+      if (c === 0xf0) lo = 0x90;
+      else if (c === 0xf4) hi = 0x8f;
+    } else return i;
+    for (let k = 1; k <= n; k++) {
+      const d = b[i + k];
+      if (d === undefined || d < (k === 1 ? lo : 0x80) || d > (k === 1 ? hi : 0xbf)) return i;
+    }
+    i += n + 1;
+  }
+  return b.length;
 }

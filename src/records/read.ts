@@ -4,6 +4,7 @@
  * reads are too large to debug by eye.
  */
 import { TreepackError, describeValue } from '../errors.js';
+import { EpisodeIds } from './episode-ids.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
 import { AUTHORS, type Author, type ChatMessage, type ChatRecord, type Sample, type Source, type ToolCall, type TrainRecord } from './types.js';
 
@@ -20,6 +21,13 @@ export interface ReadOptions {
   /** Name used in errors and default ids for a Readable input. */
   name?: string;
   maxLineBytes?: number;
+  /** Read invalid UTF-8 as U+FFFD instead of rejecting the line (see JsonlOptions.lossyUtf8). */
+  lossyUtf8?: boolean;
+  /**
+   * Episode lines (`requests`) that share an `episode_id` are parts of one episode (e.g. one line per agent).
+   * Off by default: two different lines with one id are an error naming both (see episode-ids.ts).
+   */
+  repeatedEpisodeIds?: boolean;
 }
 
 export interface ParseOptions {
@@ -36,7 +44,8 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
   const file = inputName(input, opts.name);
   const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;
   const stats = opts.stats;
-  for await (const { line, text } of readJsonlLines(input, { name: opts.name, maxLineBytes: opts.maxLineBytes })) {
+  const episodes = opts.repeatedEpisodeIds ? undefined : new EpisodeIds();
+  for await (const { line, text } of readJsonlLines(input, { name: opts.name, maxLineBytes: opts.maxLineBytes, lossyUtf8: opts.lossyUtf8 })) {
     if (stats) stats.lines++;
     let value: unknown;
     try {
@@ -48,6 +57,7 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
       vocabSize: opts.vocabSize,
       defaultId: named ? `${file}:${line}` : `line-${line}`,
     });
+    episodes?.check(value, parsed, text, file, line);
     for (const r of parsed) {
       if (stats) stats.records++;
       yield r;
@@ -180,8 +190,16 @@ function floatsInto(v: unknown, out: Float32Array, offset: number, logprob: bool
     if (logprob && x > LOGPROB_TOLERANCE)
       throw fail(ctx, `${field}[${i}]`, `a log-probability must be ≤ 0, got ${x} (probabilities instead of logprobs?)`);
     out[offset + i] = x;
+    if (!Number.isFinite(out[offset + i])) throw fail(ctx, `${field}[${i}]`, float32Overflow(x));
   }
 }
+
+/** The micro-batch stores these fields as float32: a finite JSON number past its range would become ±inf. */
+function float32Overflow(x: number): string {
+  return `${x} is outside the float32 range (±${FLOAT32_MAX}) the micro-batch stores it in`;
+}
+
+const FLOAT32_MAX = 3.4028234663852886e38;
 
 function optFloats(o: Obj, key: string, n: number, logprob: boolean, ctx: Ctx): Float32Array | undefined {
   const v = o[key];
@@ -223,6 +241,7 @@ function parseTokens(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | un
   const advantages = optFloats(o, 'advantages', n, false, ctx);
   if (advantages) s.advantages = advantages;
   const advantage = optNumber(o, 'advantage', ctx);
+  if (advantage !== undefined && !Number.isFinite(Math.fround(advantage))) throw fail(ctx, 'advantage', float32Overflow(advantage));
   if (advantage !== undefined) s.advantage = advantage;
   const agent = optString(o, 'agent', ctx, '');
   if (agent !== undefined) s.agent = agent;

@@ -9,7 +9,7 @@ import { TreepackError } from '../errors.js';
 import type { ChatMessage, Source } from '../records/types.js';
 import type { TimelineMessage } from './model.js';
 
-export function sameTokens(a: Int32Array, b: Int32Array): boolean {
+function sameTokens(a: Int32Array, b: Int32Array): boolean {
   if (a.length !== b.length) return false;
   for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
   return true;

@@ -34,7 +34,7 @@ export interface MergeResult {
   report: MergeReport;
 }
 
-export function emptyMergeReport(): MergeReport {
+function emptyMergeReport(): MergeReport {
   return { timelines: 0, samples: 0, absorbed: 0, apart: 0, driftedMessages: 0, snaps: [] };
 }
 

@@ -22,7 +22,7 @@ export interface Trie {
 const tokenString = (a: Int32Array) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('latin1');
 
 /** What makes two messages the same under the compare level; tool calls count in both. */
-export function messageIdentity(m: TimelineMessage, level: 'text' | 'token'): string {
+function messageIdentity(m: TimelineMessage, level: 'text' | 'token'): string {
   if (level === 'text' && m.text !== undefined) return m.text;
   return `${m.role}\u0000${m.calls}\u0000${tokenString(m.tokens)}`;
 }

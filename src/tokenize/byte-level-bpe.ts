@@ -7,7 +7,7 @@
  * stay the library's: added tokens split first (longest match, left to right), then the normalizer, then the
  * library's own Split pre-tokenizers (same compiled regex), then the byte-to-char table of its ByteLevel
  * pre-tokenizer. `byteLevelBpe` accepts only the configurations where each step is provably the library's and
- * says why otherwise, so the caller falls back to the library (test/bpe.test.ts compares ids on large corpora).
+ * says why otherwise, so the caller falls back to the library (test/byte-level-bpe.test.ts compares ids on large corpora).
  */
 import * as hf from '@huggingface/tokenizers';
 

@@ -5,8 +5,11 @@
  * staging buffer per chunk (gradient slice and metric partials). Partials are summed here in float64 in a fixed
  * order, and a node cut between chunks sums its partial gradients in chunk order: results are identical run to run.
  *
- * `TREEPACK_WEBGPU_LOSS_CHUNK_BYTES` lowers the bytes per binding below the device's limit (tests use it to cross
- * chunk boundaries on small inputs). Calls on the same batch are serialised: they share their buffers.
+ * `chunkBytes` (or `TREEPACK_WEBGPU_LOSS_CHUNK_BYTES`) lowers the bytes per binding below the device's limit (tests
+ * use it to cross chunk boundaries on small inputs); it is part of the layout's key. Calls on the same layout are
+ * serialised (they share its buffers); calls on different layouts share nothing but the compiled pipelines, so
+ * overlapping calls give the same bits as calls one at a time. A layout replaced in the cache is destroyed only
+ * once the last call holding it has finished.
  */
 import { TreepackError } from '../../errors.js';
 import { configCodes, type LossConfig } from '../../loss/config.js';
@@ -25,10 +28,8 @@ import {
   SEQ_OCC_BYTES,
   seqChunks,
 } from './loss-layout.js';
-import { LOSS_WGSL } from './loss.wgsl.js';
+import { LOSS_WGSL, NSUMS, WG } from './loss.wgsl.js';
 
-const WG = 128; // as in loss.wgsl.ts
-const NSUMS = 10;
 export const CHUNK_BYTES_ENV = 'TREEPACK_WEBGPU_LOSS_CHUNK_BYTES';
 
 type Entry = 'gspo_seq' | 'occ_nodes' | 'compact';
@@ -54,7 +55,6 @@ interface Output {
 }
 
 interface Job {
-  key: string;
   device: GPUDevice;
   dispatches: Dispatch[];
   outputs: Output[];
@@ -64,7 +64,17 @@ interface Job {
   tail: Promise<unknown>;
 }
 
-const jobs = new WeakMap<object, Job>();
+/** The cached layout of a batch or plan object: one per owner, replaced when the key (config, chunk size) changes. */
+interface Cached {
+  key: string;
+  device: GPUDevice;
+  job: Promise<Job>;
+  /** Calls holding the job; a replaced (retired) job is destroyed when this drops to 0. */
+  users: number;
+  retired: boolean;
+}
+
+const jobs = new WeakMap<object, Cached>();
 const pipelines = new WeakMap<GPUDevice, Record<Entry, GPUComputePipeline>>();
 
 function pipelinesFor(device: GPUDevice): Record<Entry, GPUComputePipeline> {
@@ -78,13 +88,19 @@ function pipelinesFor(device: GPUDevice): Record<Entry, GPUComputePipeline> {
   return p;
 }
 
-/** The bytes one binding may hold: the device's limit, or the test override when lower. */
-export function chunkBytes(device: GPUDevice): number {
+export interface WebGPULossOptions {
+  /** Bytes per storage binding, at least 64, capped at the device's limit; default `TREEPACK_WEBGPU_LOSS_CHUNK_BYTES`, else the limit. */
+  chunkBytes?: number;
+}
+
+/** The bytes one binding may hold: the device's limit, or the requested size when lower. */
+export function chunkBytes(device: GPUDevice, requested?: number): number {
   const limit = Math.min(device.limits.maxStorageBufferBindingSize, device.limits.maxBufferSize);
   const raw = process.env[CHUNK_BYTES_ENV];
-  if (raw === undefined || raw === '') return limit;
-  const v = Number(raw);
-  if (!Number.isInteger(v) || v < 64) throw new TreepackError('E_ARG', `Expected an integer ≥ 64 for ${CHUNK_BYTES_ENV} but received ${JSON.stringify(raw)}`, { field: CHUNK_BYTES_ENV });
+  if (requested === undefined && (raw === undefined || raw === '')) return limit;
+  const v = requested ?? Number(raw);
+  const field = requested === undefined ? CHUNK_BYTES_ENV : 'chunkBytes';
+  if (!Number.isInteger(v) || v < 64) throw new TreepackError('E_ARG', `Expected an integer ≥ 64 for ${field} but received ${JSON.stringify(requested ?? raw)}`, { field });
   return Math.min(v, limit);
 }
 
@@ -174,8 +190,8 @@ async function errorsOf<T>(device: GPUDevice, what: string, build: () => T, dest
   } catch (err) {
     thrown = err;
   }
-  const oom = await device.popErrorScope();
-  const invalid = await device.popErrorScope();
+  // Both scopes are popped before any await: another call's scopes pushed meanwhile must not be popped as ours.
+  const [oom, invalid] = await Promise.all([device.popErrorScope(), device.popErrorScope()]);
   if (thrown || oom || invalid) {
     destroy(built);
     if (thrown) throw thrown;
@@ -195,17 +211,45 @@ async function device(): Promise<GPUDevice> {
   return acquired.ctx.device;
 }
 
-/** The cached job of `owner` for this key, or a new one built by `build` (the old one is destroyed once idle). */
-async function jobFor(owner: object, dev: GPUDevice, key: string, what: string, build: () => Omit<Job, 'key' | 'tail'>): Promise<Job> {
-  const cached = jobs.get(owner);
-  if (cached?.key === key && cached.device === dev) return cached;
-  const job: Job = { ...(await errorsOf(dev, what, build, destroyJob)), key, tail: Promise.resolve() };
-  if (cached) void cached.tail.then(() => destroyJob(cached));
-  jobs.set(owner, job);
-  return job;
+/**
+ * Runs `lp` through the cached job of `owner` for this key, or a new one built by `build`. The cache is read and
+ * replaced synchronously, so concurrent first calls share one build, and a replaced job is kept until its last
+ * call has finished.
+ */
+async function runCached(owner: object, dev: GPUDevice, key: string, what: string, build: () => Omit<Job, 'tail'>, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+  let entry = jobs.get(owner);
+  if (entry === undefined || entry.key !== key || entry.device !== dev) {
+    if (entry) retire(entry);
+    const job: Promise<Job> = errorsOf(dev, what, build, destroyJob).then(
+      (built) => ({ ...built, tail: Promise.resolve() }),
+      (err: unknown) => {
+        if (jobs.get(owner)?.job === job) jobs.delete(owner); // a failed build is not cached
+        throw err;
+      },
+    );
+    jobs.set(owner, (entry = { key, device: dev, job, users: 0, retired: false }));
+  }
+  const held = entry;
+  held.users++;
+  try {
+    const job = await held.job;
+    return await serial(job, () => execute(job, lp, cfg));
+  } finally {
+    held.users--;
+    if (held.retired && held.users === 0) destroyCached(held);
+  }
 }
 
-function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit: number): Omit<Job, 'key' | 'tail'> {
+function retire(entry: Cached): void {
+  entry.retired = true;
+  if (entry.users === 0) destroyCached(entry);
+}
+
+function destroyCached(entry: Cached): void {
+  entry.job.then(destroyJob, () => undefined);
+}
+
+function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit: number): Omit<Job, 'tail'> {
   const N = b.input_ids.length;
   const gspo = cfg.policy === 'gspo';
   const stream = occStream(b, cfg);
@@ -251,7 +295,7 @@ function occDispatch(B: Builder, o: { index: Uint32Array; threads: number; occA:
   B.dispatch('occ_nodes', Math.ceil(o.threads / WG), { 0: B.params(o.threads, o.L + 1), 1: o.occA, 2: o.occB, 3: out.lp, 4: B.storage(o.index), 5: out.grad, 6: out.partials, 7: seqLr });
 }
 
-function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limit: number): Omit<Job, 'key' | 'tail'> {
+function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limit: number): Omit<Job, 'tail'> {
   const B = new Builder(dev, cfg);
   const maxNodes = Math.floor(limit / COMPACT_NODE_BYTES);
   const per = compactPerThread(plan.num_nodes);
@@ -351,17 +395,15 @@ function metrics(s: Float64Array, cfg: LossConfig): LossMetrics {
 }
 
 /** Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in place between calls. */
-export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
   const dev = await device();
-  const limit = chunkBytes(dev);
-  const job = await jobFor(b, dev, `${limit} ${JSON.stringify(cfg)}`, 'the loss batch', () => prepareOccurrences(dev, b, cfg, limit));
-  return serial(job, () => execute(job, lp, cfg));
+  const limit = chunkBytes(dev, opts.chunkBytes);
+  return runCached(b, dev, `${limit} ${JSON.stringify(cfg)}`, 'the loss batch', () => prepareOccurrences(dev, b, cfg, limit), lp, cfg);
 }
 
 /** Compact per-node loss; the uploaded plan is cached per plan object and config. */
-export async function lossCompactWebGPU(plan: CompactPlan, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+export async function lossCompactWebGPU(plan: CompactPlan, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
   const dev = await device();
-  const limit = chunkBytes(dev);
-  const job = await jobFor(plan, dev, `${limit} ${JSON.stringify(cfg)}`, 'the compact plan', () => prepareCompact(dev, plan, cfg, limit));
-  return serial(job, () => execute(job, lp, cfg));
+  const limit = chunkBytes(dev, opts.chunkBytes);
+  return runCached(plan, dev, `${limit} ${JSON.stringify(cfg)}`, 'the compact plan', () => prepareCompact(dev, plan, cfg, limit), lp, cfg);
 }

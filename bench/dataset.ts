@@ -1,11 +1,12 @@
 /**
- * Deterministic synthetic agent rollouts with the shape and redundancy of real tau-bench episodes, so benches and
- * tests exercise the same readers and the same sharing patterns without shipping third-party data:
+ * The bench's built-in dataset (also the tests' input; not part of the package): deterministic synthetic agent
+ * rollouts with the shape and redundancy of real tau-bench episodes, so benches and tests exercise the same
+ * readers and the same sharing patterns without shipping third-party data:
  * one long system prompt and tool list shared by every call, groups of episodes that share a task's first user
  * message and then diverge, requests that extend the previous request, and (1 in `truncateEvery` episodes)
  * context truncation, after which requests stop extending each other.
  */
-import { argError } from '../errors.js';
+import { TreepackError } from '../src/index.js';
 
 export interface GeneratorOptions {
   groups: number;
@@ -273,9 +274,9 @@ function plan(rng: Rng, episode: number, o: Required<GeneratorOptions>): Plan {
 
 function withDefaults(o: GeneratorOptions): Required<GeneratorOptions> {
   const r = { episodesPerGroup: 8, seed: 1, minTurns: 10, maxTurns: 30, truncateEvery: 4, ...o };
-  if (!Number.isInteger(r.groups) || r.groups < 0) throw argError('groups', 'a non-negative integer', r.groups);
-  if (!Number.isInteger(r.minTurns) || r.minTurns < 1) throw argError('minTurns', 'a positive integer', r.minTurns);
-  if (!Number.isInteger(r.maxTurns) || r.maxTurns < r.minTurns) throw argError('maxTurns', `an integer ≥ minTurns (${r.minTurns})`, r.maxTurns);
+  if (!Number.isInteger(r.groups) || r.groups < 0) throw new TreepackError('E_ARG', `groups must be a non-negative integer, got ${r.groups}`);
+  if (!Number.isInteger(r.minTurns) || r.minTurns < 1) throw new TreepackError('E_ARG', `minTurns must be a positive integer, got ${r.minTurns}`);
+  if (!Number.isInteger(r.maxTurns) || r.maxTurns < r.minTurns) throw new TreepackError('E_ARG', `maxTurns must be an integer >= minTurns (${r.minTurns}), got ${r.maxTurns}`);
   return r;
 }
 

@@ -1,0 +1,121 @@
+"""Tree attention paths against each other and against the dense rule: block-sparse == dense SDPA in forward and
+backward (GQA, block sizes that do not divide N, pad nodes), FlexAttention with the Python-built BlockMask == dense
+forward, the TreeMask's block arrays == the numpy reference, and the attention's errors."""
+
+import unittest
+
+import numpy as np
+
+from support import CORE_SKIP, forests, pack
+
+try:
+    import torch
+
+    import treepack.torch as tpt
+    from treepack import TreepackError
+    from treepack.flex import block_arrays_from_dense, dense_mask
+
+    TORCH_SKIP = ""
+except ImportError as e:
+    TORCH_SKIP = f"torch not importable ({e})"
+
+
+def qkv(n, heads=4, kv_heads=2, dim=8, seed=0, dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.float64
+    q = torch.randn(1, heads, n, dim, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, n, dim, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, kv_heads, n, dim, generator=g, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+class TreeAttention(unittest.TestCase):
+    def test_block_sparse_equals_dense_forward_and_backward(self):
+        for seed, (shape, seqs) in enumerate(forests(13, seed=2).items()):
+            mb = tpt.load_microbatch(pack(seqs, pad=seed % 3, seed=seed))
+            for B in (1, 3, 16, 128):
+                with self.subTest(forest=shape, block_size=B):
+                    results = []
+                    for mode in ("dense", "block"):
+                        q, k, v = qkv(mb.num_nodes, seed=seed)
+                        out = tpt.attend(tpt.tree_mask(mb, mode=mode, block_size=B), q, k, v, scale=0.3)
+                        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).reshape(out.shape))
+                        results.append((out.detach(), q.grad, k.grad, v.grad))
+                    for a, b in zip(*results):
+                        self.assertLess(float((a - b).abs().max()), 1e-12)
+
+    def test_dense_mode_is_the_rule(self):
+        mb = tpt.load_microbatch(pack(forests(13, seed=4)["mixed"], pad=1))
+        q, k, v = qkv(mb.num_nodes)
+        rule = torch.from_numpy(dense_mask(mb.subtree_end.numpy()))
+        self.assertTrue(torch.equal(tpt.dense_tree_mask(mb.subtree_end), rule))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=rule)
+        out = tpt.attend(tpt.tree_mask(mb, mode="dense"), q, k, v)
+        self.assertLess(float((out - ref).abs().max()), 1e-12)
+
+    def test_flex_with_the_python_block_mask_equals_dense_forward(self):
+        mb = tpt.load_microbatch(pack(forests(13, seed=5)["mixed"], pad=2))
+        for B in (4, 128):
+            mask = tpt.tree_mask(mb, mode="flex", block_size=B)
+            ref_arrays = block_arrays_from_dense(dense_mask(mb.subtree_end.numpy()), B)
+            got = (mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0], mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0])
+            for a, b in zip(got, ref_arrays[1:]):
+                self.assertTrue(np.array_equal(a.numpy(), b))
+            with torch.no_grad():
+                q, k, v = qkv(mb.num_nodes)
+                out = tpt.attend(mask, q, k, v)
+                ref = tpt.attend(tpt.tree_mask(mb, mode="dense"), q, k, v)
+            self.assertLess(float((out - ref).abs().max()), 1e-12)
+
+    def test_auto_is_block_on_cpu(self):
+        self.assertEqual(tpt.tree_mask(torch.tensor([2, 2])).mode, "block")
+
+    def test_errors_name_the_field(self):
+        mb = tpt.load_microbatch(pack(forests(13, seed=6)["mixed"]))
+        q, k, v = qkv(mb.num_nodes)
+        cases = [
+            ("attention_mask", lambda: tpt.attend(tpt.dense_tree_mask(mb.subtree_end), q, k, v)),
+            ("attention_mask", lambda: tpt.attend(tpt.tree_mask(torch.tensor([1])), q, k, v)),  # another batch's mask
+            ("mode", lambda: tpt.tree_mask(mb, mode="sparse")),
+            ("mode", lambda: tpt.attend(tpt.tree_mask(mb, mode="flex"), q, k, v)),  # flex has no CPU backward
+            ("subtree_end", lambda: tpt.tree_mask(mb.subtree_end.float())),
+            ("subtree_end", lambda: tpt.tree_mask(torch.tensor([1, 1]))),
+            ("block_size", lambda: tpt.tree_mask(mb, block_size=0)),
+            ("attention_mask", lambda: tpt.tree_attention(torch.nn.Module(), q, k, v, None)),
+            ("sliding_window", lambda: tpt.tree_attention(torch.nn.Module(), q, k, v, tpt.tree_mask(mb), sliding_window=8)),
+        ]
+        for field, fn in cases:
+            with self.subTest(field=field):
+                with self.assertRaises(TreepackError) as cm:
+                    fn()
+                self.assertEqual(cm.exception.field, field, str(cm.exception))
+
+    def test_registered_with_transformers(self):
+        from transformers import AttentionInterface
+
+        self.assertIs(AttentionInterface._global_mapping["treepack"], tpt.tree_attention)
+        from support import tiny_model
+
+        model = tiny_model("llama", torch.float32)
+        with self.assertRaises(TreepackError) as cm:  # a model call without the tree mask never runs causal
+            model(torch.tensor([[1, 2, 3]]))
+        self.assertEqual(cm.exception.field, "attention_mask")
+
+
+@unittest.skipIf(CORE_SKIP or TORCH_SKIP or not torch.cuda.is_available(), "FlexAttention with backward needs a CUDA device")
+class TreeAttentionCuda(unittest.TestCase):
+    def test_flex_equals_block_sparse_forward_and_backward_on_cuda(self):
+        mb = tpt.load_microbatch(pack(forests(13, seed=8)["mixed"], pad=2), device="cuda")
+        results = []
+        for mode in ("flex", "block"):
+            q, k, v = (x.detach().cuda().float().requires_grad_(True) for x in qkv(mb.num_nodes, dim=16))
+            out = tpt.attend(tpt.tree_mask(mb, mode=mode), q, k, v)
+            out.sum().backward()
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+        for a, b in zip(*results):
+            self.assertLess(float((a - b).abs().max()), 1e-4)
+
+
+if __name__ == "__main__":
+    unittest.main()

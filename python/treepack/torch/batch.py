@@ -1,0 +1,242 @@
+"""Packed micro-batches as torch tensors: the loader and a DataLoader-friendly dataset over a packed directory.
+
+    >>> batch = load_microbatch("packed/microbatch-00000.safetensors", device="cuda")
+    >>> for batch in PackedDataset("packed/", rank=rank, dp=world_size): ...
+
+Index tensors are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats float32; every
+tensor is a fresh, writable copy. The forest invariants are checked on load (``check=False`` skips them): a broken
+forest would otherwise index the wrong node silently (torch wraps negative indices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import numpy as np
+import torch
+
+from ..microbatch import OCCURRENCE_FLOAT_FIELDS, MicroBatch, Source, TreepackError, check_invariants, load
+
+INDEX_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")
+
+
+@dataclass
+class PackedBatch:
+    """One packed micro-batch on a device (field meanings: README "The packed micro-batch").
+
+    Besides the contract's arrays: ``seq_index`` [M] (the sequence of each occurrence) and ``token_index`` [M] (its
+    t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask
+    lowerings) as they were stored.
+    """
+
+    input_ids: torch.Tensor  # int64 [N]
+    position_ids: torch.Tensor  # int64 [N]
+    parent: torch.Tensor  # int64 [N], -1 for a root
+    subtree_end: torch.Tensor  # int64 [N]
+    seq_offsets: torch.Tensor  # int64 [S+1]
+    seq_positions: torch.Tensor  # int64 [M], the unmerge index
+    loss_mask: torch.Tensor  # bool [M]
+    seq_index: torch.Tensor  # int64 [M]
+    token_index: torch.Tensor  # int64 [M]
+    meta: Dict[str, Any]
+    advantages: Optional[torch.Tensor] = None  # float32 [M]
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_offsets.shape[0]) - 1
+
+    @property
+    def num_occurrences(self) -> int:
+        return int(self.seq_positions.shape[0])
+
+    @property
+    def num_pad_tokens(self) -> int:
+        """The last ``num_pad_tokens`` nodes are padding (roots no occurrence maps to); 0 when not padded."""
+        return int(self.meta.get("num_pad_tokens", 0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def _map(self, fn: Any) -> "PackedBatch":
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = fn(v)
+            elif f.name == "extra":
+                v = {k: fn(t) for k, t in v.items()}
+            values[f.name] = v
+        return PackedBatch(**values)
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "PackedBatch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "PackedBatch":
+        """Page-locked copies, for ``to("cuda", non_blocking=True)``; also what DataLoader(pin_memory=True) calls."""
+        return self._map(lambda t: t.pin_memory())
+
+    def sequence(self, i: int) -> torch.Tensor:
+        """Tokens of sequence i, gathered through the unmerge index."""
+        if not 0 <= i < self.num_sequences:
+            raise TreepackError("E_ARG", f"sequence {i} out of range [0, {self.num_sequences})", field="sequence")
+        a, b = int(self.seq_offsets[i]), int(self.seq_offsets[i + 1])
+        return self.input_ids[self.seq_positions[a:b]]
+
+
+def naive_batch(batch: PackedBatch) -> PackedBatch:
+    """The same occurrences with no sharing: one node per (sequence, token), each sequence its own chain, N = M. A
+    trainer's baseline: the packed batch must give the same loss and gradients at lower cost."""
+    M = batch.num_occurrences
+    occ = torch.arange(M, device=batch.device)
+    meta = {k: v for k, v in batch.meta.items() if k != "num_pad_tokens"}
+    meta["num_tokens_packed"] = M
+    return PackedBatch(
+        input_ids=batch.input_ids[batch.seq_positions],
+        position_ids=batch.token_index.clone(),
+        parent=torch.where(batch.token_index == 0, -1, occ - 1),
+        subtree_end=batch.seq_offsets[batch.seq_index + 1],
+        seq_offsets=batch.seq_offsets.clone(),
+        seq_positions=occ,
+        loss_mask=batch.loss_mask.clone(),
+        seq_index=batch.seq_index.clone(),
+        token_index=batch.token_index.clone(),
+        meta=meta,
+        **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS},
+    )
+
+
+def _tensor(a: np.ndarray, dtype: Optional[np.dtype], device: Optional[Union[str, torch.device]], pin: bool) -> torch.Tensor:
+    # np.array copies: the file's arrays are read-only views on a memory map.
+    t = torch.from_numpy(np.array(a, dtype=dtype))
+    if pin:
+        t = t.pin_memory()
+    return t if device is None else t.to(device, non_blocking=pin)
+
+
+def from_microbatch(
+    mb: MicroBatch,
+    device: Optional[Union[str, torch.device]] = None,
+    pin_memory: bool = False,
+    check: bool = True,
+    file: Optional[str] = None,
+) -> PackedBatch:
+    """A numpy ``treepack.MicroBatch`` as a ``PackedBatch`` (see ``load_microbatch``)."""
+    if check:
+        problems = check_invariants(mb)
+        pad = int(mb.meta.get("num_pad_tokens", 0))
+        N = len(mb.input_ids)
+        if pad and not problems:
+            tail = np.arange(N - pad, N)
+            if (mb.parent[tail] != -1).any() or (mb.subtree_end[tail] != tail + 1).any():
+                problems.append(f"the last num_pad_tokens = {pad} nodes are not childless roots")
+            elif (np.asarray(mb.seq_positions) >= N - pad).any():
+                problems.append(f"an occurrence maps to one of the last num_pad_tokens = {pad} (padding) nodes")
+        if problems:
+            first = re.match(r"[a-z_]*", problems[0]).group(0)  # each problem starts with the field it is about
+            raise TreepackError("E_INPUT", "not a valid packed micro-batch: " + "; ".join(problems), file,
+                                first if first in INDEX_FIELDS + ("loss_mask",) else "forest")
+    lengths = np.diff(np.asarray(mb.seq_offsets, dtype=np.int64))
+    starts = np.asarray(mb.seq_offsets[:-1], dtype=np.int64)
+    seq_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    token_index = np.arange(len(mb.seq_positions), dtype=np.int64) - np.repeat(starts, lengths)
+    i64 = np.dtype(np.int64)
+    values: Dict[str, Any] = {f: _tensor(getattr(mb, f), i64, device, pin_memory) for f in INDEX_FIELDS}
+    values["loss_mask"] = _tensor(mb.loss_mask != 0, None, device, pin_memory)
+    values["seq_index"] = _tensor(seq_index, None, device, pin_memory)
+    values["token_index"] = _tensor(token_index, None, device, pin_memory)
+    for f in OCCURRENCE_FLOAT_FIELDS:
+        a = getattr(mb, f)
+        values[f] = None if a is None else _tensor(a, np.dtype(np.float32), device, pin_memory)
+    extra = {k: _tensor(a, None, device, pin_memory) for k, a in mb.extra.items()}
+    return PackedBatch(meta=dict(mb.meta), extra=extra, **values)
+
+
+def load_microbatch(
+    src: Union[Source, MicroBatch],
+    device: Optional[Union[str, torch.device]] = None,
+    pin_memory: bool = False,
+    check: bool = True,
+) -> PackedBatch:
+    """A micro-batch (a file path, the file's bytes, or a loaded ``treepack.MicroBatch``) as torch tensors on
+    ``device`` (CPU when None). ``pin_memory`` stages through page-locked memory (a non-blocking copy to CUDA).
+    Format, dtypes, shapes and (unless ``check=False``) the forest invariants are checked: TreepackError(E_INPUT)
+    naming the field."""
+    if isinstance(src, MicroBatch):
+        return from_microbatch(src, device, pin_memory, check)
+    file = "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
+    return from_microbatch(load(src), device, pin_memory, check, file)
+
+
+def read_manifest(directory: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """``<dir>/manifest.json``, the commit point of a packed directory, with ``micro_batches`` checked."""
+    path = os.path.join(os.fspath(directory), "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise TreepackError("E_IO", f"{e.strerror or e} (a packed directory is published with its manifest.json)", path) from e
+    except ValueError as e:
+        raise TreepackError("E_INPUT", f"not JSON: {e}", path, "manifest") from None
+    entries = doc.get("micro_batches") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("file"), str) for e in entries):
+        raise TreepackError("E_INPUT", "micro_batches must be a list of objects with a string file", path, "micro_batches")
+    return doc
+
+
+class PackedDataset(torch.utils.data.IterableDataset):
+    """The micro-batches of a packed directory in manifest order, as ``PackedBatch`` on CPU (move them, or let a
+    DataLoader pin them). Files are resolved through manifest.json only (its ``micro_batches[i].file``).
+
+    ``rank``/``dp`` select one data-parallel rank's share: the manifest's ``rank`` field when the directory was packed
+    with ``--dp`` (the count must match), else every dp-th micro-batch. With DataLoader workers, each worker takes a
+    disjoint share of that, so ``DataLoader(ds, batch_size=None, num_workers=k)`` yields each micro-batch once.
+    """
+
+    def __init__(self, directory: Union[str, "os.PathLike[str]"], rank: Optional[int] = None, dp: Optional[int] = None, check: bool = True):
+        super().__init__()
+        self.directory = os.fspath(directory)
+        self.manifest = read_manifest(self.directory)
+        self.check = check
+        if (rank is None) != (dp is None):
+            raise TreepackError("E_ARG", "give rank and dp together", field="rank" if rank is None else "dp")
+        entries: List[Dict[str, Any]] = self.manifest["micro_batches"]
+        if dp is not None and rank is not None:
+            if not (isinstance(dp, int) and dp >= 1):
+                raise TreepackError("E_ARG", f"dp must be an integer >= 1, got {dp!r}", field="dp")
+            if not (isinstance(rank, int) and 0 <= rank < dp):
+                raise TreepackError("E_ARG", f"rank must be an integer in [0, {dp}), got {rank!r}", field="rank")
+            packed_dp = self.manifest.get("dp")
+            if packed_dp is not None and packed_dp != dp:
+                raise TreepackError("E_ARG", f"the directory was packed for dp = {packed_dp}, not {dp}", self.directory, "dp")
+            if packed_dp is not None and all("rank" in e for e in entries):
+                entries = [e for e in entries if e["rank"] == rank]
+            else:
+                entries = entries[rank::dp]
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def files(self) -> List[str]:
+        return [os.path.join(self.directory, e["file"]) for e in self.entries]
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        files = self.files()
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            files = files[info.id :: info.num_workers]
+        for path in files:
+            yield load_microbatch(path, check=self.check)

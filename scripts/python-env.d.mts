@@ -1,0 +1,12 @@
+/** Types of scripts/python-env.mjs (see there). */
+export interface PythonEnv {
+  /** The interpreter to run; null when no Python with numpy was found. */
+  python: string | null;
+  /** Whether it imports torch, transformers and numpy. */
+  torch: boolean;
+  /** Why torch is unavailable ('' when it is). */
+  reason: string;
+  /** 'TREEPACK_PYTHON', '.venv', 'PATH' or ''. */
+  source: string;
+}
+export function pythonEnv(opts?: { create?: boolean }): PythonEnv;

@@ -1,0 +1,215 @@
+/**
+ * The CLI is the library: `treepack pack` (the compiled bin) and `packRecords(...).writeTo(new DirectorySink(...))`
+ * write the same files byte for byte, manifest included, on generated and tau-bench data; `treepack stats --json`
+ * reports the library's figures; and every input the CLI rejects, the library rejects with the same error.
+ */
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { afterAll, describe, expect, it } from 'vitest';
+import { createPacker, DirectorySink, MemorySink, packRecords, readRecords, TreepackError, type PackerOptions } from '../src/index.js';
+import { generateJsonl, generateTokenSamples } from '../bench/dataset.js';
+import { cli } from './helpers/cli.js';
+
+const dir = mkdtempSync(join(tmpdir(), 'treepack-packer-cli-'));
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+const TAU_BENCH = resolve(__dirname, '../../shared/data/tau_bench_gpt4o_airline.jsonl');
+const tauSkip = existsSync(TAU_BENCH) ? '' : `${TAU_BENCH} not found`;
+if (tauSkip) console.log(`CLI vs library on tau-bench skipped: ${tauSkip}`);
+
+const episodes = join(dir, 'episodes.jsonl');
+writeFileSync(episodes, generateJsonl({ groups: 3, episodesPerGroup: 4, minTurns: 3, maxTurns: 8, seed: 2 }));
+const tokens = join(dir, 'tokens.jsonl');
+writeFileSync(tokens, [...generateTokenSamples({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 9 })].map((s) => JSON.stringify(s)).join('\n') + '\n');
+
+function files(d: string): Map<string, Buffer> {
+  return new Map(readdirSync(d).sort().map((f) => [f, readFileSync(join(d, f))]));
+}
+
+let runs = 0;
+/** Packs `input` with the CLI and with the library; both directories, every file compared byte for byte. */
+async function compare(input: string, args: string[], opts: PackerOptions): Promise<Map<string, Buffer>> {
+  const k = runs++;
+  const viaCli = join(dir, `cli-${k}`);
+  const viaLib = join(dir, `lib-${k}`);
+  const r = cli(['pack', input, '--out', viaCli, '--quiet', ...args]);
+  expect(r.code, r.stderr).toBe(0);
+  const manifest = await packRecords(input, opts).writeTo(new DirectorySink(viaLib));
+  const a = files(viaCli);
+  const b = files(viaLib);
+  expect([...b.keys()]).toEqual([...a.keys()]);
+  for (const [name, bytes] of a) expect(b.get(name)!.equals(bytes), name).toBe(true);
+  expect(manifest.micro_batches.length).toBe(a.size - 1);
+  // In memory, the same bytes: what a service would send instead of writing.
+  const mem = new MemorySink();
+  await packRecords(input, opts).writeTo(mem);
+  expect([...mem.files.keys()].sort()).toEqual([...a.keys()]);
+  for (const [name, bytes] of a) expect(Buffer.from(mem.files.get(name)!).equals(bytes), name).toBe(true);
+  return a;
+}
+
+describe('treepack pack and packRecords write the same bytes', () => {
+  it('generated chat episodes, default options on both sides', async () => {
+    const out = await compare(episodes, [], {});
+    const manifest = JSON.parse(out.get('manifest.json')!.toString());
+    expect(manifest.input).toBe(episodes);
+    expect(manifest.absorbed).toBeGreaterThan(0);
+    expect(out.size).toBeGreaterThan(1);
+  }, 120_000);
+
+  it('generated chat episodes with windows, a budget over ranks, padding, masks and another estimator', async () => {
+    const out = await compare(
+      episodes,
+      ['--max-naive-tokens', '20000', '--max-tokens', '16384', '--dp', '2', '--pad-multiple', '64', '--masks', 'block:64,slices', '--mask-backend', 'js', '--advantages', 'rloo', '--timeline-compare-level', 'token'],
+      { windowTokens: 20000, budget: { maxTokens: 16384, dp: 2, padMultiple: 64 }, masks: 'block:64,slices', maskBackend: 'js', advantages: 'rloo', merge: { timelineCompareLevel: 'token' } },
+    );
+    expect(JSON.parse(out.get('manifest.json')!.toString()).micro_batches.length).toBeGreaterThan(2);
+  }, 120_000);
+
+  it('pre-tokenized samples, no merge, js backend, vocabulary check', async () => {
+    await compare(tokens, ['--no-merge', '--backend', 'js', '--vocab-size', '200000', '--max-naive-tokens', '5000'], { merge: false, backend: 'js', vocabSize: 200000, windowTokens: 5000 });
+  }, 120_000);
+
+  it('parsed records from readRecords give the same files as the path', async () => {
+    const a = new MemorySink();
+    const b = new MemorySink();
+    await packRecords(tokens, { windowTokens: 5000 }).writeTo(a);
+    await packRecords(readRecords(tokens), { windowTokens: 5000, name: tokens }).writeTo(b);
+    expect([...b.files.keys()]).toEqual([...a.files.keys()]);
+    for (const [name, bytes] of a.files) expect(Buffer.from(b.files.get(name)!).equals(Buffer.from(bytes)), name).toBe(true);
+  }, 60_000);
+
+  it.skipIf(tauSkip !== '')('tau-bench airline: default options, and a budget over 4 ranks', async () => {
+    await compare(TAU_BENCH, [], {});
+    await compare(TAU_BENCH, ['--max-tokens', '32768', '--dp', '4', '--pad-multiple', '128'], { budget: { maxTokens: 32768, dp: 4, padMultiple: 128 } });
+  }, 300_000);
+
+  it('stats --json reports the library figures', async () => {
+    const r = cli(['stats', episodes, '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const stats = JSON.parse(r.stdout);
+    const run = packRecords(episodes, { advantages: 'none', merge: { detectTimelineSnap: true } });
+    let microBatches = 0;
+    for await (const _ of run) microBatches++;
+    const rep = run.report();
+    expect(stats).toMatchObject({
+      input: episodes,
+      records: rep.read.lines,
+      timelines: rep.timelines,
+      samples: rep.samples,
+      absorbed: rep.absorbed,
+      merged_tokens: rep.naiveTokens,
+      naive_tokens: rep.timelineTokens,
+      packed_tokens: rep.packedTokens,
+      snaps: rep.snaps.count,
+      micro_batches: microBatches,
+      tokenizer: rep.tokenizer,
+      backend: rep.backend,
+    });
+  }, 120_000);
+});
+
+describe('bad input: the library rejects what the CLI rejects, with the same error', () => {
+  const write = (name: string, lines: (object | string)[]) => {
+    const f = join(dir, name);
+    writeFileSync(f, lines.map((l) => (typeof l === 'string' ? l : JSON.stringify(l))).join('\n') + '\n');
+    return f;
+  };
+  const tokenLines = readFileSync(tokens, 'utf8').trim().split('\n');
+  const shortMask = JSON.parse(tokenLines[2]);
+  shortMask.loss_mask = shortMask.loss_mask.slice(1);
+  const cases: { name: string; lines: (object | string)[]; args?: string[]; opts?: PackerOptions; where: { line?: number; record?: string; field?: string } }[] = [
+    { name: 'malformed JSON', lines: [tokenLines[0], '{"tokens": [1, 2,'], where: { line: 2 } },
+    { name: 'a per-token field of the wrong length', lines: [tokenLines[0], tokenLines[1], shortMask], where: { line: 3, field: 'loss_mask' } },
+    { name: 'an unknown record format', lines: [tokenLines[0], { prompt: 'hi' }], where: { line: 2 } },
+    { name: 'token ids outside --vocab-size', lines: [{ id: 'a', tokens: [1, 2, 30] }], args: ['--vocab-size', '10'], opts: { vocabSize: 10 }, where: { line: 1, record: 'a' } },
+    {
+      name: 'engine token ids outside the tokenizer vocabulary',
+      lines: [{ messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } }],
+      where: { line: 1, field: 'response.token_ids[0]' },
+    },
+    {
+      name: 'a group repeated after its window with rewards to estimate',
+      lines: [
+        { id: 'a1', group: 'A', episode: 'a1', reward: 1, tokens: [1, 2, 3] },
+        { id: 'b1', group: 'B', episode: 'b1', reward: 1, tokens: [1, 2, 4] },
+        { id: 'a2', group: 'A', episode: 'a2', reward: 0, tokens: [1, 2, 5] },
+      ],
+      args: ['--max-naive-tokens', '2'],
+      opts: { windowTokens: 2 },
+      where: { line: 3, record: 'a2', field: 'group' },
+    },
+    {
+      name: 'a group mixing given and estimated advantages',
+      lines: [
+        { id: 'a1', group: 'A', episode: 'e1', reward: 1, tokens: [1, 2, 3] },
+        { id: 'a2', group: 'A', episode: 'e2', reward: 0, advantage: -5, tokens: [1, 2, 4] },
+      ],
+      where: { line: 2, record: 'a2', field: 'advantage' },
+    },
+    {
+      name: 'an episode with different rewards',
+      lines: [
+        { id: 'a1', group: 'A', episode: 'e1', reward: 1, tokens: [1, 2, 3] },
+        { id: 'a2', group: 'A', episode: 'e1', reward: 0, tokens: [1, 2, 4] },
+      ],
+      where: { line: 2, record: 'a2', field: 'reward' },
+    },
+    {
+      name: 'a mask lowering the forest cannot take',
+      lines: [{ id: 'a', tokens: [1, 2, 3] }, { id: 'b', tokens: [1, 2, 4] }],
+      args: ['--masks', 'cu_seqlens', '--mask-backend', 'js'],
+      opts: { masks: 'cu_seqlens', maskBackend: 'js' },
+      where: {},
+    },
+  ];
+
+  for (const c of cases) {
+    it(c.name, async () => {
+      const f = write(`bad-${cases.indexOf(c)}.jsonl`, c.lines);
+      const out = join(dir, `bad-out-${cases.indexOf(c)}`);
+      const r = cli(['pack', f, '--out', out, ...(c.args ?? [])]);
+      expect(r.code).toBe(1);
+      const printed = r.stderr.trim().split('\n').at(-1);
+      let err: unknown;
+      try {
+        await packRecords(f, c.opts).writeTo(new DirectorySink(join(dir, `bad-lib-${cases.indexOf(c)}`)));
+      } catch (e) {
+        err = e;
+      }
+      expect(err).toBeInstanceOf(TreepackError);
+      const e = err as TreepackError;
+      expect(e.code).not.toBe('E_ARG'); // exit code 1, as the CLI's
+      expect(`treepack pack: ${e.message}`).toBe(printed);
+      if (c.where.line !== undefined) expect(e.where.file).toBe(f);
+      expect(e.where).toMatchObject(c.where);
+      // Neither side left a file behind.
+      expect(readdirSync(out)).toEqual([]);
+      expect(readdirSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toEqual([]);
+      // Incremental use, JSON objects pushed line by line, meets the same error (malformed JSON cannot be pushed).
+      if (c.name === 'malformed JSON') return;
+      const packer = createPacker({ ...c.opts, name: f });
+      let inc: unknown;
+      try {
+        for (const l of c.lines) packer.push(typeof l === 'string' ? JSON.parse(l) : l);
+        await packer.end();
+      } catch (e2) {
+        inc = e2;
+      }
+      expect(inc).toBeInstanceOf(TreepackError);
+      expect((inc as TreepackError).message).toBe(e.message);
+    }, 60_000);
+  }
+
+  it('a failed run leaves the previous output as it was', async () => {
+    const out = join(dir, 'keep');
+    await packRecords(tokens, {}).writeTo(new DirectorySink(out));
+    const before = files(out);
+    const bad = write('bad-keep.jsonl', [tokenLines[0], tokenLines[1], shortMask]);
+    await expect(packRecords(bad, {}).writeTo(new DirectorySink(out))).rejects.toThrow(/bad-keep\.jsonl:3/);
+    const after = files(out);
+    expect([...after.keys()]).toEqual([...before.keys()]);
+    for (const [name, bytes] of before) expect(after.get(name)!.equals(bytes), name).toBe(true);
+  }, 60_000);
+});

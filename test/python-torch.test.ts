@@ -1,0 +1,35 @@
+/**
+ * The trainer side in PyTorch (python/treepack/torch): the Python suites in python/tests/trainer, run with the
+ * Python scripts/python-env.mjs finds or creates (.venv with torch + transformers). They skip with the reason
+ * printed where none can be had, and fail instead under TREEPACK_REQUIRE_TORCH=1 (CI).
+ */
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { describe, expect, it } from 'vitest';
+import { pythonFor } from './helpers/python.js';
+
+const py = pythonFor('test/python-torch.test.ts', 'torch');
+const root = fileURLToPath(new URL('..', import.meta.url));
+
+describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', () => {
+  it('every trainer-side suite passes, none skipped', { timeout: 600_000 }, () => {
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', 'tests/trainer'], { timeout: 590_000 });
+    const log = res.stderr;
+    expect(res.status, log.slice(-4000)).toBe(0);
+    expect(log).toMatch(/\nOK\b/);
+    // A suite that skips (core library or torch missing) must not pass silently here; only CUDA-only tests may skip.
+    const skipped = log.match(/^.* \.\.\. skipped .*$/gm) ?? [];
+    console.log(`treepack.torch: ${skipped.length} CUDA-only test(s) skipped here`);
+    expect(skipped.filter((line) => !/CUDA/.test(line))).toEqual([]);
+  });
+
+  it('examples/grpo_step.py packs, loads and trains: packed and unpacked steps agree', { timeout: 600_000 }, () => {
+    const res = py.run([join(root, 'examples', 'grpo_step.py'), '--json'], { cwd: root, timeout: 590_000 });
+    expect(res.status, res.stderr.slice(-4000)).toBe(0);
+    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number>;
+    console.log(`examples/grpo_step.py: ${out.naive_tokens} naive → ${out.packed_tokens} packed tokens, loss ${out.loss_packed} vs ${out.loss_unpacked}, step ${out.step_seconds_packed.toFixed(2)} s vs ${out.step_seconds_unpacked.toFixed(2)} s`);
+    expect(out.packed_tokens).toBeLessThan(out.naive_tokens);
+    expect(Math.abs(out.loss_packed - out.loss_unpacked)).toBeLessThan(1e-5 * Math.max(1, Math.abs(out.loss_unpacked)));
+    expect(out.max_weight_difference_after_step).toBeLessThan(1e-5);
+  });
+});
