@@ -68,7 +68,7 @@ interface WorkloadInput {
 
 /** Generated agent episodes whose shape sets the compression: group size and turns (long shared prefixes). */
 export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean }[] = [
-  { label: '≈3×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 } },
+  { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 } },
   { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 } },
   { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true },
   { label: '≈25×', opts: { groups: 1, episodesPerGroup: 8, minTurns: 10, maxTurns: 14, truncateEvery: 0, seed: 3 }, full: true },
