@@ -23,7 +23,7 @@ import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
 import { superviseDawnWarnings } from './dawn-warnings.js';
-import { big, fmt } from './format.js';
+import { big, fmt, speed } from './format.js';
 import { renderHtml } from './report.js';
 import { benchStep, type StepSection } from './step.js';
 import { analyzeStep, type StepSummary } from './step-report.js';
@@ -59,8 +59,8 @@ function printThroughput(t: Timing[]): void {
   const nativeFresh = t.find((x) => x.name === 'native, fresh buffers');
   for (const x of t) {
     const base = x.name.includes('reused') ? copyReused : copyFresh;
-    const vsCopy = x === base ? 'baseline' : `${fmt(x.seconds / base.seconds)}× the copy's time`;
-    const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${fmt(x.seconds / nativeFresh.seconds)}× native` : '';
+    const vsCopy = x === base ? 'baseline' : `${speed(base.seconds, x.seconds)} than the copy`;
+    const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${speed(nativeFresh.seconds, x.seconds)} than native` : '';
     console.log(`    ${x.name.padEnd(28)} ${fmt(x.seconds * 1e3, 3).padStart(10)} ms ±${fmt(x.rme, 1).padStart(4)}%  ${big(x.tokensPerSecond).padStart(8)} tok/s  (${vsCopy}${vsNative})`);
   }
 }
