@@ -152,7 +152,8 @@ function figures(d: ReportData): Figure[] {
 }
 
 async function svgOf(spec: TopLevelSpec): Promise<string> {
-  const view = new vega.View(vega.parse(compile(spec).spec), { renderer: 'none' });
+  const withConfig = { ...spec, config: { legend: { labelLimit: 0 } } } as TopLevelSpec; // full series names
+  const view = new vega.View(vega.parse(compile(withConfig).spec), { renderer: 'none' });
   return view.toSVG();
 }
 
