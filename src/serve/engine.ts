@@ -1,0 +1,229 @@
+/**
+ * The engine side of the gateway: what is added to a client's request so the engine returns its tokens
+ * (vLLM/SGLang-style `return_token_ids` and OpenAI `logprobs`), what is read back from a response or an SSE
+ * stream, and what is taken out again so the client sees the answer it asked for.
+ *
+ * Engine output formats read (vLLM >= 0.10.2, OpenAI):
+ *  - prompt ids: `prompt_token_ids` at the top level (chat) or on the choice (completions);
+ *  - generated ids: `choices[0].token_ids` (streamed: one list per chunk, concatenated);
+ *  - logprobs: `choices[0].logprobs.content[i].logprob` (chat) or `choices[0].logprobs.token_logprobs[i]`
+ *    (completions).
+ * Only choice 0 is recorded: agents ask for one completion per call (`n` > 1 is refused up front).
+ */
+import { describeValue } from '../errors.js';
+
+export type CallKind = 'chat' | 'completion';
+
+export interface ToolCallOut {
+  id?: string;
+  type?: string;
+  function: { name: string; arguments: string };
+}
+
+export interface EngineOutput {
+  /** chat: the assistant message; completion: undefined */
+  message?: { role: 'assistant'; content: string | null; tool_calls?: ToolCallOut[]; reasoning_content?: string };
+  /** completion: the generated text */
+  text?: string;
+  finishReason: string | null;
+  promptTokenIds?: number[];
+  tokenIds?: number[];
+  logprobs?: number[];
+}
+
+/** What the client asked to see of the fields the gateway adds. */
+export interface ClientWants {
+  logprobs: boolean;
+  tokenIds: boolean;
+}
+
+/** A response the engine sent that cannot be recorded: a 502 to the client, naming the field. */
+export class EngineError extends Error {
+  constructor(
+    message: string,
+    readonly field?: string,
+  ) {
+    super(field ? `engine response field ${JSON.stringify(field)}: ${message}` : message);
+  }
+}
+
+type Obj = Record<string, unknown>;
+const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
+
+/** The request sent upstream: the client's, asking also for token ids and per-token logprobs. */
+export function upstreamRequest(kind: CallKind, body: Obj): { body: Obj; wants: ClientWants } {
+  const wants: ClientWants = {
+    logprobs: kind === 'chat' ? body.logprobs === true : typeof body.logprobs === 'number' && body.logprobs >= 0,
+    tokenIds: body.return_token_ids === true,
+  };
+  const out: Obj = { ...body, return_token_ids: true };
+  if (kind === 'chat') out.logprobs = true;
+  else if (!wants.logprobs) out.logprobs = 0; // legacy completions: an int, 0 = the sampled token only
+  return { body: out, wants };
+}
+
+/** Strips what the gateway added and the client did not ask for (in place). */
+export function clientView(json: Obj, wants: ClientWants): Obj {
+  if (!wants.tokenIds) delete json.prompt_token_ids;
+  if (Array.isArray(json.choices)) {
+    for (const c of json.choices) {
+      if (!isObj(c)) continue;
+      if (!wants.tokenIds) {
+        delete c.token_ids;
+        delete c.prompt_token_ids;
+      }
+      if (!wants.logprobs) c.logprobs = null;
+    }
+  }
+  return json;
+}
+
+function ids(v: unknown, field: string): number[] | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (!Array.isArray(v) || !v.every((x) => Number.isInteger(x) && x >= 0)) throw new EngineError(`expected a list of token ids, got ${describeValue(v)}`, field);
+  return v as number[];
+}
+
+function logprobList(kind: CallKind, lp: unknown, field: string): number[] | undefined {
+  if (lp === undefined || lp === null) return undefined;
+  if (!isObj(lp)) throw new EngineError(`expected a logprobs object, got ${describeValue(lp)}`, field);
+  const out: number[] = [];
+  if (kind === 'chat') {
+    if (lp.content === null || lp.content === undefined) return undefined;
+    if (!Array.isArray(lp.content)) throw new EngineError(`expected a list, got ${describeValue(lp.content)}`, `${field}.content`);
+    lp.content.forEach((e, i) => out.push(finiteLogprob(isObj(e) ? e.logprob : e, `${field}.content[${i}].logprob`)));
+  } else {
+    if (lp.token_logprobs === null || lp.token_logprobs === undefined) return undefined;
+    if (!Array.isArray(lp.token_logprobs)) throw new EngineError(`expected a list, got ${describeValue(lp.token_logprobs)}`, `${field}.token_logprobs`);
+    lp.token_logprobs.forEach((x, i) => out.push(finiteLogprob(x, `${field}.token_logprobs[${i}]`)));
+  }
+  return out;
+}
+
+function finiteLogprob(x: unknown, field: string): number {
+  if (typeof x !== 'number' || !Number.isFinite(x) || x > 1e-3) throw new EngineError(`expected a finite log-probability <= 0, got ${describeValue(x)}`, field);
+  return x;
+}
+
+function toolCalls(v: unknown, field: string): ToolCallOut[] | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (!Array.isArray(v)) throw new EngineError(`expected a list of tool calls, got ${describeValue(v)}`, field);
+  return v.map((c, i) => {
+    const fn = isObj(c) ? c.function : undefined;
+    if (!isObj(c) || !isObj(fn) || typeof fn.name !== 'string') throw new EngineError(`expected {"function": {"name", "arguments"}}, got ${describeValue(c)}`, `${field}[${i}]`);
+    const call: ToolCallOut = { function: { name: fn.name, arguments: typeof fn.arguments === 'string' ? fn.arguments : JSON.stringify(fn.arguments ?? {}) } };
+    if (typeof c.id === 'string') call.id = c.id;
+    if (typeof c.type === 'string') call.type = c.type;
+    return call;
+  });
+}
+
+function firstChoice(json: unknown): Obj {
+  if (!isObj(json)) throw new EngineError(`expected a JSON object, got ${describeValue(json)}`);
+  if (!Array.isArray(json.choices) || !isObj(json.choices[0])) throw new EngineError(`expected a non-empty list of choices, got ${describeValue(json.choices)}`, 'choices');
+  return json.choices[0];
+}
+
+/** The recordable part of a complete (non-streamed) response. */
+export function parseResponse(kind: CallKind, json: unknown): EngineOutput {
+  const c = firstChoice(json);
+  const out: EngineOutput = { finishReason: typeof c.finish_reason === 'string' ? c.finish_reason : null };
+  if (kind === 'chat') {
+    const m = c.message;
+    if (!isObj(m)) throw new EngineError(`expected a message object, got ${describeValue(m)}`, 'choices[0].message');
+    if (m.content !== null && m.content !== undefined && typeof m.content !== 'string') throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, 'choices[0].message.content');
+    out.message = { role: 'assistant', content: (m.content as string | null | undefined) ?? null };
+    const calls = toolCalls(m.tool_calls, 'choices[0].message.tool_calls');
+    if (calls && calls.length) out.message.tool_calls = calls;
+    const reasoning = m.reasoning_content ?? m.reasoning;
+    if (typeof reasoning === 'string' && reasoning !== '') out.message.reasoning_content = reasoning;
+  } else {
+    if (typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, 'choices[0].text');
+    out.text = c.text;
+  }
+  const prompt = ids((json as Obj).prompt_token_ids ?? c.prompt_token_ids, 'prompt_token_ids');
+  if (prompt) out.promptTokenIds = prompt;
+  const gen = ids(c.token_ids, 'choices[0].token_ids');
+  if (gen) out.tokenIds = gen;
+  const lp = logprobList(kind, c.logprobs, 'choices[0].logprobs');
+  if (lp) out.logprobs = lp;
+  return out;
+}
+
+/** Folds the chunks of an SSE stream into the same EngineOutput as a complete response. */
+export class StreamAccumulator {
+  private content = '';
+  private sawContent = false;
+  private reasoning = '';
+  private readonly calls: { id?: string; type?: string; name: string; args: string }[] = [];
+  private finishReason: string | null = null;
+  private prompt: number[] | undefined;
+  private tokens: number[] | undefined;
+  private logprobs: number[] | undefined;
+
+  constructor(private readonly kind: CallKind) {}
+
+  add(chunk: unknown): void {
+    if (!isObj(chunk)) throw new EngineError(`expected a JSON object per stream event, got ${describeValue(chunk)}`);
+    const prompt = ids(chunk.prompt_token_ids, 'prompt_token_ids');
+    if (prompt) this.prompt = prompt;
+    if (!Array.isArray(chunk.choices) || chunk.choices.length === 0) return; // usage-only chunk
+    const c = chunk.choices[0];
+    if (!isObj(c)) throw new EngineError(`expected a choice object, got ${describeValue(c)}`, 'choices[0]');
+    if (typeof c.finish_reason === 'string') this.finishReason = c.finish_reason;
+    const p = ids(c.prompt_token_ids, 'choices[0].prompt_token_ids');
+    if (p) this.prompt = p;
+    const t = ids(c.token_ids, 'choices[0].token_ids');
+    if (t) (this.tokens ??= []).push(...t);
+    const lp = logprobList(this.kind, c.logprobs, 'choices[0].logprobs');
+    if (lp) (this.logprobs ??= []).push(...lp);
+    if (this.kind === 'completion') {
+      if (c.text !== undefined && typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, 'choices[0].text');
+      this.content += (c.text as string | undefined) ?? '';
+      return;
+    }
+    const d = c.delta;
+    if (d === undefined || d === null) return;
+    if (!isObj(d)) throw new EngineError(`expected a delta object, got ${describeValue(d)}`, 'choices[0].delta');
+    if (typeof d.content === 'string') {
+      this.content += d.content;
+      this.sawContent = true;
+    }
+    const r = d.reasoning_content ?? d.reasoning;
+    if (typeof r === 'string') this.reasoning += r;
+    if (d.tool_calls !== undefined && d.tool_calls !== null) {
+      if (!Array.isArray(d.tool_calls)) throw new EngineError(`expected a list, got ${describeValue(d.tool_calls)}`, 'choices[0].delta.tool_calls');
+      for (const tc of d.tool_calls) {
+        if (!isObj(tc)) throw new EngineError(`expected a tool call delta, got ${describeValue(tc)}`, 'choices[0].delta.tool_calls');
+        const index = Number.isInteger(tc.index) ? (tc.index as number) : this.calls.length;
+        const call = (this.calls[index] ??= { name: '', args: '' });
+        if (typeof tc.id === 'string') call.id = tc.id;
+        if (typeof tc.type === 'string') call.type = tc.type;
+        const fn = isObj(tc.function) ? tc.function : {};
+        if (typeof fn.name === 'string') call.name += fn.name;
+        if (typeof fn.arguments === 'string') call.args += fn.arguments;
+      }
+    }
+  }
+
+  result(): EngineOutput {
+    const out: EngineOutput = { finishReason: this.finishReason };
+    if (this.kind === 'chat') {
+      out.message = { role: 'assistant', content: this.sawContent ? this.content : null };
+      const calls = this.calls.filter((c) => c !== undefined);
+      if (calls.length) {
+        out.message.tool_calls = calls.map((c) => {
+          const call: ToolCallOut = { function: { name: c.name, arguments: c.args } };
+          if (c.id !== undefined) call.id = c.id;
+          if (c.type !== undefined) call.type = c.type;
+          return call;
+        });
+      }
+      if (this.reasoning) out.message.reasoning_content = this.reasoning;
+    } else out.text = this.content;
+    if (this.prompt) out.promptTokenIds = this.prompt;
+    if (this.tokens) out.tokenIds = this.tokens;
+    if (this.logprobs) out.logprobs = this.logprobs;
+    return out;
+  }
+}

@@ -1,0 +1,271 @@
+/**
+ * The trainer feed: finished groups, taken by the scheduling policy (windowed FIFO, strict FIFO = a window of
+ * one, or fully async; Collector in src/pack/schedule.ts), become a step; a step's records are packed into
+ * micro-batches (rank and dp aware when the packer has a budget), handed out per rank, and acknowledged by the
+ * trainer after its optimizer step. A micro-batch handed out and not acknowledged within the lease is handed out
+ * again. Every decision that a client is told about is logged before it is told (`take` before the step's first
+ * hand-out, `ack` before the answer), so a replayed service re-forms the same steps, re-packs them identically
+ * (packing is a pure function of its input) and hands out exactly the micro-batches not acknowledged.
+ */
+import { Collector, type CollectorPolicy } from '../pack/schedule.js';
+import type { LogEvent } from './log.js';
+import type { Metrics } from './metrics.js';
+import { PoolError, type Episode, type Pool } from './pool.js';
+
+export interface PackedOut {
+  bytes: Uint8Array;
+  /** the packer's manifest entry: file, sequences, tokens, and rank/step with a budget */
+  entry: Record<string, unknown> & { rank?: number };
+}
+
+/** Packs the finished episodes of one step's groups, in group order. */
+export type PackFn = (episodes: Episode[]) => Promise<PackedOut[]>;
+
+export interface FeedOptions {
+  policy: CollectorPolicy;
+  /** groups per step: a step is formed only when this many are takeable */
+  groupsPerStep: number;
+  /** trainer ranks pulling micro-batches */
+  dp: number;
+  leaseMs: number;
+}
+
+interface MicroBatchSlot {
+  id: string;
+  step: number;
+  rank: number;
+  out: PackedOut;
+  leasedUntil: number; // 0: never handed out
+  acked: boolean;
+  minVersion: number;
+}
+
+interface Step {
+  n: number;
+  groups: number[];
+  /** the `take` event's log write: nothing of the step is handed out before it is durable */
+  logged: Promise<void>;
+  packing?: Promise<void>;
+  slots?: MicroBatchSlot[];
+  acked: Set<string>; // ids acknowledged (known before packing on replay)
+  done: boolean;
+}
+
+export interface Handout {
+  id: string;
+  bytes: Uint8Array;
+  entry: Record<string, unknown>;
+}
+
+export class Feed {
+  readonly collector: Collector;
+  private readonly steps: Step[] = [];
+  /** completed steps: the trainer's policy version */
+  version = 0;
+  /** steps whose records could not be packed, and why */
+  readonly errors: string[] = [];
+  private waiters: (() => void)[] = [];
+  /** the producers are done: steps smaller than groupsPerStep may form from what is left (not logged: a restart forgets it) */
+  flushing = false;
+  /** steps before it are done */
+  private firstOpen = 0;
+
+  constructor(
+    private readonly pool: Pool,
+    private readonly opts: FeedOptions,
+    private readonly pack: PackFn,
+    private readonly append: (e: LogEvent) => Promise<void>,
+    private readonly metrics: Metrics,
+  ) {
+    this.collector = new Collector(opts.policy);
+    pool.onGroupFinished = (seq) => {
+      this.collector.complete(seq);
+      this.wake();
+    };
+  }
+
+  /**
+   * Takes whole finished groups for a consumer of records (the slime rollout buffer) rather than micro-batches:
+   * up to `max` as the policy allows, logged, then released from the pool once `read` has copied them out.
+   */
+  async takeWhole<T>(max: number, read: (groups: number[]) => T): Promise<T | undefined> {
+    const groups = this.collector.take(max);
+    if (groups.length === 0) return undefined;
+    const n = this.steps.length;
+    const logged = this.append({ type: 'take', step: n, groups, whole: true });
+    this.addStep(n, groups, logged);
+    const out = read(groups);
+    this.completeWhole(this.steps[n]!);
+    await logged;
+    return out;
+  }
+
+  private completeWhole(step: Step): void {
+    step.done = true;
+    step.slots = [];
+    for (const g of step.groups) this.pool.release(g);
+  }
+
+  /** Replays the feed's own events (the pool replays the rest, before or between them, in log order). */
+  apply(e: LogEvent): void {
+    if (e.type === 'take') {
+      this.collector.takeGroups(e.groups as number[]);
+      this.addStep(e.step as number, e.groups as number[]);
+      if (e.whole) this.completeWhole(this.steps[e.step as number]!);
+    }
+    else if (e.type === 'ack') {
+      const id = e.id as string;
+      const step = this.steps[Number(id.split('.')[0])];
+      if (step) this.markAcked(step, id);
+    }
+  }
+
+  private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
+    this.steps[n] = { n, groups, logged, acked: new Set(), done: false };
+  }
+
+  private markAcked(step: Step, id: string): void {
+    step.acked.add(id);
+    const slot = step.slots?.find((s) => s.id === id);
+    if (slot) slot.acked = true;
+    this.maybeComplete(step);
+  }
+
+  private maybeComplete(step: Step): void {
+    if (step.done || !step.slots || step.slots.some((s) => !s.acked)) return;
+    step.done = true;
+    this.version++;
+    for (const g of step.groups) this.pool.release(g);
+    step.slots = step.slots.map((s) => ({ ...s, out: { ...s.out, bytes: new Uint8Array(0) } }));
+  }
+
+  flush(): void {
+    this.flushing = true;
+    this.wake();
+  }
+
+  private wake(): void {
+    const w = this.waiters;
+    this.waiters = [];
+    for (const f of w) f();
+  }
+
+  /** The next micro-batch for `rank`, waiting up to `waitMs` for one; undefined when none came. */
+  async next(rank: number, waitMs: number): Promise<Handout | undefined> {
+    if (!Number.isInteger(rank) || rank < 0 || rank >= this.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${this.opts.dp - 1} (dp = ${this.opts.dp}), got ${JSON.stringify(rank)}`);
+    const deadline = Date.now() + waitMs;
+    for (;;) {
+      const h = await this.tryNext(rank);
+      if (h) return h;
+      const left = deadline - Date.now();
+      if (left <= 0) return undefined;
+      // Woken by a finished group; leases expire on their own clock, hence the bounded sleep.
+      await new Promise<void>((resolve) => {
+        const t = setTimeout(resolve, Math.min(left, 200));
+        this.waiters.push(() => {
+          clearTimeout(t);
+          resolve();
+        });
+      });
+    }
+  }
+
+  private async tryNext(rank: number): Promise<Handout | undefined> {
+    for (;;) {
+      while (this.firstOpen < this.steps.length && this.steps[this.firstOpen]!.done) this.firstOpen++;
+      for (let k = this.firstOpen; k < this.steps.length; k++) {
+        const step = this.steps[k]!;
+        if (step.done) continue;
+        await this.packStep(step);
+        const now = Date.now();
+        const slot = step.slots!.find((s) => s.rank === rank && !s.acked && s.leasedUntil <= now);
+        if (slot) return this.handOut(slot, now);
+      }
+      if (!this.formStep()) return undefined;
+    }
+  }
+
+  private handOut(slot: MicroBatchSlot, now: number): Handout {
+    this.metrics.microBatches.inc({ event: slot.leasedUntil === 0 ? 'handed_out' : 'reissued' });
+    slot.leasedUntil = now + this.opts.leaseMs;
+    const staleness = this.version - slot.minVersion;
+    this.metrics.staleness.observe(staleness);
+    const groups = this.steps[slot.step]!.groups.map((g) => this.pool.bySeq[g]!.id);
+    return {
+      id: slot.id,
+      bytes: slot.out.bytes,
+      entry: { ...slot.out.entry, id: slot.id, feed_step: slot.step, rank: slot.rank, groups, policy_version: slot.minVersion, trainer_version: this.version, staleness, lease_ms: this.opts.leaseMs },
+    };
+  }
+
+  /** Takes the next step's groups if the policy allows a full step now; true when a step was formed. */
+  private formStep(): boolean {
+    const groups = this.collector.ready(this.opts.groupsPerStep, this.pool.bySeq.length, this.flushing);
+    if (groups.length === 0) return false;
+    // Taken now, in memory, so no later completion can slip in front; handed out only once logged.
+    this.collector.takeGroups(groups);
+    const n = this.steps.length;
+    this.addStep(n, groups, this.append({ type: 'take', step: n, groups }));
+    return true;
+  }
+
+  private packStep(step: Step): Promise<void> {
+    step.packing ??= (async () => {
+      await step.logged;
+      const episodes: Episode[] = [];
+      let minVersion = Infinity;
+      for (const seq of step.groups) {
+        for (const id of this.pool.bySeq[seq]!.episodes) {
+          const ep = this.pool.episodes.get(id)!;
+          for (const c of ep.calls) minVersion = Math.min(minVersion, c.policyVersion);
+          episodes.push(ep);
+        }
+      }
+      if (minVersion === Infinity) minVersion = this.version;
+      let packed: PackedOut[];
+      try {
+        packed = await this.pack(episodes);
+      } catch (err) {
+        // The same records fail the same way after a replay: the step is dropped, with the reason kept.
+        this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g]!.id)).join(', ')}): ${(err as Error).message}`);
+        this.metrics.rejected.inc({ reason: 'pack_error' });
+        packed = [];
+      }
+      step.slots = packed.map((out, i) => {
+        const id = `${step.n}.${i}`;
+        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: 0, acked: step.acked.has(id), minVersion };
+      });
+      this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
+      this.maybeComplete(step);
+    })();
+    return step.packing;
+  }
+
+  async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
+    const m = /^(\d+)\.(\d+)$/.exec(id);
+    const step = m ? this.steps[Number(m[1])] : undefined;
+    const slot = step?.slots?.find((s) => s.id === id);
+    if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
+    if (slot.acked) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
+    if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);
+    await this.append({ type: 'ack', id });
+    this.markAcked(step, id);
+    this.metrics.microBatches.inc({ event: 'acked' });
+    return { step: step.n, stepDone: step.done, trainerVersion: this.version };
+  }
+
+  depth(): { ready: number; leased: number } {
+    let ready = 0, leased = 0;
+    const now = Date.now();
+    for (let k = this.firstOpen; k < this.steps.length; k++) {
+      const step = this.steps[k]!;
+      if (!step.slots || step.done) continue;
+      for (const s of step.slots) {
+        if (s.acked) continue;
+        if (s.leasedUntil > now) leased++;
+        else ready++;
+      }
+    }
+    return { ready, leased };
+  }
+}

@@ -1,0 +1,261 @@
+/**
+ * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine.
+ * Each call is proxied with token ids and logprobs requested, recorded under its episode (and agent), made
+ * durable, and only then answered (for a stream: the final `data: [DONE]` waits for the log), so every answer
+ * an agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
+ * `/groups/{group}/episodes/{id}/v1/...`), the `x-treepack-episode` header, or a scoped API key
+ * (`POST /v1/episodes`), so an agent framework needs nothing but a base URL (or an API key).
+ */
+import { performance } from 'node:perf_hooks';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { createParser, type EventSourceMessage } from 'eventsource-parser';
+import { describeValue } from '../errors.js';
+import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type EngineOutput } from './engine.js';
+import { Pool, PoolError, type RecordedCall, type Scope } from './pool.js';
+import { emptyRecordStats, episodeLines } from './records.js';
+import type { Service } from './service.js';
+
+type Obj = Record<string, unknown>;
+const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
+
+function header(req: FastifyRequest, name: string): string | undefined {
+  const v = req.headers[name];
+  return typeof v === 'string' && v !== '' ? v : undefined;
+}
+
+/** The bearer token of a request, if any. */
+export function bearer(req: FastifyRequest): string | undefined {
+  const m = /^Bearer\s+(.+)$/i.exec(req.headers.authorization ?? '');
+  return m?.[1];
+}
+
+function scopeOf(svc: Service, req: FastifyRequest): Scope {
+  const params = req.params as { episode?: string; group?: string };
+  const key = bearer(req);
+  const keyed = key !== undefined ? svc.pool.keys.get(key) : undefined;
+  const episode = params.episode ?? header(req, 'x-treepack-episode') ?? keyed?.episode;
+  if (episode === undefined) {
+    throw new PoolError(400, 'no episode for this call: use a base URL /episodes/{id}/v1, the x-treepack-episode header, or an API key from POST /v1/episodes');
+  }
+  const scope: Scope = { episode };
+  const agent = header(req, 'x-treepack-agent') ?? (keyed?.episode === episode ? keyed.agent : undefined);
+  if (agent !== undefined) scope.agent = agent;
+  const group = params.group ?? header(req, 'x-treepack-group') ?? (keyed?.episode === episode ? keyed.group : undefined);
+  if (group !== undefined) scope.group = group;
+  return scope;
+}
+
+function checkBody(kind: CallKind, body: unknown): Obj {
+  if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(body)}`);
+  if (kind === 'chat') {
+    if (!Array.isArray(body.messages) || body.messages.length === 0) throw new PoolError(400, `field "messages": expected a non-empty list of messages, got ${describeValue(body.messages)}`);
+    body.messages.forEach((m, i) => {
+      if (!isObj(m) || typeof m.role !== 'string') throw new PoolError(400, `field "messages[${i}]": expected a message with a role, got ${describeValue(m)}`);
+    });
+    if (body.tools !== undefined && body.tools !== null && !Array.isArray(body.tools)) throw new PoolError(400, `field "tools": expected a list of tool schemas, got ${describeValue(body.tools)}`);
+  } else if (typeof body.prompt !== 'string') {
+    throw new PoolError(400, `field "prompt": expected a string (one prompt per call is recorded), got ${describeValue(body.prompt)}`);
+  }
+  if (body.n !== undefined && body.n !== null && body.n !== 1) throw new PoolError(400, `field "n": the gateway records one completion per call; expected 1, got ${describeValue(body.n)}`);
+  return body;
+}
+
+function policyVersion(svc: Service, req: FastifyRequest): number {
+  const v = header(req, 'x-treepack-policy-version');
+  if (v === undefined) return svc.feed.version;
+  const n = Number(v);
+  if (!Number.isSafeInteger(n) || n < 0) throw new PoolError(400, `header "x-treepack-policy-version": expected an integer >= 0, got ${JSON.stringify(v)}`);
+  return n;
+}
+
+async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Response> {
+  const url = `${svc.opts.engineUrl}/${kind === 'chat' ? 'chat/completions' : 'completions'}`;
+  const headers: Record<string, string> = { 'content-type': 'application/json' };
+  if (svc.opts.engineApiKey) headers.authorization = `Bearer ${svc.opts.engineApiKey}`;
+  try {
+    return await fetch(url, { method: 'POST', headers, body: JSON.stringify(body), signal: AbortSignal.timeout(svc.opts.engineTimeoutMs) });
+  } catch (err) {
+    const e = err as Error;
+    if (e.name === 'TimeoutError') throw new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+    throw new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${(e.cause as Error | undefined)?.message ?? e.message}`);
+  }
+}
+
+function recordedCall(kind: CallKind, scope: Scope, body: Obj, output: EngineOutput, version: number): RecordedCall {
+  const call: RecordedCall = { id: Pool.newKey().slice(3), kind, time: Date.now(), policyVersion: version, request: {}, output };
+  if (scope.agent !== undefined) call.agent = scope.agent;
+  if (kind === 'chat') {
+    call.request.messages = body.messages as unknown[];
+    if (Array.isArray(body.tools) && body.tools.length) call.request.tools = body.tools;
+  } else call.request.prompt = body.prompt as string;
+  return call;
+}
+
+async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
+  const endpoint = kind === 'chat' ? 'chat' : 'completions';
+  const t0 = performance.now();
+  const scope = scopeOf(svc, req);
+  const body = checkBody(kind, req.body);
+  const version = policyVersion(svc, req);
+  svc.admit();
+  svc.pool.checkCall(scope.episode, scope.group);
+  const { body: up, wants } = upstreamRequest(kind, body);
+  const tEngine = performance.now();
+  const res = await callEngine(svc, kind, up);
+  if (!res.ok) {
+    // The engine's own refusal (bad parameters, overload) goes back as it is, and nothing is recorded.
+    svc.metrics.calls.inc({ endpoint, outcome: `engine_${res.status}` });
+    const text = await res.text();
+    return reply.code(res.status).header('content-type', res.headers.get('content-type') ?? 'application/json').send(text);
+  }
+  const commit = async (output: EngineOutput) => {
+    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(kind, scope, body, output, version) });
+    svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
+  };
+  if (body.stream !== true) {
+    let json: unknown;
+    const text = await res.text();
+    const tBack = performance.now();
+    svc.metrics.engine.observe({ endpoint }, (tBack - tEngine) / 1000);
+    try {
+      json = JSON.parse(text);
+    } catch {
+      throw new EngineError(`expected JSON, got ${describeValue(text)}`);
+    }
+    await commit(parseResponse(kind, json));
+    svc.metrics.latency.observe({ endpoint }, (performance.now() - tBack + (tEngine - t0)) / 1000);
+    return reply.send(clientView(json as Obj, wants));
+  }
+  return stream(svc, kind, res, reply, wants, commit, { t0, tEngine, endpoint });
+}
+
+async function stream(
+  svc: Service,
+  kind: CallKind,
+  res: Response,
+  reply: FastifyReply,
+  wants: ReturnType<typeof upstreamRequest>['wants'],
+  commit: (o: EngineOutput) => Promise<void>,
+  t: { t0: number; tEngine: number; endpoint: string },
+): Promise<void> {
+  const acc = new StreamAccumulator(kind);
+  let done = false;
+  let failure: Error | undefined;
+  const out: string[] = [];
+  const parser = createParser({
+    onEvent(ev: EventSourceMessage) {
+      if (failure) return;
+      if (ev.data === '[DONE]') {
+        done = true;
+        return;
+      }
+      try {
+        const chunk = JSON.parse(ev.data) as unknown;
+        acc.add(chunk);
+        out.push(`data: ${JSON.stringify(clientView(chunk as Obj, wants))}\n\n`);
+      } catch (err) {
+        failure = err instanceof EngineError ? err : new EngineError(`stream event is not JSON: ${describeValue(ev.data)}`);
+      }
+    },
+  });
+  reply.hijack();
+  const raw = reply.raw;
+  raw.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
+  const decoder = new TextDecoder();
+  try {
+    for await (const piece of res.body as unknown as AsyncIterable<Uint8Array>) {
+      parser.feed(decoder.decode(piece, { stream: true }));
+      if (out.length) raw.write(out.splice(0).join(''));
+      if (failure) break;
+    }
+  } catch (err) {
+    failure ??= new EngineError(`the engine's stream broke: ${(err as Error).message}`);
+  }
+  const tBack = performance.now();
+  if (!failure && !done) failure = new EngineError('the engine closed the stream without data: [DONE]');
+  if (!failure) {
+    try {
+      await commit(acc.result());
+    } catch (err) {
+      failure = err as Error;
+    }
+  }
+  if (failure) {
+    // Headers are gone: the error travels as an SSE event, and [DONE] is withheld so the client sees a failure.
+    svc.metrics.calls.inc({ endpoint: t.endpoint, outcome: 'engine_garbage' });
+    raw.end(`data: ${JSON.stringify({ error: { message: failure.message, type: 'engine_error' } })}\n\n`);
+    return;
+  }
+  svc.metrics.latency.observe({ endpoint: t.endpoint }, (performance.now() - tBack + (t.tEngine - t.t0)) / 1000);
+  raw.end('data: [DONE]\n\n');
+}
+
+function finishBody(body: unknown): { reward: number; metadata?: Obj; group_size?: number } {
+  if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object {"reward": number, "metadata"?: object}, got ${describeValue(body)}`);
+  if (typeof body.reward !== 'number' || !Number.isFinite(body.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(body.reward)}`);
+  const out: { reward: number; metadata?: Obj; group_size?: number } = { reward: body.reward };
+  if (body.metadata !== undefined && body.metadata !== null) {
+    if (!isObj(body.metadata)) throw new PoolError(400, `field "metadata": expected an object, got ${describeValue(body.metadata)}`);
+    out.metadata = body.metadata;
+  }
+  if (body.group_size !== undefined && body.group_size !== null) {
+    if (!Number.isSafeInteger(body.group_size) || (body.group_size as number) < 1) throw new PoolError(400, `field "group_size": expected an integer >= 1, got ${describeValue(body.group_size)}`);
+    out.group_size = body.group_size as number;
+  }
+  return out;
+}
+
+export function registerGateway(app: FastifyInstance, svc: Service): void {
+  for (const prefix of ['', '/episodes/:episode', '/groups/:group/episodes/:episode']) {
+    app.post(`${prefix}/v1/chat/completions`, (req, reply) => proxy(svc, 'chat', req, reply));
+    app.post(`${prefix}/v1/completions`, (req, reply) => proxy(svc, 'completion', req, reply));
+  }
+  app.get('/v1/models', async (_req, reply) => {
+    const res = await fetch(`${svc.opts.engineUrl}/models`, { signal: AbortSignal.timeout(svc.opts.engineTimeoutMs) }).catch((err: Error) => {
+      throw new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${err.message}`);
+    });
+    return reply.code(res.status).header('content-type', 'application/json').send(await res.text());
+  });
+
+  /** A scoped API key for one episode (and agent, group): the agent's only configuration. */
+  app.post('/v1/episodes', async (req) => {
+    const b = (req.body ?? {}) as unknown;
+    if (!isObj(b)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(b)}`);
+    for (const f of ['episode_id', 'agent', 'group'] as const) {
+      if (b[f] !== undefined && (typeof b[f] !== 'string' || b[f] === '')) throw new PoolError(400, `field "${f}": expected a non-empty string, got ${describeValue(b[f])}`);
+    }
+    const scope: Scope = { episode: (b.episode_id as string | undefined) ?? Pool.newKey().slice(3) };
+    if (b.agent !== undefined) scope.agent = b.agent as string;
+    if (b.group !== undefined) scope.group = b.group as string;
+    const key = Pool.newKey();
+    await svc.commit({ type: 'key', key, scope });
+    return { episode_id: scope.episode, agent: scope.agent ?? null, group: scope.group ?? null, api_key: key };
+  });
+
+  app.get('/v1/episodes/:id', async (req) => {
+    const { id } = req.params as { id: string };
+    const ep = svc.pool.episodes.get(id);
+    if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
+    return { episode_id: ep.id, group: ep.group, agents: [...ep.agents], finished: ep.finished, reward: ep.reward ?? null, metadata: ep.metadata ?? null, calls: ep.calls };
+  });
+
+  /** The episode as the JSONL records the trainer feed packs (what `treepack pack` would read for it). */
+  app.get('/v1/episodes/:id/records', async (req, reply) => {
+    const { id } = req.params as { id: string };
+    const ep = svc.pool.episodes.get(id);
+    if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
+    if (svc.pool.groups.get(ep.group)!.consumed) throw new PoolError(410, `episode ${JSON.stringify(id)} was consumed; its records are in the log only`);
+    const lines = episodeLines(ep, svc.encoder, emptyRecordStats());
+    return reply.header('content-type', 'application/x-ndjson').send(lines.map((l) => JSON.stringify(l) + '\n').join(''));
+  });
+
+  app.post('/v1/episodes/:id/finish', async (req) => {
+    const { id } = req.params as { id: string };
+    const b = finishBody(req.body);
+    await svc.commit({ type: 'finish', episode: id, ...b, time: Date.now() });
+    svc.metrics.episodes.inc();
+    const ep = svc.pool.episodes.get(id)!;
+    const g = svc.pool.groups.get(ep.group)!;
+    return { episode_id: id, group: g.id, group_finished: g.finished >= g.size, group_episodes: g.finished, group_size: g.size };
+  });
+}

@@ -1,0 +1,105 @@
+/**
+ * The HTTP shell around the service: authentication, errors as JSON naming the field, `/healthz`, `/metrics`,
+ * and the trainer's routes (`GET /v1/batches/next`, `POST /v1/batches/{id}/ack`, `GET /v1/feed`).
+ */
+import { timingSafeEqual } from 'node:crypto';
+import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { TreepackError } from '../errors.js';
+import { EngineError } from './engine.js';
+import { bearer } from './gateway.js';
+import { PoolError } from './pool.js';
+import type { Service } from './service.js';
+
+const OPEN_ROUTES = new Set(['/healthz']);
+const GATEWAY_ROUTE = /\/v1\/(chat\/)?completions$/;
+
+function sameSecret(a: string, b: string): boolean {
+  const x = Buffer.from(a);
+  const y = Buffer.from(b);
+  return x.length === y.length && timingSafeEqual(x, y);
+}
+
+/** Status and message of any error a route throws; the service keeps serving after each. */
+function errorReply(err: unknown): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
+  const make = (status: number, message: string, type: string, code: string | null = null) => ({ status, body: { error: { message, type, code } } });
+  if (err instanceof PoolError) return make(err.status, err.message, err.status === 429 ? 'rate_limit_error' : 'invalid_request_error');
+  if (err instanceof EngineError) return make(502, err.message, 'engine_error');
+  if (err instanceof TreepackError) return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
+  const fe = err as FastifyError;
+  if (typeof fe.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
+    // Fastify's own refusals (malformed JSON, body too large, rate limit) keep their status and code.
+    return make(fe.statusCode, fe.message, fe.statusCode === 429 ? 'rate_limit_error' : 'invalid_request_error', fe.code ?? null);
+  }
+  return make(500, (err as Error).message ?? String(err), 'server_error');
+}
+
+export function registerHttp(app: FastifyInstance, svc: Service): void {
+  app.setErrorHandler((err, _req: FastifyRequest, reply: FastifyReply) => {
+    const { status, body } = errorReply(err);
+    if (status === 429) reply.header('retry-after', '1');
+    if (status !== 429 && status >= 400 && status < 500) svc.metrics.rejected.inc({ reason: `http_${status}` });
+    return reply.code(status).send(body);
+  });
+
+  if (svc.opts.token) {
+    const token = svc.opts.token;
+    app.addHook('onRequest', async (req) => {
+      const path = req.url.split('?')[0]!;
+      if (OPEN_ROUTES.has(path)) return;
+      const got = bearer(req);
+      // A scoped episode key authenticates the agent's own calls, nothing else.
+      if (got !== undefined && (sameSecret(got, token) || (GATEWAY_ROUTE.test(path) && svc.pool.keys.has(got)))) return;
+      throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
+    });
+  }
+
+  app.get('/healthz', async (_req, reply) => {
+    const body = { ok: !svc.broken, broken: svc.broken ?? null, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
+    return reply.code(svc.broken ? 503 : 200).send(body);
+  });
+
+  app.get('/metrics', async (_req, reply) => {
+    const text = await svc.metrics.registry.metrics();
+    return reply.header('content-type', svc.metrics.registry.contentType).send(text);
+  });
+
+  app.get('/v1/batches/next', async (req, reply) => {
+    const q = req.query as { rank?: string; dp?: string; wait?: string };
+    const rank = q.rank === undefined ? 0 : Number(q.rank);
+    if (q.dp !== undefined && Number(q.dp) !== svc.opts.dp) throw new PoolError(400, `query parameter "dp": the service packs for dp = ${svc.opts.dp}, got ${JSON.stringify(q.dp)}`);
+    const wait = q.wait === undefined ? 0 : Number(q.wait);
+    if (!Number.isFinite(wait) || wait < 0 || wait > 300) throw new PoolError(400, `query parameter "wait": expected seconds in 0..300, got ${JSON.stringify(q.wait)}`);
+    const h = await svc.feed.next(rank, wait * 1000);
+    if (!h) return reply.code(204).header('retry-after', '1').send();
+    return reply
+      .header('content-type', 'application/octet-stream')
+      .header('x-treepack-id', h.id)
+      .header('x-treepack-entry', JSON.stringify(h.entry))
+      .send(Buffer.from(h.bytes.buffer, h.bytes.byteOffset, h.bytes.byteLength));
+  });
+
+  app.post('/v1/batches/:id/ack', async (req) => {
+    const { id } = req.params as { id: string };
+    const r = await svc.feed.ack(id);
+    return { id, step: r.step, step_done: r.stepDone, trainer_version: r.trainerVersion };
+  });
+
+  /** The producers are done: the groups left may form steps smaller than --groups-per-step. */
+  app.post('/v1/feed/flush', async () => {
+    svc.feed.flush();
+    return { flushing: true };
+  });
+
+  app.get('/v1/feed', async () => {
+    const d = svc.feed.depth();
+    return {
+      policy: svc.opts.policy,
+      head: svc.feed.collector.head,
+      trainer_version: svc.feed.version,
+      micro_batches_ready: d.ready,
+      micro_batches_leased: d.leased,
+      prompts: svc.recordStats,
+      pack_errors: svc.feed.errors,
+    };
+  });
+}

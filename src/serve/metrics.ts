@@ -1,0 +1,45 @@
+/** The service's Prometheus metrics, on a registry of its own so several services can live in one process. */
+import { Counter, Gauge, Histogram, Registry } from 'prom-client';
+
+export interface QueueDepth {
+  openEpisodes: number;
+  finishedGroups: number;
+  pendingBytes: number;
+  microBatchesReady: number;
+  microBatchesLeased: number;
+}
+
+export function createMetrics(depth: () => QueueDepth) {
+  const registry = new Registry();
+  const calls = new Counter({ name: 'treepack_calls_total', help: 'LLM calls proxied, by endpoint and outcome', labelNames: ['endpoint', 'outcome'], registers: [registry] });
+  const episodes = new Counter({ name: 'treepack_episodes_finished_total', help: 'episodes finished', registers: [registry] });
+  const microBatches = new Counter({ name: 'treepack_micro_batches_total', help: 'micro-batches by event (packed, handed_out, reissued, acked)', labelNames: ['event'], registers: [registry] });
+  const rejected = new Counter({ name: 'treepack_rejected_total', help: 'requests refused, by reason', labelNames: ['reason'], registers: [registry] });
+  const prompts = new Counter({ name: 'treepack_prompts_total', help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)', labelNames: ['tokens'], registers: [registry] });
+  const latency = new Histogram({
+    name: 'treepack_gateway_seconds',
+    help: 'time the gateway adds to a call: everything but waiting for the engine (log fsync included)',
+    labelNames: ['endpoint'],
+    buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1],
+    registers: [registry],
+  });
+  const engine = new Histogram({ name: 'treepack_engine_seconds', help: 'engine time per call', labelNames: ['endpoint'], buckets: [0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120], registers: [registry] });
+  const staleness = new Histogram({ name: 'treepack_staleness_steps', help: 'trainer steps between the policy that generated a micro-batch and the step that takes it', buckets: [0, 1, 2, 4, 8, 16, 64], registers: [registry] });
+  const gauge = (name: string, help: string, key: keyof QueueDepth) =>
+    new Gauge({
+      name,
+      help,
+      registers: [registry],
+      collect() {
+        this.set(depth()[key]);
+      },
+    });
+  gauge('treepack_open_episodes', 'episodes with calls and no finish', 'openEpisodes');
+  gauge('treepack_finished_groups_waiting', 'finished groups not yet consumed', 'finishedGroups');
+  gauge('treepack_pool_bytes', 'bytes of recorded calls held for groups not yet consumed', 'pendingBytes');
+  gauge('treepack_micro_batches_ready', 'packed micro-batches not handed out', 'microBatchesReady');
+  gauge('treepack_micro_batches_leased', 'micro-batches handed out and not acknowledged', 'microBatchesLeased');
+  return { registry, calls, episodes, microBatches, rejected, prompts, latency, engine, staleness };
+}
+
+export type Metrics = ReturnType<typeof createMetrics>;

@@ -1,0 +1,222 @@
+/**
+ * The rollout pool: episodes, their recorded calls and their groups, rebuilt from the durable log's events by
+ * the same `apply` that handles them live, so a replayed service is in exactly the state its clients were told.
+ *
+ * Groups are numbered in submission order (the first time any of their episodes is seen); a group is finished
+ * when `groupSize` of its episodes are. Which finished groups go to a consumer, and when, is the scheduler's job
+ * (Collector in src/pack/schedule.ts); the pool only says which groups are finished and holds their records.
+ */
+import { randomBytes } from 'node:crypto';
+import type { CallKind, EngineOutput } from './engine.js';
+import type { LogEvent } from './log.js';
+
+export interface CallRequest {
+  messages?: unknown[];
+  tools?: unknown[];
+  prompt?: string;
+}
+
+export interface RecordedCall {
+  id: string;
+  kind: CallKind;
+  agent?: string;
+  time: number;
+  policyVersion: number;
+  request: CallRequest;
+  output: EngineOutput;
+}
+
+export interface Episode {
+  id: string;
+  group: string;
+  agents: Set<string>;
+  calls: RecordedCall[];
+  finished: boolean;
+  reward?: number;
+  metadata?: Record<string, unknown>;
+  /** slime record written directly (buffer/write): the record as given */
+  direct?: Record<string, unknown>;
+  bytes: number;
+}
+
+export interface Group {
+  id: string;
+  seq: number; // submission order
+  size: number;
+  episodes: string[];
+  finished: number;
+  consumed: boolean;
+}
+
+export interface Scope {
+  episode: string;
+  agent?: string;
+  group?: string;
+}
+
+export interface PoolOptions {
+  /** Episodes per group (GRPO's n); a group is finished when this many of its episodes are. */
+  groupSize: number;
+}
+
+export type PoolEvent =
+  | { type: 'key'; key: string; scope: Scope }
+  | { type: 'call'; episode: string; group?: string; call: RecordedCall }
+  | { type: 'finish'; episode: string; reward: number; metadata?: Record<string, unknown>; group_size?: number; time: number }
+  | { type: 'record'; episode: string; group: string; record: Record<string, unknown>; reward: number; time: number }
+  | { type: 'group-size'; size: number };
+
+/** A request the pool refuses: HTTP status and a message naming the field. */
+export class PoolError extends Error {
+  constructor(
+    readonly status: number,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+export class Pool {
+  readonly episodes = new Map<string, Episode>();
+  readonly groups = new Map<string, Group>();
+  /** groups by submission number */
+  readonly bySeq: Group[] = [];
+  readonly keys = new Map<string, Scope>();
+  groupSize: number;
+  /** bytes of recorded data held for groups not yet consumed */
+  pendingBytes = 0;
+  counters = { calls: 0, episodesFinished: 0, groupsFinished: 0 };
+  private openEpisodes = 0;
+  private waitingGroups = 0;
+  /** called with a group's submission number when it becomes finished */
+  onGroupFinished: (seq: number) => void = () => {};
+
+  constructor(opts: PoolOptions) {
+    this.groupSize = opts.groupSize;
+  }
+
+  static newKey(): string {
+    return 'tp-' + randomBytes(18).toString('base64url');
+  }
+
+  /** Checks an event before it is logged; throws PoolError. Events that pass always apply. */
+  check(e: PoolEvent): void {
+    switch (e.type) {
+      case 'call':
+        return this.checkCall(e.episode, e.group);
+      case 'finish': {
+        const ep = this.episodes.get(e.episode);
+        if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(e.episode)}: no call was recorded under it`);
+        if (ep.finished) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} is already finished`);
+        return;
+      }
+      case 'record': {
+        if (this.episodes.has(e.episode)) throw new PoolError(409, `uid ${JSON.stringify(e.episode)} was already written`);
+        this.checkGroupOpen(e.group, undefined);
+        return;
+      }
+      default:
+        return;
+    }
+  }
+
+  /** Whether a call may be recorded under this episode (checked before the engine is called, and again after). */
+  checkCall(episode: string, group: string | undefined): void {
+    const ep = this.episodes.get(episode);
+    if (ep?.finished) throw new PoolError(409, `episode ${JSON.stringify(episode)} is finished; a new call needs a new episode id`);
+    if (ep && group !== undefined && group !== ep.group) throw new PoolError(409, `episode ${JSON.stringify(episode)} belongs to group ${JSON.stringify(ep.group)}, not ${JSON.stringify(group)}`);
+    this.checkGroupOpen(group ?? episode, ep);
+  }
+
+  private checkGroupOpen(group: string, ep: Episode | undefined): void {
+    const g = this.groups.get(group);
+    if (g && !ep && g.episodes.length >= g.size) throw new PoolError(409, `group ${JSON.stringify(group)} already has its ${g.size} episodes`);
+    if (g?.consumed) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
+  }
+
+  apply(ev: LogEvent): void {
+    const e = ev as unknown as PoolEvent;
+    switch (e.type) {
+      case 'key':
+        this.keys.set(e.key, e.scope);
+        return;
+      case 'group-size':
+        this.groupSize = e.size;
+        return;
+      case 'call': {
+        const ep = this.episode(e.episode, e.group ?? e.episode);
+        if (e.call.agent !== undefined) ep.agents.add(e.call.agent);
+        ep.calls.push(e.call);
+        const bytes = JSON.stringify(e.call).length;
+        ep.bytes += bytes;
+        this.pendingBytes += bytes;
+        this.counters.calls++;
+        return;
+      }
+      case 'record': {
+        const ep = this.episode(e.episode, e.group);
+        ep.direct = e.record;
+        ep.bytes = JSON.stringify(e.record).length;
+        this.pendingBytes += ep.bytes;
+        this.finishEpisode(ep, e.reward, undefined, undefined);
+        return;
+      }
+      case 'finish': {
+        const ep = this.episodes.get(e.episode)!;
+        this.finishEpisode(ep, e.reward, e.metadata, e.group_size);
+        return;
+      }
+    }
+  }
+
+  private episode(id: string, group: string): Episode {
+    let ep = this.episodes.get(id);
+    if (ep) return ep;
+    let g = this.groups.get(group);
+    if (!g) {
+      g = { id: group, seq: this.bySeq.length, size: this.groupSize, episodes: [], finished: 0, consumed: false };
+      this.groups.set(group, g);
+      this.bySeq.push(g);
+    }
+    g.episodes.push(id);
+    ep = { id, group, agents: new Set(), calls: [], finished: false, bytes: 0 };
+    this.episodes.set(id, ep);
+    this.openEpisodes++;
+    return ep;
+  }
+
+  private finishEpisode(ep: Episode, reward: number, metadata: Record<string, unknown> | undefined, groupSize: number | undefined): void {
+    ep.finished = true;
+    this.openEpisodes--;
+    ep.reward = reward;
+    if (metadata) ep.metadata = metadata;
+    this.counters.episodesFinished++;
+    const g = this.groups.get(ep.group)!;
+    if (groupSize !== undefined) g.size = groupSize;
+    g.finished++;
+    if (g.finished === g.size) {
+      this.counters.groupsFinished++;
+      this.waitingGroups++;
+      this.onGroupFinished(g.seq);
+    }
+  }
+
+  /** Frees a consumed group's records (the log keeps them). */
+  release(seq: number): void {
+    const g = this.bySeq[seq]!;
+    g.consumed = true;
+    this.waitingGroups--;
+    for (const id of g.episodes) {
+      const ep = this.episodes.get(id)!;
+      this.pendingBytes -= ep.bytes;
+      ep.calls = [];
+      ep.bytes = 0;
+      delete ep.direct;
+    }
+  }
+
+  /** Episodes started and not finished, and finished groups not consumed. */
+  depth(): { openEpisodes: number; finishedGroups: number } {
+    return { openEpisodes: this.openEpisodes, finishedGroups: this.waitingGroups };
+  }
+}

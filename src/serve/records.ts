@@ -1,0 +1,115 @@
+/**
+ * A finished episode as the JSONL records `treepack pack` reads (README, Input formats), so the service and the
+ * CLI pack the very same input: one chat-episode line with every call whose context the chat template renders
+ * to the engine's own prompt tokens (the response carries the engine's `token_ids` and `logprobs`), and one
+ * pre-tokenized sample line per call where it does not (drift: the engine's prompt and generated ids, trained
+ * on the generated part with their logprobs), so training always sees the tokens the engine saw. Calls without
+ * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids.
+ */
+import { parseRecords } from '../records/read.js';
+import type { ChatRecord } from '../records/types.js';
+import type { ChatEncoder } from '../tokenize/chat.js';
+import type { Episode, RecordedCall } from './pool.js';
+
+export interface RecordStats {
+  /** calls whose prompt the template reproduced token for token */
+  promptMatched: number;
+  /** calls trained from the engine's ids because the template rendered another prompt */
+  promptDrifted: number;
+  /** calls rendered by the template: the engine returned no ids */
+  rendered: number;
+  /** calls that cannot be trained: a completion without the engine's ids, or no generated tokens */
+  skipped: number;
+}
+
+export const emptyRecordStats = (): RecordStats => ({ promptMatched: 0, promptDrifted: 0, rendered: 0, skipped: 0 });
+
+type Line = Record<string, unknown>;
+
+function sameIds(a: ArrayLike<number>, b: ArrayLike<number>): boolean {
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
+/** The prompt the template renders for a chat record: every turn before the response, and its header. */
+function renderedPrompt(encoder: ChatEncoder, rec: ChatRecord): Int32Array {
+  const turns = encoder.encodeTurns(rec);
+  const last = turns.ids[turns.ids.length - 1]!;
+  let n = turns.trainableFrom;
+  for (let i = 0; i < turns.ids.length - 1; i++) n += turns.ids[i]!.length;
+  const out = new Int32Array(n);
+  let at = 0;
+  for (let i = 0; i < turns.ids.length - 1; i++) {
+    out.set(turns.ids[i]!, at);
+    at += turns.ids[i]!.length;
+  }
+  out.set(last.subarray(0, turns.trainableFrom), at);
+  return out;
+}
+
+function engineSample(ep: Episode, k: number, call: RecordedCall): Line {
+  const prompt = call.output.promptTokenIds!;
+  const gen = call.output.tokenIds!;
+  const line: Line = {
+    id: `${ep.id}/s${k}`, // apart from the episode line's `${episode}/${request index}`
+    episode: ep.id,
+    group: ep.group,
+    tokens: [...prompt, ...gen],
+    loss_mask: [...new Array<number>(prompt.length).fill(0), ...new Array<number>(gen.length).fill(1)],
+  };
+  const lp = call.output.logprobs;
+  if (lp && lp.length === gen.length) line.rollout_logprobs = [...new Array<number>(prompt.length).fill(0), ...lp];
+  if (call.agent !== undefined) line.agent = call.agent;
+  if (ep.reward !== undefined) line.reward = ep.reward;
+  return line;
+}
+
+/** The records of one finished episode, in call order; `encoder` checks engine prompts against the template. */
+export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordStats): Line[] {
+  if (ep.direct) return [directLine(ep)];
+  const requests: Line[] = [];
+  const samples: Line[] = [];
+  ep.calls.forEach((call, k) => {
+    const out = call.output;
+    const hasIds = out.promptTokenIds !== undefined && out.tokenIds !== undefined && out.tokenIds.length > 0;
+    if (call.kind === 'completion' || !out.message) {
+      if (hasIds) samples.push(engineSample(ep, k, call));
+      else stats.skipped++;
+      return;
+    }
+    const response: Line = { ...out.message };
+    if (out.tokenIds && out.tokenIds.length > 0) {
+      response.token_ids = out.tokenIds;
+      if (out.logprobs && out.logprobs.length === out.tokenIds.length) response.logprobs = out.logprobs;
+    }
+    const req: Line = { messages: call.request.messages ?? [], response };
+    if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
+    if (call.agent !== undefined) req.agent = call.agent;
+    if (hasIds) {
+      const [rec] = parseRecords({ ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group }, { file: 'episode ' + ep.id, line: k + 1 }) as ChatRecord[];
+      if (!sameIds(renderedPrompt(encoder, rec!), out.promptTokenIds!)) {
+        stats.promptDrifted++;
+        samples.push(engineSample(ep, k, call));
+        return;
+      }
+      stats.promptMatched++;
+    } else stats.rendered++;
+    requests.push(req);
+  });
+  const lines: Line[] = [];
+  if (requests.length) {
+    const meta: Line = { ...(ep.metadata ?? {}) };
+    if (ep.reward !== undefined) meta.reward = ep.reward;
+    lines.push({ episode_id: ep.id, task_id: ep.group, meta, requests });
+  }
+  return lines.concat(samples);
+}
+
+/** A slime record (uid, instance_id, messages, reward): the last assistant message is the response. */
+function directLine(ep: Episode): Line {
+  const r = ep.direct!;
+  const messages = (r.messages as Line[]).slice();
+  const response = messages.pop();
+  return { id: ep.id, episode: ep.id, group: ep.group, messages, response, reward: ep.reward };
+}

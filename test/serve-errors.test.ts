@@ -1,0 +1,165 @@
+/**
+ * Bad input and misbehaving engines: each gets a clear HTTP error naming the field, and the service keeps
+ * serving (a good call succeeds after every bad one). Also: authentication, body and rate limits,
+ * backpressure, /healthz and /metrics.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createServer, type Server } from 'node:net';
+import { resolveServiceOptions, Service } from '../src/serve/service.js';
+import { tempDir } from './helpers/serve.js';
+import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
+
+const json = (body: unknown, headers: Record<string, string> = {}) => ({ method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: typeof body === 'string' ? body : JSON.stringify(body) });
+const chat = (content = 'hi') => ({ model: 'm', messages: [{ role: 'user', content }] });
+type ErrorBody = { error: { message: string } };
+
+describe('service errors', { timeout: 30_000 }, () => {
+  let stub: StubEngine;
+  let svc: Service;
+  let base: string;
+
+  beforeAll(async () => {
+    stub = await startStubEngine();
+    svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-err-'), port: 0, engineTimeoutMs: 500, bodyLimit: 4096 });
+    base = await svc.listen();
+  });
+  afterAll(async () => {
+    await svc?.close();
+    await stub?.close();
+  });
+
+  async function good(): Promise<void> {
+    stub.mode = 'ok';
+    const r = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': `good-${Math.random()}` }));
+    expect(r.status).toBe(200);
+    expect((await fetch(`${base}/healthz`)).status).toBe(200);
+  }
+
+  const cases: [string, () => Promise<Response>, number, RegExp][] = [
+    ['malformed JSON', () => fetch(`${base}/v1/chat/completions`, json('{"messages": [', { 'x-treepack-episode': 'e1' })), 400, /JSON/i],
+    ['no messages', () => fetch(`${base}/v1/chat/completions`, json({ model: 'm' }, { 'x-treepack-episode': 'e1' })), 400, /"messages"/],
+    ['message without role', () => fetch(`${base}/v1/chat/completions`, json({ messages: [{ content: 'x' }] }, { 'x-treepack-episode': 'e1' })), 400, /"messages\[0\]"/],
+    ['n > 1', () => fetch(`${base}/v1/chat/completions`, json({ ...chat(), n: 3 }, { 'x-treepack-episode': 'e1' })), 400, /"n"/],
+    ['no episode', () => fetch(`${base}/v1/chat/completions`, json(chat())), 400, /no episode/],
+    ['completion without a prompt string', () => fetch(`${base}/v1/completions`, json({ prompt: ['a', 'b'] }, { 'x-treepack-episode': 'e1' })), 400, /"prompt"/],
+    ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /body/i],
+    ['unknown episode', () => fetch(`${base}/v1/episodes/nope/finish`, json({ reward: 1 })), 404, /unknown episode "nope"/],
+    ['finish without reward', () => fetch(`${base}/v1/episodes/nope/finish`, json({ metadata: {} })), 400, /"reward"/],
+    ['bad policy version', () => fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'e1', 'x-treepack-policy-version': '-1' })), 400, /x-treepack-policy-version/],
+    ['rank out of range', () => fetch(`${base}/v1/batches/next?rank=3`), 400, /"rank"/],
+    ['dp mismatch', () => fetch(`${base}/v1/batches/next?rank=0&dp=4`), 400, /"dp"/],
+    ['unknown micro-batch', () => fetch(`${base}/v1/batches/9.9/ack`, { method: 'POST' }), 404, /unknown micro-batch/],
+    ['slime record without assistant answer', () => fetch(`${base}/buffer/write`, json({ uid: 'u', instance_id: 'i', messages: [{ role: 'user', content: 'q' }, { role: 'user', content: 'q' }], reward: 1, extra_info: {} })), 400, /"messages\[1\].role"/],
+    ['start_rollout without group size', () => fetch(`${base}/start_rollout`, json({ task_type: 'math' })), 400, /num_repeat_per_sample/],
+  ];
+  for (const [name, send, status, message] of cases) {
+    it(`${name}: ${status}, and the service keeps serving`, async () => {
+      const r = await send();
+      expect(r.status).toBe(status);
+      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      await good();
+    });
+  }
+
+  it('finish twice, and a call after finish: 409', async () => {
+    stub.mode = 'ok';
+    expect((await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }))).status).toBe(200);
+    expect((await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }))).status).toBe(200);
+    const again = await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }));
+    expect(again.status).toBe(409);
+    expect(((await again.json()) as ErrorBody).error.message).toMatch(/already finished/);
+    const late = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }));
+    expect(late.status).toBe(409);
+    await good();
+  });
+
+  const engineCases: [StubEngine['mode'], number, RegExp][] = [
+    ['garbage', 502, /expected JSON/],
+    ['no-choices', 502, /"choices"/],
+    ['bad-logprobs', 502, /"choices\[0\]\.logprobs\.content\[0\]\.logprob"/],
+    ['hang', 504, /did not answer within 500 ms/],
+    ['error-500', 500, /engine overloaded/],
+  ];
+  for (const [mode, status, message] of engineCases) {
+    it(`engine ${mode}: ${status}, nothing recorded, and the service keeps serving`, async () => {
+      stub.mode = mode;
+      const ep = `engine-${mode}`;
+      const r = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': ep }));
+      expect(r.status).toBe(status);
+      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      expect((await fetch(`${base}/v1/episodes/${ep}`)).status).toBe(404);
+      await good();
+    });
+  }
+
+  it('engine garbage in a stream: an error event, no [DONE], nothing recorded', async () => {
+    stub.mode = 'garbage';
+    const r = await fetch(`${base}/v1/chat/completions`, json({ ...chat(), stream: true }, { 'x-treepack-episode': 'stream-garbage' }));
+    const text = await r.text();
+    expect(text).toMatch(/without data: \[DONE\]|not JSON/);
+    expect(text).not.toMatch(/\[DONE\]\n/);
+    expect((await fetch(`${base}/v1/episodes/stream-garbage`)).status).toBe(404);
+    await good();
+  });
+
+  it('engine down: 502 naming the engine', async () => {
+    const port = await new Promise<number>((res) => {
+      const s: Server = createServer();
+      s.listen(0, '127.0.0.1', () => {
+        const p = (s.address() as { port: number }).port;
+        s.close(() => res(p));
+      });
+    });
+    const down = await Service.create({ engineUrl: `http://127.0.0.1:${port}/v1`, dataDir: tempDir('tp-serve-down-'), port: 0 });
+    const url = await down.listen();
+    const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'x' }));
+    expect(r.status).toBe(502);
+    expect(((await r.json()) as ErrorBody).error.message).toMatch(/unreachable/);
+    expect((await fetch(`${url}/healthz`)).status).toBe(200);
+    await down.close();
+  });
+
+  it('a non-loopback bind needs a token; the token is then required', async () => {
+    expect(() => resolveServiceOptions({ engineUrl: stub.url, dataDir: '/tmp/x', host: '0.0.0.0' })).toThrow(/bearer token/);
+    stub.mode = 'ok';
+    const sec = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-auth-'), port: 0, host: '127.0.0.1', token: 's3cret' });
+    const url = await sec.listen();
+    expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'a' }))).status).toBe(401);
+    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: 'Bearer wrong' } })).status).toBe(401);
+    expect((await fetch(`${url}/healthz`)).status).toBe(200);
+    expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'a', authorization: 'Bearer s3cret' }))).status).toBe(200);
+    // A scoped key issued by an authenticated call opens its episode's calls, and nothing else.
+    const key = ((await (await fetch(`${url}/v1/episodes`, json({ episode_id: 'k' }, { authorization: 'Bearer s3cret' }))).json()) as { api_key: string }).api_key;
+    expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { authorization: `Bearer ${key}` }))).status).toBe(200);
+    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: `Bearer ${key}` } })).status).toBe(401);
+    await sec.close();
+  });
+
+  it('backpressure: 429 with Retry-After once the pool is full, and rate limits', async () => {
+    stub.mode = 'ok';
+    const full = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-full-'), port: 0, maxPoolBytes: 1 });
+    const url = await full.listen();
+    expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'p' }))).status).toBe(200);
+    const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'p' }));
+    expect(r.status).toBe(429);
+    expect(r.headers.get('retry-after')).toBe('1');
+    expect(((await r.json()) as ErrorBody).error.message).toMatch(/pool is full/);
+    // Finishing still works (it frees the pool once the trainer consumes the group).
+    expect((await fetch(`${url}/v1/episodes/p/finish`, json({ reward: 0 }))).status).toBe(200);
+    await full.close();
+
+    const limited = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-rate-'), port: 0, rateLimit: 3 });
+    const lurl = await limited.listen();
+    const codes = [];
+    for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/healthz`)).status);
+    expect(codes).toEqual([200, 200, 200, 429, 429]);
+    await limited.close();
+  });
+
+  it('/metrics: Prometheus text with calls, episodes, micro-batches, queue depth and latency', async () => {
+    const text = await (await fetch(`${base}/metrics`)).text();
+    for (const name of ['treepack_calls_total{endpoint="chat",outcome="recorded"}', 'treepack_episodes_finished_total', 'treepack_open_episodes', 'treepack_pool_bytes', 'treepack_gateway_seconds_bucket', 'treepack_rejected_total']) {
+      expect(text).toContain(name);
+    }
+  });
+});
