@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { afterAll, describe, expect, it } from 'vitest';
 import { EXIT_FAILURE, EXIT_OK, EXIT_USAGE, TreepackError } from '../src/errors.js';
+import { microBatchPaths } from '../src/io/manifest.js';
 import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { writeSafetensors } from '../src/io/safetensors.js';
 import { episodeAdvantages, sampleAdvantages } from '../src/loss/advantages.js';
@@ -148,7 +149,7 @@ describe('episode ids are unambiguous', () => {
     expect(r.stderr).toContain(`${input}:3`);
     const ok = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet', '--repeated-episode-ids']);
     expect(ok.code, ok.stderr).toBe(EXIT_OK);
-    const { batch } = readMicroBatch(join(dir, 'dup-out', 'microbatch-00000.safetensors'));
+    const { batch } = readMicroBatch(microBatchPaths(join(dir, 'dup-out'))[0]);
     const adv = [...new Set(batch.advantages!.filter((_, k) => batch.loss_mask[k]))].map((x) => x.toFixed(3)).sort();
     expect(adv).toEqual(['-1.155', '0.577']); // GRPO over rewards 1, 1, −1 (4 episodes would give 0.5 and −1.5)
   });
