@@ -1,9 +1,8 @@
 /** `treepack serve`: flags in, a running service out (src/serve); stops cleanly on SIGINT/SIGTERM. */
-import { TreepackError } from '../errors.js';
 import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
-import { startService } from '../serve/service.js';
-import { backendOption, parse, positiveInt } from './args.js';
+import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
+import { backendOption, optionValue, parse, positiveInt, usageError } from './args.js';
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
 
@@ -36,10 +35,10 @@ Packing (as treepack pack):
 
 function policyOption(policy: string | undefined, window: number | undefined): CollectorPolicy {
   if (policy === undefined || policy === 'windowed-fifo') return { kind: 'windowed-fifo', window: window ?? 4 };
-  if (window !== undefined) throw new TreepackError('E_ARG', `--window applies to --policy windowed-fifo, not ${policy}`);
+  if (window !== undefined) throw usageError(`--window applies to --policy windowed-fifo, not ${policy}`);
   if (policy === 'fifo') return { kind: 'windowed-fifo', window: 1 };
   if (policy === 'async') return { kind: 'async' };
-  throw new TreepackError('E_ARG', `Expected windowed-fifo, fifo or async for --policy but received ${JSON.stringify(policy)}`);
+  throw usageError(`Expected windowed-fifo, fifo or async for --policy but received ${JSON.stringify(policy)}`);
 }
 
 export async function serveCommand(argv: string[]): Promise<number> {
@@ -58,14 +57,14 @@ export async function serveCommand(argv: string[]): Promise<number> {
     return 0;
   }
   const str = (k: string) => values[k] as string | undefined;
-  if (!str('engine') || !str('data')) throw new TreepackError('E_ARG', `--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
+  if (!str('engine') || !str('data')) throw usageError(`--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
   const maxTokens = positiveInt('--max-tokens', str('max-tokens'));
   const dp = positiveInt('--dp', str('dp'), 1)!;
-  if (dp > 1 && maxTokens === undefined) throw new TreepackError('E_ARG', '--dp needs --max-tokens T (ranks come from the budgeted plan)');
+  if (dp > 1 && maxTokens === undefined) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
   const level = str('timeline-compare-level') ?? 'token';
-  if (level !== 'text' && level !== 'token') throw new TreepackError('E_ARG', `Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
+  if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
   const rate = str('rate-limit');
-  const { service, url } = await startService({
+  const options: ServiceOptions = {
     engineUrl: str('engine')!,
     dataDir: str('data')!,
     host: str('host'),
@@ -88,7 +87,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
       advantages: (str('advantages') ?? 'grpo') as AdvantageEstimator | 'none', // checked by the packer's options
       ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple: positiveInt('--pad-multiple', str('pad-multiple'), 1) } }),
     },
-  });
+  };
+  optionValue(() => resolveServiceOptions(options)); // a bad combination is a usage error, found before starting
+  const { service, url } = await startService(options);
   console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
