@@ -7,7 +7,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
+import { disposeBackends } from '../src/backend/index.js';
 import { resolveLossConfig } from '../src/loss/config.js';
 import { compactPlan } from '../src/loss/reference.js';
 import type { LossBatch } from '../src/loss/types.js';
@@ -125,6 +125,6 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
       console.log(`    compact mode speedup on ${b}: ${(per.seconds / r.seconds).toFixed(2)}× (M/N = ${(M / N).toFixed(2)})`);
     }
   }
-  await releaseWebGPU();
+  await disposeBackends();
   return rows;
 }

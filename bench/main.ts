@@ -11,8 +11,7 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
-import { ChatEncoder, concatSequences, listBackends, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
+import { ChatEncoder, concatSequences, disposeBackends, listBackends, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
 import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
@@ -101,7 +100,7 @@ console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}
 for (const b of await listBackends()) {
   console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`);
 }
-await releaseWebGPU();
+await disposeBackends();
 
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
@@ -159,7 +158,7 @@ const collectors = benchCollectors();
 const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
 const memory = await benchMemory(quick);
-await releaseWebGPU();
+await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 if (values.json) {

@@ -26,6 +26,7 @@ export { microBatchBytes, readMicroBatch, writeMicroBatch } from './io/microbatc
 export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';
+export { maskTensors, type MaskTensors } from './io/masks.js';
 export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
 export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
 export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
@@ -33,11 +34,23 @@ export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { Service, startService, type ServiceOptions } from './serve/service.js';
 export type { FeedOptions, Handout } from './serve/feed.js';
-export { listBackends, resolveKernel, BACKEND_NAMES, type BackendName, type BackendStatus } from './backend/index.js';
-export { VERSION } from './version.js';
 export {
+  listBackends,
+  resolveKernel,
+  disposeBackends,
+  configureBackends,
   computeLoss,
   computeLossCompact,
+  BACKEND_NAMES,
+  type BackendName,
+  type BackendStatus,
+  type BackendLimits,
+  type BackendOptions,
+  type LossOptions,
+  type LossRun,
+} from './backend/index.js';
+export { VERSION } from './version.js';
+export {
   buildCompactPlan,
   resolveLossConfig,
   episodeAdvantages,
@@ -45,8 +58,6 @@ export {
   DEFAULT_LOSS_CONFIG,
   ADVANTAGE_ESTIMATORS,
   type LossConfig,
-  type LossOptions,
-  type LossRun,
   type LossResult,
   type LossMetrics,
   type LossBatch,

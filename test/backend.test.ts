@@ -1,15 +1,14 @@
 /** The backend registry: what gets chosen, what is reported, and that explicit choices are honoured or refused. */
 import { afterAll, describe, expect, it } from 'vitest';
-import { listBackends, resolveKernel } from '../src/backend/index.js';
+import { disposeBackends, listBackends, resolveKernel } from '../src/backend/index.js';
 import { loadNative } from '../src/backend/native.js';
 import { registerBackend, registerKernel } from '../src/backend/registry.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
 import { packForest } from '../src/pack/forest.js';
 import { caught } from './helpers/errors.js';
 import { csr } from './helpers/sequences.js';
 
-afterAll(releaseWebGPU);
+afterAll(disposeBackends);
 
 describe('backend registry', () => {
   const nativeBuilt = !('error' in loadNative());
@@ -40,7 +39,7 @@ describe('backend registry', () => {
   });
 
   it('refuses duplicate registrations', () => {
-    expect((caught(() => registerBackend('js', 0, () => 'again')) as TreepackError).code).toBe('E_BACKEND');
+    expect((caught(() => registerBackend({ name: 'js', priority: 0, init: () => 'again' })) as TreepackError).code).toBe('E_BACKEND');
     expect(() => registerKernel('js', 'packForest', packForest)).toThrow(/already registered for backend 'js'/);
   });
 });

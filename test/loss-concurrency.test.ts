@@ -4,16 +4,14 @@
  * the same calls made one at a time. Busy hosts interleave calls in every order; a result that changed with the
  * interleaving would make training irreproducible.
  */
-import { afterAll, describe, expect, it } from 'vitest';
-import { listBackends, type BackendName } from '../src/backend/index.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
+import { expect, it } from 'vitest';
+import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { lossCompactWebGPU, lossWebGPU } from '../src/backend/webgpu/loss.js';
-import { buildCompactPlan, computeLoss, computeLossCompact, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
+import { buildCompactPlan, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
 import type { CompactPlan, LossBatch } from '../src/loss/types.js';
+import { describeBackends } from './helpers/backends.js';
 import { LOSS_CONFIGS, randomLossCase } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
-
-afterAll(releaseWebGPU);
 
 interface Call {
   what: string;
@@ -52,22 +50,18 @@ function calls(backend: BackendName): Call[] {
   return out;
 }
 
-const backends = (await listBackends()).filter((b) => b.available && (b.ops as readonly string[]).includes('loss'));
-
-describe('loss calls overlapping in time', () => {
-  for (const b of backends) {
-    it(`${b.name}: overlapping calls on different batches, configs and layouts give the bits of calls one at a time`, { timeout: 180_000 }, async () => {
-      const list = calls(b.name);
-      const serial: LossResult[] = [];
-      for (const c of list) serial.push(await c.run());
-      for (let round = 0; round < 3; round++) {
-        // Round 0 all at once in order, then reversed and interleaved orders.
-        const order = list.map((_, i) => i);
-        if (round === 1) order.reverse();
-        if (round === 2) order.sort((x, y) => (x % 3) - (y % 3) || x - y);
-        const got = await Promise.all(order.map((i) => list[i].run()));
-        order.forEach((i, k) => expectSameBits(got[k], serial[i], `round ${round} ${list[i].what}`));
-      }
-    });
-  }
+await describeBackends('loss', (backend) => {
+  it('overlapping calls on different batches, configs and layouts give the bits of calls one at a time', { timeout: 180_000 }, async () => {
+    const list = calls(backend);
+    const serial: LossResult[] = [];
+    for (const c of list) serial.push(await c.run());
+    for (let round = 0; round < 3; round++) {
+      // Round 0 all at once in order, then reversed and interleaved orders.
+      const order = list.map((_, i) => i);
+      if (round === 1) order.reverse();
+      if (round === 2) order.sort((x, y) => (x % 3) - (y % 3) || x - y);
+      const got = await Promise.all(order.map((i) => list[i].run()));
+      order.forEach((i, k) => expectSameBits(got[k], serial[i], `round ${round} ${list[i].what}`));
+    }
+  });
 });

@@ -5,20 +5,19 @@
  * the adapter's real binding limit. The chunk size is passed per call, never through the process environment, so a
  * test still running past its time budget cannot change another test's layout.
  */
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
-import { listBackends } from '../src/backend/index.js';
-import { releaseWebGPU, webgpuContext } from '../src/backend/webgpu/device.js';
+import { afterEach, describe, expect, it } from 'vitest';
+import { computeLoss } from '../src/backend/index.js';
 import { CHUNK_BYTES_ENV, lossCompactWebGPU, lossWebGPU } from '../src/backend/webgpu/loss.js';
 import { chunkIndex, OCC_BYTES, occStream, planOccChunks, seqChunks } from '../src/backend/webgpu/loss-layout.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, computeLoss, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
+import { buildCompactPlan, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
 import type { CompactPlan, LossBatch } from '../src/loss/types.js';
 import { validateCompactInputs, validateLossInputs } from '../src/loss/validate.js';
+import { describeBackends } from './helpers/backends.js';
 import { close, LOSS_CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { randomBatch, rng } from './helpers/sequences.js';
 
-afterAll(releaseWebGPU);
 afterEach(() => {
   delete process.env[CHUNK_BYTES_ENV];
 });
@@ -35,8 +34,6 @@ async function gpuCompact(plan: CompactPlan, lp: Float32Array, config: Partial<L
   return lossCompactWebGPU(plan, lp, resolveLossConfig(config), { chunkBytes });
 }
 
-const webgpu = (await listBackends()).find((b) => b.name === 'webgpu')!;
-if (!webgpu.available) console.log(`webgpu loss tests skipped: ${webgpu.detail}`);
 const TOL = 2e-5; // f32 end to end against a float64 oracle, as in loss.test.ts
 
 function expectEqualsJs(got: LossResult, want: LossResult, tol: number, what: string): void {
@@ -106,7 +103,7 @@ describe('chunk layout', () => {
   });
 });
 
-describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
+await describeBackends('loss', () => describe('webgpu loss in chunks', () => {
   /** Checks that this batch really gets a node and a sequence cut between chunks of this size. */
   function chunked(bytes: number, b: LossBatch, cfg: LossConfig): void {
     const s = occStream(b, cfg);
@@ -200,7 +197,7 @@ describe.skipIf(!webgpu.available)('webgpu loss in chunks', () => {
     const opt = await gpu(batch, lp, {}, 8).catch((e: unknown) => e);
     expect((opt as TreepackError).where.field).toBe('chunkBytes');
   });
-});
+}), { only: ['webgpu'] });
 
 /**
  * 9.4M occurrences (8.4M trainable) in 256 groups of 8 sequences sharing a 1200-token prompt: over the 128 MiB
@@ -240,11 +237,10 @@ function bigBatch(): { batch: LossBatch; lp: Float32Array } {
   return { batch: { input_ids: new Int32Array(N), seq_offsets, seq_positions, loss_mask, advantages, old_logprobs, ref_logprobs }, lp };
 }
 
-describe.skipIf(!webgpu.available)('webgpu loss over the real binding limit', () => {
+await describeBackends('loss', (_, status) => describe('webgpu loss over the real binding limit', () => {
   it('8.4M trainable occurrences: equals js', { timeout: 300_000 }, async () => {
     const { batch, lp } = bigBatch();
-    const ctx = await webgpuContext();
-    const limit = ctx.ok ? Math.min(ctx.ctx.device.limits.maxStorageBufferBindingSize, ctx.ctx.device.limits.maxBufferSize) : 0;
+    const limit = status.limits!.maxArrayBytes;
     const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
     const { nodeOff } = occStream(batch, cfg);
     const T = nodeOff[nodeOff.length - 1];
@@ -260,4 +256,4 @@ describe.skipIf(!webgpu.available)('webgpu loss over the real binding limit', ()
     for (let p = 0; p < want.grad.length; p++) worst = Math.max(worst, Math.abs(got.grad[p] - want.grad[p]) / Math.max(1, Math.abs(want.grad[p])));
     expect(worst).toBeLessThanOrEqual(TOL);
   });
-});
+}), { only: ['webgpu'] });

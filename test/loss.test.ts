@@ -4,97 +4,61 @@
  * equal to js, packing invariance, the compact per-node mode, and bad input.
  */
 import { existsSync, readFileSync } from 'node:fs';
-import { afterAll, describe, expect, it } from 'vitest';
-import { listBackends } from '../src/backend/index.js';
+import { describe, expect, it } from 'vitest';
+import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { cudaDeviceInfo } from '../src/backend/native.js';
-import type { BackendName } from '../src/backend/registry.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, computeLoss, computeLossCompact, episodeAdvantages, resolveLossConfig, type LossConfig, type LossMetrics } from '../src/loss/index.js';
+import { buildCompactPlan, episodeAdvantages, resolveLossConfig, type LossConfig, type LossMetrics } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
+import { describeBackends } from './helpers/backends.js';
 import { caught } from './helpers/errors.js';
 import { close, LOSS_CONFIGS as CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { csr, randomBatch, rng } from './helpers/sequences.js';
-
-afterAll(releaseWebGPU);
 
 const fixturePath = new URL('../../shared/fixtures/loss_reference.json', import.meta.url);
 const fixtureMissing = existsSync(fixturePath) ? '' : `${fixturePath.pathname} not found`;
 if (fixtureMissing) console.log(`loss fixture tests skipped: ${fixtureMissing}`);
 
-const statuses = await listBackends();
-const available = statuses.filter((b) => b.available && b.ops.includes('loss')).map((b) => b.name);
-for (const b of statuses.filter((s) => !s.available)) console.log(`loss tests on backend '${b.name}' skipped: ${b.detail}`);
 if (!cudaDeviceInfo().available) console.log('CUDA loss kernel: compiled only here, runtime tests await a GPU host');
 // float32 end to end (WGSL has no f64) against a float64 oracle.
 const tolerance = (b: BackendName) => (b === 'webgpu' ? 2e-5 : 1e-6);
 
-describe.skipIf(fixtureMissing !== '')('shared fixture loss_reference.json', () => {
-  const fx = fixtureMissing ? undefined : JSON.parse(readFileSync(fixturePath, 'utf8'));
-  /** The fixture's sequences packed with a shared root token (t = 0, never trainable), one node per other token. */
-  function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
-    const seqs: number[][] = [];
-    let tok = 1;
-    for (const s of fx.sequences) seqs.push([0, ...s.logprobs.map(() => tok++)]);
-    const c = csr(seqs);
-    const forest = packForest(c);
-    const M = c.tokens.length;
-    const f = { loss_mask: new Uint8Array(M), advantages: new Float32Array(M), old_logprobs: new Float32Array(M), ref_logprobs: new Float32Array(M), rollout_logprobs: new Float32Array(M) };
-    const lp = new Float32Array(forest.input_ids.length);
-    fx.sequences.forEach((s: Record<string, number[] | number>, i: number) => {
-      (s.logprobs as number[]).forEach((_, k) => {
-        const j = c.offsets[i] + k + 1;
-        f.loss_mask[j] = 1;
-        f.advantages[j] = s.advantage as number;
-        f.old_logprobs[j] = (s.old_logprobs as number[])[k];
-        f.ref_logprobs[j] = (s.ref_logprobs as number[])[k];
-        f.rollout_logprobs[j] = (s.rollout_logprobs as number[])[k];
-        lp[forest.seq_positions[j]] = (s.logprobs as number[])[k];
-      });
-    });
-    const meta = { format: FORMAT, num_sequences: seqs.length, num_tokens_naive: M, num_tokens_packed: forest.input_ids.length, tokenizer: 't', sequence_ids: ['a', 'b'] } as const;
-    return { batch: { ...forest, ...f, meta: { ...meta, sequence_ids: [...meta.sequence_ids] } }, lp };
-  }
-  const base = () => ({ clip_low: fx.params.clip_low, clip_high: fx.params.clip_high, log_ratio_clamp: fx.params.log_ratio_clamp });
-  const vanilla = () => ({ ...base(), dual_clip: fx.params.dual_clip_c });
+const fx = fixtureMissing ? undefined : JSON.parse(readFileSync(fixturePath, 'utf8'));
 
+/** The fixture's sequences packed with a shared root token (t = 0, never trainable), one node per other token. */
+function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
+  const seqs: number[][] = [];
+  let tok = 1;
+  for (const s of fx.sequences) seqs.push([0, ...s.logprobs.map(() => tok++)]);
+  const c = csr(seqs);
+  const forest = packForest(c);
+  const M = c.tokens.length;
+  const f = { loss_mask: new Uint8Array(M), advantages: new Float32Array(M), old_logprobs: new Float32Array(M), ref_logprobs: new Float32Array(M), rollout_logprobs: new Float32Array(M) };
+  const lp = new Float32Array(forest.input_ids.length);
+  fx.sequences.forEach((s: Record<string, number[] | number>, i: number) => {
+    (s.logprobs as number[]).forEach((_, k) => {
+      const j = c.offsets[i] + k + 1;
+      f.loss_mask[j] = 1;
+      f.advantages[j] = s.advantage as number;
+      f.old_logprobs[j] = (s.old_logprobs as number[])[k];
+      f.ref_logprobs[j] = (s.ref_logprobs as number[])[k];
+      f.rollout_logprobs[j] = (s.rollout_logprobs as number[])[k];
+      lp[forest.seq_positions[j]] = (s.logprobs as number[])[k];
+    });
+  });
+  const meta = { format: FORMAT, num_sequences: seqs.length, num_tokens_naive: M, num_tokens_packed: forest.input_ids.length, tokenizer: 't', sequence_ids: ['a', 'b'] } as const;
+  return { batch: { ...forest, ...f, meta: { ...meta, sequence_ids: [...meta.sequence_ids] } }, lp };
+}
+const base = () => ({ clip_low: fx.params.clip_low, clip_high: fx.params.clip_high, log_ratio_clamp: fx.params.log_ratio_clamp });
+const vanilla = () => ({ ...base(), dual_clip: fx.params.dual_clip_c });
+
+describe.skipIf(fixtureMissing !== '')('shared fixture loss_reference.json', () => {
   it('GRPO advantages (unbiased std, ε)', () => {
     const a = episodeAdvantages(fx.group_rewards, fx.group_rewards.map(() => 'g'), { estimator: 'grpo', epsilon: fx.grpo.eps });
     a.forEach((x, i) => close(x, fx.grpo.advantages[i], 1e-6, `advantage ${i}`));
   });
-
-  for (const backend of ['js', 'cpu', 'webgpu', 'cuda'] as BackendName[]) {
-    const skip = !available.includes(backend);
-    it.skipIf(skip)(`every expected number on ${backend}${skip ? ' (skipped: unavailable here)' : ''}`, async () => {
-      const { batch, lp } = fixtureBatch();
-      const tol = 1e-6;
-      const e = fx.expected;
-      for (const [agg, want] of Object.entries(e.loss) as [LossConfig['aggregation'], number][]) {
-        const r = await computeLoss(batch, lp, { ...vanilla(), aggregation: agg, norm_constant: 3 }, { backend });
-        close(r.loss, want, tol, `${agg} loss`);
-      }
-      const r = await computeLoss(batch, lp, vanilla(), { backend });
-      close(r.metrics.clipfrac_high + r.metrics.clipfrac_low, e.pg_clipfrac, tol, 'pg_clipfrac');
-      close(r.metrics.clipfrac_dual, e.pg_clipfrac_lower, tol, 'pg_clipfrac_lower');
-      close(r.metrics.approx_kl, e.ppo_kl_token_mean, tol, 'ppo_kl');
-      close(r.metrics.ratio_min, Math.min(...e.ratio), tol, 'ratio min');
-      close(r.metrics.ratio_max, Math.max(...e.ratio), tol, 'ratio max');
-      close(r.metrics.ratio_mean, e.ratio.reduce((a: number, b: number) => a + b, 0) / e.ratio.length, tol, 'ratio mean');
-      expect(r.metrics.trainable_tokens).toBe(5);
-      const k3 = await computeLoss(batch, lp, { ...vanilla(), kl: 'k3', kl_coef: 0.5 }, { backend });
-      close(k3.metrics.kl_loss, e.k3_token_mean, tol, 'k3 token-mean');
-      close(k3.loss, e.loss['token-mean'] + 0.5 * e.k3_token_mean, tol, 'pg + 0.5·k3');
-      const gspo = await computeLoss(batch, lp, { ...base(), policy: 'gspo', aggregation: 'seq-mean-token-mean' }, { backend });
-      close(gspo.loss, e.gspo_loss, tol, 'gspo');
-      close(gspo.metrics.ratio_max, Math.max(...e.gspo_seq_ratio), tol, 'gspo seq ratio');
-      const cispo = await computeLoss(batch, lp, { ...base(), policy: 'cispo' }, { backend });
-      close(cispo.loss, e.cispo_token_mean, tol, 'cispo');
-      const tis = await computeLoss(batch, lp, { ...vanilla(), tis: 'token', tis_cap: fx.params.tis_cap }, { backend });
-      close(tis.loss, e.tis_vanilla_token_mean, tol, 'tis');
-    });
-  }
 });
 
 
@@ -112,25 +76,6 @@ function expectMatchesReference(got: { loss: number; metrics: LossMetrics }, wan
 }
 
 describe('random packed batches', () => {
-  const cases = Array.from({ length: 12 }, (_, seed) => seed);
-  for (const backend of ['js', 'cpu', 'webgpu', 'cuda'] as BackendName[]) {
-    const skip = !available.includes(backend);
-    it.skipIf(skip)(`${backend}: equals the float64 unpacked reference${skip ? ' (skipped: unavailable here)' : ''}`, async () => {
-      for (const seed of cases) {
-        const { batch, lp, unpacked } = randomLossCase(randomBatch(seed + 1), seed);
-        for (const [k, config] of CONFIGS.entries()) {
-          const cfg = resolveLossConfig(config);
-          const got = await computeLoss(batch, lp, cfg, { backend });
-          expectMatchesReference(got, unpackedLoss(unpacked, cfg), tolerance(backend), `seed ${seed} config ${k}`);
-          if (backend !== 'js') {
-            const js = lossReference(batch, lp, cfg);
-            for (let p = 0; p < lp.length; p++) close(got.grad[p], js.grad[p], tolerance(backend), `seed ${seed} config ${k} grad[${p}]`);
-          }
-        }
-      }
-    });
-  }
-
   it('js gradient equals central finite differences of the loss (float64)', () => {
     for (const seed of [3, 5, 8]) {
       const { batch, lp } = randomLossCase(randomBatch(seed + 1, { maxLen: 10 }), seed, { maskRate: 0.2 });
@@ -159,6 +104,63 @@ describe('random packed batches', () => {
       }
     }
   });
+});
+
+describe('compact per-node mode', () => {
+  it('refuses batches whose occurrences disagree on old_logprobs, and gspo', () => {
+    const { batch } = randomLossCase([[1, 2, 3], [1, 2, 4]], 1, { maskRate: 0 });
+    batch.old_logprobs![1] = -0.5;
+    batch.old_logprobs![4] = -0.25;
+    const err = caught(() => buildCompactPlan(batch)) as TreepackError;
+    expect(err.where.field).toBe('old_logprobs');
+    expect((caught(() => buildCompactPlan(batch, { policy: 'gspo' })) as TreepackError).where.field).toBe('policy');
+  });
+});
+
+await describeBackends('loss', (backend) => {
+  it.skipIf(fixtureMissing !== '')('every expected number of the shared fixture loss_reference.json', async () => {
+    const { batch, lp } = fixtureBatch();
+    const tol = 1e-6;
+    const e = fx.expected;
+    for (const [agg, want] of Object.entries(e.loss) as [LossConfig['aggregation'], number][]) {
+      const r = await computeLoss(batch, lp, { ...vanilla(), aggregation: agg, norm_constant: 3 }, { backend });
+      close(r.loss, want, tol, `${agg} loss`);
+    }
+    const r = await computeLoss(batch, lp, vanilla(), { backend });
+    close(r.metrics.clipfrac_high + r.metrics.clipfrac_low, e.pg_clipfrac, tol, 'pg_clipfrac');
+    close(r.metrics.clipfrac_dual, e.pg_clipfrac_lower, tol, 'pg_clipfrac_lower');
+    close(r.metrics.approx_kl, e.ppo_kl_token_mean, tol, 'ppo_kl');
+    close(r.metrics.ratio_min, Math.min(...e.ratio), tol, 'ratio min');
+    close(r.metrics.ratio_max, Math.max(...e.ratio), tol, 'ratio max');
+    close(r.metrics.ratio_mean, e.ratio.reduce((a: number, b: number) => a + b, 0) / e.ratio.length, tol, 'ratio mean');
+    expect(r.metrics.trainable_tokens).toBe(5);
+    const k3 = await computeLoss(batch, lp, { ...vanilla(), kl: 'k3', kl_coef: 0.5 }, { backend });
+    close(k3.metrics.kl_loss, e.k3_token_mean, tol, 'k3 token-mean');
+    close(k3.loss, e.loss['token-mean'] + 0.5 * e.k3_token_mean, tol, 'pg + 0.5·k3');
+    const gspo = await computeLoss(batch, lp, { ...base(), policy: 'gspo', aggregation: 'seq-mean-token-mean' }, { backend });
+    close(gspo.loss, e.gspo_loss, tol, 'gspo');
+    close(gspo.metrics.ratio_max, Math.max(...e.gspo_seq_ratio), tol, 'gspo seq ratio');
+    const cispo = await computeLoss(batch, lp, { ...base(), policy: 'cispo' }, { backend });
+    close(cispo.loss, e.cispo_token_mean, tol, 'cispo');
+    const tis = await computeLoss(batch, lp, { ...vanilla(), tis: 'token', tis_cap: fx.params.tis_cap }, { backend });
+    close(tis.loss, e.tis_vanilla_token_mean, tol, 'tis');
+  });
+
+  const cases = Array.from({ length: 12 }, (_, seed) => seed);
+  it('equals the float64 unpacked reference on random packed batches', async () => {
+    for (const seed of cases) {
+      const { batch, lp, unpacked } = randomLossCase(randomBatch(seed + 1), seed);
+      for (const [k, config] of CONFIGS.entries()) {
+        const cfg = resolveLossConfig(config);
+        const got = await computeLoss(batch, lp, cfg, { backend });
+        expectMatchesReference(got, unpackedLoss(unpacked, cfg), tolerance(backend), `seed ${seed} config ${k}`);
+        if (backend !== 'js') {
+          const js = lossReference(batch, lp, cfg);
+          for (let p = 0; p < lp.length; p++) close(got.grad[p], js.grad[p], tolerance(backend), `seed ${seed} config ${k} grad[${p}]`);
+        }
+      }
+    }
+  });
 
   it('packing invariance: same loss and per-occurrence gradients with and without shared prefixes', async () => {
     for (const seed of [1, 2, 9]) {
@@ -166,16 +168,14 @@ describe('random packed batches', () => {
       const shared = randomLossCase(seqs, seed, { layout: 'trie' });
       const flat = randomLossCase(seqs, seed, { layout: 'chains' });
       expect(shared.batch.input_ids.length).toBeLessThan(flat.batch.input_ids.length);
-      for (const backend of available) {
-        for (const config of CONFIGS) {
-          const a = await computeLoss(shared.batch, shared.lp, config, { backend });
-          const b = await computeLoss(flat.batch, flat.lp, config, { backend });
-          close(a.loss, b.loss, tolerance(backend), `${backend} loss`);
-          // In the chain layout node = occurrence: summing its gradient over each shared node gives the packed one.
-          const summed = new Float64Array(a.grad.length);
-          flat.batch.seq_positions.forEach((_, j) => (summed[shared.batch.seq_positions[j]] += b.grad[j]));
-          summed.forEach((g, p) => close(a.grad[p], g, tolerance(backend), `${backend} grad[${p}]`));
-        }
+      for (const config of CONFIGS) {
+        const a = await computeLoss(shared.batch, shared.lp, config, { backend });
+        const b = await computeLoss(flat.batch, flat.lp, config, { backend });
+        close(a.loss, b.loss, tolerance(backend), `${backend} loss`);
+        // In the chain layout node = occurrence: summing its gradient over each shared node gives the packed one.
+        const summed = new Float64Array(a.grad.length);
+        flat.batch.seq_positions.forEach((_, j) => (summed[shared.batch.seq_positions[j]] += b.grad[j]));
+        summed.forEach((g, p) => close(a.grad[p], g, tolerance(backend), `${backend} grad[${p}]`));
       }
     }
   });
@@ -195,12 +195,10 @@ describe('random packed batches', () => {
     ];
     for (const [name, seqs] of shapes) {
       const { batch, lp, unpacked } = randomLossCase(seqs, 11);
-      for (const backend of available) {
-        for (const config of [CONFIGS[1], CONFIGS[4], CONFIGS[5]]) {
-          const cfg = resolveLossConfig(config);
-          const got = await computeLoss(batch, lp, cfg, { backend });
-          expectMatchesReference(got, unpackedLoss(unpacked, cfg), name === 'long' && backend === 'webgpu' ? 1e-4 : tolerance(backend), `${name} on ${backend}`);
-        }
+      for (const config of [CONFIGS[1], CONFIGS[4], CONFIGS[5]]) {
+        const cfg = resolveLossConfig(config);
+        const got = await computeLoss(batch, lp, cfg, { backend });
+        expectMatchesReference(got, unpackedLoss(unpacked, cfg), name === 'long' && backend === 'webgpu' ? 1e-4 : tolerance(backend), `${name} on ${backend}`);
       }
     }
   });
@@ -211,13 +209,11 @@ describe('random packed batches', () => {
     lp.fill(NaN);
     batch.advantages!.fill(Infinity);
     batch.old_logprobs!.fill(NaN);
-    for (const backend of available) {
-      for (const config of CONFIGS) {
-        const res = await computeLoss(batch, lp, config, { backend });
-        expect(res.loss, backend).toBe(0);
-        expect(res.grad.every((g) => g === 0), backend).toBe(true);
-        expect(Object.values(res.metrics).every((v) => v === 0), backend).toBe(true);
-      }
+    for (const config of CONFIGS) {
+      const res = await computeLoss(batch, lp, config, { backend });
+      expect(res.loss, backend).toBe(0);
+      expect(res.grad.every((g) => g === 0), backend).toBe(true);
+      expect(Object.values(res.metrics).every((v) => v === 0), backend).toBe(true);
     }
     const part = randomLossCase(randomBatch(7), 7);
     const clean = await computeLoss(part.batch, part.lp, CONFIGS[2], { backend: 'js' });
@@ -230,38 +226,26 @@ describe('random packed batches', () => {
   });
 });
 
-describe('compact per-node mode', () => {
-  for (const backend of ['js', 'cpu', 'webgpu', 'cuda'] as BackendName[]) {
-    const skip = !available.includes(backend);
-    it.skipIf(skip)(`${backend}: equals the per-occurrence mode when occurrences share old and ref${skip ? ' (skipped: unavailable here)' : ''}`, async () => {
-      for (const seed of [1, 2, 3, 4, 5]) {
-        const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
-        for (const config of CONFIGS.filter((c) => c.policy !== 'gspo')) {
-          const plan = buildCompactPlan(batch, config);
-          const a = await computeLossCompact(plan, lp, config, { backend });
-          const b = lossReference(batch, lp, resolveLossConfig(config));
-          const tol = tolerance(backend);
-          close(a.loss, b.loss, tol, 'loss');
-          for (const key of Object.keys(b.metrics) as (keyof typeof b.metrics)[]) close(a.metrics[key], b.metrics[key], tol, key);
-          a.grad.forEach((g, p) => close(g, b.grad[p], tol, `grad[${p}]`));
-          if (backend !== 'js') {
-            // and equal to the same backend's per-occurrence mode
-            const c = await computeLoss(batch, lp, config, { backend });
-            close(a.loss, c.loss, tol, 'loss vs per-occurrence');
-            a.grad.forEach((g, p) => close(g, c.grad[p], tol, `grad[${p}] vs per-occurrence`));
-          }
+await describeBackends('lossCompact', (backend) => {
+  it('equals the per-occurrence mode when occurrences share old and ref', async () => {
+    for (const seed of [1, 2, 3, 4, 5]) {
+      const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
+      for (const config of CONFIGS.filter((c) => c.policy !== 'gspo')) {
+        const plan = buildCompactPlan(batch, config);
+        const a = await computeLossCompact(plan, lp, config, { backend });
+        const b = lossReference(batch, lp, resolveLossConfig(config));
+        const tol = tolerance(backend);
+        close(a.loss, b.loss, tol, 'loss');
+        for (const key of Object.keys(b.metrics) as (keyof typeof b.metrics)[]) close(a.metrics[key], b.metrics[key], tol, key);
+        a.grad.forEach((g, p) => close(g, b.grad[p], tol, `grad[${p}]`));
+        if (backend !== 'js') {
+          // and equal to the same backend's per-occurrence mode
+          const c = await computeLoss(batch, lp, config, { backend });
+          close(a.loss, c.loss, tol, 'loss vs per-occurrence');
+          a.grad.forEach((g, p) => close(g, c.grad[p], tol, `grad[${p}] vs per-occurrence`));
         }
       }
-    });
-  }
-
-  it('refuses batches whose occurrences disagree on old_logprobs, and gspo', () => {
-    const { batch } = randomLossCase([[1, 2, 3], [1, 2, 4]], 1, { maskRate: 0 });
-    batch.old_logprobs![1] = -0.5;
-    batch.old_logprobs![4] = -0.25;
-    const err = caught(() => buildCompactPlan(batch)) as TreepackError;
-    expect(err.where.field).toBe('old_logprobs');
-    expect((caught(() => buildCompactPlan(batch, { policy: 'gspo' })) as TreepackError).where.field).toBe('policy');
+    }
   });
 });
 

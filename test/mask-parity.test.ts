@@ -3,14 +3,12 @@
  * and edge cases, packed agent-shaped batches, and random forests up to N = 256k. Sizes per backend: the block
  * mask up to 256k everywhere; the dense forms (quadratic) up to 4096 tokens on cpu and cuda and 2048 on webgpu
  * (the Mesa GL software adapter here, llvmpipe on 2 cores), so the suite stays at a few minutes.
- * Unavailable backends are reported with their reason; WebGPU must not be skipped where TREEPACK_REQUIRE_WEBGPU=1
- * (CI).
+ * Unavailable backends are reported with their reason (test/helpers/backends.ts), and fail where the environment
+ * requires them (TREEPACK_REQUIRE_*).
  */
-import { afterAll, describe, expect, it } from 'vitest';
-import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
-import type { OpName } from '../src/backend/registry.js';
+import { describe, expect, it } from 'vitest';
+import { listBackends, resolveKernel, type BackendName, type OpName } from '../src/backend/index.js';
 import { cudaDeviceInfo, loadCuda, loadNative } from '../src/backend/native.js';
-import { releaseWebGPU } from '../src/backend/webgpu/device.js';
 import { TreepackError } from '../src/errors.js';
 import { maskBlocks } from '../src/mask/blocks.js';
 import { maskCuSeqlens } from '../src/mask/cuseqlens.js';
@@ -18,11 +16,10 @@ import { maskBits, maskDense } from '../src/mask/dense.js';
 import { maskSlices } from '../src/mask/slices.js';
 import type { TreeArrays } from '../src/mask/types.js';
 import { packForest } from '../src/pack/forest.js';
+import { describeBackends } from './helpers/backends.js';
 import { caught } from './helpers/errors.js';
 import { agentBatch } from './helpers/sequences.js';
 import { packed, randomTree, smallForests } from './helpers/trees.js';
-
-afterAll(releaseWebGPU);
 
 const statuses = await listBackends();
 
@@ -67,17 +64,12 @@ function same(actual: unknown, expected: unknown, path = 'result'): void {
   }
 }
 
-for (const name of ['cpu', 'webgpu', 'cuda'] as const) {
-  const status = statuses.find((s) => s.name === name)!;
-  const requireIt = name === 'webgpu' && process.env.TREEPACK_REQUIRE_WEBGPU === '1';
-  if (!status.available) {
-    console.log(`mask parity on ${name}: skipped, backend unavailable: ${status.detail}`);
-    if (requireIt) it('webgpu is available (TREEPACK_REQUIRE_WEBGPU=1)', () => expect.fail(status.detail));
-    continue;
-  }
+const MASK_OPS: OpName[] = ['maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens'];
+
+await describeBackends(MASK_OPS, (name, status) => {
   const has = (op: OpName) => status.ops.includes(op);
   const run = async <K extends 'maskDense' | 'maskBits' | 'maskSlices' | 'maskCuSeqlens'>(op: K, t: TreeArrays) => (await resolveKernel(op, name)).kernel(t);
-  const size = SIZES[name];
+  const size = SIZES[name as Exclude<BackendName, 'js'>];
 
   describe(`mask parity: ${name} equals js`, () => {
     for (const [label, tree] of [...smallForests(), ...largeForests(size.blocks)]) {
@@ -114,7 +106,7 @@ for (const name of ['cpu', 'webgpu', 'cuda'] as const) {
       if (has('maskBlocks')) await expect((await resolveKernel('maskBlocks', name)).kernel(bad, 0)).rejects.toMatchObject({ code: expect.stringMatching(/E_INPUT|E_ARG/) });
     });
   });
-}
+}, { againstJs: true });
 
 describe('mask backends: limits and fallback', () => {
   it('webgpu refuses outputs over its storage-buffer limit with E_LIMIT, before allocating', async () => {

@@ -7,7 +7,7 @@ import { TreepackError } from '../src/errors.js';
 import { maskBlocks } from '../src/mask/blocks.js';
 import { maskCuSeqlens } from '../src/mask/cuseqlens.js';
 import { maskBits, maskDense } from '../src/mask/dense.js';
-import { parseMaskSpecs } from '../src/mask/index.js';
+import { parseMaskSpecs } from '../src/io/masks.js';
 import { maskSlices } from '../src/mask/slices.js';
 import type { TreeArrays } from '../src/mask/types.js';
 import { caught } from './helpers/errors.js';

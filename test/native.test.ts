@@ -4,6 +4,7 @@ import { cudaDeviceInfo, type ForestBuffers, loadCuda, loadNative, packForestNat
 import { TreepackError } from '../src/errors.js';
 import type { Forest, Sequences } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
+import { describeBackends } from './helpers/backends.js';
 import { caught } from './helpers/errors.js';
 import { csr, rng, shuffle } from './helpers/sequences.js';
 
@@ -79,10 +80,9 @@ function agentBatch(rand: () => number, episodes: number, requests: number, syst
 }
 
 const native = loadNative();
-const skipReason = 'error' in native ? native.error : '';
-if (skipReason) console.warn(`native addon tests skipped: ${skipReason}`);
 
-describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${skipReason})` : ''}`, () => {
+// The addon's own API (output buffers, argument checks) beside the registry's packForest kernel.
+await describeBackends('packForest', () => {
   it('reports the package version', () => {
     const pkg = JSON.parse(fs.readFileSync(new URL('../package.json', import.meta.url), 'utf8'));
     if ('error' in native) throw new Error(native.error);
@@ -261,7 +261,7 @@ describe.skipIf(skipReason !== '')(`native packer${skipReason ? ` (skipped: ${sk
     const shared = new Int32Array(16);
     expectError(() => binding.packForest(tokens, offsets, { parent: shared.subarray(0, 4), subtree_end: shared.subarray(2, 8) }), 'E_ARG', /out.subtree_end shares memory with out.parent/);
   });
-});
+}, { only: ['cpu'] });
 
 describe('cuda loader', () => {
   it('reports availability without throwing', () => {

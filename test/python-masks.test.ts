@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os';
 import { delimiter, join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { writeMicroBatch } from '../src/io/microbatch.js';
-import { maskTensors } from '../src/mask/index.js';
+import { maskTensors } from '../src/io/masks.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
 import { pythonFor } from './helpers/python.js';

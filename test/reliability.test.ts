@@ -13,7 +13,7 @@ import { EXIT_FAILURE, EXIT_OK, EXIT_USAGE, TreepackError } from '../src/errors.
 import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
 import { writeSafetensors } from '../src/io/safetensors.js';
 import { episodeAdvantages, sampleAdvantages } from '../src/loss/advantages.js';
-import { computeLoss } from '../src/loss/index.js';
+import { computeLoss } from '../src/backend/index.js';
 import { generateEpisodes } from '../bench/dataset.js';
 import { firstInvalidUtf8 } from '../src/records/jsonl.js';
 import { readRecords, type ReadOptions } from '../src/records/read.js';

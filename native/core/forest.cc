@@ -431,27 +431,17 @@ const char* tp_version(void) { return TP_VERSION; }
 
 const char* tp_status_string(int code) {
   switch (code) {
-    case TP_OK:
-      return "ok";
-    case TP_ERR_ARG:
-      return "invalid argument: a required pointer is null or a count is negative";
-    case TP_ERR_OFFSETS:
-      return "invalid offsets: offsets[0] must be 0, offsets must be non-decreasing and offsets[S] must equal the "
-             "number of tokens";
-    case TP_ERR_TOO_LARGE:
-      return "too large: counts and positions must fit in int32";
-    case TP_ERR_ALLOC:
-      return "out of memory";
-    case TP_ERR_TREE:
-      return "not a packed forest: parent[p] must be in [-1, p) and subtree_end[p] in (p, N]";
-    case TP_ERR_CAPACITY:
-      return "output array too small";
-    case TP_ERR_SHARED:
-      return "cu_seqlens needs a forest with no sharing, but a node has more than one child";
+#define TP_STATUS_CASE(status, message, error) \
+  case status:                                 \
+    return message;
+    TP_STATUS_TABLE(TP_STATUS_CASE)
+#undef TP_STATUS_CASE
     default:
       return "unknown treepack status";
   }
 }
+
+const char* tp_abi(void) { return TP_ABI; }
 
 int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* offsets, int64_t num_seqs,
                    tp_plan** plan_out, int64_t* num_nodes) {

@@ -6,39 +6,27 @@
 
 namespace tl = treepack::loss;
 
-namespace {
-
-bool ConfigOk(const tp_loss_config* c) {
-  return c != nullptr && c->policy >= 0 && c->policy <= 2 && c->aggregation >= 0 && c->aggregation <= 3 &&
-         c->kl >= 0 && c->kl <= 4 && c->tis >= 0 && c->tis <= 2;
-}
-
-}  // namespace
-
 extern "C" {
 
-int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, const int32_t* pos, const uint8_t* mask,
-            const float* adv, const float* old, const float* ref, const float* roll, int64_t num_nodes,
-            const float* lp, float* grad, tp_loss_metrics* out) {
-  if (!ConfigOk(cfg) || out == nullptr || num_seqs < 0 || num_nodes < 0 || off == nullptr) return TP_ERR_ARG;
+int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int64_t M, const int32_t* pos,
+            const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
+            int64_t num_nodes, const float* lp, float* grad, tp_loss_metrics* out) {
+  int rc = tl::CheckLossArgs(cfg, num_seqs, off, M, pos, mask, adv, old, ref, roll, num_nodes, lp, out);
+  if (rc != TP_OK) return rc;
   const tp_loss_config& c = *cfg;
-  const int64_t M = off[num_seqs];
-  if (off[0] != 0 || M < 0) return TP_ERR_OFFSETS;
-  if (M > 0 && (pos == nullptr || mask == nullptr || adv == nullptr || old == nullptr ||
-                (c.kl != TP_KL_NONE && ref == nullptr) || (c.tis != TP_TIS_NONE && roll == nullptr))) {
-    return TP_ERR_ARG;
+  // Offsets first, then positions: with both wrong, TP_ERR_OFFSETS, as tp_cuda_loss reports it.
+  if (off[0] != 0 || off[num_seqs] != M) return TP_ERR_OFFSETS;
+  for (int64_t i = 0; i < num_seqs; i++) {
+    if (off[i + 1] < off[i]) return TP_ERR_OFFSETS;
   }
-  if (num_nodes > 0 && lp == nullptr) return TP_ERR_ARG;
-  // Pass 1: trainable counts, and the bounds checks that keep the scatter below in memory.
+  for (int64_t j = 0; j < M; j++) {
+    if (pos[j] < 0 || pos[j] >= num_nodes) return TP_ERR_INDEX;
+  }
   std::vector<int32_t> counts(static_cast<size_t>(num_seqs));
   double tokens = 0, sequences = 0;
   for (int64_t i = 0; i < num_seqs; i++) {
-    if (off[i + 1] < off[i]) return TP_ERR_OFFSETS;
     int32_t n = 0;
-    for (int64_t j = off[i]; j < off[i + 1]; j++) {
-      if (pos[j] < 0 || pos[j] >= num_nodes) return TP_ERR_ARG;
-      n += mask[j] != 0;
-    }
+    for (int64_t j = off[i]; j < off[i + 1]; j++) n += mask[j] != 0;
     counts[i] = n;
     tokens += n;
     sequences += n > 0;
@@ -83,11 +71,8 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, con
 int tp_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const float* old, const float* ref,
                     const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
                     const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out) {
-  if (!ConfigOk(cfg) || out == nullptr || N < 0 || cfg->policy == TP_POLICY_GSPO) return TP_ERR_ARG;
-  if (N > 0 && (lp == nullptr || old == nullptr || pos_w == nullptr || neg_w == nullptr || kl_w == nullptr ||
-                n_train == nullptr || n_pos == nullptr || n_neg == nullptr || (cfg->kl != TP_KL_NONE && ref == nullptr))) {
-    return TP_ERR_ARG;
-  }
+  const int rc = tl::CheckCompactArgs(cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, out);
+  if (rc != TP_OK) return rc;
   const tp_loss_config& c = *cfg;
   tl::Sums sums;
   for (int64_t p = 0; p < N; p++) {

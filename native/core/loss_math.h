@@ -6,19 +6,48 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "loss.h"
-
-#ifdef __CUDACC__
-#define TP_HD __host__ __device__ inline
-#else
-#define TP_HD inline
-#endif
+#include "abi.h"
+#include "inline.h"
 
 namespace treepack {
 namespace loss {
 
 constexpr int kClippedHigh = 1, kClippedLow = 2, kClippedDual = 4;
-constexpr double kK3LogClamp = 20, kK3ValueClamp = 10;
+constexpr double kK3LogClamp = TP_K3_LOG_CLAMP, kK3ValueClamp = TP_K3_VALUE_CLAMP;
+
+// Every code of the config names a formula.
+inline bool ConfigOk(const tp_loss_config* c) {
+  return c != nullptr && c->policy >= 0 && c->policy < TP_POLICY_COUNT && c->aggregation >= 0 &&
+         c->aggregation < TP_AGG_COUNT && c->kl >= 0 && c->kl < TP_KL_COUNT && c->tis >= 0 && c->tis < TP_TIS_COUNT;
+}
+
+// The argument checks of tp_loss and tp_cuda_loss (and their _host forms), before any value is read: the arrays
+// the config needs are present and the counts fit. The values (offsets, positions) are checked where they live.
+inline int CheckLossArgs(const tp_loss_config* c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
+                         const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
+                         int64_t N, const float* lp, const tp_loss_metrics* out) {
+  if (!ConfigOk(c) || out == nullptr || S < 0 || M < 0 || N < 0 || off == nullptr) return TP_ERR_ARG;
+  if (M > 0 && (pos == nullptr || mask == nullptr || adv == nullptr || old == nullptr ||
+                (c->kl != TP_KL_NONE && ref == nullptr) || (c->tis != TP_TIS_NONE && roll == nullptr))) {
+    return TP_ERR_ARG;
+  }
+  if (N > 0 && lp == nullptr) return TP_ERR_ARG;
+  if (S > INT32_MAX || M > INT32_MAX || N > INT32_MAX) return TP_ERR_TOO_LARGE;
+  return TP_OK;
+}
+
+// The same for the compact form: every array present when N > 0 (ref only with KL), no GSPO.
+inline int CheckCompactArgs(const tp_loss_config* c, int64_t N, const float* lp, const float* old, const float* ref,
+                            const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
+                            const int32_t* n_pos, const int32_t* n_neg, const tp_loss_metrics* out) {
+  if (!ConfigOk(c) || out == nullptr || N < 0 || c->policy == TP_POLICY_GSPO) return TP_ERR_ARG;
+  if (N > 0 && (lp == nullptr || old == nullptr || pos_w == nullptr || neg_w == nullptr || kl_w == nullptr ||
+                n_train == nullptr || n_pos == nullptr || n_neg == nullptr || (c->kl != TP_KL_NONE && ref == nullptr))) {
+    return TP_ERR_ARG;
+  }
+  if (N > INT32_MAX) return TP_ERR_TOO_LARGE;
+  return TP_OK;
+}
 
 TP_HD double Clamp(double x, double lo, double hi) { return x < lo ? lo : x > hi ? hi : x; }
 

@@ -5,25 +5,14 @@
 #include <cstring>
 #include <memory>
 
+#include "mask_math.h"
 #include "treepack.h"
+
+namespace tmask = treepack::mask;
 
 namespace {
 
-bool TreeInRange(const int32_t* parent, const int32_t* subtree_end, int64_t n) {
-  for (int64_t p = 0; p < n; p++) {
-    if (parent != nullptr && !(parent[p] >= -1 && parent[p] < p)) return false;
-    if (subtree_end != nullptr && !(subtree_end[p] > p && subtree_end[p] <= n)) return false;
-  }
-  return true;
-}
-
-int CheckTree(const int32_t* parent, const int32_t* subtree_end, int64_t n, bool need_parent, bool need_end) {
-  if (n < 0 || (n > 0 && ((need_parent && parent == nullptr) || (need_end && subtree_end == nullptr)))) {
-    return TP_ERR_ARG;
-  }
-  if (n > INT32_MAX) return TP_ERR_TOO_LARGE;
-  return TreeInRange(need_parent ? parent : nullptr, need_end ? subtree_end : nullptr, n) ? TP_OK : TP_ERR_TREE;
-}
+using tmask::CheckTree;
 
 // Row q of a row-major [n, width] mask is row parent[q] plus q's own bit.
 template <typename T, typename SetSelf>
@@ -84,7 +73,7 @@ class SliceList {
 extern "C" {
 
 int tp_mask_dense(const int32_t* parent, const int32_t* subtree_end, int64_t n, uint8_t* out) {
-  int rc = CheckTree(parent, subtree_end, n, true, false);
+  int rc = CheckTree(parent, subtree_end, n, true, true);
   if (rc != TP_OK) return rc;
   if (n > 0 && out == nullptr) return TP_ERR_ARG;
   RowsFromParent(parent, n, n, out, [](uint8_t* row, int64_t q) { row[q] = 1; });
@@ -92,7 +81,7 @@ int tp_mask_dense(const int32_t* parent, const int32_t* subtree_end, int64_t n, 
 }
 
 int tp_mask_bits(const int32_t* parent, const int32_t* subtree_end, int64_t n, uint32_t* out) {
-  int rc = CheckTree(parent, subtree_end, n, true, false);
+  int rc = CheckTree(parent, subtree_end, n, true, true);
   if (rc != TP_OK) return rc;
   if (n > 0 && out == nullptr) return TP_ERR_ARG;
   RowsFromParent(parent, n, (n + 31) / 32, out, [](uint32_t* row, int64_t q) { row[q >> 5] |= 1u << (q & 31); });
@@ -120,15 +109,20 @@ int tp_mask_blocks(const int32_t* subtree_end, int64_t n, int32_t block_size, in
       hi = std::max(hi, subtree_end[k]);
     }
     const int32_t jj = static_cast<int32_t>(j);
-    if (B == 1) {
+    if (tmask::DiagonalFull(B)) {
       full_idx[j * nb + full_num[j]++] = jj;
     } else {
       kv_idx[j * nb + kv_num[j]++] = jj;
     }
-    const int64_t full_end = lo / B, any_end = std::min<int64_t>(nb, (hi + B - 1) / B);
+    const tmask::BlockEnds ends = tmask::BlockEndsOf(lo, hi, B, nb);
     int64_t i = j + 1;
-    for (; i < full_end; i++) full_idx[i * nb + full_num[i]++] = jj;
-    for (; i < any_end; i++) kv_idx[i * nb + kv_num[i]++] = jj;
+    for (; i < ends.full_end; i++) full_idx[i * nb + full_num[i]++] = jj;
+    for (; i < ends.any_end; i++) kv_idx[i * nb + kv_num[i]++] = jj;
+  }
+  // The padding past each row's count is 0, written here as tp_cuda_mask_blocks writes it: outputs need no zeroing.
+  for (int64_t i = 0; i < nb; i++) {
+    std::memset(kv_idx + i * nb + kv_num[i], 0, sizeof(int32_t) * static_cast<size_t>(nb - kv_num[i]));
+    std::memset(full_idx + i * nb + full_num[i], 0, sizeof(int32_t) * static_cast<size_t>(nb - full_num[i]));
   }
   return TP_OK;
 }

@@ -18,6 +18,8 @@
 
 #include <stdint.h>
 
+#include "abi.h" /* status codes, loss config and metrics: generated from src/backend/abi.ts */
+
 #if defined(_WIN32)
 #define TP_API __declspec(dllexport)
 #else
@@ -31,17 +33,6 @@ extern "C" {
 /* Keep equal to package.json "version"; test/native.test.ts checks it. */
 #define TP_VERSION "0.1.0"
 
-enum tp_status {
-  TP_OK = 0,
-  TP_ERR_ARG = 1,       /* a null pointer where data is required, or a negative count */
-  TP_ERR_OFFSETS = 2,   /* offsets[0] != 0, offsets decreasing, or offsets[S] != number of tokens */
-  TP_ERR_TOO_LARGE = 3, /* a count over INT32_MAX: positions and indices are int32 */
-  TP_ERR_ALLOC = 4,     /* out of memory */
-  TP_ERR_TREE = 5,      /* parent or subtree_end out of range: parent[p] in [-1, p), subtree_end[p] in (p, N] */
-  TP_ERR_CAPACITY = 6,  /* the output array is too small; the needed count was written */
-  TP_ERR_SHARED = 7     /* the forest shares prefixes, so cu_seqlens cannot express its mask */
-};
-
 /* Opaque: the sorted order of the sequences plus the scratch the layout needs. */
 typedef struct tp_plan tp_plan;
 
@@ -50,6 +41,9 @@ TP_API const char* tp_version(void);
 
 /* A static English description of a status code (an unknown code gives "unknown treepack status"). */
 TP_API const char* tp_status_string(int code);
+
+/* TP_ABI, the fingerprint of the tables in abi.h this library was built with; static storage. */
+TP_API const char* tp_abi(void);
 
 /*
  * Sorts the S sequences tokens[offsets[i] .. offsets[i+1]) and writes the packed length N (number of distinct

@@ -5,9 +5,12 @@
 #include <cuda_runtime.h>
 
 #include "../core/loss_math.h"
+#include "status.h"
 #include "treepack_cuda.h"
 
 namespace tl = treepack::loss;
+using treepack::cuda::Fail;
+using treepack::cuda::Status;
 
 namespace {
 
@@ -37,14 +40,41 @@ struct SeqStats {
   double n, log_ratio, log_tis;
 };
 
+// Bits of the device-side input check, read back with the metrics; offsets win over positions, as in tp_loss.
+constexpr int32_t kBadOffsets = 1, kBadIndex = 2;
+
+// What tp_loss checks on the host, checked here on the device (the arrays live there): offsets from 0 to M and
+// non-decreasing, every position in [0, N). Integer atomics only. The kernels after it read every index guarded,
+// so bad input never reads or writes out of bounds (which would poison a CUDA context shared with torch).
+__global__ void CheckInputs(int64_t S, const int32_t* off, int64_t M, const int32_t* pos, int64_t N, int32_t* flags) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i <= S || i < M; i += stride) {
+    if (i <= S) {
+      const bool bad = off[i] < 0 || off[i] > M || (i == 0 && off[0] != 0) || (i == S && off[S] != M) ||
+                       (i < S && off[i + 1] < off[i]);
+      if (bad) atomicOr(flags, kBadOffsets);
+    }
+    if (i < M && (pos[i] < 0 || pos[i] >= N)) atomicOr(flags, kBadIndex);
+  }
+}
+
+// Sequence i's occurrences [a, e), clipped into [0, M] so that bad offsets stay in bounds (CheckInputs reports them).
+__device__ void SequenceRange(const int32_t* off, int64_t i, int64_t M, int64_t* a, int64_t* e) {
+  const int64_t x = off[i], y = off[i + 1];
+  *a = x < 0 ? 0 : x > M ? M : x;
+  *e = y < *a ? *a : y > M ? M : y;
+}
+
 // One block per sequence: trainable count, GSPO's summed log ratio, the sequence-level TIS log weight.
-__global__ void SequenceStats(tp_loss_config c, int64_t S, const int32_t* off, const int32_t* pos,
-                              const uint8_t* mask, const float* old, const float* roll, const float* lp,
+__global__ void SequenceStats(tp_loss_config c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
+                              int64_t N, const uint8_t* mask, const float* old, const float* roll, const float* lp,
                               SeqStats* out) {
   for (int64_t i = blockIdx.x; i < S; i += gridDim.x) {
     tl::Sums s;  // n, log_ratio and ratio fields carry the three sums
-    for (int64_t j = off[i] + threadIdx.x; j < off[i + 1]; j += blockDim.x) {
-      if (!mask[j]) continue;
+    int64_t a, e;
+    SequenceRange(off, i, M, &a, &e);
+    for (int64_t j = a + threadIdx.x; j < e; j += blockDim.x) {
+      if (!mask[j] || pos[j] < 0 || pos[j] >= N) continue;
       s.n += 1;
       if (c.policy == TP_POLICY_GSPO) s.log_ratio += static_cast<double>(lp[pos[j]]) - old[j];
       if (c.tis == TP_TIS_SEQUENCE) s.ratio += static_cast<double>(old[j]) - roll[j];
@@ -70,18 +100,21 @@ __global__ void Normalisers(tp_loss_config c, int64_t S, const SeqStats* seq, do
 
 // One block per sequence: per-occurrence loss terms; contribution to the gradient per occurrence, metric sums per
 // sequence.
-__global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, const int32_t* pos, const uint8_t* mask,
-                            const float* adv, const float* old, const float* ref, const float* roll, const float* lp,
-                            const SeqStats* seq, const double* norm, double* contrib, tl::Sums* seq_sums) {
+__global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos, int64_t N,
+                            const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
+                            const float* lp, const SeqStats* seq, const double* norm, double* contrib,
+                            tl::Sums* seq_sums) {
   for (int64_t i = blockIdx.x; i < S; i += gridDim.x) {
     const double n = seq[i].n;
     tl::Sums s;
+    int64_t a, e;
+    SequenceRange(off, i, M, &a, &e);
     if (n > 0) {
       const double w = tl::SequenceWeight(c, n, norm[0], norm[1]);
       const double seq_lr = seq[i].log_ratio / n;
       const double seq_tis = c.tis == TP_TIS_SEQUENCE ? tl::TruncatedWeight(seq[i].log_tis, c) : 1;
-      for (int64_t j = off[i] + threadIdx.x; j < off[i + 1]; j += blockDim.x) {
-        if (!mask[j]) {
+      for (int64_t j = a + threadIdx.x; j < e; j += blockDim.x) {
+        if (!mask[j] || pos[j] < 0 || pos[j] >= N) {
           contrib[j] = 0;
           continue;
         }
@@ -90,7 +123,7 @@ __global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, con
         contrib[j] = g;
       }
     } else {
-      for (int64_t j = off[i] + threadIdx.x; j < off[i + 1]; j += blockDim.x) contrib[j] = 0;
+      for (int64_t j = a + threadIdx.x; j < e; j += blockDim.x) contrib[j] = 0;
     }
     s = BlockReduce(s);
     if (threadIdx.x == 0) seq_sums[i] = s;
@@ -111,12 +144,15 @@ __global__ void Iota(int32_t* v, int64_t n) {
 }
 
 // node_off[p] = first k with sorted_key[k] >= p, for p in [0, N]: each k fills the nodes between its key and the
-// previous one, so every entry is written exactly once.
+// previous one, so every entry is written exactly once. Keys are clamped into [-1, N] so that a bad position
+// (reported by CheckInputs) never writes outside node_off.
+__device__ int64_t ClampKey(int64_t key, int64_t N) { return key < -1 ? -1 : key > N ? N : key; }
+
 __global__ void SegmentStarts(const int32_t* sorted_key, int64_t M, int64_t N, int32_t* node_off) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k <= M; k += gridDim.x * static_cast<int64_t>(blockDim.x)) {
-    const int64_t prev = k == 0 ? -1 : sorted_key[k - 1];
-    const int64_t cur = k == M ? N : sorted_key[k];
-    for (int64_t p = prev + 1; p <= cur && p <= N; p++) node_off[p] = static_cast<int32_t>(k);
+    const int64_t prev = k == 0 ? -1 : ClampKey(sorted_key[k - 1], N);
+    const int64_t cur = k == M ? N : ClampKey(sorted_key[k], N);
+    for (int64_t p = prev + 1; p <= cur; p++) node_off[p] = static_cast<int32_t>(k);
   }
 }
 
@@ -143,21 +179,24 @@ __global__ void CompactNodes(tp_loss_config c, int64_t N, const float* lp, const
   if (threadIdx.x == 0) block_sums[blockIdx.x] = s;
 }
 
-// Stream-ordered scratch, freed on every exit path.
+// Stream-ordered scratch, freed on every exit path (never cudaFreeAsync(nullptr): a failed allocation frees nothing).
 struct Scratch {
   cudaStream_t stream;
   void* ptr = nullptr;
   explicit Scratch(cudaStream_t s) : stream(s) {}
-  ~Scratch() { cudaFreeAsync(ptr, stream); }
+  ~Scratch() {
+    if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+  }
   cudaError_t alloc(size_t bytes) { return cudaMallocAsync(&ptr, bytes > 0 ? bytes : 1, stream); }
 };
 
 size_t Align(size_t x) { return (x + 255) & ~size_t(255); }
 
-bool ConfigOk(const tp_loss_config* c) {
-  return c != nullptr && c->policy >= 0 && c->policy <= 2 && c->aggregation >= 0 && c->aggregation <= 3 &&
-         c->kl >= 0 && c->kl <= 4 && c->tis >= 0 && c->tis <= 2;
-}
+// What the host reads back after the kernels: the metrics and the input check's flags.
+struct DeviceResult {
+  tp_loss_metrics metrics;
+  int32_t flags;
+};
 
 }  // namespace
 
@@ -166,26 +205,25 @@ extern "C" {
 int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
                  const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
                  int64_t N, const float* lp, float* grad, tp_loss_metrics* out, void* stream_ptr) {
-  if (!ConfigOk(cfg) || out == nullptr || S < 0 || M < 0 || N < 0 || M > INT32_MAX || off == nullptr) return cudaErrorInvalidValue;
-  if (M > 0 && (pos == nullptr || mask == nullptr || adv == nullptr || old == nullptr || lp == nullptr ||
-                (cfg->kl != TP_KL_NONE && ref == nullptr) || (cfg->tis != TP_TIS_NONE && roll == nullptr))) {
-    return cudaErrorInvalidValue;
-  }
+  const int rc = tl::CheckLossArgs(cfg, S, off, M, pos, mask, adv, old, ref, roll, N, lp, out);
+  if (rc != TP_OK) return rc;
   const tp_loss_config c = *cfg;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   size_t sort_bytes = 0;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const int32_t*>(nullptr),
                                                     static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
                                                     static_cast<int32_t*>(nullptr), static_cast<int>(M), 0, 32, stream);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) return Fail(err);
   // One allocation: per-sequence stats and sums, normalisers, contributions, the sort's keys/values/scratch,
-  // node offsets and the metrics.
+  // node offsets, and the metrics with the check's flags.
   const size_t sz_seq = Align(sizeof(SeqStats) * S), sz_sums = Align(sizeof(tl::Sums) * (S > 0 ? S : 1));
   const size_t sz_norm = Align(2 * sizeof(double)), sz_contrib = Align(sizeof(double) * M);
   const size_t sz_idx = Align(sizeof(int32_t) * M), sz_off = Align(sizeof(int32_t) * (N + 1));
-  const size_t sz_metrics = Align(sizeof(tp_loss_metrics));
+  const size_t sz_result = Align(sizeof(DeviceResult));
   Scratch scratch(stream);
-  if ((err = scratch.alloc(sz_seq + sz_sums + sz_norm + sz_contrib + 3 * sz_idx + sz_off + sz_metrics + sort_bytes)) != cudaSuccess) return err;
+  if ((err = scratch.alloc(sz_seq + sz_sums + sz_norm + sz_contrib + 3 * sz_idx + sz_off + sz_result + sort_bytes)) != cudaSuccess) {
+    return Fail(err);
+  }
   char* base = static_cast<char*>(scratch.ptr);
   auto take = [&base](size_t bytes) {
     char* p = base;
@@ -200,63 +238,78 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
   auto* sorted_key = reinterpret_cast<int32_t*>(take(sz_idx));
   auto* sorted_occ = reinterpret_cast<int32_t*>(take(sz_idx));
   auto* node_off = reinterpret_cast<int32_t*>(take(sz_off));
-  auto* d_metrics = reinterpret_cast<tp_loss_metrics*>(take(sz_metrics));
+  auto* d_result = reinterpret_cast<DeviceResult*>(take(sz_result));
   void* sort_tmp = take(sort_bytes);
 
+  if ((err = cudaMemsetAsync(&d_result->flags, 0, sizeof(int32_t), stream)) != cudaSuccess) return Fail(err);
+  CheckInputs<<<BlocksFor(S + 1 > M ? S + 1 : M), kThreads, 0, stream>>>(S, off, M, pos, N, &d_result->flags);
   const unsigned seq_blocks = static_cast<unsigned>(S < 1 ? 1 : S < kMaxBlocks ? S : kMaxBlocks);
   if (S > 0) {
-    SequenceStats<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, pos, mask, old, roll, lp, seq);
+    SequenceStats<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, M, pos, N, mask, old, roll, lp, seq);
   }
   Normalisers<<<1, kThreads, 0, stream>>>(c, S, seq, norm);
   if (S > 0) {
-    Occurrences<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, pos, mask, adv, old, ref, roll, lp, seq, norm, contrib, seq_sums);
+    Occurrences<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, M, pos, N, mask, adv, old, ref, roll, lp, seq, norm,
+                                                       contrib, seq_sums);
   }
-  FinishSums<<<1, kThreads, 0, stream>>>(seq_sums, S, c.kl_coef, d_metrics);
+  FinishSums<<<1, kThreads, 0, stream>>>(seq_sums, S, c.kl_coef, &d_result->metrics);
   if (grad != nullptr && N > 0) {
     Iota<<<BlocksFor(M), kThreads, 0, stream>>>(iota, M);
     if (M > 0 && (err = cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, pos, sorted_key, iota, sorted_occ,
                                                        static_cast<int>(M), 0, 32, stream)) != cudaSuccess) {
-      return err;
+      return Fail(err);
     }
     SegmentStarts<<<BlocksFor(M + 1), kThreads, 0, stream>>>(sorted_key, M, N, node_off);
     SegmentedGrad<<<BlocksFor(N), kThreads, 0, stream>>>(node_off, sorted_occ, contrib, N, grad);
   }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = cudaMemcpyAsync(out, d_metrics, sizeof(tp_loss_metrics), cudaMemcpyDeviceToHost, stream)) != cudaSuccess) return err;
-  return cudaStreamSynchronize(stream);
+  if ((err = cudaGetLastError()) != cudaSuccess) return Fail(err);
+  DeviceResult result;
+  if ((err = cudaMemcpyAsync(&result, d_result, sizeof result, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+      (err = cudaStreamSynchronize(stream)) != cudaSuccess) {
+    return Fail(err);
+  }
+  if (result.flags & kBadOffsets) return TP_ERR_OFFSETS;
+  if (result.flags & kBadIndex) return TP_ERR_INDEX;
+  *out = result.metrics;
+  return TP_OK;
 }
 
 int tp_cuda_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const float* old, const float* ref,
                          const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
                          const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out, void* stream_ptr) {
-  if (!ConfigOk(cfg) || out == nullptr || N < 0 || cfg->policy == TP_POLICY_GSPO) return cudaErrorInvalidValue;
+  const int rc = tl::CheckCompactArgs(cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, out);
+  if (rc != TP_OK) return rc;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const unsigned blocks = BlocksFor(N);
   Scratch scratch(stream);
   cudaError_t err = scratch.alloc(Align(sizeof(tl::Sums) * blocks) + sizeof(tp_loss_metrics));
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) return Fail(err);
   auto* sums = static_cast<tl::Sums*>(scratch.ptr);
   auto* d_metrics = reinterpret_cast<tp_loss_metrics*>(static_cast<char*>(scratch.ptr) + Align(sizeof(tl::Sums) * blocks));
   CompactNodes<<<blocks, kThreads, 0, stream>>>(*cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, grad, sums);
   FinishSums<<<1, kThreads, 0, stream>>>(sums, blocks, cfg->kl_coef, d_metrics);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = cudaMemcpyAsync(out, d_metrics, sizeof(tp_loss_metrics), cudaMemcpyDeviceToHost, stream)) != cudaSuccess) return err;
-  return cudaStreamSynchronize(stream);
+  if ((err = cudaGetLastError()) != cudaSuccess) return Fail(err);
+  if ((err = cudaMemcpyAsync(out, d_metrics, sizeof(tp_loss_metrics), cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+      (err = cudaStreamSynchronize(stream)) != cudaSuccess) {
+    return Fail(err);
+  }
+  return TP_OK;
 }
 
 // Host-memory wrappers for the addon: copy in, run, copy the gradient back. Every array goes into one device
 // allocation so that a failure anywhere frees everything.
-int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t S, const int32_t* off, const int32_t* pos, const uint8_t* mask,
-                      const float* adv, const float* old, const float* ref, const float* roll, int64_t N,
-                      const float* lp, float* grad, tp_loss_metrics* out) {
-  if (cfg == nullptr || S < 0 || N < 0 || off == nullptr) return cudaErrorInvalidValue;
-  const int64_t M = off[S];
+int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
+                      const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
+                      int64_t N, const float* lp, float* grad, tp_loss_metrics* out) {
+  // Null host arrays are refused here: a device buffer standing in for one would be read uninitialised.
+  int rc = tl::CheckLossArgs(cfg, S, off, M, pos, mask, adv, old, ref, roll, N, lp, out);
+  if (rc != TP_OK) return rc;
   const bool with_ref = cfg->kl != TP_KL_NONE && ref != nullptr, with_roll = cfg->tis != TP_TIS_NONE && roll != nullptr;
   const size_t fm = Align(sizeof(float) * M), im = Align(sizeof(int32_t) * M), fn = Align(sizeof(float) * N);
   const size_t total = Align(sizeof(int32_t) * (S + 1)) + im + Align(M) + 4 * fm + 2 * fn;
   Scratch dev(nullptr);
   cudaError_t err = dev.alloc(total);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) return Fail(err);
   char* base = static_cast<char*>(dev.ptr);
   struct Copy {
     const void* src;
@@ -271,44 +324,49 @@ int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t S, const int32_t* off, 
     base += copies[k].room;
     if (copies[k].src != nullptr && copies[k].bytes > 0 &&
         (err = cudaMemcpy(d[k], copies[k].src, copies[k].bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
-      return err;
+      return Fail(err);
     }
   }
   float* d_grad = reinterpret_cast<float*>(base);
-  err = static_cast<cudaError_t>(tp_cuda_loss(
-      cfg, S, static_cast<int32_t*>(d[0]), M, static_cast<int32_t*>(d[1]), static_cast<uint8_t*>(d[2]),
-      static_cast<float*>(d[3]), static_cast<float*>(d[4]), with_ref ? static_cast<float*>(d[5]) : nullptr,
-      with_roll ? static_cast<float*>(d[6]) : nullptr, N, static_cast<float*>(d[7]), grad ? d_grad : nullptr, out, nullptr));
-  if (err != cudaSuccess) return err;
-  if (grad != nullptr && N > 0) return cudaMemcpy(grad, d_grad, sizeof(float) * N, cudaMemcpyDeviceToHost);
-  return cudaSuccess;
+  rc = tp_cuda_loss(cfg, S, static_cast<int32_t*>(d[0]), M, static_cast<int32_t*>(d[1]), static_cast<uint8_t*>(d[2]),
+                    static_cast<float*>(d[3]), static_cast<float*>(d[4]), with_ref ? static_cast<float*>(d[5]) : nullptr,
+                    with_roll ? static_cast<float*>(d[6]) : nullptr, N, static_cast<float*>(d[7]),
+                    grad ? d_grad : nullptr, out, nullptr);
+  if (rc != TP_OK) return rc;
+  if (grad != nullptr && N > 0 && (err = cudaMemcpy(grad, d_grad, sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
+    return Fail(err);
+  }
+  return TP_OK;
 }
 
 int tp_cuda_loss_compact_host(const tp_loss_config* cfg, int64_t N, const float* lp, const float* old, const float* ref,
                               const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
                               const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out) {
-  if (cfg == nullptr || N < 0) return cudaErrorInvalidValue;
+  int rc = tl::CheckCompactArgs(cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, out);
+  if (rc != TP_OK) return rc;
   const size_t fn = Align(sizeof(float) * (N > 0 ? N : 1));
   const void* src[] = {lp, old, cfg->kl != TP_KL_NONE ? ref : nullptr, pos_w, neg_w, kl_w, n_train, n_pos, n_neg};
   Scratch dev(nullptr);
   cudaError_t err = dev.alloc(10 * fn);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) return Fail(err);
   char* d[10];
   for (int k = 0; k < 10; k++) {
     d[k] = static_cast<char*>(dev.ptr) + k * fn;
     if (k < 9 && src[k] != nullptr && N > 0 &&
         (err = cudaMemcpy(d[k], src[k], sizeof(float) * N, cudaMemcpyHostToDevice)) != cudaSuccess) {
-      return err;
+      return Fail(err);
     }
   }
-  err = static_cast<cudaError_t>(tp_cuda_loss_compact(
-      cfg, N, reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]), src[2] ? reinterpret_cast<float*>(d[2]) : nullptr,
-      reinterpret_cast<float*>(d[3]), reinterpret_cast<float*>(d[4]), reinterpret_cast<float*>(d[5]),
-      reinterpret_cast<int32_t*>(d[6]), reinterpret_cast<int32_t*>(d[7]), reinterpret_cast<int32_t*>(d[8]),
-      grad ? reinterpret_cast<float*>(d[9]) : nullptr, out, nullptr));
-  if (err != cudaSuccess) return err;
-  if (grad != nullptr && N > 0) return cudaMemcpy(grad, d[9], sizeof(float) * N, cudaMemcpyDeviceToHost);
-  return cudaSuccess;
+  rc = tp_cuda_loss_compact(cfg, N, reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]),
+                            src[2] ? reinterpret_cast<float*>(d[2]) : nullptr, reinterpret_cast<float*>(d[3]),
+                            reinterpret_cast<float*>(d[4]), reinterpret_cast<float*>(d[5]), reinterpret_cast<int32_t*>(d[6]),
+                            reinterpret_cast<int32_t*>(d[7]), reinterpret_cast<int32_t*>(d[8]),
+                            grad ? reinterpret_cast<float*>(d[9]) : nullptr, out, nullptr);
+  if (rc != TP_OK) return rc;
+  if (grad != nullptr && N > 0 && (err = cudaMemcpy(grad, d[9], sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
+    return Fail(err);
+  }
+  return TP_OK;
 }
 
 }  // extern "C"

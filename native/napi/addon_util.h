@@ -1,4 +1,5 @@
-// Argument checks and TreepackError throwing shared by the CPU and CUDA addons.
+// Argument checks and TreepackError throwing shared by the CPU and CUDA addons: a status of either C ABI becomes
+// the same TreepackError.
 #ifndef TREEPACK_NAPI_ADDON_UTIL_H
 #define TREEPACK_NAPI_ADDON_UTIL_H
 
@@ -6,6 +7,8 @@
 
 #include <cstdint>
 #include <string>
+
+#include "../core/abi.h"
 
 namespace treepack {
 
@@ -23,6 +26,19 @@ inline void ThrowTreepackError(Napi::Env env, const char* code, const std::strin
   }
   Napi::Object error = data->error_class.New({Napi::String::New(env, code), Napi::String::New(env, message)});
   if (!env.IsExceptionPending()) Napi::Error(env, error).ThrowAsJavaScriptException();
+}
+
+// The TreepackError code of a status (abi.h's table).
+inline const char* StatusErrorCode(int status) {
+  switch (status) {
+#define TP_ERROR_CASE(status, message, error) \
+  case status:                                \
+    return error;
+    TP_STATUS_TABLE(TP_ERROR_CASE)
+#undef TP_ERROR_CASE
+    default:
+      return "E_BACKEND";
+  }
 }
 
 inline bool IsInt32Array(const Napi::Value& v) {

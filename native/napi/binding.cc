@@ -104,10 +104,13 @@ Napi::Value PackForest(const Napi::CallbackInfo& info) {
 
 Napi::Value Version(const Napi::CallbackInfo& info) { return Napi::String::New(info.Env(), tp_version()); }
 
+Napi::Value Abi(const Napi::CallbackInfo& info) { return Napi::String::New(info.Env(), tp_abi()); }
+
 Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   env.SetInstanceData(new treepack::AddonData());
   exports.Set("packForest", Napi::Function::New(env, PackForest, "packForest"));
   exports.Set("version", Napi::Function::New(env, Version, "version"));
+  exports.Set("abi", Napi::Function::New(env, Abi, "abi"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
   RegisterMask(env, exports);
   RegisterLoss(env, exports);

@@ -10,6 +10,16 @@
 
 namespace {
 
+// Throws the TreepackError of a status: for a CUDA runtime failure, the CUDA error and its name.
+#define TP_REQUIRE_CUDA_OK(env, status) \
+  TP_REQUIRE(env, (status) == TP_OK, treepack::StatusErrorCode(status), CudaStatusMessage(status))
+
+std::string CudaStatusMessage(int status) {
+  if (status != TP_ERR_DEVICE && status != TP_ERR_ALLOC) return tp_cuda_status_string(status);
+  const int code = tp_cuda_last_error();
+  return "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code);
+}
+
 // Enough for any single host; the count reported is the true one.
 constexpr int32_t kMaxDevices = 64;
 
@@ -18,10 +28,12 @@ Napi::Value DeviceInfo(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::vector<tp_cuda_device> devices(kMaxDevices);
   int32_t runtime_version = 0, driver_version = 0, count = 0;
-  const int code = tp_cuda_device_info(&runtime_version, &driver_version, &count, devices.data(), kMaxDevices);
+  const int status = tp_cuda_device_info(&runtime_version, &driver_version, &count, devices.data(), kMaxDevices);
+  // The CUDA runtime's code (35 no driver, 100 no device), which says more than TP_ERR_DEVICE.
+  const int code = status == TP_OK ? 0 : status == TP_ERR_DEVICE ? tp_cuda_last_error() : -status;
   Napi::Object result = Napi::Object::New(env);
   result.Set("code", Napi::Number::New(env, code));
-  result.Set("message", Napi::String::New(env, tp_cuda_error_string(code)));
+  result.Set("message", Napi::String::New(env, code >= 0 ? tp_cuda_error_string(code) : tp_cuda_status_string(status)));
   result.Set("runtimeVersion", Napi::Number::New(env, runtime_version));
   result.Set("driverVersion", Napi::Number::New(env, driver_version));
   Napi::Array list = Napi::Array::New(env);
@@ -47,9 +59,9 @@ Napi::Value GatherI32(const Napi::CallbackInfo& info) {
   Napi::Int32Array idx = info[1].As<Napi::Int32Array>();
   Napi::Int32Array dst = Napi::Int32Array::New(env, idx.ElementLength());
   TP_RETURN_IF_PENDING(env);
-  const int code = tp_cuda_gather_i32_host(src.Data(), static_cast<int64_t>(src.ElementLength()), idx.Data(),
-                                           static_cast<int64_t>(idx.ElementLength()), dst.Data());
-  TP_REQUIRE(env, code == 0, "E_BACKEND", "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code));
+  const int status = tp_cuda_gather_i32_host(src.Data(), static_cast<int64_t>(src.ElementLength()), idx.Data(),
+                                             static_cast<int64_t>(idx.ElementLength()), dst.Data());
+  TP_REQUIRE_CUDA_OK(env, status);
   return dst;
 }
 
@@ -59,9 +71,10 @@ Napi::Value Loss(const Napi::CallbackInfo& info) {
   treepack::LossArgs a;
   if (!treepack::ParseLossArgs(info, &a)) return env.Undefined();
   tp_loss_metrics m;
-  const int code = tp_cuda_loss_host(&a.config, a.S, a.seq_offsets, a.seq_positions, a.loss_mask, a.advantages,
-                                     a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.N, a.lp, a.grad, &m);
-  TP_REQUIRE(env, code == 0, "E_BACKEND", "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code));
+  const int status = tp_cuda_loss_host(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask,
+                                       a.advantages, a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.N, a.lp,
+                                       a.grad, &m);
+  TP_REQUIRE_CUDA_OK(env, status);
   return treepack::LossMetricsObject(env, m);
 }
 
@@ -70,13 +83,15 @@ Napi::Value LossCompact(const Napi::CallbackInfo& info) {
   treepack::CompactArgs a;
   if (!treepack::ParseCompactArgs(info, &a)) return env.Undefined();
   tp_loss_metrics m;
-  const int code = tp_cuda_loss_compact_host(&a.config, a.N, a.lp, a.old, a.ref, a.pos_weight, a.neg_weight,
-                                             a.kl_weight, a.n_train, a.n_pos, a.n_neg, a.grad, &m);
-  TP_REQUIRE(env, code == 0, "E_BACKEND", "CUDA error " + std::to_string(code) + ": " + tp_cuda_error_string(code));
+  const int status = tp_cuda_loss_compact_host(&a.config, a.N, a.lp, a.old, a.ref, a.pos_weight, a.neg_weight,
+                                               a.kl_weight, a.n_train, a.n_pos, a.n_neg, a.grad, &m);
+  TP_REQUIRE_CUDA_OK(env, status);
   return treepack::LossMetricsObject(env, m);
 }
 
 Napi::Value Version(const Napi::CallbackInfo& info) { return Napi::String::New(info.Env(), TP_VERSION); }
+
+Napi::Value Abi(const Napi::CallbackInfo& info) { return Napi::String::New(info.Env(), tp_cuda_abi()); }
 
 Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   env.SetInstanceData(new treepack::AddonData());
@@ -85,6 +100,7 @@ Napi::Object InitModule(Napi::Env env, Napi::Object exports) {
   exports.Set("loss", Napi::Function::New(env, Loss, "loss"));
   exports.Set("lossCompact", Napi::Function::New(env, LossCompact, "lossCompact"));
   exports.Set("version", Napi::Function::New(env, Version, "version"));
+  exports.Set("abi", Napi::Function::New(env, Abi, "abi"));
   exports.Set("init", Napi::Function::New(env, treepack::Init, "init"));
   RegisterCudaMask(env, exports);
   return exports;

@@ -8,9 +8,9 @@ Napi::Value Loss(const Napi::CallbackInfo& info) {
   treepack::LossArgs a;
   if (!treepack::ParseLossArgs(info, &a)) return env.Undefined();
   tp_loss_metrics m;
-  const int status = tp_loss(&a.config, a.S, a.seq_offsets, a.seq_positions, a.loss_mask, a.advantages,
+  const int status = tp_loss(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask, a.advantages,
                              a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.N, a.lp, a.grad, &m);
-  TP_REQUIRE(env, status == TP_OK, "E_INPUT", tp_status_string(status));
+  TP_REQUIRE(env, status == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status));
   return treepack::LossMetricsObject(env, m);
 }
 
@@ -21,7 +21,7 @@ Napi::Value LossCompact(const Napi::CallbackInfo& info) {
   tp_loss_metrics m;
   const int status = tp_loss_compact(&a.config, a.N, a.lp, a.old, a.ref, a.pos_weight, a.neg_weight, a.kl_weight,
                                      a.n_train, a.n_pos, a.n_neg, a.grad, &m);
-  TP_REQUIRE(env, status == TP_OK, "E_ARG", tp_status_string(status));
+  TP_REQUIRE(env, status == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status));
   return treepack::LossMetricsObject(env, m);
 }
 

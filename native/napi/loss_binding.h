@@ -1,6 +1,6 @@
 // Argument plumbing of the loss functions, shared by the CPU addon (loss_binding.cc) and the CUDA addon
-// (cuda_binding.cc): both take the same typed arrays and return the same metrics object. Inputs are validated in
-// TypeScript (src/loss/validate.ts); here only types and lengths are re-checked.
+// (cuda_binding.cc): both take the same typed arrays and return the same metrics object. Inputs are validated in TypeScript (src/backend/ops.ts); here only types and
+// lengths are re-checked.
 #ifndef TREEPACK_NAPI_LOSS_BINDING_H
 #define TREEPACK_NAPI_LOSS_BINDING_H
 
@@ -45,23 +45,15 @@ T* DataOf(const Napi::Value& v) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(a.ArrayBuffer().Data()) + a.ByteOffset());
 }
 
-// The config as a Float64Array in tp_loss_config's field order (src/backend/loss_cpu.ts configVector).
+// The config as a Float64Array of tp_loss_config's fields in order (configVector in src/backend/abi.ts; the order
+// is abi.h's TP_LOSS_CONFIG_FIELDS, generated from the same table).
 inline bool ReadLossConfig(const Napi::Value& v, tp_loss_config* c) {
-  if (!IsTyped(v, napi_float64_array) || Length(v) != 13) return false;
+  if (!IsTyped(v, napi_float64_array) || Length(v) != TP_LOSS_CONFIG_NUM_FIELDS) return false;
   const double* a = DataOf<double>(v);
-  c->policy = static_cast<int32_t>(a[0]);
-  c->aggregation = static_cast<int32_t>(a[1]);
-  c->kl = static_cast<int32_t>(a[2]);
-  c->tis = static_cast<int32_t>(a[3]);
-  c->clip_low = a[4];
-  c->clip_high = a[5];
-  c->dual_clip = a[6];
-  c->log_ratio_clamp = a[7];
-  c->norm_constant = a[8];
-  c->global_tokens = a[9];
-  c->global_sequences = a[10];
-  c->kl_coef = a[11];
-  c->tis_cap = a[12];
+  size_t k = 0;
+#define TP_READ_FIELD(type, name) c->name = static_cast<type>(a[k++]);
+  TP_LOSS_CONFIG_FIELDS(TP_READ_FIELD)
+#undef TP_READ_FIELD
   return true;
 }
 
@@ -144,19 +136,12 @@ inline bool ParseCompactArgs(const Napi::CallbackInfo& info, CompactArgs* a) {
 
 inline Napi::Value LossMetricsObject(Napi::Env env, const tp_loss_metrics& m) {
   Napi::Object o = Napi::Object::New(env);
-  o.Set("loss", m.loss);
-  o.Set("pg_loss", m.pg_loss);
-  o.Set("kl_loss", m.kl_loss);
-  o.Set("clipfrac_high", m.clipfrac_high);
-  o.Set("clipfrac_low", m.clipfrac_low);
-  o.Set("clipfrac_dual", m.clipfrac_dual);
-  o.Set("approx_kl", m.approx_kl);
-  o.Set("ratio_min", m.ratio_min);
-  o.Set("ratio_mean", m.ratio_mean);
-  o.Set("ratio_max", m.ratio_max);
-  o.Set("trainable_tokens", static_cast<double>(m.trainable_tokens));
+#define TP_SET_METRIC(type, name) o.Set(#name, static_cast<double>(m.name));
+  TP_LOSS_METRICS_FIELDS(TP_SET_METRIC)
+#undef TP_SET_METRIC
   return o;
 }
+
 
 }  // namespace treepack
 

@@ -1,5 +1,5 @@
-// Shared by the CPU and CUDA addons: the status-to-error-code map of the C ABI, and the four typed arrays of a
-// FlexAttention block mask, allocated for JS and returned under their contract names.
+// Shared by the CPU and CUDA addons: the four typed arrays of a FlexAttention block mask, allocated for JS and
+// returned under their contract names.
 #ifndef TREEPACK_NAPI_MASK_ARRAYS_H
 #define TREEPACK_NAPI_MASK_ARRAYS_H
 
@@ -11,21 +11,6 @@
 #include "addon_util.h"
 
 namespace treepack {
-
-// The TreepackError code for a tp_status.
-inline const char* StatusErrorCode(int status) {
-  switch (status) {
-    case TP_ERR_TOO_LARGE:
-      return "E_LIMIT";
-    case TP_ERR_ALLOC:
-      return "E_BACKEND";
-    case TP_ERR_TREE:
-    case TP_ERR_SHARED:
-      return "E_INPUT";
-    default:
-      return "E_ARG";
-  }
-}
 
 struct BlockMaskArrays {
   Napi::Int32Array kv_num, kv_idx, full_num, full_idx;

@@ -8,7 +8,8 @@ build-cmake/Release, or set TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (`
     >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                # torch, autograd
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (README "Loss"); every error is a
-TreepackError naming the field.
+TreepackError naming the field. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
+generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 
 from __future__ import annotations
@@ -20,44 +21,22 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from . import _abi
 from .microbatch import TreepackError
 
-POLICIES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("none", "k1", "abs", "k2", "k3")
-TIS_LEVELS = ("none", "token", "sequence")
-
-DEFAULTS: Dict[str, Any] = {
-    "policy": "ppo",
-    "clip_low": 0.2,
-    "clip_high": None,  # = clip_low
-    "dual_clip": 0.0,
-    "log_ratio_clamp": 20.0,
-    "aggregation": "token-mean",
-    "norm_constant": 0.0,
-    "global_tokens": 0.0,
-    "global_sequences": 0.0,
-    "kl": "none",
-    "kl_coef": 0.0,
-    "tis": "none",
-    "tis_cap": 2.0,
-}
+POLICIES = _abi.POLICY_NAMES
+AGGREGATIONS = _abi.AGGREGATION_NAMES
+KL_ESTIMATORS = _abi.KL_NAMES
+TIS_LEVELS = _abi.TIS_NAMES
+DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
 class LossConfig(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("policy", "aggregation", "kl", "tis")] + [
-        (n, ctypes.c_double)
-        for n in ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "norm_constant", "global_tokens",
-                  "global_sequences", "kl_coef", "tis_cap")
-    ]
+    _fields_ = [(n, ctypes.c_int32) for n in _abi.ENUM_FIELDS] + [(n, ctypes.c_double) for n in _abi.NUMBER_FIELDS]
 
 
 class LossMetrics(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_double)
-        for n in ("loss", "pg_loss", "kl_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl",
-                  "ratio_min", "ratio_mean", "ratio_max")
-    ] + [("trainable_tokens", ctypes.c_int64)]
+    _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
 
     def as_dict(self) -> Dict[str, float]:
         return {n: getattr(self, n) for n, _ in self._fields_}
@@ -101,8 +80,25 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
         raise bad("dual_clip", f"0 with policy {c['policy']!r} (dual clip applies to ppo)")
     if c["aggregation"] == "seq-mean-token-sum-norm" and not c["norm_constant"] > 0:
         raise bad("norm_constant", "a number > 0 with aggregation 'seq-mean-token-sum-norm'")
-    floats = {k: float(c[k]) for k in DEFAULTS if k not in codes}
-    return LossConfig(**codes, **floats)
+    return LossConfig(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
+
+
+def status_message(code: int) -> str:
+    """The name and message of a status of the C ABIs (the CPU and CUDA libraries share them)."""
+    if 0 <= code < len(_abi.STATUSES):
+        name, message, _ = _abi.STATUSES[code]
+        return f"{name}: {message}"
+    return f"unknown treepack status {code}"
+
+
+def cuda_status_error(lib: ctypes.CDLL, what: str, rc: int) -> TreepackError:
+    """The TreepackError of a failed call of the CUDA C ABI: its status, and for a CUDA runtime failure the CUDA error."""
+    detail = ""
+    if rc in (_abi.TP_ERR_DEVICE, _abi.TP_ERR_ALLOC):
+        code = lib.tp_cuda_last_error()
+        detail = f" (CUDA error {code}: {lib.tp_cuda_error_string(code).decode()})"
+    error = _abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND"
+    return TreepackError(error, f"{what}: {status_message(rc)}{detail}", field="logprobs")
 
 
 def _library(env: str, name: str) -> ctypes.CDLL:
@@ -115,9 +111,20 @@ def _library(env: str, name: str) -> ctypes.CDLL:
     errors = []
     for path in candidates:
         try:
-            return ctypes.CDLL(os.path.abspath(path))
+            lib = ctypes.CDLL(os.path.abspath(path))
         except OSError as e:
             errors.append(f"{path}: {e}")
+            continue
+        abi_fn = getattr(lib, "tp_abi" if name == "libtreepack_core.so" else "tp_cuda_abi", None)
+        if abi_fn is None:
+            errors.append(f"{path}: no ABI fingerprint (built by an older treepack; rebuild it)")
+            continue
+        abi_fn.restype = ctypes.c_char_p
+        abi = abi_fn().decode()
+        if abi != _abi.ABI:
+            errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI}; rebuild it)")
+            continue
+        return lib
     raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}")
 
 
@@ -131,7 +138,7 @@ def core_library() -> ctypes.CDLL:
     global _core
     if _core is None:
         lib = _library("TREEPACK_CORE_LIB", "libtreepack_core.so")
-        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
+        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
         lib.tp_loss.restype = ctypes.c_int
         lib.tp_status_string.restype = ctypes.c_char_p
         _core = lib
@@ -145,6 +152,7 @@ def cuda_library() -> ctypes.CDLL:
         lib.tp_cuda_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics), _P]
         lib.tp_cuda_loss.restype = ctypes.c_int
         lib.tp_cuda_error_string.restype = ctypes.c_char_p
+        lib.tp_cuda_last_error.restype = ctypes.c_int
         _cuda = lib
     return _cuda
 
@@ -190,9 +198,9 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] =
     metrics = LossMetrics()
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     lib = core_library()
-    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
+    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
     if rc != 0:
-        raise TreepackError("E_INPUT", f"tp_loss: {lib.tp_status_string(rc).decode()}", field="seq_offsets")
+        raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field="seq_offsets")
     return metrics.loss, grad, metrics.as_dict()
 
 

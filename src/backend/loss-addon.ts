@@ -1,9 +1,10 @@
 /**
  * The loss on the addons: the CPU addon (C++ core) and the CUDA addon take the same typed arrays (native/napi/
- * loss_binding.h), so one wrapper serves both. Inputs are validated by the caller (src/loss/validate.ts).
+ * loss_binding.h), so one wrapper serves both. Inputs are checked by the dispatch layer (ops.ts).
  */
-import { configCodes, type LossConfig } from '../loss/config.js';
+import type { LossConfig } from '../loss/config.js';
 import type { CompactPlan, LossBatch, LossMetrics, LossResult } from '../loss/types.js';
+import { configVector } from './abi.js';
 
 export interface LossAddon {
   loss(
@@ -31,26 +32,6 @@ export interface LossAddon {
     n_neg: Int32Array,
     grad: Float32Array | null,
   ): LossMetrics;
-}
-
-/** tp_loss_config (native/core/loss.h) in field order. */
-export function configVector(cfg: LossConfig): Float64Array {
-  const c = configCodes(cfg);
-  return Float64Array.of(
-    c.policy,
-    c.aggregation,
-    c.kl,
-    c.tis,
-    cfg.clip_low,
-    cfg.clip_high,
-    cfg.dual_clip,
-    cfg.log_ratio_clamp,
-    cfg.norm_constant,
-    cfg.global_tokens,
-    cfg.global_sequences,
-    cfg.kl_coef,
-    cfg.tis_cap,
-  );
 }
 
 export function addonLoss(addon: LossAddon, b: LossBatch, lp: Float32Array, cfg: LossConfig): LossResult {

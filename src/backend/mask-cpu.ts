@@ -1,10 +1,7 @@
-/** The mask lowerings on the CPU addon (native/core/mask.cc): validation and limits here, the work in C++. */
+/** The mask lowerings on the CPU addon (native/core/mask.cc); input checked by the dispatch layer (ops.ts). */
 import { TreepackError } from '../errors.js';
-import { blockMaskBytes, MAX_BLOCK_MASK_BYTES, numBlocks } from '../mask/blocks.js';
-import { checkNoSharing } from '../mask/cuseqlens.js';
-import { bitsBytes, denseBytes, MAX_DENSE_BYTES } from '../mask/dense.js';
+import { numBlocks } from '../mask/sizes.js';
 import type { BlockMask, TreeArrays } from '../mask/types.js';
-import { checkBytes, validateBlockSize, validateTree } from '../mask/validate.js';
 import { loadNative, type NativeBinding } from './native.js';
 
 function addon(): NativeBinding {
@@ -13,32 +10,22 @@ function addon(): NativeBinding {
   return loaded.binding;
 }
 
-export function maskDenseCpu(tree: TreeArrays): Uint8Array {
-  const N = validateTree(tree);
-  checkBytes('a dense mask', denseBytes(N), MAX_DENSE_BYTES, 'cpu', N);
+export async function maskDenseCpu(tree: TreeArrays): Promise<Uint8Array> {
   return addon().maskDense(tree.parent, tree.subtree_end);
 }
 
-export function maskBitsCpu(tree: TreeArrays): Uint32Array {
-  const N = validateTree(tree);
-  checkBytes('a bitmask', bitsBytes(N), MAX_DENSE_BYTES, 'cpu', N);
+export async function maskBitsCpu(tree: TreeArrays): Promise<Uint32Array> {
   return addon().maskBits(tree.parent, tree.subtree_end);
 }
 
-export function maskBlocksCpu(tree: TreeArrays, blockSize: number): BlockMask {
-  const N = validateTree(tree);
-  const B = validateBlockSize(blockSize);
-  checkBytes('a block mask', blockMaskBytes(N, B), MAX_BLOCK_MASK_BYTES, 'cpu', N);
-  return { block_size: B, num_blocks: numBlocks(N, B), ...addon().maskBlocks(tree.subtree_end, B) };
+export async function maskBlocksCpu(tree: TreeArrays, B: number): Promise<BlockMask> {
+  return { block_size: B, num_blocks: numBlocks(tree.parent.length, B), ...addon().maskBlocks(tree.subtree_end, B) };
 }
 
-export function maskSlicesCpu(tree: TreeArrays): Int32Array {
-  validateTree(tree);
+export async function maskSlicesCpu(tree: TreeArrays): Promise<Int32Array> {
   return addon().maskSlices(tree.parent, tree.subtree_end);
 }
 
-export function maskCuSeqlensCpu(tree: TreeArrays): Int32Array {
-  validateTree(tree);
-  checkNoSharing(tree.parent);
+export async function maskCuSeqlensCpu(tree: TreeArrays): Promise<Int32Array> {
   return addon().maskCuSeqlens(tree.parent);
 }

@@ -3,8 +3,10 @@
  * and, lazily and separately, the CUDA addon `treepack_cuda.node` (cmake-js only). Loading never throws: every
  * failed attempt is collected into one `error` string that says why the backend is unavailable.
  *
- * Overrides: TREEPACK_NATIVE_BINDING / TREEPACK_CUDA_BINDING name one addon file (relative to the working
- * directory); when set, only that file is tried.
+ * Which file, in order (better-sqlite3's `nativeBinding`): the binding given to `configureBackends` (a path, or an
+ * addon object already loaded), else TREEPACK_NATIVE_BINDING / TREEPACK_CUDA_BINDING (one addon file, relative to
+ * the working directory), else the build directories of this package. A given binding or variable is the only one
+ * tried.
  */
 import fs from 'node:fs';
 import { createRequire } from 'node:module';
@@ -14,6 +16,7 @@ import { TreepackError } from '../errors.js';
 import type { BlockMask } from '../mask/types.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 import { validateSequences } from '../pack/validate.js';
+import { ABI_HASH } from './abi.js';
 import type { LossAddon } from './loss-addon.js';
 
 /**
@@ -32,6 +35,8 @@ export interface NativeBinding extends LossAddon {
   maskSlices(parent: Int32Array, subtree_end: Int32Array): Int32Array;
   maskCuSeqlens(parent: Int32Array): Int32Array;
   version(): string;
+  /** The fingerprint of the ABI tables it was built with (TP_ABI). */
+  abi(): string;
   init(errorClass: typeof TreepackError): void;
 }
 
@@ -49,10 +54,11 @@ export interface CudaBinding extends LossAddon {
   /** dst[i] = src[idx[i]] on the first GPU (an index outside src gives 0); throws TreepackError E_BACKEND. */
   gatherI32(src: Int32Array, idx: Int32Array): Int32Array;
   /** Mask lowerings on the first GPU (native/cuda/mask.cu); kernelMs is the kernels' own time. E_BACKEND on failure. */
-  maskDense(subtree_end: Int32Array): { data: Uint8Array; kernelMs: number };
-  maskBits(subtree_end: Int32Array): { data: Uint32Array; kernelMs: number };
+  maskDense(parent: Int32Array, subtree_end: Int32Array): { data: Uint8Array; kernelMs: number };
+  maskBits(parent: Int32Array, subtree_end: Int32Array): { data: Uint32Array; kernelMs: number };
   maskBlocks(subtree_end: Int32Array, blockSize: number): { data: Omit<BlockMask, 'block_size' | 'num_blocks'>; kernelMs: number };
   version(): string;
+  abi(): string;
   init(errorClass: typeof TreepackError): void;
 }
 
@@ -75,10 +81,29 @@ function packageRoot(): string {
   }
 }
 
+/** The functions each addon must export: a binding injected by a trainer is checked against them. */
+const NATIVE_FUNCTIONS = ['packForest', 'maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
+const CUDA_FUNCTIONS = ['deviceInfo', 'gatherI32', 'maskDense', 'maskBits', 'maskBlocks', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
+
+/**
+ * Calls init(TreepackError) on a loaded addon after checking it exports every function the backend uses and was
+ * built from this package's ABI tables (src/backend/abi.ts): a stale or foreign build would misread the config.
+ */
+function adopt<B extends { init(errorClass: typeof TreepackError): void }>(binding: unknown, functions: readonly string[]): B {
+  if (binding === null || typeof binding !== 'object') throw new Error(`not an addon object (${typeof binding})`);
+  const missing = functions.filter((f) => typeof (binding as Record<string, unknown>)[f] !== 'function');
+  if (missing.length) throw new Error(`not a treepack addon of this version: missing ${missing.join(', ')} (rebuild it)`);
+  const abi = (binding as { abi(): string }).abi();
+  if (abi !== ABI_HASH) throw new Error(`built from other ABI tables (${abi}, this package has ${ABI_HASH}): rebuild it`);
+  (binding as B).init(TreepackError);
+  return binding as B;
+}
+
 function loadAddon<B extends { init(errorClass: typeof TreepackError): void }>(
   overrideVar: string,
   relativePaths: string[],
   buildHint: string,
+  functions: readonly string[],
 ): Loaded<B> {
   const override = process.env[overrideVar];
   const root = override ? '' : packageRoot();
@@ -90,9 +115,7 @@ function loadAddon<B extends { init(errorClass: typeof TreepackError): void }>(
       continue;
     }
     try {
-      const binding = requireAddon(file) as B;
-      binding.init(TreepackError);
-      return { binding, path: file };
+      return { binding: adopt<B>(requireAddon(file), functions), path: file };
     } catch (e) {
       errors.push(`${file}: ${e instanceof Error ? e.message : String(e)}`);
     }
@@ -110,6 +133,7 @@ export function loadNative(): Loaded<NativeBinding> {
     'TREEPACK_NATIVE_BINDING',
     ['build/Release/treepack.node', 'build-cmake/Release/treepack.node'],
     'build it with `npm run build:native`',
+    NATIVE_FUNCTIONS,
   );
   return native;
 }
@@ -120,8 +144,32 @@ export function loadCuda(): Loaded<CudaBinding> {
     'TREEPACK_CUDA_BINDING',
     ['build-cmake/Release/treepack_cuda.node'],
     'build it with `npm run build:cuda` on a machine with nvcc',
+    CUDA_FUNCTIONS,
   );
   return cuda;
+}
+
+/** A binding handed over by the caller: an addon file to load, or an addon object already loaded. */
+export type BindingSource<B> = string | B;
+
+function inject<B extends { init(errorClass: typeof TreepackError): void }>(option: string, source: BindingSource<B>, functions: readonly string[]): Loaded<B> {
+  const where = typeof source === 'string' ? path.resolve(source) : 'the given object';
+  try {
+    const binding = typeof source === 'string' ? requireAddon(where) : source;
+    return { binding: adopt<B>(binding, functions), path: where };
+  } catch (e) {
+    throw new TreepackError('E_ARG', `${option}: ${where} is not a usable treepack addon: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`, { field: option });
+  }
+}
+
+/** Uses `source` as the CPU addon from now on (throws E_ARG, keeping the current one, when it cannot be used). */
+export function injectNative(source: BindingSource<NativeBinding>): void {
+  native = inject<NativeBinding>('nativeBinding', source, NATIVE_FUNCTIONS);
+}
+
+/** Uses `source` as the CUDA addon from now on (throws E_ARG, keeping the current one, when it cannot be used). */
+export function injectCuda(source: BindingSource<CudaBinding>): void {
+  cuda = inject<CudaBinding>('cudaBinding', source, CUDA_FUNCTIONS);
 }
 
 /** Whether the CUDA backend can run here, and if not, why (no addon, no driver, no device). Never throws. */

@@ -1,19 +1,24 @@
 /**
- * One registry for every backend (onnxruntime-node / tfjs style): backends register with a priority and a lazy
- * init; kernels register per (backend, op). Resolution walks backends by priority, initialising each at most
- * once (a failure is remembered with its reason and never retried), and returns the first that has the op,
- * together with a report of what was tried and why, so callers can say what ran.
+ * One registry for every backend (onnxruntime-node / tfjs style): backends register with a priority and their life
+ * cycle (init, dispose, limits); kernels register per (backend, op). Resolution walks backends by priority,
+ * initialising each at most once (a failure is remembered with its reason and never retried), and returns the first
+ * that has the op, together with a report of what was tried and why, so callers can say what ran. Only this module
+ * starts and tears down a backend: `disposeBackends()` is the one call that releases devices.
  */
 import { TreepackError } from '../errors.js';
-import type { BlockMask, TreeArrays } from '../mask/types.js';
 import type { LossConfig } from '../loss/config.js';
 import type { CompactPlan, LossBatch, LossResult } from '../loss/types.js';
+import type { BlockMask, TreeArrays } from '../mask/types.js';
+import { hostLimits, type OutputLimits } from '../mask/validate.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 
 export type BackendName = 'cuda' | 'webgpu' | 'cpu' | 'js';
 export const BACKEND_NAMES: readonly BackendName[] = ['cuda', 'webgpu', 'cpu', 'js'];
 
-/** Every op a backend may implement. Later pipeline steps (masks, loss) add theirs here. */
+/**
+ * Every op a backend may implement. Kernels receive input already checked by the dispatch layer (ops.ts): they
+ * neither validate nor check output sizes.
+ */
 export interface Kernels {
   packForest: (seqs: Sequences) => Forest;
   /** Mask lowerings (src/mask): async because GPU backends read their results back. */
@@ -22,12 +27,28 @@ export interface Kernels {
   maskBlocks: (tree: TreeArrays, blockSize: number) => Promise<BlockMask>;
   maskSlices: (tree: TreeArrays) => Promise<Int32Array>;
   maskCuSeqlens: (tree: TreeArrays) => Promise<Int32Array>;
-  /** Per-occurrence RL loss, gradient and metrics; inputs validated by src/loss (computeLoss). */
+  /** Per-occurrence RL loss, gradient and metrics. */
   loss: (batch: LossBatch, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
   /** The same from a compact per-node plan (buildCompactPlan). */
   lossCompact: (plan: CompactPlan, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
 }
 export type OpName = keyof Kernels;
+
+/** What a backend can allocate, and for WebGPU the device limits behind it. */
+export interface BackendLimits extends OutputLimits {
+  device?: Record<string, number>;
+}
+
+export interface BackendEntry {
+  name: BackendName;
+  priority: number;
+  /** Starts the backend; returns what it runs on, throws when it cannot run here. */
+  init: () => Promise<string> | string;
+  /** Releases what init acquired (devices), so the process can exit; the next use initialises again. */
+  dispose?: () => Promise<void> | void;
+  /** Output limits once initialised; host limits (2 GiB per lowering) when absent. */
+  limits?: () => BackendLimits;
+}
 
 export interface BackendStatus {
   name: BackendName;
@@ -36,29 +57,21 @@ export interface BackendStatus {
   /** Why it is unavailable, or what it runs on when available. */
   detail: string;
   ops: OpName[];
+  limits?: BackendLimits;
 }
 
-export interface Resolved<K extends OpName> {
-  backend: BackendName;
-  kernel: Kernels[K];
-  /** The chosen backend and, before it, every higher-priority backend skipped and why. */
-  report: string;
-}
-
-interface Entry {
-  name: BackendName;
-  priority: number;
-  init: () => Promise<string> | string; // returns a description of what it runs on; throws when unavailable
+interface Registered {
+  entry: BackendEntry;
   state?: { ok: true; detail: string } | { ok: false; detail: string };
   pending?: Promise<void>;
 }
 
-const backends = new Map<BackendName, Entry>();
+const backends = new Map<BackendName, Registered>();
 const kernels = new Map<string, unknown>();
 
-export function registerBackend(name: BackendName, priority: number, init: Entry['init']): void {
-  if (backends.has(name)) throw new TreepackError('E_BACKEND', `backend '${name}' is already registered`);
-  backends.set(name, { name, priority, init });
+export function registerBackend(entry: BackendEntry): void {
+  if (backends.has(entry.name)) throw new TreepackError('E_BACKEND', `backend '${entry.name}' is already registered`);
+  backends.set(entry.name, { entry });
 }
 
 export function registerKernel<K extends OpName>(backend: BackendName, op: K, impl: Kernels[K]): void {
@@ -73,55 +86,91 @@ function opsOf(name: BackendName): OpName[] {
   return ops;
 }
 
-async function ensureInit(e: Entry): Promise<void> {
-  if (e.state) return;
-  e.pending ??= (async () => {
+async function ensureInit(r: Registered): Promise<void> {
+  if (r.state) return;
+  r.pending ??= (async () => {
     try {
-      e.state = { ok: true, detail: await e.init() };
+      r.state = { ok: true, detail: await r.entry.init() };
     } catch (err) {
-      e.state = { ok: false, detail: err instanceof Error ? err.message : String(err) };
+      r.state = { ok: false, detail: err instanceof Error ? err.message : String(err) };
     }
   })();
-  await e.pending;
+  await r.pending;
 }
 
-function sorted(): Entry[] {
-  return [...backends.values()].sort((a, b) => b.priority - a.priority);
+function limitsOf(r: Registered): BackendLimits {
+  return r.entry.limits?.() ?? hostLimits(r.entry.name);
+}
+
+function sorted(): Registered[] {
+  return [...backends.values()].sort((a, b) => b.entry.priority - a.entry.priority);
 }
 
 /** Status of every registered backend, initialising each (once). */
 export async function listBackends(): Promise<BackendStatus[]> {
   const out: BackendStatus[] = [];
-  for (const e of sorted()) {
-    await ensureInit(e);
-    out.push({ name: e.name, priority: e.priority, available: e.state!.ok, detail: e.state!.detail, ops: opsOf(e.name) });
+  for (const r of sorted()) {
+    await ensureInit(r);
+    const { name, priority } = r.entry;
+    const status: BackendStatus = { name, priority, available: r.state!.ok, detail: r.state!.detail, ops: opsOf(name) };
+    if (r.state!.ok) status.limits = limitsOf(r);
+    out.push(status);
   }
   return out;
 }
 
+export interface Found<K extends OpName> {
+  backend: BackendName;
+  kernel: Kernels[K];
+  limits: BackendLimits;
+  /** The chosen backend and, before it, every higher-priority backend skipped and why. */
+  report: string;
+}
+
 /**
- * The kernel for `op`: on `preferred` when given (an error if it is unavailable or lacks the op: an explicit
- * choice is never silently replaced), else on the highest-priority available backend that implements it.
+ * The raw kernel for `op` (unchecked input: ops.ts wraps it): on `preferred` when given (an error if it is
+ * unavailable or lacks the op: an explicit choice is never silently replaced), else on the highest-priority
+ * available backend that implements it.
  */
-export async function resolveKernel<K extends OpName>(op: K, preferred?: BackendName | 'auto'): Promise<Resolved<K>> {
+export async function findKernel<K extends OpName>(op: K, preferred?: BackendName | 'auto'): Promise<Found<K>> {
   const skipped: string[] = [];
-  for (const e of sorted()) {
-    if (preferred && preferred !== 'auto' && e.name !== preferred) continue;
-    const kernel = kernels.get(`${e.name}_${op}`) as Kernels[K] | undefined;
+  for (const r of sorted()) {
+    const { name } = r.entry;
+    if (preferred && preferred !== 'auto' && name !== preferred) continue;
+    const kernel = kernels.get(`${name}_${op}`) as Kernels[K] | undefined;
     if (!kernel) {
-      skipped.push(`${e.name}: no '${op}' kernel`);
+      skipped.push(`${name}: no '${op}' kernel`);
       continue;
     }
-    await ensureInit(e);
-    if (!e.state!.ok) {
-      skipped.push(`${e.name}: ${e.state!.detail}`);
+    await ensureInit(r);
+    if (!r.state!.ok) {
+      skipped.push(`${name}: ${r.state!.detail}`);
       continue;
     }
     const why = skipped.length ? ` (skipped ${skipped.join('; ')})` : '';
-    return { backend: e.name, kernel, report: `${op} on ${e.name}: ${e.state!.detail}${why}` };
+    return { backend: name, kernel, limits: limitsOf(r), report: `${op} on ${name}: ${r.state!.detail}${why}` };
   }
   if (preferred && preferred !== 'auto' && !backends.has(preferred)) {
     throw new TreepackError('E_ARG', `Expected one of ${[...backends.keys()].join(', ')} for backend but received '${preferred}'`);
   }
   throw new TreepackError('E_BACKEND', `no available backend for '${op}': ${skipped.join('; ')}`);
+}
+
+/** Disposes `name` (when it was started) and forgets its state, so that its next use initialises it again. */
+export async function resetBackend(name: BackendName): Promise<void> {
+  const r = backends.get(name);
+  if (!r) return;
+  await r.pending;
+  const wasUp = r.state?.ok === true;
+  r.state = undefined;
+  r.pending = undefined;
+  if (wasUp) await r.entry.dispose?.();
+}
+
+/**
+ * Releases every started backend (the WebGPU device above all, which keeps Node from exiting). Safe to call
+ * more than once; a later call of any op starts the backend it needs again.
+ */
+export async function disposeBackends(): Promise<void> {
+  for (const name of backends.keys()) await resetBackend(name);
 }

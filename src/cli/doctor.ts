@@ -3,7 +3,6 @@
  * adapter). Never fails on an unavailable backend: that is what it reports.
  */
 import { listBackends } from '../backend/index.js';
-import { webgpuContext } from '../backend/webgpu/device.js';
 import { VERSION } from '../version.js';
 import { parse } from './args.js';
 
@@ -13,7 +12,7 @@ Reports every backend (cuda, webgpu, cpu, js) in the order 'auto' tries them: av
 ops each implements. Exit code 0 whatever is available.
 
 Options:
-  --json       one JSON object: {version, node, platform, backends: [{name, priority, available, detail, ops}], webgpu_limits?}
+  --json       one JSON object: {version, node, platform, backends: [{name, priority, available, detail, ops, limits?}], webgpu_limits?}
   -h, --help   this help`;
 
 export async function doctorCommand(argv: string[]): Promise<number> {
@@ -27,9 +26,8 @@ export async function doctorCommand(argv: string[]): Promise<number> {
     return 2;
   }
   const backends = await listBackends();
-  const gpu = await webgpuContext();
   // The limits decide the largest mask a WebGPU device can build (one storage buffer per output array).
-  const webgpu_limits = gpu.ok ? { maxStorageBufferBindingSize: gpu.ctx.device.limits.maxStorageBufferBindingSize, maxBufferSize: gpu.ctx.device.limits.maxBufferSize } : undefined;
+  const webgpu_limits = backends.find((b) => b.name === 'webgpu')?.limits?.device;
   const report = { version: VERSION, node: process.version, platform: `${process.platform}-${process.arch}`, backends, ...(webgpu_limits ? { webgpu_limits } : {}) };
   if (values.json) {
     console.log(JSON.stringify(report, null, 2));

@@ -7,7 +7,7 @@ import { ioError } from '../io/atomic.js';
 import { TreepackError } from '../errors.js';
 import { readMicroBatch } from '../io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../io/safetensors.js';
-import { computeLoss } from '../loss/index.js';
+import { computeLoss } from '../backend/index.js';
 import { backendOption, parse, usageError } from './args.js';
 
 export const LOSS_USAGE = `Usage: treepack loss <microbatch.safetensors> --logprobs FILE --config loss.json [options]

@@ -1,6 +1,6 @@
 #!/usr/bin/env node
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
-import { releaseWebGPU } from '../backend/webgpu/device.js';
+import { disposeBackends } from '../backend/index.js';
 import { EXIT_OK, EXIT_USAGE, exitStatus, TreepackError } from '../errors.js';
 import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
 import { lossCommand, LOSS_USAGE } from './loss.js';
@@ -58,7 +58,7 @@ async function main(argv: string[]): Promise<number> {
     throw err;
   } finally {
     // A live WebGPU device (mask lowerings, doctor) keeps Node from exiting.
-    await releaseWebGPU();
+    await disposeBackends();
   }
 }
 

@@ -1,7 +1,7 @@
 /** `treepack pack`: flags → packRecords → DirectorySink (micro-batches + manifest.json) → a summary line. */
 import { DirectorySink } from '../io/directory-sink.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
-import { MASKS_OPTION_HELP, parseMaskSpecs } from '../mask/index.js';
+import { MASKS_OPTION_HELP, parseMaskSpecs } from '../io/masks.js';
 import { DEFAULT_COST, imbalance } from '../pack/balance.js';
 import { DEFAULT_WINDOW_TOKENS, packRecords } from '../packer/index.js';
 import { backendOption, nonNegativeNumber, oneInput, optionValue, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt, usageError, type Parsed } from './args.js';

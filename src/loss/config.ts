@@ -97,7 +97,7 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
   return cfg;
 }
 
-/** Integer codes shared with the C ABI (native/core/loss.h) and the GPU kernels. */
+/** The integer codes of the enum fields: each name's index in its list (the C ABI's, src/backend/abi.ts). */
 export function configCodes(cfg: LossConfig): { policy: number; aggregation: number; kl: number; tis: number } {
   return {
     policy: POLICY_LOSSES.indexOf(cfg.policy),

@@ -2,13 +2,14 @@
  * KL to the reference policy as a loss term, per token (verl's kl_penalty): k1 = lp − ref, abs = |lp − ref|,
  * k2 = ½(lp − ref)², k3 (low-variance) = exp(x) − x − 1 with x = clamp(ref − lp, ±20), clamped to [−10, 10].
  */
+import { KL_ESTIMATORS } from './config.js';
 import { clamp } from './policy.js';
 
-/** Codes as in KL_ESTIMATORS (config.ts): 0 none, 1 k1, 2 abs, 3 k2, 4 k3. */
-export const KL_K1 = 1;
-export const KL_ABS = 2;
-export const KL_K2 = 3;
-export const KL_K3 = 4;
+/** The estimators' codes: their index in KL_ESTIMATORS. */
+const KL_K1 = KL_ESTIMATORS.indexOf('k1');
+const KL_ABS = KL_ESTIMATORS.indexOf('abs');
+const KL_K2 = KL_ESTIMATORS.indexOf('k2');
+const KL_K3 = KL_ESTIMATORS.indexOf('k3');
 
 /** verl's fixed clamps for k3. */
 export const K3_LOG_CLAMP = 20;

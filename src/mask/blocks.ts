@@ -8,26 +8,20 @@
  * so each kv block is full for one run of query blocks and partial for the next. On the diagonal (i = j) the
  * self pairs are visible and, for B > 1, the pair (first query, second key) is not: partial, and full for B = 1.
  */
-import { checkBytes, validateBlockSize, validateTree } from './validate.js';
+import { numBlocks } from './sizes.js';
 import { DEFAULT_BLOCK_SIZE, type BlockMask, type TreeArrays } from './types.js';
+import { checkMaskCall, hostLimits } from './validate.js';
 
-/** Largest block mask the js and cpu backends allocate. */
-export const MAX_BLOCK_MASK_BYTES = 2 ** 31;
-
-export function numBlocks(N: number, blockSize: number): number {
-  return Math.ceil(N / blockSize);
-}
-
-/** Bytes of the four arrays. */
-export function blockMaskBytes(N: number, blockSize: number): number {
-  const nb = numBlocks(N, blockSize);
-  return 8 * nb * (nb + 1);
-}
+export { blockMaskBytes, numBlocks } from './sizes.js';
 
 export function maskBlocks(tree: TreeArrays, blockSize: number = DEFAULT_BLOCK_SIZE): BlockMask {
-  const N = validateTree(tree);
-  const B = validateBlockSize(blockSize);
-  checkBytes('a block mask', blockMaskBytes(N, B), MAX_BLOCK_MASK_BYTES, 'js', N);
+  checkMaskCall('maskBlocks', tree, blockSize, hostLimits('js'));
+  return lowerBlocks(tree, blockSize);
+}
+
+/** The js kernel of maskBlocks: `tree` and `B` already checked. */
+export function lowerBlocks(tree: TreeArrays, B: number): BlockMask {
+  const N = tree.parent.length;
   const se = tree.subtree_end;
   const nb = numBlocks(N, B);
   const kvNum = new Int32Array(nb), kvIdx = new Int32Array(nb * nb);

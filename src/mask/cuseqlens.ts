@@ -2,23 +2,18 @@
  * cu_seqlens (flash-attn varlen) for a forest with no sharing: every node has at most one child, so the packed
  * stream is independent chains and the tree mask is block-diagonal causal. int32 [R + 1] for R roots.
  */
-import { TreepackError } from '../errors.js';
-import { validateTree } from './validate.js';
 import type { TreeArrays } from './types.js';
-
-/** Throws, naming the first node with a second child, unless every node has at most one (every backend's check). */
-export function checkNoSharing(parent: Int32Array): void {
-  for (let p = 0; p < parent.length; p++) {
-    if (parent[p] >= 0 && parent[p] !== p - 1) {
-      throw new TreepackError('E_INPUT', `cu_seqlens needs a forest with no sharing, but node ${parent[p]} has more than one child; use the block-sparse or slices lowering`, { field: 'parent' });
-    }
-  }
-}
+import { checkMaskCall, hostLimits } from './validate.js';
 
 export function maskCuSeqlens(tree: TreeArrays): Int32Array {
-  const N = validateTree(tree);
+  checkMaskCall('maskCuSeqlens', tree, undefined, hostLimits('js'));
+  return lowerCuSeqlens(tree);
+}
+
+/** The js kernel of maskCuSeqlens: `tree` already checked, sharing included (checkNoSharing). */
+export function lowerCuSeqlens(tree: TreeArrays): Int32Array {
   const { parent } = tree;
-  checkNoSharing(parent);
+  const N = parent.length;
   let roots = 0;
   for (let p = 0; p < N; p++) if (parent[p] < 0) roots++;
   const out = new Int32Array(roots + 1);

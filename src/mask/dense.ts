@@ -3,27 +3,25 @@
  * row-major (bit k of row q is bit k % 32 of word q * ceil(N / 32) + floor(k / 32)). Row q is row parent[q] plus
  * q itself, so each row is one copy of an earlier row: O(N²) bytes written, no per-pair test.
  */
-import { checkBytes, validateTree } from './validate.js';
+import { bitsWordsPerRow } from './sizes.js';
 import type { TreeArrays } from './types.js';
+import { checkMaskCall, hostLimits } from './validate.js';
 
-/** Largest dense output the js and cpu backends allocate (typed arrays index with 32 bits). */
-export const MAX_DENSE_BYTES = 2 ** 31;
-
-export function denseBytes(N: number): number {
-  return N * N;
-}
-
-export function bitsWordsPerRow(N: number): number {
-  return Math.ceil(N / 32);
-}
-
-export function bitsBytes(N: number): number {
-  return N * bitsWordsPerRow(N) * 4;
-}
+export { bitsBytes, bitsWordsPerRow, denseBytes } from './sizes.js';
 
 export function maskDense(tree: TreeArrays): Uint8Array {
-  const N = validateTree(tree);
-  checkBytes('a dense mask', denseBytes(N), MAX_DENSE_BYTES, 'js', N);
+  checkMaskCall('maskDense', tree, undefined, hostLimits('js'));
+  return lowerDense(tree);
+}
+
+export function maskBits(tree: TreeArrays): Uint32Array {
+  checkMaskCall('maskBits', tree, undefined, hostLimits('js'));
+  return lowerBits(tree);
+}
+
+/** The js kernel of maskDense: `tree` already checked (checkMaskCall). */
+export function lowerDense(tree: TreeArrays): Uint8Array {
+  const N = tree.parent.length;
   const out = new Uint8Array(N * N);
   const { parent } = tree;
   for (let q = 0; q < N; q++) {
@@ -34,9 +32,9 @@ export function maskDense(tree: TreeArrays): Uint8Array {
   return out;
 }
 
-export function maskBits(tree: TreeArrays): Uint32Array {
-  const N = validateTree(tree);
-  checkBytes('a bitmask', bitsBytes(N), MAX_DENSE_BYTES, 'js', N);
+/** The js kernel of maskBits: `tree` already checked. */
+export function lowerBits(tree: TreeArrays): Uint32Array {
+  const N = tree.parent.length;
   const W = bitsWordsPerRow(N);
   const out = new Uint32Array(N * W);
   const { parent } = tree;

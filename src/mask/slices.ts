@@ -7,8 +7,8 @@
  * slice to the same key range as the previous sibling's, whose q range ends at a, is extended instead of repeated
  * (a wide fan-out of leaves under one prefix is one slice). Every visible pair is in exactly one slice.
  */
-import { validateTree } from './validate.js';
 import { SLICE_CAUSAL, SLICE_FULL, type TreeArrays } from './types.js';
+import { checkMaskCall, hostLimits } from './validate.js';
 
 class SliceList {
   data = new Int32Array(5 * 64);
@@ -30,7 +30,13 @@ class SliceList {
 }
 
 export function maskSlices(tree: TreeArrays): Int32Array {
-  const N = validateTree(tree);
+  checkMaskCall('maskSlices', tree, undefined, hostLimits('js'));
+  return lowerSlices(tree);
+}
+
+/** The js kernel of maskSlices: `tree` already checked. */
+export function lowerSlices(tree: TreeArrays): Int32Array {
+  const N = tree.parent.length;
   const { parent, subtree_end: se } = tree;
   const out = new SliceList();
   // The path from the root to the current run: its runs, and their ancestor ranges merged (with, per range, the

@@ -31,5 +31,8 @@ export const SLICE_CAUSAL = 1;
 
 export const DEFAULT_BLOCK_SIZE = 128;
 
-/** The lowerings by name, as `treepack pack --masks` and the registry know them. */
-export type MaskKind = 'dense' | 'bits' | 'blocks' | 'slices' | 'cu_seqlens';
+/** The mask ops of the backend registry. */
+export type MaskOp = 'maskDense' | 'maskBits' | 'maskBlocks' | 'maskSlices' | 'maskCuSeqlens';
+
+/** The lowerings a micro-batch file can carry (`treepack pack --masks block:128,slices`). */
+export type MaskSpec = { kind: 'blocks'; blockSize: number } | { kind: 'slices' } | { kind: 'cu_seqlens' };

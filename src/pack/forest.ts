@@ -115,8 +115,8 @@ export function packForest(seqs: Sequences): Forest {
   return layoutForest(seqs, sortSequences(seqs));
 }
 
-/** Lays out the forest from sequences already sorted, with their adjacent LCPs (see sortSequences). */
-function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
+/** Lays out the forest from checked sequences already sorted, with their adjacent LCPs (see sortSequences): the js backend's packForest kernel. */
+export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
   const { tokens, offsets } = seqs;
   const { order, lcp } = sorted;
   const S = offsets.length - 1;

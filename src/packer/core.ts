@@ -14,7 +14,7 @@ import { resolveKernel, type Resolved } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
 import { microBatchFileName, type ManifestEntry } from '../io/sink.js';
 import { fillAdvantages, needsAdvantage } from '../loss/advantages.js';
-import { maskTensors, type MaskTensors } from '../mask/index.js';
+import { maskTensors, type MaskTensors } from '../io/masks.js';
 import { assembleMicroBatch } from '../pack/batch.js';
 import type { MicroBatchPlan } from '../pack/budget.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';

@@ -5,7 +5,8 @@
 import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
 import { argError } from '../errors.js';
 import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
-import { parseMaskSpecs, type MaskSpec } from '../mask/index.js';
+import { parseMaskSpecs } from '../io/masks.js';
+import type { MaskSpec } from '../mask/index.js';
 import { checkCostModel, DEFAULT_COST, type CostModel } from '../pack/balance.js';
 import { mergeDefaults, type MergeOptions } from '../timeline/model.js';
 import type { PackReport } from './report.js';

@@ -17,7 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..loss import _FIELDS, LossMetrics, _needed, cuda_library, loss_numpy, make_config
+from ..loss import _FIELDS, LossMetrics, _needed, cuda_library, cuda_status_error, loss_numpy, make_config
 from ..microbatch import TreepackError
 from .batch import PackedBatch
 
@@ -94,7 +94,7 @@ def _run_cuda(cfg: Any, t: Dict[str, Optional[torch.Tensor]]) -> Tuple[float, to
                               *(ptr(t[f]) for f in _FIELDS), lp.numel(), ptr(lp), ptr(grad), ctypes.byref(metrics),
                               ctypes.c_void_p(stream.cuda_stream))
     if rc != 0:
-        raise TreepackError("E_BACKEND", f"tp_cuda_loss: CUDA error {rc}: {lib.tp_cuda_error_string(rc).decode()}", field="logprobs")
+        raise cuda_status_error(lib, "tp_cuda_loss", rc)
     return metrics.loss, grad, metrics.as_dict()
 
 

@@ -28,10 +28,8 @@ import {
   SEQ_OCC_BYTES,
   seqChunks,
 } from './loss-layout.js';
-import { LOSS_WGSL } from './loss.wgsl.js';
+import { LOSS_WGSL, NSUMS, WG } from './loss.wgsl.js';
 
-const WG = 128; // as in loss.wgsl.ts
-const NSUMS = 10;
 export const CHUNK_BYTES_ENV = 'TREEPACK_WEBGPU_LOSS_CHUNK_BYTES';
 
 type Entry = 'gspo_seq' | 'occ_nodes' | 'compact';

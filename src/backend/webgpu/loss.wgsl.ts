@@ -1,4 +1,16 @@
-// WGSL source of the loss kernels, kept in a .ts module so that it ships inside dist/ with no loader.
+// WGSL source of the loss kernels, kept in a .ts module so that it ships inside dist/ with no loader. Enum codes and
+// constants are injected from the ABI tables (src/backend/abi.ts), the sizes from here (loss.ts reads them too).
+import { enumCode, LOSS_CONSTANTS } from '../abi.js';
+
+/** Invocations per workgroup: the compatibility-mode limit. */
+export const WG = 128;
+/** Metric partials per workgroup: pg, kl, n, high, low, dual, log ratio, ratio, min, max. */
+export const NSUMS = 10;
+
+const policy = (name: string) => `${enumCode('policy', name)}u`;
+const kl = (name: string) => `${enumCode('kl', name)}u`;
+const real = (x: number) => (Number.isInteger(x) ? x.toFixed(1) : String(x));
+
 export const LOSS_WGSL = /* wgsl */ `
 // The RL loss on WebGPU (f32; semantics of src/loss/policy.ts, kl.ts and reference.ts). Layout in loss-layout.ts:
 // the host hands over only trainable occurrences, sorted by node, with their weights precomputed, in chunks that
@@ -15,8 +27,8 @@ struct Params {
   dual_clip: f32,
   log_clamp: f32,
   kl_coef: f32,
-  policy: u32, // 0 ppo, 1 gspo, 2 cispo
-  kl: u32, // 0 none, 1 k1, 2 abs, 3 k2, 4 k3
+  policy: u32, // code of POLICY_LOSSES
+  kl: u32, // code of KL_ESTIMATORS
   count: u32, // occ_nodes: threads; gspo_seq: local sequences; compact: local nodes
   base: u32, // occ_nodes: offset of the thread table in idx; gspo_seq: rank of the first local sequence
   first_total: u32, // gspo_seq: trainable tokens of the first sequence when it began in an earlier chunk, else 0
@@ -42,8 +54,8 @@ struct Params {
 @group(0) @binding(10) var<storage, read> plan_a: array<vec4<f32>>;
 @group(0) @binding(11) var<storage, read> plan_b: array<vec4<u32>>;
 
-const WG: u32 = 128u; // the compatibility-mode limit on invocations per workgroup
-const NSUMS: u32 = 10u;
+const WG: u32 = ${WG}u;
+const NSUMS: u32 = ${NSUMS}u;
 
 struct Acc {
   pg: f32,
@@ -71,8 +83,8 @@ fn acc_ratio(a: ptr<function, Acc>, count: u32, r: f32, lr: f32) {
   (*a).rmax = max((*a).rmax, r);
 }
 
-var<workgroup> shf: array<array<f32, 128>, 6>; // pg, kl, log_ratio, ratio, min, max
-var<workgroup> shu: array<array<u32, 128>, 4>; // n, high, low, dual
+var<workgroup> shf: array<array<f32, ${WG}>, 6>; // pg, kl, log_ratio, ratio, min, max
+var<workgroup> shu: array<array<u32, ${WG}>, 4>; // n, high, low, dual
 
 fn flat_group(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
   return wid.y * nwg.x + wid.x;
@@ -120,20 +132,23 @@ fn reduce_store(a: Acc, l: u32, group: u32) {
 // [kl, dkl/dlp] of src/loss/kl.ts
 fn kl_term(x: f32, ref_lp: f32) -> vec2<f32> {
   let diff = x - ref_lp;
-  if (P.kl == 1u) { return vec2<f32>(diff, 1.0); }
-  if (P.kl == 2u) { return vec2<f32>(abs(diff), sign(diff)); }
-  if (P.kl == 3u) { return vec2<f32>(0.5 * diff * diff, diff); }
+  if (P.kl == ${kl('k1')}) { return vec2<f32>(diff, 1.0); }
+  if (P.kl == ${kl('abs')}) { return vec2<f32>(abs(diff), sign(diff)); }
+  if (P.kl == ${kl('k2')}) { return vec2<f32>(0.5 * diff * diff, diff); }
+  // ${kl('k3')}
+  let L = ${real(LOSS_CONSTANTS.K3_LOG_CLAMP)};
+  let V = ${real(LOSS_CONSTANTS.K3_VALUE_CLAMP)};
   let xs = -diff;
-  let xc = clamp(xs, -20.0, 20.0);
+  let xc = clamp(xs, -L, L);
   let e = exp(xc);
   let raw = e - xc - 1.0;
-  return vec2<f32>(clamp(raw, -10.0, 10.0), select(0.0, 1.0 - e, xs >= -20.0 && xs <= 20.0 && raw <= 10.0 && raw >= -10.0));
+  return vec2<f32>(clamp(raw, -V, V), select(0.0, 1.0 - e, xs >= -L && xs <= L && raw <= V && raw >= -V));
 }
 
-var<workgroup> seq_sh: array<f32, 128>;
+var<workgroup> seq_sh: array<f32, ${WG}>;
 
 // One workgroup per local sequence, a fixed-shape tree over its threads' strided sums of lp − old.
-@compute @workgroup_size(128)
+@compute @workgroup_size(${WG})
 fn gspo_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
   let q = flat_group(wid, nwg);
   var a = 0u;
@@ -169,7 +184,7 @@ fn gspo_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id)
   }
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(${WG})
 fn occ_nodes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
   let group = flat_group(wid, nwg);
   let t = group * WG + lid.x;
@@ -200,7 +215,7 @@ fn occ_nodes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id
       var value = 0.0;
       var d = 0.0;
       var r = 0.0;
-      if (P.policy == 2u) {
+      if (P.policy == ${policy('cispo')}) {
         r = exp(clamp(x - old, -C, C));
         let w = clamp(r, lo, hi);
         value = -w * A * x;
@@ -209,7 +224,7 @@ fn occ_nodes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id
         acc.low += select(0u, 1u, r < lo);
       } else {
         var lr = x - old;
-        if (P.policy == 1u) { lr = seq_lr[bitcast<u32>(occ_b[k].y)]; }
+        if (P.policy == ${policy('gspo')}) { lr = seq_lr[bitcast<u32>(occ_b[k].y)]; }
         r = exp(clamp(lr, -C, C));
         let l1 = -A * r;
         let l2 = -A * clamp(r, lo, hi);
@@ -246,7 +261,7 @@ fn occ_nodes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id
   reduce_store(acc, lid.x, group);
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(${WG})
 fn compact(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
   let group = flat_group(wid, nwg);
   var acc = acc_new();
@@ -270,7 +285,7 @@ fn compact(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) 
     let nw = f.w;
     var value = 0.0;
     var g = 0.0;
-    if (P.policy == 2u) {
+    if (P.policy == ${policy('cispo')}) {
       let w = clamp(r, lo, hi);
       value = -w * x * (pw - nw);
       g = -w * (pw - nw);

@@ -1,13 +1,11 @@
 /**
- * The mask lowerings on WebGPU (kernels in mask.wgsl.ts). Inputs are validated in TS, outputs sized against the
- * device's limits before anything is allocated (the Mesa GL software adapter binds at most 128 MiB per storage
- * buffer), and read back into typed arrays equal to the js reference's.
+ * The mask lowerings on WebGPU (kernels in mask.wgsl.ts), read back into typed arrays equal to the js reference's.
+ * Input is checked, and outputs sized against the device's binding limit (the webgpu entry's limits: the Mesa GL
+ * software adapter binds at most 128 MiB per storage buffer), by the dispatch layer (src/backend/ops.ts).
  */
 import { TreepackError } from '../../errors.js';
-import { numBlocks } from '../../mask/blocks.js';
-import { bitsWordsPerRow } from '../../mask/dense.js';
+import { bitsWordsPerRow, numBlocks } from '../../mask/sizes.js';
 import type { BlockMask, TreeArrays } from '../../mask/types.js';
-import { checkBytes, validateBlockSize, validateTree } from '../../mask/validate.js';
 import { webgpuContext, type WebGPUContext } from './device.js';
 import { BITS_WGSL, BLOCK_ENDS_WGSL, BLOCK_ROWS_WGSL, DENSE_WGSL, WORKGROUP_SIZE } from './mask.wgsl.js';
 
@@ -15,15 +13,6 @@ async function context(): Promise<WebGPUContext> {
   const r = await webgpuContext();
   if (!r.ok) throw new TreepackError('E_BACKEND', `webgpu backend unavailable: ${r.reason}`);
   return r.ctx;
-}
-
-/** The largest buffer one binding may hold on this device. */
-function maxBindingBytes(device: GPUDevice): number {
-  return Math.min(device.limits.maxStorageBufferBindingSize, device.limits.maxBufferSize);
-}
-
-function checkFits(device: GPUDevice, what: string, bytes: number, N: number): void {
-  checkBytes(what, bytes, maxBindingBytes(device), `webgpu storage-buffer (maxStorageBufferBindingSize)`, N);
 }
 
 const pipelines = new WeakMap<GPUDevice, Map<string, GPUComputePipeline>>();
@@ -103,9 +92,8 @@ async function run(device: GPUDevice, build: () => Job): Promise<ArrayBuffer[]> 
 }
 
 export async function maskDenseWebGPU(tree: TreeArrays): Promise<Uint8Array> {
-  const N = validateTree(tree);
+  const N = tree.parent.length;
   const { device } = await context();
-  checkFits(device, 'a dense mask', N * N, N);
   const words = Math.ceil((N * N) / 4);
   const [bytes] = await run(device, () => {
     const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * words), P = params(device, N, 0, 0, words);
@@ -115,10 +103,9 @@ export async function maskDenseWebGPU(tree: TreeArrays): Promise<Uint8Array> {
 }
 
 export async function maskBitsWebGPU(tree: TreeArrays): Promise<Uint32Array> {
-  const N = validateTree(tree);
+  const N = tree.parent.length;
   const { device } = await context();
   const W = bitsWordsPerRow(N);
-  checkFits(device, 'a bitmask', 4 * N * W, N);
   const [bytes] = await run(device, () => {
     const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * N * W), P = params(device, N, 0, 0, W);
     return { encode: (pass) => dispatch(device, pass, BITS_WGSL, [P, se, out], N * W), outputs: [[out, 4 * N * W]], owned: [se, out, P] };
@@ -126,12 +113,10 @@ export async function maskBitsWebGPU(tree: TreeArrays): Promise<Uint32Array> {
   return new Uint32Array(bytes);
 }
 
-export async function maskBlocksWebGPU(tree: TreeArrays, blockSize: number): Promise<BlockMask> {
-  const N = validateTree(tree);
-  const B = validateBlockSize(blockSize);
+export async function maskBlocksWebGPU(tree: TreeArrays, B: number): Promise<BlockMask> {
+  const N = tree.parent.length;
   const { device } = await context();
   const nb = numBlocks(N, B);
-  checkFits(device, 'a block mask index array', 4 * nb * nb, N);
   const [numBytes, kvBytes, fullBytes] = await run(device, () => {
     const se = storage(device, 4 * N, tree.subtree_end), ends = storage(device, 8 * nb), nums = storage(device, 8 * nb);
     const kvIdx = storage(device, 4 * nb * nb), fullIdx = storage(device, 4 * nb * nb), P = params(device, N, B, nb, 0);

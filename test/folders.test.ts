@@ -1,0 +1,94 @@
+/**
+ * Data flows one way: no folder of src/ imports, directly or through others, a folder that imports it back. The
+ * imports (static, re-exports, type-only and dynamic) of every src/ file are parsed; each top-level folder is one
+ * node, each file at the top of src/ its own node.
+ */
+import { readdirSync, readFileSync } from 'node:fs';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { describe, expect, it } from 'vitest';
+
+const SRC = fileURLToPath(new URL('../src', import.meta.url));
+
+function files(dir: string): string[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? files(path.join(dir, e.name)) : e.name.endsWith('.ts') ? [path.join(dir, e.name)] : []));
+}
+
+/** Relative specifiers of `import … from`, `export … from`, `import '…'` and `import('…')`. */
+function importsOf(source: string): string[] {
+  const out: string[] = [];
+  for (const m of source.matchAll(/(?:^|[\s;}])(?:import|export)\s[^'"`;]*?from\s*['"]([^'"]+)['"]|(?:^|[\s;])import\s*['"]([^'"]+)['"]|\bimport\(\s*['"]([^'"]+)['"]\s*\)/gm)) {
+    const spec = m[1] ?? m[2] ?? m[3];
+    if (spec.startsWith('.')) out.push(spec);
+  }
+  return out;
+}
+
+function nodeOf(file: string): string {
+  const rel = path.relative(SRC, file).split(path.sep);
+  return rel.length === 1 ? rel[0] : rel[0] + '/';
+}
+
+/** Folder edges, each with one file:specifier that makes it. */
+function folderGraph(): Map<string, Map<string, string>> {
+  const graph = new Map<string, Map<string, string>>();
+  for (const file of files(SRC)) {
+    const from = nodeOf(file);
+    for (const spec of importsOf(readFileSync(file, 'utf8'))) {
+      const to = nodeOf(path.resolve(path.dirname(file), spec).replace(/\.js$/, '.ts'));
+      if (to === from) continue;
+      if (!graph.has(from)) graph.set(from, new Map());
+      if (!graph.get(from)!.has(to)) graph.get(from)!.set(to, `${path.relative(SRC, file)} imports ${spec}`);
+    }
+  }
+  return graph;
+}
+
+/** Every cycle's nodes (strongly connected components of more than one node, Tarjan). */
+function cycles(graph: Map<string, Map<string, string>>): string[][] {
+  let next = 0;
+  const index = new Map<string, number>(), low = new Map<string, number>(), stack: string[] = [], on = new Set<string>();
+  const found: string[][] = [];
+  const visit = (v: string) => {
+    index.set(v, next);
+    low.set(v, next++);
+    stack.push(v);
+    on.add(v);
+    for (const w of graph.get(v)?.keys() ?? []) {
+      if (!index.has(w)) {
+        visit(w);
+        low.set(v, Math.min(low.get(v)!, low.get(w)!));
+      } else if (on.has(w)) low.set(v, Math.min(low.get(v)!, index.get(w)!));
+    }
+    if (low.get(v) === index.get(v)) {
+      const scc: string[] = [];
+      let w: string;
+      do {
+        w = stack.pop()!;
+        on.delete(w);
+        scc.push(w);
+      } while (w !== v);
+      if (scc.length > 1) found.push(scc.sort());
+    }
+  };
+  for (const v of graph.keys()) if (!index.has(v)) visit(v);
+  return found;
+}
+
+describe('folder dependencies of src/', () => {
+  it('finds every kind of import, and a cycle where there is one', () => {
+    expect(importsOf(`import a from './a.js';\nimport type { B } from '../b/x.js';\nexport * from './c.js';\nexport { d } from "../d/y.js";\nimport './e.js';\nconst f = await import('../f/z.js');\nimport fs from 'node:fs';`)).toEqual(['./a.js', '../b/x.js', './c.js', '../d/y.js', './e.js', '../f/z.js']);
+    const g = new Map([['a/', new Map([['b/', '']])], ['b/', new Map([['c/', '']])], ['c/', new Map([['a/', '']])], ['d/', new Map([['a/', '']])]]);
+    expect(cycles(g)).toEqual([['a/', 'b/', 'c/']]);
+  });
+
+  it('has no cycle between folders', () => {
+    const graph = folderGraph();
+    expect(graph.size).toBeGreaterThan(5);
+    const problems = cycles(graph).map((scc) => {
+      const edges = scc.flatMap((a) => scc.filter((b) => graph.get(a)?.has(b)).map((b) => `  ${a} → ${b} (${graph.get(a)!.get(b)})`));
+      return `cycle between ${scc.join(', ')}:\n${edges.join('\n')}`;
+    });
+    expect(problems.join('\n')).toBe('');
+  });
+});
