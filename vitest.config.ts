@@ -1,14 +1,14 @@
 /**
  * Test budgets. No test measures speed (speed goals live in `npm run bench`), but many spawn the CLI, load the
  * Qwen3 tokenizer or run WGSL on a software adapter; on a busy host (two busy loops on two cores, see
- * scripts/test-under-load.sh) such a test takes many times its idle duration, so the default budget is 60 s, not
+ * scripts/test-under-load.sh) such a test takes many times its idle duration, so the default budget is 120 s, not
  * vitest's 5 s. Tests that are heavier still give their own budget.
  */
 import { defineConfig } from 'vitest/config';
 
 export default defineConfig({
   test: {
-    testTimeout: 60_000,
-    hookTimeout: 60_000,
+    testTimeout: 120_000,
+    hookTimeout: 120_000,
   },
 });

@@ -3,7 +3,10 @@
  *
  * Per dataset: naive and packed tokens, compression, the time of each stage (read+parse, tokenize, pack), and
  * packer throughput against a plain copy measured in the same run (the machine is shared and noisy: ratios
- * within one run are the figures to trust). Options: --quick (smaller data, shorter timing), --json FILE.
+ * within one run are the figures to trust). First of all, the training step (bench/step.ts): naive, merged and
+ * packed steps of a Qwen3-shape model through the PyTorch trainer side. Options: --full (every workload, longer
+ * timing; the default run is the short one), --json FILE, --html FILE (default: next to the JSON, else
+ * ./bench-report.html), --data FILE (tau-bench JSONL).
  */
 import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -19,9 +22,15 @@ import { benchLoss } from './loss.js';
 import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
+import { superviseDawnWarnings } from './dawn-warnings.js';
+import { big, fmt, speed } from './format.js';
+import { renderHtml } from './report.js';
+import { benchStep, type StepSection } from './step.js';
+import { analyzeStep, type StepSummary } from './step-report.js';
 
-const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, data: { type: 'string' } } });
-const quick = values.quick === true;
+await superviseDawnWarnings();
+const { values } = parseArgs({ options: { full: { type: 'boolean' }, json: { type: 'string' }, html: { type: 'string' }, data: { type: 'string' } } });
+const quick = values.full !== true;
 const maxTime = quick ? 0.5 : 2;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
@@ -35,8 +44,6 @@ interface DatasetReport {
   microBatching: MicroBatchRow[];
 }
 
-const fmt = (x: number, d = 2) => x.toFixed(d);
-const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
 
 /** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
 async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
@@ -52,8 +59,8 @@ function printThroughput(t: Timing[]): void {
   const nativeFresh = t.find((x) => x.name === 'native, fresh buffers');
   for (const x of t) {
     const base = x.name.includes('reused') ? copyReused : copyFresh;
-    const vsCopy = x === base ? 'baseline' : `${fmt(x.seconds / base.seconds)}× the copy's time`;
-    const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${fmt(x.seconds / nativeFresh.seconds)}× native` : '';
+    const vsCopy = x === base ? 'baseline' : `${speed(base.seconds, x.seconds)} than the copy`;
+    const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${speed(nativeFresh.seconds, x.seconds)} than native` : '';
     console.log(`    ${x.name.padEnd(28)} ${fmt(x.seconds * 1e3, 3).padStart(10)} ms ±${fmt(x.rme, 1).padStart(4)}%  ${big(x.tokensPerSecond).padStart(8)} tok/s  (${vsCopy}${vsNative})`);
   }
 }
@@ -96,11 +103,24 @@ function syntheticTokens(groups: number): Sequences {
 }
 
 const t0 = performance.now();
-console.log(`# treepack bench${quick ? ' (quick)' : ''}  node ${process.version}`);
+console.log(`# treepack bench${quick ? ' (default run; --full for every workload)' : ' (--full)'}  node ${process.version}`);
+const environment = [`node ${process.version}, ${process.platform} ${process.arch}`];
 for (const b of await listBackends()) {
-  console.log(`  backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`);
+  const line = `backend ${b.name.padEnd(6)} ${b.available ? 'available' : 'unavailable'}: ${b.detail}; ops: ${b.ops.join(', ') || 'none yet'}`;
+  console.log(`  ${line}`);
+  environment.push(line);
 }
 await disposeBackends();
+
+const tauPresent = existsSync(tauBench);
+const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+let step: StepSummary | null = null;
+if (stepSection.skipped) console.log(`\n## training step: skipped, ${stepSection.skipped}`);
+else {
+  step = analyzeStep(stepSection);
+  console.log(`\n${step.text}`);
+  environment.push(`training step: ${stepSection.device}, torch ${stepSection.torch}, Python ${stepSection.python}`);
+}
 
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
@@ -112,8 +132,12 @@ try {
 } finally {
   rmSync(dir, { recursive: true, force: true });
 }
-if (existsSync(tauBench)) {
-  reports.push(await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench));
+if (tauPresent) {
+  // A malformed file is reported (the error names file and line) and the other sections still run.
+  await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench).then(
+    (r) => reports.push(r),
+    (e: Error) => console.log(`\n## tau-bench: FAILED, ${e.message}`),
+  );
 } else {
   console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
 }
@@ -136,9 +160,10 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
     const file = join(mdir, 'generated.jsonl');
     writeFileSync(file, [...generateJsonlLines({ groups, seed: 11 })].join('\n') + '\n');
     sets.push([`generated chat episodes (${groups} groups × 8 episodes)`, file]);
-    if (existsSync(tauBench)) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
+    if (tauPresent) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
     for (const [name, f] of sets) {
-      const tracked = await loadTracked(f, encoder);
+      const tracked = await loadTracked(f, encoder).catch((e: Error) => (console.log(`\n## timeline merge: ${name}: FAILED, ${e.message}`), null));
+      if (!tracked) continue;
       console.log(`\n## timeline merge: ${name}`);
       for (const pool of [false, true]) {
         const row = compareMerges(name, tracked, pool, quick ? 1 : 3);
@@ -149,7 +174,7 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
   } finally {
     rmSync(mdir, { recursive: true, force: true });
   }
-  if (!existsSync(tauBench)) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  if (!tauPresent) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
   return rows;
 }
 
@@ -161,6 +186,24 @@ const memory = await benchMemory(quick);
 await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-if (values.json) {
-  writeFileSync(values.json, JSON.stringify({ datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory }, null, 2));
+const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory };
+if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
+const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
+const page = await renderHtml(
+  {
+    title: `treepack bench${quick ? '' : ' (--full)'}`,
+    generated: `generated ${new Date().toISOString()} by npm run bench${quick ? '' : ' -- --full'}`,
+    environment,
+    step: step ? { device: `${stepSection.device}, ${stepSection.dtype}, ${stepSection.attention} attention`, rows: step.rows } : { skipped: stepSection.skipped ?? 'no result' },
+    sparsity: masks.sparsity,
+    loss,
+    merge,
+  },
+  step ? [step.text] : [],
+);
+writeFileSync(html, page);
+console.log(`report: ${resolve(html)}${values.json ? `, ${resolve(values.json)}` : ''}`);
+if (step?.lossMismatches.length) {
+  console.error(`bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`);
+  process.exitCode = 2;
 }

@@ -26,6 +26,10 @@ export function renderHeader(): string {
   out.push('/* X(status, message, TreepackError code) for every status, in code order. */', '#define TP_STATUS_TABLE(X) \\');
   STATUSES.forEach((s, i) => out.push(`  X(${s.name}, ${JSON.stringify(s.message)}, ${JSON.stringify(s.error ?? '')})${i + 1 < STATUSES.length ? ' \\' : ''}`));
   out.push('');
+  out.push('/* The message of a status (tp_status_string and tp_cuda_status_string return it); static storage. */');
+  out.push('static inline const char* tp_status_message(int code) {', '  switch (code) {');
+  for (const s of STATUSES) out.push(`    case ${s.name}:`, `      return ${JSON.stringify(s.message)};`);
+  out.push('    default:', '      return "unknown treepack status";', '  }', '}', '');
   for (const e of LOSS_CONFIG_ENUMS) {
     out.push(`enum ${e.cType} { ${e.names.map((n, i) => `${constant(e.cPrefix, n)} = ${i}`).join(', ')} };`);
     out.push(`#define ${e.cPrefix}_COUNT ${e.names.length}`);

@@ -209,7 +209,7 @@ async function runCase(file: string, out: string, extra: string[]): Promise<{ ok
 }
 
 describe('mutation fuzzer', () => {
-  it(`${CASES} mutated chat, pre-tokenized and slime files: accepted with valid output, or rejected in one line naming the line`, { timeout: 120_000 }, async () => {
+  it(`${CASES} mutated chat, pre-tokenized and slime files: accepted with valid output, or rejected in one line naming the line`, { timeout: 300_000 }, async () => {
     const base = seeds();
     const kinds = Object.keys(base);
     const r = rng(20261123);

@@ -139,7 +139,7 @@ describe('episode ids are unambiguous', () => {
     expect((await read(lines, { repeatedEpisodeIds: true })).length).toBe(8);
   });
 
-  it('through pack: exit 1 without the option; with it, GRPO sees 3 episodes as the user asked', { timeout: 60_000 }, () => {
+  it('through pack: exit 1 without the option; with it, GRPO sees 3 episodes as the user asked', { timeout: 180_000 }, () => {
     const input = join(dir, 'dup.jsonl');
     writeFileSync(input, episodes().join('\n') + '\n');
     const r = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet']);
@@ -179,7 +179,7 @@ describe('invalid UTF-8', () => {
 });
 
 describe('the loss refuses what a trainer would misread', () => {
-  it('loss_mask other than 0/1 and negative input_ids are E_INPUT naming the field, in the library and in treepack loss', { timeout: 30_000 }, async () => {
+  it('loss_mask other than 0/1 and negative input_ids are E_INPUT naming the field, in the library and in treepack loss', { timeout: 120_000 }, async () => {
     const { batch, lp } = randomLossCase(randomBatch(4, { count: 10 }), 4);
     const j = batch.loss_mask.findIndex((m) => m === 1);
     const seven = { ...batch, loss_mask: batch.loss_mask.slice() };
@@ -202,10 +202,10 @@ describe('the loss refuses what a trainer would misread', () => {
 });
 
 describe('one exit-code table', () => {
-  it('0 ok, 2 for a wrong command line (every command), 1 for bad input files', { timeout: 60_000 }, () => {
+  it('0 ok, 2 for a wrong command line (every command), 1 for bad input files', { timeout: 180_000 }, () => {
     const input = join(dir, 'one.jsonl');
     writeFileSync(input, sample({ advantage: 1e39 }) + '\n');
-    for (const args of [['pack', input, '--frob'], ['stats', input, '--vocab-size', 'x'], ['loss', 'x.safetensors'], ['doctor', '--frob'], ['frob'], []]) {
+    for (const args of [['pack', input, '--frob'], ['stats', input, '--vocab-size', 'x'], ['loss', 'x.safetensors'], ['doctor', '--frob'], ['serve', '--data', 'd'], ['frob'], []]) {
       expect(cli(args).code, args.join(' ')).toBe(EXIT_USAGE);
     }
     const r = cli(['pack', input, '--out', join(dir, 'never')]);

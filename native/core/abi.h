@@ -34,6 +34,34 @@ enum tp_status {
   X(TP_ERR_INDEX, "seq_positions holds a position outside [0, N)", "E_INPUT") \
   X(TP_ERR_DEVICE, "CUDA runtime error (tp_cuda_last_error gives it)", "E_BACKEND")
 
+/* The message of a status (tp_status_string and tp_cuda_status_string return it); static storage. */
+static inline const char* tp_status_message(int code) {
+  switch (code) {
+    case TP_OK:
+      return "ok";
+    case TP_ERR_ARG:
+      return "invalid argument: a required pointer is null, a count is negative or an option is out of range";
+    case TP_ERR_OFFSETS:
+      return "invalid offsets: offsets[0] must be 0, offsets must be non-decreasing and offsets[S] must equal the number of tokens";
+    case TP_ERR_TOO_LARGE:
+      return "too large: counts and positions must fit in int32";
+    case TP_ERR_ALLOC:
+      return "out of memory";
+    case TP_ERR_TREE:
+      return "not a packed forest: parent[p] must be in [-1, p) and subtree_end[p] in (p, N]";
+    case TP_ERR_CAPACITY:
+      return "output array too small";
+    case TP_ERR_SHARED:
+      return "cu_seqlens needs a forest with no sharing, but a node has more than one child";
+    case TP_ERR_INDEX:
+      return "seq_positions holds a position outside [0, N)";
+    case TP_ERR_DEVICE:
+      return "CUDA runtime error (tp_cuda_last_error gives it)";
+    default:
+      return "unknown treepack status";
+  }
+}
+
 enum tp_loss_policy { TP_POLICY_PPO = 0, TP_POLICY_GSPO = 1, TP_POLICY_CISPO = 2 };
 #define TP_POLICY_COUNT 3
 enum tp_loss_aggregation { TP_AGG_TOKEN_MEAN = 0, TP_AGG_SEQ_MEAN_TOKEN_SUM = 1, TP_AGG_SEQ_MEAN_TOKEN_MEAN = 2, TP_AGG_SEQ_MEAN_TOKEN_SUM_NORM = 3 };

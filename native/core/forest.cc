@@ -429,17 +429,7 @@ extern "C" {
 
 const char* tp_version(void) { return TP_VERSION; }
 
-const char* tp_status_string(int code) {
-  switch (code) {
-#define TP_STATUS_CASE(status, message, error) \
-  case status:                                 \
-    return message;
-    TP_STATUS_TABLE(TP_STATUS_CASE)
-#undef TP_STATUS_CASE
-    default:
-      return "unknown treepack status";
-  }
-}
+const char* tp_status_string(int code) { return tp_status_message(code); }
 
 const char* tp_abi(void) { return TP_ABI; }
 

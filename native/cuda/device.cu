@@ -33,17 +33,7 @@ const char* tp_cuda_error_string(int code) { return cudaGetErrorString(static_ca
 
 int tp_cuda_last_error(void) { return last_cuda_error; }
 
-const char* tp_cuda_status_string(int status) {
-  switch (status) {
-#define TP_STATUS_CASE(status, message, error) \
-  case status:                                 \
-    return message;
-    TP_STATUS_TABLE(TP_STATUS_CASE)
-#undef TP_STATUS_CASE
-    default:
-      return "unknown treepack status";
-  }
-}
+const char* tp_cuda_status_string(int status) { return tp_status_message(status); }
 
 const char* tp_cuda_abi(void) { return TP_ABI; }
 

@@ -14,7 +14,7 @@ function fail(field: string, message: string): TreepackError {
 }
 
 /** The occurrence fields the config reads. */
-export function requiredFields(cfg: LossConfig): ('advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs')[] {
+function requiredFields(cfg: LossConfig): ('advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs')[] {
   const f: ('advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs')[] = ['advantages', 'old_logprobs'];
   if (cfg.kl !== 'none') f.push('ref_logprobs');
   if (cfg.tis !== 'none') f.push('rollout_logprobs');

@@ -41,15 +41,20 @@ export function packRecords(input: PackInput, options: PackerOptions = {}): Pack
     const source = jsonl
       ? readRecords(input, { vocabSize: opts.vocabSize, stats: core.report.read, name: options.name, repeatedEpisodeIds: opts.repeatedEpisodeIds, lossyUtf8: opts.lossyUtf8 })
       : toAsyncIterator(input as Iterable<unknown> | AsyncIterable<unknown>);
-    for (;;) {
-      const t0 = performance.now();
-      const next = await source.next();
-      if (!next.done) feed(next.value);
-      core.report.seconds.readParse += (performance.now() - t0) / 1000;
-      if (next.done) break;
-      yield* core.take(false);
+    try {
+      for (;;) {
+        const t0 = performance.now();
+        const next = await source.next();
+        if (!next.done) feed(next.value);
+        core.report.seconds.readParse += (performance.now() - t0) / 1000;
+        if (next.done) break;
+        yield* core.take(false);
+      }
+      yield* core.take(true);
+    } finally {
+      // A consumer that stops early (or an error) closes the input: a file stream is not left open.
+      await source.return?.();
     }
-    yield* core.take(true);
   }
 
   const pack: PackRun = {

@@ -69,6 +69,13 @@ class NodeLogprobs(unittest.TestCase):
         self.assertTrue(torch.equal(from_hidden.nodes, from_model.nodes))
         self.assertLess(float((from_hidden.logprobs[from_model.nodes] - from_model.logprobs[from_model.nodes]).abs().max()), 1e-12)
 
+    def test_sdpa_model_takes_the_dense_tree_mask(self):
+        b = self.batch
+        sdpa = tiny_model("qwen3", torch.float64, attn="sdpa")
+        got = tpt.packed_logprobs(sdpa, b, nodes="all")
+        want = tpt.packed_logprobs(self.model, b, nodes="all")
+        self.assertLess(float((got.logprobs[want.nodes] - want.logprobs[want.nodes]).abs().max()), 1e-12)
+
     def test_errors_name_the_field(self):
         b = self.batch
         small = tiny_model("llama", torch.float64, vocab=int(b.input_ids.max()))  # the largest id is out of range

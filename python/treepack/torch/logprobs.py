@@ -3,7 +3,8 @@
 Node p's logprob is ``log_softmax(logits[parent[p]])[input_ids[p]]`` (README "The packed micro-batch"), so the LM
 head is needed only at the parents of the nodes that are scored: by default the nodes some trainable occurrence maps
 to. Those parents (a branch point's row serves all its children) go through the head in chunks of ``chunk_size``
-rows, each under activation checkpointing, so at most one chunk's logits exist at a time, forward or backward.
+rows, each under activation checkpointing when there are several, so at most one chunk's logits exist at a time,
+forward or backward.
 
     >>> scores = packed_logprobs(model, batch, entropy=True)     # runs the model packed (attn "treepack" or sdpa)
     >>> scores.logprobs                                          # [N]; NaN at nodes not scored
@@ -18,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
-from .attention import tree_mask
+from .attention import dense_tree_mask, tree_mask
 from .batch import PackedBatch
 
 
@@ -99,8 +100,6 @@ def packed_logprobs(
         if impl == "treepack":
             mask: Any = tree_mask(batch, mode=attention)
         elif impl in ("sdpa", "eager"):
-            from .attention import dense_tree_mask
-
             mask = dense_tree_mask(batch.subtree_end)[None, None]
         else:
             raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
@@ -126,7 +125,9 @@ def packed_logprobs(
     tokens = batch.input_ids.to(hidden.device)[targets]
 
     def chunk(h: torch.Tensor, local_row: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        logits = head(h).to(dtype) / temperature
+        logits = head(h).to(dtype)
+        if temperature != 1.0:
+            logits = logits / temperature
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         if tok.numel() and int(tok.max()) >= logits.shape[-1]:
@@ -144,7 +145,10 @@ def packed_logprobs(
         b = min(a + chunk_size, rows.numel())
         lo, hi = bounds[c], bounds[c + 1]
         args = (hidden[rows[a:b]], row_of[lo:hi] - a, tokens[lo:hi])
-        parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+        # With several chunks, checkpointing keeps one chunk's logits alive at a time; a single chunk peaks the same
+        # either way, so it is not recomputed.
+        several = rows.numel() > chunk_size
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if several and torch.is_grad_enabled() else chunk(*args))
     k = 2 if entropy else 1
     scored = torch.cat(parts, dim=1) if parts else hidden.new_zeros((k, 0), dtype=dtype)
     full = torch.full((k, batch.num_nodes), float("nan"), dtype=dtype, device=hidden.device)

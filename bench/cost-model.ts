@@ -1,0 +1,129 @@
+/**
+ * Cost model of a training step (forward + backward) from a layout's work figures: FLOPs of the linear part
+ * (projections and MLP per token, LM head per scored row), FLOPs of attention (exact: visible query/key pairs;
+ * executed: listed B×B tiles, partial tiles computed whole), and bytes (weights and gradients per micro-batch,
+ * saved activations per token). Step time = linear FLOPs ÷ R_lin + executed attention FLOPs ÷ R_attn + micro-batches ×
+ * c₀ (+ bytes ÷ bandwidth on a GPU), with the rates fitted to this machine's measurements (leave-one-workload-out,
+ * so every printed error is a prediction of data the fit never saw) or assumed for a GPU (labelled as such).
+ */
+
+export interface ModelShape {
+  name: string;
+  hidden: number;
+  intermediate: number;
+  layers: number;
+  heads: number;
+  kv_heads: number;
+  head_dim: number;
+  vocab?: number;
+}
+
+/** Work figures of one layout of a workload (bench/step.py `figures`). */
+export interface SideFigures {
+  micro_batches: number;
+  tokens: number;
+  occurrences: number;
+  trainable: number;
+  pairs: number;
+  blocks: number;
+  full_blocks: number;
+  scored_rows: number;
+  max_tokens: number;
+}
+
+export interface Work {
+  linearFlops: number;
+  attentionFlops: number; // exact: visible pairs only
+  executedAttentionFlops: number; // listed tiles × B²
+  bytes: number;
+  microBatches: number;
+}
+
+/** Qwen3 family shapes (config.json of the released checkpoints). */
+export const QWEN3_SHAPES: ModelShape[] = [
+  { name: 'Qwen3-0.6B', hidden: 1024, intermediate: 3072, layers: 28, heads: 16, kv_heads: 8, head_dim: 128, vocab: 151936 },
+  { name: 'Qwen3-8B', hidden: 4096, intermediate: 12288, layers: 36, heads: 32, kv_heads: 8, head_dim: 128, vocab: 151936 },
+  { name: 'Qwen3-32B', hidden: 5120, intermediate: 25600, layers: 64, heads: 64, kv_heads: 8, head_dim: 128, vocab: 151936 },
+];
+
+const FWD_BWD = 3; // backward ≈ 2 × forward for matmuls and attention
+
+export function layerParams(s: ModelShape): number {
+  const q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  return s.hidden * q + 2 * s.hidden * kv + q * s.hidden + 3 * s.hidden * s.intermediate;
+}
+
+export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: number, dtypeBytes: number): Work {
+  const perPair = 4 * s.heads * s.head_dim * s.layers * FWD_BWD; // QKᵀ and PV, multiply-add = 2 FLOPs each
+  const params = layerParams(s) * s.layers + vocab * s.hidden;
+  // Saved activations per token and layer (q, k, v, attention out, MLP in/gate/up/act), written forward, read back.
+  const activation = 2 * (4 * s.hidden + 3 * s.intermediate) * s.layers * dtypeBytes;
+  return {
+    linearFlops: (2 * layerParams(s) * s.layers * f.tokens + 2 * s.hidden * vocab * f.scored_rows) * FWD_BWD,
+    attentionFlops: f.pairs * perPair,
+    executedAttentionFlops: f.blocks * blockSize * blockSize * perPair,
+    bytes: f.micro_batches * params * dtypeBytes * 3 + f.tokens * activation,
+    microBatches: f.micro_batches,
+  };
+}
+
+export const totalFlops = (w: Work) => w.linearFlops + w.attentionFlops;
+
+/** Seconds per unit of linear FLOPs, executed attention FLOPs, micro-batches. */
+export type Rates = [number, number, number];
+
+const features = (w: Work): Rates => [w.linearFlops, w.executedAttentionFlops, w.microBatches];
+
+export const predict = (w: Work, r: Rates) => features(w).reduce((a, x, i) => a + x * r[i], 0);
+
+/** Least squares of relative error with non-negative coefficients (every active set of the 3 tried). */
+export function fitRates(points: { work: Work; seconds: number }[]): Rates | null {
+  let best: { rates: Rates; err: number } | null = null;
+  for (let set = 1; set < 8; set++) {
+    const idx = [0, 1, 2].filter((i) => set & (1 << i));
+    const k = idx.length;
+    const A = Array.from({ length: k }, () => new Float64Array(k)), b = new Float64Array(k);
+    for (const p of points) {
+      const x = idx.map((i) => features(p.work)[i] / p.seconds); // relative: divide the row by the target
+      for (let i = 0; i < k; i++) {
+        b[i] += x[i];
+        for (let j = 0; j < k; j++) A[i][j] += x[i] * x[j];
+      }
+    }
+    const sol = solve(A, b);
+    if (!sol || sol.some((v) => !(v >= 0))) continue;
+    const rates: Rates = [0, 0, 0];
+    idx.forEach((i, j) => (rates[i] = sol[j]));
+    const err = points.reduce((a, p) => a + (predict(p.work, rates) / p.seconds - 1) ** 2, 0);
+    if (!best || err < best.err) best = { rates, err };
+  }
+  return best?.rates ?? null;
+}
+
+/** Gaussian elimination with partial pivoting; null when singular. */
+function solve(A: Float64Array[], b: Float64Array): number[] | null {
+  const n = b.length, M = A.map((row, i) => [...row, b[i]]);
+  for (let c = 0; c < n; c++) {
+    let p = c;
+    for (let r = c + 1; r < n; r++) if (Math.abs(M[r][c]) > Math.abs(M[p][c])) p = r;
+    if (Math.abs(M[p][c]) < 1e-300) return null;
+    [M[c], M[p]] = [M[p], M[c]];
+    for (let r = 0; r < n; r++) {
+      if (r === c) continue;
+      const f = M[r][c] / M[c][c];
+      for (let j = c; j <= n; j++) M[r][j] -= f * M[c][j];
+    }
+  }
+  return M.map((row, i) => row[n] / row[i]);
+}
+
+/**
+ * An H100 SXM in bf16, assumed (not measured here): 989 TFLOP/s dense peak at 45% for the linear part, 35% for
+ * FlexAttention's tiles, 3.35 TB/s at 70%, 5 ms of launches and optimizer-free overhead per micro-batch.
+ */
+export const ASSUMED_GPU = { name: 'H100 SXM, bf16 (assumed rates)', linear: 989e12 * 0.45, attention: 989e12 * 0.35, bandwidth: 3.35e12 * 0.7, perMicroBatch: 5e-3 };
+
+export function gpuSeconds(w: Work): number {
+  const g = ASSUMED_GPU;
+  return Math.max(w.linearFlops / g.linear + w.executedAttentionFlops / g.attention, w.bytes / g.bandwidth) + w.microBatches * g.perMicroBatch;
+}

@@ -1,0 +1,237 @@
+"""The training step of `npm run bench`: forward + backward + the RL loss of a random-weight Qwen3-shape decoder on
+three layouts of the same workload, measured in one process, interleaved:
+
+- naive:  every LLM call its own sequence (what trainers do today), in micro-batches under the token budget;
+- merged: the timelines after the timeline merge, each its own sequence (AgentJet-style), same budget;
+- packed: treepack's micro-batches (prefix trees under the budget), tree attention.
+
+Every side trains the same trainable tokens with the same loss (token-mean over the step's trainable tokens, PPO
+clipping, old logprobs a fixed function of each trainable token and its position), so the loss, the sum of trainable
+logprobs and the gradient norm must agree; a disagreement is reported and makes the run exit 2.
+
+    python bench/step.py SPEC.json   # spec written by bench/step.ts; prints one JSON object on stdout
+
+Uses the trainer side (python/treepack/torch): PackedDataset, naive_batch, the "treepack" attention, packed_logprobs
+and packed_loss. Device: CUDA when available (bf16 weights, FlexAttention), else CPU (float32, block-sparse SDPA).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
+sys.path.append(os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "treepack")
+
+SIDES = ("naive", "merged", "packed")
+BLOCK = 128  # the tree mask's tile, as packed_logprobs builds it
+
+
+def chains_under_budget(batches: List[tpt.PackedBatch], max_tokens: int) -> List[tpt.PackedBatch]:
+    """Naive batches (every sequence its own chain) regrouped, whole sequences in order, into micro-batches of at most
+    `max_tokens` tokens (a longer sequence alone), as a trainer without prefix sharing packs them."""
+    out = []
+    for b in batches:
+        off = b.seq_offsets.tolist()
+        S, start = len(off) - 1, 0
+        for s in range(1, S):
+            if off[s + 1] - off[start] > max_tokens:
+                out.append(_sequences(b, start, s))
+                start = s
+        if S:
+            out.append(_sequences(b, start, S))
+    return out
+
+
+def _sequences(b: tpt.PackedBatch, a: int, c: int) -> tpt.PackedBatch:
+    """Sequences [a, c) of a naive batch (nodes = occurrences, in sequence order) as a batch of their own."""
+    lo, hi = int(b.seq_offsets[a]), int(b.seq_offsets[c])
+    occ = lambda t: None if t is None else t[lo:hi].clone()  # noqa: E731
+    return tpt.PackedBatch(
+        input_ids=b.input_ids[lo:hi].clone(), position_ids=b.position_ids[lo:hi].clone(),
+        parent=torch.where(b.parent[lo:hi] < 0, -1, b.parent[lo:hi] - lo), subtree_end=b.subtree_end[lo:hi] - lo,
+        seq_offsets=b.seq_offsets[a:c + 1] - lo, seq_positions=torch.arange(hi - lo), loss_mask=occ(b.loss_mask),
+        seq_index=b.seq_index[lo:hi] - a, token_index=occ(b.token_index), meta=dict(b.meta),
+        advantages=occ(b.advantages), old_logprobs=occ(b.old_logprobs), ref_logprobs=occ(b.ref_logprobs),
+        rollout_logprobs=occ(b.rollout_logprobs),
+    )
+
+
+def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor) -> tpt.PackedBatch:
+    """Old logprobs as a fixed function of each occurrence's token and position (the same on every layout, and not
+    the current policy's, so the PPO ratio and the loss value depend on the forward), and token ids remapped to the
+    workload's distinct ids (the LM head's cost is the same on every side; a 152k-row head would only dilute it)."""
+    tok = b.input_ids[b.seq_positions]
+    pos = b.position_ids[b.seq_positions]
+    b.old_logprobs = (-0.5 - ((tok * 31 + pos) % 17).float() / 8).float()
+    b.input_ids = torch.searchsorted(vocab, b.input_ids)
+    return b
+
+
+def figures(batches: List[tpt.PackedBatch]) -> Dict[str, int]:
+    """Work figures of one side: tokens, visible attention pairs, listed BLOCK×BLOCK tiles, scored rows."""
+    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "scored_rows": 0, "max_tokens": 0}
+    for b in batches:
+        n = b.num_nodes
+        f["tokens"] += n
+        f["max_tokens"] = max(f["max_tokens"], n)
+        f["occurrences"] += b.num_occurrences
+        f["trainable"] += int(b.loss_mask.sum())
+        f["pairs"] += int((b.subtree_end - torch.arange(n)).sum())
+        m = tpt.tree_mask(b, mode="block", block_size=BLOCK, device="cpu")
+        f["blocks"] += int(m.kv_num_blocks.sum() + m.full_kv_num_blocks.sum())
+        f["full_blocks"] += int(m.full_kv_num_blocks.sum())
+        f["scored_rows"] += int(torch.unique(b.parent[tpt.scored_nodes(b)]).numel())
+    return f
+
+
+def make_model(shape: Dict[str, int], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+        max_position_embeddings=1 << 17, tie_word_embeddings=True, attention_dropout=0.0,
+    )
+    model = transformers.Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype)
+    model.set_attn_implementation("treepack")
+    model.train()
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        # Linux: "5" resets the process's peak RSS (VmHWM), so each side's peak is its own.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[str, Any], device: torch.device) -> Dict[str, float]:
+    """One training step (gradient accumulation over the side's micro-batches), timed per stage."""
+    t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
+    loss_sum, lp_sum = 0.0, 0.0
+    model.zero_grad(set_to_none=True)
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    for b in batches:
+        t0 = time.perf_counter()
+        # The mask alone, timed apart: packed_logprobs builds it again inside (so forward below includes it once
+        # more, and the breakdown subtracts it).
+        tpt.tree_mask(b)
+        sync(device)
+        t1 = time.perf_counter()
+        lp = tpt.packed_logprobs(model, b).logprobs
+        sync(device)
+        t2 = time.perf_counter()
+        loss, _ = tpt.packed_loss(lp, b, config)
+        sync(device)
+        t3 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        t4 = time.perf_counter()
+        t["masks"] += t1 - t0
+        t["forward"] += max(0.0, (t2 - t1) - (t1 - t0))
+        t["loss"] += t3 - t2
+        t["backward"] += t4 - t3
+        loss_sum += float(loss.detach())
+        train = b.seq_positions[b.loss_mask.bool()]
+        lp_sum += float(lp.detach()[train].double().sum())
+    total = time.perf_counter() - start - t["masks"]  # the extra mask build is not part of a step
+    grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    return {**t, "step": total, "peak_bytes": peak_bytes(device), "loss": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
+
+
+def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
+    bad = []
+    for k, rel in (("loss", tol), ("logprob_sum", tol), ("grad_norm", 10 * tol)):
+        scale = max(abs(a[k]), abs(b[k]), 1e-6)
+        if abs(a[k] - b[k]) > rel * scale:
+            bad.append(f"{k} {a[k]:.8g} vs {b[k]:.8g}")
+    return bad
+
+
+def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
+    T = spec["max_tokens"]
+    packed = list(tpt.PackedDataset(w["packed_dir"]))
+    layouts = {
+        "naive": chains_under_budget([tpt.naive_batch(b) for b in tpt.PackedDataset(w["calls_dir"])], T),
+        "merged": chains_under_budget([tpt.naive_batch(b) for b in packed], T),
+        "packed": packed,
+    }
+    vocab = torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
+    layouts = {k: [with_old_logprobs(b, vocab) for b in bs] for k, bs in layouts.items()}
+    figs = {k: figures(bs) for k, bs in layouts.items()}
+    trainable = {figs[k]["trainable"] for k in SIDES}
+    if len(trainable) != 1:
+        return {"name": w["name"], "error": f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in SIDES), "figures": figs}
+    config = {"policy": "ppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "global_tokens": float(trainable.pop())}
+    layouts = {k: [b.to(device) for b in bs] for k, bs in layouts.items()}
+    model = make_model(spec["shape"], int(vocab.numel()), device, dtype)
+    # Warm-up (allocator, kernels, on CUDA the compiled attention) on one short sequence, so it costs little.
+    step(model, [_sequences(layouts["merged"][0], 0, 1)], config, device)
+    runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in SIDES}
+    for _ in range(spec["repeats"]):
+        for k in SIDES:  # interleaved, so load from other processes lands on every side alike
+            runs[k].append(step(model, layouts[k], config, device))
+    best = {k: min(runs[k], key=lambda r: r["step"]) for k in SIDES}
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    mismatches = {k: agree(best["naive"], best[k], tol) for k in ("merged", "packed")}
+    return {
+        "name": w["name"],
+        "figures": figs,
+        "sides": {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": max(r["peak_bytes"] for r in runs[k])} for k in SIDES},
+        "vocab": int(vocab.numel()),
+        "mismatches": {k: v for k, v in mismatches.items() if v},
+    }
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    results = []
+    for w in spec["workloads"]:
+        results.append(run_workload(w, spec, device, dtype))
+        r = results[-1]
+        took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES) if "sides" in r else r.get("error", "")
+        print(f"  step: {w['name']}: {took}", file=sys.stderr, flush=True)
+    mode = "flex" if device.type == "cuda" else "block"
+    print(json.dumps({
+        "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,
+        "torch": torch.__version__, "transformers": transformers.__version__, "shape": spec["shape"], "workloads": results,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+/**
+ * The training-step section: workloads packed through the library (`packRecords` into a `DirectorySink`, once with
+ * the timeline merge and once with every call its own sample), handed to the Python harness (bench/step.py) that
+ * times naive, merged and packed steps of a random-weight Qwen3-shape model, then the cost model over the results.
+ */
+import { spawnSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { dirname, join, resolve } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { DirectorySink, packRecords, type PackReport } from '../src/index.js';
+import { generateJsonlLines, type GeneratorOptions } from './dataset.js';
+import { type ModelShape, type SideFigures } from './cost-model.js';
+
+const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
+
+interface PythonEnv {
+  python: string | null;
+  torch: boolean;
+  reason: string;
+  source: string;
+}
+
+export interface StepSide extends Record<string, unknown> {
+  step: number;
+  masks: number;
+  forward: number;
+  loss: number;
+  backward: number;
+  steps: number[];
+  peak_bytes: number;
+  loss_value?: number;
+}
+
+export interface StepWorkload {
+  name: string;
+  /** naive tokens (every call) ÷ packed tokens, from the packer's report */
+  compression: number;
+  packSeconds: number;
+  report: PackReport;
+  figures?: Record<'naive' | 'merged' | 'packed', SideFigures>;
+  sides?: Record<'naive' | 'merged' | 'packed', StepSide & { loss: number; logprob_sum: number; grad_norm: number }>;
+  mismatches?: Record<string, string[]>;
+  error?: string;
+}
+
+export interface StepSection {
+  skipped?: string;
+  device?: string;
+  deviceType?: string;
+  dtype?: string;
+  attention?: string;
+  python?: string;
+  torch?: string;
+  shape?: ModelShape;
+  maxTokens?: number;
+  workloads: StepWorkload[];
+}
+
+/** The CPU model: small enough for the default run, Qwen3's proportions (GQA 2:1, SwiGLU 3×). */
+export const CPU_SHAPE: ModelShape = { name: 'tiny Qwen3 shape', hidden: 128, intermediate: 384, layers: 2, heads: 4, kv_heads: 2, head_dim: 32 };
+
+interface WorkloadInput {
+  name: string;
+  file: string;
+}
+
+/** Generated agent episodes whose shape sets the compression: group size and turns (long shared prefixes). */
+export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean }[] = [
+  { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 } },
+  { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 } },
+  { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true },
+  { label: '≈25×', opts: { groups: 1, episodesPerGroup: 8, minTurns: 10, maxTurns: 14, truncateEvery: 0, seed: 3 }, full: true },
+  { label: '≈40×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 14, maxTurns: 18, truncateEvery: 0, seed: 3 }, full: true },
+  { label: '≈80×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 24, maxTurns: 30, truncateEvery: 0, seed: 3 }, full: true },
+];
+
+async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
+  const run = packRecords(file, { budget: { maxTokens }, ...(merge ? {} : { merge: false }) });
+  await run.writeTo(new DirectorySink(out));
+  return run.report();
+}
+
+/**
+ * The tasks of a tau-bench-style JSONL file whose episodes' rewards differ (equal rewards give zero
+ * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous).
+ */
+function mixedRewardTasks(file: string, out: string): void {
+  const byTask = new Map<string, { lines: string[]; rewards: Set<number> }>();
+  for (const line of readFileSync(file, 'utf8').split('\n').filter((l) => l.trim())) {
+    const r = JSON.parse(line) as { task_id?: string; group?: string; meta?: { reward?: number } };
+    const key = String(r.task_id ?? r.group ?? byTask.size);
+    const t = byTask.get(key) ?? { lines: [], rewards: new Set() };
+    t.lines.push(line);
+    t.rewards.add(r.meta?.reward ?? 0);
+    byTask.set(key, t);
+  }
+  const kept = [...byTask.values()].filter((t) => t.rewards.size > 1);
+  writeFileSync(out, kept.flatMap((t) => t.lines).join('\n') + '\n');
+}
+
+export async function benchStep(opts: { full: boolean; tauBench: string | null }): Promise<StepSection> {
+  const maxTokens = 16384;
+  // The trainer side's environment finder (scripts/python-env.mjs): a fresh clone gets its .venv made here.
+  const finder = pathToFileURL(join(root, 'scripts', 'python-env.mjs')).href;
+  const env: PythonEnv = await import(finder).then((m: { pythonEnv: () => PythonEnv }) => m.pythonEnv()).catch((e: Error) => ({ python: null, torch: false, reason: `scripts/python-env.mjs: ${e.message}`, source: '' }));
+  if (!env.torch || !env.python) return { skipped: `no Python with torch: ${env.reason}`, workloads: [] };
+  const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-step-'));
+  try {
+    const inputs: WorkloadInput[] = [];
+    for (const g of GENERATED.filter((g) => opts.full || !g.full)) {
+      const file = join(dir, `generated-${inputs.length}.jsonl`);
+      writeFileSync(file, [...generateJsonlLines(g.opts)].join('\n') + '\n');
+      const o = g.opts;
+      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file });
+    }
+    if (opts.tauBench && opts.full) {
+      const file = join(dir, 'tau-bench.jsonl');
+      mixedRewardTasks(opts.tauBench, file);
+      inputs.push({ name: 'tau-bench airline (the tasks with mixed rewards)', file });
+    }
+    const workloads: StepWorkload[] = [];
+    const spec = { max_tokens: maxTokens, repeats: opts.full ? 3 : 1, shape: CPU_SHAPE, workloads: [] as object[] };
+    for (const [i, w] of inputs.entries()) {
+      const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
+      const t0 = performance.now();
+      const report = await packTo(w.file, packedDir, maxTokens, true);
+      const packSeconds = (performance.now() - t0) / 1000;
+      await packTo(w.file, callsDir, maxTokens, false);
+      workloads.push({ name: w.name, compression: report.timelineTokens / Math.max(1, report.packedTokens), packSeconds, report });
+      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir });
+    }
+    const specFile = join(dir, 'spec.json');
+    writeFileSync(specFile, JSON.stringify(spec));
+    const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'] });
+    if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads };
+    const out = JSON.parse(r.stdout) as { device: string; device_type: string; dtype: string; attention: string; torch: string; shape: ModelShape; workloads: Partial<StepWorkload>[] };
+    out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, error: res.error }));
+    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads };
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
