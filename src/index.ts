@@ -34,6 +34,8 @@ export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } fr
 export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
 export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
+export { Service, startService, type ServiceOptions } from './serve/service.js';
+export type { FeedOptions, Handout } from './serve/feed.js';
 export {
   listBackends,
   resolveKernel,

@@ -118,6 +118,11 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
     expect(recorded).toBeGreaterThanOrEqual(40);
     const health = (await (await fetch(`${proc.url}/healthz`)).json()) as { trainer_version: number };
     expect(health.trainer_version).toBe(episodes.size);
+    // Once more: every step was acknowledged whole, so a replay is done without packing anything again.
+    await proc.kill9();
+    proc = await startServeProcess(args);
+    expect(((await (await fetch(`${proc.url}/healthz`)).json()) as { trainer_version: number }).trainer_version).toBe(episodes.size);
+    expect((await fetch(`${proc.url}/v1/batches/next?rank=0`)).status).toBe(204);
   });
 
   it('a damaged line inside the log refuses to start, naming the line', async () => {

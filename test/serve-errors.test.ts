@@ -6,6 +6,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createServer, type Server } from 'node:net';
 import { resolveServiceOptions, Service } from '../src/serve/service.js';
+import { cli } from './helpers/cli.js';
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
@@ -160,6 +161,28 @@ describe('service errors', { timeout: 30_000 }, () => {
     const text = await (await fetch(`${base}/metrics`)).text();
     for (const name of ['treepack_calls_total{endpoint="chat",outcome="recorded"}', 'treepack_episodes_finished_total', 'treepack_open_episodes', 'treepack_pool_bytes', 'treepack_gateway_seconds_bucket', 'treepack_rejected_total']) {
       expect(text).toContain(name);
+    }
+  });
+});
+
+describe('treepack serve flags', () => {
+  it('--help, and flag errors with exit code 2 before anything starts', () => {
+    const help = cli(['serve', '--help']);
+    expect(help.code).toBe(0);
+    expect(help.stdout).toMatch(/--engine URL/);
+    const cases: [string[], RegExp][] = [
+      [['serve', '--data', '/tmp/x'], /--engine URL and --data DIR are required/],
+      [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x'], /engineUrl/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--host', '0.0.0.0'], /bearer token/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--dp', '2'], /--dp needs --max-tokens/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'lifo'], /--policy/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--advantages', 'ppo'], /advantages/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
+    ];
+    for (const [args, message] of cases) {
+      const r = cli(args);
+      expect(r.code, args.join(' ')).toBe(2);
+      expect(r.stderr).toMatch(message);
     }
   });
 });

@@ -12,26 +12,24 @@ import OpenAI from 'openai';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service } from '../src/serve/service.js';
 import { cli } from './helpers/cli.js';
-import { enginePython, startEngine, tempDir, type Engine } from './helpers/serve.js';
+import { execFile } from 'node:child_process';
+import { promisify } from 'node:util';
+import { enginePython, ROOT, startEngine, tempDir, type Engine } from './helpers/serve.js';
 
-const py = enginePython();
-if (!py.python) {
-  if (process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(`TREEPACK_REQUIRE_TORCH=1 but ${py.reason}`);
-  console.log(`test/serve-gateway.test.ts skipped: ${py.reason}`);
-}
+const python = enginePython('test/serve-gateway.test.ts');
 
 const TOOLS = [{ type: 'function' as const, function: { name: 'search', description: 'search the web', parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] } } }];
 
 type Msg = OpenAI.Chat.Completions.ChatCompletionMessageParam;
 
-describe.skipIf(!py.python)('recording gateway on a real engine', () => {
+describe.skipIf(!python)('recording gateway on a real engine', () => {
   let engine: Engine;
   let svc: Service;
   let base: string;
   let dir: string;
 
   beforeAll(async () => {
-    engine = await startEngine(py.python!);
+    engine = await startEngine(python!);
     dir = tempDir('tp-serve-');
     svc = await Service.create({ engineUrl: engine.url, dataDir: dir, port: 0, groupSize: 2, policy: { kind: 'windowed-fifo', window: 2 }, packer: { merge: { timelineCompareLevel: 'token' } } });
     base = await svc.listen();
@@ -142,5 +140,44 @@ describe.skipIf(!py.python)('recording gateway on a real engine', () => {
     const ack = await fetch(`${base}/v1/batches/${entry.id}/ack`, { method: 'POST' });
     expect(await ack.json()).toMatchObject({ step_done: true, trainer_version: 1 });
     expect((await fetch(`${base}/v1/episodes/ep-a/records`)).status).toBe(410); // consumed: memory freed
+  });
+
+  it('the official openai Python client as the agent, treepack.client as the trainer', { timeout: 240_000 }, async () => {
+    const script = `
+import json, sys, urllib.request
+from openai import OpenAI
+from treepack.client import FeedClient
+base = sys.argv[1]
+for ep, reward in (("py-1", 1.0), ("py-2", 0.0)):
+    client = OpenAI(base_url=f"{base}/groups/py-task/episodes/{ep}/v1", api_key="none")
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, stream=True) if c.choices)
+    req = urllib.request.Request(f"{base}/v1/episodes/{ep}/finish", data=json.dumps({"reward": reward}).encode(), headers={"content-type": "application/json"})
+    urllib.request.urlopen(req).read()
+seen = []
+for mb in FeedClient(base, rank=0, dp=1, wait=10, stop_when_idle=True):
+    b = mb.batch
+    seen.append({"id": mb.id, "groups": mb.entry["groups"], "dtype": str(b.input_ids.dtype), "sequences": b.num_sequences,
+                 "trainable": int(b.loss_mask.sum()), "advantages": [float(x) for x in b.advantages[b.loss_mask].unique()], "ack": mb.ack()})
+print(json.dumps(seen))
+`;
+    const before = engine.log().length;
+    // Async: the service answering the script lives in this process.
+    const r = await promisify(execFile)(python!, ['-c', script, base], { encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python') }, timeout: 200_000 });
+    expect(r.stderr).not.toMatch(/Traceback/);
+    const seen = JSON.parse(r.stdout.trim().split('\n').pop()!) as { groups: string[]; dtype: string; sequences: number; trainable: number; advantages: number[]; ack: { step_done: boolean } }[];
+    expect(seen).toHaveLength(1);
+    expect(seen[0]!.groups).toEqual(['py-task']);
+    expect(seen[0]!.dtype).toBe('torch.int64');
+    // Two episodes of two turns each, every turn's response trainable once: one merged sequence per episode.
+    expect(seen[0]!.sequences).toBe(2);
+    const produced = engine.log().slice(before);
+    expect(seen[0]!.trainable).toBe(produced.reduce((a, p) => a + p.token_ids.length, 0));
+    // GRPO over rewards 1 and 0 (mean 0.5, unbiased std sqrt(1/2), eps 1e-6) on every trainable token.
+    const a = Math.fround(0.5 / (Math.SQRT1_2 + 1e-6));
+    expect(seen[0]!.advantages.sort()).toEqual([-a, a]);
+    expect(seen[0]!.ack.step_done).toBe(true);
   });
 });

@@ -1,8 +1,8 @@
 /** `treepack serve`: flags in, a running service out (src/serve); stops cleanly on SIGINT/SIGTERM. */
 import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
-import { startService } from '../serve/service.js';
-import { backendOption, parse, positiveInt, usageError } from './args.js';
+import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
+import { backendOption, optionValue, parse, positiveInt, usageError } from './args.js';
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
 
@@ -64,7 +64,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const level = str('timeline-compare-level') ?? 'token';
   if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
   const rate = str('rate-limit');
-  const { service, url } = await startService({
+  const options: ServiceOptions = {
     engineUrl: str('engine')!,
     dataDir: str('data')!,
     host: str('host'),
@@ -87,7 +87,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
       advantages: (str('advantages') ?? 'grpo') as AdvantageEstimator | 'none', // checked by the packer's options
       ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple: positiveInt('--pad-multiple', str('pad-multiple'), 1) } }),
     },
-  });
+  };
+  optionValue(() => resolveServiceOptions(options)); // a bad combination is a usage error, found before starting
+  const { service, url } = await startService(options);
   console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();

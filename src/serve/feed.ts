@@ -116,7 +116,13 @@ export class Feed {
     else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
-      if (step) this.markAcked(step, id);
+      if (!step) return;
+      this.markAcked(step, id);
+      // A step acknowledged whole before the crash is done without packing it again.
+      if (!step.slots && step.acked.size === e.of) {
+        step.slots = [];
+        this.finishStep(step);
+      }
     }
   }
 
@@ -133,10 +139,14 @@ export class Feed {
 
   private maybeComplete(step: Step): void {
     if (step.done || !step.slots || step.slots.some((s) => !s.acked)) return;
+    this.finishStep(step);
+  }
+
+  private finishStep(step: Step): void {
     step.done = true;
     this.version++;
     for (const g of step.groups) this.pool.release(g);
-    step.slots = step.slots.map((s) => ({ ...s, out: { ...s.out, bytes: new Uint8Array(0) } }));
+    step.slots = step.slots!.map((s) => ({ ...s, out: { ...s.out, bytes: new Uint8Array(0) } }));
   }
 
   flush(): void {
@@ -248,7 +258,7 @@ export class Feed {
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (slot.acked) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
     if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);
-    await this.append({ type: 'ack', id });
+    await this.append({ type: 'ack', id, of: step.slots!.length });
     this.markAcked(step, id);
     this.metrics.microBatches.inc({ event: 'acked' });
     return { step: step.n, stepDone: step.done, trainerVersion: this.version };

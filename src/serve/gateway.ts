@@ -12,6 +12,7 @@ import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
 import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type EngineOutput } from './engine.js';
 import { Pool, PoolError, type RecordedCall, type Scope } from './pool.js';
+import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Service } from './service.js';
 
@@ -68,17 +69,20 @@ function policyVersion(svc: Service, req: FastifyRequest): number {
   return n;
 }
 
-async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Response> {
+async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Upstream> {
   const url = `${svc.opts.engineUrl}/${kind === 'chat' ? 'chat/completions' : 'completions'}`;
   const headers: Record<string, string> = { 'content-type': 'application/json' };
   if (svc.opts.engineApiKey) headers.authorization = `Bearer ${svc.opts.engineApiKey}`;
   try {
-    return await fetch(url, { method: 'POST', headers, body: JSON.stringify(body), signal: AbortSignal.timeout(svc.opts.engineTimeoutMs) });
+    return await postUpstream(url, JSON.stringify(body), headers, svc.opts.engineTimeoutMs);
   } catch (err) {
-    const e = err as Error;
-    if (e.name === 'TimeoutError') throw new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
-    throw new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${(e.cause as Error | undefined)?.message ?? e.message}`);
+    throw engineFailure(svc, err as Error);
   }
+}
+
+function engineFailure(svc: Service, e: Error): PoolError {
+  if (e.name === 'TimeoutError' || e.name === 'AbortError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+  return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
 
 function recordedCall(kind: CallKind, scope: Scope, body: Obj, output: EngineOutput, version: number): RecordedCall {
@@ -102,11 +106,11 @@ async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: F
   const { body: up, wants } = upstreamRequest(kind, body);
   const tEngine = performance.now();
   const res = await callEngine(svc, kind, up);
-  if (!res.ok) {
+  if (res.status < 200 || res.status >= 300) {
     // The engine's own refusal (bad parameters, overload) goes back as it is, and nothing is recorded.
     svc.metrics.calls.inc({ endpoint, outcome: `engine_${res.status}` });
-    const text = await res.text();
-    return reply.code(res.status).header('content-type', res.headers.get('content-type') ?? 'application/json').send(text);
+    const text = await res.text().catch((err: Error) => Promise.reject(engineFailure(svc, err)));
+    return reply.code(res.status).header('content-type', res.contentType ?? 'application/json').send(text);
   }
   const commit = async (output: EngineOutput) => {
     await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(kind, scope, body, output, version) });
@@ -114,7 +118,7 @@ async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: F
   };
   if (body.stream !== true) {
     let json: unknown;
-    const text = await res.text();
+    const text = await res.text().catch((err: Error) => Promise.reject(engineFailure(svc, err)));
     const tBack = performance.now();
     svc.metrics.engine.observe({ endpoint }, (tBack - tEngine) / 1000);
     try {
@@ -132,7 +136,7 @@ async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: F
 async function stream(
   svc: Service,
   kind: CallKind,
-  res: Response,
+  res: Upstream,
   reply: FastifyReply,
   wants: ReturnType<typeof upstreamRequest>['wants'],
   commit: (o: EngineOutput) => Promise<void>,
@@ -163,7 +167,7 @@ async function stream(
   raw.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
   const decoder = new TextDecoder();
   try {
-    for await (const piece of res.body as unknown as AsyncIterable<Uint8Array>) {
+    for await (const piece of res.body as AsyncIterable<Uint8Array>) {
       parser.feed(decoder.decode(piece, { stream: true }));
       if (out.length) raw.write(out.splice(0).join(''));
       if (failure) break;

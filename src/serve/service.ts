@@ -8,6 +8,7 @@ import Fastify, { type FastifyInstance } from 'fastify';
 import rateLimit from '@fastify/rate-limit';
 import { argError } from '../errors.js';
 import type { PackerOptions } from '../packer/index.js';
+import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { loadTokenizer } from '../tokenize/tokenizer.js';
@@ -75,6 +76,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
   if (r.packer?.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
+  resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
   if (r.dp > 1 && !r.packer?.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer?.budget);
   return r;
 }

