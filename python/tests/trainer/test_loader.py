@@ -64,8 +64,10 @@ class Loader(unittest.TestCase):
         for i in range(5):
             name = f"gen-1/part-{i}.safetensors"  # any layout behind the manifest
             os.makedirs(os.path.join(self.dir, "gen-1"), exist_ok=True)
-            write_microbatch(os.path.join(self.dir, name), pack(forests(50, i)["wide"], seed=i))
-            files.append({"file": name, "rank": i % 2, "step": i // 2})
+            mb = pack(forests(50, i)["wide"], seed=i)
+            write_microbatch(os.path.join(self.dir, name), mb)
+            counts = {"sequences": mb.meta["num_sequences"], "naive_tokens": mb.meta["num_tokens_naive"], "packed_tokens": mb.meta["num_tokens_packed"]}
+            files.append({"file": name, "rank": i % 2, "step": i // 2, **counts})
         files.reverse()
         write_microbatch(os.path.join(self.dir, "stray.safetensors"), self.mb)  # not in the manifest: never read
         with open(os.path.join(self.dir, "manifest.json"), "w") as f:
@@ -83,6 +85,11 @@ class Loader(unittest.TestCase):
         self.assertEqual(cm.exception.field, "rank")
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         self.assertEqual(sorted(b.num_nodes for b in loader), sorted(seen))
+        # A file swapped under the manifest (another run's) is refused, naming the count that disagrees.
+        write_microbatch(os.path.join(self.dir, files[0]["file"]), self.mb)
+        with self.assertRaises(TreepackError) as cm:
+            list(tpt.PackedDataset(self.dir))
+        self.assertIn(cm.exception.field, ("sequences", "naive_tokens", "packed_tokens"))
         os.remove(os.path.join(self.dir, "manifest.json"))
         with self.assertRaises(TreepackError) as cm:
             tpt.PackedDataset(self.dir)

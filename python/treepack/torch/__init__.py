@@ -9,7 +9,8 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
 """
 
 from .attention import TreeMask, attend, dense_tree_mask, register, tree_attention, tree_mask
-from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch, read_manifest
+from ..microbatch import read_manifest
+from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
 

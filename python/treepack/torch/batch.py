@@ -10,7 +10,6 @@ forest would otherwise index the wrong node silently (torch wraps negative indic
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -19,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import numpy as np
 import torch
 
-from ..microbatch import OCCURRENCE_FLOAT_FIELDS, MicroBatch, Source, TreepackError, check_invariants, load
+from ..microbatch import OCCURRENCE_FLOAT_FIELDS, MicroBatch, Source, TreepackError, check_entry, check_invariants, load, read_manifest
 
 INDEX_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")
 
@@ -180,22 +179,6 @@ def load_microbatch(
     return from_microbatch(load(src), device, pin_memory, check, file)
 
 
-def read_manifest(directory: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
-    """``<dir>/manifest.json``, the commit point of a packed directory, with ``micro_batches`` checked."""
-    path = os.path.join(os.fspath(directory), "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise TreepackError("E_IO", f"{e.strerror or e} (a packed directory is published with its manifest.json)", path) from e
-    except ValueError as e:
-        raise TreepackError("E_INPUT", f"not JSON: {e}", path, "manifest") from None
-    entries = doc.get("micro_batches") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("file"), str) for e in entries):
-        raise TreepackError("E_INPUT", "micro_batches must be a list of objects with a string file", path, "micro_batches")
-    return doc
-
-
 class PackedDataset(torch.utils.data.IterableDataset):
     """The micro-batches of a packed directory in manifest order, as ``PackedBatch`` on CPU (move them, or let a
     DataLoader pin them). Files are resolved through manifest.json only (its ``micro_batches[i].file``).
@@ -231,12 +214,14 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return len(self.entries)
 
     def files(self) -> List[str]:
-        return [os.path.join(self.directory, e["file"]) for e in self.entries]
+        return [os.path.join(self.directory, *e["file"].split("/")) for e in self.entries]
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        files = self.files()
+        pairs = list(zip(self.files(), self.entries))
         info = torch.utils.data.get_worker_info()
         if info is not None:
-            files = files[info.id :: info.num_workers]
-        for path in files:
-            yield load_microbatch(path, check=self.check)
+            pairs = pairs[info.id :: info.num_workers]
+        for path, entry in pairs:
+            mb = load(path)
+            check_entry(mb, entry, path)  # a file of another run must never reach the trainer
+            yield from_microbatch(mb, None, False, self.check, path)
