@@ -5,7 +5,7 @@
  */
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join, resolve } from 'node:path';
+import { basename, join, relative, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { createPacker, DirectorySink, MemorySink, packRecords, readRecords, TreepackError, type PackerOptions } from '../src/index.js';
 import { generateJsonl, generateTokenSamples } from '../bench/dataset.js';
@@ -23,8 +23,15 @@ writeFileSync(episodes, generateJsonl({ groups: 3, episodesPerGroup: 4, minTurns
 const tokens = join(dir, 'tokens.jsonl');
 writeFileSync(tokens, [...generateTokenSamples({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 9 })].map((s) => JSON.stringify(s)).join('\n') + '\n');
 
+/** Every file under `d` by its path relative to `d` (micro-batches live in the run's generation directory). */
 function files(d: string): Map<string, Buffer> {
-  return new Map(readdirSync(d).sort().map((f) => [f, readFileSync(join(d, f))]));
+  return new Map(
+    readdirSync(d, { recursive: true, withFileTypes: true })
+      .filter((e) => e.isFile())
+      .map((e) => relative(d, join(e.parentPath, e.name)))
+      .sort()
+      .map((f) => [f, readFileSync(join(d, f))]),
+  );
 }
 
 let runs = 0;
@@ -41,11 +48,22 @@ async function compare(input: string, args: string[], opts: PackerOptions): Prom
   expect([...b.keys()]).toEqual([...a.keys()]);
   for (const [name, bytes] of a) expect(b.get(name)!.equals(bytes), name).toBe(true);
   expect(manifest.micro_batches.length).toBe(a.size - 1);
-  // In memory, the same bytes: what a service would send instead of writing.
+  // In memory, the same bytes: what a service would send instead of writing. Its manifest differs only in naming
+  // no generation directory.
   const mem = new MemorySink();
-  await packRecords(input, opts).writeTo(mem);
-  expect([...mem.files.keys()].sort()).toEqual([...a.keys()]);
-  for (const [name, bytes] of a) expect(Buffer.from(mem.files.get(name)!).equals(bytes), name).toBe(true);
+  const memManifest = await packRecords(input, opts).writeTo(mem);
+  expect(mem.files.size).toBe(a.size);
+  const onDisk = JSON.parse(a.get('manifest.json')!.toString());
+  expect(memManifest.micro_batches.map((e) => e.file)).toEqual(onDisk.micro_batches.map((e: { file: string }) => basename(e.file)));
+  onDisk.micro_batches.forEach((e: { file: string }, i: number) => {
+    expect(Buffer.from(mem.files.get(memManifest.micro_batches[i]!.file)!).equals(a.get(e.file)!), e.file).toBe(true);
+  });
+  const { generation, ...header } = onDisk;
+  expect(generation).toBe(1);
+  expect(JSON.parse(Buffer.from(mem.files.get('manifest.json')!).toString())).toEqual({
+    ...header,
+    micro_batches: onDisk.micro_batches.map((e: { file: string }) => ({ ...e, file: basename(e.file) })),
+  });
   return a;
 }
 
@@ -184,9 +202,9 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
       expect(`treepack pack: ${e.message}`).toBe(printed);
       if (c.where.line !== undefined) expect(e.where.file).toBe(f);
       expect(e.where).toMatchObject(c.where);
-      // Neither side left a file behind.
-      expect(readdirSync(out)).toEqual([]);
-      expect(readdirSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toEqual([]);
+      // Neither side created its output directory (a failed run leaves --out exactly as it was).
+      expect(existsSync(out)).toBe(false);
+      expect(existsSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toBe(false);
       // Incremental use, JSON objects pushed line by line, meets the same error (malformed JSON cannot be pushed).
       if (c.name === 'malformed JSON') return;
       const packer = createPacker({ ...c.opts, name: f });
