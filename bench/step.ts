@@ -6,21 +6,13 @@
 import { spawnSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { dirname, join, resolve } from 'node:path';
+import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { fileURLToPath, pathToFileURL } from 'node:url';
 import { DirectorySink, packRecords, type PackReport } from '../src/index.js';
 import { generateJsonlLines, type GeneratorOptions } from './dataset.js';
 import { type ModelShape, type SideFigures } from './cost-model.js';
+import { findPython, root } from './python.js';
 
-const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
-
-interface PythonEnv {
-  python: string | null;
-  torch: boolean;
-  reason: string;
-  source: string;
-}
 
 export interface StepSide extends Record<string, unknown> {
   step: number;
@@ -102,9 +94,8 @@ function mixedRewardTasks(file: string, out: string): void {
 
 export async function benchStep(opts: { full: boolean; tauBench: string | null }): Promise<StepSection> {
   const maxTokens = 16384;
-  // The trainer side's environment finder (scripts/python-env.mjs): a fresh clone gets its .venv made here.
-  const finder = pathToFileURL(join(root, 'scripts', 'python-env.mjs')).href;
-  const env: PythonEnv = await import(finder).then((m: { pythonEnv: () => PythonEnv }) => m.pythonEnv()).catch((e: Error) => ({ python: null, torch: false, reason: `scripts/python-env.mjs: ${e.message}`, source: '' }));
+  // A fresh clone gets its .venv made here.
+  const env = await findPython();
   if (!env.torch || !env.python) return { skipped: `no Python with torch: ${env.reason}`, workloads: [] };
   const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-step-'));
   try {

@@ -160,6 +160,12 @@ def main() -> None:
             json.dump({"device": dev, "torch": torch.__version__, "rows": rows}, f, indent=2)
 
 
+def _ratio(base: float, value: float, better: str, worse: str) -> str:
+    """A ratio that reads right either way: "1.8x slower", never "0.6x faster"."""
+    value = max(value, 1e-12)
+    return f"{base / value:.2f}x {better}" if base >= value else f"{value / max(base, 1e-12):.2f}x {worse}"
+
+
 def format_row(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     what = f"{row['kind']:<9} {row['method']:<16} N={row['tokens']:>6}"
     if "skipped" in row:
@@ -168,7 +174,7 @@ def format_row(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     base = next((r for r in rows if r["kind"] == row["kind"] and r["tokens"] == row["tokens"] and r["method"] == base_method and "seconds" in r), None)
     ratio = ""
     if base is not None and base is not row:
-        ratio = f"  vs {base_method}: {base['seconds'] / row['seconds']:.2f}x faster, {base['peak_bytes'] / max(row['peak_bytes'], 1):.1f}x less memory"
+        ratio = f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, {_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')}"
     return f"{what} (packed {row['packed_tokens']}, naive {row['naive_tokens']})  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
 
 
