@@ -22,12 +22,13 @@ from treepack.flex import (
     slices_from_tree,
     slices_to_dense,
 )
+from treepack import TreepackError
 from treepack.loss import core_library
 
 try:
     core_library()
     CORE_SKIP = ""
-except OSError as e:
+except TreepackError as e:  # E_BACKEND: the C core is not built here
     CORE_SKIP = str(e)
 
 

@@ -125,7 +125,7 @@ def _library(env: str, name: str) -> ctypes.CDLL:
             errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI}; rebuild it)")
             continue
         return lib
-    raise OSError(f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}")
+    raise TreepackError("E_BACKEND", f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}", field=env)
 
 
 _P = ctypes.c_void_p
