@@ -197,7 +197,7 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     # Warm-up (allocator, kernels, on CUDA the compiled attention) on one short sequence, so it costs little.
     step(model, [_sequences(layouts["merged"][0], 0, 1)], config, device)
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in SIDES}
-    for _ in range(spec["repeats"]):
+    for _ in range(w["repeats"]):
         for k in SIDES:  # interleaved, so load from other processes lands on every side alike
             runs[k].append(step(model, layouts[k], config, device))
     best = {k: min(runs[k], key=lambda r: r["step"]) for k in SIDES}
@@ -222,10 +222,13 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     results = []
     for w in spec["workloads"]:
+        t0 = time.perf_counter()
         results.append(run_workload(w, spec, device, dtype))
         r = results[-1]
         took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES) if "sides" in r else r.get("error", "")
-        print(f"  step: {w['name']}: {took}", file=sys.stderr, flush=True)
+        n = len(results)
+        print(f"  step [{n}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; workload took {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
     mode = "flex" if device.type == "cuda" else "block"
     print(json.dumps({
         "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,

@@ -56,16 +56,23 @@ export const CPU_SHAPE: ModelShape = { name: 'tiny Qwen3 shape', hidden: 128, in
 interface WorkloadInput {
   name: string;
   file: string;
+  repeats: number;
 }
 
-/** Generated agent episodes whose shape sets the compression: group size and turns (long shared prefixes). */
-export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean }[] = [
-  { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 } },
-  { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 } },
-  { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true },
-  { label: '≈25×', opts: { groups: 1, episodesPerGroup: 8, minTurns: 10, maxTurns: 14, truncateEvery: 0, seed: 3 }, full: true },
-  { label: '≈40×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 14, maxTurns: 18, truncateEvery: 0, seed: 3 }, full: true },
-  { label: '≈80×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 24, maxTurns: 30, truncateEvery: 0, seed: 3 }, full: true },
+/**
+ * Generated agent episodes whose shape sets the compression: group size and turns (long shared prefixes: a ~3.5k-token
+ * policy prompt every call repeats). Naive tokens grow with the compression (≈ compression × packed tokens), so the
+ * biggest workloads take the fewest repeats: `repeats` is the --full count (the default run times each once).
+ * Each generated call adds ~90 tokens of its own, which bounds this generator's compression near 40× and makes a
+ * compression C cost ≥ 4·C²·90 naive tokens (≈ 0.6M at 40×, 2.3M at 80×): past ≈30× the naive step alone would
+ * outrun the --full time budget on a 2-core CPU, so the measured range stops there.
+ */
+export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean; repeats: number }[] = [
+  { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 }, repeats: 3 },
+  { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, repeats: 3 },
+  { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true, repeats: 3 },
+  { label: '≈23×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, full: true, repeats: 2 },
+  { label: '≈30×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 3, maxTurns: 3, truncateEvery: 0, seed: 3 }, full: true, repeats: 1 },
 ];
 
 async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
@@ -75,10 +82,11 @@ async function packTo(file: string, out: string, maxTokens: number, merge: boole
 }
 
 /**
- * The tasks of a tau-bench-style JSONL file whose episodes' rewards differ (equal rewards give zero
- * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous).
+ * The first `tasks` tasks of a tau-bench-style JSONL file whose episodes' rewards differ (equal rewards give zero
+ * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous). One task is
+ * ~0.2M naive tokens; all five mixed ones of the airline file are 1.1M, a naive step of many minutes on 2 cores.
  */
-function mixedRewardTasks(file: string, out: string): void {
+function mixedRewardTasks(file: string, out: string, tasks: number): number {
   const byTask = new Map<string, { lines: string[]; rewards: Set<number> }>();
   for (const line of readFileSync(file, 'utf8').split('\n').filter((l) => l.trim())) {
     const r = JSON.parse(line) as { task_id?: string; group?: string; meta?: { reward?: number } };
@@ -88,8 +96,9 @@ function mixedRewardTasks(file: string, out: string): void {
     t.rewards.add(r.meta?.reward ?? 0);
     byTask.set(key, t);
   }
-  const kept = [...byTask.values()].filter((t) => t.rewards.size > 1);
+  const kept = [...byTask.values()].filter((t) => t.rewards.size > 1).slice(0, tasks);
   writeFileSync(out, kept.flatMap((t) => t.lines).join('\n') + '\n');
+  return kept.reduce((n, t) => n + t.lines.length, 0);
 }
 
 export async function benchStep(opts: { full: boolean; tauBench: string | null }): Promise<StepSection> {
@@ -104,15 +113,15 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
       const file = join(dir, `generated-${inputs.length}.jsonl`);
       writeFileSync(file, [...generateJsonlLines(g.opts)].join('\n') + '\n');
       const o = g.opts;
-      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file });
+      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : 1 });
     }
     if (opts.tauBench && opts.full) {
       const file = join(dir, 'tau-bench.jsonl');
-      mixedRewardTasks(opts.tauBench, file);
-      inputs.push({ name: 'tau-bench airline (the tasks with mixed rewards)', file });
+      const episodes = mixedRewardTasks(opts.tauBench, file, 1);
+      inputs.push({ name: `tau-bench airline (first task with mixed rewards, ${episodes} episodes)`, file, repeats: 1 });
     }
     const workloads: StepWorkload[] = [];
-    const spec = { max_tokens: maxTokens, repeats: opts.full ? 3 : 1, shape: CPU_SHAPE, workloads: [] as object[] };
+    const spec = { max_tokens: maxTokens, shape: CPU_SHAPE, workloads: [] as object[] };
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
@@ -120,7 +129,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
       const packSeconds = (performance.now() - t0) / 1000;
       await packTo(w.file, callsDir, maxTokens, false);
       workloads.push({ name: w.name, compression: report.timelineTokens / Math.max(1, report.packedTokens), packSeconds, report });
-      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir });
+      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats });
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));

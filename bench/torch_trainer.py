@@ -4,12 +4,12 @@
    checkpointed) against full logits (``lm_head(hidden)`` over all N nodes, then log_softmax and a gather), forward
    + backward, on hidden states and a Qwen3-sized vocabulary;
 2. tree attention, forward + backward: the block-sparse path against SDPA with the dense tree mask, N = 4k–32k
-   (``--quick``: logprobs at N = 512, attention at 2k).
+   (``--quick``, the default run's: logprobs at N = 512, attention at 4k).
 
 Each case runs in its own process, so its peak memory is its own: peak RSS above the set-up (CPU) or
 ``torch.cuda.max_memory_allocated`` above the set-up (CUDA), over a first call and the timed runs. Times are the
-median of ``--repeat`` runs after that first call. Ratios are against the baseline measured in the same run (full logits; dense mask). A dense case whose
-attention matrix alone would pass ``--max-dense-gib`` is reported as skipped with that size, not run.
+median of ``--repeat`` runs after that first call. Ratios are against the baseline measured in the same run (full logits; dense mask). A baseline case
+(dense mask, full logits) whose big tensors alone would pass ``--max-gib`` is reported as skipped with that size, not run.
 
     python bench/torch_trainer.py [--quick] [--device cpu|cuda] [--json FILE]
 
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--max-dense-gib", type=float, default=4.0, help="skip dense attention cases needing more")
+    ap.add_argument("--max-gib", type=float, default=12.0, help="skip a baseline case (dense mask, full logits) whose big tensors alone need more")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -135,20 +135,24 @@ def main() -> None:
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     repeat = args.repeat or (1 if args.quick else 3)
     cases: List[Dict[str, Any]] = []
-    for n in (512,) if args.quick else (1024, 4096):
+    for n in (512,) if args.quick else (1024, 4096, 8192, 16384):
         for method in ("full logits", "packed_logprobs"):
             cases.append({"kind": "logprobs", "method": method, "tokens": n, "hidden": 256, "vocab": 151_936, "chunk": 512})
-    for n in (2048,) if args.quick else (4096, 8192, 16384, 32768):
+    for n in (4096,) if args.quick else (4096, 8192, 16384, 32768):
         for method in ("dense", "block"):
             cases.append({"kind": "attention", "method": method, "tokens": n, "heads": 4, "head_dim": 64})
     rows: List[Dict[str, Any]] = []
     for case in cases:
         case.update(device=dev, repeat=repeat if case["tokens"] <= 8192 else 1)
+        need, what = 0, ""
         if case["kind"] == "attention" and case["method"] == "dense":
-            need = case["heads"] * case["tokens"] ** 2 * 4 * 3  # scores, probabilities and their gradient, float32
-            if need > args.max_dense_gib * 2**30:
-                rows.append({**case, "skipped": f"the dense attention matrices alone need {need / 2**30:.0f} GiB (> --max-dense-gib {args.max_dense_gib})"})
-                continue
+            need, what = case["heads"] * case["tokens"] ** 2 * 4 * 3, "dense attention matrices"  # scores, probabilities, their gradient; float32
+        if case["kind"] == "logprobs" and case["method"] == "full logits":
+            need, what = case["tokens"] * case["vocab"] * 4 * 3, "full logits"  # logits, log_softmax, their gradient; float32
+        if need > args.max_gib * 2**30:
+            rows.append({**case, "skipped": f"the {what} alone need {need / 2**30:.1f} GiB (> --max-gib {args.max_gib:g}; the machine has {_ram_gib():.0f} GiB)"})
+            print(format_row(rows[-1], rows), flush=True)
+            continue
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)], capture_output=True, text=True)
         if res.returncode != 0:
             rows.append({**case, "skipped": f"failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}"})
@@ -158,6 +162,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+def _ram_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def _ratio(base: float, value: float, better: str, worse: str) -> str:
