@@ -114,7 +114,10 @@ for (const b of await listBackends()) {
 await disposeBackends();
 
 const tauPresent = existsSync(tauBench);
-const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+// The default file may be absent (skipped, with why); a file the user named with --data must exist: each section
+// that reads it says FAILED naming it, the others still run, and the bench exits 1.
+const tauAbsent = values.data === undefined ? `skipped, ${tauBench} not found (pass --data FILE)` : `FAILED, --data ${tauBench}: no such file`;
+const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent || values.data !== undefined ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
 let step: StepSummary | null = null;
 if (stepSection.skipped) console.log(`\n## training step: skipped, ${stepSection.skipped}`);
 else {
@@ -137,10 +140,13 @@ if (tauPresent) {
   // A malformed file is reported (the error names file and line) and the other sections still run.
   await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench).then(
     (r) => reports.push(r),
-    (e: Error) => console.log(`\n## tau-bench: FAILED, ${e.message}`),
+    (e: Error) => {
+      console.log(`\n## tau-bench: FAILED, ${e.message}`);
+      process.exitCode = 1;
+    },
   );
 } else {
-  console.log(`\n## tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  console.log(`\n## tau-bench: ${tauAbsent}`);
 }
 
 const bigGroups = quick ? 8 : 64;
@@ -163,7 +169,11 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
     sets.push([`generated chat episodes (${groups} groups × 8 episodes)`, file]);
     if (tauPresent) sets.push([`tau-bench airline, gpt-4o`, tauBench]);
     for (const [name, f] of sets) {
-      const tracked = await loadTracked(f, encoder).catch((e: Error) => (console.log(`\n## timeline merge: ${name}: FAILED, ${e.message}`), null));
+      const tracked = await loadTracked(f, encoder).catch((e: Error) => {
+        console.log(`\n## timeline merge: ${name}: FAILED, ${e.message}`);
+        process.exitCode = 1;
+        return null;
+      });
       if (!tracked) continue;
       console.log(`\n## timeline merge: ${name}`);
       for (const pool of [false, true]) {
@@ -175,7 +185,7 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
   } finally {
     rmSync(mdir, { recursive: true, force: true });
   }
-  if (!tauPresent) console.log(`\n## timeline merge on tau-bench: skipped, ${tauBench} not found (pass --data FILE)`);
+  if (!tauPresent) console.log(`\n## timeline merge on tau-bench: ${tauAbsent}`);
   return rows;
 }
 
@@ -205,6 +215,7 @@ const page = await renderHtml(
 );
 writeFileSync(html, page);
 console.log(`report: ${resolve(html)}${values.json ? `, ${resolve(values.json)}` : ''}`);
+if ((values.data !== undefined && !tauPresent) || stepSection.workloads.some((w) => w.error)) process.exitCode = 1;
 if (step?.lossMismatches.length) {
   console.error(`bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`);
   process.exitCode = 2;

@@ -9,6 +9,7 @@
  * (a long-horizon run, or a framework merging a whole batch), where the pairwise cost shows.
  */
 import { performance } from 'node:perf_hooks';
+import { speed } from './format.js';
 import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type ChatRecord, type Timeline, type TimelineMessage } from '../src/index.js';
 
 /** A timeline as AgentJet sees it in text mode: the content of each message, nothing else. */
@@ -141,5 +142,5 @@ export function printMergeRow(r: MergeBenchRow): void {
   console.log(`  ${r.scope} (${r.timelines} timelines):`);
   console.log(`    treepack  ${f(r.treepack)}`);
   console.log(`    agentjet  ${f(r.agentjet)}`);
-  console.log(`    treepack is ${(r.agentjet.seconds / r.treepack.seconds).toFixed(1)}× faster than the greedy pairwise merge`);
+  console.log(`    treepack is ${speed(r.agentjet.seconds, r.treepack.seconds)} than the greedy pairwise merge`);
 }

@@ -8,7 +8,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { DirectorySink, packRecords, type PackReport } from '../src/index.js';
+import { DirectorySink, packRecords, TreepackError, type PackReport } from '../src/index.js';
 import { generateJsonlLines, type GeneratorOptions } from './dataset.js';
 import { type ModelShape, type SideFigures } from './cost-model.js';
 import { findPython, root } from './python.js';
@@ -83,13 +83,26 @@ async function packTo(file: string, out: string, maxTokens: number, merge: boole
 
 /**
  * The first `tasks` tasks of a tau-bench-style JSONL file whose episodes' rewards differ (equal rewards give zero
- * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous). One task is
- * ~0.2M naive tokens; all five mixed ones of the airline file are 1.1M, a naive step of many minutes on 2 cores.
+ * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous), written to `out`;
+ * returns the episode count. One task is ~0.2M naive tokens; all five mixed ones of the airline file are 1.1M, a
+ * naive step of many minutes on 2 cores. A missing file or a malformed line is a TreepackError naming it.
  */
-function mixedRewardTasks(file: string, out: string, tasks: number): number {
+export function mixedRewardTasks(file: string, out: string, tasks: number): number {
+  let text: string;
+  try {
+    text = readFileSync(file, 'utf8');
+  } catch (e) {
+    throw new TreepackError('E_IO', `cannot read the tau-bench file: ${(e as Error).message}`, { file });
+  }
   const byTask = new Map<string, { lines: string[]; rewards: Set<number> }>();
-  for (const line of readFileSync(file, 'utf8').split('\n').filter((l) => l.trim())) {
-    const r = JSON.parse(line) as { task_id?: string; group?: string; meta?: { reward?: number } };
+  for (const [i, line] of text.split('\n').entries()) {
+    if (!line.trim()) continue;
+    let r: { task_id?: string; group?: string; meta?: { reward?: number } };
+    try {
+      r = JSON.parse(line) as typeof r;
+    } catch (e) {
+      throw new TreepackError('E_INPUT', `malformed JSON: ${(e as Error).message}`, { file, line: i + 1 });
+    }
     const key = String(r.task_id ?? r.group ?? byTask.size);
     const t = byTask.get(key) ?? { lines: [], rewards: new Set() };
     t.lines.push(line);
@@ -97,6 +110,7 @@ function mixedRewardTasks(file: string, out: string, tasks: number): number {
     byTask.set(key, t);
   }
   const kept = [...byTask.values()].filter((t) => t.rewards.size > 1).slice(0, tasks);
+  if (!kept.length) throw new TreepackError('E_INPUT', 'no task has episodes with different rewards (meta.reward): nothing to train on', { file });
   writeFileSync(out, kept.flatMap((t) => t.lines).join('\n') + '\n');
   return kept.reduce((n, t) => n + t.lines.length, 0);
 }
@@ -115,12 +129,18 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
       const o = g.opts;
       inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : 1 });
     }
+    const workloads: StepWorkload[] = [];
+    const failed: StepWorkload[] = [];
     if (opts.tauBench && opts.full) {
       const file = join(dir, 'tau-bench.jsonl');
-      const episodes = mixedRewardTasks(opts.tauBench, file, 1);
-      inputs.push({ name: `tau-bench airline (first task with mixed rewards, ${episodes} episodes)`, file, repeats: 1 });
+      try {
+        const episodes = mixedRewardTasks(opts.tauBench, file, 1);
+        inputs.push({ name: `tau-bench airline (first task with mixed rewards, ${episodes} episodes)`, file, repeats: 1 });
+      } catch (e) {
+        // The generated workloads still run; the table shows this one FAILED with the error naming the file.
+        failed.push({ name: 'tau-bench airline', compression: 0, packSeconds: 0, report: {} as PackReport, error: (e as Error).message });
+      }
     }
-    const workloads: StepWorkload[] = [];
     const spec = { max_tokens: maxTokens, shape: CPU_SHAPE, workloads: [] as object[] };
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
@@ -134,10 +154,10 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
     const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'] });
-    if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads };
+    if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
     const out = JSON.parse(r.stdout) as { device: string; device_type: string; dtype: string; attention: string; torch: string; shape: ModelShape; workloads: Partial<StepWorkload>[] };
     out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, error: res.error }));
-    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads };
+    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads: [...workloads, ...failed] };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

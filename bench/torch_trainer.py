@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--max-gib", type=float, default=12.0, help="skip a baseline case (dense mask, full logits) whose big tensors alone need more")
+    ap.add_argument("--kind", choices=("logprobs", "attention"), help="only this kind of case")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -142,7 +143,7 @@ def main() -> None:
         for method in ("dense", "block"):
             cases.append({"kind": "attention", "method": method, "tokens": n, "heads": 4, "head_dim": 64})
     rows: List[Dict[str, Any]] = []
-    for case in cases:
+    for case in [c for c in cases if args.kind in (None, c["kind"])]:
         case.update(device=dev, repeat=repeat if case["tokens"] <= 8192 else 1)
         need, what = 0, ""
         if case["kind"] == "attention" and case["method"] == "dense":
