@@ -1,7 +1,7 @@
 /**
  * The PyTorch trainer side's own costs (bench/torch_trainer.py): `packed_logprobs` at logit nodes vs full logits,
  * and block-sparse tree attention vs SDPA with the dense tree mask, forward + backward. The default run takes one
- * small point of each (`--quick`: logprobs at N = 512, attention at 4k, seconds); --full runs logprobs to 16k and
+ * small point of each (`--quick`: logprobs at N = 512, attention at 4k, seconds); --full runs logprobs at 1k and 4k and
  * attention at 4k–32k (minutes), each baseline bounded by the machine's memory (bench/torch_trainer.py --max-gib).
  */
 import { spawnSync } from 'node:child_process';
@@ -18,7 +18,7 @@ export interface TrainerSection {
 }
 
 export async function benchTrainer(full: boolean): Promise<TrainerSection> {
-  console.log(`\n## trainer side: node logprobs vs full logits, block-sparse vs dense tree attention (forward + backward)${full ? '' : '; small sizes (--full: attention 4k–32k, logprobs to 16k)'}`);
+  console.log(`\n## trainer side: node logprobs vs full logits, block-sparse vs dense tree attention (forward + backward)${full ? '' : '; small sizes (--full: attention 4k–32k, logprobs at 1k and 4k)'}`);
   const env = await findPython();
   if (!env.torch || !env.python) {
     console.log(`skipped: no Python with torch: ${env.reason}`);
