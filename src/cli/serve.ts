@@ -28,6 +28,8 @@ Options:
   --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
   --body-limit B          largest request body, bytes                                  [default: 32 MiB]
   --rate-limit N          requests per minute per client address (0: none)               [default: 0]
+  --redis URL             share the pool and the trainer feed with other services through Redis Streams
+                          (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
 Packing (as treepack pack):
   --tokenizer DIR, --backend NAME, --max-tokens T, --dp K, --pad-multiple P, --advantages NAME,
   --timeline-compare-level text|token (default token: each call trains in the context the engine saw)
@@ -47,7 +49,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, tokenizer: S, backend: S, 'max-tokens': S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
       dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
     },
     SERVE_USAGE,
@@ -80,6 +82,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
+    redis: str('redis'),
     packer: {
       tokenizer: str('tokenizer'),
       backend: backendOption(str('backend')),
@@ -90,7 +93,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   };
   optionValue(() => resolveServiceOptions(options)); // a bad combination is a usage error, found before starting
   const { service, url } = await startService(options);
-  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}`);
+  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
     process.once('SIGINT', stop);

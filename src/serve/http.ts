@@ -86,15 +86,15 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
 
   /** The producers are done: the groups left may form steps smaller than --groups-per-step. */
   app.post('/v1/feed/flush', async () => {
-    svc.feed.flush();
+    await svc.feed.flush();
     return { flushing: true };
   });
 
   app.get('/v1/feed', async () => {
-    const d = svc.feed.depth();
+    const d = await svc.feed.depth();
     return {
       policy: svc.opts.policy,
-      head: svc.feed.collector.head,
+      head: svc.feed.head,
       trainer_version: svc.feed.version,
       micro_batches_ready: d.ready,
       micro_batches_leased: d.leased,

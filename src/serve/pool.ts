@@ -37,6 +37,8 @@ export interface Episode {
   /** slime record written directly (buffer/write): the record as given */
   direct?: Record<string, unknown>;
   bytes: number;
+  /** handed to the shared pool (Redis mode): its records live there now, not here */
+  shipped?: boolean;
 }
 
 export interface Group {
@@ -64,7 +66,8 @@ export type PoolEvent =
   | { type: 'call'; episode: string; group?: string; call: RecordedCall }
   | { type: 'finish'; episode: string; reward: number; metadata?: Record<string, unknown>; group_size?: number; time: number }
   | { type: 'record'; episode: string; group: string; record: Record<string, unknown>; reward: number; time: number }
-  | { type: 'group-size'; size: number };
+  | { type: 'group-size'; size: number }
+  | { type: 'ship'; episode: string };
 
 /** A request the pool refuses: HTTP status and a message naming the field. */
 export class PoolError extends Error {
@@ -166,6 +169,12 @@ export class Pool {
         this.finishEpisode(ep, e.reward, e.metadata, e.group_size);
         return;
       }
+      case 'ship': {
+        const ep = this.episodes.get(e.episode)!;
+        ep.shipped = true;
+        this.free(ep);
+        return;
+      }
     }
   }
 
@@ -206,13 +215,19 @@ export class Pool {
     const g = this.bySeq[seq]!;
     g.consumed = true;
     this.waitingGroups--;
-    for (const id of g.episodes) {
-      const ep = this.episodes.get(id)!;
-      this.pendingBytes -= ep.bytes;
-      ep.calls = [];
-      ep.bytes = 0;
-      delete ep.direct;
-    }
+    for (const id of g.episodes) this.free(this.episodes.get(id)!);
+  }
+
+  private free(ep: Episode): void {
+    this.pendingBytes -= ep.bytes;
+    ep.calls = [];
+    ep.bytes = 0;
+    delete ep.direct;
+  }
+
+  /** Finished episodes not yet in the shared pool (Redis mode): shipped again after a restart. */
+  unshipped(): Episode[] {
+    return [...this.episodes.values()].filter((ep) => ep.finished && !ep.shipped);
   }
 
   /** Episodes started and not finished, and finished groups not consumed. */
