@@ -83,7 +83,8 @@ export class RedisPool {
 
   /** Connects (failing with the URL when Redis does not answer) and checks the feed options against the others'. */
   static async connect(url: string, config: Record<string, unknown>): Promise<RedisPool> {
-    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000 });
+    // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server.
+    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2 });
     try {
       await redis.connect();
     } catch (err) {
