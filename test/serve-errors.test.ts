@@ -178,6 +178,7 @@ describe('treepack serve flags', () => {
       [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'lifo'], /--policy/],
       [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--advantages', 'ppo'], /advantages/],
       [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--redis', '127.0.0.1:6379'], /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379.*for redis/],
     ];
     for (const [args, message] of cases) {
       const r = cli(args);

@@ -2,9 +2,12 @@
  * The shared pool on a real Redis (`--redis`): two services (gateways) on one Redis, episodes of one group
  * arriving through both, two trainer ranks pulling from either; a trainer killed before acknowledging gets its
  * micro-batch handed out again after the lease, through the other service; Redis killed -9 and restarted from
- * its append-only file loses nothing acknowledged and duplicates nothing acknowledged.
+ * its append-only file loses nothing acknowledged and duplicates nothing acknowledged; a gateway that died between
+ * its log and Redis ships on restart, once; slime's reads take whole groups from the shared pool.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { readFileSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
@@ -49,6 +52,8 @@ async function pull(base: string, rank: number, wait = 0): Promise<Got | undefin
   const entry = JSON.parse(res.headers.get('x-treepack-entry')!) as Entry;
   return { entry, bytes, seqIds: JSON.parse(parseSafetensors(new Uint8Array(bytes)).metadata.sequence_ids!) as string[] };
 }
+
+const episodeOf = (seq: string) => seq.split('/')[0]!;
 
 const run = redisAvailable('serve-redis') ? describe : describe.skip;
 
@@ -122,7 +127,6 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const ids = got.map((g) => g.entry.id);
     expect(new Set(ids).size).toBe(ids.length);
     // Every episode is trained exactly once (a chat episode's sequences are named after it), in its group's micro-batches.
-    const episodeOf = (seq: string) => seq.split('/')[0]!;
     const trained = got.flatMap((g) => [...new Set(g.seqIds.map(episodeOf))]);
     expect(trained.sort()).toEqual(expected.sort());
     for (const g of got) for (const s of g.seqIds) expect(g.entry.groups).toContain(episodeOf(s).replace(/-e\d$/, ''));
@@ -187,5 +191,58 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const groups = [...acked.values(), ...after.map((mb) => mb.entry.groups)].flat();
     expect(groups.sort()).toEqual(Array.from({ length: GROUPS }, (_, g) => `g${g}`).sort());
     expect(((await (await fetch(`${A}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(GROUPS);
+  });
+
+  it('a gateway that died between its log and Redis ships on restart, once; other feed options are refused', async () => {
+    redis = await startRedis();
+    const dir = tempDir('tp-redis-gw-');
+    // The finish is in the gateway's log but never reached Redis (recorded here without the shared pool).
+    const local = await Service.create({ engineUrl: stub.url, dataDir: dir, port: 0 });
+    const L = await local.listen();
+    expect((await post(`${L}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'late' })).status).toBe(200);
+    expect((await post(`${L}/v1/episodes/late/finish`, { reward: 1 })).status).toBe(200);
+    await local.close();
+
+    const opts = { engineUrl: stub.url, port: 0, redis: redis.url };
+    let a = await Service.create({ ...opts, dataDir: dir });
+    const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
+    open.push(b);
+    const B = await b.listen();
+    const mb = (await pull(B, 0))!;
+    expect(mb.seqIds.map(episodeOf)).toEqual(['late']);
+    expect((await post(`${B}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+
+    // Died again after Redis took the episode and before its log said so: shipped again, counted once.
+    await a.close();
+    const log = join(dir, 'events.jsonl');
+    const lines = readFileSync(log, 'utf8').trimEnd().split('\n');
+    expect(JSON.parse(lines.at(-1)!)).toEqual({ type: 'ship', episode: 'late' });
+    writeFileSync(log, lines.slice(0, -1).join('\n') + '\n');
+    a = await Service.create({ ...opts, dataDir: dir });
+    open.push(a);
+    expect(JSON.parse(readFileSync(log, 'utf8').trimEnd().split('\n').at(-1)!)).toEqual({ type: 'ship', episode: 'late' });
+    expect(await pull(B, 0, 1)).toBeUndefined();
+
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(/other feed options.*"groupSize":1/);
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(/redis:\/\/127.0.0.1:1 is unreachable/);
+  });
+
+  it("slime's get_rollout_data: whole groups from the shared pool, each read once, whichever service answers", async () => {
+    const [A, B] = await gateways({ groupSize: 2 });
+    await post(`${A}/buffer/write`, record(0, 0, 1));
+    await post(`${B}/buffer/write`, record(1, 0, 0));
+    await post(`${B}/buffer/write`, record(0, 1, 0));
+    type Read = { success: boolean; data: { data: { uid: string }[]; meta_info: { num_groups: number } } };
+    const first = (await (await post(`${A}/get_rollout_data`, {})).json()) as Read;
+    expect(first.data.data.map((r) => r.uid)).toEqual(['g0-e0', 'g0-e1']); // g1 is not whole yet
+    expect(((await (await post(`${B}/get_rollout_data`, {})).json()) as Read).success).toBe(false);
+    await post(`${A}/buffer/write`, record(1, 1, 1));
+    const second = (await (await post(`${B}/get_rollout_data`, {})).json()) as Read;
+    expect(second.data.data.map((r) => r.uid)).toEqual(['g1-e0', 'g1-e1']);
+    expect(second.data.meta_info.num_groups).toBe(1);
+    // A record for a group already read is refused, naming it.
+    const late = await post(`${A}/buffer/write`, { ...record(1, 2, 1) });
+    expect(late.status).toBe(409);
+    expect(await late.text()).toMatch(/group \\"g1\\" was already consumed/);
   });
 });

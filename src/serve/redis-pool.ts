@@ -76,6 +76,9 @@ export function episodeFromJson(s: string): Episode {
 }
 
 export class RedisPool {
+  /** the client's last connection error, if any */
+  lastError: string | undefined;
+
   private constructor(
     readonly url: string,
     readonly redis: Redis,
@@ -85,13 +88,15 @@ export class RedisPool {
   static async connect(url: string, config: Record<string, unknown>): Promise<RedisPool> {
     // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server.
     const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2 });
+    const pool = new RedisPool(url, redis);
+    // While Redis restarts the client reconnects and resends; the requests waiting meanwhile fail on their own.
+    redis.on('error', (err: Error) => (pool.lastError = err.message));
     try {
       await redis.connect();
     } catch (err) {
       redis.disconnect();
       throw new TreepackError('E_IO', `the shared pool at ${url} is unreachable: ${(err as Error).message} (start one: redis-server --port 6379 --appendonly yes --appendfsync always)`);
     }
-    const pool = new RedisPool(url, redis);
     pool.define(SCRIPTS);
     const want = JSON.stringify(config);
     const have = (await pool.script('tpConfig', want)) as string;
