@@ -8,25 +8,11 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { simulateCollector, type CollectorPolicy } from '../src/pack/schedule.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
-import { tempDir } from './helpers/serve.js';
+import { slimeRecord as record, tempDir } from './helpers/serve.js';
 import { rng } from './helpers/sequences.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
-
-function record(group: number, k: number, reward: number) {
-  return {
-    uid: `g${group}-e${k}`,
-    instance_id: `g${group}`,
-    messages: [
-      { role: 'system', content: 'You are an agent.' },
-      { role: 'user', content: `task ${group}` },
-      { role: 'assistant', content: `answer ${k} to task ${group}` },
-    ],
-    reward,
-    extra_info: { k },
-  };
-}
 
 interface Entry {
   id: string;

@@ -11,24 +11,11 @@ import { join } from 'node:path';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
-import { tempDir } from './helpers/serve.js';
+import { slimeRecord as record, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
   fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
-
-function record(group: number, k: number, reward: number) {
-  return {
-    uid: `g${group}-e${k}`,
-    instance_id: `g${group}`,
-    messages: [
-      { role: 'system', content: 'You are an agent.' },
-      { role: 'user', content: `task ${group}` },
-      { role: 'assistant', content: `answer ${k} to task ${group}` },
-    ],
-    reward,
-  };
-}
 
 interface Entry {
   id: string;

@@ -212,7 +212,6 @@ export class Feed implements TrainerFeed {
 
   /** The next micro-batch for `rank`, waiting up to `waitMs` for one; undefined when none came. */
   async next(rank: number, waitMs: number): Promise<Handout | undefined> {
-    if (!Number.isInteger(rank) || rank < 0 || rank >= this.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${this.opts.dp - 1} (dp = ${this.opts.dp}), got ${JSON.stringify(rank)}`);
     const deadline = Date.now() + waitMs;
     for (;;) {
       const h = await this.tryNext(rank);

@@ -223,7 +223,6 @@ export class RedisFeed implements TrainerFeed {
   }
 
   async next(rank: number, waitMs: number): Promise<Handout | undefined> {
-    if (!Number.isInteger(rank) || rank < 0 || rank >= this.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${this.opts.dp - 1} (dp = ${this.opts.dp}), got ${JSON.stringify(rank)}`);
     const deadline = Date.now() + waitMs;
     for (;;) {
       const h = await this.claim(rank);

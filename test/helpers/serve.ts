@@ -118,3 +118,18 @@ export async function startServeProcess(args: string[]): Promise<ServeProcess> {
 export function tempDir(prefix: string): string {
   return mkdtempSync(join(tmpdir(), prefix));
 }
+
+/** A slime rollout-buffer record: episode `k` of group `group`, its last message the policy's answer. */
+export function slimeRecord(group: number, k: number, reward: number) {
+  return {
+    uid: `g${group}-e${k}`,
+    instance_id: `g${group}`,
+    messages: [
+      { role: 'system', content: 'You are an agent.' },
+      { role: 'user', content: `task ${group}` },
+      { role: 'assistant', content: `answer ${k} to task ${group}` },
+    ],
+    reward,
+    extra_info: { k },
+  };
+}
