@@ -117,6 +117,19 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     expect(metrics).toMatch(/treepack_micro_batches_total\{event="reissued"\} 1/);
   });
 
+  it('a flush is logged: after a restart the smaller step it allowed still forms', async () => {
+    const dataDir = tempDir('tp-feed-flush-');
+    const base = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
+    expect((await post(`${base}/buffer/write`, record(0, 0, 1))).status).toBe(200);
+    expect((await fetch(`${base}/v1/batches/next`)).status).toBe(204); // one group of a two-group step
+    expect((await post(`${base}/v1/feed/flush`, {})).status).toBe(200);
+    await open.pop()!.close();
+    const again = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
+    const [got] = await drain(again);
+    expect(got?.entry.groups).toEqual(['g0']);
+    expect(got?.seqIds).toEqual(['g0-e0']);
+  });
+
   it('dp ranks: every rank gets its own micro-batches of each step, balanced by the packer', async () => {
     const base = await service({ dp: 2, groupSize: 2, groupsPerStep: 2, packer: { budget: { maxTokens: 64, dp: 2 } } });
     for (let g = 0; g < 2; g++) for (let k = 0; k < 2; k++) await post(`${base}/buffer/write`, record(g, k, k));

@@ -105,7 +105,7 @@ export class Feed implements TrainerFeed {
   /** steps whose records could not be packed, and why */
   readonly errors: string[] = [];
   private waiters: (() => void)[] = [];
-  /** the producers are done: steps smaller than groupsPerStep may form from what is left (not logged: a restart forgets it) */
+  /** the producers are done: steps smaller than groupsPerStep may form from what is left (logged, so a replay keeps it) */
   flushing = false;
   /** steps before it are done */
   private firstOpen = 0;
@@ -157,6 +157,7 @@ export class Feed implements TrainerFeed {
       this.addStep(e.step as number, e.groups as number[]);
       if (e.whole) this.completeWhole(this.steps[e.step as number]!);
     }
+    else if (e.type === 'flush') this.flushing = true;
     else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
@@ -198,6 +199,8 @@ export class Feed implements TrainerFeed {
   }
 
   async flush(): Promise<void> {
+    // Durable before it takes effect: a step it lets form is handed out only after a replay would form it too.
+    if (!this.flushing) await this.append({ type: 'flush' });
     this.flushing = true;
     this.wake();
   }

@@ -154,7 +154,7 @@ export class Service {
   }
 
   private replay(e: LogEvent, line: number): void {
-    if (e.type !== 'take' && e.type !== 'ack') return this.pool.apply(e);
+    if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e);
     if (this.feed instanceof Feed) return this.feed.apply(e);
     throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
   }
