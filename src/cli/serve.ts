@@ -28,6 +28,8 @@ Options:
   --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
   --body-limit B          largest request body, bytes                                  [default: 32 MiB]
   --rate-limit N          requests per minute per client address (0: none)               [default: 0]
+  --compact-bytes B       compact the durable log once it is B bytes and twice its last compacted size
+                                                                                      [default: 64 MiB]
   --redis URL             share the pool and the trainer feed with other services through Redis Streams
                           (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
 Packing (as treepack pack):
@@ -49,7 +51,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
       dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
     },
     SERVE_USAGE,
@@ -83,6 +85,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
     redis: str('redis'),
+    compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
     packer: {
       tokenizer: str('tokenizer'),
       backend: backendOption(str('backend')),

@@ -8,6 +8,7 @@
  * (packing is a pure function of its input) and hands out exactly the micro-batches not acknowledged.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
+import type { SnapshotEvent } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
 import { PoolError, type Episode, type Pool } from './pool.js';
@@ -158,6 +159,7 @@ export class Feed implements TrainerFeed {
       if (e.whole) this.completeWhole(this.steps[e.step as number]!);
     }
     else if (e.type === 'flush') this.flushing = true;
+    else if (e.type === 'snapshot') this.restore(e as unknown as SnapshotEvent);
     else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
@@ -169,6 +171,18 @@ export class Feed implements TrainerFeed {
         this.finishStep(step);
       }
     }
+  }
+
+  /** A compacted log: consumed groups are taken, steps not replayed after the snapshot are done. */
+  private restore(s: SnapshotEvent): void {
+    this.flushing = s.flushing;
+    this.version = s.version;
+    s.groups.forEach(([, , consumed], seq) => {
+      if (consumed === 0) return;
+      this.collector.complete(seq);
+      this.collector.takeGroups([seq]);
+    });
+    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), done: true, slots: [] };
   }
 
   private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
@@ -294,6 +308,7 @@ export class Feed implements TrainerFeed {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     const step = m ? this.steps[Number(m[1])] : undefined;
     const slot = step?.slots?.find((s) => s.id === id);
+    if (step?.done && !slot) throw new PoolError(409, `micro-batch ${id} is already acknowledged (its step is done)`);
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (slot.acked) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
     if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);

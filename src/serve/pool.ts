@@ -7,6 +7,7 @@
  * (Collector in src/pack/schedule.ts); the pool only says which groups are finished and holds their records.
  */
 import { randomBytes } from 'node:crypto';
+import type { SnapshotEvent } from './compact.js';
 import type { CallKind, EngineOutput } from './engine.js';
 import type { LogEvent } from './log.js';
 
@@ -138,6 +139,7 @@ export class Pool {
   }
 
   apply(ev: LogEvent): void {
+    if (ev.type === 'snapshot') return this.restore(ev as unknown as SnapshotEvent);
     const e = ev as unknown as PoolEvent;
     switch (e.type) {
       case 'key':
@@ -176,6 +178,29 @@ export class Pool {
         return;
       }
     }
+  }
+
+  /** A compacted log's first event: groups, and what is left of episodes whose records are gone. */
+  private restore(s: SnapshotEvent): void {
+    if (s.groupSize !== undefined) this.groupSize = s.groupSize;
+    this.counters = { ...s.counters };
+    for (const [key, scope] of s.keys) this.keys.set(key, scope);
+    for (const [id, size, consumed] of s.groups) {
+      const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, consumed: consumed === 1 };
+      this.groups.set(id, g);
+      this.bySeq.push(g);
+    }
+    for (const [id, seq, finished, shipped, reward] of s.dead) {
+      const g = this.bySeq[seq]!;
+      const ep: Episode = { id, group: g.id, agents: new Set(), calls: [], finished: finished === 1, bytes: 0 };
+      if (shipped === 1) ep.shipped = true;
+      if (reward !== null) ep.reward = reward;
+      this.episodes.set(id, ep);
+      g.episodes.push(id);
+      if (ep.finished) g.finished++;
+      else this.openEpisodes++;
+    }
+    for (const g of this.bySeq) if (!g.consumed && g.finished >= g.size) this.waitingGroups++;
   }
 
   private episode(id: string, group: string): Episode {

@@ -16,6 +16,7 @@ import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
+import { compactEvents, type SnapshotEvent } from './compact.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { stepPacker } from './packing.js';
 import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
@@ -51,6 +52,8 @@ export interface ServiceOptions {
    * there and the trainer feed is served from it. Absent: the in-process pool.
    */
   redis?: string;
+  /** compact the durable log once it is this large and twice its size after the last compaction */
+  compactBytes?: number;
 }
 
 type OptionalKeys = 'engineApiKey' | 'token' | 'packer' | 'redis';
@@ -74,6 +77,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     maxPoolBytes: o.maxPoolBytes ?? 1 << 30,
     bodyLimit: o.bodyLimit ?? 32 << 20,
     rateLimit: o.rateLimit ?? 0,
+    compactBytes: o.compactBytes ?? 64 << 20,
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
   if (o.token !== undefined) r.token = o.token;
@@ -84,7 +88,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   }
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
   if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
-  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit'] as const) {
+  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
   if (r.packer?.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
@@ -139,7 +143,8 @@ export class Service {
       svc.feed = await RedisFeed.open(svc.shared, feedOpts, pack, svc.metrics);
     } else svc.feed = new Feed(svc.pool, feedOpts, pack, (e) => svc.append(e), svc.metrics);
     try {
-      svc.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => svc.replay(e, line));
+      const compaction = { compact: (events: LogEvent[]) => compactEvents(events, opts.groupSize), compactBytes: opts.compactBytes };
+      svc.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => svc.replay(e, line), compaction);
     } catch (err) {
       await svc.feed.close();
       throw err;
@@ -154,8 +159,10 @@ export class Service {
   }
 
   private replay(e: LogEvent, line: number): void {
-    if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e);
+    if (e.type === 'snapshot') this.pool.apply(e);
+    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e);
     if (this.feed instanceof Feed) return this.feed.apply(e);
+    if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
     throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
   }
 

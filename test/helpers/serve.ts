@@ -89,9 +89,9 @@ export interface ServeProcess {
 }
 
 /** `treepack serve` as a child process (the compiled CLI), for tests that kill it. */
-export async function startServeProcess(args: string[]): Promise<ServeProcess> {
+export async function startServeProcess(args: string[], env: Record<string, string> = {}): Promise<ServeProcess> {
   const port = await freePort();
-  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
   // The CLI reports on stderr; readiness is the port answering.
   const url = `http://127.0.0.1:${port}`;
   let exited: string | undefined;
