@@ -1,15 +1,17 @@
 /**
  * `npm run bench:serve`: `treepack serve` on loopback with a stub engine that answers at once.
- *  - latency the gateway adds: the same open-loop call rate sent to the engine directly and through the gateway
- *    (a separate process, log fsync'd per answer), p50/p99 of each and their difference; calls/s recorded;
+ *  - latency the gateway adds: the same open-loop call rate (calls sent on a fixed schedule, whatever the answers
+ *    do) sent to the engine directly and through the gateway (a separate process; each answer waits for its
+ *    record's fsync, group-committed), in alternating rounds so both paths see the same machine load; p50/p99 of
+ *    each and their difference, the rate achieved, the load average (the 2 cores are shared);
  *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer;
  *  - memory under backpressure: agents that never finish, until the pool bound answers 429.
  * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { Agent, request } from 'node:http';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { closeSync, fdatasyncSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync, writeSync } from 'node:fs';
+import { loadavg, tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
@@ -48,17 +50,22 @@ function postJson(url: string, body: string, headers: Record<string, string>): P
   });
 }
 
-/** Sends `rate` calls/s for `seconds`, each to a new or running episode; returns per-call latency in ms. */
-async function openLoop(url: string, rate: number, seconds: number, headers: (i: number) => Record<string, string>): Promise<{ ms: number[]; failed: number }> {
+/**
+ * Sends `rate` calls/s for `seconds` on a fixed schedule (open loop: a slow answer does not delay the next call),
+ * each to a new or running episode; per-call latency in ms, and the rate the calls actually went out at.
+ */
+async function openLoop(url: string, rate: number, seconds: number, headers: (i: number) => Record<string, string>): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
   const n = Math.round(rate * seconds);
   const ms: number[] = [];
   let failed = 0;
   const start = performance.now();
+  let lastSent = start;
   const inflight: Promise<void>[] = [];
   for (let i = 0; i < n; i++) {
     const due = start + (i * 1000) / rate;
     const wait = due - performance.now();
     if (wait > 1) await new Promise((r) => setTimeout(r, wait));
+    lastSent = performance.now();
     inflight.push(
       (async () => {
         const t0 = performance.now();
@@ -69,8 +76,24 @@ async function openLoop(url: string, rate: number, seconds: number, headers: (i:
     );
   }
   await Promise.all(inflight);
-  return { ms, failed };
+  return { ms, failed, sentPerS: n > 1 ? ((n - 1) * 1000) / (lastSent - start) : NaN };
 }
+
+/** The floor under "fsync'd before the answer": fdatasync of a small append to a file in `dir`, in ms. */
+function fsyncFloor(dir: string): { p50: number; p99: number } {
+  const fd = openSync(join(dir, 'fsync-probe'), 'a');
+  const ms: number[] = [];
+  for (let i = 0; i < 300; i++) {
+    writeSync(fd, '{"type":"call","probe":"' + 'x'.repeat(500) + '"}\n');
+    const t = performance.now();
+    fdatasyncSync(fd);
+    ms.push(performance.now() - t);
+  }
+  closeSync(fd);
+  return { p50: quantile(ms, 0.5), p99: quantile(ms, 0.99) };
+}
+
+const load = () => loadavg().map((x) => x.toFixed(2)).join(' ');
 
 const report: Record<string, unknown> = {};
 const stub = await startStubEngine();
@@ -82,20 +105,36 @@ try {
   const gw = await serve(['--engine', stub.url, '--data', join(data, 'latency'), '--group-size', '1']);
   await openLoop(stub.url, 200, 0.5, () => ({})); // warm both paths
   await openLoop(`${gw.url}/v1`, 200, 0.5, (i) => ({ 'x-treepack-episode': `warm-${i % 50}` }));
-  const direct = await openLoop(stub.url, rate, seconds, () => ({}));
-  const t0 = performance.now();
-  const through = await openLoop(`${gw.url}/v1`, rate, seconds, (i) => ({ 'x-treepack-episode': `ep-${i % 200}` }));
-  const recordedPerSecond = through.ms.length / ((performance.now() - t0) / 1000);
+  const loadBefore = load();
+  const direct = { ms: [] as number[], failed: 0, sent: [] as number[] };
+  const through = { ms: [] as number[], failed: 0, sent: [] as number[] };
+  const rounds = quick ? 4 : 10;
+  let episode = 0;
+  for (let r = 0; r < rounds; r++) {
+    const d = await openLoop(stub.url, rate, seconds / rounds, () => ({}));
+    const g = await openLoop(`${gw.url}/v1`, rate, seconds / rounds, () => ({ 'x-treepack-episode': `ep-${episode++ % 200}` }));
+    for (const [acc, got] of [[direct, d], [through, g]] as const) {
+      acc.ms.push(...got.ms);
+      acc.failed += got.failed;
+      acc.sent.push(got.sentPerS);
+    }
+  }
+  const loadAfter = load();
+  const floor = fsyncFloor(data);
   // The service's own measure of what it adds (everything but the engine wait), from its histogram.
   const metrics = await (await fetch(`${gw.url}/metrics`)).text();
   const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
   const within1ms = bucket('0.001') / bucket('+Inf');
   await gw.stop();
+  const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
   const lat = {
     rate,
+    seconds,
+    rounds,
     calls: through.ms.length,
     failed: through.failed + direct.failed,
-    recorded_per_s: recordedPerSecond,
+    direct_sent_per_s: mean(direct.sent),
+    gateway_sent_per_s: mean(through.sent),
     direct_p50_ms: quantile(direct.ms, 0.5),
     direct_p99_ms: quantile(direct.ms, 0.99),
     gateway_p50_ms: quantile(through.ms, 0.5),
@@ -103,12 +142,18 @@ try {
     added_p50_ms: quantile(through.ms, 0.5) - quantile(direct.ms, 0.5),
     added_p99_ms: quantile(through.ms, 0.99) - quantile(direct.ms, 0.99),
     server_share_within_1ms: within1ms,
+    fdatasync_p50_ms: floor.p50,
+    fdatasync_p99_ms: floor.p99,
+    load_before: loadBefore,
+    load_after: loadAfter,
   };
   report.latency = lat;
-  console.log(`gateway at ${rate} calls/s for ${seconds} s: ${lat.calls} recorded (${lat.recorded_per_s.toFixed(0)}/s, ${lat.failed} failed)`);
+  console.log(`gateway at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
+  console.log(`  sent at ${lat.direct_sent_per_s.toFixed(0)}/s direct and ${lat.gateway_sent_per_s.toFixed(0)}/s through the gateway; ${lat.calls} calls recorded, ${lat.failed} failed`);
   console.log(`  direct  p50 ${lat.direct_p50_ms.toFixed(3)} ms  p99 ${lat.direct_p99_ms.toFixed(3)} ms`);
   console.log(`  gateway p50 ${lat.gateway_p50_ms.toFixed(3)} ms  p99 ${lat.gateway_p99_ms.toFixed(3)} ms  (fsync'd log, JSON re-encode)`);
   console.log(`  added   p50 ${lat.added_p50_ms.toFixed(3)} ms  p99 ${lat.added_p99_ms.toFixed(3)} ms   goal p99 <= 1 ms: ${lat.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
+  console.log(`  fdatasync of one small append on the log's disk, alone: p50 ${floor.p50.toFixed(3)} ms  p99 ${floor.p99.toFixed(3)} ms (every answer waits for one; group commit shares it between the calls that arrive meanwhile)`);
   console.log(`  the service's histogram: ${(within1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
 
   // 2. Micro-batches/s to 8 ranks.
@@ -153,7 +198,7 @@ try {
   await bp.stop();
   report.backpressure = { pool_bound_bytes: bound, accepted, refused_429: refused, service_rss_bytes: rss };
   console.log(`backpressure: pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`);
-  console.log('Redis Streams pool: not implemented yet (in-process pool only)');
+  console.log('Redis Streams pool (--redis): not measured here; its calls take the same path plus one Redis round trip on a group\'s first call and one on each finish');
 } finally {
   await stub.close();
   rmSync(data, { recursive: true, force: true });

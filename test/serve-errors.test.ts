@@ -170,15 +170,25 @@ describe('treepack serve flags', () => {
     const help = cli(['serve', '--help']);
     expect(help.code).toBe(0);
     expect(help.stdout).toMatch(/--engine URL/);
+    const base = ['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x'];
     const cases: [string[], RegExp][] = [
       [['serve', '--data', '/tmp/x'], /--engine URL and --data DIR are required/],
-      [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x'], /engineUrl/],
-      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--host', '0.0.0.0'], /bearer token/],
-      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--dp', '2'], /--dp needs --max-tokens/],
-      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'lifo'], /--policy/],
-      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--advantages', 'ppo'], /advantages/],
-      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
+      [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x'], /for --engine but received "localhost:8000"/],
+      [[...base, '--host', '0.0.0.0'], /bearer token.*for --token/],
+      [[...base, '--dp', '2'], /--dp needs --max-tokens/],
+      [[...base, '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
+      [[...base, '--pad-multiple', '8'], /--pad-multiple applies to a token budget/],
+      [[...base, '--max-tokens', '64', '--dp', '2', '--pad-multiple', 'x'], /for --pad-multiple but received "x"/],
+      [[...base, '--bogus', '1'], /Unknown option '--bogus'/],
     ];
+    // Every flag's bad value: exit 2, the flag named.
+    const bad: [string, string, RegExp?][] = [
+      ['--port', 'x'], ['--engine-timeout', '0'], ['--group-size', '-1'], ['--policy', 'lifo'], ['--window', '0'],
+      ['--groups-per-step', '1.5'], ['--lease', 'soon'], ['--max-pool-bytes', '0'], ['--body-limit', '1e9x'],
+      ['--rate-limit', '-5'], ['--compact-bytes', '0'], ['--redis', '127.0.0.1:6379', /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379 for --redis/],
+      ['--backend', 'gpu'], ['--max-tokens', '0'], ['--dp', 'two'], ['--advantages', 'ppo'], ['--timeline-compare-level', 'char'],
+    ];
+    for (const [flag, value, message] of bad) cases.push([[...base, `${flag}=${value}`], message ?? new RegExp(`for ${flag} but received`)]);
     for (const [args, message] of cases) {
       const r = cli(args);
       expect(r.code, args.join(' ')).toBe(2);

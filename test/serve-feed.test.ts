@@ -8,25 +8,11 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { simulateCollector, type CollectorPolicy } from '../src/pack/schedule.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
-import { tempDir } from './helpers/serve.js';
+import { slimeRecord as record, tempDir } from './helpers/serve.js';
 import { rng } from './helpers/sequences.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
-
-function record(group: number, k: number, reward: number) {
-  return {
-    uid: `g${group}-e${k}`,
-    instance_id: `g${group}`,
-    messages: [
-      { role: 'system', content: 'You are an agent.' },
-      { role: 'user', content: `task ${group}` },
-      { role: 'assistant', content: `answer ${k} to task ${group}` },
-    ],
-    reward,
-    extra_info: { k },
-  };
-}
 
 interface Entry {
   id: string;
@@ -129,6 +115,19 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     expect((await post(`${base}/v1/batches/${id}/ack`, {})).status).toBe(409);
     const metrics = await (await fetch(`${base}/metrics`)).text();
     expect(metrics).toMatch(/treepack_micro_batches_total\{event="reissued"\} 1/);
+  });
+
+  it('a flush is logged: after a restart the smaller step it allowed still forms', async () => {
+    const dataDir = tempDir('tp-feed-flush-');
+    const base = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
+    expect((await post(`${base}/buffer/write`, record(0, 0, 1))).status).toBe(200);
+    expect((await fetch(`${base}/v1/batches/next`)).status).toBe(204); // one group of a two-group step
+    expect((await post(`${base}/v1/feed/flush`, {})).status).toBe(200);
+    await open.pop()!.close();
+    const again = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
+    const [got] = await drain(again);
+    expect(got?.entry.groups).toEqual(['g0']);
+    expect(got?.seqIds).toEqual(['g0-e0']);
   });
 
   it('dp ranks: every rank gets its own micro-batches of each step, balanced by the packer', async () => {

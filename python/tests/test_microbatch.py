@@ -193,8 +193,11 @@ class ReaderTest(unittest.TestCase):
         self.assertEqual(mb.extra["empty"].shape, (0, 2))
         self.assertEqual(treepack.read_safetensors(path).dtypes["mask_bf16"], "BF16")
         self.assertFalse(mb.input_ids.flags.writeable)
-        with self.assertRaises(IndexError):
-            mb.sequence(2)
+        for i in (2, -1):
+            with self.assertRaises(TreepackError) as caught:
+                mb.sequence(i)
+            self.assertEqual((caught.exception.code, caught.exception.field), ("E_INPUT", "seq_offsets"))
+            self.assertIn(f"sequence {i} is out of range", str(caught.exception))
 
     def test_unaligned_tensor(self) -> None:
         data = safetensors_bytes([("a", "U8", np.array([9], "u1")), ("b", "I32", np.array([1, 2**31 - 1], "<i4"))])

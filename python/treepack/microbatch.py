@@ -201,7 +201,7 @@ class MicroBatch:
     def sequence(self, i: int) -> np.ndarray:
         """Tokens of sequence i, gathered from the packed stream (DESIGN §7 invariant 1)."""
         if not 0 <= i < self.num_sequences:
-            raise IndexError(f"sequence {i} out of range [0, {self.num_sequences})")
+            raise TreepackError("E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets")
         return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
 
 

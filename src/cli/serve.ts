@@ -2,6 +2,7 @@
 import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
+import { TreepackError } from '../errors.js';
 import { backendOption, optionValue, parse, positiveInt, usageError } from './args.js';
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
@@ -28,6 +29,10 @@ Options:
   --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
   --body-limit B          largest request body, bytes                                  [default: 32 MiB]
   --rate-limit N          requests per minute per client address (0: none)               [default: 0]
+  --compact-bytes B       compact the durable log once it is B bytes and twice its last compacted size
+                                                                                      [default: 64 MiB]
+  --redis URL             share the pool and the trainer feed with other services through Redis Streams
+                          (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
 Packing (as treepack pack):
   --tokenizer DIR, --backend NAME, --max-tokens T, --dp K, --pad-multiple P, --advantages NAME,
   --timeline-compare-level text|token (default token: each call trains in the context the engine saw)
@@ -41,13 +46,29 @@ function policyOption(policy: string | undefined, window: number | undefined): C
   throw usageError(`Expected windowed-fifo, fifo or async for --policy but received ${JSON.stringify(policy)}`);
 }
 
+/** The service's option names as the flags that set them: a usage error names what the user typed. */
+const FLAG_OF: Record<string, string> = {
+  engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', advantages: '--advantages', dp: '--dp',
+  'packer.budget': '--max-tokens', groupSize: '--group-size', groupsPerStep: '--groups-per-step', leaseMs: '--lease',
+  engineTimeoutMs: '--engine-timeout', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes',
+};
+
+function checkOptions(options: ServiceOptions): void {
+  try {
+    optionValue(() => resolveServiceOptions(options));
+  } catch (err) {
+    if (!(err instanceof TreepackError) || err.code !== 'E_USAGE') throw err;
+    throw usageError(err.detail.replace(/ for ([\w.]+) but received /, (m, name: string) => (FLAG_OF[name] ? ` for ${FLAG_OF[name]} but received ` : m)));
+  }
+}
+
 export async function serveCommand(argv: string[]): Promise<number> {
   const S = { type: 'string' } as const;
   const { values } = parse(
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, tokenizer: S, backend: S, 'max-tokens': S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
       dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
     },
     SERVE_USAGE,
@@ -61,6 +82,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const maxTokens = positiveInt('--max-tokens', str('max-tokens'));
   const dp = positiveInt('--dp', str('dp'), 1)!;
   if (dp > 1 && maxTokens === undefined) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
+  const padMultiple = positiveInt('--pad-multiple', str('pad-multiple'), 1);
+  if (str('pad-multiple') !== undefined && maxTokens === undefined) throw usageError('--pad-multiple applies to a token budget: it needs --max-tokens T');
   const level = str('timeline-compare-level') ?? 'token';
   if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
   const rate = str('rate-limit');
@@ -80,17 +103,19 @@ export async function serveCommand(argv: string[]): Promise<number> {
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
+    redis: str('redis'),
+    compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
     packer: {
       tokenizer: str('tokenizer'),
       backend: backendOption(str('backend')),
       merge: { timelineCompareLevel: level },
       advantages: (str('advantages') ?? 'grpo') as AdvantageEstimator | 'none', // checked by the packer's options
-      ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple: positiveInt('--pad-multiple', str('pad-multiple'), 1) } }),
+      ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple } }),
     },
   };
-  optionValue(() => resolveServiceOptions(options)); // a bad combination is a usage error, found before starting
+  checkOptions(options); // a bad combination is a usage error, found before starting
   const { service, url } = await startService(options);
-  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}`);
+  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
     process.once('SIGINT', stop);

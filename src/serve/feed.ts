@@ -8,6 +8,7 @@
  * (packing is a pure function of its input) and hands out exactly the micro-batches not acknowledged.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
+import type { SnapshotEvent } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
 import { PoolError, type Episode, type Pool } from './pool.js';
@@ -57,7 +58,47 @@ export interface Handout {
   entry: Record<string, unknown>;
 }
 
-export class Feed {
+/** What the HTTP routes need of a trainer feed: the in-process Feed, or RedisFeed shared by many services. */
+export interface TrainerFeed {
+  /** completed steps: the trainer's policy version (as last seen, for a shared feed) */
+  readonly version: number;
+  /** the oldest group not taken yet */
+  readonly head: number;
+  /** steps whose records could not be packed, and why */
+  readonly errors: string[];
+  next(rank: number, waitMs: number): Promise<Handout | undefined>;
+  ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }>;
+  /** the producers are done: steps smaller than groupsPerStep may form */
+  flush(): Promise<void>;
+  /** whole finished groups for a consumer of records (slime), their episodes in group order */
+  takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined>;
+  depth(): Promise<{ ready: number; leased: number }>;
+  close(): Promise<void>;
+}
+
+/** The oldest policy that generated any of these calls (the trainer's version when none was recorded). */
+export function oldestPolicy(episodes: Episode[], trainerVersion: number): number {
+  let v = Infinity;
+  for (const ep of episodes) for (const c of ep.calls) v = Math.min(v, c.policyVersion);
+  return v === Infinity ? trainerVersion : v;
+}
+
+/** The manifest entry a trainer receives: the packer's fields, where the micro-batch comes from, its staleness. */
+export function handoutEntry(
+  packed: Record<string, unknown>,
+  at: { id: string; step: number; rank: number; groups: string[]; policyVersion: number },
+  trainerVersion: number,
+  leaseMs: number,
+  metrics: Metrics,
+  reissued: boolean,
+): Record<string, unknown> {
+  metrics.microBatches.inc({ event: reissued ? 'reissued' : 'handed_out' });
+  const staleness = trainerVersion - at.policyVersion;
+  metrics.staleness.observe(staleness);
+  return { ...packed, id: at.id, feed_step: at.step, rank: at.rank, groups: at.groups, policy_version: at.policyVersion, trainer_version: trainerVersion, staleness, lease_ms: leaseMs };
+}
+
+export class Feed implements TrainerFeed {
   readonly collector: Collector;
   private readonly steps: Step[] = [];
   /** completed steps: the trainer's policy version */
@@ -65,7 +106,7 @@ export class Feed {
   /** steps whose records could not be packed, and why */
   readonly errors: string[] = [];
   private waiters: (() => void)[] = [];
-  /** the producers are done: steps smaller than groupsPerStep may form from what is left (not logged: a restart forgets it) */
+  /** the producers are done: steps smaller than groupsPerStep may form from what is left (logged, so a replay keeps it) */
   flushing = false;
   /** steps before it are done */
   private firstOpen = 0;
@@ -88,16 +129,20 @@ export class Feed {
    * Takes whole finished groups for a consumer of records (the slime rollout buffer) rather than micro-batches:
    * up to `max` as the policy allows, logged, then released from the pool once `read` has copied them out.
    */
-  async takeWhole<T>(max: number, read: (groups: number[]) => T): Promise<T | undefined> {
+  async takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined> {
     const groups = this.collector.take(max);
     if (groups.length === 0) return undefined;
     const n = this.steps.length;
     const logged = this.append({ type: 'take', step: n, groups, whole: true });
     this.addStep(n, groups, logged);
-    const out = read(groups);
+    const out = read(this.episodesOf(groups));
     this.completeWhole(this.steps[n]!);
     await logged;
     return out;
+  }
+
+  private episodesOf(groups: number[]): Episode[] {
+    return groups.flatMap((seq) => this.pool.bySeq[seq]!.episodes.map((id) => this.pool.episodes.get(id)!));
   }
 
   private completeWhole(step: Step): void {
@@ -113,6 +158,8 @@ export class Feed {
       this.addStep(e.step as number, e.groups as number[]);
       if (e.whole) this.completeWhole(this.steps[e.step as number]!);
     }
+    else if (e.type === 'flush') this.flushing = true;
+    else if (e.type === 'snapshot') this.restore(e as unknown as SnapshotEvent);
     else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
@@ -124,6 +171,18 @@ export class Feed {
         this.finishStep(step);
       }
     }
+  }
+
+  /** A compacted log: consumed groups are taken, steps not replayed after the snapshot are done. */
+  private restore(s: SnapshotEvent): void {
+    this.flushing = s.flushing;
+    this.version = s.version;
+    s.groups.forEach(([, , consumed], seq) => {
+      if (consumed === 0) return;
+      this.collector.complete(seq);
+      this.collector.takeGroups([seq]);
+    });
+    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), done: true, slots: [] };
   }
 
   private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
@@ -149,10 +208,18 @@ export class Feed {
     step.slots = step.slots!.map((s) => ({ ...s, out: { ...s.out, bytes: new Uint8Array(0) } }));
   }
 
-  flush(): void {
+  get head(): number {
+    return this.collector.head;
+  }
+
+  async flush(): Promise<void> {
+    // Durable before it takes effect: a step it lets form is handed out only after a replay would form it too.
+    if (!this.flushing) await this.append({ type: 'flush' });
     this.flushing = true;
     this.wake();
   }
+
+  async close(): Promise<void> {}
 
   private wake(): void {
     const w = this.waiters;
@@ -162,7 +229,6 @@ export class Feed {
 
   /** The next micro-batch for `rank`, waiting up to `waitMs` for one; undefined when none came. */
   async next(rank: number, waitMs: number): Promise<Handout | undefined> {
-    if (!Number.isInteger(rank) || rank < 0 || rank >= this.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${this.opts.dp - 1} (dp = ${this.opts.dp}), got ${JSON.stringify(rank)}`);
     const deadline = Date.now() + waitMs;
     for (;;) {
       const h = await this.tryNext(rank);
@@ -196,16 +262,11 @@ export class Feed {
   }
 
   private handOut(slot: MicroBatchSlot, now: number): Handout {
-    this.metrics.microBatches.inc({ event: slot.leasedUntil === 0 ? 'handed_out' : 'reissued' });
+    const reissued = slot.leasedUntil !== 0;
     slot.leasedUntil = now + this.opts.leaseMs;
-    const staleness = this.version - slot.minVersion;
-    this.metrics.staleness.observe(staleness);
     const groups = this.steps[slot.step]!.groups.map((g) => this.pool.bySeq[g]!.id);
-    return {
-      id: slot.id,
-      bytes: slot.out.bytes,
-      entry: { ...slot.out.entry, id: slot.id, feed_step: slot.step, rank: slot.rank, groups, policy_version: slot.minVersion, trainer_version: this.version, staleness, lease_ms: this.opts.leaseMs },
-    };
+    const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
+    return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
   }
 
   /** Takes the next step's groups if the policy allows a full step now; true when a step was formed. */
@@ -222,16 +283,8 @@ export class Feed {
   private packStep(step: Step): Promise<void> {
     step.packing ??= (async () => {
       await step.logged;
-      const episodes: Episode[] = [];
-      let minVersion = Infinity;
-      for (const seq of step.groups) {
-        for (const id of this.pool.bySeq[seq]!.episodes) {
-          const ep = this.pool.episodes.get(id)!;
-          for (const c of ep.calls) minVersion = Math.min(minVersion, c.policyVersion);
-          episodes.push(ep);
-        }
-      }
-      if (minVersion === Infinity) minVersion = this.version;
+      const episodes = this.episodesOf(step.groups);
+      const minVersion = oldestPolicy(episodes, this.version);
       let packed: PackedOut[];
       try {
         packed = await this.pack(episodes);
@@ -255,6 +308,7 @@ export class Feed {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     const step = m ? this.steps[Number(m[1])] : undefined;
     const slot = step?.slots?.find((s) => s.id === id);
+    if (step?.done && !slot) throw new PoolError(409, `micro-batch ${id} is already acknowledged (its step is done)`);
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (slot.acked) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
     if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);
@@ -264,7 +318,7 @@ export class Feed {
     return { step: step.n, stepDone: step.done, trainerVersion: this.version };
   }
 
-  depth(): { ready: number; leased: number } {
+  async depth(): Promise<{ ready: number; leased: number }> {
     let ready = 0, leased = 0;
     const now = Date.now();
     for (let k = this.firstOpen; k < this.steps.length; k++) {

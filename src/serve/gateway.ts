@@ -249,6 +249,7 @@ export function registerGateway(app: FastifyInstance, svc: Service): void {
     const ep = svc.pool.episodes.get(id);
     if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
     if (svc.pool.groups.get(ep.group)!.consumed) throw new PoolError(410, `episode ${JSON.stringify(id)} was consumed; its records are in the log only`);
+    if (ep.shipped) throw new PoolError(410, `episode ${JSON.stringify(id)} was shipped to the shared pool; its records are in the log only`);
     const lines = episodeLines(ep, svc.encoder, emptyRecordStats());
     return reply.header('content-type', 'application/x-ndjson').send(lines.map((l) => JSON.stringify(l) + '\n').join(''));
   });
@@ -256,10 +257,12 @@ export function registerGateway(app: FastifyInstance, svc: Service): void {
   app.post('/v1/episodes/:id/finish', async (req) => {
     const { id } = req.params as { id: string };
     const b = finishBody(req.body);
-    await svc.commit({ type: 'finish', episode: id, ...b, time: Date.now() });
+    const shared = await svc.commit({ type: 'finish', episode: id, ...b, time: Date.now() });
     svc.metrics.episodes.inc();
     const ep = svc.pool.episodes.get(id)!;
     const g = svc.pool.groups.get(ep.group)!;
-    return { episode_id: id, group: g.id, group_finished: g.finished >= g.size, group_episodes: g.finished, group_size: g.size };
+    // On the shared pool the group's other episodes may come through other gateways: Redis counts them.
+    const episodes = shared === undefined ? g.finished : 'episodes' in shared ? shared.episodes : null;
+    return { episode_id: id, group: g.id, group_finished: episodes !== null && episodes >= g.size, group_episodes: episodes, group_size: g.size };
   });
 }

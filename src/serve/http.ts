@@ -66,6 +66,7 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
   app.get('/v1/batches/next', async (req, reply) => {
     const q = req.query as { rank?: string; dp?: string; wait?: string };
     const rank = q.rank === undefined ? 0 : Number(q.rank);
+    if (!Number.isInteger(rank) || rank < 0 || rank >= svc.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${svc.opts.dp - 1} (dp = ${svc.opts.dp}), got ${JSON.stringify(q.rank)}`);
     if (q.dp !== undefined && Number(q.dp) !== svc.opts.dp) throw new PoolError(400, `query parameter "dp": the service packs for dp = ${svc.opts.dp}, got ${JSON.stringify(q.dp)}`);
     const wait = q.wait === undefined ? 0 : Number(q.wait);
     if (!Number.isFinite(wait) || wait < 0 || wait > 300) throw new PoolError(400, `query parameter "wait": expected seconds in 0..300, got ${JSON.stringify(q.wait)}`);
@@ -86,15 +87,15 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
 
   /** The producers are done: the groups left may form steps smaller than --groups-per-step. */
   app.post('/v1/feed/flush', async () => {
-    svc.feed.flush();
+    await svc.feed.flush();
     return { flushing: true };
   });
 
   app.get('/v1/feed', async () => {
-    const d = svc.feed.depth();
+    const d = await svc.feed.depth();
     return {
       policy: svc.opts.policy,
-      head: svc.feed.collector.head,
+      head: svc.feed.head,
       trainer_version: svc.feed.version,
       micro_batches_ready: d.ready,
       micro_batches_leased: d.leased,

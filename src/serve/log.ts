@@ -7,9 +7,15 @@
  * On open the file is replayed. A process killed mid-append leaves at most one torn last line, which no caller
  * was ever told about (its fsync never returned), so it is cut off; a malformed line anywhere else is damage and
  * refuses to start with the line number.
+ *
+ * Compaction (with a `compact` function): once the file passes `compactBytes` and twice its size after the last
+ * compaction, the writer, between two batches, rewrites the committed events as `compact` returns them into a
+ * new file, fsyncs it, renames it over the log and fsyncs the directory. Appends arriving meanwhile wait and go
+ * to the new file. Killed before the rename, the old file is whole (the new one is removed on open); after it,
+ * the new one is; `compact` must return events whose replay equals the original's (src/serve/compact.ts).
  */
-import { closeSync, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync } from 'node:fs';
-import { open, type FileHandle } from 'node:fs/promises';
+import { closeSync, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { open, readFile, rename, type FileHandle } from 'node:fs/promises';
 import { dirname } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { ioError } from '../io/atomic.js';
@@ -25,6 +31,13 @@ interface Pending {
   reject: (err: unknown) => void;
 }
 
+export interface CompactOptions {
+  /** the committed events → events whose replay leaves the same state */
+  compact: (events: LogEvent[]) => LogEvent[];
+  /** the smallest file compacted */
+  compactBytes: number;
+}
+
 export class DurableLog {
   private queue: Pending[] = [];
   private writing = false;
@@ -32,15 +45,21 @@ export class DurableLog {
   /** Bytes committed to the file so far (replayed plus appended). */
   bytes = 0;
   events = 0;
+  compactions = 0;
+  private compactAt = Infinity;
+  /** a compaction that failed after its rename: every later append fails */
+  private failed: unknown;
 
   private constructor(
     readonly path: string,
-    private readonly fh: FileHandle,
+    private fh: FileHandle,
+    private readonly compaction: CompactOptions | undefined,
   ) {}
 
   /** Opens (creating) the log at `path`, calling `apply` on every committed event in order before returning. */
-  static async open(path: string, apply: (e: LogEvent, line: number) => void): Promise<DurableLog> {
+  static async open(path: string, apply: (e: LogEvent, line: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
     mkdirSync(dirname(path), { recursive: true });
+    rmSync(path + '.compact', { force: true }); // a compaction killed before its rename: the log itself is whole
     const committed = replay(path, apply);
     let fh: FileHandle;
     try {
@@ -48,9 +67,10 @@ export class DurableLog {
     } catch (err) {
       throw ioError(err, path);
     }
-    const log = new DurableLog(path, fh);
+    const log = new DurableLog(path, fh, compaction);
     log.bytes = committed.bytes;
     log.events = committed.events;
+    if (compaction) log.compactAt = compaction.compactBytes;
     return log;
   }
 
@@ -71,6 +91,8 @@ export class DurableLog {
       this.queue = [];
       const bytes = Buffer.concat(batch.map((p) => p.bytes));
       try {
+        if (this.failed) throw this.failed;
+        if (this.bytes >= this.compactAt) await this.compact();
         let off = 0;
         while (off < bytes.length) off += (await this.fh.write(bytes, off)).bytesWritten;
         await this.fh.datasync();
@@ -85,11 +107,58 @@ export class DurableLog {
     this.writing = false;
   }
 
+  /** Rewrites the committed events compacted; a failure before the rename leaves the log as it was. */
+  private async compact(): Promise<void> {
+    const { compact, compactBytes } = this.compaction!;
+    const tmp = this.path + '.compact';
+    let out: Buffer;
+    try {
+      const events: LogEvent[] = [];
+      scan(await readFile(this.path), this.path, (e) => events.push(e));
+      const kept = compact(events);
+      out = Buffer.from(kept.map((e) => JSON.stringify(e) + '\n').join(''));
+      const fh = await open(tmp, 'w');
+      try {
+        await fh.writeFile(out);
+        await fh.datasync();
+      } finally {
+        await fh.close();
+      }
+      fault('written');
+      await rename(tmp, this.path);
+    } catch {
+      // Compaction is an optimisation: the log stays as it was, and is tried again at twice the size.
+      rmSync(tmp, { force: true });
+      this.compactAt = Math.max(compactBytes, 2 * this.bytes);
+      return;
+    }
+    fault('renamed');
+    try {
+      const dir = await open(dirname(this.path), 'r');
+      await dir.sync().finally(() => dir.close());
+      const fh = await open(this.path, 'a');
+      await this.fh.close();
+      this.fh = fh;
+    } catch (err) {
+      // The handle may still point at the file renamed over: nothing more may be written through it.
+      this.failed = err;
+      throw err;
+    }
+    this.bytes = out.length;
+    this.compactAt = Math.max(compactBytes, 2 * out.length);
+    this.compactions++;
+  }
+
   async close(): Promise<void> {
     this.closed = true;
     while (this.writing) await new Promise((r) => setImmediate(r));
     await this.fh.close();
   }
+}
+
+/** Tests only: TREEPACK_SERVE_COMPACT_FAULT=written|renamed kills the process at that point of a compaction. */
+function fault(at: 'written' | 'renamed'): void {
+  if (process.env.TREEPACK_SERVE_COMPACT_FAULT === at) process.kill(process.pid, 'SIGKILL');
 }
 
 /** Applies every complete line; cuts a torn tail (no newline, or unparsable last line) and returns the sizes. */
@@ -101,6 +170,13 @@ function replay(path: string, apply: (e: LogEvent, line: number) => void): { byt
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') return { bytes: 0, events: 0 };
     throw ioError(err, path);
   }
+  const committed = scan(data, path, apply);
+  if (committed.bytes < data.length) truncate(path, committed.bytes);
+  return committed;
+}
+
+/** Applies every complete line of `data`; stops before a torn tail and returns the committed sizes. */
+function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number) => void): { bytes: number; events: number } {
   let start = 0;
   let line = 0;
   let events = 0;
@@ -119,7 +195,6 @@ function replay(path: string, apply: (e: LogEvent, line: number) => void): { byt
     events++;
     start = nl + 1;
   }
-  if (start < data.length) truncate(path, start);
   return { bytes: start, events };
 }
 

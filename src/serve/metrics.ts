@@ -9,7 +9,7 @@ export interface QueueDepth {
   microBatchesLeased: number;
 }
 
-export function createMetrics(depth: () => QueueDepth) {
+export function createMetrics(depth: () => Promise<QueueDepth>) {
   const registry = new Registry();
   const calls = new Counter({ name: 'treepack_calls_total', help: 'LLM calls proxied, by endpoint and outcome', labelNames: ['endpoint', 'outcome'], registers: [registry] });
   const episodes = new Counter({ name: 'treepack_episodes_finished_total', help: 'episodes finished', registers: [registry] });
@@ -30,8 +30,8 @@ export function createMetrics(depth: () => QueueDepth) {
       name,
       help,
       registers: [registry],
-      collect() {
-        this.set(depth()[key]);
+      async collect() {
+        this.set((await depth())[key]);
       },
     });
   gauge('treepack_open_episodes', 'episodes with calls and no finish', 'openEpisodes');

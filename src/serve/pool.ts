@@ -7,6 +7,7 @@
  * (Collector in src/pack/schedule.ts); the pool only says which groups are finished and holds their records.
  */
 import { randomBytes } from 'node:crypto';
+import type { SnapshotEvent } from './compact.js';
 import type { CallKind, EngineOutput } from './engine.js';
 import type { LogEvent } from './log.js';
 
@@ -37,6 +38,8 @@ export interface Episode {
   /** slime record written directly (buffer/write): the record as given */
   direct?: Record<string, unknown>;
   bytes: number;
+  /** handed to the shared pool (Redis mode): its records live there now, not here */
+  shipped?: boolean;
 }
 
 export interface Group {
@@ -64,7 +67,8 @@ export type PoolEvent =
   | { type: 'call'; episode: string; group?: string; call: RecordedCall }
   | { type: 'finish'; episode: string; reward: number; metadata?: Record<string, unknown>; group_size?: number; time: number }
   | { type: 'record'; episode: string; group: string; record: Record<string, unknown>; reward: number; time: number }
-  | { type: 'group-size'; size: number };
+  | { type: 'group-size'; size: number }
+  | { type: 'ship'; episode: string };
 
 /** A request the pool refuses: HTTP status and a message naming the field. */
 export class PoolError extends Error {
@@ -135,6 +139,7 @@ export class Pool {
   }
 
   apply(ev: LogEvent): void {
+    if (ev.type === 'snapshot') return this.restore(ev as unknown as SnapshotEvent);
     const e = ev as unknown as PoolEvent;
     switch (e.type) {
       case 'key':
@@ -166,7 +171,36 @@ export class Pool {
         this.finishEpisode(ep, e.reward, e.metadata, e.group_size);
         return;
       }
+      case 'ship': {
+        const ep = this.episodes.get(e.episode)!;
+        ep.shipped = true;
+        this.free(ep);
+        return;
+      }
     }
+  }
+
+  /** A compacted log's first event: groups, and what is left of episodes whose records are gone. */
+  private restore(s: SnapshotEvent): void {
+    if (s.groupSize !== undefined) this.groupSize = s.groupSize;
+    this.counters = { ...s.counters };
+    for (const [key, scope] of s.keys) this.keys.set(key, scope);
+    for (const [id, size, consumed] of s.groups) {
+      const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, consumed: consumed === 1 };
+      this.groups.set(id, g);
+      this.bySeq.push(g);
+    }
+    for (const [id, seq, finished, shipped, reward] of s.dead) {
+      const g = this.bySeq[seq]!;
+      const ep: Episode = { id, group: g.id, agents: new Set(), calls: [], finished: finished === 1, bytes: 0 };
+      if (shipped === 1) ep.shipped = true;
+      if (reward !== null) ep.reward = reward;
+      this.episodes.set(id, ep);
+      g.episodes.push(id);
+      if (ep.finished) g.finished++;
+      else this.openEpisodes++;
+    }
+    for (const g of this.bySeq) if (!g.consumed && g.finished >= g.size) this.waitingGroups++;
   }
 
   private episode(id: string, group: string): Episode {
@@ -206,13 +240,19 @@ export class Pool {
     const g = this.bySeq[seq]!;
     g.consumed = true;
     this.waitingGroups--;
-    for (const id of g.episodes) {
-      const ep = this.episodes.get(id)!;
-      this.pendingBytes -= ep.bytes;
-      ep.calls = [];
-      ep.bytes = 0;
-      delete ep.direct;
-    }
+    for (const id of g.episodes) this.free(this.episodes.get(id)!);
+  }
+
+  private free(ep: Episode): void {
+    this.pendingBytes -= ep.bytes;
+    ep.calls = [];
+    ep.bytes = 0;
+    delete ep.direct;
+  }
+
+  /** Finished episodes not yet in the shared pool (Redis mode): shipped again after a restart. */
+  unshipped(): Episode[] {
+    return [...this.episodes.values()].filter((ep) => ep.finished && !ep.shipped);
   }
 
   /** Episodes started and not finished, and finished groups not consumed. */

@@ -6,20 +6,23 @@
 import { join } from 'node:path';
 import Fastify, { type FastifyInstance } from 'fastify';
 import rateLimit from '@fastify/rate-limit';
-import { argError } from '../errors.js';
+import { argError, TreepackError } from '../errors.js';
 import type { PackerOptions } from '../packer/index.js';
 import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { loadTokenizer } from '../tokenize/tokenizer.js';
-import { Feed } from './feed.js';
+import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
+import { compactEvents, type SnapshotEvent } from './compact.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { stepPacker } from './packing.js';
-import { Pool, PoolError, type PoolEvent } from './pool.js';
+import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
+import { RedisFeed } from './redis-feed.js';
+import { RedisPool } from './redis-pool.js';
 import { registerSlime } from './slime.js';
 
 export interface ServiceOptions {
@@ -44,9 +47,17 @@ export interface ServiceOptions {
   bodyLimit?: number;
   /** requests per minute per client address; 0: no limit */
   rateLimit?: number;
+  /**
+   * redis://host:port/db of the shared pool for many services (gateways and trainer feeds): finished episodes go
+   * there and the trainer feed is served from it. Absent: the in-process pool.
+   */
+  redis?: string;
+  /** compact the durable log once it is this large and twice its size after the last compaction */
+  compactBytes?: number;
 }
 
-export type ResolvedServiceOptions = Required<Omit<ServiceOptions, 'engineApiKey' | 'token' | 'packer'>> & Pick<ServiceOptions, 'engineApiKey' | 'token' | 'packer'>;
+type OptionalKeys = 'engineApiKey' | 'token' | 'packer' | 'redis';
+export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
 
@@ -66,13 +77,18 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     maxPoolBytes: o.maxPoolBytes ?? 1 << 30,
     bodyLimit: o.bodyLimit ?? 32 << 20,
     rateLimit: o.rateLimit ?? 0,
+    compactBytes: o.compactBytes ?? 64 << 20,
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
   if (o.token !== undefined) r.token = o.token;
   if (o.packer !== undefined) r.packer = o.packer;
+  if (o.redis !== undefined) {
+    if (typeof o.redis !== 'string' || !/^rediss?:\/\//.test(o.redis)) throw argError('redis', 'a Redis URL, e.g. redis://127.0.0.1:6379', o.redis);
+    r.redis = o.redis;
+  }
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
   if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
-  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit'] as const) {
+  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
   if (r.packer?.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
@@ -81,27 +97,38 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   return r;
 }
 
+/** The options every service on one shared pool must agree on: they decide which steps form and how they pack. */
+function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
+  const p = o.packer ?? {};
+  return { groupSize: o.groupSize, policy: o.policy, groupsPerStep: o.groupsPerStep, dp: o.dp, leaseMs: o.leaseMs, budget: p.budget ?? null, advantages: p.advantages ?? null, merge: p.merge ?? null };
+}
+
+/** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
+export type SharedGroup = { episodes: number } | { pending: true };
+
 export class Service {
   readonly pool: Pool;
-  readonly feed: Feed;
+  feed!: TrainerFeed;
+  /** the shared pool (--redis); undefined: the in-process pool */
+  shared: RedisPool | undefined;
   readonly metrics: Metrics;
   readonly recordStats = emptyRecordStats();
   readonly app: FastifyInstance;
   /** the reason writes stopped: a failed log write leaves memory ahead of the disk, so the service fails stopped */
   broken: string | undefined;
   private log!: DurableLog;
+  private shipRetry: NodeJS.Timeout | undefined;
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
     readonly encoder: ChatEncoder,
   ) {
     this.pool = new Pool({ groupSize: opts.groupSize });
-    this.metrics = createMetrics(() => {
+    this.metrics = createMetrics(async () => {
       const d = this.pool.depth();
-      const f = this.feed.depth();
+      const f = await this.feed.depth();
       return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased };
     });
-    this.feed = new Feed(this.pool, { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs }, stepPacker(encoder, opts.packer ?? {}, this.metrics, this.recordStats), (e) => this.append(e), this.metrics);
     this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true });
   }
 
@@ -109,7 +136,21 @@ export class Service {
     const opts = resolveServiceOptions(options);
     const encoder = new ChatEncoder(await loadTokenizer(opts.packer?.tokenizer));
     const svc = new Service(opts, encoder);
-    svc.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e) => svc.replay(e));
+    const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
+    const pack = stepPacker(encoder, opts.packer ?? {}, svc.metrics, svc.recordStats);
+    if (opts.redis) {
+      svc.shared = await RedisPool.connect(opts.redis, sharedConfig(opts));
+      svc.feed = await RedisFeed.open(svc.shared, feedOpts, pack, svc.metrics);
+    } else svc.feed = new Feed(svc.pool, feedOpts, pack, (e) => svc.append(e), svc.metrics);
+    try {
+      const compaction = { compact: (events: LogEvent[]) => compactEvents(events, opts.groupSize), compactBytes: opts.compactBytes };
+      svc.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => svc.replay(e, line), compaction);
+    } catch (err) {
+      await svc.feed.close();
+      throw err;
+    }
+    // Finished before a crash and not known to be shipped: shipping again is harmless (the pool counts each once).
+    if (svc.shared) await svc.shipUnshipped();
     if (opts.rateLimit > 0) await svc.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000 });
     registerHttp(svc.app, svc);
     registerGateway(svc.app, svc);
@@ -117,9 +158,12 @@ export class Service {
     return svc;
   }
 
-  private replay(e: LogEvent): void {
-    if (e.type === 'take' || e.type === 'ack') this.feed.apply(e);
-    else this.pool.apply(e);
+  private replay(e: LogEvent, line: number): void {
+    if (e.type === 'snapshot') this.pool.apply(e);
+    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e);
+    if (this.feed instanceof Feed) return this.feed.apply(e);
+    if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
+    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
   }
 
   private append(e: LogEvent): Promise<void> {
@@ -130,12 +174,60 @@ export class Service {
     });
   }
 
-  /** Checks, applies and logs a pool event; resolves once it is durable. */
-  async commit(e: PoolEvent): Promise<void> {
+  /**
+   * Checks, applies and logs a pool event; resolves once it is durable. On the shared pool a new group gets its
+   * submission number there first, and a finished episode is shipped there before the answer (or, when Redis
+   * does not answer, later: it is safe in the log).
+   */
+  async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
+    if (this.shared && e.type === 'call' && !this.pool.groups.has(e.group ?? e.episode)) {
+      await this.shared.groupSeq(e.group ?? e.episode);
+      this.pool.check(e); // the episode may have finished meanwhile
+    }
     const durable = this.append(e as unknown as LogEvent);
     this.pool.apply(e as unknown as LogEvent);
     await durable;
+    if (!this.shared || (e.type !== 'finish' && e.type !== 'record')) return undefined;
+    try {
+      return await this.ship(this.pool.episodes.get(e.episode)!);
+    } catch (err) {
+      if (err instanceof PoolError) throw err;
+      this.shipLater();
+      return { pending: true };
+    }
+  }
+
+  /** Hands a finished episode to the shared pool, then frees it here; a refusal is logged as shipped too. */
+  private async ship(ep: Episode): Promise<SharedGroup> {
+    let refused: PoolError | undefined;
+    let r: SharedGroup | undefined;
+    try {
+      r = await this.shared!.ship(ep, this.pool.groups.get(ep.group)!.size);
+    } catch (err) {
+      if (!(err instanceof PoolError)) throw err;
+      refused = err;
+    }
+    const e: PoolEvent = { type: 'ship', episode: ep.id };
+    await this.append(e as unknown as LogEvent);
+    this.pool.apply(e as unknown as LogEvent);
+    if (refused) throw refused;
+    return r!;
+  }
+
+  private async shipUnshipped(): Promise<void> {
+    for (const ep of this.pool.unshipped()) {
+      await this.ship(ep).catch((err: unknown) => {
+        if (!(err instanceof PoolError)) throw err; // refusals are logged; anything else stops the start
+      });
+    }
+  }
+
+  private shipLater(): void {
+    this.shipRetry ??= setTimeout(() => {
+      this.shipRetry = undefined;
+      this.shipUnshipped().catch(() => this.shipLater());
+    }, 1000).unref();
   }
 
   /** Backpressure: refuses new calls while the pool holds more than its bound. */
@@ -152,7 +244,9 @@ export class Service {
   }
 
   async close(): Promise<void> {
+    clearTimeout(this.shipRetry);
     await this.app.close();
+    await this.feed.close();
     await this.log.close();
   }
 }

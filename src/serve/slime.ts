@@ -67,7 +67,7 @@ export function registerSlime(app: FastifyInstance, svc: Service): void {
     if (!(max === Infinity || (Number.isSafeInteger(max) && max >= 1))) throw new PoolError(400, `field "batch_size": expected an integer >= 1, got ${describeValue(b.batch_size)}`);
     // batch_size counts samples in slime; whole groups only, so as many groups as fit (at least one).
     const groups = max === Infinity ? Number.MAX_SAFE_INTEGER : Math.max(1, Math.floor(max / svc.pool.groupSize));
-    const data = await svc.feed.takeWhole(groups, (seqs) => seqs.flatMap((s) => svc.pool.bySeq[s]!.episodes.map((id) => slimeRecord(svc.pool.episodes.get(id)!))));
+    const data = await svc.feed.takeWhole(groups, (episodes) => episodes.map(slimeRecord));
     const records = data ?? [];
     const rewards = records.map((r) => r.reward as number);
     const numGroups = new Set(records.map((r) => r.instance_id)).size;

@@ -89,9 +89,9 @@ export interface ServeProcess {
 }
 
 /** `treepack serve` as a child process (the compiled CLI), for tests that kill it. */
-export async function startServeProcess(args: string[]): Promise<ServeProcess> {
+export async function startServeProcess(args: string[], env: Record<string, string> = {}): Promise<ServeProcess> {
   const port = await freePort();
-  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
   // The CLI reports on stderr; readiness is the port answering.
   const url = `http://127.0.0.1:${port}`;
   let exited: string | undefined;
@@ -117,4 +117,19 @@ export async function startServeProcess(args: string[]): Promise<ServeProcess> {
 
 export function tempDir(prefix: string): string {
   return mkdtempSync(join(tmpdir(), prefix));
+}
+
+/** A slime rollout-buffer record: episode `k` of group `group`, its last message the policy's answer. */
+export function slimeRecord(group: number, k: number, reward: number) {
+  return {
+    uid: `g${group}-e${k}`,
+    instance_id: `g${group}`,
+    messages: [
+      { role: 'system', content: 'You are an agent.' },
+      { role: 'user', content: `task ${group}` },
+      { role: 'assistant', content: `answer ${k} to task ${group}` },
+    ],
+    reward,
+    extra_info: { k },
+  };
 }

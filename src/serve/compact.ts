@@ -1,0 +1,104 @@
+/**
+ * Log compaction: a log's committed events rewritten as one `snapshot` event followed by the events still live,
+ * in their order. The snapshot keeps what consumed groups and shipped episodes leave behind (their ids and
+ * state, so a late resend is still refused and group numbers stay put), the steps done and the trainer version;
+ * the live events are the calls, records and finishes of episodes not consumed or shipped, and the `take` and
+ * `ack` events of steps not acknowledged whole. Replaying the result leaves the pool and the feed as replaying
+ * the original does, which is what makes swapping one file for the other safe at any moment.
+ */
+import type { LogEvent } from './log.js';
+import { Pool, type Scope } from './pool.js';
+
+export interface SnapshotEvent {
+  type: 'snapshot';
+  /** the last `group-size` event's size, when there was one */
+  groupSize?: number;
+  flushing: boolean;
+  /** steps formed so far: those not replayed after the snapshot are done */
+  steps: number;
+  /** trainer version from the steps done */
+  version: number;
+  /** the pool's counters less what the live events add again */
+  counters: Pool['counters'];
+  keys: [string, Scope][];
+  /** every group, in submission order */
+  groups: [id: string, size: number, consumed: 0 | 1][];
+  /** episodes whose records are gone (consumed or shipped): group number, finished, shipped, reward */
+  dead: [id: string, seq: number, finished: 0 | 1, shipped: 0 | 1, reward: number | null][];
+}
+
+interface StepState {
+  groups: number[];
+  acked: Set<string>;
+  done: boolean;
+}
+
+/** The compacted equivalent of `events` (a whole log, possibly starting with an earlier snapshot). */
+export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[] {
+  const pool = new Pool({ groupSize });
+  const steps: StepState[] = [];
+  let flushing = false;
+  let version = 0;
+  let setSize: number | undefined;
+  const finishStep = (s: StepState, counts: boolean) => {
+    s.done = true;
+    if (counts) version++;
+    for (const g of s.groups) pool.release(g);
+  };
+  for (const e of events) {
+    if (e.type === 'snapshot') {
+      const s = e as unknown as SnapshotEvent;
+      pool.apply(e);
+      for (let n = 0; n < s.steps; n++) steps[n] = { groups: [], acked: new Set(), done: true };
+      ({ flushing, version, groupSize: setSize } = s);
+    } else if (e.type === 'take') {
+      const s: StepState = { groups: e.groups as number[], acked: new Set(), done: false };
+      steps[e.step as number] = s;
+      if (e.whole) finishStep(s, false);
+    } else if (e.type === 'ack') {
+      const s = steps[Number((e.id as string).split('.')[0])];
+      if (!s || s.done) continue;
+      s.acked.add(e.id as string);
+      if (s.acked.size === e.of) finishStep(s, true);
+    } else if (e.type === 'flush') flushing = true;
+    else {
+      if (e.type === 'group-size') setSize = e.size as number;
+      pool.apply(e);
+    }
+  }
+
+  const dead = (episode: string) => {
+    const ep = pool.episodes.get(episode)!;
+    return ep.shipped === true || pool.groups.get(ep.group)!.consumed;
+  };
+  const live: LogEvent[] = [];
+  const counters = { ...pool.counters };
+  for (const e of events) {
+    if (e.type === 'call' || e.type === 'record' || e.type === 'finish') {
+      if (dead(e.episode as string)) continue;
+      live.push(e);
+      if (e.type === 'call') counters.calls--;
+      else counters.episodesFinished--;
+    } else if (e.type === 'take' || e.type === 'ack') {
+      const n = e.type === 'take' ? (e.step as number) : Number((e.id as string).split('.')[0]);
+      if (!steps[n]!.done) live.push(e);
+    }
+  }
+
+  const snap: SnapshotEvent = { type: 'snapshot', flushing, steps: steps.length, version, counters, keys: [...pool.keys], groups: [], dead: [] };
+  if (setSize !== undefined) snap.groupSize = setSize;
+  for (const g of pool.bySeq) {
+    snap.groups.push([g.id, g.size, g.consumed ? 1 : 0]);
+    let deadFinished = 0;
+    for (const id of g.episodes) {
+      if (!dead(id)) continue;
+      const ep = pool.episodes.get(id)!;
+      if (ep.finished) deadFinished++;
+      snap.dead.push([id, g.seq, ep.finished ? 1 : 0, ep.shipped ? 1 : 0, ep.reward ?? null]);
+    }
+    // A group finished by live events counts again when they are replayed.
+    if (deadFinished < g.size && g.finished >= g.size) counters.groupsFinished--;
+  }
+  snap.counters = counters;
+  return [snap as unknown as LogEvent, ...live];
+}

@@ -1,0 +1,155 @@
+/**
+ * The shared rollout pool on Redis, for many gateways and trainer ranks (`treepack serve --redis URL`). Each
+ * gateway still records calls in its own durable log; a finished episode is then shipped here, whichever gateway
+ * recorded it, and its group is finished when `size` of its episodes have arrived from any of them. A finished
+ * group is XADDed to the `groups` stream, which every service tails to mirror the scheduling policy's input
+ * (redis-feed.ts forms steps from it).
+ *
+ * Every script is idempotent, because a client may resend a command whose reply a Redis restart swallowed and a
+ * restarted gateway ships again what it cannot prove was shipped: an episode counts once (HSETNX), and a group
+ * already consumed ignores late arrivals (its `gone:` marker).
+ *
+ * Keys (all under `treepack:`; one deployment per Redis database): `nseq` groups numbered so far; `seq` group →
+ * submission number; `eps:{group}` episode → JSON; `order:{group}` episodes in arrival order; `gone:{group}`
+ * consumed (expires after a week); `groups` stream of finished groups; `config` the feed options every service
+ * must share.
+ */
+import { Redis } from 'ioredis';
+import { TreepackError } from '../errors.js';
+import { PoolError, type Episode } from './pool.js';
+
+export const PREFIX = 'treepack:';
+/** how long a consumed group refuses late episodes */
+export const GONE_TTL_S = 7 * 24 * 3600;
+
+/** Lua helper: a group's submission number, assigned on first sight (-1 once the group is consumed). */
+const SEQ_OF = `
+local function seq_of(p, g)
+  if redis.call('EXISTS', p .. 'gone:' .. g) == 1 then return -1 end
+  local s = redis.call('HGET', p .. 'seq', g)
+  if s then return tonumber(s) end
+  s = redis.call('INCR', p .. 'nseq') - 1
+  redis.call('HSET', p .. 'seq', g, s)
+  return s
+end
+`;
+
+const SCRIPTS = {
+  /** ARGV: prefix, group → the group's submission number, or -1 when it was consumed */
+  tpSeq: SEQ_OF + `return seq_of(ARGV[1], ARGV[2])`,
+  /**
+   * ARGV: prefix, group, episode, episode JSON, group size → {seq, episodes in the group, status}; status 1: added,
+   * 0: already there (a resend), -1: the group was consumed, -2: the group already had its `size` episodes.
+   */
+  tpShip:
+    SEQ_OF +
+    `
+local p, g, e, size = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5])
+local seq = seq_of(p, g)
+if seq < 0 then return {seq, 0, -1} end
+local eps = p .. 'eps:' .. g
+if redis.call('HEXISTS', eps, e) == 1 then return {seq, redis.call('HLEN', eps), 0} end
+local n = redis.call('HLEN', eps)
+if n >= size then return {seq, n, -2} end
+redis.call('HSET', eps, e, ARGV[4])
+redis.call('RPUSH', p .. 'order:' .. g, e)
+n = n + 1
+if n == size then redis.call('XADD', p .. 'groups', '*', 'group', g, 'seq', seq) end
+return {seq, n, 1}
+`,
+  /** ARGV: prefix, config JSON → the config every service shares (set by the first one) */
+  tpConfig: `
+redis.call('SET', ARGV[1] .. 'config', ARGV[2], 'NX')
+return redis.call('GET', ARGV[1] .. 'config')
+`,
+} as const;
+
+
+/** Episodes as they travel through Redis: a set becomes a list. */
+export function episodeJson(ep: Episode): string {
+  return JSON.stringify({ ...ep, agents: [...ep.agents] });
+}
+
+export function episodeFromJson(s: string): Episode {
+  const o = JSON.parse(s) as Episode & { agents: string[] };
+  return { ...o, agents: new Set(o.agents) };
+}
+
+export class RedisPool {
+  /** the client's last connection error, if any */
+  lastError: string | undefined;
+
+  private constructor(
+    readonly url: string,
+    readonly redis: Redis,
+  ) {}
+
+  /** Connects (failing with the URL when Redis does not answer) and checks the feed options against the others'. */
+  static async connect(url: string, config: Record<string, unknown>): Promise<RedisPool> {
+    // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server.
+    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2 });
+    const pool = new RedisPool(url, redis);
+    // While Redis restarts the client reconnects and resends; the requests waiting meanwhile fail on their own.
+    redis.on('error', (err: Error) => (pool.lastError = err.message));
+    try {
+      await redis.connect();
+    } catch (err) {
+      redis.disconnect();
+      throw new TreepackError('E_IO', `the shared pool at ${url} is unreachable: ${(err as Error).message} (start one: redis-server --port 6379 --appendonly yes --appendfsync always)`);
+    }
+    pool.define(SCRIPTS);
+    const want = JSON.stringify(config);
+    const have = (await pool.script('tpConfig', want)) as string;
+    if (have !== want) {
+      redis.disconnect();
+      throw new TreepackError('E_ARG', `the shared pool at ${url} serves other feed options: ${have}; this service has ${want}. Every service on one pool must be started with the same options`);
+    }
+    return pool;
+  }
+
+  /**
+   * Registers Lua scripts (run by EVALSHA, loaded again after a Redis restart). Scripts take no KEYS: they
+   * derive group keys from their arguments, so the pool needs one Redis, not a Redis Cluster.
+   */
+  define(scripts: Record<string, string>): void {
+    for (const [name, lua] of Object.entries(scripts)) this.redis.defineCommand(name, { numberOfKeys: 0, lua });
+  }
+
+  /** Runs a script defined here with the key prefix as its first argument. */
+  script(name: string, ...args: (string | number | Buffer)[]): Promise<unknown> {
+    return (this.redis as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[name]!(PREFIX, ...args);
+  }
+
+  /** The group's submission number (windowed FIFO's order), assigned when any gateway first sees it. */
+  async groupSeq(group: string): Promise<number> {
+    const seq = Number(await this.script('tpSeq', group));
+    if (seq < 0) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
+    return seq;
+  }
+
+  /**
+   * Adds a finished episode to its group; a refusal (the group consumed, or full from other gateways) is a
+   * PoolError after the fact: the episode is recorded in this gateway's log but will not be trained.
+   */
+  async ship(ep: Episode, size: number): Promise<{ seq: number; episodes: number }> {
+    const [seq, episodes, status] = (await this.script('tpShip', ep.group, ep.id, episodeJson(ep), size)) as number[];
+    if (status === -1) throw new PoolError(409, `group ${JSON.stringify(ep.group)} was already consumed by the trainer; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
+    if (status === -2) throw new PoolError(409, `group ${JSON.stringify(ep.group)} already has its ${size} episodes in the shared pool; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
+    return { seq: seq!, episodes: episodes! };
+  }
+
+  /** A finished group's episodes, in arrival order. */
+  async groupEpisodes(group: string): Promise<Episode[]> {
+    const ids = await this.redis.lrange(`${PREFIX}order:${group}`, 0, -1);
+    if (ids.length === 0) return [];
+    const json = await this.redis.hmget(`${PREFIX}eps:${group}`, ...ids);
+    return json.map((s, i) => {
+      if (s === null) throw new TreepackError('E_INPUT', `the shared pool lost episode ${JSON.stringify(ids[i])} of group ${JSON.stringify(group)}`);
+      return episodeFromJson(s);
+    });
+  }
+
+  async close(): Promise<void> {
+    await this.redis.quit().catch(() => this.redis.disconnect());
+  }
+}

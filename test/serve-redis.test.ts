@@ -1,0 +1,235 @@
+/**
+ * The shared pool on a real Redis (`--redis`): two services (gateways) on one Redis, episodes of one group
+ * arriving through both, two trainer ranks pulling from either; a trainer killed before acknowledging gets its
+ * micro-batch handed out again after the lease, through the other service; Redis killed -9 and restarted from
+ * its append-only file loses nothing acknowledged and duplicates nothing acknowledged; a gateway that died between
+ * its log and Redis ships on restart, once; slime's reads take whole groups from the shared pool.
+ */
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { readFileSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { parseSafetensors } from '../src/io/safetensors.js';
+import { Service, type ServiceOptions } from '../src/serve/service.js';
+import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
+import { slimeRecord as record, tempDir } from './helpers/serve.js';
+import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
+
+const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
+
+interface Entry {
+  id: string;
+  groups: string[];
+  rank: number;
+  feed_step: number;
+  trainer_version: number;
+}
+
+interface Got {
+  entry: Entry;
+  bytes: Buffer;
+  seqIds: string[];
+}
+
+async function pull(base: string, rank: number, wait = 0): Promise<Got | undefined> {
+  const res = await fetch(`${base}/v1/batches/next?rank=${rank}&wait=${wait}`);
+  if (res.status === 204) return undefined;
+  expect(res.status, await res.clone().text()).toBe(200);
+  const bytes = Buffer.from(await res.arrayBuffer());
+  const entry = JSON.parse(res.headers.get('x-treepack-entry')!) as Entry;
+  return { entry, bytes, seqIds: JSON.parse(parseSafetensors(new Uint8Array(bytes)).metadata.sequence_ids!) as string[] };
+}
+
+const episodeOf = (seq: string) => seq.split('/')[0]!;
+
+const run = redisAvailable('serve-redis') ? describe : describe.skip;
+
+run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
+  let redis: RedisServer;
+  let stub: StubEngine;
+  const open: Service[] = [];
+  beforeAll(async () => {
+    stub = await startStubEngine();
+  });
+  afterEach(async () => {
+    for (const s of open.splice(0)) await s.close();
+    await redis?.stop();
+  });
+  afterAll(async () => {
+    await stub?.close();
+  });
+
+  /** Two services (gateways and feeds) on one fresh Redis. */
+  async function gateways(opts: Partial<ServiceOptions>): Promise<[string, string, Service, Service]> {
+    redis = await startRedis();
+    const make = async () => {
+      const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, ...opts });
+      open.push(svc);
+      return svc;
+    };
+    const a = await make();
+    const b = await make();
+    return [await a.listen(), await b.listen(), a, b];
+  }
+
+  it('two gateways, groups split across them, two trainer ranks pulling from either: every episode once', async () => {
+    const [A, B] = await gateways({ groupSize: 2, dp: 2, groupsPerStep: 2, packer: { budget: { maxTokens: 96, dp: 2 } } });
+    const expected: string[] = [];
+    // Groups 0-2: agents call through the gateways, episode 0 through A and episode 1 through B.
+    for (let g = 0; g < 3; g++) {
+      for (const [k, base] of [A, B].entries()) {
+        const ep = `c${g}-e${k}`;
+        const headers = { 'x-treepack-episode': ep, 'x-treepack-group': `c${g}` };
+        const r = await post(`${base}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `task ${g}` }] }, headers);
+        expect(r.status).toBe(200);
+        const f = (await (await post(`${base}/v1/episodes/${ep}/finish`, { reward: k })).json()) as { group_episodes: number; group_finished: boolean };
+        // The group's episodes are counted in Redis, whichever gateway recorded them.
+        expect(f).toMatchObject({ group_episodes: k + 1, group_finished: k === 1 });
+        expect((await fetch(`${base}/v1/episodes/${ep}/records`)).status).toBe(410); // shipped
+        expected.push(ep);
+      }
+    }
+    // Groups 3-5: producers write slime records, episode 0 to B and episode 1 to A.
+    for (let g = 3; g < 6; g++) {
+      for (const [k, base] of [B, A].entries()) {
+        expect((await post(`${base}/buffer/write`, record(g, k, k))).status).toBe(200);
+        expected.push(`g${g}-e${k}`);
+      }
+    }
+    // Two trainer ranks, rank 0 pulling from A and rank 1 from B, acknowledging after each step.
+    const got: Got[] = [];
+    const trainer = async (base: string, rank: number) => {
+      for (let idle = 0; idle < 3; ) {
+        const mb = await pull(base, rank, 1);
+        if (!mb) {
+          idle++;
+          continue;
+        }
+        expect(mb.entry.rank).toBe(rank);
+        got.push(mb);
+        expect((await post(`${base}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+      }
+    };
+    await Promise.all([trainer(A, 0), trainer(B, 1)]);
+    const ids = got.map((g) => g.entry.id);
+    expect(new Set(ids).size).toBe(ids.length);
+    // Every episode is trained exactly once (a chat episode's sequences are named after it), in its group's micro-batches.
+    const trained = got.flatMap((g) => [...new Set(g.seqIds.map(episodeOf))]);
+    expect(trained.sort()).toEqual(expected.sort());
+    for (const g of got) for (const s of g.seqIds) expect(g.entry.groups).toContain(episodeOf(s).replace(/-e\d$/, ''));
+    // Three steps of two groups each; both services see the trainer at version 3.
+    expect(new Set(got.map((g) => g.entry.feed_step))).toEqual(new Set([0, 1, 2]));
+    for (const base of [A, B]) expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(3);
+  });
+
+  it('a trainer killed before acknowledging: its micro-batch is handed out again after the lease, through the other service', async () => {
+    const [A, B] = await gateways({ groupSize: 1, leaseMs: 1000 });
+    await post(`${A}/buffer/write`, record(0, 0, 1));
+    await post(`${B}/buffer/write`, record(1, 0, 1));
+    const lost = (await pull(A, 0))!; // this trainer dies with it
+    expect(lost.entry.groups).toEqual(['g0']);
+    const t0 = Date.now();
+    const other = (await pull(B, 0))!;
+    expect(other.entry.groups).toEqual(['g1']);
+    expect((await post(`${B}/v1/batches/${other.entry.id}/ack`, {})).status).toBe(200);
+    expect(await pull(B, 0)).toBeUndefined(); // leased: not handed out twice
+    const again = (await pull(B, 0, 10))!;
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(900);
+    expect(again.entry.id).toBe(lost.entry.id);
+    expect(again.bytes.equals(lost.bytes)).toBe(true);
+    expect((await post(`${B}/v1/batches/${again.entry.id}/ack`, {})).status).toBe(200);
+    const twice = await post(`${A}/v1/batches/${again.entry.id}/ack`, {});
+    expect(twice.status).toBe(404); // its step is done and forgotten
+    expect(await pull(A, 0)).toBeUndefined();
+    expect(((await (await fetch(`${A}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(2);
+    expect(await (await fetch(`${B}/metrics`)).text()).toMatch(/treepack_micro_batches_total\{event="reissued"\} 1/);
+  });
+
+  it('Redis killed -9 and restarted: nothing acknowledged lost, nothing acknowledged handed out again', async () => {
+    const [A, B] = await gateways({ groupSize: 1, leaseMs: 1000 });
+    const GROUPS = 10;
+    for (let g = 0; g < 6; g++) expect((await post(`${g % 2 ? B : A}/buffer/write`, record(g, 0, g))).status).toBe(200);
+    const acked = new Map<string, string[]>(); // micro-batch id → its groups
+    for (let i = 0; i < 3; i++) {
+      const mb = (await pull(i % 2 ? B : A, 0))!;
+      expect((await post(`${A}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+      acked.set(mb.entry.id, mb.entry.groups);
+    }
+    const unacked = (await pull(B, 0))!; // handed out, not acknowledged when Redis dies
+
+    // Redis dies and comes back from its append-only file while producers keep writing to both gateways.
+    const writes = Promise.all(Array.from({ length: GROUPS - 6 }, (_, i) => post(`${i % 2 ? A : B}/buffer/write`, record(6 + i, 0, 1))));
+    await redis.restart();
+    for (const r of await writes) expect(r.status).toBe(200);
+
+    const after: Got[] = [];
+    for (let idle = 0; idle < 2; ) {
+      const mb = await pull(after.length % 2 ? A : B, 0, 1.5);
+      if (!mb) {
+        idle++;
+        continue;
+      }
+      after.push(mb);
+      expect((await post(`${B}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+    }
+    // Nothing acknowledged is handed out again; the one leased at the crash is, once; every group is trained once.
+    for (const mb of after) expect(acked.has(mb.entry.id), `${mb.entry.id} acknowledged before the restart`).toBe(false);
+    expect(after.filter((mb) => mb.entry.id === unacked.entry.id)).toHaveLength(1);
+    const groups = [...acked.values(), ...after.map((mb) => mb.entry.groups)].flat();
+    expect(groups.sort()).toEqual(Array.from({ length: GROUPS }, (_, g) => `g${g}`).sort());
+    expect(((await (await fetch(`${A}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(GROUPS);
+  });
+
+  it('a gateway that died between its log and Redis ships on restart, once; other feed options are refused', async () => {
+    redis = await startRedis();
+    const dir = tempDir('tp-redis-gw-');
+    // The finish is in the gateway's log but never reached Redis (recorded here without the shared pool).
+    const local = await Service.create({ engineUrl: stub.url, dataDir: dir, port: 0 });
+    const L = await local.listen();
+    expect((await post(`${L}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'late' })).status).toBe(200);
+    expect((await post(`${L}/v1/episodes/late/finish`, { reward: 1 })).status).toBe(200);
+    await local.close();
+
+    const opts = { engineUrl: stub.url, port: 0, redis: redis.url };
+    let a = await Service.create({ ...opts, dataDir: dir });
+    const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
+    open.push(b);
+    const B = await b.listen();
+    const mb = (await pull(B, 0))!;
+    expect(mb.seqIds.map(episodeOf)).toEqual(['late']);
+    expect((await post(`${B}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+
+    // Died again after Redis took the episode and before its log said so: shipped again, counted once.
+    await a.close();
+    const log = join(dir, 'events.jsonl');
+    const lines = readFileSync(log, 'utf8').trimEnd().split('\n');
+    expect(JSON.parse(lines.at(-1)!)).toEqual({ type: 'ship', episode: 'late' });
+    writeFileSync(log, lines.slice(0, -1).join('\n') + '\n');
+    a = await Service.create({ ...opts, dataDir: dir });
+    open.push(a);
+    expect(JSON.parse(readFileSync(log, 'utf8').trimEnd().split('\n').at(-1)!)).toEqual({ type: 'ship', episode: 'late' });
+    expect(await pull(B, 0, 1)).toBeUndefined();
+
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(/other feed options.*"groupSize":1/);
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(/redis:\/\/127.0.0.1:1 is unreachable/);
+  });
+
+  it("slime's get_rollout_data: whole groups from the shared pool, each read once, whichever service answers", async () => {
+    const [A, B] = await gateways({ groupSize: 2 });
+    await post(`${A}/buffer/write`, record(0, 0, 1));
+    await post(`${B}/buffer/write`, record(1, 0, 0));
+    await post(`${B}/buffer/write`, record(0, 1, 0));
+    type Read = { success: boolean; data: { data: { uid: string }[]; meta_info: { num_groups: number } } };
+    const first = (await (await post(`${A}/get_rollout_data`, {})).json()) as Read;
+    expect(first.data.data.map((r) => r.uid)).toEqual(['g0-e0', 'g0-e1']); // g1 is not whole yet
+    expect(((await (await post(`${B}/get_rollout_data`, {})).json()) as Read).success).toBe(false);
+    await post(`${A}/buffer/write`, record(1, 1, 1));
+    const second = (await (await post(`${B}/get_rollout_data`, {})).json()) as Read;
+    expect(second.data.data.map((r) => r.uid)).toEqual(['g1-e0', 'g1-e1']);
+    expect(second.data.meta_info.num_groups).toBe(1);
+    // A record for a group already read is refused, naming it.
+    const late = await post(`${A}/buffer/write`, { ...record(1, 2, 1) });
+    expect(late.status).toBe(409);
+    expect(await late.text()).toMatch(/group \\"g1\\" was already consumed/);
+  });
+});
