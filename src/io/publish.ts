@@ -131,6 +131,31 @@ function removeQuietly(path: string, notes: string[], what: string): void {
   }
 }
 
+const tempPath = (parent: string) => join(parent, `.treepack-tmp-${process.pid}-${randomBytes(6).toString('hex')}`);
+
+/**
+ * Removes a staging directory by renaming it to a pid-named temporary first: a kill -9 in the middle of a recursive
+ * remove would otherwise leave a claim without its owner.json, which every later run must take for a live writer.
+ */
+function removeStaging(dir: string): void {
+  const tmp = tempPath(dirname(dir));
+  try {
+    renameSync(dir, tmp);
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code === 'ENOENT') return;
+    throw err;
+  }
+  rmSync(tmp, { recursive: true, force: true });
+}
+
+function removeStagingQuietly(dir: string, notes: string[], what: string): void {
+  try {
+    removeStaging(dir);
+  } catch (err) {
+    notes.push(`could not remove ${what} ${dir}: ${(err as Error).message}`);
+  }
+}
+
 interface Scan {
   staging: Map<number, string>;
   gens: Set<number>;
@@ -224,7 +249,7 @@ function ownerLine(o: Owner | undefined, dir: string): string {
  * false if that name exists (another writer claimed it first).
  */
 function claim(parent: string, name: string, owner: Owner): boolean {
-  const tmp = join(parent, `.treepack-tmp-${process.pid}-${randomBytes(6).toString('hex')}`);
+  const tmp = tempPath(parent);
   try {
     fsCall(parent, 'create a staging directory in it', () => {
       // One level at a time: a recursive mkdir reports ENOENT, not the reason (EROFS, EACCES), when the first fails.
@@ -268,7 +293,7 @@ function openExisting(out: string): PublishRun {
     // writer committed or claimed after the scan; scan again.
     const now = scan(out);
     if (now.committed.generation >= want || [...now.gens].some((k) => k >= want) || [...now.staging.keys()].some((k) => k > want)) {
-      rmSync(join(out, stagingName(want)), { recursive: true, force: true });
+      removeStaging(join(out, stagingName(want)));
       continue;
     }
     n = want;
@@ -283,7 +308,7 @@ function openExisting(out: string): PublishRun {
   for (const [k, name] of s.staging) {
     const owner = readOwner(join(out, name));
     notes.push(`removed staging left by a dead run (${ownerLine(owner, join(out, name))}): ${join(out, name)}`);
-    removeQuietly(join(out, name), notes, 'stale staging');
+    removeStagingQuietly(join(out, name), notes, 'stale staging');
     s.staging.delete(k);
   }
   for (const { name, pid } of s.pidNamed) {
@@ -304,7 +329,7 @@ function openExisting(out: string): PublishRun {
     if (done) return;
     done = true;
     if (genPublished) rmSync(join(out, genName(n)), { recursive: true, force: true });
-    rmSync(staging, { recursive: true, force: true });
+    removeStaging(staging);
   };
 
   return {
@@ -333,7 +358,7 @@ function openExisting(out: string): PublishRun {
         throw err;
       }
       collectGarbage(out, n, s.committed.names, notes);
-      removeQuietly(staging, notes, 'own staging');
+      removeStagingQuietly(staging, notes, 'own staging');
     },
   };
 }
