@@ -123,9 +123,9 @@ const fsCall = <T>(path: string, action: string, f: () => T): T => {
 };
 
 /** Recursive removal that reports instead of throwing: cleanup must never hide the error that caused it. */
-function removeQuietly(path: string, notes: string[], what: string): void {
+function removeQuietly(path: string, notes: string[], what: string, remove = (p: string) => rmSync(p, { recursive: true, force: true })): void {
   try {
-    rmSync(path, { recursive: true, force: true });
+    remove(path);
   } catch (err) {
     notes.push(`could not remove ${what} ${path}: ${(err as Error).message}`);
   }
@@ -146,14 +146,6 @@ function removeStaging(dir: string): void {
     throw err;
   }
   rmSync(tmp, { recursive: true, force: true });
-}
-
-function removeStagingQuietly(dir: string, notes: string[], what: string): void {
-  try {
-    removeStaging(dir);
-  } catch (err) {
-    notes.push(`could not remove ${what} ${dir}: ${(err as Error).message}`);
-  }
 }
 
 interface Scan {
@@ -308,7 +300,7 @@ function openExisting(out: string): PublishRun {
   for (const [k, name] of s.staging) {
     const owner = readOwner(join(out, name));
     notes.push(`removed staging left by a dead run (${ownerLine(owner, join(out, name))}): ${join(out, name)}`);
-    removeStagingQuietly(join(out, name), notes, 'stale staging');
+    removeQuietly(join(out, name), notes, 'stale staging', removeStaging);
     s.staging.delete(k);
   }
   for (const { name, pid } of s.pidNamed) {
@@ -358,7 +350,7 @@ function openExisting(out: string): PublishRun {
         throw err;
       }
       collectGarbage(out, n, s.committed.names, notes);
-      removeStagingQuietly(staging, notes, 'own staging');
+      removeQuietly(staging, notes, 'own staging', removeStaging);
     },
   };
 }
