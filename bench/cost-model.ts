@@ -27,6 +27,8 @@ export interface SideFigures {
   pairs: number;
   blocks: number;
   full_blocks: number;
+  /** tiles the attention computes: the listed ones on flex, with the block path's padding on CPU (older runs: absent) */
+  executed_blocks?: number;
   scored_rows: number;
   max_tokens: number;
 }
@@ -61,7 +63,7 @@ export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: nu
   return {
     linearFlops: (2 * layerParams(s) * s.layers * f.tokens + 2 * s.hidden * vocab * f.scored_rows) * FWD_BWD,
     attentionFlops: f.pairs * perPair,
-    executedAttentionFlops: f.blocks * blockSize * blockSize * perPair,
+    executedAttentionFlops: (f.executed_blocks ?? f.blocks) * blockSize * blockSize * perPair,
     bytes: f.micro_batches * params * dtypeBytes * 3 + f.tokens * activation,
     microBatches: f.micro_batches,
   };

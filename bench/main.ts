@@ -8,7 +8,7 @@
  * timing; the default run is the short one), --json FILE, --html FILE (default: next to the JSON, else
  * ./bench-report.html), --data FILE (tau-bench JSONL).
  */
-import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { accessSync, constants, existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -35,6 +35,18 @@ const quick = values.full !== true;
 const maxTime = quick ? 0.5 : 2;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
+const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
+// Report paths are checked before the run, not after it (a --full run takes half an hour): parents are created.
+for (const [flag, file] of [['--json', values.json], ['--html', html]] as const) {
+  if (file === undefined) continue;
+  try {
+    mkdirSync(dirname(resolve(file)), { recursive: true });
+    accessSync(dirname(resolve(file)), constants.W_OK);
+  } catch (e) {
+    console.error(`bench: ${flag} ${file}: cannot write there (${(e as Error).message})`);
+    process.exit(2);
+  }
+}
 
 interface DatasetReport {
   name: string;
@@ -200,7 +212,6 @@ await disposeBackends();
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
 const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
-const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
 const page = await renderHtml(
   {
     title: `treepack bench${quick ? '' : ' (--full)'}`,

@@ -78,9 +78,10 @@ def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor) -> tpt.PackedBatc
     return b
 
 
-def figures(batches: List[tpt.PackedBatch]) -> Dict[str, int]:
-    """Work figures of one side: tokens, visible attention pairs, listed BLOCK×BLOCK tiles, scored rows."""
-    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "scored_rows": 0, "max_tokens": 0}
+def figures(batches: List[tpt.PackedBatch], flex: bool) -> Dict[str, int]:
+    """Work figures of one side: tokens, visible attention pairs, listed BLOCK×BLOCK tiles and the tiles the attention
+    computes (flex: the listed ones; the CPU block path: with its padding), scored rows."""
+    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0}
     for b in batches:
         n = b.num_nodes
         f["tokens"] += n
@@ -89,7 +90,9 @@ def figures(batches: List[tpt.PackedBatch]) -> Dict[str, int]:
         f["trainable"] += int(b.loss_mask.sum())
         f["pairs"] += int((b.subtree_end - torch.arange(n)).sum())
         m = tpt.tree_mask(b, mode="block", block_size=BLOCK, device="cpu")
-        f["blocks"] += int(m.kv_num_blocks.sum() + m.full_kv_num_blocks.sum())
+        listed = int(m.kv_num_blocks.sum() + m.full_kv_num_blocks.sum())
+        f["blocks"] += listed
+        f["executed_blocks"] += listed if flex else tpt.executed_tiles(m)
         f["full_blocks"] += int(m.full_kv_num_blocks.sum())
         f["scored_rows"] += int(torch.unique(b.parent[tpt.scored_nodes(b)]).numel())
     return f
@@ -187,7 +190,7 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     }
     vocab = torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
     layouts = {k: [with_old_logprobs(b, vocab) for b in bs] for k, bs in layouts.items()}
-    figs = {k: figures(bs) for k, bs in layouts.items()}
+    figs = {k: figures(bs, flex=device.type == "cuda") for k, bs in layouts.items()}
     trainable = {figs[k]["trainable"] for k in SIDES}
     if len(trainable) != 1:
         return {"name": w["name"], "error": f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in SIDES), "figures": figs}
@@ -203,6 +206,9 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     best = {k: min(runs[k], key=lambda r: r["step"]) for k in SIDES}
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatches = {k: agree(best["naive"], best[k], tol) for k in ("merged", "packed")}
+    if best["naive"]["grad_norm"] == 0:
+        # Zero advantages (a group whose rewards are all equal) give a zero loss and zero gradients on every side.
+        return {"name": w["name"], "error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing", "figures": figs}
     return {
         "name": w["name"],
         "figures": figs,

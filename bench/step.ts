@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { DirectorySink, packRecords, TreepackError, type PackReport } from '../src/index.js';
-import { generateJsonlLines, type GeneratorOptions } from './dataset.js';
+import { generateJsonlLines, type EpisodeJson, type GeneratorOptions } from './dataset.js';
 import { type ModelShape, type SideFigures } from './cost-model.js';
 import { findPython, root } from './python.js';
 
@@ -34,6 +34,8 @@ export interface StepWorkload {
   figures?: Record<'naive' | 'merged' | 'packed', SideFigures>;
   sides?: Record<'naive' | 'merged' | 'packed', StepSide & { loss: number; logprob_sum: number; grad_norm: number }>;
   mismatches?: Record<string, string[]>;
+  /** distinct token ids of the workload: the LM head's rows (bench/step.py remaps ids to them) */
+  vocab?: number;
   error?: string;
 }
 
@@ -85,6 +87,21 @@ async function packTo(file: string, out: string, maxTokens: number, merge: boole
 }
 
 /**
+ * Generated episodes with the first episode's reward flipped in every group whose rewards are all equal (the generator
+ * draws them at random, and a group of 2 agrees half the time): equal rewards give zero GRPO advantages, a zero loss
+ * and zero gradients, and the step's equality check would prove nothing.
+ */
+export function withMixedRewards(lines: string[]): string[] {
+  const episodes = lines.map((l) => JSON.parse(l) as EpisodeJson);
+  const byTask = new Map<string, EpisodeJson[]>();
+  for (const e of episodes) byTask.set(e.task_id, [...(byTask.get(e.task_id) ?? []), e]);
+  for (const group of byTask.values()) {
+    if (group.length > 1 && group.every((e) => e.meta.reward === group[0].meta.reward)) group[0].meta.reward = 1 - group[0].meta.reward;
+  }
+  return episodes.map((e) => JSON.stringify(e));
+}
+
+/**
  * The first `tasks` tasks of a tau-bench-style JSONL file whose episodes' rewards differ (equal rewards give zero
  * GRPO advantages: a zero loss and zero gradients would make the bench's equality check vacuous), written to `out`;
  * returns the episode count. One task is ~0.2M naive tokens; all five mixed ones of the airline file are 1.1M, a
@@ -128,7 +145,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
     const inputs: WorkloadInput[] = [];
     for (const g of GENERATED.filter((g) => opts.full || !g.full)) {
       const file = join(dir, `generated-${inputs.length}.jsonl`);
-      writeFileSync(file, [...generateJsonlLines(g.opts)].join('\n') + '\n');
+      writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
       inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : 1 });
     }
@@ -159,7 +176,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
     const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'] });
     if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
     const out = JSON.parse(r.stdout) as { device: string; device_type: string; dtype: string; attention: string; torch: string; shape: ModelShape; workloads: Partial<StepWorkload>[] };
-    out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, error: res.error }));
+    out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error }));
     return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads: [...workloads, ...failed] };
   } finally {
     rmSync(dir, { recursive: true, force: true });

@@ -3,12 +3,14 @@
  * naming the file (and the line), which the step section reports as that workload FAILED while the generated
  * workloads still run; a good file keeps only the first tasks whose episodes' rewards differ.
  */
+import { spawnSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/index.js';
-import { mixedRewardTasks } from '../bench/step.js';
+import { generateJsonlLines, type EpisodeJson } from '../bench/dataset.js';
+import { GENERATED, mixedRewardTasks, withMixedRewards } from '../bench/step.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-data-'));
 const out = join(dir, 'out.jsonl');
@@ -55,5 +57,28 @@ describe('bench --data for the training step', () => {
     expect(mixedRewardTasks(good, out, 1)).toBe(2);
     expect(readFileSync(out, 'utf8')).toBe(`${lines[2]}\n${lines[4]}\n`);
     expect(mixedRewardTasks(good, out, 5)).toBe(5);
+  });
+});
+
+describe('bench report paths', () => {
+  // Checked before the run: a path that cannot be written fails in seconds, naming the flag, not after a 30-minute run.
+  it.each([['--json'], ['--html']])('%s under a file (not a directory) exits 2 naming the flag', (flag) => {
+    const file = join(dir, 'a-file');
+    writeFileSync(file, '');
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'bench/main.ts', flag, join(file, 'sub', 'bench.json')], { encoding: 'utf8', timeout: 120_000 });
+    expect(r.status).toBe(2);
+    expect(r.stderr).toContain(`bench: ${flag} ${join(file, 'sub', 'bench.json')}: cannot write there`);
+    expect(r.stdout).not.toContain('## ');
+  });
+});
+
+describe('bench generated workloads', () => {
+  it('have different rewards inside every group, so the step check is not vacuous', () => {
+    for (const g of GENERATED) {
+      const episodes = withMixedRewards([...generateJsonlLines(g.opts)]).map((l) => JSON.parse(l) as EpisodeJson);
+      const rewards = new Map<string, Set<number>>();
+      for (const e of episodes) rewards.set(e.task_id, (rewards.get(e.task_id) ?? new Set()).add(e.meta.reward));
+      for (const [task, r] of rewards) expect(r.size, `${g.label} ${task}`).toBe(2);
+    }
   });
 });

@@ -45,6 +45,23 @@ class TreeAttention(unittest.TestCase):
                     for a, b in zip(*results):
                         self.assertLess(float((a - b).abs().max()), 1e-12)
 
+    def test_block_plan_calls_are_bounded_and_cover_every_listed_block(self):
+        from treepack.torch.attention import PLAN_TILES, _block_plan
+
+        mb = tpt.load_microbatch(pack(forests(13, seed=5)["deep"], pad=0))
+        for B in (1, 3, 16):
+            mask = tpt.tree_mask(mb, mode="block", block_size=B)
+            listed = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
+            plan = _block_plan(mask)
+            with self.subTest(block_size=B):
+                self.assertEqual(sorted(int(r) for rows, _, _ in plan for r in rows), list(range(-(-mb.num_nodes // B))))
+                for rows, keys, _ in plan:
+                    self.assertTrue(len(rows) == 1 or len(rows) * keys.shape[1] // B <= PLAN_TILES)
+                tiles = tpt.executed_tiles(mask)
+                self.assertEqual(tiles, sum(keys.numel() // B for _, keys, _ in plan))
+                self.assertGreaterEqual(tiles, listed)
+                self.assertLessEqual(tiles, 2 * listed)  # power-of-two groups pad a row by less than its own count
+
     def test_dense_mode_is_the_rule(self):
         mb = tpt.load_microbatch(pack(forests(13, seed=4)["mixed"], pad=1))
         q, k, v = qkv(mb.num_nodes)

@@ -11,8 +11,8 @@ carries ``subtree_end`` and how to attend:
 - ``"flex"``: ``flex_attention`` with the BlockMask (compiled on CUDA; on CPU forward only, torch has no backward);
 - ``"dense"``: SDPA with the dense bool [N, N] mask, built once per mask (O(N²) memory: small batches);
 - ``"block"``: block-sparse SDPA on any device, with backward: query blocks are grouped by how many kv blocks they
-  see, and each group runs one SDPA over its gathered kv blocks with their partial masks, so the work and memory are
-  O(visible blocks · B²), not N²;
+  see, and each group runs SDPA over its gathered kv blocks with their partial masks, in calls of at most
+  ``PLAN_TILES`` tiles, so the work and memory are O(visible blocks · B²), not N² (``executed_tiles`` counts them);
 - ``"auto"`` (default): flex on CUDA, block elsewhere.
 
 A HF model passes a 4-D BlockMask straight to its attention function, so the TreeMask reaches ``tree_attention``
@@ -89,28 +89,51 @@ def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     return (ar[None, :] <= ar[:, None]) & (ar[:, None] < subtree_end[None, :])
 
 
+# Most B×B tiles one SDPA call of the block path computes. Each call gathers its rows' kv blocks and builds G × B × K·B
+# scores: bounding G·K keeps those temporaries cache-sized, where whole buckets of a 15k-token micro-batch ran ~1.5×
+# slower per tile than small ones (so the cost was not linear in the tiles, as the bench's cost model assumes).
+PLAN_TILES = 256
+
+
+def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
+    """The block path's SDPA calls: (query block ids [G], K) per call, where K is the most kv blocks a row of the call
+    sees. Rows are grouped by that count rounded up to a power of two (at most 2× padding), and a group is split so
+    that G·K ≤ PLAN_TILES (a row alone may exceed it)."""
+    num = (mask.kv_num_blocks[0, 0] + mask.full_kv_num_blocks[0, 0]).cpu()
+    if num.numel() == 0:
+        return []
+    bucket = torch.ceil(torch.log2(num.clamp(min=1).double())).long()
+    chunks = []
+    for b in torch.unique(bucket).tolist():
+        rows = torch.nonzero(bucket == b).flatten()
+        K = int(num[rows].max())
+        step = max(1, PLAN_TILES // K)
+        chunks.extend((rows[i : i + step], int(num[rows[i : i + step]].max())) for i in range(0, len(rows), step))
+    return chunks
+
+
+def executed_tiles(mask: TreeMask) -> int:
+    """B×B tiles the block path computes per attention call, its padding included (flex computes the listed blocks)."""
+    return sum(len(rows) * K for rows, K in _plan_chunks(mask))
+
+
 def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per group of query blocks: (query block ids [G], key positions [G, K·B], partial mask [G, B, K·B]), groups
-    formed by the count of visible kv blocks rounded up to a power of two (at most 2× padding in any group)."""
+    """Per SDPA call (``_plan_chunks``): (query block ids [G], key positions [G, K·B], partial mask [G, B, K·B])."""
     B = mask.BLOCK_SIZE[0]
     se = mask.subtree_end
     n, dev = int(se.shape[0]), se.device
     nb = -(-n // B)
     if nb == 0:
         return []
-    num = (mask.kv_num_blocks[0, 0] + mask.full_kv_num_blocks[0, 0]).cpu()
     # Every row's kv blocks, partial and full, merged ascending (the order does not change the result).
     kv = torch.cat([mask.kv_indices[0, 0], mask.full_kv_indices[0, 0]], dim=1).cpu()
     width = torch.arange(kv.shape[1])
     valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
                        width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
-    bucket = torch.ceil(torch.log2(num.clamp(min=1).double())).long()
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
     plan = []
     r = torch.arange(B)
-    for b in torch.unique(bucket).tolist():
-        rows = torch.nonzero(bucket == b).flatten()
-        K = int(num[rows].max())
+    for rows, K in _plan_chunks(mask):
         # The valid kv blocks of each row first, padded with its diagonal block (always listed; masked out below).
         order = torch.argsort((~valid[rows]).to(torch.int8), dim=1, stable=True)[:, :K]
         blocks = torch.gather(kv[rows], 1, order)
@@ -138,12 +161,15 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     pad = nb * B - n
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     qb = qp[0].reshape(H, nb, B, D)
+    # Keys and values position-major, gathered with index_select: its backward is index_add, where advanced indexing's
+    # is a sorting index_put.
+    kt, vt = kp[0].transpose(0, 1), vp[0].transpose(0, 1)  # [N', Hkv, D]
     outs, order = [], []
     for rows, keys, visible in plan:
         G = rows.shape[0]
-        qg = qb[:, rows].transpose(0, 1)  # [G, H, B, D]
-        kg = kp[0][:, keys.flatten()].reshape(kp.shape[1], G, -1, D).transpose(0, 1)
-        vg = vp[0][:, keys.flatten()].reshape(vp.shape[1], G, -1, vp.shape[-1]).transpose(0, 1)
+        qg = qb.index_select(1, rows).transpose(0, 1)  # [G, H, B, D]
+        kg = kt.index_select(0, keys.flatten()).reshape(G, -1, kt.shape[1], D).transpose(1, 2)
+        vg = vt.index_select(0, keys.flatten()).reshape(G, -1, vt.shape[1], vt.shape[-1]).transpose(1, 2)
         outs.append(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa))
         order.append(rows)
     out = torch.cat(outs)[torch.argsort(torch.cat(order))]  # [nb, H, B, Dv] in block order
