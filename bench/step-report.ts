@@ -17,6 +17,8 @@ export interface StepAnalysis {
   idealRatio: number; // naive ÷ packed FLOPs, this model
   speedup: number; // naive ÷ packed step seconds
   mergedSpeedup: number;
+  calls: number; // LLM calls of the workload
+  timelines: number; // after the timeline merge
   packSeconds: number;
   sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number; tokens: number; microBatches: number; predicted?: number; executedOverExact: number }>;
   shortfall: string[];
@@ -85,7 +87,7 @@ export function analyzeStep(s: StepSection): StepSummary {
       const r = Object.fromEntries(SIDES.map((k) => [k, work({ ...f[k], executed_blocks: f[k].blocks }, shape, shape.vocab!, 128, 2)])) as Record<Side, Work>;
       return { model: shape.name, idealRatio: totalFlops(r.naive) / totalFlops(r.packed), gpuSpeedup: gpuSeconds(r.naive) / gpuSeconds(r.packed) };
     });
-    return { name: w.name, compression: f.naive.tokens / f.packed.tokens, idealRatio, speedup, mergedSpeedup: m.naive.step / m.merged.step, packSeconds: w.packSeconds, sides, shortfall, realSizes };
+    return { name: w.name, calls: w.report.timelines, timelines: w.report.samples, compression: f.naive.tokens / f.packed.tokens, idealRatio, speedup, mergedSpeedup: m.naive.step / m.merged.step, packSeconds: w.packSeconds, sides, shortfall, realSizes };
   });
   lines.push('  workload / side          mbs     tokens   step s  masks  fwd   loss  bwd    tok/s   peak      model s (err)');
   for (const r of rows) {
@@ -100,6 +102,7 @@ export function analyzeStep(s: StepSection): StepSummary {
     const goal = r.speedup >= 0.8 * r.idealRatio ? 'met' : 'MISSED';
     lines.push(`    token compression ${fmt(r.compression)}×, ideal work ratio ${fmt(r.idealRatio)}×, measured: packed ${speed(r.sides.naive.step, r.sides.packed.step)} than naive (merged ${speed(r.sides.naive.step, r.sides.merged.step)}); speedup ÷ compression ${fmt(r.speedup / r.compression)}, ÷ ideal ${fmt(r.speedup / r.idealRatio)} (goal ≥ 0.8: ${goal})`);
     for (const why of r.shortfall) lines.push(`      short of the ideal: ${why}`);
+    lines.push(`    timeline merge (by tokens): ${r.calls} calls → ${r.timelines} timelines${r.calls === r.timelines ? ' (no call extends an earlier one token for token: the chat template re-renders earlier turns, so merged = naive)' : ''}`);
     lines.push(`    estimated (cost model, ${ASSUMED_GPU.name}): ${r.realSizes.map((x) => `${x.model} ideal ${fmt(x.idealRatio, 1)}×, step ${fmt(x.gpuSpeedup, 1)}× faster`).join('; ')}`);
   }
   const modelError = errors.length ? { mean: errors.reduce((a, x) => a + x, 0) / errors.length, max: Math.max(...errors) } : undefined;

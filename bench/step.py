@@ -168,12 +168,13 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
         lp_sum += float(lp.detach()[train].double().sum())
     total = time.perf_counter() - start - t["masks"]  # the extra mask build is not part of a step
     grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
-    return {**t, "step": total, "peak_bytes": peak_bytes(device), "loss": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
+    # "loss" in t is the loss's seconds; its value is "loss_value".
+    return {**t, "step": total, "peak_bytes": peak_bytes(device), "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
 
 
 def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
     bad = []
-    for k, rel in (("loss", tol), ("logprob_sum", tol), ("grad_norm", 10 * tol)):
+    for k, rel in (("loss_value", tol), ("logprob_sum", tol), ("grad_norm", 10 * tol)):
         scale = max(abs(a[k]), abs(b[k]), 1e-6)
         if abs(a[k] - b[k]) > rel * scale:
             bad.append(f"{k} {a[k]:.8g} vs {b[k]:.8g}")

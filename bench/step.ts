@@ -22,7 +22,8 @@ export interface StepSide extends Record<string, unknown> {
   backward: number;
   steps: number[];
   peak_bytes: number;
-  loss_value?: number;
+  /** the loss's value (`loss` is its seconds) */
+  loss_value: number;
 }
 
 export interface StepWorkload {
@@ -32,7 +33,7 @@ export interface StepWorkload {
   packSeconds: number;
   report: PackReport;
   figures?: Record<'naive' | 'merged' | 'packed', SideFigures>;
-  sides?: Record<'naive' | 'merged' | 'packed', StepSide & { loss: number; logprob_sum: number; grad_norm: number }>;
+  sides?: Record<'naive' | 'merged' | 'packed', StepSide & { logprob_sum: number; grad_norm: number }>;
   mismatches?: Record<string, string[]>;
   /** distinct token ids of the workload: the LM head's rows (bench/step.py remaps ids to them) */
   vocab?: number;

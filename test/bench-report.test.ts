@@ -24,8 +24,8 @@ function workload(name: string, c: number): StepWorkload {
   const f = { naive: side(8000 * c, Math.ceil(c / 2)), merged: side(16000, 1), packed: side(8000, 1) };
   const time = (s: SideFigures) => ({ step: s.tokens * 1e-4 + s.micro_batches * 0.05, masks: 0.01, forward: s.tokens * 3e-5, loss: 0.001, backward: s.tokens * 6e-5, steps: [1], peak_bytes: s.tokens * 4096, logprob_sum: -1, grad_norm: 1 });
   return {
-    name, compression: c, packSeconds: 0.2, report: {} as StepWorkload['report'], figures: f,
-    sides: { naive: { ...time(f.naive), loss: 0.5 }, merged: { ...time(f.merged), loss: 0.5 }, packed: { ...time(f.packed), loss: 0.5 } },
+    name, compression: c, packSeconds: 0.2, report: { timelines: 8 * c, samples: 8 } as StepWorkload['report'], figures: f,
+    sides: { naive: { ...time(f.naive), loss_value: 0.5 }, merged: { ...time(f.merged), loss_value: 0.5 }, packed: { ...time(f.packed), loss_value: 0.5 } },
     mismatches: {},
   };
 }
