@@ -10,10 +10,13 @@
  *    loss mask and advantages (group estimators see whole groups whatever the order).
  * Each shuffled order is also packed as a whole input in that order, and must match incremental use byte for byte.
  */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
+import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, Service, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
 
@@ -251,5 +254,19 @@ describe('the tokenizer option: a directory, or a tokenizer already loaded', () 
       expect((err as TreepackError).message).toMatch(/^Expected a directory path or a tokenizer from loadTokenizer for tokenizer but received /);
     }
     expect(() => packRecords([], { tokenizer: 7 as never })).toThrow(/for tokenizer but received 7 of type number/);
+  });
+
+  it('a service takes it too, for its prompt checks and the packer of every step, and refuses anything else', async () => {
+    const tok = await loadTokenizer(dir);
+    const dataDir = mkdtempSync(join(tmpdir(), 'tp-packer-tokenizer-'));
+    try {
+      const svc = await Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: tok } });
+      expect(svc.encoder.tokenizer).toBe(tok);
+      expect(svc.opts.packer?.tokenizer).toBe(tok);
+      await svc.close();
+      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: 5 as never } })).rejects.toThrow(/for tokenizer but received 5 of type number/);
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
   });
 });
