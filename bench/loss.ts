@@ -1,18 +1,14 @@
 /**
  * Loss bench: occurrences per second per backend over generator forests of M naive tokens, the bytes the kernel
  * must move ÷ its time against a plain copy of as many bytes measured in the same run, and the compact per-node
- * mode's speedup. The validation pass (src/loss/validate.ts, run once per call by computeLoss) is timed apart.
+ * mode against the per-occurrence one. The validation pass (validateLossInputs, run once per call by computeLoss) is
+ * timed apart.
  * WebGPU lays a batch out and uploads it on its first call (cached per batch object and config, then each call only
  * moves lp and the gradient): that one-time cost is its `first-call` row; its other rows are the calls after it.
  */
 import { performance } from 'node:perf_hooks';
-import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
-import { disposeBackends } from '../src/backend/index.js';
-import { resolveLossConfig } from '../src/loss/config.js';
-import { compactPlan } from '../src/loss/reference.js';
-import type { LossBatch } from '../src/loss/types.js';
-import { lossInputError, validateLossInputs } from '../src/loss/validate.js';
-import { concatSequences } from '../src/pack/batch.js';
+import { buildCompactPlan, concatSequences, disposeBackends, listBackends, resolveKernel, resolveLossConfig, validateLossInputs, type BackendName, type LossBatch } from '../src/index.js';
+import { speed } from './format.js';
 import { generateTokenSamples } from './dataset.js';
 
 export interface LossBenchRow {
@@ -105,7 +101,7 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
     };
     add(row('memcpy', 'copy', copy, bytes));
     add(row('ts', 'validate', await time(() => validateLossInputs(batch, lp, cfg), minSeconds), bytes));
-    const plan = compactPlan(batch, cfg, lossInputError);
+    const plan = buildCompactPlan(batch, cfg);
     for (const b of backends) {
       const k = await resolveKernel('loss', b);
       const prepares = b === 'webgpu';
@@ -122,7 +118,7 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
       const r = row(b, 'compact', await time(() => c.kernel(plan, lp, cfg), minSeconds), compactBytes);
       add(r);
       const per = rows.find((x) => x.M === M && x.backend === b && x.mode === 'per-occurrence')!;
-      console.log(`    compact mode speedup on ${b}: ${(per.seconds / r.seconds).toFixed(2)}× (M/N = ${(M / N).toFixed(2)})`);
+      console.log(`    compact mode on ${b}: ${speed(per.seconds, r.seconds)} than per-occurrence (M/N = ${(M / N).toFixed(2)})`);
     }
   }
   await disposeBackends();

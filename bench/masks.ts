@@ -3,19 +3,12 @@
  * one forest packed from the generator's agent rollouts), the build time of each lowering on each available
  * backend (median of a few runs, as called from JS: validation, kernel, read-back) with its ratio to the js
  * reference measured in the same run, the bytes of each lowering, and the fraction of attention work the
- * block-sparse mask skips against a dense causal mask. CUDA also reports its kernels' own time (cudaEvent).
+ * block-sparse mask skips against a dense causal mask. CUDA also reports its kernels' own time (cudaEvent, read
+ * with timeKernels).
  */
 import { performance } from 'node:perf_hooks';
-import { listBackends, resolveKernel, type BackendName } from '../src/backend/index.js';
-import { maskBlocksCudaTimed } from '../src/backend/mask-cuda.js';
-import { TreepackError } from '../src/errors.js';
-import { blockMaskBytes } from '../src/mask/blocks.js';
-import { bitsBytes, denseBytes } from '../src/mask/dense.js';
-import type { BlockMask, TreeArrays } from '../src/mask/types.js';
-import { validateTree } from '../src/mask/validate.js';
-import { packForestNative } from '../src/backend/native.js';
-import { packForest } from '../src/pack/forest.js';
-import type { Sequences } from '../src/pack/contract.js';
+import { bitsBytes, blockMaskBytes, denseBytes, listBackends, resolveKernel, timeKernels, TreepackError, validateTree, type BackendName, type BlockMask, type Sequences, type TreeArrays } from '../src/index.js';
+import { speed } from './format.js';
 
 export const MASK_SIZES = [32_768, 131_072, 262_144, 1_048_576];
 
@@ -81,17 +74,11 @@ const LOWERINGS: Lowering[] = [
 
 const OPS: Record<string, 'maskBlocks' | 'maskSlices' | 'maskBits' | 'maskDense'> = { 'block:128': 'maskBlocks', 'block:64': 'maskBlocks', slices: 'maskSlices', bits: 'maskBits', dense: 'maskDense' };
 
-/** Generator rollouts (pre-tokenized) packed into one forest of at least `N` nodes. */
-function generatorForest(N: number, samples: (groups: number) => Sequences): TreeArrays {
+/** Generator rollouts (pre-tokenized) packed into one forest of at least `N` nodes, on the best forest packer. */
+async function generatorForest(N: number, samples: (groups: number) => Sequences): Promise<TreeArrays> {
+  const pack = await resolveKernel('packForest', 'auto');
   for (let groups = Math.max(1, Math.ceil(N / 45_000)); ; groups += 2) {
-    const seqs = samples(groups);
-    let forest;
-    try {
-      forest = packForestNative(seqs);
-    } catch (err) {
-      if (!(err instanceof TreepackError && err.code === 'E_BACKEND')) throw err;
-      forest = packForest(seqs);
-    }
+    const forest = pack.kernel(samples(groups));
     if (forest.parent.length >= N) return forest;
   }
 }
@@ -99,7 +86,7 @@ function generatorForest(N: number, samples: (groups: number) => Sequences): Tre
 export async function benchMasks(quick: boolean, samples: (groups: number) => Sequences): Promise<{ timings: MaskTiming[]; sparsity: MaskSparsity[] }> {
   const reps = quick ? 3 : 7;
   const statuses = (await listBackends()).filter((s) => s.available);
-  const full = generatorForest(MASK_SIZES[MASK_SIZES.length - 1], samples);
+  const full = await generatorForest(MASK_SIZES[MASK_SIZES.length - 1], samples);
   const timings: MaskTiming[] = [];
   const sparsities: MaskSparsity[] = [];
   const fmt = (x: number) => (x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2));
@@ -109,7 +96,7 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
   console.log(`  backends: ${statuses.map((s) => s.name).join(', ')}`);
   for (const N of MASK_SIZES) {
     const tree = prefix(full, N);
-    let t0 = performance.now();
+    const t0 = performance.now();
     validateTree(tree);
     console.log(`\n  N = ${N.toLocaleString('en-US')}: validation (every backend pays it) ${fmt(performance.now() - t0)} ms`);
     for (const low of LOWERINGS) {
@@ -123,15 +110,16 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
         } else {
           try {
             const ms: number[] = [];
+            const kernelMs: number[] = [];
             for (let r = 0; r < reps; r++) {
-              t0 = performance.now();
-              const out = await low.run(s.name, tree);
-              ms.push(performance.now() - t0);
-              if (low.name === 'slices') bytes = row.bytes = low.bytes(N, out);
-              if (low.name === 'block:128' && s.name === 'js' && r === 0) sparsities.push(sparsity(tree, out as BlockMask));
+              const t = await timeKernels(() => low.run(s.name, tree));
+              ms.push(t.wallMs);
+              if (t.kernelMs !== undefined) kernelMs.push(t.kernelMs);
+              if (low.name === 'slices') bytes = row.bytes = low.bytes(N, t.result);
+              if (low.name === 'block:128' && s.name === 'js' && r === 0) sparsities.push(sparsity(tree, t.result as BlockMask));
             }
             row.ms = median(ms);
-            if (s.name === 'cuda' && low.name.startsWith('block:')) row.kernelMs = maskBlocksCudaTimed(tree, Number(low.name.slice(6))).kernelMs;
+            if (kernelMs.length) row.kernelMs = median(kernelMs);
           } catch (err) {
             if (!(err instanceof TreepackError)) throw err;
             row.error = `${err.code}: ${err.message.split(';')[0]}`;
@@ -142,7 +130,7 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
       const js = rows.find((r) => r.backend === 'js')?.ms;
       console.log(`    ${low.name.padEnd(9)} ${mb(bytes).padStart(12)}`);
       for (const r of rows) {
-        const detail = r.ms === undefined ? r.error : `${fmt(r.ms)} ms${js && r.backend !== 'js' ? ` (${(r.ms / js).toFixed(2)}× js)` : ''}${r.kernelMs !== undefined ? `, kernels ${r.kernelMs.toFixed(3)} ms` : ''}`;
+        const detail = r.ms === undefined ? r.error : `${fmt(r.ms)} ms${js && r.backend !== 'js' ? ` (${speed(js, r.ms)} than js)` : ''}${r.kernelMs !== undefined ? `, kernels ${r.kernelMs.toFixed(3)} ms` : ''}`;
         console.log(`      ${r.backend.padEnd(7)} ${detail}`);
       }
       timings.push(...rows);

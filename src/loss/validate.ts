@@ -26,6 +26,11 @@ function checkLogprobs(lp: unknown, N: number): asserts lp is Float32Array {
   if (lp.length !== N) throw new TreepackError('E_ARG', `logprobs has ${lp.length} elements but the micro-batch has N = ${N} nodes`, { field: 'logprobs' });
 }
 
+/**
+ * The checks every loss call runs before its kernel (computeLoss, resolveKernel('loss')), on their own: a caller
+ * that receives micro-batches and logprobs from elsewhere can reject a bad one at its boundary, with the field and
+ * position named, before a training step starts. `cfg` is a resolved config (resolveLossConfig).
+ */
 export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): asserts lp is Float32Array {
   const N = b.input_ids.length;
   checkLogprobs(lp, N);

@@ -8,5 +8,5 @@ export { maskDense, maskBits } from './dense.js';
 export { maskBlocks } from './blocks.js';
 export { maskSlices } from './slices.js';
 export { maskCuSeqlens } from './cuseqlens.js';
-export { numBlocks, blockMaskBytes, bitsWordsPerRow } from './sizes.js';
+export { numBlocks, blockMaskBytes, bitsWordsPerRow, bitsBytes, denseBytes } from './sizes.js';
 export { validateTree } from './validate.js';

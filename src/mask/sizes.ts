@@ -1,4 +1,7 @@
-/** Output sizes of the lowerings, which decide whether a backend can hold them (validate.ts) and the bench's figures. */
+/**
+ * Output sizes of the lowerings, which decide whether a backend can hold them (validate.ts). Public so a caller can
+ * choose a lowering that fits its memory before building it: the dense forms are quadratic in N.
+ */
 
 export function numBlocks(N: number, blockSize: number): number {
   return Math.ceil(N / blockSize);
@@ -10,6 +13,7 @@ export function blockMaskBytes(N: number, blockSize: number): number {
   return 8 * nb * (nb + 1);
 }
 
+/** Bytes of the dense mask (one byte per query/key pair). */
 export function denseBytes(N: number): number {
   return N * N;
 }
@@ -18,6 +22,7 @@ export function bitsWordsPerRow(N: number): number {
   return Math.ceil(N / 32);
 }
 
+/** Bytes of the bit-packed dense mask (one bit per pair, rows padded to 32-bit words). */
 export function bitsBytes(N: number): number {
   return N * bitsWordsPerRow(N) * 4;
 }

@@ -26,7 +26,7 @@ import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
 import { mergeDefaults, timelineLength, type ResolvedMergeOptions, type Timeline } from '../timeline/model.js';
 import { addSnaps } from '../timeline/snap.js';
 import { ChatEncoder } from '../tokenize/chat.js';
-import { loadTokenizer } from '../tokenize/tokenizer.js';
+import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import type { ResolvedOptions } from './options.js';
 import type { PackReport } from './report.js';
 
@@ -135,9 +135,11 @@ export class PackerCore {
     }
   }
 
-  // The tokenizer is loaded only when a chat record needs it: pre-tokenized inputs never pay for it.
+  // The tokenizer is loaded only when a chat record needs it: pre-tokenized inputs never pay for it. A given one
+  // is named either way (a loaded one by its name, which for a directory is the path it was loaded from).
   #tokenizerName(): string {
-    return this.#encoder?.tokenizer.name ?? this.#opts.tokenizer ?? 'none (pre-tokenized input)';
+    const given = this.#opts.tokenizer;
+    return this.#encoder?.tokenizer.name ?? (typeof given === 'object' ? given.name : given) ?? 'none (pre-tokenized input)';
   }
 
   async #process(rec: TrainRecord): Promise<void> {
@@ -145,7 +147,7 @@ export class PackerCore {
     let item: Timeline | Sample;
     if (rec.kind === 'chat') {
       const t0 = performance.now();
-      this.#encoder ??= new ChatEncoder(await loadTokenizer(this.#opts.tokenizer));
+      this.#encoder ??= new ChatEncoder(await resolveTokenizer(this.#opts.tokenizer));
       checkResponseVocab(rec, this.#opts.vocabSize ?? this.#encoder.tokenizer.vocabSize);
       const built = timelineFromChat(rec, this.#encoder, this.#policy);
       if (built.drifted) stats.driftedMessages++;

@@ -9,6 +9,7 @@ import { parseMaskSpecs } from '../io/masks.js';
 import type { MaskSpec } from '../mask/index.js';
 import { checkCostModel, DEFAULT_COST, type CostModel } from '../pack/balance.js';
 import { mergeDefaults, type MergeOptions } from '../timeline/model.js';
+import { isTextTokenizer, type TextTokenizer } from '../tokenize/tokenizer.js';
 import type { PackReport } from './report.js';
 
 export interface BudgetSettings {
@@ -26,8 +27,12 @@ export interface BudgetSettings {
 }
 
 export interface PackerOptions {
-  /** Tokenizer directory (tokenizer.json + tokenizer_config.json); default Qwen3. Loaded only for chat records. */
-  tokenizer?: string;
+  /**
+   * Tokenizer directory (tokenizer.json + tokenizer_config.json), loaded only for chat records; or a tokenizer
+   * already loaded (loadTokenizer's result), so a caller that builds a packer per step never loads it again.
+   * Default Qwen3.
+   */
+  tokenizer?: string | TextTokenizer;
   /** Backend of the forest packer; default the fastest available. */
   backend?: BackendName | 'auto';
   /**
@@ -58,7 +63,7 @@ export interface PackerOptions {
 export const DEFAULT_WINDOW_TOKENS = 4 * 1024 * 1024;
 
 export interface ResolvedOptions {
-  tokenizer?: string;
+  tokenizer?: string | TextTokenizer;
   backend: BackendName | 'auto';
   windowTokens: number;
   budget?: BudgetSettings & Required<Pick<BudgetSettings, 'dp' | 'padMultiple' | 'padTokenId' | 'cost'>>;
@@ -84,7 +89,9 @@ export function resolveOptions(o: PackerOptions = {}): ResolvedOptions {
   if (o === null || typeof o !== 'object') throw argError('options', 'an object', o);
   if (o.windowTokens !== undefined && !isInt(o.windowTokens, 1)) throw argError('windowTokens', 'an integer >= 1', o.windowTokens);
   if (o.vocabSize !== undefined && !isInt(o.vocabSize, 1)) throw argError('vocabSize', 'an integer >= 1', o.vocabSize);
-  if (o.tokenizer !== undefined && typeof o.tokenizer !== 'string') throw argError('tokenizer', 'a directory path', o.tokenizer);
+  if (o.tokenizer !== undefined && typeof o.tokenizer !== 'string' && !isTextTokenizer(o.tokenizer)) {
+    throw argError('tokenizer', 'a directory path or a tokenizer from loadTokenizer', o.tokenizer);
+  }
   const advantages = o.advantages ?? 'grpo';
   if (advantages !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(advantages)) {
     throw argError('advantages', `one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none`, advantages);

@@ -11,7 +11,7 @@ import type { PackerOptions } from '../packer/index.js';
 import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { ChatEncoder } from '../tokenize/chat.js';
-import { loadTokenizer } from '../tokenize/tokenizer.js';
+import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { registerHttp } from './http.js';
@@ -134,7 +134,7 @@ export class Service {
 
   static async create(options: ServiceOptions): Promise<Service> {
     const opts = resolveServiceOptions(options);
-    const encoder = new ChatEncoder(await loadTokenizer(opts.packer?.tokenizer));
+    const encoder = new ChatEncoder(await resolveTokenizer(opts.packer?.tokenizer));
     const svc = new Service(opts, encoder);
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
     const pack = stepPacker(encoder, opts.packer ?? {}, svc.metrics, svc.recordStats);

@@ -36,8 +36,10 @@ const loaded = new Map<string, Promise<TextTokenizer>>();
 
 /**
  * Loads `dir`/tokenizer.json + tokenizer_config.json, or the bundled Qwen3 files when `dir` is omitted. Each
- * directory is loaded once per process (seconds for a 150k vocabulary): a long-running caller such as
- * `treepack serve` packs every step with a new packer and must not pay it each time. Tokenizers are immutable.
+ * directory is loaded once per process (seconds for a 150k vocabulary): packers given the tokenizer as a path
+ * (`treepack serve` packs every step with a new one; library callers running packRecords per step) must not pay it
+ * each time. A caller holding the result can pass it to a packer as its `tokenizer` instead. Tokenizers are
+ * immutable.
  */
 export function loadTokenizer(dir?: string): Promise<TextTokenizer> {
   const key = dir === undefined ? '' : path.resolve(dir);
@@ -48,6 +50,23 @@ export function loadTokenizer(dir?: string): Promise<TextTokenizer> {
     p.catch(() => loaded.delete(key)); // a failed load (missing file) is retried next time
   }
   return p;
+}
+
+/**
+ * Whether `v` is a loaded tokenizer: what loadTokenizer returns, or a caller's own object with the same members.
+ * Options that take a tokenizer check this, so a wrong value fails when given, not at the first chat record.
+ */
+export function isTextTokenizer(v: unknown): v is TextTokenizer {
+  if (v === null || typeof v !== 'object') return false;
+  const t = v as Record<string, unknown>;
+  const fns = ['encode', 'decode', 'addedTokenId'].every((k) => typeof t[k] === 'function');
+  const template = t.chatTemplate !== null && typeof t.chatTemplate === 'object' && typeof (t.chatTemplate as { render?: unknown }).render === 'function';
+  return fns && template && typeof t.name === 'string' && Number.isSafeInteger(t.vocabSize) && typeof t.chatTemplateSource === 'string' && t.templateVars !== null && typeof t.templateVars === 'object';
+}
+
+/** A tokenizer option's tokenizer: the loaded one as given, else loadTokenizer(dir) (the bundled Qwen3 when undefined). */
+export function resolveTokenizer(option: string | TextTokenizer | undefined): Promise<TextTokenizer> {
+  return typeof option === 'object' ? Promise.resolve(option) : loadTokenizer(option);
 }
 
 async function loadUncached(dir: string | undefined): Promise<TextTokenizer> {

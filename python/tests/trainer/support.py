@@ -1,10 +1,13 @@
-"""Shared by the trainer-side tests: forests packed by the C core (libtreepack_core.so, the cpu backend's packer),
-the forest shapes the tests cover, and tiny random-weight Hugging Face models."""
+"""Shared by the trainer-side tests: what they need to run (the C core, torch) and the decorator that skips them,
+saying why, where it is missing; forests packed by the C core (libtreepack_core.so, the cpu backend's packer), the
+forest shapes the tests cover, and tiny random-weight Hugging Face models."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import unittest
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -18,6 +21,28 @@ try:
     CORE_SKIP = ""
 except TreepackError as e:  # E_BACKEND: the C core is not built here
     CORE_SKIP = str(e)
+
+try:
+    import torch
+
+    import treepack.torch as tpt
+
+    TORCH_SKIP = ""
+except ImportError as e:  # the suites skip (needs_torch); the names stay importable for their modules
+    torch = tpt = None
+    TORCH_SKIP = f"torch not importable ({e})"
+
+
+def needs_torch(transformers: bool = False, cuda: str = ""):
+    """The skip decorator of a trainer-side suite (a class or one test): skipped, with the reason, where the C core
+    is not built, torch does not import, or, when asked, transformers is missing or there is no CUDA device (``cuda``
+    says what needs one)."""
+    reason = CORE_SKIP or TORCH_SKIP
+    if not reason and transformers and importlib.util.find_spec("transformers") is None:
+        reason = "transformers not importable"
+    if not reason and cuda and not torch.cuda.is_available():
+        reason = cuda
+    return unittest.skipIf(bool(reason), reason)
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "shared", "fixtures", "loss_reference.json")
 

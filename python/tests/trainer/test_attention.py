@@ -6,18 +6,9 @@ import unittest
 
 import numpy as np
 
-from support import CORE_SKIP, forests, pack
-
-try:
-    import torch
-
-    import treepack.torch as tpt
-    from treepack import TreepackError
-    from treepack.flex import block_arrays_from_dense, dense_mask
-
-    TORCH_SKIP = ""
-except ImportError as e:
-    TORCH_SKIP = f"torch not importable ({e})"
+from support import forests, needs_torch, pack, torch, tpt
+from treepack import TreepackError
+from treepack.flex import block_arrays_from_dense, dense_mask
 
 
 def qkv(n, heads=4, kv_heads=2, dim=8, seed=0, dtype=None):
@@ -29,7 +20,7 @@ def qkv(n, heads=4, kv_heads=2, dim=8, seed=0, dtype=None):
     return q, k, v
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch()
 class TreeAttention(unittest.TestCase):
     def test_block_sparse_equals_dense_forward_and_backward(self):
         for seed, (shape, seqs) in enumerate(forests(13, seed=2).items()):
@@ -120,7 +111,7 @@ class TreeAttention(unittest.TestCase):
         self.assertEqual(cm.exception.field, "attention_mask")
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP or not torch.cuda.is_available(), "FlexAttention with backward needs a CUDA device")
+@needs_torch(cuda="FlexAttention with backward needs a CUDA device")
 class TreeAttentionCuda(unittest.TestCase):
     def test_flex_equals_block_sparse_forward_and_backward_on_cuda(self):
         mb = tpt.load_microbatch(pack(forests(13, seed=8)["mixed"], pad=2), device="cuda")

@@ -7,18 +7,7 @@ loss kernel (PackedLoss) on both sides: 1e-5."""
 
 import unittest
 
-from support import CORE_SKIP, forests, pack
-
-try:
-    import torch
-    import transformers  # noqa: F401
-
-    import treepack.torch as tpt
-    from support import tiny_model
-
-    TORCH_SKIP = ""
-except ImportError as e:
-    TORCH_SKIP = f"torch/transformers not importable ({e})"
+from support import forests, needs_torch, pack, tiny_model, torch, tpt
 
 VOCAB = 97
 FAMILIES = ("qwen3", "llama")
@@ -50,7 +39,7 @@ def objective(lp_occ, ent_occ, batch):
     return (-A * torch.exp(lp_occ[m] - old) - 0.01 * ent_occ[m]).sum() / m.sum().clamp(min=1)
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch(transformers=True)
 class PackedEqualsUnpacked(unittest.TestCase):
     def compare_grads(self, packed, unpacked, tol, rel=False):
         pn = dict(packed.named_parameters())

@@ -9,20 +9,11 @@ import unittest
 
 import numpy as np
 
-from support import CORE_SKIP, forests, pack, write_microbatch
-
-try:
-    import torch
-
-    import treepack.torch as tpt
-    from treepack import TreepackError, load
-
-    TORCH_SKIP = ""
-except ImportError as e:
-    TORCH_SKIP = f"torch not importable ({e})"
+from support import forests, needs_torch, pack, torch, tpt, write_microbatch
+from treepack import TreepackError, load
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch()
 class Loader(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
@@ -147,7 +138,7 @@ class Loader(unittest.TestCase):
         for i in range(b.num_sequences):
             self.assertTrue(torch.equal(n.sequence(i), b.sequence(i)))
 
-    @unittest.skipIf(not torch.cuda.is_available(), "pinned memory and device copies need a CUDA device")
+    @needs_torch(cuda="pinned memory and device copies need a CUDA device")
     def test_pinned_memory_to_cuda(self):
         b = tpt.load_microbatch(self.path, device="cuda", pin_memory=True)
         self.assertEqual(b.device.type, "cuda")

@@ -4,21 +4,11 @@ vocabulary is smaller than an id, or a bad argument, is a TreepackError naming t
 
 import unittest
 
-from support import CORE_SKIP, forests, pack
-
-try:
-    import torch
-
-    import treepack.torch as tpt
-    from support import tiny_model
-    from treepack import TreepackError
-
-    TORCH_SKIP = ""
-except ImportError as e:
-    TORCH_SKIP = f"torch/transformers not importable ({e})"
+from support import forests, needs_torch, pack, tiny_model, torch, tpt
+from treepack import TreepackError
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch(transformers=True)
 class NodeLogprobs(unittest.TestCase):
     def setUp(self):
         self.batch = tpt.load_microbatch(pack(forests(97, seed=9)["mixed"] + forests(97, seed=9)["wide"], pad=2, seed=9))

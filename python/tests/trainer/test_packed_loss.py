@@ -8,17 +8,8 @@ import os
 import random
 import unittest
 
-from support import CORE_SKIP, FIXTURE, forests, pack
-
-try:
-    import torch
-
-    import treepack.torch as tpt
-    from treepack import TreepackError
-
-    TORCH_SKIP = ""
-except ImportError as e:
-    TORCH_SKIP = f"torch not importable ({e})"
+from support import FIXTURE, forests, needs_torch, pack, torch, tpt
+from treepack import TreepackError
 
 
 def plain_loss(lp_occ, batch, cfg):
@@ -138,7 +129,7 @@ def random_config(r):
     return cfg
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch()
 class PackedLossAgainstPlainTorch(unittest.TestCase):
     def check(self, lp_nodes, batch, cfg, want=None):
         x = lp_nodes.clone().requires_grad_(True)
@@ -201,7 +192,7 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
         self.assertIs(PackedLoss, tpt.PackedLoss)
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP, CORE_SKIP or TORCH_SKIP)
+@needs_torch()
 class PackedLossErrors(unittest.TestCase):
     def setUp(self):
         self.mb = tpt.load_microbatch(pack(forests(31, 4)["mixed"], seed=4))
@@ -246,7 +237,7 @@ class PackedLossErrors(unittest.TestCase):
         self.assertField("seq_offsets", lambda: tpt.packed_loss(self.lp, as_dict(seq_offsets=mb.seq_offsets.to(meta_device))))
 
 
-@unittest.skipIf(CORE_SKIP or TORCH_SKIP or not torch.cuda.is_available(), "needs a CUDA device")
+@needs_torch(cuda="needs a CUDA device")
 class PackedLossCuda(unittest.TestCase):
     def test_cuda_equals_cpu_on_a_second_device_and_its_stream(self):
         mb = tpt.load_microbatch(pack(forests(31, 6)["mixed"], seed=6))
