@@ -89,9 +89,10 @@ def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     return (ar[None, :] <= ar[:, None]) & (ar[:, None] < subtree_end[None, :])
 
 
-# Most B×B tiles one SDPA call of the block path computes. Each call gathers its rows' kv blocks and builds G × B × K·B
-# scores: bounding G·K keeps those temporaries cache-sized, where whole buckets of a 15k-token micro-batch ran ~1.5×
-# slower per tile than small ones (so the cost was not linear in the tiles, as the bench's cost model assumes).
+# Most B×B tiles one SDPA call of the block path computes. Each call gathers its rows' kv blocks and a G × B × K·B mask
+# (SDPA makes it float): at 256 tiles of 128² that is ~16 MB, where one call per group reached hundreds of MB in a
+# 15k-token micro-batch and ran ~1.5× slower per tile than small ones (measured on CPU; the cost was then not linear
+# in the tiles, as the bench's cost model assumes).
 PLAN_TILES = 256
 
 
