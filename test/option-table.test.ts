@@ -125,7 +125,7 @@ describe('resolveOptions', () => {
   it('fills every default and leaves the caller objects as they were', () => {
     const budget = { maxTokens: 64, cost: { a: 2 } };
     const merge = { ignoreTools: false };
-    const r = resolveOptions({ budget, merge });
+    const r = resolveOptions({ budget: budget as never, merge });
     expect(r).toMatchObject({
       backend: 'auto',
       windowTokens: 4 * 1024 * 1024,
