@@ -37,7 +37,8 @@ Options:
                                                                                       [default: 64 MiB]
   --redis URL             share the pool and the trainer feed with other services through Redis Streams
                           (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
-Packing (as treepack pack; --timeline-compare-level defaults to token: each call trains in the context the engine saw):
+Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
+engine saw):
 ${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106).map((l) => `  ${l}`).join('\n')}
   -h, --help              this help`;
 

@@ -9,7 +9,7 @@ import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { MaskSpec } from '../mask/index.js';
 import type { CostModel } from '../pack/balance.js';
 import type { MergeOptions } from '../timeline/model.js';
-import { copyRecords, getPath, groupOf, isRecord, OPTION_TABLE, setPath } from './option-table.js';
+import { copyRecords, getPath, groupOf, isRecord, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
 import type { PackReport } from './report.js';
 
 export interface BudgetSettings {
@@ -105,7 +105,10 @@ function resolveTable(o: Record<string, unknown>): Record<string, unknown> {
     } else if (!e.value.test(v)) {
       throw argError(e.option, e.value.expected, v);
     }
-    setPath(out, e.option, e.value.resolve ? e.value.resolve(v, e.option) : copyRecords(v));
+    // A group's object (merge) is copied, as its options are set into it; any other value is the caller's own.
+    setPath(out, e.option, e.value.resolve ? e.value.resolve(v, e.option) : isGroup(e) ? copyRecords(v) : v);
   }
   return out;
 }
+
+const isGroup = (e: OptionEntry): boolean => OPTION_TABLE.some((x) => x.option.startsWith(`${e.option}.`));
