@@ -110,7 +110,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     packer: {
       tokenizer: packer.tokenizer,
       backend: packer.backend ?? 'auto',
-      merge: { timelineCompareLevel: packer.merge ? (packer.merge.timelineCompareLevel ?? 'token') : 'token' },
+      merge: { timelineCompareLevel: (packer.merge || {}).timelineCompareLevel ?? 'token' },
       advantages: packer.advantages ?? 'grpo',
       ...(packer.budget && { budget: { maxTokens: packer.budget.maxTokens, dp, padMultiple: packer.budget.padMultiple ?? 1 } }),
     },
