@@ -212,7 +212,7 @@ describe('incremental use: misuse and failures', () => {
     expect(() => createPacker({ windowTokens: 0 })).toThrow(/windowTokens/);
     expect(() => createPacker({ budget: { maxTokens: 10, dp: 0 } })).toThrow(/budget\.dp/);
     expect(() => createPacker({ advantages: 'ppo' as never })).toThrow(/advantages/);
-    expect(() => createPacker({ masks: 'block:0' })).toThrow(/--masks/);
+    expect(() => createPacker({ masks: 'block:0' })).toThrow(/in masks "block:0"/); // the option's name, not the flag's
     expect(() => packRecords(42 as never)).toThrow(TreepackError);
   });
 });

@@ -177,7 +177,7 @@ describe('treepack serve flags', () => {
       [[...base, '--host', '0.0.0.0'], /bearer token.*for --token/],
       [[...base, '--dp', '2'], /--dp needs --max-tokens/],
       [[...base, '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
-      [[...base, '--pad-multiple', '8'], /--pad-multiple applies to a token budget/],
+      [[...base, '--pad-multiple', '8'], /--pad-multiple needs --max-tokens T/],
       [[...base, '--max-tokens', '64', '--dp', '2', '--pad-multiple', 'x'], /for --pad-multiple but received "x"/],
       [[...base, '--bogus', '1'], /Unknown option '--bogus'/],
     ];

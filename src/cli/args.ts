@@ -1,8 +1,12 @@
-/** Option parsing shared by the commands: node's parseArgs plus the checks that turn strings into values. */
+/**
+ * Option parsing shared by the commands: node's parseArgs plus the checks that turn strings into values, and the
+ * flags, parsing and --help lines of the packer's options, read from its option table (src/packer/option-table.ts).
+ */
 import { parseArgs, type ParseArgsConfig } from 'node:util';
-import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
+import type { BackendName } from '../backend/index.js';
 import { TreepackError } from '../errors.js';
 import type { PackerOptions } from '../packer/index.js';
+import { backendKind, groupOf, int, setPath, type OptionEntry, type ValueKind } from '../packer/option-table.js';
 
 export interface Parsed {
   values: Record<string, string | boolean | undefined>;
@@ -33,26 +37,20 @@ export function parse(argv: string[], options: NonNullable<ParseArgsConfig['opti
   }
 }
 
-export function positiveInt(name: string, v: string | undefined, fallback?: number): number | undefined {
-  if (v === undefined) return fallback;
-  const n = Number(v);
-  if (!Number.isSafeInteger(n) || n < 1) throw usageError(`Expected a positive integer for ${name} but received ${JSON.stringify(v)}`);
-  return n;
+/** A flag's text as the option's value: a bad one is a usage error naming the flag. */
+export function flagValue(kind: ValueKind, flag: string, text: string): unknown {
+  const v = kind.parse ? kind.parse(text) : text;
+  if (!kind.test(v)) throw usageError(`Expected ${kind.expected} for ${flag} but received ${JSON.stringify(text)}`);
+  optionValue(() => kind.resolve?.(v, flag)); // what only resolving can tell (--masks block:0)
+  return v;
 }
 
-export function nonNegativeNumber(name: string, v: string | undefined, fallback: number): number {
-  if (v === undefined) return fallback;
-  const n = Number(v);
-  if (v.trim() === '' || !Number.isFinite(n) || n < 0) throw usageError(`Expected a number >= 0 for ${name} but received ${JSON.stringify(v)}`);
-  return n;
+export function positiveInt(name: string, v: string | undefined, fallback?: number): number | undefined {
+  return v === undefined ? fallback : (flagValue(int(1), name, v) as number);
 }
 
 export function backendOption(v: string | undefined, name = '--backend'): BackendName | 'auto' {
-  if (v === undefined || v === 'auto') return 'auto';
-  if (!(BACKEND_NAMES as readonly string[]).includes(v)) {
-    throw usageError(`Expected one of auto, ${BACKEND_NAMES.join(', ')} for ${name} but received ${JSON.stringify(v)}`);
-  }
-  return v as BackendName;
+  return v === undefined ? 'auto' : (flagValue(backendKind, name, v) as BackendName | 'auto');
 }
 
 export function oneInput(positionals: string[], usage: string): string {
@@ -60,31 +58,75 @@ export function oneInput(positionals: string[], usage: string): string {
   return positionals[0];
 }
 
-/** The options every command that runs the pipeline takes (see PACK_USAGE for their help text). */
-export const PIPELINE_OPTIONS = {
-  tokenizer: { type: 'string' },
-  backend: { type: 'string' },
-  'max-naive-tokens': { type: 'string' },
-  'vocab-size': { type: 'string' },
-  'no-merge': { type: 'boolean' },
-  'timeline-compare-level': { type: 'string' },
-  'repeated-episode-ids': { type: 'boolean' },
-  'lossy-utf8': { type: 'boolean' },
-} as const;
-
-export function pipelineOptions(values: Parsed['values']): PackerOptions {
-  return {
-    tokenizer: values.tokenizer as string | undefined,
-    backend: backendOption(values.backend as string | undefined),
-    windowTokens: positiveInt('--max-naive-tokens', values['max-naive-tokens'] as string | undefined),
-    vocabSize: positiveInt('--vocab-size', values['vocab-size'] as string | undefined),
-    merge: values['no-merge'] ? false : { timelineCompareLevel: compareLevel(values['timeline-compare-level'] as string | undefined) },
-    ...(values['repeated-episode-ids'] && { repeatedEpisodeIds: true }),
-    ...(values['lossy-utf8'] && { lossyUtf8: true }),
-  };
+/** parseArgs's definitions of the entries' flags. */
+export function optionFlags(entries: readonly OptionEntry[]): Record<string, { type: 'string' | 'boolean' }> {
+  return Object.fromEntries(entries.map((e) => [e.flag.slice(2), { type: e.metavar ? 'string' : 'boolean' }]));
 }
 
-function compareLevel(v: string | undefined): 'text' | 'token' {
-  if (v === undefined || v === 'text' || v === 'token') return v ?? 'text';
-  throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(v)}`);
+/** The packer options the given flags set, each checked as it is read; the library fills in the defaults. */
+export function packerOptions(values: Parsed['values'], entries: readonly OptionEntry[]): PackerOptions {
+  const o: Record<string, unknown> = {};
+  const given = (e: OptionEntry) => values[e.flag.slice(2)] !== undefined;
+  for (const e of entries.filter(given)) {
+    const group = groupOf(e);
+    if (group !== undefined && o[group] === false) continue; // --no-merge: the merge's own flags have nothing to set
+    setPath(o, e.option, e.metavar ? flagValue(e.value, e.flag, values[e.flag.slice(2)] as string) : e.sets);
+  }
+  // A group's required option: any flag of the group needs it (--dp needs --max-tokens).
+  for (const need of entries.filter((e) => e.required && !given(e))) {
+    const group = groupOf(need);
+    const stray = entries.find((e) => given(e) && groupOf(e) === group);
+    if (stray) throw usageError(`${stray.flag} needs ${need.flag} ${need.metavar} (the ${group} it applies to)`);
+  }
+  return o as PackerOptions;
+}
+
+/** One line or more of a --help's option list: the flag, its help, and a note such as `[default: 1]`. */
+export interface HelpRow {
+  flag: string;
+  help: string;
+  note?: string;
+}
+
+const HELP_WIDTH = 110;
+const HELP_INDENT = 26;
+
+/** Option lines of a --help: help text wrapped at HELP_WIDTH beside the flag, the note at the right margin. */
+export function helpLines(rows: readonly HelpRow[]): string {
+  const width = HELP_WIDTH - HELP_INDENT;
+  const out: string[] = [];
+  for (const { flag, help, note } of rows) {
+    const text = wrap(help, width);
+    if (note) {
+      const last = text[text.length - 1] ?? '';
+      if (last.length + 1 + note.length <= width) text[text.length - 1] = last.padEnd(width - note.length) + note;
+      else text.push(note.padStart(width));
+    }
+    const head = `  ${flag}`;
+    if (head.length > HELP_INDENT - 2) out.push(head, ...text.map((l) => ' '.repeat(HELP_INDENT) + l));
+    else out.push(head.padEnd(HELP_INDENT) + text[0], ...text.slice(1).map((l) => ' '.repeat(HELP_INDENT) + l));
+  }
+  return out.join('\n');
+}
+
+/** The help rows of table entries: `--dp K`, its help, its default. */
+export function optionHelp(entries: readonly OptionEntry[]): HelpRow[] {
+  return entries.map((e) => {
+    const shown = e.defaultText ?? (e.metavar && (typeof e.default === 'number' || typeof e.default === 'string') ? String(e.default) : undefined);
+    return { flag: e.metavar ? `${e.flag} ${e.metavar}` : e.flag, help: e.help, note: shown === undefined ? undefined : `[default: ${shown}]` };
+  });
+}
+
+/** Words of `text` in lines of at most `width` characters (a longer word has a line of its own). */
+export function wrap(text: string, width: number): string[] {
+  const lines: string[] = [];
+  let line = '';
+  for (const word of text.split(/\s+/).filter(Boolean)) {
+    if (line && line.length + 1 + word.length > width) {
+      lines.push(line);
+      line = word;
+    } else line = line ? `${line} ${word}` : word;
+  }
+  lines.push(line);
+  return lines;
 }

@@ -1,9 +1,13 @@
 /** `treepack serve`: flags in, a running service out (src/serve); stops cleanly on SIGINT/SIGTERM. */
-import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
 import { TreepackError } from '../errors.js';
-import { backendOption, optionValue, parse, positiveInt, usageError } from './args.js';
+import { optionEntry } from '../packer/option-table.js';
+import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
+
+/** The packer's options that serve takes as flags; its --dp is also the feed's ranks, so it is read apart. */
+const SERVE_PACKER_OPTIONS = (['tokenizer', 'backend', 'budget.maxTokens', 'budget.padMultiple', 'advantages', 'merge.timelineCompareLevel'] as const).map(optionEntry);
+const DP = optionEntry('budget.dp');
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
 
@@ -33,9 +37,9 @@ Options:
                                                                                       [default: 64 MiB]
   --redis URL             share the pool and the trainer feed with other services through Redis Streams
                           (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
-Packing (as treepack pack):
-  --tokenizer DIR, --backend NAME, --max-tokens T, --dp K, --pad-multiple P, --advantages NAME,
-  --timeline-compare-level text|token (default token: each call trains in the context the engine saw)
+Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
+engine saw):
+${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106).map((l) => `  ${l}`).join('\n')}
   -h, --help              this help`;
 
 function policyOption(policy: string | undefined, window: number | undefined): CollectorPolicy {
@@ -48,9 +52,10 @@ function policyOption(policy: string | undefined, window: number | undefined): C
 
 /** The service's option names as the flags that set them: a usage error names what the user typed. */
 const FLAG_OF: Record<string, string> = {
-  engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', advantages: '--advantages', dp: '--dp',
+  engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', dp: '--dp',
   'packer.budget': '--max-tokens', groupSize: '--group-size', groupsPerStep: '--groups-per-step', leaseMs: '--lease',
   engineTimeoutMs: '--engine-timeout', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes',
+  ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
 function checkOptions(options: ServiceOptions): void {
@@ -68,8 +73,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
-      dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, dp: S,
+      ...optionFlags(SERVE_PACKER_OPTIONS),
     },
     SERVE_USAGE,
   );
@@ -79,13 +84,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
   }
   const str = (k: string) => values[k] as string | undefined;
   if (!str('engine') || !str('data')) throw usageError(`--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
-  const maxTokens = positiveInt('--max-tokens', str('max-tokens'));
-  const dp = positiveInt('--dp', str('dp'), 1)!;
-  if (dp > 1 && maxTokens === undefined) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
-  const padMultiple = positiveInt('--pad-multiple', str('pad-multiple'), 1);
-  if (str('pad-multiple') !== undefined && maxTokens === undefined) throw usageError('--pad-multiple applies to a token budget: it needs --max-tokens T');
-  const level = str('timeline-compare-level') ?? 'token';
-  if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
+  const packer = packerOptions(values, SERVE_PACKER_OPTIONS);
+  const dp = str('dp') === undefined ? 1 : (flagValue(DP.value, DP.flag, str('dp')!) as number);
+  if (dp > 1 && !packer.budget) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
   const rate = str('rate-limit');
   const options: ServiceOptions = {
     engineUrl: str('engine')!,
@@ -105,12 +106,13 @@ export async function serveCommand(argv: string[]): Promise<number> {
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
     redis: str('redis'),
     compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
+    // Spelled out with the defaults: every service on a shared pool compares these (sharedConfig).
     packer: {
-      tokenizer: str('tokenizer'),
-      backend: backendOption(str('backend')),
-      merge: { timelineCompareLevel: level },
-      advantages: (str('advantages') ?? 'grpo') as AdvantageEstimator | 'none', // checked by the packer's options
-      ...(maxTokens !== undefined && { budget: { maxTokens, dp, padMultiple } }),
+      tokenizer: packer.tokenizer,
+      backend: packer.backend ?? 'auto',
+      merge: { timelineCompareLevel: (packer.merge || {}).timelineCompareLevel ?? 'token' },
+      advantages: packer.advantages ?? 'grpo',
+      ...(packer.budget && { budget: { maxTokens: packer.budget.maxTokens, dp, padMultiple: packer.budget.padMultiple ?? 1 } }),
     },
   };
   checkOptions(options); // a bad combination is a usage error, found before starting

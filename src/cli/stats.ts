@@ -1,13 +1,17 @@
 /** `treepack stats`: how much packing saves on an input, overall, per group and by branch depth. */
 import { performance } from 'node:perf_hooks';
-import { oneInput, parse, PIPELINE_OPTIONS, pipelineOptions, positiveInt } from './args.js';
+import { helpLines, oneInput, optionFlags, optionHelp, packerOptions, parse, positiveInt } from './args.js';
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
 import type { Sample } from '../records/types.js';
-import { DEFAULT_WINDOW_TOKENS, packRecords, type PackReport } from '../packer/index.js';
+import { packRecords, type PackReport } from '../packer/index.js';
+import { OPTION_TABLE } from '../packer/option-table.js';
 import { progressReporter } from './progress.js';
 import { resolveKernel } from '../backend/index.js';
 import type { Snap } from '../timeline/snap.js';
+
+/** The packer's options that change what stats measures: not those that shape only the written files. */
+const STATS_OPTIONS = OPTION_TABLE.filter((e) => !e.output);
 
 export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 
@@ -16,18 +20,12 @@ Prints records, timelines and samples after the timeline merge, naive and packed
 per-group figures and a histogram of the depths at which the prefix trees branch.
 
 Options:
-  --json                  one JSON object on stdout
-  --tokenizer DIR         tokenizer.json + tokenizer_config.json            [default: Qwen3]
-  --backend NAME          packer backend: auto, cpu, js                     [default: auto]
-  --max-naive-tokens T    micro-batch cut, as in pack                       [default: ${DEFAULT_WINDOW_TOKENS}]
-  --vocab-size V          reject token ids >= V in pre-tokenized input
-  --no-merge              pack every record as its own sample (no timeline merge)
-  --timeline-compare-level L
-                          timeline merge compares messages by text or token [default: text]
-  --repeated-episode-ids  episode lines sharing an episode_id are parts of one episode, as in pack
-  --lossy-utf8            read invalid UTF-8 as U+FFFD, as in pack
-  --groups K              groups listed in the text report               [default: 10]
-  -h, --help              this help`;
+${helpLines([
+  { flag: '--json', help: 'one JSON object on stdout' },
+  ...optionHelp(STATS_OPTIONS),
+  { flag: '--groups K', help: 'groups listed in the text report', note: '[default: 10]' },
+  { flag: '-h, --help', help: 'this help' },
+])}`;
 
 interface GroupStats {
   group: string;
@@ -65,21 +63,13 @@ interface StatsReport {
 const ratio = (a: number, b: number) => (b > 0 ? a / b : 0);
 
 export async function statsCommand(argv: string[]): Promise<number> {
-  const { values, positionals } = parse(
-    argv,
-    {
-      ...PIPELINE_OPTIONS,
-      json: { type: 'boolean' },
-      groups: { type: 'string' },
-    },
-    STATS_USAGE,
-  );
+  const { values, positionals } = parse(argv, { ...optionFlags(STATS_OPTIONS), json: { type: 'boolean' }, groups: { type: 'string' } }, STATS_USAGE);
   if (values.help) {
     console.log(STATS_USAGE);
     return 0;
   }
   const input = oneInput(positionals, STATS_USAGE);
-  const base = pipelineOptions(values);
+  const base = packerOptions(values, STATS_OPTIONS);
   // A diagnostic command: snap detection is worth its cost here.
   const opts = { ...base, merge: base.merge === false ? (false as const) : { ...base.merge, detectTimelineSnap: true } };
   const maxGroups = positiveInt('--groups', values.groups as string | undefined, 10)!;

@@ -104,7 +104,7 @@ function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly
 
 /** Slack on the smallest feasible maximum cost: room for the cut program to move cuts to shallow points. */
 const COST_SLACK = 0.03;
-const DEFAULT_BALANCE_SLACK = 0.01;
+export const DEFAULT_BALANCE_SLACK = 0.01;
 /** The packed-token goal: within 5% of the single forest whenever T is at least 4× the longest sequence. */
 const GOAL_RATIO = 1.05;
 const GOAL_BUDGET_FACTOR = 4;

@@ -28,7 +28,7 @@ import { addSnaps } from '../timeline/snap.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import type { ResolvedOptions } from './options.js';
-import type { PackReport } from './report.js';
+import { reportOptions, type PackReport } from './report.js';
 
 export interface PackedMicroBatch {
   /** position in the run, from 0: the manifest entry's index */
@@ -71,11 +71,8 @@ export class PackerCore {
     this.#opts = opts;
     this.report = report;
     this.#policy = mergeDefaults(opts.merge || {});
-    if (opts.budget) report.budget = opts.budget;
-    if (opts.masks.length) {
-      report.masks = opts.masks;
-      report.maskBackend = [];
-    }
+    reportOptions(report, opts);
+    if (opts.masks.length) report.maskBackend = [];
     report.tokenizer = this.#tokenizerName();
   }
 

@@ -1,15 +1,16 @@
 /**
- * The packer's options, as a library caller gives them and as the CLI builds them from its flags, and the one
- * place that checks them: a bad option is E_ARG naming the option before any input is read.
+ * The packer's options as a library caller gives them (and the CLI builds them from its flags), and their
+ * resolution: every option with a flag is checked and defaulted from its entry in option-table.ts, so a bad option
+ * is E_ARG naming the option before any input is read.
  */
-import { BACKEND_NAMES, type BackendName } from '../backend/index.js';
+import type { BackendName } from '../backend/index.js';
 import { argError } from '../errors.js';
-import { ADVANTAGE_ESTIMATORS, type AdvantageEstimator } from '../loss/advantages.js';
-import { parseMaskSpecs } from '../io/masks.js';
+import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { MaskSpec } from '../mask/index.js';
-import { checkCostModel, DEFAULT_COST, type CostModel } from '../pack/balance.js';
-import { mergeDefaults, type MergeOptions } from '../timeline/model.js';
-import { isTextTokenizer, type TextTokenizer } from '../tokenize/tokenizer.js';
+import type { CostModel } from '../pack/balance.js';
+import type { MergeOptions } from '../timeline/model.js';
+import type { TextTokenizer } from '../tokenize/tokenizer.js';
+import { copyRecords, getPath, groupOf, isRecord, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
 import type { PackReport } from './report.js';
 
 export interface BudgetSettings {
@@ -60,13 +61,13 @@ export interface PackerOptions {
   onProgress?: (report: PackReport) => void;
 }
 
-export const DEFAULT_WINDOW_TOKENS = 4 * 1024 * 1024;
+export { DEFAULT_WINDOW_TOKENS } from './option-table.js';
 
 export interface ResolvedOptions {
   tokenizer?: string | TextTokenizer;
   backend: BackendName | 'auto';
   windowTokens: number;
-  budget?: BudgetSettings & Required<Pick<BudgetSettings, 'dp' | 'padMultiple' | 'padTokenId' | 'cost'>>;
+  budget?: BudgetSettings & Required<Pick<BudgetSettings, 'dp' | 'padMultiple' | 'padTokenId' | 'cost' | 'balanceSlack'>>;
   merge: MergeOptions | false;
   advantages: AdvantageEstimator | 'none';
   vocabSize?: number;
@@ -77,52 +78,42 @@ export interface ResolvedOptions {
   lossyUtf8: boolean;
 }
 
-const isInt = (v: unknown, min: number): v is number => typeof v === 'number' && Number.isSafeInteger(v) && v >= min;
-
-function backendName(name: string, v: unknown): BackendName | 'auto' {
-  if (v === undefined || v === 'auto') return 'auto';
-  if (!(BACKEND_NAMES as readonly unknown[]).includes(v)) throw argError(name, `one of auto, ${BACKEND_NAMES.join(', ')}`, v);
-  return v as BackendName;
-}
-
 export function resolveOptions(o: PackerOptions = {}): ResolvedOptions {
   if (o === null || typeof o !== 'object') throw argError('options', 'an object', o);
-  if (o.windowTokens !== undefined && !isInt(o.windowTokens, 1)) throw argError('windowTokens', 'an integer >= 1', o.windowTokens);
-  if (o.vocabSize !== undefined && !isInt(o.vocabSize, 1)) throw argError('vocabSize', 'an integer >= 1', o.vocabSize);
-  if (o.tokenizer !== undefined && typeof o.tokenizer !== 'string' && !isTextTokenizer(o.tokenizer)) {
-    throw argError('tokenizer', 'a directory path or a tokenizer from loadTokenizer', o.tokenizer);
-  }
-  const advantages = o.advantages ?? 'grpo';
-  if (advantages !== 'none' && !(ADVANTAGE_ESTIMATORS as readonly string[]).includes(advantages)) {
-    throw argError('advantages', `one of ${ADVANTAGE_ESTIMATORS.join(', ')}, none`, advantages);
-  }
-  if (o.merge !== undefined && o.merge !== false) mergeDefaults(o.merge);
-  const masks = typeof o.masks === 'string' ? parseMaskSpecs(o.masks) : [...(o.masks ?? [])];
-  return {
-    tokenizer: o.tokenizer,
-    backend: backendName('backend', o.backend),
-    windowTokens: o.windowTokens ?? DEFAULT_WINDOW_TOKENS,
-    budget: o.budget === undefined ? undefined : resolveBudget(o.budget),
-    merge: o.merge ?? {},
-    advantages,
-    vocabSize: o.vocabSize,
-    masks,
-    maskBackend: backendName('maskBackend', o.maskBackend),
-    onProgress: o.onProgress,
-    repeatedEpisodeIds: o.repeatedEpisodeIds === true,
-    lossyUtf8: o.lossyUtf8 === true,
-  };
+  // Each value passed its entry's check (or is its default), so the table's result has the declared types.
+  return { ...(resolveTable(o as Record<string, unknown>) as unknown as ResolvedOptions), onProgress: o.onProgress };
 }
 
-function resolveBudget(b: BudgetSettings): NonNullable<ResolvedOptions['budget']> {
-  if (b === null || typeof b !== 'object') throw argError('budget', 'an object with maxTokens', b);
-  if (!isInt(b.maxTokens, 1)) throw argError('budget.maxTokens', 'an integer >= 1', b.maxTokens);
-  for (const k of ['dp', 'padMultiple'] as const) if (b[k] !== undefined && !isInt(b[k], 1)) throw argError(`budget.${k}`, 'an integer >= 1', b[k]);
-  if (b.padTokenId !== undefined && !isInt(b.padTokenId, 0)) throw argError('budget.padTokenId', 'a token id >= 0', b.padTokenId);
-  if (b.balanceSlack !== undefined && !(typeof b.balanceSlack === 'number' && Number.isFinite(b.balanceSlack) && b.balanceSlack >= 0)) {
-    throw argError('budget.balanceSlack', 'a finite number >= 0', b.balanceSlack);
+/** The table's options of `o`, checked (E_ARG naming the option) and completed with their defaults. */
+function resolveTable(o: Record<string, unknown>): Record<string, unknown> {
+  const out: Record<string, unknown> = {};
+  for (const e of OPTION_TABLE) {
+    const group = groupOf(e);
+    if (group !== undefined) {
+      if (!(group in out)) {
+        // A group without an entry of its own (budget) is off unless given, and then an object.
+        const given = o[group];
+        if (given === undefined) continue;
+        if (!isRecord(given)) throw argError(group, 'an object', given);
+        out[group] = copyRecords(given); // the caller's other keys stay, as given
+      }
+      if (out[group] === false) continue; // turned off (merge: false): its options have nothing to set
+      const parent = e.option.slice(0, e.option.lastIndexOf('.'));
+      const level = getPath(o, parent); // budget.cost of budget.cost.a
+      if (level !== undefined && !isRecord(level)) throw argError(parent, 'an object', level);
+    }
+    let v = getPath(o, e.option);
+    if (v === undefined) {
+      if (e.required) throw argError(e.option, e.value.expected, v);
+      v = e.default;
+      if (v === undefined) continue;
+    } else if (!e.value.test(v)) {
+      throw argError(e.option, e.value.expected, v);
+    }
+    // A group's object (merge) is copied, as its options are set into it; any other value is the caller's own.
+    setPath(out, e.option, e.value.resolve ? e.value.resolve(v, e.option) : isGroup(e) ? copyRecords(v) : v);
   }
-  const cost = b.cost ?? { ...DEFAULT_COST };
-  checkCostModel(cost, 'budget.cost');
-  return { ...b, dp: b.dp ?? 1, padMultiple: b.padMultiple ?? 1, padTokenId: b.padTokenId ?? 0, cost };
+  return out;
 }
+
+const isGroup = (e: OptionEntry): boolean => OPTION_TABLE.some((x) => x.option.startsWith(`${e.option}.`));

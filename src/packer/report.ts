@@ -9,6 +9,7 @@ import { emptySnapSummary } from '../timeline/snap.js';
 import type { SegmentCacheStats } from '../tokenize/chat.js';
 import { MANIFEST_FORMAT, type ManifestHeader } from '../io/sink.js';
 import type { MaskSpec } from '../mask/index.js';
+import { getPath, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
 import type { ResolvedOptions } from './options.js';
 
 export interface PackReport {
@@ -63,32 +64,45 @@ export function emptyReport(input: string): PackReport {
   };
 }
 
-/** `--masks` spelling of a lowering, as the manifest lists it. */
-const maskName = (m: MaskSpec): string => (m.kind === 'blocks' ? `block:${m.blockSize}` : m.kind);
+/** The options the manifest shows by value, by their top-level name: `budget`, `masks`. */
+const REPORTED = [...new Set(OPTION_TABLE.filter((e) => e.manifest && !e.manifest.ran).map((e) => e.option.split('.')[0]))];
+
+/** Puts the resolved options the manifest shows into the report, under their own names; an empty list is none. */
+export function reportOptions(report: PackReport, opts: ResolvedOptions): void {
+  for (const name of REPORTED) {
+    const v = (opts as unknown as Record<string, unknown>)[name];
+    if (v !== undefined && !(Array.isArray(v) && v.length === 0)) (report as unknown as Record<string, unknown>)[name] = v;
+  }
+}
+
+const inBudget = (e: OptionEntry): boolean => e.option.startsWith('budget.');
 
 /** manifest.json without its micro-batch list, keys in the order they are written. */
 export function manifestHeader(r: PackReport): ManifestHeader {
-  const b = r.budget;
-  return {
+  const header = {
     format: MANIFEST_FORMAT,
     input: r.input,
-    tokenizer: r.tokenizer,
-    backend: r.backend,
-    ...(r.masks?.length ? { masks: r.masks.map(maskName), mask_backend: r.maskBackend ?? [] } : {}),
+    ...optionFields(r, (e) => !inBudget(e)),
     records: r.read.lines,
     timelines: r.timelines,
     absorbed: r.absorbed,
     sequences: r.samples,
     naive_tokens: r.naiveTokens,
     packed_tokens: r.packedTokens,
-    ...(b && {
-      max_tokens: b.maxTokens,
-      dp: b.dp,
-      pad_multiple: b.padMultiple,
-      cost_model: b.cost,
-      optimum_tokens: r.optimumTokens,
-      rank_costs: r.rankCosts,
-      imbalance: imbalance(r.rankCosts),
-    }),
+    ...(r.budget && { ...optionFields(r, inBudget), optimum_tokens: r.optimumTokens, rank_costs: r.rankCosts, imbalance: imbalance(r.rankCosts) }),
   };
+  // The option fields come from the table, typed there as unknown; ManifestHeader names each one it writes.
+  return header as unknown as ManifestHeader;
+}
+
+/** The manifest fields of the options `which` picks, in the table's order (see OptionEntry.manifest). */
+function optionFields(r: PackReport, which: (e: OptionEntry) => boolean): Record<string, unknown> {
+  const fields: Record<string, unknown> = {};
+  for (const e of OPTION_TABLE) {
+    if (!e.manifest || !which(e)) continue;
+    const v = getPath(r, e.option);
+    const shown = v !== undefined && e.manifest.show ? e.manifest.show(v as never) : v;
+    if (shown !== undefined) setPath(fields, e.manifest.key, shown);
+  }
+  return fields;
 }
