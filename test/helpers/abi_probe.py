@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from treepack import TreepackError
 from treepack import loss as tl
 
 req = json.load(sys.stdin)
@@ -75,7 +76,7 @@ elif req["mode"] == "status":
             cfg, a = args(call)
             out["cuda"].append(cuda.tp_cuda_loss_host(ctypes.byref(cfg), *a, ctypes.byref(tl.LossMetrics())))
         out["cuda_last_error"] = cuda.tp_cuda_last_error()
-    except OSError as e:
+    except (OSError, TreepackError) as e:  # no CUDA library built here (TreepackError E_BACKEND names it)
         out["cuda"] = str(e)
 
 json.dump(out, sys.stdout)
