@@ -15,6 +15,7 @@ export interface GeneratorOptions {
   minTurns?: number; // default 10: requests per episode
   maxTurns?: number; // default 30
   truncateEvery?: number; // default 4: every 4th episode of a group truncates its context; 0 = never
+  policySections?: number; // default 10 (~3.5k tokens of system prompt, which every call repeats)
 }
 
 export interface EpisodeMessage {
@@ -169,9 +170,9 @@ function toolSchemas(rng: Rng): ToolSchema[] {
   });
 }
 
-function systemPrompt(rng: Rng): string {
+function systemPrompt(rng: Rng, count: number): string {
   const sections: string[] = ['# Airline Agent Policy', `The current time is 2024-05-15 15:00:00 EST.`];
-  for (let s = 0; s < 10; s++) {
+  for (let s = 0; s < count; s++) {
     sections.push(`## ${sentence(rng, 2, 4).slice(0, -1)}`);
     for (let b = 0, n = rng.int(3, 6); b < n; b++) sections.push(`- ${paragraph(rng, rng.int(1, 3))}`);
   }
@@ -273,7 +274,8 @@ function plan(rng: Rng, episode: number, o: Required<GeneratorOptions>): Plan {
 }
 
 function withDefaults(o: GeneratorOptions): Required<GeneratorOptions> {
-  const r = { episodesPerGroup: 8, seed: 1, minTurns: 10, maxTurns: 30, truncateEvery: 4, ...o };
+  const r = { episodesPerGroup: 8, seed: 1, minTurns: 10, maxTurns: 30, truncateEvery: 4, policySections: 10, ...o };
+  if (!Number.isInteger(r.policySections) || r.policySections < 1) throw new TreepackError('E_ARG', `policySections must be a positive integer, got ${r.policySections}`);
   if (!Number.isInteger(r.groups) || r.groups < 0) throw new TreepackError('E_ARG', `groups must be a non-negative integer, got ${r.groups}`);
   if (!Number.isInteger(r.minTurns) || r.minTurns < 1) throw new TreepackError('E_ARG', `minTurns must be a positive integer, got ${r.minTurns}`);
   if (!Number.isInteger(r.maxTurns) || r.maxTurns < r.minTurns) throw new TreepackError('E_ARG', `maxTurns must be an integer >= minTurns (${r.minTurns}), got ${r.maxTurns}`);
@@ -284,7 +286,7 @@ function withDefaults(o: GeneratorOptions): Required<GeneratorOptions> {
 export function* generateEpisodes(opts: GeneratorOptions): Generator<EpisodeJson> {
   const o = withDefaults(opts);
   const shared = new Rng(derive(o.seed, 0x5157));
-  const system: EpisodeMessage = { role: 'system', content: systemPrompt(shared) };
+  const system: EpisodeMessage = { role: 'system', content: systemPrompt(shared, o.policySections) };
   const tools = toolSchemas(shared);
   for (let g = 0; g < o.groups; g++) {
     const task = makeTask(new Rng(derive(o.seed, 1, g)));

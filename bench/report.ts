@@ -69,6 +69,7 @@ function figures(d: ReportData): Figure[] {
     const stages = rows.flatMap((r) =>
       (['naive', 'merged', 'packed'] as const).flatMap((side) => {
         const s = r.sides[side];
+        if (s.sameAsNaive) return []; // naive's figures, not a measurement of its own
         const parts: [string, number][] = [['masks', s.masks], ['forward', s.forward], ['loss', s.loss], ['backward', s.backward]];
         if (side === 'packed') parts.unshift(['pack', r.packSeconds]);
         return parts.map(([stage, seconds]) => ({ workload: r.name, side, stage, seconds }));

@@ -24,6 +24,8 @@ export interface StepSide extends Record<string, unknown> {
   peak_bytes: number;
   /** the loss's value (`loss` is its seconds) */
   loss_value: number;
+  /** merged only: the merge joined no call, so these are naive's sequences and naive's figures */
+  same_as_naive?: boolean;
 }
 
 export interface StepWorkload {
@@ -66,9 +68,9 @@ interface WorkloadInput {
  * Generated agent episodes whose shape sets the compression: group size and turns (long shared prefixes: a ~3.5k-token
  * policy prompt every call repeats). Naive tokens grow with the compression (≈ compression × packed tokens), so the
  * biggest workloads take the fewest repeats: `repeats` is the --full count (the default run times each once).
- * Each generated call adds ~90 tokens of its own, which bounds this generator's compression near 40× and makes a
- * compression C cost ≥ 4·C²·90 naive tokens (≈ 0.6M at 40×, 2.3M at 80×): past ≈30× the naive step alone would
- * outrun the --full time budget on a 2-core CPU, so the measured range stops there.
+ * Each generated call adds ~90 tokens of its own, which bounds the compression near 40× with the ~3.5k-token policy;
+ * ≈38× takes a ~7k-token policy (40 sections) and 2 calls per episode, 0.53M naive tokens, the most a --full naive
+ * step affords on a 2-core CPU (~1.5 min). Higher compressions (80×) cost millions of naive tokens: not measured here.
  */
 export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean; repeats: number }[] = [
   { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 }, repeats: 3 },
@@ -76,6 +78,7 @@ export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean;
   { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true, repeats: 3 },
   { label: '≈23×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, full: true, repeats: 2 },
   { label: '≈30×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 3, maxTurns: 3, truncateEvery: 0, seed: 3 }, full: true, repeats: 1 },
+  { label: '≈38×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 40 }, full: true, repeats: 1 },
 ];
 
 // The merge compares messages by tokens here, not by text (the library default): with text compare, a later call's
@@ -170,7 +173,8 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
       const packSeconds = (performance.now() - t0) / 1000;
       await packTo(w.file, callsDir, maxTokens, false);
       workloads.push({ name: w.name, compression: report.timelineTokens / Math.max(1, report.packedTokens), packSeconds, report });
-      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats });
+      const mergedIsNaive = report.samples === report.timelines && report.naiveTokens === report.timelineTokens;
+      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats, merged_is_naive: mergedIsNaive });
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));

@@ -88,3 +88,18 @@ describe.skipIf(!have && !required)('bench report in Chromium', () => {
     }
   });
 });
+
+describe('training-step analysis', () => {
+  it('reports a merged side that is naive\'s (the merge joined no call) as naive, outside the fit and its error', () => {
+    const same = (w: StepWorkload): StepWorkload => {
+      const sides = w.sides!;
+      return { ...w, figures: { ...w.figures!, merged: w.figures!.naive }, sides: { ...sides, merged: { ...sides.naive, same_as_naive: true } } };
+    };
+    const section: StepSection = { device: 'CPU', deviceType: 'cpu', dtype: 'float32', attention: 'block', torch: 'test', shape: CPU_SHAPE, maxTokens: 16384, workloads: [same(workload('a', 4)), workload('b', 9), same(workload('c', 20))] };
+    const step = analyzeStep(section);
+    expect(step.text).toContain('(merged = naive)');
+    expect(step.text.match(/= naive: the merge joined no call/g)).toHaveLength(2);
+    expect(step.text).toContain('leave-one-workload-out, 7 steps'); // 2 + 3 + 2 timed sides
+    expect(step.rows[0].sides.merged.predicted).toBeUndefined();
+  });
+});
