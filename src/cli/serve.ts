@@ -33,6 +33,9 @@ Options:
                                                                                       [default: 64 MiB]
   --redis URL             share the pool and the trainer feed with other services through Redis Streams
                           (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
+  --redis-allow-weak-durability
+                          start even when Redis is not run with appendonly yes and appendfsync always
+                          (a Redis crash may then lose acknowledged work), with a warning
 Packing (as treepack pack):
   --tokenizer DIR, --backend NAME, --max-tokens T, --dp K, --pad-multiple P, --advantages NAME,
   --timeline-compare-level text|token (default token: each call trains in the context the engine saw)
@@ -68,7 +71,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, tokenizer: S, backend: S, 'max-tokens': S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, 'redis-allow-weak-durability': { type: 'boolean' }, tokenizer: S, backend: S, 'max-tokens': S,
       dp: S, 'pad-multiple': S, advantages: S, 'timeline-compare-level': S,
     },
     SERVE_USAGE,
@@ -87,6 +90,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const level = str('timeline-compare-level') ?? 'token';
   if (level !== 'text' && level !== 'token') throw usageError(`Expected text or token for --timeline-compare-level but received ${JSON.stringify(level)}`);
   const rate = str('rate-limit');
+  const weakDurability = values['redis-allow-weak-durability'] === true;
+  if (weakDurability && str('redis') === undefined) throw usageError('--redis-allow-weak-durability applies to the shared pool: it needs --redis URL');
   const options: ServiceOptions = {
     engineUrl: str('engine')!,
     dataDir: str('data')!,
@@ -104,6 +109,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
     redis: str('redis'),
+    ...(weakDurability && { redisAllowWeakDurability: true }),
     compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
     packer: {
       tokenizer: str('tokenizer'),

@@ -19,6 +19,7 @@ import { open, readFile, rename, type FileHandle } from 'node:fs/promises';
 import { dirname } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { ioError } from '../io/atomic.js';
+import { killPoint } from './faults.js';
 
 export interface LogEvent {
   type: string;
@@ -124,7 +125,7 @@ export class DurableLog {
       } finally {
         await fh.close();
       }
-      fault('written');
+      killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'written');
       await rename(tmp, this.path);
     } catch {
       // Compaction is an optimisation: the log stays as it was, and is tried again at twice the size.
@@ -132,7 +133,7 @@ export class DurableLog {
       this.compactAt = Math.max(compactBytes, 2 * this.bytes);
       return;
     }
-    fault('renamed');
+    killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'renamed');
     try {
       const dir = await open(dirname(this.path), 'r');
       await dir.sync().finally(() => dir.close());
@@ -154,11 +155,6 @@ export class DurableLog {
     while (this.writing) await new Promise((r) => setImmediate(r));
     await this.fh.close();
   }
-}
-
-/** Tests only: TREEPACK_SERVE_COMPACT_FAULT=written|renamed kills the process at that point of a compaction. */
-function fault(at: 'written' | 'renamed'): void {
-  if (process.env.TREEPACK_SERVE_COMPACT_FAULT === at) process.kill(process.pid, 'SIGKILL');
 }
 
 /** Applies every complete line; cuts a torn tail (no newline, or unparsable last line) and returns the sizes. */
