@@ -242,7 +242,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     redis = await startRedis();
     const r = new Redis(redis.url);
     try {
-      const opts: ServiceOptions = { engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
+      const opts: Omit<ServiceOptions, 'dataDir'> = { engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
       const dirA = tempDir('tp-redis-gw-');
       let a = await Service.create({ ...opts, dataDir: dirA });
       const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });

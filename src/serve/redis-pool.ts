@@ -87,8 +87,10 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
     o.warn(`cannot check that the shared pool at ${url} keeps what it acknowledges (CONFIG GET refused: ${why}); it must run with appendonly yes and appendfsync always, or a Redis crash may lose acknowledged work`);
     return;
   }
-  const value = (name: string) => settings[settings.indexOf(name) + 1];
-  const weak = [['appendonly', 'yes'], ['appendfsync', 'always']].filter(([name, want]) => value(name!) !== want).map(([name, want]) => `${name} is ${JSON.stringify(value(name!) ?? null)}, not ${want}`);
+  const value = (name: string) => (settings.includes(name) ? settings[settings.indexOf(name) + 1] : undefined);
+  const weak = Object.entries({ appendonly: 'yes', appendfsync: 'always' })
+    .filter(([name, want]) => value(name) !== want)
+    .map(([name, want]) => `${name} is ${JSON.stringify(value(name) ?? null)}, not ${want}`);
   if (weak.length === 0) return;
   const message = `the shared pool at ${url} may lose what it acknowledges on a crash: ${weak.join(', ')}. Start Redis with --appendonly yes --appendfsync always (or CONFIG SET appendonly yes, CONFIG SET appendfsync always, then CONFIG REWRITE)`;
   if (!o.allowWeak) throw new TreepackError('E_ARG', `${message}; --redis-allow-weak-durability starts anyway, without the no-loss guarantee`);
