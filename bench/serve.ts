@@ -164,12 +164,19 @@ try {
   const rate = Number(values.rate ?? 1000);
   const seconds = quick ? 2 : 5;
   const gateways = await Promise.all(pools.map((p, k) => serve(['--engine', stub.url, '--data', join(data, `latency-${p.name}`), '--group-size', '1', ...p.args(1 + k)])));
-  // Each agent makes 4 calls, then finishes its episode (on Redis the finish ships it to the shared pool).
-  const agentCall = (gw: string, tag: string) => (i: number): Call => {
-    const ep = `${tag}-${Math.floor(i / 4)}`;
-    const c: Call = { base: `${gw}/v1`, headers: { 'x-treepack-episode': ep } };
-    if (i % 4 === 3) c.then = () => fetch(`${gw}/v1/episodes/${ep}/finish`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{"reward":1}' }).then((r) => r.arrayBuffer());
-    return c;
+  // Each agent makes 4 calls, then finishes its episode once all 4 are answered (on Redis the finish ships it to
+  // the shared pool).
+  const agentCall = (gw: string, tag: string) => {
+    const answered = new Map<string, number>();
+    return (i: number): Call => {
+      const ep = `${tag}-${Math.floor(i / 4)}`;
+      const then = async () => {
+        const n = (answered.get(ep) ?? 0) + 1;
+        answered.set(ep, n);
+        if (n === 4) await postJson(`${gw}/v1/episodes/${ep}/finish`, '{"reward":1}', {});
+      };
+      return { base: `${gw}/v1`, headers: { 'x-treepack-episode': ep }, then };
+    };
   };
   const direct = (): Call => ({ base: stub.url, headers: {} });
   await openLoop(200, 0.5, direct); // warm every path
