@@ -81,7 +81,7 @@ async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Upst
 }
 
 function engineFailure(svc: Service, e: Error): PoolError {
-  if (e.name === 'TimeoutError' || e.name === 'AbortError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+  if (e.name === 'TimeoutError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
 
