@@ -3,7 +3,7 @@
  * the same run: the in-process pool and the shared Redis pool (`--redis`, on a redis-server this bench starts on
  * loopback in a temporary directory and stops; skipped, with the reason, where redis-server is absent).
  *  - latency the gateway adds: the same open-loop call rate (calls sent on a fixed schedule, whatever the answers
- *    do; every fourth call ends its episode with a finish, which on Redis ships it there) sent to the engine
+ *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
  *    directly and through each pool's gateway (a separate process; each answer waits for its record's fsync,
  *    group-committed), in alternating rounds so every path sees the same machine load; p50/p99 of each and their
  *    difference, the rates achieved, the load average (the 2 cores are shared);
@@ -74,10 +74,9 @@ const chatBody = (i: number) => JSON.stringify({ model: 'm', messages: [{ role: 
 
 /**
  * Sends `rate` calls/s for `seconds` on a fixed schedule (open loop: a slow answer does not delay the next call);
- * per-call latency in ms, the rate the calls went out at, and the rate they were recorded at (answers 200 over
- * the time from the first call to the last answer).
+ * per-call latency in ms and the rate the calls went out at.
  */
-async function openLoop(rate: number, seconds: number, call: (i: number) => Call): Promise<{ ms: number[]; failed: number; sentPerS: number; recordedPerS: number }> {
+async function openLoop(rate: number, seconds: number, call: (i: number) => Call): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
   const n = Math.round(rate * seconds);
   const ms: number[] = [];
   let failed = 0;
@@ -101,8 +100,7 @@ async function openLoop(rate: number, seconds: number, call: (i: number) => Call
     );
   }
   await Promise.all(inflight);
-  const end = performance.now();
-  return { ms, failed, sentPerS: n > 1 ? ((n - 1) * 1000) / (lastSent - start) : NaN, recordedPerS: (ms.length * 1000) / (end - start) };
+  return { ms, failed, sentPerS: n > 1 ? ((n - 1) * 1000) / (lastSent - start) : NaN };
 }
 
 /** Calls/s recorded with `clients` agents each calling back to back for `seconds` (a new episode every 4 calls). */
@@ -183,7 +181,7 @@ try {
   for (const [k, gw] of gateways.entries()) await openLoop(200, 0.5, agentCall(gw.url, `warm${k}`));
   const loadBefore = load();
   const paths = [{ name: 'direct', call: (_r: number) => direct }, ...gateways.map((gw, k) => ({ name: pools[k]!.name, call: (r: number) => agentCall(gw.url, `r${r}-${k}`) }))];
-  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[], recorded: [] as number[] }));
+  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[] }));
   const rounds = quick ? 4 : 10;
   for (let r = 0; r < rounds; r++) {
     for (const [k, path] of paths.entries()) {
@@ -191,7 +189,6 @@ try {
       acc[k]!.ms.push(...got.ms);
       acc[k]!.failed += got.failed;
       acc[k]!.sent.push(got.sentPerS);
-      acc[k]!.recorded.push(got.recordedPerS);
     }
   }
   const loadAfter = load();
@@ -202,7 +199,7 @@ try {
   const d = acc[0]!;
   const directP50 = quantile(d.ms, 0.5), directP99 = quantile(d.ms, 0.99);
   lat.direct = { sent_per_s: mean(d.sent), calls: d.ms.length, failed: d.failed, p50_ms: directP50, p99_ms: directP99 };
-  console.log(`gateway at ${rate} calls/s offered (every 4th call followed by its episode's finish), ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
+  console.log(`gateway at ${rate} calls/s offered (agents of 4 calls, each then finishing its episode), ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
   console.log(`  direct to the engine: sent at ${mean(d.sent).toFixed(0)}/s, p50 ${ms3(directP50)}  p99 ${ms3(directP99)}`);
   const byPool: Record<string, { p50: number; p99: number; capacity: number }> = {};
   for (const [k, gw] of gateways.entries()) {
@@ -214,7 +211,6 @@ try {
     const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
     const r = {
       sent_per_s: mean(a.sent),
-      recorded_per_s: mean(a.recorded),
       calls: a.ms.length,
       failed: a.failed,
       gateway_p50_ms: p50,
@@ -227,10 +223,10 @@ try {
     };
     lat[name] = r;
     byPool[name] = { p50, p99, capacity: r.saturated_calls_per_s };
-    console.log(`  ${name} pool: sent at ${r.sent_per_s.toFixed(0)}/s, recorded ${r.recorded_per_s.toFixed(0)} calls/s; ${r.calls} calls recorded, ${r.failed} failed`);
+    console.log(`  ${name} pool: sent at ${r.sent_per_s.toFixed(0)}/s; ${r.calls} calls recorded, ${r.failed} failed`);
     console.log(`    gateway p50 ${ms3(p50)}  p99 ${ms3(p99)}; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
     console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
-    console.log(`    saturated (32 agents back to back): ${r.saturated_calls_per_s.toFixed(0)} calls/s recorded, ${r.saturated_failed} failed`);
+    console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${r.saturated_calls_per_s.toFixed(0)}, ${r.saturated_failed} failed`);
   }
   console.log(`  fdatasync of one small append on the log's disk, alone: p50 ${ms3(floor.p50)}  p99 ${ms3(floor.p99)} (every answer waits for one; group commit shares it between the calls that arrive meanwhile)`);
   if (byPool.redis) {
