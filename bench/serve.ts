@@ -1,12 +1,16 @@
 /**
- * `npm run bench:serve`: `treepack serve` on loopback with a stub engine that answers at once.
+ * `npm run bench:serve`: `treepack serve` on loopback with a stub engine that answers at once, on both pools in
+ * the same run: the in-process pool and the shared Redis pool (`--redis`, on a redis-server this bench starts on
+ * loopback in a temporary directory and stops; skipped, with the reason, where redis-server is absent).
  *  - latency the gateway adds: the same open-loop call rate (calls sent on a fixed schedule, whatever the answers
- *    do) sent to the engine directly and through the gateway (a separate process; each answer waits for its
- *    record's fsync, group-committed), in alternating rounds so both paths see the same machine load; p50/p99 of
- *    each and their difference, the rate achieved, the load average (the 2 cores are shared);
+ *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
+ *    directly and through each pool's gateway (a separate process; each answer waits for its record's fsync,
+ *    group-committed), in alternating rounds so every path sees the same machine load; p50/p99 of each and their
+ *    difference, the rates achieved, the load average (the 2 cores are shared);
+ *  - calls/s recorded at saturation: 32 clients calling back to back;
  *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer;
- *  - memory under backpressure: agents that never finish, until the pool bound answers 429.
- * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE.
+ *  - memory under backpressure (in-process pool): agents that never finish, until the pool bound answers 429.
+ * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { Agent, request } from 'node:http';
@@ -16,7 +20,10 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
+import { redisAvailable, startRedis, type RedisServer } from '../test/helpers/redis.js';
+import { freePort } from '../test/helpers/serve.js';
 import { startStubEngine } from '../test/helpers/stub-engine.js';
+import { speed } from './format.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' } } });
 const quick = values.quick === true;
@@ -29,10 +36,15 @@ const quantile = (xs: number[], q: number) => {
 };
 
 async function serve(args: string[]): Promise<{ url: string; child: ChildProcess; stop: () => Promise<void> }> {
-  const port = 20000 + Math.floor(Math.random() * 20000);
+  const port = await freePort();
   const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  let stderr = '';
+  child.stderr!.on('data', (d: Buffer) => (stderr = (stderr + d.toString()).slice(-4000)));
   const url = `http://127.0.0.1:${port}`;
-  for (let i = 0; i < 600 && !(await fetch(`${url}/healthz`).then((r) => r.ok, () => false)); i++) await new Promise((r) => setTimeout(r, 100));
+  for (let i = 0; i < 600 && !(await fetch(`${url}/healthz`).then((r) => r.ok, () => false)); i++) {
+    if (child.exitCode !== null) throw new Error(`treepack serve ${args.join(' ')} exited with ${child.exitCode}: ${stderr}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
   return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
 }
 
@@ -50,11 +62,21 @@ function postJson(url: string, body: string, headers: Record<string, string>): P
   });
 }
 
+/** One call of the load: the gateway or engine base URL (…/v1), its headers, and what follows its answer. */
+interface Call {
+  base: string;
+  headers: Record<string, string>;
+  /** run once the call is answered (not timed): an agent finishing its episode */
+  then?: () => Promise<unknown>;
+}
+
+const chatBody = (i: number) => JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `call ${i}` }] });
+
 /**
- * Sends `rate` calls/s for `seconds` on a fixed schedule (open loop: a slow answer does not delay the next call),
- * each to a new or running episode; per-call latency in ms, and the rate the calls actually went out at.
+ * Sends `rate` calls/s for `seconds` on a fixed schedule (open loop: a slow answer does not delay the next call);
+ * per-call latency in ms and the rate the calls went out at.
  */
-async function openLoop(url: string, rate: number, seconds: number, headers: (i: number) => Record<string, string>): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
+async function openLoop(rate: number, seconds: number, call: (i: number) => Call): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
   const n = Math.round(rate * seconds);
   const ms: number[] = [];
   let failed = 0;
@@ -66,17 +88,38 @@ async function openLoop(url: string, rate: number, seconds: number, headers: (i:
     const wait = due - performance.now();
     if (wait > 1) await new Promise((r) => setTimeout(r, wait));
     lastSent = performance.now();
+    const c = call(i);
     inflight.push(
       (async () => {
         const t0 = performance.now();
-        const status = await postJson(`${url}/chat/completions`, JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `call ${i}` }] }), headers(i)).catch(() => 0);
+        const status = await postJson(`${c.base}/chat/completions`, chatBody(i), c.headers).catch(() => 0);
         if (status === 200) ms.push(performance.now() - t0);
         else failed++;
+        await c.then?.();
       })(),
     );
   }
   await Promise.all(inflight);
   return { ms, failed, sentPerS: n > 1 ? ((n - 1) * 1000) / (lastSent - start) : NaN };
+}
+
+/** Calls/s recorded with `clients` agents each calling back to back for `seconds` (a new episode every 4 calls). */
+async function closedLoop(clients: number, seconds: number, call: (i: number) => Call): Promise<{ perS: number; failed: number }> {
+  let done = 0, failed = 0, next = 0;
+  const start = performance.now();
+  const end = start + seconds * 1000;
+  await Promise.all(
+    Array.from({ length: clients }, async () => {
+      while (performance.now() < end) {
+        const i = next++;
+        const c = call(i);
+        if ((await postJson(`${c.base}/chat/completions`, chatBody(i), c.headers).catch(() => 0)) === 200) done++;
+        else failed++;
+        await c.then?.();
+      }
+    }),
+  );
+  return { perS: (done * 1000) / (performance.now() - start), failed };
 }
 
 /** The floor under "fsync'd before the answer": fdatasync of a small append to a file in `dir`, in ms. */
@@ -94,94 +137,137 @@ function fsyncFloor(dir: string): { p50: number; p99: number } {
 }
 
 const load = () => loadavg().map((x) => x.toFixed(2)).join(' ');
+const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+const ms3 = (x: number) => `${x.toFixed(3)} ms`;
+
+/** A pool under test: the flags that select it, each service on its own Redis database (their options differ). */
+interface PoolUnderTest {
+  name: string;
+  args: (db: number) => string[];
+}
 
 const report: Record<string, unknown> = {};
 const stub = await startStubEngine();
 const data = mkdtempSync(join(tmpdir(), 'tp-bench-serve-'));
+let redis: RedisServer | undefined;
 try {
-  // 1. Added latency at a fixed call rate.
+  const pools: PoolUnderTest[] = [{ name: 'in-process', args: () => [] }];
+  if (redisAvailable('bench:serve, the Redis pool')) {
+    redis = await startRedis();
+    const url = redis.url;
+    pools.push({ name: 'redis', args: (db) => ['--redis', `${url}/${db}`] });
+  } else report.redis = 'skipped: redis-server not found';
+
+  // 1. Added latency at a fixed call rate, and calls/s recorded at saturation.
   const rate = Number(values.rate ?? 1000);
   const seconds = quick ? 2 : 5;
-  const gw = await serve(['--engine', stub.url, '--data', join(data, 'latency'), '--group-size', '1']);
-  await openLoop(stub.url, 200, 0.5, () => ({})); // warm both paths
-  await openLoop(`${gw.url}/v1`, 200, 0.5, (i) => ({ 'x-treepack-episode': `warm-${i % 50}` }));
+  const gateways = await Promise.all(pools.map((p, k) => serve(['--engine', stub.url, '--data', join(data, `latency-${p.name}`), '--group-size', '1', ...p.args(1 + k)])));
+  // Each agent makes 4 calls, then finishes its episode once all 4 are answered (on Redis the finish ships it to
+  // the shared pool).
+  const agentCall = (gw: string, tag: string) => {
+    const answered = new Map<string, number>();
+    return (i: number): Call => {
+      const ep = `${tag}-${Math.floor(i / 4)}`;
+      const then = async () => {
+        const n = (answered.get(ep) ?? 0) + 1;
+        answered.set(ep, n);
+        if (n === 4) await postJson(`${gw}/v1/episodes/${ep}/finish`, '{"reward":1}', {});
+      };
+      return { base: `${gw}/v1`, headers: { 'x-treepack-episode': ep }, then };
+    };
+  };
+  const direct = (): Call => ({ base: stub.url, headers: {} });
+  await openLoop(200, 0.5, direct); // warm every path
+  for (const [k, gw] of gateways.entries()) await openLoop(200, 0.5, agentCall(gw.url, `warm${k}`));
   const loadBefore = load();
-  const direct = { ms: [] as number[], failed: 0, sent: [] as number[] };
-  const through = { ms: [] as number[], failed: 0, sent: [] as number[] };
+  const paths = [{ name: 'direct', call: (_r: number) => direct }, ...gateways.map((gw, k) => ({ name: pools[k]!.name, call: (r: number) => agentCall(gw.url, `r${r}-${k}`) }))];
+  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[] }));
   const rounds = quick ? 4 : 10;
-  let episode = 0;
   for (let r = 0; r < rounds; r++) {
-    const d = await openLoop(stub.url, rate, seconds / rounds, () => ({}));
-    const g = await openLoop(`${gw.url}/v1`, rate, seconds / rounds, () => ({ 'x-treepack-episode': `ep-${episode++ % 200}` }));
-    for (const [acc, got] of [[direct, d], [through, g]] as const) {
-      acc.ms.push(...got.ms);
-      acc.failed += got.failed;
-      acc.sent.push(got.sentPerS);
+    for (const [k, path] of paths.entries()) {
+      const got = await openLoop(rate, seconds / rounds, path.call(r));
+      acc[k]!.ms.push(...got.ms);
+      acc[k]!.failed += got.failed;
+      acc[k]!.sent.push(got.sentPerS);
     }
   }
   const loadAfter = load();
   const floor = fsyncFloor(data);
-  // The service's own measure of what it adds (everything but the engine wait), from its histogram.
-  const metrics = await (await fetch(`${gw.url}/metrics`)).text();
-  const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
-  const within1ms = bucket('0.001') / bucket('+Inf');
-  await gw.stop();
-  const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
-  const lat = {
-    rate,
-    seconds,
-    rounds,
-    calls: through.ms.length,
-    failed: through.failed + direct.failed,
-    direct_sent_per_s: mean(direct.sent),
-    gateway_sent_per_s: mean(through.sent),
-    direct_p50_ms: quantile(direct.ms, 0.5),
-    direct_p99_ms: quantile(direct.ms, 0.99),
-    gateway_p50_ms: quantile(through.ms, 0.5),
-    gateway_p99_ms: quantile(through.ms, 0.99),
-    added_p50_ms: quantile(through.ms, 0.5) - quantile(direct.ms, 0.5),
-    added_p99_ms: quantile(through.ms, 0.99) - quantile(direct.ms, 0.99),
-    server_share_within_1ms: within1ms,
-    fdatasync_p50_ms: floor.p50,
-    fdatasync_p99_ms: floor.p99,
-    load_before: loadBefore,
-    load_after: loadAfter,
-  };
+  const capacity = [];
+  for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
+  const lat: Record<string, unknown> = { rate, seconds, rounds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: floor.p50, fdatasync_p99_ms: floor.p99 };
+  const d = acc[0]!;
+  const directP50 = quantile(d.ms, 0.5), directP99 = quantile(d.ms, 0.99);
+  lat.direct = { sent_per_s: mean(d.sent), calls: d.ms.length, failed: d.failed, p50_ms: directP50, p99_ms: directP99 };
+  console.log(`gateway at ${rate} calls/s offered (agents of 4 calls, each then finishing its episode), ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
+  console.log(`  direct to the engine: sent at ${mean(d.sent).toFixed(0)}/s, p50 ${ms3(directP50)}  p99 ${ms3(directP99)}`);
+  const byPool: Record<string, { p50: number; p99: number; capacity: number }> = {};
+  for (const [k, gw] of gateways.entries()) {
+    const a = acc[k + 1]!;
+    const name = pools[k]!.name;
+    // The service's own measure of what it adds (everything but the engine wait), from its histogram.
+    const metrics = await (await fetch(`${gw.url}/metrics`)).text();
+    const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
+    const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
+    const r = {
+      sent_per_s: mean(a.sent),
+      calls: a.ms.length,
+      failed: a.failed,
+      gateway_p50_ms: p50,
+      gateway_p99_ms: p99,
+      added_p50_ms: p50 - directP50,
+      added_p99_ms: p99 - directP99,
+      server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
+      saturated_calls_per_s: capacity[k]!.perS,
+      saturated_failed: capacity[k]!.failed,
+    };
+    lat[name] = r;
+    byPool[name] = { p50, p99, capacity: r.saturated_calls_per_s };
+    console.log(`  ${name} pool: sent at ${r.sent_per_s.toFixed(0)}/s; ${r.calls} calls recorded, ${r.failed} failed`);
+    console.log(`    gateway p50 ${ms3(p50)}  p99 ${ms3(p99)}; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
+    console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
+    console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${r.saturated_calls_per_s.toFixed(0)}, ${r.saturated_failed} failed`);
+  }
+  console.log(`  fdatasync of one small append on the log's disk, alone: p50 ${ms3(floor.p50)}  p99 ${ms3(floor.p99)} (every answer waits for one; group commit shares it between the calls that arrive meanwhile)`);
+  if (byPool.redis) {
+    const [l, r] = [byPool['in-process']!, byPool.redis];
+    console.log(`  Redis pool against in-process: gateway p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / l.capacity, 1 / r.capacity)}`);
+  }
   report.latency = lat;
-  console.log(`gateway at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
-  console.log(`  sent at ${lat.direct_sent_per_s.toFixed(0)}/s direct and ${lat.gateway_sent_per_s.toFixed(0)}/s through the gateway; ${lat.calls} calls recorded, ${lat.failed} failed`);
-  console.log(`  direct  p50 ${lat.direct_p50_ms.toFixed(3)} ms  p99 ${lat.direct_p99_ms.toFixed(3)} ms`);
-  console.log(`  gateway p50 ${lat.gateway_p50_ms.toFixed(3)} ms  p99 ${lat.gateway_p99_ms.toFixed(3)} ms  (fsync'd log, JSON re-encode)`);
-  console.log(`  added   p50 ${lat.added_p50_ms.toFixed(3)} ms  p99 ${lat.added_p99_ms.toFixed(3)} ms   goal p99 <= 1 ms: ${lat.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
-  console.log(`  fdatasync of one small append on the log's disk, alone: p50 ${floor.p50.toFixed(3)} ms  p99 ${floor.p99.toFixed(3)} ms (every answer waits for one; group commit shares it between the calls that arrive meanwhile)`);
-  console.log(`  the service's histogram: ${(within1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
+  await Promise.all(gateways.map((g) => g.stop()));
 
   // 2. Micro-batches/s to 8 ranks.
   const dp = 8;
   const groups = quick ? 16 : 64;
-  const feed = await serve(['--engine', stub.url, '--data', join(data, 'feed'), '--group-size', '4', '--groups-per-step', '4', '--dp', String(dp), '--max-tokens', '256', '--window', '8']);
-  const post = (path: string, body: unknown) => fetch(`${feed.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
-  for (let g = 0; g < groups; g++) {
-    await Promise.all(Array.from({ length: 4 }, (_, k) => post('/buffer/write', {
-      uid: `g${g}-${k}`, instance_id: `g${g}`, reward: k % 2, extra_info: {},
-      messages: [{ role: 'system', content: 'You are a helpful agent. '.repeat(20) }, { role: 'user', content: `task ${g}: ${'details '.repeat(30)}` }, { role: 'assistant', content: `answer ${k} ${'words '.repeat(40)}` }],
-    })));
-  }
-  const tf = performance.now();
-  let pulled = 0;
-  await Promise.all(Array.from({ length: dp }, async (_, rank) => {
-    for (;;) {
-      const r = await fetch(`${feed.url}/v1/batches/next?rank=${rank}&wait=2`);
-      if (r.status !== 200) return;
-      await r.arrayBuffer();
-      await post(`/v1/batches/${r.headers.get('x-treepack-id')}/ack`, {});
-      pulled++;
+  const feedRates: Record<string, number> = {};
+  report.feed = {};
+  for (const [k, p] of pools.entries()) {
+    const feed = await serve(['--engine', stub.url, '--data', join(data, `feed-${p.name}`), '--group-size', '4', '--groups-per-step', '4', '--dp', String(dp), '--max-tokens', '256', '--window', '8', ...p.args(4 + k)]);
+    const post = (path: string, body: unknown) => fetch(`${feed.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    for (let g = 0; g < groups; g++) {
+      await Promise.all(Array.from({ length: 4 }, (_, e) => post('/buffer/write', {
+        uid: `g${g}-${e}`, instance_id: `g${g}`, reward: e % 2, extra_info: {},
+        messages: [{ role: 'system', content: 'You are a helpful agent. '.repeat(20) }, { role: 'user', content: `task ${g}: ${'details '.repeat(30)}` }, { role: 'assistant', content: `answer ${e} ${'words '.repeat(40)}` }],
+      }).then((r) => r.arrayBuffer())));
     }
-  }));
-  const feedSeconds = (performance.now() - tf) / 1000 - 2; // the last poll of each rank waits 2 s for nothing
-  await feed.stop();
-  report.feed = { dp, groups, micro_batches: pulled, micro_batches_per_s: pulled / feedSeconds };
-  console.log(`trainer feed, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`);
+    const tf = performance.now();
+    let pulled = 0;
+    await Promise.all(Array.from({ length: dp }, async (_, rank) => {
+      for (;;) {
+        const r = await fetch(`${feed.url}/v1/batches/next?rank=${rank}&wait=2`);
+        if (r.status !== 200) return;
+        await r.arrayBuffer();
+        await (await post(`/v1/batches/${r.headers.get('x-treepack-id')}/ack`, {})).arrayBuffer();
+        pulled++;
+      }
+    }));
+    const feedSeconds = (performance.now() - tf) / 1000 - 2; // the last poll of each rank waits 2 s for nothing
+    await feed.stop();
+    feedRates[p.name] = pulled / feedSeconds;
+    (report.feed as Record<string, unknown>)[p.name] = { dp, groups, micro_batches: pulled, seconds: feedSeconds, micro_batches_per_s: pulled / feedSeconds };
+    console.log(`trainer feed on the ${p.name} pool, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`);
+  }
+  if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process']!, 1 / feedRates.redis)}`);
 
   // 3. Memory under backpressure.
   const bound = 8 << 20;
@@ -197,10 +283,11 @@ try {
   const rss = Number(readFileSync(`/proc/${bp.child.pid}/status`, 'utf8').match(/VmRSS:\s+(\d+)/)![1]) * 1024;
   await bp.stop();
   report.backpressure = { pool_bound_bytes: bound, accepted, refused_429: refused, service_rss_bytes: rss };
-  console.log(`backpressure: pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`);
-  console.log('Redis Streams pool (--redis): not measured here; its calls take the same path plus one Redis round trip on a group\'s first call and one on each finish');
+  console.log(`backpressure (in-process pool): pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`);
 } finally {
   await stub.close();
+  await redis?.stop();
   rmSync(data, { recursive: true, force: true });
+  if (redis) rmSync(redis.dir, { recursive: true, force: true });
 }
 if (values.json) writeFileSync(values.json, JSON.stringify(report, null, 2));

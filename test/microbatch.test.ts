@@ -410,6 +410,36 @@ describe('streaming collectors', () => {
     }
   });
 
+  it('a collector rebuilt from its state without the history (startingAt the head) decides as the original', () => {
+    // The shared pool keeps only the head, the groups taken above it and the finished groups not taken (in
+    // completion order): a mirror rebuilt from them must take the same groups as one that saw every event.
+    for (const policy of [{ kind: 'windowed-fifo', window: 4 }, { kind: 'async' }] as const) {
+      for (let seed = 1; seed <= 20; seed++) {
+        const groups = groupsOf(seed, 40);
+        const order = groups.map((_, i) => i).sort((x, y) => groups[x].completed - groups[y].completed);
+        const c = new Collector(policy);
+        const taken = new Set<number>();
+        const finished: number[] = [];
+        for (const [k, g] of order.entries()) {
+          c.complete(g);
+          finished.push(g);
+          if (k % 3 === 0) for (const x of c.take(1 + (seed % 3))) taken.add(x);
+          const mirror = Collector.startingAt(policy, c.head);
+          const above = [...taken].filter((x) => x >= c.head);
+          for (const x of finished) if (x >= c.head && !taken.has(x)) mirror.complete(x);
+          for (const x of above) mirror.complete(x);
+          mirror.takeGroups(above);
+          expect(mirror.head).toBe(c.head);
+          for (const size of [1, 2, 5]) {
+            expect(mirror.peek(size)).toEqual(c.peek(size));
+            expect(mirror.ready(size, k + 1)).toEqual(c.ready(size, k + 1));
+          }
+        }
+      }
+    }
+    expect(() => Collector.startingAt({ kind: 'async' }, -1)).toThrow(/front/);
+  });
+
   it('async takes completion order; staleness is counted in batches formed since submission', () => {
     const groups = [
       { submitted: 0, completed: 5 },

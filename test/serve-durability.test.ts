@@ -72,15 +72,25 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
       expect(contents.length - (answered.get(ep)?.length ?? 0)).toBeLessThanOrEqual(1);
       expect(new Set(contents).size).toBe(contents.length);
       if (finished.has(ep)) expect(body.finished).toBe(true);
-      if (!body.finished) expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 0 })).status).toBe(200);
       recorded += contents.length;
+      if (body.finished) continue;
+      // The agent goes on with the restarted service: one more call, then its finish.
+      expect((await post(`${proc.url}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `${ep} after restart` }] }, { 'x-treepack-episode': ep })).status).toBe(200);
+      expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 0 })).status).toBe(200);
     }
     expect((await fetch(`${proc.url}/v1/episodes/ep-torn`)).status).toBe(404);
     const episodes = new Map<string, number>(); // episode → calls recorded (its sequences)
+    const callIds: string[] = [];
     for (let e = 0; e < EPISODES; e++) {
       const r = await fetch(`${proc.url}/v1/episodes/ep-${e}`);
-      if (r.status === 200) episodes.set(`ep-${e}`, ((await r.json()) as { calls: unknown[] }).calls.length);
+      if (r.status !== 200) continue;
+      const calls = ((await r.json()) as { calls: { id: string }[] }).calls;
+      episodes.set(`ep-${e}`, calls.length);
+      callIds.push(...calls.map((c) => c.id));
     }
+    // Call ids made by the killed process and by the restarted one never collide.
+    expect(callIds.length).toBeGreaterThan(recorded);
+    expect(new Set(callIds).size).toBe(callIds.length);
 
     // Hand-out: a trainer acknowledges some micro-batches, holds one without acknowledging, and the service
     // dies with an acknowledgement in flight.

@@ -180,6 +180,7 @@ describe('treepack serve flags', () => {
       [[...base, '--pad-multiple', '8'], /--pad-multiple needs --max-tokens T/],
       [[...base, '--max-tokens', '64', '--dp', '2', '--pad-multiple', 'x'], /for --pad-multiple but received "x"/],
       [[...base, '--bogus', '1'], /Unknown option '--bogus'/],
+      [[...base, '--redis-allow-weak-durability'], /--redis-allow-weak-durability applies to the shared pool: it needs --redis URL/],
     ];
     // Every flag's bad value: exit 2, the flag named.
     const bad: [string, string, RegExp?][] = [

@@ -3,15 +3,20 @@
  * arriving through both, two trainer ranks pulling from either; a trainer killed before acknowledging gets its
  * micro-batch handed out again after the lease, through the other service; Redis killed -9 and restarted from
  * its append-only file loses nothing acknowledged and duplicates nothing acknowledged; a gateway that died between
- * its log and Redis ships on restart, once; slime's reads take whole groups from the shared pool.
+ * its log and Redis ships on restart, once; slime's reads take whole groups from the shared pool. The shared
+ * state stays small (the `groups` stream is trimmed as groups are taken, and a restarted service carries on
+ * from it); a Redis that may lose acknowledged writes is refused; a service killed -9 while it forms a step holds
+ * the others up for the form lock's short lease only.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { Redis } from 'ioredis';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
+import { cli } from './helpers/cli.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
-import { slimeRecord as record, tempDir } from './helpers/serve.js';
+import { slimeRecord as record, startServeProcess, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
@@ -231,5 +236,120 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const late = await post(`${A}/buffer/write`, { ...record(1, 2, 1) });
     expect(late.status).toBe(409);
     expect(await late.text()).toMatch(/group \\"g1\\" was already consumed/);
+  });
+
+  it('the groups stream is trimmed as groups are taken; a restarted gateway and trainer carry on from the trimmed state', async () => {
+    redis = await startRedis();
+    const r = new Redis(redis.url);
+    try {
+      const opts: Omit<ServiceOptions, 'dataDir'> = { engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
+      const dirA = tempDir('tp-redis-gw-');
+      let a = await Service.create({ ...opts, dataDir: dirA });
+      const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
+      open.push(b);
+      let A = await a.listen();
+      const B = await b.listen();
+      // Group 0 ("slow") is an agent still at work on A; groups 1 and 2 are finished records.
+      expect((await post(`${A}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'slow task' }] }, { 'x-treepack-episode': 'slow' })).status).toBe(200);
+      for (const g of [1, 2]) expect((await post(`${B}/buffer/write`, record(g, 0, 1))).status).toBe(200);
+      expect(await r.xlen('treepack:groups')).toBe(2);
+      const first = (await pull(A, 0))!;
+      expect(first.entry.groups).toEqual(['g1']);
+      expect((await post(`${A}/v1/batches/${first.entry.id}/ack`, {})).status).toBe(200);
+      const held = (await pull(B, 0))!; // its trainer dies before acknowledging
+      expect(held.entry.groups).toEqual(['g2']);
+      // Groups 1 and 2 are taken out of order (group 0 holds the window's head): no service needs their entries.
+      expect(await r.xlen('treepack:groups')).toBe(0);
+      expect(await r.get('treepack:front')).toBe('0');
+      expect((await r.smembers('treepack:taken')).sort()).toEqual(['1', '2']);
+      expect(await r.xlen('treepack:mb:0')).toBe(1); // the acknowledged micro-batch is gone, the held one waits
+      // Groups 3 and 4 finish outside the window [0, 3): they wait, and so do their entries.
+      for (const g of [3, 4]) expect((await post(`${B}/buffer/write`, record(g, 0, 1))).status).toBe(200);
+      expect(await r.xlen('treepack:groups')).toBe(2);
+
+      // Gateway A restarts from its log; the agent finishes its episode there; a trainer rank pulls from A.
+      await a.close();
+      a = await Service.create({ ...opts, dataDir: dirA });
+      open.push(a);
+      A = await a.listen();
+      const again = (await pull(A, 0, 5))!;
+      expect(again.entry.id).toBe(held.entry.id); // the held one, after its lease
+      expect(again.bytes.equals(held.bytes)).toBe(true);
+      expect((await post(`${A}/v1/batches/${again.entry.id}/ack`, {})).status).toBe(200);
+      expect((await post(`${A}/v1/episodes/slow/finish`, { reward: 1 })).status).toBe(200);
+      const rest: string[][] = [];
+      for (;;) {
+        const mb = await pull(rest.length % 2 ? B : A, 0, 1);
+        if (!mb) break;
+        rest.push(mb.entry.groups);
+        expect((await post(`${B}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+      }
+      expect(rest).toEqual([['slow'], ['g3'], ['g4']]);
+      for (const base of [A, B]) expect(await pull(base, 0)).toBeUndefined();
+      // Everything taken and acknowledged: the shared state is back to its counters.
+      expect(await r.xlen('treepack:groups')).toBe(0);
+      expect(await r.xlen('treepack:mb:0')).toBe(0);
+      expect(await r.get('treepack:front')).toBe('5');
+      expect(await r.scard('treepack:taken')).toBe(0);
+      expect(await r.exists('treepack:steps')).toBe(0);
+      for (const base of [A, B]) expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(5);
+    } finally {
+      r.disconnect();
+    }
+  });
+
+  it('a Redis that may lose acknowledged writes is refused, naming the settings, unless allowed; one that hides its CONFIG is a warning', async () => {
+    redis = await startRedis(['--appendonly', 'no', '--appendfsync', 'everysec']);
+    const opts = { engineUrl: stub.url, port: 0, redis: redis.url };
+    const refused = /shared pool at redis:\/\/127\.0\.0\.1:\d+ may lose what it acknowledges on a crash: appendonly is "no", not yes, appendfsync is "everysec", not always\. Start Redis with --appendonly yes --appendfsync always .*--redis-allow-weak-durability starts anyway/;
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') })).rejects.toThrow(refused);
+    const r = cli(['serve', '--engine', stub.url, '--data', tempDir('tp-redis-gw-'), '--redis', redis.url]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toMatch(refused);
+    const warnings: string[] = [];
+    const weak = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redisAllowWeakDurability: true, warn: (m) => warnings.push(m) });
+    open.push(weak);
+    expect(warnings).toHaveLength(1);
+    expect(warnings[0]).toMatch(/appendfsync is "everysec", not always.*starting anyway \(--redis-allow-weak-durability\)/);
+    const W = await weak.listen();
+    expect((await post(`${W}/buffer/write`, record(0, 0, 1))).status).toBe(200);
+    expect((await pull(W, 0))!.entry.groups).toEqual(['g0']);
+    for (const s of open.splice(0)) await s.close();
+    await redis.stop();
+
+    // CONFIG renamed away (as managed Redis services do): the settings cannot be read, so a warning only.
+    redis = await startRedis(['--rename-command', 'CONFIG', '']);
+    warnings.length = 0;
+    const blind = await Service.create({ ...opts, redis: redis.url, dataDir: tempDir('tp-redis-gw-'), warn: (m) => warnings.push(m) });
+    open.push(blind);
+    expect(warnings).toHaveLength(1);
+    expect(warnings[0]).toMatch(/cannot check that the shared pool at .* keeps what it acknowledges \(CONFIG GET refused: .*unknown command.*\); it must run with appendonly yes and appendfsync always/);
+  });
+
+  it('a service killed -9 while forming a step holds the others up for the form lock\'s lease only', async () => {
+    redis = await startRedis();
+    const args = ['--engine', stub.url, '--redis', redis.url];
+    const dying = await startServeProcess([...args, '--data', tempDir('tp-redis-gw-')], { TREEPACK_SERVE_FORM_FAULT: 'locked' });
+    const other = await startServeProcess([...args, '--data', tempDir('tp-redis-gw-')]);
+    const r = new Redis(redis.url);
+    try {
+      expect((await post(`${dying.url}/buffer/write`, record(0, 0, 1))).status).toBe(200);
+      // Its trainer asks it for a micro-batch: it takes the form lock and dies holding it.
+      await fetch(`${dying.url}/v1/batches/next?rank=0`).catch(() => undefined);
+      await dying.kill9();
+      expect(dying.child.signalCode).toBe('SIGKILL');
+      const ttl = await r.pttl('treepack:form-lock');
+      expect(ttl).toBeLessThanOrEqual(2000); // a short lease (or expired already), not the holder's whole packing time
+      const t0 = Date.now();
+      const mb = (await pull(other.url, 0, 10))!;
+      expect(mb.entry.groups).toEqual(['g0']);
+      expect(Date.now() - t0).toBeLessThan(8000);
+      expect((await post(`${other.url}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+      expect(await r.exists('treepack:form-lock')).toBe(0); // released by the service that formed the step
+    } finally {
+      r.disconnect();
+      await dying.kill9();
+      await other.kill9();
+    }
   });
 });

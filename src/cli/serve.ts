@@ -37,6 +37,9 @@ Options:
                                                                                       [default: 64 MiB]
   --redis URL             share the pool and the trainer feed with other services through Redis Streams
                           (e.g. redis://127.0.0.1:6379); every service on it needs the same feed options
+  --redis-allow-weak-durability
+                          start even when Redis is not run with appendonly yes and appendfsync always
+                          (a Redis crash may then lose acknowledged work), with a warning
 Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
 engine saw):
 ${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106).map((l) => `  ${l}`).join('\n')}
@@ -73,7 +76,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S, dp: S,
+      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
+      'redis-allow-weak-durability': { type: 'boolean' }, dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
     SERVE_USAGE,
@@ -88,6 +92,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const dp = str('dp') === undefined ? 1 : (flagValue(DP.value, DP.flag, str('dp')!) as number);
   if (dp > 1 && !packer.budget) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
   const rate = str('rate-limit');
+  const weakDurability = values['redis-allow-weak-durability'] === true;
+  if (weakDurability && str('redis') === undefined) throw usageError('--redis-allow-weak-durability applies to the shared pool: it needs --redis URL');
   const options: ServiceOptions = {
     engineUrl: str('engine')!,
     dataDir: str('data')!,
@@ -105,6 +111,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
     redis: str('redis'),
+    ...(weakDurability && { redisAllowWeakDurability: true }),
     compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
     // Spelled out with the defaults: every service on a shared pool compares these (sharedConfig).
     packer: {

@@ -23,6 +23,17 @@ export class Collector {
     } else if (policy?.kind !== 'async') throw argError('policy.kind', "'windowed-fifo' or 'async'", (policy as { kind?: unknown } | undefined)?.kind);
   }
 
+  /**
+   * A collector whose groups below `front` are all taken: a long run's state without its history (a mirror of
+   * the policy rebuilt from a trimmed log).
+   */
+  static startingAt(policy: CollectorPolicy, front: number): Collector {
+    if (!Number.isSafeInteger(front) || front < 0) throw argError('front', 'an integer >= 0', front);
+    const c = new Collector(policy);
+    c.front = front;
+    return c;
+  }
+
   /** The oldest group not taken yet. */
   get head(): number {
     return this.front;

@@ -81,12 +81,12 @@ async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Upst
 }
 
 function engineFailure(svc: Service, e: Error): PoolError {
-  if (e.name === 'TimeoutError' || e.name === 'AbortError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+  if (e.name === 'TimeoutError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
 
 function recordedCall(kind: CallKind, scope: Scope, body: Obj, output: EngineOutput, version: number): RecordedCall {
-  const call: RecordedCall = { id: Pool.newKey().slice(3), kind, time: Date.now(), policyVersion: version, request: {}, output };
+  const call: RecordedCall = { id: Pool.newId(), kind, time: Date.now(), policyVersion: version, request: {}, output };
   if (scope.agent !== undefined) call.agent = scope.agent;
   if (kind === 'chat') {
     call.request.messages = body.messages as unknown[];
@@ -228,7 +228,7 @@ export function registerGateway(app: FastifyInstance, svc: Service): void {
     for (const f of ['episode_id', 'agent', 'group'] as const) {
       if (b[f] !== undefined && (typeof b[f] !== 'string' || b[f] === '')) throw new PoolError(400, `field "${f}": expected a non-empty string, got ${describeValue(b[f])}`);
     }
-    const scope: Scope = { episode: (b.episode_id as string | undefined) ?? Pool.newKey().slice(3) };
+    const scope: Scope = { episode: (b.episode_id as string | undefined) ?? Pool.newId() };
     if (b.agent !== undefined) scope.agent = b.agent as string;
     if (b.group !== undefined) scope.group = b.group as string;
     const key = Pool.newKey();

@@ -1,8 +1,9 @@
 /**
  * The service's durable log: one JSON event per line, appended and fsync'd before the caller is answered, so
  * whatever a client was told happened survives kill -9 and power loss. Appends that arrive while a write is in
- * flight are committed together (group commit): one write and one fdatasync for the batch, which is what keeps
- * the fsync off the per-request latency at high call rates.
+ * flight are committed together (group commit): one write for the batch, which is what keeps the fsync off the
+ * per-request latency at high call rates. The file is opened O_DSYNC, so that write returns once the data is on
+ * disk, as a write and an fdatasync would, in one trip to the thread pool instead of two.
  *
  * On open the file is replayed. A process killed mid-append leaves at most one torn last line, which no caller
  * was ever told about (its fsync never returned), so it is cut off; a malformed line anywhere else is damage and
@@ -14,11 +15,15 @@
  * to the new file. Killed before the rename, the old file is whole (the new one is removed on open); after it,
  * the new one is; `compact` must return events whose replay equals the original's (src/serve/compact.ts).
  */
-import { closeSync, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { closeSync, constants, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { open, readFile, rename, type FileHandle } from 'node:fs/promises';
 import { dirname } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { ioError } from '../io/atomic.js';
+import { killPoint } from './faults.js';
+
+/** append, and each write returns once its data is durable (O_DSYNC: fdatasync's guarantee) */
+const APPEND_DURABLE = constants.O_WRONLY | constants.O_APPEND | constants.O_CREAT | constants.O_DSYNC;
 
 export interface LogEvent {
   type: string;
@@ -63,7 +68,7 @@ export class DurableLog {
     const committed = replay(path, apply);
     let fh: FileHandle;
     try {
-      fh = await open(path, 'a');
+      fh = await open(path, APPEND_DURABLE);
     } catch (err) {
       throw ioError(err, path);
     }
@@ -95,7 +100,6 @@ export class DurableLog {
         if (this.bytes >= this.compactAt) await this.compact();
         let off = 0;
         while (off < bytes.length) off += (await this.fh.write(bytes, off)).bytesWritten;
-        await this.fh.datasync();
         this.bytes += bytes.length;
         this.events += batch.length;
         for (const p of batch) p.resolve();
@@ -124,7 +128,7 @@ export class DurableLog {
       } finally {
         await fh.close();
       }
-      fault('written');
+      killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'written');
       await rename(tmp, this.path);
     } catch {
       // Compaction is an optimisation: the log stays as it was, and is tried again at twice the size.
@@ -132,11 +136,11 @@ export class DurableLog {
       this.compactAt = Math.max(compactBytes, 2 * this.bytes);
       return;
     }
-    fault('renamed');
+    killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'renamed');
     try {
       const dir = await open(dirname(this.path), 'r');
       await dir.sync().finally(() => dir.close());
-      const fh = await open(this.path, 'a');
+      const fh = await open(this.path, APPEND_DURABLE);
       await this.fh.close();
       this.fh = fh;
     } catch (err) {
@@ -154,11 +158,6 @@ export class DurableLog {
     while (this.writing) await new Promise((r) => setImmediate(r));
     await this.fh.close();
   }
-}
-
-/** Tests only: TREEPACK_SERVE_COMPACT_FAULT=written|renamed kills the process at that point of a compaction. */
-function fault(at: 'written' | 'renamed'): void {
-  if (process.env.TREEPACK_SERVE_COMPACT_FAULT === at) process.kill(process.pid, 'SIGKILL');
 }
 
 /** Applies every complete line; cuts a torn tail (no newline, or unparsable last line) and returns the sizes. */

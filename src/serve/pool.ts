@@ -80,6 +80,9 @@ export class PoolError extends Error {
   }
 }
 
+const ID_PREFIX = randomBytes(12).toString('base64url') + '-';
+let idCounter = 0;
+
 export class Pool {
   readonly episodes = new Map<string, Episode>();
   readonly groups = new Map<string, Group>();
@@ -99,8 +102,17 @@ export class Pool {
     this.groupSize = opts.groupSize;
   }
 
+  /** A secret: a scoped API key authenticates its episode's calls, so it must not be guessable. */
   static newKey(): string {
     return 'tp-' + randomBytes(18).toString('base64url');
+  }
+
+  /**
+   * A unique id that needs no randomness of its own (a call id is made on every call): this process's random
+   * prefix, new at every start and different on every gateway, and a counter.
+   */
+  static newId(): string {
+    return ID_PREFIX + (idCounter++).toString(36);
   }
 
   /** Checks an event before it is logged; throws PoolError. Events that pass always apply. */

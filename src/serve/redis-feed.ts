@@ -2,12 +2,16 @@
  * The trainer feed on the shared Redis pool: any service forms steps, any service hands micro-batches out, and
  * trainer ranks may pull from any of them.
  *
- * - Steps. Every service mirrors the scheduling policy (the same Collector as the in-process feed) by tailing
- *   the `groups` stream (finished groups) and the `steps` stream (steps taken). To form step n a service takes
- *   a short lock (only to spare duplicate packing work), catches up, asks the policy, reads the groups' episodes
- *   and packs them; one script then publishes the step only if no one published step n meanwhile (`nsteps`),
- *   appending its micro-batches to the per-rank streams `mb:{rank}` and freeing the groups' records. A service
- *   that dies while packing published nothing: the next one forms the same step.
+ * - Steps. Every service mirrors the scheduling policy (the same Collector as the in-process feed) from the
+ *   shared state, read in one script: `front` (every group numbered below it is taken), `taken` (the groups
+ *   taken above it) and the `groups` stream (finished groups, in completion order). To form step n a service
+ *   takes the form lock (only to spare duplicate packing work), reads the state, asks the policy, reads the
+ *   groups' episodes and packs them; one script then publishes the step only if no one published step n
+ *   meanwhile (`nsteps`), appending its micro-batches to the per-rank streams `mb:{rank}`, freeing the groups'
+ *   records, moving `front`/`taken` and trimming the `groups` stream up to its oldest entry not taken: no service
+ *   needs a taken group's entry, so the stream holds the finished groups waiting and little more. A service that
+ *   dies while packing published nothing: the next one forms the same step. The lock is a short lease that its
+ *   holder renews while it forms, so one killed meanwhile holds the others up for a moment only.
  * - Hand-out. Each rank's stream has the consumer group `trainers`: a micro-batch is handed out by XREADGROUP,
  *   and one pending longer than the lease (its trainer died or stalled) is handed out again by XAUTOCLAIM.
  * - Acknowledgement. One script XACKs and deletes the entry and counts the step down; the last acknowledgement
@@ -16,15 +20,18 @@
  * With Redis's append-only file fsync'd on every write (`--appendfsync always`), a Redis restart loses nothing
  * acknowledged, and no micro-batch acknowledged is handed out again.
  */
-import { randomBytes } from 'node:crypto';
 import { Collector } from '../pack/schedule.js';
+import { killPoint } from './faults.js';
 import { handoutEntry, oldestPolicy, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
 import type { Metrics } from './metrics.js';
-import { PoolError, type Episode } from './pool.js';
+import { Pool, PoolError, type Episode } from './pool.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
 const TRAINERS = 'trainers';
-const LOCK_MS = 30_000;
+/** the form lock's lease, renewed every quarter of it while its holder forms a step */
+const FORM_LEASE_MS = 2000;
+/** groups-stream entries the publish script scans per read for the oldest group not taken */
+const TRIM_SCAN = 64;
 
 const SCRIPTS = {
   /**
@@ -35,12 +42,29 @@ const SCRIPTS = {
 local p, n = ARGV[1], tonumber(ARGV[2])
 if tonumber(redis.call('GET', p .. 'nsteps') or '0') ~= n then return 0 end
 redis.call('SET', p .. 'nsteps', n + 1)
-redis.call('XADD', p .. 'steps', '*', 'n', n, 'seqs', ARGV[4], 'whole', ARGV[5])
 for _, g in ipairs(cjson.decode(ARGV[3])) do
   redis.call('DEL', p .. 'eps:' .. g, p .. 'order:' .. g)
   redis.call('HDEL', p .. 'seq', g)
   redis.call('SET', p .. 'gone:' .. g, 1, 'EX', ${GONE_TTL_S})
 end
+local front = tonumber(redis.call('GET', p .. 'front') or '0')
+for _, s in ipairs(cjson.decode(ARGV[4])) do redis.call('SADD', p .. 'taken', s) end
+while redis.call('SREM', p .. 'taken', front) == 1 do front = front + 1 end
+redis.call('SET', p .. 'front', front)
+local keep, from = nil, '-'
+while not keep do
+  local es = redis.call('XRANGE', p .. 'groups', from, '+', 'COUNT', ${TRIM_SCAN})
+  for _, e in ipairs(es) do
+    local s = tonumber(e[2][4])
+    if s >= front and redis.call('SISMEMBER', p .. 'taken', s) == 0 then
+      keep = e[1]
+      break
+    end
+  end
+  if #es < ${TRIM_SCAN} then break end
+  from = '(' .. es[#es][1]
+end
+if keep then redis.call('XTRIM', p .. 'groups', 'MINID', keep) else redis.call('XTRIM', p .. 'groups', 'MAXLEN', 0) end
 local count = (#ARGV - 5) / 4
 for i = 0, count - 1 do
   local k = 6 + i * 4
@@ -79,6 +103,26 @@ for i = 0, count - 1 do redis.call('HDEL', p .. 'mb', step .. '.' .. i) end
 redis.call('DEL', sk)
 return {1, redis.call('INCR', p .. 'version')}
 `,
+  /**
+   * ARGV: prefix → {steps published, front, taken above front, finished groups stream, groups numbered, flushing}:
+   * the policy's shared state, consistent because one script reads it.
+   */
+  tpState: `
+local p = ARGV[1]
+return {
+  redis.call('GET', p .. 'nsteps') or '0',
+  redis.call('GET', p .. 'front') or '0',
+  redis.call('SMEMBERS', p .. 'taken'),
+  redis.call('XRANGE', p .. 'groups', '-', '+'),
+  redis.call('GET', p .. 'nseq') or '0',
+  redis.call('EXISTS', p .. 'flushing'),
+}
+`,
+  /** ARGV: prefix, token, lease ms → extends the forming lock's lease if this service still holds it */
+  tpRenew: `
+if redis.call('GET', ARGV[1] .. 'form-lock') == ARGV[2] then return redis.call('PEXPIRE', ARGV[1] .. 'form-lock', ARGV[3]) end
+return 0
+`,
   /** ARGV: prefix, token → releases the forming lock if this service still holds it */
   tpUnlock: `
 if redis.call('GET', ARGV[1] .. 'form-lock') == ARGV[2] then return redis.call('DEL', ARGV[1] .. 'form-lock') end
@@ -86,26 +130,26 @@ return 0
 `,
 };
 
-type StreamEntry = [id: Buffer, fields: Buffer[]];
+type StreamEntry<T = Buffer> = [id: T, fields: T[]];
 
-function fields(entry: StreamEntry): Map<string, Buffer> {
-  const m = new Map<string, Buffer>();
+function fields<T extends Buffer | string>(entry: StreamEntry<T>): Map<string, T> {
+  const m = new Map<string, T>();
   const f = entry[1];
   for (let i = 0; i + 1 < f.length; i += 2) m.set(f[i]!.toString(), f[i + 1]!);
   return m;
 }
 
 export class RedisFeed implements TrainerFeed {
-  readonly collector: Collector;
   readonly errors: string[] = [];
   version = 0;
-  /** group id by submission number, from the `groups` stream */
-  private readonly groupIds = new Map<number, string>();
+  /** the policy as last read from the shared state */
+  private collector: Collector;
+  /** group id by submission number, of the finished groups not taken */
+  private groupIds = new Map<number, string>();
   /** keeps `version` current for the gateway's policy version even where no trainer pulls */
   private readonly versionTimer: NodeJS.Timeout;
+  /** steps published, as last read */
   private steps = 0;
-  private lastGroup = '0-0';
-  private lastStep = '0-0';
 
   private constructor(
     private readonly shared: RedisPool,
@@ -129,7 +173,7 @@ export class RedisFeed implements TrainerFeed {
         if (!err.message.startsWith('BUSYGROUP')) throw err;
       });
     }
-    await feed.catchUp();
+    await feed.sync();
     return feed;
   }
 
@@ -142,29 +186,28 @@ export class RedisFeed implements TrainerFeed {
   }
 
   /**
-   * Applies the steps taken and the groups finished since the last call. Steps are read first: every group a
-   * step took was finished before the step was published, so the groups read next include them all.
+   * Rebuilds the mirrored policy from the shared state: every group below `front` and in `taken` is taken, every
+   * group in the `groups` stream is finished (a taken group's entry may be trimmed, or not yet). Returns how many
+   * groups are numbered and whether the producers flushed, as of the same moment.
    */
-  private async catchUp(): Promise<void> {
-    const steps = await this.readStream('steps', this.lastStep);
-    const groups = await this.readStream('groups', this.lastGroup);
-    for (const e of groups) {
+  private async sync(): Promise<{ submitted: number; flushing: boolean }> {
+    const [steps, front, taken, finished, submitted, flushing] = (await this.shared.script('tpState')) as [string, string, string[], StreamEntry<string>[], string, number];
+    const collector = Collector.startingAt(this.opts.policy, Number(front));
+    const groupIds = new Map<number, string>();
+    for (const e of finished) {
       const f = fields(e);
-      const seq = Number(f.get('seq')!.toString());
-      this.groupIds.set(seq, f.get('group')!.toString());
-      this.collector.complete(seq);
-      this.lastGroup = e[0].toString();
+      const seq = Number(f.get('seq'));
+      if (seq < collector.head) continue;
+      groupIds.set(seq, f.get('group')!);
+      collector.complete(seq);
     }
-    for (const e of steps) {
-      this.collector.takeGroups(JSON.parse(fields(e).get('seqs')!.toString()) as number[]);
-      this.steps++;
-      this.lastStep = e[0].toString();
-    }
-  }
-
-  private async readStream(name: string, after: string): Promise<StreamEntry[]> {
-    const r = (await this.redis.callBuffer('XREAD', 'COUNT', 100_000, 'STREAMS', PREFIX + name, after)) as [Buffer, StreamEntry[]][] | null;
-    return r?.[0]?.[1] ?? [];
+    const takenSeqs = taken.map(Number);
+    for (const seq of takenSeqs) if (!groupIds.has(seq)) collector.complete(seq);
+    collector.takeGroups(takenSeqs);
+    this.collector = collector;
+    this.groupIds = groupIds;
+    this.steps = Number(steps);
+    return { submitted: Number(submitted), flushing: flushing === 1 };
   }
 
   /**
@@ -173,19 +216,23 @@ export class RedisFeed implements TrainerFeed {
    * the step is chosen again). Undefined when no step formed.
    */
   private async form<T>(choose: (submitted: number, flushing: boolean) => number[], publish: (episodes: Episode[], n: number, seqs: number[]) => Promise<{ value: T } | undefined>): Promise<{ value: T } | undefined> {
-    const token = randomBytes(12).toString('base64url');
-    if ((await this.redis.set(`${PREFIX}form-lock`, token, 'PX', LOCK_MS, 'NX')) !== 'OK') return undefined;
+    const token = Pool.newId();
+    if ((await this.redis.set(`${PREFIX}form-lock`, token, 'PX', FORM_LEASE_MS, 'NX')) !== 'OK') return undefined;
+    // Renewed while the event loop turns: packing that blocks it past the lease lets another service form the
+    // same step meanwhile, which costs work only (the publish script takes one of the two).
+    const renew = setInterval(() => void this.shared.script('tpRenew', token, FORM_LEASE_MS).catch(() => {}), FORM_LEASE_MS / 4);
     try {
+      killPoint('TREEPACK_SERVE_FORM_FAULT', 'locked');
       for (;;) {
-        await this.catchUp();
-        const [submitted, flushing] = await Promise.all([this.redis.get(`${PREFIX}nseq`), this.redis.exists(`${PREFIX}flushing`)]);
-        const seqs = choose(Number(submitted ?? 0), flushing === 1);
+        const { submitted, flushing } = await this.sync();
+        const seqs = choose(submitted, flushing);
         if (seqs.length === 0) return undefined;
         const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!)))).flat();
         const r = await publish(episodes, this.steps, seqs);
         if (r) return r;
       }
     } finally {
+      clearInterval(renew);
       await this.shared.script('tpUnlock', token);
     }
   }
@@ -193,7 +240,10 @@ export class RedisFeed implements TrainerFeed {
   private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[]): Promise<boolean> {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
     const ok = Number(await this.shared.script('tpPublish', n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, ...mbs)) === 1;
-    await this.catchUp();
+    if (ok) {
+      this.collector.takeGroups(seqs);
+      this.steps = n + 1;
+    }
     return ok;
   }
 

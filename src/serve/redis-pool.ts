@@ -65,6 +65,38 @@ return redis.call('GET', ARGV[1] .. 'config')
 } as const;
 
 
+export interface DurabilityOptions {
+  /** start on a Redis that may lose acknowledged writes, with a warning (`--redis-allow-weak-durability`) */
+  allowWeak: boolean;
+  warn: (message: string) => void;
+}
+
+/**
+ * The no-loss guarantee holds only when Redis appends every write to its append-only file and fsyncs it before
+ * answering (`appendonly yes`, `appendfsync always`): otherwise a Redis crash forgets acknowledgements and
+ * published steps the services were told about. A server that says otherwise is refused unless allowed; one
+ * that will not say (CONFIG renamed away or denied by its ACL, as managed Redis services do) is a warning.
+ */
+async function checkDurability(redis: Redis, url: string, o: DurabilityOptions): Promise<void> {
+  let settings: string[];
+  try {
+    settings = [...((await redis.config('GET', 'appendonly')) as string[]), ...((await redis.config('GET', 'appendfsync')) as string[])];
+  } catch (err) {
+    const why = (err as Error).message;
+    if (!/unknown command|NOPERM|no permissions/i.test(why)) throw new TreepackError('E_IO', `the shared pool at ${url} did not answer CONFIG GET: ${why}`);
+    o.warn(`cannot check that the shared pool at ${url} keeps what it acknowledges (CONFIG GET refused: ${why}); it must run with appendonly yes and appendfsync always, or a Redis crash may lose acknowledged work`);
+    return;
+  }
+  const value = (name: string) => (settings.includes(name) ? settings[settings.indexOf(name) + 1] : undefined);
+  const weak = Object.entries({ appendonly: 'yes', appendfsync: 'always' })
+    .filter(([name, want]) => value(name) !== want)
+    .map(([name, want]) => `${name} is ${JSON.stringify(value(name) ?? null)}, not ${want}`);
+  if (weak.length === 0) return;
+  const message = `the shared pool at ${url} may lose what it acknowledges on a crash: ${weak.join(', ')}. Start Redis with --appendonly yes --appendfsync always (or CONFIG SET appendonly yes, CONFIG SET appendfsync always, then CONFIG REWRITE)`;
+  if (!o.allowWeak) throw new TreepackError('E_ARG', `${message}; --redis-allow-weak-durability starts anyway, without the no-loss guarantee`);
+  o.warn(`${message}; starting anyway (--redis-allow-weak-durability): a Redis crash may lose acknowledged work`);
+}
+
 /** Episodes as they travel through Redis: a set becomes a list. */
 export function episodeJson(ep: Episode): string {
   return JSON.stringify({ ...ep, agents: [...ep.agents] });
@@ -84,8 +116,11 @@ export class RedisPool {
     readonly redis: Redis,
   ) {}
 
-  /** Connects (failing with the URL when Redis does not answer) and checks the feed options against the others'. */
-  static async connect(url: string, config: Record<string, unknown>): Promise<RedisPool> {
+  /**
+   * Connects (failing with the URL when Redis does not answer), checks that Redis keeps what it acknowledges
+   * (see `checkDurability`) and the feed options against the others'.
+   */
+  static async connect(url: string, config: Record<string, unknown>, durability: DurabilityOptions): Promise<RedisPool> {
     // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server.
     const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2 });
     const pool = new RedisPool(url, redis);
@@ -96,6 +131,12 @@ export class RedisPool {
     } catch (err) {
       redis.disconnect();
       throw new TreepackError('E_IO', `the shared pool at ${url} is unreachable: ${(err as Error).message} (start one: redis-server --port 6379 --appendonly yes --appendfsync always)`);
+    }
+    try {
+      await checkDurability(redis, url, durability);
+    } catch (err) {
+      redis.disconnect();
+      throw err;
     }
     pool.define(SCRIPTS);
     const want = JSON.stringify(config);

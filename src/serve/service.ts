@@ -52,11 +52,18 @@ export interface ServiceOptions {
    * there and the trainer feed is served from it. Absent: the in-process pool.
    */
   redis?: string;
+  /**
+   * start on a Redis whose settings may lose acknowledged writes on a crash (appendfsync not `always`), with a
+   * warning; by default such a Redis is refused
+   */
+  redisAllowWeakDurability?: boolean;
+  /** where warnings go; default: stderr */
+  warn?: (message: string) => void;
   /** compact the durable log once it is this large and twice its size after the last compaction */
   compactBytes?: number;
 }
 
-type OptionalKeys = 'engineApiKey' | 'token' | 'packer' | 'redis';
+type OptionalKeys = 'engineApiKey' | 'token' | 'packer' | 'redis' | 'redisAllowWeakDurability' | 'warn';
 export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
@@ -86,6 +93,11 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     if (typeof o.redis !== 'string' || !/^rediss?:\/\//.test(o.redis)) throw argError('redis', 'a Redis URL, e.g. redis://127.0.0.1:6379', o.redis);
     r.redis = o.redis;
   }
+  if (o.redisAllowWeakDurability !== undefined) {
+    if (r.redis === undefined) throw new TreepackError('E_ARG', 'redisAllowWeakDurability applies to the shared pool only: it needs redis');
+    r.redisAllowWeakDurability = o.redisAllowWeakDurability;
+  }
+  if (o.warn !== undefined) r.warn = o.warn;
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
   if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
@@ -100,7 +112,9 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
 /** The options every service on one shared pool must agree on: they decide which steps form and how they pack. */
 function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
   const p = o.packer ?? {};
-  return { groupSize: o.groupSize, policy: o.policy, groupsPerStep: o.groupsPerStep, dp: o.dp, leaseMs: o.leaseMs, budget: p.budget ?? null, advantages: p.advantages ?? null, merge: p.merge ?? null };
+  // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed), so a
+  // pool left by a service of another layout is refused rather than misread
+  return { layout: 2, groupSize: o.groupSize, policy: o.policy, groupsPerStep: o.groupsPerStep, dp: o.dp, leaseMs: o.leaseMs, budget: p.budget ?? null, advantages: p.advantages ?? null, merge: p.merge ?? null };
 }
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
@@ -139,7 +153,8 @@ export class Service {
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
     const pack = stepPacker(encoder, opts.packer ?? {}, svc.metrics, svc.recordStats);
     if (opts.redis) {
-      svc.shared = await RedisPool.connect(opts.redis, sharedConfig(opts));
+      const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
+      svc.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn });
       svc.feed = await RedisFeed.open(svc.shared, feedOpts, pack, svc.metrics);
     } else svc.feed = new Feed(svc.pool, feedOpts, pack, (e) => svc.append(e), svc.metrics);
     try {

@@ -15,15 +15,23 @@ export interface Upstream {
   text(): Promise<string>;
 }
 
-/** Rejects with an Error named 'TimeoutError' after `timeoutMs` (headers and body), or the socket's error. */
+/**
+ * Rejects with an Error named 'TimeoutError' after `timeoutMs` (headers and body), or the socket's error. The
+ * deadline is one plain timer per call, cleared when the response closes: AbortSignal.timeout costs ~50 µs a
+ * call here and keeps its timer pending for the whole timeout (600 k timers at 1k calls/s and the default 600 s).
+ */
 export function postUpstream(url: string, body: string, headers: Record<string, string>, timeoutMs: number): Promise<Upstream> {
   const tls = url.startsWith('https:');
-  const signal = AbortSignal.timeout(timeoutMs);
+  const timeout = () => Object.assign(new Error(`no answer within ${timeoutMs} ms`), { name: 'TimeoutError' });
   return new Promise((resolve, reject) => {
+    let timedOut = false;
+    let response: IncomingMessage | undefined;
     const req = (tls ? httpsRequest : httpRequest)(
       url,
-      { method: 'POST', agent: tls ? agents.https : agents.http, signal, headers: { ...headers, 'content-length': Buffer.byteLength(body) } },
+      { method: 'POST', agent: tls ? agents.https : agents.http, headers: { ...headers, 'content-length': Buffer.byteLength(body) } },
       (res) => {
+        response = res;
+        res.once('close', () => clearTimeout(timer));
         resolve({
           status: res.statusCode ?? 0,
           contentType: res.headers['content-type'],
@@ -31,13 +39,25 @@ export function postUpstream(url: string, body: string, headers: Record<string, 
           text: async () => {
             let s = '';
             res.setEncoding('utf8');
-            for await (const piece of res) s += piece as string;
+            try {
+              for await (const piece of res) s += piece as string;
+            } catch (err) {
+              throw timedOut ? timeout() : err;
+            }
             return s;
           },
         });
       },
     );
-    req.on('error', (err) => reject(signal.aborted ? Object.assign(new Error('timeout'), { name: 'TimeoutError' }) : err));
+    const timer = setTimeout(() => {
+      if (response?.complete) return; // read whole: its socket may serve another call by now
+      timedOut = true;
+      req.destroy(timeout());
+    }, timeoutMs);
+    req.on('error', (err) => {
+      clearTimeout(timer);
+      reject(timedOut ? timeout() : err);
+    });
     req.on('socket', (s) => s.setNoDelay(true));
     req.end(body);
   });

