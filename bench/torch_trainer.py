@@ -1,20 +1,26 @@
 """Bench of the PyTorch trainer side (python/treepack/torch), for `npm run bench`:
 
-1. node logprobs: ``packed_logprobs`` (LM head only at the nodes that predict a trainable token, chunked and
-   checkpointed) against full logits (``lm_head(hidden)`` over all N nodes, then log_softmax and a gather), forward
-   + backward, on hidden states and a Qwen3-sized vocabulary;
-2. tree attention, forward + backward: the block-sparse path against SDPA with the dense tree mask, N = 4k–32k
-   (``--quick``, the default run's: logprobs at N = 512, attention at 4k).
+1. node logprobs: ``packed_logprobs`` (LM head only at the nodes that predict a trainable token, in chunks of at most
+   1,024 rows, the default) against full logits (``lm_head(hidden)`` over all N nodes, then log_softmax and a
+   gather), forward + backward, on hidden states (256 wide) and a Qwen3 vocabulary (151,936), on two forests: an
+   agent one (multi-turn episodes, only the assistant's tokens trainable: about a quarter of the nodes scored, the
+   usual case) and a single-turn one (every completion token trainable: about three quarters scored, the worst
+   case);
+2. tree attention, forward + backward: the block-sparse path against SDPA with the dense tree mask, N = 4k–32k.
+
+``--quick`` (the default run's): logprobs at N = 512, attention at 4k; else logprobs at 4k, attention at 4k–32k.
 
 Each case runs in its own process, so its peak memory is its own: peak RSS above the set-up (CPU) or
-``torch.cuda.max_memory_allocated`` above the set-up (CUDA), over a first call and the timed runs. Times are the
-median of ``--repeat`` runs after that first call. Ratios are against the baseline measured in the same run (full logits; dense mask). A baseline case
-(dense mask, full logits) whose big tensors alone would pass ``--max-gib`` is reported as skipped with that size, not run.
+``torch.cuda.max_memory_allocated`` above the set-up (CUDA), over a first call and the timed runs. Attention times
+are the median of ``--repeat`` runs after that first call. A logprobs case is one call, timed, with no warm-up: at
+N = 4k one full-logits call takes ~35 s on a 2-core CPU, and what a first call adds (thread pools) is milliseconds.
+Ratios are against the baseline measured in the same run on the same forest (full logits; dense mask). A baseline
+case whose big tensors alone would pass ``--max-gib`` is reported as skipped with that size, not run.
 
-    python bench/torch_trainer.py [--quick] [--device cpu|cuda] [--json FILE]
+    python bench/torch_trainer.py [--quick] [--kind logprobs|attention] [--device cpu|cuda] [--json FILE]
 
-The forest is GRPO-shaped: groups of 8 completions branching off a shared prompt, built by the C core
-(``treepack.pack_sequences``). Prints a table; ``--json`` writes {"device", "rows": [...]}.
+Forests are built by the C core (``treepack.pack_sequences``). Prints a table; ``--json`` writes
+{"device", "torch", "rows": [...]}.
 """
 
 from __future__ import annotations
@@ -34,30 +40,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
-def forest(tokens: int, seed: int = 0) -> Any:
-    """About `tokens` packed nodes in groups of one prompt and 8 completions, pairs of completions sharing a stem
-    (a full group: prompt 1024, stems 64, completions 320 tokens; smaller targets scale one group down); 70% of the
-    completion tokens trainable, prompts never."""
+# Groups of 8 rollouts of one prompt. Full-size groups; a smaller target scales every length down alike.
+SHAPES = {
+    # Multi-turn agent episodes: prompt 1024, then 4 turns of an assistant message (64 tokens, trainable) and a tool
+    # result (192, not trainable). Only the prompt is shared.
+    "agent": {"prompt": 1024, "turns": [(64, True), (192, False)] * 4, "stems": 8},
+    # Single-turn GRPO: prompt 1024, pairs of completions sharing a 64-token stem, tails of 320; every completion
+    # token trainable.
+    "single-turn": {"prompt": 1024, "turns": [(64, True), (320, True)], "stems": 4},
+}
+
+
+def forest(tokens: int, shape: str, seed: int = 0) -> Any:
+    """About `tokens` packed nodes of `shape` (SHAPES); prompts are never trainable."""
     import numpy as np
 
     from treepack.pack import pack_sequences
 
     r = random.Random(seed)
-    unit = 1024 + 4 * 64 + 8 * 320
+    spec = SHAPES[shape]
+    per_stem = 8 // spec["stems"]
+    stem_len, stem_trained = spec["turns"][0]
+    unit = spec["prompt"] + spec["stems"] * stem_len + 8 * sum(n for n, _ in spec["turns"][1:])
     scale = min(1.0, tokens / unit)
-    prompt_len, stem_len, tail_len = (max(1, round(x * scale)) for x in (1024, 64, 320))
+    size = lambda n: max(1, round(n * scale))  # noqa: E731
+    ids = lambda n: [r.randrange(151_000) for _ in range(size(n))]  # noqa: E731
     seqs: List[List[int]] = []
+    masks: List[List[bool]] = []
     for _ in range(max(1, round(tokens / unit))):
-        prompt = [r.randrange(151_000) for _ in range(prompt_len)]
-        for _ in range(4):
-            stem = [r.randrange(151_000) for _ in range(stem_len)]
-            for _ in range(2):
-                seqs.append(prompt + stem + [r.randrange(151_000) for _ in range(tail_len)])
+        prompt = ids(spec["prompt"])
+        for _ in range(spec["stems"]):
+            stem = ids(stem_len)
+            for _ in range(per_stem):
+                seq, mask = prompt + stem, [False] * len(prompt) + [stem_trained] * len(stem)
+                for n, trained in spec["turns"][1:]:
+                    part = ids(n)
+                    seq, mask = seq + part, mask + [trained] * len(part)
+                seqs.append(seq)
+                masks.append(mask)
     mb = pack_sequences(seqs)
-    rng = np.random.default_rng(seed)
-    mb.loss_mask = (mb.loss_mask * (rng.random(len(mb.loss_mask)) < 0.7)).astype(np.uint8)
-    for s in mb.seq_offsets[:-1]:
-        mb.loss_mask[s : s + prompt_len] = 0
+    mb.loss_mask = (mb.loss_mask & np.concatenate(masks)).astype(np.uint8)
     return mb
 
 
@@ -80,12 +102,13 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
 
     torch.manual_seed(0)
     dev = case["device"]
-    batch = tpt.load_microbatch(forest(case["tokens"]), device=dev)
+    batch = tpt.load_microbatch(forest(case["tokens"], case["forest"]), device=dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    nodes = tpt.scored_nodes(batch)
+    rows = int(torch.unique(batch.parent[nodes]).numel())
     if case["kind"] == "logprobs":
         hidden = torch.randn(batch.num_nodes, case["hidden"], device=dev) * 0.1
         head = torch.nn.Linear(case["hidden"], case["vocab"], bias=False, device=dev)
-        nodes = tpt.scored_nodes(batch)
 
         def once() -> None:
             h = hidden.clone().requires_grad_(True)
@@ -105,17 +128,18 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
             q, k, v = (x.clone().requires_grad_(True) for x in qkv)
             tpt.attend(mask, q, k, v).sum().backward()
 
-    peak = peak_tracker(dev)  # from before the warm-up: what the first call builds and caches counts too
-    once()
-    sync()
+    peak = peak_tracker(dev)  # from before the first call: what it builds and caches counts too
+    if case["warmup"]:
+        once()
+        sync()
     times = []
     for _ in range(case["repeat"]):
         t0 = time.perf_counter()
         once()
         sync()
         times.append(time.perf_counter() - t0)
-    return {**case, "packed_tokens": batch.num_nodes, "naive_tokens": batch.num_occurrences, "scored_nodes": int(tpt.scored_nodes(batch).numel()),
-            "seconds": statistics.median(times), "peak_bytes": peak()}
+    return {**case, "packed_tokens": batch.num_nodes, "naive_tokens": batch.num_occurrences, "scored_nodes": int(nodes.numel()),
+            "head_rows": rows, "seconds": statistics.median(times), "peak_bytes": peak()}
 
 
 def main() -> None:
@@ -136,16 +160,22 @@ def main() -> None:
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     repeat = args.repeat or (1 if args.quick else 3)
     cases: List[Dict[str, Any]] = []
-    for n in (512,) if args.quick else (1024, 4096):
-        for method in ("full logits", "packed_logprobs"):
-            cases.append({"kind": "logprobs", "method": method, "tokens": n, "hidden": 256, "vocab": 151_936, "chunk": 512})
+    for n in (512,) if args.quick else (4096,):
+        for shape in SHAPES:
+            for method in ("full logits", "packed_logprobs"):
+                cases.append({"kind": "logprobs", "forest": shape, "method": method, "tokens": n, "hidden": 256, "vocab": 151_936, "chunk": 1024,
+                              "warmup": False, "repeat": 1})
     for n in (4096,) if args.quick else (4096, 8192, 16384, 32768):
         for method in ("dense", "block"):
-            cases.append({"kind": "attention", "method": method, "tokens": n, "heads": 4, "head_dim": 64})
+            # One timed run from 16k, where a case costs tens of seconds on CPU.
+            cases.append({"kind": "attention", "forest": "single-turn", "method": method, "tokens": n, "heads": 4, "head_dim": 64,
+                          "warmup": True, "repeat": 1 if n > 8192 else repeat})
     rows: List[Dict[str, Any]] = []
+    if args.kind in (None, "logprobs"):
+        print(f"logprobs: forward + backward on hidden states ({cases[0]['hidden']} wide), vocabulary {cases[0]['vocab']:,} (Qwen3), "
+              f"packed_logprobs in chunks of at most {cases[0]['chunk']:,} rows; one timed call per case, {dev}", flush=True)
     for case in [c for c in cases if args.kind in (None, c["kind"])]:
-        # One timed run where a case costs tens of seconds on CPU (a Qwen3 vocabulary's logits; attention from 16k).
-        case.update(device=dev, repeat=1 if case["kind"] == "logprobs" or case["tokens"] > 8192 else repeat)
+        case["device"] = dev
         need, what = 0, ""
         if case["kind"] == "attention" and case["method"] == "dense":
             need, what = case["heads"] * case["tokens"] ** 2 * 4 * 3, "dense attention matrices"  # scores, probabilities, their gradient; float32
@@ -177,15 +207,21 @@ def _ratio(base: float, value: float, better: str, worse: str) -> str:
 
 
 def format_row(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
-    what = f"{row['kind']:<9} {row['method']:<16} N={row['tokens']:>6}"
+    what = f"{row['kind']:<9} {row['method']:<16} {row['forest']:<11} N={row['tokens']:>6}"
     if "skipped" in row:
         return f"{what}  skipped: {row['skipped']}"
+    if row["kind"] == "logprobs":
+        what += f" (packed {row['packed_tokens']}, {row['scored_nodes'] / row['packed_tokens']:.0%} scored, head at {row['head_rows']} rows)"
+    else:
+        what += f" (packed {row['packed_tokens']}, naive {row['naive_tokens']})"
     base_method = "full logits" if row["kind"] == "logprobs" else "dense"
-    base = next((r for r in rows if r["kind"] == row["kind"] and r["tokens"] == row["tokens"] and r["method"] == base_method and "seconds" in r), None)
+    base = next((r for r in rows if (r["kind"], r["forest"], r["tokens"], r["method"]) == (row["kind"], row["forest"], row["tokens"], base_method) and "seconds" in r), None)
     ratio = ""
     if base is not None and base is not row:
-        ratio = f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, {_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')}"
-    return f"{what} (packed {row['packed_tokens']}, naive {row['naive_tokens']})  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
+        saved = base["peak_bytes"] - row["peak_bytes"]
+        ratio = (f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, "
+                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} ({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
+    return f"{what}  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
 
 
 if __name__ == "__main__":

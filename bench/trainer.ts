@@ -1,8 +1,9 @@
 /**
- * The PyTorch trainer side's own costs (bench/torch_trainer.py): `packed_logprobs` at logit nodes vs full logits,
- * and block-sparse tree attention vs SDPA with the dense tree mask, forward + backward. The default run takes one
- * small point of each (`--quick`: logprobs at N = 512, attention at 4k, seconds); --full runs logprobs at 1k and 4k and
- * attention at 4k–32k (minutes), each baseline bounded by the machine's memory (bench/torch_trainer.py --max-gib).
+ * The PyTorch trainer side's own costs (bench/torch_trainer.py): `packed_logprobs` at logit nodes vs full logits (on an
+ * agent forest, about a quarter of the nodes scored, and a single-turn one, about three quarters), and block-sparse
+ * tree attention vs SDPA with the dense tree mask, forward + backward. The default run takes small points
+ * (`--quick`: logprobs at N = 512, attention at 4k, seconds); --full runs logprobs at 4k and attention at 4k–32k
+ * (a few minutes on a 2-core CPU), each baseline bounded by the machine's memory (bench/torch_trainer.py --max-gib).
  */
 import { spawnSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
@@ -18,7 +19,7 @@ export interface TrainerSection {
 }
 
 export async function benchTrainer(full: boolean): Promise<TrainerSection> {
-  console.log(`\n## trainer side: node logprobs vs full logits, block-sparse vs dense tree attention (forward + backward)${full ? '' : '; small sizes (--full: attention 4k–32k, logprobs at 1k and 4k)'}`);
+  console.log(`\n## trainer side: node logprobs vs full logits, block-sparse vs dense tree attention (forward + backward)${full ? '' : '; small sizes (--full: attention 4k–32k, logprobs at 4k)'}`);
   const env = await findPython();
   if (!env.torch || !env.python) {
     console.log(`skipped: no Python with torch: ${env.reason}`);

@@ -1,11 +1,25 @@
 """Node logprobs: the LM head run only at logit nodes, in chunks, equals the gather from full logits (values,
-entropies and gradients, model and hidden-state inputs); only the requested nodes are scored; a model whose
-vocabulary is smaller than an id, or a bad argument, is a TreepackError naming the field."""
+entropies and gradients, model and hidden-state inputs; the linear head's hand-written backward and any other head
+module's autograd path; softcap and temperature; a bias, a frozen head, a second backward); only the requested nodes
+are scored; a model whose vocabulary is smaller than an id, or a bad argument, is a TreepackError naming the field."""
 
 import unittest
 
 from support import forests, needs_torch, pack, tiny_model, torch, tpt
 from treepack import TreepackError
+
+
+if torch is not None:
+
+    class Wrapped(torch.nn.Module):
+        """A head module that is not a plain nn.Linear (as a quantized or adapter-wrapped head is not)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h):
+            return self.inner(h)
 
 
 @needs_torch(transformers=True)
@@ -65,6 +79,88 @@ class NodeLogprobs(unittest.TestCase):
         got = tpt.packed_logprobs(sdpa, b, nodes="all")
         want = tpt.packed_logprobs(self.model, b, nodes="all")
         self.assertLess(float((got.logprobs[want.nodes] - want.logprobs[want.nodes]).abs().max()), 1e-12)
+
+    def test_softcap_and_temperature_both_head_paths(self):
+        # The sampler's logits: softcapped, then divided by the temperature; a head that is not a plain nn.Linear
+        # (here wrapped) takes the autograd path, which must agree with the linear head's hand-written backward.
+        b, T, cap = self.batch, 0.7, 0.5
+        self.model.config.final_logit_softcapping = cap
+        linear = self.model.lm_head
+        for wrapped in (False, True):
+            for chunk in (7, 4096):  # several chunks (recomputed in backward), one (kept)
+                with self.subTest(wrapped=wrapped, chunk=chunk):
+                    self.model.lm_head = Wrapped(linear) if wrapped else linear
+                    self.model.zero_grad()
+                    s = tpt.packed_logprobs(self.model, b, chunk_size=chunk, entropy=True, temperature=T)
+                    want = s.nodes
+                    (s.logprobs[want].sum() + 0.3 * s.entropy[want].sum()).backward()
+                    grads = {id(p): p.grad.clone() for p in self.model.parameters()}  # by tensor: wrapping renames the head's
+                    self.model.zero_grad()
+                    self.model.lm_head = linear
+                    out = self.model(b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b, mode="dense"), use_cache=False)
+                    logp = torch.log_softmax(cap * torch.tanh(out.logits[0] / cap) / T, -1)
+                    lp = logp[b.parent[want], b.input_ids[want]]
+                    ent = -(logp.exp() * logp).sum(-1)[b.parent[want]]
+                    (lp.sum() + 0.3 * ent.sum()).backward()
+                    self.assertLess(float((s.logprobs[want] - lp).abs().max()), 1e-12)
+                    self.assertLess(float((s.entropy[want] - ent).abs().max()), 1e-12)
+                    for n, p in self.model.named_parameters():
+                        self.assertLess(float((grads[id(p)] - p.grad).abs().max()), 1e-10, n)
+
+    def test_linear_head_with_bias_frozen_head_and_second_backward(self):
+        b = self.batch
+        torch.manual_seed(3)
+        hidden = torch.randn(b.num_nodes, 16, dtype=torch.float64)
+        head = torch.nn.Linear(16, 97, bias=True).double()
+        nodes = tpt.scored_nodes(b, "all")
+
+        def reference(h):
+            logp = torch.log_softmax(head(h), -1)
+            return logp[b.parent[nodes], b.input_ids[nodes]], -(logp.exp() * logp).sum(-1)[b.parent[nodes]]
+
+        weights = torch.randn(nodes.numel(), dtype=torch.float64)
+        for frozen in (False, True):
+            head.requires_grad_(not frozen)
+            for chunk in (5, 4096):
+                for entropy in (False, True):
+                    with self.subTest(frozen=frozen, chunk=chunk, entropy=entropy):
+                        h = hidden.clone().requires_grad_(True)
+                        s = tpt.packed_logprobs(h, b, lm_head=head, nodes="all", chunk_size=chunk, entropy=entropy)
+                        objective = (weights * s.logprobs[nodes]).sum() + (0.3 * s.entropy[nodes].sum() if entropy else 0)
+                        params = [h] + ([] if frozen else [head.weight, head.bias])
+                        got = torch.autograd.grad(objective, params, retain_graph=True)
+                        again = torch.autograd.grad(objective, params)  # a kept chunk's saved tensors are read, not overwritten
+                        h_ref = hidden.clone().requires_grad_(True)
+                        lp, ent = reference(h_ref)
+                        ref_objective = (weights * lp).sum() + (0.3 * ent.sum() if entropy else 0)
+                        want = torch.autograd.grad(ref_objective, [h_ref] + params[1:])
+                        self.assertLess(float((s.logprobs[nodes] - lp).abs().max()), 1e-12)
+                        for g, g2, w in zip(got, again, want):
+                            self.assertLess(float((g - w).abs().max()), 1e-10)
+                            self.assertTrue(torch.equal(g, g2))
+        head.requires_grad_(True)  # no node scored: a zero gradient, not an unwritten one
+        none = tpt.packed_logprobs(hidden, b, lm_head=head, nodes=torch.zeros(0, dtype=torch.int64))
+        self.assertTrue(torch.isnan(none.logprobs).all())
+        (g_w,) = torch.autograd.grad(none.logprobs[none.nodes].sum(), [head.weight])
+        self.assertTrue(torch.equal(g_w, torch.zeros_like(g_w)))
+
+    def test_bfloat16_head_matches_the_autograd_path(self):
+        # A head in another dtype than the logits (float32): cast after the matmul, its gradient cast back, as
+        # autograd does.
+        b = self.batch
+        torch.manual_seed(4)
+        hidden = torch.randn(b.num_nodes, 16).bfloat16()
+        head = torch.nn.Linear(16, 97, bias=False).bfloat16()
+        results = []
+        for lm_head in (head, Wrapped(head)):
+            h = hidden.clone().requires_grad_(True)
+            s = tpt.packed_logprobs(h, b, lm_head=lm_head, nodes="all", chunk_size=9, entropy=True)
+            self.assertEqual(s.logprobs.dtype, torch.float32)
+            (s.logprobs[s.nodes].sum() + s.entropy[s.nodes].sum()).backward()
+            results.append((s.logprobs[s.nodes].detach(), h.grad.float(), head.weight.grad.float()))
+            head.weight.grad = None
+        for got, want in zip(*results):
+            self.assertLess(float((got - want).abs().max()), 2e-2 * max(1.0, float(want.abs().max())))
 
     def test_errors_name_the_field(self):
         b = self.batch
