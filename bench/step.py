@@ -187,12 +187,12 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     packed = list(tpt.PackedDataset(w["packed_dir"]))
     # When the merge joined no call, the merged layout holds naive's sequences: it is not built or timed again.
     sides = ("naive", "packed") if w.get("merged_is_naive") else SIDES
-    layouts = {
-        "naive": chains_under_budget([tpt.naive_batch(b) for b in tpt.PackedDataset(w["calls_dir"])], T),
-        "merged": chains_under_budget([tpt.naive_batch(b) for b in packed], T),
-        "packed": packed,
+    build = {
+        "naive": lambda: chains_under_budget([tpt.naive_batch(b) for b in tpt.PackedDataset(w["calls_dir"])], T),
+        "merged": lambda: chains_under_budget([tpt.naive_batch(b) for b in packed], T),
+        "packed": lambda: packed,
     }
-    layouts = {k: layouts[k] for k in sides}
+    layouts = {k: build[k]() for k in sides}
     vocab = torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
     layouts = {k: [with_old_logprobs(b, vocab) for b in bs] for k, bs in layouts.items()}
     figs = {k: figures(bs, flex=device.type == "cuda") for k, bs in layouts.items()}
