@@ -120,6 +120,13 @@ describe('service errors', { timeout: 30_000 }, () => {
     await down.close();
   });
 
+  it('library options of the shared pool: a wrong type names the option', () => {
+    const base = { engineUrl: stub.url, dataDir: '/tmp/x', redis: 'redis://127.0.0.1:6379' };
+    expect(() => resolveServiceOptions({ ...base, redisAllowWeakDurability: 'yes' as never })).toThrow(/for redisAllowWeakDurability but received "yes"/);
+    expect(() => resolveServiceOptions({ ...base, warn: 'stderr' as never })).toThrow(/for warn but received "stderr"/);
+    expect(resolveServiceOptions({ ...base, redisAllowWeakDurability: true }).redisAllowWeakDurability).toBe(true);
+  });
+
   it('a non-loopback bind needs a token; the token is then required', async () => {
     expect(() => resolveServiceOptions({ engineUrl: stub.url, dataDir: '/tmp/x', host: '0.0.0.0' })).toThrow(/bearer token/);
     stub.mode = 'ok';

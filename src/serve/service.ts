@@ -94,10 +94,14 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     r.redis = o.redis;
   }
   if (o.redisAllowWeakDurability !== undefined) {
+    if (typeof o.redisAllowWeakDurability !== 'boolean') throw argError('redisAllowWeakDurability', 'true or false', o.redisAllowWeakDurability);
     if (r.redis === undefined) throw new TreepackError('E_ARG', 'redisAllowWeakDurability applies to the shared pool only: it needs redis');
     r.redisAllowWeakDurability = o.redisAllowWeakDurability;
   }
-  if (o.warn !== undefined) r.warn = o.warn;
+  if (o.warn !== undefined) {
+    if (typeof o.warn !== 'function') throw argError('warn', 'a function taking the warning text', o.warn);
+    r.warn = o.warn;
+  }
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
   if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
