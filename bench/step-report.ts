@@ -20,7 +20,7 @@ export interface StepAnalysis {
   calls: number; // LLM calls of the workload
   timelines: number; // after the timeline merge
   packSeconds: number;
-  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean }>;
+  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean; pageFaults?: number }>;
   shortfall: string[];
   realSizes: { model: string; idealRatio: number; gpuSpeedup: number }[];
 }
@@ -39,12 +39,16 @@ function works(w: StepWorkload, s: StepSection): Record<Side, Work> {
   return Object.fromEntries(SIDES.map((k) => [k, work(w.figures![k], s.shape!, vocab, 128, s.dtype === 'float32' ? 4 : 2)])) as Record<Side, Work>;
 }
 
+/** Minor faults a timed step may take without comment (a 16k-token naive step on glibc's defaults takes ~10⁵). */
+const FAULTS_NOTED = 1000;
+
 export function analyzeStep(s: StepSection): StepSummary {
   const lines: string[] = [];
   const lossMismatches: string[] = [];
   const sh = s.shape!;
   const header = `## training step: forward + backward + RL loss of a random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers, ${sh.heads}/${sh.kv_heads} heads × ${sh.head_dim}, MLP ${sh.intermediate}) on ${s.device}, ${s.dtype}, attention ${s.attention === 'flex' ? 'FlexAttention + BlockMask' : 'block-sparse SDPA'} (B = 128), torch ${s.torch}; micro-batches ≤ ${s.maxTokens} tokens`;
   lines.push(header);
+  if (s.allocator) lines.push(`  harness allocator: ${s.allocator}`);
   lines.push('  naive: every LLM call its own sequence; merged: timelines after the merge, each its own sequence; packed: treepack micro-batches (prefix trees)');
   const done = s.workloads.filter((w) => w.sides && w.figures && !w.error);
   for (const w of s.workloads.filter((w) => w.error)) lines.push(`  ${w.name}: FAILED: ${w.error}`);
@@ -70,7 +74,7 @@ export function analyzeStep(s: StepSection): StepSummary {
       SIDES.map((k) => {
         const p = pred?.[k];
         if (p !== undefined) errors.push(Math.abs(p / m[k].step - 1));
-        return [k, { step: m[k].step, masks: m[k].masks, forward: m[k].forward, loss: m[k].loss, backward: m[k].backward, peak: m[k].peak_bytes, tokens: f[k].tokens, microBatches: f[k].micro_batches, predicted: p, executedOverExact: ((f[k].executed_blocks ?? f[k].blocks) * 128 * 128) / Math.max(1, f[k].pairs), sameAsNaive: m[k].same_as_naive }];
+        return [k, { step: m[k].step, masks: m[k].masks, forward: m[k].forward, loss: m[k].loss, backward: m[k].backward, peak: m[k].peak_bytes, tokens: f[k].tokens, microBatches: f[k].micro_batches, predicted: p, executedOverExact: ((f[k].executed_blocks ?? f[k].blocks) * 128 * 128) / Math.max(1, f[k].pairs), sameAsNaive: m[k].same_as_naive, pageFaults: m[k].page_faults }];
       }),
     ) as StepAnalysis['sides'];
     const speedup = m.naive.step / m.packed.step;
@@ -110,6 +114,8 @@ export function analyzeStep(s: StepSection): StepSummary {
     const goal = r.speedup >= 0.8 * r.idealRatio ? 'met' : 'MISSED';
     lines.push(`    token compression ${fmt(r.compression)}×, ideal work ratio ${fmt(r.idealRatio)}×, measured: packed ${speed(r.sides.naive.step, r.sides.packed.step)} than naive (merged ${r.sides.merged.sameAsNaive ? '= naive' : speed(r.sides.naive.step, r.sides.merged.step)}); speedup ÷ compression ${fmt(r.speedup / r.compression)}, ÷ ideal ${fmt(r.speedup / r.idealRatio)} (goal ≥ 0.8: ${goal})`);
     for (const why of r.shortfall) lines.push(`      short of the ideal: ${why}`);
+    const faults = SIDES.filter((k) => !r.sides[k].sameAsNaive && (r.sides[k].pageFaults ?? 0) > FAULTS_NOTED);
+    if (faults.length) lines.push(`    page faults in timed steps: ${faults.map((k) => `${k} ${r.sides[k].pageFaults}`).join(', ')} (the allocator gave memory back to the OS; these steps include faulting it in again)`);
     lines.push(`    timeline merge (by tokens): ${r.calls} calls → ${r.timelines} timelines${r.calls === r.timelines ? ' (no call extends an earlier one token for token: the chat template re-renders earlier turns)' : ''}`);
     lines.push(`    estimated (cost model, ${ASSUMED_GPU.name}): ${r.realSizes.map((x) => `${x.model} ideal ${fmt(x.idealRatio, 1)}×, step ${fmt(x.gpuSpeedup, 1)}× faster`).join('; ')}`);
   }

@@ -29,6 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
 sys.path.append(os.path.join(ROOT, "python"))
 
+try:
+    import resource
+except ImportError:  # Windows: no getrusage
+    resource = None  # type: ignore[assignment]
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
@@ -136,6 +141,12 @@ def peak_bytes(device: torch.device) -> int:
     return 0
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where getrusage is absent): a timed CPU step should take none, or the
+    allocator is handing memory back to the OS and faulting it in again (see bench/step.ts, GLIBC_TUNABLES)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
 def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[str, Any], device: torch.device) -> Dict[str, float]:
     """One training step (gradient accumulation over the side's micro-batches), timed per stage."""
     t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
@@ -143,6 +154,7 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     model.zero_grad(set_to_none=True)
     reset_peak(device)
     sync(device)
+    faults = _minor_faults()
     start = time.perf_counter()
     for b in batches:
         t0 = time.perf_counter()
@@ -168,9 +180,10 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
         train = b.seq_positions[b.loss_mask.bool()]
         lp_sum += float(lp.detach()[train].double().sum())
     total = time.perf_counter() - start - t["masks"]  # the extra mask build is not part of a step
+    faults = _minor_faults() - faults
     grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
     # "loss" in t is the loss's seconds; its value is "loss_value".
-    return {**t, "step": total, "peak_bytes": peak_bytes(device), "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
+    return {**t, "step": total, "peak_bytes": peak_bytes(device), "page_faults": faults, "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
 
 
 def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
@@ -202,9 +215,9 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     config = {"policy": "ppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "global_tokens": float(trainable.pop())}
     layouts = {k: [b.to(device) for b in bs] for k, bs in layouts.items()}
     model = make_model(spec["shape"], int(vocab.numel()), device, dtype)
-    # Warm-up (allocator, kernels, on CUDA the compiled attention) on the packed side's first micro-batch: a whole
-    # micro-batch, as a single sequence left the first timed step of a process slower than the same step later.
-    step(model, layouts["packed"][:1], config, device)
+    # Warm-up (kernels, on CUDA the compiled attention, and the allocator) on the workload's largest micro-batch: the
+    # heap then holds the most any timed step needs, and no timed step faults memory in.
+    step(model, [max((b for bs in layouts.values() for b in bs), key=lambda b: int(b.input_ids.numel()))], config, device)
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in sides}
     for _ in range(w["repeats"]):
         for k in sides:  # interleaved, so load from other processes lands on every side alike
@@ -215,7 +228,7 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
         return {"name": w["name"], "error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing", "figures": figs}
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatches = {k: agree(best["naive"], best[k], tol) for k in sides if k != "naive"}
-    out = {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": max(r["peak_bytes"] for r in runs[k])} for k in sides}
+    out = {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": max(r["peak_bytes"] for r in runs[k]), "page_faults": max(r["page_faults"] for r in runs[k])} for k in sides}
     if "merged" not in sides:
         out["merged"], figs["merged"] = {**out["naive"], "same_as_naive": True}, figs["naive"]
     return {

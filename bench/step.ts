@@ -22,6 +22,8 @@ export interface StepSide extends Record<string, unknown> {
   backward: number;
   steps: number[];
   peak_bytes: number;
+  /** minor page faults during the side's timed steps, the most of any repeat (absent: older runs, or no getrusage) */
+  page_faults?: number;
   /** the loss's value (`loss` is its seconds) */
   loss_value: number;
   /** merged only: the merge joined no call, so these are naive's sequences and naive's figures */
@@ -49,6 +51,8 @@ export interface StepSection {
   dtype?: string;
   attention?: string;
   python?: string;
+  /** the harness's CPU allocator settings (harnessAllocator) */
+  allocator?: string;
   torch?: string;
   shape?: ModelShape;
   maxTokens?: number;
@@ -139,7 +143,22 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
   return kept.reduce((n, t) => n + t.lines.length, 0);
 }
 
-export async function benchStep(opts: { full: boolean; tauBench: string | null }): Promise<StepSection> {
+/**
+ * glibc's malloc hands big freed blocks back to the OS (blocks over its mmap threshold, and the heap's top past its
+ * trim threshold) and faults them in again on the next step. On this VM that cost a naive ≈4× step 1.4 s of 3.4
+ * (115k–270k minor faults per step; the packed step, with smaller tensors, had none), and it made packing look
+ * better than it is. The harness runs with the freed memory kept for reuse, as PyTorch's caching allocator keeps it
+ * on CUDA: the mmap threshold at glibc's maximum (32 MiB), no trimming, and transparent huge pages for what still
+ * faults in (blocks over 32 MiB, heap growth). A GLIBC_TUNABLES of the user's is kept.
+ */
+export function harnessAllocator(): { env: Record<string, string>; label: string } {
+  if (process.env.GLIBC_TUNABLES) return { env: {}, label: `GLIBC_TUNABLES=${process.env.GLIBC_TUNABLES} (yours)` };
+  const tunables = `glibc.malloc.mmap_threshold=${32 << 20}:glibc.malloc.trim_threshold=${2 ** 36}:glibc.malloc.hugetlb=1`;
+  return { env: { GLIBC_TUNABLES: tunables }, label: `GLIBC_TUNABLES=${tunables} (freed memory kept for reuse; ignored off glibc)` };
+}
+
+/** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`). */
+export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED }): Promise<StepSection> {
   const maxTokens = 16384;
   // A fresh clone gets its .venv made here.
   const env = await findPython();
@@ -147,7 +166,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
   const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-step-'));
   try {
     const inputs: WorkloadInput[] = [];
-    for (const g of GENERATED.filter((g) => opts.full || !g.full)) {
+    for (const g of (opts.generated ?? GENERATED).filter((g) => opts.full || !g.full)) {
       const file = join(dir, `generated-${inputs.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
@@ -178,11 +197,12 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null }
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
-    const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'] });
+    const allocator = harnessAllocator();
+    const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'], env: { ...process.env, ...allocator.env } });
     if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
     const out = JSON.parse(r.stdout) as { device: string; device_type: string; dtype: string; attention: string; torch: string; shape: ModelShape; workloads: Partial<StepWorkload>[] };
     out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error }));
-    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads: [...workloads, ...failed] };
+    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, allocator: allocator.label, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads: [...workloads, ...failed] };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
