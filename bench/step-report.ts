@@ -20,7 +20,7 @@ export interface StepAnalysis {
   calls: number; // LLM calls of the workload
   timelines: number; // after the timeline merge
   packSeconds: number;
-  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean; pageFaults?: number }>;
+  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number | null; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean; pageFaults?: number }>;
   shortfall: string[];
   realSizes: { model: string; idealRatio: number; gpuSpeedup: number }[];
 }
@@ -50,6 +50,7 @@ export function analyzeStep(s: StepSection): StepSummary {
   lines.push(header);
   if (s.allocator) lines.push(`  harness allocator: ${s.allocator}`);
   lines.push('  naive: every LLM call its own sequence; merged: timelines after the merge, each its own sequence; packed: treepack micro-batches (prefix trees)');
+  lines.push(`  peak +: memory the side's largest micro-batch adds, forward + backward (an untimed pass; ${s.deviceType === 'cuda' ? "the CUDA allocator's peak" : 'peak RSS growth after freed memory went back to the OS'})`);
   const done = s.workloads.filter((w) => w.sides && w.figures && !w.error);
   for (const w of s.workloads.filter((w) => w.error)) lines.push(`  ${w.name}: FAILED: ${w.error}`);
   for (const w of done) {
@@ -97,7 +98,7 @@ export function analyzeStep(s: StepSection): StepSummary {
     });
     return { name: w.name, calls: w.report.timelines, timelines: w.report.samples, compression: f.naive.tokens / f.packed.tokens, idealRatio, speedup, mergedSpeedup: m.naive.step / m.merged.step, packSeconds: w.packSeconds, sides, shortfall, realSizes };
   });
-  lines.push('  workload / side          mbs     tokens   step s  masks  fwd   loss  bwd    tok/s   peak      model s (err)');
+  lines.push('  workload / side          mbs     tokens   step s  masks  fwd   loss  bwd    tok/s   peak +    model s (err)');
   for (const r of rows) {
     lines.push(`  ${r.name}`);
     for (const k of SIDES) {
@@ -108,7 +109,7 @@ export function analyzeStep(s: StepSection): StepSummary {
       }
       const err = x.predicted === undefined ? '' : `${fmt(x.predicted, 2)} (${x.predicted >= x.step ? '+' : ''}${fmt(100 * (x.predicted / x.step - 1), 0)}%)`;
       lines.push(
-        `    ${k.padEnd(21)} ${String(x.microBatches).padStart(4)} ${String(x.tokens).padStart(10)} ${fmt(x.step, 2).padStart(8)} ${fmt(x.masks, 2).padStart(5)} ${fmt(x.forward, 2).padStart(5)} ${fmt(x.loss, 2).padStart(5)} ${fmt(x.backward, 2).padStart(5)} ${String(Math.round(x.tokens / x.step)).padStart(8)} ${mib(x.peak).padStart(9)}  ${err}`,
+        `    ${k.padEnd(21)} ${String(x.microBatches).padStart(4)} ${String(x.tokens).padStart(10)} ${fmt(x.step, 2).padStart(8)} ${fmt(x.masks, 2).padStart(5)} ${fmt(x.forward, 2).padStart(5)} ${fmt(x.loss, 2).padStart(5)} ${fmt(x.backward, 2).padStart(5)} ${String(Math.round(x.tokens / x.step)).padStart(8)} ${(x.peak === null ? 'n/a' : mib(x.peak)).padStart(9)}  ${err}`,
       );
     }
     const goal = r.speedup >= 0.8 * r.idealRatio ? 'met' : 'MISSED';

@@ -18,12 +18,13 @@ and packed_loss. Device: CUDA when available (bf16 weights, FlexAttention), else
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
@@ -122,23 +123,44 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def reset_peak(device: torch.device) -> None:
+def _rss_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str, Any], device: torch.device) -> Optional[int]:
+    """Peak memory one micro-batch's forward + backward adds to what the process holds (its gradients included), untimed:
+    a step with gradient accumulation peaks at its largest micro-batch. CUDA: the caching allocator's peak. CPU (Linux):
+    the peak RSS, reset at the start, after the freed memory the timed steps keep for reuse has gone back to the OS;
+    None where /proc is absent."""
     if device.type == "cuda":
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        # Linux: "5" resets the process's peak RSS (VmHWM), so each side's peak is its own.
+        step(model, [batch], config, device)
+        return int(torch.cuda.max_memory_allocated()) - base
+    model.zero_grad(set_to_none=True)
+    _malloc_trim()
+    base = _rss_bytes("VmRSS")
+    try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    step(model, [batch], config, device)
+    peak = _rss_bytes("VmHWM")
+    return None if peak is None or base is None else peak - base
 
 
 def _minor_faults() -> int:
@@ -152,7 +174,6 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
     loss_sum, lp_sum = 0.0, 0.0
     model.zero_grad(set_to_none=True)
-    reset_peak(device)
     sync(device)
     faults = _minor_faults()
     start = time.perf_counter()
@@ -183,7 +204,7 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     faults = _minor_faults() - faults
     grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
     # "loss" in t is the loss's seconds; its value is "loss_value".
-    return {**t, "step": total, "peak_bytes": peak_bytes(device), "page_faults": faults, "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
+    return {**t, "step": total, "page_faults": faults, "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
 
 
 def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
@@ -193,6 +214,10 @@ def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
         if abs(a[k] - b[k]) > rel * scale:
             bad.append(f"{k} {a[k]:.8g} vs {b[k]:.8g}")
     return bad
+
+
+def largest(batches: List[tpt.PackedBatch]) -> tpt.PackedBatch:
+    return max(batches, key=lambda b: int(b.input_ids.numel()))
 
 
 def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
@@ -217,7 +242,7 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     model = make_model(spec["shape"], int(vocab.numel()), device, dtype)
     # Warm-up (kernels, on CUDA the compiled attention, and the allocator) on the workload's largest micro-batch: the
     # heap then holds the most any timed step needs, and no timed step faults memory in.
-    step(model, [max((b for bs in layouts.values() for b in bs), key=lambda b: int(b.input_ids.numel()))], config, device)
+    step(model, [largest([b for bs in layouts.values() for b in bs])], config, device)
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in sides}
     for _ in range(w["repeats"]):
         for k in sides:  # interleaved, so load from other processes lands on every side alike
@@ -228,7 +253,7 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
         return {"name": w["name"], "error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing", "figures": figs}
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatches = {k: agree(best["naive"], best[k], tol) for k in sides if k != "naive"}
-    out = {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": max(r["peak_bytes"] for r in runs[k]), "page_faults": max(r["page_faults"] for r in runs[k])} for k in sides}
+    out = {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": peak_memory(model, largest(layouts[k]), config, device), "page_faults": max(r["page_faults"] for r in runs[k])} for k in sides}
     if "merged" not in sides:
         out["merged"], figs["merged"] = {**out["naive"], "same_as_naive": True}, figs["naive"]
     return {

@@ -11,7 +11,7 @@ import { performance } from 'node:perf_hooks';
 import { DirectorySink, packRecords, TreepackError, type PackReport } from '../src/index.js';
 import { generateJsonlLines, type EpisodeJson, type GeneratorOptions } from './dataset.js';
 import { type ModelShape, type SideFigures } from './cost-model.js';
-import { findPython, root } from './python.js';
+import { findPython, harnessAllocator, root } from './python.js';
 
 
 export interface StepSide extends Record<string, unknown> {
@@ -21,7 +21,8 @@ export interface StepSide extends Record<string, unknown> {
   loss: number;
   backward: number;
   steps: number[];
-  peak_bytes: number;
+  /** memory the side's largest micro-batch adds, forward + backward (bench/step.py peak_memory); null: not measurable here */
+  peak_bytes: number | null;
   /** minor page faults during the side's timed steps, the most of any repeat (absent: older runs, or no getrusage) */
   page_faults?: number;
   /** the loss's value (`loss` is its seconds) */
@@ -141,20 +142,6 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
   if (!kept.length) throw new TreepackError('E_INPUT', 'no task has episodes with different rewards (meta.reward): nothing to train on', { file });
   writeFileSync(out, kept.flatMap((t) => t.lines).join('\n') + '\n');
   return kept.reduce((n, t) => n + t.lines.length, 0);
-}
-
-/**
- * glibc's malloc hands big freed blocks back to the OS (blocks over its mmap threshold, and the heap's top past its
- * trim threshold) and faults them in again on the next step. On this VM that cost a naive ≈4× step 1.4 s of 3.4
- * (115k–270k minor faults per step; the packed step, with smaller tensors, had none), and it made packing look
- * better than it is. The harness runs with the freed memory kept for reuse, as PyTorch's caching allocator keeps it
- * on CUDA: the mmap threshold at glibc's maximum (32 MiB), no trimming, and transparent huge pages for what still
- * faults in (blocks over 32 MiB, heap growth). A GLIBC_TUNABLES of the user's is kept.
- */
-export function harnessAllocator(): { env: Record<string, string>; label: string } {
-  if (process.env.GLIBC_TUNABLES) return { env: {}, label: `GLIBC_TUNABLES=${process.env.GLIBC_TUNABLES} (yours)` };
-  const tunables = `glibc.malloc.mmap_threshold=${32 << 20}:glibc.malloc.trim_threshold=${2 ** 36}:glibc.malloc.hugetlb=1`;
-  return { env: { GLIBC_TUNABLES: tunables }, label: `GLIBC_TUNABLES=${tunables} (freed memory kept for reuse; ignored off glibc)` };
 }
 
 /** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`). */

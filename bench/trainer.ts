@@ -9,12 +9,14 @@ import { spawnSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { findPython, root } from './python.js';
+import { findPython, harnessAllocator, root } from './python.js';
 
 export interface TrainerSection {
   skipped?: string;
   device?: string;
   torch?: string;
+  /** the harness's CPU allocator settings (harnessAllocator) */
+  allocator?: string;
   rows?: Record<string, unknown>[];
 }
 
@@ -28,10 +30,12 @@ export async function benchTrainer(full: boolean): Promise<TrainerSection> {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-trainer-'));
   try {
     const json = join(dir, 'trainer.json');
+    const allocator = harnessAllocator();
+    console.log(`harness allocator: ${allocator.label}`);
     // The script prints its own table (ratios against the baseline of the same run) as each case ends.
-    const r = spawnSync(env.python, [join(root, 'bench', 'torch_trainer.py'), ...(full ? [] : ['--quick']), '--json', json], { stdio: ['ignore', 'inherit', 'inherit'] });
+    const r = spawnSync(env.python, [join(root, 'bench', 'torch_trainer.py'), ...(full ? [] : ['--quick']), '--json', json], { stdio: ['ignore', 'inherit', 'inherit'], env: { ...process.env, ...allocator.env } });
     if (r.status !== 0) return { skipped: `bench/torch_trainer.py exited with ${r.status ?? r.signal}` };
-    return JSON.parse(readFileSync(json, 'utf8')) as TrainerSection;
+    return { ...(JSON.parse(readFileSync(json, 'utf8')) as TrainerSection), allocator: allocator.label };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
