@@ -41,7 +41,10 @@ export interface Work {
   microBatches: number;
 }
 
-/** Qwen3 family shapes (config.json of the released checkpoints). */
+/** Qwen3-4B (config.json of the released checkpoint): the second model the step bench trains on CUDA hosts. */
+export const QWEN3_4B: ModelShape = { name: 'Qwen3-4B', hidden: 2560, intermediate: 9728, layers: 36, heads: 32, kv_heads: 8, head_dim: 128, vocab: 151936 };
+
+/** Qwen3 family shapes (config.json of the released checkpoints): the sizes the cost model estimates. */
 export const QWEN3_SHAPES: ModelShape[] = [
   { name: 'Qwen3-0.6B', hidden: 1024, intermediate: 3072, layers: 28, heads: 16, kv_heads: 8, head_dim: 128, vocab: 151936 },
   { name: 'Qwen3-8B', hidden: 4096, intermediate: 12288, layers: 36, heads: 32, kv_heads: 8, head_dim: 128, vocab: 151936 },

@@ -36,7 +36,7 @@ export interface StepSummary {
 
 function works(w: StepWorkload, s: StepSection): Record<Side, Work> {
   const vocab = w.vocab ?? 1;
-  return Object.fromEntries(SIDES.map((k) => [k, work(w.figures![k], s.shape!, vocab, 128, s.dtype === 'float32' ? 4 : 2)])) as Record<Side, Work>;
+  return Object.fromEntries(SIDES.map((k) => [k, work(w.figures![k], w.shape ?? s.shape!, vocab, 128, s.dtype === 'float32' ? 4 : 2)])) as Record<Side, Work>;
 }
 
 /** Minor faults a timed step may take without comment (a 16k-token naive step on glibc's defaults takes ~10⁵). */
@@ -45,8 +45,9 @@ const FAULTS_NOTED = 1000;
 export function analyzeStep(s: StepSection): StepSummary {
   const lines: string[] = [];
   const lossMismatches: string[] = [];
-  const sh = s.shape!;
-  const header = `## training step: forward + backward + RL loss of a random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers, ${sh.heads}/${sh.kv_heads} heads × ${sh.head_dim}, MLP ${sh.intermediate}) on ${s.device}, ${s.dtype}, attention ${s.attention === 'flex' ? 'FlexAttention + BlockMask' : 'block-sparse SDPA'} (B = 128), torch ${s.torch}; micro-batches ≤ ${s.maxTokens} tokens`;
+  const shapes = [...new Map([s.shape, ...s.workloads.map((w) => w.shape)].flatMap((sh) => (sh ? [[sh.name, sh] as const] : []))).values()];
+  const models = shapes.map((sh) => `${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers, ${sh.heads}/${sh.kv_heads} heads × ${sh.head_dim}, MLP ${sh.intermediate})`).join(' and ');
+  const header = `## training step: forward + backward + RL loss of a random-weight ${models} on ${s.device}, ${s.dtype}, attention ${s.attention === 'flex' ? 'FlexAttention + BlockMask' : 'block-sparse SDPA'} (B = 128), torch ${s.torch}; micro-batches ≤ ${s.maxTokens} tokens`;
   lines.push(header);
   if (s.allocator) lines.push(`  harness allocator: ${s.allocator}`);
   lines.push('  naive: every LLM call its own sequence; merged: timelines after the merge, each its own sequence; packed: treepack micro-batches (prefix trees)');

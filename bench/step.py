@@ -13,7 +13,8 @@ logprobs and the gradient norm must agree; a disagreement is reported and makes 
     python bench/step.py SPEC.json   # spec written by bench/step.ts; prints one JSON object on stdout
 
 Uses the trainer side (python/treepack/torch): PackedDataset, naive_batch, the "treepack" attention, packed_logprobs
-and packed_loss. Device: CUDA when available (bf16 weights, FlexAttention), else CPU (float32, block-sparse SDPA).
+and packed_loss. Device: CUDA when available (bf16 weights, FlexAttention; the spec's CUDA shapes, Qwen3-0.6B and 4B),
+else CPU (float32, block-sparse SDPA; the spec's small CPU shape).
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def largest(batches: List[tpt.PackedBatch]) -> tpt.PackedBatch:
     return max(batches, key=lambda b: int(b.input_ids.numel()))
 
 
-def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
+def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str, Any]], device: torch.device, dtype: torch.dtype) -> List[Dict[str, Any]]:
+    """The workload's sides timed on a random-weight model of each shape: one result per shape."""
     T = spec["max_tokens"]
     packed = list(tpt.PackedDataset(w["packed_dir"]))
     # When the merge joined no call, the merged layout holds naive's sequences: it is not built or timed again.
@@ -234,35 +236,49 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], device: torch.device, 
     vocab = torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
     layouts = {k: [with_old_logprobs(b, vocab) for b in bs] for k, bs in layouts.items()}
     figs = {k: figures(bs, flex=device.type == "cuda") for k, bs in layouts.items()}
+    if "merged" not in sides:
+        figs["merged"] = figs["naive"]
     trainable = {figs[k]["trainable"] for k in sides}
     if len(trainable) != 1:
-        return {"name": w["name"], "error": f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides), "figures": figs}
+        error = f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides)
+        return [{"name": w["name"], "input": w["input"], "shape": shape, "error": error, "figures": figs} for shape in shapes]
     config = {"policy": "ppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "global_tokens": float(trainable.pop())}
     layouts = {k: [b.to(device) for b in bs] for k, bs in layouts.items()}
-    model = make_model(spec["shape"], int(vocab.numel()), device, dtype)
+    results = []
+    for shape in shapes:
+        base = {"name": w["name"], "input": w["input"], "shape": shape, "figures": figs, "vocab": int(vocab.numel())}
+        try:
+            results.append({**base, **time_sides(layouts, shape, int(vocab.numel()), config, w["repeats"], device, dtype)})
+        except torch.cuda.OutOfMemoryError as e:
+            # A bigger shape may not fit the device at this micro-batch budget; the other shapes still run.
+            results.append({**base, "error": f"{shape['name']}: out of GPU memory at micro-batches of {T} tokens: {str(e).splitlines()[0]}"})
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
+def time_sides(layouts: Dict[str, List[tpt.PackedBatch]], shape: Dict[str, Any], vocab: int, config: Dict[str, Any], repeats: int,
+               device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
+    sides = tuple(layouts)
+    model = make_model(shape, vocab, device, dtype)
     # Warm-up (kernels, on CUDA the compiled attention, and the allocator) on the workload's largest micro-batch: the
     # heap then holds the most any timed step needs, and no timed step faults memory in.
     step(model, [largest([b for bs in layouts.values() for b in bs])], config, device)
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in sides}
-    for _ in range(w["repeats"]):
+    for _ in range(repeats):
         for k in sides:  # interleaved, so load from other processes lands on every side alike
             runs[k].append(step(model, layouts[k], config, device))
     best = {k: min(runs[k], key=lambda r: r["step"]) for k in sides}
     if best["naive"]["grad_norm"] == 0:
         # Zero advantages (a group whose rewards are all equal) give a zero loss and zero gradients on every side.
-        return {"name": w["name"], "error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing", "figures": figs}
+        return {"error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing"}
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatches = {k: agree(best["naive"], best[k], tol) for k in sides if k != "naive"}
     out = {k: {**best[k], "steps": [r["step"] for r in runs[k]], "peak_bytes": peak_memory(model, largest(layouts[k]), config, device), "page_faults": max(r["page_faults"] for r in runs[k])} for k in sides}
     if "merged" not in sides:
-        out["merged"], figs["merged"] = {**out["naive"], "same_as_naive": True}, figs["naive"]
-    return {
-        "name": w["name"],
-        "figures": figs,
-        "sides": out,
-        "vocab": int(vocab.numel()),
-        "mismatches": {k: v for k, v in mismatches.items() if v},
-    }
+        out["merged"] = {**out["naive"], "same_as_naive": True}
+    return {"sides": out, "mismatches": {k: v for k, v in mismatches.items() if v}}
 
 
 def main() -> None:
@@ -273,19 +289,20 @@ def main() -> None:
     if device.type == "cpu" and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    # The model sizes of this device: a small one on CPU, real Qwen3 shapes on CUDA (bench/step.ts STEP_SHAPES).
+    shapes = spec["shapes"][device.type]
     results = []
-    for w in spec["workloads"]:
+    for i, w in enumerate(spec["workloads"]):
         t0 = time.perf_counter()
-        results.append(run_workload(w, spec, device, dtype))
-        r = results[-1]
-        took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive")) if "sides" in r else r.get("error", "")
-        n = len(results)
-        print(f"  step [{n}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; workload took {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        for r in run_workload({**w, "input": i}, spec, shapes, device, dtype):
+            results.append(r)
+            took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive")) if "sides" in r else r.get("error", "")
+            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; workload took {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
     mode = "flex" if device.type == "cuda" else "block"
     print(json.dumps({
         "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,
-        "torch": torch.__version__, "transformers": transformers.__version__, "shape": spec["shape"], "workloads": results,
+        "torch": torch.__version__, "transformers": transformers.__version__, "workloads": results,
     }))
 
 

@@ -10,7 +10,7 @@ import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { DirectorySink, packRecords, TreepackError, type PackReport } from '../src/index.js';
 import { generateJsonlLines, type EpisodeJson, type GeneratorOptions } from './dataset.js';
-import { type ModelShape, type SideFigures } from './cost-model.js';
+import { QWEN3_4B, QWEN3_SHAPES, type ModelShape, type SideFigures } from './cost-model.js';
 import { findPython, harnessAllocator, root } from './python.js';
 
 
@@ -42,6 +42,8 @@ export interface StepWorkload {
   mismatches?: Record<string, string[]>;
   /** distinct token ids of the workload: the LM head's rows (bench/step.py remaps ids to them) */
   vocab?: number;
+  /** the model this workload was timed on (one entry per workload and shape) */
+  shape?: ModelShape;
   error?: string;
 }
 
@@ -62,6 +64,10 @@ export interface StepSection {
 
 /** The CPU model: small enough for the default run, Qwen3's proportions (GQA 2:1, SwiGLU 3×). */
 export const CPU_SHAPE: ModelShape = { name: 'tiny Qwen3 shape', hidden: 128, intermediate: 384, layers: 2, heads: 4, kv_heads: 2, head_dim: 32 };
+
+/** The models the step is timed on, by the device the harness finds: every workload runs on each. */
+export type StepShapes = Record<'cpu' | 'cuda', ModelShape[]>;
+export const STEP_SHAPES: StepShapes = { cpu: [CPU_SHAPE], cuda: [QWEN3_SHAPES[0], QWEN3_4B] };
 
 interface WorkloadInput {
   name: string;
@@ -144,8 +150,9 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
   return kept.reduce((n, t) => n + t.lines.length, 0);
 }
 
-/** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`). */
-export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED }): Promise<StepSection> {
+/** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`); `shapes`: the
+ * models per device (default STEP_SHAPES). */
+export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes }): Promise<StepSection> {
   const maxTokens = 16384;
   // A fresh clone gets its .venv made here.
   const env = await findPython();
@@ -171,7 +178,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
         failed.push({ name: 'tau-bench airline', compression: 0, packSeconds: 0, report: {} as PackReport, error: (e as Error).message });
       }
     }
-    const spec = { max_tokens: maxTokens, shape: CPU_SHAPE, workloads: [] as object[] };
+    const spec = { max_tokens: maxTokens, shapes: opts.shapes ?? STEP_SHAPES, workloads: [] as object[] };
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
@@ -187,9 +194,15 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
     const allocator = harnessAllocator();
     const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'], env: { ...process.env, ...allocator.env } });
     if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
-    const out = JSON.parse(r.stdout) as { device: string; device_type: string; dtype: string; attention: string; torch: string; shape: ModelShape; workloads: Partial<StepWorkload>[] };
-    out.workloads.forEach((res, i) => Object.assign(workloads[i], { figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error }));
-    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, allocator: allocator.label, torch: out.torch, shape: { ...CPU_SHAPE, ...out.shape }, maxTokens, workloads: [...workloads, ...failed] };
+    const out = JSON.parse(r.stdout) as { device: string; device_type: 'cpu' | 'cuda'; dtype: string; attention: string; torch: string; workloads: (Partial<StepWorkload> & { input: number; shape: ModelShape })[] };
+    const shapes = spec.shapes[out.device_type];
+    // One row per workload and model; the model's name leads when there are several.
+    const timed = out.workloads.map((res) => ({
+      ...workloads[res.input],
+      name: shapes.length > 1 ? `${res.shape.name} · ${workloads[res.input].name}` : workloads[res.input].name,
+      shape: res.shape, figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error,
+    }));
+    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, allocator: allocator.label, torch: out.torch, shape: shapes[0], maxTokens, workloads: [...timed, ...failed] };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
