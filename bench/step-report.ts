@@ -54,6 +54,9 @@ export function analyzeStep(s: StepSection): StepSummary {
   lines.push(`  peak +: memory the side's largest micro-batch adds, forward + backward (an untimed pass; ${s.deviceType === 'cuda' ? "the CUDA allocator's peak" : 'peak RSS growth after freed memory went back to the OS'})`);
   const done = s.workloads.filter((w) => w.sides && w.figures && !w.error);
   for (const w of s.workloads.filter((w) => w.error)) lines.push(`  ${w.name}: FAILED: ${w.error}`);
+  for (const w of s.workloads.filter((w) => w.skipped)) {
+    lines.push(`  ${w.name}: skipped: ${w.skipped} (${w.report.naiveTokens.toLocaleString('en')} naive → ${w.report.packedTokens.toLocaleString('en')} packed tokens, ${fmt(w.compression)}× compression)`);
+  }
   for (const w of done) {
     for (const [side, why] of Object.entries(w.mismatches ?? {})) lossMismatches.push(`${w.name}: ${side} disagrees with naive: ${why.join('; ')}`);
   }

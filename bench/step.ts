@@ -44,6 +44,8 @@ export interface StepWorkload {
   vocab?: number;
   /** the model this workload was timed on (one entry per workload and shape) */
   shape?: ModelShape;
+  /** not timed here, and why (a workload for another device, a model the device has no memory for) */
+  skipped?: string;
   error?: string;
 }
 
@@ -73,7 +75,12 @@ interface WorkloadInput {
   name: string;
   file: string;
   repeats: number;
+  maxTokens: number;
+  devices?: ('cpu' | 'cuda')[];
 }
+
+/** Micro-batch budget of the step's layouts, unless a workload sets its own. */
+const DEFAULT_MAX_TOKENS = 16384;
 
 /** Timings per side in the default run: best of 2, as one timing of a ~2 s step can land on a burst of load. */
 const DEFAULT_REPEATS = 2;
@@ -84,15 +91,18 @@ const DEFAULT_REPEATS = 2;
  * biggest workloads take the fewest repeats: `repeats` is the --full count (the default run: DEFAULT_REPEATS).
  * Each generated call adds ~90 tokens of its own, which bounds the compression near 40× with the ~3.5k-token policy;
  * ≈38× takes a ~7k-token policy (40 sections) and 2 calls per episode, 0.53M naive tokens, the most a --full naive
- * step affords on a 2-core CPU (~1.5 min). Higher compressions (80×) cost millions of naive tokens: not measured here.
+ * step affords on a 2-core CPU (~1.5 min). ≈85× (64 episodes sharing a ~25k-token policy, 3.1M naive tokens, a 36k-token
+ * forest) is for CUDA hosts only (`devices`), with micro-batches of up to 64k tokens (`maxTokens`; 16k otherwise): its
+ * naive step would take ~15 min on this CPU. It is packed everywhere (under a second) and reported skipped on CPU.
  */
-export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean; repeats: number }[] = [
+export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean; repeats: number; maxTokens?: number; devices?: ('cpu' | 'cuda')[] }[] = [
   { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 }, repeats: 3 },
   { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, repeats: 3 },
   { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true, repeats: 3 },
   { label: '≈23×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, full: true, repeats: 2 },
   { label: '≈30×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 3, maxTurns: 3, truncateEvery: 0, seed: 3 }, full: true, repeats: 1 },
   { label: '≈38×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 40 }, full: true, repeats: 1 },
+  { label: '≈85×', opts: { groups: 1, episodesPerGroup: 64, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 150 }, full: true, repeats: 1, maxTokens: 65536, devices: ['cuda'] },
 ];
 
 // The merge compares messages by tokens here, not by text (the library default): with text compare, a later call's
@@ -156,7 +166,7 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
 /** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`); `shapes`: the
  * models per device (default STEP_SHAPES). */
 export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes }): Promise<StepSection> {
-  const maxTokens = 16384;
+  const maxTokens = DEFAULT_MAX_TOKENS;
   // A fresh clone gets its .venv made here.
   const env = await findPython();
   if (!env.torch || !env.python) return { skipped: `no Python with torch: ${env.reason}`, workloads: [] };
@@ -167,7 +177,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
       const file = join(dir, `generated-${inputs.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
-      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : DEFAULT_REPEATS });
+      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : DEFAULT_REPEATS, maxTokens: g.maxTokens ?? maxTokens, devices: g.devices });
     }
     const workloads: StepWorkload[] = [];
     const failed: StepWorkload[] = [];
@@ -175,7 +185,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
       const file = join(dir, 'tau-bench.jsonl');
       try {
         const episodes = mixedRewardTasks(opts.tauBench, file, 1);
-        inputs.push({ name: `tau-bench airline (first task with mixed rewards, ${episodes} episodes)`, file, repeats: 1 });
+        inputs.push({ name: `tau-bench airline (first task with mixed rewards, ${episodes} episodes)`, file, repeats: 1, maxTokens });
       } catch (e) {
         // The generated workloads still run; the table shows this one FAILED with the error naming the file.
         failed.push({ name: 'tau-bench airline', compression: 0, packSeconds: 0, report: {} as PackReport, error: (e as Error).message });
@@ -185,12 +195,12 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
-      const report = await packTo(w.file, packedDir, maxTokens, true);
+      const report = await packTo(w.file, packedDir, w.maxTokens, true);
       const packSeconds = (performance.now() - t0) / 1000;
-      await packTo(w.file, callsDir, maxTokens, false);
+      await packTo(w.file, callsDir, w.maxTokens, false);
       workloads.push({ name: w.name, compression: report.timelineTokens / Math.max(1, report.packedTokens), packSeconds, report });
       const mergedIsNaive = report.samples === report.timelines && report.naiveTokens === report.timelineTokens;
-      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats, merged_is_naive: mergedIsNaive });
+      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats, merged_is_naive: mergedIsNaive, max_tokens: w.maxTokens, devices: w.devices ?? ['cpu', 'cuda'] });
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
@@ -203,7 +213,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
     const timed = out.workloads.map((res) => ({
       ...workloads[res.input],
       name: shapes.length > 1 ? `${res.shape.name} · ${workloads[res.input].name}` : workloads[res.input].name,
-      shape: res.shape, figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error,
+      shape: res.shape, figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error, skipped: res.skipped,
     }));
     return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, allocator: allocator.label, torch: out.torch, shape: shapes[0], maxTokens, workloads: [...timed, ...failed] };
   } finally {

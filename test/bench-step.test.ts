@@ -1,9 +1,10 @@
 /**
  * The bench's training-step harness (bench/step.ts → bench/step.py) end to end on the default run's first workload,
- * on two models (as a CUDA host runs two Qwen3 shapes; here two small ones): the sides train the same tokens to the
- * same loss on each, and the timed steps do not page-fault (glibc's malloc, left to its defaults, gives a 15k-token
- * naive micro-batch's freed tensors back to the OS and faults ~10⁵ pages in again every step, which made the naive
- * side 40% slower than its work on this VM). No timing is asserted.
+ * on two models (as a CUDA host runs two Qwen3 shapes; here two small ones), plus a CUDA-only workload reported
+ * skipped on CPU: the sides train the same tokens to the same loss on each model, and the timed steps do not
+ * page-fault (glibc's malloc, left to its defaults, gives a 15k-token naive micro-batch's freed tensors back to the
+ * OS and faults ~10⁵ pages in again every step, which made the naive side 40% slower than its work on this VM).
+ * No timing is asserted.
  */
 import { describe, expect, it } from 'vitest';
 import { benchStep, CPU_SHAPE, GENERATED } from '../bench/step.js';
@@ -15,13 +16,20 @@ const SMALL = { ...CPU_SHAPE, name: 'one-layer shape', hidden: 64, intermediate:
 
 describe.skipIf(py.skipReason !== '')('bench step harness', () => {
   it('times naive and packed to the same loss on each model, without page faults in the timed steps', { timeout: 300_000 }, async () => {
-    const section = await benchStep({ full: false, tauBench: null, generated: [GENERATED[0]], shapes: { cpu: [CPU_SHAPE, SMALL], cuda: [] } });
+    // The second workload is for CUDA hosts only: packed, then reported skipped here.
+    const cudaOnly = { ...GENERATED[0], label: 'CUDA only', devices: ['cuda' as const] };
+    const section = await benchStep({ full: false, tauBench: null, generated: [GENERATED[0], cudaOnly], shapes: { cpu: [CPU_SHAPE, SMALL], cuda: [] } });
     expect(section.skipped).toBeUndefined();
-    expect(section.workloads.map((w) => [w.name.split(' · ')[0], w.shape?.name])).toEqual([
+    expect(section.deviceType).toBe('cpu');
+    const skipped = section.workloads.filter((w) => w.skipped);
+    expect(skipped.map((w) => [w.name, w.skipped])).toEqual([[expect.stringContaining('CUDA only'), 'timed on cuda hosts only']]);
+    expect(skipped[0].compression).toBeGreaterThan(3);
+    const timed = section.workloads.filter((w) => !w.skipped);
+    expect(timed.map((w) => [w.name.split(' · ')[0], w.shape?.name])).toEqual([
       [CPU_SHAPE.name, CPU_SHAPE.name],
       [SMALL.name, SMALL.name],
     ]);
-    for (const w of section.workloads) {
+    for (const w of timed) {
       expect(w.error).toBeUndefined();
       expect(w.mismatches).toEqual({});
       expect(w.sides!.naive.grad_norm).toBeGreaterThan(0);
@@ -29,8 +37,8 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
       expect(w.figures!.naive.tokens).toBeGreaterThan(3 * w.figures!.packed.tokens);
     }
     // Different models: different gradients of the same loss.
-    expect(section.workloads[0].sides!.naive.grad_norm).not.toBe(section.workloads[1].sides!.naive.grad_norm);
-    const { naive, packed } = section.workloads[0].sides!;
+    expect(timed[0].sides!.naive.grad_norm).not.toBe(timed[1].sides!.naive.grad_norm);
+    const { naive, packed } = timed[0].sides!;
     // A 3.8× larger micro-batch adds more memory than packed's (activations grow with its tokens).
     if (process.platform === 'linux') expect(naive.peak_bytes!).toBeGreaterThan(1.5 * packed.peak_bytes!);
     if (!glibc) return console.log('bench-step: not glibc, page faults not checked');
