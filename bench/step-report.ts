@@ -119,6 +119,7 @@ export function analyzeStep(s: StepSection): StepSummary {
     const goal = r.speedup >= 0.8 * r.idealRatio ? 'met' : 'MISSED';
     lines.push(`    token compression ${fmt(r.compression)}×, ideal work ratio ${fmt(r.idealRatio)}×, measured: packed ${speed(r.sides.naive.step, r.sides.packed.step)} than naive (merged ${r.sides.merged.sameAsNaive ? '= naive' : speed(r.sides.naive.step, r.sides.merged.step)}); speedup ÷ compression ${fmt(r.speedup / r.compression)}, ÷ ideal ${fmt(r.speedup / r.idealRatio)} (goal ≥ 0.8: ${goal})`);
     for (const why of r.shortfall) lines.push(`      short of the ideal: ${why}`);
+    if (s.deviceType === 'cuda' && r.compression >= 50) lines.push(`    GPU goal (≥ 40× step speedup at ≥ 50× compression): ${fmt(r.speedup)}×, ${r.speedup >= 40 ? 'met' : 'MISSED'}`);
     const faults = SIDES.filter((k) => !r.sides[k].sameAsNaive && (r.sides[k].pageFaults ?? 0) > FAULTS_NOTED);
     if (faults.length) lines.push(`    page faults in timed steps: ${faults.map((k) => `${k} ${r.sides[k].pageFaults}`).join(', ')} (the allocator gave memory back to the OS; these steps include faulting it in again)`);
     lines.push(`    timeline merge (by tokens): ${r.calls} calls → ${r.timelines} timelines${r.calls === r.timelines ? ' (no call extends an earlier one token for token: the chat template re-renders earlier turns)' : ''}`);
