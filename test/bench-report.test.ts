@@ -102,4 +102,16 @@ describe('training-step analysis', () => {
     expect(step.text).toContain('leave-one-workload-out, 7 steps'); // 2 + 3 + 2 timed sides
     expect(step.rows[0].sides.merged.predicted).toBeUndefined();
   });
+
+  it('states the GPU goal on CUDA for workloads of at least 50x compression, and lists skipped workloads', () => {
+    const skipped: StepWorkload = { name: 'z', compression: 85, packSeconds: 0.1, report: { naiveTokens: 3000, packedTokens: 35 } as StepWorkload['report'], skipped: 'timed on cuda hosts only' };
+    const section: StepSection = { device: 'GPU', deviceType: 'cuda', dtype: 'bfloat16', attention: 'flex', torch: 'test', shape: CPU_SHAPE, maxTokens: 16384, workloads: [workload('a', 9), workload('b', 60), skipped] };
+    const step = analyzeStep(section);
+    // b: naive 48 s + 30 micro-batches × 0.05 s against packed 0.85 s, about 58×.
+    expect(step.text.match(/GPU goal \(≥ 40× step speedup at ≥ 50× compression\): [\d.]+×, met/g)).toHaveLength(1);
+    expect(step.text).toContain('z: skipped: timed on cuda hosts only (3,000 naive → 35 packed tokens');
+    expect(step.rows.map((r) => r.name)).toEqual(['a', 'b']);
+    const cpu = analyzeStep({ ...section, deviceType: 'cpu' });
+    expect(cpu.text).not.toContain('GPU goal');
+  });
 });
