@@ -166,7 +166,7 @@ def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str
 
 def _minor_faults() -> int:
     """Minor page faults of this process so far (0 where getrusage is absent): a timed CPU step should take none, or the
-    allocator is handing memory back to the OS and faulting it in again (see bench/step.ts, GLIBC_TUNABLES)."""
+    allocator is handing memory back to the OS and faulting it in again (see bench/python.ts, harnessAllocator)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
 
 
