@@ -16,7 +16,8 @@ import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
-import { compactEvents, type SnapshotEvent } from './compact.js';
+import type { SnapshotEvent } from './compact.js';
+import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
@@ -212,7 +213,7 @@ export class Service {
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
     try {
-      const compaction = { compact: (events: LogEvent[]) => compactEvents(events, opts.groupSize), compactBytes: opts.compactBytes };
+      const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
       this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => this.replay(e, line), compaction);
     } catch (err) {
       await this.feed.close();
