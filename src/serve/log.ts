@@ -21,6 +21,7 @@
 import { closeSync, constants, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { open, rename, type FileHandle } from 'node:fs/promises';
 import { dirname } from 'node:path';
+import { performance } from 'node:perf_hooks';
 import { TreepackError } from '../errors.js';
 import { ioError } from '../io/atomic.js';
 import { killPoint } from './faults.js';
@@ -58,6 +59,8 @@ interface Rewrite {
 }
 
 export class DurableLog {
+  /** told how long each group commit's durable write took, in seconds */
+  onWrite: (seconds: number) => void = () => {};
   private queue: Pending[] = [];
   private writing = false;
   private closed = false;
@@ -114,8 +117,10 @@ export class DurableLog {
       const bytes = Buffer.concat(batch.map((p) => p.bytes));
       try {
         if (this.failed) throw this.failed;
+        const t0 = performance.now();
         let off = 0;
         while (off < bytes.length) off += (await this.fh.write(bytes, off)).bytesWritten;
+        this.onWrite((performance.now() - t0) / 1000);
         this.bytes += bytes.length;
         this.events += batch.length;
         for (const p of batch) p.resolve();

@@ -38,6 +38,12 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1],
     registers: [registry],
   });
+  const logWrite = new Histogram({
+    name: 'treepack_log_write_seconds',
+    help: 'durable write (O_DSYNC) of one group commit of the log: every answer waits for the one holding its event',
+    buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5],
+    registers: [registry],
+  });
   const engine = new Histogram({ name: 'treepack_engine_seconds', help: 'engine time per call', labelNames: ['endpoint'], buckets: [0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120], registers: [registry] });
   const staleness = new Histogram({ name: 'treepack_staleness_steps', help: 'trainer steps between the policy that generated a micro-batch and the step that takes it', buckets: [0, 1, 2, 4, 8, 16, 64], registers: [registry] });
   const gauge = (name: string, help: string, key: keyof QueueDepth) =>
@@ -89,7 +95,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     loop.disable();
     gcObserver.disconnect();
   };
-  return { registry, calls, episodes, microBatches, rejected, prompts, latency, engine, staleness, close };
+  return { registry, calls, episodes, microBatches, rejected, prompts, latency, logWrite, engine, staleness, close };
 }
 
 export type Metrics = ReturnType<typeof createMetrics>;

@@ -215,6 +215,7 @@ export class Service {
     try {
       const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
       this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => this.replay(e, line), compaction);
+      this.log.onWrite = (seconds) => this.metrics.logWrite.observe(seconds);
     } catch (err) {
       await this.feed.close();
       throw err;
