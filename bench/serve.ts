@@ -6,9 +6,12 @@
  *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
  *    directly and through each pool's gateway (a separate process; each answer waits for its record's fsync,
  *    group-committed), in alternating rounds so every path sees the same machine load; p50/p99 of each and their
- *    difference, the rates achieved, the load average (the 2 cores are shared);
+ *    difference, the rates achieved, the load average (the 2 cores are shared); and, to explain them, from the
+ *    service's own metrics over its rounds: its event-loop delay, its GC pauses, the CPU its main thread spent
+ *    per call, and the disk's fdatasync time alone between rounds;
  *  - calls/s recorded at saturation: 32 clients calling back to back;
- *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer;
+ *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer,
+ *    and the service's event-loop delay meanwhile;
  *  - memory under backpressure (in-process pool): agents that never finish, until the pool bound answers 429.
  * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R.
  */
@@ -123,10 +126,10 @@ async function closedLoop(clients: number, seconds: number, call: (i: number) =>
 }
 
 /** The floor under "fsync'd before the answer": fdatasync of a small append to a file in `dir`, in ms. */
-function fsyncFloor(dir: string): { p50: number; p99: number } {
+function fsyncFloor(dir: string, n: number): { p50: number; p99: number } {
   const fd = openSync(join(dir, 'fsync-probe'), 'a');
   const ms: number[] = [];
-  for (let i = 0; i < 300; i++) {
+  for (let i = 0; i < n; i++) {
     writeSync(fd, '{"type":"call","probe":"' + 'x'.repeat(500) + '"}\n');
     const t = performance.now();
     fdatasyncSync(fd);
@@ -139,6 +142,57 @@ function fsyncFloor(dir: string): { p50: number; p99: number } {
 const load = () => loadavg().map((x) => x.toFixed(2)).join(' ');
 const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
 const ms3 = (x: number) => `${x.toFixed(3)} ms`;
+
+/** One sample of a Prometheus text exposition: the value of `name` whose labels include `labels`. */
+function sample(text: string, name: string, labels = ''): number {
+  const esc = (x: string) => x.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+  const m = text.match(new RegExp(`^${esc(name)}(?:\\{[^}]*${esc(labels)}[^}]*\\})? (\\S+)$`, 'm'));
+  return m ? Number(m[1]) : NaN;
+}
+
+/** What the serve child's own metrics say about one round: its event-loop delay and its GC pauses meanwhile. */
+interface ProcessRound {
+  loopP99: number;
+  loopMax: number;
+  gcMs: number;
+  gcPauses: number;
+  /** CPU time of the child's main thread (its event loop), ms */
+  loopCpuMs: number;
+  /** the log's group-commit writes in the round, by histogram bucket (cumulative, le in seconds) */
+  logWrites: Map<string, number>;
+}
+
+/** The bucket bound (ms) under which a share `q` of the log's writes fell, over rounds. */
+function logWriteQuantile(rounds: ProcessRound[], q: number): number {
+  const total = new Map<string, number>();
+  for (const r of rounds) for (const [le, n] of r.logWrites) total.set(le, (total.get(le) ?? 0) + n);
+  const all = total.get('+Inf') ?? 0;
+  for (const [le, n] of total) if (n >= q * all) return le === '+Inf' ? Infinity : Number(le) * 1000;
+  return NaN;
+}
+
+/** CPU time a process's main thread has run, in ms (Linux schedstat: ns on the CPU); NaN elsewhere. */
+function mainThreadCpuMs(pid: number): number {
+  try {
+    return Number(readFileSync(`/proc/${pid}/task/${pid}/schedstat`, 'utf8').split(' ')[0]) / 1e6;
+  } catch {
+    return NaN;
+  }
+}
+
+/** Scrapes a service's /metrics: the loop-delay gauges reset at each scrape, GC pause sums are cumulative. */
+async function scrape(url: string): Promise<{ loopP99: number; loopMax: number; gcSum: number; gcCount: number; logWrites: Map<string, number> }> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  const logWrites = new Map<string, number>();
+  for (const m of text.matchAll(/^treepack_log_write_seconds_bucket\{le="([^"]+)"\} (\S+)$/gm)) logWrites.set(m[1]!, Number(m[2]));
+  let gcSum = 0, gcCount = 0;
+  for (const m of text.matchAll(/^treepack_gc_pause_seconds_(sum|count)\{[^}]*\} (\S+)$/gm)) {
+    if (m[1] === 'sum') gcSum += Number(m[2]);
+    else gcCount += Number(m[2]);
+  }
+  const loop = (q: string) => sample(text, 'treepack_event_loop_delay_seconds', `quantile="${q}"`) * 1000;
+  return { loopP99: loop('0.99'), loopMax: loop('max'), gcSum, gcCount, logWrites };
+}
 
 /** A pool under test: the flags that select it, each service on its own Redis database (their options differ). */
 interface PoolUnderTest {
@@ -181,18 +235,30 @@ try {
   for (const [k, gw] of gateways.entries()) await openLoop(200, 0.5, agentCall(gw.url, `warm${k}`));
   const loadBefore = load();
   const paths = [{ name: 'direct', call: (_r: number) => direct }, ...gateways.map((gw, k) => ({ name: pools[k]!.name, call: (r: number) => agentCall(gw.url, `r${r}-${k}`) }))];
-  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[] }));
+  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[], process: [] as ProcessRound[] }));
   const rounds = quick ? 4 : 10;
+  const floors: { p50: number; p99: number }[] = [];
   for (let r = 0; r < rounds; r++) {
     for (const [k, path] of paths.entries()) {
+      const gw = k > 0 ? gateways[k - 1]! : undefined;
+      const before = gw && (await scrape(gw.url)); // also resets the child's loop-delay gauges
+      const cpu0 = gw ? mainThreadCpuMs(gw.child.pid!) : 0;
       const got = await openLoop(rate, seconds / rounds, path.call(r));
+      if (gw) {
+        const loopCpuMs = mainThreadCpuMs(gw.child.pid!) - cpu0;
+        const after = await scrape(gw.url);
+        const logWrites = new Map([...after.logWrites].map(([le, n]) => [le, n - (before!.logWrites.get(le) ?? 0)]));
+        acc[k]!.process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
+      }
       acc[k]!.ms.push(...got.ms);
       acc[k]!.failed += got.failed;
       acc[k]!.sent.push(got.sentPerS);
     }
+    // The disk's own speed, between rounds: it changes with what else the machine does.
+    floors.push(fsyncFloor(data, 100));
   }
   const loadAfter = load();
-  const floor = fsyncFloor(data);
+  const floor = { p50: quantile(floors.map((f) => f.p50), 0.5), p99: quantile(floors.map((f) => f.p99), 0.5) };
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
   const lat: Record<string, unknown> = { rate, seconds, rounds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: floor.p50, fdatasync_p99_ms: floor.p99 };
@@ -218,6 +284,16 @@ try {
       added_p50_ms: p50 - directP50,
       added_p99_ms: p99 - directP99,
       server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
+      // the serve child's event loop during its rounds: a call arriving in a stall waits for it
+      event_loop_delay_p99_ms: quantile(a.process.map((x) => x.loopP99), 0.5),
+      event_loop_delay_max_ms: Math.max(...a.process.map((x) => x.loopMax)),
+      gc_pause_ms_per_s: a.process.reduce((t, x) => t + x.gcMs, 0) / seconds,
+      gc_pauses: a.process.reduce((t, x) => t + x.gcPauses, 0),
+      // CPU its event loop spent per call (finishes included): at `rate` calls/s, the share of the loop that is busy
+      loop_cpu_us_per_call: (a.process.reduce((t, x) => t + x.loopCpuMs, 0) * 1000) / (a.ms.length + a.failed),
+      // the log's durable group-commit writes during the rounds (an answer waits for the one holding its event)
+      log_write_p50_ms_at_most: logWriteQuantile(a.process, 0.5),
+      log_write_p99_ms_at_most: logWriteQuantile(a.process, 0.99),
       saturated_calls_per_s: capacity[k]!.perS,
       saturated_failed: capacity[k]!.failed,
     };
@@ -226,9 +302,11 @@ try {
     console.log(`  ${name} pool: sent at ${r.sent_per_s.toFixed(0)}/s; ${r.calls} calls recorded, ${r.failed} failed`);
     console.log(`    gateway p50 ${ms3(p50)}  p99 ${ms3(p99)}; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
     console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
+    console.log(`    the service's event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
+    console.log(`    its log's durable group-commit writes meanwhile: p50 <= ${r.log_write_p50_ms_at_most} ms, p99 <= ${r.log_write_p99_ms_at_most} ms (histogram bucket bounds)`);
     console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${r.saturated_calls_per_s.toFixed(0)}, ${r.saturated_failed} failed`);
   }
-  console.log(`  fdatasync of one small append on the log's disk, alone: p50 ${ms3(floor.p50)}  p99 ${ms3(floor.p99)} (every answer waits for one; group commit shares it between the calls that arrive meanwhile)`);
+  console.log(`  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(floor.p50)}  p99 ${ms3(floor.p99)} (median over rounds; every answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`);
   if (byPool.redis) {
     const [l, r] = [byPool['in-process']!, byPool.redis];
     console.log(`  Redis pool against in-process: gateway p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / l.capacity, 1 / r.capacity)}`);
@@ -250,6 +328,7 @@ try {
         messages: [{ role: 'system', content: 'You are a helpful agent. '.repeat(20) }, { role: 'user', content: `task ${g}: ${'details '.repeat(30)}` }, { role: 'assistant', content: `answer ${e} ${'words '.repeat(40)}` }],
       }).then((r) => r.arrayBuffer())));
     }
+    await scrape(feed.url); // resets its loop-delay gauges
     const tf = performance.now();
     let pulled = 0;
     await Promise.all(Array.from({ length: dp }, async (_, rank) => {
@@ -262,10 +341,12 @@ try {
       }
     }));
     const feedSeconds = (performance.now() - tf) / 1000 - 2; // the last poll of each rank waits 2 s for nothing
+    const loop = await scrape(feed.url);
     await feed.stop();
     feedRates[p.name] = pulled / feedSeconds;
-    (report.feed as Record<string, unknown>)[p.name] = { dp, groups, micro_batches: pulled, seconds: feedSeconds, micro_batches_per_s: pulled / feedSeconds };
+    (report.feed as Record<string, unknown>)[p.name] = { dp, groups, micro_batches: pulled, seconds: feedSeconds, micro_batches_per_s: pulled / feedSeconds, event_loop_delay_p99_ms: loop.loopP99, event_loop_delay_max_ms: loop.loopMax };
     console.log(`trainer feed on the ${p.name} pool, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`);
+    console.log(`  the service's event loop meanwhile (steps pack in a worker thread): delay p99 ${ms3(loop.loopP99)}, max ${ms3(loop.loopMax)}`);
   }
   if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process']!, 1 / feedRates.redis)}`);
 

@@ -2,12 +2,14 @@
  * Log compaction: a service whose log is compacted at every doubling answers every request as one whose log is
  * never compacted, before and after a restart (the same steps, the same micro-batches, the same refusals of late
  * duplicates); a kill -9 of `treepack serve` inside a compaction, before and after its rename, loses nothing
- * acknowledged as recorded and hands out again nothing acknowledged by the trainer.
+ * acknowledged as recorded and hands out again nothing acknowledged by the trainer; appends are answered while
+ * the compaction rewrites the log, and what they appended follows its result.
  */
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
-import { existsSync, readFileSync, statSync } from 'node:fs';
+import { existsSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseSafetensors } from '../src/io/safetensors.js';
+import { DurableLog } from '../src/serve/log.js';
 import { Service } from '../src/serve/service.js';
 import { slimeRecord as record, startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
@@ -123,6 +125,33 @@ describe('log compaction', { timeout: 120_000 }, () => {
     // Call ids and times differ between runs; everything else must not.
     const clean = (v: unknown) => JSON.parse(JSON.stringify(v, (k, x) => (k === 'id' && typeof x === 'string' && x.startsWith('chatcmpl') ? 'ID' : k === 'created' || k === 'time' ? 0 : x)));
     expect(clean(compacted.out)).toEqual(clean(full.out));
+  });
+
+  it('appends are answered while the compaction rewrites the log; the lines appended meanwhile follow its result', async () => {
+    const path = join(tempDir('tp-compact-bg-'), 'events.jsonl');
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    const asked: number[] = [];
+    const marker = Buffer.from('{"type":"compacted"}\n');
+    // A stand-in for compactEvents: the prefix as it was, after a marker line, once the test lets it finish.
+    const rewrite = async (p: string, upto: number, tmp: string) => {
+      asked.push(upto);
+      await gate;
+      writeFileSync(tmp, Buffer.concat([marker, readFileSync(p).subarray(0, upto)]));
+      return marker.length + upto;
+    };
+    const log = await DurableLog.open(path, () => {}, { rewrite, compactBytes: 1 });
+    await log.append({ type: 'a', n: 0 }); // the log passed compactBytes: the rewrite starts
+    expect(asked).toEqual([statSync(path).size]);
+    for (let n = 1; n <= 3; n++) await log.append({ type: 'a', n }); // answered while it waits
+    expect(log.compactions).toBe(0);
+    release();
+    await log.append({ type: 'a', n: 4 });
+    await log.close();
+    expect(log.compactions).toBe(1);
+    const seen: unknown[] = [];
+    await (await DurableLog.open(path, (e) => seen.push(e))).close();
+    expect(seen).toEqual([{ type: 'compacted' }, ...[0, 1, 2, 3, 4].map((n) => ({ type: 'a', n }))]);
   });
 
   for (const at of ['written', 'renamed'] as const) {

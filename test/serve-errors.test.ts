@@ -170,6 +170,19 @@ describe('service errors', { timeout: 30_000 }, () => {
       expect(text).toContain(name);
     }
   });
+
+  it("/metrics: the event loop's delay since the last scrape, and the log's durable writes", async () => {
+    expect((await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' })).status).toBe(200); // a logged event
+    await fetch(`${base}/metrics`); // resets the loop-delay gauges
+    const until = performance.now() + 200;
+    while (performance.now() < until); // a 200 ms stall of the service's loop (it runs in this process)
+    const max = (t: string) => Number(/^treepack_event_loop_delay_seconds\{quantile="max"\} (\S+)$/m.exec(t)![1]);
+    const stalled = await (await fetch(`${base}/metrics`)).text();
+    expect(max(stalled)).toBeGreaterThanOrEqual(0.15);
+    expect(max(await (await fetch(`${base}/metrics`)).text())).toBeLessThan(max(stalled)); // reset by the scrape
+    expect(Number(/^treepack_log_write_seconds_count (\S+)$/m.exec(stalled)![1])).toBeGreaterThan(0);
+    expect(stalled).toContain('# TYPE treepack_gc_pause_seconds histogram');
+  });
 });
 
 describe('treepack serve flags', () => {

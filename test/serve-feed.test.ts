@@ -117,17 +117,23 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     expect(metrics).toMatch(/treepack_micro_batches_total\{event="reissued"\} 1/);
   });
 
-  it('a flush is logged: after a restart the smaller step it allowed still forms', async () => {
+  it('a flush is logged and bounded: after a restart the smaller step it allowed still forms, later groups wait for full steps', async () => {
     const dataDir = tempDir('tp-feed-flush-');
     const base = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
     expect((await post(`${base}/buffer/write`, record(0, 0, 1))).status).toBe(200);
     expect((await fetch(`${base}/v1/batches/next`)).status).toBe(204); // one group of a two-group step
-    expect((await post(`${base}/v1/feed/flush`, {})).status).toBe(200);
+    const flushed = await post(`${base}/v1/feed/flush`, {});
+    expect(await flushed.json()).toEqual({ flushing: true, flush_below: 1 });
     await open.pop()!.close();
     const again = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
     const [got] = await drain(again);
     expect(got?.entry.groups).toEqual(['g0']);
     expect(got?.seqIds).toEqual(['g0-e0']);
+    // The flush covered the groups numbered before it: a new rollout's groups form full steps again.
+    expect((await post(`${again}/buffer/write`, record(1, 0, 1))).status).toBe(200);
+    expect((await fetch(`${again}/v1/batches/next`)).status).toBe(204);
+    expect((await post(`${again}/buffer/write`, record(2, 0, 1))).status).toBe(200);
+    expect((await drain(again)).map((x) => x.entry.groups)).toEqual([['g1', 'g2']]);
   });
 
   it('dp ranks: every rank gets its own micro-batches of each step, balanced by the packer', async () => {

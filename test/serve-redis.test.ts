@@ -13,6 +13,7 @@ import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { parseSafetensors } from '../src/io/safetensors.js';
+import { DEFAULT_WINDOW_TOKENS } from '../src/packer/options.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
 import { cli } from './helpers/cli.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
@@ -216,6 +217,10 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect(await pull(B, 0, 1)).toBeUndefined();
 
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(/other feed options.*"groupSize":1/);
+    // Packer options compare resolved: the defaults spelled out (as the CLI does) agree with them left out; a
+    // real difference is refused, naming the value in use.
+    open.push(await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { backend: 'auto', advantages: 'grpo', windowTokens: DEFAULT_WINDOW_TOKENS } }));
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { windowTokens: 1000 } })).rejects.toThrow(new RegExp(`other feed options.*"windowTokens":${DEFAULT_WINDOW_TOKENS}`));
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(/redis:\/\/127.0.0.1:1 is unreachable/);
   });
 
@@ -236,6 +241,21 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const late = await post(`${A}/buffer/write`, { ...record(1, 2, 1) });
     expect(late.status).toBe(409);
     expect(await late.text()).toMatch(/group \\"g1\\" was already consumed/);
+  });
+
+  it('a flush is shared and bounded: the groups numbered before it form a smaller step on any service, later ones wait for full steps', async () => {
+    const [A, B] = await gateways({ groupSize: 1, groupsPerStep: 2 });
+    expect((await post(`${A}/buffer/write`, record(0, 0, 1))).status).toBe(200);
+    expect(await pull(B, 0)).toBeUndefined(); // one group of a two-group step
+    const flushed = await post(`${B}/v1/feed/flush`, {});
+    expect(await flushed.json()).toEqual({ flushing: true, flush_below: 1 });
+    expect((await pull(A, 0))!.entry.groups).toEqual(['g0']);
+    // A new rollout: its groups form full steps again, whichever service numbered them.
+    expect((await post(`${B}/buffer/write`, record(1, 0, 1))).status).toBe(200);
+    expect(await pull(A, 0)).toBeUndefined();
+    expect(await pull(B, 0)).toBeUndefined();
+    expect((await post(`${A}/buffer/write`, record(2, 0, 1))).status).toBe(200);
+    expect((await pull(B, 0))!.entry.groups).toEqual(['g1', 'g2']);
   });
 
   it('the groups stream is trimmed as groups are taken; a restarted gateway and trainer carry on from the trimmed state', async () => {

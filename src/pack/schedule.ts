@@ -66,12 +66,16 @@ export class Collector {
   /**
    * The groups of the next step of `size`, or none to wait: a full step when the policy allows one; with a
    * windowed FIFO also a smaller one when the window is stuck (it lies within the `submitted` groups and each of
-   * them is finished or taken, so no completion can add to it and waiting would never end). `flush` (the input
-   * has ended) takes whatever the policy allows.
+   * them is finished or taken, so no completion can add to it and waiting would never end). `flushBelow` (the
+   * input has ended for the groups numbered below it) takes whatever the policy allows of those groups.
    */
-  ready(size: number, submitted: number, flush = false): number[] {
+  ready(size: number, submitted: number, flushBelow = 0): number[] {
     const out = this.peek(size);
-    if (out.length === size || out.length === 0 || flush) return out;
+    if (out.length === size || out.length === 0) return out;
+    if (this.front < flushBelow) {
+      const flushed = out.filter((g) => g < flushBelow);
+      if (flushed.length > 0) return flushed;
+    }
     if (this.policy.kind === 'async') return [];
     const end = this.front + this.policy.window;
     if (end > submitted) return [];

@@ -13,7 +13,10 @@ export interface SnapshotEvent {
   type: 'snapshot';
   /** the last `group-size` event's size, when there was one */
   groupSize?: number;
-  flushing: boolean;
+  /** groups numbered below it may form smaller steps (a flush); absent in snapshots older than the bound */
+  flushBelow?: number;
+  /** a snapshot written before flushes had a bound: flushed (then: every group it holds) */
+  flushing?: boolean;
   /** steps formed so far: those not replayed after the snapshot are done */
   steps: number;
   /** trainer version from the steps done */
@@ -33,11 +36,16 @@ interface StepState {
   done: boolean;
 }
 
+/** Groups numbered below this may form smaller steps, as of the snapshot. */
+export function snapshotFlushBelow(s: SnapshotEvent): number {
+  return s.flushBelow ?? (s.flushing ? s.groups.length : 0);
+}
+
 /** The compacted equivalent of `events` (a whole log, possibly starting with an earlier snapshot). */
 export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[] {
   const pool = new Pool({ groupSize });
   const steps: StepState[] = [];
-  let flushing = false;
+  let flushBelow = 0;
   let version = 0;
   let setSize: number | undefined;
   const finishStep = (s: StepState, counts: boolean) => {
@@ -50,7 +58,8 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
       const s = e as unknown as SnapshotEvent;
       pool.apply(e);
       for (let n = 0; n < s.steps; n++) steps[n] = { groups: [], acked: new Set(), done: true };
-      ({ flushing, version, groupSize: setSize } = s);
+      ({ version, groupSize: setSize } = s);
+      flushBelow = snapshotFlushBelow(s);
     } else if (e.type === 'take') {
       const s: StepState = { groups: e.groups as number[], acked: new Set(), done: false };
       steps[e.step as number] = s;
@@ -60,7 +69,7 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
       if (!s || s.done) continue;
       s.acked.add(e.id as string);
       if (s.acked.size === e.of) finishStep(s, true);
-    } else if (e.type === 'flush') flushing = true;
+    } else if (e.type === 'flush') flushBelow = Math.max(flushBelow, pool.bySeq.length);
     else {
       if (e.type === 'group-size') setSize = e.size as number;
       pool.apply(e);
@@ -85,7 +94,7 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
     }
   }
 
-  const snap: SnapshotEvent = { type: 'snapshot', flushing, steps: steps.length, version, counters, keys: [...pool.keys], groups: [], dead: [] };
+  const snap: SnapshotEvent = { type: 'snapshot', flushBelow, steps: steps.length, version, counters, keys: [...pool.keys], groups: [], dead: [] };
   if (setSize !== undefined) snap.groupSize = setSize;
   for (const g of pool.bySeq) {
     snap.groups.push([g.id, g.size, g.consumed ? 1 : 0]);

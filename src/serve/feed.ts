@@ -8,7 +8,7 @@
  * (packing is a pure function of its input) and hands out exactly the micro-batches not acknowledged.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
-import type { SnapshotEvent } from './compact.js';
+import { snapshotFlushBelow, type SnapshotEvent } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
 import { PoolError, type Episode, type Pool } from './pool.js';
@@ -19,8 +19,18 @@ export interface PackedOut {
   entry: Record<string, unknown> & { rank?: number };
 }
 
-/** Packs the finished episodes of one step's groups, in group order. */
+/**
+ * Packs the finished episodes of one step's groups, in group order. Rejects with PackerUnavailable when the
+ * packer itself failed (not the records), any other error being the records' fault.
+ */
 export type PackFn = (episodes: Episode[]) => Promise<PackedOut[]>;
+
+/** The packer failed for a reason not in the records (its thread died): the step is packed again later, not dropped. */
+export class PackerUnavailable extends PoolError {
+  constructor(why: string) {
+    super(503, `the packing thread failed (${why}); the step is packed again at the next request`);
+  }
+}
 
 export interface FeedOptions {
   policy: CollectorPolicy;
@@ -68,8 +78,11 @@ export interface TrainerFeed {
   readonly errors: string[];
   next(rank: number, waitMs: number): Promise<Handout | undefined>;
   ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }>;
-  /** the producers are done: steps smaller than groupsPerStep may form */
-  flush(): Promise<void>;
+  /**
+   * The producers are done with the groups numbered so far (the end of a rollout): those may form steps smaller
+   * than groupsPerStep; groups numbered later wait for full steps again. Resolves to that bound.
+   */
+  flush(): Promise<number>;
   /** whole finished groups for a consumer of records (slime), their episodes in group order */
   takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined>;
   depth(): Promise<{ ready: number; leased: number }>;
@@ -106,8 +119,8 @@ export class Feed implements TrainerFeed {
   /** steps whose records could not be packed, and why */
   readonly errors: string[] = [];
   private waiters: (() => void)[] = [];
-  /** the producers are done: steps smaller than groupsPerStep may form from what is left (logged, so a replay keeps it) */
-  flushing = false;
+  /** groups numbered below it may form smaller steps (a flush; logged, so a replay keeps it) */
+  flushBelow = 0;
   /** steps before it are done */
   private firstOpen = 0;
 
@@ -158,7 +171,8 @@ export class Feed implements TrainerFeed {
       this.addStep(e.step as number, e.groups as number[]);
       if (e.whole) this.completeWhole(this.steps[e.step as number]!);
     }
-    else if (e.type === 'flush') this.flushing = true;
+    // Replayed in log order, the pool holds the groups it held when the flush was logged.
+    else if (e.type === 'flush') this.flushBelow = Math.max(this.flushBelow, this.pool.bySeq.length);
     else if (e.type === 'snapshot') this.restore(e as unknown as SnapshotEvent);
     else if (e.type === 'ack') {
       const id = e.id as string;
@@ -175,7 +189,7 @@ export class Feed implements TrainerFeed {
 
   /** A compacted log: consumed groups are taken, steps not replayed after the snapshot are done. */
   private restore(s: SnapshotEvent): void {
-    this.flushing = s.flushing;
+    this.flushBelow = snapshotFlushBelow(s);
     this.version = s.version;
     s.groups.forEach(([, , consumed], seq) => {
       if (consumed === 0) return;
@@ -212,11 +226,14 @@ export class Feed implements TrainerFeed {
     return this.collector.head;
   }
 
-  async flush(): Promise<void> {
+  async flush(): Promise<number> {
     // Durable before it takes effect: a step it lets form is handed out only after a replay would form it too.
-    if (!this.flushing) await this.append({ type: 'flush' });
-    this.flushing = true;
+    // The bound is the pool's groups as the event enters the log, which is what its replay sees.
+    const below = this.pool.bySeq.length;
+    if (below > this.flushBelow) await this.append({ type: 'flush' });
+    this.flushBelow = Math.max(this.flushBelow, below);
     this.wake();
+    return this.flushBelow;
   }
 
   async close(): Promise<void> {}
@@ -271,7 +288,7 @@ export class Feed implements TrainerFeed {
 
   /** Takes the next step's groups if the policy allows a full step now; true when a step was formed. */
   private formStep(): boolean {
-    const groups = this.collector.ready(this.opts.groupsPerStep, this.pool.bySeq.length, this.flushing);
+    const groups = this.collector.ready(this.opts.groupsPerStep, this.pool.bySeq.length, this.flushBelow);
     if (groups.length === 0) return false;
     // Taken now, in memory, so no later completion can slip in front; handed out only once logged.
     this.collector.takeGroups(groups);
@@ -289,6 +306,10 @@ export class Feed implements TrainerFeed {
       try {
         packed = await this.pack(episodes);
       } catch (err) {
+        if (err instanceof PackerUnavailable) {
+          step.packing = undefined;
+          throw err;
+        }
         // The same records fail the same way after a replay: the step is dropped, with the reason kept.
         this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g]!.id)).join(', ')}): ${(err as Error).message}`);
         this.metrics.rejected.inc({ reason: 'pack_error' });

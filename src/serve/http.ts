@@ -85,10 +85,10 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
     return { id, step: r.step, step_done: r.stepDone, trainer_version: r.trainerVersion };
   });
 
-  /** The producers are done: the groups left may form steps smaller than --groups-per-step. */
+  /** The producers are done with the groups numbered so far: those may form steps smaller than --groups-per-step. */
   app.post('/v1/feed/flush', async () => {
-    await svc.feed.flush();
-    return { flushing: true };
+    const below = await svc.feed.flush();
+    return { flushing: true, flush_below: below };
   });
 
   app.get('/v1/feed', async () => {

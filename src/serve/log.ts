@@ -9,15 +9,19 @@
  * was ever told about (its fsync never returned), so it is cut off; a malformed line anywhere else is damage and
  * refuses to start with the line number.
  *
- * Compaction (with a `compact` function): once the file passes `compactBytes` and twice its size after the last
- * compaction, the writer, between two batches, rewrites the committed events as `compact` returns them into a
- * new file, fsyncs it, renames it over the log and fsyncs the directory. Appends arriving meanwhile wait and go
- * to the new file. Killed before the rename, the old file is whole (the new one is removed on open); after it,
- * the new one is; `compact` must return events whose replay equals the original's (src/serve/compact.ts).
+ * Compaction (with a `rewrite` function): once the file passes `compactBytes` and twice its size after the last
+ * compaction, `rewrite` writes the events committed so far, compacted, into a new file and fsyncs it, beside the
+ * writer (off the event loop: src/serve/compact-worker.ts), while appends go on to the log. Then the writer,
+ * between two batches, copies the lines appended meanwhile to the new file, fsyncs it, renames it over the log
+ * and fsyncs the directory; appends arriving during that last part wait, so the pause is bounded by what was
+ * appended during the rewrite, not by the log's size. Killed before the rename, the old file is whole (the new
+ * one is removed on open); after it, the new one is. The rewrite's events must replay to the state the original
+ * prefix does (src/serve/compact.ts), so the lines after it apply on the same state.
  */
 import { closeSync, constants, fdatasyncSync, fstatSync, ftruncateSync, mkdirSync, openSync, readFileSync, rmSync } from 'node:fs';
-import { open, readFile, rename, type FileHandle } from 'node:fs/promises';
+import { open, rename, type FileHandle } from 'node:fs/promises';
 import { dirname } from 'node:path';
+import { performance } from 'node:perf_hooks';
 import { TreepackError } from '../errors.js';
 import { ioError } from '../io/atomic.js';
 import { killPoint } from './faults.js';
@@ -37,13 +41,26 @@ interface Pending {
 }
 
 export interface CompactOptions {
-  /** the committed events → events whose replay leaves the same state */
-  compact: (events: LogEvent[]) => LogEvent[];
+  /**
+   * Writes to `tmp`, fsync'd, events whose replay leaves the state the first `upto` bytes of the log at `path`
+   * (whole committed lines) leave; resolves to the bytes written. Runs while the log is appended to.
+   */
+  rewrite: (path: string, upto: number, tmp: string) => Promise<number>;
   /** the smallest file compacted */
   compactBytes: number;
 }
 
+/** A compaction in flight: the prefix it rewrites, its file, and its size once written. */
+interface Rewrite {
+  upto: number;
+  tmp: string;
+  size?: number;
+  done: Promise<void>;
+}
+
 export class DurableLog {
+  /** told how long each group commit's durable write took, in seconds */
+  onWrite: (seconds: number) => void = () => {};
   private queue: Pending[] = [];
   private writing = false;
   private closed = false;
@@ -52,6 +69,7 @@ export class DurableLog {
   events = 0;
   compactions = 0;
   private compactAt = Infinity;
+  private rewriting: Rewrite | undefined;
   /** a compaction that failed after its rename: every later append fails */
   private failed: unknown;
 
@@ -91,15 +109,18 @@ export class DurableLog {
 
   private async flush(): Promise<void> {
     this.writing = true;
-    while (this.queue.length > 0) {
+    for (;;) {
+      if (this.rewriting?.size !== undefined) await this.swap();
+      if (this.queue.length === 0) break;
       const batch = this.queue;
       this.queue = [];
       const bytes = Buffer.concat(batch.map((p) => p.bytes));
       try {
         if (this.failed) throw this.failed;
-        if (this.bytes >= this.compactAt) await this.compact();
+        const t0 = performance.now();
         let off = 0;
         while (off < bytes.length) off += (await this.fh.write(bytes, off)).bytesWritten;
+        this.onWrite((performance.now() - t0) / 1000);
         this.bytes += bytes.length;
         this.events += batch.length;
         for (const p of batch) p.resolve();
@@ -107,35 +128,60 @@ export class DurableLog {
         const e = ioError(err, this.path);
         for (const p of batch) p.reject(e);
       }
+      if (!this.rewriting && this.bytes >= this.compactAt) this.startRewrite();
     }
     this.writing = false;
   }
 
-  /** Rewrites the committed events compacted; a failure before the rename leaves the log as it was. */
-  private async compact(): Promise<void> {
-    const { compact, compactBytes } = this.compaction!;
-    const tmp = this.path + '.compact';
-    let out: Buffer;
+  /** Starts compacting the lines committed so far; the writer swaps the result in once it is written. */
+  private startRewrite(): void {
+    const r: Rewrite = { upto: this.bytes, tmp: this.path + '.compact', done: Promise.resolve() };
+    r.done = this.compaction!.rewrite(this.path, r.upto, r.tmp).then(
+      (size) => {
+        r.size = size;
+        if (!this.writing) void this.flush();
+      },
+      () => this.dropRewrite(r),
+    );
+    this.rewriting = r;
+  }
+
+  /** Compaction is an optimisation: on failure the log stays as it was, and is compacted again at twice the size. */
+  private dropRewrite(r: Rewrite): void {
+    rmSync(r.tmp, { force: true });
+    this.rewriting = undefined;
+    this.compactAt = Math.max(this.compaction!.compactBytes, 2 * this.bytes);
+  }
+
+  /** Copies the lines appended during the rewrite to it and puts it in the log's place; appends wait meanwhile. */
+  private async swap(): Promise<void> {
+    const r = this.rewriting!;
+    const tail = Buffer.alloc(this.bytes - r.upto);
     try {
-      const events: LogEvent[] = [];
-      scan(await readFile(this.path), this.path, (e) => events.push(e));
-      const kept = compact(events);
-      out = Buffer.from(kept.map((e) => JSON.stringify(e) + '\n').join(''));
-      const fh = await open(tmp, 'w');
+      if (this.failed) throw this.failed;
+      const src = await open(this.path, 'r');
       try {
-        await fh.writeFile(out);
+        for (let off = 0; off < tail.length; ) {
+          const { bytesRead } = await src.read(tail, off, tail.length - off, r.upto + off);
+          if (bytesRead === 0) throw new Error('the log is shorter than its committed lines');
+          off += bytesRead;
+        }
+      } finally {
+        await src.close();
+      }
+      const fh = await open(r.tmp, 'a');
+      try {
+        await fh.writeFile(tail);
         await fh.datasync();
       } finally {
         await fh.close();
       }
       killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'written');
-      await rename(tmp, this.path);
+      await rename(r.tmp, this.path);
     } catch {
-      // Compaction is an optimisation: the log stays as it was, and is tried again at twice the size.
-      rmSync(tmp, { force: true });
-      this.compactAt = Math.max(compactBytes, 2 * this.bytes);
-      return;
+      return this.dropRewrite(r);
     }
+    this.rewriting = undefined;
     killPoint('TREEPACK_SERVE_COMPACT_FAULT', 'renamed');
     try {
       const dir = await open(dirname(this.path), 'r');
@@ -146,15 +192,16 @@ export class DurableLog {
     } catch (err) {
       // The handle may still point at the file renamed over: nothing more may be written through it.
       this.failed = err;
-      throw err;
+      return;
     }
-    this.bytes = out.length;
-    this.compactAt = Math.max(compactBytes, 2 * out.length);
+    this.bytes = r.size! + tail.length;
+    this.compactAt = Math.max(this.compaction!.compactBytes, 2 * this.bytes);
     this.compactions++;
   }
 
   async close(): Promise<void> {
     this.closed = true;
+    await this.rewriting?.done; // then swapped in by the writer, or dropped
     while (this.writing) await new Promise((r) => setImmediate(r));
     await this.fh.close();
   }
@@ -175,7 +222,7 @@ function replay(path: string, apply: (e: LogEvent, line: number) => void): { byt
 }
 
 /** Applies every complete line of `data`; stops before a torn tail and returns the committed sizes. */
-function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number) => void): { bytes: number; events: number } {
+export function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number) => void): { bytes: number; events: number } {
   let start = 0;
   let line = 0;
   let events = 0;

@@ -22,7 +22,7 @@
  */
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
-import { handoutEntry, oldestPolicy, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
+import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
 import type { Metrics } from './metrics.js';
 import { Pool, PoolError, type Episode } from './pool.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
@@ -104,7 +104,7 @@ redis.call('DEL', sk)
 return {1, redis.call('INCR', p .. 'version')}
 `,
   /**
-   * ARGV: prefix → {steps published, front, taken above front, finished groups stream, groups numbered, flushing}:
+   * ARGV: prefix → {steps published, front, taken above front, finished groups stream, groups numbered, flush bound}:
    * the policy's shared state, consistent because one script reads it.
    */
   tpState: `
@@ -115,8 +115,15 @@ return {
   redis.call('SMEMBERS', p .. 'taken'),
   redis.call('XRANGE', p .. 'groups', '-', '+'),
   redis.call('GET', p .. 'nseq') or '0',
-  redis.call('EXISTS', p .. 'flushing'),
+  redis.call('GET', p .. 'flush-below') or '0',
 }
+`,
+  /** ARGV: prefix → the flush bound, raised to the groups numbered so far */
+  tpFlush: `
+local p = ARGV[1]
+local n = tonumber(redis.call('GET', p .. 'nseq') or '0')
+if n > tonumber(redis.call('GET', p .. 'flush-below') or '0') then redis.call('SET', p .. 'flush-below', n) end
+return redis.call('GET', p .. 'flush-below') or '0'
 `,
   /** ARGV: prefix, token, lease ms → extends the forming lock's lease if this service still holds it */
   tpRenew: `
@@ -188,10 +195,11 @@ export class RedisFeed implements TrainerFeed {
   /**
    * Rebuilds the mirrored policy from the shared state: every group below `front` and in `taken` is taken, every
    * group in the `groups` stream is finished (a taken group's entry may be trimmed, or not yet). Returns how many
-   * groups are numbered and whether the producers flushed, as of the same moment.
+   * groups are numbered and the flush bound (groups numbered below it may form smaller steps), as of the same
+   * moment.
    */
-  private async sync(): Promise<{ submitted: number; flushing: boolean }> {
-    const [steps, front, taken, finished, submitted, flushing] = (await this.shared.script('tpState')) as [string, string, string[], StreamEntry<string>[], string, number];
+  private async sync(): Promise<{ submitted: number; flushBelow: number }> {
+    const [steps, front, taken, finished, submitted, flushBelow] = (await this.shared.script('tpState')) as [string, string, string[], StreamEntry<string>[], string, string];
     const collector = Collector.startingAt(this.opts.policy, Number(front));
     const groupIds = new Map<number, string>();
     for (const e of finished) {
@@ -207,7 +215,7 @@ export class RedisFeed implements TrainerFeed {
     this.collector = collector;
     this.groupIds = groupIds;
     this.steps = Number(steps);
-    return { submitted: Number(submitted), flushing: flushing === 1 };
+    return { submitted: Number(submitted), flushBelow: Number(flushBelow) };
   }
 
   /**
@@ -215,7 +223,7 @@ export class RedisFeed implements TrainerFeed {
    * `publish` turns their episodes into step n (undefined when another service published step n first: then
    * the step is chosen again). Undefined when no step formed.
    */
-  private async form<T>(choose: (submitted: number, flushing: boolean) => number[], publish: (episodes: Episode[], n: number, seqs: number[]) => Promise<{ value: T } | undefined>): Promise<{ value: T } | undefined> {
+  private async form<T>(choose: (submitted: number, flushBelow: number) => number[], publish: (episodes: Episode[], n: number, seqs: number[]) => Promise<{ value: T } | undefined>): Promise<{ value: T } | undefined> {
     const token = Pool.newId();
     if ((await this.redis.set(`${PREFIX}form-lock`, token, 'PX', FORM_LEASE_MS, 'NX')) !== 'OK') return undefined;
     // Renewed while the event loop turns: packing that blocks it past the lease lets another service form the
@@ -224,8 +232,8 @@ export class RedisFeed implements TrainerFeed {
     try {
       killPoint('TREEPACK_SERVE_FORM_FAULT', 'locked');
       for (;;) {
-        const { submitted, flushing } = await this.sync();
-        const seqs = choose(submitted, flushing);
+        const { submitted, flushBelow } = await this.sync();
+        const seqs = choose(submitted, flushBelow);
         if (seqs.length === 0) return undefined;
         const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!)))).flat();
         const r = await publish(episodes, this.steps, seqs);
@@ -255,6 +263,7 @@ export class RedisFeed implements TrainerFeed {
     try {
       packed = await this.pack(episodes);
     } catch (err) {
+      if (err instanceof PackerUnavailable) throw err; // nothing published: this or another service forms it again
       // The same records fail the same way whoever packs them: the step is published empty, with the reason kept.
       this.errors.push(`step ${n} (groups ${ids.map((g) => JSON.stringify(g)).join(', ')}): ${(err as Error).message}`);
       this.metrics.rejected.inc({ reason: 'pack_error' });
@@ -277,7 +286,7 @@ export class RedisFeed implements TrainerFeed {
     for (;;) {
       const h = await this.claim(rank);
       if (h) return h;
-      const formed = await this.form((submitted, flushing) => this.collector.ready(this.opts.groupsPerStep, submitted, flushing), (eps, n, seqs) => this.packStep(eps, n, seqs));
+      const formed = await this.form((submitted, flushBelow) => this.collector.ready(this.opts.groupsPerStep, submitted, flushBelow), (eps, n, seqs) => this.packStep(eps, n, seqs));
       if (formed) continue;
       const left = deadline - Date.now();
       if (left <= 0) return undefined;
@@ -328,9 +337,12 @@ export class RedisFeed implements TrainerFeed {
     return r?.value;
   }
 
-  /** Shared: every service's steps may then be smaller than groupsPerStep. */
-  async flush(): Promise<void> {
-    await this.redis.set(`${PREFIX}flushing`, '1');
+  /**
+   * Shared, as the pool is: the groups numbered so far, through any gateway, may form smaller steps on every
+   * service; groups numbered later wait for full steps again.
+   */
+  async flush(): Promise<number> {
+    return Number(await this.shared.script('tpFlush'));
   }
 
   /** Micro-batches waiting and leased, over every rank. */

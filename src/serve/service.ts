@@ -16,9 +16,10 @@ import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
-import { compactEvents, type SnapshotEvent } from './compact.js';
+import type { SnapshotEvent } from './compact.js';
+import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
-import { stepPacker } from './packing.js';
+import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
@@ -113,12 +114,37 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   return r;
 }
 
-/** The options every service on one shared pool must agree on: they decide which steps form and how they pack. */
-function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
-  const p = o.packer ?? {};
+/**
+ * The options every service on one shared pool must agree on: they decide which steps form and how they pack.
+ * The packer's are compared resolved, with keys in one order, so a default given explicitly and one left out (or
+ * the same options written in another order) agree. The tokenizer is not compared: its path may differ between
+ * hosts holding the same files.
+ */
+export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
+  const p = resolvePackerOptions(o.packer);
   // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed), so a
   // pool left by a service of another layout is refused rather than misread
-  return { layout: 2, groupSize: o.groupSize, policy: o.policy, groupsPerStep: o.groupsPerStep, dp: o.dp, leaseMs: o.leaseMs, budget: p.budget ?? null, advantages: p.advantages ?? null, merge: p.merge ?? null };
+  return sortKeys({
+    layout: 2,
+    groupSize: o.groupSize,
+    policy: o.policy,
+    groupsPerStep: o.groupsPerStep,
+    dp: o.dp,
+    leaseMs: o.leaseMs,
+    budget: p.budget ?? null,
+    advantages: p.advantages,
+    merge: p.merge,
+    windowTokens: p.windowTokens,
+    masks: p.masks,
+    vocabSize: p.vocabSize ?? null,
+  }) as Record<string, unknown>;
+}
+
+function sortKeys(v: unknown): unknown {
+  if (Array.isArray(v)) return v.map(sortKeys);
+  if (v === null || typeof v !== 'object') return v;
+  const keys = Object.keys(v).sort();
+  return Object.fromEntries(keys.map((k) => [k, sortKeys((v as Record<string, unknown>)[k])]));
 }
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
@@ -140,6 +166,8 @@ export class Service {
   private constructor(
     readonly opts: ResolvedServiceOptions,
     readonly encoder: ChatEncoder,
+    /** packs steps, in a worker thread where the packer options allow */
+    readonly packer: StepPacker,
   ) {
     this.pool = new Pool({ groupSize: opts.groupSize });
     this.metrics = createMetrics(async () => {
@@ -152,29 +180,52 @@ export class Service {
 
   static async create(options: ServiceOptions): Promise<Service> {
     const opts = resolveServiceOptions(options);
-    const encoder = new ChatEncoder(await resolveTokenizer(opts.packer?.tokenizer));
-    const svc = new Service(opts, encoder);
+    // The packing thread loads its tokenizer while this one does; both are ready before the service listens, so
+    // neither load competes with traffic, and the first step packs at once.
+    const tokenizer = resolveTokenizer(opts.packer?.tokenizer);
+    const packer = stepPacker(opts.packer ?? {}, async () => new ChatEncoder(await tokenizer));
+    let svc: Service;
+    try {
+      const encoder = new ChatEncoder(await tokenizer);
+      await packer.ready();
+      svc = new Service(opts, encoder, packer);
+    } catch (err) {
+      await packer.close();
+      throw err;
+    }
+    try {
+      await svc.start();
+    } catch (err) {
+      svc.metrics.close();
+      await packer.close();
+      throw err;
+    }
+    return svc;
+  }
+
+  private async start(): Promise<void> {
+    const opts = this.opts;
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
-    const pack = stepPacker(encoder, opts.packer ?? {}, svc.metrics, svc.recordStats);
+    const pack = countingPack(this.packer, this.metrics, this.recordStats);
     if (opts.redis) {
       const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
-      svc.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn });
-      svc.feed = await RedisFeed.open(svc.shared, feedOpts, pack, svc.metrics);
-    } else svc.feed = new Feed(svc.pool, feedOpts, pack, (e) => svc.append(e), svc.metrics);
+      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn });
+      this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
+    } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
     try {
-      const compaction = { compact: (events: LogEvent[]) => compactEvents(events, opts.groupSize), compactBytes: opts.compactBytes };
-      svc.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => svc.replay(e, line), compaction);
+      const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
+      this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => this.replay(e, line), compaction);
+      this.log.onWrite = (seconds) => this.metrics.logWrite.observe(seconds);
     } catch (err) {
-      await svc.feed.close();
+      await this.feed.close();
       throw err;
     }
     // Finished before a crash and not known to be shipped: shipping again is harmless (the pool counts each once).
-    if (svc.shared) await svc.shipUnshipped();
-    if (opts.rateLimit > 0) await svc.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000 });
-    registerHttp(svc.app, svc);
-    registerGateway(svc.app, svc);
-    registerSlime(svc.app, svc);
-    return svc;
+    if (this.shared) await this.shipUnshipped();
+    if (opts.rateLimit > 0) await this.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000 });
+    registerHttp(this.app, this);
+    registerGateway(this.app, this);
+    registerSlime(this.app, this);
   }
 
   private replay(e: LogEvent, line: number): void {
@@ -267,6 +318,8 @@ export class Service {
     await this.app.close();
     await this.feed.close();
     await this.log.close();
+    await this.packer.close();
+    this.metrics.close();
   }
 }
 
