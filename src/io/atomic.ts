@@ -43,7 +43,7 @@ function asBytes(chunk: unknown, index: number): Uint8Array {
 }
 
 /** Writes every byte of `bufs` at the file position: a writev may stop short (2 GiB per call on Linux). */
-function writeAll(fd: number, bufs: Uint8Array[]): void {
+export function writeAll(fd: number, bufs: Uint8Array[]): void {
   let rest = bufs.filter((b) => b.byteLength > 0);
   while (rest.length > 0) {
     let written = writevSync(fd, rest);

@@ -3,8 +3,9 @@
  * committed lines), compacts their events and writes the result to `tmp`, fsync'd; answers its size. Parsing and
  * rewriting a log of many megabytes takes a while, and the service answers calls meanwhile.
  */
-import { closeSync, fdatasyncSync, openSync, readSync, writeSync } from 'node:fs';
+import { closeSync, fdatasyncSync, openSync, readSync } from 'node:fs';
 import { parentPort, workerData } from 'node:worker_threads';
+import { writeAll } from '../io/atomic.js';
 import { compactEvents } from './compact.js';
 import { scan, type LogEvent } from './log.js';
 
@@ -26,7 +27,7 @@ scan(data, path, (e) => events.push(e));
 const out = Buffer.from(compactEvents(events, groupSize).map((e) => JSON.stringify(e) + '\n').join(''));
 const dst = openSync(tmp, 'w');
 try {
-  for (let off = 0; off < out.length; ) off += writeSync(dst, out, off, out.length - off);
+  writeAll(dst, [out]);
   fdatasyncSync(dst);
 } finally {
   closeSync(dst);
