@@ -182,13 +182,14 @@ export class Service {
     const opts = resolveServiceOptions(options);
     // The packing thread loads its tokenizer while this one does; both are ready before the service listens, so
     // neither load competes with traffic, and the first step packs at once.
-    const tokenizer = resolveTokenizer(opts.packer?.tokenizer);
-    const packer = stepPacker(opts.packer ?? {}, async () => new ChatEncoder(await tokenizer));
+    const encoder = resolveTokenizer(opts.packer?.tokenizer).then((t) => new ChatEncoder(t));
+    // One encoder here, shared by the in-thread packer when the options cannot go to a worker.
+    const packer = stepPacker(opts.packer ?? {}, () => encoder);
     let svc: Service;
     try {
-      const encoder = new ChatEncoder(await tokenizer);
+      const ready = await encoder;
       await packer.ready();
-      svc = new Service(opts, encoder, packer);
+      svc = new Service(opts, ready, packer);
     } catch (err) {
       await packer.close();
       throw err;
