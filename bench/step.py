@@ -144,14 +144,13 @@ def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str
     a step with gradient accumulation peaks at its largest micro-batch. CUDA: the caching allocator's peak. CPU (Linux):
     the peak RSS, reset at the start, after the freed memory the timed steps keep for reuse has gone back to the OS;
     None where /proc is absent."""
+    model.zero_grad(set_to_none=True)  # the step's gradients count in its peak
     if device.type == "cuda":
-        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step(model, [batch], config, device)
         return int(torch.cuda.max_memory_allocated()) - base
-    model.zero_grad(set_to_none=True)
     _malloc_trim()
     base = _rss_bytes("VmRSS")
     try:
