@@ -1,14 +1,18 @@
 /**
- * `npm run bench:serve`: `treepack serve` on loopback with a stub engine that answers at once, on both pools in
- * the same run: the in-process pool and the shared Redis pool (`--redis`, on a redis-server this bench starts on
- * loopback in a temporary directory and stops; skipped, with the reason, where redis-server is absent).
+ * `npm run bench:serve`: `treepack serve` on loopback with a stub engine that answers at once (a process of its
+ * own, as a real engine is), on both pools in the same run: the in-process pool and the shared Redis pool
+ * (`--redis`, on a redis-server this bench starts on loopback in a temporary directory and stops; skipped, with
+ * the reason, where redis-server is absent).
  *  - latency the gateway adds: the same open-loop call rate (calls sent on a fixed schedule, whatever the answers
  *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
- *    directly and through each pool's gateway (a separate process; each answer waits for its record's fsync,
- *    group-committed), in alternating rounds so every path sees the same machine load; p50/p99 of each and their
- *    difference, the rates achieved, the load average (the 2 cores are shared); and, to explain them, from the
- *    service's own metrics over its rounds: its event-loop delay, its GC pauses, the CPU its main thread spent
- *    per call, and the disk's fdatasync time alone between rounds;
+ *    directly, through two floor proxies (bench/serve-floor.ts: bare node:http, and bare node:http with the
+ *    gateway's durable log: the least any Node proxy that answers after an fsync adds on this machine) and through
+ *    each pool's gateway (a separate process; each answer waits for its record's fsync, group-committed), in
+ *    alternating rounds so every path sees the same machine load, each path warmed up at the rate first (its
+ *    first seconds reported apart); p50/p99 of each and their difference, the rates achieved, the load average
+ *    (the 2 cores are shared); and, to explain them, from the service's own metrics over its rounds: its
+ *    event-loop delay, its GC pauses, the CPU its main thread spent per call, and the disk's fdatasync time alone
+ *    between rounds;
  *  - calls/s recorded at saturation: 32 clients calling back to back;
  *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer,
  *    and the service's event-loop delay meanwhile;
@@ -22,10 +26,10 @@ import { loadavg, tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
+import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { redisAvailable, startRedis, type RedisServer } from '../test/helpers/redis.js';
 import { freePort } from '../test/helpers/serve.js';
-import { startStubEngine } from '../test/helpers/stub-engine.js';
 import { speed } from './format.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' } } });
@@ -38,7 +42,13 @@ const quantile = (xs: number[], q: number) => {
   return s[Math.min(s.length - 1, Math.floor(q * s.length))] ?? NaN;
 };
 
-async function serve(args: string[]): Promise<{ url: string; child: ChildProcess; stop: () => Promise<void> }> {
+interface Started {
+  url: string;
+  child: ChildProcess;
+  stop: () => Promise<void>;
+}
+
+async function serve(args: string[]): Promise<Started> {
   const port = await freePort();
   const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
@@ -48,6 +58,16 @@ async function serve(args: string[]): Promise<{ url: string; child: ChildProcess
     if (child.exitCode !== null) throw new Error(`treepack serve ${args.join(' ')} exited with ${child.exitCode}: ${stderr}`);
     await new Promise((r) => setTimeout(r, 100));
   }
+  return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
+}
+
+/** A process of this bench (bench/serve-stub.ts, bench/serve-floor.ts) that prints its base URL on its first line. */
+async function script(file: string, args: string[]): Promise<Started> {
+  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'bench', file), ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
+  const url = await new Promise<string>((res, rej) => {
+    createInterface({ input: child.stdout! }).once('line', res);
+    child.once('exit', (code) => rej(new Error(`bench/${file} exited with ${code}`)));
+  });
   return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
 }
 
@@ -194,6 +214,17 @@ async function scrape(url: string): Promise<{ loopP99: number; loopMax: number; 
   return { loopP99: loop('0.99'), loopMax: loop('max'), gcSum, gcCount, logWrites };
 }
 
+/** One way to the engine whose latency is measured: direct, through a floor proxy, or through treepack serve. */
+interface Path {
+  /** its key in the JSON report */
+  name: string;
+  label: string;
+  /** the calls of round `round` (-1: the warm-up) */
+  call: (round: number) => (i: number) => Call;
+  /** a treepack serve child, whose own metrics explain its rounds */
+  service?: Started;
+}
+
 /** A pool under test: the flags that select it, each service on its own Redis database (their options differ). */
 interface PoolUnderTest {
   name: string;
@@ -201,7 +232,7 @@ interface PoolUnderTest {
 }
 
 const report: Record<string, unknown> = {};
-const stub = await startStubEngine();
+const stub = await script('serve-stub.ts', []);
 const data = mkdtempSync(join(tmpdir(), 'tp-bench-serve-'));
 let redis: RedisServer | undefined;
 try {
@@ -215,7 +246,9 @@ try {
   // 1. Added latency at a fixed call rate, and calls/s recorded at saturation.
   const rate = Number(values.rate ?? 1000);
   const seconds = quick ? 2 : 5;
+  const warmSeconds = quick ? 1 : 3;
   const gateways = await Promise.all(pools.map((p, k) => serve(['--engine', stub.url, '--data', join(data, `latency-${p.name}`), '--group-size', '1', ...p.args(1 + k)])));
+  const floors = await Promise.all([script('serve-floor.ts', [stub.url]), script('serve-floor.ts', [stub.url, join(data, 'floor.jsonl')])]);
   // Each agent makes 4 calls, then finishes its episode once all 4 are answered (on Redis the finish ships it to
   // the shared pool).
   const agentCall = (gw: string, tag: string) => {
@@ -230,17 +263,24 @@ try {
       return { base: `${gw}/v1`, headers: { 'x-treepack-episode': ep }, then };
     };
   };
-  const direct = (): Call => ({ base: stub.url, headers: {} });
-  await openLoop(200, 0.5, direct); // warm every path
-  for (const [k, gw] of gateways.entries()) await openLoop(200, 0.5, agentCall(gw.url, `warm${k}`));
+  const plain = (base: string) => (): Call => ({ base, headers: {} });
+  const paths: Path[] = [
+    { name: 'direct', label: 'direct to the engine', call: () => plain(stub.url) },
+    { name: 'floor_http', label: 'floor, bare node:http proxy', call: () => plain(floors[0]!.url) },
+    { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: () => plain(floors[1]!.url) },
+    ...gateways.map((gw, k) => ({ name: pools[k]!.name, label: `treepack serve, ${pools[k]!.name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
+  ];
+  // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
+  // each path runs that long before its timed rounds, and those first seconds are reported apart.
+  const cold = [];
+  for (const path of paths) cold.push(await openLoop(rate, warmSeconds, path.call(-1)));
   const loadBefore = load();
-  const paths = [{ name: 'direct', call: (_r: number) => direct }, ...gateways.map((gw, k) => ({ name: pools[k]!.name, call: (r: number) => agentCall(gw.url, `r${r}-${k}`) }))];
   const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[], process: [] as ProcessRound[] }));
   const rounds = quick ? 4 : 10;
-  const floors: { p50: number; p99: number }[] = [];
+  const fsyncs: { p50: number; p99: number }[] = [];
   for (let r = 0; r < rounds; r++) {
     for (const [k, path] of paths.entries()) {
-      const gw = k > 0 ? gateways[k - 1]! : undefined;
+      const gw = path.service;
       const before = gw && (await scrape(gw.url)); // also resets the child's loop-delay gauges
       const cpu0 = gw ? mainThreadCpuMs(gw.child.pid!) : 0;
       const got = await openLoop(rate, seconds / rounds, path.call(r));
@@ -255,34 +295,34 @@ try {
       acc[k]!.sent.push(got.sentPerS);
     }
     // The disk's own speed, between rounds: it changes with what else the machine does.
-    floors.push(fsyncFloor(data, 100));
+    fsyncs.push(fsyncFloor(data, 100));
   }
   const loadAfter = load();
-  const floor = { p50: quantile(floors.map((f) => f.p50), 0.5), p99: quantile(floors.map((f) => f.p99), 0.5) };
+  const fsync = { p50: quantile(fsyncs.map((f) => f.p50), 0.5), p99: quantile(fsyncs.map((f) => f.p99), 0.5) };
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
-  const lat: Record<string, unknown> = { rate, seconds, rounds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: floor.p50, fdatasync_p99_ms: floor.p99 };
-  const d = acc[0]!;
-  const directP50 = quantile(d.ms, 0.5), directP99 = quantile(d.ms, 0.99);
-  lat.direct = { sent_per_s: mean(d.sent), calls: d.ms.length, failed: d.failed, p50_ms: directP50, p99_ms: directP99 };
-  console.log(`gateway at ${rate} calls/s offered (agents of 4 calls, each then finishing its episode), ${seconds} s per path in ${rounds} alternating rounds; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
-  console.log(`  direct to the engine: sent at ${mean(d.sent).toFixed(0)}/s, p50 ${ms3(directP50)}  p99 ${ms3(directP99)}`);
-  const byPool: Record<string, { p50: number; p99: number; capacity: number }> = {};
-  for (const [k, gw] of gateways.entries()) {
-    const a = acc[k + 1]!;
-    const name = pools[k]!.name;
+  const lat: Record<string, unknown> = { rate, seconds, rounds, warm_seconds: warmSeconds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: fsync.p50, fdatasync_p99_ms: fsync.p99 };
+  const directP50 = quantile(acc[0]!.ms, 0.5), directP99 = quantile(acc[0]!.ms, 0.99);
+  console.log(`latency at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds after ${warmSeconds} s of warm-up each; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
+  console.log('  (the stub engine answers at once, in a process of its own; treepack serve records agents of 4 calls, each then finishing its episode)');
+  const byPath: Record<string, { p50: number; p99: number }> = {};
+  for (const [k, path] of paths.entries()) {
+    const a = acc[k]!;
+    const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
+    byPath[path.name] = { p50, p99 };
+    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(cold[k]!.ms, 0.99) };
+    if (k > 0) Object.assign(r, { added_p50_ms: p50 - directP50, added_p99_ms: p99 - directP99 });
+    lat[path.name] = r;
+    const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms! <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
+    console.log(`  ${path.label}: sent at ${r.sent_per_s!.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
+    console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms!)}`);
+    const gw = path.service;
+    if (!gw) continue;
     // The service's own measure of what it adds (everything but the engine wait), from its histogram.
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
     const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
-    const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
-    const r = {
-      sent_per_s: mean(a.sent),
-      calls: a.ms.length,
-      failed: a.failed,
-      gateway_p50_ms: p50,
-      gateway_p99_ms: p99,
-      added_p50_ms: p50 - directP50,
-      added_p99_ms: p99 - directP99,
+    const c = capacity[k - (paths.length - gateways.length)]!;
+    Object.assign(r, {
       server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
       // the serve child's event loop during its rounds: a call arriving in a stall waits for it
       event_loop_delay_p99_ms: quantile(a.process.map((x) => x.loopP99), 0.5),
@@ -294,25 +334,26 @@ try {
       // the log's durable group-commit writes during the rounds (an answer waits for the one holding its event)
       log_write_p50_ms_at_most: logWriteQuantile(a.process, 0.5),
       log_write_p99_ms_at_most: logWriteQuantile(a.process, 0.99),
-      saturated_calls_per_s: capacity[k]!.perS,
-      saturated_failed: capacity[k]!.failed,
-    };
-    lat[name] = r;
-    byPool[name] = { p50, p99, capacity: r.saturated_calls_per_s };
-    console.log(`  ${name} pool: sent at ${r.sent_per_s.toFixed(0)}/s; ${r.calls} calls recorded, ${r.failed} failed`);
-    console.log(`    gateway p50 ${ms3(p50)}  p99 ${ms3(p99)}; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}`);
-    console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
-    console.log(`    the service's event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
+      saturated_calls_per_s: c.perS,
+      saturated_failed: c.failed,
+    });
+    console.log(`    the service's histogram: ${(r.server_share_within_1ms! * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
+    console.log(`    its event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms!)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms!)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s!.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call!.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call! * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
     console.log(`    its log's durable group-commit writes meanwhile: p50 <= ${r.log_write_p50_ms_at_most} ms, p99 <= ${r.log_write_p99_ms_at_most} ms (histogram bucket bounds)`);
-    console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${r.saturated_calls_per_s.toFixed(0)}, ${r.saturated_failed} failed`);
+    console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${c.perS.toFixed(0)}, ${c.failed} failed`);
   }
-  console.log(`  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(floor.p50)}  p99 ${ms3(floor.p99)} (median over rounds; every answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`);
-  if (byPool.redis) {
-    const [l, r] = [byPool['in-process']!, byPool.redis];
-    console.log(`  Redis pool against in-process: gateway p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / l.capacity, 1 / r.capacity)}`);
+  console.log(`  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(fsync.p50)}  p99 ${ms3(fsync.p99)} (median over rounds; every durable answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`);
+  const floor = byPath.floor_durable!;
+  for (const p of pools) {
+    const g = byPath[p.name]!;
+    console.log(`  treepack serve (${p.name}) over the durable floor: p50 ${speed(floor.p50, g.p50)} (+${ms3(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (+${ms3(g.p99 - floor.p99)})`);
+  }
+  if (byPath.redis) {
+    const [l, r] = [byPath['in-process']!, byPath.redis];
+    console.log(`  Redis pool against in-process: p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / capacity[0]!.perS, 1 / capacity[1]!.perS)}`);
   }
   report.latency = lat;
-  await Promise.all(gateways.map((g) => g.stop()));
+  await Promise.all([...gateways, ...floors].map((g) => g.stop()));
 
   // 2. Micro-batches/s to 8 ranks.
   const dp = 8;
@@ -366,7 +407,7 @@ try {
   report.backpressure = { pool_bound_bytes: bound, accepted, refused_429: refused, service_rss_bytes: rss };
   console.log(`backpressure (in-process pool): pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`);
 } finally {
-  await stub.close();
+  await stub.stop();
   await redis?.stop();
   rmSync(data, { recursive: true, force: true });
   if (redis) rmSync(redis.dir, { recursive: true, force: true });

@@ -1,7 +1,7 @@
 /**
  * A stub OpenAI-compatible engine for the service's error, durability and latency tests (and the bench): answers
- * at once with a numbered reply, or misbehaves on purpose. Replies carry no token ids (the gateway then renders
- * with the chat template), unless `ids` is set, which returns fixed ids and logprobs.
+ * at once with a numbered reply, or misbehaves on purpose. Replies carry no token ids: the gateway then renders
+ * with the chat template.
  */
 import { createServer, type Server } from 'node:http';
 

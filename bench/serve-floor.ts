@@ -1,0 +1,33 @@
+/**
+ * The floor under the latency `treepack serve` adds, for `npm run bench:serve`: the least a Node proxy does for
+ * the same call on the same machine, run beside the gateway in the same rounds. node:http in; the engine hop the
+ * gateway uses (src/serve/upstream.ts); with a log path, the request and the engine's answer appended to the
+ * gateway's durable log (src/serve/log.ts: group commit, O_DSYNC) before answering. No routing framework, no
+ * checks, no pool, no metrics: what the gateway adds over this floor is its own cost, the rest is the machine's.
+ * Usage: tsx bench/serve-floor.ts ENGINE_URL [LOG_PATH]; prints its base URL (…/v1) on stdout.
+ */
+import { createServer } from 'node:http';
+import { DurableLog } from '../src/serve/log.js';
+import { postUpstream } from '../src/serve/upstream.js';
+
+const [engine, logPath] = process.argv.slice(2);
+if (!engine) throw new Error('usage: serve-floor.ts ENGINE_URL [LOG_PATH]');
+const log = logPath ? await DurableLog.open(logPath, () => {}) : undefined;
+
+const server = createServer((req, res) => {
+  const chunks: Buffer[] = [];
+  req.on('data', (d: Buffer) => chunks.push(d));
+  req.on('end', async () => {
+    try {
+      const body = Buffer.concat(chunks).toString();
+      const up = await postUpstream(`${engine}/chat/completions`, body, { 'content-type': 'application/json' }, 60_000);
+      const text = await up.text();
+      await log?.append({ type: 'call', request: body, output: text });
+      res.writeHead(up.status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+      res.end(text);
+    } catch (err) {
+      res.writeHead(502).end((err as Error).message);
+    }
+  });
+});
+server.listen(0, '127.0.0.1', () => console.log(`http://127.0.0.1:${(server.address() as { port: number }).port}/v1`));
