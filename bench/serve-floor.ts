@@ -1,10 +1,11 @@
 /**
  * The floor under the latency `treepack serve` adds, for `npm run bench:serve`: the least a Node proxy does for
- * the same call on the same machine, run beside the gateway in the same rounds. node:http in; the engine hop the
+ * the same calls on the same machine, run beside the gateway in the same rounds. node:http in; the engine hop the
  * gateway uses (src/serve/upstream.ts); with a log path, the request and the engine's answer appended to the
- * gateway's durable log (src/serve/log.ts: group commit, O_DSYNC) before answering. No routing framework, no
- * checks, no pool, no metrics: what the gateway adds over this floor is its own cost, the rest is the machine's.
- * Usage: tsx bench/serve-floor.ts ENGINE_URL [LOG_PATH]; prints its base URL (…/v1) on stdout.
+ * gateway's durable log (src/serve/log.ts: group commit, O_DSYNC) before answering, and an episode's finish
+ * (`POST …/finish`) appended too, as the gateway logs both. No routing framework, no checks, no pool, no metrics:
+ * what the gateway adds over this floor is its own cost, the rest is the machine's.
+ * Usage: tsx bench/serve-floor.ts ENGINE_URL [LOG_PATH]; prints its URL on stdout.
  */
 import { createServer } from 'node:http';
 import { DurableLog } from '../src/serve/log.js';
@@ -20,6 +21,11 @@ const server = createServer((req, res) => {
   req.on('end', async () => {
     try {
       const body = Buffer.concat(chunks).toString();
+      if (req.url!.endsWith('/finish')) {
+        await log?.append({ type: 'finish', url: req.url, body });
+        res.writeHead(200, { 'content-type': 'application/json' }).end('{}');
+        return;
+      }
       const up = await postUpstream(`${engine}/chat/completions`, body, { 'content-type': 'application/json' }, 60_000);
       const text = await up.text();
       await log?.append({ type: 'call', request: body, output: text });
@@ -30,4 +36,4 @@ const server = createServer((req, res) => {
     }
   });
 });
-server.listen(0, '127.0.0.1', () => console.log(`http://127.0.0.1:${(server.address() as { port: number }).port}/v1`));
+server.listen(0, '127.0.0.1', () => console.log(`http://127.0.0.1:${(server.address() as { port: number }).port}`));

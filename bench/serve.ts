@@ -61,7 +61,7 @@ async function serve(args: string[]): Promise<Started> {
   return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
 }
 
-/** A process of this bench (bench/serve-stub.ts, bench/serve-floor.ts) that prints its base URL on its first line. */
+/** A process of this bench (bench/serve-stub.ts, bench/serve-floor.ts) that prints its URL on its first line. */
 async function script(file: string, args: string[]): Promise<Started> {
   const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'bench', file), ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
   const url = await new Promise<string>((res, rej) => {
@@ -263,11 +263,10 @@ try {
       return { base: `${gw}/v1`, headers: { 'x-treepack-episode': ep }, then };
     };
   };
-  const plain = (base: string) => (): Call => ({ base, headers: {} });
   const paths: Path[] = [
-    { name: 'direct', label: 'direct to the engine', call: () => plain(stub.url) },
-    { name: 'floor_http', label: 'floor, bare node:http proxy', call: () => plain(floors[0]!.url) },
-    { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: () => plain(floors[1]!.url) },
+    { name: 'direct', label: 'direct to the engine', call: () => () => ({ base: stub.url, headers: {} }) },
+    { name: 'floor_http', label: 'floor, bare node:http proxy', call: (r) => agentCall(floors[0]!.url, `r${r}`) },
+    { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: (r) => agentCall(floors[1]!.url, `r${r}`) },
     ...gateways.map((gw, k) => ({ name: pools[k]!.name, label: `treepack serve, ${pools[k]!.name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
   ];
   // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
@@ -304,7 +303,7 @@ try {
   const lat: Record<string, unknown> = { rate, seconds, rounds, warm_seconds: warmSeconds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: fsync.p50, fdatasync_p99_ms: fsync.p99 };
   const directP50 = quantile(acc[0]!.ms, 0.5), directP99 = quantile(acc[0]!.ms, 0.99);
   console.log(`latency at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds after ${warmSeconds} s of warm-up each; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
-  console.log('  (the stub engine answers at once, in a process of its own; treepack serve records agents of 4 calls, each then finishing its episode)');
+  console.log('  (the stub engine answers at once, in a process of its own; agents of 4 calls, each then finishing its episode, through the floors and the gateways)');
   const byPath: Record<string, { p50: number; p99: number }> = {};
   for (const [k, path] of paths.entries()) {
     const a = acc[k]!;
