@@ -5,6 +5,7 @@
  * gateway's durable log (src/serve/log.ts: group commit, O_DSYNC) before answering, and an episode's finish
  * (`POST …/finish`) appended too, as the gateway logs both. No routing framework, no checks, no pool, no metrics:
  * what the gateway adds over this floor is its own cost, the rest is the machine's.
+ * `GET /writes` answers how long its log's durable writes took since the last such GET, in ms.
  * Usage: tsx bench/serve-floor.ts ENGINE_URL [LOG_PATH]; prints its URL on stdout.
  */
 import { createServer } from 'node:http';
@@ -14,8 +15,15 @@ import { postUpstream } from '../src/serve/upstream.js';
 const [engine, logPath] = process.argv.slice(2);
 if (!engine) throw new Error('usage: serve-floor.ts ENGINE_URL [LOG_PATH]');
 const log = logPath ? await DurableLog.open(logPath, () => {}) : undefined;
+let writes: number[] = [];
+if (log) log.onWrite = (seconds) => writes.push(seconds * 1000);
 
 const server = createServer((req, res) => {
+  if (req.method === 'GET' && req.url === '/writes') {
+    res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify(writes));
+    writes = [];
+    return;
+  }
   const chunks: Buffer[] = [];
   req.on('data', (d: Buffer) => chunks.push(d));
   req.on('end', async () => {

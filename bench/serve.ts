@@ -273,6 +273,8 @@ try {
   // each path runs that long before its timed rounds, and those first seconds are reported apart.
   const cold = [];
   for (const path of paths) cold.push(await openLoop(rate, warmSeconds, path.call(-1)));
+  const floorWrites = async () => (await (await fetch(`${floors[1]!.url}/writes`)).json()) as number[];
+  await floorWrites(); // from here on: the rounds' writes
   const loadBefore = load();
   const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[], process: [] as ProcessRound[] }));
   const rounds = quick ? 4 : 10;
@@ -297,6 +299,7 @@ try {
     fsyncs.push(fsyncFloor(data, 100));
   }
   const loadAfter = load();
+  const floorLog = await floorWrites();
   const fsync = { p50: quantile(fsyncs.map((f) => f.p50), 0.5), p99: quantile(fsyncs.map((f) => f.p99), 0.5) };
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
@@ -315,6 +318,10 @@ try {
     const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms! <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
     console.log(`  ${path.label}: sent at ${r.sent_per_s!.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
     console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms!)}`);
+    if (path.name === 'floor_durable') {
+      Object.assign(r, { log_writes: floorLog.length, log_write_p50_ms: quantile(floorLog, 0.5), log_write_p99_ms: quantile(floorLog, 0.99) });
+      console.log(`    its log's ${floorLog.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms!)}  p99 ${ms3(r.log_write_p99_ms!)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
+    }
     const gw = path.service;
     if (!gw) continue;
     // The service's own measure of what it adds (everything but the engine wait), from its histogram.
