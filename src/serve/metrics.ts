@@ -4,7 +4,7 @@
  * (how late a timer due at any moment ran, i.e. how long a request arriving then waited for the loop) and the
  * garbage collector's pauses. `close` stops both watchers.
  */
-import { constants, monitorEventLoopDelay, PerformanceObserver, type PerformanceEntry } from 'node:perf_hooks';
+import { constants, createHistogram, performance, PerformanceObserver, type PerformanceEntry } from 'node:perf_hooks';
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
 
 /** how often the loop-delay timer is due (ms): short enough that a 1 ms stall is seen, cheap (a native timer) */
@@ -61,8 +61,15 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   gauge('treepack_micro_batches_ready', 'packed micro-batches not handed out', 'microBatchesReady');
   gauge('treepack_micro_batches_leased', 'micro-batches handed out and not acknowledged', 'microBatchesLeased');
 
-  const loop = monitorEventLoopDelay({ resolution: LOOP_RESOLUTION_MS });
-  loop.enable();
+  // A timer of its own, not monitorEventLoopDelay: that one forgets its last tick when reset, so a stall that
+  // began less than a tick after a scrape went unrecorded.
+  const loop = createHistogram();
+  let lastTick = performance.now();
+  const ticker = setInterval(() => {
+    const now = performance.now();
+    loop.record(Math.max(1, Math.round((now - lastTick - LOOP_RESOLUTION_MS) * 1e6)));
+    lastTick = now;
+  }, LOOP_RESOLUTION_MS).unref();
   new Gauge({
     name: 'treepack_event_loop_delay_seconds',
     help: `event-loop delay since the last scrape: how late a timer due every ${LOOP_RESOLUTION_MS} ms ran, by quantile (and "max"); reset at each scrape`,
@@ -92,7 +99,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   });
   gcObserver.observe({ entryTypes: ['gc'] });
   const close = () => {
-    loop.disable();
+    clearInterval(ticker);
     gcObserver.disconnect();
   };
   return { registry, calls, episodes, microBatches, rejected, prompts, latency, logWrite, engine, staleness, close };
