@@ -5,7 +5,7 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createServer, type Server } from 'node:net';
-import { resolveServiceOptions, Service } from '../src/serve/service.js';
+import { resolveServiceOptions, Service, sharedConfig } from '../src/serve/service.js';
 import { cli } from './helpers/cli.js';
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
@@ -125,6 +125,18 @@ describe('service errors', { timeout: 30_000 }, () => {
     expect(() => resolveServiceOptions({ ...base, redisAllowWeakDurability: 'yes' as never })).toThrow(/for redisAllowWeakDurability but received "yes"/);
     expect(() => resolveServiceOptions({ ...base, warn: 'stderr' as never })).toThrow(/for warn but received "stderr"/);
     expect(resolveServiceOptions({ ...base, redisAllowWeakDurability: true }).redisAllowWeakDurability).toBe(true);
+  });
+
+  it('timelines compare by token unless told, in the library as in `treepack serve`', () => {
+    const base = { engineUrl: stub.url, dataDir: '/tmp/x' };
+    expect(resolveServiceOptions(base).packer.merge).toEqual({ timelineCompareLevel: 'token' });
+    expect(resolveServiceOptions({ ...base, packer: { merge: { timelineCompareLevel: 'text' } } }).packer.merge).toEqual({ timelineCompareLevel: 'text' });
+    expect(resolveServiceOptions({ ...base, packer: { merge: false } }).packer.merge).toBe(false);
+    expect(() => resolveServiceOptions({ ...base, packer: 'x' as never })).toThrow(/for packer but received "x"/);
+    // The options the CLI spelled out before the library had this default: a library service and a CLI one
+    // agree on a shared pool.
+    const cli = { backend: 'auto', merge: { timelineCompareLevel: 'token' }, advantages: 'grpo' } as const;
+    expect(sharedConfig(resolveServiceOptions(base))).toEqual(sharedConfig(resolveServiceOptions({ ...base, packer: cli })));
   });
 
   it('a non-loopback bind needs a token; the token is then required', async () => {

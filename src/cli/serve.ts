@@ -113,14 +113,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     redis: str('redis'),
     ...(weakDurability && { redisAllowWeakDurability: true }),
     compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
-    // Spelled out with the defaults: every service on a shared pool compares these (sharedConfig).
-    packer: {
-      tokenizer: packer.tokenizer,
-      backend: packer.backend ?? 'auto',
-      merge: { timelineCompareLevel: (packer.merge || {}).timelineCompareLevel ?? 'token' },
-      advantages: packer.advantages ?? 'grpo',
-      ...(packer.budget && { budget: { maxTokens: packer.budget.maxTokens, dp, padMultiple: packer.budget.padMultiple ?? 1 } }),
-    },
+    packer: { ...packer, ...(packer.budget && { budget: { ...packer.budget, dp } }) },
   };
   checkOptions(options); // a bad combination is a usage error, found before starting
   const { service, url } = await startService(options);

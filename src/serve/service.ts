@@ -64,7 +64,7 @@ export interface ServiceOptions {
   compactBytes?: number;
 }
 
-type OptionalKeys = 'engineApiKey' | 'token' | 'packer' | 'redis' | 'redisAllowWeakDurability' | 'warn';
+type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn';
 export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
@@ -86,10 +86,10 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     bodyLimit: o.bodyLimit ?? 32 << 20,
     rateLimit: o.rateLimit ?? 0,
     compactBytes: o.compactBytes ?? 64 << 20,
+    packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
   if (o.token !== undefined) r.token = o.token;
-  if (o.packer !== undefined) r.packer = o.packer;
   if (o.redis !== undefined) {
     if (typeof o.redis !== 'string' || !/^rediss?:\/\//.test(o.redis)) throw argError('redis', 'a Redis URL, e.g. redis://127.0.0.1:6379', o.redis);
     r.redis = o.redis;
@@ -108,10 +108,22 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
-  if (r.packer?.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
+  if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
-  if (r.dp > 1 && !r.packer?.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer?.budget);
+  if (r.dp > 1 && !r.packer.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
   return r;
+}
+
+/**
+ * The service's packer options: as given, but timelines compare by token unless told otherwise (where `treepack
+ * pack` compares by text): the gateway records the engine's own token ids, and two calls whose messages read the
+ * same may not have been sent as the same tokens.
+ */
+function withServeMerge(p: PackerOptions | undefined): PackerOptions {
+  if (p !== undefined && (p === null || typeof p !== 'object')) throw argError('packer', 'an object of packer options', p);
+  const merge = p?.merge;
+  if (merge === false || (merge !== undefined && (merge === null || typeof merge !== 'object'))) return p!; // off, or refused by resolvePackerOptions
+  return { ...p, merge: { ...merge, timelineCompareLevel: merge?.timelineCompareLevel ?? 'token' } };
 }
 
 /**
@@ -182,9 +194,9 @@ export class Service {
     const opts = resolveServiceOptions(options);
     // The packing thread loads its tokenizer while this one does; both are ready before the service listens, so
     // neither load competes with traffic, and the first step packs at once.
-    const encoder = resolveTokenizer(opts.packer?.tokenizer).then((t) => new ChatEncoder(t));
+    const encoder = resolveTokenizer(opts.packer.tokenizer).then((t) => new ChatEncoder(t));
     // One encoder here, shared by the in-thread packer when the options cannot go to a worker.
-    const packer = stepPacker(opts.packer ?? {}, () => encoder);
+    const packer = stepPacker(opts.packer, () => encoder);
     let svc: Service;
     try {
       const ready = await encoder;
