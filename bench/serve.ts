@@ -14,14 +14,18 @@
  *    event-loop delay, its GC pauses, the CPU its main thread spent per call, and the disk's fdatasync time alone
  *    between rounds;
  *  - calls/s recorded at saturation: 32 clients calling back to back;
+ *  - agent-sized calls: the requests of the tau-bench episodes in shared/data (each re-sends its whole context),
+ *    replayed at a fixed rate, direct, through the durable floor and through the in-process gateway: latency
+ *    added, main-thread CPU per call and log bytes per call (skipped, with the reason, without the file);
  *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer,
  *    and the service's event-loop delay meanwhile;
  *  - memory under backpressure (in-process pool): agents that never finish, until the pool bound answers 429.
- * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R.
+ * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R,
+ * --agent-rate R (agent-sized calls/s, default 200), --data FILE (tau-bench episodes).
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { Agent, request } from 'node:http';
-import { closeSync, fdatasyncSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync, writeSync } from 'node:fs';
+import { closeSync, existsSync, fdatasyncSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
 import { loadavg, tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -32,7 +36,7 @@ import { redisAvailable, startRedis, type RedisServer } from '../test/helpers/re
 import { freePort } from '../test/helpers/serve.js';
 import { speed } from './format.js';
 
-const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' } } });
+const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' }, 'agent-rate': { type: 'string' }, data: { type: 'string' } } });
 const quick = values.quick === true;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const BIN = join(root, 'dist/src/cli/main.js');
@@ -89,6 +93,8 @@ function postJson(url: string, body: string, headers: Record<string, string>): P
 interface Call {
   base: string;
   headers: Record<string, string>;
+  /** the request body; default: a one-message chat */
+  body?: string;
   /** run once the call is answered (not timed): an agent finishing its episode */
   then?: () => Promise<unknown>;
 }
@@ -115,7 +121,7 @@ async function openLoop(rate: number, seconds: number, call: (i: number) => Call
     inflight.push(
       (async () => {
         const t0 = performance.now();
-        const status = await postJson(`${c.base}/chat/completions`, chatBody(i), c.headers).catch(() => 0);
+        const status = await postJson(`${c.base}/chat/completions`, c.body ?? chatBody(i), c.headers).catch(() => 0);
         if (status === 200) ms.push(performance.now() - t0);
         else failed++;
         await c.then?.();
@@ -231,6 +237,45 @@ interface PoolUnderTest {
   args: (db: number) => string[];
 }
 
+/** One path's latencies over the rounds, and what its service's metrics said meanwhile. */
+interface PathTimes {
+  ms: number[];
+  failed: number;
+  sent: number[];
+  /** latencies of its warm-up: its first seconds at the rate */
+  cold: number[];
+  process: ProcessRound[];
+}
+
+/**
+ * Warms each path up at `rate` for `warmSeconds`, then runs `rounds` alternating rounds of `seconds / rounds` on
+ * each, so every path sees the same machine load; a service's metrics are scraped around each of its rounds.
+ */
+async function measure(paths: Path[], rate: number, seconds: number, rounds: number, warmSeconds: number, hooks: { beforeRounds?: () => unknown; betweenRounds?: () => unknown } = {}): Promise<PathTimes[]> {
+  const acc: PathTimes[] = [];
+  for (const path of paths) acc.push({ ms: [], failed: 0, sent: [], cold: (await openLoop(rate, warmSeconds, path.call(-1))).ms, process: [] });
+  await hooks.beforeRounds?.();
+  for (let r = 0; r < rounds; r++) {
+    for (const [k, path] of paths.entries()) {
+      const gw = path.service;
+      const before = gw && (await scrape(gw.url)); // also resets the child's loop-delay gauges
+      const cpu0 = gw ? mainThreadCpuMs(gw.child.pid!) : 0;
+      const got = await openLoop(rate, seconds / rounds, path.call(r));
+      if (gw) {
+        const loopCpuMs = mainThreadCpuMs(gw.child.pid!) - cpu0;
+        const after = await scrape(gw.url);
+        const logWrites = new Map([...after.logWrites].map(([le, n]) => [le, n - (before!.logWrites.get(le) ?? 0)]));
+        acc[k]!.process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
+      }
+      acc[k]!.ms.push(...got.ms);
+      acc[k]!.failed += got.failed;
+      acc[k]!.sent.push(got.sentPerS);
+    }
+    await hooks.betweenRounds?.();
+  }
+  return acc;
+}
+
 const report: Record<string, unknown> = {};
 const stub = await script('serve-stub.ts', []);
 const data = mkdtempSync(join(tmpdir(), 'tp-bench-serve-'));
@@ -271,33 +316,17 @@ try {
   ];
   // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
   // each path runs that long before its timed rounds, and those first seconds are reported apart.
-  const cold = [];
-  for (const path of paths) cold.push(await openLoop(rate, warmSeconds, path.call(-1)));
   const floorWrites = async () => (await (await fetch(`${floors[1]!.url}/writes`)).json()) as number[];
-  await floorWrites(); // from here on: the rounds' writes
-  const loadBefore = load();
-  const acc = paths.map(() => ({ ms: [] as number[], failed: 0, sent: [] as number[], process: [] as ProcessRound[] }));
   const rounds = quick ? 4 : 10;
   const fsyncs: { p50: number; p99: number }[] = [];
-  for (let r = 0; r < rounds; r++) {
-    for (const [k, path] of paths.entries()) {
-      const gw = path.service;
-      const before = gw && (await scrape(gw.url)); // also resets the child's loop-delay gauges
-      const cpu0 = gw ? mainThreadCpuMs(gw.child.pid!) : 0;
-      const got = await openLoop(rate, seconds / rounds, path.call(r));
-      if (gw) {
-        const loopCpuMs = mainThreadCpuMs(gw.child.pid!) - cpu0;
-        const after = await scrape(gw.url);
-        const logWrites = new Map([...after.logWrites].map(([le, n]) => [le, n - (before!.logWrites.get(le) ?? 0)]));
-        acc[k]!.process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
-      }
-      acc[k]!.ms.push(...got.ms);
-      acc[k]!.failed += got.failed;
-      acc[k]!.sent.push(got.sentPerS);
-    }
+  const loadBefore = load();
+  const acc = await measure(paths, rate, seconds, rounds, warmSeconds, {
+    // from the first round on: the rounds' writes
+    beforeRounds: () => floorWrites(),
     // The disk's own speed, between rounds: it changes with what else the machine does.
-    fsyncs.push(fsyncFloor(data, 100));
-  }
+    betweenRounds: () => fsyncs.push(fsyncFloor(data, 100)),
+  });
+  const cold = acc.map((a) => a.cold);
   const loadAfter = load();
   const floorLog = await floorWrites();
   const fsync = { p50: quantile(fsyncs.map((f) => f.p50), 0.5), p99: quantile(fsyncs.map((f) => f.p99), 0.5) };
@@ -312,7 +341,7 @@ try {
     const a = acc[k]!;
     const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
     byPath[path.name] = { p50, p99 };
-    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(cold[k]!.ms, 0.99) };
+    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(cold[k]!, 0.99) };
     if (k > 0) Object.assign(r, { added_p50_ms: p50 - directP50, added_p99_ms: p99 - directP99 });
     lat[path.name] = r;
     const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms! <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
@@ -360,6 +389,64 @@ try {
   }
   report.latency = lat;
   await Promise.all([...gateways, ...floors].map((g) => g.stop()));
+
+  // 1b. Agent-sized calls: real agents re-send their whole context on every call.
+  const tau = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
+  if (!existsSync(tau)) {
+    report.agent_calls = `skipped: ${tau} not found (--data FILE: tau-bench episodes, shared/data/README.md)`;
+    console.log(`agent-sized calls ${report.agent_calls}`);
+  } else {
+    const agentRate = Number(values['agent-rate'] ?? 200);
+    type TauEpisode = { episode_id: string; requests: { messages: unknown[]; tools?: unknown[] | null }[] };
+    const episodes = readFileSync(tau, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l) as TauEpisode);
+    const requests = episodes.flatMap((ep) => ep.requests.map((q, k) => ({
+      episode: ep.episode_id,
+      last: k === ep.requests.length - 1,
+      body: JSON.stringify({ model: 'm', messages: q.messages, ...(q.tools && { tools: q.tools }) }),
+    })));
+    const meanBody = mean(requests.map((q) => Buffer.byteLength(q.body)));
+    const gwData = join(data, 'latency-agent');
+    const floorLog = join(data, 'floor-agent.jsonl');
+    const [gw, floor] = await Promise.all([serve(['--engine', stub.url, '--data', gwData, '--group-size', '1']), script('serve-floor.ts', [stub.url, floorLog])]);
+    // Each pass over the file replays its episodes under new ids, each finished after its last call.
+    const replay = (url: string, tag: string) => (i: number): Call => {
+      const q = requests[i % requests.length]!;
+      const ep = `${tag}-${Math.floor(i / requests.length)}-${q.episode}`;
+      return { base: `${url}/v1`, headers: { 'x-treepack-episode': ep }, body: q.body, then: q.last ? () => postJson(`${url}/v1/episodes/${ep}/finish`, '{"reward":1}', {}) : undefined };
+    };
+    const agentPaths: Path[] = [
+      { name: 'direct', label: 'direct to the engine', call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length]!.body }) },
+      { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: (r) => replay(floor.url, `r${r}`) },
+      { name: 'in-process', label: 'treepack serve, in-process pool', call: (r) => replay(gw.url, `r${r}`), service: gw },
+    ];
+    const agentSeconds = quick ? 2 : 6;
+    const got = await measure(agentPaths, agentRate, agentSeconds, quick ? 2 : 6, quick ? 1 : 2);
+    const logBytes = (file: string) => statSync(file).size;
+    const answered = (a: PathTimes) => a.ms.length + a.cold.length;
+    const out: Record<string, unknown> = { rate: agentRate, seconds: agentSeconds, requests: requests.length, episodes: episodes.length, mean_request_bytes: meanBody };
+    console.log(`agent-sized calls at ${agentRate} calls/s: the ${requests.length} requests of ${episodes.length} tau-bench episodes (${(meanBody / 1024).toFixed(1)} KiB of request body on average: every call re-sends its context), replayed as new episodes, each finished after its last call`);
+    const d = got[0]!;
+    for (const [k, path] of agentPaths.entries()) {
+      const a = got[k]!;
+      const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
+      const r: Record<string, number> = { calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99 };
+      let extra = '';
+      if (k > 0) {
+        Object.assign(r, { added_p50_ms: p50 - quantile(d.ms, 0.5), added_p99_ms: p99 - quantile(d.ms, 0.99) });
+        const bytes = logBytes(path.service ? join(gwData, 'events.jsonl') : floorLog);
+        r.log_bytes_per_call = bytes / answered(a);
+        extra = `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}; its log grew ${(r.log_bytes_per_call / 1024).toFixed(1)} KiB per call`;
+      }
+      if (path.service) {
+        r.loop_cpu_us_per_call = (a.process.reduce((t, x) => t + x.loopCpuMs, 0) * 1000) / (a.ms.length + a.failed);
+        extra += `; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call`;
+      }
+      out[path.name] = r;
+      console.log(`  ${path.label}: ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${extra}`);
+    }
+    report.agent_calls = out;
+    await Promise.all([gw.stop(), floor.stop()]);
+  }
 
   // 2. Micro-batches/s to 8 ranks.
   const dp = 8;

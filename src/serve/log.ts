@@ -80,7 +80,7 @@ export class DurableLog {
   ) {}
 
   /** Opens (creating) the log at `path`, calling `apply` on every committed event in order before returning. */
-  static async open(path: string, apply: (e: LogEvent, line: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
+  static async open(path: string, apply: (e: LogEvent, line: number, bytes: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
     mkdirSync(dirname(path), { recursive: true });
     rmSync(path + '.compact', { force: true }); // a compaction killed before its rename: the log itself is whole
     const committed = replay(path, apply);
@@ -97,10 +97,19 @@ export class DurableLog {
     return log;
   }
 
+  /** An event as the line the log holds. */
+  static line(event: LogEvent): Buffer {
+    return Buffer.from(JSON.stringify(event) + '\n');
+  }
+
   /** Resolves once `event` is on disk. */
   append(event: LogEvent): Promise<void> {
+    return this.appendLine(DurableLog.line(event));
+  }
+
+  /** Resolves once `bytes`, an event's line (`DurableLog.line`), is on disk. */
+  appendLine(bytes: Buffer): Promise<void> {
     if (this.closed) return Promise.reject(new TreepackError('E_IO', 'the log is closed', { file: this.path }));
-    const bytes = Buffer.from(JSON.stringify(event) + '\n');
     return new Promise((resolve, reject) => {
       this.queue.push({ bytes, resolve, reject });
       if (!this.writing) void this.flush();
@@ -208,7 +217,7 @@ export class DurableLog {
 }
 
 /** Applies every complete line; cuts a torn tail (no newline, or unparsable last line) and returns the sizes. */
-function replay(path: string, apply: (e: LogEvent, line: number) => void): { bytes: number; events: number } {
+function replay(path: string, apply: (e: LogEvent, line: number, bytes: number) => void): { bytes: number; events: number } {
   let data: Buffer;
   try {
     data = readFileSync(path);
@@ -221,8 +230,11 @@ function replay(path: string, apply: (e: LogEvent, line: number) => void): { byt
   return committed;
 }
 
-/** Applies every complete line of `data`; stops before a torn tail and returns the committed sizes. */
-export function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number) => void): { bytes: number; events: number } {
+/**
+ * Applies every complete line of `data` (with its line number and its size in bytes, newline included); stops
+ * before a torn tail and returns the committed sizes.
+ */
+export function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number, bytes: number) => void): { bytes: number; events: number } {
   let start = 0;
   let line = 0;
   let events = 0;
@@ -237,7 +249,7 @@ export function scan(data: Buffer, path: string, apply: (e: LogEvent, line: numb
       if (nl === data.length - 1) break; // a torn last line that happened to end in a newline byte
       throw new TreepackError('E_INPUT', `damaged log: ${(e as Error).message}`, { file: path, line });
     }
-    apply(event, line);
+    apply(event, line, nl + 1 - start);
     events++;
     start = nl + 1;
   }

@@ -150,7 +150,12 @@ export class Pool {
     if (g?.consumed) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
   }
 
-  apply(ev: LogEvent): void {
+  /**
+   * Applies a checked event. `bytes`, its line's size in the log, is what a call or record counts toward
+   * `pendingBytes` until its group is consumed (the bound that answers 429); the compactor, which bounds nothing,
+   * leaves it 0.
+   */
+  apply(ev: LogEvent, bytes = 0): void {
     if (ev.type === 'snapshot') return this.restore(ev as unknown as SnapshotEvent);
     const e = ev as unknown as PoolEvent;
     switch (e.type) {
@@ -164,7 +169,6 @@ export class Pool {
         const ep = this.episode(e.episode, e.group ?? e.episode);
         if (e.call.agent !== undefined) ep.agents.add(e.call.agent);
         ep.calls.push(e.call);
-        const bytes = JSON.stringify(e.call).length;
         ep.bytes += bytes;
         this.pendingBytes += bytes;
         this.counters.calls++;
@@ -173,8 +177,8 @@ export class Pool {
       case 'record': {
         const ep = this.episode(e.episode, e.group);
         ep.direct = e.record;
-        ep.bytes = JSON.stringify(e.record).length;
-        this.pendingBytes += ep.bytes;
+        ep.bytes = bytes;
+        this.pendingBytes += bytes;
         this.finishEpisode(ep, e.reward, undefined, undefined);
         return;
       }

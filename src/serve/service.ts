@@ -227,7 +227,7 @@ export class Service {
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
     try {
       const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
-      this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line) => this.replay(e, line), compaction);
+      this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line, bytes) => this.replay(e, line, bytes), compaction);
       this.log.onWrite = (seconds) => this.metrics.logWrite.observe(seconds);
     } catch (err) {
       await this.feed.close();
@@ -241,17 +241,21 @@ export class Service {
     registerSlime(this.app, this);
   }
 
-  private replay(e: LogEvent, line: number): void {
+  private replay(e: LogEvent, line: number, bytes: number): void {
     if (e.type === 'snapshot') this.pool.apply(e);
-    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e);
+    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e, bytes);
     if (this.feed instanceof Feed) return this.feed.apply(e);
     if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
     throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
   }
 
   private append(e: LogEvent): Promise<void> {
+    return this.appendLine(DurableLog.line(e));
+  }
+
+  private appendLine(line: Buffer): Promise<void> {
     if (this.broken) return Promise.reject(new PoolError(503, `the service stopped writing: ${this.broken}`));
-    return this.log.append(e).catch((err: Error) => {
+    return this.log.appendLine(line).catch((err: Error) => {
       this.broken = `log write failed: ${err.message}`;
       throw new PoolError(503, this.broken);
     });
@@ -268,8 +272,10 @@ export class Service {
       await this.shared.groupSeq(e.group ?? e.episode);
       this.pool.check(e); // the episode may have finished meanwhile
     }
-    const durable = this.append(e as unknown as LogEvent);
-    this.pool.apply(e as unknown as LogEvent);
+    // Serialized once: the line's size is what the pool counts toward its bound.
+    const line = DurableLog.line(e as unknown as LogEvent);
+    const durable = this.appendLine(line);
+    this.pool.apply(e as unknown as LogEvent, line.length);
     await durable;
     if (!this.shared || (e.type !== 'finish' && e.type !== 'record')) return undefined;
     try {
