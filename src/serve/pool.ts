@@ -7,6 +7,7 @@
  * (Collector in src/pack/schedule.ts); the pool only says which groups are finished and holds their records.
  */
 import { randomBytes } from 'node:crypto';
+import { TreepackError } from '../errors.js';
 import type { SnapshotEvent } from './compact.js';
 import type { CallKind, EngineOutput } from './engine.js';
 import type { LogEvent } from './log.js';
@@ -15,6 +16,18 @@ export interface CallRequest {
   messages?: unknown[];
   tools?: unknown[];
   prompt?: string;
+}
+
+/**
+ * A chat request as the log holds it when it shares a prefix with an earlier call of its episode (`Pool.logged`):
+ * the messages after the first `keep` of call `from`, and that call's tools where `sameTools`. An agent re-sends
+ * its whole context on every call, so logging each call whole would make the log (and the pool) grow with the
+ * square of an episode's length.
+ */
+export interface LoggedRequest extends CallRequest {
+  from?: string;
+  keep?: number;
+  sameTools?: true;
 }
 
 export interface RecordedCall {
@@ -168,7 +181,7 @@ export class Pool {
       case 'call': {
         const ep = this.episode(e.episode, e.group ?? e.episode);
         if (e.call.agent !== undefined) ep.agents.add(e.call.agent);
-        ep.calls.push(e.call);
+        ep.calls.push((e.call.request as LoggedRequest).from === undefined ? e.call : expand(ep, e.call));
         ep.bytes += bytes;
         this.pendingBytes += bytes;
         this.counters.calls++;
@@ -194,6 +207,29 @@ export class Pool {
         return;
       }
     }
+  }
+
+  /**
+   * A call event as the log holds it: its messages after the longest prefix they share with the episode's latest
+   * call of the same agent, which it names (and that call's tools, when they are the same). Applied, it expands
+   * to the call as recorded, its shared messages the earlier call's own objects.
+   */
+  logged(e: PoolEvent & { type: 'call' }): PoolEvent {
+    const messages = e.call.request.messages;
+    const calls = this.episodes.get(e.episode)?.calls;
+    const base = messages && calls && findLast(calls, (c) => c.agent === e.call.agent && c.request.messages !== undefined);
+    if (!base) return e;
+    const prev = base.request.messages!;
+    let keep = 0;
+    while (keep < prev.length && keep < messages.length && jsonEqual(prev[keep], messages[keep])) keep++;
+    if (keep === 0) return e;
+    const { tools, ...rest } = e.call.request;
+    const request: LoggedRequest = { ...rest, from: base.id, keep, messages: messages.slice(keep) };
+    if (tools !== undefined) {
+      if (base.request.tools !== undefined && jsonEqual(tools, base.request.tools)) request.sameTools = true;
+      else request.tools = tools;
+    }
+    return { ...e, call: { ...e.call, request } };
   }
 
   /** A compacted log's first event: groups, and what is left of episodes whose records are gone. */
@@ -275,4 +311,38 @@ export class Pool {
   depth(): { openEpisodes: number; finishedGroups: number } {
     return { openEpisodes: this.openEpisodes, finishedGroups: this.waitingGroups };
   }
+}
+
+/** Equality of parsed JSON values, keys in any order (4× faster here than node's isDeepStrictEqual). */
+function jsonEqual(a: unknown, b: unknown): boolean {
+  if (a === b) return true;
+  if (typeof a !== 'object' || typeof b !== 'object' || a === null || b === null) return false;
+  if (Array.isArray(a)) {
+    if (!Array.isArray(b) || a.length !== b.length) return false;
+    for (let i = 0; i < a.length; i++) if (!jsonEqual(a[i], b[i])) return false;
+    return true;
+  }
+  if (Array.isArray(b)) return false;
+  const keys = Object.keys(a);
+  if (keys.length !== Object.keys(b).length) return false;
+  for (const k of keys) if (!Object.hasOwn(b, k) || !jsonEqual((a as Record<string, unknown>)[k], (b as Record<string, unknown>)[k])) return false;
+  return true;
+}
+
+function findLast<T>(xs: T[], test: (x: T) => boolean): T | undefined {
+  for (let i = xs.length - 1; i >= 0; i--) if (test(xs[i]!)) return xs[i];
+  return undefined;
+}
+
+/** A logged call (`Pool.logged`) as recorded: its request whole again. */
+function expand(ep: Episode, call: RecordedCall): RecordedCall {
+  const { from, keep, sameTools, ...rest } = call.request as LoggedRequest;
+  const base = findLast(ep.calls, (c) => c.id === from);
+  const prev = base?.request.messages;
+  if (!prev || !Number.isSafeInteger(keep) || keep! < 1 || keep! > prev.length || !Array.isArray(rest.messages) || (sameTools && !base.request.tools)) {
+    throw new TreepackError('E_INPUT', `damaged log: call ${JSON.stringify(call.id)} of episode ${JSON.stringify(ep.id)} continues call ${JSON.stringify(from)}, which it does not hold (or not ${keep} messages of it)`);
+  }
+  const request: CallRequest = { ...rest, messages: prev.slice(0, keep).concat(rest.messages) };
+  if (sameTools) request.tools = base.request.tools;
+  return { ...call, request };
 }

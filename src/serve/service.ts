@@ -272,10 +272,12 @@ export class Service {
       await this.shared.groupSeq(e.group ?? e.episode);
       this.pool.check(e); // the episode may have finished meanwhile
     }
-    // Serialized once: the line's size is what the pool counts toward its bound.
-    const line = DurableLog.line(e as unknown as LogEvent);
+    // A call is logged as what it adds to the episode's previous one; its line, serialized once, is also what the
+    // pool counts toward its bound.
+    const logged = (e.type === 'call' ? this.pool.logged(e) : e) as unknown as LogEvent;
+    const line = DurableLog.line(logged);
     const durable = this.appendLine(line);
-    this.pool.apply(e as unknown as LogEvent, line.length);
+    this.pool.apply(logged, line.length);
     await durable;
     if (!this.shared || (e.type !== 'finish' && e.type !== 'record')) return undefined;
     try {
