@@ -115,6 +115,6 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     const second = JSON.parse(lines[1]!) as { call: { request: { from: string } } };
     second.call.request.from = 'no-such-call';
     appendFileSync(join(broken, 'events.jsonl'), JSON.stringify(second) + '\n');
-    await expect(Service.create({ engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/damaged log: call .* of episode "e1" continues call "no-such-call"/);
+    await expect(Service.create({ engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/);
   });
 });

@@ -243,7 +243,15 @@ export class Service {
 
   private replay(e: LogEvent, line: number, bytes: number): void {
     if (e.type === 'snapshot') this.pool.apply(e);
-    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') return this.pool.apply(e, bytes);
+    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') {
+      try {
+        return this.pool.apply(e, bytes);
+      } catch (err) {
+        // a call continuing one the log does not hold: named with its line
+        if (err instanceof TreepackError) throw new TreepackError(err.code, err.detail, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
+        throw err;
+      }
+    }
     if (this.feed instanceof Feed) return this.feed.apply(e);
     if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
     throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
