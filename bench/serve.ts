@@ -5,8 +5,9 @@
  * the reason, where redis-server is absent).
  *  - latency the gateway adds: the same open-loop call rate (calls sent on a fixed schedule, whatever the answers
  *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
- *    directly, through two floor proxies (bench/serve-floor.ts: bare node:http, and bare node:http with the
- *    gateway's durable log: the least any Node proxy that answers after an fsync adds on this machine) and through
+ *    directly, through two floor proxies (bench/serve-floor.ts, written apart from the gateway: bare node:http, and
+ *    bare node:http with an O_DSYNC group-commit log: the least a Node proxy that answers after an fsync adds on
+ *    this machine) and through
  *    each pool's gateway (a separate process; each answer waits for its record's fsync, group-committed), in
  *    alternating rounds so every path sees the same machine load, each path warmed up at the rate first (its
  *    first seconds reported apart); p50/p99 of each and their difference, the rates achieved, the load average
@@ -311,7 +312,7 @@ try {
   const paths: Path[] = [
     { name: 'direct', label: 'direct to the engine', call: () => () => ({ base: stub.url, headers: {} }) },
     { name: 'floor_http', label: 'floor, bare node:http proxy', call: (r) => agentCall(floors[0]!.url, `r${r}`) },
-    { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: (r) => agentCall(floors[1]!.url, `r${r}`) },
+    { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => agentCall(floors[1]!.url, `r${r}`) },
     ...gateways.map((gw, k) => ({ name: pools[k]!.name, label: `treepack serve, ${pools[k]!.name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
   ];
   // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
@@ -416,7 +417,7 @@ try {
     };
     const agentPaths: Path[] = [
       { name: 'direct', label: 'direct to the engine', call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length]!.body }) },
-      { name: 'floor_durable', label: "floor, bare proxy + the gateway's durable log", call: (r) => replay(floor.url, `r${r}`) },
+      { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => replay(floor.url, `r${r}`) },
       { name: 'in-process', label: 'treepack serve, in-process pool', call: (r) => replay(gw.url, `r${r}`), service: gw },
     ];
     const agentSeconds = quick ? 2 : 6;

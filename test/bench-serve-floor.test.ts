@@ -43,7 +43,7 @@ describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
         answers.push(await r.text());
       }
       expect((await post(`${floor.url}/v1/episodes/e1/finish`, '{"reward":1}')).status).toBe(200);
-      // Answered only after the write: the lines are there now, before the floor stops.
+      // Answered only after the write: the lines are there now, before the floor stops (O_DSYNC: on disk too).
       const lines = readFileSync(log, 'utf8').trim().split('\n').map((l) => JSON.parse(l) as Record<string, string>);
       expect(lines.map((l) => l.type)).toEqual(['call', 'call', 'call', 'finish']);
       expect(lines.slice(0, 3).map((l) => l.request)).toEqual(bodies);
