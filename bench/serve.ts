@@ -169,6 +169,7 @@ function fsyncFloor(dir: string, n: number): { p50: number; p99: number } {
 const load = () => loadavg().map((x) => x.toFixed(2)).join(' ');
 const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
 const ms3 = (x: number) => `${x.toFixed(3)} ms`;
+const signed = (x: number) => (x < 0 ? `−${ms3(-x)}` : `+${ms3(x)}`);
 
 /** One sample of a Prometheus text exposition: the value of `name` whose labels include `labels`. */
 function sample(text: string, name: string, labels = ''): number {
@@ -382,7 +383,7 @@ try {
   const floor = byPath.floor_durable!;
   for (const p of pools) {
     const g = byPath[p.name]!;
-    console.log(`  treepack serve (${p.name}) over the durable floor: p50 ${speed(floor.p50, g.p50)} (+${ms3(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (+${ms3(g.p99 - floor.p99)})`);
+    console.log(`  treepack serve (${p.name}) against the durable floor: p50 ${speed(floor.p50, g.p50)} (${signed(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (${signed(g.p99 - floor.p99)})`);
   }
   if (byPath.redis) {
     const [l, r] = [byPath['in-process']!, byPath.redis];
