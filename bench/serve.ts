@@ -316,12 +316,12 @@ try {
     { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => agentCall(floors[1]!.url, `r${r}`) },
     ...gateways.map((gw, k) => ({ name: pools[k]!.name, label: `treepack serve, ${pools[k]!.name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
   ];
-  // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
-  // each path runs that long before its timed rounds, and those first seconds are reported apart.
   const floorWrites = async () => (await (await fetch(`${floors[1]!.url}/writes`)).json()) as number[];
   const rounds = quick ? 4 : 10;
   const fsyncs: { p50: number; p99: number }[] = [];
   const loadBefore = load();
+  // A service's first seconds at this rate are slower (the JIT compiling its hot paths, connection pools growing):
+  // each path runs that long before its timed rounds, and those first seconds are reported apart.
   const acc = await measure(paths, rate, seconds, rounds, warmSeconds, {
     // from the first round on: the rounds' writes
     beforeRounds: () => floorWrites(),
