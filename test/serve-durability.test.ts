@@ -4,7 +4,7 @@
  * acknowledged is lost and nothing is duplicated.
  */
 import { afterAll, describe, expect, it } from 'vitest';
-import { appendFileSync, writeFileSync } from 'node:fs';
+import { appendFileSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { DurableLog } from '../src/serve/log.js';
@@ -33,17 +33,25 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
 
     // Ingestion: every episode makes its calls in turn, all episodes at once; kill -9 part-way.
     const answered = new Map<string, string[]>(); // episode → contents of calls answered 200
+    // Agents re-send their context, so calls are logged as what they add to the previous one (Pool.logged): what
+    // each answered call sent, and each agent's context so far.
+    const sent = new Map<string, unknown[][]>();
+    const context = new Map<string, { role: string; content: string }[]>();
     const finished = new Set<string>();
     let count = 0;
     let killed: Promise<void> | undefined;
     const agent = async (e: number) => {
       const ep = `ep-${e}`;
+      context.set(ep, [{ role: 'system', content: `the agent of ${ep}` }]);
       for (let k = 0; k < CALLS; k++) {
-        const r = await post(`${proc!.url}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `${ep} turn ${k}` }] }, { 'x-treepack-episode': ep }).catch(() => undefined);
+        const messages = [...context.get(ep)!, { role: 'user', content: `${ep} turn ${k}` }];
+        const r = await post(`${proc!.url}/v1/chat/completions`, { model: 'm', messages }, { 'x-treepack-episode': ep }).catch(() => undefined);
         if (r?.status !== 200) return;
         const body = (await r.json().catch(() => undefined)) as { choices: { message: { content: string } }[] } | undefined;
         if (!body) return;
         answered.set(ep, [...(answered.get(ep) ?? []), body.choices[0]!.message.content]);
+        sent.set(ep, [...(sent.get(ep) ?? []), messages]);
+        context.set(ep, [...messages, { role: 'assistant', content: body.choices[0]!.message.content }]);
         if (++count === 40) killed = proc!.kill9();
       }
       const f = await post(`${proc!.url}/v1/episodes/${ep}/finish`, { reward: e % 3 }).catch(() => undefined);
@@ -64,21 +72,26 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
         expect(answered.has(ep)).toBe(false);
         continue;
       }
-      const body = (await r.json()) as { finished: boolean; calls: { output: { message: { content: string } } }[] };
+      const body = (await r.json()) as { finished: boolean; calls: { request: { messages: unknown[] }; output: { message: { content: string } } }[] };
       const contents = body.calls.map((c) => c.output.message.content);
-      // Every answered call is there, in order; a call the engine answered but the client never heard of may
-      // be there too (recorded, then killed before the answer), never twice.
+      // Every answered call is there, in order, with what it sent; a call the engine answered but the client never
+      // heard of may be there too (recorded, then killed before the answer), never twice.
       expect(contents.slice(0, answered.get(ep)?.length ?? 0)).toEqual(answered.get(ep) ?? []);
+      expect(body.calls.slice(0, sent.get(ep)?.length ?? 0).map((c) => c.request.messages)).toEqual(sent.get(ep) ?? []);
       expect(contents.length - (answered.get(ep)?.length ?? 0)).toBeLessThanOrEqual(1);
       expect(new Set(contents).size).toBe(contents.length);
       if (finished.has(ep)) expect(body.finished).toBe(true);
       recorded += contents.length;
       if (body.finished) continue;
       // The agent goes on with the restarted service: one more call, then its finish.
-      expect((await post(`${proc.url}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `${ep} after restart` }] }, { 'x-treepack-episode': ep })).status).toBe(200);
+      const messages = [...context.get(ep)!, { role: 'user', content: `${ep} after restart` }];
+      expect((await post(`${proc.url}/v1/chat/completions`, { model: 'm', messages }, { 'x-treepack-episode': ep })).status).toBe(200);
+      const calls = ((await (await fetch(`${proc.url}/v1/episodes/${ep}`)).json()) as { calls: { request: { messages: unknown[] } }[] }).calls;
+      expect(calls.at(-1)!.request.messages).toEqual(messages);
       expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 0 })).status).toBe(200);
     }
     expect((await fetch(`${proc.url}/v1/episodes/ep-torn`)).status).toBe(404);
+    expect(readFileSync(join(data, 'events.jsonl'), 'utf8')).toMatch(/"from":"[^"]+","keep":[1-9]/); // continued calls were logged as such
     const episodes = new Map<string, number>(); // episode → calls recorded (its sequences)
     const callIds: string[] = [];
     for (let e = 0; e < EPISODES; e++) {
