@@ -2,8 +2,8 @@
  * A call is logged as what it adds to its episode's previous call of the same agent (Pool.logged): agents
  * re-send their whole context, so whole calls would make the log grow with the square of an episode's length.
  * Every call still reads back exactly as sent: live, after a restart (replay), and through compaction; multi-agent
- * episodes, retries with another context, tools that change, and completions keep their own requests. A call that
- * names an earlier call the log does not hold refuses to start, naming it.
+ * episodes, retries with another context and tools that change keep their own requests; the shared pool holds an
+ * episode the same way. A call that names an earlier call the log does not hold refuses to start, naming it.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { appendFileSync, readFileSync, writeFileSync } from 'node:fs';
@@ -11,6 +11,7 @@ import { join } from 'node:path';
 import { compactEvents } from '../src/serve/compact.js';
 import { scan, type LogEvent } from '../src/serve/log.js';
 import { Pool, type RecordedCall } from '../src/serve/pool.js';
+import { episodeFromJson, episodeJson } from '../src/serve/redis-pool.js';
 import { Service } from '../src/serve/service.js';
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
@@ -100,6 +101,11 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     try {
       const got = [...restarted.pool.episodes.get('e1')!.calls, ...restarted.pool.episodes.get('e2')!.calls].map((c) => canon(c.request));
       expect(got).toEqual(sent.map(([, , body]) => canon(asSent(body))));
+      // The shared pool holds an episode the same way (src/serve/redis-pool.ts).
+      const ep = restarted.pool.episodes.get('e1')!;
+      const json = episodeJson(ep);
+      expect(json.length).toBeLessThan(JSON.stringify(ep.calls).length / 2);
+      expect(episodeFromJson(json).calls.map((c) => canon(c.request))).toEqual(ep.calls.map((c) => canon(c.request)));
     } finally {
       await restarted.close();
     }

@@ -181,7 +181,7 @@ export class Pool {
       case 'call': {
         const ep = this.episode(e.episode, e.group ?? e.episode);
         if (e.call.agent !== undefined) ep.agents.add(e.call.agent);
-        ep.calls.push((e.call.request as LoggedRequest).from === undefined ? e.call : expand(ep, e.call));
+        ep.calls.push(expanded(ep.calls, e.call, ep.id));
         ep.bytes += bytes;
         this.pendingBytes += bytes;
         this.counters.calls++;
@@ -209,27 +209,10 @@ export class Pool {
     }
   }
 
-  /**
-   * A call event as the log holds it: its messages after the longest prefix they share with the episode's latest
-   * call of the same agent, which it names (and that call's tools, when they are the same). Applied, it expands
-   * to the call as recorded, its shared messages the earlier call's own objects.
-   */
+  /** A call event as the log holds it: the call as `continuing` the episode's calls writes it. */
   logged(e: PoolEvent & { type: 'call' }): PoolEvent {
-    const messages = e.call.request.messages;
     const calls = this.episodes.get(e.episode)?.calls;
-    const base = messages && calls && findLast(calls, (c) => c.agent === e.call.agent && c.request.messages !== undefined);
-    if (!base) return e;
-    const prev = base.request.messages!;
-    let keep = 0;
-    while (keep < prev.length && keep < messages.length && jsonEqual(prev[keep], messages[keep])) keep++;
-    if (keep === 0) return e;
-    const { tools, ...rest } = e.call.request;
-    const request: LoggedRequest = { ...rest, from: base.id, keep, messages: messages.slice(keep) };
-    if (tools !== undefined) {
-      if (base.request.tools !== undefined && jsonEqual(tools, base.request.tools)) request.sameTools = true;
-      else request.tools = tools;
-    }
-    return { ...e, call: { ...e.call, request } };
+    return calls ? { ...e, call: continuing(calls, calls.length, e.call) } : e;
   }
 
   /** A compacted log's first event: groups, and what is left of episodes whose records are gone. */
@@ -329,20 +312,43 @@ function jsonEqual(a: unknown, b: unknown): boolean {
   return true;
 }
 
-function findLast<T>(xs: T[], test: (x: T) => boolean): T | undefined {
-  for (let i = xs.length - 1; i >= 0; i--) if (test(xs[i]!)) return xs[i];
-  return undefined;
+/**
+ * `call` as it is written (to the log, or to the shared pool) after `calls[0..n)` of its episode: its messages
+ * after the longest prefix they share with the latest of those calls of the same agent, which it names (and that
+ * call's tools, when they are the same); the call itself when it shares nothing.
+ */
+export function continuing(calls: RecordedCall[], n: number, call: RecordedCall): RecordedCall {
+  const messages = call.request.messages;
+  let base: RecordedCall | undefined;
+  for (let i = n - 1; i >= 0 && messages && !base; i--) if (calls[i]!.agent === call.agent && calls[i]!.request.messages) base = calls[i];
+  if (!base) return call;
+  const prev = base.request.messages!;
+  let keep = 0;
+  while (keep < prev.length && keep < messages!.length && jsonEqual(prev[keep], messages![keep])) keep++;
+  if (keep === 0) return call;
+  const { tools, ...rest } = call.request;
+  const request: LoggedRequest = { ...rest, from: base.id, keep, messages: messages!.slice(keep) };
+  if (tools !== undefined) {
+    if (base.request.tools !== undefined && jsonEqual(tools, base.request.tools)) request.sameTools = true;
+    else request.tools = tools;
+  }
+  return { ...call, request };
 }
 
-/** A logged call (`Pool.logged`) as recorded: its request whole again. */
-function expand(ep: Episode, call: RecordedCall): RecordedCall {
+/**
+ * A call as written by `continuing`, whole again after `calls` (the episode's calls before it, whole): the messages
+ * it shares are the earlier call's own objects.
+ */
+export function expanded(calls: RecordedCall[], call: RecordedCall, episode: string): RecordedCall {
   const { from, keep, sameTools, ...rest } = call.request as LoggedRequest;
-  const base = findLast(ep.calls, (c) => c.id === from);
+  if (from === undefined) return call;
+  let base: RecordedCall | undefined;
+  for (let i = calls.length - 1; i >= 0 && !base; i--) if (calls[i]!.id === from) base = calls[i];
   const prev = base?.request.messages;
-  if (!prev || !Number.isSafeInteger(keep) || keep! < 1 || keep! > prev.length || !Array.isArray(rest.messages) || (sameTools && !base.request.tools)) {
-    throw new TreepackError('E_INPUT', `damaged log: call ${JSON.stringify(call.id)} of episode ${JSON.stringify(ep.id)} continues call ${JSON.stringify(from)}, which it does not hold (or not ${keep} messages of it)`);
+  if (!prev || !Number.isSafeInteger(keep) || keep! < 1 || keep! > prev.length || !Array.isArray(rest.messages) || (sameTools && !base!.request.tools)) {
+    throw new TreepackError('E_INPUT', `call ${JSON.stringify(call.id)} of episode ${JSON.stringify(episode)} continues call ${JSON.stringify(from)}, which is not before it (or has fewer than ${keep} messages)`);
   }
   const request: CallRequest = { ...rest, messages: prev.slice(0, keep).concat(rest.messages) };
-  if (sameTools) request.tools = base.request.tools;
+  if (sameTools) request.tools = base!.request.tools;
   return { ...call, request };
 }

@@ -16,7 +16,7 @@
  */
 import { Redis } from 'ioredis';
 import { TreepackError } from '../errors.js';
-import { PoolError, type Episode } from './pool.js';
+import { continuing, expanded, PoolError, type Episode, type RecordedCall } from './pool.js';
 
 export const PREFIX = 'treepack:';
 /** how long a consumed group refuses late episodes */
@@ -98,13 +98,16 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
 }
 
 /** Episodes as they travel through Redis: a set becomes a list. */
+/** An episode as the shared pool holds it: each call as what it adds to the one it continues (as in the log). */
 export function episodeJson(ep: Episode): string {
-  return JSON.stringify({ ...ep, agents: [...ep.agents] });
+  return JSON.stringify({ ...ep, agents: [...ep.agents], calls: ep.calls.map((c, i) => continuing(ep.calls, i, c)) });
 }
 
 export function episodeFromJson(s: string): Episode {
   const o = JSON.parse(s) as Episode & { agents: string[] };
-  return { ...o, agents: new Set(o.agents) };
+  const calls: RecordedCall[] = [];
+  for (const c of o.calls) calls.push(expanded(calls, c, o.id));
+  return { ...o, agents: new Set(o.agents), calls };
 }
 
 export class RedisPool {

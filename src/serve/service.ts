@@ -134,10 +134,11 @@ function withServeMerge(p: PackerOptions | undefined): PackerOptions {
  */
 export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
   const p = resolvePackerOptions(o.packer);
-  // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed), so a
-  // pool left by a service of another layout is refused rather than misread
+  // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed; 3: an
+  // episode's calls written as what each adds to the one it continues), so a pool left by a service of another
+  // layout is refused rather than misread
   return sortKeys({
-    layout: 2,
+    layout: 3,
     groupSize: o.groupSize,
     policy: o.policy,
     groupsPerStep: o.groupsPerStep,
@@ -248,7 +249,7 @@ export class Service {
         return this.pool.apply(e, bytes);
       } catch (err) {
         // a call continuing one the log does not hold: named with its line
-        if (err instanceof TreepackError) throw new TreepackError(err.code, err.detail, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
+        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
         throw err;
       }
     }
