@@ -7,7 +7,7 @@
 import { constants, createHistogram, performance, PerformanceObserver, type PerformanceEntry } from 'node:perf_hooks';
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
 
-/** how often the loop-delay timer is due (ms): short enough that a 1 ms stall is seen, cheap (a native timer) */
+/** how often the loop-delay timer is due (ms): short enough that a 1 ms stall is seen, cheap (a callback per ms) */
 const LOOP_RESOLUTION_MS = 1;
 const GC_KINDS: Record<number, string> = {
   [constants.NODE_PERFORMANCE_GC_MAJOR]: 'major',
