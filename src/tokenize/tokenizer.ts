@@ -140,10 +140,13 @@ function maxId(json: Record<string, unknown>, maxVocabId = modelMaxId(json)): nu
 }
 
 async function load(dir: string, name: string): Promise<TextTokenizer> {
-  const [json, config] = await Promise.all([
+  // Read at once; when both fail, tokenizer.json is the one named, not whichever read happened to fail first.
+  const read = await Promise.allSettled([
     readJson(path.join(dir, 'tokenizer.json'), 'tokenizer.json'),
     readJson(path.join(dir, 'tokenizer_config.json'), 'tokenizer_config.json'),
   ]);
+  for (const r of read) if (r.status === 'rejected') throw r.reason;
+  const [json, config] = read.map((r) => (r as PromiseFulfilledResult<Record<string, unknown>>).value) as [Record<string, unknown>, Record<string, unknown>];
   const source = await findTemplate(dir, config);
   if (source === undefined)
     throw new TreepackError('E_ARG', 'the tokenizer has no chat_template (in tokenizer_config.json or chat_template.jinja)', {
