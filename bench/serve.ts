@@ -7,8 +7,8 @@
  *    do; an agent's 4 calls answered, it finishes its episode, which on Redis ships it there) sent to the engine
  *    directly, through two floor proxies (bench/serve-floor.ts, written apart from the gateway: bare node:http, and
  *    bare node:http with an O_DSYNC group-commit log: the least a Node proxy that answers after an fsync adds on
- *    this machine) and through
- *    each pool's gateway (a separate process; each answer waits for its record's fsync, group-committed), in
+ *    this machine) and through each pool's gateway (a separate process; each answer waits for its record's
+ *    fsync, group-committed), in
  *    alternating rounds so every path sees the same machine load, each path warmed up at the rate first (its
  *    first seconds reported apart); p50/p99 of each and their difference, the rates achieved, the load average
  *    (the 2 cores are shared); and, to explain them, from the service's own metrics over its rounds: its
@@ -24,17 +24,16 @@
  * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R,
  * --agent-rate R (agent-sized calls/s, default 200), --data FILE (tau-bench episodes).
  */
-import { spawn, type ChildProcess } from 'node:child_process';
+import { spawn } from 'node:child_process';
 import { Agent, request } from 'node:http';
 import { closeSync, existsSync, fdatasyncSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
 import { loadavg, tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
-import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { redisAvailable, startRedis, type RedisServer } from '../test/helpers/redis.js';
-import { freePort } from '../test/helpers/serve.js';
+import { freePort, startScript, terminate, type UrlProcess } from '../test/helpers/serve.js';
 import { speed } from './format.js';
 
 const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' }, 'agent-rate': { type: 'string' }, data: { type: 'string' } } });
@@ -47,13 +46,8 @@ const quantile = (xs: number[], q: number) => {
   return s[Math.min(s.length - 1, Math.floor(q * s.length))] ?? NaN;
 };
 
-interface Started {
-  url: string;
-  child: ChildProcess;
-  stop: () => Promise<void>;
-}
 
-async function serve(args: string[]): Promise<Started> {
+async function serve(args: string[]): Promise<UrlProcess> {
   const port = await freePort();
   const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
@@ -63,18 +57,11 @@ async function serve(args: string[]): Promise<Started> {
     if (child.exitCode !== null) throw new Error(`treepack serve ${args.join(' ')} exited with ${child.exitCode}: ${stderr}`);
     await new Promise((r) => setTimeout(r, 100));
   }
-  return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
+  return { url, child, stop: () => terminate(child) };
 }
 
-/** A process of this bench (bench/serve-stub.ts, bench/serve-floor.ts) that prints its URL on its first line. */
-async function script(file: string, args: string[]): Promise<Started> {
-  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'bench', file), ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
-  const url = await new Promise<string>((res, rej) => {
-    createInterface({ input: child.stdout! }).once('line', res);
-    child.once('exit', (code) => rej(new Error(`bench/${file} exited with ${code}`)));
-  });
-  return { url, child, stop: () => new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM'))) };
-}
+/** A process of this bench (bench/serve-stub.ts, bench/serve-floor.ts): it prints its URL on its first line. */
+const script = (file: string, args: string[]) => startScript(join(root, 'bench', file), args);
 
 /** Keep-alive connections, as an agent framework's HTTP client holds them. */
 const agent = new Agent({ keepAlive: true, maxSockets: 64 });
@@ -230,7 +217,7 @@ interface Path {
   /** the calls of round `round` (-1: the warm-up) */
   call: (round: number) => (i: number) => Call;
   /** a treepack serve child, whose own metrics explain its rounds */
-  service?: Started;
+  service?: UrlProcess;
 }
 
 /** A pool under test: the flags that select it, each service on its own Redis database (their options differ). */
@@ -248,6 +235,9 @@ interface PathTimes {
   cold: number[];
   process: ProcessRound[];
 }
+
+/** CPU its service's event loop ran per call of the rounds (finishes included), µs. */
+const loopCpuPerCall = (a: PathTimes) => (a.process.reduce((t, x) => t + x.loopCpuMs, 0) * 1000) / (a.ms.length + a.failed);
 
 /**
  * Warms each path up at `rate` for `warmSeconds`, then runs `rounds` alternating rounds of `seconds / rounds` on
@@ -328,9 +318,8 @@ try {
     // The disk's own speed, between rounds: it changes with what else the machine does.
     betweenRounds: () => fsyncs.push(fsyncFloor(data, 100)),
   });
-  const cold = acc.map((a) => a.cold);
   const loadAfter = load();
-  const floorLog = await floorWrites();
+  const floorWriteMs = await floorWrites();
   const fsync = { p50: quantile(fsyncs.map((f) => f.p50), 0.5), p99: quantile(fsyncs.map((f) => f.p99), 0.5) };
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
@@ -343,22 +332,22 @@ try {
     const a = acc[k]!;
     const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
     byPath[path.name] = { p50, p99 };
-    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(cold[k]!, 0.99) };
+    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(a.cold, 0.99) };
     if (k > 0) Object.assign(r, { added_p50_ms: p50 - directP50, added_p99_ms: p99 - directP99 });
     lat[path.name] = r;
     const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms! <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
     console.log(`  ${path.label}: sent at ${r.sent_per_s!.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
     console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms!)}`);
     if (path.name === 'floor_durable') {
-      Object.assign(r, { log_writes: floorLog.length, log_write_p50_ms: quantile(floorLog, 0.5), log_write_p99_ms: quantile(floorLog, 0.99) });
-      console.log(`    its log's ${floorLog.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms!)}  p99 ${ms3(r.log_write_p99_ms!)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
+      Object.assign(r, { log_writes: floorWriteMs.length, log_write_p50_ms: quantile(floorWriteMs, 0.5), log_write_p99_ms: quantile(floorWriteMs, 0.99) });
+      console.log(`    its log's ${floorWriteMs.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms!)}  p99 ${ms3(r.log_write_p99_ms!)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
     }
     const gw = path.service;
     if (!gw) continue;
     // The service's own measure of what it adds (everything but the engine wait), from its histogram.
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
     const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
-    const c = capacity[k - (paths.length - gateways.length)]!;
+    const c = capacity[gateways.indexOf(gw)]!;
     Object.assign(r, {
       server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
       // the serve child's event loop during its rounds: a call arriving in a stall waits for it
@@ -367,7 +356,7 @@ try {
       gc_pause_ms_per_s: a.process.reduce((t, x) => t + x.gcMs, 0) / seconds,
       gc_pauses: a.process.reduce((t, x) => t + x.gcPauses, 0),
       // CPU its event loop spent per call (finishes included): at `rate` calls/s, the share of the loop that is busy
-      loop_cpu_us_per_call: (a.process.reduce((t, x) => t + x.loopCpuMs, 0) * 1000) / (a.ms.length + a.failed),
+      loop_cpu_us_per_call: loopCpuPerCall(a),
       // the log's durable group-commit writes during the rounds (an answer waits for the one holding its event)
       log_write_p50_ms_at_most: logWriteQuantile(a.process, 0.5),
       log_write_p99_ms_at_most: logWriteQuantile(a.process, 0.99),
@@ -423,7 +412,6 @@ try {
     ];
     const agentSeconds = quick ? 2 : 6;
     const got = await measure(agentPaths, agentRate, agentSeconds, quick ? 2 : 6, quick ? 1 : 2);
-    const logBytes = (file: string) => statSync(file).size;
     const answered = (a: PathTimes) => a.ms.length + a.cold.length;
     const out: Record<string, unknown> = { rate: agentRate, seconds: agentSeconds, requests: requests.length, episodes: episodes.length, mean_request_bytes: meanBody };
     console.log(`agent-sized calls at ${agentRate} calls/s: the ${requests.length} requests of ${episodes.length} tau-bench episodes (${(meanBody / 1024).toFixed(1)} KiB of request body on average: every call re-sends its context), replayed as new episodes, each finished after its last call`);
@@ -435,12 +423,12 @@ try {
       let extra = '';
       if (k > 0) {
         Object.assign(r, { added_p50_ms: p50 - quantile(d.ms, 0.5), added_p99_ms: p99 - quantile(d.ms, 0.99) });
-        const bytes = logBytes(path.service ? join(gwData, 'events.jsonl') : floorLog);
+        const bytes = statSync(path.service ? join(gwData, 'events.jsonl') : floorLog).size;
         r.log_bytes_per_call = bytes / answered(a);
         extra = `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}; its log grew ${(r.log_bytes_per_call / 1024).toFixed(1)} KiB per call`;
       }
       if (path.service) {
-        r.loop_cpu_us_per_call = (a.process.reduce((t, x) => t + x.loopCpuMs, 0) * 1000) / (a.ms.length + a.failed);
+        r.loop_cpu_us_per_call = loopCpuPerCall(a);
         extra += `; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call`;
       }
       out[path.name] = r;

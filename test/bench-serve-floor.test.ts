@@ -4,22 +4,12 @@
  * the engine's answer, before it answers; and the answer is the engine's.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { spawn, type ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { createInterface } from 'node:readline';
-import { ROOT, tempDir } from './helpers/serve.js';
+import { ROOT, startScript, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
-function startFloor(args: string[]): Promise<{ url: string; child: ChildProcess }> {
-  const child = spawn(process.execPath, ['--import', 'tsx', join(ROOT, 'bench/serve-floor.ts'), ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
-  return new Promise((res, rej) => {
-    createInterface({ input: child.stdout! }).once('line', (url) => res({ url, child }));
-    child.once('exit', (code) => rej(new Error(`serve-floor.ts exited with ${code}`)));
-  });
-}
-
-const stop = (child: ChildProcess) => new Promise<void>((r) => (child.once('exit', () => r()), child.kill('SIGTERM')));
+const startFloor = (args: string[]) => startScript(join(ROOT, 'bench/serve-floor.ts'), args);
 const post = (url: string, body: string) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
 
 describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
@@ -54,7 +44,7 @@ describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
       expect(writes.length).toBeLessThanOrEqual(4);
       expect((await (await fetch(`${floor.url}/writes`)).json()) as number[]).toEqual([]);
     } finally {
-      await stop(floor.child);
+      await floor.stop();
     }
   });
 
@@ -65,7 +55,7 @@ describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
       expect(r.status).toBe(200);
       expect((await fetch(`${floor.url}/writes`).then((x) => x.json())) as number[]).toEqual([]);
     } finally {
-      await stop(floor.child);
+      await floor.stop();
     }
   });
 });

@@ -319,15 +319,16 @@ function jsonEqual(a: unknown, b: unknown): boolean {
  */
 export function continuing(calls: RecordedCall[], n: number, call: RecordedCall): RecordedCall {
   const messages = call.request.messages;
+  if (!messages) return call;
   let base: RecordedCall | undefined;
-  for (let i = n - 1; i >= 0 && messages && !base; i--) if (calls[i]!.agent === call.agent && calls[i]!.request.messages) base = calls[i];
+  for (let i = n - 1; i >= 0 && !base; i--) if (calls[i]!.agent === call.agent && calls[i]!.request.messages) base = calls[i];
   if (!base) return call;
   const prev = base.request.messages!;
   let keep = 0;
-  while (keep < prev.length && keep < messages!.length && jsonEqual(prev[keep], messages![keep])) keep++;
+  while (keep < prev.length && keep < messages.length && jsonEqual(prev[keep], messages[keep])) keep++;
   if (keep === 0) return call;
   const { tools, ...rest } = call.request;
-  const request: LoggedRequest = { ...rest, from: base.id, keep, messages: messages!.slice(keep) };
+  const request: LoggedRequest = { ...rest, from: base.id, keep, messages: messages.slice(keep) };
   if (tools !== undefined) {
     if (base.request.tools !== undefined && jsonEqual(tools, base.request.tools)) request.sameTools = true;
     else request.tools = tools;

@@ -97,8 +97,10 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
   o.warn(`${message}; starting anyway (--redis-allow-weak-durability): a Redis crash may lose acknowledged work`);
 }
 
-/** Episodes as they travel through Redis: a set becomes a list. */
-/** An episode as the shared pool holds it: each call as what it adds to the one it continues (as in the log). */
+/**
+ * An episode as it travels through Redis: its set of agents becomes a list, and each call is what it adds to the
+ * one it continues (as in the log).
+ */
 export function episodeJson(ep: Episode): string {
   return JSON.stringify({ ...ep, agents: [...ep.agents], calls: ep.calls.map((c, i) => continuing(ep.calls, i, c)) });
 }

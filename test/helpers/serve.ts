@@ -116,6 +116,28 @@ export async function startServeProcess(args: string[], env: Record<string, stri
   };
 }
 
+/** A process that prints its URL on its first stdout line; `stop` ends it with SIGTERM. */
+export interface UrlProcess {
+  url: string;
+  child: ChildProcess;
+  stop: () => Promise<void>;
+}
+
+/** A TypeScript script run by tsx (bench/serve-stub.ts, bench/serve-floor.ts) that prints its URL first. */
+export async function startScript(file: string, args: string[]): Promise<UrlProcess> {
+  const child = spawn(process.execPath, ['--import', 'tsx', file, ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
+  const url = await new Promise<string>((res, rej) => {
+    createInterface({ input: child.stdout! }).once('line', res);
+    child.once('exit', (code) => rej(new Error(`${file} exited with ${code}`)));
+  });
+  return { url, child, stop: () => terminate(child) };
+}
+
+/** Sends SIGTERM; resolves once the child has exited. */
+export function terminate(child: ChildProcess): Promise<void> {
+  return new Promise((r) => (child.once('exit', () => r()), child.kill('SIGTERM')));
+}
+
 export function tempDir(prefix: string): string {
   return mkdtempSync(join(tmpdir(), prefix));
 }
