@@ -7,7 +7,8 @@
  * moves lp and the gradient): that one-time cost is its `first-call` row; its other rows are the calls after it.
  */
 import { performance } from 'node:perf_hooks';
-import { buildCompactPlan, concatSequences, disposeBackends, listBackends, resolveKernel, resolveLossConfig, validateLossInputs, type BackendName, type LossBatch } from '../src/index.js';
+import { buildCompactPlan, concatSequences, resolveLossConfig, validateLossInputs, type BackendName, type LossBatch } from '../src/index.js';
+import { disposeBackends, listBackends, resolveKernel } from '../src/ops.js';
 import { speed } from './format.js';
 import { generateTokenSamples } from './dataset.js';
 

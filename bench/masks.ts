@@ -7,7 +7,8 @@
  * with timeKernels).
  */
 import { performance } from 'node:perf_hooks';
-import { bitsBytes, blockMaskBytes, denseBytes, listBackends, resolveKernel, timeKernels, TreepackError, validateTree, type BackendName, type BlockMask, type Sequences, type TreeArrays } from '../src/index.js';
+import { bitsBytes, blockMaskBytes, denseBytes, TreepackError, validateTree, type BackendName, type BlockMask, type Sequences, type TreeArrays } from '../src/index.js';
+import { listBackends, resolveKernel, timeKernels } from '../src/ops.js';
 import { speed } from './format.js';
 
 export const MASK_SIZES = [32_768, 131_072, 262_144, 1_048_576];

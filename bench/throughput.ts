@@ -4,7 +4,8 @@
  * a fresh buffer. Each forest packer runs as a user calls it (resolveKernel: input checked, fresh output arrays).
  */
 import Benchmark from 'benchmark';
-import { resolveKernel, type Sequences } from '../src/index.js';
+import { type Sequences } from '../src/index.js';
+import { resolveKernel } from '../src/ops.js';
 
 export interface Timing {
   name: string;

@@ -4,6 +4,10 @@
  * The pipeline is `packRecords` (or `createPacker` for records that arrive one by one): records → timelines →
  * merged samples → advantages → windows → micro-batches, written by a sink (`DirectorySink`: files and
  * manifest.json, as `treepack pack` writes them). Each step is also exported on its own.
+ *
+ * The heavy parts are subpath exports, so importing the packer loads none of their dependencies:
+ * `treepack/ops` (the kernels one at a time on a chosen backend, and the loss on a backend) and `treepack/serve`
+ * (the recording gateway and trainer feed: fastify, ioredis, prom-client).
  */
 export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
 export * from './pack/contract.js';
@@ -34,30 +38,7 @@ export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } fr
 export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
 export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
-export { Service, startService, type ServiceOptions } from './serve/service.js';
-export type { FeedOptions, Handout } from './serve/feed.js';
-// Ops one at a time, for a trainer calling kernels itself or measuring them: what can run here (listBackends), an
-// op's checked kernel on a named backend or the best one (resolveKernel), how long its kernels took on the device
-// (timeKernels), and the one teardown (disposeBackends).
-export {
-  listBackends,
-  resolveKernel,
-  timeKernels,
-  disposeBackends,
-  configureBackends,
-  computeLoss,
-  computeLossCompact,
-  BACKEND_NAMES,
-  type BackendName,
-  type BackendStatus,
-  type BackendLimits,
-  type BackendOptions,
-  type KernelTiming,
-  type LossOptions,
-  type LossRun,
-  type OpName,
-  type Resolved,
-} from './backend/index.js';
+export { BACKEND_NAMES, type BackendName } from './backend/index.js';
 export { VERSION } from './version.js';
 export {
   buildCompactPlan,

@@ -2,7 +2,7 @@
  * Data flows one way: no folder of src/ imports, directly or through others, a folder that imports it back. The
  * imports (static, re-exports, type-only and dynamic) of every src/ file are parsed; each top-level folder is one
  * node, each file at the top of src/ its own node. The bench is a user of the library: its files import src/ only
- * through the public API, src/index.ts.
+ * through the public entry points (package.json "exports": src/index.ts, src/ops.ts, src/serve/index.ts).
  */
 import { readdirSync, readFileSync } from 'node:fs';
 import path from 'node:path';
@@ -96,19 +96,24 @@ describe('folder dependencies of src/', () => {
   });
 });
 
-/** Why bench file `file` may not import `spec`, or undefined: only src/index.ts, bench siblings and test helpers. */
+/** The source of each entry point of package.json "exports" (dist/src/x.js ← src/x.ts). */
+const ENTRY_POINTS = Object.values(JSON.parse(readFileSync(path.join(ROOT, 'package.json'), 'utf8')).exports as Record<string, string | { import: string }>)
+  .flatMap((e) => (typeof e === 'string' ? [] : [e.import.replace(/^\.\/dist\//, '').replace(/\.js$/, '')]));
+
+/** Why bench file `file` may not import `spec`, or undefined: only the entry points, bench siblings and test helpers. */
 function benchImportProblem(file: string, spec: string): string | undefined {
   const target = path.relative(ROOT, path.resolve(path.dirname(file), spec)).split(path.sep).join('/');
-  if (target === 'src/index.js' || target === 'src/index.ts') return undefined;
-  if (target.startsWith('src/')) return `${path.basename(file)} imports ${spec}: an internal module (a user imports src/index.ts)`;
+  if (ENTRY_POINTS.includes(target.replace(/\.(js|ts)$/, ''))) return undefined;
+  if (target.startsWith('src/')) return `${path.basename(file)} imports ${spec}: an internal module (a user imports an entry point: ${ENTRY_POINTS.join(', ')})`;
   if (/^(bench|test\/helpers)\/[^/]+$/.test(target)) return undefined;
-  return `${path.basename(file)} imports ${spec}: neither src/index.ts, a bench file nor a test helper`;
+  return `${path.basename(file)} imports ${spec}: neither an entry point, a bench file nor a test helper`;
 }
 
 describe('imports of bench/', () => {
   it('tells the public API from internals', () => {
     const f = path.join(BENCH, 'x.ts');
-    for (const ok of ['../src/index.js', './format.js', '../test/helpers/sequences.js']) expect(benchImportProblem(f, ok)).toBeUndefined();
+    expect(ENTRY_POINTS).toEqual(['src/index', 'src/ops', 'src/serve/index']);
+    for (const ok of ['../src/index.js', '../src/ops.js', '../src/serve/index.js', './format.js', '../test/helpers/sequences.js']) expect(benchImportProblem(f, ok)).toBeUndefined();
     expect(benchImportProblem(f, '../src/backend/native.js')).toMatch(/x\.ts imports \.\.\/src\/backend\/native\.js: an internal module/);
     expect(benchImportProblem(f, '../src/errors.js')).toMatch(/internal module/);
     expect(benchImportProblem(f, '../test/forest.test.js')).toMatch(/neither/);

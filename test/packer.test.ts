@@ -16,7 +16,8 @@ import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, Service, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
+import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
+import { Service } from '../src/serve/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
 
