@@ -61,7 +61,7 @@ interface DatasetReport {
 
 /** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
 async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
-  const run = packRecords(file, { advantages: 'none', ...(merge ? {} : { merge: false }) });
+  const run = packRecords(file, { tokenizer: 'qwen3', advantages: 'none', ...(merge ? {} : { merge: false }) });
   const samples: Sample[] = [];
   for await (const mb of run) samples.push(...mb.samples);
   return { stats: run.report(), seqs: toSequences(samples) };
@@ -170,7 +170,7 @@ printThroughput(scale);
 /** Timeline merge against the AgentJet-style greedy pairwise merge, on the same timelines (bench/merge.ts). */
 async function mergeSection(): Promise<MergeBenchRow[]> {
   const rows: MergeBenchRow[] = [];
-  const encoder = new ChatEncoder(await loadTokenizer());
+  const encoder = new ChatEncoder(await loadTokenizer('qwen3'));
   const groups = quick ? 8 : 64; // 64 groups × 8 episodes ≈ 10k timelines
   const mdir = mkdtempSync(join(tmpdir(), 'treepack-bench-merge-'));
   const sets: [string, string][] = [];

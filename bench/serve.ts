@@ -49,7 +49,8 @@ const quantile = (xs: number[], q: number) => {
 
 async function serve(args: string[]): Promise<UrlProcess> {
   const port = await freePort();
-  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  // The stub engine returns text without token ids: the gateways render it with the built-in Qwen3 template.
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), '--tokenizer', 'qwen3', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
   child.stderr!.on('data', (d: Buffer) => (stderr = (stderr + d.toString()).slice(-4000)));
   const url = `http://127.0.0.1:${port}`;

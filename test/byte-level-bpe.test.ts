@@ -95,7 +95,7 @@ describe('byteLevelBpe on Qwen3', () => {
   });
 
   it('matches the library on generated episodes rendered through the chat template', async () => {
-    const tok = await loadTokenizer();
+    const tok = await loadTokenizer('qwen3');
     const enc = new ChatEncoder(tok);
     const texts = new Set<string>();
     let line = 0;
@@ -109,7 +109,7 @@ describe('byteLevelBpe on Qwen3', () => {
   });
 
   it.skipIf(!existsSync(tauBench))(`matches the library on every turn of tau-bench (${tauBench})`, async () => {
-    const tok = await loadTokenizer();
+    const tok = await loadTokenizer('qwen3');
     const enc = new ChatEncoder(tok);
     const texts = new Set<string>();
     for await (const r of readRecords(tauBench, {})) {
@@ -123,7 +123,7 @@ describe('byteLevelBpe on Qwen3', () => {
   if (!existsSync(tauBench)) console.log(`byte-level-bpe.test: tau-bench turns skipped, ${tauBench} not found`);
 
   it('is what loadTokenizer encodes with, and decode still goes through the library', async () => {
-    const tok = await loadTokenizer();
+    const tok = await loadTokenizer('qwen3');
     for (const t of EDGE_CASES.slice(0, 40)) expect(Array.from(tok.encode(t))).toEqual(library.encode(t, { add_special_tokens: false }).ids);
     expect(tok.vocabSize).toBe(151669);
     expect(tok.decode(tok.encode('hello 你好<|im_end|>'))).toBe('hello 你好<|im_end|>');

@@ -80,12 +80,18 @@ describe('treepack CLI', () => {
     writeFileSync(file, generateJsonl({ groups: 1, episodesPerGroup: 3, minTurns: 3, maxTurns: 5, seed: 2 }));
     const outs = ['cpu', 'js'].map((backend) => {
       const out = join(dir, `chat-${backend}`);
-      const r = cli(['pack', file, '--out', out, '--backend', backend]);
+      const r = cli(['pack', file, '--out', out, '--backend', backend, '--tokenizer', 'qwen3']);
       expect(r.code, r.stderr).toBe(0);
       return readFileSync(microBatchPaths(out)[0]);
     });
     expect(outs[0].equals(outs[1])).toBe(true);
+    // No default tokenizer: another model's token ids would train silently wrong.
+    const none = cli(['pack', file, '--out', join(dir, 'chat-none')]);
+    expect(none.code).toBe(1);
+    expect(none.stderr).toMatch(/chat\.jsonl:1, record "[^"]+", field "tokenizer": chat records need a tokenizer, and none was given: pass a tokenizer directory .*--tokenizer DIR.* or a built-in by name \(qwen3/);
+    expect(existsSync(join(dir, 'chat-none'))).toBe(false);
     const { batch } = readMicroBatch(microBatchPaths(join(dir, 'chat-cpu'))[0]);
+    expect(batch.meta.vocab_size).toBe(151_669);
     expect(batch.meta.tokenizer).toMatch(/Qwen3/);
     expect(batch.meta.num_tokens_packed).toBeLessThan(batch.meta.num_tokens_naive / 2);
   });
@@ -173,7 +179,7 @@ describe('treepack pack: inputs checked beyond their syntax', () => {
 
   it('engine token ids of a chat response are checked against the vocabulary', () => {
     const f = write('engine.jsonl', [{ messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } }]);
-    const r = cli(['pack', f, '--out', join(dir, 'engine')]);
+    const r = cli(['pack', f, '--out', join(dir, 'engine'), '--tokenizer', 'qwen3']);
     expect(r.code).toBe(1);
     expect(r.stderr).toContain(`${f}:1`);
     expect(r.stderr).toMatch(/field "response\.token_ids\[0\]": token id 999999999 is outside the vocabulary \(size 151669\)/);

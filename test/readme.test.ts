@@ -56,7 +56,7 @@ it('README library example: the whole pipeline into a directory', () => {
 it('README library example: records pushed one at a time give the CLI files', () => {
   const lines = runExample(examples[1]).trim().split('\n');
   const out = join(dir, 'cli');
-  const r = cli(['pack', input, '--out', out, '--max-naive-tokens', '100000', '--quiet']);
+  const r = cli(['pack', input, '--out', out, '--max-naive-tokens', '100000', '--tokenizer', 'qwen3', '--quiet']);
   expect(r.code, r.stderr).toBe(0);
   const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8'));
   // The packer names files; the CLI's manifest puts them in a generation directory (README, "Output directory").

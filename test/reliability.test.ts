@@ -143,11 +143,11 @@ describe('episode ids are unambiguous', () => {
   it('through pack: exit 1 without the option; with it, GRPO sees 3 episodes as the user asked', { timeout: 180_000 }, () => {
     const input = join(dir, 'dup.jsonl');
     writeFileSync(input, episodes().join('\n') + '\n');
-    const r = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet']);
+    const r = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet', '--tokenizer', 'qwen3']);
     expect(r.code).toBe(EXIT_FAILURE);
     expect(r.stderr.trim().split('\n')).toHaveLength(1);
     expect(r.stderr).toContain(`${input}:3`);
-    const ok = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet', '--repeated-episode-ids']);
+    const ok = cli(['pack', input, '--out', join(dir, 'dup-out'), '--quiet', '--repeated-episode-ids', '--tokenizer', 'qwen3']);
     expect(ok.code, ok.stderr).toBe(EXIT_OK);
     const { batch } = readMicroBatch(microBatchPaths(join(dir, 'dup-out'))[0]);
     const adv = [...new Set(batch.advantages!.filter((_, k) => batch.loss_mask[k]))].map((x) => x.toFixed(3)).sort();

@@ -26,7 +26,7 @@ if (pySkip) console.log(`CLI → Python round trip skipped: ${pySkip}`);
 
 describe('round trips', () => {
   const out = join(dir, 'packed');
-  const packed = run(process.execPath, [BIN, 'pack', input, '--out', out, '--max-naive-tokens', '5000']);
+  const packed = run(process.execPath, [BIN, 'pack', input, '--out', out, '--max-naive-tokens', '5000', '--tokenizer', 'qwen3']);
 
   it.skipIf(pySkip !== '')('python reads what `treepack pack` wrote: invariants hold and every sequence matches', () => {
     expect(packed.status, packed.stderr).toBe(0);
@@ -67,7 +67,7 @@ console.log(JSON.stringify(out));`, ...files]);
   it('without the native addon the CLI runs on js, says why, and writes the same bytes', () => {
     expect(packed.status, packed.stderr).toBe(0);
     const jsOut = join(dir, 'js');
-    const r = run(process.execPath, [BIN, 'pack', input, '--out', jsOut, '--max-naive-tokens', '5000'], {
+    const r = run(process.execPath, [BIN, 'pack', input, '--out', jsOut, '--max-naive-tokens', '5000', '--tokenizer', 'qwen3'], {
       TREEPACK_NATIVE_BINDING: join(dir, 'missing.node'),
     });
     expect(r.status, r.stderr).toBe(0);

@@ -61,7 +61,7 @@ async function scenario(compactBytes: number) {
 
 async function traffic(engine: StubEngine, compactBytes: number) {
   const dataDir = tempDir('tp-compact-');
-  const opts = { engineUrl: engine.url, dataDir, port: 0, groupSize: 2, compactBytes, packer: { budget: { maxTokens: 48 } }, groupsPerStep: 2, policy: { kind: 'windowed-fifo' as const, window: 3 } };
+  const opts = { engineUrl: engine.url, dataDir, port: 0, groupSize: 2, compactBytes, packer: { tokenizer: 'qwen3', budget: { maxTokens: 48 } }, groupsPerStep: 2, policy: { kind: 'windowed-fifo' as const, window: 3 } };
   let svc = await Service.create(opts);
   open.push(svc);
   let base = await svc.listen();
@@ -158,7 +158,7 @@ describe('log compaction', { timeout: 120_000 }, () => {
     it(`kill -9 inside a compaction (${at === 'written' ? 'before' : 'after'} the rename): nothing acknowledged lost or handed out again`, async () => {
       stub ??= await startStubEngine();
       const data = tempDir('tp-compact-kill-');
-      const args = ['--engine', stub.url, '--data', data, '--group-size', '1', '--compact-bytes', '4000'];
+      const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', '1', '--compact-bytes', '4000'];
       let proc: ServeProcess = await startServeProcess(args, { TREEPACK_SERVE_COMPACT_FAULT: at });
       const written: string[] = [];
       const acked = new Map<string, string[]>();

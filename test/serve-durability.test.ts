@@ -28,7 +28,7 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
   it('loses nothing acknowledged and duplicates nothing, in ingestion and in hand-out', async () => {
     stub = await startStubEngine();
     const data = tempDir('tp-kill-');
-    const args = ['--engine', stub.url, '--data', data, '--group-size', '1', '--lease', '1'];
+    const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', '1', '--lease', '1'];
     proc = await startServeProcess(args);
 
     // Ingestion: every episode makes its calls in turn, all episodes at once; kill -9 part-way.

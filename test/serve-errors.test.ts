@@ -21,7 +21,7 @@ describe('service errors', { timeout: 30_000 }, () => {
 
   beforeAll(async () => {
     stub = await startStubEngine();
-    svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-err-'), port: 0, engineTimeoutMs: 500, bodyLimit: 4096 });
+    svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-err-'), port: 0, engineTimeoutMs: 500, bodyLimit: 4096 });
     base = await svc.listen();
   });
   afterAll(async () => {
@@ -111,7 +111,7 @@ describe('service errors', { timeout: 30_000 }, () => {
         s.close(() => res(p));
       });
     });
-    const down = await Service.create({ engineUrl: `http://127.0.0.1:${port}/v1`, dataDir: tempDir('tp-serve-down-'), port: 0 });
+    const down = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: `http://127.0.0.1:${port}/v1`, dataDir: tempDir('tp-serve-down-'), port: 0 });
     const url = await down.listen();
     const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'x' }));
     expect(r.status).toBe(502);
@@ -142,7 +142,7 @@ describe('service errors', { timeout: 30_000 }, () => {
   it('a non-loopback bind needs a token; the token is then required', async () => {
     expect(() => resolveServiceOptions({ engineUrl: stub.url, dataDir: '/tmp/x', host: '0.0.0.0' })).toThrow(/bearer token/);
     stub.mode = 'ok';
-    const sec = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-auth-'), port: 0, host: '127.0.0.1', token: 's3cret' });
+    const sec = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-auth-'), port: 0, host: '127.0.0.1', token: 's3cret' });
     const url = await sec.listen();
     expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'a' }))).status).toBe(401);
     expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: 'Bearer wrong' } })).status).toBe(401);
@@ -157,7 +157,7 @@ describe('service errors', { timeout: 30_000 }, () => {
 
   it('backpressure: 429 with Retry-After once the pool is full, and rate limits', async () => {
     stub.mode = 'ok';
-    const full = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-full-'), port: 0, maxPoolBytes: 1 });
+    const full = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-full-'), port: 0, maxPoolBytes: 1 });
     const url = await full.listen();
     expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'p' }))).status).toBe(200);
     const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'p' }));
@@ -168,7 +168,7 @@ describe('service errors', { timeout: 30_000 }, () => {
     expect((await fetch(`${url}/v1/episodes/p/finish`, json({ reward: 0 }))).status).toBe(200);
     await full.close();
 
-    const limited = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-serve-rate-'), port: 0, rateLimit: 3 });
+    const limited = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-rate-'), port: 0, rateLimit: 3 });
     const lurl = await limited.listen();
     const codes = [];
     for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/healthz`)).status);
@@ -204,10 +204,11 @@ describe('treepack serve flags', () => {
     const help = cli(['serve', '--help']);
     expect(help.code).toBe(0);
     expect(help.stdout).toMatch(/--engine URL/);
-    const base = ['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x'];
+    const base = ['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x', '--tokenizer', 'qwen3'];
     const cases: [string[], RegExp][] = [
       [['serve', '--data', '/tmp/x'], /--engine URL and --data DIR are required/],
-      [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x'], /for --engine but received "localhost:8000"/],
+      [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x'], /--tokenizer DIR\|NAME is required/],
+      [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x', '--tokenizer', 'qwen3'], /for --engine but received "localhost:8000"/],
       [[...base, '--host', '0.0.0.0'], /bearer token.*for --token/],
       [[...base, '--dp', '2'], /--dp needs --max-tokens/],
       [[...base, '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],

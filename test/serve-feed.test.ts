@@ -32,7 +32,7 @@ afterEach(async () => {
 
 async function service(opts: Partial<ServiceOptions>): Promise<string> {
   stub ??= await startStubEngine();
-  const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-feed-'), port: 0, groupSize: 2, ...opts });
+  const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-feed-'), port: 0, groupSize: 2, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
   open.push(svc);
   return svc.listen();
 }

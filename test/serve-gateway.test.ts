@@ -31,7 +31,7 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
   beforeAll(async () => {
     engine = await startEngine(python!);
     dir = tempDir('tp-serve-');
-    svc = await Service.create({ engineUrl: engine.url, dataDir: dir, port: 0, groupSize: 2, policy: { kind: 'windowed-fifo', window: 2 }, packer: { merge: { timelineCompareLevel: 'token' } } });
+    svc = await Service.create({ engineUrl: engine.url, dataDir: dir, port: 0, groupSize: 2, policy: { kind: 'windowed-fifo', window: 2 }, packer: { tokenizer: 'qwen3', merge: { timelineCompareLevel: 'token' } } });
     base = await svc.listen();
   }, 180_000);
 
@@ -131,7 +131,7 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     const input = join(dir, 'episodes.jsonl');
     writeFileSync(input, jsonl);
     const out = join(dir, 'packed');
-    const r = cli(['pack', input, '--out', out, '--timeline-compare-level', 'token', '--quiet']);
+    const r = cli(['pack', input, '--out', out, '--timeline-compare-level', 'token', '--tokenizer', 'qwen3', '--quiet']);
     expect(r.stderr).toBe('');
     const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8')) as { micro_batches: { file: string }[] };
     expect(manifest.micro_batches).toHaveLength(1);

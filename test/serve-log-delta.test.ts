@@ -56,7 +56,7 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
   beforeAll(async () => {
     stub = await startStubEngine();
     dir = tempDir('tp-serve-delta-');
-    const svc = await Service.create({ engineUrl: stub.url, dataDir: dir, port: 0 });
+    const svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: dir, port: 0 });
     const base = await svc.listen();
     for (const [episode, agent, body] of sent) {
       const r = await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': episode, ...(agent && { 'x-treepack-agent': agent }) }, body: JSON.stringify(body) });
@@ -97,7 +97,7 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
   });
 
   it('reads every call back as sent: after a restart, and through compaction', async () => {
-    const restarted = await Service.create({ engineUrl: stub.url, dataDir: dir, port: 0 });
+    const restarted = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: dir, port: 0 });
     try {
       const got = [...restarted.pool.episodes.get('e1')!.calls, ...restarted.pool.episodes.get('e2')!.calls].map((c) => canon(c.request));
       expect(got).toEqual(sent.map(([, , body]) => canon(asSent(body))));
@@ -121,6 +121,6 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     const second = JSON.parse(lines[1]!) as { call: { request: { from: string } } };
     second.call.request.from = 'no-such-call';
     appendFileSync(join(broken, 'events.jsonl'), JSON.stringify(second) + '\n');
-    await expect(Service.create({ engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/);
+    await expect(Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/);
   });
 });

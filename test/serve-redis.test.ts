@@ -69,7 +69,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
   async function gateways(opts: Partial<ServiceOptions>): Promise<[string, string, Service, Service]> {
     redis = await startRedis();
     const make = async () => {
-      const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, ...opts });
+      const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
       open.push(svc);
       return svc;
     };
@@ -190,13 +190,13 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     redis = await startRedis();
     const dir = tempDir('tp-redis-gw-');
     // The finish is in the gateway's log but never reached Redis (recorded here without the shared pool).
-    const local = await Service.create({ engineUrl: stub.url, dataDir: dir, port: 0 });
+    const local = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: dir, port: 0 });
     const L = await local.listen();
     expect((await post(`${L}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'late' })).status).toBe(200);
     expect((await post(`${L}/v1/episodes/late/finish`, { reward: 1 })).status).toBe(200);
     await local.close();
 
-    const opts = { engineUrl: stub.url, port: 0, redis: redis.url };
+    const opts = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, port: 0, redis: redis.url };
     let a = await Service.create({ ...opts, dataDir: dir });
     const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
     open.push(b);
@@ -219,8 +219,8 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(/other feed options.*"groupSize":1/);
     // Packer options compare resolved: the defaults spelled out (as the CLI does) agree with them left out; a
     // real difference is refused, naming the value in use.
-    open.push(await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { backend: 'auto', advantages: 'grpo', windowTokens: DEFAULT_WINDOW_TOKENS } }));
-    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { windowTokens: 1000 } })).rejects.toThrow(new RegExp(`other feed options.*"windowTokens":${DEFAULT_WINDOW_TOKENS}`));
+    open.push(await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { tokenizer: 'qwen3', backend: 'auto', advantages: 'grpo', windowTokens: DEFAULT_WINDOW_TOKENS } }));
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { tokenizer: 'qwen3', windowTokens: 1000 } })).rejects.toThrow(new RegExp(`other feed options.*"windowTokens":${DEFAULT_WINDOW_TOKENS}`));
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(/redis:\/\/127.0.0.1:1 is unreachable/);
   });
 
@@ -262,7 +262,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     redis = await startRedis();
     const r = new Redis(redis.url);
     try {
-      const opts: Omit<ServiceOptions, 'dataDir'> = { engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
+      const opts: Omit<ServiceOptions, 'dataDir'> = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
       const dirA = tempDir('tp-redis-gw-');
       let a = await Service.create({ ...opts, dataDir: dirA });
       const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
@@ -320,10 +320,10 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
 
   it('a Redis that may lose acknowledged writes is refused, naming the settings, unless allowed; one that hides its CONFIG is a warning', async () => {
     redis = await startRedis(['--appendonly', 'no', '--appendfsync', 'everysec']);
-    const opts = { engineUrl: stub.url, port: 0, redis: redis.url };
+    const opts = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, port: 0, redis: redis.url };
     const refused = /shared pool at redis:\/\/127\.0\.0\.1:\d+ may lose what it acknowledges on a crash: appendonly is "no", not yes, appendfsync is "everysec", not always\. Start Redis with --appendonly yes --appendfsync always .*--redis-allow-weak-durability starts anyway/;
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') })).rejects.toThrow(refused);
-    const r = cli(['serve', '--engine', stub.url, '--data', tempDir('tp-redis-gw-'), '--redis', redis.url]);
+    const r = cli(['serve', '--engine', stub.url, '--data', tempDir('tp-redis-gw-'), '--redis', redis.url, '--tokenizer', 'qwen3']);
     expect(r.code).toBe(1);
     expect(r.stderr).toMatch(refused);
     const warnings: string[] = [];
@@ -348,7 +348,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
 
   it('a service killed -9 while forming a step holds the others up for the form lock\'s lease only', async () => {
     redis = await startRedis();
-    const args = ['--engine', stub.url, '--redis', redis.url];
+    const args = ['--engine', stub.url, '--redis', redis.url, '--tokenizer', 'qwen3'];
     const dying = await startServeProcess([...args, '--data', tempDir('tp-redis-gw-')], { TREEPACK_SERVE_FORM_FAULT: 'locked' });
     const other = await startServeProcess([...args, '--data', tempDir('tp-redis-gw-')]);
     const r = new Redis(redis.url);

@@ -19,7 +19,7 @@ import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import { caught } from './helpers/errors.js';
 import { csr, rng, shuffled } from './helpers/sequences.js';
 
-const encoder = new ChatEncoder(await loadTokenizer());
+const encoder = new ChatEncoder(await loadTokenizer('qwen3'));
 
 function msg(author: Author, text: string, tokens: number[], logprobs?: number[]): TimelineMessage {
   const lossMask = new Uint8Array(tokens.length).fill(author === 'llm' ? 1 : 0);
@@ -427,7 +427,7 @@ describe('timeline merge in the pipeline', () => {
     const { packRecords } = await import('../src/packer/index.js');
     const text = generateJsonl({ groups: 1, seed: 3, minTurns: 3, maxTurns: 8 });
     const run = async (merge: MergeOptions | false) => {
-      const packed = packRecords(Readable.from([text]), { advantages: 'none', merge: merge === false ? false : { ...merge, detectTimelineSnap: true } });
+      const packed = packRecords(Readable.from([text]), { tokenizer: 'qwen3', advantages: 'none', merge: merge === false ? false : { ...merge, detectTimelineSnap: true } });
       const samples: Sample[] = [];
       for await (const mb of packed) samples.push(...mb.samples);
       return { stats: packed.report(), samples };

@@ -16,7 +16,7 @@ import type { ChatMessage, ChatRecord, Sample } from '../src/records/types.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
 import { loadTokenizer, type TextTokenizer } from '../src/tokenize/tokenizer.js';
 
-const tok = await loadTokenizer(); // ~0.5 s: once per file
+const tok = await loadTokenizer('qwen3'); // ~0.5 s: once per file
 const native = new ChatEncoder(tok);
 const jinja = new ChatEncoder(tok, { nativeTemplate: false });
 

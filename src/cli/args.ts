@@ -112,7 +112,7 @@ export function helpLines(rows: readonly HelpRow[]): string {
 /** The help rows of table entries: `--dp K`, its help, its default. */
 export function optionHelp(entries: readonly OptionEntry[]): HelpRow[] {
   return entries.map((e) => {
-    const shown = e.defaultText ?? (e.metavar && (typeof e.default === 'number' || typeof e.default === 'string') ? String(e.default) : undefined);
+    const shown = e.metavar && (typeof e.default === 'number' || typeof e.default === 'string') ? String(e.default) : undefined;
     return { flag: e.metavar ? `${e.flag} ${e.metavar}` : e.flag, help: e.help, note: shown === undefined ? undefined : `[default: ${shown}]` };
   });
 }

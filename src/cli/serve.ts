@@ -9,7 +9,7 @@ import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt,
 const SERVE_PACKER_OPTIONS = (['tokenizer', 'backend', 'budget.maxTokens', 'budget.padMultiple', 'advantages', 'merge.timelineCompareLevel'] as const).map(optionEntry);
 const DP = optionEntry('budget.dp');
 
-export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR [options]
+export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR --tokenizer DIR|NAME [options]
 
 Puts treepack between agents, their inference engine and the trainer: an OpenAI-compatible recording gateway
 (/v1/chat/completions, /v1/completions), a slime-compatible rollout buffer (/start_rollout, /buffer/write,
@@ -88,6 +88,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   }
   const str = (k: string) => values[k] as string | undefined;
   if (!str('engine') || !str('data')) throw usageError(`--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
+  // The gateway tokenizes every call with it: another model's vocabulary would train silently wrong.
+  if (!str('tokenizer')) throw usageError(`--tokenizer DIR|NAME is required: the engine's tokenizer directory, or a built-in by name (qwen3)\n\n${SERVE_USAGE}`);
   const packer = packerOptions(values, SERVE_PACKER_OPTIONS);
   const dp = str('dp') === undefined ? 1 : (flagValue(DP.value, DP.flag, str('dp')!) as number);
   if (dp > 1 && !packer.budget) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');

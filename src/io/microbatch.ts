@@ -32,7 +32,7 @@ export interface MicroBatchFile {
 }
 
 /** Header keys the contract owns; extra metadata must use others. */
-const CONTRACT_META_KEYS = new Set(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids']);
+const CONTRACT_META_KEYS = new Set(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids', 'num_pad_tokens', 'vocab_size']);
 
 type Fail = (field: string, message: string) => TreepackError;
 
@@ -53,6 +53,8 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
   }
   const pad = mb.meta.num_pad_tokens;
   if (pad !== undefined && !(Number.isSafeInteger(pad) && pad >= 0 && pad <= N)) throw fail('num_pad_tokens', `num_pad_tokens = ${pad}, expected an integer in [0, N = ${N}]`);
+  const vocab = mb.meta.vocab_size;
+  if (vocab !== undefined && !(Number.isSafeInteger(vocab) && vocab >= 1)) throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
@@ -115,6 +117,7 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     tokenizer: m.tokenizer,
     sequence_ids: JSON.stringify(m.sequence_ids),
     ...(m.num_pad_tokens !== undefined ? { num_pad_tokens: String(m.num_pad_tokens) } : {}),
+    ...(m.vocab_size !== undefined ? { vocab_size: String(m.vocab_size) } : {}),
   };
   return { tensors, metadata };
 }
@@ -149,6 +152,11 @@ export function readMicroBatch(path: string): MicroBatchFile {
   if (pad !== undefined) {
     if (!/^(0|[1-9][0-9]*)$/.test(pad)) throw fail('num_pad_tokens', `num_pad_tokens is ${JSON.stringify(pad)}, expected a non-negative integer`);
     meta.num_pad_tokens = Number(pad);
+  }
+  const vocab = metadata.vocab_size;
+  if (vocab !== undefined) {
+    if (!/^[1-9][0-9]*$/.test(vocab)) throw fail('vocab_size', `vocab_size is ${JSON.stringify(vocab)}, expected a positive integer`);
+    meta.vocab_size = Number(vocab);
   }
 
   const fields: Record<string, TypedArray> = {};

@@ -61,6 +61,8 @@ function floatField(samples: readonly Sample[], offsets: Int32Array, field: Occu
 
 export interface AssembleOptions {
   tokenizer: string;
+  /** One past the largest token id of the tokenizer (or the caller's vocabSize); written when known. */
+  vocabSize?: number;
   packForest: (seqs: Sequences) => Forest;
 }
 
@@ -85,6 +87,7 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
       num_tokens_packed: forest.input_ids.length,
       tokenizer: opts.tokenizer,
       sequence_ids: samples.map((s) => s.id),
+      ...(opts.vocabSize !== undefined && { vocab_size: opts.vocabSize }),
     },
   };
   for (const f of OCCURRENCE_FLOAT_FIELDS) {

@@ -36,6 +36,11 @@ export interface MicroBatchMeta {
    * with no occurrence, so N - num_pad_tokens is the forest's own size. Absent when the batch was not padded.
    */
   num_pad_tokens?: number;
+  /**
+   * Extension: one past the largest token id of the tokenizer that made the ids (or of the caller's vocabSize), so
+   * a trainer can refuse a model of another vocabulary. Absent when unknown (pre-tokenized input without vocabSize).
+   */
+  vocab_size?: number;
 }
 
 /** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */

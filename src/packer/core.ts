@@ -26,7 +26,7 @@ import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
 import { mergeDefaults, timelineLength, type ResolvedMergeOptions, type Timeline } from '../timeline/model.js';
 import { addSnaps } from '../timeline/snap.js';
 import { ChatEncoder } from '../tokenize/chat.js';
-import { resolveTokenizer } from '../tokenize/tokenizer.js';
+import { resolveTokenizer, TOKENIZER_HINT } from '../tokenize/tokenizer.js';
 import type { ResolvedOptions } from './options.js';
 import { reportOptions, type PackReport } from './report.js';
 
@@ -139,11 +139,22 @@ export class PackerCore {
     return this.#encoder?.tokenizer.name ?? (typeof given === 'object' ? given.name : given) ?? 'none (pre-tokenized input)';
   }
 
+  /** What the micro-batch headers say of the ids: the tokenizer's name and, when known, its vocabulary size. */
+  #vocabulary(): { tokenizer: string; vocabSize?: number } {
+    // A tokenizer counts once it encoded: given as a path or loaded, pre-tokenized input writes the same bytes.
+    const vocabSize = this.#opts.vocabSize ?? this.#encoder?.tokenizer.vocabSize;
+    return { tokenizer: this.#tokenizerName(), ...(vocabSize !== undefined && { vocabSize }) };
+  }
+
   async #process(rec: TrainRecord): Promise<void> {
     const stats = this.report;
     let item: Timeline | Sample;
     if (rec.kind === 'chat') {
       const t0 = performance.now();
+      if (this.#encoder === undefined && this.#opts.tokenizer === undefined) {
+        // Token ids of another model's vocabulary would train silently wrong: there is no default tokenizer.
+        throw new TreepackError('E_ARG', `chat records need a tokenizer, and none was given: ${TOKENIZER_HINT}`, { file: rec.source.file, line: rec.source.line, record: rec.id, field: 'tokenizer' });
+      }
       this.#encoder ??= new ChatEncoder(await resolveTokenizer(this.#opts.tokenizer));
       checkResponseVocab(rec, this.#opts.vocabSize ?? this.#encoder.tokenizer.vocabSize);
       const built = timelineFromChat(rec, this.#encoder, this.#policy);
@@ -232,12 +243,12 @@ export class PackerCore {
     const budget = this.#opts.budget;
     let out: Packed[];
     if (budget) {
-      const w = packWindow(pending, { ...budget, tokenizer: this.#tokenizerName(), packForest });
+      const w = packWindow(pending, { ...budget, ...this.#vocabulary(), packForest });
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
       stats.optimumTokens += w.plan.optimumTokens;
       w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
     } else {
-      out = [{ batch: assembleMicroBatch(pending, { tokenizer: this.#tokenizerName(), packForest }), samples: pending }];
+      out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest }), samples: pending }];
       stats.optimumTokens += out[0].batch.meta.num_tokens_packed;
     }
     stats.seconds.pack += (performance.now() - t0) / 1000;

