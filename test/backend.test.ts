@@ -30,6 +30,16 @@ describe('backend registry', () => {
     expect(r.kernel(seqs)).toEqual(packForest(seqs));
   });
 
+  it('auto never prefers a software WebGPU adapter over the C++ core, and says why; named, it runs as asked', async (ctx) => {
+    const webgpu = (await listBackends()).find((b) => b.name === 'webgpu')!;
+    if (!webgpu.available) return ctx.skip(`webgpu unavailable: ${webgpu.detail}`);
+    if (!/software adapter/.test(webgpu.detail)) return ctx.skip(`a hardware adapter: ${webgpu.detail}`);
+    const r = await resolveKernel('maskBlocks');
+    expect(r.backend).toBe(nativeBuilt ? 'cpu' : 'webgpu');
+    if (nativeBuilt) expect(r.report).toMatch(/skipped cuda: .*; webgpu: .*\(software adapter\), emulated in software, slower than the C\+\+ core\)$/);
+    expect((await resolveKernel('maskBlocks', 'webgpu')).backend).toBe('webgpu');
+  });
+
   it('honours an explicit backend, and refuses one that cannot run the op', async () => {
     expect((await resolveKernel('packForest', 'js')).backend).toBe('js');
     await expect(resolveKernel('packForest', 'webgpu')).rejects.toThrow(/no available backend for 'packForest': webgpu: no 'packForest' kernel/);

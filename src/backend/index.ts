@@ -85,6 +85,7 @@ registerBackend({
     gpu = r.ctx;
     return `${r.ctx.description} via Dawn ${r.ctx.backend}${r.ctx.isFallbackAdapter ? ' (software adapter)' : ''}`;
   },
+  software: () => gpu?.isFallbackAdapter === true,
   dispose: async () => {
     gpu = undefined;
     await releaseWebGPU();

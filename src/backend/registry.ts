@@ -48,6 +48,11 @@ export interface BackendEntry {
   dispose?: () => Promise<void> | void;
   /** Output limits once initialised; host limits (2 GiB per lowering) when absent. */
   limits?: () => BackendLimits;
+  /**
+   * Once initialised: whether it runs in software emulation (WebGPU's fallback adapter). `auto` then ranks it below
+   * the C++ core, which runs the same kernels natively; named explicitly, it runs as asked.
+   */
+  software?: () => boolean;
 }
 
 export interface BackendStatus {
@@ -147,6 +152,10 @@ export async function findKernel<K extends OpName>(op: K, preferred?: BackendNam
       skipped.push(`${name}: ${r.state!.detail}`);
       continue;
     }
+    if (preferred !== name && r.entry.software?.() && (await nativeHas(op))) {
+      skipped.push(`${name}: ${r.state!.detail}, emulated in software, slower than the C++ core`);
+      continue;
+    }
     const why = skipped.length ? ` (skipped ${skipped.join('; ')})` : '';
     return { backend: name, kernel, limits: limitsOf(r), report: `${op} on ${name}: ${r.state!.detail}${why}` };
   }
@@ -154,6 +163,14 @@ export async function findKernel<K extends OpName>(op: K, preferred?: BackendNam
     throw new TreepackError('E_ARG', `Expected one of ${[...backends.keys()].join(', ')} for backend but received '${preferred}'`);
   }
   throw new TreepackError('E_BACKEND', `no available backend for '${op}': ${skipped.join('; ')}`);
+}
+
+/** Whether the C++ core (cpu) runs `op` here: what `auto` takes instead of a software-emulated backend. */
+async function nativeHas(op: OpName): Promise<boolean> {
+  const cpu = backends.get('cpu');
+  if (!cpu || !kernels.has(`cpu_${op}`)) return false;
+  await ensureInit(cpu);
+  return cpu.state!.ok;
 }
 
 /** Disposes `name` (when it was started) and forgets its state, so that its next use initialises it again. */
