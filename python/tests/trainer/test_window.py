@@ -20,7 +20,7 @@ import unittest
 
 import numpy as np
 
-from support import forests, needs_torch, pack, patch_norms_to_input_dtype, torch, tpt
+from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
 from treepack import TreepackError
 from treepack.flex import block_arrays_from_dense, block_arrays_from_tree, block_arrays_windowed
 
@@ -358,6 +358,15 @@ class WindowedModels(unittest.TestCase):
         self.assertEqual(set(masks), {"full_attention", "sliding_attention"})
         self.assertTrue(torch.equal(masks["sliding_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), 3))))
         self.assertTrue(torch.equal(masks["full_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), None))))
+
+    def test_eager_dense_path_takes_an_additive_mask(self):
+        # eager adds its mask to the scores: a bool mask there adds 0 or 1 (logprobs off by ~0.1), never masks.
+        b = tpt.load_microbatch(pack(window_forests(seed=3)["mixed"], pad=2))
+        want = tpt.packed_logprobs(tiny_model("qwen3", torch.float64), b, nodes="all").logprobs
+        got = tpt.packed_logprobs(tiny_model("qwen3", torch.float64, attn="eager"), b, nodes="all").logprobs
+        k = ~torch.isnan(want)
+        self.assertTrue(torch.equal(k, ~torch.isnan(got)))
+        self.assertLess(float((got[k] - want[k]).abs().max()), 1e-6)  # Qwen3's eager softmax runs in float32
 
     def test_mismatched_configs_name_the_layer(self):
         import transformers
