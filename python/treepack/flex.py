@@ -132,8 +132,9 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
     position_ids[k] < window``), equal to ``block_arrays_from_dense`` of ``dense_mask(subtree_end, position_ids,
     window)``: tiles wholly outside the window are dropped, so the listed work is O(N · window) on a chain.
 
-    The tree's listed tiles are the candidates; those whose least query position minus greatest key position
-    reaches the window are dropped unseen, the rest are classified exactly pair by pair (O(B²) each, in steps)."""
+    The tree's listed tiles are the candidates: those whose least query position minus greatest key position reaches
+    the window are dropped unseen, the tree's full tiles whose greatest difference stays inside it are full unseen,
+    and the rest are classified exactly pair by pair (O(B²) each, in steps)."""
     W = check_window(window)
     se = _subtree_end(subtree_end)
     n = len(se)
@@ -146,13 +147,17 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
         listed = slots < num[:, None]
         rows.append(np.nonzero(listed)[0])
         cols.append(idx[listed].astype(np.int64))
+    tree_full = np.concatenate([np.zeros(len(rows[0]), dtype=bool), np.ones(len(rows[1]), dtype=bool)])
     r, c = np.concatenate(rows), np.concatenate(cols)
     big = np.iinfo(np.int64).max // 4
     pos_pad = np.concatenate([pos, np.full(nb * B - n, big)]).reshape(nb, B)  # padding never lowers the least query
-    q_min = pos_pad.min(axis=1)
-    k_max = np.where(pos_pad == big, -big, pos_pad).max(axis=1)
+    q_min, q_max = pos_pad.min(axis=1), np.where(pos_pad == big, -big, pos_pad).max(axis=1)
+    k_min, k_max = q_min, q_max
     keep = q_min[r] - k_max[c] < W
-    r, c = r[keep], c[keep]
+    r, c, tree_full = r[keep], c[keep], tree_full[keep]
+    sure = tree_full & (q_max[r] - k_min[c] < W)  # a full tree tile has no padding: every pair is in the window
+    full_r, full_c = r[sure], c[sure]
+    r, c = r[~sure], c[~sure]
     se_pad = np.concatenate([se, np.zeros(nb * B - n, dtype=np.int64)])  # padded keys are seen by nobody
     pos_flat = pos_pad.reshape(-1)
     ar = np.arange(B)
@@ -165,7 +170,7 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
         counts[a : a + step] = seen.sum(axis=(1, 2))
     full = counts == B * B
     part = (counts > 0) & ~full
-    return BlockArrays(B, *_layout(r[part], c[part], nb), *_layout(r[full], c[full], nb))
+    return BlockArrays(B, *_layout(r[part], c[part], nb), *_layout(np.concatenate([full_r, r[full]]), np.concatenate([full_c, c[full]]), nb))
 
 
 def cu_seqlens(parent: Any) -> np.ndarray:
