@@ -415,7 +415,7 @@ class WindowedModels(unittest.TestCase):
         bad_type.config.layer_types = ["chunked_attention", "full_attention"]  # gpt-oss's own forward has no mask for it
         bad_attn = bad_type.model.layers[0].self_attn
         bad_dense = copy.deepcopy(plain)
-        bad_dense.config.layer_types = ["sliding_attention", "mamba"]
+        bad_dense.config.layer_types = ["sliding_attention", "chunked_attention"]
         gemma, gemma_plain, _ = build("gemma3")
         bidirectional = copy.deepcopy(gemma)
         bidirectional.config.use_bidirectional_attention = True

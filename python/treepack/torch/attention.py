@@ -36,12 +36,18 @@ refuses.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9: flex returns the log-sum-exp with return_lse=True
+    AuxRequest = None
 
 from ..flex import block_arrays_from_tree, block_arrays_windowed, check_window, tree_mask_mod
 from ..microbatch import TreepackError
@@ -184,6 +190,7 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
                        width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
+    pos_pad = None if mask.window is None else torch.cat([mask.position_ids, mask.position_ids.new_zeros(nb * B - n)])
     plan = []
     r = torch.arange(B)
     for rows, K in _plan_chunks(mask):
@@ -197,8 +204,7 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
         q = rows[:, None] * B + r  # [G, B]
         keys_d, q_d = keys.to(dev), q.to(dev)
         visible = (keys_d[:, None, :] <= q_d[:, :, None]) & (q_d[:, :, None] < se_pad[keys_d][:, None, :])
-        if mask.window is not None:
-            pos_pad = torch.cat([mask.position_ids, mask.position_ids.new_zeros(nb * B - n)])
+        if pos_pad is not None:
             visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < mask.window
         # Padded queries (past N, last block only) see their own padded key: no row is empty (SDPA would give NaN).
         visible |= (q_d[:, :, None] >= n) & (keys_d[:, None, :] == q_d[:, :, None])
@@ -313,11 +319,21 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
     if sinks is None:
         return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
     # out · Σexp / (Σexp + exp(sink)) = out · sigmoid(lse − sink), with the row's log-sum-exp flex returns.
-    out, aux = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-    return out * torch.sigmoid(aux.lse.to(out.dtype) - sinks.to(out.dtype)[None, :, None])[..., None]
+    if AuxRequest is None:
+        out, lse = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    else:
+        out, aux = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+    return out * torch.sigmoid(lse.to(out.dtype) - sinks.to(out.dtype)[None, :, None])[..., None]
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# config.layer_types entries (transformers' ALLOWED_LAYER_TYPES) by what the tree attention does with them: full
+# attention (a "hybrid" layer runs full attention beside a recurrence), sliding-window attention, and types whose
+# layers call no attention (recurrent, convolution and MLP-only layers: checked by the layers that handle them).
+# Every other type (chunked, indexed, compressed attention...) is refused where it would reach the tree attention.
+FULL_LAYER_TYPES = ("full_attention", "hybrid")
+SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
+NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "moe", "sparse", "dense")
 
 
 def _layer_name(model: Optional[torch.nn.Module], module: Optional[torch.nn.Module], index: Optional[int]) -> str:
@@ -335,14 +351,15 @@ def _check_causal(config: Any, name: str) -> None:
         raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; the tree rule is causal", field="use_bidirectional_attention")
 
 
-def _config_window(config: Any, index: int, name: str) -> Optional[int]:
-    """The window ``config.layer_types[index]`` gives the layer: None for full attention, ``config.sliding_window``
-    for sliding attention; any other type is refused."""
+def _config_window(config: Any, index: int, name: str, attention: bool = True) -> Optional[int]:
+    """The window ``config.layer_types[index]`` gives the layer: None for full attention (and, unless ``attention``,
+    for a layer type that calls no attention), ``config.sliding_window`` for sliding attention; any other type is
+    refused."""
     kind = config.layer_types[index]
-    if kind not in ATTENTION_LAYER_TYPES:
-        raise TreepackError("E_ARG", f"{name} has layer type {kind!r}; tree attention handles {' and '.join(ATTENTION_LAYER_TYPES)} layers", field="layer_types")
-    if kind == "full_attention":
+    if kind in FULL_LAYER_TYPES or (not attention and kind in NON_ATTENTION_LAYER_TYPES):
         return None
+    if kind not in SLIDING_LAYER_TYPES:
+        raise TreepackError("E_ARG", f"{name} has layer type {kind!r}; the tree attention runs {', '.join(FULL_LAYER_TYPES + SLIDING_LAYER_TYPES)} layers", field="layer_types")
     window = getattr(config, "sliding_window", None)
     if window is None:
         raise TreepackError("E_ARG", f"{name} is a sliding_attention layer but config.sliding_window is not set", field="sliding_window")
@@ -410,8 +427,6 @@ def tree_attention(
 def _takes_mask_mapping(base: torch.nn.Module) -> bool:
     """Whether the base model's forward takes ``attention_mask`` as a {layer type: mask} mapping (transformers'
     ``isinstance(causal_mask_mapping := attention_mask, dict)``); False when its source cannot be read."""
-    import re
-
     try:
         source = inspect.getsource(type(base).forward)
     except (OSError, TypeError):
@@ -432,7 +447,7 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
     n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     types = getattr(config, "layer_types", None)
     if types is not None:
-        windows = [_config_window(config, i, _layer_name(model, None, i)) for i in range(len(types))]
+        windows = [_config_window(config, i, _layer_name(model, None, i), attention=False) for i in range(len(types))]
     else:
         windows = [getattr(config, "sliding_window", None)] * n_layers
     pos = batch.position_ids
