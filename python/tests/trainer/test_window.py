@@ -68,11 +68,11 @@ def reference_attention(q, k, v, mask, scale, sinks=None):
     return torch.softmax(s, dim=-1)[..., : k.shape[2]] @ v
 
 
-def qkv_sinks(n, seed=0, heads=4, kv_heads=2, dim=8):
+def qkv_sinks(n, seed=0, heads=4, kv_heads=2, dim=8, dv=6):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, n, dim, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, kv_heads, n, dim, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, kv_heads, n, 6, generator=g, dtype=torch.float64, requires_grad=True)  # Dv != D, as in MLA
+    v = torch.randn(1, kv_heads, n, dv, generator=g, dtype=torch.float64, requires_grad=True)  # Dv != D, as in MLA
     sinks = torch.randn(heads, generator=g, dtype=torch.float64).mul_(2).requires_grad_(True)
     return q, k, v, sinks
 
@@ -141,8 +141,7 @@ class WindowLowerings(unittest.TestCase):
                 continue
             for W, B in ((3, 4), (1000, 128)):
                 with self.subTest(forest=shape, window=W, block_size=B), torch.no_grad():
-                    q, k, v, sinks = qkv_sinks(b.num_nodes, seed=2)
-                    v = torch.randn(1, 2, b.num_nodes, 8, dtype=torch.float64)  # flex wants Dv = D
+                    q, k, v, sinks = qkv_sinks(b.num_nodes, seed=2, dv=8)  # flex wants Dv = D
                     dense = torch.from_numpy(brute_mask(b.parent.numpy(), b.position_ids.numpy(), W))
                     out = tpt.attend(tpt.tree_mask(b, mode="flex", block_size=B), q, k, v, window=W, sinks=sinks)
                     self.assertLess(float((out - reference_attention(q, k, v, dense, 8**-0.5, sinks)).abs().max()), 1e-12)
@@ -444,6 +443,20 @@ class WindowedModels(unittest.TestCase):
                     fn()
                 self.assertEqual(cm.exception.field, field, str(cm.exception))
                 self.assertIn(where, str(cm.exception))
+
+
+@needs_torch(cuda="compiled FlexAttention (windowed BlockMask, sinks through its lse, backward) needs a CUDA device")
+class WindowCuda(unittest.TestCase):
+    def test_flex_equals_block_with_window_and_sinks_forward_and_backward(self):
+        b = tpt.load_microbatch(pack(window_forests(seed=1)["branches"] * 3, pad=2), device="cuda")
+        results = []
+        for mode in ("flex", "block"):
+            q, k, v, sinks = (x.detach().cuda().float().requires_grad_(True) for x in qkv_sinks(b.num_nodes, dim=16, dv=16))  # flex: Dv = D
+            out = tpt.attend(tpt.tree_mask(b, mode=mode), q, k, v, window=5, sinks=sinks)
+            out.sum().backward()
+            results.append((out.detach(), q.grad, k.grad, v.grad, sinks.grad))
+        for a, c in zip(*results):
+            self.assertLess(float((a - c).abs().max()), 1e-4)
 
 
 if __name__ == "__main__":
