@@ -4,14 +4,16 @@ row's softmax denominator (gpt-oss ``s_aux``).
 
 Lowerings: the windowed block arrays equal those torch derives from a brute-force windowed ancestor mask (walked up
 the parent chain, independent of subtree_end); dense and block attention (forward and the gradients of q, k, v and
-the sinks) and flex (forward, on CPU) equal a plain float64 softmax over that mask with the sink column. Models
-(float64, tiny random weights of the real transformers classes): gpt-oss (sliding + full layers, sinks, MoE with the
-"eager" experts, which runs float64 where grouped_mm refuses it; the stock grouped_mm in float32 within 1e-5), Gemma 3 text (sliding + full) and DeepSeek-V3 (MLA,
-no window: the plain path) run packed (attention "treepack" in block mode with 2-token tiles so that partial, full
-and dropped tiles all occur, in dense mode, and the sdpa/eager dense-mask path of packed_logprobs) equal the unpacked
-run (each sequence alone, stock attention): per-token logprobs, entropies, the loss, the gradient of every token's
-input embedding and of every parameter within 1e-10. A negative control: the old dense path (one unwindowed tree mask
-for every layer) differs. Mismatched configs are TreepackErrors naming the layer."""
+the sinks) and flex (forward, on CPU) equal a plain float64 softmax over that mask with the sink column.
+
+Models (float64, tiny random weights of the real transformers classes): gpt-oss (sliding + full layers, sinks, MoE
+with the "eager" experts, which run float64 where grouped_mm refuses it), Gemma 3 text (sliding + full) and
+DeepSeek-V3 (MLA, no window: the plain path) run packed (attention "treepack" in block mode with 2-token tiles so
+that partial, full and dropped tiles all occur, in dense mode, and the sdpa/eager dense-mask path of
+packed_logprobs) equal the unpacked run (each sequence alone, stock attention): per-token logprobs, entropies, the
+loss, the gradient of every token's input embedding and of every parameter within 1e-10. gpt-oss in float32 with
+the stock grouped_mm experts: within 1e-5 (measured ~5e-7). A negative control: the old dense path (one unwindowed
+tree mask for every layer) differs. Mismatched configs are TreepackErrors naming the layer."""
 
 import copy
 import random
@@ -22,6 +24,7 @@ import numpy as np
 
 from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
 from treepack import TreepackError
+from test_exactness import objective
 from treepack.flex import block_arrays_from_dense, block_arrays_from_tree, block_arrays_windowed
 
 VOCAB = 97
@@ -220,14 +223,6 @@ def patch_gemma_norms(model):
             m.forward = types.MethodType(forward, m)
 
 
-def objective(lp_occ, ent_occ, batch):
-    """A float64 GRPO-like objective over trainable occurrences (ratio to old, advantage, entropy bonus)."""
-    m = batch.loss_mask
-    A = batch.advantages.double()[m]
-    old = batch.old_logprobs.double()[m]
-    return (-A * torch.exp(lp_occ[m] - old) - 0.01 * ent_occ[m]).sum() / m.sum().clamp(min=1)
-
-
 class EmbeddingGrad:
     """The gradient of the loss by every token's input embedding (the embedding module's output), captured by a
     forward hook while the context is open."""
@@ -254,7 +249,7 @@ def unpacked_run(model, batch):
     """Per-occurrence logprobs and entropies [M] (NaN at t = 0), the loss, its parameter gradients and its per-node
     input-embedding gradient [N, D] (each occurrence's summed into its node), each sequence run alone."""
     model.zero_grad()
-    lps, ents, toks_all = [], [], []
+    lps, ents = [], []
     with EmbeddingGrad(model) as emb:
         for i in range(batch.num_sequences):
             a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
@@ -379,7 +374,8 @@ class WindowedModels(unittest.TestCase):
     def test_window_wider_than_the_tree_and_the_mask_mapping(self):
         # A window no position difference reaches: the dense path passes the one plain mask; a binding one, a
         # {layer type: mask} mapping whose sliding entry is the windowed rule.
-        packed, plain, _ = build("gemma3", window=1000)
+        _, plain, _ = build("gemma3", window=1000)
+        self.assertEqual(tpt.layer_windows(plain), [1000, None])
         batch = tpt.load_microbatch(pack(window_forests(seed=3)["branches"]))
         self.assertIsInstance(tpt.dense_model_mask(plain, batch), torch.Tensor)
         plain.config.sliding_window = 3

@@ -8,7 +8,7 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> loss.backward()
 """
 
-from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, register, tree_attention, tree_mask, windowed
+from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
 from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
@@ -29,6 +29,7 @@ __all__ = [
     "dense_model_mask",
     "dense_tree_mask",
     "executed_tiles",
+    "layer_windows",
     "from_microbatch",
     "load_microbatch",
     "naive_batch",

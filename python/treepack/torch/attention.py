@@ -434,6 +434,24 @@ def _takes_mask_mapping(base: torch.nn.Module) -> bool:
     return re.search(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)", source) is not None
 
 
+def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
+    """Each layer's sliding window as the model config gives it: ``config.sliding_window`` for a sliding layer
+    (``config.layer_types``; without them, for every layer when the config sets one), None for full attention and
+    for layer types that call no attention. A type the tree attention cannot run, or a bidirectional config, is a
+    TreepackError naming the layer (a preparation-time check; ``tree_attention`` checks each call again).
+
+        >>> layer_windows(gpt_oss_model)          # config.layer_types = ["sliding_attention", "full_attention"]
+        [128, None]
+    """
+    config = model.config
+    _check_causal(config, type(model).__name__)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [_config_window(config, i, _layer_name(model, None, i), attention=False) for i in range(len(types))]
+    window = getattr(config, "sliding_window", None)
+    return [None if window is None else check_window(window)] * int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
 def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
     """What an ``sdpa`` / ``eager`` model takes as ``attention_mask`` for a packed batch: the dense 4-D tree mask
     (bool for sdpa, additive float for eager, which adds its mask to the scores), windowed for sliding layers.
@@ -443,13 +461,8 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
     batch's positions cannot reach changes nothing, so such models take the plain mask."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
-    _check_causal(config, type(model).__name__)
-    n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     types = getattr(config, "layer_types", None)
-    if types is not None:
-        windows = [_config_window(config, i, _layer_name(model, None, i), attention=False) for i in range(len(types))]
-    else:
-        windows = [getattr(config, "sliding_window", None)] * n_layers
+    windows = layer_windows(model)
     pos = batch.position_ids
     span = int(pos.max() - pos.min()) if pos.numel() else 0
     dtype = model.get_input_embeddings().weight.dtype
