@@ -477,7 +477,7 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
     if not binding:
         return build(None)
     if types is None:
-        return build(check_window(windows[0]))
+        return build(windows[0])
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     if not _takes_mask_mapping(base):
         raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
