@@ -7,8 +7,8 @@ the parent chain, independent of subtree_end); dense and block attention (forwar
 the sinks) and flex (forward, on CPU) equal a plain float64 softmax over that mask with the sink column.
 
 Models (float64, tiny random weights of the real transformers classes): gpt-oss (sliding + full layers, sinks, MoE
-with the "eager" experts, which run float64 where grouped_mm refuses it), Gemma 3 text (sliding + full) and
-DeepSeek-V3 (MLA, no window: the plain path) run packed (attention "treepack" in block mode with 2-token tiles so
+with the "eager" experts, which run float64 where grouped_mm refuses it), Gemma 3 and Gemma 4 text (sliding + full;
+Gemma 4 with a KV-shared layer) and DeepSeek-V3 (MLA, no window: the plain path) run packed (attention "treepack" in block mode with 2-token tiles so
 that partial, full and dropped tiles all occur, in dense mode, and the sdpa/eager dense-mask path of
 packed_logprobs) equal the unpacked run (each sequence alone, stock attention): per-token logprobs, entropies, the
 loss, the gradient of every token's input embedding and of every parameter within 1e-10. gpt-oss in float32 with
@@ -191,6 +191,11 @@ def build(family, window=5):
         cfg = transformers.Gemma3TextConfig(intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
                                             sliding_window=window, layer_types=["sliding_attention", "full_attention"], **common)
         cls, stock = transformers.Gemma3ForCausalLM, "sdpa"
+    elif family == "gemma4":  # the last layer reads the keys and values of the full layer before it (KV sharing)
+        cfg = transformers.Gemma4TextConfig(intermediate_size=48, num_hidden_layers=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                                            sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2,
+                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=1, **common)
+        cls, stock = transformers.Gemma4ForCausalLM, "sdpa"
     else:  # DeepSeek-V3: MLA attention (q/k head dim 12, v head dim 8); both layers dense MLPs
         cfg = transformers.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_key_value_heads=4,
                                             first_k_dense_replace=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
@@ -212,14 +217,20 @@ def build(family, window=5):
 
 
 def patch_gemma_norms(model):
-    """Gemma3's RMSNorm, (1 + weight) · x / rms(x), computes in float32 whatever the input dtype; this keeps it in the
-    input dtype with the same formula (support.patch_norms_to_input_dtype does the same for the Llama form)."""
+    """Gemma 3's RMSNorm, (1 + weight) · x / rms(x), and Gemma 4's, weight · x / rms(x) (weight optional), compute in
+    float32 whatever the input dtype; this keeps them in the input dtype with the same formulas
+    (support.patch_norms_to_input_dtype does the same for the Llama form)."""
 
-    def forward(self, x):
+    def gemma3(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
+    def gemma4(self, x):
+        normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return normed * self.weight if self.with_scale else normed
+
     for m in model.modules():
-        if type(m).__name__ == "Gemma3RMSNorm":
+        forward = {"Gemma3RMSNorm": gemma3, "Gemma4RMSNorm": gemma4}.get(type(m).__name__)
+        if forward is not None:
             m.forward = types.MethodType(forward, m)
 
 
@@ -367,6 +378,10 @@ class WindowedModels(unittest.TestCase):
         _, _, batch, _ = self.check_family("gemma3", ("branches", "mixed"), (("block", 2), ("dense", 128), "dense-path"))
         self.assert_tiles_of_every_kind(batch, 5, 2)
         self.check_family("gemma3", ("deep",), (("block", 2), "dense-path"), window=1000)  # wider than the tree
+
+    def test_gemma4_sliding_window_and_kv_sharing(self):
+        _, _, batch, _ = self.check_family("gemma4", ("branches",), (("block", 2), "dense-path"))
+        self.assert_tiles_of_every_kind(batch, 5, 2)
 
     def test_deepseek_v3_mla_plain_path(self):
         self.check_family("deepseek_v3", ("deep",), (("block", 2), "dense-path"))
