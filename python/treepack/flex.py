@@ -1,6 +1,7 @@
 """Attention masks of a packed micro-batch for trainers: torch FlexAttention and MagiAttention.
 
-The rule (shared/DESIGN.md §3): query q attends to key k iff ``k <= q < subtree_end[k]``. ``treepack pack
+The rule (shared/DESIGN.md §3): query q attends to key k iff ``k <= q < subtree_end[k]``; a sliding-window layer also
+needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_windowed``, ``tree_mask_mod``). ``treepack pack
 --masks block:128,slices`` stores its lowerings in the micro-batch file (README, "Mask lowerings"):
 
     >>> mb = treepack.load("packed/microbatch-00000.safetensors")
@@ -14,7 +15,7 @@ references ``dense_mask`` and ``block_arrays_from_dense`` are O(N²): for tests 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -85,21 +86,91 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     any_end = np.maximum(np.minimum(nb, -(-hi // B)), full_end)  # then rows .. any_end-1 in part
     diag_full = B == 1
 
-    def layout(starts: np.ndarray, ends: np.ndarray, diag: bool) -> Tuple[np.ndarray, np.ndarray]:
+    def tiles(starts: np.ndarray, ends: np.ndarray, diag: bool) -> Tuple[np.ndarray, np.ndarray]:
         counts = ends - starts
         cols = np.repeat(j, counts)
         rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(starts, counts)
         if diag:
             rows, cols = np.concatenate([rows, j]), np.concatenate([cols, j])
-        order = np.lexsort((cols, rows))
-        rows, cols = rows[order], cols[order]
-        num = np.bincount(rows, minlength=nb).astype(np.int32)
-        slot = np.arange(len(rows)) - np.repeat(np.cumsum(num) - num, num)
-        idx = np.zeros((nb, nb), dtype=np.int32)
-        idx[rows, slot] = cols
-        return num, idx
+        return rows, cols
 
-    return BlockArrays(B, *layout(full_end, any_end, not diag_full), *layout(j + 1, full_end, diag_full))
+    return BlockArrays(B, *_layout(*tiles(full_end, any_end, not diag_full), nb), *_layout(*tiles(j + 1, full_end, diag_full), nb))
+
+
+def _layout(rows: np.ndarray, cols: np.ndarray, nb: int) -> Tuple[np.ndarray, np.ndarray]:
+    """FlexAttention's (counts [nb], indices [nb, nb]) of the tiles (rows[t], cols[t]): ascending, 0-padded."""
+    order = np.lexsort((cols, rows))
+    rows, cols = rows[order], cols[order]
+    num = np.bincount(rows, minlength=nb).astype(np.int32)
+    slot = np.arange(len(rows)) - np.repeat(np.cumsum(num) - num, num)
+    idx = np.zeros((nb, nb), dtype=np.int32)
+    idx[rows, slot] = cols
+    return num, idx
+
+
+def check_window(window: Any) -> int:
+    """A sliding window as Hugging Face configs give it (``config.sliding_window``): an integer >= 1, the number of
+    positions a query sees counting itself (``position_ids[q] - position_ids[k] < window``)."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise _fail("sliding_window", f"expected an integer >= 1, got {window!r}")
+    return int(window)
+
+
+def _position_ids(position_ids: Any, n: int) -> np.ndarray:
+    pos = np.asarray(position_ids)
+    if pos.shape != (n,) or pos.dtype.kind not in "iu":
+        raise _fail("position_ids", f"expected a 1-D integer array of N = {n} elements, got {pos.dtype} {list(pos.shape)}")
+    return pos.astype(np.int64)
+
+
+# Tiles per numpy step of block_arrays_windowed: B² bools each, so at B = 128 about 64 MB of temporaries per step.
+_WINDOW_STEP_PAIRS = 1 << 22
+
+
+def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, block_size: int = 128) -> BlockArrays:
+    """The block mask of the tree rule with a sliding window (k an ancestor-or-self of q and ``position_ids[q] -
+    position_ids[k] < window``), equal to ``block_arrays_from_dense`` of ``dense_mask(subtree_end, position_ids,
+    window)``: tiles wholly outside the window are dropped, so the listed work is O(N · window) on a chain.
+
+    The tree's listed tiles are the candidates: those whose least query position minus greatest key position reaches
+    the window are dropped unseen, the tree's full tiles whose greatest difference stays inside it are full unseen,
+    and the rest are classified exactly pair by pair (O(B²) each, in steps)."""
+    W = check_window(window)
+    se = _subtree_end(subtree_end)
+    n = len(se)
+    pos = _position_ids(position_ids, n)
+    tree = block_arrays_from_tree(se, block_size)
+    B, nb = tree.block_size, len(tree.kv_num_blocks)
+    slots = np.arange(nb)[None, :]
+    rows, cols = [], []
+    for num, idx in ((tree.kv_num_blocks, tree.kv_indices), (tree.full_kv_num_blocks, tree.full_kv_indices)):
+        listed = slots < num[:, None]
+        rows.append(np.nonzero(listed)[0])
+        cols.append(idx[listed].astype(np.int64))
+    tree_full = np.concatenate([np.zeros(len(rows[0]), dtype=bool), np.ones(len(rows[1]), dtype=bool)])
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    big = np.iinfo(np.int64).max // 4
+    pos_pad = np.concatenate([pos, np.full(nb * B - n, big)]).reshape(nb, B)  # padding never lowers the least query
+    q_min, q_max = pos_pad.min(axis=1), np.where(pos_pad == big, -big, pos_pad).max(axis=1)
+    k_min, k_max = q_min, q_max
+    keep = q_min[r] - k_max[c] < W
+    r, c, tree_full = r[keep], c[keep], tree_full[keep]
+    sure = tree_full & (q_max[r] - k_min[c] < W)  # a full tree tile has no padding: every pair is in the window
+    full_r, full_c = r[sure], c[sure]
+    r, c = r[~sure], c[~sure]
+    se_pad = np.concatenate([se, np.zeros(nb * B - n, dtype=np.int64)])  # padded keys are seen by nobody
+    pos_flat = pos_pad.reshape(-1)
+    ar = np.arange(B)
+    counts = np.empty(len(r), dtype=np.int64)
+    step = max(1, _WINDOW_STEP_PAIRS // (B * B))
+    for a in range(0, len(r), step):
+        q = (r[a : a + step, None] * B + ar)[:, :, None]  # [T, B, 1]
+        k = (c[a : a + step, None] * B + ar)[:, None, :]  # [T, 1, B]
+        seen = (k <= q) & (q < se_pad[k]) & (q < n) & (pos_flat[q] - pos_flat[k] < W)
+        counts[a : a + step] = seen.sum(axis=(1, 2))
+    full = counts == B * B
+    part = (counts > 0) & ~full
+    return BlockArrays(B, *_layout(r[part], c[part], nb), *_layout(np.concatenate([full_r, r[full]]), np.concatenate([full_c, c[full]]), nb))
 
 
 def cu_seqlens(parent: Any) -> np.ndarray:
@@ -148,8 +219,9 @@ def magi_ranges(parent: Any, subtree_end: Any) -> Tuple[List[List[int]], List[Li
     return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
 
 
-def tree_mask_mod(subtree_end: Any) -> Callable[[Any, Any, Any, Any], Any]:
-    """FlexAttention ``mask_mod`` of the tree rule; ``subtree_end`` a torch int tensor on the attention's device."""
+def tree_mask_mod(subtree_end: Any, position_ids: Any = None, window: Optional[int] = None) -> Callable[[Any, Any, Any, Any], Any]:
+    """FlexAttention ``mask_mod`` of the tree rule, with a sliding window when ``window`` is given (then
+    ``position_ids`` too); both torch int tensors on the attention's device."""
 
     last = max(int(subtree_end.shape[0]) - 1, 0)
 
@@ -158,7 +230,14 @@ def tree_mask_mod(subtree_end: Any) -> Callable[[Any, Any, Any, Any], Any]:
         # keys fail kv_idx <= q_idx for every real query anyway.
         return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx.clamp(max=last)])
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+
+    def windowed_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        near = position_ids[q_idx.clamp(max=last)] - position_ids[kv_idx.clamp(max=last)] < window
+        return mask_mod(b, h, q_idx, kv_idx) & near
+
+    return windowed_mod
 
 
 def flex_block_mask(mb: MicroBatch, device: str = "cuda") -> Any:
@@ -197,12 +276,17 @@ def magi_slices(mb: MicroBatch) -> Tuple[List[List[int]], List[List[int]], List[
     return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
 
 
-def dense_mask(subtree_end: np.ndarray) -> np.ndarray:
-    """bool [N, N], row = query: the reference every lowering is checked against (O(N²))."""
+def dense_mask(subtree_end: np.ndarray, position_ids: Any = None, window: Optional[int] = None) -> np.ndarray:
+    """bool [N, N], row = query: the reference every lowering is checked against (O(N²)); with ``window`` (and
+    ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
     se = np.asarray(subtree_end, dtype=np.int64)
     q = np.arange(len(se))[:, None]
     k = np.arange(len(se))[None, :]
-    return (k <= q) & (q < se[None, :])
+    mask = (k <= q) & (q < se[None, :])
+    if window is not None:
+        pos = _position_ids(position_ids, len(se))
+        mask &= pos[:, None] - pos[None, :] < check_window(window)
+    return mask
 
 
 def block_arrays_from_dense(mask: np.ndarray, block_size: int) -> BlockArrays:

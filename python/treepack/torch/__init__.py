@@ -8,7 +8,7 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> loss.backward()
 """
 
-from .attention import TreeMask, attend, dense_tree_mask, executed_tiles, register, tree_attention, tree_mask
+from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
 from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
@@ -26,8 +26,10 @@ __all__ = [
     "PackedDataset",
     "TreeMask",
     "attend",
+    "dense_model_mask",
     "dense_tree_mask",
     "executed_tiles",
+    "layer_windows",
     "from_microbatch",
     "load_microbatch",
     "naive_batch",
@@ -35,4 +37,5 @@ __all__ = [
     "register",
     "tree_attention",
     "tree_mask",
+    "windowed",
 ]

@@ -16,11 +16,27 @@ carries ``subtree_end`` and how to attend:
 - ``"auto"`` (default): flex on CUDA, block elsewhere.
 
 A HF model passes a 4-D BlockMask straight to its attention function, so the TreeMask reaches ``tree_attention``
-unchanged; any mask other than a TreeMask is refused there (TreepackError), never silently run causal.
+unchanged; any mask other than a TreeMask is refused there (TreepackError), never silently run causal. Models that
+build one mask per layer type (gpt-oss, Gemma 3/4, Qwen3 with sliding layers) hand the same TreeMask to every layer;
+each layer's attention call says its own window (``sliding_window=``, checked against ``config.layer_types`` and
+``config.sliding_window``) and sinks (``s_aux=``, gpt-oss), and ``attend`` applies them in every mode:
+
+- the window (DESIGN.md §8: ``position_ids[q] - position_ids[k] < window``, Hugging Face's convention) from the
+  mask's ``position_ids``, through a windowed TreeMask derived once per window and cached on the mask, whose block
+  lists drop the tiles wholly outside the window (the work is O(N · window) on a chain);
+- sinks, a per-head logit in every row's softmax denominator: flex rescales its output by the log-sum-exp it
+  returns; SDPA has no such argument, so the dense and block paths append one key per kv head that every query sees,
+  with value 0 and score exactly the sink: q gains G = H / Hkv coordinates (one-hot of its head within its group),
+  real keys zeros there and the sink key ``sinks / scale`` there.
+
+``dense_model_mask`` gives ``sdpa`` / ``eager`` models (``packed_logprobs``' dense path) each layer's dense mask, or
+refuses.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -28,17 +44,26 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..flex import block_arrays_from_tree, tree_mask_mod
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9: flex returns the log-sum-exp with return_lse=True
+    AuxRequest = None
+
+from ..flex import block_arrays_from_tree, block_arrays_windowed, check_window, tree_mask_mod
 from ..microbatch import TreepackError
 
 MODES = ("auto", "flex", "dense", "block")
 
 
 class TreeMask(BlockMask):
-    """A BlockMask of the tree rule that also knows ``subtree_end`` and its attention ``mode``; the block-sparse and
-    dense paths cache their gather plans and masks on it, so every layer of a forward shares them."""
+    """A BlockMask of the tree rule that also knows ``subtree_end``, ``position_ids`` (None when built from a bare
+    ``subtree_end``), its ``window`` (None: the plain tree rule) and its attention ``mode``; the block-sparse and dense
+    paths cache their gather plans and masks on it, and the plain mask its windowed variants, so every layer of a
+    forward shares them."""
 
     subtree_end: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    window: Optional[int]
     mode: str
     _cache: Dict[Any, Any]
 
@@ -57,36 +82,69 @@ def tree_mask(
     mode: str = "auto",
     block_size: int = 128,
     device: Optional[Union[str, torch.device]] = None,
+    position_ids: Any = None,
 ) -> TreeMask:
     """The TreeMask of a ``PackedBatch`` (or a ``subtree_end`` tensor / array) on ``device`` (the tensor's by
     default). ``block_size`` is the BlockMask's tile (FlexAttention wants a multiple of 128 on GPU; the block-sparse
-    path runs any size)."""
+    path runs any size). ``position_ids`` (a batch's own by default) are what sliding-window layers measure their
+    window in; a mask without them refuses those layers."""
     if mode not in MODES:
         raise TreepackError("E_ARG", f"expected one of {', '.join(MODES)}, got {mode!r}", field="mode")
     se = _subtree_end_of(batch_or_subtree_end)
+    pos = getattr(batch_or_subtree_end, "position_ids", None) if position_ids is None else position_ids
+    if pos is not None:
+        pos = torch.as_tensor(pos)
+        if pos.shape != se.shape or pos.dtype.is_floating_point or pos.dtype == torch.bool:
+            raise TreepackError("E_ARG", f"expected a 1-D integer tensor of N = {se.shape[0]} elements, got {pos.dtype} {list(pos.shape)}", field="position_ids")
     dev = torch.device(device) if device is not None else se.device
     arrays = block_arrays_from_tree(se.detach().cpu().numpy(), block_size)
-    n = int(se.shape[0])
-    se = se.to(dev, torch.int64)
+    mode = ("flex" if dev.type == "cuda" else "block") if mode == "auto" else mode
+    return _make_mask(arrays, se.to(dev, torch.int64), None if pos is None else pos.to(dev, torch.int64), None, mode)
+
+
+def _make_mask(arrays: Any, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int], mode: str) -> TreeMask:
+    n, dev = int(se.shape[0]), se.device
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(dev)[None, None]
 
     mask = TreeMask.from_kv_blocks(
         t(arrays.kv_num_blocks), t(arrays.kv_indices), t(arrays.full_kv_num_blocks), t(arrays.full_kv_indices),
-        BLOCK_SIZE=arrays.block_size, mask_mod=tree_mask_mod(se), seq_lengths=(n, n),
+        BLOCK_SIZE=arrays.block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
     )
-    mask.subtree_end = se
-    mask.mode = ("flex" if dev.type == "cuda" else "block") if mode == "auto" else mode
-    mask._cache = {}
+    mask.subtree_end, mask.position_ids, mask.window, mask.mode, mask._cache = se, pos, window, mode, {}
     return mask
 
 
-def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """bool [N, N], row = query (O(N²)): the reference and the ``"dense"`` mode's mask."""
+def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
+    """The TreeMask of the tree rule with a sliding window, derived from a plain one once per window (cached on it);
+    ``mask`` itself for ``window=None``."""
+    if window is None:
+        return mask
+    window = check_window(window)
+    if mask.window is not None:
+        raise TreepackError("E_ARG", f"this mask already has a window of {mask.window}; pass the plain tree_mask(batch)", field="sliding_window")
+    got = mask._cache.get(("window", window))
+    if got is None:
+        if mask.position_ids is None:
+            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) or tree_mask(subtree_end, position_ids=...)", field="position_ids")
+        arrays = block_arrays_windowed(mask.subtree_end.cpu().numpy(), mask.position_ids.cpu().numpy(), window, mask.BLOCK_SIZE[0])
+        got = mask._cache[("window", window)] = _make_mask(arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
+    return got
+
+
+def dense_tree_mask(subtree_end: torch.Tensor, position_ids: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+    """bool [N, N], row = query (O(N²)): the reference and the ``"dense"`` mode's mask; with ``window`` (and
+    ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
     n = subtree_end.shape[0]
     ar = torch.arange(n, device=subtree_end.device)
-    return (ar[None, :] <= ar[:, None]) & (ar[:, None] < subtree_end[None, :])
+    mask = (ar[None, :] <= ar[:, None]) & (ar[:, None] < subtree_end[None, :])
+    if window is not None:
+        if position_ids is None:
+            raise TreepackError("E_ARG", "a windowed mask needs position_ids", field="position_ids")
+        pos = position_ids.to(subtree_end.device)
+        mask &= pos[:, None] - pos[None, :] < check_window(window)
+    return mask
 
 
 # Most B×B tiles one SDPA call of the block path computes. Each call gathers its rows' kv blocks and a G × B × K·B mask
@@ -132,6 +190,7 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
                        width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
+    pos_pad = None if mask.window is None else torch.cat([mask.position_ids, mask.position_ids.new_zeros(nb * B - n)])
     plan = []
     r = torch.arange(B)
     for rows, K in _plan_chunks(mask):
@@ -145,6 +204,8 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
         q = rows[:, None] * B + r  # [G, B]
         keys_d, q_d = keys.to(dev), q.to(dev)
         visible = (keys_d[:, None, :] <= q_d[:, :, None]) & (q_d[:, :, None] < se_pad[keys_d][:, None, :])
+        if pos_pad is not None:
+            visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < mask.window
         # Padded queries (past N, last block only) see their own padded key: no row is empty (SDPA would give NaN).
         visible |= (q_d[:, :, None] >= n) & (keys_d[:, None, :] == q_d[:, :, None])
         visible &= key_ok.to(dev)[:, None, :]
@@ -152,7 +213,22 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     return plan
 
 
-def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool) -> torch.Tensor:
+def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [1, H, N, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
+    [Hkv, D+G], scores exactly ``sinks[h]`` against every query of head h (G = H / Hkv; enable_gqa maps query head h
+    to kv head h // G), while every real score is unchanged (the new coordinates add q·0)."""
+    _, H, n, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    onehot = torch.eye(G, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [H, G]: head h's place in its group
+    q2 = torch.cat([q, onehot[None, :, None, :].expand(1, H, n, G)], dim=-1)
+    k2 = torch.cat([k, k.new_zeros(1, Hkv, n, G)], dim=-1)
+    sink_key = torch.cat([k.new_zeros(Hkv, D), (sinks.to(k.dtype) / scale).reshape(Hkv, G)], dim=-1)
+    return q2, k2, sink_key
+
+
+def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
+                     sinks: Optional[torch.Tensor]) -> torch.Tensor:
     plan = mask._cache.get(("block", q.device))
     if plan is None:
         plan = mask._cache[("block", q.device)] = _block_plan(mask)
@@ -160,11 +236,27 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     _, H, n, D = q.shape
     nb = -(-n // B)
     pad = nb * B - n
+    sink_key = None
+    if sinks is not None:
+        scale = D**-0.5 if scale is None else scale
+        q, k, sink_key = _with_sink_key(q, k, sinks, scale)
+        D = q.shape[-1]
+        sink_plan = mask._cache.get(("block-sink", q.device))
+        if sink_plan is None:
+            # Every call also gathers the sink row, stored after the padded keys, and every query sees it.
+            sink_plan = mask._cache[("block-sink", q.device)] = [
+                (rows, torch.cat([keys, keys.new_full((keys.shape[0], 1), nb * B)], dim=1),
+                 torch.cat([visible, visible.new_ones(visible.shape[:2] + (1,))], dim=2))
+                for rows, keys, visible in plan]
+        plan = sink_plan
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     qb = qp[0].reshape(H, nb, B, D)
     # Keys and values position-major, gathered with index_select: its backward is index_add, where advanced indexing's
     # is a sorting index_put.
     kt, vt = kp[0].transpose(0, 1), vp[0].transpose(0, 1)  # [N', Hkv, D]
+    if sink_key is not None:
+        kt = torch.cat([kt, sink_key[None]])
+        vt = torch.cat([vt, vt.new_zeros(1, *vt.shape[1:])])
     outs, order = [], []
     for rows, keys, visible in plan:
         G = rows.shape[0]
@@ -177,11 +269,28 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.permute(1, 0, 2, 3).reshape(1, H, nb * B, -1)[:, :, :n]
 
 
+def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
+                     sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    dense = mask._cache.get("dense")
+    if dense is None:
+        dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end, mask.position_ids, mask.window)
+    if sinks is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q, k, sink_key = _with_sink_key(q, k, sinks, scale)
+        k = torch.cat([k, sink_key[None, :, None]], dim=2)
+        v = torch.cat([v, v.new_zeros(1, v.shape[1], 1, v.shape[-1])], dim=2)
+        dense = torch.cat([dense, dense.new_ones(dense.shape[0], 1)], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
+
+
 _compiled_flex: Any = None
 
 
-def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
-    """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``."""
+def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
+           window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
+    ``window``, only keys within the sliding window (``position_ids[q] - position_ids[k] < window``); with ``sinks``
+    [H], each head's sink logit in every row's softmax denominator (gpt-oss)."""
     if not isinstance(mask, TreeMask):
         raise TreepackError("E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask")
     n = int(mask.subtree_end.shape[0])
@@ -189,25 +298,102 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
         raise TreepackError("E_ARG", f"expected q, k, v of shape [1, H, N = {n}, D] (one packed row, no KV cache), got q {list(query.shape)}, k {list(key.shape)}", field="attention_mask")
     if query.device != mask.subtree_end.device:
         raise TreepackError("E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
+        raise TreepackError("E_ARG", f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}", field="s_aux")
+    mask = windowed(mask, window)
     gqa = key.shape[1] != query.shape[1]
     if mask.mode == "dense":
-        dense = mask._cache.get("dense")
-        if dense is None:
-            dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end)[None, None]
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=dense, scale=scale, enable_gqa=gqa)
+        return _dense_attention(mask, query, key, value, scale, gqa, sinks)
     if mask.mode == "block":
-        return _block_attention(mask, query, key, value, scale, gqa)
+        return _block_attention(mask, query, key, value, scale, gqa, sinks)
     global _compiled_flex
     fn = flex_attention
     if query.is_cuda:
         _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
-    elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (query, key, value, sinks)):
         raise TreepackError("E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU", field="mode")
     else:
         # torch refuses requires_grad inputs on CPU even under no_grad, where nothing is recorded anyway.
         query, key, value = query.detach(), key.detach(), value.detach()
-    return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if sinks is None:
+        return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
+    # out · Σexp / (Σexp + exp(sink)) = out · sigmoid(lse − sink), with the row's log-sum-exp flex returns.
+    if AuxRequest is None:
+        out, lse = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    else:
+        out, aux = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+    return out * torch.sigmoid(lse.to(out.dtype) - sinks.to(out.dtype)[None, :, None])[..., None]
+
+
+# config.layer_types entries (transformers' ALLOWED_LAYER_TYPES) by what the tree attention does with them: full
+# attention (a "hybrid" layer runs full attention beside a recurrence), sliding-window attention, and types whose
+# layers call no attention (recurrent, convolution and MLP-only layers: checked by the layers that handle them).
+# Every other type (chunked, indexed, compressed attention...) is refused where it would reach the tree attention.
+FULL_LAYER_TYPES = ("full_attention", "hybrid")
+SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
+NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "moe", "sparse", "dense")
+
+
+def _layer_name(model: Optional[torch.nn.Module], module: Optional[torch.nn.Module], index: Optional[int]) -> str:
+    """'layer i (Class)' for errors: the attention module's class where it can be found."""
+    if module is None and model is not None:
+        base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and index is not None and index < len(layers):
+            module = getattr(layers[index], "self_attn", layers[index])
+    return f"layer {index} ({type(module if module is not None else model).__name__})"
+
+
+def _check_causal(config: Any, name: str) -> None:
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; the tree rule is causal", field="use_bidirectional_attention")
+
+
+def _config_window(config: Any, index: int, name: str, attention: bool = True) -> Optional[int]:
+    """The window ``config.layer_types[index]`` gives the layer: None for full attention (and, unless ``attention``,
+    for a layer type that calls no attention), ``config.sliding_window`` for sliding attention; any other type is
+    refused."""
+    kind = config.layer_types[index]
+    if kind in FULL_LAYER_TYPES or (not attention and kind in NON_ATTENTION_LAYER_TYPES):
+        return None
+    if kind not in SLIDING_LAYER_TYPES:
+        raise TreepackError("E_ARG", f"{name} has layer type {kind!r}; the tree attention runs {', '.join(FULL_LAYER_TYPES + SLIDING_LAYER_TYPES)} layers", field="layer_types")
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        raise TreepackError("E_ARG", f"{name} is a sliding_attention layer but config.sliding_window is not set", field="sliding_window")
+    return check_window(window)
+
+
+def _layer_window(module: torch.nn.Module, window: Any) -> Optional[int]:
+    """The window an attention call asked for (``sliding_window=``), checked against the model config, so a sliding
+    layer that did not say its window never runs unwindowed (and a full one never windowed)."""
+    config = getattr(module, "config", None)
+    index = getattr(module, "layer_idx", None)
+    name = _layer_name(None, module, index)
+    _check_causal(config, name)
+    if getattr(module, "is_causal", True) is False:
+        raise TreepackError("E_ARG", f"{name} is not causal (is_causal = False); the tree rule is causal", field="is_causal")
+    if window is not None:
+        try:
+            window = check_window(window)
+        except TreepackError as e:
+            raise TreepackError("E_ARG", f"{name}: {e.reason}", field="sliding_window") from None
+    types = getattr(config, "layer_types", None)
+    if types is not None and isinstance(index, int) and 0 <= index < len(types):
+        want = _config_window(config, index, name)
+        source = f"config.layer_types[{index}] = {types[index]!r}" + (f", config.sliding_window = {want}" if want is not None else "")
+    else:
+        # No per-layer types: a window in the config holds for every layer (Mistral, Qwen3-MoE); a layer that does not
+        # pass it is refused rather than run unwindowed.
+        want = getattr(config, "sliding_window", None)
+        source = f"config.sliding_window = {want}"
+        if window is None and want is None:
+            return None
+    if window != want:
+        raise TreepackError("E_ARG", f"{name} asked for sliding_window = {window}, but {source}", field="sliding_window")
+    return window
 
 
 def tree_attention(
@@ -220,15 +406,82 @@ def tree_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
-    """The ``"treepack"`` entry of transformers' AttentionInterface: output [1, N, H, Dv] as HF expects."""
+    """The ``"treepack"`` entry of transformers' AttentionInterface: output [1, N, H, Dv] as HF expects. A layer's
+    ``sliding_window=`` and ``s_aux=`` (sinks) are applied; attention-logit softcapping is refused."""
     if attention_mask is None:
         raise TreepackError("E_ARG", "attn_implementation 'treepack' needs attention_mask=treepack.torch.tree_mask(batch)", field="attention_mask")
     if dropout:
         raise TreepackError("E_ARG", f"attention dropout {dropout} is not supported by the tree attention (call model.eval() or set it to 0)", field="dropout")
-    if kwargs.get("sliding_window") is not None:
-        raise TreepackError("E_ARG", "sliding-window layers are not supported by the tree attention", field="sliding_window")
-    out = attend(attention_mask, query, key, value, scaling)
+    window = _layer_window(module, kwargs.get("sliding_window"))
+    if kwargs.get("softcap") is not None:
+        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping ({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
+    try:
+        out = attend(attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"))
+    except TreepackError as e:
+        if e.field not in ("s_aux", "position_ids"):
+            raise
+        raise TreepackError(e.code, f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: {e.reason}", field=e.field) from None
     return out.transpose(1, 2).contiguous(), None
+
+
+def _takes_mask_mapping(base: torch.nn.Module) -> bool:
+    """Whether the base model's forward takes ``attention_mask`` as a {layer type: mask} mapping (transformers'
+    ``isinstance(causal_mask_mapping := attention_mask, dict)``); False when its source cannot be read."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)", source) is not None
+
+
+def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
+    """Each layer's sliding window as the model config gives it: ``config.sliding_window`` for a sliding layer
+    (``config.layer_types``; without them, for every layer when the config sets one), None for full attention and
+    for layer types that call no attention. A type the tree attention cannot run, or a bidirectional config, is a
+    TreepackError naming the layer (a preparation-time check; ``tree_attention`` checks each call again).
+
+        >>> layer_windows(gpt_oss_model)          # config.layer_types = ["sliding_attention", "full_attention"]
+        [128, None]
+    """
+    config = model.config
+    _check_causal(config, type(model).__name__)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [_config_window(config, i, _layer_name(model, None, i), attention=False) for i in range(len(types))]
+    window = getattr(config, "sliding_window", None)
+    return [None if window is None else check_window(window)] * int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
+def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    """What an ``sdpa`` / ``eager`` model takes as ``attention_mask`` for a packed batch: the dense 4-D tree mask
+    (bool for sdpa, additive float for eager, which adds its mask to the scores), windowed for sliding layers.
+
+    Models whose layers all share one rule get one mask; a model with full and sliding layers gets a {layer type:
+    mask} mapping when its forward takes one (gpt-oss, Gemma 3), else a TreepackError naming the layer. A window the
+    batch's positions cannot reach changes nothing, so such models take the plain mask."""
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    types = getattr(config, "layer_types", None)
+    windows = layer_windows(model)
+    pos = batch.position_ids
+    span = int(pos.max() - pos.min()) if pos.numel() else 0
+    dtype = model.get_input_embeddings().weight.dtype
+
+    def build(window: Optional[int]) -> torch.Tensor:
+        m = dense_tree_mask(batch.subtree_end, pos, window)
+        if impl == "eager":
+            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+        return m[None, None]
+
+    binding = [i for i, w in enumerate(windows) if w is not None and w <= span]
+    if not binding:
+        return build(None)
+    if types is None:
+        return build(windows[0])
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    if not _takes_mask_mapping(base):
+        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
+    return {"full_attention": build(None), "sliding_attention": build(windows[binding[0]])}
 
 
 def register() -> bool:

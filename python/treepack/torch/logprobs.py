@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
-from .attention import dense_tree_mask, tree_mask
+from .attention import dense_model_mask, tree_mask
 from .batch import PackedBatch
 
 
@@ -84,8 +84,8 @@ def packed_logprobs(
     """Logprobs (and entropies) of the scored nodes, differentiable.
 
     ``model_or_hidden``: a HF causal LM (its base model runs on the packed batch with the tree mask: a ``TreeMask``
-    in mode ``attention`` when the model's attn_implementation is ``"treepack"``, else a dense 4-D bool mask for
-    ``"sdpa"``/``"eager"``), or final hidden states [N, D] / [1, N, D] with ``lm_head`` (a module mapping D to vocab).
+    in mode ``attention`` when the model's attn_implementation is ``"treepack"``, else the dense 4-D tree mask for
+    ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D] with ``lm_head`` (a module mapping D to vocab).
     Logits are computed in float32 (float64 when the hidden states are float64), softcapped by the model's
     ``final_logit_softcapping`` when it has one, then divided by ``temperature`` (the order vLLM samples with).
     """
@@ -107,7 +107,7 @@ def packed_logprobs(
         if impl == "treepack":
             mask: Any = tree_mask(batch, mode=attention)
         elif impl in ("sdpa", "eager"):
-            mask = dense_tree_mask(batch.subtree_end)[None, None]
+            mask = dense_model_mask(model, batch)  # windowed per layer type, or a TreepackError
         else:
             raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
         out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
