@@ -136,6 +136,6 @@ print("ok", len(json.load(open(sys.argv[1]))))
     writeFileSync(path, Buffer.from([1, 0, 0, 0, 0, 0, 0, 0, 0x7b]));
     const res = python(['-m', 'treepack', 'check', path]);
     expect(res.status).toBe(1);
-    expect(res.stdout).toMatch(/^.*corrupt\.safetensors: error \[E_INPUT\] \(field __header__\): header is not valid UTF-8 JSON/);
+    expect(res.stdout).toMatch(/^.*corrupt\.safetensors: error \[E_INPUT\] \(field __header__\): not a valid safetensors file \(9 bytes\): .*invalid JSON in header/);
   });
 });
