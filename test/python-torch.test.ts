@@ -1,12 +1,13 @@
 /**
- * The trainer side in PyTorch (python/treepack/torch): the Python suites in python/tests/trainer, run with the
- * Python scripts/python-env.mjs finds or creates (.venv with torch + transformers). They skip with the reason
- * printed where none can be had, and fail instead under TREEPACK_REQUIRE_TORCH=1 (CI).
+ * The trainer side in PyTorch (python/treepack/torch): the Python suites in python/tests/trainer, run against the
+ * installed wheel (test/helpers/python.ts) with the packages of the Python scripts/python-env.mjs finds or creates
+ * (.venv with torch + transformers). They skip with the reason printed where none can be had, and fail instead
+ * under TREEPACK_REQUIRE_TORCH=1 (CI).
  */
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { pythonFor } from './helpers/python.js';
+import { pythonFor, pythonTests } from './helpers/python.js';
 
 const py = pythonFor('test/python-torch.test.ts', 'torch');
 const root = fileURLToPath(new URL('..', import.meta.url));
@@ -14,7 +15,7 @@ const root = fileURLToPath(new URL('..', import.meta.url));
 describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', () => {
   it('every trainer-side suite passes, none skipped', { timeout: 600_000 }, () => {
     // One thread: the models are tiny, and on a shared, busy host more threads only contend.
-    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', 'tests/trainer'], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', join(pythonTests, 'trainer')], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
     const log = res.stderr;
     expect(res.status, log.slice(-4000)).toBe(0);
     expect(log).toMatch(/\nOK\b/);

@@ -117,8 +117,8 @@ def _open(env: str, name: str, abi_fn: str, signatures: Dict[str, Tuple[Optional
             f = getattr(lib, fn)
             f.restype, f.argtypes = restype, argtypes
         return lib
-    tried = "; ".join(errors) or "no candidate path"
-    raise TreepackError("E_BACKEND", f"{name} not loaded (tried {tried}); {hint} or set {env}", field=env)
+    tried = f"tried {'; '.join(errors)}" if errors else f"{env} is not set and this package is not in a checkout's python/"
+    raise TreepackError("E_BACKEND", f"{name} not loaded ({tried}); {hint} or set {env}", field=env)
 
 
 _core: Optional[ctypes.CDLL] = None

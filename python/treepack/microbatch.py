@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
-import safetensors
 
 from . import _abi, _native
 from .errors import TreepackError
@@ -117,6 +116,9 @@ def _diagnose(data: bytes) -> Optional[Tuple[str, str]]:
 def read_safetensors(src: Source) -> SafetensorsFile:
     """Reads any safetensors file (a path, or its bytes) with the safetensors library; a file it refuses is a
     TreepackError(E_INPUT) naming the tensor at fault where it can be told."""
+    # Imported here, its only user: packing, the checks and the loss need numpy alone.
+    import safetensors
+
     if isinstance(src, (bytes, bytearray, memoryview)):
         data, path = bytes(src), "<bytes>"
     else:
