@@ -190,8 +190,9 @@ export function wheelEnv(python) {
     const why =
       step(python, [...pip, 'wheel', '--no-deps', ...(isolated ? ['--retries', '0', '--timeout', '5'] : ['--no-build-isolation']), '-w', scratch, path.join(root, 'python')]) ||
       step(python, ['-m', 'venv', venvDir]) ||
-      step(bin(venvDir), [...pip, 'install', '--no-deps', '--no-index', ...fs.readdirSync(scratch).filter((f) => f.endsWith('.whl')).map((f) => path.join(scratch, f))]) ||
-      linkSitePackages(python, bin(venvDir));
+      linkSitePackages(python, bin(venvDir)) ||
+      // Dependencies `python` lacks (safetensors, say) come from the index; those it has are kept.
+      step(bin(venvDir), [...pip, 'install', '--retries', '0', '--timeout', '5', ...fs.readdirSync(scratch).filter((f) => f.endsWith('.whl')).map((f) => path.join(scratch, f))]);
     if (why) {
       fs.rmSync(scratch, { recursive: true, force: true });
       return why;

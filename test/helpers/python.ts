@@ -12,16 +12,16 @@
 import { spawnSync, type SpawnSyncReturns } from 'node:child_process';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
-import { pythonEnv, wheelEnv } from '../../scripts/python-env.mjs';
+import { pythonEnv, wheelEnv, type WheelEnv } from '../../scripts/python-env.mjs';
 
 export const pythonDir = fileURLToPath(new URL('../../python', import.meta.url));
 /** python/tests and python/tests/trainer, for `-m unittest discover -s`. */
 export const pythonTests = `${pythonDir}/tests`;
 const env = pythonEnv();
-let wheel: { python: string | null; wheel: string; reason: string } | undefined;
+let wheel: WheelEnv | undefined;
 
 /** The installed wheel's venv (built on first use); python null and the reason when it cannot be had. */
-export function installed(): { python: string | null; wheel: string; reason: string } {
+export function installed(): WheelEnv {
   wheel ??= env.python === null ? { python: null, wheel: '', reason: env.reason } : wheelEnv(env.python);
   return wheel;
 }
