@@ -303,6 +303,25 @@ class InvariantTest(unittest.TestCase):
         self.assertEqual(len(violations), 1)
         self.assertIn("not a DFS preorder", violations[0])
 
+    def test_pad_nodes(self) -> None:
+        # num_pad_tokens: the last nodes are roots with no children that no occurrence reaches.
+        mb = self.batch([[1, 2], [3]])
+        mb.meta["num_pad_tokens"] = 1
+        self.assertEqual(treepack.check_invariants(mb), ["seq_positions at a pad node (1): seq_positions[2] = 2 (sequence 1, t = 0)"])
+        mb.meta["num_pad_tokens"] = 2
+        self.assertIn("pad node not a root with no children (1): parent[1] = 0, subtree_end[1] = 2", treepack.check_invariants(mb))
+
+    def test_core_refuses_bad_arguments(self) -> None:
+        from treepack import _abi, _native
+
+        counts = np.zeros(len(_abi.FOREST_CHECKS), dtype=np.int64)
+        off = np.zeros(1, dtype=np.int32)
+        check = _native.core().tp_forest_check
+        self.assertEqual(check(None, None, None, -1, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, 0, 1, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_OK)
+        self.assertEqual(check(None, None, None, 2**31, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+
     def test_lengths(self) -> None:
         mb = self.batch([[1, 2]])
         mb.parent = mb.parent[:1]
