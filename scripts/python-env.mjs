@@ -159,7 +159,8 @@ function step(cmd, args, opts = {}) {
  * and installed into a venv of its own under .cache/python-wheel/<key>, which sees `python`'s packages (torch,
  * numpy, safetensors) through a .pth file but holds treepack only as installed, never the source tree. The key
  * hashes the interpreter and every source file of the wheel, so an edit to the Python or C sources reinstalls and a
- * stale install is never tested; older installs are removed. Built once per key, under a lock (suites share it).
+ * stale install is never tested; building one removes those made over an hour ago. Built once per key, under a lock
+ * (the suites share it).
  *
  * @param {string} python an interpreter with numpy and safetensors (pythonEnv().python)
  * @returns {{python: string | null, wheel: string, reason: string}} the venv's interpreter and the wheel file, or
@@ -179,12 +180,16 @@ export function wheelEnv(python) {
   fs.mkdirSync(wheelCache, { recursive: true });
   const failed = withLock(() => {
     if (result()) return '';
-    for (const old of fs.readdirSync(wheelCache)) fs.rmSync(path.join(wheelCache, old), { recursive: true, force: true });
+    // Older installs go once no suite can still be running them (one started before the sources changed).
+    for (const old of fs.readdirSync(wheelCache)) {
+      const stale = Date.now() - fs.statSync(path.join(wheelCache, old)).mtimeMs > 60 * 60_000;
+      if (stale) fs.rmSync(path.join(wheelCache, old), { recursive: true, force: true });
+    }
     const scratch = `${dir}.building-${process.pid}`;
     const venvDir = path.join(scratch, 'venv');
     const pip = ['-m', 'pip', '--disable-pip-version-check', '-q'];
-    // The tests' Python builds the wheel without an isolated build env when it has scikit-build-core (seconds, no
-    // index); else pip fetches the build backend as for any user.
+    // The tests' Python builds the wheel without an isolated build env when it has scikit-build-core (no index
+    // needed); else pip fetches the build backend as for any user.
     const isolated = spawnSync(python, ['-c', 'import scikit_build_core'], { encoding: 'utf8' }).status !== 0;
     console.error(`treepack: building the Python wheel into ${path.relative(root, dir)} (sources changed or first use)`);
     const why =

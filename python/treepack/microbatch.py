@@ -100,11 +100,13 @@ def _diagnose(data: bytes) -> Optional[Tuple[str, str]]:
         if name == _METADATA or not isinstance(info, dict):
             continue
         label = f"tensor {json.dumps(name)}"
-        dtype, shape, (begin, end) = info.get("dtype"), info.get("shape"), (info.get("data_offsets") or [0, 0])[:2]
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _DTYPES:
             return name, f"{label}: unknown dtype {json.dumps(dtype)}"
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _is_count(begin) and _is_count(end)):
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(_is_count(x) for x in offsets)):
             continue
+        begin, end = offsets
         need = math.prod(shape) * _DTYPES[dtype].itemsize
         if end - begin != need:
             return name, f"{label}: shape {json.dumps(shape)} of {dtype} needs {need} bytes but data_offsets span {end - begin}"
