@@ -23,11 +23,14 @@ import os
 import random
 import subprocess
 import sys
+import importlib.util
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+# The installed package (`pip install ./python`) when there is one, else this checkout's sources.
+if importlib.util.find_spec("treepack") is None:
+    sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

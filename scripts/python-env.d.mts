@@ -10,3 +10,12 @@ export interface PythonEnv {
   source: string;
 }
 export function pythonEnv(opts?: { create?: boolean }): PythonEnv;
+export interface WheelEnv {
+  /** The interpreter of the venv the wheel is installed in; null when it could not be built or installed. */
+  python: string | null;
+  /** The wheel file ('' when none). */
+  wheel: string;
+  /** Why not ('' when installed). */
+  reason: string;
+}
+export function wheelEnv(python: string): WheelEnv;

@@ -1,13 +1,16 @@
 // The Python that runs treepack's trainer side (python/treepack, treepack.torch) for the tests and the bench.
 //
 //   node scripts/python-env.mjs           prints {"python", "torch", "reason", "source"} as JSON, creating .venv if needed
+//   node scripts/python-env.mjs --wheel   the same, then builds and installs the wheel (wheelEnv) and prints its venv
 //   import { pythonEnv } from './python-env.mjs'; pythonEnv()   the same, in process (synchronous)
+//   import { wheelEnv } from './python-env.mjs'; wheelEnv(python)  this checkout's treepack installed for `python`
 //
 // Order: TREEPACK_PYTHON (a GPU host's own environment, say) → the project's .venv → python3 on PATH, each used
 // when it imports torch, transformers and numpy; else .venv is created once from python/requirements-torch.txt with
 // pip (`--retries 0 --timeout 5`: an unreachable index fails fast instead of stalling); else the first Python with
 // numpy serves the numpy-only parts and `reason` says why torch is missing. TREEPACK_NO_VENV=1 never creates .venv.
 import { spawnSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
 import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -16,6 +19,7 @@ const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
 const venv = path.join(root, '.venv');
 const requirements = path.join(root, 'python', 'requirements-torch.txt');
 const lock = path.join(root, '.venv.lock');
+const wheelCache = path.join(root, '.cache', 'python-wheel');
 const bin = (dir) => (process.platform === 'win32' ? path.join(dir, 'Scripts', 'python.exe') : path.join(dir, 'bin', 'python'));
 
 /** What `python` can import: 'torch' (torch, transformers and numpy), 'numpy', or an error message. */
@@ -60,24 +64,24 @@ function createVenv(base) {
   return '';
 }
 
-/** Runs `fn` holding .venv.lock (a directory: mkdir is atomic); waits for another process's creation. */
-function withLock(fn) {
+/** Runs `fn` holding `lockDir` (a directory: mkdir is atomic); waits for another process's creation. */
+function withLock(fn, lockDir = lock) {
   for (;;) {
     try {
-      fs.mkdirSync(lock);
+      fs.mkdirSync(lockDir);
       break;
     } catch (e) {
       if (e.code !== 'EEXIST') throw e;
       // A lock older than the longest creation is left by a killed process.
-      const age = Date.now() - (fs.statSync(lock, { throwIfNoEntry: false })?.mtimeMs ?? Date.now());
-      if (age > 30 * 60_000) fs.rmSync(lock, { recursive: true, force: true });
+      const age = Date.now() - (fs.statSync(lockDir, { throwIfNoEntry: false })?.mtimeMs ?? Date.now());
+      if (age > 30 * 60_000) fs.rmSync(lockDir, { recursive: true, force: true });
       else sleep(500);
     }
   }
   try {
     return fn();
   } finally {
-    fs.rmSync(lock, { recursive: true, force: true });
+    fs.rmSync(lockDir, { recursive: true, force: true });
   }
 }
 
@@ -127,6 +131,99 @@ export function pythonEnv(opts = {}) {
   return numpyOnly ? { ...numpyOnly, torch: false, reason } : { python: null, torch: false, reason, source: '' };
 }
 
+/** Every file the wheel is built from (the package, its build files, the C core), for the install's key. */
+function wheelSources() {
+  const out = [];
+  const walk = (rel) => {
+    const abs = path.join(root, rel);
+    const st = fs.statSync(abs, { throwIfNoEntry: false });
+    if (!st) return;
+    if (st.isDirectory()) {
+      for (const name of fs.readdirSync(abs).sort()) if (name !== '__pycache__') walk(path.join(rel, name));
+    } else if (!rel.endsWith('.pyc') && !rel.endsWith('.so')) out.push(rel);
+  };
+  for (const rel of ['python/pyproject.toml', 'python/CMakeLists.txt', 'python/treepack', 'native/core']) walk(rel);
+  return out;
+}
+
+/** Runs a build or install step; '' when it succeeded, else what failed with the end of its output. */
+function step(cmd, args, opts = {}) {
+  const r = spawnSync(cmd, args, { encoding: 'utf8', timeout: 20 * 60_000, maxBuffer: 64 << 20, ...opts });
+  if (!r.error && r.status === 0) return '';
+  const tail = (r.stderr || r.stdout || r.error?.message || '').trim().split('\n').slice(-4).join(' | ');
+  return `\`${[path.basename(cmd), ...args.slice(0, 4)].join(' ')} …\` failed: ${tail}`;
+}
+
+/**
+ * This checkout's treepack as a user gets it: the wheel built from python/ (`pip wheel`, which compiles the C core)
+ * and installed into a venv of its own under .cache/python-wheel/<key>, which sees `python`'s packages (torch,
+ * numpy, safetensors) through a .pth file but holds treepack only as installed, never the source tree. The key
+ * hashes the interpreter and every source file of the wheel, so an edit to the Python or C sources reinstalls and a
+ * stale install is never tested; building one removes those made over an hour ago. Built once per key, under a lock
+ * (the suites share it).
+ *
+ * @param {string} python an interpreter with numpy and safetensors (pythonEnv().python)
+ * @returns {{python: string | null, wheel: string, reason: string}} the venv's interpreter and the wheel file, or
+ *   null and why not (no compiler, no pip, no scikit-build-core)
+ */
+export function wheelEnv(python) {
+  const hash = createHash('sha256').update(python);
+  for (const rel of wheelSources()) hash.update(`\0${rel}\0`).update(fs.readFileSync(path.join(root, rel)));
+  const key = hash.digest('hex').slice(0, 16);
+  const dir = path.join(wheelCache, key);
+  const result = () => {
+    const wheel = fs.existsSync(dir) ? fs.readdirSync(dir).find((f) => f.endsWith('.whl')) : undefined;
+    return wheel && fs.existsSync(bin(path.join(dir, 'venv'))) ? { python: bin(path.join(dir, 'venv')), wheel: path.join(dir, wheel), reason: '' } : null;
+  };
+  const ready = result();
+  if (ready) return ready;
+  fs.mkdirSync(wheelCache, { recursive: true });
+  const failed = withLock(() => {
+    if (result()) return '';
+    // Older installs go once no suite can still be running them (one started before the sources changed).
+    for (const old of fs.readdirSync(wheelCache)) {
+      const stale = Date.now() - fs.statSync(path.join(wheelCache, old)).mtimeMs > 60 * 60_000;
+      if (stale) fs.rmSync(path.join(wheelCache, old), { recursive: true, force: true });
+    }
+    const scratch = `${dir}.building-${process.pid}`;
+    const venvDir = path.join(scratch, 'venv');
+    const pip = ['-m', 'pip', '--disable-pip-version-check', '-q'];
+    // The tests' Python builds the wheel without an isolated build env when it has scikit-build-core (no index
+    // needed); else pip fetches the build backend as for any user.
+    const isolated = spawnSync(python, ['-c', 'import scikit_build_core'], { encoding: 'utf8' }).status !== 0;
+    console.error(`treepack: building the Python wheel into ${path.relative(root, dir)} (sources changed or first use)`);
+    const why =
+      step(python, [...pip, 'wheel', '--no-deps', ...(isolated ? ['--retries', '0', '--timeout', '5'] : ['--no-build-isolation']), '-w', scratch, path.join(root, 'python')]) ||
+      step(python, ['-m', 'venv', venvDir]) ||
+      linkSitePackages(python, bin(venvDir)) ||
+      // Dependencies `python` lacks (safetensors, say) come from the index; those it has are kept.
+      step(bin(venvDir), [...pip, 'install', '--retries', '0', '--timeout', '5', ...fs.readdirSync(scratch).filter((f) => f.endsWith('.whl')).map((f) => path.join(scratch, f))]);
+    if (why) {
+      fs.rmSync(scratch, { recursive: true, force: true });
+      return why;
+    }
+    fs.renameSync(scratch, dir);
+    return '';
+  }, path.join(root, '.cache', 'python-wheel.lock'));
+  return result() ?? { python: null, wheel: '', reason: `cannot build and install the treepack wheel: ${failed}` };
+}
+
+/** A .pth in the venv's site-packages naming `python`'s: its packages are found after the venv's own. */
+function linkSitePackages(python, venvPython) {
+  const paths = (py) => spawnSync(py, ['-c', 'import sysconfig, json; p = sysconfig.get_paths(); print(json.dumps(sorted({p["purelib"], p["platlib"]})))'], { encoding: 'utf8' });
+  const base = paths(python);
+  const own = paths(venvPython);
+  if (base.status !== 0 || own.status !== 0) return `cannot read the site-packages of ${python}: ${base.stderr || own.stderr}`;
+  fs.writeFileSync(path.join(JSON.parse(own.stdout)[0], '_treepack_test_deps.pth'), JSON.parse(base.stdout).join('\n') + '\n');
+  return '';
+}
+
 if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
-  console.log(JSON.stringify(pythonEnv()));
+  const env = pythonEnv();
+  console.log(JSON.stringify(env));
+  if (process.argv.includes('--wheel')) {
+    const wheel = env.python ? wheelEnv(env.python) : { python: null, wheel: '', reason: env.reason };
+    console.log(JSON.stringify(wheel));
+    if (!wheel.python) process.exitCode = 1;
+  }
 }

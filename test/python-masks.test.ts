@@ -11,7 +11,7 @@ import { writeMicroBatch } from '../src/io/microbatch.js';
 import { maskTensors } from '../src/io/masks.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
-import { pythonFor } from './helpers/python.js';
+import { pythonFor, pythonTests } from './helpers/python.js';
 import { csr, randomBatch } from './helpers/sequences.js';
 
 const py = pythonFor('test/python-masks.test.ts', 'numpy');
@@ -37,7 +37,7 @@ describe.skipIf(skipReason !== '')('python flex helpers on stored masks', () => 
       writeMicroBatch(path, batch, tensors, metadata);
       files.push(path);
     }
-    const res = py.run(['-m', 'unittest', '-v', 'tests.test_flex', 'tests.test_flex_gpu'], { env: { TREEPACK_MASK_FILES: files.join(delimiter) } });
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests, '-p', 'test_flex*.py'], { env: { TREEPACK_MASK_FILES: files.join(delimiter) } });
     expect(res.status, res.stderr).toBe(0);
     expect(res.stderr).toMatch(/test_every_file_agrees_with_the_dense_rule \(.*\) \.\.\. ok/);
     expect(res.stderr).toMatch(/test_python_builders_equal_the_stored_lowerings \(.*\) \.\.\. ok/);

@@ -8,6 +8,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { generateJsonl } from '../bench/dataset.js';
+import { pythonFor } from './helpers/python.js';
 
 const root = resolve(__dirname, '..');
 const BIN = join(root, 'dist/src/cli/main.js');
@@ -20,9 +21,9 @@ writeFileSync(input, generateJsonl({ groups: 2, episodesPerGroup: 3, minTurns: 3
 const run = (cmd: string, args: string[], env: NodeJS.ProcessEnv = {}) =>
   spawnSync(cmd, args, { cwd: root, env: { ...process.env, ...env }, encoding: 'utf8', maxBuffer: 64 << 20 });
 
-const py = run('python3', ['-c', 'import numpy']);
-const pySkip = py.error ? `python3 not runnable (${py.error.message})` : py.status !== 0 ? 'python3 cannot import numpy' : '';
-if (pySkip) console.log(`CLI → Python round trip skipped: ${pySkip}`);
+// The installed package (test/helpers/python.ts), as a trainer has it.
+const py = pythonFor('test/roundtrip.test.ts (CLI → Python round trip)', 'numpy');
+const pySkip = py.skipReason;
 
 describe('round trips', () => {
   const out = join(dir, 'packed');
@@ -34,7 +35,7 @@ describe('round trips', () => {
     const files = manifest.micro_batches.map((m: { file: string }) => join(out, m.file));
     expect(files.length).toBeGreaterThan(1);
     // The directory as a trainer reads it: the manifest, then the files it names.
-    const check = run('python3', ['-m', 'treepack', 'check', out], { PYTHONPATH: join(root, 'python') });
+    const check = py.run(['-m', 'treepack', 'check', out]);
     expect(check.status, check.stdout + check.stderr).toBe(0);
     expect(check.stdout.trim().split('\n')).toHaveLength(files.length);
     // Python's view of each micro-batch, compared with the TypeScript reader's on the same files.
@@ -48,7 +49,7 @@ for f in sys.argv[2:]:
                 "seqs": [mb.sequence(i).tolist() for i in range(mb.meta["num_sequences"])],
                 "trainable": int(mb.loss_mask.sum())})
 print(json.dumps(out))`;
-    const r = run('python3', ['-c', script, out, ...files], { PYTHONPATH: join(root, 'python') });
+    const r = py.run(['-c', script, out, ...files]);
     expect(r.status, r.stderr).toBe(0);
     const fromPython = JSON.parse(r.stdout) as { ids: string[]; n: number; seqs: number[][]; trainable: number }[];
     const ts = run(process.execPath, ['--import', 'tsx', '-e', `

@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 /* Fingerprint of these tables; tp_abi() returns it, and loaders refuse a build whose tables differ. */
-#define TP_ABI "31110df3"
+#define TP_ABI "da9f8237"
 
 /* Status codes of both C ABIs (CPU and CUDA). */
 enum tp_status {
@@ -134,5 +134,32 @@ typedef struct tp_loss_metrics {
 
 #define TP_K3_LOG_CLAMP 20.0
 #define TP_K3_VALUE_CLAMP 10.0
+
+/* Violation kinds of tp_forest_check, in code order. */
+enum tp_check_kind {
+  TP_CHECK_PARENT = 0, /* parent not -1 or a position before the node */
+  TP_CHECK_DEPTH = 1, /* position_ids not the depth */
+  TP_CHECK_SUBTREE_RANGE = 2, /* subtree_end out of (p, N] */
+  TP_CHECK_PREORDER = 3, /* subtree not contiguous (layout not a DFS preorder) */
+  TP_CHECK_SUBTREE_END = 4, /* subtree_end not the end of the subtree parent gives */
+  TP_CHECK_PAD = 5, /* pad node not a root with no children */
+  TP_CHECK_OFFSETS = 6, /* seq_offsets is not CSR offsets of M occurrences (0, non-decreasing, ending at M) */
+  TP_CHECK_LOSS_MASK = 7, /* loss_mask not 0 at t = 0 */
+  TP_CHECK_POSITION_RANGE = 8, /* seq_positions not in [0, N) */
+  TP_CHECK_POSITION_PAD = 9, /* seq_positions at a pad node */
+  TP_CHECK_PATH = 10, /* parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0) */
+  TP_CHECK_POSITION_T = 11 /* position_ids[seq_positions[k]] not t */
+};
+#define TP_CHECK_COUNT 12
+
+/* One violation of tp_forest_check: the node or occurrence index, the value found, the value expected and, for an
+ * occurrence, its sequence and t (else -1). */
+typedef struct tp_violation {
+  int64_t index;
+  int64_t value;
+  int64_t expected;
+  int64_t seq;
+  int64_t t;
+} tp_violation;
 
 #endif /* TREEPACK_ABI_H */

@@ -69,5 +69,6 @@ TP_API void tp_plan_free(tp_plan* plan);
 
 #include "mask.h"
 #include "loss.h"
+#include "check.h"
 
 #endif /* TREEPACK_H */

@@ -12,17 +12,8 @@ import unittest
 import numpy as np
 
 import treepack
-from treepack.flex import (
-    block_arrays,
-    block_arrays_from_dense,
-    block_arrays_from_tree,
-    block_arrays_windowed,
-    cu_seqlens,
-    dense_mask,
-    magi_slices,
-    slices_from_tree,
-    slices_to_dense,
-)
+from mask_reference import block_arrays_from_dense, dense_mask, slices_to_dense
+from treepack.flex import block_arrays, block_arrays_from_tree, block_arrays_windowed, cu_seqlens, magi_slices, slices_from_tree
 from treepack import TreepackError
 from treepack.loss import core_library
 

@@ -12,7 +12,8 @@ import unittest
 import numpy as np
 
 import treepack
-from treepack.flex import dense_mask, flex_block_mask
+from mask_reference import dense_mask
+from treepack.flex import flex_block_mask
 
 try:
     import torch

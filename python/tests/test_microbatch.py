@@ -166,7 +166,7 @@ class ReaderTest(unittest.TestCase):
         for _ in range(40):
             seqs = random_seqs(rnd)
             tensors, meta = micro_batch_tensors(seqs, rnd)
-            mb = treepack.load(self.write(safetensors_bytes(tensors, meta, gap=rnd.choice([0, 1, 3]))))
+            mb = treepack.load(self.write(safetensors_bytes(tensors, meta)))
             by_name = {name: arr for name, _, arr in tensors}
             for name, arr in by_name.items():
                 np.testing.assert_array_equal(getattr(mb, name), arr, err_msg=name)
@@ -229,9 +229,13 @@ class ReaderTest(unittest.TestCase):
 
         last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
         self.assert_input_error(self.write(good[:-2]), last, "truncated")
-        self.assert_input_error(self.write(good[:5]), "__header__", "shorter than the 8-byte")
+        # The format has no holes between tensors (the reference implementation refuses them).
+        first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        gapped = safetensors_bytes(sorted(tensors, key=lambda t: header[t[0]]["data_offsets"][0]), meta, gap=4)
+        self.assert_input_error(self.write(gapped), first, "invalid offset")
+        self.assert_input_error(self.write(good[:5]), "__header__", "header too small")
         self.assert_input_error(self.write((len(good)).to_bytes(8, "little") + good[8:]), "__header__", "past the end of the file")
-        self.assert_input_error(self.write((6).to_bytes(8, "little") + b'{"a":}'), "__header__", "not valid UTF-8 JSON")
+        self.assert_input_error(self.write((6).to_bytes(8, "little") + b'{"a":}'), "__header__", "invalid JSON in header")
         self.assert_input_error(rebuilt(lambda h: h["input_ids"].update(dtype="I33")), "input_ids", "unknown dtype")
         self.assert_input_error(rebuilt(lambda h: h["parent"].update(shape=[99])), "parent", "needs 396 bytes")
 
@@ -239,8 +243,8 @@ class ReaderTest(unittest.TestCase):
             b, e = h["parent"]["data_offsets"]
             h["position_ids"]["data_offsets"] = [b + 4, e + 4]
 
-        self.assert_input_error(rebuilt(overlap), "position_ids", "overlap")
-        self.assert_input_error(rebuilt(lambda h: h.pop("subtree_end")), "subtree_end", "missing")
+        self.assert_input_error(rebuilt(overlap), "position_ids", "invalid offset")
+        self.assert_input_error(self.write(safetensors_bytes([t for t in tensors if t[0] != "subtree_end"], meta)), "subtree_end", "missing")
         self.assert_input_error(rebuilt(lambda h: h["loss_mask"].update(dtype="I8")), "loss_mask", "expected U8")
         self.assert_input_error(rebuilt(lambda h: h["__metadata__"].update(format="treepack/2")), "format", "treepack/2")
         self.assert_input_error(rebuilt(lambda h: h["__metadata__"].update(num_tokens_packed="9")), "num_tokens_packed", "tensors say 5")
@@ -273,7 +277,7 @@ class InvariantTest(unittest.TestCase):
             ("subtree_end", 1, 3, "subtree_end[1] = 3"),
             ("subtree_end", 5, 7, "subtree_end out of (p, N]"),
             ("seq_positions", 8, 6, "seq_positions[8] = 6 (sequence 3, t = 0)"),
-            ("seq_positions", 2, 4, "parent[4] = 0, expected 1 (sequence 0, t = 2)"),
+            ("seq_positions", 2, 4, "parent[seq_positions[2]] = 0, expected 1 (sequence 0, t = 2)"),
             ("seq_offsets", 4, 8, "seq_offsets is not CSR"),
             ("loss_mask", 0, 1, "loss_mask[0] = 1 (sequence 0, t = 0)"),
         ]
@@ -298,6 +302,25 @@ class InvariantTest(unittest.TestCase):
         violations = treepack.check_invariants(mb)
         self.assertEqual(len(violations), 1)
         self.assertIn("not a DFS preorder", violations[0])
+
+    def test_pad_nodes(self) -> None:
+        # num_pad_tokens: the last nodes are roots with no children that no occurrence reaches.
+        mb = self.batch([[1, 2], [3]])
+        mb.meta["num_pad_tokens"] = 1
+        self.assertEqual(treepack.check_invariants(mb), ["seq_positions at a pad node (1): seq_positions[2] = 2 (sequence 1, t = 0)"])
+        mb.meta["num_pad_tokens"] = 2
+        self.assertIn("pad node not a root with no children (1): parent[1] = 0, subtree_end[1] = 2", treepack.check_invariants(mb))
+
+    def test_core_refuses_bad_arguments(self) -> None:
+        from treepack import _abi, _native
+
+        counts = np.zeros(len(_abi.FOREST_CHECKS), dtype=np.int64)
+        off = np.zeros(1, dtype=np.int32)
+        check = _native.core().tp_forest_check
+        self.assertEqual(check(None, None, None, -1, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, 0, 1, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_OK)
+        self.assertEqual(check(None, None, None, 2**31, 0, off.ctypes.data, 0, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
 
     def test_lengths(self) -> None:
         mb = self.batch([[1, 2]])

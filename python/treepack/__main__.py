@@ -2,7 +2,10 @@
 invariants, values a trainer would misread); exit status 1 if any file is invalid, 2 for bad usage.
 
 A directory is checked as a packed output directory: its manifest, then every file the manifest names, each
-against its entry."""
+against its entry.
+
+``python -m treepack info``: where the C libraries were found (the CPU core, and the optional CUDA library or why it
+is not loaded); exit status 1 when the CPU core is missing."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import _native
 from .microbatch import TreepackError, check_entry, check_invariants, check_values, load, read_manifest
 
 
@@ -61,6 +65,17 @@ def check(paths: List[str], vocab_size: Optional[int] = None) -> int:
     return 1 if failed else 0
 
 
+def info() -> int:
+    try:
+        print(f"core: {_native.core()._name}")
+    except TreepackError as e:
+        print(f"core: {e.reason}")
+        return 1
+    cuda = _native.cuda_status()
+    print(f"cuda: {_native.cuda()._name if not cuda else cuda}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treepack", description="treepack micro-batch tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,8 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     check_cmd.add_argument("files", nargs="+", metavar="FILE|DIR")
     check_cmd.add_argument("--vocab-size", type=int, default=None, metavar="V", help="also reject input_ids >= V")
+    commands.add_parser("info", help="where the C libraries were found (CPU core, optional CUDA library)")
     args = parser.parse_args(argv)
-    return check(args.files, args.vocab_size)
+    return info() if args.command == "info" else check(args.files, args.vocab_size)
 
 
 if __name__ == "__main__":

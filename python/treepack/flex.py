@@ -9,17 +9,20 @@ needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_window
     >>> out = flex_attention(q, k, v, block_mask=block_mask)       # q, k, v: [1, H, N, D]
     >>> q_ranges, k_ranges, types = magi_slices(mb)                # MagiAttention's attn ranges and type map
 
-torch is imported only inside the functions that need it, so the numpy parts work without it. The numpy
-references ``dense_mask`` and ``block_arrays_from_dense`` are O(N²): for tests and small batches.
+torch is imported only inside the functions that need it, so the numpy parts work without it. The lowerings built
+here from the tree arrays are the C core's (``tp_mask_*`` in libtreepack_core.so, the cpu backend's code).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .microbatch import MicroBatch, TreepackError
+from . import _abi, _native
+from .errors import TreepackError
+from .microbatch import MicroBatch
 
 BLOCK_TENSORS = ("block_kv_num_blocks", "block_kv_indices", "block_full_kv_num_blocks", "block_full_kv_indices")
 SLICE_FULL, SLICE_CAUSAL = 0, 1
@@ -57,44 +60,31 @@ def block_arrays(mb: MicroBatch) -> BlockArrays:
     return BlockArrays(block_size, *arrays)
 
 
-def _subtree_end(subtree_end: Any) -> np.ndarray:
-    se = np.asarray(subtree_end)
-    if se.ndim != 1 or se.dtype.kind not in "iu":
-        raise _fail("subtree_end", f"expected a 1-D integer array, got {se.dtype} {list(se.shape)}")
-    n = len(se)
-    bad = np.flatnonzero((se <= np.arange(n)) | (se > n))
-    if bad.size:
-        raise _fail("subtree_end", f"subtree_end[{bad[0]}] = {se[bad[0]]} is not in ({bad[0]}, N = {n}]")
-    return se.astype(np.int64)
+def _tree_array(name: str, a: Any) -> np.ndarray:
+    """A 1-D integer array as the C ABI's int32 (the core checks the values and says TP_ERR_TREE)."""
+    arr = np.asarray(a)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise _fail(name, f"expected a 1-D integer array, got {arr.dtype} {list(arr.shape)}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArrays:
-    """The block mask of ``--masks block:B``, built here from ``subtree_end`` in O(N + listed blocks), equal element
-    for element to the TypeScript lowering (src/mask/blocks.ts): for kv block j with least / greatest subtree_end
-    lo_j / hi_j, query block i > j sees it whole iff (i+1)·B <= lo_j and in part iff i·B < hi_j; the diagonal is
-    partial (full for B = 1); indices ascending, 0-padded."""
-    if not (isinstance(block_size, (int, np.integer)) and block_size >= 1):
+    """The block mask of ``--masks block:B``, built from ``subtree_end`` by the C core (``tp_mask_blocks``, O(N + nb²)),
+    equal element for element to the TypeScript lowering (src/mask/blocks.ts): partial and full kv blocks per query
+    block, indices ascending, 0-padded.
+
+        >>> block_arrays_from_tree(mb.subtree_end, 128).kv_num_blocks
+    """
+    if not (isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
         raise _fail("block_size", f"expected an integer >= 1, got {block_size!r}")
-    se = _subtree_end(subtree_end)
+    se = _tree_array("subtree_end", subtree_end)
     B, n = int(block_size), len(se)
     nb = -(-n // B)
-    padded = np.concatenate([se, np.full(nb * B - n, n, dtype=np.int64)]).reshape(nb, B)
-    lo = padded.min(axis=1) if nb else padded[:, 0]
-    hi = padded.max(axis=1) if nb else padded[:, 0]
-    j = np.arange(nb)
-    full_end = np.maximum(lo // B, j + 1)  # rows j+1 .. full_end-1 see block j whole
-    any_end = np.maximum(np.minimum(nb, -(-hi // B)), full_end)  # then rows .. any_end-1 in part
-    diag_full = B == 1
-
-    def tiles(starts: np.ndarray, ends: np.ndarray, diag: bool) -> Tuple[np.ndarray, np.ndarray]:
-        counts = ends - starts
-        cols = np.repeat(j, counts)
-        rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(starts, counts)
-        if diag:
-            rows, cols = np.concatenate([rows, j]), np.concatenate([cols, j])
-        return rows, cols
-
-    return BlockArrays(B, *_layout(*tiles(full_end, any_end, not diag_full), nb), *_layout(*tiles(j + 1, full_end, diag_full), nb))
+    kv_num, full_num = np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32)
+    kv_idx, full_idx = np.zeros((nb, nb), dtype=np.int32), np.zeros((nb, nb), dtype=np.int32)
+    a = _native.address
+    _native.check(_native.core().tp_mask_blocks(a(se), n, B, a(kv_num), a(kv_idx), a(full_num), a(full_idx)), "tp_mask_blocks", "subtree_end")
+    return BlockArrays(B, kv_num, kv_idx, full_num, full_idx)
 
 
 def _layout(rows: np.ndarray, cols: np.ndarray, nb: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -136,7 +126,7 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
     the window are dropped unseen, the tree's full tiles whose greatest difference stays inside it are full unseen,
     and the rest are classified exactly pair by pair (O(B²) each, in steps)."""
     W = check_window(window)
-    se = _subtree_end(subtree_end)
+    se = _tree_array("subtree_end", subtree_end)
     n = len(se)
     pos = _position_ids(position_ids, n)
     tree = block_arrays_from_tree(se, block_size)
@@ -173,44 +163,33 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
     return BlockArrays(B, *_layout(r[part], c[part], nb), *_layout(np.concatenate([full_r, r[full]]), np.concatenate([full_c, c[full]]), nb))
 
 
+
 def cu_seqlens(parent: Any) -> np.ndarray:
     """flash-attn varlen offsets, int32 [R+1], for a forest with no sharing (each node at most one child, so the
-    mask is block-diagonal causal); TreepackError naming ``parent`` when a node has a second child."""
-    par = np.asarray(parent, dtype=np.int64)
-    n = len(par)
-    shared = np.flatnonzero((par >= 0) & (par != np.arange(n) - 1))
-    if shared.size:
-        p = int(shared[0])
-        raise _fail("parent", f"cu_seqlens needs a forest with no sharing, but node {par[p]} has more than one child; use the block-sparse or slices lowering")
-    return np.concatenate([np.flatnonzero(par < 0), [n]]).astype(np.int32)
+    mask is block-diagonal causal), by the C core (``tp_mask_cu_seqlens``); TreepackError naming ``parent`` when a node
+    has a second child (use the block-sparse or slices lowering then)."""
+    par = _tree_array("parent", parent)
+    out = np.zeros(len(par) + 1, dtype=np.int32)
+    roots = ctypes.c_int64(0)
+    a = _native.address
+    _native.check(_native.core().tp_mask_cu_seqlens(a(par), len(par), a(out), len(out), ctypes.byref(roots)), "tp_mask_cu_seqlens", "parent")
+    return out[: roots.value + 1].copy()
 
 
 def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
-    """The ``--masks slices`` lowering (MagiAttention ranges), int32 [K, 5], through the C core (``tp_mask_slices``
-    in libtreepack_core.so, the same code as the cpu backend)."""
-    import ctypes
-
-    from .loss import core_library
-
-    par = np.ascontiguousarray(parent, dtype=np.int32)
-    se = np.ascontiguousarray(_subtree_end(subtree_end), dtype=np.int32)
+    """The ``--masks slices`` lowering (MagiAttention ranges), int32 [K, 5], by the C core (``tp_mask_slices``)."""
+    par, se = _tree_array("parent", parent), _tree_array("subtree_end", subtree_end)
     if par.shape != se.shape:
         raise _fail("parent", f"parent has {len(par)} elements but subtree_end has {len(se)}")
-    lib = core_library()
-    fn = lib.tp_mask_slices
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
-    fn.restype = ctypes.c_int
+    lib, a = _native.core(), _native.address
     count = ctypes.c_int64(0)
     out = np.zeros((max(1, 2 * len(par)), 5), dtype=np.int32)
-    for _ in range(2):  # the second call has the capacity the first reported
-        rc = fn(par.ctypes.data, se.ctypes.data, len(par), out.ctypes.data, out.shape[0], ctypes.byref(count))
-        if rc == 6:  # TP_ERR_CAPACITY
-            out = np.zeros((count.value, 5), dtype=np.int32)
-            continue
-        if rc != 0:
-            raise _fail("parent", f"tp_mask_slices: {lib.tp_status_string(rc).decode()}")
-        return out[: count.value].copy()
-    raise _fail("parent", "tp_mask_slices asked for more room twice")
+    rc = lib.tp_mask_slices(a(par), a(se), len(par), a(out), out.shape[0], ctypes.byref(count))
+    if rc == _abi.TP_ERR_CAPACITY:  # the second call has the capacity the first reported
+        out = np.zeros((count.value, 5), dtype=np.int32)
+        rc = lib.tp_mask_slices(a(par), a(se), len(par), a(out), out.shape[0], ctypes.byref(count))
+    _native.check(rc, "tp_mask_slices", "parent")
+    return out[: count.value].copy()
 
 
 def magi_ranges(parent: Any, subtree_end: Any) -> Tuple[List[List[int]], List[List[int]], List[int]]:
@@ -274,50 +253,3 @@ def magi_slices(mb: MicroBatch) -> Tuple[List[List[int]], List[List[int]], List[
     if s.dtype != np.int32 or s.ndim != 2 or s.shape[1] != 5:
         raise _fail("slices", f"expected int32 [K, 5], got {s.dtype} {list(s.shape)}")
     return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
-
-
-def dense_mask(subtree_end: np.ndarray, position_ids: Any = None, window: Optional[int] = None) -> np.ndarray:
-    """bool [N, N], row = query: the reference every lowering is checked against (O(N²)); with ``window`` (and
-    ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
-    se = np.asarray(subtree_end, dtype=np.int64)
-    q = np.arange(len(se))[:, None]
-    k = np.arange(len(se))[None, :]
-    mask = (k <= q) & (q < se[None, :])
-    if window is not None:
-        pos = _position_ids(position_ids, len(se))
-        mask &= pos[:, None] - pos[None, :] < check_window(window)
-    return mask
-
-
-def block_arrays_from_dense(mask: np.ndarray, block_size: int) -> BlockArrays:
-    """What torch's ``create_block_mask`` derives from a dense mask: padding counts as masked, so only whole
-    visible tiles are full; indices ascending, padded with 0 (torch pads with the other columns instead, which
-    FlexAttention never reads)."""
-    n = mask.shape[0]
-    nb = -(-n // block_size)
-    padded = np.zeros((nb * block_size, nb * block_size), dtype=bool)
-    padded[:n, :n] = mask
-    counts = padded.reshape(nb, block_size, nb, block_size).sum(axis=(1, 3))
-    full = counts == block_size * block_size
-    partial = (counts > 0) & ~full
-
-    def ordered(sel: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        num = sel.sum(axis=1).astype(np.int32)
-        idx = np.zeros((nb, nb), dtype=np.int32)
-        for i in range(nb):
-            cols = np.nonzero(sel[i])[0]
-            idx[i, : len(cols)] = cols
-        return num, idx
-
-    return BlockArrays(block_size, *ordered(partial), *ordered(full))
-
-
-def slices_to_dense(slices: np.ndarray, n: int) -> np.ndarray:
-    """How many slices cover each pair, int [N, N]: 1 on visible pairs and 0 elsewhere for exact slices."""
-    cover = np.zeros((n, n), dtype=np.int32)
-    for qs, qe, ks, ke, kind in np.asarray(slices).reshape(-1, 5).tolist():
-        block = np.ones((qe - qs, ke - ks), dtype=np.int32)
-        if kind == SLICE_CAUSAL:
-            block = np.tril(block)
-        cover[qs:qe, ks:ke] += block
-    return cover

@@ -1,7 +1,7 @@
 """The RL loss of a packed micro-batch from Python, through treepack's C ABI (ctypes, no Node).
 
-CPU: ``libtreepack_core.so`` (``tp_loss``; ``npm install`` builds it into build/Release, ``npm run build:cuda`` into
-build-cmake/Release, or set TREEPACK_CORE_LIB). CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers; TREEPACK_CUDA_LIB).
+CPU: ``libtreepack_core.so`` (``tp_loss``), CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers);
+where each is found: treepack/_native.py.
 
     >>> from treepack.loss import loss_numpy, PackedLoss
     >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})   # numpy arrays
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import _abi
-from .microbatch import TreepackError
+from . import _abi, _native
+from ._native import status_message
+from .errors import TreepackError
 
 POLICIES = _abi.POLICY_NAMES
 AGGREGATIONS = _abi.AGGREGATION_NAMES
@@ -83,14 +83,6 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
     return LossConfig(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
 
 
-def status_message(code: int) -> str:
-    """The name and message of a status of the C ABIs (the CPU and CUDA libraries share them)."""
-    if 0 <= code < len(_abi.STATUSES):
-        name, message, _ = _abi.STATUSES[code]
-        return f"{name}: {message}"
-    return f"unknown treepack status {code}"
-
-
 def cuda_status_error(lib: ctypes.CDLL, what: str, rc: int) -> TreepackError:
     """The TreepackError of a failed call of the CUDA C ABI: its status, and for a CUDA runtime failure the CUDA error."""
     detail = ""
@@ -101,60 +93,9 @@ def cuda_status_error(lib: ctypes.CDLL, what: str, rc: int) -> TreepackError:
     return TreepackError(error, f"{what}: {status_message(rc)}{detail}", field="logprobs")
 
 
-def _library(env: str, name: str) -> ctypes.CDLL:
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [os.environ[env]] if os.environ.get(env) else [
-        os.path.join(here, "..", "..", "build", "Release", name),  # npm install (node-gyp): the core only
-        os.path.join(here, "..", "..", "build-cmake", "Release", name),
-        os.path.join(here, "..", "..", "build-cmake", name),
-    ]
-    errors = []
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(os.path.abspath(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        abi_fn = getattr(lib, "tp_abi" if name == "libtreepack_core.so" else "tp_cuda_abi", None)
-        if abi_fn is None:
-            errors.append(f"{path}: no ABI fingerprint (built by an older treepack; rebuild it)")
-            continue
-        abi_fn.restype = ctypes.c_char_p
-        abi = abi_fn().decode()
-        if abi != _abi.ABI:
-            errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI}; rebuild it)")
-            continue
-        return lib
-    raise TreepackError("E_BACKEND", f"{name} not loaded ({'; '.join(errors)}); build it with `npm install` (`npm run build:cuda` for CUDA) or set {env}", field=env)
-
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_core: Optional[ctypes.CDLL] = None
-_cuda: Optional[ctypes.CDLL] = None
-
-
-def core_library() -> ctypes.CDLL:
-    global _core
-    if _core is None:
-        lib = _library("TREEPACK_CORE_LIB", "libtreepack_core.so")
-        lib.tp_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics)]
-        lib.tp_loss.restype = ctypes.c_int
-        lib.tp_status_string.restype = ctypes.c_char_p
-        _core = lib
-    return _core
-
-
-def cuda_library() -> ctypes.CDLL:
-    global _cuda
-    if _cuda is None:
-        lib = _library("TREEPACK_CUDA_LIB", "libtreepack_cuda.so")
-        lib.tp_cuda_loss.argtypes = [ctypes.POINTER(LossConfig), _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, ctypes.POINTER(LossMetrics), _P]
-        lib.tp_cuda_loss.restype = ctypes.c_int
-        lib.tp_cuda_error_string.restype = ctypes.c_char_p
-        lib.tp_cuda_last_error.restype = ctypes.c_int
-        _cuda = lib
-    return _cuda
+# The loader and the C signatures live in _native; these names stay for callers of treepack.loss.
+core_library = _native.core
+cuda_library = _native.cuda
 
 
 _FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")

@@ -1,23 +1,24 @@
-"""Packed micro-batch files (shared/DESIGN.md §3) on the trainer side, with numpy only.
+"""Packed micro-batch files (shared/DESIGN.md §3) on the trainer side, as numpy arrays.
 
-A micro-batch file is safetensors: an 8-byte little-endian header length n, n bytes of UTF-8 JSON naming each
-tensor's dtype, shape and byte range, then the data. The file is memory-mapped and every tensor is a read-only
-numpy view on the mapping, so loading costs no copy whatever the file size (copy an array to modify it).
-
-The checks mirror src/io/microbatch.ts (shapes on load) and src/pack/invariants.ts (``check_invariants``).
+A micro-batch file is safetensors, read with the ``safetensors`` library (the format's reference implementation),
+which refuses what the format does not allow; every tensor is a read-only numpy view on the bytes it returns. On
+top, ``load`` checks the contract: format, dtypes, lengths and metadata (as src/io/microbatch.ts does), and
+``check_invariants`` the forest, through the C core (``tp_forest_check``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
+
+from . import _abi, _native
+from .errors import TreepackError
 
 FORMAT = "treepack/1"
 MANIFEST_FILE = "manifest.json"
@@ -35,13 +36,16 @@ _CONTRACT_DTYPES = {
     **{f: "F32" for f in OCCURRENCE_FLOAT_FIELDS},
 }
 
-# BF16 and F8 have no numpy dtype: they are carried as their raw bits.
+# The numpy dtype of each safetensors dtype; BF16 and the 8-bit floats have none: they are carried as their raw bits.
 _DTYPES = {
     "BOOL": np.dtype("?"),
     "U8": np.dtype("u1"),
     "I8": np.dtype("i1"),
     "F8_E4M3": np.dtype("u1"),
     "F8_E5M2": np.dtype("u1"),
+    "F8_E8M0": np.dtype("u1"),
+    "F8_E4M3FNUZ": np.dtype("u1"),
+    "F8_E5M2FNUZ": np.dtype("u1"),
     "U16": np.dtype("<u2"),
     "I16": np.dtype("<i2"),
     "F16": np.dtype("<f2"),
@@ -52,6 +56,7 @@ _DTYPES = {
     "U64": np.dtype("<u8"),
     "I64": np.dtype("<i8"),
     "F64": np.dtype("<f8"),
+    "C64": np.dtype("<c8"),
 }
 
 _HEADER = "__header__"
@@ -59,19 +64,6 @@ _METADATA = "__metadata__"
 
 # A broken forest tends to break at every node: each kind of violation names its first few positions.
 _EXAMPLES = 5
-
-
-class TreepackError(ValueError):
-    """Same codes and location as the TypeScript TreepackError: ``code`` (E_INPUT, E_IO, ...), ``file``, ``field``;
-    ``reason`` is the message without the location."""
-
-    def __init__(self, code: str, message: str, file: Optional[str] = None, field: Optional[str] = None):
-        where = [w for w in (file, None if field is None else f"field {json.dumps(field)}") if w is not None]
-        super().__init__((", ".join(where) + ": " if where else "") + message)
-        self.code = code
-        self.reason = message
-        self.file = file
-        self.field = field
 
 
 class SafetensorsFile(NamedTuple):
@@ -87,92 +79,77 @@ def _is_count(x: Any) -> bool:
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
 
-def _source(src: Source) -> Tuple[Any, int, str]:
-    """(buffer, size, name for errors): a file is memory-mapped; bytes are read in place ("<bytes>")."""
-    if isinstance(src, (bytes, bytearray, memoryview)):
-        buf = memoryview(src).cast("B")
-        if buf.nbytes < 8:
-            raise TreepackError("E_INPUT", f"buffer is {buf.nbytes} bytes, shorter than the 8-byte header length", "<bytes>", _HEADER)
-        return buf, buf.nbytes, "<bytes>"
-    path = os.fspath(src)
+def _diagnose(data: bytes) -> Optional[Tuple[str, str]]:
+    """(field, message) naming the tensor or metadata key at fault in a file the library refused, when the header
+    parses: the library's message does not always say which one."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) >= 8 and n > len(data) - 8:
+        return _HEADER, f"header length {n} runs past the end of the file ({len(data) - 8} bytes after the length)"
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise TreepackError("E_INPUT", f"file is {size} bytes, shorter than the 8-byte header length", path, _HEADER)
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size, path
-    except OSError as e:
-        raise TreepackError("E_IO", str(e), path) from e
+        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    meta = header.get(_METADATA)
+    for k, v in (meta.items() if isinstance(meta, dict) else ()):
+        if not isinstance(v, str):
+            return k, f"metadata value {json.dumps(k)} is not a string"
+    data_len = len(data) - 8 - n
+    for name, info in header.items():
+        if name == _METADATA or not isinstance(info, dict):
+            continue
+        label = f"tensor {json.dumps(name)}"
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPES:
+            return name, f"{label}: unknown dtype {json.dumps(dtype)}"
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(_is_count(x) for x in offsets)):
+            continue
+        begin, end = offsets
+        need = math.prod(shape) * _DTYPES[dtype].itemsize
+        if end - begin != need:
+            return name, f"{label}: shape {json.dumps(shape)} of {dtype} needs {need} bytes but data_offsets span {end - begin}"
+        if end > data_len:
+            return name, f"{label}: data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes; file truncated?)"
+    return None
 
 
 def read_safetensors(src: Source) -> SafetensorsFile:
-    """Reads any safetensors file (a path, or its bytes); each inconsistency is a TreepackError(E_INPUT) naming the
-    tensor."""
-    buf, size, path = _source(src)
+    """Reads any safetensors file (a path, or its bytes) with the safetensors library; a file it refuses is a
+    TreepackError(E_INPUT) naming the tensor at fault where it can be told."""
+    # Imported here, its only user: packing, the checks and the loss need numpy alone.
+    import safetensors
 
-    def bad(fld: str, message: str) -> TreepackError:
-        return TreepackError("E_INPUT", message, path, fld)
-
-    n = int.from_bytes(buf[:8], "little")
-    if n > size - 8:
-        raise bad(_HEADER, f"header length {n} runs past the end of the file ({size - 8} bytes after the length)")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data, path = bytes(src), "<bytes>"
+    else:
+        path = os.fspath(src)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise TreepackError("E_IO", str(e), path) from e
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad(_HEADER, f"header is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise bad(_HEADER, "header is not a JSON object")
-
-    metadata: Dict[str, str] = {}
-    raw_meta = header.get(_METADATA)
-    if raw_meta is not None:
-        if not isinstance(raw_meta, dict):
-            raise bad(_METADATA, f"{_METADATA} is not an object")
-        for k, v in raw_meta.items():
-            if not isinstance(v, str):
-                raise bad(k, f"metadata value {json.dumps(k)} is not a string")
-            metadata[k] = v
-
-    start = 8 + n
-    data_len = size - start
+        entries = safetensors.deserialize(data)
+    except safetensors.SafetensorError as e:
+        # The library names a tensor only for bad offsets (`name`); otherwise look for the one at fault.
+        named = re.search(r"for tensor `(.+)`", str(e))
+        fld, message = (named.group(1), str(e)) if named else _diagnose(data) or (_HEADER, str(e))
+        raise TreepackError("E_INPUT", f"not a valid safetensors file ({len(data)} bytes): {message}", path, fld) from None
     tensors: Dict[str, np.ndarray] = {}
     dtypes: Dict[str, str] = {}
-    spans = []
-    for name, info in header.items():
-        if name == _METADATA:
-            continue
-        label = f"tensor {json.dumps(name)}"
-        if not isinstance(info, dict):
-            raise bad(name, f"{label}: entry is not an object")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in _DTYPES:
-            raise bad(name, f"{label}: unknown dtype {json.dumps(dtype)}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise bad(name, f"{label}: shape {json.dumps(shape)} is not a list of non-negative integers")
-        if not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets) and offsets[0] <= offsets[1]
-        ):
-            raise bad(name, f"{label}: data_offsets {json.dumps(offsets)} is not [begin, end] with 0 <= begin <= end")
-        begin, end = offsets
-        if end > data_len:
-            raise bad(name, f"{label}: data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes; file truncated?)")
-        dt = _DTYPES[dtype]
-        count = math.prod(shape)
-        if end - begin != count * dt.itemsize:
-            raise bad(
-                name, f"{label}: shape {json.dumps(shape)} of {dtype} needs {count * dt.itemsize} bytes but data_offsets span {end - begin}"
-            )
-        spans.append((begin, end, name))
-        if count == 0:
-            arr = np.empty(shape, dtype=dt)
-        else:
-            arr = np.frombuffer(buf, dtype=dt, count=count, offset=start + begin).reshape(shape)
+    for name, info in entries:
+        dtype = info["dtype"]
+        if dtype not in _DTYPES:
+            raise TreepackError("E_INPUT", f"tensor {json.dumps(name)}: dtype {dtype} has no numpy equivalent", path, name)
+        arr = np.frombuffer(info["data"], dtype=_DTYPES[dtype]).reshape(info["shape"])
+        arr.flags.writeable = False  # as documented: the loader's arrays are read-only, copy one to modify it
         tensors[name] = arr
         dtypes[name] = dtype
-    spans.sort()
-    for (pb, pe, pname), (b, e, name) in zip(spans, spans[1:]):
-        if b < pe:
-            raise bad(name, f"tensor {json.dumps(name)}: data_offsets [{b}, {e}] overlap tensor {json.dumps(pname)} [{pb}, {pe}]")
+    # The library has checked the header; it hands tensors, not metadata, back from bytes.
+    n = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + n].decode("utf-8")).get(_METADATA) or {}
     return SafetensorsFile(tensors, dtypes, metadata)
 
 
@@ -291,14 +268,15 @@ def _report(out: List[str], mask: np.ndarray, what: str, describe: Callable[[int
 
 
 def check_invariants(mb: MicroBatch) -> List[str]:
-    """DESIGN §7 invariants 1, 2 and 4, vectorised; an empty list when the micro-batch is valid.
+    """DESIGN §7 invariants 1, 2 and 4, and the padding of ``num_pad_tokens``; an empty list when the micro-batch is
+    valid. The lengths are checked here, the rest by the C core's ``tp_forest_check``: parent before child,
+    position_ids = depth, subtree_end = the end of each node's contiguous subtree (DFS preorder), seq_offsets CSR,
+    and per occurrence seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
+    position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0. Each kind of violation is one line: its count and its
+    first few examples.
 
-    Node checks: parent before child, position_ids = depth, and subtree_end exact. [p, subtree_end[p]) is
-    exactly p's subtree (the attention rule ``k <= q < subtree_end[k]``) iff every child's interval nests in
-    its parent's and each interval's length is 1 + the sum of its children's lengths: nesting puts every
-    descendant inside, the lengths leave room for nothing else. Occurrence checks: seq_offsets is CSR,
-    seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
-    position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0.
+        >>> treepack.check_invariants(treepack.pack_sequences([[1, 2], [1, 3]]))
+        []
     """
     out: List[str] = []
     N, M = len(mb.input_ids), len(mb.seq_positions)
@@ -307,94 +285,31 @@ def check_invariants(mb: MicroBatch) -> List[str]:
             out.append(f"{f} has {len(getattr(mb, f))} elements: expected N = {N} (length of input_ids)")
     if out:
         return out
-    pos = mb.position_ids.astype(np.int64)
-    parent = mb.parent.astype(np.int64)
-    end = mb.subtree_end.astype(np.int64)
-    nodes = np.arange(N, dtype=np.int64)
-
-    bad_parent = (parent < -1) | (parent >= nodes)
-    _report(out, bad_parent, "parent not -1 or a position before the node", lambda p: f"parent[{p}] = {parent[p]}")
-    child = ~bad_parent & (parent >= 0)
-    q = np.where(child, parent, 0)
-    depth = np.where(child, pos[q] + 1, 0)
-    _report(
-        out,
-        ~bad_parent & (pos != depth),
-        "position_ids not the depth",
-        lambda p: f"position_ids[{p}] = {pos[p]}, expected {depth[p]}",
-    )
-    if not bad_parent.any():
-        size = end - nodes
-        children = np.zeros(N, dtype=np.int64)
-        np.add.at(children, parent[child], size[child])
-        _report(
-            out,
-            (size < 1) | (end > N),
-            "subtree_end out of (p, N]",
-            lambda p: f"subtree_end[{p}] = {end[p]}",
-        )
-        _report(
-            out,
-            child & (end > end[q]),
-            "subtree_end past the parent's",
-            lambda p: f"subtree_end[{p}] = {end[p]} > subtree_end[{parent[p]}] = {end[parent[p]]}",
-        )
-        _report(
-            out,
-            size != 1 + children,
-            "subtree_end not 1 + the children's subtrees (or layout not a DFS preorder)",
-            lambda p: f"subtree_end[{p}] = {end[p]}, children's subtrees cover {children[p]}",
-        )
-
-    S = len(mb.seq_offsets) - 1
     for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) != M:
             out.append(f"{f} has {len(a)} elements: expected M = {M} (length of seq_positions)")
+    S = len(mb.seq_offsets) - 1
     if S < 0:
         out.append("seq_offsets is empty: expected S+1 >= 1 entries")
         return out
-    off = mb.seq_offsets.astype(np.int64)
-    csr_ok = off[0] == 0 and off[S] == M and not (np.diff(off) < 0).any()
-    if not csr_ok:
-        out.append(f"seq_offsets is not CSR offsets of M = {M} occurrences: starts at {off[0]}, ends at {off[S]}")
-        return out
-    lengths = np.diff(off)
-    t = np.arange(M, dtype=np.int64) - np.repeat(off[:-1], lengths)
-    seq = np.repeat(np.arange(S), lengths)
-    sp = mb.seq_positions.astype(np.int64)
-
-    def at(k: int) -> str:
-        return f"(sequence {seq[k]}, t = {t[k]})"
-
-    if len(mb.loss_mask) == M:
-        _report(
-            out,
-            (t == 0) & (mb.loss_mask != 0),
-            "loss_mask not 0 at t = 0",
-            lambda k: f"loss_mask[{k}] = {mb.loss_mask[k]} {at(k)}",
-        )
-    in_range = (sp >= 0) & (sp < N)
-    _report(out, ~in_range, f"seq_positions not in [0, {N})", lambda k: f"seq_positions[{k}] = {sp[k]} {at(k)}")
-    p = np.where(in_range, sp, 0)
-    prev = np.full(M, -1, dtype=np.int64)
-    prev[1:] = sp[:-1]
-    prev[t == 0] = -1
-    # With N = 0 every occurrence is out of range and p (all zeros) must not index the empty node arrays.
-    node_parent = parent[p] if N else prev
-    node_pos = pos[p] if N else t
-    _report(
-        out,
-        in_range & (node_parent != prev),
-        "parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)",
-        lambda k: f"parent[{sp[k]}] = {node_parent[k]}, expected {prev[k]} {at(k)}",
-    )
-    _report(
-        out,
-        in_range & (node_pos != t),
-        "position_ids[seq_positions[k]] not t",
-        lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
-    )
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    pos, parent, end, off, sp = (i32(a) for a in (mb.position_ids, mb.parent, mb.subtree_end, mb.seq_offsets, mb.seq_positions))
+    mask = np.ascontiguousarray(mb.loss_mask, dtype=np.uint8) if len(mb.loss_mask) == M else None
+    pad = mb.meta.get("num_pad_tokens", 0) if isinstance(mb.meta, dict) else 0
+    kinds = len(_abi.FOREST_CHECKS)
+    counts = np.zeros(kinds, dtype=np.int64)
+    examples = (_native.Violation * (kinds * _EXAMPLES))()
+    a = _native.address
+    rc = _native.core().tp_forest_check(a(pos), a(parent), a(end), N, pad, a(off), S, a(sp), a(mask), M, _EXAMPLES,
+                                        a(counts), examples)
+    _native.check(rc, "tp_forest_check", "parent")
+    for kind, (_, what, example) in enumerate(_abi.FOREST_CHECKS):
+        count = int(counts[kind])
+        if count:
+            shown = [examples[kind * _EXAMPLES + i] for i in range(min(count, _EXAMPLES))]
+            listed = "; ".join(example.format(**{f: getattr(v, f) for f in _abi.VIOLATION_FIELDS}) for v in shown)
+            out.append(f"{what} ({count}): {listed}{'; …' if count > _EXAMPLES else ''}")
     return out
 
 

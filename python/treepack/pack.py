@@ -1,8 +1,11 @@
 """Token sequences → a packed micro-batch in process, through the C core (``tp_plan_create`` / ``tp_plan_layout`` in
-libtreepack_core.so: the cpu backend's packer, byte for byte the TypeScript ``packForest``).
+libtreepack_core.so: the cpu backend's packer, byte for byte the TypeScript ``packForest``), with the per-token fields
+trainers have.
 
     >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]])     # N = 4 nodes for M = 6 tokens
     >>> mb.loss_mask                                      # 1 except each sequence's first token
+    >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]], loss_mask=[[0, 0, 1], [0, 0, 1]], advantages=[1.0, -1.0],
+    ...                     old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]])
 
 For the whole pipeline (chat records, templates, timeline merge, budgets) use ``treepack pack`` or the library.
 """
@@ -10,17 +13,84 @@ For the whole pipeline (chat records, templates, timeline merge, budgets) use ``
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .loss import core_library
-from .microbatch import FORMAT, MicroBatch, TreepackError
+from . import _native
+from .errors import TreepackError
+from .microbatch import FORMAT, OCCURRENCE_FLOAT_FIELDS, MicroBatch
+
+# Per sequence: a list (or array) with one value per token, or for advantages also one number for the sequence.
+PerToken = Optional[Sequence[Union[Sequence[float], np.ndarray, float]]]
 
 
-def pack_sequences(sequences: Sequence[Sequence[int]], tokenizer: str = "unknown", sequence_ids: Optional[Sequence[str]] = None) -> MicroBatch:
-    """The forest of ``sequences`` (token ids) with the occurrence arrays; loss_mask 1 except at t = 0, no
-    per-occurrence floats."""
+def _per_token(field: str, values: Sequence[Any], lengths: List[int], dtype: type, scalar: bool) -> np.ndarray:
+    """``values`` (one entry per sequence) concatenated in occurrence order as ``dtype`` [M]; a scalar entry (when
+    ``scalar``) fills its sequence. Errors name the field and the sequence."""
+    if len(values) != len(lengths):
+        raise TreepackError("E_ARG", f"{field} has {len(values)} entries for {len(lengths)} sequences", field=field)
+    parts = []
+    for i, (v, n) in enumerate(zip(values, lengths)):
+        if scalar and np.ndim(v) == 0:
+            parts.append(np.full(n, v, dtype=dtype))
+            continue
+        try:
+            a = np.asarray(v, dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise TreepackError("E_ARG", f"{field}[{i}] (sequence {i}) is not numbers: {e}", field=field) from None
+        if a.shape != (n,):
+            raise TreepackError("E_ARG", f"{field}[{i}] has shape {list(a.shape)} but sequence {i} has {n} tokens", field=field)
+        parts.append(a)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _loss_mask(given: PerToken, lengths: List[int], starts: np.ndarray) -> np.ndarray:
+    """The given mask, 0/1 and 0 at every t = 0; by default 1 except at t = 0."""
+    if given is None:
+        mask = np.ones(sum(lengths), dtype=np.uint8)
+        mask[starts] = 0
+        return mask
+    raw = _per_token("loss_mask", given, lengths, np.float64, scalar=False)
+    bad = np.flatnonzero((raw != 0) & (raw != 1))
+    if bad.size:
+        raise TreepackError("E_ARG", f"loss_mask holds {raw[bad[0]]} at occurrence {bad[0]}; expected 0 or 1", field="loss_mask")
+    # Token 0 of a sequence is never predicted, so the contract keeps it out of the loss. A 1 there is refused rather
+    # than cleared: it usually means a mask shifted by one (aligned with labels instead of tokens).
+    first = np.flatnonzero(raw[starts] != 0)
+    if first.size:
+        i = int(np.flatnonzero(np.asarray(lengths) > 0)[first[0]])
+        raise TreepackError(
+            "E_ARG",
+            f"loss_mask[{i}][0] (sequence {i}) is 1: a sequence's first token is never predicted, so its mask is 0 there "
+            "(give masks aligned with the tokens: mask[t] = 1 where token t is trained)",
+            field="loss_mask",
+        )
+    return raw.astype(np.uint8)
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]],
+    tokenizer: str = "unknown",
+    sequence_ids: Optional[Sequence[str]] = None,
+    *,
+    loss_mask: PerToken = None,
+    advantages: PerToken = None,
+    old_logprobs: PerToken = None,
+    ref_logprobs: PerToken = None,
+    rollout_logprobs: PerToken = None,
+) -> MicroBatch:
+    """The forest of ``sequences`` (token ids) with the occurrence arrays of the contract (shared/DESIGN.md §3).
+
+    Per-token fields give one entry per sequence, aligned with its tokens (value t belongs to token t):
+
+    - ``loss_mask``: 0/1; token t is trained where 1. 0 at t = 0 (refused otherwise). Default: 1 except t = 0.
+    - ``advantages``: a list per sequence, or one number per sequence, broadcast to its trainable tokens (0 elsewhere).
+    - ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs``: the logprob of token t given tokens < t (the value at
+      t = 0 is never read).
+
+    Every float must be finite where the mask is 1. A field not given is absent from the batch (None).
+    """
     lengths = [len(s) for s in sequences]
     tokens = np.fromiter((t for s in sequences for t in s), dtype=np.int64, count=sum(lengths))
     if tokens.size and (tokens.min() < 0 or tokens.max() > 2**31 - 1):
@@ -30,27 +100,39 @@ def pack_sequences(sequences: Sequence[Sequence[int]], tokenizer: str = "unknown
     ids = [str(i) for i in range(len(lengths))] if sequence_ids is None else [str(x) for x in sequence_ids]
     if len(ids) != len(lengths):
         raise TreepackError("E_ARG", f"{len(ids)} sequence ids for {len(lengths)} sequences", field="sequence_ids")
-    lib = core_library()
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tp_plan_create.argtypes = [P, I64, P, I64, ctypes.POINTER(P), ctypes.POINTER(I64)]
-    lib.tp_plan_layout.argtypes = [P, P, P, P, P, P]
-    lib.tp_plan_free.argtypes = [P]
-    plan, n = P(), I64()
-    rc = lib.tp_plan_create(tokens.ctypes.data, len(tokens), offsets.ctypes.data, len(lengths), ctypes.byref(plan), ctypes.byref(n))
-    if rc != 0:
-        raise TreepackError("E_ARG", f"tp_plan_create: {lib.tp_status_string(rc).decode()}", field="sequences")
+
+    starts = offsets[:-1][np.asarray(lengths, dtype=np.int64) > 0]
+    mask = _loss_mask(loss_mask, lengths, starts)
+    trainable = mask != 0
+    seq_of = np.repeat(np.arange(len(lengths)), lengths)
+    floats: Dict[str, Optional[np.ndarray]] = {}
+    for field, given in zip(OCCURRENCE_FLOAT_FIELDS, (advantages, old_logprobs, ref_logprobs, rollout_logprobs)):
+        if given is None:
+            floats[field] = None
+            continue
+        a = _per_token(field, given, lengths, np.float32, scalar=field == "advantages")
+        if field == "advantages":
+            a = np.where(trainable, a, np.float32(0))
+        bad = np.flatnonzero(trainable & ~np.isfinite(a))
+        if bad.size:
+            k = int(bad[0])
+            i = int(seq_of[k])
+            raise TreepackError("E_ARG", f"{field}[{i}][{k - offsets[i]}] (sequence {i}) is {a[k]} at a trainable token", field=field)
+        floats[field] = a
+
+    lib = _native.core()
+    plan, n = ctypes.c_void_p(), ctypes.c_int64()
+    _native.check(lib.tp_plan_create(tokens.ctypes.data, len(tokens), offsets.ctypes.data, len(lengths), ctypes.byref(plan), ctypes.byref(n)),
+                  "tp_plan_create", "sequences")
     N, M = n.value, len(tokens)
     arrays = [np.zeros(N, dtype=np.int32) for _ in range(4)] + [np.zeros(M, dtype=np.int32)]
     try:
         rc = lib.tp_plan_layout(plan, *(a.ctypes.data for a in arrays))
     finally:
         lib.tp_plan_free(plan)
-    if rc != 0:
-        raise TreepackError("E_ARG", f"tp_plan_layout: {lib.tp_status_string(rc).decode()}", field="sequences")
+    _native.check(rc, "tp_plan_layout", "sequences")
     input_ids, position_ids, parent, subtree_end, seq_positions = arrays
-    loss_mask = np.ones(M, dtype=np.uint8)
-    loss_mask[offsets[:-1][np.asarray(lengths) > 0]] = 0
     meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
             "sequence_ids": ids}
     return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=loss_mask, meta=meta)
+                      seq_positions=seq_positions, loss_mask=mask, meta=meta, **floats)

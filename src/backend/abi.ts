@@ -79,6 +79,34 @@ export const STATUSES: readonly Status[] = [
   { name: 'TP_ERR_DEVICE', message: 'CUDA runtime error (tp_cuda_last_error gives it)', error: 'E_BACKEND' },
 ];
 
+export interface ForestCheck {
+  name: string;
+  /** What is wrong, as a report's heading. */
+  message: string;
+  /** One example, from the fields of tp_violation: {index}, {value}, {expected}, {seq}, {t}. */
+  example: string;
+}
+
+/**
+ * The violation kinds of tp_forest_check (native/core/check.cc, DESIGN §7 invariants 1, 2 and 4 and the padding
+ * extension) in code order; the Python checker formats its report from them. The TypeScript checker is
+ * src/pack/invariants.ts.
+ */
+export const FOREST_CHECKS: readonly ForestCheck[] = [
+  { name: 'TP_CHECK_PARENT', message: 'parent not -1 or a position before the node', example: 'parent[{index}] = {value}' },
+  { name: 'TP_CHECK_DEPTH', message: 'position_ids not the depth', example: 'position_ids[{index}] = {value}, expected {expected}' },
+  { name: 'TP_CHECK_SUBTREE_RANGE', message: 'subtree_end out of (p, N]', example: 'subtree_end[{index}] = {value}' },
+  { name: 'TP_CHECK_PREORDER', message: 'subtree not contiguous (layout not a DFS preorder)', example: 'the subtree of {index} spans [{index}, {value}) but has {expected} nodes' },
+  { name: 'TP_CHECK_SUBTREE_END', message: 'subtree_end not the end of the subtree parent gives', example: 'subtree_end[{index}] = {value}, expected {expected}' },
+  { name: 'TP_CHECK_PAD', message: 'pad node not a root with no children', example: 'parent[{index}] = {value}, subtree_end[{index}] = {expected}' },
+  { name: 'TP_CHECK_OFFSETS', message: 'seq_offsets is not CSR offsets of M occurrences (0, non-decreasing, ending at M)', example: 'seq_offsets[{index}] = {value}' },
+  { name: 'TP_CHECK_LOSS_MASK', message: 'loss_mask not 0 at t = 0', example: 'loss_mask[{index}] = {value} (sequence {seq}, t = {t})' },
+  { name: 'TP_CHECK_POSITION_RANGE', message: 'seq_positions not in [0, N)', example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})' },
+  { name: 'TP_CHECK_POSITION_PAD', message: 'seq_positions at a pad node', example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})' },
+  { name: 'TP_CHECK_PATH', message: 'parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)', example: 'parent[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
+  { name: 'TP_CHECK_POSITION_T', message: 'position_ids[seq_positions[k]] not t', example: 'position_ids[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
+];
+
 /** Constants of the loss formulas that every kernel (C++, CUDA, WGSL) restates. */
 export const LOSS_CONSTANTS = { K3_LOG_CLAMP, K3_VALUE_CLAMP } as const;
 
@@ -105,4 +133,4 @@ function fnv1a(text: string): string {
   return h.toString(16).padStart(8, '0');
 }
 
-export const ABI_HASH = fnv1a(JSON.stringify([LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_METRICS_FIELDS, STATUSES.map((s) => s.name), LOSS_CONSTANTS]));
+export const ABI_HASH = fnv1a(JSON.stringify([LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_METRICS_FIELDS, STATUSES.map((s) => s.name), LOSS_CONSTANTS, FOREST_CHECKS.map((c) => c.name)]));

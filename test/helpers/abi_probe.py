@@ -68,9 +68,7 @@ elif req["mode"] == "status":
         cfg, a = args(call)
         out["core"].append(core.tp_loss(ctypes.byref(cfg), *a, ctypes.byref(tl.LossMetrics())))
     try:
-        cuda = tl.cuda_library()
-        I64, V = ctypes.c_int64, ctypes.c_void_p
-        cuda.tp_cuda_loss_host.argtypes = [ctypes.POINTER(tl.LossConfig), I64, V, I64, V, V, V, V, V, V, I64, V, V, ctypes.POINTER(tl.LossMetrics)]
+        cuda = tl.cuda_library()  # signatures declared by treepack._native
         out["cuda"] = []
         for call in req["calls"]:
             cfg, a = args(call)

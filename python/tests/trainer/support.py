@@ -7,10 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 import unittest
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+# python/tests holds the brute-force references these suites share with the numpy ones (mask_reference.py).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from treepack import MicroBatch, TreepackError
 from treepack.loss import core_library

@@ -8,7 +8,7 @@ import numpy as np
 
 from support import forests, needs_torch, pack, torch, tpt
 from treepack import TreepackError
-from treepack.flex import block_arrays_from_dense, dense_mask
+from mask_reference import block_arrays_from_dense, dense_mask
 
 
 def qkv(n, heads=4, kv_heads=2, dim=8, seed=0, dtype=None):

@@ -1,0 +1,179 @@
+"""treepack's C libraries through ctypes: where they are found, and every C function's signature, declared once.
+
+CPU core, ``libtreepack_core.so`` (required by packing, the checks, the mask lowerings and the CPU loss), the first of:
+
+1. ``TREEPACK_CORE_LIB`` when set (then the only candidate: an explicit path never silently falls back);
+2. inside the installed package (``pip install ./python`` compiles it there);
+3. a checkout's build directories, for development with ``PYTHONPATH=python``: ``build/Release`` (``npm install``),
+   ``build-cmake/Release`` and ``build-cmake`` (``npm run build:cuda``).
+
+CUDA library, ``libtreepack_cuda.so`` (optional, never in the wheel): ``TREEPACK_CUDA_LIB`` when set, else the
+checkout's ``build-cmake``. ``cuda_status()`` says why it is not loaded without raising.
+
+A library built from other ABI tables than this package's (``_abi.ABI``) is refused; the error names every path
+tried and why each failed.
+
+    >>> from treepack import _native
+    >>> _native.core().tp_version()
+    b'0.1.0'
+    >>> _native.cuda_status()          # '' when loaded, else the reason
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import _abi
+from .errors import TreepackError
+
+CORE = "libtreepack_core.so"
+CUDA = "libtreepack_cuda.so"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# python/treepack → the checkout's root; an installed package has no native/ two levels up.
+_CHECKOUT = os.path.normpath(os.path.join(_HERE, "..", ".."))
+
+_P = ctypes.c_void_p
+_I32 = ctypes.c_int32
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PI64 = ctypes.POINTER(ctypes.c_int64)
+
+
+class Violation(ctypes.Structure):
+    """tp_violation (abi.h)."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in _abi.VIOLATION_FIELDS]
+
+
+# Pointers to structs (tp_loss_config, tp_loss_metrics) are void*: loss.py owns the structs and passes byref().
+_CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
+    "tp_version": (ctypes.c_char_p, []),
+    "tp_abi": (ctypes.c_char_p, []),
+    "tp_status_string": (ctypes.c_char_p, [_INT]),
+    "tp_plan_create": (_INT, [_P, _I64, _P, _I64, ctypes.POINTER(_P), _PI64]),
+    "tp_plan_layout": (_INT, [_P, _P, _P, _P, _P, _P]),
+    "tp_plan_free": (None, [_P]),
+    "tp_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
+    "tp_loss_compact": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "tp_mask_dense": (_INT, [_P, _P, _I64, _P]),
+    "tp_mask_bits": (_INT, [_P, _P, _I64, _P]),
+    "tp_mask_blocks": (_INT, [_P, _I64, _I32, _P, _P, _P, _P]),
+    "tp_mask_slices": (_INT, [_P, _P, _I64, _P, _I64, _PI64]),
+    "tp_mask_cu_seqlens": (_INT, [_P, _I64, _P, _I64, _PI64]),
+    "tp_forest_check": (_INT, [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _P, ctypes.POINTER(Violation)]),
+}
+
+_CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
+    "tp_cuda_abi": (ctypes.c_char_p, []),
+    "tp_cuda_error_string": (ctypes.c_char_p, [_INT]),
+    "tp_cuda_last_error": (_INT, []),
+    "tp_cuda_status_string": (ctypes.c_char_p, [_INT]),
+    "tp_cuda_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P]),
+    "tp_cuda_loss_host": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
+}
+
+
+def _candidates(env: str, name: str, in_package: bool) -> List[str]:
+    if os.environ.get(env):
+        return [os.environ[env]]
+    paths = [os.path.join(_HERE, name)] if in_package else []
+    if os.path.isdir(os.path.join(_CHECKOUT, "native", "core")):
+        dirs = ("build/Release", "build-cmake/Release", "build-cmake") if name == CORE else ("build-cmake/Release", "build-cmake")
+        paths += [os.path.join(_CHECKOUT, *d.split("/"), name) for d in dirs]
+    return paths
+
+
+def _open(env: str, name: str, abi_fn: str, signatures: Dict[str, Tuple[Optional[type], List[type]]], hint: str,
+          in_package: bool) -> ctypes.CDLL:
+    errors = []
+    for path in _candidates(env, name, in_package):
+        if not os.path.exists(path):
+            errors.append(f"{path}: not found")
+            continue
+        try:
+            lib = ctypes.CDLL(os.path.abspath(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        fingerprint = getattr(lib, abi_fn, None)
+        if fingerprint is None:
+            errors.append(f"{path}: no ABI fingerprint (built by an older treepack; rebuild it)")
+            continue
+        fingerprint.restype = ctypes.c_char_p
+        abi = fingerprint().decode()
+        if abi != _abi.ABI:
+            errors.append(f"{path}: built from other ABI tables ({abi}, this package has {_abi.ABI}; rebuild it)")
+            continue
+        missing = [fn for fn in signatures if getattr(lib, fn, None) is None]
+        if missing:
+            errors.append(f"{path}: lacks {', '.join(missing)} (rebuild it)")
+            continue
+        for fn, (restype, argtypes) in signatures.items():
+            f = getattr(lib, fn)
+            f.restype, f.argtypes = restype, argtypes
+        return lib
+    tried = f"tried {'; '.join(errors)}" if errors else f"{env} is not set and this package is not in a checkout's python/"
+    raise TreepackError("E_BACKEND", f"{name} not loaded ({tried}); {hint} or set {env}", field=env)
+
+
+_core: Optional[ctypes.CDLL] = None
+_cuda: Optional[ctypes.CDLL] = None
+_cuda_error: Optional[TreepackError] = None
+
+
+def core() -> ctypes.CDLL:
+    """The CPU core; TreepackError E_BACKEND naming every path tried when none loads."""
+    global _core
+    if _core is None:
+        hint = "reinstall treepack (`pip install ./python` compiles it), or in a checkout build it with `npm install`"
+        _core = _open("TREEPACK_CORE_LIB", CORE, "tp_abi", _CORE_SIGNATURES, hint, in_package=True)
+    return _core
+
+
+def cuda() -> ctypes.CDLL:
+    """The CUDA library; TreepackError E_BACKEND (with the paths tried) when it is not built or not found."""
+    global _cuda, _cuda_error
+    if _cuda is None:
+        if _cuda_error is not None:
+            raise _cuda_error
+        try:
+            _cuda = _open("TREEPACK_CUDA_LIB", CUDA, "tp_cuda_abi", _CUDA_SIGNATURES,
+                          "build it in a checkout with `npm run build:cuda` (needs nvcc)", in_package=False)
+        except TreepackError as e:
+            _cuda_error = e
+            raise
+    return _cuda
+
+
+def cuda_status() -> str:
+    """'' when the CUDA library loads, else why not (never raises: CUDA is optional)."""
+    try:
+        cuda()
+        return ""
+    except TreepackError as e:
+        return e.reason
+
+
+def status_message(code: int) -> str:
+    """The name and message of a status of the C ABIs (the CPU and CUDA libraries share them)."""
+    if 0 <= code < len(_abi.STATUSES):
+        name, message, _ = _abi.STATUSES[code]
+        return f"{name}: {message}"
+    return f"unknown treepack status {code}"
+
+
+def check(rc: int, what: str, field: str) -> None:
+    """Raises the TreepackError of a failed call (status rc) of ``what``, naming ``field``."""
+    if rc != _abi.TP_OK:
+        code = _abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND"
+        raise TreepackError(code, f"{what}: {status_message(rc)}", field=field)
+
+
+def address(a: Optional[np.ndarray]) -> Optional[int]:
+    """The data pointer of a contiguous numpy array for a void* argument (None for None)."""
+    return None if a is None else a.ctypes.data
