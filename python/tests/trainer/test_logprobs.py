@@ -162,6 +162,24 @@ class NodeLogprobs(unittest.TestCase):
         for got, want in zip(*results):
             self.assertLess(float((got - want).abs().max()), 2e-2 * max(1.0, float(want.abs().max())))
 
+    def test_a_model_of_another_vocabulary_is_refused(self):
+        # The header's vocab_size is the packing tokenizer's: rows up to VOCAB_PADDING beyond it are a model's padding;
+        # fewer rows, or many more, mean another model's tokenizer made the ids (which may all still be in range).
+        big = tiny_model("qwen3", torch.float64, vocab=3000)
+        b = self.batch
+        for vocab, ok in ((3000, True), (3000 - tpt.logprobs.VOCAB_PADDING, True), (3001, False), (3000 - tpt.logprobs.VOCAB_PADDING - 1, False)):
+            with self.subTest(vocab=vocab):
+                b.meta["vocab_size"] = vocab
+                if ok:
+                    self.assertEqual(tpt.packed_logprobs(big, b).logprobs.shape, (b.num_nodes,))
+                else:
+                    with self.assertRaises(TreepackError) as cm:
+                        tpt.packed_logprobs(big, b)
+                    self.assertEqual(cm.exception.field, "vocab_size")
+                    self.assertIn(f"of {vocab} ids, but Qwen3ForCausalLM embeds 3000 rows", str(cm.exception))
+        del b.meta["vocab_size"]
+        tpt.packed_logprobs(big, b)  # unknown (pre-tokenized input without --vocab-size): only the ids are checked
+
     def test_errors_name_the_field(self):
         b = self.batch
         small = tiny_model("llama", torch.float64, vocab=int(b.input_ids.max()))  # the largest id is out of range

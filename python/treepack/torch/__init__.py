@@ -11,12 +11,13 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
 from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
 from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
-from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
+from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
 
 __all__ = [
     "METRICS",
     "NodeScores",
+    "check_vocabulary",
     "PackedLoss",
     "gather_occurrences",
     "packed_logprobs",

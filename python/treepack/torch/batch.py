@@ -61,6 +61,12 @@ class PackedBatch:
         return int(self.seq_positions.shape[0])
 
     @property
+    def vocab_size(self) -> Optional[int]:
+        """One past the largest id of the tokenizer that made the ids (header ``vocab_size``), when the packer knew it."""
+        v = self.meta.get("vocab_size")
+        return None if v is None else int(v)
+
+    @property
     def num_pad_tokens(self) -> int:
         """The last ``num_pad_tokens`` nodes are padding (roots no occurrence maps to); 0 when not padded."""
         return int(self.meta.get("num_pad_tokens", 0))

@@ -66,6 +66,31 @@ def _head_and_base(model: torch.nn.Module) -> Any:
     return head, base
 
 
+# Most rows a model's embedding has beyond its tokenizer's ids: models pad their vocabulary to a multiple of 64-256
+# (Qwen3: 151,669 ids, 151,936 rows; DeepSeek-V3: 128,815 and 129,280) or of 128 per tensor-parallel rank. More
+# than this means another model's tokenizer made the ids (Qwen3's 151,669 against Gemma's 262,208 rows).
+VOCAB_PADDING = 1024
+
+
+def check_vocabulary(model: torch.nn.Module, batch: PackedBatch) -> None:
+    """Refuses (TreepackError E_INPUT) a batch whose ids the model cannot have been trained on: an id outside its
+    embedding, or a header ``vocab_size`` (the packing tokenizer's) above the embedding's rows or more than
+    ``VOCAB_PADDING`` below them, the sign of ids made by another model's tokenizer."""
+    rows = model.get_input_embeddings().num_embeddings
+    outside = (batch.input_ids < 0) | (batch.input_ids >= rows)
+    if bool(outside.any()):
+        p = int(torch.argmax(outside.to(torch.int8)))
+        raise TreepackError("E_INPUT", f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {rows})", field="input_ids")
+    vocab, name = batch.vocab_size, batch.meta.get("tokenizer", "?")
+    if vocab is not None and not 0 <= rows - vocab <= VOCAB_PADDING:
+        raise TreepackError(
+            "E_INPUT",
+            f"the batch was packed with tokenizer {name!r} of {vocab} ids, but {type(model).__name__} embeds {rows} rows: the ids "
+            f"come from another model's tokenizer (pack with this model's tokenizer directory, treepack pack --tokenizer DIR)",
+            field="vocab_size",
+        )
+
+
 def _softcap(model: Optional[torch.nn.Module]) -> Optional[float]:
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return float(cap) if cap else None
@@ -98,11 +123,7 @@ def packed_logprobs(
     model = model_or_hidden if isinstance(model_or_hidden, torch.nn.Module) else None
     if model is not None:
         head, base = _head_and_base(model)
-        vocab_in = model.get_input_embeddings().num_embeddings
-        outside = (batch.input_ids < 0) | (batch.input_ids >= vocab_in)
-        if bool(outside.any()):
-            p = int(torch.argmax(outside.to(torch.int8)))
-            raise TreepackError("E_INPUT", f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {vocab_in})", field="input_ids")
+        check_vocabulary(model, batch)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl == "treepack":
             mask: Any = tree_mask(batch, mode=attention)
