@@ -13,6 +13,7 @@ from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
+from .stepplan import StepOp, StepPlanRunner, StepResult, check_attention_only, run_step_plan, step_op
 
 __all__ = [
     "METRICS",
@@ -35,6 +36,12 @@ __all__ = [
     "load_microbatch",
     "naive_batch",
     "read_manifest",
+    "run_step_plan",
+    "step_op",
+    "StepOp",
+    "StepPlanRunner",
+    "StepResult",
+    "check_attention_only",
     "register",
     "tree_attention",
     "tree_mask",

@@ -415,12 +415,18 @@ def tree_attention(
     window = _layer_window(module, kwargs.get("sliding_window"))
     if kwargs.get("softcap") is not None:
         raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping ({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
+    # A step plan's micro-batch (stepplan.py): its mask covers the whole forest, the cached prefix's keys come first.
+    prefix = getattr(attention_mask, "prefix", None)
+    if prefix is not None:
+        query, key, value = prefix.extend(module, query, key, value)
     try:
         out = attend(attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"))
     except TreepackError as e:
         if e.field not in ("s_aux", "position_ids"):
             raise
         raise TreepackError(e.code, f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: {e.reason}", field=e.field) from None
+    if prefix is not None:
+        out = out[:, :, prefix.rows :]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,226 @@
+"""The step-plan executor (treepack.torch.stepplan): micro-batches that hang from a prefix cached by an earlier one
+give, in float64, the loss, per-token logprobs and every parameter gradient of the unsplit forest run in one
+piece (a float64 reference loss of the per-occurrence logprobs, summed over micro-batches as gradient accumulation
+sums them). Plans here are written by hand (``plan_ops``, the stack discipline of README "Step plans") so each cut
+is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches."""
+
+from __future__ import annotations
+
+import random
+import unittest
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from support import needs_torch, tiny_model, torch, tpt
+
+from treepack import TreepackError
+from treepack.pack import pack_sequences
+
+VOCAB = 97
+
+
+def plan_ops(chains: Sequence[Tuple[int, ...]]) -> List[Tuple[int, List[int], int]]:
+    """(prefix_tokens, push ends, release) per micro-batch from each one's cached chain (token tuple), in run order:
+    the stack is cut back to the common prefix of consecutive chains, and every pushed segment is split where a
+    later cut will fall."""
+    lcp = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))  # noqa: E731
+    n = len(chains)
+    down = [lcp(chains[m - 1], chains[m]) if m else 0 for m in range(n)] + [0]  # the stack's depth after the cut before m
+    ops, starts = [], []  # starts: the stack's segments
+    for m, c in enumerate(chains):
+        ends = sorted({d for d in down[m + 1 :] if down[m] < d < len(c)} | ({len(c)} if len(c) > down[m] else set()))
+        starts += [down[m]] + ends[:-1] if ends else []
+        keep = [s for s in starts if s < down[m + 1]]
+        ops.append((len(c), ends, len(starts) - len(keep)))
+        starts = keep
+    return ops
+
+
+def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> List[Dict[str, np.ndarray]]:
+    r = np.random.default_rng(seed)
+    out = []
+    for s in seqs:
+        mask = (r.random(len(s)) < 0.8).astype(np.uint8)
+        mask[0] = 0
+        out.append({"loss_mask": mask, "advantages": r.standard_normal(len(s)).astype(np.float32), "old_logprobs": (-r.random(len(s)) * 3).astype(np.float32)})
+    return out
+
+
+def assemble(seqs, data, members: Sequence[int], meta=None):
+    mb = pack_sequences([seqs[i] for i in members])
+    for f in ("loss_mask", "advantages", "old_logprobs"):
+        setattr(mb, f, np.concatenate([data[i][f] for i in members]))
+    mb.meta["sequence_ids"] = [str(i) for i in members]
+    mb.meta.update(meta or {})
+    return tpt.from_microbatch(mb)
+
+
+def loss_fn(lp, batch):
+    """A float64 loss of the per-occurrence logprobs, nonlinear in them, summed over trainable occurrences."""
+    occ = tpt.gather_occurrences(lp, batch)[batch.loss_mask]
+    adv, old = batch.advantages[batch.loss_mask].double(), batch.old_logprobs[batch.loss_mask].double()
+    return (adv * torch.exp(occ - old)).sum() + 0.1 * (occ**2).sum()
+
+
+def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
+    occ = tpt.gather_occurrences(lp, batch)
+    out = {}
+    for i, sid in enumerate(batch.meta["sequence_ids"]):
+        a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
+        m = batch.loss_mask[a:b]
+        out[sid] = torch.where(m, occ[a:b], torch.zeros_like(occ[a:b])).numpy()
+    return out
+
+
+def chain_of(batch, h: int) -> Tuple[int, ...]:
+    return tuple(int(t) for t in batch.input_ids[:h])
+
+
+@needs_torch(transformers=True)
+class StepPlanTest(unittest.TestCase):
+    def reference(self, model, seqs, data):
+        model.zero_grad(set_to_none=True)
+        batch = assemble(seqs, data, range(len(seqs)))
+        lp = tpt.packed_logprobs(model, batch, attention="block").logprobs
+        loss = loss_fn(lp, batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return float(loss.detach()), per_sequence(lp.detach(), batch), grads
+
+    def planned(self, model, seqs, data, groups, hangs, attention="block"):
+        batches = [assemble(seqs, data, g) for g in groups]
+        ops = [tpt.StepOp(*o) for o in plan_ops([chain_of(b, h) for b, h in zip(batches, hangs)])]
+        model.zero_grad(set_to_none=True)
+        res = tpt.run_step_plan(model, batches, loss_fn, ops, attention=attention)
+        per_seq = {}
+        for b, lp in zip(batches, res.logprobs):
+            per_seq.update(per_sequence(lp, b))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return float(sum(res.losses)), per_seq, grads, res
+
+    def check(self, family, seqs, groups, hangs, attention="block"):
+        model = tiny_model(family, torch.float64, vocab=VOCAB)
+        data = occurrence_data(seqs, seed=len(seqs))
+        ref_loss, ref_lp, ref_grads = self.reference(model, seqs, data)
+        loss, lp, grads, res = self.planned(model, seqs, data, groups, hangs, attention)
+        self.assertAlmostEqual(loss, ref_loss, delta=1e-10 * max(1.0, abs(ref_loss)))
+        self.assertEqual(sorted(lp), sorted(ref_lp))
+        for sid in ref_lp:
+            np.testing.assert_allclose(lp[sid], ref_lp[sid], atol=1e-10, rtol=0, err_msg=f"sequence {sid}")
+        for n, g in ref_grads.items():
+            self.assertTrue(torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}")
+        return res
+
+    def trunk(self, seed=0):
+        r = random.Random(seed)
+        tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(12)
+        mid_a, mid_b = stem + tok(5), stem + tok(6)
+        seqs = [mid_a + tok(3), mid_a + tok(4), mid_a[:-2] + tok(3), mid_b + tok(2), mid_b + tok(5), stem[:7] + tok(4), tok(5)]
+        return seqs
+
+    def sorted_groups(self, seqs, sizes):
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+        out, at = [], 0
+        for s in sizes:
+            out.append(order[at : at + s])
+            at += s
+        return out
+
+    def test_split_at_branch_points_and_inside_segments(self):
+        seqs = self.trunk()
+        for family in ("qwen3", "llama"):
+            with self.subTest(family=family, cut="branch points"):
+                # One micro-batch per sequence (sorted), each hanging from the prefix it shares with the previous one.
+                groups = self.sorted_groups(seqs, [1] * len(seqs))
+                hangs = []
+                for m, g in enumerate(groups):
+                    prev = seqs[groups[m - 1][0]] if m else []
+                    cur = seqs[g[0]]
+                    hangs.append(next((i for i, (x, y) in enumerate(zip(prev, cur)) if x != y), min(len(prev), len(cur))))
+                res = self.check(family, seqs, groups, hangs)
+                self.assertGreater(res.pushed_tokens, 0)
+            with self.subTest(family=family, cut="inside a segment, several depths"):
+                groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+                hangs = [0, 9, 4, 0]  # 9 and 4: inside the shared stem, not at a branch point
+                self.check(family, seqs, groups, hangs)
+
+    def test_one_prefix_feeds_many_micro_batches(self):
+        r = random.Random(3)
+        tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(20)
+        seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
+        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        hangs = [20 if len(seqs[g[0]]) > 20 and seqs[g[0]][:20] == stem else 5 for g in groups]
+        for family in ("qwen3", "llama"):
+            with self.subTest(family=family):
+                res = self.check(family, seqs, groups, hangs)
+                self.assertEqual(res.peak_cached_tokens, 20)
+                self.assertEqual(res.pushed_tokens, 20)  # the stem, pushed once for all eight
+
+    def test_dense_mode_and_prefix_only_sequence(self):
+        seqs = self.trunk(1)
+        seqs.append(seqs[0][:10])  # a sequence that lies inside the cached chain
+        groups = self.sorted_groups(seqs, [3, 3, 2])
+        chains = [seqs[g[0]] for g in groups]
+        hangs = [min(len(chains[0]), 10), 8, 0]
+        self.check("qwen3", seqs, groups, hangs, attention="dense")
+
+    def test_without_the_cached_prefix_the_result_differs(self):
+        """Negative control: the same planned micro-batches with the cached keys/values replaced by zeros (the branches
+        no longer see their prefix) give another loss and other logprobs than the unsplit forest."""
+        from treepack.torch import stepplan
+
+        seqs = self.trunk()
+        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        extend = stepplan._PrefixAttention.extend
+
+        def blind(self_, module, query, key, value):
+            q, k, v = extend(self_, module, query, key, value)
+            k, v = k.clone(), v.clone()
+            k[:, :, : self_.rows] = 0
+            v[:, :, : self_.rows] = 0
+            return q, k, v
+
+        stepplan._PrefixAttention.extend = blind
+        try:
+            with self.assertRaises(AssertionError):
+                self.check("qwen3", seqs, groups, [0, 9, 4, 0])
+        finally:
+            stepplan._PrefixAttention.extend = extend
+
+    def test_refusals(self):
+        seqs = self.trunk()
+        model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
+        data = occurrence_data(seqs, seed=2)
+        b = assemble(seqs, data, self.sorted_groups(seqs, [2])[0])
+        with self.assertRaises(TreepackError) as e:  # hangs from a prefix nobody pushed
+            tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(5, [], 0)])
+        self.assertEqual(e.exception.field, "prefix_push")
+        with self.assertRaises(TreepackError) as e:  # never released
+            tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(5, [5], 0)])
+        self.assertEqual(e.exception.field, "prefix_release")
+        sdpa = tiny_model("qwen3", torch.float64, attn="sdpa", vocab=VOCAB)
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(sdpa, [b], loss_fn)
+        self.assertEqual(e.exception.field, "attn_implementation")
+        model.config.layer_types = ["full_attention", "linear_attention"]
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "layer_types")
+
+    def test_ops_read_from_the_header(self):
+        seqs = self.trunk()
+        model = tiny_model("llama", torch.float64, vocab=VOCAB)
+        data = occurrence_data(seqs, seed=4)
+        groups = self.sorted_groups(seqs, [3, 4])
+        b0 = assemble(seqs, data, groups[0])
+        b1 = assemble(seqs, data, groups[1])
+        ops = plan_ops([chain_of(b0, 4), chain_of(b1, 4)])
+        heads = [assemble(seqs, data, g, {"prefix_tokens": str(o[0]), "prefix_push": str(o[1]), "prefix_release": str(o[2])}) for g, o in zip(groups, ops)]
+        self.assertEqual([tuple(tpt.step_op(b)) for b in heads], [(o[0], list(o[1]), o[2]) for o in ops])
+
+
+if __name__ == "__main__":
+    unittest.main()

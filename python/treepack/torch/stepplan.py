@@ -1,0 +1,271 @@
+"""Executing a step plan: micro-batches of one rank that hang from a prefix computed once (README "Step plans").
+
+A planned micro-batch is an ordinary packed micro-batch whose first ``prefix_tokens`` nodes are a chain (node p's
+parent is p - 1): its root path, held by this rank as cached per-layer keys/values. Before it runs, the segments
+``prefix_push`` lists (ascending end depths, from the current stack depth) are pushed: run without grad on the
+micro-batch's own chain nodes, their keys/values, final hidden states and node logprobs kept as leaves that gather
+gradients. The micro-batch then computes only nodes ``[prefix_tokens, N)``: each query sees the cached keys that
+are its ancestors plus its own tree ancestors (the tree rule over the whole forest), its first tokens are predicted
+from the cached hidden state of their parent, and the logprobs of the chain's own nodes come from the cache. After
+it, ``prefix_release`` segments are popped, top first: each is recomputed with grad against the segments below it
+and back-propagated with the gradients its leaves gathered, which flow on into the parameters and the segments
+below. The loss is one ``loss_fn`` call per micro-batch, so parameter gradients accumulate as in ordinary gradient
+accumulation, and equal those of running every micro-batch in full.
+
+    >>> batches = [tpt.load_microbatch(p) for p in rank_files]          # in the plan's order on this rank
+    >>> result = run_step_plan(model, batches, lambda lp, b: tpt.packed_loss(lp, b, cfg)[0])
+    >>> optimizer.step()
+
+Attention layers only: a model with recurrent or convolution layers is refused (their prefix state would be the
+segment's final recurrent state and convolution tail, carried by the same push/pop). Sliding windows and sinks
+work unchanged: the cached keys take their place in the full forest's mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..microbatch import TreepackError
+from .attention import tree_mask
+from .batch import PackedBatch
+from .logprobs import _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
+
+# Module class names of token-mixing layers that are not softmax attention: their prefix state is not keys/values.
+_RECURRENT = ("Mamba", "GatedDeltaNet", "LinearAttention", "ShortConv", "Lightning", "KimiDelta", "RecurrentGemma", "Rwkv", "Conv1d")
+_ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding")
+
+
+class StepOp(NamedTuple):
+    """What one planned micro-batch does with the prefix stack (header keys of the same names)."""
+
+    prefix_tokens: int  # nodes [0, prefix_tokens) are the cached chain: the stack's depth when the micro-batch runs
+    push: List[int]  # end depths of the segments pushed before it, ascending, the last = prefix_tokens
+    release: int  # segments popped (top first) after it
+
+
+def step_op(batch: PackedBatch) -> StepOp:
+    """The micro-batch's step-plan entry from its header (``prefix_tokens``, ``prefix_push``, ``prefix_release``); a
+    batch without one hangs from nothing."""
+    meta = batch.meta
+
+    def num(key: str) -> int:
+        v = meta.get(key, 0)
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            n = -1
+        if n < 0 or str(v) != str(n):
+            raise TreepackError("E_INPUT", f"{key} is {v!r}, expected an integer >= 0", field=key)
+        return n
+
+    push = meta.get("prefix_push", "[]")
+    try:
+        push = json.loads(push) if isinstance(push, str) else list(push)
+    except ValueError:
+        push = None
+    if not isinstance(push, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in push):
+        raise TreepackError("E_INPUT", f"prefix_push is {meta.get('prefix_push')!r}, expected a JSON list of integers", field="prefix_push")
+    return StepOp(num("prefix_tokens"), push, num("prefix_release"))
+
+
+@dataclass
+class StepResult:
+    losses: List[torch.Tensor]  # per micro-batch, detached
+    logprobs: List[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
+    computed_tokens: int  # nodes run with grad: micro-batches' own nodes plus every popped segment
+    pushed_tokens: int  # nodes run without grad to fill the cache
+    peak_cached_tokens: int
+    peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
+
+
+class _Segment:
+    """Chain nodes [start, end) held on the stack: leaves that gather gradients from everything that reads them."""
+
+    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
+                 hidden: torch.Tensor, lp: torch.Tensor) -> None:
+        self.start, self.end = start, start + int(ids.shape[0])
+        self.ids, self.pos = ids, pos
+        leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
+        self.keys, self.values = [leaf(k) for k in keys], [leaf(v) for v in values]
+        self.hidden, self.lp = leaf(hidden), leaf(lp)
+
+    def leaves(self) -> List[torch.Tensor]:
+        return self.keys + self.values + [self.hidden, self.lp]
+
+    def nbytes(self) -> int:
+        return 2 * sum(t.numel() * t.element_size() for t in self.leaves())  # each leaf and its gradient
+
+
+class _PrefixAttention:
+    """Set as ``prefix`` on a TreeMask of the whole forest (cached chain included): ``tree_attention`` asks it to put
+    the cached keys/values before the computed ones (``extend``), records the computed ones (``captured``), and
+    drops the cached rows from the output (``rows``)."""
+
+    def __init__(self, stack: List[_Segment], rows: int) -> None:
+        self.stack, self.rows = stack, rows
+        self.captured: Dict[int, Any] = {}
+
+    def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: the step plan cannot tell which layer's cached keys it needs", field="layer_idx")
+        self.captured[layer] = (key, value)
+        if not self.rows:
+            return query, key, value
+        k = torch.cat([s.keys[layer] for s in self.stack] + [key], dim=2)
+        v = torch.cat([s.values[layer] for s in self.stack] + [value], dim=2)
+        # The cached rows are queries nobody reads: zeros keep them finite, and no gradient flows through them.
+        q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
+        return q, k, v
+
+
+def check_attention_only(model: torch.nn.Module) -> None:
+    """Refuses (TreepackError) a model whose token mixing is not all softmax attention: the step plan caches keys and
+    values, and a recurrent layer's prefix state (its final state and convolution tail) is not carried yet."""
+    types = getattr(model.config, "layer_types", None) or []
+    for i, kind in enumerate(types):
+        if kind not in _ATTENTION_TYPES:
+            raise TreepackError("E_ARG", f"layer {i} is of type {kind!r}: the step-plan executor caches attention keys/values only; recurrent and convolution layers are not supported yet (run these micro-batches in full)", field="layer_types")
+    for name, m in model.named_modules():
+        if any(r in type(m).__name__ for r in _RECURRENT):
+            raise TreepackError("E_ARG", f"{name} ({type(m).__name__}) is not softmax attention: the step-plan executor caches attention keys/values only (run these micro-batches in full)", field="model")
+
+
+def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
+    """A chain of n nodes as a forest: one sequence through all of them (only its node arrays are read)."""
+    n, dev = int(ids.shape[0]), ids.device
+    ar = torch.arange(n, device=dev)
+    z = torch.zeros(0, device=dev, dtype=torch.int64)
+    return PackedBatch(input_ids=ids, position_ids=pos, parent=ar - 1, subtree_end=torch.full((n,), n, device=dev, dtype=torch.int64),
+                       seq_offsets=torch.tensor([0, n], device=dev), seq_positions=ar, loss_mask=torch.zeros(n, dtype=torch.bool, device=dev),
+                       seq_index=torch.zeros(n, dtype=torch.int64, device=dev), token_index=ar, meta={"num_tokens_packed": n})
+
+
+class StepPlanRunner:
+    """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form)."""
+
+    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024) -> None:
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl != "treepack":
+            raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
+        check_attention_only(model)
+        self.model, self.attention, self.chunk_size = model, attention, chunk_size
+        self.head, self.base = _head_and_base(model)
+        self.stack: List[_Segment] = []
+        self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
+
+    @property
+    def depth(self) -> int:
+        return self.stack[-1].end if self.stack else 0
+
+    def _forward(self, forest: PackedBatch, rows: int) -> Any:
+        """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows))."""
+        mask = tree_mask(forest, mode=self.attention)
+        mask.prefix = ctx = _PrefixAttention(self.stack, rows)
+        out = self.base(input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False)
+        layers = sorted(ctx.captured)
+        if layers != list(range(len(layers))) or not layers:
+            raise TreepackError("E_ARG", f"the model's attention calls reported layers {layers}; the step plan needs every layer's keys (layer_idx 0..L-1) once per forward", field="layer_idx")
+        return out.last_hidden_state[0], [ctx.captured[i][0] for i in layers], [ctx.captured[i][1] for i in layers]
+
+    def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> Any:
+        """Chain nodes [start, start + n) on the stack: keys, values, hidden states and node logprobs (from the
+        parent's hidden state, the stack's top row for the first node; a root has none: 0)."""
+        chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]))
+        hidden, keys, values = self._forward(chain, start)
+        full = torch.cat([s.hidden for s in self.stack] + [hidden])
+        nodes = torch.arange(max(start, 1), chain.num_nodes, device=ids.device)
+        lp = packed_logprobs(full, chain, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head).logprobs[start:]
+        return keys, values, hidden, torch.nan_to_num(lp, nan=0.0)
+
+    def _push(self, batch: PackedBatch, end: int) -> None:
+        start = self.depth
+        ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
+        with torch.no_grad():
+            keys, values, hidden, lp = self._segment_pass(ids, pos, start)
+        self.stack.append(_Segment(start, ids, pos, keys, values, hidden, lp))
+        self.pushed += end - start
+        self.peak_tokens = max(self.peak_tokens, self.depth)
+        self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
+
+    def _pop(self) -> None:
+        seg = self.stack.pop()
+        grads = [leaf.grad for leaf in seg.leaves()]
+        if all(g is None for g in grads):
+            return  # nothing read it: no gradient to carry
+        keys, values, hidden, lp = self._segment_pass(seg.ids, seg.pos, seg.start)
+        pairs = [(t, g) for t, g in zip(keys + values + [hidden, lp], grads) if g is not None]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self.computed += seg.end - seg.start
+
+    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
+        """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
+        releases. Returns (loss, logprobs [N]), detached."""
+        op = step_op(batch) if op is None else op
+        check_vocabulary(self.model, batch)
+        h, N = op.prefix_tokens, batch.num_nodes
+        if h > N:
+            raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
+        ar = torch.arange(h, device=batch.device)
+        if h and (not torch.equal(batch.parent[:h], ar - 1) or not torch.equal(batch.position_ids[:h], ar)):
+            raise TreepackError("E_INPUT", f"nodes [0, {h}) are not a chain from a root (parent p - 1, position p): they cannot be a cached prefix", field="prefix_tokens")
+        depth = self.depth
+        if h and depth:
+            held = torch.cat([s.ids for s in self.stack])[: min(depth, h)]
+            if not torch.equal(held, batch.input_ids[: held.shape[0]]):
+                raise TreepackError("E_INPUT", "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step", field="prefix_push")
+        ends = [depth] + op.push
+        if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
+            raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}", field="prefix_push")
+        for end in op.push:
+            self._push(batch, end)
+        if op.release > len(self.stack):
+            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack holds {len(self.stack)} segments", field="prefix_release")
+
+        hidden, _, _ = self._forward(batch, h)
+        full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
+        targets = scored_nodes(batch)
+        new = targets[targets >= h]
+        lp = packed_logprobs(full, batch, chunk_size=self.chunk_size, nodes=new, lm_head=self.head).logprobs
+        if h:
+            # The chain's own nodes take the logprobs computed at push (their leaves gather the gradient).
+            cached = torch.cat([s.lp for s in self.stack])[:h]
+            old = targets[targets < h]
+            lp = lp.index_put((old,), cached[old])
+        loss = loss_fn(lp, batch)
+        if loss.requires_grad:
+            loss.backward()
+        self.computed += N - h
+        for _ in range(op.release):
+            self._pop()
+        return loss.detach(), lp.detach()
+
+    def finish(self) -> None:
+        """Checks the plan released every prefix (a step's plan leaves nothing cached)."""
+        if self.stack:
+            depth = self.depth
+            while self.stack:
+                self._pop()
+            raise TreepackError("E_INPUT", f"the step plan ended with {depth} cached prefix tokens never released (their gradients were applied now)", field="prefix_release")
+
+
+def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
+                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024) -> StepResult:
+    """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
+    sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
+    read from each batch's header."""
+    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size)
+    losses, lps = [], []
+    for i, batch in enumerate(batches):
+        loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])
+        losses.append(loss)
+        lps.append(lp)
+    runner.finish()
+    return StepResult(losses, lps, runner.computed, runner.pushed, runner.peak_tokens, runner.peak_bytes)
+
+
+__all__ = ["StepOp", "StepPlanRunner", "StepResult", "check_attention_only", "run_step_plan", "step_op"]
