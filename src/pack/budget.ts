@@ -22,6 +22,7 @@ import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, p
 import type { Sequences } from './contract.js';
 import { sortSequences } from './forest.js';
 import { lcpQuery } from './lcp.js';
+import { planPrefixRuns, type PrefixOp, type PrefixPlanStats } from './prefix.js';
 import { refineBalance } from './refine.js';
 import { validateSequences } from './validate.js';
 
@@ -42,6 +43,14 @@ export interface BudgetOptions {
    * that many micro-batches (beyond it only when each must repeat a common prompt that alone breaks the 5%).
    */
   balanceSlack?: number;
+  /**
+   * Prefix reuse (src/pack/prefix.ts): micro-batches may hang from a prefix an earlier micro-batch of their rank
+   * cached, holding at most this many prefix tokens per rank; maxTokens then bounds the tokens each computes (its
+   * forest less the cached chain), and a sequence may be longer than maxTokens. Off when absent.
+   */
+  prefixCacheTokens?: number;
+  /** bytes one cached prefix token costs (keys, values and their gradients over all layers), for the plan's report */
+  prefixBytesPerToken?: number;
 }
 
 export interface MicroBatchPlan {
@@ -57,6 +66,11 @@ export interface MicroBatchPlan {
   /** attention pairs under the tree mask, padding included */
   attentionPairs: number;
   cost: number;
+  /** with prefix reuse: the micro-batch's stack operations (its first prefix.tokens nodes are cached) */
+  prefix?: PrefixOp;
+  /** with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens), and the prefix tokens pushed before it */
+  computedTokens?: number;
+  pushedTokens?: number;
 }
 
 export interface Plan {
@@ -69,6 +83,8 @@ export interface Plan {
   imbalance: number;
   /** units moved or swapped between micro-batches by the balancing refinement (0 without it) */
   moves: number;
+  /** with prefix reuse: tokens computed, pushed and cached */
+  prefixReuse?: PrefixPlanStats;
 }
 
 const positiveInt = (name: string, v: unknown): number => {
@@ -112,7 +128,7 @@ const GOAL_BUDGET_FACTOR = 4;
 const MAX_DP_CELLS = 1 << 24;
 
 /** Sorted sequences with prefix sums, so any contiguous run's packed tokens and pairs cost O(1). */
-class Runs {
+export class Runs {
   readonly S: number;
   readonly order: Int32Array;
   readonly lcp: Int32Array;
@@ -227,6 +243,7 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   checkCostModel(cost);
   const slack = opts.balanceSlack ?? DEFAULT_BALANCE_SLACK;
   if (typeof slack !== 'number' || !Number.isFinite(slack) || slack < 0) throw argError('balanceSlack', 'a finite number >= 0', slack);
+  if (opts.prefixCacheTokens !== undefined) return planWithPrefix(seqs, opts, K, cost, ids);
   const { B, longest } = tokenBudget(seqs.offsets, opts, ids);
   const runs = new Runs(seqs, cost);
   const S = runs.S;
@@ -306,4 +323,36 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
     };
   }
   return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves };
+}
+
+/** planMicroBatches with prefix reuse: the cut and stack operations of src/pack/prefix.ts, ranks padded to equal steps with empty micro-batches. */
+function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: CostModel, ids?: readonly string[]): Plan {
+  const B = positiveInt('maxTokens', opts.maxTokens);
+  if ((opts.padMultiple ?? 1) !== 1) throw new TreepackError('E_ARG', 'padding (padMultiple > 1) is not supported with prefix reuse yet: a micro-batch computes only its nodes past the cached prefix');
+  const runs = new Runs(seqs, cost);
+  const S = runs.S;
+  const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
+  const planned = planPrefixRuns(runs, B, K, cost, { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken }, ids);
+  const perRank = new Int32Array(K);
+  for (const p of planned.runs) perRank[p.rank]++;
+  const steps = Math.max(1, ...perRank);
+  const loads = new Float64Array(K);
+  const microBatches: MicroBatchPlan[] = new Array(steps * K);
+  for (const p of planned.runs) {
+    const sequences = Int32Array.from({ length: p.hi - p.lo }, (_, k) => runs.order[p.lo + k]).sort();
+    let naive = 0;
+    for (const i of sequences) naive += seqs.offsets[i + 1] - seqs.offsets[i];
+    loads[p.rank] += p.cost;
+    microBatches[p.step * K + p.rank] = {
+      sequences, rank: p.rank, step: p.step, naiveTokens: naive, packedTokens: runs.tokens(p.lo, p.hi), padTokens: 0,
+      attentionPairs: p.pairs, cost: p.cost, prefix: p.op, computedTokens: p.computed, pushedTokens: p.pushedTokens,
+    };
+  }
+  for (let b = 0; b < microBatches.length; b++) {
+    microBatches[b] ??= {
+      sequences: new Int32Array(0), rank: b % K, step: Math.floor(b / K), naiveTokens: 0, packedTokens: 0, padTokens: 0,
+      attentionPairs: 0, cost: 0, prefix: { tokens: 0, push: [], release: 0 }, computedTokens: 0, pushedTokens: 0,
+    };
+  }
+  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves: 0, prefixReuse: planned.stats };
 }

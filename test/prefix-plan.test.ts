@@ -1,0 +1,147 @@
+/**
+ * Step plans with prefix reuse (src/pack/prefix.ts): each rank's stack operations replayed on the micro-batches'
+ * own forests (the pushed segments are the chain nodes of the micro-batch that pushes them, the stack matches every
+ * micro-batch's cached chain, everything is released), every sequence in exactly one micro-batch, the budgets, the
+ * cache refusal, determinism and order independence. Expected values come from the sequences and forests directly.
+ */
+import { describe, expect, it } from 'vitest';
+import { TreepackError } from '../src/errors.js';
+import { planMicroBatches, type Plan } from '../src/pack/budget.js';
+import { packForest } from '../src/pack/forest.js';
+import { caught } from './helpers/errors.js';
+import { agentBatch, csr, randomBatch, rng, shuffled, toArrays } from './helpers/sequences.js';
+
+interface Replay {
+  /** tokens run with grad: micro-batches' own nodes and popped segments */
+  computed: number;
+  pushed: number;
+  peak: number;
+}
+
+/** Replays each rank's plan on the forests; throws on any inconsistency. */
+function replay(seqs: number[][], plan: Plan, K: number, B: number, C: number): Replay {
+  const out: Replay = { computed: 0, pushed: 0, peak: 0 };
+  for (let r = 0; r < K; r++) {
+    const stack: { start: number; tokens: number[] }[] = [];
+    const mbs = plan.microBatches.filter((m) => m.rank === r).sort((a, b) => a.step - b.step);
+    mbs.forEach((m, step) => expect(m.step).toBe(step));
+    for (const m of mbs) {
+      const f = packForest(csr(Array.from(m.sequences, (i) => seqs[i])));
+      const N = f.input_ids.length;
+      expect(N).toBe(m.packedTokens);
+      const op = m.prefix!;
+      const h = op.tokens;
+      for (let p = 0; p < h; p++) {
+        expect(f.parent[p]).toBe(p - 1);
+        expect(f.position_ids[p]).toBe(p);
+      }
+      let depth = stack.length ? stack[stack.length - 1].start + stack[stack.length - 1].tokens.length : 0;
+      const held = stack.flatMap((s) => s.tokens);
+      expect(held.slice(0, Math.min(depth, h))).toEqual(Array.from(f.input_ids.subarray(0, Math.min(depth, h))));
+      for (const e of op.push) {
+        expect(e).toBeGreaterThan(depth);
+        expect(e - depth).toBeLessThanOrEqual(B);
+        stack.push({ start: depth, tokens: Array.from(f.input_ids.subarray(depth, e)) });
+        out.pushed += e - depth;
+        out.computed += e - depth;
+        depth = e;
+      }
+      expect(depth).toBe(h);
+      expect(h).toBeLessThanOrEqual(C);
+      out.peak = Math.max(out.peak, h);
+      expect(N - h).toBeLessThanOrEqual(B);
+      expect(m.computedTokens).toBe(N - h);
+      out.computed += N - h;
+      expect(op.release).toBeLessThanOrEqual(stack.length);
+      stack.splice(stack.length - op.release, op.release);
+    }
+    expect(stack).toEqual([]);
+  }
+  return out;
+}
+
+function exactlyOnce(plan: Plan, S: number): void {
+  const seen = new Int32Array(S);
+  for (const m of plan.microBatches) for (const i of m.sequences) seen[i]++;
+  expect(Array.from(seen)).toEqual(new Array(S).fill(1));
+}
+
+/** The plan as content: per (rank, step) the sorted token sequences and the stack operations. */
+const content = (seqs: number[][], plan: Plan) =>
+  plan.microBatches.map((m) => ({ rank: m.rank, step: m.step, seqs: Array.from(m.sequences, (i) => seqs[i].join(',')).sort(), prefix: m.prefix }));
+
+describe('prefix-reuse step plans', () => {
+  it('replays on the forests, trains every sequence once, holds the budgets, and computes the single forest once per rank', () => {
+    for (let seed = 0; seed < 30; seed++) {
+      const seqs = randomBatch(seed, { maxLen: 30 });
+      const optimum = packForest(csr(seqs)).input_ids.length;
+      for (const B of [4, 9, 25, 1000]) {
+        for (const K of [1, 3]) {
+          const plan = planMicroBatches(csr(seqs), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20 });
+          exactlyOnce(plan, seqs.length);
+          expect(plan.microBatches.length % K).toBe(0);
+          const got = replay(seqs, plan, K, B, 1 << 20);
+          expect(plan.prefixReuse).toMatchObject({ computedTokens: got.computed, pushedTokens: got.pushed, peakCachedTokens: got.peak });
+          if (K === 1) expect(got.computed).toBe(optimum);
+          else expect(got.computed).toBeGreaterThanOrEqual(optimum);
+        }
+      }
+    }
+  });
+
+  it('stays near the optimum on agent chains where the plain split repeats the prompts', () => {
+    const seqs = toArrays(agentBatch(5, { groups: 3, episodes: 6, turns: 8, prompt: 300, step: 60 }));
+    const optimum = packForest(csr(seqs)).input_ids.length;
+    const B = Math.ceil(optimum / 8);
+    for (const K of [1, 2, 4]) {
+      const plan = planMicroBatches(csr(seqs), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20, prefixBytesPerToken: 10 });
+      const got = replay(seqs, plan, K, B, 1 << 20);
+      // Each boundary between ranks repeats at most one root path: the chain the next rank's first micro-batch hangs from.
+      const longest = Math.max(...seqs.map((s) => s.length));
+      if (K === 1) expect(got.computed).toBe(optimum);
+      else expect(got.computed - optimum).toBeLessThanOrEqual((K - 1) * longest);
+      expect(plan.prefixReuse!.peakCachedBytes).toBe(10 * got.peak);
+      const plain = planMicroBatches(csr(seqs), { maxTokens: Math.max(B, ...seqs.map((s) => s.length)), dp: K });
+      const plainTokens = plain.microBatches.reduce((a, m) => a + m.packedTokens, 0);
+      expect(got.computed).toBeLessThan(plainTokens);
+    }
+  });
+
+  it('hangs a sequence longer than the budget from its own cached prefix', () => {
+    const r = rng(1);
+    const long = Array.from({ length: 50 }, () => Math.floor(r() * 7));
+    const seqs = [long, long.slice(0, 20).concat([1, 2, 3])];
+    const plan = planMicroBatches(csr(seqs), { maxTokens: 16, prefixCacheTokens: 100 });
+    const got = replay(seqs, plan, 1, 16, 100);
+    expect(got.computed).toBe(packForest(csr(seqs)).input_ids.length);
+  });
+
+  it('is deterministic and depends on the multiset of sequences only', () => {
+    for (let seed = 0; seed < 20; seed++) {
+      const seqs = randomBatch(100 + seed, { maxLen: 20 });
+      const moved = shuffled(seqs, seed).items;
+      for (const K of [1, 2]) {
+        const opts = { maxTokens: 12, dp: K, prefixCacheTokens: 1000 };
+        const a = planMicroBatches(csr(seqs), opts);
+        expect(content(seqs, planMicroBatches(csr(seqs), opts))).toEqual(content(seqs, a));
+        expect(content(moved, planMicroBatches(csr(moved), opts))).toEqual(content(seqs, a));
+      }
+    }
+  });
+
+  it('refuses a plan that needs more cache than allowed, naming the need', () => {
+    const seqs = toArrays(agentBatch(2, { groups: 1, episodes: 4, turns: 4, prompt: 200, step: 40 }));
+    const e = caught(() => planMicroBatches(csr(seqs), { maxTokens: 120, prefixCacheTokens: 50 }, seqs.map((_, i) => `s${i}`))) as TreepackError;
+    expect(e).toBeInstanceOf(TreepackError);
+    expect(e.code).toBe('E_ARG');
+    expect(e.message).toMatch(/needs \d+ cached prefix tokens on rank 0 .*allows 50/);
+    expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 400, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(/padMultiple/);
+  });
+
+  it('leaves plans without prefix reuse as they were', () => {
+    const seqs = randomBatch(7, { maxLen: 20 });
+    const plan = planMicroBatches(csr(seqs), { maxTokens: 30, dp: 2 });
+    expect(plan.prefixReuse).toBeUndefined();
+    expect(plan.microBatches.every((m) => m.prefix === undefined && m.computedTokens === undefined)).toBe(true);
+  });
+});
