@@ -32,7 +32,8 @@ export interface MicroBatchFile {
 }
 
 /** Header keys the contract owns; extra metadata must use others. */
-const CONTRACT_META_KEYS = new Set(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids', 'num_pad_tokens', 'vocab_size']);
+const PREFIX_META_KEYS = ['prefix_tokens', 'prefix_push', 'prefix_release'] as const;
+const CONTRACT_META_KEYS = new Set<string>(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids', 'num_pad_tokens', 'vocab_size', ...PREFIX_META_KEYS]);
 
 type Fail = (field: string, message: string) => TreepackError;
 
@@ -55,6 +56,7 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
   if (pad !== undefined && !(Number.isSafeInteger(pad) && pad >= 0 && pad <= N)) throw fail('num_pad_tokens', `num_pad_tokens = ${pad}, expected an integer in [0, N = ${N}]`);
   const vocab = mb.meta.vocab_size;
   if (vocab !== undefined && !(Number.isSafeInteger(vocab) && vocab >= 1)) throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
+  checkPrefix(mb, fail);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
@@ -69,6 +71,19 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
     if (off[i + 1] < off[i]) throw fail('seq_offsets', `seq_offsets decreases at ${i + 1}: ${off[i]} > ${off[i + 1]}`);
   }
   if (off[S] !== M) throw fail('seq_offsets', `seq_offsets[S] = ${off[S]} but seq_positions has M = ${M} elements`);
+}
+
+/** The step-plan extension: all three keys or none; the chain within the forest; push ends ascending, ending at prefix_tokens. */
+function checkPrefix(mb: MicroBatch, fail: Fail): void {
+  const { prefix_tokens: h, prefix_push: push, prefix_release: release } = mb.meta;
+  const given = [h, push, release].filter((v) => v !== undefined).length;
+  if (given === 0) return;
+  if (given !== 3) throw fail('prefix_tokens', 'prefix_tokens, prefix_push and prefix_release go together (a step plan entry)');
+  const N = mb.input_ids.length;
+  if (!(Number.isSafeInteger(h) && h! >= 0 && h! <= N)) throw fail('prefix_tokens', `prefix_tokens = ${h}, expected an integer in [0, N = ${N}]`);
+  if (!(Number.isSafeInteger(release) && release! >= 0)) throw fail('prefix_release', `prefix_release = ${release}, expected an integer >= 0`);
+  const ok = Array.isArray(push) && push.every((e, k) => Number.isSafeInteger(e) && e > (k ? push[k - 1] : 0)) && (push.length === 0 || push[push.length - 1] === h);
+  if (!ok) throw fail('prefix_push', `prefix_push = ${JSON.stringify(push)}, expected ascending depths ending at prefix_tokens = ${h}`);
 }
 
 /**
@@ -118,6 +133,9 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     sequence_ids: JSON.stringify(m.sequence_ids),
     ...(m.num_pad_tokens !== undefined ? { num_pad_tokens: String(m.num_pad_tokens) } : {}),
     ...(m.vocab_size !== undefined ? { vocab_size: String(m.vocab_size) } : {}),
+    ...(m.prefix_tokens !== undefined
+      ? { prefix_tokens: String(m.prefix_tokens), prefix_push: JSON.stringify(m.prefix_push), prefix_release: String(m.prefix_release) }
+      : {}),
   };
   return { tensors, metadata };
 }
@@ -157,6 +175,19 @@ export function readMicroBatch(path: string): MicroBatchFile {
   if (vocab !== undefined) {
     if (!/^[1-9][0-9]*$/.test(vocab)) throw fail('vocab_size', `vocab_size is ${JSON.stringify(vocab)}, expected a positive integer`);
     meta.vocab_size = Number(vocab);
+  }
+  for (const key of ['prefix_tokens', 'prefix_release'] as const) {
+    const v = metadata[key];
+    if (v === undefined) continue;
+    if (!/^(0|[1-9][0-9]*)$/.test(v)) throw fail(key, `${key} is ${JSON.stringify(v)}, expected a non-negative integer`);
+    meta[key] = Number(v);
+  }
+  if (metadata.prefix_push !== undefined) {
+    try {
+      meta.prefix_push = JSON.parse(metadata.prefix_push) as number[];
+    } catch {
+      throw fail('prefix_push', 'prefix_push is not JSON');
+    }
   }
 
   const fields: Record<string, TypedArray> = {};

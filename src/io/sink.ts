@@ -21,6 +21,12 @@ export interface ManifestEntry {
   pad_tokens?: number;
   attention_pairs?: number;
   cost?: number;
+  /** with prefix reuse (README "Step plans"): as the file's header says, and the tokens it computes and pushes */
+  prefix_tokens?: number;
+  prefix_push?: number[];
+  prefix_release?: number;
+  computed_tokens?: number;
+  pushed_tokens?: number;
 }
 
 /** manifest.json, keys in the order they are written. */
@@ -48,6 +54,13 @@ export interface Manifest {
   optimum_tokens?: number;
   rank_costs?: number[];
   imbalance?: number;
+  /** with prefix reuse: the prefix cache per rank, and tokens computed with grad / pushed without it, over all ranks */
+  prefix_cache_tokens?: number;
+  prefix_bytes_per_token?: number;
+  computed_tokens?: number;
+  pushed_tokens?: number;
+  peak_cached_tokens?: number;
+  peak_cached_bytes?: number;
   micro_batches: ManifestEntry[];
 }
 

@@ -41,6 +41,15 @@ export interface MicroBatchMeta {
    * a trainer can refuse a model of another vocabulary. Absent when unknown (pre-tokenized input without vocabSize).
    */
   vocab_size?: number;
+  /**
+   * Extension (step plans with prefix reuse, README "Step plans"): nodes [0, prefix_tokens) are a chain (the first
+   * sorted sequence's root path) that the rank holds cached from an earlier micro-batch of the step; before this
+   * micro-batch the segments ending at the depths `prefix_push` lists are pushed (run without grad, from the stack's
+   * depth), after it `prefix_release` segments are popped. All three present together, or none.
+   */
+  prefix_tokens?: number;
+  prefix_push?: number[];
+  prefix_release?: number;
 }
 
 /** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */

@@ -31,6 +31,7 @@ export function packWindow(samples: readonly Sample[], opts: WindowOptions): { m
     }
     const padded = mb.padTokens > 0 ? padForest(batch, mb.padTokens, opts.padTokenId ?? 0) : batch;
     if ((opts.padMultiple ?? 1) > 1) padded.meta = { ...padded.meta, num_tokens_packed: mb.packedTokens, num_pad_tokens: mb.padTokens };
+    if (mb.prefix) padded.meta = { ...padded.meta, prefix_tokens: mb.prefix.tokens, prefix_push: mb.prefix.push, prefix_release: mb.prefix.release };
     return { batch: padded, samples: members, plan: mb };
   });
   return { microBatches, plan };

@@ -127,6 +127,8 @@ export class PackerCore {
       if (p.plan && budget) {
         // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
         Object.assign(entry, { rank: p.plan.rank, step: Math.floor(index / budget.dp), pad_tokens: p.plan.padTokens, attention_pairs: p.plan.attentionPairs, cost: p.plan.cost });
+        const op = p.plan.prefix;
+        if (op) Object.assign(entry, { prefix_tokens: op.tokens, prefix_push: op.push, prefix_release: op.release, computed_tokens: p.plan.computedTokens, pushed_tokens: p.plan.pushedTokens });
       }
       yield { index, batch: p.batch, samples: p.samples, ...(p.plan && { plan: p.plan }), ...(lowered && { masks: lowered }), entry };
     }
@@ -247,6 +249,14 @@ export class PackerCore {
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
       stats.optimumTokens += w.plan.optimumTokens;
       w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
+      const pr = w.plan.prefixReuse;
+      if (pr) {
+        const acc = (stats.prefixReuse ??= { computedTokens: 0, pushedTokens: 0, peakCachedTokens: 0 });
+        acc.computedTokens += pr.computedTokens;
+        acc.pushedTokens += pr.pushedTokens;
+        acc.peakCachedTokens = Math.max(acc.peakCachedTokens, pr.peakCachedTokens);
+        if (pr.peakCachedBytes !== undefined) acc.peakCachedBytes = Math.max(acc.peakCachedBytes ?? 0, pr.peakCachedBytes);
+      }
     } else {
       out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest }), samples: pending }];
       stats.optimumTokens += out[0].batch.meta.num_tokens_packed;

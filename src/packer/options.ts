@@ -25,6 +25,10 @@ export interface BudgetSettings {
   cost?: CostModel;
   /** see BudgetOptions.balanceSlack; default 0.01 */
   balanceSlack?: number;
+  /** prefix reuse (README "Step plans"): the most prefix tokens a rank holds cached; off when absent */
+  prefixCacheTokens?: number;
+  /** bytes one cached prefix token costs, for the manifest's peak_cached_bytes */
+  prefixBytesPerToken?: number;
 }
 
 export interface PackerOptions {

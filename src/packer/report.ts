@@ -31,6 +31,8 @@ export interface PackReport {
   optimumTokens: number;
   /** with a budget: the summed cost per rank */
   rankCosts: number[];
+  /** with prefix reuse: tokens computed with grad and pushed without it (summed over windows), the most cached at once */
+  prefixReuse?: { computedTokens: number; pushedTokens: number; peakCachedTokens: number; peakCachedBytes?: number };
   seconds: { readParse: number; tokenize: number; merge: number; pack: number };
   tokenizer: string;
   backend: string; // the forest packer: what ran and why
@@ -90,6 +92,12 @@ export function manifestHeader(r: PackReport): ManifestHeader {
     naive_tokens: r.naiveTokens,
     packed_tokens: r.packedTokens,
     ...(r.budget && { ...optionFields(r, inBudget), optimum_tokens: r.optimumTokens, rank_costs: r.rankCosts, imbalance: imbalance(r.rankCosts) }),
+    ...(r.prefixReuse && {
+      computed_tokens: r.prefixReuse.computedTokens,
+      pushed_tokens: r.prefixReuse.pushedTokens,
+      peak_cached_tokens: r.prefixReuse.peakCachedTokens,
+      ...(r.prefixReuse.peakCachedBytes !== undefined && { peak_cached_bytes: r.prefixReuse.peakCachedBytes }),
+    }),
   };
   // The option fields come from the table, typed there as unknown; ManifestHeader names each one it writes.
   return header as unknown as ManifestHeader;
