@@ -4,11 +4,16 @@
  * micro-batch's cached chain, everything is released), every sequence in exactly one micro-batch, the budgets, the
  * cache refusal, determinism and order independence. Expected values come from the sequences and forests directly.
  */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
 import { planMicroBatches, type Plan } from '../src/pack/budget.js';
 import { packForest } from '../src/pack/forest.js';
+import { cli } from './helpers/cli.js';
 import { caught } from './helpers/errors.js';
+import { pythonFor, pythonTests } from './helpers/python.js';
 import { agentBatch, csr, randomBatch, rng, shuffled, toArrays } from './helpers/sequences.js';
 
 interface Replay {
@@ -143,5 +148,42 @@ describe('prefix-reuse step plans', () => {
     const plan = planMicroBatches(csr(seqs), { maxTokens: 30, dp: 2 });
     expect(plan.prefixReuse).toBeUndefined();
     expect(plan.microBatches.every((m) => m.prefix === undefined && m.computedTokens === undefined)).toBe(true);
+  });
+});
+
+const py = pythonFor('test/prefix-plan.test.ts', 'torch');
+
+describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch', () => {
+  it('gives the unsplit forest\'s loss, logprobs and gradients (float64, tiny Qwen3), computing what the manifest says', { timeout: 600_000 }, () => {
+    const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-'));
+    const r = rng(3);
+    const tok = (n: number) => Array.from({ length: n }, () => Math.floor(r() * 90));
+    const stem = tok(40);
+    const lines: string[] = [];
+    for (let e = 0; e < 5; e++) {
+      let ep = stem.concat(tok(6));
+      for (let t = 0; t < 4; t++) {
+        ep = ep.concat(tok(8));
+        lines.push(JSON.stringify({ id: `e${e}t${t}`, tokens: ep, group: 'g', advantages: ep.map(() => Math.round(r() * 8 - 4) / 4) }));
+      }
+    }
+    lines.push(JSON.stringify({ id: 'short', tokens: stem.slice(0, 20).concat([1, 2, 3]), group: 'g', advantages: new Array(23).fill(0.25) }));
+    writeFileSync(join(dir, 'in.jsonl'), lines.join('\n') + '\n');
+    const out = join(dir, 'out');
+    const packed = cli(['pack', join(dir, 'in.jsonl'), '--out', out, '--max-tokens', '40', '--prefix-reuse', '1000', '--dp', '2', '--advantages', 'none', '--quiet']);
+    expect(packed.code, packed.stderr).toBe(0);
+    const res = py.run([join(pythonTests, 'trainer', 'stepplan_dir.py'), out], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    expect(res.status, res.stderr.slice(-4000)).toBe(0);
+    const got = JSON.parse(res.stdout.trim().split('\n').pop()!);
+    expect(got.same_sequences).toBe(true);
+    expect(got.loss_diff).toBeLessThan(1e-10 * Math.max(1, Math.abs(got.loss)));
+    expect(got.logprob_diff).toBeLessThan(1e-10);
+    expect(got.grad_diff).toBeLessThan(1e-10);
+    expect(got.pushed_tokens).toBeGreaterThan(0);
+    expect({ computed_tokens: got.computed_tokens, pushed_tokens: got.pushed_tokens, peak_cached_tokens: got.peak_cached_tokens }).toEqual({
+      computed_tokens: got.manifest.computed_tokens,
+      pushed_tokens: got.manifest.pushed_tokens,
+      peak_cached_tokens: got.manifest.peak_cached_tokens,
+    });
   });
 });

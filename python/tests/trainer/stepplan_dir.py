@@ -1,0 +1,91 @@
+"""Runs a packed directory written with ``treepack pack --prefix-reuse`` through the step-plan executor, rank by rank
+in step order, and the same sequences as one unsplit forest; prints JSON with the largest differences in loss,
+per-token logprobs and parameter gradients (float64, tiny Qwen3). Called by test/prefix-plan.test.ts.
+
+    python stepplan_dir.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from support import tiny_model, torch, tpt  # noqa: E402
+
+from treepack.pack import pack_sequences  # noqa: E402
+
+
+def loss_fn(lp, batch):
+    occ = tpt.gather_occurrences(lp, batch)[batch.loss_mask]
+    adv = batch.advantages[batch.loss_mask].double()
+    return (adv * torch.exp(occ)).sum() + 0.1 * (occ**2).sum()
+
+
+def per_sequence(lp, batch):
+    occ = tpt.gather_occurrences(lp, batch)
+    out = {}
+    for i, sid in enumerate(batch.meta["sequence_ids"]):
+        a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
+        out[sid] = torch.where(batch.loss_mask[a:b], occ[a:b], torch.zeros_like(occ[a:b])).numpy()
+    return out
+
+
+def main(path: str) -> None:
+    manifest = tpt.read_manifest(path)
+    entries = manifest["micro_batches"]
+    batches = [tpt.load_microbatch(os.path.join(path, e["file"])) for e in entries]
+    vocab = 1 + max(int(b.input_ids.max()) for b in batches if b.num_nodes)
+    model = tiny_model("qwen3", torch.float64, vocab=max(vocab, 8))
+
+    # The unsplit forest of every sequence, with the occurrence fields the files carry.
+    seqs, fields = [], {"loss_mask": [], "advantages": []}
+    for b in batches:
+        for i in range(b.num_sequences):
+            a, c = int(b.seq_offsets[i]), int(b.seq_offsets[i + 1])
+            seqs.append((b.meta["sequence_ids"][i], b.sequence(i).tolist()))
+            fields["loss_mask"].append(b.loss_mask[a:c].numpy().astype(np.uint8))
+            fields["advantages"].append(b.advantages[a:c].numpy())
+    mb = pack_sequences([s for _, s in seqs])
+    mb.loss_mask = np.concatenate(fields["loss_mask"])
+    mb.advantages = np.concatenate(fields["advantages"])
+    mb.meta["sequence_ids"] = [sid for sid, _ in seqs]
+    whole = tpt.from_microbatch(mb)
+    lp = tpt.packed_logprobs(model, whole, attention="block").logprobs
+    loss = loss_fn(lp, whole)
+    loss.backward()
+    ref_lp = per_sequence(lp.detach(), whole)
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # Each rank's micro-batches in step order; the ranks' gradients summed, as an all-reduce would.
+    model.zero_grad(set_to_none=True)
+    total, got_lp, stats = 0.0, {}, {"computed": 0, "pushed": 0, "peak": 0}
+    for rank in sorted({e.get("rank", 0) for e in entries}):
+        mine = sorted((e["step"], i) for i, e in enumerate(entries) if e.get("rank", 0) == rank)
+        res = tpt.run_step_plan(model, [batches[i] for _, i in mine], loss_fn, attention="block")
+        total += float(sum(res.losses))
+        for (_, i), lp_i in zip(mine, res.logprobs):
+            got_lp.update(per_sequence(lp_i, batches[i]))
+        stats["computed"] += res.computed_tokens
+        stats["pushed"] += res.pushed_tokens
+        stats["peak"] = max(stats["peak"], res.peak_cached_tokens)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    print(json.dumps({
+        "loss": float(loss.detach()),
+        "loss_diff": abs(total - float(loss.detach())),
+        "logprob_diff": max(float(np.abs(got_lp[s] - ref_lp[s]).max()) for s in ref_lp),
+        "same_sequences": sorted(got_lp) == sorted(ref_lp),
+        "grad_diff": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+        "computed_tokens": stats["computed"],
+        "pushed_tokens": stats["pushed"],
+        "peak_cached_tokens": stats["peak"],
+        "manifest": {k: manifest.get(k) for k in ("optimum_tokens", "computed_tokens", "pushed_tokens", "peak_cached_tokens")},
+    }))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
