@@ -144,19 +144,45 @@ function stackOps(chains: [number, number][], lcpOf: (a: number, b: number) => n
   return ops;
 }
 
-/** Contiguous spans of the costs over K ranks: span r ends where the running sum is nearest to (r+1)/K of the total. */
-function spans(costs: number[], K: number): number[] {
-  const total = costs.reduce((a, c) => a + c, 0);
-  const rank = new Array<number>(costs.length);
-  let r = 0, sum = 0;
-  for (let m = 0; m < costs.length; m++) {
-    const target = ((r + 1) * total) / K;
-    // Move on when this micro-batch lands further past the target than the span stops short of it.
-    if (r < K - 1 && m > 0 && sum + costs[m] - target > target - sum && sum > 0) r++;
-    rank[m] = r;
-    sum += costs[m];
+/**
+ * Contiguous spans of the micro-batches (DFS order) over at most K ranks minimising the slowest rank's load, where a
+ * micro-batch costs its own work plus pushing the part of its chain the previous one on its rank did not hold (its
+ * whole chain when it starts a rank): a binary search on the load limit, each limit checked greedily. Returns each
+ * micro-batch's rank.
+ */
+function spans(own: number[], push: (m: number, from: number) => number, down: number[], K: number): number[] {
+  const n = own.length;
+  const fill = (limit: number): number[] | null => {
+    const rank = new Array<number>(n);
+    let r = 0, load = 0;
+    for (let m = 0; m < n; m++) {
+      let inc = own[m] + push(m, m > 0 ? down[m] : 0);
+      if (m > 0 && load + inc > limit) {
+        r++;
+        load = 0;
+        inc = own[m] + push(m, 0);
+      }
+      if (inc > limit || r >= K) return null;
+      rank[m] = r;
+      load += inc;
+    }
+    return rank;
+  };
+  let lo = 0, hi = 0;
+  for (let m = 0; m < n; m++) {
+    lo = Math.max(lo, own[m] + push(m, 0));
+    hi += own[m] + push(m, 0);
   }
-  return rank;
+  let best = fill(hi)!;
+  if (!fill(lo)) {
+    for (let it = 0; it < 50 && hi - lo > 1e-9 * hi; it++) {
+      const mid = (lo + hi) / 2;
+      const got = fill(mid);
+      if (got) [hi, best] = [mid, got];
+      else lo = mid;
+    }
+  } else best = fill(lo)!;
+  return best;
 }
 
 /**
@@ -170,7 +196,6 @@ export function planPrefixRuns(runs: Runs, B: number, K: number, cost: CostModel
   if (bpt !== undefined && !(Number.isFinite(bpt) && bpt >= 0)) throw argError('prefixBytesPerToken', 'a finite number >= 0', bpt);
   const lcpOf = lcpQuery(runs.lcp);
   const lcpAt = (a: number, b: number) => (a === b ? runs.seqLen[a] : lcpOf(Math.min(a, b), Math.max(a, b)));
-  const cut = cutTree(runs, B);
   // The chain of [lo, hi) hanging at h is the root path of its first sequence long enough to hold it.
   const chainOf = ([lo, hi, h]: [number, number, number]): [number, number] => {
     let rep = lo;
@@ -187,22 +212,49 @@ export function planPrefixRuns(runs: Runs, B: number, K: number, cost: CostModel
       return { lo, hi, rank, step, op, computed, pairs, pushedTokens, pushedPairs, cost: c };
     });
   };
-  const single = plannedOn(cut, 0);
-  const rankOf = K > 1 ? spans(single.map((p) => p.cost), K) : single.map(() => 0);
-  const out: PlannedRun[] = [];
-  for (let r = 0; r < K; r++) out.push(...(K > 1 ? plannedOn(cut.filter((_, m) => rankOf[m] === r), r) : single));
+  // With K > 1 the cut is also tried finer (budgets B/2, B/4, … down to an eighth of a rank's share): more, smaller
+  // micro-batches balance the ranks better, at the price of pushing more chains. The plan whose slowest rank is
+  // fastest wins; ties go to fewer computed tokens, then the larger budget.
+  const total = runs.S > 0 ? runs.tokens(0, runs.S) : 0;
+  const budgets = [B];
+  if (K > 1) for (let b = Math.floor(B / 2); b >= Math.max(1, Math.ceil(total / (8 * K))); b = Math.floor(b / 2)) budgets.push(b);
+  let out: PlannedRun[] | null = null, bestLoad = Infinity, bestComputed = Infinity;
+  let need: PlannedRun | null = null; // the deepest chain of the plan that needs the least cache, for the refusal
+  for (const b of budgets) {
+    const cut = cutTree(runs, b);
+    const chains = cut.map(chainOf);
+    const own = cut.map(([lo, hi, h]) => microBatchCost(runs.tokens(lo, hi) - h, runs.pairs(lo, hi) - pathPairs(h), cost));
+    const down = chains.map((c, m) => (m > 0 ? Math.min(c[1], chains[m - 1][1], lcpAt(chains[m - 1][0], c[0])) : 0));
+    const push = (m: number, from: number) => PUSH_COST * microBatchCost(chains[m][1] - from, pathPairs(chains[m][1]) - pathPairs(from), cost);
+    const rank = K > 1 ? spans(own, push, down, K) : cut.map(() => 0);
+    const planned: PlannedRun[] = [];
+    for (let r = 0; r < K; r++) planned.push(...plannedOn(cut.filter((_, m) => rank[m] === r), r));
+    const loads = new Float64Array(K);
+    let computed = 0;
+    for (const p of planned) {
+      loads[p.rank] += p.cost;
+      computed += p.computed + p.pushedTokens;
+    }
+    const load = Math.max(...loads);
+    const deepest = planned.reduce<PlannedRun | null>((a, p) => (a === null || p.op.tokens > a.op.tokens ? p : a), null);
+    if (deepest && deepest.op.tokens > C) {
+      if (need === null || deepest.op.tokens < need.op.tokens) need = deepest;
+      continue;
+    }
+    if (load < bestLoad * (1 - 1e-9) || (load <= bestLoad * (1 + 1e-9) && computed < bestComputed)) [out, bestLoad, bestComputed] = [planned, load, computed];
+  }
+  if (out === null) {
+    throw new TreepackError(
+      'E_ARG',
+      `the step plan needs ${need!.op.tokens} cached prefix tokens on rank ${need!.rank} (a prefix shared by the micro-batches under it), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
+      ids ? { record: ids[runs.order[need!.lo]] } : {},
+    );
+  }
   let computedTokens = 0, pushedTokens = 0, peak = 0;
   for (const p of out) {
     computedTokens += p.computed + p.pushedTokens;
     pushedTokens += p.pushedTokens;
-    if (p.op.tokens > peak) peak = p.op.tokens;
-    if (p.op.tokens > C) {
-      throw new TreepackError(
-        'E_ARG',
-        `the step plan needs ${p.op.tokens} cached prefix tokens on rank ${p.rank} (a prefix shared by the micro-batches under it), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
-        ids ? { record: ids[runs.order[p.lo]] } : {},
-      );
-    }
+    peak = Math.max(peak, p.op.tokens);
   }
   const stats: PrefixPlanStats = { computedTokens, pushedTokens, peakCachedTokens: peak, ...(bpt !== undefined && { peakCachedBytes: peak * bpt }) };
   return { runs: out, stats };
