@@ -39,6 +39,8 @@ const BAD: Record<string, { flag: string; lib: unknown }> = {
   'budget.cost.a': { flag: '-1', lib: Number.NaN },
   'budget.cost.b': { flag: 'x', lib: Number.POSITIVE_INFINITY },
   'budget.balanceSlack': { flag: '-0.5', lib: '0.1' },
+  'budget.prefixCacheTokens': { flag: '-1', lib: 2.5 },
+  'budget.prefixBytesPerToken': { flag: 'x', lib: -1 },
   merge: { flag: 'x', lib: 'off' },
   'merge.timelineCompareLevel': { flag: 'char', lib: 'bytes' },
   repeatedEpisodeIds: { flag: 'yes', lib: 'yes' },

@@ -3,6 +3,8 @@ import { performance } from 'node:perf_hooks';
 import { helpLines, oneInput, optionFlags, optionHelp, packerOptions, parse, positiveInt } from './args.js';
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
+import { planMicroBatches } from '../pack/budget.js';
+import type { Sequences } from '../pack/contract.js';
 import type { Sample } from '../records/types.js';
 import { packRecords, type PackReport } from '../packer/index.js';
 import { OPTION_TABLE } from '../packer/option-table.js';
@@ -17,13 +19,17 @@ export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 
 Prints records, timelines and samples after the timeline merge, naive and packed tokens, compression
 (naive ÷ packed), drifted messages, timeline snaps (contexts that extend no earlier context of their episode),
-per-group figures and a histogram of the depths at which the prefix trees branch.
+per-group figures, a histogram of the depths at which the prefix trees branch, and step plans: per token budget T
+and rank count K, the tokens a plain split holds and those a step plan with prefix reuse computes (README "Step
+plans"), against the single-forest optimum, with the most prefix tokens a rank holds cached.
 
 Options:
 ${helpLines([
   { flag: '--json', help: 'one JSON object on stdout' },
   ...optionHelp(STATS_OPTIONS),
   { flag: '--groups K', help: 'groups listed in the text report', note: '[default: 10]' },
+  { flag: '--plan-tokens T,…', help: 'token budgets of the step-plan table', note: '[default: 8192,32768,131072]' },
+  { flag: '--plan-dp K,…', help: 'rank counts of the step-plan table', note: '[default: 1,8]' },
   { flag: '-h, --help', help: 'this help' },
 ])}`;
 
@@ -58,12 +64,57 @@ interface StatsReport {
   groups: GroupStats[];
   branch_depth_histogram: { depth: string; count: number }[];
   tokenizer_cache?: PackReport['tokenizerCache'];
+  step_plans: StepPlanRow[];
+}
+
+/** Summed over the input's windows. */
+interface StepPlanRow {
+  max_tokens: number;
+  dp: number;
+  optimum_tokens: number;
+  /** packed tokens of the plain split; null where a sequence is longer than T (the plain split refuses it) */
+  plain_tokens: number | null;
+  /** with prefix reuse: run with grad, run without grad to fill the caches, most cached on a rank at once */
+  computed_tokens: number;
+  pushed_tokens: number;
+  peak_cached_tokens: number;
+}
+
+function stepPlans(windows: Sequences[], budgets: number[], ranks: number[]): StepPlanRow[] {
+  const rows: StepPlanRow[] = [];
+  for (const T of budgets) {
+    for (const K of ranks) {
+      const row: StepPlanRow = { max_tokens: T, dp: K, optimum_tokens: 0, plain_tokens: 0, computed_tokens: 0, pushed_tokens: 0, peak_cached_tokens: 0 };
+      for (const seqs of windows) {
+        const planned = planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff });
+        const p = planned.prefixReuse!;
+        row.optimum_tokens += planned.optimumTokens;
+        row.computed_tokens += p.computedTokens;
+        row.pushed_tokens += p.pushedTokens;
+        row.peak_cached_tokens = Math.max(row.peak_cached_tokens, p.peakCachedTokens);
+        let longest = 0;
+        for (let i = 0; i + 1 < seqs.offsets.length; i++) longest = Math.max(longest, seqs.offsets[i + 1] - seqs.offsets[i]);
+        const plain = longest <= T ? planMicroBatches(seqs, { maxTokens: T, dp: K }) : null;
+        row.plain_tokens = plain && row.plain_tokens !== null ? row.plain_tokens + plain.microBatches.reduce((a, m) => a + m.packedTokens, 0) : null;
+      }
+      rows.push(row);
+    }
+  }
+  return rows;
+}
+
+function intList(name: string, v: string | undefined, fallback: number[]): number[] {
+  return v === undefined ? fallback : v.split(',').map((x) => positiveInt(name, x.trim())!);
 }
 
 const ratio = (a: number, b: number) => (b > 0 ? a / b : 0);
 
 export async function statsCommand(argv: string[]): Promise<number> {
-  const { values, positionals } = parse(argv, { ...optionFlags(STATS_OPTIONS), json: { type: 'boolean' }, groups: { type: 'string' } }, STATS_USAGE);
+  const { values, positionals } = parse(
+    argv,
+    { ...optionFlags(STATS_OPTIONS), json: { type: 'boolean' }, groups: { type: 'string' }, 'plan-tokens': { type: 'string' }, 'plan-dp': { type: 'string' } },
+    STATS_USAGE,
+  );
   if (values.help) {
     console.log(STATS_USAGE);
     return 0;
@@ -73,6 +124,9 @@ export async function statsCommand(argv: string[]): Promise<number> {
   // A diagnostic command: snap detection is worth its cost here.
   const opts = { ...base, merge: base.merge === false ? (false as const) : { ...base.merge, detectTimelineSnap: true } };
   const maxGroups = positiveInt('--groups', values.groups as string | undefined, 10)!;
+  const planTokens = intList('--plan-tokens', values['plan-tokens'] as string | undefined, [8192, 32768, 131072]);
+  const planDp = intList('--plan-dp', values['plan-dp'] as string | undefined, [1, 8]);
+  const windows: Sequences[] = [];
   const progress = progressReporter();
   const histogram: number[] = [];
   const groups = new Map<string, Sample[]>();
@@ -98,6 +152,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   try {
     for await (const { batch, samples } of run) {
       branchDepthHistogram(batch, histogram);
+      windows.push(toSequences(samples));
       for (const s of samples) {
         const list = groups.get(s.group);
         if (list) list.push(s);
@@ -131,6 +186,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
     groups: [...groupFigures.values()],
     branch_depth_histogram: histogram.map((count, k) => ({ depth: bucketLabel(k), count })),
     tokenizer_cache: stats.tokenizerCache,
+    step_plans: stepPlans(windows, planTokens, planDp),
   };
   if (values.json) console.log(JSON.stringify(report));
   else console.log(formatStats(report, maxGroups));
@@ -172,6 +228,15 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     for (const b of r.branch_depth_histogram.slice(first)) {
       const bar = '#'.repeat(max ? Math.round((40 * b.count) / max) : 0);
       lines.push(`  ${b.depth.padStart(13)}  ${String(b.count).padStart(7)}  ${bar}`);
+    }
+  }
+  if (r.step_plans.length) {
+    lines.push('', 'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank)');
+    lines.push('       T    K   plain split   prefix reuse   pushed   peak cached');
+    for (const p of r.step_plans) {
+      const opt = Math.max(1, p.optimum_tokens);
+      const plain = p.plain_tokens === null ? 'infeasible' : `${(p.plain_tokens / opt).toFixed(3)}×`;
+      lines.push(`  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`);
     }
   }
   return lines.join('\n');
