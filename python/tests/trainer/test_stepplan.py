@@ -99,8 +99,8 @@ class StepPlanTest(unittest.TestCase):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         return float(sum(res.losses)), per_seq, grads, res
 
-    def check(self, family, seqs, groups, hangs, attention="block"):
-        model = tiny_model(family, torch.float64, vocab=VOCAB)
+    def check(self, family, seqs, groups, hangs, attention="block", model=None):
+        model = tiny_model(family, torch.float64, vocab=VOCAB) if model is None else model
         data = occurrence_data(seqs, seed=len(seqs))
         ref_loss, ref_lp, ref_grads = self.reference(model, seqs, data)
         loss, lp, grads, res = self.planned(model, seqs, data, groups, hangs, attention)
@@ -166,6 +166,15 @@ class StepPlanTest(unittest.TestCase):
         chains = [seqs[g[0]] for g in groups]
         hangs = [min(len(chains[0]), 10), 8, 0]
         self.check("qwen3", seqs, groups, hangs, attention="dense")
+
+    def test_sliding_window_and_sinks(self):
+        """gpt-oss (a sliding-window layer of window 5 and a full one, attention sinks, MoE): windows are measured in
+        positions, so a branch token's window reaches into the cached prefix."""
+        from test_window import build
+
+        model = build("gpt_oss", window=5)[0]
+        seqs = self.trunk(2)
+        self.check("gpt_oss", seqs, self.sorted_groups(seqs, [2, 1, 2, 2]), [0, 9, 4, 0], model=model)
 
     def test_without_the_cached_prefix_the_result_differs(self):
         """Negative control: the same planned micro-batches with the cached keys/values replaced by zeros (the branches
