@@ -159,6 +159,23 @@ class StepPlanTest(unittest.TestCase):
                 self.assertEqual(res.peak_cached_tokens, 20)
                 self.assertEqual(res.pushed_tokens, 20)  # the stem, pushed once for all eight
 
+    def test_empty_and_fully_cached_micro_batches(self):
+        """A rank padded with an empty micro-batch, and one whose only sequence lies inside the cached chain."""
+        r = random.Random(5)
+        stem = [r.randrange(VOCAB) for _ in range(10)]
+        seqs = [stem + [1, 2], stem[:6], stem + [3, 4, 5]]
+        model = tiny_model("llama", torch.float64, vocab=VOCAB)
+        data = occurrence_data(seqs, seed=6)
+        ref_loss, ref_lp, ref_grads = self.reference(model, seqs, data)
+        batches = [assemble(seqs, data, [1]), assemble(seqs, data, [0]), assemble(seqs, data, [2])]
+        empty = tpt.from_microbatch(pack_sequences([]))
+        ops = [tpt.StepOp(6, [6], 0), tpt.StepOp(10, [10], 0), tpt.StepOp(10, [], 2), tpt.StepOp(0, [], 0)]
+        model.zero_grad(set_to_none=True)
+        res = tpt.run_step_plan(model, batches + [empty], loss_fn, ops, attention="block")
+        self.assertAlmostEqual(float(sum(res.losses)), ref_loss, delta=1e-10 * max(1.0, abs(ref_loss)))
+        for n, p in model.named_parameters():
+            self.assertTrue(torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), n)
+
     def test_dense_mode_and_prefix_only_sequence(self):
         seqs = self.trunk(1)
         seqs.append(seqs[0][:10])  # a sequence that lies inside the cached chain

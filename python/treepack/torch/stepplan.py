@@ -226,7 +226,14 @@ class StepPlanRunner:
         if op.release > len(self.stack):
             raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack holds {len(self.stack)} segments", field="prefix_release")
 
-        hidden, _, _ = self._forward(batch, h)
+        if N == 0:  # an empty step (ranks are padded to equal step counts): nothing to run or to score
+            for _ in range(op.release):
+                self._pop()
+            return torch.zeros((), dtype=torch.float64), torch.zeros(0)
+        if N > h:
+            hidden = self._forward(batch, h)[0]
+        else:  # every node is cached (sequences that end on the chain): only the loss runs
+            hidden = self.stack[-1].hidden.new_zeros((0, self.stack[-1].hidden.shape[1]))
         full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
         targets = scored_nodes(batch)
         new = targets[targets >= h]
