@@ -88,22 +88,22 @@ class StepPlanTest(unittest.TestCase):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         return float(loss.detach()), per_sequence(lp.detach(), batch), grads
 
-    def planned(self, model, seqs, data, groups, hangs, attention="block"):
+    def planned(self, model, seqs, data, groups, hangs, attention="block", block_size=4):
         batches = [assemble(seqs, data, g) for g in groups]
         ops = [tpt.StepOp(*o) for o in plan_ops([chain_of(b, h) for b, h in zip(batches, hangs)])]
         model.zero_grad(set_to_none=True)
-        res = tpt.run_step_plan(model, batches, loss_fn, ops, attention=attention)
+        res = tpt.run_step_plan(model, batches, loss_fn, ops, attention=attention, block_size=block_size)
         per_seq = {}
         for b, lp in zip(batches, res.logprobs):
             per_seq.update(per_sequence(lp, b))
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         return float(sum(res.losses)), per_seq, grads, res
 
-    def check(self, family, seqs, groups, hangs, attention="block", model=None):
+    def check(self, family, seqs, groups, hangs, attention="block", model=None, block_size=4):
         model = tiny_model(family, torch.float64, vocab=VOCAB) if model is None else model
         data = occurrence_data(seqs, seed=len(seqs))
         ref_loss, ref_lp, ref_grads = self.reference(model, seqs, data)
-        loss, lp, grads, res = self.planned(model, seqs, data, groups, hangs, attention)
+        loss, lp, grads, res = self.planned(model, seqs, data, groups, hangs, attention, block_size)
         self.assertAlmostEqual(loss, ref_loss, delta=1e-10 * max(1.0, abs(ref_loss)))
         self.assertEqual(sorted(lp), sorted(ref_lp))
         for sid in ref_lp:
@@ -141,6 +141,8 @@ class StepPlanTest(unittest.TestCase):
                     hangs.append(next((i for i, (x, y) in enumerate(zip(prev, cur)) if x != y), min(len(prev), len(cur))))
                 res = self.check(family, seqs, groups, hangs)
                 self.assertGreater(res.pushed_tokens, 0)
+            with self.subTest(family=family, cut="branch points, one block per forest"):
+                self.check(family, seqs, groups, hangs, block_size=128)
             with self.subTest(family=family, cut="inside a segment, several depths"):
                 groups = self.sorted_groups(seqs, [2, 1, 2, 2])
                 hangs = [0, 9, 4, 0]  # 9 and 4: inside the shared stem, not at a branch point

@@ -228,11 +228,22 @@ def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale:
 
 
 def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor], skip: int = 0) -> torch.Tensor:
     plan = mask._cache.get(("block", q.device))
     if plan is None:
         plan = mask._cache[("block", q.device)] = _block_plan(mask)
     B = mask.BLOCK_SIZE[0]
+    first = skip // B  # query blocks before it hold only rows nobody reads
+    if first:
+        cut = mask._cache.get(("block", q.device, first))
+        if cut is None:
+            cut = []
+            for r, keys, visible in plan:
+                sel = r >= first
+                if bool(sel.any()):
+                    cut.append((r[sel], keys[sel], visible[sel]))
+            mask._cache[("block", q.device, first)] = cut
+        plan = cut
     _, H, n, D = q.shape
     nb = -(-n // B)
     pad = nb * B - n
@@ -241,10 +252,10 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
         scale = D**-0.5 if scale is None else scale
         q, k, sink_key = _with_sink_key(q, k, sinks, scale)
         D = q.shape[-1]
-        sink_plan = mask._cache.get(("block-sink", q.device))
+        sink_plan = mask._cache.get(("block-sink", q.device, first))
         if sink_plan is None:
             # Every call also gathers the sink row, stored after the padded keys, and every query sees it.
-            sink_plan = mask._cache[("block-sink", q.device)] = [
+            sink_plan = mask._cache[("block-sink", q.device, first)] = [
                 (rows, torch.cat([keys, keys.new_full((keys.shape[0], 1), nb * B)], dim=1),
                  torch.cat([visible, visible.new_ones(visible.shape[:2] + (1,))], dim=2))
                 for rows, keys, visible in plan]
@@ -265,15 +276,16 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
         vg = vt.index_select(0, keys.flatten()).reshape(G, -1, vt.shape[1], vt.shape[-1]).transpose(1, 2)
         outs.append(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa))
         order.append(rows)
-    out = torch.cat(outs)[torch.argsort(torch.cat(order))]  # [nb, H, B, Dv] in block order
-    return out.permute(1, 0, 2, 3).reshape(1, H, nb * B, -1)[:, :, :n]
+    out = torch.cat(outs)[torch.argsort(torch.cat(order))]  # [nb - first, H, B, Dv] in block order
+    return out.permute(1, 0, 2, 3).reshape(1, H, (nb - first) * B, -1)[:, :, skip - first * B : n - first * B]
 
 
 def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor], rows: int = 0) -> torch.Tensor:
     dense = mask._cache.get("dense")
     if dense is None:
         dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end, mask.position_ids, mask.window)
+    q, dense = q[:, :, rows:], dense[rows:]
     if sinks is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         q, k, sink_key = _with_sink_key(q, k, sinks, scale)
@@ -287,10 +299,11 @@ _compiled_flex: Any = None
 
 
 def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
-           window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+           window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, rows: int = 0) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
     ``window``, only keys within the sliding window (``position_ids[q] - position_ids[k] < window``); with ``sinks``
-    [H], each head's sink logit in every row's softmax denominator (gpt-oss)."""
+    [H], each head's sink logit in every row's softmax denominator (gpt-oss). With ``rows``, only query rows
+    [rows, N) are computed and returned (a step plan's cached prefix: its rows are read by nobody)."""
     if not isinstance(mask, TreeMask):
         raise TreepackError("E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask")
     n = int(mask.subtree_end.shape[0])
@@ -300,12 +313,14 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
         raise TreepackError("E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
         raise TreepackError("E_ARG", f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}", field="s_aux")
+    if rows and mask.mode == "flex":
+        return attend(mask, query, key, value, scale, window, sinks)[:, :, rows:]
     mask = windowed(mask, window)
     gqa = key.shape[1] != query.shape[1]
     if mask.mode == "dense":
-        return _dense_attention(mask, query, key, value, scale, gqa, sinks)
+        return _dense_attention(mask, query, key, value, scale, gqa, sinks, rows)
     if mask.mode == "block":
-        return _block_attention(mask, query, key, value, scale, gqa, sinks)
+        return _block_attention(mask, query, key, value, scale, gqa, sinks, skip=rows)
     global _compiled_flex
     fn = flex_attention
     if query.is_cuda:
@@ -420,13 +435,11 @@ def tree_attention(
     if prefix is not None:
         query, key, value = prefix.extend(module, query, key, value)
     try:
-        out = attend(attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"))
+        out = attend(attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"), rows=0 if prefix is None else prefix.rows)
     except TreepackError as e:
         if e.field not in ("s_aux", "position_ids"):
             raise
         raise TreepackError(e.code, f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: {e.reason}", field=e.field) from None
-    if prefix is not None:
-        out = out[:, :, prefix.rows :]
     return out.transpose(1, 2).contiguous(), None
 
 

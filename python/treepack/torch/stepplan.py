@@ -148,12 +148,12 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
 class StepPlanRunner:
     """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form)."""
 
-    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> None:
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != "treepack":
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
         check_attention_only(model)
-        self.model, self.attention, self.chunk_size = model, attention, chunk_size
+        self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.head, self.base = _head_and_base(model)
         self.stack: List[_Segment] = []
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
@@ -164,7 +164,7 @@ class StepPlanRunner:
 
     def _forward(self, forest: PackedBatch, rows: int) -> Any:
         """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows))."""
-        mask = tree_mask(forest, mode=self.attention)
+        mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
         mask.prefix = ctx = _PrefixAttention(self.stack, rows)
         out = self.base(input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False)
         layers = sorted(ctx.captured)
@@ -261,11 +261,12 @@ class StepPlanRunner:
 
 
 def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
-                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024) -> StepResult:
+                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
-    read from each batch's header."""
-    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size)
+    read from each batch's header; ``attention`` and ``block_size`` are ``tree_mask``'s (the block path skips the query
+    blocks that hold only cached rows)."""
+    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size)
     losses, lps = [], []
     for i, batch in enumerate(batches):
         loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])
