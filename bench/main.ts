@@ -26,6 +26,7 @@ import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from '.
 import { superviseDawnWarnings } from './dawn-warnings.js';
 import { big, fmt, speed } from './format.js';
 import { renderHtml } from './report.js';
+import { benchPrefixStep } from './prefix-step.js';
 import { benchStep, type StepSection } from './step.js';
 import { benchTrainer } from './trainer.js';
 import { analyzeStep, type StepSummary } from './step-report.js';
@@ -206,10 +207,11 @@ const loss = await benchLoss({ quick });
 const masks = await benchMasks(quick, syntheticTokens);
 const memory = await benchMemory(quick);
 const trainer = await benchTrainer(!quick);
+const prefixStep = await benchPrefixStep(!quick);
 await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer };
+const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer, prefixStep };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(
   {
