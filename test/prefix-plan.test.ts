@@ -5,6 +5,8 @@
  * cache refusal, determinism and order independence. Expected values come from the sequences and forests directly.
  */
 import { mkdtempSync, writeFileSync } from 'node:fs';
+import { readMicroBatch, writeMicroBatch } from '../src/io/microbatch.js';
+import type { MicroBatch } from '../src/pack/contract.js';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -141,6 +143,26 @@ describe('prefix-reuse step plans', () => {
     expect(e.code).toBe('E_ARG');
     expect(e.message).toMatch(/needs \d+ cached prefix tokens on rank 0 .*allows 50/);
     expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 400, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(/padMultiple/);
+  });
+
+  it('writes and reads the step-plan header keys, all three or none, checked', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-io-'));
+    const seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6]];
+    const f = packForest(csr(seqs));
+    const base: MicroBatch = {
+      ...f,
+      loss_mask: new Uint8Array(9),
+      meta: { format: 'treepack/1', num_sequences: 2, num_tokens_naive: 9, num_tokens_packed: f.input_ids.length, tokenizer: 't', sequence_ids: ['a', 'b'] },
+    };
+    const path = join(dir, 'mb.safetensors');
+    writeMicroBatch(path, { ...base, meta: { ...base.meta, prefix_tokens: 3, prefix_push: [1, 3], prefix_release: 2 } });
+    expect(readMicroBatch(path).batch.meta).toMatchObject({ prefix_tokens: 3, prefix_push: [1, 3], prefix_release: 2 });
+    writeMicroBatch(path, base);
+    expect(readMicroBatch(path).batch.meta.prefix_tokens).toBeUndefined();
+    const bad = (meta: Partial<MicroBatch['meta']>) => (caught(() => writeMicroBatch(path, { ...base, meta: { ...base.meta, ...meta } })) as TreepackError).message;
+    expect(bad({ prefix_tokens: 3 })).toMatch(/go together/);
+    expect(bad({ prefix_tokens: 3, prefix_push: [3, 2], prefix_release: 0 })).toMatch(/ascending depths ending at prefix_tokens = 3/);
+    expect(bad({ prefix_tokens: 30, prefix_push: [], prefix_release: 0 })).toMatch(/prefix_tokens = 30, expected an integer in \[0, N = 6\]/);
   });
 
   it('leaves plans without prefix reuse as they were', () => {
