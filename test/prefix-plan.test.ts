@@ -57,6 +57,8 @@ function replay(seqs: number[][], plan: Plan, K: number, B: number, C: number): 
       expect(h).toBeLessThanOrEqual(C);
       out.peak = Math.max(out.peak, h);
       expect(N - h).toBeLessThanOrEqual(B);
+      // Computed nodes hang from the chain's last node only: one state at depth h is all a recurrent layer would need.
+      for (let p = h; p < N; p++) if (f.parent[p] >= 0 && f.parent[p] < h) expect(f.parent[p]).toBe(h - 1);
       expect(m.computedTokens).toBe(N - h);
       out.computed += N - h;
       expect(op.release).toBeLessThanOrEqual(stack.length);
@@ -163,6 +165,10 @@ describe('prefix-reuse step plans', () => {
     expect(bad({ prefix_tokens: 3 })).toMatch(/go together/);
     expect(bad({ prefix_tokens: 3, prefix_push: [3, 2], prefix_release: 0 })).toMatch(/ascending depths ending at prefix_tokens = 3/);
     expect(bad({ prefix_tokens: 30, prefix_push: [], prefix_release: 0 })).toMatch(/prefix_tokens = 30, expected an integer in \[0, N = 6\]/);
+  });
+
+  it('plans an empty window as no micro-batches', () => {
+    expect(planMicroBatches(csr([]), { maxTokens: 8, dp: 4, prefixCacheTokens: 8 }).microBatches).toEqual([]);
   });
 
   it('leaves plans without prefix reuse as they were', () => {

@@ -332,6 +332,10 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
   const runs = new Runs(seqs, cost);
   const S = runs.S;
   const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
+  if (S === 0) {
+    const prefixReuse = { computedTokens: 0, pushedTokens: 0, peakCachedTokens: 0, ...(opts.prefixBytesPerToken !== undefined && { peakCachedBytes: 0 }) };
+    return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1, moves: 0, prefixReuse };
+  }
   const planned = planPrefixRuns(runs, B, K, cost, { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken }, ids);
   const perRank = new Int32Array(K);
   for (const p of planned.runs) perRank[p.rank]++;
