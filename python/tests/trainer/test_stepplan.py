@@ -186,6 +186,30 @@ class StepPlanTest(unittest.TestCase):
         hangs = [min(len(chains[0]), 10), 8, 0]
         self.check("qwen3", seqs, groups, hangs, attention="dense")
 
+    def test_packed_loss_per_micro_batch(self):
+        """With PackedLoss (the C kernel, float32 inside) as each micro-batch's loss, the planned execution gives what
+        running the same micro-batches in full gives (ordinary gradient accumulation over the plain split)."""
+        seqs = self.trunk(3)
+        model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
+        data = occurrence_data(seqs, seed=7)
+        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        batches = [assemble(seqs, data, g) for g in groups]
+        cfg = {"clip_low": 0.2, "clip_high": 0.28}
+        packed = lambda lp, b: tpt.packed_loss(lp, b, cfg)[0]  # noqa: E731
+        model.zero_grad(set_to_none=True)
+        want = 0.0
+        for b in batches:
+            loss = packed(tpt.packed_logprobs(model, b, attention="block").logprobs, b)
+            loss.backward()
+            want += float(loss.detach())
+        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ops = [tpt.StepOp(*o) for o in plan_ops([chain_of(b, h) for b, h in zip(batches, [0, 9, 4, 0])])]
+        model.zero_grad(set_to_none=True)
+        res = tpt.run_step_plan(model, batches, packed, ops, attention="block", block_size=4)
+        self.assertAlmostEqual(float(sum(res.losses)), want, delta=1e-6 * max(1.0, abs(want)))
+        for n, p in model.named_parameters():
+            self.assertTrue(torch.allclose(p.grad, ref[n], atol=1e-6, rtol=1e-5), n)
+
     def test_sliding_window_and_sinks(self):
         """gpt-oss (a sliding-window layer of window 5 and a full one, attention sinks, MoE): windows are measured in
         positions, so a branch token's window reaches into the cached prefix."""
