@@ -102,8 +102,8 @@ class _Segment:
 
 class _PrefixAttention:
     """Set as ``prefix`` on a TreeMask of the whole forest (cached chain included): ``tree_attention`` asks it to put
-    the cached keys/values before the computed ones (``extend``), records the computed ones (``captured``), and
-    drops the cached rows from the output (``rows``)."""
+    the cached keys/values before the computed ones (``extend``), which it records (``captured``), and computes only
+    the query rows past the cached ones (``rows``)."""
 
     def __init__(self, stack: List[_Segment], rows: int) -> None:
         self.stack, self.rows = stack, rows
@@ -118,7 +118,7 @@ class _PrefixAttention:
             return query, key, value
         k = torch.cat([s.keys[layer] for s in self.stack] + [key], dim=2)
         v = torch.cat([s.values[layer] for s in self.stack] + [value], dim=2)
-        # The cached rows are queries nobody reads: zeros keep them finite, and no gradient flows through them.
+        # The cached rows are queries nobody reads (attend skips them): zeros hold their places in the forest's layout.
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
         return q, k, v
 
@@ -139,7 +139,6 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
     """A chain of n nodes as a forest: one sequence through all of them (only its node arrays are read)."""
     n, dev = int(ids.shape[0]), ids.device
     ar = torch.arange(n, device=dev)
-    z = torch.zeros(0, device=dev, dtype=torch.int64)
     return PackedBatch(input_ids=ids, position_ids=pos, parent=ar - 1, subtree_end=torch.full((n,), n, device=dev, dtype=torch.int64),
                        seq_offsets=torch.tensor([0, n], device=dev), seq_positions=ar, loss_mask=torch.zeros(n, dtype=torch.bool, device=dev),
                        seq_index=torch.zeros(n, dtype=torch.int64, device=dev), token_index=ar, meta={"num_tokens_packed": n})
