@@ -167,6 +167,14 @@ describe('prefix-reuse step plans', () => {
     expect(bad({ prefix_tokens: 30, prefix_push: [], prefix_release: 0 })).toMatch(/prefix_tokens = 30, expected an integer in \[0, N = 6\]/);
   });
 
+  it('walks a chain thousands of levels deep (each request extends the previous one)', () => {
+    const S = 5000;
+    const seqs = csr(Array.from({ length: S }, (_, k) => Array.from({ length: k + 1 }, (_, t) => (t * 7) % 13)));
+    const plan = planMicroBatches(seqs, { maxTokens: 100, prefixCacheTokens: S });
+    expect(plan.prefixReuse).toMatchObject({ computedTokens: S, pushedTokens: S - 100, peakCachedTokens: S - 100 });
+    exactlyOnce(plan, S);
+  });
+
   it('plans an empty window as no micro-batches', () => {
     expect(planMicroBatches(csr([]), { maxTokens: 8, dp: 4, prefixCacheTokens: 8 }).microBatches).toEqual([]);
   });

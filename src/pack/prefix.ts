@@ -81,37 +81,47 @@ function cutTree(runs: Runs, B: number): [number, number, number][] {
     out.push([carry >= 0 ? carry : lo, hi, hang]);
     carry = -1;
   };
-  const plan = (i: number, j: number, d: number): void => {
-    if (runs.tokens(i, j) - d <= B) return emit(i, j, d);
-    if (j - i === 1) return emit(i, j, seqLen[i] - B); // one sequence longer than B below d: hang it deeper
-    let c = Infinity;
-    for (let k = i + 1; k < j; k++) c = Math.min(c, lcp[k]);
-    if (c > d) return plan(i, j, c);
-    let ga = i, size = 0;
-    const flush = (end: number) => {
-      if (end > ga) {
-        if (size === 0 && carry < 0) carry = ga;
-        else if (size > 0) emit(ga, end, d);
-      }
-    };
-    for (let a = i; a < j; ) {
-      let b = a + 1;
-      while (b < j && lcp[b] > d) b++;
-      const child = runs.tokens(a, b) - d;
-      if (child > B) {
-        flush(a); // a leading group of sequences ending at depth d is carried into the child's first micro-batch
-        plan(a, b, d);
-        ga = b;
-        size = 0;
-      } else if (size + child > B) {
-        flush(a);
-        [ga, size] = [a, child];
-      } else size += child;
-      a = b;
-    }
-    flush(j);
+  // The radix tree is walked with an explicit stack (agent chains nest one level per turn): a frame is a node at
+  // depth d whose children [a, j) are still to be grouped, the open group starting at ga with `size` tokens below d.
+  const frames: { j: number; d: number; a: number; ga: number; size: number }[] = [];
+  const flush = (f: (typeof frames)[number], end: number) => {
+    // A group of sequences ending at depth d (size 0) is carried into the next micro-batch, which lies below it;
+    // an emit takes everything from the carry on, so groups carried meanwhile are taken too.
+    if (end > f.ga && f.size > 0) emit(f.ga, end, f.d);
+    else if (end > f.ga && carry < 0) carry = f.ga;
   };
-  if (S > 0) plan(0, S, 0);
+  const enter = (i: number, j: number, d: number): void => {
+    for (;;) {
+      if (runs.tokens(i, j) - d <= B) return emit(i, j, d);
+      if (j - i === 1) return emit(i, j, seqLen[i] - B); // one sequence longer than B below d: hang it deeper
+      let c = Infinity;
+      for (let k = i + 1; k < j; k++) c = Math.min(c, lcp[k]);
+      if (c === d) return void frames.push({ j, d, a: i, ga: i, size: 0 });
+      d = c; // the range shares a longer chain: its trunk is pushed
+    }
+  };
+  if (S > 0) enter(0, S, 0);
+  while (frames.length) {
+    const f = frames[frames.length - 1];
+    if (f.a >= f.j) {
+      flush(f, f.j);
+      frames.pop();
+      continue;
+    }
+    const a = f.a;
+    let b = a + 1;
+    while (b < f.j && lcp[b] > f.d) b++;
+    f.a = b;
+    const child = runs.tokens(a, b) - f.d;
+    if (child > B) {
+      flush(f, a);
+      [f.ga, f.size] = [b, 0];
+      enter(a, b, f.d);
+    } else if (f.size + child > B) {
+      flush(f, a);
+      [f.ga, f.size] = [a, child];
+    } else f.size += child;
+  }
   // Sequences equal to a chain sort before its extensions, so a carry is always taken by the next micro-batch.
   if (carry >= 0) throw new TreepackError('E_BACKEND', 'prefix plan: sequences ending on a cached chain were left without a micro-batch');
   return out;
@@ -127,7 +137,8 @@ function stackOps(chains: [number, number][], lcpOf: (a: number, b: number) => n
   for (let m = 0; m < n; m++) {
     const h = chains[m][1];
     const cuts = new Set<number>();
-    for (let k = m + 1; k < n && down[m] < h; k++) if (down[k] > down[m] && down[k] < h) cuts.add(down[k]);
+    // Until a later cut goes to down[m] or below (which releases all of them), a cut may fall inside these segments.
+    for (let k = m + 1; k < n && down[k] > down[m]; k++) if (down[k] < h) cuts.add(down[k]);
     if (h > down[m]) cuts.add(h);
     const ends: number[] = [];
     let at = down[m];
