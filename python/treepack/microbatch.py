@@ -241,6 +241,24 @@ def load(src: Source) -> MicroBatch:
         if not re.fullmatch(r"[1-9][0-9]*", vocab):
             raise fail("vocab_size", f"vocab_size is {json.dumps(vocab)}, expected a positive integer")
         meta["vocab_size"] = int(vocab)
+    given = [k for k in ("prefix_tokens", "prefix_push", "prefix_release") if k in md]
+    if given:
+        # Extension (step plans, README "Step plans"): nodes [0, prefix_tokens) are a cached chain; the stack operations.
+        if len(given) != 3:
+            raise fail(given[0], "prefix_tokens, prefix_push and prefix_release go together (a step plan entry)")
+        for key in ("prefix_tokens", "prefix_release"):
+            if not re.fullmatch(r"0|[1-9][0-9]*", md[key]):
+                raise fail(key, f"{key} is {json.dumps(md[key])}, expected a non-negative integer")
+            meta[key] = int(md[key])
+        try:
+            push = json.loads(md["prefix_push"])
+        except ValueError:
+            push = None
+        h = meta["prefix_tokens"]
+        ok = isinstance(push, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in push)
+        if not ok or any(b <= a for a, b in zip([0] + push, push)) or (push and push[-1] != h) or h > meta["num_tokens_packed"]:
+            raise fail("prefix_push", f"prefix_push is {md['prefix_push']}, expected ascending depths ending at prefix_tokens = {h} (<= N)")
+        meta["prefix_push"] = push
     if "tokenizer" not in md:
         raise fail("tokenizer", "tokenizer is missing")
     try:
@@ -303,6 +321,9 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     pos, parent, end, off, sp = (i32(a) for a in (mb.position_ids, mb.parent, mb.subtree_end, mb.seq_offsets, mb.seq_positions))
     mask = np.ascontiguousarray(mb.loss_mask, dtype=np.uint8) if len(mb.loss_mask) == M else None
     pad = mb.meta.get("num_pad_tokens", 0) if isinstance(mb.meta, dict) else 0
+    h = int(mb.meta.get("prefix_tokens", 0)) if isinstance(mb.meta, dict) else 0
+    if h and (h > N or (np.asarray(mb.parent[:h]) != np.arange(-1, h - 1)).any() or (np.asarray(mb.position_ids[:h]) != np.arange(h)).any()):
+        out.append(f"prefix_tokens = {h}: nodes [0, {h}) are not a chain from a root (parent p - 1, position p), so they cannot be a cached prefix")
     kinds = len(_abi.FOREST_CHECKS)
     counts = np.zeros(kinds, dtype=np.int64)
     examples = (_native.Violation * (kinds * _EXAMPLES))()

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from support import needs_torch, tiny_model, torch, tpt
+from support import needs_torch, tiny_model, torch, tpt, write_microbatch
 
 from treepack import TreepackError
 from treepack.pack import pack_sequences
@@ -261,6 +261,27 @@ class StepPlanTest(unittest.TestCase):
         with self.assertRaises(TreepackError) as e:
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "layer_types")
+
+    def test_header_keys_load_and_check(self):
+        import os
+        import tempfile
+
+        import treepack
+
+        mb = pack_sequences([[5, 6, 7, 8], [5, 6, 7, 9, 1]])
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "mb.safetensors")
+            write_microbatch(path, mb, {"prefix_tokens": "3", "prefix_push": "[1, 3]", "prefix_release": "2"})
+            got = treepack.load(path)
+            self.assertEqual((got.meta["prefix_tokens"], got.meta["prefix_push"], got.meta["prefix_release"]), (3, [1, 3], 2))
+            self.assertEqual(tuple(tpt.step_op(tpt.load_microbatch(path))), (3, [1, 3], 2))
+            for meta, field in (({"prefix_tokens": "3"}, "prefix_tokens"), ({"prefix_tokens": "3", "prefix_push": "[3, 1]", "prefix_release": "0"}, "prefix_push")):
+                write_microbatch(path, mb, meta)
+                with self.assertRaises(TreepackError) as e:
+                    treepack.load(path)
+                self.assertEqual(e.exception.field, field)
+            write_microbatch(path, mb, {"prefix_tokens": "5", "prefix_push": "[5]", "prefix_release": "0"})  # node 4 branches off
+            self.assertTrue(any("prefix_tokens = 5" in p for p in treepack.check_invariants(treepack.load(path))))
 
     def test_ops_read_from_the_header(self):
         seqs = self.trunk()
