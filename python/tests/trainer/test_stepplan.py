@@ -257,6 +257,12 @@ class StepPlanTest(unittest.TestCase):
         with self.assertRaises(TreepackError) as e:
             tpt.run_step_plan(sdpa, [b], loss_fn)
         self.assertEqual(e.exception.field, "attn_implementation")
+        model.model.noise = torch.nn.Dropout(0.1)
+        model.train()
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "dropout")
+        model.eval()
         model.config.layer_types = ["full_attention", "linear_attention"]
         with self.assertRaises(TreepackError) as e:
             tpt.run_step_plan(model, [b], loss_fn)

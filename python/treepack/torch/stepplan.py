@@ -152,6 +152,10 @@ class StepPlanRunner:
         if impl != "treepack":
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
         check_attention_only(model)
+        for name, m in model.named_modules():
+            # A prefix is run twice (pushed, then popped with grad): both must compute the same values.
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
+                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs equal (call model.eval() or set p = 0)", field="dropout")
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.head, self.base = _head_and_base(model)
         self.stack: List[_Segment] = []
