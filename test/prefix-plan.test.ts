@@ -187,6 +187,24 @@ describe('prefix-reuse step plans', () => {
   });
 });
 
+describe('treepack stats: the step-plan table', () => {
+  it('reports plain split and prefix reuse per budget and rank count', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-stats-'));
+    const seqs = toArrays(agentBatch(4, { groups: 2, episodes: 4, turns: 4, prompt: 100, step: 30 }));
+    writeFileSync(join(dir, 'in.jsonl'), seqs.map((tokens, i) => JSON.stringify({ id: `s${i}`, tokens, group: `g${i % 2}` })).join('\n') + '\n');
+    const longest = Math.max(...seqs.map((s) => s.length));
+    const r = cli(['stats', join(dir, 'in.jsonl'), '--json', '--plan-tokens', `${longest - 1},${4 * longest}`, '--plan-dp', '1,2']);
+    expect(r.code, r.stderr).toBe(0);
+    const rows = JSON.parse(r.stdout).step_plans as { max_tokens: number; dp: number; optimum_tokens: number; plain_tokens: number | null; computed_tokens: number }[];
+    expect(rows.map((x) => [x.max_tokens, x.dp])).toEqual([[longest - 1, 1], [longest - 1, 2], [4 * longest, 1], [4 * longest, 2]]);
+    for (const x of rows) {
+      expect(x.optimum_tokens).toBe(packForest(csr(seqs)).input_ids.length);
+      if (x.dp === 1) expect(x.computed_tokens).toBe(x.optimum_tokens);
+      expect(x.plain_tokens === null).toBe(x.max_tokens < longest);
+    }
+  });
+});
+
 const py = pythonFor('test/prefix-plan.test.ts', 'torch');
 
 describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch', () => {
