@@ -24,15 +24,18 @@ MANIFEST_FILE = "manifest.json"
 
 NODE_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end")
 OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+# Optional contract tensors: the floats, and the turn ids of turn-level aggregation (README format reference).
+OPTIONAL_FIELDS = OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)
 _META_NUMBERS = ("num_sequences", "num_tokens_naive", "num_tokens_packed")
 
-# Contract tensors and their dtypes; F32 ones are optional.
+# Contract tensors and their dtypes; OPTIONAL_FIELDS may be absent.
 _CONTRACT_DTYPES = {
     **{f: "I32" for f in NODE_FIELDS},
     "seq_offsets": "I32",
     "seq_positions": "I32",
     "loss_mask": "U8",
     **{f: "F32" for f in OCCURRENCE_FLOAT_FIELDS},
+    "turn_ids": "I32",
 }
 
 # BF16 and F8 have no numpy dtype: they are carried as their raw bits.
@@ -193,6 +196,7 @@ class MicroBatch:
     old_logprobs: Optional[np.ndarray] = None
     ref_logprobs: Optional[np.ndarray] = None
     rollout_logprobs: Optional[np.ndarray] = None
+    turn_ids: Optional[np.ndarray] = None  # int32 [M], never decreasing along a sequence
 
     @property
     def num_sequences(self) -> int:
@@ -212,7 +216,7 @@ def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> 
     for f in NODE_FIELDS:
         if len(getattr(mb, f)) != N:
             raise fail(f, f"{f} has {len(getattr(mb, f))} elements but input_ids has N = {N}")
-    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+    for f in ("loss_mask",) + OPTIONAL_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) != M:
             raise fail(f, f"{f} has {len(a)} elements but seq_positions has M = {M}")
@@ -268,7 +272,7 @@ def load(src: Source) -> MicroBatch:
     fields: Dict[str, np.ndarray] = {}
     for name, dtype in _CONTRACT_DTYPES.items():
         if name not in st.tensors:
-            if dtype == "F32":
+            if name in OPTIONAL_FIELDS:
                 continue
             raise fail(name, f"required tensor {name} is missing")
         if st.dtypes[name] != dtype:
@@ -298,7 +302,8 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     its parent's and each interval's length is 1 + the sum of its children's lengths: nesting puts every
     descendant inside, the lengths leave room for nothing else. Occurrence checks: seq_offsets is CSR,
     seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
-    position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0.
+    position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0, turn_ids (when present) never decreasing along a
+    sequence.
     """
     out: List[str] = []
     N, M = len(mb.input_ids), len(mb.seq_positions)
@@ -347,7 +352,7 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         )
 
     S = len(mb.seq_offsets) - 1
-    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+    for f in ("loss_mask",) + OPTIONAL_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) != M:
             out.append(f"{f} has {len(a)} elements: expected M = {M} (length of seq_positions)")
@@ -395,6 +400,11 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         "position_ids[seq_positions[k]] not t",
         lambda k: f"position_ids[{sp[k]}] = {node_pos[k]}, expected {t[k]} {at(k)}",
     )
+    if mb.turn_ids is not None and len(mb.turn_ids) == M:
+        turn = mb.turn_ids.astype(np.int64)
+        down = np.zeros(M, dtype=bool)
+        down[1:] = turn[1:] < turn[:-1]
+        _report(out, down & (t > 0), "turn_ids decreasing along a sequence", lambda k: f"turn_ids[{k}] = {turn[k]} < {turn[k - 1]} {at(k)}")
     return out
 
 

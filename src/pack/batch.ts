@@ -1,10 +1,11 @@
 /**
  * Samples → one packed micro-batch: concatenates the per-token fields in input order (the occurrence arrays of
- * the contract) and builds the forest with whichever packer the caller resolved.
+ * the contract, turn ids included) and builds the forest with whichever packer the caller resolved.
  */
 import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
 import { FORMAT, MAX_TOKENS, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type OccurrenceFloatField, type Sequences } from './contract.js';
+import { sampleTurnIds } from './turns.js';
 
 /**
  * Concatenates token sequences into CSR form. `idOf(i)` names sequence i in the error when the total passes the
@@ -59,6 +60,20 @@ function floatField(samples: readonly Sample[], offsets: Int32Array, field: Occu
   return out;
 }
 
+/**
+ * Turn ids (src/pack/turns.ts) when any sample knows its messages; a sample that does not is one turn (id 0): with
+ * no boundaries, its tokens are one span.
+ */
+function turnField(samples: readonly Sample[], offsets: Int32Array): Int32Array | undefined {
+  const ids = samples.map(sampleTurnIds);
+  if (ids.every((t) => t === undefined)) return undefined;
+  const out = new Int32Array(offsets[samples.length]);
+  ids.forEach((t, i) => {
+    if (t) out.set(t, offsets[i]);
+  });
+  return out;
+}
+
 export interface AssembleOptions {
   tokenizer: string;
   packForest: (seqs: Sequences) => Forest;
@@ -91,5 +106,7 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
     const col = floatField(samples, seqs.offsets, f);
     if (col) mb[f] = col;
   }
+  const turns = turnField(samples, seqs.offsets);
+  if (turns) mb.turn_ids = turns;
   return mb;
 }
