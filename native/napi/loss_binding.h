@@ -98,7 +98,7 @@ inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
     a->seq_weight = DataOf<float>(info[8]);
   }
   const bool turns = a->config.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
-  if (turns || !info[9].IsNull()) {
+  if ((turns && a->M > 0) || !info[9].IsNull()) {
     if (!IsTyped(info[9], napi_int32_array) || static_cast<int64_t>(Length(info[9])) != a->M) {
       return fail("Expected an Int32Array of length M for turn_ids");
     }

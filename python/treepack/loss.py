@@ -261,7 +261,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
     sw = None if sw is None else np.ascontiguousarray(sw, dtype=np.float32)
     _check_weights(sw, off.shape[0] - 1)
     turn = get("turn_ids") if _turns(cfg) else None
-    if _turns(cfg):
+    if _turns(cfg) and (turn is not None or M):
         if turn is None:
             raise TreepackError("E_INPUT", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none", field="turn_ids")
         turn = np.ascontiguousarray(turn, dtype=np.int32)

@@ -3,6 +3,7 @@ libtreepack_core.so: the cpu backend's packer, byte for byte the TypeScript ``pa
 
     >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]])     # N = 4 nodes for M = 6 tokens
     >>> mb.loss_mask                                      # 1 except each sequence's first token
+    >>> pack_sequences([[1, 2, 3, 4, 5]], turns=[[1, 3]]).turn_ids   # [-1, 0, 0, 1, 1]: turns start at t = 1 and 3
 
 For the whole pipeline (chat records, templates, timeline merge, budgets) use ``treepack pack`` or the library.
 """
@@ -18,9 +19,12 @@ from .loss import core_library
 from .microbatch import FORMAT, MicroBatch, TreepackError
 
 
-def pack_sequences(sequences: Sequence[Sequence[int]], tokenizer: str = "unknown", sequence_ids: Optional[Sequence[str]] = None) -> MicroBatch:
+def pack_sequences(sequences: Sequence[Sequence[int]], tokenizer: str = "unknown", sequence_ids: Optional[Sequence[str]] = None,
+                   turns: Optional[Sequence[Sequence[int]]] = None) -> MicroBatch:
     """The forest of ``sequences`` (token ids) with the occurrence arrays; loss_mask 1 except at t = 0, no
-    per-occurrence floats."""
+    per-occurrence floats. ``turns``: per sequence, the token index where each of its assistant turns starts
+    (increasing); they give the contract's ``turn_ids`` (token t: the turns starting at or before t, minus one), which
+    the Flow-GRPO aggregation reads."""
     lengths = [len(s) for s in sequences]
     tokens = np.fromiter((t for s in sequences for t in s), dtype=np.int64, count=sum(lengths))
     if tokens.size and (tokens.min() < 0 or tokens.max() > 2**31 - 1):
@@ -53,4 +57,19 @@ def pack_sequences(sequences: Sequence[Sequence[int]], tokenizer: str = "unknown
     meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
             "sequence_ids": ids}
     return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=loss_mask, meta=meta)
+                      seq_positions=seq_positions, loss_mask=loss_mask, meta=meta, turn_ids=_turn_ids(turns, lengths))
+
+
+def _turn_ids(turns: Optional[Sequence[Sequence[int]]], lengths: Sequence[int]) -> Optional[np.ndarray]:
+    """The turn_ids [M] of per-sequence turn starts (src/pack/turns.ts defines the same from message boundaries)."""
+    if turns is None:
+        return None
+    if len(turns) != len(lengths):
+        raise TreepackError("E_ARG", f"{len(turns)} turn lists for {len(lengths)} sequences", field="turns")
+    out = []
+    for i, (starts, n) in enumerate(zip(turns, lengths)):
+        st = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if st.size and (st[0] < 0 or st[-1] >= n or (np.diff(st) <= 0).any()):
+            raise TreepackError("E_ARG", f"turns[{i}] = {list(starts)}: expected increasing token indices in [0, {n})", field="turns")
+        out.append(np.searchsorted(st, np.arange(n), side="right") - 1)
+    return np.concatenate(out).astype(np.int32) if out else np.zeros(0, dtype=np.int32)

@@ -48,7 +48,7 @@ export function addonLoss(addon: LossAddon, b: LossBatch, lp: Float32Array, cfg:
     cfg.kl !== 'none' ? b.ref_logprobs! : null,
     cfg.tis !== 'none' ? b.rollout_logprobs! : null,
     b.seq_weight ?? null,
-    cfg.aggregation === 'seq-mean-turn-mean-token-mean' ? b.turn_ids! : null,
+    cfg.aggregation === 'seq-mean-turn-mean-token-mean' ? (b.turn_ids ?? null) : null,
     lp,
     grad,
   );

@@ -69,8 +69,8 @@ export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): 
 }
 
 /**
- * seq_weight [S] finite and ≥ 0; turn_ids [M], needed by the turn aggregation, never decreasing along a sequence
- * (a turn is a run of equal ids). Offsets are checked before this.
+ * seq_weight [S] finite and ≥ 0; turn_ids [M], needed by the turn aggregation (when M > 0), never decreasing along a
+ * sequence (a turn is a run of equal ids). Offsets are checked before this.
  */
 export function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight' | 'turn_ids'>, cfg: LossConfig, fail: (field: string, message: string) => Error): void {
   const off = b.seq_offsets;
@@ -82,6 +82,7 @@ export function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq
   }
   if (cfg.aggregation !== 'seq-mean-turn-mean-token-mean') return;
   const t = b.turn_ids;
+  if (!t && off[S] === 0) return; // nothing to aggregate
   if (!t) throw fail('turn_ids', "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the micro-batch has none (pack records with message boundaries)");
   if (!(t instanceof Int32Array) || t.length !== off[S]) throw fail('turn_ids', `turn_ids must be an Int32Array of M = ${off[S]} elements`);
   for (let i = 0; i < S; i++) {

@@ -42,7 +42,7 @@ def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg
         raise bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
     out: Dict[str, Optional[torch.Tensor]] = {}
     kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)}, "turn_ids": "index"}
-    optional = {"seq_weight": False, "turn_ids": not _turns(cfg), **{f: not _needed(cfg, f) for f in _FIELDS}}
+    optional = {"seq_weight": True, "turn_ids": True, **{f: not _needed(cfg, f) for f in _FIELDS}}
     for name, kind in kinds.items():
         t = _get(batch, name)
         if t is None:
@@ -62,6 +62,8 @@ def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg
     M = pos.shape[0]
     if off.shape[0] < 1 or int(off[0]) != 0 or int(off[-1]) != M or bool((off[1:] < off[:-1]).any()):
         raise bad("seq_offsets", f"seq_offsets is not CSR offsets of M = {M} occurrences (starts at 0, never decreases, ends at M)")
+    if _turns(cfg) and M and out["turn_ids"] is None:
+        raise bad("turn_ids", "the loss config needs turn_ids but the batch has none")
     for name in ("loss_mask", "turn_ids") + _FIELDS:
         t = out[name]
         if t is not None and t.shape[0] != M:
