@@ -248,8 +248,9 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
                                                     static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
                                                     static_cast<int32_t*>(nullptr), static_cast<int>(M), 0, 32, stream);
   if (err != cudaSuccess) return Fail(err);
-  if (turns && (err = cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<const int32_t*>(nullptr),
-                                                    static_cast<int32_t*>(nullptr), static_cast<int>(M + 1), stream)) != cudaSuccess) {
+  // The scan's count is M + 1 (the end of the last range), int64: M itself may be INT32_MAX.
+  if (turns && (err = cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                                    static_cast<int64_t>(M + 1), stream)) != cudaSuccess) {
     return Fail(err);
   }
   // One allocation: per-sequence stats and sums, normalisers, contributions, the sort's keys/values/scratch,
@@ -290,7 +291,7 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
   const unsigned seq_blocks = static_cast<unsigned>(S < 1 ? 1 : S < kMaxBlocks ? S : kMaxBlocks);
   if (turns) {
     Trainable<<<BlocksFor(M + 1), kThreads, 0, stream>>>(mask, M, trainable);
-    if ((err = cub::DeviceScan::ExclusiveSum(scan_tmp, scan_bytes, trainable, before, static_cast<int>(M + 1), stream)) != cudaSuccess) {
+    if ((err = cub::DeviceScan::ExclusiveSum(scan_tmp, scan_bytes, trainable, before, static_cast<int64_t>(M + 1), stream)) != cudaSuccess) {
       return Fail(err);
     }
   }
