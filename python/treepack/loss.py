@@ -77,7 +77,7 @@ class LossConfig:
         if given["clip_high"] is None:  # None is the dataclass's "not given"
             del given["clip_high"]
         for k, v in _resolve(given).items():
-            object.__setattr__(self, k, v)
+            setattr(self, k, v)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -16,13 +16,13 @@
 import type { LossConfig } from './config.js';
 import type { LossBatch } from './types.js';
 
-export interface Normalisers {
+interface Normalisers {
   tokens: number; // T, or global_tokens
   sequences: number; // G, or global_sequences
 }
 
 /** Trainable tokens per sequence, written into `counts` [S]; returns the normalisers. */
-export function countTrainable(seq_offsets: Int32Array, loss_mask: Uint8Array, cfg: LossConfig, counts: Int32Array): Normalisers {
+function countTrainable(seq_offsets: Int32Array, loss_mask: Uint8Array, cfg: LossConfig, counts: Int32Array): Normalisers {
   let tokens = 0;
   let sequences = 0;
   for (let i = 0; i + 1 < seq_offsets.length; i++) {
@@ -36,7 +36,7 @@ export function countTrainable(seq_offsets: Int32Array, loss_mask: Uint8Array, c
 }
 
 /** The weight of every trainable token of a sequence with n > 0 trainable tokens, before seq_weight and loss_scale (not for the turn mode). */
-export function sequenceWeight(cfg: LossConfig, n: number, norm: Normalisers): number {
+function sequenceWeight(cfg: LossConfig, n: number, norm: Normalisers): number {
   switch (cfg.aggregation) {
     case 'token-mean':
       return 1 / norm.tokens;

@@ -72,7 +72,7 @@ export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): 
  * seq_weight [S] finite and ≥ 0; turn_ids [M], needed by the turn aggregation (when M > 0), never decreasing along a
  * sequence (a turn is a run of equal ids). Offsets are checked before this.
  */
-export function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight' | 'turn_ids'>, cfg: LossConfig, fail: (field: string, message: string) => Error): void {
+function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight' | 'turn_ids'>, cfg: LossConfig, fail: (field: string, message: string) => Error): void {
   const off = b.seq_offsets;
   const S = off.length - 1;
   const sw = b.seq_weight;

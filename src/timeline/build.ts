@@ -133,8 +133,9 @@ export function timelineFromSample(s: Sample): Timeline | undefined {
 }
 
 /**
- * A timeline's messages as one sample, with the turn of each token (its 'llm' messages, src/pack/turns.ts). Rollout logprobs are kept when every trainable message has them; a sample
- * mixing messages with and without them would need a placeholder in trainable positions, so it is rejected.
+ * A timeline's messages as one sample, with the turn of each token (its 'llm' messages, src/pack/turns.ts). Rollout
+ * logprobs are kept when every trainable message has them; a sample mixing messages with and without them would
+ * need a placeholder in trainable positions, so it is rejected.
  */
 export function timelineToSample(t: Timeline, messages: readonly TimelineMessage[] = t.messages): Sample {
   const total = messages === t.messages ? timelineLength(t) : messages.reduce((a, m) => a + m.tokens.length, 0);
