@@ -151,6 +151,14 @@ class TurnsTest(unittest.TestCase):
                 treepack.pack_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]], turns=turns)
             self.assertEqual(cm.exception.field, "turns")
 
+    def test_empty_batch(self):
+        mb = treepack.pack_sequences([], turns=[])
+        mb.advantages = mb.old_logprobs = np.zeros(0, dtype=np.float32)
+        for turn_ids in (mb.turn_ids, None):  # nothing to aggregate: no turn ids needed either
+            loss, grad, m = tl.loss_numpy(dataclasses.replace(mb, turn_ids=turn_ids), np.zeros(0, dtype=np.float32),
+                                          {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3})
+            self.assertEqual((loss, grad.size, m["trainable_tokens"]), (0.0, 0, 0))
+
     def test_refusals_name_the_field(self):
         turns = {"aggregation": "seq-mean-turn-mean-token-mean"}
         mb = dataclasses.replace(self.mb, turn_ids=None)
