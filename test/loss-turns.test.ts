@@ -137,7 +137,7 @@ function packed(ts: Trajectory[]): { batch: MicroBatch & { seq_weight: Float32Ar
       source: { file: 't', line: i + 1 },
     };
   });
-  const batch = assembleMicroBatch(samples, { tokenizer: 't', packForest });
+  const batch = assembleMicroBatch(samples, { tokenizer: 't', packForest, turnIds: true });
   expect(checkForest(batch)).toEqual([]);
   const lp = new Float32Array(batch.input_ids.length);
   ts.forEach((t, i) => t.messages.flatMap((m) => m.toks).forEach((x, k) => (lp[batch.seq_positions[batch.seq_offsets[i] + k]] = x.lp)));
@@ -343,7 +343,8 @@ describe('an episode through the packer', () => {
 
   it('merges each episode into one sequence whose turns give the loss of the unmerged calls', async () => {
     const records = [...episode(0, [[40, 41, 42], [43], [44, 45, 46, 47]]), ...episode(1, [[40, 41, 42], [50, 51]])];
-    const merged = await packOne(records);
+    expect((await packOne(records)).turn_ids).toBeUndefined(); // stored only when asked for
+    const merged = await packOne(records, { turnIds: true });
     expect(merged.meta.num_sequences).toBe(2); // the timeline merge made one sequence per episode
     const { b, lp } = withLogprobs(merged);
     // The unmerged view: each call's answer is one turn of its episode's trajectory, read from the records alone.
@@ -370,7 +371,7 @@ describe('an episode through the packer', () => {
       close((got as { loss: number }).loss, want.loss, 1e-6, `${backend} loss`);
     }
     // Negative control: packed without the merge, each call is its own trajectory, and the loss is another.
-    const apart = withLogprobs(await packOne(records, { merge: false }));
+    const apart = withLogprobs(await packOne(records, { merge: false, turnIds: true }));
     expect(apart.b.meta.num_sequences).toBe(5);
     const other = await computeLoss(apart.b, apart.lp, cfg, { backend: 'js' });
     expect(Math.abs(other.loss - want.loss)).toBeGreaterThan(1e-3);

@@ -83,7 +83,7 @@ function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight
   if (cfg.aggregation !== 'seq-mean-turn-mean-token-mean') return;
   const t = b.turn_ids;
   if (!t && off[S] === 0) return; // nothing to aggregate
-  if (!t) throw fail('turn_ids', "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the micro-batch has none (pack records with message boundaries)");
+  if (!t) throw fail('turn_ids', "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the micro-batch has none (treepack pack --turn-ids writes them)");
   if (!(t instanceof Int32Array) || t.length !== off[S]) throw fail('turn_ids', `turn_ids must be an Int32Array of M = ${off[S]} elements`);
   for (let i = 0; i < S; i++) {
     for (let j = off[i] + 1; j < off[i + 1]; j++) {

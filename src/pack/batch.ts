@@ -60,15 +60,11 @@ function floatField(samples: readonly Sample[], offsets: Int32Array, field: Occu
   return out;
 }
 
-/**
- * Turn ids (src/pack/turns.ts) when any sample knows its messages; a sample that does not is one turn (id 0): with
- * no boundaries, its tokens are one span.
- */
-function turnField(samples: readonly Sample[], offsets: Int32Array): Int32Array | undefined {
-  const ids = samples.map(sampleTurnIds);
-  if (ids.every((t) => t === undefined)) return undefined;
+/** Turn ids (src/pack/turns.ts); a sample without message boundaries is one turn (id 0): its tokens are one span. */
+function turnField(samples: readonly Sample[], offsets: Int32Array): Int32Array {
   const out = new Int32Array(offsets[samples.length]);
-  ids.forEach((t, i) => {
+  samples.forEach((s, i) => {
+    const t = sampleTurnIds(s);
     if (t) out.set(t, offsets[i]);
   });
   return out;
@@ -77,6 +73,8 @@ function turnField(samples: readonly Sample[], offsets: Int32Array): Int32Array 
 export interface AssembleOptions {
   tokenizer: string;
   packForest: (seqs: Sequences) => Forest;
+  /** Write `turn_ids` (the packer's `turnIds` option). */
+  turnIds?: boolean;
 }
 
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
@@ -106,7 +104,6 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
     const col = floatField(samples, seqs.offsets, f);
     if (col) mb[f] = col;
   }
-  const turns = turnField(samples, seqs.offsets);
-  if (turns) mb.turn_ids = turns;
+  if (opts.turnIds) mb.turn_ids = turnField(samples, seqs.offsets);
   return mb;
 }

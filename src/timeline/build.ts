@@ -8,7 +8,6 @@
 import { TreepackError } from '../errors.js';
 import type { ChatMessage, ChatRecord, Sample } from '../records/types.js';
 import type { ChatEncoder } from '../tokenize/chat.js';
-import { turnIds } from '../pack/turns.js';
 import { engineTokens } from './drift.js';
 import { timelineLength, type Author, type ResolvedMergeOptions, type Timeline, type TimelineMessage } from './model.js';
 
@@ -133,7 +132,7 @@ export function timelineFromSample(s: Sample): Timeline | undefined {
 }
 
 /**
- * A timeline's messages as one sample, with the turn of each token (its 'llm' messages, src/pack/turns.ts). Rollout
+ * A timeline's messages as one sample, with where its turns (its 'llm' messages) start (src/pack/turns.ts). Rollout
  * logprobs are kept when every trainable message has them; a sample mixing messages with and without them would
  * need a placeholder in trainable positions, so it is rejected.
  */
@@ -157,18 +156,17 @@ export function timelineToSample(t: Timeline, messages: readonly TimelineMessage
     });
   }
   if (withLp) logprobs = new Float32Array(total);
-  const starts = new Int32Array(messages.length);
+  const turns: number[] = [];
   let at = 0;
-  messages.forEach((m, k) => {
-    starts[k] = at;
+  for (const m of messages) {
+    if (m.author === 'llm') turns.push(at);
     tokens.set(m.tokens, at);
     loss_mask.set(m.lossMask, at);
     if (logprobs && m.logprobs) logprobs.set(m.logprobs, at);
     at += m.tokens.length;
-  });
+  }
   if (total > 0) loss_mask[0] = 0;
-  const turn_ids = turnIds(total, starts, (k) => messages[k].author === 'llm');
-  const s: Sample = { kind: 'sample', id: t.id, group: t.group, episode: t.episode, tokens, loss_mask, turn_ids, source: t.source };
+  const s: Sample = { kind: 'sample', id: t.id, group: t.group, episode: t.episode, tokens, loss_mask, turn_starts: Int32Array.from(turns), source: t.source };
   if (t.agent !== undefined) s.agent = t.agent;
   if (t.reward !== undefined) s.reward = t.reward;
   if (t.advantage !== undefined) s.advantage = t.advantage;
