@@ -5,6 +5,7 @@
     >>> mb.sequence(0)                 # tokens of the first sequence
     >>> treepack.check_invariants(mb)  # [] when valid
     >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]])   # pack in process (C core)
+    >>> treepack.LossConfig(aggregation="seq-mean-token-mean", loss_scale=8)   # the loss config, typed
     >>> treepack.check_values(mb, vocab_size=151936)  # masks 0/1, ids in range, finite where trainable
     >>> treepack.list_microbatches("out")  # a packed directory: the files its manifest names, in order
 
@@ -26,10 +27,12 @@ from .microbatch import (
     read_safetensors,
 )
 
+from .loss import LossConfig
 from .pack import pack_sequences
 
 __all__ = [
     "FORMAT",
+    "LossConfig",
     "MANIFEST_FILE",
     "MicroBatch",
     "SafetensorsFile",
