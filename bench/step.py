@@ -83,6 +83,7 @@ def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor) -> tpt.PackedBatc
     pos = b.position_ids[b.seq_positions]
     b.old_logprobs = (-0.5 - ((tok * 31 + pos) % 17).float() / 8).float()
     b.input_ids = torch.searchsorted(vocab, b.input_ids)
+    b.meta["vocab_size"] = int(vocab.numel())  # the ids are now the workload's own vocabulary, the model's rows
     return b
 
 
