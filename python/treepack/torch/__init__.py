@@ -13,8 +13,11 @@ from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
+from .prepare import LAYERS, prepare
+from .segments import Segments, radix_segments, segments_of
 
 __all__ = [
+    "LAYERS",
     "METRICS",
     "NodeScores",
     "PackedLoss",
@@ -22,8 +25,10 @@ __all__ = [
     "packed_logprobs",
     "packed_loss",
     "scored_nodes",
+    "segments_of",
     "PackedBatch",
     "PackedDataset",
+    "Segments",
     "TreeMask",
     "attend",
     "dense_tree_mask",
@@ -31,6 +36,8 @@ __all__ = [
     "from_microbatch",
     "load_microbatch",
     "naive_batch",
+    "prepare",
+    "radix_segments",
     "read_manifest",
     "register",
     "tree_attention",

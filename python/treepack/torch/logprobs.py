@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..microbatch import TreepackError
 from .attention import dense_tree_mask, tree_mask
 from .batch import PackedBatch
+from .prepare import check_dense, prepare
 
 
 class NodeScores(NamedTuple):
@@ -105,8 +106,10 @@ def packed_logprobs(
             raise TreepackError("E_INPUT", f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {vocab_in})", field="input_ids")
         impl = getattr(model.config, "_attn_implementation", None)
         if impl == "treepack":
+            prepare(model)
             mask: Any = tree_mask(batch, mode=attention)
         elif impl in ("sdpa", "eager"):
+            check_dense(model)
             mask = dense_tree_mask(batch.subtree_end)[None, None]
         else:
             raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
