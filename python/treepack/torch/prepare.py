@@ -67,6 +67,12 @@ class _TreeMasks(dict):
     def __missing__(self, key: str) -> TreeMask:
         return self.mask
 
+    def get(self, key: str, default: Any = None) -> TreeMask:
+        return self.mask
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
 
 def _tree_of(value: Any) -> Optional[TreeMask]:
     if isinstance(value, TreeMask):
@@ -100,25 +106,35 @@ def _ensure_dispatch(module_globals: Dict[str, Any], kinds: Dict[str, Callable])
             module_globals[name] = d
 
 
-def _wrap_forward(layer: torch.nn.Module, name: str, kinds: Dict[str, Callable], chunk_align: bool) -> None:
-    module_globals = sys.modules[type(layer).__module__].__dict__
-    plain = type(layer).forward.__get__(layer)
+_TREE_CLASSES: Dict[type, type] = {}
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+def _tree_class(cls: type) -> type:
+    """A subclass of the layer class (same name and module) whose forward runs the tree way on a TreeMask; a class
+    rather than a wrapped instance forward, so copies of a prepared model (copy.deepcopy) stay prepared."""
+    sub = _TREE_CLASSES.get(cls)
+    if sub is not None:
+        return sub
+    kinds = LAYERS[cls.__name__]
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = _tree_of(kwargs.get("attention_mask"))
         if mask is None:
-            return plain(*args, **kwargs)
+            if any(_tree_of(a) is not None for a in args):
+                raise TreepackError("E_ARG", f"{self.treepack_name}: pass the tree as attention_mask=... (by keyword)", field="attention_mask")
+            return cls.forward(self, *args, **kwargs)
         if kwargs.get("cache_params") is not None:
-            raise TreepackError("E_ARG", f"{name}: a tree forward takes no cache", field="cache_params")
-        _ensure_dispatch(module_globals, kinds)
-        token = recurrent.current.set(recurrent.Tree(mask, layer.treepack_chunk_align, name))
+            raise TreepackError("E_ARG", f"{self.treepack_name}: a tree forward takes no cache", field="cache_params")
+        _ensure_dispatch(sys.modules[cls.__module__].__dict__, kinds)
+        token = recurrent.current.set(recurrent.Tree(mask, self.treepack_chunk_align, self.treepack_name))
         try:
-            return plain(*args, **dict(kwargs, attention_mask=None))
+            return cls.forward(self, *args, **dict(kwargs, attention_mask=None))
         finally:
             recurrent.current.reset(token)
 
-    layer.forward = forward
-    layer.treepack_chunk_align = chunk_align
+    sub = _TREE_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                           "treepack_base": cls})
+    return sub
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +160,7 @@ def token_mixers(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Modul
         if any(path.startswith(s + ".") for s in skip):
             continue
         cls = type(m).__name__
-        if cls in LAYERS:
+        if cls in LAYERS or hasattr(type(m), "treepack_base"):
             handled.append((path, m))
             skip.append(path)
         elif cls.endswith("Attention") and _uses_attention_interface(type(m)):
@@ -180,10 +196,11 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
         base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
         base.treepack_prepared = True
     for path, layer in handled:
-        kinds = LAYERS[type(layer).__name__]
-        _ensure_dispatch(sys.modules[type(layer).__module__].__dict__, kinds)
-        if getattr(layer, "treepack_chunk_align", None) is None:
-            _wrap_forward(layer, f"layer {_layer_index(path)} ({type(layer).__name__})", kinds, bool(chunk_align))
+        _ensure_dispatch(sys.modules[type(layer).__module__].__dict__, LAYERS[type(layer).__name__])
+        if not hasattr(type(layer), "treepack_base"):
+            layer.__class__ = _tree_class(type(layer))
+            layer.treepack_name = f"layer {_layer_index(path)} ({type(layer).__name__})"
+            layer.treepack_chunk_align = bool(chunk_align)
         elif chunk_align is not None:
             layer.treepack_chunk_align = chunk_align
     model.treepack_prepared = True
