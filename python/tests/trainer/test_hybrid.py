@@ -145,10 +145,10 @@ class Segments(unittest.TestCase):
 
         for align in (1, 64):
             plan = run_plan(mask, align, torch.device("cpu"))
-            flat = torch.cat([nodes.flatten() for nodes, _ in plan.calls])
+            flat = torch.cat([c.nodes.flatten() for c in plan.calls])
             self.assertTrue(torch.equal(torch.sort(flat[plan.owner]).values, torch.arange(N)))  # each node's output, from a row holding it
-            for nodes, _ in plan.calls:
-                for row in nodes.tolist():
+            for c in plan.calls:
+                for row in c.nodes.tolist():
                     row = [t for t in row if t < N]
                     self.assertEqual(int(batch.position_ids[row[0]]) % align, 0)  # rows start on the chunk grid
                     self.assertTrue(all(parent[b] == a for a, b in zip(row, row[1:])))  # a row is a path

@@ -20,7 +20,7 @@ and FLA / mamba-ssm accept alike, so the CUDA kernels are correct by constructio
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ def _rows(x: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, nodes.flatten()).view(nodes.shape + x.shape[2:])
 
 
-def _run(tree: Tree, chunk: int, inputs: Tuple[torch.Tensor, ...], call: Callable) -> torch.Tensor:
+def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...]."""
     n = int(tree.mask.subtree_end.shape[0])
@@ -84,15 +84,16 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[torch.Tensor, ...], call: Callabl
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
     plan = tree.plan(chunk, inputs[0].device)
-    states: Optional[torch.Tensor] = None  # [1 + rows so far, ...], row 0 = zeros
+    finals: List[torch.Tensor] = []
     outs = []
-    for nodes, source in plan.calls:
-        rows = [None if t is None else _rows(t, nodes) for t in inputs]
-        init = None if states is None or bool((source == 0).all()) else states.index_select(0, source)
+    for c in plan.calls:
+        rows = [None if t is None else _rows(t, c.nodes) for t in inputs]
+        init = None
+        if c.perm is not None:
+            parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
+            init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
         out, final = call(*rows, init)
-        if states is None:
-            states = torch.zeros_like(final[:1])
-        states = torch.cat([states, final.to(states.dtype)])
+        finals.append(final)
         outs.append(out.flatten(0, 1))
     if not outs:
         return inputs[0].new_zeros((1, 0) + inputs[0].shape[2:])
@@ -100,17 +101,22 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[torch.Tensor, ...], call: Callabl
 
 
 def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    chunk_size: int = 64, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False, cu_seqlens: Any = None,
-                    **kwargs: Any) -> Tuple[torch.Tensor, None]:
+                    chunk_size: Optional[int] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                    cu_seqlens: Any = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """A delta rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``: q, k [1, N, H, K], v [1, N, H, V],
-    g [1, N, H] or [1, N, H, K], beta [1, N, H]) on the tree: (out [1, N, H, V], None)."""
+    g [1, N, H] or [1, N, H, K], beta [1, N, H]) on the tree: (out [1, N, H, V], None). ``chunk_size`` is passed on
+    only when the layer passes it (FLA's kernels take none); the grid is 64 tokens otherwise, theirs and the
+    reference's."""
     if initial_state is not None or output_final_state or cu_seqlens is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state or cu_seqlens", field="attention_mask")
 
-    def call(q, k, v, gg, bb, init):
-        return orig(q, k, v, g=gg, beta=bb, chunk_size=chunk_size, initial_state=init, output_final_state=True, **kwargs)
+    if chunk_size is not None:
+        kwargs["chunk_size"] = chunk_size
 
-    return _run(tree, chunk_size, (query, key, value, g, beta), call), None
+    def call(q, k, v, gg, bb, init):
+        return orig(q, k, v, g=gg, beta=bb, initial_state=init, output_final_state=True, **kwargs)
+
+    return _run(tree, chunk_size or 64, (query, key, value, g, beta), call), None
 
 
 def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -124,6 +130,8 @@ def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt
     the floor dt_limit[0] and decay the state."""
     if initial_states is not None or return_final_states or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state, seq_idx or cu_seqlens", field="attention_mask")
+    if dt.element_size() < 4:
+        dt = dt.float()  # as the kernels finish it; bf16 would round the step size
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:

@@ -17,7 +17,7 @@ between the aligned start and a in the segment's own row: every row then starts 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -129,15 +129,23 @@ def conv_fix(mask: Any, k: int, device: torch.device) -> ConvFix:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One batched call of the recurrence: G rows of T tokens, ``nodes`` [G, T] (node ids; ``num_nodes`` stands for a
+    zero padding token at a row's end). Row i starts from state ``perm[i]`` of [zeros, then for each (c, rows) in
+    ``sources`` the final states of those rows of call c] (``perm`` None: every row starts from zeros)."""
+
+    nodes: torch.Tensor
+    sources: List[Tuple[int, torch.Tensor]]
+    perm: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    """The recurrence over the forest as batched calls, in depth order.
+    """The recurrence over the forest as batched calls in depth order (rows of one depth level, grouped by length).
+    ``owner`` [N]: where each node's output is, as a flat index into the calls' outputs [G*T] concatenated (one row
+    computes it; rows that repeat a token compute the same value)."""
 
-    ``calls[c] = (nodes [G, T], source [G])``: G rows of T tokens (node ids, ``num_nodes`` = a zero padding token at a
-    row's end), each row starting from state ``source`` (0: zeros; i >= 1: the final state of row i-1 counting every
-    earlier call's rows in order). ``owner`` [N]: where each node's output is, as a flat index into the calls' outputs
-    [G*T] concatenated (one row computes it; rows that repeat a token compute the same value)."""
-
-    calls: List[Tuple[torch.Tensor, torch.Tensor]]
+    calls: List[Call]
     owner: torch.Tensor
     num_nodes: int
     rows: int  # how many rows in all (a segment's row, or none when aligned and its run is empty)
@@ -179,6 +187,7 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
     source = np.zeros(S, dtype=np.int64)
     calls_np: List[Tuple[np.ndarray, np.ndarray]] = []
     call_segs: List[np.ndarray] = []
+    where: List[Tuple[int, int]] = []  # global row -> (call, row in call)
     count = 0
     by_depth = [np.flatnonzero((seg.depth == d) & runs) for d in range(seg.num_levels)]
     for d in range(seg.num_levels):
@@ -203,10 +212,11 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
                 nodes[i, t : t + own] = np.arange(seg.start[k], seg.start[k] + own)
                 row_id[k] = count
                 count += 1
+                where.append((len(calls_np), i))
             calls_np.append((nodes, source[group]))
             call_segs.append(group)
     # Owner: among the rows holding a node, the one of the lowest segment (a node's own segment when it runs there).
-    flat_nodes = np.concatenate([c[0].ravel() for c in calls_np] + [np.zeros(0, dtype=np.int64)])
+    flat_nodes = np.concatenate([nodes.ravel() for nodes, _ in calls_np] + [np.zeros(0, dtype=np.int64)])
     flat_seg = np.concatenate([np.repeat(g, c[0].shape[1]) for g, c in zip(call_segs, calls_np)] + [np.zeros(0, dtype=np.int64)])
     pos = np.flatnonzero(flat_nodes < n)
     pos = pos[np.lexsort((flat_seg[pos], flat_nodes[pos]))]  # by node, then segment
@@ -216,5 +226,15 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
     owner[held[first]] = pos[first]
     if int(first.sum()) != n:
         raise TreepackError("E_INPUT", "the run plan leaves nodes without an output (not a valid forest)", field="subtree_end")
-    calls = [(torch.from_numpy(nodes).to(device), torch.from_numpy(src).to(device)) for nodes, src in calls_np]
+    calls = []
+    for nodes, src in calls_np:
+        # Each row's start state, gathered per earlier call it comes from (few calls, not one gather per row).
+        srcs = [where[j - 1] for j in src.tolist() if j > 0]
+        sources, perm, at = [], np.zeros(len(src), dtype=np.int64), 1
+        for c in sorted({c for c, _ in srcs}):
+            picks = np.flatnonzero([j > 0 and where[j - 1][0] == c for j in src.tolist()])
+            sources.append((c, torch.tensor([where[src[i] - 1][1] for i in picks], dtype=torch.int64, device=device)))
+            perm[picks] = at + np.arange(len(picks))
+            at += len(picks)
+        calls.append(Call(torch.from_numpy(nodes).to(device), sources, torch.from_numpy(perm).to(device) if sources else None))
     return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size))
