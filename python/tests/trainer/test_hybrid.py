@@ -206,6 +206,48 @@ class HybridEqualsUnpacked(unittest.TestCase):
                     plain.zero_grad()
                     self.assert_equal_runs(packed, plain, self.batch, 1e-10)
 
+    def test_copies_training_mode_and_gradient_checkpointing(self):
+        # A deep copy of a prepared model stays prepared (trainers copy the policy); training mode sends Mamba2 to its
+        # fused path first (None without mamba-ssm, refused on a tree where installed); checkpointing recomputes layers.
+        batch = tpt.load_microbatch(pack(stress_forest(seed=1)[:24], pad=1))
+        for family in ("qwen3_5", "nemotron_h"):
+            with self.subTest(family=family):
+                plain = hybrid_model(family, attn="sdpa")
+                packed = copy.deepcopy(tpt.prepare(copy.deepcopy(plain)))
+                packed.set_attn_implementation("treepack")
+                packed.gradient_checkpointing_enable()
+                packed.train()
+                self.assert_equal_runs(packed, plain, batch, 1e-10)
+
+    def test_stock_float32_bound_with_packed_loss(self):
+        # The stock code (float32 conv, recurrence and norms) with the packed loss kernel on both sides: packed and
+        # unpacked agree to float32 rounding; the bound is printed.
+        config = {"clip_low": 0.2, "clip_high": 0.28, "kl": "k3", "kl_coef": 0.01}
+        batch = self.batch
+        naive = {"seq_offsets": batch.seq_offsets, "seq_positions": torch.arange(batch.num_occurrences), "loss_mask": batch.loss_mask,
+                 "advantages": batch.advantages, "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
+        for family in FAMILIES:
+            with self.subTest(family=family):
+                plain = hybrid_model(family, float64=False, attn="sdpa")
+                packed = tpt.prepare(copy.deepcopy(plain))
+                packed.set_attn_implementation("treepack")
+                lp = tpt.packed_logprobs(packed, batch).logprobs
+                loss_p, _ = tpt.packed_loss(lp, batch, config)
+                lp_u, _ = unpacked_logprobs(plain, batch)
+                loss_u, _ = tpt.packed_loss(lp_u, naive, config)
+                loss_p.backward()
+                loss_u.backward()
+                m = batch.loss_mask
+                d_lp = float((tpt.gather_occurrences(lp, batch)[m] - lp_u[m]).detach().abs().max())
+                grads = dict(plain.named_parameters())
+                d_g = max(float((p.grad - grads[n].grad).abs().max()) / max(float(grads[n].grad.abs().max()), 1e-30)
+                          for n, p in packed.named_parameters() if p.grad is not None)
+                d_loss = abs(float((loss_p - loss_u).detach()))
+                print(f"\nstock float32 {family}: max |logprob diff| {d_lp:.2g}, loss diff {d_loss:.2g}, max relative gradient diff {d_g:.2g}")
+                self.assertLess(d_lp, 1e-4)
+                self.assertLess(d_loss, 1e-5)
+                self.assertLess(d_g, 1e-3)
+
     def test_negative_control_the_packed_row_without_tree_execution_differs(self):
         # The dense tree mask reaches the attention layers; the recurrent layers then run the packed row as one
         # sequence: what packed_logprobs refuses on the dense path (and what prepare() exists for).
@@ -284,6 +326,29 @@ class EntryPoints(unittest.TestCase):
                     lp = torch.log_softmax(logits.double(), -1)[row, batch.input_ids[child]]
                     ref = tpt.packed_logprobs(model, batch, nodes="all").logprobs[child]
                 self.assertLess(float((lp - ref).abs().max()), 1e-12)
+
+    def test_grpo_example_on_a_qwen3_5_checkpoint(self):
+        # examples/grpo_step.py unchanged, given a saved tiny Qwen3.5: packed and unpacked steps agree.
+        import json
+        import os
+        import subprocess
+        import tempfile
+
+        import transformers
+
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
+        cfg = _configs()["qwen3_5"][1]
+        cfg.vocab_size = 512
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(tmp)
+            res = subprocess.run([sys.executable, os.path.join(root, "examples", "grpo_step.py"), "--model", tmp, "--json", "--max-tokens", "2048"],
+                                 capture_output=True, text=True, cwd=root, timeout=300)
+        self.assertEqual(res.returncode, 0, res.stderr[-3000:])
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        self.assertLess(out["packed_tokens"], out["naive_tokens"])
+        self.assertLess(abs(out["loss_packed"] - out["loss_unpacked"]), 1e-5 * max(1.0, abs(out["loss_unpacked"])))
+        self.assertLess(out["max_weight_difference_after_step"], 1e-5)
 
     def test_unsupported_layers_are_refused_by_class_and_index(self):
         import transformers
