@@ -162,49 +162,54 @@ class HybridEqualsUnpacked(unittest.TestCase):
     def setUpClass(cls):
         cls.batch = tpt.load_microbatch(pack(stress_forest(), pad=3))
 
-    def run_both(self, packed, plain, batch):
-        """Packed and unpacked per-occurrence logprobs, entropies, losses (backpropagated) and embedding gradients."""
-        seen_p, hp = embedding_grads(packed)
-        seen_u, hu = embedding_grads(plain)
+    def packed_run(self, model, batch):
+        """Per-occurrence logprobs and entropies, the loss (backpropagated), the embedding gradient per node and the
+        parameter gradients, packed."""
+        seen, hook = embedding_grads(model)
         try:
-            scores = tpt.packed_logprobs(packed, batch, nodes="all", entropy=True, attention="block")
-            lp_p, ent_p = tpt.gather_occurrences(scores.logprobs, batch), tpt.gather_occurrences(scores.entropy, batch)
-            lp_u, ent_u = unpacked_logprobs(plain, batch)
-            loss_p, loss_u = objective(lp_p, ent_p, batch), objective(lp_u, ent_u, batch)
-            loss_p.backward()
-            loss_u.backward()
+            scores = tpt.packed_logprobs(model, batch, nodes="all", entropy=True, attention="block")
+            lp, ent = tpt.gather_occurrences(scores.logprobs, batch), tpt.gather_occurrences(scores.entropy, batch)
+            loss = objective(lp, ent, batch)
+            loss.backward()
         finally:
-            hp.remove()
-            hu.remove()
-        # Per node: the sum of its occurrences' gradients (sequences of one token never ran unpacked).
-        lengths = (batch.seq_offsets[1:] - batch.seq_offsets[:-1]).tolist()
-        ran = iter(seen_u)
-        occ = torch.cat([next(ran).grad[0] if n >= 2 else torch.zeros(n, seen_p[0].shape[-1], dtype=seen_p[0].dtype) for n in lengths])
-        emb_u = torch.zeros_like(seen_p[0].grad[0]).index_add_(0, batch.seq_positions, occ)
-        return (lp_p, ent_p, loss_p, seen_p[0].grad[0]), (lp_u, ent_u, loss_u, emb_u)
+            hook.remove()
+        return lp.detach(), ent.detach(), loss.detach(), seen[0].grad[0], {n: p.grad for n, p in model.named_parameters()}
 
-    def assert_equal_runs(self, packed, plain, batch, tol):
-        (lp_p, ent_p, loss_p, emb_p), (lp_u, ent_u, loss_u, emb_u) = self.run_both(packed, plain, batch)
-        t = batch.token_index > 0
-        self.assertLess(float((lp_p[t] - lp_u[t]).detach().abs().max()), tol)
-        self.assertLess(float((ent_p[t] - ent_u[t]).detach().abs().max()), tol)
-        self.assertLess(abs(float((loss_p - loss_u).detach())), tol)
-        self.assertLess(float((emb_p - emb_u).abs().max()), tol)
-        grads = dict(plain.named_parameters())
-        for name, p in packed.named_parameters():
-            self.assertEqual(p.grad is None, grads[name].grad is None, name)
-            if p.grad is not None:
-                self.assertLess(float((p.grad - grads[name].grad).abs().max()), tol, name)
+    def unpacked_run(self, model, batch):
+        """The same, each sequence alone (a node's embedding gradient: the sum of its occurrences')."""
+        seen, hook = embedding_grads(model)
+        try:
+            lp, ent = unpacked_logprobs(model, batch)
+            loss = objective(lp, ent, batch)
+            loss.backward()
+        finally:
+            hook.remove()
+        lengths = (batch.seq_offsets[1:] - batch.seq_offsets[:-1]).tolist()
+        ran = iter(seen)  # sequences of one token never ran
+        occ = torch.cat([next(ran).grad[0] if n >= 2 else torch.zeros(n, seen[0].shape[-1], dtype=seen[0].dtype) for n in lengths])
+        emb = torch.zeros(batch.num_nodes, occ.shape[-1], dtype=occ.dtype).index_add_(0, batch.seq_positions, occ)
+        return lp.detach(), ent.detach(), loss.detach(), emb, {n: p.grad for n, p in model.named_parameters()}
+
+    def assert_equal_runs(self, packed, unpacked, batch, tol):
+        t = batch.token_index > 0  # the occurrences a logprob is defined at
+        self.assertLess(float((packed[0][t] - unpacked[0][t]).abs().max()), tol, "logprobs")
+        self.assertLess(float((packed[1][t] - unpacked[1][t]).abs().max()), tol, "entropy")
+        self.assertLess(abs(float(packed[2] - unpacked[2])), tol, "loss")
+        self.assertLess(float((packed[3] - unpacked[3]).abs().max()), tol, "embedding gradient")
+        for name, g in packed[4].items():
+            self.assertEqual(g is None, unpacked[4][name] is None, name)
+            if g is not None:
+                self.assertLess(float((g - unpacked[4][name]).abs().max()), tol, name)
 
     def test_float64_every_family_with_and_without_chunk_alignment(self):
         for family in FAMILIES:
             plain = hybrid_model(family, attn="sdpa")
-            for align in (False, True):
+            models = {align: tpt.prepare(copy.deepcopy(plain), chunk_align=align) for align in (False, True)}
+            unpacked = self.unpacked_run(plain, self.batch)
+            for align, packed in models.items():
                 with self.subTest(family=family, chunk_align=align):
-                    packed = tpt.prepare(copy.deepcopy(plain), chunk_align=align)
                     packed.set_attn_implementation("treepack")
-                    plain.zero_grad()
-                    self.assert_equal_runs(packed, plain, self.batch, 1e-10)
+                    self.assert_equal_runs(self.packed_run(packed, self.batch), unpacked, self.batch, 1e-10)
 
     def test_copies_training_mode_and_gradient_checkpointing(self):
         # A deep copy of a prepared model stays prepared (trainers copy the policy); training mode sends Mamba2 to its
@@ -217,13 +222,13 @@ class HybridEqualsUnpacked(unittest.TestCase):
                 packed.set_attn_implementation("treepack")
                 packed.gradient_checkpointing_enable()
                 packed.train()
-                self.assert_equal_runs(packed, plain, batch, 1e-10)
+                self.assert_equal_runs(self.packed_run(packed, batch), self.unpacked_run(plain, batch), batch, 1e-10)
 
     def test_stock_float32_bound_with_packed_loss(self):
         # The stock code (float32 conv, recurrence and norms) with the packed loss kernel on both sides: packed and
         # unpacked agree to float32 rounding; the bound is printed.
         config = {"clip_low": 0.2, "clip_high": 0.28, "kl": "k3", "kl_coef": 0.01}
-        batch = self.batch
+        batch = tpt.load_microbatch(pack(stress_forest(seed=2)[:30], pad=2))
         naive = {"seq_offsets": batch.seq_offsets, "seq_positions": torch.arange(batch.num_occurrences), "loss_mask": batch.loss_mask,
                  "advantages": batch.advantages, "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
         for family in FAMILIES:
