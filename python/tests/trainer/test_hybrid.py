@@ -72,6 +72,24 @@ def _configs():
 FAMILIES = ("qwen3_5", "qwen3_next", "nemotron_h", "kimi_linear")
 
 
+def _sharing_configs():
+    """Families whose recurrent layers call the same functions as the ones above (forward-checked)."""
+    import transformers
+
+    att = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=64)
+    return {
+        "bamba": ("BambaForCausalLM", transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], **mamba, **att)),
+        "granitemoehybrid": ("GraniteMoeHybridForCausalLM", transformers.GraniteMoeHybridConfig(
+            num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16, **mamba, **att)),
+        "falcon_h1": ("FalconH1ForCausalLM", transformers.FalconH1Config(num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, **mamba, **att)),
+        "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", transformers.Qwen3_5MoeTextConfig(
+            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4, **att)),
+    }
+
+
 def hybrid_model(family: str, float64: bool = True, attn: str = "treepack", seed: int = 0):
     """A tiny random-weight model of the family's real transformers class (eval mode), float64 with float64 casts
     or the stock float32 code."""
@@ -210,6 +228,25 @@ class HybridEqualsUnpacked(unittest.TestCase):
                 with self.subTest(family=family, chunk_align=align):
                     packed.set_attn_implementation("treepack")
                     self.assert_equal_runs(self.packed_run(packed, self.batch), unpacked, self.batch, 1e-10)
+
+    def test_families_sharing_the_layers_forward(self):
+        # Bamba, Granite-4 hybrids, Falcon-H1 (Mamba2 mixers) and Qwen3.5-MoE (Gated DeltaNet): the stock code in
+        # float64 weights (its float32 casts kept: Qwen3.5-MoE's recurrence then rounds at float32).
+        batch = tpt.load_microbatch(pack(stress_forest(seed=1)[:24], pad=1))
+        t = batch.token_index > 0
+        for family, (cls_name, cfg) in _sharing_configs().items():
+            with self.subTest(family=family):
+                cfg._experts_implementation = "eager"  # grouped_mm has no float64
+                torch.manual_seed(0)
+                plain = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls_name)(cfg).double().eval()
+                plain.set_attn_implementation("sdpa")
+                packed = tpt.prepare(copy.deepcopy(plain))
+                packed.set_attn_implementation("treepack")
+                self.assertTrue(any(hasattr(type(m), "treepack_base") for m in packed.modules()))
+                with torch.no_grad():
+                    lp = tpt.gather_occurrences(tpt.packed_logprobs(packed, batch, nodes="all").logprobs, batch)
+                    lp_u, _ = unpacked_logprobs(plain, batch)
+                self.assertLess(float((lp[t] - lp_u[t]).abs().max()), 1e-7)
 
     def test_copies_training_mode_and_gradient_checkpointing(self):
         # A deep copy of a prepared model stays prepared (trainers copy the policy); training mode sends Mamba2 to its
