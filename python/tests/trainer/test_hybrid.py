@@ -415,8 +415,11 @@ class EntryPoints(unittest.TestCase):
             tpt.prepare(hybrid)
 
     def test_mismatched_inputs(self):
-        model = tpt.prepare(hybrid_model("qwen3_5"))
         batch = tpt.load_microbatch(pack([[1, 2, 3, 4], [1, 2, 5]]))
+        for family in ("qwen3_5", "nemotron_h"):  # not prepared: a TreeMask is refused, never run as one sequence
+            with self.subTest(family=family), self.assertRaisesRegex(ValueError, r"prepare\(model\)"):
+                hybrid_model(family)(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tpt.tree_mask(batch))
+        model = tpt.prepare(hybrid_model("qwen3_5"))
         other = tpt.tree_mask(tpt.load_microbatch(pack([[1, 2, 3], [1, 2, 5]])))
         with self.assertRaisesRegex(ValueError, "one packed row of N = 4"):
             model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=other)

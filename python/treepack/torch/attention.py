@@ -34,6 +34,10 @@ from ..microbatch import TreepackError
 MODES = ("auto", "flex", "dense", "block")
 
 
+class NotTreeAware(TreepackError, AttributeError):
+    """A TreeMask reached code that is not tree-aware; an AttributeError too, so ``hasattr`` probes stay False."""
+
+
 class TreeMask(BlockMask):
     """A BlockMask of the tree rule that also knows ``subtree_end`` and its attention ``mode``; the block-sparse and
     dense paths cache their gather plans and masks on it, so every layer of a forward shares them."""
@@ -41,6 +45,13 @@ class TreeMask(BlockMask):
     subtree_end: torch.Tensor
     mode: str
     _cache: Dict[Any, Any]
+
+    @property
+    def ndim(self) -> int:
+        # transformers reads a mask's ndim to build its recurrent layers' padding mask: a TreeMask gets there only in
+        # a hybrid model that treepack.torch.prepare has not made tree-aware (its hook hands the layers the TreeMask).
+        raise NotTreeAware("E_ARG", "this model has recurrent layers: call treepack.torch.prepare(model) before passing it a TreeMask "
+                           "(packed_logprobs does)", field="attention_mask")
 
 
 def _subtree_end_of(batch_or_subtree_end: Any) -> torch.Tensor:

@@ -26,18 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from ..microbatch import TreepackError
-from .segments import conv_fix, run_plan
+from .segments import RunPlan, conv_fix, run_plan
 
 
 class Tree:
-    """What a prepared layer runs on: the TreeMask, its chunk alignment (0 = the rule's own chunk size)."""
+    """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors)."""
 
     def __init__(self, mask: Any, chunk_align: bool, layer: str):
         self.mask = mask
         self.chunk_align = chunk_align
         self.layer = layer
 
-    def plan(self, chunk: int, device: torch.device):
+    def plan(self, chunk: int, device: torch.device) -> RunPlan:
         return run_plan(self.mask, chunk if self.chunk_align else 1, device)
 
 
