@@ -70,12 +70,6 @@ def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: t
     return out.index_copy(2, fix.nodes, fixed.t()[None])
 
 
-def _rows(x: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """[1, N, ...] -> [G, T, ...]: the rows' tokens, index N being an all-zero token."""
-    padded = torch.cat([x[0], x.new_zeros((1,) + x.shape[2:])])
-    return padded.index_select(0, nodes.flatten()).view(nodes.shape + x.shape[2:])
-
-
 def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...]."""
@@ -84,10 +78,12 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], cal
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
     plan = tree.plan(chunk, inputs[0].device)
+    # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
+    padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
     finals: List[torch.Tensor] = []
     outs = []
     for c in plan.calls:
-        rows = [None if t is None else _rows(t, c.nodes) for t in inputs]
+        rows = [None if t is None else t.index_select(0, c.nodes.flatten()).view(c.nodes.shape + t.shape[1:]) for t in padded]
         init = None
         if c.perm is not None:
             parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
