@@ -432,6 +432,18 @@ class EntryPoints(unittest.TestCase):
             from treepack.torch.segments import run_plan
 
             run_plan(tpt.tree_mask(batch), 0, torch.device("cpu"))
+        with self.assertRaisesRegex(ValueError, "chunk_align"):
+            tpt.prepare(model, chunk_align="yes")
+
+    def test_prepared_models_run_plain_inputs_unchanged(self):
+        # Without a TreeMask a prepared layer is the stock layer: the same outputs bit for bit (generation, references).
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+        for family in ("qwen3_5", "nemotron_h"):
+            with self.subTest(family=family):
+                plain = hybrid_model(family, float64=False, attn="sdpa")
+                prepared = tpt.prepare(copy.deepcopy(plain))
+                with torch.no_grad():
+                    self.assertTrue(torch.equal(prepared(ids).logits, plain(ids).logits))
 
 
 if __name__ == "__main__":

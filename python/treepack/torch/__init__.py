@@ -6,6 +6,9 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> lp = tpt.packed_logprobs(model, batch).logprobs           # [N], at the nodes that predict trainable tokens
     >>> loss, metrics = tpt.packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})
     >>> loss.backward()
+
+Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
+(packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
 """
 
 from .attention import TreeMask, attend, dense_tree_mask, executed_tiles, register, tree_attention, tree_mask

@@ -188,6 +188,8 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
     """Makes every token-mixing layer of ``model`` (a HF causal LM or base model) run on the TreeMask it is given
     (module docstring); returns the model. ``chunk_align`` None keeps a prepared layer's setting (False the first
     time). Raises TreepackError naming the first layer treepack cannot run."""
+    if chunk_align is not None and not isinstance(chunk_align, bool):
+        raise TreepackError("E_ARG", f"expected True, False or None, got {chunk_align!r}", field="chunk_align")
     handled, other = token_mixers(model)
     if other:
         _refuse(other, "treepack cannot run it on a tree (supported recurrent layers: " + ", ".join(sorted(LAYERS)) + ")")
