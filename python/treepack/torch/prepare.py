@@ -187,7 +187,10 @@ def check_dense(model: torch.nn.Module) -> None:
 def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch.nn.Module:
     """Makes every token-mixing layer of ``model`` (a HF causal LM or base model) run on the TreeMask it is given
     (module docstring); returns the model. ``chunk_align`` None keeps a prepared layer's setting (False the first
-    time). Raises TreepackError naming the first layer treepack cannot run."""
+    time). Raises TreepackError naming the first layer treepack cannot run.
+
+        >>> model = prepare(AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack"), chunk_align=True)
+    """
     if chunk_align is not None and not isinstance(chunk_align, bool):
         raise TreepackError("E_ARG", f"expected True, False or None, got {chunk_align!r}", field="chunk_align")
     handled, other = token_mixers(model)
@@ -205,5 +208,4 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
             layer.treepack_chunk_align = bool(chunk_align)
         elif chunk_align is not None:
             layer.treepack_chunk_align = chunk_align
-    model.treepack_prepared = True
     return model
