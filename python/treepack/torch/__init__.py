@@ -16,7 +16,7 @@ from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
-from .prepare import LAYERS, prepare
+from .models import LAYERS, prepare
 from .segments import Segments, radix_segments, segments_of
 
 __all__ = [

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..microbatch import TreepackError
 from .attention import dense_tree_mask, tree_mask
 from .batch import PackedBatch
-from .prepare import check_dense, prepare
+from .models import check_dense, prepare
 
 
 class NodeScores(NamedTuple):

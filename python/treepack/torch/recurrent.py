@@ -3,7 +3,7 @@
 A Hugging Face recurrent layer calls a few functions of its modeling module: ``causal_conv1d_fn`` and a chunked
 rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``), each the pure-torch
 reference or, where installed, the hub / FLA / mamba-ssm / causal-conv1d kernel bound to that name. ``prepare``
-(python/treepack/torch/prepare.py) puts a dispatcher in front of each name; while a prepared layer runs on a
+(python/treepack/torch/models.py) puts a dispatcher in front of each name; while a prepared layer runs on a
 ``TreeMask`` the dispatcher runs the same function the tree's way, else it calls the function unchanged:
 
 - the convolution runs on the packed row, then the outputs of the nodes whose window crosses a branch point (or

@@ -50,10 +50,13 @@ LAYERS: Dict[str, Dict[str, Callable]] = {
     "BambaMixer": _MAMBA2,
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "FalconH1Mixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
 }
 
 # Names of modules that mix tokens without the attention interface; a Conv1d over the sequence is caught by type.
 _MIXER_NAME = re.compile(r"mamba|mixer|deltanet|delta_?attention|linear_?attention|lightning|shortconv|short_conv|ssm|rwkv|retention|hyena|recurren", re.I)
+# ... unless the name says it works per token (a family's norms, embeddings and MLPs carry the family's name).
+_TOKENWISE_NAME = re.compile(r"norm|embedding|mlp|rotary", re.I)
 
 
 class _TreeMasks(dict):
@@ -152,23 +155,28 @@ def _layer_index(path: str) -> str:
 
 
 def token_mixers(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Module]], List[Tuple[str, torch.nn.Module]]]:
-    """(recurrent layers treepack runs on a tree, token-mixing modules it does not handle), as (path, module)."""
-    handled: List[Tuple[str, torch.nn.Module]] = []
-    other: List[Tuple[str, torch.nn.Module]] = []
-    skip: List[str] = []
-    for path, m in model.named_modules():
-        if any(path.startswith(s + ".") for s in skip):
-            continue
+    """(recurrent layers treepack runs on a tree, token-mixing modules it does not handle), as (path, module). A
+    module looks like a token mixer by type (a Conv1d over the sequence), by name, or as an attention module that
+    bypasses the attention interface; one that holds a handled layer (a decoder layer named after its mixer) is not."""
+    modules = list(model.named_modules())
+    handled = [(p, m) for p, m in modules if type(m).__name__ in LAYERS or hasattr(type(m), "treepack_base")]
+    covered = [p for p, _ in handled] + [p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))]
+    within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
+    other = []
+    for path, m in modules:
         cls = type(m).__name__
-        if cls in LAYERS or hasattr(type(m), "treepack_base"):
-            handled.append((path, m))
-            skip.append(path)
-        elif cls.endswith("Attention") and _uses_attention_interface(type(m)):
-            skip.append(path)  # the attention function takes the tree
-        elif (isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1) or _MIXER_NAME.search(cls) or cls.endswith("Attention"):
+        if any(path == c or within(path, c) or within(c, path) for c in covered):  # handled, or holds / is inside one
+            continue
+        if (isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1) or _named_mixer(cls):
             other.append((path, m))
-            skip.append(path)
+    # Named first, the innermost of them first (a Mamba1 mixer, not the decoder layer named after it); then convolutions.
+    named = [p for p, m in other if _named_mixer(type(m).__name__)]
+    other.sort(key=lambda pm: (pm[0] not in named, sum(within(q, pm[0]) for q in named)))
     return handled, other
+
+
+def _named_mixer(cls: str) -> bool:
+    return (bool(_MIXER_NAME.search(cls)) or cls.endswith("Attention")) and not _TOKENWISE_NAME.search(cls)
 
 
 def _refuse(other: List[Tuple[str, torch.nn.Module]], why: str) -> None:
