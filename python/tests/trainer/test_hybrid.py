@@ -86,6 +86,9 @@ def _sharing_configs():
         "zamba2": ("Zamba2ForCausalLM", transformers.Zamba2Config(
             num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
             mamba_headdim=8, n_mamba_heads=8, chunk_size=64, attention_head_dim=16, num_mem_blocks=1, **dict(att, num_key_value_heads=2))),
+        "olmo_hybrid": ("OlmoHybridForCausalLM", transformers.OlmoHybridConfig(
+            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=None, linear_conv_kernel_dim=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, **att)),
         "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", transformers.Qwen3_5MoeTextConfig(
             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
             shared_expert_intermediate_size=16, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -233,8 +236,8 @@ class HybridEqualsUnpacked(unittest.TestCase):
                     self.assert_equal_runs(self.packed_run(packed, self.batch), unpacked, self.batch, 1e-10)
 
     def test_families_sharing_the_layers_forward(self):
-        # Bamba, Granite-4 hybrids, Falcon-H1, Zamba2 (Mamba2 mixers) and Qwen3.5-MoE (Gated DeltaNet): the stock code in
-        # float64 weights (its float32 casts kept: Qwen3.5-MoE's recurrence then rounds at float32).
+        # Bamba, Granite-4 hybrids, Falcon-H1, Zamba2 (Mamba2 mixers), OLMo-Hybrid and Qwen3.5-MoE (Gated DeltaNet):
+        # the stock code in float64 weights (its float32 casts kept: the GDN recurrences then round at float32).
         batch = tpt.load_microbatch(pack(stress_forest(seed=1)[:24], pad=1))
         t = batch.token_index > 0
         for family, (cls_name, cfg) in _sharing_configs().items():

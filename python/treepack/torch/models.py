@@ -45,6 +45,7 @@ LAYERS: Dict[str, Dict[str, Callable]] = {
     "Qwen3_5GatedDeltaNet": _GDN,
     "Qwen3_5MoeGatedDeltaNet": _GDN,
     "Qwen3NextGatedDeltaNet": _GDN,
+    "OlmoHybridGatedDeltaNet": _GDN,
     "KimiLinearDeltaAttention": _KDA,
     "NemotronHMamba2Mixer": _MAMBA2,
     "BambaMixer": _MAMBA2,
