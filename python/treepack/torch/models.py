@@ -113,13 +113,20 @@ def _ensure_dispatch(module_globals: Dict[str, Any], kinds: Dict[str, Callable])
 _TREE_CLASSES: Dict[type, type] = {}
 
 
+def _registered(cls: type) -> Optional[type]:
+    """The transformers layer class in ``LAYERS`` that ``cls`` is or derives from (a wrapper's subclass, FSDP2's)."""
+    return next((c for c in cls.__mro__ if c.__name__ in LAYERS and c.__module__.startswith("transformers.")), None)
+
+
 def _tree_class(cls: type) -> type:
     """A subclass of the layer class (same name and module) whose forward runs the tree way on a TreeMask; a class
     rather than a wrapped instance forward, so copies of a prepared model (copy.deepcopy) stay prepared."""
     sub = _TREE_CLASSES.get(cls)
     if sub is not None:
         return sub
-    kinds = LAYERS[cls.__name__]
+    base = _registered(cls)
+    kinds = LAYERS[base.__name__]
+    module_globals = sys.modules[base.__module__].__dict__  # where its forward looks the functions up
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = _tree_of(kwargs.get("attention_mask"))
@@ -129,7 +136,7 @@ def _tree_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         if kwargs.get("cache_params") is not None:
             raise TreepackError("E_ARG", f"{self.treepack_name}: a tree forward takes no cache", field="cache_params")
-        _ensure_dispatch(sys.modules[cls.__module__].__dict__, kinds)
+        _ensure_dispatch(module_globals, kinds)
         token = recurrent.current.set(recurrent.Tree(mask, self.treepack_chunk_align, self.treepack_name))
         try:
             return cls.forward(self, *args, **dict(kwargs, attention_mask=None))
@@ -160,7 +167,7 @@ def token_mixers(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Modul
     module looks like a token mixer by type (a Conv1d over the sequence), by name, or as an attention module that
     bypasses the attention interface; one that holds a handled layer (a decoder layer named after its mixer) is not."""
     modules = list(model.named_modules())
-    handled = [(p, m) for p, m in modules if type(m).__name__ in LAYERS or hasattr(type(m), "treepack_base")]
+    handled = [(p, m) for p, m in modules if _registered(type(m)) is not None]
     covered = [p for p, _ in handled] + [p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))]
     within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
     other = []
@@ -210,7 +217,8 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
         base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
         base.treepack_prepared = True
     for path, layer in handled:
-        _ensure_dispatch(sys.modules[type(layer).__module__].__dict__, LAYERS[type(layer).__name__])
+        base_cls = _registered(type(layer))
+        _ensure_dispatch(sys.modules[base_cls.__module__].__dict__, LAYERS[base_cls.__name__])
         if not hasattr(type(layer), "treepack_base"):
             layer.__class__ = _tree_class(type(layer))
             layer.treepack_name = f"layer {_layer_index(path)} ({type(layer).__name__})"
