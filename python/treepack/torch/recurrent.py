@@ -9,8 +9,8 @@ reference or, where installed, the hub / FLA / mamba-ssm / causal-conv1d kernel 
 - the convolution runs on the packed row, then the outputs of the nodes whose window crosses a branch point (or
   starts after other tokens) are recomputed on their true windows (their K-1 nearest ancestors, zeros past the
   root): gathered with index_select, so a shared token's gradient is summed over branches by autograd;
-- the recurrence runs as the segments' rows (``segments.run_plan``), one batched call per depth level and length
-  class, each row from its parent's final state (zeros at a root); outputs are gathered back per node. Padding is
+- the recurrence runs as the segments' rows (``segments.run_plan``), a batched call or a few per depth level, each
+  row from its parent's final state (zeros at a root); outputs are gathered back per node. Padding is
   appended at a row's end as all-zero tokens, which leave these states unchanged (decay exp(0), no update).
 
 Every kernel is called as a batch of independent rows with per-row initial states, which the pure-torch functions

@@ -165,6 +165,22 @@ def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
     return plan
 
 
+def _groups(ks: np.ndarray, T: np.ndarray) -> List[np.ndarray]:
+    """The calls of one depth level: rows by decreasing length, a row joining the current call while the call's
+    padded size stays within twice its tokens. Work stays O(tokens); each call is a sequential loop over its longest
+    row's chunks, so fewer calls than one per length class (the pure-torch rule's cost on small shapes)."""
+    ks = ks[np.argsort(-T[ks], kind="stable")]
+    groups, start, total = [], 0, 0
+    for i, k in enumerate(ks.tolist()):
+        if i > start and (i - start + 1) * T[ks[start]] > 2 * (total + T[k]):
+            groups.append(ks[start:i])
+            start, total = i, 0
+        total += T[k]
+    if len(ks):
+        groups.append(ks[start:])
+    return groups
+
+
 def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
     n = len(seg.pred)
     a = seg.offset
@@ -198,10 +214,7 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
         ks = by_depth[d]
         if not len(ks):
             continue
-        # Rows of similar length share a call (at most 2x padding): work stays O(tokens), calls O(levels * log T).
-        cls = np.ceil(np.log2(T[ks])).astype(np.int64)
-        for c in np.unique(cls).tolist():
-            group = ks[cls == c]
+        for group in _groups(ks, T):
             width_g = int(T[group].max())
             nodes = np.full((len(group), width_g), n, dtype=np.int64)
             for i, k in enumerate(group.tolist()):
