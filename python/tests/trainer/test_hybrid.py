@@ -316,46 +316,71 @@ class HybridEqualsUnpacked(unittest.TestCase):
         # Where packing acts: the stock float32 convolution and chunked rules on the same per-token inputs, packed
         # (tree) and per sequence. (Whole layers are compared at the float64 tolerance above: their projections are
         # matmuls whose per-row results CPU BLAS does not keep independent of the row count, packed or not.)
-        from transformers.models.kimi_linear import modeling_kimi_linear as kimi
-        from transformers.models.nemotron_h import modeling_nemotron_h as nemo
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+        for name, align, exact, diff in rule_diffs(self.batch, torch.device("cpu"), torch.float32):
+            with self.subTest(fn=name, chunk_align=align):
+                print(f"\nstock float32 {name}, chunk_align={align}: max |packed - unpacked| = {diff:.3g}")
+                if exact:
+                    self.assertEqual(diff, 0.0)  # bit for bit
+                else:
+                    # float32 rounding: segments off the chunk grid; Mamba2 combines chunk states all at once; CPU
+                    # conv1d itself rounds differently for different sequence lengths (the unpacked runs too).
+                    self.assertLess(diff, 1e-4)
 
-        from treepack.torch import recurrent
 
-        batch, mask = self.batch, tpt.tree_mask(self.batch)
-        N, H, D = batch.num_nodes, 2, 8
-        g = torch.Generator().manual_seed(0)
-        rnd = lambda *shape: torch.randn((1, N) + shape, generator=g)  # noqa: E731
-        q, k, v = rnd(H, D), rnd(H, D), rnd(H, D)
-        beta, decay = torch.sigmoid(rnd(H)), -torch.rand((1, N, H), generator=g)
-        x, w = torch.randn((1, 3 * D, N), generator=g), torch.randn((3 * D, 4), generator=g)
-        dt, A, Bm, Cm = rnd(H), -torch.rand(H, generator=g), rnd(1, D), rnd(1, D)
-        cases = {
-            "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, t: f(t(x, 2), w, activation="silu"), recurrent.tree_conv, 2),
-            "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, t: f(t(q), t(k), t(v), g=t(decay), beta=t(beta), use_qk_l2norm_in_kernel=True)[0],
-                                             recurrent.tree_chunk_rule, 1),
-            "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, t: f(t(q), t(k), t(v), g=t(decay[..., None].expand(1, N, H, D)), beta=t(beta),
-                                                                                           use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1),
-            "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, t: f(t(v), t(dt), A, t(Bm), t(Cm), chunk_size=64, D=torch.ones(H), dt_bias=torch.ones(H),
-                                                                        dt_softplus=True, dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1),
-        }
-        for name, (fn, apply, kind, dim) in cases.items():
-            for align in (True, False):
-                with self.subTest(fn=name, chunk_align=align):
-                    tree = recurrent.Tree(mask, align, name)
-                    packed = apply(lambda *a, **kw: kind(fn, tree, *a, **kw), lambda t, d=1: t)
-                    unpacked = []
-                    for i in range(batch.num_sequences):
-                        pos = batch.seq_positions[int(batch.seq_offsets[i]) : int(batch.seq_offsets[i + 1])]
-                        unpacked.append(apply(fn, lambda t, d=1: t.index_select(d, pos)))
-                    diff = float((packed.index_select(dim, batch.seq_positions) - torch.cat(unpacked, dim)).abs().max())
-                    print(f"\nstock float32 {name}, chunk_align={align}: max |packed - unpacked| = {diff:.3g}")
-                    if align and kind is recurrent.tree_chunk_rule:
-                        self.assertEqual(diff, 0.0)  # bit for bit
-                    else:
-                        # float32 rounding: segments off the chunk grid; Mamba2 combines chunk states all at once; CPU
-                        # conv1d itself rounds differently for different sequence lengths (the unpacked runs too).
-                        self.assertLess(diff, 1e-4)
+def rule_diffs(batch, device, dtype):
+    """(function, chunk_align, expected bit for bit, max |packed - unpacked|) for the convolution and chunked rules
+    transformers binds now (the pure-torch references, or FLA / causal-conv1d / mamba-ssm kernels where installed),
+    on random per-token inputs: run on the tree, and per sequence."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+    from transformers.models.nemotron_h import modeling_nemotron_h as nemo
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    from treepack.torch import recurrent
+
+    mask = tpt.tree_mask(batch.to(device))
+    N, H, D = batch.num_nodes, 2, 8
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn((1, N) + shape, generator=g).to(device, dtype)  # noqa: E731
+    q, k, v = rnd(H, D), rnd(H, D), rnd(H, D)
+    beta, decay = torch.sigmoid(rnd(H)), -torch.rand((1, N, H), generator=g).to(device, dtype)
+    x, w = torch.randn((1, 3 * D, N), generator=g).to(device, dtype), torch.randn((3 * D, 4), generator=g).to(device, dtype)
+    dt, A, Bm, Cm = rnd(H), -torch.rand(H, generator=g).to(device), rnd(1, D), rnd(1, D)
+    ones = torch.ones(H, device=device)
+    cases = {
+        "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, t: f(t(x, 2), w, activation="silu"), recurrent.tree_conv, 2),
+        "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, t: f(t(q), t(k), t(v), g=t(decay), beta=t(beta), use_qk_l2norm_in_kernel=True)[0],
+                                         recurrent.tree_chunk_rule, 1),
+        "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, t: f(t(q), t(k), t(v), g=t(decay[..., None].expand(1, N, H, D)), beta=t(beta),
+                                                                                       use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1),
+        "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, t: f(t(v), t(dt), A, t(Bm), t(Cm), chunk_size=64, D=ones, dt_bias=ones,
+                                                                    dt_softplus=True, dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1),
+    }
+    seq_positions = batch.seq_positions.to(device)
+    for name, (fn, apply, kind, dim) in cases.items():
+        for align in (True, False):
+            tree = recurrent.Tree(mask, align, name)
+            with torch.no_grad():
+                packed = apply(lambda *a, **kw: kind(fn, tree, *a, **kw), lambda t, d=1: t)
+                unpacked = []
+                for i in range(batch.num_sequences):
+                    pos = seq_positions[int(batch.seq_offsets[i]) : int(batch.seq_offsets[i + 1])]
+                    unpacked.append(apply(fn, lambda t, d=1: t.index_select(d, pos)))
+            diff = float((packed.index_select(dim, seq_positions) - torch.cat(unpacked, dim)).abs().max())
+            yield name, align, align and kind is recurrent.tree_chunk_rule, diff
+
+
+@needs_torch(transformers=True, cuda="the CUDA kernels transformers binds (FLA, causal-conv1d, mamba-ssm) need a CUDA device")
+class HybridCuda(unittest.TestCase):
+    def test_cuda_rules_on_the_tree_equal_per_sequence(self):
+        # Whatever transformers binds on this host (FLA's chunk_gated_delta_rule / chunk_kda, causal-conv1d,
+        # mamba-ssm's chunk scan, or the pure-torch references on the GPU), called as treepack calls it: a batch of
+        # rows with per-row initial states. bfloat16 (FLA refuses float32): equal up to its rounding, where a state
+        # leaking across branches would differ by O(1).
+        batch = tpt.load_microbatch(pack(stress_forest(), pad=3))
+        for name, align, _, diff in rule_diffs(batch, torch.device("cuda"), torch.bfloat16):
+            with self.subTest(fn=name, chunk_align=align):
+                print(f"\nCUDA bfloat16 {name}, chunk_align={align}: max |packed - unpacked| = {diff:.3g}")
+                self.assertLess(diff, 5e-2)
 
 
 @needs_torch(transformers=True)

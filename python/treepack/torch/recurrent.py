@@ -126,8 +126,8 @@ def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt
     the floor dt_limit[0] and decay the state."""
     if initial_states is not None or return_final_states or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state, seq_idx or cu_seqlens", field="attention_mask")
-    if dt.element_size() < 4:
-        dt = dt.float()  # as the kernels finish it; bf16 would round the step size
+    if dt.element_size() < 4 and not getattr(orig, "__module__", "").startswith("transformers."):
+        dt = dt.float()  # as mamba-ssm's kernel finishes it (transformers' reference: in dt's own dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
