@@ -6,6 +6,9 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> lp = tpt.packed_logprobs(model, batch).logprobs           # [N], at the nodes that predict trainable tokens
     >>> loss, metrics = tpt.packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})
     >>> loss.backward()
+
+Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
+(packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
 """
 
 from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
@@ -13,8 +16,11 @@ from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, packed_loss
+from .models import LAYERS, prepare
+from .segments import Segments, radix_segments, segments_of
 
 __all__ = [
+    "LAYERS",
     "METRICS",
     "NodeScores",
     "check_vocabulary",
@@ -23,8 +29,10 @@ __all__ = [
     "packed_logprobs",
     "packed_loss",
     "scored_nodes",
+    "segments_of",
     "PackedBatch",
     "PackedDataset",
+    "Segments",
     "TreeMask",
     "attend",
     "dense_model_mask",
@@ -34,6 +42,8 @@ __all__ = [
     "from_microbatch",
     "load_microbatch",
     "naive_batch",
+    "prepare",
+    "radix_segments",
     "read_manifest",
     "register",
     "tree_attention",

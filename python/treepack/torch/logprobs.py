@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..microbatch import TreepackError
 from .attention import dense_model_mask, tree_mask
 from .batch import PackedBatch
+from .models import check_dense, prepare
 
 
 class NodeScores(NamedTuple):
@@ -126,8 +127,10 @@ def packed_logprobs(
         check_vocabulary(model, batch)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl == "treepack":
+            prepare(model)
             mask: Any = tree_mask(batch, mode=attention)
         elif impl in ("sdpa", "eager"):
+            check_dense(model)  # recurrent layers cannot take a dense mask
             mask = dense_model_mask(model, batch)  # windowed per layer type, or a TreepackError
         else:
             raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
