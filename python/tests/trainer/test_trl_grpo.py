@@ -22,6 +22,9 @@ from typing import Any, Dict, List
 
 from support import CORE_SKIP, TORCH_SKIP, needs_torch, patch_norms_to_input_dtype, tiny_model, torch
 
+if not TORCH_SKIP:
+    from treepack.torch import unwrap
+
 TRL_SKIP = "" if all(importlib.util.find_spec(m) for m in ("trl", "peft", "datasets", "accelerate")) else \
     "trl, peft, datasets or accelerate not importable (pip install -r python/requirements-integrations.txt)"
 if TRL_SKIP and not (CORE_SKIP or TORCH_SKIP) and os.environ.get("TREEPACK_REQUIRE_TORCH") == "1":
@@ -130,7 +133,8 @@ class TRLGRPOTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def trainer(self, packed: bool, family: str = "qwen3", dtype=torch.float64, lora: bool = False, forward_only: bool = False, **cfg):
+    def trainer(self, packed: bool, family: str = "qwen3", dtype=torch.float64, lora: bool = False, forward_only: bool = False,
+                rollout: bool = True, **cfg):
         """A stock GRPOTrainer (group-whole split, stock forwards) or TreepackGRPOTrainer from the same saved weights
         and seed; ``forward_only``: packed forwards with TRL's own shuffled split."""
         from datasets import Dataset
@@ -156,13 +160,20 @@ class TRLGRPOTest(unittest.TestCase):
         capture = Capture()
         torch.manual_seed(0)  # the LoRA initialisation
         t = cls(model=self.paths[family], reward_funcs=reward, args=GRPOConfig(**args), train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(4)]}),
-                processing_class=self.tok, peft_config=peft, callbacks=[capture], rollout_func=lambda prompts, trainer: rollouts(prompts, 0, 8))
+                processing_class=self.tok, peft_config=peft, callbacks=[capture],
+                rollout_func=(lambda prompts, trainer: rollouts(prompts, 0, 8)) if rollout else None)
         if dtype == torch.float64:  # HF computes RMSNorm and RoPE angles in float32 whatever the dtype
             for m in (t.model, t.ref_model):
                 if m is not None:
                     patch_norms_to_input_dtype(m)
                     patch_rope_to_float64(m)
         return t, capture
+
+    def trained(self, packed: bool, **kw):
+        """A trainer after its step, built right before it: the global RNG (sampling) starts from the seed."""
+        t, cap = self.trainer(packed, **kw)
+        t.train()
+        return t, cap
 
     def assertClose(self, a: torch.Tensor, b: torch.Tensor, tol: float, what: str):
         err = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
@@ -204,6 +215,15 @@ class TRLGRPOTest(unittest.TestCase):
             with self.subTest(loss=loss, beta=beta, lora=lora):
                 self.step(family="llama", lora=lora, loss_type=loss, beta=beta)
 
+    def test_trl_generation(self):
+        """TRL's own sampling (transformers generate, no rollout_func) in the packed trainer: the same completions
+        as the stock trainer's from the same seed, and the same step."""
+        (stock, s_cap), (packed, p_cap) = (self.trained(p, rollout=False, loss_type="dapo", beta=0.04) for p in (False, True))
+        self.assertLogsEqual(s_cap.logs[0], p_cap.logs[0], 1e-10)
+        for n, g in s_cap.grads.items():
+            self.assertClose(p_cap.grads[n], g, 1e-10, f"gradient of {n}")
+        self.assertEqual(unwrap(packed.model).config._attn_implementation, "treepack")
+
     def rows(self):
         """Padded rows of one generation batch as TRL builds them (left-padded prompts, right-padded completions)."""
         out = rollouts([f"p{i}" for i in range(4) for _ in range(G)], 0, 8)
@@ -219,8 +239,6 @@ class TRLGRPOTest(unittest.TestCase):
         """The override's logprobs and entropies equal TRL's own method on the same rows, 0 where unattended;
         its forest has exactly the rows' distinct prefixes as nodes."""
         from trl import GRPOTrainer
-
-        from treepack.torch import unwrap
 
         ids, att, C = self.rows()
         sequences = [r[m.bool()].tolist() for r, m in zip(ids, att)]

@@ -38,6 +38,7 @@ class PackedForwardMixin:
     on it (``forward_logprobs``: DDP, FSDP, DeepSpeed and PEFT see their own forward), and the logprobs and
     entropies come back as ``[B, logits_to_keep]``, 0 where the row has no attended token. With TRL's
     ``batch_size`` (old/reference forwards of a generation batch), rows are packed in chunks of whole groups.
+    TRL's own generation (no vLLM, no ``rollout_func``) runs with SDPA attention.
 
     ``treepack_stats``: (naive tokens, packed tokens) of every forward, in order."""
 
@@ -66,6 +67,19 @@ class PackedForwardMixin:
             if compute_entropy:
                 entropies.append(layout.to_padded(scores.entropy))
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's own generation (transformers ``generate``: padded causal masks, a KV cache) runs with SDPA; the
+        packed forwards get the tree attention back."""
+        base = unwrap(self.model)
+        impl = base.config._attn_implementation
+        if impl != "treepack":
+            return super()._generate_single_turn(*args, **kwargs)
+        base.set_attn_implementation("sdpa")
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            base.set_attn_implementation(impl)
 
     @property
     def treepack_stats(self) -> List[Tuple[int, int]]:
