@@ -98,6 +98,29 @@ class RowsTest(unittest.TestCase):
         ref_lp, _, mask = reference(ref, self.ids, self.att, self.resp)
         self.assertGreater(float((bare - ref_lp)[mask].abs().max()), 1e-4)
 
+    def test_ddp(self):
+        """Through DistributedDataParallel's own forward (gloo, one process on CPU): the same logprobs, and the
+        gradients reach the parameters."""
+        import torch.distributed as dist
+
+        from treepack.torch import forward_logprobs, from_padded
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            model = self.model("treepack")
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            calls = []
+            ddp.register_forward_pre_hook(lambda module, args: calls.append(module))
+            batch, layout = from_padded(self.ids, self.att, response_mask=self.resp)
+            lp = layout.to_padded(forward_logprobs(ddp, batch, temperature=0.7).logprobs)
+            ref_lp, _, _ = reference(self.model("sdpa"), self.ids, self.att, self.resp, 0.7)
+            self.assertLess(float((lp - ref_lp).abs().max()), 1e-10)
+            self.assertEqual(calls, [ddp])
+            lp.sum().backward()
+            self.assertTrue(all(p.grad is not None for p in model.parameters() if p.requires_grad))
+        finally:
+            dist.destroy_process_group()
+
     def test_jagged_equals_padded(self):
         from treepack.torch import forward_logprobs, from_jagged, from_padded
 
