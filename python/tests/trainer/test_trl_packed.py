@@ -7,8 +7,11 @@ feed micro-batches are acknowledged once TRL is done with them.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import subprocess
 import tempfile
 import unittest
 from typing import Any, Dict, List
@@ -17,6 +20,9 @@ import numpy as np
 
 from support import needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch
 from test_trl_grpo import PAD, TRL_SKIP, VOCAB, Capture, patch_rope_to_float64, tokenizer
+
+CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "dist", "src", "cli", "main.js")
+CLI_SKIP = "" if os.path.exists(CLI) and shutil.which("node") else f"the treepack CLI is not built ({CLI}: npm install builds it)"
 
 
 def samples(seed: int) -> List[Dict[str, Any]]:
@@ -108,7 +114,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, **cfg):
+    def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, rows: Any = None, **cfg):
         from trl import GRPOConfig, GRPOTrainer
 
         from treepack.integrations.trl import TreepackGRPOTrainer
@@ -119,12 +125,13 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
                     model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64})
         args.update(cfg)
         capture = Capture()
-        num_items = sum(sum(x["mask"]) for x in self.rows)
+        rows = self.rows if rows is None else rows
+        num_items = sum(sum(x["mask"]) for x in rows if x["mb"] in (0, 1))
         if packed:
             t = TreepackGRPOTrainer(model=self.path, args=GRPOConfig(**args), processing_class=self.tok, callbacks=[capture],
-                                    packed_batches=feed if feed is not None else packed_batches(self.rows, with_old))
+                                    packed_batches=feed if feed is not None else packed_batches(rows, with_old))
         else:
-            inputs = plain_inputs(self.rows, num_items, with_old, holes)
+            inputs = plain_inputs(rows, num_items, with_old, holes)
 
             class Plain(GRPOTrainer):
                 """TRL's stock forwards on the plain inputs; old and reference logprobs where TRL computes them (one
@@ -172,6 +179,31 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
                 self.assertTrue(packed.treepack_stats)
                 self.assertTrue(set(n for _, n in packed.treepack_stats) <= {b.num_nodes for b in stored})
                 self.assertTrue(all(b.num_pad_tokens == 2 for b in stored))
+
+    @unittest.skipIf(bool(CLI_SKIP), CLI_SKIP)
+    def test_packed_directory(self):
+        """Samples packed by `treepack pack` (its own budgeted micro-batches), read by PackedDataset, trained by TRL:
+        the same step as the same samples, micro-batch by micro-batch, fed as plain inputs."""
+        from treepack.torch import PackedDataset
+
+        data, out = os.path.join(self.tmp.name, "samples.jsonl"), os.path.join(self.tmp.name, "packed")
+        with open(data, "w") as f:
+            for i, x in enumerate(self.rows):
+                f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"],
+                                    "advantages": x["adv"], "rollout_logprobs": x["rollout"]}) + "\n")
+        subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", "40", "--quiet"], check=True)
+        dataset = PackedDataset(out)
+        batches = list(dataset)
+        self.assertGreaterEqual(len(batches), 2)
+        # The plain side takes the CLI's micro-batch composition (its sequence ids), in its sequence order.
+        rows = []
+        for mb, b in enumerate(batches[:2]):
+            for sid in b.meta["sequence_ids"]:
+                rows.append(dict(self.rows[int(sid[1:])], mb=mb))
+        _, plain = self.run_trainer(False, False, rows=rows)
+        packed, cap = self.run_trainer(True, False, feed=dataset, rows=rows)
+        self.assertSameStep(plain, cap)
+        self.assertTrue(set(n for _, n in packed.treepack_stats) <= {b.num_nodes for b in batches})
 
     def test_loss_mask_holes(self):
         """Negative control: the same samples with the tool tokens counted as trainable give other gradients."""

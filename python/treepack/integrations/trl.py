@@ -160,7 +160,7 @@ class GroupedBatchesMixin:
         logprobs where the batch has them (old and reference computed, on the stored forest, where TRL would)."""
         if batch.advantages is None:
             raise TreepackError("E_INPUT", "the micro-batch has no advantages", field="advantages")
-        rows, layout = padded_rows(batch, self.processing_class.pad_token_id)
+        rows, layout = padded_rows(batch, self._tokenizer.pad_token_id)
         ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1)
         att = torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1)
         self._treepack_forests.append((ids, att, batch, layout))
