@@ -40,7 +40,10 @@ class PackedForwardMixin:
     ``batch_size`` (old/reference forwards of a generation batch), rows are packed in chunks of whole groups.
     TRL's own generation (no vLLM, no ``rollout_func``) runs with SDPA attention.
 
-    ``treepack_stats``: (naive tokens, packed tokens) of every forward, in order."""
+    ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
+    training forward also logs ``treepack/compression`` (tokens ÷ nodes) with TRL's metrics."""
+
+    STATS_KEPT = 1024
 
     treepack_attention: str = "auto"
 
@@ -60,7 +63,7 @@ class PackedForwardMixin:
         for a in range(0, B, step):
             ids, att = input_ids[a : a + step], attention_mask[a : a + step]
             batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
-            self.treepack_stats.append((int(att.sum()), batch.num_nodes))
+            self._treepack_record(int(att.sum()), batch.num_nodes)
             scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy,
                                       entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
             logps.append(layout.to_padded(scores.logprobs))
@@ -83,9 +86,14 @@ class PackedForwardMixin:
 
     @property
     def treepack_stats(self) -> List[Tuple[int, int]]:
-        if "_treepack_stats" not in self.__dict__:
-            self._treepack_stats = []
-        return self._treepack_stats
+        return self.__dict__.setdefault("_treepack_stats", [])
+
+    def _treepack_record(self, tokens: int, nodes: int) -> None:
+        stats = self.treepack_stats
+        stats.append((tokens, nodes))
+        del stats[: -self.STATS_KEPT]
+        if self.model.training:
+            self._metrics["train"]["treepack/compression"].append(tokens / max(1, nodes))
 
     def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Tuple[PackedBatch, RowLayout]]:
         """The stored forest these rows came from (GroupedBatchesMixin's packed source), so it is reused, not rebuilt."""
