@@ -21,7 +21,7 @@ the budget stands for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence
 
 import numpy as np
 
@@ -129,7 +129,7 @@ def plan_micro_batches(
     forest = pack_sequences(sequences)
     offsets = np.asarray(forest.seq_offsets, dtype=np.int64)
     positions = np.asarray(forest.seq_positions, dtype=np.int64)
-    members: dict = {}
+    members: Dict[Hashable, List[int]] = {}
     for i, k in enumerate(keys):
         members.setdefault(k, []).append(i)
     # A group's place in the forest: the preorder position of its first sequence's last token, so groups under one

@@ -7,8 +7,9 @@ Offline: a WordLevel tokenizer, tiny random Qwen3 / Llama models saved to a temp
 completion, a multi-turn row whose tool tokens are masked (``env_mask``) and a truncated row. Gradients are taken
 before the optimizer step (``on_pre_optimizer_step``), not from weights after Adam.
 
-Runtime on a shared 2-core CPU (OMP_NUM_THREADS=1): about two minutes (the full case matrix on Qwen3 in float32,
-a LoRA subset in float64, a subset on Llama).
+Cases: every loss type × β ∈ {0, 0.04} on Qwen3 in float64 (TRL's train step), LoRA with four of them, two on Llama
+(one with LoRA), per-token checks in float32 and float64, one float32 step. Runtime on a shared 2-core CPU
+(OMP_NUM_THREADS=1): this file and test_trl_packed.py together about 70 s, 20 s of it imports.
 """
 
 from __future__ import annotations

@@ -28,11 +28,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     wrappers, for reading its config; the forward always goes through the wrapper."""
     while True:
         if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
+            inner = model.get_base_model()
         elif isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
+            inner = model.module
         else:
             return model
+        if inner is model:
+            return model
+        model = inner
 
 
 def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "auto") -> Any:
