@@ -15,6 +15,7 @@ import { findPython, harnessAllocator, root } from './python.js';
 import { GENERATED, mixedRewardTasks, packTo, STEP_SHAPES, withMixedRewards, type StepShapes } from './step.js';
 
 interface TrlSide {
+  micro_batches: number;
   step: number;
   steps: number[];
   loss_value: number;
@@ -24,7 +25,6 @@ interface TrlSide {
 
 export interface TrlWorkload {
   name: string;
-  micro_batches?: number;
   /** every call's tokens; the padded rows' B × T; the forests' nodes */
   naive_tokens?: number;
   padded_tokens?: number;
@@ -73,7 +73,7 @@ export async function benchTrlStep(opts: { full: boolean; tauBench: string | nul
     for (const [i, w] of (workloads as { name: string; file: string; repeats: number }[]).entries()) {
       const callsDir = join(dir, `calls-${i}`);
       await packTo(w.file, callsDir, MAX_TOKENS, false);
-      spec.workloads.push({ name: w.name, calls_dir: callsDir, repeats: w.repeats, devices: ['cpu', 'cuda'] });
+      spec.workloads.push({ name: w.name, calls_dir: callsDir, repeats: w.repeats, max_tokens: MAX_TOKENS, devices: ['cpu', 'cuda'] });
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
@@ -90,7 +90,7 @@ export async function benchTrlStep(opts: { full: boolean; tauBench: string | nul
  * the speedup ÷ token compression (1 = the step got as much faster as the tokens got fewer). */
 export function trlStepText(s: TrlStepSection): string {
   const sh = s.shape;
-  const lines = [`## TRL GRPO step (trl ${s.trl}): stock forward vs treepack.integrations.trl, ${sh ? `random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers)` : ''} on ${s.device}, ${s.dtype}; every LLM call a TRL row, the packer's micro-batches (≤ ${MAX_TOKENS} packed tokens), loss dapo`];
+  const lines = [`## TRL GRPO step (trl ${s.trl}): stock forward vs treepack.integrations.trl, ${sh ? `random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers)` : ''} on ${s.device}, ${s.dtype}; every LLM call a TRL row, micro-batches ≤ ${MAX_TOKENS} tokens (stock: padded B × T; packed: forest nodes), loss dapo`];
   lines.push('  tokens: naive (every call) / padded (TRL rows, B × T) / packed (forest nodes); peak: largest micro-batch, forward + backward');
   for (const w of s.workloads) {
     if (w.skipped || !w.sides) {
@@ -101,8 +101,8 @@ export function trlStepText(s: TrlStepSection): string {
     const compression = w.naive_tokens! / Math.max(1, w.packed_tokens!);
     const speedup = stock.step / packed.step;
     const peak = (b: number | null) => (b === null ? 'n/a' : `${mib(b)}`);
-    lines.push(`  ${w.name}: ${w.micro_batches} micro-batches, tokens ${w.naive_tokens} / ${w.padded_tokens} / ${w.packed_tokens} (${fmt(compression)}× naive ÷ packed)`);
-    lines.push(`    stock ${fmt(stock.step, 2)} s (${fmt(stock.tokens_per_second, 0)} tokens/s, peak ${peak(stock.peak_bytes)}) · packed ${fmt(packed.step, 2)} s (${fmt(packed.tokens_per_second, 0)} tokens/s, peak ${peak(packed.peak_bytes)}) · speedup ${fmt(speedup)}×, ${fmt(speedup / compression, 2)} of the compression${w.mismatch ? ` · LOSS MISMATCH: ${w.mismatch}` : ''}`);
+    lines.push(`  ${w.name}: tokens ${w.naive_tokens} / ${w.padded_tokens} / ${w.packed_tokens} (${fmt(compression)}× naive ÷ packed)`);
+    lines.push(`    stock ${stock.micro_batches} micro-batches ${fmt(stock.step, 2)} s (${fmt(stock.tokens_per_second, 0)} tokens/s, peak ${peak(stock.peak_bytes)}) · packed ${packed.micro_batches} ${fmt(packed.step, 2)} s (${fmt(packed.tokens_per_second, 0)} tokens/s, peak ${peak(packed.peak_bytes)}) · speedup ${fmt(speedup)}×, ${fmt(speedup / compression, 2)} of the compression${w.mismatch ? ` · LOSS MISMATCH: ${w.mismatch}` : ''}`);
   }
   return lines.join('\n');
 }

@@ -1,11 +1,12 @@
 """TRL's GRPO step, stock forward vs treepack's packed forward (treepack.integrations.trl), on the step bench's agent
 workloads: every LLM call a TRL row (prompt = the tokens before its first trainable one, completion the rest), the
-same micro-batches (the packer's, under the token budget) on both sides, TRL's own loss (``dapo``, per-token
+same rows on both sides, TRL's own loss (``dapo``, per-token
 advantages and old logprobs from the micro-batch) over one optimizer step of gradient accumulation.
 
-- stock:  ``GRPOTrainer.compute_loss`` on the padded rows (left-padded prompts, right-padded completions), SDPA;
-- packed: ``TreepackGRPOTrainer.compute_loss`` on the same rows, packed into a forest inside the trainer (its
-  packing, mask and scatter timed with it), tree attention.
+- stock:  ``GRPOTrainer.compute_loss`` on the padded rows (left-padded prompts, right-padded completions) in
+  micro-batches of at most the budget's padded tokens, SDPA;
+- packed: ``TreepackGRPOTrainer.compute_loss`` on the rows of the packer's micro-batches (forests within the
+  budget), packed into a forest inside the trainer (its packing, mask and scatter timed with it), tree attention.
 
 Both must give the same loss (the step's sum); a disagreement is reported. Timed interleaved, best of the repeats;
 peak memory of the largest micro-batch (bench/step.py peak_of).
@@ -22,7 +23,7 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step import make_model, peak_of, sync, tpt, with_old_logprobs  # noqa: E402  (also puts python/ on the path)
+from step import _sequences, make_model, peak_of, sync, tpt, with_old_logprobs  # noqa: E402  (also puts python/ on the path)
 
 import torch  # noqa: E402
 
@@ -47,6 +48,26 @@ def trl_inputs(batch: tpt.PackedBatch, num_items: int) -> Dict[str, Any]:
     out.update(tool_mask=rows["loss_mask"], num_items_in_batch=torch.tensor(num_items, device=batch.device),
                advantages=layout.to_padded(batch.advantages, of="occurrences", where="all"),
                old_per_token_logps=layout.to_padded(batch.old_logprobs, of="occurrences", where="all"))
+    return out
+
+
+def row_chunks(batch: tpt.PackedBatch, max_tokens: int) -> List[tpt.PackedBatch]:
+    """A micro-batch's sequences, in order, as TRL micro-batches of at most ``max_tokens`` padded tokens (rows × the
+    longest prompt + the longest completion; a longer row alone): what a stock TRL run sizes its batches by."""
+    naive = tpt.naive_batch(batch)
+    lengths = (naive.seq_offsets[1:] - naive.seq_offsets[:-1]).tolist()
+    prompts = []
+    for i, n in enumerate(lengths):
+        a = int(naive.seq_offsets[i])
+        hit = torch.nonzero(naive.loss_mask[a : a + n]).flatten()
+        prompts.append(int(hit[0]) if hit.numel() else n)
+    out, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        P, C = max(prompts[start:end]), max(n - p for n, p in zip(lengths[start:end], prompts[start:end]))
+        if end - start > 1 and (end - start) * (P + C) > max_tokens:
+            out.append(_sequences(naive, start, end - 1))
+            start = end - 1
+    out.append(_sequences(naive, start, len(lengths)))
     return out
 
 
@@ -84,29 +105,37 @@ def run_workload(w: Dict[str, Any], shape: Dict[str, Any], device: torch.device,
     vocab = torch.unique(torch.cat([b.input_ids for b in batches]))
     batches = [with_old_logprobs(b, vocab).to(device) for b in batches]
     num_items = sum(int(b.loss_mask.sum()) for b in batches)
-    inputs = [trl_inputs(b, num_items) for b in batches]
+    # The packed side takes the packer's micro-batches (forests within the budget); the stock side the same rows in
+    # micro-batches within the budget of padded tokens. dapo divides by the step's tokens: the same loss either way.
+    inputs = {"packed": [trl_inputs(b, num_items) for b in batches],
+              "stock": [trl_inputs(c, num_items) for b in batches for c in row_chunks(b, w["max_tokens"])]}
     model = make_model(shape, int(vocab.numel()), device, dtype)
     ts = trainers(model, int(vocab.numel()), out_dir)
-    largest = max(range(len(inputs)), key=lambda i: inputs[i]["prompt_ids"].numel() + inputs[i]["completion_ids"].numel())
+
+    def size(x: Dict[str, Any]) -> int:
+        return x["prompt_ids"].numel() + x["completion_ids"].numel()
+
+    largest = {k: max(v, key=size) for k, v in inputs.items()}
     for k in SIDES:  # warm-up on the largest micro-batch
-        step(ts[k], k, model, [inputs[largest]], device)
+        step(ts[k], k, model, [largest[k]], device)
     ts["packed"].treepack_stats.clear()
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in SIDES}
     for _ in range(w["repeats"]):
         for k in SIDES:
-            runs[k].append(step(ts[k], k, model, inputs, device))
-    packed_nodes = sum(n for _, n in ts["packed"].treepack_stats[: len(inputs)])
+            runs[k].append(step(ts[k], k, model, inputs[k], device))
+    packed_nodes = sum(n for _, n in ts["packed"].treepack_stats[: len(inputs["packed"])])
     naive = sum(b.num_occurrences for b in batches)
-    padded = sum(x["prompt_ids"].numel() + x["completion_ids"].numel() for x in inputs)
+    padded = sum(size(x) for x in inputs["stock"])
     sides = {}
     for k in SIDES:
         best = min(runs[k], key=lambda r: r["step"])
-        peak = peak_of(lambda: step(ts[k], k, model, [inputs[largest]], device), model, device)
-        sides[k] = {**best, "steps": [r["step"] for r in runs[k]], "peak_bytes": peak, "tokens_per_second": naive / best["step"]}
+        peak = peak_of(lambda: step(ts[k], k, model, [largest[k]], device), model, device)
+        sides[k] = {**best, "steps": [r["step"] for r in runs[k]], "peak_bytes": peak, "tokens_per_second": naive / best["step"],
+                    "micro_batches": len(inputs[k])}
     a, b = sides["stock"]["loss_value"], sides["packed"]["loss_value"]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatch = abs(a - b) > tol * max(1.0, abs(a))
-    return {"name": w["name"], "input": w["input"], "shape": shape, "micro_batches": len(inputs), "naive_tokens": naive, "padded_tokens": padded,
+    return {"name": w["name"], "input": w["input"], "shape": shape, "naive_tokens": naive, "padded_tokens": padded,
             "packed_tokens": packed_nodes, "trainable_tokens": num_items, "vocab": int(vocab.numel()), "sides": sides,
             "mismatch": f"loss {b} packed vs {a} stock" if mismatch else None}
 
