@@ -225,6 +225,17 @@ class TRLGRPOTest(unittest.TestCase):
             self.assertClose(p_cap.grads[n], g, 1e-10, f"gradient of {n}")
         self.assertEqual(unwrap(packed.model).config._attn_implementation, "treepack")
 
+    def test_budget_refused(self):
+        """A group that alone packs to more than treepack_max_tokens stops training with a TreepackError naming
+        max_tokens, rather than running an over-budget micro-batch."""
+        from treepack import TreepackError
+
+        t, _ = self.trainer(True)
+        t.treepack_max_tokens = 8
+        with self.assertRaises(TreepackError) as e:
+            t.train()
+        self.assertEqual(e.exception.field, "max_tokens")
+
     def rows(self):
         """Padded rows of one generation batch as TRL builds them (left-padded prompts, right-padded completions)."""
         out = rollouts([f"p{i}" for i in range(4) for _ in range(G)], 0, 8)
