@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
@@ -180,15 +180,20 @@ def _malloc_trim() -> None:
 
 def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str, Any], device: torch.device) -> Optional[int]:
     """Peak memory one micro-batch's forward + backward adds to what the process holds (its gradients included), untimed:
-    a step with gradient accumulation peaks at its largest micro-batch. CUDA: the caching allocator's peak. CPU (Linux):
-    the peak RSS, reset at the start, after the freed memory the timed steps keep for reuse has gone back to the OS;
-    None where /proc is absent."""
+    a step with gradient accumulation peaks at its largest micro-batch (see peak_of)."""
+    return peak_of(lambda: step(model, [batch], config, device), model, device)
+
+
+def peak_of(run: Callable[[], Any], model: torch.nn.Module, device: torch.device) -> Optional[int]:
+    """Peak memory ``run()`` adds to what the process holds, with ``model``'s gradients (zeroed first) counted. CUDA:
+    the caching allocator's peak. CPU (Linux): the peak RSS, reset at the start, after the freed memory the timed
+    steps keep for reuse has gone back to the OS; None where /proc is absent."""
     model.zero_grad(set_to_none=True)  # the step's gradients count in its peak
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step(model, [batch], config, device)
+        run()
         return int(torch.cuda.max_memory_allocated()) - base
     _malloc_trim()
     base = _rss_bytes("VmRSS")
@@ -197,7 +202,7 @@ def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str
             f.write("5")  # resets VmHWM to the current RSS
     except OSError:
         return None
-    step(model, [batch], config, device)
+    run()
     peak = _rss_bytes("VmHWM")
     return None if peak is None or base is None else peak - base
 

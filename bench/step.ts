@@ -117,7 +117,7 @@ export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean;
 // The merge compares messages by tokens here, not by text (the library default): with text compare, a later call's
 // context takes an earlier response's sampled tokens where its re-rendering drifted, so the merged and packed sides
 // would train on other tokens than the naive side and the loss check could not hold (it failed on --full ≈12×–30×).
-async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
+export async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
   const run = packRecords(file, { tokenizer: 'qwen3', budget: { maxTokens }, merge: merge ? { timelineCompareLevel: 'token' } : false });
   await run.writeTo(new DirectorySink(out));
   return run.report();
