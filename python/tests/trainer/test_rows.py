@@ -174,10 +174,12 @@ class RowsTest(unittest.TestCase):
         self.assertEqual(e.exception.field, "response_mask")
         model = self.model("sdpa")
         batch, _ = from_padded(self.ids, self.att, response_mask=self.resp)
-        model.config.use_sliding_window = True  # a dense tree mask would drop the window silently
+        # A layer type no tree mask lowering handles (chunked attention) is refused by forward_logprobs as by
+        # packed_logprobs (one check, logprobs.model_mask), naming the layer.
+        model.config.layer_types = ["chunked_attention"] * model.config.num_hidden_layers
         with self.assertRaises(TreepackError) as e:
             forward_logprobs(model, batch)
-        self.assertEqual(e.exception.field, "layer_types")
+        self.assertIn("layer 0", str(e.exception))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ from typing import Any, Union
 import torch
 
 from ..microbatch import TreepackError
-from .attention import dense_tree_mask, tree_mask
 from .batch import PackedBatch
-from .logprobs import NodeScores, scored_nodes
+from .logprobs import NodeScores, model_mask, scored_nodes
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -39,19 +38,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "auto") -> Any:
-    """The attention_mask a (wrapped) model takes for ``batch``: a ``TreeMask`` under attn_implementation
-    ``"treepack"``, the dense [1, 1, N, N] bool mask under ``"sdpa"``/``"eager"``. Models with other than full
-    attention in every layer are refused: a dense mask would silently drop their sliding windows."""
-    config = unwrap(model).config
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        raise TreepackError("E_ARG", f"layer types {sorted(kinds)} (sliding window: {getattr(config, 'use_sliding_window', False)}): the tree mask is exact only for full attention in every layer", field="layer_types")
-    impl = getattr(config, "_attn_implementation", None)
-    if impl == "treepack":
-        return tree_mask(batch, mode=attention)
-    if impl in ("sdpa", "eager"):
-        return dense_tree_mask(batch.subtree_end)[None, None]
-    raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
+    """The attention_mask a (wrapped) model takes for ``batch``: ``model_mask`` of the Hugging Face model inside the
+    wrapper (a ``TreeMask`` under ``"treepack"``, hybrid layers prepared; the dense mask windowed per layer type
+    under ``"sdpa"``/``"eager"``), with the same refusals as ``packed_logprobs``."""
+    return model_mask(unwrap(model), batch, attention)
 
 
 def forward_logprobs(
@@ -73,11 +63,6 @@ def forward_logprobs(
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
     if not temperature > 0:
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
-    vocab = unwrap(model).get_input_embeddings().num_embeddings
-    outside = (batch.input_ids < 0) | (batch.input_ids >= vocab)
-    if bool(outside.any()):
-        p = int(torch.argmax(outside.to(torch.int8)))
-        raise TreepackError("E_INPUT", f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {vocab})", field="input_ids")
     targets = scored_nodes(batch, nodes)
     rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=model_tree_mask(model, batch, attention),
