@@ -11,7 +11,6 @@ import { PoolError } from './pool.js';
 import type { Service } from './service.js';
 
 const OPEN_ROUTES = new Set(['/healthz']);
-const GATEWAY_ROUTE = /\/v1\/(chat\/)?completions$/;
 
 function sameSecret(a: string, b: string): boolean {
   const x = Buffer.from(a);
@@ -41,17 +40,20 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
     return reply.code(status).send(body);
   });
 
-  if (svc.opts.token) {
-    const token = svc.opts.token;
-    app.addHook('onRequest', async (req) => {
-      const path = req.url.split('?')[0]!;
-      if (OPEN_ROUTES.has(path)) return;
-      const got = bearer(req);
-      // A scoped episode key authenticates the agent's own calls, nothing else.
-      if (got !== undefined && (sameSecret(got, token) || (GATEWAY_ROUTE.test(path) && svc.pool.keys.has(got)))) return;
-      throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
-    });
-  }
+  // A scoped episode key opens its own episode's routes (SCOPED: calls, the model list, finish, abandon; each
+  // route refuses another episode), nothing else, with or without --token.
+  const token = svc.opts.token;
+  app.addHook('onRequest', async (req) => {
+    const path = req.url.split('?')[0]!;
+    if (OPEN_ROUTES.has(path)) return;
+    const got = bearer(req);
+    if (token !== undefined && got !== undefined && sameSecret(got, token)) return;
+    if (got !== undefined && svc.pool.keyScope(got)) {
+      if ((req.routeOptions.config as { scoped?: boolean } | undefined)?.scoped) return;
+      throw new PoolError(403, `this API key opens its own episode's calls, model list, finish and abandon only, not ${req.method} ${path}`);
+    }
+    if (token !== undefined) throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
+  });
 
   app.get('/healthz', async (_req, reply) => {
     const body = { ok: !svc.broken, broken: svc.broken ?? null, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };

@@ -20,7 +20,7 @@ import type { SnapshotEvent } from './compact.js';
 import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
-import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -62,12 +62,19 @@ export interface ServiceOptions {
   warn?: (message: string) => void;
   /** compact the durable log once it is this large and twice its size after the last compaction */
   compactBytes?: number;
+  /**
+   * a group with no call, finish or abandonment in any of its episodes for this long is abandoned: its unfinished
+   * episodes are given up and it is trained with its finished ones (0: never). Default 30 minutes.
+   */
+  idleTimeoutMs?: number;
 }
 
 type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn';
 export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
+/** the trainer feed's own log events; the pool replays the rest */
+const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
 
 export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions {
   if (typeof o.engineUrl !== 'string' || !/^https?:\/\//.test(o.engineUrl)) throw argError('engineUrl', 'an http(s) URL of the engine, e.g. http://127.0.0.1:8000/v1', o.engineUrl);
@@ -86,6 +93,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     bodyLimit: o.bodyLimit ?? 32 << 20,
     rateLimit: o.rateLimit ?? 0,
     compactBytes: o.compactBytes ?? 64 << 20,
+    idleTimeoutMs: o.idleTimeoutMs ?? 1_800_000,
     packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
@@ -108,6 +116,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
+  if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0) throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
   if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
   if (r.dp > 1 && !r.packer.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
@@ -135,10 +144,11 @@ function withServeMerge(p: PackerOptions | undefined): PackerOptions {
 export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
   const p = resolvePackerOptions(o.packer);
   // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed; 3: an
-  // episode's calls written as what each adds to the one it continues), so a pool left by a service of another
-  // layout is refused rather than misread
+  // episode's calls written as what each adds to the one it continues; 4: abandoned episodes and groups, `done:`
+  // and `act:` keys), so a pool left by a service of another layout is refused rather than misread
   return sortKeys({
-    layout: 3,
+    layout: 4,
+    idleTimeoutMs: o.idleTimeoutMs,
     groupSize: o.groupSize,
     policy: o.policy,
     groupsPerStep: o.groupsPerStep,
@@ -173,8 +183,14 @@ export class Service {
   readonly app: FastifyInstance;
   /** the reason writes stopped: a failed log write leaves memory ahead of the disk, so the service fails stopped */
   broken: string | undefined;
+  /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
+  readonly inflight = new Map<string, Promise<unknown>>();
   private log!: DurableLog;
   private shipRetry: NodeJS.Timeout | undefined;
+  private sweeper: NodeJS.Timeout | undefined;
+  private sweeping = false;
+  /** when this gateway last told the shared pool of activity in a group */
+  private touched = new Map<string, number>();
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -186,7 +202,9 @@ export class Service {
     this.metrics = createMetrics(async () => {
       const d = this.pool.depth();
       const f = await this.feed.depth();
-      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased };
+      const oldest = this.pool.oldestOpen();
+      const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
+      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
     });
     this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true });
   }
@@ -240,11 +258,38 @@ export class Service {
     registerHttp(this.app, this);
     registerGateway(this.app, this);
     registerSlime(this.app, this);
+    if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /** Abandons the groups idle for the idle timeout, one at a time. */
+  private sweep(): void {
+    if (this.sweeping || this.broken) return;
+    const now = Date.now();
+    const idle = [...this.pool.open].filter((g) => !g.closed && now - g.active >= this.opts.idleTimeoutMs).map((g) => g.id);
+    if (idle.length === 0) return;
+    this.sweeping = true;
+    void (async () => {
+      for (const id of idle) await this.abandonGroup(id, `idle for ${this.opts.idleTimeoutMs / 1000} s`, this.opts.idleTimeoutMs).catch(() => {});
+    })().finally(() => (this.sweeping = false));
+  }
+
+  /**
+   * Abandons a group: its unfinished episodes are given up, it takes no new ones, and it goes to the trainer with
+   * its finished episodes. On the shared pool it is closed there first, unless (`idleMs` > 0) an episode of it
+   * was active through another gateway within `idleMs`.
+   */
+  async abandonGroup(id: string, reason: string, idleMs: number): Promise<Group> {
+    const g = this.pool.groups.get(id);
+    if (!g) throw new PoolError(404, `unknown group ${JSON.stringify(id)}: no episode of it was recorded here`);
+    if (g.closed) return g;
+    if (this.shared && !(await this.shared.closeGroup(id, idleMs))) return g;
+    await this.commit({ type: 'abandon', group: id, reason, time: Date.now() });
+    return g;
   }
 
   private replay(e: LogEvent, line: number, bytes: number): void {
     if (e.type === 'snapshot') this.pool.apply(e);
-    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') {
+    else if (!FEED_EVENTS.has(e.type)) {
       try {
         return this.pool.apply(e, bytes);
       } catch (err) {
@@ -277,9 +322,13 @@ export class Service {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
-    if (this.shared && e.type === 'call' && !this.pool.groups.has(e.group ?? e.episode)) {
-      await this.shared.groupSeq(e.group ?? e.episode);
-      this.pool.check(e); // the episode may have finished meanwhile
+    if (this.shared && e.type === 'call') {
+      const group = this.pool.episodes.get(e.episode)?.group ?? e.group ?? e.episode;
+      if (!this.pool.groups.has(group)) {
+        await this.shared.groupSeq(group);
+        this.pool.check(e); // the episode may have finished meanwhile
+      }
+      this.touch(group);
     }
     // A call is logged as what it adds to the episode's previous one; its line, serialized once, is also what the
     // pool counts toward its bound.
@@ -288,9 +337,14 @@ export class Service {
     const durable = this.appendLine(line);
     this.pool.apply(logged, line.length);
     await durable;
-    if (!this.shared || (e.type !== 'finish' && e.type !== 'record')) return undefined;
+    if (!this.shared || (e.type !== 'finish' && e.type !== 'record' && e.type !== 'abandon')) return undefined;
+    if (e.type === 'abandon' && e.episode === undefined) {
+      // closed in the shared pool already: its abandoned episodes are refused there, which the log notes
+      void this.shipUnshipped().catch(() => this.shipLater());
+      return undefined;
+    }
     try {
-      return await this.ship(this.pool.episodes.get(e.episode)!);
+      return await this.ship(this.pool.episodes.get(e.episode!)!);
     } catch (err) {
       if (err instanceof PoolError) throw err;
       this.shipLater();
@@ -323,6 +377,14 @@ export class Service {
     }
   }
 
+  /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
+  private touch(group: string): void {
+    const now = Date.now();
+    if (this.opts.idleTimeoutMs === 0 || now - (this.touched.get(group) ?? 0) < this.opts.idleTimeoutMs / 4) return;
+    this.touched.set(group, now);
+    this.shared!.touch(group).catch(() => this.touched.delete(group));
+  }
+
   private shipLater(): void {
     this.shipRetry ??= setTimeout(() => {
       this.shipRetry = undefined;
@@ -345,6 +407,7 @@ export class Service {
 
   async close(): Promise<void> {
     clearTimeout(this.shipRetry);
+    clearInterval(this.sweeper);
     await this.app.close();
     await this.feed.close();
     await this.log.close();
