@@ -56,7 +56,7 @@ describe('scoped API keys', { timeout: 60_000 }, () => {
   it('open their own episode only, on every route, with and without --token', async () => {
     for (const token of [undefined, 's3cret']) {
       const { base, data } = await service(token ? { token } : {});
-      const T = token ? { authorization: `Bearer ${token}` } : {};
+      const T: Record<string, string> = token ? { authorization: `Bearer ${token}` } : {};
       expect((await post(`${base}/episodes/victim/v1/chat/completions`, M('hi'), T)).status).toBe(200);
       const made = (await (await post(`${base}/v1/episodes`, { episode_id: 'attacker', agent: 'planner', group: 'G' }, T)).json()) as { api_key: string };
       const K = { authorization: `Bearer ${made.api_key}` };

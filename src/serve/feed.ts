@@ -342,6 +342,8 @@ export class Feed implements TrainerFeed {
   async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     const step = m ? this.steps[Number(m[1])] : undefined;
+    // After a restart a step handed out before it is packed again at its first pull, or here, at its first ack.
+    if (step && !step.done && !step.slots) await this.packStep(step);
     const slot = step?.slots?.find((s) => s.id === id);
     if (step?.done && !slot) throw new PoolError(409, `micro-batch ${id} is already acknowledged (its step is done)`);
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
