@@ -12,7 +12,7 @@ import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const json = (body: unknown, headers: Record<string, string> = {}) => ({ method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: typeof body === 'string' ? body : JSON.stringify(body) });
 const chat = (content = 'hi') => ({ model: 'm', messages: [{ role: 'user', content }] });
-type ErrorBody = { error: { message: string } };
+type ErrorBody = { error: { message: string; type?: string; code?: string | null } };
 
 describe('service errors', { timeout: 30_000 }, () => {
   let stub: StubEngine;
@@ -44,7 +44,7 @@ describe('service errors', { timeout: 30_000 }, () => {
     ['no episode', () => fetch(`${base}/v1/chat/completions`, json(chat())), 400, /no episode/],
     ['completion without a prompt string', () => fetch(`${base}/v1/completions`, json({ prompt: ['a', 'b'] }, { 'x-treepack-episode': 'e1' })), 400, /"prompt"/],
     ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /body/i],
-    ['unknown episode', () => fetch(`${base}/v1/episodes/nope/finish`, json({ reward: 1 })), 404, /unknown episode "nope"/],
+    ['unknown episode', () => fetch(`${base}/v1/episodes/nope`), 404, /unknown episode "nope"/],
     ['finish without reward', () => fetch(`${base}/v1/episodes/nope/finish`, json({ metadata: {} })), 400, /"reward"/],
     ['bad policy version', () => fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'e1', 'x-treepack-policy-version': '-1' })), 400, /x-treepack-policy-version/],
     ['rank out of range', () => fetch(`${base}/v1/batches/next?rank=3`), 400, /"rank"/],
@@ -66,7 +66,9 @@ describe('service errors', { timeout: 30_000 }, () => {
     stub.mode = 'ok';
     expect((await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }))).status).toBe(200);
     expect((await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }))).status).toBe(200);
-    const again = await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }));
+    // a retry with the same body is answered as the first; another reward is refused
+    expect((await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }))).status).toBe(200);
+    const again = await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 0 }));
     expect(again.status).toBe(409);
     expect(((await again.json()) as ErrorBody).error.message).toMatch(/already finished/);
     const late = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }));
@@ -151,7 +153,7 @@ describe('service errors', { timeout: 30_000 }, () => {
     // A scoped key issued by an authenticated call opens its episode's calls, and nothing else.
     const key = ((await (await fetch(`${url}/v1/episodes`, json({ episode_id: 'k' }, { authorization: 'Bearer s3cret' }))).json()) as { api_key: string }).api_key;
     expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { authorization: `Bearer ${key}` }))).status).toBe(200);
-    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: `Bearer ${key}` } })).status).toBe(401);
+    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: `Bearer ${key}` } })).status).toBe(403);
     await sec.close();
   });
 
@@ -171,8 +173,13 @@ describe('service errors', { timeout: 30_000 }, () => {
     const limited = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-rate-'), port: 0, rateLimit: 3 });
     const lurl = await limited.listen();
     const codes = [];
-    for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/healthz`)).status);
+    for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/v1/feed`)).status);
     expect(codes).toEqual([200, 200, 200, 429, 429]);
+    // Retry-After is the window's time left (the SDKs wait that long), and health probes are not limited.
+    const over = await fetch(`${lurl}/v1/feed`);
+    expect(Number(over.headers.get('retry-after'))).toBeGreaterThan(50);
+    expect(((await over.json()) as ErrorBody).error.type).toBe('rate_limit_error');
+    for (let i = 0; i < 5; i++) expect((await fetch(`${lurl}/healthz`)).status).toBe(200);
     await limited.close();
   });
 

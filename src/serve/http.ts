@@ -35,7 +35,8 @@ function errorReply(err: unknown): { status: number; body: { error: { message: s
 export function registerHttp(app: FastifyInstance, svc: Service): void {
   app.setErrorHandler((err, _req: FastifyRequest, reply: FastifyReply) => {
     const { status, body } = errorReply(err);
-    if (status === 429) reply.header('retry-after', '1');
+    // The rate limiter's own Retry-After (the window's seconds left) stands; the pool's bound frees in seconds.
+    if (status === 429 && !reply.hasHeader('retry-after')) reply.header('retry-after', '1');
     if (status !== 429 && status >= 400 && status < 500) svc.metrics.rejected.inc({ reason: `http_${status}` });
     return reply.code(status).send(body);
   });

@@ -189,6 +189,8 @@ export class Service {
   private shipRetry: NodeJS.Timeout | undefined;
   private sweeper: NodeJS.Timeout | undefined;
   private sweeping = false;
+  /** when this service started (after its replay) */
+  private started = Date.now();
   /** when this gateway last told the shared pool of activity in a group */
   private touched = new Map<string, number>();
 
@@ -254,10 +256,12 @@ export class Service {
     }
     // Finished before a crash and not known to be shipped: shipping again is harmless (the pool counts each once).
     if (this.shared) await this.shipUnshipped();
-    if (opts.rateLimit > 0) await this.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000 });
+    // A health probe is never limited: a limited one would report a healthy service down.
+    if (opts.rateLimit > 0) await this.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000, allowList: (req) => req.url.split('?')[0] === '/healthz' });
     registerHttp(this.app, this);
     registerGateway(this.app, this);
     registerSlime(this.app, this);
+    this.started = Date.now();
     if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
   }
 
@@ -265,7 +269,9 @@ export class Service {
   private sweep(): void {
     if (this.sweeping || this.broken) return;
     const now = Date.now();
-    const idle = [...this.pool.open].filter((g) => !g.closed && now - g.active >= this.opts.idleTimeoutMs).map((g) => g.id);
+    // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
+    // agents waited for it.
+    const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
     if (idle.length === 0) return;
     this.sweeping = true;
     void (async () => {
