@@ -4,37 +4,28 @@
  * idle timeout) so one crashed agent never stalls the windowed FIFO, for the trainer or for slime; a retried call
  * or finish is recorded once; engine failures are counted.
  */
-import { afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { readFileSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseSafetensors } from '../src/io/safetensors.js';
-import { Service, type ServiceOptions } from '../src/serve/service.js';
+import type { Service, ServiceOptions } from '../src/serve/service.js';
 import { tempDir } from './helpers/serve.js';
-import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
+import { inProcessServices } from './helpers/in-process.js';
 
 const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
   fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
 const M = (text: string) => ({ messages: [{ role: 'user', content: text }] });
 
-let stub: StubEngine | undefined;
-const open: Service[] = [];
-afterEach(async () => {
-  for (const s of open.splice(0)) await s.close();
-  await stub?.close();
-  stub = undefined;
-});
+const services = inProcessServices('tp-agents-');
 
 async function service(opts: Partial<ServiceOptions> = {}): Promise<{ base: string; svc: Service; data: string }> {
-  stub ??= await startStubEngine();
-  const data = opts.dataDir ?? join(tempDir('tp-agents-'), 'data');
-  const svc = await Service.create({ engineUrl: stub.url, dataDir: data, port: 0, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
-  open.push(svc);
-  return { base: await svc.listen(), svc, data };
+  // a data directory the service creates (0700)
+  const { base, svc } = await services.start({ dataDir: join(tempDir('tp-agents-'), 'data'), ...opts });
+  return { base, svc, data: svc.opts.dataDir };
 }
 
 async function restart(svc: Service, opts: Partial<ServiceOptions>): Promise<string> {
-  await svc.close();
-  open.splice(open.indexOf(svc), 1);
+  await services.stop(svc);
   return (await service({ ...opts, dataDir: svc.opts.dataDir })).base;
 }
 
@@ -138,7 +129,7 @@ describe('abandoned episodes and groups', { timeout: 60_000 }, () => {
 
   it('the idle timeout abandons a stuck group, for the trainer and for slime, and a gauge shows its age', async () => {
     for (const reader of ['trainer', 'slime'] as const) {
-      const { base } = await service({ groupSize: 2, idleTimeoutMs: 1500 });
+      const { base, svc } = await service({ groupSize: 2, idleTimeoutMs: 1500 });
       await stuckHead(base);
       const metrics = await (await fetch(`${base}/metrics`)).text();
       expect(Number(/^treepack_oldest_open_group_seconds (\S+)$/m.exec(metrics)![1])).toBeGreaterThan(0);
@@ -161,7 +152,7 @@ describe('abandoned episodes and groups', { timeout: 60_000 }, () => {
       expect(Date.now() - t0).toBeLessThan(6_000);
       const after = await (await fetch(`${base}/metrics`)).text();
       expect(Number(/^treepack_oldest_open_group_seconds (\S+)$/m.exec(after)![1])).toBe(0);
-      for (const s of open.splice(0)) await s.close();
+      await services.stop(svc);
     }
   });
 
@@ -203,7 +194,7 @@ describe('retries', { timeout: 60_000 }, () => {
     expect((await post(`${again}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(200);
     const calls = ((await (await fetch(`${again}/v1/episodes/e`)).json()) as { calls: unknown[] }).calls;
     expect(calls).toHaveLength(3);
-    expect(stub!.calls).toBe(3);
+    expect(services.stub!.calls).toBe(3);
 
     expect((await post(`${again}/v1/episodes/e/finish`, { reward: 0.5, metadata: { k: 1 } })).status).toBe(200);
     expect((await post(`${again}/v1/episodes/e/finish`, { reward: 0.5, metadata: { k: 1 } })).status).toBe(200);
@@ -214,7 +205,7 @@ describe('retries', { timeout: 60_000 }, () => {
 describe('engine', { timeout: 60_000 }, () => {
   it('lists its models under every base URL, sending the engine key', async () => {
     const { base } = await service({ engineApiKey: 'ek' });
-    stub!.apiKey = 'ek';
+    services.stub!.apiKey = 'ek';
     for (const prefix of ['', '/episodes/e', '/groups/g/episodes/e']) {
       const r = await fetch(`${base}${prefix}/v1/models`);
       expect(r.status, prefix).toBe(200);
@@ -224,13 +215,12 @@ describe('engine', { timeout: 60_000 }, () => {
 
   it('failures are counted in treepack_calls_total', async () => {
     const { base } = await service({ engineTimeoutMs: 300 });
-    stub!.mode = 'hang';
+    services.stub!.mode = 'hang';
     expect((await post(`${base}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(504);
-    stub!.mode = 'garbage';
+    services.stub!.mode = 'garbage';
     expect((await post(`${base}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(502);
-    await stub!.close();
+    await services.stub!.close();
     expect((await post(`${base}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(502);
-    stub = undefined;
     const m = await (await fetch(`${base}/metrics`)).text();
     for (const outcome of ['engine_timeout', 'engine_garbage', 'engine_unreachable']) expect(m).toMatch(new RegExp(`treepack_calls_total\\{endpoint="chat",outcome="${outcome}"\\} 1`));
   });
