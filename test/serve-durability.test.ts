@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { DurableLog } from '../src/serve/log.js';
+import { Service } from '../src/serve/service.js';
 import { enginePython, freePort, ROOT, startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
@@ -205,5 +206,10 @@ print(json.dumps({"acked": acked, "twice": twice, "next": nxt and nxt.id}))`,
     const again: string[] = [];
     await (await DurableLog.open(path, (e) => again.push(e.type))).close();
     expect(again).toEqual(['a', 'b', 'd']);
+    // A line damaged into other valid JSON is refused where it is, not skipped.
+    const data = tempDir('tp-log-type-');
+    const call = (id: string) => JSON.stringify({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output: { finishReason: 'stop' } } });
+    writeFileSync(join(data, 'events.jsonl'), `${call('c0')}\n{"tipe":"call","episode":"e"}\n${call('c1')}\n`);
+    await expect(Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer: 'qwen3' } })).rejects.toThrow(/events\.jsonl:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call/);
   });
 });

@@ -4,10 +4,12 @@
  * backpressure, /healthz and /metrics.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
+import { join } from 'node:path';
 import { resolveServiceOptions, Service, sharedConfig } from '../src/serve/service.js';
 import { cli } from './helpers/cli.js';
-import { tempDir } from './helpers/serve.js';
+import { freePort, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const json = (body: unknown, headers: Record<string, string> = {}) => ({ method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: typeof body === 'string' ? body : JSON.stringify(body) });
@@ -39,11 +41,15 @@ describe('service errors', { timeout: 30_000 }, () => {
   const cases: [string, () => Promise<Response>, number, RegExp][] = [
     ['malformed JSON', () => fetch(`${base}/v1/chat/completions`, json('{"messages": [', { 'x-treepack-episode': 'e1' })), 400, /JSON/i],
     ['no messages', () => fetch(`${base}/v1/chat/completions`, json({ model: 'm' }, { 'x-treepack-episode': 'e1' })), 400, /"messages"/],
-    ['message without role', () => fetch(`${base}/v1/chat/completions`, json({ messages: [{ content: 'x' }] }, { 'x-treepack-episode': 'e1' })), 400, /"messages\[0\]"/],
+    ['message without role', () => fetch(`${base}/v1/chat/completions`, json({ messages: [{ content: 'x' }] }, { 'x-treepack-episode': 'e1' })), 400, /"messages\[0\]\.role": expected a string/],
+    ['stream not a boolean', () => fetch(`${base}/v1/chat/completions`, json({ ...chat(), stream: 'yes' }, { 'x-treepack-episode': 'e1' })), 400, /"stream": expected true or false/],
+    ['unknown route', () => fetch(`${base}/v1/nope`, json({})), 404, /no route POST \/v1\/nope/],
+    ['episode id too long', () => fetch(`${base}/episodes/${'x'.repeat(200)}/v1/chat/completions`, json(chat())), 414, /longer than 100 characters/],
+    ['URL not decodable', () => fetch(`${base}/v1/episodes/%zz/finish`, json({ reward: 1 })), 400, /percent-encoding/],
     ['n > 1', () => fetch(`${base}/v1/chat/completions`, json({ ...chat(), n: 3 }, { 'x-treepack-episode': 'e1' })), 400, /"n"/],
     ['no episode', () => fetch(`${base}/v1/chat/completions`, json(chat())), 400, /no episode/],
     ['completion without a prompt string', () => fetch(`${base}/v1/completions`, json({ prompt: ['a', 'b'] }, { 'x-treepack-episode': 'e1' })), 400, /"prompt"/],
-    ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /body/i],
+    ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /larger than 4096 bytes .*--body-limit/],
     ['unknown episode', () => fetch(`${base}/v1/episodes/nope`), 404, /unknown episode "nope"/],
     ['finish without reward', () => fetch(`${base}/v1/episodes/nope/finish`, json({ metadata: {} })), 400, /"reward"/],
     ['bad policy version', () => fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'e1', 'x-treepack-policy-version': '-1' })), 400, /x-treepack-policy-version/],
@@ -57,7 +63,9 @@ describe('service errors', { timeout: 30_000 }, () => {
     it(`${name}: ${status}, and the service keeps serving`, async () => {
       const r = await send();
       expect(r.status).toBe(status);
-      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      const { error } = (await r.json()) as ErrorBody;
+      expect(error.message).toMatch(message);
+      expect(error.type).toBe('invalid_request_error'); // the service's shape, never Fastify's
       await good();
     });
   }
@@ -89,7 +97,9 @@ describe('service errors', { timeout: 30_000 }, () => {
       const ep = `engine-${mode}`;
       const r = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': ep }));
       expect(r.status).toBe(status);
-      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      const { error } = (await r.json()) as ErrorBody;
+      expect(error.message).toMatch(message);
+      if (status !== 500) expect(error.type).toBe('engine_error'); // the engine's own 500 goes back as it sent it
       expect((await fetch(`${base}/v1/episodes/${ep}`)).status).toBe(404);
       await good();
     });
@@ -117,9 +127,22 @@ describe('service errors', { timeout: 30_000 }, () => {
     const url = await down.listen();
     const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'x' }));
     expect(r.status).toBe(502);
-    expect(((await r.json()) as ErrorBody).error.message).toMatch(/unreachable/);
+    expect(((await r.json()) as ErrorBody).error).toMatchObject({ message: expect.stringMatching(/unreachable/), type: 'engine_error' });
     expect((await fetch(`${url}/healthz`)).status).toBe(200);
     await down.close();
+  });
+
+  it('start-up failures: a port in use and an unusable --data are one line naming the cause, exit 1', async () => {
+    const data = tempDir('tp-serve-start-');
+    writeFileSync(join(data, 'file'), '');
+    const port = String(new URL(base).port);
+    const args = ['serve', '--engine', stub.url, '--tokenizer', 'qwen3'];
+    const inUse = cli([...args, '--data', join(data, 'd'), '--port', port]);
+    expect(inUse.code).toBe(1);
+    expect(inUse.stderr.trim()).toMatch(new RegExp(`^treepack serve: port ${port} on 127\\.0\\.0\\.1 is in use \\(another service\\?\\): choose another with --port$`));
+    const notDir = cli([...args, '--data', join(data, 'file', 'sub'), '--port', String(await freePort())]);
+    expect(notDir.code).toBe(1);
+    expect(notDir.stderr.trim()).toMatch(/^treepack serve: \S*\/file\/sub: cannot create the log directory: ENOTDIR: not a directory$/);
   });
 
   it('library options of the shared pool: a wrong type names the option', () => {
@@ -216,7 +239,7 @@ describe('treepack serve flags', () => {
       [['serve', '--data', '/tmp/x'], /--engine URL and --data DIR are required/],
       [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x'], /--tokenizer DIR\|NAME is required/],
       [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x', '--tokenizer', 'qwen3'], /for --engine but received "localhost:8000"/],
-      [[...base, '--host', '0.0.0.0'], /bearer token.*for --token/],
+      [[...base, '--host', '0.0.0.0'], /bound to 0\.0\.0\.0, not loopback, needs a bearer token .*--token T/],
       [[...base, '--dp', '2'], /--dp needs --max-tokens/],
       [[...base, '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
       [[...base, '--pad-multiple', '8'], /--pad-multiple needs --max-tokens T/],

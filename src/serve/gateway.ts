@@ -77,12 +77,15 @@ function checkBody(kind: CallKind, body: unknown): Obj {
   if (kind === 'chat') {
     if (!Array.isArray(body.messages) || body.messages.length === 0) throw new PoolError(400, `field "messages": expected a non-empty list of messages, got ${describeValue(body.messages)}`);
     body.messages.forEach((m, i) => {
-      if (!isObj(m) || typeof m.role !== 'string') throw new PoolError(400, `field "messages[${i}]": expected a message with a role, got ${describeValue(m)}`);
+      if (!isObj(m)) throw new PoolError(400, `field "messages[${i}]": expected a message object, got ${describeValue(m)}`);
+      if (typeof m.role !== 'string') throw new PoolError(400, `field "messages[${i}].role": expected a string (system, user, assistant, tool), got ${describeValue(m.role)}`);
     });
     if (body.tools !== undefined && body.tools !== null && !Array.isArray(body.tools)) throw new PoolError(400, `field "tools": expected a list of tool schemas, got ${describeValue(body.tools)}`);
   } else if (typeof body.prompt !== 'string') {
     throw new PoolError(400, `field "prompt": expected a string (one prompt per call is recorded), got ${describeValue(body.prompt)}`);
   }
+  // The engine would coerce "yes" or 1 and stream, where the gateway reads JSON: refused, naming the field.
+  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean') throw new PoolError(400, `field "stream": expected true or false, got ${describeValue(body.stream)}`);
   if (body.n !== undefined && body.n !== null && body.n !== 1) throw new PoolError(400, `field "n": the gateway records one completion per call; expected 1, got ${describeValue(body.n)}`);
   return body;
 }

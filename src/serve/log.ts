@@ -85,7 +85,11 @@ export class DurableLog {
   static async open(path: string, apply: (e: LogEvent, line: number, bytes: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
     // Owner only: the log holds every prompt and answer. A directory made here is private too; one that exists is
     // the operator's to set.
-    mkdirSync(dirname(path), { recursive: true, mode: 0o700 });
+    try {
+      mkdirSync(dirname(path), { recursive: true, mode: 0o700 });
+    } catch (err) {
+      throw ioError(err, dirname(path), 'create the log directory');
+    }
     rmSync(path + '.compact', { force: true }); // a compaction killed before its rename: the log itself is whole
     const committed = replay(path, apply);
     let fh: FileHandle;

@@ -6,7 +6,7 @@
 import { join } from 'node:path';
 import Fastify, { type FastifyInstance } from 'fastify';
 import rateLimit from '@fastify/rate-limit';
-import { argError, TreepackError } from '../errors.js';
+import { argError, describeValue, TreepackError } from '../errors.js';
 import type { PackerOptions } from '../packer/index.js';
 import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
@@ -14,7 +14,7 @@ import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
-import { registerHttp } from './http.js';
+import { frameworkError, registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
 import type { SnapshotEvent } from './compact.js';
 import { runWorker } from './thread.js';
@@ -75,6 +75,7 @@ export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
 /** the trainer feed's own log events; the pool replays the rest */
 const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
+const LOG_EVENTS = new Set(['snapshot', 'key', 'call', 'finish', 'record', 'group-size', 'ship', 'abandon', ...FEED_EVENTS]);
 
 export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions {
   if (typeof o.engineUrl !== 'string' || !/^https?:\/\//.test(o.engineUrl)) throw argError('engineUrl', 'an http(s) URL of the engine, e.g. http://127.0.0.1:8000/v1', o.engineUrl);
@@ -112,7 +113,10 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     r.warn = o.warn;
   }
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
-  if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
+  if (!LOOPBACK.has(r.host) && !r.token) {
+    if (r.token !== undefined) throw argError('token', 'a non-empty bearer token', r.token);
+    throw new TreepackError('E_ARG', `a service bound to ${r.host}, not loopback, needs a bearer token (option token; --token T or TREEPACK_SERVE_TOKEN for the CLI): every request must authenticate`);
+  }
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
@@ -208,7 +212,7 @@ export class Service {
       const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
       return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
     });
-    this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true });
+    this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true, frameworkErrors: frameworkError });
   }
 
   static async create(options: ServiceOptions): Promise<Service> {
@@ -294,6 +298,11 @@ export class Service {
   }
 
   private replay(e: LogEvent, line: number, bytes: number): void {
+    // A line that parses but is no event of this layout (damaged into other JSON, or written by a later version)
+    // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
+    if (typeof e !== 'object' || e === null || !LOG_EVENTS.has(e.type)) {
+      throw new TreepackError('E_INPUT', `damaged log: expected an event with a "type" of ${[...LOG_EVENTS].join(', ')}, got ${describeValue(e)}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'type' });
+    }
     if (e.type === 'snapshot') this.pool.apply(e);
     else if (!FEED_EVENTS.has(e.type)) {
       try {
@@ -408,7 +417,14 @@ export class Service {
   }
 
   async listen(): Promise<string> {
-    return this.app.listen({ host: this.opts.host, port: this.opts.port });
+    try {
+      return await this.app.listen({ host: this.opts.host, port: this.opts.port });
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'EADDRINUSE') throw new TreepackError('E_IO', `port ${this.opts.port} on ${this.opts.host} is in use (another service?): choose another with --port`);
+      if (code === 'EADDRNOTAVAIL' || code === 'EACCES') throw new TreepackError('E_IO', `cannot listen on ${this.opts.host}:${this.opts.port} (${code}): check --host and --port`);
+      throw err;
+    }
   }
 
   async close(): Promise<void> {
@@ -424,6 +440,10 @@ export class Service {
 
 export async function startService(options: ServiceOptions): Promise<{ service: Service; url: string }> {
   const service = await Service.create(options);
-  const url = await service.listen();
-  return { service, url };
+  try {
+    return { service, url: await service.listen() };
+  } catch (err) {
+    await service.close();
+    throw err;
+  }
 }
