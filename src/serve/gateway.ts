@@ -179,7 +179,7 @@ async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: F
   } catch (err) {
     return countFailure(svc, endpoint, err);
   } finally {
-    svc.inflight.delete(key);
+    if (svc.inflight.get(key) === done) svc.inflight.delete(key); // a retry that waited may hold it by now
   }
 }
 

@@ -193,8 +193,8 @@ export class Service {
   private shipRetry: NodeJS.Timeout | undefined;
   private sweeper: NodeJS.Timeout | undefined;
   private sweeping = false;
-  /** when this service started (after its replay) */
-  private started = Date.now();
+  /** when this service started (after its replay): the idle timeout counts from it at most */
+  private started = 0;
   /** when this gateway last told the shared pool of activity in a group */
   private touched = new Map<string, number>();
 
@@ -273,6 +273,7 @@ export class Service {
   private sweep(): void {
     if (this.sweeping || this.broken) return;
     const now = Date.now();
+    for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group); // bounded by the groups active lately
     // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
     // agents waited for it.
     const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
