@@ -115,6 +115,17 @@ describe('service errors', { timeout: 30_000 }, () => {
     await good();
   });
 
+  it('engine stalling mid-stream: an error event naming the timeout, no [DONE], nothing recorded', async () => {
+    stub.mode = 'stall-stream';
+    const r = await fetch(`${base}/v1/chat/completions`, json({ ...chat(), stream: true }, { 'x-treepack-episode': 'stream-stall' }));
+    const text = await r.text();
+    expect(text).toMatch(/"message":"the engine's stream did not end within 500 ms \(--engine-timeout\)","type":"engine_error"/);
+    expect(text).not.toMatch(/\[DONE\]/);
+    expect((await fetch(`${base}/v1/episodes/stream-stall`)).status).toBe(404);
+    expect(await (await fetch(`${base}/metrics`)).text()).toMatch(/treepack_calls_total\{endpoint="chat",outcome="engine_timeout"\} [1-9]/);
+    await good();
+  });
+
   it('engine down: 502 naming the engine', async () => {
     const port = await new Promise<number>((res) => {
       const s: Server = createServer();

@@ -264,7 +264,7 @@ async function stream(
       if (failure) break;
     }
   } catch (err) {
-    failure ??= new EngineError(`the engine's stream broke: ${(err as Error).message}`);
+    failure ??= res.timedOut() ? new EngineError(`the engine's stream did not end within ${svc.opts.engineTimeoutMs} ms (--engine-timeout)`) : new EngineError(`the engine's stream broke: ${(err as Error).message}`);
   }
   const tBack = performance.now();
   if (!failure && !done) failure = new EngineError('the engine closed the stream without data: [DONE]');
@@ -277,7 +277,7 @@ async function stream(
   }
   if (failure) {
     // Headers are gone: the error travels as an SSE event, and [DONE] is withheld so the client sees a failure.
-    svc.metrics.calls.inc({ endpoint: t.endpoint, outcome: 'engine_garbage' });
+    svc.metrics.calls.inc({ endpoint: t.endpoint, outcome: res.timedOut() ? 'engine_timeout' : 'engine_garbage' });
     raw.end(`data: ${JSON.stringify({ error: { message: failure.message, type: 'engine_error' } })}\n\n`);
     return;
   }

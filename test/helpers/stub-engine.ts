@@ -5,7 +5,7 @@
  */
 import { createServer, type Server } from 'node:http';
 
-export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs';
+export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs' | 'stall-stream';
 
 export interface StubEngine {
   url: string;
@@ -42,6 +42,7 @@ export async function startStubEngine(mode: StubMode = 'ok'): Promise<StubEngine
         res.writeHead(200, { 'content-type': 'text/event-stream' });
         const delta = chat ? { delta: { role: 'assistant', content } } : { text: content };
         res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...delta, finish_reason: null }] })}\n\n`);
+        if (stub.mode === 'stall-stream') return; // the first chunk, then nothing
         res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...(chat ? { delta: {} } : { text: '' }), finish_reason: 'stop' }] })}\n\n`);
         res.end('data: [DONE]\n\n');
         return;
