@@ -262,7 +262,7 @@ describe('treepack serve flags', () => {
     const bad: [string, string, RegExp?][] = [
       ['--port', 'x'], ['--engine-timeout', '0'], ['--group-size', '-1'], ['--policy', 'lifo'], ['--window', '0'],
       ['--groups-per-step', '1.5'], ['--lease', 'soon'], ['--max-pool-bytes', '0'], ['--body-limit', '1e9x'],
-      ['--rate-limit', '-5'], ['--compact-bytes', '0'], ['--redis', '127.0.0.1:6379', /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379 for --redis/],
+      ['--rate-limit', '-5'], ['--compact-bytes', '0'], ['--idle-timeout', '-1'], ['--idle-timeout', 'never'], ['--redis', '127.0.0.1:6379', /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379 for --redis/],
       ['--backend', 'gpu'], ['--max-tokens', '0'], ['--dp', 'two'], ['--advantages', 'ppo'], ['--timeline-compare-level', 'char'],
     ];
     for (const [flag, value, message] of bad) cases.push([[...base, `${flag}=${value}`], message ?? new RegExp(`for ${flag} but received`)]);

@@ -2,7 +2,7 @@
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
 import { TreepackError } from '../errors.js';
-import { optionEntry } from '../packer/option-table.js';
+import { int, optionEntry } from '../packer/option-table.js';
 import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
 
 /** The packer's options that serve takes as flags; its --dp is also the feed's ranks, so it is read apart. */
@@ -111,7 +111,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     groupsPerStep: positiveInt('--groups-per-step', str('groups-per-step')),
     dp,
     leaseMs: positiveInt('--lease', str('lease'), 600)! * 1000,
-    idleTimeoutMs: str('idle-timeout') === '0' ? 0 : positiveInt('--idle-timeout', str('idle-timeout'), 1800)! * 1000,
+    idleTimeoutMs: (str('idle-timeout') === undefined ? 1800 : (flagValue(int(0), '--idle-timeout', str('idle-timeout')!) as number)) * 1000,
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
