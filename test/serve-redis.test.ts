@@ -171,6 +171,23 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect((await post(`${B}/v1/groups/nope/abandon`, {})).status).toBe(404);
   });
 
+  it('/healthz says when the shared pool is unreachable, and ok again once it is back', async () => {
+    const [A] = await gateways({ groupSize: 1 });
+    const health = async () => {
+      const r = await fetch(`${A}/healthz`);
+      return { status: r.status, body: (await r.json()) as { ok: boolean; shared_pool: { url: string; connected: boolean } } };
+    };
+    expect(await health()).toMatchObject({ status: 200, body: { ok: true, shared_pool: { url: redis.url, connected: true } } });
+    await redis.stop();
+    const until = async (status: number) => {
+      for (const t0 = Date.now(); Date.now() - t0 < 10_000; await new Promise((r) => setTimeout(r, 100))) if ((await health()).status === status) return health();
+      throw new Error(`/healthz never answered ${status}`);
+    };
+    expect(await until(503)).toMatchObject({ body: { ok: false, shared_pool: { connected: false } } });
+    await redis.restart();
+    expect(await until(200)).toMatchObject({ body: { ok: true, shared_pool: { connected: true } } });
+  });
+
   it('a trainer killed before acknowledging: its micro-batch is handed out again after the lease, through the other service', async () => {
     const [A, B] = await gateways({ groupSize: 1, leaseMs: 1000 });
     await post(`${A}/buffer/write`, record(0, 0, 1));

@@ -83,8 +83,13 @@ export function registerHttp(app: FastifyInstance, svc: Service): void {
   });
 
   app.get('/healthz', async (_req, reply) => {
-    const body = { ok: !svc.broken, broken: svc.broken ?? null, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
-    return reply.code(svc.broken ? 503 : 200).send(body);
+    // On the shared pool, a Redis this service is not connected to is an outage: finishes wait in the log and
+    // steps cannot form or be handed out until it is back.
+    const redis = svc.shared?.redis.status;
+    const shared = svc.shared === undefined ? null : { url: svc.shared.url, connected: redis === 'ready', status: redis, last_error: svc.shared.lastError ?? null };
+    const ok = !svc.broken && shared?.connected !== false;
+    const body = { ok, broken: svc.broken ?? null, shared_pool: shared, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
+    return reply.code(ok ? 200 : 503).send(body);
   });
 
   app.get('/metrics', async (_req, reply) => {
