@@ -16,6 +16,12 @@ export interface ModelShape {
   kv_heads: number;
   head_dim: number;
   vocab?: number;
+  /** 'qwen3_5': `linear_layers` of the `layers` are Gated DeltaNet (the others attention), with these heads */
+  family?: 'qwen3' | 'qwen3_5';
+  linear_layers?: number;
+  linear_key_heads?: number;
+  linear_value_heads?: number;
+  linear_head_dim?: number;
 }
 
 /** Work figures of one layout of a workload (bench/step.py `figures`). */
@@ -31,6 +37,11 @@ export interface SideFigures {
   executed_blocks?: number;
   scored_rows: number;
   max_tokens: number;
+  /** recurrent layers (bench/step.py `figures`; older runs: absent): sequential depth levels summed over the
+   * micro-batches, batched calls of one layer, and the tokens those calls hold with their padding */
+  levels?: number;
+  recurrent_calls?: number;
+  recurrent_padded?: number;
 }
 
 export interface Work {
@@ -58,13 +69,29 @@ export function layerParams(s: ModelShape): number {
   return s.hidden * q + 2 * s.hidden * kv + q * s.hidden + 3 * s.hidden * s.intermediate;
 }
 
+/** A Gated DeltaNet layer's weights: q, k, v, z, b, a and out projections, the MLP. */
+function linearLayerParams(s: ModelShape): number {
+  const k = (s.linear_key_heads ?? 0) * (s.linear_head_dim ?? 0), v = (s.linear_value_heads ?? 0) * (s.linear_head_dim ?? 0);
+  return s.hidden * (2 * k + 2 * v + 2 * (s.linear_value_heads ?? 0)) + v * s.hidden + 3 * s.hidden * s.intermediate;
+}
+
+/** FLOPs per token of one Gated DeltaNet layer's chunked recurrence (64-token chunks, per value head: the state's
+ * read and update, d² each, and the intra-chunk products, 64·d each), forward. O(tokens): its ideal ratio is the
+ * token compression. */
+function recurrenceFlops(s: ModelShape): number {
+  const d = s.linear_head_dim ?? 0;
+  return 2 * (s.linear_value_heads ?? 0) * (3 * d * d + 2 * 64 * d);
+}
+
 export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: number, dtypeBytes: number): Work {
-  const perPair = 4 * s.heads * s.head_dim * s.layers * FWD_BWD; // QKᵀ and PV, multiply-add = 2 FLOPs each
-  const params = layerParams(s) * s.layers + vocab * s.hidden;
+  const linear = s.linear_layers ?? 0, attention = s.layers - linear;
+  const perPair = 4 * s.heads * s.head_dim * attention * FWD_BWD; // QKᵀ and PV, multiply-add = 2 FLOPs each
+  const perToken = 2 * (layerParams(s) * attention + linearLayerParams(s) * linear) + recurrenceFlops(s) * linear;
+  const params = layerParams(s) * attention + linearLayerParams(s) * linear + vocab * s.hidden;
   // Saved activations per token and layer (q, k, v, attention out, MLP in/gate/up/act), written forward, read back.
   const activation = 2 * (4 * s.hidden + 3 * s.intermediate) * s.layers * dtypeBytes;
   return {
-    linearFlops: (2 * layerParams(s) * s.layers * f.tokens + 2 * s.hidden * vocab * f.scored_rows) * FWD_BWD,
+    linearFlops: (perToken * f.tokens + 2 * s.hidden * vocab * f.scored_rows) * FWD_BWD,
     attentionFlops: f.pairs * perPair,
     executedAttentionFlops: (f.executed_blocks ?? f.blocks) * blockSize * blockSize * perPair,
     bytes: f.micro_batches * params * dtypeBytes * 3 + f.tokens * activation,

@@ -29,6 +29,7 @@ import { renderHtml } from './report.js';
 import { benchPrefixStep } from './prefix-step.js';
 import { benchStep, type StepSection } from './step.js';
 import { benchTrainer } from './trainer.js';
+import { benchTrlStep, type TrlStepSection } from './trl-step.js';
 import { analyzeStep, type StepSummary } from './step-report.js';
 
 await superviseDawnWarnings();
@@ -138,6 +139,9 @@ else {
   environment.push(`training step: ${stepSection.device}, torch ${stepSection.torch}, Python ${stepSection.python}`);
 }
 
+const trlStep: TrlStepSection = await benchTrlStep({ full: !quick, tauBench: tauPresent || values.data !== undefined ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+console.log(`\n${trlStep.text ?? `## TRL GRPO step: skipped, ${trlStep.skipped}`}`);
+
 const reports: DatasetReport[] = [];
 const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-'));
 try {
@@ -211,7 +215,7 @@ const prefixStep = await benchPrefixStep(!quick);
 await disposeBackends();
 
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer, prefixStep };
+const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer, trlStep, prefixStep };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(
   {
@@ -223,11 +227,16 @@ const page = await renderHtml(
     loss,
     merge,
   },
-  step ? [step.text] : [],
+  [...(step ? [step.text] : []), ...(trlStep.text ? [trlStep.text] : [])],
 );
 writeFileSync(html, page);
 console.log(`report: ${resolve(html)}${values.json ? `, ${resolve(values.json)}` : ''}`);
 if ((values.data !== undefined && !tauPresent) || stepSection.workloads.some((w) => w.error)) process.exitCode = 1;
+const trlMismatches = trlStep.workloads.filter((w) => w.mismatch);
+if (trlMismatches.length) {
+  console.error(`bench: TRL's packed step disagrees with its stock step:\n  ${trlMismatches.map((w) => `${w.name}: ${w.mismatch}`).join('\n  ')}`);
+  process.exitCode = 2;
+}
 if (step?.lossMismatches.length) {
   console.error(`bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`);
   process.exitCode = 2;

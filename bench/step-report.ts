@@ -20,7 +20,9 @@ export interface StepAnalysis {
   calls: number; // LLM calls of the workload
   timelines: number; // after the timeline merge
   packSeconds: number;
-  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number | null; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean; pageFaults?: number }>;
+  sides: Record<Side, { step: number; masks: number; forward: number; loss: number; backward: number; peak: number | null; tokens: number; microBatches: number; predicted?: number; executedOverExact: number; sameAsNaive?: boolean; pageFaults?: number; recurrentForward?: number }>;
+  /** a hybrid model: its recurrent layers' forward, naive ÷ packed seconds, against the token compression (their ideal) */
+  recurrent?: { speedup: number; levels: number; calls: number; paddedOverTokens: number };
   shortfall: string[];
   realSizes: { model: string; idealRatio: number; gpuSpeedup: number }[];
 }
@@ -46,7 +48,12 @@ export function analyzeStep(s: StepSection): StepSummary {
   const lines: string[] = [];
   const lossMismatches: string[] = [];
   const shapes = [...new Map([s.shape, ...s.workloads.map((w) => w.shape)].flatMap((sh) => (sh ? [[sh.name, sh] as const] : []))).values()];
-  const models = shapes.map((sh) => `${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers, ${sh.heads}/${sh.kv_heads} heads × ${sh.head_dim}, MLP ${sh.intermediate})`).join(' and ');
+  const models = shapes
+    .map((sh) => {
+      const linear = sh.linear_layers ? `, ${sh.linear_layers} of them Gated DeltaNet (${sh.linear_key_heads}/${sh.linear_value_heads} heads × ${sh.linear_head_dim})` : '';
+      return `${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers${linear}, ${sh.heads}/${sh.kv_heads} heads × ${sh.head_dim}, MLP ${sh.intermediate})`;
+    })
+    .join(' and ');
   const header = `## training step: forward + backward + RL loss of a random-weight ${models} on ${s.device}, ${s.dtype}, attention ${s.attention === 'flex' ? 'FlexAttention + BlockMask' : 'block-sparse SDPA'} (B = 128), torch ${s.torch}; micro-batches ≤ ${s.maxTokens} tokens`;
   lines.push(header);
   if (s.allocator) lines.push(`  harness allocator: ${s.allocator}`);
@@ -66,8 +73,10 @@ export function analyzeStep(s: StepSection): StepSummary {
   const timed = (w: StepWorkload) => SIDES.filter((k) => !w.sides![k].same_as_naive);
   const points = (x: (typeof all)[number]) => timed(x.w).map((k) => ({ work: x.works[k], seconds: x.w.sides![k].step }));
   const predicted = new Map<StepWorkload, Partial<Record<Side, number>>>();
+  // Rates are fitted per model (a hybrid's recurrent layers run at other rates than attention and projections).
+  const model = (w: StepWorkload) => (w.shape ?? s.shape!).name;
   for (const { w } of all) {
-    const rates = fitRates(all.filter((x) => x.w !== w).flatMap(points));
+    const rates = fitRates(all.filter((x) => x.w !== w && model(x.w) === model(w)).flatMap(points));
     if (rates) predicted.set(w, Object.fromEntries(timed(w).map((k) => [k, predict(all.find((x) => x.w === w)!.works[k], rates)])));
   }
   const rates = fitRates(all.flatMap(points)) ?? undefined;
@@ -79,7 +88,7 @@ export function analyzeStep(s: StepSection): StepSummary {
       SIDES.map((k) => {
         const p = pred?.[k];
         if (p !== undefined) errors.push(Math.abs(p / m[k].step - 1));
-        return [k, { step: m[k].step, masks: m[k].masks, forward: m[k].forward, loss: m[k].loss, backward: m[k].backward, peak: m[k].peak_bytes, tokens: f[k].tokens, microBatches: f[k].micro_batches, predicted: p, executedOverExact: ((f[k].executed_blocks ?? f[k].blocks) * 128 * 128) / Math.max(1, f[k].pairs), sameAsNaive: m[k].same_as_naive, pageFaults: m[k].page_faults }];
+        return [k, { step: m[k].step, masks: m[k].masks, forward: m[k].forward, loss: m[k].loss, backward: m[k].backward, peak: m[k].peak_bytes, tokens: f[k].tokens, microBatches: f[k].micro_batches, predicted: p, executedOverExact: ((f[k].executed_blocks ?? f[k].blocks) * 128 * 128) / Math.max(1, f[k].pairs), sameAsNaive: m[k].same_as_naive, pageFaults: m[k].page_faults, recurrentForward: m[k].recurrent_forward }];
       }),
     ) as StepAnalysis['sides'];
     const speedup = m.naive.step / m.packed.step;
@@ -100,7 +109,11 @@ export function analyzeStep(s: StepSection): StepSummary {
       const r = Object.fromEntries(SIDES.map((k) => [k, work({ ...f[k], executed_blocks: f[k].blocks }, shape, shape.vocab!, 128, 2)])) as Record<Side, Work>;
       return { model: shape.name, idealRatio: totalFlops(r.naive) / totalFlops(r.packed), gpuSpeedup: gpuSeconds(r.naive) / gpuSeconds(r.packed) };
     });
-    return { name: w.name, calls: w.report.timelines, timelines: w.report.samples, compression: f.naive.tokens / f.packed.tokens, idealRatio, speedup, mergedSpeedup: m.naive.step / m.merged.step, packSeconds: w.packSeconds, sides, shortfall, realSizes };
+    const rn = m.naive.recurrent_forward, rp = m.packed.recurrent_forward;
+    const recurrent = rn !== undefined && rp !== undefined && rp > 0
+      ? { speedup: rn / rp, levels: f.packed.levels ?? 0, calls: f.packed.recurrent_calls ?? 0, paddedOverTokens: (f.packed.recurrent_padded ?? 0) / Math.max(1, f.packed.tokens) }
+      : undefined;
+    return { name: w.name, calls: w.report.timelines, timelines: w.report.samples, compression: f.naive.tokens / f.packed.tokens, idealRatio, speedup, mergedSpeedup: m.naive.step / m.merged.step, packSeconds: w.packSeconds, sides, shortfall, realSizes, recurrent };
   });
   lines.push('  workload / side          mbs     tokens   step s  masks  fwd   loss  bwd    tok/s   peak +    model s (err)');
   for (const r of rows) {
@@ -119,6 +132,11 @@ export function analyzeStep(s: StepSection): StepSummary {
     const goal = r.speedup >= 0.8 * r.idealRatio ? 'met' : 'MISSED';
     lines.push(`    token compression ${fmt(r.compression)}×, ideal work ratio ${fmt(r.idealRatio)}×, measured: packed ${speed(r.sides.naive.step, r.sides.packed.step)} than naive (merged ${r.sides.merged.sameAsNaive ? '= naive' : speed(r.sides.naive.step, r.sides.merged.step)}); speedup ÷ compression ${fmt(r.speedup / r.compression)}, ÷ ideal ${fmt(r.speedup / r.idealRatio)} (goal ≥ 0.8: ${goal})`);
     for (const why of r.shortfall) lines.push(`      short of the ideal: ${why}`);
+    const rec = r.recurrent;
+    if (rec) {
+      lines.push(`    recurrent layers (forward): packed ${fmt(rec.speedup)}× faster than naive, token compression ${fmt(r.compression)}× (their ideal; ÷ ideal ${fmt(rec.speedup / r.compression)}); ` +
+        `${rec.levels} sequential depth levels, ${rec.calls} batched calls per layer over ${r.sides.packed.microBatches} micro-batches, rows padded to ${fmt(rec.paddedOverTokens)}× the tokens`);
+    }
     if (s.deviceType === 'cuda' && r.compression >= 50) lines.push(`    GPU goal (≥ 40× step speedup at ≥ 50× compression): ${fmt(r.speedup)}×, ${r.speedup >= 40 ? 'met' : 'MISSED'}`);
     const faults = SIDES.filter((k) => !r.sides[k].sameAsNaive && (r.sides[k].pageFaults ?? 0) > FAULTS_NOTED);
     if (faults.length) lines.push(`    page faults in timed steps: ${faults.map((k) => `${k} ${r.sides[k].pageFaults}`).join(', ')} (the allocator gave memory back to the OS; these steps include faulting it in again)`);

@@ -4,7 +4,8 @@ three layouts of the same workload, measured in one process, interleaved:
 - naive:  every LLM call its own sequence (what trainers do today), in micro-batches under the token budget;
 - merged: the timelines after the timeline merge, each its own sequence (AgentJet-style), same budget (when the
   merge joined no call, these are naive's sequences: reported as naive's, not timed again);
-- packed: treepack's micro-batches (prefix trees under the budget), tree attention.
+- packed: treepack's micro-batches (prefix trees under the budget), tree attention; on a hybrid shape (Qwen3.5's
+  Gated DeltaNet layers) also the recurrent layers' tree execution (treepack.torch.prepare).
 
 Every side trains the same trainable tokens with the same loss (token-mean over the step's trainable tokens, PPO
 clipping, old logprobs a fixed function of each trainable token and its position), so the loss, the sum of trainable
@@ -25,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
@@ -40,6 +41,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "treepack")
+from treepack.torch.segments import run_plan  # noqa: E402
 
 SIDES = ("naive", "merged", "packed")
 BLOCK = 128  # the tree mask's tile, as packed_logprobs builds it
@@ -83,13 +85,17 @@ def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor) -> tpt.PackedBatc
     pos = b.position_ids[b.seq_positions]
     b.old_logprobs = (-0.5 - ((tok * 31 + pos) % 17).float() / 8).float()
     b.input_ids = torch.searchsorted(vocab, b.input_ids)
+    b.meta["vocab_size"] = int(vocab.numel())  # the ids are now the workload's own vocabulary, the model's rows
     return b
 
 
 def figures(batches: List[tpt.PackedBatch], flex: bool) -> Dict[str, int]:
     """Work figures of one side: tokens, visible attention pairs, listed BLOCK×BLOCK tiles and the tiles the attention
-    computes (flex: the listed ones; the CPU block path: with its padding), scored rows."""
-    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0}
+    computes (flex: the listed ones; the CPU block path: with its padding), scored rows; for recurrent layers, the
+    sequential depth levels (radix segments' depth, summed over micro-batches), the batched calls of one layer and the
+    tokens those calls hold with their padding."""
+    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0,
+         "levels": 0, "recurrent_calls": 0, "recurrent_padded": 0}
     for b in batches:
         n = b.num_nodes
         f["tokens"] += n
@@ -103,20 +109,53 @@ def figures(batches: List[tpt.PackedBatch], flex: bool) -> Dict[str, int]:
         f["executed_blocks"] += listed if flex else tpt.executed_tiles(m)
         f["full_blocks"] += int(m.full_kv_num_blocks.sum())
         f["scored_rows"] += int(torch.unique(b.parent[tpt.scored_nodes(b)]).numel())
+        plan = run_plan(m, 1, torch.device("cpu"))
+        f["levels"] += tpt.segments_of(m).num_levels
+        f["recurrent_calls"] += len(plan.calls)
+        f["recurrent_padded"] += plan.padded
     return f
 
 
-def make_model(shape: Dict[str, int], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def make_model(shape: Dict[str, Any], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight Qwen3, or with ``family`` "qwen3_5" a Qwen3.5 text model whose layers are Gated DeltaNet but
+    every fourth (``linear_layers`` of ``layers``, as Qwen3.5 interleaves them), prepared for tree execution."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
-        max_position_embeddings=1 << 17, tie_word_embeddings=True, attention_dropout=0.0,
-    )
-    model = transformers.Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype)
+    common = dict(vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+                  max_position_embeddings=1 << 17, tie_word_embeddings=True, attention_dropout=0.0)
+    if shape.get("family") == "qwen3_5":
+        full = shape["layers"] - shape["linear_layers"]
+        types = ["full_attention" if (i + 1) * full % shape["layers"] < full else "linear_attention" for i in range(shape["layers"])]
+        cfg = transformers.Qwen3_5TextConfig(layer_types=types, linear_num_key_heads=shape["linear_key_heads"], linear_num_value_heads=shape["linear_value_heads"],
+                                             linear_key_head_dim=shape["linear_head_dim"], linear_value_head_dim=shape["linear_head_dim"], **common)
+        model = transformers.Qwen3_5ForCausalLM(cfg)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    model = tpt.prepare(model.to(device=device, dtype=dtype))
     model.set_attn_implementation("treepack")
     model.train()
     return model
+
+
+def recurrent_timer(model: torch.nn.Module, device: torch.device) -> Dict[str, float]:
+    """Forward seconds spent in the model's tree-aware recurrent layers, accumulated in the returned dict's "seconds"
+    (hooks; the dict stays empty for a model without such layers)."""
+    acc: Dict[str, float] = {}
+    layers = [m for m in model.modules() if hasattr(type(m), "treepack_base")]
+    for layer in layers:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            sync(device)
+            acc["_start"] = time.perf_counter()
+
+        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+            sync(device)
+            acc["seconds"] = acc.get("seconds", 0.0) + time.perf_counter() - acc["_start"]
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+    if layers:
+        acc["seconds"] = 0.0
+    return acc
 
 
 def sync(device: torch.device) -> None:
@@ -141,15 +180,20 @@ def _malloc_trim() -> None:
 
 def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str, Any], device: torch.device) -> Optional[int]:
     """Peak memory one micro-batch's forward + backward adds to what the process holds (its gradients included), untimed:
-    a step with gradient accumulation peaks at its largest micro-batch. CUDA: the caching allocator's peak. CPU (Linux):
-    the peak RSS, reset at the start, after the freed memory the timed steps keep for reuse has gone back to the OS;
-    None where /proc is absent."""
+    a step with gradient accumulation peaks at its largest micro-batch (see peak_of)."""
+    return peak_of(lambda: step(model, [batch], config, device), model, device)
+
+
+def peak_of(run: Callable[[], Any], model: torch.nn.Module, device: torch.device) -> Optional[int]:
+    """Peak memory ``run()`` adds to what the process holds, with ``model``'s gradients (zeroed first) counted. CUDA:
+    the caching allocator's peak. CPU (Linux): the peak RSS, reset at the start, after the freed memory the timed
+    steps keep for reuse has gone back to the OS; None where /proc is absent."""
     model.zero_grad(set_to_none=True)  # the step's gradients count in its peak
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step(model, [batch], config, device)
+        run()
         return int(torch.cuda.max_memory_allocated()) - base
     _malloc_trim()
     base = _rss_bytes("VmRSS")
@@ -158,7 +202,7 @@ def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str
             f.write("5")  # resets VmHWM to the current RSS
     except OSError:
         return None
-    step(model, [batch], config, device)
+    run()
     peak = _rss_bytes("VmHWM")
     return None if peak is None or base is None else peak - base
 
@@ -173,6 +217,8 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     """One training step (gradient accumulation over the side's micro-batches), timed per stage."""
     t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
     loss_sum, lp_sum = 0.0, 0.0
+    timer = getattr(model, "treepack_bench_timer", {})
+    recurrent = timer.get("seconds")
     model.zero_grad(set_to_none=True)
     sync(device)
     faults = _minor_faults()
@@ -203,6 +249,8 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     total = time.perf_counter() - start - t["masks"]  # the extra mask build is not part of a step
     faults = _minor_faults() - faults
     grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    if recurrent is not None:
+        t["recurrent_forward"] = timer["seconds"] - recurrent
     # "loss" in t is the loss's seconds; its value is "loss_value".
     return {**t, "step": total, "page_faults": faults, "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
 
@@ -262,6 +310,7 @@ def time_sides(layouts: Dict[str, List[tpt.PackedBatch]], shape: Dict[str, Any],
                device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
     sides = tuple(layouts)
     model = make_model(shape, vocab, device, dtype)
+    model.treepack_bench_timer = recurrent_timer(model, device)
     # Warm-up (kernels, on CUDA the compiled attention, and the allocator) on the workload's largest micro-batch: the
     # heap then holds the most any timed step needs, and no timed step faults memory in.
     step(model, [largest([b for bs in layouts.values() for b in bs])], config, device)

@@ -29,6 +29,8 @@ export interface StepSide extends Record<string, unknown> {
   loss_value: number;
   /** merged only: the merge joined no call, so these are naive's sequences and naive's figures */
   same_as_naive?: boolean;
+  /** a hybrid model: forward seconds in its recurrent layers (absent: none) */
+  recurrent_forward?: number;
 }
 
 export interface StepWorkload {
@@ -67,9 +69,16 @@ export interface StepSection {
 /** The CPU model: small enough for the default run, Qwen3's proportions (GQA 2:1, SwiGLU 3×). */
 export const CPU_SHAPE: ModelShape = { name: 'tiny Qwen3 shape', hidden: 128, intermediate: 384, layers: 2, heads: 4, kv_heads: 2, head_dim: 32 };
 
-/** The models the step is timed on, by the device the harness finds: every workload runs on each. */
+/** The hybrid CPU model: Qwen3.5's layout at the CPU model's width, three of every four layers Gated DeltaNet (their
+ * recurrence run per radix segment and depth level on the packed side, treepack.torch.prepare). */
+export const CPU_HYBRID_SHAPE: ModelShape = {
+  ...CPU_SHAPE, name: 'tiny Qwen3.5 shape', family: 'qwen3_5', layers: 4, linear_layers: 3, linear_key_heads: 2, linear_value_heads: 4, linear_head_dim: 32,
+};
+
+/** The models the step is timed on, by the device the harness finds: every workload runs on each. (No hybrid shape on
+ * CUDA yet: its torch fallback recurrence would time the fallback, not FLA's kernels, which no host here has.) */
 export type StepShapes = Record<'cpu' | 'cuda', ModelShape[]>;
-export const STEP_SHAPES: StepShapes = { cpu: [CPU_SHAPE], cuda: [QWEN3_SHAPES[0], QWEN3_4B] };
+export const STEP_SHAPES: StepShapes = { cpu: [CPU_SHAPE, CPU_HYBRID_SHAPE], cuda: [QWEN3_SHAPES[0], QWEN3_4B] };
 
 interface WorkloadInput {
   name: string;
@@ -108,7 +117,7 @@ export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean;
 // The merge compares messages by tokens here, not by text (the library default): with text compare, a later call's
 // context takes an earlier response's sampled tokens where its re-rendering drifted, so the merged and packed sides
 // would train on other tokens than the naive side and the loss check could not hold (it failed on --full ≈12×–30×).
-async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
+export async function packTo(file: string, out: string, maxTokens: number, merge: boolean): Promise<PackReport> {
   const run = packRecords(file, { tokenizer: 'qwen3', budget: { maxTokens }, merge: merge ? { timelineCompareLevel: 'token' } : false });
   await run.writeTo(new DirectorySink(out));
   return run.report();

@@ -2,9 +2,12 @@
 // (build/Release/libtreepack_core.so), with node-gyp, offline.
 //
 //   node scripts/build-native.mjs            npm's `install` script: a failed build only warns (exit 0), since
-//                                            treepack still works on its js backend
-//   node scripts/build-native.mjs --strict   `npm run build:native`: a failed build exits non-zero
+//                                            treepack still works on its js backend; where a CUDA compiler is found
+//                                            it then builds the CUDA library too (`npm run build:cuda`), which also
+//                                            only warns when it fails
+//   node scripts/build-native.mjs --strict   `npm run build:native`: a failed build exits non-zero (CPU only)
 //   TREEPACK_SKIP_NATIVE=1                   builds nothing
+//   TREEPACK_SKIP_CUDA=1                     builds no CUDA library at install
 //
 // node-gyp downloads Node's headers unless --nodedir points at an installed copy, so the build passes the Node
 // prefix whenever it holds node_api.h.
@@ -62,6 +65,36 @@ function build() {
   return { ok: true };
 }
 
+/** The CUDA compiler a build would use: CUDACXX, nvcc on PATH, or the toolkit's default prefix (as CMakeLists.txt). */
+function findNvcc() {
+  if (process.env.CUDACXX) return fs.existsSync(process.env.CUDACXX) ? process.env.CUDACXX : undefined;
+  for (const dir of (process.env.PATH ?? '').split(path.delimiter)) {
+    const nvcc = path.join(dir, process.platform === 'win32' ? 'nvcc.exe' : 'nvcc');
+    if (dir && fs.existsSync(nvcc)) return nvcc;
+  }
+  return fs.existsSync('/usr/local/cuda/bin/nvcc') ? '/usr/local/cuda/bin/nvcc' : undefined;
+}
+
+/** `npm run build:cuda` (cmake-js: the CUDA addon and C library into build-cmake/Release) on an NVIDIA build host. */
+function buildCuda(nvcc) {
+  let cmakeJs;
+  try {
+    cmakeJs = createRequire(import.meta.url).resolve('cmake-js/bin/cmake-js');
+  } catch {
+    return { ok: false, why: 'cmake-js is not installed (a development dependency: install from a checkout)', log: '' };
+  }
+  const r = spawnSync(process.execPath, [cmakeJs, 'compile', '--out', 'build-cmake'], {
+    cwd: root,
+    env: { ...process.env, CUDACXX: nvcc },
+    stdio: 'pipe',
+    encoding: 'utf8',
+    maxBuffer: 64 * 1024 * 1024,
+  });
+  const log = `${r.stdout ?? ''}${r.stderr ?? ''}`;
+  if (r.error || r.status !== 0) return { ok: false, why: `cmake-js compile exited with ${r.error?.message ?? r.status ?? r.signal}`, log };
+  return { ok: true };
+}
+
 const result = build();
 if (result.ok) {
   console.log(`treepack: built ${path.relative(root, addon)} and ${path.relative(root, core)}`);
@@ -73,4 +106,19 @@ if (result.ok) {
   if (tail) console.warn(tail);
   console.warn(`treepack: WARNING: native addon not built: ${result.why}. treepack will use the js backend ` +
     '(run `npm run build:native` to retry, TREEPACK_SKIP_NATIVE=1 to skip).');
+}
+
+if (!strict) {
+  const nvcc = process.env.TREEPACK_SKIP_CUDA === '1' ? undefined : findNvcc();
+  if (nvcc) {
+    console.log(`treepack: ${nvcc} found, building the CUDA library (TREEPACK_SKIP_CUDA=1 to skip)`);
+    const cuda = buildCuda(nvcc);
+    if (cuda.ok) console.log('treepack: built build-cmake/Release/treepack_cuda.node and libtreepack_cuda.so');
+    else {
+      const tail = cuda.log.trim().split('\n').slice(-20).join('\n');
+      if (tail) console.warn(tail);
+      console.warn(`treepack: WARNING: CUDA library not built: ${cuda.why}. treepack runs on its other backends ` +
+        '(run `npm run build:cuda` to retry, TREEPACK_SKIP_CUDA=1 to skip).');
+    }
+  }
 }

@@ -15,6 +15,7 @@ import { cudaDeviceInfo, loadCuda, loadNative } from '../src/backend/native.js';
 import { TreepackError } from '../src/errors.js';
 import { buildCompactPlan, DEFAULT_LOSS_CONFIG, resolveLossConfig, type LossConfig, type LossResult } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
+import type { MicroBatch } from '../src/pack/contract.js';
 import { describeBackends } from './helpers/backends.js';
 import { caught } from './helpers/errors.js';
 import { close, randomLossCase } from './helpers/loss.js';
@@ -40,7 +41,7 @@ describe('the ABI table', () => {
 
   it('configVector follows the table: enum codes, then numbers', () => {
     const cfg = resolveLossConfig({ policy: 'cispo', aggregation: 'seq-mean-token-sum-norm', norm_constant: 5, kl: 'k3', kl_coef: 0.5, tis: 'sequence', tis_cap: 3 });
-    expect(Array.from(configVector(cfg))).toEqual([2, 3, 4, 2, 0.2, 0.2, 0, 20, 5, 0, 0, 0.5, 3]);
+    expect(Array.from(configVector(cfg))).toEqual([2, 3, 4, 2, 0.2, 0.2, 0, 20, 5, 0, 0, 0.5, 3, 1]);
   });
 });
 
@@ -62,6 +63,7 @@ function variants(compact: boolean): [string, Partial<LossConfig>][] {
     global_sequences: [40, { aggregation: 'seq-mean-token-sum' }],
     kl_coef: [0.9],
     tis_cap: [1.05],
+    loss_scale: [2.5],
   };
   for (const n of LOSS_CONFIG_NUMBERS) {
     const [value, extra] = numbers[n]!;
@@ -106,7 +108,19 @@ function checkFields(list: [string, Partial<LossConfig>][], js: (c: LossConfig) 
 
 const lossCase = randomLossCase(randomBatch(3, { count: 24, alphabet: 3 }), 3, { maskRate: 0.2 });
 for (let j = 0; j < lossCase.batch.advantages!.length; j++) lossCase.batch.advantages![j] = ((j * 7) % 5) - 2; // both signs, and 0
+/** Every call also carries a per-sequence weight and turns (runs of 1 to 3 tokens), which the turn mode reads. */
+function withTurnsAndWeights(batch: MicroBatch & { seq_weight?: Float32Array }): void {
+  const off = batch.seq_offsets;
+  batch.turn_ids = new Int32Array(off[off.length - 1]);
+  batch.seq_weight = new Float32Array(off.length - 1);
+  for (let i = 0; i + 1 < off.length; i++) {
+    batch.seq_weight[i] = (i % 4) * 0.5;
+    for (let j = off[i]; j < off[i + 1]; j++) batch.turn_ids[j] = Math.floor(((j - off[i]) * (1 + (i % 3))) / 4) - 1;
+  }
+}
+withTurnsAndWeights(lossCase.batch);
 const compactCase = randomLossCase(randomBatch(4, { count: 24, alphabet: 3 }), 4, { sharedOld: true, maskRate: 0.2 });
+withTurnsAndWeights(compactCase.batch);
 const tolerance = (b: BackendName) => (b === 'webgpu' ? 2e-5 : 1e-6);
 
 await describeBackends('loss', (backend) => {
@@ -154,7 +168,7 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
   it('every config field, each value, reaches tp_loss through ctypes', () => {
     const { batch, lp } = lossCase;
     const list = variants(false);
-    const arrays = Object.fromEntries(['seq_offsets', 'seq_positions', 'loss_mask', 'advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs'].map((k) => [k, Array.from(batch[k as keyof typeof batch] as ArrayLike<number>)]));
+    const arrays = Object.fromEntries(['seq_offsets', 'seq_positions', 'loss_mask', 'advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs', 'seq_weight', 'turn_ids'].map((k) => [k, Array.from(batch[k as keyof typeof batch] as ArrayLike<number>)]));
     const res = python({ mode: 'loss', batch: arrays, lp: Array.from(lp), configs: list.map(([, c]) => c) }).results as { loss: number; grad: number[]; metrics: LossResult['metrics'] }[];
     list.forEach(([name, config], i) => {
       const want = lossReference(batch, lp, resolveLossConfig(config));
@@ -183,6 +197,12 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
     [{ set: { pos: [0, 1, 2, 0, 4] } }, 'TP_ERR_INDEX', 'device'],
     [{ set: { pos: [0, -1, 2, 0, 3] } }, 'TP_ERR_INDEX', 'device'],
     [{ set: { off: [1, 3, 5], pos: [0, 1, 9, 0, 3] } }, 'TP_ERR_OFFSETS', 'device'],
+    [{ null: ['turn'], config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_ERR_ARG', 'host'],
+    [{ null: ['turn', 'sw'] }, 'TP_OK', 'device'], // not the turn mode: turn ids unused, no seq_weight = 1
+    [{ config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_OK', 'device'],
+    [{ set: { turn: [0, 1, 0, 0, 0] }, config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_ERR_TURNS', 'device'],
+    [{ set: { turn: [0, 1, 0, 0, 0] } }, 'TP_OK', 'device'], // only the turn mode reads them
+    [{ set: { pos: [0, 1, 2, 0, 9], turn: [0, 1, 0, 0, 0] }, config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_ERR_INDEX', 'device'],
   ];
   let answers: Record<string, unknown> | undefined;
   const statusAnswers = () => (answers ??= python({ mode: 'status', calls: calls.map(([c]) => c) }));
@@ -229,7 +249,7 @@ describe('the addons answer bad arguments alike', () => {
 
   it.skipIf(addons.length === 0)('the loss refuses a config code out of range (E_ARG) and, where it runs, a position out of range (E_INPUT)', () => {
     const { batch, lp } = randomLossCase([[1, 2, 3], [1, 4]], 2, { maskRate: 0 });
-    const args = (config: Float64Array, pos = batch.seq_positions) => [config, batch.seq_offsets, pos, batch.loss_mask, batch.advantages, batch.old_logprobs, null, null, lp, new Float32Array(lp.length)];
+    const args = (config: Float64Array, pos = batch.seq_positions) => [config, batch.seq_offsets, pos, batch.loss_mask, batch.advantages, batch.old_logprobs, null, null, null, null, lp, new Float32Array(lp.length)];
     const badCode = configVector(resolveLossConfig({}));
     badCode[0] = 7;
     const badPos = batch.seq_positions.slice();

@@ -1,18 +1,19 @@
 /**
  * The bench's training-step harness (bench/step.ts → bench/step.py) end to end on the default run's first workload,
- * on two models (as a CUDA host runs two Qwen3 shapes; here two small ones), plus a CUDA-only workload reported
+ * on two models (as a CUDA host runs two shapes; here two small ones, the second a hybrid whose Gated DeltaNet layers
+ * run as a tree on the packed side), plus a CUDA-only workload reported
  * skipped on CPU: the sides train the same tokens to the same loss on each model, and the timed steps do not
  * page-fault (glibc's malloc, left to its defaults, gives a 15k-token naive micro-batch's freed tensors back to the
  * OS and faults ~10⁵ pages in again every step, which made the naive side 40% slower than its work on this VM).
  * No timing is asserted.
  */
 import { describe, expect, it } from 'vitest';
-import { benchStep, CPU_SHAPE, GENERATED } from '../bench/step.js';
+import { benchStep, CPU_HYBRID_SHAPE, CPU_SHAPE, GENERATED } from '../bench/step.js';
 import { pythonFor } from './helpers/python.js';
 
 const py = pythonFor('test/bench-step.test.ts', 'torch');
 const glibc = Boolean((process.report.getReport() as { header?: { glibcVersionRuntime?: string } }).header?.glibcVersionRuntime);
-const SMALL = { ...CPU_SHAPE, name: 'one-layer shape', hidden: 64, intermediate: 192, layers: 1 };
+const SMALL = { ...CPU_HYBRID_SHAPE, name: 'two-layer hybrid shape', hidden: 64, intermediate: 192, layers: 2, linear_layers: 1 };
 
 describe.skipIf(py.skipReason !== '')('bench step harness', () => {
   // One harness run (about a minute) answers both tests.
@@ -42,6 +43,10 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
     }
     // Different models: different gradients of the same loss.
     expect(timed[0].sides!.naive.grad_norm).not.toBe(timed[1].sides!.naive.grad_norm);
+    // The hybrid's recurrent layers are timed on both sides, and its packed side runs them by depth level.
+    expect(timed[0].sides!.packed.recurrent_forward).toBeUndefined();
+    expect(timed[1].sides!.packed.recurrent_forward).toBeGreaterThan(0);
+    expect(timed[1].figures!.packed.levels).toBeGreaterThan(1);
     const { naive, packed } = timed[0].sides!;
     // A 3.8× larger micro-batch adds more memory than packed's (activations grow with its tokens).
     if (process.platform === 'linux') expect(naive.peak_bytes!).toBeGreaterThan(1.5 * packed.peak_bytes!);

@@ -149,6 +149,25 @@ await describeBackends('loss', () => describe('webgpu loss in chunks', () => {
     }
   });
 
+  it('the turn mode and seq_weight in 64-byte chunks equal js; a new seq_weight on the same batch is not served a stale layout', { timeout: 60_000 }, async () => {
+    const { batch, lp } = randomLossCase(randomBatch(6, { count: 40, alphabet: 2 }), 6);
+    const off = batch.seq_offsets;
+    batch.turn_ids = Int32Array.from(batch.seq_positions, (_, j) => {
+      let i = 0;
+      while (off[i + 1] <= j) i++;
+      return Math.floor((j - off[i]) / (2 + (i % 3)));
+    });
+    const weighted = batch as LossBatch;
+    for (const config of [{ aggregation: 'seq-mean-turn-mean-token-mean' as const, kl: 'k3' as const, kl_coef: 0.1, loss_scale: 3 }, LOSS_CONFIGS[2]]) {
+      const cfg = resolveLossConfig(config);
+      chunked(64, batch, cfg);
+      weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [0, 1, 0.5][i % 3]);
+      expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} weighted`);
+      weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [2, 0, 1][i % 3]);
+      expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} reweighted`);
+    }
+  });
+
   it('is bit-identical run to run, with a fresh layout too', { timeout: 60_000 }, async () => {
     const { batch, lp } = randomLossCase(randomBatch(5, { count: 50, alphabet: 3 }), 5);
     for (const config of [LOSS_CONFIGS[2], LOSS_CONFIGS[4]]) {

@@ -8,7 +8,7 @@ import { describe, expect, it } from 'vitest';
 import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { cudaDeviceInfo } from '../src/backend/native.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, episodeAdvantages, resolveLossConfig, type LossConfig, type LossMetrics } from '../src/loss/index.js';
+import { buildCompactPlan, episodeAdvantages, resolveLossConfig, type LossBatch, type LossConfig, type LossMetrics } from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
@@ -147,11 +147,15 @@ await describeBackends('loss', (backend) => {
   });
 
   const cases = Array.from({ length: 12 }, (_, seed) => seed);
-  it('equals the float64 unpacked reference on random packed batches', async () => {
+  it('equals the float64 unpacked reference on random packed batches (odd seeds: with seq_weight and loss_scale)', async () => {
     for (const seed of cases) {
       const { batch, lp, unpacked } = randomLossCase(randomBatch(seed + 1), seed);
+      if (seed % 2) {
+        const weights = unpacked.map((u, i) => (u.weight = [0, 1, 0.25, 3][i % 4]));
+        (batch as LossBatch).seq_weight = Float32Array.from(weights);
+      }
       for (const [k, config] of CONFIGS.entries()) {
-        const cfg = resolveLossConfig(config);
+        const cfg = resolveLossConfig(seed % 2 ? { ...config, loss_scale: 4 } : config);
         const got = await computeLoss(batch, lp, cfg, { backend });
         expectMatchesReference(got, unpackedLoss(unpacked, cfg), tolerance(backend), `seed ${seed} config ${k}`);
         if (backend !== 'js') {

@@ -45,6 +45,7 @@ const BAD: Record<string, { flag: string; lib: unknown }> = {
   'merge.timelineCompareLevel': { flag: 'char', lib: 'bytes' },
   repeatedEpisodeIds: { flag: 'yes', lib: 'yes' },
   lossyUtf8: { flag: '1', lib: 1 },
+  turnIds: { flag: 'yes', lib: 'yes' },
   advantages: { flag: 'ppo', lib: 'ppo' },
   masks: { flag: 'block:0', lib: 'flash' },
   maskBackend: { flag: 'tpu', lib: 'npu' },
@@ -136,6 +137,7 @@ describe('resolveOptions', () => {
       maskBackend: 'auto',
       repeatedEpisodeIds: false,
       lossyUtf8: false,
+      turnIds: false,
       merge: { ignoreTools: false, timelineCompareLevel: 'text' },
       budget: { maxTokens: 64, dp: 1, padMultiple: 1, padTokenId: 0, cost: { a: 2, b: 2.6e-5 }, balanceSlack: 0.01 },
     });

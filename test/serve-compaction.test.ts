@@ -158,7 +158,8 @@ describe('log compaction', { timeout: 120_000 }, () => {
     it(`kill -9 inside a compaction (${at === 'written' ? 'before' : 'after'} the rename): nothing acknowledged lost or handed out again`, async () => {
       stub ??= await startStubEngine();
       const data = tempDir('tp-compact-kill-');
-      const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', '1', '--compact-bytes', '4000'];
+      // a micro-batch pulled and not acknowledged before the kill stays leased (the trainer may still ack it): 1 s
+      const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', '1', '--compact-bytes', '4000', '--lease', '1'];
       let proc: ServeProcess = await startServeProcess(args, { TREEPACK_SERVE_COMPACT_FAULT: at });
       const written: string[] = [];
       const acked = new Map<string, string[]>();
@@ -186,7 +187,7 @@ describe('log compaction', { timeout: 120_000 }, () => {
         const first = JSON.parse(readFileSync(join(data, 'events.jsonl'), 'utf8').split('\n')[0]!) as { type: string };
         expect(first.type === 'snapshot').toBe(at === 'renamed');
         for (const uid of written) expect((await fetch(`${proc.url}/v1/episodes/${uid}`)).status, uid).toBe(200);
-        for (let mb = await pull(proc.url); mb; mb = await pull(proc.url)) {
+        for (let mb = await pull(proc.url, 2); mb; mb = await pull(proc.url, 2)) {
           expect(acked.has(mb.id), `acknowledged micro-batch ${mb.id} handed out again`).toBe(false);
           expect((await post(`${proc.url}/v1/batches/${mb.id}/ack`, {})).status).toBe(200);
           acked.set(mb.id, mb.seqIds);

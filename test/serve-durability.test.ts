@@ -4,11 +4,14 @@
  * acknowledged is lost and nothing is duplicated.
  */
 import { afterAll, describe, expect, it } from 'vitest';
+import { execFile } from 'node:child_process';
 import { appendFileSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { promisify } from 'node:util';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { DurableLog } from '../src/serve/log.js';
-import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
+import { Service } from '../src/serve/service.js';
+import { enginePython, freePort, ROOT, startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
@@ -18,7 +21,7 @@ const EPISODES = 24;
 const CALLS = 4;
 
 describe('durability under kill -9', { timeout: 240_000 }, () => {
-  let stub: StubEngine;
+  let stub: StubEngine | undefined;
   let proc: ServeProcess | undefined;
   afterAll(async () => {
     await proc?.kill9();
@@ -148,6 +151,47 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
     expect((await fetch(`${proc.url}/v1/batches/next?rank=0`)).status).toBe(204);
   });
 
+  const python = enginePython('test/serve-durability.test.ts (treepack.client across a restart)');
+  it.skipIf(!python)('a micro-batch handed out before kill -9 is acknowledged once after it, through treepack.client, and not handed out again', async () => {
+    stub ??= await startStubEngine();
+    const data = tempDir('tp-handout-');
+    const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3'];
+    proc = await startServeProcess(args);
+    for (const ep of ['a', 'b']) {
+      expect((await post(`${proc.url}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] })).status).toBe(200);
+      expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 1 })).status).toBe(200);
+    }
+    const client = (code: string, base: string) =>
+      promisify(execFile)(python!, ['-c', `import json, sys\nfrom treepack.client import FeedClient\nfrom treepack.microbatch import TreepackError\nfeed = FeedClient(sys.argv[1], wait=1)\n${code}`, base], {
+        encoding: 'utf8',
+        env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' },
+        timeout: 120_000,
+      }).then((r) => r.stdout.trim());
+    const pulled = await client('print(feed.next().id)', proc.url); // the trainer runs its step on it...
+    expect(pulled).toBe('0.0');
+    await proc.kill9(); // ...while the service dies
+    proc = await startServeProcess(args);
+    const after = JSON.parse(
+      await client(
+        `acked = feed.ack("${pulled}")
+try:
+    feed.ack("${pulled}")
+    twice = "accepted"
+except TreepackError as e:
+    twice = str(e)
+nxt = feed.next()
+print(json.dumps({"acked": acked, "twice": twice, "next": nxt and nxt.id}))`,
+        proc.url,
+      ),
+    ) as { acked: { step_done: boolean }; twice: string; next: string | null };
+    expect(after.acked.step_done).toBe(true);
+    expect(after.twice).toMatch(/HTTP 409: micro-batch 0\.0 is already acknowledged/);
+    expect(after.next).toBe('1.0'); // the next step, not 0.0 again
+    // A service that is down is a TreepackError naming it, not a raw URLError.
+    const down = `http://127.0.0.1:${await freePort()}`;
+    expect(await client('try:\n    feed.next()\nexcept TreepackError as e:\n    print(e)', down)).toMatch(/^GET http:\/\/127\.0\.0\.1:\d+\/v1\/batches\/next\?.*: treepack serve did not answer/);
+  });
+
   it('a damaged line inside the log refuses to start, naming the line', async () => {
     const dir = tempDir('tp-log-');
     const path = join(dir, 'events.jsonl');
@@ -162,5 +206,10 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
     const again: string[] = [];
     await (await DurableLog.open(path, (e) => again.push(e.type))).close();
     expect(again).toEqual(['a', 'b', 'd']);
+    // A line damaged into other valid JSON is refused where it is, not skipped.
+    const data = tempDir('tp-log-type-');
+    const call = (id: string) => JSON.stringify({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output: { finishReason: 'stop' } } });
+    writeFileSync(join(data, 'events.jsonl'), `${call('c0')}\n{"tipe":"call","episode":"e"}\n${call('c1')}\n`);
+    await expect(Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer: 'qwen3' } })).rejects.toThrow(/events\.jsonl:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call/);
   });
 });

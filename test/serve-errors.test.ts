@@ -4,15 +4,17 @@
  * backpressure, /healthz and /metrics.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
+import { join } from 'node:path';
 import { resolveServiceOptions, Service, sharedConfig } from '../src/serve/service.js';
 import { cli } from './helpers/cli.js';
-import { tempDir } from './helpers/serve.js';
+import { freePort, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const json = (body: unknown, headers: Record<string, string> = {}) => ({ method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: typeof body === 'string' ? body : JSON.stringify(body) });
 const chat = (content = 'hi') => ({ model: 'm', messages: [{ role: 'user', content }] });
-type ErrorBody = { error: { message: string } };
+type ErrorBody = { error: { message: string; type?: string; code?: string | null } };
 
 describe('service errors', { timeout: 30_000 }, () => {
   let stub: StubEngine;
@@ -39,12 +41,16 @@ describe('service errors', { timeout: 30_000 }, () => {
   const cases: [string, () => Promise<Response>, number, RegExp][] = [
     ['malformed JSON', () => fetch(`${base}/v1/chat/completions`, json('{"messages": [', { 'x-treepack-episode': 'e1' })), 400, /JSON/i],
     ['no messages', () => fetch(`${base}/v1/chat/completions`, json({ model: 'm' }, { 'x-treepack-episode': 'e1' })), 400, /"messages"/],
-    ['message without role', () => fetch(`${base}/v1/chat/completions`, json({ messages: [{ content: 'x' }] }, { 'x-treepack-episode': 'e1' })), 400, /"messages\[0\]"/],
+    ['message without role', () => fetch(`${base}/v1/chat/completions`, json({ messages: [{ content: 'x' }] }, { 'x-treepack-episode': 'e1' })), 400, /"messages\[0\]\.role": expected a string/],
+    ['stream not a boolean', () => fetch(`${base}/v1/chat/completions`, json({ ...chat(), stream: 'yes' }, { 'x-treepack-episode': 'e1' })), 400, /"stream": expected true or false/],
+    ['unknown route', () => fetch(`${base}/v1/nope`, json({})), 404, /no route POST \/v1\/nope/],
+    ['episode id too long', () => fetch(`${base}/episodes/${'x'.repeat(200)}/v1/chat/completions`, json(chat())), 414, /longer than 100 characters/],
+    ['URL not decodable', () => fetch(`${base}/v1/episodes/%zz/finish`, json({ reward: 1 })), 400, /percent-encoding/],
     ['n > 1', () => fetch(`${base}/v1/chat/completions`, json({ ...chat(), n: 3 }, { 'x-treepack-episode': 'e1' })), 400, /"n"/],
     ['no episode', () => fetch(`${base}/v1/chat/completions`, json(chat())), 400, /no episode/],
     ['completion without a prompt string', () => fetch(`${base}/v1/completions`, json({ prompt: ['a', 'b'] }, { 'x-treepack-episode': 'e1' })), 400, /"prompt"/],
-    ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /body/i],
-    ['unknown episode', () => fetch(`${base}/v1/episodes/nope/finish`, json({ reward: 1 })), 404, /unknown episode "nope"/],
+    ['oversized body', () => fetch(`${base}/v1/chat/completions`, json(chat('x'.repeat(10_000)), { 'x-treepack-episode': 'e1' })), 413, /larger than 4096 bytes .*--body-limit/],
+    ['unknown episode', () => fetch(`${base}/v1/episodes/nope`), 404, /unknown episode "nope"/],
     ['finish without reward', () => fetch(`${base}/v1/episodes/nope/finish`, json({ metadata: {} })), 400, /"reward"/],
     ['bad policy version', () => fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'e1', 'x-treepack-policy-version': '-1' })), 400, /x-treepack-policy-version/],
     ['rank out of range', () => fetch(`${base}/v1/batches/next?rank=3`), 400, /"rank"/],
@@ -57,7 +63,9 @@ describe('service errors', { timeout: 30_000 }, () => {
     it(`${name}: ${status}, and the service keeps serving`, async () => {
       const r = await send();
       expect(r.status).toBe(status);
-      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      const { error } = (await r.json()) as ErrorBody;
+      expect(error.message).toMatch(message);
+      expect(error.type).toBe('invalid_request_error'); // the service's shape, never Fastify's
       await good();
     });
   }
@@ -66,7 +74,9 @@ describe('service errors', { timeout: 30_000 }, () => {
     stub.mode = 'ok';
     expect((await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }))).status).toBe(200);
     expect((await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }))).status).toBe(200);
-    const again = await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }));
+    // a retry with the same body is answered as the first; another reward is refused
+    expect((await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 1 }))).status).toBe(200);
+    const again = await fetch(`${base}/v1/episodes/twice/finish`, json({ reward: 0 }));
     expect(again.status).toBe(409);
     expect(((await again.json()) as ErrorBody).error.message).toMatch(/already finished/);
     const late = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'twice' }));
@@ -87,7 +97,9 @@ describe('service errors', { timeout: 30_000 }, () => {
       const ep = `engine-${mode}`;
       const r = await fetch(`${base}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': ep }));
       expect(r.status).toBe(status);
-      expect(((await r.json()) as ErrorBody).error.message).toMatch(message);
+      const { error } = (await r.json()) as ErrorBody;
+      expect(error.message).toMatch(message);
+      if (status !== 500) expect(error.type).toBe('engine_error'); // the engine's own 500 goes back as it sent it
       expect((await fetch(`${base}/v1/episodes/${ep}`)).status).toBe(404);
       await good();
     });
@@ -103,6 +115,17 @@ describe('service errors', { timeout: 30_000 }, () => {
     await good();
   });
 
+  it('engine stalling mid-stream: an error event naming the timeout, no [DONE], nothing recorded', async () => {
+    stub.mode = 'stall-stream';
+    const r = await fetch(`${base}/v1/chat/completions`, json({ ...chat(), stream: true }, { 'x-treepack-episode': 'stream-stall' }));
+    const text = await r.text();
+    expect(text).toMatch(/"message":"the engine's stream did not end within 500 ms \(--engine-timeout\)","type":"engine_error"/);
+    expect(text).not.toMatch(/\[DONE\]/);
+    expect((await fetch(`${base}/v1/episodes/stream-stall`)).status).toBe(404);
+    expect(await (await fetch(`${base}/metrics`)).text()).toMatch(/treepack_calls_total\{endpoint="chat",outcome="engine_timeout"\} [1-9]/);
+    await good();
+  });
+
   it('engine down: 502 naming the engine', async () => {
     const port = await new Promise<number>((res) => {
       const s: Server = createServer();
@@ -115,9 +138,22 @@ describe('service errors', { timeout: 30_000 }, () => {
     const url = await down.listen();
     const r = await fetch(`${url}/v1/chat/completions`, json(chat(), { 'x-treepack-episode': 'x' }));
     expect(r.status).toBe(502);
-    expect(((await r.json()) as ErrorBody).error.message).toMatch(/unreachable/);
+    expect(((await r.json()) as ErrorBody).error).toMatchObject({ message: expect.stringMatching(/unreachable/), type: 'engine_error' });
     expect((await fetch(`${url}/healthz`)).status).toBe(200);
     await down.close();
+  });
+
+  it('start-up failures: a port in use and an unusable --data are one line naming the cause, exit 1', async () => {
+    const data = tempDir('tp-serve-start-');
+    writeFileSync(join(data, 'file'), '');
+    const port = String(new URL(base).port);
+    const args = ['serve', '--engine', stub.url, '--tokenizer', 'qwen3'];
+    const inUse = cli([...args, '--data', join(data, 'd'), '--port', port]);
+    expect(inUse.code).toBe(1);
+    expect(inUse.stderr.trim()).toMatch(new RegExp(`^treepack serve: port ${port} on 127\\.0\\.0\\.1 is in use \\(another service\\?\\): choose another with --port$`));
+    const notDir = cli([...args, '--data', join(data, 'file', 'sub'), '--port', String(await freePort())]);
+    expect(notDir.code).toBe(1);
+    expect(notDir.stderr.trim()).toMatch(/^treepack serve: \S*\/file\/sub: cannot create the log directory: ENOTDIR: not a directory$/);
   });
 
   it('library options of the shared pool: a wrong type names the option', () => {
@@ -151,7 +187,7 @@ describe('service errors', { timeout: 30_000 }, () => {
     // A scoped key issued by an authenticated call opens its episode's calls, and nothing else.
     const key = ((await (await fetch(`${url}/v1/episodes`, json({ episode_id: 'k' }, { authorization: 'Bearer s3cret' }))).json()) as { api_key: string }).api_key;
     expect((await fetch(`${url}/v1/chat/completions`, json(chat(), { authorization: `Bearer ${key}` }))).status).toBe(200);
-    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: `Bearer ${key}` } })).status).toBe(401);
+    expect((await fetch(`${url}/v1/batches/next`, { headers: { authorization: `Bearer ${key}` } })).status).toBe(403);
     await sec.close();
   });
 
@@ -171,8 +207,13 @@ describe('service errors', { timeout: 30_000 }, () => {
     const limited = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-rate-'), port: 0, rateLimit: 3 });
     const lurl = await limited.listen();
     const codes = [];
-    for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/healthz`)).status);
+    for (let i = 0; i < 5; i++) codes.push((await fetch(`${lurl}/v1/feed`)).status);
     expect(codes).toEqual([200, 200, 200, 429, 429]);
+    // Retry-After is the window's time left (the SDKs wait that long), and health probes are not limited.
+    const over = await fetch(`${lurl}/v1/feed`);
+    expect(Number(over.headers.get('retry-after'))).toBeGreaterThan(50);
+    expect(((await over.json()) as ErrorBody).error.type).toBe('rate_limit_error');
+    for (let i = 0; i < 5; i++) expect((await fetch(`${lurl}/healthz`)).status).toBe(200);
     await limited.close();
   });
 
@@ -209,7 +250,7 @@ describe('treepack serve flags', () => {
       [['serve', '--data', '/tmp/x'], /--engine URL and --data DIR are required/],
       [['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', '/tmp/x'], /--tokenizer DIR\|NAME is required/],
       [['serve', '--engine', 'localhost:8000', '--data', '/tmp/x', '--tokenizer', 'qwen3'], /for --engine but received "localhost:8000"/],
-      [[...base, '--host', '0.0.0.0'], /bearer token.*for --token/],
+      [[...base, '--host', '0.0.0.0'], /bound to 0\.0\.0\.0, not loopback, needs a bearer token .*--token T/],
       [[...base, '--dp', '2'], /--dp needs --max-tokens/],
       [[...base, '--policy', 'async', '--window', '3'], /--window applies to --policy windowed-fifo/],
       [[...base, '--pad-multiple', '8'], /--pad-multiple needs --max-tokens T/],
@@ -221,7 +262,7 @@ describe('treepack serve flags', () => {
     const bad: [string, string, RegExp?][] = [
       ['--port', 'x'], ['--engine-timeout', '0'], ['--group-size', '-1'], ['--policy', 'lifo'], ['--window', '0'],
       ['--groups-per-step', '1.5'], ['--lease', 'soon'], ['--max-pool-bytes', '0'], ['--body-limit', '1e9x'],
-      ['--rate-limit', '-5'], ['--compact-bytes', '0'], ['--redis', '127.0.0.1:6379', /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379 for --redis/],
+      ['--rate-limit', '-5'], ['--compact-bytes', '0'], ['--idle-timeout', '-1'], ['--idle-timeout', 'never'], ['--redis', '127.0.0.1:6379', /Expected a Redis URL, e.g. redis:\/\/127.0.0.1:6379 for --redis/],
       ['--backend', 'gpu'], ['--max-tokens', '0'], ['--dp', 'two'], ['--advantages', 'ppo'], ['--timeline-compare-level', 'char'],
     ];
     for (const [flag, value, message] of bad) cases.push([[...base, `${flag}=${value}`], message ?? new RegExp(`for ${flag} but received`)]);

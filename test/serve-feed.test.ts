@@ -4,13 +4,13 @@
  * async takes completion order; leases re-hand-out unacknowledged micro-batches; dp ranks each get theirs;
  * slime's get_rollout_data answers whole groups in slime's format.
  */
-import { afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { simulateCollector, type CollectorPolicy } from '../src/pack/schedule.js';
-import { Service, type ServiceOptions } from '../src/serve/service.js';
+import type { ServiceOptions } from '../src/serve/service.js';
 import { slimeRecord as record, tempDir } from './helpers/serve.js';
 import { rng } from './helpers/sequences.js';
-import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
+import { inProcessServices } from './helpers/in-process.js';
 
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
@@ -22,19 +22,10 @@ interface Entry {
   staleness: number;
 }
 
-let stub: StubEngine | undefined;
-const open: Service[] = [];
-afterEach(async () => {
-  for (const s of open.splice(0)) await s.close();
-  await stub?.close();
-  stub = undefined;
-});
+const services = inProcessServices('tp-feed-');
 
 async function service(opts: Partial<ServiceOptions>): Promise<string> {
-  stub ??= await startStubEngine();
-  const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-feed-'), port: 0, groupSize: 2, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
-  open.push(svc);
-  return svc.listen();
+  return (await services.start({ groupSize: 2, ...opts })).base;
 }
 
 /** Pulls and acknowledges micro-batches for every rank until none is ready. */
@@ -119,12 +110,12 @@ describe('trainer feed', { timeout: 120_000 }, () => {
 
   it('a flush is logged and bounded: after a restart the smaller step it allowed still forms, later groups wait for full steps', async () => {
     const dataDir = tempDir('tp-feed-flush-');
-    const base = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
+    const { base, svc } = await services.start({ dataDir, groupSize: 1, groupsPerStep: 2 });
     expect((await post(`${base}/buffer/write`, record(0, 0, 1))).status).toBe(200);
     expect((await fetch(`${base}/v1/batches/next`)).status).toBe(204); // one group of a two-group step
     const flushed = await post(`${base}/v1/feed/flush`, {});
     expect(await flushed.json()).toEqual({ flushing: true, flush_below: 1 });
-    await open.pop()!.close();
+    await services.stop(svc);
     const again = await service({ dataDir, groupSize: 1, groupsPerStep: 2 });
     const [got] = await drain(again);
     expect(got?.entry.groups).toEqual(['g0']);

@@ -128,6 +128,66 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     for (const base of [A, B]) expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(3);
   });
 
+  it('abandoned episodes and groups, and the idle timeout measured over both gateways: the feed never stalls past it', async () => {
+    const [A, B] = await gateways({ groupSize: 2, idleTimeoutMs: 1500 });
+    const call = (base: string, group: string, ep: string) => post(`${base}/groups/${group}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] });
+    // Head group H: h1 finishes through A, h2 never calls. Group X: x2's agent finishes without a call (abandoned).
+    expect((await call(A, 'H', 'h1')).status).toBe(200);
+    expect((await post(`${A}/v1/episodes/h1/finish`, { reward: 1 })).status).toBe(200);
+    expect((await call(A, 'X', 'x1')).status).toBe(200);
+    expect((await post(`${A}/v1/episodes/x1/finish`, { reward: 1 })).status).toBe(200);
+    expect((await post(`${B}/v1/episodes`, { episode_id: 'x2', group: 'X' })).status).toBe(200);
+    expect(await (await post(`${B}/v1/episodes/x2/finish`, { reward: 0 })).json()).toMatchObject({ abandoned: true, group_episodes: 2 });
+    // Group S: s1 finished through A; s2 keeps calling through B past A's idle timeout, so A must not close S.
+    expect((await call(A, 'S', 's1')).status).toBe(200);
+    expect((await post(`${A}/v1/episodes/s1/finish`, { reward: 1 })).status).toBe(200);
+    for (const g of 'CDE') {
+      for (const e of [1, 2]) {
+        expect((await call(B, g, `${g}${e}`)).status).toBe(200);
+        expect((await post(`${B}/v1/episodes/${g}${e}/finish`, { reward: e })).status).toBe(200);
+      }
+    }
+    const t0 = Date.now();
+    for (let k = 0; Date.now() - t0 < 3000; k++) {
+      expect((await call(B, 'S', 's2')).status).toBe(200);
+      await new Promise((r) => setTimeout(r, 300));
+    }
+    expect((await post(`${B}/v1/episodes/s2/finish`, { reward: 0 })).status).toBe(200);
+    const trained: Record<string, string[]> = {};
+    for (let idle = 0; idle < 3; ) {
+      const mb = await pull(idle % 2 ? A : B, 0, 1);
+      if (!mb) {
+        idle++;
+        continue;
+      }
+      trained[mb.entry.groups[0]!] = [...new Set(mb.seqIds.map(episodeOf))].sort();
+      expect((await post(`${A}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
+    }
+    // H closed by the idle timeout with h1, X with x1; S whole: both its episodes, s2's many calls included.
+    expect(trained).toEqual({ H: ['h1'], X: ['x1'], S: ['s1', 's2'], C: ['C1', 'C2'], D: ['D1', 'D2'], E: ['E1', 'E2'] });
+    expect(Date.now() - t0).toBeLessThan(15_000);
+    // An explicit abandonment of a consumed group is refused; of an unknown one, 404.
+    expect((await post(`${A}/v1/groups/H/abandon`, {})).status).toBe(200); // closed already: the same answer
+    expect((await post(`${B}/v1/groups/nope/abandon`, {})).status).toBe(404);
+  });
+
+  it('/healthz says when the shared pool is unreachable, and ok again once it is back', async () => {
+    const [A] = await gateways({ groupSize: 1 });
+    const health = async () => {
+      const r = await fetch(`${A}/healthz`);
+      return { status: r.status, body: (await r.json()) as { ok: boolean; shared_pool: { url: string; connected: boolean } } };
+    };
+    expect(await health()).toMatchObject({ status: 200, body: { ok: true, shared_pool: { url: redis.url, connected: true } } });
+    await redis.stop();
+    const until = async (status: number) => {
+      for (const t0 = Date.now(); Date.now() - t0 < 10_000; await new Promise((r) => setTimeout(r, 100))) if ((await health()).status === status) return health();
+      throw new Error(`/healthz never answered ${status}`);
+    };
+    expect(await until(503)).toMatchObject({ body: { ok: false, shared_pool: { connected: false } } });
+    await redis.restart();
+    expect(await until(200)).toMatchObject({ body: { ok: true, shared_pool: { connected: true } } });
+  });
+
   it('a trainer killed before acknowledging: its micro-batch is handed out again after the lease, through the other service', async () => {
     const [A, B] = await gateways({ groupSize: 1, leaseMs: 1000 });
     await post(`${A}/buffer/write`, record(0, 0, 1));

@@ -8,6 +8,7 @@ import { describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
 import { toSequences } from '../src/pack/batch.js';
 import { packForest } from '../src/pack/forest.js';
+import { sampleTurnIds } from '../src/pack/turns.js';
 import { parseRecords } from '../src/records/read.js';
 import type { ChatRecord, Sample } from '../src/records/types.js';
 import { timelineFromChat, timelineFromSample, timelineToSample } from '../src/timeline/build.js';
@@ -54,6 +55,9 @@ describe('timeline merge scenarios', () => {
     expect(arr(s.tokens)).toEqual([1, 2, 3, 11, 11, 101, 201, 12, 12, 102, 202, 13, 13, 103, 203]);
     expect(arr(s.loss_mask)).toEqual([0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]);
     expect(arr(s.rollout_logprobs)).toEqual([0, 0, 0, 0, 0, -1.5, -0.25, 0, 0, -2.5, -0.25, 0, 0, -3.5, -0.25]);
+    // Each response is its own turn; context tokens carry the id of the turn before them (-1 before the first).
+    expect(arr(s.turn_starts)).toEqual([5, 9, 13]);
+    expect(arr(sampleTurnIds(s))).toEqual([-1, -1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2]);
     expect(report).toMatchObject({ timelines: 3, samples: 1, absorbed: 2, apart: 0, driftedMessages: 0 });
   });
 

@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 /* Fingerprint of these tables; tp_abi() returns it, and loaders refuse a build whose tables differ. */
-#define TP_ABI "da9f8237"
+#define TP_ABI "c038085d"
 
 /* Status codes of both C ABIs (CPU and CUDA). */
 enum tp_status {
@@ -18,7 +18,8 @@ enum tp_status {
   TP_ERR_CAPACITY = 6, /* output array too small */
   TP_ERR_SHARED = 7, /* cu_seqlens needs a forest with no sharing, but a node has more than one child */
   TP_ERR_INDEX = 8, /* seq_positions holds a position outside [0, N) */
-  TP_ERR_DEVICE = 9 /* CUDA runtime error (tp_cuda_last_error gives it) */
+  TP_ERR_DEVICE = 9, /* CUDA runtime error (tp_cuda_last_error gives it) */
+  TP_ERR_TURNS = 10 /* turn_ids decreases inside a sequence (a turn is a run of equal ids) */
 };
 
 /* X(status, message, TreepackError code) for every status, in code order. */
@@ -32,7 +33,8 @@ enum tp_status {
   X(TP_ERR_CAPACITY, "output array too small", "E_ARG") \
   X(TP_ERR_SHARED, "cu_seqlens needs a forest with no sharing, but a node has more than one child", "E_INPUT") \
   X(TP_ERR_INDEX, "seq_positions holds a position outside [0, N)", "E_INPUT") \
-  X(TP_ERR_DEVICE, "CUDA runtime error (tp_cuda_last_error gives it)", "E_BACKEND")
+  X(TP_ERR_DEVICE, "CUDA runtime error (tp_cuda_last_error gives it)", "E_BACKEND") \
+  X(TP_ERR_TURNS, "turn_ids decreases inside a sequence (a turn is a run of equal ids)", "E_INPUT")
 
 /* The message of a status (tp_status_string and tp_cuda_status_string return it); static storage. */
 static inline const char* tp_status_message(int code) {
@@ -57,6 +59,8 @@ static inline const char* tp_status_message(int code) {
       return "seq_positions holds a position outside [0, N)";
     case TP_ERR_DEVICE:
       return "CUDA runtime error (tp_cuda_last_error gives it)";
+    case TP_ERR_TURNS:
+      return "turn_ids decreases inside a sequence (a turn is a run of equal ids)";
     default:
       return "unknown treepack status";
   }
@@ -64,8 +68,8 @@ static inline const char* tp_status_message(int code) {
 
 enum tp_loss_policy { TP_POLICY_PPO = 0, TP_POLICY_GSPO = 1, TP_POLICY_CISPO = 2 };
 #define TP_POLICY_COUNT 3
-enum tp_loss_aggregation { TP_AGG_TOKEN_MEAN = 0, TP_AGG_SEQ_MEAN_TOKEN_SUM = 1, TP_AGG_SEQ_MEAN_TOKEN_MEAN = 2, TP_AGG_SEQ_MEAN_TOKEN_SUM_NORM = 3 };
-#define TP_AGG_COUNT 4
+enum tp_loss_aggregation { TP_AGG_TOKEN_MEAN = 0, TP_AGG_SEQ_MEAN_TOKEN_SUM = 1, TP_AGG_SEQ_MEAN_TOKEN_MEAN = 2, TP_AGG_SEQ_MEAN_TOKEN_SUM_NORM = 3, TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN = 4 };
+#define TP_AGG_COUNT 5
 enum tp_loss_kl { TP_KL_NONE = 0, TP_KL_K1 = 1, TP_KL_ABS = 2, TP_KL_K2 = 3, TP_KL_K3 = 4 };
 #define TP_KL_COUNT 5
 enum tp_loss_tis { TP_TIS_NONE = 0, TP_TIS_TOKEN = 1, TP_TIS_SEQUENCE = 2 };
@@ -85,6 +89,7 @@ typedef struct tp_loss_config {
   double global_sequences;
   double kl_coef;
   double tis_cap;
+  double loss_scale;
 } tp_loss_config;
 
 /* X(type, field) for tp_loss_config in order (the N-API bindings read a Float64Array of them). */
@@ -101,8 +106,9 @@ typedef struct tp_loss_config {
   X(double, global_tokens) \
   X(double, global_sequences) \
   X(double, kl_coef) \
-  X(double, tis_cap)
-#define TP_LOSS_CONFIG_NUM_FIELDS 13
+  X(double, tis_cap) \
+  X(double, loss_scale)
+#define TP_LOSS_CONFIG_NUM_FIELDS 14
 
 typedef struct tp_loss_metrics {
   double loss;

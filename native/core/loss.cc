@@ -10,8 +10,9 @@ extern "C" {
 
 int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int64_t M, const int32_t* pos,
             const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
-            int64_t num_nodes, const float* lp, float* grad, tp_loss_metrics* out) {
-  int rc = tl::CheckLossArgs(cfg, num_seqs, off, M, pos, mask, adv, old, ref, roll, num_nodes, lp, out);
+            const float* seq_weight, const int32_t* turn, int64_t num_nodes, const float* lp, float* grad,
+            tp_loss_metrics* out) {
+  int rc = tl::CheckLossArgs(cfg, num_seqs, off, M, pos, mask, adv, old, ref, roll, turn, num_nodes, lp, out);
   if (rc != TP_OK) return rc;
   const tp_loss_config& c = *cfg;
   // Offsets first, then positions: with both wrong, TP_ERR_OFFSETS, as tp_cuda_loss reports it.
@@ -21,6 +22,14 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int
   }
   for (int64_t j = 0; j < M; j++) {
     if (pos[j] < 0 || pos[j] >= num_nodes) return TP_ERR_INDEX;
+  }
+  const bool turns = c.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
+  if (turns) {
+    for (int64_t i = 0; i < num_seqs; i++) {
+      for (int64_t j = off[i] + 1; j < off[i + 1]; j++) {
+        if (turn[j] < turn[j - 1]) return TP_ERR_TURNS;
+      }
+    }
   }
   std::vector<int32_t> counts(static_cast<size_t>(num_seqs));
   double tokens = 0, sequences = 0;
@@ -39,8 +48,21 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int
   for (int64_t i = 0; i < num_seqs; i++) {
     const int32_t n = counts[i];
     if (n == 0) continue;
-    const double w = tl::SequenceWeight(c, n, tokens, sequences);
+    const double scale = tl::SequenceScale(c, seq_weight, i);
     const int64_t a = off[i], e = off[i + 1];
+    double w = turns ? 0 : tl::SequenceWeight(c, n, tokens, sequences) * scale;
+    // The turn mode: k turns with trainable tokens; each run of equal ids gets its weight where it starts.
+    double k = 0;
+    int64_t run_end = a;
+    if (turns) {
+      for (int64_t r = a; r < e;) {
+        int32_t m = 0;
+        int64_t q = r;
+        for (; q < e && turn[q] == turn[r]; q++) m += mask[q] != 0;
+        k += m > 0;
+        r = q;
+      }
+    }
     double seq_log_ratio = 0, seq_tis = 1;
     if (c.policy == TP_POLICY_GSPO) {
       for (int64_t j = a; j < e; j++)
@@ -54,6 +76,11 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int
       seq_tis = tl::TruncatedWeight(s, c);
     }
     for (int64_t j = a; j < e; j++) {
+      if (turns && j == run_end) {
+        int32_t m = 0;
+        for (run_end = j; run_end < e && turn[run_end] == turn[j]; run_end++) m += mask[run_end] != 0;
+        w = m > 0 ? tl::TurnWeight(sequences, k, m) * scale : 0;
+      }
       if (!mask[j]) continue;
       const int32_t p = pos[j];
       const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;

@@ -25,10 +25,11 @@ inline bool ConfigOk(const tp_loss_config* c) {
 // the config needs are present and the counts fit. The values (offsets, positions) are checked where they live.
 inline int CheckLossArgs(const tp_loss_config* c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
                          const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
-                         int64_t N, const float* lp, const tp_loss_metrics* out) {
+                         const int32_t* turns, int64_t N, const float* lp, const tp_loss_metrics* out) {
   if (!ConfigOk(c) || out == nullptr || S < 0 || M < 0 || N < 0 || off == nullptr) return TP_ERR_ARG;
   if (M > 0 && (pos == nullptr || mask == nullptr || adv == nullptr || old == nullptr ||
-                (c->kl != TP_KL_NONE && ref == nullptr) || (c->tis != TP_TIS_NONE && roll == nullptr))) {
+                (c->kl != TP_KL_NONE && ref == nullptr) || (c->tis != TP_TIS_NONE && roll == nullptr) ||
+                (c->aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN && turns == nullptr))) {
     return TP_ERR_ARG;
   }
   if (N > 0 && lp == nullptr) return TP_ERR_ARG;
@@ -122,7 +123,8 @@ TP_HD void Kl(int kind, double lp, double ref, Term* t) {
   }
 }
 
-// The aggregation weight of each trainable token of a sequence with n > 0 of them (src/loss/aggregate.ts).
+// The aggregation weight of each trainable token of a sequence with n > 0 of them (src/loss/aggregate.ts), before
+// seq_weight and loss_scale; not for the turn mode (TurnWeight).
 TP_HD double SequenceWeight(const tp_loss_config& c, double n, double tokens, double sequences) {
   switch (c.aggregation) {
     case TP_AGG_TOKEN_MEAN:
@@ -134,6 +136,14 @@ TP_HD double SequenceWeight(const tp_loss_config& c, double n, double tokens, do
     default:
       return 1 / c.norm_constant;
   }
+}
+
+// The turn mode's weight of a token of a turn with n trainable tokens, in a sequence with k turns that have any.
+TP_HD double TurnWeight(double sequences, double k, double n) { return 1 / (sequences * k * n); }
+
+// What every weight of sequence i is multiplied by: its seq_weight (1 without) times loss_scale.
+TP_HD double SequenceScale(const tp_loss_config& c, const float* seq_weight, int64_t i) {
+  return (seq_weight != nullptr ? static_cast<double>(seq_weight[i]) : 1.0) * c.loss_scale;
 }
 
 // Compact per-node surrogate (see src/loss/reference.ts lossCompactReference): value, derivative, clip flags of

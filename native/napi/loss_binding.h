@@ -19,6 +19,8 @@ struct LossArgs {
   const int32_t *seq_offsets = nullptr, *seq_positions = nullptr;
   const uint8_t* loss_mask = nullptr;
   const float *advantages = nullptr, *old_logprobs = nullptr, *ref_logprobs = nullptr, *rollout_logprobs = nullptr;
+  const float* seq_weight = nullptr;
+  const int32_t* turn_ids = nullptr;
   const float* lp = nullptr;
   float* grad = nullptr;
 };
@@ -57,7 +59,8 @@ inline bool ReadLossConfig(const Napi::Value& v, tp_loss_config* c) {
   return true;
 }
 
-// (config, seq_offsets, seq_positions, loss_mask, advantages, old, ref|null, rollout|null, lp, grad|null)
+// (config, seq_offsets, seq_positions, loss_mask, advantages, old, ref|null, rollout|null, seq_weight|null,
+//  turn_ids|null, lp, grad|null)
 // Returns false with a TreepackError pending.
 inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
   Napi::Env env = info.Env();
@@ -65,7 +68,7 @@ inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
     ThrowTreepackError(env, "E_ARG", m);
     return false;
   };
-  if (info.Length() != 10 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
+  if (info.Length() != 12 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
   if (!IsTyped(info[1], napi_int32_array) || Length(info[1]) < 1) return fail("Expected an Int32Array for seq_offsets");
   if (!IsTyped(info[2], napi_int32_array)) return fail("Expected an Int32Array for seq_positions");
   a->S = static_cast<int64_t>(Length(info[1])) - 1;
@@ -88,14 +91,27 @@ inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
     }
     *fields[k] = DataOf<float>(v);
   }
-  if (!IsTyped(info[8], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
-  a->N = static_cast<int64_t>(Length(info[8]));
-  a->lp = DataOf<float>(info[8]);
-  if (!info[9].IsNull()) {
-    if (!IsTyped(info[9], napi_float32_array) || static_cast<int64_t>(Length(info[9])) != a->N) {
+  if (!info[8].IsNull()) {
+    if (!IsTyped(info[8], napi_float32_array) || static_cast<int64_t>(Length(info[8])) != a->S) {
+      return fail("Expected a Float32Array of length S for seq_weight");
+    }
+    a->seq_weight = DataOf<float>(info[8]);
+  }
+  const bool turns = a->config.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
+  if ((turns && a->M > 0) || !info[9].IsNull()) {
+    if (!IsTyped(info[9], napi_int32_array) || static_cast<int64_t>(Length(info[9])) != a->M) {
+      return fail("Expected an Int32Array of length M for turn_ids");
+    }
+    a->turn_ids = DataOf<int32_t>(info[9]);
+  }
+  if (!IsTyped(info[10], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
+  a->N = static_cast<int64_t>(Length(info[10]));
+  a->lp = DataOf<float>(info[10]);
+  if (!info[11].IsNull()) {
+    if (!IsTyped(info[11], napi_float32_array) || static_cast<int64_t>(Length(info[11])) != a->N) {
       return fail("Expected a Float32Array of length N for grad");
     }
-    a->grad = DataOf<float>(info[9]);
+    a->grad = DataOf<float>(info[11]);
   }
   return true;
 }

@@ -1,13 +1,16 @@
-"""The loss through ctypes on libtreepack_core.so against the shared float64 fixture; the torch Function when
-torch is installed (on the GPU host: CUDA and CPU tensors against a plain torch implementation). Each part is
-skipped, with its reason, where its library or torch is missing."""
+"""The loss through ctypes on libtreepack_core.so against the shared float64 fixture; the typed config; turn ids
+from pack_sequences and the refusals of the turn mode; the torch Function when torch is installed (on the GPU
+host: CUDA and CPU tensors against a plain torch implementation). Each part is skipped, with its reason, where its
+library or torch is missing."""
 
+import dataclasses
 import json
 import os
 import unittest
 
 import numpy as np
 
+import treepack
 from treepack import loss as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,6 +91,89 @@ class CoreLossTest(unittest.TestCase):
             tl.loss_numpy(self.batch, bad, self.vanilla)
         with self.assertRaisesRegex(ValueError, "logprobs has 3 elements"):
             tl.loss_numpy(self.batch, self.lp[:3], self.vanilla)
+
+
+class TypedConfigTest(unittest.TestCase):
+    """treepack.LossConfig: the dict's names, defaults and checks, each field documented where it is declared."""
+
+    def test_fields_defaults_and_help(self):
+        fields = dataclasses.fields(tl.LossConfig)
+        self.assertEqual([f.name for f in fields], list(tl.DEFAULTS))
+        for f in fields:
+            self.assertTrue(f.metadata.get("help"), f.name)
+        self.assertEqual(tl.LossConfig().to_dict(), {**tl.DEFAULTS, "clip_high": tl.DEFAULTS["clip_low"]})
+        self.assertEqual(tl.LossConfig(clip_low=0.1).clip_high, 0.1)
+        self.assertIs(treepack.LossConfig, tl.LossConfig)
+
+    def test_same_checks_as_the_dict(self):
+        for kwargs, name in (({"policy": "ppo2"}, "policy"), ({"dual_clip": 1}, "dual_clip"), ({"clip_low": -1}, "clip_low"),
+                             ({"loss_scale": -2}, "loss_scale"), ({"loss_scale": float("nan")}, "loss_scale"),
+                             ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"), ({"policy": "cispo", "dual_clip": 2}, "dual_clip")):
+            with self.subTest(kwargs=kwargs):
+                for build in (lambda: tl.LossConfig(**kwargs), lambda: tl.make_config(kwargs)):
+                    with self.assertRaises(tl.TreepackError) as cm:
+                        build()
+                    self.assertEqual(cm.exception.field, name)
+
+    @unittest.skipIf(CORE_SKIP != "", CORE_SKIP)
+    def test_typed_and_dict_give_the_same_loss(self):
+        mb = treepack.pack_sequences([[1, 2, 3, 4], [1, 2, 5]])
+        r = np.random.default_rng(0)
+        M, N = len(mb.seq_positions), len(mb.input_ids)
+        mb.advantages = r.standard_normal(M).astype(np.float32)
+        mb.old_logprobs = (-r.random(M)).astype(np.float32)
+        lp = (-r.random(N)).astype(np.float32)
+        cfg = {"clip_low": 0.1, "aggregation": "seq-mean-token-mean", "loss_scale": 3.0}
+        a = tl.loss_numpy(mb, lp, tl.LossConfig(**cfg))
+        b = tl.loss_numpy(mb, lp, cfg)
+        self.assertEqual(a[0], b[0])
+        self.assertTrue(np.array_equal(a[1], b[1]))
+
+
+@unittest.skipIf(CORE_SKIP != "", CORE_SKIP)
+class TurnsTest(unittest.TestCase):
+    """pack_sequences' turns, the forest check of turn_ids, and the loss's refusals naming the field."""
+
+    def setUp(self):
+        self.mb = treepack.pack_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]], turns=[[1, 3], [1]])
+        M, N = len(self.mb.seq_positions), len(self.mb.input_ids)
+        self.mb.advantages = np.linspace(-1, 1, M).astype(np.float32)
+        self.mb.old_logprobs = np.full(M, -1.0, dtype=np.float32)
+        self.lp = np.linspace(-2, -0.5, N).astype(np.float32)
+
+    def test_turn_ids(self):
+        self.assertEqual(self.mb.turn_ids.tolist(), [-1, 0, 0, 1, 1, -1, 0, 0, 0])
+        self.assertEqual(treepack.check_invariants(self.mb), [])
+        self.mb.turn_ids[3] = -4
+        self.assertIn("turn_ids", treepack.check_invariants(self.mb)[0])
+        for turns in ([[3, 1], [1]], [[1, 5], [1]], [[1]]):
+            with self.assertRaises(tl.TreepackError) as cm:
+                treepack.pack_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]], turns=turns)
+            self.assertEqual(cm.exception.field, "turns")
+
+    def test_empty_batch(self):
+        mb = treepack.pack_sequences([], turns=[])
+        mb.advantages = mb.old_logprobs = np.zeros(0, dtype=np.float32)
+        for turn_ids in (mb.turn_ids, None):  # nothing to aggregate: no turn ids needed either
+            loss, grad, m = tl.loss_numpy(dataclasses.replace(mb, turn_ids=turn_ids), np.zeros(0, dtype=np.float32),
+                                          {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3})
+            self.assertEqual((loss, grad.size, m["trainable_tokens"]), (0.0, 0, 0))
+
+    def test_refusals_name_the_field(self):
+        turns = {"aggregation": "seq-mean-turn-mean-token-mean"}
+        mb = dataclasses.replace(self.mb, turn_ids=None)
+        for batch, name in ((mb, "turn_ids"), (dataclasses.replace(self.mb, turn_ids=self.mb.turn_ids[::-1].copy()), "turn_ids")):
+            with self.assertRaises(tl.TreepackError) as cm:
+                tl.loss_numpy(batch, self.lp, turns)
+            self.assertEqual(cm.exception.field, name)
+        as_dict = {k: getattr(self.mb, k) for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs", "turn_ids")}
+        for sw in (np.array([1.0, -1.0]), np.array([1.0, np.inf]), np.array([1.0])):
+            with self.assertRaises(tl.TreepackError) as cm:
+                tl.loss_numpy({**as_dict, "seq_weight": sw}, self.lp, turns)
+            self.assertEqual(cm.exception.field, "seq_weight")
+        # turn_ids are read by the turn mode only; one turn per sequence there is seq-mean-token-mean.
+        one = {**as_dict, "turn_ids": np.zeros_like(self.mb.turn_ids)}
+        self.assertAlmostEqual(tl.loss_numpy(one, self.lp, turns)[0], tl.loss_numpy(one, self.lp, {"aggregation": "seq-mean-token-mean"})[0], delta=1e-7)
 
 
 @unittest.skipIf(TORCH_SKIP != "" or CORE_SKIP != "" or not os.path.exists(FIXTURE), TORCH_SKIP or CORE_SKIP or "no fixture")

@@ -5,6 +5,8 @@
     >>> mb.sequence(0)                 # tokens of the first sequence
     >>> treepack.check_invariants(mb)  # [] when valid
     >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]])   # pack in process (C core)
+    >>> treepack.LossConfig(aggregation="seq-mean-token-mean", loss_scale=8)   # the loss config, typed
+    >>> treepack.plan_micro_batches(seqs, max_tokens=8192, groups=group_ids)  # micro-batches keeping groups whole
     >>> treepack.check_values(mb, vocab_size=151936)  # masks 0/1, ids in range, finite where trainable
     >>> treepack.list_microbatches("out")  # a packed directory: the files its manifest names, in order
 
@@ -26,12 +28,17 @@ from .microbatch import (
     read_safetensors,
 )
 
+from .loss import LossConfig
 from .pack import pack_sequences
+from .plan import MicroBatchPlan, Plan, plan_micro_batches
 
 __all__ = [
     "FORMAT",
+    "LossConfig",
     "MANIFEST_FILE",
     "MicroBatch",
+    "MicroBatchPlan",
+    "Plan",
     "SafetensorsFile",
     "TreepackError",
     "check_entry",
@@ -40,6 +47,7 @@ __all__ = [
     "list_microbatches",
     "load",
     "pack_sequences",
+    "plan_micro_batches",
     "read_manifest",
     "read_safetensors",
 ]

@@ -58,7 +58,7 @@ _CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
     "tp_plan_create": (_INT, [_P, _I64, _P, _I64, ctypes.POINTER(_P), _PI64]),
     "tp_plan_layout": (_INT, [_P, _P, _P, _P, _P, _P]),
     "tp_plan_free": (None, [_P]),
-    "tp_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
+    "tp_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
     "tp_loss_compact": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "tp_mask_dense": (_INT, [_P, _P, _I64, _P]),
     "tp_mask_bits": (_INT, [_P, _P, _I64, _P]),
@@ -73,8 +73,8 @@ _CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
     "tp_cuda_error_string": (ctypes.c_char_p, [_INT]),
     "tp_cuda_last_error": (_INT, []),
     "tp_cuda_status_string": (ctypes.c_char_p, [_INT]),
-    "tp_cuda_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P]),
-    "tp_cuda_loss_host": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
+    "tp_cuda_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P]),
+    "tp_cuda_loss_host": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
 }
 
 

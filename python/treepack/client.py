@@ -66,6 +66,11 @@ class FeedClient:
             except Exception:
                 message = e.reason
             raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
+        except (urllib.error.URLError, OSError) as e:
+            # down, restarting, or unreachable: the same error type as a refusal, saying which service
+            reason = getattr(e, "reason", e)
+            raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
+                                        "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
 
     def next(self) -> Optional[FeedMicroBatch]:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""

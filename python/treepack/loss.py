@@ -3,20 +3,24 @@
 CPU: ``libtreepack_core.so`` (``tp_loss``), CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers);
 where each is found: treepack/_native.py.
 
-    >>> from treepack.loss import loss_numpy, PackedLoss
-    >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})   # numpy arrays
-    >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                # torch, autograd
+    >>> from treepack.loss import LossConfig, loss_numpy
+    >>> loss, grad, metrics = loss_numpy(mb, lp, LossConfig(clip_low=0.2, clip_high=0.28))   # numpy arrays
+    >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})      # the same, as a dict
+    >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                   # torch, autograd
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (README "Loss"); every error is a
-TreepackError naming the field. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
+TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
+per-sequence weight, README "Loss": normalisations); the turn aggregation reads ``turn_ids`` [M]. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
 generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -31,7 +35,9 @@ TIS_LEVELS = _abi.TIS_NAMES
 DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
-class LossConfig(ctypes.Structure):
+class LossConfigStruct(ctypes.Structure):
+    """``tp_loss_config`` of the C ABI (``make_config`` builds it)."""
+
     _fields_ = [(n, ctypes.c_int32) for n in _abi.ENUM_FIELDS] + [(n, ctypes.c_double) for n in _abi.NUMBER_FIELDS]
 
 
@@ -42,8 +48,43 @@ class LossMetrics(ctypes.Structure):
         return {n: getattr(self, n) for n, _ in self._fields_}
 
 
-def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
-    """Defaults filled, every field checked as src/loss/config.ts checks it (TreepackError E_ARG naming the field)."""
+@dataclass
+class LossConfig:
+    """The loss configuration as a typed object: the same names, defaults and checks as the dict form (both are
+    accepted wherever a config is). Invalid values raise TreepackError(E_ARG) naming the field when constructed.
+
+        >>> cfg = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="seq-mean-token-mean", loss_scale=8)
+        >>> loss, grad, metrics = loss_numpy(mb, lp, cfg)
+    """
+
+    policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; 'cispo': clipped, detached IS weight times lp."})
+    clip_low: float = field(default=_abi.DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
+    clip_high: Optional[float] = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
+    dual_clip: float = field(default=_abi.DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
+    log_ratio_clamp: float = field(default=_abi.DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
+    aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' (Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids)."})
+    norm_constant: float = field(default=_abi.DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
+    global_tokens: float = field(default=_abi.DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
+    global_sequences: float = field(default=_abi.DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
+    loss_scale: float = field(default=_abi.DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
+    kl: str = field(default=_abi.DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
+    kl_coef: float = field(default=_abi.DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
+    tis: str = field(default=_abi.DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
+    tis_cap: float = field(default=_abi.DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
+
+    def __post_init__(self) -> None:
+        given = dataclasses.asdict(self)
+        if given["clip_high"] is None:  # None is the dataclass's "not given"
+            del given["clip_high"]
+        for k, v in _resolve(given).items():
+            setattr(self, k, v)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Defaults filled and every field checked as src/loss/config.ts checks it (TreepackError E_ARG naming the field)."""
     if config is not None and not isinstance(config, Mapping):
         raise TreepackError("E_ARG", f"Expected an object for loss config but received {type(config).__name__}", field="loss config")
     given = dict(config or {})
@@ -57,11 +98,9 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
     def bad(name: str, expected: str) -> TreepackError:
         return TreepackError("E_ARG", f"Expected {expected} for {name} but received {c[name]!r}", field=name)
 
-    codes = {}
     for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS)):
         if not isinstance(c[name], str) or c[name] not in table:
             raise bad(name, f"one of {', '.join(table)}")
-        codes[name] = table.index(c[name])
     for name, ok, expected in (
         ("clip_low", lambda x: x >= 0, "a number >= 0"),
         ("clip_high", lambda x: x >= 0, "a number >= 0"),
@@ -70,6 +109,7 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
         ("norm_constant", lambda x: x >= 0, "a number > 0"),
         ("global_tokens", lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
         ("global_sequences", lambda x: x >= 0, "a number >= 0 (0 = this micro-batch)"),
+        ("loss_scale", lambda x: x >= 0, "a number >= 0"),
         ("kl_coef", lambda x: True, "a finite number"),
         ("tis_cap", lambda x: x > 0, "a number > 0"),
     ):
@@ -80,7 +120,14 @@ def make_config(config: Optional[Mapping[str, Any]] = None) -> LossConfig:
         raise bad("dual_clip", f"0 with policy {c['policy']!r} (dual clip applies to ppo)")
     if c["aggregation"] == "seq-mean-token-sum-norm" and not c["norm_constant"] > 0:
         raise bad("norm_constant", "a number > 0 with aggregation 'seq-mean-token-sum-norm'")
-    return LossConfig(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
+    return c
+
+
+def make_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> LossConfigStruct:
+    """The C ABI's struct of a config (a ``LossConfig``, a dict of the same names, or None for the defaults)."""
+    c = _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
+    codes = {name: table.index(c[name]) for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))}
+    return LossConfigStruct(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
 
 
 def cuda_status_error(lib: ctypes.CDLL, what: str, rc: int) -> TreepackError:
@@ -101,14 +148,34 @@ cuda_library = _native.cuda
 _FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
-def _needed(cfg: LossConfig, field: str) -> bool:
-    return field in ("advantages", "old_logprobs") or (field == "ref_logprobs" and cfg.kl != 0) or (
-        field == "rollout_logprobs" and cfg.tis != 0)
+def _needed(cfg: LossConfigStruct, name: str) -> bool:
+    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and cfg.kl != 0) or (
+        name == "rollout_logprobs" and cfg.tis != 0)
 
 
-def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] = None) -> Tuple[float, np.ndarray, Dict[str, float]]:
+def _turns(cfg: LossConfigStruct) -> bool:
+    return AGGREGATIONS[cfg.aggregation] == "seq-mean-turn-mean-token-mean"
+
+
+def _status_field(rc: int) -> str:
+    """The input a failed loss call's status is about."""
+    return {_abi.TP_ERR_INDEX: "seq_positions", _abi.TP_ERR_TURNS: "turn_ids"}.get(rc, "seq_offsets")
+
+
+def _check_weights(sw: Optional[np.ndarray], S: int) -> None:
+    """seq_weight: one finite weight >= 0 per sequence (the kernels take it as it is)."""
+    if sw is None:
+        return
+    if sw.shape != (S,):
+        raise TreepackError("E_INPUT", f"seq_weight has shape {list(sw.shape)}, expected one weight per sequence [S = {S}]", field="seq_weight")
+    if not (np.isfinite(sw) & (sw >= 0)).all():
+        raise TreepackError("E_INPUT", f"seq_weight[{int(np.flatnonzero(~(np.isfinite(sw) & (sw >= 0)))[0])}] is not a finite number >= 0", field="seq_weight")
+
+
+def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[float, np.ndarray, Dict[str, float]]:
     """Loss, dloss/dlp [N] (float32) and metrics on the CPU core. ``batch`` is a treepack.MicroBatch or a mapping
-    with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs)."""
+    with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
+    turn_ids) and optionally ``seq_weight`` [S]."""
     get = (lambda k: batch.get(k)) if isinstance(batch, Mapping) else (lambda k: getattr(batch, k, None))
     cfg = make_config(config)
     off = np.ascontiguousarray(get("seq_offsets"), dtype=np.int32)
@@ -131,6 +198,16 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] =
         arrays[f] = np.ascontiguousarray(a, dtype=np.float32)
         if arrays[f].shape[0] != M:
             raise TreepackError("E_INPUT", f"{f} has {arrays[f].shape[0]} elements, expected M = {M}", field=f)
+    sw = get("seq_weight")
+    sw = None if sw is None else np.ascontiguousarray(sw, dtype=np.float32)
+    _check_weights(sw, off.shape[0] - 1)
+    turn = get("turn_ids") if _turns(cfg) else None
+    if _turns(cfg) and (turn is not None or M):
+        if turn is None:
+            raise TreepackError("E_INPUT", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none", field="turn_ids")
+        turn = np.ascontiguousarray(turn, dtype=np.int32)
+        if turn.shape != (M,):
+            raise TreepackError("E_INPUT", f"turn_ids has shape {list(turn.shape)}, expected [M = {M}]", field="turn_ids")
     trainable = mask != 0
     for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(cfg, f))):
         if not np.isfinite(a[trainable]).all():
@@ -139,9 +216,10 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Optional[Mapping[str, Any]] =
     metrics = LossMetrics()
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     lib = core_library()
-    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), N, ptr(lp), ptr(grad), ctypes.byref(metrics))
+    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), ptr(sw), ptr(turn),
+                     N, ptr(lp), ptr(grad), ctypes.byref(metrics))
     if rc != 0:
-        raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field="seq_offsets")
+        raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field=_status_field(rc))
     return metrics.loss, grad, metrics.as_dict()
 
 

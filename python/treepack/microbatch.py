@@ -25,15 +25,18 @@ MANIFEST_FILE = "manifest.json"
 
 NODE_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end")
 OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+# Optional contract tensors: the floats, and the turn ids of turn-level aggregation (README format reference).
+OPTIONAL_FIELDS = OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)
 _META_NUMBERS = ("num_sequences", "num_tokens_naive", "num_tokens_packed")
 
-# Contract tensors and their dtypes; F32 ones are optional.
+# Contract tensors and their dtypes; OPTIONAL_FIELDS may be absent.
 _CONTRACT_DTYPES = {
     **{f: "I32" for f in NODE_FIELDS},
     "seq_offsets": "I32",
     "seq_positions": "I32",
     "loss_mask": "U8",
     **{f: "F32" for f in OCCURRENCE_FLOAT_FIELDS},
+    "turn_ids": "I32",
 }
 
 # The numpy dtype of each safetensors dtype; BF16 and the 8-bit floats have none: they are carried as their raw bits.
@@ -170,6 +173,7 @@ class MicroBatch:
     old_logprobs: Optional[np.ndarray] = None
     ref_logprobs: Optional[np.ndarray] = None
     rollout_logprobs: Optional[np.ndarray] = None
+    turn_ids: Optional[np.ndarray] = None  # int32 [M], never decreasing along a sequence
 
     @property
     def num_sequences(self) -> int:
@@ -189,7 +193,7 @@ def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> 
     for f in NODE_FIELDS:
         if len(getattr(mb, f)) != N:
             raise fail(f, f"{f} has {len(getattr(mb, f))} elements but input_ids has N = {N}")
-    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+    for f in ("loss_mask",) + OPTIONAL_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) != M:
             raise fail(f, f"{f} has {len(a)} elements but seq_positions has M = {M}")
@@ -269,7 +273,7 @@ def load(src: Source) -> MicroBatch:
     fields: Dict[str, np.ndarray] = {}
     for name, dtype in _CONTRACT_DTYPES.items():
         if name not in st.tensors:
-            if dtype == "F32":
+            if name in OPTIONAL_FIELDS:
                 continue
             raise fail(name, f"required tensor {name} is missing")
         if st.dtypes[name] != dtype:
@@ -299,6 +303,8 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0. Each kind of violation is one line: its count and its
     first few examples.
 
+    turn_ids (when present) never decrease along a sequence.
+
         >>> treepack.check_invariants(treepack.pack_sequences([[1, 2], [1, 3]]))
         []
     """
@@ -309,7 +315,7 @@ def check_invariants(mb: MicroBatch) -> List[str]:
             out.append(f"{f} has {len(getattr(mb, f))} elements: expected N = {N} (length of input_ids)")
     if out:
         return out
-    for f in ("loss_mask",) + OCCURRENCE_FLOAT_FIELDS:
+    for f in ("loss_mask",) + OPTIONAL_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) != M:
             out.append(f"{f} has {len(a)} elements: expected M = {M} (length of seq_positions)")
@@ -337,6 +343,14 @@ def check_invariants(mb: MicroBatch) -> List[str]:
             shown = [examples[kind * _EXAMPLES + i] for i in range(min(count, _EXAMPLES))]
             listed = "; ".join(example.format(**{f: getattr(v, f) for f in _abi.VIOLATION_FIELDS}) for v in shown)
             out.append(f"{what} ({count}): {listed}{'; …' if count > _EXAMPLES else ''}")
+    if mb.turn_ids is not None and len(mb.turn_ids) == M and not counts.any():
+        # The extension's own rule, on offsets the C core found valid: a turn is a run of equal ids.
+        off64 = mb.seq_offsets.astype(np.int64)
+        turn = mb.turn_ids.astype(np.int64)
+        down = np.zeros(M, dtype=bool)
+        down[1:] = turn[1:] < turn[:-1]
+        down[off64[:-1][off64[:-1] < M]] = False  # each sequence starts afresh
+        _report(out, down, "turn_ids decreasing along a sequence", lambda k: f"turn_ids[{k}] = {turn[k]} < {turn[k - 1]}")
     return out
 
 

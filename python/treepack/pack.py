@@ -6,6 +6,7 @@ trainers have.
     >>> mb.loss_mask                                      # 1 except each sequence's first token
     >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]], loss_mask=[[0, 0, 1], [0, 0, 1]], advantages=[1.0, -1.0],
     ...                     old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]])
+    >>> pack_sequences([[1, 2, 3, 4, 5]], turns=[[1, 3]]).turn_ids   # [-1, 0, 0, 1, 1]: turns start at t = 1 and 3
 
 For the whole pipeline (chat records, templates, timeline merge, budgets) use ``treepack pack`` or the library.
 """
@@ -79,6 +80,7 @@ def pack_sequences(
     old_logprobs: PerToken = None,
     ref_logprobs: PerToken = None,
     rollout_logprobs: PerToken = None,
+    turns: Optional[Sequence[Sequence[int]]] = None,
 ) -> MicroBatch:
     """The forest of ``sequences`` (token ids) with the occurrence arrays of the contract (shared/DESIGN.md §3).
 
@@ -90,6 +92,10 @@ def pack_sequences(
       t = 0 is never read).
 
     Every float must be finite where the mask is 1. A field not given is absent from the batch (None).
+
+    ``turns``: per sequence, the token index where each of its assistant turns starts (increasing); they give the
+    contract's ``turn_ids`` (token t: the turns starting at or before t, minus one), which the Flow-GRPO aggregation
+    reads.
     """
     lengths = [len(s) for s in sequences]
     tokens = np.fromiter((t for s in sequences for t in s), dtype=np.int64, count=sum(lengths))
@@ -135,4 +141,19 @@ def pack_sequences(
     meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
             "sequence_ids": ids}
     return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=mask, meta=meta, **floats)
+                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), **floats)
+
+
+def _turn_ids(turns: Optional[Sequence[Sequence[int]]], lengths: Sequence[int]) -> Optional[np.ndarray]:
+    """The turn_ids [M] of per-sequence turn starts (src/pack/turns.ts defines the same from message boundaries)."""
+    if turns is None:
+        return None
+    if len(turns) != len(lengths):
+        raise TreepackError("E_ARG", f"{len(turns)} turn lists for {len(lengths)} sequences", field="turns")
+    out = []
+    for i, (starts, n) in enumerate(zip(turns, lengths)):
+        st = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if st.size and (st[0] < 0 or st[-1] >= n or (np.diff(st) <= 0).any()):
+            raise TreepackError("E_ARG", f"turns[{i}] = {list(starts)}: expected increasing token indices in [0, {n})", field="turns")
+        out.append(np.searchsorted(st, np.arange(n), side="right") - 1)
+    return np.concatenate(out).astype(np.int32) if out else np.zeros(0, dtype=np.int32)

@@ -41,6 +41,7 @@ export const LOSS_CONFIG_NUMBERS: readonly NumberField[] = [
   'global_sequences',
   'kl_coef',
   'tis_cap',
+  'loss_scale',
 ];
 
 /** tp_loss_metrics in field order; trainable_tokens is int64, the rest double. */
@@ -77,6 +78,7 @@ export const STATUSES: readonly Status[] = [
   { name: 'TP_ERR_SHARED', message: 'cu_seqlens needs a forest with no sharing, but a node has more than one child', error: 'E_INPUT' },
   { name: 'TP_ERR_INDEX', message: 'seq_positions holds a position outside [0, N)', error: 'E_INPUT' },
   { name: 'TP_ERR_DEVICE', message: 'CUDA runtime error (tp_cuda_last_error gives it)', error: 'E_BACKEND' },
+  { name: 'TP_ERR_TURNS', message: 'turn_ids decreases inside a sequence (a turn is a run of equal ids)', error: 'E_INPUT' },
 ];
 
 export interface ForestCheck {

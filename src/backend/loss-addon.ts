@@ -16,6 +16,8 @@ export interface LossAddon {
     old_logprobs: Float32Array,
     ref_logprobs: Float32Array | null,
     rollout_logprobs: Float32Array | null,
+    seq_weight: Float32Array | null,
+    turn_ids: Int32Array | null,
     lp: Float32Array,
     grad: Float32Array | null,
   ): LossMetrics;
@@ -45,6 +47,8 @@ export function addonLoss(addon: LossAddon, b: LossBatch, lp: Float32Array, cfg:
     b.old_logprobs!,
     cfg.kl !== 'none' ? b.ref_logprobs! : null,
     cfg.tis !== 'none' ? b.rollout_logprobs! : null,
+    b.seq_weight ?? null,
+    cfg.aggregation === 'seq-mean-turn-mean-token-mean' ? (b.turn_ids ?? null) : null,
     lp,
     grad,
   );

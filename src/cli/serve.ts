@@ -2,7 +2,7 @@
 import type { CollectorPolicy } from '../pack/schedule.js';
 import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
 import { TreepackError } from '../errors.js';
-import { optionEntry } from '../packer/option-table.js';
+import { int, optionEntry } from '../packer/option-table.js';
 import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
 
 /** The packer's options that serve takes as flags; its --dp is also the feed's ranks, so it is read apart. */
@@ -30,6 +30,8 @@ Options:
   --groups-per-step G     groups packed into one trainer step                            [default: 1]
   --lease S               seconds before a micro-batch handed out and not acknowledged is handed out again
                                                                                        [default: 600]
+  --idle-timeout S        abandon a group none of whose episodes called, finished or was abandoned for S
+                          seconds: it trains with its finished episodes (0: never)    [default: 1800]
   --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
   --body-limit B          largest request body, bytes                                  [default: 32 MiB]
   --rate-limit N          requests per minute per client address (0: none)               [default: 0]
@@ -57,7 +59,7 @@ function policyOption(policy: string | undefined, window: number | undefined): C
 const FLAG_OF: Record<string, string> = {
   engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', dp: '--dp',
   'packer.budget': '--max-tokens', groupSize: '--group-size', groupsPerStep: '--groups-per-step', leaseMs: '--lease',
-  engineTimeoutMs: '--engine-timeout', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes',
+  engineTimeoutMs: '--engine-timeout', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes', idleTimeoutMs: '--idle-timeout',
   ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
@@ -76,7 +78,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
+      'groups-per-step': S, lease: S, 'idle-timeout': S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
       'redis-allow-weak-durability': { type: 'boolean' }, dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
@@ -109,6 +111,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     groupsPerStep: positiveInt('--groups-per-step', str('groups-per-step')),
     dp,
     leaseMs: positiveInt('--lease', str('lease'), 600)! * 1000,
+    idleTimeoutMs: (str('idle-timeout') === undefined ? 1800 : (flagValue(int(0), '--idle-timeout', str('idle-timeout')!) as number)) * 1000,
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),

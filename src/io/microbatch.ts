@@ -9,20 +9,22 @@
  * invariants (DESIGN §7) are `checkForest` in src/pack/invariants.ts, which costs a pass over the data.
  */
 import { argError, TreepackError } from '../errors.js';
-import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';
+import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, OPTIONAL_OCCURRENCE_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';
 import { readSafetensors, safetensorsChunks, writeSafetensors, type Dtype, type Tensor, type TypedArray } from './safetensors.js';
 import type { ExtraTensors } from './sink.js';
 
 const META_NUMBERS = ['num_sequences', 'num_tokens_naive', 'num_tokens_packed'] as const;
 
-/** Contract tensors and their dtypes; F32 ones are optional. */
+/** Contract tensors and their dtypes; OPTIONAL ones may be absent. */
 const CONTRACT_DTYPES: ReadonlyMap<string, Dtype> = new Map<string, Dtype>([
   ...NODE_FIELDS.map((f) => [f, 'I32'] as const),
   ['seq_offsets', 'I32'],
   ['seq_positions', 'I32'],
   ['loss_mask', 'U8'],
   ...OCCURRENCE_FLOAT_FIELDS.map((f) => [f, 'F32'] as const),
+  ['turn_ids', 'I32'],
 ]);
+const OPTIONAL: ReadonlySet<string> = new Set(OPTIONAL_OCCURRENCE_FIELDS);
 
 export interface MicroBatchFile {
   batch: MicroBatch;
@@ -48,7 +50,7 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
   for (const f of NODE_FIELDS) {
     if (mb[f].length !== N) throw fail(f, `${f} has ${mb[f].length} elements but input_ids has N = ${N}`);
   }
-  for (const f of ['loss_mask', ...OCCURRENCE_FLOAT_FIELDS] as const) {
+  for (const f of ['loss_mask', ...OPTIONAL_OCCURRENCE_FIELDS] as const) {
     const a = mb[f];
     if (a !== undefined && a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
   }
@@ -108,7 +110,7 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
   const tensors = new Map<string, Tensor>();
   for (const [name, dtype] of CONTRACT_DTYPES) {
     const data = batch[name as keyof MicroBatch] as TypedArray | undefined;
-    if (data === undefined && dtype === 'F32') continue;
+    if (data === undefined && OPTIONAL.has(name)) continue;
     const ctor = dtype === 'I32' ? Int32Array : dtype === 'U8' ? Uint8Array : Float32Array;
     if (!(data instanceof ctor)) throw argError(`batch.${name}`, `a ${ctor.name}`, data);
     tensors.set(name, { dtype, shape: [data.length], data });
@@ -194,7 +196,7 @@ export function readMicroBatch(path: string): MicroBatchFile {
   for (const [name, dtype] of CONTRACT_DTYPES) {
     const t = tensors.get(name);
     if (t === undefined) {
-      if (dtype === 'F32') continue;
+      if (OPTIONAL.has(name)) continue;
       throw fail(name, `required tensor ${name} is missing`);
     }
     if (t.dtype !== dtype) throw fail(name, `tensor ${name} has dtype ${t.dtype}, expected ${dtype}`);

@@ -6,7 +6,7 @@
 import { describeValue, TreepackError } from '../errors.js';
 
 export const POLICY_LOSSES = ['ppo', 'gspo', 'cispo'] as const;
-export const AGGREGATIONS = ['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'] as const;
+export const AGGREGATIONS = ['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm', 'seq-mean-turn-mean-token-mean'] as const;
 export const KL_ESTIMATORS = ['none', 'k1', 'abs', 'k2', 'k3'] as const;
 export const TIS_LEVELS = ['none', 'token', 'sequence'] as const;
 
@@ -24,12 +24,22 @@ export interface LossConfig {
   dual_clip: number;
   /** |lp − old| (and every other log ratio) is clamped to this before exp. */
   log_ratio_clamp: number;
+  /**
+   * How per-token losses become one number (README "Loss", src/loss/aggregate.ts). `seq-mean-turn-mean-token-mean`
+   * is AgentFlow's Flow-GRPO: each turn's token mean, the mean over the sequence's turns, then over sequences; it
+   * reads the micro-batch's `turn_ids`.
+   */
   aggregation: Aggregation;
   /** The fixed divisor of `seq-mean-token-sum-norm` (e.g. the longest response length). */
   norm_constant: number;
   /** Global normalisers (0 = this micro-batch's own): trainable tokens for token-mean, non-empty sequences for seq-mean-*. */
   global_tokens: number;
   global_sequences: number;
+  /**
+   * Multiplies the loss, pg_loss, kl_loss and the gradient (verl's and AReaL's ×dp when each rank's loss is
+   * averaged by data parallelism but was normalised by global counts); the per-token metrics are not scaled.
+   */
+  loss_scale: number;
   kl: KlEstimator; // KL to ref_logprobs as a loss term
   kl_coef: number;
   /** Truncated importance weights min(exp(old − rollout), tis_cap), detached, from rollout_logprobs. */
@@ -47,6 +57,7 @@ export const DEFAULT_LOSS_CONFIG: Readonly<LossConfig> = Object.freeze({
   norm_constant: 0,
   global_tokens: 0,
   global_sequences: 0,
+  loss_scale: 1,
   kl: 'none',
   kl_coef: 0,
   tis: 'none',
@@ -88,6 +99,7 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
   num('norm_constant', (x) => x >= 0, 'a number > 0');
   num('global_tokens', (x) => x >= 0, 'a number ≥ 0 (0 = this micro-batch)');
   num('global_sequences', (x) => x >= 0, 'a number ≥ 0 (0 = this micro-batch)');
+  num('loss_scale', (x) => x >= 0, 'a number ≥ 0');
   num('kl_coef', () => true, 'a finite number');
   num('tis_cap', (x) => x > 0, 'a number > 0');
   if (cfg.dual_clip !== 0 && cfg.policy !== 'ppo') throw bad('dual_clip', `0 with policy '${cfg.policy}' (dual clip applies to ppo)`, cfg.dual_clip);

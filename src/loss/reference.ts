@@ -3,7 +3,7 @@
  * batch, accumulated in float64. This is the oracle every other backend is tested against.
  */
 import type { LossConfig } from './config.js';
-import { countTrainable, sequenceWeight } from './aggregate.js';
+import { occurrenceWeights } from './aggregate.js';
 import { klTerm } from './kl.js';
 import { CLIPPED_DUAL, CLIPPED_HIGH, CLIPPED_LOW, cispo, clippedSurrogate, truncatedWeight } from './policy.js';
 import { configCodes } from './config.js';
@@ -62,8 +62,7 @@ export function lossReference(b: LossBatch, lp: Float32Array, cfg: LossConfig): 
   const roll = b.rollout_logprobs;
   const S = off.length - 1;
   const codes = configCodes(cfg);
-  const counts = new Int32Array(S);
-  const norm = countTrainable(off, mask, cfg, counts);
+  const { weights, counts } = occurrenceWeights(b, cfg);
   const grad = new Float64Array(lp.length);
   const tmp = new Float64Array(3);
   const sums = new MetricSums();
@@ -71,7 +70,6 @@ export function lossReference(b: LossBatch, lp: Float32Array, cfg: LossConfig): 
   for (let i = 0; i < S; i++) {
     const n = counts[i];
     if (n === 0) continue;
-    const w = sequenceWeight(cfg, n, norm);
     const a = off[i];
     const e = off[i + 1];
     let seqLogRatio = 0;
@@ -89,6 +87,7 @@ export function lossReference(b: LossBatch, lp: Float32Array, cfg: LossConfig): 
       if (!mask[j]) continue;
       const p = pos[j];
       const x = lp[p];
+      const w = weights[j];
       const tis = cfg.tis === 'token' ? truncatedWeight(old[j] - roll![j], cfg.log_ratio_clamp, cfg.tis_cap) : seqTis;
       const flags =
         cfg.policy === 'cispo'
@@ -120,8 +119,7 @@ export function compactPlan(b: LossBatch, cfg: LossConfig, fail: (field: string,
   const adv = b.advantages!;
   const old = b.old_logprobs!;
   const withKl = cfg.kl !== 'none';
-  const counts = new Int32Array(off.length - 1);
-  const norm = countTrainable(off, mask, cfg, counts);
+  const { weights, counts } = occurrenceWeights(b, cfg);
   const plan: CompactPlan = {
     num_nodes: N,
     old: new Float32Array(N),
@@ -139,7 +137,6 @@ export function compactPlan(b: LossBatch, cfg: LossConfig, fail: (field: string,
   const klW = new Float64Array(N);
   for (let i = 0; i + 1 < off.length; i++) {
     if (counts[i] === 0) continue;
-    const w = sequenceWeight(cfg, counts[i], norm);
     let seqTis = 1;
     if (cfg.tis === 'sequence') {
       let s = 0;
@@ -159,6 +156,7 @@ export function compactPlan(b: LossBatch, cfg: LossConfig, fail: (field: string,
       }
       const tis = cfg.tis === 'token' ? truncatedWeight(old[j] - b.rollout_logprobs![j], cfg.log_ratio_clamp, cfg.tis_cap) : seqTis;
       const A = adv[j];
+      const w = weights[j];
       plan.n_train[p]++;
       if (A > 0) {
         posW[p] += w * tis * A;

@@ -1,8 +1,13 @@
 /** What every loss backend takes and returns. */
 import type { MicroBatch } from '../pack/contract.js';
 
-/** The micro-batch fields the loss reads; `input_ids` only gives N. */
-export type LossBatch = Pick<MicroBatch, 'input_ids' | 'seq_offsets' | 'seq_positions' | 'loss_mask' | 'advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs'>;
+/**
+ * The micro-batch fields the loss reads (`input_ids` only gives N; `turn_ids` only for the turn aggregation), and
+ * `seq_weight` [S], a trainer's per-sequence weight (README "Loss": normalisations), never stored in the contract.
+ */
+export type LossBatch = Pick<MicroBatch, 'input_ids' | 'seq_offsets' | 'seq_positions' | 'loss_mask' | 'advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs' | 'turn_ids'> & {
+  seq_weight?: Float32Array;
+};
 
 export interface LossMetrics {
   loss: number; // pg_loss + kl_coef · kl_loss

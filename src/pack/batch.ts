@@ -1,10 +1,11 @@
 /**
  * Samples → one packed micro-batch: concatenates the per-token fields in input order (the occurrence arrays of
- * the contract) and builds the forest with whichever packer the caller resolved.
+ * the contract, turn ids included) and builds the forest with whichever packer the caller resolved.
  */
 import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
 import { FORMAT, MAX_TOKENS, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type OccurrenceFloatField, type Sequences } from './contract.js';
+import { sampleTurnIds } from './turns.js';
 
 /**
  * Concatenates token sequences into CSR form. `idOf(i)` names sequence i in the error when the total passes the
@@ -59,11 +60,23 @@ function floatField(samples: readonly Sample[], offsets: Int32Array, field: Occu
   return out;
 }
 
+/** Turn ids (src/pack/turns.ts); a sample without message boundaries is one turn (id 0): its tokens are one span. */
+function turnField(samples: readonly Sample[], offsets: Int32Array): Int32Array {
+  const out = new Int32Array(offsets[samples.length]);
+  samples.forEach((s, i) => {
+    const t = sampleTurnIds(s);
+    if (t) out.set(t, offsets[i]);
+  });
+  return out;
+}
+
 export interface AssembleOptions {
   tokenizer: string;
   /** One past the largest token id of the tokenizer (or the caller's vocabSize); written when known. */
   vocabSize?: number;
   packForest: (seqs: Sequences) => Forest;
+  /** Write `turn_ids` (the packer's `turnIds` option). */
+  turnIds?: boolean;
 }
 
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
@@ -94,5 +107,6 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
     const col = floatField(samples, seqs.offsets, f);
     if (col) mb[f] = col;
   }
+  if (opts.turnIds) mb.turn_ids = turnField(samples, seqs.offsets);
   return mb;
 }

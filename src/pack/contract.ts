@@ -22,6 +22,8 @@ export interface Forest {
 export const NODE_FIELDS = ['input_ids', 'position_ids', 'parent', 'subtree_end'] as const;
 export const OCCURRENCE_FLOAT_FIELDS = ['advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs'] as const;
 export type OccurrenceFloatField = (typeof OCCURRENCE_FLOAT_FIELDS)[number];
+/** Occurrence arrays a micro-batch may lack: the floats, and the turn ids of turn-level aggregation. */
+export const OPTIONAL_OCCURRENCE_FIELDS = [...OCCURRENCE_FLOAT_FIELDS, 'turn_ids'] as const;
 
 /** Header metadata of a micro-batch file: every value is a string in safetensors' `__metadata__`. */
 export interface MicroBatchMeta {
@@ -59,6 +61,12 @@ export interface MicroBatch extends Forest {
   old_logprobs?: Float32Array; // [M]
   ref_logprobs?: Float32Array; // [M]
   rollout_logprobs?: Float32Array; // [M]
+  /**
+   * Extension (turn-level aggregation): per occurrence, the turn of its sequence it belongs to: the number of
+   * assistant messages of the sequence that start at or before it, minus one (−1 before the first). Never
+   * decreasing along a sequence, so a turn is a run of equal ids; absent when no sample had message boundaries.
+   */
+  turn_ids?: Int32Array; // [M]
   meta: MicroBatchMeta;
 }
 

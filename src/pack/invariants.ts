@@ -2,7 +2,7 @@
  * DESIGN §7 invariants 1, 2 and 4 checked on a forest in O(N + M), for data of any origin (a backend's output,
  * a file from disk). Nothing here trusts the arrays: every index is range-checked before use.
  */
-import { OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type Sequences } from './contract.js';
+import { OPTIONAL_OCCURRENCE_FIELDS, type Forest, type MicroBatch, type Sequences } from './contract.js';
 
 /** A broken forest tends to break at every node; the first violations say what is wrong, the rest only count. */
 const MAX_REPORTED = 100;
@@ -107,7 +107,8 @@ function sameOffsets(a: Int32Array, b: Int32Array): boolean {
  * occurrence: seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
  * position_ids[seq_positions[t]] = t. With `seqs` (the sequences the forest was packed from) also
  * input_ids[seq_positions] = tokens. Given a MicroBatch it also checks the occurrence fields' lengths and that
- * loss_mask is 0 at t = 0, and that its num_pad_tokens pad nodes are childless roots no occurrence maps to.
+ * loss_mask is 0 at t = 0, that turn_ids never decrease along a sequence, and that its num_pad_tokens pad nodes are
+ * childless roots no occurrence maps to.
  */
 export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): string[] {
   const out = new Violations();
@@ -123,11 +124,13 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
 
   const mb = 'loss_mask' in forest ? forest : undefined;
   let lossMask = mb?.loss_mask;
-  for (const name of ['loss_mask', ...OCCURRENCE_FLOAT_FIELDS] as const) {
+  let turns = mb?.turn_ids;
+  for (const name of ['loss_mask', ...OPTIONAL_OCCURRENCE_FIELDS] as const) {
     const a = mb?.[name];
     if (a !== undefined && a.length !== M) {
       out.add(`${name} has ${a.length} elements: expected M = ${M} (length of seq_positions)`);
       if (name === 'loss_mask') lossMask = undefined;
+      if (name === 'turn_ids') turns = undefined;
     }
   }
   let tokens = seqs?.tokens;
@@ -151,6 +154,7 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
       const p = seq_positions[k];
       const at = `(sequence ${i}, t = ${t})`;
       if (lossMask !== undefined && t === 0 && lossMask[k] !== 0) out.add(`loss_mask[${k}] = ${lossMask[k]}: expected 0 at t = 0 ${at}`);
+      if (turns !== undefined && t > 0 && turns[k] < turns[k - 1]) out.add(`turn_ids[${k}] = ${turns[k]}: below turn_ids[${k - 1}] = ${turns[k - 1]} (turn ids never decrease along a sequence) ${at}`);
       if (!(p >= 0 && p < N)) {
         out.add(`seq_positions[${k}] = ${p}: not a position in [0, ${N}) ${at}`);
         continue;

@@ -245,7 +245,7 @@ export class PackerCore {
     const budget = this.#opts.budget;
     let out: Packed[];
     if (budget) {
-      const w = packWindow(pending, { ...budget, ...this.#vocabulary(), packForest });
+      const w = packWindow(pending, { ...budget, ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds });
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
       stats.optimumTokens += w.plan.optimumTokens;
       w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
@@ -258,7 +258,7 @@ export class PackerCore {
         if (pr.peakCachedBytes !== undefined) acc.peakCachedBytes = Math.max(acc.peakCachedBytes ?? 0, pr.peakCachedBytes);
       }
     } else {
-      out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest }), samples: pending }];
+      out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds }), samples: pending }];
       stats.optimumTokens += out[0].batch.meta.num_tokens_packed;
     }
     stats.seconds.pack += (performance.now() - t0) / 1000;

@@ -229,6 +229,15 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
     help: `estimator for samples with a reward and no advantages: ${[...ADVANTAGE_ESTIMATORS, 'none'].join(', ')} (per group = task id, one value per episode broadcast to all its turns; groups are then never split)`,
   },
   {
+    option: 'turnIds',
+    flag: '--turn-ids',
+    sets: true,
+    value: bool,
+    default: false,
+    output: true,
+    help: "store each occurrence's assistant turn (turn_ids [M]) for turn-level losses such as the Flow-GRPO aggregation (default: not stored)",
+  },
+  {
     option: 'masks',
     flag: '--masks',
     metavar: 'LIST',

@@ -61,6 +61,8 @@ export interface PackerOptions {
   repeatedEpisodeIds?: boolean;
   /** Read invalid UTF-8 in JSONL as U+FFFD; default: an error naming line and byte offset (`--lossy-utf8`). */
   lossyUtf8?: boolean;
+  /** Store `turn_ids` [M] (README "The packed micro-batch") for turn-level losses; default off (`--turn-ids`). */
+  turnIds?: boolean;
   /** Called as samples enter a window, with the report so far. */
   onProgress?: (report: PackReport) => void;
 }
@@ -80,6 +82,7 @@ export interface ResolvedOptions {
   onProgress?: (report: PackReport) => void;
   repeatedEpisodeIds: boolean;
   lossyUtf8: boolean;
+  turnIds: boolean;
 }
 
 export function resolveOptions(o: PackerOptions = {}): ResolvedOptions {

@@ -63,6 +63,8 @@ export interface Sample {
   message_offsets?: Int32Array;
   /** Author of each message; default `llm` for a message with trainable tokens, else `env`. */
   message_authors?: Author[];
+  /** Where each assistant turn starts in `tokens` (src/pack/turns.ts): set from the timeline's messages. */
+  turn_starts?: Int32Array;
   /** Ids of the records absorbed into this sample by the timeline merge (not including its own). */
   merged_from?: string[];
   source: Source;

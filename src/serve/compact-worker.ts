@@ -7,7 +7,7 @@ import { closeSync, fdatasyncSync, openSync, readSync } from 'node:fs';
 import { parentPort, workerData } from 'node:worker_threads';
 import { writeAll } from '../io/atomic.js';
 import { compactEvents } from './compact.js';
-import { scan, type LogEvent } from './log.js';
+import { LOG_MODE, scan, type LogEvent } from './log.js';
 
 const { path, upto, tmp, groupSize } = workerData as { path: string; upto: number; tmp: string; groupSize: number };
 
@@ -25,7 +25,7 @@ try {
 const events: LogEvent[] = [];
 scan(data, path, (e) => events.push(e));
 const out = Buffer.from(compactEvents(events, groupSize).map((e) => JSON.stringify(e) + '\n').join(''));
-const dst = openSync(tmp, 'w');
+const dst = openSync(tmp, 'w', LOG_MODE);
 try {
   writeAll(dst, [out]);
   fdatasyncSync(dst);

@@ -23,11 +23,14 @@ export interface SnapshotEvent {
   version: number;
   /** the pool's counters less what the live events add again */
   counters: Pool['counters'];
-  keys: [string, Scope][];
+  /** scoped keys in clear: snapshots written before keys were hashed */
+  keys?: [string, Scope][];
+  /** scoped keys by their SHA-256 */
+  keyHashes?: [string, Scope][];
   /** every group, in submission order */
   groups: [id: string, size: number, consumed: 0 | 1][];
-  /** episodes whose records are gone (consumed or shipped): group number, finished, shipped, reward */
-  dead: [id: string, seq: number, finished: 0 | 1, shipped: 0 | 1, reward: number | null][];
+  /** episodes whose records are gone (consumed or shipped): group number, finished, shipped, reward, abandoned */
+  dead: [id: string, seq: number, finished: 0 | 1, shipped: 0 | 1, reward: number | null, abandoned?: 0 | 1][];
 }
 
 interface StepState {
@@ -64,7 +67,8 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
       const s: StepState = { groups: e.groups as number[], acked: new Set(), done: false };
       steps[e.step as number] = s;
       if (e.whole) finishStep(s, false);
-    } else if (e.type === 'ack') {
+    } else if (e.type === 'handout') continue;
+    else if (e.type === 'ack') {
       const s = steps[Number((e.id as string).split('.')[0])];
       if (!s || s.done) continue;
       s.acked.add(e.id as string);
@@ -88,25 +92,27 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
       live.push(e);
       if (e.type === 'call') counters.calls--;
       else counters.episodesFinished--;
-    } else if (e.type === 'take' || e.type === 'ack') {
+    } else if (e.type === 'abandon') {
+      if (e.episode !== undefined ? !dead(e.episode as string) : !pool.groups.get(e.group as string)!.consumed) live.push(e);
+    } else if (e.type === 'take' || e.type === 'ack' || e.type === 'handout') {
       const n = e.type === 'take' ? (e.step as number) : Number((e.id as string).split('.')[0]);
       if (!steps[n]!.done) live.push(e);
     }
   }
 
-  const snap: SnapshotEvent = { type: 'snapshot', flushBelow, steps: steps.length, version, counters, keys: [...pool.keys], groups: [], dead: [] };
+  const snap: SnapshotEvent = { type: 'snapshot', flushBelow, steps: steps.length, version, counters, keyHashes: [...pool.keys], groups: [], dead: [] };
   if (setSize !== undefined) snap.groupSize = setSize;
   for (const g of pool.bySeq) {
     snap.groups.push([g.id, g.size, g.consumed ? 1 : 0]);
-    let deadFinished = 0;
+    let deadDone = 0;
     for (const id of g.episodes) {
       if (!dead(id)) continue;
       const ep = pool.episodes.get(id)!;
-      if (ep.finished) deadFinished++;
-      snap.dead.push([id, g.seq, ep.finished ? 1 : 0, ep.shipped ? 1 : 0, ep.reward ?? null]);
+      if (ep.finished || ep.abandoned) deadDone++;
+      snap.dead.push([id, g.seq, ep.finished ? 1 : 0, ep.shipped ? 1 : 0, ep.reward ?? null, ep.abandoned ? 1 : 0]);
     }
-    // A group finished by live events counts again when they are replayed.
-    if (deadFinished < g.size && g.finished >= g.size) counters.groupsFinished--;
+    // A group completed by live events counts again when they are replayed.
+    if (!g.consumed && g.complete && deadDone < g.size) counters.groupsFinished--;
   }
   snap.counters = counters;
   return [snap as unknown as LogEvent, ...live];

@@ -4,8 +4,10 @@
  * micro-batches (rank and dp aware when the packer has a budget), handed out per rank, and acknowledged by the
  * trainer after its optimizer step. A micro-batch handed out and not acknowledged within the lease is handed out
  * again. Every decision that a client is told about is logged before it is told (`take` before the step's first
- * hand-out, `ack` before the answer), so a replayed service re-forms the same steps, re-packs them identically
- * (packing is a pure function of its input) and hands out exactly the micro-batches not acknowledged.
+ * hand-out, `handout` with its lease's end before the micro-batch goes out, `ack` before the answer), so a
+ * replayed service re-forms the same steps, re-packs them identically (packing is a pure function of its input),
+ * accepts the acknowledgement of a micro-batch handed out before the crash, and hands out again exactly the
+ * micro-batches neither acknowledged nor leased.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
 import { snapshotFlushBelow, type SnapshotEvent } from './compact.js';
@@ -59,6 +61,8 @@ interface Step {
   packing?: Promise<void>;
   slots?: MicroBatchSlot[];
   acked: Set<string>; // ids acknowledged (known before packing on replay)
+  /** lease ends (ms time) of the micro-batches handed out, by id (known before packing on replay) */
+  leases: Map<string, number>;
   done: boolean;
 }
 
@@ -154,8 +158,9 @@ export class Feed implements TrainerFeed {
     return out;
   }
 
+  /** The finished episodes of these groups, in group order (abandoned ones are not trained). */
   private episodesOf(groups: number[]): Episode[] {
-    return groups.flatMap((seq) => this.pool.bySeq[seq]!.episodes.map((id) => this.pool.episodes.get(id)!));
+    return groups.flatMap((seq) => this.pool.bySeq[seq]!.episodes.map((id) => this.pool.episodes.get(id)!).filter((ep) => ep.finished));
   }
 
   private completeWhole(step: Step): void {
@@ -174,7 +179,14 @@ export class Feed implements TrainerFeed {
     // Replayed in log order, the pool holds the groups it held when the flush was logged.
     else if (e.type === 'flush') this.flushBelow = Math.max(this.flushBelow, this.pool.bySeq.length);
     else if (e.type === 'snapshot') this.restore(e as unknown as SnapshotEvent);
-    else if (e.type === 'ack') {
+    else if (e.type === 'handout') {
+      const id = e.id as string;
+      const step = this.steps[Number(id.split('.')[0])];
+      if (!step) return;
+      step.leases.set(id, e.until as number);
+      const slot = step.slots?.find((s) => s.id === id);
+      if (slot) slot.leasedUntil = e.until as number;
+    } else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
       if (!step) return;
@@ -196,11 +208,11 @@ export class Feed implements TrainerFeed {
       this.collector.complete(seq);
       this.collector.takeGroups([seq]);
     });
-    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), done: true, slots: [] };
+    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [] };
   }
 
   private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
-    this.steps[n] = { n, groups, logged, acked: new Set(), done: false };
+    this.steps[n] = { n, groups, logged, acked: new Set(), leases: new Map(), done: false };
   }
 
   private markAcked(step: Step, id: string): void {
@@ -272,15 +284,17 @@ export class Feed implements TrainerFeed {
         await this.packStep(step);
         const now = Date.now();
         const slot = step.slots!.find((s) => s.rank === rank && !s.acked && s.leasedUntil <= now);
-        if (slot) return this.handOut(slot, now);
+        if (slot) return await this.handOut(slot, now);
       }
       if (!this.formStep()) return undefined;
     }
   }
 
-  private handOut(slot: MicroBatchSlot, now: number): Handout {
+  /** Leases the slot, durably: after a crash its acknowledgement is still accepted, and it is not handed out twice. */
+  private async handOut(slot: MicroBatchSlot, now: number): Promise<Handout> {
     const reissued = slot.leasedUntil !== 0;
-    slot.leasedUntil = now + this.opts.leaseMs;
+    slot.leasedUntil = now + this.opts.leaseMs; // taken now, so a concurrent pull skips it
+    await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil });
     const groups = this.steps[slot.step]!.groups.map((g) => this.pool.bySeq[g]!.id);
     const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
     return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
@@ -317,7 +331,7 @@ export class Feed implements TrainerFeed {
       }
       step.slots = packed.map((out, i) => {
         const id = `${step.n}.${i}`;
-        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: 0, acked: step.acked.has(id), minVersion };
+        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: step.leases.get(id) ?? 0, acked: step.acked.has(id), minVersion };
       });
       this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
       this.maybeComplete(step);
@@ -328,6 +342,8 @@ export class Feed implements TrainerFeed {
   async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     const step = m ? this.steps[Number(m[1])] : undefined;
+    // After a restart a step handed out before it is packed again at its first pull, or here, at its first ack.
+    if (step && !step.done && !step.slots) await this.packStep(step);
     const slot = step?.slots?.find((s) => s.id === id);
     if (step?.done && !slot) throw new PoolError(409, `micro-batch ${id} is already acknowledged (its step is done)`);
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);

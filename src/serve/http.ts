@@ -11,7 +11,6 @@ import { PoolError } from './pool.js';
 import type { Service } from './service.js';
 
 const OPEN_ROUTES = new Set(['/healthz']);
-const GATEWAY_ROUTE = /\/v1\/(chat\/)?completions$/;
 
 function sameSecret(a: string, b: string): boolean {
   const x = Buffer.from(a);
@@ -19,13 +18,23 @@ function sameSecret(a: string, b: string): boolean {
   return x.length === y.length && timingSafeEqual(x, y);
 }
 
+const make = (status: number, message: string, type: string, code: string | null = null) => ({ status, body: { error: { message, type, code } } });
+
+/** The error type of a status the service answers itself. */
+function errorType(status: number): string {
+  if (status === 429) return 'rate_limit_error';
+  if (status === 401 || status === 403) return 'authentication_error';
+  if (status === 502 || status === 504) return 'engine_error';
+  return status >= 500 ? 'server_error' : 'invalid_request_error';
+}
+
 /** Status and message of any error a route throws; the service keeps serving after each. */
-function errorReply(err: unknown): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
-  const make = (status: number, message: string, type: string, code: string | null = null) => ({ status, body: { error: { message, type, code } } });
-  if (err instanceof PoolError) return make(err.status, err.message, err.status === 429 ? 'rate_limit_error' : 'invalid_request_error');
+function errorReply(err: unknown, bodyLimit: number): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
+  if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status));
   if (err instanceof EngineError) return make(502, err.message, 'engine_error');
   if (err instanceof TreepackError) return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
   const fe = err as FastifyError;
+  if (fe.code === 'FST_ERR_CTP_BODY_TOO_LARGE') return make(413, `request body larger than ${bodyLimit} bytes (the service's --body-limit)`, 'invalid_request_error', fe.code);
   if (typeof fe.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
     // Fastify's own refusals (malformed JSON, body too large, rate limit) keep their status and code.
     return make(fe.statusCode, fe.message, fe.statusCode === 429 ? 'rate_limit_error' : 'invalid_request_error', fe.code ?? null);
@@ -33,29 +42,54 @@ function errorReply(err: unknown): { status: number; body: { error: { message: s
   return make(500, (err as Error).message ?? String(err), 'server_error');
 }
 
+/**
+ * Fastify's refusals before routing (a URL it cannot decode, a path parameter over its length) in the service's
+ * error shape: the Fastify constructor's `frameworkErrors`.
+ */
+export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: FastifyReply): void {
+  const status = err.code === 'FST_ERR_MAX_PARAM_LENGTH' ? 414 : 400;
+  const why = status === 414 ? 'a path parameter (episode or group id) is longer than 100 characters' : 'the URL is not valid percent-encoding';
+  void reply.code(status).send(make(status, why, 'invalid_request_error', err.code).body);
+}
+
 export function registerHttp(app: FastifyInstance, svc: Service): void {
   app.setErrorHandler((err, _req: FastifyRequest, reply: FastifyReply) => {
-    const { status, body } = errorReply(err);
-    if (status === 429) reply.header('retry-after', '1');
+    const { status, body } = errorReply(err, svc.opts.bodyLimit);
+    // The rate limiter's own Retry-After (the window's seconds left) stands; the pool's bound frees in seconds.
+    if (status === 429 && !reply.hasHeader('retry-after')) reply.header('retry-after', '1');
     if (status !== 429 && status >= 400 && status < 500) svc.metrics.rejected.inc({ reason: `http_${status}` });
     return reply.code(status).send(body);
   });
 
-  if (svc.opts.token) {
-    const token = svc.opts.token;
-    app.addHook('onRequest', async (req) => {
-      const path = req.url.split('?')[0]!;
-      if (OPEN_ROUTES.has(path)) return;
-      const got = bearer(req);
-      // A scoped episode key authenticates the agent's own calls, nothing else.
-      if (got !== undefined && (sameSecret(got, token) || (GATEWAY_ROUTE.test(path) && svc.pool.keys.has(got)))) return;
-      throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
-    });
-  }
+  // Unknown routes, and URLs the router refuses (too long), answer in the service's own error shape.
+  app.setNotFoundHandler((req, reply) => {
+    svc.metrics.rejected.inc({ reason: 'http_404' });
+    return reply.code(404).send(make(404, `no route ${req.method} ${req.url.split('?')[0]!.slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
+  });
+
+  // A scoped episode key opens its own episode's routes (SCOPED: calls, the model list, finish, abandon; each
+  // route refuses another episode), nothing else, with or without --token.
+  const token = svc.opts.token;
+  app.addHook('onRequest', async (req) => {
+    const path = req.url.split('?')[0]!;
+    if (OPEN_ROUTES.has(path)) return;
+    const got = bearer(req);
+    if (token !== undefined && got !== undefined && sameSecret(got, token)) return;
+    if (got !== undefined && svc.pool.keyScope(got)) {
+      if ((req.routeOptions.config as { scoped?: boolean } | undefined)?.scoped) return;
+      throw new PoolError(403, `this API key opens its own episode's calls, model list, finish and abandon only, not ${req.method} ${path}`);
+    }
+    if (token !== undefined) throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
+  });
 
   app.get('/healthz', async (_req, reply) => {
-    const body = { ok: !svc.broken, broken: svc.broken ?? null, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
-    return reply.code(svc.broken ? 503 : 200).send(body);
+    // On the shared pool, a Redis this service is not connected to is an outage: finishes wait in the log and
+    // steps cannot form or be handed out until it is back.
+    const redis = svc.shared?.redis.status;
+    const shared = svc.shared === undefined ? null : { url: svc.shared.url, connected: redis === 'ready', status: redis, last_error: svc.shared.lastError ?? null };
+    const ok = !svc.broken && shared?.connected !== false;
+    const body = { ok, broken: svc.broken ?? null, shared_pool: shared, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
+    return reply.code(ok ? 200 : 503).send(body);
   });
 
   app.get('/metrics', async (_req, reply) => {

@@ -28,6 +28,8 @@ import { killPoint } from './faults.js';
 
 /** append, and each write returns once its data is durable (O_DSYNC: fdatasync's guarantee) */
 const APPEND_DURABLE = constants.O_WRONLY | constants.O_APPEND | constants.O_CREAT | constants.O_DSYNC;
+/** the log's and its compacted copy's file mode: owner read and write only */
+export const LOG_MODE = 0o600;
 
 export interface LogEvent {
   type: string;
@@ -81,12 +83,19 @@ export class DurableLog {
 
   /** Opens (creating) the log at `path`, calling `apply` on every committed event in order before returning. */
   static async open(path: string, apply: (e: LogEvent, line: number, bytes: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
-    mkdirSync(dirname(path), { recursive: true });
+    // Owner only: the log holds every prompt and answer. A directory made here is private too; one that exists is
+    // the operator's to set.
+    try {
+      mkdirSync(dirname(path), { recursive: true, mode: 0o700 });
+    } catch (err) {
+      throw ioError(err, dirname(path), 'create the log directory');
+    }
     rmSync(path + '.compact', { force: true }); // a compaction killed before its rename: the log itself is whole
     const committed = replay(path, apply);
     let fh: FileHandle;
     try {
-      fh = await open(path, APPEND_DURABLE);
+      fh = await open(path, APPEND_DURABLE, LOG_MODE);
+      await fh.chmod(LOG_MODE); // a log written by an earlier version may be readable by others
     } catch (err) {
       throw ioError(err, path);
     }
@@ -195,7 +204,7 @@ export class DurableLog {
     try {
       const dir = await open(dirname(this.path), 'r');
       await dir.sync().finally(() => dir.close());
-      const fh = await open(this.path, APPEND_DURABLE);
+      const fh = await open(this.path, APPEND_DURABLE, LOG_MODE);
       await this.fh.close();
       this.fh = fh;
     } catch (err) {

@@ -22,6 +22,8 @@ export interface QueueDepth {
   pendingBytes: number;
   microBatchesReady: number;
   microBatchesLeased: number;
+  /** age of the oldest group still waiting for episodes (0: none) */
+  oldestOpenGroupSeconds: number;
 }
 
 export function createMetrics(depth: () => Promise<QueueDepth>) {
@@ -60,6 +62,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   gauge('treepack_pool_bytes', 'bytes of recorded calls held for groups not yet consumed', 'pendingBytes');
   gauge('treepack_micro_batches_ready', 'packed micro-batches not handed out', 'microBatchesReady');
   gauge('treepack_micro_batches_leased', 'micro-batches handed out and not acknowledged', 'microBatchesLeased');
+  gauge('treepack_oldest_open_group_seconds', 'age of the oldest group waiting for its episodes (0: none); the idle timeout abandons groups idle that long', 'oldestOpenGroupSeconds');
 
   // A timer of its own, not monitorEventLoopDelay: that one forgets its last tick when reset, so a stall that
   // began less than a tick after a scrape went unrecorded.

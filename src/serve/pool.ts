@@ -6,7 +6,7 @@
  * when `groupSize` of its episodes are. Which finished groups go to a consumer, and when, is the scheduler's job
  * (Collector in src/pack/schedule.ts); the pool only says which groups are finished and holds their records.
  */
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { TreepackError } from '../errors.js';
 import type { SnapshotEvent } from './compact.js';
 import type { CallKind, EngineOutput } from './engine.js';
@@ -34,6 +34,8 @@ export interface RecordedCall {
   id: string;
   kind: CallKind;
   agent?: string;
+  /** the client's Idempotency-Key header */
+  requestId?: string;
   time: number;
   policyVersion: number;
   request: CallRequest;
@@ -53,6 +55,13 @@ export interface Episode {
   bytes: number;
   /** handed to the shared pool (Redis mode): its records live there now, not here */
   shipped?: boolean;
+  /**
+   * why it was given up (explicitly, by a finish without a call, or by the idle timeout): never trained, it counts
+   * toward its group
+   */
+  abandoned?: string;
+  /** its calls by the client's Idempotency-Key: a retried call is answered from its record */
+  requests?: Map<string, RecordedCall>;
 }
 
 export interface Group {
@@ -61,6 +70,15 @@ export interface Group {
   size: number;
   episodes: string[];
   finished: number;
+  /** episodes abandoned: with the finished ones they complete the group */
+  abandoned: number;
+  /** abandoned as a whole: complete with the episodes it has, takes no new ones */
+  closed: boolean;
+  /** handed to the scheduler (finished + abandoned reached its size, or closed) */
+  complete: boolean;
+  /** ms time of its first and of its latest event (call, finish, abandon): what the idle timeout measures */
+  started: number;
+  active: number;
   consumed: boolean;
 }
 
@@ -75,13 +93,22 @@ export interface PoolOptions {
   groupSize: number;
 }
 
+/**
+ * `key` events hold the key's SHA-256 (`hash`); logs written before that hold the key itself (`key`), hashed as
+ * they are replayed.
+ */
 export type PoolEvent =
-  | { type: 'key'; key: string; scope: Scope }
+  | { type: 'key'; hash: string; scope: Scope; time?: number; key?: undefined }
   | { type: 'call'; episode: string; group?: string; call: RecordedCall }
   | { type: 'finish'; episode: string; reward: number; metadata?: Record<string, unknown>; group_size?: number; time: number }
   | { type: 'record'; episode: string; group: string; record: Record<string, unknown>; reward: number; time: number }
   | { type: 'group-size'; size: number }
-  | { type: 'ship'; episode: string };
+  | { type: 'ship'; episode: string }
+  /**
+   * gives up an episode (`episode`: it is created in `group` when no call was recorded under it) or a whole group
+   * (`episode` absent: its unfinished episodes are abandoned and it takes no new ones)
+   */
+  | { type: 'abandon'; group: string; episode?: string; reason: string; time: number };
 
 /** A request the pool refuses: HTTP status and a message naming the field. */
 export class PoolError extends Error {
@@ -101,7 +128,12 @@ export class Pool {
   readonly groups = new Map<string, Group>();
   /** groups by submission number */
   readonly bySeq: Group[] = [];
+  /** scoped API keys by their SHA-256 (the log never holds a key itself) */
   readonly keys = new Map<string, Scope>();
+  /** scoped keys' scopes by episode: the group of an episode opened by a key and abandoned before its first call */
+  readonly keyed = new Map<string, Scope>();
+  /** groups neither complete nor consumed: what the idle timeout watches */
+  readonly open = new Set<Group>();
   groupSize: number;
   /** bytes of recorded data held for groups not yet consumed */
   pendingBytes = 0;
@@ -120,6 +152,16 @@ export class Pool {
     return 'tp-' + randomBytes(18).toString('base64url');
   }
 
+  /** What the log and the pool keep of a scoped key: its SHA-256, hex. */
+  static keyHash(key: string): string {
+    return createHash('sha256').update(key).digest('hex');
+  }
+
+  /** The scope a key opens, or undefined when it is no scoped key. */
+  keyScope(key: string): Scope | undefined {
+    return this.keys.get(Pool.keyHash(key));
+  }
+
   /**
    * A unique id that needs no randomness of its own (a call id is made on every call): this process's random
    * prefix, new at every start and different on every gateway, and a counter.
@@ -136,7 +178,18 @@ export class Pool {
       case 'finish': {
         const ep = this.episodes.get(e.episode);
         if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(e.episode)}: no call was recorded under it`);
+        if (ep.abandoned) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} was abandoned (${ep.abandoned}); its reward is not taken`);
         if (ep.finished) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} is already finished`);
+        return;
+      }
+      case 'abandon': {
+        if (e.episode === undefined) {
+          if (!this.groups.has(e.group)) throw new PoolError(404, `unknown group ${JSON.stringify(e.group)}: no episode of it was recorded`);
+          return this.checkGroupOpen(e.group, undefined, true);
+        }
+        const ep = this.episodes.get(e.episode);
+        if (ep?.finished) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} is already finished`);
+        if (!ep) this.checkCall(e.episode, e.group);
         return;
       }
       case 'record': {
@@ -152,15 +205,17 @@ export class Pool {
   /** Whether a call may be recorded under this episode (checked before the engine is called, and again after). */
   checkCall(episode: string, group: string | undefined): void {
     const ep = this.episodes.get(episode);
+    if (ep?.abandoned) throw new PoolError(409, `episode ${JSON.stringify(episode)} was abandoned; a new call needs a new episode id`);
     if (ep?.finished) throw new PoolError(409, `episode ${JSON.stringify(episode)} is finished; a new call needs a new episode id`);
     if (ep && group !== undefined && group !== ep.group) throw new PoolError(409, `episode ${JSON.stringify(episode)} belongs to group ${JSON.stringify(ep.group)}, not ${JSON.stringify(group)}`);
     this.checkGroupOpen(group ?? episode, ep);
   }
 
-  private checkGroupOpen(group: string, ep: Episode | undefined): void {
+  private checkGroupOpen(group: string, ep: Episode | undefined, whole = false): void {
     const g = this.groups.get(group);
-    if (g && !ep && g.episodes.length >= g.size) throw new PoolError(409, `group ${JSON.stringify(group)} already has its ${g.size} episodes`);
     if (g?.consumed) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
+    if (g?.closed && !(whole || ep)) throw new PoolError(409, `group ${JSON.stringify(group)} was abandoned; it takes no new episodes`);
+    if (g && !ep && !whole && g.episodes.length >= g.size) throw new PoolError(409, `group ${JSON.stringify(group)} already has its ${g.size} episodes`);
   }
 
   /**
@@ -173,22 +228,25 @@ export class Pool {
     const e = ev as unknown as PoolEvent;
     switch (e.type) {
       case 'key':
-        this.keys.set(e.key, e.scope);
+        this.keys.set(e.hash ?? Pool.keyHash(e.key!), e.scope);
+        this.keyed.set(e.scope.episode, e.scope);
         return;
       case 'group-size':
         this.groupSize = e.size;
         return;
       case 'call': {
-        const ep = this.episode(e.episode, e.group ?? e.episode);
+        const ep = this.episode(e.episode, e.group ?? e.episode, e.call.time);
         if (e.call.agent !== undefined) ep.agents.add(e.call.agent);
-        ep.calls.push(expanded(ep.calls, e.call, ep.id));
+        const call = expanded(ep.calls, e.call, ep.id);
+        ep.calls.push(call);
+        if (call.requestId !== undefined) (ep.requests ??= new Map()).set(call.requestId, call);
         ep.bytes += bytes;
         this.pendingBytes += bytes;
         this.counters.calls++;
         return;
       }
       case 'record': {
-        const ep = this.episode(e.episode, e.group);
+        const ep = this.episode(e.episode, e.group, e.time);
         ep.direct = e.record;
         ep.bytes = bytes;
         this.pendingBytes += bytes;
@@ -197,7 +255,26 @@ export class Pool {
       }
       case 'finish': {
         const ep = this.episodes.get(e.episode)!;
+        this.groups.get(ep.group)!.active = e.time;
         this.finishEpisode(ep, e.reward, e.metadata, e.group_size);
+        return;
+      }
+      case 'abandon': {
+        let g: Group;
+        if (e.episode !== undefined) {
+          const ep = this.episode(e.episode, e.group, e.time);
+          if (!ep.abandoned) this.abandonEpisode(ep, e.reason);
+          g = this.groups.get(ep.group)!;
+        } else {
+          g = this.groups.get(e.group)!;
+          g.closed = true;
+          for (const id of g.episodes) {
+            const ep = this.episodes.get(id)!;
+            if (!ep.finished && !ep.abandoned) this.abandonEpisode(ep, e.reason);
+          }
+        }
+        g.active = e.time;
+        this.maybeComplete(g);
         return;
       }
       case 'ship': {
@@ -219,13 +296,18 @@ export class Pool {
   private restore(s: SnapshotEvent): void {
     if (s.groupSize !== undefined) this.groupSize = s.groupSize;
     this.counters = { ...s.counters };
-    for (const [key, scope] of s.keys) this.keys.set(key, scope);
+    // snapshots written before keys were hashed hold the keys themselves
+    for (const [key, scope] of s.keys ?? []) this.keys.set(Pool.keyHash(key), scope);
+    for (const [hash, scope] of s.keyHashes ?? []) this.keys.set(hash, scope);
+    for (const scope of this.keys.values()) this.keyed.set(scope.episode, scope);
+    const now = Date.now();
     for (const [id, size, consumed] of s.groups) {
-      const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, consumed: consumed === 1 };
+      // a group not consumed is closed again by its `abandon` event, which the compacted log keeps
+      const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, abandoned: 0, closed: false, complete: consumed === 1, started: now, active: now, consumed: consumed === 1 };
       this.groups.set(id, g);
       this.bySeq.push(g);
     }
-    for (const [id, seq, finished, shipped, reward] of s.dead) {
+    for (const [id, seq, finished, shipped, reward, abandoned] of s.dead) {
       const g = this.bySeq[seq]!;
       const ep: Episode = { id, group: g.id, agents: new Set(), calls: [], finished: finished === 1, bytes: 0 };
       if (shipped === 1) ep.shipped = true;
@@ -233,20 +315,34 @@ export class Pool {
       this.episodes.set(id, ep);
       g.episodes.push(id);
       if (ep.finished) g.finished++;
-      else this.openEpisodes++;
+      else if (abandoned === 1) {
+        ep.abandoned = 'abandoned';
+        g.abandoned++;
+      } else this.openEpisodes++;
     }
-    for (const g of this.bySeq) if (!g.consumed && g.finished >= g.size) this.waitingGroups++;
+    for (const g of this.bySeq) {
+      if (g.consumed) continue;
+      if (g.finished + g.abandoned >= g.size) {
+        g.complete = true;
+        this.waitingGroups++;
+      } else this.open.add(g);
+    }
   }
 
-  private episode(id: string, group: string): Episode {
+  private episode(id: string, group: string, time: number): Episode {
     let ep = this.episodes.get(id);
-    if (ep) return ep;
+    if (ep) {
+      this.groups.get(ep.group)!.active = time;
+      return ep;
+    }
     let g = this.groups.get(group);
     if (!g) {
-      g = { id: group, seq: this.bySeq.length, size: this.groupSize, episodes: [], finished: 0, consumed: false };
+      g = { id: group, seq: this.bySeq.length, size: this.groupSize, episodes: [], finished: 0, abandoned: 0, closed: false, complete: false, started: time, active: time, consumed: false };
       this.groups.set(group, g);
       this.bySeq.push(g);
+      this.open.add(g);
     }
+    g.active = time;
     g.episodes.push(id);
     ep = { id, group, agents: new Set(), calls: [], finished: false, bytes: 0 };
     this.episodes.set(id, ep);
@@ -263,17 +359,37 @@ export class Pool {
     const g = this.groups.get(ep.group)!;
     if (groupSize !== undefined) g.size = groupSize;
     g.finished++;
-    if (g.finished === g.size) {
-      this.counters.groupsFinished++;
-      this.waitingGroups++;
-      this.onGroupFinished(g.seq);
-    }
+    this.maybeComplete(g);
+  }
+
+  private abandonEpisode(ep: Episode, reason: string): void {
+    ep.abandoned = reason;
+    this.openEpisodes--;
+    this.groups.get(ep.group)!.abandoned++;
+  }
+
+  /** Hands a group to the scheduler once its finished and abandoned episodes make its size, or it was closed. */
+  private maybeComplete(g: Group): void {
+    if (g.complete || g.consumed || !(g.closed || g.finished + g.abandoned >= g.size)) return;
+    g.complete = true;
+    this.open.delete(g);
+    this.counters.groupsFinished++;
+    this.waitingGroups++;
+    this.onGroupFinished(g.seq);
+  }
+
+  /** The groups that have waited longest for their episodes: started the earliest (ms time), if any. */
+  oldestOpen(): number | undefined {
+    let t: number | undefined;
+    for (const g of this.open) if (t === undefined || g.started < t) t = g.started;
+    return t;
   }
 
   /** Frees a consumed group's records (the log keeps them). */
   release(seq: number): void {
     const g = this.bySeq[seq]!;
     g.consumed = true;
+    this.open.delete(g);
     this.waitingGroups--;
     for (const id of g.episodes) this.free(this.episodes.get(id)!);
   }
@@ -281,13 +397,14 @@ export class Pool {
   private free(ep: Episode): void {
     this.pendingBytes -= ep.bytes;
     ep.calls = [];
+    delete ep.requests;
     ep.bytes = 0;
     delete ep.direct;
   }
 
-  /** Finished episodes not yet in the shared pool (Redis mode): shipped again after a restart. */
+  /** Finished (or abandoned) episodes not yet in the shared pool (Redis mode): shipped again after a restart. */
   unshipped(): Episode[] {
-    return [...this.episodes.values()].filter((ep) => ep.finished && !ep.shipped);
+    return [...this.episodes.values()].filter((ep) => (ep.finished || ep.abandoned) && !ep.shipped);
   }
 
   /** Episodes started and not finished, and finished groups not consumed. */
@@ -297,7 +414,7 @@ export class Pool {
 }
 
 /** Equality of parsed JSON values, keys in any order (4× faster here than node's isDeepStrictEqual). */
-function jsonEqual(a: unknown, b: unknown): boolean {
+export function jsonEqual(a: unknown, b: unknown): boolean {
   if (a === b) return true;
   if (typeof a !== 'object' || typeof b !== 'object' || a === null || b === null) return false;
   if (Array.isArray(a)) {

@@ -43,7 +43,7 @@ local p, n = ARGV[1], tonumber(ARGV[2])
 if tonumber(redis.call('GET', p .. 'nsteps') or '0') ~= n then return 0 end
 redis.call('SET', p .. 'nsteps', n + 1)
 for _, g in ipairs(cjson.decode(ARGV[3])) do
-  redis.call('DEL', p .. 'eps:' .. g, p .. 'order:' .. g)
+  redis.call('DEL', p .. 'eps:' .. g, p .. 'order:' .. g, p .. 'done:' .. g, p .. 'act:' .. g)
   redis.call('HDEL', p .. 'seq', g)
   redis.call('SET', p .. 'gone:' .. g, 1, 'EX', ${GONE_TTL_S})
 end
@@ -235,7 +235,8 @@ export class RedisFeed implements TrainerFeed {
         const { submitted, flushBelow } = await this.sync();
         const seqs = choose(submitted, flushBelow);
         if (seqs.length === 0) return undefined;
-        const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!)))).flat();
+        // an abandoned group's abandoned episodes count toward its size, and are not trained
+        const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!)))).flat().filter((ep) => ep.finished);
         const r = await publish(episodes, this.steps, seqs);
         if (r) return r;
       }

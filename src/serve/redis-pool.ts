@@ -10,9 +10,10 @@
  * already consumed ignores late arrivals (its `gone:` marker).
  *
  * Keys (all under `treepack:`; one deployment per Redis database): `nseq` groups numbered so far; `seq` group →
- * submission number; `eps:{group}` episode → JSON; `order:{group}` episodes in arrival order; `gone:{group}`
- * consumed (expires after a week); `groups` stream of finished groups; `config` the feed options every service
- * must share.
+ * submission number; `eps:{group}` episode → JSON (abandoned episodes too: they count toward the group's size and
+ * are not trained); `order:{group}` episodes in arrival order; `done:{group}` complete (its episodes arrived, or
+ * it was closed: abandoned); `act:{group}` its last activity (ms); `gone:{group}` consumed (these three expire
+ * after a week); `groups` stream of finished groups; `config` the feed options every service must share.
  */
 import { Redis } from 'ioredis';
 import { TreepackError } from '../errors.js';
@@ -22,8 +23,23 @@ export const PREFIX = 'treepack:';
 /** how long a consumed group refuses late episodes */
 export const GONE_TTL_S = 7 * 24 * 3600;
 
-/** Lua helper: a group's submission number, assigned on first sight (-1 once the group is consumed). */
+/**
+ * Lua helpers: a group's submission number, assigned on first sight (-1 once the group is consumed); its last
+ * activity (Redis's clock, so gateways' clocks need not agree); its completion, once (`done:`), which puts it in the
+ * `groups` stream.
+ */
 const SEQ_OF = `
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function touch(p, g)
+  redis.call('SET', p .. 'act:' .. g, now_ms(), 'EX', ${GONE_TTL_S})
+end
+local function complete(p, g, seq)
+  redis.call('SET', p .. 'done:' .. g, 1, 'EX', ${GONE_TTL_S})
+  redis.call('XADD', p .. 'groups', '*', 'group', g, 'seq', seq)
+end
 local function seq_of(p, g)
   if redis.call('EXISTS', p .. 'gone:' .. g) == 1 then return -1 end
   local s = redis.call('HGET', p .. 'seq', g)
@@ -50,13 +66,32 @@ if seq < 0 then return {seq, 0, -1} end
 local eps = p .. 'eps:' .. g
 if redis.call('HEXISTS', eps, e) == 1 then return {seq, redis.call('HLEN', eps), 0} end
 local n = redis.call('HLEN', eps)
-if n >= size then return {seq, n, -2} end
+if n >= size or redis.call('EXISTS', p .. 'done:' .. g) == 1 then return {seq, n, -2} end
 redis.call('HSET', eps, e, ARGV[4])
 redis.call('RPUSH', p .. 'order:' .. g, e)
+touch(p, g)
 n = n + 1
-if n == size then redis.call('XADD', p .. 'groups', '*', 'group', g, 'seq', seq) end
+if n == size then complete(p, g, seq) end
 return {seq, n, 1}
 `,
+  /**
+   * ARGV: prefix, group, idle ms → 1: closed now (a finished group, with the episodes it has), 0: it was complete
+   * already, -1: consumed, -3: not idle (an episode of it was active through some gateway within idle ms; 0: close
+   * regardless).
+   */
+  tpClose:
+    SEQ_OF +
+    `
+local p, g, idle = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('EXISTS', p .. 'gone:' .. g) == 1 then return -1 end
+if redis.call('EXISTS', p .. 'done:' .. g) == 1 then return 0 end
+local act = redis.call('GET', p .. 'act:' .. g)
+if idle > 0 and act and now_ms() - tonumber(act) < idle then return -3 end
+complete(p, g, seq_of(p, g))
+return 1
+`,
+  /** ARGV: prefix, group → notes an episode of the group active now (what the idle timeout measures) */
+  tpTouch: SEQ_OF + `touch(ARGV[1], ARGV[2]) return 1`,
   /** ARGV: prefix, config JSON → the config every service shares (set by the first one) */
   tpConfig: `
 redis.call('SET', ARGV[1] .. 'config', ARGV[2], 'NX')
@@ -102,7 +137,8 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
  * one it continues (as in the log).
  */
 export function episodeJson(ep: Episode): string {
-  return JSON.stringify({ ...ep, agents: [...ep.agents], calls: ep.calls.map((c, i) => continuing(ep.calls, i, c)) });
+  const { requests: _byRequest, ...rest } = ep; // rebuilt from the calls' request ids where needed
+  return JSON.stringify({ ...rest, agents: [...ep.agents], calls: ep.calls.map((c, i) => continuing(ep.calls, i, c)) });
 }
 
 export function episodeFromJson(s: string): Episode {
@@ -182,6 +218,21 @@ export class RedisPool {
     if (status === -1) throw new PoolError(409, `group ${JSON.stringify(ep.group)} was already consumed by the trainer; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
     if (status === -2) throw new PoolError(409, `group ${JSON.stringify(ep.group)} already has its ${size} episodes in the shared pool; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
     return { seq: seq!, episodes: episodes! };
+  }
+
+  /**
+   * Closes a group (abandoned): finished with the episodes it has. False when an episode of it was active within
+   * `idleMs` through any gateway (0: closed regardless); a consumed group is a 409.
+   */
+  async closeGroup(group: string, idleMs: number): Promise<boolean> {
+    const status = Number(await this.script('tpClose', group, idleMs));
+    if (status === -1) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
+    return status !== -3;
+  }
+
+  /** Notes activity in a group, which its idle timeout measures on every gateway. */
+  async touch(group: string): Promise<void> {
+    await this.script('tpTouch', group);
   }
 
   /** A finished group's episodes, in arrival order. */

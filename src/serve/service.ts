@@ -6,7 +6,7 @@
 import { join } from 'node:path';
 import Fastify, { type FastifyInstance } from 'fastify';
 import rateLimit from '@fastify/rate-limit';
-import { argError, TreepackError } from '../errors.js';
+import { argError, describeValue, TreepackError } from '../errors.js';
 import type { PackerOptions } from '../packer/index.js';
 import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
@@ -14,13 +14,13 @@ import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
-import { registerHttp } from './http.js';
+import { frameworkError, registerHttp } from './http.js';
 import { DurableLog, type LogEvent } from './log.js';
 import type { SnapshotEvent } from './compact.js';
 import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
-import { Pool, PoolError, type Episode, type PoolEvent } from './pool.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -62,12 +62,20 @@ export interface ServiceOptions {
   warn?: (message: string) => void;
   /** compact the durable log once it is this large and twice its size after the last compaction */
   compactBytes?: number;
+  /**
+   * a group with no call, finish or abandonment in any of its episodes for this long is abandoned: its unfinished
+   * episodes are given up and it is trained with its finished ones (0: never). Default 30 minutes.
+   */
+  idleTimeoutMs?: number;
 }
 
 type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn';
 export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
+/** the trainer feed's own log events; the pool replays the rest */
+const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
+const LOG_EVENTS = new Set(['snapshot', 'key', 'call', 'finish', 'record', 'group-size', 'ship', 'abandon', ...FEED_EVENTS]);
 
 export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions {
   if (typeof o.engineUrl !== 'string' || !/^https?:\/\//.test(o.engineUrl)) throw argError('engineUrl', 'an http(s) URL of the engine, e.g. http://127.0.0.1:8000/v1', o.engineUrl);
@@ -86,6 +94,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     bodyLimit: o.bodyLimit ?? 32 << 20,
     rateLimit: o.rateLimit ?? 0,
     compactBytes: o.compactBytes ?? 64 << 20,
+    idleTimeoutMs: o.idleTimeoutMs ?? 1_800_000,
     packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
@@ -104,10 +113,14 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     r.warn = o.warn;
   }
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
-  if (!LOOPBACK.has(r.host) && !r.token) throw argError('token', `a bearer token: the service is bound to ${r.host}, not loopback, so every request must authenticate`, r.token);
+  if (!LOOPBACK.has(r.host) && !r.token) {
+    if (r.token !== undefined) throw argError('token', 'a non-empty bearer token', r.token);
+    throw new TreepackError('E_ARG', `a service bound to ${r.host}, not loopback, needs a bearer token (option token; --token T or TREEPACK_SERVE_TOKEN for the CLI): every request must authenticate`);
+  }
   for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
+  if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0) throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
   if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
   if (r.dp > 1 && !r.packer.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
@@ -135,10 +148,11 @@ function withServeMerge(p: PackerOptions | undefined): PackerOptions {
 export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown> {
   const p = resolvePackerOptions(o.packer);
   // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed; 3: an
-  // episode's calls written as what each adds to the one it continues), so a pool left by a service of another
-  // layout is refused rather than misread
+  // episode's calls written as what each adds to the one it continues; 4: abandoned episodes and groups, `done:`
+  // and `act:` keys), so a pool left by a service of another layout is refused rather than misread
   return sortKeys({
-    layout: 3,
+    layout: 4,
+    idleTimeoutMs: o.idleTimeoutMs,
     groupSize: o.groupSize,
     policy: o.policy,
     groupsPerStep: o.groupsPerStep,
@@ -173,8 +187,16 @@ export class Service {
   readonly app: FastifyInstance;
   /** the reason writes stopped: a failed log write leaves memory ahead of the disk, so the service fails stopped */
   broken: string | undefined;
+  /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
+  readonly inflight = new Map<string, Promise<unknown>>();
   private log!: DurableLog;
   private shipRetry: NodeJS.Timeout | undefined;
+  private sweeper: NodeJS.Timeout | undefined;
+  private sweeping = false;
+  /** when this service started (after its replay): the idle timeout counts from it at most */
+  private started = 0;
+  /** when this gateway last told the shared pool of activity in a group */
+  private touched = new Map<string, number>();
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -186,9 +208,11 @@ export class Service {
     this.metrics = createMetrics(async () => {
       const d = this.pool.depth();
       const f = await this.feed.depth();
-      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased };
+      const oldest = this.pool.oldestOpen();
+      const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
+      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
     });
-    this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true });
+    this.app = Fastify({ bodyLimit: opts.bodyLimit, logger: false, forceCloseConnections: true, frameworkErrors: frameworkError });
   }
 
   static async create(options: ServiceOptions): Promise<Service> {
@@ -236,15 +260,52 @@ export class Service {
     }
     // Finished before a crash and not known to be shipped: shipping again is harmless (the pool counts each once).
     if (this.shared) await this.shipUnshipped();
-    if (opts.rateLimit > 0) await this.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000 });
+    // A health probe is never limited: a limited one would report a healthy service down.
+    if (opts.rateLimit > 0) await this.app.register(rateLimit, { max: opts.rateLimit, timeWindow: 60_000, allowList: (req) => req.url.split('?')[0] === '/healthz' });
     registerHttp(this.app, this);
     registerGateway(this.app, this);
     registerSlime(this.app, this);
+    this.started = Date.now();
+    if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /** Abandons the groups idle for the idle timeout, one at a time. */
+  private sweep(): void {
+    if (this.sweeping || this.broken) return;
+    const now = Date.now();
+    for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group); // bounded by the groups active lately
+    // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
+    // agents waited for it.
+    const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
+    if (idle.length === 0) return;
+    this.sweeping = true;
+    void (async () => {
+      for (const id of idle) await this.abandonGroup(id, `idle for ${this.opts.idleTimeoutMs / 1000} s`, this.opts.idleTimeoutMs).catch(() => {});
+    })().finally(() => (this.sweeping = false));
+  }
+
+  /**
+   * Abandons a group: its unfinished episodes are given up, it takes no new ones, and it goes to the trainer with
+   * its finished episodes. On the shared pool it is closed there first, unless (`idleMs` > 0) an episode of it
+   * was active through another gateway within `idleMs`.
+   */
+  async abandonGroup(id: string, reason: string, idleMs: number): Promise<Group> {
+    const g = this.pool.groups.get(id);
+    if (!g) throw new PoolError(404, `unknown group ${JSON.stringify(id)}: no episode of it was recorded here`);
+    if (g.closed) return g;
+    if (this.shared && !(await this.shared.closeGroup(id, idleMs))) return g;
+    await this.commit({ type: 'abandon', group: id, reason, time: Date.now() });
+    return g;
   }
 
   private replay(e: LogEvent, line: number, bytes: number): void {
+    // A line that parses but is no event of this layout (damaged into other JSON, or written by a later version)
+    // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
+    if (typeof e !== 'object' || e === null || !LOG_EVENTS.has(e.type)) {
+      throw new TreepackError('E_INPUT', `damaged log: expected an event with a "type" of ${[...LOG_EVENTS].join(', ')}, got ${describeValue(e)}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'type' });
+    }
     if (e.type === 'snapshot') this.pool.apply(e);
-    else if (e.type !== 'take' && e.type !== 'ack' && e.type !== 'flush') {
+    else if (!FEED_EVENTS.has(e.type)) {
       try {
         return this.pool.apply(e, bytes);
       } catch (err) {
@@ -277,9 +338,13 @@ export class Service {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
-    if (this.shared && e.type === 'call' && !this.pool.groups.has(e.group ?? e.episode)) {
-      await this.shared.groupSeq(e.group ?? e.episode);
-      this.pool.check(e); // the episode may have finished meanwhile
+    if (this.shared && e.type === 'call') {
+      const group = this.pool.episodes.get(e.episode)?.group ?? e.group ?? e.episode;
+      if (!this.pool.groups.has(group)) {
+        await this.shared.groupSeq(group);
+        this.pool.check(e); // the episode may have finished meanwhile
+      }
+      this.touch(group);
     }
     // A call is logged as what it adds to the episode's previous one; its line, serialized once, is also what the
     // pool counts toward its bound.
@@ -288,9 +353,14 @@ export class Service {
     const durable = this.appendLine(line);
     this.pool.apply(logged, line.length);
     await durable;
-    if (!this.shared || (e.type !== 'finish' && e.type !== 'record')) return undefined;
+    if (!this.shared || (e.type !== 'finish' && e.type !== 'record' && e.type !== 'abandon')) return undefined;
+    if (e.type === 'abandon' && e.episode === undefined) {
+      // closed in the shared pool already: its abandoned episodes are refused there, which the log notes
+      void this.shipUnshipped().catch(() => this.shipLater());
+      return undefined;
+    }
     try {
-      return await this.ship(this.pool.episodes.get(e.episode)!);
+      return await this.ship(this.pool.episodes.get(e.episode!)!);
     } catch (err) {
       if (err instanceof PoolError) throw err;
       this.shipLater();
@@ -323,6 +393,14 @@ export class Service {
     }
   }
 
+  /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
+  private touch(group: string): void {
+    const now = Date.now();
+    if (this.opts.idleTimeoutMs === 0 || now - (this.touched.get(group) ?? 0) < this.opts.idleTimeoutMs / 4) return;
+    this.touched.set(group, now);
+    this.shared!.touch(group).catch(() => this.touched.delete(group));
+  }
+
   private shipLater(): void {
     this.shipRetry ??= setTimeout(() => {
       this.shipRetry = undefined;
@@ -340,11 +418,19 @@ export class Service {
   }
 
   async listen(): Promise<string> {
-    return this.app.listen({ host: this.opts.host, port: this.opts.port });
+    try {
+      return await this.app.listen({ host: this.opts.host, port: this.opts.port });
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'EADDRINUSE') throw new TreepackError('E_IO', `port ${this.opts.port} on ${this.opts.host} is in use (another service?): choose another with --port`);
+      if (code === 'EADDRNOTAVAIL' || code === 'EACCES') throw new TreepackError('E_IO', `cannot listen on ${this.opts.host}:${this.opts.port} (${code}): check --host and --port`);
+      throw err;
+    }
   }
 
   async close(): Promise<void> {
     clearTimeout(this.shipRetry);
+    clearInterval(this.sweeper);
     await this.app.close();
     await this.feed.close();
     await this.log.close();
@@ -355,6 +441,10 @@ export class Service {
 
 export async function startService(options: ServiceOptions): Promise<{ service: Service; url: string }> {
   const service = await Service.create(options);
-  const url = await service.listen();
-  return { service, url };
+  try {
+    return { service, url: await service.listen() };
+  } catch (err) {
+    await service.close();
+    throw err;
+  }
 }

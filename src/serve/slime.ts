@@ -58,6 +58,7 @@ export function registerSlime(app: FastifyInstance, svc: Service): void {
     const r = checkRecord(req.body);
     svc.admit();
     await svc.commit({ type: 'record', episode: r.uid, group: r.instance_id, record: r.record, reward: r.reward, time: Date.now() });
+    svc.metrics.episodes.inc();
     return { success: true, message: 'Data has been successfully written to buffer', data: { data: [r.record], meta_info: 'write to buffer' } };
   });
 

@@ -13,6 +13,8 @@ export interface Upstream {
   contentType: string | undefined;
   body: IncomingMessage;
   text(): Promise<string>;
+  /** whether the deadline cut the response (a stream read from `body` then breaks with a bare "aborted") */
+  timedOut(): boolean;
 }
 
 /**
@@ -46,6 +48,7 @@ export function postUpstream(url: string, body: string, headers: Record<string, 
             }
             return s;
           },
+          timedOut: () => timedOut,
         });
       },
     );

@@ -132,8 +132,9 @@ export function timelineFromSample(s: Sample): Timeline | undefined {
 }
 
 /**
- * A timeline's messages as one sample. Rollout logprobs are kept when every trainable message has them; a sample
- * mixing messages with and without them would need a placeholder in trainable positions, so it is rejected.
+ * A timeline's messages as one sample, with where its turns (its 'llm' messages) start (src/pack/turns.ts). Rollout
+ * logprobs are kept when every trainable message has them; a sample mixing messages with and without them would
+ * need a placeholder in trainable positions, so it is rejected.
  */
 export function timelineToSample(t: Timeline, messages: readonly TimelineMessage[] = t.messages): Sample {
   const total = messages === t.messages ? timelineLength(t) : messages.reduce((a, m) => a + m.tokens.length, 0);
@@ -155,15 +156,17 @@ export function timelineToSample(t: Timeline, messages: readonly TimelineMessage
     });
   }
   if (withLp) logprobs = new Float32Array(total);
+  const turns: number[] = [];
   let at = 0;
   for (const m of messages) {
+    if (m.author === 'llm') turns.push(at);
     tokens.set(m.tokens, at);
     loss_mask.set(m.lossMask, at);
     if (logprobs && m.logprobs) logprobs.set(m.logprobs, at);
     at += m.tokens.length;
   }
   if (total > 0) loss_mask[0] = 0;
-  const s: Sample = { kind: 'sample', id: t.id, group: t.group, episode: t.episode, tokens, loss_mask, source: t.source };
+  const s: Sample = { kind: 'sample', id: t.id, group: t.group, episode: t.episode, tokens, loss_mask, turn_starts: Int32Array.from(turns), source: t.source };
   if (t.agent !== undefined) s.agent = t.agent;
   if (t.reward !== undefined) s.reward = t.reward;
   if (t.advantage !== undefined) s.advantage = t.advantage;

@@ -46,6 +46,8 @@ elif req["mode"] == "status":
     pos = np.array([0, 1, 2, 0, 3], dtype=np.int32)
     mask = np.array([0, 1, 1, 0, 1], dtype=np.uint8)
     f = {k: np.full(5, -1.0, dtype=np.float32) for k in ("adv", "old", "ref", "roll")}
+    sw = np.array([1.0, 0.5], dtype=np.float32)
+    turn = np.array([-1, 0, 0, -1, 0], dtype=np.int32)
     lp = np.full(4, -1.0, dtype=np.float32)
     grad = np.zeros(4, dtype=np.float32)
     P = lambda a: None if a is None else a.ctypes.data  # noqa: E731
@@ -54,13 +56,13 @@ elif req["mode"] == "status":
         cfg = tl.make_config(call.get("config", {}))
         for k, v in call.get("codes", {}).items():
             setattr(cfg, k, v)
-        a = {"S": 2, "off": off, "M": 5, "pos": pos, "mask": mask, **f, "N": 4, "lp": lp, "grad": grad}
+        a = {"S": 2, "off": off, "M": 5, "pos": pos, "mask": mask, **f, "sw": sw, "turn": turn, "N": 4, "lp": lp, "grad": grad}
         for k, v in call.get("set", {}).items():
             a[k] = np.array(v, dtype=a[k].dtype) if isinstance(v, list) else v
         for k in call.get("null", []):
             a[k] = None
         return cfg, (a["S"], P(a["off"]), a["M"], P(a["pos"]), P(a["mask"]), P(a["adv"]), P(a["old"]), P(a["ref"]),
-                     P(a["roll"]), a["N"], P(a["lp"]), P(a["grad"]))
+                     P(a["roll"]), P(a["sw"]), P(a["turn"]), a["N"], P(a["lp"]), P(a["grad"]))
 
     core = tl.core_library()
     out["core"] = []

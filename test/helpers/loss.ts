@@ -16,6 +16,8 @@ export interface UnpackedSeq {
   roll: number[];
   adv: number[];
   mask: number[];
+  /** The trainer's seq_weight of this sequence (1 when absent). */
+  weight?: number;
 }
 
 export interface ReferenceOut {
@@ -34,7 +36,7 @@ export interface ReferenceOut {
 const cl = (x: number, lo: number, hi: number) => Math.min(Math.max(x, lo), hi);
 
 export function unpackedLoss(seqs: UnpackedSeq[], c: LossConfig): ReferenceOut {
-  const perSeq: { pg: number[]; kl: number[] }[] = [];
+  const perSeq: { pg: number[]; kl: number[]; weight: number }[] = [];
   const ratios: number[] = [];
   let clipped = 0;
   let dual = 0;
@@ -75,23 +77,27 @@ export function unpackedLoss(seqs: UnpackedSeq[], c: LossConfig): ReferenceOut {
         kl.push(cl(Math.exp(x) - x - 1, -10, 10));
       } else kl.push(0);
     }
-    perSeq.push({ pg, kl });
+    perSeq.push({ pg, kl, weight: s.weight ?? 1 });
   }
   const T = c.global_tokens || ratios.length;
   const nonEmpty = perSeq.filter((s) => s.pg.length > 0);
   const G = c.global_sequences || nonEmpty.length;
+  // Each sequence's part of the aggregate, times its weight, times loss_scale.
   const agg = (key: 'pg' | 'kl') => {
     const sum = (xs: number[]) => xs.reduce((a, b) => a + b, 0);
     if (ratios.length === 0) return 0;
+    const weighted = (f: (s: (typeof perSeq)[number]) => number) => c.loss_scale * sum(nonEmpty.map((s) => s.weight * f(s)));
     switch (c.aggregation) {
       case 'token-mean':
-        return sum(perSeq.map((s) => sum(s[key]))) / T;
+        return weighted((s) => sum(s[key]) / T);
       case 'seq-mean-token-sum':
-        return sum(nonEmpty.map((s) => sum(s[key]))) / G;
+        return weighted((s) => sum(s[key]) / G);
       case 'seq-mean-token-mean':
-        return sum(nonEmpty.map((s) => sum(s[key]) / s[key].length)) / G;
+        return weighted((s) => sum(s[key]) / s[key].length / G);
       case 'seq-mean-token-sum-norm':
-        return sum(perSeq.map((s) => sum(s[key]))) / c.norm_constant;
+        return weighted((s) => sum(s[key]) / c.norm_constant);
+      case 'seq-mean-turn-mean-token-mean':
+        throw new Error('the turn mode has its own reference on unmerged turns (test/loss-turns.test.ts)');
     }
   };
   const pg_loss = agg('pg');

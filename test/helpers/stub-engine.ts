@@ -5,13 +5,15 @@
  */
 import { createServer, type Server } from 'node:http';
 
-export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs';
+export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs' | 'stall-stream';
 
 export interface StubEngine {
   url: string;
   server: Server;
   calls: number;
   mode: StubMode;
+  /** when set, requests must carry it as their bearer token (401 otherwise) */
+  apiKey?: string;
   close: () => Promise<void>;
 }
 
@@ -26,6 +28,8 @@ export async function startStubEngine(mode: StubMode = 'ok'): Promise<StubEngine
         res.writeHead(code, { 'content-type': type, 'content-length': Buffer.byteLength(text) });
         res.end(text);
       };
+      if (stub.apiKey !== undefined && req.headers.authorization !== `Bearer ${stub.apiKey}`) return send(401, JSON.stringify({ error: { message: 'bad engine key' } }));
+      if (req.method === 'GET' && req.url === '/v1/models') return send(200, JSON.stringify({ object: 'list', data: [{ id: 'stub', object: 'model' }] }));
       if (stub.mode === 'hang') return; // never answers
       if (stub.mode === 'garbage') return send(200, '<html>oops</html>', 'text/html');
       if (stub.mode === 'error-500') return send(500, JSON.stringify({ error: { message: 'engine overloaded' } }));
@@ -38,6 +42,7 @@ export async function startStubEngine(mode: StubMode = 'ok'): Promise<StubEngine
         res.writeHead(200, { 'content-type': 'text/event-stream' });
         const delta = chat ? { delta: { role: 'assistant', content } } : { text: content };
         res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...delta, finish_reason: null }] })}\n\n`);
+        if (stub.mode === 'stall-stream') return; // the first chunk, then nothing
         res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...(chat ? { delta: {} } : { text: '' }), finish_reason: 'stop' }] })}\n\n`);
         res.end('data: [DONE]\n\n');
         return;

@@ -1,7 +1,8 @@
 """PackedLoss (the C core through ctypes) against a plain float64 torch implementation of the README's formulas,
 written here with autograd on the unpacked batch (one logprob per occurrence): every config of
-shared/fixtures/loss_reference.json and random configs on random packed forests; loss, dloss/dlp (the occurrence
-gradients summed per node) and every metric. Bad inputs: a TreepackError naming the field."""
+shared/fixtures/loss_reference.json and random configs (seq_weight and loss_scale included) on random packed forests;
+loss, dloss/dlp (the occurrence gradients summed per node) and every metric. Flow-GRPO against its formula on the
+unmerged turns, each turn its own list of tokens. Bad inputs: a TreepackError naming the field."""
 
 import json
 import os
@@ -9,13 +10,15 @@ import random
 import unittest
 
 from support import FIXTURE, forests, needs_torch, pack, torch, tpt
-from treepack import TreepackError
+from treepack import TreepackError, pack_sequences
+from treepack.loss import LossConfig
 
 
 def plain_loss(lp_occ, batch, cfg):
     """float64 per-occurrence reference; lp_occ [M] a leaf. Returns (loss, metrics dict)."""
     c = {"policy": "ppo", "clip_low": 0.2, "clip_high": None, "dual_clip": 0.0, "log_ratio_clamp": 20.0, "aggregation": "token-mean",
-         "norm_constant": 0.0, "global_tokens": 0.0, "global_sequences": 0.0, "kl": "none", "kl_coef": 0.0, "tis": "none", "tis_cap": 2.0, **cfg}
+         "norm_constant": 0.0, "global_tokens": 0.0, "global_sequences": 0.0, "loss_scale": 1.0, "kl": "none", "kl_coef": 0.0, "tis": "none", "tis_cap": 2.0,
+         **cfg}
     if c["clip_high"] is None:
         c["clip_high"] = c["clip_low"]
     f = lambda name: batch[name].double()  # noqa: E731
@@ -29,7 +32,8 @@ def plain_loss(lp_occ, batch, cfg):
     agg = c["aggregation"]
     w_seq = {"token-mean": torch.full((S,), 1 / T if T else 0.0, dtype=torch.float64), "seq-mean-token-sum": torch.full((S,), 1 / G if G else 0.0, dtype=torch.float64),
              "seq-mean-token-mean": 1 / (G * n.clamp(min=1)), "seq-mean-token-sum-norm": torch.full((S,), 1 / c["norm_constant"] if c["norm_constant"] else 0.0, dtype=torch.float64)}[agg]
-    w = w_seq[seq] * m
+    sw = batch["seq_weight"].double() if batch.get("seq_weight") is not None else torch.ones(S, dtype=torch.float64)
+    w = w_seq[seq] * sw[seq] * c["loss_scale"] * m
     A, old = f("advantages"), f("old_logprobs")
     C, lo, hi = c["log_ratio_clamp"], 1 - c["clip_low"], 1 + c["clip_high"]
     mean_lr = torch.zeros(S, dtype=torch.float64).index_add_(0, seq, torch.where(m, lp_occ - old, 0.0)) / n.clamp(min=1)
@@ -126,6 +130,8 @@ def random_config(r):
         cfg["dual_clip"] = r.choice([0.0, 3.0])
     if r.random() < 0.3:
         cfg["global_tokens"], cfg["global_sequences"] = 1000.0, 50.0
+    if r.random() < 0.4:
+        cfg["loss_scale"] = r.choice([0.0, 0.5, 8.0])
     return cfg
 
 
@@ -167,6 +173,8 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
                 mb = tpt.load_microbatch(pack(seqs, pad=seed % 2, seed=seed))
                 batch = {k: getattr(mb, k) for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")}
                 g = torch.Generator().manual_seed(seed)
+                if seed % 2:  # a trainer's per-sequence weights, zeros among them
+                    batch["seq_weight"] = torch.tensor([(0.0, 1.0, 0.25, 3.0)[i % 4] for i in range(mb.num_sequences)])
                 lp = -torch.rand(mb.num_nodes, generator=g) * 3
                 # Non-trainable positions may hold anything, NaN included.
                 lp[~torch.isin(torch.arange(mb.num_nodes), mb.seq_positions[mb.loss_mask])] = float("nan")
@@ -191,6 +199,124 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
         from treepack.loss import PackedLoss
 
         self.assertIs(PackedLoss, tpt.PackedLoss)
+
+
+def flow_grpo(trajectories, lp_nodes, cfg):
+    """AgentFlow's Flow-GRPO on UNMERGED trajectories, in float64 torch autograd: (1/G) sum_i w_i (1/T_i) sum_t
+    (1/|a_t|) sum_j l_j, times loss_scale, with l_j verl's clipped surrogate plus kl_coef times k2. A trajectory is
+    (weight, turns); a turn is its own list of tokens (node, mask, old, ref, advantage). Returns the loss; lp_nodes is
+    the leaf whose gradient is compared."""
+    c = LossConfig(**cfg)
+    live = [t for t in trajectories if any(tok[1] for turn in t[1] for tok in turn)]
+    G = c.global_sequences or len(live)
+    total = torch.zeros((), dtype=torch.float64)
+    for weight, turns in live:
+        counted = [turn for turn in turns if any(tok[1] for tok in turn)]
+        for turn in counted:
+            toks = [tok for tok in turn if tok[1]]
+            for node, _, old, ref, A in toks:
+                x = lp_nodes[node]
+                r = torch.exp(torch.clamp(x - old, -c.log_ratio_clamp, c.log_ratio_clamp))
+                L = torch.maximum(-A * r, -A * torch.clamp(r, 1 - c.clip_low, 1 + c.clip_high))
+                if A < 0 and c.dual_clip > 0:
+                    L = torch.minimum(L, torch.tensor(-A * c.dual_clip, dtype=torch.float64))
+                total = total + c.loss_scale * weight / (G * len(counted) * len(toks)) * (L + c.kl_coef * 0.5 * (x - ref) ** 2)
+    return total
+
+
+@needs_torch()
+class FlowGrpoAgainstUnmergedTurns(unittest.TestCase):
+    """Each trajectory merged into one sequence (prompt, turn, tool output, turn, ...), packed with pack_sequences'
+    turns (so the forest shares common prefixes and turn_ids come from the packer), against flow_grpo on the turns."""
+
+    def case(self, seed, count, share=False):
+        r = random.Random(seed)
+        seqs, starts, trajectories, first = [], [], [], []
+        for i in range(count):
+            tokens, turn_starts, turns = [1, 2, 3 + i % 2], [], []
+            for k in range(1 + r.randrange(4)):
+                if k:
+                    tokens += [20 + r.randrange(4) for _ in range(1 + r.randrange(3))]  # a tool message
+                ids = first[i - 2] if share and k == 0 and i >= 2 else [10 + r.randrange(6) for _ in range(1 + r.randrange(5))]
+                if k == 0:
+                    first.append(ids)
+                turn_starts.append(len(tokens))
+                turns.append((len(tokens), len(ids)))
+                tokens += ids
+            seqs.append(tokens)
+            starts.append(turn_starts)
+            trajectories.append(turns)
+        mb = pack_sequences(seqs, turns=starts)
+        M, N = len(mb.seq_positions), len(mb.input_ids)
+        mask = torch.zeros(M, dtype=torch.bool)
+        old, ref, adv = (torch.tensor([r.uniform(-3, 0) for _ in range(M)]) for _ in range(3))
+        adv = torch.tensor([r.choice([-1.5, 0.0, 0.75, 2.0]) for _ in range(M)])
+        unmerged = []
+        for i, turns in enumerate(trajectories):
+            off = int(mb.seq_offsets[i])
+            as_lists = []
+            for start, n in turns:
+                hole = r.random() < 0.15  # a turn with nothing to train
+                turn = []
+                for t in range(start, start + n):
+                    j = off + t
+                    mask[j] = not hole and r.random() < 0.8
+                    turn.append((int(mb.seq_positions[j]), bool(mask[j]), float(old[j]), float(ref[j]), float(adv[j])))
+                as_lists.append(turn)
+            unmerged.append(((0.0, 1.0, 0.5, 2.0)[i % 4], as_lists))
+        batch = {"seq_offsets": torch.from_numpy(mb.seq_offsets), "seq_positions": torch.from_numpy(mb.seq_positions), "loss_mask": mask,
+                 "advantages": adv, "old_logprobs": old, "ref_logprobs": ref, "turn_ids": torch.from_numpy(mb.turn_ids),
+                 "seq_weight": torch.tensor([w for w, _ in unmerged])}
+        lp = -torch.rand(N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+        return batch, lp.float(), unmerged
+
+    def check(self, batch, lp, unmerged, cfg, device="cpu"):
+        x = lp.detach().clone().to(device).requires_grad_(True)
+        loss, metrics = tpt.packed_loss(x, {k: v.to(device) for k, v in batch.items()}, cfg)
+        loss.backward()
+        y = lp.detach().double().requires_grad_(True)
+        want = flow_grpo(unmerged, y, cfg)
+        want.backward()
+        self.assertAlmostEqual(float(loss), float(want.detach()), delta=1e-6 * max(1.0, abs(float(want.detach()))))
+        self.assertLess(float((x.grad.cpu().double() - y.grad).abs().max()), 1e-6 * max(1.0, float(y.grad.abs().max())))
+        self.assertEqual(metrics["trainable_tokens"], int(batch["loss_mask"].sum()))
+
+    def test_many_turns_shared_turns_weights_and_scale(self):
+        cases = 0
+        for seed in range(8):
+            batch, lp, unmerged = self.case(seed, 3 + seed, share=seed % 2 == 1)
+            for cfg in ({}, {"loss_scale": 4.0, "dual_clip": 3.0}, {"global_sequences": 30.0, "kl": "k2", "kl_coef": 0.3}):
+                with self.subTest(seed=seed, cfg=cfg):
+                    self.check(batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "clip_low": 0.2, "clip_high": 0.28, **cfg})
+                cases += 1
+        self.assertEqual(cases, 24)
+
+    def test_typed_config_and_negative_control(self):
+        batch, lp, unmerged = self.case(3, 8)
+        cfg = LossConfig(aggregation="seq-mean-turn-mean-token-mean", loss_scale=2.0)
+        loss, _ = tpt.packed_loss(lp, batch, cfg)
+        self.assertAlmostEqual(float(loss), float(flow_grpo(unmerged, lp.double(), cfg.to_dict())), delta=1e-6)
+        other, _ = tpt.packed_loss(lp, batch, {"aggregation": "seq-mean-token-mean", "loss_scale": 2.0})
+        self.assertGreater(abs(float(other) - float(loss)), 1e-4)  # the turn mean is not the sequence's token mean
+
+    def test_refusals_name_the_field(self):
+        batch, lp, _ = self.case(5, 4)
+        turns = {"aggregation": "seq-mean-turn-mean-token-mean"}
+        for bad, field in (
+            ({k: v for k, v in batch.items() if k != "turn_ids"}, "turn_ids"),
+            ({**batch, "turn_ids": batch["turn_ids"].flip(0)}, "turn_ids"),
+            ({**batch, "seq_weight": -batch["seq_weight"] - 1}, "seq_weight"),
+            ({**batch, "seq_weight": batch["seq_weight"][:-1]}, "seq_weight"),
+        ):
+            with self.subTest(field=field), self.assertRaises(TreepackError) as cm:
+                tpt.packed_loss(lp, bad, turns)
+            self.assertEqual(cm.exception.field, field, str(cm.exception))
+
+    @needs_torch(cuda="needs a CUDA device")
+    def test_cuda_equals_the_formula(self):
+        for seed in range(3):
+            batch, lp, unmerged = self.case(seed, 6, share=True)
+            self.check(batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3.0, "kl": "k2", "kl_coef": 0.1}, "cuda")
 
 
 @needs_torch()

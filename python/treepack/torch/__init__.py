@@ -6,16 +6,26 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> lp = tpt.packed_logprobs(model, batch).logprobs           # [N], at the nodes that predict trainable tokens
     >>> loss, metrics = tpt.packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})
     >>> loss.backward()
+    >>> batch, layout = tpt.from_padded(ids, attn, response_mask=mask)   # a trainer's rows, packed
+    >>> per_token = layout.to_padded(tpt.forward_logprobs(wrapped_model, batch).logprobs)  # [B, R] back
+
+Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
+(packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
 """
 
 from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
 from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
+from .forward import forward_logprobs, model_tree_mask, unwrap
+from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .loss import METRICS, PackedLoss, packed_loss
+from .models import LAYERS, prepare
+from .segments import Segments, radix_segments, segments_of
 from .stepplan import StepOp, StepPlanRunner, StepResult, check_attention_only, run_step_plan, step_op
 
 __all__ = [
+    "LAYERS",
     "METRICS",
     "NodeScores",
     "check_vocabulary",
@@ -24,8 +34,17 @@ __all__ = [
     "packed_logprobs",
     "packed_loss",
     "scored_nodes",
+    "segments_of",
     "PackedBatch",
     "PackedDataset",
+    "Segments",
+    "RowLayout",
+    "forward_logprobs",
+    "from_jagged",
+    "from_padded",
+    "model_tree_mask",
+    "padded_rows",
+    "unwrap",
     "TreeMask",
     "attend",
     "dense_model_mask",
@@ -35,6 +54,8 @@ __all__ = [
     "from_microbatch",
     "load_microbatch",
     "naive_batch",
+    "prepare",
+    "radix_segments",
     "read_manifest",
     "run_step_plan",
     "step_op",

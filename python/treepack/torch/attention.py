@@ -55,6 +55,10 @@ from ..microbatch import TreepackError
 MODES = ("auto", "flex", "dense", "block")
 
 
+class NotTreeAware(TreepackError, AttributeError):
+    """A TreeMask reached code that is not tree-aware; an AttributeError too, so ``hasattr`` probes stay False."""
+
+
 class TreeMask(BlockMask):
     """A BlockMask of the tree rule that also knows ``subtree_end``, ``position_ids`` (None when built from a bare
     ``subtree_end``), its ``window`` (None: the plain tree rule) and its attention ``mode``; the block-sparse and dense
@@ -66,6 +70,13 @@ class TreeMask(BlockMask):
     window: Optional[int]
     mode: str
     _cache: Dict[Any, Any]
+
+    @property
+    def ndim(self) -> int:
+        # transformers reads a mask's ndim to build its recurrent layers' padding mask: a TreeMask gets there only in
+        # a hybrid model that treepack.torch.prepare has not made tree-aware (its hook hands the layers the TreeMask).
+        raise NotTreeAware("E_ARG", "this model has recurrent layers: call treepack.torch.prepare(model) before passing it a TreeMask "
+                           "(packed_logprobs does)", field="attention_mask")
 
 
 def _subtree_end_of(batch_or_subtree_end: Any) -> torch.Tensor:

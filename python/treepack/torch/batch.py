@@ -46,6 +46,7 @@ class PackedBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    turn_ids: Optional[torch.Tensor] = None  # int64 [M], the contract's extension for turn-level aggregation
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -119,7 +120,7 @@ def naive_batch(batch: PackedBatch) -> PackedBatch:
         seq_index=batch.seq_index.clone(),
         token_index=batch.token_index.clone(),
         meta=meta,
-        **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS},
+        **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)},
     )
 
 
@@ -165,6 +166,7 @@ def from_microbatch(
     for f in OCCURRENCE_FLOAT_FIELDS:
         a = getattr(mb, f)
         values[f] = None if a is None else _tensor(a, np.dtype(np.float32), device, pin_memory)
+    values["turn_ids"] = None if mb.turn_ids is None else _tensor(mb.turn_ids, i64, device, pin_memory)
     extra = {k: _tensor(a, None, device, pin_memory) for k, a in mb.extra.items()}
     return PackedBatch(meta=dict(mb.meta), extra=extra, **values)
 

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..microbatch import TreepackError
 from .attention import dense_model_mask, tree_mask
 from .batch import PackedBatch
+from .models import check_dense, prepare
 
 
 class NodeScores(NamedTuple):
@@ -91,6 +92,23 @@ def check_vocabulary(model: torch.nn.Module, batch: PackedBatch) -> None:
         )
 
 
+def model_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "auto") -> Any:
+    """The attention_mask a Hugging Face model (unwrapped) takes for ``batch``, after checking the model can be exact
+    on it (``check_vocabulary``): under attn_implementation ``"treepack"`` a ``TreeMask`` in mode ``attention``, the
+    model prepared for it (``prepare``: recurrent layers run on the tree, windows and sinks per layer); under
+    ``"sdpa"``/``"eager"`` the dense tree mask windowed per layer type (``dense_model_mask``), refused for models with
+    recurrent layers, which a mask cannot reach."""
+    check_vocabulary(model, batch)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "treepack":
+        prepare(model)
+        return tree_mask(batch, mode=attention)
+    if impl in ("sdpa", "eager"):
+        check_dense(model)
+        return dense_model_mask(model, batch)
+    raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
+
+
 def _softcap(model: Optional[torch.nn.Module]) -> Optional[float]:
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return float(cap) if cap else None
@@ -123,14 +141,7 @@ def packed_logprobs(
     model = model_or_hidden if isinstance(model_or_hidden, torch.nn.Module) else None
     if model is not None:
         head, base = _head_and_base(model)
-        check_vocabulary(model, batch)
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl == "treepack":
-            mask: Any = tree_mask(batch, mode=attention)
-        elif impl in ("sdpa", "eager"):
-            mask = dense_model_mask(model, batch)  # windowed per layer type, or a TreepackError
-        else:
-            raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
+        mask = model_mask(model, batch, attention)
         out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
         hidden = out.last_hidden_state[0]
     else:

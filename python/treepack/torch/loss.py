@@ -17,7 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..loss import _FIELDS, LossMetrics, _needed, cuda_library, cuda_status_error, loss_numpy, make_config
+from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _needed, _turns, cuda_library, cuda_status_error, loss_numpy, make_config
 from ..microbatch import TreepackError
 from .batch import PackedBatch
 
@@ -41,12 +41,13 @@ def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg
     if isinstance(batch, PackedBatch) and batch.num_nodes != N:
         raise bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
     out: Dict[str, Optional[torch.Tensor]] = {}
-    kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS}}
+    kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)}, "turn_ids": "index"}
+    optional = {"seq_weight": True, "turn_ids": True, **{f: not _needed(cfg, f) for f in _FIELDS}}
     for name, kind in kinds.items():
         t = _get(batch, name)
         if t is None:
-            if kind != "float" or _needed(cfg, name):
-                raise bad(name, f"the {'loss config needs' if kind == 'float' else 'batch needs'} {name} but the batch has none")
+            if not optional.get(name, False):
+                raise bad(name, f"the {'loss config needs' if name in optional else 'batch needs'} {name} but the batch has none")
             out[name] = None
             continue
         if not isinstance(t, torch.Tensor) or t.dim() != 1:
@@ -61,10 +62,14 @@ def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg
     M = pos.shape[0]
     if off.shape[0] < 1 or int(off[0]) != 0 or int(off[-1]) != M or bool((off[1:] < off[:-1]).any()):
         raise bad("seq_offsets", f"seq_offsets is not CSR offsets of M = {M} occurrences (starts at 0, never decreases, ends at M)")
-    for name in ("loss_mask",) + _FIELDS:
+    if _turns(cfg) and M and out["turn_ids"] is None:
+        raise bad("turn_ids", "the loss config needs turn_ids but the batch has none")
+    for name in ("loss_mask", "turn_ids") + _FIELDS:
         t = out[name]
         if t is not None and t.shape[0] != M:
             raise bad(name, f"{name} has {t.shape[0]} elements, expected M = {M}")
+    if out["seq_weight"] is not None:
+        _check_weights(out["seq_weight"].detach().cpu().numpy(), off.shape[0] - 1)
     if M and (int(pos.min()) < 0 or int(pos.max()) >= N):
         raise bad("seq_positions", f"seq_positions holds {int(pos.min()) if int(pos.min()) < 0 else int(pos.max())}, outside [0, N = {N})")
     if max(N, M) > 2**31 - 1:
@@ -76,6 +81,8 @@ def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg
     res = {"seq_offsets": off.to(torch.int32).contiguous(), "seq_positions": pos.to(torch.int32).contiguous(), "loss_mask": mask.to(torch.uint8).contiguous()}
     for f in _FIELDS:
         res[f] = out[f].to(torch.float32).contiguous() if out[f] is not None and _needed(cfg, f) else None
+    res["seq_weight"] = None if out["seq_weight"] is None else out["seq_weight"].to(torch.float32).contiguous()
+    res["turn_ids"] = out["turn_ids"].to(torch.int32).contiguous() if out["turn_ids"] is not None and _turns(cfg) else None
     res["lp"] = lp.detach().to(torch.float32).contiguous()
     return res
 
@@ -91,7 +98,8 @@ def _run_cuda(cfg: Any, t: Dict[str, Optional[torch.Tensor]]) -> Tuple[float, to
         stream = torch.cuda.current_stream(lp.device)
         off, pos = t["seq_offsets"], t["seq_positions"]
         rc = lib.tp_cuda_loss(ctypes.byref(cfg), off.numel() - 1, ptr(off), pos.numel(), ptr(pos), ptr(t["loss_mask"]),
-                              *(ptr(t[f]) for f in _FIELDS), lp.numel(), ptr(lp), ptr(grad), ctypes.byref(metrics),
+                              *(ptr(t[f]) for f in _FIELDS), ptr(t["seq_weight"]), ptr(t["turn_ids"]), lp.numel(), ptr(lp),
+                              ptr(grad), ctypes.byref(metrics),
                               ctypes.c_void_p(stream.cuda_stream))
     if rc != 0:
         raise cuda_status_error(lib, "tp_cuda_loss", rc)
@@ -100,11 +108,12 @@ def _run_cuda(cfg: Any, t: Dict[str, Optional[torch.Tensor]]) -> Tuple[float, to
 
 class PackedLoss(torch.autograd.Function):
     """``loss, metrics = PackedLoss.apply(lp, batch, config)``: lp [N] (requires_grad) on CPU or CUDA, batch a
-    ``PackedBatch`` or a mapping of the contract's tensors on lp's device, config as README "Loss". loss is a float64
-    scalar on lp's device; metrics a float64 CPU tensor in ``METRICS`` order (``packed_loss`` gives a dict)."""
+    ``PackedBatch`` or a mapping of the contract's tensors on lp's device (a mapping may add ``seq_weight`` [S]),
+    config a ``LossConfig`` or a dict as README "Loss". loss is a float64 scalar on lp's device; metrics a float64
+    CPU tensor in ``METRICS`` order (``packed_loss`` gives a dict)."""
 
     @staticmethod
-    def forward(ctx: Any, lp: torch.Tensor, batch: Any, config: Optional[Mapping[str, Any]] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, lp: torch.Tensor, batch: Any, config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         cfg = make_config(config)
         t = _tensors(lp, batch, cfg)
         if lp.is_cuda:
@@ -125,7 +134,7 @@ class PackedLoss(torch.autograd.Function):
         return grad_loss.to(grad.dtype) * grad, None, None
 
 
-def packed_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Optional[Mapping[str, Any]] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+def packed_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The loss (differentiable w.r.t. lp) and its metrics (README "Loss": loss, pg_loss, kl_loss, clip fractions,
     approx_kl, ratio stats, trainable_tokens) as a dict."""
     loss, metrics = PackedLoss.apply(lp, batch, config)

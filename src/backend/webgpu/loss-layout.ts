@@ -11,7 +11,7 @@
  * Sequence stream (GSPO only): (node, old) of the trainable occurrences in sequence order, cut every so many
  * occurrences; a sequence cut in two carries its running sum from one chunk's dispatch to the next.
  */
-import { countTrainable, sequenceWeight } from '../../loss/aggregate.js';
+import { occurrenceWeights } from '../../loss/aggregate.js';
 import type { LossConfig } from '../../loss/config.js';
 import { truncatedWeight } from '../../loss/policy.js';
 import type { CompactPlan, LossBatch } from '../../loss/types.js';
@@ -102,8 +102,9 @@ export function chunkIndex(nodeOff: Uint32Array, c: OccChunk, perThread: number)
 export interface OccStream {
   /** Node p's occurrences are [nodeOff[p], nodeOff[p+1]) of the stream. */
   nodeOff: Uint32Array;
-  /** Per rank (a sequence's rank among non-empty sequences): aggregation weight and sequence-level truncated IS weight (1 unless tis = 'sequence'). */
-  weight: Float64Array;
+  /** Per occurrence [M]: the aggregation weight (aggregate.ts; 0 where not trainable). */
+  weights: Float64Array;
+  /** Per rank (a sequence's rank among non-empty sequences): the sequence-level truncated IS weight (1 unless tis = 'sequence'). */
   seqTis: Float64Array;
   /** Per rank: first position in the sequence-ordered stream of trainable occurrences ([G+1]), and the batch's sequence. */
   seqStart: Uint32Array;
@@ -114,11 +115,9 @@ export function occStream(b: LossBatch, cfg: LossConfig): OccStream {
   const { seq_offsets: off, seq_positions: pos, loss_mask: mask } = b;
   const S = off.length - 1;
   const N = b.input_ids.length;
-  const counts = new Int32Array(S);
-  const norm = countTrainable(off, mask, cfg, counts);
+  const { weights, counts } = occurrenceWeights(b, cfg);
   let G = 0;
   for (let i = 0; i < S; i++) if (counts[i] > 0) G++;
-  const weight = new Float64Array(G);
   const seqTis = new Float64Array(G).fill(1);
   const seqStart = new Uint32Array(G + 1);
   const seqIndex = new Int32Array(G);
@@ -126,7 +125,6 @@ export function occStream(b: LossBatch, cfg: LossConfig): OccStream {
   let g = 0;
   for (let i = 0; i < S; i++) {
     if (counts[i] === 0) continue;
-    weight[g] = sequenceWeight(cfg, counts[i], norm);
     if (cfg.tis === 'sequence') {
       let s = 0;
       for (let j = off[i]; j < off[i + 1]; j++) if (mask[j]) s += b.old_logprobs![j] - b.rollout_logprobs![j];
@@ -138,7 +136,7 @@ export function occStream(b: LossBatch, cfg: LossConfig): OccStream {
     g++;
   }
   for (let p = 0; p < N; p++) nodeOff[p + 1] += nodeOff[p];
-  return { nodeOff, weight, seqTis, seqStart, seqIndex };
+  return { nodeOff, weights, seqTis, seqStart, seqIndex };
 }
 
 /** Where one chunk's occurrence arrays go (typically the mapped ranges of its upload buffers). */
@@ -183,10 +181,10 @@ export function fillOccArrays(b: LossBatch, cfg: LossConfig, s: OccStream, chunk
   let bu = uOf[0];
   for (let r = 0; r < s.seqIndex.length; r++) {
     const i = s.seqIndex[r];
-    const w = s.weight[r];
-    const pw = w * s.seqTis[r];
+    const tis = s.seqTis[r];
     for (let j = off[i]; j < off[i + 1]; j++) {
       if (!mask[j]) continue;
+      const w = s.weights[j];
       const p = pos[j];
       let q = fill[p]++;
       if (C > 1) {
@@ -200,7 +198,7 @@ export function fillOccArrays(b: LossBatch, cfg: LossConfig, s: OccStream, chunk
         bf = bOf[c];
         bu = uOf[c];
       }
-      a[4 * q] = roll ? w * truncatedWeight(old[j] - roll[j], cfg.log_ratio_clamp, cfg.tis_cap) : pw;
+      a[4 * q] = w * (roll ? truncatedWeight(old[j] - roll[j], cfg.log_ratio_clamp, cfg.tis_cap) : tis);
       a[4 * q + 1] = adv[j];
       a[4 * q + 2] = old[j];
       a[4 * q + 3] = w;

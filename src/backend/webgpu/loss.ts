@@ -398,7 +398,9 @@ function metrics(s: Float64Array, cfg: LossConfig): LossMetrics {
 export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
   const dev = await device();
   const limit = chunkBytes(dev, opts.chunkBytes);
-  return runCached(b, dev, `${limit} ${JSON.stringify(cfg)}`, 'the loss batch', () => prepareOccurrences(dev, b, cfg, limit), lp, cfg);
+  // seq_weight is the trainer's per call, not the batch's: its values are part of the key.
+  const key = `${limit} ${JSON.stringify(cfg)} ${b.seq_weight ? b.seq_weight.join(',') : ''}`;
+  return runCached(b, dev, key, 'the loss batch', () => prepareOccurrences(dev, b, cfg, limit), lp, cfg);
 }
 
 /** Compact per-node loss; the uploaded plan is cached per plan object and config. */

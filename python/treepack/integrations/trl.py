@@ -1,0 +1,247 @@
+"""TRL's ``GRPOTrainer``, packed: every forward of a step (policy, old, reference) runs on a forest of the rows'
+distinct prefixes, each group's rows stay in one micro-batch, and TRL's loss code (loss types, KL, importance
+sampling, entropy masks) runs unchanged on the ``[B, T]`` logprobs it always gets.
+
+    >>> from treepack.integrations.trl import TreepackGRPOTrainer
+    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack")   # import treepack.torch first
+    >>> trainer = TreepackGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
+    >>> trainer.train()
+
+Or train on treepack's micro-batches (``treepack pack`` output or ``treepack serve``), each one TRL micro-batch,
+its stored forest reused by the forward:
+
+    >>> trainer = TreepackGRPOTrainer(model=model, args=GRPOConfig(..., max_steps=100), processing_class=tok,
+    ...                               packed_batches=PackedDataset("packed/"))   # or FeedClient(url)
+
+Each piece is a mixin over ``GRPOTrainer`` (``PackedForwardMixin``, ``GroupedBatchesMixin``), so a project with
+its own GRPOTrainer subclass can take one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
+
+from ..microbatch import TreepackError
+from ..plan import plan_micro_batches
+from ..torch import PackedBatch, RowLayout, forward_logprobs, from_padded, padded_rows
+from ..torch.forward import unwrap
+
+
+class PackedForwardMixin:
+    """Overrides ``_get_per_token_logps_and_entropies``, the one method TRL's policy, old and reference forwards go
+    through: the rows become one forest (scored from each row's first completion token), the wrapped model runs
+    on it (``forward_logprobs``: DDP, FSDP, DeepSpeed and PEFT see their own forward), and the logprobs and
+    entropies come back as ``[B, logits_to_keep]``, 0 where the row has no attended token. With TRL's
+    ``batch_size`` (old/reference forwards of a generation batch), rows are packed in chunks of whole groups.
+    TRL's own generation (no vLLM, no ``rollout_func``) runs with SDPA attention.
+
+    ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
+    training forward also logs ``treepack/compression`` (tokens ÷ nodes) with TRL's metrics."""
+
+    STATS_KEPT = 1024
+
+    treepack_attention: str = "auto"
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given:
+            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed by treepack", field=given[0])
+        if compute_aux_loss:
+            raise TreepackError("E_ARG", "a MoE router's load-balancing loss depends on the tokens it sees: packed, it would differ", field="output_router_logits")
+        if "logits_to_keep" not in self.model_kwarg_keys:
+            raise TreepackError("E_ARG", f"{type(unwrap(model)).__name__}.forward takes no logits_to_keep", field="logits_to_keep")
+        B = input_ids.size(0)
+        G = self.num_generations if self.model.training else self.num_generations_eval
+        step = B if batch_size is None else -(-batch_size // G) * G  # whole groups: rows come group by group
+        logps, entropies = [], []
+        for a in range(0, B, step):
+            ids, att = input_ids[a : a + step], attention_mask[a : a + step]
+            batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
+            self._treepack_record(int(att.sum()), batch.num_nodes)
+            scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy,
+                                      entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
+            logps.append(layout.to_padded(scores.logprobs))
+            if compute_entropy:
+                entropies.append(layout.to_padded(scores.entropy))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's own generation (transformers ``generate``: padded causal masks, a KV cache) runs with SDPA; the
+        packed forwards get the tree attention back."""
+        base = unwrap(self.model)
+        impl = base.config._attn_implementation
+        if impl != "treepack":
+            return super()._generate_single_turn(*args, **kwargs)
+        base.set_attn_implementation("sdpa")
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            base.set_attn_implementation(impl)
+
+    @property
+    def treepack_stats(self) -> List[Tuple[int, int]]:
+        return self.__dict__.setdefault("_treepack_stats", [])
+
+    def _treepack_record(self, tokens: int, nodes: int) -> None:
+        stats = self.treepack_stats
+        stats.append((tokens, nodes))
+        del stats[: -self.STATS_KEPT]
+        if self.model.training:
+            self._metrics["train"]["treepack/compression"].append(tokens / max(1, nodes))
+
+    def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Tuple[PackedBatch, RowLayout]]:
+        """The stored forest these rows came from (GroupedBatchesMixin's packed source), so it is reused, not rebuilt."""
+        for ids, att, batch, layout in self.__dict__.get("_treepack_forests", ()):
+            if ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(att, attention_mask):
+                return batch, layout
+        return None
+
+
+class GroupedBatchesMixin:
+    """Overrides ``_prepare_inputs`` in training: a generation batch is split into ``steps_per_generation``
+    micro-batches of whole groups (``plan_micro_batches``, balanced by packed tokens, each within
+    ``treepack_max_tokens`` when set) instead of TRL's row shuffle, which scatters a group's shared prompt over
+    micro-batches. Group order follows the forest (no shuffle): micro-batches of one generation batch feed the
+    same optimizer step unless ``steps_per_generation`` exceeds ``gradient_accumulation_steps``.
+
+    Losses normalised per micro-batch (``grpo``, ``bnpo``, ``dr_grpo``) depend on the split by definition; ``dapo``
+    and ``cispo`` divide by the generation batch's tokens and do not.
+
+    With ``treepack_packed_batches`` (an iterable of ``PackedBatch`` or ``treepack.client.FeedMicroBatch``), each of
+    its micro-batches is one TRL micro-batch: no generation, no reward functions (the stored advantages are
+    used), the stored forest reused by the forward; feed micro-batches are acknowledged once TRL is done with them
+    (when the next window is drawn, and at the end of training)."""
+
+    treepack_max_tokens: Optional[int] = None
+    treepack_packed_batches: Optional[Iterable[Any]] = None
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            if self.treepack_packed_batches is None:
+                self._buffered_inputs = self._treepack_split(self._generate_and_score_completions(generation_batch))
+            else:
+                self._buffered_inputs = self._treepack_window()
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _treepack_split(self, inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
+        given = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images") if inputs.get(k) is not None)
+        if given:
+            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not grouped by treepack", field=given[0])
+        rows = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        keep = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).bool()
+        B, G = rows.shape[0], self.num_generations
+        plan = plan_micro_batches([rows[i][keep[i]].tolist() for i in range(B)], max_tokens=self.treepack_max_tokens,
+                                  groups=[i // G for i in range(B)], num_micro_batches=self.args.steps_per_generation)
+        return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
+
+    def _treepack_window(self) -> List[Dict[str, Any]]:
+        """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
+        self.treepack_ack()
+        if "_treepack_source" not in self.__dict__:
+            self._treepack_source: Iterator[Any] = iter(self.treepack_packed_batches)
+        items = []
+        for _ in range(self.args.steps_per_generation):
+            item = next(self._treepack_source, None)
+            if item is None:
+                raise TreepackError("E_INPUT", "the packed source ran out; set max_steps to the optimizer steps it holds", field="packed_batches")
+            items.append(item)
+        self._treepack_pending = [x for x in items if hasattr(x, "ack")]
+        batches = [getattr(x, "batch", x) for x in items]
+        device = self.accelerator.device
+        trainable = torch.tensor(sum(int(b.loss_mask.sum()) for b in batches), device=device)
+        num_items = self.accelerator.gather(trainable).sum()
+        self._treepack_forests = []
+        return [self._treepack_inputs(b.to(device), num_items) for b in batches]
+
+    def _treepack_inputs(self, batch: PackedBatch, num_items: torch.Tensor) -> Dict[str, Any]:
+        """One stored micro-batch as TRL's inputs: prompt = the tokens before a sequence's first trainable token,
+        ``tool_mask`` = its loss mask over the completion, per-token advantages, stored old / rollout / reference
+        logprobs where the batch has them (old and reference computed, on the stored forest, where TRL would)."""
+        if batch.advantages is None:
+            raise TreepackError("E_INPUT", "the micro-batch has no advantages", field="advantages")
+        rows, layout = padded_rows(batch, self._tokenizer.pad_token_id)
+        ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1)
+        att = torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1)
+        self._treepack_forests.append((ids, att, batch, layout))
+
+        def per_token(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if values is None else layout.to_padded(values, of="occurrences", where="all")
+
+        out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        out.update(tool_mask=rows["loss_mask"], advantages=per_token(batch.advantages), num_items_in_batch=num_items)
+        C = rows["completion_ids"].shape[1]
+        old, ref, sampled = per_token(batch.old_logprobs), per_token(batch.ref_logprobs), per_token(batch.rollout_logprobs)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if old is None and self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations):
+                old = self._get_per_token_logps_and_entropies(self.model, ids, att, C)[0]
+            if ref is None and self.beta != 0.0:
+                if self.ref_model is not None:
+                    ref = self._get_per_token_logps_and_entropies(self.ref_model, ids, att, C)[0]
+                else:
+                    peft_model = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+                        ref = self._get_per_token_logps_and_entropies(self.model, ids, att, C)[0]
+        for key, v in (("old_per_token_logps", old), ("ref_per_token_logps", ref), ("sampling_per_token_logps", sampled)):
+            if v is not None:
+                out[key] = v
+        return out
+
+    def treepack_ack(self) -> None:
+        """Acknowledges the feed micro-batches of the current window (TRL is done with them)."""
+        for item in self.__dict__.pop("_treepack_pending", []):
+            item.ack()
+
+
+def _take(inputs: Dict[str, Any], rows: torch.Tensor, B: int) -> Dict[str, Any]:
+    """The given rows of every per-row entry (tensors and lists of length B); scalars as they are."""
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == B:
+            out[k] = v.index_select(0, rows)
+        elif isinstance(v, list) and len(v) == B:
+            out[k] = [v[i] for i in rows.tolist()]
+        else:
+            out[k] = v
+    return out
+
+
+def _no_reward(completions, **kwargs):
+    """The reward function of training on stored micro-batches, never called: their advantages are stored."""
+    raise TreepackError("E_ARG", "rewards are not computed when training on stored micro-batches")
+
+
+class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
+    """``GRPOTrainer`` with packed forwards and group-whole micro-batches (see the mixins). Extra arguments:
+    ``treepack_max_tokens`` (packed tokens per micro-batch, refused when a split cannot meet it),
+    ``treepack_attention`` (the TreeMask mode, ``"auto"``), ``packed_batches`` (train on stored micro-batches:
+    ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set)."""
+
+    def __init__(self, *args: Any, treepack_max_tokens: Optional[int] = None, treepack_attention: str = "auto",
+                 packed_batches: Optional[Iterable[Any]] = None, **kwargs: Any):
+        if packed_batches is not None:
+            cfg = kwargs.get("args")
+            if cfg is None or cfg.max_steps <= 0:
+                raise TreepackError("E_ARG", "training on stored micro-batches needs args.max_steps > 0 (the dataset is a placeholder)", field="max_steps")
+            if kwargs.get("train_dataset") is None:
+                from datasets import Dataset
+
+                kwargs["train_dataset"] = Dataset.from_dict({"prompt": [""] * cfg.generation_batch_size * cfg.max_steps})
+            kwargs["reward_funcs"] = kwargs.get("reward_funcs") or _no_reward
+        super().__init__(*args, **kwargs)
+        self.treepack_max_tokens = treepack_max_tokens
+        self.treepack_attention = treepack_attention
+        self.treepack_packed_batches = packed_batches
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().train(*args, **kwargs)
+        self.treepack_ack()
+        return out

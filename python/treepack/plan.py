@@ -1,0 +1,180 @@
+"""Micro-batches for a trainer in Python: which sequences go together, keeping each group (a GRPO group, an agent
+episode) whole, under a budget of packed tokens, with the counts a trainer normalises by.
+
+    >>> plan = plan_micro_batches(seqs, max_tokens=8192, groups=[i // 8 for i in range(len(seqs))], loss_masks=masks)
+    >>> for mb in plan.micro_batches:        # mb.sequences, mb.packed_tokens, mb.trainable_tokens, mb.num_sequences
+    ...     ...
+    >>> plan.trainable_tokens, plan.num_sequences      # the step's global normalisers (token-mean, seq-mean)
+
+The packed tokens of a set of sequences are the distinct prefixes among them (the nodes of their forest). Groups
+are laid out in the order of the window's forest (one ``pack_sequences`` call: groups that share a prompt are
+adjacent), and micro-batches are contiguous runs of that order: a cut between two groups repeats only the prefix
+they share. This follows the TypeScript planner (src/pack/budget.ts), which cuts between single sequences; here the
+unit is a whole group, and the dynamic program, the cost model and the rank refinement stay in TypeScript
+(``treepack pack`` for a stored window).
+
+A group that alone exceeds ``max_tokens`` is refused (TreepackError naming the group): splitting it would change
+per-group normalisers and lose its sharing, and giving it an over-budget micro-batch would break the memory bound
+the budget stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence
+
+import numpy as np
+
+from .microbatch import TreepackError
+from .pack import pack_sequences
+
+
+@dataclass
+class MicroBatchPlan:
+    sequences: np.ndarray  # int64, indices into the window's sequences, ascending
+    groups: List[Hashable]  # in plan order
+    packed_tokens: int
+    naive_tokens: int
+    trainable_tokens: int
+    num_sequences: int
+    rank: int
+    step: int  # on its rank, 0-based
+
+
+@dataclass
+class Plan:
+    micro_batches: List[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
+    packed_tokens: int  # Σ over micro-batches
+    optimum_tokens: int  # the window as one forest: the lower bound of any split
+    naive_tokens: int
+    trainable_tokens: int  # the step's: what a global token-mean divides by
+    num_sequences: int
+
+
+def _positive(name: str, v: Optional[int]) -> Optional[int]:
+    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        raise TreepackError("E_ARG", f"expected an integer >= 1, got {v!r}", field=name)
+    return v
+
+
+class _Runs:
+    """The groups in forest order with their nodes; packed tokens of contiguous runs, counted with one mark array."""
+
+    def __init__(self, unit_nodes: List[np.ndarray], num_nodes: int):
+        self.nodes = unit_nodes
+        self.mark = np.zeros(num_nodes, dtype=bool)
+
+    def cuts(self, limit: float) -> Optional[List[int]]:
+        """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs), or None if a unit alone exceeds it."""
+        ends, used, cur = [], [], 0
+        for u, nodes in enumerate(self.nodes):
+            new = int(np.count_nonzero(~self.mark[nodes]))
+            if cur and cur + new > limit:
+                ends.append(u)
+                for n in used:
+                    self.mark[n] = False
+                used, cur = [], 0
+                new = len(nodes)
+            if new > limit:
+                for n in used:
+                    self.mark[n] = False
+                return None
+            self.mark[nodes] = True
+            used.append(nodes)
+            cur += new
+        for n in used:
+            self.mark[n] = False
+        return ends + [len(self.nodes)]
+
+    def tokens(self, a: int, b: int) -> int:
+        return len(np.unique(np.concatenate(self.nodes[a:b]))) if b > a else 0
+
+
+def plan_micro_batches(
+    sequences: Sequence[Sequence[int]],
+    max_tokens: Optional[int] = None,
+    groups: Optional[Sequence[Hashable]] = None,
+    loss_masks: Optional[Sequence[Sequence[int]]] = None,
+    num_micro_batches: Optional[int] = None,
+    dp: int = 1,
+) -> Plan:
+    """Micro-batches of ``sequences`` (token ids), each group (``groups[i]``: sequence i's key; every sequence its
+    own group when None) whole in one of them.
+
+    ``max_tokens``: the fewest micro-batches of at most that many packed tokens (rounded up to a multiple of
+    ``dp``, then balanced); ``num_micro_batches``: exactly that many (a multiple of ``dp``), the largest as small
+    as contiguous runs allow (and within ``max_tokens`` when both are given). ``loss_masks[i]`` (per token, nonzero
+    = trainable) gives the trainable-token counts; by default every token but the first. Deterministic: the same
+    input gives the same plan. Micro-batch i goes to rank ``i % dp``, step ``i // dp``.
+    """
+    _positive("max_tokens", max_tokens)
+    _positive("num_micro_batches", num_micro_batches)
+    _positive("dp", dp)
+    if max_tokens is None and num_micro_batches is None:
+        raise TreepackError("E_ARG", "give max_tokens, num_micro_batches or both", field="max_tokens")
+    if num_micro_batches is not None and num_micro_batches % dp:
+        raise TreepackError("E_ARG", f"num_micro_batches {num_micro_batches} is not a multiple of dp {dp}", field="num_micro_batches")
+    S = len(sequences)
+    keys = list(range(S)) if groups is None else list(groups)
+    if len(keys) != S:
+        raise TreepackError("E_ARG", f"{len(keys)} group keys for {S} sequences", field="groups")
+    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+    if loss_masks is None:
+        trainable = np.maximum(lengths - 1, 0)
+    else:
+        if len(loss_masks) != S or any(len(m) != n for m, n in zip(loss_masks, lengths)):
+            raise TreepackError("E_ARG", "expected one loss mask per sequence, as long as it", field="loss_masks")
+        trainable = np.array([int(np.count_nonzero(np.asarray(m))) for m in loss_masks], dtype=np.int64)
+
+    forest = pack_sequences(sequences)
+    offsets = np.asarray(forest.seq_offsets, dtype=np.int64)
+    positions = np.asarray(forest.seq_positions, dtype=np.int64)
+    members: Dict[Hashable, List[int]] = {}
+    for i, k in enumerate(keys):
+        members.setdefault(k, []).append(i)
+    # A group's place in the forest: the preorder position of its first sequence's last token, so groups under one
+    # subtree (a shared prompt) are adjacent; ties (a group of empty sequences) keep first-seen order.
+    def place(i: int) -> int:
+        return int(positions[offsets[i + 1] - 1]) if lengths[i] else -1
+
+    order = sorted(members, key=lambda k: min(place(i) for i in members[k]))
+    unit_nodes = [np.unique(np.concatenate([positions[offsets[i] : offsets[i + 1]] for i in members[k]])) for k in order]
+    runs = _Runs(unit_nodes, len(forest.input_ids))
+    biggest = max(range(len(order)), key=lambda u: len(unit_nodes[u]), default=None)
+    if biggest is not None and max_tokens is not None and len(unit_nodes[biggest]) > max_tokens:
+        raise TreepackError("E_ARG", f"group {order[biggest]!r} alone packs to {len(unit_nodes[biggest])} tokens, over the budget of {max_tokens}; "
+                            "a group is never split, so raise max_tokens or make the group smaller", field="max_tokens")
+    count = num_micro_batches
+    if count is None:
+        count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order else dp
+    if len(order) < count:
+        raise TreepackError("E_ARG", f"{count} micro-batches need at least {count} groups, got {len(order)}", field="num_micro_batches")
+    ends = _balanced(runs, count)
+    if max_tokens is not None and any(runs.tokens(a, b) > max_tokens for a, b in zip([0] + ends[:-1], ends)):
+        raise TreepackError("E_ARG", f"{count} micro-batches cannot keep every group whole within {max_tokens} packed tokens", field="max_tokens")
+
+    mbs = []
+    for j, (a, b) in enumerate(zip([0] + ends[:-1], ends)):
+        seqs = np.array(sorted(i for k in order[a:b] for i in members[k]), dtype=np.int64)
+        mbs.append(MicroBatchPlan(seqs, order[a:b], runs.tokens(a, b), int(lengths[seqs].sum()), int(trainable[seqs].sum()), len(seqs), j % dp, j // dp))
+    return Plan(mbs, sum(m.packed_tokens for m in mbs), len(forest.input_ids), int(lengths.sum()), int(trainable.sum()), S)
+
+
+def _balanced(runs: _Runs, count: int) -> List[int]:
+    """Ends of exactly ``count`` contiguous runs (count <= units) whose largest is as small as contiguous runs allow:
+    the least limit the greedy split meets in ``count`` runs (binary search), then the runs with the most units
+    split until there are ``count`` (splitting never raises the largest)."""
+    U = len(runs.nodes)
+    lo, hi = max((len(n) for n in runs.nodes), default=0), sum(len(n) for n in runs.nodes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(runs.cuts(mid)) <= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    ends = runs.cuts(lo) if U else []
+    while len(ends) < count:
+        starts = [0] + ends[:-1]
+        k = max(range(len(ends)), key=lambda j: (ends[j] - starts[j], -j))
+        ends.insert(k, starts[k] + (ends[k] - starts[k]) // 2)
+    return ends

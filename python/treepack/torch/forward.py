@@ -1,0 +1,81 @@
+"""Node logprobs through a wrapped model's own ``forward``: DDP, FSDP (1 and 2), DeepSpeed, PEFT/LoRA and
+accelerate wrappers run as they expect (gradient-sync preparation, parameter gathering, adapters), and the LM head
+runs only at the rows that predict a scored token (``logits_to_keep`` as an index tensor).
+
+``packed_logprobs`` calls the base model and the head's weight itself (chunked, no [N, vocab] logits); this path
+instead gets ``[rows, vocab]`` logits from the model, one row per node that predicts a scored token (a branch
+point's row serves all its children), so it needs that much memory for them at once.
+
+    >>> batch, layout = from_padded(input_ids, attention_mask, response_mask=mask)
+    >>> scores = forward_logprobs(ddp_model, batch, temperature=0.7, entropy=True)
+    >>> per_token = layout.to_padded(scores.logprobs)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from ..microbatch import TreepackError
+from .batch import PackedBatch
+from .logprobs import NodeScores, model_mask, scored_nodes
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
+    wrappers, for reading its config; the forward always goes through the wrapper."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+
+
+def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "auto") -> Any:
+    """The attention_mask a (wrapped) model takes for ``batch``: ``model_mask`` of the Hugging Face model inside the
+    wrapper (a ``TreeMask`` under ``"treepack"``, hybrid layers prepared; the dense mask windowed per layer type
+    under ``"sdpa"``/``"eager"``), with the same refusals as ``packed_logprobs``."""
+    return model_mask(unwrap(model), batch, attention)
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    nodes: Union[str, torch.Tensor] = "trainable",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+    attention: str = "auto",
+) -> NodeScores:
+    """Logprobs (and entropies) of the scored nodes (``scored_nodes``), through ``model(...)`` itself: the wrapper
+    (or the plain HF causal LM) gets ``input_ids``, ``position_ids``, the tree mask (``model_tree_mask``) and
+    ``logits_to_keep=<rows>``. Logits are float32 (float64 for a float64 model) divided by ``temperature``, as
+    TRL and vLLM apply it (a softcapping model softcaps inside its forward). ``entropy_grad=False`` computes the
+    entropies without autograd (they feed a mask or a log only). NaN at nodes not scored, as ``packed_logprobs``.
+    """
+    if not isinstance(batch, PackedBatch):
+        raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
+    if not temperature > 0:
+        raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
+    targets = scored_nodes(batch, nodes)
+    rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
+    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=model_tree_mask(model, batch, attention),
+                logits_to_keep=rows, use_cache=False)
+    logits = out.logits[0]
+    logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
+    logp = logits.log_softmax(-1)
+    picked = logp[row_of, batch.input_ids[targets]]
+    full = torch.full((batch.num_nodes,), float("nan"), dtype=logp.dtype, device=logp.device)
+    lp = full.index_put((targets,), picked)
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            row_entropy = -(logp.exp() * logp).sum(-1)
+            ent = full.index_put((targets,), row_entropy[row_of])
+    return NodeScores(lp, ent, targets)

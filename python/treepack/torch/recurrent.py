@@ -1,0 +1,160 @@
+"""Tree execution of the short causal convolution and of the chunked recurrences (Gated DeltaNet, KDA, Mamba2).
+
+A Hugging Face recurrent layer calls a few functions of its modeling module: ``causal_conv1d_fn`` and a chunked
+rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``), each the pure-torch
+reference or, where installed, the hub / FLA / mamba-ssm / causal-conv1d kernel bound to that name. ``prepare``
+(python/treepack/torch/models.py) puts a dispatcher in front of each name; while a prepared layer runs on a
+``TreeMask`` the dispatcher runs the same function the tree's way, else it calls the function unchanged:
+
+- the convolution runs on the packed row, then the outputs of the nodes whose window crosses a branch point (or
+  starts after other tokens) are recomputed on their true windows (their K-1 nearest ancestors, zeros past the
+  root): gathered with index_select, so a shared token's gradient is summed over branches by autograd;
+- the recurrence runs as the segments' rows (``segments.run_plan``), a batched call or a few per depth level, each
+  row from its parent's final state (zeros at a root); outputs are gathered back per node. Padding is
+  appended at a row's end as all-zero tokens, which leave these states unchanged (decay exp(0), no update).
+
+Every kernel is called as a batch of independent rows with per-row initial states, which the pure-torch functions
+and FLA / mamba-ssm accept alike, so the CUDA kernels are correct by construction; only the CPU path is tested here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..microbatch import TreepackError
+from .segments import RunPlan, conv_fix, run_plan
+
+
+class Tree:
+    """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors)."""
+
+    def __init__(self, mask: Any, chunk_align: bool, layer: str):
+        self.mask = mask
+        self.chunk_align = chunk_align
+        self.layer = layer
+
+    def plan(self, chunk: int, device: torch.device) -> RunPlan:
+        return run_plan(self.mask, chunk if self.chunk_align else 1, device)
+
+
+# The tree of the layer now running (None outside a prepared layer's tree forward).
+current: contextvars.ContextVar[Optional[Tree]] = contextvars.ContextVar("treepack_tree", default=None)
+
+
+def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
+    if t.shape[0] != 1 or t.shape[dim] != n:
+        raise TreepackError("E_ARG", f"a tree forward runs one packed row of N = {n} tokens; {name} has shape {list(t.shape)}", field="attention_mask")
+
+
+def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              activation: Optional[str] = None, **kwargs: Any) -> torch.Tensor:
+    """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N]."""
+    n = int(tree.mask.subtree_end.shape[0])
+    _one_row("the convolution input", hidden_states, n, 2)
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
+    out = orig(hidden_states, weight, bias=bias, activation=activation)
+    k = int(weight.shape[-1])
+    fix = conv_fix(tree.mask, k, hidden_states.device)
+    if fix.nodes.numel() == 0:
+        return out
+    # The true windows [F, C, k] (the zero column N past a root) through the same function: its last output sees
+    # exactly the window.
+    x = F.pad(hidden_states[0], (0, 1))
+    win = x.index_select(1, torch.where(fix.windows < 0, n, fix.windows).flatten()).view(x.shape[0], -1, k).transpose(0, 1).contiguous()
+    fixed = orig(win, weight, bias=bias, activation=activation)[:, :, k - 1]  # [F, C]
+    return out.index_copy(2, fix.nodes, fixed.t()[None])
+
+
+def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], call: Callable) -> torch.Tensor:
+    """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
+    depth order; returns the nodes' outputs [1, N, ...]."""
+    n = int(tree.mask.subtree_end.shape[0])
+    for t in inputs:
+        if t is not None:
+            _one_row("a recurrence input", t, n, 1)
+    plan = tree.plan(chunk, inputs[0].device)
+    # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
+    padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
+    finals: List[torch.Tensor] = []
+    outs = []
+    for c in plan.calls:
+        rows = [None if t is None else t.index_select(0, c.nodes.flatten()).view(c.nodes.shape + t.shape[1:]) for t in padded]
+        init = None
+        if c.perm is not None:
+            parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
+            init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
+        out, final = call(*rows, init)
+        finals.append(final)
+        outs.append(out.flatten(0, 1))
+    if not outs:
+        return inputs[0].new_zeros((1, 0) + inputs[0].shape[2:])
+    return torch.cat(outs).index_select(0, plan.owner)[None]
+
+
+def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    chunk_size: Optional[int] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                    cu_seqlens: Any = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """A delta rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``: q, k [1, N, H, K], v [1, N, H, V],
+    g [1, N, H] or [1, N, H, K], beta [1, N, H]) on the tree: (out [1, N, H, V], None). ``chunk_size`` is passed on
+    only when the layer passes it (FLA's kernels take none); the grid is 64 tokens otherwise, theirs and the
+    reference's."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state or cu_seqlens", field="attention_mask")
+
+    if chunk_size is not None:
+        kwargs["chunk_size"] = chunk_size
+
+    def call(q, k, v, gg, bb, init):
+        return orig(q, k, v, g=gg, beta=bb, initial_state=init, output_final_state=True, **kwargs)
+
+    return _run(tree, chunk_size or 64, (query, key, value, g, beta), call), None
+
+
+def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                     chunk_size: int, D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, initial_states: Optional[torch.Tensor] = None,
+                     dt_softplus: bool = False, dt_limit: Tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False,
+                     z: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+    """``mamba2_chunk_scan`` (x [1, N, H, P], dt [1, N, H], B, C [1, N, G, S]) on the tree: y [1, N, H, P].
+
+    The step size is finished here, with the same operations the scan applies (bias, softplus, clamp), and passed on
+    finished: a padding token then has dt = 0 and leaves the state unchanged, where the scan's clamp would give it
+    the floor dt_limit[0] and decay the state."""
+    if initial_states is not None or return_final_states or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state, seq_idx or cu_seqlens", field="attention_mask")
+    if dt.element_size() < 4 and not getattr(orig, "__module__", "").startswith("transformers."):
+        dt = dt.float()  # as mamba-ssm's kernel finishes it (transformers' reference: in dt's own dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+    def call(x, d, b, c, zz, init):
+        return orig(x, d, A, b, c, chunk_size=chunk_size, D=D, z=zz, dt_bias=None, initial_states=init, dt_softplus=False,
+                    dt_limit=(0.0, float("inf")), return_final_states=True, **kwargs)
+
+    return _run(tree, chunk_size, (hidden_states, dt, B, C, z), call)
+
+
+def no_fused(orig: Callable, tree: Tree, *args: Any, **kwargs: Any) -> None:
+    """``mamba2_split_conv1d_scan_combined`` on a tree: None, which makes the layer take its split path (the
+    convolution and the scan above); the fused kernel runs the packed row as one sequence."""
+    return None
+
+
+def dispatcher(kind: Callable, orig: Callable) -> Callable:
+    """``orig`` with the tree way ``kind`` while a prepared layer runs on a tree."""
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        tree = current.get()
+        return orig(*args, **kwargs) if tree is None else kind(orig, tree, *args, **kwargs)
+
+    dispatch.treepack_original = orig  # type: ignore[attr-defined]
+    dispatch.__name__ = getattr(orig, "__name__", "dispatch")
+    dispatch.__doc__ = getattr(orig, "__doc__", None)
+    return dispatch
