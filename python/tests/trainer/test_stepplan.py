@@ -268,6 +268,20 @@ class StepPlanTest(unittest.TestCase):
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "layer_types")
 
+    def test_hybrid_models_are_refused_by_name(self):
+        """Recurrent layers' prefix state is not carried yet: every hybrid family the tree attention runs is refused
+        before anything runs, naming the layer."""
+        from test_hybrid import FAMILIES, hybrid_model
+
+        seqs = self.trunk()
+        b = assemble(seqs, occurrence_data(seqs, seed=8), self.sorted_groups(seqs, [2])[0])
+        for family in FAMILIES:
+            with self.subTest(family=family):
+                with self.assertRaises(TreepackError) as e:
+                    tpt.run_step_plan(hybrid_model(family), [b], loss_fn)
+                self.assertIn(e.exception.field, ("layer_types", "model"))
+                self.assertRegex(str(e.exception), r"recurrent|not softmax attention")
+
     def test_header_keys_load_and_check(self):
         import os
         import tempfile
