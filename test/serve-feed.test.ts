@@ -171,4 +171,17 @@ describe('slime rollout buffer', { timeout: 60_000 }, () => {
     const second = (await (await post(`${base}/get_rollout_data`, { batch_size: 2 })).json()) as { data: { data: { instance_id: string }[] } };
     expect(second.data.data.map((r) => r.instance_id)).toEqual(['g1', 'g1']);
   });
+
+  it('a gateway episode with a tool-calling turn reads back with content "" where the client sent null', async () => {
+    const base = await service({ groupSize: 1 });
+    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] };
+    const messages = [{ role: 'user', content: 'go' }, toolTurn, { role: 'tool', tool_call_id: 'c1', content: 'done' }];
+    expect((await post(`${base}/episodes/t1/v1/chat/completions`, { model: 'm', messages })).status).toBe(200);
+    expect((await post(`${base}/v1/episodes/t1/finish`, { reward: 1 })).status).toBe(200);
+    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: { messages: { role: string; content: unknown }[] }[] } };
+    const read = got.data.data[0].messages;
+    expect(read.map((m) => m.role)).toEqual(['user', 'assistant', 'tool', 'assistant']);
+    expect(read.every((m) => typeof m.content === 'string')).toBe(true);
+    expect(read[1]).toMatchObject({ content: '', tool_calls: toolTurn.tool_calls });
+  });
 });
