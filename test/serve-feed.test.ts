@@ -172,6 +172,15 @@ describe('slime rollout buffer', { timeout: 60_000 }, () => {
     expect(second.data.data.map((r) => r.instance_id)).toEqual(['g1', 'g1']);
   });
 
+  it('records read back as written: integer ids stay integers', async () => {
+    const base = await service({ groupSize: 1 });
+    const messages = [{ role: 'user', content: 'q' }, { role: 'assistant', content: 'a' }];
+    const w = await post(`${base}/buffer/write`, { uid: 7, instance_id: 0, messages, reward: 1, extra_info: { index: 0 } });
+    expect(w.status).toBe(200);
+    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: Record<string, unknown>[] } };
+    expect(got.data.data).toEqual([{ uid: 7, instance_id: 0, messages, reward: 1, raw_reward: 1, extra_info: { index: 0 } }]);
+  });
+
   it('a gateway episode with a tool-calling turn reads back with content "" where the client sent null', async () => {
     const base = await service({ groupSize: 1 });
     const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] };

@@ -44,7 +44,8 @@ function checkRecord(b: unknown): { uid: string; instance_id: string; reward: nu
   if (last.role !== 'assistant') throw new PoolError(400, `field "messages[${b.messages.length - 1}].role": the last message is what the policy generated, expected "assistant", got ${describeValue(last.role)}`);
   if (typeof b.reward !== 'number' || !Number.isFinite(b.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(b.reward)}`);
   if (b.extra_info !== undefined && !isObj(b.extra_info)) throw new PoolError(400, `field "extra_info": expected an object, got ${describeValue(b.extra_info)}`);
-  return { uid: String(b.uid), instance_id: String(b.instance_id), reward: b.reward, record: { ...b, uid: String(b.uid), instance_id: String(b.instance_id), extra_info: b.extra_info ?? {} } };
+  // The pool keys episodes and groups by string; the record goes back as written (slime's Sample.index is an int).
+  return { uid: String(b.uid), instance_id: String(b.instance_id), reward: b.reward, record: { ...b, extra_info: b.extra_info ?? {} } };
 }
 
 export function registerSlime(app: FastifyInstance, svc: Service): void {
