@@ -193,11 +193,17 @@ def _refuse(other: List[Tuple[str, torch.nn.Module]], why: str) -> None:
     raise TreepackError("E_ARG", f"layer {_layer_index(path)} ({path}): {type(m).__name__} mixes tokens and {why}{more}", field="model")
 
 
-def check_dense(model: torch.nn.Module) -> None:
-    """For the dense-mask (sdpa/eager) path: refuses a model with any token-mixing layer other than attention."""
+def refuse_non_attention(model: torch.nn.Module, why: str) -> None:
+    """Refuses (TreepackError naming the first layer) a model with any token-mixing layer other than softmax attention,
+    saying ``why`` a path that reaches attention only cannot run it."""
     handled, other = token_mixers(model)
     if handled or other:
-        _refuse(handled + other, "the dense 4-D mask reaches only attention; load the model with attn_implementation='treepack'")
+        _refuse(handled + other, why)
+
+
+def check_dense(model: torch.nn.Module) -> None:
+    """For the dense-mask (sdpa/eager) path: refuses a model with any token-mixing layer other than attention."""
+    refuse_non_attention(model, "the dense 4-D mask reaches only attention; load the model with attn_implementation='treepack'")
 
 
 def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch.nn.Module:

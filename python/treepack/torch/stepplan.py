@@ -33,9 +33,9 @@ from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
 from .logprobs import _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
+from .models import refuse_non_attention
 
 # Module class names of token-mixing layers that are not softmax attention: their prefix state is not keys/values.
-_RECURRENT = ("Mamba", "GatedDeltaNet", "LinearAttention", "ShortConv", "Lightning", "KimiDelta", "RecurrentGemma", "Rwkv", "Conv1d")
 _ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding")
 
 
@@ -130,9 +130,7 @@ def check_attention_only(model: torch.nn.Module) -> None:
     for i, kind in enumerate(types):
         if kind not in _ATTENTION_TYPES:
             raise TreepackError("E_ARG", f"layer {i} is of type {kind!r}: the step-plan executor caches attention keys/values only; recurrent and convolution layers are not supported yet (run these micro-batches in full)", field="layer_types")
-    for name, m in model.named_modules():
-        if any(r in type(m).__name__ for r in _RECURRENT):
-            raise TreepackError("E_ARG", f"{name} ({type(m).__name__}) is not softmax attention: the step-plan executor caches attention keys/values only (run these micro-batches in full)", field="model")
+    refuse_non_attention(model, "is not softmax attention: the step-plan executor caches attention keys/values only (run these micro-batches in full)")
 
 
 def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
