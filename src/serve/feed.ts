@@ -10,10 +10,10 @@
  * micro-batches neither acknowledged nor leased.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
-import { snapshotFlushBelow, type SnapshotEvent } from './compact.js';
+import { snapshotFlushBelow } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
-import { PoolError, type Episode, type Pool } from './pool.js';
+import { PoolError, type Episode, type Pool, type SnapshotEvent } from './pool.js';
 
 export interface PackedOut {
   bytes: Uint8Array;

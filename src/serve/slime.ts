@@ -14,7 +14,10 @@
 import type { FastifyInstance } from 'fastify';
 import { describeValue } from '../errors.js';
 import { PoolError, type Episode } from './pool.js';
-import type { Service } from './service.js';
+import type { Recorder } from './recorder.js';
+
+/** What these routes use of the recording core. */
+export type SlimeCore = Pick<Recorder, 'pool' | 'feed' | 'metrics' | 'commit' | 'admit'>;
 
 type Obj = Record<string, unknown>;
 const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -48,7 +51,7 @@ function checkRecord(b: unknown): { uid: string; instance_id: string; reward: nu
   return { uid: String(b.uid), instance_id: String(b.instance_id), reward: b.reward, record: { ...b, extra_info: b.extra_info ?? {} } };
 }
 
-export function registerSlime(app: FastifyInstance, svc: Service): void {
+export function registerSlime(app: FastifyInstance, svc: SlimeCore): void {
   app.post('/start_rollout', async (req) => {
     const b = req.body;
     if (!isObj(b)) throw new PoolError(400, `request body: expected slime's start_rollout payload, got ${describeValue(b)}`);
