@@ -149,9 +149,10 @@ export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown>
   const p = resolvePackerOptions(o.packer);
   // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed; 3: an
   // episode's calls written as what each adds to the one it continues; 4: abandoned episodes and groups, `done:`
-  // and `act:` keys), so a pool left by a service of another layout is refused rather than misread
+  // and `act:` keys; 5: episodes claimed by their gateway (`ep:`), slime's rounds (`rnd:`, `rid:`, `res:`)), so a
+  // pool left by a service of another layout is refused rather than misread
   return sortKeys({
-    layout: 4,
+    layout: 5,
     idleTimeoutMs: o.idleTimeoutMs,
     groupSize: o.groupSize,
     policy: o.policy,
@@ -247,7 +248,7 @@ export class Service {
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
     if (opts.redis) {
       const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
-      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn });
+      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
     try {
@@ -338,10 +339,11 @@ export class Service {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
-    if (this.shared && e.type === 'call') {
-      const group = this.pool.episodes.get(e.episode)?.group ?? e.group ?? e.episode;
-      if (!this.pool.groups.has(group)) {
-        await this.shared.groupSeq(group);
+    if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
+      const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
+      // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
+      if (!this.pool.episodes.has(e.episode!)) {
+        await this.shared.openEpisode(group, e.episode!);
         this.pool.check(e); // the episode may have finished meanwhile
       }
       this.touch(group);
