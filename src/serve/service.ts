@@ -208,7 +208,8 @@ export class Service {
     this.pool = new Pool({ groupSize: opts.groupSize });
     this.metrics = createMetrics(async () => {
       const d = this.pool.depth();
-      const f = await this.feed.depth();
+      // while the shared pool is unreachable its depths are unknown (NaN); the rest of /metrics still answers
+      const f = await this.feed.depth().catch(() => ({ ready: NaN, leased: NaN }));
       const oldest = this.pool.oldestOpen();
       const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
       return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
