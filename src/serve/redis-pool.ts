@@ -32,7 +32,7 @@ export const EPISODE_ON_ANOTHER_GATEWAY = 'episode_on_another_gateway';
  * How long a command may wait for Redis's answer. Commands are not queued while Redis is unreachable, nor resent
  * after a reconnect (they fail at once): a request fails within this bound rather than waiting out the outage.
  */
-export const COMMAND_TIMEOUT_MS = 5000;
+export const COMMAND_TIMEOUT_MS = 10_000;
 
 export const PREFIX = 'treepack:';
 /** how long a consumed group refuses late episodes */
