@@ -50,8 +50,10 @@ run('shared pool faults', { timeout: 60_000 }, () => {
     let a = await make({ groupSize: 1, dataDir: dirA });
     const b = await make({ groupSize: 1 });
     expect((await chat(a.base, 'sp1', ['first'])).status).toBe(200);
+    const engineCalls = stub.calls;
     const foreign = await chat(b.base, 'sp1', ['first', 'x', 'second']);
     expect(foreign.status).toBe(409);
+    expect(stub.calls).toBe(engineCalls); // refused before the engine generates anything
     const body = (await foreign.json()) as ErrorBody;
     expect(body.error.code).toBe('episode_on_another_gateway');
     expect(body.error.message).toContain(`episode "sp1" is recorded by another gateway (`);

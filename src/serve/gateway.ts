@@ -195,6 +195,7 @@ async function proxyOnce(svc: Service, kind: CallKind, req: FastifyRequest, repl
   }
   svc.admit();
   svc.pool.checkCall(scope.episode, scope.group);
+  await svc.openEpisode(scope.episode, scope.group);
   const tEngine = performance.now();
   const res = await callEngine(svc, kind, up);
   if (res.status < 200 || res.status >= 300) {

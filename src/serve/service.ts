@@ -196,6 +196,8 @@ export class Service {
   private sweeping = false;
   /** when this service started (after its replay): the idle timeout counts from it at most */
   private started = 0;
+  /** episodes claimed in the shared pool before their first call is recorded (`openEpisode`) */
+  private claimed = new Set<string>();
   /** when this gateway last told the shared pool of activity in a group */
   private touched = new Map<string, number>();
 
@@ -343,7 +345,7 @@ export class Service {
     if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
       const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
       // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
-      if (!this.pool.episodes.has(e.episode!)) {
+      if (!this.pool.episodes.has(e.episode!) && !this.claimed.delete(e.episode!)) {
         await this.shared.openEpisode(group, e.episode!);
         this.pool.check(e); // the episode may have finished meanwhile
       }
@@ -394,6 +396,18 @@ export class Service {
         if (!(err instanceof PoolError)) throw err; // refusals are logged; anything else stops the start
       });
     }
+  }
+
+  /**
+   * Before a call's engine request: on the shared pool, claims an episode this gateway has not recorded yet, so a
+   * call refused there (409 episode_on_another_gateway, 503 while Redis is unreachable) costs no generation.
+   */
+  async openEpisode(episode: string, group: string | undefined): Promise<void> {
+    if (!this.shared || this.pool.episodes.has(episode) || this.claimed.has(episode)) return;
+    await this.shared.openEpisode(group ?? episode, episode);
+    // remembered until the call is recorded; forgetting a claim (the call failed) costs a second claim, no more
+    if (this.claimed.size >= 10_000) this.claimed.clear();
+    this.claimed.add(episode);
   }
 
   /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
