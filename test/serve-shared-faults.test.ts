@@ -8,12 +8,12 @@
  *   and finishes are answered (they are durable in the gateway's log, and shipped once Redis is back); /healthz
  *   answers 503; after Redis returns, nothing acknowledged is lost and the feed carries on.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it } from 'vitest';
 import { Redis } from 'ioredis';
-import { Service, type ServiceOptions } from '../src/serve/service.js';
+import type { ServiceOptions } from '../src/serve/service.js';
+import { inProcessServices } from './helpers/in-process.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
-import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 /** Every request bounded: one that waits out an outage fails the test instead of hanging it. */
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(4000) });
@@ -25,24 +25,12 @@ type ErrorBody = { error: { message: string; code: string | null } };
 const run = redisAvailable('serve-shared-faults') ? describe : describe.skip;
 
 run('shared pool faults', { timeout: 60_000 }, () => {
-  let stub: StubEngine;
   let redis: RedisServer;
-  const open: Service[] = [];
-  beforeAll(async () => {
-    stub = await startStubEngine();
-  });
+  const services = inProcessServices('tp-faults-');
   afterEach(async () => {
-    for (const s of open.splice(0)) await s.close();
     await redis?.stop();
   });
-  afterAll(async () => {
-    await stub?.close();
-  });
-  const make = async (opts: Partial<ServiceOptions> = {}) => {
-    const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-faults-'), port: 0, redis: redis.url, packer: { tokenizer: 'qwen3' }, ...opts });
-    open.push(svc);
-    return { svc, base: await svc.listen() };
-  };
+  const make = (opts: Partial<ServiceOptions> = {}) => services.start({ redis: redis.url, ...opts });
 
   it("D5: an episode's call through a second gateway is refused at once, naming the first; nothing is lost silently", async () => {
     redis = await startRedis();
@@ -50,10 +38,10 @@ run('shared pool faults', { timeout: 60_000 }, () => {
     let a = await make({ groupSize: 1, dataDir: dirA });
     const b = await make({ groupSize: 1 });
     expect((await chat(a.base, 'sp1', ['first'])).status).toBe(200);
-    const engineCalls = stub.calls;
+    const engineCalls = services.stub!.calls;
     const foreign = await chat(b.base, 'sp1', ['first', 'x', 'second']);
     expect(foreign.status).toBe(409);
-    expect(stub.calls).toBe(engineCalls); // refused before the engine generates anything
+    expect(services.stub!.calls).toBe(engineCalls); // refused before the engine generates anything
     const body = (await foreign.json()) as ErrorBody;
     expect(body.error.code).toBe('episode_on_another_gateway');
     expect(body.error.message).toContain(`episode "sp1" is recorded by another gateway (`);
@@ -65,8 +53,7 @@ run('shared pool faults', { timeout: 60_000 }, () => {
     expect(((await finishB.json()) as ErrorBody).error.code).toBe('episode_on_another_gateway');
 
     // The gateway restarts on its data directory: still the same gateway, its episode carries on there.
-    open.splice(open.indexOf(a.svc), 1);
-    await a.svc.close();
+    await services.stop(a.svc);
     a = await make({ groupSize: 1, dataDir: dirA });
     expect((await chat(a.base, 'sp1', ['first', 'x', 'second'])).status).toBe(200);
     expect((await post(`${a.base}/v1/episodes/sp1/finish`, { reward: 1 })).status).toBe(200);

@@ -7,11 +7,11 @@
  * exactly once, as written, grouped by its instance. A resent write (slime tries twice) is answered and read once;
  * the same uid with another record is refused.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { Service, type ServiceOptions } from '../src/serve/service.js';
+import { afterEach, describe, expect, it } from 'vitest';
+import type { ServiceOptions } from '../src/serve/service.js';
+import { inProcessServices } from './helpers/in-process.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
-import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
@@ -74,25 +74,13 @@ function checkReads(reads: Rec[][], all: Rec[][], n: number): void {
 }
 
 describe("slime's epochs: each instance written again every epoch, with new uids", { timeout: 60_000 }, () => {
-  let stub: StubEngine;
   let redis: RedisServer | undefined;
-  const open: Service[] = [];
-  beforeAll(async () => {
-    stub = await startStubEngine();
-  });
+  const services = inProcessServices('tp-epochs-');
   afterEach(async () => {
-    for (const s of open.splice(0)) await s.close();
     await redis?.stop();
     redis = undefined;
   });
-  afterAll(async () => {
-    await stub?.close();
-  });
-  const make = async (opts: Partial<ServiceOptions>) => {
-    const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-epochs-'), port: 0, packer: { tokenizer: 'qwen3' }, ...opts });
-    open.push(svc);
-    return { svc, base: await svc.listen() };
-  };
+  const make = (opts: Partial<ServiceOptions>) => services.start(opts);
 
   it('in-process pool: three epochs taken and read once each, across a restart', async () => {
     const n = 2;
@@ -102,8 +90,7 @@ describe("slime's epochs: each instance written again every epoch, with new uids
     const reads = await produceAndRead(() => [cur.base], all, async (e) => {
       if (e !== 1) return;
       // replayed from its log, the pool places later records in the same rounds the live one would
-      open.splice(open.indexOf(cur.svc), 1);
-      await cur.svc.close();
+      await services.stop(cur.svc);
       cur = await make({ groupSize: n, dataDir: dir, policy: { kind: 'windowed-fifo', window: 64 } });
     });
     checkReads(reads, all, n);

@@ -18,6 +18,7 @@
 import { afterAll, describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
+import { rng as prng } from './helpers/sequences.js';
 import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
@@ -28,18 +29,6 @@ const LEASE_S = 3;
 /** what one restart may add to a stall: a gateway's start (tokenizer load) on a busy host, the lease, the sweep */
 const RESTART_ALLOWANCE_MS = 15_000;
 const AGENT_TEAMS = 6;
-
-/** mulberry32: a small seeded generator, one per actor so each actor's choices replay from the seed */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
