@@ -5,15 +5,22 @@
  * group is XADDed to the `groups` stream, which every service tails to mirror the scheduling policy's input
  * (redis-feed.ts forms steps from it).
  *
- * Every script is idempotent, because a client may resend a command whose reply a Redis restart swallowed and a
- * restarted gateway ships again what it cannot prove was shipped: an episode counts once (HSETNX), and a group
- * already consumed ignores late arrivals (its `gone:` marker).
+ * Every script is idempotent, because a request whose reply an outage swallowed is retried (by the client, after
+ * its 503) and a restarted gateway ships again what it cannot prove was shipped: an episode counts once (HSETNX),
+ * and a group already consumed ignores late arrivals (its `gone:` marker).
+ *
+ * An episode's calls are all recorded by one gateway, the first to see it (`ep:` names it): each call is logged as
+ * what it adds to the one it continues, which only that gateway's log holds; a call or finish reaching another
+ * gateway is refused (409 episode_on_another_gateway) rather than recorded apart and lost.
  *
  * Keys (all under `treepack:`; one deployment per Redis database): `nseq` groups numbered so far; `seq` group →
  * submission number; `eps:{group}` episode → JSON (abandoned episodes too: they count toward the group's size and
  * are not trained); `order:{group}` episodes in arrival order; `done:{group}` complete (its episodes arrived, or
  * it was closed: abandoned); `act:{group}` its last activity (ms); `gone:{group}` consumed (these three expire
- * after a week); `groups` stream of finished groups; `config` the feed options every service must share.
+ * after a week); `res:{group}` the episodes that took its places (shipped, or slime records placed there);
+ * `ep:{episode}` the gateway recording it; `rnd:{instance}` a slime instance's latest round, `rid:{instance}` its
+ * records' uids → digest and group (these expire after a week); `groups` stream of finished groups; `config` the
+ * feed options every service must share.
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
