@@ -17,7 +17,7 @@ import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
 
 /** What the gateway's routes use of the recording core. */
-export type GatewayCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup'>;
+export type GatewayCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode'>;
 /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
 type InFlight = Map<string, Promise<unknown>>;
 
@@ -200,6 +200,7 @@ async function proxyOnce(svc: GatewayCore, kind: CallKind, req: FastifyRequest, 
   }
   svc.admit();
   svc.pool.checkCall(scope.episode, scope.group);
+  await svc.openEpisode(scope.episode, scope.group);
   const tEngine = performance.now();
   const res = await callEngine(svc, kind, up);
   if (res.status < 200 || res.status >= 300) {

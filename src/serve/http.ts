@@ -33,7 +33,7 @@ function errorType(status: number): string {
 
 /** Status and message of any error a route throws; the service keeps serving after each. */
 function errorReply(err: unknown, bodyLimit: number): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
-  if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status));
+  if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status), err.code ?? null);
   if (err instanceof EngineError) return make(502, err.message, 'engine_error');
   if (err instanceof TreepackError) return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
   const fe = err as FastifyError;

@@ -127,9 +127,10 @@ export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown>
   const p = resolvePackerOptions(o.packer);
   // layout: how the shared keys are laid out (2: the policy's state as `front` and `taken`, streams trimmed; 3: an
   // episode's calls written as what each adds to the one it continues; 4: abandoned episodes and groups, `done:`
-  // and `act:` keys), so a pool left by a service of another layout is refused rather than misread
+  // and `act:` keys; 5: episodes claimed by their gateway (`ep:`), slime's rounds (`rnd:`, `rid:`, `res:`)), so a
+  // pool left by a service of another layout is refused rather than misread
   return sortKeys({
-    layout: 4,
+    layout: 5,
     idleTimeoutMs: o.idleTimeoutMs,
     groupSize: o.groupSize,
     policy: o.policy,

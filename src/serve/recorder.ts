@@ -43,6 +43,8 @@ export class Recorder {
   private started = 0;
   /** when this gateway last told the shared pool of activity in a group */
   private touched = new Map<string, number>();
+  /** episodes claimed in the shared pool before their first call is recorded (`openEpisode`) */
+  private claimed = new Set<string>();
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -53,7 +55,8 @@ export class Recorder {
     this.pool = new Pool({ groupSize: opts.groupSize });
     this.metrics = createMetrics(async () => {
       const d = this.pool.depth();
-      const f = await this.feed.depth();
+      // while the shared pool is unreachable its depths are unknown (NaN); the rest of /metrics still answers
+      const f = await this.feed.depth().catch(() => ({ ready: NaN, leased: NaN }));
       const oldest = this.pool.oldestOpen();
       const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
       return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
@@ -92,7 +95,7 @@ export class Recorder {
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
     if (opts.redis) {
       const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
-      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn });
+      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
     try {
@@ -178,10 +181,11 @@ export class Recorder {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
-    if (this.shared && e.type === 'call') {
-      const group = this.pool.episodes.get(e.episode)?.group ?? e.group ?? e.episode;
-      if (!this.pool.groups.has(group)) {
-        await this.shared.groupSeq(group);
+    if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
+      const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
+      // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
+      if (!this.pool.episodes.has(e.episode!) && !this.claimed.delete(e.episode!)) {
+        await this.shared.openEpisode(group, e.episode!);
         this.pool.check(e); // the episode may have finished meanwhile
       }
       this.touch(group);
@@ -231,6 +235,18 @@ export class Recorder {
         if (!(err instanceof PoolError)) throw err; // refusals are logged; anything else stops the start
       });
     }
+  }
+
+  /**
+   * Before a call's engine request: on the shared pool, claims an episode this gateway has not recorded yet, so a
+   * call refused there (409 episode_on_another_gateway, 503 while Redis is unreachable) costs no generation.
+   */
+  async openEpisode(episode: string, group: string | undefined): Promise<void> {
+    if (!this.shared || this.pool.episodes.has(episode) || this.claimed.has(episode)) return;
+    await this.shared.openEpisode(group ?? episode, episode);
+    // remembered until the call is recorded; forgetting a claim (the call failed) costs a second claim, no more
+    if (this.claimed.size >= 10_000) this.claimed.clear();
+    this.claimed.add(episode);
   }
 
   /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
