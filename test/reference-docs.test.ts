@@ -8,7 +8,7 @@ import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { GENERATED } from '../scripts/gen-docs.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
 import { COMMANDS } from '../src/cli/commands.js';
@@ -18,6 +18,7 @@ import { readManifest } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
 import { packRecords, type PackerOptions } from '../src/packer/index.js';
+import { Service } from '../src/serve/index.js';
 import { cli } from './helpers/cli.js';
 import { caught } from './helpers/errors.js';
 import { firstColumnNames, section, tableRows } from './helpers/markdown.js';
@@ -180,5 +181,102 @@ describe('format.md', () => {
     expect(err?.code).toBe('E_INPUT');
     expect(err?.message).toContain('format is "treepack/2", expected "treepack/1"');
     expect(format.replace(/\s+/g, ' ')).toContain('"format is "treepack/2", expected "treepack/1""');
+  });
+});
+
+type Operation = { responses: Record<string, { $ref?: string; content?: Record<string, { schema: { $ref?: string } }> }> };
+interface OpenApi {
+  openapi: string;
+  paths: Record<string, Record<string, Operation>>;
+  components: { responses: Record<string, { content?: Record<string, { schema: { $ref?: string } }> }>; schemas: { Error: { properties: { error: { properties: { type: { enum: string[] } } } } } } };
+}
+
+describe('openapi.json and http.md', () => {
+  const spec = JSON.parse(page('openapi.json')) as OpenApi;
+  let svc: Service | undefined;
+  const token = 'reference-docs-token';
+  const auth = { authorization: `Bearer ${token}` };
+
+  beforeAll(async () => {
+    // Port 9 (discard) on loopback: nothing listens, so a gateway call fails as an unreachable engine does (502).
+    svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: 'http://127.0.0.1:9/v1', dataDir: mkdtempSync(join(tmpdir(), 'tp-refdocs-serve-')), port: 0, token, engineTimeoutMs: 2000 });
+    await svc.app.ready();
+  }, 60_000);
+  afterAll(async () => {
+    await svc?.close();
+  });
+
+  /** `METHOD /path/{param}` of every route the service registered (HEAD, which Fastify adds to each GET, left out). */
+  function registeredRoutes(): string[] {
+    const routes: string[] = [];
+    const stack: { depth: number; path: string }[] = [];
+    for (const line of svc!.app.printRoutes({ commonPrefix: false }).split('\n')) {
+      const m = /^([│ ]*)[├└]── (\S+)(?: \(([A-Z, ]+)\))?/.exec(line);
+      if (!m) continue;
+      const depth = m[1].length;
+      while (stack.length && stack[stack.length - 1].depth >= depth) stack.pop();
+      const path = (stack.length ? stack[stack.length - 1].path : '') + m[2];
+      stack.push({ depth, path });
+      for (const method of (m[3] ?? '').split(', ').filter((x) => x && x !== 'HEAD')) routes.push(`${method} ${path.replace(/:(\w+)/g, '{$1}')}`);
+    }
+    return routes.sort();
+  }
+
+  const documentedRoutes = () => Object.entries(spec.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m.toUpperCase()} ${path}`)).sort();
+
+  it('is OpenAPI 3.1 and documents exactly the routes the service registers', () => {
+    expect(spec.openapi).toBe('3.1.0');
+    const registered = registeredRoutes();
+    expect(registered.length).toBeGreaterThan(20); // the listing was read, not an empty parse
+    expect(registered).toContain('POST /v1/batches/{id}/ack');
+    // A route registered and not in openapi.json (or the reverse) shows here by name.
+    expect(documentedRoutes()).toEqual(registered);
+  });
+
+  it('http.md names every route of openapi.json', () => {
+    const http = page('http.md');
+    for (const route of documentedRoutes()) expect(http, route).toContain('`' + route + '`');
+  });
+
+  /** The schema of `status` for METHOD path in the spec, or undefined where that status is not documented there. */
+  function documentedSchema(method: string, path: string, status: number): string | undefined {
+    const responses = spec.paths[path]?.[method.toLowerCase()]?.responses;
+    let r = responses?.[String(status)];
+    if (r?.$ref) r = spec.components.responses[r.$ref.split('/').pop()!];
+    return r?.content?.['application/json']?.schema.$ref;
+  }
+
+  const errorCases: [string, string, string, number, unknown?, Record<string, string>?][] = [
+    ['an unknown episode', 'GET', '/v1/episodes/{id}', 404],
+    ['a rank out of range', 'GET', '/v1/batches/next', 400],
+    ['an unknown micro-batch', 'POST', '/v1/batches/{id}/ack', 404],
+    ['a finish without a reward', 'POST', '/v1/episodes/{id}/finish', 400, { metadata: {} }],
+    ['an episode key with a bad field', 'POST', '/v1/episodes', 400, { agent: 7 }],
+    ['a chat call without messages', 'POST', '/v1/chat/completions', 400, { model: 'm' }, { 'x-treepack-episode': 'e1' }],
+    ['a chat call the engine cannot answer', 'POST', '/v1/chat/completions', 502, { messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'e2' }],
+    ['slime start without a group size', 'POST', '/start_rollout', 400, { task_type: 'math' }],
+    ['a group never seen', 'POST', '/v1/groups/{id}/abandon', 404],
+    ['no bearer token', 'GET', '/metrics', 401],
+  ];
+  const url = (path: string, status: number) => (path === '/v1/batches/next' ? `${path}?rank=99` : path.replace('{id}', status === 404 ? 'nope' : 'e9'));
+
+  for (const [what, method, path, status, payload, headers] of errorCases) {
+    it(`${what}: ${method} ${path} answers ${status} in the documented error shape`, async () => {
+      const res = await svc!.app.inject({ method: method as 'GET', url: url(path, status), headers: { ...(status === 401 ? {} : auth), ...headers }, payload: payload as object });
+      expect(res.statusCode, res.body).toBe(status);
+      expect(documentedSchema(method, path, status), `${status} of ${method} ${path} in openapi.json`).toBe('#/components/schemas/Error');
+      const body = res.json() as { error: Record<string, unknown> };
+      expect(Object.keys(body)).toEqual(['error']);
+      expect(Object.keys(body.error).sort()).toEqual(['code', 'message', 'type']);
+      expect(typeof body.error.message).toBe('string');
+      expect(spec.components.schemas.Error.properties.error.properties.type.enum).toContain(body.error.type);
+      expect(body.error.code === null || typeof body.error.code === 'string').toBe(true);
+    });
+  }
+
+  it('an unknown route answers 404 in the error shape, with code not_found', async () => {
+    const res = await svc!.app.inject({ method: 'POST', url: '/v1/nope', headers: auth });
+    expect(res.statusCode).toBe(404);
+    expect(res.json()).toEqual({ error: { message: 'no route POST /v1/nope', type: 'invalid_request_error', code: 'not_found' } });
   });
 });
