@@ -34,6 +34,7 @@ export const ERROR_CODES = {
   },
 } as const satisfies Record<string, { meaning: string; action: string }>;
 
+/** The code of a TreepackError: one of ERROR_CODES (docs/reference/errors.md). */
 export type ErrorCode = keyof typeof ERROR_CODES;
 
 /**
@@ -50,6 +51,7 @@ export function exitStatus(err: TreepackError): number {
   return err.code === 'E_USAGE' ? EXIT_USAGE : EXIT_FAILURE;
 }
 
+/** Where an error is: the file and line of the input, the record id, the field; each part when known. */
 export interface ErrorWhere {
   file?: string;
   line?: number;
@@ -57,6 +59,7 @@ export interface ErrorWhere {
   field?: string;
 }
 
+/** The one error class of treepack: `code` to branch on, `where` to point at, `detail` the message without the location. */
 export class TreepackError extends Error {
   readonly code: ErrorCode;
   readonly where: ErrorWhere;

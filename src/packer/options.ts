@@ -13,6 +13,7 @@ import type { TextTokenizer } from '../tokenize/tokenizer.js';
 import { copyRecords, getPath, groupOf, isRecord, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
 import type { PackReport } from './report.js';
 
+/** The token budget of the packer's micro-batches (`--max-tokens` and the options beside it). */
 export interface BudgetSettings {
   /** most packed tokens of a micro-batch, padding included */
   maxTokens: number;
@@ -31,6 +32,7 @@ export interface BudgetSettings {
   prefixBytesPerToken?: number;
 }
 
+/** The packer's options: one per row of the option table (docs/reference/cli.md, "Packer options"), plus `name` and `onProgress`. */
 export interface PackerOptions {
   /**
    * Tokenizer directory (tokenizer.json + tokenizer_config.json) or a built-in's name (`'qwen3'`), loaded only for

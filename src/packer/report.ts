@@ -12,6 +12,7 @@ import type { MaskSpec } from '../mask/index.js';
 import { getPath, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
 import type { ResolvedOptions } from './options.js';
 
+/** The counters of a packing run: what `treepack stats --json` and the manifest's header show. */
 export interface PackReport {
   /** the input's name: its path, `-` for stdin, else the `name` option or `<stream>` */
   input: string;

@@ -26,6 +26,7 @@ import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
 import { registerSlime } from './slime.js';
 
+/** The options of `treepack serve` (docs/reference/cli.md), as the library takes them. */
 export interface ServiceOptions {
   /** the engine's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 */
   engineUrl: string;
@@ -177,6 +178,7 @@ function sortKeys(v: unknown): unknown {
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
 export type SharedGroup = { episodes: number } | { pending: true };
 
+/** `treepack serve` as a library: the pool, durable log, trainer feed and HTTP app (docs/reference/http.md). */
 export class Service {
   readonly pool: Pool;
   feed!: TrainerFeed;
@@ -439,6 +441,7 @@ export class Service {
   }
 }
 
+/** Creates a service (replaying its log) and starts listening; returns it and its URL. */
 export async function startService(options: ServiceOptions): Promise<{ service: Service; url: string }> {
   const service = await Service.create(options);
   try {
