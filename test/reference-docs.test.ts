@@ -4,12 +4,14 @@
  * the tensors, header keys and manifest fields the writer emits, with their dtypes and in the manifest's key order.
  */
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync, type Dirent } from 'node:fs';
+import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join, relative } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { GENERATED } from '../scripts/gen-docs.js';
+import { undocumentedExports } from '../scripts/undocumented-exports.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
 import { COMMANDS } from '../src/cli/commands.js';
 import { ERROR_CODES } from '../src/errors.js';
@@ -278,5 +280,29 @@ describe('openapi.json and http.md', () => {
     const res = await svc!.app.inject({ method: 'POST', url: '/v1/nope', headers: auth });
     expect(res.statusCode).toBe(404);
     expect(res.json()).toEqual({ error: { message: 'no route POST /v1/nope', type: 'invalid_request_error', code: 'not_found' } });
+  });
+});
+
+/** Every file under `dir`, relative to it, sorted. */
+const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true }) as Dirent[]).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
+
+describe('the TypeScript API reference (docs/reference/typescript, npm run docs:ts)', () => {
+  it('every export of treepack, treepack/ops and treepack/serve has a doc comment', { timeout: 120_000 }, () => {
+    expect(undocumentedExports()).toEqual([]);
+  });
+
+  it('is what TypeDoc generates from the sources now, without a warning', { timeout: 300_000 }, (ctx) => {
+    let typedoc: string;
+    try {
+      typedoc = join(dirname(createRequire(import.meta.url).resolve('typedoc/package.json')), 'bin/typedoc');
+    } catch {
+      return ctx.skip('typedoc is not installed (a devDependency of package.json: run npm install)');
+    }
+    const out = mkdtempSync(join(tmpdir(), 'tp-typedoc-'));
+    const r = spawnSync(process.execPath, [typedoc, '--options', 'typedoc.json', '--out', out, '--treatWarningsAsErrors'], { cwd: root, encoding: 'utf8', timeout: 280_000 });
+    expect(r.status, r.stdout + r.stderr).toBe(0);
+    const checkedIn = join(root, 'docs/reference/typescript');
+    expect(tree(checkedIn), 'run npm run docs:ts').toEqual(tree(out));
+    for (const f of tree(out)) expect(readFileSync(join(checkedIn, f), 'utf8'), `${f}: run npm run docs:ts`).toBe(readFileSync(join(out, f), 'utf8'));
   });
 });
