@@ -13,6 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { GENERATED } from '../scripts/gen-docs.js';
 import { undocumentedExports } from '../scripts/undocumented-exports.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
+import { BACKEND_NAMES, disposeBackends, listBackends } from '../src/backend/index.js';
 import { COMMANDS } from '../src/cli/commands.js';
 import { ERROR_CODES } from '../src/errors.js';
 import { DirectorySink } from '../src/io/directory-sink.js';
@@ -304,5 +305,40 @@ describe('the TypeScript API reference (docs/reference/typescript, npm run docs:
     const checkedIn = join(root, 'docs/reference/typescript');
     expect(tree(checkedIn), 'run npm run docs:ts').toEqual(tree(out));
     for (const f of tree(out)) expect(readFileSync(join(checkedIn, f), 'utf8'), `${f}: run npm run docs:ts`).toBe(readFileSync(join(out, f), 'utf8'));
+  });
+});
+
+describe('backends.md', () => {
+  const backendsPage = page('backends.md');
+
+  it('its ops table is the kernels each backend registers, in the order auto tries them', { timeout: 120_000 }, async () => {
+    const rows = tableRows(section(backendsPage, 'Ops per backend'));
+    const header = backendsPage.split('\n').find((l) => l.startsWith('| op |'))!;
+    const columns = header.slice(1, -1).split('|').map((c) => c.trim().replace(/`/g, '')).slice(1);
+    try {
+      const statuses = await listBackends();
+      expect(statuses.map((s) => s.name)).toEqual(columns);
+      expect([...BACKEND_NAMES]).toEqual(columns);
+      for (const [i, name] of columns.entries()) {
+        const documented = rows.filter((r) => r[i + 1] === 'yes').map((r) => r[0].replace(/`/g, ''));
+        expect(documented.sort(), name).toEqual([...statuses[i].ops].sort());
+      }
+    } finally {
+      await disposeBackends();
+    }
+  });
+
+  it('lists every TREEPACK_* environment variable the code, the scripts and the tests read, and no other', () => {
+    const files = ['src', 'scripts', 'python', 'test', 'bench', '.ci'].flatMap((d) => sources(d, '').filter((f) => /\.(ts|mts|mjs|js|py|sh)$|\/run$/.test(f)));
+    const read = new Set<string>();
+    for (const f of files) {
+      if (f === fileURLToPath(import.meta.url)) continue;
+      for (const m of readFileSync(f, 'utf8').matchAll(/TREEPACK_[A-Z_]*[A-Z]/g)) {
+        // C include guards (TREEPACK_ABI_H, written by gen-abi) and the prefix as prose ("TREEPACK_REQUIRE_*") are no variables.
+        if (!m[0].endsWith('_H') && m[0] !== 'TREEPACK_REQUIRE') read.add(m[0]);
+      }
+    }
+    const documented = new Set(tableRows(section(backendsPage, 'Environment variables')).map((r) => /^`(TREEPACK_[A-Z_]+)/.exec(r[0])![1]));
+    expect([...documented].sort()).toEqual([...read].sort());
   });
 });
