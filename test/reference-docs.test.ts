@@ -15,11 +15,11 @@ import { undocumentedExports } from '../scripts/undocumented-exports.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
 import { BACKEND_NAMES, disposeBackends, listBackends } from '../src/backend/index.js';
 import { COMMANDS } from '../src/cli/commands.js';
-import { ERROR_CODES } from '../src/errors.js';
+import { ERROR_CODES, type TreepackError } from '../src/errors.js';
 import { DirectorySink } from '../src/io/directory-sink.js';
 import { readManifest } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
-import { readSafetensors, writeSafetensors } from '../src/io/safetensors.js';
+import { readSafetensors, writeSafetensors, type Tensor } from '../src/io/safetensors.js';
 import { packRecords, type PackerOptions } from '../src/packer/index.js';
 import { Service } from '../src/serve/index.js';
 import { cli } from './helpers/cli.js';
@@ -137,15 +137,15 @@ describe('format.md', () => {
     expect(format).toContain('| `cost_model` | object `{a, b}` |');
   });
 
+  // The reader is the authority on "required": the page must say yes exactly where it refuses a file without the name.
   it('required tensors and header keys are the ones a reader refuses to miss', () => {
-    const mb = readMicroBatch; // the reader is the authority on "required"
     const dir = mkdtempSync(join(tmpdir(), 'tp-refdocs-req-'));
     // The contract's table (its fourth column says required: yes or no), not the mask lowerings'.
     const tensorRows = tableRows(section(format, 'Tensors')).filter((r) => r[3] === 'yes' || r[3] === 'no');
     const headerRows = tableRows(section(format, 'Header metadata (`__metadata__`)'));
     // A valid one-sequence file, then each name left out in turn.
     const i32 = (xs: number[]) => ({ dtype: 'I32' as const, shape: [xs.length], data: Int32Array.from(xs) });
-    const tensors = new Map([
+    const tensors = new Map<string, Tensor>([
       ['input_ids', i32([5, 6])],
       ['position_ids', i32([0, 1])],
       ['parent', i32([-1, 0])],
@@ -157,10 +157,10 @@ describe('format.md', () => {
     const metadata: Record<string, string> = { format: 'treepack/1', num_sequences: '1', num_tokens_naive: '2', num_tokens_packed: '2', tokenizer: 't', sequence_ids: '["a"]' };
     const path = join(dir, 'mb.safetensors');
     writeSafetensors(path, tensors, metadata);
-    expect(mb(path).batch.input_ids).toEqual(Int32Array.from([5, 6]));
+    expect(readMicroBatch(path).batch.input_ids).toEqual(Int32Array.from([5, 6]));
     const refused = (t: Map<string, unknown>, m: Record<string, string>) => {
       writeSafetensors(path, t as typeof tensors, m);
-      return caught(() => mb(path))?.code === 'E_INPUT';
+      return (caught(() => readMicroBatch(path)) as TreepackError | undefined)?.code === 'E_INPUT';
     };
     for (const [name, , , required] of tensorRows) {
       const n = name.replace(/`/g, '');
@@ -180,7 +180,7 @@ describe('format.md', () => {
   it('a reader refuses a format it does not know, as the Versioning section says', () => {
     const dir = mkdtempSync(join(tmpdir(), 'tp-refdocs-ver-'));
     writeFileSync(join(dir, 'manifest.json'), JSON.stringify({ format: 'treepack/2', micro_batches: [] }));
-    const err = caught(() => readManifest(dir));
+    const err = caught(() => readManifest(dir)) as TreepackError | undefined;
     expect(err?.code).toBe('E_INPUT');
     expect(err?.message).toContain('format is "treepack/2", expected "treepack/1"');
     expect(format.replace(/\s+/g, ' ')).toContain('"format is "treepack/2", expected "treepack/1""');
