@@ -1,8 +1,9 @@
 /**
  * Writes the generated pages of docs/reference from their single sources (`npm run gen:docs`): the CLI reference
  * from the option table and the commands' --help, the error codes from src/errors.ts and the ABI's status table,
- * the Python API from its docstrings and signatures (scripts/python-api.py). With --check, writes nothing and exits
- * 1 when a page on disk differs; test/reference-docs.test.ts runs the same comparison.
+ * the OpenAPI document of `treepack serve` (scripts/openapi.ts), the Python API from its docstrings and signatures
+ * (scripts/python-api.py). With --check, writes nothing and exits 1 when a page on disk differs;
+ * test/reference-docs.test.ts runs the same comparison.
  */
 import { spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
@@ -13,6 +14,7 @@ import { DP, SERVE_PACKER_OPTIONS } from '../src/cli/serve.js';
 import { STATS_OPTIONS } from '../src/cli/stats.js';
 import { ERROR_CODES, EXIT_FAILURE, EXIT_OK, EXIT_USAGE } from '../src/errors.js';
 import { OPTION_TABLE, type OptionEntry } from '../src/packer/option-table.js';
+import { renderOpenApi } from './openapi.js';
 import { pythonEnv } from './python-env.mjs';
 
 const root = fileURLToPath(new URL('..', import.meta.url));
@@ -128,6 +130,7 @@ export function renderPythonApi(): string {
 export const GENERATED: readonly { path: string; render: () => string }[] = [
   { path: 'docs/reference/cli.md', render: renderCli },
   { path: 'docs/reference/errors.md', render: renderErrors },
+  { path: 'docs/reference/openapi.json', render: renderOpenApi },
   { path: 'docs/reference/python.md', render: renderPythonApi },
 ];
 
