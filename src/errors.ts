@@ -3,13 +3,39 @@
  * `where` (file:line, field) without parsing messages. The native addon receives this class at load time and
  * throws it too, so errors look the same whichever backend ran.
  */
-export type ErrorCode =
-  | 'E_INPUT' // malformed or inconsistent input data (JSON, lengths, values)
-  | 'E_ARG' // bad argument to an API call (or a bad value in a config file the CLI read)
-  | 'E_USAGE' // the command line itself: unknown option, malformed or missing option value
-  | 'E_LIMIT' // a size over a documented limit
-  | 'E_IO' // reading or writing files
-  | 'E_BACKEND'; // a backend could not be loaded or failed
+/**
+ * Every code a TreepackError carries, with what it means and what to do about it: the one table the TypeScript
+ * type, Python's treepack.errors (same strings) and docs/reference/errors.md (scripts/gen-docs.ts) are read from.
+ */
+export const ERROR_CODES = {
+  E_INPUT: {
+    meaning: 'malformed or inconsistent input data: JSON, lengths, values of a record, a micro-batch file or a manifest',
+    action: 'fix the input at the file, line, record and field the message names; a file of another run or version is refused here too',
+  },
+  E_ARG: {
+    meaning: 'a bad argument to an API call, or a bad value in a config file the CLI read',
+    action: 'pass a value of the kind the message names ("Expected <what> for <name> but received <value>")',
+  },
+  E_USAGE: {
+    meaning: 'the command line itself: unknown command or option, a malformed or missing option value (exit status 2)',
+    action: "run the command with --help; the message names the flag",
+  },
+  E_LIMIT: {
+    meaning: 'a size over a documented limit: more than 2^31 - 1 tokens, an output array larger than the backend can hold',
+    action: 'split the input (a token budget: --max-tokens), or use a backend with more memory',
+  },
+  E_IO: {
+    meaning: 'reading or writing files failed: missing, not permitted, no space, a read-only file system, another writer',
+    action: "fix the path or the file system the message names (it quotes the system's reason)",
+  },
+  E_BACKEND: {
+    meaning: 'a backend could not be loaded or failed while running (a missing addon, no GPU driver, a CUDA runtime error)',
+    action: 'run `treepack doctor` for what can run here and why not; choose another backend or rebuild the native parts',
+  },
+} as const satisfies Record<string, { meaning: string; action: string }>;
+
+/** The code of a TreepackError: one of ERROR_CODES (docs/reference/errors.md). */
+export type ErrorCode = keyof typeof ERROR_CODES;
 
 /**
  * The CLI's exit status, one table for every command: 0 success; 2 bad usage, i.e. what the command line alone
@@ -25,6 +51,7 @@ export function exitStatus(err: TreepackError): number {
   return err.code === 'E_USAGE' ? EXIT_USAGE : EXIT_FAILURE;
 }
 
+/** Where an error is: the file and line of the input, the record id, the field; each part when known. */
 export interface ErrorWhere {
   file?: string;
   line?: number;
@@ -32,6 +59,7 @@ export interface ErrorWhere {
   field?: string;
 }
 
+/** The one error class of treepack: `code` to branch on, `where` to point at, `detail` the message without the location. */
 export class TreepackError extends Error {
   readonly code: ErrorCode;
   readonly where: ErrorWhere;

@@ -8,6 +8,8 @@
  * The heavy parts are subpath exports, so importing the packer loads none of their dependencies:
  * `treepack/ops` (the kernels one at a time on a chosen backend, and the loss on a backend) and `treepack/serve`
  * (the recording gateway and trainer feed: fastify, ioredis, prom-client).
+ *
+ * @module treepack
  */
 export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
 export * from './pack/contract.js';

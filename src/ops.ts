@@ -3,6 +3,8 @@
  * (listBackends), an op's checked kernel on a named backend or the best one (resolveKernel), the loss on a backend
  * (computeLoss, computeLossCompact), how long its kernels took on the device (timeKernels), and the one teardown
  * (disposeBackends).
+ *
+ * @module treepack/ops
  */
 export {
   listBackends,

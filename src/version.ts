@@ -14,4 +14,5 @@ function packageVersion(): string {
   return '0.0.0';
 }
 
+/** The package version (package.json's). */
 export const VERSION = packageVersion();

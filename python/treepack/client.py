@@ -26,6 +26,9 @@ from .microbatch import TreepackError
 
 @dataclass
 class FeedMicroBatch:
+    """One micro-batch handed out by the trainer feed: its ``id``, its manifest ``entry`` (rank, step, ...), the
+    ``batch`` as a treepack.torch.PackedBatch, and ``ack()`` to acknowledge it."""
+
     id: str
     entry: Dict[str, Any]
     batch: Any  # treepack.torch.PackedBatch
@@ -86,6 +89,7 @@ class FeedClient:
         return FeedMicroBatch(id=entry["id"], entry=entry, batch=batch, client=self)
 
     def ack(self, id: str) -> Dict[str, Any]:
+        """Acknowledges micro-batch ``id`` (POST /v1/batches/{id}/ack): ``{id, step, step_done, trainer_version}``."""
         with self._request("POST", f"/v1/batches/{id}/ack", self.timeout) as res:
             return json.loads(res.read())
 

@@ -80,6 +80,7 @@ class LossConfig:
             setattr(self, k, v)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The config as a plain dict of its fields (JSON-serialisable; what `treepack loss --config` reads)."""
         return dataclasses.asdict(self)
 
 

@@ -70,6 +70,9 @@ _EXAMPLES = 5
 
 
 class SafetensorsFile(NamedTuple):
+    """A safetensors file as read: ``tensors`` by name (numpy arrays), their safetensors ``dtypes`` and the header
+    ``metadata`` (strings)."""
+
     tensors: Dict[str, np.ndarray]
     dtypes: Dict[str, str]  # the safetensors dtype names (BF16 and F8 arrays are raw bits)
     metadata: Dict[str, str]
@@ -177,6 +180,7 @@ class MicroBatch:
 
     @property
     def num_sequences(self) -> int:
+        """S, the number of sequences (``len(seq_offsets) - 1``)."""
         return len(self.seq_offsets) - 1
 
     def sequence(self, i: int) -> np.ndarray:

@@ -31,6 +31,9 @@ from .pack import pack_sequences
 
 @dataclass
 class MicroBatchPlan:
+    """One planned micro-batch: ``sequences`` (indices into the window's sequences, ascending), its ``groups`` in plan
+    order, packed, naive and trainable token counts, and where it runs: ``rank`` and ``step`` (0-based on its rank)."""
+
     sequences: np.ndarray  # int64, indices into the window's sequences, ascending
     groups: List[Hashable]  # in plan order
     packed_tokens: int
@@ -43,6 +46,10 @@ class MicroBatchPlan:
 
 @dataclass
 class Plan:
+    """A window's plan: ``micro_batches`` step-major (step 0 of ranks 0..dp-1, then step 1, ...), their summed
+    ``packed_tokens``, ``optimum_tokens`` (the window as one forest: the lower bound of any split), and the step's
+    naive and trainable tokens (what a global token-mean divides by) and sequences."""
+
     micro_batches: List[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
     packed_tokens: int  # Σ over micro-batches
     optimum_tokens: int  # the window as one forest: the lower bound of any split

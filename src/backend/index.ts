@@ -110,6 +110,7 @@ registerKernel('webgpu', 'maskBlocks', maskBlocksWebGPU);
 registerKernel('webgpu', 'loss', lossWebGPU);
 registerKernel('webgpu', 'lossCompact', lossCompactWebGPU);
 
+/** Overrides of how backends load (configureBackends): native addons to use instead of this package's builds. */
 export interface BackendOptions {
   /** The CPU addon to use instead of this package's build: a path to a `treepack.node`, or the loaded addon. */
   nativeBinding?: BindingSource<NativeBinding>;

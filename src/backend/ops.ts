@@ -27,6 +27,7 @@ const CHECKS: { [K in OpName]: Check<K> } = {
 /** Ops whose kernels return a promise: a failed check is then a rejection, as a kernel's own failure would be. */
 const SYNC_OPS: ReadonlySet<OpName> = new Set(['packForest']);
 
+/** An op resolved to a backend's kernel, with the report of why that backend. */
 export interface Resolved<K extends OpName> {
   backend: BackendName;
   /** The backend's kernel behind the op's checks. */
@@ -57,10 +58,12 @@ export async function resolveKernel<K extends OpName>(op: K, preferred?: Backend
   return { backend: found.backend, kernel: kernel as unknown as Kernels[K], report: found.report };
 }
 
+/** Which backend computeLoss runs on (default `auto`). */
 export interface LossOptions {
   backend?: BackendName | 'auto';
 }
 
+/** A loss result with the backend that computed it and why. */
 export interface LossRun extends LossResult {
   /** Which backend ran and why (the registry's report). */
   backend: BackendName;

@@ -14,6 +14,7 @@ interface Tally {
 
 const scope = new AsyncLocalStorage<Tally>();
 
+/** The result of a timed call and the time its kernels took, by op and backend. */
 export interface KernelTiming<T> {
   result: T;
   /** Wall time of `fn`, as the caller sees it. */

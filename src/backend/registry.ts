@@ -12,7 +12,9 @@ import type { BlockMask, TreeArrays } from '../mask/types.js';
 import { hostLimits, type OutputLimits } from '../mask/validate.js';
 import type { Forest, Sequences } from '../pack/contract.js';
 
+/** A backend: `cuda`, `webgpu`, `cpu` (the C++ core) or `js` (the reference). */
 export type BackendName = 'cuda' | 'webgpu' | 'cpu' | 'js';
+/** Every backend in the order `auto` tries them. */
 export const BACKEND_NAMES: readonly BackendName[] = ['cuda', 'webgpu', 'cpu', 'js'];
 
 /**
@@ -32,6 +34,7 @@ export interface Kernels {
   /** The same from a compact per-node plan (buildCompactPlan). */
   lossCompact: (plan: CompactPlan, lp: Float32Array, cfg: LossConfig) => Promise<LossResult>;
 }
+/** An op of the backend registry (packForest, the mask lowerings, loss, lossCompact). */
 export type OpName = keyof Kernels;
 
 /** What a backend can allocate, and for WebGPU the device limits behind it. */
@@ -55,6 +58,7 @@ export interface BackendEntry {
   software?: () => boolean;
 }
 
+/** What listBackends and `treepack doctor` say of a backend: available or not and why, its ops and limits. */
 export interface BackendStatus {
   name: BackendName;
   priority: number;

@@ -2,32 +2,8 @@
 /** The `treepack` command: dispatches to one module per subcommand and turns errors into exit codes. */
 import { disposeBackends } from '../backend/index.js';
 import { EXIT_OK, EXIT_USAGE, exitStatus, TreepackError } from '../errors.js';
-import { doctorCommand, DOCTOR_USAGE } from './doctor.js';
-import { lossCommand, LOSS_USAGE } from './loss.js';
-import { packCommand, PACK_USAGE } from './pack.js';
-import { serveCommand, SERVE_USAGE } from './serve.js';
-import { statsCommand, STATS_USAGE } from './stats.js';
+import { COMMANDS, USAGE } from './commands.js';
 import { VERSION } from '../version.js';
-
-const USAGE = `Usage: treepack <command> [options]
-
-Commands:
-  pack <input|->     pack rollouts into prefix-tree micro-batches (safetensors + manifest.json)
-  stats <input|->    report naive vs packed tokens, per group, and branch depths
-  doctor             which backends (cuda, webgpu, cpu, js) can run here, and why not
-  loss <mb>          RL loss, metrics and dloss/dlp of a dumped micro-batch and node logprobs
-  serve              recording gateway, slime rollout buffer and trainer feed in front of an engine
-  help [command]     help for a command
-
-Run 'treepack <command> --help' for a command's options. Version ${VERSION}.`;
-
-const commands: Record<string, { run: (argv: string[]) => Promise<number>; usage: string }> = {
-  pack: { run: packCommand, usage: PACK_USAGE },
-  stats: { run: statsCommand, usage: STATS_USAGE },
-  doctor: { run: doctorCommand, usage: DOCTOR_USAGE },
-  loss: { run: lossCommand, usage: LOSS_USAGE },
-  serve: { run: serveCommand, usage: SERVE_USAGE },
-};
 
 async function main(argv: string[]): Promise<number> {
   const [cmd, ...rest] = argv;
@@ -40,10 +16,10 @@ async function main(argv: string[]): Promise<number> {
     return EXIT_OK;
   }
   if (cmd === 'help') {
-    console.log(commands[rest[0]]?.usage ?? USAGE);
+    console.log(COMMANDS[rest[0]]?.usage ?? USAGE);
     return EXIT_OK;
   }
-  const command = commands[cmd];
+  const command = COMMANDS[cmd];
   if (!command) {
     console.error(`treepack: unknown command ${JSON.stringify(cmd)}\n\n${USAGE}`);
     return EXIT_USAGE;

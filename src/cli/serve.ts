@@ -6,8 +6,8 @@ import { int, optionEntry } from '../packer/option-table.js';
 import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
 
 /** The packer's options that serve takes as flags; its --dp is also the feed's ranks, so it is read apart. */
-const SERVE_PACKER_OPTIONS = (['tokenizer', 'backend', 'budget.maxTokens', 'budget.padMultiple', 'budget.prefixCacheTokens', 'advantages', 'merge.timelineCompareLevel'] as const).map(optionEntry);
-const DP = optionEntry('budget.dp');
+export const SERVE_PACKER_OPTIONS = (['tokenizer', 'backend', 'budget.maxTokens', 'budget.padMultiple', 'budget.prefixCacheTokens', 'advantages', 'merge.timelineCompareLevel'] as const).map(optionEntry);
+export const DP = optionEntry('budget.dp');
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR --tokenizer DIR|NAME [options]
 

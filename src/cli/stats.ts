@@ -13,7 +13,7 @@ import { resolveKernel } from '../backend/index.js';
 import type { Snap } from '../timeline/snap.js';
 
 /** The packer's options that change what stats measures: not those that shape only the written files. */
-const STATS_OPTIONS = OPTION_TABLE.filter((e) => !e.output);
+export const STATS_OPTIONS = OPTION_TABLE.filter((e) => !e.output);
 
 export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 

@@ -9,6 +9,7 @@ import { writeMicroBatch } from './microbatch.js';
 import { openPublish, type PublishRun } from './publish.js';
 import { manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch } from './sink.js';
 
+/** A sink that publishes a run into a directory atomically: micro-batch files, then manifest.json as the commit point. */
 export class DirectorySink implements Sink {
   readonly out: string;
   #run: PublishRun | undefined;

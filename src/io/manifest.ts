@@ -52,6 +52,7 @@ export function microBatchPaths(dir: string): string[] {
   return readManifest(dir).micro_batches.map((e) => join(dir, e.file));
 }
 
+/** A micro-batch of an output directory, with its manifest entry and path. */
 export interface DirectoryMicroBatch extends MicroBatchFile {
   entry: ManifestEntry;
   path: string;

@@ -39,6 +39,7 @@ export function parseMaskSpecs(text: string, option = '--masks'): MaskSpec[] {
 }
 
 
+/** Mask lowerings as micro-batch file content: tensors, header keys, and which backend built each. */
 export interface MaskTensors {
   tensors: Map<string, Tensor>;
   /** Extra header metadata: `block_size` when a block mask is present. */

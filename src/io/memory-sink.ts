@@ -2,6 +2,7 @@
 import { microBatchBytes } from './microbatch.js';
 import { MANIFEST_FILE, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch } from './sink.js';
 
+/** A sink that keeps the files in memory, byte for byte as DirectorySink writes them. */
 export class MemorySink implements Sink {
   /**
    * After commit: every file by name, manifest.json included. Micro-batch files are byte for byte as DirectorySink

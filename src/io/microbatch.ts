@@ -26,6 +26,7 @@ const CONTRACT_DTYPES: ReadonlyMap<string, Dtype> = new Map<string, Dtype>([
 ]);
 const OPTIONAL: ReadonlySet<string> = new Set(OPTIONAL_OCCURRENCE_FIELDS);
 
+/** A micro-batch file as read: the contract arrays, and the tensors and header keys outside the contract. */
 export interface MicroBatchFile {
   batch: MicroBatch;
   extra: Map<string, Tensor>;

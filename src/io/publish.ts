@@ -194,6 +194,7 @@ function readCommitted(out: string): Scan['committed'] {
 
 const highest = (s: Scan) => Math.max(s.committed.generation, ...s.gens, ...s.staging.keys(), 0);
 
+/** One run publishing into an output directory: files are staged, then committed with the manifest, or aborted. */
 export interface PublishRun {
   /** The output directory, as given. */
   readonly out: string;

@@ -7,9 +7,12 @@ import type { MicroBatch } from '../pack/contract.js';
 import type { CostModel } from '../pack/balance.js';
 import type { Tensor } from './safetensors.js';
 
+/** The `format` of manifest.json (docs/reference/format.md, "Versioning"). */
 export const MANIFEST_FORMAT = 'treepack/1';
+/** The manifest's file name in an output directory: where every reader starts. */
 export const MANIFEST_FILE = 'manifest.json';
 
+/** One micro-batch of manifest.json (docs/reference/format.md, "micro_batches entries"). */
 export interface ManifestEntry {
   file: string;
   sequences: number;
@@ -64,6 +67,7 @@ export interface Manifest {
   micro_batches: ManifestEntry[];
 }
 
+/** manifest.json without its micro-batch list: what a sink is given at commit. */
 export type ManifestHeader = Omit<Manifest, 'micro_batches'>;
 
 /** Tensors and header entries outside the contract that travel in a micro-batch's file (mask lowerings). */
@@ -72,12 +76,14 @@ export interface ExtraTensors {
   metadata: Readonly<Record<string, string>>;
 }
 
+/** What a sink is given per micro-batch: the batch, its mask lowerings and its manifest entry. */
 export interface SinkMicroBatch {
   batch: MicroBatch;
   masks?: ExtraTensors;
   entry: ManifestEntry;
 }
 
+/** Where a run's micro-batches go; nothing is published before `commit`. */
 export interface Sink {
   /** Prepares the destination; called once before the first write. */
   open(): void;
@@ -88,8 +94,10 @@ export interface Sink {
   abort(): void;
 }
 
+/** The file name of micro-batch `index`: microbatch-00000.safetensors. */
 export const microBatchFileName = (index: number): string => `microbatch-${String(index).padStart(5, '0')}.safetensors`;
 
+/** manifest.json as written: indented JSON and a final newline. */
 export function manifestBytes(manifest: Manifest): Uint8Array {
   return Buffer.from(JSON.stringify(manifest, null, 2) + '\n');
 }

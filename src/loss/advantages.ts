@@ -8,7 +8,9 @@
 import { describeValue, TreepackError, type ErrorWhere } from '../errors.js';
 import type { Sample } from '../records/types.js';
 
+/** The advantage estimators (`--advantages`), group-normalised per task. */
 export const ADVANTAGE_ESTIMATORS = ['grpo', 'dr-grpo', 'rloo', 'reinforce++-baseline'] as const;
+/** One of ADVANTAGE_ESTIMATORS. */
 export type AdvantageEstimator = (typeof ADVANTAGE_ESTIMATORS)[number];
 
 export interface AdvantageOptions {

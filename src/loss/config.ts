@@ -15,6 +15,7 @@ export type Aggregation = (typeof AGGREGATIONS)[number];
 export type KlEstimator = (typeof KL_ESTIMATORS)[number];
 export type TisLevel = (typeof TIS_LEVELS)[number];
 
+/** The loss configuration, as the C ABI, the CLI's `--config` and Python's LossConfig name its fields. */
 export interface LossConfig {
   /** `ppo`: clipped ratio (asymmetric ε, optional dual clip); `gspo`: sequence-level ratio; `cispo`: clipped, detached IS weight times lp. */
   policy: PolicyLoss;
@@ -47,6 +48,7 @@ export interface LossConfig {
   tis_cap: number;
 }
 
+/** The loss config a field left out takes; clip_high defaults to clip_low. */
 export const DEFAULT_LOSS_CONFIG: Readonly<LossConfig> = Object.freeze({
   policy: 'ppo',
   clip_low: 0.2,

@@ -9,6 +9,7 @@ export type LossBatch = Pick<MicroBatch, 'input_ids' | 'seq_offsets' | 'seq_posi
   seq_weight?: Float32Array;
 };
 
+/** The metrics of a loss computation, as the C ABI's tp_loss_metrics names them. */
 export interface LossMetrics {
   loss: number; // pg_loss + kl_coef · kl_loss
   pg_loss: number;
@@ -25,6 +26,7 @@ export interface LossMetrics {
   trainable_tokens: number;
 }
 
+/** A loss computation: the scalar loss, dloss/dlp per node, and the metrics. */
 export interface LossResult {
   loss: number;
   /** dloss/dlp [N]: the sum over every occurrence mapped to each node. */

@@ -14,6 +14,7 @@ import { checkMaskCall, hostLimits } from './validate.js';
 
 export { blockMaskBytes, numBlocks } from './sizes.js';
 
+/** The block-sparse tree mask in FlexAttention's BlockMask layout (docs/reference/format.md). */
 export function maskBlocks(tree: TreeArrays, blockSize: number = DEFAULT_BLOCK_SIZE): BlockMask {
   checkMaskCall('maskBlocks', tree, blockSize, hostLimits('js'));
   return lowerBlocks(tree, blockSize);

@@ -9,11 +9,13 @@ import { checkMaskCall, hostLimits } from './validate.js';
 
 export { bitsBytes, bitsWordsPerRow, denseBytes } from './sizes.js';
 
+/** The dense tree mask, uint8 [N, N] row-major: row q, column k is 1 iff k <= q < subtree_end[k]. */
 export function maskDense(tree: TreeArrays): Uint8Array {
   checkMaskCall('maskDense', tree, undefined, hostLimits('js'));
   return lowerDense(tree);
 }
 
+/** The tree mask bit-packed: uint32 [N, ceil(N/32)], bit k%32 of word k/32 of row q. */
 export function maskBits(tree: TreeArrays): Uint32Array {
   checkMaskCall('maskBits', tree, undefined, hostLimits('js'));
   return lowerBits(tree);

@@ -18,6 +18,7 @@ export function denseBytes(N: number): number {
   return N * N;
 }
 
+/** 32-bit words per row of the bit-packed mask. */
 export function bitsWordsPerRow(N: number): number {
   return Math.ceil(N / 32);
 }

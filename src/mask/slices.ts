@@ -29,6 +29,7 @@ class SliceList {
   }
 }
 
+/** The tree mask as MagiAttention range slices: int32 [K, 5] rows (q_start, q_end, k_start, k_end, kind). */
 export function maskSlices(tree: TreeArrays): Int32Array {
   checkMaskCall('maskSlices', tree, undefined, hostLimits('js'));
   return lowerSlices(tree);

@@ -27,8 +27,10 @@ export interface BlockMask {
 export const SLICE_COLUMNS = ['q_start', 'q_end', 'k_start', 'k_end', 'kind'] as const;
 /** Slice kinds, numbered as MagiAttention's attn_type_map: every pair visible, or `k <= q` (q and k ranges equal). */
 export const SLICE_FULL = 0;
+/** Slice kind: `k <= q` within the slice (q and k ranges equal). */
 export const SLICE_CAUSAL = 1;
 
+/** The block size of a block mask when none is given (FlexAttention's default). */
 export const DEFAULT_BLOCK_SIZE = 128;
 
 /** The mask ops of the backend registry. */

@@ -40,6 +40,7 @@ export function attentionPairs(position_ids: Int32Array): number {
 /** Attention pairs of a path of L nodes (depths 0..L-1): L(L+1)/2; a sequence alone, or its part below a shared prefix by difference. */
 export const pathPairs = (L: number): number => (L * (L + 1)) / 2;
 
+/** The cost of a micro-batch: `a` per packed token plus `b` per attention pair. */
 export const microBatchCost = (tokens: number, pairs: number, cost: CostModel): number => cost.a * tokens + cost.b * pairs;
 
 /** max ÷ mean of the per-rank loads (1 for no load at all: nothing is waiting on anything). */
@@ -52,6 +53,7 @@ export function imbalance(loads: ArrayLike<number>): number {
   return sum > 0 ? (max * loads.length) / sum : 1;
 }
 
+/** Which rank runs each micro-batch, and the cost per rank. */
 export interface RankAssignment {
   /** rank of each micro-batch */
   rank: Int32Array;

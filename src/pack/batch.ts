@@ -79,6 +79,7 @@ export interface AssembleOptions {
   turnIds?: boolean;
 }
 
+/** Packs `samples` into one micro-batch: their forest (by `opts.packForest`) plus the per-occurrence fields in input order. */
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
   const seqs = toSequences(samples);
   const forest = opts.packForest(seqs);

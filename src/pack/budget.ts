@@ -26,6 +26,7 @@ import { planPrefixRuns, type PrefixOp, type PrefixPlanStats } from './prefix.js
 import { refineBalance } from './refine.js';
 import { validateSequences } from './validate.js';
 
+/** How planMicroBatches cuts a window: the token budget, ranks, padding, cost model and prefix reuse. */
 export interface BudgetOptions {
   /** most packed tokens of a micro-batch, padding included */
   maxTokens: number;
@@ -53,6 +54,7 @@ export interface BudgetOptions {
   prefixBytesPerToken?: number;
 }
 
+/** One planned micro-batch: its sequences, tokens, rank and step (and its step-plan entry with prefix reuse). */
 export interface MicroBatchPlan {
   /** indices of the window's sequences, ascending (input order) */
   sequences: Int32Array;
@@ -73,6 +75,7 @@ export interface MicroBatchPlan {
   pushedTokens?: number;
 }
 
+/** The plan of a window: its micro-batches, step-major, and the figures the manifest reports. */
 export interface Plan {
   /** step-major: step 0 of ranks 0..K-1, then step 1, … */
   microBatches: MicroBatchPlan[];

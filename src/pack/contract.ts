@@ -19,8 +19,11 @@ export interface Forest {
   seq_positions: Int32Array; // [M] packed position of token t of sequence i at seq_offsets[i] + t
 }
 
+/** The per-node arrays of the contract, each [N] int32. */
 export const NODE_FIELDS = ['input_ids', 'position_ids', 'parent', 'subtree_end'] as const;
+/** The optional per-occurrence float arrays of the contract, each [M] float32. */
 export const OCCURRENCE_FLOAT_FIELDS = ['advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs'] as const;
+/** One of OCCURRENCE_FLOAT_FIELDS. */
 export type OccurrenceFloatField = (typeof OCCURRENCE_FLOAT_FIELDS)[number];
 /** Occurrence arrays a micro-batch may lack: the floats, and the turn ids of turn-level aggregation. */
 export const OPTIONAL_OCCURRENCE_FIELDS = [...OCCURRENCE_FLOAT_FIELDS, 'turn_ids'] as const;

@@ -4,6 +4,7 @@
  */
 export type LcpQuery = (a: number, b: number) => number;
 
+/** Longest common prefix of sorted sequences a and b in O(1), from the LCP array of adjacent ones (a sparse table). */
 export function lcpQuery(lcp: Int32Array): LcpQuery {
   const S = lcp.length;
   const table: Int32Array[] = [lcp];

@@ -9,8 +9,10 @@
  */
 import { argError } from '../errors.js';
 
+/** Which finished groups the trainer may take: in submission order within a window of `window` groups, or as they finish (`async`). */
 export type CollectorPolicy = { kind: 'windowed-fifo'; window: number } | { kind: 'async' };
 
+/** Takes finished groups for training in the order its policy allows. */
 export class Collector {
   private readonly finished: number[] = []; // completion order
   private readonly done = new Set<number>();
@@ -98,11 +100,13 @@ export class Collector {
   }
 }
 
+/** A group in a schedule simulation: when it was submitted and when it completed. */
 export interface SimulatedGroup {
   submitted: number;
   completed: number;
 }
 
+/** What a simulated schedule did: the batches it formed and how long groups waited. */
 export interface ScheduleReport {
   /** groups of each training batch, in the order taken, and the time the batch was formed */
   batches: { groups: number[]; time: number }[];

@@ -8,17 +8,20 @@ import { assembleMicroBatch, toSequences, type AssembleOptions } from './batch.j
 import { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './budget.js';
 import type { Forest, MicroBatch } from './contract.js';
 
+/** The options of packWindow: how to assemble micro-batches and how to cut them. */
 export interface WindowOptions extends AssembleOptions, BudgetOptions {
   /** token id of pad nodes; default 0 */
   padTokenId?: number;
 }
 
+/** A micro-batch of a window under a budget: the batch, its samples and its plan. */
 export interface BudgetedMicroBatch {
   batch: MicroBatch;
   samples: Sample[];
   plan: MicroBatchPlan;
 }
 
+/** Cuts a window of samples into micro-batches under a token budget and packs each. */
 export function packWindow(samples: readonly Sample[], opts: WindowOptions): { microBatches: BudgetedMicroBatch[]; plan: Plan } {
   const plan = planMicroBatches(toSequences(samples), opts, samples.map((s) => s.id));
   const microBatches = plan.microBatches.map((mb) => {

@@ -30,6 +30,7 @@ import { resolveTokenizer, TOKENIZER_HINT } from '../tokenize/tokenizer.js';
 import type { ResolvedOptions } from './options.js';
 import { reportOptions, type PackReport } from './report.js';
 
+/** One micro-batch of a run: the packed batch, its mask lowerings if asked for, and its manifest entry. */
 export interface PackedMicroBatch {
   /** position in the run, from 0: the manifest entry's index */
   index: number;

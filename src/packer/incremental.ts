@@ -86,6 +86,7 @@ export class Intake {
   }
 }
 
+/** A packer fed one record at a time (a service, a trainer loop): push records, then take the micro-batches they make. */
 export interface Packer {
   /** Queues a record (a TrainRecord, or one JSONL line's parsed object; a malformed one throws E_INPUT and is not taken). */
   push(record: unknown, source?: Partial<Source>): void;
@@ -98,6 +99,7 @@ export interface Packer {
   report(): PackReport;
 }
 
+/** A packer fed record by record, with the options of packRecords. */
 export function createPacker(options: PackerOptions = {}): Packer {
   const opts = resolveOptions(options);
   const core = new PackerCore(opts, emptyReport(options.name ?? '<stream>'));

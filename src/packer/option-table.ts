@@ -25,6 +25,7 @@ export interface ValueKind {
   resolve?(v: unknown, name: string): unknown;
 }
 
+/** Naive tokens gathered before the packer starts a new window at the next group (`--max-naive-tokens`). */
 export const DEFAULT_WINDOW_TOKENS = 4 * 1024 * 1024;
 
 export const isRecord = (v: unknown): v is Record<string, unknown> => typeof v === 'object' && v !== null && !Array.isArray(v);

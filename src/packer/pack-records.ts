@@ -13,8 +13,10 @@ import { Intake } from './incremental.js';
 import { resolveOptions, type PackerOptions } from './options.js';
 import { emptyReport, manifestHeader, type PackReport } from './report.js';
 
+/** What packRecords reads: a JSONL path, `-` for stdin, a Readable of JSONL, or an iterable of records or parsed JSON objects. */
 export type PackInput = string | Readable | Iterable<unknown> | AsyncIterable<unknown>;
 
+/** A packing run: iterate it for the micro-batches in memory, or write them to a sink; `report()` gives its figures. */
 export interface PackRun extends AsyncIterable<PackedMicroBatch> {
   /** The run's figures so far; complete once iteration has finished. */
   report(): PackReport;
@@ -25,6 +27,7 @@ export interface PackRun extends AsyncIterable<PackedMicroBatch> {
   writeTo(sink: Sink): Promise<Manifest>;
 }
 
+/** Packs the records of `input` into prefix-tree micro-batches with `options` (the packer's option table, docs/reference/cli.md): the library form of `treepack pack`. */
 export function packRecords(input: PackInput, options: PackerOptions = {}): PackRun {
   const opts = resolveOptions(options);
   const jsonl = typeof input === 'string' || input instanceof Readable;

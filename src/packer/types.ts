@@ -13,6 +13,7 @@ import type { SnapSummary } from '../timeline/snap.js';
 import type { SegmentCacheStats } from '../tokenize/chat.js';
 import type { TextTokenizer } from '../tokenize/tokenizer.js';
 
+/** The token budget of the packer's micro-batches (`--max-tokens` and the options beside it). */
 export interface BudgetSettings {
   /** most packed tokens of a micro-batch, padding included */
   maxTokens: number;
@@ -31,6 +32,7 @@ export interface BudgetSettings {
   prefixBytesPerToken?: number;
 }
 
+/** The packer's options: one per row of the option table (docs/reference/cli.md, "Packer options"), plus `name` and `onProgress`. */
 export interface PackerOptions {
   /**
    * Tokenizer directory (tokenizer.json + tokenizer_config.json) or a built-in's name (`'qwen3'`), loaded only for
@@ -83,6 +85,7 @@ export interface ResolvedOptions {
   turnIds: boolean;
 }
 
+/** The counters of a packing run: what `treepack stats --json` and the manifest's header show. */
 export interface PackReport {
   /** the input's name: its path, `-` for stdin, else the `name` option or `<stream>` */
   input: string;

@@ -6,6 +6,7 @@ export interface Source {
   line: number;
 }
 
+/** A tool call of an assistant message, as OpenAI's chat format writes it. */
 export interface ToolCall {
   id?: string;
   type?: string;
@@ -42,6 +43,7 @@ export interface ChatRecord {
 
 /** Who wrote a timeline message: the policy (`llm`, trainable) or the context around it. */
 export type Author = 'llm' | 'user' | 'env' | 'tool' | 'system' | 'initialization';
+/** Every author, in the order the merge options list them. */
 export const AUTHORS: readonly Author[] = ['llm', 'user', 'env', 'tool', 'system', 'initialization'];
 
 /** A token sequence ready for packing: per-token arrays all as long as `tokens`. */
@@ -70,4 +72,5 @@ export interface Sample {
   source: Source;
 }
 
+/** A record as read: a chat call or a pre-tokenized sample. */
 export type TrainRecord = ChatRecord | Sample;

@@ -34,6 +34,7 @@ export class PackerUnavailable extends PoolError {
   }
 }
 
+/** How the trainer feed forms and hands out steps: policy, groups per step, ranks, lease. */
 export interface FeedOptions {
   policy: CollectorPolicy;
   /** groups per step: a step is formed only when this many are takeable */
@@ -66,6 +67,7 @@ interface Step {
   done: boolean;
 }
 
+/** A micro-batch handed to a trainer: its id (for the ack), its file bytes and its manifest entry. */
 export interface Handout {
   id: string;
   bytes: Uint8Array;

@@ -7,6 +7,7 @@ import type { PackerOptions } from '../packer/index.js';
 import { resolveOptions as resolvePackerOptions } from '../packer/options.js';
 import type { CollectorPolicy } from '../pack/schedule.js';
 
+/** The options of `treepack serve` (docs/reference/cli.md), as the library takes them. */
 export interface ServiceOptions {
   /** the engine's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 */
   engineUrl: string;

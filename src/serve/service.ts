@@ -19,6 +19,7 @@ import type { ChatEncoder } from '../tokenize/chat.js';
 
 export { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
 
+/** `treepack serve` as a library: the recording core behind its HTTP routes (docs/reference/http.md). */
 export class Service {
   readonly app: FastifyInstance;
 
@@ -81,6 +82,7 @@ export class Service {
   }
 }
 
+/** Creates a service (replaying its log) and starts listening; returns it and its URL. */
 export async function startService(options: ServiceOptions): Promise<{ service: Service; url: string }> {
   const service = await Service.create(options);
   try {

@@ -43,6 +43,7 @@ function contextAuthor(m: ChatMessage, i: number): Author {
   }
 }
 
+/** The timeline of a chat record: its messages and response encoded through `encoder`, the response trainable. */
 export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts: ResolvedMergeOptions): Built {
   const where = (field: string) => ({ file: record.source.file, line: record.source.line, record: record.id, field });
   const messages = [...record.messages, record.response];

@@ -20,6 +20,7 @@ import { mergeDefaults, type MergeOptions, type ResolvedMergeOptions, type Timel
 import { detectSnaps, type Snap } from './snap.js';
 import { buildTrie, visitMessages, type Trie } from './trie.js';
 
+/** What a timeline merge did: timelines in, samples out, absorbed timelines, drifted messages and snaps. */
 export interface MergeReport {
   timelines: number; // in
   samples: number; // out
@@ -29,6 +30,7 @@ export interface MergeReport {
   snaps: Snap[]; // with detectTimelineSnap
 }
 
+/** The samples a timeline merge produced and its report. */
 export interface MergeResult {
   samples: Sample[];
   report: MergeReport;

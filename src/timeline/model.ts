@@ -9,6 +9,7 @@ import type { Author, Source } from '../records/types.js';
 export type { Author } from '../records/types.js';
 export { AUTHORS } from '../records/types.js';
 
+/** One message of a timeline: its author, text, tokens and per-token loss mask and logprobs. */
 export interface TimelineMessage {
   author: Author;
   role: string; // '' for messages of pre-tokenized samples, which carry tokens only
@@ -25,6 +26,7 @@ export interface TimelineMessage {
   logprobs?: Float32Array;
 }
 
+/** The ordered messages of one call, with the ids of the record, its group and episode: what the timeline merge compares. */
 export interface Timeline {
   id: string;
   group: string;
@@ -57,6 +59,7 @@ export interface MergeOptions {
 
 export type ResolvedMergeOptions = Required<MergeOptions>;
 
+/** The merge options with their defaults filled in; a bad value throws E_ARG naming it. */
 export function mergeDefaults(o: MergeOptions = {}): ResolvedMergeOptions {
   const level = o.timelineCompareLevel;
   if (level !== undefined && level !== 'text' && level !== 'token') throw argError('timelineCompareLevel', "'text' or 'token'", level);

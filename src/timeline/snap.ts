@@ -15,6 +15,7 @@ import type { Trie } from './trie.js';
  */
 export type SnapKind = 'system' | 'truncation' | 'rollback' | 'rewrite';
 
+/** A context that extends no earlier context of its episode: where it happened, of what kind, and the tokens it costs. */
 export interface Snap {
   episode: string;
   agent?: string;

@@ -50,6 +50,7 @@ interface Segment {
   trainableTo: number;
 }
 
+/** Encodes chat calls through a tokenizer's chat template into per-message token ids, caching the tokens of repeated message segments. */
 export class ChatEncoder {
   readonly tokenizer: TextTokenizer;
   private readonly vocabSize: number | undefined;

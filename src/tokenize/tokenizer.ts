@@ -15,6 +15,7 @@ import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
 
+/** A tokenizer with its chat template: what loadTokenizer returns and the packer encodes chat records with. */
 export interface TextTokenizer {
   /** Written into micro-batch headers so a trainer can check it loads the same vocabulary. */
   readonly name: string;

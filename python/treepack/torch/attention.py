@@ -73,6 +73,7 @@ class TreeMask(BlockMask):
 
     @property
     def ndim(self) -> int:
+        """Refuses: a model with recurrent layers reads it only when treepack.torch.prepare has not made it tree-aware."""
         # transformers reads a mask's ndim to build its recurrent layers' padding mask: a TreeMask gets there only in
         # a hybrid model that treepack.torch.prepare has not made tree-aware (its hook hands the layers the TreeMask).
         raise NotTreeAware("E_ARG", "this model has recurrent layers: call treepack.torch.prepare(model) before passing it a TreeMask "

@@ -51,14 +51,17 @@ class PackedBatch:
 
     @property
     def num_nodes(self) -> int:
+        """N, the packed length (nodes, padding included)."""
         return int(self.input_ids.shape[0])
 
     @property
     def num_sequences(self) -> int:
+        """S, the number of sequences."""
         return int(self.seq_offsets.shape[0]) - 1
 
     @property
     def num_occurrences(self) -> int:
+        """M, the number of (sequence, token) occurrences: the naive token count."""
         return int(self.seq_positions.shape[0])
 
     @property
@@ -74,6 +77,7 @@ class PackedBatch:
 
     @property
     def device(self) -> torch.device:
+        """The device the tensors are on."""
         return self.input_ids.device
 
     def _map(self, fn: Any) -> "PackedBatch":
@@ -88,6 +92,7 @@ class PackedBatch:
         return PackedBatch(**values)
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "PackedBatch":
+        """A copy with every tensor moved to ``device`` (as ``torch.Tensor.to``)."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "PackedBatch":
@@ -222,6 +227,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return len(self.entries)
 
     def files(self) -> List[str]:
+        """The micro-batch files, in manifest order (paths joined to the directory)."""
         return [os.path.join(self.directory, *e["file"].split("/")) for e in self.entries]
 
     def __iter__(self) -> Iterator[PackedBatch]:

@@ -32,6 +32,9 @@ from .models import check_dense, prepare
 
 
 class NodeScores(NamedTuple):
+    """Node scores of a packed forward: ``logprobs`` [N] and ``entropy`` [N] (or None) of the distribution predicting
+    each node, NaN where not scored, and the scored ``nodes`` (int64, ascending)."""
+
     logprobs: torch.Tensor  # float32 (or the hidden states' dtype if float64) [N]; NaN where not scored
     entropy: Optional[torch.Tensor]  # [N], the entropy of the distribution that predicts node p; NaN where not scored
     nodes: torch.Tensor  # int64 [K], the scored nodes, ascending

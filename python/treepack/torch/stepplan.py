@@ -74,6 +74,10 @@ def step_op(batch: PackedBatch) -> StepOp:
 
 @dataclass
 class StepResult:
+    """What run_step_plan returns: per micro-batch ``losses`` and node ``logprobs`` (detached; NaN where not scored),
+    the tokens computed with grad (``computed_tokens``, popped segments included) and pushed without it
+    (``pushed_tokens``), and the most cached at once (``peak_cached_tokens``, ``peak_cached_bytes``)."""
+
     losses: List[torch.Tensor]  # per micro-batch, detached
     logprobs: List[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
     computed_tokens: int  # nodes run with grad: micro-batches' own nodes plus every popped segment
@@ -161,6 +165,7 @@ class StepPlanRunner:
 
     @property
     def depth(self) -> int:
+        """The depth of the cached prefix stack: tokens held cached for the next micro-batch."""
         return self.stack[-1].end if self.stack else 0
 
     def _forward(self, forest: PackedBatch, rows: int) -> Any:
