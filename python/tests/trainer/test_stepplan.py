@@ -77,8 +77,9 @@ def chain_of(batch, h: int) -> Tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
 
-@needs_torch(transformers=True)
-class StepPlanTest(unittest.TestCase):
+class Checks:
+    """The comparison of a planned execution with the unsplit forest (mixed into the test classes)."""
+
     def reference(self, model, seqs, data):
         model.zero_grad(set_to_none=True)
         batch = assemble(seqs, data, range(len(seqs)))
@@ -112,14 +113,6 @@ class StepPlanTest(unittest.TestCase):
             self.assertTrue(torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}")
         return res
 
-    def trunk(self, seed=0):
-        r = random.Random(seed)
-        tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
-        stem = tok(12)
-        mid_a, mid_b = stem + tok(5), stem + tok(6)
-        seqs = [mid_a + tok(3), mid_a + tok(4), mid_a[:-2] + tok(3), mid_b + tok(2), mid_b + tok(5), stem[:7] + tok(4), tok(5)]
-        return seqs
-
     def sorted_groups(self, seqs, sizes):
         order = sorted(range(len(seqs)), key=lambda i: seqs[i])
         out, at = [], 0
@@ -127,6 +120,17 @@ class StepPlanTest(unittest.TestCase):
             out.append(order[at : at + s])
             at += s
         return out
+
+
+@needs_torch(transformers=True)
+class StepPlanTest(Checks, unittest.TestCase):
+    def trunk(self, seed=0):
+        r = random.Random(seed)
+        tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(12)
+        mid_a, mid_b = stem + tok(5), stem + tok(6)
+        seqs = [mid_a + tok(3), mid_a + tok(4), mid_a[:-2] + tok(3), mid_b + tok(2), mid_b + tok(5), stem[:7] + tok(4), tok(5)]
+        return seqs
 
     def test_split_at_branch_points_and_inside_segments(self):
         seqs = self.trunk()
@@ -226,7 +230,7 @@ class StepPlanTest(unittest.TestCase):
 
         seqs = self.trunk()
         groups = self.sorted_groups(seqs, [2, 1, 2, 2])
-        extend = stepplan._PrefixAttention.extend
+        extend = stepplan._Prefix.extend
 
         def blind(self_, module, query, key, value):
             q, k, v = extend(self_, module, query, key, value)
@@ -235,12 +239,12 @@ class StepPlanTest(unittest.TestCase):
             v[:, :, : self_.rows] = 0
             return q, k, v
 
-        stepplan._PrefixAttention.extend = blind
+        stepplan._Prefix.extend = blind
         try:
             with self.assertRaises(AssertionError):
                 self.check("qwen3", seqs, groups, [0, 9, 4, 0])
         finally:
-            stepplan._PrefixAttention.extend = extend
+            stepplan._Prefix.extend = extend
 
     def test_refusals(self):
         seqs = self.trunk()
@@ -268,19 +272,21 @@ class StepPlanTest(unittest.TestCase):
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "layer_types")
 
-    def test_hybrid_models_are_refused_by_name(self):
-        """Recurrent layers' prefix state is not carried yet: every hybrid family the tree attention runs is refused
-        before anything runs, naming the layer."""
-        from test_hybrid import FAMILIES, hybrid_model
+    def test_unsupported_token_mixers_are_refused_by_name(self):
+        """A token mixer whose prefix state the executor does not carry (a short convolution) is refused before
+        anything runs, naming the layer and its class."""
+        import transformers
 
+        cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, layer_types=["full_attention", "conv"], max_position_embeddings=128)
+        model = transformers.Lfm2ForCausalLM(cfg).double().eval()
+        model.set_attn_implementation("treepack")
         seqs = self.trunk()
         b = assemble(seqs, occurrence_data(seqs, seed=8), self.sorted_groups(seqs, [2])[0])
-        for family in FAMILIES:
-            with self.subTest(family=family):
-                with self.assertRaises(TreepackError) as e:
-                    tpt.run_step_plan(hybrid_model(family), [b], loss_fn)
-                self.assertIn(e.exception.field, ("layer_types", "model"))
-                self.assertRegex(str(e.exception), r"recurrent|not softmax attention")
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "model")
+        self.assertRegex(str(e.exception), r"layer 1 .*Lfm2ShortConv")
 
     def test_header_keys_load_and_check(self):
         import os
@@ -313,6 +319,120 @@ class StepPlanTest(unittest.TestCase):
         ops = plan_ops([chain_of(b0, 4), chain_of(b1, 4)])
         heads = [assemble(seqs, data, g, {"prefix_tokens": str(o[0]), "prefix_push": str(o[1]), "prefix_release": str(o[2])}) for g, o in zip(groups, ops)]
         self.assertEqual([tuple(tpt.step_op(b)) for b in heads], [(o[0], list(o[1]), o[2]) for o in ops])
+
+
+HYBRID_VOCAB = 61  # test_hybrid's tiny configs
+
+
+def lcp(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@needs_torch(transformers=True)
+class HybridStepPlanTest(Checks, unittest.TestCase):
+    """Recurrent layers in the step plan: a cached segment holds each recurrent layer's last K-1 convolution inputs
+    and its final state; branches start from them and their gradients flow back through the pops. Tiny float64 hybrids
+    of test_hybrid (float64 casts throughout), against the unsplit forest run packed in one piece; the forest crosses
+    the 64-token chunk grid, and cuts 1 token apart make cached segments shorter than the convolution kernel."""
+
+    FAMILIES = ("qwen3_5", "nemotron_h")  # Gated DeltaNet + attention, Mamba2 + attention (+ MLP layers)
+
+    def model(self, family):
+        from test_hybrid import hybrid_model
+
+        return hybrid_model(family)
+
+    def forest(self, seed=0):
+        r = random.Random(seed)
+        tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(70)
+        seqs = [stem[:p] + tok(r.randrange(2, 6)) for p in (2, 3, 30, 63, 64, 66)]
+        return seqs + [stem + tok(4), stem + tok(3), stem[:40], tok(6)]
+
+    def one_per_sequence(self, seqs):
+        """Sorted, one micro-batch per sequence hanging at its common prefix with the previous one: cuts at every
+        branch point, cached segments of 1 token (cuts at 2, 3), a stack several segments deep."""
+        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        hangs = [lcp(seqs[groups[m - 1][0]], seqs[g[0]]) if m else 0 for m, g in enumerate(groups)]
+        return groups, hangs
+
+    def test_split_at_branch_points_inside_segments_and_at_several_depths(self):
+        seqs = self.forest()
+        groups, hangs = self.one_per_sequence(seqs)
+        self.assertGreaterEqual(sum(1 for h in hangs if h), 6)
+        for family in self.FAMILIES:
+            model = self.model(family)
+            with self.subTest(family=family, cut="branch points"):
+                res = self.check(family, seqs, groups, hangs, model=model)
+                self.assertGreater(res.pushed_tokens, 0)
+                self.assertGreaterEqual(res.peak_cached_tokens, 66)
+            with self.subTest(family=family, cut="inside segments"):
+                # Pairs of sorted sequences hanging below their common prefix (0, 3, 40, 63, 66), off every branch point:
+                # 1 inside [0, 2), 35 inside [30, 40), 50 inside [40, 63), 65 inside [64, 66).
+                pairs = self.sorted_groups(seqs, [2] * 5)
+                inside = [0, 1, 35, 50, 65]
+                common = [min(lcp(seqs[g[0]], seqs[i]) for i in g) for g in pairs]
+                self.assertTrue(all(h < c or h == c == 0 for h, c in zip(inside, common)), common)
+                self.check(family, seqs, pairs, inside, model=model)
+
+    def test_one_prefix_feeds_many_micro_batches(self):
+        r = random.Random(4)
+        tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(67)
+        seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
+        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        hangs = [67 if seqs[g[0]][:67] == stem else 5 for g in groups]
+        for family in self.FAMILIES:
+            with self.subTest(family=family):
+                res = self.check(family, seqs, groups, hangs, model=self.model(family))
+                self.assertEqual(res.peak_cached_tokens, 67)
+                self.assertEqual(res.pushed_tokens, 67)  # the stem, pushed once for all eight
+
+    def test_every_family(self):
+        """The other families whose recurrent layers the executor carries, through the same cuts: Qwen3-Next,
+        OLMo-Hybrid, Qwen3.5-MoE (Gated DeltaNet), Kimi Linear (KDA, MLA attention), Bamba, Granite-4 hybrid,
+        Falcon-H1 (attention and Mamba2 in one layer), Zamba2 (a shared attention block) (Mamba2)."""
+        seqs = self.forest(1)
+        groups, hangs = self.one_per_sequence(seqs)
+        for family in ("qwen3_next", "olmo_hybrid", "qwen3_5_moe", "kimi_linear", "bamba", "granitemoehybrid", "falcon_h1", "zamba2"):
+            with self.subTest(family=family):
+                self.check(family, seqs, groups, hangs, model=self.model(family))
+
+    def test_without_the_cached_state_the_result_differs(self):
+        """Negative control: the same plan with each recurrent layer's cached state and convolution inputs replaced by
+        zeros (the attention still reads its cached keys) differs from the unsplit forest."""
+        from treepack.torch import stepplan
+
+        seqs = self.forest()
+        groups, hangs = self.one_per_sequence(seqs)
+        state, tail = stepplan._Prefix.state, stepplan._Prefix.tail
+        for blind in ("state", "tail"):
+            for family in self.FAMILIES:
+                with self.subTest(family=family, zeroed=blind):
+                    if blind == "state":
+                        stepplan._Prefix.state = lambda self_, key: torch.zeros_like(state(self_, key))
+                    else:
+                        stepplan._Prefix.tail = lambda self_, key, t: torch.zeros_like(tail(self_, key, t))
+                    try:
+                        with self.assertRaises(AssertionError):
+                            self.check(family, seqs, groups, hangs, model=self.model(family))
+                    finally:
+                        stepplan._Prefix.state, stepplan._Prefix.tail = state, tail
+
+    def test_refusals(self):
+        seqs = self.forest()
+        model = self.model("qwen3_5")
+        data = occurrence_data(seqs, seed=3)
+        groups = self.sorted_groups(seqs, [3, 2, 3, 2])
+        b = assemble(seqs, data, groups[1])
+        with self.assertRaises(TreepackError) as e:  # its second sequence branches off above the cached chain's end
+            c = lcp(seqs[groups[1][0]], seqs[groups[1][1]])
+            tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(c + 1, [c + 1], 1)])
+        self.assertEqual(e.exception.field, "prefix_tokens")
+        tpt.prepare(model, chunk_align=True)
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "chunk_align")
 
 
 if __name__ == "__main__":
