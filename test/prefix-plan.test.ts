@@ -208,7 +208,9 @@ describe('treepack stats: the step-plan table', () => {
 const py = pythonFor('test/prefix-plan.test.ts', 'torch');
 
 describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch', () => {
-  it('gives the unsplit forest\'s loss, logprobs and gradients (float64, tiny Qwen3), computing what the manifest says', { timeout: 600_000 }, () => {
+  // Qwen3 (attention only), Qwen3.5 (Gated DeltaNet + attention), Nemotron-H (Mamba2 + attention + MLP layers): the
+  // recurrent layers' cached states at the planner's cuts (every branch of a micro-batch hangs from its chain's end).
+  it.each(['qwen3', 'qwen3_5', 'nemotron_h'])('gives the unsplit forest\'s loss, logprobs and gradients (float64, tiny %s), computing what the manifest says', { timeout: 600_000 }, (family) => {
     const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-'));
     const r = rng(3);
     const tok = (n: number) => Array.from({ length: n }, () => Math.floor(r() * 90));
@@ -226,7 +228,7 @@ describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch
     const out = join(dir, 'out');
     const packed = cli(['pack', join(dir, 'in.jsonl'), '--out', out, '--max-tokens', '40', '--prefix-reuse', '1000', '--dp', '2', '--advantages', 'none', '--quiet']);
     expect(packed.code, packed.stderr).toBe(0);
-    const res = py.run([join(pythonTests, 'trainer', 'stepplan_dir.py'), out], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    const res = py.run([join(pythonTests, 'trainer', 'stepplan_dir.py'), out, family], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
     expect(res.status, res.stderr.slice(-4000)).toBe(0);
     const got = JSON.parse(res.stdout.trim().split('\n').pop()!);
     expect(got.same_sequences).toBe(true);

@@ -97,11 +97,12 @@ def _sharing_configs():
     }
 
 
-def hybrid_model(family: str, float64: bool = True, attn: str = "treepack", seed: int = 0):
+def hybrid_model(family: str, float64: bool = True, attn: str = "treepack", seed: int = 0, vocab: int = VOCAB):
     """A tiny random-weight model of the family's real transformers class (eval mode), float64 with float64 casts
     or the stock float32 code; ``family`` one of ``FAMILIES`` or of the families sharing their layers."""
     cls_name, cfg = {**_configs(), **_sharing_configs()}[family]
     cfg = copy.deepcopy(cfg)
+    cfg.vocab_size = vocab
     cfg._experts_implementation = "eager"  # grouped_mm has no float64
     mod = float64_modeling(family) if float64 else importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(seed)
