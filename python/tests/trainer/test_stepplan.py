@@ -113,6 +113,44 @@ class Checks:
             self.assertTrue(torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}")
         return res
 
+    def check_entropy(self, model, seqs, groups, hangs, temperature=0.7):
+        """``StepPlanRunner.forward`` / ``release`` as a trainer calls them (it back-propagates itself), with entropies
+        (a loss term of them) and a temperature: per-token logprobs and entropies, the loss and every gradient of the
+        unsplit forest's ``packed_logprobs(entropy=True, temperature=...)``."""
+        data = occurrence_data(seqs, seed=len(seqs) + 1)
+
+        def objective(lp, ent, batch):
+            return loss_fn(lp, batch) + 0.05 * tpt.gather_occurrences(ent, batch)[batch.loss_mask].sum()
+
+        model.zero_grad(set_to_none=True)
+        whole = assemble(seqs, data, range(len(seqs)))
+        ref = tpt.packed_logprobs(model, whole, attention="block", entropy=True, temperature=temperature)
+        ref_loss = objective(ref.logprobs, ref.entropy, whole)
+        ref_loss.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        batches = [assemble(seqs, data, g) for g in groups]
+        ops = [tpt.StepOp(*o) for o in plan_ops([chain_of(b, h) for b, h in zip(batches, hangs)])]
+        model.zero_grad(set_to_none=True)
+        runner = tpt.StepPlanRunner(model, attention="block", block_size=4, temperature=temperature, entropy=True)
+        total, lp, ent = 0.0, {}, {}
+        for b, op in zip(batches, ops):
+            scores = runner.forward(b, op)
+            loss = objective(scores.logprobs, scores.entropy, b)
+            loss.backward()
+            runner.release()
+            total += float(loss.detach())
+            lp.update(per_sequence(scores.logprobs.detach(), b))
+            ent.update(per_sequence(scores.entropy.detach(), b))
+        runner.finish()
+        self.assertAlmostEqual(total, float(ref_loss.detach()), delta=1e-10 * max(1.0, abs(float(ref_loss.detach()))))
+        for got, want in ((lp, per_sequence(ref.logprobs.detach(), whole)), (ent, per_sequence(ref.entropy.detach(), whole))):
+            self.assertEqual(sorted(got), sorted(want))
+            for sid in want:
+                np.testing.assert_allclose(got[sid], want[sid], atol=1e-10, rtol=0, err_msg=f"sequence {sid}")
+        for n, p in model.named_parameters():
+            self.assertTrue(torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), f"{n}: max diff {float((p.grad - ref_grads[n]).abs().max()):.3g}")
+
     def sorted_groups(self, seqs, sizes):
         order = sorted(range(len(seqs)), key=lambda i: seqs[i])
         out, at = [], 0
@@ -189,6 +227,19 @@ class StepPlanTest(Checks, unittest.TestCase):
         chains = [seqs[g[0]] for g in groups]
         hangs = [min(len(chains[0]), 10), 8, 0]
         self.check("qwen3", seqs, groups, hangs, attention="dense")
+
+    def test_entropy_temperature_and_gradient_checkpointing(self):
+        seqs = self.trunk()
+        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        for family in ("qwen3", "llama"):
+            with self.subTest(family=family, what="entropy"):
+                self.check_entropy(tiny_model(family, torch.float64, vocab=VOCAB), seqs, groups, [0, 9, 4, 0])
+        with self.subTest(what="gradient checkpointing"):
+            # Checkpointed layers re-run in the backward, reading the cache without capturing anything twice.
+            model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
+            model.gradient_checkpointing_enable()
+            model.train()
+            self.check("qwen3", seqs, groups, [0, 9, 4, 0], model=model)
 
     def test_packed_loss_per_micro_batch(self):
         """With PackedLoss (the C kernel, float32 inside) as each micro-batch's loss, the planned execution gives what
@@ -397,6 +448,18 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
         for family in ("qwen3_next", "olmo_hybrid", "qwen3_5_moe", "kimi_linear", "bamba", "granitemoehybrid", "falcon_h1", "zamba2"):
             with self.subTest(family=family):
                 self.check(family, seqs, groups, hangs, model=self.model(family))
+
+    def test_entropy_and_gradient_checkpointing(self):
+        seqs = self.forest()
+        groups, hangs = self.one_per_sequence(seqs)
+        for family in self.FAMILIES:
+            with self.subTest(family=family, what="entropy"):
+                self.check_entropy(self.model(family), seqs, groups, hangs)
+            with self.subTest(family=family, what="gradient checkpointing"):
+                model = self.model(family)
+                model.gradient_checkpointing_enable()
+                model.train()
+                self.check(family, seqs, groups, hangs, model=model)
 
     def test_without_the_cached_state_the_result_differs(self):
         """Negative control: the same plan with each recurrent layer's cached state and convolution inputs replaced by

@@ -36,7 +36,7 @@ import torch
 from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
-from .logprobs import _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
+from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers
 
 # config.layer_types whose layers mix tokens by softmax attention only (or not at all).
@@ -98,15 +98,17 @@ class _Segment:
     attention layer its keys and values, per recurrent layer its last convolution inputs and final state; the final
     hidden states and node logprobs)."""
 
-    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: Dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor) -> None:
+    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: Dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor,
+                 ent: Optional[torch.Tensor]) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos = ids, pos
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
+        self.ent = None if ent is None else leaf(ent)
 
     def leaves(self) -> List[torch.Tensor]:
-        return list(self.cache.values()) + [self.hidden, self.lp]
+        return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
 
     def nbytes(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self.leaves())  # each leaf and its gradient
@@ -121,8 +123,11 @@ class _Prefix:
     def __init__(self, stack: List[_Segment], rows: int) -> None:
         self.stack, self.rows = stack, rows
         self.captured: Dict[Key, torch.Tensor] = {}
+        self.closed = False  # the forward has returned: what layers re-run now (checkpointing) is not captured
 
     def keep(self, key: Key, tensor: torch.Tensor) -> None:
+        if self.closed:
+            return
         if key in self.captured:
             raise TreepackError("E_ARG", f"{key} was reported twice in one forward: the step plan cannot tell which layer's cache is which", field="layer_idx")
         self.captured[key] = tensor
@@ -180,12 +185,21 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
 
 
 class StepPlanRunner:
-    """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form)."""
+    """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form): ``run(batch,
+    loss_fn)`` per micro-batch, then ``finish()``. A trainer that computes and back-propagates the loss itself (TRL)
+    calls ``forward(batch)`` (its pushes and forward: scores connected to the cached leaves), back-propagates, then
+    ``release()`` (its pops). ``temperature`` divides the logits; ``entropy`` also returns (and caches) entropies."""
 
-    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
+                 temperature: float = 1.0, entropy: bool = False) -> None:
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != "treepack":
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
+        if not temperature > 0:
+            raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise TreepackError("E_ARG", "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
+                                f"(final_logit_softcapping = {model.config.final_logit_softcapping})", field="final_logit_softcapping")
         check_model(model)
         prepare(model)  # recurrent layers run on the tree (idempotent)
         for name, m in model.named_modules():
@@ -193,10 +207,12 @@ class StepPlanRunner:
             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
                 raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs equal (call model.eval() or set p = 0)", field="dropout")
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
+        self.temperature, self.entropy = float(temperature), entropy
         self.recurrent = bool(token_mixers(model)[0])
         self.head, self.base = _head_and_base(model)
         self.stack: List[_Segment] = []
         self.keys: Optional[List[Key]] = None  # what every forward caches: fixed by the first one
+        self.pending: Optional[int] = None  # segments the micro-batch forwarded last pops at release()
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
 
     @property
@@ -209,6 +225,7 @@ class StepPlanRunner:
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
         mask.prefix = ctx = _Prefix(self.stack, rows)
         out = self.base(input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False)
+        ctx.closed = True  # gradient checkpointing re-runs layers in the backward: they read the cache, capture nothing
         keys = sorted(ctx.captured, key=repr)
         if self.keys is None:
             if not keys:
@@ -218,22 +235,27 @@ class StepPlanRunner:
             raise TreepackError("E_ARG", f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward", field="layer_idx")
         return out.last_hidden_state[0], ctx.captured
 
+    def _scores(self, hidden: torch.Tensor, forest: PackedBatch, nodes: torch.Tensor) -> Any:
+        s = packed_logprobs(hidden, forest, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head, entropy=self.entropy, temperature=self.temperature)
+        return s.logprobs, s.entropy
+
     def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> Any:
         """Chain nodes [start, start + n) on the stack: what each layer caches for them, hidden states and node
-        logprobs (from the parent's hidden state, the stack's top row for the first node; a root has none: 0)."""
+        logprobs and entropies (from the parent's hidden state, the stack's top row for the first node; a root has
+        none: 0)."""
         chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]))
         hidden, cache = self._forward(chain, start)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
-        nodes = torch.arange(max(start, 1), chain.num_nodes, device=ids.device)
-        lp = packed_logprobs(full, chain, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head).logprobs[start:]
-        return cache, hidden, torch.nan_to_num(lp, nan=0.0)
+        lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
+        zero = lambda t: None if t is None else torch.nan_to_num(t[start:], nan=0.0)  # noqa: E731
+        return cache, hidden, zero(lp), zero(ent)
 
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.depth
         ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
         with torch.no_grad():
-            cache, hidden, lp = self._segment_pass(ids, pos, start)
-        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp))
+            cache, hidden, lp, ent = self._segment_pass(ids, pos, start)
+        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent))
         self.pushed += end - start
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
@@ -242,17 +264,15 @@ class StepPlanRunner:
         seg = self.stack.pop()
         if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
-        cache, hidden, lp = self._segment_pass(seg.ids, seg.pos, seg.start)
+        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.start)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
+        if ent is not None:
+            pairs.append((ent, seg.ent.grad))
         pairs = [(t, g) for t, g in pairs if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.computed += seg.end - seg.start
 
-    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
-        """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
-        releases. Returns (loss, logprobs [N]), detached."""
-        op = step_op(batch) if op is None else op
-        check_vocabulary(self.model, batch)
+    def _check(self, batch: PackedBatch, op: StepOp) -> None:
         h, N = op.prefix_tokens, batch.num_nodes
         if h > N:
             raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
@@ -275,38 +295,66 @@ class StepPlanRunner:
         ends = [depth] + op.push
         if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
             raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}", field="prefix_push")
+        if op.release > len(self.stack) + len(op.push):
+            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments", field="prefix_release")
+
+    def forward(self, batch: PackedBatch, op: Optional[StepOp] = None) -> NodeScores:
+        """One micro-batch's pushes and forward: ``NodeScores`` of its trainable nodes ([N], NaN elsewhere), the
+        cached chain's own nodes taking the scores computed at push (their leaves gather the gradient). Back-propagate
+        the loss, then call ``release()``."""
+        if self.pending is not None:
+            raise TreepackError("E_ARG", "the previous micro-batch was not released: call release() after its backward", field="release")
+        op = step_op(batch) if op is None else op
+        check_vocabulary(self.model, batch)
+        self._check(batch, op)
         for end in op.push:
             self._push(batch, end)
-        if op.release > len(self.stack):
-            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack holds {len(self.stack)} segments", field="prefix_release")
-
+        self.pending = op.release
+        h, N = op.prefix_tokens, batch.num_nodes
+        targets = scored_nodes(batch)
         if N == 0:  # an empty step (ranks are padded to equal step counts): nothing to run or to score
-            for _ in range(op.release):
-                self._pop()
-            return torch.zeros((), dtype=torch.float64), torch.zeros(0)
+            empty = torch.zeros(0, dtype=torch.float64)
+            return NodeScores(empty, empty if self.entropy else None, targets)
         if N > h:
             hidden = self._forward(batch, h)[0]
         else:  # every node is cached (sequences that end on the chain): only the loss runs
             hidden = self.stack[-1].hidden.new_zeros((0, self.stack[-1].hidden.shape[1]))
         full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
-        targets = scored_nodes(batch)
-        new = targets[targets >= h]
-        lp = packed_logprobs(full, batch, chunk_size=self.chunk_size, nodes=new, lm_head=self.head).logprobs
+        lp, ent = self._scores(full, batch, targets[targets >= h])
         if h:
-            # The chain's own nodes take the logprobs computed at push (their leaves gather the gradient).
-            cached = torch.cat([s.lp for s in self.stack])[:h]
             old = targets[targets < h]
-            lp = lp.index_put((old,), cached[old])
-        loss = loss_fn(lp, batch)
+            lp = lp.index_put((old,), torch.cat([s.lp for s in self.stack])[old])
+            if ent is not None:
+                ent = ent.index_put((old,), torch.cat([s.ent for s in self.stack])[old])
+        self.computed += N - h
+        return NodeScores(lp, ent, targets)
+
+    def release(self) -> None:
+        """The pops of the micro-batch forwarded last (after its loss was back-propagated): each segment recomputed
+        with grad and back-propagated with the gradients its leaves gathered."""
+        if self.pending is None:
+            raise TreepackError("E_ARG", "release() without a forwarded micro-batch", field="release")
+        for _ in range(self.pending):
+            self._pop()
+        self.pending = None
+
+    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
+        """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
+        releases. Returns (loss, logprobs [N]), detached."""
+        scores = self.forward(batch, op)
+        if batch.num_nodes == 0:
+            self.release()
+            return torch.zeros((), dtype=torch.float64), scores.logprobs
+        loss = loss_fn(scores.logprobs, batch)
         if loss.requires_grad:
             loss.backward()
-        self.computed += N - h
-        for _ in range(op.release):
-            self._pop()
-        return loss.detach(), lp.detach()
+        self.release()
+        return loss.detach(), scores.logprobs.detach()
 
     def finish(self) -> None:
         """Checks the plan released every prefix (a step's plan leaves nothing cached)."""
+        if self.pending is not None:
+            self.release()
         if self.stack:
             depth = self.depth
             while self.stack:
