@@ -89,6 +89,7 @@ def main(path: str, family: str = "qwen3") -> None:
         "computed_tokens": stats["computed"],
         "pushed_tokens": stats["pushed"],
         "peak_cached_tokens": stats["peak"],
+        "pad_tokens": sum(b.num_pad_tokens for b in batches),
         "manifest": {k: manifest.get(k) for k in ("optimum_tokens", "computed_tokens", "pushed_tokens", "peak_cached_tokens")},
     }))
 
