@@ -73,6 +73,16 @@ def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
     return out
 
 
+def sorted_groups(seqs, sizes) -> List[List[int]]:
+    """Consecutive runs of the given sizes of the sequences in sorted (DFS) order."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    out, at = [], 0
+    for s in sizes:
+        out.append(order[at : at + s])
+        at += s
+    return out
+
+
 def chain_of(batch, h: int) -> Tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
@@ -151,14 +161,6 @@ class Checks:
         for n, p in model.named_parameters():
             self.assertTrue(torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), f"{n}: max diff {float((p.grad - ref_grads[n]).abs().max()):.3g}")
 
-    def sorted_groups(self, seqs, sizes):
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i])
-        out, at = [], 0
-        for s in sizes:
-            out.append(order[at : at + s])
-            at += s
-        return out
-
 
 @needs_torch(transformers=True)
 class StepPlanTest(Checks, unittest.TestCase):
@@ -175,7 +177,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         for family in ("qwen3", "llama"):
             with self.subTest(family=family, cut="branch points"):
                 # One micro-batch per sequence (sorted), each hanging from the prefix it shares with the previous one.
-                groups = self.sorted_groups(seqs, [1] * len(seqs))
+                groups = sorted_groups(seqs, [1] * len(seqs))
                 hangs = []
                 for m, g in enumerate(groups):
                     prev = seqs[groups[m - 1][0]] if m else []
@@ -186,7 +188,7 @@ class StepPlanTest(Checks, unittest.TestCase):
             with self.subTest(family=family, cut="branch points, one block per forest"):
                 self.check(family, seqs, groups, hangs, block_size=128)
             with self.subTest(family=family, cut="inside a segment, several depths"):
-                groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+                groups = sorted_groups(seqs, [2, 1, 2, 2])
                 hangs = [0, 9, 4, 0]  # 9 and 4: inside the shared stem, not at a branch point
                 self.check(family, seqs, groups, hangs)
 
@@ -195,7 +197,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
         stem = tok(20)
         seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
-        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        groups = sorted_groups(seqs, [1] * len(seqs))
         hangs = [20 if len(seqs[g[0]]) > 20 and seqs[g[0]][:20] == stem else 5 for g in groups]
         for family in ("qwen3", "llama"):
             with self.subTest(family=family):
@@ -223,14 +225,14 @@ class StepPlanTest(Checks, unittest.TestCase):
     def test_dense_mode_and_prefix_only_sequence(self):
         seqs = self.trunk(1)
         seqs.append(seqs[0][:10])  # a sequence that lies inside the cached chain
-        groups = self.sorted_groups(seqs, [3, 3, 2])
+        groups = sorted_groups(seqs, [3, 3, 2])
         chains = [seqs[g[0]] for g in groups]
         hangs = [min(len(chains[0]), 10), 8, 0]
         self.check("qwen3", seqs, groups, hangs, attention="dense")
 
     def test_entropy_temperature_and_gradient_checkpointing(self):
         seqs = self.trunk()
-        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
         for family in ("qwen3", "llama"):
             with self.subTest(family=family, what="entropy"):
                 self.check_entropy(tiny_model(family, torch.float64, vocab=VOCAB), seqs, groups, [0, 9, 4, 0])
@@ -247,7 +249,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         seqs = self.trunk(3)
         model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=7)
-        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
         batches = [assemble(seqs, data, g) for g in groups]
         cfg = {"clip_low": 0.2, "clip_high": 0.28}
         packed = lambda lp, b: tpt.packed_loss(lp, b, cfg)[0]  # noqa: E731
@@ -272,7 +274,7 @@ class StepPlanTest(Checks, unittest.TestCase):
 
         model = build("gpt_oss", window=5)[0]
         seqs = self.trunk(2)
-        self.check("gpt_oss", seqs, self.sorted_groups(seqs, [2, 1, 2, 2]), [0, 9, 4, 0], model=model)
+        self.check("gpt_oss", seqs, sorted_groups(seqs, [2, 1, 2, 2]), [0, 9, 4, 0], model=model)
 
     def test_without_the_cached_prefix_the_result_differs(self):
         """Negative control: the same planned micro-batches with the cached keys/values replaced by zeros (the branches
@@ -280,7 +282,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         from treepack.torch import stepplan
 
         seqs = self.trunk()
-        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
         extend = stepplan._Prefix.extend
 
         def blind(self_, module, query, key, value):
@@ -301,7 +303,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         seqs = self.trunk()
         model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=2)
-        b = assemble(seqs, data, self.sorted_groups(seqs, [2])[0])
+        b = assemble(seqs, data, sorted_groups(seqs, [2])[0])
         with self.assertRaises(TreepackError) as e:  # hangs from a prefix nobody pushed
             tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(5, [], 0)])
         self.assertEqual(e.exception.field, "prefix_push")
@@ -333,7 +335,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         model = transformers.Lfm2ForCausalLM(cfg).double().eval()
         model.set_attn_implementation("treepack")
         seqs = self.trunk()
-        b = assemble(seqs, occurrence_data(seqs, seed=8), self.sorted_groups(seqs, [2])[0])
+        b = assemble(seqs, occurrence_data(seqs, seed=8), sorted_groups(seqs, [2])[0])
         with self.assertRaises(TreepackError) as e:
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "model")
@@ -364,7 +366,7 @@ class StepPlanTest(Checks, unittest.TestCase):
         seqs = self.trunk()
         model = tiny_model("llama", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=4)
-        groups = self.sorted_groups(seqs, [3, 4])
+        groups = sorted_groups(seqs, [3, 4])
         b0 = assemble(seqs, data, groups[0])
         b1 = assemble(seqs, data, groups[1])
         ops = plan_ops([chain_of(b0, 4), chain_of(b1, 4)])
@@ -377,6 +379,24 @@ HYBRID_VOCAB = 61  # test_hybrid's tiny configs
 
 def lcp(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def hybrid_forest(seed=0):
+    """A 70-token stem (past the 64-token chunk grid) with branches at 2, 3, 30, 63, 64, 66, a sequence ending inside
+    it (40) and an unrelated tree."""
+    r = random.Random(seed)
+    tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
+    stem = tok(70)
+    seqs = [stem[:p] + tok(r.randrange(2, 6)) for p in (2, 3, 30, 63, 64, 66)]
+    return seqs + [stem + tok(4), stem + tok(3), stem[:40], tok(6)]
+
+
+def one_per_sequence(seqs):
+    """Sorted, one micro-batch per sequence hanging at its common prefix with the previous one: cuts at every branch
+    point, cached segments of 1 token (cuts at 2, 3), a stack several segments deep."""
+    groups = sorted_groups(seqs, [1] * len(seqs))
+    hangs = [lcp(seqs[groups[m - 1][0]], seqs[g[0]]) if m else 0 for m, g in enumerate(groups)]
+    return groups, hangs
 
 
 @needs_torch(transformers=True)
@@ -393,23 +413,9 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
 
         return hybrid_model(family)
 
-    def forest(self, seed=0):
-        r = random.Random(seed)
-        tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
-        stem = tok(70)
-        seqs = [stem[:p] + tok(r.randrange(2, 6)) for p in (2, 3, 30, 63, 64, 66)]
-        return seqs + [stem + tok(4), stem + tok(3), stem[:40], tok(6)]
-
-    def one_per_sequence(self, seqs):
-        """Sorted, one micro-batch per sequence hanging at its common prefix with the previous one: cuts at every
-        branch point, cached segments of 1 token (cuts at 2, 3), a stack several segments deep."""
-        groups = self.sorted_groups(seqs, [1] * len(seqs))
-        hangs = [lcp(seqs[groups[m - 1][0]], seqs[g[0]]) if m else 0 for m, g in enumerate(groups)]
-        return groups, hangs
-
     def test_split_at_branch_points_inside_segments_and_at_several_depths(self):
-        seqs = self.forest()
-        groups, hangs = self.one_per_sequence(seqs)
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
         self.assertGreaterEqual(sum(1 for h in hangs if h), 6)
         for family in self.FAMILIES:
             model = self.model(family)
@@ -420,7 +426,7 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
             with self.subTest(family=family, cut="inside segments"):
                 # Pairs of sorted sequences hanging below their common prefix (0, 3, 40, 63, 66), off every branch point:
                 # 1 inside [0, 2), 35 inside [30, 40), 50 inside [40, 63), 65 inside [64, 66).
-                pairs = self.sorted_groups(seqs, [2] * 5)
+                pairs = sorted_groups(seqs, [2] * 5)
                 inside = [0, 1, 35, 50, 65]
                 common = [min(lcp(seqs[g[0]], seqs[i]) for i in g) for g in pairs]
                 self.assertTrue(all(h < c or h == c == 0 for h, c in zip(inside, common)), common)
@@ -431,7 +437,7 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
         tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
         stem = tok(67)
         seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
-        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        groups = sorted_groups(seqs, [1] * len(seqs))
         hangs = [67 if seqs[g[0]][:67] == stem else 5 for g in groups]
         for family in self.FAMILIES:
             with self.subTest(family=family):
@@ -443,15 +449,15 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
         """The other families whose recurrent layers the executor carries, through the same cuts: Qwen3-Next,
         OLMo-Hybrid, Qwen3.5-MoE (Gated DeltaNet), Kimi Linear (KDA, MLA attention), Bamba, Granite-4 hybrid,
         Falcon-H1 (attention and Mamba2 in one layer), Zamba2 (a shared attention block) (Mamba2)."""
-        seqs = self.forest(1)
-        groups, hangs = self.one_per_sequence(seqs)
+        seqs = hybrid_forest(1)
+        groups, hangs = one_per_sequence(seqs)
         for family in ("qwen3_next", "olmo_hybrid", "qwen3_5_moe", "kimi_linear", "bamba", "granitemoehybrid", "falcon_h1", "zamba2"):
             with self.subTest(family=family):
                 self.check(family, seqs, groups, hangs, model=self.model(family))
 
     def test_entropy_and_gradient_checkpointing(self):
-        seqs = self.forest()
-        groups, hangs = self.one_per_sequence(seqs)
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
         for family in self.FAMILIES:
             with self.subTest(family=family, what="entropy"):
                 self.check_entropy(self.model(family), seqs, groups, hangs)
@@ -466,8 +472,8 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
         zeros (the attention still reads its cached keys) differs from the unsplit forest."""
         from treepack.torch import stepplan
 
-        seqs = self.forest()
-        groups, hangs = self.one_per_sequence(seqs)
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
         state, tail = stepplan._Prefix.state, stepplan._Prefix.tail
         for blind in ("state", "tail"):
             for family in self.FAMILIES:
@@ -483,10 +489,10 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
                         stepplan._Prefix.state, stepplan._Prefix.tail = state, tail
 
     def test_refusals(self):
-        seqs = self.forest()
+        seqs = hybrid_forest()
         model = self.model("qwen3_5")
         data = occurrence_data(seqs, seed=3)
-        groups = self.sorted_groups(seqs, [3, 2, 3, 2])
+        groups = sorted_groups(seqs, [3, 2, 3, 2])
         b = assemble(seqs, data, groups[1])
         with self.assertRaises(TreepackError) as e:  # its second sequence branches off above the cached chain's end
             c = lcp(seqs[groups[1][0]], seqs[groups[1][1]])
@@ -496,6 +502,108 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
         with self.assertRaises(TreepackError) as e:
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "chunk_align")
+
+
+class FakePrefix:
+    """The prefix protocol recurrent.py reads (README "Step plans"): ``rows`` cached nodes, their convolution inputs
+    and state per call key as given; what the layer hands back is ``kept``."""
+
+    def __init__(self, rows, cache=None):
+        self.rows, self.cache, self.kept = rows, cache or {}, {}
+
+    def tail(self, key, t):
+        return self.cache[key][:, :, -t:]
+
+    def state(self, key):
+        return self.cache[key]
+
+    def keep(self, key, tensor):
+        self.kept[key] = tensor
+
+
+def split_rule_diffs(device, dtype, float64=False):
+    """(function, max |split - whole| / max(|whole|, 1) over outputs and input gradients, the same with the
+    handed-over state or convolution tail zeroed) for the convolution and chunked rules transformers binds now (the pure-torch
+    references, or FLA / causal-conv1d / mamba-ssm where installed), on random per-node inputs: a forest run whole,
+    and run as its first 70 nodes (a chain) then the rest hanging from them, the chain's kept state and tail handed
+    over without detaching (so the rest's gradient reaches the chain through them: the kernels' dht). ``float64``:
+    the modeling modules with their float32 casts made float64 (test_hybrid.float64_modeling)."""
+    import importlib
+
+    from test_hybrid import float64_modeling
+
+    qwen, kimi, nemo = (float64_modeling(n) if float64 else importlib.import_module(f"transformers.models.{n}.modeling_{n}")
+                        for n in ("qwen3_5", "kimi_linear", "nemotron_h"))
+
+    from treepack.torch import recurrent
+
+    r = random.Random(7)
+    stem = [0] + [r.randrange(1, 50) for _ in range(69)]  # sorts before the unrelated root, so nodes [0, 70) are the stem
+    seqs = [stem + [r.randrange(50) for _ in range(n)] for n in (3, 5, 1)] + [[60, 1, 2, 3, 4, 5]]
+    batch = tpt.from_microbatch(pack_sequences(seqs)).to(device)
+    h, N = 70, batch.num_nodes
+    assert torch.equal(batch.parent[:h].cpu(), torch.arange(h) - 1) and set(batch.parent[h:].tolist()) & set(range(h)) <= {h - 1}
+    chain = tpt.from_microbatch(pack_sequences([stem])).to(device)
+    H, D = 2, 8
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(shape, generator=g).to(device, dtype)  # noqa: E731
+    beta, decay = torch.sigmoid(rnd(1, N, H)), -torch.rand((1, N, H), generator=g).to(device, dtype) * 0.1  # slow decay: the state matters
+    dt, A, w = rnd(1, N, H), -torch.rand(H, generator=g).to(device), rnd(3 * D, 4)
+    ones = torch.ones(H, device=device)
+    cases = {  # name: (function, how the layer calls it on node inputs, tree way, node dimension, inputs [1, N, ...] or [1, C, N])
+        "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, x: f(x, w, activation="silu"), recurrent.tree_conv, 2, [rnd(1, 3 * D, N)]),
+        "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg, beta=bb, use_qk_l2norm_in_kernel=True)[0],
+                                         recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
+        "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg[..., None].expand(q.shape), beta=bb,
+                                       use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
+        "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, x, d, b, c: f(x, d, A, b, c, chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True,
+                              dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1, [rnd(1, N, H, D), dt, rnd(1, N, 1, D), rnd(1, N, 1, D)]),
+    }
+    for name, (fn, apply, kind, dim, inputs) in cases.items():
+        def run(mask, prefix, xs):
+            mask.prefix = prefix
+            tree = recurrent.Tree(mask, False, name)
+            return apply(lambda *a, **kw: kind(fn, tree, *a, **kw), *xs)
+
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        whole = run(tpt.tree_mask(batch), None, leaves)
+        weight = torch.randn(whole.shape, generator=g).to(device, dtype)
+        want = [whole] + list(torch.autograd.grad((whole * weight).sum(), leaves))
+
+        def split(blind):
+            top = FakePrefix(0)
+            head = run(tpt.tree_mask(chain), top, [x.narrow(dim, 0, h) for x in leaves])
+            cache = {k: torch.zeros_like(v) if blind else v for k, v in top.kept.items()}
+            rest = run(tpt.tree_mask(batch), FakePrefix(h, cache), [x.narrow(dim, h, N - h) for x in leaves])
+            out = torch.cat([head, rest], dim)
+            return [out] + list(torch.autograd.grad((out * weight).sum(), leaves))
+
+        diff = lambda got: max(float((a - b).detach().abs().max() / max(float(b.abs().max()), 1.0)) for a, b in zip(got, want))  # noqa: E731
+        yield name, diff(split(False)), diff(split(True))
+
+
+@needs_torch(transformers=True)
+class SplitRules(unittest.TestCase):
+    def test_state_and_tail_handed_over_equal_the_whole_run(self):
+        """float64: a recurrent call split at a cached chain equals the whole run (outputs and input gradients), and
+        differs with the handed-over state / tail zeroed."""
+        for name, d, blind in split_rule_diffs(torch.device("cpu"), torch.float64, float64=True):
+            with self.subTest(fn=name):
+                self.assertLess(d, 1e-10)
+                self.assertGreater(blind, 1e-2)
+
+
+@needs_torch(transformers=True, cuda="the CUDA kernels transformers binds (FLA, causal-conv1d, mamba-ssm) need a CUDA device")
+class SplitRulesCuda(unittest.TestCase):
+    def test_cuda_kernels_take_the_state_and_its_gradient(self):
+        """bfloat16 (FLA refuses float32), whatever transformers binds on this host: the split run equals the whole
+        one up to bfloat16 rounding (initial_state in, the final state's gradient back), where zeroing the handed-over
+        state or tail differs by O(1)."""
+        for name, d, blind in split_rule_diffs(torch.device("cuda"), torch.bfloat16):
+            with self.subTest(fn=name):
+                print(f"\nCUDA bfloat16 {name} split at a cached chain: max diff {d:.3g}, state / tail zeroed {blind:.3g}")
+                self.assertLess(d, 5e-2)
+                self.assertGreater(blind, 10 * max(d, 1e-2))
 
 
 if __name__ == "__main__":
