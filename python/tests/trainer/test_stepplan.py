@@ -2,7 +2,12 @@
 give, in float64, the loss, per-token logprobs and every parameter gradient of the unsplit forest run in one
 piece (a float64 reference loss of the per-occurrence logprobs, summed over micro-batches as gradient accumulation
 sums them). Plans here are written by hand (``plan_ops``, the stack discipline of README "Step plans") so each cut
-is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches."""
+is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches.
+
+Hybrid models (Gated DeltaNet, KDA, Mamba2 layers, test_hybrid's tiny configs with float64 casts) the same way, their
+cached segments holding convolution tails and recurrent states; entropies, temperature and gradient checkpointing;
+negative controls with the cached keys, states or tails zeroed; each convolution / chunked rule split at a cached
+chain against its whole run (float64 here, bfloat16 through the CUDA kernels where a GPU is present)."""
 
 from __future__ import annotations
 
@@ -578,7 +583,7 @@ def split_rule_diffs(device, dtype, float64=False):
             out = torch.cat([head, rest], dim)
             return [out] + list(torch.autograd.grad((out * weight).sum(), leaves))
 
-        diff = lambda got: max(float((a - b).detach().abs().max() / max(float(b.abs().max()), 1.0)) for a, b in zip(got, want))  # noqa: E731
+        diff = lambda got: max(float((a - b).detach().abs().max() / max(float(b.detach().abs().max()), 1.0)) for a, b in zip(got, want))  # noqa: E731
         yield name, diff(split(False)), diff(split(True))
 
 
