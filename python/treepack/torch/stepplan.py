@@ -363,12 +363,13 @@ class StepPlanRunner:
 
 
 def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
-                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> StepResult:
+                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
+                  temperature: float = 1.0) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
     read from each batch's header; ``attention`` and ``block_size`` are ``tree_mask``'s (the block path skips the query
-    blocks that hold only cached rows)."""
-    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size)
+    blocks that hold only cached rows); ``temperature`` divides the logits."""
+    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature)
     losses, lps = [], []
     for i, batch in enumerate(batches):
         loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])
