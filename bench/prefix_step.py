@@ -4,7 +4,10 @@ forest in one micro-batch; the plain split (planMicroBatches without prefix reus
 trunk); the step plan with prefix reuse (treepack.torch.run_step_plan). Plans come from the TypeScript planner
 (`node dist/src/cli/main.js pack`), so this measures what a trainer would run. Prints one JSON line.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/prefix_step.py [--branches 220] [--repeats 3]
+    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/prefix_step.py [--branches 220] [--repeats 3] [--model qwen3_5]
+
+``--model qwen3_5``: the same width with Gated DeltaNet layers (linear attention, full attention, twice), whose
+cached segments hold convolution tails and recurrent states instead of keys/values.
 """
 
 from __future__ import annotations
@@ -46,11 +49,16 @@ def pack(seqs, out: str, max_tokens: int, prefix: bool):
     return manifest, [tpt.load_microbatch(os.path.join(dest, e["file"])) for e in manifest["micro_batches"]]
 
 
-def model_of(vocab: int):
-    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
+def model_of(vocab: int, family: str = "qwen3"):
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
-    m = transformers.Qwen3ForCausalLM(cfg)
+    if family == "qwen3_5":
+        cfg = transformers.Qwen3_5TextConfig(layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+                                             linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, **common)
+        m = transformers.Qwen3_5ForCausalLM(cfg)
+    else:
+        m = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     m.set_attn_implementation("treepack")
     return m.eval()
 
@@ -72,13 +80,14 @@ def main() -> None:
     ap.add_argument("--branches", type=int, default=220)
     ap.add_argument("--branch", type=int, default=14)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", choices=("qwen3", "qwen3_5"), default="qwen3")
     a = ap.parse_args()
     vocab = 2048
     seqs = workload(a.trunk, a.branches, a.branch, vocab)
     naive = sum(len(s) for s in seqs)
     tree = a.trunk + a.branches * a.branch
     T = -(-tree // 4)
-    model = model_of(vocab)
+    model = model_of(vocab, a.model)
     with tempfile.TemporaryDirectory() as d:
         os.makedirs(d + "/w")
         _, whole = pack(seqs, d + "/w", 1 << 30, False)
@@ -99,6 +108,7 @@ def main() -> None:
             results[name] = min(results[name], time.perf_counter() - t0)
     plain_tokens = sum(b.num_nodes for b in plain)
     print(json.dumps({
+        "model": a.model,
         "workload": {"trunk": a.trunk, "branches": a.branches, "branch": a.branch, "naive_tokens": naive, "tree_tokens": tree,
                      "compression": naive / tree, "max_tokens": T},
         "micro_batches": {"plain_split": len(plain), "prefix_plan": len(planned)},

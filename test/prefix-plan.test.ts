@@ -144,7 +144,34 @@ describe('prefix-reuse step plans', () => {
     expect(e).toBeInstanceOf(TreepackError);
     expect(e.code).toBe('E_ARG');
     expect(e.message).toMatch(/needs \d+ cached prefix tokens on rank 0 .*allows 50/);
-    expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 400, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(/padMultiple/);
+    expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 4, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(/pad multiple 8 is larger than the token budget 4/);
+  });
+
+  it('pads each micro-batch\'s computed nodes to a multiple of P within T: the plan of floor(T / P)·P, plus padding', () => {
+    for (const seed of [1, 2, 3]) {
+      const seqs = randomBatch(300 + seed, { maxLen: 30 });
+      for (const K of [1, 2]) {
+        for (const [T, P] of [[20, 8], [33, 4]]) {
+          const padded = planMicroBatches(csr(seqs), { maxTokens: T, padMultiple: P, dp: K, prefixCacheTokens: 1000 });
+          const plain = planMicroBatches(csr(seqs), { maxTokens: Math.floor(T / P) * P, dp: K, prefixCacheTokens: 1000 });
+          expect(content(seqs, padded)).toEqual(content(seqs, plain));
+          let pads = 0;
+          padded.microBatches.forEach((m, b) => {
+            const q = plain.microBatches[b];
+            const own = q.packedTokens - q.prefix!.tokens; // the nodes past the cached prefix, unpadded
+            expect(m.padTokens).toBe((P - (own % P)) % P);
+            expect(m.packedTokens).toBe(q.packedTokens + m.padTokens);
+            expect(m.computedTokens).toBe(own + m.padTokens);
+            expect(m.computedTokens! % P).toBe(0);
+            expect(m.computedTokens!).toBeLessThanOrEqual(T);
+            pads += m.padTokens;
+          });
+          expect(pads).toBeGreaterThan(0);
+          expect(padded.prefixReuse!.computedTokens).toBe(plain.prefixReuse!.computedTokens + pads);
+          expect(padded.prefixReuse!.pushedTokens).toBe(plain.prefixReuse!.pushedTokens);
+        }
+      }
+    }
   });
 
   it('writes and reads the step-plan header keys, all three or none, checked', () => {
@@ -208,7 +235,10 @@ describe('treepack stats: the step-plan table', () => {
 const py = pythonFor('test/prefix-plan.test.ts', 'torch');
 
 describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch', () => {
-  it('gives the unsplit forest\'s loss, logprobs and gradients (float64, tiny Qwen3), computing what the manifest says', { timeout: 600_000 }, () => {
+  // Qwen3 (attention only), Qwen3.5 (Gated DeltaNet + attention), Nemotron-H (Mamba2 + attention + MLP layers): the
+  // recurrent layers' cached states at the planner's cuts (every branch of a micro-batch hangs from its chain's end).
+  // Padded (--pad-multiple 4: pad roots after each micro-batch's computed nodes) for the hybrids.
+  it.each([['qwen3', 1], ['qwen3_5', 4], ['nemotron_h', 4]])('gives the unsplit forest\'s loss, logprobs and gradients (float64, tiny %s, pad multiple %i), computing what the manifest says', { timeout: 600_000 }, (family, pad) => {
     const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-'));
     const r = rng(3);
     const tok = (n: number) => Array.from({ length: n }, () => Math.floor(r() * 90));
@@ -224,9 +254,9 @@ describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch
     lines.push(JSON.stringify({ id: 'short', tokens: stem.slice(0, 20).concat([1, 2, 3]), group: 'g', advantages: new Array(23).fill(0.25) }));
     writeFileSync(join(dir, 'in.jsonl'), lines.join('\n') + '\n');
     const out = join(dir, 'out');
-    const packed = cli(['pack', join(dir, 'in.jsonl'), '--out', out, '--max-tokens', '40', '--prefix-reuse', '1000', '--dp', '2', '--advantages', 'none', '--quiet']);
+    const packed = cli(['pack', join(dir, 'in.jsonl'), '--out', out, '--max-tokens', '40', '--prefix-reuse', '1000', '--dp', '2', '--pad-multiple', String(pad), '--advantages', 'none', '--quiet']);
     expect(packed.code, packed.stderr).toBe(0);
-    const res = py.run([join(pythonTests, 'trainer', 'stepplan_dir.py'), out], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    const res = py.run([join(pythonTests, 'trainer', 'stepplan_dir.py'), out, family], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
     expect(res.status, res.stderr.slice(-4000)).toBe(0);
     const got = JSON.parse(res.stdout.trim().split('\n').pop()!);
     expect(got.same_sequences).toBe(true);
@@ -234,6 +264,7 @@ describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch
     expect(got.logprob_diff).toBeLessThan(1e-10);
     expect(got.grad_diff).toBeLessThan(1e-10);
     expect(got.pushed_tokens).toBeGreaterThan(0);
+    expect(got.pad_tokens > 0).toBe(pad > 1);
     expect({ computed_tokens: got.computed_tokens, pushed_tokens: got.pushed_tokens, peak_cached_tokens: got.peak_cached_tokens }).toEqual({
       computed_tokens: got.manifest.computed_tokens,
       pushed_tokens: got.manifest.pushed_tokens,

@@ -32,7 +32,7 @@ export interface BudgetOptions {
   maxTokens: number;
   /** data-parallel ranks: the number of micro-batches is a multiple of it; default 1 */
   dp?: number;
-  /** pad every micro-batch's packed length to a multiple of this; default 1 (no padding) */
+  /** pad every micro-batch's packed length (with prefix reuse: its computed nodes past the cached prefix) to a multiple of this; default 1 (no padding) */
   padMultiple?: number;
   cost?: CostModel;
   /** with dp > 1, move subtrees between micro-batches of different ranks to lower the slowest rank; default true */
@@ -70,7 +70,7 @@ export interface MicroBatchPlan {
   cost: number;
   /** with prefix reuse: the micro-batch's stack operations (its first prefix.tokens nodes are cached) */
   prefix?: PrefixOp;
-  /** with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens), and the prefix tokens pushed before it */
+  /** with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens, padding included), and the prefix tokens pushed before it */
   computedTokens?: number;
   pushedTokens?: number;
 }
@@ -328,10 +328,17 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves };
 }
 
-/** planMicroBatches with prefix reuse: the cut and stack operations of src/pack/prefix.ts, ranks padded to equal steps with empty micro-batches. */
+/**
+ * planMicroBatches with prefix reuse: the cut and stack operations of src/pack/prefix.ts, ranks padded to equal steps
+ * with empty micro-batches. With padMultiple P, a micro-batch's computed nodes (the ones past its cached prefix, what
+ * its forward runs) are padded to a multiple of P: the cut is planned under floor(T / P)·P computed tokens, so
+ * computed plus padding stays within T. Pushed and popped segments are not padded.
+ */
 function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: CostModel, ids?: readonly string[]): Plan {
-  const B = positiveInt('maxTokens', opts.maxTokens);
-  if ((opts.padMultiple ?? 1) !== 1) throw new TreepackError('E_ARG', 'padding (padMultiple > 1) is not supported with prefix reuse yet: a micro-batch computes only its nodes past the cached prefix');
+  const T = positiveInt('maxTokens', opts.maxTokens);
+  const P = positiveInt('padMultiple', opts.padMultiple ?? 1);
+  if (P > T) throw new TreepackError('E_ARG', `pad multiple ${P} is larger than the token budget ${T}: no micro-batch could hold a token`);
+  const B = Math.floor(T / P) * P;
   const runs = new Runs(seqs, cost);
   const S = runs.S;
   const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
@@ -345,14 +352,17 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
   const steps = Math.max(1, ...perRank);
   const loads = new Float64Array(K);
   const microBatches: MicroBatchPlan[] = new Array(steps * K);
+  let pads = 0;
   for (const p of planned.runs) {
     const sequences = Int32Array.from({ length: p.hi - p.lo }, (_, k) => runs.order[p.lo + k]).sort();
     let naive = 0;
     for (const i of sequences) naive += seqs.offsets[i + 1] - seqs.offsets[i];
     loads[p.rank] += p.cost;
+    const pad = roundUp(p.computed, P) - p.computed;
+    pads += pad;
     microBatches[p.step * K + p.rank] = {
-      sequences, rank: p.rank, step: p.step, naiveTokens: naive, packedTokens: runs.tokens(p.lo, p.hi), padTokens: 0,
-      attentionPairs: p.pairs, cost: p.cost, prefix: p.op, computedTokens: p.computed, pushedTokens: p.pushedTokens,
+      sequences, rank: p.rank, step: p.step, naiveTokens: naive, packedTokens: runs.tokens(p.lo, p.hi) + pad, padTokens: pad,
+      attentionPairs: p.pairs + pad, cost: p.cost, prefix: p.op, computedTokens: p.computed + pad, pushedTokens: p.pushedTokens,
     };
   }
   for (let b = 0; b < microBatches.length; b++) {
@@ -361,5 +371,6 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
       attentionPairs: 0, cost: 0, prefix: { tokens: 0, push: [], release: 0 }, computedTokens: 0, pushedTokens: 0,
     };
   }
-  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves: 0, prefixReuse: planned.stats };
+  const prefixReuse = { ...planned.stats, computedTokens: planned.stats.computedTokens + pads };
+  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves: 0, prefixReuse };
 }

@@ -1,8 +1,9 @@
 """Runs a packed directory written with ``treepack pack --prefix-reuse`` through the step-plan executor, rank by rank
 in step order, and the same sequences as one unsplit forest; prints JSON with the largest differences in loss,
-per-token logprobs and parameter gradients (float64, tiny Qwen3). Called by test/prefix-plan.test.ts.
+per-token logprobs and parameter gradients (float64, a tiny Qwen3 or, given FAMILY, a tiny hybrid of
+test_hybrid.py: qwen3_5, nemotron_h, ...). Called by test/prefix-plan.test.ts.
 
-    python stepplan_dir.py DIR
+    python stepplan_dir.py DIR [FAMILY]
 """
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ def per_sequence(lp, batch):
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, family: str = "qwen3") -> None:
     manifest = tpt.read_manifest(path)
     entries = manifest["micro_batches"]
     batches = [tpt.load_microbatch(os.path.join(path, e["file"])) for e in entries]
     vocab = 1 + max(int(b.input_ids.max()) for b in batches if b.num_nodes)
-    model = tiny_model("qwen3", torch.float64, vocab=max(vocab, 8))
+    if family == "qwen3":
+        model = tiny_model("qwen3", torch.float64, vocab=max(vocab, 8))
+    else:
+        from test_hybrid import hybrid_model
+
+        model = hybrid_model(family, vocab=max(vocab, 8))
 
     # The unsplit forest of every sequence, with the occurrence fields the files carry.
     seqs, fields = [], {"loss_mask": [], "advantages": []}
@@ -83,9 +89,10 @@ def main(path: str) -> None:
         "computed_tokens": stats["computed"],
         "pushed_tokens": stats["pushed"],
         "peak_cached_tokens": stats["peak"],
+        "pad_tokens": sum(b.num_pad_tokens for b in batches),
         "manifest": {k: manifest.get(k) for k in ("optimum_tokens", "computed_tokens", "pushed_tokens", "peak_cached_tokens")},
     }))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

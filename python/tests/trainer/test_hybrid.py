@@ -30,14 +30,15 @@ VOCAB = 61
 
 
 def float64_modeling(name: str) -> types.ModuleType:
-    """transformers.models.<name>.modeling_<name> executed again with every float32 cast a float64 one (and the
-    modeling modules it imports classes from, e.g. Nemotron-H's Zamba2 gated norm), as a separate module."""
+    """transformers.models.<name>.modeling_<name> executed again with every float32 cast (``torch.float32``,
+    ``torch.float``, ``.float()``) a float64 one (and the modeling modules it imports classes from, e.g. Nemotron-H's
+    Zamba2 gated norm), as a separate module."""
     full = f"transformers.models.{name}.modeling_{name}"
     key = full + "_float64"
     if key in sys.modules:
         return sys.modules[key]
     stock = importlib.import_module(full)
-    code = inspect.getsource(stock).replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    code = re.sub(r"\btorch\.float(32)?\b", "torch.float64", inspect.getsource(stock)).replace(".float()", ".double()")
     for other in sorted(set(re.findall(r"from \.\.\.models\.(\w+)\.modeling_\w+ import", code))):
         float64_modeling(other)
         code = code.replace(f"from ...models.{other}.modeling_{other} import", f"from transformers.models.{other}.modeling_{other}_float64 import")
@@ -96,13 +97,16 @@ def _sharing_configs():
     }
 
 
-def hybrid_model(family: str, float64: bool = True, attn: str = "treepack", seed: int = 0):
+def hybrid_model(family: str, float64: bool = True, attn: str = "treepack", seed: int = 0, vocab: int = VOCAB):
     """A tiny random-weight model of the family's real transformers class (eval mode), float64 with float64 casts
-    or the stock float32 code."""
-    cls_name, cfg = _configs()[family]
+    or the stock float32 code; ``family`` one of ``FAMILIES`` or of the families sharing their layers."""
+    cls_name, cfg = {**_configs(), **_sharing_configs()}[family]
+    cfg = copy.deepcopy(cfg)
+    cfg.vocab_size = vocab
+    cfg._experts_implementation = "eager"  # grouped_mm has no float64
     mod = float64_modeling(family) if float64 else importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(seed)
-    model = getattr(mod, cls_name)(copy.deepcopy(cfg)).to(torch.float64 if float64 else torch.float32).eval()
+    model = getattr(mod, cls_name)(cfg).to(torch.float64 if float64 else torch.float32).eval()
     model.set_attn_implementation(attn)
     return model
 

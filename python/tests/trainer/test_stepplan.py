@@ -2,7 +2,12 @@
 give, in float64, the loss, per-token logprobs and every parameter gradient of the unsplit forest run in one
 piece (a float64 reference loss of the per-occurrence logprobs, summed over micro-batches as gradient accumulation
 sums them). Plans here are written by hand (``plan_ops``, the stack discipline of README "Step plans") so each cut
-is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches."""
+is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches.
+
+Hybrid models (Gated DeltaNet, KDA, Mamba2 layers, test_hybrid's tiny configs with float64 casts) the same way, their
+cached segments holding convolution tails and recurrent states; entropies, temperature and gradient checkpointing;
+negative controls with the cached keys, states or tails zeroed; each convolution / chunked rule split at a cached
+chain against its whole run (float64 here, bfloat16 through the CUDA kernels where a GPU is present)."""
 
 from __future__ import annotations
 
@@ -73,12 +78,23 @@ def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
     return out
 
 
+def sorted_groups(seqs, sizes) -> List[List[int]]:
+    """Consecutive runs of the given sizes of the sequences in sorted (DFS) order."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    out, at = [], 0
+    for s in sizes:
+        out.append(order[at : at + s])
+        at += s
+    return out
+
+
 def chain_of(batch, h: int) -> Tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
 
-@needs_torch(transformers=True)
-class StepPlanTest(unittest.TestCase):
+class Checks:
+    """The comparison of a planned execution with the unsplit forest (mixed into the test classes)."""
+
     def reference(self, model, seqs, data):
         model.zero_grad(set_to_none=True)
         batch = assemble(seqs, data, range(len(seqs)))
@@ -112,6 +128,47 @@ class StepPlanTest(unittest.TestCase):
             self.assertTrue(torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}")
         return res
 
+    def check_entropy(self, model, seqs, groups, hangs, temperature=0.7):
+        """``StepPlanRunner.forward`` / ``release`` as a trainer calls them (it back-propagates itself), with entropies
+        (a loss term of them) and a temperature: per-token logprobs and entropies, the loss and every gradient of the
+        unsplit forest's ``packed_logprobs(entropy=True, temperature=...)``."""
+        data = occurrence_data(seqs, seed=len(seqs) + 1)
+
+        def objective(lp, ent, batch):
+            return loss_fn(lp, batch) + 0.05 * tpt.gather_occurrences(ent, batch)[batch.loss_mask].sum()
+
+        model.zero_grad(set_to_none=True)
+        whole = assemble(seqs, data, range(len(seqs)))
+        ref = tpt.packed_logprobs(model, whole, attention="block", entropy=True, temperature=temperature)
+        ref_loss = objective(ref.logprobs, ref.entropy, whole)
+        ref_loss.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        batches = [assemble(seqs, data, g) for g in groups]
+        ops = [tpt.StepOp(*o) for o in plan_ops([chain_of(b, h) for b, h in zip(batches, hangs)])]
+        model.zero_grad(set_to_none=True)
+        runner = tpt.StepPlanRunner(model, attention="block", block_size=4, temperature=temperature, entropy=True)
+        total, lp, ent = 0.0, {}, {}
+        for b, op in zip(batches, ops):
+            scores = runner.forward(b, op)
+            loss = objective(scores.logprobs, scores.entropy, b)
+            loss.backward()
+            runner.release()
+            total += float(loss.detach())
+            lp.update(per_sequence(scores.logprobs.detach(), b))
+            ent.update(per_sequence(scores.entropy.detach(), b))
+        runner.finish()
+        self.assertAlmostEqual(total, float(ref_loss.detach()), delta=1e-10 * max(1.0, abs(float(ref_loss.detach()))))
+        for got, want in ((lp, per_sequence(ref.logprobs.detach(), whole)), (ent, per_sequence(ref.entropy.detach(), whole))):
+            self.assertEqual(sorted(got), sorted(want))
+            for sid in want:
+                np.testing.assert_allclose(got[sid], want[sid], atol=1e-10, rtol=0, err_msg=f"sequence {sid}")
+        for n, p in model.named_parameters():
+            self.assertTrue(torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), f"{n}: max diff {float((p.grad - ref_grads[n]).abs().max()):.3g}")
+
+
+@needs_torch(transformers=True)
+class StepPlanTest(Checks, unittest.TestCase):
     def trunk(self, seed=0):
         r = random.Random(seed)
         tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
@@ -120,20 +177,12 @@ class StepPlanTest(unittest.TestCase):
         seqs = [mid_a + tok(3), mid_a + tok(4), mid_a[:-2] + tok(3), mid_b + tok(2), mid_b + tok(5), stem[:7] + tok(4), tok(5)]
         return seqs
 
-    def sorted_groups(self, seqs, sizes):
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i])
-        out, at = [], 0
-        for s in sizes:
-            out.append(order[at : at + s])
-            at += s
-        return out
-
     def test_split_at_branch_points_and_inside_segments(self):
         seqs = self.trunk()
         for family in ("qwen3", "llama"):
             with self.subTest(family=family, cut="branch points"):
                 # One micro-batch per sequence (sorted), each hanging from the prefix it shares with the previous one.
-                groups = self.sorted_groups(seqs, [1] * len(seqs))
+                groups = sorted_groups(seqs, [1] * len(seqs))
                 hangs = []
                 for m, g in enumerate(groups):
                     prev = seqs[groups[m - 1][0]] if m else []
@@ -144,7 +193,7 @@ class StepPlanTest(unittest.TestCase):
             with self.subTest(family=family, cut="branch points, one block per forest"):
                 self.check(family, seqs, groups, hangs, block_size=128)
             with self.subTest(family=family, cut="inside a segment, several depths"):
-                groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+                groups = sorted_groups(seqs, [2, 1, 2, 2])
                 hangs = [0, 9, 4, 0]  # 9 and 4: inside the shared stem, not at a branch point
                 self.check(family, seqs, groups, hangs)
 
@@ -153,7 +202,7 @@ class StepPlanTest(unittest.TestCase):
         tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
         stem = tok(20)
         seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
-        groups = self.sorted_groups(seqs, [1] * len(seqs))
+        groups = sorted_groups(seqs, [1] * len(seqs))
         hangs = [20 if len(seqs[g[0]]) > 20 and seqs[g[0]][:20] == stem else 5 for g in groups]
         for family in ("qwen3", "llama"):
             with self.subTest(family=family):
@@ -181,10 +230,23 @@ class StepPlanTest(unittest.TestCase):
     def test_dense_mode_and_prefix_only_sequence(self):
         seqs = self.trunk(1)
         seqs.append(seqs[0][:10])  # a sequence that lies inside the cached chain
-        groups = self.sorted_groups(seqs, [3, 3, 2])
+        groups = sorted_groups(seqs, [3, 3, 2])
         chains = [seqs[g[0]] for g in groups]
         hangs = [min(len(chains[0]), 10), 8, 0]
         self.check("qwen3", seqs, groups, hangs, attention="dense")
+
+    def test_entropy_temperature_and_gradient_checkpointing(self):
+        seqs = self.trunk()
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
+        for family in ("qwen3", "llama"):
+            with self.subTest(family=family, what="entropy"):
+                self.check_entropy(tiny_model(family, torch.float64, vocab=VOCAB), seqs, groups, [0, 9, 4, 0])
+        with self.subTest(what="gradient checkpointing"):
+            # Checkpointed layers re-run in the backward, reading the cache without capturing anything twice.
+            model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
+            model.gradient_checkpointing_enable()
+            model.train()
+            self.check("qwen3", seqs, groups, [0, 9, 4, 0], model=model)
 
     def test_packed_loss_per_micro_batch(self):
         """With PackedLoss (the C kernel, float32 inside) as each micro-batch's loss, the planned execution gives what
@@ -192,7 +254,7 @@ class StepPlanTest(unittest.TestCase):
         seqs = self.trunk(3)
         model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=7)
-        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
         batches = [assemble(seqs, data, g) for g in groups]
         cfg = {"clip_low": 0.2, "clip_high": 0.28}
         packed = lambda lp, b: tpt.packed_loss(lp, b, cfg)[0]  # noqa: E731
@@ -217,7 +279,7 @@ class StepPlanTest(unittest.TestCase):
 
         model = build("gpt_oss", window=5)[0]
         seqs = self.trunk(2)
-        self.check("gpt_oss", seqs, self.sorted_groups(seqs, [2, 1, 2, 2]), [0, 9, 4, 0], model=model)
+        self.check("gpt_oss", seqs, sorted_groups(seqs, [2, 1, 2, 2]), [0, 9, 4, 0], model=model)
 
     def test_without_the_cached_prefix_the_result_differs(self):
         """Negative control: the same planned micro-batches with the cached keys/values replaced by zeros (the branches
@@ -225,8 +287,8 @@ class StepPlanTest(unittest.TestCase):
         from treepack.torch import stepplan
 
         seqs = self.trunk()
-        groups = self.sorted_groups(seqs, [2, 1, 2, 2])
-        extend = stepplan._PrefixAttention.extend
+        groups = sorted_groups(seqs, [2, 1, 2, 2])
+        extend = stepplan._Prefix.extend
 
         def blind(self_, module, query, key, value):
             q, k, v = extend(self_, module, query, key, value)
@@ -235,18 +297,18 @@ class StepPlanTest(unittest.TestCase):
             v[:, :, : self_.rows] = 0
             return q, k, v
 
-        stepplan._PrefixAttention.extend = blind
+        stepplan._Prefix.extend = blind
         try:
             with self.assertRaises(AssertionError):
                 self.check("qwen3", seqs, groups, [0, 9, 4, 0])
         finally:
-            stepplan._PrefixAttention.extend = extend
+            stepplan._Prefix.extend = extend
 
     def test_refusals(self):
         seqs = self.trunk()
         model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=2)
-        b = assemble(seqs, data, self.sorted_groups(seqs, [2])[0])
+        b = assemble(seqs, data, sorted_groups(seqs, [2])[0])
         with self.assertRaises(TreepackError) as e:  # hangs from a prefix nobody pushed
             tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(5, [], 0)])
         self.assertEqual(e.exception.field, "prefix_push")
@@ -268,19 +330,21 @@ class StepPlanTest(unittest.TestCase):
             tpt.run_step_plan(model, [b], loss_fn)
         self.assertEqual(e.exception.field, "layer_types")
 
-    def test_hybrid_models_are_refused_by_name(self):
-        """Recurrent layers' prefix state is not carried yet: every hybrid family the tree attention runs is refused
-        before anything runs, naming the layer."""
-        from test_hybrid import FAMILIES, hybrid_model
+    def test_unsupported_token_mixers_are_refused_by_name(self):
+        """A token mixer whose prefix state the executor does not carry (a short convolution) is refused before
+        anything runs, naming the layer and its class."""
+        import transformers
 
+        cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, layer_types=["full_attention", "conv"], max_position_embeddings=128)
+        model = transformers.Lfm2ForCausalLM(cfg).double().eval()
+        model.set_attn_implementation("treepack")
         seqs = self.trunk()
-        b = assemble(seqs, occurrence_data(seqs, seed=8), self.sorted_groups(seqs, [2])[0])
-        for family in FAMILIES:
-            with self.subTest(family=family):
-                with self.assertRaises(TreepackError) as e:
-                    tpt.run_step_plan(hybrid_model(family), [b], loss_fn)
-                self.assertIn(e.exception.field, ("layer_types", "model"))
-                self.assertRegex(str(e.exception), r"recurrent|not softmax attention")
+        b = assemble(seqs, occurrence_data(seqs, seed=8), sorted_groups(seqs, [2])[0])
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "model")
+        self.assertRegex(str(e.exception), r"layer 1 .*Lfm2ShortConv")
 
     def test_header_keys_load_and_check(self):
         import os
@@ -307,12 +371,244 @@ class StepPlanTest(unittest.TestCase):
         seqs = self.trunk()
         model = tiny_model("llama", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=4)
-        groups = self.sorted_groups(seqs, [3, 4])
+        groups = sorted_groups(seqs, [3, 4])
         b0 = assemble(seqs, data, groups[0])
         b1 = assemble(seqs, data, groups[1])
         ops = plan_ops([chain_of(b0, 4), chain_of(b1, 4)])
         heads = [assemble(seqs, data, g, {"prefix_tokens": str(o[0]), "prefix_push": str(o[1]), "prefix_release": str(o[2])}) for g, o in zip(groups, ops)]
         self.assertEqual([tuple(tpt.step_op(b)) for b in heads], [(o[0], list(o[1]), o[2]) for o in ops])
+
+
+HYBRID_VOCAB = 61  # test_hybrid's tiny configs
+
+
+def lcp(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def hybrid_forest(seed=0):
+    """A 70-token stem (past the 64-token chunk grid) with branches at 2, 3, 30, 63, 64, 66, a sequence ending inside
+    it (40) and an unrelated tree."""
+    r = random.Random(seed)
+    tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
+    stem = tok(70)
+    seqs = [stem[:p] + tok(r.randrange(2, 6)) for p in (2, 3, 30, 63, 64, 66)]
+    return seqs + [stem + tok(4), stem + tok(3), stem[:40], tok(6)]
+
+
+def one_per_sequence(seqs):
+    """Sorted, one micro-batch per sequence hanging at its common prefix with the previous one: cuts at every branch
+    point, cached segments of 1 token (cuts at 2, 3), a stack several segments deep."""
+    groups = sorted_groups(seqs, [1] * len(seqs))
+    hangs = [lcp(seqs[groups[m - 1][0]], seqs[g[0]]) if m else 0 for m, g in enumerate(groups)]
+    return groups, hangs
+
+
+@needs_torch(transformers=True)
+class HybridStepPlanTest(Checks, unittest.TestCase):
+    """Recurrent layers in the step plan: a cached segment holds each recurrent layer's last K-1 convolution inputs
+    and its final state; branches start from them and their gradients flow back through the pops. Tiny float64 hybrids
+    of test_hybrid (float64 casts throughout), against the unsplit forest run packed in one piece; the forest crosses
+    the 64-token chunk grid, and cuts 1 token apart make cached segments shorter than the convolution kernel."""
+
+    FAMILIES = ("qwen3_5", "nemotron_h")  # Gated DeltaNet + attention, Mamba2 + attention (+ MLP layers)
+
+    def model(self, family):
+        from test_hybrid import hybrid_model
+
+        return hybrid_model(family)
+
+    def test_split_at_branch_points_inside_segments_and_at_several_depths(self):
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
+        self.assertGreaterEqual(sum(1 for h in hangs if h), 6)
+        for family in self.FAMILIES:
+            model = self.model(family)
+            with self.subTest(family=family, cut="branch points"):
+                res = self.check(family, seqs, groups, hangs, model=model)
+                self.assertGreater(res.pushed_tokens, 0)
+                self.assertGreaterEqual(res.peak_cached_tokens, 66)
+            with self.subTest(family=family, cut="inside segments"):
+                # Pairs of sorted sequences hanging below their common prefix (0, 3, 40, 63, 66), off every branch point:
+                # 1 inside [0, 2), 35 inside [30, 40), 50 inside [40, 63), 65 inside [64, 66).
+                pairs = sorted_groups(seqs, [2] * 5)
+                inside = [0, 1, 35, 50, 65]
+                common = [min(lcp(seqs[g[0]], seqs[i]) for i in g) for g in pairs]
+                self.assertTrue(all(h < c or h == c == 0 for h, c in zip(inside, common)), common)
+                self.check(family, seqs, pairs, inside, model=model)
+
+    def test_one_prefix_feeds_many_micro_batches(self):
+        r = random.Random(4)
+        tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
+        stem = tok(67)
+        seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
+        groups = sorted_groups(seqs, [1] * len(seqs))
+        hangs = [67 if seqs[g[0]][:67] == stem else 5 for g in groups]
+        for family in self.FAMILIES:
+            with self.subTest(family=family):
+                res = self.check(family, seqs, groups, hangs, model=self.model(family))
+                self.assertEqual(res.peak_cached_tokens, 67)
+                self.assertEqual(res.pushed_tokens, 67)  # the stem, pushed once for all eight
+
+    def test_every_family(self):
+        """The other families whose recurrent layers the executor carries, through the same cuts: Qwen3-Next,
+        OLMo-Hybrid, Qwen3.5-MoE (Gated DeltaNet), Kimi Linear (KDA, MLA attention), Bamba, Granite-4 hybrid,
+        Falcon-H1 (attention and Mamba2 in one layer), Zamba2 (a shared attention block) (Mamba2)."""
+        seqs = hybrid_forest(1)
+        groups, hangs = one_per_sequence(seqs)
+        for family in ("qwen3_next", "olmo_hybrid", "qwen3_5_moe", "kimi_linear", "bamba", "granitemoehybrid", "falcon_h1", "zamba2"):
+            with self.subTest(family=family):
+                self.check(family, seqs, groups, hangs, model=self.model(family))
+
+    def test_entropy_and_gradient_checkpointing(self):
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
+        for family in self.FAMILIES:
+            with self.subTest(family=family, what="entropy"):
+                self.check_entropy(self.model(family), seqs, groups, hangs)
+            with self.subTest(family=family, what="gradient checkpointing"):
+                model = self.model(family)
+                model.gradient_checkpointing_enable()
+                model.train()
+                self.check(family, seqs, groups, hangs, model=model)
+
+    def test_without_the_cached_state_the_result_differs(self):
+        """Negative control: the same plan with each recurrent layer's cached state and convolution inputs replaced by
+        zeros (the attention still reads its cached keys) differs from the unsplit forest."""
+        from treepack.torch import stepplan
+
+        seqs = hybrid_forest()
+        groups, hangs = one_per_sequence(seqs)
+        state, tail = stepplan._Prefix.state, stepplan._Prefix.tail
+        for blind in ("state", "tail"):
+            for family in self.FAMILIES:
+                with self.subTest(family=family, zeroed=blind):
+                    if blind == "state":
+                        stepplan._Prefix.state = lambda self_, key: torch.zeros_like(state(self_, key))
+                    else:
+                        stepplan._Prefix.tail = lambda self_, key, t: torch.zeros_like(tail(self_, key, t))
+                    try:
+                        with self.assertRaises(AssertionError):
+                            self.check(family, seqs, groups, hangs, model=self.model(family))
+                    finally:
+                        stepplan._Prefix.state, stepplan._Prefix.tail = state, tail
+
+    def test_refusals(self):
+        seqs = hybrid_forest()
+        model = self.model("qwen3_5")
+        data = occurrence_data(seqs, seed=3)
+        groups = sorted_groups(seqs, [3, 2, 3, 2])
+        b = assemble(seqs, data, groups[1])
+        with self.assertRaises(TreepackError) as e:  # its second sequence branches off above the cached chain's end
+            c = lcp(seqs[groups[1][0]], seqs[groups[1][1]])
+            tpt.run_step_plan(model, [b], loss_fn, [tpt.StepOp(c + 1, [c + 1], 1)])
+        self.assertEqual(e.exception.field, "prefix_tokens")
+        tpt.prepare(model, chunk_align=True)
+        with self.assertRaises(TreepackError) as e:
+            tpt.run_step_plan(model, [b], loss_fn)
+        self.assertEqual(e.exception.field, "chunk_align")
+
+
+class FakePrefix:
+    """The prefix protocol recurrent.py reads (README "Step plans"): ``rows`` cached nodes, their convolution inputs
+    and state per call key as given; what the layer hands back is ``kept``."""
+
+    def __init__(self, rows, cache=None):
+        self.rows, self.cache, self.kept = rows, cache or {}, {}
+
+    def tail(self, key, t):
+        return self.cache[key][:, :, -t:]
+
+    def state(self, key):
+        return self.cache[key]
+
+    def keep(self, key, tensor):
+        self.kept[key] = tensor
+
+
+def split_rule_diffs(device, dtype, float64=False):
+    """(function, max |split - whole| / max(|whole|, 1) over outputs and input gradients, the same with the
+    handed-over state or convolution tail zeroed) for the convolution and chunked rules transformers binds now (the pure-torch
+    references, or FLA / causal-conv1d / mamba-ssm where installed), on random per-node inputs: a forest run whole,
+    and run as its first 70 nodes (a chain) then the rest hanging from them, the chain's kept state and tail handed
+    over without detaching (so the rest's gradient reaches the chain through them: the kernels' dht). ``float64``:
+    the modeling modules with their float32 casts made float64 (test_hybrid.float64_modeling)."""
+    import importlib
+
+    from test_hybrid import float64_modeling
+
+    qwen, kimi, nemo = (float64_modeling(n) if float64 else importlib.import_module(f"transformers.models.{n}.modeling_{n}")
+                        for n in ("qwen3_5", "kimi_linear", "nemotron_h"))
+
+    from treepack.torch import recurrent
+
+    r = random.Random(7)
+    stem = [0] + [r.randrange(1, 50) for _ in range(69)]  # sorts before the unrelated root, so nodes [0, 70) are the stem
+    seqs = [stem + [r.randrange(50) for _ in range(n)] for n in (3, 5, 1)] + [[60, 1, 2, 3, 4, 5]]
+    batch = tpt.from_microbatch(pack_sequences(seqs)).to(device)
+    h, N = 70, batch.num_nodes
+    assert torch.equal(batch.parent[:h].cpu(), torch.arange(h) - 1) and set(batch.parent[h:].tolist()) & set(range(h)) <= {h - 1}
+    chain = tpt.from_microbatch(pack_sequences([stem])).to(device)
+    H, D = 2, 8
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(shape, generator=g).to(device, dtype)  # noqa: E731
+    beta, decay = torch.sigmoid(rnd(1, N, H)), -torch.rand((1, N, H), generator=g).to(device, dtype) * 0.1  # slow decay: the state matters
+    dt, A, w = rnd(1, N, H), -torch.rand(H, generator=g).to(device), rnd(3 * D, 4)
+    ones = torch.ones(H, device=device)
+    cases = {  # name: (function, how the layer calls it on node inputs, tree way, node dimension, inputs [1, N, ...] or [1, C, N])
+        "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, x: f(x, w, activation="silu"), recurrent.tree_conv, 2, [rnd(1, 3 * D, N)]),
+        "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg, beta=bb, use_qk_l2norm_in_kernel=True)[0],
+                                         recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
+        "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg[..., None].expand(q.shape), beta=bb,
+                                       use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
+        "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, x, d, b, c: f(x, d, A, b, c, chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True,
+                              dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1, [rnd(1, N, H, D), dt, rnd(1, N, 1, D), rnd(1, N, 1, D)]),
+    }
+    for name, (fn, apply, kind, dim, inputs) in cases.items():
+        def run(mask, prefix, xs):
+            mask.prefix = prefix
+            tree = recurrent.Tree(mask, False, name)
+            return apply(lambda *a, **kw: kind(fn, tree, *a, **kw), *xs)
+
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        whole = run(tpt.tree_mask(batch), None, leaves)
+        weight = torch.randn(whole.shape, generator=g).to(device, dtype)
+        want = [whole] + list(torch.autograd.grad((whole * weight).sum(), leaves))
+
+        def split(blind):
+            top = FakePrefix(0)
+            head = run(tpt.tree_mask(chain), top, [x.narrow(dim, 0, h) for x in leaves])
+            cache = {k: torch.zeros_like(v) if blind else v for k, v in top.kept.items()}
+            rest = run(tpt.tree_mask(batch), FakePrefix(h, cache), [x.narrow(dim, h, N - h) for x in leaves])
+            out = torch.cat([head, rest], dim)
+            return [out] + list(torch.autograd.grad((out * weight).sum(), leaves))
+
+        diff = lambda got: max(float((a - b).detach().abs().max() / max(float(b.detach().abs().max()), 1.0)) for a, b in zip(got, want))  # noqa: E731
+        yield name, diff(split(False)), diff(split(True))
+
+
+@needs_torch(transformers=True)
+class SplitRules(unittest.TestCase):
+    def test_state_and_tail_handed_over_equal_the_whole_run(self):
+        """float64: a recurrent call split at a cached chain equals the whole run (outputs and input gradients), and
+        differs with the handed-over state / tail zeroed."""
+        for name, d, blind in split_rule_diffs(torch.device("cpu"), torch.float64, float64=True):
+            with self.subTest(fn=name):
+                self.assertLess(d, 1e-10)
+                self.assertGreater(blind, 1e-2)
+
+
+@needs_torch(transformers=True, cuda="the CUDA kernels transformers binds (FLA, causal-conv1d, mamba-ssm) need a CUDA device")
+class SplitRulesCuda(unittest.TestCase):
+    def test_cuda_kernels_take_the_state_and_its_gradient(self):
+        """bfloat16 (FLA refuses float32), whatever transformers binds on this host: the split run equals the whole
+        one up to bfloat16 rounding (initial_state in, the final state's gradient back), where zeroing the handed-over
+        state or tail differs by O(1)."""
+        for name, d, blind in split_rule_diffs(torch.device("cuda"), torch.bfloat16):
+            with self.subTest(fn=name):
+                print(f"\nCUDA bfloat16 {name} split at a cached chain: max diff {d:.3g}, state / tail zeroed {blind:.3g}")
+                self.assertLess(d, 5e-2)
+                self.assertGreater(blind, 10 * max(d, 1e-2))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def plain_inputs(rows: List[Dict[str, Any]], num_items: int, with_old: bool, hol
     """TRL's inputs for each micro-batch, by hand: prompt = tokens before the first trainable one (left-padded),
     completion the rest (right-padded), tool_mask the loss mask there, per-token advantages (float32, as stored)."""
     out = []
-    for mb in (0, 1):
+    for mb in range(1 + max(x["mb"] for x in rows)):
         mine = [x for x in rows if x["mb"] == mb]
         cut = [x["mask"].index(1) for x in mine]
         P = max(cut)
@@ -119,14 +119,15 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
 
         from treepack.integrations.trl import TreepackGRPOTrainer
 
-        args = dict(output_dir=self.tmp.name, per_device_train_batch_size=5, gradient_accumulation_steps=2, steps_per_generation=2,
+        rows = self.rows if rows is None else rows
+        steps = 1 + max(x["mb"] for x in rows)  # micro-batches: one optimizer step over them
+        args = dict(output_dir=self.tmp.name, per_device_train_batch_size=5, gradient_accumulation_steps=steps, steps_per_generation=steps,
                     num_generations=5, max_completion_length=8, max_steps=1, learning_rate=1e-2, logging_steps=1, report_to=[],
                     save_strategy="no", seed=0, use_cpu=True, beta=0.04, loss_type="dapo", temperature=0.7, disable_tqdm=True,
                     model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64})
         args.update(cfg)
         capture = Capture()
-        rows = self.rows if rows is None else rows
-        num_items = sum(sum(x["mask"]) for x in rows if x["mb"] in (0, 1))
+        num_items = sum(sum(x["mask"]) for x in rows)
         if packed:
             t = TreepackGRPOTrainer(model=self.path, args=GRPOConfig(**args), processing_class=self.tok, callbacks=[capture],
                                     packed_batches=feed if feed is not None else packed_batches(rows, with_old))
@@ -138,7 +139,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
                 optimizer step: the policy is still the one before it)."""
 
                 def _prepare_inputs(self, generation_batch):
-                    d = dict(inputs[self._step % 2])
+                    d = dict(inputs[self._step % steps])
                     ids = torch.cat([d["prompt_ids"], d["completion_ids"]], 1)
                     att = torch.cat([d["prompt_mask"], d["completion_mask"]], 1)
                     C = d["completion_ids"].shape[1]
@@ -151,7 +152,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
             from datasets import Dataset
 
             t = Plain(model=self.path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(**args),
-                      train_dataset=Dataset.from_dict({"prompt": [""] * 10}), processing_class=self.tok, callbacks=[capture])
+                      train_dataset=Dataset.from_dict({"prompt": [""] * 5 * steps}), processing_class=self.tok, callbacks=[capture])
         for m in (t.model, t.ref_model):
             if m is not None:
                 patch_norms_to_input_dtype(m)
@@ -204,6 +205,62 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         packed, cap = self.run_trainer(True, False, feed=dataset, rows=rows)
         self.assertSameStep(plain, cap)
         self.assertTrue(set(n for _, n in packed.treepack_stats) <= {b.num_nodes for b in batches})
+
+    @unittest.skipIf(bool(CLI_SKIP), CLI_SKIP)
+    def test_step_plan_directory(self):
+        """Samples packed with a step plan (`treepack pack --prefix-reuse`: prompts of 14 tokens, 12 computed tokens
+        per micro-batch, so micro-batches hang from a cached prompt, and the two groups' common first tokens feed all of
+        them), trained by TRL through the step-plan executor: the same step (loss, every logged metric, entropy
+        included, every gradient) as the same micro-batches fed as plain inputs, for two loss types."""
+        from treepack.torch import PackedDataset
+
+        r = random.Random(5)
+        tok = lambda n: [r.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
+        samples = []
+        for g in range(2):
+            prompt = [2, 3] + tok(12)
+            for k in range(5):
+                resp = tok(r.randrange(2, 6)) if k else tok(2) + tok(3) + tok(2)
+                mask = [0] * len(prompt) + [1] * len(resp)
+                if not k:
+                    mask[len(prompt) + 2 : len(prompt) + 5] = [0, 0, 0]
+                samples.append({"tokens": prompt + resp, "mask": mask, "adv": [r.gauss(0, 1)] * len(mask), "rollout": [-3 * r.random() for _ in mask]})
+        data, out = os.path.join(self.tmp.name, "plan.jsonl"), os.path.join(self.tmp.name, "planned")
+        with open(data, "w") as f:
+            for i, x in enumerate(samples):
+                f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"], "advantages": x["adv"],
+                                    "rollout_logprobs": x["rollout"]}) + "\n")
+        subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", "12", "--prefix-reuse", "100", "--quiet"], check=True)
+        dataset = PackedDataset(out)
+        batches = list(dataset)
+        self.assertEqual([int(b.meta["prefix_tokens"]) for b in batches], [14] * len(batches))  # every micro-batch hangs from a cached prompt
+        self.assertGreaterEqual(len(batches), 4)
+        rows = [dict(samples[int(sid[1:])], mb=mb) for mb, b in enumerate(batches) for sid in b.meta["sequence_ids"]]
+        for loss in ("dapo", "grpo"):
+            with self.subTest(loss=loss):
+                _, plain = self.run_trainer(False, False, rows=rows, loss_type=loss)
+                packed, cap = self.run_trainer(True, False, feed=dataset, rows=rows, loss_type=loss)
+                self.assertSameStep(plain, cap)
+                runner = packed.__dict__["_treepack_plan"]
+                self.assertEqual((runner.pushed, runner.computed), (dataset.manifest["pushed_tokens"], dataset.manifest["computed_tokens"]))
+                self.assertEqual(runner.stack, [])
+        # Negative control: without the pops (the cached prompts' gradients dropped) the step differs.
+        from treepack.torch import StepPlanRunner
+
+        def drop(self_):  # the released segments leave the stack unpopped
+            del self_.stack[len(self_.stack) - self_.pending :]
+            self_.pending = None
+
+        release, StepPlanRunner.release = StepPlanRunner.release, drop
+        try:
+            _, dropped = self.run_trainer(True, False, feed=dataset, rows=rows)
+        finally:
+            StepPlanRunner.release = release
+        with self.assertRaises(AssertionError):
+            self.assertSameStep(plain, dropped)
+        # An optimizer step inside the plan (after 2 of its micro-batches, the prompt still cached) is refused.
+        with self.assertRaisesRegex(ValueError, "gradient_accumulation_steps"):
+            self.run_trainer(True, False, feed=dataset, rows=rows, gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2)
 
     def test_loss_mask_holes(self):
         """Negative control: the same samples with the tool tokens counted as trainable give other gradients."""

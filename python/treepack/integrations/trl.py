@@ -13,6 +13,12 @@ its stored forest reused by the forward:
     >>> trainer = TreepackGRPOTrainer(model=model, args=GRPOConfig(..., max_steps=100), processing_class=tok,
     ...                               packed_batches=PackedDataset("packed/"))   # or FeedClient(url)
 
+Micro-batches packed with a step plan (``treepack pack --prefix-reuse C``) train through the step-plan executor
+(``treepack.torch.StepPlanRunner``): the policy's training forward computes only the nodes past the cached prefix,
+and after TRL's backward the prefixes the plan releases are recomputed and back-propagated. Set
+``gradient_accumulation_steps`` (and ``steps_per_generation``) so an optimizer step never falls while a prefix is
+cached (a rank's micro-batches of one packing window per step); one process (DDP, FSDP and DeepSpeed are refused).
+
 Each piece is a mixin over ``GRPOTrainer`` (``PackedForwardMixin``, ``GroupedBatchesMixin``), so a project with
 its own GRPOTrainer subclass can take one of them.
 """
@@ -28,7 +34,7 @@ from trl.trainer.utils import use_adapter
 
 from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
-from ..torch import PackedBatch, RowLayout, forward_logprobs, from_padded, padded_rows
+from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, padded_rows
 from ..torch.forward import unwrap
 
 
@@ -39,6 +45,11 @@ class PackedForwardMixin:
     entropies come back as ``[B, logits_to_keep]``, 0 where the row has no attended token. With TRL's
     ``batch_size`` (old/reference forwards of a generation batch), rows are packed in chunks of whole groups.
     TRL's own generation (no vLLM, no ``rollout_func``) runs with SDPA attention.
+
+    A stored micro-batch with a step plan (header ``prefix_tokens``) runs, in the policy's training forward,
+    through one ``StepPlanRunner`` kept across micro-batches (pushes, then only the nodes past the cached prefix);
+    ``training_step`` releases its prefixes after TRL's backward. Old and reference forwards (no grad) run each
+    micro-batch in full, which its file holds.
 
     ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
     training forward also logs ``treepack/compression`` (tokens ÷ nodes) with TRL's metrics."""
@@ -64,12 +75,39 @@ class PackedForwardMixin:
             ids, att = input_ids[a : a + step], attention_mask[a : a + step]
             batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
             self._treepack_record(int(att.sum()), batch.num_nodes)
-            scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy,
-                                      entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
+            if "prefix_tokens" in batch.meta and torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model):
+                scores = self._treepack_runner(model).forward(batch)
+            else:
+                scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy,
+                                          entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
             logps.append(layout.to_padded(scores.logprobs))
             if compute_entropy:
                 entropies.append(layout.to_padded(scores.entropy))
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _treepack_runner(self, model) -> StepPlanRunner:
+        """The policy's step-plan runner, made at its first planned micro-batch."""
+        runner = self.__dict__.get("_treepack_plan")
+        if runner is None:
+            if self.accelerator.num_processes > 1:
+                raise TreepackError("E_ARG", f"step plans (prefix_tokens) train in one process for now: the pops' extra backward passes are not "
+                                    f"synchronised across the {self.accelerator.num_processes} processes (pack without --prefix-reuse)", field="prefix_tokens")
+            runner = self._treepack_plan = StepPlanRunner(unwrap(model), attention=self.treepack_attention, temperature=self.temperature, entropy=True)
+        return runner
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's step (forward, loss, backward), then the releases of a planned micro-batch, under the same autocast
+        as its forward; an optimizer step while a prefix is still cached is refused (its gradient is incomplete)."""
+        out = super().training_step(model, inputs, num_items_in_batch)
+        runner = self.__dict__.get("_treepack_plan")
+        if runner is not None and runner.pending is not None:
+            with self.compute_loss_context_manager():
+                runner.release()
+            if runner.stack and self._step % self.current_gradient_accumulation_steps == 0:
+                raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds {runner.depth} cached prefix "
+                                    "tokens: set gradient_accumulation_steps (and steps_per_generation) to a rank's micro-batches of one packing window",
+                                    field="gradient_accumulation_steps")
+        return out
 
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's own generation (transformers ``generate``: padded causal masks, a KV cache) runs with SDPA; the

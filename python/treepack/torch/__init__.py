@@ -22,7 +22,7 @@ from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .loss import METRICS, PackedLoss, packed_loss
 from .models import LAYERS, prepare
 from .segments import Segments, radix_segments, segments_of
-from .stepplan import StepOp, StepPlanRunner, StepResult, check_attention_only, run_step_plan, step_op
+from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op
 
 __all__ = [
     "LAYERS",
@@ -62,7 +62,8 @@ __all__ = [
     "StepOp",
     "StepPlanRunner",
     "StepResult",
-    "check_attention_only",
+    "check_model",
+    "RECURRENT",
     "register",
     "tree_attention",
     "tree_mask",

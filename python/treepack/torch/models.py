@@ -157,7 +157,8 @@ def _uses_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in src or "attention_interface" in src
 
 
-def _layer_index(path: str) -> str:
+def layer_index(path: str) -> str:
+    """The decoder-layer index in a module path ("model.layers.3.linear_attn" -> "3"; "?" when none)."""
     m = re.search(r"\.(\d+)(\.|$)", path)
     return m.group(1) if m else "?"
 
@@ -190,7 +191,7 @@ def _named_mixer(cls: str) -> bool:
 def _refuse(other: List[Tuple[str, torch.nn.Module]], why: str) -> None:
     path, m = other[0]
     more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-    raise TreepackError("E_ARG", f"layer {_layer_index(path)} ({path}): {type(m).__name__} mixes tokens and {why}{more}", field="model")
+    raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and {why}{more}", field="model")
 
 
 def refuse_non_attention(model: torch.nn.Module, why: str) -> None:
@@ -227,7 +228,7 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
         _ensure_dispatch(sys.modules[base_cls.__module__].__dict__, LAYERS[base_cls.__name__])
         if not hasattr(type(layer), "treepack_base"):
             layer.__class__ = _tree_class(type(layer))
-            layer.treepack_name = f"layer {_layer_index(path)} ({type(layer).__name__})"
+            layer.treepack_name = f"layer {layer_index(path)} ({type(layer).__name__})"
             layer.treepack_chunk_align = bool(chunk_align)
         elif chunk_align is not None:
             layer.treepack_chunk_align = chunk_align

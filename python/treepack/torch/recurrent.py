@@ -15,30 +15,44 @@ reference or, where installed, the hub / FLA / mamba-ssm / causal-conv1d kernel 
 
 Every kernel is called as a batch of independent rows with per-row initial states, which the pure-torch functions
 and FLA / mamba-ssm accept alike, so the CUDA kernels are correct by construction; only the CPU path is tested here.
+
+A step plan's forward (python/treepack/torch/stepplan.py) sets ``prefix`` on the TreeMask: nodes [0, prefix.rows)
+of the mask are a cached chain and the layer's inputs are nodes [rows, N) only. The convolution then reads the
+chain's last K-1 inputs from ``prefix.tail(key, t)`` ([1, C, t]) and the recurrence starts the roots that continue
+the chain from ``prefix.state(key)`` ([1, ...]); the layer hands ``prefix.keep(key, tensor)`` its computed nodes'
+last K-1 convolution inputs and the state after its last node, which a pushed segment caches and a popped one
+back-propagates its gathered gradients through (the state's is the kernels' ``dht``: FLA's and mamba-ssm's
+autograd functions take the final state's gradient). ``key`` names the call: (layer, "conv" | "state", ordinal).
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..microbatch import TreepackError
-from .segments import RunPlan, conv_fix, run_plan
+from .segments import conv_fix, run_plan, sub_forest
 
 
 class Tree:
-    """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors)."""
+    """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors),
+    and a step plan's ``prefix`` (module docstring; None outside one)."""
 
     def __init__(self, mask: Any, chunk_align: bool, layer: str):
         self.mask = mask
         self.chunk_align = chunk_align
         self.layer = layer
+        self.prefix = getattr(mask, "prefix", None)
+        self._calls: Dict[str, int] = {}
 
-    def plan(self, chunk: int, device: torch.device) -> RunPlan:
-        return run_plan(self.mask, chunk if self.chunk_align else 1, device)
+    def key(self, kind: str) -> Tuple[str, str, int]:
+        """The prefix cache's name for this layer's next call of ``kind`` (a layer may call the convolution twice)."""
+        i = self._calls.get(kind, 0)
+        self._calls[kind] = i + 1
+        return (self.layer, kind, i)
 
 
 # The tree of the layer now running (None outside a prepared layer's tree forward).
@@ -52,14 +66,29 @@ def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
 
 def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               activation: Optional[str] = None, **kwargs: Any) -> torch.Tensor:
-    """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N]."""
-    n = int(tree.mask.subtree_end.shape[0])
-    _one_row("the convolution input", hidden_states, n, 2)
+    """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N] (under a step plan, nodes [rows, N) only)."""
     if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
+    pre, k = tree.prefix, int(weight.shape[-1])
+    if pre is None:
+        return _conv(orig, tree.mask, hidden_states, weight, bias, activation)
+    rows, key = pre.rows, tree.key("conv")
+    _one_row("the convolution input", hidden_states, int(tree.mask.subtree_end.shape[0]) - rows, 2)
+    pre.keep(key, hidden_states[:, :, max(0, hidden_states.shape[2] - (k - 1)) :])
+    t = min(k - 1, rows)
+    if not t:
+        return _conv(orig, tree.mask, hidden_states, weight, bias, activation)
+    # The chain's last t nodes before the computed ones: the windows reaching into the cache read the cached inputs.
+    x = torch.cat([pre.tail(key, t).to(hidden_states.dtype), hidden_states], 2)
+    return _conv(orig, sub_forest(tree.mask, rows - t), x, weight, bias, activation)[:, :, t:]
+
+
+def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+    n = int(mask.subtree_end.shape[0])
+    _one_row("the convolution input", hidden_states, n, 2)
     out = orig(hidden_states, weight, bias=bias, activation=activation)
     k = int(weight.shape[-1])
-    fix = conv_fix(tree.mask, k, hidden_states.device)
+    fix = conv_fix(mask, k, hidden_states.device)
     if fix.nodes.numel() == 0:
         return out
     # The true windows [F, C, k] (the zero column N past a root) through the same function: its last output sees
@@ -72,12 +101,17 @@ def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: t
 
 def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
-    depth order; returns the nodes' outputs [1, N, ...]."""
-    n = int(tree.mask.subtree_end.shape[0])
+    depth order; returns the nodes' outputs [1, N, ...] (under a step plan, nodes [rows, N): the roots that continue
+    the cached chain start from its state)."""
+    pre, mask = tree.prefix, tree.mask
+    if pre is not None:
+        key = tree.key("state")
+        mask = sub_forest(mask, pre.rows) if pre.rows else mask
+    n = int(mask.subtree_end.shape[0])
     for t in inputs:
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
-    plan = tree.plan(chunk, inputs[0].device)
+    plan = run_plan(mask, chunk if tree.chunk_align else 1, inputs[0].device)
     # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
     padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
     finals: List[torch.Tensor] = []
@@ -88,11 +122,18 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], cal
         if c.perm is not None:
             parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
             init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
+        if c.hang is not None:
+            state = pre.state(key)
+            init = state.new_zeros((c.nodes.shape[0],) + state.shape[1:]) if init is None else init
+            init = init.index_copy(0, c.hang, state.to(init.dtype).expand((c.hang.shape[0],) + state.shape[1:]))
         out, final = call(*rows, init)
         finals.append(final)
         outs.append(out.flatten(0, 1))
     if not outs:
         return inputs[0].new_zeros((1, 0) + inputs[0].shape[2:])
+    if pre is not None:
+        c, r = plan.last
+        pre.keep(key, finals[c][r : r + 1])
     return torch.cat(outs).index_select(0, plan.owner)[None]
 
 

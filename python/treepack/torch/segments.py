@@ -12,6 +12,10 @@ the layers, which only see the ``TreeMask``, derive them once per micro-batch (c
 sequences) to its end (a leaf) or to ``A*floor(b/A)`` (a branch point ending at b), re-running the ancestors' tokens
 between the aligned start and a in the segment's own row: every row then starts on the unpacked run's chunk grid
 (ART's chunk alignment). ``align=1`` runs each segment exactly once from its parent's final state (no repeated work).
+
+``sub_forest(mask, first)`` is nodes [first, N) of a forest whose nodes [0, first) are a chain (a step plan's cached
+prefix, python/treepack/torch/stepplan.py) as a forest of its own: its roots that continue the chain (children of
+node first - 1) start from the chain's final state instead of zeros (``Call.hang``).
 """
 
 from __future__ import annotations
@@ -132,11 +136,13 @@ def conv_fix(mask: Any, k: int, device: torch.device) -> ConvFix:
 class Call:
     """One batched call of the recurrence: G rows of T tokens, ``nodes`` [G, T] (node ids; ``num_nodes`` stands for a
     zero padding token at a row's end). Row i starts from state ``perm[i]`` of [zeros, then for each (c, rows) in
-    ``sources`` the final states of those rows of call c] (``perm`` None: every row starts from zeros)."""
+    ``sources`` the final states of those rows of call c] (``perm`` None: every row starts from zeros), except rows
+    ``hang`` (None: none), which continue a cached chain (``sub_forest``) and start from its final state."""
 
     nodes: torch.Tensor
     sources: List[Tuple[int, torch.Tensor]]
     perm: Optional[torch.Tensor]
+    hang: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class RunPlan:
     rows: int  # how many rows in all (a segment's row, or none when aligned and its run is empty)
     tokens: int  # the rows' tokens without padding (>= N; the repeated tails when aligned)
     padded: int  # with padding
+    last: Tuple[int, int]  # (call, row) of the row that ends with node N - 1: its final state is the state after it
 
 
 def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
@@ -161,8 +168,40 @@ def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
     key = ("runs", align, str(device))
     plan = cache.get(key)
     if plan is None:
-        plan = cache[key] = _run_plan(segments_of(mask), align, device)
+        plan = cache[key] = _run_plan(segments_of(mask), align, device, getattr(mask, "hang", None))
     return plan
+
+
+class SubForest:
+    """Nodes [first, N) of the forest ``subtree_end`` (nodes [0, first) a chain: parent p - 1) as a forest of their
+    own, for the convolution and recurrence plans (``_cache`` as on a TreeMask). ``hang`` [N - first] bool: the local
+    roots whose parent is node first - 1 (they continue the chain); the other roots are the forest's own roots."""
+
+    def __init__(self, subtree_end: torch.Tensor, first: int):
+        se = subtree_end.detach().cpu().numpy().astype(np.int64)
+        local = se[first:] - first
+        self.subtree_end = torch.from_numpy(local).to(subtree_end.device)
+        self._cache: dict = {}
+        seg = segments_of(self)
+        roots = seg.start[seg.parent < 0]
+        self.hang = np.zeros(len(local), dtype=bool)
+        if first:
+            self.hang[roots] = roots + first < se[first - 1]  # inside the subtree of the chain's last node
+            # A root inside the chain's subtree but not its last node's hangs from a chain node above the end.
+            above = roots[~self.hang[roots] & (roots + first < se[0])]
+            if len(above):
+                raise TreepackError("E_INPUT", f"node {int(above[0]) + first}'s parent is a node of the cached chain [0, {first}) other than its "
+                                    "last: a recurrent layer's cached state exists only at the end of the chain", field="prefix_tokens")
+
+
+def sub_forest(mask: Any, first: int) -> SubForest:
+    """``SubForest`` of nodes [first, N) of ``mask`` (cached on it)."""
+    cache = _cache(mask)
+    key = ("sub", first)
+    sub = cache.get(key)
+    if sub is None:
+        sub = cache[key] = SubForest(mask.subtree_end, first)
+    return sub
 
 
 def _groups(ks: np.ndarray, T: np.ndarray) -> List[np.ndarray]:
@@ -181,7 +220,7 @@ def _groups(ks: np.ndarray, T: np.ndarray) -> List[np.ndarray]:
     return groups
 
 
-def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
+def _run_plan(seg: Segments, align: int, device: torch.device, hang: Optional[np.ndarray] = None) -> RunPlan:
     n = len(seg.pred)
     a = seg.offset
     b = a + seg.length
@@ -239,8 +278,11 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
     owner[held[first]] = pos[first]
     if int(first.sum()) != n:
         raise TreepackError("E_INPUT", "the run plan leaves nodes without an output (not a valid forest)", field="subtree_end")
+    # Rows of root segments that continue a cached chain (a root's segment always has a row: r = a = 0).
+    hangs = np.zeros(S, dtype=bool) if hang is None else (seg.parent < 0) & hang[seg.start]
     calls = []
-    for nodes, src in calls_np:
+    for (nodes, src), group in zip(calls_np, call_segs):
+        hung = np.flatnonzero(hangs[group])
         # Each row's start state, gathered per earlier call it comes from (few calls, not one gather per row).
         srcs = [where[j - 1] for j in src.tolist() if j > 0]
         sources, perm, at = [], np.zeros(len(src), dtype=np.int64), 1
@@ -249,5 +291,7 @@ def _run_plan(seg: Segments, align: int, device: torch.device) -> RunPlan:
             sources.append((c, torch.tensor([where[src[i] - 1][1] for i in picks], dtype=torch.int64, device=device)))
             perm[picks] = at + np.arange(len(picks))
             at += len(picks)
-        calls.append(Call(torch.from_numpy(nodes).to(device), sources, torch.from_numpy(perm).to(device) if sources else None))
-    return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size))
+        calls.append(Call(torch.from_numpy(nodes).to(device), sources, torch.from_numpy(perm).to(device) if sources else None,
+                          torch.from_numpy(hung).to(device) if len(hung) else None))
+    last = where[row_id[S - 1]] if S else (-1, -1)  # the last segment in DFS order holds node N - 1, a leaf: its row ends there
+    return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size), last)

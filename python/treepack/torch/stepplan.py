@@ -16,27 +16,35 @@ accumulation, and equal those of running every micro-batch in full.
     >>> result = run_step_plan(model, batches, lambda lp, b: tpt.packed_loss(lp, b, cfg)[0])
     >>> optimizer.step()
 
-Attention layers only: a model with recurrent or convolution layers is refused (their prefix state would be the
-segment's final recurrent state and convolution tail, carried by the same push/pop). Sliding windows and sinks
-work unchanged: the cached keys take their place in the full forest's mask.
+Sliding windows and sinks work unchanged: the cached keys take their place in the full forest's mask. A recurrent
+layer (Gated DeltaNet, KDA, Mamba2: ``RECURRENT``) caches per segment, instead of keys/values, its last K-1
+convolution inputs and its recurrent state after the segment's last node (O(1) in the segment's length); a
+micro-batch's roots that continue the cached chain start from that state, their convolution windows reaching into
+the cached inputs (python/treepack/torch/recurrent.py), and a pop back-propagates the gathered gradients of both
+(the state's is the recurrence's ``dht``). Every computed node whose parent is cached must then hang from the
+chain's last node (the planner's cuts guarantee it). Other token mixers are refused by name.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
-from .logprobs import _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
-from .models import refuse_non_attention
+from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
+from .models import layer_index, prepare, token_mixers
 
-# Module class names of token-mixing layers that are not softmax attention: their prefix state is not keys/values.
-_ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding")
+# config.layer_types whose layers mix tokens by softmax attention only (or not at all).
+_ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding", "mlp")
+# Recurrent layer classes whose prefix state (convolution tail, recurrent state) the executor carries; tested in
+# float64 against the unsplit forest (python/tests/trainer/test_stepplan.py).
+RECURRENT = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "KimiLinearDeltaAttention",
+                       "NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer", "Zamba2MambaMixer"})
 
 
 class StepOp(NamedTuple):
@@ -86,55 +94,89 @@ class StepResult:
     peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
 
 
-class _Segment:
-    """Chain nodes [start, end) held on the stack: leaves that gather gradients from everything that reads them."""
+Key = Tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
 
-    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
-                 hidden: torch.Tensor, lp: torch.Tensor) -> None:
+
+class _Segment:
+    """Chain nodes [start, end) held on the stack: leaves that gather gradients from everything that reads them (per
+    attention layer its keys and values, per recurrent layer its last convolution inputs and final state; the final
+    hidden states and node logprobs)."""
+
+    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: Dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor,
+                 ent: Optional[torch.Tensor]) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos = ids, pos
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
-        self.keys, self.values = [leaf(k) for k in keys], [leaf(v) for v in values]
+        self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
+        self.ent = None if ent is None else leaf(ent)
 
     def leaves(self) -> List[torch.Tensor]:
-        return self.keys + self.values + [self.hidden, self.lp]
+        return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
 
     def nbytes(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self.leaves())  # each leaf and its gradient
 
 
-class _PrefixAttention:
-    """Set as ``prefix`` on a TreeMask of the whole forest (cached chain included): ``tree_attention`` asks it to put
-    the cached keys/values before the computed ones (``extend``), which it records (``captured``), and computes only
-    the query rows past the cached ones (``rows``)."""
+class _Prefix:
+    """Set as ``prefix`` on a TreeMask of the whole forest (cached chain included), for the layers of one forward of
+    nodes [rows, N): the attention asks it to put the cached keys/values before the computed ones (``extend``) and
+    computes only the query rows past the cached ones; a recurrent layer reads the cached convolution inputs
+    (``tail``) and state (``state``) and leaves its own (``keep``). What each layer computed is ``captured``."""
 
     def __init__(self, stack: List[_Segment], rows: int) -> None:
         self.stack, self.rows = stack, rows
-        self.captured: Dict[int, Any] = {}
+        self.captured: Dict[Key, torch.Tensor] = {}
+        self.closed = False  # the forward has returned: what layers re-run now (checkpointing) is not captured
+
+    def keep(self, key: Key, tensor: torch.Tensor) -> None:
+        if self.closed:
+            return
+        if key in self.captured:
+            raise TreepackError("E_ARG", f"{key} was reported twice in one forward: the step plan cannot tell which layer's cache is which", field="layer_idx")
+        self.captured[key] = tensor
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: the step plan cannot tell which layer's cached keys it needs", field="layer_idx")
-        self.captured[layer] = (key, value)
+        self.keep(("key", layer), key)
+        self.keep(("value", layer), value)
         if not self.rows:
             return query, key, value
-        k = torch.cat([s.keys[layer] for s in self.stack] + [key], dim=2)
-        v = torch.cat([s.values[layer] for s in self.stack] + [value], dim=2)
+        k = torch.cat([s.cache[("key", layer)] for s in self.stack] + [key], dim=2)
+        v = torch.cat([s.cache[("value", layer)] for s in self.stack] + [value], dim=2)
         # The cached rows are queries nobody reads (attend skips them): zeros hold their places in the forest's layout.
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
         return q, k, v
 
+    def tail(self, key: Key, t: int) -> torch.Tensor:
+        """The convolution inputs of the chain's last t nodes [1, C, t]: each segment holds its last K-1 (or all)."""
+        return torch.cat([s.cache[key] for s in self.stack], dim=2)[:, :, -t:]
 
-def check_attention_only(model: torch.nn.Module) -> None:
-    """Refuses (TreepackError) a model whose token mixing is not all softmax attention: the step plan caches keys and
-    values, and a recurrent layer's prefix state (its final state and convolution tail) is not carried yet."""
-    types = getattr(model.config, "layer_types", None) or []
-    for i, kind in enumerate(types):
-        if kind not in _ATTENTION_TYPES:
-            raise TreepackError("E_ARG", f"layer {i} is of type {kind!r}: the step-plan executor caches attention keys/values only; recurrent and convolution layers are not supported yet (run these micro-batches in full)", field="layer_types")
-    refuse_non_attention(model, "is not softmax attention: the step-plan executor caches attention keys/values only (run these micro-batches in full)")
+    def state(self, key: Key) -> torch.Tensor:
+        """The recurrent state after the chain's last node [1, ...]: the top segment's."""
+        return self.stack[-1].cache[key]
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuses (TreepackError) a model with a token mixer whose prefix state the step plan does not carry: anything
+    but softmax attention and the recurrent layers of ``RECURRENT``, by layer index and class."""
+    handled, other = token_mixers(model)
+    unsupported = other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in RECURRENT]
+    if unsupported:
+        path, m = unsupported[0]
+        raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and its prefix state is not carried by the "
+                            "step-plan executor (attention and " + ", ".join(sorted(RECURRENT)) + " are; run these micro-batches in full)", field="model")
+    recurrent = {layer_index(p) for p, _ in handled}
+    for i, kind in enumerate(getattr(model.config, "layer_types", None) or []):
+        if kind not in _ATTENTION_TYPES and str(i) not in recurrent:
+            raise TreepackError("E_ARG", f"layer {i} is of type {kind!r} but holds no recurrent layer the step-plan executor knows: it caches attention keys/values "
+                                "and the states of " + ", ".join(sorted(RECURRENT)) + " only (run these micro-batches in full)", field="layer_types")
+    for path, m in handled:
+        if getattr(m, "treepack_chunk_align", False):
+            raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}) was prepared with chunk_align=True: a branch hanging from a cached state starts "
+                                "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
 
 
 def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
@@ -147,20 +189,34 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
 
 
 class StepPlanRunner:
-    """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form)."""
+    """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form): ``run(batch,
+    loss_fn)`` per micro-batch, then ``finish()``. A trainer that computes and back-propagates the loss itself (TRL)
+    calls ``forward(batch)`` (its pushes and forward: scores connected to the cached leaves), back-propagates, then
+    ``release()`` (its pops). ``temperature`` divides the logits; ``entropy`` also returns (and caches) entropies."""
 
-    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
+                 temperature: float = 1.0, entropy: bool = False) -> None:
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != "treepack":
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
-        check_attention_only(model)
+        if not temperature > 0:
+            raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise TreepackError("E_ARG", "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
+                                f"(final_logit_softcapping = {model.config.final_logit_softcapping})", field="final_logit_softcapping")
+        check_model(model)
+        prepare(model)  # recurrent layers run on the tree (idempotent)
         for name, m in model.named_modules():
             # A prefix is run twice (pushed, then popped with grad): both must compute the same values.
             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
                 raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs equal (call model.eval() or set p = 0)", field="dropout")
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
+        self.temperature, self.entropy = float(temperature), entropy
+        self.recurrent = bool(token_mixers(model)[0])
         self.head, self.base = _head_and_base(model)
         self.stack: List[_Segment] = []
+        self.keys: Optional[List[Key]] = None  # what every forward caches: fixed by the first one
+        self.pending: Optional[int] = None  # segments the micro-batch forwarded last pops at release()
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
 
     @property
@@ -169,56 +225,73 @@ class StepPlanRunner:
         return self.stack[-1].end if self.stack else 0
 
     def _forward(self, forest: PackedBatch, rows: int) -> Any:
-        """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows))."""
+        """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows)): final
+        hidden states [N - rows, D] and what each layer would cache for them."""
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
-        mask.prefix = ctx = _PrefixAttention(self.stack, rows)
+        mask.prefix = ctx = _Prefix(self.stack, rows)
         out = self.base(input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False)
-        layers = sorted(ctx.captured)
-        if layers != list(range(len(layers))) or not layers:
-            raise TreepackError("E_ARG", f"the model's attention calls reported layers {layers}; the step plan needs every layer's keys (layer_idx 0..L-1) once per forward", field="layer_idx")
-        return out.last_hidden_state[0], [ctx.captured[i][0] for i in layers], [ctx.captured[i][1] for i in layers]
+        ctx.closed = True  # gradient checkpointing re-runs layers in the backward: they read the cache, capture nothing
+        keys = sorted(ctx.captured, key=repr)
+        if self.keys is None:
+            if not keys:
+                raise TreepackError("E_ARG", "no layer reported keys/values or a recurrent state: the model's layers do not go through treepack's attention", field="attn_implementation")
+            self.keys = keys
+        elif keys != self.keys:
+            raise TreepackError("E_ARG", f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward", field="layer_idx")
+        return out.last_hidden_state[0], ctx.captured
+
+    def _scores(self, hidden: torch.Tensor, forest: PackedBatch, nodes: torch.Tensor) -> Any:
+        s = packed_logprobs(hidden, forest, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head, entropy=self.entropy, temperature=self.temperature)
+        return s.logprobs, s.entropy
 
     def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> Any:
-        """Chain nodes [start, start + n) on the stack: keys, values, hidden states and node logprobs (from the
-        parent's hidden state, the stack's top row for the first node; a root has none: 0)."""
+        """Chain nodes [start, start + n) on the stack: what each layer caches for them, hidden states and node
+        logprobs and entropies (from the parent's hidden state, the stack's top row for the first node; a root has
+        none: 0)."""
         chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]))
-        hidden, keys, values = self._forward(chain, start)
+        hidden, cache = self._forward(chain, start)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
-        nodes = torch.arange(max(start, 1), chain.num_nodes, device=ids.device)
-        lp = packed_logprobs(full, chain, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head).logprobs[start:]
-        return keys, values, hidden, torch.nan_to_num(lp, nan=0.0)
+        lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
+        zero = lambda t: None if t is None else torch.nan_to_num(t[start:], nan=0.0)  # noqa: E731
+        return cache, hidden, zero(lp), zero(ent)
 
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.depth
         ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
         with torch.no_grad():
-            keys, values, hidden, lp = self._segment_pass(ids, pos, start)
-        self.stack.append(_Segment(start, ids, pos, keys, values, hidden, lp))
+            cache, hidden, lp, ent = self._segment_pass(ids, pos, start)
+        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent))
         self.pushed += end - start
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
 
     def _pop(self) -> None:
         seg = self.stack.pop()
-        grads = [leaf.grad for leaf in seg.leaves()]
-        if all(g is None for g in grads):
+        if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
-        keys, values, hidden, lp = self._segment_pass(seg.ids, seg.pos, seg.start)
-        pairs = [(t, g) for t, g in zip(keys + values + [hidden, lp], grads) if g is not None]
+        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.start)
+        pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
+        if ent is not None:
+            pairs.append((ent, seg.ent.grad))
+        pairs = [(t, g) for t, g in pairs if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.computed += seg.end - seg.start
 
-    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
-        """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
-        releases. Returns (loss, logprobs [N]), detached."""
-        op = step_op(batch) if op is None else op
-        check_vocabulary(self.model, batch)
+    def _check(self, batch: PackedBatch, op: StepOp) -> None:
         h, N = op.prefix_tokens, batch.num_nodes
         if h > N:
             raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
         ar = torch.arange(h, device=batch.device)
         if h and (not torch.equal(batch.parent[:h], ar - 1) or not torch.equal(batch.position_ids[:h], ar)):
             raise TreepackError("E_INPUT", f"nodes [0, {h}) are not a chain from a root (parent p - 1, position p): they cannot be a cached prefix", field="prefix_tokens")
+        if self.recurrent and h:
+            # A recurrent layer's cached state is the one after the chain's last node: nothing may branch off above it.
+            p = batch.parent[h:]
+            above = torch.nonzero((p >= 0) & (p < h - 1)).flatten()
+            if above.numel():
+                j = int(above[0]) + h
+                raise TreepackError("E_INPUT", f"node {j}'s parent {int(batch.parent[j])} lies inside the cached prefix [0, {h}), not at its last node: "
+                                    "a recurrent layer's cached state exists only at the prefix's end", field="prefix_tokens")
         depth = self.depth
         if h and depth:
             held = torch.cat([s.ids for s in self.stack])[: min(depth, h)]
@@ -227,38 +300,66 @@ class StepPlanRunner:
         ends = [depth] + op.push
         if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
             raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}", field="prefix_push")
+        if op.release > len(self.stack) + len(op.push):
+            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments", field="prefix_release")
+
+    def forward(self, batch: PackedBatch, op: Optional[StepOp] = None) -> NodeScores:
+        """One micro-batch's pushes and forward: ``NodeScores`` of its trainable nodes ([N], NaN elsewhere), the
+        cached chain's own nodes taking the scores computed at push (their leaves gather the gradient). Back-propagate
+        the loss, then call ``release()``."""
+        if self.pending is not None:
+            raise TreepackError("E_ARG", "the previous micro-batch was not released: call release() after its backward", field="release")
+        op = step_op(batch) if op is None else op
+        check_vocabulary(self.model, batch)
+        self._check(batch, op)
         for end in op.push:
             self._push(batch, end)
-        if op.release > len(self.stack):
-            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack holds {len(self.stack)} segments", field="prefix_release")
-
+        self.pending = op.release
+        h, N = op.prefix_tokens, batch.num_nodes
+        targets = scored_nodes(batch)
         if N == 0:  # an empty step (ranks are padded to equal step counts): nothing to run or to score
-            for _ in range(op.release):
-                self._pop()
-            return torch.zeros((), dtype=torch.float64), torch.zeros(0)
+            empty = torch.zeros(0, dtype=torch.float64)
+            return NodeScores(empty, empty if self.entropy else None, targets)
         if N > h:
             hidden = self._forward(batch, h)[0]
         else:  # every node is cached (sequences that end on the chain): only the loss runs
             hidden = self.stack[-1].hidden.new_zeros((0, self.stack[-1].hidden.shape[1]))
         full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
-        targets = scored_nodes(batch)
-        new = targets[targets >= h]
-        lp = packed_logprobs(full, batch, chunk_size=self.chunk_size, nodes=new, lm_head=self.head).logprobs
+        lp, ent = self._scores(full, batch, targets[targets >= h])
         if h:
-            # The chain's own nodes take the logprobs computed at push (their leaves gather the gradient).
-            cached = torch.cat([s.lp for s in self.stack])[:h]
             old = targets[targets < h]
-            lp = lp.index_put((old,), cached[old])
-        loss = loss_fn(lp, batch)
+            lp = lp.index_put((old,), torch.cat([s.lp for s in self.stack])[old])
+            if ent is not None:
+                ent = ent.index_put((old,), torch.cat([s.ent for s in self.stack])[old])
+        self.computed += N - h
+        return NodeScores(lp, ent, targets)
+
+    def release(self) -> None:
+        """The pops of the micro-batch forwarded last (after its loss was back-propagated): each segment recomputed
+        with grad and back-propagated with the gradients its leaves gathered."""
+        if self.pending is None:
+            raise TreepackError("E_ARG", "release() without a forwarded micro-batch", field="release")
+        for _ in range(self.pending):
+            self._pop()
+        self.pending = None
+
+    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
+        """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
+        releases. Returns (loss, logprobs [N]), detached."""
+        scores = self.forward(batch, op)
+        if batch.num_nodes == 0:
+            self.release()
+            return torch.zeros((), dtype=torch.float64), scores.logprobs
+        loss = loss_fn(scores.logprobs, batch)
         if loss.requires_grad:
             loss.backward()
-        self.computed += N - h
-        for _ in range(op.release):
-            self._pop()
-        return loss.detach(), lp.detach()
+        self.release()
+        return loss.detach(), scores.logprobs.detach()
 
     def finish(self) -> None:
         """Checks the plan released every prefix (a step's plan leaves nothing cached)."""
+        if self.pending is not None:
+            self.release()
         if self.stack:
             depth = self.depth
             while self.stack:
@@ -267,12 +368,13 @@ class StepPlanRunner:
 
 
 def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
-                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128) -> StepResult:
+                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
+                  temperature: float = 1.0) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
     read from each batch's header; ``attention`` and ``block_size`` are ``tree_mask``'s (the block path skips the query
-    blocks that hold only cached rows)."""
-    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size)
+    blocks that hold only cached rows); ``temperature`` divides the logits."""
+    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature)
     losses, lps = [], []
     for i, batch in enumerate(batches):
         loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])
@@ -282,4 +384,4 @@ def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_f
     return StepResult(losses, lps, runner.computed, runner.pushed, runner.peak_tokens, runner.peak_bytes)
 
 
-__all__ = ["StepOp", "StepPlanRunner", "StepResult", "check_attention_only", "run_step_plan", "step_op"]
+__all__ = ["RECURRENT", "StepOp", "StepPlanRunner", "StepResult", "check_model", "run_step_plan", "step_op"]
