@@ -1,0 +1,327 @@
+/**
+ * The agent APIs beside chat completions: the OpenAI Responses API driven by the official `openai` Python
+ * package (`client.responses.create`, streaming and not), the Anthropic Messages API by the official `anthropic`
+ * Python package (`client.messages.create` and `.stream`), and `n > 1` on chat completions, all against the stub
+ * engine answering as vLLM does (token ids, logprobs, tool calls, n choices). Each episode is written here, by
+ * hand, as the chat episode it is (the messages a chat client would have sent, the engine's own ids and
+ * logprobs as the responses), and what the trainer feed hands out for the recorded episode must be byte for byte
+ * what `treepack pack` writes for that chat episode.
+ */
+import { execFile, spawnSync } from 'node:child_process';
+import { readFileSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { pythonEnv } from '../scripts/python-env.mjs';
+import { parseSafetensors } from '../src/io/safetensors.js';
+import { Service } from '../src/serve/service.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
+import { cli } from './helpers/cli.js';
+import { tempDir } from './helpers/serve.js';
+import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
+
+type Obj = Record<string, unknown>;
+
+/**
+ * The project's Python (scripts/python-env.mjs) when it imports `modules`, else why not: the suite that needs
+ * them is skipped, or fails under TREEPACK_REQUIRE_TORCH=1 (CI installs python/requirements-torch.txt).
+ */
+function sdkPython(modules: string[]): { python?: string; reason?: string } {
+  const env = pythonEnv();
+  if (!env.python) return { reason: env.reason };
+  const probe = spawnSyncPython(env.python, `import ${modules.join(', ')}`);
+  if (probe) {
+    const reason = `${env.python} cannot import ${modules.join(', ')} (pip install -r python/requirements-torch.txt): ${probe}`;
+    if (process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(reason);
+    return { reason };
+  }
+  return { python: env.python };
+}
+
+function spawnSyncPython(python: string, code: string): string | undefined {
+  const r = spawnSync(python, ['-c', code], { encoding: 'utf8', timeout: 60_000 });
+  return r.status === 0 ? undefined : (r.stderr || String(r.error)).trim().split('\n').pop();
+}
+
+const openaiPy = sdkPython(['openai']);
+const anthropicPy = sdkPython(['anthropic']);
+
+const SEARCH_SCHEMA = { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] };
+/** The search tool as chat completions spell it: what both translations must produce. */
+const CHAT_TOOLS = [{ type: 'function', function: { name: 'search', description: 'search the web', parameters: SEARCH_SCHEMA } }];
+
+let engine: StubEngine;
+let svc: Service;
+let base: string;
+let dir: string;
+
+beforeAll(async () => {
+  const tokenizer = await loadTokenizer('qwen3');
+  engine = await startStubEngine('ok', { tokenizer, record: true });
+  dir = tempDir('tp-agent-apis-');
+  svc = await Service.create({ engineUrl: engine.url, dataDir: dir, port: 0, groupSize: 1, policy: { kind: 'windowed-fifo', window: 8 }, packer: { tokenizer: 'qwen3' } });
+  base = await svc.listen();
+}, 120_000);
+
+afterAll(async () => {
+  await svc?.close();
+  await engine?.close();
+});
+
+async function runPython(python: string, script: string, ...args: string[]): Promise<Obj> {
+  const r = await promisify(execFile)(python, ['-c', script, ...args], { encoding: 'utf8', timeout: 120_000 });
+  expect(r.stderr).not.toMatch(/Traceback/);
+  return JSON.parse(r.stdout.trim().split('\n').pop()!) as Obj;
+}
+
+/** A chat response as the episode's JSONL holds it: the message and what the engine generated for it. */
+function response(message: Obj, produced: { token_ids: number[]; logprobs: number[] }): Obj {
+  return { ...message, token_ids: produced.token_ids, logprobs: produced.logprobs };
+}
+
+/**
+ * Finishes `episode`, pulls the step its group forms, and checks it is what `treepack pack` writes for
+ * `reference` (the episode as chat JSONL); returns the micro-batch's sequences.
+ */
+async function packedEqualsReference(episode: string, group: string, reference: Obj): Promise<{ tokens: number[]; mask: number[] }[]> {
+  const fin = await fetch(`${base}/v1/episodes/${episode}/finish`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ reward: 1 }) });
+  expect(fin.status).toBe(200);
+  const res = await fetch(`${base}/v1/batches/next?rank=0&dp=1&wait=30`);
+  expect(res.status).toBe(200);
+  const entry = JSON.parse(res.headers.get('x-treepack-entry')!) as { id: string; groups: string[] };
+  expect(entry.groups).toEqual([group]);
+  const bytes = new Uint8Array(await res.arrayBuffer());
+  const input = join(dir, `${episode}.jsonl`);
+  writeFileSync(input, JSON.stringify(reference) + '\n');
+  const out = join(dir, `${episode}-packed`);
+  const r = cli(['pack', input, '--out', out, '--timeline-compare-level', 'token', '--tokenizer', 'qwen3', '--quiet']);
+  expect(r.stderr).toBe('');
+  const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8')) as { micro_batches: { file: string }[] };
+  expect(manifest.micro_batches).toHaveLength(1);
+  expect(Buffer.from(bytes).equals(readFileSync(join(out, manifest.micro_batches[0]!.file)))).toBe(true);
+  expect((await fetch(`${base}/v1/batches/${entry.id}/ack`, { method: 'POST' })).status).toBe(200);
+  const t = parseSafetensors(bytes).tensors;
+  const ids = t.get('input_ids')!.data as Int32Array, pos = t.get('seq_positions')!.data as Int32Array, off = t.get('seq_offsets')!.data as Int32Array;
+  const mask = t.get('loss_mask')!.data as Uint8Array;
+  const seqs = [];
+  for (let i = 0; i + 1 < off.length; i++) {
+    const idx = Array.from(pos.subarray(off[i]!, off[i + 1]!));
+    seqs.push({ tokens: idx.map((p) => ids[p]!), mask: Array.from(mask.subarray(off[i]!, off[i + 1]!)) });
+  }
+  return seqs;
+}
+
+describe.skipIf(!openaiPy.python)(`the Responses API through the openai Python package${openaiPy.reason ? ` (skipped: ${openaiPy.reason})` : ''}`, () => {
+  it('tool call, function output, streamed text, a last turn: recorded and packed as the chat episode', { timeout: 180_000 }, async () => {
+    const script = `
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="none")
+tools = [{"type": "function", "name": "search", "description": "search the web", "parameters": ${JSON.stringify(SEARCH_SCHEMA)}}]
+dump = lambda items: [i.model_dump(exclude_none=True) for i in items]
+r1 = client.responses.create(model="stub", instructions="You are an agent.", input="Find the capital of France.", tools=tools, tool_choice={"type": "function", "name": "search"}, max_output_tokens=32)
+call = [o for o in r1.output if o.type == "function_call"][0]
+items = [{"role": "user", "content": "Find the capital of France."}] + dump(r1.output) + [{"type": "function_call_output", "call_id": call.call_id, "output": "Paris"}]
+events, text, final = [], "", None
+for ev in client.responses.create(model="stub", instructions="You are an agent.", input=items, tools=tools, max_output_tokens=32, stream=True):
+    events.append(ev.type)
+    if ev.type == "response.output_text.delta": text += ev.delta
+    if ev.type == "response.completed": final = ev.response
+items += dump(final.output) + [{"role": "user", "content": "Thanks."}]
+r3 = client.responses.create(model="stub", instructions="You are an agent.", input=items, tools=tools, max_output_tokens=32, include=["message.output_text.logprobs"])
+print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final": final.model_dump(), "r3": r3.model_dump(), "r3_text": r3.output_text}))
+`;
+    const before = engine.produced.length;
+    const c0 = engine.calls; // the stub numbers its calls: call_<n>, "q <n>", "reply <n>"
+    const out = (await runPython(openaiPy.python!, script, `${base}/groups/resp-task/episodes/resp-a/v1`)) as { r1: Obj; events: string[]; text: string; final: Obj; r3: Obj; r3_text: string };
+    const produced = engine.produced.slice(before);
+    expect(produced).toHaveLength(3);
+
+    // What the client saw: a function call with the engine's arguments text, a streamed answer, a last one.
+    const fc = (out.r1.output as Obj[])[0]!;
+    expect(out.r1).toMatchObject({ object: 'response', status: 'completed' });
+    expect(fc).toMatchObject({ type: 'function_call', name: 'search', arguments: `{"query": "q ${c0}"}`, call_id: `call_${c0}` });
+    expect(out.events[0]).toBe('response.created');
+    expect(out.events.at(-1)).toBe('response.completed');
+    expect(out.events).toEqual(expect.arrayContaining(['response.output_item.added', 'response.content_part.added', 'response.output_text.delta', 'response.output_text.done', 'response.output_item.done']));
+    expect(out.text).toBe(`reply ${c0 + 1}`);
+    expect(out.r3_text).toBe(`reply ${c0 + 2}`);
+    // logprobs asked for (include): the engine's, token by token of the text
+    const lp = ((out.r3.output as Obj[])[0]!.content as Obj[])[0]!.logprobs as { logprob: number }[];
+    expect(lp.map((x) => x.logprob)).toEqual(produced[2]!.logprobs);
+    expect(out.r3.usage).toMatchObject({ input_tokens: produced[2]!.prompt_token_ids.length, output_tokens: produced[2]!.token_ids.length });
+
+    // The episode as a chat client would have sent it.
+    const m1 = [{ role: 'system', content: 'You are an agent.' }, { role: 'user', content: 'Find the capital of France.' }];
+    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] };
+    const m2 = [...m1, toolTurn, { role: 'tool', tool_call_id: `call_${c0}`, content: 'Paris' }];
+    const m3 = [...m2, { role: 'assistant', content: `reply ${c0 + 1}` }, { role: 'user', content: 'Thanks.' }];
+    // the engine got those messages and tools, as chat completions
+    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual([m1, m2, m3].map((m) => [m, CHAT_TOOLS]));
+    const reference = {
+      episode_id: 'resp-a',
+      task_id: 'resp-task',
+      meta: { reward: 1 },
+      requests: [
+        { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
+        { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
+        { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
+      ],
+    };
+    const seqs = await packedEqualsReference('resp-a', 'resp-task', reference);
+    // one timeline: each call continues the one before, token for token
+    expect(seqs).toHaveLength(1);
+  });
+});
+
+describe.skipIf(!anthropicPy.python)(`the Messages API through the anthropic Python package${anthropicPy.reason ? ` (skipped: ${anthropicPy.reason})` : ''}`, () => {
+  it('tool_use, tool_result, a streamed answer, a last turn, with a scoped key: recorded and packed as the chat episode', { timeout: 180_000 }, async () => {
+    const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'msg-a', group: 'msg-task' }) })).json()) as { api_key: string };
+    const script = `
+import json, sys
+import anthropic
+client = anthropic.Anthropic(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0)
+tools = [{"name": "search", "description": "search the web", "input_schema": ${JSON.stringify(SEARCH_SCHEMA)}}]
+msgs = [{"role": "user", "content": "Find the capital of France."}]
+m1 = client.messages.create(model="stub", max_tokens=32, system="You are an agent.", messages=msgs, tools=tools, tool_choice={"type": "tool", "name": "search"})
+use = [b for b in m1.content if b.type == "tool_use"][0]
+msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Paris"}]}]
+with client.messages.stream(model="stub", max_tokens=32, system="You are an agent.", messages=msgs, tools=tools) as s:
+    text = "".join(s.text_stream)
+    final = s.get_final_message()
+msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]}, {"role": "user", "content": "Thanks."}]
+m3 = client.messages.create(model="stub", max_tokens=32, system=[{"type": "text", "text": "You are an agent."}], messages=msgs, tools=tools)
+try:
+    client.messages.create(model="stub", max_tokens=32, messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+    refused = None
+except anthropic.BadRequestError as e:
+    refused = {"status": e.status_code, "body": e.body}
+print(json.dumps({"m1": m1.model_dump(), "text": text, "final": final.model_dump(), "m3": m3.model_dump(), "refused": refused}))
+`;
+    const before = engine.produced.length;
+    const c0 = engine.calls; // the stub numbers its calls: call_<n>, "q <n>", "reply <n>"
+    const out = (await runPython(anthropicPy.python!, script, base, key.api_key)) as { m1: Obj; text: string; final: Obj; m3: Obj; refused: { status: number; body: Obj } };
+    const produced = engine.produced.slice(before);
+    expect(produced).toHaveLength(3);
+    expect(out.m1).toMatchObject({ type: 'message', role: 'assistant', stop_reason: 'tool_use', content: [{ type: 'tool_use', id: `call_${c0}`, name: 'search', input: { query: `q ${c0}` } }] });
+    expect(out.m1.usage).toMatchObject({ input_tokens: produced[0]!.prompt_token_ids.length, output_tokens: produced[0]!.token_ids.length });
+    expect(out.text).toBe(`reply ${c0 + 1}`);
+    expect(out.final).toMatchObject({ stop_reason: 'end_turn', content: [{ type: 'text', text: `reply ${c0 + 1}` }] });
+    expect(out.m3).toMatchObject({ stop_reason: 'end_turn', content: [{ type: 'text', text: `reply ${c0 + 2}` }] });
+    // refused in the Messages API's error shape, naming the block
+    expect(out.refused.status).toBe(400);
+    expect(out.refused.body).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(/messages\[0\]\.content\[0\]\.type.*"image"/) } });
+
+    const m1 = [{ role: 'system', content: 'You are an agent.' }, { role: 'user', content: 'Find the capital of France.' }];
+    // The tool_use input comes back as an object: the engine's own arguments text is what was generated and sent.
+    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] };
+    const m2 = [...m1, toolTurn, { role: 'tool', tool_call_id: `call_${c0}`, content: 'Paris' }];
+    const m3 = [...m2, { role: 'assistant', content: `reply ${c0 + 1}` }, { role: 'user', content: 'Thanks.' }];
+    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual([m1, m2, m3].map((m) => [m, CHAT_TOOLS]));
+    const reference = {
+      episode_id: 'msg-a',
+      task_id: 'msg-task',
+      meta: { reward: 1 },
+      requests: [
+        { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
+        { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
+        { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
+      ],
+    };
+    expect(await packedEqualsReference('msg-a', 'msg-task', reference)).toHaveLength(1);
+  });
+});
+
+describe('n > 1 on chat completions', () => {
+  it('records each choice as a sibling branch of the call, streamed or not', { timeout: 120_000 }, async () => {
+    const url = `${base}/groups/n-task/episodes/n-a/v1/chat/completions`;
+    const post = (body: Obj) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const before = engine.produced.length;
+    const m1 = [{ role: 'user', content: 'Name a colour.' }];
+    const r1 = (await (await post({ model: 'stub', messages: m1, n: 3, max_tokens: 8 })).json()) as { choices: { index: number; message: Obj }[] };
+    expect(r1.choices.map((c) => [c.index, c.message.content])).toEqual([0, 1, 2].map((j) => [j, j ? `reply ${engine.calls - 1}.${j}` : `reply ${engine.calls - 1}`]));
+    const first = r1.choices[0]!.message.content as string;
+    const m2 = [...m1, { role: 'assistant', content: first }, { role: 'user', content: 'Another.' }];
+    const s = await (await post({ model: 'stub', messages: m2, n: 2, max_tokens: 8, stream: true })).text();
+    const texts = ['', ''];
+    for (const line of s.split('\n')) {
+      if (!line.startsWith('data: {')) continue;
+      for (const c of (JSON.parse(line.slice(6)) as { choices: { index: number; delta: { content?: string } }[] }).choices) texts[c.index] += c.delta.content ?? '';
+    }
+    expect(s.trim().endsWith('data: [DONE]')).toBe(true);
+    const produced = engine.produced.slice(before);
+    expect(produced).toHaveLength(5);
+    const n = engine.calls - 1;
+    expect(texts).toEqual([`reply ${n}`, `reply ${n}.1`]);
+    const reference = {
+      episode_id: 'n-a',
+      task_id: 'n-task',
+      meta: { reward: 1 },
+      requests: [
+        ...[0, 1, 2].map((j) => ({ messages: m1, response: response(r1.choices[j]!.message, produced[j]!) })),
+        ...[0, 1].map((j) => ({ messages: m2, response: response({ role: 'assistant', content: texts[j] }, produced[3 + j]!) })),
+      ],
+    };
+    const seqs = await packedEqualsReference('n-a', 'n-task', reference);
+    // Branches, not copies: choice 0 of the first call is continued by the second call's choices (two branches),
+    // and choices 1 and 2 of the first call branch off its prompt; every branch is its own sequence.
+    expect(seqs).toHaveLength(4);
+    const prompt = produced[0]!.prompt_token_ids;
+    for (const q of seqs) expect(q.tokens.slice(0, prompt.length)).toEqual(prompt);
+  });
+});
+
+describe('what the translations refuse', () => {
+  const post = (path: string, body: Obj, headers: Record<string, string> = {}) =>
+    fetch(`${base}/episodes/refused${path}`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) }).then(async (r) => ({ status: r.status, body: (await r.json()) as Obj }));
+
+  it('names the field, in each API\'s error shape, and records nothing', async () => {
+    const calls = engine.calls;
+    const responses: [Obj, RegExp][] = [
+      [{ input: 'hi', previous_response_id: 'resp_1' }, /field "previous_response_id": the gateway stores no responses/],
+      [{ input: 'hi', tools: [{ type: 'web_search' }] }, /field "tools\[0\]\.type": built-in tools/],
+      [{ input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'http://x/y.png' }] }] }, /field "input\[0\]\.content\[0\]\.type": content of type "input_image"/],
+      [{ input: [{ type: 'item_reference', id: 'msg_1' }] }, /field "input\[0\]\.type": item references/],
+      [{ input: 'hi', include: ['reasoning.encrypted_content'] }, /field "include\[0\]"/],
+      [{ input: 'hi', n: 2 }, /field "n"/],
+    ];
+    for (const [body, why] of responses) {
+      const r = await post('/v1/responses', { model: 'stub', ...body });
+      expect(r.status).toBe(400);
+      expect((r.body.error as Obj).message).toMatch(why);
+    }
+    const messages: [Obj, RegExp][] = [
+      [{ messages: [{ role: 'user', content: 'hi' }], tools: [{ type: 'web_search_20250305', name: 'web_search' }] }, /field "tools\[0\]\.type": server and Anthropic-defined tools/],
+      [{ messages: [{ role: 'user', content: 'hi' }], thinking: { type: 'enabled', budget_tokens: 1024 } }, /field "thinking"/],
+      [{ messages: [{ role: 'user', content: [{ type: 'document', source: {} }] }] }, /field "messages\[0\]\.content\[0\]\.type"/],
+      [{ messages: [{ role: 'user', content: 'hi' }], mcp_servers: [{}] }, /field "mcp_servers"/],
+    ];
+    for (const [body, why] of messages) {
+      const r = await post('/v1/messages', { model: 'stub', max_tokens: 8, ...body }, { 'x-api-key': 'none', 'anthropic-version': '2023-06-01' });
+      expect(r.status).toBe(400);
+      expect(r.body).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(why) } });
+    }
+    expect(engine.calls).toBe(calls);
+    expect((await fetch(`${base}/v1/episodes/refused`)).status).toBe(404);
+  });
+
+  it('a scoped key opens its own episode only, through x-api-key too', async () => {
+    const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'own' }) })).json()) as { api_key: string };
+    const r = await post('/v1/messages', { model: 'stub', max_tokens: 8, messages: [{ role: 'user', content: 'hi' }] }, { 'x-api-key': key.api_key });
+    expect(r.status).toBe(403);
+    expect(r.body).toMatchObject({ type: 'error', error: { type: 'permission_error', message: expect.stringMatching(/opens episode "own" only/) } });
+  });
+
+  it('a retried Responses call with its Idempotency-Key is answered as recorded, once', async () => {
+    const url = `${base}/episodes/idem/v1/responses`;
+    const send = () => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': 'k1' }, body: JSON.stringify({ model: 'stub', input: 'hi' }) });
+    const a = await send();
+    const b = await send();
+    expect(b.headers.get('x-treepack-replayed')).toBe('true');
+    const [ja, jb] = [(await a.json()) as Obj, (await b.json()) as Obj];
+    expect(jb.id).toBe(ja.id);
+    expect(jb.output).toEqual(ja.output);
+    expect(((await (await fetch(`${base}/v1/episodes/idem`)).json()) as { calls: unknown[] }).calls).toHaveLength(1);
+  });
+});
