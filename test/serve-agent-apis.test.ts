@@ -272,6 +272,59 @@ describe('n > 1 on chat completions', () => {
   });
 });
 
+/** The events of an SSE body: [event name, data]. */
+function events(text: string): [string, Obj][] {
+  return text
+    .split('\n\n')
+    .filter((e) => e.trim() !== '')
+    .map((e) => {
+      const name = /^event: (.*)$/m.exec(e)?.[1] ?? '';
+      return [name, JSON.parse(/^data: (.*)$/m.exec(e)![1]!) as Obj];
+    });
+}
+
+describe('streamed tool calls, as each API streams them', () => {
+  const TOOL = { type: 'object', properties: { query: { type: 'string' } } };
+  const post = (path: string, body: Obj, headers: Record<string, string> = {}) =>
+    fetch(`${base}/episodes/stream-tools${path}`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
+
+  it('Responses: function_call item, argument deltas, completed; recorded with the engine ids; replayed alike', async () => {
+    const c0 = engine.calls;
+    const body = { model: 'stub', input: 'Search.', tools: [{ type: 'function', name: 'search', parameters: TOOL }], tool_choice: { type: 'function', name: 'search' }, stream: true };
+    const text = await (await post('/v1/responses', body, { 'idempotency-key': 'rs' })).text();
+    const evs = events(text);
+    expect(evs.map(([n]) => n)).toEqual(['response.created', 'response.in_progress', 'response.output_item.added', 'response.function_call_arguments.delta', 'response.function_call_arguments.delta', 'response.function_call_arguments.done', 'response.output_item.done', 'response.completed']);
+    expect(evs.map(([, d]) => d.sequence_number)).toEqual(evs.map((_, i) => i));
+    const args = `{"query": "q ${c0}"}`;
+    expect(evs.filter(([n]) => n.endsWith('.delta')).map(([, d]) => d.delta).join('')).toBe(args);
+    expect((evs.at(-1)![1].response as Obj).output).toEqual([{ id: expect.any(String), type: 'function_call', status: 'completed', call_id: `call_${c0}`, name: 'search', arguments: args }]);
+    const rec = (await (await fetch(`${base}/v1/episodes/stream-tools`)).json()) as { calls: { output: Obj }[] };
+    const produced = engine.produced.at(-1)!;
+    expect(rec.calls.at(-1)!.output).toEqual({ finishReason: 'stop', message: { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: args } }] }, promptTokenIds: produced.prompt_token_ids, tokenIds: produced.token_ids, logprobs: produced.logprobs });
+    // a retry: the same response from the record (its events in fewer deltas), the engine not called
+    const again = await post('/v1/responses', body, { 'idempotency-key': 'rs' });
+    expect(again.headers.get('x-treepack-replayed')).toBe('true');
+    expect(events(await again.text()).at(-1)![1].response).toEqual(evs.at(-1)![1].response);
+    expect(engine.calls).toBe(c0 + 1);
+  });
+
+  it('Messages: tool_use block, input_json_delta, stop_reason tool_use; recorded with the engine ids', async () => {
+    const c0 = engine.calls;
+    const body = { model: 'stub', max_tokens: 32, messages: [{ role: 'user', content: 'Search.' }], tools: [{ name: 'search', input_schema: TOOL }], tool_choice: { type: 'tool', name: 'search' }, stream: true };
+    const evs = events(await (await post('/v1/messages', body, { 'x-api-key': 'unused', 'anthropic-version': '2023-06-01' })).text());
+    expect(evs.map(([n]) => n)).toEqual(['message_start', 'content_block_start', 'content_block_delta', 'content_block_delta', 'content_block_stop', 'message_delta', 'message_stop']);
+    for (const [n, d] of evs) expect(d.type).toBe(n);
+    expect(evs[1]![1].content_block).toEqual({ type: 'tool_use', id: `call_${c0}`, name: 'search', input: {} });
+    const args = `{"query": "q ${c0}"}`;
+    expect(evs.filter(([n]) => n === 'content_block_delta').map(([, d]) => (d.delta as Obj).partial_json).join('')).toBe(args);
+    const produced = engine.produced.at(-1)!;
+    expect(evs[5]![1]).toEqual({ type: 'message_delta', delta: { stop_reason: 'tool_use', stop_sequence: null }, usage: { input_tokens: produced.prompt_token_ids.length, output_tokens: produced.token_ids.length } });
+    const rec = (await (await fetch(`${base}/v1/episodes/stream-tools`)).json()) as { calls: { request: Obj; output: Obj }[] };
+    expect(rec.calls.at(-1)!.output).toMatchObject({ message: { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: args } }] }, tokenIds: produced.token_ids });
+    expect(rec.calls.at(-1)!.request).toEqual({ messages: [{ role: 'user', content: 'Search.' }], tools: [{ type: 'function', function: { name: 'search', parameters: TOOL } }] });
+  });
+});
+
 describe('what the translations refuse', () => {
   const post = (path: string, body: Obj, headers: Record<string, string> = {}) =>
     fetch(`${base}/episodes/refused${path}`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) }).then(async (r) => ({ status: r.status, body: (await r.json()) as Obj }));
