@@ -325,6 +325,48 @@ describe('streamed tool calls, as each API streams them', () => {
   });
 });
 
+describe('reasoning, sent back as each API carries it', () => {
+  const THINK = { chat_template_kwargs: { enable_thinking: true } }; // passed to the engine as it is
+  const post = (episode: string, path: string, body: Obj, headers: Record<string, string> = {}) =>
+    fetch(`${base}/groups/${episode}/episodes/${episode}${path}`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
+
+  it('Responses: a reasoning item, then the next turn: the reasoning_content of the assistant turn, packed as chat', async () => {
+    const c0 = engine.calls;
+    const before = engine.produced.length;
+    const r1 = (await (await post('think-r', '/v1/responses', { model: 'stub', input: 'Why?', ...THINK })).json()) as { output: Obj[] };
+    expect(r1.output.map((o) => o.type)).toEqual(['reasoning', 'message']);
+    expect(r1.output[0]).toMatchObject({ content: [{ type: 'reasoning_text', text: `thought ${c0}` }] });
+    const input = [{ role: 'user', content: 'Why?' }, ...r1.output, { role: 'user', content: 'More.' }];
+    const evs = events(await (await post('think-r', '/v1/responses', { model: 'stub', input, stream: true, ...THINK })).text());
+    expect(evs.filter(([n]) => n === 'response.reasoning_text.delta').map(([, d]) => d.delta).join('')).toBe(`thought ${c0 + 1}`);
+    const produced = engine.produced.slice(before);
+    const turn = (k: number) => ({ role: 'assistant', content: `reply ${c0 + k}`, reasoning_content: `thought ${c0 + k}` });
+    const m1 = [{ role: 'user', content: 'Why?' }];
+    const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
+    expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
+    const reference = { episode_id: 'think-r', task_id: 'think-r', meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
+    await packedEqualsReference('think-r', 'think-r', reference);
+  });
+
+  it('Messages: a thinking block, then the next turn: the reasoning_content of the assistant turn, packed as chat', async () => {
+    const c0 = engine.calls;
+    const before = engine.produced.length;
+    const h = { 'x-api-key': 'unused', 'anthropic-version': '2023-06-01' };
+    const m = (await (await post('think-m', '/v1/messages', { model: 'stub', max_tokens: 32, messages: [{ role: 'user', content: 'Why?' }], ...THINK }, h)).json()) as { content: Obj[] };
+    expect(m.content).toEqual([{ type: 'thinking', thinking: `thought ${c0}`, signature: '' }, { type: 'text', text: `reply ${c0}` }]);
+    const messages = [{ role: 'user', content: 'Why?' }, { role: 'assistant', content: m.content }, { role: 'user', content: 'More.' }];
+    const evs = events(await (await post('think-m', '/v1/messages', { model: 'stub', max_tokens: 32, messages, stream: true, ...THINK }, h)).text());
+    expect(evs.filter(([n]) => n === 'content_block_start').map(([, d]) => (d.content_block as Obj).type)).toEqual(['thinking', 'text']);
+    const produced = engine.produced.slice(before);
+    const turn = (k: number) => ({ role: 'assistant', content: `reply ${c0 + k}`, reasoning_content: `thought ${c0 + k}` });
+    const m1 = [{ role: 'user', content: 'Why?' }];
+    const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
+    expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
+    const reference = { episode_id: 'think-m', task_id: 'think-m', meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
+    await packedEqualsReference('think-m', 'think-m', reference);
+  });
+});
+
 describe('what the translations refuse', () => {
   const post = (path: string, body: Obj, headers: Record<string, string> = {}) =>
     fetch(`${base}/episodes/refused${path}`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) }).then(async (r) => ({ status: r.status, body: (await r.json()) as Obj }));

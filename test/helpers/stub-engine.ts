@@ -1,7 +1,8 @@
 /**
  * A stub OpenAI-compatible engine for the service's error, durability and latency tests (and the bench): answers
  * at once with a numbered reply, or misbehaves on purpose. It answers as vLLM does where it matters to the
- * gateway: `n` choices (each its own `index`; streamed, their chunks interleave), a call of the named function
+ * gateway: `n` choices (each its own `index`; streamed, their chunks interleave), reasoning_content under
+ * `chat_template_kwargs.enable_thinking` (generated as Qwen3 writes it, inside <think>), a call of the named function
  * where `tool_choice` names one (or of the first tool where it is "required"), usage, a last usage-only chunk
  * under `stream_options.include_usage`, and, given a tokenizer, vLLM's `return_token_ids` (top-level
  * `prompt_token_ids`: the chat template rendered as transformers renders it, a tool-calling turn's null content
@@ -30,6 +31,8 @@ type Obj = Record<string, unknown>;
 
 interface Choice {
   content: string | null;
+  /** with chat_template_kwargs.enable_thinking: what vLLM's reasoning parser returns as reasoning_content */
+  reasoning?: string;
   call?: { id: string; name: string; arguments: string };
   ids?: number[];
   logprobs?: number[];
@@ -73,12 +76,15 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const tools = (req0.tools as { function: { name: string } }[] | undefined) ?? [];
       const tc = req0.tool_choice as { function?: { name: string } } | string | undefined;
       const named = typeof tc === 'object' ? tc.function?.name : tc === 'required' ? tools[0]?.function.name : undefined;
+      const thinking = (req0.chat_template_kwargs as Obj | undefined)?.enable_thinking === true;
       const choices: Choice[] = [];
       for (let j = 0; j < ((req0.n as number | undefined) ?? 1); j++) {
         const tag = j === 0 ? `${n}` : `${n}.${j}`;
         const c: Choice = named ? { content: null, call: { id: `call_${tag.replace('.', '_')}`, name: named, arguments: `{"query": "q ${tag}"}` } } : { content: `reply ${tag}` };
+        if (thinking && !c.call) c.reasoning = `thought ${tag}`;
         if (tok) {
-          const gen = c.call ? `<tool_call>\n{"name": "${c.call.name}", "arguments": ${c.call.arguments}}\n</tool_call>` : c.content!;
+          const think = c.reasoning === undefined ? '' : `<think>\n${c.reasoning}\n</think>\n\n`;
+          const gen = c.call ? `<tool_call>\n{"name": "${c.call.name}", "arguments": ${c.call.arguments}}\n</tool_call>` : think + c.content!;
           c.ids = chat ? [...tok.encode(gen), eos!] : [...tok.encode(gen)];
           c.logprobs = c.ids.map(stubLogprob);
         }
@@ -111,6 +117,7 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
           const choice: Obj = { index, finish_reason: null, logprobs: lp(c, 0, half) };
           if (!chat) choice.text = parts[0];
           else if (c.call) choice.delta = { role: 'assistant', tool_calls: [{ index: 0, id: c.call.id, type: 'function', function: { name: c.call.name, arguments: parts[0] } }] };
+          else if (c.reasoning !== undefined) choice.delta = { role: 'assistant', reasoning_content: c.reasoning };
           else choice.delta = { role: 'assistant', content: parts[0] };
           if (wantIds) choice.token_ids = c.ids!.slice(0, half);
           event(choice, index === 0);
@@ -120,6 +127,7 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
           const choice: Obj = { index, finish_reason: finish(c), logprobs: lp(c, half, c.ids?.length ?? 0) };
           if (!chat) choice.text = parts[1];
           else if (c.call) choice.delta = { tool_calls: [{ index: 0, function: { arguments: parts[1] } }] };
+          else if (c.reasoning !== undefined) choice.delta = { content: parts[0] + parts[1] };
           else choice.delta = { content: parts[1] };
           if (wantIds) choice.token_ids = c.ids!.slice(half);
           event(choice, false);
@@ -131,7 +139,8 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const out = choices.map((c, index) => {
         const choice: Obj = { index, finish_reason: finish(c), logprobs: lp(c, 0, c.ids?.length ?? 0) };
         if (!chat) choice.text = c.content ?? '';
-        else choice.message = c.call ? { role: 'assistant', content: null, tool_calls: [{ id: c.call.id, type: 'function', function: { name: c.call.name, arguments: c.call.arguments } }] } : { role: 'assistant', content: c.content };
+        else if (c.call) choice.message = { role: 'assistant', content: null, tool_calls: [{ id: c.call.id, type: 'function', function: { name: c.call.name, arguments: c.call.arguments } }] };
+        else choice.message = c.reasoning === undefined ? { role: 'assistant', content: c.content } : { role: 'assistant', content: c.content, reasoning_content: c.reasoning };
         if (wantIds) choice.token_ids = c.ids;
         return choice;
       });
