@@ -1,8 +1,10 @@
 /**
- * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine.
- * Each call is proxied with token ids and logprobs requested, recorded under its episode (and agent), made
- * durable, and only then answered (for a stream: the final `data: [DONE]` waits for the log), so every answer
- * an agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
+ * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine,
+ * and the OpenAI Responses (`/v1/responses`) and Anthropic Messages (`/v1/messages`) APIs translated to its chat
+ * completions (responses.ts, messages.ts). Each call is proxied with token ids and logprobs requested, recorded
+ * under its episode (and agent; all `n` choices, the first as the call's output and the others as its siblings),
+ * made durable, and only then answered (for a stream: its last event waits for the log), so every answer an
+ * agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
  * `/groups/{group}/episodes/{id}/v1/...`), the `x-treepack-episode` header, or a scoped API key
  * (`POST /v1/episodes`), so an agent framework needs nothing but a base URL (or an API key).
  */

@@ -54,8 +54,9 @@ export function responsesRequest(body: unknown): Translated {
   const tools = chatTools(body.tools);
   if (tools.length) chat.tools = tools;
   if (body.tool_choice !== undefined && body.tool_choice !== null) chat.tool_choice = toolChoice(body.tool_choice);
-  const format = isObj(body.text) ? body.text.format : undefined;
   if (body.text !== undefined && body.text !== null && !isObj(body.text)) throw refuse('text', `expected {"format": …}, got ${describeValue(body.text)}`);
+  const { format, ...textRest } = (body.text ?? {}) as Obj;
+  for (const [k, v] of Object.entries(textRest)) if (v !== undefined && v !== null) throw refuse(`text.${k}`, 'not available through the gateway (text.format only)');
   if (format !== undefined && format !== null) chat.response_format = responseFormat(format);
   if (body.reasoning !== undefined && body.reasoning !== null) {
     if (!isObj(body.reasoning)) throw refuse('reasoning', `expected an object, got ${describeValue(body.reasoning)}`);
