@@ -270,6 +270,30 @@ describe('n > 1 on chat completions', () => {
     const prompt = produced[0]!.prompt_token_ids;
     for (const q of seqs) expect(q.tokens.slice(0, prompt.length)).toEqual(prompt);
   });
+
+  it('keeps the siblings through a restart, and a retry answers all n from the record', { timeout: 120_000 }, async () => {
+    const data = tempDir('tp-agent-apis-n-');
+    const opts = { engineUrl: engine.url, dataDir: data, port: 0, packer: { tokenizer: 'qwen3' } };
+    const call = (b: string) => fetch(`${b}/episodes/n-b/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': 'k' }, body: JSON.stringify({ model: 'stub', messages: [{ role: 'user', content: 'hi' }], n: 3 }) });
+    let s = await Service.create(opts);
+    const first = (await (await call(await s.listen())).json()) as { choices: Obj[] };
+    const before = (await (await fetch(`${s.app.listeningOrigin}/v1/episodes/n-b`)).json()) as { calls: Obj[] };
+    expect(before.calls).toHaveLength(1);
+    expect(before.calls[0]!.siblings).toHaveLength(2);
+    await s.close();
+    s = await Service.create(opts);
+    const b = await s.listen();
+    try {
+      expect((await (await fetch(`${b}/v1/episodes/n-b`)).json()) as Obj).toEqual(before);
+      const calls = engine.calls;
+      const again = await call(b);
+      expect(again.headers.get('x-treepack-replayed')).toBe('true');
+      expect(((await again.json()) as { choices: Obj[] }).choices.map((c) => c.message)).toEqual(first.choices.map((c) => c.message));
+      expect(engine.calls).toBe(calls);
+    } finally {
+      await s.close();
+    }
+  });
 });
 
 /** The events of an SSE body: [event name, data]. */
