@@ -13,9 +13,9 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
 import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type ClientWants, type EngineOutput } from './engine.js';
-import { messagesRequest, TOOL_USE_ID_PREFIX } from './messages.js';
-import { CALL_ID_PREFIX, responsesRequest } from './responses.js';
-import { completeToolCalls, priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
+import { messagesRequest } from './messages.js';
+import { responsesRequest } from './responses.js';
+import { priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
 import { jsonEqual, Pool, PoolError, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
@@ -194,7 +194,6 @@ function openaiDialect(kind: CallKind): Dialect {
 }
 
 function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
-  const prefix = endpoint === 'responses' ? CALL_ID_PREFIX : TOOL_USE_ID_PREFIX;
   return {
     endpoint,
     kind: 'chat',
@@ -215,7 +214,7 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
         request: t.request,
         n: 1,
         stream: t.stream,
-        complete: (outputs, call) => completeToolCalls(outputs[0]!, prefix, call.id),
+        complete: (outputs, call) => t.complete(outputs[0]!, call),
         answer: (json, outputs, call) => {
           const c = (json.choices as Obj[]).find((x) => (x.index ?? 0) === 0)!;
           return whole(outputs[0]!, call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();

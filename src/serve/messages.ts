@@ -6,12 +6,12 @@
  * Server tools (web search, code execution, …), images, documents and extended-thinking budgets are refused.
  */
 import { describeValue } from '../errors.js';
-import type { ToolCallOut } from './engine.js';
+import type { EngineOutput, ToolCallOut } from './engine.js';
 import { PoolError, jsonEqual, type CallRequest } from './pool.js';
-import { chatToolCall, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
+import { chatToolCall, completeToolCalls, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
 
 /** The prefix of the ids given to tool calls that came from the engine without one. */
-export const TOOL_USE_ID_PREFIX = 'toolu_';
+const TOOL_USE_ID_PREFIX = 'toolu_';
 
 /** Fields read here; the others go to the engine's chat completions as they are. */
 const HANDLED = new Set(['model', 'messages', 'system', 'max_tokens', 'tools', 'tool_choice', 'stop_sequences', 'stream', 'temperature', 'top_p', 'top_k', 'metadata', 'thinking', 'service_tier', 'container', 'mcp_servers', 'context_management']);
@@ -52,7 +52,16 @@ export function messagesRequest(body: unknown, prior: ReadonlyMap<string, ToolCa
   const request: CallRequest = { messages };
   if (tools.length) request.tools = tools;
   const stops = Array.isArray(body.stop_sequences) ? (body.stop_sequences as unknown[]) : [];
-  return { chat, request, stream: body.stream === true, writer: (call) => new MessagesWriter(call, body.model ?? null, stops) };
+  return { chat, request, stream: body.stream === true, writer: (call) => new MessagesWriter(call, body.model ?? null, stops), complete };
+}
+
+/**
+ * The output as recorded: tool call ids as the writer names them, and empty text as no text (a Message has no
+ * empty text block, so the client sends the turn back without one; vLLM renders both alike).
+ */
+function complete(o: EngineOutput, call: CallMeta): void {
+  completeToolCalls(o, TOOL_USE_ID_PREFIX, call.id);
+  if (o.message?.content === '') o.message.content = null;
 }
 
 function chatMessages(m: unknown, at: string, prior: ReadonlyMap<string, ToolCallOut>): Msg[] {

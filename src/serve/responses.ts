@@ -7,11 +7,12 @@
  * `conversation` and item references are refused, as are built-in tools and non-text content.
  */
 import { describeValue } from '../errors.js';
+import type { EngineOutput } from './engine.js';
 import { PoolError, type CallRequest } from './pool.js';
-import { chatToolCall, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
+import { chatToolCall, completeToolCalls, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
 
 /** The prefix of the ids given to tool calls that came from the engine without one. */
-export const CALL_ID_PREFIX = 'call_';
+const CALL_ID_PREFIX = 'call_';
 
 const LOGPROBS_INCLUDE = 'message.output_text.logprobs';
 
@@ -92,7 +93,16 @@ export function responsesRequest(body: unknown): Translated {
     user: body.user ?? null,
     previous_response_id: null,
   };
-  return { chat, request, stream: body.stream === true, writer: (call) => new ResponsesWriter(call, echo, logprobs) };
+  return { chat, request, stream: body.stream === true, writer: (call) => new ResponsesWriter(call, echo, logprobs), complete };
+}
+
+/**
+ * The output as recorded: tool call ids as the writer names them, and the empty text that comes with tool calls as
+ * no text (no message item carries it, so the client sends the turn back without one; vLLM renders both alike).
+ */
+function complete(o: EngineOutput, call: CallMeta): void {
+  completeToolCalls(o, CALL_ID_PREFIX, call.id);
+  if (o.message?.content === '' && o.message.tool_calls?.length) o.message.content = null;
 }
 
 function inputMessages(input: unknown): Msg[] {
@@ -295,7 +305,9 @@ class ResponsesWriter implements ApiWriter {
     return text + this.ev('response.reasoning_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta });
   }
 
-  private textDelta(delta: string, logprobs: Obj[]): string {
+  private textDelta(delta: string, logprobs: Obj[], force = false): string {
+    // vLLM opens a stream with empty text, tool calls or not: an empty message item only where nothing else comes
+    if (delta === '' && !force && this.open?.key !== 'message') return '';
     const { text, item } = this.item(
       'message',
       () => {
@@ -343,8 +355,13 @@ class ResponsesWriter implements ApiWriter {
     return text + this.ev('response.function_call_arguments.delta', { item_id: item.id, output_index: this.output.indexOf(item), delta: fn.arguments });
   }
 
+  /** Closes the last item; an answer of empty text and nothing else is an empty message (sent back as a turn). */
+  private closeOutput(): string {
+    return (this.output.length === 0 ? this.textDelta('', [], true) : '') + this.closeOpen();
+  }
+
   end(): string {
-    const text = this.start() + this.closeOpen();
+    const text = this.start() + this.closeOutput();
     const status = this.status();
     return text + this.ev(status === 'completed' ? 'response.completed' : 'response.incomplete', { response: this.response(status) });
   }
@@ -354,7 +371,7 @@ class ResponsesWriter implements ApiWriter {
   }
 
   answer(): Obj {
-    this.closeOpen();
+    this.closeOutput();
     return this.response(this.status());
   }
 }

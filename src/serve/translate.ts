@@ -25,6 +25,8 @@ export interface Translated {
   request: CallRequest;
   stream: boolean;
   writer(call: CallMeta): ApiWriter;
+  /** makes an output what the client is shown (tool call ids, as the writer names them) before it is recorded */
+  complete(o: EngineOutput, call: CallMeta): void;
 }
 
 export interface CallMeta {

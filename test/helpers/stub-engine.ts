@@ -106,7 +106,9 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
           if (first && wantIds) chunk.prompt_token_ids = promptIds;
           res.write(`data: ${JSON.stringify(chunk)}\n\n`);
         };
-        // Each choice in two pieces, the choices' chunks interleaved.
+        // As vLLM: a chat stream opens with the role and empty text; then each choice in two pieces, the choices'
+        // chunks interleaved.
+        if (chat) choices.forEach((_, index) => event({ index, delta: { role: 'assistant', content: '' }, finish_reason: null, logprobs: null }, false));
         const pieces = choices.map((c) => {
           const half = c.ids ? Math.ceil((c.ids.length - 1) / 2) : 0;
           const text = c.call ? c.call.arguments : c.content!;
