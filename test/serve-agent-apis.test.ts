@@ -24,18 +24,20 @@ type Obj = Record<string, unknown>;
 
 /**
  * The project's Python (scripts/python-env.mjs) when it imports `modules`, else why not: the suite that needs
- * them is skipped, or fails under TREEPACK_REQUIRE_TORCH=1 (CI installs python/requirements-torch.txt).
+ * them is skipped, naming the reason, or under TREEPACK_REQUIRE_TORCH=1 (CI installs
+ * python/requirements-torch.txt) runs and fails with it.
  */
-function sdkPython(modules: string[]): { python?: string; reason?: string } {
+function sdkPython(modules: string[]): { python?: string; reason?: string; skip: boolean } {
   const env = pythonEnv();
-  if (!env.python) return { reason: env.reason };
-  const probe = spawnSyncPython(env.python, `import ${modules.join(', ')}`);
-  if (probe) {
-    const reason = `${env.python} cannot import ${modules.join(', ')} (pip install -r python/requirements-torch.txt): ${probe}`;
-    if (process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(reason);
-    return { reason };
-  }
-  return { python: env.python };
+  const probe = env.python ? spawnSyncPython(env.python, `import ${modules.join(', ')}`) : env.reason;
+  if (!probe) return { python: env.python!, skip: false };
+  const reason = `${env.python ?? 'no Python'} cannot import ${modules.join(', ')} (pip install -r python/requirements-torch.txt): ${probe}`;
+  return { reason, skip: process.env.TREEPACK_REQUIRE_TORCH !== '1' };
+}
+
+function required(py: { python?: string; reason?: string }): string {
+  if (!py.python) throw new Error(`TREEPACK_REQUIRE_TORCH=1 but ${py.reason}`);
+  return py.python;
 }
 
 function spawnSyncPython(python: string, code: string): string | undefined {
@@ -111,7 +113,7 @@ async function packedEqualsReference(episode: string, group: string, reference: 
   return seqs;
 }
 
-describe.skipIf(!openaiPy.python)(`the Responses API through the openai Python package${openaiPy.reason ? ` (skipped: ${openaiPy.reason})` : ''}`, () => {
+describe.skipIf(openaiPy.skip)(`the Responses API through the openai Python package${openaiPy.reason ? ` (skipped: ${openaiPy.reason})` : ''}`, () => {
   it('tool call, function output, streamed text, a last turn: recorded and packed as the chat episode', { timeout: 180_000 }, async () => {
     const script = `
 import json, sys
@@ -133,7 +135,7 @@ print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final"
 `;
     const before = engine.produced.length;
     const c0 = engine.calls; // the stub numbers its calls: call_<n>, "q <n>", "reply <n>"
-    const out = (await runPython(openaiPy.python!, script, `${base}/groups/resp-task/episodes/resp-a/v1`)) as { r1: Obj; events: string[]; text: string; final: Obj; r3: Obj; r3_text: string };
+    const out = (await runPython(required(openaiPy), script, `${base}/groups/resp-task/episodes/resp-a/v1`)) as { r1: Obj; events: string[]; text: string; final: Obj; r3: Obj; r3_text: string };
     const produced = engine.produced.slice(before);
     expect(produced).toHaveLength(3);
 
@@ -174,7 +176,7 @@ print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final"
   });
 });
 
-describe.skipIf(!anthropicPy.python)(`the Messages API through the anthropic Python package${anthropicPy.reason ? ` (skipped: ${anthropicPy.reason})` : ''}`, () => {
+describe.skipIf(anthropicPy.skip)(`the Messages API through the anthropic Python package${anthropicPy.reason ? ` (skipped: ${anthropicPy.reason})` : ''}`, () => {
   it('tool_use, tool_result, a streamed answer, a last turn, with a scoped key: recorded and packed as the chat episode', { timeout: 180_000 }, async () => {
     const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'msg-a', group: 'msg-task' }) })).json()) as { api_key: string };
     const script = `
@@ -201,7 +203,7 @@ print(json.dumps({"m1": m1.model_dump(), "text": text, "final": final.model_dump
 `;
     const before = engine.produced.length;
     const c0 = engine.calls; // the stub numbers its calls: call_<n>, "q <n>", "reply <n>"
-    const out = (await runPython(anthropicPy.python!, script, base, key.api_key)) as { m1: Obj; text: string; final: Obj; m3: Obj; refused: { status: number; body: Obj } };
+    const out = (await runPython(required(anthropicPy), script, base, key.api_key)) as { m1: Obj; text: string; final: Obj; m3: Obj; refused: { status: number; body: Obj } };
     const produced = engine.produced.slice(before);
     expect(produced).toHaveLength(3);
     expect(out.m1).toMatchObject({ type: 'message', role: 'assistant', stop_reason: 'tool_use', content: [{ type: 'tool_use', id: `call_${c0}`, name: 'search', input: { query: `q ${c0}` } }] });
