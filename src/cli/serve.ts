@@ -11,9 +11,10 @@ export const DP = optionEntry('budget.dp');
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR --tokenizer DIR|NAME [options]
 
-Puts treepack between agents, their inference engine and the trainer: an OpenAI-compatible recording gateway
-(/v1/chat/completions, /v1/completions), a slime-compatible rollout buffer (/start_rollout, /buffer/write,
-/get_rollout_data), and a trainer feed of packed micro-batches (GET /v1/batches/next, POST /v1/batches/{id}/ack).
+Puts treepack between agents, their inference engine and the trainer: a recording gateway (/v1/chat/completions,
+/v1/completions, and the Responses and Messages APIs /v1/responses, /v1/messages, sent to the engine as chat
+completions), a slime-compatible rollout buffer (/start_rollout, /buffer/write, /get_rollout_data), and a trainer
+feed of packed micro-batches (GET /v1/batches/next, POST /v1/batches/{id}/ack).
 
 Options:
   --engine URL            the engine's OpenAI base URL, e.g. http://127.0.0.1:8000/v1          [required]

@@ -5,10 +5,10 @@
  *
  * Engine output formats read (vLLM >= 0.10.2, OpenAI):
  *  - prompt ids: `prompt_token_ids` at the top level (chat) or on the choice (completions);
- *  - generated ids: `choices[0].token_ids` (streamed: one list per chunk, concatenated);
- *  - logprobs: `choices[0].logprobs.content[i].logprob` (chat) or `choices[0].logprobs.token_logprobs[i]`
+ *  - generated ids: `choices[k].token_ids` (streamed: one list per chunk, concatenated per choice `index`);
+ *  - logprobs: `choices[k].logprobs.content[i].logprob` (chat) or `choices[k].logprobs.token_logprobs[i]`
  *    (completions).
- * Only choice 0 is recorded: agents ask for one completion per call (`n` > 1 is refused up front).
+ * Every choice is read (`n` > 1: one output per choice, in `index` order; they share the prompt).
  */
 import { describeValue } from '../errors.js';
 
@@ -118,85 +118,114 @@ function toolCalls(v: unknown, field: string): ToolCallOut[] | undefined {
   });
 }
 
-function firstChoice(json: unknown): Obj {
-  if (!isObj(json)) throw new EngineError(`expected a JSON object, got ${describeValue(json)}`);
-  if (!Array.isArray(json.choices) || !isObj(json.choices[0])) throw new EngineError(`expected a non-empty list of choices, got ${describeValue(json.choices)}`, 'choices');
-  return json.choices[0];
-}
-
-/** The recordable part of a complete (non-streamed) response. */
-export function parseResponse(kind: CallKind, json: unknown): EngineOutput {
-  const c = firstChoice(json);
-  const out: EngineOutput = { finishReason: typeof c.finish_reason === 'string' ? c.finish_reason : null };
-  if (kind === 'chat') {
-    const m = c.message;
-    if (!isObj(m)) throw new EngineError(`expected a message object, got ${describeValue(m)}`, 'choices[0].message');
-    if (m.content !== null && m.content !== undefined && typeof m.content !== 'string') throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, 'choices[0].message.content');
-    out.message = { role: 'assistant', content: (m.content as string | null | undefined) ?? null };
-    const calls = toolCalls(m.tool_calls, 'choices[0].message.tool_calls');
-    if (calls && calls.length) out.message.tool_calls = calls;
-    const reasoning = m.reasoning_content ?? m.reasoning;
-    if (typeof reasoning === 'string' && reasoning !== '') out.message.reasoning_content = reasoning;
-  } else {
-    if (typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, 'choices[0].text');
-    out.text = c.text;
-  }
-  const prompt = ids((json as Obj).prompt_token_ids ?? c.prompt_token_ids, 'prompt_token_ids');
-  if (prompt) out.promptTokenIds = prompt;
-  const gen = ids(c.token_ids, 'choices[0].token_ids');
-  if (gen) out.tokenIds = gen;
-  const lp = logprobList(kind, c.logprobs, 'choices[0].logprobs');
-  if (lp) out.logprobs = lp;
+/** The choices of a response or chunk, each at its `index` (its list position where it has none). */
+function choicesByIndex(json: Obj, n: number): Map<number, { c: Obj; at: string }> {
+  if (!Array.isArray(json.choices)) throw new EngineError(`expected a list of choices, got ${describeValue(json.choices)}`, 'choices');
+  const out = new Map<number, { c: Obj; at: string }>();
+  json.choices.forEach((c, i) => {
+    if (!isObj(c)) throw new EngineError(`expected a choice object, got ${describeValue(c)}`, `choices[${i}]`);
+    const index = c.index === undefined ? i : c.index;
+    if (!Number.isSafeInteger(index) || (index as number) < 0 || (index as number) >= n) {
+      throw new EngineError(`expected an integer in 0..${n - 1} (the request's n), got ${describeValue(c.index)}`, `choices[${i}].index`);
+    }
+    out.set(index as number, { c, at: `choices[${i}]` });
+  });
   return out;
 }
 
-/** Folds the chunks of an SSE stream into the same EngineOutput as a complete response. */
-export class StreamAccumulator {
-  private content = '';
-  private sawContent = false;
-  private reasoning = '';
-  private readonly calls: { id?: string; type?: string; name: string; args: string }[] = [];
-  private finishReason: string | null = null;
-  private prompt: number[] | undefined;
-  private tokens: number[] | undefined;
-  private logprobs: number[] | undefined;
+/** The recordable part of a complete (non-streamed) response: one output per choice, `n` of them. */
+export function parseResponse(kind: CallKind, json: unknown, n = 1): EngineOutput[] {
+  if (!isObj(json)) throw new EngineError(`expected a JSON object, got ${describeValue(json)}`);
+  const byIndex = choicesByIndex(json, n);
+  if (byIndex.size !== n) throw new EngineError(`expected ${n} choice(s) (the request's n), got ${byIndex.size}`, 'choices');
+  const outputs: EngineOutput[] = [];
+  for (let k = 0; k < n; k++) {
+    const { c, at } = byIndex.get(k)!;
+    const out: EngineOutput = { finishReason: typeof c.finish_reason === 'string' ? c.finish_reason : null };
+    if (kind === 'chat') {
+      const m = c.message;
+      if (!isObj(m)) throw new EngineError(`expected a message object, got ${describeValue(m)}`, `${at}.message`);
+      if (m.content !== null && m.content !== undefined && typeof m.content !== 'string') throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, `${at}.message.content`);
+      out.message = { role: 'assistant', content: (m.content as string | null | undefined) ?? null };
+      const calls = toolCalls(m.tool_calls, `${at}.message.tool_calls`);
+      if (calls && calls.length) out.message.tool_calls = calls;
+      const reasoning = m.reasoning_content ?? m.reasoning;
+      if (typeof reasoning === 'string' && reasoning !== '') out.message.reasoning_content = reasoning;
+    } else {
+      if (typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, `${at}.text`);
+      out.text = c.text;
+    }
+    const prompt = ids(json.prompt_token_ids ?? c.prompt_token_ids, 'prompt_token_ids');
+    if (prompt) out.promptTokenIds = prompt;
+    const gen = ids(c.token_ids, `${at}.token_ids`);
+    if (gen) out.tokenIds = gen;
+    const lp = logprobList(kind, c.logprobs, `${at}.logprobs`);
+    if (lp) out.logprobs = lp;
+    outputs.push(out);
+  }
+  return outputs;
+}
 
-  constructor(private readonly kind: CallKind) {}
+/** One choice's stream, folded. */
+class ChoiceStream {
+  content = '';
+  sawContent = false;
+  reasoning = '';
+  readonly calls: { id?: string; type?: string; name: string; args: string }[] = [];
+  finishReason: string | null = null;
+  prompt: number[] | undefined;
+  tokens: number[] | undefined;
+  logprobs: number[] | undefined;
+}
+
+/** Folds the chunks of an SSE stream into the same EngineOutputs as a complete response, one per choice. */
+export class StreamAccumulator {
+  private readonly choices: ChoiceStream[] = [];
+  private prompt: number[] | undefined;
+
+  constructor(
+    private readonly kind: CallKind,
+    private readonly n = 1,
+  ) {
+    for (let k = 0; k < n; k++) this.choices.push(new ChoiceStream());
+  }
 
   add(chunk: unknown): void {
     if (!isObj(chunk)) throw new EngineError(`expected a JSON object per stream event, got ${describeValue(chunk)}`);
     const prompt = ids(chunk.prompt_token_ids, 'prompt_token_ids');
     if (prompt) this.prompt = prompt;
-    if (!Array.isArray(chunk.choices) || chunk.choices.length === 0) return; // usage-only chunk
-    const c = chunk.choices[0];
-    if (!isObj(c)) throw new EngineError(`expected a choice object, got ${describeValue(c)}`, 'choices[0]');
-    if (typeof c.finish_reason === 'string') this.finishReason = c.finish_reason;
-    const p = ids(c.prompt_token_ids, 'choices[0].prompt_token_ids');
-    if (p) this.prompt = p;
-    const t = ids(c.token_ids, 'choices[0].token_ids');
-    if (t) (this.tokens ??= []).push(...t);
-    const lp = logprobList(this.kind, c.logprobs, 'choices[0].logprobs');
-    if (lp) (this.logprobs ??= []).push(...lp);
+    if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return; // usage-only chunk
+    for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) this.addChoice(this.choices[k]!, c, at);
+  }
+
+  private addChoice(s: ChoiceStream, c: Obj, at: string): void {
+    if (typeof c.finish_reason === 'string') s.finishReason = c.finish_reason;
+    const p = ids(c.prompt_token_ids, `${at}.prompt_token_ids`);
+    if (p) s.prompt = p;
+    const t = ids(c.token_ids, `${at}.token_ids`);
+    if (t) (s.tokens ??= []).push(...t);
+    const lp = logprobList(this.kind, c.logprobs, `${at}.logprobs`);
+    if (lp) (s.logprobs ??= []).push(...lp);
     if (this.kind === 'completion') {
-      if (c.text !== undefined && typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, 'choices[0].text');
-      this.content += (c.text as string | undefined) ?? '';
+      if (c.text !== undefined && typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, `${at}.text`);
+      s.content += (c.text as string | undefined) ?? '';
       return;
     }
     const d = c.delta;
     if (d === undefined || d === null) return;
-    if (!isObj(d)) throw new EngineError(`expected a delta object, got ${describeValue(d)}`, 'choices[0].delta');
+    if (!isObj(d)) throw new EngineError(`expected a delta object, got ${describeValue(d)}`, `${at}.delta`);
     if (typeof d.content === 'string') {
-      this.content += d.content;
-      this.sawContent = true;
+      s.content += d.content;
+      s.sawContent = true;
     }
     const r = d.reasoning_content ?? d.reasoning;
-    if (typeof r === 'string') this.reasoning += r;
+    if (typeof r === 'string') s.reasoning += r;
     if (d.tool_calls !== undefined && d.tool_calls !== null) {
-      if (!Array.isArray(d.tool_calls)) throw new EngineError(`expected a list, got ${describeValue(d.tool_calls)}`, 'choices[0].delta.tool_calls');
+      if (!Array.isArray(d.tool_calls)) throw new EngineError(`expected a list, got ${describeValue(d.tool_calls)}`, `${at}.delta.tool_calls`);
       for (const tc of d.tool_calls) {
-        if (!isObj(tc)) throw new EngineError(`expected a tool call delta, got ${describeValue(tc)}`, 'choices[0].delta.tool_calls');
-        const index = Number.isInteger(tc.index) ? (tc.index as number) : this.calls.length;
-        const call = (this.calls[index] ??= { name: '', args: '' });
+        if (!isObj(tc)) throw new EngineError(`expected a tool call delta, got ${describeValue(tc)}`, `${at}.delta.tool_calls`);
+        const index = Number.isInteger(tc.index) ? (tc.index as number) : s.calls.length;
+        const call = (s.calls[index] ??= { name: '', args: '' });
         if (typeof tc.id === 'string') call.id = tc.id;
         if (typeof tc.type === 'string') call.type = tc.type;
         const fn = isObj(tc.function) ? tc.function : {};
@@ -206,24 +235,27 @@ export class StreamAccumulator {
     }
   }
 
-  result(): EngineOutput {
-    const out: EngineOutput = { finishReason: this.finishReason };
-    if (this.kind === 'chat') {
-      out.message = { role: 'assistant', content: this.sawContent ? this.content : null };
-      const calls = this.calls.filter((c) => c !== undefined);
-      if (calls.length) {
-        out.message.tool_calls = calls.map((c) => {
-          const call: ToolCallOut = { function: { name: c.name, arguments: c.args } };
-          if (c.id !== undefined) call.id = c.id;
-          if (c.type !== undefined) call.type = c.type;
-          return call;
-        });
-      }
-      if (this.reasoning) out.message.reasoning_content = this.reasoning;
-    } else out.text = this.content;
-    if (this.prompt) out.promptTokenIds = this.prompt;
-    if (this.tokens) out.tokenIds = this.tokens;
-    if (this.logprobs) out.logprobs = this.logprobs;
-    return out;
+  result(): EngineOutput[] {
+    return this.choices.map((s) => {
+      const out: EngineOutput = { finishReason: s.finishReason };
+      if (this.kind === 'chat') {
+        out.message = { role: 'assistant', content: s.sawContent ? s.content : null };
+        const calls = s.calls.filter((c) => c !== undefined);
+        if (calls.length) {
+          out.message.tool_calls = calls.map((c) => {
+            const call: ToolCallOut = { function: { name: c.name, arguments: c.args } };
+            if (c.id !== undefined) call.id = c.id;
+            if (c.type !== undefined) call.type = c.type;
+            return call;
+          });
+        }
+        if (s.reasoning) out.message.reasoning_content = s.reasoning;
+      } else out.text = s.content;
+      const prompt = s.prompt ?? this.prompt;
+      if (prompt) out.promptTokenIds = prompt;
+      if (s.tokens) out.tokenIds = s.tokens;
+      if (s.logprobs) out.logprobs = s.logprobs;
+      return out;
+    });
   }
 }

@@ -1,8 +1,10 @@
 /**
- * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine.
- * Each call is proxied with token ids and logprobs requested, recorded under its episode (and agent), made
- * durable, and only then answered (for a stream: the final `data: [DONE]` waits for the log), so every answer
- * an agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
+ * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine,
+ * and the OpenAI Responses (`/v1/responses`) and Anthropic Messages (`/v1/messages`) APIs translated to its chat
+ * completions (responses.ts, messages.ts). Each call is proxied with token ids and logprobs requested, recorded
+ * under its episode (and agent; all `n` choices, the first as the call's output and the others as its siblings),
+ * made durable, and only then answered (for a stream: its last event waits for the log), so every answer an
+ * agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
  * `/groups/{group}/episodes/{id}/v1/...`), the `x-treepack-episode` header, or a scoped API key
  * (`POST /v1/episodes`), so an agent framework needs nothing but a base URL (or an API key).
  */
@@ -10,8 +12,11 @@ import { performance } from 'node:perf_hooks';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
-import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type EngineOutput } from './engine.js';
-import { jsonEqual, Pool, PoolError, type RecordedCall, type Scope } from './pool.js';
+import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type ClientWants, type EngineOutput } from './engine.js';
+import { messagesRequest } from './messages.js';
+import { responsesRequest } from './responses.js';
+import { priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
+import { jsonEqual, Pool, PoolError, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
@@ -29,10 +34,13 @@ function header(req: FastifyRequest, name: string): string | undefined {
   return typeof v === 'string' && v !== '' ? v : undefined;
 }
 
-/** The bearer token of a request, if any. */
+/**
+ * The credential a request presents, if any: its bearer token, or its `x-api-key` header (how Anthropic's
+ * clients send their key).
+ */
 export function bearer(req: FastifyRequest): string | undefined {
   const m = /^Bearer\s+(.+)$/i.exec(req.headers.authorization ?? '');
-  return m?.[1];
+  return m?.[1] ?? header(req, 'x-api-key');
 }
 
 /** The scope of the scoped API key a request presents, if it presents one. */
@@ -91,9 +99,12 @@ function checkBody(kind: CallKind, body: unknown): Obj {
   }
   // The engine would coerce "yes" or 1 and stream, where the gateway reads JSON: refused, naming the field.
   if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean') throw new PoolError(400, `field "stream": expected true or false, got ${describeValue(body.stream)}`);
-  if (body.n !== undefined && body.n !== null && body.n !== 1) throw new PoolError(400, `field "n": the gateway records one completion per call; expected 1, got ${describeValue(body.n)}`);
+  if (body.n !== undefined && body.n !== null && (!Number.isSafeInteger(body.n) || (body.n as number) < 1 || (body.n as number) > MAX_N)) throw new PoolError(400, `field "n": expected an integer in 1..${MAX_N}, got ${describeValue(body.n)}`);
   return body;
 }
+
+/** The most choices one call may ask for: each is recorded, and they share the call's bound on the pool. */
+const MAX_N = 128;
 
 function policyVersion(svc: GatewayCore, req: FastifyRequest): number {
   const v = header(req, 'x-treepack-policy-version');
@@ -119,14 +130,111 @@ function engineFailure(svc: GatewayCore, e: Error): PoolError {
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
 
-function recordedCall(kind: CallKind, scope: Scope, body: Obj, output: EngineOutput, version: number, requestId: string | undefined): RecordedCall {
-  const call: RecordedCall = { id: Pool.newId(), kind, time: Date.now(), policyVersion: version, request: {}, output };
+/**
+ * How one API's calls are checked, sent to the engine, recorded and answered: chat and legacy completions as the
+ * engine speaks them, the Responses and Messages APIs translated to chat completions (translate.ts).
+ */
+interface Dialect {
+  /** the metrics' endpoint label */
+  endpoint: string;
+  /** what the engine is asked, and what is recorded */
+  kind: CallKind;
+  /** the Anthropic error shape (else OpenAI's) */
+  anthropic?: boolean;
+  prepare(body: unknown, episode: Episode | undefined): Prepared;
+}
+
+interface Prepared {
+  /** the engine's request, asking for token ids and logprobs */
+  upstream: Obj;
+  request: CallRequest;
+  /** choices asked for */
+  n: number;
+  stream: boolean;
+  /** makes the outputs what the client is shown (tool call ids) before they are recorded */
+  complete(outputs: EngineOutput[], call: CallMeta): void;
+  /** the answer to a complete engine response */
+  answer(json: Obj, outputs: EngineOutput[], call: CallMeta): Obj;
+  writer(call: CallMeta): StreamWriter;
+  /** a recorded call as the answer to a retry of it: whole, or as its stream */
+  replay(call: RecordedCall): { json: Obj } | { sse: string };
+}
+
+type StreamWriter = Pick<ApiWriter, 'chunk' | 'end' | 'fail'>;
+
+function openaiDialect(kind: CallKind): Dialect {
+  return {
+    endpoint: kind === 'chat' ? 'chat' : 'completions',
+    kind,
+    prepare(raw) {
+      const body = checkBody(kind, raw);
+      const { body: upstream, wants } = upstreamRequest(kind, body);
+      const request: CallRequest = {};
+      if (kind === 'chat') {
+        request.messages = body.messages as unknown[];
+        if (Array.isArray(body.tools) && body.tools.length) request.tools = body.tools;
+      } else request.prompt = body.prompt as string;
+      return {
+        upstream,
+        request,
+        n: (body.n as number | undefined) ?? 1,
+        stream: body.stream === true,
+        complete: () => {},
+        answer: (json) => clientView(json, wants),
+        writer: () => ({
+          chunk: (c) => `data: ${JSON.stringify(clientView(c, wants))}\n\n`,
+          end: () => 'data: [DONE]\n\n',
+          // [DONE] is withheld so the client sees a failure
+          fail: (message) => `data: ${JSON.stringify({ error: { message, type: 'engine_error' } })}\n\n`,
+        }),
+        replay: (call) => replayAnswer(kind, call, body, wants),
+      };
+    },
+  };
+}
+
+function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
+  return {
+    endpoint,
+    kind: 'chat',
+    anthropic: endpoint === 'messages',
+    prepare(raw, episode) {
+      const t = endpoint === 'responses' ? responsesRequest(raw) : messagesRequest(raw, priorToolCalls(episode?.calls));
+      if (t.chat.n !== undefined && t.chat.n !== null && t.chat.n !== 1) throw new PoolError(400, `field "n": the ${endpoint === 'responses' ? 'Responses' : 'Messages'} API answers one output per call; ask for several through /v1/chat/completions`);
+      const { body: upstream } = upstreamRequest('chat', t.chat);
+      // the usage of a streamed answer comes in a last chunk, on request
+      if (t.stream) upstream.stream_options = { include_usage: true };
+      const whole = (o: EngineOutput, call: CallMeta, extra?: Parameters<typeof wholeChunk>[1]) => {
+        const w = t.writer(call);
+        w.chunk(wholeChunk(o, extra));
+        return w;
+      };
+      return {
+        upstream,
+        request: t.request,
+        n: 1,
+        stream: t.stream,
+        complete: (outputs, call) => t.complete(outputs[0]!, call),
+        answer: (json, outputs, call) => {
+          const c = (json.choices as Obj[]).find((x) => (x.index ?? 0) === 0)!;
+          return whole(outputs[0]!, call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();
+        },
+        writer: (call) => t.writer(call),
+        replay: (call) => {
+          const w = whole(call.output, { id: call.id, time: call.time });
+          return t.stream ? { sse: w.end() } : { json: w.answer() };
+        },
+      };
+    },
+  };
+}
+
+function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, requestId: string | undefined, meta: CallMeta): RecordedCall {
+  const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0]! };
+  // n > 1: the other choices share the call's prompt, each one more branch of the episode's tree
+  if (outputs.length > 1) call.siblings = outputs.slice(1);
   if (scope.agent !== undefined) call.agent = scope.agent;
   if (requestId !== undefined) call.requestId = requestId;
-  if (kind === 'chat') {
-    call.request.messages = body.messages as unknown[];
-    if (Array.isArray(body.tools) && body.tools.length) call.request.tools = body.tools;
-  } else call.request.prompt = body.prompt as string;
   return call;
 }
 
@@ -138,26 +246,26 @@ function requestId(req: FastifyRequest): string | undefined {
 }
 
 /**
- * A recorded call as the engine's answer to a retry of it: the choice it recorded (with token ids and logprobs
- * where the client asks for them), as a body or as a stream of one chunk.
+ * A recorded call as the engine's answer to a retry of it: its choices (with token ids and logprobs where the
+ * client asks for them), as a body or as a stream of one chunk.
  */
-function replayAnswer(kind: CallKind, call: RecordedCall, body: Obj, wants: ReturnType<typeof upstreamRequest>['wants'], reply: FastifyReply): FastifyReply {
-  const o = call.output;
-  const choice: Obj = { index: 0, finish_reason: o.finishReason, logprobs: null };
-  if (kind === 'chat') choice.message = o.message;
-  else choice.text = o.text;
-  if (wants.logprobs && o.logprobs) choice.logprobs = kind === 'chat' ? { content: o.logprobs.map((logprob) => ({ logprob })) } : { token_logprobs: o.logprobs };
-  if (wants.tokenIds && o.tokenIds) choice.token_ids = o.tokenIds;
-  const json: Obj = { id: call.id, object: kind === 'chat' ? 'chat.completion' : 'text_completion', created: Math.floor(call.time / 1000), model: body.model ?? null, choices: [choice] };
-  if (wants.tokenIds && o.promptTokenIds) json.prompt_token_ids = o.promptTokenIds;
-  reply.header('x-treepack-replayed', 'true');
-  if (body.stream !== true) return reply.send(json);
+function replayAnswer(kind: CallKind, call: RecordedCall, body: Obj, wants: ClientWants): { json: Obj } | { sse: string } {
+  const choices = [call.output, ...(call.siblings ?? [])].map((o, index) => {
+    const choice: Obj = { index, finish_reason: o.finishReason, logprobs: null };
+    if (kind === 'chat') choice.message = o.message;
+    else choice.text = o.text;
+    if (wants.logprobs && o.logprobs) choice.logprobs = kind === 'chat' ? { content: o.logprobs.map((logprob) => ({ logprob })) } : { token_logprobs: o.logprobs };
+    if (wants.tokenIds && o.tokenIds) choice.token_ids = o.tokenIds;
+    return choice;
+  });
+  const json: Obj = { id: call.id, object: kind === 'chat' ? 'chat.completion' : 'text_completion', created: Math.floor(call.time / 1000), model: body.model ?? null, choices };
+  if (wants.tokenIds && call.output.promptTokenIds) json.prompt_token_ids = call.output.promptTokenIds;
+  if (body.stream !== true) return { json };
   if (kind === 'chat') {
-    const { message, ...rest } = choice;
-    json.choices = [{ ...rest, delta: message }];
+    json.choices = choices.map(({ message, ...rest }) => ({ ...rest, delta: message }));
     json.object = 'chat.completion.chunk';
   }
-  return reply.header('content-type', 'text/event-stream').send(`data: ${JSON.stringify(json)}\n\ndata: [DONE]\n\n`);
+  return { sse: `data: ${JSON.stringify(json)}\n\ndata: [DONE]\n\n` };
 }
 
 /** Counts an engine failure (down, slow, garbage) before it goes back to the client. */
@@ -168,52 +276,56 @@ function countFailure(svc: GatewayCore, endpoint: string, err: unknown): never {
   throw err;
 }
 
-async function proxy(svc: GatewayCore, inflight: InFlight, kind: CallKind, req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
-  const endpoint = kind === 'chat' ? 'chat' : 'completions';
+async function proxy(svc: GatewayCore, inflight: InFlight, d: Dialect, req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
   const scope = scopeOf(svc, req);
-  const body = checkBody(kind, req.body);
   const rid = requestId(req);
-  if (rid === undefined) return proxyOnce(svc, kind, req, reply, scope, body, undefined).catch((err) => countFailure(svc, endpoint, err));
+  if (rid === undefined) return proxyOnce(svc, d, req, reply, scope, undefined).catch((err) => countFailure(svc, d.endpoint, err));
   // A retry while the first attempt is in flight waits for it, then is answered from its record (or tries again).
   const key = `${scope.episode}\n${rid}`;
   for (let earlier = inflight.get(key); earlier; earlier = inflight.get(key)) await earlier.catch(() => {});
-  const done = proxyOnce(svc, kind, req, reply, scope, body, rid);
+  const done = proxyOnce(svc, d, req, reply, scope, rid);
   inflight.set(key, done);
   try {
     return await done;
   } catch (err) {
-    return countFailure(svc, endpoint, err);
+    return countFailure(svc, d.endpoint, err);
   } finally {
     if (inflight.get(key) === done) inflight.delete(key); // a retry that waited may hold it by now
   }
 }
 
-async function proxyOnce(svc: GatewayCore, kind: CallKind, req: FastifyRequest, reply: FastifyReply, scope: Scope, body: Obj, rid: string | undefined): Promise<unknown> {
-  const endpoint = kind === 'chat' ? 'chat' : 'completions';
+async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, reply: FastifyReply, scope: Scope, rid: string | undefined): Promise<unknown> {
+  const endpoint = d.endpoint;
   const t0 = performance.now();
   const version = policyVersion(svc, req);
-  const { body: up, wants } = upstreamRequest(kind, body);
-  const recorded = rid === undefined ? undefined : svc.pool.episodes.get(scope.episode)?.requests?.get(rid);
+  const episode = svc.pool.episodes.get(scope.episode);
+  const p = d.prepare(req.body, episode);
+  const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
   if (recorded) {
     svc.metrics.calls.inc({ endpoint, outcome: 'replayed' });
-    return replayAnswer(kind, recorded, body, wants, reply);
+    const r = p.replay(recorded);
+    reply.header('x-treepack-replayed', 'true');
+    return 'json' in r ? reply.send(r.json) : reply.header('content-type', 'text/event-stream').send(r.sse);
   }
   svc.admit();
   svc.pool.checkCall(scope.episode, scope.group);
   await svc.openEpisode(scope.episode, scope.group);
+  const meta: CallMeta = { id: Pool.newId(), time: Date.now() };
   const tEngine = performance.now();
-  const res = await callEngine(svc, kind, up);
+  const res = await callEngine(svc, d.kind, p.upstream);
   if (res.status < 200 || res.status >= 300) {
     // The engine's own refusal (bad parameters, overload) goes back as it is, and nothing is recorded.
     svc.metrics.calls.inc({ endpoint, outcome: `engine_${res.status}` });
     const text = await res.text().catch((err: Error) => Promise.reject(engineFailure(svc, err)));
+    if (d.anthropic) throw new PoolError(res.status, `the engine refused the call: ${engineMessage(text)}`);
     return reply.code(res.status).header('content-type', res.contentType ?? 'application/json').send(text);
   }
-  const commit = async (output: EngineOutput) => {
-    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(kind, scope, body, output, version, rid) });
+  const commit = async (outputs: EngineOutput[]) => {
+    p.complete(outputs, meta);
+    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(d.kind, scope, p.request, outputs, version, rid, meta) });
     svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
   };
-  if (body.stream !== true) {
+  if (!p.stream) {
     let json: unknown;
     const text = await res.text().catch((err: Error) => Promise.reject(engineFailure(svc, err)));
     const tBack = performance.now();
@@ -223,23 +335,36 @@ async function proxyOnce(svc: GatewayCore, kind: CallKind, req: FastifyRequest, 
     } catch {
       throw new EngineError(`expected JSON, got ${describeValue(text)}`);
     }
-    await commit(parseResponse(kind, json));
+    const outputs = parseResponse(d.kind, json, p.n);
+    // built before the call is recorded: an output the API cannot carry is refused, not recorded
+    const answer = p.answer(json as Obj, outputs, meta);
+    await commit(outputs);
     svc.metrics.latency.observe({ endpoint }, (performance.now() - tBack + (tEngine - t0)) / 1000);
-    return reply.send(clientView(json as Obj, wants));
+    return reply.send(answer);
   }
-  return stream(svc, kind, res, reply, wants, commit, { t0, tEngine, endpoint });
+  return stream(svc, new StreamAccumulator(d.kind, p.n), p.writer(meta), res, reply, commit, { t0, tEngine, endpoint });
+}
+
+/** The message of an engine's error body (OpenAI's shape), else its text. */
+function engineMessage(text: string): string {
+  try {
+    const j = JSON.parse(text) as unknown;
+    if (isObj(j) && isObj(j.error) && typeof j.error.message === 'string') return j.error.message;
+  } catch {
+    // not JSON
+  }
+  return text.slice(0, 500);
 }
 
 async function stream(
   svc: GatewayCore,
-  kind: CallKind,
+  acc: StreamAccumulator,
+  w: StreamWriter,
   res: Upstream,
   reply: FastifyReply,
-  wants: ReturnType<typeof upstreamRequest>['wants'],
-  commit: (o: EngineOutput) => Promise<void>,
+  commit: (o: EngineOutput[]) => Promise<void>,
   t: { t0: number; tEngine: number; endpoint: string },
 ): Promise<void> {
-  const acc = new StreamAccumulator(kind);
   let done = false;
   let failure: Error | undefined;
   const out: string[] = [];
@@ -253,9 +378,9 @@ async function stream(
       try {
         const chunk = JSON.parse(ev.data) as unknown;
         acc.add(chunk);
-        out.push(`data: ${JSON.stringify(clientView(chunk as Obj, wants))}\n\n`);
+        out.push(w.chunk(chunk as Obj));
       } catch (err) {
-        failure = err instanceof EngineError ? err : new EngineError(`stream event is not JSON: ${describeValue(ev.data)}`);
+        failure = err instanceof EngineError || err instanceof PoolError ? err : new EngineError(`stream event is not JSON: ${describeValue(ev.data)}`);
       }
     },
   });
@@ -274,21 +399,23 @@ async function stream(
   }
   const tBack = performance.now();
   if (!failure && !done) failure = new EngineError('the engine closed the stream without data: [DONE]');
+  let tail = '';
   if (!failure) {
     try {
+      tail = w.end(); // before the call is recorded: an output the API cannot carry is refused, not recorded
       await commit(acc.result());
     } catch (err) {
       failure = err as Error;
     }
   }
   if (failure) {
-    // Headers are gone: the error travels as an SSE event, and [DONE] is withheld so the client sees a failure.
+    // Headers are gone: the error travels as an SSE event, and the stream's end is withheld.
     svc.metrics.calls.inc({ endpoint: t.endpoint, outcome: res.timedOut() ? 'engine_timeout' : 'engine_garbage' });
-    raw.end(`data: ${JSON.stringify({ error: { message: failure.message, type: 'engine_error' } })}\n\n`);
+    raw.end(w.fail(failure.message));
     return;
   }
   svc.metrics.latency.observe({ endpoint: t.endpoint }, (performance.now() - tBack + (t.tEngine - t.t0)) / 1000);
-  raw.end('data: [DONE]\n\n');
+  raw.end(tail);
 }
 
 function finishBody(body: unknown): { reward: number; metadata?: Obj; group_size?: number } {
@@ -323,11 +450,18 @@ function groupAnswer(svc: GatewayCore, group: string, shared: SharedGroup | unde
   return { group: g.id, group_finished: g.complete || (episodes !== null && episodes >= g.size), group_episodes: episodes, group_size: g.size };
 }
 
+const CHAT = openaiDialect('chat');
+const COMPLETIONS = openaiDialect('completion');
+const RESPONSES = translatedDialect('responses');
+const MESSAGES = translatedDialect('messages');
+
 export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
   const inflight: InFlight = new Map();
   for (const prefix of ['', '/episodes/:episode', '/groups/:group/episodes/:episode']) {
-    app.post(`${prefix}/v1/chat/completions`, SCOPED, (req, reply) => proxy(svc, inflight, 'chat', req, reply));
-    app.post(`${prefix}/v1/completions`, SCOPED, (req, reply) => proxy(svc, inflight, 'completion', req, reply));
+    app.post(`${prefix}/v1/chat/completions`, SCOPED, (req, reply) => proxy(svc, inflight, CHAT, req, reply));
+    app.post(`${prefix}/v1/completions`, SCOPED, (req, reply) => proxy(svc, inflight, COMPLETIONS, req, reply));
+    app.post(`${prefix}/v1/responses`, SCOPED, (req, reply) => proxy(svc, inflight, RESPONSES, req, reply));
+    app.post(`${prefix}/v1/messages`, { config: { scoped: true, errorShape: 'anthropic' } }, (req, reply) => proxy(svc, inflight, MESSAGES, req, reply));
     // The episode's base URL serves the model list too (openai's client.models.list()), with the engine's key.
     app.get(`${prefix}/v1/models`, SCOPED, async (req, reply) => {
       if (req.params && (req.params as { episode?: string }).episode !== undefined) scopeOf(svc, req);

@@ -45,6 +45,12 @@ function errorReply(err: unknown, bodyLimit: number): { status: number; body: { 
   return make(500, (err as Error).message ?? String(err), 'server_error');
 }
 
+/** An error in the Anthropic Messages API's shape (for `/v1/messages`, whose clients read that one). */
+function anthropicError(status: number, message: string): { type: 'error'; error: { type: string; message: string } } {
+  const types: Record<number, string> = { 400: 'invalid_request_error', 401: 'authentication_error', 403: 'permission_error', 404: 'not_found_error', 413: 'request_too_large', 429: 'rate_limit_error' };
+  return { type: 'error', error: { type: types[status] ?? (status >= 500 ? 'api_error' : 'invalid_request_error'), message } };
+}
+
 /**
  * Fastify's refusals before routing (a URL it cannot decode, a path parameter over its length) in the service's
  * error shape: the Fastify constructor's `frameworkErrors`.
@@ -56,12 +62,13 @@ export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: F
 }
 
 export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
-  app.setErrorHandler((err, _req: FastifyRequest, reply: FastifyReply) => {
+  app.setErrorHandler((err, req: FastifyRequest, reply: FastifyReply) => {
     const { status, body } = errorReply(err, svc.opts.bodyLimit);
     // The rate limiter's own Retry-After (the window's seconds left) stands; the pool's bound frees in seconds.
     if (status === 429 && !reply.hasHeader('retry-after')) reply.header('retry-after', '1');
     if (status !== 429 && status >= 400 && status < 500) svc.metrics.rejected.inc({ reason: `http_${status}` });
-    return reply.code(status).send(body);
+    const anthropic = (req.routeOptions.config as { errorShape?: string } | undefined)?.errorShape === 'anthropic';
+    return reply.code(status).send(anthropic ? anthropicError(status, body.error.message) : body);
   });
 
   // Unknown routes, and URLs the router refuses (too long), answer in the service's own error shape.

@@ -38,7 +38,10 @@ export interface RecordedCall {
   time: number;
   policyVersion: number;
   request: CallRequest;
+  /** the answer (choice 0 where the client asked for n > 1) */
   output: EngineOutput;
+  /** choices 1..n-1 of a call with n > 1: the same prompt, each its own branch */
+  siblings?: EngineOutput[];
 }
 
 export interface Episode {

@@ -9,6 +9,7 @@
 import { parseRecords } from '../records/read.js';
 import type { ChatRecord } from '../records/types.js';
 import type { ChatEncoder } from '../tokenize/chat.js';
+import type { EngineOutput } from './engine.js';
 import type { Episode, RecordedCall } from './pool.js';
 
 export interface RecordStats {
@@ -48,54 +49,61 @@ function renderedPrompt(encoder: ChatEncoder, rec: ChatRecord): Int32Array {
   return out;
 }
 
-function engineSample(ep: Episode, k: number, call: RecordedCall): Line {
-  const prompt = call.output.promptTokenIds!;
-  const gen = call.output.tokenIds!;
+function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOutput): Line {
+  const prompt = out.promptTokenIds!;
+  const gen = out.tokenIds!;
   const line: Line = {
-    id: `${ep.id}/s${k}`, // apart from the episode line's `${episode}/${request index}`
+    id, // apart from the episode line's `${episode}/${request index}`
     episode: ep.id,
     group: ep.group,
     tokens: [...prompt, ...gen],
     loss_mask: [...new Array<number>(prompt.length).fill(0), ...new Array<number>(gen.length).fill(1)],
   };
-  const lp = call.output.logprobs;
+  const lp = out.logprobs;
   if (lp && lp.length === gen.length) line.rollout_logprobs = [...new Array<number>(prompt.length).fill(0), ...lp];
   if (call.agent !== undefined) line.agent = call.agent;
   if (ep.reward !== undefined) line.reward = ep.reward;
   return line;
 }
 
-/** The records of one finished episode, in call order; `encoder` checks engine prompts against the template. */
+/**
+ * The records of one finished episode, in call order; `encoder` checks engine prompts against the template. The
+ * choices of a call with n > 1 follow one another, each a request (or sample) of its own: they share the prompt,
+ * so the packer makes each one more branch of the episode's tree.
+ */
 export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordStats): Line[] {
   if (ep.direct) return [directLine(ep)];
   const requests: Line[] = [];
   const samples: Line[] = [];
   ep.calls.forEach((call, k) => {
-    const out = call.output;
-    const hasIds = out.promptTokenIds !== undefined && out.tokenIds !== undefined && out.tokenIds.length > 0;
-    if (call.kind === 'completion' || !out.message) {
-      if (hasIds) samples.push(engineSample(ep, k, call));
-      else stats.skipped++;
-      return;
-    }
-    const response: Line = { ...out.message };
-    if (out.tokenIds && out.tokenIds.length > 0) {
-      response.token_ids = out.tokenIds;
-      if (out.logprobs && out.logprobs.length === out.tokenIds.length) response.logprobs = out.logprobs;
-    }
-    const req: Line = { messages: call.request.messages ?? [], response };
-    if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
-    if (call.agent !== undefined) req.agent = call.agent;
-    if (hasIds) {
-      const [rec] = parseRecords({ ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group }, { file: 'episode ' + ep.id, line: k + 1 }) as ChatRecord[];
-      if (!sameIds(renderedPrompt(encoder, rec!), out.promptTokenIds!)) {
-        stats.promptDrifted++;
-        samples.push(engineSample(ep, k, call));
+    [call.output, ...(call.siblings ?? [])].forEach((out, j) => {
+      // choice 0 keeps the names of a call with one choice
+      const sampleId = j === 0 ? `${ep.id}/s${k}` : `${ep.id}/s${k}.${j}`;
+      const hasIds = out.promptTokenIds !== undefined && out.tokenIds !== undefined && out.tokenIds.length > 0;
+      if (call.kind === 'completion' || !out.message) {
+        if (hasIds) samples.push(engineSample(ep, sampleId, call, out));
+        else stats.skipped++;
         return;
       }
-      stats.promptMatched++;
-    } else stats.rendered++;
-    requests.push(req);
+      const response: Line = { ...out.message };
+      if (out.tokenIds && out.tokenIds.length > 0) {
+        response.token_ids = out.tokenIds;
+        if (out.logprobs && out.logprobs.length === out.tokenIds.length) response.logprobs = out.logprobs;
+      }
+      const req: Line = { messages: call.request.messages ?? [], response };
+      if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
+      if (call.agent !== undefined) req.agent = call.agent;
+      if (hasIds) {
+        const [rec] = parseRecords({ ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group }, { file: 'episode ' + ep.id, line: k + 1 }) as ChatRecord[];
+        if (!sameIds(renderedPrompt(encoder, rec!), out.promptTokenIds!)) {
+          stats.promptDrifted++;
+          samples.push(engineSample(ep, sampleId, call, out));
+          return;
+        }
+        stats.promptMatched++;
+      } else stats.rendered++;
+      requests.push(req);
+    });
   });
   const lines: Line[] = [];
   if (requests.length) {

@@ -1,9 +1,16 @@
 /**
  * A stub OpenAI-compatible engine for the service's error, durability and latency tests (and the bench): answers
- * at once with a numbered reply, or misbehaves on purpose. Replies carry no token ids: the gateway then renders
- * with the chat template.
+ * at once with a numbered reply, or misbehaves on purpose. It answers as vLLM does where it matters to the
+ * gateway: `n` choices (each its own `index`; streamed, their chunks interleave), reasoning_content under
+ * `chat_template_kwargs.enable_thinking` (generated as Qwen3 writes it, inside <think>), a call of the named function
+ * where `tool_choice` names one (or of the first tool where it is "required"), usage, a last usage-only chunk
+ * under `stream_options.include_usage`, and, given a tokenizer, vLLM's `return_token_ids` (top-level
+ * `prompt_token_ids`: the chat template rendered as transformers renders it, a tool-calling turn's null content
+ * as empty text; per-choice `token_ids`: the generated text's tokens and the end-of-turn token) with logprobs.
+ * Without a tokenizer, replies carry no token ids: the gateway then renders with the chat template.
  */
 import { createServer, type Server } from 'node:http';
+import type { TextTokenizer } from '../../src/index.js';
 
 export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs' | 'stall-stream';
 
@@ -14,11 +21,30 @@ export interface StubEngine {
   mode: StubMode;
   /** when set, requests must carry it as their bearer token (401 otherwise) */
   apiKey?: string;
+  /** with `record`: every chat or completion request body as received, and what each choice generated */
+  requests: Record<string, unknown>[];
+  produced: { prompt_token_ids: number[]; token_ids: number[]; logprobs: number[] }[];
   close: () => Promise<void>;
 }
 
-export async function startStubEngine(mode: StubMode = 'ok'): Promise<StubEngine> {
-  const stub = { calls: 0, mode } as StubEngine;
+type Obj = Record<string, unknown>;
+
+interface Choice {
+  content: string | null;
+  /** with chat_template_kwargs.enable_thinking: what vLLM's reasoning parser returns as reasoning_content */
+  reasoning?: string;
+  call?: { id: string; name: string; arguments: string };
+  ids?: number[];
+  logprobs?: number[];
+}
+
+/** A logprob for token `t` at position `i`: fixed, so a test can recompute it. */
+export const stubLogprob = (t: number, i: number): number => -((t % 7) + i + 1) / 16;
+
+export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?: TextTokenizer; record?: boolean } = {}): Promise<StubEngine> {
+  const stub = { calls: 0, mode, requests: [], produced: [] } as unknown as StubEngine;
+  const tok = opts.tokenizer;
+  const eos = tok?.addedTokenId('<|im_end|>');
   const server = createServer((req, res) => {
     let body = '';
     req.on('data', (d: Buffer) => (body += d.toString()));
@@ -34,21 +60,95 @@ export async function startStubEngine(mode: StubMode = 'ok'): Promise<StubEngine
       if (stub.mode === 'garbage') return send(200, '<html>oops</html>', 'text/html');
       if (stub.mode === 'error-500') return send(500, JSON.stringify({ error: { message: 'engine overloaded' } }));
       if (stub.mode === 'no-choices') return send(200, JSON.stringify({ id: 'x', choices: [] }));
-      const req0 = JSON.parse(body) as { stream?: boolean; prompt?: string };
-      const content = `reply ${n}`;
+      const req0 = JSON.parse(body) as Obj;
+      if (opts.record) stub.requests.push(req0);
       const chat = req.url === '/v1/chat/completions';
-      const logprobs = stub.mode === 'bad-logprobs' ? { content: [{ token: 'x', logprob: 'high' }] } : null;
+      const wantIds = tok !== undefined && req0.return_token_ids === true;
+      const wantLp = tok !== undefined && req0.logprobs !== undefined && req0.logprobs !== null && req0.logprobs !== false;
+      let promptIds: number[] | undefined;
+      if (tok) {
+        // As vLLM does: a tool-calling assistant turn's null content is rendered as empty text.
+        const text = chat
+          ? tok.chatTemplate.render({ ...tok.templateVars, messages: (req0.messages as Obj[]).map((m) => ({ ...m, content: m.content ?? '' })), tools: (req0.tools as unknown[] | undefined)?.length ? req0.tools : undefined, add_generation_prompt: true })
+          : (req0.prompt as string);
+        promptIds = [...tok.encode(text)];
+      }
+      const tools = (req0.tools as { function: { name: string } }[] | undefined) ?? [];
+      const tc = req0.tool_choice as { function?: { name: string } } | string | undefined;
+      const named = typeof tc === 'object' ? tc.function?.name : tc === 'required' ? tools[0]?.function.name : undefined;
+      const thinking = (req0.chat_template_kwargs as Obj | undefined)?.enable_thinking === true;
+      const choices: Choice[] = [];
+      for (let j = 0; j < ((req0.n as number | undefined) ?? 1); j++) {
+        const tag = j === 0 ? `${n}` : `${n}.${j}`;
+        const c: Choice = named ? { content: null, call: { id: `call_${tag.replace('.', '_')}`, name: named, arguments: `{"query": "q ${tag}"}` } } : { content: `reply ${tag}` };
+        if (thinking && !c.call) c.reasoning = `thought ${tag}`;
+        if (tok) {
+          const think = c.reasoning === undefined ? '' : `<think>\n${c.reasoning}\n</think>\n\n`;
+          const gen = c.call ? `<tool_call>\n{"name": "${c.call.name}", "arguments": ${c.call.arguments}}\n</tool_call>` : think + c.content!;
+          c.ids = chat ? [...tok.encode(gen), eos!] : [...tok.encode(gen)];
+          c.logprobs = c.ids.map(stubLogprob);
+        }
+        choices.push(c);
+        if (opts.record && c.ids) stub.produced.push({ prompt_token_ids: promptIds!, token_ids: c.ids, logprobs: c.logprobs! });
+      }
+      const usage = { prompt_tokens: promptIds?.length ?? 0, completion_tokens: choices.reduce((a, c) => a + (c.ids?.length ?? 0), 0) };
+      const finish = (c: Choice) => (c.call ? (typeof tc === 'object' ? 'stop' : 'tool_calls') : 'stop'); // vLLM: a named tool choice ends with stop
+      const lp = (c: Choice, from: number, to: number) => {
+        if (stub.mode === 'bad-logprobs') return { content: [{ token: 'x', logprob: 'high' }] };
+        if (!wantLp || !c.logprobs) return null;
+        const range = c.ids!.slice(from, to).map((t, i) => ({ token: tok!.decode([t]), logprob: c.logprobs![from + i], bytes: null, top_logprobs: [] }));
+        return chat ? { content: range } : { tokens: range.map((r) => r.token), token_logprobs: range.map((r) => r.logprob), top_logprobs: null, text_offset: [] };
+      };
       if (req0.stream) {
         res.writeHead(200, { 'content-type': 'text/event-stream' });
-        const delta = chat ? { delta: { role: 'assistant', content } } : { text: content };
-        res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...delta, finish_reason: null }] })}\n\n`);
+        const event = (choice: Obj, first: boolean) => {
+          const chunk: Obj = { id: `c${n}`, object: chat ? 'chat.completion.chunk' : 'text_completion', model: 'stub', choices: [choice] };
+          if (first && wantIds) chunk.prompt_token_ids = promptIds;
+          res.write(`data: ${JSON.stringify(chunk)}\n\n`);
+        };
+        // As vLLM: a chat stream opens with the role and empty text; then each choice in two pieces, the choices'
+        // chunks interleaved.
+        if (chat) choices.forEach((_, index) => event({ index, delta: { role: 'assistant', content: '' }, finish_reason: null, logprobs: null }, false));
+        const pieces = choices.map((c) => {
+          const half = c.ids ? Math.ceil((c.ids.length - 1) / 2) : 0;
+          const text = c.call ? c.call.arguments : c.content!;
+          const cut = Math.ceil(text.length / 2);
+          return { c, half, parts: [text.slice(0, cut), text.slice(cut)] };
+        });
+        pieces.forEach(({ c, half, parts }, index) => {
+          const choice: Obj = { index, finish_reason: null, logprobs: lp(c, 0, half) };
+          if (!chat) choice.text = parts[0];
+          else if (c.call) choice.delta = { role: 'assistant', tool_calls: [{ index: 0, id: c.call.id, type: 'function', function: { name: c.call.name, arguments: parts[0] } }] };
+          else if (c.reasoning !== undefined) choice.delta = { role: 'assistant', reasoning_content: c.reasoning };
+          else choice.delta = { role: 'assistant', content: parts[0] };
+          if (wantIds) choice.token_ids = c.ids!.slice(0, half);
+          event(choice, index === 0);
+        });
         if (stub.mode === 'stall-stream') return; // the first chunk, then nothing
-        res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [{ index: 0, ...(chat ? { delta: {} } : { text: '' }), finish_reason: 'stop' }] })}\n\n`);
+        pieces.forEach(({ c, half, parts }, index) => {
+          const choice: Obj = { index, finish_reason: finish(c), logprobs: lp(c, half, c.ids?.length ?? 0) };
+          if (!chat) choice.text = parts[1];
+          else if (c.call) choice.delta = { tool_calls: [{ index: 0, function: { arguments: parts[1] } }] };
+          else if (c.reasoning !== undefined) choice.delta = { content: parts[0] + parts[1] };
+          else choice.delta = { content: parts[1] };
+          if (wantIds) choice.token_ids = c.ids!.slice(half);
+          event(choice, false);
+        });
+        if ((req0.stream_options as Obj | undefined)?.include_usage) res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [], usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } })}\n\n`);
         res.end('data: [DONE]\n\n');
         return;
       }
-      const choice = chat ? { index: 0, message: { role: 'assistant', content }, finish_reason: 'stop', logprobs } : { index: 0, text: content, finish_reason: 'stop', logprobs };
-      send(200, JSON.stringify({ id: `c${n}`, object: chat ? 'chat.completion' : 'text_completion', model: 'stub', choices: [choice] }));
+      const out = choices.map((c, index) => {
+        const choice: Obj = { index, finish_reason: finish(c), logprobs: lp(c, 0, c.ids?.length ?? 0) };
+        if (!chat) choice.text = c.content ?? '';
+        else if (c.call) choice.message = { role: 'assistant', content: null, tool_calls: [{ id: c.call.id, type: 'function', function: { name: c.call.name, arguments: c.call.arguments } }] };
+        else choice.message = c.reasoning === undefined ? { role: 'assistant', content: c.content } : { role: 'assistant', content: c.content, reasoning_content: c.reasoning };
+        if (wantIds) choice.token_ids = c.ids;
+        return choice;
+      });
+      const json: Obj = { id: `c${n}`, object: chat ? 'chat.completion' : 'text_completion', model: 'stub', choices: out, usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } };
+      if (wantIds) json.prompt_token_ids = promptIds;
+      send(200, JSON.stringify(json));
     });
   });
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
