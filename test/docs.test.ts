@@ -34,13 +34,15 @@ import { readManifest } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { checkForest } from '../src/pack/invariants.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
+import { REQUIRE_ENV } from './helpers/backends.js';
 import { cli } from './helpers/cli.js';
+import { redisAvailable } from './helpers/redis.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const root = resolve(__dirname, '..');
 const RUN = ['ts', 'sh', 'python'] as const;
 const INERT = ['text', 'json', 'jsonl', 'console', 'http'];
-const NEEDS = { torch: 'TREEPACK_REQUIRE_TORCH', cuda: 'TREEPACK_REQUIRE_CUDA', redis: 'TREEPACK_REQUIRE_REDIS' } as const;
+const NEEDS = { torch: 'TREEPACK_REQUIRE_TORCH', cuda: REQUIRE_ENV.cuda!, redis: 'TREEPACK_REQUIRE_REDIS' } as const;
 type Need = keyof typeof NEEDS;
 
 interface Block {
@@ -245,10 +247,7 @@ if (needed.has('cuda')) {
   cudaReason = cuda?.available ? '' : `needs the cuda backend: ${cuda?.detail ?? 'not registered'}`;
   afterAll(disposeBackends);
 }
-if (needed.has('redis')) {
-  const r = spawnSync('redis-server', ['--version'], { encoding: 'utf8' });
-  redisReason = r.status === 0 ? '' : 'needs redis-server (apt-get install redis-server)';
-}
+if (needed.has('redis')) redisReason = redisAvailable('docs blocks that need redis') ? '' : 'needs redis-server (apt-get install redis-server)';
 
 it('every block is labelled as a program or as inert text; Python blocks that import torch say they need it', () => {
   const bad = all.flatMap(({ blocks }) => blocks.filter((b) => ![...RUN, ...INERT].includes(b.lang)).map((b) => `${b.file}:${b.line} '${b.lang}'`));
