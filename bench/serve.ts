@@ -20,6 +20,7 @@
  *    added, main-thread CPU per call and log bytes per call (skipped, with the reason, without the file);
  *  - micro-batches/s to 8 trainer ranks (packing included), from records written through the rollout buffer,
  *    and the service's event-loop delay meanwhile;
+ *  - what the durable hand-out record costs a pull (in-process pool), against the call log write;
  *  - memory under backpressure (in-process pool): agents that never finish, until the pool bound answers 429.
  * Goal (issue 11): <= 1 ms p99 added at 1k calls/s with a stub engine. Options: --quick, --json FILE, --rate R,
  * --agent-rate R (agent-sized calls/s, default 200), --data FILE (tau-bench episodes).
@@ -474,6 +475,55 @@ try {
     console.log(`  the service's event loop meanwhile (steps pack in a worker thread): delay p99 ${ms3(loop.loopP99)}, max ${ms3(loop.loopMax)}`);
   }
   if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process']!, 1 / feedRates.redis)}`);
+
+  // 2b. What the durable hand-out record costs (in-process pool): a pull writes its micro-batch's lease to the log
+  // before answering, so an ack after a restart is accepted once. One client at a time (no group commit sharing a
+  // write): sequential calls on new episodes (one durable write each: the call log write), then pulls without
+  // acknowledging (each writes the step's `take` and the micro-batch's `handout`), then their acks (one write each).
+  {
+    const n = quick ? 40 : 200;
+    const hs = await serve(['--engine', stub.url, '--data', join(data, 'handout'), '--group-size', '1', '--groups-per-step', '1', '--window', String(n)]);
+    const writes = async () => {
+      const text = await (await fetch(`${hs.url}/metrics`)).text();
+      return { s: sample(text, 'treepack_log_write_seconds_sum'), n: sample(text, 'treepack_log_write_seconds_count') };
+    };
+    const phase = async (each: (i: number) => Promise<void>) => {
+      const ms: number[] = [];
+      const before = await writes();
+      for (let i = 0; i < n; i++) {
+        const t0 = performance.now();
+        await each(i);
+        ms.push(performance.now() - t0);
+      }
+      const after = await writes();
+      return { p50: quantile(ms, 0.5), p99: quantile(ms, 0.99), writesPerOp: (after.n - before.n) / n, writeMs: ((after.s - before.s) / (after.n - before.n)) * 1000 };
+    };
+    const ok = async (r: Promise<Response>) => {
+      const res = await r;
+      await res.arrayBuffer();
+      if (res.status !== 200) throw new Error(`hand-out bench: HTTP ${res.status}`);
+      return res;
+    };
+    const call = await phase(async (i) => void (await ok(fetch(`${hs.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': `h${i}` }, body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `task ${i}` }] }) }))));
+    for (let i = 0; i < n; i++) await ok(fetch(`${hs.url}/v1/episodes/h${i}/finish`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{"reward":1}' }));
+    const ids: string[] = [];
+    const pull = await phase(async () => void ids.push((await ok(fetch(`${hs.url}/v1/batches/next?wait=5`))).headers.get('x-treepack-id')!));
+    const ack = await phase(async (i) => void (await ok(fetch(`${hs.url}/v1/batches/${ids[i]}/ack`, { method: 'POST' }))));
+    await hs.stop();
+    // A pull's two writes are of the same size class (a line under 100 bytes): the hand-out's is their mean.
+    const handoutMs = pull.writeMs;
+    const h = {
+      operations: n,
+      call_p50_ms: call.p50, call_log_write_mean_ms: call.writeMs, call_log_writes_per_call: call.writesPerOp,
+      pull_p50_ms: pull.p50, pull_p99_ms: pull.p99, pull_log_writes_per_pull: pull.writesPerOp, handout_write_mean_ms: handoutMs,
+      ack_p50_ms: ack.p50, ack_log_write_mean_ms: ack.writeMs,
+      handout_write_over_call_log_write: handoutMs / call.writeMs,
+      pull_p50_over_pull_p50_without_handout_write: pull.p50 / (pull.p50 - handoutMs),
+    };
+    report.handout_record = h;
+    console.log(`durable hand-out record (in-process pool, one client at a time, ${n} each): call p50 ${ms3(call.p50)} with ${call.writesPerOp.toFixed(2)} log writes of ${ms3(call.writeMs)} mean; pull p50 ${ms3(pull.p50)}, p99 ${ms3(pull.p99)} with ${pull.writesPerOp.toFixed(2)} writes (take, handout) of ${ms3(pull.writeMs)} mean; ack p50 ${ms3(ack.p50)}`);
+    console.log(`  the hand-out write: ${ms3(handoutMs)} = ${h.handout_write_over_call_log_write.toFixed(2)}× the call log write; a pull takes ${h.pull_p50_over_pull_p50_without_handout_write.toFixed(2)}× what it would without it (p50 less one write)`);
+  }
 
   // 3. Memory under backpressure.
   const bound = 8 << 20;

@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 /* Fingerprint of these tables; tp_abi() returns it, and loaders refuse a build whose tables differ. */
-#define TP_ABI "c038085d"
+#define TP_ABI "289dabe5"
 
 /* Status codes of both C ABIs (CPU and CUDA). */
 enum tp_status {
@@ -154,9 +154,10 @@ enum tp_check_kind {
   TP_CHECK_POSITION_RANGE = 8, /* seq_positions not in [0, N) */
   TP_CHECK_POSITION_PAD = 9, /* seq_positions at a pad node */
   TP_CHECK_PATH = 10, /* parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0) */
-  TP_CHECK_POSITION_T = 11 /* position_ids[seq_positions[k]] not t */
+  TP_CHECK_POSITION_T = 11, /* position_ids[seq_positions[k]] not t */
+  TP_CHECK_TURN_ORDER = 12 /* turn_ids decreasing along a sequence */
 };
-#define TP_CHECK_COUNT 12
+#define TP_CHECK_COUNT 13
 
 /* One violation of tp_forest_check: the node or occurrence index, the value found, the value expected and, for an
  * occurrence, its sequence and t (else -1). */

@@ -81,11 +81,12 @@ bool CheckOffsets(const int32_t* off, int64_t S, int64_t M, Report& out) {
 }
 
 void CheckOccurrences(const int32_t* pos, const int32_t* parent, int64_t n, int64_t pad, const int32_t* off, int64_t S,
-                      const int32_t* sp, const uint8_t* mask, Report& out) {
+                      const int32_t* sp, const uint8_t* mask, const int32_t* turns, Report& out) {
   for (int64_t i = 0; i < S; i++) {
     for (int64_t k = off[i]; k < off[i + 1]; k++) {
       const int64_t t = k - off[i], p = sp[k];
       if (t == 0 && mask != nullptr && mask[k] != 0) out.Add(TP_CHECK_LOSS_MASK, k, mask[k], 0, i, t);
+      if (t > 0 && turns != nullptr && turns[k] < turns[k - 1]) out.Add(TP_CHECK_TURN_ORDER, k, turns[k], turns[k - 1], i, t);
       if (!(p >= 0 && p < n)) {
         out.Add(TP_CHECK_POSITION_RANGE, k, p, -1, i, t);
         continue;
@@ -104,8 +105,8 @@ extern "C" {
 
 int tp_forest_check(const int32_t* position_ids, const int32_t* parent, const int32_t* subtree_end, int64_t num_nodes,
                     int64_t num_pad, const int32_t* seq_offsets, int64_t num_seqs, const int32_t* seq_positions,
-                    const uint8_t* loss_mask, int64_t num_occ, int32_t max_examples, int64_t* counts,
-                    tp_violation* examples) {
+                    const uint8_t* loss_mask, const int32_t* turn_ids, int64_t num_occ, int32_t max_examples,
+                    int64_t* counts, tp_violation* examples) {
   const int64_t n = num_nodes, S = num_seqs, M = num_occ;
   if (n < 0 || S < 0 || M < 0 || num_pad < 0 || max_examples < 0 || counts == nullptr || seq_offsets == nullptr ||
       (max_examples > 0 && examples == nullptr) ||
@@ -121,7 +122,7 @@ int tp_forest_check(const int32_t* position_ids, const int32_t* parent, const in
   CheckNodes(position_ids, parent, subtree_end, n, pad, scratch, scratch + n, out);
   std::free(scratch);
   if (CheckOffsets(seq_offsets, S, M, out)) {
-    CheckOccurrences(position_ids, parent, n, pad, seq_offsets, S, seq_positions, loss_mask, out);
+    CheckOccurrences(position_ids, parent, n, pad, seq_offsets, S, seq_positions, loss_mask, turn_ids, out);
   }
   return TP_OK;
 }

@@ -65,7 +65,7 @@ _CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
     "tp_mask_blocks": (_INT, [_P, _I64, _I32, _P, _P, _P, _P]),
     "tp_mask_slices": (_INT, [_P, _P, _I64, _P, _I64, _PI64]),
     "tp_mask_cu_seqlens": (_INT, [_P, _I64, _P, _I64, _PI64]),
-    "tp_forest_check": (_INT, [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _P, ctypes.POINTER(Violation)]),
+    "tp_forest_check": (_INT, [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _P, ctypes.POINTER(Violation)]),
 }
 
 _CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {

@@ -91,7 +91,7 @@ export interface ForestCheck {
 
 /**
  * The violation kinds of tp_forest_check (native/core/check.cc, DESIGN §7 invariants 1, 2 and 4 and the padding
- * extension) in code order; the Python checker formats its report from them. The TypeScript checker is
+ * extension, and the turn_ids extension's order) in code order; the Python checker formats its report from them. The TypeScript checker is
  * src/pack/invariants.ts.
  */
 export const FOREST_CHECKS: readonly ForestCheck[] = [
@@ -107,6 +107,7 @@ export const FOREST_CHECKS: readonly ForestCheck[] = [
   { name: 'TP_CHECK_POSITION_PAD', message: 'seq_positions at a pad node', example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})' },
   { name: 'TP_CHECK_PATH', message: 'parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)', example: 'parent[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
   { name: 'TP_CHECK_POSITION_T', message: 'position_ids[seq_positions[k]] not t', example: 'position_ids[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
+  { name: 'TP_CHECK_TURN_ORDER', message: 'turn_ids decreasing along a sequence', example: 'turn_ids[{index}] = {value} after {expected} (sequence {seq}, t = {t})' },
 ];
 
 /** Constants of the loss formulas that every kernel (C++, CUDA, WGSL) restates. */

@@ -18,8 +18,20 @@
  */
 import { TreepackError, argError } from '../errors.js';
 import { microBatchCost, pathPairs, type CostModel } from './balance.js';
-import type { Runs } from './budget.js';
 import { lcpQuery } from './lcp.js';
+
+/**
+ * The sorted sequences the prefix planner cuts, as budget.ts's `Runs` holds them: sort order, the common prefix
+ * with the previous sequence, lengths, and the packed tokens and pairs of any contiguous run [i, j).
+ */
+export interface SortedRuns {
+  readonly S: number;
+  readonly order: Int32Array;
+  readonly lcp: Int32Array;
+  readonly seqLen: Int32Array;
+  tokens(i: number, j: number): number;
+  pairs(i: number, j: number): number;
+}
 
 /** What one micro-batch does with its rank's prefix stack (header `prefix_tokens`, `prefix_push`, `prefix_release`). */
 export interface PrefixOp {
@@ -72,7 +84,7 @@ const PUSH_COST = 1 / 3 + 1;
  * Cuts the sorted sequences of `runs` into micro-batches of at most B computed tokens each hanging from a cached
  * chain, in DFS order: [lo, hi, hang].
  */
-function cutTree(runs: Runs, B: number): [number, number, number][] {
+function cutTree(runs: SortedRuns, B: number): [number, number, number][] {
   const { S, lcp, seqLen } = runs;
   const out: [number, number, number][] = [];
   // A group made only of sequences that end on the cached chain computes nothing: it joins the next micro-batch.
@@ -200,7 +212,7 @@ function spans(own: number[], push: (m: number, from: number) => number, down: n
  * The prefix-reuse plan of sorted runs under B computed tokens per micro-batch, over K ranks; throws when a rank
  * would need more cached tokens than `prefix.cacheTokens`.
  */
-export function planPrefixRuns(runs: Runs, B: number, K: number, cost: CostModel, prefix: PrefixOptions, ids?: readonly string[]): { runs: PlannedRun[]; stats: PrefixPlanStats } {
+export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: CostModel, prefix: PrefixOptions, ids?: readonly string[]): { runs: PlannedRun[]; stats: PrefixPlanStats } {
   const C = prefix.cacheTokens;
   if (!Number.isSafeInteger(C) || C < 0) throw argError('prefixCacheTokens', 'an integer >= 0', C);
   const bpt = prefix.bytesPerToken;

@@ -12,7 +12,7 @@ import type { MaskSpec } from '../mask/index.js';
 import { DEFAULT_COST } from '../pack/balance.js';
 import { DEFAULT_BALANCE_SLACK } from '../pack/budget.js';
 import { isTextTokenizer } from '../tokenize/tokenizer.js';
-import type { PackerOptions } from './options.js';
+import type { PackerOptions } from './types.js';
 
 /** What values an option takes: one test for the library's values and the flag's, and how a flag's text reads. */
 export interface ValueKind {

@@ -3,45 +3,12 @@
  * updated as the run goes (a progress display reads it live).
  */
 import { imbalance } from '../pack/balance.js';
-import type { ReadStats } from '../records/read.js';
-import type { SnapSummary } from '../timeline/snap.js';
 import { emptySnapSummary } from '../timeline/snap.js';
-import type { SegmentCacheStats } from '../tokenize/chat.js';
 import { MANIFEST_FORMAT, type ManifestHeader } from '../io/sink.js';
-import type { MaskSpec } from '../mask/index.js';
 import { getPath, OPTION_TABLE, setPath, type OptionEntry } from './option-table.js';
-import type { ResolvedOptions } from './options.js';
+import type { PackReport, ResolvedOptions } from './types.js';
 
-export interface PackReport {
-  /** the input's name: its path, `-` for stdin, else the `name` option or `<stream>` */
-  input: string;
-  read: ReadStats; // input lines parsed and records they held (an episode line holds one per request)
-  samples: number; // after merging
-  chatSamples: number;
-  timelines: number; // records that entered the merge: timelines = samples + absorbed
-  timelineTokens: number; // naive tokens before merging
-  absorbed: number;
-  apart: number;
-  driftedMessages: number;
-  snaps: SnapSummary;
-  naiveTokens: number; // after merging: what is packed
-  packedTokens: number;
-  microBatches: number;
-  /** Σ over windows of the window's single-forest size (without a budget: the packed tokens) */
-  optimumTokens: number;
-  /** with a budget: the summed cost per rank */
-  rankCosts: number[];
-  /** with prefix reuse: tokens computed with grad and pushed without it (summed over windows), the most cached at once */
-  prefixReuse?: { computedTokens: number; pushedTokens: number; peakCachedTokens: number; peakCachedBytes?: number };
-  seconds: { readParse: number; tokenize: number; merge: number; pack: number };
-  tokenizer: string;
-  backend: string; // the forest packer: what ran and why
-  tokenizerCache?: SegmentCacheStats;
-  /** with mask lowerings: their specs and, per lowering, which backend built the last micro-batch's */
-  masks?: MaskSpec[];
-  maskBackend?: string[];
-  budget?: ResolvedOptions['budget'];
-}
+export type { PackReport } from './types.js';
 
 export function emptyReport(input: string): PackReport {
   return {

@@ -7,31 +7,7 @@
  * the original does, which is what makes swapping one file for the other safe at any moment.
  */
 import type { LogEvent } from './log.js';
-import { Pool, type Scope } from './pool.js';
-
-export interface SnapshotEvent {
-  type: 'snapshot';
-  /** the last `group-size` event's size, when there was one */
-  groupSize?: number;
-  /** groups numbered below it may form smaller steps (a flush); absent in snapshots older than the bound */
-  flushBelow?: number;
-  /** a snapshot written before flushes had a bound: flushed (then: every group it holds) */
-  flushing?: boolean;
-  /** steps formed so far: those not replayed after the snapshot are done */
-  steps: number;
-  /** trainer version from the steps done */
-  version: number;
-  /** the pool's counters less what the live events add again */
-  counters: Pool['counters'];
-  /** scoped keys in clear: snapshots written before keys were hashed */
-  keys?: [string, Scope][];
-  /** scoped keys by their SHA-256 */
-  keyHashes?: [string, Scope][];
-  /** every group, in submission order */
-  groups: [id: string, size: number, consumed: 0 | 1][];
-  /** episodes whose records are gone (consumed or shipped): group number, finished, shipped, reward, abandoned */
-  dead: [id: string, seq: number, finished: 0 | 1, shipped: 0 | 1, reward: number | null, abandoned?: 0 | 1][];
-}
+import { Pool, type SnapshotEvent } from './pool.js';
 
 interface StepState {
   groups: number[];

@@ -10,10 +10,10 @@
  * micro-batches neither acknowledged nor leased.
  */
 import { Collector, type CollectorPolicy } from '../pack/schedule.js';
-import { snapshotFlushBelow, type SnapshotEvent } from './compact.js';
+import { snapshotFlushBelow } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
-import { PoolError, type Episode, type Pool } from './pool.js';
+import { groupName, PoolError, type Episode, type Pool, type SnapshotEvent } from './pool.js';
 
 export interface PackedOut {
   bytes: Uint8Array;
@@ -295,7 +295,7 @@ export class Feed implements TrainerFeed {
     const reissued = slot.leasedUntil !== 0;
     slot.leasedUntil = now + this.opts.leaseMs; // taken now, so a concurrent pull skips it
     await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil });
-    const groups = this.steps[slot.step]!.groups.map((g) => this.pool.bySeq[g]!.id);
+    const groups = this.steps[slot.step]!.groups.map((g) => groupName(this.pool.bySeq[g]!.id));
     const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
     return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
   }

@@ -14,7 +14,12 @@ import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequ
 import { jsonEqual, Pool, PoolError, type RecordedCall, type Scope } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
-import type { Service, SharedGroup } from './service.js';
+import type { Recorder, SharedGroup } from './recorder.js';
+
+/** What the gateway's routes use of the recording core. */
+export type GatewayCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode'>;
+/** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
+type InFlight = Map<string, Promise<unknown>>;
 
 type Obj = Record<string, unknown>;
 const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -31,7 +36,7 @@ export function bearer(req: FastifyRequest): string | undefined {
 }
 
 /** The scope of the scoped API key a request presents, if it presents one. */
-export function keyScope(svc: Service, req: FastifyRequest): Scope | undefined {
+export function keyScope(svc: GatewayCore, req: FastifyRequest): Scope | undefined {
   const key = bearer(req);
   return key === undefined ? undefined : svc.pool.keyScope(key);
 }
@@ -41,7 +46,7 @@ function outOfScope(key: Scope, what: string): PoolError {
 }
 
 /** Refuses a request made with a scoped key of another episode than `episode`. */
-export function confine(svc: Service, req: FastifyRequest, episode: string): void {
+export function confine(svc: GatewayCore, req: FastifyRequest, episode: string): void {
   const key = keyScope(svc, req);
   if (key && key.episode !== episode) throw outOfScope(key, `not episode ${JSON.stringify(episode)}`);
 }
@@ -50,7 +55,7 @@ export function confine(svc: Service, req: FastifyRequest, episode: string): voi
  * The episode, agent and group of a call. A scoped key fixes all three: a URL or header naming another episode or
  * group, or another agent than the key's, is refused (an agent header is free where the key names no agent).
  */
-function scopeOf(svc: Service, req: FastifyRequest): Scope {
+function scopeOf(svc: GatewayCore, req: FastifyRequest): Scope {
   const params = req.params as { episode?: string; group?: string };
   const keyed = keyScope(svc, req);
   const episode = params.episode ?? header(req, 'x-treepack-episode') ?? keyed?.episode;
@@ -90,7 +95,7 @@ function checkBody(kind: CallKind, body: unknown): Obj {
   return body;
 }
 
-function policyVersion(svc: Service, req: FastifyRequest): number {
+function policyVersion(svc: GatewayCore, req: FastifyRequest): number {
   const v = header(req, 'x-treepack-policy-version');
   if (v === undefined) return svc.feed.version;
   const n = Number(v);
@@ -98,7 +103,7 @@ function policyVersion(svc: Service, req: FastifyRequest): number {
   return n;
 }
 
-async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Upstream> {
+async function callEngine(svc: GatewayCore, kind: CallKind, body: Obj): Promise<Upstream> {
   const url = `${svc.opts.engineUrl}/${kind === 'chat' ? 'chat/completions' : 'completions'}`;
   const headers: Record<string, string> = { 'content-type': 'application/json' };
   if (svc.opts.engineApiKey) headers.authorization = `Bearer ${svc.opts.engineApiKey}`;
@@ -109,7 +114,7 @@ async function callEngine(svc: Service, kind: CallKind, body: Obj): Promise<Upst
   }
 }
 
-function engineFailure(svc: Service, e: Error): PoolError {
+function engineFailure(svc: GatewayCore, e: Error): PoolError {
   if (e.name === 'TimeoutError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
@@ -156,14 +161,14 @@ function replayAnswer(kind: CallKind, call: RecordedCall, body: Obj, wants: Retu
 }
 
 /** Counts an engine failure (down, slow, garbage) before it goes back to the client. */
-function countFailure(svc: Service, endpoint: string, err: unknown): never {
+function countFailure(svc: GatewayCore, endpoint: string, err: unknown): never {
   if (err instanceof EngineError) svc.metrics.calls.inc({ endpoint, outcome: 'engine_garbage' });
   else if (err instanceof PoolError && err.status === 504) svc.metrics.calls.inc({ endpoint, outcome: 'engine_timeout' });
   else if (err instanceof PoolError && err.status === 502) svc.metrics.calls.inc({ endpoint, outcome: 'engine_unreachable' });
   throw err;
 }
 
-async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
+async function proxy(svc: GatewayCore, inflight: InFlight, kind: CallKind, req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
   const endpoint = kind === 'chat' ? 'chat' : 'completions';
   const scope = scopeOf(svc, req);
   const body = checkBody(kind, req.body);
@@ -171,19 +176,19 @@ async function proxy(svc: Service, kind: CallKind, req: FastifyRequest, reply: F
   if (rid === undefined) return proxyOnce(svc, kind, req, reply, scope, body, undefined).catch((err) => countFailure(svc, endpoint, err));
   // A retry while the first attempt is in flight waits for it, then is answered from its record (or tries again).
   const key = `${scope.episode}\n${rid}`;
-  for (let earlier = svc.inflight.get(key); earlier; earlier = svc.inflight.get(key)) await earlier.catch(() => {});
+  for (let earlier = inflight.get(key); earlier; earlier = inflight.get(key)) await earlier.catch(() => {});
   const done = proxyOnce(svc, kind, req, reply, scope, body, rid);
-  svc.inflight.set(key, done);
+  inflight.set(key, done);
   try {
     return await done;
   } catch (err) {
     return countFailure(svc, endpoint, err);
   } finally {
-    if (svc.inflight.get(key) === done) svc.inflight.delete(key); // a retry that waited may hold it by now
+    if (inflight.get(key) === done) inflight.delete(key); // a retry that waited may hold it by now
   }
 }
 
-async function proxyOnce(svc: Service, kind: CallKind, req: FastifyRequest, reply: FastifyReply, scope: Scope, body: Obj, rid: string | undefined): Promise<unknown> {
+async function proxyOnce(svc: GatewayCore, kind: CallKind, req: FastifyRequest, reply: FastifyReply, scope: Scope, body: Obj, rid: string | undefined): Promise<unknown> {
   const endpoint = kind === 'chat' ? 'chat' : 'completions';
   const t0 = performance.now();
   const version = policyVersion(svc, req);
@@ -195,6 +200,7 @@ async function proxyOnce(svc: Service, kind: CallKind, req: FastifyRequest, repl
   }
   svc.admit();
   svc.pool.checkCall(scope.episode, scope.group);
+  await svc.openEpisode(scope.episode, scope.group);
   const tEngine = performance.now();
   const res = await callEngine(svc, kind, up);
   if (res.status < 200 || res.status >= 300) {
@@ -225,7 +231,7 @@ async function proxyOnce(svc: Service, kind: CallKind, req: FastifyRequest, repl
 }
 
 async function stream(
-  svc: Service,
+  svc: GatewayCore,
   kind: CallKind,
   res: Upstream,
   reply: FastifyReply,
@@ -306,21 +312,22 @@ const NO_CALL = 'finished without a call';
 export const SCOPED = { config: { scoped: true } };
 
 /** The group an episode counts toward: its own, or where no call made it yet, the key's or the request's. */
-function groupOf(svc: Service, episode: string, given: string | undefined): string {
+function groupOf(svc: GatewayCore, episode: string, given: string | undefined): string {
   return svc.pool.episodes.get(episode)?.group ?? given ?? svc.pool.keyed.get(episode)?.group ?? episode;
 }
 
-function groupAnswer(svc: Service, group: string, shared: SharedGroup | undefined) {
+function groupAnswer(svc: GatewayCore, group: string, shared: SharedGroup | undefined) {
   const g = svc.pool.groups.get(group)!;
   // On the shared pool the group's other episodes may come through other gateways: Redis counts them.
   const episodes = shared === undefined ? (svc.shared ? null : g.finished + g.abandoned) : 'episodes' in shared ? shared.episodes : null;
   return { group: g.id, group_finished: g.complete || (episodes !== null && episodes >= g.size), group_episodes: episodes, group_size: g.size };
 }
 
-export function registerGateway(app: FastifyInstance, svc: Service): void {
+export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
+  const inflight: InFlight = new Map();
   for (const prefix of ['', '/episodes/:episode', '/groups/:group/episodes/:episode']) {
-    app.post(`${prefix}/v1/chat/completions`, SCOPED, (req, reply) => proxy(svc, 'chat', req, reply));
-    app.post(`${prefix}/v1/completions`, SCOPED, (req, reply) => proxy(svc, 'completion', req, reply));
+    app.post(`${prefix}/v1/chat/completions`, SCOPED, (req, reply) => proxy(svc, inflight, 'chat', req, reply));
+    app.post(`${prefix}/v1/completions`, SCOPED, (req, reply) => proxy(svc, inflight, 'completion', req, reply));
     // The episode's base URL serves the model list too (openai's client.models.list()), with the engine's key.
     app.get(`${prefix}/v1/models`, SCOPED, async (req, reply) => {
       if (req.params && (req.params as { episode?: string }).episode !== undefined) scopeOf(svc, req);
@@ -403,7 +410,7 @@ export function registerGateway(app: FastifyInstance, svc: Service): void {
   });
 }
 
-async function abandon(svc: Service, episode: string, group: string, reason: string) {
+async function abandon(svc: GatewayCore, episode: string, group: string, reason: string) {
   const ep = svc.pool.episodes.get(episode);
   let shared: SharedGroup | undefined;
   if (!ep?.abandoned) shared = await svc.commit({ type: 'abandon', episode, group, reason, time: Date.now() });

@@ -8,7 +8,10 @@ import { TreepackError } from '../errors.js';
 import { EngineError } from './engine.js';
 import { bearer } from './gateway.js';
 import { PoolError } from './pool.js';
-import type { Service } from './service.js';
+import type { Recorder } from './recorder.js';
+
+/** What these routes use of the recording core. */
+export type HttpCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'shared' | 'broken' | 'recordStats'>;
 
 const OPEN_ROUTES = new Set(['/healthz']);
 
@@ -30,7 +33,7 @@ function errorType(status: number): string {
 
 /** Status and message of any error a route throws; the service keeps serving after each. */
 function errorReply(err: unknown, bodyLimit: number): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
-  if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status));
+  if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status), err.code ?? null);
   if (err instanceof EngineError) return make(502, err.message, 'engine_error');
   if (err instanceof TreepackError) return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
   const fe = err as FastifyError;
@@ -52,7 +55,7 @@ export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: F
   void reply.code(status).send(make(status, why, 'invalid_request_error', err.code).body);
 }
 
-export function registerHttp(app: FastifyInstance, svc: Service): void {
+export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   app.setErrorHandler((err, _req: FastifyRequest, reply: FastifyReply) => {
     const { status, body } = errorReply(err, svc.opts.bodyLimit);
     // The rate limiter's own Retry-After (the window's seconds left) stands; the pool's bound frees in seconds.

@@ -8,7 +8,6 @@
  */
 import { createHash, randomBytes } from 'node:crypto';
 import { TreepackError } from '../errors.js';
-import type { SnapshotEvent } from './compact.js';
 import type { CallKind, EngineOutput } from './engine.js';
 import type { LogEvent } from './log.js';
 
@@ -52,6 +51,8 @@ export interface Episode {
   metadata?: Record<string, unknown>;
   /** slime record written directly (buffer/write): the record as given */
   direct?: Record<string, unknown>;
+  /** the SHA-256 of that record's JSON (kept once the record is freed): a resent write is answered, not refused */
+  written?: string;
   bytes: number;
   /** handed to the shared pool (Redis mode): its records live there now, not here */
   shipped?: boolean;
@@ -110,14 +111,65 @@ export type PoolEvent =
    */
   | { type: 'abandon'; group: string; episode?: string; reason: string; time: number };
 
+/** The log event that stands for the events a compaction folded (compact.ts writes it, the pool restores it). */
+export interface SnapshotEvent {
+  type: 'snapshot';
+  /** the last `group-size` event's size, when there was one */
+  groupSize?: number;
+  /** groups numbered below it may form smaller steps (a flush); absent in snapshots older than the bound */
+  flushBelow?: number;
+  /** a snapshot written before flushes had a bound: flushed (then: every group it holds) */
+  flushing?: boolean;
+  /** steps formed so far: those not replayed after the snapshot are done */
+  steps: number;
+  /** trainer version from the steps done */
+  version: number;
+  /** the pool's counters less what the live events add again */
+  counters: Pool['counters'];
+  /** scoped keys in clear: snapshots written before keys were hashed */
+  keys?: [string, Scope][];
+  /** scoped keys by their SHA-256 */
+  keyHashes?: [string, Scope][];
+  /** every group, in submission order */
+  groups: [id: string, size: number, consumed: 0 | 1][];
+  /** episodes whose records are gone (consumed or shipped): group number, finished, shipped, reward, abandoned */
+  dead: [id: string, seq: number, finished: 0 | 1, shipped: 0 | 1, reward: number | null, abandoned?: 0 | 1][];
+}
+
 /** A request the pool refuses: HTTP status and a message naming the field. */
 export class PoolError extends Error {
   constructor(
     readonly status: number,
     message: string,
+    /** a stable code for the failures a client handles by kind (the error body's `code`) */
+    readonly code?: string,
   ) {
     super(message);
   }
+}
+
+/**
+ * slime's producer writes every instance (`instance_id`) again each epoch, with new uids, and its buffer groups a
+ * record with those of its instance not yet read. The pool's groups have a fixed size, so a record whose
+ * instance's group cannot take it (complete, abandoned or full) starts the instance's next round: a group of its
+ * own, keyed by the instance and the round's number joined by this character, which no episode or group id may
+ * hold. Round 0's key is the instance itself.
+ */
+export const ROUND_SEP = '\u0000';
+
+export function roundKey(instance: string, round: number): string {
+  return round === 0 ? instance : `${instance}${ROUND_SEP}${round}`;
+}
+
+/** A group's name as its clients gave it: a round's instance. */
+export function groupName(key: string): string {
+  const i = key.indexOf(ROUND_SEP);
+  return i < 0 ? key : key.slice(0, i);
+}
+
+/** Refuses an id a client chose that holds the round separator (400, naming the field). */
+export function checkId(field: string, id: string): void {
+  if (id.includes(ROUND_SEP)) throw new PoolError(400, `${field} ${JSON.stringify(id)}: an id may not hold the character U+0000`);
 }
 
 const ID_PREFIX = randomBytes(12).toString('base64url') + '-';
@@ -132,6 +184,8 @@ export class Pool {
   readonly keys = new Map<string, Scope>();
   /** scoped keys' scopes by episode: the group of an episode opened by a key and abandoned before its first call */
   readonly keyed = new Map<string, Scope>();
+  /** the latest round of each slime instance that has more than one (see ROUND_SEP) */
+  readonly rounds = new Map<string, number>();
   /** groups neither complete nor consumed: what the idle timeout watches */
   readonly open = new Set<Group>();
   groupSize: number;
@@ -202,9 +256,26 @@ export class Pool {
     }
   }
 
+  /**
+   * The group a slime record of `instance` joins: the instance's latest round, or its next one when that round
+   * cannot take another episode (complete, abandoned, consumed or full), as slime's buffer starts the instance
+   * afresh once its group is read.
+   */
+  recordGroup(instance: string): string {
+    for (let round = this.rounds.get(instance) ?? 0; ; round++) {
+      const key = roundKey(instance, round);
+      const g = this.groups.get(key);
+      if (!g || !(g.complete || g.closed || g.consumed || g.episodes.length >= g.size)) return key;
+    }
+  }
+
   /** Whether a call may be recorded under this episode (checked before the engine is called, and again after). */
   checkCall(episode: string, group: string | undefined): void {
     const ep = this.episodes.get(episode);
+    if (!ep) {
+      checkId('episode', episode);
+      if (group !== undefined && !this.groups.has(group)) checkId('group', group);
+    }
     if (ep?.abandoned) throw new PoolError(409, `episode ${JSON.stringify(episode)} was abandoned; a new call needs a new episode id`);
     if (ep?.finished) throw new PoolError(409, `episode ${JSON.stringify(episode)} is finished; a new call needs a new episode id`);
     if (ep && group !== undefined && group !== ep.group) throw new PoolError(409, `episode ${JSON.stringify(episode)} belongs to group ${JSON.stringify(ep.group)}, not ${JSON.stringify(group)}`);
@@ -248,6 +319,7 @@ export class Pool {
       case 'record': {
         const ep = this.episode(e.episode, e.group, e.time);
         ep.direct = e.record;
+        ep.written = recordDigest(e.record);
         ep.bytes = bytes;
         this.pendingBytes += bytes;
         this.finishEpisode(ep, e.reward, undefined, undefined);
@@ -306,6 +378,7 @@ export class Pool {
       const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, abandoned: 0, closed: false, complete: consumed === 1, started: now, active: now, consumed: consumed === 1 };
       this.groups.set(id, g);
       this.bySeq.push(g);
+      this.noteRound(id);
     }
     for (const [id, seq, finished, shipped, reward, abandoned] of s.dead) {
       const g = this.bySeq[seq]!;
@@ -341,6 +414,7 @@ export class Pool {
       this.groups.set(group, g);
       this.bySeq.push(g);
       this.open.add(g);
+      this.noteRound(group);
     }
     g.active = time;
     g.episodes.push(id);
@@ -348,6 +422,12 @@ export class Pool {
     this.episodes.set(id, ep);
     this.openEpisodes++;
     return ep;
+  }
+
+  /** Keeps an instance's latest round, so the next record looks for room from there. */
+  private noteRound(key: string): void {
+    const i = key.indexOf(ROUND_SEP);
+    if (i >= 0) this.rounds.set(key.slice(0, i), Math.max(this.rounds.get(key.slice(0, i)) ?? 0, Number(key.slice(i + 1))));
   }
 
   private finishEpisode(ep: Episode, reward: number, metadata: Record<string, unknown> | undefined, groupSize: number | undefined): void {
@@ -411,6 +491,11 @@ export class Pool {
   depth(): { openEpisodes: number; finishedGroups: number } {
     return { openEpisodes: this.openEpisodes, finishedGroups: this.waitingGroups };
   }
+}
+
+/** What identifies a slime record's content: the SHA-256 of its JSON as parsed. */
+export function recordDigest(record: Record<string, unknown>): string {
+  return createHash('sha256').update(JSON.stringify(record)).digest('base64url');
 }
 
 /** Equality of parsed JSON values, keys in any order (4× faster here than node's isDeepStrictEqual). */

@@ -24,7 +24,7 @@ import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
 import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
 import type { Metrics } from './metrics.js';
-import { Pool, PoolError, type Episode } from './pool.js';
+import { groupName, Pool, PoolError, type Episode } from './pool.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
 const TRAINERS = 'trainers';
@@ -43,7 +43,8 @@ local p, n = ARGV[1], tonumber(ARGV[2])
 if tonumber(redis.call('GET', p .. 'nsteps') or '0') ~= n then return 0 end
 redis.call('SET', p .. 'nsteps', n + 1)
 for _, g in ipairs(cjson.decode(ARGV[3])) do
-  redis.call('DEL', p .. 'eps:' .. g, p .. 'order:' .. g, p .. 'done:' .. g, p .. 'act:' .. g)
+  for _, e in ipairs(redis.call('HKEYS', p .. 'eps:' .. g)) do redis.call('DEL', p .. 'ep:' .. e) end
+  redis.call('DEL', p .. 'eps:' .. g, p .. 'order:' .. g, p .. 'done:' .. g, p .. 'act:' .. g, p .. 'res:' .. g)
   redis.call('HDEL', p .. 'seq', g)
   redis.call('SET', p .. 'gone:' .. g, 1, 'EX', ${GONE_TTL_S})
 end
@@ -274,7 +275,7 @@ export class RedisFeed implements TrainerFeed {
     packed.forEach((out, i) => {
       const rank = out.entry.rank ?? i % this.opts.dp;
       const id = `${n}.${i}`;
-      const entry = { packed: out.entry, id, step: n, rank, groups: ids, policyVersion };
+      const entry = { packed: out.entry, id, step: n, rank, groups: ids.map(groupName), policyVersion };
       mbs.push(rank, id, JSON.stringify(entry), Buffer.from(out.bytes.buffer, out.bytes.byteOffset, out.bytes.byteLength));
     });
     if (!(await this.publish(n, seqs, false, mbs))) return undefined;
@@ -282,7 +283,11 @@ export class RedisFeed implements TrainerFeed {
     return { value: true };
   }
 
-  async next(rank: number, waitMs: number): Promise<Handout | undefined> {
+  next(rank: number, waitMs: number): Promise<Handout | undefined> {
+    return this.shared.guard(this.nextOn(rank, waitMs));
+  }
+
+  private async nextOn(rank: number, waitMs: number): Promise<Handout | undefined> {
     const deadline = Date.now() + waitMs;
     for (;;) {
       const h = await this.claim(rank);
@@ -318,7 +323,7 @@ export class RedisFeed implements TrainerFeed {
   async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     if (!m) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
-    const [status, version] = (await this.shared.script('tpAck', id)) as number[];
+    const [status, version] = (await this.shared.guard(this.shared.script('tpAck', id))) as number[];
     if (status === -1) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)} (or its step is done)`);
     if (status === -2) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
     if (status === -3) throw new PoolError(409, `micro-batch ${id} was not handed out`);
@@ -328,13 +333,13 @@ export class RedisFeed implements TrainerFeed {
   }
 
   async takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined> {
-    const r = await this.form(
+    const r = await this.shared.guard(this.form(
       () => this.collector.peek(max),
       async (episodes, n, seqs) => {
         const value = read(episodes);
         return (await this.publish(n, seqs, true, [])) ? { value } : undefined;
       },
-    );
+    ));
     return r?.value;
   }
 
@@ -343,11 +348,15 @@ export class RedisFeed implements TrainerFeed {
    * service; groups numbered later wait for full steps again.
    */
   async flush(): Promise<number> {
-    return Number(await this.shared.script('tpFlush'));
+    return Number(await this.shared.guard(this.shared.script('tpFlush')));
   }
 
   /** Micro-batches waiting and leased, over every rank. */
-  async depth(): Promise<{ ready: number; leased: number }> {
+  depth(): Promise<{ ready: number; leased: number }> {
+    return this.shared.guard(this.depthOn());
+  }
+
+  private async depthOn(): Promise<{ ready: number; leased: number }> {
     let ready = 0, leased = 0;
     for (let rank = 0; rank < this.opts.dp; rank++) {
       const key = `${PREFIX}mb:${rank}`;

@@ -5,19 +5,41 @@
  * group is XADDed to the `groups` stream, which every service tails to mirror the scheduling policy's input
  * (redis-feed.ts forms steps from it).
  *
- * Every script is idempotent, because a client may resend a command whose reply a Redis restart swallowed and a
- * restarted gateway ships again what it cannot prove was shipped: an episode counts once (HSETNX), and a group
- * already consumed ignores late arrivals (its `gone:` marker).
+ * Every script is idempotent, because a request whose reply an outage swallowed is retried (by the client, after
+ * its 503) and a restarted gateway ships again what it cannot prove was shipped: an episode counts once (HSETNX),
+ * and a group already consumed ignores late arrivals (its `gone:` marker).
+ *
+ * An episode's calls are all recorded by one gateway, the first to see it (`ep:` names it): each call is logged as
+ * what it adds to the one it continues, which only that gateway's log holds; a call or finish reaching another
+ * gateway is refused (409 episode_on_another_gateway) rather than recorded apart and lost.
  *
  * Keys (all under `treepack:`; one deployment per Redis database): `nseq` groups numbered so far; `seq` group →
  * submission number; `eps:{group}` episode → JSON (abandoned episodes too: they count toward the group's size and
  * are not trained); `order:{group}` episodes in arrival order; `done:{group}` complete (its episodes arrived, or
  * it was closed: abandoned); `act:{group}` its last activity (ms); `gone:{group}` consumed (these three expire
- * after a week); `groups` stream of finished groups; `config` the feed options every service must share.
+ * after a week); `res:{group}` the episodes that took its places (shipped, or slime records placed there);
+ * `ep:{episode}` the gateway recording it; `rnd:{instance}` a slime instance's latest round, `rid:{instance}` its
+ * records' uids → digest and group (these expire after a week); `groups` stream of finished groups; `config` the
+ * feed options every service must share.
  */
-import { Redis } from 'ioredis';
+import { randomBytes } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { hostname } from 'node:os';
+import { join } from 'node:path';
+import { Redis, ReplyError } from 'ioredis';
 import { TreepackError } from '../errors.js';
+import { writeFileAtomic } from '../io/atomic.js';
 import { continuing, expanded, PoolError, type Episode, type RecordedCall } from './pool.js';
+
+/** The error code of a request refused because the shared pool does not answer (HTTP 503). */
+export const SHARED_POOL_UNAVAILABLE = 'shared_pool_unavailable';
+/** The error code of a call or finish for an episode another gateway records (HTTP 409). */
+export const EPISODE_ON_ANOTHER_GATEWAY = 'episode_on_another_gateway';
+/**
+ * How long a command may wait for Redis's answer. Commands are not queued while Redis is unreachable, nor resent
+ * after a reconnect (they fail at once): a request fails within this bound rather than waiting out the outage.
+ */
+export const COMMAND_TIMEOUT_MS = 10_000;
 
 export const PREFIX = 'treepack:';
 /** how long a consumed group refuses late episodes */
@@ -40,6 +62,10 @@ local function complete(p, g, seq)
   redis.call('SET', p .. 'done:' .. g, 1, 'EX', ${GONE_TTL_S})
   redis.call('XADD', p .. 'groups', '*', 'group', g, 'seq', seq)
 end
+local function reserve(p, g, e)
+  redis.call('SADD', p .. 'res:' .. g, e)
+  redis.call('EXPIRE', p .. 'res:' .. g, ${GONE_TTL_S})
+end
 local function seq_of(p, g)
   if redis.call('EXISTS', p .. 'gone:' .. g) == 1 then return -1 end
   local s = redis.call('HGET', p .. 'seq', g)
@@ -51,8 +77,56 @@ end
 `;
 
 const SCRIPTS = {
-  /** ARGV: prefix, group → the group's submission number, or -1 when it was consumed */
-  tpSeq: SEQ_OF + `return seq_of(ARGV[1], ARGV[2])`,
+  /**
+   * ARGV: prefix, group, episode, gateway → {the group's submission number, ''}; {-1, ''} when the group was
+   * consumed; {-4, gateway} when another gateway records the episode. The first gateway to see an episode records
+   * all of it (its log holds the calls each later call continues); the claim goes with the group's records.
+   */
+  tpOpen:
+    SEQ_OF +
+    `
+local p, g, e, me = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local k = p .. 'ep:' .. e
+local owner = redis.call('GET', k)
+if owner and owner ~= me then return {-4, owner} end
+local seq = seq_of(p, g)
+if seq < 0 then return {-1, ''} end
+if not owner then redis.call('SET', k, me, 'EX', ${GONE_TTL_S}) end
+return {seq, ''}
+`,
+  /**
+   * ARGV: prefix, instance, uid, group size, the record's digest → {group, status}: the group (round) a slime
+   * record joins, status 1. A uid written before (a resend, through any gateway) gets the group it joined, status
+   * 1, or 0 once that group was consumed, or -2 when it came with another record. A new uid joins the instance's
+   * latest round while that is neither complete, consumed nor holding `size` episodes, else the next round (its
+   * key: the instance, U+0000, its number; round 0's key is the instance).
+   */
+  tpRound:
+    SEQ_OF +
+    `
+local p, name, uid, size, digest = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local ids = p .. 'rid:' .. name
+redis.call('EXPIRE', ids, ${GONE_TTL_S})
+local had = redis.call('HGET', ids, uid)
+if had then
+  local d, g = string.match(had, '^(%S+) (.*)$')
+  if d ~= digest then return {g, -2} end
+  if redis.call('EXISTS', p .. 'gone:' .. g) == 1 then return {g, 0} end
+  return {g, 1}
+end
+local r = tonumber(redis.call('GET', p .. 'rnd:' .. name) or '0')
+local g
+while true do
+  g = r == 0 and name or (name .. '\\0' .. r)
+  if redis.call('EXISTS', p .. 'gone:' .. g) == 0 and redis.call('EXISTS', p .. 'done:' .. g) == 0 and redis.call('SCARD', p .. 'res:' .. g) < size then break end
+  r = r + 1
+end
+redis.call('SET', p .. 'rnd:' .. name, r, 'EX', ${GONE_TTL_S})
+reserve(p, g, uid)
+redis.call('HSET', ids, uid, digest .. ' ' .. g)
+touch(p, g)
+return {g, 1}
+`,
   /**
    * ARGV: prefix, group, episode, episode JSON, group size → {seq, episodes in the group, status}; status 1: added,
    * 0: already there (a resend), -1: the group was consumed, -2: the group already had its `size` episodes.
@@ -69,6 +143,7 @@ local n = redis.call('HLEN', eps)
 if n >= size or redis.call('EXISTS', p .. 'done:' .. g) == 1 then return {seq, n, -2} end
 redis.call('HSET', eps, e, ARGV[4])
 redis.call('RPUSH', p .. 'order:' .. g, e)
+reserve(p, g, e)
 touch(p, g)
 n = n + 1
 if n == size then complete(p, g, seq) end
@@ -148,24 +223,62 @@ export function episodeFromJson(s: string): Episode {
   return { ...o, agents: new Set(o.agents), calls };
 }
 
+/**
+ * This gateway's name in the shared pool, kept in its data directory so a restarted gateway is the same one: the
+ * host and directory (to say where an episode is recorded) and a random part (hosts may share a path).
+ */
+function gatewayIdentity(dataDir: string): string {
+  const file = join(dataDir, 'gateway-id');
+  try {
+    return readFileSync(file, 'utf8').trim();
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
+  }
+  const id = `${hostname()}:${dataDir}#${randomBytes(6).toString('base64url')}`;
+  writeFileAtomic(file, id + '\n');
+  return id;
+}
+
 export class RedisPool {
   /** the client's last connection error, if any */
   lastError: string | undefined;
+  private identity: string | undefined;
 
   private constructor(
     readonly url: string,
     readonly redis: Redis,
+    /** the gateway's data directory, which holds its name in the shared pool */
+    private readonly dataDir: string,
   ) {}
+
+  /**
+   * A failure to reach Redis (down, restarting, not answering within COMMAND_TIMEOUT_MS) as the 503 the client
+   * gets; Redis's own refusals (a script's error) and the pool's stay as they are.
+   */
+  unavailable(err: unknown): unknown {
+    if (err instanceof PoolError || err instanceof TreepackError || err instanceof ReplyError) return err;
+    return new PoolError(503, `the shared pool at ${this.url} is unreachable (${(err as Error).message}); retry once GET /healthz answers 200`, SHARED_POOL_UNAVAILABLE);
+  }
+
+  /** Runs a request on Redis, failing as `unavailable` says. */
+  async guard<T>(p: Promise<T>): Promise<T> {
+    try {
+      return await p;
+    } catch (err) {
+      throw this.unavailable(err);
+    }
+  }
 
   /**
    * Connects (failing with the URL when Redis does not answer), checks that Redis keeps what it acknowledges
    * (see `checkDurability`) and the feed options against the others'.
    */
-  static async connect(url: string, config: Record<string, unknown>, durability: DurabilityOptions): Promise<RedisPool> {
-    // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server.
-    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2 });
-    const pool = new RedisPool(url, redis);
-    // While Redis restarts the client reconnects and resends; the requests waiting meanwhile fail on their own.
+  static async connect(url: string, config: Record<string, unknown>, durability: DurabilityOptions, dataDir: string): Promise<RedisPool> {
+    // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server. While
+    // Redis is unreachable the client reconnects in the background and every command fails at once (no offline
+    // queue, no resend): requests answer 503 for the outage instead of waiting it out.
+    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2, enableOfflineQueue: false, maxRetriesPerRequest: 0, commandTimeout: COMMAND_TIMEOUT_MS });
+    const pool = new RedisPool(url, redis, dataDir);
     redis.on('error', (err: Error) => (pool.lastError = err.message));
     try {
       await redis.connect();
@@ -202,11 +315,26 @@ export class RedisPool {
     return (this.redis as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[name]!(PREFIX, ...args);
   }
 
-  /** The group's submission number (windowed FIFO's order), assigned when any gateway first sees it. */
-  async groupSeq(group: string): Promise<number> {
-    const seq = Number(await this.script('tpSeq', group));
+  /**
+   * Opens an episode on this gateway: claims it (every call of an episode goes through one gateway) and numbers
+   * its group (windowed FIFO's order) when any gateway first sees it. Refused (409) when another gateway records
+   * the episode or its group was consumed.
+   */
+  async openEpisode(group: string, episode: string): Promise<void> {
+    this.identity ??= gatewayIdentity(this.dataDir);
+    const [seq, owner] = (await this.guard(this.script('tpOpen', group, episode, this.identity))) as [number, string];
+    if (seq === -4) throw new PoolError(409, `episode ${JSON.stringify(episode)} is recorded by another gateway (${owner}): every call and the finish of an episode go to the gateway of its first call`, EPISODE_ON_ANOTHER_GATEWAY);
     if (seq < 0) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
-    return seq;
+  }
+
+  /**
+   * The group (round) a slime record joins, chosen over every gateway's records (tpRound); undefined for a resend
+   * of a record whose group was consumed already (it was read). The same uid with another record is a 409.
+   */
+  async recordGroup(instance: string, uid: string, size: number, digest: string): Promise<string | undefined> {
+    const [group, status] = (await this.guard(this.script('tpRound', instance, uid, size, digest))) as [string, number];
+    if (status === -2) throw new PoolError(409, `uid ${JSON.stringify(uid)} was already written, with another record`);
+    return status === 1 ? group : undefined;
   }
 
   /**
@@ -225,7 +353,7 @@ export class RedisPool {
    * `idleMs` through any gateway (0: closed regardless); a consumed group is a 409.
    */
   async closeGroup(group: string, idleMs: number): Promise<boolean> {
-    const status = Number(await this.script('tpClose', group, idleMs));
+    const status = Number(await this.guard(this.script('tpClose', group, idleMs)));
     if (status === -1) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
     return status !== -3;
   }

@@ -13,8 +13,11 @@
  */
 import type { FastifyInstance } from 'fastify';
 import { describeValue } from '../errors.js';
-import { PoolError, type Episode } from './pool.js';
-import type { Service } from './service.js';
+import { checkId, PoolError, recordDigest, type Episode } from './pool.js';
+import type { Recorder } from './recorder.js';
+
+/** What these routes use of the recording core. */
+export type SlimeCore = Pick<Recorder, 'pool' | 'feed' | 'metrics' | 'shared' | 'commit' | 'admit'>;
 
 type Obj = Record<string, unknown>;
 const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -45,10 +48,14 @@ function checkRecord(b: unknown): { uid: string; instance_id: string; reward: nu
   if (typeof b.reward !== 'number' || !Number.isFinite(b.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(b.reward)}`);
   if (b.extra_info !== undefined && !isObj(b.extra_info)) throw new PoolError(400, `field "extra_info": expected an object, got ${describeValue(b.extra_info)}`);
   // The pool keys episodes and groups by string; the record goes back as written (slime's Sample.index is an int).
-  return { uid: String(b.uid), instance_id: String(b.instance_id), reward: b.reward, record: { ...b, extra_info: b.extra_info ?? {} } };
+  const uid = String(b.uid);
+  const instance = String(b.instance_id);
+  checkId('field "uid"', uid);
+  checkId('field "instance_id"', instance);
+  return { uid, instance_id: instance, reward: b.reward, record: { ...b, extra_info: b.extra_info ?? {} } };
 }
 
-export function registerSlime(app: FastifyInstance, svc: Service): void {
+export function registerSlime(app: FastifyInstance, svc: SlimeCore): void {
   app.post('/start_rollout', async (req) => {
     const b = req.body;
     if (!isObj(b)) throw new PoolError(400, `request body: expected slime's start_rollout payload, got ${describeValue(b)}`);
@@ -58,12 +65,25 @@ export function registerSlime(app: FastifyInstance, svc: Service): void {
     return { message: 'Rollout started' };
   });
 
+  /**
+   * A record joins its instance's group not yet read, or starts the instance's next round (every epoch writes each
+   * instance again, with new uids): slime's buffer takes them all. A write resent with the same uid and record
+   * (slime's producer tries twice) is answered as the first was; the same uid with another record is refused.
+   */
   app.post('/buffer/write', async (req) => {
     const r = checkRecord(req.body);
+    const answer = { success: true, message: 'Data has been successfully written to buffer', data: { data: [r.record], meta_info: 'write to buffer' } };
+    const digest = recordDigest(r.record);
+    if (svc.pool.episodes.get(r.uid)?.written === digest) return answer;
     svc.admit();
-    await svc.commit({ type: 'record', episode: r.uid, group: r.instance_id, record: r.record, reward: r.reward, time: Date.now() });
+    // On the shared pool the round is chosen there, over every gateway's records (a resend through another gateway
+    // finds its round, or that it was read); here, by this pool, with no await between choosing and committing, so
+    // concurrent writes choose in order.
+    const group = svc.shared ? await svc.shared.recordGroup(r.instance_id, r.uid, svc.pool.groupSize, digest) : svc.pool.recordGroup(r.instance_id);
+    if (group === undefined) return answer;
+    await svc.commit({ type: 'record', episode: r.uid, group, record: r.record, reward: r.reward, time: Date.now() });
     svc.metrics.episodes.inc();
-    return { success: true, message: 'Data has been successfully written to buffer', data: { data: [r.record], meta_info: 'write to buffer' } };
+    return answer;
   });
 
   app.post('/get_rollout_data', async (req) => {

@@ -1,0 +1,284 @@
+/**
+ * The recording core of `treepack serve`: the pool, the durable log, the trainer feed and (with --redis) the
+ * shared pool, put together. `Recorder.open` replays the log before it returns, so a restarted service answers as
+ * the one that died would have. It knows nothing of HTTP: the routes (gateway.ts, http.ts, slime.ts) call it, and
+ * service.ts puts it behind them.
+ */
+import { join } from 'node:path';
+import { describeValue, TreepackError } from '../errors.js';
+import { ChatEncoder } from '../tokenize/chat.js';
+import { resolveTokenizer } from '../tokenize/tokenizer.js';
+import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
+import { DurableLog, type LogEvent } from './log.js';
+import { runWorker } from './thread.js';
+import { createMetrics, type Metrics } from './metrics.js';
+import { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
+import { countingPack, stepPacker, type StepPacker } from './packing.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent, type SnapshotEvent } from './pool.js';
+import { emptyRecordStats } from './records.js';
+import { RedisFeed } from './redis-feed.js';
+import { RedisPool } from './redis-pool.js';
+
+/** the trainer feed's own log events; the pool replays the rest */
+const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
+const LOG_EVENTS = new Set(['snapshot', 'key', 'call', 'finish', 'record', 'group-size', 'ship', 'abandon', ...FEED_EVENTS]);
+
+/** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
+export type SharedGroup = { episodes: number } | { pending: true };
+
+export class Recorder {
+  readonly pool: Pool;
+  feed!: TrainerFeed;
+  /** the shared pool (--redis); undefined: the in-process pool */
+  shared: RedisPool | undefined;
+  readonly metrics: Metrics;
+  readonly recordStats = emptyRecordStats();
+  /** the reason writes stopped: a failed log write leaves memory ahead of the disk, so the service fails stopped */
+  broken: string | undefined;
+  private log!: DurableLog;
+  private shipRetry: NodeJS.Timeout | undefined;
+  private sweeper: NodeJS.Timeout | undefined;
+  private sweeping = false;
+  /** when this service started (after its replay): the idle timeout counts from it at most */
+  private started = 0;
+  /** when this gateway last told the shared pool of activity in a group */
+  private touched = new Map<string, number>();
+  /** episodes claimed in the shared pool before their first call is recorded (`openEpisode`) */
+  private claimed = new Set<string>();
+
+  private constructor(
+    readonly opts: ResolvedServiceOptions,
+    readonly encoder: ChatEncoder,
+    /** packs steps, in a worker thread where the packer options allow */
+    readonly packer: StepPacker,
+  ) {
+    this.pool = new Pool({ groupSize: opts.groupSize });
+    this.metrics = createMetrics(async () => {
+      const d = this.pool.depth();
+      // while the shared pool is unreachable its depths are unknown (NaN); the rest of /metrics still answers
+      const f = await this.feed.depth().catch(() => ({ ready: NaN, leased: NaN }));
+      const oldest = this.pool.oldestOpen();
+      const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
+      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
+    });
+  }
+
+  static async open(options: ServiceOptions): Promise<Recorder> {
+    const opts = resolveServiceOptions(options);
+    // The packing thread loads its tokenizer while this one does; both are ready before the routes open, so
+    // neither load competes with traffic, and the first step packs at once.
+    const encoder = resolveTokenizer(opts.packer.tokenizer).then((t) => new ChatEncoder(t));
+    // One encoder here, shared by the in-thread packer when the options cannot go to a worker.
+    const packer = stepPacker(opts.packer, () => encoder);
+    let svc: Recorder;
+    try {
+      const ready = await encoder;
+      await packer.ready();
+      svc = new Recorder(opts, ready, packer);
+    } catch (err) {
+      await packer.close();
+      throw err;
+    }
+    try {
+      await svc.start();
+    } catch (err) {
+      svc.metrics.close();
+      await packer.close();
+      throw err;
+    }
+    return svc;
+  }
+
+  private async start(): Promise<void> {
+    const opts = this.opts;
+    const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
+    const pack = countingPack(this.packer, this.metrics, this.recordStats);
+    if (opts.redis) {
+      const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
+      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
+      this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
+    } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
+    try {
+      const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
+      this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line, bytes) => this.replay(e, line, bytes), compaction);
+      this.log.onWrite = (seconds) => this.metrics.logWrite.observe(seconds);
+    } catch (err) {
+      await this.feed.close();
+      throw err;
+    }
+    // Finished before a crash and not known to be shipped: shipping again is harmless (the pool counts each once).
+    if (this.shared) await this.shipUnshipped();
+    this.started = Date.now();
+    if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /** Abandons the groups idle for the idle timeout, one at a time. */
+  private sweep(): void {
+    if (this.sweeping || this.broken) return;
+    const now = Date.now();
+    for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group); // bounded by the groups active lately
+    // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
+    // agents waited for it.
+    const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
+    if (idle.length === 0) return;
+    this.sweeping = true;
+    void (async () => {
+      for (const id of idle) await this.abandonGroup(id, `idle for ${this.opts.idleTimeoutMs / 1000} s`, this.opts.idleTimeoutMs).catch(() => {});
+    })().finally(() => (this.sweeping = false));
+  }
+
+  /**
+   * Abandons a group: its unfinished episodes are given up, it takes no new ones, and it goes to the trainer with
+   * its finished episodes. On the shared pool it is closed there first, unless (`idleMs` > 0) an episode of it
+   * was active through another gateway within `idleMs`.
+   */
+  async abandonGroup(id: string, reason: string, idleMs: number): Promise<Group> {
+    const g = this.pool.groups.get(id);
+    if (!g) throw new PoolError(404, `unknown group ${JSON.stringify(id)}: no episode of it was recorded here`);
+    if (g.closed) return g;
+    if (this.shared && !(await this.shared.closeGroup(id, idleMs))) return g;
+    await this.commit({ type: 'abandon', group: id, reason, time: Date.now() });
+    return g;
+  }
+
+  private replay(e: LogEvent, line: number, bytes: number): void {
+    // A line that parses but is no event of this layout (damaged into other JSON, or written by a later version)
+    // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
+    if (typeof e !== 'object' || e === null || !LOG_EVENTS.has(e.type)) {
+      throw new TreepackError('E_INPUT', `damaged log: expected an event with a "type" of ${[...LOG_EVENTS].join(', ')}, got ${describeValue(e)}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'type' });
+    }
+    if (e.type === 'snapshot') this.pool.apply(e);
+    else if (!FEED_EVENTS.has(e.type)) {
+      try {
+        return this.pool.apply(e, bytes);
+      } catch (err) {
+        // a call continuing one the log does not hold: named with its line
+        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
+        throw err;
+      }
+    }
+    if (this.feed instanceof Feed) return this.feed.apply(e);
+    if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
+    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
+  }
+
+  private append(e: LogEvent): Promise<void> {
+    return this.appendLine(DurableLog.line(e));
+  }
+
+  private appendLine(line: Buffer): Promise<void> {
+    if (this.broken) return Promise.reject(new PoolError(503, `the service stopped writing: ${this.broken}`));
+    return this.log.appendLine(line).catch((err: Error) => {
+      this.broken = `log write failed: ${err.message}`;
+      throw new PoolError(503, this.broken);
+    });
+  }
+
+  /**
+   * Checks, applies and logs a pool event; resolves once it is durable. On the shared pool a new group gets its
+   * submission number there first, and a finished episode is shipped there before the answer (or, when Redis
+   * does not answer, later: it is safe in the log).
+   */
+  async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
+    this.pool.check(e);
+    if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
+      const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
+      // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
+      if (!this.pool.episodes.has(e.episode!) && !this.claimed.delete(e.episode!)) {
+        await this.shared.openEpisode(group, e.episode!);
+        this.pool.check(e); // the episode may have finished meanwhile
+      }
+      this.touch(group);
+    }
+    // A call is logged as what it adds to the episode's previous one; its line, serialized once, is also what the
+    // pool counts toward its bound.
+    const logged = (e.type === 'call' ? this.pool.logged(e) : e) as unknown as LogEvent;
+    const line = DurableLog.line(logged);
+    const durable = this.appendLine(line);
+    this.pool.apply(logged, line.length);
+    await durable;
+    if (!this.shared || (e.type !== 'finish' && e.type !== 'record' && e.type !== 'abandon')) return undefined;
+    if (e.type === 'abandon' && e.episode === undefined) {
+      // closed in the shared pool already: its abandoned episodes are refused there, which the log notes
+      void this.shipUnshipped().catch(() => this.shipLater());
+      return undefined;
+    }
+    try {
+      return await this.ship(this.pool.episodes.get(e.episode!)!);
+    } catch (err) {
+      if (err instanceof PoolError) throw err;
+      this.shipLater();
+      return { pending: true };
+    }
+  }
+
+  /** Hands a finished episode to the shared pool, then frees it here; a refusal is logged as shipped too. */
+  private async ship(ep: Episode): Promise<SharedGroup> {
+    let refused: PoolError | undefined;
+    let r: SharedGroup | undefined;
+    try {
+      r = await this.shared!.ship(ep, this.pool.groups.get(ep.group)!.size);
+    } catch (err) {
+      if (!(err instanceof PoolError)) throw err;
+      refused = err;
+    }
+    const e: PoolEvent = { type: 'ship', episode: ep.id };
+    await this.append(e as unknown as LogEvent);
+    this.pool.apply(e as unknown as LogEvent);
+    if (refused) throw refused;
+    return r!;
+  }
+
+  private async shipUnshipped(): Promise<void> {
+    for (const ep of this.pool.unshipped()) {
+      await this.ship(ep).catch((err: unknown) => {
+        if (!(err instanceof PoolError)) throw err; // refusals are logged; anything else stops the start
+      });
+    }
+  }
+
+  /**
+   * Before a call's engine request: on the shared pool, claims an episode this gateway has not recorded yet, so a
+   * call refused there (409 episode_on_another_gateway, 503 while Redis is unreachable) costs no generation.
+   */
+  async openEpisode(episode: string, group: string | undefined): Promise<void> {
+    if (!this.shared || this.pool.episodes.has(episode) || this.claimed.has(episode)) return;
+    await this.shared.openEpisode(group ?? episode, episode);
+    // remembered until the call is recorded; forgetting a claim (the call failed) costs a second claim, no more
+    if (this.claimed.size >= 10_000) this.claimed.clear();
+    this.claimed.add(episode);
+  }
+
+  /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
+  private touch(group: string): void {
+    const now = Date.now();
+    if (this.opts.idleTimeoutMs === 0 || now - (this.touched.get(group) ?? 0) < this.opts.idleTimeoutMs / 4) return;
+    this.touched.set(group, now);
+    this.shared!.touch(group).catch(() => this.touched.delete(group));
+  }
+
+  private shipLater(): void {
+    this.shipRetry ??= setTimeout(() => {
+      this.shipRetry = undefined;
+      this.shipUnshipped().catch(() => this.shipLater());
+    }, 1000).unref();
+  }
+
+  /** Backpressure: refuses new calls while the pool holds more than its bound. */
+  admit(): void {
+    if (this.broken) throw new PoolError(503, `the service stopped writing: ${this.broken}`);
+    if (this.pool.pendingBytes > this.opts.maxPoolBytes) {
+      this.metrics.rejected.inc({ reason: 'pool_full' });
+      throw new PoolError(429, `the rollout pool is full (${this.pool.pendingBytes} bytes waiting for the trainer, limit ${this.opts.maxPoolBytes}); retry later`);
+    }
+  }
+
+  async close(): Promise<void> {
+    clearTimeout(this.shipRetry);
+    clearInterval(this.sweeper);
+    await this.feed.close();
+    await this.log.close();
+    await this.packer.close();
+    this.metrics.close();
+  }
+}

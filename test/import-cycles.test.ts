@@ -1,0 +1,93 @@
+/**
+ * Data flows one way through src/: no module imports, directly or through others, a module that imports it.
+ * The graph counts every import the TypeScript compiler sees (type-only imports, `export ... from` and dynamic
+ * `import()` included): a route that imports `type Service` from the service that registers it is a cycle in the
+ * design even where it erases at run time.
+ */
+import { readdirSync, readFileSync } from 'node:fs';
+import { join, relative, resolve } from 'node:path';
+import ts from 'typescript';
+import { describe, expect, it } from 'vitest';
+
+const ROOT = resolve(import.meta.dirname, '..');
+
+function sources(dir: string): string[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((d) => {
+    const p = join(dir, d.name);
+    if (d.isDirectory()) return sources(p);
+    return d.name.endsWith('.ts') && !d.name.endsWith('.d.ts') ? [p] : [];
+  });
+}
+
+/** Each source file's imports of other files in the same set, resolved as `tsc -p tsconfig.json` resolves them. */
+function importGraph(files: string[]): Map<string, string[]> {
+  const config = ts.getParsedCommandLineOfConfigFile(join(ROOT, 'tsconfig.json'), {}, { ...ts.sys, onUnRecoverableConfigFileDiagnostic: (d) => { throw new Error(ts.flattenDiagnosticMessageText(d.messageText, '\n')); } });
+  const options = config!.options;
+  const inSet = new Set(files);
+  const graph = new Map<string, string[]>();
+  for (const file of files) {
+    const { importedFiles } = ts.preProcessFile(readFileSync(file, 'utf8'), true, true);
+    const deps = importedFiles
+      .map((f) => ts.resolveModuleName(f.fileName, file, options, ts.sys).resolvedModule?.resolvedFileName)
+      .filter((p): p is string => p !== undefined && inSet.has(resolve(p)))
+      .map((p) => resolve(p));
+    graph.set(file, [...new Set(deps)]);
+  }
+  return graph;
+}
+
+/** The strongly connected components with more than one module (or a module importing itself): Tarjan's. */
+export function cycles(graph: Map<string, string[]>): string[][] {
+  let next = 0;
+  const index = new Map<string, number>();
+  const low = new Map<string, number>();
+  const stack: string[] = [];
+  const onStack = new Set<string>();
+  const out: string[][] = [];
+  const visit = (v: string): void => {
+    index.set(v, next);
+    low.set(v, next++);
+    stack.push(v);
+    onStack.add(v);
+    for (const w of graph.get(v) ?? []) {
+      if (!index.has(w)) {
+        visit(w);
+        low.set(v, Math.min(low.get(v)!, low.get(w)!));
+      } else if (onStack.has(w)) low.set(v, Math.min(low.get(v)!, index.get(w)!));
+    }
+    if (low.get(v) !== index.get(v)) return;
+    const scc: string[] = [];
+    let w: string;
+    do {
+      w = stack.pop()!;
+      onStack.delete(w);
+      scc.push(w);
+    } while (w !== v);
+    if (scc.length > 1 || (graph.get(v) ?? []).includes(v)) out.push(scc.sort());
+  };
+  for (const v of graph.keys()) if (!index.has(v)) visit(v);
+  return out;
+}
+
+describe('import graph of src/', () => {
+  it('finds a cycle where there is one (negative control)', () => {
+    const g = new Map([
+      ['a', ['b']],
+      ['b', ['c']],
+      ['c', ['a', 'd']],
+      ['d', []],
+      ['e', ['e']],
+    ]);
+    expect(cycles(g)).toEqual([['a', 'b', 'c'], ['e']]);
+    expect(cycles(new Map([['a', ['b']], ['b', []]]))).toEqual([]);
+  });
+
+  it('has no import cycles', () => {
+    const files = sources(join(ROOT, 'src')).map((f) => resolve(f));
+    const graph = importGraph(files);
+    // the walk sees the imports: the service registers its routes
+    expect(graph.get(join(ROOT, 'src/serve/service.ts'))).toContain(join(ROOT, 'src/serve/gateway.ts'));
+    const found = cycles(graph).map((c) => c.map((f) => relative(ROOT, f)));
+    expect(found, `import cycles:\n${found.map((c) => c.join(' <-> ')).join('\n')}`).toEqual([]);
+  });
+});
