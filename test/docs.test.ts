@@ -153,12 +153,15 @@ function runGroup(cmd: string, args: string[], cwd: string, env: NodeJS.ProcessE
   });
 }
 
-const work = mkdtempSync(join(tmpdir(), 'treepack-docs-'));
-const bin = join(work, 'bin');
+// Made when the tests start (not at collection), so a file that fails to collect leaves nothing behind.
+let work = '';
+let bin = '';
 let stub: StubEngine;
 const rollouts = generateJsonl({ groups: 2, episodesPerGroup: 2, minTurns: 2, maxTurns: 4 });
 
 beforeAll(async () => {
+  work = mkdtempSync(join(tmpdir(), 'treepack-docs-'));
+  bin = join(work, 'bin');
   mkdirSync(bin);
   writeFileSync(join(bin, 'treepack'), `#!/bin/sh\nexec ${JSON.stringify(process.execPath)} ${JSON.stringify(join(root, 'dist/src/cli/main.js'))} "$@"\n`);
   if (pythonPath) {
@@ -169,7 +172,7 @@ beforeAll(async () => {
 });
 afterAll(async () => {
   await stub?.close();
-  rmSync(work, { recursive: true, force: true });
+  if (work) rmSync(work, { recursive: true, force: true });
 });
 
 
@@ -306,10 +309,11 @@ for (const { file, blocks } of all) {
   const runnable = blocks.filter((b) => RUN.includes(b.lang as never));
   if (runnable.length === 0) continue;
   describe(file, () => {
-    const dir = join(work, file.replaceAll('/', '_'));
+    let dir = '';
     const out: string[] = [];
     let failed = '';
     beforeAll(() => {
+      dir = join(work, file.replaceAll('/', '_'));
       mkdirSync(dir, { recursive: true });
       writeFileSync(join(dir, 'rollouts.jsonl'), rollouts);
     });
