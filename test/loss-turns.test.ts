@@ -437,7 +437,7 @@ await describeBackends('loss', (backend) => {
     expect(r.grad.every((g) => g === 0)).toBe(true);
   });
 
-  it('seq_weight and loss_scale scale each aggregation as README "Loss" says (zeros keep their counts)', async () => {
+  it('seq_weight and loss_scale scale each aggregation as docs/concepts/loss.md says (zeros keep their counts)', async () => {
     const ts = trajectories(51, { count: 10 });
     const { batch, lp } = packed(ts);
     const unweighted = { ...batch, seq_weight: undefined };

@@ -8,9 +8,9 @@ where each is found: treepack/_native.py.
     >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})      # the same, as a dict
     >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                   # torch, autograd
 
-Config names, defaults, semantics and validation are those of src/loss/config.ts (README "Loss"); every error is a
+Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
-per-sequence weight, README "Loss": normalisations); the turn aggregation reads ``turn_ids`` [M]. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
+per-sequence weight, docs/concepts/loss.md, "Aggregation and weights"); the turn aggregation reads ``turn_ids`` [M]. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
 generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 

@@ -25,7 +25,7 @@ MANIFEST_FILE = "manifest.json"
 
 NODE_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end")
 OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
-# Optional contract tensors: the floats, and the turn ids of turn-level aggregation (README format reference).
+# Optional contract tensors: the floats, and the turn ids of turn-level aggregation (docs/reference/format.md).
 OPTIONAL_FIELDS = OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)
 _META_NUMBERS = ("num_sequences", "num_tokens_naive", "num_tokens_packed")
 
@@ -251,7 +251,7 @@ def load(src: Source) -> MicroBatch:
         meta["vocab_size"] = int(vocab)
     given = [k for k in ("prefix_tokens", "prefix_push", "prefix_release") if k in md]
     if given:
-        # Extension (step plans, README "Step plans"): nodes [0, prefix_tokens) are a cached chain; the stack operations.
+        # Extension (step plans, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a cached chain; the stack operations.
         if len(given) != 3:
             raise fail(given[0], "prefix_tokens, prefix_push and prefix_release go together (a step plan entry)")
         for key in ("prefix_tokens", "prefix_release"):

@@ -10,7 +10,7 @@ export const PACK_USAGE = `Usage: treepack pack <input.jsonl|-> --out DIR [optio
 
 Reads agent rollouts (chat episodes, chat records, pre-tokenized or slime samples; JSONL) and writes
 prefix-tree packed micro-batches: DIR/manifest.json names the files DIR/gen-NNNNNN/microbatch-00000.safetensors …,
-published atomically as a whole (README, "Output directory").
+published atomically as a whole (docs/operations/output-directory.md).
 
 Options:
 ${helpLines([

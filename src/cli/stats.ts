@@ -20,7 +20,7 @@ export const STATS_USAGE = `Usage: treepack stats <input.jsonl|-> [options]
 Prints records, timelines and samples after the timeline merge, naive and packed tokens, compression
 (naive ÷ packed), drifted messages, timeline snaps (contexts that extend no earlier context of their episode),
 per-group figures, a histogram of the depths at which the prefix trees branch, and step plans: per token budget T
-and rank count K, the tokens a plain split holds and those a step plan with prefix reuse computes (README "Step
+and rank count K, the tokens a plain split holds and those a step plan with prefix reuse computes (docs/concepts/micro-batching.md, "Step
 plans"), against the single-forest optimum, with the most prefix tokens a rank holds cached.
 
 Options:

@@ -3,7 +3,7 @@
  * version: files go to a private staging directory, then become `gen-NNNNNN/` (a name no reader follows yet), and
  * renaming the new `manifest.json` over the old one is the single commit point. A reader that starts from
  * manifest.json and opens only the files it names sees the old run or the new one, whole, whatever moment a writer
- * dies at. Layout and guarantees: README, "Output directory".
+ * dies at. Layout and guarantees: docs/operations/output-directory.md.
  *
  *   out/manifest.json                       the commit point; names gen-NNNNNN/<file> for every file
  *   out/gen-NNNNNN/                         the committed generation, and the one before it (kept for readers

@@ -24,7 +24,7 @@ export interface ManifestEntry {
   pad_tokens?: number;
   attention_pairs?: number;
   cost?: number;
-  /** with prefix reuse (README "Step plans"): as the file's header says, and the tokens it computes and pushes */
+  /** with prefix reuse (docs/concepts/micro-batching.md, "Step plans"): as the file's header says, and the tokens it computes and pushes */
   prefix_tokens?: number;
   prefix_push?: number[];
   prefix_release?: number;
@@ -35,7 +35,7 @@ export interface ManifestEntry {
 /** manifest.json, keys in the order they are written. */
 export interface Manifest {
   format: typeof MANIFEST_FORMAT;
-  /** DirectorySink: the generation of the directory this manifest commits (README, "Output directory"). */
+  /** DirectorySink: the generation of the directory this manifest commits (docs/operations/output-directory.md). */
   generation?: number;
   input: string;
   tokenizer: string;

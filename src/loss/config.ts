@@ -26,7 +26,7 @@ export interface LossConfig {
   /** |lp − old| (and every other log ratio) is clamped to this before exp. */
   log_ratio_clamp: number;
   /**
-   * How per-token losses become one number (README "Loss", src/loss/aggregate.ts). `seq-mean-turn-mean-token-mean`
+   * How per-token losses become one number (docs/concepts/loss.md, src/loss/aggregate.ts). `seq-mean-turn-mean-token-mean`
    * is AgentFlow's Flow-GRPO: each turn's token mean, the mean over the sequence's turns, then over sequences; it
    * reads the micro-batch's `turn_ids`.
    */

@@ -1,6 +1,6 @@
 /**
  * The RL loss over packed micro-batches, as formulas: config, advantages, the js reference and the compact plan.
- * Running it on a backend is computeLoss / computeLossCompact (src/backend/ops.ts). See README "Loss".
+ * Running it on a backend is computeLoss / computeLossCompact (src/backend/ops.ts). See docs/concepts/loss.md.
  */
 import type { LossConfig } from './config.js';
 import { resolveLossConfig } from './config.js';

@@ -1,5 +1,5 @@
 /**
- * Step plans with prefix reuse (README "Step plans"): a step's forest cut into micro-batches that may hang from a
+ * Step plans with prefix reuse (docs/concepts/micro-batching.md, "Step plans"): a step's forest cut into micro-batches that may hang from a
  * prefix an earlier micro-batch of the same rank computed, so a long shared trunk is computed once per rank, not
  * once per micro-batch.
  *

@@ -3,7 +3,7 @@
  * flag, the values it takes, its default, its --help text and how manifest.json shows it. The library's checks
  * and defaults (options.ts), the flags of `pack`, `stats` and `serve` with their parsing and --help (cli/args.ts),
  * and the option fields of the report and the manifest (report.ts) are all read from here: an option is added by
- * adding its entry (README, "Adding an option").
+ * adding its entry (CONTRIBUTING.md, "Adding a packer option").
  */
 import { BACKEND_NAMES } from '../backend/index.js';
 import { MASKS_OPTION_HELP, parseMaskSpecs } from '../io/masks.js';

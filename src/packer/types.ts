@@ -26,7 +26,7 @@ export interface BudgetSettings {
   cost?: CostModel;
   /** see BudgetOptions.balanceSlack; default 0.01 */
   balanceSlack?: number;
-  /** prefix reuse (README "Step plans"): the most prefix tokens a rank holds cached; off when absent */
+  /** prefix reuse (docs/concepts/micro-batching.md, "Step plans"): the most prefix tokens a rank holds cached; off when absent */
   prefixCacheTokens?: number;
   /** bytes one cached prefix token costs, for the manifest's peak_cached_bytes */
   prefixBytesPerToken?: number;
@@ -63,7 +63,7 @@ export interface PackerOptions {
   repeatedEpisodeIds?: boolean;
   /** Read invalid UTF-8 in JSONL as U+FFFD; default: an error naming line and byte offset (`--lossy-utf8`). */
   lossyUtf8?: boolean;
-  /** Store `turn_ids` [M] (README "The packed micro-batch") for turn-level losses; default off (`--turn-ids`). */
+  /** Store `turn_ids` [M] (docs/reference/format.md) for turn-level losses; default off (`--turn-ids`). */
   turnIds?: boolean;
   /** Called as samples enter a window, with the report so far. */
   onProgress?: (report: PackReport) => void;

@@ -1,6 +1,6 @@
 /**
  * `treepack/serve`: the recording gateway between agents and an inference engine, the slime-compatible rollout
- * buffer and the windowed-FIFO trainer feed, as `treepack serve` runs them (README "Serve").
+ * buffer and the windowed-FIFO trainer feed, as `treepack serve` runs them (docs/guides/service.md).
  *
  * @module treepack/serve
  */

@@ -1,5 +1,5 @@
 /**
- * A finished episode as the JSONL records `treepack pack` reads (README, Input formats), so the service and the
+ * A finished episode as the JSONL records `treepack pack` reads (docs/guides/packing.md, "Input formats"), so the service and the
  * CLI pack the very same input: one chat-episode line with every call whose context the chat template renders
  * to the engine's own prompt tokens (the response carries the engine's `token_ids` and `logprobs`), and one
  * pre-tokenized sample line per call where it does not (drift: the engine's prompt and generated ids, trained

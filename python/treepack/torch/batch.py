@@ -25,7 +25,7 @@ INDEX_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end", "seq_offse
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch on a device (field meanings: README "The packed micro-batch").
+    """One packed micro-batch on a device (field meanings: docs/reference/format.md).
 
     Besides the contract's arrays: ``seq_index`` [M] (the sequence of each occurrence) and ``token_index`` [M] (its
     t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask

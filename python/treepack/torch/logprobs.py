@@ -1,6 +1,6 @@
 """Node logprobs of a packed forward without [N, vocab] logits.
 
-Node p's logprob is ``log_softmax(logits[parent[p]])[input_ids[p]]`` (README "The packed micro-batch"), so the LM
+Node p's logprob is ``log_softmax(logits[parent[p]])[input_ids[p]]`` (docs/concepts/prefix-trees.md), so the LM
 head is needed only at the parents of the nodes that are scored: by default the nodes some trainable occurrence maps
 to. Those parents (a branch point's row serves all its children) go through the head in chunks of at most
 ``chunk_size`` rows, so at most one chunk's logits exist at a time, forward or backward.

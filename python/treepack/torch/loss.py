@@ -109,7 +109,7 @@ def _run_cuda(cfg: Any, t: Dict[str, Optional[torch.Tensor]]) -> Tuple[float, to
 class PackedLoss(torch.autograd.Function):
     """``loss, metrics = PackedLoss.apply(lp, batch, config)``: lp [N] (requires_grad) on CPU or CUDA, batch a
     ``PackedBatch`` or a mapping of the contract's tensors on lp's device (a mapping may add ``seq_weight`` [S]),
-    config a ``LossConfig`` or a dict as README "Loss". loss is a float64 scalar on lp's device; metrics a float64
+    config a ``LossConfig`` or a dict as in docs/concepts/loss.md. loss is a float64 scalar on lp's device; metrics a float64
     CPU tensor in ``METRICS`` order (``packed_loss`` gives a dict)."""
 
     @staticmethod
@@ -135,7 +135,7 @@ class PackedLoss(torch.autograd.Function):
 
 
 def packed_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """The loss (differentiable w.r.t. lp) and its metrics (README "Loss": loss, pg_loss, kl_loss, clip fractions,
+    """The loss (differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md: loss, pg_loss, kl_loss, clip fractions,
     approx_kl, ratio stats, trainable_tokens) as a dict."""
     loss, metrics = PackedLoss.apply(lp, batch, config)
     values = dict(zip(METRICS, metrics.tolist()))
