@@ -161,6 +161,9 @@ describe('service errors', { timeout: 30_000 }, () => {
     expect(() => resolveServiceOptions({ ...base, redisAllowWeakDurability: 'yes' as never })).toThrow(/for redisAllowWeakDurability but received "yes"/);
     expect(() => resolveServiceOptions({ ...base, warn: 'stderr' as never })).toThrow(/for warn but received "stderr"/);
     expect(resolveServiceOptions({ ...base, redisAllowWeakDurability: true }).redisAllowWeakDurability).toBe(true);
+    // Step plans need their order kept across a re-handout, which the Redis feed does not do.
+    expect(() => resolveServiceOptions({ ...base, packer: { budget: { maxTokens: 64, prefixCacheTokens: 256 } } })).toThrow(/step plans .* not through a shared Redis pool/);
+    expect(() => resolveServiceOptions({ ...base, redis: undefined, packer: { budget: { maxTokens: 64, prefixCacheTokens: 256 } } })).not.toThrow();
   });
 
   it('timelines compare by token unless told, in the library as in `treepack serve`', () => {

@@ -137,6 +137,39 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     expect((await fetch(`${base}/v1/batches/next?rank=2`)).status).toBe(400);
   });
 
+  it('step plans: a rank\'s micro-batches go to one client in plan order; after the lease the run starts over from its first', async () => {
+    const base = await service({ groupSize: 4, leaseMs: 400, packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } });
+    // Four episodes of one task under a long shared system prompt: the plan pushes the trunk, then its branches hang from it.
+    const system = Array.from({ length: 40 }, (_, i) => `rule ${i}`).join('; ');
+    for (let k = 0; k < 4; k++) {
+      const rec = record(0, k, k);
+      rec.messages[0]!.content = system;
+      rec.messages[2]!.content = `answer ${k}: ${`step ${k} `.repeat(8)}`;
+      expect((await post(`${base}/buffer/write`, rec)).status).toBe(200);
+    }
+    const next = async (client: string) => {
+      const res = await fetch(`${base}/v1/batches/next?rank=0&client=${client}`);
+      if (res.status === 204) return undefined;
+      expect(res.status).toBe(200);
+      return JSON.parse(res.headers.get('x-treepack-entry')!) as Entry & { step: number; prefix_push: number[]; prefix_tokens: number };
+    };
+    const first = (await next('a'))!;
+    expect(first.prefix_push.length).toBeGreaterThan(0); // it pushes the trunk the others hang from
+    expect(await next('b')).toBeUndefined(); // client a holds the run: b would lack the pushed prefix
+    const second = (await next('a'))!;
+    expect(second.step).toBe(first.step + 1);
+    expect(second.prefix_tokens).toBeGreaterThan(0);
+    await new Promise((r) => setTimeout(r, 500)); // a dies: its lease runs out
+    const again: (Entry & { step: number })[] = [];
+    for (let e = await next('b'); e; e = await next('b')) again.push(e);
+    expect(again[0]!.id).toBe(first.id); // the run starts over from its first micro-batch, in plan order
+    expect(again.map((e) => e.step)).toEqual(again.map((_, i) => first.step + i));
+    expect(again.length).toBeGreaterThan(2);
+    expect(await next('a')).toBeUndefined(); // a, back, gets nothing of b's run
+    for (const e of again) expect((await post(`${base}/v1/batches/${e.id}/ack`, {})).status).toBe(200);
+    expect((await fetch(`${base}/v1/batches/next?rank=0&client=%20`)).status).toBe(400);
+  });
+
   it('long poll: a trainer waiting is answered when the group finishes', async () => {
     const base = await service({ groupSize: 1 });
     const waiting = fetch(`${base}/v1/batches/next?wait=20`);

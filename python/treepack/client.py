@@ -8,7 +8,10 @@ after each optimizer step (standard library HTTP; torch only to build the tensor
     ...     mb.ack()                         # after the step: never handed out again
 
 A micro-batch not acknowledged within the service's lease (``--lease``) is handed out again, to this rank, so a
-trainer that dies mid-step loses nothing. ``entry`` carries ``id``, ``feed_step``, ``rank``, ``groups``,
+trainer that dies mid-step loses nothing. Micro-batches packed with a step plan (``--prefix-reuse``) go out as a
+run: a rank's micro-batches of one step in plan order, all to the one client (``client``, a random id per
+``FeedClient`` unless given) that took the first; after a lease runs out the run starts over from its first
+unacknowledged micro-batch, so a replacement trainer never gets a micro-batch whose cached prefix it lacks. ``entry`` carries ``id``, ``feed_step``, ``rank``, ``groups``,
 ``policy_version``, ``trainer_version`` and ``staleness`` (trainer steps between the policy that generated the
 rollouts and now) besides the packer's fields.
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional
 
@@ -41,11 +46,14 @@ class FeedMicroBatch:
 
 class FeedClient:
     """Iterates the micro-batches of one rank. ``wait``: seconds each request long-polls; ``stop_when_idle``: end
-    the iteration when a poll comes back empty instead of polling again (the producers are done)."""
+    the iteration when a poll comes back empty instead of polling again (the producers are done); ``client``: this
+    trainer process's id for the service (a step plan's micro-batches go to one client in order), random if None."""
 
     def __init__(self, url: str, rank: int = 0, dp: Optional[int] = None, token: Optional[str] = None, wait: float = 30.0,
-                 stop_when_idle: bool = False, device: Any = None, pin_memory: bool = False, timeout: float = 60.0) -> None:
+                 stop_when_idle: bool = False, device: Any = None, pin_memory: bool = False, timeout: float = 60.0,
+                 client: Optional[str] = None) -> None:
         self.url = url.rstrip("/")
+        self.client = uuid.uuid4().hex if client is None else client
         self.rank = rank
         self.dp = dp
         self.token = token
@@ -79,7 +87,7 @@ class FeedClient:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""
         from .torch import load_microbatch  # torch is needed only here
 
-        query = f"/v1/batches/next?rank={self.rank}&wait={self.wait:g}" + (f"&dp={self.dp}" if self.dp is not None else "")
+        query = f"/v1/batches/next?rank={self.rank}&wait={self.wait:g}&client={urllib.parse.quote(self.client)}" + (f"&dp={self.dp}" if self.dp is not None else "")
         with self._request("GET", query, self.timeout + self.wait) as res:
             if res.status == 204:
                 return None

@@ -50,6 +50,8 @@ interface MicroBatchSlot {
   rank: number;
   out: PackedOut;
   leasedUntil: number; // 0: never handed out
+  /** the client its last hand-out went to (FeedClient's `client` id; undefined: one that named none) */
+  client?: string;
   acked: boolean;
   minVersion: number;
 }
@@ -62,8 +64,8 @@ interface Step {
   packing?: Promise<void>;
   slots?: MicroBatchSlot[];
   acked: Set<string>; // ids acknowledged (known before packing on replay)
-  /** lease ends (ms time) of the micro-batches handed out, by id (known before packing on replay) */
-  leases: Map<string, number>;
+  /** lease ends (ms time) and clients of the micro-batches handed out, by id (known before packing on replay) */
+  leases: Map<string, { until: number; client?: string }>;
   done: boolean;
 }
 
@@ -82,7 +84,11 @@ export interface TrainerFeed {
   readonly head: number;
   /** steps whose records could not be packed, and why */
   readonly errors: string[];
-  next(rank: number, waitMs: number): Promise<Handout | undefined>;
+  /**
+   * The next micro-batch of `rank`; `client` names the trainer process asking (its step plans are handed out to
+   * one client at a time, in plan order: see `nextPlanned`).
+   */
+  next(rank: number, waitMs: number, client?: string): Promise<Handout | undefined>;
   ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }>;
   /**
    * The producers are done with the groups numbered so far (the end of a rollout): those may form steps smaller
@@ -115,6 +121,29 @@ export function handoutEntry(
   const staleness = trainerVersion - at.policyVersion;
   metrics.staleness.observe(staleness);
   return { ...packed, id: at.id, feed_step: at.step, rank: at.rank, groups: at.groups, policy_version: at.policyVersion, trainer_version: trainerVersion, staleness, lease_ms: leaseMs };
+}
+
+/** Whether a step's micro-batches carry a step plan (packed with prefix reuse): they then go out as `nextPlanned` says. */
+function planned(slots: MicroBatchSlot[]): boolean {
+  return slots.some((s) => s.out.entry.prefix_tokens !== undefined);
+}
+
+/**
+ * A rank's micro-batches of one planned step hang from prefixes that earlier ones of the rank pushed, so they go
+ * out as a run: in plan order, all to the client that took the first. The run is the rank's unacknowledged
+ * micro-batches of the step (U); its lease is that of U[0]. While it holds, only that client gets U's next one not
+ * handed out in this run (a lease ending before U[0]'s is an earlier run's); another client gets nothing
+ * of this step. Once it runs out, the run starts over from U[0], for whoever asks (`restart`): a trainer that died
+ * part-way is replaced by one that starts the plan from its beginning, never from a micro-batch whose prefix it
+ * lacks. undefined: nothing of this step for this client now.
+ */
+function nextPlanned(slots: MicroBatchSlot[], rank: number, client: string | undefined, now: number): MicroBatchSlot | 'restart' | undefined {
+  const run = slots.filter((s) => s.rank === rank && !s.acked);
+  if (run.length === 0) return undefined;
+  const head = run[0]!;
+  if (head.leasedUntil <= now) return 'restart';
+  if (head.client !== client) return undefined;
+  return run.find((s) => s.leasedUntil < head.leasedUntil);
 }
 
 export class Feed implements TrainerFeed {
@@ -185,9 +214,10 @@ export class Feed implements TrainerFeed {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
       if (!step) return;
-      step.leases.set(id, e.until as number);
+      const client = e.client as string | undefined;
+      step.leases.set(id, { until: e.until as number, ...(client !== undefined && { client }) });
       const slot = step.slots?.find((s) => s.id === id);
-      if (slot) slot.leasedUntil = e.until as number;
+      if (slot) [slot.leasedUntil, slot.client] = [e.until as number, client];
     } else if (e.type === 'ack') {
       const id = e.id as string;
       const step = this.steps[Number(id.split('.')[0])];
@@ -259,10 +289,10 @@ export class Feed implements TrainerFeed {
   }
 
   /** The next micro-batch for `rank`, waiting up to `waitMs` for one; undefined when none came. */
-  async next(rank: number, waitMs: number): Promise<Handout | undefined> {
+  async next(rank: number, waitMs: number, client?: string): Promise<Handout | undefined> {
     const deadline = Date.now() + waitMs;
     for (;;) {
-      const h = await this.tryNext(rank);
+      const h = await this.tryNext(rank, client);
       if (h) return h;
       const left = deadline - Date.now();
       if (left <= 0) return undefined;
@@ -277,26 +307,39 @@ export class Feed implements TrainerFeed {
     }
   }
 
-  private async tryNext(rank: number): Promise<Handout | undefined> {
+  private async tryNext(rank: number, client: string | undefined): Promise<Handout | undefined> {
     for (;;) {
       while (this.firstOpen < this.steps.length && this.steps[this.firstOpen]!.done) this.firstOpen++;
+      const now = Date.now();
+      // A client part-way through a step plan gets its next micro-batch before anything else: two plans never interleave.
+      for (let k = this.firstOpen; k < this.steps.length; k++) {
+        const slots = this.steps[k]!.slots;
+        const run = slots && planned(slots) ? nextPlanned(slots, rank, client, now) : undefined;
+        if (run && run !== 'restart') return await this.handOut(run, now, client);
+      }
       for (let k = this.firstOpen; k < this.steps.length; k++) {
         const step = this.steps[k]!;
         if (step.done) continue;
         await this.packStep(step);
-        const now = Date.now();
-        const slot = step.slots!.find((s) => s.rank === rank && !s.acked && s.leasedUntil <= now);
-        if (slot) return await this.handOut(slot, now);
+        const t = Date.now();
+        if (planned(step.slots!)) {
+          const run = nextPlanned(step.slots!, rank, client, t);
+          if (run === 'restart') return await this.handOut(step.slots!.find((s) => s.rank === rank && !s.acked)!, t, client);
+          continue; // a run of this client's would have been continued above
+        }
+        const slot = step.slots!.find((s) => s.rank === rank && !s.acked && s.leasedUntil <= t);
+        if (slot) return await this.handOut(slot, t, client);
       }
       if (!this.formStep()) return undefined;
     }
   }
 
   /** Leases the slot, durably: after a crash its acknowledgement is still accepted, and it is not handed out twice. */
-  private async handOut(slot: MicroBatchSlot, now: number): Promise<Handout> {
+  private async handOut(slot: MicroBatchSlot, now: number, client: string | undefined): Promise<Handout> {
     const reissued = slot.leasedUntil !== 0;
     slot.leasedUntil = now + this.opts.leaseMs; // taken now, so a concurrent pull skips it
-    await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil });
+    slot.client = client;
+    await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil, ...(client !== undefined && { client }) });
     const groups = this.steps[slot.step]!.groups.map((g) => groupName(this.pool.bySeq[g]!.id));
     const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
     return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
@@ -333,7 +376,8 @@ export class Feed implements TrainerFeed {
       }
       step.slots = packed.map((out, i) => {
         const id = `${step.n}.${i}`;
-        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: step.leases.get(id) ?? 0, acked: step.acked.has(id), minVersion };
+        const lease = step.leases.get(id);
+        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: lease?.until ?? 0, ...(lease?.client !== undefined && { client: lease.client }), acked: step.acked.has(id), minVersion };
       });
       this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
       this.maybeComplete(step);

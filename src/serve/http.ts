@@ -108,13 +108,14 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   });
 
   app.get('/v1/batches/next', async (req, reply) => {
-    const q = req.query as { rank?: string; dp?: string; wait?: string };
+    const q = req.query as { rank?: string; dp?: string; wait?: string; client?: string };
     const rank = q.rank === undefined ? 0 : Number(q.rank);
     if (!Number.isInteger(rank) || rank < 0 || rank >= svc.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${svc.opts.dp - 1} (dp = ${svc.opts.dp}), got ${JSON.stringify(q.rank)}`);
     if (q.dp !== undefined && Number(q.dp) !== svc.opts.dp) throw new PoolError(400, `query parameter "dp": the service packs for dp = ${svc.opts.dp}, got ${JSON.stringify(q.dp)}`);
     const wait = q.wait === undefined ? 0 : Number(q.wait);
     if (!Number.isFinite(wait) || wait < 0 || wait > 300) throw new PoolError(400, `query parameter "wait": expected seconds in 0..300, got ${JSON.stringify(q.wait)}`);
-    const h = await svc.feed.next(rank, wait * 1000);
+    if (q.client !== undefined && !/^[\w.-]{1,128}$/.test(q.client)) throw new PoolError(400, `query parameter "client": expected 1 to 128 letters, digits, '_', '.' or '-', got ${JSON.stringify(q.client)}`);
+    const h = await svc.feed.next(rank, wait * 1000, q.client);
     if (!h) return reply.code(204).header('retry-after', '1').send();
     return reply
       .header('content-type', 'application/octet-stream')

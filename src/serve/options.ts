@@ -102,6 +102,11 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0) throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
   if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
+  // Redis Streams hand a rank's expired micro-batches out before its new ones, one at a time: a step plan's order
+  // (each micro-batch after the one that pushed its prefix) would not survive a trainer's restart.
+  if (r.redis !== undefined && r.packer.budget?.prefixCacheTokens !== undefined) {
+    throw new TreepackError('E_ARG', 'step plans (packer budget.prefixCacheTokens, --prefix-reuse) are served by one service, not through a shared Redis pool: the Redis feed does not keep a plan\'s order when a micro-batch is handed out again', { field: 'redis' });
+  }
   if (r.dp > 1 && !r.packer.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
   return r;
 }
