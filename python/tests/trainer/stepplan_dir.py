@@ -1,7 +1,7 @@
 """Runs a packed directory written with ``treepack pack --prefix-reuse`` through the step-plan executor, rank by rank
 in step order, and the same sequences as one unsplit forest; prints JSON with the largest differences in loss,
 per-token logprobs and parameter gradients (float64, a tiny Qwen3 or, given FAMILY, a tiny hybrid of
-test_hybrid.py: qwen3_5, nemotron_h, ...). Called by test/prefix-plan.test.ts.
+test_hybrid.py: qwen3_5, nemotron_h, ...). Called by test/prefix-plan.test.ts; ``compare`` also by feed_stepplan.py.
 
     python stepplan_dir.py DIR [FAMILY]
 """
@@ -36,19 +36,12 @@ def per_sequence(lp, batch):
     return out
 
 
-def main(path: str, family: str = "qwen3") -> None:
-    manifest = tpt.read_manifest(path)
-    entries = manifest["micro_batches"]
-    batches = [tpt.load_microbatch(os.path.join(path, e["file"])) for e in entries]
-    vocab = 1 + max(int(b.input_ids.max()) for b in batches if b.num_nodes)
-    if family == "qwen3":
-        model = tiny_model("qwen3", torch.float64, vocab=max(vocab, 8))
-    else:
-        from test_hybrid import hybrid_model
-
-        model = hybrid_model(family, vocab=max(vocab, 8))
-
-    # The unsplit forest of every sequence, with the occurrence fields the files carry.
+def compare(model, ranks, chunk_size=1024):
+    """Each rank's micro-batches (lists, in the plan's order) through ``run_step_plan``, the ranks' gradients summed
+    as an all-reduce would, against every sequence in one unsplit forest: the largest differences, and what the
+    executor computed."""
+    batches = [b for mine in ranks for b in mine]
+    # The unsplit forest of every sequence, with the occurrence fields the micro-batches carry.
     seqs, fields = [], {"loss_mask": [], "advantages": []}
     for b in batches:
         for i in range(b.num_sequences):
@@ -61,37 +54,55 @@ def main(path: str, family: str = "qwen3") -> None:
     mb.advantages = np.concatenate(fields["advantages"])
     mb.meta["sequence_ids"] = [sid for sid, _ in seqs]
     whole = tpt.from_microbatch(mb)
-    lp = tpt.packed_logprobs(model, whole, attention="block").logprobs
+    model.zero_grad(set_to_none=True)
+    lp = tpt.packed_logprobs(model, whole, attention="block", chunk_size=chunk_size).logprobs
     loss = loss_fn(lp, whole)
     loss.backward()
     ref_lp = per_sequence(lp.detach(), whole)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    # Each rank's micro-batches in step order; the ranks' gradients summed, as an all-reduce would.
     model.zero_grad(set_to_none=True)
     total, got_lp, stats = 0.0, {}, {"computed": 0, "pushed": 0, "peak": 0}
-    for rank in sorted({e.get("rank", 0) for e in entries}):
-        mine = sorted((e["step"], i) for i, e in enumerate(entries) if e.get("rank", 0) == rank)
-        res = tpt.run_step_plan(model, [batches[i] for _, i in mine], loss_fn, attention="block")
+    for mine in ranks:
+        res = tpt.run_step_plan(model, mine, loss_fn, attention="block", chunk_size=chunk_size)
         total += float(sum(res.losses))
-        for (_, i), lp_i in zip(mine, res.logprobs):
-            got_lp.update(per_sequence(lp_i, batches[i]))
+        for b, lp_i in zip(mine, res.logprobs):
+            got_lp.update(per_sequence(lp_i, b))
         stats["computed"] += res.computed_tokens
         stats["pushed"] += res.pushed_tokens
         stats["peak"] = max(stats["peak"], res.peak_cached_tokens)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    print(json.dumps({
+    return {
         "loss": float(loss.detach()),
         "loss_diff": abs(total - float(loss.detach())),
-        "logprob_diff": max(float(np.abs(got_lp[s] - ref_lp[s]).max()) for s in ref_lp),
+        "logprob_diff": max(float(np.abs(got_lp[s] - ref_lp[s]).max()) for s in ref_lp) if sorted(got_lp) == sorted(ref_lp) else None,
         "same_sequences": sorted(got_lp) == sorted(ref_lp),
         "grad_diff": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
         "computed_tokens": stats["computed"],
         "pushed_tokens": stats["pushed"],
         "peak_cached_tokens": stats["peak"],
         "pad_tokens": sum(b.num_pad_tokens for b in batches),
-        "manifest": {k: manifest.get(k) for k in ("optimum_tokens", "computed_tokens", "pushed_tokens", "peak_cached_tokens")},
-    }))
+    }
+
+
+def main(path: str, family: str = "qwen3") -> None:
+    manifest = tpt.read_manifest(path)
+    entries = manifest["micro_batches"]
+    batches = [tpt.load_microbatch(os.path.join(path, e["file"])) for e in entries]
+    vocab = 1 + max(int(b.input_ids.max()) for b in batches if b.num_nodes)
+    if family == "qwen3":
+        model = tiny_model("qwen3", torch.float64, vocab=max(vocab, 8))
+    else:
+        from test_hybrid import hybrid_model
+
+        model = hybrid_model(family, vocab=max(vocab, 8))
+    # Each rank's micro-batches in step order.
+    ranks = []
+    for rank in sorted({e.get("rank", 0) for e in entries}):
+        ranks.append([batches[i] for _, i in sorted((e["step"], i) for i, e in enumerate(entries) if e.get("rank", 0) == rank)])
+    out = compare(model, ranks)
+    out["manifest"] = {k: manifest.get(k) for k in ("optimum_tokens", "computed_tokens", "pushed_tokens", "peak_cached_tokens")}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -179,6 +179,11 @@ def check_model(model: torch.nn.Module) -> None:
                                 "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
 
 
+# A rank's planned micro-batches run in plan order, from the first of its step, in one process (treepack serve
+# hands them out so: FeedClient); anything else finds a stack other than the one the plan built.
+_ORDER = ": micro-batches out of plan order (a rank's planned micro-batches of a step run in order, from its first, in one trainer)"
+
+
 def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
     """A chain of n nodes as a forest: one sequence through all of them (only its node arrays are read)."""
     n, dev = int(ids.shape[0]), ids.device
@@ -299,9 +304,9 @@ class StepPlanRunner:
                 raise TreepackError("E_INPUT", "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step", field="prefix_push")
         ends = [depth] + op.push
         if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
-            raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}", field="prefix_push")
+            raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}{_ORDER}", field="prefix_push")
         if op.release > len(self.stack) + len(op.push):
-            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments", field="prefix_release")
+            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments{_ORDER}", field="prefix_release")
 
     def forward(self, batch: PackedBatch, op: Optional[StepOp] = None) -> NodeScores:
         """One micro-batch's pushes and forward: ``NodeScores`` of its trainable nodes ([N], NaN elsewhere), the
