@@ -405,6 +405,54 @@ def one_per_sequence(seqs):
 
 
 @needs_torch(transformers=True)
+class DataParallelStepPlanTest(unittest.TestCase):
+    def test_two_gloo_ranks_equal_the_unsplit_forest_and_plain_ddp(self):
+        """Two processes (gloo, CPU), each running its own planned micro-batches on a DistributedDataParallel model
+        (``run_step_plan(ddp, ...)``: no backward synchronises, one all-reduce after the rank's last pop): every
+        gradient equals the unsplit forest's divided by the world size, and plain DDP's on the same micro-batches run
+        in full; a rank with only an empty micro-batch takes part with zeros. Without the all-reduce a rank holds
+        only its own part (the control). Workers: ddp_stepplan.py."""
+        import json
+        import os
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        import ddp_stepplan
+
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(ddp_stepplan.worker, args=(2, out), nprocs=2, join=True)
+            reports = []
+            for r in range(2):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    reports.append(json.load(f))
+        for rank, report in enumerate(reports):
+            for name, got in report.items():
+                with self.subTest(rank=rank, scenario=name):
+                    self.assertLess(got["unsplit_diff"], 1e-10)
+                    if got["plain_ddp_diff"] is not None:
+                        self.assertLess(got["plain_ddp_diff"], 1e-10)
+                    self.assertGreater(got["unsynced_diff"], 1e-3 * got["grad_scale"])
+        self.assertGreater(reports[0]["split"]["pushed_tokens"], 0)
+        self.assertGreater(reports[1]["split"]["pushed_tokens"], 0)
+        self.assertIsNotNone(reports[1]["split"]["plain_ddp_diff"])
+
+    def test_sharded_wrappers_are_refused(self):
+        """FSDP's and DeepSpeed's forward gathers sharded parameters, which the executor's own layer calls bypass."""
+        model = tiny_model("qwen3", torch.float64, vocab=VOCAB)
+
+        class DeepSpeedEngine(torch.nn.Module):
+            def __init__(self, module):
+                super().__init__()
+                self.module = module
+
+        with self.assertRaises(TreepackError) as e:
+            tpt.StepPlanRunner(DeepSpeedEngine(model))
+        self.assertEqual(e.exception.field, "model")
+        self.assertIn("DeepSpeedEngine", str(e.exception))
+
+
+@needs_torch(transformers=True)
 class HybridStepPlanTest(Checks, unittest.TestCase):
     """Recurrent layers in the step plan: a cached segment holds each recurrent layer's last K-1 convolution inputs
     and its final state; branches start from them and their gradients flow back through the pops. Tiny float64 hybrids

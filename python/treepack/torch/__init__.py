@@ -22,7 +22,7 @@ from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .loss import METRICS, PackedLoss, packed_loss
 from .models import LAYERS, prepare
 from .segments import Segments, radix_segments, segments_of
-from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op
+from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op, sync_gradients
 
 __all__ = [
     "LAYERS",
@@ -58,6 +58,7 @@ __all__ = [
     "radix_segments",
     "read_manifest",
     "run_step_plan",
+    "sync_gradients",
     "step_op",
     "StepOp",
     "StepPlanRunner",

@@ -13,7 +13,7 @@ point's row serves all its children), so it needs that much memory for them at o
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, List, Union
 
 import torch
 
@@ -22,19 +22,27 @@ from .batch import PackedBatch
 from .logprobs import NodeScores, model_mask, scored_nodes
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
-    wrappers, for reading its config; the forward always goes through the wrapper."""
+def wrappers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """``model`` and every module inside its DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
+    wrappers, outermost first; the last is the Hugging Face model."""
+    out = [model]
     while True:
         if hasattr(model, "get_base_model"):
             inner = model.get_base_model()
         elif isinstance(getattr(model, "module", None), torch.nn.Module):
             inner = model.module
         else:
-            return model
+            return out
         if inner is model:
-            return model
+            return out
         model = inner
+        out.append(model)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
+    wrappers, for reading its config; the forward always goes through the wrapper."""
+    return wrappers(model)[-1]
 
 
 def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "auto") -> Any:

@@ -36,6 +36,7 @@ import torch
 from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
+from .forward import wrappers
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers
 
@@ -179,6 +180,40 @@ def check_model(model: torch.nn.Module) -> None:
                                 "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
 
 
+def _data_parallel(model: torch.nn.Module) -> Tuple[torch.nn.Module, Optional[torch.nn.Module]]:
+    """The Hugging Face model the executor runs (inside DDP and PEFT wrappers) and the DDP wrapper, if any. FSDP and
+    DeepSpeed are refused: the executor calls the model's layers itself, and only their own forward gathers the
+    sharded parameters."""
+    levels = wrappers(model)
+    for m in levels:
+        sharded = next((x for x in m.modules() for c in type(x).__mro__ if c.__name__ in ("FSDPModule", "FullyShardedDataParallel")), None) \
+            if m is levels[-1] else (m if type(m).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine") else None)
+        if sharded is not None:
+            raise TreepackError("E_ARG", f"the step-plan executor runs the model's layers itself, so it cannot run under {type(sharded).__name__}, whose "
+                                "forward gathers the sharded parameters (DistributedDataParallel or one process)", field="model")
+    ddp = next((m for m in levels if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
+    return levels[-1], ddp
+
+
+def sync_gradients(ddp: torch.nn.Module) -> None:
+    """Averages the gradients of a ``DistributedDataParallel`` model's parameters over its process group in one
+    all-reduce, as DDP's backward does at the end of an accumulation (a parameter this rank never reached counts as
+    zero, so every rank takes part, an idle one too). The step-plan executor runs outside DDP's forward, so DDP's own
+    hooks never fire: call this once per optimizer step, after the rank's last micro-batch (``run_step_plan`` does)."""
+    import torch.distributed as dist
+
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=ddp.process_group)
+    flat.div_(dist.get_world_size(ddp.process_group))
+    for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.copy_(g)
+
+
 # A rank's planned micro-batches run in plan order, from the first of its step, in one process (treepack serve
 # hands them out so: FeedClient); anything else finds a stack other than the one the plan built.
 _ORDER = ": micro-batches out of plan order (a rank's planned micro-batches of a step run in order, from its first, in one trainer)"
@@ -197,10 +232,13 @@ class StepPlanRunner:
     """Runs the micro-batches of one rank's step plan, in order (``run_step_plan`` is the one-call form): ``run(batch,
     loss_fn)`` per micro-batch, then ``finish()``. A trainer that computes and back-propagates the loss itself (TRL)
     calls ``forward(batch)`` (its pushes and forward: scores connected to the cached leaves), back-propagates, then
-    ``release()`` (its pops). ``temperature`` divides the logits; ``entropy`` also returns (and caches) entropies."""
+    ``release()`` (its pops). ``temperature`` divides the logits; ``entropy`` also returns (and caches) entropies.
+    ``model`` may be wrapped in DistributedDataParallel (and PEFT): the executor runs the model inside, outside DDP's
+    forward, so no backward synchronises; ``sync_gradients()`` then averages the gradients once per optimizer step."""
 
     def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
                  temperature: float = 1.0, entropy: bool = False) -> None:
+        model, self.ddp = _data_parallel(model)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != "treepack":
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
@@ -348,6 +386,15 @@ class StepPlanRunner:
             self._pop()
         self.pending = None
 
+    def sync_gradients(self) -> None:
+        """With DDP, the one all-reduce of an optimizer step (``sync_gradients``): refused while a prefix is cached, whose
+        gradient is not complete yet. Nothing to do in one process."""
+        if self.pending is not None or self.stack:
+            raise TreepackError("E_INPUT", f"gradients synchronised while the step plan holds {self.depth} cached prefix tokens: their gradient is not "
+                                "complete until they are released (synchronise after the rank's last micro-batch of the step)", field="prefix_release")
+        if self.ddp is not None:
+            sync_gradients(self.ddp)
+
     def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
         """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
         releases. Returns (loss, logprobs [N]), detached."""
@@ -374,11 +421,14 @@ class StepPlanRunner:
 
 def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
                   ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
-                  temperature: float = 1.0) -> StepResult:
+                  temperature: float = 1.0, sync: bool = True) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
     read from each batch's header; ``attention`` and ``block_size`` are ``tree_mask``'s (the block path skips the query
-    blocks that hold only cached rows); ``temperature`` divides the logits."""
+    blocks that hold only cached rows); ``temperature`` divides the logits. With ``model`` wrapped in
+    DistributedDataParallel (every rank calls this with its own micro-batches of the step), the gradients are then
+    averaged over the ranks in one all-reduce, as DDP's own accumulation would (``sync=False``: not yet, for a step
+    spread over several calls; ``sync_gradients(model)`` after the last)."""
     runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature)
     losses, lps = [], []
     for i, batch in enumerate(batches):
@@ -386,7 +436,9 @@ def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_f
         losses.append(loss)
         lps.append(lp)
     runner.finish()
+    if sync:
+        runner.sync_gradients()
     return StepResult(losses, lps, runner.computed, runner.pushed, runner.peak_tokens, runner.peak_bytes)
 
 
-__all__ = ["RECURRENT", "StepOp", "StepPlanRunner", "StepResult", "check_model", "run_step_plan", "step_op"]
+__all__ = ["RECURRENT", "StepOp", "StepPlanRunner", "StepResult", "check_model", "run_step_plan", "step_op", "sync_gradients"]
