@@ -89,6 +89,34 @@ def plain_inputs(rows: List[Dict[str, Any]], num_items: int, with_old: bool, hol
     return out
 
 
+def plan_samples(tmp: str, name: str, *flags: str, max_tokens: int = 12):
+    """Two groups of five samples under 14-token prompts, packed by `treepack pack --max-tokens T --prefix-reuse 100`
+    (and ``flags``) into ``tmp/name``: the samples and the directory."""
+    r = random.Random(5)
+    tok = lambda n: [r.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
+    samples = []
+    for g in range(2):
+        prompt = [2, 3] + tok(12)
+        for k in range(5):
+            resp = tok(r.randrange(2, 6)) if k else tok(2) + tok(3) + tok(2)
+            mask = [0] * len(prompt) + [1] * len(resp)
+            if not k:
+                mask[len(prompt) + 2 : len(prompt) + 5] = [0, 0, 0]
+            samples.append({"tokens": prompt + resp, "mask": mask, "adv": [r.gauss(0, 1)] * len(mask), "rollout": [-3 * r.random() for _ in mask]})
+    data, out = os.path.join(tmp, f"{name}.jsonl"), os.path.join(tmp, name)
+    with open(data, "w") as f:
+        for i, x in enumerate(samples):
+            f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"], "advantages": x["adv"],
+                                "rollout_logprobs": x["rollout"]}) + "\n")
+    subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", str(max_tokens), "--prefix-reuse", "100", "--quiet", *flags], check=True)
+    return samples, out
+
+
+def Capture_of(step):
+    """A (grads, logs) pair saved by a worker, as assertSameStep reads a Capture."""
+    return type("Step", (), {"grads": step[0], "logs": step[1]})
+
+
 class FeedItem:
     """A stand-in for treepack.client.FeedMicroBatch: the batch, and an ack the test can see."""
 
@@ -114,7 +142,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, rows: Any = None, **cfg):
+    def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, rows: Any = None, num_items: Any = None, world: int = 1, **cfg):
         from trl import GRPOConfig, GRPOTrainer
 
         from treepack.integrations.trl import TreepackGRPOTrainer
@@ -127,7 +155,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
                     model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64})
         args.update(cfg)
         capture = Capture()
-        num_items = sum(sum(x["mask"]) for x in rows)
+        num_items = sum(sum(x["mask"]) for x in rows) if num_items is None else num_items  # over every rank's rows
         if packed:
             t = TreepackGRPOTrainer(model=self.path, args=GRPOConfig(**args), processing_class=self.tok, callbacks=[capture],
                                     packed_batches=feed if feed is not None else packed_batches(rows, with_old))
@@ -152,7 +180,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
             from datasets import Dataset
 
             t = Plain(model=self.path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(**args),
-                      train_dataset=Dataset.from_dict({"prompt": [""] * 5 * steps}), processing_class=self.tok, callbacks=[capture])
+                      train_dataset=Dataset.from_dict({"prompt": [""] * 5 * steps * world}), processing_class=self.tok, callbacks=[capture])
         for m in (t.model, t.ref_model):
             if m is not None:
                 patch_norms_to_input_dtype(m)
@@ -214,23 +242,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         included, every gradient) as the same micro-batches fed as plain inputs, for two loss types."""
         from treepack.torch import PackedDataset
 
-        r = random.Random(5)
-        tok = lambda n: [r.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
-        samples = []
-        for g in range(2):
-            prompt = [2, 3] + tok(12)
-            for k in range(5):
-                resp = tok(r.randrange(2, 6)) if k else tok(2) + tok(3) + tok(2)
-                mask = [0] * len(prompt) + [1] * len(resp)
-                if not k:
-                    mask[len(prompt) + 2 : len(prompt) + 5] = [0, 0, 0]
-                samples.append({"tokens": prompt + resp, "mask": mask, "adv": [r.gauss(0, 1)] * len(mask), "rollout": [-3 * r.random() for _ in mask]})
-        data, out = os.path.join(self.tmp.name, "plan.jsonl"), os.path.join(self.tmp.name, "planned")
-        with open(data, "w") as f:
-            for i, x in enumerate(samples):
-                f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"], "advantages": x["adv"],
-                                    "rollout_logprobs": x["rollout"]}) + "\n")
-        subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", "12", "--prefix-reuse", "100", "--quiet"], check=True)
+        samples, out = plan_samples(self.tmp.name, "planned")
         dataset = PackedDataset(out)
         batches = list(dataset)
         self.assertEqual([int(b.meta["prefix_tokens"]) for b in batches], [14] * len(batches))  # every micro-batch hangs from a cached prompt
@@ -261,6 +273,35 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         # An optimizer step inside the plan (after 2 of its micro-batches, the prompt still cached) is refused.
         with self.assertRaisesRegex(ValueError, "gradient_accumulation_steps"):
             self.run_trainer(True, False, feed=dataset, rows=rows, gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2)
+
+    @unittest.skipIf(bool(CLI_SKIP), CLI_SKIP)
+    def test_step_plan_under_ddp(self):
+        """Two processes (gloo, CPU, DDP through accelerate), each training its rank's micro-batches of a plan packed
+        with `--dp 2 --prefix-reuse` through the step-plan executor: the same step on both ranks (loss, every logged
+        metric, every gradient) as TRL's stock GRPOTrainer under DDP on the same micro-batches fed as plain inputs;
+        without the one all-reduce after the last pops each rank keeps its own gradient (the control)."""
+        import socket
+
+        import torch.multiprocessing as mp
+
+        import ddp_trl
+
+        samples, out = plan_samples(self.tmp.name, "planned-dp2", "--dp", "2", max_tokens=8)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(ddp_trl.worker, args=(2, port, self.path, out, samples, self.tmp.name), nprocs=2, join=True)
+        reports = [torch.load(os.path.join(self.tmp.name, f"rank{r}.pt")) for r in range(2)]
+        for rank, rep in enumerate(reports):
+            self.assertEqual(rep["wrapper"], "DistributedDataParallel")
+            self.assertGreater(rep["pushed"], 0)
+            plain, planned, unsynced = (Capture_of(rep[k]) for k in ("plain", "planned", "unsynced"))
+            with self.subTest(rank=rank):
+                self.assertSameStep(plain, planned)
+                for n, g in reports[0]["planned"][0].items():  # every rank ends the step with the same gradient
+                    self.assertLessEqual(float((planned.grads[n] - g).abs().max()), 1e-10 * max(1.0, float(g.abs().max())), n)
+                with self.assertRaises(AssertionError):
+                    self.assertSameStep(plain, unsynced)
 
     def test_loss_mask_holes(self):
         """Negative control: the same samples with the tool tokens counted as trainable give other gradients."""

@@ -17,7 +17,9 @@ Micro-batches packed with a step plan (``treepack pack --prefix-reuse C``) train
 (``treepack.torch.StepPlanRunner``): the policy's training forward computes only the nodes past the cached prefix,
 and after TRL's backward the prefixes the plan releases are recomputed and back-propagated. Set
 ``gradient_accumulation_steps`` (and ``steps_per_generation``) so an optimizer step never falls while a prefix is
-cached (a rank's micro-batches of one packing window per step); one process (DDP, FSDP and DeepSpeed are refused).
+cached (a rank's micro-batches of one packing window per step). Under DDP each rank trains its own micro-batches
+(``FeedClient(rank=...)``, or the directory's entries of its rank) and the gradients are averaged once per
+optimizer step, after the last pops; FSDP and DeepSpeed are refused (the executor calls the layers itself).
 
 Each piece is a mixin over ``GRPOTrainer`` (``PackedForwardMixin``, ``GroupedBatchesMixin``), so a project with
 its own GRPOTrainer subclass can take one of them.
@@ -48,7 +50,8 @@ class PackedForwardMixin:
 
     A stored micro-batch with a step plan (header ``prefix_tokens``) runs, in the policy's training forward,
     through one ``StepPlanRunner`` kept across micro-batches (pushes, then only the nodes past the cached prefix);
-    ``training_step`` releases its prefixes after TRL's backward. Old and reference forwards (no grad) run each
+    ``training_step`` releases its prefixes after TRL's backward (and, under DDP, averages the gradients at the
+    accumulation's last micro-batch). Old and reference forwards (no grad) run each
     micro-batch in full, which its file holds.
 
     ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
@@ -89,10 +92,9 @@ class PackedForwardMixin:
         """The policy's step-plan runner, made at its first planned micro-batch."""
         runner = self.__dict__.get("_treepack_plan")
         if runner is None:
-            if self.accelerator.num_processes > 1:
-                raise TreepackError("E_ARG", f"step plans (prefix_tokens) train in one process for now: the pops' extra backward passes are not "
-                                    f"synchronised across the {self.accelerator.num_processes} processes (pack without --prefix-reuse)", field="prefix_tokens")
-            runner = self._treepack_plan = StepPlanRunner(unwrap(model), attention=self.treepack_attention, temperature=self.temperature, entropy=True)
+            # Under DDP the runner works inside the wrapper (FSDP and DeepSpeed are refused by name), so no backward
+            # synchronises; training_step averages the gradients once, after the accumulation's last pops.
+            runner = self._treepack_plan = StepPlanRunner(model, attention=self.treepack_attention, temperature=self.temperature, entropy=True)
         return runner
 
     def training_step(self, model, inputs, num_items_in_batch):
@@ -103,10 +105,12 @@ class PackedForwardMixin:
         if runner is not None and runner.pending is not None:
             with self.compute_loss_context_manager():
                 runner.release()
-            if runner.stack and self._step % self.current_gradient_accumulation_steps == 0:
-                raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds {runner.depth} cached prefix "
-                                    "tokens: set gradient_accumulation_steps (and steps_per_generation) to a rank's micro-batches of one packing window",
-                                    field="gradient_accumulation_steps")
+            if self._step % self.current_gradient_accumulation_steps == 0:
+                if runner.stack:
+                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds {runner.depth} cached prefix "
+                                        "tokens: set gradient_accumulation_steps (and steps_per_generation) to a rank's micro-batches of one packing window",
+                                        field="gradient_accumulation_steps")
+                runner.sync_gradients()  # under DDP: the one all-reduce of the accumulation
         return out
 
     def _generate_single_turn(self, *args, **kwargs):
