@@ -6,7 +6,6 @@
  * test/reference-docs.test.ts runs the same comparison.
  */
 import { spawnSync } from 'node:child_process';
-import { readFileSync, writeFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { STATUSES } from '../src/backend/abi.js';
 import { COMMANDS, USAGE } from '../src/cli/commands.js';
@@ -14,6 +13,7 @@ import { DP, SERVE_PACKER_OPTIONS } from '../src/cli/serve.js';
 import { STATS_OPTIONS } from '../src/cli/stats.js';
 import { ERROR_CODES, EXIT_FAILURE, EXIT_OK, EXIT_USAGE } from '../src/errors.js';
 import { OPTION_TABLE, type OptionEntry } from '../src/packer/option-table.js';
+import { writeGenerated, type Generated } from './generated.js';
 import { renderOpenApi } from './openapi.js';
 import { pythonEnv } from './python-env.mjs';
 
@@ -127,33 +127,11 @@ export function renderPythonApi(): string {
   return `${notice('the docstrings and signatures of python/treepack (scripts/python-api.py)')}\n\n${r.stdout}`;
 }
 
-export const GENERATED: readonly { path: string; render: () => string }[] = [
+export const GENERATED: readonly Generated[] = [
   { path: 'docs/reference/cli.md', render: renderCli },
   { path: 'docs/reference/errors.md', render: renderErrors },
   { path: 'docs/reference/openapi.json', render: renderOpenApi },
   { path: 'docs/reference/python.md', render: renderPythonApi },
 ];
 
-if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {
-  const check = process.argv.includes('--check');
-  let stale = 0;
-  for (const g of GENERATED) {
-    const file = root + g.path;
-    const text = g.render();
-    let current = '';
-    try {
-      current = readFileSync(file, 'utf8');
-    } catch {
-      // not written yet
-    }
-    if (current === text) continue;
-    if (check) {
-      console.error(`${g.path} is stale: run npm run gen:docs`);
-      stale++;
-    } else {
-      writeFileSync(file, text);
-      console.log(`wrote ${g.path}`);
-    }
-  }
-  process.exitCode = stale ? 1 : 0;
-}
+if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) writeGenerated(GENERATED, 'npm run gen:docs');

@@ -26,16 +26,31 @@ const gatewayHeaders = [
   { name: 'x-treepack-policy-version', in: 'header', description: 'the trainer version of the weights the engine serves; default: the feed\'s current trainer_version', schema: { type: 'integer', minimum: 0 } },
   { name: 'Idempotency-Key', in: 'header', description: 'a retry with the same key is answered with the first answer and recorded once', schema: str },
 ];
+const anthropicErr = (desc: string): Schema => ({ description: desc, content: { 'application/json': { schema: ref('AnthropicError') } } });
 const engineErrors = { '400': err('a field of the request is invalid (named in the message)'), '409': err('the episode is finished or abandoned, or its group is full, consumed or closed'), '502': err('the engine is unreachable or answered what the gateway cannot read'), '504': err('the engine did not answer within --engine-timeout') };
+
+// /v1/messages answers every error in the Anthropic Messages API's shape, which its clients read.
+const messagesErrors = {
+  '400': anthropicErr('a field of the request is invalid or unsupported (named in the message)'),
+  '401': anthropicErr('no API key, or a wrong one (x-api-key or Authorization: Bearer)'),
+  '403': anthropicErr('a scoped key used outside its episode'),
+  '409': anthropicErr('the episode is finished or abandoned, its group full, consumed or closed, or it is recorded by another gateway'),
+  '429': anthropicErr('rate limited, or the pool is full'),
+  '502': anthropicErr('the engine is unreachable or answered what the gateway cannot read'),
+  '503': anthropicErr('the service stopped writing, or the shared pool is unreachable'),
+  '504': anthropicErr('the engine did not answer within --engine-timeout'),
+};
 
 /**
  * The gateway's operations, each served under three base URLs: /v1, /episodes/{episode}/v1 and
  * /groups/{group}/episodes/{episode}/v1 (src/serve/gateway.ts registers each for every prefix). A gateway route added
- * to the service is one more entry here (POST /v1/responses and POST /v1/messages are the next two).
+ * to the service is one more entry here.
  */
 const GATEWAY_OPERATIONS: { path: string; method: 'get' | 'post'; id: string; summary: string; body?: Schema; ok: string; errors: Record<string, Schema> }[] = [
   { path: '/v1/chat/completions', method: 'post', id: 'chat', summary: "OpenAI chat completion, forwarded to the engine and recorded (with the engine's token ids and logprobs)", body: ref('ChatCompletionRequest'), ok: "the engine's answer, unchanged (a text/event-stream when stream is true)", errors: engineErrors },
   { path: '/v1/completions', method: 'post', id: 'completion', summary: 'OpenAI text completion, forwarded and recorded', body: ref('CompletionRequest'), ok: "the engine's answer, unchanged", errors: engineErrors },
+  { path: '/v1/responses', method: 'post', id: 'responses', summary: "OpenAI Responses API, translated to the engine's chat completions and recorded as the equivalent chat call (docs/guides/agent-apis.md)", body: ref('ResponsesRequest'), ok: 'a Responses API response object (a text/event-stream of its events when stream is true)', errors: engineErrors },
+  { path: '/v1/messages', method: 'post', id: 'messages', summary: "Anthropic Messages API, translated to the engine's chat completions and recorded as the equivalent chat call; the key may come as x-api-key (docs/guides/agent-apis.md)", body: ref('MessagesRequest'), ok: 'an Anthropic message (a text/event-stream of its events when stream is true)', errors: messagesErrors },
   { path: '/v1/models', method: 'get', id: 'models', summary: "the engine's model list, relayed", ok: "the engine's answer, status and body unchanged", errors: { '502': engineErrors['502'], '504': engineErrors['504'] } },
 ];
 
@@ -51,7 +66,7 @@ function gateway(prefix: string, params: Schema[], suffix: string): Record<strin
           summary: op.summary,
           parameters: op.method === 'post' ? [...params, ...gatewayHeaders] : params,
           ...(op.body && { requestBody: body(op.body) }),
-          responses: { '200': json(op.ok, { type: 'object' }), ...op.errors, ...common },
+          responses: { '200': json(op.ok, { type: 'object' }), ...common, ...op.errors },
           'x-treepack-scoped': true,
         },
       },
@@ -125,8 +140,11 @@ const doc: Schema = {
         } } },
       },
       Health: obj({ ok: bool, broken: nullable(str), shared_pool: nullable(obj({ url: str, connected: bool, status: str, last_error: nullable(str) })), trainer_version: int, pool_bytes: int, pack_errors: int }),
-      ChatCompletionRequest: { type: 'object', required: ['messages'], description: 'OpenAI chat completion request; other fields go to the engine unchanged', properties: { messages: { type: 'array', minItems: 1, items: { type: 'object', required: ['role'], properties: { role: str } } }, tools: nullable({ type: 'array' }), stream: nullable(bool), n: nullable({ const: 1 }) } },
-      CompletionRequest: { type: 'object', required: ['prompt'], description: 'OpenAI completion request with one prompt string; other fields go to the engine unchanged', properties: { prompt: str, stream: nullable(bool), n: nullable({ const: 1 }) } },
+      ChatCompletionRequest: { type: 'object', required: ['messages'], description: 'OpenAI chat completion request; other fields go to the engine unchanged', properties: { messages: { type: 'array', minItems: 1, items: { type: 'object', required: ['role'], properties: { role: str } } }, tools: nullable({ type: 'array' }), stream: nullable(bool), n: nullable({ type: 'integer', minimum: 1, maximum: 128, description: 'choices; each is recorded as a sibling branch of the call' }) } },
+      CompletionRequest: { type: 'object', required: ['prompt'], description: 'OpenAI completion request with one prompt string; other fields go to the engine unchanged', properties: { prompt: str, stream: nullable(bool), n: nullable({ type: 'integer', minimum: 1, maximum: 128 }) } },
+      ResponsesRequest: { type: 'object', required: ['input'], description: 'OpenAI Responses API request: input (a string or message and function-call items), instructions, function tools; previous_response_id, conversation, item references, built-in tools and non-text content are refused (400 naming the field)', properties: { input: { oneOf: [str, { type: 'array' }] }, instructions: nullable(str), tools: nullable({ type: 'array' }), stream: nullable(bool) } },
+      MessagesRequest: { type: 'object', required: ['messages', 'max_tokens'], description: 'Anthropic Messages API request: system, messages with text, tool_use and tool_result blocks, custom tools; server tools, thinking budgets, MCP and non-text content are refused (400 naming the field)', properties: { system: { oneOf: [str, { type: 'array' }] }, messages: { type: 'array', minItems: 1 }, max_tokens: int, tools: nullable({ type: 'array' }), stream: nullable(bool) } },
+      AnthropicError: { type: 'object', required: ['type', 'error'], description: "An error of /v1/messages, in the Anthropic Messages API's shape", properties: { type: { const: 'error' }, error: obj({ type: str, message: str }) } },
       SlimeRecord: { type: 'object', required: ['uid', 'instance_id', 'messages', 'reward'], description: "slime's sample: uid is the episode, instance_id the group; the record reads back as written", properties: { uid: { oneOf: [str, int] }, instance_id: { oneOf: [str, int] }, messages: { type: 'array', minItems: 1, items: { type: 'object', required: ['role'] } }, reward: num, extra_info: { type: 'object' } } },
     },
   },

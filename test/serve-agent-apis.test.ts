@@ -82,6 +82,28 @@ function response(message: Obj, produced: { token_ids: number[]; logprobs: numbe
 }
 
 /**
+ * The three-call search episode both API tests play (a forced tool call, its result, two replies) as a chat client
+ * would have sent it: the messages of each call and the episode as a JSONL record with the engine's outputs.
+ */
+function searchEpisode(episode: string, group: string, c0: number, produced: { token_ids: number[]; logprobs: number[] }[]): { messages: Obj[][]; reference: Obj } {
+  const m1 = [{ role: 'system', content: 'You are an agent.' }, { role: 'user', content: 'Find the capital of France.' }];
+  const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] };
+  const m2 = [...m1, toolTurn, { role: 'tool', tool_call_id: `call_${c0}`, content: 'Paris' }];
+  const m3 = [...m2, { role: 'assistant', content: `reply ${c0 + 1}` }, { role: 'user', content: 'Thanks.' }];
+  const reference = {
+    episode_id: episode,
+    task_id: group,
+    meta: { reward: 1 },
+    requests: [
+      { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
+      { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
+      { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
+    ],
+  };
+  return { messages: [m1, m2, m3], reference };
+}
+
+/**
  * Finishes `episode`, pulls the step its group forms, and checks it is what `treepack pack` writes for
  * `reference` (the episode as chat JSONL); returns the micro-batch's sequences.
  */
@@ -153,23 +175,9 @@ print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final"
     expect(lp.map((x) => x.logprob)).toEqual(produced[2]!.logprobs);
     expect(out.r3.usage).toMatchObject({ input_tokens: produced[2]!.prompt_token_ids.length, output_tokens: produced[2]!.token_ids.length });
 
-    // The episode as a chat client would have sent it.
-    const m1 = [{ role: 'system', content: 'You are an agent.' }, { role: 'user', content: 'Find the capital of France.' }];
-    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] };
-    const m2 = [...m1, toolTurn, { role: 'tool', tool_call_id: `call_${c0}`, content: 'Paris' }];
-    const m3 = [...m2, { role: 'assistant', content: `reply ${c0 + 1}` }, { role: 'user', content: 'Thanks.' }];
-    // the engine got those messages and tools, as chat completions
-    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual([m1, m2, m3].map((m) => [m, CHAT_TOOLS]));
-    const reference = {
-      episode_id: 'resp-a',
-      task_id: 'resp-task',
-      meta: { reward: 1 },
-      requests: [
-        { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
-        { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
-        { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
-      ],
-    };
+    // The episode as a chat client would have sent it; the engine got those messages and tools, as chat completions.
+    const { messages, reference } = searchEpisode('resp-a', 'resp-task', c0, produced);
+    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual(messages.map((m) => [m, CHAT_TOOLS]));
     const seqs = await packedEqualsReference('resp-a', 'resp-task', reference);
     // one timeline: each call continues the one before, token for token
     expect(seqs).toHaveLength(1);
@@ -215,22 +223,9 @@ print(json.dumps({"m1": m1.model_dump(), "text": text, "final": final.model_dump
     expect(out.refused.status).toBe(400);
     expect(out.refused.body).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(/messages\[0\]\.content\[0\]\.type.*"image"/) } });
 
-    const m1 = [{ role: 'system', content: 'You are an agent.' }, { role: 'user', content: 'Find the capital of France.' }];
     // The tool_use input comes back as an object: the engine's own arguments text is what was generated and sent.
-    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] };
-    const m2 = [...m1, toolTurn, { role: 'tool', tool_call_id: `call_${c0}`, content: 'Paris' }];
-    const m3 = [...m2, { role: 'assistant', content: `reply ${c0 + 1}` }, { role: 'user', content: 'Thanks.' }];
-    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual([m1, m2, m3].map((m) => [m, CHAT_TOOLS]));
-    const reference = {
-      episode_id: 'msg-a',
-      task_id: 'msg-task',
-      meta: { reward: 1 },
-      requests: [
-        { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
-        { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
-        { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
-      ],
-    };
+    const { messages, reference } = searchEpisode('msg-a', 'msg-task', c0, produced);
+    expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual(messages.map((m) => [m, CHAT_TOOLS]));
     expect(await packedEqualsReference('msg-a', 'msg-task', reference)).toHaveLength(1);
   });
 });

@@ -250,7 +250,7 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
     },
     default: [],
     output: true,
-    help: `add attention-mask lowerings to every micro-batch, comma-separated: ${MASKS_OPTION_HELP}; e.g. --masks block:128,slices (tensors named as in README; block_size in the metadata)`,
+    help: `add attention-mask lowerings to every micro-batch, comma-separated: ${MASKS_OPTION_HELP}; e.g. --masks block:128,slices (tensors named as in docs/reference/format.md; block_size in the metadata)`,
     manifest: { key: 'masks', show: (specs: MaskSpec[]) => (specs.length ? specs.map(maskName) : undefined) },
   },
   {

@@ -1,7 +1,7 @@
 """The step-plan executor (treepack.torch.stepplan): micro-batches that hang from a prefix cached by an earlier one
 give, in float64, the loss, per-token logprobs and every parameter gradient of the unsplit forest run in one
 piece (a float64 reference loss of the per-occurrence logprobs, summed over micro-batches as gradient accumulation
-sums them). Plans here are written by hand (``plan_ops``, the stack discipline of README "Step plans") so each cut
+sums them). Plans here are written by hand (``plan_ops``, the stack discipline of docs/concepts/micro-batching.md) so each cut
 is forced: at a branch point, inside a segment, at several depths, one prefix feeding many micro-batches.
 
 Hybrid models (Gated DeltaNet, KDA, Mamba2 layers, test_hybrid's tiny configs with float64 casts) the same way, their
@@ -558,7 +558,7 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
 
 
 class FakePrefix:
-    """The prefix protocol recurrent.py reads (README "Step plans"): ``rows`` cached nodes, their convolution inputs
+    """The prefix protocol recurrent.py reads (docs/concepts/micro-batching.md): ``rows`` cached nodes, their convolution inputs
     and state per call key as given; what the layer hands back is ``kept``."""
 
     def __init__(self, rows, cache=None):

@@ -1,4 +1,4 @@
-"""Executing a step plan: micro-batches of one rank that hang from a prefix computed once (README "Step plans").
+"""Executing a step plan: micro-batches of one rank that hang from a prefix computed once (docs/concepts/micro-batching.md, "Step plans").
 
 A planned micro-batch is an ordinary packed micro-batch whose first ``prefix_tokens`` nodes are a chain (node p's
 parent is p - 1): its root path, held by this rank as cached per-layer keys/values. Before it runs, the segments
