@@ -138,7 +138,9 @@ describe('trainer feed', { timeout: 120_000 }, () => {
   });
 
   it('step plans: a rank\'s micro-batches go to one client in plan order; after the lease the run starts over from its first', async () => {
-    const base = await service({ groupSize: 4, leaseMs: 400, packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } });
+    const opts = { groupSize: 4, leaseMs: 1500, dataDir: tempDir('tp-feed-plan-'), packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } };
+    const first0 = await services.start(opts);
+    let base = first0.base;
     // Four episodes of one task under a long shared system prompt: the plan pushes the trunk, then its branches hang from it.
     const system = Array.from({ length: 40 }, (_, i) => `rule ${i}`).join('; ');
     for (let k = 0; k < 4; k++) {
@@ -159,7 +161,12 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     const second = (await next('a'))!;
     expect(second.step).toBe(first.step + 1);
     expect(second.prefix_tokens).toBeGreaterThan(0);
-    await new Promise((r) => setTimeout(r, 500)); // a dies: its lease runs out
+    // The service restarts: the log replays which client holds the run.
+    await services.stop(first0.svc);
+    base = (await services.start(opts)).base;
+    expect(await next('b')).toBeUndefined();
+    expect((await next('a'))!.step).toBe(first.step + 2);
+    await new Promise((r) => setTimeout(r, 1600)); // a dies: its lease runs out
     const again: (Entry & { step: number })[] = [];
     for (let e = await next('b'); e; e = await next('b')) again.push(e);
     expect(again[0]!.id).toBe(first.id); // the run starts over from its first micro-batch, in plan order
