@@ -138,7 +138,7 @@ describe('trainer feed', { timeout: 120_000 }, () => {
   });
 
   it('step plans: a rank\'s micro-batches go to one client in plan order; after the lease the run starts over from its first', async () => {
-    const opts = { groupSize: 4, leaseMs: 1500, dataDir: tempDir('tp-feed-plan-'), packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } };
+    const opts = { groupSize: 4, leaseMs: 4000, dataDir: tempDir('tp-feed-plan-'), packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } };
     const first0 = await services.start(opts);
     let base = first0.base;
     // Four episodes of one task under a long shared system prompt: the plan pushes the trunk, then its branches hang from it.
@@ -166,7 +166,7 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     base = (await services.start(opts)).base;
     expect(await next('b')).toBeUndefined();
     expect((await next('a'))!.step).toBe(first.step + 2);
-    await new Promise((r) => setTimeout(r, 1600)); // a dies: its lease runs out
+    await new Promise((r) => setTimeout(r, 4100)); // a dies: its lease runs out (long enough for the restart above on a loaded machine)
     const again: (Entry & { step: number })[] = [];
     for (let e = await next('b'); e; e = await next('b')) again.push(e);
     expect(again[0]!.id).toBe(first.id); // the run starts over from its first micro-batch, in plan order

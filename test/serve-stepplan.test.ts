@@ -29,7 +29,7 @@ interface Pulled {
 
 describe.skipIf(!python)('step plans through treepack serve', () => {
   it('FeedClient ranks get their plans in order, a dead trainer\'s plan restarts whole, and training equals the unsplit forest (float64, tiny Qwen3 and Qwen3.5)', { timeout: 600_000 }, async () => {
-    const leaseS = 2;
+    const leaseS = 5; // long enough that the replacement asks while the dead trainer still holds the run, on a loaded machine
     const { base } = await services.start({ groupSize: 4, dp: 2, leaseMs: leaseS * 1000, packer: { budget: { maxTokens: 64, prefixCacheTokens: 4096, dp: 2 } } });
     // One task, four agents: a long shared system prompt and task, then two turns each of their own.
     const system = `You are a careful agent. ${Array.from({ length: 30 }, (_, i) => `Rule ${i}: check step ${i}.`).join(' ')}`;
