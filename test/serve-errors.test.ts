@@ -260,6 +260,7 @@ describe('treepack serve flags', () => {
       [[...base, '--max-tokens', '64', '--dp', '2', '--pad-multiple', 'x'], /for --pad-multiple but received "x"/],
       [[...base, '--bogus', '1'], /Unknown option '--bogus'/],
       [[...base, '--redis-allow-weak-durability'], /--redis-allow-weak-durability applies to the shared pool: it needs --redis URL/],
+      [[...base, '--redis', 'redis://127.0.0.1:1', '--max-tokens', '64', '--prefix-reuse', '100'], /step plans .*--prefix-reuse.* not through a shared Redis pool/],
     ];
     // Every flag's bad value: exit 2, the flag named.
     const bad: [string, string, RegExp?][] = [
