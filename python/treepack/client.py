@@ -12,9 +12,9 @@ trainer that dies mid-step loses nothing. Micro-batches packed with a step plan 
 run: a rank's micro-batches of one step in plan order, all to the one client (``client``, a random id per
 ``FeedClient`` unless given) that took the first; after a lease runs out the run starts over from its first
 unacknowledged micro-batch, so a replacement trainer gets the plan from its start, not a micro-batch whose cached
-prefix only the dead trainer held. Acknowledge a rank's micro-batches of a step together, after the optimizer step. ``entry`` carries ``id``, ``feed_step``, ``rank``, ``groups``,
-``policy_version``, ``trainer_version`` and ``staleness`` (trainer steps between the policy that generated the
-rollouts and now) besides the packer's fields.
+prefix only the dead trainer held. Acknowledge a rank's micro-batches of a step together, after the optimizer step.
+``entry`` carries ``id``, ``feed_step``, ``rank``, ``groups``, ``policy_version``, ``trainer_version`` and
+``staleness`` (trainer steps between the policy that generated the rollouts and now) besides the packer's fields.
 """
 
 from __future__ import annotations

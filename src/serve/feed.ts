@@ -134,8 +134,8 @@ function planned(slots: MicroBatchSlot[]): boolean {
  * micro-batches of the step (U); its lease is that of U[0]. While it holds, only that client gets U's next one not
  * handed out in this run (a lease ending before U[0]'s is an earlier run's); another client gets nothing
  * of this step. Once it runs out, the run starts over from U[0], for whoever asks (`restart`): a trainer that died
- * part-way is replaced by one that starts the plan from its beginning, never from a micro-batch whose prefix it
- * lacks. undefined: nothing of this step for this client now.
+ * part-way is replaced by one that starts the plan from its beginning, not from a micro-batch whose prefix only the
+ * dead one held. undefined: nothing of this step for this client now.
  */
 function nextPlanned(slots: MicroBatchSlot[], rank: number, client: string | undefined, now: number): MicroBatchSlot | 'restart' | undefined {
   const run = slots.filter((s) => s.rank === rank && !s.acked);
