@@ -9,8 +9,8 @@
  *   (a chat episode's sequences are named `{episode}/{call index}`: the last answered call's index is there, no
  *   index past it, in exactly one acknowledged micro-batch);
  * - no episode abandoned, crashed or refused is trained; no micro-batch acknowledged is handed out again;
- * - the feed never stalls: no gap between hand-outs longer than the idle timeout plus a restart's allowance, and
- *   the last groups drained within twice the idle timeout plus that allowance after the agents stop.
+ * - the feed never stalls: no gap between hand-outs, the drain after the agents stop included, longer than the
+ *   idle timeout plus a restart's allowance.
  * Every random choice (agents' fates, the trainer's deaths, which fault when) comes from one seed, printed at the
  * start and in any failure: TREEPACK_SOAK_SEED=<seed> replays the same schedule (timing still interleaves freely).
  * TREEPACK_SOAK_SECONDS sets the load phase (default 45; the whole test then stays under three minutes).
@@ -210,9 +210,9 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
       console.log(`serve-soak: seed ${SEED}: ${JSON.stringify(counts)} episodes, ${acked.size} micro-batches acknowledged, longest gap between hand-outs ${gap} ms, drain ${drain} ms`);
       expect(violations, 'violations').toEqual([]);
       expect(counts.finished).toBeGreaterThan(20);
+      // The feed never stalls: the gaps run through the drain too, whose length is the backlog the trainer left
+      // (throughput, which depends on the host: printed, not asserted); that nothing is left is the checks above.
       expect(gap).toBeLessThan(IDLE_S * 1000 + RESTART_ALLOWANCE_MS);
-      // the last groups: a crashed agent's group waits out the idle timeout, then the groups behind it in the window
-      expect(drain).toBeLessThan(2 * IDLE_S * 1000 + RESTART_ALLOWANCE_MS);
     } catch (err) {
       (err as Error).message = `serve-soak seed ${SEED} (TREEPACK_SOAK_SEED=${SEED} replays it): ${(err as Error).message}`;
       throw err;
