@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
-import { planMicroBatches, type Plan } from '../src/pack/budget.js';
+import { dpFloorTokens, planMicroBatches, type Plan } from '../src/pack/budget.js';
 import { packForest } from '../src/pack/forest.js';
 import { cli } from './helpers/cli.js';
 import { caught } from './helpers/errors.js';
@@ -202,6 +202,32 @@ describe('prefix-reuse step plans', () => {
     exactlyOnce(plan, S);
   });
 
+  it('never computes fewer tokens than the data-parallel floor, and reaches it where the ranks split a shared prompt', () => {
+    // 8 sequences: a 10-token prompt, then 5 tokens of their own. Optimum 10 + 8·5 = 50; every one of 4 ranks that
+    // gets a sequence computes the prompt: floor 50 + 3·10 = 80, which two sequences per rank reach.
+    const prompt = Array.from({ length: 10 }, (_, k) => 1000 + k);
+    const seqs = Array.from({ length: 8 }, (_, i) => [...prompt, ...Array.from({ length: 5 }, (_, k) => 100 * i + k)]);
+    const plan = planMicroBatches(csr(seqs), { maxTokens: 1000, dp: 4, prefixCacheTokens: 1 << 20 });
+    expect(plan.optimumTokens).toBe(50);
+    expect(new Set(plan.microBatches.filter((m) => m.sequences.length).map((m) => m.rank)).size).toBe(4);
+    expect(dpFloorTokens(csr(seqs), plan)).toBe(80);
+    expect(plan.prefixReuse!.computedTokens).toBe(80);
+    // one rank: the floor is the optimum
+    expect(dpFloorTokens(csr(seqs), planMicroBatches(csr(seqs), { maxTokens: 1000, prefixCacheTokens: 1 << 20 }))).toBe(50);
+    // random batches behind a shared prompt: a floor, never crossed, at every budget and rank count
+    for (let seed = 0; seed < 20; seed++) {
+      const batch = randomBatch(seed, { maxLen: 30 }).map((x) => [...prompt, ...x]);
+      for (const B of [20, 45, 1000]) {
+        for (const K of [2, 3, 5]) {
+          const p = planMicroBatches(csr(batch), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20 });
+          const floor = dpFloorTokens(csr(batch), p);
+          expect(floor).toBeGreaterThanOrEqual(p.optimumTokens + (batch.length > 1 ? 10 : 0) * (new Set(p.microBatches.filter((m) => m.sequences.length).map((m) => m.rank)).size - 1));
+          expect(p.prefixReuse!.computedTokens).toBeGreaterThanOrEqual(floor);
+        }
+      }
+    }
+  });
+
   it('plans an empty window as no micro-batches', () => {
     expect(planMicroBatches(csr([]), { maxTokens: 8, dp: 4, prefixCacheTokens: 8 }).microBatches).toEqual([]);
   });
@@ -222,11 +248,13 @@ describe('treepack stats: the step-plan table', () => {
     const longest = Math.max(...seqs.map((s) => s.length));
     const r = cli(['stats', join(dir, 'in.jsonl'), '--json', '--plan-tokens', `${longest - 1},${4 * longest}`, '--plan-dp', '1,2']);
     expect(r.code, r.stderr).toBe(0);
-    const rows = JSON.parse(r.stdout).step_plans as { max_tokens: number; dp: number; optimum_tokens: number; plain_tokens: number | null; computed_tokens: number }[];
+    const rows = JSON.parse(r.stdout).step_plans as { max_tokens: number; dp: number; optimum_tokens: number; dp_floor_tokens: number; plain_tokens: number | null; computed_tokens: number }[];
     expect(rows.map((x) => [x.max_tokens, x.dp])).toEqual([[longest - 1, 1], [longest - 1, 2], [4 * longest, 1], [4 * longest, 2]]);
     for (const x of rows) {
       expect(x.optimum_tokens).toBe(packForest(csr(seqs)).input_ids.length);
       if (x.dp === 1) expect(x.computed_tokens).toBe(x.optimum_tokens);
+      if (x.dp === 1) expect(x.dp_floor_tokens).toBe(x.optimum_tokens);
+      expect(x.computed_tokens).toBeGreaterThanOrEqual(x.dp_floor_tokens);
       expect(x.plain_tokens === null).toBe(x.max_tokens < longest);
     }
   });

@@ -3,7 +3,7 @@ import { performance } from 'node:perf_hooks';
 import { helpLines, oneInput, optionFlags, optionHelp, packerOptions, parse, positiveInt } from './args.js';
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
-import { planMicroBatches } from '../pack/budget.js';
+import { dpFloorTokens, planMicroBatches } from '../pack/budget.js';
 import type { Sequences } from '../pack/contract.js';
 import type { Sample } from '../records/types.js';
 import { packRecords, type PackReport } from '../packer/index.js';
@@ -21,7 +21,8 @@ Prints records, timelines and samples after the timeline merge, naive and packed
 (naive ÷ packed), drifted messages, timeline snaps (contexts that extend no earlier context of their episode),
 per-group figures, a histogram of the depths at which the prefix trees branch, and step plans: per token budget T
 and rank count K, the tokens a plain split holds and those a step plan with prefix reuse computes (docs/concepts/micro-batching.md, "Step
-plans"), against the single-forest optimum, with the most prefix tokens a rank holds cached.
+plans"), against the single-forest optimum and the data-parallel floor (each rank that trains a sequence computes
+the prefix all sequences share), with the most prefix tokens a rank holds cached.
 
 Options:
 ${helpLines([
@@ -72,6 +73,8 @@ interface StepPlanRow {
   max_tokens: number;
   dp: number;
   optimum_tokens: number;
+  /** the fewest tokens a data-parallel plan can compute on these ranks (dpFloorTokens): the optimum at K = 1 */
+  dp_floor_tokens: number;
   /** packed tokens of the plain split; null where a sequence is longer than T (the plain split refuses it) */
   plain_tokens: number | null;
   /** with prefix reuse: run with grad, run without grad to fill the caches, most cached on a rank at once */
@@ -84,11 +87,12 @@ function stepPlans(windows: Sequences[], budgets: number[], ranks: number[]): St
   const rows: StepPlanRow[] = [];
   for (const T of budgets) {
     for (const K of ranks) {
-      const row: StepPlanRow = { max_tokens: T, dp: K, optimum_tokens: 0, plain_tokens: 0, computed_tokens: 0, pushed_tokens: 0, peak_cached_tokens: 0 };
+      const row: StepPlanRow = { max_tokens: T, dp: K, optimum_tokens: 0, dp_floor_tokens: 0, plain_tokens: 0, computed_tokens: 0, pushed_tokens: 0, peak_cached_tokens: 0 };
       for (const seqs of windows) {
         const planned = planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff });
         const p = planned.prefixReuse!;
         row.optimum_tokens += planned.optimumTokens;
+        row.dp_floor_tokens += dpFloorTokens(seqs, planned);
         row.computed_tokens += p.computedTokens;
         row.pushed_tokens += p.pushedTokens;
         row.peak_cached_tokens = Math.max(row.peak_cached_tokens, p.peakCachedTokens);
@@ -231,12 +235,13 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     }
   }
   if (r.step_plans.length) {
-    lines.push('', 'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank)');
-    lines.push('       T    K   plain split   prefix reuse   pushed   peak cached');
+    lines.push('', 'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank;');
+    lines.push('DP floor: the fewest any plan on these ranks computes, each rank repeating the prefix all sequences share)');
+    lines.push('       T    K   plain split   prefix reuse   DP floor   pushed   peak cached');
     for (const p of r.step_plans) {
       const opt = Math.max(1, p.optimum_tokens);
       const plain = p.plain_tokens === null ? 'infeasible' : `${(p.plain_tokens / opt).toFixed(3)}×`;
-      lines.push(`  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`);
+      lines.push(`  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.dp_floor_tokens / opt).toFixed(3)}×`.padStart(9)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`);
     }
   }
   return lines.join('\n');

@@ -329,6 +329,28 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
 }
 
 /**
+ * The fewest tokens any data-parallel plan of `seqs` can compute with grad, given the ranks `plan` gives sequences to:
+ * every such rank computes the prefix all sequences share (a common system prompt) at least once, and the rest of
+ * the forest is computed at least once somewhere, so optimum + (ranks − 1)·common. Only keys/values sent between
+ * ranks could go below it.
+ */
+export function dpFloorTokens(seqs: Sequences, plan: Plan): number {
+  const S = seqs.offsets.length - 1;
+  const ranks = new Set(plan.microBatches.filter((m) => m.sequences.length > 0).map((m) => m.rank)).size;
+  if (S < 2 || ranks < 2) return plan.optimumTokens;
+  const first = seqs.offsets[0];
+  let common = seqs.offsets[1] - first;
+  for (let i = 1; i < S && common > 0; i++) {
+    const a = seqs.offsets[i];
+    const limit = Math.min(common, seqs.offsets[i + 1] - a);
+    let k = 0;
+    while (k < limit && seqs.tokens[a + k] === seqs.tokens[first + k]) k++;
+    common = k;
+  }
+  return plan.optimumTokens + (ranks - 1) * common;
+}
+
+/**
  * planMicroBatches with prefix reuse: the cut and stack operations of src/pack/prefix.ts, ranks padded to equal steps
  * with empty micro-batches. With padMultiple P, a micro-batch's computed nodes (the ones past its cached prefix, what
  * its forward runs) are padded to a multiple of P: the cut is planned under floor(T / P)·P computed tokens, so
