@@ -104,6 +104,19 @@ function searchEpisode(episode: string, group: string, c0: number, produced: { t
 }
 
 /**
+ * The two-turn thinking episode (a question, a reasoned reply, "More.", a second reasoned reply) reached the engine as
+ * chat messages and packs as the chat episode whose assistant turns carry `reasoning_content`.
+ */
+async function thinkingPackedAsChat(episode: string, c0: number, produced: { token_ids: number[]; logprobs: number[] }[]): Promise<void> {
+  const turn = (k: number) => ({ role: 'assistant', content: `reply ${c0 + k}`, reasoning_content: `thought ${c0 + k}` });
+  const m1 = [{ role: 'user', content: 'Why?' }];
+  const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
+  expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
+  const reference = { episode_id: episode, task_id: episode, meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
+  await packedEqualsReference(episode, episode, reference);
+}
+
+/**
  * Finishes `episode`, pulls the step its group forms, and checks it is what `treepack pack` writes for
  * `reference` (the episode as chat JSONL); returns the micro-batch's sequences.
  */
@@ -360,13 +373,7 @@ describe('reasoning, sent back as each API carries it', () => {
     const input = [{ role: 'user', content: 'Why?' }, ...r1.output, { role: 'user', content: 'More.' }];
     const evs = events(await (await post('think-r', '/v1/responses', { model: 'stub', input, stream: true, ...THINK })).text());
     expect(evs.filter(([n]) => n === 'response.reasoning_text.delta').map(([, d]) => d.delta).join('')).toBe(`thought ${c0 + 1}`);
-    const produced = engine.produced.slice(before);
-    const turn = (k: number) => ({ role: 'assistant', content: `reply ${c0 + k}`, reasoning_content: `thought ${c0 + k}` });
-    const m1 = [{ role: 'user', content: 'Why?' }];
-    const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
-    expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
-    const reference = { episode_id: 'think-r', task_id: 'think-r', meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
-    await packedEqualsReference('think-r', 'think-r', reference);
+    await thinkingPackedAsChat('think-r', c0, engine.produced.slice(before));
   });
 
   it('Messages: a thinking block, then the next turn: the reasoning_content of the assistant turn, packed as chat', async () => {
@@ -378,13 +385,7 @@ describe('reasoning, sent back as each API carries it', () => {
     const messages = [{ role: 'user', content: 'Why?' }, { role: 'assistant', content: m.content }, { role: 'user', content: 'More.' }];
     const evs = events(await (await post('think-m', '/v1/messages', { model: 'stub', max_tokens: 32, messages, stream: true, ...THINK }, h)).text());
     expect(evs.filter(([n]) => n === 'content_block_start').map(([, d]) => (d.content_block as Obj).type)).toEqual(['thinking', 'text']);
-    const produced = engine.produced.slice(before);
-    const turn = (k: number) => ({ role: 'assistant', content: `reply ${c0 + k}`, reasoning_content: `thought ${c0 + k}` });
-    const m1 = [{ role: 'user', content: 'Why?' }];
-    const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
-    expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
-    const reference = { episode_id: 'think-m', task_id: 'think-m', meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
-    await packedEqualsReference('think-m', 'think-m', reference);
+    await thinkingPackedAsChat('think-m', c0, engine.produced.slice(before));
   });
 });
 

@@ -88,6 +88,17 @@ def sorted_groups(seqs, sizes) -> List[List[int]]:
     return out
 
 
+def one_prefix_feeds_many(seed: int, vocab: int, stem_len: int):
+    """Eight sequences behind one random stem of stem_len tokens and one sharing only its first 5, one micro-batch
+    each: the stem, pushed once, feeds eight micro-batches. Returns (seqs, groups, hangs)."""
+    r = random.Random(seed)
+    tok = lambda n: [r.randrange(vocab) for _ in range(n)]  # noqa: E731
+    stem = tok(stem_len)
+    seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
+    groups = sorted_groups(seqs, [1] * len(seqs))
+    return seqs, groups, [stem_len if seqs[g[0]][:stem_len] == stem else 5 for g in groups]
+
+
 def chain_of(batch, h: int) -> Tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
@@ -198,12 +209,7 @@ class StepPlanTest(Checks, unittest.TestCase):
                 self.check(family, seqs, groups, hangs)
 
     def test_one_prefix_feeds_many_micro_batches(self):
-        r = random.Random(3)
-        tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
-        stem = tok(20)
-        seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
-        groups = sorted_groups(seqs, [1] * len(seqs))
-        hangs = [20 if len(seqs[g[0]]) > 20 and seqs[g[0]][:20] == stem else 5 for g in groups]
+        seqs, groups, hangs = one_prefix_feeds_many(3, VOCAB, 20)
         for family in ("qwen3", "llama"):
             with self.subTest(family=family):
                 res = self.check(family, seqs, groups, hangs)
@@ -486,12 +492,7 @@ class HybridStepPlanTest(Checks, unittest.TestCase):
                 self.check(family, seqs, pairs, inside, model=model)
 
     def test_one_prefix_feeds_many_micro_batches(self):
-        r = random.Random(4)
-        tok = lambda n: [r.randrange(HYBRID_VOCAB) for _ in range(n)]  # noqa: E731
-        stem = tok(67)
-        seqs = [stem + tok(r.randrange(2, 6)) for _ in range(8)] + [stem[:5] + tok(3)]
-        groups = sorted_groups(seqs, [1] * len(seqs))
-        hangs = [67 if seqs[g[0]][:67] == stem else 5 for g in groups]
+        seqs, groups, hangs = one_prefix_feeds_many(4, HYBRID_VOCAB, 67)
         for family in self.FAMILIES:
             with self.subTest(family=family):
                 res = self.check(family, seqs, groups, hangs, model=self.model(family))
