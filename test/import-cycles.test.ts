@@ -8,6 +8,7 @@ import { readdirSync, readFileSync } from 'node:fs';
 import { join, relative, resolve } from 'node:path';
 import ts from 'typescript';
 import { describe, expect, it } from 'vitest';
+import { cycles } from './helpers/graph.js';
 
 const ROOT = resolve(import.meta.dirname, '..');
 
@@ -34,39 +35,6 @@ function importGraph(files: string[]): Map<string, string[]> {
     graph.set(file, [...new Set(deps)]);
   }
   return graph;
-}
-
-/** The strongly connected components with more than one module (or a module importing itself): Tarjan's. */
-export function cycles(graph: Map<string, string[]>): string[][] {
-  let next = 0;
-  const index = new Map<string, number>();
-  const low = new Map<string, number>();
-  const stack: string[] = [];
-  const onStack = new Set<string>();
-  const out: string[][] = [];
-  const visit = (v: string): void => {
-    index.set(v, next);
-    low.set(v, next++);
-    stack.push(v);
-    onStack.add(v);
-    for (const w of graph.get(v) ?? []) {
-      if (!index.has(w)) {
-        visit(w);
-        low.set(v, Math.min(low.get(v)!, low.get(w)!));
-      } else if (onStack.has(w)) low.set(v, Math.min(low.get(v)!, index.get(w)!));
-    }
-    if (low.get(v) !== index.get(v)) return;
-    const scc: string[] = [];
-    let w: string;
-    do {
-      w = stack.pop()!;
-      onStack.delete(w);
-      scc.push(w);
-    } while (w !== v);
-    if (scc.length > 1 || (graph.get(v) ?? []).includes(v)) out.push(scc.sort());
-  };
-  for (const v of graph.keys()) if (!index.has(v)) visit(v);
-  return out;
 }
 
 describe('import graph of src/', () => {
