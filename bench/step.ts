@@ -173,8 +173,9 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
 }
 
 /** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`); `shapes`: the
- * models per device (default STEP_SHAPES). */
-export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes }): Promise<StepSection> {
+ * models per device (default STEP_SHAPES); `repeats`: timings per side of every workload (default: the run's count);
+ * `threads`: torch's CPU threads (default: torch's own choice). */
+export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes; repeats?: number; threads?: number }): Promise<StepSection> {
   const maxTokens = DEFAULT_MAX_TOKENS;
   // A fresh clone gets its .venv made here.
   const env = await findPython();
@@ -186,7 +187,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
       const file = join(dir, `generated-${inputs.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
-      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : DEFAULT_REPEATS, maxTokens: g.maxTokens ?? maxTokens, devices: g.devices });
+      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.repeats ?? (opts.full ? g.repeats : DEFAULT_REPEATS), maxTokens: g.maxTokens ?? maxTokens, devices: g.devices });
     }
     const workloads: StepWorkload[] = [];
     const failed: StepWorkload[] = [];
@@ -200,7 +201,7 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
         failed.push({ name: 'tau-bench airline', compression: 0, packSeconds: 0, report: {} as PackReport, error: (e as Error).message });
       }
     }
-    const spec = { max_tokens: maxTokens, shapes: opts.shapes ?? STEP_SHAPES, workloads: [] as object[] };
+    const spec = { max_tokens: maxTokens, shapes: opts.shapes ?? STEP_SHAPES, threads: opts.threads, workloads: [] as object[] };
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
