@@ -8,7 +8,7 @@ import { readdirSync, readFileSync } from 'node:fs';
 import { join, relative, resolve } from 'node:path';
 import ts from 'typescript';
 import { describe, expect, it } from 'vitest';
-import { cycles } from './helpers/graph.js';
+import { cycles, importsOf } from './helpers/graph.js';
 
 const ROOT = resolve(import.meta.dirname, '..');
 
@@ -27,9 +27,8 @@ function importGraph(files: string[]): Map<string, string[]> {
   const inSet = new Set(files);
   const graph = new Map<string, string[]>();
   for (const file of files) {
-    const { importedFiles } = ts.preProcessFile(readFileSync(file, 'utf8'), true, true);
-    const deps = importedFiles
-      .map((f) => ts.resolveModuleName(f.fileName, file, options, ts.sys).resolvedModule?.resolvedFileName)
+    const deps = importsOf(readFileSync(file, 'utf8'))
+      .map((spec) => ts.resolveModuleName(spec, file, options, ts.sys).resolvedModule?.resolvedFileName)
       .filter((p): p is string => p !== undefined && inSet.has(resolve(p)))
       .map((p) => resolve(p));
     graph.set(file, [...new Set(deps)]);

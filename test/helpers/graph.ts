@@ -1,3 +1,11 @@
+import ts from 'typescript';
+
+/** The module specifiers a TypeScript source imports (static, type-only, re-exports, `import '…'` and `import()`), as
+ * the compiler reads them: the module-graph tests (folders, import cycles) build their graphs from these. */
+export function importsOf(source: string): string[] {
+  return ts.preProcessFile(source, true, true).importedFiles.map((f) => f.fileName);
+}
+
 /**
  * The cycles of a directed graph: its strongly connected components of more than one node, or of a node with an
  * edge to itself (Tarjan's algorithm), each sorted. The module-graph tests (folders, import cycles) read them.
