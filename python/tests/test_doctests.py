@@ -1,0 +1,149 @@
+"""Every ``>>>`` example in python/treepack's docstrings runs as a doctest (docs/reference/python.md shows them as
+``pycon`` blocks): one test per module, failing with doctest's report when an example raises or prints other than
+its expected output. Options for every example: ELLIPSIS and NORMALIZE_WHITESPACE.
+
+The examples run in a temporary working directory holding these fixtures, made once:
+
+- ``packed/``: ``treepack pack samples.jsonl --out packed/ --vocab-size 64 --max-tokens 16 --dp 2 --masks
+  block:128,slices`` (the CLI of this checkout) on the four pre-tokenized samples of docs/guides/pytorch.md,
+  ``SAMPLES`` here: micro-batch 0 (rank 0) holds samples a and b, which share ``[2, 3, 4, 5]`` (10 nodes);
+  micro-batch 1 (rank 1) holds c and d, which share ``[2, 3, 10]`` (8 nodes).
+- ``tiny-model/``: a 2-layer random-weight Qwen3 with vocabulary 64 (``save_pretrained``), for treepack.torch's
+  examples; made only where torch and transformers import.
+
+A module that needs torch (or trl) skips with the reason where it does not import, and fails instead under
+TREEPACK_REQUIRE_TORCH=1. The modules in ``SKIPPED`` skip with the reason given there. A check that the examples
+found equal the ``>>>`` lines of the sources keeps an example from escaping the runner (in a place doctest does not
+look).
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import treepack
+
+PACKAGE = os.path.dirname(os.path.abspath(treepack.__file__))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+SAMPLES = """\
+{"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+{"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+{"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1]}
+{"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1]}
+"""
+# Modules whose examples need more than the module imports.
+EXAMPLES_NEED = {"treepack.flex": ("torch",), "treepack.client": ("torch",)}
+# Modules whose examples do not run here, and why (each must still have examples: a stale entry fails).
+SKIPPED = {}
+
+
+def module_names() -> list[str]:
+    """Every module of the installed package, from its files (importing them to walk would need torch)."""
+    names = []
+    for d, _, files in os.walk(PACKAGE):
+        rel = os.path.relpath(d, os.path.dirname(PACKAGE)).replace(os.sep, ".")
+        for f in files:
+            if f.endswith(".py"):
+                names.append(rel if f == "__init__.py" else f"{rel}.{f[:-3]}")
+    return sorted(names)
+
+
+def source_examples(name: str) -> int:
+    """The ``>>>`` prompts in a module's source: what its docstrings' examples must add up to."""
+    path = os.path.join(os.path.dirname(PACKAGE), *name.split("."))
+    path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if re.match(r"\s*>>>", line))
+
+
+_fixtures: dict[str, str] = {}
+
+
+def workdir(model: bool) -> str:
+    """The temporary working directory with ``packed/`` and, when ``model``, ``tiny-model/`` (module docstring)."""
+    if "dir" not in _fixtures:
+        d = _fixtures["dir"] = tempfile.mkdtemp(prefix="treepack-doctest-")
+        with open(os.path.join(d, "samples.jsonl"), "w") as f:
+            f.write(SAMPLES)
+        cli = os.path.join(CHECKOUT, "dist", "src", "cli", "main.js")
+        if not os.path.exists(cli) or shutil.which("node") is None:
+            raise RuntimeError(f"the packed/ fixture needs node and {cli} (npx tsc -p tsconfig.json)")
+        args = ["node", cli, "pack", "samples.jsonl", "--out", "packed/", "--vocab-size", "64", "--max-tokens", "16", "--dp", "2",
+                "--masks", "block:128,slices"]
+        r = subprocess.run(args, cwd=d, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    if model and "model" not in _fixtures:
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+        Qwen3ForCausalLM(config).save_pretrained(os.path.join(_fixtures["dir"], "tiny-model"))
+        _fixtures["model"] = "tiny-model"
+    return _fixtures["dir"]
+
+
+def tearDownModule() -> None:
+    if "dir" in _fixtures:
+        shutil.rmtree(_fixtures.pop("dir"), ignore_errors=True)
+    _fixtures.clear()
+
+
+def import_or_skip(test: unittest.TestCase, name: str):
+    """The module, or the test skipped where an optional dependency (torch, transformers, trl) does not import."""
+    try:
+        for dep in EXAMPLES_NEED.get(name, ()):
+            importlib.import_module(dep)
+        return importlib.import_module(name)
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] == "treepack":
+            raise
+        reason = f"{name} needs {e.name}, which does not import ({e})"
+        if os.environ.get("TREEPACK_REQUIRE_TORCH") == "1":
+            raise RuntimeError(f"TREEPACK_REQUIRE_TORCH=1 but {reason}") from e
+        test.skipTest(reason)
+
+
+class Doctests(unittest.TestCase):
+    def run_module(self, name: str) -> None:
+        expected = source_examples(name)
+        if name in SKIPPED:
+            self.assertGreater(expected, 0, f"SKIPPED names {name}, which has no examples")
+            self.skipTest(SKIPPED[name])
+        mod = import_or_skip(self, name)
+        tests = [t for t in doctest.DocTestFinder().find(mod, name) if t.examples]
+        self.assertEqual(sum(len(t.examples) for t in tests), expected, f"{name}: examples doctest finds vs >>> lines in its source")
+        if not tests:
+            return
+        cwd = os.getcwd()
+        os.chdir(workdir(model=name.startswith(("treepack.torch", "treepack.integrations"))))
+        try:
+            report: list[str] = []
+            runner = doctest.DocTestRunner(optionflags=OPTIONS)
+            for t in tests:
+                runner.run(t, out=report.append)
+        finally:
+            os.chdir(cwd)
+        self.assertEqual(runner.failures, 0, "".join(report))
+
+
+def _add(name: str) -> None:
+    setattr(Doctests, "test_" + name.replace(".", "_"), lambda self: self.run_module(name))
+
+
+for _name in module_names():
+    _add(_name)
+
+
+if __name__ == "__main__":
+    unittest.main()
