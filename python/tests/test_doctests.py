@@ -5,9 +5,11 @@ its expected output. Options for every example: ELLIPSIS and NORMALIZE_WHITESPAC
 The examples run in a temporary working directory holding these fixtures, made once:
 
 - ``packed/``: ``treepack pack samples.jsonl --out packed/ --vocab-size 64 --max-tokens 16 --dp 2 --masks
-  block:128,slices`` (the CLI of this checkout) on the four pre-tokenized samples of docs/guides/pytorch.md,
-  ``SAMPLES`` here: micro-batch 0 (rank 0) holds samples a and b, which share ``[2, 3, 4, 5]`` (10 nodes);
-  micro-batch 1 (rank 1) holds c and d, which share ``[2, 3, 10]`` (8 nodes).
+  block:128,slices`` (the CLI of this checkout) on the four pre-tokenized samples of docs/guides/pytorch.md with
+  rollout logprobs (``old_logprobs``) added, ``SAMPLES`` here: micro-batch 0 (rank 0) holds samples a and b, which
+  share ``[2, 3, 4, 5]`` (10 nodes); micro-batch 1 (rank 1) holds c and d, which share ``[2, 3, 10]`` (8 nodes).
+- ``planned/``: the same samples packed as one rank's step plan, ``--max-tokens 8 --prefix-reuse 64``: both
+  micro-batches hang from the cached prefix ``[2, 3]``.
 - ``tiny-model/``: a 2-layer random-weight Qwen3 with vocabulary 64 (``save_pretrained``), for treepack.torch's
   examples; made only where torch and transformers import.
 
@@ -34,11 +36,15 @@ PACKAGE = os.path.dirname(os.path.abspath(treepack.__file__))
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 SAMPLES = """\
-{"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
-{"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
-{"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1]}
-{"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1]}
+{"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, 0, -4.2, -4.0, -4.2]}
+{"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, 0, -4.2, -4.1, -4.1]}
+{"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2, -4.0]}
+{"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2]}
 """
+PACKS = {
+    "packed": ["--max-tokens", "16", "--dp", "2", "--masks", "block:128,slices"],
+    "planned": ["--max-tokens", "8", "--prefix-reuse", "64"],
+}
 # Modules whose examples need more than the module imports.
 EXAMPLES_NEED = {"treepack.flex": ("torch",), "treepack.client": ("torch",)}
 # Modules whose examples do not run here, and why (each must still have examples: a stale entry fails).
@@ -76,14 +82,17 @@ def workdir(model: bool) -> str:
         cli = os.path.join(CHECKOUT, "dist", "src", "cli", "main.js")
         if not os.path.exists(cli) or shutil.which("node") is None:
             raise RuntimeError(f"the packed/ fixture needs node and {cli} (npx tsc -p tsconfig.json)")
-        args = ["node", cli, "pack", "samples.jsonl", "--out", "packed/", "--vocab-size", "64", "--max-tokens", "16", "--dp", "2",
-                "--masks", "block:128,slices"]
-        r = subprocess.run(args, cwd=d, capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
+        for out, options in PACKS.items():
+            args = ["node", cli, "pack", "samples.jsonl", "--out", out + "/", "--vocab-size", "64", *options]
+            r = subprocess.run(args, cwd=d, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
     if model and "model" not in _fixtures:
         import torch
+        import transformers
         from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        transformers.utils.logging.disable_progress_bar()  # loading tiny-model in the examples would draw one each time
 
         torch.manual_seed(0)
         config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
