@@ -10,25 +10,32 @@ The examples run in a temporary working directory holding these fixtures, made o
   share ``[2, 3, 4, 5]`` (10 nodes); micro-batch 1 (rank 1) holds c and d, which share ``[2, 3, 10]`` (8 nodes).
 - ``planned/``: the same samples packed as one rank's step plan, ``--max-tokens 8 --prefix-reuse 64``: both
   micro-batches hang from the cached prefix ``[2, 3]``.
-- ``tiny-model/``: a 2-layer random-weight Qwen3 with vocabulary 64 (``save_pretrained``), for treepack.torch's
-  examples; made only where torch and transformers import.
+- ``tiny-model/``: a 2-layer random-weight Qwen3 with vocabulary 64 and its tokenizer (word level: ``<pad>`` 0,
+  ``<eos>`` 1, ``w2`` ... ``w63``), saved by ``save_pretrained``, for the torch and TRL examples; made only where
+  torch and transformers import.
+- ``url``, for treepack.client's examples: a ``treepack serve --tokenizer qwen3`` on a free loopback port, its data
+  in the working directory, holding one finished group (slime buffer writes: instance 0, two answers to "2+2?").
+  Its engine is never called (the URL is a closed port).
 
 A module that needs torch (or trl) skips with the reason where it does not import, and fails instead under
-TREEPACK_REQUIRE_TORCH=1. The modules in ``SKIPPED`` skip with the reason given there. A check that the examples
-found equal the ``>>>`` lines of the sources keeps an example from escaping the runner (in a place doctest does not
-look).
+TREEPACK_REQUIRE_TORCH=1. No example is skipped otherwise. A check that the examples found equal the ``>>>`` lines
+of the sources keeps an example from escaping the runner (in a place doctest does not look).
 """
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 import unittest
+import urllib.request
 
 import treepack
 
@@ -47,8 +54,6 @@ PACKS = {
 }
 # Modules whose examples need more than the module imports.
 EXAMPLES_NEED = {"treepack.flex": ("torch",), "treepack.client": ("torch",)}
-# Modules whose examples do not run here, and why (each must still have examples: a stale entry fails).
-SKIPPED = {}
 
 
 def module_names() -> list[str]:
@@ -70,41 +75,87 @@ def source_examples(name: str) -> int:
         return sum(1 for line in f if re.match(r"\s*>>>", line))
 
 
-_fixtures: dict[str, str] = {}
+_fixtures: dict = {}
+
+
+def cli() -> list[str]:
+    path = os.path.join(CHECKOUT, "dist", "src", "cli", "main.js")
+    if not os.path.exists(path) or shutil.which("node") is None:
+        raise RuntimeError(f"the doctests' fixtures need node and {path} (npx tsc -p tsconfig.json)")
+    return ["node", path]
 
 
 def workdir(model: bool) -> str:
-    """The temporary working directory with ``packed/`` and, when ``model``, ``tiny-model/`` (module docstring)."""
+    """The temporary working directory with ``packed/``, ``planned/`` and, when ``model``, ``tiny-model/``."""
     if "dir" not in _fixtures:
         d = _fixtures["dir"] = tempfile.mkdtemp(prefix="treepack-doctest-")
         with open(os.path.join(d, "samples.jsonl"), "w") as f:
             f.write(SAMPLES)
-        cli = os.path.join(CHECKOUT, "dist", "src", "cli", "main.js")
-        if not os.path.exists(cli) or shutil.which("node") is None:
-            raise RuntimeError(f"the packed/ fixture needs node and {cli} (npx tsc -p tsconfig.json)")
         for out, options in PACKS.items():
-            args = ["node", cli, "pack", "samples.jsonl", "--out", out + "/", "--vocab-size", "64", *options]
+            args = cli() + ["pack", "samples.jsonl", "--out", out + "/", "--vocab-size", "64", *options]
             r = subprocess.run(args, cwd=d, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
     if model and "model" not in _fixtures:
         import torch
         import transformers
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
         transformers.utils.logging.disable_progress_bar()  # loading tiny-model in the examples would draw one each time
-
+        path = os.path.join(_fixtures["dir"], "tiny-model")
         torch.manual_seed(0)
         config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
-        Qwen3ForCausalLM(config).save_pretrained(os.path.join(_fixtures["dir"], "tiny-model"))
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
+                             pad_token_id=0, eos_token_id=1)
+        Qwen3ForCausalLM(config).save_pretrained(path)
+        words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 64)}}, unk_token="<pad>"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>").save_pretrained(path)
         _fixtures["model"] = "tiny-model"
     return _fixtures["dir"]
 
 
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as res:
+        return json.loads(res.read())
+
+
+def service() -> str:
+    """The ``url`` fixture: a treepack serve with one finished group waiting for the trainer (module docstring)."""
+    if "url" not in _fixtures:
+        with socket.socket() as s:  # a free port: serve takes no --port 0
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = cli() + ["serve", "--engine", "http://127.0.0.1:9/v1", "--data", "serve-log/", "--tokenizer", "qwen3", "--port", str(port)]
+        log = _fixtures["serve.log"] = open(os.path.join(workdir(model=False), "serve.log"), "w")
+        _fixtures["serve"] = subprocess.Popen(args, cwd=workdir(model=False), stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/healthz", timeout=5).close()
+                break
+            except OSError:
+                if _fixtures["serve"].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{' '.join(args)} did not come up: see {log.name}") from None
+                time.sleep(0.1)
+        post(url + "/start_rollout", {"num_repeat_per_sample": 2})
+        for uid, answer in enumerate(["3", "4"]):
+            post(url + "/buffer/write", {"uid": uid, "instance_id": 0, "reward": uid, "extra_info": {},
+                                         "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]})
+        _fixtures["url"] = url
+    return _fixtures["url"]
+
+
 def tearDownModule() -> None:
+    if "serve" in _fixtures:
+        _fixtures["serve"].terminate()
+        _fixtures["serve"].wait(timeout=30)
+        _fixtures["serve.log"].close()
     if "dir" in _fixtures:
-        shutil.rmtree(_fixtures.pop("dir"), ignore_errors=True)
+        shutil.rmtree(_fixtures["dir"], ignore_errors=True)
     _fixtures.clear()
 
 
@@ -126,11 +177,9 @@ def import_or_skip(test: unittest.TestCase, name: str):
 class Doctests(unittest.TestCase):
     def run_module(self, name: str) -> None:
         expected = source_examples(name)
-        if name in SKIPPED:
-            self.assertGreater(expected, 0, f"SKIPPED names {name}, which has no examples")
-            self.skipTest(SKIPPED[name])
         mod = import_or_skip(self, name)
-        tests = [t for t in doctest.DocTestFinder().find(mod, name) if t.examples]
+        globs = {"url": service()} if name == "treepack.client" else None
+        tests = [t for t in doctest.DocTestFinder().find(mod, name, extraglobs=globs) if t.examples]
         self.assertEqual(sum(len(t.examples) for t in tests), expected, f"{name}: examples doctest finds vs >>> lines in its source")
         if not tests:
             return
