@@ -121,6 +121,7 @@ def from_padded(
     packed batch and the layout of its ``[B, R]`` outputs. Give ``response_mask`` [B, R] (1 = trainable; tool
     tokens 0) or ``response_length`` R (every attended response token trainable).
 
+        >>> import torch
         >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]])           # OpenRLHF's sequences: left-padded prompt, response
         >>> action_mask = torch.tensor([[1, 1], [1, 1]])               # R = 2: [6, 7] and [8, 9]
         >>> batch, layout = from_padded(ids, (ids != 0).long(), response_mask=action_mask)
@@ -184,6 +185,7 @@ def from_jagged(
     index of row i's first response token; ``response_mask``: jagged over the responses (1 = trainable), all
     trainable when None.
 
+        >>> import torch
         >>> from transformers import AutoModelForCausalLM
         >>> from treepack.torch import forward_logprobs
         >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
