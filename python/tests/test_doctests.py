@@ -1,5 +1,5 @@
 """Every ``>>>`` example in python/treepack's docstrings runs as a doctest (docs/reference/python.md shows them as
-``pycon`` blocks): one test per module, failing with doctest's report when an example raises or prints other than
+``pycon`` blocks): one test per module that has examples, failing with doctest's report when an example raises or prints other than
 its expected output. Options for every example: ELLIPSIS and NORMALIZE_WHITESPACE.
 
 The examples run in a temporary working directory holding these fixtures, made once:
@@ -17,8 +17,8 @@ The examples run in a temporary working directory holding these fixtures, made o
   in the working directory, holding one finished group (slime buffer writes: instance 0, two answers to "2+2?").
   Its engine is never called (the URL is a closed port).
 
-A module that needs torch (or trl) skips with the reason where it does not import, and fails instead under
-TREEPACK_REQUIRE_TORCH=1. No example is skipped otherwise. A check that the examples found equal the ``>>>`` lines
+A module whose examples need torch (and transformers, or trl and datasets: ``needs``) skips with the reason where
+one is not installed, and fails instead under TREEPACK_REQUIRE_TORCH=1. No example is skipped otherwise. A check that the examples found equal the ``>>>`` lines
 of the sources keeps an example from escaping the runner (in a place doctest does not look).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -52,8 +53,6 @@ PACKS = {
     "packed": ["--max-tokens", "16", "--dp", "2", "--masks", "block:128,slices"],
     "planned": ["--max-tokens", "8", "--prefix-reuse", "64"],
 }
-# Modules whose examples need more than the module imports.
-EXAMPLES_NEED = {"treepack.flex": ("torch",), "treepack.client": ("torch",)}
 
 
 def module_names() -> list[str]:
@@ -65,6 +64,15 @@ def module_names() -> list[str]:
             if f.endswith(".py"):
                 names.append(rel if f == "__init__.py" else f"{rel}.{f[:-3]}")
     return sorted(names)
+
+
+def needs(name: str) -> tuple[str, ...]:
+    """The optional packages a module's examples import (torch's and TRL's load tiny-model with transformers)."""
+    if name.startswith("treepack.integrations"):
+        return ("torch", "transformers", "trl", "datasets")
+    if name.startswith("treepack.torch"):
+        return ("torch", "transformers")
+    return ("torch",) if name in ("treepack.flex", "treepack.client") else ()
 
 
 def source_examples(name: str) -> int:
@@ -112,7 +120,7 @@ def workdir(model: bool) -> str:
         words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 64)}}, unk_token="<pad>"))
         words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>").save_pretrained(path)
-        _fixtures["model"] = "tiny-model"
+        _fixtures["model"] = path
     return _fixtures["dir"]
 
 
@@ -139,7 +147,9 @@ def service() -> str:
                 break
             except OSError:
                 if _fixtures["serve"].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{' '.join(args)} did not come up: see {log.name}") from None
+                    log.flush()
+                    with open(log.name) as f:
+                        raise RuntimeError(f"{' '.join(args)} did not come up: {f.read()[-2000:]}") from None
                 time.sleep(0.1)
         post(url + "/start_rollout", {"num_repeat_per_sample": 2})
         for uid, answer in enumerate(["3", "4"]):
@@ -159,32 +169,27 @@ def tearDownModule() -> None:
     _fixtures.clear()
 
 
-def import_or_skip(test: unittest.TestCase, name: str):
-    """The module, or the test skipped where an optional dependency (torch, transformers, trl) does not import."""
-    try:
-        for dep in EXAMPLES_NEED.get(name, ()):
-            importlib.import_module(dep)
-        return importlib.import_module(name)
-    except ImportError as e:
-        if e.name is None or e.name.split(".")[0] == "treepack":
-            raise
-        reason = f"{name} needs {e.name}, which does not import ({e})"
+def skip_unless_installed(test: unittest.TestCase, name: str) -> None:
+    """Skips the test, saying why, where a package the module's examples need is not installed (an installed one
+    that fails to import is a failure, not a skip)."""
+    absent = [dep for dep in needs(name) if importlib.util.find_spec(dep) is None]
+    if absent:
+        reason = f"the examples of {name} need {', '.join(absent)}, not installed"
         if os.environ.get("TREEPACK_REQUIRE_TORCH") == "1":
-            raise RuntimeError(f"TREEPACK_REQUIRE_TORCH=1 but {reason}") from e
+            raise RuntimeError(f"TREEPACK_REQUIRE_TORCH=1 but {reason}")
         test.skipTest(reason)
 
 
 class Doctests(unittest.TestCase):
     def run_module(self, name: str) -> None:
         expected = source_examples(name)
-        mod = import_or_skip(self, name)
+        skip_unless_installed(self, name)
+        mod = importlib.import_module(name)
         globs = {"url": service()} if name == "treepack.client" else None
         tests = [t for t in doctest.DocTestFinder().find(mod, name, extraglobs=globs) if t.examples]
         self.assertEqual(sum(len(t.examples) for t in tests), expected, f"{name}: examples doctest finds vs >>> lines in its source")
-        if not tests:
-            return
         cwd = os.getcwd()
-        os.chdir(workdir(model=name.startswith(("treepack.torch", "treepack.integrations"))))
+        os.chdir(workdir(model="transformers" in needs(name)))
         try:
             report: list[str] = []
             runner = doctest.DocTestRunner(optionflags=OPTIONS)
@@ -200,7 +205,8 @@ def _add(name: str) -> None:
 
 
 for _name in module_names():
-    _add(_name)
+    if source_examples(_name):
+        _add(_name)
 
 
 if __name__ == "__main__":
