@@ -4,7 +4,7 @@ after each optimizer step (standard library HTTP; torch only to build the tensor
     >>> from treepack.client import FeedClient
     >>> feed = FeedClient(url, rank=0, dp=1, token=None, wait=1, stop_when_idle=True)   # url: "http://127.0.0.1:8400"
     >>> for mb in feed:                      # waits for the next micro-batch of this rank
-    ...     print(mb.entry["groups"], mb.batch.num_sequences)   # mb.batch: treepack.torch.PackedBatch; mb.entry: its manifest entry
+    ...     print(mb.entry["groups"], mb.batch.num_sequences)   # mb.batch: a PackedBatch; mb.entry: its manifest entry
     ...     print(mb.ack()["step_done"])     # after the step: never handed out again
     ['0'] 2
     True

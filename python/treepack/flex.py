@@ -83,7 +83,7 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     block, indices ascending, 0-padded.
 
         >>> import treepack
-        >>> mb = treepack.pack_sequences([[2, 3, 4, 5, 6, 7, 1], [2, 3, 4, 5, 8, 9, 1]])   # a chain of 4, two branches of 3
+        >>> mb = treepack.pack_sequences([[2, 3, 4, 5, 6, 7, 1], [2, 3, 4, 5, 8, 9, 1]])   # a chain of 4, branches of 3
         >>> arrays = block_arrays_from_tree(mb.subtree_end, 4)     # query blocks [0, 4), [4, 8), [8, 10)
         >>> arrays.kv_num_blocks.tolist(), arrays.kv_indices.tolist()            # partial kv blocks per query block
         ([1, 1, 3], [[0, 0, 0], [1, 0, 0], [0, 1, 2]])

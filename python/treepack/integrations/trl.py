@@ -5,8 +5,8 @@ sampling, entropy masks) runs unchanged on the ``[B, T]`` logprobs it always get
     >>> from datasets import Dataset
     >>> from transformers import AutoModelForCausalLM, AutoTokenizer
     >>> from trl import GRPOConfig
-    >>> from treepack.integrations.trl import TreepackGRPOTrainer
-    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")   # import treepack.torch first
+    >>> from treepack.integrations.trl import TreepackGRPOTrainer   # imports treepack.torch: registers "treepack"
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
     >>> tok = AutoTokenizer.from_pretrained("tiny-model")
     >>> ds = Dataset.from_dict({"prompt": ["w2 w3 w4", "w2 w3 w5"]})
     >>> reward = lambda completions, **kwargs: [float(len(c)) for c in completions]

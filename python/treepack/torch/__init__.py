@@ -12,7 +12,7 @@ node logprobs without full logits, and the packed RL loss as an autograd functio
     >>> loss.backward()
     >>> metrics["trainable_tokens"], model.lm_head.weight.grad.abs().sum().item() > 0
     (6, True)
-    >>> ids = torch.tensor([[0, 0, 2, 3, 6, 7], [2, 3, 4, 5, 8, 9]])   # a trainer's rows: left padding 0, responses R = 2
+    >>> ids = torch.tensor([[0, 0, 2, 3, 6, 7], [2, 3, 4, 5, 8, 9]])   # a trainer's rows: left padding, responses of 2
     >>> batch, layout = tpt.from_padded(ids, (ids != 0).long(), response_length=2)   # packed: the rows share [2, 3]
     >>> batch.num_nodes
     8

@@ -481,8 +481,8 @@ def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
     TreepackError naming the layer (a preparation-time check; ``tree_attention`` checks each call again).
 
         >>> from transformers import Qwen3Config, Qwen3ForCausalLM
-        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        ...                      num_key_value_heads=2, head_dim=8, sliding_window=16, use_sliding_window=True,
+        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        ...                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16, use_sliding_window=True,
         ...                      layer_types=["sliding_attention", "full_attention"])   # as gpt-oss alternates them
         >>> layer_windows(Qwen3ForCausalLM(config))
         [16, None]

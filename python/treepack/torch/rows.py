@@ -122,7 +122,7 @@ def from_padded(
     tokens 0) or ``response_length`` R (every attended response token trainable).
 
         >>> import torch
-        >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]])           # OpenRLHF's sequences: left-padded prompt, response
+        >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]])           # OpenRLHF's sequences: padded prompt, response
         >>> action_mask = torch.tensor([[1, 1], [1, 1]])               # R = 2: [6, 7] and [8, 9]
         >>> batch, layout = from_padded(ids, (ids != 0).long(), response_mask=action_mask)
         >>> batch.input_ids.tolist()                                   # the rows' forest: [5, 6] shared
