@@ -12,7 +12,7 @@ needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_window
     >>> out = flex_attention(q, k, v, block_mask=block_mask)
     >>> i, subtree_end = torch.arange(10), torch.as_tensor(mb.subtree_end)
     >>> rule = (i[None, :] <= i[:, None]) & (i[:, None] < subtree_end[None, :])   # k <= q < subtree_end[k]
-    >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rule))
+    >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rule), atol=1e-5)
     True
     >>> q_ranges, k_ranges, types = magi_slices(mb)                # MagiAttention's attn ranges and type map
     >>> q_ranges, k_ranges, types                                  # nodes: a chain [0, 4), branches [4, 7), [7, 10)

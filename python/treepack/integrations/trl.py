@@ -13,10 +13,11 @@ sampling, entropy masks) runs unchanged on the ``[B, T]`` logprobs it always get
     >>> args = GRPOConfig(output_dir="grpo", per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
     ...                   max_steps=1, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
     >>> trainer = TreepackGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
-    >>> trainer.train().global_step       # TRL prints its logs: naive / packed tokens is treepack/compression
-    {'loss': ..., 'treepack/compression': ...}
-    {'train_runtime': ...}
+    >>> trainer.train().global_step       # TRL prints its logs
+    {...}
     1
+    >>> trainer.state.log_history[0]["treepack/compression"] > 1   # naive / packed tokens: each prompt's 4 rows share it
+    True
 
 Or train on treepack's micro-batches (``treepack pack`` output or ``treepack serve``), each one TRL micro-batch,
 its stored forest reused by the forward:
@@ -26,10 +27,11 @@ its stored forest reused by the forward:
     ...                   logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
     >>> trainer = TreepackGRPOTrainer(model=model, args=args, processing_class=tok,
     ...                               packed_batches=PackedDataset("packed/"))   # or FeedClient(url)
-    >>> trainer.train().global_step       # packed/'s first micro-batch: 14 tokens in 10
-    {'loss': ..., 'treepack/compression': '1.4', ...}
-    {'train_runtime': ...}
+    >>> trainer.train().global_step
+    {...}
     1
+    >>> trainer.state.log_history[0]["treepack/compression"]       # packed/'s first micro-batch: 14 tokens in 10
+    1.4
 
 Micro-batches packed with a step plan (``treepack pack --prefix-reuse C``) train through the step-plan executor
 (``treepack.torch.StepPlanRunner``): the policy's training forward computes only the nodes past the cached prefix,
