@@ -41,17 +41,20 @@ def doc(obj, qualname: str) -> str:
 
 
 def block(text: str) -> list[str]:
-    # Docstrings are prose with doctest-style examples: shown as text, never run by the docs tests.
+    # Docstrings are prose with doctest examples, fenced as `pycon` (an example runs until a blank line): the docs
+    # tests leave them to python/tests/test_doctests.py, which runs every one against its fixtures.
     out: list[str] = []
     fence = False
+    indent = 0
     for line in text.splitlines():
         if line.lstrip().startswith(">>>") and not fence:
-            out.append("```text")
+            out.append("```pycon")
             fence = True
+            indent = len(line) - len(line.lstrip())
         elif fence and line.strip() == "":
             out.append("```")
             fence = False
-        out.append(line)
+        out.append(line[indent:] if fence else line)
     if fence:
         out.append("```")
     return out + [""]
@@ -100,6 +103,11 @@ def main() -> int:
         "The trainer side, `pip install ./python` (numpy only; `treepack.torch` and the integrations need torch,",
         "transformers and, for TRL, trl). Generated from the package's docstrings and signatures; the modules are",
         "`" + "`, `".join(MODULES) + "`. Errors are `treepack.TreepackError` (see [errors.md](errors.md)).",
+        "",
+        "The `pycon` examples are doctests, run by the test suite (python/tests/test_doctests.py) in a directory",
+        "holding `packed/` and `planned/` (`treepack pack` output of four pre-tokenized samples: a and b share",
+        "`[2, 3, 4, 5]`, c and d share `[2, 3, 10]`), `tiny-model/` (a tiny random Qwen3 with a word-level tokenizer,",
+        "vocabulary 64) and, for `treepack.client`, `url`: a `treepack serve` holding one finished group.",
         "",
     ]
     for modname in MODULES:

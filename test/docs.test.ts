@@ -1,7 +1,8 @@
 /**
  * Every fenced block labelled `ts`, `sh` or `python` in README.md and docs/**\/*.md runs as written, so the docs
  * cannot drift from the code. Blocks labelled `text`, `json`, `jsonl`, `console` or `http` are not programs and do
- * not run; any other label, or none, fails (a typo such as `bash` would otherwise silently stop a block running).
+ * not run; `pycon` blocks (the docstrings' doctests in the generated python.md) run in python/tests/test_doctests.py,
+ * not here; any other label, or none, fails (a typo such as `bash` would otherwise silently stop a block running).
  * Commands that change the machine (npm install, pip install, the whole test suite) go in `console` blocks.
  *
  * The convention a page is written to:
@@ -41,7 +42,8 @@ import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 const root = resolve(__dirname, '..');
 const RUN = ['ts', 'sh', 'python'] as const;
-const INERT = ['text', 'json', 'jsonl', 'console', 'http'];
+// `pycon` blocks are the docstrings' doctests in the generated python.md: python/tests/test_doctests.py runs them.
+const INERT = ['text', 'json', 'jsonl', 'console', 'http', 'pycon'];
 const NEEDS = { torch: 'TREEPACK_REQUIRE_TORCH', cuda: REQUIRE_ENV.cuda!, redis: 'TREEPACK_REQUIRE_REDIS' } as const;
 type Need = keyof typeof NEEDS;
 

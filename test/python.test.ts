@@ -1,7 +1,7 @@
 /**
  * The Python reader (python/treepack, as installed from the wheel) on files written by the TypeScript writer, and
- * the Python unit tests. Skipped, with the reason printed, where no Python with numpy is found or the wheel cannot
- * be built (test/helpers/python.ts).
+ * the Python unit tests, the doctests of python/treepack's docstrings among them. Skipped, with the reason printed,
+ * where no Python with numpy is found or the wheel cannot be built (test/helpers/python.ts).
  */
 import { afterAll, describe, expect, it } from 'vitest';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
@@ -46,9 +46,12 @@ describe.skipIf(skipReason !== '')('python reader', () => {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-py-'));
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  it('python unit tests pass', { timeout: 120_000 }, () => {
-    const res = python(['-m', 'unittest', 'discover', '-s', pythonTests]);
-    expect(res.status, res.stderr).toBe(0);
+  it('python unit tests and the docstrings\' doctests pass', { timeout: 300_000 }, () => {
+    // test_doctests.py runs every >>> example of python/treepack (torch's and TRL's too where they import).
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests], { timeout: 290_000, env: { OMP_NUM_THREADS: '1' } });
+    expect(res.status, res.stderr.slice(-8000)).toBe(0);
+    const skipped = res.stderr.match(/^.* \.\.\. skipped .*$/gm) ?? [];
+    console.log(`python/tests: ${skipped.length} test(s) skipped here${skipped.length ? `: ${skipped.join('; ')}` : ''}`);
   });
 
   it('loads TypeScript-written micro-batches with identical arrays, sequences and metadata; pack_sequences lays them out alike', () => {

@@ -1,14 +1,26 @@
 """treepack on the trainer side: load packed micro-batches (shared/DESIGN.md §3) as numpy arrays and check them.
 
     >>> import treepack
-    >>> mb = treepack.load("out/mb-000000.safetensors")
-    >>> mb.sequence(0)                 # tokens of the first sequence
+    >>> paths = treepack.list_microbatches("packed")  # a packed directory: the files its manifest names, in order
+    >>> paths
+    ['packed/gen-000001/microbatch-00000.safetensors', 'packed/gen-000001/microbatch-00001.safetensors']
+    >>> mb = treepack.load(paths[0])
+    >>> mb.sequence(0).tolist()        # tokens of the first sequence
+    [2, 3, 4, 5, 6, 7, 1]
+    >>> mb.input_ids.tolist()          # its forest: the second sequence shares [2, 3, 4, 5]
+    [2, 3, 4, 5, 6, 7, 1, 8, 9, 1]
     >>> treepack.check_invariants(mb)  # [] when valid
-    >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]])   # pack in process (C core)
+    []
+    >>> treepack.check_values(mb, vocab_size=64)  # masks 0/1, ids in range, finite where trainable
+    []
+    >>> treepack.pack_sequences([[1, 2, 3], [1, 2, 4]]).input_ids.tolist()   # pack in process (C core)
+    [1, 2, 3, 4]
     >>> treepack.LossConfig(aggregation="seq-mean-token-mean", loss_scale=8)   # the loss config, typed
-    >>> treepack.plan_micro_batches(seqs, max_tokens=8192, groups=group_ids)  # micro-batches keeping groups whole
-    >>> treepack.check_values(mb, vocab_size=151936)  # masks 0/1, ids in range, finite where trainable
-    >>> treepack.list_microbatches("out")  # a packed directory: the files its manifest names, in order
+    LossConfig(policy='ppo', clip_low=0.2, clip_high=0.2, ..., aggregation='seq-mean-token-mean', ..., loss_scale=8, ...)
+    >>> seqs, group_ids = [[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 6, 8]], ["g1", "g1", "g2", "g2"]
+    >>> plan = treepack.plan_micro_batches(seqs, max_tokens=4, groups=group_ids)  # micro-batches keeping groups whole
+    >>> [mb.sequences.tolist() for mb in plan.micro_batches]
+    [[0, 1], [2, 3]]
 
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
 """

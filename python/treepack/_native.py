@@ -16,7 +16,7 @@ tried and why each failed.
     >>> from treepack import _native
     >>> _native.core().tp_version()
     b'0.1.0'
-    >>> _native.cuda_status()          # '' when loaded, else the reason
+    >>> status = _native.cuda_status()   # '' when loaded, else the reason
 """
 
 from __future__ import annotations

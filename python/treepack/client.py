@@ -2,10 +2,12 @@
 after each optimizer step (standard library HTTP; torch only to build the tensors).
 
     >>> from treepack.client import FeedClient
-    >>> feed = FeedClient("http://127.0.0.1:8400", rank=rank, dp=world_size, token=None)
+    >>> feed = FeedClient(url, rank=0, dp=1, token=None, wait=1, stop_when_idle=True)   # url: "http://127.0.0.1:8400"
     >>> for mb in feed:                      # waits for the next micro-batch of this rank
-    ...     loss = train_step(mb.batch)      # mb.batch: treepack.torch.PackedBatch; mb.entry: its manifest entry
-    ...     mb.ack()                         # after the step: never handed out again
+    ...     print(mb.entry["groups"], mb.batch.num_sequences)   # mb.batch: a PackedBatch; mb.entry: its manifest entry
+    ...     print(mb.ack()["step_done"])     # after the step: never handed out again
+    ['0'] 2
+    True
 
 A micro-batch not acknowledged within the service's lease (``--lease``) is handed out again, to this rank, so a
 trainer that dies mid-step loses nothing. Micro-batches packed with a step plan (``--prefix-reuse``) go out as a

@@ -4,10 +4,19 @@ The rule (shared/DESIGN.md §3): query q attends to key k iff ``k <= q < subtree
 needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_windowed``, ``tree_mask_mod``). ``treepack pack
 --masks block:128,slices`` stores its lowerings in the micro-batch file (docs/concepts/prefix-trees.md, "Lowerings of the rule"; tensor names in docs/reference/format.md):
 
-    >>> mb = treepack.load("packed/microbatch-00000.safetensors")
-    >>> block_mask = flex_block_mask(mb, device="cuda")            # torch BlockMask, no N² work
-    >>> out = flex_attention(q, k, v, block_mask=block_mask)       # q, k, v: [1, H, N, D]
+    >>> import torch, treepack
+    >>> from torch.nn.attention.flex_attention import flex_attention
+    >>> mb = treepack.load(treepack.list_microbatches("packed")[0])   # packed with --masks block:128,slices
+    >>> block_mask = flex_block_mask(mb, device="cpu")             # torch BlockMask, no N² work ("cuda" on a GPU)
+    >>> q = k = v = torch.randn(1, 2, 10, 8)                       # q, k, v: [1, H, N, D]
+    >>> out = flex_attention(q, k, v, block_mask=block_mask)
+    >>> i, subtree_end = torch.arange(10), torch.as_tensor(mb.subtree_end)
+    >>> rule = (i[None, :] <= i[:, None]) & (i[:, None] < subtree_end[None, :])   # k <= q < subtree_end[k]
+    >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rule), atol=1e-5)
+    True
     >>> q_ranges, k_ranges, types = magi_slices(mb)                # MagiAttention's attn ranges and type map
+    >>> q_ranges, k_ranges, types                                  # nodes: a chain [0, 4), branches [4, 7), [7, 10)
+    ([[0, 4], [4, 10], [4, 7], [7, 10]], [[0, 4], [0, 4], [4, 7], [7, 10]], [1, 0, 1, 1])
 
 torch is imported only inside the functions that need it, so the numpy parts work without it. The lowerings built
 here from the tree arrays are the C core's (``tp_mask_*`` in libtreepack_core.so, the cpu backend's code).
@@ -73,7 +82,13 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     equal element for element to the TypeScript lowering (src/mask/blocks.ts): partial and full kv blocks per query
     block, indices ascending, 0-padded.
 
-        >>> block_arrays_from_tree(mb.subtree_end, 128).kv_num_blocks
+        >>> import treepack
+        >>> mb = treepack.pack_sequences([[2, 3, 4, 5, 6, 7, 1], [2, 3, 4, 5, 8, 9, 1]])   # a chain of 4, branches of 3
+        >>> arrays = block_arrays_from_tree(mb.subtree_end, 4)     # query blocks [0, 4), [4, 8), [8, 10)
+        >>> arrays.kv_num_blocks.tolist(), arrays.kv_indices.tolist()            # partial kv blocks per query block
+        ([1, 1, 3], [[0, 0, 0], [1, 0, 0], [0, 1, 2]])
+        >>> arrays.full_kv_num_blocks.tolist(), arrays.full_kv_indices[1].tolist()   # nodes 4-7 see all of 0-3
+        ([0, 1, 0], [0, 0, 0])
     """
     if not (isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
         raise _fail("block_size", f"expected an integer >= 1, got {block_size!r}")

@@ -3,10 +3,20 @@
 CPU: ``libtreepack_core.so`` (``tp_loss``), CUDA: ``libtreepack_cuda.so`` (``tp_cuda_loss`` on device pointers);
 where each is found: treepack/_native.py.
 
+    >>> import numpy as np, treepack
     >>> from treepack.loss import LossConfig, loss_numpy
+    >>> mb = treepack.pack_sequences([[1, 2, 3], [1, 2, 4]], advantages=[1.0, -0.5],
+    ...                              old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]])
+    >>> lp = np.array([0, -0.5, -0.2, -1.3], dtype=np.float32)   # [N], one per node: here old_logprobs, ratio 1
     >>> loss, grad, metrics = loss_numpy(mb, lp, LossConfig(clip_low=0.2, clip_high=0.28))   # numpy arrays
-    >>> loss, grad, metrics = loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})      # the same, as a dict
-    >>> loss, metrics = treepack.torch.packed_loss(lp_tensor, batch, config)                   # torch, autograd
+    >>> loss, grad.tolist()         # token-mean: -(1 + 1 - 0.5 - 0.5) / 4; node 1 holds token 1 of both sequences
+    (-0.25, [0.0, -0.125, -0.25, 0.125])
+    >>> metrics["trainable_tokens"], metrics["ratio_mean"], metrics["clipfrac_high"]
+    (4, 1.0, 0.0)
+    >>> loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})[0]      # the same, as a dict
+    -0.25
+
+``treepack.torch.packed_loss(lp, batch, config)`` is the same loss on torch tensors, with autograd.
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
@@ -54,7 +64,11 @@ class LossConfig:
     accepted wherever a config is). Invalid values raise TreepackError(E_ARG) naming the field when constructed.
 
         >>> cfg = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="seq-mean-token-mean", loss_scale=8)
-        >>> loss, grad, metrics = loss_numpy(mb, lp, cfg)
+        >>> cfg.kl, cfg.tis                  # the defaults of the fields not given
+        ('none', 'none')
+        >>> LossConfig(clip_low=-1)
+        Traceback (most recent call last):
+        treepack.errors.TreepackError: field "clip_low": Expected a number >= 0 for clip_low but received -1
     """
 
     policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; 'cispo': clipped, detached IS weight times lp."})

@@ -307,8 +307,14 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0, turn_ids (when present) never decreasing along a
     sequence. Each kind of violation is one line: its count and its first few examples.
 
-        >>> treepack.check_invariants(treepack.pack_sequences([[1, 2], [1, 3]]))
+        >>> import treepack
+        >>> mb = treepack.pack_sequences([[1, 2], [1, 3]])   # nodes 1, 2, 3: 2 and 3 are children of 1
+        >>> treepack.check_invariants(mb)
         []
+        >>> mb.position_ids[2] = 2                            # node 2 is at depth 1
+        >>> for line in treepack.check_invariants(mb): print(line)
+        position_ids not the depth (1): position_ids[2] = 2, expected 1
+        position_ids[seq_positions[k]] not t (1): position_ids[seq_positions[3]] = 2, expected 1 (sequence 1, t = 1)
     """
     out: List[str] = []
     N, M = len(mb.input_ids), len(mb.seq_positions)

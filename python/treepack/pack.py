@@ -3,10 +3,18 @@ libtreepack_core.so: the cpu backend's packer, byte for byte the TypeScript ``pa
 trainers have.
 
     >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]])     # N = 4 nodes for M = 6 tokens
-    >>> mb.loss_mask                                      # 1 except each sequence's first token
+    >>> mb.input_ids.tolist(), mb.parent.tolist()         # the forest: token 3 and token 4 share the parent 2
+    ([1, 2, 3, 4], [-1, 0, 1, 1])
+    >>> mb.seq_positions.tolist()                         # each token's node, sequence after sequence
+    [0, 1, 2, 0, 1, 3]
+    >>> mb.loss_mask.tolist()                             # 1 except each sequence's first token
+    [0, 1, 1, 0, 1, 1]
     >>> mb = pack_sequences([[1, 2, 3], [1, 2, 4]], loss_mask=[[0, 0, 1], [0, 0, 1]], advantages=[1.0, -1.0],
     ...                     old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]])
-    >>> pack_sequences([[1, 2, 3, 4, 5]], turns=[[1, 3]]).turn_ids   # [-1, 0, 0, 1, 1]: turns start at t = 1 and 3
+    >>> mb.advantages.tolist()                            # one number per sequence: its trainable tokens, 0 elsewhere
+    [0.0, 0.0, 1.0, 0.0, 0.0, -1.0]
+    >>> pack_sequences([[1, 2, 3, 4, 5]], turns=[[1, 3]]).turn_ids.tolist()   # turns start at t = 1 and 3
+    [-1, 0, 0, 1, 1]
 
 For the whole pipeline (chat records, templates, timeline merge, budgets) use ``treepack pack`` or the library.
 """

@@ -1,10 +1,15 @@
 """Micro-batches for a trainer in Python: which sequences go together, keeping each group (a GRPO group, an agent
 episode) whole, under a budget of packed tokens, with the counts a trainer normalises by.
 
-    >>> plan = plan_micro_batches(seqs, max_tokens=8192, groups=[i // 8 for i in range(len(seqs))], loss_masks=masks)
-    >>> for mb in plan.micro_batches:        # mb.sequences, mb.packed_tokens, mb.trainable_tokens, mb.num_sequences
-    ...     ...
+    >>> seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7, 8, 9], [7, 8]]
+    >>> masks = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 1]]
+    >>> plan = plan_micro_batches(seqs, max_tokens=6, groups=["a", "a", "a", "b", "b"], loss_masks=masks)
+    >>> for mb in plan.micro_batches:        # group a: 6 distinct prefixes; b: 3; together over the budget
+    ...     print(mb.sequences.tolist(), mb.groups, mb.packed_tokens, mb.trainable_tokens, mb.num_sequences)
+    [0, 1, 2] ['a'] 6 6 3
+    [3, 4] ['b'] 3 3 2
     >>> plan.trainable_tokens, plan.num_sequences      # the step's global normalisers (token-mean, seq-mean)
+    (9, 5)
 
 The packed tokens of a set of sequences are the distinct prefixes among them (the nodes of their forest). Groups
 are laid out in the order of the window's forest (one ``pack_sequences`` call: groups that share a prompt are

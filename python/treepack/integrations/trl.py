@@ -2,16 +2,36 @@
 distinct prefixes, each group's rows stay in one micro-batch, and TRL's loss code (loss types, KL, importance
 sampling, entropy masks) runs unchanged on the ``[B, T]`` logprobs it always gets.
 
-    >>> from treepack.integrations.trl import TreepackGRPOTrainer
-    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack")   # import treepack.torch first
-    >>> trainer = TreepackGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
-    >>> trainer.train()
+    >>> from datasets import Dataset
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from trl import GRPOConfig
+    >>> from treepack.integrations.trl import TreepackGRPOTrainer   # imports treepack.torch: registers "treepack"
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> tok = AutoTokenizer.from_pretrained("tiny-model")
+    >>> ds = Dataset.from_dict({"prompt": ["w2 w3 w4", "w2 w3 w5"]})
+    >>> reward = lambda completions, **kwargs: [float(len(c)) for c in completions]
+    >>> args = GRPOConfig(output_dir="grpo", per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+    ...                   max_steps=1, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
+    >>> trainer = TreepackGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    >>> trainer.train().global_step       # TRL prints its logs
+    {...}
+    1
+    >>> trainer.state.log_history[0]["treepack/compression"] > 1   # naive / packed tokens: each prompt's 4 rows share it
+    True
 
 Or train on treepack's micro-batches (``treepack pack`` output or ``treepack serve``), each one TRL micro-batch,
 its stored forest reused by the forward:
 
-    >>> trainer = TreepackGRPOTrainer(model=model, args=GRPOConfig(..., max_steps=100), processing_class=tok,
+    >>> from treepack.torch import PackedDataset
+    >>> args = GRPOConfig(output_dir="grpo", per_device_train_batch_size=2, num_generations=2, max_steps=1,
+    ...                   logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
+    >>> trainer = TreepackGRPOTrainer(model=model, args=args, processing_class=tok,
     ...                               packed_batches=PackedDataset("packed/"))   # or FeedClient(url)
+    >>> trainer.train().global_step
+    {...}
+    1
+    >>> trainer.state.log_history[0]["treepack/compression"]       # packed/'s first micro-batch: 14 tokens in 10
+    1.4
 
 Micro-batches packed with a step plan (``treepack pack --prefix-reuse C``) train through the step-plan executor
 (``treepack.torch.StepPlanRunner``): the policy's training forward computes only the nodes past the cached prefix,

@@ -1,13 +1,24 @@
 """treepack's trainer side in PyTorch: packed micro-batches as tensors, tree attention for Hugging Face models,
 node logprobs without full logits, and the packed RL loss as an autograd function.
 
-    >>> import treepack.torch as tpt                # registers attn_implementation="treepack" with transformers
-    >>> batch = tpt.load_microbatch(path, device="cuda")
+    >>> import torch, treepack, treepack.torch as tpt   # registers attn_implementation="treepack" with transformers
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> batch = tpt.load_microbatch(treepack.list_microbatches("packed")[0])   # device="cuda" on a GPU
     >>> lp = tpt.packed_logprobs(model, batch).logprobs           # [N], at the nodes that predict trainable tokens
+    >>> lp.isnan().tolist()                                       # NaN elsewhere: here the shared prompt [2, 3, 4, 5]
+    [True, True, True, True, False, False, False, False, False, False]
     >>> loss, metrics = tpt.packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})
     >>> loss.backward()
-    >>> batch, layout = tpt.from_padded(ids, attn, response_mask=mask)   # a trainer's rows, packed
-    >>> per_token = layout.to_padded(tpt.forward_logprobs(wrapped_model, batch).logprobs)  # [B, R] back
+    >>> metrics["trainable_tokens"], model.lm_head.weight.grad.abs().sum().item() > 0
+    (6, True)
+    >>> ids = torch.tensor([[0, 0, 2, 3, 6, 7], [2, 3, 4, 5, 8, 9]])   # a trainer's rows: left padding, responses of 2
+    >>> batch, layout = tpt.from_padded(ids, (ids != 0).long(), response_length=2)   # packed: the rows share [2, 3]
+    >>> batch.num_nodes
+    8
+    >>> per_token = layout.to_padded(tpt.forward_logprobs(model, batch).logprobs)  # [B, R] back
+    >>> per_token.shape
+    torch.Size([2, 2])
 
 Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
 (packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.

@@ -1,8 +1,17 @@
 """Tree attention for any Hugging Face causal LM: the ``"treepack"`` attn_implementation.
 
-    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack")
+    >>> import torch, treepack, treepack.torch as tpt
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> batch = tpt.load_microbatch(treepack.list_microbatches("packed")[0])
     >>> mask = tree_mask(batch)                                  # from subtree_end; no --masks needed
     >>> out = model(batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask)
+    >>> out.logits.shape                                         # [1, N, vocab]: a row per node
+    torch.Size([1, 10, 64])
+    >>> plain = AutoModelForCausalLM.from_pretrained("tiny-model")   # stock attention: sequence b alone
+    >>> b = batch.seq_positions[batch.seq_offsets[1]:]              # its nodes
+    >>> torch.allclose(out.logits[0, b], plain(batch.input_ids[b][None]).logits[0], atol=1e-5)
+    True
 
 Query q attends to key k iff ``k <= q < subtree_end[k]``. ``tree_mask`` builds a ``TreeMask``: a FlexAttention
 ``BlockMask`` (block arrays computed in Python from ``subtree_end``, ``flex.block_arrays_from_tree``) that also
@@ -471,8 +480,12 @@ def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
     for layer types that call no attention. A type the tree attention cannot run, or a bidirectional config, is a
     TreepackError naming the layer (a preparation-time check; ``tree_attention`` checks each call again).
 
-        >>> layer_windows(gpt_oss_model)          # config.layer_types = ["sliding_attention", "full_attention"]
-        [128, None]
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        ...                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16, use_sliding_window=True,
+        ...                      layer_types=["sliding_attention", "full_attention"])   # as gpt-oss alternates them
+        >>> layer_windows(Qwen3ForCausalLM(config))
+        [16, None]
     """
     config = model.config
     _check_causal(config, type(model).__name__)

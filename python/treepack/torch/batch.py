@@ -1,7 +1,12 @@
 """Packed micro-batches as torch tensors: the loader and a DataLoader-friendly dataset over a packed directory.
 
-    >>> batch = load_microbatch("packed/microbatch-00000.safetensors", device="cuda")
-    >>> for batch in PackedDataset("packed/", rank=rank, dp=world_size): ...
+    >>> import treepack
+    >>> batch = load_microbatch(treepack.list_microbatches("packed")[0])   # device="cuda" on a GPU
+    >>> batch.num_nodes, batch.num_sequences, batch.sequence(1).tolist()
+    (10, 2, [2, 3, 4, 5, 8, 9, 1])
+    >>> for batch in PackedDataset("packed/", rank=1, dp=2):     # what the manifest gives rank 1 of 2
+    ...     print(batch.meta["sequence_ids"], batch.num_nodes)
+    ['c', 'd'] 8
 
 Index tensors are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats float32; every
 tensor is a fresh, writable copy. The forest invariants are checked on load (``check=False`` skips them): a broken

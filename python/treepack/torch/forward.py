@@ -6,9 +6,19 @@ runs only at the rows that predict a scored token (``logits_to_keep`` as an inde
 instead gets ``[rows, vocab]`` logits from the model, one row per node that predicts a scored token (a branch
 point's row serves all its children), so it needs that much memory for them at once.
 
-    >>> batch, layout = from_padded(input_ids, attention_mask, response_mask=mask)
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM
+    >>> from treepack.torch import from_padded, packed_logprobs
+    >>> ddp_model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")   # or wrapped
+    >>> input_ids = torch.tensor([[0, 2, 3, 6, 7], [2, 3, 4, 8, 9]])
+    >>> batch, layout = from_padded(input_ids, (input_ids != 0).long(), response_mask=torch.ones(2, 2))
     >>> scores = forward_logprobs(ddp_model, batch, temperature=0.7, entropy=True)
     >>> per_token = layout.to_padded(scores.logprobs)
+    >>> per_token.shape, layout.to_padded(scores.entropy).shape
+    (torch.Size([2, 2]), torch.Size([2, 2]))
+    >>> same = packed_logprobs(ddp_model, batch, temperature=0.7).logprobs   # the chunked path: the same values
+    >>> torch.allclose(scores.logprobs, same, atol=1e-5, equal_nan=True)
+    True
 """
 
 from __future__ import annotations

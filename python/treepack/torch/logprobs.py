@@ -12,9 +12,18 @@ one-hot of its token minus the row's probabilities; of an entropy, ``-p * (log p
 allocate and fill several. Backward recomputes each chunk's logits (one more matmul per row) instead of keeping
 them. Any other head module runs through autograd, each chunk under activation checkpointing when there are several.
 
+    >>> import torch, treepack, treepack.torch as tpt
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> batch = tpt.load_microbatch(treepack.list_microbatches("packed")[0])
     >>> scores = packed_logprobs(model, batch, entropy=True)     # runs the model packed (attn "treepack" or sdpa)
-    >>> scores.logprobs                                          # [N]; NaN at nodes not scored
+    >>> scores.logprobs.shape, scores.logprobs.isnan().sum().item()   # [N]; NaN at nodes not scored (the prompt's 4)
+    (torch.Size([10]), 4)
     >>> per_token = gather_occurrences(scores.logprobs, batch)   # [M], sequence i's token t at seq_offsets[i] + t
+    >>> alone = tpt.naive_batch(batch)                           # the same sequences, nothing shared
+    >>> reference = gather_occurrences(packed_logprobs(model, alone).logprobs, alone)
+    >>> torch.allclose(per_token[batch.loss_mask], reference[alone.loss_mask], atol=1e-5)
+    True
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
 """The packed RL loss as a torch autograd Function over treepack's C ABI.
 
+    >>> import torch, treepack
+    >>> from treepack.torch import from_microbatch
+    >>> batch = from_microbatch(treepack.pack_sequences([[1, 2, 3], [1, 2, 4]], advantages=[1.0, -0.5],
+    ...                                                 old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]]))
+    >>> lp = torch.tensor([0, -0.5, -0.2, -1.3], requires_grad=True)                  # [N]: old_logprobs, ratio 1
     >>> loss, metrics = packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})   # metrics: dict of floats
-    >>> loss.backward()                                                                # lp.grad = dloss/dlp [N]
+    >>> loss.backward()
+    >>> loss.item(), lp.grad.tolist()      # lp.grad = dloss/dlp [N]: -(1 + 1 - 0.5 - 0.5) / 4; node 1 is in both
+    (-0.25, [0.0, -0.125, -0.25, 0.125])
 
 CPU tensors run ``tp_loss`` (libtreepack_core.so); CUDA tensors run ``tp_cuda_loss`` on their device pointers, on
 the tensors' own device and that device's current stream. The kernels compute the gradient with the loss, so

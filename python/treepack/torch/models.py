@@ -1,9 +1,14 @@
 """``prepare(model)``: every token-mixing layer of a Hugging Face model tree-aware, or a TreepackError naming the one
 that cannot be.
 
-    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack")
-    >>> treepack.torch.prepare(model)                    # packed_logprobs calls it too; idempotent
-    >>> out = model(batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tree_mask(batch))
+    >>> import treepack, treepack.torch
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> model = treepack.torch.prepare(model)                    # packed_logprobs calls it too; idempotent
+    >>> batch = treepack.torch.load_microbatch(treepack.list_microbatches("packed")[0])
+    >>> mask = treepack.torch.tree_mask(batch)
+    >>> model(batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask).logits.shape
+    torch.Size([1, 10, 64])
 
 Softmax attention takes the tree through the ``"treepack"`` attention function. The recurrent layers listed in
 ``LAYERS`` (Gated DeltaNet, Kimi Delta Attention, Mamba2) run the tree way (python/treepack/torch/recurrent.py) when
@@ -212,7 +217,11 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
     (module docstring); returns the model. ``chunk_align`` None keeps a prepared layer's setting (False the first
     time). Raises TreepackError naming the first layer treepack cannot run.
 
-        >>> model = prepare(AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack"), chunk_align=True)
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = prepare(AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack"), chunk_align=True)
+        >>> prepare(model, chunk_align="yes")
+        Traceback (most recent call last):
+        treepack.errors.TreepackError: field "chunk_align": expected True, False or None, got 'yes'
     """
     if chunk_align is not None and not isinstance(chunk_align, bool):
         raise TreepackError("E_ARG", f"expected True, False or None, got {chunk_align!r}", field="chunk_align")

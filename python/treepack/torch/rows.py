@@ -7,9 +7,23 @@ scoring starting at its first response token; ``RowLayout`` puts per-node or per
 trainer wants them, with a finite fill: ``packed_logprobs`` returns NaN at unscored nodes, and ``NaN × 0`` poisons
 every masked sum. ``padded_rows`` goes the other way, a stored ``PackedBatch`` as padded rows.
 
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM
+    >>> from treepack.torch import forward_logprobs, from_padded
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> input_ids = torch.tensor([[0, 0, 2, 3, 6, 7, 1], [2, 3, 4, 5, 8, 9, 1]])   # TRL's rows: prompt, completion
+    >>> attention_mask = (input_ids != 0).long()                # 0 at the left padding
+    >>> completion_mask = torch.tensor([[1, 1, 1], [1, 0, 1]])  # R = 3; row 1's middle token a tool's: not trained
     >>> batch, layout = from_padded(input_ids, attention_mask, response_mask=completion_mask)
     >>> scores = forward_logprobs(model, batch)                  # [N], NaN where not scored
     >>> per_token = layout.to_padded(scores.logprobs, fill=0.0)  # [B, R], 0 where not trainable
+    >>> per_token[1, 1].item()
+    0.0
+    >>> plain = AutoModelForCausalLM.from_pretrained("tiny-model")   # stock attention: row 0 alone, unpadded
+    >>> row = input_ids[0, 2:]
+    >>> reference = plain(row[None]).logits[0, :-1].log_softmax(-1).gather(-1, row[1:, None])[-3:, 0]
+    >>> torch.allclose(per_token[0], reference, atol=1e-5)
+    True
 
 Response tokens with mask 0 (tool results, environment feedback) stay in the tree (later tokens attend to them)
 but are not trainable, so not scored; so are attended columns the attention mask drops (a sequence is the row's
@@ -107,7 +121,12 @@ def from_padded(
     packed batch and the layout of its ``[B, R]`` outputs. Give ``response_mask`` [B, R] (1 = trainable; tool
     tokens 0) or ``response_length`` R (every attended response token trainable).
 
-        >>> batch, layout = from_padded(ids, attn, response_mask=action_mask)  # OpenRLHF: sequences, action_mask
+        >>> import torch
+        >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]])           # OpenRLHF's sequences: padded prompt, response
+        >>> action_mask = torch.tensor([[1, 1], [1, 1]])               # R = 2: [6, 7] and [8, 9]
+        >>> batch, layout = from_padded(ids, (ids != 0).long(), response_mask=action_mask)
+        >>> batch.input_ids.tolist()                                   # the rows' forest: [5, 6] shared
+        [5, 6, 7, 8, 9]
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise TreepackError("E_ARG", f"expected input_ids and attention_mask of one shape [B, T], got {list(input_ids.shape)} and {list(attention_mask.shape)}", field="attention_mask")
@@ -166,8 +185,15 @@ def from_jagged(
     index of row i's first response token; ``response_mask``: jagged over the responses (1 = trainable), all
     trainable when None.
 
-        >>> batch, layout = from_jagged(nested_ids, prompt_lengths, nested_response_mask)    # verl-shaped rows
+        >>> import torch
+        >>> from transformers import AutoModelForCausalLM
+        >>> from treepack.torch import forward_logprobs
+        >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+        >>> rows = [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 8, 9])]   # verl-shaped rows: prompt, then response
+        >>> batch, layout = from_jagged(rows, [1, 2], [torch.tensor([1, 1]), torch.tensor([0, 1])])   # 8 not trained
         >>> logprobs, offsets = layout.to_jagged(forward_logprobs(model, batch).logprobs)
+        >>> offsets.tolist(), logprobs.shape, logprobs[2].item()      # the responses [6, 7] and [8, 9], 0 at 8
+        ([0, 2, 4], torch.Size([4]), 0.0)
     """
     seqs = _jagged_rows(input_ids, "input_ids")
     starts = [int(s) for s in (response_start.tolist() if isinstance(response_start, torch.Tensor) else response_start)]
@@ -196,7 +222,11 @@ def padded_rows(batch: PackedBatch, pad_token_id: int) -> Tuple[Dict[str, torch.
     its holes are tool tokens), and the ``[B, R]`` layout of the responses (``layout.to_padded(batch.advantages,
     of="occurrences", where="all")`` is the advantages).
 
-        >>> rows, layout = padded_rows(load_microbatch(path), tokenizer.pad_token_id)
+        >>> import treepack
+        >>> from treepack.torch import load_microbatch
+        >>> rows, layout = padded_rows(load_microbatch(treepack.list_microbatches("packed")[1]), pad_token_id=0)
+        >>> rows["prompt_ids"].tolist(), rows["completion_ids"].tolist()   # samples c and d, split at their masks
+        ([[2, 3, 10], [2, 3, 10]], [[11, 12, 1], [13, 1, 0]])
     """
     S = batch.num_sequences
     lengths = (batch.seq_offsets[1:] - batch.seq_offsets[:-1]).tolist()

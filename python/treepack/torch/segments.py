@@ -5,8 +5,14 @@ a child of a branch point and ends at a branch point or a leaf. Node i continues
 ``subtree_end[i] == subtree_end[i-1]`` (i-1's only child is i), so the segments come from ``subtree_end`` alone and
 the layers, which only see the ``TreeMask``, derive them once per micro-batch (cached on the mask).
 
+    >>> import torch, treepack, treepack.torch as tpt
+    >>> mask = tpt.tree_mask(tpt.load_microbatch(treepack.list_microbatches("packed")[0]))   # a chain, two branches
     >>> seg = segments_of(mask)                      # Segments: start, length, parent, depth, offset per segment
-    >>> plan = run_plan(mask, align=64)              # the recurrence's calls, batched per depth level
+    >>> seg.start.tolist(), seg.length.tolist(), seg.parent.tolist(), seg.offset.tolist()
+    ([0, 4, 7], [4, 3, 3], [-1, 0, 0], [0, 4, 4])
+    >>> plan = run_plan(mask, align=1, device=torch.device("cpu"))   # the recurrence's calls, batched per depth level
+    >>> [call.nodes.tolist() for call in plan.calls]                 # the chain, then both branches in one call
+    [[[0, 1, 2, 3]], [[4, 5, 6], [7, 8, 9]]]
 
 ``run_plan(align=A)`` runs each segment from path position ``A*floor(a/A)`` (a: the segment's first position in its
 sequences) to its end (a leaf) or to ``A*floor(b/A)`` (a branch point ending at b), re-running the ancestors' tokens

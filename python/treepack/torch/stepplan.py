@@ -12,8 +12,21 @@ and back-propagated with the gradients its leaves gathered, which flow on into t
 below. The loss is one ``loss_fn`` call per micro-batch, so parameter gradients accumulate as in ordinary gradient
 accumulation, and equal those of running every micro-batch in full.
 
+    >>> import torch, treepack, treepack.torch as tpt
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_pretrained("tiny-model", attn_implementation="treepack")
+    >>> optimizer, cfg = torch.optim.SGD(model.parameters(), lr=0.1), {"clip_low": 0.2, "clip_high": 0.28}
+    >>> rank_files = treepack.list_microbatches("planned")              # --prefix-reuse: both hang from [2, 3]
     >>> batches = [tpt.load_microbatch(p) for p in rank_files]          # in the plan's order on this rank
     >>> result = run_step_plan(model, batches, lambda lp, b: tpt.packed_loss(lp, b, cfg)[0])
+    >>> result.computed_tokens, result.pushed_tokens                    # [2, 3] pushed once, recomputed at its pop
+    (16, 2)
+    >>> planned = [p.grad.clone() for p in model.parameters()]
+    >>> model.zero_grad()
+    >>> for b in batches:                                               # each micro-batch in full: the same gradients
+    ...     tpt.packed_loss(tpt.packed_logprobs(model, b).logprobs, b, cfg)[0].backward()
+    >>> all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(planned, model.parameters()))
+    True
     >>> optimizer.step()
 
 Sliding windows and sinks work unchanged: the cached keys take their place in the full forest's mask. A recurrent
