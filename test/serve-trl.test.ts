@@ -26,6 +26,7 @@ const GROUPS = 4;
 const EPISODES = 4; // per group (--group-size)
 const GROUPS_PER_STEP = 2;
 const MAX_TOKENS = 400;
+const PAD_MULTIPLE = 64; // pad nodes tell the stored forest (which has them) from one rebuilt from TRL's rows (which has not)
 const LEASE_S = 4; // what a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice)
 const DIED = 75; // feed_trl.py's dying trainer
 const TOOLS = [{ type: 'function', function: { name: 'search', description: 'search the web', parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] } } }];
@@ -38,7 +39,7 @@ interface Diff {
   logs: number;
 }
 interface Report {
-  tokens: { naive: number; packed: number; micro_batches: number; sequences: number; holes: number };
+  tokens: { naive: number; packed: number; pad: number; micro_batches: number; sequences: number; holes: number };
   reference_logs: Record<string, number>[];
   controls: Record<string, Diff>;
   feed: Diff & { events: Events; same_batches: boolean; nodes: number[]; stats: number[][] };
@@ -84,7 +85,7 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
     const t0 = Date.now();
     stub = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3') });
     const flags = (data: string) => ['--engine', stub!.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', String(EPISODES), '--groups-per-step', String(GROUPS_PER_STEP),
-      '--window', String(GROUPS), '--max-tokens', String(MAX_TOKENS), '--lease', String(LEASE_S)];
+      '--window', String(GROUPS), '--max-tokens', String(MAX_TOKENS), '--pad-multiple', String(PAD_MULTIPLE), '--lease', String(LEASE_S)];
     const a = await startServeProcess(flags(join(dir, 'a')));
     serves.push(a);
     for (let g = 0; g < GROUPS; g++) {
@@ -103,7 +104,7 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
       const input = join(dir, `step${s}.jsonl`);
       writeFileSync(input, jsonl);
       const out = join(dir, `reference-step${s}`);
-      const r = cli(['pack', input, '--out', out, '--tokenizer', 'qwen3', '--timeline-compare-level', 'token', '--max-tokens', String(MAX_TOKENS), '--quiet']);
+      const r = cli(['pack', input, '--out', out, '--tokenizer', 'qwen3', '--timeline-compare-level', 'token', '--max-tokens', String(MAX_TOKENS), '--pad-multiple', String(PAD_MULTIPLE), '--quiet']);
       expect(r.code, r.stderr).toBe(0);
       steps.push(out);
     }
@@ -150,8 +151,10 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
     expect(got.feed.params).toBeLessThanOrEqual(1e-10);
     expect(got.feed.logs).toBeLessThanOrEqual(1e-10);
     expect(got.feed.events).toEqual(steps.flatMap((_, w) => [...window(w, 'pulled'), ...window(w, 'acked')]));
+    expect(got.tokens.pad).toBeGreaterThan(0);
+    expect(got.feed.nodes.every((n) => n % PAD_MULTIPLE === 0)).toBe(true);
     for (const [tokens, nodes] of got.feed.stats) {
-      expect(got.feed.nodes).toContain(nodes); // the stored forest, reused
+      expect(got.feed.nodes).toContain(nodes); // every forward ran on a stored forest, pad nodes included
       expect(tokens).toBeGreaterThan(nodes);
     }
     // The comparison can fail: another advantage on one micro-batch, or one micro-batch trained twice in place of another.
@@ -178,7 +181,7 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
       expect([count('packed'), count('handed_out'), count('reissued'), count('acked')]).toEqual([micro, micro, reissued, micro]);
     }
     console.log(`test/serve-trl.test.ts: ${steps.length} optimizer steps of ${perStep} micro-batches, ${got.tokens.sequences} sequences, ` +
-      `${got.tokens.naive} tokens packed to ${got.tokens.packed}; max |Δ| parameters feed ${got.feed.params}, restarted ${got.restart.params}, ` +
+      `${got.tokens.naive} tokens packed to ${got.tokens.packed} (${got.tokens.pad} of them pad); max |Δ| parameters feed ${got.feed.params}, restarted ${got.restart.params}, ` +
       `logged metrics ${got.feed.logs} / ${got.restart.logs}; controls ${JSON.stringify(got.controls)}; ` +
       `TRL runs: reference ${got.reference_s.toFixed(1)} s, 2 controls ${got.controls_s.toFixed(1)} s, feed ${got.feed_s.toFixed(1)} s, resumed ${got.restart_s.toFixed(1)} s; ` +
       `episodes and packing ${((t1 - t0) / 1000).toFixed(1)} s, Python processes ${((t2 - t1) / 1000).toFixed(1)} s + ${((t3 - t2) / 1000).toFixed(1)} s; whole test ${((Date.now() - t0) / 1000).toFixed(1)} s`);

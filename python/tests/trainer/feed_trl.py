@@ -141,7 +141,8 @@ def first(spec: dict) -> None:
     tiny_model("qwen3", torch.float32, attn="sdpa", vocab=flat[0].vocab_size).save_pretrained(spec["model"])
     with open(os.path.join(spec["work"], "spec.json"), "w") as f:
         json.dump(spec, f)
-    out = {"tokens": {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat), "micro_batches": len(flat),
+    out = {"tokens": {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat),
+                      "pad": sum(b.num_pad_tokens for b in flat), "micro_batches": len(flat),
                       "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat))}}
     began = time.time()
 
