@@ -24,7 +24,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from support import CORE_SKIP, TORCH_SKIP, patch_norms_to_input_dtype, tiny_model, torch  # noqa: E402
-from test_trl_grpo import TRL_SKIP, Capture, patch_rope_to_float64  # noqa: E402
 
 from treepack.client import FeedClient  # noqa: E402
 
@@ -63,6 +62,7 @@ def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: boo
     """TRL's trainer on ``source`` (one stored micro-batch per TRL micro-batch, one step's micro-batches per
     optimizer step), float64, from the saved tiny model; ``die_at_step``: the process exits DIED in the loss of that
     optimizer step (its micro-batches pulled, none acknowledged), its logs so far saved."""
+    from test_trl_grpo import Capture, patch_rope_to_float64
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
@@ -124,12 +124,14 @@ def log_diff(a: list, b: list) -> float:
 
 
 def first(spec: dict) -> None:
-    from treepack.torch import PackedDataset
-
-    reason = CORE_SKIP or TORCH_SKIP or TRL_SKIP
+    reason = CORE_SKIP or TORCH_SKIP
+    if not reason:  # test_trl_grpo needs torch to import; it raises where TRL is missing under TREEPACK_REQUIRE_TORCH=1
+        from test_trl_grpo import TRL_SKIP as reason
     if reason:
         print(json.dumps({"skip": reason}))
         return
+    from treepack.torch import PackedDataset
+
     torch.set_num_threads(1)
     reference = [list(PackedDataset(d)) for d in spec["reference"]]
     counts = {len(step) for step in reference}
