@@ -13,7 +13,8 @@
  *   idle timeout plus a restart's allowance.
  * Every random choice (agents' fates, the trainer's deaths, which fault when) comes from one seed, printed at the
  * start and in any failure: TREEPACK_SOAK_SEED=<seed> replays the same schedule (timing still interleaves freely).
- * TREEPACK_SOAK_SECONDS sets the load phase (default 45; the whole test then stays under three minutes).
+ * TREEPACK_SOAK_SECONDS sets the load phase (default 45). The drain after it is the backlog the agents built over the
+ * trainer (64–71 s on a 2-core host under CI's load), so the whole test took 135–151 s there: the budget is 300 s.
  */
 import { afterAll, describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
@@ -47,7 +48,7 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
     for (const c of cleanup.reverse()) await c().catch(() => {});
   });
 
-  it(`every answered call trained exactly once through kill -9 of gateways and Redis (seed ${SEED})`, { timeout: 180_000 }, async () => {
+  it(`every answered call trained exactly once through kill -9 of gateways and Redis (seed ${SEED})`, { timeout: 300_000 }, async () => {
     console.log(`serve-soak: seed ${SEED} (TREEPACK_SOAK_SEED=${SEED} replays it), ${SECONDS} s of load`);
     const stub: StubEngine = await startStubEngine();
     cleanup.push(() => stub.close());
