@@ -1,11 +1,12 @@
 /**
  * The agent APIs beside chat completions: the OpenAI Responses API driven by the official `openai` Python
  * package (`client.responses.create`, streaming and not), the Anthropic Messages API by the official `anthropic`
- * Python package (`client.messages.create` and `.stream`), and `n > 1` on chat completions, all against the stub
- * engine answering as vLLM does (token ids, logprobs, tool calls, n choices). Each episode is written here, by
- * hand, as the chat episode it is (the messages a chat client would have sent, the engine's own ids and
- * logprobs as the responses), and what the trainer feed hands out for the recorded episode must be byte for byte
- * what `treepack pack` writes for that chat episode.
+ * Python package (`client.messages.create`, `.stream` and `.count_tokens`), and `n > 1` on chat completions, all
+ * against the stub engine answering as vLLM does (token ids, logprobs, tool calls, n choices). Each episode is
+ * written here, by hand, as the chat episode it is (the messages a chat client would have sent, the engine's own
+ * ids and logprobs as the responses), and what the trainer feed hands out for the recorded episode must be byte
+ * for byte what `treepack pack` writes for that chat episode. Each token count must be the prompt the stub engine
+ * then received for the call.
  */
 import { execFile, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
