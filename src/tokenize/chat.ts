@@ -184,7 +184,7 @@ export class ChatEncoder {
    * content as empty text). `vars` are template variables of the request (an engine's `chat_template_kwargs`):
    * given, the template renders through jinja with them. Turns are tokenized through the cache, as `encode` does.
    */
-  encodePrompt(messages: readonly ChatMessage[], tools: readonly unknown[] | undefined, vars?: Readonly<Record<string, unknown>>): Int32Array {
+  encodePrompt(messages: readonly ChatMessage[], tools: readonly unknown[] | null | undefined, vars?: Readonly<Record<string, unknown>>): Int32Array {
     const t = tools && tools.length > 0 ? [...tools] : undefined;
     let text: string;
     try {
