@@ -41,16 +41,20 @@ const messagesErrors = {
   '504': anthropicErr('the engine did not answer within --engine-timeout'),
 };
 
+// A token count is no call: it records nothing and never reaches the engine, so only these can refuse it.
+const countErrors = { '400': messagesErrors['400'], '401': messagesErrors['401'], '403': messagesErrors['403'], '429': anthropicErr('rate limited (--rate-limit)') };
+
 /**
  * The gateway's operations, each served under three base URLs: /v1, /episodes/{episode}/v1 and
  * /groups/{group}/episodes/{episode}/v1 (src/serve/gateway.ts registers each for every prefix). A gateway route added
  * to the service is one more entry here.
  */
-const GATEWAY_OPERATIONS: { path: string; method: 'get' | 'post'; id: string; summary: string; body?: Schema; ok: string; errors: Record<string, Schema> }[] = [
+const GATEWAY_OPERATIONS: { path: string; method: 'get' | 'post'; id: string; summary: string; body?: Schema; ok: string; okSchema?: Schema; errors: Record<string, Schema>; common?: Record<string, Schema> }[] = [
   { path: '/v1/chat/completions', method: 'post', id: 'chat', summary: "OpenAI chat completion, forwarded to the engine and recorded (with the engine's token ids and logprobs)", body: ref('ChatCompletionRequest'), ok: "the engine's answer, unchanged (a text/event-stream when stream is true)", errors: engineErrors },
   { path: '/v1/completions', method: 'post', id: 'completion', summary: 'OpenAI text completion, forwarded and recorded', body: ref('CompletionRequest'), ok: "the engine's answer, unchanged", errors: engineErrors },
   { path: '/v1/responses', method: 'post', id: 'responses', summary: "OpenAI Responses API, translated to the engine's chat completions and recorded as the equivalent chat call (docs/guides/agent-apis.md)", body: ref('ResponsesRequest'), ok: 'a Responses API response object (a text/event-stream of its events when stream is true)', errors: engineErrors },
   { path: '/v1/messages', method: 'post', id: 'messages', summary: "Anthropic Messages API, translated to the engine's chat completions and recorded as the equivalent chat call; the key may come as x-api-key (docs/guides/agent-apis.md)", body: ref('MessagesRequest'), ok: 'an Anthropic message (a text/event-stream of its events when stream is true)', errors: messagesErrors },
+  { path: '/v1/messages/count_tokens', method: 'post', id: 'countTokens', summary: "Anthropic Messages API token count: the prompt tokens the engine gets for the equivalent /v1/messages call (its chat messages and tools through the service's chat template, with the generation prompt, and its tokenizer); not a call: nothing is recorded, no episode opened, the engine not asked (docs/guides/agent-apis.md)", body: ref('CountTokensRequest'), ok: 'the count, in the Messages API\'s shape', okSchema: obj({ input_tokens: int }), errors: countErrors, common: {} },
   { path: '/v1/models', method: 'get', id: 'models', summary: "the engine's model list, relayed", ok: "the engine's answer, status and body unchanged", errors: { '502': engineErrors['502'], '504': engineErrors['504'] } },
 ];
 
@@ -66,7 +70,7 @@ function gateway(prefix: string, params: Schema[], suffix: string): Record<strin
           summary: op.summary,
           parameters: op.method === 'post' ? [...params, ...gatewayHeaders] : params,
           ...(op.body && { requestBody: body(op.body) }),
-          responses: { '200': json(op.ok, { type: 'object' }), ...common, ...op.errors },
+          responses: { '200': json(op.ok, op.okSchema ?? { type: 'object' }), ...(op.common ?? common), ...op.errors },
           'x-treepack-scoped': true,
         },
       },
@@ -144,7 +148,8 @@ const doc: Schema = {
       CompletionRequest: { type: 'object', required: ['prompt'], description: 'OpenAI completion request with one prompt string; other fields go to the engine unchanged', properties: { prompt: str, stream: nullable(bool), n: nullable({ type: 'integer', minimum: 1, maximum: 128 }) } },
       ResponsesRequest: { type: 'object', required: ['input'], description: 'OpenAI Responses API request: input (a string or message and function-call items), instructions, function tools; previous_response_id, conversation, item references, built-in tools and non-text content are refused (400 naming the field)', properties: { input: { oneOf: [str, { type: 'array' }] }, instructions: nullable(str), tools: nullable({ type: 'array' }), stream: nullable(bool) } },
       MessagesRequest: { type: 'object', required: ['messages', 'max_tokens'], description: 'Anthropic Messages API request: system, messages with text, tool_use and tool_result blocks, custom tools; server tools, thinking budgets, MCP and non-text content are refused (400 naming the field)', properties: { system: { oneOf: [str, { type: 'array' }] }, messages: { type: 'array', minItems: 1 }, max_tokens: int, tools: nullable({ type: 'array' }), stream: nullable(bool) } },
-      AnthropicError: { type: 'object', required: ['type', 'error'], description: "An error of /v1/messages, in the Anthropic Messages API's shape", properties: { type: { const: 'error' }, error: obj({ type: str, message: str }) } },
+      CountTokensRequest: { type: 'object', required: ['messages'], description: 'A Messages API request as count_tokens takes it (max_tokens and stream not needed), translated and refused as /v1/messages translates and refuses it; chat_template_kwargs (the engine\'s template variables) are rendered with; chat_template, add_generation_prompt and continue_final_message are refused (400 naming the field)', properties: { system: { oneOf: [str, { type: 'array' }] }, messages: { type: 'array', minItems: 1 }, tools: nullable({ type: 'array' }), tool_choice: nullable({ type: 'object' }), chat_template_kwargs: nullable({ type: 'object' }) } },
+      AnthropicError: { type: 'object', required: ['type', 'error'], description: "An error of /v1/messages and /v1/messages/count_tokens, in the Anthropic Messages API's shape", properties: { type: { const: 'error' }, error: obj({ type: str, message: str }) } },
       SlimeRecord: { type: 'object', required: ['uid', 'instance_id', 'messages', 'reward'], description: "slime's sample: uid is the episode, instance_id the group; the record reads back as written", properties: { uid: { oneOf: [str, int] }, instance_id: { oneOf: [str, int] }, messages: { type: 'array', minItems: 1, items: { type: 'object', required: ['role'] } }, reward: num, extra_info: { type: 'object' } } },
     },
   },

@@ -1,22 +1,25 @@
 /**
  * The agent APIs beside chat completions: the OpenAI Responses API driven by the official `openai` Python
  * package (`client.responses.create`, streaming and not), the Anthropic Messages API by the official `anthropic`
- * Python package (`client.messages.create` and `.stream`), and `n > 1` on chat completions, all against the stub
- * engine answering as vLLM does (token ids, logprobs, tool calls, n choices). Each episode is written here, by
- * hand, as the chat episode it is (the messages a chat client would have sent, the engine's own ids and
- * logprobs as the responses), and what the trainer feed hands out for the recorded episode must be byte for byte
- * what `treepack pack` writes for that chat episode.
+ * Python package (`client.messages.create`, `.stream` and `.count_tokens`), and `n > 1` on chat completions, all
+ * against the stub engine answering as vLLM does (token ids, logprobs, tool calls, n choices). Each episode is
+ * written here, by hand, as the chat episode it is (the messages a chat client would have sent, the engine's own
+ * ids and logprobs as the responses), and what the trainer feed hands out for the recorded episode must be byte
+ * for byte what `treepack pack` writes for that chat episode. Each token count must be the prompt the stub engine
+ * then received for the call.
  */
 import { execFile, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
+import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { pythonEnv } from '../scripts/python-env.mjs';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service } from '../src/serve/service.js';
 import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import { cli } from './helpers/cli.js';
+import { redisAvailable, startRedis } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
@@ -240,6 +243,181 @@ print(json.dumps({"m1": m1.model_dump(), "text": text, "final": final.model_dump
     const { messages, reference } = searchEpisode('msg-a', 'msg-task', c0, produced);
     expect(engine.requests.slice(-3).map((r) => [r.messages, r.tools])).toEqual(messages.map((m) => [m, CHAT_TOOLS]));
     expect(await packedEqualsReference('msg-a', 'msg-task', reference)).toHaveLength(1);
+  });
+});
+
+/** The prompt token ids of each call `/v1/episodes/{id}` recorded: the prompt as the engine tokenized it. */
+async function recordedPrompts(episode: string): Promise<number[][]> {
+  const rec = (await (await fetch(`${base}/v1/episodes/${episode}`)).json()) as { calls: { output: { promptTokenIds: number[] } }[] };
+  return rec.calls.map((c) => c.output.promptTokenIds);
+}
+
+const ANTHROPIC_HEADERS = { 'content-type': 'application/json', 'anthropic-version': '2023-06-01' };
+const countAt = (url: string, body: unknown, headers: Record<string, string> = {}) =>
+  fetch(url, { method: 'POST', headers: { ...ANTHROPIC_HEADERS, 'x-api-key': 'none', ...headers }, body: JSON.stringify(body) }).then(async (r) => ({ status: r.status, body: (await r.json()) as Obj }));
+
+describe.skipIf(anthropicPy.skip)(`count_tokens through the anthropic Python package${anthropicPy.reason ? ` (skipped: ${anthropicPy.reason})` : ''}`, () => {
+  it('each count is the prompt the engine then gets for the call: system, tools, a tool_use/tool_result round, more turns', { timeout: 180_000 }, async () => {
+    const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'ct-a', group: 'ct-task' }) })).json()) as { api_key: string };
+    const script = `
+import json, sys
+import anthropic
+client = anthropic.Anthropic(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0)
+tools = [{"name": "search", "description": "search the web", "input_schema": ${JSON.stringify(SEARCH_SCHEMA)}},
+         {"name": "lookup", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "year": {"type": "integer"}}}}]
+system = "You are an agent."
+msgs = [{"role": "user", "content": "Find the capital of France."}]
+counts, usage = [], []
+def turn(**kw):
+    counts.append(client.messages.count_tokens(model="stub", system=system, messages=msgs, tools=tools, **kw).input_tokens)
+    m = client.messages.create(model="stub", max_tokens=32, system=system, messages=msgs, tools=tools, **kw)
+    usage.append(m.usage.input_tokens)
+    msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
+    return m
+m1 = turn(tool_choice={"type": "tool", "name": "search"})
+use = [b for b in m1.content if b.type == "tool_use"][0]
+msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "Paris"}]}, {"type": "text", "text": "Is that right?"}]})
+turn()
+msgs.append({"role": "user", "content": "Thanks. And Germany?"})
+turn(tool_choice={"type": "auto"})
+msgs.append({"role": "user", "content": [{"type": "text", "text": "One more:"}, {"type": "text", "text": "Italy?"}]})
+turn()
+print(json.dumps({"counts": counts, "usage": usage}))
+`;
+    const before = engine.produced.length;
+    const c0 = engine.calls;
+    // Before the first call: a count opens nothing and asks the engine nothing.
+    const first = await countAt(`${base}/groups/ct-task/episodes/ct-a/v1/messages/count_tokens`, { model: 'stub', messages: [{ role: 'user', content: 'Find the capital of France.' }] }, { 'x-api-key': key.api_key });
+    expect(first.status).toBe(200);
+    expect(engine.calls).toBe(c0);
+    expect((await fetch(`${base}/v1/episodes/ct-a`)).status).toBe(404);
+
+    const out = (await runPython(required(anthropicPy), script, `${base}/groups/ct-task/episodes/ct-a`, key.api_key)) as { counts: number[]; usage: number[] };
+    // four counts and four calls: only the calls reached the engine
+    expect(engine.calls).toBe(c0 + 4);
+    const produced = engine.produced.slice(before);
+    expect(produced).toHaveLength(4);
+    const recorded = await recordedPrompts('ct-a');
+    expect(recorded).toHaveLength(4);
+    // The references: the prompt the stub engine rendered (transformers' way, through jinja) for each call, as it
+    // was recorded, and as its usage reported it.
+    expect(recorded).toEqual(produced.map((p) => p.prompt_token_ids));
+    expect(out.counts).toEqual(produced.map((p) => p.prompt_token_ids.length));
+    expect(out.usage).toEqual(out.counts);
+    // the conversation grew each turn: the counts measure it, not a constant
+    expect(new Set(out.counts).size).toBe(4);
+    // a tool_use sent back is counted with the arguments text the engine generated (the episode's record)
+    expect(engine.requests.at(-3)!.messages).toContainEqual({ role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: `{"query": "q ${c0}"}` } }] });
+  });
+});
+
+describe('count_tokens, plain', () => {
+  const BODY = { model: 'stub', system: 'Be brief.', messages: [{ role: 'user', content: 'Hello there.' }], tools: [{ name: 'search', input_schema: SEARCH_SCHEMA }] };
+
+  it('is no call: nothing recorded, the engine not asked, the episode opened by its first call as ever', async () => {
+    const c0 = engine.calls;
+    const depth = svc.pool.depth();
+    const counts = [];
+    for (const url of [`${base}/episodes/ct-b/v1/messages/count_tokens`, `${base}/groups/ct-g/episodes/ct-b/v1/messages/count_tokens`, `${base}/v1/messages/count_tokens`]) {
+      const r = await countAt(url, BODY, url.startsWith(`${base}/v1/`) ? { 'x-treepack-episode': 'ct-b' } : {});
+      expect(r.status).toBe(200);
+      expect(Object.keys(r.body)).toEqual(['input_tokens']);
+      counts.push(r.body.input_tokens);
+    }
+    // no episode at all: counted the same (only a recorded tool call's arguments text needs the episode)
+    counts.push((await countAt(`${base}/v1/messages/count_tokens`, BODY)).body.input_tokens);
+    expect(new Set(counts).size).toBe(1);
+    expect(engine.calls).toBe(c0);
+    expect(svc.pool.episodes.has('ct-b')).toBe(false);
+    expect(svc.pool.groups.has('ct-g')).toBe(false);
+    expect(svc.pool.depth()).toEqual(depth);
+    expect((await fetch(`${base}/v1/episodes/ct-b`)).status).toBe(404);
+    // The first call opens the episode in its group, and its prompt is the count.
+    const r = await fetch(`${base}/groups/ct-g/episodes/ct-b/v1/messages`, { method: 'POST', headers: { ...ANTHROPIC_HEADERS, 'x-api-key': 'none' }, body: JSON.stringify({ ...BODY, max_tokens: 8 }) });
+    expect(r.status).toBe(200);
+    expect(((await r.json()) as { usage: Obj }).usage.input_tokens).toBe(counts[0]);
+    const ep = (await (await fetch(`${base}/v1/episodes/ct-b`)).json()) as { group: string; calls: { output: { promptTokenIds: number[] } }[] };
+    expect(ep.group).toBe('ct-g');
+    expect(ep.calls.map((c) => c.output.promptTokenIds.length)).toEqual([counts[0]]);
+    expect(engine.calls).toBe(c0 + 1);
+  });
+
+  it('counts with the engine\'s chat_template_kwargs; refuses what a call refuses, and what it cannot count, naming the field', async () => {
+    const url = `${base}/episodes/ct-c/v1/messages/count_tokens`;
+    // Qwen3 without thinking: the generation prompt closes an empty think block. The reference renders the template
+    // (jinja, as transformers and the stub do) with the variable set.
+    const tok = await loadTokenizer('qwen3');
+    const chat = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: 'Hello there.' }];
+    const off = tok.encode(tok.chatTemplate.render({ ...tok.templateVars, messages: chat, tools: [{ type: 'function', function: { name: 'search', parameters: SEARCH_SCHEMA } }], add_generation_prompt: true, enable_thinking: false })).length;
+    const plain = (await countAt(url, BODY)).body.input_tokens as number;
+    const r = await countAt(url, { ...BODY, chat_template_kwargs: { enable_thinking: false } });
+    expect(r).toEqual({ status: 200, body: { input_tokens: off } });
+    expect(off).toBeGreaterThan(plain);
+
+    const c0 = engine.calls;
+    const refused: [Obj, RegExp][] = [
+      [{ tools: [{ type: 'web_search_20250305', name: 'web_search' }] }, /field "tools\[0\]\.type": server and Anthropic-defined tools/],
+      [{ messages: [{ role: 'user', content: [{ type: 'image', source: { type: 'url', url: 'http://x/y.png' } }] }] }, /field "messages\[0\]\.content\[0\]\.type": user content of type "image"/],
+      [{ thinking: { type: 'enabled', budget_tokens: 1024 } }, /field "thinking"/],
+      [{ mcp_servers: [{}] }, /field "mcp_servers"/],
+      [{ messages: [] }, /field "messages": expected a non-empty list/],
+      [{ tool_choice: { type: 'tool' } }, /field "tool_choice"/],
+      [{ chat_template: '{{ messages }}' }, /field "chat_template": the count renders the service's --tokenizer chat template/],
+      [{ continue_final_message: true }, /field "continue_final_message"/],
+      [{ chat_template_kwargs: 'no' }, /field "chat_template_kwargs": expected an object/],
+    ];
+    for (const [body, why] of refused) {
+      const res = await countAt(url, { ...BODY, ...body });
+      expect(res.status, JSON.stringify(body)).toBe(400);
+      expect(res.body).toEqual({ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(why) } });
+    }
+    expect(await countAt(url, [1])).toMatchObject({ status: 400, body: { type: 'error', error: { message: expect.stringMatching(/request body: expected a JSON object/) } } });
+    expect(engine.calls).toBe(c0);
+    expect((await fetch(`${base}/v1/episodes/ct-c`)).status).toBe(404);
+  });
+
+  it('a scoped key counts in its own episode only, as its calls, x-api-key or bearer', async () => {
+    const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'ct-own', group: 'ct-own-g' }) })).json()) as { api_key: string };
+    const own = (await countAt(`${base}/v1/messages/count_tokens`, BODY)).body.input_tokens;
+    for (const headers of [{ 'x-api-key': key.api_key }, { authorization: `Bearer ${key.api_key}` }] as Record<string, string>[]) {
+      for (const url of [`${base}/v1/messages/count_tokens`, `${base}/episodes/ct-own/v1/messages/count_tokens`, `${base}/groups/ct-own-g/episodes/ct-own/v1/messages/count_tokens`]) {
+        expect(await countAt(url, BODY, headers)).toEqual({ status: 200, body: { input_tokens: own } });
+      }
+      const elsewhere: [string, Record<string, string>, RegExp][] = [
+        [`${base}/episodes/ct-victim/v1/messages/count_tokens`, {}, /opens episode "ct-own" only: not episode "ct-victim"/],
+        [`${base}/v1/messages/count_tokens`, { 'x-treepack-episode': 'ct-victim' }, /not episode "ct-victim"/],
+        [`${base}/groups/other-g/episodes/ct-own/v1/messages/count_tokens`, {}, /its group is "ct-own-g", not "other-g"/],
+      ];
+      for (const [url, h, why] of elsewhere) {
+        expect(await countAt(url, BODY, { ...headers, ...h })).toEqual({ status: 403, body: { type: 'error', error: { type: 'permission_error', message: expect.stringMatching(why) } } });
+      }
+    }
+    expect(svc.pool.episodes.has('ct-own')).toBe(false);
+  });
+});
+
+const redisRun = redisAvailable('serve-agent-apis count_tokens on Redis') ? describe : describe.skip;
+
+redisRun('count_tokens on the shared pool', () => {
+  it('claims no episode in Redis (a call does)', { timeout: 60_000 }, async () => {
+    const redis = await startRedis();
+    const shared = await Service.create({ engineUrl: engine.url, dataDir: tempDir('tp-agent-apis-redis-'), port: 0, redis: redis.url, packer: { tokenizer: 'qwen3' } });
+    const client = new Redis(redis.url);
+    try {
+      const b = await shared.listen();
+      const body = { model: 'stub', messages: [{ role: 'user', content: 'hi' }] };
+      const counted = await countAt(`${b}/episodes/ct-r/v1/messages/count_tokens`, body);
+      expect(counted.status).toBe(200);
+      expect(await client.keys('*ep:ct-r')).toEqual([]);
+      const r = await fetch(`${b}/episodes/ct-r/v1/messages`, { method: 'POST', headers: { ...ANTHROPIC_HEADERS, 'x-api-key': 'none' }, body: JSON.stringify({ ...body, max_tokens: 8 }) });
+      expect(r.status).toBe(200);
+      expect(((await r.json()) as { usage: Obj }).usage.input_tokens).toBe(counted.body.input_tokens);
+      expect(await client.keys('*ep:ct-r')).toHaveLength(1);
+    } finally {
+      client.disconnect();
+      await shared.close();
+      await redis.stop();
+    }
   });
 });
 

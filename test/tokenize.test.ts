@@ -1,7 +1,8 @@
 /**
  * Tokenizer loading and ChatEncoder: segment-wise tokenization must equal whole-text tokenization, the loss mask
- * must cover exactly what the policy generated, the native Qwen3 renderer must equal the jinja template, and the
- * cache must tokenize each distinct turn once.
+ * must cover exactly what the policy generated, the native Qwen3 renderer must equal the jinja template, a
+ * request's prompt (encodePrompt) must be the template's with its generation prompt, and the cache must tokenize
+ * each distinct turn once.
  */
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -194,6 +195,23 @@ describe('ChatEncoder', () => {
       expect(tok.decode(s.tokens.subarray(0, from)).endsWith('<|im_start|>assistant\n')).toBe(true);
       expect(tok.decode(s.tokens.subarray(s.loss_mask.lastIndexOf(1) + 1))).toBe('\n');
     }
+  });
+
+  it.each(conversations)('%s: encodePrompt is the template with its generation prompt, and the prompt encode trains after', (_name, record) => {
+    // The reference: the whole prompt text as transformers renders it (a tool-calling turn's null content as '').
+    const messages = record.messages.map((m) => ({ ...m, content: m.content ?? '' }));
+    const text = tok.chatTemplate.render({ ...tok.templateVars, messages, tools: record.tools, add_generation_prompt: true });
+    const whole = tok.encode(text);
+    for (const enc of [native, jinja]) {
+      const prompt = enc.encodePrompt(record.messages, record.tools);
+      expect(prompt).toEqual(whole);
+      // what a recorded call with this context is checked against (serve/records.ts): everything before its response
+      const s = enc.encode(record);
+      expect(prompt).toEqual(s.tokens.subarray(0, s.loss_mask.indexOf(1)));
+    }
+    // template variables render through jinja: Qwen3 without thinking closes an empty think block in the prompt
+    const off = native.encodePrompt(record.messages, record.tools, { enable_thinking: false });
+    expect(off).toEqual(tok.encode(text + '<think>\n\n</think>\n\n'));
   });
 
   it('renders Qwen3 with Python semantics where the JS jinja interpreter strips all whitespace', () => {

@@ -1,19 +1,20 @@
 /**
  * The recording gateway: OpenAI-compatible `/v1/chat/completions` and `/v1/completions` in front of the engine,
- * and the OpenAI Responses (`/v1/responses`) and Anthropic Messages (`/v1/messages`) APIs translated to its chat
- * completions (responses.ts, messages.ts). Each call is proxied with token ids and logprobs requested, recorded
- * under its episode (and agent; all `n` choices, the first as the call's output and the others as its siblings),
- * made durable, and only then answered (for a stream: its last event waits for the log), so every answer an
- * agent saw is in the log. The episode comes from, first to last: the URL (`/episodes/{id}/v1/...`,
- * `/groups/{group}/episodes/{id}/v1/...`), the `x-treepack-episode` header, or a scoped API key
- * (`POST /v1/episodes`), so an agent framework needs nothing but a base URL (or an API key).
+ * and the OpenAI Responses (`/v1/responses`) and Anthropic Messages (`/v1/messages`, and its token count) APIs
+ * translated to its chat completions (responses.ts, messages.ts). Each call is proxied with token ids and
+ * logprobs requested, recorded under its episode (and agent; all `n` choices, the first as the call's output and
+ * the others as its siblings), made durable, and only then answered (for a stream: its last event waits for the
+ * log), so every answer an agent saw is in the log. The episode comes from, first to last: the URL
+ * (`/episodes/{id}/v1/...`, `/groups/{group}/episodes/{id}/v1/...`), the `x-treepack-episode` header, or a scoped
+ * API key (`POST /v1/episodes`), so an agent framework needs nothing but a base URL (or an API key).
  */
 import { performance } from 'node:perf_hooks';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
+import type { ChatMessage } from '../records/types.js';
 import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type ClientWants, type EngineOutput } from './engine.js';
-import { messagesRequest } from './messages.js';
+import { messagesPrompt, messagesRequest } from './messages.js';
 import { responsesRequest } from './responses.js';
 import { priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
 import { jsonEqual, Pool, PoolError, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
@@ -64,12 +65,19 @@ export function confine(svc: GatewayCore, req: FastifyRequest, episode: string):
  * group, or another agent than the key's, is refused (an agent header is free where the key names no agent).
  */
 function scopeOf(svc: GatewayCore, req: FastifyRequest): Scope {
+  const scope = requestScope(svc, req);
+  if (scope === undefined) {
+    throw new PoolError(400, 'no episode for this call: use a base URL /episodes/{id}/v1, the x-treepack-episode header, or an API key from POST /v1/episodes');
+  }
+  return scope;
+}
+
+/** `scopeOf`, or undefined where the request names no episode. */
+function requestScope(svc: GatewayCore, req: FastifyRequest): Scope | undefined {
   const params = req.params as { episode?: string; group?: string };
   const keyed = keyScope(svc, req);
   const episode = params.episode ?? header(req, 'x-treepack-episode') ?? keyed?.episode;
-  if (episode === undefined) {
-    throw new PoolError(400, 'no episode for this call: use a base URL /episodes/{id}/v1, the x-treepack-episode header, or an API key from POST /v1/episodes');
-  }
+  if (episode === undefined) return undefined;
   const agent = header(req, 'x-treepack-agent');
   const group = params.group ?? header(req, 'x-treepack-group');
   if (keyed) {
@@ -435,8 +443,24 @@ function finishBody(body: unknown): { reward: number; metadata?: Obj; group_size
 
 const NO_CALL = 'finished without a call';
 
+/**
+ * `/v1/messages/count_tokens`: the prompt tokens the engine gets for the equivalent `/v1/messages` call, the
+ * translated chat messages and tools rendered by the service's chat template with its generation prompt and
+ * tokenized by its tokenizer: what a recorded call's prompt is wherever the template renders the engine's own.
+ * Not a call of the episode: nothing is recorded or opened, the engine is not asked. The episode (confined to a
+ * scoped key's as a call is) only supplies the arguments text of the tool calls it recorded, as for a call.
+ */
+function countTokens(svc: GatewayCore, req: FastifyRequest): { input_tokens: number } {
+  const scope = requestScope(svc, req);
+  const episode = scope && svc.pool.episodes.get(scope.episode);
+  const { request, templateVars } = messagesPrompt(req.body, priorToolCalls(episode?.calls));
+  return { input_tokens: svc.encoder.encodePrompt(request.messages as ChatMessage[], request.tools, templateVars).length };
+}
+
 /** Routes a scoped API key may use (its own episode's, checked by the route): every other route refuses it. */
 export const SCOPED = { config: { scoped: true } };
+/** The Messages API's routes: scoped, their errors in Anthropic's shape (http.ts). */
+const ANTHROPIC = { config: { scoped: true, errorShape: 'anthropic' } };
 
 /** The group an episode counts toward: its own, or where no call made it yet, the key's or the request's. */
 function groupOf(svc: GatewayCore, episode: string, given: string | undefined): string {
@@ -461,7 +485,8 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     app.post(`${prefix}/v1/chat/completions`, SCOPED, (req, reply) => proxy(svc, inflight, CHAT, req, reply));
     app.post(`${prefix}/v1/completions`, SCOPED, (req, reply) => proxy(svc, inflight, COMPLETIONS, req, reply));
     app.post(`${prefix}/v1/responses`, SCOPED, (req, reply) => proxy(svc, inflight, RESPONSES, req, reply));
-    app.post(`${prefix}/v1/messages`, { config: { scoped: true, errorShape: 'anthropic' } }, (req, reply) => proxy(svc, inflight, MESSAGES, req, reply));
+    app.post(`${prefix}/v1/messages`, ANTHROPIC, (req, reply) => proxy(svc, inflight, MESSAGES, req, reply));
+    app.post(`${prefix}/v1/messages/count_tokens`, ANTHROPIC, async (req) => countTokens(svc, req));
     // The episode's base URL serves the model list too (openai's client.models.list()), with the engine's key.
     app.get(`${prefix}/v1/models`, SCOPED, async (req, reply) => {
       if (req.params && (req.params as { episode?: string }).episode !== undefined) scopeOf(svc, req);

@@ -77,7 +77,7 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     return reply.code(404).send(make(404, `no route ${req.method} ${req.url.split('?')[0]!.slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
   });
 
-  // A scoped episode key opens its own episode's routes (SCOPED: calls, the model list, finish, abandon; each
+  // A scoped episode key opens its own episode's routes (SCOPED: calls, token counts, the model list, finish, abandon; each
   // route refuses another episode), nothing else, with or without --token.
   const token = svc.opts.token;
   app.addHook('onRequest', async (req) => {
@@ -87,7 +87,7 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     if (token !== undefined && got !== undefined && sameSecret(got, token)) return;
     if (got !== undefined && svc.pool.keyScope(got)) {
       if ((req.routeOptions.config as { scoped?: boolean } | undefined)?.scoped) return;
-      throw new PoolError(403, `this API key opens its own episode's calls, model list, finish and abandon only, not ${req.method} ${path}`);
+      throw new PoolError(403, `this API key opens its own episode's calls, token counts, model list, finish and abandon only, not ${req.method} ${path}`);
     }
     if (token !== undefined) throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
   });

@@ -4,6 +4,7 @@
  * message; thinking: the assistant's reasoning_content), custom tools chat tools; the engine's chat answer
  * becomes a Message with thinking, text and tool_use blocks, or its SSE events (message_start … message_stop).
  * Server tools (web search, code execution, …), images, documents and extended-thinking budgets are refused.
+ * `messagesPrompt` is the same translation for `/v1/messages/count_tokens`.
  */
 import { describeValue } from '../errors.js';
 import type { EngineOutput, ToolCallOut } from './engine.js';
@@ -31,28 +32,64 @@ type Msg = Obj & { role: string };
  * the engine produced it.
  */
 export function messagesRequest(body: unknown, prior: ReadonlyMap<string, ToolCallOut>): Translated {
+  const b = requestBody(body);
+  if (b.stream !== undefined && b.stream !== null && typeof b.stream !== 'boolean') throw refuse('stream', `expected true or false, got ${describeValue(b.stream)}`);
+  if (!Number.isSafeInteger(b.max_tokens) || (b.max_tokens as number) < 1) throw refuse('max_tokens', `expected an integer >= 1, got ${describeValue(b.max_tokens)}`);
+  const { request, choice } = conversation(b, prior);
+  const chat: Obj = { ...passThrough(b, HANDLED), messages: request.messages, max_tokens: b.max_tokens };
+  for (const f of ['model', 'temperature', 'top_p', 'top_k', 'stream'] as const) if (b[f] !== undefined && b[f] !== null) chat[f] = b[f];
+  if (b.stop_sequences !== undefined && b.stop_sequences !== null) chat.stop = b.stop_sequences;
+  if (isObj(b.metadata) && typeof b.metadata.user_id === 'string') chat.user = b.metadata.user_id;
+  if (request.tools) chat.tools = request.tools;
+  Object.assign(chat, choice);
+  const stops = Array.isArray(b.stop_sequences) ? (b.stop_sequences as unknown[]) : [];
+  return { chat, request, stream: b.stream === true, writer: (call) => new MessagesWriter(call, b.model ?? null, stops), complete };
+}
+
+/**
+ * Request fields a count refuses: the engine renders its prompt another way with them than the service's chat
+ * template with its generation prompt, so the count would not be the engine's.
+ */
+const UNCOUNTED: Record<string, string> = {
+  chat_template: 'the count renders the service\'s --tokenizer chat template, not one sent with the request',
+  add_generation_prompt: 'the count renders the generation prompt, as a call does',
+  continue_final_message: 'the count renders the generation prompt after the last message, as a call does',
+};
+
+/**
+ * The prompt of a Messages request as `/v1/messages/count_tokens` receives it (no max_tokens or stream): the
+ * chat messages and tools `messagesRequest` records for it, refused where it refuses them, and the engine's
+ * `chat_template_kwargs` (template variables), which a call passes to the engine.
+ */
+export function messagesPrompt(body: unknown, prior: ReadonlyMap<string, ToolCallOut>): { request: CallRequest; templateVars: Obj | undefined } {
+  const b = requestBody(body);
+  for (const [f, why] of Object.entries(UNCOUNTED)) if (b[f] !== undefined && b[f] !== null) throw refuse(f, why);
+  const vars = b.chat_template_kwargs;
+  if (vars !== undefined && vars !== null && !isObj(vars)) throw refuse('chat_template_kwargs', `expected an object of template variables, got ${describeValue(vars)}`);
+  return { request: conversation(b, prior).request, templateVars: isObj(vars) ? vars : undefined };
+}
+
+/** The body as an object, with the fields refused whatever the route. */
+function requestBody(body: unknown): Obj {
   if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(body)}`);
   for (const [f, why] of Object.entries(REFUSED)) if (body[f] !== undefined && body[f] !== null) throw refuse(f, why);
-  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean') throw refuse('stream', `expected true or false, got ${describeValue(body.stream)}`);
-  if (!Number.isSafeInteger(body.max_tokens) || (body.max_tokens as number) < 1) throw refuse('max_tokens', `expected an integer >= 1, got ${describeValue(body.max_tokens)}`);
   if (isObj(body.thinking) && body.thinking.type === 'enabled') {
     throw refuse('thinking', 'a thinking budget has no chat-completions counterpart: leave thinking out (or {"type": "disabled"}) and turn the engine\'s reasoning on through its own parameters (e.g. chat_template_kwargs)');
   }
+  return body;
+}
+
+/** `system`, the messages and the tools as chat messages and tools (what is recorded), and the chat tool choice. */
+function conversation(body: Obj, prior: ReadonlyMap<string, ToolCallOut>): { request: CallRequest; choice: Obj } {
   const messages: Msg[] = [];
   if (body.system !== undefined && body.system !== null) messages.push({ role: 'system', content: joinText(body.system, 'system', ['text']) });
   if (!Array.isArray(body.messages) || body.messages.length === 0) throw refuse('messages', `expected a non-empty list of messages, got ${describeValue(body.messages)}`);
   body.messages.forEach((m, i) => messages.push(...chatMessages(m, `messages[${i}]`, prior)));
-  const chat: Obj = { ...passThrough(body, HANDLED), messages, max_tokens: body.max_tokens };
-  for (const f of ['model', 'temperature', 'top_p', 'top_k', 'stream'] as const) if (body[f] !== undefined && body[f] !== null) chat[f] = body[f];
-  if (body.stop_sequences !== undefined && body.stop_sequences !== null) chat.stop = body.stop_sequences;
-  if (isObj(body.metadata) && typeof body.metadata.user_id === 'string') chat.user = body.metadata.user_id;
   const tools = chatTools(body.tools);
-  if (tools.length) chat.tools = tools;
-  if (body.tool_choice !== undefined && body.tool_choice !== null) Object.assign(chat, toolChoice(body.tool_choice));
+  const choice = body.tool_choice !== undefined && body.tool_choice !== null ? toolChoice(body.tool_choice) : {};
   const request: CallRequest = { messages };
   if (tools.length) request.tools = tools;
-  const stops = Array.isArray(body.stop_sequences) ? (body.stop_sequences as unknown[]) : [];
-  return { chat, request, stream: body.stream === true, writer: (call) => new MessagesWriter(call, body.model ?? null, stops), complete };
+  return { request, choice };
 }
 
 /**

@@ -178,6 +178,34 @@ export class ChatEncoder {
     }
   }
 
+  /**
+   * The token ids of the prompt an engine renders for a chat request: `messages` (and `tools`) through the chat
+   * template with its generation prompt, as vLLM renders a chat completion's prompt (a tool-calling turn's null
+   * content as empty text). `vars` are template variables of the request (an engine's `chat_template_kwargs`):
+   * given, the template renders through jinja with them. Turns are tokenized through the cache, as `encode` does.
+   */
+  encodePrompt(messages: readonly ChatMessage[], tools: readonly unknown[] | null | undefined, vars?: Readonly<Record<string, unknown>>): Int32Array {
+    const t = tools && tools.length > 0 ? [...tools] : undefined;
+    let text: string;
+    try {
+      // A native template's messages render alike with and without the generation prompt, which follows them.
+      if (this.native && vars === undefined) text = this.native([...messages], t) + this.header;
+      else text = this.tokenizer.chatTemplate.render({ ...this.tokenizer.templateVars, ...vars, messages: messages.map(forTemplate), tools: t, add_generation_prompt: true });
+    } catch (e) {
+      throw new TreepackError('E_INPUT', `the chat template failed: ${(e as Error).message}`);
+    }
+    const segments = this.split(text).map((s) => this.lookup(s).ids);
+    let n = 0;
+    for (const ids of segments) n += ids.length;
+    const out = new Int32Array(n);
+    let at = 0;
+    for (const ids of segments) {
+      out.set(ids, at);
+      at += ids.length;
+    }
+    return out;
+  }
+
   /** The rendered text cut before each turn-start token (text before the first one is a segment of its own). */
   split(text: string): string[] {
     const out: string[] = [];
