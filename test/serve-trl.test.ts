@@ -31,6 +31,7 @@ const GROUPS_PER_STEP = 2;
 const MAX_TOKENS = 400;
 const PLAN_MAX_TOKENS = 128; // under a group's packed tokens: its micro-batches hang from its cached trunk
 const PREFIX_CACHE = 4096; // --prefix-reuse: cached prefix tokens allowed
+const DDP_MAX_TOKENS = 260; // under a group's packed tokens: a step is several micro-batches per rank
 const PAD_MULTIPLE = 64; // pad nodes tell the stored forest (which has them) from one rebuilt from TRL's rows (which has not)
 const LEASE_S = 4; // what a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice)
 const DIED = 75; // feed_trl.py's dying trainer
@@ -44,7 +45,7 @@ interface Diff {
   logs: number;
 }
 interface Report {
-  tokens: { naive: number; packed: number; pad: number; micro_batches: number; sequences: number; holes: number };
+  tokens: { naive: number; packed: number; pad: number; micro_batches: number; sequences: number; holes: number; rows: number[]; hanging: number };
   reference_logs: Record<string, number>[];
   controls: Record<string, Diff>;
   feed: Diff & { events: Events; same_batches: boolean; nodes: number[]; stats: number[][] };
@@ -252,13 +253,17 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
       `episodes and packing ${((t1 - t0) / 1000).toFixed(1)} s, Python processes ${((t2 - t1) / 1000).toFixed(1)} s + ${((t3 - t2) / 1000).toFixed(1)} s; whole test ${((Date.now() - t0) / 1000).toFixed(1)} s`);
   });
 
-  it('under DDP: one FeedClient(rank=r, dp=2) per rank from `treepack serve --dp 2` equals `treepack pack --dp 2` trained from the directory (two gloo processes, float64 tiny Qwen3)', { timeout: 600_000 }, async (ctx) => {
+  const ddpPackings = [
+    ['plain', ['--max-tokens', String(DDP_MAX_TOKENS), '--dp', '2']],
+    ['plans', ['--max-tokens', String(PLAN_MAX_TOKENS), '--prefix-reuse', String(PREFIX_CACHE), '--dp', '2']],
+  ] as const;
+  it.for(ddpPackings)('under DDP (%s): one FeedClient(rank=r, dp=2) per rank from `treepack serve --dp 2` equals `treepack pack --dp 2` trained from the directory (two gloo processes, float64 tiny Qwen3)', { timeout: 600_000 }, async ([variant, flags], ctx) => {
     const t0 = Date.now();
-    const packing = ['--max-tokens', String(MAX_TOKENS), '--dp', '2'];
-    const s = await serve('ddp', packing);
+    const packing = [...flags];
+    const s = await serve(`ddp-${variant}`, packing);
     await recordEpisodes(s.url);
-    const steps = await packSteps(s.url, 'ddp-reference', packing);
-    const work = join(dir, 'ddp-work');
+    const steps = await packSteps(s.url, `ddp-${variant}-reference`, packing);
+    const work = join(dir, `ddp-${variant}-work`);
     mkdirSync(work);
     const spec = join(work, 'given.json');
     writeFileSync(spec, JSON.stringify({ feed: s.url, reference: steps, tokenizer: QWEN3_DIR, work }));
@@ -271,6 +276,8 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
     expect(got.tokens.map((t) => t.micro_batches)).toEqual([perRank * steps.length, perRank * steps.length]);
     expect(got.tokens[0]!.sequences + got.tokens[1]!.sequences).toBe(GROUPS * EPISODES);
     expect(Math.min(got.tokens[0]!.sequences, got.tokens[1]!.sequences)).toBeGreaterThan(0);
+    // A step plan's micro-batches hang from their rank's cached trunk (every rank's); the plain packing has no plan.
+    for (const t of got.tokens) expect(t.hanging > 0).toBe(variant === 'plans');
     for (const [rank, r] of got.ranks.entries()) {
       // Each rank trained its own share of the service's micro-batches, under DDP, to the reference's loss, metrics and parameters.
       expect(r.wrapper, `rank ${rank}`).toBe('DistributedDataParallel');
@@ -290,8 +297,8 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
     expect([...got.ranks[0]!.feed.events, ...got.ranks[1]!.feed.events].filter(([e]) => e === 'pulled').map(([, id]) => id).sort()).toEqual([...ids].sort());
     expect(got.ranks_params).toBe(0);
     await expectDrained(s.url, steps.length, ids, 0);
-    const sum = (k: keyof DdpReport['tokens'][number]) => got.tokens[0]![k] + got.tokens[1]![k];
-    console.log(`test/serve-trl.test.ts (DDP): ${steps.length} optimizer steps of ${perRank} micro-batches per rank, ${sum('sequences')} sequences, ` +
+    const sum = (k: 'sequences' | 'naive' | 'packed') => got.tokens[0]![k] + got.tokens[1]![k];
+    console.log(`test/serve-trl.test.ts (DDP, ${variant}): ${steps.length} optimizer steps of ${perRank} micro-batches per rank, ${sum('sequences')} sequences (rows ${JSON.stringify(got.tokens.map((t) => t.rows))}), ` +
       `${sum('naive')} tokens packed to ${sum('packed')} (rank 0 ${got.tokens[0]!.packed}, rank 1 ${got.tokens[1]!.packed}); max |Δ| parameters ${got.ranks.map((r) => r.feed.params).join(' / ')}, ` +
       `logged metrics ${got.ranks.map((r) => r.feed.logs).join(' / ')}; control ${JSON.stringify(got.ranks.map((r) => r.control))}; ` +
       `rank 0 TRL runs: reference ${got.ranks[0]!.reference_s.toFixed(1)} s, control ${got.ranks[0]!.control_s.toFixed(1)} s, feed ${got.ranks[0]!.feed_s.toFixed(1)} s; ` +

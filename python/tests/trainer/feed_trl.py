@@ -166,7 +166,8 @@ def prepare(spec: dict, dp: int = 1) -> list:
 
 def tokens(flat: list) -> dict:
     return {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat), "pad": sum(b.num_pad_tokens for b in flat),
-            "micro_batches": len(flat), "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat))}
+            "micro_batches": len(flat), "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat)),
+            "rows": [b.num_sequences for b in flat], "hanging": sum(int(b.meta.get("prefix_tokens", 0)) > 0 for b in flat)}
 
 
 def same_batches(got: list, want: list) -> bool:
