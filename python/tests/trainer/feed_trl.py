@@ -165,6 +165,8 @@ def prepare(spec: dict, dp: int = 1) -> list:
 
 
 def tokens(flat: list) -> dict:
+    """What the micro-batches hold: tokens naive, packed and pad, sequences (per micro-batch in ``rows``), loss-mask
+    holes, and how many hang from a cached prefix of a step plan."""
     return {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat), "pad": sum(b.num_pad_tokens for b in flat),
             "micro_batches": len(flat), "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat)),
             "rows": [b.num_sequences for b in flat], "hanging": sum(int(b.meta.get("prefix_tokens", 0)) > 0 for b in flat)}
