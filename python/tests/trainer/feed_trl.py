@@ -35,8 +35,8 @@ class RecordingFeed(FeedClient):
     """A ``FeedClient`` that writes down its hand-outs and acknowledgements (ids, in order) as they happen, so a
     trainer process that dies leaves its record behind."""
 
-    def __init__(self, url: str, log: str):
-        super().__init__(url, rank=0, dp=1, wait=30)
+    def __init__(self, url: str, log: str, rank: int = 0, dp: int = 1):
+        super().__init__(url, rank=rank, dp=dp, wait=30)
         self.log, self.events, self.batches = log, [], []
 
     def next(self):
@@ -58,10 +58,10 @@ class RecordingFeed(FeedClient):
             json.dump(self.events, f)
 
 
-def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: bool = False):
+def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: bool = False, **cfg):
     """TRL's trainer on ``source`` (one stored micro-batch per TRL micro-batch, one step's micro-batches per
     optimizer step), float64, from the saved tiny model; ``die_at_step``: the process exits DIED in the loss of that
-    optimizer step (its micro-batches pulled, none acknowledged), its logs so far saved."""
+    optimizer step (its micro-batches pulled, none acknowledged), its logs so far saved; ``cfg``: more GRPOConfig."""
     from test_trl_grpo import Capture, patch_rope_to_float64
     from transformers import AutoTokenizer
     from trl import GRPOConfig
@@ -73,7 +73,7 @@ def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: boo
                       steps_per_generation=k, max_steps=len(spec["reference"]), learning_rate=1e-2, logging_steps=1, report_to=[], seed=0,
                       use_cpu=True, beta=0.04, loss_type="dapo", temperature=0.7, disable_tqdm=True,
                       save_strategy="steps" if checkpoint else "no", save_steps=1,
-                      model_init_kwargs={"attn_implementation": "treepack", "dtype": torch.float64})
+                      model_init_kwargs={"attn_implementation": "treepack", "dtype": torch.float64}, **cfg)
     capture = Capture()
 
     class Trainer(TreepackGRPOTrainer):
@@ -116,6 +116,16 @@ def param_diff(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+def diff(ref: dict, got: dict) -> dict:
+    """Two runs' ``result``s: the largest parameter difference and the largest relative logged-value difference."""
+    return {"params": param_diff(ref["params"], got["params"]), "logs": log_diff(ref["logs"], got["logs"])}
+
+
+def changed_advantage(flat: list) -> list:
+    """The negative control's micro-batches: the last one's advantages moved by 0.25."""
+    return flat[:-1] + [dataclasses.replace(flat[-1], advantages=flat[-1].advantages + 0.25)]
+
+
 def log_diff(a: list, b: list) -> float:
     """The largest relative difference of any logged value; inf when the steps or keys differ."""
     if len(a) != len(b) or any(sorted(x) != sorted(y) for x, y in zip(a, b)):
@@ -123,29 +133,59 @@ def log_diff(a: list, b: list) -> float:
     return max((abs(x[k] - y[k]) / max(1.0, abs(x[k])) for x, y in zip(a, b) for k in x), default=0.0)
 
 
-def first(spec: dict) -> None:
+def skipped() -> bool:
+    """Prints ``{"skip": reason}`` and says so where the C core, torch or TRL is missing (test_trl_grpo needs torch
+    to import; it raises where TRL is missing under TREEPACK_REQUIRE_TORCH=1)."""
     reason = CORE_SKIP or TORCH_SKIP
-    if not reason:  # test_trl_grpo needs torch to import; it raises where TRL is missing under TREEPACK_REQUIRE_TORCH=1
+    if not reason:
         from test_trl_grpo import TRL_SKIP as reason
     if reason:
         print(json.dumps({"skip": reason}))
-        return
+    return bool(reason)
+
+
+def prepare(spec: dict, dp: int = 1) -> list:
+    """Reads the reference step directories (each rank's share with ``dp`` > 1), checks that every step has as many
+    micro-batches per rank (one TRL window each), saves the tiny model and the spec; the micro-batches of each rank
+    in feed order."""
     from treepack.torch import PackedDataset
 
     torch.set_num_threads(1)
-    reference = [list(PackedDataset(d)) for d in spec["reference"]]
-    counts = {len(step) for step in reference}
+    ranks = [[list(PackedDataset(d, **({"rank": r, "dp": dp} if dp > 1 else {}))) for d in spec["reference"]] for r in range(dp)]
+    counts = {len(step) for steps in ranks for step in steps}
     if len(counts) != 1:
-        raise SystemExit(f"every step must have as many micro-batches for one TRL window each; the reference has {[len(s) for s in reference]}")
-    flat = [b for step in reference for b in step]
+        raise SystemExit(f"every step must have as many micro-batches per rank for one TRL window each; the reference has {[[len(s) for s in st] for st in ranks]}")
     spec["micro_batches_per_step"] = counts.pop()
     spec["model"] = os.path.join(spec["work"], "model")
-    tiny_model("qwen3", torch.float32, attn="sdpa", vocab=flat[0].vocab_size).save_pretrained(spec["model"])
+    flat = [[b for step in steps for b in step] for steps in ranks]
+    tiny_model("qwen3", torch.float32, attn="sdpa", vocab=flat[0][0].vocab_size).save_pretrained(spec["model"])
     with open(os.path.join(spec["work"], "spec.json"), "w") as f:
         json.dump(spec, f)
-    out = {"tokens": {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat),
-                      "pad": sum(b.num_pad_tokens for b in flat), "micro_batches": len(flat),
-                      "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat))}}
+    return flat
+
+
+def tokens(flat: list) -> dict:
+    """What the micro-batches hold: tokens naive, packed and pad, sequences (per micro-batch in ``rows``), loss-mask
+    holes, and how many hang from a cached prefix of a step plan."""
+    return {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat), "pad": sum(b.num_pad_tokens for b in flat),
+            "micro_batches": len(flat), "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat)),
+            "rows": [b.num_sequences for b in flat], "hanging": sum(int(b.meta.get("prefix_tokens", 0)) > 0 for b in flat)}
+
+
+def same_batches(got: list, want: list) -> bool:
+    """The feed handed out exactly the reference's micro-batches, in order (tensors and step-plan headers)."""
+    plan = ("prefix_tokens", "prefix_push", "prefix_release")
+    return len(got) == len(want) and all(all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS) and
+                                         [a.meta.get(k) for k in plan] == [b.meta.get(k) for k in plan] for a, b in zip(got, want))
+
+
+def first(spec: dict) -> None:
+    if skipped():
+        return
+    from treepack.torch import PackedDataset
+
+    [flat] = prepare(spec)
+    out = {"tokens": tokens(flat)}
     began = time.time()
 
     # The reference: the directory path, each step's directory read by PackedDataset in turn.
@@ -156,15 +196,13 @@ def first(spec: dict) -> None:
     out["reference_logs"] = ref["logs"]
 
     # Negative controls: the comparison tells a changed advantage, and a micro-batch trained twice in place of another.
-    changed = flat[:-1] + [dataclasses.replace(flat[-1], advantages=flat[-1].advantages + 0.25)]
     twice = flat[:-1] + [flat[-2]]
     out["controls"] = {}
     began = time.time()
-    for name, batches in (("advantage", changed), ("twice", twice)):
+    for name, batches in (("advantage", changed_advantage(flat)), ("twice", twice)):
         t, cap = trainer(spec, batches, name)
         t.train()
-        got = result(t, cap)
-        out["controls"][name] = {"params": param_diff(ref["params"], got["params"]), "logs": log_diff(ref["logs"], got["logs"])}
+        out["controls"][name] = diff(ref, result(t, cap))
     out["controls_s"] = time.time() - began
 
     # TRL on service A's feed.
@@ -174,9 +212,8 @@ def first(spec: dict) -> None:
     t.train()
     got = result(t, cap)
     out["feed_s"] = time.time() - began
-    out["feed"] = {"params": param_diff(ref["params"], got["params"]), "logs": log_diff(ref["logs"], got["logs"]), "events": feed.events,
-                   "same_batches": len(feed.batches) == len(flat) and all(
-                       all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS) for a, b in zip(feed.batches, flat)),
+    out["feed"] = {**diff(ref, got), "events": feed.events,
+                   "same_batches": same_batches(feed.batches, flat),
                    "nodes": [int(b.num_nodes) for b in feed.batches], "stats": [list(s) for s in t.treepack_stats]}
     torch.save({"reference": ref, "out": out}, os.path.join(spec["work"], "first.pt"))
 
