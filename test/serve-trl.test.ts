@@ -149,6 +149,22 @@ async function packSteps(base: string, name: string, packing: string[]): Promise
   return steps;
 }
 
+/** A service NAME packing with `packing`, every episode recorded through it, and the reference's step directories. */
+async function recorded(name: string, packing: string[]): Promise<{ s: ServeProcess; steps: string[] }> {
+  const s = await serve(name, packing);
+  await recordEpisodes(s.url);
+  return { s, steps: await packSteps(s.url, `${name}-reference`, packing) };
+}
+
+/** The driver's spec (DIR/NAME-work/given.json): the feed, the reference steps, the tokenizer, its work directory, and `more`. */
+function writeSpec(name: string, feed: string, steps: string[], more: Record<string, unknown> = {}): string {
+  const work = join(dir, `${name}-work`);
+  mkdirSync(work);
+  const spec = join(work, 'given.json');
+  writeFileSync(spec, JSON.stringify({ feed, reference: steps, tokenizer: QWEN3_DIR, work, ...more }));
+  return spec;
+}
+
 /** A Python driver's run on SPEC (a JSON file); its exit code, stdout and stderr. */
 function runDriver(script: string, phase: string, spec: string) {
   return promisify(execFile)(python!, [join(ROOT, 'python/tests/trainer', script), phase, spec], {
@@ -189,16 +205,11 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
   it('equals the directory path on the gateway\'s exported records, acks each micro-batch once, survives a trainer dying mid-step (float64 tiny Qwen3)', { timeout: 600_000 }, async (ctx) => {
     const t0 = Date.now();
     const packing = ['--max-tokens', String(MAX_TOKENS), '--pad-multiple', String(PAD_MULTIPLE)];
-    const a = await serve('a', packing);
-    await recordEpisodes(a.url);
-    const steps = await packSteps(a.url, 'reference', packing);
+    const { s: a, steps } = await recorded('a', packing);
     // Service B replays a copy of A's log: the same steps, the same micro-batches, for the trainer that dies.
     cpSync(join(dir, 'a'), join(dir, 'b'), { recursive: true });
     const b = await serve('b', packing);
-    const work = join(dir, 'work');
-    mkdirSync(work);
-    const spec = join(work, 'given.json');
-    writeFileSync(spec, JSON.stringify({ feed: a.url, restart: b.url, reference: steps, tokenizer: QWEN3_DIR, work }));
+    const spec = writeSpec('a', a.url, steps, { restart: b.url });
     const t1 = Date.now();
     const died = await runDriver('feed_trl.py', 'first', spec);
     const t2 = Date.now();
@@ -260,13 +271,8 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
   it.for(ddpPackings)('under DDP (%s): one FeedClient(rank=r, dp=2) per rank from `treepack serve --dp 2` equals `treepack pack --dp 2` trained from the directory (two gloo processes, float64 tiny Qwen3)', { timeout: 600_000 }, async ([variant, flags], ctx) => {
     const t0 = Date.now();
     const packing = [...flags];
-    const s = await serve(`ddp-${variant}`, packing);
-    await recordEpisodes(s.url);
-    const steps = await packSteps(s.url, `ddp-${variant}-reference`, packing);
-    const work = join(dir, `ddp-${variant}-work`);
-    mkdirSync(work);
-    const spec = join(work, 'given.json');
-    writeFileSync(spec, JSON.stringify({ feed: s.url, reference: steps, tokenizer: QWEN3_DIR, work }));
+    const { s, steps } = await recorded(`ddp-${variant}`, packing);
+    const spec = writeSpec(`ddp-${variant}`, s.url, steps);
     const t1 = Date.now();
     const got = report<DdpReport>(await runDriver('feed_trl_more.py', 'ddp', spec), ctx);
     if (!got) return;
@@ -308,13 +314,8 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
   it('on step plans: TRL on what `treepack serve --prefix-reuse` hands out equals `treepack pack --prefix-reuse` trained from the directory (float64 tiny Qwen3)', { timeout: 600_000 }, async (ctx) => {
     const t0 = Date.now();
     const packing = ['--max-tokens', String(PLAN_MAX_TOKENS), '--prefix-reuse', String(PREFIX_CACHE)];
-    const s = await serve('plan', packing);
-    await recordEpisodes(s.url);
-    const steps = await packSteps(s.url, 'plan-reference', packing);
-    const work = join(dir, 'plan-work');
-    mkdirSync(work);
-    const spec = join(work, 'given.json');
-    writeFileSync(spec, JSON.stringify({ feed: s.url, reference: steps, tokenizer: QWEN3_DIR, work }));
+    const { s, steps } = await recorded('plan', packing);
+    const spec = writeSpec('plan', s.url, steps);
     const t1 = Date.now();
     const got = report<PlanReport>(await runDriver('feed_trl_more.py', 'plan', spec), ctx);
     if (!got) return;
