@@ -99,16 +99,10 @@ export class ChatEncoder {
       return record;
     }
     const turns = this.encodeTurns(record);
-    let total = 0;
-    for (const ids of turns.ids) total += ids.length;
+    const tokens = concatIds(turns.ids);
+    const total = tokens.length;
     const last = turns.ids[turns.ids.length - 1]!;
-    const tokens = new Int32Array(total);
     const loss_mask = new Uint8Array(total);
-    let at = 0;
-    for (const ids of turns.ids) {
-      tokens.set(ids, at);
-      at += ids.length;
-    }
     const offset = total - last.length;
     loss_mask.fill(1, offset + turns.trainableFrom, offset + turns.trainableTo);
     loss_mask[0] = 0;
@@ -190,20 +184,11 @@ export class ChatEncoder {
     try {
       // A native template's messages render alike with and without the generation prompt, which follows them.
       if (this.native && vars === undefined) text = this.native([...messages], t) + this.header;
-      else text = this.tokenizer.chatTemplate.render({ ...this.tokenizer.templateVars, ...vars, messages: messages.map(forTemplate), tools: t, add_generation_prompt: true });
+      else text = this.renderMessages(messages.map(forTemplate), t, true, vars);
     } catch (e) {
       throw new TreepackError('E_INPUT', `the chat template failed: ${(e as Error).message}`);
     }
-    const segments = this.split(text).map((s) => this.lookup(s).ids);
-    let n = 0;
-    for (const ids of segments) n += ids.length;
-    const out = new Int32Array(n);
-    let at = 0;
-    for (const ids of segments) {
-      out.set(ids, at);
-      at += ids.length;
-    }
-    return out;
+    return concatIds(this.split(text).map((s) => this.lookup(s).ids));
   }
 
   /** The rendered text cut before each turn-start token (text before the first one is a segment of its own). */
@@ -222,9 +207,10 @@ export class ChatEncoder {
     return { ...this.counters };
   }
 
-  private renderMessages(messages: unknown[], tools: unknown[] | undefined, addGenerationPrompt: boolean): string {
+  private renderMessages(messages: unknown[], tools: unknown[] | undefined, addGenerationPrompt: boolean, vars?: Readonly<Record<string, unknown>>): string {
     return this.tokenizer.chatTemplate.render({
       ...this.tokenizer.templateVars,
+      ...vars,
       messages,
       tools,
       add_generation_prompt: addGenerationPrompt,
@@ -413,3 +399,16 @@ function renderQwen3(messages: ChatMessage[], tools: unknown[] | undefined): str
 const NATIVE_TEMPLATES = new Map<string, (messages: ChatMessage[], tools: unknown[] | undefined) => string>([
   ['87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5', renderQwen3],
 ]);
+
+/** Turns' token ids, one after another. */
+function concatIds(parts: readonly Int32Array[]): Int32Array {
+  let n = 0;
+  for (const ids of parts) n += ids.length;
+  const out = new Int32Array(n);
+  let at = 0;
+  for (const ids of parts) {
+    out.set(ids, at);
+    at += ids.length;
+  }
+  return out;
+}
