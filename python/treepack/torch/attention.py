@@ -51,15 +51,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-try:
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # torch < 2.9: flex returns the log-sum-exp with return_lse=True
-    AuxRequest = None
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..flex import block_arrays_from_tree, block_arrays_windowed, check_window, tree_mask_mod
 from ..microbatch import TreepackError
+from .compiled_flex import flex_attend
 
 MODES = ("auto", "flex", "dense", "block")
 
@@ -316,9 +312,6 @@ def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
 
 
-_compiled_flex: Any = None
-
-
 def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
            window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, rows: int = 0) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
@@ -334,33 +327,13 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
         raise TreepackError("E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
         raise TreepackError("E_ARG", f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}", field="s_aux")
-    if rows and mask.mode == "flex":
-        return attend(mask, query, key, value, scale, window, sinks)[:, :, rows:]
     mask = windowed(mask, window)
     gqa = key.shape[1] != query.shape[1]
     if mask.mode == "dense":
         return _dense_attention(mask, query, key, value, scale, gqa, sinks, rows)
     if mask.mode == "block":
         return _block_attention(mask, query, key, value, scale, gqa, sinks, skip=rows)
-    global _compiled_flex
-    fn = flex_attention
-    if query.is_cuda:
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (query, key, value, sinks)):
-        raise TreepackError("E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU", field="mode")
-    else:
-        # torch refuses requires_grad inputs on CPU even under no_grad, where nothing is recorded anyway.
-        query, key, value = query.detach(), key.detach(), value.detach()
-    if sinks is None:
-        return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
-    # out · Σexp / (Σexp + exp(sink)) = out · sigmoid(lse − sink), with the row's log-sum-exp flex returns.
-    if AuxRequest is None:
-        out, lse = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    else:
-        out, aux = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    return out * torch.sigmoid(lse.to(out.dtype) - sinks.to(out.dtype)[None, :, None])[..., None]
+    return flex_attend(mask, query, key, value, scale, gqa, sinks, rows)
 
 
 # config.layer_types entries (transformers' ALLOWED_LAYER_TYPES) by what the tree attention does with them: full
