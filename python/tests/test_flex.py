@@ -12,7 +12,7 @@ import unittest
 import numpy as np
 
 import treepack
-from mask_reference import block_arrays_from_dense, dense_mask, slices_to_dense
+from mask_reference import block_arrays_from_dense, dense_mask, random_forest, slices_to_dense
 from treepack.flex import block_arrays, block_arrays_from_tree, block_arrays_windowed, cu_seqlens, magi_slices, slices_from_tree
 from treepack import TreepackError
 from treepack.loss import core_library
@@ -55,34 +55,10 @@ class DenseReference(unittest.TestCase):
 class TreeBuilders(unittest.TestCase):
     """The lowerings built in Python from the tree arrays (no --masks needed)."""
 
-    @staticmethod
-    def random_forest(rng: np.random.Generator) -> "tuple[np.ndarray, np.ndarray]":
-        """(parent, subtree_end) of a random preorder forest of up to 40 nodes."""
-        n = int(rng.integers(0, 40))
-        parent = np.array([-1 if p == 0 or rng.random() < 0.15 else int(rng.integers(0, p)) for p in range(n)], dtype=np.int64)
-        # A preorder needs each child after its parent's earlier subtrees: rebuild one by DFS.
-        children = [[] for _ in range(n)]
-        for p in range(n):
-            if parent[p] >= 0:
-                children[parent[p]].append(p)
-        order, stack = [], [p for p in reversed(range(n)) if parent[p] < 0]
-        while stack:
-            p = stack.pop()
-            order.append(p)
-            stack.extend(reversed(children[p]))
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n)
-        par = np.array([-1 if parent[p] < 0 else rank[parent[p]] for p in order], dtype=np.int64)
-        size = np.ones(n, dtype=np.int64)
-        for p in reversed(range(n)):
-            if par[p] >= 0:
-                size[par[p]] += size[p]
-        return par, np.arange(n) + size
-
     def test_block_arrays_from_tree_equal_the_dense_derivation(self) -> None:
         rng = np.random.default_rng(3)
         for trial in range(60):
-            par, se = self.random_forest(rng)
+            par, se = random_forest(rng)
             np.testing.assert_array_equal(dense_mask(se), parent_dense(par))
             for B in (1, 2, 3, 8, 128):
                 got, want = block_arrays_from_tree(se, B), block_arrays_from_dense(dense_mask(se), B)
@@ -93,7 +69,7 @@ class TreeBuilders(unittest.TestCase):
         # position_ids = depth plus a per-root offset; the window counts the query itself (transformers' convention).
         rng = np.random.default_rng(4)
         for trial in range(40):
-            par, se = self.random_forest(rng)
+            par, se = random_forest(rng)
             pos = np.zeros(len(par), dtype=np.int64)
             for p in range(len(par)):
                 pos[p] = int(rng.integers(0, 5)) if par[p] < 0 else pos[par[p]] + 1

@@ -14,8 +14,8 @@
     True
 
 Query q attends to key k iff ``k <= q < subtree_end[k]``. ``tree_mask`` builds a ``TreeMask``: a FlexAttention
-``BlockMask`` (block arrays computed in Python from ``subtree_end``, ``flex.block_arrays_from_tree``) that also
-carries ``subtree_end`` and how to attend:
+``BlockMask`` (its block lists built with torch ops on ``subtree_end``'s own device, ``treepack.torch.blocks``: no
+host round trip, no device synchronisation) that also carries ``subtree_end`` and how to attend:
 
 - ``"flex"``: ``flex_attention`` with the BlockMask (compiled on CUDA; on CPU forward only, torch has no backward);
 - ``"dense"``: SDPA with the dense bool [N, N] mask, built once per mask (O(N²) memory: small batches);
@@ -53,8 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..flex import block_arrays_from_tree, block_arrays_windowed, check_window, tree_mask_mod
+from ..flex import check_window, tree_mask_mod
 from ..microbatch import TreepackError
+from .blocks import Arrays, block_arrays, check_host_tree
 from .compiled_flex import flex_attend
 
 MODES = ("auto", "flex", "dense", "block")
@@ -104,7 +105,9 @@ def tree_mask(
     """The TreeMask of a ``PackedBatch`` (or a ``subtree_end`` tensor / array) on ``device`` (the tensor's by
     default). ``block_size`` is the BlockMask's tile (FlexAttention wants a multiple of 128 on GPU; the block-sparse
     path runs any size). ``position_ids`` (a batch's own by default) are what sliding-window layers measure their
-    window in; a mask without them refuses those layers."""
+    window in; a mask without them refuses those layers. The block lists are built on ``device`` with torch ops
+    (``treepack.torch.blocks``); a ``subtree_end`` on the host is checked first (TreepackError naming it), one already
+    on a device is not read back (its loader checked it)."""
     if mode not in MODES:
         raise TreepackError("E_ARG", f"expected one of {', '.join(MODES)}, got {mode!r}", field="mode")
     se = _subtree_end_of(batch_or_subtree_end)
@@ -114,20 +117,17 @@ def tree_mask(
         if pos.shape != se.shape or pos.dtype.is_floating_point or pos.dtype == torch.bool:
             raise TreepackError("E_ARG", f"expected a 1-D integer tensor of N = {se.shape[0]} elements, got {pos.dtype} {list(pos.shape)}", field="position_ids")
     dev = torch.device(device) if device is not None else se.device
-    arrays = block_arrays_from_tree(se.detach().cpu().numpy(), block_size)
+    if se.device.type == "cpu" and dev.type != "cpu":  # checked before the upload: block_arrays checks host trees only
+        check_host_tree(se)
+    se = se.detach().to(dev, torch.int64)
     mode = ("flex" if dev.type == "cuda" else "block") if mode == "auto" else mode
-    return _make_mask(arrays, se.to(dev, torch.int64), None if pos is None else pos.to(dev, torch.int64), None, mode)
+    return _make_mask(block_size, block_arrays(se, block_size), se, None if pos is None else pos.to(dev, torch.int64), None, mode)
 
 
-def _make_mask(arrays: Any, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int], mode: str) -> TreeMask:
-    n, dev = int(se.shape[0]), se.device
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)[None, None]
-
+def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int], mode: str) -> TreeMask:
+    n = int(se.shape[0])
     mask = TreeMask.from_kv_blocks(
-        t(arrays.kv_num_blocks), t(arrays.kv_indices), t(arrays.full_kv_num_blocks), t(arrays.full_kv_indices),
-        BLOCK_SIZE=arrays.block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
+        *(a[None, None] for a in arrays), BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
     )
     mask.subtree_end, mask.position_ids, mask.window, mask.mode, mask._cache = se, pos, window, mode, {}
     return mask
@@ -145,8 +145,9 @@ def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
     if got is None:
         if mask.position_ids is None:
             raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) or tree_mask(subtree_end, position_ids=...)", field="position_ids")
-        arrays = block_arrays_windowed(mask.subtree_end.cpu().numpy(), mask.position_ids.cpu().numpy(), window, mask.BLOCK_SIZE[0])
-        got = mask._cache[("window", window)] = _make_mask(arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
+        B = mask.BLOCK_SIZE[0]
+        arrays = block_arrays(mask.subtree_end, B, mask.position_ids, window)
+        got = mask._cache[("window", window)] = _make_mask(B, arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
     return got
 
 
