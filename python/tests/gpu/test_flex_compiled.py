@@ -3,19 +3,20 @@
 CPU (float32 forward: torch compiles no flex backward on CPU, and no float64):
 - ``CompiledFlexCpu``: compiled flex equals the block path (run in float64, the oracle the trainer suites check
   against the dense rule) within float32 rounding on adversarial forests (one token, a ragged last block,
-  duplicates, a prefix of another sequence, a chain deeper than 30, wide branching), plain, with a sliding window
-  and sinks, and for step-plan rows (only the query rows past a cached prefix are computed); a negative control
-  proves that the compiled kernel reads the block lists (zeroing the full-block counts changes its output, where
-  eager flex ignores them); a model's logprobs through compiled flex equal the unpacked run's; the refusals
-  (a gradient or float64 on CPU, the recompile limit reached) are TreepackErrors.
+  duplicates, a prefix of another sequence, a chain deeper than 30, wide branching), plain and with a sliding
+  window and sinks, and for step-plan rows (only the query rows past a cached prefix are computed); a negative
+  control proves that the compiled kernel reads the block lists (zeroing the full-block counts changes its output,
+  where eager flex ignores them); a gpt-oss model's logprobs (sliding and full layers with sinks) through compiled
+  flex equal the unpacked run's; the refusals (a gradient or float64 on CPU, the recompile limit reached) are
+  TreepackErrors.
 - ``CompiledFlexCount`` (on CUDA when there is one, else CPU): 13 random micro-batch lengths compile once per
   ladder rung they touch (3), counted in dynamo's cache of the compiled function, each result equal to the block
   path. Without the ladder each length would compile (and past 8, dynamo would fall back to uncompiled flex).
 
 CUDA only (skipped here with the reason "needs CUDA"): forward and backward (q, k, v and the sinks' gradients)
-equal the block path with windows and sinks, for all rows and for step-plan rows.
+equal the block path at B = 128 with windows and sinks, for all rows and for step-plan rows.
 
-Compiles are slow on a busy CPU (10-20 s each): the cases share a few compiled variants (B = 8, two rungs).
+Compiles are slow on a busy CPU (10-20 s each): the CPU cases share ten compiled variants.
 Run: ``python -m unittest discover -s python/tests/gpu -p 'test_flex_compiled.py'`` from an installed treepack.
 """
 
@@ -153,19 +154,28 @@ class CompiledFlexCpu(unittest.TestCase):
 
     @needs_torch(transformers=True)
     def test_model_logprobs_equal_the_unpacked_run(self):
-        # A tiny Qwen3 (GQA, RoPE) in float32, its attention through compiled flex (B = 128): per-token logprobs of
-        # the packed forest equal each sequence run alone with stock attention.
-        from test_exactness import unpacked_logprobs
+        # gpt-oss in float32 (a sliding-window layer and a full one, both with sinks; GQA, MoE with the stock experts),
+        # its attention through compiled flex at B = 8: per-token logprobs of the packed forest equal each sequence
+        # run alone with stock attention.
+        from test_window import build, window_forests
 
-        model = tiny_model("qwen3", torch.float32, vocab=97)
-        plain = tiny_model("qwen3", torch.float32, attn="sdpa", vocab=97)
-        batch = tpt.load_microbatch(pack(forests(97, seed=7)["mixed"], pad=2))
-        with torch.no_grad():
-            lp = tpt.gather_occurrences(tpt.packed_logprobs(model, batch, nodes="all", attention="flex").logprobs, batch)
-            want, _ = unpacked_logprobs(plain, batch)
+        model, plain, _ = build("gpt_oss")
+        for m in (model, plain):
+            m.float().set_experts_implementation("grouped_mm")
+        batch = tpt.load_microbatch(pack(window_forests(seed=3)["branches"], pad=1))
         t = batch.token_index > 0
-        self.assertGreater(int(t.sum()), 20)
-        self.assertLess(float((lp[t] - want[t]).abs().max()), 1e-5)
+        with torch.no_grad():
+            mask = tpt.tree_mask(batch, mode="flex", block_size=B)
+            hidden = model.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask).last_hidden_state
+            lp = tpt.gather_occurrences(tpt.packed_logprobs(hidden, batch, lm_head=model.lm_head, nodes="all").logprobs, batch)
+            for i in range(batch.num_sequences):
+                a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
+                if b - a < 2:
+                    continue
+                toks = batch.input_ids[batch.seq_positions[a:b]]
+                want = torch.log_softmax(plain(toks[None], use_cache=False).logits[0, :-1].float(), -1).gather(1, toks[1:, None])[:, 0]
+                self.assertLess(float((lp[a + 1 : b] - want).abs().max()), 1e-5, f"sequence {i}")
+        self.assertGreater(int(t.sum()), 30)
 
     def test_refusals(self):
         from treepack.torch import compiled_flex
