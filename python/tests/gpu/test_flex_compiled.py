@@ -22,6 +22,7 @@ Run: ``python -m unittest discover -s python/tests/gpu -p 'test_flex_compiled.py
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
@@ -29,7 +30,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer"))
 
-from support import forests, needs_torch, pack, tiny_model, torch, tpt  # noqa: E402
+from support import forests, needs_torch, pack, torch, tpt  # noqa: E402
 from treepack import TreepackError  # noqa: E402
 
 CUDA = torch is not None and torch.cuda.is_available()
@@ -38,6 +39,13 @@ VOCAB = 13
 WINDOW_SINKS = {"window": 3, "sinks": True, "scale": 0.3}
 B = 8  # the block size of the CPU cases: partial, full and skipped tiles all occur in ~40-node forests
 H, HKV, D = 4, 2, 16
+
+
+def setUpModule() -> None:
+    # Dynamo guards every compiled variant on the number of registered pytree node types, and a model module
+    # registers its output classes when it is first imported: gpt-oss's, imported up front, invalidates no variant.
+    if torch is not None and importlib.util.find_spec("transformers") is not None:
+        import transformers.models.gpt_oss.modeling_gpt_oss  # noqa: F401
 
 
 # Node counts the adversarial forests are padded to: rung 6 of B = 8 (one compiled variant per layer kind), never a
@@ -97,13 +105,29 @@ class CompiledFlexCpu(unittest.TestCase):
                 with self.subTest(forest=name, **kw):
                     self.check(batch, i, **kw)
 
+    def test_executed_tiles_count_one_tile_per_padded_query_block(self):
+        # No compilation: the tiles of the padded BlockMask flex runs are the mask's own plus the diagonal tile of
+        # each query block the ladder adds (padded rows see only themselves; nobody sees a padded key).
+        padded = 0
+        for name, batch in adversarial().items():
+            n = batch.num_nodes
+            added = (tpt.ladder_length(n, B) - B * -(-n // B)) // B
+            padded += added
+            for window in (None, 3):
+                mask = tpt.windowed(tpt.tree_mask(batch, mode="flex", block_size=B), window)
+                with self.subTest(forest=name, window=window):
+                    listed = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
+                    self.assertEqual(tpt.executed_tiles(mask), listed + added)
+        self.assertGreater(padded, 0)  # 33, 35 and 37 nodes: 5 blocks, run at 6
+        self.assertEqual([tpt.ladder_length(n, B) // B for n in (1, 8, 9, 17, 33, 41, 47, 49, 97)], [1, 1, 2, 3, 6, 6, 6, 8, 16])
+
     def test_step_plan_rows(self):
         # Rows past a cached prefix (query rows [rows, N)), ranges that start inside a block. 45 nodes, rows 1 and 9:
         # the queries' rung is the keys' (6 blocks; at 9 it has a query block more than [9, 48) fills, whose rows see
         # nothing). 33 nodes, rows 1 and 5: rung 4, fewer query blocks than [rows, 48) holds.
-        forests = adversarial(1)
+        shapes = adversarial(1)
         for name, rows in (("depth>=30", 1), ("depth>=30", 9), ("duplicates", 1), ("duplicates", 5)):
-            batch = forests[name]
+            batch = shapes[name]
             with self.subTest(forest=name, rows=rows):
                 got = self.check(batch, rows, rows=rows, **WINDOW_SINKS)
                 self.assertEqual(got.shape[2], batch.num_nodes - rows)
@@ -129,7 +153,7 @@ class CompiledFlexCpu(unittest.TestCase):
             got = tpt.attend(mask, q, k, v)
         bm, Lq, Lk = compiled_flex._padded_mask(mask, 0, False)
         self.assertGreater(int(bm.full_kv_num_blocks.sum()), 0)
-        before = compiled_flex.compiled_variants()
+        before = compiled_flex.flex_compilations()
         pad = lambda x, L: torch.nn.functional.pad(x, (0, 0, 0, L - batch.num_nodes))  # noqa: E731
 
         def run(kv_num, kv_idx, full_num, full_idx):
@@ -150,7 +174,7 @@ class CompiledFlexCpu(unittest.TestCase):
         merged_idx = torch.argsort((~both).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         merged = run(both.sum(-1).to(torch.int32), merged_idx, torch.zeros_like(bm.full_kv_num_blocks), bm.full_kv_indices)
         self.assertLess(float((merged - got).abs().max()), 1e-6)
-        self.assertEqual(compiled_flex.compiled_variants(), before)  # same shapes: no new compilation
+        self.assertEqual(compiled_flex.flex_compilations(), before)  # same shapes: no new compilation
 
     @needs_torch(transformers=True)
     def test_model_logprobs_equal_the_unpacked_run(self):
@@ -166,7 +190,8 @@ class CompiledFlexCpu(unittest.TestCase):
         t = batch.token_index > 0
         with torch.no_grad():
             mask = tpt.tree_mask(batch, mode="flex", block_size=B)
-            hidden = model.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask).last_hidden_state
+            ids, pos = batch.input_ids[None], batch.position_ids[None]
+            hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state
             lp = tpt.gather_occurrences(tpt.packed_logprobs(hidden, batch, lm_head=model.lm_head, nodes="all").logprobs, batch)
             for i in range(batch.num_sequences):
                 a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
@@ -189,7 +214,7 @@ class CompiledFlexCpu(unittest.TestCase):
         ]
         # A shape past the recompile limit fails loudly (before compiling) instead of running uncompiled flex.
         limit = compiled_flex.COMPILE_LIMIT
-        compiled_flex.COMPILE_LIMIT = compiled_flex.compiled_variants()
+        compiled_flex.COMPILE_LIMIT = compiled_flex.flex_compilations()
         try:
             odd = tpt.tree_mask(torch.tensor([1]), mode="flex", block_size=2)
             x = torch.randn(1, 3, 1, 4)
@@ -212,7 +237,7 @@ class CompiledFlexCount(unittest.TestCase):
         device = "cuda" if CUDA else "cpu"
         block = 128 if CUDA else 16
         # Random forests of 13 distinct lengths in (block, 4 · block]: the rungs 2, 3 and 4 blocks. A head dim of its
-        # own, so that no other test's compilations are counted here.
+        # own (32), so that no other test's compilations are counted here.
         r, batches = random.Random(7), {}
         while len(batches) < 13:
             seqs = [[r.randrange(50) for _ in range(r.randrange(1, block))] for _ in range(r.randrange(2, 9))]
@@ -223,16 +248,16 @@ class CompiledFlexCount(unittest.TestCase):
                 batches[n] = tpt.load_microbatch(mb, device=device)
         rungs = {compiled_flex.ladder_length(n, block) for n in batches}
         self.assertEqual(rungs, {2 * block, 3 * block, 4 * block})
-        before = compiled_flex.compiled_variants()
+        before = compiled_flex.flex_compilations()
         for i, (n, batch) in enumerate(sorted(batches.items())):
             with self.subTest(n=n):
-                q, k, v, _ = qkvs(n, i, device, dim=8)
+                q, k, v, _ = qkvs(n, i, device, dim=32)
                 mask = tpt.tree_mask(batch, mode="flex", block_size=block)
                 with torch.no_grad():
                     got = tpt.attend(mask, q, k, v)
                     want = tpt.attend(tpt.tree_mask(batch, mode="block", block_size=block), q.double(), k.double(), v.double())
                 self.assertLess(float((got.double() - want).abs().max()), 2e-6 if device == "cpu" else 1e-4)
-        compiled = compiled_flex.compiled_variants() - before
+        compiled = compiled_flex.flex_compilations() - before
         print(f"\ncompiled flex on {device}: {len(batches)} lengths, {len(rungs)} rungs, {compiled} compilation(s)", file=sys.stderr)
         self.assertEqual(compiled, len(rungs))
 
@@ -249,7 +274,8 @@ def cuda_forests(seed: int = 0):
         mixed.append(base[: r.randrange(0, len(base) + 1)] + tok(r.randrange(1, 40)))
     shapes = {"depth>=30": [chain, chain[:150] + tok(60), chain[:290] + tok(30)], "mixed": mixed,
               "duplicates": [chain[:200]] * 3 + [chain[:100] + tok(50)] * 2, "one token": [[5]]}
-    return {name: tpt.load_microbatch(pack(seqs, pad=3 if len(seqs) > 1 else 0, seed=i), device="cuda") for i, (name, seqs) in enumerate(shapes.items())}
+    return {name: tpt.load_microbatch(pack(seqs, pad=3 if len(seqs) > 1 else 0, seed=i), device="cuda")
+            for i, (name, seqs) in enumerate(shapes.items())}
 
 
 @needs_torch(cuda="needs CUDA")
@@ -272,8 +298,8 @@ class CompiledFlexCuda(unittest.TestCase):
                         for what, a, c in zip(("out", "dq", "dk", "dv", "dsinks"), *results):
                             if c is None:
                                 self.assertIsNone(a, what)
-                            else:
-                                self.assertLess(float((a - c).abs().max()), 1e-4, what)
+                            else:  # float32 sums over up to ~600 rows (the sinks' over every row and head)
+                                self.assertLess(float((a - c).abs().max()), 1e-4 * max(1.0, float(c.abs().max())), what)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ Query q attends to key k iff ``k <= q < subtree_end[k]``. ``tree_mask`` builds a
 ``BlockMask`` (its block lists built with torch ops on ``subtree_end``'s own device, ``treepack.torch.blocks``: no
 host round trip, no device synchronisation) that also carries ``subtree_end`` and how to attend:
 
-- ``"flex"``: ``flex_attention`` with the BlockMask (compiled on CUDA; on CPU forward only, torch has no backward);
+- ``"flex"``: compiled ``flex_attention`` on every device (``treepack.torch.compiled_flex``): each call padded to a
+  length on a ladder (``ladder_length``), so a run compiles once per rung, never falling back to uncompiled flex;
+  on CPU forward only, in float32, bfloat16 or float16 (torch compiles no CPU backward);
 - ``"dense"``: SDPA with the dense bool [N, N] mask, built once per mask (O(N²) memory: small batches);
 - ``"block"``: block-sparse SDPA on any device, with backward: query blocks are grouped by how many kv blocks they
   see, and each group runs SDPA over its gathered kv blocks with their partial masks, in calls of at most
@@ -33,10 +35,13 @@ each layer's attention call says its own window (``sliding_window=``, checked ag
 - the window (DESIGN.md §8: ``position_ids[q] - position_ids[k] < window``, Hugging Face's convention) from the
   mask's ``position_ids``, through a windowed TreeMask derived once per window and cached on the mask, whose block
   lists drop the tiles wholly outside the window (the work is O(N · window) on a chain);
-- sinks, a per-head logit in every row's softmax denominator: flex rescales its output by the log-sum-exp it
-  returns; SDPA has no such argument, so the dense and block paths append one key per kv head that every query sees,
-  with value 0 and score exactly the sink: q gains G = H / Hkv coordinates (one-hot of its head within its group),
-  real keys zeros there and the sink key ``sinks / scale`` there.
+- sinks, a per-head logit in every row's softmax denominator, as one more key every query sees, with value 0 and
+  score exactly the sink: flex appends a key block whose first key a ``score_mod`` scores ``sinks[h]``; SDPA takes
+  no score function, so the dense and block paths append one key per kv head and widen the head dim instead: q gains
+  G = H / Hkv coordinates (one-hot of its head within its group), real keys zeros there and the sink key
+  ``sinks / scale`` there.
+
+With ``rows`` (a step plan's cached prefix), only query rows [rows, N) are computed, in every mode.
 
 ``dense_model_mask`` gives ``sdpa`` / ``eager`` models (``packed_logprobs``' dense path) each layer's dense mask, or
 refuses.
@@ -56,7 +61,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..flex import check_window, tree_mask_mod
 from ..microbatch import TreepackError
 from .blocks import Arrays, block_arrays, check_host_tree
-from .compiled_flex import flex_attend
+from .compiled_flex import flex_attend, flex_tiles
 
 MODES = ("auto", "flex", "dense", "block")
 
@@ -190,7 +195,11 @@ def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
 
 
 def executed_tiles(mask: TreeMask) -> int:
-    """B×B tiles the block path computes per attention call, its padding included (flex computes the listed blocks)."""
+    """B×B tiles one attention call computes: for the block path its SDPA calls' tiles, their padding included; for
+    flex the tiles listed by the BlockMask it runs, which is padded to its ladder rung (``ladder_length``: a tile per
+    padded query block)."""
+    if mask.mode == "flex":
+        return flex_tiles(mask)
     return sum(len(rows) * K for rows, K in _plan_chunks(mask))
 
 
