@@ -9,12 +9,13 @@ CPU (float32 forward: torch compiles no flex backward on CPU, and no float64):
   where eager flex ignores them); a gpt-oss model's logprobs (sliding and full layers with sinks) through compiled
   flex equal the unpacked run's; the refusals (a gradient or float64 on CPU, the recompile limit reached) are
   TreepackErrors.
-- ``CompiledFlexCount`` (on CUDA when there is one, else CPU): 13 random micro-batch lengths compile once per
-  ladder rung they touch (3), counted in dynamo's cache of the compiled function, each result equal to the block
-  path. Without the ladder each length would compile (and past 8, dynamo would fall back to uncompiled flex).
+- ``CompiledFlexCount`` (on CUDA when there is one, else CPU): 13 random micro-batch lengths (and step-plan rows
+  of them) compile once per ladder rung they touch (3), counted in dynamo's cache of the compiled function, each
+  result equal to the block path: neither a forest's content nor a query offset compiles again. Without the ladder
+  each length would compile (and past 8, dynamo would fall back to uncompiled flex).
 
 CUDA only (skipped here with the reason "needs CUDA"): forward and backward (q, k, v and the sinks' gradients)
-equal the block path at B = 128 with windows and sinks, for all rows and for step-plan rows.
+equal the block path at B = 128 with windows and sinks, for all rows and for step-plan rows (four compilations).
 
 Compiles are slow on a busy CPU (10-20 s each): the CPU cases share ten compiled variants.
 Run: ``python -m unittest discover -s python/tests/gpu -p 'test_flex_compiled.py'`` from an installed treepack.
@@ -218,7 +219,7 @@ class CompiledFlexCpu(unittest.TestCase):
         try:
             odd = tpt.tree_mask(torch.tensor([1]), mode="flex", block_size=2)
             x = torch.randn(1, 3, 1, 4)
-            cases.append(("mode", "compilations", lambda: tpt.attend(odd, x, x, x)))
+            cases.append(("mode", "recompile limit is reached", lambda: tpt.attend(odd, x, x, x)))
             for field, words, fn in cases:
                 with self.subTest(words=words):
                     with self.assertRaises(TreepackError) as cm:
@@ -257,35 +258,60 @@ class CompiledFlexCount(unittest.TestCase):
                     got = tpt.attend(mask, q, k, v)
                     want = tpt.attend(tpt.tree_mask(batch, mode="block", block_size=block), q.double(), k.double(), v.double())
                 self.assertLess(float((got.double() - want).abs().max()), 2e-6 if device == "cpu" else 1e-4)
+        # Step-plan rows whose queries stay on the keys' rung: the offset is a tensor the mask_mod reads, so a new
+        # offset (like a new forest of the same rung) compiles nothing.
+        offsets = 0
+        for i, (n, batch) in enumerate(sorted(batches.items())):
+            rows = 1 + i % 3
+            if compiled_flex.ladder_length(n - rows, block) == compiled_flex.ladder_length(n, block):
+                offsets += 1
+                with self.subTest(n=n, rows=rows):
+                    q, k, v, _ = qkvs(n, i, device, dim=32)
+                    with torch.no_grad():
+                        got = tpt.attend(tpt.tree_mask(batch, mode="flex", block_size=block), q, k, v, rows=rows)
+                        want = tpt.attend(tpt.tree_mask(batch, mode="block", block_size=block), *(x.double() for x in (q, k, v)), rows=rows)
+                    self.assertLess(float((got.double() - want).abs().max()), 2e-6 if device == "cpu" else 1e-4)
+        self.assertGreaterEqual(offsets, 8)
         compiled = compiled_flex.flex_compilations() - before
         print(f"\ncompiled flex on {device}: {len(batches)} lengths, {len(rungs)} rungs, {compiled} compilation(s)", file=sys.stderr)
         self.assertEqual(compiled, len(rungs))
 
 
+# Node counts the CUDA cases' forests are padded to: rung 4 of B = 128, ragged last blocks.
+CUDA_TARGETS = {"depth>=30": 395, "mixed": 450, "duplicates": 470}
+
+
 def cuda_forests(seed: int = 0):
-    """Forests over several 128-token blocks (so that partial, full and skipped tiles occur at the GPU's block size):
-    a chain of 300 with branches (depth >= 30), a random mix of shared prefixes, duplicates, and a single token."""
+    """Forests over several 128-token blocks (so that partial, full and skipped tiles occur at the GPU's block size),
+    padded to ``CUDA_TARGETS``: a chain of 300 with branches (depth >= 30), a random mix of shared prefixes, and
+    duplicates."""
     r = random.Random(seed)
     tok = lambda n: [r.randrange(VOCAB) for _ in range(n)]  # noqa: E731
     chain = tok(300)
     mixed = []
-    for _ in range(40):
+    for _ in range(30):
         base = r.choice(mixed) if mixed and r.random() < 0.7 else []
-        mixed.append(base[: r.randrange(0, len(base) + 1)] + tok(r.randrange(1, 40)))
+        mixed.append(base[: r.randrange(0, len(base) + 1)] + tok(r.randrange(1, 30)))
     shapes = {"depth>=30": [chain, chain[:150] + tok(60), chain[:290] + tok(30)], "mixed": mixed,
-              "duplicates": [chain[:200]] * 3 + [chain[:100] + tok(50)] * 2, "one token": [[5]]}
-    return {name: tpt.load_microbatch(pack(seqs, pad=3 if len(seqs) > 1 else 0, seed=i), device="cuda")
-            for i, (name, seqs) in enumerate(shapes.items())}
+              "duplicates": [chain[:200]] * 3 + [chain[:100] + tok(50)] * 2}
+    out = {}
+    for i, (name, seqs) in enumerate(shapes.items()):
+        pad = CUDA_TARGETS[name] - tpt.load_microbatch(pack(seqs)).num_nodes
+        assert pad >= 0, name
+        out[name] = tpt.load_microbatch(pack(seqs, pad=pad, seed=i), device="cuda")
+    return out
 
 
 @needs_torch(cuda="needs CUDA")
 class CompiledFlexCuda(unittest.TestCase):
     def test_forward_and_backward_equal_the_block_path_with_windows_and_sinks(self):
-        # float32 on the device, B = 128; the sinks are a parameter: their gradient too. Rows > 0: a step plan's rows.
+        # float32 on the device, B = 128, plain and with a window (40 positions: it binds on these forests) and sinks,
+        # which are a parameter: their gradient too. Rows > 0 are a step plan's: rows 7 keep the keys' rung (512),
+        # rows N - 100 run at 128. Four compiled variants (forward and backward) in all.
         for name, batch in cuda_forests().items():
             n = batch.num_nodes
-            for kw in ({}, {"window": 5}, {"sinks": True}, {"window": 40, "sinks": True}):
-                for rows in sorted({0, n // 3, max(n - 1, 0)}):
+            for kw in ({}, {"window": 40, "sinks": True}):
+                for rows in (0, 7, n - 100):
                     with self.subTest(forest=name, rows=rows, **kw):
                         results = []
                         for mode in ("flex", "block"):
@@ -298,8 +324,10 @@ class CompiledFlexCuda(unittest.TestCase):
                         for what, a, c in zip(("out", "dq", "dk", "dv", "dsinks"), *results):
                             if c is None:
                                 self.assertIsNone(a, what)
-                            else:  # float32 sums over up to ~600 rows (the sinks' over every row and head)
+                            else:  # float32 sums over up to 470 rows (the sinks' over every row and head)
                                 self.assertLess(float((a - c).abs().max()), 1e-4 * max(1.0, float(c.abs().max())), what)
+                        if kw.get("sinks"):
+                            self.assertGreater(float(results[0][4].abs().max()), 0.0)
 
 
 if __name__ == "__main__":

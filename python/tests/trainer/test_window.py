@@ -139,6 +139,24 @@ class WindowLowerings(unittest.TestCase):
                             for g, w in zip(got, want):
                                 self.assertLess(float((g - w).abs().max()), 1e-12)
 
+    def test_step_plan_rows_with_sinks(self):
+        # Query rows [rows, N) only (a step plan's cached prefix), starting inside a block: the reference's rows.
+        for shape, b in self.batches():
+            if shape not in ("branches", "mixed"):
+                continue
+            q, k, v, sinks = qkv_sinks(b.num_nodes, seed=5)
+            dense = torch.from_numpy(brute_mask(b.parent.numpy(), b.position_ids.numpy(), 3))
+            ref = reference_attention(q, k, v, dense, 0.3, sinks)
+            for rows in (1, 5):
+                seed = torch.cos(torch.arange(ref[:, :, rows:].numel(), dtype=ref.dtype)).reshape(ref[:, :, rows:].shape)
+                want = torch.autograd.grad(ref[:, :, rows:], (q, k, v, sinks), seed, retain_graph=True)
+                for mode, B in (("dense", 128), ("block", 3)):
+                    with self.subTest(forest=shape, rows=rows, mode=mode):
+                        out = tpt.attend(tpt.tree_mask(b, mode=mode, block_size=B), q, k, v, scale=0.3, window=3, sinks=sinks, rows=rows)
+                        self.assertLess(float((out - ref[:, :, rows:]).abs().max()), 1e-12)
+                        for g, w in zip(torch.autograd.grad(out, (q, k, v, sinks), seed), want):
+                            self.assertLess(float((g - w).abs().max()), 1e-12)
+
     def test_negative_controls(self):
         # The window binds in these forests and the sinks change every row: leaving either out differs.
         b = tpt.load_microbatch(pack(window_forests(seed=1)["branches"]))

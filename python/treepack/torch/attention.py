@@ -241,14 +241,14 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [1, H, N, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
+    """q [1, H, Nq, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
     [Hkv, D+G], scores exactly ``sinks[h]`` against every query of head h (G = H / Hkv; enable_gqa maps query head h
     to kv head h // G), while every real score is unchanged (the new coordinates add q·0)."""
-    _, H, n, D = q.shape
-    Hkv = k.shape[1]
+    _, H, nq, D = q.shape
+    _, Hkv, n, _ = k.shape
     G = H // Hkv
     onehot = torch.eye(G, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [H, G]: head h's place in its group
-    q2 = torch.cat([q, onehot[None, :, None, :].expand(1, H, n, G)], dim=-1)
+    q2 = torch.cat([q, onehot[None, :, None, :].expand(1, H, nq, G)], dim=-1)
     k2 = torch.cat([k, k.new_zeros(1, Hkv, n, G)], dim=-1)
     sink_key = torch.cat([k.new_zeros(Hkv, D), (sinks.to(k.dtype) / scale).reshape(Hkv, G)], dim=-1)
     return q2, k2, sink_key

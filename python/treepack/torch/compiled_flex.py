@@ -184,7 +184,8 @@ def flex_attend(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
             with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT), torch.set_grad_enabled(records):
                 out = _compiled_flex()(qp, kp, vp, block_mask, score_mod, scale, gqa)
         except FailOnRecompileLimitHit:
-            raise TreepackError("E_LIMIT", f"compiled FlexAttention reached its {COMPILE_LIMIT} compilations (padded lengths "
-                                f"{Lq} × {Lk}): more lengths, layer kinds or dtypes than a run should have; the uncompiled fall-back is "
-                                "refused (it materialises N × N scores)", field="mode") from None
+            limits = f"{COMPILE_LIMIT} for this function, {torch._dynamo.config.accumulated_recompile_limit} for all"
+            raise TreepackError("E_LIMIT", f"compiled FlexAttention cannot compile padded lengths {Lq} × {Lk}: dynamo's recompile "
+                                f"limit is reached ({limits}), by more lengths, layer kinds or dtypes than a run should have; the "
+                                "uncompiled fall-back is refused (it materialises N × N scores)", field="mode") from None
     return out[:, :, : n - rows]
