@@ -122,6 +122,19 @@ class CompiledFlexCpu(unittest.TestCase):
         self.assertGreater(padded, 0)  # 33, 35 and 37 nodes: 5 blocks, run at 6
         self.assertEqual([tpt.ladder_length(n, B) // B for n in (1, 8, 9, 17, 33, 41, 47, 49, 97)], [1, 1, 2, 3, 6, 6, 6, 8, 16])
 
+    def test_the_padded_mask_reads_no_device_value(self):
+        # Built on the meta device, whose tensors hold no values: any read-back (a device synchronisation on a GPU)
+        # would raise. Shapes: the rungs of keys and queries, the sink block.
+        from treepack.torch import compiled_flex
+
+        n = 45
+        se, pos = (torch.empty(n, dtype=torch.int64, device="meta") for _ in range(2))
+        mask = tpt.windowed(tpt.tree_mask(se, mode="flex", block_size=B, position_ids=pos), 3)
+        for rows, sinks, want in ((0, False, (48, 48)), (9, True, (48, 56)), (20, False, (32, 48))):
+            block_mask, Lq, Lk = compiled_flex._padded_mask(mask, rows, sinks)
+            self.assertEqual((Lq, Lk), want)
+            self.assertEqual(tuple(block_mask.kv_indices.shape), (1, 1, Lq // B, Lk // B))
+
     def test_step_plan_rows(self):
         # Rows past a cached prefix (query rows [rows, N)), ranges that start inside a block. 45 nodes, rows 1 and 9:
         # the queries' rung is the keys' (6 blocks; at 9 it has a query block more than [9, 48) fills, whose rows see

@@ -114,7 +114,7 @@ def _padded_mask(mask: Any, rows: int, sinks: bool) -> Tuple[BlockMask, int, int
         # The sink block is partial for every query block, listed after its other partial blocks.
         kv_idx = kv_idx.scatter(1, kv_num[:, None].long(), torch.full((nbq, 1), L // B, dtype=torch.int32, device=dev))
         kv_num = kv_num + 1
-    off = torch.tensor(rows, dtype=torch.int64, device=dev)
+    off = torch.full((), rows, dtype=torch.int64, device=dev)  # a fill on the device: no host copy, no sync
     got = mask._cache[key] = (
         BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None], full_idx[None, None], BLOCK_SIZE=B,
                                  mask_mod=_mask_mod(se_pad, pos_pad, window, off, L if sinks else None), seq_lengths=(Lq, nbk * B)),
