@@ -120,6 +120,11 @@ class CompiledFlexCpu(unittest.TestCase):
                     listed = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
                     self.assertEqual(tpt.executed_tiles(mask), listed + added)
         self.assertGreater(padded, 0)  # 33, 35 and 37 nodes: 5 blocks, run at 6
+        # An empty forest: no tiles, an empty output, nothing compiled.
+        empty = tpt.tree_mask(torch.zeros(0, dtype=torch.int64), mode="flex", block_size=B)
+        self.assertEqual(tpt.executed_tiles(empty), 0)
+        x = torch.randn(1, H, 0, D)
+        self.assertEqual(tuple(tpt.attend(empty, x, x[:, :HKV], x[:, :HKV]).shape), (1, H, 0, D))
         self.assertEqual([tpt.ladder_length(n, B) // B for n in (1, 8, 9, 17, 33, 41, 47, 49, 97)], [1, 1, 2, 3, 6, 6, 6, 8, 16])
 
     def test_the_padded_mask_reads_no_device_value(self):
