@@ -33,8 +33,11 @@ export interface SideFigures {
   pairs: number;
   blocks: number;
   full_blocks: number;
-  /** tiles the attention computes: the listed ones on flex, with the block path's padding on CPU (older runs: absent) */
+  /** tiles the side's attention visits: the listed ones on flex, with the block path's padding on CPU, each sequence's
+   * causal tiles on a stock path (older runs: absent) */
   executed_blocks?: number;
+  /** B×B tiles a causal kernel visits running each sequence alone (older runs: absent) */
+  causal_tiles?: number;
   scored_rows: number;
   max_tokens: number;
   /** recurrent layers (bench/step.py `figures`; older runs: absent): sequential depth levels summed over the
@@ -99,7 +102,36 @@ export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: nu
   };
 }
 
+/** Model FLOPs of a step (forward + backward = 3 × forward), attention at its useful (visible) pairs. */
 export const totalFlops = (w: Work) => w.linearFlops + w.attentionFlops;
+
+/** FLOPs of a step at the granularity the attention kernel works at: attention at the B×B tiles it visits, each
+ * computed whole (the tile-level ideal's measure). */
+export const tileFlops = (w: Work) => w.linearFlops + w.executedAttentionFlops;
+
+/**
+ * Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (without sparsity), matched on the name torch
+ * reports (`torch.cuda.get_device_name`); the first match wins, so the specific variants come first.
+ */
+export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = [
+  { match: /GB200|B200/, name: 'B200', flops: 2.25e15 },
+  { match: /GH200|H200/, name: 'H200', flops: 989e12 },
+  { match: /H100.*PCIe/i, name: 'H100 PCIe', flops: 756e12 },
+  { match: /H100.*NVL/i, name: 'H100 NVL', flops: 835e12 },
+  { match: /H100|H800/, name: 'H100 SXM', flops: 989e12 },
+  { match: /A100|A800/, name: 'A100', flops: 312e12 },
+  { match: /L40S/, name: 'L40S', flops: 362e12 },
+  { match: /\bL4\b/, name: 'L4', flops: 121e12 },
+];
+
+/** The peak FLOP/s an MFU divides by, or why there is none: a CPU has no honest peak (its vector units' peak
+ * depends on the ISA, clocks and threads), an unlisted GPU or a dtype other than bf16/fp16 has none in the table. */
+export function devicePeak(device: string, deviceType: string, dtype: string): { name: string; flops: number } | { reason: string } {
+  if (deviceType !== 'cuda') return { reason: 'no honest peak FLOP/s for a CPU: achieved FLOP/s instead' };
+  if (dtype !== 'bfloat16' && dtype !== 'float16') return { reason: `no peak in the table for ${dtype} (bf16/fp16 dense only)` };
+  const p = DEVICE_PEAKS.find((x) => x.match.test(device));
+  return p ? { name: p.name, flops: p.flops } : { reason: `${device} is not in the peak table (bench/cost-model.ts DEVICE_PEAKS)` };
+}
 
 /** Seconds per unit of linear FLOPs, executed attention FLOPs, micro-batches. */
 export type Rates = [number, number, number];
