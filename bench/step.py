@@ -241,8 +241,8 @@ def chain_attention(device: torch.device, choice: str) -> Optional[str]:
     tree attention on the chains ("treepack"). Stock, so the speedup is measured against what a trainer runs today,
     on the fastest path the device has: flash_attention_2 when flash_attn is importable (varlen over the
     micro-batch's sequences in one row), else sdpa on one sequence at a time (no padding; is_causal, torch's flash
-    kernel, on CPU too). On the 2-core CPU host sdpa per sequence took a third to a half of the block path's naive
-    step, to the same loss (docs/performance.md)."""
+    kernel, on CPU too). On the 2-core CPU host sdpa per sequence took 0.3-0.8 of the block path's naive step, to the
+    same loss (docs/performance.md), so CPU rows use it too."""
     if choice not in ("stock", "treepack"):
         raise ValueError(f"naive_attention: expected stock or treepack, got {choice!r}")
     if choice == "treepack":
