@@ -414,7 +414,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     # The model sizes of this device: a small one on CPU, real Qwen3 shapes on CUDA (bench/step.ts STEP_SHAPES).
     shapes = spec["shapes"][device.type]
-    chain = chain_attention(device, spec.get("naive_attention", "stock"))
+    chain = chain_attention(device, spec.get("naive_attention") or "stock")
     results = []
     for i, w in enumerate(spec["workloads"]):
         t0 = time.perf_counter()
