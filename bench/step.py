@@ -109,12 +109,13 @@ def pad_to(b: tpt.PackedBatch, n: int) -> tpt.PackedBatch:
 
 
 def figures(batches: List[tpt.PackedBatch], flex: bool) -> Dict[str, int]:
-    """Work figures of one side: tokens (padding included; pad_tokens of them are padding), visible attention pairs, listed BLOCK×BLOCK tiles and the tiles the attention
-    computes (flex: the listed ones; the CPU block path: with its padding), scored rows; for recurrent layers, the
-    sequential depth levels (radix segments' depth, summed over micro-batches), the batched calls of one layer and the
-    tokens those calls hold with their padding."""
-    f = {"micro_batches": len(batches), "tokens": 0, "pad_tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0,
-         "levels": 0, "recurrent_calls": 0, "recurrent_padded": 0}
+    """Work figures of one side: tokens (padding included; pad_tokens of them are padding), visible attention pairs,
+    listed BLOCK×BLOCK tiles and the tiles the attention computes (flex: the listed ones; the CPU block path: with its
+    padding), scored rows; for recurrent layers, the sequential depth levels (radix segments' depth, summed over
+    micro-batches), the batched calls of one layer and the tokens those calls hold with their padding."""
+    f = {"micro_batches": len(batches), "tokens": 0, "pad_tokens": 0,
+         "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0,
+         "max_tokens": 0, "levels": 0, "recurrent_calls": 0, "recurrent_padded": 0}
     for b in batches:
         n = b.num_nodes
         f["tokens"] += n
@@ -140,6 +141,8 @@ def model_flops(f: Dict[str, int], shape: Dict[str, Any], vocab: int) -> float:
     """Model FLOPs of one side's step (forward + backward) from its figures, as bench/cost-model.ts ``work`` counts
     them for an attention-only shape: projections and MLP per real token (padding excluded), the LM head per scored
     row, attention per visible query/key pair (not per computed tile): the work the step needs, what MFU divides."""
+    if shape.get("family", "qwen3") != "qwen3":
+        raise ValueError(f"model_flops counts attention-only shapes; {shape['name']} has recurrent layers")
     q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     layer = shape["hidden"] * q + 2 * shape["hidden"] * kv + q * shape["hidden"] + 3 * shape["hidden"] * shape["intermediate"]
     linear = 2 * layer * shape["layers"] * (f["tokens"] - f.get("pad_tokens", 0)) + 2 * shape["hidden"] * vocab * f["scored_rows"]

@@ -103,12 +103,14 @@ if [ "$DRY" = 0 ]; then
     DEVICE_NAME=${cap%,*}
     ARCH=$(echo "${cap##*,}" | tr -d ' .')
   else
-    cap=$("$PY" -c 'import torch; d = torch.cuda.get_device_capability(); print(torch.cuda.get_device_name(), f"{d[0]}{d[1]}", sep="|")' 2>/dev/null)
+    cap=$("$PY" -c 'import torch; d = torch.cuda.get_device_capability(); print(torch.cuda.get_device_name(), f"{d[0]}{d[1]}", sep="|")' \
+      2>/dev/null)
     [ -n "$cap" ] && DEVICE_NAME=${cap%|*} && ARCH=${cap##*|}
   fi
 fi
 {
-  echo "treepack gpu-check, $(date -u '+%Y-%m-%d %H:%M UTC'), $([ "$DRY" = 1 ] && echo "dry run (no device used)" || echo "device: $DEVICE_NAME${ARCH:+, sm_$ARCH}")"
+  mode=$([ "$DRY" = 1 ] && echo "dry run (no device used)" || echo "device: $DEVICE_NAME${ARCH:+, sm_$ARCH}")
+  echo "treepack gpu-check, $(date -u '+%Y-%m-%d %H:%M UTC'), $mode"
   echo "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown), budget ${BUDGET} s; each step's output: <step>.log"
   printf '%-24s %-13s %7s  %s\n' step status seconds figures
 } | tee "$SUMMARY"
@@ -140,10 +142,12 @@ EOF
 
 if [ "$DRY" = 1 ]; then CUDA_FLAGS=(-DTREEPACK_CUDA=OFF); else CUDA_FLAGS=(-DTREEPACK_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${ARCH:-90}"); fi
 JOBS=$(nproc 2>/dev/null || echo 2)
-step build-core 150 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release ${CUDA_FLAGS[*]} && cmake --build '$BUILD' --target treepack_core -j $JOBS \
+step build-core 150 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release ${CUDA_FLAGS[*]} \
+  && cmake --build '$BUILD' --target treepack_core -j $JOBS \
   && echo \"SUMMARY: libtreepack_core.so, \$(du -k '$BUILD/libtreepack_core.so' | cut -f1) KiB\""
 device build-cuda "the CUDA library for the device's architecture (CI compiles it for sm_80;90: npm run build:cuda)" 240 \
-  bash -c "cmake --build '$BUILD' --target treepack_cuda -j $JOBS && echo \"SUMMARY: libtreepack_cuda.so for sm_$ARCH, \$(du -k '$BUILD/libtreepack_cuda.so' | cut -f1) KiB\""
+  bash -c "cmake --build '$BUILD' --target treepack_cuda -j $JOBS \
+    && echo \"SUMMARY: libtreepack_cuda.so for sm_$ARCH, \$(du -k '$BUILD/libtreepack_cuda.so' | cut -f1) KiB\""
 
 step cuda-vs-core-selftest 60 "$PY" scripts/gpu_check/cuda_vs_core.py --self-test
 device cuda-vs-core "masks, gather and loss of the CUDA library against the C core" 120 "$PY" scripts/gpu_check/cuda_vs_core.py --large
@@ -156,10 +160,14 @@ step mask-files 60 bash -c "'$PY' scripts/gpu_check/mask_files.py '$MASKS' > '$W
 # wheels installed into a folder of this run (never into the host's environment).
 FLA_PATH=$WORK/wheels
 device fla-install "FLA from the host or from .cache/gpu-wheels (scripts/gpu-wheels.sh)" 90 bash -c "
-  if '$PY' -c 'import fla' 2>/dev/null; then echo \"SUMMARY: fla \$('$PY' -c 'import fla; print(fla.__version__)') already installed\"; exit 0; fi
-  ls '$WHEELS'/*.whl >/dev/null 2>&1 || { echo \"SUMMARY: fla is not installed and $WHEELS has no wheels (run scripts/gpu-wheels.sh where there is network, carry .cache/gpu-wheels)\"; exit 1; }
+  if '$PY' -c 'import fla' 2>/dev/null; then
+    echo \"SUMMARY: fla \$('$PY' -c 'import fla; print(fla.__version__)') already installed\"; exit 0
+  fi
+  if ! ls '$WHEELS'/*.whl >/dev/null 2>&1; then
+    echo \"SUMMARY: fla is not installed and $WHEELS has no wheels (run scripts/gpu-wheels.sh where there is network)\"; exit 1
+  fi
   '$PY' -m pip install --no-index --no-deps --disable-pip-version-check -q --target '$FLA_PATH' '$WHEELS'/*.whl \
-    && PYTHONPATH='$FLA_PATH':\$PYTHONPATH '$PY' -c 'import fla; print(\"SUMMARY: fla\", fla.__version__, \"installed from the carried wheels\")'"
+    && PYTHONPATH='$FLA_PATH':\$PYTHONPATH '$PY' -c 'import fla; print(\"SUMMARY: fla\", fla.__version__, \"from the carried wheels\")'"
 WITH_FLA=(env "PYTHONPATH=$FLA_PATH:$PYTHONPATH")
 
 RUN_TESTS=(env TREEPACK_REQUIRE_CUDA=1 "$PY" scripts/gpu_check/run_tests.py --require-cuda)
@@ -167,15 +175,16 @@ device test-loss "python/tests/test_loss.py: the loss on CUDA and CPU tensors" 1
 MASK_FILES=$(cat "$WORK/mask-files.txt" 2>/dev/null)
 device test-flex-gpu "python/tests/test_flex_gpu.py: flex with the stored block masks against SDPA" 120 \
   env "TREEPACK_MASK_FILES=$MASK_FILES" "${RUN_TESTS[@]}" python/tests/test_flex_gpu.py
-device test-trainer-cuda "python/tests/trainer, its CUDA tests: flex backward, windows and sinks, pinned loading, loss, step plans, hybrid layers" 240 \
+device test-trainer-cuda \
+  "python/tests/trainer, its CUDA tests: flex backward, windows and sinks, pinned loading, loss, step plans, hybrid layers" 240 \
   "${WITH_FLA[@]}" "${RUN_TESTS[@]}" -k cuda -k Cuda python/tests/trainer
 device test-gpu "python/tests/gpu: compiled flex forward and backward, windows, sinks, compilations over many lengths" 240 \
   "${RUN_TESTS[@]}" python/tests/gpu
 device test-fla "python/tests/fla: FLA's kernels on trees (no TRITON_INTERPRET)" 180 "${WITH_FLA[@]}" "${RUN_TESTS[@]}" python/tests/fla
 
 if [ "$DRY" = 1 ]; then
-  step train-step-tiny 180 env OMP_NUM_THREADS=1 "$PY" scripts/gpu_check/train_step.py --tokens 512 --shape tiny --device cpu --dtype float32 \
-    --repeats 1 --json "$OUT/train-step-tiny.json"
+  step train-step-tiny 180 env OMP_NUM_THREADS=1 "$PY" scripts/gpu_check/train_step.py --tokens 512 --shape tiny --device cpu \
+    --dtype float32 --repeats 1 --json "$OUT/train-step-tiny.json"
 fi
 device train-step-8k "packed vs naive, Qwen3-0.6B shape, bf16, micro-batches of 8192 tokens" 150 \
   "$PY" scripts/gpu_check/train_step.py --tokens 8192 --json "$OUT/train-step-8k.json"

@@ -15,8 +15,8 @@ import { installed, pythonFor } from './helpers/python.js';
 const root = resolve(__dirname, '..');
 const py = pythonFor('test/gpu-check.test.ts', 'torch');
 const DRY_STEPS = ['env', 'build-core', 'cuda-vs-core-selftest', 'mask-files', 'train-step-tiny'];
-const DEVICE_STEPS = ['build-cuda', 'cuda-vs-core', 'fla-install', 'test-loss', 'test-flex-gpu', 'test-trainer-cuda', 'test-gpu', 'test-fla',
-  'train-step-8k', 'train-step-32k', 'train-exact-f32'];
+const DEVICE_STEPS = ['build-cuda', 'cuda-vs-core', 'fla-install', 'test-loss', 'test-flex-gpu', 'test-trainer-cuda', 'test-gpu',
+  'test-fla', 'train-step-8k', 'train-step-32k', 'train-exact-f32'];
 
 /** The summary's step lines: name → [status, figures]. */
 function steps(summary: string): Map<string, [string, string]> {
@@ -53,7 +53,8 @@ describe.skipIf(py.skipReason !== '')('scripts/gpu-check.sh --dry', () => {
     for (const name of DEVICE_STEPS) expect(got.get(name)?.[0], name).toBe('NEEDS-DEVICE');
     expect(summary).toMatch(/^result: PASS \(5 passed, 0 failed, 11 need a device\)/m);
     expect(got.get('cuda-vs-core-selftest')?.[1]).toMatch(/0 differences, every planted fault caught/);
-    const tiny = JSON.parse(readFileSync(join(out, 'train-step-tiny.json'), 'utf8')) as { sides: Record<string, { trainable: number; step_s: number }>; mismatches: object };
+    type Figures = { sides: Record<string, { trainable: number; step_s: number }>; mismatches: object };
+    const tiny = JSON.parse(readFileSync(join(out, 'train-step-tiny.json'), 'utf8')) as Figures;
     expect(tiny.mismatches).toEqual({});
     expect(tiny.sides.naive.trainable).toBe(tiny.sides.packed.trainable);
     expect(tiny.sides.packed.trainable).toBeGreaterThan(0);

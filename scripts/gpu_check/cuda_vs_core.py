@@ -130,7 +130,8 @@ LOSS_CONFIGS: List[Tuple[str, Dict[str, Any]]] = [
     ("ppo token-mean", {"clip_low": 0.2, "clip_high": 0.28}),
     ("gspo seq-mean-token-mean", {"policy": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"}),
     ("cispo + k3 + token TIS", {"policy": "cispo", "clip_high": 0.28, "kl": "k3", "kl_coef": 0.05, "tis": "token", "tis_cap": 2.0}),
-    ("turn mean + sequence TIS + dual clip", {"aggregation": "seq-mean-turn-mean-token-mean", "tis": "sequence", "tis_cap": 1.5, "dual_clip": 3.0}),
+    ("turn mean + sequence TIS + dual clip",
+     {"aggregation": "seq-mean-turn-mean-token-mean", "tis": "sequence", "tis_cap": 1.5, "dual_clip": 3.0}),
     ("token-sum-norm + k2 + seq_weight + scale", {"aggregation": "seq-mean-token-sum-norm", "norm_constant": 64, "kl": "k2", "kl_coef": 0.1,
                                                    "loss_scale": 4.0, "seq_weight": True}),
 ]
@@ -160,8 +161,8 @@ def run_loss(impl: Core, mb: treepack.MicroBatch, lp: np.ndarray, config: Dict[s
     floats = [np.ascontiguousarray(getattr(mb, f), dtype=np.float32) for f in tl._FIELDS]
     grad = np.full(len(lp), np.nan, dtype=np.float32)
     metrics = tl.LossMetrics()
-    rc = impl.loss(ctypes.byref(cfg), len(off) - 1, _p(off), len(pos), _p(pos), _p(mask), *map(_p, floats), _p(sw), _p(turn), len(lp), _p(lp),
-                   _p(grad), ctypes.byref(metrics))
+    rc = impl.loss(ctypes.byref(cfg), len(off) - 1, _p(off), len(pos), _p(pos), _p(mask), *map(_p, floats), _p(sw), _p(turn),
+                   len(lp), _p(lp), _p(grad), ctypes.byref(metrics))
     values = metrics.as_dict()
     return rc, (grad, np.array([values[k] for k in sorted(values)], dtype=np.float64))
 
@@ -204,7 +205,8 @@ class Tally:
         self.failures: List[str] = []
         self.controls: Dict[str, bool] = {}
 
-    def compare(self, kind: str, what: str, want: Tuple[int, Arrays], got: Tuple[int, Arrays], rule: Callable[[Arrays, Arrays], str]) -> None:
+    def compare(self, kind: str, what: str, want: Tuple[int, Arrays], got: Tuple[int, Arrays],
+                rule: Callable[[Arrays, Arrays], str]) -> None:
         self.checks[kind] = self.checks.get(kind, 0) + 1
         if want[0] != got[0]:
             self.failures.append(f"{kind} {what}: status {got[0]} ({_native.status_message(got[0])}), core {want[0]}")
@@ -219,7 +221,8 @@ class Tally:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--self-test", action="store_true", help="no CUDA: the C core against itself (every comparison equal, every planted fault caught)")
+    ap.add_argument("--self-test", action="store_true",
+                    help="no CUDA: the C core against itself (every comparison equal, every planted fault caught)")
     ap.add_argument("--large", action="store_true", help="add a forest of >= 128k tokens")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -249,14 +252,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if n:
             batch, lp = loss_inputs(seqs, seed=n)
             for label, config in LOSS_CONFIGS:
-                tally.compare("loss", f"{label} on {name}", run_loss(core, batch, lp, config), run_loss(other, batch, lp, config), close_loss)
+                want, got = run_loss(core, batch, lp, config), run_loss(other, batch, lp, config)
+                tally.compare("loss", f"{label} on {name}", want, got, close_loss)
     missed = sorted(k for k, caught in tally.controls.items() if not caught)
     for f in tally.failures:
         print("FAIL", f)
     for k in missed:
         print(f"FAIL negative control: a planted fault in {k} was not reported")
     counts = ", ".join(f"{k} {v}" for k, v in tally.checks.items())
-    verdict = f"{len(tally.failures)} differences" + (f", {len(missed)} planted faults missed" if missed else ", every planted fault caught")
+    verdict = f"{len(tally.failures)} differences, " + (f"{len(missed)} planted faults missed" if missed else "every planted fault caught")
     against = "core vs core (self-test)" if a.self_test else "CUDA vs core"
     print(f"SUMMARY: {against}: {sum(tally.checks.values())} comparisons ({counts}) on {len(forests(a.large))} forests, {nodes} nodes; "
           f"{verdict}; {time.perf_counter() - t0:.1f} s")

@@ -34,7 +34,8 @@ def write(directory: str) -> list:
         n = len(mb.input_ids)
         arrays = block_arrays_from_tree(mb.subtree_end, BLOCK)
         nb = -(-n // BLOCK)
-        tensors = {k: np.ascontiguousarray(getattr(mb, k), dtype=np.int32) for k in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")}
+        index = ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")
+        tensors = {k: np.ascontiguousarray(getattr(mb, k), dtype=np.int32) for k in index}
         tensors["loss_mask"] = np.ascontiguousarray(mb.loss_mask, dtype=np.uint8)
         for key, a in zip(BLOCK_TENSORS, arrays[1:]):
             tensors[key] = np.ascontiguousarray(a, dtype=np.int32).reshape((nb,) if a.ndim == 1 else (nb, nb))

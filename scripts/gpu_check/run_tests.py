@@ -67,9 +67,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problems.append("no test ran")
     if result.failures or result.errors:
         names = [t.id().split(".", 1)[-1] for t, _ in result.failures + result.errors]
-        problems.append(f"{len(result.failures)} failed, {len(result.errors)} errors: {', '.join(names[:6])}{' …' if len(names) > 6 else ''}")
+        more = " …" if len(names) > 6 else ""
+        problems.append(f"{len(result.failures)} failed, {len(result.errors)} errors: {', '.join(names[:6])}{more}")
     others = [f"{n} × {why}" for why, n in reasons.items() if why not in device_skips]
-    line = f"{ran - len(result.failures) - len(result.errors)} passed, {len(result.failures) + len(result.errors)} failed, {len(result.skipped)} skipped"
+    failed = len(result.failures) + len(result.errors)
+    line = f"{ran - failed} passed, {failed} failed, {len(result.skipped)} skipped"
     if others:
         line += " (" + "; ".join(others) + ")"
     if problems:
