@@ -49,8 +49,9 @@ SHAPES: Dict[str, Dict[str, Any]] = {
              "vocab": 1024},
 }
 
-# Dense bf16 tensor-core peaks (vendor data sheets, SXM parts), matched against torch's device name.
-PEAK_BF16 = (("H200", 989e12), ("H100", 989e12))
+# Dense bf16 tensor-core peaks (NVIDIA's data sheets: half their with-sparsity figures), matched in this order against
+# torch's device name: the PCIe and NVL parts first, then the SXM ones.
+PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100", 989e12))
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> Tuple[Optional[float], str]:
