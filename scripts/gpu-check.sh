@@ -152,9 +152,10 @@ device build-cuda "the CUDA library for the device's architecture (CI compiles i
 step cuda-vs-core-selftest 60 "$PY" scripts/gpu_check/cuda_vs_core.py --self-test
 device cuda-vs-core "masks, gather and loss of the CUDA library against the C core" 120 "$PY" scripts/gpu_check/cuda_vs_core.py --large
 
+# The files test-flex-gpu reads, checked first on the CPU by python/tests/test_flex.py (stored lowerings = the rule).
 MASKS=$WORK/masks
-step mask-files 60 bash -c "'$PY' scripts/gpu_check/mask_files.py '$MASKS' > '$WORK/mask-files.txt' \
-  && echo \"SUMMARY: \$(tr ':' '\n' < '$WORK/mask-files.txt' | wc -l) micro-batch files with block masks\""
+step mask-files 90 bash -c "'$PY' scripts/gpu_check/mask_files.py '$MASKS' > '$WORK/mask-files.txt' \
+  && TREEPACK_MASK_FILES=\$(cat '$WORK/mask-files.txt') '$PY' scripts/gpu_check/run_tests.py python/tests/test_flex.py"
 
 # FLA (pure Python over triton) for the FLA tests and the hybrid layers' CUDA tests: the host's own, else the carried
 # wheels installed into a folder of this run (never into the host's environment).

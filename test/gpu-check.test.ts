@@ -1,9 +1,9 @@
 /**
  * scripts/gpu-check.sh --dry, as CI runs it on a host without a device: every step that runs without one passes (the
  * C core's CMake build, the CUDA-vs-core driver against the core with its planted faults caught, the mask files
- * test_flex_gpu.py reads, the packed-vs-naive training step at a tiny size on CPU in float32), every device step is
- * marked NEEDS-DEVICE, and no step FAILs. The negative control: a run whose budget is already spent reports every
- * step FAIL and exits non-zero, so a PASS here is the steps' own.
+ * test_flex_gpu.py reads, checked by test_flex.py on the CPU, the packed-vs-naive training step at a tiny size on CPU
+ * in float32), every device step is marked NEEDS-DEVICE, and no step FAILs. The negative control: a run whose budget
+ * is already spent reports every step FAIL and exits non-zero, so a PASS here is the steps' own.
  */
 import { spawnSync } from 'node:child_process';
 import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
