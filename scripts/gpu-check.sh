@@ -39,7 +39,7 @@ PASSED=0
 NEEDS=0
 
 # The freshly built libraries, and the source tree's treepack (no install needed).
-export TREEPACK_CORE_LIB=$BUILD/libtreepack_core.so TREEPACK_CUDA_LIB=$BUILD/libtreepack_cuda.so
+export TREEPACK_CORE_LIB=$BUILD/core/libtreepack_core.so TREEPACK_CUDA_LIB=$BUILD/cuda/libtreepack_cuda.so
 export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
@@ -99,14 +99,15 @@ DEVICE_NAME="none"
 if [ "$DRY" = 0 ]; then
   # The architecture to compile for: nvidia-smi's compute capability, else torch's.
   cap=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
-  if [ -n "$cap" ]; then
-    DEVICE_NAME=${cap%,*}
-    ARCH=$(echo "${cap##*,}" | tr -d ' .')
-  else
+  DEVICE_NAME=${cap%,*}
+  ARCH=$(echo "${cap##*,}" | tr -d ' .')
+  if ! [[ $ARCH =~ ^[0-9]+$ ]]; then
     cap=$("$PY" -c 'import torch; d = torch.cuda.get_device_capability(); print(torch.cuda.get_device_name(), f"{d[0]}{d[1]}", sep="|")' \
-      2>/dev/null)
-    [ -n "$cap" ] && DEVICE_NAME=${cap%|*} && ARCH=${cap##*|}
+      2>/dev/null | tail -n 1)
+    DEVICE_NAME=${cap%|*}
+    ARCH=${cap##*|}
   fi
+  if ! [[ $ARCH =~ ^[0-9]+$ ]]; then ARCH=""; DEVICE_NAME="none found"; fi
 fi
 {
   mode=$([ "$DRY" = 1 ] && echo "dry run (no device used)" || echo "device: $DEVICE_NAME${ARCH:+, sm_$ARCH}")
@@ -140,14 +141,15 @@ print("SUMMARY: " + ", ".join(found) + ("; MISSING " + ", ".join(missing) if mis
 sys.exit(1 if missing else 0)
 EOF
 
-if [ "$DRY" = 1 ]; then CUDA_FLAGS=(-DTREEPACK_CUDA=OFF); else CUDA_FLAGS=(-DTREEPACK_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${ARCH:-90}"); fi
+# Two build folders: a CUDA toolchain problem fails build-cuda alone, never the C core every other step needs.
 JOBS=$(nproc 2>/dev/null || echo 2)
-step build-core 150 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release ${CUDA_FLAGS[*]} \
-  && cmake --build '$BUILD' --target treepack_core -j $JOBS \
-  && echo \"SUMMARY: libtreepack_core.so, \$(du -k '$BUILD/libtreepack_core.so' | cut -f1) KiB\""
+step build-core 150 bash -c "cmake -S . -B '$BUILD/core' -DCMAKE_BUILD_TYPE=Release -DTREEPACK_CUDA=OFF \
+  && cmake --build '$BUILD/core' --target treepack_core -j $JOBS \
+  && echo \"SUMMARY: libtreepack_core.so, \$(du -k '$TREEPACK_CORE_LIB' | cut -f1) KiB\""
 device build-cuda "the CUDA library for the device's architecture (CI compiles it for sm_80;90: npm run build:cuda)" 240 \
-  bash -c "cmake --build '$BUILD' --target treepack_cuda -j $JOBS \
-    && echo \"SUMMARY: libtreepack_cuda.so for sm_$ARCH, \$(du -k '$BUILD/libtreepack_cuda.so' | cut -f1) KiB\""
+  bash -c "cmake -S . -B '$BUILD/cuda' -DCMAKE_BUILD_TYPE=Release -DTREEPACK_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH \
+    && cmake --build '$BUILD/cuda' --target treepack_cuda -j $JOBS \
+    && echo \"SUMMARY: libtreepack_cuda.so for sm_$ARCH, \$(du -k '$TREEPACK_CUDA_LIB' | cut -f1) KiB\""
 
 step cuda-vs-core-selftest 60 "$PY" scripts/gpu_check/cuda_vs_core.py --self-test
 device cuda-vs-core "masks, gather and loss of the CUDA library against the C core" 120 "$PY" scripts/gpu_check/cuda_vs_core.py --large

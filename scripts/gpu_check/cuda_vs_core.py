@@ -232,6 +232,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except treepack.TreepackError as e:
         print(f"SUMMARY: the CUDA library did not load: {e}")
         return 1
+    one = np.zeros(1, dtype=np.int32)
+    rc, _ = other.gather(one, one)
+    if rc:  # no driver or no device: one line that says so, instead of a failure per comparison
+        code = other.lib.tp_cuda_last_error()
+        print(f"SUMMARY: the CUDA library cannot run here: {_native.status_message(rc)}, CUDA error {code}: "
+              f"{other.lib.tp_cuda_error_string(code).decode()}")
+        return 1
     tally = Tally()
     nodes = 0
     for name, seqs in forests(a.large).items():
