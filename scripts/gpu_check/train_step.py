@@ -8,7 +8,7 @@ The workload: one GRPO group of episodes that share a long system prompt; each e
 assistant response, then a tool's output), and every LLM call is its own sequence: the prompt, the episode's history
 so far and the call's response, the response alone trainable. The naive side trains every call as its own sequence
 (whole calls in order, under the token budget); the packed side trains the calls' prefix tree. Every micro-batch of
-both sides is padded to the budget (one length: the compiled attention compiles once). Prints one ``SUMMARY:`` line
+both sides is padded to the budget (one length for the compiled attention in the whole run). Prints one ``SUMMARY:`` line
 (the figures scripts/gpu-check.sh puts in its summary) and exits 1 when the sides disagree or the step fails.
 """
 
@@ -121,6 +121,7 @@ def report(result: Dict[str, Any], peak: Optional[float], peak_label: str) -> Di
         }
     n, p = out["sides"]["naive"], out["sides"]["packed"]
     out["speedup"] = n["step_s"] / p["step_s"]
+    out["flop_ratio"] = n["model_flops"] / p["model_flops"]  # the speedup at equal MFU on both sides
     out["compression"] = n["occurrences"] / (p["tokens"] - p["pad_tokens"])
     # The pass criterion is bench/step.py's agree(), applied in run_layouts; these are the figures.
     out["delta"] = {k: {"abs": abs(n[k] - p[k]), "rel": abs(n[k] - p[k]) / max(abs(n[k]), abs(p[k]), 1e-12)}
@@ -133,7 +134,8 @@ def summary_line(budget: int, shape: Dict[str, Any], dtype: torch.dtype, r: Dict
     mfu = lambda s: "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"  # noqa: E731
     return (f"{budget} tokens, {shape['name']} {str(dtype).replace('torch.', '')}: compression {r['compression']:.1f}x; "
             f"naive {n['step_s']:.3f} s ({n['micro_batches']} mb), packed {p['step_s']:.3f} s ({p['micro_batches']} mb): speedup "
-            f"{r['speedup']:.1f}x; trained tok/s naive {n['trained_tokens_per_s']:.0f} packed {p['trained_tokens_per_s']:.0f}; "
+            f"{r['speedup']:.1f}x (model FLOP ratio {r['flop_ratio']:.1f}x); "
+            f"trained tok/s naive {n['trained_tokens_per_s']:.0f} packed {p['trained_tokens_per_s']:.0f}; "
             f"MFU naive {mfu(n)} packed {mfu(p)} (peak {r['peak']}); |Δ| loss {d['loss']['abs']:.3g} (rel {d['loss']['rel']:.2g}), "
             f"grad-norm {d['grad_norm']['abs']:.3g} (rel {d['grad_norm']['rel']:.2g})")
 
