@@ -8,7 +8,7 @@
 #
 # Writes DIR/summary.txt (one line per step: PASS, FAIL or NEEDS-DEVICE, its seconds and figures) and DIR/<step>.log
 # (each step's whole output). Exit 0 when no step FAILs. Each step runs under `timeout`, within what is left of the
-# whole run's budget (GPU_CHECK_BUDGET_S, default 540 s: 9 minutes); a step the budget no longer reaches FAILs.
+# whole run's budget (TREEPACK_GPU_CHECK_BUDGET_S, default 540 s: 9 minutes); a step it no longer reaches FAILs.
 # Environment: PYTHON (default python3; TREEPACK_PYTHON is taken too) with torch and transformers (and on a GPU host
 # CUDA torch and triton), cmake and a C++ compiler; nvcc on a GPU host (PATH, CUDACXX or /usr/local/cuda/bin).
 # FLA's pure-Python wheels, where the host lacks the packages, come from .cache/gpu-wheels (scripts/gpu-wheels.sh).
@@ -26,8 +26,8 @@ if [ -z "${OUT:-}" ]; then echo "gpu-check: set OUT to the folder for summary.tx
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-${TREEPACK_PYTHON:-python3}}
-BUDGET=${GPU_CHECK_BUDGET_S:-540}
-WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.cache/gpu-wheels}
+BUDGET=${TREEPACK_GPU_CHECK_BUDGET_S:-540}
+WHEELS=${TREEPACK_GPU_WHEELS:-$ROOT/.cache/gpu-wheels}
 # Build outputs and installed wheels stay out of OUT (it is what comes back from a lent machine: keep it small).
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/treepack-gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

@@ -61,7 +61,7 @@ describe.skipIf(py.skipReason !== '')('scripts/gpu-check.sh --dry', () => {
   });
 
   it('fails every step, and exits non-zero, when the budget is spent', { timeout: 120_000 }, () => {
-    const { res, summary } = run({ GPU_CHECK_BUDGET_S: '0' });
+    const { res, summary } = run({ TREEPACK_GPU_CHECK_BUDGET_S: '0' });
     expect(res.status).toBe(1);
     const got = steps(summary);
     for (const name of DRY_STEPS) expect(got.get(name), name).toEqual(['FAIL', expect.stringContaining('budget is spent')]);
