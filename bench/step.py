@@ -333,7 +333,7 @@ def run_layouts(w: Dict[str, Any], layouts: Dict[str, List[tpt.PackedBatch]], sh
         figs["merged"] = figs["naive"]
     trainable = {figs[k]["trainable"] for k in sides}
     if len(trainable) != 1:
-        error = f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides)
+        error = "the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides)
         return [{"name": w["name"], "input": w["input"], "shape": shape, "error": error, "figures": figs} for shape in shapes]
     config = {"policy": "ppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "global_tokens": float(trainable.pop())}
     layouts = {k: [b.to(device) for b in bs] for k, bs in layouts.items()}

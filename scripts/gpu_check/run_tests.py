@@ -57,10 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     reasons: Dict[str, int] = {}
     for _, why in result.skipped:
         reasons[why] = reasons.get(why, 0) + 1
-    device_skips = [why for why in reasons if DEVICE_SKIP.search(why)]
+    # Without --require-cuda a device skip is one skip among others, listed below.
+    device_skips = [why for why in reasons if DEVICE_SKIP.search(why)] if a.require_cuda else []
     ran = result.testsRun - len(result.skipped)
-    if not a.require_cuda:
-        device_skips = []  # listed with the other skips below
     if device_skips:
         problems.append("skipped for want of a device: " + "; ".join(device_skips))
     if ran == 0 and not missing:

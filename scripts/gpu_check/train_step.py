@@ -33,6 +33,7 @@ import treepack.torch as tpt  # noqa: E402
 
 
 def _bench_step() -> Any:
+    """bench/step.py as a module (bench/ is no package: it is loaded by its path)."""
     spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "bench", "step.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
