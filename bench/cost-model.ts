@@ -6,6 +6,7 @@
  * c₀ (+ bytes ÷ bandwidth on a GPU), with the rates fitted to this machine's measurements (leave-one-workload-out,
  * so every printed error is a prediction of data the fit never saw) or assumed for a GPU (labelled as such).
  */
+import { readFileSync } from 'node:fs';
 
 export interface ModelShape {
   name: string;
@@ -109,20 +110,10 @@ export const totalFlops = (w: Work) => w.linearFlops + w.attentionFlops;
  * computed whole (the tile-level ideal's measure). */
 export const tileFlops = (w: Work) => w.linearFlops + w.executedAttentionFlops;
 
-/**
- * Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (without sparsity), matched on the name torch
- * reports (`torch.cuda.get_device_name`); the first match wins, so the specific variants come first.
- */
-export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = [
-  { match: /GB200|B200/, name: 'B200', flops: 2.25e15 },
-  { match: /GH200|H200/, name: 'H200', flops: 989e12 },
-  { match: /H100.*PCIe/i, name: 'H100 PCIe', flops: 756e12 },
-  { match: /H100.*NVL/i, name: 'H100 NVL', flops: 835e12 },
-  { match: /H100|H800/, name: 'H100 SXM', flops: 989e12 },
-  { match: /A100|A800/, name: 'A100', flops: 312e12 },
-  { match: /L40S/, name: 'L40S', flops: 362e12 },
-  { match: /\bL4\b/, name: 'L4', flops: 121e12 },
-];
+/** Dense bf16/fp16 tensor-core peaks by device name (bench/device-peaks.json, which gpu-check reads too). */
+export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = (
+  JSON.parse(readFileSync(new URL('./device-peaks.json', import.meta.url), 'utf8')) as { peaks: { match: string; name: string; flops: number }[] }
+).peaks.map((p) => ({ match: new RegExp(p.match, 'i'), name: p.name, flops: p.flops }));
 
 /** The peak FLOP/s an MFU divides by, or why there is none: a CPU has no honest peak (its vector units' peak
  * depends on the ISA, clocks and threads), an unlisted GPU or a dtype other than bf16/fp16 has none in the table. */
@@ -130,7 +121,7 @@ export function devicePeak(device: string, deviceType: string, dtype: string): {
   if (deviceType !== 'cuda') return { reason: 'no honest peak FLOP/s for a CPU: achieved FLOP/s instead' };
   if (dtype !== 'bfloat16' && dtype !== 'float16') return { reason: `no peak in the table for ${dtype} (bf16/fp16 dense only)` };
   const p = DEVICE_PEAKS.find((x) => x.match.test(device));
-  return p ? { name: p.name, flops: p.flops } : { reason: `${device} is not in the peak table (bench/cost-model.ts DEVICE_PEAKS)` };
+  return p ? { name: p.name, flops: p.flops } : { reason: `${device} is not in the peak table (bench/device-peaks.json)` };
 }
 
 /** Seconds per unit of linear FLOPs, executed attention FLOPs, micro-batches. */

@@ -82,37 +82,50 @@ def _sequences(b: tpt.PackedBatch, a: int, c: int) -> tpt.PackedBatch:
     )
 
 
-def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor) -> tpt.PackedBatch:
+def with_old_logprobs(b: tpt.PackedBatch, vocab: Optional[torch.Tensor]) -> tpt.PackedBatch:
     """Old logprobs as a fixed function of each occurrence's token and position (the same on every layout, and not
     the current policy's, so the PPO ratio and the loss value depend on the forward), and token ids remapped to the
-    workload's distinct ids (the LM head's cost is the same on every side; a 152k-row head would only dilute it)."""
+    workload's distinct ids ``vocab`` (the LM head's cost is the same on every side; a 152k-row head would only
+    dilute it); ``vocab`` None keeps the ids (a model with the tokenizer's full vocabulary)."""
     tok = b.input_ids[b.seq_positions]
     pos = b.position_ids[b.seq_positions]
     b.old_logprobs = (-0.5 - ((tok * 31 + pos) % 17).float() / 8).float()
-    b.input_ids = torch.searchsorted(vocab, b.input_ids)
-    b.meta["vocab_size"] = int(vocab.numel())  # the ids are now the workload's own vocabulary, the model's rows
+    if vocab is not None:
+        b.input_ids = torch.searchsorted(vocab, b.input_ids)
+        b.meta["vocab_size"] = int(vocab.numel())  # the ids are now the workload's own vocabulary, the model's rows
     return b
 
 
-def causal_tiles(b: tpt.PackedBatch) -> int:
-    """BLOCK×BLOCK tiles a causal kernel visits running each of the batch's sequences alone (their occurrences): a
-    sequence of n blocks visits n(n+1)/2, its diagonal ones partial."""
-    lengths = torch.diff(b.seq_offsets).to(torch.int64)
-    nb = (lengths + BLOCK - 1) // BLOCK
-    return int((nb * (nb + 1) // 2).sum())
+def pad_to(b: tpt.PackedBatch, n: int) -> tpt.PackedBatch:
+    """``b`` with pad nodes appended up to ``n`` nodes, as the packer pads (``--pad-multiple``): roots of token 0
+    that attend only to themselves and that no occurrence maps to. Every micro-batch of a run then has one length,
+    so the compiled attention is compiled once (a new length recompiles it)."""
+    N = b.num_nodes
+    if N > n:
+        raise ValueError(f"a micro-batch of {N} tokens does not fit a budget of {n}")
+    extra = torch.arange(N, n, device=b.device)
+    b.input_ids = torch.cat([b.input_ids, torch.zeros_like(extra)])
+    b.position_ids = torch.cat([b.position_ids, torch.zeros_like(extra)])
+    b.parent = torch.cat([b.parent, torch.full_like(extra, -1)])
+    b.subtree_end = torch.cat([b.subtree_end, extra + 1])
+    b.meta["num_pad_tokens"] = b.num_pad_tokens + n - N
+    b.meta["num_tokens_packed"] = n
+    return b
 
 
 def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
-    """Work figures of one side: tokens, visible attention pairs, listed BLOCK×BLOCK tiles and the tiles the side's
-    attention visits (``path`` "flex": the listed ones; "block", the CPU block path: with its padding; "stock", a
-    causal kernel per sequence: causal_tiles), scored rows; for recurrent layers, the sequential depth levels (radix
-    segments' depth, summed over micro-batches), the batched calls of one layer and the tokens those calls hold with
-    their padding."""
-    f = {"micro_batches": len(batches), "tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0, "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0,
-         "causal_tiles": 0, "levels": 0, "recurrent_calls": 0, "recurrent_padded": 0}
+    """Work figures of one side: tokens (padding included; pad_tokens of them are padding), visible attention pairs,
+    listed BLOCK×BLOCK tiles and the tiles the side's attention visits (``path`` "flex": the listed ones; "block", the
+    CPU block path: with its padding; "stock", a causal kernel per sequence: causal_tiles), scored rows; for recurrent
+    layers, the sequential depth levels (radix segments' depth, summed over micro-batches), the batched calls of one
+    layer and the tokens those calls hold with their padding."""
+    f = {"micro_batches": len(batches), "tokens": 0, "pad_tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0,
+         "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0, "causal_tiles": 0, "levels": 0,
+         "recurrent_calls": 0, "recurrent_padded": 0}
     for b in batches:
         n = b.num_nodes
         f["tokens"] += n
+        f["pad_tokens"] += b.num_pad_tokens
         f["max_tokens"] = max(f["max_tokens"], n)
         f["occurrences"] += b.num_occurrences
         f["trainable"] += int(b.loss_mask.sum())
@@ -130,6 +143,19 @@ def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
         f["recurrent_calls"] += len(plan.calls)
         f["recurrent_padded"] += plan.padded
     return f
+
+
+def model_flops(f: Dict[str, int], shape: Dict[str, Any], vocab: int) -> float:
+    """Model FLOPs of one side's step (forward + backward) from its figures, as bench/cost-model.ts ``work`` counts
+    them for an attention-only shape: projections and MLP per real token (padding excluded), the LM head per scored
+    row, attention per visible query/key pair (not per computed tile): the work the step needs, what MFU divides."""
+    if shape.get("family", "qwen3") != "qwen3":
+        raise ValueError(f"model_flops counts attention-only shapes; {shape['name']} has recurrent layers")
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    layer = shape["hidden"] * q + 2 * shape["hidden"] * kv + q * shape["hidden"] + 3 * shape["hidden"] * shape["intermediate"]
+    linear = 2 * layer * shape["layers"] * (f["tokens"] - f.get("pad_tokens", 0)) + 2 * shape["hidden"] * vocab * f["scored_rows"]
+    attention = 4 * shape["heads"] * shape["head_dim"] * shape["layers"] * (f["pairs"] - f.get("pad_tokens", 0))
+    return 3.0 * (linear + attention)  # backward ≈ 2 × forward
 
 
 def make_model(shape: Dict[str, Any], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -337,8 +363,8 @@ def largest(batches: List[tpt.PackedBatch]) -> tpt.PackedBatch:
 
 def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str, Any]], device: torch.device, dtype: torch.dtype,
                  chain: Optional[str]) -> List[Dict[str, Any]]:
-    """The workload's sides timed on a random-weight model of each shape: one result per shape; ``chain``: the chain
-    sides' stock attention (chain_attention)."""
+    """The workload's sides, read from its packed directories, timed on a random-weight model of each shape: one
+    result per shape; ``chain``: the chain sides' stock attention (chain_attention)."""
     T = w.get("max_tokens", spec["max_tokens"])
     packed = list(tpt.PackedDataset(w["packed_dir"]))
     # When the merge joined no call, the merged layout holds naive's sequences: it is not built or timed again.
@@ -348,27 +374,40 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str,
         "merged": lambda: chains_under_budget([tpt.naive_batch(b) for b in packed], T),
         "packed": lambda: packed,
     }
-    layouts = {k: build[k]() for k in sides}
-    vocab = torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
+    return run_layouts(w, {k: build[k]() for k in sides}, shapes, device, dtype, chain)
+
+
+def run_layouts(w: Dict[str, Any], layouts: Dict[str, List[tpt.PackedBatch]], shapes: List[Dict[str, Any]], device: torch.device,
+                dtype: torch.dtype, chain: Optional[str], vocab_size: Optional[int] = None, pad: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Micro-batches of each side ("naive", optionally "merged", "packed"; CPU tensors) timed on a random-weight
+    model of each shape: one result per shape. ``chain``: the chain sides' stock attention (chain_attention; None: tree
+    attention); ``vocab_size``: the model's vocabulary, the ids kept (default: the ids remapped to the workload's
+    distinct ones); ``pad``: every micro-batch padded to that many tokens (``pad_to``)."""
+    sides = tuple(layouts)
+    vocab = None if vocab_size else torch.unique(torch.cat([b.input_ids for bs in layouts.values() for b in bs]))
     layouts = {k: [with_old_logprobs(b, vocab) for b in bs] for k, bs in layouts.items()}
+    if pad:
+        layouts = {k: [pad_to(b, pad) for b in bs] for k, bs in layouts.items()}
+    vocab_size = vocab_size or int(vocab.numel())
     tree = "flex" if device.type == "cuda" else "block"
     figs = {k: figures(bs, "stock" if chain and k != "packed" else tree) for k, bs in layouts.items()}
     if "merged" not in sides:
         figs["merged"] = figs["naive"]
     trainable = {figs[k]["trainable"] for k in sides}
     if len(trainable) != 1:
-        error = f"the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides)
+        error = "the sides train different token counts: " + ", ".join(f"{k} {figs[k]['trainable']}" for k in sides)
         return [{"name": w["name"], "input": w["input"], "shape": shape, "error": error, "figures": figs} for shape in shapes]
     config = {"policy": "ppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "global_tokens": float(trainable.pop())}
     layouts = {k: [b.to(device) for b in bs] for k, bs in layouts.items()}
     results = []
     for shape in shapes:
-        base = {"name": w["name"], "input": w["input"], "shape": shape, "figures": figs, "vocab": int(vocab.numel())}
+        base = {"name": w["name"], "input": w["input"], "shape": shape, "figures": figs, "vocab": vocab_size}
         try:
-            results.append({**base, **time_sides(layouts, shape, int(vocab.numel()), config, w["repeats"], device, dtype, chain)})
+            results.append({**base, **time_sides(layouts, shape, vocab_size, config, w["repeats"], device, dtype, chain)})
         except torch.cuda.OutOfMemoryError as e:
             # A bigger shape may not fit the device at this micro-batch budget: a limit of the host, not a wrong
             # result; the other shapes still run.
+            T = max(f["max_tokens"] for f in figs.values())
             results.append({**base, "skipped": f"out of GPU memory at micro-batches of up to {T} tokens: {str(e).splitlines()[0]}"})
         finally:
             if device.type == "cuda":
