@@ -113,6 +113,14 @@ def pad_to(b: tpt.PackedBatch, n: int) -> tpt.PackedBatch:
     return b
 
 
+def causal_tiles(b: tpt.PackedBatch) -> int:
+    """BLOCK×BLOCK tiles a causal kernel visits running each of the batch's sequences alone (their occurrences): a
+    sequence of n blocks visits n(n+1)/2, its diagonal ones partial."""
+    lengths = torch.diff(b.seq_offsets).to(torch.int64)
+    nb = (lengths + BLOCK - 1) // BLOCK
+    return int((nb * (nb + 1) // 2).sum())
+
+
 def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
     """Work figures of one side: tokens (padding included; pad_tokens of them are padding), visible attention pairs,
     listed BLOCK×BLOCK tiles and the tiles the side's attention visits (``path`` "flex": the listed ones; "block", the
