@@ -159,7 +159,8 @@ export function flaEnv() {
     if (made) return { python: null, reason: made };
   }
   const lacks = missing();
-  if (lacks) return { python: null, reason: `${rel} lacks ${lacks} (pip install -r ${path.relative(root, flaRequirements)} into it, or remove it)` };
+  const fix = `pip install -r ${path.relative(root, flaRequirements)} into it, or remove it`;
+  if (lacks) return { python: null, reason: `${rel} lacks ${lacks} (${fix})` };
   return { python: bin(flaVenv), reason: '' };
 }
 

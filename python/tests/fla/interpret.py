@@ -69,10 +69,8 @@ def install() -> None:
             fn = it.func if isinstance(it, ast.Call) else None
             name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
             if name == "range" and isinstance(node.target, ast.Name):
-                wrap = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
-                                  value=ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
-                                                                    ctx=ast.Load()),
-                                                 args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)], keywords=[]))
+                v = node.target.id
+                wrap = ast.parse(f"{v} = interpreter_semantic.to_tensor({v}, False)").body[0]
                 node.body.insert(0, wrap)
             return node
 

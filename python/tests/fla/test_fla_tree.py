@@ -60,6 +60,8 @@ if torch is not None and not MISSING:
 
 if MISSING:
     SKIP = f"{', '.join(MISSING)} not importable (python/requirements-fla.txt: node scripts/python-env.mjs --fla)"
+elif torch is None:
+    SKIP = "torch not importable"
 elif not INTERPRET and not torch.cuda.is_available():
     SKIP = "FLA's kernels need TRITON_INTERPRET=1 (Triton's interpreter) or a CUDA device"
 else:
@@ -69,7 +71,10 @@ VOCAB = 61
 # Float32 bounds against the pure-torch reference, about 10x what the interpreter measured (outputs <= 3.7e-7, a few
 # ulps of values of order 1; gradients <= 3.1e-6 of the largest): FLA and the reference sum in different orders (FLA
 # in 16-token sub-chunks, the reference through a triangular solve), and a packed run hands states across branches.
-OUT_TOL, GRAD_TOL = 4e-6, 4e-5
+OUT_TOL, GRAD_TOL, LOGPROB_TOL = 4e-6, 4e-5, 1e-5
+if not INTERPRET:
+    # Compiled on NVIDIA, FLA's float32 tl.dot runs in TF32 (10-bit mantissa): about 1e-3 relative, not yet measured.
+    OUT_TOL, GRAD_TOL, LOGPROB_TOL = 1e-2, 5e-2, 1e-2
 
 
 def fla_function(bound):
@@ -282,10 +287,12 @@ class FlaInAPreparedModel(unittest.TestCase):
         lp_u[m].sum().backward()
         d_lp = max_diff(lp[m].detach(), lp_u[m].detach())
         grads = dict(plain.named_parameters())
-        d_g = max(max_diff(p.grad, grads[n].grad) / max(float(grads[n].grad.abs().max()), 1e-30) for n, p in packed.named_parameters() if p.grad is not None)
-        print(f"\nQwen3.5 packed with FLA vs per sequence with the torch reference: logprobs {d_lp:.3g}, parameter gradients {d_g:.3g} (relative)")
-        self.assertLess(d_lp, 1e-5)
-        self.assertLess(d_g, 1e-3)  # test_hybrid's bound for the stock float32 code packed vs per sequence
+        d_g = max(max_diff(p.grad, grads[n].grad) / max(float(grads[n].grad.abs().max()), 1e-30)
+                  for n, p in packed.named_parameters() if p.grad is not None)
+        print(f"\nQwen3.5 packed with FLA vs per sequence with the torch reference: logprobs {d_lp:.3g}, "
+              f"parameter gradients {d_g:.3g} (relative)")
+        self.assertLess(d_lp, LOGPROB_TOL)
+        self.assertLess(d_g, max(1e-3, GRAD_TOL))  # test_hybrid's bound for the stock float32 code packed vs per sequence
 
 
 @needs_torch(transformers=True)
@@ -298,9 +305,10 @@ class FlaBfloat16(unittest.TestCase):
                 unpacked = case.unpacked(case.bound)
                 for align in (True, False):
                     packed = case.packed(case.bound, align)
-                    print(f"\nCUDA bfloat16 kda={kda}, chunk_align={align}: max |packed - unpacked| = {max_diff(packed.float(), unpacked.float()):.3g}, "
-                          f"bit for bit: {torch.equal(packed, unpacked)}")
-                    self.assertLess(max_diff(packed.float(), unpacked.float()), 5e-2)
+                    d = max_diff(packed.float(), unpacked.float())
+                    same = torch.equal(packed, unpacked)
+                    print(f"\nCUDA bfloat16 kda={kda}, chunk_align={align}: max |packed - unpacked| = {d:.3g}, bit for bit: {same}")
+                    self.assertLess(d, 5e-2)
 
 
 if __name__ == "__main__":
