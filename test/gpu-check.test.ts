@@ -10,6 +10,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { QWEN3_SHAPES, totalFlops, work } from '../bench/cost-model.js';
 import { installed, pythonFor } from './helpers/python.js';
 
 const root = resolve(__dirname, '..');
@@ -66,5 +67,20 @@ describe.skipIf(py.skipReason !== '')('scripts/gpu-check.sh --dry', () => {
     const got = steps(summary);
     for (const name of DRY_STEPS) expect(got.get(name), name).toEqual(['FAIL', expect.stringContaining('budget is spent')]);
     expect(summary).toMatch(/^result: FAIL \(0 passed, 5 failed, 11 need a device\)/m);
+  });
+
+  it("counts a step's model FLOPs as the bench's cost model does (bench/step.py model_flops = cost-model.ts work)", () => {
+    // gpu-check runs without node, so the formula is restated in Python; this holds the two to one value.
+    const shape = QWEN3_SHAPES[0];
+    const f = { micro_batches: 3, tokens: 20_000, pad_tokens: 0, occurrences: 60_000, trainable: 30_000, pairs: 41_000_000, blocks: 0,
+      full_blocks: 0, executed_blocks: 0, scored_rows: 9_000, max_tokens: 8_000 };
+    const code = 'import importlib.util, json, sys\n' +
+      `spec = importlib.util.spec_from_file_location("bench_step", ${JSON.stringify(join(root, 'bench', 'step.py'))})\n` +
+      'm = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n' +
+      'a = json.loads(sys.argv[1]); print(m.model_flops(a["f"], a["shape"], a["vocab"]))';
+    const res = py.run(['-c', code, JSON.stringify({ f, shape, vocab: 5000 })], { timeout: 110_000 });
+    expect(res.status, res.stderr).toBe(0);
+    const want = totalFlops(work(f, shape, 5000, 128, 2));
+    expect(Number(res.stdout.trim()) / want).toBeCloseTo(1, 12);
   });
 });
