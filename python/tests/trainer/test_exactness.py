@@ -19,7 +19,7 @@ def unpacked_logprobs(model, batch):
     for i in range(batch.num_sequences):
         a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
         toks = batch.input_ids[batch.seq_positions[a:b]]
-        nan = torch.full((1,), float("nan"), dtype=model.dtype)
+        nan = torch.full((1,), float("nan"), dtype=model.dtype, device=toks.device)
         if b - a < 2:
             lps.append(nan.expand(b - a))
             ents.append(nan.expand(b - a))
