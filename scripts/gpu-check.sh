@@ -179,7 +179,7 @@ MASK_FILES=$(cat "$WORK/mask-files.txt" 2>/dev/null)
 device test-flex-gpu "python/tests/test_flex_gpu.py: flex with the stored block masks against SDPA" 120 \
   env "TREEPACK_MASK_FILES=$MASK_FILES" "${RUN_TESTS[@]}" python/tests/test_flex_gpu.py
 device test-trainer-cuda \
-  "python/tests/trainer, its CUDA tests: flex backward, windows and sinks, pinned loading, loss, step plans, hybrid layers" 240 \
+  "python/tests/trainer, its CUDA tests: pinned loading, loss, step plans, hybrid layers" 240 \
   "${WITH_FLA[@]}" "${RUN_TESTS[@]}" -k cuda -k Cuda python/tests/trainer
 device test-gpu "python/tests/gpu: compiled flex forward and backward, windows, sinks, compilations over many lengths" 240 \
   "${RUN_TESTS[@]}" python/tests/gpu
