@@ -143,7 +143,10 @@ def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
         f["blocks"] += listed
         alone = causal_tiles(b)
         f["causal_tiles"] += alone
-        f["executed_blocks"] += listed if path == "flex" else alone if path == "stock" else tpt.executed_tiles(m)
+        if path == "stock":
+            f["executed_blocks"] += alone
+        else:  # flex runs the BlockMask padded to its ladder rung (a tile per padded query block), block its SDPA plan
+            f["executed_blocks"] += tpt.executed_tiles(m if path == "block" else tpt.tree_mask(b, mode="flex", block_size=BLOCK, device="cpu"))
         f["full_blocks"] += int(m.full_kv_num_blocks.sum())
         f["scored_rows"] += int(torch.unique(b.parent[tpt.scored_nodes(b)]).numel())
         plan = run_plan(m, 1, torch.device("cpu"))
