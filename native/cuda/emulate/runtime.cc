@@ -22,7 +22,11 @@
 #define TPEMU_ASAN 0
 #endif
 
-#if !defined(__x86_64__)
+// The hand-written switch on x86-64; ucontext elsewhere, or when built with -DTPEMU_UCONTEXT (to test that path).
+#if defined(__x86_64__) && !defined(TPEMU_UCONTEXT)
+#define TPEMU_FAST_SWITCH 1
+#else
+#define TPEMU_FAST_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -31,7 +35,7 @@ uint3 threadIdx, blockIdx, blockDim, gridDim;
 namespace tpemu {
 namespace {
 
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
 // A context switch saves only what the SysV ABI makes callee-saved (ucontext's swapcontext also saves the signal
 // mask, a system call per switch: ten times slower over the millions of fibers of a large mask). `from` receives the
 // suspended stack pointer; `to` is one saved by an earlier switch or prepared by Prepare below.
@@ -70,7 +74,7 @@ enum State { kRunnable, kAtBarrier, kAtWarp, kDone };
 
 struct Fiber {
   char* stack = nullptr;  // from the pool while the thread runs or waits; null before it starts and after it exits
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
   void* sp = nullptr;
 #else
   ucontext_t ctx;
@@ -100,7 +104,7 @@ struct Block {
   std::vector<Fiber> fibers;  // grows to the largest block seen; stacks kept for the next block
   unsigned n = 0;
   Fiber* current = nullptr;
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
   void* scheduler_sp = nullptr;
 #else
   ucontext_t scheduler_ctx;
@@ -155,7 +159,7 @@ void AsanFinish(void* fake_stack, const void** bottom, size_t* bytes) {
 void Suspend(bool exiting) {
   Fiber& f = *block.current;
   AsanStart(exiting ? nullptr : &f.fake_stack, block.scheduler_stack, block.scheduler_stack_bytes);
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
   tpemu_switch(&f.sp, block.scheduler_sp);
 #else
   swapcontext(&f.ctx, &block.scheduler_ctx);
@@ -192,7 +196,7 @@ void Prepare(Fiber& f) {
   // Frames of the fiber that used this stack before never returned: their redzones would poison this one.
   ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);
 #endif
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
   // What tpemu_switch pops: MXCSR and the x87 control word (their defaults), six registers, then FiberMain as the
   // return address; FiberMain starts with the stack aligned as after a call.
   auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes - TopOffset(f.stack));
@@ -218,7 +222,7 @@ void Resume(Fiber& f) {
   threadIdx = f.tid;
   void* fake_stack = nullptr;
   AsanStart(&fake_stack, f.stack, kStackBytes);
-#if defined(__x86_64__)
+#if TPEMU_FAST_SWITCH
   tpemu_switch(&block.scheduler_sp, f.sp);
 #else
   swapcontext(&block.scheduler_ctx, &f.ctx);

@@ -1,0 +1,231 @@
+/**
+ * The CUDA kernels of native/cuda executed without a GPU: the emulated build (CMakeLists.txt TREEPACK_CUDA_EMULATE,
+ * native/cuda/emulate) loaded by the same bindings, then
+ * - the per-backend suites on `cuda` (masks, loss, the ABI's status answers, gather) through TREEPACK_CUDA_BINDING,
+ *   with TREEPACK_REQUIRE_CUDA=1 and every cuda test passed, none skipped;
+ * - the Python test of the CUDA library's loss against the core (tp_cuda_loss_host, tp_cuda_loss) through
+ *   TREEPACK_CUDA_LIB;
+ * - the same on the AddressSanitizer build (libasan preloaded into node and Python; the masks up to N = 4096);
+ * - negative controls, built from mutated copies of the .cu files: a dropped __syncthreads (loss.cu) and a wrong
+ *   shuffle offset (mask.cu) fail the suites; a divergent __syncthreads aborts naming the kernel instead of hanging;
+ *   a removed bounds check (gather.cu) is reported by AddressSanitizer.
+ * Skipped, with the reason printed, where cmake or a C++ compiler is missing; TREEPACK_REQUIRE_CUDA_EMULATED=1 (CI)
+ * fails instead. The builds go to build-emu/ and build-emu-asan/ (`npm run build:cuda-emulated[-asan]`, reused
+ * when up to date) and the mutants to a temporary directory.
+ */
+import { spawnSync, type SpawnSyncReturns } from 'node:child_process';
+import { copyFileSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { afterAll, describe, expect, it } from 'vitest';
+import { pythonFor, pythonTests } from './helpers/python.js';
+
+const ROOT = fileURLToPath(new URL('..', import.meta.url));
+const CUDA_SOURCES = path.join(ROOT, 'native', 'cuda');
+const REQUIRED = process.env.TREEPACK_REQUIRE_CUDA_EMULATED === '1';
+const scratch = mkdtempSync(path.join(tmpdir(), 'treepack-cuda-emulated-'));
+afterAll(() => rmSync(scratch, { recursive: true, force: true }));
+
+/** '' when cmake and a C++ compiler run here, else why not. */
+function toolchainMissing(): string {
+  for (const [tool, args] of [['cmake', ['--version']], [process.env.CXX ?? 'c++', ['--version']]] as const) {
+    if (spawnSync(tool, args, { encoding: 'utf8' }).status !== 0) {
+      return `${tool} not found (the emulated CUDA build needs cmake and a C++ compiler)`;
+    }
+  }
+  return '';
+}
+
+const missing = toolchainMissing();
+if (missing) {
+  if (REQUIRED) throw new Error(`TREEPACK_REQUIRE_CUDA_EMULATED=1 but ${missing}`);
+  console.log(`test/gpu-cuda-emulated.test.ts skipped: ${missing}`);
+}
+
+// The suites' tests that run the cuda backend or the CUDA C ABI, by full name.
+const CUDA_TESTS = /on cuda|tp_cuda_loss_host|cuda loader/;
+const SUITES = ['mask-parity', 'loss', 'loss-turns', 'loss-concurrency', 'abi', 'native'].map((f) => `test/${f}.test.ts`);
+// The suites without the masks over N = 4096 (a minute each under AddressSanitizer, and the same kernels).
+const SMALL = '(on cuda(?!.* (N=65536|N=262144|agent batch|one sequence of))|tp_cuda_loss_host|cuda loader)';
+
+interface Build {
+  binding: string;
+  lib: string;
+}
+
+/** cmake-js into `out` (relative to the checkout, or absolute) with the given -D options; throws with the log. */
+function build(out: string, defines: Record<string, string>): Build {
+  const args = ['compile', '--out', out, ...Object.entries(defines).map(([k, v]) => `--CD${k}=${v}`)];
+  const cmakeJs = path.join(ROOT, 'node_modules', 'cmake-js', 'bin', 'cmake-js');
+  const res = spawnSync(process.execPath, [cmakeJs, ...args], { cwd: ROOT, encoding: 'utf8', maxBuffer: 64 << 20 });
+  if (res.status !== 0) throw new Error(`cmake-js ${args.join(' ')} failed (${res.status}):\n${(res.stdout + res.stderr).slice(-4000)}`);
+  const dir = path.resolve(ROOT, out, 'Release');
+  return { binding: path.join(dir, 'treepack_cuda.node'), lib: path.join(dir, 'libtreepack_cuda.so') };
+}
+
+const builds = new Map<string, Build>();
+function built(key: 'emu' | 'asan'): Build {
+  if (!builds.has(key)) {
+    const asan: Record<string, string> = key === 'asan' ? { TREEPACK_CUDA_EMULATE_ASAN: 'ON' } : {};
+    builds.set(key, build(key === 'asan' ? 'build-emu-asan' : 'build-emu', { TREEPACK_CUDA_EMULATE: 'ON', ...asan }));
+  }
+  return builds.get(key)!;
+}
+
+/** A copy of native/cuda's .cu files with each [file, from, to] applied (each `from` must occur exactly once). */
+function mutant(name: string, edits: [string, string, string][], asan: boolean): Build {
+  const dir = path.join(scratch, name);
+  const sources = path.join(dir, 'cuda');
+  spawnSync('mkdir', ['-p', sources]);
+  for (const f of ['device.cu', 'gather.cu', 'mask.cu', 'loss.cu']) copyFileSync(path.join(CUDA_SOURCES, f), path.join(sources, f));
+  for (const [file, from, to] of edits) {
+    const text = readFileSync(path.join(sources, file), 'utf8');
+    // A kernel rewritten since this test was written must fail here, not leave the mutant equal to the original.
+    expect(text.split(from).length - 1, `${file} holds ${JSON.stringify(from)} once`).toBe(1);
+    writeFileSync(path.join(sources, file), text.replace(from, to));
+  }
+  const options = { TREEPACK_CUDA_EMULATE: 'ON', TREEPACK_CUDA_EMULATE_SOURCES: sources };
+  return build(path.join(dir, 'build'), asan ? { ...options, TREEPACK_CUDA_EMULATE_ASAN: 'ON' } : options);
+}
+
+/** LD_PRELOAD and ASAN_OPTIONS for a process that loads an AddressSanitizer build (node and Python are not built with it). */
+function asanEnv(): Record<string, string> {
+  const lib = spawnSync(process.env.CXX ?? 'c++', ['-print-file-name=libasan.so'], { encoding: 'utf8' }).stdout.trim();
+  expect(existsSync(lib), `libasan.so (${lib})`).toBe(true);
+  // No leak check: node and Python keep their allocations at exit by design.
+  return { LD_PRELOAD: lib, ASAN_OPTIONS: 'detect_leaks=0:abort_on_error=1' };
+}
+
+/** The environment of a child vitest or Python: the parent's, less vitest's own variables, plus `env`. */
+function childEnv(env: Record<string, string>): NodeJS.ProcessEnv {
+  const out: NodeJS.ProcessEnv = {};
+  for (const [k, v] of Object.entries(process.env)) if (!k.startsWith('VITEST') && k !== 'NODE_ENV') out[k] = v;
+  return { ...out, ...env };
+}
+
+interface Assertion {
+  fullName: string;
+  status: string;
+  failureMessages: string[];
+}
+
+/** The suites in a child vitest on the CUDA build `b`: its JSON report's test results. */
+function suites(b: Build, pattern: string, env: Record<string, string> = {}): { tests: Assertion[]; run: SpawnSyncReturns<string> } {
+  const report = path.join(scratch, `report-${Math.random().toString(36).slice(2)}.json`);
+  const vitest = path.join(ROOT, 'node_modules', 'vitest', 'vitest.mjs');
+  const run = spawnSync(process.execPath, [vitest, 'run', ...SUITES, '-t', pattern, '--reporter=json', `--outputFile=${report}`], {
+    cwd: ROOT,
+    encoding: 'utf8',
+    maxBuffer: 64 << 20,
+    env: childEnv({ TREEPACK_CUDA_BINDING: b.binding, TREEPACK_CUDA_LIB: b.lib, TREEPACK_REQUIRE_CUDA: '1', ...env }),
+  });
+  if (!existsSync(report)) throw new Error(`vitest wrote no report (${run.status}):\n${(run.stdout + run.stderr).slice(-4000)}`);
+  const json = JSON.parse(readFileSync(report, 'utf8')) as { testResults: { assertionResults: Assertion[] }[] };
+  return { tests: json.testResults.flatMap((f) => f.assertionResults), run };
+}
+
+/** Every cuda test of the suites ran and passed, and there are some of each kind. */
+function expectAllPassed({ tests, run }: ReturnType<typeof suites>): void {
+  const cuda = tests.filter((t) => CUDA_TESTS.test(t.fullName));
+  const why = (t: Assertion) => `${t.status}: ${t.fullName} ${t.failureMessages.join(' ').slice(0, 300)}`;
+  const bad = cuda.filter((t) => t.status !== 'passed').map(why);
+  expect(bad, (run.stdout + run.stderr).slice(-3000)).toEqual([]);
+  for (const kind of [/mask parity: cuda/, /^loss on cuda/, /^lossCompact on cuda/, /tp_cuda_loss_host/, /gathers on the GPU/]) {
+    expect(cuda.filter((t) => kind.test(t.fullName)).length, `cuda tests matching ${kind}`).toBeGreaterThan(0);
+  }
+  expect(tests.filter((t) => t.status === 'failed').map((t) => t.fullName)).toEqual([]);
+}
+
+/** The Python CUDA-library loss test on `b`: its unittest output. */
+function pythonLoss(b: Build, env: Record<string, string> = {}): SpawnSyncReturns<string> {
+  const py = pythonFor('test/gpu-cuda-emulated.test.ts', 'numpy');
+  if (py.skipReason) throw new Error(`no Python to run the CUDA library's loss test: ${py.skipReason}`);
+  return py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests, '-p', 'test_loss.py', '-k', 'CudaLibraryLossTest'], {
+    timeout: 300_000,
+    env: { TREEPACK_CUDA_LIB: b.lib, OMP_NUM_THREADS: '1', ...env },
+  });
+}
+
+function expectPythonPassed(res: SpawnSyncReturns<string>): void {
+  const out = res.stdout + res.stderr;
+  expect(res.status, out).toBe(0);
+  expect(out).toMatch(/test_against_the_core \(.*CudaLibraryLossTest.*\) \.\.\. ok/);
+  expect(out).not.toMatch(/skipped/);
+}
+
+describe.skipIf(missing !== '')('the CUDA kernels on the CPU emulator', () => {
+  it('the emulated device says it is emulated, so nobody takes it for a GPU', { timeout: 600_000 }, () => {
+    const b = built('emu');
+    const res = spawnSync(process.execPath, ['--import', 'tsx', path.join(ROOT, 'src', 'cli', 'main.ts'), 'doctor', '--json'], {
+      cwd: ROOT,
+      encoding: 'utf8',
+      env: childEnv({ TREEPACK_CUDA_BINDING: b.binding }),
+    });
+    expect(res.status, res.stderr).toBe(0);
+    const report = JSON.parse(res.stdout) as { backends: { name: string; available: boolean; detail: string }[] };
+    const cuda = report.backends.find((x) => x.name === 'cuda');
+    expect(cuda).toMatchObject({ available: true, detail: expect.stringMatching(/emulat.*not a GPU/) });
+  });
+
+  it('the per-backend suites pass on cuda, nothing skipped', { timeout: 900_000 }, () => {
+    expectAllPassed(suites(built('emu'), CUDA_TESTS.source));
+  });
+
+  it("Python: the CUDA library's loss equals the core's", { timeout: 600_000 }, () => {
+    expectPythonPassed(pythonLoss(built('emu')));
+  });
+
+  it('the same under AddressSanitizer', { timeout: 900_000 }, () => {
+    const b = built('asan');
+    expectAllPassed(suites(b, SMALL, asanEnv()));
+    expectPythonPassed(pythonLoss(b, asanEnv()));
+  });
+
+  it('negative control: a dropped __syncthreads and a wrong shuffle offset fail the suites', { timeout: 900_000 }, () => {
+    const MERGE = '    if (threadIdx.x < w) sh[threadIdx.x].Merge(sh[threadIdx.x + w]);';
+    const b = mutant('wrong', [
+      // BlockReduce: a thread reads a partial sum before its owner has added the other half into it.
+      ['loss.cu', `${MERGE}\n    __syncthreads();\n`, `${MERGE}\n`],
+      // BlockEndsKernel: lanes 16..31 never reach lane 0's minimum.
+      ['mask.cu', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off));', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off / 2));'],
+    ], false);
+    const { tests } = suites(b, SMALL);
+    const failed = tests.filter((t) => t.status === 'failed').map((t) => t.fullName);
+    // Each mutation is caught by the suite of its own kernels, and nothing but cuda tests fails.
+    expect(failed.filter((n) => /mask parity: cuda/.test(n)).length, failed.join('\n')).toBeGreaterThan(0);
+    expect(failed.filter((n) => /^(loss|lossCompact) on cuda/.test(n)).length, failed.join('\n')).toBeGreaterThan(0);
+    expect(failed.filter((n) => !CUDA_TESTS.test(n))).toEqual([]);
+    const py = pythonLoss(b);
+    expect(py.status, py.stdout + py.stderr).not.toBe(0);
+    expect(py.stdout + py.stderr).toMatch(/FAIL: test_against_the_core/);
+  });
+
+  it('negative control: a divergent barrier aborts naming the kernel; a lost bounds check is an ASan error', { timeout: 900_000 }, () => {
+    const b = mutant('divergent', [
+      // Only thread 0 reaches the first barrier of BlockRowsKernel; a GPU would hang or be undefined.
+      [
+        'mask.cu',
+        '    if (threadIdx.x == 0) base_part = base_full = 0;\n    __syncthreads();\n',
+        '    if (threadIdx.x == 0) {\n      base_part = base_full = 0;\n      __syncthreads();\n    }\n',
+      ],
+      ['gather.cu', 'dst[i] = j >= 0 && j < src_n ? src[j] : 0;', 'dst[i] = src[j];'],
+    ], true);
+    const call = (js: string) =>
+      spawnSync(process.execPath, ['-e', `const b = require(${JSON.stringify(b.binding)}); b.init(Error); ${js}`], {
+        encoding: 'utf8',
+        timeout: 120_000,
+        env: childEnv(asanEnv()),
+      });
+    const barrier = call('b.maskBlocks(Int32Array.from([4, 2, 4, 4]), 2);');
+    expect(barrier.error, 'finished before its time limit').toBeUndefined();
+    expect(barrier.status === 0).toBe(false);
+    const where = String.raw`waits at .*mask\.cu:\d+ for its warp, but thread \(0,0,0\) waits at __syncthreads .*mask\.cu:\d+`;
+    const who = String.raw`treepack CUDA emulator: kernel BlockRowsKernel, block \(0,0,0\): thread \(\d+,0,0\)`;
+    expect(barrier.stderr).toMatch(new RegExp(`${who} ${where}`));
+    const gather = call('b.gatherI32(Int32Array.from([10, 11, 12, 13]), Int32Array.from([3, 0, 7, -1]));');
+    expect(gather.error, 'finished before its time limit').toBeUndefined();
+    expect(gather.status === 0).toBe(false);
+    expect(gather.stderr).toMatch(/AddressSanitizer: heap-buffer-overflow[\s\S]*gather_i32[\s\S]*gather\.cu/);
+  });
+});
