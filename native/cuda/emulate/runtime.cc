@@ -276,6 +276,7 @@ void ReleaseBarrier() {
       }
     }
   }
+  if (waiting == nullptr) Abort(BlockName() + ": no thread can run and none waits at a barrier (an emulator bug)");
   for (unsigned t = 0; t < block.n; t++) {
     const Fiber& f = block.fibers[t];
     if (f.state == kDone) {
