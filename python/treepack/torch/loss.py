@@ -35,7 +35,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..loss import _FIELDS, AGGREGATIONS, LossConfig, LossMetrics, _check_weights, _resolve
+from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _resolve
 from ..microbatch import TreepackError
 from . import loss_terms as terms
 from .batch import PackedBatch
@@ -178,8 +178,7 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
         w_seq = 1 / (safe(G) * safe(n))
     elif agg == "seq-mean-token-sum-norm":
         w_seq = torch.full((S,), 1 / c["norm_constant"], dtype=f64, device=dev)
-    else:
-        assert agg == AGGREGATIONS[-1] and _turns(c)
+    else:  # seq-mean-turn-mean-token-mean
         w_seq = None
     if w_seq is not None:
         w = (w_seq * scale)[seq] * mf
