@@ -43,7 +43,7 @@ def every_config():
         {"clip_low": 0.2, "clip_high": 0.28, "log_ratio_clamp": 1.0, "global_sequences": 40.0},
     ])
     for (policy, agg, kl, tis), extra in zip(itertools.product(POLICIES, AGGREGATIONS, KLS, TIS), extras):
-        cfg = {"policy": policy, "aggregation": agg, "kl": kl, "tis": tis, "norm_constant": 7.5, "kl_coef": 0.5 if kl != "none" else 0.0, **extra}
+        cfg = {"policy": policy, "aggregation": agg, "kl": kl, "tis": tis, "norm_constant": 7.5, "kl_coef": 0.5 * (kl != "none"), **extra}
         if policy != "ppo":
             cfg.pop("dual_clip", None)
         yield cfg
@@ -161,7 +161,8 @@ class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
                     ref.backward()
                     node = torch.zeros_like(lp).index_add_(0, batch["seq_positions"], y.grad)
                     self.assertLessEqual(abs(float(loss) - float(ref)), 1e-12 * max(1.0, abs(float(ref))))
-                    self.assertLessEqual(float((grad - node).abs().max()) if len(lp) else 0.0, 1e-12 * max(1.0, float(node.abs().max()) if len(lp) else 0.0))
+                    worst = float((grad - node).abs().max()) if len(lp) else 0.0
+                    self.assertLessEqual(worst, 1e-12 * max(1.0, float(node.abs().max()) if len(lp) else 0.0))
 
     def test_negative_control(self):
         """The comparison sees a one-option difference: tis_cap 1.5 against 2."""
@@ -187,7 +188,8 @@ class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
 
     def test_docstring_example(self):
         """loss.py's hand-computed example in float64: −(1 + 1 − 0.5 − 0.5)/4, node 1 in both sequences."""
-        batch = tpt.from_microbatch(pack_sequences([[1, 2, 3], [1, 2, 4]], advantages=[1.0, -0.5], old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]]))
+        mb = pack_sequences([[1, 2, 3], [1, 2, 4]], advantages=[1.0, -0.5], old_logprobs=[[0, -0.5, -0.2], [0, -0.5, -1.3]])
+        batch = tpt.from_microbatch(mb)
         lp = torch.tensor([0, -0.5, -0.2, -1.3]).double().requires_grad_(True)  # the batch's float32 old_logprobs: ratio 1
         loss, metrics = tpt.packed_loss(lp, batch, {"clip_low": 0.2, "clip_high": 0.28})
         loss.backward()
@@ -297,7 +299,8 @@ class TorchLossOnCuda(SameAsKernel, unittest.TestCase):
                 loss.backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            self.assert_same((loss.detach().cpu(), x.grad.cpu(), tpt.metrics_to_floats(metrics)), kernel_loss(lp, batch, cfg, kernel="core"), "cuda")
+            got = (loss.detach().cpu(), x.grad.cpu(), tpt.metrics_to_floats(metrics))
+            self.assert_same(got, kernel_loss(lp, batch, cfg, kernel="core"), "cuda")
 
     def test_the_torch_loss_in_a_cuda_graph(self):
         """Forward and backward captured once (torch.cuda.graph, the whole-network pattern), replayed on new lp."""

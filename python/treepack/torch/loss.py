@@ -44,6 +44,7 @@ METRICS = tuple(name for name, _ in LossMetrics._fields_)
 
 Tensor = torch.Tensor
 Config = Union[None, Mapping[str, Any], LossConfig]
+Batch = Union[PackedBatch, Mapping[str, Any]]
 
 
 def resolve_config(config: Config) -> Dict[str, Any]:
@@ -52,11 +53,11 @@ def resolve_config(config: Config) -> Dict[str, Any]:
     return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
 
 
-def _get(batch: Union[PackedBatch, Mapping[str, Any]], name: str) -> Any:
+def _get(batch: Batch, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
-def _seq_index(batch: Union[PackedBatch, Mapping[str, Any]]) -> Optional[Tensor]:
+def _seq_index(batch: Batch) -> Optional[Tensor]:
     """The loader's sequence of each occurrence, when the batch is a PackedBatch (a mapping's is derived)."""
     return batch.seq_index if isinstance(batch, PackedBatch) else None
 
@@ -74,11 +75,12 @@ def _turns(c: Mapping[str, Any]) -> bool:
     return c["aggregation"] == "seq-mean-turn-mean-token-mean"
 
 
-def loss_inputs(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
+def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
     """The batch's tensors the loss reads (None for those the config does not), checked as the C core checks them.
     Presence, shapes, dtypes and devices are read from metadata; with ``validate`` the values too (host copies)."""
     if not isinstance(lp, Tensor) or lp.dim() != 1 or not lp.is_floating_point():
-        raise _bad("logprobs", f"expected a 1-D floating tensor [N], got {getattr(lp, 'dtype', type(lp).__name__)} {list(getattr(lp, 'shape', []))}")
+        got = f"{getattr(lp, 'dtype', type(lp).__name__)} {list(getattr(lp, 'shape', []))}"
+        raise _bad("logprobs", f"expected a 1-D floating tensor [N], got {got}")
     N = lp.shape[0]
     if isinstance(batch, PackedBatch) and batch.num_nodes != N:
         raise _bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
@@ -222,7 +224,7 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
     return loss, metrics
 
 
-def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Config = None, *, validate: bool = True,
+def packed_loss(lp: Tensor, batch: Batch, config: Config = None, *, validate: bool = True,
                 metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
@@ -254,12 +256,12 @@ class PackedLoss:
         self.config = resolve_config(config)
         self.validate = validate
 
-    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]]) -> Tuple[Tensor, Tensor]:
+    def __call__(self, lp: Tensor, batch: Batch) -> Tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) with this object's config."""
         return _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
 
     @staticmethod
-    def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Config = None, *, validate: bool = True) -> Tuple[Tensor, Tensor]:
+    def apply(lp: Tensor, batch: Batch, config: Config = None, *, validate: bool = True) -> Tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) for a config given per call."""
         return PackedLoss(config, validate=validate)(lp, batch)
 

@@ -10,18 +10,17 @@ kernels compute in double and return a float32 gradient. Returns (loss, dloss/dl
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, Tuple
 
 import torch
 
 from ..loss import _FIELDS, LossMetrics, cuda_library, cuda_status_error, loss_numpy, make_config
-from .batch import PackedBatch
-from .loss import Config, loss_inputs, resolve_config
+from .loss import Batch, Config, loss_inputs, resolve_config
 
 KERNELS = ("auto", "core", "cuda", "cuda-host")
 
 
-def kernel_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Config = None, *,
+def kernel_loss(lp: torch.Tensor, batch: Batch, config: Config = None, *,
                 kernel: str = "auto") -> Tuple[float, torch.Tensor, Dict[str, float]]:
     """(loss, float32 gradient [N] on lp's device, metrics dict) from one of the C ABI's kernels (``KERNELS``; "auto":
     the core for CPU tensors, tp_cuda_loss for CUDA ones)."""
@@ -31,7 +30,7 @@ def kernel_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], 
         kernel = "cuda" if lp.is_cuda else "core"
     t = loss_inputs(lp, batch, resolve_config(config), validate=True)
     c_types = {"seq_offsets": torch.int32, "seq_positions": torch.int32, "loss_mask": torch.uint8, "turn_ids": torch.int32}
-    a: Dict[str, Optional[torch.Tensor]] = {k: None if v is None else v.to(c_types.get(k, torch.float32)).contiguous() for k, v in t.items()}
+    a = {k: None if v is None else v.to(c_types.get(k, torch.float32)).contiguous() for k, v in t.items()}
     x = lp.detach().to(torch.float32).contiguous()
     if kernel == "core":
         value, g, m = loss_numpy({k: None if v is None else v.cpu().numpy() for k, v in a.items()}, x.cpu().numpy(), config)
