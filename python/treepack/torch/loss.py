@@ -118,11 +118,11 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     if sw is not None and sw.shape[0] != S:
         raise _bad("seq_weight", f"seq_weight has shape {list(sw.shape)}, expected one weight per sequence [S = {S}]")
     if validate:
-        _check_values(lp, out, c)
+        _check_values(lp, out)
     return out
 
 
-def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any]) -> None:
+def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
     """The value checks of tp_loss, in its order, on host copies (each reads device memory: a sync)."""
     off, pos, mask = t["seq_offsets"].cpu(), t["seq_positions"].cpu(), t["loss_mask"].cpu().bool()  # type: ignore[union-attr]
     N, M = lp.shape[0], pos.shape[0]
@@ -203,7 +203,7 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
             log_ratio = mean[seq] + (x - x.detach())
         value, r, high, low, dual = terms.clipped_surrogate(log_ratio, A, c)
     if c["tis"] == "token":
-        value = value * terms.truncated_weight(field("old_logprobs") - field("rollout_logprobs"), c)
+        value = value * terms.truncated_weight(old - field("rollout_logprobs"), c)
     elif c["tis"] == "sequence":
         value = value * terms.truncated_weight(per_seq(old - field("rollout_logprobs")), c)[seq]
     pg = (w * torch.where(m, value, zero)).sum()
@@ -219,9 +219,11 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
     r_min = torch.cat([torch.where(m, r, inf), inf]).amin()
     r_max = -torch.cat([torch.where(m, -r, inf), inf]).amin()
     live = cnt > 0
-    metrics = torch.stack([loss.detach(), pg.detach(), kl.detach(), mean_of(high & m), mean_of(low & m), mean_of(dual & m),
-                           mean_of(old - x.detach()), torch.where(live, r_min, zero), mean_of(r), torch.where(live, r_max, zero), cnt])
-    return loss, metrics
+    metrics = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl_loss": kl.detach(), "clipfrac_high": mean_of(high & m),
+               "clipfrac_low": mean_of(low & m), "clipfrac_dual": mean_of(dual & m), "approx_kl": mean_of(old - x.detach()),
+               "ratio_min": torch.where(live, r_min, zero), "ratio_mean": mean_of(r), "ratio_max": torch.where(live, r_max, zero),
+               "trainable_tokens": cnt}
+    return loss, torch.stack([metrics[k] for k in METRICS])
 
 
 def packed_loss(lp: Tensor, batch: Batch, config: Config = None, *, validate: bool = True,
