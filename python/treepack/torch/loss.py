@@ -226,8 +226,8 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
     return loss, torch.stack([metrics[k] for k in METRICS])
 
 
-def packed_loss(lp: Tensor, batch: Batch, config: Config = None, *, validate: bool = True,
-                metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
+def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
+                validate: bool = True, metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
     a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
@@ -254,16 +254,17 @@ class PackedLoss:
     on lp's device in ``METRICS`` order. ``PackedLoss(config, validate=False)`` resolves the config once and is
     called as ``loss_fn(lp, batch)`` (the form to compile)."""
 
-    def __init__(self, config: Config = None, *, validate: bool = True) -> None:
+    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True) -> None:
         self.config = resolve_config(config)
         self.validate = validate
 
-    def __call__(self, lp: Tensor, batch: Batch) -> Tuple[Tensor, Tensor]:
+    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]]) -> Tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) with this object's config."""
         return _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
 
     @staticmethod
-    def apply(lp: Tensor, batch: Batch, config: Config = None, *, validate: bool = True) -> Tuple[Tensor, Tensor]:
+    def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
+              validate: bool = True) -> Tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) for a config given per call."""
         return PackedLoss(config, validate=validate)(lp, batch)
 
