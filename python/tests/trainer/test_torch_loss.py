@@ -5,7 +5,8 @@ float32-representable: then loss and metrics must agree to 1e-12 relative (only 
 returns its gradient rounded to float32, so against it the gradient's honest bound is that rounding (half a float32
 ulp, 2^-24 relative); the gradient is also held to 1e-12 against plain_loss (test_packed_loss.py), an independent
 per-occurrence float64 formula. Every option on every shape: the forests of support.forests (duplicates, prefixes, so
-nodes sum several occurrences), an empty batch, one token, sequences with no trainable token, NaN at masked positions.
+nodes sum several occurrences), an empty batch, one token, sequences with no trainable token, log ratios at the clamp's
+ends, NaN at masked positions.
 Compiled (fullgraph) equals eager; meta tensors prove the hot path reads no value on the host. The CUDA library's
 kernels (tp_cuda_loss_host, an emulated build included; tp_cuda_loss on a GPU) are held to the same bounds where
 they load (TREEPACK_REQUIRE_CUDA=1 fails instead of skipping)."""
@@ -104,6 +105,13 @@ def shapes():
     b["loss_mask"][off[1]:off[2]] = False  # sequences with no trainable token
     b["loss_mask"][off[3]:] = False
     out.append(("untrainable sequences", b, lp))
+    # Log ratios of exactly ±1 (the clamp of one config in five): the kernels pass the derivative at the clamp's ends.
+    lp = torch.tensor([-0.5, -1.5, -0.25, -2.0, -1.0], dtype=torch.float64)
+    edge = {"seq_offsets": torch.tensor([0, 2, 5]), "seq_positions": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.bool),
+            "turn_ids": torch.tensor([0, 1, 0, 0, 1]), "advantages": torch.tensor([-1.0, 1.0, -2.0, 0.5, 1.5]),
+            "old_logprobs": torch.tensor([-1.5, -0.5, -1.25, -1.0, -1.0]), "ref_logprobs": torch.tensor([-0.75, -1.5, -0.5, -2.5, -1.0]),
+            "rollout_logprobs": torch.tensor([-1.0, -0.5, -2.25, -1.0, -0.5])}
+    out.append(("clamp ends", edge, lp))
     return out
 
 
@@ -132,7 +140,7 @@ class SameAsKernel:
 class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
 
     def test_every_option_on_every_shape(self):
-        """All 225 configs (every policy x aggregation x kl x tis) on the adversarial batches and the weighted mixed
+        """All 225 configs (every policy x aggregation x kl x tis) on the 5 adversarial batches and the weighted mixed
         forest, a fifth of them on each other forest (every config on one or two of them), against tp_loss."""
         cases = shared = 0
         for k, (name, batch, lp) in enumerate(shapes()):
@@ -144,7 +152,7 @@ class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
                 with self.subTest(shape=name, cfg=cfg):
                     self.assert_same(run_torch(lp, batch, cfg), kernel_loss(lp, batch, cfg, kernel="core"), name)
                 cases += 1
-        self.assertEqual(cases, 225 * 5 + 45 * 9)
+        self.assertEqual(cases, 225 * 6 + 45 * 9)
         self.assertGreaterEqual(shared, 6)  # nodes whose gradient sums several trainable occurrences
 
     def test_gradient_at_1e12_against_the_plain_formula(self):
