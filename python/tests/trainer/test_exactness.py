@@ -3,7 +3,7 @@
 branching, duplicates, a sequence that is a prefix of another, and pad nodes.
 
 float64: per-token logprobs and entropies, the loss, and every weight gradient within 1e-10. float32 with the packed
-loss kernel (PackedLoss) on both sides: 1e-5."""
+loss (packed_loss) on both sides: 1e-5."""
 
 import unittest
 
@@ -87,7 +87,7 @@ class PackedEqualsUnpacked(unittest.TestCase):
                     lp = tpt.packed_logprobs(packed_model, batch).logprobs
                     loss_p, metrics_p = tpt.packed_loss(lp, batch, config)
                     lp_u, _ = unpacked_logprobs(plain_model, batch)
-                    # The unpacked batch: one node per occurrence, so the same kernel sees no sharing at all.
+                    # The unpacked batch: one node per occurrence, so the same loss sees no sharing at all.
                     naive = {
                         "seq_offsets": batch.seq_offsets, "seq_positions": torch.arange(batch.num_occurrences), "loss_mask": batch.loss_mask,
                         "advantages": batch.advantages, "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs,

@@ -272,7 +272,7 @@ class HybridEqualsUnpacked(unittest.TestCase):
                 self.assert_equal_runs(self.packed_run(packed, batch), self.unpacked_run(plain, batch), batch, 1e-10)
 
     def test_stock_float32_bound_with_packed_loss(self):
-        # The stock code (float32 conv, recurrence and norms) with the packed loss kernel on both sides: packed and
+        # The stock code (float32 conv, recurrence and norms) with the packed loss on both sides: packed and
         # unpacked agree to float32 rounding; the bound is printed.
         config = {"clip_low": 0.2, "clip_high": 0.28, "kl": "k3", "kl_coef": 0.01}
         batch = tpt.load_microbatch(pack(stress_forest(seed=2)[:30], pad=2))

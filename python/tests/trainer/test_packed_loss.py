@@ -1,6 +1,6 @@
-"""PackedLoss (the C core through ctypes) against a plain float64 torch implementation of the formulas in docs/concepts/loss.md,
-written here with autograd on the unpacked batch (one logprob per occurrence): every config of
-shared/fixtures/loss_reference.json and random configs (seq_weight and loss_scale included) on random packed forests;
+"""packed_loss (the torch loss; test_torch_loss.py holds it to the C core) against a plain float64 torch implementation
+of the formulas in docs/concepts/loss.md, written here with autograd on the unpacked batch (one logprob per occurrence):
+every config of shared/fixtures/loss_reference.json and random configs (seq_weight and loss_scale included) on random packed forests;
 loss, dloss/dlp (the occurrence gradients summed per node) and every metric. Flow-GRPO against its formula on the
 unmerged turns, each turn its own list of tokens. Bad inputs: a TreepackError naming the field."""
 

@@ -255,7 +255,7 @@ class StepPlanTest(Checks, unittest.TestCase):
             self.check("qwen3", seqs, groups, [0, 9, 4, 0], model=model)
 
     def test_packed_loss_per_micro_batch(self):
-        """With PackedLoss (the C kernel, float32 inside) as each micro-batch's loss, the planned execution gives what
+        """With packed_loss as each micro-batch's loss, the planned execution gives what
         running the same micro-batches in full gives (ordinary gradient accumulation over the plain split)."""
         seqs = self.trunk(3)
         model = tiny_model("qwen3", torch.float64, vocab=VOCAB)

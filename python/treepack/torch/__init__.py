@@ -1,5 +1,5 @@
 """treepack's trainer side in PyTorch: packed micro-batches as tensors, tree attention for Hugging Face models,
-node logprobs without full logits, and the packed RL loss as an autograd function.
+node logprobs without full logits, and the packed RL loss in torch under autograd.
 
     >>> import torch, treepack, treepack.torch as tpt   # registers attn_implementation="treepack" with transformers
     >>> from transformers import AutoModelForCausalLM
@@ -31,7 +31,7 @@ from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch,
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .forward import forward_logprobs, model_tree_mask, unwrap
 from .rows import RowLayout, from_jagged, from_padded, padded_rows
-from .loss import METRICS, PackedLoss, packed_loss
+from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
 from .models import LAYERS, prepare
 from .segments import Segments, radix_segments, segments_of
 from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op, sync_gradients
@@ -45,6 +45,7 @@ __all__ = [
     "gather_occurrences",
     "packed_logprobs",
     "packed_loss",
+    "metrics_to_floats",
     "scored_nodes",
     "segments_of",
     "PackedBatch",

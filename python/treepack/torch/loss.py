@@ -1,4 +1,4 @@
-"""The packed RL loss as a torch autograd Function over treepack's C ABI.
+"""The packed RL loss in torch, under autograd, on lp's device: the formulas of docs/concepts/loss.md as tensor ops.
 
     >>> import torch, treepack
     >>> from treepack.torch import from_microbatch
@@ -9,145 +9,264 @@
     >>> loss.backward()
     >>> loss.item(), lp.grad.tolist()      # lp.grad = dloss/dlp [N]: -(1 + 1 - 0.5 - 0.5) / 4; node 1 is in both
     (-0.25, [0.0, -0.125, -0.25, 0.125])
+    >>> loss, metrics = packed_loss(lp, batch, {"clip_low": 0.2}, validate=False, metrics="tensor")   # no host sync
+    >>> metrics["trainable_tokens"]        # 0-d float64 tensors on lp's device
+    tensor(4., dtype=torch.float64)
 
-CPU tensors run ``tp_loss`` (libtreepack_core.so); CUDA tensors run ``tp_cuda_loss`` on their device pointers, on
-the tensors' own device and that device's current stream. The kernels compute the gradient with the loss, so
-backward is a scale. Precision: lp and the per-occurrence floats are float32 at the kernels (a float64 ``lp`` is
-rounded to float32, its gradient returned in float64); sums accumulate in float64 on CPU. Against a float64
-reference the loss and gradient agree to about 1e-6 relative.
+The loss is a few dozen tensor ops (gathers, ``index_add`` segment sums, ``torch.where``): the gradient comes from
+autograd, nothing leaves the device, and ``packed_loss(..., validate=False, metrics="tensor")`` reads no value on
+the host, so it runs on any device, on the current stream, under ``torch.compile(fullgraph=True)`` and in CUDA
+graphs. ``validate=True`` (the default) first checks the values as the C core does (CSR offsets, positions in
+range, turn ids non-decreasing, finite trainable inputs, seq_weight): those checks copy values to the host (one
+sync each); shapes, dtypes and devices are checked from metadata in both modes. ``metrics="float"`` (the default)
+converts the metrics with one copy at the end; ``metrics_to_floats`` does that for the tensor form.
+
+Precision: everything is computed in float64 from the inputs as given (a float32 lp or field is widened exactly; a
+float64 one stays float64), and lp's gradient is returned in lp's dtype. The C core and the CUDA kernels
+(``treepack.torch.loss_kernels``, this loss's test oracles) read float32 and return a float32 gradient: on
+float32-representable inputs loss and metrics agree with them to about 1e-15 relative, the gradient to float32
+rounding. On CUDA the segment sums (GSPO's sequence ratio, sequence TIS) and the gradient's sum over a node's
+occurrences use atomics, so their last bits may vary run to run unless ``torch.use_deterministic_algorithms``.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _needed, _turns, cuda_library, cuda_status_error, loss_numpy, make_config
+from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _resolve
 from ..microbatch import TreepackError
+from . import loss_terms as terms
 from .batch import PackedBatch
 
 METRICS = tuple(name for name, _ in LossMetrics._fields_)
 
+Tensor = torch.Tensor
+Config = Union[None, Mapping[str, Any], LossConfig]
+Batch = Union[PackedBatch, Mapping[str, Any]]
 
-def _get(batch: Union[PackedBatch, Mapping[str, Any]], name: str) -> Any:
+
+def resolve_config(config: Config) -> Dict[str, Any]:
+    """The config with defaults filled and every field checked (TreepackError naming the field): resolve once and
+    pass the dict when compiling, so the compiled code holds only constants."""
+    return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
+
+
+def _get(batch: Batch, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
-def _tensors(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], cfg: Any) -> Dict[str, Optional[torch.Tensor]]:
-    """The kernel's inputs, checked as the CPU core checks them (and for device), as contiguous tensors on lp's
-    device in the C ABI's dtypes."""
+def _seq_index(batch: Batch) -> Optional[Tensor]:
+    """The loader's sequence of each occurrence, when the batch is a PackedBatch (a mapping's is derived)."""
+    return batch.seq_index if isinstance(batch, PackedBatch) else None
 
-    def bad(name: str, message: str) -> TreepackError:
-        return TreepackError("E_INPUT", message, field=name)
 
-    if not isinstance(lp, torch.Tensor) or lp.dim() != 1 or not lp.is_floating_point():
-        raise bad("logprobs", f"expected a 1-D floating tensor [N], got {getattr(lp, 'dtype', type(lp).__name__)} {list(getattr(lp, 'shape', []))}")
+def _bad(name: str, message: str) -> TreepackError:
+    return TreepackError("E_INPUT", message, field=name)
+
+
+def _needed(c: Mapping[str, Any], name: str) -> bool:
+    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and c["kl"] != "none") or (
+        name == "rollout_logprobs" and c["tis"] != "none")
+
+
+def _turns(c: Mapping[str, Any]) -> bool:
+    return c["aggregation"] == "seq-mean-turn-mean-token-mean"
+
+
+def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
+    """The batch's tensors the loss reads (None for those the config does not), checked as the C core checks them.
+    Presence, shapes, dtypes and devices are read from metadata; with ``validate`` the values too (host copies)."""
+    if not isinstance(lp, Tensor) or lp.dim() != 1 or not lp.is_floating_point():
+        got = f"{getattr(lp, 'dtype', type(lp).__name__)} {list(getattr(lp, 'shape', []))}"
+        raise _bad("logprobs", f"expected a 1-D floating tensor [N], got {got}")
     N = lp.shape[0]
     if isinstance(batch, PackedBatch) and batch.num_nodes != N:
-        raise bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
-    out: Dict[str, Optional[torch.Tensor]] = {}
-    kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)}, "turn_ids": "index"}
-    optional = {"seq_weight": True, "turn_ids": True, **{f: not _needed(cfg, f) for f in _FIELDS}}
+        raise _bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
+    kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)},
+             "turn_ids": "index"}
+    used = {"seq_weight": True, "turn_ids": _turns(c), **{f: _needed(c, f) for f in _FIELDS}}
+    out: Dict[str, Optional[Tensor]] = {}
     for name, kind in kinds.items():
         t = _get(batch, name)
-        if t is None:
-            if not optional.get(name, False):
-                raise bad(name, f"the {'loss config needs' if name in optional else 'batch needs'} {name} but the batch has none")
+        if t is None or not used.get(name, True):
+            if name in ("seq_offsets", "seq_positions", "loss_mask") or (name in _FIELDS and used[name]):
+                raise _bad(name, f"the {'loss config needs' if name in used else 'batch needs'} {name} but the batch has none")
             out[name] = None
             continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 1:
-            raise bad(name, f"expected a 1-D tensor, got {type(t).__name__} {list(getattr(t, 'shape', []))}")
+        if not isinstance(t, Tensor) or t.dim() != 1:
+            raise _bad(name, f"expected a 1-D tensor, got {type(t).__name__} {list(getattr(t, 'shape', []))}")
         if t.device != lp.device:
-            raise bad(name, f"{name} is on {t.device} but logprobs is on {lp.device}")
+            raise _bad(name, f"{name} is on {t.device} but logprobs is on {lp.device}")
         ok = {"index": (torch.int32, torch.int64), "mask": (torch.bool, torch.uint8), "float": (torch.float32, torch.float64)}[kind]
         if t.dtype not in ok:
-            raise bad(name, f"{name} has dtype {t.dtype}, expected one of {', '.join(str(d) for d in ok)}")
+            raise _bad(name, f"{name} has dtype {t.dtype}, expected one of {', '.join(str(d) for d in ok)}")
         out[name] = t
-    off, pos, mask = out["seq_offsets"], out["seq_positions"], out["loss_mask"]
-    M = pos.shape[0]
-    if off.shape[0] < 1 or int(off[0]) != 0 or int(off[-1]) != M or bool((off[1:] < off[:-1]).any()):
-        raise bad("seq_offsets", f"seq_offsets is not CSR offsets of M = {M} occurrences (starts at 0, never decreases, ends at M)")
-    if _turns(cfg) and M and out["turn_ids"] is None:
-        raise bad("turn_ids", "the loss config needs turn_ids but the batch has none")
+    off, pos = out["seq_offsets"], out["seq_positions"]
+    assert off is not None and pos is not None
+    S, M = off.shape[0] - 1, pos.shape[0]
+    if S < 0:
+        raise _bad("seq_offsets", "seq_offsets is empty; expected S + 1 CSR offsets")
+    if _turns(c) and M and out["turn_ids"] is None:
+        raise _bad("turn_ids", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none")
     for name in ("loss_mask", "turn_ids") + _FIELDS:
         t = out[name]
         if t is not None and t.shape[0] != M:
-            raise bad(name, f"{name} has {t.shape[0]} elements, expected M = {M}")
-    if out["seq_weight"] is not None:
-        _check_weights(out["seq_weight"].detach().cpu().numpy(), off.shape[0] - 1)
+            raise _bad(name, f"{name} has {t.shape[0]} elements, expected M = {M}")
+    sw = out["seq_weight"]
+    if sw is not None and sw.shape[0] != S:
+        raise _bad("seq_weight", f"seq_weight has shape {list(sw.shape)}, expected one weight per sequence [S = {S}]")
+    if validate:
+        _check_values(lp, out)
+    return out
+
+
+def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
+    """The value checks of tp_loss, in its order, on host copies (each reads device memory: a sync)."""
+    off, pos, mask = t["seq_offsets"].cpu(), t["seq_positions"].cpu(), t["loss_mask"].cpu().bool()  # type: ignore[union-attr]
+    N, M = lp.shape[0], pos.shape[0]
+    if int(off[0]) != 0 or int(off[-1]) != M or bool((off[1:] < off[:-1]).any()):
+        raise _bad("seq_offsets", f"seq_offsets is not CSR offsets of M = {M} occurrences (starts at 0, never decreases, ends at M)")
     if M and (int(pos.min()) < 0 or int(pos.max()) >= N):
-        raise bad("seq_positions", f"seq_positions holds {int(pos.min()) if int(pos.min()) < 0 else int(pos.max())}, outside [0, N = {N})")
-    if max(N, M) > 2**31 - 1:
-        raise bad("seq_positions", f"N = {N}, M = {M}: the kernels index with int32")
-    train = mask.bool()
-    for name, t in (("logprobs", lp[pos]),) + tuple((f, out[f]) for f in _FIELDS if out[f] is not None and _needed(cfg, f)):
-        if not bool(torch.isfinite(t[train]).all()):
-            raise bad(name, f"{name} has a non-finite value at a trainable position")
-    res = {"seq_offsets": off.to(torch.int32).contiguous(), "seq_positions": pos.to(torch.int32).contiguous(), "loss_mask": mask.to(torch.uint8).contiguous()}
-    for f in _FIELDS:
-        res[f] = out[f].to(torch.float32).contiguous() if out[f] is not None and _needed(cfg, f) else None
-    res["seq_weight"] = None if out["seq_weight"] is None else out["seq_weight"].to(torch.float32).contiguous()
-    res["turn_ids"] = out["turn_ids"].to(torch.int32).contiguous() if out["turn_ids"] is not None and _turns(cfg) else None
-    res["lp"] = lp.detach().to(torch.float32).contiguous()
-    return res
+        raise _bad("seq_positions", f"seq_positions holds {int(pos.min()) if int(pos.min()) < 0 else int(pos.max())}, outside [0, N = {N})")
+    turn = t["turn_ids"]
+    if turn is not None and M > 1:
+        turn = turn.cpu()
+        starts = torch.zeros(M, dtype=torch.bool)
+        starts[off[:-1][off[:-1] < M].long()] = True
+        if bool(((turn[1:] < turn[:-1]) & ~starts[1:]).any()):
+            raise _bad("turn_ids", "turn_ids decrease within a sequence (each sequence's turns are numbered in order)")
+    if t["seq_weight"] is not None:
+        _check_weights(t["seq_weight"].cpu().numpy(), off.shape[0] - 1)
+    for name, v in (("logprobs", lp.detach()[t["seq_positions"].long()]),) + tuple((f, t[f]) for f in _FIELDS if t[f] is not None):
+        if not bool(torch.isfinite(v.cpu()[mask]).all()):
+            raise _bad(name, f"{name} has a non-finite value at a trainable position")
 
 
-def _run_cuda(cfg: Any, t: Dict[str, Optional[torch.Tensor]]) -> Tuple[float, torch.Tensor, Dict[str, float]]:
-    lp = t["lp"]
-    assert lp is not None
-    grad = torch.zeros_like(lp)
-    metrics = LossMetrics()
-    ptr = lambda a: None if a is None else a.data_ptr()  # noqa: E731
-    lib = cuda_library()
-    with torch.cuda.device(lp.device):
-        stream = torch.cuda.current_stream(lp.device)
-        off, pos = t["seq_offsets"], t["seq_positions"]
-        rc = lib.tp_cuda_loss(ctypes.byref(cfg), off.numel() - 1, ptr(off), pos.numel(), ptr(pos), ptr(t["loss_mask"]),
-                              *(ptr(t[f]) for f in _FIELDS), ptr(t["seq_weight"]), ptr(t["turn_ids"]), lp.numel(), ptr(lp),
-                              ptr(grad), ctypes.byref(metrics),
-                              ctypes.c_void_p(stream.cuda_stream))
-    if rc != 0:
-        raise cuda_status_error(lib, "tp_cuda_loss", rc)
-    return metrics.loss, grad, metrics.as_dict()
+def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_index: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(loss, metrics [len(METRICS)]) in float64 on lp's device; no host reads, no data-dependent Python."""
+    f64 = torch.float64
+    off, pos = t["seq_offsets"].long(), t["seq_positions"].long()  # type: ignore[union-attr]
+    S, M = off.shape[0] - 1, pos.shape[0]
+    dev = lp.device
+    m = t["loss_mask"].bool()  # type: ignore[union-attr]
+    mf = m.to(f64)
+    # The sequence of each occurrence: offsets are CSR, so the count of sequence ends at or before j.
+    seq = seq_index if seq_index is not None else torch.searchsorted(off[1:], torch.arange(M, device=dev), right=True)
+    zero = torch.zeros((), dtype=f64, device=dev)
+
+    def field(name: str) -> Tensor:  # masked positions may hold anything (NaN included): they become 0
+        return torch.where(m, t[name].to(f64), zero)  # type: ignore[union-attr]
+
+    def per_seq(x: Tensor) -> Tensor:
+        return torch.zeros(S, dtype=f64, device=dev).index_add_(0, seq, x)
+
+    x = torch.where(m, lp.to(f64)[pos], zero)
+    A, old = field("advantages"), field("old_logprobs")
+    n = per_seq(mf)  # trainable tokens per sequence
+    T = torch.full((), float(c["global_tokens"]), dtype=f64, device=dev) if c["global_tokens"] > 0 else n.sum()
+    G = torch.full((), float(c["global_sequences"]), dtype=f64, device=dev) if c["global_sequences"] > 0 else (n > 0).to(f64).sum()
+    one = torch.ones((), dtype=f64, device=dev)
+    safe = lambda d: torch.where(d > 0, d, one)  # noqa: E731  (a zero count only ever weighs masked occurrences)
+    sw = t["seq_weight"]
+    scale = (sw.to(f64) if sw is not None else torch.ones(S, dtype=f64, device=dev)) * c["loss_scale"]
+    agg = c["aggregation"]
+    if agg == "token-mean":
+        w_seq = (1 / safe(T)).expand(S)
+    elif agg == "seq-mean-token-sum":
+        w_seq = (1 / safe(G)).expand(S)
+    elif agg == "seq-mean-token-mean":
+        w_seq = 1 / (safe(G) * safe(n))
+    elif agg == "seq-mean-token-sum-norm":
+        w_seq = torch.full((S,), 1 / c["norm_constant"], dtype=f64, device=dev)
+    else:  # seq-mean-turn-mean-token-mean
+        w_seq = None
+    if w_seq is not None:
+        w = (w_seq * scale)[seq] * mf
+    else:  # each run of equal turn ids within a sequence is a turn; a turn's weight 1 / (G·k·n_turn)
+        turn = t["turn_ids"]
+        j = torch.arange(M, device=dev)
+        start = j == off[:-1][seq] if turn is None else (j == off[:-1][seq]) | (turn != torch.cat([turn[:1], turn[:-1]]))
+        run = torch.cumsum(start.long(), 0) - 1
+        n_run = torch.zeros(M, dtype=f64, device=dev).index_add_(0, run, mf)[run]
+        k = per_seq((start & (n_run > 0)).to(f64))
+        w = torch.where(m, scale[seq] / (safe(G) * safe(k)[seq] * safe(n_run)), zero)
+    # The policy surrogate per occurrence.
+    if c["policy"] == "cispo":
+        value, r, high, low = terms.cispo(x, old, A, c)
+        dual = torch.zeros_like(high)
+    else:
+        log_ratio = x - old
+        if c["policy"] == "gspo":  # GSPO-token: the value of the sequence's mean log ratio, the derivative of each token's
+            mean = per_seq(x.detach() - old) / safe(n)
+            log_ratio = mean[seq] + (x - x.detach())
+        value, r, high, low, dual = terms.clipped_surrogate(log_ratio, A, c)
+    if c["tis"] == "token":
+        value = value * terms.truncated_weight(old - field("rollout_logprobs"), c)
+    elif c["tis"] == "sequence":
+        value = value * terms.truncated_weight(per_seq(old - field("rollout_logprobs")), c)[seq]
+    pg = (w * torch.where(m, value, zero)).sum()
+    if c["kl"] != "none":
+        kl = (w * torch.where(m, terms.kl_term(c["kl"], x, field("ref_logprobs")), zero)).sum()
+    else:
+        kl = zero
+    loss = pg + c["kl_coef"] * kl
+    # Metrics: per trainable occurrence, unweighted.
+    cnt = mf.sum()
+    mean_of = lambda v: (v.to(f64) * mf).sum() / safe(cnt)  # noqa: E731
+    inf = torch.full((1,), float("inf"), dtype=f64, device=dev)
+    r_min = torch.cat([torch.where(m, r, inf), inf]).amin()
+    r_max = -torch.cat([torch.where(m, -r, inf), inf]).amin()
+    live = cnt > 0
+    metrics = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl_loss": kl.detach(), "clipfrac_high": mean_of(high & m),
+               "clipfrac_low": mean_of(low & m), "clipfrac_dual": mean_of(dual & m), "approx_kl": mean_of(old - x.detach()),
+               "ratio_min": torch.where(live, r_min, zero), "ratio_mean": mean_of(r), "ratio_max": torch.where(live, r_max, zero),
+               "trainable_tokens": cnt}
+    return loss, torch.stack([metrics[k] for k in METRICS])
 
 
-class PackedLoss(torch.autograd.Function):
-    """``loss, metrics = PackedLoss.apply(lp, batch, config)``: lp [N] (requires_grad) on CPU or CUDA, batch a
-    ``PackedBatch`` or a mapping of the contract's tensors on lp's device (a mapping may add ``seq_weight`` [S]),
-    config a ``LossConfig`` or a dict as in docs/concepts/loss.md. loss is a float64 scalar on lp's device; metrics a float64
-    CPU tensor in ``METRICS`` order (``packed_loss`` gives a dict)."""
+def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
+                validate: bool = True, metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
+    """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
+    loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
+    a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
+    value checks (host copies); ``metrics="tensor"`` returns 0-d float64 tensors on lp's device instead of floats."""
+    if metrics not in ("float", "tensor"):
+        raise TreepackError("E_ARG", f"metrics is {metrics!r}; expected 'float' or 'tensor'", field="metrics")
+    c = resolve_config(config)
+    t = loss_inputs(lp, batch, c, validate)
+    loss, values = _loss(lp, t, c, _seq_index(batch))
+    as_tensors = dict(zip(METRICS, values.unbind(0)))
+    return loss, (metrics_to_floats(as_tensors) if metrics == "float" else as_tensors)
+
+
+def metrics_to_floats(metrics: Mapping[str, Tensor]) -> Dict[str, Any]:
+    """The tensor metrics as Python numbers (one host copy): floats, trainable_tokens an int."""
+    values = dict(zip(metrics, torch.stack([v.detach().to(torch.float64) for v in metrics.values()]).tolist()))
+    if "trainable_tokens" in values:
+        values["trainable_tokens"] = int(values["trainable_tokens"])
+    return values
+
+
+class PackedLoss:
+    """``loss, metrics = PackedLoss.apply(lp, batch, config)``: ``packed_loss`` with the metrics as one float64 tensor
+    on lp's device in ``METRICS`` order. ``PackedLoss(config, validate=False)`` resolves the config once and is
+    called as ``loss_fn(lp, batch)`` (the form to compile)."""
+
+    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True) -> None:
+        self.config = resolve_config(config)
+        self.validate = validate
+
+    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]]) -> Tuple[Tensor, Tensor]:
+        """(loss, metrics [len(METRICS)] float64 on lp's device) with this object's config."""
+        return _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
 
     @staticmethod
-    def forward(ctx: Any, lp: torch.Tensor, batch: Any, config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        cfg = make_config(config)
-        t = _tensors(lp, batch, cfg)
-        if lp.is_cuda:
-            value, grad, m = _run_cuda(cfg, t)
-        else:
-            arrays = {k: (None if v is None else v.numpy()) for k, v in t.items() if k != "lp"}
-            lp_np = t["lp"].numpy()  # type: ignore[union-attr]
-            value, g, m = loss_numpy(arrays, lp_np, config)
-            grad = torch.from_numpy(g)
-        ctx.save_for_backward(grad.to(lp.dtype))
-        metrics = torch.tensor([float(m[k]) for k in METRICS], dtype=torch.float64)
-        ctx.mark_non_differentiable(metrics)
-        return torch.tensor(value, dtype=torch.float64, device=lp.device), metrics
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_metrics: Any) -> Tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (grad,) = ctx.saved_tensors
-        return grad_loss.to(grad.dtype) * grad, None, None
+    def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
+              validate: bool = True) -> Tuple[Tensor, Tensor]:
+        """(loss, metrics [len(METRICS)] float64 on lp's device) for a config given per call."""
+        return PackedLoss(config, validate=validate)(lp, batch)
 
 
-def packed_loss(lp: torch.Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """The loss (differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md: loss, pg_loss, kl_loss, clip fractions,
-    approx_kl, ratio stats, trainable_tokens) as a dict."""
-    loss, metrics = PackedLoss.apply(lp, batch, config)
-    values = dict(zip(METRICS, metrics.tolist()))
-    values["trainable_tokens"] = int(values["trainable_tokens"])
-    return loss, values
-
-
-__all__ = ["METRICS", "PackedLoss", "packed_loss"]
+__all__ = ["METRICS", "PackedLoss", "loss_inputs", "metrics_to_floats", "packed_loss", "resolve_config"]
