@@ -337,7 +337,8 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
         lp = side_logprobs(model, b, stock)
         sync(device)
         t2 = time.perf_counter()
-        loss, _ = tpt.packed_loss(lp, b, config)
+        # The trainer's device path: no value checks (host copies), metrics left on the device.
+        loss, _ = tpt.packed_loss(lp, b, config, validate=False, metrics="tensor")
         sync(device)
         t3 = time.perf_counter()
         loss.backward()
