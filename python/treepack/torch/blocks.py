@@ -154,15 +154,13 @@ def block_arrays(
     hits = torch.cat([torch.where(hit_first, f * nkv + kb, cells), torch.where(hit_last, e * nkv + kb, cells)])
     seen = torch.zeros(cells + 1, dtype=torch.bool, device=dev).index_fill_(0, hits, True)[:cells].reshape(nq, nkv)
 
-    # The whole blocks: f[k] is the first block of kv block j's keys plus g in {0, 1}; per (j, g) the greatest key
-    # position over keys with e[k] >= x, for every x (a suffix maximum), decides block i through x = i + 1.
+    # The whole blocks: per kv block j, the greatest position of a key with e[k] > i (a suffix maximum over e)
+    # decides every block i after f0[j], the first query block of j's keys (a first block, decided exactly above).
+    # f[k] is f0[j] or the next, so that is loose only for a key whose first block is i: a tile where it sees itself.
     f0 = (torch.clamp(torch.arange(nkv, device=dev) * B, min=q_start) - q_start) // B
-    g = f - f0[kb]
-    slot = torch.where(sees, (kb * 2 + g) * (nq + 1) + e, nkv * 2 * (nq + 1))
-    best = torch.full((nkv * 2 * (nq + 1) + 1,), -1, dtype=torch.int64, device=dev)
-    best = best.scatter_reduce_(0, slot, pos, "amax")[:-1].reshape(nkv, 2, nq + 1)
-    best = best.flip(2).cummax(2).values.flip(2)[:, :, 1:]  # [nkv, 2, nq]: keys with e[k] > i
-    gs = torch.arange(2, device=dev)[None, :, None]
-    inner = (i.T[None] > f0[:, None, None] + gs) & (best >= 0) & (q_min[None, None, :] - best < window)
-    seen |= inner.any(1).T
+    slot = torch.where(sees, kb * (nq + 1) + e, nkv * (nq + 1))
+    best = torch.full((nkv * (nq + 1) + 1,), -1, dtype=torch.int64, device=dev)
+    best = best.scatter_reduce_(0, slot, pos, "amax")[:-1].reshape(nkv, nq + 1)
+    best = best.flip(1).cummax(1).values.flip(1)[:, 1:].T  # [nq, nkv]: over the keys with e[k] > i
+    seen |= (i > f0[None, :]) & (best >= 0) & (q_min[:, None] - best < window)
     return (*_layout(seen & ~full), *_layout(full))
