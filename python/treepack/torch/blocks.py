@@ -23,6 +23,7 @@ all B² pairs are visible (padding counts as masked), partial when some are.
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, Optional, Tuple
 
 import torch
@@ -41,7 +42,8 @@ def check_host_tree(se: torch.Tensor) -> None:
     bad = (se <= ar) | (se > se.shape[0])
     if bool(bad.any()):
         p = int(torch.argmax(bad.to(torch.int8)))
-        raise TreepackError("E_INPUT", f"not a packed forest: subtree_end[{p}] = {int(se[p])} is outside ({p}, {se.shape[0]}]", field="subtree_end")
+        message = f"not a packed forest: subtree_end[{p}] = {int(se[p])} is outside ({p}, {se.shape[0]}]"
+        raise TreepackError("E_INPUT", message, field="subtree_end")
 
 
 def _layout(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +92,12 @@ def block_arrays(
     ``subtree_end``'s device, for query rows [q_start, N) (query block i: rows [q_start + i·B, q_start + (i+1)·B))
     against keys [0, N) (kv block j: keys [j·B, (j+1)·B)); nq = ceil((N - q_start) / B), nkv = ceil(N / B). With
     ``window`` (then ``position_ids`` too), only pairs with ``position_ids[q] - position_ids[k] < window``."""
-    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
+    if not (isinstance(block_size, Integral) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {block_size!r}", field="block_size")
-    n, B, dev = int(subtree_end.shape[0]), block_size, subtree_end.device
-    if isinstance(q_start, bool) or not isinstance(q_start, int) or not 0 <= q_start <= n:
+    n, B, dev = int(subtree_end.shape[0]), int(block_size), subtree_end.device
+    if isinstance(q_start, bool) or not isinstance(q_start, Integral) or not 0 <= q_start <= n:
         raise TreepackError("E_ARG", f"expected an integer in [0, N = {n}], got {q_start!r}", field="q_start")
+    q_start = int(q_start)
     if window is not None:
         window = check_window(window)
         if position_ids is None or position_ids.shape != subtree_end.shape:
