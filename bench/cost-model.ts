@@ -6,6 +6,7 @@
  * c₀ (+ bytes ÷ bandwidth on a GPU), with the rates fitted to this machine's measurements (leave-one-workload-out,
  * so every printed error is a prediction of data the fit never saw) or assumed for a GPU (labelled as such).
  */
+import { readFileSync } from 'node:fs';
 
 export interface ModelShape {
   name: string;
@@ -33,8 +34,11 @@ export interface SideFigures {
   pairs: number;
   blocks: number;
   full_blocks: number;
-  /** tiles the attention computes: the listed ones on flex, with the block path's padding on CPU (older runs: absent) */
+  /** tiles the side's attention visits: the listed ones on flex, with the block path's padding on CPU, each sequence's
+   * causal tiles on a stock path (older runs: absent) */
   executed_blocks?: number;
+  /** B×B tiles a causal kernel visits running each sequence alone (older runs: absent) */
+  causal_tiles?: number;
   scored_rows: number;
   max_tokens: number;
   /** recurrent layers (bench/step.py `figures`; older runs: absent): sequential depth levels summed over the
@@ -99,7 +103,26 @@ export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: nu
   };
 }
 
+/** Model FLOPs of a step (forward + backward = 3 × forward), attention at its useful (visible) pairs. */
 export const totalFlops = (w: Work) => w.linearFlops + w.attentionFlops;
+
+/** FLOPs of a step at the granularity the attention kernel works at: attention at the B×B tiles it visits, each
+ * computed whole (the tile-level ideal's measure). */
+export const tileFlops = (w: Work) => w.linearFlops + w.executedAttentionFlops;
+
+/** Dense bf16/fp16 tensor-core peaks by device name (bench/device-peaks.json, which gpu-check reads too). */
+export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = (
+  JSON.parse(readFileSync(new URL('./device-peaks.json', import.meta.url), 'utf8')) as { peaks: { match: string; name: string; flops: number }[] }
+).peaks.map((p) => ({ match: new RegExp(p.match, 'i'), name: p.name, flops: p.flops }));
+
+/** The peak FLOP/s an MFU divides by, or why there is none: a CPU has no honest peak (its vector units' peak
+ * depends on the ISA, clocks and threads), an unlisted GPU or a dtype other than bf16/fp16 has none in the table. */
+export function devicePeak(device: string, deviceType: string, dtype: string): { name: string; flops: number } | { reason: string } {
+  if (deviceType !== 'cuda') return { reason: 'no honest peak FLOP/s for a CPU: achieved FLOP/s instead' };
+  if (dtype !== 'bfloat16' && dtype !== 'float16') return { reason: `no peak in the table for ${dtype} (bf16/fp16 dense only)` };
+  const p = DEVICE_PEAKS.find((x) => x.match.test(device));
+  return p ? { name: p.name, flops: p.flops } : { reason: `${device} is not in the peak table (bench/device-peaks.json)` };
+}
 
 /** Seconds per unit of linear FLOPs, executed attention FLOPs, micro-batches. */
 export type Rates = [number, number, number];

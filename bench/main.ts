@@ -222,7 +222,13 @@ const page = await renderHtml(
     title: `treepack bench${quick ? '' : ' (--full)'}`,
     generated: `generated ${new Date().toISOString()} by npm run bench${quick ? '' : ' -- --full'}`,
     environment,
-    step: step ? { device: `${stepSection.device}, ${stepSection.dtype}, ${stepSection.attention} attention`, rows: step.rows } : { skipped: stepSection.skipped ?? 'no result' },
+    step: step
+      ? {
+        device: `${stepSection.device}, ${stepSection.dtype}, packed: ${stepSection.packedAttention ?? stepSection.attention}, ` +
+          `naive: ${stepSection.naiveAttention ?? stepSection.attention}`,
+        rows: step.rows,
+      }
+      : { skipped: stepSection.skipped ?? 'no result' },
     sparsity: masks.sparsity,
     loss,
     merge,

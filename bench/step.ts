@@ -31,6 +31,8 @@ export interface StepSide extends Record<string, unknown> {
   same_as_naive?: boolean;
   /** a hybrid model: forward seconds in its recurrent layers (absent: none) */
   recurrent_forward?: number;
+  /** the attention this side ran (bench/step.py path_name; older runs: absent) */
+  attention?: string;
 }
 
 export interface StepWorkload {
@@ -57,6 +59,9 @@ export interface StepSection {
   deviceType?: string;
   dtype?: string;
   attention?: string;
+  /** the attention the chain sides (naive, merged) and the packed side ran (older runs: absent) */
+  naiveAttention?: string;
+  packedAttention?: string;
   python?: string;
   /** the harness's CPU allocator settings (harnessAllocator) */
   allocator?: string;
@@ -174,8 +179,12 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
 
 /** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`); `shapes`: the
  * models per device (default STEP_SHAPES); `repeats`: timings per side of every workload (default: the run's count);
- * `threads`: torch's CPU threads (default: torch's own choice). */
-export async function benchStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes; repeats?: number; threads?: number }): Promise<StepSection> {
+ * `threads`: torch's CPU threads (default: torch's own choice); `naiveAttention`: the chain sides' attention (default
+ * 'stock': the stock transformers path a trainer runs today; 'treepack': tree attention on the chains). */
+export async function benchStep(opts: {
+  full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes; repeats?: number; threads?: number;
+  naiveAttention?: 'stock' | 'treepack';
+}): Promise<StepSection> {
   const maxTokens = DEFAULT_MAX_TOKENS;
   // A fresh clone gets its .venv made here.
   const env = await findPython();
@@ -201,7 +210,10 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
         failed.push({ name: 'tau-bench airline', compression: 0, packSeconds: 0, report: {} as PackReport, error: (e as Error).message });
       }
     }
-    const spec = { max_tokens: maxTokens, shapes: opts.shapes ?? STEP_SHAPES, threads: opts.threads, workloads: [] as object[] };
+    const spec = {
+      max_tokens: maxTokens, shapes: opts.shapes ?? STEP_SHAPES, threads: opts.threads, naive_attention: opts.naiveAttention,
+      workloads: [] as object[],
+    };
     for (const [i, w] of inputs.entries()) {
       const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
@@ -217,7 +229,11 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
     const allocator = harnessAllocator();
     const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'], env: { ...process.env, ...allocator.env } });
     if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
-    const out = JSON.parse(r.stdout) as { device: string; device_type: 'cpu' | 'cuda'; dtype: string; attention: string; torch: string; workloads: (Partial<StepWorkload> & { input: number; shape: ModelShape })[] };
+    const out = JSON.parse(r.stdout) as {
+      device: string; device_type: 'cpu' | 'cuda'; dtype: string; attention: string; naive_attention: string; packed_attention: string;
+      torch: string;
+      workloads: (Partial<StepWorkload> & { input: number; shape: ModelShape })[];
+    };
     const shapes = spec.shapes[out.device_type];
     // One row per workload and model; the model's name leads when there are several.
     const timed = out.workloads.map((res) => ({
@@ -225,7 +241,11 @@ export async function benchStep(opts: { full: boolean; tauBench: string | null; 
       name: shapes.length > 1 ? `${res.shape.name} · ${workloads[res.input].name}` : workloads[res.input].name,
       shape: res.shape, figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error, skipped: res.skipped,
     }));
-    return { device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention, python: `${env.python} (${env.source})`, allocator: allocator.label, torch: out.torch, shape: shapes[0], maxTokens, workloads: [...timed, ...failed] };
+    return {
+      device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention,
+      naiveAttention: out.naive_attention, packedAttention: out.packed_attention, python: `${env.python} (${env.source})`,
+      allocator: allocator.label, torch: out.torch, shape: shapes[0], maxTokens, workloads: [...timed, ...failed],
+    };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

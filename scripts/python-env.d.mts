@@ -19,3 +19,5 @@ export interface WheelEnv {
   reason: string;
 }
 export function wheelEnv(python: string): WheelEnv;
+/** .venv-fla, created if needed: its interpreter, or null and why not. */
+export function flaEnv(): { python: string | null; reason: string };

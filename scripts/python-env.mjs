@@ -4,6 +4,7 @@
 //   node scripts/python-env.mjs --wheel   the same, then builds and installs the wheel (wheelEnv) and prints its venv
 //   import { pythonEnv } from './python-env.mjs'; pythonEnv()   the same, in process (synchronous)
 //   import { wheelEnv } from './python-env.mjs'; wheelEnv(python)  this checkout's treepack installed for `python`
+//   node scripts/python-env.mjs --fla     .venv-fla (flaEnv), created if needed, and the wheel installed for it
 //
 // Order: TREEPACK_PYTHON (a GPU host's own environment, say) → the project's .venv → python3 on PATH, each used
 // when it imports torch, transformers and numpy; else .venv is created once from python/requirements-torch.txt with
@@ -19,6 +20,8 @@ const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
 const venv = path.join(root, '.venv');
 const requirements = path.join(root, 'python', 'requirements-torch.txt');
 const lock = path.join(root, '.venv.lock');
+const flaVenv = path.join(root, '.venv-fla');
+const flaRequirements = path.join(root, 'python', 'requirements-fla.txt');
 const wheelCache = path.join(root, '.cache', 'python-wheel');
 const bin = (dir) => (process.platform === 'win32' ? path.join(dir, 'Scripts', 'python.exe') : path.join(dir, 'bin', 'python'));
 
@@ -38,15 +41,15 @@ function sleep(ms) {
   Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms);
 }
 
-/** Creates .venv in a scratch directory renamed into place, so no reader ever sees a half-installed one. */
-function createVenv(base) {
-  const scratch = `${venv}.building-${process.pid}`;
+/** Creates `dir` (.venv) from `reqs` in a scratch directory renamed into place, so no reader ever sees a half-installed one. */
+function createVenv(base, dir = venv, reqs = requirements) {
+  const scratch = `${dir}.building-${process.pid}`;
   fs.rmSync(scratch, { recursive: true, force: true });
   const steps = [
     [base, ['-m', 'venv', scratch]],
-    [bin(scratch), ['-m', 'pip', 'install', '--retries', '0', '--timeout', '5', '--disable-pip-version-check', '-q', '-r', requirements]],
+    [bin(scratch), ['-m', 'pip', 'install', '--retries', '0', '--timeout', '5', '--disable-pip-version-check', '-q', '-r', reqs]],
   ];
-  console.error(`treepack: creating ${path.relative(root, venv)} from ${path.relative(root, requirements)} (once; about a minute)`);
+  console.error(`treepack: creating ${path.relative(root, dir)} from ${path.relative(root, reqs)} (once; about a minute)`);
   for (const [cmd, args] of steps) {
     const r = spawnSync(cmd, args, { encoding: 'utf8', timeout: 30 * 60_000, maxBuffer: 64 << 20 });
     if (r.error || r.status !== 0) {
@@ -56,10 +59,10 @@ function createVenv(base) {
     }
   }
   try {
-    fs.renameSync(scratch, venv);
+    fs.renameSync(scratch, dir);
   } catch (e) {
     fs.rmSync(scratch, { recursive: true, force: true });
-    if (!fs.existsSync(bin(venv))) return `could not move the new venv into place (${e.message})`;
+    if (!fs.existsSync(bin(dir))) return `could not move the new venv into place (${e.message})`;
   }
   return '';
 }
@@ -129,6 +132,36 @@ export function pythonEnv(opts = {}) {
   }
   const reason = `no Python with torch and transformers (${reasons.join('; ')})`;
   return numpyOnly ? { ...numpyOnly, torch: false, reason } : { python: null, torch: false, reason, source: '' };
+}
+
+/**
+ * The Python that runs FLA's Triton kernels under Triton's interpreter (python/tests/fla): .venv-fla, created once
+ * from python/requirements-fla.txt (torch, transformers, numpy < 2.4, triton, fla-core, flash-linear-attention) like
+ * .venv, under a lock of its own. A separate environment because transformers binds FLA at import for every device
+ * once it is installed, which would change what the main .venv's CPU suites run. TREEPACK_NO_VENV=1 never creates
+ * it; an existing one that lacks a package is reported, never replaced.
+ *
+ * @returns {{python: string | null, reason: string}} its interpreter, or null and why not
+ */
+export function flaEnv() {
+  const modules = ['numpy', 'torch', 'transformers', 'triton', 'fla'];
+  const missing = () => {
+    const code = `import importlib.util as u; print(" ".join(m for m in ${JSON.stringify(modules)} if not u.find_spec(m)))`;
+    const r = spawnSync(bin(flaVenv), ['-c', code], { encoding: 'utf8', timeout: 60_000 });
+    return r.status === 0 ? r.stdout.trim() : `not runnable (${(r.stderr || r.error?.message || '').trim().split('\n').pop()})`;
+  };
+  const rel = path.relative(root, flaVenv);
+  if (!fs.existsSync(bin(flaVenv))) {
+    if (process.env.TREEPACK_NO_VENV === '1') return { python: null, reason: `${rel} does not exist and TREEPACK_NO_VENV=1` };
+    const base = ['python3', 'python'].find((p) => !probe(p).startsWith('not runnable'));
+    if (!base) return { python: null, reason: `no python3 to create ${rel} with` };
+    const made = withLock(() => (fs.existsSync(bin(flaVenv)) ? '' : createVenv(base, flaVenv, flaRequirements)), `${flaVenv}.lock`);
+    if (made) return { python: null, reason: made };
+  }
+  const lacks = missing();
+  const fix = `pip install -r ${path.relative(root, flaRequirements)} into it, or remove it`;
+  if (lacks) return { python: null, reason: `${rel} lacks ${lacks} (${fix})` };
+  return { python: bin(flaVenv), reason: '' };
 }
 
 /** Every file the wheel is built from (the package, its build files, the C core), for the install's key. */
@@ -218,7 +251,12 @@ function linkSitePackages(python, venvPython) {
   return '';
 }
 
-if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
+if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url) && process.argv.includes('--fla')) {
+  const env = flaEnv();
+  const wheel = env.python ? wheelEnv(env.python) : { python: null, wheel: '', reason: env.reason };
+  console.log(JSON.stringify(wheel));
+  if (!wheel.python) process.exitCode = 1;
+} else if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
   const env = pythonEnv();
   console.log(JSON.stringify(env));
   if (process.argv.includes('--wheel')) {

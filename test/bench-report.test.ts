@@ -11,7 +11,7 @@ import { describe, expect, it } from 'vitest';
 import { renderHtml, type ReportData } from '../bench/report.js';
 import { analyzeStep } from '../bench/step-report.js';
 import { CPU_SHAPE, type StepSection, type StepWorkload } from '../bench/step.js';
-import type { SideFigures } from '../bench/cost-model.js';
+import { devicePeak, type ModelShape, type SideFigures } from '../bench/cost-model.js';
 
 const CHROMIUM = process.env.TREEPACK_CHROMIUM ?? '/usr/bin/chromium';
 const required = process.env.TREEPACK_REQUIRE_CHROMIUM === '1';
@@ -113,5 +113,97 @@ describe('training-step analysis', () => {
     expect(step.rows.map((r) => r.name)).toEqual(['a', 'b']);
     const cpu = analyzeStep({ ...section, deviceType: 'cpu' });
     expect(cpu.text).not.toContain('GPU goal');
+  });
+});
+
+describe('tile-level ideal and MFU', () => {
+  // A one-layer model small enough to count by hand: hidden 4, one head of 4, MLP 8, a 10-row LM head.
+  // Weights per layer: q 4·4 + k, v 2·4·4 + o 4·4 + MLP 3·4·8 = 160, so 2·160 = 320 FLOPs per token forward; the head
+  // 2·4·10 = 80 per scored row; attention 4·1·4 = 16 per pair forward. Step = 3 × forward.
+  const shape: ModelShape = { name: 'hand', hidden: 4, intermediate: 8, layers: 1, heads: 1, kv_heads: 1, head_dim: 4 };
+  const fig = (tokens: number, pairs: number, tiles: number, maxTokens: number): SideFigures => ({
+    micro_batches: 1, tokens, occurrences: tokens, trainable: 100, pairs, blocks: tiles, full_blocks: 0, executed_blocks: tiles,
+    scored_rows: 100, max_tokens: maxTokens,
+  });
+  // naive: 1000 tokens, 50,000 pairs, 10 tiles; packed: 250 tokens, 20,000 pairs, 4 tiles.
+  const naivePairs = 3 * (320 * 1000 + 80 * 100 + 16 * 50_000); // 3,384,000
+  const naiveTiles = 3 * (320 * 1000 + 80 * 100 + 16 * 128 * 128 * 10); // 8,848,320
+  const packedPairs = 3 * (320 * 250 + 80 * 100 + 16 * 20_000); // 1,224,000
+  const packedTiles = 3 * (320 * 250 + 80 * 100 + 16 * 128 * 128 * 4); // 3,409,728
+  const tileIdeal = naiveTiles / packedTiles; // ≈ 2.595
+  const pairIdeal = naivePairs / packedPairs; // ≈ 2.765
+  const NAIVE_S = 1e-8;
+  function hand(name: string, packedMaxTokens: number, speedup: number): StepWorkload {
+    const side = (step: number, attention: string) => ({
+      step, masks: 0, forward: 0, loss: 0, backward: 0, steps: [step], peak_bytes: null, loss_value: 0.5, logprob_sum: -1, grad_norm: 1,
+      attention,
+    });
+    const naive = fig(1000, 50_000, 10, 1000), packed = fig(250, 20_000, 4, packedMaxTokens);
+    return {
+      name, compression: 4, packSeconds: 0, report: { timelines: 4, samples: 4 } as StepWorkload['report'], shape, vocab: 10,
+      mismatches: {},
+      figures: { naive, merged: naive, packed },
+      sides: {
+        naive: side(NAIVE_S, 'stock'), merged: { ...side(NAIVE_S, 'stock'), same_as_naive: true }, packed: side(NAIVE_S / speedup, 'tree'),
+      },
+    };
+  }
+  const gpu: StepSection = {
+    device: 'NVIDIA H100 80GB HBM3', deviceType: 'cuda', dtype: 'bfloat16', attention: 'flex', torch: 'test', shape, maxTokens: 16384,
+    naiveAttention: 'transformers sdpa (one sequence per call, is_causal)', packedAttention: 'treepack FlexAttention + BlockMask',
+    // 0.85 × the tile ideal in the goal's range; the same below 8k tokens (no goal stated); 0.7 × in range (missed).
+    workloads: [hand('in range', 9000, 0.85 * tileIdeal), hand('small', 4000, 0.85 * tileIdeal), hand('slow', 16384, 0.7 * tileIdeal)],
+  };
+
+  it('divides the step FLOPs at tiles visited, naive by packed, and states the goal against it on a GPU', () => {
+    const { rows, text, peak } = analyzeStep(gpu);
+    expect(peak).toEqual({ name: 'H100 SXM', flops: 989e12 });
+    expect(rows[0].tileIdealRatio).toBeCloseTo(tileIdeal, 12);
+    expect(rows[0].idealRatio).toBeCloseTo(pairIdeal, 12);
+    expect(rows.map((r) => r.goal.met)).toEqual([true, null, false]);
+    expect(rows[0].goal.ideal).toBe('tiles');
+    expect(rows[0].goal.ratio).toBeCloseTo(0.85, 12);
+    expect(text).toContain('step 0.85 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: met)');
+    expect(text).toContain('step 0.85 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: not stated: ' +
+      'packed micro-batches of up to 4000 tokens');
+    expect(text).toContain('step 0.70 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: MISSED)');
+    expect(text).toContain('naive and merged attention: transformers sdpa (one sequence per call, is_causal)');
+  });
+
+  it('reports MFU of both sides against the device peak, attention at useful pairs and at tiles visited', () => {
+    const { naive, packed } = analyzeStep(gpu).rows[0].sides;
+    expect(naive.flops).toEqual({ pairs: naivePairs, tiles: naiveTiles });
+    expect(naive.mfu!.pairs).toBeCloseTo(naivePairs / (NAIVE_S * 989e12), 12); // 0.342
+    expect(naive.mfu!.tiles).toBeCloseTo(naiveTiles / (NAIVE_S * 989e12), 12); // 0.895
+    const packedS = NAIVE_S / (0.85 * tileIdeal);
+    expect(packed.mfu!.tiles).toBeCloseTo(packedTiles / (packedS * 989e12), 12);
+    expect(packed.achieved.pairs).toBeCloseTo(packedPairs / packedS, 0);
+    expect(analyzeStep(gpu).text).toContain(`MFU (attention at useful pairs / at tiles visited): naive 34.2% / 89.5%, packed`);
+  });
+
+  it('reports achieved FLOP/s and the pair-level goal on a CPU, and no MFU without a peak', () => {
+    const cpu = analyzeStep({ ...gpu, device: 'CPU, 2 threads', deviceType: 'cpu', dtype: 'float32' });
+    expect(cpu.peak).toEqual({ reason: expect.stringContaining('CPU') });
+    const r = cpu.rows[0];
+    expect(r.sides.naive.mfu).toBeUndefined();
+    expect(r.sides.naive.achieved.tiles).toBeCloseTo(naiveTiles / NAIVE_S, 0);
+    // 0.85 × the tile ideal is 0.85 × 2.595 / 2.765 = 0.798 of the pair ideal: short of the CPU goal.
+    expect(r.goal).toEqual({ ideal: 'pairs', ratio: expect.closeTo((0.85 * tileIdeal) / pairIdeal, 12), met: false });
+    // 3,384,000 and 8,848,320 FLOPs in 10 ns
+    expect(cpu.text).toContain('achieved (attention at useful pairs / at tiles visited): naive 338400.0 / 884832.0 GFLOP/s');
+    expect(cpu.text).not.toContain('tile-level ideal (goal');
+  });
+
+  it('knows the peak of the devices in its table, and says why it has none for others', () => {
+    expect(devicePeak('NVIDIA H200', 'cuda', 'bfloat16')).toEqual({ name: 'H200', flops: 989e12 });
+    expect(devicePeak('NVIDIA H100 PCIe', 'cuda', 'bfloat16')).toEqual({ name: 'H100 PCIe', flops: 756e12 });
+    expect(devicePeak('NVIDIA A100-SXM4-80GB', 'cuda', 'bfloat16')).toEqual({ name: 'A100', flops: 312e12 });
+    expect(devicePeak('NVIDIA L40S', 'cuda', 'bfloat16')).toEqual({ name: 'L40S', flops: 362e12 });
+    expect(devicePeak('NVIDIA L4', 'cuda', 'bfloat16')).toEqual({ name: 'L4', flops: 121e12 });
+    expect(devicePeak('NVIDIA GeForce RTX 3090', 'cuda', 'bfloat16')).toEqual({ reason: expect.stringContaining('not in the peak table') });
+    expect(devicePeak('NVIDIA H100 80GB HBM3', 'cuda', 'float32')).toEqual({ reason: expect.stringContaining('float32') });
+    const unknown = analyzeStep({ ...gpu, device: 'NVIDIA GeForce RTX 3090' });
+    expect(unknown.rows[0].sides.naive.mfu).toBeUndefined();
+    expect(unknown.text).toContain('(step seconds × peak): not reported, NVIDIA GeForce RTX 3090 is not in the peak table');
   });
 });

@@ -28,6 +28,9 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
     const section = await harness();
     expect(section.skipped).toBeUndefined();
     expect(section.deviceType).toBe('cpu');
+    // The baseline is what a trainer runs today: stock sdpa on each sequence, not tree attention on chains.
+    expect(section.naiveAttention).toBe('transformers sdpa (one sequence per call, is_causal)');
+    expect(section.packedAttention).toBe('treepack block-sparse SDPA');
     const skipped = section.workloads.filter((w) => w.skipped);
     expect(skipped.map((w) => [w.name, w.skipped])).toEqual([[expect.stringContaining('CUDA only'), 'timed on cuda hosts only']]);
     expect(skipped[0].compression).toBeGreaterThan(3);
@@ -42,6 +45,10 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
       expect(w.sides!.naive.grad_norm).toBeGreaterThan(0);
       expect(w.figures!.naive.trainable).toBe(w.figures!.packed.trainable);
       expect(w.figures!.naive.tokens).toBeGreaterThan(3 * w.figures!.packed.tokens);
+      expect([w.sides!.naive.attention, w.sides!.packed.attention]).toEqual([section.naiveAttention, section.packedAttention]);
+      // The stock side visits each sequence's causal tiles; the block path its listed tiles and padding.
+      expect(w.figures!.naive.executed_blocks).toBe(w.figures!.naive.causal_tiles);
+      expect(w.figures!.packed.executed_blocks).toBeGreaterThanOrEqual(w.figures!.packed.blocks);
     }
     // Different models: different gradients of the same loss.
     expect(timed[0].sides!.naive.grad_norm).not.toBe(timed[1].sides!.naive.grad_norm);
@@ -50,8 +57,9 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
     expect(timed[1].sides!.packed.recurrent_forward).toBeGreaterThan(0);
     expect(timed[1].figures!.packed.levels).toBeGreaterThan(1);
     const { naive, packed } = timed[0].sides!;
-    // A 3.8× larger micro-batch adds more memory than packed's (activations grow with its tokens).
-    if (process.platform === 'linux') expect(naive.peak_bytes!).toBeGreaterThan(1.5 * packed.peak_bytes!);
+    // A 3.8× larger micro-batch adds more memory than packed's (activations grow with its tokens; 1.5× measured with
+    // stock sdpa on the naive side, 3.8× with tree attention on chains, whose per-call mask buffers grew with it).
+    if (process.platform === 'linux') expect(naive.peak_bytes!).toBeGreaterThan(1.2 * packed.peak_bytes!);
   });
 
   it('the timed steps do not page-fault under glibc', { timeout: 600_000 }, async (ctx) => {

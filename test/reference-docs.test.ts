@@ -333,9 +333,10 @@ describe('backends.md', () => {
     const read = new Set<string>();
     for (const f of files) {
       if (f === fileURLToPath(import.meta.url)) continue;
-      for (const m of readFileSync(f, 'utf8').matchAll(/TREEPACK_[A-Z_]*[A-Z]/g)) {
-        // C include guards (TREEPACK_ABI_H, written by gen-abi) and the prefix as prose ("TREEPACK_REQUIRE_*") are no variables.
-        if (!m[0].endsWith('_H') && m[0] !== 'TREEPACK_REQUIRE') read.add(m[0]);
+      for (const m of readFileSync(f, 'utf8').matchAll(/(-D)?(TREEPACK_[A-Z_]*[A-Z])/g)) {
+        // C include guards (TREEPACK_ABI_H, written by gen-abi), the prefix as prose ("TREEPACK_REQUIRE_*") and CMake
+        // options given on a command line (-DTREEPACK_CUDA=OFF, CMakeLists.txt) are no variables.
+        if (!m[1] && !m[2].endsWith('_H') && m[2] !== 'TREEPACK_REQUIRE') read.add(m[2]);
       }
     }
     const documented = new Set(tableRows(section(backendsPage, 'Environment variables')).map((r) => /^`(TREEPACK_[A-Z_]+)/.exec(r[0])![1]));

@@ -1,8 +1,10 @@
 """The loss through ctypes on libtreepack_core.so against the shared float64 fixture; the typed config; turn ids
 from pack_sequences and the refusals of the turn mode; the torch Function when torch is installed (on the GPU
-host: CUDA and CPU tensors against a plain torch implementation). Each part is skipped, with its reason, where its
-library or torch is missing."""
+host: CUDA and CPU tensors against a plain torch implementation); the CUDA library's loss against the core's where
+it finds a device (a GPU, or the CPU emulator: TREEPACK_CUDA_LIB=build-emu/Release/libtreepack_cuda.so). Each part
+is skipped, with its reason, where its library or torch is missing."""
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -174,6 +176,81 @@ class TurnsTest(unittest.TestCase):
         # turn_ids are read by the turn mode only; one turn per sequence there is seq-mean-token-mean.
         one = {**as_dict, "turn_ids": np.zeros_like(self.mb.turn_ids)}
         self.assertAlmostEqual(tl.loss_numpy(one, self.lp, turns)[0], tl.loss_numpy(one, self.lp, {"aggregation": "seq-mean-token-mean"})[0], delta=1e-7)
+
+
+def cuda_device_name(lib):
+    """The first CUDA device's name as libtreepack_cuda.so reports it ('' without one)."""
+
+    class Device(ctypes.Structure):  # tp_cuda_device of native/cuda/treepack_cuda.h
+        _fields_ = [("name", ctypes.c_char * 256), ("major", ctypes.c_int32), ("minor", ctypes.c_int32),
+                    ("multiprocessor_count", ctypes.c_int32), ("total_global_mem", ctypes.c_int64)]
+
+    runtime, driver, count, dev = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), Device()
+    rc = lib.tp_cuda_device_info(ctypes.byref(runtime), ctypes.byref(driver), ctypes.byref(count), ctypes.byref(dev), 1)
+    return dev.name.decode() if rc == 0 and count.value > 0 else ""
+
+
+try:
+    CUDA_LIB = tl.cuda_library()
+    CUDA_SKIP = "" if cuda_device_name(CUDA_LIB) else "libtreepack_cuda.so finds no CUDA device"
+except tl.TreepackError as e:  # E_BACKEND: not built here (TREEPACK_CUDA_LIB names one, e.g. the emulated build)
+    CUDA_SKIP = str(e)
+
+
+@unittest.skipIf(CORE_SKIP != "" or CUDA_SKIP != "", CORE_SKIP or CUDA_SKIP)
+class CudaLibraryLossTest(unittest.TestCase):
+    """tp_cuda_loss_host (and, on the CPU emulator of native/cuda/emulate, whose device memory is host memory,
+    tp_cuda_loss itself) against tp_loss: the configurations of the notes' probe on forests with shared prefixes,
+    sequences over 128 tokens (several blocks of the reductions) and an empty sequence."""
+
+    CONFIGS = [
+        {},
+        {"policy": "gspo", "aggregation": "seq-mean-token-mean"},
+        {"policy": "cispo", "kl": "k3", "kl_coef": 0.1, "tis": "token", "tis_cap": 1.5},
+        {"aggregation": "seq-mean-turn-mean-token-mean", "tis": "sequence", "dual_clip": 3.0, "clip_high": 0.28},
+    ]
+
+    def batch(self, seed):
+        rng = np.random.default_rng(seed)
+        prompts = [rng.integers(0, 50, size=int(rng.integers(1, 300))).tolist() for _ in range(3)]
+        seqs = [p + rng.integers(0, 50, size=int(rng.integers(0, 200))).tolist() for p in prompts for _ in range(3)] + [[7]]
+        turns = [sorted(set(rng.integers(1, len(s), size=2).tolist())) if len(s) > 2 else [] for s in seqs]
+        mb = treepack.pack_sequences(seqs, turns=turns)
+        M, N = len(mb.seq_positions), len(mb.input_ids)
+        for f in tl._FIELDS:
+            setattr(mb, f, rng.normal(-1.0, 0.3, size=M).astype(np.float32))
+        mb.advantages = rng.normal(0, 1, size=M).astype(np.float32)
+        return mb, rng.normal(-1.0, 0.3, size=N).astype(np.float32)
+
+    def cuda_loss(self, entry, mb, lp, config):
+        cfg = tl.make_config(config)
+        arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
+            (mb.seq_offsets, np.int32), (mb.seq_positions, np.int32), (mb.loss_mask, np.uint8), (mb.advantages, np.float32),
+            (mb.old_logprobs, np.float32), (mb.ref_logprobs, np.float32), (mb.rollout_logprobs, np.float32), (mb.turn_ids, np.int32))]
+        off, pos, mask, adv, old, ref, roll, turn = arrays
+        grad, metrics = np.zeros(lp.size, dtype=np.float32), tl.LossMetrics()
+        P = lambda a: a.ctypes.data  # noqa: E731
+        args = [ctypes.byref(cfg), off.size - 1, P(off), pos.size, P(pos), P(mask), P(adv), P(old), P(ref), P(roll), None, P(turn),
+                lp.size, P(lp), P(grad), ctypes.byref(metrics)]
+        rc = getattr(CUDA_LIB, entry)(*args, *([None] if entry == "tp_cuda_loss" else []))
+        self.assertEqual(rc, 0, tl.status_message(rc))
+        return metrics.loss, grad, metrics.as_dict()
+
+    def test_against_the_core(self):
+        entries = ["tp_cuda_loss_host"] + (["tp_cuda_loss"] if "emulated" in cuda_device_name(CUDA_LIB) else [])
+        for seed in range(3):
+            mb, lp = self.batch(seed)
+            self.assertLess(len(mb.input_ids), len(mb.seq_positions))  # shared prefixes: nodes with several occurrences
+            for config in self.CONFIGS:
+                _, want_grad, want = tl.loss_numpy(mb, lp, config)
+                for entry in entries:
+                    with self.subTest(seed=seed, config=config, entry=entry):
+                        _, grad, got = self.cuda_loss(entry, mb, lp, config)
+                        # Every sum in the same order as the core's (treepack_cuda.h): gradients to float rounding,
+                        # metrics to double rounding.
+                        np.testing.assert_allclose(grad, want_grad, rtol=1e-6, atol=1e-9)
+                        for k, v in want.items():
+                            self.assertAlmostEqual(got[k], v, delta=1e-12 * max(1.0, abs(v)), msg=k)
 
 
 @unittest.skipIf(TORCH_SKIP != "" or CORE_SKIP != "" or not os.path.exists(FIXTURE), TORCH_SKIP or CORE_SKIP or "no fixture")

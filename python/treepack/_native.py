@@ -75,6 +75,11 @@ _CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
     "tp_cuda_status_string": (ctypes.c_char_p, [_INT]),
     "tp_cuda_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P]),
     "tp_cuda_loss_host": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
+    # The host-array forms (copy in, run, copy back), which scripts/gpu_check/cuda_vs_core.py holds to the C core.
+    "tp_cuda_gather_i32_host": (_INT, [_P, _I64, _P, _I64, _P]),
+    "tp_cuda_mask_dense_host": (_INT, [_P, _P, _I64, _P, _P]),
+    "tp_cuda_mask_bits_host": (_INT, [_P, _P, _I64, _P, _P]),
+    "tp_cuda_mask_blocks_host": (_INT, [_P, _I64, _I32, _P, _P, _P, _P, _P]),
 }
 
 

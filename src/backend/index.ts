@@ -62,6 +62,12 @@ registerBackend({
     if (!info.available) throw new Error(info.reason);
     return info.devices.map((d) => `${d.name} (sm_${d.major}${d.minor})`).join(', ');
   },
+  // The CPU emulator of native/cuda/emulate (its device name says so) runs the kernels for tests, slower than the
+  // C++ core: named explicitly it runs, `auto` passes it by.
+  software: () => {
+    const info = cudaDeviceInfo();
+    return info.available && info.devices.every((d) => /emulat/i.test(d.name));
+  },
   // Outputs are built in device memory, then copied into one host typed array each.
   limits: () => {
     const info = cudaDeviceInfo();

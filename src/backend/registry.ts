@@ -52,7 +52,7 @@ export interface BackendEntry {
   /** Output limits once initialised; host limits (2 GiB per lowering) when absent. */
   limits?: () => BackendLimits;
   /**
-   * Once initialised: whether it runs in software emulation (WebGPU's fallback adapter). `auto` then ranks it below
+   * Once initialised: whether it runs in software emulation (WebGPU's fallback adapter, the CUDA emulator). `auto` then ranks it below
    * the C++ core, which runs the same kernels natively; named explicitly, it runs as asked.
    */
   software?: () => boolean;

@@ -25,6 +25,7 @@ Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes the
 """
 
 from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
+from .compiled_flex import flex_compilations, ladder_length
 from ..microbatch import read_manifest
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
@@ -61,6 +62,8 @@ __all__ = [
     "dense_model_mask",
     "dense_tree_mask",
     "executed_tiles",
+    "flex_compilations",
+    "ladder_length",
     "layer_windows",
     "from_microbatch",
     "load_microbatch",

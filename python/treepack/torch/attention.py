@@ -17,7 +17,9 @@ Query q attends to key k iff ``k <= q < subtree_end[k]``. ``tree_mask`` builds a
 ``BlockMask`` (its block lists built with torch ops on ``subtree_end``'s own device, ``treepack.torch.blocks``: no
 host round trip, no device synchronisation) that also carries ``subtree_end`` and how to attend:
 
-- ``"flex"``: ``flex_attention`` with the BlockMask (compiled on CUDA; on CPU forward only, torch has no backward);
+- ``"flex"``: compiled ``flex_attention`` on every device (``treepack.torch.compiled_flex``): each call padded to a
+  length on a ladder (``ladder_length``), so a run compiles once per rung, never falling back to uncompiled flex;
+  on CPU forward only, in float32, bfloat16 or float16 (torch compiles no CPU backward);
 - ``"dense"``: SDPA with the dense bool [N, N] mask, built once per mask (O(N²) memory: small batches);
 - ``"block"``: block-sparse SDPA on any device, with backward: query blocks are grouped by how many kv blocks they
   see, and each group runs SDPA over its gathered kv blocks with their partial masks, in calls of at most
@@ -33,10 +35,13 @@ each layer's attention call says its own window (``sliding_window=``, checked ag
 - the window (DESIGN.md §8: ``position_ids[q] - position_ids[k] < window``, Hugging Face's convention) from the
   mask's ``position_ids``, through a windowed TreeMask derived once per window and cached on the mask, whose block
   lists drop the tiles wholly outside the window (the work is O(N · window) on a chain);
-- sinks, a per-head logit in every row's softmax denominator: flex rescales its output by the log-sum-exp it
-  returns; SDPA has no such argument, so the dense and block paths append one key per kv head that every query sees,
-  with value 0 and score exactly the sink: q gains G = H / Hkv coordinates (one-hot of its head within its group),
-  real keys zeros there and the sink key ``sinks / scale`` there.
+- sinks, a per-head logit in every row's softmax denominator, as one more key every query sees, with value 0 and
+  score exactly the sink: flex appends a key block whose first key a ``score_mod`` scores ``sinks[h]``; SDPA takes
+  no score function, so the dense and block paths append one key per kv head and widen the head dim instead: q gains
+  G = H / Hkv coordinates (one-hot of its head within its group), real keys zeros there and the sink key
+  ``sinks / scale`` there.
+
+With ``rows`` (a step plan's cached prefix), only query rows [rows, N) are computed, in every mode.
 
 ``dense_model_mask`` gives ``sdpa`` / ``eager`` models (``packed_logprobs``' dense path) each layer's dense mask, or
 refuses.
@@ -51,16 +56,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-try:
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # torch < 2.9: flex returns the log-sum-exp with return_lse=True
-    AuxRequest = None
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..flex import check_window, tree_mask_mod
 from ..microbatch import TreepackError
 from .blocks import Arrays, block_arrays, check_host_tree
+from .compiled_flex import flex_attend, flex_tiles
 
 MODES = ("auto", "flex", "dense", "block")
 
@@ -196,7 +197,11 @@ def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
 
 
 def executed_tiles(mask: TreeMask) -> int:
-    """B×B tiles the block path computes per attention call, its padding included (flex computes the listed blocks)."""
+    """B×B tiles one attention call computes: for the block path its SDPA calls' tiles, their padding included; for
+    flex the tiles listed by the BlockMask it runs, which is padded to its ladder rung (``ladder_length``: a tile per
+    padded query block)."""
+    if mask.mode == "flex":
+        return flex_tiles(mask)
     return sum(len(rows) * K for rows, K in _plan_chunks(mask))
 
 
@@ -238,14 +243,14 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [1, H, N, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
+    """q [1, H, Nq, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
     [Hkv, D+G], scores exactly ``sinks[h]`` against every query of head h (G = H / Hkv; enable_gqa maps query head h
     to kv head h // G), while every real score is unchanged (the new coordinates add q·0)."""
-    _, H, n, D = q.shape
-    Hkv = k.shape[1]
+    _, H, nq, D = q.shape
+    _, Hkv, n, _ = k.shape
     G = H // Hkv
     onehot = torch.eye(G, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [H, G]: head h's place in its group
-    q2 = torch.cat([q, onehot[None, :, None, :].expand(1, H, n, G)], dim=-1)
+    q2 = torch.cat([q, onehot[None, :, None, :].expand(1, H, nq, G)], dim=-1)
     k2 = torch.cat([k, k.new_zeros(1, Hkv, n, G)], dim=-1)
     sink_key = torch.cat([k.new_zeros(Hkv, D), (sinks.to(k.dtype) / scale).reshape(Hkv, G)], dim=-1)
     return q2, k2, sink_key
@@ -319,9 +324,6 @@ def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
 
 
-_compiled_flex: Any = None
-
-
 def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
            window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, rows: int = 0) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
@@ -337,33 +339,13 @@ def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.
         raise TreepackError("E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
         raise TreepackError("E_ARG", f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}", field="s_aux")
-    if rows and mask.mode == "flex":
-        return attend(mask, query, key, value, scale, window, sinks)[:, :, rows:]
     mask = windowed(mask, window)
     gqa = key.shape[1] != query.shape[1]
     if mask.mode == "dense":
         return _dense_attention(mask, query, key, value, scale, gqa, sinks, rows)
     if mask.mode == "block":
         return _block_attention(mask, query, key, value, scale, gqa, sinks, skip=rows)
-    global _compiled_flex
-    fn = flex_attention
-    if query.is_cuda:
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (query, key, value, sinks)):
-        raise TreepackError("E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU", field="mode")
-    else:
-        # torch refuses requires_grad inputs on CPU even under no_grad, where nothing is recorded anyway.
-        query, key, value = query.detach(), key.detach(), value.detach()
-    if sinks is None:
-        return fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
-    # out · Σexp / (Σexp + exp(sink)) = out · sigmoid(lse − sink), with the row's log-sum-exp flex returns.
-    if AuxRequest is None:
-        out, lse = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    else:
-        out, aux = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    return out * torch.sigmoid(lse.to(out.dtype) - sinks.to(out.dtype)[None, :, None])[..., None]
+    return flex_attend(mask, query, key, value, scale, gqa, sinks, rows)
 
 
 # config.layer_types entries (transformers' ALLOWED_LAYER_TYPES) by what the tree attention does with them: full
