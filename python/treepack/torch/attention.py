@@ -126,10 +126,12 @@ def tree_mask(
         check_host_tree(se)
     se = se.detach().to(dev, torch.int64)
     mode = ("flex" if dev.type == "cuda" else "block") if mode == "auto" else mode
-    return _make_mask(block_size, block_arrays(se, block_size), se, None if pos is None else pos.to(dev, torch.int64), None, mode)
+    arrays = block_arrays(se, block_size)
+    return _make_mask(int(block_size), arrays, se, None if pos is None else pos.to(dev, torch.int64), None, mode)
 
 
-def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int], mode: str) -> TreeMask:
+def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int],
+               mode: str) -> TreeMask:
     n = int(se.shape[0])
     mask = TreeMask.from_kv_blocks(
         *(a[None, None] for a in arrays), BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),

@@ -23,6 +23,7 @@ all B² pairs are visible (padding counts as masked), partial when some are.
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, Optional, Tuple
 
 import torch
@@ -41,7 +42,8 @@ def check_host_tree(se: torch.Tensor) -> None:
     bad = (se <= ar) | (se > se.shape[0])
     if bool(bad.any()):
         p = int(torch.argmax(bad.to(torch.int8)))
-        raise TreepackError("E_INPUT", f"not a packed forest: subtree_end[{p}] = {int(se[p])} is outside ({p}, {se.shape[0]}]", field="subtree_end")
+        message = f"not a packed forest: subtree_end[{p}] = {int(se[p])} is outside ({p}, {se.shape[0]}]"
+        raise TreepackError("E_INPUT", message, field="subtree_end")
 
 
 def _layout(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +92,12 @@ def block_arrays(
     ``subtree_end``'s device, for query rows [q_start, N) (query block i: rows [q_start + i·B, q_start + (i+1)·B))
     against keys [0, N) (kv block j: keys [j·B, (j+1)·B)); nq = ceil((N - q_start) / B), nkv = ceil(N / B). With
     ``window`` (then ``position_ids`` too), only pairs with ``position_ids[q] - position_ids[k] < window``."""
-    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
+    if not (isinstance(block_size, Integral) and not isinstance(block_size, bool) and 1 <= block_size < 2**31):
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {block_size!r}", field="block_size")
-    n, B, dev = int(subtree_end.shape[0]), block_size, subtree_end.device
-    if isinstance(q_start, bool) or not isinstance(q_start, int) or not 0 <= q_start <= n:
+    n, B, dev = int(subtree_end.shape[0]), int(block_size), subtree_end.device
+    if isinstance(q_start, bool) or not isinstance(q_start, Integral) or not 0 <= q_start <= n:
         raise TreepackError("E_ARG", f"expected an integer in [0, N = {n}], got {q_start!r}", field="q_start")
+    q_start = int(q_start)
     if window is not None:
         window = check_window(window)
         if position_ids is None or position_ids.shape != subtree_end.shape:
@@ -154,15 +157,13 @@ def block_arrays(
     hits = torch.cat([torch.where(hit_first, f * nkv + kb, cells), torch.where(hit_last, e * nkv + kb, cells)])
     seen = torch.zeros(cells + 1, dtype=torch.bool, device=dev).index_fill_(0, hits, True)[:cells].reshape(nq, nkv)
 
-    # The whole blocks: f[k] is the first block of kv block j's keys plus g in {0, 1}; per (j, g) the greatest key
-    # position over keys with e[k] >= x, for every x (a suffix maximum), decides block i through x = i + 1.
+    # The whole blocks: per kv block j, the greatest position of a key with e[k] > i (a suffix maximum over e)
+    # decides every block i after f0[j], the first query block of j's keys (a first block, decided exactly above).
+    # f[k] is f0[j] or the next, so that is loose only for a key whose first block is i: a tile where it sees itself.
     f0 = (torch.clamp(torch.arange(nkv, device=dev) * B, min=q_start) - q_start) // B
-    g = f - f0[kb]
-    slot = torch.where(sees, (kb * 2 + g) * (nq + 1) + e, nkv * 2 * (nq + 1))
-    best = torch.full((nkv * 2 * (nq + 1) + 1,), -1, dtype=torch.int64, device=dev)
-    best = best.scatter_reduce_(0, slot, pos, "amax")[:-1].reshape(nkv, 2, nq + 1)
-    best = best.flip(2).cummax(2).values.flip(2)[:, :, 1:]  # [nkv, 2, nq]: keys with e[k] > i
-    gs = torch.arange(2, device=dev)[None, :, None]
-    inner = (i.T[None] > f0[:, None, None] + gs) & (best >= 0) & (q_min[None, None, :] - best < window)
-    seen |= inner.any(1).T
+    slot = torch.where(sees, kb * (nq + 1) + e, nkv * (nq + 1))
+    best = torch.full((nkv * (nq + 1) + 1,), -1, dtype=torch.int64, device=dev)
+    best = best.scatter_reduce_(0, slot, pos, "amax")[:-1].reshape(nkv, nq + 1)
+    best = best.flip(1).cummax(1).values.flip(1)[:, 1:].T  # [nq, nkv]: over the keys with e[k] > i
+    seen |= (i > f0[None, :]) & (best >= 0) & (q_min[:, None] - best < window)
     return (*_layout(seen & ~full), *_layout(full))
