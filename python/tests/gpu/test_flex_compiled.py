@@ -200,13 +200,9 @@ class CompiledFlexCpu(unittest.TestCase):
         # gpt-oss in float32 (a sliding-window layer and a full one, both with sinks; GQA, MoE with the stock experts),
         # its attention through compiled flex at B = 8: per-token logprobs of the packed forest equal each sequence
         # run alone with stock attention.
-        from test_window import build, window_forests
+        from test_window import gpt_oss_float32
 
-        model, plain, _ = build("gpt_oss")
-        for m in (model, plain):
-            m.float().set_experts_implementation("grouped_mm")
-        batch = tpt.load_microbatch(pack(window_forests(seed=3)["branches"], pad=1))
-        t = batch.token_index > 0
+        model, plain, batch, t = gpt_oss_float32()
         with torch.no_grad():
             mask = tpt.tree_mask(batch, mode="flex", block_size=B)
             ids, pos = batch.input_ids[None], batch.position_ids[None]

@@ -32,6 +32,16 @@ from treepack.flex import block_arrays_from_tree, block_arrays_windowed
 VOCAB = 97
 
 
+def gpt_oss_float32():
+    """gpt-oss in float32 with the stock grouped_mm experts (which refuse float64), its unpacked twin, a packed forest of
+    branches and the mask of its trained occurrences."""
+    model, plain, _ = build("gpt_oss")
+    for m in (model, plain):
+        m.float().set_experts_implementation("grouped_mm")
+    batch = tpt.load_microbatch(pack(window_forests(seed=3)["branches"], pad=1))
+    return model, plain, batch, batch.token_index > 0
+
+
 def window_forests(seed=0):
     """Segments longer than the windows tested, branch points at depths 2, 6, 10, 11 and 12 of a 12-token stem (a
     small window's queries see back past some and not others), a duplicate, a lone 1-token root, and a long shared
@@ -356,11 +366,7 @@ class WindowedModels(unittest.TestCase):
     def test_gpt_oss_float32_stock_experts(self):
         # float32 with the stock grouped_mm experts (which refuse float64): packed equals unpacked to float32 rounding;
         # measured 4.8e-7 on logprobs and 6.6e-7 relative on gradients, bound 1e-5.
-        model, plain, _ = build("gpt_oss")
-        for m in (model, plain):
-            m.float().set_experts_implementation("grouped_mm")
-        batch = tpt.load_microbatch(pack(window_forests(seed=3)["branches"], pad=1))
-        t = batch.token_index > 0
+        model, plain, batch, t = gpt_oss_float32()
         lps = []
         for i in range(batch.num_sequences):
             a, b = int(batch.seq_offsets[i]), int(batch.seq_offsets[i + 1])
