@@ -1,5 +1,5 @@
 /**
- * The proof that packed training is exact (DESIGN §7 invariant 5): a tiny float64 transformer (RoPE from
+ * The proof that packed training is exact (docs/design.md §7 invariant 5): a tiny float64 transformer (RoPE from
  * position_ids, 2 layers, 2 heads, random weights) gives every sequence's per-token logprobs unpacked (causal,
  * one sequence at a time) and on the packed forest (tree mask, node rule lp[p] = log_softmax(logits[parent[p]])
  * [input_ids[p]], gathered through seq_positions); they agree to 1e-9, and so does the gradient of a weighted

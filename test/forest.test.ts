@@ -1,5 +1,5 @@
 /**
- * DESIGN §7 invariants 1–4 and 7 for the TypeScript reference packer, checked against brute-force oracles
+ * docs/design.md §7 invariants 1–4 and 7 for the TypeScript reference packer, checked against brute-force oracles
  * that share no code with the packer.
  */
 import { describe, expect, it } from 'vitest';

@@ -50,9 +50,6 @@ const SUITES = ['mask-parity', 'loss', 'loss-turns', 'loss-concurrency', 'abi', 
 // The suites with the masks up to N = 1000 only (the larger ones take minutes under AddressSanitizer, or once
 // mutated fail on every size alike; they run the same kernels).
 const SMALL = /on cuda(?!.* (N=4096|N=65536|N=262144|agent batch|one sequence of))|tp_cuda_loss_host|cuda loader/;
-// Tests that read ../shared data skip on a clone without it (CONTRIBUTING.md); elsewhere they must pass too.
-const SHARED_FIXTURE = /shared fixture loss_reference\.json/;
-const fixtureMissing = !existsSync(path.join(ROOT, '..', 'shared', 'fixtures', 'loss_reference.json'));
 
 interface Build {
   binding: string;
@@ -135,8 +132,7 @@ function suites(b: Build, pattern: RegExp, env: Record<string, string> = {}): { 
 
 /** Every cuda test of the suites ran and passed, and there are some of each kind. */
 function expectAllPassed({ tests, run }: ReturnType<typeof suites>): void {
-  if (fixtureMissing) console.log('gpu-cuda-emulated: ../shared/fixtures/loss_reference.json not found: its tests may skip');
-  const cuda = tests.filter((t) => CUDA_TESTS.test(t.fullName) && !(fixtureMissing && SHARED_FIXTURE.test(t.fullName)));
+  const cuda = tests.filter((t) => CUDA_TESTS.test(t.fullName));
   const why = (t: Assertion) => `${t.status}: ${t.fullName} ${t.failureMessages.join(' ').slice(0, 300)}`;
   const bad = cuda.filter((t) => t.status !== 'passed').map(why);
   expect(bad, (run.stdout + run.stderr).slice(-3000)).toEqual([]);

@@ -1,9 +1,9 @@
 /**
- * The RL loss on every backend: the shared float64 fixture (verl semantics) to 1e-6, random packed batches against
- * an independent float64 reference on the unpacked batch, gradients against finite differences, every backend
- * equal to js, packing invariance, the compact per-node mode, and bad input.
+ * The RL loss on every backend: the float64 fixture test/fixtures/loss_reference.json (verl semantics) to 1e-6,
+ * random packed batches against an independent float64 reference on the unpacked batch, gradients against finite
+ * differences, every backend equal to js, packing invariance, the compact per-node mode, and bad input.
  */
-import { existsSync, readFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { cudaDeviceInfo } from '../src/backend/native.js';
@@ -17,15 +17,11 @@ import { caught } from './helpers/errors.js';
 import { close, LOSS_CONFIGS as CONFIGS, randomLossCase, unpackedLoss } from './helpers/loss.js';
 import { csr, randomBatch, rng } from './helpers/sequences.js';
 
-const fixturePath = new URL('../../shared/fixtures/loss_reference.json', import.meta.url);
-const fixtureMissing = existsSync(fixturePath) ? '' : `${fixturePath.pathname} not found`;
-if (fixtureMissing) console.log(`loss fixture tests skipped: ${fixtureMissing}`);
-
 if (!cudaDeviceInfo().available) console.log('CUDA loss kernel: compiled only here, runtime tests await a GPU host');
 // float32 end to end (WGSL has no f64) against a float64 oracle.
 const tolerance = (b: BackendName) => (b === 'webgpu' ? 2e-5 : 1e-6);
 
-const fx = fixtureMissing ? undefined : JSON.parse(readFileSync(fixturePath, 'utf8'));
+const fx = JSON.parse(readFileSync(new URL('./fixtures/loss_reference.json', import.meta.url), 'utf8'));
 
 /** The fixture's sequences packed with a shared root token (t = 0, never trainable), one node per other token. */
 function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
@@ -54,7 +50,7 @@ function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
 const base = () => ({ clip_low: fx.params.clip_low, clip_high: fx.params.clip_high, log_ratio_clamp: fx.params.log_ratio_clamp });
 const vanilla = () => ({ ...base(), dual_clip: fx.params.dual_clip_c });
 
-describe.skipIf(fixtureMissing !== '')('shared fixture loss_reference.json', () => {
+describe('the fixture loss_reference.json', () => {
   it('GRPO advantages (unbiased std, ε)', () => {
     const a = episodeAdvantages(fx.group_rewards, fx.group_rewards.map(() => 'g'), { estimator: 'grpo', epsilon: fx.grpo.eps });
     a.forEach((x, i) => close(x, fx.grpo.advantages[i], 1e-6, `advantage ${i}`));
@@ -118,7 +114,7 @@ describe('compact per-node mode', () => {
 });
 
 await describeBackends('loss', (backend) => {
-  it.skipIf(fixtureMissing !== '')('every expected number of the shared fixture loss_reference.json', async () => {
+  it('every expected number of the fixture loss_reference.json', async () => {
     const { batch, lp } = fixtureBatch();
     const tol = 1e-6;
     const e = fx.expected;

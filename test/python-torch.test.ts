@@ -4,7 +4,6 @@
  * (.venv with torch + transformers). They skip with the reason printed where none can be had, and fail instead
  * under TREEPACK_REQUIRE_TORCH=1 (CI).
  */
-import { existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
@@ -20,12 +19,10 @@ describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', (
     const log = res.stderr;
     expect(res.status, log.slice(-4000)).toBe(0);
     expect(log).toMatch(/\nOK\b/);
-    // A suite that skips (core library or torch missing) must not pass silently here; only CUDA-only tests may skip,
-    // and the shared fixture's test on a clone without ../shared.
+    // A suite that skips (core library or torch missing) must not pass silently here; only CUDA-only tests may skip.
     const skipped = log.match(/^.* \.\.\. skipped .*$/gm) ?? [];
     console.log(`treepack.torch: ${skipped.length} test(s) skipped here: ${skipped.join('; ')}`);
-    const fixtureAbsent = !existsSync(join(root, '..', 'shared', 'fixtures', 'loss_reference.json'));
-    expect(skipped.filter((line) => !/CUDA/.test(line) && !(fixtureAbsent && /shared fixture/.test(line)))).toEqual([]);
+    expect(skipped.filter((line) => !/CUDA/.test(line))).toEqual([]);
   });
 
   it('examples/grpo_step.py packs, loads and trains: packed and unpacked steps agree', { timeout: 600_000 }, () => {

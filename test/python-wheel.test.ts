@@ -2,13 +2,13 @@
  * The Python package as a user installs it: `pip wheel ./python` (scikit-build-core compiles the C core into the
  * package), then the wheel installed into a clean venv outside the checkout (`python3 -m venv`, numpy and
  * safetensors from the index), used from the temp directory: pack_sequences with per-token fields, loss_numpy
- * against a float64 formula and the shared fixture, load of a TypeScript-written file and of a safetensors-written
+ * against a float64 formula and the fixture test/fixtures/loss_reference.json, load of a TypeScript-written file and of a safetensors-written
  * one, the block arrays, the numpy unit suites, and a missing CUDA library reported, not fatal
  * (test/helpers/wheel_check.py). Skipped with the reason where python3, its venv or pip, or a C++ compiler is
  * missing; TREEPACK_REQUIRE_WHEEL=1 (CI) fails instead.
  */
 import { spawnSync } from 'node:child_process';
-import { existsSync, mkdtempSync, readdirSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -19,7 +19,7 @@ import { packForest } from '../src/pack/forest.js';
 import { csr, randomBatch } from './helpers/sequences.js';
 
 const root = fileURLToPath(new URL('..', import.meta.url));
-const fixture = join(root, '..', 'shared', 'fixtures', 'loss_reference.json');
+const fixture = join(root, 'test', 'fixtures', 'loss_reference.json');
 const pip = ['--disable-pip-version-check', '--retries', '0', '--timeout', '5'];
 
 function missing(): string {
@@ -73,14 +73,13 @@ describe.skipIf(skipReason !== '')('the treepack wheel in a clean venv', () => {
     const tsFile = join(dir, 'ts.safetensors');
     writeMicroBatch(tsFile, batch);
     const tsArrays = Object.fromEntries(['input_ids', 'parent', 'subtree_end', 'seq_offsets', 'seq_positions', 'loss_mask', 'advantages'].map((n) => [n, Array.from(batch[n as keyof MicroBatch] as ArrayLike<number>)]));
-    const request = { checkout: root, ts_file: tsFile, ts_arrays: tsArrays, fixture: existsSync(fixture) ? fixture : null };
+    const request = { checkout: root, ts_file: tsFile, ts_arrays: tsArrays, fixture };
     const res = run(python, [join(root, 'test', 'helpers', 'wheel_check.py')], { input: JSON.stringify(request) });
     const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as { module: string; core: string; cuda: string; packed: number[]; fixture_aggregations: number };
     console.log(`installed at ${out.module}; CUDA: ${out.cuda}`);
     expect(out.module.startsWith(venv)).toBe(true);
     expect(out.packed[1]).toBeLessThan(out.packed[0]);
-    if (request.fixture) expect(out.fixture_aggregations).toBeGreaterThan(0);
-    else console.log(`shared fixture ${fixture} absent: loss checked against the float64 formula only`);
+    expect(out.fixture_aggregations).toBeGreaterThan(0);
 
     // The numpy suites against this install (the torch ones skip: no torch in this venv, by design, so CI's
     // TREEPACK_REQUIRE_TORCH does not apply here; test/python.test.ts runs them where torch is required).

@@ -1,5 +1,5 @@
 /*
- * treepack C ABI, the forest checker (included by treepack.h): DESIGN §7 invariants 1, 2 and 4 of a packed
+ * treepack C ABI, the forest checker (included by treepack.h): docs/design.md §7 invariants 1, 2 and 4 of a packed
  * micro-batch, and the padding extension (num_pad_tokens), for arrays of any origin. Nothing is trusted: every
  * index is range-checked before use. The TypeScript checker is src/pack/invariants.ts; the Python one
  * (treepack.check_invariants) formats this function's output.

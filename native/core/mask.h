@@ -1,5 +1,5 @@
 /*
- * treepack C ABI, mask lowerings (shared/DESIGN.md §3, the TypeScript reference is src/mask): every lowering of the
+ * treepack C ABI, mask lowerings (docs/design.md §3, the TypeScript reference is src/mask): every lowering of the
  * attention rule "q attends to k iff k <= q < subtree_end[k]" from the tree arrays of a packed micro-batch.
  *
  * The core checks what keeps it memory-safe (TP_ERR_TREE: parent[p] in [-1, p), subtree_end[p] in (p, N];

@@ -10,7 +10,7 @@
  *   rc = tp_plan_layout(plan, input_ids, position_ids, parent, subtree_end, seq_positions);
  *   tp_plan_free(plan);
  *
- * The arrays are those of the packed micro-batch contract (shared/DESIGN.md §3) and equal, byte for byte, what the
+ * The arrays are those of the packed micro-batch contract (docs/design.md §3) and equal, byte for byte, what the
  * TypeScript reference `packForest` (src/pack/forest.ts) produces. seq_offsets is the input `offsets` unchanged.
  */
 #ifndef TREEPACK_H

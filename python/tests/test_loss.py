@@ -1,4 +1,4 @@
-"""The loss through ctypes on libtreepack_core.so against the shared float64 fixture; the typed config; turn ids
+"""The loss through ctypes on libtreepack_core.so against the float64 fixture (test/fixtures); the typed config; turn ids
 from pack_sequences and the refusals of the turn mode; the torch Function when torch is installed (on the GPU
 host: CUDA and CPU tensors against a plain torch implementation); the CUDA library's loss against the core's where
 it finds a device (a GPU, or the CPU emulator: TREEPACK_CUDA_LIB=build-emu/Release/libtreepack_cuda.so). Each part
@@ -16,7 +16,7 @@ import treepack
 from treepack import loss as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURE = os.path.join(HERE, "..", "..", "..", "shared", "fixtures", "loss_reference.json")
+FIXTURE = os.path.join(HERE, "..", "..", "test", "fixtures", "loss_reference.json")
 
 try:
     tl.core_library()
@@ -50,7 +50,7 @@ def fixture_batch(fx):
     return batch, np.array(lp, dtype=np.float32)
 
 
-@unittest.skipIf(CORE_SKIP != "" or not os.path.exists(FIXTURE), CORE_SKIP or f"{FIXTURE} not found")
+@unittest.skipIf(CORE_SKIP != "", CORE_SKIP)
 class CoreLossTest(unittest.TestCase):
     def setUp(self):
         with open(FIXTURE) as f:
@@ -253,7 +253,7 @@ class CudaLibraryLossTest(unittest.TestCase):
                             self.assertAlmostEqual(got[k], v, delta=1e-12 * max(1.0, abs(v)), msg=k)
 
 
-@unittest.skipIf(TORCH_SKIP != "" or CORE_SKIP != "" or not os.path.exists(FIXTURE), TORCH_SKIP or CORE_SKIP or "no fixture")
+@unittest.skipIf(TORCH_SKIP != "" or CORE_SKIP != "", TORCH_SKIP or CORE_SKIP)
 class TorchLossTest(unittest.TestCase):
     def _plain_torch(self, batch, lp, c):
         """verl's vanilla PPO loss with dual clip on the unpacked batch, token-mean, in plain torch autograd."""

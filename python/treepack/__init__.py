@@ -1,4 +1,4 @@
-"""treepack on the trainer side: load packed micro-batches (shared/DESIGN.md §3) as numpy arrays and check them.
+"""treepack on the trainer side: load packed micro-batches (docs/design.md §3) as numpy arrays and check them.
 
     >>> import treepack
     >>> paths = treepack.list_microbatches("packed")  # a packed directory: the files its manifest names, in order

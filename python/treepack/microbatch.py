@@ -1,4 +1,4 @@
-"""Packed micro-batch files (shared/DESIGN.md §3) on the trainer side, as numpy arrays.
+"""Packed micro-batch files (docs/design.md §3) on the trainer side, as numpy arrays.
 
 A micro-batch file is safetensors, read with the ``safetensors`` library (the format's reference implementation),
 which refuses what the format does not allow; every tensor is a read-only numpy view on the bytes it returns. On
@@ -161,7 +161,7 @@ def read_safetensors(src: Source) -> SafetensorsFile:
 
 @dataclass
 class MicroBatch:
-    """One packed micro-batch; field names and meanings are the contract's (DESIGN §3)."""
+    """One packed micro-batch; field names and meanings are the contract's (docs/design.md §3)."""
 
     input_ids: np.ndarray  # int32 [N]
     position_ids: np.ndarray  # int32 [N]
@@ -184,7 +184,7 @@ class MicroBatch:
         return len(self.seq_offsets) - 1
 
     def sequence(self, i: int) -> np.ndarray:
-        """Tokens of sequence i, gathered from the packed stream (DESIGN §7 invariant 1)."""
+        """Tokens of sequence i, gathered from the packed stream (docs/design.md §7 invariant 1)."""
         if not 0 <= i < self.num_sequences:
             raise TreepackError("E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets")
         return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
@@ -300,7 +300,7 @@ def _report(out: List[str], mask: np.ndarray, what: str, describe: Callable[[int
 
 
 def check_invariants(mb: MicroBatch) -> List[str]:
-    """DESIGN §7 invariants 1, 2 and 4, and the padding of ``num_pad_tokens``; an empty list when the micro-batch is
+    """docs/design.md §7 invariants 1, 2 and 4, and the padding of ``num_pad_tokens``; an empty list when the micro-batch is
     valid. The lengths are checked here, the rest by the C core's ``tp_forest_check``: parent before child,
     position_ids = depth, subtree_end = the end of each node's contiguous subtree (DFS preorder), seq_offsets CSR,
     and per occurrence seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),

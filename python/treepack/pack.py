@@ -90,7 +90,7 @@ def pack_sequences(
     rollout_logprobs: PerToken = None,
     turns: Optional[Sequence[Sequence[int]]] = None,
 ) -> MicroBatch:
-    """The forest of ``sequences`` (token ids) with the occurrence arrays of the contract (shared/DESIGN.md §3).
+    """The forest of ``sequences`` (token ids) with the occurrence arrays of the contract (docs/design.md §3).
 
     Per-token fields give one entry per sequence, aligned with its tokens (value t belongs to token t):
 

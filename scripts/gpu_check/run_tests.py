@@ -6,8 +6,8 @@ PATH is a test file or a folder (``unittest discover``, its own folder on sys.pa
 never a crash. ``-k`` keeps the tests whose full name (module.Class.method) contains the pattern (as unittest's
 ``-k``). With ``--require-cuda`` (what TREEPACK_REQUIRE_CUDA=1 means on a GPU host) the run fails where torch sees
 no CUDA device, where no test ran, or where a test was skipped for a missing device (a skip reason naming CUDA, a
-GPU or a device): the tests these paths hold exist to run there. Other skips (a fixture outside the checkout, an
-optional package) are listed with their reasons. Prints one ``SUMMARY:`` line; exit 1 on a failure.
+GPU or a device): the tests these paths hold exist to run there. Other skips (an optional package) are
+listed with their reasons. Prints one ``SUMMARY:`` line; exit 1 on a failure.
 """
 
 from __future__ import annotations

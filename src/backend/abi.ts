@@ -90,7 +90,7 @@ export interface ForestCheck {
 }
 
 /**
- * The violation kinds of tp_forest_check (native/core/check.cc, DESIGN §7 invariants 1, 2 and 4 and the padding
+ * The violation kinds of tp_forest_check (native/core/check.cc, docs/design.md §7 invariants 1, 2 and 4 and the padding
  * extension, and the turn_ids extension's order) in code order; the Python checker formats its report from them. The TypeScript checker is
  * src/pack/invariants.ts.
  */

@@ -1,12 +1,12 @@
 /**
- * Packed micro-batch files (shared/DESIGN.md §3): one safetensors file per micro-batch, tensors and
+ * Packed micro-batch files (docs/design.md §3): one safetensors file per micro-batch, tensors and
  * `__metadata__` named exactly as the contract. Tensors outside the contract (mask lowerings and the like) travel
  * alongside as `extra`, untouched.
  *
  * Both directions check the same shape rules: every contract tensor 1-D with its dtype and length, the metadata
  * numbers equal to those lengths, `seq_offsets` a CSR offset array ending at M. Reading reports E_INPUT naming
  * the file and tensor/field; writing reports E_ARG before anything touches the disk. The deeper forest
- * invariants (DESIGN §7) are `checkForest` in src/pack/invariants.ts, which costs a pass over the data.
+ * invariants (docs/design.md §7) are `checkForest` in src/pack/invariants.ts, which costs a pass over the data.
  */
 import { argError, TreepackError } from '../errors.js';
 import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, OPTIONAL_OCCURRENCE_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';

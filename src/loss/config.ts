@@ -1,7 +1,7 @@
 /**
  * The loss configuration (`loss.json` for the CLI, an object for the API): names, defaults and validation. Every
  * backend receives the validated, fully defaulted form, so they never see an unknown name or a missing value.
- * Semantics follow verl's core_algos (shared/fixtures/loss_reference.json is a worked example).
+ * Semantics follow verl's core_algos (test/fixtures/loss_reference.json is a worked example).
  */
 import { describeValue, TreepackError } from '../errors.js';
 

@@ -8,7 +8,7 @@ import { compactPlan } from './reference.js';
 import type { CompactPlan, LossBatch } from './types.js';
 import { lossInputError, validateLossInputs } from './validate.js';
 
-/** The compact per-node plan (DESIGN §4) of a batch; throws E_INPUT when occurrences of a node disagree on old (or ref). */
+/** The compact per-node plan (docs/design.md §4) of a batch; throws E_INPUT when occurrences of a node disagree on old (or ref). */
 export function buildCompactPlan(batch: LossBatch, config: Partial<LossConfig> | LossConfig = {}): CompactPlan {
   const cfg = resolveLossConfig(config);
   validateLossInputs(batch, new Float32Array(batch.input_ids.length), cfg);

@@ -35,7 +35,7 @@ export interface LossResult {
 }
 
 /**
- * The compact per-node form (DESIGN §4): valid when all trainable occurrences of a node share old (and ref)
+ * The compact per-node form (docs/design.md §4): valid when all trainable occurrences of a node share old (and ref)
  * logprobs. The surrogate is then linear in the advantage for a fixed ratio, so per node it is enough to know the
  * weighted sums of positive and negative advantages (aggregation weight and truncated IS weight folded in), the
  * KL weight, and the counts the metrics need. Built once per micro-batch and config; evaluated per lp over N nodes.

@@ -1,5 +1,5 @@
 /**
- * The mask lowerings of the packed micro-batch (shared/DESIGN.md §3). Every lowering is derived from one O(N)
+ * The mask lowerings of the packed micro-batch (docs/design.md §3). Every lowering is derived from one O(N)
  * predicate: query q may attend to key k iff `k <= q < subtree_end[k]` (k is q or an ancestor of q).
  */
 import type { Forest } from '../pack/contract.js';

@@ -1,5 +1,5 @@
 /**
- * The packed micro-batch contract (shared/DESIGN.md §3). These names are read by trainers and outside checks:
+ * The packed micro-batch contract (docs/design.md §3). These names are read by trainers and outside checks:
  * keep them; extend, never rename.
  */
 

@@ -1,5 +1,5 @@
 /**
- * DESIGN §7 invariants 1, 2 and 4 checked on a forest in O(N + M), for data of any origin (a backend's output,
+ * docs/design.md §7 invariants 1, 2 and 4 checked on a forest in O(N + M), for data of any origin (a backend's output,
  * a file from disk). Nothing here trusts the arrays: every index is range-checked before use.
  */
 import { OPTIONAL_OCCURRENCE_FIELDS, type Forest, type MicroBatch, type Sequences } from './contract.js';
@@ -102,7 +102,7 @@ function sameOffsets(a: Int32Array, b: Int32Array): boolean {
 }
 
 /**
- * Violations of DESIGN §7 invariants 1, 2 and 4 (empty when the forest is valid): node arrays of one length,
+ * Violations of docs/design.md §7 invariants 1, 2 and 4 (empty when the forest is valid): node arrays of one length,
  * parent before child, position_ids = depth, subtree_end = the end of each node's contiguous subtree, and per
  * occurrence: seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
  * position_ids[seq_positions[t]] = t. With `seqs` (the sequences the forest was packed from) also

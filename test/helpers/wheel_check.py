@@ -2,11 +2,11 @@
 with treepack installed from the wheel (numpy and safetensors from the index, no torch). Reads one JSON request on
 stdin, prints one JSON object:
 
-  {"checkout": ROOT, "ts_file": PATH, "ts_arrays": {name: [...]}, "fixture": PATH | null}
+  {"checkout": ROOT, "ts_file": PATH, "ts_arrays": {name: [...]}, "fixture": PATH}
   -> {"module", "core", "cuda", "packed", "loss", "fixture_aggregations", "loaded", "block_sizes"}
 
 Every check asserts; the references are plain Python (occurrences written out, a float64 PPO formula, the dense
-mask rule) or the shared fixture, none of them the package's own code.
+mask rule) or the fixture test/fixtures/loss_reference.json, none of them the package's own code.
 """
 
 import json
@@ -83,20 +83,19 @@ assert np.abs(grad - want_grad).max() < 1e-6, (grad, want_grad)
 assert metrics["trainable_tokens"] == n
 out["loss"] = loss
 
-# The shared fixture, where the checkout has it: every aggregation's expected loss.
-out["fixture_aggregations"] = 0
-if req.get("fixture"):
-    from test_loss import fixture_batch  # noqa: E402  (python/tests: the fixture's layout as the suites read it)
+# The fixture: every aggregation's expected loss.
+from test_loss import fixture_batch  # noqa: E402  (python/tests: the fixture's layout as the suites read it)
 
-    with open(req["fixture"]) as f:
-        fx = json.load(f)
-    batch, flp = fixture_batch(fx)
-    p = fx["params"]
-    base = {"clip_low": p["clip_low"], "clip_high": p["clip_high"], "dual_clip": p["dual_clip_c"], "log_ratio_clamp": p["log_ratio_clamp"]}
-    for agg, expected in fx["expected"]["loss"].items():
-        got = loss_numpy(batch, flp, {**base, "aggregation": agg, "norm_constant": 3})[0]
-        assert abs(got - expected) < 1e-6, (agg, got, expected)
-        out["fixture_aggregations"] += 1
+with open(req["fixture"]) as f:
+    fx = json.load(f)
+batch, flp = fixture_batch(fx)
+p = fx["params"]
+base = {"clip_low": p["clip_low"], "clip_high": p["clip_high"], "dual_clip": p["dual_clip_c"], "log_ratio_clamp": p["log_ratio_clamp"]}
+out["fixture_aggregations"] = 0
+for agg, expected in fx["expected"]["loss"].items():
+    got = loss_numpy(batch, flp, {**base, "aggregation": agg, "norm_constant": 3})[0]
+    assert abs(got - expected) < 1e-6, (agg, got, expected)
+    out["fixture_aggregations"] += 1
 
 # load: the file the TypeScript side wrote, and one written by safetensors itself.
 ts = treepack.load(req["ts_file"])

@@ -48,7 +48,7 @@ def needs_torch(transformers: bool = False, cuda: str = ""):
         reason = cuda
     return unittest.skipIf(bool(reason), reason)
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "shared", "fixtures", "loss_reference.json")
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "test", "fixtures", "loss_reference.json")
 
 
 def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True) -> MicroBatch:

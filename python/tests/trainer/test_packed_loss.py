@@ -1,11 +1,10 @@
 """packed_loss (the torch loss; test_torch_loss.py holds it to the C core) against a plain float64 torch implementation
 of the formulas in docs/concepts/loss.md, written here with autograd on the unpacked batch (one logprob per occurrence):
-every config of shared/fixtures/loss_reference.json and random configs (seq_weight and loss_scale included) on random packed forests;
+every config of test/fixtures/loss_reference.json and random configs (seq_weight and loss_scale included) on random packed forests;
 loss, dloss/dlp (the occurrence gradients summed per node) and every metric. Flow-GRPO against its formula on the
 unmerged turns, each turn its own list of tokens. Bad inputs: a TreepackError naming the field."""
 
 import json
-import os
 import random
 import unittest
 
@@ -154,7 +153,6 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
         for k, v in ref_metrics.items():
             self.assertAlmostEqual(metrics[k], v, delta=1e-6 * max(1.0, abs(v)), msg=k)
 
-    @unittest.skipUnless(os.path.exists(FIXTURE), f"the shared fixture {FIXTURE} is absent (a clone without ../shared)")
     def test_every_fixture_config(self):
         with open(FIXTURE) as f:
             fx = json.load(f)

@@ -206,8 +206,7 @@ class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
         self.assertEqual(metrics["trainable_tokens"], 4)
         self.assertEqual((metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]), (1.0, 1.0, 1.0))
 
-    @unittest.skipUnless(os.path.exists(FIXTURE), f"the shared fixture {FIXTURE} is absent (a clone without ../shared)")
-    def test_shared_fixture_in_float64(self):
+    def test_fixture_in_float64(self):
         with open(FIXTURE) as f:
             fx = json.load(f)
         batch, _ = fixture_batch(fx)

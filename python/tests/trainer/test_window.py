@@ -1,4 +1,4 @@
-"""Sliding-window and sink attention on a tree (shared/DESIGN.md §8): k an ancestor-or-self of q and
+"""Sliding-window and sink attention on a tree (docs/design.md §8): k an ancestor-or-self of q and
 ``position_ids[q] - position_ids[k] < window`` (transformers' ``sliding_window``), sinks a per-head logit in every
 row's softmax denominator (gpt-oss ``s_aux``).
 

@@ -32,7 +32,7 @@ build one mask per layer type (gpt-oss, Gemma 3/4, Qwen3 with sliding layers) ha
 each layer's attention call says its own window (``sliding_window=``, checked against ``config.layer_types`` and
 ``config.sliding_window``) and sinks (``s_aux=``, gpt-oss), and ``attend`` applies them in every mode:
 
-- the window (DESIGN.md §8: ``position_ids[q] - position_ids[k] < window``, Hugging Face's convention) from the
+- the window (docs/design.md §8: ``position_ids[q] - position_ids[k] < window``, Hugging Face's convention) from the
   mask's ``position_ids``, through a windowed TreeMask derived once per window and cached on the mask, whose block
   lists drop the tiles wholly outside the window (the work is O(N · window) on a chain);
 - sinks, a per-head logit in every row's softmax denominator, as one more key every query sees, with value 0 and

@@ -2,7 +2,7 @@
  * WebGPU device acquisition through the `webgpu` package (Dawn for Node), tried once per process.
  *
  * Order: the platform's native adapter (Vulkan, Metal, D3D12), then Dawn's OpenGL ES backend in compatibility
- * mode, which runs on Mesa's llvmpipe with no GPU at all (shared/TOOLCHAIN.md §3): that is the software adapter
+ * mode, which runs on Mesa's llvmpipe with no GPU at all (Dawn refuses Mesa 22's lavapipe Vulkan): the software adapter
  * CI tests on. `TREEPACK_WEBGPU_BACKEND=vulkan|opengles|…` pins one Dawn backend.
  */
 import { createRequire } from 'node:module';
@@ -10,7 +10,8 @@ import { createRequire } from 'node:module';
 export interface WebGPUContext {
   /**
    * The Dawn instance. It must stay referenced while any device lives: if it is garbage collected the process
-   * crashes (TOOLCHAIN §3). The context is cached for the life of the process, and so is this reference.
+   * crashes (SIGSEGV or "Owner died", reproduced with --expose-gc). The context is cached for the life of the process,
+   * and so is this reference.
    */
   gpu: GPU;
   device: GPUDevice;
