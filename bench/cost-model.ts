@@ -111,9 +111,13 @@ export const totalFlops = (w: Work) => w.linearFlops + w.attentionFlops;
 export const tileFlops = (w: Work) => w.linearFlops + w.executedAttentionFlops;
 
 /** Dense bf16/fp16 tensor-core peaks by device name (bench/device-peaks.json, which gpu-check reads too). */
-export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = (
-  JSON.parse(readFileSync(new URL('./device-peaks.json', import.meta.url), 'utf8')) as { peaks: { match: string; name: string; flops: number }[] }
-).peaks.map((p) => ({ match: new RegExp(p.match, 'i'), name: p.name, flops: p.flops }));
+type PeakEntry = { match: string; name: string; flops: number };
+const peakTable = JSON.parse(readFileSync(new URL('./device-peaks.json', import.meta.url), 'utf8')) as { peaks: PeakEntry[] };
+export const DEVICE_PEAKS: { match: RegExp; name: string; flops: number }[] = peakTable.peaks.map((p) => ({
+  match: new RegExp(p.match, 'i'),
+  name: p.name,
+  flops: p.flops,
+}));
 
 /** The peak FLOP/s an MFU divides by, or why there is none: a CPU has no honest peak (its vector units' peak
  * depends on the ISA, clocks and threads), an unlisted GPU or a dtype other than bf16/fp16 has none in the table. */

@@ -146,7 +146,8 @@ def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
         if path == "stock":
             f["executed_blocks"] += alone
         else:  # flex runs the BlockMask padded to its ladder rung (a tile per padded query block), block its SDPA plan
-            f["executed_blocks"] += tpt.executed_tiles(m if path == "block" else tpt.tree_mask(b, mode="flex", block_size=BLOCK, device="cpu"))
+            runs = m if path == "block" else tpt.tree_mask(b, mode="flex", block_size=BLOCK, device="cpu")
+            f["executed_blocks"] += tpt.executed_tiles(runs)
         f["full_blocks"] += int(m.full_kv_num_blocks.sum())
         f["scored_rows"] += int(torch.unique(b.parent[tpt.scored_nodes(b)]).numel())
         plan = run_plan(m, 1, torch.device("cpu"))
@@ -390,7 +391,8 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str,
 
 
 def run_layouts(w: Dict[str, Any], layouts: Dict[str, List[tpt.PackedBatch]], shapes: List[Dict[str, Any]], device: torch.device,
-                dtype: torch.dtype, chain: Optional[str], vocab_size: Optional[int] = None, pad: Optional[int] = None) -> List[Dict[str, Any]]:
+                dtype: torch.dtype, chain: Optional[str], vocab_size: Optional[int] = None,
+                pad: Optional[int] = None) -> List[Dict[str, Any]]:
     """Micro-batches of each side ("naive", optionally "merged", "packed"; CPU tensors) timed on a random-weight
     model of each shape: one result per shape. ``chain``: the chain sides' stock attention (chain_attention; None: tree
     attention); ``vocab_size``: the model's vocabulary, the ids kept (default: the ids remapped to the workload's
