@@ -139,9 +139,16 @@ def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return c
 
 
+def resolve_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> Dict[str, Any]:
+    """The config (a ``LossConfig``, a dict of the same names, or None for the defaults) as a dict with the defaults
+    filled and every field checked (TreepackError naming the field): resolve once and pass the dict when compiling,
+    so the compiled code holds only constants."""
+    return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
+
+
 def make_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> LossConfigStruct:
     """The C ABI's struct of a config (a ``LossConfig``, a dict of the same names, or None for the defaults)."""
-    c = _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
+    c = resolve_config(config)
     codes = {name: table.index(c[name]) for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))}
     return LossConfigStruct(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
 
@@ -164,13 +171,15 @@ cuda_library = _native.cuda
 _FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
-def _needed(cfg: LossConfigStruct, name: str) -> bool:
-    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and cfg.kl != 0) or (
-        name == "rollout_logprobs" and cfg.tis != 0)
+def _needed(c: Mapping[str, Any], name: str) -> bool:
+    """Whether the resolved config ``c`` reads the per-occurrence field ``name``."""
+    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and c["kl"] != "none") or (
+        name == "rollout_logprobs" and c["tis"] != "none")
 
 
-def _turns(cfg: LossConfigStruct) -> bool:
-    return AGGREGATIONS[cfg.aggregation] == "seq-mean-turn-mean-token-mean"
+def _turns(c: Mapping[str, Any]) -> bool:
+    """Whether the resolved config ``c`` aggregates per turn (reads turn_ids)."""
+    return c["aggregation"] == "seq-mean-turn-mean-token-mean"
 
 
 def _status_field(rc: int) -> str:
@@ -193,7 +202,8 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
     with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
     turn_ids) and optionally ``seq_weight`` [S]."""
     get = (lambda k: batch.get(k)) if isinstance(batch, Mapping) else (lambda k: getattr(batch, k, None))
-    cfg = make_config(config)
+    c = resolve_config(config)
+    cfg = make_config(c)
     off = np.ascontiguousarray(get("seq_offsets"), dtype=np.int32)
     pos = np.ascontiguousarray(get("seq_positions"), dtype=np.int32)
     mask = np.ascontiguousarray(get("loss_mask"), dtype=np.uint8)
@@ -207,7 +217,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
     for f in _FIELDS:
         a = get(f)
         if a is None:
-            if _needed(cfg, f):
+            if _needed(c, f):
                 raise TreepackError("E_INPUT", f"the loss config needs {f} but the batch has none", field=f)
             arrays[f] = None
             continue
@@ -217,15 +227,15 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
     sw = get("seq_weight")
     sw = None if sw is None else np.ascontiguousarray(sw, dtype=np.float32)
     _check_weights(sw, off.shape[0] - 1)
-    turn = get("turn_ids") if _turns(cfg) else None
-    if _turns(cfg) and (turn is not None or M):
+    turn = get("turn_ids") if _turns(c) else None
+    if _turns(c) and (turn is not None or M):
         if turn is None:
             raise TreepackError("E_INPUT", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none", field="turn_ids")
         turn = np.ascontiguousarray(turn, dtype=np.int32)
         if turn.shape != (M,):
             raise TreepackError("E_INPUT", f"turn_ids has shape {list(turn.shape)}, expected [M = {M}]", field="turn_ids")
     trainable = mask != 0
-    for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(cfg, f))):
+    for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(c, f))):
         if not np.isfinite(a[trainable]).all():
             raise TreepackError("E_INPUT", f"{name} has a non-finite value at a trainable position", field=name)
     grad = np.zeros(N, dtype=np.float32)

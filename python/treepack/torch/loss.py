@@ -35,7 +35,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _resolve
+from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _needed, _turns, resolve_config
 from ..microbatch import TreepackError
 from . import loss_terms as terms
 from .batch import PackedBatch
@@ -45,12 +45,6 @@ METRICS = tuple(name for name, _ in LossMetrics._fields_)
 Tensor = torch.Tensor
 Config = Union[None, Mapping[str, Any], LossConfig]
 Batch = Union[PackedBatch, Mapping[str, Any]]
-
-
-def resolve_config(config: Config) -> Dict[str, Any]:
-    """The config with defaults filled and every field checked (TreepackError naming the field): resolve once and
-    pass the dict when compiling, so the compiled code holds only constants."""
-    return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
 
 
 def _get(batch: Batch, name: str) -> Any:
@@ -64,15 +58,6 @@ def _seq_index(batch: Batch) -> Optional[Tensor]:
 
 def _bad(name: str, message: str) -> TreepackError:
     return TreepackError("E_INPUT", message, field=name)
-
-
-def _needed(c: Mapping[str, Any], name: str) -> bool:
-    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and c["kl"] != "none") or (
-        name == "rollout_logprobs" and c["tis"] != "none")
-
-
-def _turns(c: Mapping[str, Any]) -> bool:
-    return c["aggregation"] == "seq-mean-turn-mean-token-mean"
 
 
 def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
