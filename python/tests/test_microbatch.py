@@ -317,10 +317,10 @@ class InvariantTest(unittest.TestCase):
         counts = np.zeros(len(_abi.FOREST_CHECKS), dtype=np.int64)
         off = np.zeros(1, dtype=np.int32)
         check = _native.core().tp_forest_check
-        self.assertEqual(check(None, None, None, -1, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, None, 0, 1, counts.ctypes.data, None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_OK)
-        self.assertEqual(check(None, None, None, 2**31, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, -1, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, _native.pointer(off), 0, None, None, None, 0, 1, _native.pointer(counts), None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_OK)
+        self.assertEqual(check(None, None, None, 2**31, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_ERR_ARG)
 
     def test_lengths(self) -> None:
         mb = self.batch([[1, 2]])
