@@ -28,6 +28,8 @@ except tl.TreepackError as e:  # E_BACKEND: the C core is not built here
 try:
     import torch  # noqa: F401
 
+    from treepack.torch import PackedLoss
+
     TORCH_SKIP = ""
 except ImportError:
     TORCH_SKIP = "torch not installed (the torch tests run on the GPU host)"
@@ -276,7 +278,7 @@ class TorchLossTest(unittest.TestCase):
             t["seq_positions"] = t["seq_positions"].int()
             t["loss_mask"] = t["loss_mask"].to(torch.uint8)
             x = torch.tensor(lp, device=dev, requires_grad=True)
-            tl.PackedLoss.apply(x, t, c)[0].backward()
+            PackedLoss.apply(x, t, c)[0].backward()
             y = torch.tensor(lp, dtype=torch.float64, device=dev, requires_grad=True)
             ref = self._plain_torch({k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, y, c)
             ref.backward()

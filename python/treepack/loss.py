@@ -16,8 +16,8 @@ where each is found: treepack/_native.py.
     >>> loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})[0]      # the same, as a dict
     -0.25
 
-``treepack.torch.packed_loss(lp, batch, config)`` is the same loss written in torch (autograd, any device);
-``treepack.loss.kernel_loss`` (treepack/torch/loss_kernels.py) runs these kernels, ``tp_cuda_loss`` included, on torch tensors.
+``treepack.torch.packed_loss(lp, batch, config)`` (and ``treepack.torch.PackedLoss``) is the same loss written in torch
+(autograd, any device); ``treepack.torch.loss_kernels.kernel_loss`` runs these kernels, ``tp_cuda_loss`` included, on torch tensors.
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
@@ -245,15 +245,3 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
         raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field=_status_field(rc))
     return metrics.loss, grad, metrics.as_dict()
 
-
-def __getattr__(name: str):
-    # The torch loss and its kernel oracle live in treepack.torch; imported only when asked for, so numpy users need no torch.
-    if name == "PackedLoss":
-        from .torch.loss import PackedLoss
-
-        return PackedLoss
-    if name == "kernel_loss":
-        from .torch.loss_kernels import kernel_loss
-
-        return kernel_loss
-    raise AttributeError(name)
