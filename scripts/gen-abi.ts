@@ -168,13 +168,15 @@ function renderSignatures(): string[] {
   const all = ['native/core/abi.h', ...C_HEADERS.core, ...C_HEADERS.cuda];
   const structs = all.flatMap((p) => parseStructs(headerText(p)));
   const names = new Set(structs.map((s) => s.name));
-  const opaque = new Set(all.flatMap((p) => [...stripComments(headerText(p)).matchAll(/typedef\s+struct\s+(\w+)\s+(\w+)\s*;/g)].map((m) => m[2])));
+  const opaqueIn = (p: string) => [...stripComments(headerText(p)).matchAll(/typedef\s+struct\s+(\w+)\s+(\w+)\s*;/g)].map((m) => m[2]);
+  const opaque = new Set(all.flatMap(opaqueIn));
   const out: string[] = [];
   out.push('# The C structs and functions, read from the headers that declare them (native/core/*.h,');
   out.push('# native/cuda/treepack_cuda.h): _native.py gives each function its restype and argtypes.');
   for (const s of structs) {
     out.push('', '', `class ${s.name}(ctypes.Structure):`);
-    out.push(...wrap('    _fields_ = [', s.fields.map((f) => `(${JSON.stringify(f.name)}, ${ctype(f.type, names, opaque)}${f.count ? ` * ${f.count}` : ''})`), ']', '                '));
+    const fields = s.fields.map((f) => `(${JSON.stringify(f.name)}, ${ctype(f.type, names, opaque)}${f.count ? ` * ${f.count}` : ''})`);
+    out.push(...wrap('    _fields_ = [', fields, ']', '                '));
   }
   out.push('');
   for (const [lib, headers] of Object.entries(C_HEADERS)) {

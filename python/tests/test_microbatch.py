@@ -316,11 +316,11 @@ class InvariantTest(unittest.TestCase):
 
         counts = np.zeros(len(_abi.FOREST_CHECKS), dtype=np.int64)
         off = np.zeros(1, dtype=np.int32)
-        check = _native.core().tp_forest_check
-        self.assertEqual(check(None, None, None, -1, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, _native.pointer(off), 0, None, None, None, 0, 1, _native.pointer(counts), None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_OK)
-        self.assertEqual(check(None, None, None, 2**31, 0, _native.pointer(off), 0, None, None, None, 0, 0, _native.pointer(counts), None), _abi.TP_ERR_ARG)
+        check, off_p, counts_p = _native.core().tp_forest_check, _native.pointer(off), _native.pointer(counts)
+        self.assertEqual(check(None, None, None, -1, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off_p, 0, None, None, None, 0, 1, counts_p, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_OK)
+        self.assertEqual(check(None, None, None, 2**31, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_ERR_ARG)
 
     def test_typed_pointers(self) -> None:
         # argtypes come from the headers (scripts/gen-abi.ts) with real pointer types: an int64 array given for an

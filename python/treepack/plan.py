@@ -146,9 +146,9 @@ def plan_micro_batches(
     ``max_tokens``: the fewest micro-batches of at most that many packed tokens (rounded up to a multiple of
     ``dp``); ``num_micro_batches``: exactly that many (a multiple of ``dp``), each within ``max_tokens`` when both
     are given. Of the cuts into that many contiguous runs, the plan takes the one with the fewest packed tokens in
-    all; with ``dp`` > 1 or ``num_micro_batches``, among runs within 3% of the smallest largest run possible. ``loss_masks[i]`` (per token, nonzero
-    = trainable) gives the trainable-token counts; by default every token but the first. Deterministic: the same
-    input gives the same plan. Micro-batch i goes to rank ``i % dp``, step ``i // dp``.
+    all; with ``dp`` > 1 or ``num_micro_batches``, among runs within 3% of the smallest largest run possible.
+    ``loss_masks[i]`` (per token, nonzero = trainable) gives the trainable-token counts; by default every token but
+    the first. Deterministic: the same input gives the same plan. Micro-batch i goes to rank ``i % dp``, step ``i // dp``.
     """
     _positive("max_tokens", max_tokens)
     _positive("num_micro_batches", num_micro_batches)
