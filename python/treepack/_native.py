@@ -1,4 +1,5 @@
-"""treepack's C libraries through ctypes: where they are found, and every C function's signature, declared once.
+"""treepack's C libraries through ctypes: where they are found, and each C function given its signature from
+_abi.py (read from the C headers by scripts/gen-abi.ts, with typed pointers: pass ``pointer(array)``).
 
 CPU core, ``libtreepack_core.so`` (required by packing, the checks, the mask lowerings and the CPU loss), the first of:
 
