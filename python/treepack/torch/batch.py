@@ -34,7 +34,9 @@ class PackedBatch:
 
     Besides the contract's arrays: ``seq_index`` [M] (the sequence of each occurrence) and ``token_index`` [M] (its
     t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask
-    lowerings) as they were stored.
+    lowerings) as they were stored. ``routes`` (int [MoE layers, N, k]; not in the file format yet, so set by the
+    caller, e.g. from ``pack_routed``): the experts an engine chose per node, which ``packed_logprobs`` and
+    ``forward_logprobs`` replay (``treepack.torch.replay_routes``).
     """
 
     input_ids: torch.Tensor  # int64 [N]
