@@ -185,6 +185,22 @@ class Replay(unittest.TestCase):
                 lp = tpt.gather_occurrences(tpt.packed_logprobs(model, batch, nodes="all").logprobs, batch)
                 self.assertLessEqual(float((lp[t] - ref_lp[t]).abs().max()), 1e-10)
 
+    def test_forward_logprobs_and_naive_batch_replay_too(self):
+        """forward_logprobs (the wrapper-safe path, model(...) itself) replays the given routes as packed_logprobs
+        does, and naive_batch carries each occurrence's routes: both equal the unpacked run with replay."""
+        model, plain = build("gpt_oss")
+        batch, own = routed_batch(model, forests(VOCAB, seed=5)["deep"], seed=3, conflicts=True)
+        ref_lp = unpacked(plain, batch, own)[0]
+        t = batch.token_index > 0
+        routes, batch.routes = batch.routes, None
+        scores = tpt.forward_logprobs(model, batch, nodes="all", routes=routes)
+        self.assertLessEqual(float((tpt.gather_occurrences(scores.logprobs, batch)[t] - ref_lp[t]).abs().max()), 1e-10)
+        self.assertTrue(torch.equal(scores.router.experts, routes))
+        batch.routes = routes
+        naive = tpt.naive_batch(batch)
+        lp = tpt.gather_occurrences(tpt.packed_logprobs(model, naive, nodes="all").logprobs, naive)
+        self.assertLessEqual(float((lp[t] - ref_lp[t]).abs().max()), 1e-10)
+
     def test_replaying_the_routers_own_choice_is_the_stock_forward(self):
         ids = torch.tensor([[3, 17, 5, 42, 8, 8, 29]])
         for family in FAMILIES:
