@@ -7,7 +7,7 @@ attention, its own routes): per-token logprobs, the load-balancing loss (Qwen3-M
 gradient of a loss using both, within 1e-10; on forests whose shared prefixes carry one route set, and on ones whose
 sequences' routes of a shared prefix differ (``pack_routed`` splits the tree there). Negative control: packed
 WITHOUT replay differs from unpacked with replay. Replaying the router's own top-k gives the stock forward bit for
-bit (float32, every family); the load-balancing loss of a padded batch equals transformers' own ``aux_loss``; the
+bit (float32, every family and Qwen3.5-MoE's router); the load-balancing loss of a padded batch equals transformers' own ``aux_loss``; the
 router classes listed as sharing a family's code do share its forward. Refused with a TreepackError naming the
 layer: routes of the wrong shape, dtype, top-k or expert range, a token given one expert twice, a router treepack does
 not handle (Mixtral's), replay under gradient checkpointing."""
@@ -47,6 +47,11 @@ def build(family, dtype=torch.float64 if torch else None, stock_attention=True):
                                             first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                             v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, **common)
         cls, stock = transformers.DeepseekV3ForCausalLM, "sdpa"
+    elif family == "qwen3_5_moe":  # attention layers only: its router is what is tested here
+        cfg = transformers.Qwen3_5MoeTextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2, num_key_value_heads=1, head_dim=8,
+                                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                                **common)
+        cls, stock = transformers.Qwen3_5MoeForCausalLM, "sdpa"
     else:  # mixtral: a router treepack does not replay
         cfg = transformers.MixtralConfig(intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **common)
         cls, stock = transformers.MixtralForCausalLM, "sdpa"
@@ -203,7 +208,7 @@ class Replay(unittest.TestCase):
 
     def test_replaying_the_routers_own_choice_is_the_stock_forward(self):
         ids = torch.tensor([[3, 17, 5, 42, 8, 8, 29]])
-        for family in FAMILIES:
+        for family in FAMILIES + ("qwen3_5_moe",):
             with self.subTest(family=family):
                 model = build(family, torch.float32)[1]
                 with torch.no_grad():

@@ -17,7 +17,8 @@ chose) and the router's load-balancing loss counted per logical occurrence.
 
 Replay (R3, as Megatron's and verl's router replay define it): a replayed layer routes token t to the stored experts
 ``routes[l, t]`` instead of its own top-k, and weights them with its own probabilities at those experts, normalised as
-the model does (Qwen3-MoE: softmax over all experts, gathered, renormalised when ``norm_topk_prob``; gpt-oss: softmax
+the model does (Qwen3-MoE: softmax over all experts, gathered, renormalised when ``norm_topk_prob``; Qwen3.5-MoE:
+the same, always renormalised; gpt-oss: softmax
 over the gathered logits; DeepSeek-V3: sigmoid scores, gathered, renormalised when ``norm_topk_prob``, times
 ``routed_scaling_factor``), so gradients flow into the router's weights through those probabilities. The router's
 probabilities are computed in float32 as transformers does, or float64 for a float64 model (where transformers' float32
@@ -53,7 +54,9 @@ _SOFTMAX = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "
 _SIGMOID = ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "AXK1TopkRouter", "Dots1TopkRouter", "ExaoneMoeTopkRouter",
             "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter", "Glm4vMoeTextTopkRouter", "Glm5NextTextTopkRouter", "GlmMoeDsaTopkRouter",
             "HYV4TopkRouter", "KimiLinearTopkRouter", "MiMoV2FlashTopkRouter", "NemotronHTopkRouter", "SolarOpenTopkRouter")
-ROUTERS: Dict[str, str] = {**{n: "softmax" for n in _SOFTMAX}, "GptOssTopKRouter": "topk-softmax", **{n: "sigmoid" for n in _SIGMOID}}
+_RENORMALISED = ("Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter")
+ROUTERS: Dict[str, str] = {**{n: "softmax" for n in _SOFTMAX}, **{n: "softmax-renormalised" for n in _RENORMALISED}, "GptOssTopKRouter": "topk-softmax",
+                           **{n: "sigmoid" for n in _SIGMOID}}
 
 # A module is a router by its class name, or as a Linear named gate/router inside a mixture-of-experts block.
 _ROUTER_NAME = re.compile(r"(Router|Gating|Gate)$")
@@ -65,12 +68,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h.reshape(-1, router.hidden_dim), router.weight)
     w = torch.softmax(logits, dim=-1, dtype=_wide(logits.dtype)).gather(1, experts)
-    if router.norm_topk_prob:
+    if router.norm_topk_prob if renormalise is None else renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
     return logits, w.to(logits.dtype)
+
+
+def _softmax_renormalised(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _softmax(router, h, experts, renormalise=True)
 
 
 def _topk_softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +95,7 @@ def _sigmoid(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) ->
     return logits, w * router.routed_scaling_factor
 
 
-_REPLAY = {"softmax": _softmax, "topk-softmax": _topk_softmax, "sigmoid": _sigmoid}
+_REPLAY = {"softmax": _softmax, "softmax-renormalised": _softmax_renormalised, "topk-softmax": _topk_softmax, "sigmoid": _sigmoid}
 
 
 class Routing:
