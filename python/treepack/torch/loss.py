@@ -270,7 +270,8 @@ class PackedLoss:
         if router is None:
             return loss, values
         loss, aux = _with_aux(loss, router, batch, self.aux_coef)
-        values = torch.cat([values.index_put((torch.tensor(METRICS.index("loss"), device=values.device),), loss.detach()), aux.detach()[None]])
+        values = torch.cat([values, aux.detach()[None]])
+        values[METRICS.index("loss")] = loss.detach()  # the total, as packed_loss reports it
         return loss, values
 
     @staticmethod
