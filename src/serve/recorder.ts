@@ -14,7 +14,7 @@ import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
-import { Pool, PoolError, type Episode, type Group, type PoolEvent, type SnapshotEvent } from './pool.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent, type Scope, type SnapshotEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -181,6 +181,8 @@ export class Recorder {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
+    // in the shared pool before it is answered: the agent may be balanced to any gateway
+    if (this.shared && e.type === 'key') await this.shared.addKey(e.hash, e.scope);
     if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
       const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
       // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
@@ -247,6 +249,19 @@ export class Recorder {
     // remembered until the call is recorded; forgetting a claim (the call failed) costs a second claim, no more
     if (this.claimed.size >= 10_000) this.claimed.clear();
     this.claimed.add(episode);
+  }
+
+  /**
+   * The scope a scoped API key opens: minted here (the log), or on the shared pool by another gateway, which is
+   * then kept here (in memory: the shared pool holds it) so the routes' later lookups find it.
+   */
+  async keyScope(key: string): Promise<Scope | undefined> {
+    const local = this.pool.keyScope(key);
+    if (local || !this.shared || !Pool.keyShaped(key)) return local;
+    const hash = Pool.keyHash(key);
+    const scope = await this.shared.keyScope(hash);
+    if (scope) this.pool.apply({ type: 'key', hash, scope });
+    return scope;
   }
 
   /** Tells the shared pool of activity in a group, at most four times per idle timeout. */
