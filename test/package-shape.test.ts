@@ -32,7 +32,7 @@ function loads(entry: string): { packages: string[]; exports: string[] } {
   return { packages: [...packages].sort(), exports: JSON.parse(r.stdout.trim().split('\n').pop()!) };
 }
 
-const SERVICE_DEPENDENCIES: readonly string[] = SERVICE_PACKAGES;
+const SERVICE_DEPENDENCIES: string[] = [...SERVICE_PACKAGES];
 
 describe('package entry points', () => {
   it('treepack: the packer, without the service or its dependencies', () => {

@@ -125,7 +125,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   checkOptions(options); // a bad combination is a usage error, found before starting
   const { startService } = await loadService();
   const { service, url } = await startService(options);
-  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
+  const models = service.recorder.engineModels;
+  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}${models ? ` (serving ${models.join(', ')})` : ''}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
     process.once('SIGINT', stop);

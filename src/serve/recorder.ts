@@ -14,7 +14,8 @@ import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
-import { Pool, PoolError, type Episode, type Group, type PoolEvent, type Scope, type SnapshotEvent } from './pool.js';
+import { engineModels } from './engine.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope, type SnapshotEvent } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -45,6 +46,10 @@ export class Recorder {
   private touched = new Map<string, number>();
   /** episodes claimed in the shared pool before their first call is recorded (`openEpisode`) */
   private claimed = new Set<string>();
+  /** the models the engine listed at start-up; undefined: it did not answer with a list (a warning said why) */
+  engineModels: string[] | undefined;
+  /** whether a call without token ids was warned about (once: the metric counts them) */
+  private warnedUntokenized = false;
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -65,6 +70,8 @@ export class Recorder {
 
   static async open(options: ServiceOptions): Promise<Recorder> {
     const opts = resolveServiceOptions(options);
+    // Checked while the tokenizers load: an engine URL that is wrong, or an engine that is down, is said at once.
+    const models = engineModels(opts.engineUrl, opts.engineApiKey, Math.min(opts.engineTimeoutMs, 10_000)).catch((err: Error) => err);
     // The packing thread loads its tokenizer while this one does; both are ready before the routes open, so
     // neither load competes with traffic, and the first step packs at once.
     const encoder = resolveTokenizer(opts.packer.tokenizer).then((t) => new ChatEncoder(t));
@@ -79,6 +86,9 @@ export class Recorder {
       await packer.close();
       throw err;
     }
+    const listed = await models;
+    if (listed instanceof Error) svc.warn(`${listed.message}; calls answer 502 until it does`);
+    else svc.engineModels = listed;
     try {
       await svc.start();
     } catch (err) {
@@ -94,7 +104,7 @@ export class Recorder {
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
     if (opts.redis) {
-      const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
+      const warn = (m: string) => this.warn(m);
       this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
@@ -110,6 +120,29 @@ export class Recorder {
     if (this.shared) await this.shipUnshipped();
     this.started = Date.now();
     if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /** A warning for the operator: to `opts.warn`, else stderr. */
+  private warn(message: string): void {
+    if (this.opts.warn) this.opts.warn(message);
+    else console.error(`treepack serve: warning: ${message}`);
+  }
+
+  /**
+   * Counts a call the engine answered without token ids (one that ignores `return_token_ids`), and says so once: its
+   * chat turns are then trained on the chat template's rendering of their text, not on the tokens the engine
+   * sampled, and a completion without them is not trained.
+   */
+  private noteUntokenized(call: RecordedCall): void {
+    if ([call.output, ...(call.siblings ?? [])].every((o) => o.promptTokenIds !== undefined && o.tokenIds !== undefined)) return;
+    this.metrics.untokenized.inc({ kind: call.kind });
+    if (this.warnedUntokenized) return;
+    this.warnedUntokenized = true;
+    this.warn(
+      `the engine at ${this.opts.engineUrl} answered a ${call.kind} call without token ids (prompt_token_ids, choices[].token_ids; it was asked with return_token_ids: true): ` +
+        'chat calls are then trained on the chat template rendering of their text, not on the tokens the engine sampled, and completions are not trained. ' +
+        'Serve the policy with an engine that returns token ids (vLLM >= 0.10.2, SGLang); treepack_engine_untokenized_calls_total counts such calls',
+    );
   }
 
   /** Abandons the groups idle for the idle timeout, one at a time. */
@@ -199,6 +232,7 @@ export class Recorder {
     const durable = this.appendLine(line);
     this.pool.apply(logged, line.length);
     await durable;
+    if (e.type === 'call') this.noteUntokenized(e.call);
     if (!this.shared || (e.type !== 'finish' && e.type !== 'record' && e.type !== 'abandon')) return undefined;
     if (e.type === 'abandon' && e.episode === undefined) {
       // closed in the shared pool already: its abandoned episodes are refused there, which the log notes
