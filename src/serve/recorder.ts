@@ -5,7 +5,7 @@
  * service.ts puts it behind them.
  */
 import { join } from 'node:path';
-import { describeValue, TreepackError } from '../errors.js';
+import { TreepackError } from '../errors.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
@@ -15,14 +15,11 @@ import { createMetrics, type Metrics } from './metrics.js';
 import { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { engineModels } from './engine.js';
-import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope, type SnapshotEvent } from './pool.js';
+import { checkEvent, isFeedEvent, type ServiceEvent } from './events.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
-
-/** the trainer feed's own log events; the pool replays the rest */
-const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
-const LOG_EVENTS = new Set(['snapshot', 'key', 'call', 'finish', 'record', 'group-size', 'ship', 'abandon', ...FEED_EVENTS]);
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
 export type SharedGroup = { episodes: number } | { pending: true };
@@ -174,25 +171,37 @@ export class Recorder {
     return g;
   }
 
-  private replay(e: LogEvent, line: number, bytes: number): void {
-    // A line that parses but is no event of this layout (damaged into other JSON, or written by a later version)
+  private replay(raw: LogEvent, line: number, bytes: number): void {
+    const file = join(this.opts.dataDir, 'events.jsonl');
+    // A line that parses but is no event of this layout (damaged into other JSON, or written by another version)
     // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
-    if (typeof e !== 'object' || e === null || !LOG_EVENTS.has(e.type)) {
-      throw new TreepackError('E_INPUT', `damaged log: expected an event with a "type" of ${[...LOG_EVENTS].join(', ')}, got ${describeValue(e)}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'type' });
-    }
-    if (e.type === 'snapshot') this.pool.apply(e);
-    else if (!FEED_EVENTS.has(e.type)) {
+    const e = checkEvent(raw, file, line);
+    const unknown = this.unknownReference(e);
+    if (unknown) throw new TreepackError('E_INPUT', `damaged log: a ${e.type} event of ${unknown}, which no line before it records`, { file, line, field: { abandon: 'group', take: 'groups' }[e.type as string] ?? 'episode' });
+    if (e.type === 'snapshot') this.pool.apply(raw);
+    else if (!isFeedEvent(e)) {
       try {
-        return this.pool.apply(e, bytes);
+        return this.pool.apply(raw, bytes);
       } catch (err) {
         // a call continuing one the log does not hold: named with its line
-        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
+        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file, line, field: 'call.request.from' });
         throw err;
       }
     }
-    if (this.feed instanceof Feed) return this.feed.apply(e);
-    if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
-    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
+    if (this.feed instanceof Feed) return this.feed.apply(raw);
+    if (e.type === 'snapshot' && e.steps === 0) return;
+    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file, line });
+  }
+
+  /** The episode or group an event acts on that the pool does not hold (then the log is damaged), else undefined. */
+  private unknownReference(e: ServiceEvent): string | undefined {
+    if ((e.type === 'finish' || e.type === 'ship') && !this.pool.episodes.has(e.episode)) return `episode ${JSON.stringify(e.episode)}`;
+    if (e.type === 'abandon' && e.episode === undefined && !this.pool.groups.has(e.group)) return `group ${JSON.stringify(e.group)}`;
+    if (e.type === 'take') {
+      const seq = e.groups.find((g) => !Number.isSafeInteger(g) || g < 0 || g >= this.pool.bySeq.length);
+      if (seq !== undefined) return `group number ${JSON.stringify(seq)}`;
+    }
+    return undefined;
   }
 
   private append(e: LogEvent): Promise<void> {
