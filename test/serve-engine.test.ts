@@ -10,7 +10,8 @@ import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import { freePort, tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
-const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+const post = (url: string, body: unknown) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
 /** An HTTP server answering every request with `status` and `body`. */
 async function fixed(status: number, body: string): Promise<{ url: string; server: Server }> {
@@ -37,7 +38,13 @@ describe('the engine behind the gateway', { timeout: 60_000 }, () => {
 
   async function start(engineUrl: string): Promise<{ svc: Service; base: string; warnings: string[] }> {
     const warnings: string[] = [];
-    const svc = await Service.create({ engineUrl, dataDir: tempDir('tp-engine-'), port: 0, packer: { tokenizer: 'qwen3' }, warn: (m) => warnings.push(m) });
+    const svc = await Service.create({
+      engineUrl,
+      dataDir: tempDir('tp-engine-'),
+      port: 0,
+      packer: { tokenizer: 'qwen3' },
+      warn: (m) => warnings.push(m),
+    });
     open.push(svc);
     return { svc, base: await svc.listen(), warnings };
   }
@@ -50,12 +57,16 @@ describe('the engine behind the gateway', { timeout: 60_000 }, () => {
     const nowhere = `http://127.0.0.1:${await freePort()}/v1`;
     const down = await start(nowhere);
     expect(down.svc.recorder.engineModels).toBeUndefined();
-    expect(down.warnings).toEqual([`the engine at ${nowhere} is unreachable (GET ${nowhere}/models: ${down.warnings[0]!.match(/connect ECONNREFUSED [\d.:]+/)?.[0]}); calls answer 502 until it does`]);
+    expect(down.warnings).toEqual([
+      `the engine at ${nowhere} is unreachable (GET ${nowhere}/models: ${down.warnings[0]!.match(/connect ECONNREFUSED [\d.:]+/)?.[0]}); calls answer 502 until it does`,
+    ]);
 
     const wrongPath = await fixed(404, '{"detail":"Not Found"}');
     open.push({ close: () => wrongPath.server.close() });
     const notFound = await start(wrongPath.url);
-    expect(notFound.warnings).toEqual([expect.stringMatching(/answered GET .*\/v1\/models with HTTP 404 \(is --engine its OpenAI base URL, ending in \/v1\?\)/)]);
+    expect(notFound.warnings).toEqual([
+      expect.stringMatching(/answered GET .*\/v1\/models with HTTP 404 \(is --engine its OpenAI base URL, ending in \/v1\?\)/),
+    ]);
 
     const noList = await fixed(200, '{"models": []}');
     open.push({ close: () => noList.server.close() });
@@ -65,16 +76,22 @@ describe('the engine behind the gateway', { timeout: 60_000 }, () => {
   it('calls answered without token ids: warned once, counted by kind', async () => {
     const { base, warnings } = await start(plain.url);
     for (let i = 0; i < 2; i++) {
-      expect((await post(`${base}/episodes/e${i}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] })).status).toBe(200);
+      expect(
+        (await post(`${base}/episodes/e${i}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] })).status,
+      ).toBe(200);
     }
     expect((await post(`${base}/episodes/c/v1/completions`, { model: 'm', prompt: 'hi' })).status).toBe(200);
-    expect(warnings).toEqual([expect.stringMatching(/answered a chat call without token ids .* treepack_engine_untokenized_calls_total counts such calls$/)]);
+    expect(warnings).toEqual([
+      expect.stringMatching(/answered a chat call without token ids .* treepack_engine_untokenized_calls_total counts such calls$/),
+    ]);
     const metrics = await (await fetch(`${base}/metrics`)).text();
     expect(metrics).toContain('treepack_engine_untokenized_calls_total{kind="chat"} 2');
     expect(metrics).toContain('treepack_engine_untokenized_calls_total{kind="completion"} 1');
 
     const withIds = await start(tokenized.url);
-    expect((await post(`${withIds.base}/episodes/e/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] })).status).toBe(200);
+    expect(
+      (await post(`${withIds.base}/episodes/e/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] })).status,
+    ).toBe(200);
     expect(withIds.warnings).toEqual([]);
   });
 });

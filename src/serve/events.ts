@@ -21,12 +21,33 @@ type Kind = 'string' | 'number' | 'int' | 'boolean' | 'object' | 'array';
 type Fields = Record<string, Kind | `${Kind}?`>;
 
 const SCOPE: Fields = { episode: 'string', agent: 'string?', group: 'string?' };
-const CALL: Fields = { id: 'string', kind: 'string', time: 'number', policyVersion: 'number', request: 'object', output: 'object', agent: 'string?', requestId: 'string?', siblings: 'array?' };
+const CALL: Fields = {
+  id: 'string',
+  kind: 'string',
+  time: 'number',
+  policyVersion: 'number',
+  request: 'object',
+  output: 'object',
+  agent: 'string?',
+  requestId: 'string?',
+  siblings: 'array?',
+};
 const REQUEST: Fields = { messages: 'array?', tools: 'array?', prompt: 'string?', from: 'string?', keep: 'int?', sameTools: 'boolean?' };
 
 /** The fields each kind needs: a kind added to ServiceEvent without its entry here does not compile. */
 const FIELDS: Record<ServiceEvent['type'], Fields> = {
-  snapshot: { steps: 'int', version: 'number', counters: 'object', groups: 'array', dead: 'array', groupSize: 'int?', flushBelow: 'int?', flushing: 'boolean?', keys: 'array?', keyHashes: 'array?' },
+  snapshot: {
+    steps: 'int',
+    version: 'number',
+    counters: 'object',
+    groups: 'array',
+    dead: 'array',
+    groupSize: 'int?',
+    flushBelow: 'int?',
+    flushing: 'boolean?',
+    keys: 'array?',
+    keyHashes: 'array?',
+  },
   key: { hash: 'string?', key: 'string?', scope: 'object', time: 'number?' },
   call: { episode: 'string', group: 'string?', call: 'object' },
   finish: { episode: 'string', reward: 'number', metadata: 'object?', group_size: 'int?', time: 'number' },
@@ -64,7 +85,11 @@ function badField(o: Record<string, unknown>, fields: Fields, at: string): [stri
     const kind = (optional ? spec.slice(0, -1) : spec) as Kind;
     const v = o[name];
     if (optional && (v === undefined || v === null)) continue;
-    if (!is(kind, v)) return [at + name, `${optional ? 'absent or ' : ''}${kind === 'int' ? 'an integer' : kind === 'array' ? 'a list' : `a${kind === 'object' ? 'n' : ''} ${kind}`}`];
+    if (!is(kind, v))
+      return [
+        at + name,
+        `${optional ? 'absent or ' : ''}${kind === 'int' ? 'an integer' : kind === 'array' ? 'a list' : `a${kind === 'object' ? 'n' : ''} ${kind}`}`,
+      ];
   }
   return undefined;
 }
@@ -79,7 +104,10 @@ export function checkEvent(e: unknown, file: string, line: number): ServiceEvent
   }
   let bad = badField(e, FIELDS[type as ServiceEvent['type']], '');
   if (!bad && type === 'key') {
-    bad = typeof e.hash === 'string' || typeof e.key === 'string' ? badField(e.scope as Record<string, unknown>, SCOPE, 'scope.') : ['hash', 'a string'];
+    bad =
+      typeof e.hash === 'string' || typeof e.key === 'string'
+        ? badField(e.scope as Record<string, unknown>, SCOPE, 'scope.')
+        : ['hash', 'a string'];
   }
   if (!bad && type === 'call') {
     const call = e.call as Record<string, unknown>;
@@ -88,7 +116,10 @@ export function checkEvent(e: unknown, file: string, line: number): ServiceEvent
   if (bad) {
     const [field, expected] = bad;
     const value = field.split('.').reduce<unknown>((o, k) => (isObj(o) ? o[k] : undefined), e);
-    throw fail(field, `a ${type} event needs ${JSON.stringify(field)} to be ${expected}, got ${value === undefined ? 'nothing' : describeValue(value)}`);
+    throw fail(
+      field,
+      `a ${type} event needs ${JSON.stringify(field)} to be ${expected}, got ${value === undefined ? 'nothing' : describeValue(value)}`,
+    );
   }
   return e as unknown as ServiceEvent;
 }
