@@ -223,6 +223,13 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect(((await wrong.json()) as { error: { message: string } }).error.message).toMatch(/wrong bearer token: neither this service's --token nor a scoped API key of its shared pool/);
     const none = await post(`${C}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] });
     expect(((await none.json()) as { error: { message: string } }).error.message).toMatch(/^missing credentials/);
+    // Redis down: a key a gateway has not seen cannot be checked (503); the keys it knows still open their routes.
+    const { api_key: later } = (await (await post(`${B}/v1/episodes`, {}, auth(token))).json()) as { api_key: string };
+    await redis.stop();
+    const unchecked = await call(A, later);
+    expect(unchecked.status).toBe(503);
+    expect(((await unchecked.json()) as { error: { code: string } }).error.code).toBe('shared_pool_unavailable');
+    expect((await fetch(`${A}/v1/models`, { headers: auth(key) })).status).toBe(200);
   });
 
   it('a trainer killed before acknowledging: its micro-batch is handed out again after the lease, through the other service', async () => {
