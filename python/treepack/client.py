@@ -22,6 +22,7 @@ prefix only the dead trainer held. Acknowledge a rank's micro-batches of a step 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,25 +67,36 @@ class FeedClient:
         self.pin_memory = pin_memory
         self.timeout = timeout
 
-    def _request(self, method: str, path: str, timeout: float) -> Any:
+    def _request(self, method: str, path: str, timeout: float, retries: int = 0) -> Any:
+        """``retries``: attempts after the first when the service did not answer or answered 502/503/504 (only for
+        requests that mean the same when repeated)."""
         req = urllib.request.Request(self.url + path, method=method, data=b"{}" if method == "POST" else None)
         if method == "POST":
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", "Bearer " + self.token)
-        try:
-            return urllib.request.urlopen(req, timeout=timeout)
-        except urllib.error.HTTPError as e:
+        for attempt in range(retries + 1):
+            last = attempt == retries
             try:
-                message = json.loads(e.read())["error"]["message"]
-            except Exception:
-                message = e.reason
-            raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
-        except (urllib.error.URLError, OSError) as e:
-            # down, restarting, or unreachable: the same error type as a refusal, saying which service
-            reason = getattr(e, "reason", e)
-            raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
-                                        "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
+                return urllib.request.urlopen(req, timeout=timeout)
+            except urllib.error.HTTPError as e:
+                if not last and e.code in (502, 503, 504):
+                    time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    continue
+                try:
+                    message = json.loads(e.read())["error"]["message"]
+                except Exception:
+                    message = e.reason
+                raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
+            except (urllib.error.URLError, OSError) as e:
+                if not last:
+                    time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    continue
+                # down, restarting, or unreachable: the same error type as a refusal, saying which service
+                reason = getattr(e, "reason", e)
+                raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
+                                            "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
+        raise AssertionError("unreachable")
 
     def next(self) -> Optional[FeedMicroBatch]:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""
@@ -99,9 +111,11 @@ class FeedClient:
         batch = load_microbatch(body, device=self.device, pin_memory=self.pin_memory)
         return FeedMicroBatch(id=entry["id"], entry=entry, batch=batch, client=self)
 
-    def ack(self, id: str) -> Dict[str, Any]:
-        """Acknowledges micro-batch ``id`` (POST /v1/batches/{id}/ack): ``{id, step, step_done, trainer_version}``."""
-        with self._request("POST", f"/v1/batches/{id}/ack", self.timeout) as res:
+    def ack(self, id: str, retries: int = 5) -> Dict[str, Any]:
+        """Acknowledges micro-batch ``id`` (POST /v1/batches/{id}/ack): ``{id, step, step_done, trainer_version,
+        repeated}``. Retried up to ``retries`` times (backing off 0.25 s to 8 s) when the service does not answer or
+        answers 502/503/504: an acknowledgement repeated after a lost answer is answered, ``repeated`` true."""
+        with self._request("POST", f"/v1/batches/{id}/ack", self.timeout, retries) as res:
             return json.loads(res.read())
 
     def __iter__(self) -> Iterator[FeedMicroBatch]:

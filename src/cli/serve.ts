@@ -36,6 +36,10 @@ Options:
                           seconds: it trains with its finished episodes (0: never)    [default: 1800]
   --max-pool-bytes B      answer new calls 429 once B bytes of calls wait for the trainer [default: 1 GiB]
   --body-limit B          largest request body, bytes                                  [default: 32 MiB]
+  --request-timeout S     seconds a client has to send a request's headers and body (not counting the
+                          engine's answer); a slower one gets 408 and its socket is closed  [default: 60]
+  --max-group-size N      the largest group size a finish's group_size or slime's num_repeat_per_sample
+                          may set                                                     [default: 1024]
   --rate-limit N          requests per minute per client address (0: none)               [default: 0]
   --compact-bytes B       compact the durable log once it is B bytes and twice its last compacted size
                                                                                       [default: 64 MiB]
@@ -61,7 +65,7 @@ function policyOption(policy: string | undefined, window: number | undefined): C
 const FLAG_OF: Record<string, string> = {
   engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', dp: '--dp',
   'packer.budget': '--max-tokens', groupSize: '--group-size', groupsPerStep: '--groups-per-step', leaseMs: '--lease',
-  engineTimeoutMs: '--engine-timeout', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes', idleTimeoutMs: '--idle-timeout',
+  engineTimeoutMs: '--engine-timeout', requestTimeoutMs: '--request-timeout', maxGroupSize: '--max-group-size', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes', idleTimeoutMs: '--idle-timeout',
   ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
@@ -80,7 +84,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     argv,
     {
       engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'idle-timeout': S, 'max-pool-bytes': S, 'body-limit': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
+      'groups-per-step': S, lease: S, 'idle-timeout': S, 'max-pool-bytes': S, 'body-limit': S, 'request-timeout': S, 'max-group-size': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
       'redis-allow-weak-durability': { type: 'boolean' }, dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
@@ -116,6 +120,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
     idleTimeoutMs: (str('idle-timeout') === undefined ? 1800 : (flagValue(int(0), '--idle-timeout', str('idle-timeout')!) as number)) * 1000,
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
+    requestTimeoutMs: positiveInt('--request-timeout', str('request-timeout'), 60)! * 1000,
+    maxGroupSize: positiveInt('--max-group-size', str('max-group-size')),
     rateLimit: rate === undefined || rate === '0' ? 0 : positiveInt('--rate-limit', rate),
     redis: str('redis'),
     ...(weakDurability && { redisAllowWeakDurability: true }),

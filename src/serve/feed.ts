@@ -67,6 +67,8 @@ interface Step {
   /** lease ends (ms time) and clients of the micro-batches handed out, by id (known before packing on replay) */
   leases: Map<string, { until: number; client?: string }>;
   done: boolean;
+  /** restored done from a compacted log, which keeps no micro-batch ids */
+  compacted?: true;
 }
 
 /** A micro-batch handed to a trainer: its id (for the ack), its file bytes and its manifest entry. */
@@ -74,6 +76,15 @@ export interface Handout {
   id: string;
   bytes: Uint8Array;
   entry: Record<string, unknown>;
+}
+
+/** The answer to an acknowledgement: the micro-batch's step, whether it is done, and the trainer version. */
+export interface Acked {
+  step: number;
+  stepDone: boolean;
+  trainerVersion: number;
+  /** acknowledged before: this acknowledgement changed nothing */
+  repeated: boolean;
 }
 
 /** What the HTTP routes need of a trainer feed: the in-process Feed, or RedisFeed shared by many services. */
@@ -89,7 +100,8 @@ export interface TrainerFeed {
    * one client at a time, in plan order: see `nextPlanned`).
    */
   next(rank: number, waitMs: number, client?: string): Promise<Handout | undefined>;
-  ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }>;
+  /** acknowledges a micro-batch; acknowledging one again (a retry whose answer was lost) is answered, `repeated` */
+  ack(id: string): Promise<Acked>;
   /**
    * The producers are done with the groups numbered so far (the end of a rollout): those may form steps smaller
    * than groupsPerStep; groups numbered later wait for full steps again. Resolves to that bound.
@@ -240,7 +252,7 @@ export class Feed implements TrainerFeed {
       this.collector.complete(seq);
       this.collector.takeGroups([seq]);
     });
-    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [] };
+    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [], compacted: true };
   }
 
   private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
@@ -385,20 +397,21 @@ export class Feed implements TrainerFeed {
     return step.packing;
   }
 
-  async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
+  async ack(id: string): Promise<Acked> {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     const step = m ? this.steps[Number(m[1])] : undefined;
     // After a restart a step handed out before it is packed again at its first pull, or here, at its first ack.
     if (step && !step.done && !step.slots) await this.packStep(step);
     const slot = step?.slots?.find((s) => s.id === id);
-    if (step?.done && !slot) throw new PoolError(409, `micro-batch ${id} is already acknowledged (its step is done)`);
+    // Acknowledged before (a retry whose answer was lost): answered, as SQS answers a repeated delete. A step
+    // restored from a compacted log is done with its micro-batches forgotten: any of its ids was acknowledged.
+    if (step && (slot?.acked || step.acked.has(id) || (step.done && step.compacted))) return { step: step.n, stepDone: step.done, trainerVersion: this.version, repeated: true };
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
-    if (slot.acked) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
     if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);
     await this.append({ type: 'ack', id, of: step.slots!.length });
     this.markAcked(step, id);
     this.metrics.microBatches.inc({ event: 'acked' });
-    return { step: step.n, stepDone: step.done, trainerVersion: this.version };
+    return { step: step.n, stepDone: step.done, trainerVersion: this.version, repeated: false };
   }
 
   async depth(): Promise<{ ready: number; leased: number }> {

@@ -17,7 +17,7 @@ import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequ
 import { messagesPrompt, messagesRequest } from './messages.js';
 import { responsesRequest } from './responses.js';
 import { priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
-import { jsonEqual, Pool, PoolError, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
+import { checkId, jsonEqual, Pool, PoolError, recordDigest, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
@@ -111,6 +111,8 @@ function checkBody(kind: CallKind, body: unknown): Obj {
   return body;
 }
 
+const JSON_TYPE = 'application/json; charset=utf-8';
+
 /** The most choices one call may ask for: each is recorded, and they share the call's bound on the pool. */
 const MAX_N = 128;
 
@@ -135,6 +137,7 @@ async function callEngine(svc: GatewayCore, kind: CallKind, body: Obj): Promise<
 
 function engineFailure(svc: GatewayCore, e: Error): PoolError {
   if (e.name === 'TimeoutError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+  if (e.name === 'TruncatedError') return new PoolError(502, `the engine at ${svc.opts.engineUrl} ${e.message}`);
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
 
@@ -237,12 +240,19 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
   };
 }
 
-function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, requestId: string | undefined, meta: CallMeta): RecordedCall {
+/** A call's Idempotency-Key, the digest of its body and the answer it got: what a retry of it is checked against. */
+interface Retryable {
+  requestId: string;
+  requestDigest: string;
+  answer: { text: string; sse?: true };
+}
+
+function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, retry: Retryable | undefined, meta: CallMeta): RecordedCall {
   const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0]! };
   // n > 1: the other choices share the call's prompt, each one more branch of the episode's tree
   if (outputs.length > 1) call.siblings = outputs.slice(1);
   if (scope.agent !== undefined) call.agent = scope.agent;
-  if (requestId !== undefined) call.requestId = requestId;
+  if (retry !== undefined) Object.assign(call, retry);
   return call;
 }
 
@@ -308,11 +318,18 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
   const version = policyVersion(svc, req);
   const episode = svc.pool.episodes.get(scope.episode);
   const p = d.prepare(req.body, episode);
+  const digest = rid === undefined ? undefined : recordDigest(req.body as Obj);
   const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
   if (recorded) {
+    // The IETF Idempotency-Key draft (and Stripe): a key reused for another request is the client's error.
+    if (recorded.requestDigest !== undefined && recorded.requestDigest !== digest) {
+      throw new PoolError(422, `header "Idempotency-Key" ${JSON.stringify(rid)} was used by call ${recorded.id} of episode ${JSON.stringify(scope.episode)} with another request body: a new request needs a new key`, 'idempotency_key_reused');
+    }
     svc.metrics.calls.inc({ endpoint, outcome: 'replayed' });
-    const r = p.replay(recorded);
     reply.header('x-treepack-replayed', 'true');
+    if (recorded.answer) return reply.header('content-type', recorded.answer.sse ? 'text/event-stream' : JSON_TYPE).send(recorded.answer.text);
+    // recorded by a service that kept no answers: rebuilt from the record
+    const r = p.replay(recorded);
     return 'json' in r ? reply.send(r.json) : reply.header('content-type', 'text/event-stream').send(r.sse);
   }
   svc.admit();
@@ -328,9 +345,10 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
     if (d.anthropic) throw new PoolError(res.status, `the engine refused the call: ${engineMessage(text)}`);
     return reply.code(res.status).header('content-type', res.contentType ?? 'application/json').send(text);
   }
-  const commit = async (outputs: EngineOutput[]) => {
+  const commit = async (outputs: EngineOutput[], answer: () => string) => {
     p.complete(outputs, meta);
-    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(d.kind, scope, p.request, outputs, version, rid, meta) });
+    const retry = rid === undefined ? undefined : { requestId: rid, requestDigest: digest!, answer: p.stream ? { text: answer(), sse: true as const } : { text: answer() } };
+    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(d.kind, scope, p.request, outputs, version, retry, meta) });
     svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
   };
   if (!p.stream) {
@@ -345,10 +363,10 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
     }
     const outputs = parseResponse(d.kind, json, p.n);
     // built before the call is recorded: an output the API cannot carry is refused, not recorded
-    const answer = p.answer(json as Obj, outputs, meta);
-    await commit(outputs);
+    const answer = JSON.stringify(p.answer(json as Obj, outputs, meta));
+    await commit(outputs, () => answer);
     svc.metrics.latency.observe({ endpoint }, (performance.now() - tBack + (tEngine - t0)) / 1000);
-    return reply.send(answer);
+    return reply.header('content-type', JSON_TYPE).send(answer);
   }
   return stream(svc, new StreamAccumulator(d.kind, p.n), p.writer(meta), res, reply, commit, { t0, tEngine, endpoint });
 }
@@ -370,12 +388,14 @@ async function stream(
   w: StreamWriter,
   res: Upstream,
   reply: FastifyReply,
-  commit: (o: EngineOutput[]) => Promise<void>,
+  commit: (o: EngineOutput[], answer: () => string) => Promise<void>,
   t: { t0: number; tEngine: number; endpoint: string },
 ): Promise<void> {
   let done = false;
   let failure: Error | undefined;
   const out: string[] = [];
+  /** what the client was sent, for a retry's replay */
+  const sent: string[] = [];
   const parser = createParser({
     onEvent(ev: EventSourceMessage) {
       if (failure) return;
@@ -399,7 +419,11 @@ async function stream(
   try {
     for await (const piece of res.body as AsyncIterable<Uint8Array>) {
       parser.feed(decoder.decode(piece, { stream: true }));
-      if (out.length) raw.write(out.splice(0).join(''));
+      if (out.length) {
+        const piece = out.splice(0).join('');
+        sent.push(piece);
+        raw.write(piece);
+      }
       if (failure) break;
     }
   } catch (err) {
@@ -411,7 +435,7 @@ async function stream(
   if (!failure) {
     try {
       tail = w.end(); // before the call is recorded: an output the API cannot carry is refused, not recorded
-      await commit(acc.result());
+      await commit(acc.result(), () => sent.join('') + tail);
     } catch (err) {
       failure = err as Error;
     }
@@ -426,7 +450,7 @@ async function stream(
   raw.end(tail);
 }
 
-function finishBody(body: unknown): { reward: number; metadata?: Obj; group_size?: number } {
+function finishBody(body: unknown, maxGroupSize: number): { reward: number; metadata?: Obj; group_size?: number } {
   if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object {"reward": number, "metadata"?: object}, got ${describeValue(body)}`);
   if (typeof body.reward !== 'number' || !Number.isFinite(body.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(body.reward)}`);
   const out: { reward: number; metadata?: Obj; group_size?: number } = { reward: body.reward };
@@ -435,7 +459,9 @@ function finishBody(body: unknown): { reward: number; metadata?: Obj; group_size
     out.metadata = body.metadata;
   }
   if (body.group_size !== undefined && body.group_size !== null) {
-    if (!Number.isSafeInteger(body.group_size) || (body.group_size as number) < 1) throw new PoolError(400, `field "group_size": expected an integer >= 1, got ${describeValue(body.group_size)}`);
+    if (!Number.isSafeInteger(body.group_size) || (body.group_size as number) < 1 || (body.group_size as number) > maxGroupSize) {
+      throw new PoolError(400, `field "group_size": expected an integer in 1..${maxGroupSize} (the service's --max-group-size), got ${describeValue(body.group_size)}`);
+    }
     out.group_size = body.group_size as number;
   }
   return out;
@@ -503,7 +529,9 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const b = (req.body ?? {}) as unknown;
     if (!isObj(b)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(b)}`);
     for (const f of ['episode_id', 'agent', 'group'] as const) {
-      if (b[f] !== undefined && (typeof b[f] !== 'string' || b[f] === '')) throw new PoolError(400, `field "${f}": expected a non-empty string, got ${describeValue(b[f])}`);
+      if (b[f] === undefined) continue;
+      if (typeof b[f] !== 'string') throw new PoolError(400, `field "${f}": expected a string id, got ${describeValue(b[f])}`);
+      checkId(`field "${f}"`, b[f]);
     }
     const scope: Scope = { episode: (b.episode_id as string | undefined) ?? Pool.newId() };
     if (b.agent !== undefined) scope.agent = b.agent as string;
@@ -539,7 +567,11 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
   app.post('/v1/episodes/:id/finish', SCOPED, async (req) => {
     const { id } = req.params as { id: string };
     confine(svc, req, id);
-    const b = finishBody(req.body);
+    const b = finishBody(req.body, svc.opts.maxGroupSize);
+    // A group may hold other tenants' episodes: its size is the orchestrator's to set (the service token, or any
+    // caller of a loopback service without one), never one agent's.
+    const key = keyScope(svc, req);
+    if (key && b.group_size !== undefined) throw outOfScope(key, 'field "group_size" is set by the service token, not by an episode\'s key');
     const ep = svc.pool.episodes.get(id);
     if (ep?.finished && ep.reward === b.reward && jsonEqual(ep.metadata ?? null, b.metadata ?? null) && (b.group_size === undefined || b.group_size === svc.pool.groups.get(ep.group)!.size)) {
       return { episode_id: id, ...groupAnswer(svc, ep.group, undefined), abandoned: false };
@@ -555,7 +587,8 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const { id } = req.params as { id: string };
     confine(svc, req, id);
     const b = (req.body ?? {}) as unknown;
-    if (!isObj(b) || (b.group !== undefined && (typeof b.group !== 'string' || b.group === ''))) throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
+    if (!isObj(b) || (b.group !== undefined && typeof b.group !== 'string')) throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
+    if (b.group !== undefined) checkId('field "group"', b.group as string);
     const key = keyScope(svc, req);
     if (key && b.group !== undefined && b.group !== key.group) throw outOfScope(key, `not group ${JSON.stringify(b.group)}`);
     return abandon(svc, id, groupOf(svc, id, b.group as string | undefined), 'abandoned');

@@ -7,13 +7,15 @@ import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from
 import { TreepackError } from '../errors.js';
 import { EngineError } from './engine.js';
 import { bearer } from './gateway.js';
-import { PoolError } from './pool.js';
+import { checkId, PoolError } from './pool.js';
 import type { Recorder } from './recorder.js';
 
 /** What these routes use of the recording core. */
 export type HttpCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'shared' | 'broken' | 'recordStats' | 'keyScope'>;
 
 const OPEN_ROUTES = new Set(['/healthz']);
+/** the headers that name an episode, its group or its agent */
+const ID_HEADERS = ['x-treepack-episode', 'x-treepack-group', 'x-treepack-agent'];
 
 function sameSecret(a: string, b: string): boolean {
   const x = Buffer.from(a);
@@ -64,6 +66,9 @@ export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: F
 export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   app.setErrorHandler((err, req: FastifyRequest, reply: FastifyReply) => {
     const { status, body } = errorReply(err, svc.opts.bodyLimit);
+    if ((err as FastifyError).code === 'FST_ERR_CTP_INVALID_MEDIA_TYPE') {
+      body.error.message = `header "content-type": the service reads JSON bodies (application/json), got ${JSON.stringify(req.headers['content-type'] ?? null)}`;
+    }
     // The rate limiter's own Retry-After (the window's seconds left) stands; the pool's bound frees in seconds.
     if (status === 429 && !reply.hasHeader('retry-after')) reply.header('retry-after', '1');
     if (status !== 429 && status >= 400 && status < 500) svc.metrics.rejected.inc({ reason: `http_${status}` });
@@ -92,6 +97,15 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     if (token === undefined) return;
     if (got === undefined) throw new PoolError(401, 'missing credentials: this service requires Authorization: Bearer <its --token, or a scoped API key from POST /v1/episodes>');
     throw new PoolError(401, `wrong bearer token: neither this service's --token nor a scoped API key of ${svc.shared ? 'its shared pool' : 'this service'}`);
+  });
+
+  // Every id a request names in its path or headers, checked once for every route (bodies' ids by their routes).
+  app.addHook('onRequest', async (req) => {
+    for (const [name, v] of Object.entries((req.params ?? {}) as Record<string, string>)) checkId(`path parameter "${name}"`, v);
+    for (const h of ID_HEADERS) {
+      const v = req.headers[h];
+      if (v !== undefined) checkId(`header "${h}"`, Array.isArray(v) ? v.join(', ') : v);
+    }
   });
 
   app.get('/healthz', async (_req, reply) => {
@@ -129,7 +143,7 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   app.post('/v1/batches/:id/ack', async (req) => {
     const { id } = req.params as { id: string };
     const r = await svc.feed.ack(id);
-    return { id, step: r.step, step_done: r.stepDone, trainer_version: r.trainerVersion };
+    return { id, step: r.step, step_done: r.stepDone, trainer_version: r.trainerVersion, repeated: r.repeated };
   });
 
   /** The producers are done with the groups numbered so far: those may form steps smaller than --groups-per-step. */

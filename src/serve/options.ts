@@ -49,6 +49,13 @@ export interface ServiceOptions {
    * episodes are given up and it is trained with its finished ones (0: never). Default 30 minutes.
    */
   idleTimeoutMs?: number;
+  /** the largest group size a finish (`group_size`) or slime's `num_repeat_per_sample` may set. Default 1024. */
+  maxGroupSize?: number;
+  /**
+   * how long a client may take to send a request's headers and body, in ms (not the engine's answer: a long
+   * generation is never cut); a slower client gets 408 and its socket is closed. Default 60 s.
+   */
+  requestTimeoutMs?: number;
 }
 
 type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn';
@@ -74,6 +81,8 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     rateLimit: o.rateLimit ?? 0,
     compactBytes: o.compactBytes ?? 64 << 20,
     idleTimeoutMs: o.idleTimeoutMs ?? 1_800_000,
+    maxGroupSize: o.maxGroupSize ?? 1024,
+    requestTimeoutMs: o.requestTimeoutMs ?? 60_000,
     packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
@@ -96,9 +105,10 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     if (r.token !== undefined) throw argError('token', 'a non-empty bearer token', r.token);
     throw new TreepackError('E_ARG', `a service bound to ${r.host}, not loopback, needs a bearer token (option token; --token T or TREEPACK_SERVE_TOKEN for the CLI): every request must authenticate`);
   }
-  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes'] as const) {
+  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes', 'maxGroupSize', 'requestTimeoutMs'] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
+  if (r.groupSize > r.maxGroupSize) throw argError('groupSize', `an integer <= maxGroupSize (${r.maxGroupSize})`, r.groupSize);
   if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0) throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
   if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step

@@ -35,6 +35,10 @@ export interface RecordedCall {
   agent?: string;
   /** the client's Idempotency-Key header */
   requestId?: string;
+  /** with requestId: the SHA-256 of the request body (recordDigest), so a key reused for another body is refused */
+  requestDigest?: string;
+  /** with requestId: the answer's body as the client got it (an SSE stream whole), so a retry gets it byte for byte */
+  answer?: { text: string; sse?: true };
   time: number;
   policyVersion: number;
   request: CallRequest;
@@ -170,9 +174,20 @@ export function groupName(key: string): string {
   return i < 0 ? key : key.slice(0, i);
 }
 
-/** Refuses an id a client chose that holds the round separator (400, naming the field). */
-export function checkId(field: string, id: string): void {
-  if (id.includes(ROUND_SEP)) throw new PoolError(400, `${field} ${JSON.stringify(id)}: an id may not hold the character U+0000`);
+/** The longest id a client may choose (episode, group, agent): as long as a path parameter may be. */
+export const MAX_ID_LENGTH = 100;
+
+/**
+ * The one check of an id a client chose, from a path, a header or a body (400, naming where it came from): at most
+ * MAX_ID_LENGTH characters, not blank, no control characters (which include the round separator: they would make
+ * logs, metrics and the records' ids ambiguous).
+ */
+export function checkId(field: string, id: string): string {
+  const shown = id.length > 40 ? `${JSON.stringify(id.slice(0, 40))}...` : JSON.stringify(id);
+  if (id.length > MAX_ID_LENGTH) throw new PoolError(400, `${field} ${shown}: an id is at most ${MAX_ID_LENGTH} characters, got ${id.length}`);
+  if (id.trim() === '') throw new PoolError(400, `${field} ${shown}: an id may not be empty or blank`);
+  if (/\p{Cc}/u.test(id)) throw new PoolError(400, `${field} ${shown}: an id may not hold control characters (U+0000 to U+001F, U+007F to U+009F)`);
+  return id;
 }
 
 const ID_PREFIX = randomBytes(12).toString('base64url') + '-';

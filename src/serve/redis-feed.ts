@@ -15,14 +15,15 @@
  * - Hand-out. Each rank's stream has the consumer group `trainers`: a micro-batch is handed out by XREADGROUP,
  *   and one pending longer than the lease (its trainer died or stalled) is handed out again by XAUTOCLAIM.
  * - Acknowledgement. One script XACKs and deletes the entry and counts the step down; the last acknowledgement
- *   advances the trainer version. Acknowledging twice, or a micro-batch never handed out, is refused.
+ *   advances the trainer version. Acknowledging again (a retry whose answer was lost) is answered as done, as SQS
+ *   does; a micro-batch never handed out is refused.
  *
  * With Redis's append-only file fsync'd on every write (`--appendfsync always`), a Redis restart loses nothing
  * acknowledged, and no micro-batch acknowledged is handed out again.
  */
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
-import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
+import { handoutEntry, oldestPolicy, PackerUnavailable, type Acked, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
 import type { Metrics } from './metrics.js';
 import { groupName, Pool, PoolError, type Episode } from './pool.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
@@ -81,27 +82,32 @@ return 1
 `,
   /**
    * ARGV: prefix, micro-batch id → {status, trainer version}; status 1: the step is done, 0: acknowledged,
-   * -1: unknown, -2: acknowledged before, -3: not handed out.
+   * 2: acknowledged before (its step done), 3: acknowledged before (its step not done), -1: unknown, -3: not handed
+   * out. A done step keeps its count (`step:n`, left 0) for GONE_TTL_S, so a retried ack is known as one.
    */
   tpAck: `
 local p, id = ARGV[1], ARGV[2]
+local step, i = string.match(id, '^(%d+)%.(%d+)$')
+local sk = p .. 'step:' .. step
 local v = redis.call('HGET', p .. 'mb', id)
-if not v then return {-1, 0} end
-if v == 'acked' then return {-2, 0} end
+if not v then
+  local left, count = unpack(redis.call('HMGET', sk, 'left', 'count'))
+  if left == '0' and tonumber(i) < tonumber(count) then return {2, tonumber(redis.call('GET', p .. 'version') or '0')} end
+  return {-1, 0}
+end
+if v == 'acked' then return {3, tonumber(redis.call('GET', p .. 'version') or '0')} end
 local rank, sid = string.match(v, '^(%d+) (.+)$')
 local key = p .. 'mb:' .. rank
 if #redis.call('XPENDING', key, '${TRAINERS}', sid, sid, 1) == 0 then return {-3, 0} end
 redis.call('XACK', key, '${TRAINERS}', sid)
 redis.call('XDEL', key, sid)
 redis.call('HSET', p .. 'mb', id, 'acked')
-local step = string.match(id, '^(%d+)%.')
-local sk = p .. 'step:' .. step
 if redis.call('HINCRBY', sk, 'left', -1) > 0 then
   return {0, tonumber(redis.call('GET', p .. 'version') or '0')}
 end
 local count = tonumber(redis.call('HGET', sk, 'count'))
-for i = 0, count - 1 do redis.call('HDEL', p .. 'mb', step .. '.' .. i) end
-redis.call('DEL', sk)
+for j = 0, count - 1 do redis.call('HDEL', p .. 'mb', step .. '.' .. j) end
+redis.call('EXPIRE', sk, ${GONE_TTL_S})
 return {1, redis.call('INCR', p .. 'version')}
 `,
   /**
@@ -320,16 +326,16 @@ export class RedisFeed implements TrainerFeed {
     return { id: at.id, bytes: new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength), entry: handoutEntry(at.packed, at, this.version, this.opts.leaseMs, this.metrics, reissued) };
   }
 
-  async ack(id: string): Promise<{ step: number; stepDone: boolean; trainerVersion: number }> {
+  async ack(id: string): Promise<Acked> {
     const m = /^(\d+)\.(\d+)$/.exec(id);
     if (!m) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     const [status, version] = (await this.shared.guard(this.shared.script('tpAck', id))) as number[];
-    if (status === -1) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)} (or its step is done)`);
-    if (status === -2) throw new PoolError(409, `micro-batch ${id} is already acknowledged`);
+    if (status === -1) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (status === -3) throw new PoolError(409, `micro-batch ${id} was not handed out`);
-    this.version = version!;
-    this.metrics.microBatches.inc({ event: 'acked' });
-    return { step: Number(m[1]), stepDone: status === 1, trainerVersion: this.version };
+    this.version = Math.max(this.version, version!);
+    const repeated = status === 2 || status === 3;
+    if (!repeated) this.metrics.microBatches.inc({ event: 'acked' });
+    return { step: Number(m[1]), stepDone: status === 1 || status === 2, trainerVersion: this.version, repeated };
   }
 
   async takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined> {

@@ -214,7 +214,12 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
  */
 export function episodeJson(ep: Episode): string {
   const { requests: _byRequest, ...rest } = ep; // rebuilt from the calls' request ids where needed
-  return JSON.stringify({ ...rest, agents: [...ep.agents], calls: ep.calls.map((c, i) => continuing(ep.calls, i, c)) });
+  // a call's answer kept for retries stays with its gateway: the pool's consumers never read it
+  const calls = ep.calls.map((c, i) => {
+    const { answer: _answer, ...logged } = continuing(ep.calls, i, c);
+    return logged;
+  });
+  return JSON.stringify({ ...rest, agents: [...ep.agents], calls });
 }
 
 export function episodeFromJson(s: string): Episode {

@@ -6,6 +6,7 @@
 import Fastify, { type FastifyInstance } from 'fastify';
 import rateLimit from '@fastify/rate-limit';
 import { TreepackError } from '../errors.js';
+import { registerBodyParser } from './body.js';
 import type { TrainerFeed } from './feed.js';
 import { registerGateway } from './gateway.js';
 import { frameworkError, registerHttp } from './http.js';
@@ -24,7 +25,18 @@ export class Service {
   readonly app: FastifyInstance;
 
   private constructor(readonly recorder: Recorder) {
-    this.app = Fastify({ bodyLimit: recorder.opts.bodyLimit, logger: false, forceCloseConnections: true, frameworkErrors: frameworkError });
+    const { bodyLimit, requestTimeoutMs } = recorder.opts;
+    this.app = Fastify({
+      bodyLimit,
+      logger: false,
+      forceCloseConnections: true,
+      frameworkErrors: frameworkError,
+      // A client has requestTimeoutMs for its headers and body, then gets 408 and its socket is closed; the wait
+      // for the engine's answer is not counted (--engine-timeout bounds it). Node checks open requests on an
+      // interval, so a slow sender is cut within the timeout and a quarter of it.
+      requestTimeout: requestTimeoutMs,
+      http: { headersTimeout: requestTimeoutMs, connectionsCheckingInterval: Math.max(50, Math.min(30_000, Math.floor(requestTimeoutMs / 4))) },
+    });
   }
 
   get opts(): ResolvedServiceOptions {
@@ -54,6 +66,7 @@ export class Service {
     try {
       // A health probe is never limited: a limited one would report a healthy service down.
       if (recorder.opts.rateLimit > 0) await svc.app.register(rateLimit, { max: recorder.opts.rateLimit, timeWindow: 60_000, allowList: (req) => req.url.split('?')[0] === '/healthz' });
+      registerBodyParser(svc.app);
       registerHttp(svc.app, recorder);
       registerGateway(svc.app, recorder);
       registerSlime(svc.app, recorder);

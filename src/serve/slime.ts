@@ -17,7 +17,7 @@ import { checkId, PoolError, recordDigest, type Episode } from './pool.js';
 import type { Recorder } from './recorder.js';
 
 /** What these routes use of the recording core. */
-export type SlimeCore = Pick<Recorder, 'pool' | 'feed' | 'metrics' | 'shared' | 'commit' | 'admit'>;
+export type SlimeCore = Pick<Recorder, 'pool' | 'feed' | 'metrics' | 'shared' | 'commit' | 'admit' | 'opts'>;
 
 type Obj = Record<string, unknown>;
 const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -60,7 +60,9 @@ export function registerSlime(app: FastifyInstance, svc: SlimeCore): void {
     const b = req.body;
     if (!isObj(b)) throw new PoolError(400, `request body: expected slime's start_rollout payload, got ${describeValue(b)}`);
     const n = Number(b.num_repeat_per_sample);
-    if (!Number.isSafeInteger(n) || n < 1) throw new PoolError(400, `field "num_repeat_per_sample": expected an integer >= 1 (as a string or number), got ${describeValue(b.num_repeat_per_sample)}`);
+    if (!Number.isSafeInteger(n) || n < 1 || n > svc.opts.maxGroupSize) {
+      throw new PoolError(400, `field "num_repeat_per_sample": expected an integer in 1..${svc.opts.maxGroupSize} (as a string or number; the service's --max-group-size), got ${describeValue(b.num_repeat_per_sample)}`);
+    }
     await svc.commit({ type: 'group-size', size: n });
     return { message: 'Rollout started' };
   });

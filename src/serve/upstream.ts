@@ -39,14 +39,20 @@ export function postUpstream(url: string, body: string, headers: Record<string, 
           contentType: res.headers['content-type'],
           body: res,
           text: async () => {
-            let s = '';
-            res.setEncoding('utf8');
+            const pieces: Buffer[] = [];
+            let got = 0;
             try {
-              for await (const piece of res) s += piece as string;
+              for await (const piece of res) {
+                pieces.push(piece as Buffer);
+                got += (piece as Buffer).length;
+              }
             } catch (err) {
-              throw timedOut ? timeout() : err;
+              if (timedOut) throw timeout();
+              // the engine (or the network) closed the connection mid-answer: say so, not a bare "aborted"
+              const of = res.headers['content-length'] === undefined ? '' : ` of the ${res.headers['content-length']} it announced`;
+              throw Object.assign(new Error(`closed the connection after ${got} bytes of its answer${of} (${(err as Error).message}): the answer is truncated`), { name: 'TruncatedError' });
             }
-            return s;
+            return Buffer.concat(pieces, got).toString('utf8');
           },
           timedOut: () => timedOut,
         });

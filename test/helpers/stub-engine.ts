@@ -21,6 +21,8 @@ export interface StubEngine {
   mode: StubMode;
   /** when set, requests must carry it as their bearer token (401 otherwise) */
   apiKey?: string;
+  /** when set, each answer waits this long (a long generation) */
+  delayMs?: number;
   /** with `record`: every chat or completion request body as received, and what each choice generated */
   requests: Record<string, unknown>[];
   produced: { prompt_token_ids: number[]; token_ids: number[]; logprobs: number[] }[];
@@ -48,7 +50,8 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
   const server = createServer((req, res) => {
     let body = '';
     req.on('data', (d: Buffer) => (body += d.toString()));
-    req.on('end', () => {
+    req.on('end', () => (stub.delayMs ? setTimeout(answer, stub.delayMs) : answer()));
+    const answer = () => {
       const n = stub.calls++;
       const send = (code: number, text: string, type = 'application/json') => {
         res.writeHead(code, { 'content-type': type, 'content-length': Buffer.byteLength(text) });
@@ -149,7 +152,7 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const json: Obj = { id: `c${n}`, object: chat ? 'chat.completion' : 'text_completion', model: 'stub', choices: out, usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } };
       if (wantIds) json.prompt_token_ids = promptIds;
       send(200, JSON.stringify(json));
-    });
+    };
   });
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
   stub.server = server;
