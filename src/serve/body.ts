@@ -31,17 +31,19 @@ export function tooDeep(value: unknown, max = MAX_DEPTH): string | undefined {
  * UTF-8 check, with the nesting checked after: a body of another content type is refused with 415.
  */
 export function registerBodyParser(app: FastifyInstance): void {
-  const json = app.getDefaultJsonParser('error', 'error') as (req: FastifyRequest, body: string, done: (err: Error | null, body?: unknown) => void) => void;
+  type Parse = (req: FastifyRequest, body: string, done: (err: Error | null, body?: unknown) => void) => void;
+  const json = app.getDefaultJsonParser('error', 'error') as Parse;
   app.removeAllContentTypeParsers();
   // application/json, and any application/...+json, with or without parameters (charset)
   app.addContentTypeParser(/^application\/(?:[\w.+-]+\+)?json(?:;|$)/, { parseAs: 'buffer' }, (req: FastifyRequest, raw: Buffer, done) => {
     if (!isUtf8(raw)) {
       const at = firstInvalidUtf8(raw);
-      return done(new PoolError(400, `request body: invalid UTF-8 at byte ${at}; send it as UTF-8 (the service records text as sent, it does not replace bad bytes)`), undefined);
+      const why = `request body: invalid UTF-8 at byte ${at}; send it as UTF-8 (the service records text as sent, it does not replace bad bytes)`;
+      return done(new PoolError(400, why), undefined);
     }
     json(req, raw.toString('utf8'), (err, body) => {
       const deep = err ? undefined : tooDeep(body);
-      if (deep !== undefined) return done(new PoolError(400, `field "${deep}": nested more than ${MAX_DEPTH} levels deep (objects and lists)`), undefined);
+      if (deep !== undefined) return done(new PoolError(400, `field "${deep}": nested more than ${MAX_DEPTH} levels deep (lists and objects)`), undefined);
       done(err, body);
     });
   });

@@ -252,7 +252,9 @@ export class Feed implements TrainerFeed {
       this.collector.complete(seq);
       this.collector.takeGroups([seq]);
     });
-    for (let n = 0; n < s.steps; n++) this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [], compacted: true };
+    for (let n = 0; n < s.steps; n++) {
+      this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [], compacted: true };
+    }
   }
 
   private addStep(n: number, groups: number[], logged = Promise.resolve()): void {
@@ -405,7 +407,9 @@ export class Feed implements TrainerFeed {
     const slot = step?.slots?.find((s) => s.id === id);
     // Acknowledged before (a retry whose answer was lost): answered, as SQS answers a repeated delete. A step
     // restored from a compacted log is done with its micro-batches forgotten: any of its ids was acknowledged.
-    if (step && (slot?.acked || step.acked.has(id) || (step.done && step.compacted))) return { step: step.n, stepDone: step.done, trainerVersion: this.version, repeated: true };
+    if (step && (slot?.acked || step.acked.has(id) || (step.done && step.compacted))) {
+      return { step: step.n, stepDone: step.done, trainerVersion: this.version, repeated: true };
+    }
     if (!step || !slot) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (slot.leasedUntil === 0) throw new PoolError(409, `micro-batch ${id} was not handed out`);
     await this.append({ type: 'ack', id, of: step.slots!.length });

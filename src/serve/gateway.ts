@@ -323,7 +323,8 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
   if (recorded) {
     // The IETF Idempotency-Key draft (and Stripe): a key reused for another request is the client's error.
     if (recorded.requestDigest !== undefined && recorded.requestDigest !== digest) {
-      throw new PoolError(422, `header "Idempotency-Key" ${JSON.stringify(rid)} was used by call ${recorded.id} of episode ${JSON.stringify(scope.episode)} with another request body: a new request needs a new key`, 'idempotency_key_reused');
+      const why = `header "Idempotency-Key" ${JSON.stringify(rid)} was used by call ${recorded.id} of episode ${JSON.stringify(scope.episode)}`;
+      throw new PoolError(422, `${why} with another request body: a new request needs a new key`, 'idempotency_key_reused');
     }
     svc.metrics.calls.inc({ endpoint, outcome: 'replayed' });
     reply.header('x-treepack-replayed', 'true');
@@ -347,7 +348,9 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
   }
   const commit = async (outputs: EngineOutput[], answer: () => string) => {
     p.complete(outputs, meta);
-    const retry = rid === undefined ? undefined : { requestId: rid, requestDigest: digest!, answer: p.stream ? { text: answer(), sse: true as const } : { text: answer() } };
+    // only a call a client may retry keeps its answer
+    const kept = () => (p.stream ? { text: answer(), sse: true as const } : { text: answer() });
+    const retry = rid === undefined ? undefined : { requestId: rid, requestDigest: digest!, answer: kept() };
     await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(d.kind, scope, p.request, outputs, version, retry, meta) });
     svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
   };
