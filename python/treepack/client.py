@@ -75,13 +75,14 @@ class FeedClient:
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", "Bearer " + self.token)
-        for attempt in range(retries + 1):
-            last = attempt == retries
+        attempt = 0
+        while True:
             try:
                 return urllib.request.urlopen(req, timeout=timeout)
             except urllib.error.HTTPError as e:
-                if not last and e.code in (502, 503, 504):
+                if attempt < retries and e.code in (502, 503, 504):
                     time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    attempt += 1
                     continue
                 try:
                     message = json.loads(e.read())["error"]["message"]
@@ -89,14 +90,14 @@ class FeedClient:
                     message = e.reason
                 raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
             except (urllib.error.URLError, OSError) as e:
-                if not last:
+                if attempt < retries:
                     time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    attempt += 1
                     continue
                 # down, restarting, or unreachable: the same error type as a refusal, saying which service
                 reason = getattr(e, "reason", e)
                 raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
                                             "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
-        raise AssertionError("unreachable")
 
     def next(self) -> Optional[FeedMicroBatch]:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""

@@ -549,7 +549,9 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const { id } = req.params as { id: string };
     const ep = svc.pool.episodes.get(id);
     if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
-    return { episode_id: ep.id, group: ep.group, agents: [...ep.agents], finished: ep.finished, abandoned: ep.abandoned ?? null, reward: ep.reward ?? null, metadata: ep.metadata ?? null, calls: ep.calls };
+    // a call's answer kept for retries is what the client got, not part of the recorded call
+    const calls = ep.calls.map(({ answer: _answer, ...call }) => call);
+    return { episode_id: ep.id, group: ep.group, agents: [...ep.agents], finished: ep.finished, abandoned: ep.abandoned ?? null, reward: ep.reward ?? null, metadata: ep.metadata ?? null, calls };
   });
 
   /** The episode as the JSONL records the trainer feed packs (what `treepack pack` would read for it). */
