@@ -30,6 +30,8 @@ const CALL: Fields = {
   output: 'object',
   agent: 'string?',
   requestId: 'string?',
+  requestDigest: 'string?',
+  answer: 'object?',
   siblings: 'array?',
 };
 const REQUEST: Fields = { messages: 'array?', tools: 'array?', prompt: 'string?', from: 'string?', keep: 'int?', sameTools: 'boolean?' };
