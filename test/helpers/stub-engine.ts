@@ -17,6 +17,7 @@ export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 
 export interface StubEngine {
   url: string;
   server: Server;
+  /** requests answered, the model list's aside */
   calls: number;
   mode: StubMode;
   /** when set, requests must carry it as their bearer token (401 otherwise) */
@@ -52,7 +53,8 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
     req.on('data', (d: Buffer) => (body += d.toString()));
     req.on('end', () => (stub.delayMs ? setTimeout(answer, stub.delayMs) : answer()));
     const answer = () => {
-      const n = stub.calls++;
+      // the model list is not a call: the service lists the models at each start-up
+      const n = req.method === 'GET' && req.url === '/v1/models' ? stub.calls : stub.calls++;
       const send = (code: number, text: string, type = 'application/json') => {
         res.writeHead(code, { 'content-type': type, 'content-length': Buffer.byteLength(text) });
         res.end(text);
