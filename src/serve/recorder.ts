@@ -45,6 +45,8 @@ export class Recorder {
   private claimed = new Set<string>();
   /** the models the engine listed at start-up; undefined: it did not answer with a list (a warning said why) */
   engineModels: string[] | undefined;
+  /** The start-up check of the engine, said by `checkEngine` once the service listens: a start-up failure stays one line. */
+  private engineCheck: Promise<string[] | Error> = Promise.resolve([]);
   /** whether a call without token ids was warned about (once: the metric counts them) */
   private warnedUntokenized = false;
 
@@ -83,9 +85,7 @@ export class Recorder {
       await packer.close();
       throw err;
     }
-    const listed = await models;
-    if (listed instanceof Error) svc.warn(`${listed.message}; calls answer 502 until it does`);
-    else svc.engineModels = listed;
+    svc.engineCheck = models;
     try {
       await svc.start();
     } catch (err) {
@@ -94,6 +94,13 @@ export class Recorder {
       throw err;
     }
     return svc;
+  }
+
+  /** Says what the start-up check found of the engine: its models, or a warning. */
+  async checkEngine(): Promise<void> {
+    const listed = await this.engineCheck;
+    if (listed instanceof Error) this.warn(`${listed.message}; calls answer 502 until it does`);
+    else this.engineModels = listed;
   }
 
   private async start(): Promise<void> {

@@ -80,7 +80,9 @@ export class Service {
   async listen(): Promise<string> {
     const { host, port } = this.opts;
     try {
-      return await this.app.listen({ host, port });
+      const url = await this.app.listen({ host, port });
+      await this.recorder.checkEngine();
+      return url;
     } catch (err) {
       const code = (err as NodeJS.ErrnoException).code;
       if (code === 'EADDRINUSE') throw new TreepackError('E_IO', `port ${port} on ${host} is in use (another service?): choose another with --port`);
