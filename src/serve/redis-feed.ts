@@ -22,9 +22,10 @@
  */
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
-import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
+import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackedOut, type PackFn, type TrainerFeed } from './feed.js';
 import type { Metrics } from './metrics.js';
 import { groupName, Pool, PoolError, type Episode } from './pool.js';
+import { QUARANTINE_FEED_LIST, QUARANTINE_LIST_MAX, summary, type Quarantined, type QuarantineEntry, type QuarantineSummary } from './quarantine.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
 const TRAINERS = 'trainers';
@@ -35,8 +36,9 @@ const TRIM_SCAN = 64;
 
 const SCRIPTS = {
   /**
-   * ARGV: prefix, step n, group ids JSON, group seqs JSON, whole (1/0), then per micro-batch rank, id, entry JSON,
-   * bytes → 1 when published, 0 when step n exists already.
+   * ARGV: prefix, step n, group ids JSON, group seqs JSON, whole (1/0), the step's quarantine entries (a JSON list
+   * of their JSON texts), then per micro-batch rank, id, entry JSON, bytes → 1 when published, 0 when step n exists
+   * already.
    */
   tpPublish: `
 local p, n = ARGV[1], tonumber(ARGV[2])
@@ -66,9 +68,15 @@ while not keep do
   from = '(' .. es[#es][1]
 end
 if keep then redis.call('XTRIM', p .. 'groups', 'MINID', keep) else redis.call('XTRIM', p .. 'groups', 'MAXLEN', 0) end
-local count = (#ARGV - 5) / 4
+local dead = cjson.decode(ARGV[6])
+for _, e in ipairs(dead) do redis.call('RPUSH', p .. 'quarantine', e) end
+if #dead > 0 then
+  redis.call('LTRIM', p .. 'quarantine', -${QUARANTINE_LIST_MAX}, -1)
+  redis.call('INCRBY', p .. 'quarantined', #dead)
+end
+local count = (#ARGV - 6) / 4
 for i = 0, count - 1 do
-  local k = 6 + i * 4
+  local k = 7 + i * 4
   local sid = redis.call('XADD', p .. 'mb:' .. ARGV[k], '*', 'id', ARGV[k + 1], 'entry', ARGV[k + 2], 'bytes', ARGV[k + 3])
   redis.call('HSET', p .. 'mb', ARGV[k + 1], ARGV[k] .. ' ' .. sid)
 end
@@ -164,6 +172,8 @@ export class RedisFeed implements TrainerFeed {
     private readonly opts: FeedOptions,
     private readonly pack: PackFn,
     private readonly metrics: Metrics,
+    /** counts and logs entries newly quarantined */
+    private readonly report: (entries: QuarantineEntry[]) => void,
   ) {
     this.collector = new Collector(opts.policy);
     shared.define(SCRIPTS);
@@ -174,8 +184,8 @@ export class RedisFeed implements TrainerFeed {
     this.version = Number((await this.redis.get(`${PREFIX}version`)) ?? 0);
   }
 
-  static async open(shared: RedisPool, opts: FeedOptions, pack: PackFn, metrics: Metrics): Promise<RedisFeed> {
-    const feed = new RedisFeed(shared, opts, pack, metrics);
+  static async open(shared: RedisPool, opts: FeedOptions, pack: PackFn, metrics: Metrics, report: (entries: QuarantineEntry[]) => void): Promise<RedisFeed> {
+    const feed = new RedisFeed(shared, opts, pack, metrics, report);
     for (let rank = 0; rank < opts.dp; rank++) {
       await shared.redis.xgroup('CREATE', `${PREFIX}mb:${rank}`, TRAINERS, '0', 'MKSTREAM').catch((err: Error) => {
         if (!err.message.startsWith('BUSYGROUP')) throw err;
@@ -247,9 +257,10 @@ export class RedisFeed implements TrainerFeed {
     }
   }
 
-  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[]): Promise<boolean> {
+  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[], dead: QuarantineEntry[] = []): Promise<boolean> {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
-    const ok = Number(await this.shared.script('tpPublish', n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, ...mbs)) === 1;
+    const deadJson = JSON.stringify(dead.map((e) => JSON.stringify(e)));
+    const ok = Number(await this.shared.script('tpPublish', n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, deadJson, ...mbs)) === 1;
     if (ok) {
       this.collector.takeGroups(seqs);
       this.steps = n + 1;
@@ -261,9 +272,10 @@ export class RedisFeed implements TrainerFeed {
   private async packStep(episodes: Episode[], n: number, seqs: number[]): Promise<{ value: true } | undefined> {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
     const policyVersion = oldestPolicy(episodes, this.version);
-    let packed: Awaited<ReturnType<PackFn>>;
+    let packed: PackedOut[];
+    let dead: Quarantined[] = [];
     try {
-      packed = await this.pack(episodes);
+      ({ out: packed, quarantined: dead } = await this.pack(episodes));
     } catch (err) {
       if (err instanceof PackerUnavailable) throw err; // nothing published: this or another service forms it again
       // The same records fail the same way whoever packs them: the step is published empty, with the reason kept.
@@ -278,7 +290,11 @@ export class RedisFeed implements TrainerFeed {
       const entry = { packed: out.entry, id, step: n, rank, groups: ids.map(groupName), policyVersion };
       mbs.push(rank, id, JSON.stringify(entry), Buffer.from(out.bytes.buffer, out.bytes.byteOffset, out.bytes.byteLength));
     });
-    if (!(await this.publish(n, seqs, false, mbs))) return undefined;
+    // Published with the step, once: whoever packs step n quarantines the same episodes, one publication wins.
+    const time = Date.now();
+    const entries = dead.map((q) => ({ ...q, step: n, time }));
+    if (!(await this.publish(n, seqs, false, mbs, entries))) return undefined;
+    this.report(entries);
     this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
     return { value: true };
   }
@@ -349,6 +365,16 @@ export class RedisFeed implements TrainerFeed {
    */
   async flush(): Promise<number> {
     return Number(await this.shared.guard(this.shared.script('tpFlush')));
+  }
+
+  async quarantine(): Promise<{ count: number; latest: QuarantineSummary[] }> {
+    const [count, latest] = await this.shared.guard(Promise.all([this.redis.get(`${PREFIX}quarantined`), this.quarantined(QUARANTINE_FEED_LIST)]));
+    return { count: Number(count ?? 0), latest: latest.map(summary) };
+  }
+
+  async quarantined(limit: number): Promise<QuarantineEntry[]> {
+    const lines = await this.shared.guard(this.redis.lrange(`${PREFIX}quarantine`, -limit, -1));
+    return lines.map((l) => JSON.parse(l) as QuarantineEntry);
   }
 
   /** Micro-batches waiting and leased, over every rank. */
