@@ -24,7 +24,9 @@ const ROLES = new Set(['system', 'user', 'assistant', 'tool']);
 const developerAs = new WeakMap<ChatEncoder, 'developer' | 'system' | undefined>();
 
 function developerRole(encoder: ChatEncoder): 'developer' | 'system' | undefined {
-  if (!developerAs.has(encoder)) developerAs.set(encoder, encoder.rendersRole('developer') ? 'developer' : encoder.rendersRole('system') ? 'system' : undefined);
+  if (!developerAs.has(encoder)) {
+    developerAs.set(encoder, encoder.rendersRole('developer') ? 'developer' : encoder.rendersRole('system') ? 'system' : undefined);
+  }
   return developerAs.get(encoder);
 }
 
@@ -39,17 +41,21 @@ export function checkChatMessages(messages: readonly unknown[], tools: unknown, 
     if (msg.role === 'developer' && developer !== undefined) return developer === 'developer' ? m : { ...msg, role: 'system' };
     if (typeof msg.role !== 'string' || !ROLES.has(msg.role)) {
       const known = developer === undefined ? 'system, user, assistant or tool' : 'system, developer, user, assistant or tool';
-      throw new PoolError(400, `field "messages[${i}].role": expected ${known} (the roles the served chat template renders as turns), got ${describeValue(msg.role)}`);
+      const why = `expected ${known} (the roles the served chat template renders as turns), got ${describeValue(msg.role)}`;
+      throw new PoolError(400, `field "messages[${i}].role": ${why}`);
     }
     if (msg.role === 'tool' && (typeof msg.tool_call_id !== 'string' || msg.tool_call_id === '')) {
-      throw new PoolError(400, `field "messages[${i}].tool_call_id": a tool message needs the id of the call it answers, got ${describeValue(msg.tool_call_id)}`);
+      const why = `a tool message needs the id of the call it answers, got ${describeValue(msg.tool_call_id)}`;
+      throw new PoolError(400, `field "messages[${i}].tool_call_id": ${why}`);
     }
     return m;
   });
   try {
     parseRecords({ messages: out, tools, response: { role: 'assistant', content: '' } }, { file: 'request', line: 1 });
   } catch (err) {
-    if (err instanceof TreepackError && err.where.field !== undefined) throw new PoolError(400, `field "${err.where.field}": ${err.detail}`);
+    if (err instanceof TreepackError && err.where.field !== undefined) {
+      throw new PoolError(400, `field "${err.where.field}": ${err.detail}`);
+    }
     throw err;
   }
   return out;

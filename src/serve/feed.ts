@@ -399,7 +399,8 @@ export class Feed implements TrainerFeed {
           this.report(await this.dead.add(dead.map((q) => ({ ...q, step: step.n, time }))));
         } catch (err) {
           step.packing = undefined;
-          throw new PoolError(503, `the quarantine file could not be written (${(err as Error).message}); the step is packed again at the next request`);
+          const why = `the quarantine file could not be written (${(err as Error).message})`;
+          throw new PoolError(503, `${why}; the step is packed again at the next request`);
         }
       }
       step.slots = packed.map((out, i) => {

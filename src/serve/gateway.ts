@@ -310,7 +310,9 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
   const episode = svc.pool.episodes.get(scope.episode);
   const p = d.prepare(req.body, episode);
   // Refused before the engine sees it, or recorded as the packer will read it (chat-check.ts).
-  if (d.kind === 'chat') p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
+  if (d.kind === 'chat') {
+    p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
+  }
   const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
   if (recorded) {
     svc.metrics.calls.inc({ endpoint, outcome: 'replayed' });

@@ -156,7 +156,9 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   app.get('/v1/quarantine', async (req) => {
     const q = req.query as { limit?: string };
     const limit = q.limit === undefined ? 100 : Number(q.limit);
-    if (!Number.isSafeInteger(limit) || limit < 1 || limit > QUARANTINE_LIST_MAX) throw new PoolError(400, `query parameter "limit": expected an integer in 1..${QUARANTINE_LIST_MAX}, got ${JSON.stringify(q.limit)}`);
+    if (!Number.isSafeInteger(limit) || limit < 1 || limit > QUARANTINE_LIST_MAX) {
+      throw new PoolError(400, `query parameter "limit": expected an integer in 1..${QUARANTINE_LIST_MAX}, got ${JSON.stringify(q.limit)}`);
+    }
     return { quarantined: await svc.feed.quarantined(limit) };
   });
 }

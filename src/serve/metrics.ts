@@ -32,7 +32,11 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   const episodes = new Counter({ name: 'treepack_episodes_finished_total', help: 'episodes finished', registers: [registry] });
   const microBatches = new Counter({ name: 'treepack_micro_batches_total', help: 'micro-batches by event (packed, handed_out, reissued, acked)', labelNames: ['event'], registers: [registry] });
   const rejected = new Counter({ name: 'treepack_rejected_total', help: 'requests refused, by reason', labelNames: ['reason'], registers: [registry] });
-  const quarantined = new Counter({ name: 'treepack_quarantined_total', help: 'finished episodes packed out of their step because their records fail to pack (GET /v1/quarantine)', registers: [registry] });
+  const quarantined = new Counter({
+    name: 'treepack_quarantined_total',
+    help: 'finished episodes packed out of their step because their records fail to pack (GET /v1/quarantine)',
+    registers: [registry],
+  });
   const prompts = new Counter({ name: 'treepack_prompts_total', help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)', labelNames: ['tokens'], registers: [registry] });
   const latency = new Histogram({
     name: 'treepack_gateway_seconds',

@@ -8,7 +8,8 @@
  * (pack-worker.ts) holding its own tokenizer. The packer is a pure function of its input, so the worker's bytes
  * are the ones this thread would make. The episodes go over one message each, with the loop free in between,
  * so copying a large step out is no stall either. Options that cannot cross to a thread (a tokenizer object
- * already loaded, an onProgress callback) keep packing here.
+ * already loaded, an onProgress callback) keep packing here. An episode whose records fail to pack is left out of
+ * its step and reported (`quarantined`), so one tenant's poison never costs the others their step.
  */
 import { setImmediate as yieldLoop } from 'node:timers/promises';
 import type { Worker } from 'node:worker_threads';

@@ -51,7 +51,10 @@ export function quarantined(ep: Episode, err: unknown, records: Record<string, u
 export function reportQuarantined(entries: readonly QuarantineEntry[], metrics: Metrics, warn: (m: string) => void): void {
   if (entries.length === 0) return;
   metrics.quarantined.inc(entries.length);
-  for (const e of entries) warn(`step ${e.step}: episode ${JSON.stringify(e.episode)} (group ${JSON.stringify(e.group)}) quarantined, its group trained without it: ${e.reason}`);
+  for (const e of entries) {
+    const which = `episode ${JSON.stringify(e.episode)} (group ${JSON.stringify(e.group)})`;
+    warn(`step ${e.step}: ${which} quarantined, its group trained without it: ${e.reason}`);
+  }
 }
 
 /** The in-process feed's quarantine: `quarantine.jsonl`, one entry a line. */

@@ -99,7 +99,10 @@ export class Recorder {
     if (opts.redis) {
       this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics, report);
-    } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics, new QuarantineFile(join(opts.dataDir, 'quarantine.jsonl')), report);
+    } else {
+      const dead = new QuarantineFile(join(opts.dataDir, 'quarantine.jsonl'));
+      this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics, dead, report);
+    }
     try {
       const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
       this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line, bytes) => this.replay(e, line, bytes), compaction);

@@ -11,7 +11,9 @@
  *   records, moving `front`/`taken` and trimming the `groups` stream up to its oldest entry not taken: no service
  *   needs a taken group's entry, so the stream holds the finished groups waiting and little more. A service that
  *   dies while packing published nothing: the next one forms the same step. The lock is a short lease that its
- *   holder renews while it forms, so one killed meanwhile holds the others up for a moment only.
+ *   holder renews while it forms, so one killed meanwhile holds the others up for a moment only. The episodes
+ *   packed out of the step (quarantine.ts) are pushed to the `quarantine` list by the same script, so they are
+ *   listed and counted once, whoever packs the step.
  * - Hand-out. Each rank's stream has the consumer group `trainers`: a micro-batch is handed out by XREADGROUP,
  *   and one pending longer than the lease (its trainer died or stalled) is handed out again by XAUTOCLAIM.
  * - Acknowledgement. One script XACKs and deletes the entry and counts the step down; the last acknowledgement
@@ -22,10 +24,14 @@
  */
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
-import { handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackedOut, type PackFn, type TrainerFeed } from './feed.js';
+import {
+  handoutEntry, oldestPolicy, PackerUnavailable, type FeedOptions, type Handout, type PackedOut, type PackFn, type TrainerFeed,
+} from './feed.js';
 import type { Metrics } from './metrics.js';
 import { groupName, Pool, PoolError, type Episode } from './pool.js';
-import { QUARANTINE_FEED_LIST, QUARANTINE_LIST_MAX, summary, type Quarantined, type QuarantineEntry, type QuarantineSummary } from './quarantine.js';
+import {
+  QUARANTINE_FEED_LIST, QUARANTINE_LIST_MAX, summary, type Quarantined, type QuarantineEntry, type QuarantineSummary,
+} from './quarantine.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
 const TRAINERS = 'trainers';
@@ -184,7 +190,13 @@ export class RedisFeed implements TrainerFeed {
     this.version = Number((await this.redis.get(`${PREFIX}version`)) ?? 0);
   }
 
-  static async open(shared: RedisPool, opts: FeedOptions, pack: PackFn, metrics: Metrics, report: (entries: QuarantineEntry[]) => void): Promise<RedisFeed> {
+  static async open(
+    shared: RedisPool,
+    opts: FeedOptions,
+    pack: PackFn,
+    metrics: Metrics,
+    report: (entries: QuarantineEntry[]) => void,
+  ): Promise<RedisFeed> {
     const feed = new RedisFeed(shared, opts, pack, metrics, report);
     for (let rank = 0; rank < opts.dp; rank++) {
       await shared.redis.xgroup('CREATE', `${PREFIX}mb:${rank}`, TRAINERS, '0', 'MKSTREAM').catch((err: Error) => {
@@ -257,10 +269,11 @@ export class RedisFeed implements TrainerFeed {
     }
   }
 
-  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[], dead: QuarantineEntry[] = []): Promise<boolean> {
+  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[], dead: QuarantineEntry[] = []) {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
     const deadJson = JSON.stringify(dead.map((e) => JSON.stringify(e)));
-    const ok = Number(await this.shared.script('tpPublish', n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, deadJson, ...mbs)) === 1;
+    const args = [n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, deadJson, ...mbs];
+    const ok = Number(await this.shared.script('tpPublish', ...args)) === 1;
     if (ok) {
       this.collector.takeGroups(seqs);
       this.steps = n + 1;
@@ -368,8 +381,9 @@ export class RedisFeed implements TrainerFeed {
   }
 
   async quarantine(): Promise<{ count: number; latest: QuarantineSummary[] }> {
-    const [count, latest] = await this.shared.guard(Promise.all([this.redis.get(`${PREFIX}quarantined`), this.quarantined(QUARANTINE_FEED_LIST)]));
-    return { count: Number(count ?? 0), latest: latest.map(summary) };
+    const count = this.shared.guard(this.redis.get(`${PREFIX}quarantined`));
+    const [n, latest] = await Promise.all([count, this.quarantined(QUARANTINE_FEED_LIST)]);
+    return { count: Number(n ?? 0), latest: latest.map(summary) };
   }
 
   async quarantined(limit: number): Promise<QuarantineEntry[]> {
