@@ -7,6 +7,7 @@
  * - An episode whose records fail only at pack time (a turn marker in its text) is quarantined: the rest of the
  *   step, its own group included, is trained; it is listed in `/v1/feed`, counted, logged once and exported by
  *   `GET /v1/quarantine` with records that reproduce the error; a restart before the ack quarantines it no twice.
+ *   With an engine returning token ids it fails while its records are made: quarantined with its recorded calls.
  *   The same on the shared pool (Redis), listed by every gateway and counted by the one that packed it.
  * - A tool-call turn recorded without a `content` key reads back to slime with `content: ""` (defect N2).
  */
@@ -14,9 +15,11 @@ import { describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { packRecords } from '../src/packer/index.js';
 import { Service } from '../src/serve/service.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import { inProcessServices } from './helpers/in-process.js';
 import { redisAvailable, startRedis } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
+import { startStubEngine } from './helpers/stub-engine.js';
 
 const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 const call = (base: string, group: string, episode: string, messages: unknown[], extra: Record<string, unknown> = {}) =>
@@ -110,6 +113,30 @@ describe('poison records', { timeout: 60_000 }, () => {
     expect(((await (await fetch(`${again.base}/v1/quarantine`)).json()) as QuarantineBody).quarantined).toHaveLength(1);
     expect(((await (await fetch(`${again.base}/v1/feed`)).json()) as FeedBody).quarantined).toBe(1);
     expect((await fetch(`${again.base}/v1/quarantine?limit=0`)).status).toBe(400);
+  });
+
+  it('with the engine\'s token ids, the poison fails while its records are made: quarantined with its recorded calls', async () => {
+    const engine = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3') });
+    const svc = await Service.create({ engineUrl: engine.url, dataDir: tempDir('tp-poison-ids-'), port: 0, groupsPerStep: 2, warn: () => {}, packer: { tokenizer: 'qwen3' } });
+    try {
+      const base = await svc.listen();
+      for (const [e, messages] of [['ok', [{ role: 'developer', content: 'Be brief.' }, user('a')]], ['bad', [MARKER]]] as const) {
+        expect((await call(base, e, e, [...messages])).status).toBe(200);
+        expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
+      }
+      const mb = await pull(base);
+      expect(mb, 'the step is trained without the poison episode').toBeDefined();
+      expect(episodesOf(mb!.seqs)).toEqual(['ok']);
+      const [q] = ((await (await fetch(`${base}/v1/quarantine`)).json()) as { quarantined: Record<string, unknown>[] }).quarantined;
+      expect(q).toMatchObject({ episode: 'bad', step: 0, reason: expect.stringMatching(/turn marker/) });
+      expect(q!.records).toBeUndefined();
+      expect(q!.calls).toEqual([expect.objectContaining({ kind: 'chat', request: { messages: [MARKER] } })]);
+      // the developer turn went to the engine as system: its prompt is the template's, trained as matched
+      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { prompts: Record<string, number> }).prompts).toMatchObject({ promptMatched: 1, promptDrifted: 0 });
+    } finally {
+      await svc.close();
+      await engine.close();
+    }
   });
 
   it('N2: a tool-call turn sent without a content key reads back to slime with content ""', async () => {
