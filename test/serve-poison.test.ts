@@ -21,7 +21,8 @@ import { redisAvailable, startRedis } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine } from './helpers/stub-engine.js';
 
-const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+const post = (url: string, body: unknown) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 const call = (base: string, group: string, episode: string, messages: unknown[], extra: Record<string, unknown> = {}) =>
   post(`${base}/groups/${group}/episodes/${episode}/v1/chat/completions`, { model: 'm', messages, ...extra });
 const user = (content: unknown) => ({ role: 'user', content });
@@ -52,7 +53,8 @@ describe('poison records', { timeout: 60_000 }, () => {
     const dev = await call(base, 'dev', 'dev', [{ role: 'developer', content: 'Be brief.' }, user('hi')]);
     expect(dev.status, await dev.clone().text()).toBe(200);
     // Qwen3's template drops a developer turn: the engine and the log get it as the system turn it means.
-    const records = (await (await fetch(`${base}/v1/episodes/dev/records`)).text()).trim().split('\n').map((l) => JSON.parse(l) as { requests: { messages: { role: string }[] }[] });
+    const lines = (await (await fetch(`${base}/v1/episodes/dev/records`)).text()).trim().split('\n');
+    const records = lines.map((l) => JSON.parse(l) as { requests: { messages: { role: string }[] }[] });
     expect.soft(records[0]!.requests[0]!.messages.map((m) => m.role)).toEqual(['system', 'user']);
 
     const refused: [unknown[], RegExp][] = [
@@ -117,7 +119,8 @@ describe('poison records', { timeout: 60_000 }, () => {
 
   it('with the engine\'s token ids, the poison fails while its records are made: quarantined with its recorded calls', async () => {
     const engine = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3') });
-    const svc = await Service.create({ engineUrl: engine.url, dataDir: tempDir('tp-poison-ids-'), port: 0, groupsPerStep: 2, warn: () => {}, packer: { tokenizer: 'qwen3' } });
+    const dataDir = tempDir('tp-poison-ids-');
+    const svc = await Service.create({ engineUrl: engine.url, dataDir, port: 0, groupsPerStep: 2, warn: () => {}, packer: { tokenizer: 'qwen3' } });
     try {
       const base = await svc.listen();
       for (const [e, messages] of [['ok', [{ role: 'developer', content: 'Be brief.' }, user('a')]], ['bad', [MARKER]]] as const) {
@@ -132,7 +135,8 @@ describe('poison records', { timeout: 60_000 }, () => {
       expect(q!.records).toBeUndefined();
       expect(q!.calls).toEqual([expect.objectContaining({ kind: 'chat', request: { messages: [MARKER] } })]);
       // the developer turn went to the engine as system: its prompt is the template's, trained as matched
-      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { prompts: Record<string, number> }).prompts).toMatchObject({ promptMatched: 1, promptDrifted: 0 });
+      const feed = (await (await fetch(`${base}/v1/feed`)).json()) as { prompts: Record<string, number> };
+      expect(feed.prompts).toMatchObject({ promptMatched: 1, promptDrifted: 0 });
     } finally {
       await svc.close();
       await engine.close();
@@ -142,7 +146,8 @@ describe('poison records', { timeout: 60_000 }, () => {
   it('N2: a tool-call turn sent without a content key reads back to slime with content ""', async () => {
     const { base } = await services.start({});
     const tools = [{ type: 'function', function: { name: 'search', parameters: { type: 'object', properties: { query: { type: 'string' } } } } }];
-    const first = (await (await call(base, 't', 't', [user('find it')], { tools, tool_choice: { type: 'function', function: { name: 'search' } } })).json()) as { choices: { message: Record<string, unknown> }[] };
+    const named = { tools, tool_choice: { type: 'function', function: { name: 'search' } } };
+    const first = (await (await call(base, 't', 't', [user('find it')], named)).json()) as { choices: { message: Record<string, unknown> }[] };
     const { content: _, ...turn } = first.choices[0]!.message; // the openai idiom model_dump(exclude_none=True)
     expect(turn.tool_calls).toBeDefined();
     const messages = [user('find it'), turn, { role: 'tool', tool_call_id: (turn.tool_calls as { id: string }[])[0]!.id, content: '42' }];
@@ -165,7 +170,8 @@ onRedis('poison records on the shared pool', { timeout: 60_000 }, () => {
       const warnings: string[] = [];
       const opts = { groupSize: 2, groupsPerStep: 2, redis: redis.url, warn: (m: string) => warnings.push(m) };
       const [A, B] = [await services.start(opts), await services.start(opts)].map((g) => (gateways.push(g.svc), g.base)) as [string, string];
-      for (const [base, g, e, messages] of [[A, 'A', 'a0', [user('a')]], [B, 'A', 'a1', [{ role: 'developer', content: 'Be brief.' }, user('b')]], [A, 'B', 'b0', [user('c')]], [B, 'B', 'b1', [MARKER]]] as const) {
+      const dev = [{ role: 'developer', content: 'Be brief.' }, user('b')];
+      for (const [base, g, e, messages] of [[A, 'A', 'a0', [user('a')]], [B, 'A', 'a1', dev], [A, 'B', 'b0', [user('c')]], [B, 'B', 'b1', [MARKER]]] as const) {
         expect((await call(base, g, e, [...messages])).status).toBe(200);
         expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
       }
