@@ -21,3 +21,5 @@ export interface WheelEnv {
 export function wheelEnv(python: string): WheelEnv;
 /** .venv-fla, created if needed: its interpreter, or null and why not. */
 export function flaEnv(): { python: string | null; reason: string };
+/** Creates a venv at `dir` (default .venv) with `base` and installs `requirements` into it: '' when made, else what failed. */
+export function createVenv(base: string, dir?: string, requirements?: string): string;
