@@ -197,6 +197,14 @@ describe('ChatEncoder', () => {
     }
   });
 
+  it('rendersRole: which roles the template renders, the same natively and through jinja (Qwen3 drops developer)', () => {
+    const roles = ['system', 'user', 'assistant', 'tool', 'developer', 'narrator'];
+    for (const enc of [native, jinja]) expect(roles.map((r) => enc.rendersRole(r))).toEqual([true, true, true, true, false, false]);
+    // A template that raises on a role renders none of it.
+    const strict = new ChatEncoder(withTemplate("{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"));
+    expect([strict.rendersRole('system'), strict.rendersRole('developer')]).toEqual([true, false]);
+  });
+
   it.each(conversations)('%s: encodePrompt is the template with its generation prompt, and the prompt encode trains after', (_name, record) => {
     // The reference: the whole prompt text as transformers renders it (a tool-calling turn's null content as '').
     const messages = record.messages.map((m) => ({ ...m, content: m.content ?? '' }));

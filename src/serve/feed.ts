@@ -14,6 +14,7 @@ import { snapshotFlushBelow } from './compact.js';
 import type { LogEvent } from './log.js';
 import type { Metrics } from './metrics.js';
 import { groupName, PoolError, type Episode, type Pool, type SnapshotEvent } from './pool.js';
+import type { Quarantined, QuarantineEntry, QuarantineFile, QuarantineSummary } from './quarantine.js';
 
 export interface PackedOut {
   bytes: Uint8Array;
@@ -22,10 +23,11 @@ export interface PackedOut {
 }
 
 /**
- * Packs the finished episodes of one step's groups, in group order. Rejects with PackerUnavailable when the
- * packer itself failed (not the records), any other error being the records' fault.
+ * Packs the finished episodes of one step's groups, in group order, without the episodes whose records fail
+ * (`quarantined`). Rejects with PackerUnavailable when the packer itself failed (not the records), any other
+ * error being the records' fault.
  */
-export type PackFn = (episodes: Episode[]) => Promise<PackedOut[]>;
+export type PackFn = (episodes: Episode[]) => Promise<{ out: PackedOut[]; quarantined: Quarantined[] }>;
 
 /** The packer failed for a reason not in the records (its thread died): the step is packed again later, not dropped. */
 export class PackerUnavailable extends PoolError {
@@ -95,6 +97,10 @@ export interface TrainerFeed {
   readonly head: number;
   /** steps whose records could not be packed, and why */
   readonly errors: string[];
+  /** the episodes packed out of their steps (quarantine.ts): how many, and the newest */
+  quarantine(): Promise<{ count: number; latest: QuarantineSummary[] }>;
+  /** the newest `limit` quarantined episodes, whole, oldest first */
+  quarantined(limit: number): Promise<QuarantineEntry[]>;
   /**
    * The next micro-batch of `rank`; `client` names the trainer process asking (its step plans are handed out to
    * one client at a time, in plan order: see `nextPlanned`).
@@ -177,6 +183,9 @@ export class Feed implements TrainerFeed {
     private readonly pack: PackFn,
     private readonly append: (e: LogEvent) => Promise<void>,
     private readonly metrics: Metrics,
+    private readonly dead: QuarantineFile,
+    /** counts and logs entries newly quarantined */
+    private readonly report: (entries: QuarantineEntry[]) => void,
   ) {
     this.collector = new Collector(opts.policy);
     pool.onGroupFinished = (seq) => {
@@ -296,6 +305,14 @@ export class Feed implements TrainerFeed {
 
   async close(): Promise<void> {}
 
+  async quarantine(): Promise<{ count: number; latest: QuarantineSummary[] }> {
+    return { count: this.dead.count, latest: this.dead.summaries() };
+  }
+
+  async quarantined(limit: number): Promise<QuarantineEntry[]> {
+    return this.dead.list(limit);
+  }
+
   private wake(): void {
     const w = this.waiters;
     this.waiters = [];
@@ -376,8 +393,9 @@ export class Feed implements TrainerFeed {
       const episodes = this.episodesOf(step.groups);
       const minVersion = oldestPolicy(episodes, this.version);
       let packed: PackedOut[];
+      let dead: Quarantined[] = [];
       try {
-        packed = await this.pack(episodes);
+        ({ out: packed, quarantined: dead } = await this.pack(episodes));
       } catch (err) {
         if (err instanceof PackerUnavailable) {
           step.packing = undefined;
@@ -387,6 +405,17 @@ export class Feed implements TrainerFeed {
         this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g]!.id)).join(', ')}): ${(err as Error).message}`);
         this.metrics.rejected.inc({ reason: 'pack_error' });
         packed = [];
+      }
+      if (dead.length) {
+        // Durable before any of the step goes out: a replay packs the step again, and adds none twice.
+        const time = Date.now();
+        try {
+          this.report(await this.dead.add(dead.map((q) => ({ ...q, step: step.n, time }))));
+        } catch (err) {
+          step.packing = undefined;
+          const why = `the quarantine file could not be written (${(err as Error).message})`;
+          throw new PoolError(503, `${why}; the step is packed again at the next request`);
+        }
       }
       step.slots = packed.map((out, i) => {
         const id = `${step.n}.${i}`;

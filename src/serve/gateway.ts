@@ -13,6 +13,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
 import type { ChatMessage } from '../records/types.js';
+import { checkChatMessages } from './chat-check.js';
 import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type ClientWants, type EngineOutput } from './engine.js';
 import { messagesPrompt, messagesRequest } from './messages.js';
 import { responsesRequest } from './responses.js';
@@ -318,6 +319,10 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
   const version = policyVersion(svc, req);
   const episode = svc.pool.episodes.get(scope.episode);
   const p = d.prepare(req.body, episode);
+  // Refused before the engine sees it, or recorded as the packer will read it (chat-check.ts).
+  if (d.kind === 'chat') {
+    p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
+  }
   const digest = rid === undefined ? undefined : recordDigest(req.body as Obj);
   const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
   if (recorded) {

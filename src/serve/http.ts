@@ -1,6 +1,6 @@
 /**
  * The HTTP shell around the service: authentication, errors as JSON naming the field, `/healthz`, `/metrics`,
- * and the trainer's routes (`GET /v1/batches/next`, `POST /v1/batches/{id}/ack`, `GET /v1/feed`).
+ * and the trainer's routes (`GET /v1/batches/next`, `POST /v1/batches/{id}/ack`, `GET /v1/feed`, `GET /v1/quarantine`).
  */
 import { timingSafeEqual } from 'node:crypto';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
@@ -8,6 +8,7 @@ import { TreepackError } from '../errors.js';
 import { EngineError } from './engine.js';
 import { bearer } from './gateway.js';
 import { checkId, PoolError } from './pool.js';
+import { QUARANTINE_LIST_MAX } from './quarantine.js';
 import type { Recorder } from './recorder.js';
 
 /** What these routes use of the recording core. */
@@ -153,7 +154,7 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   });
 
   app.get('/v1/feed', async () => {
-    const d = await svc.feed.depth();
+    const [d, q] = await Promise.all([svc.feed.depth(), svc.feed.quarantine()]);
     return {
       policy: svc.opts.policy,
       head: svc.feed.head,
@@ -162,6 +163,18 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
       micro_batches_leased: d.leased,
       prompts: svc.recordStats,
       pack_errors: svc.feed.errors,
+      quarantined: q.count,
+      quarantine: q.latest,
     };
+  });
+
+  /** The episodes packed out of their steps (quarantine.ts), whole: their records reproduce the reason with `treepack pack`. */
+  app.get('/v1/quarantine', async (req) => {
+    const q = req.query as { limit?: string };
+    const limit = q.limit === undefined ? 100 : Number(q.limit);
+    if (!Number.isSafeInteger(limit) || limit < 1 || limit > QUARANTINE_LIST_MAX) {
+      throw new PoolError(400, `query parameter "limit": expected an integer in 1..${QUARANTINE_LIST_MAX}, got ${JSON.stringify(q.limit)}`);
+    }
+    return { quarantined: await svc.feed.quarantined(limit) };
   });
 }

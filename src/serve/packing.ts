@@ -8,7 +8,8 @@
  * (pack-worker.ts) holding its own tokenizer. The packer is a pure function of its input, so the worker's bytes
  * are the ones this thread would make. The episodes go over one message each, with the loop free in between,
  * so copying a large step out is no stall either. Options that cannot cross to a thread (a tokenizer object
- * already loaded, an onProgress callback) keep packing here.
+ * already loaded, an onProgress callback) keep packing here. An episode whose records fail to pack is left out of
+ * its step and reported (`quarantined`), so one tenant's poison never costs the others their step.
  */
 import { setImmediate as yieldLoop } from 'node:timers/promises';
 import type { Worker } from 'node:worker_threads';
@@ -18,24 +19,62 @@ import type { ChatEncoder } from '../tokenize/chat.js';
 import { PackerUnavailable, type PackedOut, type PackFn } from './feed.js';
 import type { Metrics } from './metrics.js';
 import type { Episode } from './pool.js';
+import { quarantined, type Quarantined } from './quarantine.js';
 import { emptyRecordStats, episodeLines, type RecordStats } from './records.js';
 import { startWorker } from './thread.js';
 
-/** One step packed: its micro-batches and how its calls' tokens were obtained. */
+/** One step packed: its micro-batches, how its calls' tokens were obtained, and the episodes packed out of it. */
 export interface PackedStep {
   out: PackedOut[];
   stats: RecordStats;
+  quarantined: Quarantined[];
 }
 
-/** The packing itself, the same in this thread and in the worker. */
-export async function packEpisodes(encoder: ChatEncoder, packer: PackerOptions, episodes: Episode[]): Promise<PackedStep> {
-  const stats = emptyRecordStats();
-  const lines = episodes.flatMap((ep) => episodeLines(ep, encoder, stats));
+type Line = Record<string, unknown>;
+
+async function packLines(packer: PackerOptions, lines: Line[]): Promise<PackedOut[]> {
   const out: PackedOut[] = [];
   for await (const mb of packRecords(lines, { ...packer, name: 'service' })) {
     out.push({ bytes: microBatchBytes(mb), entry: { ...mb.entry } });
   }
-  return { out, stats };
+  return out;
+}
+
+/**
+ * The packing itself, the same in this thread and in the worker. An episode whose records cannot be made, or
+ * cannot be packed, is packed out of the step (quarantine.ts) and the rest packed without it: a step that fails
+ * as a whole is packed again one episode at a time to find the ones that fail alone, so a step without poison
+ * costs one pass as before. A step that fails only as a whole (no episode fails alone) is the records' fault
+ * still, and rejects as before.
+ */
+export async function packEpisodes(encoder: ChatEncoder, packer: PackerOptions, episodes: Episode[]): Promise<PackedStep> {
+  const quarantine: Quarantined[] = [];
+  let built: { ep: Episode; lines: Line[]; stats: RecordStats }[] = [];
+  for (const ep of episodes) {
+    const stats = emptyRecordStats();
+    try {
+      built.push({ ep, lines: episodeLines(ep, encoder, stats), stats });
+    } catch (err) {
+      quarantine.push(quarantined(ep, err, undefined));
+    }
+  }
+  let out: PackedOut[];
+  try {
+    out = await packLines(packer, built.flatMap((b) => b.lines));
+  } catch (err) {
+    const kept: typeof built = [];
+    for (const b of built) {
+      const failed = b.lines.length === 0 ? undefined : await packLines(packer, b.lines).then(() => undefined, (e: unknown) => e);
+      if (failed === undefined) kept.push(b);
+      else quarantine.push(quarantined(b.ep, failed, b.lines));
+    }
+    if (kept.length === built.length) throw err;
+    built = kept;
+    out = await packLines(packer, built.flatMap((b) => b.lines));
+  }
+  const stats = emptyRecordStats();
+  for (const b of built) for (const k of Object.keys(stats) as (keyof RecordStats)[]) stats[k] += b.stats[k];
+  return { out, stats, quarantined: quarantine };
 }
 
 /** Messages to the worker: a step's episodes one at a time, then `pack`. */
@@ -74,12 +113,12 @@ export function stepPacker(packer: PackerOptions, encoder: () => Promise<ChatEnc
 /** A PackFn over `packer` that adds each step's record stats to `totals` and the metrics. */
 export function countingPack(packer: StepPacker, metrics: Metrics, totals: RecordStats): PackFn {
   return async (episodes) => {
-    const { out, stats } = await packer.pack(episodes);
+    const { out, stats, quarantined } = await packer.pack(episodes);
     for (const k of Object.keys(stats) as (keyof RecordStats)[]) {
       totals[k] += stats[k];
       if (stats[k]) metrics.prompts.inc({ tokens: k }, stats[k]);
     }
-    return out;
+    return { out, quarantined };
   };
 }
 

@@ -17,6 +17,7 @@ import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { engineModels } from './engine.js';
 import { checkEvent, isFeedEvent, type ServiceEvent } from './events.js';
 import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope } from './pool.js';
+import { QuarantineFile, reportQuarantined, type QuarantineEntry } from './quarantine.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -107,11 +108,15 @@ export class Recorder {
     const opts = this.opts;
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
+    const warn = (m: string) => this.warn(m);
+    const report = (entries: QuarantineEntry[]) => reportQuarantined(entries, this.metrics, warn);
     if (opts.redis) {
-      const warn = (m: string) => this.warn(m);
       this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
-      this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
-    } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
+      this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics, report);
+    } else {
+      const dead = new QuarantineFile(join(opts.dataDir, 'quarantine.jsonl'));
+      this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics, dead, report);
+    }
     try {
       const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
       this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line, bytes) => this.replay(e, line, bytes), compaction);

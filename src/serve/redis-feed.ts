@@ -11,7 +11,9 @@
  *   records, moving `front`/`taken` and trimming the `groups` stream up to its oldest entry not taken: no service
  *   needs a taken group's entry, so the stream holds the finished groups waiting and little more. A service that
  *   dies while packing published nothing: the next one forms the same step. The lock is a short lease that its
- *   holder renews while it forms, so one killed meanwhile holds the others up for a moment only.
+ *   holder renews while it forms, so one killed meanwhile holds the others up for a moment only. The episodes
+ *   packed out of the step (quarantine.ts) are pushed to the `quarantine` list by the same script, so they are
+ *   listed and counted once, whoever packs the step.
  * - Hand-out. Each rank's stream has the consumer group `trainers`: a micro-batch is handed out by XREADGROUP,
  *   and one pending longer than the lease (its trainer died or stalled) is handed out again by XAUTOCLAIM.
  * - Acknowledgement. One script XACKs and deletes the entry and counts the step down; the last acknowledgement
@@ -23,9 +25,14 @@
  */
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
-import { handoutEntry, oldestPolicy, PackerUnavailable, type Acked, type FeedOptions, type Handout, type PackFn, type TrainerFeed } from './feed.js';
+import {
+  handoutEntry, oldestPolicy, PackerUnavailable, type Acked, type FeedOptions, type Handout, type PackedOut, type PackFn, type TrainerFeed,
+} from './feed.js';
 import type { Metrics } from './metrics.js';
 import { groupName, Pool, PoolError, type Episode } from './pool.js';
+import {
+  QUARANTINE_FEED_LIST, QUARANTINE_LIST_MAX, summary, type Quarantined, type QuarantineEntry, type QuarantineSummary,
+} from './quarantine.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
 const TRAINERS = 'trainers';
@@ -36,8 +43,9 @@ const TRIM_SCAN = 64;
 
 const SCRIPTS = {
   /**
-   * ARGV: prefix, step n, group ids JSON, group seqs JSON, whole (1/0), then per micro-batch rank, id, entry JSON,
-   * bytes → 1 when published, 0 when step n exists already.
+   * ARGV: prefix, step n, group ids JSON, group seqs JSON, whole (1/0), the step's quarantine entries (a JSON list
+   * of their JSON texts), then per micro-batch rank, id, entry JSON, bytes → 1 when published, 0 when step n exists
+   * already.
    */
   tpPublish: `
 local p, n = ARGV[1], tonumber(ARGV[2])
@@ -67,9 +75,15 @@ while not keep do
   from = '(' .. es[#es][1]
 end
 if keep then redis.call('XTRIM', p .. 'groups', 'MINID', keep) else redis.call('XTRIM', p .. 'groups', 'MAXLEN', 0) end
-local count = (#ARGV - 5) / 4
+local dead = cjson.decode(ARGV[6])
+for _, e in ipairs(dead) do redis.call('RPUSH', p .. 'quarantine', e) end
+if #dead > 0 then
+  redis.call('LTRIM', p .. 'quarantine', -${QUARANTINE_LIST_MAX}, -1)
+  redis.call('INCRBY', p .. 'quarantined', #dead)
+end
+local count = (#ARGV - 6) / 4
 for i = 0, count - 1 do
-  local k = 6 + i * 4
+  local k = 7 + i * 4
   local sid = redis.call('XADD', p .. 'mb:' .. ARGV[k], '*', 'id', ARGV[k + 1], 'entry', ARGV[k + 2], 'bytes', ARGV[k + 3])
   redis.call('HSET', p .. 'mb', ARGV[k + 1], ARGV[k] .. ' ' .. sid)
 end
@@ -170,6 +184,8 @@ export class RedisFeed implements TrainerFeed {
     private readonly opts: FeedOptions,
     private readonly pack: PackFn,
     private readonly metrics: Metrics,
+    /** counts and logs entries newly quarantined */
+    private readonly report: (entries: QuarantineEntry[]) => void,
   ) {
     this.collector = new Collector(opts.policy);
     shared.define(SCRIPTS);
@@ -180,8 +196,14 @@ export class RedisFeed implements TrainerFeed {
     this.version = Number((await this.redis.get(`${PREFIX}version`)) ?? 0);
   }
 
-  static async open(shared: RedisPool, opts: FeedOptions, pack: PackFn, metrics: Metrics): Promise<RedisFeed> {
-    const feed = new RedisFeed(shared, opts, pack, metrics);
+  static async open(
+    shared: RedisPool,
+    opts: FeedOptions,
+    pack: PackFn,
+    metrics: Metrics,
+    report: (entries: QuarantineEntry[]) => void,
+  ): Promise<RedisFeed> {
+    const feed = new RedisFeed(shared, opts, pack, metrics, report);
     for (let rank = 0; rank < opts.dp; rank++) {
       await shared.redis.xgroup('CREATE', `${PREFIX}mb:${rank}`, TRAINERS, '0', 'MKSTREAM').catch((err: Error) => {
         if (!err.message.startsWith('BUSYGROUP')) throw err;
@@ -253,9 +275,11 @@ export class RedisFeed implements TrainerFeed {
     }
   }
 
-  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[]): Promise<boolean> {
+  private async publish(n: number, seqs: number[], whole: boolean, mbs: (string | number | Buffer)[], dead: QuarantineEntry[] = []) {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
-    const ok = Number(await this.shared.script('tpPublish', n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, ...mbs)) === 1;
+    const deadJson = JSON.stringify(dead.map((e) => JSON.stringify(e)));
+    const args = [n, JSON.stringify(ids), JSON.stringify(seqs), whole ? 1 : 0, deadJson, ...mbs];
+    const ok = Number(await this.shared.script('tpPublish', ...args)) === 1;
     if (ok) {
       this.collector.takeGroups(seqs);
       this.steps = n + 1;
@@ -267,9 +291,10 @@ export class RedisFeed implements TrainerFeed {
   private async packStep(episodes: Episode[], n: number, seqs: number[]): Promise<{ value: true } | undefined> {
     const ids = seqs.map((s) => this.groupIds.get(s)!);
     const policyVersion = oldestPolicy(episodes, this.version);
-    let packed: Awaited<ReturnType<PackFn>>;
+    let packed: PackedOut[];
+    let dead: Quarantined[] = [];
     try {
-      packed = await this.pack(episodes);
+      ({ out: packed, quarantined: dead } = await this.pack(episodes));
     } catch (err) {
       if (err instanceof PackerUnavailable) throw err; // nothing published: this or another service forms it again
       // The same records fail the same way whoever packs them: the step is published empty, with the reason kept.
@@ -284,7 +309,11 @@ export class RedisFeed implements TrainerFeed {
       const entry = { packed: out.entry, id, step: n, rank, groups: ids.map(groupName), policyVersion };
       mbs.push(rank, id, JSON.stringify(entry), Buffer.from(out.bytes.buffer, out.bytes.byteOffset, out.bytes.byteLength));
     });
-    if (!(await this.publish(n, seqs, false, mbs))) return undefined;
+    // Published with the step, once: whoever packs step n quarantines the same episodes, one publication wins.
+    const time = Date.now();
+    const entries = dead.map((q) => ({ ...q, step: n, time }));
+    if (!(await this.publish(n, seqs, false, mbs, entries))) return undefined;
+    this.report(entries);
     this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
     return { value: true };
   }
@@ -355,6 +384,17 @@ export class RedisFeed implements TrainerFeed {
    */
   async flush(): Promise<number> {
     return Number(await this.shared.guard(this.shared.script('tpFlush')));
+  }
+
+  async quarantine(): Promise<{ count: number; latest: QuarantineSummary[] }> {
+    const count = this.shared.guard(this.redis.get(`${PREFIX}quarantined`));
+    const [n, latest] = await Promise.all([count, this.quarantined(QUARANTINE_FEED_LIST)]);
+    return { count: Number(n ?? 0), latest: latest.map(summary) };
+  }
+
+  async quarantined(limit: number): Promise<QuarantineEntry[]> {
+    const lines = await this.shared.guard(this.redis.lrange(`${PREFIX}quarantine`, -limit, -1));
+    return lines.map((l) => JSON.parse(l) as QuarantineEntry);
   }
 
   /** Micro-batches waiting and leased, over every rank. */

@@ -26,9 +26,10 @@ function slimeRecord(ep: Episode): Obj {
   if (ep.direct) return { ...ep.direct, raw_reward: ep.direct.raw_reward ?? ep.reward };
   const last = ep.calls[ep.calls.length - 1];
   const sent = last?.output.message ? [...(last.request.messages ?? []), last.output.message] : (last?.request.messages ?? []);
-  // OpenAI clients send a tool-calling turn with `content: null`; slime's loss-mask generator and group checks read
-  // content as a string (`in`, `.strip()`), so a record carries "" there, as slime's own gateway does.
-  const messages = sent.map((m) => (isObj(m) && m.content === null ? { ...m, content: '' } : m));
+  // OpenAI clients send a tool-calling turn with `content: null`, or without `content` (`model_dump(exclude_none=True)`);
+  // slime's loss-mask generator and group checks read content as a string (`message["content"]`, `in`, `.strip()`),
+  // so a record carries "" there, as slime's own gateway does.
+  const messages = sent.map((m) => (isObj(m) && (m.content === null || m.content === undefined) ? { ...m, content: '' } : m));
   const extra: Obj = { ...(ep.metadata ?? {}), finish_reason: last?.output.finishReason ?? null, timestamp: (last?.time ?? 0) / 1000, calls: ep.calls.length };
   if (ep.agents.size) extra.agents = [...ep.agents];
   return { uid: ep.id, instance_id: ep.group, messages, reward: ep.reward, raw_reward: ep.reward, extra_info: extra };

@@ -191,6 +191,21 @@ export class ChatEncoder {
     return concatIds(this.split(text).map((s) => this.lookup(s).ids));
   }
 
+  /**
+   * Whether the template renders a message of `role` ahead of a user turn: its text appears in the rendered
+   * conversation. Templates drop roles they do not name without a word (Qwen3's drops `developer`), and one that
+   * raises on a role renders none.
+   */
+  rendersRole(role: string): boolean {
+    const mark = 'treepack role probe';
+    const messages: ChatMessage[] = [{ role, content: mark }, { role: 'user', content: 'x' }];
+    try {
+      return (this.native ? this.native(messages, undefined) : this.renderMessages(messages, undefined, false)).includes(mark);
+    } catch {
+      return false;
+    }
+  }
+
   /** The rendered text cut before each turn-start token (text before the first one is a segment of its own). */
   split(text: string): string[] {
     const out: string[] = [];
