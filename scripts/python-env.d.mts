@@ -21,3 +21,5 @@ export interface WheelEnv {
 export function wheelEnv(python: string): WheelEnv;
 /** .venv-fla, created if needed: its interpreter, or null and why not. */
 export function flaEnv(): { python: string | null; reason: string };
+/** .venv-oldest (the oldest supported transformers and TRL over `python`'s other packages), created if needed. */
+export function oldestEnv(python: string): { python: string | null; reason: string };
