@@ -1,7 +1,13 @@
 /**
  * Writes the C header and the Python table of the ABI from src/backend/abi.ts (`npm run gen:abi`); with --check,
  * writes nothing and exits 1 when a file on disk differs (test/abi.test.ts runs the same comparison).
+ *
+ * The C function signatures have one source too, the headers that declare them (native/core/*.h,
+ * native/cuda/treepack_cuda.h): Python's ctypes structs and argtypes/restype are read from them here, with real
+ * pointer types, so a signature changed in a header leaves python/treepack/_abi.py stale until regenerated. The
+ * N-API bindings and the C++/CUDA definitions are compiled against the same headers.
  */
+import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { ABI_HASH, FOREST_CHECKS, LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_CONSTANTS, LOSS_METRICS_FIELDS, STATUSES } from '../src/backend/abi.js';
 import { DEFAULT_LOSS_CONFIG } from '../src/loss/config.js';
@@ -59,10 +65,138 @@ export function renderHeader(): string {
   return out.join('\n');
 }
 
+/** The headers that declare each C library's functions (TP_API), in the order they are listed in Python. */
+export const C_HEADERS = {
+  core: ['native/core/treepack.h', 'native/core/mask.h', 'native/core/loss.h', 'native/core/check.h'],
+  cuda: ['native/cuda/treepack_cuda.h'],
+} as const;
+
+export interface CParam {
+  type: string;
+  name: string;
+}
+export interface CFunction {
+  name: string;
+  returns: string;
+  params: CParam[];
+}
+export interface CStruct {
+  name: string;
+  fields: { type: string; name: string; count?: number }[];
+}
+
+const root = fileURLToPath(new URL('..', import.meta.url));
+const stripComments = (c: string) => c.replace(/\/\*[\s\S]*?\*\//g, ' ').replace(/\/\/[^\n]*/g, ' ');
+/** `const int32_t* tokens` → { type: 'int32_t*', name: 'tokens' }: const dropped, the stars kept on the type. */
+function param(text: string): CParam {
+  const m = /^(?:const\s+)?([A-Za-z_]\w*)\s*(\**)\s*([A-Za-z_]\w*)$/.exec(text.trim().replace(/\s+/g, ' ').replace(/ \*/g, '*'));
+  if (!m) throw new Error(`cannot read the C parameter ${JSON.stringify(text)}`);
+  return { type: m[1] + m[2], name: m[3] };
+}
+
+/** Every `TP_API type name(params);` of a header, in order. */
+export function parseFunctions(header: string): CFunction[] {
+  const out: CFunction[] = [];
+  for (const m of stripComments(header).matchAll(/\bTP_API\s+([^;{}()]+?)\s*\b([A-Za-z_]\w*)\s*\(([^)]*)\)\s*;/g)) {
+    const ret = param(`${m[1]} ${m[2]}`);
+    const params = m[3].trim() === 'void' ? [] : m[3].split(',').map(param);
+    out.push({ name: m[2], returns: ret.type, params });
+  }
+  return out;
+}
+
+/** Every `typedef struct name { fields } name;` of a header (opaque structs have no body and are not listed). */
+export function parseStructs(header: string): CStruct[] {
+  const out: CStruct[] = [];
+  for (const m of stripComments(header).matchAll(/typedef\s+struct\s+(\w+)\s*\{([^}]*)\}\s*(\w+)\s*;/g)) {
+    const fields = m[2].split(';').map((f) => f.trim()).filter(Boolean).map((f) => {
+      const a = /^(.*?)\[(\d+)\]$/.exec(f);
+      const p = param(a ? a[1] : f);
+      return a ? { ...p, count: Number(a[2]) } : p;
+    });
+    out.push({ name: m[3], fields });
+  }
+  return out;
+}
+
+const CTYPES: Record<string, string> = {
+  int: 'ctypes.c_int',
+  int32_t: 'ctypes.c_int32',
+  int64_t: 'ctypes.c_int64',
+  uint8_t: 'ctypes.c_uint8',
+  uint32_t: 'ctypes.c_uint32',
+  float: 'ctypes.c_float',
+  double: 'ctypes.c_double',
+  char: 'ctypes.c_char',
+};
+
+/** The ctypes type of a C type: pointers to numbers and structs are typed; void* and opaque handles are c_void_p. */
+function ctype(type: string, structs: ReadonlySet<string>, opaque: ReadonlySet<string>): string {
+  if (type === 'void') return 'None';
+  if (type === 'char*') return 'ctypes.c_char_p';
+  if (type === 'void*') return 'ctypes.c_void_p';
+  if (type.endsWith('*')) {
+    const to = type.slice(0, -1);
+    if (opaque.has(to)) return 'ctypes.c_void_p';
+    return `ctypes.POINTER(${ctype(to, structs, opaque)})`;
+  }
+  if (structs.has(type)) return type;
+  const t = CTYPES[type];
+  if (!t) throw new Error(`no ctypes type for the C type ${type}: add it to CTYPES in scripts/gen-abi.ts`);
+  return t;
+}
+
+/** Lines of `items` joined by ', ' and wrapped under 120 characters, each continuation indented by `indent`. */
+function wrap(first: string, items: string[], last: string, indent: string): string[] {
+  const lines: string[] = [];
+  let line = first;
+  items.forEach((item, i) => {
+    const piece = item + (i + 1 < items.length ? ', ' : '');
+    if (line.length + piece.length > 118 && line.trim() !== first.trim()) {
+      lines.push(line.trimEnd());
+      line = indent;
+    }
+    line += piece;
+  });
+  lines.push(line + last);
+  return lines;
+}
+
+/** The ctypes structs and the (restype, argtypes) of every C function, read from the headers. */
+function renderSignatures(): string[] {
+  const headerText = (path: string) => (path === 'native/core/abi.h' ? renderHeader() : readFileSync(root + path, 'utf8'));
+  const all = ['native/core/abi.h', ...C_HEADERS.core, ...C_HEADERS.cuda];
+  const structs = all.flatMap((p) => parseStructs(headerText(p)));
+  const names = new Set(structs.map((s) => s.name));
+  const opaqueIn = (p: string) => [...stripComments(headerText(p)).matchAll(/typedef\s+struct\s+(\w+)\s+(\w+)\s*;/g)].map((m) => m[2]);
+  const opaque = new Set(all.flatMap(opaqueIn));
+  const out: string[] = [];
+  out.push('# The C structs and functions, read from the headers that declare them (native/core/*.h,');
+  out.push('# native/cuda/treepack_cuda.h): _native.py gives each function its restype and argtypes.');
+  for (const s of structs) {
+    out.push('', '', `class ${s.name}(ctypes.Structure):`);
+    const fields = s.fields.map((f) => `(${JSON.stringify(f.name)}, ${ctype(f.type, names, opaque)}${f.count ? ` * ${f.count}` : ''})`);
+    out.push(...wrap('    _fields_ = [', fields, ']', '                '));
+  }
+  out.push('');
+  for (const [lib, headers] of Object.entries(C_HEADERS)) {
+    out.push('', `# ${headers.join(', ')}: name -> (restype, argtypes).`, `${lib.toUpperCase()}_FUNCTIONS = {`);
+    for (const h of headers) {
+      for (const f of parseFunctions(readFileSync(root + h, 'utf8'))) {
+        const args = f.params.map((p) => ctype(p.type, names, opaque));
+        out.push(...wrap(`    ${JSON.stringify(f.name)}: (${ctype(f.returns, names, opaque)}, [`, args, ']),', '        '));
+      }
+    }
+    out.push('}');
+  }
+  out.push('');
+  return out;
+}
+
 export function renderPython(): string {
   const tuple = (xs: readonly string[]) => `(${xs.map((x) => JSON.stringify(x)).join(', ')}${xs.length === 1 ? ',' : ''})`;
   const out: string[] = [];
-  out.push(`"""${NOTICE}."""`, '');
+  out.push(`"""${NOTICE}."""`, '', 'import ctypes', '');
   out.push(`ABI = ${JSON.stringify(ABI_HASH)}`, '');
   out.push('# Names of each enum field of the loss config in code order (the code of a name is its index).');
   for (const e of LOSS_CONFIG_ENUMS) out.push(`${e.name.toUpperCase()}_NAMES = ${tuple(e.names)}`);
@@ -87,7 +221,7 @@ export function renderPython(): string {
   for (const c of FOREST_CHECKS) out.push(`    (${JSON.stringify(c.name)}, ${JSON.stringify(c.message)}, ${JSON.stringify(c.example)}),`);
   out.push(')');
   out.push('VIOLATION_FIELDS = ("index", "value", "expected", "seq", "t")');
-  out.push('');
+  out.push('', ...renderSignatures());
   return out.join('\n');
 }
 

@@ -46,14 +46,14 @@ function sleep(ms) {
 
 /**
  * Creates `dir` (.venv) from `reqs` in a scratch directory renamed into place, so no reader ever sees a half-installed
- * one. With `over` (an interpreter), the new venv sees `over`'s packages behind its own (linkSitePackages), and pip
- * installs only what they lack or what `reqs` pins otherwise.
+ * one; '' when made, else what failed. With `over` (an interpreter), the new venv sees `over`'s packages behind its
+ * own (linkSitePackages), and pip installs only what they lack or what `reqs` pins otherwise.
  */
-function createVenv(base, dir = venv, reqs = requirements, over = null) {
+export function createVenv(base, dir = venv, reqs = requirements, over = null) {
   const scratch = `${dir}.building-${process.pid}`;
   fs.rmSync(scratch, { recursive: true, force: true });
   const steps = [
-    [base, ['-m', 'venv', scratch]],
+    [base, ['-m', 'venv', '--prompt', path.basename(dir), scratch]],
     ...(over ? [() => linkSitePackages(over, bin(scratch))] : []),
     [bin(scratch), ['-m', 'pip', 'install', '--retries', '0', '--timeout', '5', '--disable-pip-version-check', '-q', '-r', reqs]],
   ];
@@ -76,12 +76,28 @@ function createVenv(base, dir = venv, reqs = requirements, over = null) {
     }
   }
   try {
-    fs.renameSync(scratch, dir);
+    renameVenv(scratch, dir);
   } catch (e) {
     fs.rmSync(scratch, { recursive: true, force: true });
     if (!fs.existsSync(bin(dir))) return `could not move the new venv into place (${e.message})`;
   }
   return '';
+}
+
+/**
+ * Moves a venv from `from` to `to`. Its scripts name their interpreter by absolute path (pip's shebangs, activate's
+ * VIRTUAL_ENV, pyvenv.cfg's command): they are rewritten to name `to` first, else `to`/bin/pip would run the
+ * interpreter of a folder that no longer exists.
+ */
+function renameVenv(from, to) {
+  const binDir = path.dirname(bin(from));
+  for (const file of [...fs.readdirSync(binDir).map((name) => path.join(binDir, name)), path.join(from, 'pyvenv.cfg')]) {
+    const st = fs.lstatSync(file, { throwIfNoEntry: false });
+    if (!st?.isFile()) continue; // python itself is a link to the base interpreter
+    const text = fs.readFileSync(file, 'latin1');
+    if (text.includes(from)) fs.writeFileSync(file, text.split(from).join(to), 'latin1');
+  }
+  fs.renameSync(from, to);
 }
 
 /** Runs `fn` holding `lockDir` (a directory: mkdir is atomic); waits for another process's creation. */

@@ -8,7 +8,7 @@ import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { GENERATED } from '../scripts/gen-abi.js';
+import { C_HEADERS, GENERATED, parseFunctions } from '../scripts/gen-abi.js';
 import { ABI_HASH, configVector, LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_METRICS_FIELDS, STATUSES } from '../src/backend/abi.js';
 import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { cudaDeviceInfo, loadCuda, loadNative } from '../src/backend/native.js';
@@ -26,6 +26,21 @@ const root = fileURLToPath(new URL('..', import.meta.url));
 describe('the ABI table', () => {
   it('generated files are current (npm run gen:abi)', () => {
     for (const g of GENERATED) expect(readFileSync(root + g.path, 'utf8'), g.path).toBe(g.render());
+  });
+
+  it('reads every C function the headers declare (ctypes argtypes come from them)', () => {
+    for (const h of [...C_HEADERS.core, ...C_HEADERS.cuda]) {
+      const text = readFileSync(root + h, 'utf8').replace(/\/\*[\s\S]*?\*\//g, '');
+      const declared = [...text.matchAll(/\bTP_API\b/g)].length - (text.includes('#define TP_API') ? 2 : 0);
+      expect(parseFunctions(text).length, h).toBe(declared);
+    }
+    const core = parseFunctions(readFileSync(root + 'native/core/mask.h', 'utf8')).find((f) => f.name === 'tp_mask_blocks')!;
+    expect(core.returns).toBe('int');
+    expect(core.params).toEqual([
+      { type: 'int32_t*', name: 'subtree_end' }, { type: 'int64_t', name: 'n' }, { type: 'int32_t', name: 'block_size' },
+      { type: 'int32_t*', name: 'kv_num' }, { type: 'int32_t*', name: 'kv_idx' }, { type: 'int32_t*', name: 'full_num' },
+      { type: 'int32_t*', name: 'full_idx' },
+    ]);
   });
 
   it('covers every config field and metric exactly once, and each addon was built from it', () => {

@@ -11,6 +11,7 @@ import { promisify } from 'node:util';
 import { parseSafetensors } from '../src/io/safetensors.js';
 import { DurableLog } from '../src/serve/log.js';
 import { Service } from '../src/serve/service.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import { enginePython, freePort, ROOT, startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
@@ -211,5 +212,38 @@ print(json.dumps({"acked": acked, "twice": twice, "next": nxt and nxt.id}))`,
     const call = (id: string) => JSON.stringify({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output: { finishReason: 'stop' } } });
     writeFileSync(join(data, 'events.jsonl'), `${call('c0')}\n{"tipe":"call","episode":"e"}\n${call('c1')}\n`);
     await expect(Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer: 'qwen3' } })).rejects.toThrow(/events\.jsonl:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call/);
+  });
+
+  it('a line of an unknown kind, missing a field its kind needs, or acting on what no line before it records: refused, naming line and field', async () => {
+    const call = (id: string, output: unknown = { finishReason: 'stop' }) => ({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output } });
+    const { output: _output, ...noOutput } = call('c1').call;
+    const cases: [unknown, RegExp][] = [
+      [{ type: 'bogus' }, /:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call, .*flush, got "bogus" of type string$/],
+      [{ type: 'finish', episode: 'e', time: 1 }, /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got nothing$/],
+      [{ type: 'finish', episode: 'e', reward: 'high', time: 1 }, /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got "high" of type string$/],
+      [{ ...call('c1'), call: noOutput }, /:2, field "call\.output": damaged log: a call event needs "call\.output" to be an object, got nothing$/],
+      [{ ...call('c1'), call: { ...call('c1').call, request: { messages: 'hi' } } }, /:2, field "call\.request\.messages": damaged log: a call event needs "call\.request\.messages" to be absent or a list/],
+      [{ type: 'key', scope: { episode: 'e' } }, /:2, field "hash": damaged log: a key event needs "hash" to be a string, got nothing$/],
+      [{ type: 'key', hash: 'ab', scope: { agent: 'a' } }, /:2, field "scope\.episode": damaged log: a key event needs "scope\.episode" to be a string, got nothing$/],
+      [{ type: 'ack', id: '0.0' }, /:2, field "of": damaged log: an? ack event needs "of" to be an integer, got nothing$/],
+      [{ type: 'finish', episode: 'ghost', reward: 1, time: 1 }, /:2, field "episode": damaged log: a finish event of episode "ghost", which no line before it records$/],
+      [{ type: 'ship', episode: 'ghost' }, /:2, field "episode": damaged log: a ship event of episode "ghost"/],
+      [{ type: 'abandon', group: 'nope', reason: 'x', time: 1 }, /:2, field "group": damaged log: a abandon event of group "nope"/],
+      [{ type: 'take', step: 0, groups: [7] }, /:2, field "groups": damaged log: a take event of group number 7, which no line before it records$/],
+    ];
+    const tokenizer = await loadTokenizer('qwen3'); // loaded once: the services here stop at their replay
+    for (const [line, message] of cases) {
+      const data = tempDir('tp-log-kind-');
+      writeFileSync(join(data, 'events.jsonl'), `${JSON.stringify(call('c0'))}\n${JSON.stringify(line)}\n`);
+      const err = await Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer }, warn: () => {} }).then(
+        async (svc) => {
+          await svc.close();
+          return new Error(`started on ${JSON.stringify(line)}`);
+        },
+        (e: Error) => e,
+      );
+      expect(err.name, `${JSON.stringify(line)}: ${err.stack}`).toBe('TreepackError');
+      expect(err.message, JSON.stringify(line)).toMatch(message);
+    }
   });
 });

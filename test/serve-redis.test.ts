@@ -6,9 +6,10 @@
  * its log and Redis ships on restart, once; slime's reads take whole groups from the shared pool. The shared
  * state stays small (the `groups` stream is trimmed as groups are taken, and a restarted service carries on
  * from it); a Redis that may lose acknowledged writes is refused; a service killed -9 while it forms a step holds
- * the others up for the form lock's short lease only.
+ * the others up for the form lock's short lease only. A scoped key minted by one gateway opens its episode on all.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { createHash } from 'node:crypto';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
@@ -186,6 +187,49 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect(await until(503)).toMatchObject({ body: { ok: false, shared_pool: { connected: false } } });
     await redis.restart();
     expect(await until(200)).toMatchObject({ body: { ok: true, shared_pool: { connected: true } } });
+  });
+
+  it('a scoped key minted by one gateway opens its episode on every gateway of the pool; a wrong key is refused saying why', async () => {
+    const token = 'service-token';
+    const [A, B] = await gateways({ groupSize: 1, token });
+    const auth = (k: string) => ({ authorization: `Bearer ${k}` });
+    const call = (base: string, k: string, prefix = '') => post(`${base}${prefix}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, auth(k));
+    const minted = await post(`${A}/v1/episodes`, { episode_id: 'keyed', agent: 'ag' }, auth(token));
+    const { api_key: key } = (await minted.json()) as { api_key: string };
+    // Redis holds the key's SHA-256, never the key.
+    const r = new Redis(redis.url);
+    expect(await r.hkeys('treepack:keys')).toEqual([createHash('sha256').update(key).digest('hex')]);
+    expect(JSON.stringify(await r.hgetall('treepack:keys'))).not.toContain(key);
+    r.disconnect();
+    // The agent's first call is balanced to B: recorded there, under the key's episode and agent.
+    const first = await call(B, key);
+    expect(first.status, await first.clone().text()).toBe(200);
+    const ep = (await (await fetch(`${B}/v1/episodes/keyed`, { headers: auth(token) })).json()) as { agents: string[]; calls: unknown[] };
+    expect(ep).toMatchObject({ agents: ['ag'], calls: [expect.anything()] });
+    // Confined on B as on A: another episode, or a route for the service token, is refused.
+    expect((await call(B, key, '/episodes/other')).status).toBe(403);
+    expect((await fetch(`${B}/v1/feed`, { headers: auth(key) })).status).toBe(403);
+    // On a third gateway, started after the key was minted, the key opens the episode too; its calls stay on B.
+    const c = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, groupSize: 1, token, packer: { tokenizer: 'qwen3' } });
+    open.push(c);
+    const C = await c.listen();
+    const elsewhere = await call(C, key);
+    expect(elsewhere.status).toBe(409);
+    expect(((await elsewhere.json()) as { error: { code: string } }).error.code).toBe('episode_on_another_gateway');
+    expect((await post(`${B}/v1/episodes/keyed/finish`, { reward: 1 }, auth(key))).status).toBe(200);
+    // A key no gateway minted, and no credentials at all, are refused with messages that say which.
+    const wrong = await call(C, 'tp-' + 'x'.repeat(24));
+    expect(wrong.status).toBe(401);
+    expect(((await wrong.json()) as { error: { message: string } }).error.message).toMatch(/wrong bearer token: neither this service's --token nor a scoped API key of its shared pool/);
+    const none = await post(`${C}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] });
+    expect(((await none.json()) as { error: { message: string } }).error.message).toMatch(/^missing credentials/);
+    // Redis down: a key a gateway has not seen cannot be checked (503); the keys it knows still open their routes.
+    const { api_key: later } = (await (await post(`${B}/v1/episodes`, {}, auth(token))).json()) as { api_key: string };
+    await redis.stop();
+    const unchecked = await call(A, later);
+    expect(unchecked.status).toBe(503);
+    expect(((await unchecked.json()) as { error: { code: string } }).error.code).toBe('shared_pool_unavailable');
+    expect((await fetch(`${A}/v1/models`, { headers: auth(key) })).status).toBe(200);
   });
 
   it('a trainer killed before acknowledging: its micro-batch is handed out again after the lease, through the other service', async () => {

@@ -13,6 +13,7 @@ import unittest
 import numpy as np
 
 import treepack
+from treepack import _abi, _native
 from treepack import loss as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,6 +27,8 @@ except tl.TreepackError as e:  # E_BACKEND: the C core is not built here
 
 try:
     import torch  # noqa: F401
+
+    from treepack.torch import PackedLoss
 
     TORCH_SKIP = ""
 except ImportError:
@@ -181,11 +184,7 @@ class TurnsTest(unittest.TestCase):
 def cuda_device_name(lib):
     """The first CUDA device's name as libtreepack_cuda.so reports it ('' without one)."""
 
-    class Device(ctypes.Structure):  # tp_cuda_device of native/cuda/treepack_cuda.h
-        _fields_ = [("name", ctypes.c_char * 256), ("major", ctypes.c_int32), ("minor", ctypes.c_int32),
-                    ("multiprocessor_count", ctypes.c_int32), ("total_global_mem", ctypes.c_int64)]
-
-    runtime, driver, count, dev = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), Device()
+    runtime, driver, count, dev = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), _abi.tp_cuda_device()
     rc = lib.tp_cuda_device_info(ctypes.byref(runtime), ctypes.byref(driver), ctypes.byref(count), ctypes.byref(dev), 1)
     return dev.name.decode() if rc == 0 and count.value > 0 else ""
 
@@ -229,7 +228,7 @@ class CudaLibraryLossTest(unittest.TestCase):
             (mb.old_logprobs, np.float32), (mb.ref_logprobs, np.float32), (mb.rollout_logprobs, np.float32), (mb.turn_ids, np.int32))]
         off, pos, mask, adv, old, ref, roll, turn = arrays
         grad, metrics = np.zeros(lp.size, dtype=np.float32), tl.LossMetrics()
-        P = lambda a: a.ctypes.data  # noqa: E731
+        P = _native.pointer
         args = [ctypes.byref(cfg), off.size - 1, P(off), pos.size, P(pos), P(mask), P(adv), P(old), P(ref), P(roll), None, P(turn),
                 lp.size, P(lp), P(grad), ctypes.byref(metrics)]
         rc = getattr(CUDA_LIB, entry)(*args, *([None] if entry == "tp_cuda_loss" else []))
@@ -279,7 +278,7 @@ class TorchLossTest(unittest.TestCase):
             t["seq_positions"] = t["seq_positions"].int()
             t["loss_mask"] = t["loss_mask"].to(torch.uint8)
             x = torch.tensor(lp, device=dev, requires_grad=True)
-            tl.PackedLoss.apply(x, t, c)[0].backward()
+            PackedLoss.apply(x, t, c)[0].backward()
             y = torch.tensor(lp, dtype=torch.float64, device=dev, requires_grad=True)
             ref = self._plain_torch({k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, y, c)
             ref.backward()

@@ -316,11 +316,27 @@ class InvariantTest(unittest.TestCase):
 
         counts = np.zeros(len(_abi.FOREST_CHECKS), dtype=np.int64)
         off = np.zeros(1, dtype=np.int32)
-        check = _native.core().tp_forest_check
-        self.assertEqual(check(None, None, None, -1, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, None, 0, 1, counts.ctypes.data, None), _abi.TP_ERR_ARG)
-        self.assertEqual(check(None, None, None, 0, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_OK)
-        self.assertEqual(check(None, None, None, 2**31, 0, off.ctypes.data, 0, None, None, None, 0, 0, counts.ctypes.data, None), _abi.TP_ERR_ARG)
+        check, off_p, counts_p = _native.core().tp_forest_check, _native.pointer(off), _native.pointer(counts)
+        self.assertEqual(check(None, None, None, -1, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off_p, 0, None, None, None, 0, 1, counts_p, None), _abi.TP_ERR_ARG)
+        self.assertEqual(check(None, None, None, 0, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_OK)
+        self.assertEqual(check(None, None, None, 2**31, 0, off_p, 0, None, None, None, 0, 0, counts_p, None), _abi.TP_ERR_ARG)
+
+    def test_typed_pointers(self) -> None:
+        # argtypes come from the headers (scripts/gen-abi.ts) with real pointer types: an int64 array given for an
+        # int32_t* is refused by ctypes before the call, where a void* table would have let the core misread it.
+        import ctypes
+
+        from treepack import _native
+
+        parent, out, roots = np.array([-1, 0], dtype=np.int64), np.zeros(3, dtype=np.int32), ctypes.c_int64(0)
+        with self.assertRaises(ctypes.ArgumentError):
+            _native.core().tp_mask_cu_seqlens(parent.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), 2, _native.pointer(out), 3,
+                                              ctypes.byref(roots))
+        with self.assertRaises(ctypes.ArgumentError):
+            _native.core().tp_mask_cu_seqlens(_native.pointer(parent), 2, _native.pointer(out), 3, ctypes.byref(roots))
+        ok = _native.core().tp_mask_cu_seqlens(_native.pointer(parent.astype(np.int32)), 2, _native.pointer(out), 3, ctypes.byref(roots))
+        self.assertEqual((ok, out.tolist(), roots.value), (0, [0, 2, 0], 1))
 
     def test_lengths(self) -> None:
         mb = self.batch([[1, 2]])

@@ -1,4 +1,5 @@
-"""treepack's C libraries through ctypes: where they are found, and every C function's signature, declared once.
+"""treepack's C libraries through ctypes: where they are found, and each C function given its signature from
+_abi.py (read from the C headers by scripts/gen-abi.ts, with typed pointers: pass ``pointer(array)``).
 
 CPU core, ``libtreepack_core.so`` (required by packing, the checks, the mask lowerings and the CPU loss), the first of:
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -37,50 +38,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # python/treepack → the checkout's root; an installed package has no native/ two levels up.
 _CHECKOUT = os.path.normpath(os.path.join(_HERE, "..", ".."))
 
-_P = ctypes.c_void_p
-_I32 = ctypes.c_int32
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_PI64 = ctypes.POINTER(ctypes.c_int64)
-
-
-class Violation(ctypes.Structure):
-    """tp_violation (abi.h)."""
-
-    _fields_ = [(n, ctypes.c_int64) for n in _abi.VIOLATION_FIELDS]
-
-
-# Pointers to structs (tp_loss_config, tp_loss_metrics) are void*: loss.py owns the structs and passes byref().
-_CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
-    "tp_version": (ctypes.c_char_p, []),
-    "tp_abi": (ctypes.c_char_p, []),
-    "tp_status_string": (ctypes.c_char_p, [_INT]),
-    "tp_plan_create": (_INT, [_P, _I64, _P, _I64, ctypes.POINTER(_P), _PI64]),
-    "tp_plan_layout": (_INT, [_P, _P, _P, _P, _P, _P]),
-    "tp_plan_free": (None, [_P]),
-    "tp_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
-    "tp_loss_compact": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "tp_mask_dense": (_INT, [_P, _P, _I64, _P]),
-    "tp_mask_bits": (_INT, [_P, _P, _I64, _P]),
-    "tp_mask_blocks": (_INT, [_P, _I64, _I32, _P, _P, _P, _P]),
-    "tp_mask_slices": (_INT, [_P, _P, _I64, _P, _I64, _PI64]),
-    "tp_mask_cu_seqlens": (_INT, [_P, _I64, _P, _I64, _PI64]),
-    "tp_forest_check": (_INT, [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _P, ctypes.POINTER(Violation)]),
-}
-
-_CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
-    "tp_cuda_abi": (ctypes.c_char_p, []),
-    "tp_cuda_error_string": (ctypes.c_char_p, [_INT]),
-    "tp_cuda_last_error": (_INT, []),
-    "tp_cuda_status_string": (ctypes.c_char_p, [_INT]),
-    "tp_cuda_loss": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P]),
-    "tp_cuda_loss_host": (_INT, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]),
-    # The host-array forms (copy in, run, copy back), which scripts/gpu_check/cuda_vs_core.py holds to the C core.
-    "tp_cuda_gather_i32_host": (_INT, [_P, _I64, _P, _I64, _P]),
-    "tp_cuda_mask_dense_host": (_INT, [_P, _P, _I64, _P, _P]),
-    "tp_cuda_mask_bits_host": (_INT, [_P, _P, _I64, _P, _P]),
-    "tp_cuda_mask_blocks_host": (_INT, [_P, _I64, _I32, _P, _P, _P, _P, _P]),
-}
+# Every struct and function signature is read from the C headers by scripts/gen-abi.ts (_abi.py): pointers are typed,
+# so ctypes refuses an array of the wrong element type (pass pointer(a), never a bare address).
+Violation = _abi.tp_violation
+_Signatures = Dict[str, Tuple[Optional[type], List[type]]]
+_C_TYPES = {np.dtype(t): c for t, c in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint8, ctypes.c_uint8),
+                                         (np.uint32, ctypes.c_uint32), (np.float32, ctypes.c_float), (np.float64, ctypes.c_double))}
 
 
 def _candidates(env: str, name: str, in_package: bool) -> List[str]:
@@ -93,7 +56,7 @@ def _candidates(env: str, name: str, in_package: bool) -> List[str]:
     return paths
 
 
-def _open(env: str, name: str, abi_fn: str, signatures: Dict[str, Tuple[Optional[type], List[type]]], hint: str,
+def _open(env: str, name: str, abi_fn: str, signatures: _Signatures, hint: str,
           in_package: bool) -> ctypes.CDLL:
     errors = []
     for path in _candidates(env, name, in_package):
@@ -136,7 +99,7 @@ def core() -> ctypes.CDLL:
     global _core
     if _core is None:
         hint = "reinstall treepack (`pip install ./python` compiles it), or in a checkout build it with `npm install`"
-        _core = _open("TREEPACK_CORE_LIB", CORE, "tp_abi", _CORE_SIGNATURES, hint, in_package=True)
+        _core = _open("TREEPACK_CORE_LIB", CORE, "tp_abi", _abi.CORE_FUNCTIONS, hint, in_package=True)
     return _core
 
 
@@ -147,7 +110,7 @@ def cuda() -> ctypes.CDLL:
         if _cuda_error is not None:
             raise _cuda_error
         try:
-            _cuda = _open("TREEPACK_CUDA_LIB", CUDA, "tp_cuda_abi", _CUDA_SIGNATURES,
+            _cuda = _open("TREEPACK_CUDA_LIB", CUDA, "tp_cuda_abi", _abi.CUDA_FUNCTIONS,
                           "build it in a checkout with `npm run build:cuda` (needs nvcc)", in_package=False)
         except TreepackError as e:
             _cuda_error = e
@@ -179,6 +142,16 @@ def check(rc: int, what: str, field: str) -> None:
         raise TreepackError(code, f"{what}: {status_message(rc)}", field=field)
 
 
-def address(a: Optional[np.ndarray]) -> Optional[int]:
-    """The data pointer of a contiguous numpy array for a void* argument (None for None)."""
-    return None if a is None else a.ctypes.data
+def pointer(a: Optional[np.ndarray]) -> Any:
+    """A contiguous numpy array as a pointer to its element type (NULL for None); ctypes checks it against the
+    argument's type, so an int64 array given for an ``int32_t*`` is an error, not a misread."""
+    if a is None:
+        return None
+    if not a.flags.c_contiguous:
+        raise ValueError("expected a C-contiguous array")
+    return a.ctypes.data_as(ctypes.POINTER(_C_TYPES[a.dtype]))
+
+
+def device_pointer(address: Optional[int], ctype: Any) -> Any:
+    """A device (or any foreign) address, such as a torch tensor's ``data_ptr()``, as a ``ctype*`` (NULL for None)."""
+    return None if address is None else ctypes.cast(address, ctypes.POINTER(ctype))

@@ -97,7 +97,7 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     nb = -(-n // B)
     kv_num, full_num = np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32)
     kv_idx, full_idx = np.zeros((nb, nb), dtype=np.int32), np.zeros((nb, nb), dtype=np.int32)
-    a = _native.address
+    a = _native.pointer
     _native.check(_native.core().tp_mask_blocks(a(se), n, B, a(kv_num), a(kv_idx), a(full_num), a(full_idx)), "tp_mask_blocks", "subtree_end")
     return BlockArrays(B, kv_num, kv_idx, full_num, full_idx)
 
@@ -186,7 +186,7 @@ def cu_seqlens(parent: Any) -> np.ndarray:
     par = _tree_array("parent", parent)
     out = np.zeros(len(par) + 1, dtype=np.int32)
     roots = ctypes.c_int64(0)
-    a = _native.address
+    a = _native.pointer
     _native.check(_native.core().tp_mask_cu_seqlens(a(par), len(par), a(out), len(out), ctypes.byref(roots)), "tp_mask_cu_seqlens", "parent")
     return out[: roots.value + 1].copy()
 
@@ -196,7 +196,7 @@ def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
     par, se = _tree_array("parent", parent), _tree_array("subtree_end", subtree_end)
     if par.shape != se.shape:
         raise _fail("parent", f"parent has {len(par)} elements but subtree_end has {len(se)}")
-    lib, a = _native.core(), _native.address
+    lib, a = _native.core(), _native.pointer
     count = ctypes.c_int64(0)
     out = np.zeros((max(1, 2 * len(par)), 5), dtype=np.int32)
     rc = lib.tp_mask_slices(a(par), a(se), len(par), a(out), out.shape[0], ctypes.byref(count))

@@ -16,8 +16,8 @@ where each is found: treepack/_native.py.
     >>> loss_numpy(mb, lp, {"clip_low": 0.2, "clip_high": 0.28})[0]      # the same, as a dict
     -0.25
 
-``treepack.torch.packed_loss(lp, batch, config)`` is the same loss written in torch (autograd, any device);
-``treepack.loss.kernel_loss`` (treepack/torch/loss_kernels.py) runs these kernels, ``tp_cuda_loss`` included, on torch tensors.
+``treepack.torch.packed_loss(lp, batch, config)`` (and ``treepack.torch.PackedLoss``) is the same loss written in torch
+(autograd, any device); ``treepack.torch.loss_kernels.kernel_loss`` runs these kernels, ``tp_cuda_loss`` included, on torch tensors.
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
@@ -46,14 +46,11 @@ TIS_LEVELS = _abi.TIS_NAMES
 DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
-class LossConfigStruct(ctypes.Structure):
-    """``tp_loss_config`` of the C ABI (``make_config`` builds it)."""
-
-    _fields_ = [(n, ctypes.c_int32) for n in _abi.ENUM_FIELDS] + [(n, ctypes.c_double) for n in _abi.NUMBER_FIELDS]
+LossConfigStruct = _abi.tp_loss_config  # make_config builds it
 
 
-class LossMetrics(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
+class LossMetrics(_abi.tp_loss_metrics):
+    """``tp_loss_metrics`` of the C ABI, read back as a dict."""
 
     def as_dict(self) -> Dict[str, float]:
         return {n: getattr(self, n) for n, _ in self._fields_}
@@ -240,7 +237,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
             raise TreepackError("E_INPUT", f"{name} has a non-finite value at a trainable position", field=name)
     grad = np.zeros(N, dtype=np.float32)
     metrics = LossMetrics()
-    ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+    ptr = _native.pointer
     lib = core_library()
     rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), ptr(sw), ptr(turn),
                      N, ptr(lp), ptr(grad), ctypes.byref(metrics))
@@ -248,15 +245,3 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
         raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field=_status_field(rc))
     return metrics.loss, grad, metrics.as_dict()
 
-
-def __getattr__(name: str):
-    # The torch loss and its kernel oracle live in treepack.torch; imported only when asked for, so numpy users need no torch.
-    if name == "PackedLoss":
-        from .torch.loss import PackedLoss
-
-        return PackedLoss
-    if name == "kernel_loss":
-        from .torch.loss_kernels import kernel_loss
-
-        return kernel_loss
-    raise AttributeError(name)

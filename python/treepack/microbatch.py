@@ -342,7 +342,7 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     kinds = len(_abi.FOREST_CHECKS)
     counts = np.zeros(kinds, dtype=np.int64)
     examples = (_native.Violation * (kinds * _EXAMPLES))()
-    a = _native.address
+    a = _native.pointer
     rc = _native.core().tp_forest_check(a(pos), a(parent), a(end), N, pad, a(off), S, a(sp), a(mask), a(turns), M, _EXAMPLES,
                                         a(counts), examples)
     _native.check(rc, "tp_forest_check", "parent")

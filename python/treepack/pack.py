@@ -136,12 +136,13 @@ def pack_sequences(
 
     lib = _native.core()
     plan, n = ctypes.c_void_p(), ctypes.c_int64()
-    _native.check(lib.tp_plan_create(tokens.ctypes.data, len(tokens), offsets.ctypes.data, len(lengths), ctypes.byref(plan), ctypes.byref(n)),
-                  "tp_plan_create", "sequences")
+    P = _native.pointer
+    rc = lib.tp_plan_create(P(tokens), len(tokens), P(offsets), len(lengths), ctypes.byref(plan), ctypes.byref(n))
+    _native.check(rc, "tp_plan_create", "sequences")
     N, M = n.value, len(tokens)
     arrays = [np.zeros(N, dtype=np.int32) for _ in range(4)] + [np.zeros(M, dtype=np.int32)]
     try:
-        rc = lib.tp_plan_layout(plan, *(a.ctypes.data for a in arrays))
+        rc = lib.tp_plan_layout(plan, *map(P, arrays))
     finally:
         lib.tp_plan_free(plan)
     _native.check(rc, "tp_plan_layout", "sequences")

@@ -14,9 +14,14 @@ episode) whole, under a budget of packed tokens, with the counts a trainer norma
 The packed tokens of a set of sequences are the distinct prefixes among them (the nodes of their forest). Groups
 are laid out in the order of the window's forest (one ``pack_sequences`` call: groups that share a prompt are
 adjacent), and micro-batches are contiguous runs of that order: a cut between two groups repeats only the prefix
-they share. This follows the TypeScript planner (src/pack/budget.ts), which cuts between single sequences; here the
-unit is a whole group, and the dynamic program, the cost model and the rank refinement stay in TypeScript
-(``treepack pack`` for a stored window).
+they share. The cuts are those of the TypeScript planner (src/pack/budget.ts, docs/design.md): the fewest
+micro-batches within the budget (rounded up to a multiple of ``dp``), then, of all the cuts into that many runs, the
+ones that repeat the fewest prefix tokens (a dynamic program over the cuts, ties to the latest cut). With ``dp`` > 1
+or a fixed ``num_micro_batches``, each run is first held within 3% of the smallest largest run that many runs allow,
+as the TypeScript planner holds its cost. With single-sequence groups and ``dp`` = 1 the two planners give the same
+micro-batches (test/python-plan.test.ts holds them equal); the unit here is a whole group, and the cost model, the
+rank balancing and its refinement stay in TypeScript (``treepack pack`` for a stored window): micro-batch i runs on
+rank ``i % dp``.
 
 A group that alone exceeds ``max_tokens`` is refused (TreepackError naming the group): splitting it would change
 per-group normalisers and lose its sharing, and giving it an over-budget micro-batch would break the memory bound
@@ -25,6 +30,7 @@ the budget stands for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence
 
@@ -61,6 +67,11 @@ class Plan:
     naive_tokens: int
     trainable_tokens: int  # the step's: what a global token-mean divides by
     num_sequences: int
+
+
+# Slack on the smallest largest run with dp > 1 or a fixed count: room to move cuts to shallow points (COST_SLACK of
+# src/pack/budget.ts).
+COST_SLACK = 0.03
 
 
 def _positive(name: str, v: Optional[int]) -> Optional[int]:
@@ -101,6 +112,25 @@ class _Runs:
     def tokens(self, a: int, b: int) -> int:
         return len(np.unique(np.concatenate(self.nodes[a:b]))) if b > a else 0
 
+    def windows(self, limit: float) -> List[np.ndarray]:
+        """For each run end j (1..U), the packed tokens of runs [i, j) for i = j-1, j-2, ... while within ``limit``
+        (at least the unit alone): entry k is run [j-1-k, j)."""
+        out = []
+        for j in range(1, len(self.nodes) + 1):
+            sizes, cur, i = [], 0, j - 1
+            while i >= 0:
+                new = int(np.count_nonzero(~self.mark[self.nodes[i]]))
+                if sizes and cur + new > limit:
+                    break
+                self.mark[self.nodes[i]] = True
+                cur += new
+                sizes.append(cur)
+                i -= 1
+            for u in range(i + 1, j):
+                self.mark[self.nodes[u]] = False
+            out.append(np.array(sizes, dtype=np.float64))
+        return out
+
 
 def plan_micro_batches(
     sequences: Sequence[Sequence[int]],
@@ -114,10 +144,11 @@ def plan_micro_batches(
     own group when None) whole in one of them.
 
     ``max_tokens``: the fewest micro-batches of at most that many packed tokens (rounded up to a multiple of
-    ``dp``, then balanced); ``num_micro_batches``: exactly that many (a multiple of ``dp``), the largest as small
-    as contiguous runs allow (and within ``max_tokens`` when both are given). ``loss_masks[i]`` (per token, nonzero
-    = trainable) gives the trainable-token counts; by default every token but the first. Deterministic: the same
-    input gives the same plan. Micro-batch i goes to rank ``i % dp``, step ``i // dp``.
+    ``dp``); ``num_micro_batches``: exactly that many (a multiple of ``dp``), each within ``max_tokens`` when both
+    are given. Of the cuts into that many contiguous runs, the plan takes the one with the fewest packed tokens in
+    all; with ``dp`` > 1 or ``num_micro_batches``, among runs within 3% of the smallest largest run possible.
+    ``loss_masks[i]`` (per token, nonzero = trainable) gives the trainable-token counts; by default every token but
+    the first. Deterministic: the same input gives the same plan. Micro-batch i goes to rank ``i % dp``, step ``i // dp``.
     """
     _positive("max_tokens", max_tokens)
     _positive("num_micro_batches", num_micro_batches)
@@ -161,8 +192,11 @@ def plan_micro_batches(
         count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order else dp
     if len(order) < count:
         raise TreepackError("E_ARG", f"{count} micro-batches need at least {count} groups, got {len(order)}", field="num_micro_batches")
-    ends = _balanced(runs, count)
-    if max_tokens is not None and any(runs.tokens(a, b) > max_tokens for a, b in zip([0] + ends[:-1], ends)):
+    limit = float("inf") if max_tokens is None else max_tokens
+    if dp > 1 or num_micro_batches is not None:
+        limit = min(limit, math.floor(_smallest_largest(runs, count) * (1 + COST_SLACK)))
+    ends = _cheapest_cuts(runs, count, limit)
+    if ends is None:
         raise TreepackError("E_ARG", f"{count} micro-batches cannot keep every group whole within {max_tokens} packed tokens", field="max_tokens")
 
     mbs = []
@@ -172,11 +206,8 @@ def plan_micro_batches(
     return Plan(mbs, sum(m.packed_tokens for m in mbs), len(forest.input_ids), int(lengths.sum()), int(trainable.sum()), S)
 
 
-def _balanced(runs: _Runs, count: int) -> List[int]:
-    """Ends of exactly ``count`` contiguous runs (count <= units) whose largest is as small as contiguous runs allow:
-    the least limit the greedy split meets in ``count`` runs (binary search), then the runs with the most units
-    split until there are ``count`` (splitting never raises the largest)."""
-    U = len(runs.nodes)
+def _smallest_largest(runs: _Runs, count: int) -> int:
+    """The smallest largest run of at most ``count`` contiguous runs (the greedy split is monotone in its limit)."""
     lo, hi = max((len(n) for n in runs.nodes), default=0), sum(len(n) for n in runs.nodes)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -184,9 +215,30 @@ def _balanced(runs: _Runs, count: int) -> List[int]:
             hi = mid
         else:
             lo = mid + 1
-    ends = runs.cuts(lo) if U else []
-    while len(ends) < count:
-        starts = [0] + ends[:-1]
-        k = max(range(len(ends)), key=lambda j: (ends[j] - starts[j], -j))
-        ends.insert(k, starts[k] + (ends[k] - starts[k]) // 2)
-    return ends
+    return lo
+
+
+def _cheapest_cuts(runs: _Runs, count: int, limit: float) -> Optional[List[int]]:
+    """Ends of exactly ``count`` contiguous runs (count <= units), each within ``limit``, with the fewest packed tokens
+    in all (cheapestCuts of src/pack/budget.ts: one layer per run, ties to the latest start); None if there are none."""
+    windows = runs.windows(limit)
+    U = len(windows)
+    prev = np.full(U + 1, np.inf)
+    prev[0] = 0.0
+    choices = []
+    for _ in range(count):
+        cur, choice = np.full(U + 1, np.inf), np.full(U + 1, -1, dtype=np.int64)
+        for j in range(1, U + 1):
+            sizes = windows[j - 1]  # sizes[k]: run [j-1-k, j)
+            cand = prev[j - 1 - np.arange(len(sizes))] + sizes
+            k = int(np.argmin(cand))  # the smallest k among ties: the latest start
+            cur[j], choice[j] = cand[k], j - 1 - k
+        choices.append(choice)
+        prev = cur
+    if not np.isfinite(prev[U]):
+        return None
+    ends, j = [], U
+    for choice in reversed(choices):
+        ends.append(j)
+        j = int(choice[j])
+    return ends[::-1]

@@ -117,8 +117,7 @@ class Cuda(Core):
         return self.lib.tp_cuda_loss_host(*args)
 
 
-def _p(a: Optional[np.ndarray]) -> Optional[int]:
-    return None if a is None else a.ctypes.data
+_p = _native.pointer
 
 
 def _block_arrays(n: int, B: int, fill: int = 0) -> Arrays:

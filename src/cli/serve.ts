@@ -1,6 +1,7 @@
 /** `treepack serve`: flags in, a running service out (src/serve); stops cleanly on SIGINT/SIGTERM. */
 import type { CollectorPolicy } from '../pack/schedule.js';
-import { resolveServiceOptions, startService, type ServiceOptions } from '../serve/service.js';
+import { loadService } from '../serve/load.js';
+import { resolveServiceOptions, type ServiceOptions } from '../serve/options.js';
 import { TreepackError } from '../errors.js';
 import { int, optionEntry } from '../packer/option-table.js';
 import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
@@ -122,8 +123,10 @@ export async function serveCommand(argv: string[]): Promise<number> {
     packer: { ...packer, ...(packer.budget && { budget: { ...packer.budget, dp } }) },
   };
   checkOptions(options); // a bad combination is a usage error, found before starting
+  const { startService } = await loadService();
   const { service, url } = await startService(options);
-  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
+  const models = service.recorder.engineModels;
+  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}${models ? ` (serving ${models.join(', ')})` : ''}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
     process.once('SIGINT', stop);

@@ -31,6 +31,36 @@ export interface EngineOutput {
   logprobs?: number[];
 }
 
+/**
+ * The ids of the models the engine serves (`GET {engine}/models`, OpenAI's list): what the service checks as it
+ * starts. Rejects with a message saying what is wrong with the engine or its URL.
+ */
+export async function engineModels(engineUrl: string, apiKey: string | undefined, timeoutMs: number): Promise<string[]> {
+  const url = `${engineUrl}/models`;
+  let res: Response;
+  try {
+    res = await fetch(url, { headers: apiKey ? { authorization: `Bearer ${apiKey}` } : {}, signal: AbortSignal.timeout(timeoutMs) });
+  } catch (err) {
+    const e = err as Error & { cause?: Error };
+    throw new Error(`the engine at ${engineUrl} is unreachable (GET ${url}: ${e.name === 'TimeoutError' ? `no answer within ${timeoutMs} ms` : (e.cause?.message ?? e.message)})`);
+  }
+  const text = await res.text();
+  if (!res.ok) {
+    const hint = res.status === 401 || res.status === 403 ? 'its key: --engine-api-key' : 'is --engine its OpenAI base URL, ending in /v1?';
+    throw new Error(`the engine at ${engineUrl} answered GET ${url} with HTTP ${res.status} (${hint}): ${text.slice(0, 200)}`);
+  }
+  let json: unknown;
+  try {
+    json = JSON.parse(text);
+  } catch {
+    // not JSON: refused below
+  }
+  const ids = isObj(json) && Array.isArray(json.data) ? json.data.map((m) => (isObj(m) && typeof m.id === 'string' ? m.id : undefined)) : undefined;
+  if (!ids || ids.includes(undefined)) throw new Error(`the engine at ${engineUrl} answered GET ${url} with no OpenAI model list ({"data": [{"id": …}]}): ${describeValue(text)}`);
+  if (ids.length === 0) throw new Error(`the engine at ${engineUrl} serves no model (GET ${url} lists none)`);
+  return ids as string[];
+}
+
 /** What the client asked to see of the fields the gateway adds. */
 export interface ClientWants {
   logprobs: boolean;

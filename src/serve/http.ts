@@ -11,7 +11,7 @@ import { PoolError } from './pool.js';
 import type { Recorder } from './recorder.js';
 
 /** What these routes use of the recording core. */
-export type HttpCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'shared' | 'broken' | 'recordStats'>;
+export type HttpCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'shared' | 'broken' | 'recordStats' | 'keyScope'>;
 
 const OPEN_ROUTES = new Set(['/healthz']);
 
@@ -85,11 +85,13 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     if (OPEN_ROUTES.has(path)) return;
     const got = bearer(req);
     if (token !== undefined && got !== undefined && sameSecret(got, token)) return;
-    if (got !== undefined && svc.pool.keyScope(got)) {
+    if (got !== undefined && (await svc.keyScope(got))) {
       if ((req.routeOptions.config as { scoped?: boolean } | undefined)?.scoped) return;
       throw new PoolError(403, `this API key opens its own episode's calls, token counts, model list, finish and abandon only, not ${req.method} ${path}`);
     }
-    if (token !== undefined) throw new PoolError(401, 'missing or wrong bearer token: this service is bound to a non-loopback address and requires Authorization: Bearer <token>');
+    if (token === undefined) return;
+    if (got === undefined) throw new PoolError(401, 'missing credentials: this service requires Authorization: Bearer <its --token, or a scoped API key from POST /v1/episodes>');
+    throw new PoolError(401, `wrong bearer token: neither this service's --token nor a scoped API key of ${svc.shared ? 'its shared pool' : 'this service'}`);
   });
 
   app.get('/healthz', async (_req, reply) => {

@@ -32,6 +32,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   const episodes = new Counter({ name: 'treepack_episodes_finished_total', help: 'episodes finished', registers: [registry] });
   const microBatches = new Counter({ name: 'treepack_micro_batches_total', help: 'micro-batches by event (packed, handed_out, reissued, acked)', labelNames: ['event'], registers: [registry] });
   const rejected = new Counter({ name: 'treepack_rejected_total', help: 'requests refused, by reason', labelNames: ['reason'], registers: [registry] });
+  const untokenized = new Counter({ name: 'treepack_engine_untokenized_calls_total', help: 'calls the engine answered without token ids, by kind (chat, completion)', labelNames: ['kind'], registers: [registry] });
   const prompts = new Counter({ name: 'treepack_prompts_total', help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)', labelNames: ['tokens'], registers: [registry] });
   const latency = new Histogram({
     name: 'treepack_gateway_seconds',
@@ -105,7 +106,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     clearInterval(ticker);
     gcObserver.disconnect();
   };
-  return { registry, calls, episodes, microBatches, rejected, prompts, latency, logWrite, engine, staleness, close };
+  return { registry, calls, episodes, microBatches, rejected, untokenized, prompts, latency, logWrite, engine, staleness, close };
 }
 
 export type Metrics = ReturnType<typeof createMetrics>;

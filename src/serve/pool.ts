@@ -209,6 +209,11 @@ export class Pool {
     return 'tp-' + randomBytes(18).toString('base64url');
   }
 
+  /** Whether `key` has the shape `newKey` gives (worth looking up in the shared pool). */
+  static keyShaped(key: string): boolean {
+    return /^tp-[\w-]{24}$/.test(key);
+  }
+
   /** What the log and the pool keep of a scoped key: its SHA-256, hex. */
   static keyHash(key: string): string {
     return createHash('sha256').update(key).digest('hex');

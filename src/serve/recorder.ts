@@ -5,7 +5,7 @@
  * service.ts puts it behind them.
  */
 import { join } from 'node:path';
-import { describeValue, TreepackError } from '../errors.js';
+import { TreepackError } from '../errors.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
 import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
@@ -14,14 +14,12 @@ import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { resolveServiceOptions, sharedConfig, type ResolvedServiceOptions, type ServiceOptions } from './options.js';
 import { countingPack, stepPacker, type StepPacker } from './packing.js';
-import { Pool, PoolError, type Episode, type Group, type PoolEvent, type SnapshotEvent } from './pool.js';
+import { engineModels } from './engine.js';
+import { checkEvent, isFeedEvent, type ServiceEvent } from './events.js';
+import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope } from './pool.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
-
-/** the trainer feed's own log events; the pool replays the rest */
-const FEED_EVENTS = new Set(['take', 'handout', 'ack', 'flush']);
-const LOG_EVENTS = new Set(['snapshot', 'key', 'call', 'finish', 'record', 'group-size', 'ship', 'abandon', ...FEED_EVENTS]);
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
 export type SharedGroup = { episodes: number } | { pending: true };
@@ -45,6 +43,10 @@ export class Recorder {
   private touched = new Map<string, number>();
   /** episodes claimed in the shared pool before their first call is recorded (`openEpisode`) */
   private claimed = new Set<string>();
+  /** the models the engine listed at start-up; undefined: it did not answer with a list (a warning said why) */
+  engineModels: string[] | undefined;
+  /** whether a call without token ids was warned about (once: the metric counts them) */
+  private warnedUntokenized = false;
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -65,6 +67,8 @@ export class Recorder {
 
   static async open(options: ServiceOptions): Promise<Recorder> {
     const opts = resolveServiceOptions(options);
+    // Checked while the tokenizers load: an engine URL that is wrong, or an engine that is down, is said at once.
+    const models = engineModels(opts.engineUrl, opts.engineApiKey, Math.min(opts.engineTimeoutMs, 10_000)).catch((err: Error) => err);
     // The packing thread loads its tokenizer while this one does; both are ready before the routes open, so
     // neither load competes with traffic, and the first step packs at once.
     const encoder = resolveTokenizer(opts.packer.tokenizer).then((t) => new ChatEncoder(t));
@@ -79,6 +83,9 @@ export class Recorder {
       await packer.close();
       throw err;
     }
+    const listed = await models;
+    if (listed instanceof Error) svc.warn(`${listed.message}; calls answer 502 until it does`);
+    else svc.engineModels = listed;
     try {
       await svc.start();
     } catch (err) {
@@ -94,7 +101,7 @@ export class Recorder {
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
     if (opts.redis) {
-      const warn = opts.warn ?? ((m: string) => console.error(`treepack serve: warning: ${m}`));
+      const warn = (m: string) => this.warn(m);
       this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics);
     } else this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics);
@@ -110,6 +117,29 @@ export class Recorder {
     if (this.shared) await this.shipUnshipped();
     this.started = Date.now();
     if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /** A warning for the operator: to `opts.warn`, else stderr. */
+  private warn(message: string): void {
+    if (this.opts.warn) this.opts.warn(message);
+    else console.error(`treepack serve: warning: ${message}`);
+  }
+
+  /**
+   * Counts a call the engine answered without token ids (one that ignores `return_token_ids`), and says so once: its
+   * chat turns are then trained on the chat template's rendering of their text, not on the tokens the engine
+   * sampled, and a completion without them is not trained.
+   */
+  private noteUntokenized(call: RecordedCall): void {
+    if ([call.output, ...(call.siblings ?? [])].every((o) => o.promptTokenIds !== undefined && o.tokenIds !== undefined)) return;
+    this.metrics.untokenized.inc({ kind: call.kind });
+    if (this.warnedUntokenized) return;
+    this.warnedUntokenized = true;
+    this.warn(
+      `the engine at ${this.opts.engineUrl} answered a ${call.kind} call without token ids (prompt_token_ids, choices[].token_ids; it was asked with return_token_ids: true): ` +
+        'chat calls are then trained on the chat template rendering of their text, not on the tokens the engine sampled, and completions are not trained. ' +
+        'Serve the policy with an engine that returns token ids (vLLM >= 0.10.2, SGLang); treepack_engine_untokenized_calls_total counts such calls',
+    );
   }
 
   /** Abandons the groups idle for the idle timeout, one at a time. */
@@ -141,25 +171,37 @@ export class Recorder {
     return g;
   }
 
-  private replay(e: LogEvent, line: number, bytes: number): void {
-    // A line that parses but is no event of this layout (damaged into other JSON, or written by a later version)
+  private replay(raw: LogEvent, line: number, bytes: number): void {
+    const file = join(this.opts.dataDir, 'events.jsonl');
+    // A line that parses but is no event of this layout (damaged into other JSON, or written by another version)
     // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
-    if (typeof e !== 'object' || e === null || !LOG_EVENTS.has(e.type)) {
-      throw new TreepackError('E_INPUT', `damaged log: expected an event with a "type" of ${[...LOG_EVENTS].join(', ')}, got ${describeValue(e)}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'type' });
-    }
-    if (e.type === 'snapshot') this.pool.apply(e);
-    else if (!FEED_EVENTS.has(e.type)) {
+    const e = checkEvent(raw, file, line);
+    const unknown = this.unknownReference(e);
+    if (unknown) throw new TreepackError('E_INPUT', `damaged log: a ${e.type} event of ${unknown}, which no line before it records`, { file, line, field: { abandon: 'group', take: 'groups' }[e.type as string] ?? 'episode' });
+    if (e.type === 'snapshot') this.pool.apply(raw);
+    else if (!isFeedEvent(e)) {
       try {
-        return this.pool.apply(e, bytes);
+        return this.pool.apply(raw, bytes);
       } catch (err) {
         // a call continuing one the log does not hold: named with its line
-        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file: join(this.opts.dataDir, 'events.jsonl'), line, field: 'call.request.from' });
+        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file, line, field: 'call.request.from' });
         throw err;
       }
     }
-    if (this.feed instanceof Feed) return this.feed.apply(e);
-    if (e.type === 'snapshot' && (e as unknown as SnapshotEvent).steps === 0) return;
-    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file: join(this.opts.dataDir, 'events.jsonl'), line });
+    if (this.feed instanceof Feed) return this.feed.apply(raw);
+    if (e.type === 'snapshot' && e.steps === 0) return;
+    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file, line });
+  }
+
+  /** The episode or group an event acts on that the pool does not hold (then the log is damaged), else undefined. */
+  private unknownReference(e: ServiceEvent): string | undefined {
+    if ((e.type === 'finish' || e.type === 'ship') && !this.pool.episodes.has(e.episode)) return `episode ${JSON.stringify(e.episode)}`;
+    if (e.type === 'abandon' && e.episode === undefined && !this.pool.groups.has(e.group)) return `group ${JSON.stringify(e.group)}`;
+    if (e.type === 'take') {
+      const seq = e.groups.find((g) => !Number.isSafeInteger(g) || g < 0 || g >= this.pool.bySeq.length);
+      if (seq !== undefined) return `group number ${JSON.stringify(seq)}`;
+    }
+    return undefined;
   }
 
   private append(e: LogEvent): Promise<void> {
@@ -181,6 +223,8 @@ export class Recorder {
    */
   async commit(e: PoolEvent): Promise<SharedGroup | undefined> {
     this.pool.check(e);
+    // in the shared pool before it is answered: the agent may be balanced to any gateway
+    if (this.shared && e.type === 'key') await this.shared.addKey(e.hash, e.scope);
     if (this.shared && (e.type === 'call' || (e.type === 'abandon' && e.episode !== undefined))) {
       const group = this.pool.episodes.get(e.episode!)?.group ?? e.group ?? e.episode!;
       // A new episode is claimed in the shared pool (refused when another gateway records it), its group numbered.
@@ -197,6 +241,7 @@ export class Recorder {
     const durable = this.appendLine(line);
     this.pool.apply(logged, line.length);
     await durable;
+    if (e.type === 'call') this.noteUntokenized(e.call);
     if (!this.shared || (e.type !== 'finish' && e.type !== 'record' && e.type !== 'abandon')) return undefined;
     if (e.type === 'abandon' && e.episode === undefined) {
       // closed in the shared pool already: its abandoned episodes are refused there, which the log notes
@@ -247,6 +292,19 @@ export class Recorder {
     // remembered until the call is recorded; forgetting a claim (the call failed) costs a second claim, no more
     if (this.claimed.size >= 10_000) this.claimed.clear();
     this.claimed.add(episode);
+  }
+
+  /**
+   * The scope a scoped API key opens: minted here (the log), or on the shared pool by another gateway, which is
+   * then kept here (in memory: the shared pool holds it) so the routes' later lookups find it.
+   */
+  async keyScope(key: string): Promise<Scope | undefined> {
+    const local = this.pool.keyScope(key);
+    if (local || !this.shared || !Pool.keyShaped(key)) return local;
+    const hash = Pool.keyHash(key);
+    const scope = await this.shared.keyScope(hash);
+    if (scope) this.pool.apply({ type: 'key', hash, scope });
+    return scope;
   }
 
   /** Tells the shared pool of activity in a group, at most four times per idle timeout. */

@@ -20,7 +20,8 @@
  * after a week); `res:{group}` the episodes that took its places (shipped, or slime records placed there);
  * `ep:{episode}` the gateway recording it; `rnd:{instance}` a slime instance's latest round, `rid:{instance}` its
  * records' uids → digest and group (these expire after a week); `groups` stream of finished groups; `config` the
- * feed options every service must share.
+ * feed options every service must share; `keys` scoped API keys' SHA-256 → scope JSON (a key minted by any gateway
+ * opens its episode on every one; like the log's `key` events, they do not expire).
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
@@ -29,7 +30,7 @@ import { join } from 'node:path';
 import { Redis, ReplyError } from 'ioredis';
 import { TreepackError } from '../errors.js';
 import { writeFileAtomic } from '../io/atomic.js';
-import { continuing, expanded, PoolError, type Episode, type RecordedCall } from './pool.js';
+import { continuing, expanded, PoolError, type Episode, type RecordedCall, type Scope } from './pool.js';
 
 /** The error code of a request refused because the shared pool does not answer (HTTP 503). */
 export const SHARED_POOL_UNAVAILABLE = 'shared_pool_unavailable';
@@ -361,6 +362,20 @@ export class RedisPool {
   /** Notes activity in a group, which its idle timeout measures on every gateway. */
   async touch(group: string): Promise<void> {
     await this.script('tpTouch', group);
+  }
+
+  /** Makes a scoped key (by its SHA-256) valid on every gateway of the pool. */
+  async addKey(hash: string, scope: Scope): Promise<void> {
+    await this.guard(this.redis.hset(`${PREFIX}keys`, hash, JSON.stringify(scope)));
+  }
+
+  /** The scope of a key minted by any gateway of the pool (by its SHA-256), or undefined. */
+  async keyScope(hash: string): Promise<Scope | undefined> {
+    const json = await this.guard(this.redis.hget(`${PREFIX}keys`, hash));
+    if (json === null) return undefined;
+    const scope = JSON.parse(json) as Scope;
+    if (typeof scope?.episode !== 'string') throw new TreepackError('E_INPUT', `the shared pool at ${this.url} holds a damaged scoped key: ${json.slice(0, 200)}`);
+    return scope;
   }
 
   /** A finished group's episodes, in arrival order. */

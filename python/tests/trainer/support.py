@@ -51,10 +51,11 @@ def needs_torch(transformers: bool = False, cuda: str = ""):
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "test", "fixtures", "loss_reference.json")
 
 
-def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True) -> MicroBatch:
+def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True, packed: Optional[MicroBatch] = None) -> MicroBatch:
     """``pack_sequences`` (the C core's packer) plus ``pad`` pad nodes appended as the budgeted packer does (roots of
-    token 0 that attend only to themselves, ``num_pad_tokens``), random trainable masks and per-occurrence floats."""
-    mb = pack_sequences(seqs)
+    token 0 that attend only to themselves, ``num_pad_tokens``), random trainable masks and per-occurrence floats.
+    ``packed``: the forest of ``seqs`` already packed (another packer's), padded and filled the same way."""
+    mb = pack_sequences(seqs) if packed is None else packed
     N, M = len(mb.input_ids), len(mb.seq_positions)
     if pad:
         mb.input_ids = np.concatenate([mb.input_ids, np.zeros(pad, dtype=np.int32)])

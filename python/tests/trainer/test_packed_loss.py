@@ -193,10 +193,10 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
         loss2, metrics_t = tpt.PackedLoss.apply(lp, mb, {"kl": "k1", "kl_coef": 0.1})
         self.assertEqual(float(loss2), float(loss))
         self.assertEqual(metrics_t.tolist()[0], metrics["loss"])
-        # The old import path still works.
-        from treepack.loss import PackedLoss
+        # The torch loss lives in treepack.torch only: treepack.loss (numpy, no torch) no longer reaches into it.
+        import treepack.loss
 
-        self.assertIs(PackedLoss, tpt.PackedLoss)
+        self.assertFalse(hasattr(treepack.loss, "PackedLoss"))
 
 
 def flow_grpo(trajectories, lp_nodes, cfg):

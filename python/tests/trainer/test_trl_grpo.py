@@ -24,6 +24,7 @@ from typing import Any, Dict, List
 from support import CORE_SKIP, TORCH_SKIP, needs_torch, patch_norms_to_input_dtype, tiny_model, torch
 
 if not TORCH_SKIP:
+    import treepack.torch as tpt
     from treepack.torch import unwrap
 
 TRL_SKIP = "" if all(importlib.util.find_spec(m) for m in ("trl", "peft", "datasets", "accelerate")) else \
@@ -97,6 +98,53 @@ def patch_rope_to_float64(model) -> None:
             m.forward = types.MethodType(forward, m)
 
 
+def tiny_moe():
+    """A 2-layer random-weight Qwen3-MoE (4 experts, 2 per token) in float32, its routers' weights far from ties."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.data.normal_(0.0, 1.0)
+    return model
+
+
+def router_in_input_dtype(self, hidden_states):
+    """Qwen3MoeTopKRouter.forward with its softmax in the logits' dtype (transformers': float32 always)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = torch.softmax(router_logits, dim=-1)
+    top, idx = torch.topk(router_probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return router_logits, top.to(router_logits.dtype), idx
+
+
+def aux_float64(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' load_balancing_loss_func (the Qwen3-MoE one) accumulated in float64 instead of float32."""
+    f64 = torch.float64
+    count, prob, rows = torch.zeros(num_experts, dtype=f64), torch.zeros(num_experts, dtype=f64), 0.0
+    mask = attention_mask.reshape(-1).to(f64)
+    for layer in gate_logits:
+        p = torch.softmax(layer.to(f64), dim=-1)
+        _, chosen = torch.topk(p, top_k, dim=-1)
+        count = count + torch.zeros(num_experts, dtype=f64).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+        prob = prob + (p * mask[:, None]).sum(0)
+        rows = rows + mask.sum()
+    return torch.sum((count / rows) * (prob / rows)) * num_experts
+
+
+def GRPOTrainer_forward(t, ids, att, C):
+    """TRL's own aux loss for the rows (stock _get_per_token_logps_and_entropies on the unwrapped model)."""
+    from trl import GRPOTrainer
+
+    return GRPOTrainer._get_per_token_logps_and_entropies(t, t.model, ids, att, C, compute_aux_loss=True)[2]
+
+
 class Capture:
     """Per-parameter gradients before the optimizer step, and the logs."""
 
@@ -129,6 +177,8 @@ class TRLGRPOTest(unittest.TestCase):
             path = os.path.join(cls.tmp.name, family)
             tiny_model(family, torch.float32, attn="sdpa", vocab=VOCAB).save_pretrained(path)
             cls.paths[family] = path
+        cls.paths["qwen3_moe"] = os.path.join(cls.tmp.name, "qwen3_moe")
+        tiny_moe().save_pretrained(cls.paths["qwen3_moe"])
 
     @classmethod
     def tearDownClass(cls):
@@ -145,10 +195,11 @@ class TRLGRPOTest(unittest.TestCase):
         from treepack.integrations.trl import GroupedBatchesMixin, PackedForwardMixin, TreepackGRPOTrainer
 
         attn = "treepack" if packed else "sdpa"
+        init = {"attn_implementation": attn, "dtype": dtype, **({"experts_implementation": "eager"} if family == "qwen3_moe" else {})}
         args = dict(output_dir=self.tmp.name, per_device_train_batch_size=2 * G, gradient_accumulation_steps=2, steps_per_generation=2,
                     num_generations=G, max_completion_length=8, num_iterations=2, max_steps=1, learning_rate=1e-2, logging_steps=1,
                     report_to=[], save_strategy="no", seed=0, use_cpu=True, mask_truncated_completions=True, top_entropy_quantile=0.5,
-                    beta=0.0, loss_type="dapo", model_init_kwargs={"attn_implementation": attn, "dtype": dtype}, temperature=0.7,
+                    beta=0.0, loss_type="dapo", model_init_kwargs=init, temperature=0.7,
                     disable_tqdm=True)
         args.update(cfg)
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False) if lora else None
@@ -199,6 +250,37 @@ class TRLGRPOTest(unittest.TestCase):
         self.assertTrue(packed.treepack_stats)
         for naive, nodes in packed.treepack_stats:  # every forward packed
             self.assertLess(nodes, naive)
+
+    def test_moe_aux_loss(self):
+        """A Qwen3-MoE with TRL's router load-balancing loss on (a large coefficient, so it weighs): the packed step's
+        logged loss and aux_loss and every gradient equal stock TRL's, whose aux_loss counts each row's tokens. In
+        float64 the router's softmax and transformers' aux loss, float32 whatever the dtype, run in float64 on both
+        sides (as the norms and RoPE do here)."""
+        from unittest import mock
+
+        import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
+
+        with mock.patch.object(qm.Qwen3MoeTopKRouter, "forward", router_in_input_dtype), mock.patch.object(qm, "load_balancing_loss_func", aux_float64):
+            for loss, beta in (("dapo", 0.04), ("grpo", 0.0)):
+                with self.subTest(loss=loss, beta=beta):
+                    (stock, s_cap), (packed, p_cap) = (self.trained(p, family="qwen3_moe", loss_type=loss, beta=beta, router_aux_loss_coef=0.5)
+                                                       for p in (False, True))
+                    self.assertIn("aux_loss", s_cap.logs[0])
+                    self.assertLogsEqual(s_cap.logs[0], p_cap.logs[0], 1e-10)
+                    for n, g in s_cap.grads.items():
+                        self.assertClose(p_cap.grads[n], g, 1e-10, f"gradient of {n}")
+                    self.assertTrue(any("mlp.gate" in n for n in p_cap.grads))
+        # Negative control: each packed node counted once (the tokens the forward saw) gives another aux loss.
+        t, _ = self.trainer(True, family="qwen3_moe", router_aux_loss_coef=0.5)
+        ids, att, C = self.rows()
+        with torch.no_grad(), mock.patch("treepack.integrations.trl.load_balancing_loss", lambda router, batch: tpt.load_balancing_loss(router)):
+            once = t._get_per_token_logps_and_entropies(t.model, ids, att, C, compute_aux_loss=True)[2]
+        with torch.no_grad():
+            right = t._get_per_token_logps_and_entropies(t.model, ids, att, C, compute_aux_loss=True)[2]
+            unwrap(t.model).set_attn_implementation("sdpa")
+            stock = GRPOTrainer_forward(t, ids, att, C)
+        self.assertLessEqual(abs(float(right - stock)), 1e-6 * float(stock))
+        self.assertGreater(abs(float(once - stock)), 1e-4 * float(stock))
 
     def test_loss_types(self):
         for loss in ("dapo", "grpo", "dr_grpo", "bnpo", "cispo"):

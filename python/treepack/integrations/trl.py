@@ -59,6 +59,7 @@ from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
 from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, padded_rows
 from ..torch.forward import unwrap
+from ..torch.moe import load_balancing_loss
 from ..versions import require
 
 require("trl")
@@ -84,6 +85,9 @@ class PackedForwardMixin:
     accumulation's last micro-batch). Old and reference forwards (no grad) run each
     micro-batch in full, which its file holds.
 
+    With ``router_aux_loss_coef`` on and a MoE model, the router's load-balancing loss is computed on the forest with
+    each node counted once per row that contains it (``treepack.torch.load_balancing_loss``): stock TRL's value.
+
     ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
     training forward also logs ``treepack/compression`` (tokens ÷ nodes) with TRL's metrics."""
 
@@ -96,27 +100,30 @@ class PackedForwardMixin:
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given:
             raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed by treepack", field=given[0])
-        if compute_aux_loss:
-            raise TreepackError("E_ARG", "a MoE router's load-balancing loss depends on the tokens it sees: packed, it would differ", field="output_router_logits")
         if "logits_to_keep" not in self.model_kwarg_keys:
             raise TreepackError("E_ARG", f"{type(unwrap(model)).__name__}.forward takes no logits_to_keep", field="logits_to_keep")
         B = input_ids.size(0)
         G = self.num_generations if self.model.training else self.num_generations_eval
         step = B if batch_size is None else -(-batch_size // G) * G  # whole groups: rows come group by group
-        logps, entropies = [], []
+        logps, entropies, aux = [], [], []
         for a in range(0, B, step):
             ids, att = input_ids[a : a + step], attention_mask[a : a + step]
             batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
             self._treepack_record(int(att.sum()), batch.num_nodes)
             if "prefix_tokens" in batch.meta and torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model):
+                if compute_aux_loss:
+                    raise TreepackError("E_ARG", "the router's load-balancing loss is not computed through a step plan (router_aux_loss_coef=0)",
+                                        field="router_aux_loss_coef")
                 scores = self._treepack_runner(model).forward(batch)
             else:
-                scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy,
+                scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy, router=compute_aux_loss,
                                           entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
             logps.append(layout.to_padded(scores.logprobs))
             if compute_entropy:
                 entropies.append(layout.to_padded(scores.entropy))
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+            if compute_aux_loss:  # each row's tokens counted as its padded row counts them (load_balancing_loss)
+                aux.append(load_balancing_loss(scores.router, batch).to(logps[-1].dtype))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), (torch.stack(aux).mean() if compute_aux_loss else None)
 
     def _treepack_runner(self, model) -> StepPlanRunner:
         """The policy's step-plan runner, made at its first planned micro-batch."""

@@ -20,6 +20,10 @@ node logprobs without full logits, and the packed RL loss in torch under autogra
     >>> per_token.shape
     torch.Size([2, 2])
 
+Mixture-of-experts models: ``packed_logprobs(model, batch, routes=...)`` replays the experts an inference engine chose
+(routing replay) and ``load_balancing_loss`` counts the router's auxiliary loss per logical occurrence
+(``treepack.torch.moe``).
+
 Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
 (packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
 """
@@ -33,11 +37,19 @@ from .forward import forward_logprobs, model_tree_mask, unwrap
 from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
 from .models import LAYERS, prepare
+from .moe import ROUTERS, RouterOutputs, Routing, load_balancing_loss, occurrence_weights, pack_routed, replay_routes
 from .segments import Segments, radix_segments, segments_of
 from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op, sync_gradients
 
 __all__ = [
     "LAYERS",
+    "ROUTERS",
+    "RouterOutputs",
+    "Routing",
+    "load_balancing_loss",
+    "occurrence_weights",
+    "pack_routed",
+    "replay_routes",
     "METRICS",
     "NodeScores",
     "check_vocabulary",

@@ -34,7 +34,9 @@ class PackedBatch:
 
     Besides the contract's arrays: ``seq_index`` [M] (the sequence of each occurrence) and ``token_index`` [M] (its
     t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask
-    lowerings) as they were stored.
+    lowerings) as they were stored. ``routes`` (int [MoE layers, N, k]; not in the file format yet, so set by the
+    caller, e.g. from ``pack_routed``): the experts an engine chose per node, which ``packed_logprobs`` and
+    ``forward_logprobs`` replay (``treepack.torch.replay_routes``).
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -52,6 +54,7 @@ class PackedBatch:
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
     turn_ids: Optional[torch.Tensor] = None  # int64 [M], the contract's extension for turn-level aggregation
+    routes: Optional[torch.Tensor] = None  # int [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -130,6 +133,7 @@ def naive_batch(batch: PackedBatch) -> PackedBatch:
         seq_index=batch.seq_index.clone(),
         token_index=batch.token_index.clone(),
         meta=meta,
+        routes=None if batch.routes is None else batch.routes[:, batch.seq_positions],
         **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)},
     )
 

@@ -26,13 +26,14 @@ point's row serves all its children), so it needs that much memory for them at o
 
 from __future__ import annotations
 
-from typing import Any, List, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
 from ..microbatch import TreepackError
 from .batch import PackedBatch
-from .logprobs import NodeScores, model_mask, scored_nodes
+from .logprobs import NodeScores, model_mask, routed, scored_nodes
+from .moe import router_outputs
 
 
 def wrappers(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -73,12 +74,15 @@ def forward_logprobs(
     entropy: bool = False,
     entropy_grad: bool = True,
     attention: str = "auto",
+    routes: Optional[torch.Tensor] = None,
+    router: bool = False,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes (``scored_nodes``), through ``model(...)`` itself: the wrapper
     (or the plain HF causal LM) gets ``input_ids``, ``position_ids``, the tree mask (``model_tree_mask``) and
     ``logits_to_keep=<rows>``. Logits are float32 (float64 for a float64 model) divided by ``temperature``, as
     TRL and vLLM apply it (a softcapping model softcaps inside its forward). ``entropy_grad=False`` computes the
     entropies without autograd (they feed a mask or a log only). NaN at nodes not scored, as ``packed_logprobs``.
+    ``routes`` / ``router``: a MoE model's routing replay and router outputs, as ``packed_logprobs``.
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
@@ -86,8 +90,10 @@ def forward_logprobs(
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
     targets = scored_nodes(batch, nodes)
     rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
-    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=model_tree_mask(model, batch, attention),
-                logits_to_keep=rows, use_cache=False)
+    mask = model_tree_mask(model, batch, attention)
+    with routed(model, batch, routes, router) as routing:
+        out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, logits_to_keep=rows, use_cache=False)
+    moe = None if routing is None else router_outputs(routing, model)
     logits = out.logits[0]
     logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     logp = logits.log_softmax(-1)
@@ -99,4 +105,4 @@ def forward_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             row_entropy = -(logp.exp() * logp).sum(-1)
             ent = full.index_put((targets,), row_entropy[row_of])
-    return NodeScores(lp, ent, targets)
+    return NodeScores(lp, ent, targets, moe)

@@ -28,7 +28,8 @@ them. Any other head module runs through autograd, each chunk under activation c
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+import contextlib
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -38,15 +39,18 @@ from ..microbatch import TreepackError
 from .attention import dense_model_mask, tree_mask
 from .batch import PackedBatch
 from .models import check_dense, prepare
+from .moe import RouterOutputs, replay_routes, router_outputs
 
 
 class NodeScores(NamedTuple):
     """Node scores of a packed forward: ``logprobs`` [N] and ``entropy`` [N] (or None) of the distribution predicting
-    each node, NaN where not scored, and the scored ``nodes`` (int64, ascending)."""
+    each node, NaN where not scored, the scored ``nodes`` (int64, ascending), and for a MoE model asked for it the
+    ``router`` outputs (``treepack.torch.moe``: logits and experts per MoE layer, for ``load_balancing_loss``)."""
 
     logprobs: torch.Tensor  # float32 (or the hidden states' dtype if float64) [N]; NaN where not scored
     entropy: Optional[torch.Tensor]  # [N], the entropy of the distribution that predicts node p; NaN where not scored
     nodes: torch.Tensor  # int64 [K], the scored nodes, ascending
+    router: Optional[RouterOutputs] = None  # a MoE model's routing, when routes were replayed or router=True
 
 
 def gather_occurrences(node_values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -135,6 +139,8 @@ def packed_logprobs(
     lm_head: Optional[torch.nn.Module] = None,
     attention: str = "auto",
     temperature: float = 1.0,
+    routes: Optional[torch.Tensor] = None,
+    router: bool = False,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes, differentiable.
 
@@ -143,6 +149,10 @@ def packed_logprobs(
     ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D] with ``lm_head`` (a module mapping D to vocab).
     Logits are computed in float32 (float64 when the hidden states are float64), softcapped by the model's
     ``final_logit_softcapping`` when it has one, then divided by ``temperature`` (the order vLLM samples with).
+
+    A mixture-of-experts model replays ``routes`` (int [MoE layers, N, k], the experts the engine chose for each
+    node; default ``batch.routes``) instead of its routers' top-k (``treepack.torch.replay_routes``); with routes or
+    ``router=True`` the scores carry ``router`` (``RouterOutputs``) for ``load_balancing_loss``.
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch (treepack.torch.load_microbatch), got {type(batch).__name__}", field="batch")
@@ -154,9 +164,14 @@ def packed_logprobs(
     if model is not None:
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
-        out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
+        with routed(model, batch, routes, router) as routing:
+            out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
         hidden = out.last_hidden_state[0]
+        moe = None if routing is None else router_outputs(routing, model)
     else:
+        if routes is not None or router:
+            raise TreepackError("E_ARG", "routes and router outputs need the model, not its hidden states", field="routes" if routes is not None else "router")
+        moe = None
         hidden = model_or_hidden
         head = lm_head
         if head is None:
@@ -189,7 +204,19 @@ def packed_logprobs(
     k = 2 if entropy else 1
     full = torch.full((k, batch.num_nodes), float("nan"), dtype=spec.dtype, device=hidden.device)
     full = full.index_put((torch.arange(k, device=hidden.device)[:, None], targets[None, :]), scored)
-    return NodeScores(full[0], full[1] if entropy else None, torch.sort(targets).values)
+    return NodeScores(full[0], full[1] if entropy else None, torch.sort(targets).values, moe)
+
+
+@contextlib.contextmanager
+def routed(model: torch.nn.Module, batch: PackedBatch, routes: Optional[torch.Tensor], router: bool) -> Iterator[Any]:
+    """``replay_routes`` over one packed forward when there are routes (given, or the batch's) or router outputs are
+    asked for; else nothing (yields None)."""
+    routes = batch.routes if routes is None else routes
+    if routes is None and not router:
+        yield None
+        return
+    with replay_routes(model, routes, tokens=batch.num_nodes) as routing:
+        yield routing
 
 
 class _LogitSpec(NamedTuple):

@@ -39,6 +39,7 @@ from ..loss import _FIELDS, LossConfig, LossMetrics, _check_weights, _needed, _t
 from ..microbatch import TreepackError
 from . import loss_terms as terms
 from .batch import PackedBatch
+from .moe import RouterOutputs, load_balancing_loss
 
 METRICS = tuple(name for name, _ in LossMetrics._fields_)
 
@@ -212,18 +213,35 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
 
 
 def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-                validate: bool = True, metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
+                validate: bool = True, metrics: str = "float", router: Optional[RouterOutputs] = None,
+                aux_coef: Optional[float] = None) -> Tuple[Tensor, Dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
     a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
-    value checks (host copies); ``metrics="tensor"`` returns 0-d float64 tensors on lp's device instead of floats."""
+    value checks (host copies); ``metrics="tensor"`` returns 0-d float64 tensors on lp's device instead of floats.
+
+    ``router`` (a MoE forward's ``NodeScores.router``) adds the router's load-balancing loss, counted per logical
+    occurrence (``load_balancing_loss``), times ``aux_coef`` (default: the model's ``router_aux_loss_coef``), and
+    the metric ``aux_loss`` (its value before the coefficient)."""
     if metrics not in ("float", "tensor"):
         raise TreepackError("E_ARG", f"metrics is {metrics!r}; expected 'float' or 'tensor'", field="metrics")
     c = resolve_config(config)
     t = loss_inputs(lp, batch, c, validate)
     loss, values = _loss(lp, t, c, _seq_index(batch))
     as_tensors = dict(zip(METRICS, values.unbind(0)))
+    if router is not None:
+        loss, aux = _with_aux(loss, router, batch, aux_coef)
+        as_tensors.update(loss=loss.detach(), aux_loss=aux.detach())
     return loss, (metrics_to_floats(as_tensors) if metrics == "float" else as_tensors)
+
+
+def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """(loss + coefficient × load-balancing loss, the load-balancing loss)."""
+    coef = router.aux_coef if aux_coef is None else aux_coef
+    if coef is None:
+        raise TreepackError("E_ARG", "the model has no router_aux_loss_coef: pass aux_coef", field="aux_coef")
+    aux = load_balancing_loss(router, batch).to(loss.device)
+    return loss + float(coef) * aux, aux
 
 
 def metrics_to_floats(metrics: Mapping[str, Tensor]) -> Dict[str, Any]:
@@ -237,21 +255,30 @@ def metrics_to_floats(metrics: Mapping[str, Tensor]) -> Dict[str, Any]:
 class PackedLoss:
     """``loss, metrics = PackedLoss.apply(lp, batch, config)``: ``packed_loss`` with the metrics as one float64 tensor
     on lp's device in ``METRICS`` order. ``PackedLoss(config, validate=False)`` resolves the config once and is
-    called as ``loss_fn(lp, batch)`` (the form to compile)."""
+    called as ``loss_fn(lp, batch)`` (the form to compile). ``loss_fn(lp, batch, router=scores.router)`` adds a MoE
+    router's load-balancing loss times ``aux_coef`` (``packed_loss``); the metrics then end with ``aux_loss``."""
 
-    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True) -> None:
+    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True,
+                 aux_coef: Optional[float] = None) -> None:
         self.config = resolve_config(config)
         self.validate = validate
+        self.aux_coef = aux_coef
 
-    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]]) -> Tuple[Tensor, Tensor]:
-        """(loss, metrics [len(METRICS)] float64 on lp's device) with this object's config."""
-        return _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
+    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], router: Optional[RouterOutputs] = None) -> Tuple[Tensor, Tensor]:
+        """(loss, metrics [len(METRICS)], or [len(METRICS) + 1] with ``aux_loss`` last, float64 on lp's device)."""
+        loss, values = _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
+        if router is None:
+            return loss, values
+        loss, aux = _with_aux(loss, router, batch, self.aux_coef)
+        values = torch.cat([values, aux.detach()[None]])
+        values[METRICS.index("loss")] = loss.detach()  # the total, as packed_loss reports it
+        return loss, values
 
     @staticmethod
     def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-              validate: bool = True) -> Tuple[Tensor, Tensor]:
-        """(loss, metrics [len(METRICS)] float64 on lp's device) for a config given per call."""
-        return PackedLoss(config, validate=validate)(lp, batch)
+              validate: bool = True, router: Optional[RouterOutputs] = None, aux_coef: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+        """(loss, metrics float64 on lp's device) for a config given per call."""
+        return PackedLoss(config, validate=validate, aux_coef=aux_coef)(lp, batch, router)
 
 
 __all__ = ["METRICS", "PackedLoss", "loss_inputs", "metrics_to_floats", "packed_loss", "resolve_config"]

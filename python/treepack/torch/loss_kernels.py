@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from .._native import device_pointer
 from ..loss import _FIELDS, LossMetrics, cuda_library, cuda_status_error, loss_numpy, make_config
 from .loss import Batch, Config, loss_inputs, resolve_config
 
@@ -39,7 +40,8 @@ def kernel_loss(lp: torch.Tensor, batch: Batch, config: Config = None, *,
         a, x = {k: None if v is None else v.cpu() for k, v in a.items()}, x.cpu()
     grad = torch.zeros_like(x)
     metrics = LossMetrics()
-    ptr = lambda v: None if v is None else v.data_ptr()  # noqa: E731
+    c_of = {torch.int32: ctypes.c_int32, torch.uint8: ctypes.c_uint8, torch.float32: ctypes.c_float}
+    ptr = lambda v: None if v is None else device_pointer(v.data_ptr(), c_of[v.dtype])  # noqa: E731
     lib = cuda_library()
     off, pos = a["seq_offsets"], a["seq_positions"]
     assert off is not None and pos is not None
