@@ -22,8 +22,8 @@ export function wheelEnv(python: string): WheelEnv;
 /** .venv-fla, created if needed: its interpreter, or null and why not. */
 export function flaEnv(): { python: string | null; reason: string };
 /**
- * Creates a venv at `dir` (default .venv) with `base` and installs `requirements` into it (behind `over`'s packages,
- * if given): '' when made, else what failed.
+ * Creates a venv at `dir` (default .venv) with `base` and installs `requirements` into it (seeing `over`'s packages
+ * behind its own, if given): '' when made, else what failed.
  */
 export function createVenv(base: string, dir?: string, requirements?: string, over?: string | null): string;
 /** .venv-oldest (the oldest supported transformers and TRL over `python`'s other packages), created if needed. */
