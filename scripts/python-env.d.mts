@@ -21,5 +21,10 @@ export interface WheelEnv {
 export function wheelEnv(python: string): WheelEnv;
 /** .venv-fla, created if needed: its interpreter, or null and why not. */
 export function flaEnv(): { python: string | null; reason: string };
-/** Creates a venv at `dir` (default .venv) with `base` and installs `requirements` into it: '' when made, else what failed. */
-export function createVenv(base: string, dir?: string, requirements?: string): string;
+/**
+ * Creates a venv at `dir` (default .venv) with `base` and installs `requirements` into it (seeing `over`'s packages
+ * behind its own, if given): '' when made, else what failed.
+ */
+export function createVenv(base: string, dir?: string, requirements?: string, over?: string | null): string;
+/** .venv-oldest (the oldest supported transformers and TRL over `python`'s other packages), created if needed. */
+export function oldestEnv(python: string): { python: string | null; reason: string };

@@ -5,6 +5,7 @@
 //   import { pythonEnv } from './python-env.mjs'; pythonEnv()   the same, in process (synchronous)
 //   import { wheelEnv } from './python-env.mjs'; wheelEnv(python)  this checkout's treepack installed for `python`
 //   node scripts/python-env.mjs --fla     .venv-fla (flaEnv), created if needed, and the wheel installed for it
+//   node scripts/python-env.mjs --oldest  .venv-oldest (oldestEnv: the oldest supported transformers and TRL), and the wheel
 //
 // Order: TREEPACK_PYTHON (a GPU host's own environment, say) → the project's .venv → python3 on PATH, each used
 // when it imports torch, transformers and numpy; else .venv is created once from python/requirements-torch.txt with
@@ -22,6 +23,8 @@ const requirements = path.join(root, 'python', 'requirements-torch.txt');
 const lock = path.join(root, '.venv.lock');
 const flaVenv = path.join(root, '.venv-fla');
 const flaRequirements = path.join(root, 'python', 'requirements-fla.txt');
+const oldestVenv = path.join(root, '.venv-oldest');
+const oldestRequirements = path.join(root, 'python', 'requirements-oldest.txt');
 const wheelCache = path.join(root, '.cache', 'python-wheel');
 const bin = (dir) => (process.platform === 'win32' ? path.join(dir, 'Scripts', 'python.exe') : path.join(dir, 'bin', 'python'));
 
@@ -43,17 +46,28 @@ function sleep(ms) {
 
 /**
  * Creates `dir` (.venv) from `reqs` in a scratch directory renamed into place, so no reader ever sees a half-installed
- * one; '' when made, else what failed.
+ * one; '' when made, else what failed. With `over` (an interpreter), the new venv sees `over`'s packages behind its
+ * own (linkSitePackages), and pip installs only what they lack or what `reqs` pins otherwise.
  */
-export function createVenv(base, dir = venv, reqs = requirements) {
+export function createVenv(base, dir = venv, reqs = requirements, over = null) {
   const scratch = `${dir}.building-${process.pid}`;
   fs.rmSync(scratch, { recursive: true, force: true });
   const steps = [
     [base, ['-m', 'venv', '--prompt', path.basename(dir), scratch]],
+    ...(over ? [() => linkSitePackages(over, bin(scratch))] : []),
     [bin(scratch), ['-m', 'pip', 'install', '--retries', '0', '--timeout', '5', '--disable-pip-version-check', '-q', '-r', reqs]],
   ];
   console.error(`treepack: creating ${path.relative(root, dir)} from ${path.relative(root, reqs)} (once; about a minute)`);
-  for (const [cmd, args] of steps) {
+  for (const s of steps) {
+    if (typeof s === 'function') {
+      const why = s();
+      if (why) {
+        fs.rmSync(scratch, { recursive: true, force: true });
+        return why;
+      }
+      continue;
+    }
+    const [cmd, args] = s;
     const r = spawnSync(cmd, args, { encoding: 'utf8', timeout: 30 * 60_000, maxBuffer: 64 << 20 });
     if (r.error || r.status !== 0) {
       fs.rmSync(scratch, { recursive: true, force: true });
@@ -183,6 +197,35 @@ export function flaEnv() {
   return { python: bin(flaVenv), reason: '' };
 }
 
+/**
+ * The trainer side on the oldest supported releases (python/requirements-oldest.txt, the lower bounds of
+ * python/pyproject.toml's extras): .venv-oldest, created once like .venv under a lock of its own. It holds only
+ * those pins and sees the packages of `python` (pythonEnv().python) behind its own, so it costs one transformers
+ * install rather than a second torch. It keeps a copy of the pins it was made from and is made again when they
+ * change (a raised lower bound). TREEPACK_NO_VENV=1 never creates it.
+ *
+ * @param {string} python the interpreter with torch whose other packages it sees
+ * @returns {{python: string | null, reason: string}} its interpreter, or null and why not
+ */
+export function oldestEnv(python) {
+  const rel = path.relative(root, oldestVenv);
+  const pins = fs.readFileSync(oldestRequirements, 'utf8');
+  const made = path.join(oldestVenv, 'requirements-oldest.txt');
+  const current = () => fs.existsSync(bin(oldestVenv)) && fs.existsSync(made) && fs.readFileSync(made, 'utf8') === pins;
+  if (!current()) {
+    if (process.env.TREEPACK_NO_VENV === '1') return { python: null, reason: `${rel} is missing or stale and TREEPACK_NO_VENV=1` };
+    const failed = withLock(() => {
+      if (current()) return '';
+      fs.rmSync(oldestVenv, { recursive: true, force: true });
+      const why = createVenv(python, oldestVenv, oldestRequirements, python);
+      if (!why) fs.writeFileSync(made, pins);
+      return why;
+    }, `${oldestVenv}.lock`);
+    if (failed) return { python: null, reason: failed };
+  }
+  return { python: bin(oldestVenv), reason: '' };
+}
+
 /** Every file the wheel is built from (the package, its build files, the C core), for the install's key. */
 function wheelSources() {
   const out = [];
@@ -260,22 +303,31 @@ export function wheelEnv(python) {
   return result() ?? { python: null, wheel: '', reason: `cannot build and install the treepack wheel: ${failed}` };
 }
 
-/** A .pth in the venv's site-packages naming `python`'s: its packages are found after the venv's own. */
+/**
+ * A .pth in the venv's site-packages naming every site directory on `python`'s path, in its order (those its own
+ * .pth files add too, as in .venv-oldest): its packages are found after the venv's own.
+ */
 function linkSitePackages(python, venvPython) {
-  const paths = (py) => spawnSync(py, ['-c', 'import sysconfig, json; p = sysconfig.get_paths(); print(json.dumps(sorted({p["purelib"], p["platlib"]})))'], { encoding: 'utf8' });
-  const base = paths(python);
-  const own = paths(venvPython);
+  const own = spawnSync(venvPython, ['-c', 'import sysconfig, json; p = sysconfig.get_paths(); print(json.dumps(sorted({p["purelib"], p["platlib"]})))'], { encoding: 'utf8' });
+  const base = spawnSync(python, ['-c', 'import sys, json; print(json.dumps([p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]))'], { encoding: 'utf8' });
   if (base.status !== 0 || own.status !== 0) return `cannot read the site-packages of ${python}: ${base.stderr || own.stderr}`;
   fs.writeFileSync(path.join(JSON.parse(own.stdout)[0], '_treepack_test_deps.pth'), JSON.parse(base.stdout).join('\n') + '\n');
   return '';
 }
 
-if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url) && process.argv.includes('--fla')) {
+const main = process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url);
+if (main && process.argv.includes('--oldest')) {
+  const env = pythonEnv();
+  const oldest = env.torch ? oldestEnv(env.python) : { python: null, reason: env.reason };
+  const wheel = oldest.python ? wheelEnv(oldest.python) : { python: null, wheel: '', reason: oldest.reason };
+  console.log(JSON.stringify(wheel));
+  if (!wheel.python) process.exitCode = 1;
+} else if (main && process.argv.includes('--fla')) {
   const env = flaEnv();
   const wheel = env.python ? wheelEnv(env.python) : { python: null, wheel: '', reason: env.reason };
   console.log(JSON.stringify(wheel));
   if (!wheel.python) process.exitCode = 1;
-} else if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
+} else if (main) {
   const env = pythonEnv();
   console.log(JSON.stringify(env));
   if (process.argv.includes('--wheel')) {

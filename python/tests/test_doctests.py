@@ -72,6 +72,8 @@ def needs(name: str) -> tuple[str, ...]:
         return ("torch", "transformers", "trl", "datasets")
     if name.startswith("treepack.torch"):
         return ("torch", "transformers")
+    if name == "treepack.versions":
+        return ("packaging",)  # installed with transformers, whose versions it checks
     return ("torch",) if name in ("treepack.flex", "treepack.client") else ()
 
 

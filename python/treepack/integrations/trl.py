@@ -43,6 +43,10 @@ optimizer step, after the last pops; FSDP and DeepSpeed are refused (the executo
 
 Each piece is a mixin over ``GRPOTrainer`` (``PackedForwardMixin``, ``GroupedBatchesMixin``), so a project with
 its own GRPOTrainer subclass can take one of them.
+
+The mixins override TRL's private methods and read its private state (``_step``, ``_buffered_inputs``,
+``_metrics``, ...), which any TRL release may change: importing this module refuses a TRL or transformers outside
+``treepack.versions.SUPPORTED`` (TreepackError E_BACKEND; ``TREEPACK_ALLOW_UNTESTED_VERSIONS=1`` runs it anyway).
 """
 
 from __future__ import annotations
@@ -50,21 +54,27 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
-from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import use_adapter
 
 from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
 from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, padded_rows
 from ..torch.forward import unwrap
 from ..torch.moe import load_balancing_loss
+from ..versions import require
+
+require("trl")
+require("transformers")
+
+# After the version check: an unknown TRL may not even have these.
+from trl import GRPOTrainer  # noqa: E402
+from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
+from trl.trainer.utils import use_adapter  # noqa: E402
 
 
 class PackedForwardMixin:
     """Overrides ``_get_per_token_logps_and_entropies``, the one method TRL's policy, old and reference forwards go
     through: the rows become one forest (scored from each row's first completion token), the wrapped model runs
-    on it (``forward_logprobs``: DDP, FSDP, DeepSpeed and PEFT see their own forward), and the logprobs and
+    on it (``forward_logprobs``: DDP, FSDP and PEFT see their own forward; DeepSpeed is untested), and the logprobs and
     entropies come back as ``[B, logits_to_keep]``, 0 where the row has no attended token. With TRL's
     ``batch_size`` (old/reference forwards of a generation batch), rows are packed in chunks of whole groups.
     TRL's own generation (no vLLM, no ``rollout_func``) runs with SDPA attention.

@@ -60,6 +60,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..flex import check_window, tree_mask_mod
 from ..microbatch import TreepackError
+from ..versions import require
 from .blocks import Arrays, block_arrays, check_host_tree
 from .compiled_flex import flex_attend, flex_tiles
 
@@ -428,7 +429,9 @@ def tree_attention(
     **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
     """The ``"treepack"`` entry of transformers' AttentionInterface: output [1, N, H, Dv] as HF expects. A layer's
-    ``sliding_window=`` and ``s_aux=`` (sinks) are applied; attention-logit softcapping is refused."""
+    ``sliding_window=`` and ``s_aux=`` (sinks) are applied; attention-logit softcapping is refused, and so is a
+    transformers release outside ``treepack.versions.SUPPORTED`` (its calling convention is those releases')."""
+    require("transformers")
     if attention_mask is None:
         raise TreepackError("E_ARG", "attn_implementation 'treepack' needs attention_mask=treepack.torch.tree_mask(batch)", field="attention_mask")
     if dropout:
@@ -487,7 +490,9 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
 
     Models whose layers all share one rule get one mask; a model with full and sliding layers gets a {layer type:
     mask} mapping when its forward takes one (gpt-oss, Gemma 3), else a TreepackError naming the layer. A window the
-    batch's positions cannot reach changes nothing, so such models take the plain mask."""
+    batch's positions cannot reach changes nothing, so such models take the plain mask. A transformers release
+    outside ``treepack.versions.SUPPORTED`` is refused (how a custom mask reaches the layers is those releases')."""
+    require("transformers")
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
     types = getattr(config, "layer_types", None)

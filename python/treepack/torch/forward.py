@@ -1,6 +1,9 @@
-"""Node logprobs through a wrapped model's own ``forward``: DDP, FSDP (1 and 2), DeepSpeed, PEFT/LoRA and
-accelerate wrappers run as they expect (gradient-sync preparation, parameter gathering, adapters), and the LM head
-runs only at the rows that predict a scored token (``logits_to_keep`` as an index tensor).
+"""Node logprobs through a wrapped model's own ``forward``: DDP, FSDP (1 and 2), PEFT/LoRA and accelerate
+wrappers run as they expect (gradient-sync preparation, parameter gathering, adapters), and the LM head runs only at
+the rows that predict a scored token (``logits_to_keep`` as an index tensor). FSDP is tested over two gloo
+processes on CPU (python/tests/trainer/test_fsdp.py: gradients equal the unpacked single-process run's); a
+DeepSpeed engine is unwrapped the same way (``.module``), but no test runs one (DeepSpeed does not install on
+treepack's CI): untested.
 
 ``packed_logprobs`` calls the base model and the head's weight itself (chunked, no [N, vocab] logits); this path
 instead gets ``[rows, vocab]`` logits from the model, one row per node that predicts a scored token (a branch

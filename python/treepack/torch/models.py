@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..microbatch import TreepackError
+from ..versions import require
 from . import recurrent
 from .attention import TreeMask
 
@@ -225,6 +226,7 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
     """
     if chunk_align is not None and not isinstance(chunk_align, bool):
         raise TreepackError("E_ARG", f"expected True, False or None, got {chunk_align!r}", field="chunk_align")
+    require("transformers")  # the modeling modules' function names and forwards it patches are those releases'
     handled, other = token_mixers(model)
     if other:
         _refuse(other, "treepack cannot run it on a tree (supported recurrent layers: " + ", ".join(sorted(LAYERS)) + ")")
