@@ -290,7 +290,7 @@ describe.skipIf(py.skipReason !== '')('FeedClient.ack after a lost answer', { ti
       await res.arrayBuffer();
       const url = `http://127.0.0.1:${(proxy.address() as { port: number }).port}`;
       // asynchronously: the service and the proxy answer from this process meanwhile
-      const env = { ...process.env, PYTHONDONTWRITEBYTECODE: '1' };
+      const env: NodeJS.ProcessEnv = { ...process.env, PYTHONDONTWRITEBYTECODE: '1' };
       delete env.PYTHONPATH;
       const code = 'import json, sys\nfrom treepack.client import FeedClient\nprint(json.dumps(FeedClient(sys.argv[1]).ack(sys.argv[2])))';
       const r = await promisify(execFile)(installed().python!, ['-c', code, url, id], { cwd: tmpdir(), env, timeout: 60_000 });
