@@ -21,3 +21,5 @@ export interface WheelEnv {
 export function wheelEnv(python: string): WheelEnv;
 /** .venv-fla, created if needed: its interpreter, or null and why not. */
 export function flaEnv(): { python: string | null; reason: string };
+/** .venv-lint (python/requirements-dev.txt), created if needed: its interpreter, or null and why not. */
+export function lintEnv(): { python: string | null; reason: string };
