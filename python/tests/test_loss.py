@@ -11,7 +11,6 @@ import os
 import unittest
 
 import numpy as np
-
 import treepack
 from treepack import loss as tl
 

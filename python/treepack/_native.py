@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -51,7 +50,7 @@ class Violation(ctypes.Structure):
 
 
 # Pointers to structs (tp_loss_config, tp_loss_metrics) are void*: loss.py owns the structs and passes byref().
-_CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
+_CORE_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_version": (ctypes.c_char_p, []),
     "tp_abi": (ctypes.c_char_p, []),
     "tp_status_string": (ctypes.c_char_p, [_INT]),
@@ -68,7 +67,7 @@ _CORE_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
     "tp_forest_check": (_INT, [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _P, ctypes.POINTER(Violation)]),
 }
 
-_CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
+_CUDA_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_cuda_abi": (ctypes.c_char_p, []),
     "tp_cuda_error_string": (ctypes.c_char_p, [_INT]),
     "tp_cuda_last_error": (_INT, []),
@@ -83,7 +82,7 @@ _CUDA_SIGNATURES: Dict[str, Tuple[Optional[type], List[type]]] = {
 }
 
 
-def _candidates(env: str, name: str, in_package: bool) -> List[str]:
+def _candidates(env: str, name: str, in_package: bool) -> list[str]:
     if os.environ.get(env):
         return [os.environ[env]]
     paths = [os.path.join(_HERE, name)] if in_package else []
@@ -93,7 +92,7 @@ def _candidates(env: str, name: str, in_package: bool) -> List[str]:
     return paths
 
 
-def _open(env: str, name: str, abi_fn: str, signatures: Dict[str, Tuple[Optional[type], List[type]]], hint: str,
+def _open(env: str, name: str, abi_fn: str, signatures: dict[str, tuple[type | None, list[type]]], hint: str,
           in_package: bool) -> ctypes.CDLL:
     errors = []
     for path in _candidates(env, name, in_package):
@@ -126,9 +125,9 @@ def _open(env: str, name: str, abi_fn: str, signatures: Dict[str, Tuple[Optional
     raise TreepackError("E_BACKEND", f"{name} not loaded ({tried}); {hint} or set {env}", field=env)
 
 
-_core: Optional[ctypes.CDLL] = None
-_cuda: Optional[ctypes.CDLL] = None
-_cuda_error: Optional[TreepackError] = None
+_core: ctypes.CDLL | None = None
+_cuda: ctypes.CDLL | None = None
+_cuda_error: TreepackError | None = None
 
 
 def core() -> ctypes.CDLL:
@@ -179,6 +178,6 @@ def check(rc: int, what: str, field: str) -> None:
         raise TreepackError(code, f"{what}: {status_message(rc)}", field=field)
 
 
-def address(a: Optional[np.ndarray]) -> Optional[int]:
+def address(a: np.ndarray | None) -> int | None:
     """The data pointer of a contiguous numpy array for a void* argument (None for None)."""
     return None if a is None else a.ctypes.data

@@ -30,8 +30,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ POLICIES = _abi.POLICY_NAMES
 AGGREGATIONS = _abi.AGGREGATION_NAMES
 KL_ESTIMATORS = _abi.KL_NAMES
 TIS_LEVELS = _abi.TIS_NAMES
-DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
+DEFAULTS: dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
 class LossConfigStruct(ctypes.Structure):
@@ -55,7 +56,7 @@ class LossConfigStruct(ctypes.Structure):
 class LossMetrics(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {n: getattr(self, n) for n, _ in self._fields_}
 
 
@@ -74,7 +75,7 @@ class LossConfig:
 
     policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; 'cispo': clipped, detached IS weight times lp."})
     clip_low: float = field(default=_abi.DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
-    clip_high: Optional[float] = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
+    clip_high: float | None = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
     dual_clip: float = field(default=_abi.DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
     log_ratio_clamp: float = field(default=_abi.DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
     aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' (Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids)."})
@@ -94,12 +95,12 @@ class LossConfig:
         for k, v in _resolve(given).items():
             setattr(self, k, v)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict of its fields (JSON-serialisable; what `treepack loss --config` reads)."""
         return dataclasses.asdict(self)
 
 
-def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+def _resolve(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """Defaults filled and every field checked as src/loss/config.ts checks it (TreepackError E_ARG naming the field)."""
     if config is not None and not isinstance(config, Mapping):
         raise TreepackError("E_ARG", f"Expected an object for loss config but received {type(config).__name__}", field="loss config")
@@ -139,14 +140,14 @@ def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return c
 
 
-def resolve_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> Dict[str, Any]:
+def resolve_config(config: None | Mapping[str, Any] | LossConfig = None) -> dict[str, Any]:
     """The config (a ``LossConfig``, a dict of the same names, or None for the defaults) as a dict with the defaults
     filled and every field checked (TreepackError naming the field): resolve once and pass the dict when compiling,
     so the compiled code holds only constants."""
     return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
 
 
-def make_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> LossConfigStruct:
+def make_config(config: None | Mapping[str, Any] | LossConfig = None) -> LossConfigStruct:
     """The C ABI's struct of a config (a ``LossConfig``, a dict of the same names, or None for the defaults)."""
     c = resolve_config(config)
     codes = {name: table.index(c[name]) for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))}
@@ -187,7 +188,7 @@ def _status_field(rc: int) -> str:
     return {_abi.TP_ERR_INDEX: "seq_positions", _abi.TP_ERR_TURNS: "turn_ids"}.get(rc, "seq_offsets")
 
 
-def _check_weights(sw: Optional[np.ndarray], S: int) -> None:
+def _check_weights(sw: np.ndarray | None, S: int) -> None:
     """seq_weight: one finite weight >= 0 per sequence (the kernels take it as it is)."""
     if sw is None:
         return
@@ -197,7 +198,7 @@ def _check_weights(sw: Optional[np.ndarray], S: int) -> None:
         raise TreepackError("E_INPUT", f"seq_weight[{int(np.flatnonzero(~(np.isfinite(sw) & (sw >= 0)))[0])}] is not a finite number >= 0", field="seq_weight")
 
 
-def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[float, np.ndarray, Dict[str, float]]:
+def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | LossConfig = None) -> tuple[float, np.ndarray, dict[str, float]]:
     """Loss, dloss/dlp [N] (float32) and metrics on the CPU core. ``batch`` is a treepack.MicroBatch or a mapping
     with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
     turn_ids) and optionally ``seq_weight`` [S]."""

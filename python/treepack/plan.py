@@ -25,8 +25,8 @@ the budget stands for.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class MicroBatchPlan:
     order, packed, naive and trainable token counts, and where it runs: ``rank`` and ``step`` (0-based on its rank)."""
 
     sequences: np.ndarray  # int64, indices into the window's sequences, ascending
-    groups: List[Hashable]  # in plan order
+    groups: list[Hashable]  # in plan order
     packed_tokens: int
     naive_tokens: int
     trainable_tokens: int
@@ -55,7 +55,7 @@ class Plan:
     ``packed_tokens``, ``optimum_tokens`` (the window as one forest: the lower bound of any split), and the step's
     naive and trainable tokens (what a global token-mean divides by) and sequences."""
 
-    micro_batches: List[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
+    micro_batches: list[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
     packed_tokens: int  # Σ over micro-batches
     optimum_tokens: int  # the window as one forest: the lower bound of any split
     naive_tokens: int
@@ -63,7 +63,7 @@ class Plan:
     num_sequences: int
 
 
-def _positive(name: str, v: Optional[int]) -> Optional[int]:
+def _positive(name: str, v: int | None) -> int | None:
     if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {v!r}", field=name)
     return v
@@ -72,11 +72,11 @@ def _positive(name: str, v: Optional[int]) -> Optional[int]:
 class _Runs:
     """The groups in forest order with their nodes; packed tokens of contiguous runs, counted with one mark array."""
 
-    def __init__(self, unit_nodes: List[np.ndarray], num_nodes: int):
+    def __init__(self, unit_nodes: list[np.ndarray], num_nodes: int):
         self.nodes = unit_nodes
         self.mark = np.zeros(num_nodes, dtype=bool)
 
-    def cuts(self, limit: float) -> Optional[List[int]]:
+    def cuts(self, limit: float) -> list[int] | None:
         """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs), or None if a unit alone exceeds it."""
         ends, used, cur = [], [], 0
         for u, nodes in enumerate(self.nodes):
@@ -104,10 +104,10 @@ class _Runs:
 
 def plan_micro_batches(
     sequences: Sequence[Sequence[int]],
-    max_tokens: Optional[int] = None,
-    groups: Optional[Sequence[Hashable]] = None,
-    loss_masks: Optional[Sequence[Sequence[int]]] = None,
-    num_micro_batches: Optional[int] = None,
+    max_tokens: int | None = None,
+    groups: Sequence[Hashable] | None = None,
+    loss_masks: Sequence[Sequence[int]] | None = None,
+    num_micro_batches: int | None = None,
     dp: int = 1,
 ) -> Plan:
     """Micro-batches of ``sequences`` (token ids), each group (``groups[i]``: sequence i's key; every sequence its
@@ -141,7 +141,7 @@ def plan_micro_batches(
     forest = pack_sequences(sequences)
     offsets = np.asarray(forest.seq_offsets, dtype=np.int64)
     positions = np.asarray(forest.seq_positions, dtype=np.int64)
-    members: Dict[Hashable, List[int]] = {}
+    members: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
         members.setdefault(k, []).append(i)
     # A group's place in the forest: the preorder position of its first sequence's last token, so groups under one
@@ -172,7 +172,7 @@ def plan_micro_batches(
     return Plan(mbs, sum(m.packed_tokens for m in mbs), len(forest.input_ids), int(lengths.sum()), int(trainable.sum()), S)
 
 
-def _balanced(runs: _Runs, count: int) -> List[int]:
+def _balanced(runs: _Runs, count: int) -> list[int]:
     """Ends of exactly ``count`` contiguous runs (count <= units) whose largest is as small as contiguous runs allow:
     the least limit the greedy split meets in ``count`` runs (binary search), then the runs with the most units
     split until there are ``count`` (splitting never raises the largest)."""

@@ -162,7 +162,6 @@ class CompiledFlexCpu(unittest.TestCase):
 
     def test_the_compiled_kernel_reads_the_block_lists(self):
         from torch.nn.attention.flex_attention import BlockMask
-
         from treepack.torch import compiled_flex
 
         batch = adversarial()["depth>=30"]

@@ -21,10 +21,9 @@ import sys
 import types
 import unittest
 
-from treepack import TreepackError
-
 from support import needs_torch, pack, torch, tpt
 from test_exactness import objective, unpacked_logprobs
+from treepack import TreepackError
 
 VOCAB = 61
 
@@ -338,7 +337,6 @@ def rule_diffs(batch, device, dtype):
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.nemotron_h import modeling_nemotron_h as nemo
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
-
     from treepack.torch import recurrent
 
     mask = tpt.tree_mask(batch.to(device))

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import random
 import unittest
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
-
 from support import needs_torch, tiny_model, torch, tpt, write_microbatch
-
 from treepack import TreepackError
 from treepack.pack import pack_sequences
 
 VOCAB = 97
 
 
-def plan_ops(chains: Sequence[Tuple[int, ...]]) -> List[Tuple[int, List[int], int]]:
+def plan_ops(chains: Sequence[tuple[int, ...]]) -> list[tuple[int, list[int], int]]:
     """(prefix_tokens, push ends, release) per micro-batch from each one's cached chain (token tuple), in run order:
     the stack is cut back to the common prefix of consecutive chains, and every pushed segment is split where a
     later cut will fall."""
@@ -42,7 +40,7 @@ def plan_ops(chains: Sequence[Tuple[int, ...]]) -> List[Tuple[int, List[int], in
     return ops
 
 
-def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> List[Dict[str, np.ndarray]]:
+def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> list[dict[str, np.ndarray]]:
     r = np.random.default_rng(seed)
     out = []
     for s in seqs:
@@ -68,7 +66,7 @@ def loss_fn(lp, batch):
     return (adv * torch.exp(occ - old)).sum() + 0.1 * (occ**2).sum()
 
 
-def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
+def per_sequence(lp, batch) -> dict[str, np.ndarray]:
     occ = tpt.gather_occurrences(lp, batch)
     out = {}
     for i, sid in enumerate(batch.meta["sequence_ids"]):
@@ -78,7 +76,7 @@ def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
     return out
 
 
-def sorted_groups(seqs, sizes) -> List[List[int]]:
+def sorted_groups(seqs, sizes) -> list[list[int]]:
     """Consecutive runs of the given sizes of the sequences in sorted (DFS) order."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     out, at = [], 0
@@ -99,7 +97,7 @@ def one_prefix_feeds_many(seed: int, vocab: int, stem_len: int):
     return seqs, groups, [stem_len if seqs[g[0]][:stem_len] == stem else 5 for g in groups]
 
 
-def chain_of(batch, h: int) -> Tuple[int, ...]:
+def chain_of(batch, h: int) -> tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
 
@@ -422,9 +420,8 @@ class DataParallelStepPlanTest(unittest.TestCase):
         import os
         import tempfile
 
-        import torch.multiprocessing as mp
-
         import ddp_stepplan
+        import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as out:
             mp.spawn(ddp_stepplan.worker, args=(2, out), nprocs=2, join=True)

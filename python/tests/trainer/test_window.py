@@ -22,11 +22,10 @@ import types
 import unittest
 
 import numpy as np
-
-from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
-from treepack import TreepackError
-from test_exactness import objective
 from mask_reference import block_arrays_from_dense
+from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
+from test_exactness import objective
+from treepack import TreepackError
 from treepack.flex import block_arrays_from_tree, block_arrays_windowed
 
 VOCAB = 97

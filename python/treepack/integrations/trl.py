@@ -47,7 +47,8 @@ its own GRPOTrainer subclass can take one of them.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from trl import GRPOTrainer
@@ -147,7 +148,7 @@ class PackedForwardMixin:
             base.set_attn_implementation(impl)
 
     @property
-    def treepack_stats(self) -> List[Tuple[int, int]]:
+    def treepack_stats(self) -> list[tuple[int, int]]:
         """(naive tokens, packed nodes) of every packed forward so far: the compression the trainer got."""
         return self.__dict__.setdefault("_treepack_stats", [])
 
@@ -158,7 +159,7 @@ class PackedForwardMixin:
         if self.model.training:
             self._metrics["train"]["treepack/compression"].append(tokens / max(1, nodes))
 
-    def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Tuple[PackedBatch, RowLayout]]:
+    def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[PackedBatch, RowLayout] | None:
         """The stored forest these rows came from (GroupedBatchesMixin's packed source), so it is reused, not rebuilt."""
         for ids, att, batch, layout in self.__dict__.get("_treepack_forests", ()):
             if ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(att, attention_mask):
@@ -181,8 +182,8 @@ class GroupedBatchesMixin:
     used), the stored forest reused by the forward; feed micro-batches are acknowledged once TRL is done with them
     (when the next window is drawn, and at the end of training)."""
 
-    treepack_max_tokens: Optional[int] = None
-    treepack_packed_batches: Optional[Iterable[Any]] = None
+    treepack_max_tokens: int | None = None
+    treepack_packed_batches: Iterable[Any] | None = None
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
@@ -195,7 +196,7 @@ class GroupedBatchesMixin:
                 self._buffered_inputs = self._treepack_window()
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _treepack_split(self, inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def _treepack_split(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         given = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images") if inputs.get(k) is not None)
         if given:
             raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not grouped by treepack", field=given[0])
@@ -206,7 +207,7 @@ class GroupedBatchesMixin:
                                   groups=[i // G for i in range(B)], num_micro_batches=self.args.steps_per_generation)
         return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
 
-    def _treepack_window(self) -> List[Dict[str, Any]]:
+    def _treepack_window(self) -> list[dict[str, Any]]:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
         self.treepack_ack()
         if "_treepack_source" not in self.__dict__:
@@ -225,7 +226,7 @@ class GroupedBatchesMixin:
         self._treepack_forests = []
         return [self._treepack_inputs(b.to(device), num_items) for b in batches]
 
-    def _treepack_inputs(self, batch: PackedBatch, num_items: torch.Tensor) -> Dict[str, Any]:
+    def _treepack_inputs(self, batch: PackedBatch, num_items: torch.Tensor) -> dict[str, Any]:
         """One stored micro-batch as TRL's inputs: prompt = the tokens before a sequence's first trainable token,
         ``tool_mask`` = its loss mask over the completion, per-token advantages, stored old / rollout / reference
         logprobs where the batch has them (old and reference computed, on the stored forest, where TRL would)."""
@@ -236,7 +237,7 @@ class GroupedBatchesMixin:
         att = torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1)
         self._treepack_forests.append((ids, att, batch, layout))
 
-        def per_token(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else layout.to_padded(values, of="occurrences", where="all")
 
         out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
@@ -264,7 +265,7 @@ class GroupedBatchesMixin:
             item.ack()
 
 
-def _take(inputs: Dict[str, Any], rows: torch.Tensor, B: int) -> Dict[str, Any]:
+def _take(inputs: dict[str, Any], rows: torch.Tensor, B: int) -> dict[str, Any]:
     """The given rows of every per-row entry (tensors and lists of length B); scalars as they are."""
     out = {}
     for k, v in inputs.items():
@@ -288,8 +289,8 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
     ``treepack_attention`` (the TreeMask mode, ``"auto"``), ``packed_batches`` (train on stored micro-batches:
     ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set)."""
 
-    def __init__(self, *args: Any, treepack_max_tokens: Optional[int] = None, treepack_attention: str = "auto",
-                 packed_batches: Optional[Iterable[Any]] = None, **kwargs: Any):
+    def __init__(self, *args: Any, treepack_max_tokens: int | None = None, treepack_attention: str = "auto",
+                 packed_batches: Iterable[Any] | None = None, **kwargs: Any):
         if packed_batches is not None:
             cfg = kwargs.get("args")
             if cfg is None or cfg.max_steps <= 0:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,10 +77,10 @@ class TreeMask(BlockMask):
     forward shares them."""
 
     subtree_end: torch.Tensor
-    position_ids: Optional[torch.Tensor]
-    window: Optional[int]
+    position_ids: torch.Tensor | None
+    window: int | None
     mode: str
-    _cache: Dict[Any, Any]
+    _cache: dict[Any, Any]
 
     @property
     def ndim(self) -> int:
@@ -104,7 +104,7 @@ def tree_mask(
     batch_or_subtree_end: Any,
     mode: str = "auto",
     block_size: int = 128,
-    device: Optional[Union[str, torch.device]] = None,
+    device: str | torch.device | None = None,
     position_ids: Any = None,
 ) -> TreeMask:
     """The TreeMask of a ``PackedBatch`` (or a ``subtree_end`` tensor / array) on ``device`` (the tensor's by
@@ -130,7 +130,7 @@ def tree_mask(
     return _make_mask(int(block_size), arrays, se, None if pos is None else pos.to(dev, torch.int64), None, mode)
 
 
-def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int],
+def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: torch.Tensor | None, window: int | None,
                mode: str) -> TreeMask:
     n = int(se.shape[0])
     mask = TreeMask.from_kv_blocks(
@@ -140,7 +140,7 @@ def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[
     return mask
 
 
-def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
+def windowed(mask: TreeMask, window: int | None) -> TreeMask:
     """The TreeMask of the tree rule with a sliding window, derived from a plain one once per window (cached on it);
     ``mask`` itself for ``window=None``."""
     if window is None:
@@ -158,7 +158,7 @@ def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
     return got
 
 
-def dense_tree_mask(subtree_end: torch.Tensor, position_ids: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+def dense_tree_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """bool [N, N], row = query (O(N²)): the reference and the ``"dense"`` mode's mask; with ``window`` (and
     ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
     n = subtree_end.shape[0]
@@ -179,7 +179,7 @@ def dense_tree_mask(subtree_end: torch.Tensor, position_ids: Optional[torch.Tens
 PLAN_TILES = 256
 
 
-def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
+def _plan_chunks(mask: TreeMask) -> list[tuple[torch.Tensor, int]]:
     """The block path's SDPA calls: (query block ids [G], K) per call, where K is the most kv blocks a row of the call
     sees. Rows are grouped by that count rounded up to a power of two (at most 2× padding), and a group is split so
     that G·K ≤ PLAN_TILES (a row alone may exceed it)."""
@@ -205,7 +205,7 @@ def executed_tiles(mask: TreeMask) -> int:
     return sum(len(rows) * K for rows, K in _plan_chunks(mask))
 
 
-def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per SDPA call (``_plan_chunks``): (query block ids [G], key positions [G, K·B], partial mask [G, B, K·B])."""
     B = mask.BLOCK_SIZE[0]
     se = mask.subtree_end
@@ -242,7 +242,7 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     return plan
 
 
-def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [1, H, Nq, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
     [Hkv, D+G], scores exactly ``sinks[h]`` against every query of head h (G = H / Hkv; enable_gqa maps query head h
     to kv head h // G), while every real score is unchanged (the new coordinates add q·0)."""
@@ -256,8 +256,8 @@ def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale:
     return q2, k2, sink_key
 
 
-def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor], skip: int = 0) -> torch.Tensor:
+def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
+                     sinks: torch.Tensor | None, skip: int = 0) -> torch.Tensor:
     plan = mask._cache.get(("block", q.device))
     if plan is None:
         plan = mask._cache[("block", q.device)] = _block_plan(mask)
@@ -309,8 +309,8 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.permute(1, 0, 2, 3).reshape(1, H, (nb - first) * B, -1)[:, :, skip - first * B : n - first * B]
 
 
-def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor], rows: int = 0) -> torch.Tensor:
+def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
+                     sinks: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
     dense = mask._cache.get("dense")
     if dense is None:
         dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end, mask.position_ids, mask.window)
@@ -324,8 +324,8 @@ def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
 
 
-def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
-           window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, rows: int = 0) -> torch.Tensor:
+def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
+           window: int | None = None, sinks: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
     ``window``, only keys within the sliding window (``position_ids[q] - position_ids[k] < window``); with ``sinks``
     [H], each head's sink logit in every row's softmax denominator (gpt-oss). With ``rows``, only query rows
@@ -357,7 +357,7 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
 NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "moe", "sparse", "dense")
 
 
-def _layer_name(model: Optional[torch.nn.Module], module: Optional[torch.nn.Module], index: Optional[int]) -> str:
+def _layer_name(model: torch.nn.Module | None, module: torch.nn.Module | None, index: int | None) -> str:
     """'layer i (Class)' for errors: the attention module's class where it can be found."""
     if module is None and model is not None:
         base = getattr(model, getattr(model, "base_model_prefix", ""), model)
@@ -372,7 +372,7 @@ def _check_causal(config: Any, name: str) -> None:
         raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; the tree rule is causal", field="use_bidirectional_attention")
 
 
-def _config_window(config: Any, index: int, name: str, attention: bool = True) -> Optional[int]:
+def _config_window(config: Any, index: int, name: str, attention: bool = True) -> int | None:
     """The window ``config.layer_types[index]`` gives the layer: None for full attention (and, unless ``attention``,
     for a layer type that calls no attention), ``config.sliding_window`` for sliding attention; any other type is
     refused."""
@@ -387,7 +387,7 @@ def _config_window(config: Any, index: int, name: str, attention: bool = True) -
     return check_window(window)
 
 
-def _layer_window(module: torch.nn.Module, window: Any) -> Optional[int]:
+def _layer_window(module: torch.nn.Module, window: Any) -> int | None:
     """The window an attention call asked for (``sliding_window=``), checked against the model config, so a sliding
     layer that did not say its window never runs unwindowed (and a full one never windowed)."""
     config = getattr(module, "config", None)
@@ -423,10 +423,10 @@ def tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: Any,
-    scaling: Optional[float] = None,
+    scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
-) -> Tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, None]:
     """The ``"treepack"`` entry of transformers' AttentionInterface: output [1, N, H, Dv] as HF expects. A layer's
     ``sliding_window=`` and ``s_aux=`` (sinks) are applied; attention-logit softcapping is refused."""
     if attention_mask is None:
@@ -459,7 +459,7 @@ def _takes_mask_mapping(base: torch.nn.Module) -> bool:
     return re.search(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)", source) is not None
 
 
-def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
     """Each layer's sliding window as the model config gives it: ``config.sliding_window`` for a sliding layer
     (``config.layer_types``; without them, for every layer when the config sets one), None for full attention and
     for layer types that call no attention. A type the tree attention cannot run, or a bidirectional config, is a
@@ -481,7 +481,7 @@ def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
     return [None if window is None else check_window(window)] * int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
-def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+def dense_model_mask(model: torch.nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
     """What an ``sdpa`` / ``eager`` model takes as ``attention_mask`` for a packed batch: the dense 4-D tree mask
     (bool for sdpa, additive float for eager, which adds its mask to the scores), windowed for sliding layers.
 
@@ -496,7 +496,7 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
     span = int(pos.max() - pos.min()) if pos.numel() else 0
     dtype = model.get_input_embeddings().weight.dtype
 
-    def build(window: Optional[int]) -> torch.Tensor:
+    def build(window: int | None) -> torch.Tensor:
         m = dense_tree_mask(batch.subtree_end, pos, window)
         if impl == "eager":
             m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)

@@ -23,7 +23,7 @@ point's row serves all its children), so it needs that much memory for them at o
 
 from __future__ import annotations
 
-from typing import Any, List, Union
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ from .batch import PackedBatch
 from .logprobs import NodeScores, model_mask, scored_nodes
 
 
-def wrappers(model: torch.nn.Module) -> List[torch.nn.Module]:
+def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``model`` and every module inside its DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
     wrappers, outermost first; the last is the Hugging Face model."""
     out = [model]
@@ -65,7 +65,7 @@ def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str =
 def forward_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
-    nodes: Union[str, torch.Tensor] = "trainable",
+    nodes: str | torch.Tensor = "trainable",
     temperature: float = 1.0,
     entropy: bool = False,
     entropy_grad: bool = True,

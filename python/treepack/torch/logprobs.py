@@ -28,7 +28,7 @@ them. Any other head module runs through autograd, each chunk under activation c
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -45,7 +45,7 @@ class NodeScores(NamedTuple):
     each node, NaN where not scored, and the scored ``nodes`` (int64, ascending)."""
 
     logprobs: torch.Tensor  # float32 (or the hidden states' dtype if float64) [N]; NaN where not scored
-    entropy: Optional[torch.Tensor]  # [N], the entropy of the distribution that predicts node p; NaN where not scored
+    entropy: torch.Tensor | None  # [N], the entropy of the distribution that predicts node p; NaN where not scored
     nodes: torch.Tensor  # int64 [K], the scored nodes, ascending
 
 
@@ -56,7 +56,7 @@ def gather_occurrences(node_values: torch.Tensor, batch: PackedBatch) -> torch.T
     return node_values.index_select(0, batch.seq_positions.to(node_values.device))
 
 
-def scored_nodes(batch: PackedBatch, nodes: Union[str, torch.Tensor] = "trainable") -> torch.Tensor:
+def scored_nodes(batch: PackedBatch, nodes: str | torch.Tensor = "trainable") -> torch.Tensor:
     """The nodes to score: ``"trainable"`` (mapped to by a trainable occurrence), ``"all"`` (every non-root node),
     or an explicit index tensor (non-root nodes)."""
     if isinstance(nodes, torch.Tensor):
@@ -121,18 +121,18 @@ def model_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "aut
     raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
 
 
-def _softcap(model: Optional[torch.nn.Module]) -> Optional[float]:
+def _softcap(model: torch.nn.Module | None) -> float | None:
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
 def packed_logprobs(
-    model_or_hidden: Union[torch.nn.Module, torch.Tensor],
+    model_or_hidden: torch.nn.Module | torch.Tensor,
     batch: PackedBatch,
     chunk_size: int = 1024,
     entropy: bool = False,
-    nodes: Union[str, torch.Tensor] = "trainable",
-    lm_head: Optional[torch.nn.Module] = None,
+    nodes: str | torch.Tensor = "trainable",
+    lm_head: torch.nn.Module | None = None,
     attention: str = "auto",
     temperature: float = 1.0,
 ) -> NodeScores:
@@ -195,7 +195,7 @@ def packed_logprobs(
 class _LogitSpec(NamedTuple):
     dtype: torch.dtype  # of the logits: float32, or float64 for float64 hidden states
     temperature: float
-    cap: Optional[float]  # final_logit_softcapping
+    cap: float | None  # final_logit_softcapping
 
 
 def _finish_logits(z: torch.Tensor, spec: _LogitSpec, inplace: bool) -> torch.Tensor:
@@ -218,7 +218,7 @@ class _Scratch:
     fresh buffer of this size is a new mapping whose pages the kernel zero-fills on first touch."""
 
     def __init__(self) -> None:
-        self.bufs: Dict[str, torch.Tensor] = {}
+        self.bufs: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """A [rows, cols] view, of like's dtype and device."""
@@ -228,7 +228,7 @@ class _Scratch:
         return buf[:rows]
 
 
-def _linear_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: _LogitSpec, scratch: _Scratch) -> torch.Tensor:
+def _linear_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: _LogitSpec, scratch: _Scratch) -> torch.Tensor:
     """The finished logits of rows h, written into scratch's "z" buffer when the head computes in spec.dtype."""
     if weight.dtype != spec.dtype:  # e.g. a bf16 head: its output is cast, as head(h).to(float32) would be
         z = torch.nn.functional.linear(h, weight, bias).to(spec.dtype)
@@ -250,8 +250,8 @@ class _LinearHeadScores(torch.autograd.Function):
     matmul does."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], row_of: torch.Tensor, tokens: torch.Tensor,
-                edges: List[int], bounds: List[int], spec: _LogitSpec, entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_of: torch.Tensor, tokens: torch.Tensor,
+                edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         R = h.shape[0]
         lp = h.new_empty(tokens.shape[0], dtype=spec.dtype)
@@ -280,7 +280,7 @@ class _LinearHeadScores(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_lp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, row_of, tokens, lse, row_entropy = ctx.saved_tensors
         (edges, bounds), spec = ctx.chunks, ctx.spec
         g_lp = g_lp if g_lp is not None else lse.new_zeros(tokens.shape[0])
@@ -321,7 +321,7 @@ class _LinearHeadScores(torch.autograd.Function):
 
 
 def _module_head_scores(head: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor, tokens: torch.Tensor,
-                        edges: List[int], bounds: List[int], spec: _LogitSpec, entropy: bool) -> torch.Tensor:
+                        edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> torch.Tensor:
     """[1 or 2, K] logprobs (and entropies) of the targets through any head module, by autograd."""
 
     def chunk(h: torch.Tensor, local_row: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ occurrences use atomics, so their last bits may vary run to run unless ``torch.u
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 import torch
 
@@ -51,7 +52,7 @@ def _get(batch: Batch, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
-def _seq_index(batch: Batch) -> Optional[Tensor]:
+def _seq_index(batch: Batch) -> Tensor | None:
     """The loader's sequence of each occurrence, when the batch is a PackedBatch (a mapping's is derived)."""
     return batch.seq_index if isinstance(batch, PackedBatch) else None
 
@@ -60,7 +61,7 @@ def _bad(name: str, message: str) -> TreepackError:
     return TreepackError("E_INPUT", message, field=name)
 
 
-def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
+def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> dict[str, Tensor | None]:
     """The batch's tensors the loss reads (None for those the config does not), checked as the C core checks them.
     Presence, shapes, dtypes and devices are read from metadata; with ``validate`` the values too (host copies)."""
     if not isinstance(lp, Tensor) or lp.dim() != 1 or not lp.is_floating_point():
@@ -72,7 +73,7 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)},
              "turn_ids": "index"}
     used = {"seq_weight": True, "turn_ids": _turns(c), **{f: _needed(c, f) for f in _FIELDS}}
-    out: Dict[str, Optional[Tensor]] = {}
+    out: dict[str, Tensor | None] = {}
     for name, kind in kinds.items():
         t = _get(batch, name)
         if t is None or not used.get(name, True):
@@ -107,7 +108,7 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     return out
 
 
-def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
+def _check_values(lp: Tensor, t: dict[str, Tensor | None]) -> None:
     """The value checks of tp_loss, in its order, on host copies (each reads device memory: a sync)."""
     off, pos, mask = t["seq_offsets"].cpu(), t["seq_positions"].cpu(), t["loss_mask"].cpu().bool()  # type: ignore[union-attr]
     N, M = lp.shape[0], pos.shape[0]
@@ -129,7 +130,7 @@ def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
             raise _bad(name, f"{name} has a non-finite value at a trainable position")
 
 
-def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_index: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_index: Tensor | None) -> tuple[Tensor, Tensor]:
     """(loss, metrics [len(METRICS)]) in float64 on lp's device; no host reads, no data-dependent Python."""
     f64 = torch.float64
     off, pos = t["seq_offsets"].long(), t["seq_positions"].long()  # type: ignore[union-attr]
@@ -211,8 +212,8 @@ def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_
     return loss, torch.stack([metrics[k] for k in METRICS])
 
 
-def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-                validate: bool = True, metrics: str = "float") -> Tuple[Tensor, Dict[str, Any]]:
+def packed_loss(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
+                validate: bool = True, metrics: str = "float") -> tuple[Tensor, dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
     a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
@@ -226,7 +227,7 @@ def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config
     return loss, (metrics_to_floats(as_tensors) if metrics == "float" else as_tensors)
 
 
-def metrics_to_floats(metrics: Mapping[str, Tensor]) -> Dict[str, Any]:
+def metrics_to_floats(metrics: Mapping[str, Tensor]) -> dict[str, Any]:
     """The tensor metrics as Python numbers (one host copy): floats, trainable_tokens an int."""
     values = dict(zip(metrics, torch.stack([v.detach().to(torch.float64) for v in metrics.values()]).tolist()))
     if "trainable_tokens" in values:
@@ -239,17 +240,17 @@ class PackedLoss:
     on lp's device in ``METRICS`` order. ``PackedLoss(config, validate=False)`` resolves the config once and is
     called as ``loss_fn(lp, batch)`` (the form to compile)."""
 
-    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True) -> None:
+    def __init__(self, config: None | Mapping[str, Any] | LossConfig = None, *, validate: bool = True) -> None:
         self.config = resolve_config(config)
         self.validate = validate
 
-    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]]) -> Tuple[Tensor, Tensor]:
+    def __call__(self, lp: Tensor, batch: PackedBatch | Mapping[str, Any]) -> tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) with this object's config."""
         return _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
 
     @staticmethod
-    def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-              validate: bool = True) -> Tuple[Tensor, Tensor]:
+    def apply(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
+              validate: bool = True) -> tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)] float64 on lp's device) for a config given per call."""
         return PackedLoss(config, validate=validate)(lp, batch)
 
