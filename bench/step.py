@@ -477,8 +477,8 @@ def main() -> None:
         for r in run_workload({**w, "input": i}, spec, shapes, device, dtype, chain):
             results.append(r)
             took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive")) if "sides" in r else r.get("error", r.get("skipped", ""))
-            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; workload took {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; "
+                  f"workload took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     mode = "flex" if device.type == "cuda" else "block"
     print(json.dumps({
         "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,

@@ -180,7 +180,8 @@ def main() -> None:
         if case["kind"] == "logprobs" and case["method"] == "full logits":
             need, what = case["tokens"] * case["vocab"] * 4 * 3, "full logits"  # logits, log_softmax, their gradient; float32
         if need > args.max_gib * 2**30:
-            rows.append({**case, "skipped": f"the {what} alone need {need / 2**30:.1f} GiB (> --max-gib {args.max_gib:g}; the machine has {_ram_gib():.0f} GiB)"})
+            why = f"the {what} alone need {need / 2**30:.1f} GiB (> --max-gib {args.max_gib:g}; the machine has {_ram_gib():.0f} GiB)"
+            rows.append({**case, "skipped": why})
             print(format_row(rows[-1], rows), flush=True)
             continue
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)], capture_output=True, text=True)
@@ -218,7 +219,8 @@ def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if base is not None and base is not row:
         saved = base["peak_bytes"] - row["peak_bytes"]
         ratio = (f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, "
-                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} ({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
+                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} "
+                 f"({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
     return f"{what}  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
 
 

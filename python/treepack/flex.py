@@ -2,7 +2,8 @@
 
 The rule (docs/design.md §3): query q attends to key k iff ``k <= q < subtree_end[k]``; a sliding-window layer also
 needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_windowed``, ``tree_mask_mod``). ``treepack pack
---masks block:128,slices`` stores its lowerings in the micro-batch file (docs/concepts/prefix-trees.md, "Lowerings of the rule"; tensor names in docs/reference/format.md):
+--masks block:128,slices`` stores its lowerings in the micro-batch file (docs/concepts/prefix-trees.md, "Lowerings of
+the rule"; tensor names in docs/reference/format.md):
 
     >>> import torch, treepack
     >>> from torch.nn.attention.flex_attention import flex_attention

@@ -21,8 +21,9 @@ where each is found: treepack/_native.py.
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
-per-sequence weight, docs/concepts/loss.md, "Aggregation and weights"); the turn aggregation reads ``turn_ids`` [M]. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
-generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
+per-sequence weight, docs/concepts/loss.md, "Aggregation and weights"); the turn aggregation reads ``turn_ids`` [M].
+Names, defaults, enum codes, status codes and struct layouts come from _abi.py, generated from the same table as the
+C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 
 from __future__ import annotations
@@ -73,12 +74,16 @@ class LossConfig:
         treepack.errors.TreepackError: field "clip_low": Expected a number >= 0 for clip_low but received -1
     """
 
-    policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; 'cispo': clipped, detached IS weight times lp."})
+    policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": (
+        "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; "
+        "'cispo': clipped, detached IS weight times lp.")})
     clip_low: float = field(default=_abi.DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
     clip_high: float | None = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
     dual_clip: float = field(default=_abi.DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
     log_ratio_clamp: float = field(default=_abi.DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
-    aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' (Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids)."})
+    aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": (
+        "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' "
+        "(Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids).")})
     norm_constant: float = field(default=_abi.DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
     global_tokens: float = field(default=_abi.DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
     global_sequences: float = field(default=_abi.DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
@@ -211,7 +216,8 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     M, N = pos.shape[0], lp.shape[0]
     if off.shape[0] < 1 or off[-1] != M or mask.shape[0] != M:
-        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
+        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, "
+                            f"but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
     if M and (pos.min() < 0 or pos.max() >= N):
         raise TreepackError("E_INPUT", f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}", field="seq_positions" if pos.min() < 0 else "logprobs")
     arrays = {}

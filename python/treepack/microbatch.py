@@ -251,7 +251,8 @@ def load(src: Source) -> MicroBatch:
         meta["vocab_size"] = int(vocab)
     given = [k for k in ("prefix_tokens", "prefix_push", "prefix_release") if k in md]
     if given:
-        # Extension (step plans, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a cached chain; the stack operations.
+        # Extension (step plans, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a cached
+        # chain; the stack operations.
         if len(given) != 3:
             raise fail(given[0], "prefix_tokens, prefix_push and prefix_release go together (a step plan entry)")
         for key in ("prefix_tokens", "prefix_release"):

@@ -152,7 +152,8 @@ def prepare(spec: dict, dp: int = 1) -> list:
     ranks = [[list(PackedDataset(d, **({"rank": r, "dp": dp} if dp > 1 else {}))) for d in spec["reference"]] for r in range(dp)]
     counts = {len(step) for steps in ranks for step in steps}
     if len(counts) != 1:
-        raise SystemExit(f"every step must have as many micro-batches per rank for one TRL window each; the reference has {[[len(s) for s in st] for st in ranks]}")
+        per_rank = [[len(s) for s in st] for st in ranks]
+        raise SystemExit(f"every step must have as many micro-batches per rank for one TRL window each; the reference has {per_rank}")
     spec["micro_batches_per_step"] = counts.pop()
     spec["model"] = os.path.join(spec["work"], "model")
     flat = [[b for step in steps for b in step] for steps in ranks]

@@ -128,8 +128,9 @@ class PackedForwardMixin:
                 runner.release()
             if self._step % self.current_gradient_accumulation_steps == 0:
                 if runner.stack:
-                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds {runner.depth} cached prefix "
-                                        "tokens: set gradient_accumulation_steps (and steps_per_generation) to a rank's micro-batches of one packing window",
+                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds "
+                                        f"{runner.depth} cached prefix tokens: set gradient_accumulation_steps (and steps_per_generation) "
+                                        "to a rank's micro-batches of one packing window",
                                         field="gradient_accumulation_steps")
                 runner.sync_gradients()  # under DDP: the one all-reduce of the accumulation
         return out

@@ -151,7 +151,8 @@ def windowed(mask: TreeMask, window: int | None) -> TreeMask:
     got = mask._cache.get(("window", window))
     if got is None:
         if mask.position_ids is None:
-            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) or tree_mask(subtree_end, position_ids=...)", field="position_ids")
+            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) "
+                                "or tree_mask(subtree_end, position_ids=...)", field="position_ids")
         B = mask.BLOCK_SIZE[0]
         arrays = block_arrays(mask.subtree_end, B, mask.position_ids, window)
         got = mask._cache[("window", window)] = _make_mask(B, arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
@@ -369,7 +370,8 @@ def _layer_name(model: torch.nn.Module | None, module: torch.nn.Module | None, i
 
 def _check_causal(config: Any, name: str) -> None:
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
-        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; the tree rule is causal", field="use_bidirectional_attention")
+        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; "
+                            "the tree rule is causal", field="use_bidirectional_attention")
 
 
 def _config_window(config: Any, index: int, name: str, attention: bool = True) -> int | None:
@@ -435,7 +437,8 @@ def tree_attention(
         raise TreepackError("E_ARG", f"attention dropout {dropout} is not supported by the tree attention (call model.eval() or set it to 0)", field="dropout")
     window = _layer_window(module, kwargs.get("sliding_window"))
     if kwargs.get("softcap") is not None:
-        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping ({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
+        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping "
+                            f"({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
     # A step plan's micro-batch (stepplan.py): its mask covers the whole forest, the cached prefix's keys come first.
     prefix = getattr(attention_mask, "prefix", None)
     if prefix is not None:
@@ -509,7 +512,8 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> torch.Tensor | dict[
         return build(windows[0])
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     if not _takes_mask_mapping(base):
-        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
+        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no "
+                            "per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
     return {"full_attention": build(None), "sliding_attention": build(windows[binding[0]])}
 
 

@@ -75,7 +75,8 @@ def _head_and_base(model: torch.nn.Module) -> Any:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, model.base_model_prefix, None) if hasattr(model, "base_model_prefix") else None
     if head is None or base is None:
-        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); pass hidden states and lm_head instead", field="model")
+        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); "
+                            "pass hidden states and lm_head instead", field="model")
     return head, base
 
 
@@ -140,8 +141,9 @@ def packed_logprobs(
 
     ``model_or_hidden``: a HF causal LM (its base model runs on the packed batch with the tree mask: a ``TreeMask``
     in mode ``attention`` when the model's attn_implementation is ``"treepack"``, else the dense 4-D tree mask for
-    ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D] with ``lm_head`` (a module mapping D to vocab).
-    Logits are computed in float32 (float64 when the hidden states are float64), softcapped by the model's
+    ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D]
+    with ``lm_head`` (a module mapping D to vocab). Logits are computed in float32 (float64 when the hidden states are
+    float64), softcapped by the model's
     ``final_logit_softcapping`` when it has one, then divided by ``temperature`` (the order vLLM samples with).
     """
     if not isinstance(batch, PackedBatch):

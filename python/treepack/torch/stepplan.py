@@ -266,7 +266,8 @@ class StepPlanRunner:
         for name, m in model.named_modules():
             # A prefix is run twice (pushed, then popped with grad): both must compute the same values.
             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
-                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs equal (call model.eval() or set p = 0)", field="dropout")
+                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs "
+                                "equal (call model.eval() or set p = 0)", field="dropout")
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.temperature, self.entropy = float(temperature), entropy
         self.recurrent = bool(token_mixers(model)[0])
