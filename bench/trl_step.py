@@ -16,6 +16,7 @@ peak memory of the largest micro-batch (bench/step.py peak_of).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -127,7 +128,7 @@ def run_workload(w: dict[str, Any], shape: dict[str, Any], device: torch.device,
     sides = {}
     for k in SIDES:
         best = min(runs[k], key=lambda r: r["step"])
-        peak = peak_of(lambda: step(ts[k], k, model, [largest[k]], device), model, device)
+        peak = peak_of(functools.partial(step, ts[k], k, model, [largest[k]], device), model, device)
         sides[k] = {**best, "steps": [r["step"] for r in runs[k]], "peak_bytes": peak, "tokens_per_second": naive / best["step"],
                     "micro_batches": len(inputs[k])}
     a, b = sides["stock"]["loss_value"], sides["packed"]["loss_value"]
@@ -157,8 +158,8 @@ def main() -> None:
             r = {"name": w["name"], "input": i, "skipped": f"out of GPU memory: {str(e).splitlines()[0]}"}
         results.append(r)
         took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES) if "sides" in r else r["skipped"]
-        print(f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; took {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        print(f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; "
+              f"took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     import trl
 
     print(json.dumps({"device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,

@@ -6,6 +6,7 @@ is skipped, with its reason, where its library or torch is missing."""
 
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import unittest
@@ -111,7 +112,7 @@ class TypedConfigTest(unittest.TestCase):
                              ({"loss_scale": -2}, "loss_scale"), ({"loss_scale": float("nan")}, "loss_scale"),
                              ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"), ({"policy": "cispo", "dual_clip": 2}, "dual_clip")):
             with self.subTest(kwargs=kwargs):
-                for build in (lambda: tl.LossConfig(**kwargs), lambda: tl.make_config(kwargs)):
+                for build in (functools.partial(tl.LossConfig, **kwargs), functools.partial(tl.make_config, kwargs)):
                     with self.assertRaises(tl.TreepackError) as cm:
                         build()
                     self.assertEqual(cm.exception.field, name)

@@ -55,7 +55,7 @@ def rollouts(prompts: list[str], seed: int, max_len: int) -> dict[str, Any]:
     for at in range(0, len(prompts), G):
         k = int(prompts[at][1:])
         r = random.Random(seed * 1000 + k)
-        tok = lambda n: [r.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+        tok = lambda n, r=r: [r.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
         prompt = SYSTEM + tok(r.randrange(1, 4))
         stem = tok(2)
         if k % 4 == 0:

@@ -70,7 +70,7 @@ def plain_inputs(rows: list[dict[str, Any]], num_items: int, with_old: bool, hol
         P = max(cut)
         C = max(len(x["tokens"]) - c for x, c in zip(mine, cut))
 
-        def right(v, c, fill):
+        def right(v, c, fill, C=C):
             return v[c:] + [fill] * (C - len(v) + c)
 
         f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
@@ -94,7 +94,7 @@ def plan_samples(tmp: str, name: str, *flags: str, max_tokens: int = 12):
     r = random.Random(5)
     tok = lambda n: [r.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
     samples = []
-    for g in range(2):
+    for _ in range(2):
         prompt = [2, 3] + tok(12)
         for k in range(5):
             resp = tok(r.randrange(2, 6)) if k else tok(2) + tok(3) + tok(2)
