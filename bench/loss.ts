@@ -81,7 +81,7 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
   const minSeconds = opts.quick ? 0.3 : 1;
   const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
   const status = await listBackends();
-  const backends = status.filter((b) => b.available && b.ops.includes('loss')).map((b) => b.name as BackendName);
+  const backends = status.filter((b) => b.available && b.ops.includes('loss')).map((b) => b.name);
   const rows: LossBenchRow[] = [];
   console.log(`\n## loss (ppo, dual clip, k3 KL, token-mean) over generated agent forests; best of repeated runs`);
   for (const target of sizes) {

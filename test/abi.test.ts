@@ -154,12 +154,12 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
     const bad = [{ policy: 'grpo' }, { clip_low: -1 }, { dual_clip: 1 }, { dual_clip: 2, policy: 'cispo' }, { log_ratio_clamp: 0 }, { tis_cap: 0 }, { global_tokens: -1 }, { kl_coef: Infinity }, { aggregation: 'seq-mean-token-sum-norm' }, { clip_ratio: 0.2 }];
     const res = python({ mode: 'config', configs: [...good, ...bad] }).results as { fields?: Record<string, number>; error?: string }[];
     good.forEach((c, i) => {
-      const vec = configVector(resolveLossConfig(c as Partial<LossConfig>));
+      const vec = configVector(resolveLossConfig(c));
       const names = [...LOSS_CONFIG_ENUMS.map((e) => e.name), ...LOSS_CONFIG_NUMBERS];
       expect(names.map((n) => res[i].fields![n]), JSON.stringify(c)).toEqual(Array.from(vec));
     });
     bad.forEach((c, i) => {
-      const err = caught(() => resolveLossConfig(c as Partial<LossConfig>)) as TreepackError;
+      const err = caught(() => resolveLossConfig(c)) as TreepackError;
       expect(err, JSON.stringify(c)).toBeInstanceOf(TreepackError);
       expect(res[good.length + i].error, JSON.stringify(c)).toContain(err.where.field!);
     });

@@ -80,7 +80,7 @@ function mutateValue(v: Json, r: () => number): Json {
     else if (op === 2) c.length = i;
     else c[i] = pick(r, HOSTILE) as Json;
   } else {
-    const obj = c as { [k: string]: Json };
+    const obj = c;
     if (op === 0) delete obj[k as string];
     else if (op === 1) obj[`${k}_x`] = obj[k as string];
     else if (op === 2 && typeof obj[k as string] === 'number') obj[k as string] = -(obj[k as string] as number) * 1e38;

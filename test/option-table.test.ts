@@ -86,7 +86,7 @@ describe('every option of the table', () => {
       const opts: Record<string, unknown> = {};
       for (const req of requiredBeside(e)) setPath(opts, req.option, BUDGET);
       setPath(opts, e.option, bad.lib);
-      const err = caught(() => createPacker(opts as PackerOptions)) as TreepackError;
+      const err = caught(() => createPacker(opts)) as TreepackError;
       expect(err).toBeInstanceOf(TreepackError);
       expect(err.code).toBe('E_ARG');
       expect(err.message).toMatch(namesOption);

@@ -285,7 +285,7 @@ describe('openapi.json and http.md', () => {
 });
 
 /** Every file under `dir`, relative to it, sorted. */
-const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true }) as Dirent[]).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
+const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
 
 describe('the TypeScript API reference (docs/reference/typescript, npm run docs:ts)', () => {
   it('every export of treepack, treepack/ops and treepack/serve has a doc comment', { timeout: 120_000 }, () => {

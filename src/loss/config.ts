@@ -84,7 +84,7 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
       throw new TreepackError('E_ARG', `unknown loss option ${JSON.stringify(key)}; expected one of ${Object.keys(DEFAULT_LOSS_CONFIG).join(', ')}`, { field: key });
     }
   }
-  const cfg = { ...DEFAULT_LOSS_CONFIG, ...(given as Partial<LossConfig>) } as LossConfig;
+  const cfg = { ...DEFAULT_LOSS_CONFIG, ...(given as Partial<LossConfig>) };
   if (given.clip_high === undefined) cfg.clip_high = cfg.clip_low;
   for (const [field, names] of Object.entries(NAMES)) {
     const v = (cfg as unknown as Record<string, unknown>)[field];

@@ -111,7 +111,7 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
 export function firstInvalidUtf8(b: Uint8Array): number {
   let i = 0;
   while (i < b.length) {
-    const c = b[i]!;
+    const c = b[i];
     if (c < 0x80) {
       i++;
       continue;

@@ -101,7 +101,7 @@ export function checkResponseVocab(rec: ChatRecord, vocabSize: number): void {
 
 function checkIds(t: Int32Array, vocabSize: number, ctx: Ctx, field: string): void {
   for (let i = 0; i < t.length; i++) {
-    if (t[i]! >= vocabSize) throw fail(ctx, `${field}[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
+    if (t[i] >= vocabSize) throw fail(ctx, `${field}[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
   }
 }
 
@@ -263,7 +263,7 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   const offsets = new Int32Array(v.length);
   for (let i = 0; i < v.length; i++) {
     const x = v[i];
-    const prev = i === 0 ? -1 : offsets[i - 1]!;
+    const prev = i === 0 ? -1 : offsets[i - 1];
     if (!Number.isInteger(x) || (i === 0 ? x !== 0 : x <= prev || x >= n))
       throw fail(ctx, `message_offsets[${i}]`, i === 0 ? `the first message starts at 0, got ${describeValue(x)}` : `expected an offset in ${prev + 1}..${n - 1} (increasing, inside the ${n} tokens), got ${describeValue(x)}`);
     offsets[i] = x as number;
@@ -280,8 +280,8 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   // message of another author would be dropped silently when its timeline is absorbed.
   for (let i = 0; i < a.length; i++) {
     if (a[i] === 'llm') continue;
-    const end = i + 1 < offsets.length ? offsets[i + 1]! : n;
-    for (let t = Math.max(offsets[i]!, 1); t < end; t++) {
+    const end = i + 1 < offsets.length ? offsets[i + 1] : n;
+    for (let t = Math.max(offsets[i], 1); t < end; t++) {
       if (s.loss_mask[t]) throw fail(ctx, `message_authors[${i}]`, `message ${i} has a trainable token (loss_mask[${t}] = 1) but its author is ${JSON.stringify(a[i])}; trainable tokens belong to 'llm' messages`);
     }
   }
@@ -439,7 +439,7 @@ function parseToolCalls(v: unknown, ctx: Ctx, field: string): ToolCall[] {
     const args = fn.arguments ?? {};
     if (typeof args !== 'string' && !isObject(args))
       throw fail(ctx, p + '.function.arguments', `expected a JSON string or an object, got ${describeValue(args)}`);
-    const call: ToolCall = { function: { name: fn.name, arguments: args as string | Record<string, unknown> } };
+    const call: ToolCall = { function: { name: fn.name, arguments: args } };
     const id = optString(c, 'id', ctx, p + '.');
     if (id !== undefined) call.id = id;
     const type = optString(c, 'type', ctx, p + '.');

@@ -222,10 +222,10 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
         request: t.request,
         n: 1,
         stream: t.stream,
-        complete: (outputs, call) => t.complete(outputs[0]!, call),
+        complete: (outputs, call) => t.complete(outputs[0], call),
         answer: (json, outputs, call) => {
           const c = (json.choices as Obj[]).find((x) => (x.index ?? 0) === 0)!;
-          return whole(outputs[0]!, call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();
+          return whole(outputs[0], call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();
         },
         writer: (call) => t.writer(call),
         replay: (call) => {
@@ -238,7 +238,7 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
 }
 
 function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, requestId: string | undefined, meta: CallMeta): RecordedCall {
-  const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0]! };
+  const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0] };
   // n > 1: the other choices share the call's prompt, each one more branch of the episode's tree
   if (outputs.length > 1) call.siblings = outputs.slice(1);
   if (scope.agent !== undefined) call.agent = scope.agent;
@@ -558,7 +558,7 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     if (!isObj(b) || (b.group !== undefined && (typeof b.group !== 'string' || b.group === ''))) throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
     const key = keyScope(svc, req);
     if (key && b.group !== undefined && b.group !== key.group) throw outOfScope(key, `not group ${JSON.stringify(b.group)}`);
-    return abandon(svc, id, groupOf(svc, id, b.group as string | undefined), 'abandoned');
+    return abandon(svc, id, groupOf(svc, id, b.group), 'abandoned');
   });
 
   /** Gives up a group: its unfinished episodes are abandoned and it is trained with the finished ones it has. */

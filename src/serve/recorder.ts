@@ -223,8 +223,8 @@ export class Recorder {
       refused = err;
     }
     const e: PoolEvent = { type: 'ship', episode: ep.id };
-    await this.append(e as unknown as LogEvent);
-    this.pool.apply(e as unknown as LogEvent);
+    await this.append(e);
+    this.pool.apply(e);
     if (refused) throw refused;
     return r!;
   }
