@@ -58,7 +58,11 @@ class LossMetrics(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64 if n == "trainable_tokens" else ctypes.c_double) for n in _abi.METRICS_FIELDS]
 
     def as_dict(self) -> dict[str, float]:
-        return {n: getattr(self, n) for n, _ in self._fields_}
+        return {n: getattr(self, n) for n, *_ in self._fields_}
+
+
+# The table's defaults are of mixed types; each field below declares its own, which __post_init__ checks.
+_DEFAULTS: Mapping[str, Any] = _abi.DEFAULTS
 
 
 @dataclass
@@ -74,24 +78,24 @@ class LossConfig:
         treepack.errors.TreepackError: field "clip_low": Expected a number >= 0 for clip_low but received -1
     """
 
-    policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": (
+    policy: str = field(default=_DEFAULTS["policy"], metadata={"help": (
         "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; "
         "'cispo': clipped, detached IS weight times lp.")})
-    clip_low: float = field(default=_abi.DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
-    clip_high: float | None = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
-    dual_clip: float = field(default=_abi.DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
-    log_ratio_clamp: float = field(default=_abi.DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
-    aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": (
+    clip_low: float = field(default=_DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
+    clip_high: float | None = field(default=_DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
+    dual_clip: float = field(default=_DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
+    log_ratio_clamp: float = field(default=_DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
+    aggregation: str = field(default=_DEFAULTS["aggregation"], metadata={"help": (
         "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' "
         "(Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids).")})
-    norm_constant: float = field(default=_abi.DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
-    global_tokens: float = field(default=_abi.DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
-    global_sequences: float = field(default=_abi.DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
-    loss_scale: float = field(default=_abi.DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
-    kl: str = field(default=_abi.DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
-    kl_coef: float = field(default=_abi.DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
-    tis: str = field(default=_abi.DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
-    tis_cap: float = field(default=_abi.DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
+    norm_constant: float = field(default=_DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
+    global_tokens: float = field(default=_DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
+    global_sequences: float = field(default=_DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
+    loss_scale: float = field(default=_DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
+    kl: str = field(default=_DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
+    kl_coef: float = field(default=_DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
+    tis: str = field(default=_DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
+    tis_cap: float = field(default=_DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
 
     def __post_init__(self) -> None:
         given = dataclasses.asdict(self)
@@ -220,7 +224,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
                             f"but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
     if M and (pos.min() < 0 or pos.max() >= N):
         raise TreepackError("E_INPUT", f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}", field="seq_positions" if pos.min() < 0 else "logprobs")
-    arrays = {}
+    arrays: dict[str, np.ndarray | None] = {}
     for f in _FIELDS:
         a = get(f)
         if a is None:
@@ -228,9 +232,10 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
                 raise TreepackError("E_INPUT", f"the loss config needs {f} but the batch has none", field=f)
             arrays[f] = None
             continue
-        arrays[f] = np.ascontiguousarray(a, dtype=np.float32)
-        if arrays[f].shape[0] != M:
-            raise TreepackError("E_INPUT", f"{f} has {arrays[f].shape[0]} elements, expected M = {M}", field=f)
+        arr = np.ascontiguousarray(a, dtype=np.float32)
+        if arr.shape[0] != M:
+            raise TreepackError("E_INPUT", f"{f} has {arr.shape[0]} elements, expected M = {M}", field=f)
+        arrays[f] = arr
     sw = get("seq_weight")
     sw = None if sw is None else np.ascontiguousarray(sw, dtype=np.float32)
     _check_weights(sw, off.shape[0] - 1)
@@ -242,7 +247,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
         if turn.shape != (M,):
             raise TreepackError("E_INPUT", f"turn_ids has shape {list(turn.shape)}, expected [M = {M}]", field="turn_ids")
     trainable = mask != 0
-    for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(c, f))):
+    for name, a in (("logprobs", lp[pos]), *((f, a) for f, a in arrays.items() if a is not None and _needed(c, f))):
         if not np.isfinite(a[trainable]).all():
             raise TreepackError("E_INPUT", f"{name} has a non-finite value at a trainable position", field=name)
     grad = np.zeros(N, dtype=np.float32)

@@ -374,7 +374,11 @@ def check_values(mb: MicroBatch, vocab_size: int | None = None) -> list[str]:
     for f in OCCURRENCE_FLOAT_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) == M:
-            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", lambda k, a=a, f=f: f"{f}[{k}] = {a[k]}")
+
+            def value(k: int, a: np.ndarray = a, f: str = f) -> str:
+                return f"{f}[{k}] = {a[k]}"
+
+            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", value)
     return out
 
 
@@ -407,17 +411,16 @@ def read_manifest(directory: str) -> dict[str, Any]:
     entries = doc.get("micro_batches")
     if not isinstance(entries, list):
         raise fail("micro_batches", "micro_batches is not a list")
-    for i, e in enumerate(entries):
+    for i, entry in enumerate(entries):
         at = f"micro_batches[{i}]"
-        if not isinstance(e, dict):
+        if not isinstance(entry, dict):
             raise fail(at, f"{at} is not an object")
-        f = e.get("file")
-        parts = f.split("/") if isinstance(f, str) else []
-        if not parts or any(p in ("", ".", "..") for p in parts) or "\\" in f or os.path.isabs(f):
-            raise fail(f"{at}.file", f"{at}.file is {json.dumps(f)}, expected a relative path inside the directory")
+        name = entry.get("file")
+        if not isinstance(name, str) or any(p in ("", ".", "..") for p in name.split("/")) or "\\" in name or os.path.isabs(name):
+            raise fail(f"{at}.file", f"{at}.file is {json.dumps(name)}, expected a relative path inside the directory")
         for k in ("sequences", "naive_tokens", "packed_tokens"):
-            if not _is_count(e.get(k)):
-                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(e.get(k))}, expected an integer >= 0")
+            if not _is_count(entry.get(k)):
+                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(entry.get(k))}, expected an integer >= 0")
     return doc
 
 

@@ -40,13 +40,13 @@ def _per_token(field: str, values: Sequence[Any], lengths: list[int], dtype: typ
     ``scalar``) fills its sequence. Errors name the field and the sequence."""
     if len(values) != len(lengths):
         raise TreepackError("E_ARG", f"{field} has {len(values)} entries for {len(lengths)} sequences", field=field)
-    parts = []
+    parts: list[np.ndarray] = []
     for i, (v, n) in enumerate(zip(values, lengths)):
         if scalar and np.ndim(v) == 0:
             parts.append(np.full(n, v, dtype=dtype))
             continue
         try:
-            a = np.asarray(v, dtype=dtype)
+            a: np.ndarray = np.asarray(v, dtype=dtype)
         except (TypeError, ValueError) as e:
             raise TreepackError("E_ARG", f"{field}[{i}] (sequence {i}) is not numbers: {e}", field=field) from None
         if a.shape != (n,):
@@ -150,7 +150,7 @@ def pack_sequences(
     meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
             "sequence_ids": ids}
     return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), **floats)
+                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), extra={}, **floats)
 
 
 def _turn_ids(turns: Sequence[Sequence[int]] | None, lengths: Sequence[int]) -> np.ndarray | None:

@@ -76,9 +76,12 @@ class _Runs:
         self.nodes = unit_nodes
         self.mark = np.zeros(num_nodes, dtype=bool)
 
-    def cuts(self, limit: float) -> list[int] | None:
-        """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs), or None if a unit alone exceeds it."""
-        ends, used, cur = [], [], 0
+    def cuts(self, limit: float) -> list[int]:
+        """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs); every unit fits alone (the
+        callers' limits are at least the largest unit)."""
+        ends: list[int] = []
+        used: list[np.ndarray] = []
+        cur = 0
         for u, nodes in enumerate(self.nodes):
             new = int(np.count_nonzero(~self.mark[nodes]))
             if cur and cur + new > limit:
@@ -88,9 +91,7 @@ class _Runs:
                 used, cur = [], 0
                 new = len(nodes)
             if new > limit:
-                for n in used:
-                    self.mark[n] = False
-                return None
+                raise ValueError(f"unit {u} alone packs to {new} tokens, over the limit {limit}")
             self.mark[nodes] = True
             used.append(nodes)
             cur += new
@@ -158,7 +159,8 @@ def plan_micro_batches(
                             "a group is never split, so raise max_tokens or make the group smaller", field="max_tokens")
     count = num_micro_batches
     if count is None:
-        count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order else dp
+        # Without num_micro_batches, max_tokens is given (checked above).
+        count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order and max_tokens is not None else dp
     if len(order) < count:
         raise TreepackError("E_ARG", f"{count} micro-batches need at least {count} groups, got {len(order)}", field="num_micro_batches")
     ends = _balanced(runs, count)

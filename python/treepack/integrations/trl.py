@@ -47,7 +47,7 @@ its own GRPOTrainer subclass can take one of them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -81,6 +81,12 @@ class PackedForwardMixin:
     STATS_KEPT = 1024
 
     treepack_attention: str = "auto"
+
+    # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
+    # TRL's own type differs between its versions).
+    model: Any
+    temperature: float
+    _metrics: dict[str, Any]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
                                            compute_aux_loss=False, **multimodal):
@@ -118,7 +124,7 @@ class PackedForwardMixin:
             runner = self._treepack_plan = StepPlanRunner(model, attention=self.treepack_attention, temperature=self.temperature, entropy=True)
         return runner
 
-    def training_step(self, model, inputs, num_items_in_batch):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         """TRL's step (forward, loss, backward), then the releases of a planned micro-batch, under the same autocast
         as its forward; an optimizer step while a prefix is still cached is refused (its gradient is incomplete)."""
         out = super().training_step(model, inputs, num_items_in_batch)
@@ -186,6 +192,20 @@ class GroupedBatchesMixin:
     treepack_max_tokens: int | None = None
     treepack_packed_batches: Iterable[Any] | None = None
 
+    # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
+    # TRL's own type differs between its versions).
+    args: Any
+    accelerator: Any
+    model: Any
+    ref_model: Any
+    beta: float
+    num_generations: Any
+    num_iterations: int
+    _tokenizer: Any
+    _get_per_token_logps_and_entropies: Callable[..., Any]
+    # The stored forests of the current window: (input_ids, attention_mask, batch, layout) as TRL's rows hold them.
+    _treepack_forests: list[tuple[torch.Tensor, torch.Tensor, PackedBatch, RowLayout]]
+
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
@@ -212,6 +232,8 @@ class GroupedBatchesMixin:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
         self.treepack_ack()
         if "_treepack_source" not in self.__dict__:
+            if self.treepack_packed_batches is None:
+                raise TreepackError("E_ARG", "no packed_batches to train on", field="packed_batches")
             self._treepack_source: Iterator[Any] = iter(self.treepack_packed_batches)
         items = []
         for _ in range(self.args.steps_per_generation):
@@ -241,7 +263,7 @@ class GroupedBatchesMixin:
         def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else layout.to_padded(values, of="occurrences", where="all")
 
-        out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        out: dict[str, Any] = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         out.update(tool_mask=rows["loss_mask"], advantages=per_token(batch.advantages), num_items_in_batch=num_items)
         C = rows["completion_ids"].shape[1]
         old, ref, sampled = per_token(batch.old_logprobs), per_token(batch.ref_logprobs), per_token(batch.rollout_logprobs)
@@ -268,7 +290,7 @@ class GroupedBatchesMixin:
 
 def _take(inputs: dict[str, Any], rows: torch.Tensor, B: int) -> dict[str, Any]:
     """The given rows of every per-row entry (tensors and lists of length B); scalars as they are."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == B:
             out[k] = v.index_select(0, rows)

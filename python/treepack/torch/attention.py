@@ -81,6 +81,11 @@ class TreeMask(BlockMask):
     window: int | None
     mode: str
     _cache: dict[Any, Any]
+    # Always built with its full blocks (_make_mask): never None here, unlike a bare BlockMask's.
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    # A step plan's cached prefix (stepplan._Prefix), set by its executor on the mask it builds; absent otherwise.
+    prefix: Any
 
     @property
     def ndim(self) -> int:
@@ -133,8 +138,9 @@ def tree_mask(
 def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: torch.Tensor | None, window: int | None,
                mode: str) -> TreeMask:
     n = int(se.shape[0])
+    kv_num, kv_idx, full_num, full_idx = (a[None, None] for a in arrays)
     mask = TreeMask.from_kv_blocks(
-        *(a[None, None] for a in arrays), BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
     )
     mask.subtree_end, mask.position_ids, mask.window, mask.mode, mask._cache = se, pos, window, mode, {}
     return mask
@@ -188,7 +194,7 @@ def _plan_chunks(mask: TreeMask) -> list[tuple[torch.Tensor, int]]:
     if num.numel() == 0:
         return []
     bucket = torch.ceil(torch.log2(num.clamp(min=1).double())).long()
-    chunks = []
+    chunks: list[tuple[torch.Tensor, int]] = []
     for b in torch.unique(bucket).tolist():
         rows = torch.nonzero(bucket == b).flatten()
         K = int(num[rows].max())
@@ -220,7 +226,10 @@ def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
                        width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
-    pos_pad = None if mask.window is None else torch.cat([mask.position_ids, mask.position_ids.new_zeros(nb * B - n)])
+    window, pos = mask.window, mask.position_ids
+    if window is not None and pos is None:
+        raise TreepackError("E_ARG", f"a sliding-window mask (window {window}) needs position_ids", field="position_ids")
+    pos_pad = None if window is None or pos is None else torch.cat([pos, pos.new_zeros(nb * B - n)])
     plan = []
     r = torch.arange(B)
     for rows, K in _plan_chunks(mask):
@@ -234,8 +243,8 @@ def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.
         q = rows[:, None] * B + r  # [G, B]
         keys_d, q_d = keys.to(dev), q.to(dev)
         visible = (keys_d[:, None, :] <= q_d[:, :, None]) & (q_d[:, :, None] < se_pad[keys_d][:, None, :])
-        if pos_pad is not None:
-            visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < mask.window
+        if pos_pad is not None and window is not None:
+            visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < window
         # Padded queries (past N, last block only) see their own padded key: no row is empty (SDPA would give NaN).
         visible |= (q_d[:, :, None] >= n) & (keys_d[:, None, :] == q_d[:, :, None])
         visible &= key_ok.to(dev)[:, None, :]
@@ -462,6 +471,15 @@ def _takes_mask_mapping(base: torch.nn.Module) -> bool:
     return re.search(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)", source) is not None
 
 
+def input_embeddings(model: torch.nn.Module) -> Any:
+    """A Hugging Face model's input embedding, ``get_input_embeddings()`` (looked up by name: torch types a Module's
+    unknown attributes as Tensor | Module)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face model (no get_input_embeddings)", field="model")
+    return get()
+
+
 def layer_windows(model: torch.nn.Module) -> list[int | None]:
     """Each layer's sliding window as the model config gives it: ``config.sliding_window`` for a sliding layer
     (``config.layer_types``; without them, for every layer when the config sets one), None for full attention and
@@ -497,7 +515,7 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> torch.Tensor | dict[
     windows = layer_windows(model)
     pos = batch.position_ids
     span = int(pos.max() - pos.min()) if pos.numel() else 0
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = input_embeddings(model).weight.dtype
 
     def build(window: int | None) -> torch.Tensor:
         m = dense_tree_mask(batch.subtree_end, pos, window)

@@ -131,6 +131,7 @@ def naive_batch(batch: PackedBatch) -> PackedBatch:
         seq_index=batch.seq_index.clone(),
         token_index=batch.token_index.clone(),
         meta=meta,
+        extra={},
         **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)},
     )
 
@@ -162,11 +163,12 @@ def from_microbatch(
             elif (np.asarray(mb.seq_positions) >= N - pad).any():
                 problems.append(f"an occurrence maps to one of the last num_pad_tokens = {pad} (padding) nodes")
         if problems:
-            first = re.match(r"[a-z_]*", problems[0]).group(0)  # each problem starts with the field it is about
+            lead = re.match(r"[a-z_]+", problems[0])  # each problem starts with the field it is about
+            first = lead.group(0) if lead else ""
             raise TreepackError("E_INPUT", "not a valid packed micro-batch: " + "; ".join(problems), file,
                                 first if first in INDEX_FIELDS + ("loss_mask",) else "forest")
-    lengths = np.diff(np.asarray(mb.seq_offsets, dtype=np.int64))
-    starts = np.asarray(mb.seq_offsets[:-1], dtype=np.int64)
+    offsets = np.asarray(mb.seq_offsets, dtype=np.int64)
+    lengths, starts = offsets[1:] - offsets[:-1], offsets[:-1]
     seq_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     token_index = np.arange(len(mb.seq_positions), dtype=np.int64) - np.repeat(starts, lengths)
     i64 = np.dtype(np.int64)

@@ -126,7 +126,8 @@ def flex_tiles(mask: Any, rows: int = 0, sinks: bool = False) -> int:
     """The B×B tiles compiled flex computes for query rows [rows, N) of ``mask``: those its padded BlockMask lists
     (with ``sinks``, one more per query block)."""
     block_mask = _padded_mask(mask, rows, sinks)[0]
-    return int(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
+    full = block_mask.full_kv_num_blocks
+    return int(block_mask.kv_num_blocks.sum() + (0 if full is None else full.sum()))
 
 
 def _mask_mod(se: torch.Tensor, pos: torch.Tensor | None, window: int | None, off: torch.Tensor,
@@ -135,11 +136,13 @@ def _mask_mod(se: torch.Tensor, pos: torch.Tensor | None, window: int | None, of
     compilation), windowed when ``window`` is given, plus key ``sink`` seen by every query. Every captured value is
     a tensor whose shape the rung fixes, or an integer the rung or the layer fixes."""
     last = int(se.shape[0]) - 1
+    if window is not None and pos is None:
+        raise TreepackError("E_ARG", f"a windowed mask (window {window}) needs position_ids", field="position_ids")
 
     def tree(b: Any, h: Any, q: Any, kv: Any) -> Any:
         qa, kc = q + off, kv.clamp(max=last)
         seen = (kv <= qa) & (qa < se[kc])
-        if window is not None:
+        if window is not None and pos is not None:
             seen = seen & (pos[qa.clamp(max=last)] - pos[kc] < window)
         return seen if sink is None else seen | (kv == sink)
 

@@ -37,8 +37,9 @@ def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
     wrappers, outermost first; the last is the Hugging Face model."""
     out = [model]
     while True:
-        if hasattr(model, "get_base_model"):
-            inner = model.get_base_model()
+        get_base_model = getattr(model, "get_base_model", None)  # PEFT's (torch types Module attributes as Tensor | Module)
+        if get_base_model is not None:
+            inner = get_base_model()
         elif isinstance(getattr(model, "module", None), torch.nn.Module):
             inner = model.module
         else:

@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
-from .attention import dense_model_mask, tree_mask
+from .attention import dense_model_mask, input_embeddings, tree_mask
 from .batch import PackedBatch
 from .models import check_dense, prepare
 
@@ -72,8 +72,10 @@ def scored_nodes(batch: PackedBatch, nodes: str | torch.Tensor = "trainable") ->
 
 
 def _head_and_base(model: torch.nn.Module) -> Any:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    base = getattr(model, model.base_model_prefix, None) if hasattr(model, "base_model_prefix") else None
+    # Hugging Face's API, looked up as such: torch types a Module's unknown attributes as Tensor | Module.
+    get_head, prefix = getattr(model, "get_output_embeddings", None), getattr(model, "base_model_prefix", None)
+    head = get_head() if get_head is not None else None
+    base = getattr(model, prefix, None) if isinstance(prefix, str) else None
     if head is None or base is None:
         raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); "
                             "pass hidden states and lm_head instead", field="model")
@@ -90,7 +92,7 @@ def check_vocabulary(model: torch.nn.Module, batch: PackedBatch) -> None:
     """Refuses (TreepackError E_INPUT) a batch whose ids the model cannot have been trained on: an id outside its
     embedding, or a header ``vocab_size`` (the packing tokenizer's) above the embedding's rows or more than
     ``VOCAB_PADDING`` below them, the sign of ids made by another model's tokenizer."""
-    rows = model.get_input_embeddings().num_embeddings
+    rows = input_embeddings(model).num_embeddings
     outside = (batch.input_ids < 0) | (batch.input_ids >= rows)
     if bool(outside.any()):
         p = int(torch.argmax(outside.to(torch.int8)))
@@ -143,8 +145,8 @@ def packed_logprobs(
     in mode ``attention`` when the model's attn_implementation is ``"treepack"``, else the dense 4-D tree mask for
     ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D]
     with ``lm_head`` (a module mapping D to vocab). Logits are computed in float32 (float64 when the hidden states are
-    float64), softcapped by the model's
-    ``final_logit_softcapping`` when it has one, then divided by ``temperature`` (the order vLLM samples with).
+    float64), softcapped by the model's ``final_logit_softcapping`` when it has one, then divided by ``temperature``
+    (the order vLLM samples with).
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch (treepack.torch.load_microbatch), got {type(batch).__name__}", field="batch")
@@ -152,8 +154,9 @@ def packed_logprobs(
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {chunk_size!r}", field="chunk_size")
     if not temperature > 0:
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
-    model = model_or_hidden if isinstance(model_or_hidden, torch.nn.Module) else None
-    if model is not None:
+    model: torch.nn.Module | None = None
+    if isinstance(model_or_hidden, torch.nn.Module):
+        model = model_or_hidden
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
         out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)

@@ -32,7 +32,7 @@ occurrences use atomics, so their last bits may vary run to run unless ``torch.u
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 
@@ -41,7 +41,7 @@ from ..microbatch import TreepackError
 from . import loss_terms as terms
 from .batch import PackedBatch
 
-METRICS = tuple(name for name, _ in LossMetrics._fields_)
+METRICS = tuple(name for name, *_ in LossMetrics._fields_)
 
 Tensor = torch.Tensor
 Config = Union[None, Mapping[str, Any], LossConfig]
@@ -123,9 +123,11 @@ def _check_values(lp: Tensor, t: dict[str, Tensor | None]) -> None:
         starts[off[:-1][off[:-1] < M].long()] = True
         if bool(((turn[1:] < turn[:-1]) & ~starts[1:]).any()):
             raise _bad("turn_ids", "turn_ids decrease within a sequence (each sequence's turns are numbered in order)")
-    if t["seq_weight"] is not None:
-        _check_weights(t["seq_weight"].cpu().numpy(), off.shape[0] - 1)
-    for name, v in (("logprobs", lp.detach()[t["seq_positions"].long()]),) + tuple((f, t[f]) for f in _FIELDS if t[f] is not None):
+    sw = t["seq_weight"]
+    if sw is not None:
+        _check_weights(sw.cpu().numpy(), off.shape[0] - 1)
+    present = tuple((f, x) for f in _FIELDS if (x := t[f]) is not None)
+    for name, v in (("logprobs", lp.detach()[cast(Tensor, t["seq_positions"]).long()]), *present):
         if not bool(torch.isfinite(v.cpu()[mask]).all()):
             raise _bad(name, f"{name} has a non-finite value at a trainable position")
 

@@ -42,9 +42,9 @@ from . import recurrent
 from .attention import TreeMask
 
 # Layer class -> the modeling-module functions its forward calls and how each runs on a tree.
-_GDN = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
-_KDA = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
-_MAMBA2 = {"causal_conv1d_fn": recurrent.tree_conv, "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
+_GDN: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
+_KDA: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
+_MAMBA2: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
            "mamba2_split_conv1d_scan_combined": recurrent.no_fused}
 LAYERS: dict[str, dict[str, Callable]] = {
     "Qwen3_5GatedDeltaNet": _GDN,
@@ -123,17 +123,20 @@ def _registered(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__name__ in LAYERS and c.__module__.startswith("transformers.")), None)
 
 
-def _tree_class(cls: type) -> type:
+def _tree_class(cls: type[torch.nn.Module]) -> type:
     """A subclass of the layer class (same name and module) whose forward runs the tree way on a TreeMask; a class
     rather than a wrapped instance forward, so copies of a prepared model (copy.deepcopy) stay prepared."""
     sub = _TREE_CLASSES.get(cls)
     if sub is not None:
         return sub
     base = _registered(cls)
+    if base is None:
+        raise TreepackError("E_ARG", f"{cls.__name__} is not a layer treepack runs on a tree", field="model")
     kinds = LAYERS[base.__name__]
     module_globals = sys.modules[base.__module__].__dict__  # where its forward looks the functions up
 
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # self: the layer, a transformers module that prepare() gave treepack_name and treepack_chunk_align.
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         mask = _tree_of(kwargs.get("attention_mask"))
         if mask is None:
             if any(_tree_of(a) is not None for a in args):
@@ -154,7 +157,7 @@ def _tree_class(cls: type) -> type:
 
 
 @functools.cache
-def _uses_attention_interface(cls: type) -> bool:
+def _uses_attention_interface(cls: type[torch.nn.Module]) -> bool:
     try:
         src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
@@ -174,7 +177,10 @@ def token_mixers(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Modul
     bypasses the attention interface; one that holds a handled layer (a decoder layer named after its mixer) is not."""
     modules = list(model.named_modules())
     handled = [(p, m) for p, m in modules if _registered(type(m)) is not None]
-    covered = [p for p, _ in handled] + [p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))]
+    # The ignore: classes are hashable, but mypy does not match type[Any] to functools.cache's Hashable.
+    covered = [p for p, _ in handled] + [
+        p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))  # type: ignore[arg-type]
+    ]
     within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
     other = []
     for path, m in modules:
@@ -232,8 +238,11 @@ def prepare(model: torch.nn.Module, chunk_align: bool | None = None) -> torch.nn
     if handled and not getattr(base, "treepack_prepared", False):
         base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
         base.treepack_prepared = True
-    for path, layer in handled:
+    for path, module in handled:
+        layer: Any = module  # prepare() gives it treepack_* attributes (torch types a Module's as Tensor | Module)
         base_cls = _registered(type(layer))
+        if base_cls is None:  # handled holds registered layers only
+            continue
         _ensure_dispatch(sys.modules[base_cls.__module__].__dict__, LAYERS[base_cls.__name__])
         if not hasattr(type(layer), "treepack_base"):
             layer.__class__ = _tree_class(type(layer))

@@ -102,8 +102,11 @@ def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.
 def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...] (under a step plan, nodes [rows, N): the roots that continue
-    the cached chain start from its state)."""
+    the cached chain start from its state). The first input is always given (the others may be None)."""
     pre, mask = tree.prefix, tree.mask
+    first = inputs[0]
+    if first is None:
+        raise TreepackError("E_ARG", "a recurrence needs its first input", field="inputs")
     if pre is not None:
         key = tree.key("state")
         mask = sub_forest(mask, pre.rows) if pre.rows else mask
@@ -111,7 +114,7 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
     for t in inputs:
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
-    plan = run_plan(mask, chunk if tree.chunk_align else 1, inputs[0].device)
+    plan = run_plan(mask, chunk if tree.chunk_align else 1, first.device)
     # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
     padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
     finals: list[torch.Tensor] = []
@@ -122,7 +125,7 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
         if c.perm is not None:
             parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
             init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
-        if c.hang is not None:
+        if c.hang is not None and pre is not None:  # hanging roots exist only under a step plan
             state = pre.state(key)
             init = state.new_zeros((c.nodes.shape[0],) + state.shape[1:]) if init is None else init
             init = init.index_copy(0, c.hang, state.to(init.dtype).expand((c.hang.shape[0],) + state.shape[1:]))
@@ -130,10 +133,10 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
         finals.append(final)
         outs.append(out.flatten(0, 1))
     if not outs:
-        return inputs[0].new_zeros((1, 0) + inputs[0].shape[2:])
+        return first.new_zeros((1, 0) + first.shape[2:])
     if pre is not None:
-        c, r = plan.last
-        pre.keep(key, finals[c][r : r + 1])
+        last, r = plan.last
+        pre.keep(key, finals[last][r : r + 1])
     return torch.cat(outs).index_select(0, plan.owner)[None]
 
 

@@ -75,7 +75,12 @@ class RowLayout:
         else:
             raise TreepackError("E_ARG", f"expected 'trainable' or 'all', got {where!r}", field="where")
         keep = keep.to(values.device)
-        size = self.rows * self.width if self.offsets is None else int(self.offsets[-1])
+        if self.offsets is not None:
+            size = int(self.offsets[-1])
+        elif self.width is not None:
+            size = self.rows * self.width
+        else:
+            raise TreepackError("E_ARG", "a RowLayout has a width (padded rows) or offsets (jagged rows)", field="width")
         out = values.new_full((size,), fill)
         # index_put (not in-place) so autograd reaches the values; trainable slots get every value, NaN included.
         return out.index_put((self.flat.to(values.device)[keep],), values[keep])
@@ -139,9 +144,9 @@ def from_padded(
             raise TreepackError("E_ARG", f"expected response_mask [B = {B}, R <= {T}], got {list(response_mask.shape)}", field="response_mask")
         R = response_mask.shape[1]
     else:
+        if not (isinstance(response_length, int) and 0 <= response_length <= T):
+            raise TreepackError("E_ARG", f"expected an integer in [0, {T}], got {response_length!r}", field="response_length")
         R = response_length
-        if not (isinstance(R, int) and 0 <= R <= T):
-            raise TreepackError("E_ARG", f"expected an integer in [0, {T}], got {R!r}", field="response_length")
     attended = attention_mask.bool()
     resp_attended = attended[:, T - R :]
     trainable = resp_attended if response_mask is None else resp_attended & response_mask.bool()

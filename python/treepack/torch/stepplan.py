@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 
@@ -194,7 +194,7 @@ def check_model(model: torch.nn.Module) -> None:
                                 "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
 
 
-def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel | None]:
     """The Hugging Face model the executor runs (inside DDP and PEFT wrappers) and the DDP wrapper, if any. FSDP and
     DeepSpeed are refused: the executor calls the model's layers itself, and only their own forward gathers the
     sharded parameters."""
@@ -209,7 +209,7 @@ def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     return levels[-1], ddp
 
 
-def sync_gradients(ddp: torch.nn.Module) -> None:
+def sync_gradients(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     """Averages the gradients of a ``DistributedDataParallel`` model's parameters over its process group in one
     all-reduce, as DDP's backward does at the end of an accumulation (a parameter this rank never reached counts as
     zero, so every rank takes part, an idle one too). The step-plan executor runs outside DDP's forward, so DDP's own
@@ -258,9 +258,10 @@ class StepPlanRunner:
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
         if not temperature > 0:
             raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
-        if getattr(model.config, "final_logit_softcapping", None):
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        if softcap:
             raise TreepackError("E_ARG", "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
-                                f"(final_logit_softcapping = {model.config.final_logit_softcapping})", field="final_logit_softcapping")
+                                f"(final_logit_softcapping = {softcap})", field="final_logit_softcapping")
         check_model(model)
         prepare(model)  # recurrent layers run on the tree (idempotent)
         for name, m in model.named_modules():
@@ -329,7 +330,7 @@ class StepPlanRunner:
             return  # nothing read it: no gradient to carry
         cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.start)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
-        if ent is not None:
+        if ent is not None and seg.ent is not None:
             pairs.append((ent, seg.ent.grad))
         pairs = [(t, g) for t, g in pairs if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -388,7 +389,7 @@ class StepPlanRunner:
             old = targets[targets < h]
             lp = lp.index_put((old,), torch.cat([s.lp for s in self.stack])[old])
             if ent is not None:
-                ent = ent.index_put((old,), torch.cat([s.ent for s in self.stack])[old])
+                ent = ent.index_put((old,), torch.cat([cast(torch.Tensor, s.ent) for s in self.stack])[old])
         self.computed += N - h
         return NodeScores(lp, ent, targets)
 
