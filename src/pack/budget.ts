@@ -308,7 +308,7 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   const loads = new Float64Array(K);
   for (let b = 0; b < n; b++) loads[rank[b]] += costs[b];
   const step = stepsByCost(costs, rank, K);
-  const microBatches: MicroBatchPlan[] = new Array(n);
+  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(n);
   for (let b = 0; b < n; b++) {
     const sequences = Int32Array.from(members[b], (k) => runs.order[k]).sort();
     let naive = 0;
@@ -373,7 +373,7 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
   for (const p of planned.runs) perRank[p.rank]++;
   const steps = Math.max(1, ...perRank);
   const loads = new Float64Array(K);
-  const microBatches: MicroBatchPlan[] = new Array(steps * K);
+  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(steps * K);
   let pads = 0;
   for (const p of planned.runs) {
     const sequences = Int32Array.from({ length: p.hi - p.lo }, (_, k) => runs.order[p.lo + k]).sort();

@@ -69,7 +69,7 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
       where('messages'),
     );
   }
-  const out: TimelineMessage[] = new Array(n);
+  const out: TimelineMessage[] = new Array<TimelineMessage>(n);
   let turn = preamble;
   let drifted = false;
   for (let i = 0; i < n; i++) {
@@ -110,7 +110,7 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
 export function timelineFromSample(s: Sample): Timeline | undefined {
   const offsets = s.message_offsets;
   if (!offsets || UNMERGEABLE_FIELDS.some((f) => s[f] !== undefined)) return undefined;
-  const messages: TimelineMessage[] = new Array(offsets.length);
+  const messages: TimelineMessage[] = new Array<TimelineMessage>(offsets.length);
   for (let i = 0; i < offsets.length; i++) {
     const from = offsets[i], to = i + 1 < offsets.length ? offsets[i + 1] : s.tokens.length;
     const lossMask = s.loss_mask.subarray(from, to);

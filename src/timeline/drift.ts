@@ -78,7 +78,7 @@ export function compareVersions(a: TimelineMessage, b: TimelineMessage): number 
  * sampled. Most nodes hold one sampled message, so comparisons are rare.
  */
 export function sampledVersions(nodes: number, visit: (f: (node: number, m: TimelineMessage) => void) => void): (TimelineMessage | undefined)[] {
-  const chosen: (TimelineMessage | undefined)[] = new Array(nodes);
+  const chosen: (TimelineMessage | undefined)[] = new Array<(TimelineMessage | undefined)>(nodes);
   visit((n, m) => {
     if (m.author === 'llm' && (chosen[n] === undefined || compareVersions(m, chosen[n]) < 0)) chosen[n] = m;
   });

@@ -135,7 +135,7 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
       for (let i = msgs.length - 1; i >= 0; i--, n = trie.parent[n]!) if (msgs[i].author === 'llm') trained[n] = leaf;
     }
     const own = ts[owner];
-    const msgs: TimelineMessage[] = new Array(own.messages.length);
+    const msgs: TimelineMessage[] = new Array<TimelineMessage>(own.messages.length);
     let n = leaf;
     for (let i = own.messages.length - 1; i >= 0; i--, n = trie.parent[n]!) {
       const s = chosen[n];

@@ -127,7 +127,7 @@ export class ChatEncoder {
   encodeTurns(record: ChatRecord): { ids: Int32Array[]; trainableFrom: number; trainableTo: number } {
     this.checkNoTurnMarker(record);
     const segments = this.split(this.render(record));
-    const found: Segment[] = new Array(segments.length);
+    const found: Segment[] = new Array<Segment>(segments.length);
     for (let i = 0; i < segments.length; i++) found[i] = this.lookup(segments[i]);
     const last = found[found.length - 1];
     if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1], last, record);

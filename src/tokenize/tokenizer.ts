@@ -15,6 +15,16 @@ import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
 
+/**
+ * The part of @huggingface/tokenizers' Tokenizer used here. Its bundled declarations import their modules without
+ * file extensions, which NodeNext resolution cannot follow, so the class arrives untyped: this gives it a type.
+ */
+interface HfTokenizer {
+  encode(text: string, options: { add_special_tokens: boolean }): { ids: number[] };
+  decode(ids: number[]): string;
+}
+const HfTokenizerClass = Tokenizer as new (json: Record<string, unknown>, config: Record<string, unknown>) => HfTokenizer;
+
 /** A tokenizer with its chat template: what loadTokenizer returns and the packer encodes chat records with. */
 export interface TextTokenizer {
   /** Written into micro-batch headers so a trainer can check it loads the same vocabulary. */
@@ -166,10 +176,10 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   } catch (e) {
     throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer_config.json') });
   }
-  let lib: Tokenizer | undefined;
-  const library = (): Tokenizer => {
+  let lib: HfTokenizer | undefined;
+  const library = (): HfTokenizer => {
     try {
-      return (lib ??= new Tokenizer(json, config));
+      return (lib ??= new HfTokenizerClass(json, config));
     } catch (e) {
       throw new TreepackError('E_ARG', `unsupported tokenizer.json: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer.json') });
     }

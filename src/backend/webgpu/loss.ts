@@ -184,11 +184,11 @@ async function errorsOf<T>(device: GPUDevice, what: string, build: () => T, dest
   device.pushErrorScope('validation');
   device.pushErrorScope('out-of-memory');
   let built: T | undefined;
-  let thrown: unknown;
+  let thrown: Error | undefined;
   try {
     built = build();
   } catch (err) {
-    thrown = err;
+    thrown = err instanceof Error ? err : new Error(String(err));
   }
   // Both scopes are popped before any await: another call's scopes pushed meanwhile must not be popped as ours.
   const [oom, invalid] = await Promise.all([device.popErrorScope(), device.popErrorScope()]);
