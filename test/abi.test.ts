@@ -21,6 +21,15 @@ import { caught } from './helpers/errors.js';
 import { close, randomLossCase } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
 
+/** The functions both addons (cpu, cuda) share, called here with arguments made to fail (methods: their parameters
+ * compare bivariantly, so either addon's typed functions fit). */
+interface Addon {
+  maskDense(...args: unknown[]): unknown;
+  maskBits(...args: unknown[]): unknown;
+  maskBlocks(...args: unknown[]): unknown;
+  loss(...args: unknown[]): unknown;
+}
+
 const root = fileURLToPath(new URL('..', import.meta.url));
 
 describe('the ABI table', () => {
@@ -226,7 +235,7 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
 });
 
 describe('the addons answer bad arguments alike', () => {
-  const addons: [string, { maskDense: Function; maskBits: Function; maskBlocks: Function; loss: Function }][] = [];
+  const addons: [string, Addon][] = [];
   const native = loadNative();
   if (!('error' in native)) addons.push(['cpu', native.binding]);
   const cuda = loadCuda();

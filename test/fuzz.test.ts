@@ -61,7 +61,10 @@ type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
 /** Every (container, key) pair of a JSON value, depth first. */
 function slots(v: Json, out: [Json[] | { [k: string]: Json }, string | number][] = []): typeof out {
   if (Array.isArray(v)) v.forEach((x, i) => (out.push([v, i]), slots(x, out)));
-  else if (v !== null && typeof v === 'object') for (const k of Object.keys(v)) out.push([v, k]), slots(v[k], out);
+  else if (v !== null && typeof v === 'object') for (const k of Object.keys(v)) {
+    out.push([v, k]);
+    slots(v[k], out);
+  }
   return out;
 }
 

@@ -251,7 +251,7 @@ await describeBackends('lossCompact', (backend) => {
 
 describe('bad input', () => {
   const { batch, lp } = randomLossCase([[1, 2, 3], [1, 4]], 1, { maskRate: 0 });
-  const field = async (f: () => Promise<unknown> | unknown) => {
+  const field = async (f: () => unknown) => {
     const err = await (async () => f())().then(
       () => undefined,
       (e: unknown) => e,

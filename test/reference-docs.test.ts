@@ -4,7 +4,7 @@
  * the tensors, header keys and manifest fields the writer emits, with their dtypes and in the manifest's key order.
  */
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync, type Dirent } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
 import { dirname, join, relative } from 'node:path';
@@ -268,7 +268,7 @@ describe('openapi.json and http.md', () => {
       const res = await svc!.app.inject({ method: method as 'GET', url: url(path, status), headers: { ...(status === 401 ? {} : auth), ...headers }, payload: payload as object });
       expect(res.statusCode, res.body).toBe(status);
       expect(documentedSchema(method, path, status), `${status} of ${method} ${path} in openapi.json`).toBe('#/components/schemas/Error');
-      const body = res.json() as { error: Record<string, unknown> };
+      const body = res.json<{ error: Record<string, unknown> }>();
       expect(Object.keys(body)).toEqual(['error']);
       expect(Object.keys(body.error).sort()).toEqual(['code', 'message', 'type']);
       expect(typeof body.error.message).toBe('string');

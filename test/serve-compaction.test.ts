@@ -44,7 +44,7 @@ afterAll(async () => {
 async function observe(svc: Service, base: string) {
   const pool = svc.pool;
   const groups = pool.bySeq.map((g) => [g.id, g.size, g.consumed, g.finished, g.episodes.length]);
-  const episodes = [...pool.episodes.values()].map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]).sort((a, b) => String(a[0]).localeCompare(String(b[0])));
+  const episodes = [...pool.episodes.values()].sort((a, b) => a.id.localeCompare(b.id)).map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]);
   const feed = (await (await fetch(`${base}/v1/feed`)).json()) as Record<string, unknown>;
   return { groups, episodes, counters: pool.counters, depth: pool.depth(), pendingBytes: pool.pendingBytes, keys: pool.keys.size, feed };
 }

@@ -47,7 +47,7 @@ describe.skipIf(!python)('step plans through treepack serve', () => {
     }
     const r = await promisify(execFile)(python!, [join(ROOT, 'python/tests/trainer/feed_stepplan.py'), base, '2', String(leaseS), 'qwen3', 'qwen3_5'], {
       encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' }, timeout: 580_000, maxBuffer: 16 << 20,
-    }).catch((err: { stdout?: string; stderr?: string }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}` }));
+    }).catch((err: Error & { stdout?: string; stderr?: string }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}` }));
     const got = JSON.parse(r.stdout.trim().split('\n').pop() ?? 'null', ) as {
       first: { id: string; prefix_push: number[]; prefix_tokens: number };
       during_lease: string | null;

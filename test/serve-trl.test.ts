@@ -169,7 +169,7 @@ function writeSpec(name: string, feed: string, steps: string[], more: Record<str
 function runDriver(script: string, phase: string, spec: string) {
   return promisify(execFile)(python!, [join(ROOT, 'python/tests/trainer', script), phase, spec], {
     encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' }, timeout: 280_000, maxBuffer: 16 << 20,
-  }).then((r) => ({ ...r, code: 0 }), (err: { stdout?: string; stderr?: string; code?: number }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}`, code: err.code }));
+  }).then((r) => ({ ...r, code: 0 }), (err: Error & { stdout?: string; stderr?: string; code?: number }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}`, code: err.code }));
 }
 
 /** The driver's last stdout line as JSON, or undefined after `ctx.skip` where it printed `{"skip": reason}`. */
