@@ -10,7 +10,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { speed } from './format.js';
-import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type ChatRecord, type Timeline, type TimelineMessage } from '../src/index.js';
+import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type Timeline, type TimelineMessage } from '../src/index.js';
 
 /** A timeline as AgentJet sees it in text mode: the content of each message, nothing else. */
 interface Tracked {

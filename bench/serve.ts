@@ -386,8 +386,9 @@ try {
   // 1b. Agent-sized calls: real agents re-send their whole context on every call.
   const tau = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
   if (!existsSync(tau)) {
-    report.agent_calls = `skipped: ${tau} not found (--data FILE: tau-bench episodes, shared/data/README.md)`;
-    console.log(`agent-sized calls ${report.agent_calls}`);
+    const skipped = `skipped: ${tau} not found (--data FILE: tau-bench episodes, shared/data/README.md)`;
+    report.agent_calls = skipped;
+    console.log(`agent-sized calls ${skipped}`);
   } else {
     const agentRate = Number(values['agent-rate'] ?? 200);
     type TauEpisode = { episode_id: string; requests: { messages: unknown[]; tools?: unknown[] | null }[] };
