@@ -33,7 +33,8 @@ const PLAN_MAX_TOKENS = 128; // under a group's packed tokens: its micro-batches
 const PREFIX_CACHE = 4096; // --prefix-reuse: cached prefix tokens allowed
 const DDP_MAX_TOKENS = 260; // under a group's packed tokens: a step is several micro-batches per rank
 const PAD_MULTIPLE = 64; // pad nodes tell the stored forest (which has them) from one rebuilt from TRL's rows (which has not)
-const LEASE_S = 4; // what a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice)
+// What a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice).
+const LEASE_S = 4;
 const DIED = 75; // feed_trl.py's dying trainer
 const TOOLS = [{ type: 'function', function: { name: 'search', description: 'search the web', parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] } } }];
 const SYSTEM = 'You are a careful agent. Check every fact with the search tool before you answer.';

@@ -17,7 +17,10 @@ export type TisLevel = (typeof TIS_LEVELS)[number];
 
 /** The loss configuration, as the C ABI, the CLI's `--config` and Python's LossConfig name its fields. */
 export interface LossConfig {
-  /** `ppo`: clipped ratio (asymmetric ε, optional dual clip); `gspo`: sequence-level ratio; `cispo`: clipped, detached IS weight times lp. */
+  /**
+   * `ppo`: clipped ratio (asymmetric ε, optional dual clip); `gspo`: sequence-level ratio; `cispo`: clipped, detached IS
+   * weight times lp.
+   */
   policy: PolicyLoss;
   clip_low: number; // ε_low ≥ 0: the ratio is clipped to [1 − clip_low, 1 + clip_high]
   clip_high: number; // ε_high ≥ 0

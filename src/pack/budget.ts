@@ -32,7 +32,10 @@ export interface BudgetOptions {
   maxTokens: number;
   /** data-parallel ranks: the number of micro-batches is a multiple of it; default 1 */
   dp?: number;
-  /** pad every micro-batch's packed length (with prefix reuse: its computed nodes past the cached prefix) to a multiple of this; default 1 (no padding) */
+  /**
+   * pad every micro-batch's packed length (with prefix reuse: its computed nodes past the cached prefix) to a multiple
+   * of this; default 1 (no padding)
+   */
   padMultiple?: number;
   cost?: CostModel;
   /** with dp > 1, move subtrees between micro-batches of different ranks to lower the slowest rank; default true */
@@ -70,7 +73,10 @@ export interface MicroBatchPlan {
   cost: number;
   /** with prefix reuse: the micro-batch's stack operations (its first prefix.tokens nodes are cached) */
   prefix?: PrefixOp;
-  /** with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens, padding included), and the prefix tokens pushed before it */
+  /**
+   * with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens, padding included), and the prefix
+   * tokens pushed before it
+   */
   computedTokens?: number;
   pushedTokens?: number;
 }

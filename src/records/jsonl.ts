@@ -107,7 +107,10 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
   }
 }
 
-/** Offset of the first byte that does not start or continue a well-formed UTF-8 sequence (RFC 3629: no overlongs, no surrogates, ≤ U+10FFFF). */
+/**
+ * Offset of the first byte that does not start or continue a well-formed UTF-8 sequence (RFC 3629: no overlongs, no
+ * surrogates, ≤ U+10FFFF).
+ */
 export function firstInvalidUtf8(b: Uint8Array): number {
   let i = 0;
   while (i < b.length) {

@@ -40,7 +40,10 @@ const MAX_TOKEN_ID = 0x7fffffff;
 /** Logprobs come from float16/bfloat16 kernels: tiny positive values are rounding, larger ones a bug upstream. */
 const LOGPROB_TOLERANCE = 1e-3;
 
-/** The records of JSONL input (a path, `-` for stdin, or a stream), each format detected per line; a bad line throws E_INPUT naming file, line and field. */
+/**
+ * The records of JSONL input (a path, `-` for stdin, or a stream), each format detected per line; a bad line throws
+ * E_INPUT naming file, line and field.
+ */
 export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): AsyncGenerator<TrainRecord> {
   const file = inputName(input, opts.name);
   const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;

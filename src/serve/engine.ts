@@ -194,7 +194,8 @@ export class StreamAccumulator {
     if (!isObj(chunk)) throw new EngineError(`expected a JSON object per stream event, got ${describeValue(chunk)}`);
     const prompt = ids(chunk.prompt_token_ids, 'prompt_token_ids');
     if (prompt) this.prompt = prompt;
-    if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return; // usage-only chunk
+    // A usage-only chunk.
+    if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return;
     for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) this.addChoice(this.choices[k], c, at);
   }
 

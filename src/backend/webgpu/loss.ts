@@ -116,7 +116,10 @@ class Builder {
   readonly dispatches: Dispatch[] = [];
   readonly outputs: Output[] = [];
   private readonly pipes: Record<Entry, GPUComputePipeline>;
-  /** Stand-ins for bindings an entry point declares but this config never touches: one read-only, one writable (one buffer cannot be both in a dispatch). */
+  /**
+   * Stand-ins for bindings an entry point declares but this config never touches: one read-only, one writable (one
+   * buffer cannot be both in a dispatch).
+   */
   readonly dummy: GPUBuffer;
   readonly dummyWritable: GPUBuffer;
 
@@ -394,7 +397,10 @@ function metrics(s: Float64Array, cfg: LossConfig): LossMetrics {
   };
 }
 
-/** Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in place between calls. */
+/**
+ * Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in
+ * place between calls.
+ */
 export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
   const dev = await device();
   const limit = chunkBytes(dev, opts.chunkBytes);
