@@ -66,7 +66,7 @@ class Rng {
     return lo + Math.floor(this.next() * (hi - lo + 1));
   }
   pick<T>(a: readonly T[]): T {
-    return a[Math.floor(this.next() * a.length)]!;
+    return a[Math.floor(this.next() * a.length)];
   }
   chance(p: number): boolean {
     return this.next() < p;
@@ -120,7 +120,7 @@ function sentence(rng: Rng, min: number, max: number): string {
   const w: string[] = [];
   for (let i = 0; i < n; i++) w.push(rng.pick(WORDS));
   const s = w.join(' ');
-  return s[0]!.toUpperCase() + s.slice(1) + (rng.chance(0.15) ? '?' : '.');
+  return s[0].toUpperCase() + s.slice(1) + (rng.chance(0.15) ? '?' : '.');
 }
 
 function paragraph(rng: Rng, sentences: number): string {

@@ -19,7 +19,7 @@ export async function superviseDawnWarnings(): Promise<void> {
     if (current !== null) counts.set(current, (counts.get(current) ?? 0) + 1);
     current = null;
   };
-  for await (const line of createInterface({ input: child.stderr! })) {
+  for await (const line of createInterface({ input: child.stderr })) {
     if (line.startsWith('Warning: ')) {
       flush();
       current = line.slice('Warning: '.length);

@@ -7,7 +7,7 @@
  * moves lp and the gradient): that one-time cost is its `first-call` row; its other rows are the calls after it.
  */
 import { performance } from 'node:perf_hooks';
-import { buildCompactPlan, concatSequences, resolveLossConfig, validateLossInputs, type BackendName, type LossBatch } from '../src/index.js';
+import { buildCompactPlan, concatSequences, resolveLossConfig, validateLossInputs, type LossBatch } from '../src/index.js';
 import { disposeBackends, listBackends, resolveKernel } from '../src/ops.js';
 import { speed } from './format.js';
 import { generateTokenSamples } from './dataset.js';
@@ -61,7 +61,7 @@ async function once(fn: () => Promise<unknown>): Promise<number> {
   return (performance.now() - t) / 1000;
 }
 
-async function time(fn: () => Promise<unknown> | unknown, minSeconds: number): Promise<number> {
+async function time(fn: () => unknown, minSeconds: number): Promise<number> {
   await fn();
   let runs = 0;
   const t0 = performance.now();
@@ -81,7 +81,7 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
   const minSeconds = opts.quick ? 0.3 : 1;
   const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
   const status = await listBackends();
-  const backends = status.filter((b) => b.available && b.ops.includes('loss')).map((b) => b.name as BackendName);
+  const backends = status.filter((b) => b.available && b.ops.includes('loss')).map((b) => b.name);
   const rows: LossBenchRow[] = [];
   console.log(`\n## loss (ppo, dual clip, k3 KL, token-mean) over generated agent forests; best of repeated runs`);
   for (const target of sizes) {

@@ -37,7 +37,7 @@ async function measure(bytes: number, dir: string): Promise<MemoryRow> {
   const [g, k] = await Promise.all([exit(gen), exit(pack)]);
   if (g !== 0 || k !== 0) throw new Error(`memory bench child failed (generator exit ${g}, packer exit ${k})`);
   rmSync(join(dir, `out-${bytes}`), { recursive: true, force: true });
-  return { inputBytes: bytes, ...JSON.parse(out) };
+  return { inputBytes: bytes, ...(JSON.parse(out) as Omit<MemoryRow, 'inputBytes'>) };
 }
 
 const MB = 1e6;

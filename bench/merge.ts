@@ -10,7 +10,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { speed } from './format.js';
-import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type ChatRecord, type Timeline, type TimelineMessage } from '../src/index.js';
+import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type Timeline, type TimelineMessage } from '../src/index.js';
 
 /** A timeline as AgentJet sees it in text mode: the content of each message, nothing else. */
 interface Tracked {
@@ -39,7 +39,7 @@ export async function loadTracked(file: string, encoder: ChatEncoder): Promise<T
   const policy = mergeDefaults();
   for await (const r of readRecords(file)) {
     if (r.kind !== 'chat') continue;
-    const rec = r as ChatRecord;
+    const rec = r;
     out.push({ timeline: timelineFromChat(rec, encoder, policy).timeline, contents: [...rec.messages, rec.response].map((m) => m.content ?? '') });
   }
   return out;
@@ -55,12 +55,12 @@ function agentJetMerge(group: Tracked[]): { kept: TimelineMessage[][]; owners: T
     if (absorbed[i]) continue;
     for (let j = i + 1; j < rev.length; j++) {
       if (absorbed[j]) continue;
-      const src = rev[i]!, tgt = rev[j]!;
+      const src = rev[i], tgt = rev[j];
       if (src.contents.length < tgt.contents.length) continue;
       let all = true;
       for (let k = 0; k < tgt.contents.length && all; k++) all = src.contents[k] === tgt.contents[k];
       if (!all) continue;
-      for (let k = 0; k < tgt.contents.length; k++) if (msgs[j]![k]!.author === 'llm' && msgs[i]![k]!.author !== 'llm') msgs[i]![k] = msgs[j]![k]!;
+      for (let k = 0; k < tgt.contents.length; k++) if (msgs[j][k].author === 'llm' && msgs[i][k].author !== 'llm') msgs[i][k] = msgs[j][k]!;
       absorbed[j] = 1;
       absorptions.push([src, tgt]);
     }
@@ -69,8 +69,8 @@ function agentJetMerge(group: Tracked[]): { kept: TimelineMessage[][]; owners: T
   const owners: Tracked[] = [];
   for (let i = rev.length - 1; i >= 0; i--) {
     if (absorbed[i]) continue;
-    kept.push(msgs[i]!);
-    owners.push(rev[i]!);
+    kept.push(msgs[i]);
+    owners.push(rev[i]);
   }
   return { kept, owners, absorptions };
 }
@@ -78,7 +78,7 @@ function agentJetMerge(group: Tracked[]): { kept: TimelineMessage[][]; owners: T
 /** A merge is wrong when the absorbed timeline is not a message prefix of its absorber once tool calls count. */
 function isPrefix(short: Timeline, long: Timeline): boolean {
   if (short.messages.length > long.messages.length) return false;
-  return short.messages.every((m, k) => m.text === long.messages[k]!.text);
+  return short.messages.every((m, k) => m.text === long.messages[k].text);
 }
 
 function byGroup(tracked: Tracked[], pool: boolean): Tracked[][] {
@@ -116,7 +116,7 @@ export function compareMerges(dataset: string, tracked: Tracked[], pool: boolean
   // Both sides are timed the same way, from timelines to samples, best of `reps` after one warm-up run.
   const theirs = () => {
     const groups = byGroup(input, pool).map(agentJetMerge);
-    return { groups, samples: groups.flatMap((g) => g.kept.map((msgs, i) => timelineToSample(g.owners[i]!.timeline, msgs))) };
+    return { groups, samples: groups.flatMap((g) => g.kept.map((msgs, i) => timelineToSample(g.owners[i].timeline, msgs))) };
   };
   let { groups, samples: theirSamples } = theirs();
   let theirsSeconds = Infinity;

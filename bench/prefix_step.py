@@ -23,7 +23,6 @@ import time
 
 import torch
 import transformers
-
 import treepack.torch as tpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

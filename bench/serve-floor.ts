@@ -68,7 +68,8 @@ const server = createServer((req, res) => {
   }
   const chunks: Buffer[] = [];
   req.on('data', (d: Buffer) => chunks.push(d));
-  req.on('end', async () => {
+  // The handler catches every error itself: nothing awaits the request's end event.
+  req.on('end', () => void (async () => {
     try {
       const body = Buffer.concat(chunks).toString();
       if (req.url!.endsWith('/finish')) {
@@ -83,6 +84,6 @@ const server = createServer((req, res) => {
     } catch (err) {
       res.writeHead(502).end((err as Error).message);
     }
-  });
+  })());
 });
 server.listen(0, '127.0.0.1', () => console.log(`http://127.0.0.1:${(server.address() as { port: number }).port}`));

@@ -8,6 +8,6 @@ import { loadTokenizer } from '../src/index.js';
 import { startStubEngine } from '../test/helpers/stub-engine.js';
 
 const at = process.argv.indexOf('--tokenizer');
-const tokenizer = at > 0 && process.argv[at + 1] ? await loadTokenizer(process.argv[at + 1]!) : undefined;
+const tokenizer = at > 0 && process.argv[at + 1] ? await loadTokenizer(process.argv[at + 1]) : undefined;
 const stub = await startStubEngine('ok', { tokenizer });
 console.log(stub.url);

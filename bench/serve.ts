@@ -53,7 +53,7 @@ async function serve(args: string[]): Promise<UrlProcess> {
   // The stub engine returns text without token ids: the gateways render it with the built-in Qwen3 template.
   const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), '--tokenizer', 'qwen3', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
-  child.stderr!.on('data', (d: Buffer) => (stderr = (stderr + d.toString()).slice(-4000)));
+  child.stderr.on('data', (d: Buffer) => (stderr = (stderr + d.toString()).slice(-4000)));
   const url = `http://127.0.0.1:${port}`;
   for (let i = 0; i < 600 && !(await fetch(`${url}/healthz`).then((r) => r.ok, () => false)); i++) {
     if (child.exitCode !== null) throw new Error(`treepack serve ${args.join(' ')} exited with ${child.exitCode}: ${stderr}`);
@@ -201,7 +201,7 @@ function mainThreadCpuMs(pid: number): number {
 async function scrape(url: string): Promise<{ loopP99: number; loopMax: number; gcSum: number; gcCount: number; logWrites: Map<string, number> }> {
   const text = await (await fetch(`${url}/metrics`)).text();
   const logWrites = new Map<string, number>();
-  for (const m of text.matchAll(/^treepack_log_write_seconds_bucket\{le="([^"]+)"\} (\S+)$/gm)) logWrites.set(m[1]!, Number(m[2]));
+  for (const m of text.matchAll(/^treepack_log_write_seconds_bucket\{le="([^"]+)"\} (\S+)$/gm)) logWrites.set(m[1], Number(m[2]));
   let gcSum = 0, gcCount = 0;
   for (const m of text.matchAll(/^treepack_gc_pause_seconds_(sum|count)\{[^}]*\} (\S+)$/gm)) {
     if (m[1] === 'sum') gcSum += Number(m[2]);
@@ -259,11 +259,11 @@ async function measure(paths: Path[], rate: number, seconds: number, rounds: num
         const loopCpuMs = mainThreadCpuMs(gw.child.pid!) - cpu0;
         const after = await scrape(gw.url);
         const logWrites = new Map([...after.logWrites].map(([le, n]) => [le, n - (before!.logWrites.get(le) ?? 0)]));
-        acc[k]!.process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
+        acc[k].process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
       }
-      acc[k]!.ms.push(...got.ms);
-      acc[k]!.failed += got.failed;
-      acc[k]!.sent.push(got.sentPerS);
+      acc[k].ms.push(...got.ms);
+      acc[k].failed += got.failed;
+      acc[k].sent.push(got.sentPerS);
     }
     await hooks.betweenRounds?.();
   }
@@ -304,11 +304,11 @@ try {
   };
   const paths: Path[] = [
     { name: 'direct', label: 'direct to the engine', call: () => () => ({ base: stub.url, headers: {} }) },
-    { name: 'floor_http', label: 'floor, bare node:http proxy', call: (r) => agentCall(floors[0]!.url, `r${r}`) },
-    { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => agentCall(floors[1]!.url, `r${r}`) },
-    ...gateways.map((gw, k) => ({ name: pools[k]!.name, label: `treepack serve, ${pools[k]!.name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
+    { name: 'floor_http', label: 'floor, bare node:http proxy', call: (r) => agentCall(floors[0].url, `r${r}`) },
+    { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => agentCall(floors[1].url, `r${r}`) },
+    ...gateways.map((gw, k) => ({ name: pools[k].name, label: `treepack serve, ${pools[k].name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
   ];
-  const floorWrites = async () => (await (await fetch(`${floors[1]!.url}/writes`)).json()) as number[];
+  const floorWrites = async () => (await (await fetch(`${floors[1].url}/writes`)).json()) as number[];
   const rounds = quick ? 4 : 10;
   const fsyncs: { p50: number; p99: number }[] = [];
   const loadBefore = load();
@@ -326,30 +326,30 @@ try {
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
   const lat: Record<string, unknown> = { rate, seconds, rounds, warm_seconds: warmSeconds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: fsync.p50, fdatasync_p99_ms: fsync.p99 };
-  const directP50 = quantile(acc[0]!.ms, 0.5), directP99 = quantile(acc[0]!.ms, 0.99);
+  const directP50 = quantile(acc[0].ms, 0.5), directP99 = quantile(acc[0].ms, 0.99);
   console.log(`latency at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds after ${warmSeconds} s of warm-up each; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
   console.log('  (the stub engine answers at once, in a process of its own; agents of 4 calls, each then finishing its episode, through the floors and the gateways)');
   const byPath: Record<string, { p50: number; p99: number }> = {};
   for (const [k, path] of paths.entries()) {
-    const a = acc[k]!;
+    const a = acc[k];
     const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
     byPath[path.name] = { p50, p99 };
     const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(a.cold, 0.99) };
     if (k > 0) Object.assign(r, { added_p50_ms: p50 - directP50, added_p99_ms: p99 - directP99 });
     lat[path.name] = r;
-    const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms! <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
-    console.log(`  ${path.label}: sent at ${r.sent_per_s!.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
-    console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms!)}`);
+    const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
+    console.log(`  ${path.label}: sent at ${r.sent_per_s.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
+    console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms)}`);
     if (path.name === 'floor_durable') {
       Object.assign(r, { log_writes: floorWriteMs.length, log_write_p50_ms: quantile(floorWriteMs, 0.5), log_write_p99_ms: quantile(floorWriteMs, 0.99) });
-      console.log(`    its log's ${floorWriteMs.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms!)}  p99 ${ms3(r.log_write_p99_ms!)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
+      console.log(`    its log's ${floorWriteMs.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms)}  p99 ${ms3(r.log_write_p99_ms)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
     }
     const gw = path.service;
     if (!gw) continue;
     // The service's own measure of what it adds (everything but the engine wait), from its histogram.
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
     const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
-    const c = capacity[gateways.indexOf(gw)]!;
+    const c = capacity[gateways.indexOf(gw)];
     Object.assign(r, {
       server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
       // the serve child's event loop during its rounds: a call arriving in a stall waits for it
@@ -365,20 +365,20 @@ try {
       saturated_calls_per_s: c.perS,
       saturated_failed: c.failed,
     });
-    console.log(`    the service's histogram: ${(r.server_share_within_1ms! * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
-    console.log(`    its event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms!)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms!)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s!.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call!.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call! * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
+    console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
+    console.log(`    its event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
     console.log(`    its log's durable group-commit writes meanwhile: p50 <= ${r.log_write_p50_ms_at_most} ms, p99 <= ${r.log_write_p99_ms_at_most} ms (histogram bucket bounds)`);
     console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${c.perS.toFixed(0)}, ${c.failed} failed`);
   }
   console.log(`  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(fsync.p50)}  p99 ${ms3(fsync.p99)} (median over rounds; every durable answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`);
-  const floor = byPath.floor_durable!;
+  const floor = byPath.floor_durable;
   for (const p of pools) {
-    const g = byPath[p.name]!;
+    const g = byPath[p.name];
     console.log(`  treepack serve (${p.name}) against the durable floor: p50 ${speed(floor.p50, g.p50)} (${signed(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (${signed(g.p99 - floor.p99)})`);
   }
   if (byPath.redis) {
-    const [l, r] = [byPath['in-process']!, byPath.redis];
-    console.log(`  Redis pool against in-process: p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / capacity[0]!.perS, 1 / capacity[1]!.perS)}`);
+    const [l, r] = [byPath['in-process'], byPath.redis];
+    console.log(`  Redis pool against in-process: p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / capacity[0].perS, 1 / capacity[1].perS)}`);
   }
   report.latency = lat;
   await Promise.all([...gateways, ...floors].map((g) => g.stop()));
@@ -386,8 +386,9 @@ try {
   // 1b. Agent-sized calls: real agents re-send their whole context on every call.
   const tau = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
   if (!existsSync(tau)) {
-    report.agent_calls = `skipped: ${tau} not found (--data FILE: tau-bench episodes, shared/data/README.md)`;
-    console.log(`agent-sized calls ${report.agent_calls}`);
+    const skipped = `skipped: ${tau} not found (--data FILE: tau-bench episodes, shared/data/README.md)`;
+    report.agent_calls = skipped;
+    console.log(`agent-sized calls ${skipped}`);
   } else {
     const agentRate = Number(values['agent-rate'] ?? 200);
     type TauEpisode = { episode_id: string; requests: { messages: unknown[]; tools?: unknown[] | null }[] };
@@ -403,12 +404,12 @@ try {
     const [gw, floor] = await Promise.all([serve(['--engine', stub.url, '--data', gwData, '--group-size', '1']), script('serve-floor.ts', [stub.url, floorLog])]);
     // Each pass over the file replays its episodes under new ids, each finished after its last call.
     const replay = (url: string, tag: string) => (i: number): Call => {
-      const q = requests[i % requests.length]!;
+      const q = requests[i % requests.length];
       const ep = `${tag}-${Math.floor(i / requests.length)}-${q.episode}`;
       return { base: `${url}/v1`, headers: { 'x-treepack-episode': ep }, body: q.body, then: q.last ? () => postJson(`${url}/v1/episodes/${ep}/finish`, '{"reward":1}', {}) : undefined };
     };
     const agentPaths: Path[] = [
-      { name: 'direct', label: 'direct to the engine', call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length]!.body }) },
+      { name: 'direct', label: 'direct to the engine', call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length].body }) },
       { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => replay(floor.url, `r${r}`) },
       { name: 'in-process', label: 'treepack serve, in-process pool', call: (r) => replay(gw.url, `r${r}`), service: gw },
     ];
@@ -417,9 +418,9 @@ try {
     const answered = (a: PathTimes) => a.ms.length + a.cold.length;
     const out: Record<string, unknown> = { rate: agentRate, seconds: agentSeconds, requests: requests.length, episodes: episodes.length, mean_request_bytes: meanBody };
     console.log(`agent-sized calls at ${agentRate} calls/s: the ${requests.length} requests of ${episodes.length} tau-bench episodes (${(meanBody / 1024).toFixed(1)} KiB of request body on average: every call re-sends its context), replayed as new episodes, each finished after its last call`);
-    const d = got[0]!;
+    const d = got[0];
     for (const [k, path] of agentPaths.entries()) {
-      const a = got[k]!;
+      const a = got[k];
       const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
       const r: Record<string, number> = { calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99 };
       let extra = '';
@@ -427,7 +428,7 @@ try {
         Object.assign(r, { added_p50_ms: p50 - quantile(d.ms, 0.5), added_p99_ms: p99 - quantile(d.ms, 0.99) });
         const bytes = statSync(path.service ? join(gwData, 'events.jsonl') : floorLog).size;
         r.log_bytes_per_call = bytes / answered(a);
-        extra = `; added p50 ${ms3(r.added_p50_ms!)}  p99 ${ms3(r.added_p99_ms!)}; its log grew ${(r.log_bytes_per_call / 1024).toFixed(1)} KiB per call`;
+        extra = `; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}; its log grew ${(r.log_bytes_per_call / 1024).toFixed(1)} KiB per call`;
       }
       if (path.service) {
         r.loop_cpu_us_per_call = loopCpuPerCall(a);
@@ -474,7 +475,7 @@ try {
     console.log(`trainer feed on the ${p.name} pool, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`);
     console.log(`  the service's event loop meanwhile (steps pack in a worker thread): delay p99 ${ms3(loop.loopP99)}, max ${ms3(loop.loopMax)}`);
   }
-  if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process']!, 1 / feedRates.redis)}`);
+  if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process'], 1 / feedRates.redis)}`);
 
   // 2b. What the durable hand-out record costs (in-process pool): a pull writes its micro-batch's lease to the log
   // before answering, so an ack after a restart is accepted once. One client at a time (no group commit sharing a

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Appended, not prepended: an environment that installed treepack (pip install ./python[torch]) keeps its own.
@@ -43,7 +43,6 @@ except ImportError:  # Windows: no getrusage
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "treepack")
 from treepack.torch.logprobs import _head_and_base  # noqa: E402
 from treepack.torch.segments import run_plan  # noqa: E402
@@ -52,7 +51,7 @@ SIDES = ("naive", "merged", "packed")
 BLOCK = 128  # the tree mask's tile, as packed_logprobs builds it
 
 
-def chains_under_budget(batches: List[tpt.PackedBatch], max_tokens: int) -> List[tpt.PackedBatch]:
+def chains_under_budget(batches: list[tpt.PackedBatch], max_tokens: int) -> list[tpt.PackedBatch]:
     """Naive batches (every sequence its own chain) regrouped, whole sequences in order, into micro-batches of at most
     `max_tokens` tokens (a longer sequence alone), as a trainer without prefix sharing packs them."""
     out = []
@@ -82,7 +81,7 @@ def _sequences(b: tpt.PackedBatch, a: int, c: int) -> tpt.PackedBatch:
     )
 
 
-def with_old_logprobs(b: tpt.PackedBatch, vocab: Optional[torch.Tensor]) -> tpt.PackedBatch:
+def with_old_logprobs(b: tpt.PackedBatch, vocab: torch.Tensor | None) -> tpt.PackedBatch:
     """Old logprobs as a fixed function of each occurrence's token and position (the same on every layout, and not
     the current policy's, so the PPO ratio and the loss value depend on the forward), and token ids remapped to the
     workload's distinct ids ``vocab`` (the LM head's cost is the same on every side; a 152k-row head would only
@@ -121,7 +120,7 @@ def causal_tiles(b: tpt.PackedBatch) -> int:
     return int((nb * (nb + 1) // 2).sum())
 
 
-def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
+def figures(batches: list[tpt.PackedBatch], path: str) -> dict[str, int]:
     """Work figures of one side: tokens (padding included; pad_tokens of them are padding), visible attention pairs,
     listed BLOCK×BLOCK tiles and the tiles the side's attention visits (``path`` "flex": the listed ones; "block", the
     CPU block path: with its padding; "stock", a causal kernel per sequence: causal_tiles), scored rows; for recurrent
@@ -157,7 +156,7 @@ def figures(batches: List[tpt.PackedBatch], path: str) -> Dict[str, int]:
     return f
 
 
-def model_flops(f: Dict[str, int], shape: Dict[str, Any], vocab: int) -> float:
+def model_flops(f: dict[str, int], shape: dict[str, Any], vocab: int) -> float:
     """Model FLOPs of one side's step (forward + backward) from its figures, as bench/cost-model.ts ``work`` counts
     them for an attention-only shape: projections and MLP per real token (padding excluded), the LM head per scored
     row, attention per visible query/key pair (not per computed tile): the work the step needs, what MFU divides."""
@@ -170,7 +169,7 @@ def model_flops(f: Dict[str, int], shape: Dict[str, Any], vocab: int) -> float:
     return 3.0 * (linear + attention)  # backward ≈ 2 × forward
 
 
-def make_model(shape: Dict[str, Any], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def make_model(shape: dict[str, Any], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A random-weight Qwen3, or with ``family`` "qwen3_5" a Qwen3.5 text model whose layers are Gated DeltaNet but
     every fourth (``linear_layers`` of ``layers``, as Qwen3.5 interleaves them), prepared for tree execution."""
     torch.manual_seed(0)
@@ -191,10 +190,10 @@ def make_model(shape: Dict[str, Any], vocab: int, device: torch.device, dtype: t
     return model
 
 
-def recurrent_timer(model: torch.nn.Module, device: torch.device) -> Dict[str, float]:
+def recurrent_timer(model: torch.nn.Module, device: torch.device) -> dict[str, float]:
     """Forward seconds spent in the model's tree-aware recurrent layers, accumulated in the returned dict's "seconds"
     (hooks; the dict stays empty for a model without such layers)."""
-    acc: Dict[str, float] = {}
+    acc: dict[str, float] = {}
     layers = [m for m in model.modules() if hasattr(type(m), "treepack_base")]
     for layer in layers:
         def pre(module: torch.nn.Module, args: Any) -> None:
@@ -217,7 +216,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _rss_bytes(field: str) -> Optional[int]:
+def _rss_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -232,14 +231,14 @@ def _malloc_trim() -> None:
         pass
 
 
-def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: Dict[str, Any], device: torch.device,
-                stock: Optional[str]) -> Optional[int]:
+def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: dict[str, Any], device: torch.device,
+                stock: str | None) -> int | None:
     """Peak memory one micro-batch's forward + backward adds to what the process holds (its gradients included), untimed:
     a step with gradient accumulation peaks at its largest micro-batch (see peak_of)."""
     return peak_of(lambda: step(model, [batch], config, device, stock), model, device)
 
 
-def peak_of(run: Callable[[], Any], model: torch.nn.Module, device: torch.device) -> Optional[int]:
+def peak_of(run: Callable[[], Any], model: torch.nn.Module, device: torch.device) -> int | None:
     """Peak memory ``run()`` adds to what the process holds, with ``model``'s gradients (zeroed first) counted. CUDA:
     the caching allocator's peak. CPU (Linux): the peak RSS, reset at the start, after the freed memory the timed
     steps keep for reuse has gone back to the OS; None where /proc is absent."""
@@ -274,7 +273,7 @@ STOCK_PATHS = {
 }
 
 
-def chain_attention(device: torch.device, choice: str) -> Optional[str]:
+def chain_attention(device: torch.device, choice: str) -> str | None:
     """The stock transformers attn_implementation the chain sides (naive, merged) run ("stock"), or None for treepack's
     tree attention on the chains ("treepack"). Stock, so the speedup is measured against what a trainer runs today,
     on the fastest path the device has: flash_attention_2 when flash_attn is importable (varlen over the
@@ -288,13 +287,13 @@ def chain_attention(device: torch.device, choice: str) -> Optional[str]:
     return "flash_attention_2" if device.type == "cuda" and transformers.utils.is_flash_attn_2_available() else "sdpa"
 
 
-def path_name(stock: Optional[str], device: torch.device) -> str:
+def path_name(stock: str | None, device: torch.device) -> str:
     if stock:
         return STOCK_PATHS[stock]
     return "treepack FlexAttention + BlockMask" if device.type == "cuda" else "treepack block-sparse SDPA"
 
 
-def side_logprobs(model: torch.nn.Module, b: tpt.PackedBatch, stock: Optional[str]) -> torch.Tensor:
+def side_logprobs(model: torch.nn.Module, b: tpt.PackedBatch, stock: str | None) -> torch.Tensor:
     """The trainable logprobs of a micro-batch: through the tree mask (stock None), or, for a chain batch (nodes =
     occurrences, sequence after sequence), the base model under the stock attention and the same head and logprobs."""
     if stock is None:
@@ -313,8 +312,8 @@ def side_logprobs(model: torch.nn.Module, b: tpt.PackedBatch, stock: Optional[st
     return tpt.packed_logprobs(hidden, b, lm_head=head).logprobs
 
 
-def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[str, Any], device: torch.device,
-         stock: Optional[str] = None) -> Dict[str, float]:
+def step(model: torch.nn.Module, batches: list[tpt.PackedBatch], config: dict[str, Any], device: torch.device,
+         stock: str | None = None) -> dict[str, float]:
     """One training step (gradient accumulation over the side's micro-batches), timed per stage; ``stock``: the
     attn_implementation of a chain side (chain_attention), None for tree attention."""
     t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
@@ -361,7 +360,7 @@ def step(model: torch.nn.Module, batches: List[tpt.PackedBatch], config: Dict[st
     return {**t, "step": total, "page_faults": faults, "loss_value": loss_sum, "logprob_sum": lp_sum, "grad_norm": grad}
 
 
-def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
+def agree(a: dict[str, float], b: dict[str, float], tol: float) -> list[str]:
     bad = []
     for k, rel in (("loss_value", tol), ("logprob_sum", tol), ("grad_norm", 10 * tol)):
         scale = max(abs(a[k]), abs(b[k]), 1e-6)
@@ -370,12 +369,12 @@ def agree(a: Dict[str, float], b: Dict[str, float], tol: float) -> List[str]:
     return bad
 
 
-def largest(batches: List[tpt.PackedBatch]) -> tpt.PackedBatch:
+def largest(batches: list[tpt.PackedBatch]) -> tpt.PackedBatch:
     return max(batches, key=lambda b: int(b.input_ids.numel()))
 
 
-def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str, Any]], device: torch.device, dtype: torch.dtype,
-                 chain: Optional[str]) -> List[Dict[str, Any]]:
+def run_workload(w: dict[str, Any], spec: dict[str, Any], shapes: list[dict[str, Any]], device: torch.device, dtype: torch.dtype,
+                 chain: str | None) -> list[dict[str, Any]]:
     """The workload's sides, read from its packed directories, timed on a random-weight model of each shape: one
     result per shape; ``chain``: the chain sides' stock attention (chain_attention)."""
     T = w.get("max_tokens", spec["max_tokens"])
@@ -390,9 +389,9 @@ def run_workload(w: Dict[str, Any], spec: Dict[str, Any], shapes: List[Dict[str,
     return run_layouts(w, {k: build[k]() for k in sides}, shapes, device, dtype, chain)
 
 
-def run_layouts(w: Dict[str, Any], layouts: Dict[str, List[tpt.PackedBatch]], shapes: List[Dict[str, Any]], device: torch.device,
-                dtype: torch.dtype, chain: Optional[str], vocab_size: Optional[int] = None,
-                pad: Optional[int] = None) -> List[Dict[str, Any]]:
+def run_layouts(w: dict[str, Any], layouts: dict[str, list[tpt.PackedBatch]], shapes: list[dict[str, Any]], device: torch.device,
+                dtype: torch.dtype, chain: str | None, vocab_size: int | None = None,
+                pad: int | None = None) -> list[dict[str, Any]]:
     """Micro-batches of each side ("naive", optionally "merged", "packed"; CPU tensors) timed on a random-weight
     model of each shape: one result per shape. ``chain``: the chain sides' stock attention (chain_attention; None: tree
     attention); ``vocab_size``: the model's vocabulary, the ids kept (default: the ids remapped to the workload's
@@ -429,8 +428,8 @@ def run_layouts(w: Dict[str, Any], layouts: Dict[str, List[tpt.PackedBatch]], sh
     return results
 
 
-def time_sides(layouts: Dict[str, List[tpt.PackedBatch]], shape: Dict[str, Any], vocab: int, config: Dict[str, Any], repeats: int,
-               device: torch.device, dtype: torch.dtype, chain: Optional[str]) -> Dict[str, Any]:
+def time_sides(layouts: dict[str, list[tpt.PackedBatch]], shape: dict[str, Any], vocab: int, config: dict[str, Any], repeats: int,
+               device: torch.device, dtype: torch.dtype, chain: str | None) -> dict[str, Any]:
     sides = tuple(layouts)
     stock = {k: None if k == "packed" else chain for k in sides}
     model = make_model(shape, vocab, device, dtype)
@@ -439,7 +438,7 @@ def time_sides(layouts: Dict[str, List[tpt.PackedBatch]], shape: Dict[str, Any],
     # each attention path: the heap then holds the most any timed step needs, and no timed step faults memory in.
     for path in dict.fromkeys(stock.values()):
         step(model, [largest([b for k in sides if stock[k] == path for b in layouts[k]])], config, device, path)
-    runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in sides}
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
     for _ in range(repeats):
         for k in sides:  # interleaved, so load from other processes lands on every side alike
             runs[k].append(step(model, layouts[k], config, device, stock[k]))
@@ -478,8 +477,8 @@ def main() -> None:
         for r in run_workload({**w, "input": i}, spec, shapes, device, dtype, chain):
             results.append(r)
             took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive")) if "sides" in r else r.get("error", r.get("skipped", ""))
-            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; workload took {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; "
+                  f"workload took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     mode = "flex" if device.type == "cuda" else "block"
     print(json.dumps({
         "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,

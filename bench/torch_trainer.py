@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -54,7 +54,6 @@ SHAPES = {
 def forest(tokens: int, shape: str, seed: int = 0) -> Any:
     """About `tokens` packed nodes of `shape` (SHAPES); prompts are never trainable."""
     import numpy as np
-
     from treepack.pack import pack_sequences
 
     r = random.Random(seed)
@@ -65,8 +64,8 @@ def forest(tokens: int, shape: str, seed: int = 0) -> Any:
     scale = min(1.0, tokens / unit)
     size = lambda n: max(1, round(n * scale))  # noqa: E731
     ids = lambda n: [r.randrange(151_000) for _ in range(size(n))]  # noqa: E731
-    seqs: List[List[int]] = []
-    masks: List[List[bool]] = []
+    seqs: list[list[int]] = []
+    masks: list[list[bool]] = []
     for _ in range(max(1, round(tokens / unit))):
         prompt = ids(spec["prompt"])
         for _ in range(spec["stems"]):
@@ -95,9 +94,8 @@ def peak_tracker(device: str) -> Any:
     return lambda: max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
 
 
-def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
     import torch
-
     import treepack.torch as tpt
 
     torch.manual_seed(0)
@@ -159,7 +157,7 @@ def main() -> None:
 
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     repeat = args.repeat or (1 if args.quick else 3)
-    cases: List[Dict[str, Any]] = []
+    cases: list[dict[str, Any]] = []
     for n in (512,) if args.quick else (4096,):
         for shape in SHAPES:
             for method in ("full logits", "packed_logprobs"):
@@ -170,7 +168,7 @@ def main() -> None:
             # One timed run from 16k, where a case costs tens of seconds on CPU.
             cases.append({"kind": "attention", "forest": "single-turn", "method": method, "tokens": n, "heads": 4, "head_dim": 64,
                           "warmup": True, "repeat": 1 if n > 8192 else repeat})
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     if args.kind in (None, "logprobs"):
         print(f"logprobs: forward + backward on hidden states ({cases[0]['hidden']} wide), vocabulary {cases[0]['vocab']:,} (Qwen3), "
               f"packed_logprobs in chunks of at most {cases[0]['chunk']:,} rows; one timed call per case, {dev}", flush=True)
@@ -182,7 +180,8 @@ def main() -> None:
         if case["kind"] == "logprobs" and case["method"] == "full logits":
             need, what = case["tokens"] * case["vocab"] * 4 * 3, "full logits"  # logits, log_softmax, their gradient; float32
         if need > args.max_gib * 2**30:
-            rows.append({**case, "skipped": f"the {what} alone need {need / 2**30:.1f} GiB (> --max-gib {args.max_gib:g}; the machine has {_ram_gib():.0f} GiB)"})
+            why = f"the {what} alone need {need / 2**30:.1f} GiB (> --max-gib {args.max_gib:g}; the machine has {_ram_gib():.0f} GiB)"
+            rows.append({**case, "skipped": why})
             print(format_row(rows[-1], rows), flush=True)
             continue
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)], capture_output=True, text=True)
@@ -206,7 +205,7 @@ def _ratio(base: float, value: float, better: str, worse: str) -> str:
     return f"{base / value:.2f}x {better}" if base >= value else f"{value / max(base, 1e-12):.2f}x {worse}"
 
 
-def format_row(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
+def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     what = f"{row['kind']:<9} {row['method']:<16} {row['forest']:<11} N={row['tokens']:>6}"
     if "skipped" in row:
         return f"{what}  skipped: {row['skipped']}"
@@ -220,7 +219,8 @@ def format_row(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     if base is not None and base is not row:
         saved = base["peak_bytes"] - row["peak_bytes"]
         ratio = (f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, "
-                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} ({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
+                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} "
+                 f"({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
     return f"{what}  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
 
 

@@ -16,17 +16,16 @@ peak memory of the largest micro-batch (bench/step.py peak_of).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step import _sequences, make_model, peak_of, sync, tpt, with_old_logprobs  # noqa: E402  (also puts python/ on the path)
-
 import torch  # noqa: E402
-
+from step import _sequences, make_model, peak_of, sync, tpt, with_old_logprobs  # noqa: E402  (also puts python/ on the path)
 from treepack.integrations.trl import TreepackGRPOTrainer  # noqa: E402
 
 SIDES = ("stock", "packed")
@@ -42,7 +41,7 @@ def tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t0", unk_token="t0")
 
 
-def trl_inputs(batch: tpt.PackedBatch, num_items: int) -> Dict[str, Any]:
+def trl_inputs(batch: tpt.PackedBatch, num_items: int) -> dict[str, Any]:
     rows, layout = tpt.padded_rows(batch, 0)
     out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     out.update(tool_mask=rows["loss_mask"], num_items_in_batch=torch.tensor(num_items, device=batch.device),
@@ -51,7 +50,7 @@ def trl_inputs(batch: tpt.PackedBatch, num_items: int) -> Dict[str, Any]:
     return out
 
 
-def row_chunks(batch: tpt.PackedBatch, max_tokens: int) -> List[tpt.PackedBatch]:
+def row_chunks(batch: tpt.PackedBatch, max_tokens: int) -> list[tpt.PackedBatch]:
     """A micro-batch's sequences, in order, as TRL micro-batches of at most ``max_tokens`` padded tokens (rows × the
     longest prompt + the longest completion; a longer row alone): what a stock TRL run sizes its batches by."""
     naive = tpt.naive_batch(batch)
@@ -71,7 +70,7 @@ def row_chunks(batch: tpt.PackedBatch, max_tokens: int) -> List[tpt.PackedBatch]
     return out
 
 
-def trainers(model: torch.nn.Module, vocab: int, out_dir: str) -> Dict[str, Any]:
+def trainers(model: torch.nn.Module, vocab: int, out_dir: str) -> dict[str, Any]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -85,7 +84,7 @@ def trainers(model: torch.nn.Module, vocab: int, out_dir: str) -> Dict[str, Any]
     return ts
 
 
-def step(t: Any, side: str, model: torch.nn.Module, inputs: List[Dict[str, Any]], device: torch.device) -> Dict[str, float]:
+def step(t: Any, side: str, model: torch.nn.Module, inputs: list[dict[str, Any]], device: torch.device) -> dict[str, float]:
     """One optimizer step's forward + backward (TRL's compute_loss per micro-batch), timed."""
     model.set_attn_implementation(ATTENTION[side])
     model.zero_grad(set_to_none=True)
@@ -100,7 +99,7 @@ def step(t: Any, side: str, model: torch.nn.Module, inputs: List[Dict[str, Any]]
     return {"step": time.perf_counter() - t0, "loss_value": loss}
 
 
-def run_workload(w: Dict[str, Any], shape: Dict[str, Any], device: torch.device, dtype: torch.dtype, out_dir: str) -> Dict[str, Any]:
+def run_workload(w: dict[str, Any], shape: dict[str, Any], device: torch.device, dtype: torch.dtype, out_dir: str) -> dict[str, Any]:
     batches = list(tpt.PackedDataset(w["calls_dir"]))
     vocab = torch.unique(torch.cat([b.input_ids for b in batches]))
     batches = [with_old_logprobs(b, vocab).to(device) for b in batches]
@@ -112,14 +111,14 @@ def run_workload(w: Dict[str, Any], shape: Dict[str, Any], device: torch.device,
     model = make_model(shape, int(vocab.numel()), device, dtype)
     ts = trainers(model, int(vocab.numel()), out_dir)
 
-    def size(x: Dict[str, Any]) -> int:
+    def size(x: dict[str, Any]) -> int:
         return x["prompt_ids"].numel() + x["completion_ids"].numel()
 
     largest = {k: max(v, key=size) for k, v in inputs.items()}
     for k in SIDES:  # warm-up on the largest micro-batch
         step(ts[k], k, model, [largest[k]], device)
     ts["packed"].treepack_stats.clear()
-    runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in SIDES}
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in SIDES}
     for _ in range(w["repeats"]):
         for k in SIDES:
             runs[k].append(step(ts[k], k, model, inputs[k], device))
@@ -129,7 +128,7 @@ def run_workload(w: Dict[str, Any], shape: Dict[str, Any], device: torch.device,
     sides = {}
     for k in SIDES:
         best = min(runs[k], key=lambda r: r["step"])
-        peak = peak_of(lambda: step(ts[k], k, model, [largest[k]], device), model, device)
+        peak = peak_of(functools.partial(step, ts[k], k, model, [largest[k]], device), model, device)
         sides[k] = {**best, "steps": [r["step"] for r in runs[k]], "peak_bytes": peak, "tokens_per_second": naive / best["step"],
                     "micro_batches": len(inputs[k])}
     a, b = sides["stock"]["loss_value"], sides["packed"]["loss_value"]
@@ -159,8 +158,8 @@ def main() -> None:
             r = {"name": w["name"], "input": i, "skipped": f"out of GPU memory: {str(e).splitlines()[0]}"}
         results.append(r)
         took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES) if "sides" in r else r["skipped"]
-        print(f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; took {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        print(f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; "
+              f"took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     import trl
 
     print(json.dumps({"device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import random
 import subprocess
 import sys
-import importlib.util
 import tempfile
 import time
 
@@ -34,7 +34,6 @@ if importlib.util.find_spec("treepack") is None:
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "treepack")
 
 

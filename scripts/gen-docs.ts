@@ -28,7 +28,7 @@ function defaultText(e: OptionEntry): string {
   if (e.default === undefined) return '(none)';
   if (!e.metavar) return '(off)';
   if (Array.isArray(e.default)) return e.default.length ? code(e.default.join(',')) : '(none)';
-  return code(String(e.default));
+  return code(typeof e.default === 'string' ? e.default : JSON.stringify(e.default));
 }
 
 export function renderCli(): string {

@@ -28,3 +28,5 @@ export function flaEnv(): { python: string | null; reason: string };
 export function createVenv(base: string, dir?: string, requirements?: string, over?: string | null): string;
 /** .venv-oldest (the oldest supported transformers and TRL over `python`'s other packages), created if needed. */
 export function oldestEnv(python: string): { python: string | null; reason: string };
+/** .venv-lint (python/requirements-dev.txt), created if needed: its interpreter, or null and why not. */
+export function lintEnv(): { python: string | null; reason: string };

@@ -6,6 +6,7 @@
 //   import { wheelEnv } from './python-env.mjs'; wheelEnv(python)  this checkout's treepack installed for `python`
 //   node scripts/python-env.mjs --fla     .venv-fla (flaEnv), created if needed, and the wheel installed for it
 //   node scripts/python-env.mjs --oldest  .venv-oldest (oldestEnv: the oldest supported transformers and TRL), and the wheel
+//   import { lintEnv } from './python-env.mjs'; lintEnv()   .venv-lint: ruff, mypy, clang-format (npm run lint / format)
 //
 // Order: TREEPACK_PYTHON (a GPU host's own environment, say) → the project's .venv → python3 on PATH, each used
 // when it imports torch, transformers and numpy; else .venv is created once from python/requirements-torch.txt with
@@ -25,6 +26,8 @@ const flaVenv = path.join(root, '.venv-fla');
 const flaRequirements = path.join(root, 'python', 'requirements-fla.txt');
 const oldestVenv = path.join(root, '.venv-oldest');
 const oldestRequirements = path.join(root, 'python', 'requirements-oldest.txt');
+const lintVenv = path.join(root, '.venv-lint');
+const lintRequirements = path.join(root, 'python', 'requirements-dev.txt');
 const wheelCache = path.join(root, '.cache', 'python-wheel');
 const bin = (dir) => (process.platform === 'win32' ? path.join(dir, 'Scripts', 'python.exe') : path.join(dir, 'bin', 'python'));
 
@@ -224,6 +227,33 @@ export function oldestEnv(python) {
     if (failed) return { python: null, reason: failed };
   }
   return { python: bin(oldestVenv), reason: '' };
+}
+
+/**
+ * The pinned linters and formatters of python/requirements-dev.txt (ruff, mypy, clang-format) in .venv-lint, which
+ * `npm run lint` and `npm run format` run. Created once, under a lock of its own, and made anew when the pins change
+ * (it holds nothing but those tools: a copy of the requirements it was made from is its key).
+ *
+ * @returns {{python: string | null, reason: string}} its interpreter (run each tool as a module: the venv is built
+ *   in a scratch directory, so its bin/ scripts name a path that is gone), or null and why not
+ */
+export function lintEnv() {
+  const stamp = path.join(lintVenv, 'requirements-dev.txt');
+  const want = fs.readFileSync(lintRequirements, 'utf8');
+  const current = () => fs.existsSync(bin(lintVenv)) && fs.readFileSync(stamp, { encoding: 'utf8', flag: 'a+' }) === want;
+  if (!current()) {
+    const base = ['python3', 'python'].find((p) => !probe(p).startsWith('not runnable'));
+    if (!base) return { python: null, reason: 'no python3 to create .venv-lint with' };
+    const made = withLock(() => {
+      if (current()) return '';
+      fs.rmSync(lintVenv, { recursive: true, force: true });
+      const err = createVenv(base, lintVenv, lintRequirements);
+      if (!err) fs.writeFileSync(stamp, want);
+      return err;
+    }, `${lintVenv}.lock`);
+    if (made) return { python: null, reason: made };
+  }
+  return { python: bin(lintVenv), reason: '' };
 }
 
 /** Every file the wheel is built from (the package, its build files, the C core), for the install's key. */

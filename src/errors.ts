@@ -88,13 +88,12 @@ export function describeValue(v: unknown): string {
   if (v === null) return 'null';
   if (Array.isArray(v)) return `an array of length ${v.length}`;
   if (ArrayBuffer.isView(v)) return `${v.constructor.name} of length ${(v as unknown as { length: number }).length}`;
-  const t = typeof v;
-  if (t === 'string') {
-    const s = v as string;
-    return `${JSON.stringify(s.length > 40 ? s.slice(0, 40) + '…' : s)} of type string`;
+  if (typeof v === 'string') return `${JSON.stringify(v.length > 40 ? v.slice(0, 40) + '…' : v)} of type string`;
+  if (typeof v === 'object') return 'an object';
+  if (typeof v === 'number' || typeof v === 'boolean' || typeof v === 'bigint' || typeof v === 'symbol' || v === undefined) {
+    return `${String(v)} of type ${typeof v}`;
   }
-  if (t === 'object') return 'an object';
-  return `${String(v)} of type ${t}`;
+  return 'a function';
 }
 
 export function argError(name: string, expected: string, received: unknown): TreepackError {

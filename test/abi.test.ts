@@ -21,6 +21,15 @@ import { caught } from './helpers/errors.js';
 import { close, randomLossCase } from './helpers/loss.js';
 import { randomBatch } from './helpers/sequences.js';
 
+/** The functions both addons (cpu, cuda) share, called here with arguments made to fail (methods: their parameters
+ * compare bivariantly, so either addon's typed functions fit). */
+interface Addon {
+  maskDense(...args: unknown[]): unknown;
+  maskBits(...args: unknown[]): unknown;
+  maskBlocks(...args: unknown[]): unknown;
+  loss(...args: unknown[]): unknown;
+}
+
 const root = fileURLToPath(new URL('..', import.meta.url));
 
 describe('the ABI table', () => {
@@ -169,12 +178,12 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
     const bad = [{ policy: 'grpo' }, { clip_low: -1 }, { dual_clip: 1 }, { dual_clip: 2, policy: 'cispo' }, { log_ratio_clamp: 0 }, { tis_cap: 0 }, { global_tokens: -1 }, { kl_coef: Infinity }, { aggregation: 'seq-mean-token-sum-norm' }, { clip_ratio: 0.2 }];
     const res = python({ mode: 'config', configs: [...good, ...bad] }).results as { fields?: Record<string, number>; error?: string }[];
     good.forEach((c, i) => {
-      const vec = configVector(resolveLossConfig(c as Partial<LossConfig>));
+      const vec = configVector(resolveLossConfig(c));
       const names = [...LOSS_CONFIG_ENUMS.map((e) => e.name), ...LOSS_CONFIG_NUMBERS];
       expect(names.map((n) => res[i].fields![n]), JSON.stringify(c)).toEqual(Array.from(vec));
     });
     bad.forEach((c, i) => {
-      const err = caught(() => resolveLossConfig(c as Partial<LossConfig>)) as TreepackError;
+      const err = caught(() => resolveLossConfig(c)) as TreepackError;
       expect(err, JSON.stringify(c)).toBeInstanceOf(TreepackError);
       expect(res[good.length + i].error, JSON.stringify(c)).toContain(err.where.field!);
     });
@@ -241,7 +250,7 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
 });
 
 describe('the addons answer bad arguments alike', () => {
-  const addons: [string, { maskDense: Function; maskBits: Function; maskBlocks: Function; loss: Function }][] = [];
+  const addons: [string, Addon][] = [];
   const native = loadNative();
   if (!('error' in native)) addons.push(['cpu', native.binding]);
   const cuda = loadCuda();

@@ -38,7 +38,7 @@ describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
       expect(lines.map((l) => l.type)).toEqual(['call', 'call', 'call', 'finish']);
       expect(lines.slice(0, 3).map((l) => l.request)).toEqual(bodies);
       expect(lines.slice(0, 3).map((l) => l.output)).toEqual(answers);
-      expect(answers.map((a) => (JSON.parse(a) as { choices: { message: { content: string } }[] }).choices[0]!.message.content)).toEqual(['reply 0', 'reply 1', 'reply 2']);
+      expect(answers.map((a) => (JSON.parse(a) as { choices: { message: { content: string } }[] }).choices[0].message.content)).toEqual(['reply 0', 'reply 1', 'reply 2']);
       const writes = (await (await fetch(`${floor.url}/writes`)).json()) as number[];
       expect(writes.length).toBeGreaterThanOrEqual(1);
       expect(writes.length).toBeLessThanOrEqual(4);

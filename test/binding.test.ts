@@ -88,11 +88,11 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
       maskDense: (parent, se) => timed(real.maskDense(parent, se), 0.25),
       maskBits: (parent, se) => timed(real.maskBits(parent, se), 0.5),
       maskBlocks: (se, B) => timed(real.maskBlocks(se, B), 1.5),
-      loss: real.loss,
-      lossCompact: real.lossCompact,
-      version: real.version,
-      abi: real.abi,
-      init: real.init,
+      loss: real.loss.bind(real),
+      lossCompact: real.lossCompact.bind(real),
+      version: real.version.bind(real),
+      abi: real.abi.bind(real),
+      init: real.init.bind(real),
     };
     await configureBackends({ cudaBinding: standIn });
     const cuda = (await listBackends()).find((b) => b.name === 'cuda')!;

@@ -61,7 +61,10 @@ type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
 /** Every (container, key) pair of a JSON value, depth first. */
 function slots(v: Json, out: [Json[] | { [k: string]: Json }, string | number][] = []): typeof out {
   if (Array.isArray(v)) v.forEach((x, i) => (out.push([v, i]), slots(x, out)));
-  else if (v !== null && typeof v === 'object') for (const k of Object.keys(v)) out.push([v, k]), slots(v[k], out);
+  else if (v !== null && typeof v === 'object') for (const k of Object.keys(v)) {
+    out.push([v, k]);
+    slots(v[k], out);
+  }
   return out;
 }
 
@@ -80,7 +83,7 @@ function mutateValue(v: Json, r: () => number): Json {
     else if (op === 2) c.length = i;
     else c[i] = pick(r, HOSTILE) as Json;
   } else {
-    const obj = c as { [k: string]: Json };
+    const obj = c;
     if (op === 0) delete obj[k as string];
     else if (op === 1) obj[`${k}_x`] = obj[k as string];
     else if (op === 2 && typeof obj[k as string] === 'number') obj[k as string] = -(obj[k as string] as number) * 1e38;

@@ -32,11 +32,11 @@ describe('treepack loss', () => {
     const r = cli(['loss', mb, '--logprobs', lpFile, '--config', cfgFile, '--json', '--grad-out', gradFile, '--backend', 'cpu']);
     expect(r.code, r.stderr).toBe(0);
     const out = JSON.parse(r.stdout);
-    const want = unpackedLoss(unpacked, resolveLossConfig(config as never));
+    const want = unpackedLoss(unpacked, resolveLossConfig(config));
     expect(Math.abs(out.loss - want.loss)).toBeLessThan(1e-6);
     expect(out.metrics.trainable_tokens).toBe(want.trainable_tokens);
     const grad = readSafetensors(gradFile).tensors.get('grad')!.data as Float32Array;
-    const js = lossReference(batch, lp, resolveLossConfig(config as never)).grad;
+    const js = lossReference(batch, lp, resolveLossConfig(config)).grad;
     grad.forEach((g, p) => expect(Math.abs(g - js[p])).toBeLessThan(1e-6));
   });
 

@@ -355,7 +355,7 @@ describe('an episode through the packer', () => {
         .map((r) => {
           const from = r.message_offsets[r.message_offsets.length - 1];
           return {
-            author: 'llm' as Author,
+            author: 'llm',
             toks: r.tokens.slice(from).map((id, t) => {
               const key = keyOf(r.tokens.slice(0, from + t + 1));
               return { id, mask: r.loss_mask[from + t], lp: hashed(key, 1, -3, 0), old: hashed(key, 2, -3, 0), ref: 0, adv: r.advantage };

@@ -353,9 +353,12 @@ describe('cost model and rank balance', () => {
         if (i === costs.length) return void (best = Math.min(best, Math.max(...load)));
         for (let k = 0; k < K; k++) {
           if (cnt[k] === per) continue;
-          cnt[k]++, (load[k] += costs[i]), (assign[i] = k);
+          cnt[k]++;
+          load[k] += costs[i];
+          assign[i] = k;
           rec(i + 1, cnt, load);
-          cnt[k]--, (load[k] -= costs[i]);
+          cnt[k]--;
+          load[k] -= costs[i];
         }
       };
       rec(0, new Array(K).fill(0), new Array(K).fill(0));

@@ -8,7 +8,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { createPacker, loadTokenizer, MemorySink, packRecords, TreepackError, type PackerOptions } from '../src/index.js';
+import { createPacker, loadTokenizer, MemorySink, packRecords, TreepackError } from '../src/index.js';
 import { getPath, groupOf, OPTION_TABLE, setPath, type OptionEntry } from '../src/packer/option-table.js';
 import { resolveOptions } from '../src/packer/options.js';
 import { generateTokenSamples } from '../bench/dataset.js';
@@ -86,7 +86,7 @@ describe('every option of the table', () => {
       const opts: Record<string, unknown> = {};
       for (const req of requiredBeside(e)) setPath(opts, req.option, BUDGET);
       setPath(opts, e.option, bad.lib);
-      const err = caught(() => createPacker(opts as PackerOptions)) as TreepackError;
+      const err = caught(() => createPacker(opts)) as TreepackError;
       expect(err).toBeInstanceOf(TreepackError);
       expect(err.code).toBe('E_ARG');
       expect(err.message).toMatch(namesOption);
@@ -157,6 +157,11 @@ describe('resolveOptions', () => {
     const loaded = await loadTokenizer('qwen3');
     expect(resolveOptions({ tokenizer: loaded }).tokenizer).toBe(loaded);
     expect(() => resolveOptions({ tokenizer: { name: 'mine' } as never })).toThrow(/for tokenizer but received an object/);
+  });
+
+  it('names a function given for a value as a function, without printing its source', () => {
+    const secret = () => 'source text of the caller';
+    expect(() => resolveOptions({ budget: secret as never })).toThrow(/for budget but received a function$/);
   });
 });
 

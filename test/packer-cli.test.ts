@@ -61,7 +61,7 @@ async function compare(input: string, flags: string[], options: PackerOptions): 
   const onDisk = JSON.parse(a.get('manifest.json')!.toString());
   expect(memManifest.micro_batches.map((e) => e.file)).toEqual(onDisk.micro_batches.map((e: { file: string }) => basename(e.file)));
   onDisk.micro_batches.forEach((e: { file: string }, i: number) => {
-    expect(Buffer.from(mem.files.get(memManifest.micro_batches[i]!.file)!).equals(a.get(e.file)!), e.file).toBe(true);
+    expect(Buffer.from(mem.files.get(memManifest.micro_batches[i].file)!).equals(a.get(e.file)!), e.file).toBe(true);
   });
   const { generation, ...header } = onDisk;
   expect(generation).toBe(1);

@@ -208,7 +208,7 @@ describe('an interrupted pack', () => {
       const before = snapshot(out);
       const child = spawn(process.execPath, [BIN, 'pack', '-', '--out', out, '--quiet'], { stdio: ['pipe', 'ignore', 'pipe'] });
       const exited = new Promise<NodeJS.Signals | null>((res) => child.on('close', (_code, sig) => res(sig)));
-      child.stdin!.write(readFileSync(input, 'utf8').split('\n')[0] + '\n'); // stdin stays open: the run waits for more
+      child.stdin.write(readFileSync(input, 'utf8').split('\n')[0] + '\n'); // stdin stays open: the run waits for more
       while (!readdirSync(out).some((f) => f.startsWith('.treepack-staging-'))) await new Promise((res) => setTimeout(res, 20));
       child.kill(signal);
       expect(await exited).toBe(signal);

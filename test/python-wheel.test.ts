@@ -2,8 +2,8 @@
  * The Python package as a user installs it: `pip wheel ./python` (scikit-build-core compiles the C core into the
  * package), then the wheel installed into a clean venv outside the checkout (`python3 -m venv`, numpy and
  * safetensors from the index), used from the temp directory: pack_sequences with per-token fields, loss_numpy
- * against a float64 formula and the fixture test/fixtures/loss_reference.json, load of a TypeScript-written file and of a safetensors-written
- * one, the block arrays, the numpy unit suites, and a missing CUDA library reported, not fatal
+ * against a float64 formula and the fixture test/fixtures/loss_reference.json, load of a TypeScript-written file and of
+ * a safetensors-written one, the block arrays, the numpy unit suites, and a missing CUDA library reported, not fatal
  * (test/helpers/wheel_check.py). Skipped with the reason where python3, its venv or pip, or a C++ compiler is
  * missing; TREEPACK_REQUIRE_WHEEL=1 (CI) fails instead.
  */

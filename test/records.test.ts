@@ -112,17 +112,17 @@ describe('readRecords: formats', () => {
     expect(rs).toHaveLength(3);
     const [d, a, e] = rs;
     expect(d).toMatchObject({ kind: 'sample', id: 't.jsonl:1', group: 't.jsonl:1', episode: 't.jsonl:1', source: { file: 't.jsonl', line: 1 } });
-    expect(d!.tokens).toEqual(new Int32Array([5, 6, 7, 8]));
-    expect(d!.loss_mask).toEqual(new Uint8Array([0, 1, 1, 1]));
-    expect(d!.rollout_logprobs).toBeUndefined();
+    expect(d.tokens).toEqual(new Int32Array([5, 6, 7, 8]));
+    expect(d.loss_mask).toEqual(new Uint8Array([0, 1, 1, 1]));
+    expect(d.rollout_logprobs).toBeUndefined();
     expect(a).toMatchObject({ id: 'a', group: 'g', episode: 'a', reward: 1, advantage: 0.5 });
-    expect(a!.loss_mask).toEqual(new Uint8Array([0, 0, 1]));
-    expect(a!.rollout_logprobs).toEqual(new Float32Array([0, -0.5, -1.25]));
-    expect(a!.old_logprobs).toEqual(new Float32Array([0, -0.25, 0.0005]));
-    expect(a!.ref_logprobs).toEqual(new Float32Array([0, -1, -2]));
-    expect(a!.advantages).toEqual(new Float32Array([0, 1.5, -2]));
+    expect(a.loss_mask).toEqual(new Uint8Array([0, 0, 1]));
+    expect(a.rollout_logprobs).toEqual(new Float32Array([0, -0.5, -1.25]));
+    expect(a.old_logprobs).toEqual(new Float32Array([0, -0.25, 0.0005]));
+    expect(a.ref_logprobs).toEqual(new Float32Array([0, -1, -2]));
+    expect(a.advantages).toEqual(new Float32Array([0, 1.5, -2]));
     expect(e).toMatchObject({ id: '7', group: '7', episode: 'e' });
-    expect(e!.tokens.length).toBe(0);
+    expect(e.tokens.length).toBe(0);
   });
 
   it('reads slime samples, expanding response-only arrays over the prompt', async () => {
@@ -143,9 +143,9 @@ describe('readRecords: formats', () => {
       ]),
     );
     expect(s).toMatchObject({ id: '12', group: '3', episode: '12', reward: 0.5 });
-    expect(s!.loss_mask).toEqual(new Uint8Array([0, 0, 1, 0, 1]));
-    expect(s!.rollout_logprobs).toEqual(new Float32Array([0, 0, -0.5, -0.25, -1]));
-    expect(t!.loss_mask).toEqual(new Uint8Array([0, 1])); // the whole sequence is response: token 0 still forced off
+    expect(s.loss_mask).toEqual(new Uint8Array([0, 0, 1, 0, 1]));
+    expect(s.rollout_logprobs).toEqual(new Float32Array([0, 0, -0.5, -0.25, -1]));
+    expect(t.loss_mask).toEqual(new Uint8Array([0, 1])); // the whole sequence is response: token 0 still forced off
   });
 
   it('reads single chat records, flattening text parts and defaulting ids', async () => {
@@ -169,13 +169,13 @@ describe('readRecords: formats', () => {
       ]),
     );
     expect(c).toMatchObject({ kind: 'chat', id: 'c1', group: 'task', episode: 'ep', reward: 0 });
-    expect(c!.messages[0]).toEqual({ role: 'system', content: 'You are helpful.' });
-    expect(c!.messages[2]!.tool_calls![0]!.function.arguments).toEqual({ city: 'Paris' });
-    expect(c!.messages[3]).toEqual({ role: 'tool', content: '{"t": 20}', tool_call_id: 'x', name: 'w' });
-    expect(c!.response).toEqual({ role: 'assistant', content: 'It is 20 °C.', reasoning_content: 'easy' });
-    expect(c!.tools).toHaveLength(1);
+    expect(c.messages[0]).toEqual({ role: 'system', content: 'You are helpful.' });
+    expect(c.messages[2].tool_calls![0].function.arguments).toEqual({ city: 'Paris' });
+    expect(c.messages[3]).toEqual({ role: 'tool', content: '{"t": 20}', tool_call_id: 'x', name: 'w' });
+    expect(c.response).toEqual({ role: 'assistant', content: 'It is 20 °C.', reasoning_content: 'easy' });
+    expect(c.tools).toHaveLength(1);
     expect(d).toMatchObject({ id: 't.jsonl:2', group: 't.jsonl:2', episode: 't.jsonl:2', response: { role: 'assistant', content: 'hello' } });
-    expect(d!.reward).toBeUndefined();
+    expect(d.reward).toBeUndefined();
   });
 
   it('reads an episode as one chat record per request', async () => {
@@ -207,7 +207,7 @@ describe('readRecords: formats', () => {
       ['t.jsonl:2/0', 'G', 't.jsonl:2', 1, 'a'],
       ['t.jsonl:2/1', 'G', 't.jsonl:2', 1, 'a'],
     ]);
-    expect(rs[1]!.messages.map((m) => m.content)).toEqual(['q1', 'r1', 'q2']);
+    expect(rs[1].messages.map((m) => m.content)).toEqual(['q1', 'r1', 'q2']);
   });
 
   it('names default ids after the path for files and line-N for unnamed streams', async () => {
@@ -224,7 +224,7 @@ describe('readRecords: formats', () => {
     expect(rs[0]).toMatchObject({ id: 'task-0-ep0/0', group: 'task-0', episode: 'task-0-ep0', agent: 'airline_agent' });
     const toks = samples(await readLines([...generateTokenSamples({ groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 3 })].map((s) => JSON.stringify(s)), { vocabSize: 151643 }));
     expect(toks[0]).toMatchObject({ id: 'task-0-ep0/0', group: 'task-0', episode: 'task-0-ep0' });
-    expect(toks[0]!.rollout_logprobs).toBeInstanceOf(Float32Array);
+    expect(toks[0].rollout_logprobs).toBeInstanceOf(Float32Array);
   });
 });
 
@@ -296,8 +296,8 @@ describe('readRecords: rejections', () => {
       { role: 'tool', content: 'r' },
     ];
     const [r] = chats(await readLines([chat({ messages })]));
-    expect(r!.messages[2]).toEqual({ role: 'tool', content: 'r' });
-    expect(r!.messages[1]!.tool_calls![0]!.function).toEqual({ name: 'f', arguments: {} });
+    expect(r.messages[2]).toEqual({ role: 'tool', content: 'r' });
+    expect(r.messages[1].tool_calls![0].function).toEqual({ name: 'f', arguments: {} });
   });
 });
 
@@ -307,7 +307,7 @@ describe('readRecords: streaming', () => {
     let s = 7;
     const rnd = () => ((s = (Math.imul(s, 1103515245) + 12345) >>> 0) / 2 ** 32);
     const ints = (n: number) => Array.from({ length: n }, () => Math.floor(rnd() * 151643));
-    const ep: EpisodeJson = generateEpisodes({ groups: 1, episodesPerGroup: 1, minTurns: 3, maxTurns: 3 }).next().value!;
+    const ep: EpisodeJson = generateEpisodes({ groups: 1, episodesPerGroup: 1, minTurns: 3, maxTurns: 3 }).next().value;
     const out: string[] = [];
     for (let i = 0; out.length < 2000; i++) {
       const k = i % 5;
@@ -364,31 +364,31 @@ describe('generators', () => {
 
   it('has the tau-bench shape: groups of 8, 10–30 turns, shared prompts, diverging episodes, truncation', () => {
     expect(episodes).toHaveLength(24);
-    const system = episodes[0]!.requests[0]!.messages[0]!.content!;
+    const system = episodes[0].requests[0].messages[0].content!;
     expect(system.length).toBeGreaterThan(5000); // a few thousand tokens with the tool schemas
     for (const [i, ep] of episodes.entries()) {
       const g = Math.floor(i / 8);
       expect(ep.task_id).toBe(`task-${g}`);
       expect(ep.requests.length).toBeGreaterThanOrEqual(10);
       expect(ep.requests.length).toBeLessThanOrEqual(30);
-      expect(ep.requests[0]!.messages[0]!.content).toBe(system);
-      expect(ep.requests[0]!.messages[1]!.content).toBe(episodes[g * 8]!.requests[0]!.messages[1]!.content);
+      expect(ep.requests[0].messages[0].content).toBe(system);
+      expect(ep.requests[0].messages[1].content).toBe(episodes[g * 8].requests[0].messages[1].content);
       const truncatedFrom = ep.meta.truncated_from ?? ep.requests.length;
       expect(truncatedFrom < ep.requests.length).toBe(i % 4 === 3);
       for (let k = 0; k + 1 < ep.requests.length; k++) {
-        const a = ep.requests[k]!;
-        const b = ep.requests[k + 1]!;
+        const a = ep.requests[k];
+        const b = ep.requests[k + 1];
         const extends_ = JSON.stringify([...a.messages, a.response]) === JSON.stringify(b.messages.slice(0, a.messages.length + 1));
         expect(extends_).toBe(k + 1 < truncatedFrom);
         if (a.response.tool_calls) {
-          const c = a.response.tool_calls[0]!;
+          const c = a.response.tool_calls[0];
           expect(JSON.parse(c.function.arguments)).toBeTypeOf('object');
-          expect(ep.requests[k + 1]!.messages.at(-1)).toMatchObject({ role: 'tool', tool_call_id: c.id });
+          expect(ep.requests[k + 1].messages.at(-1)).toMatchObject({ role: 'tool', tool_call_id: c.id });
         }
       }
     }
     // Episodes of a group diverge after the shared first user message.
-    const firstReplies = new Set(episodes.slice(0, 8).map((e) => JSON.stringify(e.requests[0]!.response)));
+    const firstReplies = new Set(episodes.slice(0, 8).map((e) => JSON.stringify(e.requests[0].response)));
     expect(firstReplies.size).toBe(8);
   });
 
@@ -400,13 +400,13 @@ describe('generators', () => {
     for (const ep of plan) {
       const truncatedFrom = ep.meta.truncated_from ?? ep.requests.length;
       for (let k = 0; k < ep.requests.length; k++, i++) {
-        const s = ts[i]!;
+        const s = ts[i];
         expect(s.id).toBe(`${ep.episode_id}/${k}`);
         expect(s.loss_mask).toHaveLength(s.tokens.length);
         expect(s.tokens.every((t) => Number.isInteger(t) && t >= 0 && t < 151643)).toBe(true);
         expect(s.loss_mask[0]).toBe(0);
         if (k > 0) {
-          const prev = ts[i - 1]!.tokens;
+          const prev = ts[i - 1].tokens;
           if (k < truncatedFrom) expect(s.tokens.slice(0, prev.length)).toEqual(prev);
           else expect(s.tokens.slice(0, prev.length)).not.toEqual(prev);
         }
@@ -418,7 +418,7 @@ describe('generators', () => {
       while (n < a.length && a[n] === b[n]) n++;
       return n;
     };
-    const a = ts[0]!.tokens;
+    const a = ts[0].tokens;
     const b = ts.find((s) => s.episode === 'task-0-ep1')!.tokens;
     const c = ts.find((s) => s.group === 'task-1')!.tokens;
     expect(prefix(a, b)).toBeGreaterThan(3060);

@@ -4,7 +4,7 @@
  * the tensors, header keys and manifest fields the writer emits, with their dtypes and in the manifest's key order.
  */
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync, type Dirent } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
 import { dirname, join, relative } from 'node:path';
@@ -268,7 +268,7 @@ describe('openapi.json and http.md', () => {
       const res = await svc!.app.inject({ method: method as 'GET', url: url(path, status), headers: { ...(status === 401 ? {} : auth), ...headers }, payload: payload as object });
       expect(res.statusCode, res.body).toBe(status);
       expect(documentedSchema(method, path, status), `${status} of ${method} ${path} in openapi.json`).toBe('#/components/schemas/Error');
-      const body = res.json() as { error: Record<string, unknown> };
+      const body = res.json<{ error: Record<string, unknown> }>();
       expect(Object.keys(body)).toEqual(['error']);
       expect(Object.keys(body.error).sort()).toEqual(['code', 'message', 'type']);
       expect(typeof body.error.message).toBe('string');
@@ -285,7 +285,7 @@ describe('openapi.json and http.md', () => {
 });
 
 /** Every file under `dir`, relative to it, sorted. */
-const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true }) as Dirent[]).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
+const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
 
 describe('the TypeScript API reference (docs/reference/typescript, npm run docs:ts)', () => {
   it('every export of treepack, treepack/ops and treepack/serve has a doc comment', { timeout: 120_000 }, () => {

@@ -82,7 +82,7 @@ describe('advantages never produce non-finite values', () => {
       const rewards = Array.from({ length: n }, () => (r() - 0.3) * scale);
       for (const est of ['grpo', 'dr-grpo', 'rloo'] as const) {
         const got = episodeAdvantages(rewards, rewards.map(() => 'g'), { estimator: est });
-        naive(rewards, est).forEach((want, e) => expect(Object.is(got[e], want), `${est} ${rewards} ${e}: ${got[e]} vs ${want}`).toBe(true));
+        naive(rewards, est).forEach((want, e) => expect(Object.is(got[e], want), `${est} ${rewards.join(',')} ${e}: ${got[e]} vs ${want}`).toBe(true));
       }
     }
   });

@@ -98,9 +98,9 @@ function searchEpisode(episode: string, group: string, c0: number, produced: { t
     task_id: group,
     meta: { reward: 1 },
     requests: [
-      { messages: m1, response: response(toolTurn, produced[0]!), tools: CHAT_TOOLS },
-      { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]!), tools: CHAT_TOOLS },
-      { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]!), tools: CHAT_TOOLS },
+      { messages: m1, response: response(toolTurn, produced[0]), tools: CHAT_TOOLS },
+      { messages: m2, response: response({ role: 'assistant', content: `reply ${c0 + 1}` }, produced[1]), tools: CHAT_TOOLS },
+      { messages: m3, response: response({ role: 'assistant', content: `reply ${c0 + 2}` }, produced[2]), tools: CHAT_TOOLS },
     ],
   };
   return { messages: [m1, m2, m3], reference };
@@ -115,7 +115,7 @@ async function thinkingPackedAsChat(episode: string, c0: number, produced: { tok
   const m1 = [{ role: 'user', content: 'Why?' }];
   const m2 = [...m1, turn(0), { role: 'user', content: 'More.' }];
   expect(engine.requests.slice(-2).map((r) => r.messages)).toEqual([m1, m2]);
-  const reference = { episode_id: episode, task_id: episode, meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]!) }, { messages: m2, response: response(turn(1), produced[1]!) }] };
+  const reference = { episode_id: episode, task_id: episode, meta: { reward: 1 }, requests: [{ messages: m1, response: response(turn(0), produced[0]) }, { messages: m2, response: response(turn(1), produced[1]) }] };
   await packedEqualsReference(episode, episode, reference);
 }
 
@@ -138,15 +138,15 @@ async function packedEqualsReference(episode: string, group: string, reference: 
   expect(r.stderr).toBe('');
   const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8')) as { micro_batches: { file: string }[] };
   expect(manifest.micro_batches).toHaveLength(1);
-  expect(Buffer.from(bytes).equals(readFileSync(join(out, manifest.micro_batches[0]!.file)))).toBe(true);
+  expect(Buffer.from(bytes).equals(readFileSync(join(out, manifest.micro_batches[0].file)))).toBe(true);
   expect((await fetch(`${base}/v1/batches/${entry.id}/ack`, { method: 'POST' })).status).toBe(200);
   const t = parseSafetensors(bytes).tensors;
   const ids = t.get('input_ids')!.data as Int32Array, pos = t.get('seq_positions')!.data as Int32Array, off = t.get('seq_offsets')!.data as Int32Array;
   const mask = t.get('loss_mask')!.data as Uint8Array;
   const seqs = [];
   for (let i = 0; i + 1 < off.length; i++) {
-    const idx = Array.from(pos.subarray(off[i]!, off[i + 1]!));
-    seqs.push({ tokens: idx.map((p) => ids[p]!), mask: Array.from(mask.subarray(off[i]!, off[i + 1]!)) });
+    const idx = Array.from(pos.subarray(off[i], off[i + 1]));
+    seqs.push({ tokens: idx.map((p) => ids[p]), mask: Array.from(mask.subarray(off[i], off[i + 1])) });
   }
   return seqs;
 }
@@ -178,7 +178,7 @@ print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final"
     expect(produced).toHaveLength(3);
 
     // What the client saw: a function call with the engine's arguments text, a streamed answer, a last one.
-    const fc = (out.r1.output as Obj[])[0]!;
+    const fc = (out.r1.output as Obj[])[0];
     expect(out.r1).toMatchObject({ object: 'response', status: 'completed' });
     expect(fc).toMatchObject({ type: 'function_call', name: 'search', arguments: `{"query": "q ${c0}"}`, call_id: `call_${c0}` });
     expect(out.events[0]).toBe('response.created');
@@ -187,9 +187,9 @@ print(json.dumps({"r1": r1.model_dump(), "events": events, "text": text, "final"
     expect(out.text).toBe(`reply ${c0 + 1}`);
     expect(out.r3_text).toBe(`reply ${c0 + 2}`);
     // logprobs asked for (include): the engine's, token by token of the text
-    const lp = ((out.r3.output as Obj[])[0]!.content as Obj[])[0]!.logprobs as { logprob: number }[];
-    expect(lp.map((x) => x.logprob)).toEqual(produced[2]!.logprobs);
-    expect(out.r3.usage).toMatchObject({ input_tokens: produced[2]!.prompt_token_ids.length, output_tokens: produced[2]!.token_ids.length });
+    const lp = ((out.r3.output as Obj[])[0].content as Obj[])[0].logprobs as { logprob: number }[];
+    expect(lp.map((x) => x.logprob)).toEqual(produced[2].logprobs);
+    expect(out.r3.usage).toMatchObject({ input_tokens: produced[2].prompt_token_ids.length, output_tokens: produced[2].token_ids.length });
 
     // The episode as a chat client would have sent it; the engine got those messages and tools, as chat completions.
     const { messages, reference } = searchEpisode('resp-a', 'resp-task', c0, produced);
@@ -231,7 +231,7 @@ print(json.dumps({"m1": m1.model_dump(), "text": text, "final": final.model_dump
     const produced = engine.produced.slice(before);
     expect(produced).toHaveLength(3);
     expect(out.m1).toMatchObject({ type: 'message', role: 'assistant', stop_reason: 'tool_use', content: [{ type: 'tool_use', id: `call_${c0}`, name: 'search', input: { query: `q ${c0}` } }] });
-    expect(out.m1.usage).toMatchObject({ input_tokens: produced[0]!.prompt_token_ids.length, output_tokens: produced[0]!.token_ids.length });
+    expect(out.m1.usage).toMatchObject({ input_tokens: produced[0].prompt_token_ids.length, output_tokens: produced[0].token_ids.length });
     expect(out.text).toBe(`reply ${c0 + 1}`);
     expect(out.final).toMatchObject({ stop_reason: 'end_turn', content: [{ type: 'text', text: `reply ${c0 + 1}` }] });
     expect(out.m3).toMatchObject({ stop_reason: 'end_turn', content: [{ type: 'text', text: `reply ${c0 + 2}` }] });
@@ -429,7 +429,7 @@ describe('n > 1 on chat completions', () => {
     const m1 = [{ role: 'user', content: 'Name a colour.' }];
     const r1 = (await (await post({ model: 'stub', messages: m1, n: 3, max_tokens: 8 })).json()) as { choices: { index: number; message: Obj }[] };
     expect(r1.choices.map((c) => [c.index, c.message.content])).toEqual([0, 1, 2].map((j) => [j, j ? `reply ${engine.calls - 1}.${j}` : `reply ${engine.calls - 1}`]));
-    const first = r1.choices[0]!.message.content as string;
+    const first = r1.choices[0].message.content as string;
     const m2 = [...m1, { role: 'assistant', content: first }, { role: 'user', content: 'Another.' }];
     const s = await (await post({ model: 'stub', messages: m2, n: 2, max_tokens: 8, stream: true })).text();
     const texts = ['', ''];
@@ -447,15 +447,15 @@ describe('n > 1 on chat completions', () => {
       task_id: 'n-task',
       meta: { reward: 1 },
       requests: [
-        ...[0, 1, 2].map((j) => ({ messages: m1, response: response(r1.choices[j]!.message, produced[j]!) })),
-        ...[0, 1].map((j) => ({ messages: m2, response: response({ role: 'assistant', content: texts[j] }, produced[3 + j]!) })),
+        ...[0, 1, 2].map((j) => ({ messages: m1, response: response(r1.choices[j].message, produced[j]) })),
+        ...[0, 1].map((j) => ({ messages: m2, response: response({ role: 'assistant', content: texts[j] }, produced[3 + j]) })),
       ],
     };
     const seqs = await packedEqualsReference('n-a', 'n-task', reference);
     // Branches, not copies: choice 0 of the first call is continued by the second call's choices (two branches),
     // and choices 1 and 2 of the first call branch off its prompt; every branch is its own sequence.
     expect(seqs).toHaveLength(4);
-    const prompt = produced[0]!.prompt_token_ids;
+    const prompt = produced[0].prompt_token_ids;
     for (const q of seqs) expect(q.tokens.slice(0, prompt.length)).toEqual(prompt);
   });
 
@@ -467,7 +467,7 @@ describe('n > 1 on chat completions', () => {
     const first = (await (await call(await s.listen())).json()) as { choices: Obj[] };
     const before = (await (await fetch(`${s.app.listeningOrigin}/v1/episodes/n-b`)).json()) as { calls: Obj[] };
     expect(before.calls).toHaveLength(1);
-    expect(before.calls[0]!.siblings).toHaveLength(2);
+    expect(before.calls[0].siblings).toHaveLength(2);
     await s.close();
     s = await Service.create(opts);
     const b = await s.listen();
@@ -491,7 +491,7 @@ function events(text: string): [string, Obj][] {
     .filter((e) => e.trim() !== '')
     .map((e) => {
       const name = /^event: (.*)$/m.exec(e)?.[1] ?? '';
-      return [name, JSON.parse(/^data: (.*)$/m.exec(e)![1]!) as Obj];
+      return [name, JSON.parse(/^data: (.*)$/m.exec(e)![1]) as Obj];
     });
 }
 
@@ -526,11 +526,11 @@ describe('streamed tool calls, as each API streams them', () => {
     const evs = events(await (await post('/v1/messages', body, { 'x-api-key': 'unused', 'anthropic-version': '2023-06-01' })).text());
     expect(evs.map(([n]) => n)).toEqual(['message_start', 'content_block_start', 'content_block_delta', 'content_block_delta', 'content_block_stop', 'message_delta', 'message_stop']);
     for (const [n, d] of evs) expect(d.type).toBe(n);
-    expect(evs[1]![1].content_block).toEqual({ type: 'tool_use', id: `call_${c0}`, name: 'search', input: {} });
+    expect(evs[1][1].content_block).toEqual({ type: 'tool_use', id: `call_${c0}`, name: 'search', input: {} });
     const args = `{"query": "q ${c0}"}`;
     expect(evs.filter(([n]) => n === 'content_block_delta').map(([, d]) => (d.delta as Obj).partial_json).join('')).toBe(args);
     const produced = engine.produced.at(-1)!;
-    expect(evs[5]![1]).toEqual({ type: 'message_delta', delta: { stop_reason: 'tool_use', stop_sequence: null }, usage: { input_tokens: produced.prompt_token_ids.length, output_tokens: produced.token_ids.length } });
+    expect(evs[5][1]).toEqual({ type: 'message_delta', delta: { stop_reason: 'tool_use', stop_sequence: null }, usage: { input_tokens: produced.prompt_token_ids.length, output_tokens: produced.token_ids.length } });
     const rec = (await (await fetch(`${base}/v1/episodes/stream-tools`)).json()) as { calls: { request: Obj; output: Obj }[] };
     expect(rec.calls.at(-1)!.output).toMatchObject({ message: { role: 'assistant', content: null, tool_calls: [{ id: `call_${c0}`, type: 'function', function: { name: 'search', arguments: args } }] }, tokenIds: produced.token_ids });
     expect(rec.calls.at(-1)!.request).toEqual({ messages: [{ role: 'user', content: 'Search.' }], tools: [{ type: 'function', function: { name: 'search', parameters: TOOL } }] });

@@ -136,7 +136,7 @@ describe('abandoned episodes and groups', { timeout: 60_000 }, () => {
       const t0 = Date.now();
       if (reader === 'trainer') {
         const got: string[] = [];
-        while (got.length < 7 && Date.now() - t0 < 10_000) got.push(...(await drain(base, 1)).map((g) => g[0]!));
+        while (got.length < 7 && Date.now() - t0 < 10_000) got.push(...(await drain(base, 1)).map((g) => g[0]));
         expect(got).toEqual(['B', 'C', 'D', 'A', 'E', 'F', 'G']);
       } else {
         const got: string[] = [];
@@ -171,7 +171,7 @@ describe('abandoned episodes and groups', { timeout: 60_000 }, () => {
     expect(((await (await fetch(`${again}/v1/episodes/x2`)).json()) as { abandoned: string }).abandoned).toBe('abandoned');
     const res = await fetch(`${again}/v1/batches/next`);
     expect(res.status).toBe(200);
-    const seqs = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids!) as string[];
+    const seqs = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids) as string[];
     expect(seqs.map((s) => s.split('/')[0])).toEqual(['x1']); // the abandoned episode is not trained
   });
 });
@@ -184,7 +184,7 @@ describe('retries', { timeout: 60_000 }, () => {
     const retry = await post(`${base}/episodes/e/v1/chat/completions`, M('q'), H);
     expect(retry.status).toBe(200);
     expect(retry.headers.get('x-treepack-replayed')).toBe('true');
-    expect(((await retry.json()) as typeof first).choices[0]!.message).toEqual(first.choices[0]!.message);
+    expect(((await retry.json()) as typeof first).choices[0].message).toEqual(first.choices[0].message);
     // concurrent duplicates, and a retry after a restart (the answer lost with the process)
     const answers = await Promise.all([1, 2, 3].map(async () => (await post(`${base}/episodes/e/v1/chat/completions`, M('q2'), { 'idempotency-key': 'req-2' })).text()));
     expect(new Set(answers).size).toBe(1); // one call, one answer, byte for byte
@@ -212,7 +212,7 @@ describe('engine', { timeout: 60_000 }, () => {
     for (const prefix of ['', '/episodes/e', '/groups/g/episodes/e']) {
       const r = await fetch(`${base}${prefix}/v1/models`);
       expect(r.status, prefix).toBe(200);
-      expect(((await r.json()) as { data: { id: string }[] }).data[0]!.id).toBe('stub');
+      expect(((await r.json()) as { data: { id: string }[] }).data[0].id).toBe('stub');
     }
   });
 

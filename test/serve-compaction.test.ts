@@ -26,7 +26,7 @@ interface Pulled {
 async function pull(base: string, wait = 0): Promise<Pulled | undefined> {
   const res = await fetch(`${base}/v1/batches/next?rank=0&wait=${wait}`);
   if (res.status !== 200) return undefined;
-  const seqIds = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids!) as string[];
+  const seqIds = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids) as string[];
   const { id, feed_step, groups, trainer_version, policy_version, staleness, packed_tokens } = JSON.parse(res.headers.get('x-treepack-entry')!) as Record<string, unknown>;
   return { id: id as string, seqIds, entry: { feed_step, groups, trainer_version, policy_version, staleness, packed_tokens } };
 }
@@ -44,7 +44,7 @@ afterAll(async () => {
 async function observe(svc: Service, base: string) {
   const pool = svc.pool;
   const groups = pool.bySeq.map((g) => [g.id, g.size, g.consumed, g.finished, g.episodes.length]);
-  const episodes = [...pool.episodes.values()].map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]).sort((a, b) => String(a[0]).localeCompare(String(b[0])));
+  const episodes = [...pool.episodes.values()].sort((a, b) => a.id.localeCompare(b.id)).map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]);
   const feed = (await (await fetch(`${base}/v1/feed`)).json()) as Record<string, unknown>;
   return { groups, episodes, counters: pool.counters, depth: pool.depth(), pendingBytes: pool.pendingBytes, keys: pool.keys.size, feed };
 }
@@ -112,7 +112,7 @@ async function traffic(engine: StubEngine, compactBytes: number) {
   open.push(svc);
   base = await svc.listen();
   out.push(await observe(svc, base), (await fetch(`${base}/v1/batches/next`)).status);
-  return { out, size: statSync(join(dataDir, 'events.jsonl')).size, first: readFileSync(join(dataDir, 'events.jsonl'), 'utf8').split('\n')[0]! };
+  return { out, size: statSync(join(dataDir, 'events.jsonl')).size, first: readFileSync(join(dataDir, 'events.jsonl'), 'utf8').split('\n')[0] };
 }
 
 describe('log compaction', { timeout: 120_000 }, () => {
@@ -184,7 +184,7 @@ describe('log compaction', { timeout: 120_000 }, () => {
       proc = await startServeProcess(args);
       try {
         expect(existsSync(join(data, 'events.jsonl.compact'))).toBe(false);
-        const first = JSON.parse(readFileSync(join(data, 'events.jsonl'), 'utf8').split('\n')[0]!) as { type: string };
+        const first = JSON.parse(readFileSync(join(data, 'events.jsonl'), 'utf8').split('\n')[0]) as { type: string };
         expect(first.type === 'snapshot').toBe(at === 'renamed');
         for (const uid of written) expect((await fetch(`${proc.url}/v1/episodes/${uid}`)).status, uid).toBe(200);
         for (let mb = await pull(proc.url, 2); mb; mb = await pull(proc.url, 2)) {

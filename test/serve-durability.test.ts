@@ -53,9 +53,9 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
         if (r?.status !== 200) return;
         const body = (await r.json().catch(() => undefined)) as { choices: { message: { content: string } }[] } | undefined;
         if (!body) return;
-        answered.set(ep, [...(answered.get(ep) ?? []), body.choices[0]!.message.content]);
+        answered.set(ep, [...(answered.get(ep) ?? []), body.choices[0].message.content]);
         sent.set(ep, [...(sent.get(ep) ?? []), messages]);
-        context.set(ep, [...messages, { role: 'assistant', content: body.choices[0]!.message.content }]);
+        context.set(ep, [...messages, { role: 'assistant', content: body.choices[0].message.content }]);
         if (++count === 40) killed = proc!.kill9();
       }
       const f = await post(`${proc!.url}/v1/episodes/${ep}/finish`, { reward: e % 3 }).catch(() => undefined);
@@ -116,7 +116,7 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
       const res = await fetch(`${base}/v1/batches/next?rank=0&wait=3`);
       if (res.status !== 200) return undefined;
       const id = res.headers.get('x-treepack-id')!;
-      const seq = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids!) as string[];
+      const seq = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids) as string[];
       return { id, seq };
     };
     for (let i = 0; i < 5; i++) {

@@ -39,7 +39,7 @@ async function drain(base: string, dp = 1): Promise<{ entry: Entry; seqIds: stri
       expect(res.status).toBe(200);
       const entry = JSON.parse(res.headers.get('x-treepack-entry')!) as Entry;
       const meta = parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata;
-      got.push({ entry, seqIds: JSON.parse(meta.sequence_ids!) as string[] });
+      got.push({ entry, seqIds: JSON.parse(meta.sequence_ids) as string[] });
       expect((await post(`${base}/v1/batches/${entry.id}/ack`, {})).status).toBe(200);
       more = true;
     }
@@ -147,8 +147,8 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     const system = Array.from({ length: 40 }, (_, i) => `rule ${i}`).join('; ');
     for (let k = 0; k < 4; k++) {
       const rec = record(0, k, k);
-      rec.messages[0]!.content = system;
-      rec.messages[2]!.content = `answer ${k}: ${`step ${k} `.repeat(8)}`;
+      rec.messages[0].content = system;
+      rec.messages[2].content = `answer ${k}: ${`step ${k} `.repeat(8)}`;
       expect((await post(`${base}/buffer/write`, rec)).status).toBe(200);
     }
     const next = async (client: string) => {
@@ -171,7 +171,7 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     await new Promise((r) => setTimeout(r, 4100)); // a dies: its lease runs out (long enough for the restart above on a loaded machine)
     const again: (Entry & { step: number })[] = [];
     for (let e = await next('b'); e; e = await next('b')) again.push(e);
-    expect(again[0]!.id).toBe(first.id); // the run starts over from its first micro-batch, in plan order
+    expect(again[0].id).toBe(first.id); // the run starts over from its first micro-batch, in plan order
     expect(again.map((e) => e.step)).toEqual(again.map((_, i) => first.step + i));
     expect(again.length).toBeGreaterThan(2);
     expect(await next('a')).toBeUndefined(); // a, back, gets nothing of b's run

@@ -49,8 +49,8 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     ];
     const r1 = await a.chat.completions.create({ model: 'tiny', messages: msgs, tools: TOOLS, max_tokens: 6 });
     expect((r1 as unknown as Record<string, unknown>).prompt_token_ids).toBeUndefined(); // the client sees what it asked for
-    expect(r1.choices[0]!.logprobs ?? null).toBeNull();
-    msgs.push({ role: 'assistant', content: r1.choices[0]!.message.content }, { role: 'user', content: 'Use the search tool.' });
+    expect(r1.choices[0].logprobs ?? null).toBeNull();
+    msgs.push({ role: 'assistant', content: r1.choices[0].message.content }, { role: 'user', content: 'Use the search tool.' });
     // A retry with temporary context (AgentJet's example): a hint added for one call only, then dropped.
     await a.chat.completions.create({ model: 'tiny', messages: [...msgs, { role: 'user', content: 'Hint: be brief.' }], tools: TOOLS, max_tokens: 4 });
     const stream = await a.chat.completions.create({ model: 'tiny', messages: msgs, tools: TOOLS, tool_choice: { type: 'function', function: { name: 'search' } }, max_tokens: 5, stream: true });
@@ -75,11 +75,11 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     const planner = new OpenAI({ baseURL: `${base}/v1`, apiKey: key.api_key, defaultHeaders: { 'x-treepack-agent': 'planner' } });
     const coder = new OpenAI({ baseURL: `${base}/v1`, apiKey: key.api_key, defaultHeaders: { 'x-treepack-agent': 'coder' } });
     const p1 = await planner.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'Plan a trip.' }], max_tokens: 5, logprobs: true });
-    expect(p1.choices[0]!.logprobs?.content?.length).toBeGreaterThan(0); // asked for: passed through
+    expect(p1.choices[0].logprobs?.content?.length).toBeGreaterThan(0); // asked for: passed through
     await coder.chat.completions.create({ model: 'tiny', messages: [{ role: 'system', content: 'You write code.' }, { role: 'user', content: 'Write a loop.' }], max_tokens: 5 });
-    await planner.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'Plan a trip.' }, { role: 'assistant', content: p1.choices[0]!.message.content }, { role: 'user', content: 'More.' }], max_tokens: 5 });
+    await planner.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'Plan a trip.' }, { role: 'assistant', content: p1.choices[0].message.content }, { role: 'user', content: 'More.' }], max_tokens: 5 });
     const c = await coder.completions.create({ model: 'tiny', prompt: 'def add(a, b):', max_tokens: 4 });
-    expect(typeof c.choices[0]!.text).toBe('string');
+    expect(typeof c.choices[0].text).toBe('string');
 
     // Recorded = produced: the engine's log, call by call, in order.
     const produced = engine.log();
@@ -115,8 +115,8 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     const mask = t.get('loss_mask')!.data as Uint8Array, lp = t.get('rollout_logprobs')!.data as Float32Array;
     const seqs = [];
     for (let i = 0; i + 1 < off.length; i++) {
-      const idx = Array.from(pos.subarray(off[i]!, off[i + 1]!));
-      seqs.push({ tokens: idx.map((p) => ids[p]!), mask: Array.from(mask.subarray(off[i]!, off[i + 1]!)), lp: Array.from(lp.subarray(off[i]!, off[i + 1]!)) });
+      const idx = Array.from(pos.subarray(off[i], off[i + 1]));
+      seqs.push({ tokens: idx.map((p) => ids[p]), mask: Array.from(mask.subarray(off[i], off[i + 1])), lp: Array.from(lp.subarray(off[i], off[i + 1])) });
     }
     for (const p of produced) {
       const full = [...p.prompt_token_ids, ...p.token_ids];
@@ -135,7 +135,7 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     expect(r.stderr).toBe('');
     const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8')) as { micro_batches: { file: string }[] };
     expect(manifest.micro_batches).toHaveLength(1);
-    expect(Buffer.from(bytes).equals(readFileSync(join(out, manifest.micro_batches[0]!.file)))).toBe(true);
+    expect(Buffer.from(bytes).equals(readFileSync(join(out, manifest.micro_batches[0].file)))).toBe(true);
 
     const ack = await fetch(`${base}/v1/batches/${entry.id}/ack`, { method: 'POST' });
     expect(await ack.json()).toMatchObject({ step_done: true, trainer_version: 1 });
@@ -169,15 +169,15 @@ print(json.dumps(seen))
     expect(r.stderr).not.toMatch(/Traceback/);
     const seen = JSON.parse(r.stdout.trim().split('\n').pop()!) as { groups: string[]; dtype: string; sequences: number; trainable: number; advantages: number[]; ack: { step_done: boolean } }[];
     expect(seen).toHaveLength(1);
-    expect(seen[0]!.groups).toEqual(['py-task']);
-    expect(seen[0]!.dtype).toBe('torch.int64');
+    expect(seen[0].groups).toEqual(['py-task']);
+    expect(seen[0].dtype).toBe('torch.int64');
     // Two episodes of two turns each, every turn's response trainable once: one merged sequence per episode.
-    expect(seen[0]!.sequences).toBe(2);
+    expect(seen[0].sequences).toBe(2);
     const produced = engine.log().slice(before);
-    expect(seen[0]!.trainable).toBe(produced.reduce((a, p) => a + p.token_ids.length, 0));
+    expect(seen[0].trainable).toBe(produced.reduce((a, p) => a + p.token_ids.length, 0));
     // GRPO over rewards 1 and 0 (mean 0.5, unbiased std sqrt(1/2), eps 1e-6) on every trainable token.
     const a = Math.fround(0.5 / (Math.SQRT1_2 + 1e-6));
-    expect(seen[0]!.advantages.sort()).toEqual([-a, a]);
-    expect(seen[0]!.ack.step_done).toBe(true);
+    expect(seen[0].advantages.sort()).toEqual([-a, a]);
+    expect(seen[0].ack.step_done).toBe(true);
   });
 });

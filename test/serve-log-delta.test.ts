@@ -118,7 +118,7 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     const broken = tempDir('tp-serve-delta-broken-');
     const lines = readFileSync(join(dir, 'events.jsonl'), 'utf8').split('\n').filter(Boolean);
     writeFileSync(join(broken, 'events.jsonl'), lines[0] + '\n'); // the first call only
-    const second = JSON.parse(lines[1]!) as { call: { request: { from: string } } };
+    const second = JSON.parse(lines[1]) as { call: { request: { from: string } } };
     second.call.request.from = 'no-such-call';
     appendFileSync(join(broken, 'events.jsonl'), JSON.stringify(second) + '\n');
     await expect(Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/);

@@ -44,10 +44,10 @@ async function pull(base: string, rank: number, wait = 0): Promise<Got | undefin
   expect(res.status, await res.clone().text()).toBe(200);
   const bytes = Buffer.from(await res.arrayBuffer());
   const entry = JSON.parse(res.headers.get('x-treepack-entry')!) as Entry;
-  return { entry, bytes, seqIds: JSON.parse(parseSafetensors(new Uint8Array(bytes)).metadata.sequence_ids!) as string[] };
+  return { entry, bytes, seqIds: JSON.parse(parseSafetensors(new Uint8Array(bytes)).metadata.sequence_ids) as string[] };
 }
 
-const episodeOf = (seq: string) => seq.split('/')[0]!;
+const episodeOf = (seq: string) => seq.split('/')[0];
 
 const run = redisAvailable('serve-redis') ? describe : describe.skip;
 
@@ -161,7 +161,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
         idle++;
         continue;
       }
-      trained[mb.entry.groups[0]!] = [...new Set(mb.seqIds.map(episodeOf))].sort();
+      trained[mb.entry.groups[0]] = [...new Set(mb.seqIds.map(episodeOf))].sort();
       expect((await post(`${A}/v1/batches/${mb.entry.id}/ack`, {})).status).toBe(200);
     }
     // H closed by the idle timeout with h1, X with x1; S whole: both its episodes, s2's many calls included.

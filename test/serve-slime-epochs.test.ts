@@ -54,7 +54,7 @@ async function produceAndRead(bases: () => string[], all: Rec[][], between?: (ep
     await between?.(e);
     for (const rec of records.slice(half)) await write(rec);
     // slime's producer tries a write twice when the first answer is lost: the resend is answered, not doubled
-    await write(records[0]!);
+    await write(records[0]);
   }
   await read();
   return reads;
@@ -95,11 +95,11 @@ describe("slime's epochs: each instance written again every epoch, with new uids
     });
     checkReads(reads, all, n);
     // the same uid with another record is a conflict, named
-    const other = await post(`${cur.base}/buffer/write`, { ...all[0]![0]!, reward: 0.5 });
+    const other = await post(`${cur.base}/buffer/write`, { ...all[0][0], reward: 0.5 });
     expect(other.status).toBe(409);
     expect(await other.text()).toMatch(/uid \\"e0-i0-r0\\" was already written/);
     // the round separator is no character of an id a client chooses
-    const nul = await post(`${cur.base}/buffer/write`, { ...all[0]![0]!, uid: 'x', instance_id: 'a\u0000b' });
+    const nul = await post(`${cur.base}/buffer/write`, { ...all[0][0], uid: 'x', instance_id: 'a\u0000b' });
     expect(nul.status).toBe(400);
     expect(await nul.text()).toMatch(/field \\"instance_id\\" .*U\+0000/);
   });

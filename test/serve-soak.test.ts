@@ -121,7 +121,7 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         if (res && (res.status === 400) !== refusable) violations.push(`episode ${id} (${log.poison ?? 'no poison'}): call answered ${res.status}`);
         if (!res || res.status !== 200) return void (log.outcome = res ? 'refused' : 'crashed');
         log.answered++;
-        messages.push((res.json.choices as { message: unknown }[])[0]!.message, { role: 'user', content: `go on ${k}` });
+        messages.push((res.json.choices as { message: unknown }[])[0].message, { role: 'user', content: `go on ${k}` });
       }
       if (r() < 0.05) {
         const res = await send(() => `${url(gw)}/v1/episodes/${id}/abandon`, {}, {}, 20_000);
@@ -167,7 +167,7 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         idleSince = Date.now();
         if (acked.has(id)) violations.push(`micro-batch ${id} handed out again after its acknowledgement`);
         if (r() < 0.1) continue; // the trainer dies before acknowledging: handed out again after the lease
-        const seqs = JSON.parse(parseSafetensors(bytes).metadata.sequence_ids!) as string[];
+        const seqs = JSON.parse(parseSafetensors(bytes).metadata.sequence_ids) as string[];
         const ack = await send(() => `${url(Math.floor(r() * gateways.length))}/v1/batches/${id}/ack`, {}, {}, 30_000);
         // 404/409 on a retry: the first attempt was taken before its answer was lost (its step may be done since)
         if (ack && [200, 404, 409].includes(ack.status)) acked.set(id, seqs);
@@ -189,7 +189,7 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         gateways[which] = undefined;
         await g.kill9();
         await sleep(r() * 1000);
-        gateways[which] = await startServeProcess(args(dirs[which]!));
+        gateways[which] = await startServeProcess(args(dirs[which]));
       }
     }
 
@@ -244,7 +244,7 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         if (new Set(seqs).size !== seqs.length) violations.push(`episode ${ep.id}: a sequence trained twice (${got.join(', ')})`);
       }
       let gap = 0;
-      for (let i = 1; i < handouts.length; i++) gap = Math.max(gap, handouts[i]! - handouts[i - 1]!);
+      for (let i = 1; i < handouts.length; i++) gap = Math.max(gap, handouts[i] - handouts[i - 1]);
       console.log(`serve-soak: seed ${SEED}: ${JSON.stringify(counts)} episodes, ${acked.size} micro-batches acknowledged, longest gap between hand-outs ${gap} ms, drain ${drain} ms`);
       expect(violations, 'violations').toEqual([]);
       expect(counts.finished).toBeGreaterThan(20);

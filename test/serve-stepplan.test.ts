@@ -38,7 +38,7 @@ describe.skipIf(!python)('step plans through treepack serve', () => {
       const chat = async (messages: { role: string; content: string }[]) => {
         const res = await post(`${base}/groups/task/episodes/${ep}/v1/chat/completions`, { model: 'm', messages, max_tokens: 8 });
         expect(res.status).toBe(200);
-        return ((await res.json()) as { choices: { message: { content: string } }[] }).choices[0]!.message.content;
+        return ((await res.json()) as { choices: { message: { content: string } }[] }).choices[0].message.content;
       };
       const msgs = [{ role: 'system', content: system }, { role: 'user', content: 'Solve the task.' }];
       msgs.push({ role: 'assistant', content: await chat(msgs) }, { role: 'user', content: `Agent ${k}: ${'and more '.repeat(3 + 3 * k)}` });
@@ -47,7 +47,7 @@ describe.skipIf(!python)('step plans through treepack serve', () => {
     }
     const r = await promisify(execFile)(python!, [join(ROOT, 'python/tests/trainer/feed_stepplan.py'), base, '2', String(leaseS), 'qwen3', 'qwen3_5'], {
       encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' }, timeout: 580_000, maxBuffer: 16 << 20,
-    }).catch((err: { stdout?: string; stderr?: string }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}` }));
+    }).catch((err: Error & { stdout?: string; stderr?: string }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}` }));
     const got = JSON.parse(r.stdout.trim().split('\n').pop() ?? 'null', ) as {
       first: { id: string; prefix_push: number[]; prefix_tokens: number };
       during_lease: string | null;
@@ -62,11 +62,11 @@ describe.skipIf(!python)('step plans through treepack serve', () => {
     expect(g.first.prefix_push.length).toBeGreaterThan(0);
     expect(g.during_lease).toBeNull();
     // Each rank's micro-batches in plan order (consecutive steps), the replacement's from the dead one's first.
-    expect(g.ranks[0]![0]!.id).toBe(g.first.id);
+    expect(g.ranks[0][0].id).toBe(g.first.id);
     for (const [rank, mine] of g.ranks.entries()) {
       expect(mine.length).toBeGreaterThan(0);
-      expect(mine.every((m) => m.rank === rank && m.feed_step === mine[0]!.feed_step)).toBe(true);
-      expect(mine.map((m) => m.step)).toEqual(mine.map((_, i) => mine[0]!.step + i));
+      expect(mine.every((m) => m.rank === rank && m.feed_step === mine[0].feed_step)).toBe(true);
+      expect(mine.map((m) => m.step)).toEqual(mine.map((_, i) => mine[0].step + i));
     }
     // The plan hangs micro-batches from cached prefixes (a prefix shared by more than one micro-batch of a rank).
     expect(g.ranks.flat().some((m) => m.prefix_tokens > 0 && m.prefix_push.length === 0)).toBe(true);

@@ -33,7 +33,8 @@ const PLAN_MAX_TOKENS = 128; // under a group's packed tokens: its micro-batches
 const PREFIX_CACHE = 4096; // --prefix-reuse: cached prefix tokens allowed
 const DDP_MAX_TOKENS = 260; // under a group's packed tokens: a step is several micro-batches per rank
 const PAD_MULTIPLE = 64; // pad nodes tell the stored forest (which has them) from one rebuilt from TRL's rows (which has not)
-const LEASE_S = 4; // what a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice)
+// What a restarted trainer waits out (one trainer per service: a lease running out while it trains hands nothing out twice).
+const LEASE_S = 4;
 const DIED = 75; // feed_trl.py's dying trainer
 const TOOLS = [{ type: 'function', function: { name: 'search', description: 'search the web', parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] } } }];
 const SYSTEM = 'You are a careful agent. Check every fact with the search tool before you answer.';
@@ -85,12 +86,12 @@ async function episode(base: string, g: number, k: number): Promise<void> {
   const chat = async (messages: Msg[], extra: Msg = {}) => {
     const res = await post(url, { model: 'policy', messages, tools: TOOLS, max_tokens: 16, ...extra });
     expect(res.status, await res.clone().text()).toBe(200);
-    return ((await res.json()) as { choices: { message: Msg }[] }).choices[0]!.message;
+    return ((await res.json()) as { choices: { message: Msg }[] }).choices[0].message;
   };
   const msgs: Msg[] = [{ role: 'system', content: SYSTEM }, { role: 'user', content: `Task ${g}: what is the capital of country ${g}?` }];
   if (k % 2 === 0) {
     const call = await chat(msgs, { tool_choice: { type: 'function', function: { name: 'search' } } });
-    const tc = (call.tool_calls as { id: string }[])[0]!;
+    const tc = (call.tool_calls as { id: string }[])[0];
     msgs.push({ role: 'assistant', content: null, tool_calls: call.tool_calls }, { role: 'tool', tool_call_id: tc.id, content: `Result ${g}.${k}: city ${g * 7 + k}.` });
   }
   msgs.push(await chat(msgs));
@@ -169,7 +170,7 @@ function writeSpec(name: string, feed: string, steps: string[], more: Record<str
 function runDriver(script: string, phase: string, spec: string) {
   return promisify(execFile)(python!, [join(ROOT, 'python/tests/trainer', script), phase, spec], {
     encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' }, timeout: 280_000, maxBuffer: 16 << 20,
-  }).then((r) => ({ ...r, code: 0 }), (err: { stdout?: string; stderr?: string; code?: number }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}`, code: err.code }));
+  }).then((r) => ({ ...r, code: 0 }), (err: Error & { stdout?: string; stderr?: string; code?: number }) => ({ stdout: err.stdout ?? '', stderr: `${err.stderr ?? ''}${String(err)}`, code: err.code }));
 }
 
 /** The driver's last stdout line as JSON, or undefined after `ctx.skip` where it printed `{"skip": reason}`. */
@@ -280,12 +281,12 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
     const t1 = Date.now();
     const got = report<DdpReport>(await runDriver('feed_trl_more.py', 'ddp', spec), ctx);
     if (!got) return;
-    const perRank = got.tokens[0]!.micro_batches / steps.length; // micro-batches per rank and step
+    const perRank = got.tokens[0].micro_batches / steps.length; // micro-batches per rank and step
     const perStep = perRank * 2;
     const { ids } = windows(steps.length, perStep);
     expect(got.tokens.map((t) => t.micro_batches)).toEqual([perRank * steps.length, perRank * steps.length]);
-    expect(got.tokens[0]!.sequences + got.tokens[1]!.sequences).toBe(GROUPS * EPISODES);
-    expect(Math.min(got.tokens[0]!.sequences, got.tokens[1]!.sequences)).toBeGreaterThan(0);
+    expect(got.tokens[0].sequences + got.tokens[1].sequences).toBe(GROUPS * EPISODES);
+    expect(Math.min(got.tokens[0].sequences, got.tokens[1].sequences)).toBeGreaterThan(0);
     // A step plan's micro-batches hang from their rank's cached trunk (every rank's); the plain packing has no plan.
     for (const t of got.tokens) expect(t.hanging > 0).toBe(variant === 'plans');
     for (const [rank, r] of got.ranks.entries()) {
@@ -304,14 +305,14 @@ describe.skipIf(!python)('TRL trained from treepack serve through FeedClient', (
       expect(r.control.params, `rank ${rank}`).toBeGreaterThan(1e-4);
       expect(r.control.logs, `rank ${rank}`).toBeGreaterThan(1e-4);
     }
-    expect([...got.ranks[0]!.feed.events, ...got.ranks[1]!.feed.events].filter(([e]) => e === 'pulled').map(([, id]) => id).sort()).toEqual([...ids].sort());
+    expect([...got.ranks[0].feed.events, ...got.ranks[1].feed.events].filter(([e]) => e === 'pulled').map(([, id]) => id).sort()).toEqual([...ids].sort());
     expect(got.ranks_params).toBe(0);
     await expectDrained(s.url, steps.length, ids, 0);
-    const sum = (k: 'sequences' | 'naive' | 'packed') => got.tokens[0]![k] + got.tokens[1]![k];
+    const sum = (k: 'sequences' | 'naive' | 'packed') => got.tokens[0][k] + got.tokens[1][k];
     console.log(`test/serve-trl.test.ts (DDP, ${variant}): ${steps.length} optimizer steps of ${perRank} micro-batches per rank, ${sum('sequences')} sequences (rows ${JSON.stringify(got.tokens.map((t) => t.rows))}), ` +
-      `${sum('naive')} tokens packed to ${sum('packed')} (rank 0 ${got.tokens[0]!.packed}, rank 1 ${got.tokens[1]!.packed}); max |Δ| parameters ${got.ranks.map((r) => r.feed.params).join(' / ')}, ` +
+      `${sum('naive')} tokens packed to ${sum('packed')} (rank 0 ${got.tokens[0].packed}, rank 1 ${got.tokens[1].packed}); max |Δ| parameters ${got.ranks.map((r) => r.feed.params).join(' / ')}, ` +
       `logged metrics ${got.ranks.map((r) => r.feed.logs).join(' / ')}; control ${JSON.stringify(got.ranks.map((r) => r.control))}; ` +
-      `rank 0 TRL runs: reference ${got.ranks[0]!.reference_s.toFixed(1)} s, control ${got.ranks[0]!.control_s.toFixed(1)} s, feed ${got.ranks[0]!.feed_s.toFixed(1)} s; ` +
+      `rank 0 TRL runs: reference ${got.ranks[0].reference_s.toFixed(1)} s, control ${got.ranks[0].control_s.toFixed(1)} s, feed ${got.ranks[0].feed_s.toFixed(1)} s; ` +
       `episodes and packing ${((t1 - t0) / 1000).toFixed(1)} s, Python ${got.processes_s.toFixed(1)} s in the 2 processes, whole test ${((Date.now() - t0) / 1000).toFixed(1)} s`);
   });
 

@@ -49,7 +49,7 @@ describe('timeline merge scenarios', () => {
     ];
     const { samples, report } = mergeTimelines(ts);
     expect(samples.length).toBe(1);
-    const s = samples[0]!;
+    const s = samples[0];
     expect(s.id).toBe('e/2');
     expect(s.merged_from).toEqual(['e/0', 'e/1']);
     expect(arr(s.tokens)).toEqual([1, 2, 3, 11, 11, 101, 201, 12, 12, 102, 202, 13, 13, 103, 203]);
@@ -70,9 +70,9 @@ describe('timeline merge scenarios', () => {
       ['e/0', ['e/2']],
       ['e/1', undefined],
     ]);
-    expect(arr(samples[0]!.rollout_logprobs)).toEqual([0, 0, 0, 0, 0, -1.5, -0.25]);
-    expect(samples[1]!.rollout_logprobs).toBeUndefined();
-    expect(arr(samples[1]!.loss_mask)).toEqual([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+    expect(arr(samples[0].rollout_logprobs)).toEqual([0, 0, 0, 0, 0, -1.5, -0.25]);
+    expect(samples[1].rollout_logprobs).toBeUndefined();
+    expect(arr(samples[1].loss_mask)).toEqual([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
     expect(report).toMatchObject({ timelines: 3, samples: 2, absorbed: 1 });
     // Snaps still see the whole episode: e/2 goes back before e/1's turns.
     expect(report.snaps.map((x) => [x.record, x.kind])).toEqual([['e/2', 'rollback']]);
@@ -87,10 +87,10 @@ describe('timeline merge scenarios', () => {
     const { samples, report } = mergeTimelines(ts);
     expect(samples.map((s) => s.id)).toEqual(['e/1', 'e/1b']);
     // The canonical leaf is the child with the smaller identity: "u2" < "u3".
-    expect(samples[0]!.merged_from).toEqual(['e/0']);
-    expect(samples[1]!.merged_from).toBeUndefined();
-    expect(arr(samples[0]!.loss_mask)).toEqual([0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1]);
-    expect(arr(samples[1]!.loss_mask)).toEqual([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+    expect(samples[0].merged_from).toEqual(['e/0']);
+    expect(samples[1].merged_from).toBeUndefined();
+    expect(arr(samples[0].loss_mask)).toEqual([0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1]);
+    expect(arr(samples[1].loss_mask)).toEqual([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
     expect(report.absorbed).toBe(1);
   });
 
@@ -99,17 +99,17 @@ describe('timeline merge scenarios', () => {
     const ts = [tl('e/0', [sys(), user(1), sampled(1)]), tl('e/1', [sys(), user(1), drifted, user(2), sampled(2)])];
     const text = mergeTimelines(ts);
     expect(text.samples.length).toBe(1);
-    expect(arr(text.samples[0]!.tokens)).toEqual([1, 2, 3, 11, 11, 101, 201, 12, 12, 102, 202]);
-    expect(arr(text.samples[0]!.loss_mask)).toEqual([0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1]);
+    expect(arr(text.samples[0].tokens)).toEqual([1, 2, 3, 11, 11, 101, 201, 12, 12, 102, 202]);
+    expect(arr(text.samples[0].loss_mask)).toEqual([0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1]);
     expect(text.report.driftedMessages).toBe(1);
     // Token compare sees two different messages: nothing merges.
     const token = mergeTimelines(ts, { timelineCompareLevel: 'token' });
     expect(token.samples.map((s) => s.id)).toEqual(['e/0', 'e/1']);
-    expect(arr(token.samples[1]!.tokens)).toEqual([1, 2, 3, 11, 11, 7, 101, 201, 12, 12, 102, 202]);
+    expect(arr(token.samples[1].tokens)).toEqual([1, 2, 3, 11, 11, 7, 101, 201, 12, 12, 102, 202]);
     // Without drift, token compare merges and toggles the author as well.
-    const same = mergeTimelines([ts[0]!, tl('e/1', [sys(), user(1), context(1), user(2), sampled(2)])], { timelineCompareLevel: 'token' });
+    const same = mergeTimelines([ts[0], tl('e/1', [sys(), user(1), context(1), user(2), sampled(2)])], { timelineCompareLevel: 'token' });
     expect(same.samples.length).toBe(1);
-    expect(arr(same.samples[0]!.rollout_logprobs)!.slice(5, 7)).toEqual([-1.5, -0.25]);
+    expect(arr(same.samples[0].rollout_logprobs)!.slice(5, 7)).toEqual([-1.5, -0.25]);
   });
 
   it('fixRetokenizationDrift decides whether other branches see the sampled tokens or their own re-rendering', () => {
@@ -138,7 +138,7 @@ describe('timeline merge scenarios', () => {
     const { samples, report } = mergeTimelines(ts);
     expect(report).toMatchObject({ samples: 2, absorbed: 1, apart: 1 });
     // Both sampled versions are trained, each in one sample.
-    const lps = samples.map((s) => arr(s.rollout_logprobs)!.slice(5, 7)!.join());
+    const lps = samples.map((s) => arr(s.rollout_logprobs)!.slice(5, 7).join());
     expect(lps.sort()).toEqual(['-0.75,-0.125', '-1.5,-0.25']);
   });
 
@@ -179,7 +179,7 @@ const ask = { role: 'user', content: 'Find me a flight to Oslo.' };
 describe('timeline merge on chat records (Qwen3 template)', () => {
   it('an unmerged timeline is exactly what ChatEncoder.encode produces', () => {
     const r = chat('r', { messages: [system, ask], tools: tools('search'), response: { role: 'assistant', content: null, tool_calls: [call('search', '{"to": "OSL"}', 'c1')] } });
-    const s = timelineToSample(chatTimelines([r])[0]!);
+    const s = timelineToSample(chatTimelines([r])[0]);
     const e = encoder.encode(r);
     expect(arr(s.tokens)).toEqual(arr(e.tokens));
     expect(arr(s.loss_mask)).toEqual(arr(e.loss_mask));
@@ -194,7 +194,7 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
     expect(text.report.driftedMessages).toBe(1);
     // Request 0's trainable tokens (with their empty think block) sit unchanged at the start of the merged sample.
     const s0 = encoder.encode(r0);
-    const merged = text.samples[0]!;
+    const merged = text.samples[0];
     expect(arr(merged.tokens.subarray(0, s0.tokens.length))).toEqual(arr(s0.tokens));
     expect(arr(merged.loss_mask.subarray(0, s0.tokens.length))).toEqual(arr(s0.loss_mask));
     expect(encoder.tokenizer.decode(merged.tokens)).toContain('<think>\n\n</think>\n\nWhich date?<|im_end|>');
@@ -208,7 +208,7 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
     const r1 = chat('ep/1', { messages: [system, ask, lookup, { role: 'tool', content: '{}', tool_call_id: 'c1' }], response: { role: 'assistant', content: 'OK.' } });
     const ts = chatTimelines([r0, r1]);
     // Both assistant turns have content null: AgentJet's text compare would call them equal.
-    expect(ts[0]!.messages[2]!.calls).not.toBe(ts[1]!.messages[2]!.calls);
+    expect(ts[0].messages[2].calls).not.toBe(ts[1].messages[2].calls);
     expect(mergeTimelines(ts).samples.length).toBe(2);
     const same = chat('ep/1', { messages: [system, ask, cancel, { role: 'tool', content: '{}', tool_call_id: 'c1' }], response: { role: 'assistant', content: 'OK.' } });
     expect(mergeTimelines(chatTimelines([r0, same])).samples.length).toBe(1);
@@ -226,7 +226,7 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
 
   it('the engine’s token_ids win over the re-rendered response, with their logprobs', () => {
     const rendered = encoder.encode(chat('x', { messages: [ask], response: { role: 'assistant', content: 'Yes.' } }));
-    const gen = [...rendered.loss_mask.keys()].filter((i) => rendered.loss_mask[i] === 1).map((i) => rendered.tokens[i]!);
+    const gen = [...rendered.loss_mask.keys()].filter((i) => rendered.loss_mask[i] === 1).map((i) => rendered.tokens[i]);
     const engine = [...gen.slice(0, 2), 9999, ...gen.slice(2)]; // one token the template would not produce
     const logprobs = engine.map((_, i) => -0.5 * (i + 1));
     const r = chat('x', { messages: [ask], response: { role: 'assistant', content: 'Yes.', token_ids: engine, logprobs } });
@@ -280,13 +280,13 @@ describe('bad input', () => {
 
   it('pre-tokenized samples: boundaries make a timeline, other per-token fields pass through', () => {
     const [s] = parseRecords({ id: 's', tokens: [5, 6, 7, 8], loss_mask: [0, 0, 1, 1], rollout_logprobs: [0, 0, -1, -2], message_offsets: [0, 2] }, where) as Sample[];
-    const t = timelineFromSample(s!)!;
+    const t = timelineFromSample(s)!;
     expect(t.messages.map((m) => [m.author, arr(m.tokens)])).toEqual([
       ['env', [5, 6]],
       ['llm', [7, 8]],
     ]);
     const [o] = parseRecords({ id: 'o', tokens: [5, 6], message_offsets: [0], old_logprobs: [0, -1] }, where) as Sample[];
-    expect(timelineFromSample(o!)).toBeUndefined();
+    expect(timelineFromSample(o)).toBeUndefined();
   });
 });
 
@@ -330,8 +330,8 @@ function randomTimelines(seed: number, drift: boolean): Timeline[] {
       const states: TimelineMessage[][] = [[m('initialization', 'system'), m('user', `task ${pick(2)}`)]];
       const requests = 1 + pick(12);
       for (let k = 0; k < requests; k++) {
-        let state = r() < 0.7 ? states[states.length - 1]! : states[pick(states.length)]!;
-        if (r() < 0.1 && state.length > 3) state = [state[0]!, ...state.slice(2 + pick(state.length - 2))]; // truncation
+        let state = r() < 0.7 ? states[states.length - 1] : states[pick(states.length)];
+        if (r() < 0.1 && state.length > 3) state = [state[0], ...state.slice(2 + pick(state.length - 2))]; // truncation
         const answer = `answer ${pick(4)}`;
         out.push({ id: `e${e}-${agent}/${k}`, group: 'g', episode: `e${e}`, agent, tools: '', messages: [...state, gen(answer)], source: { file: 'p', line: k } });
         states.push([...state, m('env', answer), m('user', `reply ${pick(5)}`)]);

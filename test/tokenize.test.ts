@@ -38,8 +38,8 @@ function rec(messages: ChatMessage[], response: ChatMessage, tools?: unknown[]):
 function trainableText(t: TextTokenizer, s: Sample): string {
   const on = [...s.loss_mask.keys()].filter((i) => s.loss_mask[i] === 1);
   expect(on.length).toBeGreaterThan(0);
-  expect(on[on.length - 1]! - on[0]! + 1).toBe(on.length);
-  return t.decode(s.tokens.subarray(on[0], on[on.length - 1]! + 1));
+  expect(on[on.length - 1] - on[0] + 1).toBe(on.length);
+  return t.decode(s.tokens.subarray(on[0], on[on.length - 1] + 1));
 }
 
 const weatherTool = {
@@ -152,7 +152,7 @@ describe('loadTokenizer', () => {
     const copy = await loadTokenizer(dir);
     expect(copy.name).toBe(dir);
     expect(copy.vocabSize).toBe(151669);
-    const r = conversations[1]![1];
+    const r = conversations[1][1];
     const a = new ChatEncoder(copy).encode(r);
     expect(a.tokens).toEqual(native.encode(r).tokens);
     expect(a.loss_mask).toEqual(native.encode(r).loss_mask);
@@ -269,9 +269,9 @@ describe('ChatEncoder', () => {
       encodedChars: [...distinct].reduce((n, s) => n + s.length, 0),
       totalChars: texts.reduce((n, t) => n + t.length, 0),
     });
-    const again = enc.encode(chain[2]!);
+    const again = enc.encode(chain[2]);
     expect(enc.stats.unique).toBe(9);
-    expect(again.tokens).toEqual(tok.encode(texts[2]!));
+    expect(again.tokens).toEqual(tok.encode(texts[2]));
   });
 
   it('evicts under maxCacheChars without changing results', () => {

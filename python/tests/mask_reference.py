@@ -3,14 +3,13 @@ the C core's lowerings they check (treepack.flex)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
-
 from treepack.flex import SLICE_CAUSAL, BlockArrays
 
 
-def dense_mask(subtree_end: np.ndarray, position_ids: Any = None, window: Optional[int] = None, q_start: int = 0) -> np.ndarray:
+def dense_mask(subtree_end: np.ndarray, position_ids: Any = None, window: int | None = None, q_start: int = 0) -> np.ndarray:
     """bool [N - q_start, N], row = query q_start + r: the reference every lowering is checked against (O(N²)); with
     ``window`` (and ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
     se = np.asarray(subtree_end, dtype=np.int64)
@@ -35,7 +34,7 @@ def block_arrays_from_dense(mask: np.ndarray, block_size: int) -> BlockArrays:
     full = counts == block_size * block_size
     partial = (counts > 0) & ~full
 
-    def ordered(sel: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def ordered(sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         num = sel.sum(axis=1).astype(np.int32)
         idx = np.zeros((nq, nkv), dtype=np.int32)
         for i in range(nq):
@@ -46,12 +45,12 @@ def block_arrays_from_dense(mask: np.ndarray, block_size: int) -> BlockArrays:
     return BlockArrays(block_size, *ordered(partial), *ordered(full))
 
 
-def random_forest(rng: np.random.Generator, max_nodes: int = 40) -> Tuple[np.ndarray, np.ndarray]:
+def random_forest(rng: np.random.Generator, max_nodes: int = 40) -> tuple[np.ndarray, np.ndarray]:
     """(parent, subtree_end) of a random preorder forest of fewer than ``max_nodes`` nodes."""
     n = int(rng.integers(0, max_nodes))
     parent = np.array([-1 if p == 0 or rng.random() < 0.15 else int(rng.integers(0, p)) for p in range(n)], dtype=np.int64)
     # A preorder needs each child after its parent's earlier subtrees: rebuild one by DFS.
-    children: List[List[int]] = [[] for _ in range(n)]
+    children: list[list[int]] = [[] for _ in range(n)]
     for p in range(n):
         if parent[p] >= 0:
             children[parent[p]].append(p)

@@ -18,8 +18,8 @@ The examples run in a temporary working directory holding these fixtures, made o
   Its engine is never called (the URL is a closed port).
 
 A module whose examples need torch (and transformers, or trl and datasets: ``needs``) skips with the reason where
-one is not installed, and fails instead under TREEPACK_REQUIRE_TORCH=1. No example is skipped otherwise. A check that the examples found equal the ``>>>`` lines
-of the sources keeps an example from escaping the runner (in a place doctest does not look).
+one is not installed, and fails instead under TREEPACK_REQUIRE_TORCH=1. No example is skipped otherwise. A check
+that the examples found equal the ``>>>`` lines of the sources keeps an example from escaping the runner (in a place doctest does not look).
 """
 
 from __future__ import annotations
@@ -43,12 +43,15 @@ import treepack
 PACKAGE = os.path.dirname(os.path.abspath(treepack.__file__))
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-SAMPLES = """\
-{"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, 0, -4.2, -4.0, -4.2]}
-{"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, 0, -4.2, -4.1, -4.1]}
-{"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2, -4.0]}
-{"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2]}
-"""
+SAMPLES = "".join(json.dumps(r) + "\n" for r in [
+    {"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1],
+     "old_logprobs": [0, 0, 0, 0, -4.2, -4.0, -4.2]},
+    {"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1],
+     "old_logprobs": [0, 0, 0, 0, -4.2, -4.1, -4.1]},
+    {"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1],
+     "old_logprobs": [0, 0, 0, -4.1, -4.2, -4.0]},
+    {"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2]},
+])
 PACKS = {
     "packed": ["--max-tokens", "16", "--dp", "2", "--masks", "block:128,slices"],
     "planned": ["--max-tokens", "8", "--prefix-reuse", "64"],

@@ -10,11 +10,10 @@ import os
 import unittest
 
 import numpy as np
-
 import treepack
 from mask_reference import block_arrays_from_dense, dense_mask, random_forest, slices_to_dense
-from treepack.flex import block_arrays, block_arrays_from_tree, block_arrays_windowed, cu_seqlens, magi_slices, slices_from_tree
 from treepack import TreepackError
+from treepack.flex import block_arrays, block_arrays_from_tree, block_arrays_windowed, cu_seqlens, magi_slices, slices_from_tree
 from treepack.loss import core_library
 
 try:

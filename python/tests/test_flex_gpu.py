@@ -10,7 +10,6 @@ import os
 import unittest
 
 import numpy as np
-
 import treepack
 from mask_reference import dense_mask
 from treepack.flex import flex_block_mask

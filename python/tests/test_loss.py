@@ -6,12 +6,12 @@ is skipped, with its reason, where its library or torch is missing."""
 
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import unittest
 
 import numpy as np
-
 import treepack
 from treepack import _abi, _native
 from treepack import loss as tl
@@ -115,7 +115,7 @@ class TypedConfigTest(unittest.TestCase):
                              ({"loss_scale": -2}, "loss_scale"), ({"loss_scale": float("nan")}, "loss_scale"),
                              ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"), ({"policy": "cispo", "dual_clip": 2}, "dual_clip")):
             with self.subTest(kwargs=kwargs):
-                for build in (lambda: tl.LossConfig(**kwargs), lambda: tl.make_config(kwargs)):
+                for build in (functools.partial(tl.LossConfig, **kwargs), functools.partial(tl.make_config, kwargs)):
                     with self.assertRaises(tl.TreepackError) as cm:
                         build()
                     self.assertEqual(cm.exception.field, name)

@@ -13,10 +13,9 @@ import os
 import random
 import tempfile
 import unittest
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
-
 import treepack
 from treepack.__main__ import main
 from treepack.microbatch import TreepackError
@@ -25,10 +24,10 @@ SAFETENSORS_DTYPE = {np.dtype("<i4"): "I32", np.dtype("u1"): "U8", np.dtype("<f4
 
 
 def safetensors_bytes(
-    tensors: Sequence[Tuple[str, str, np.ndarray]], metadata: Optional[Dict[str, str]] = None, gap: int = 0
+    tensors: Sequence[tuple[str, str, np.ndarray]], metadata: dict[str, str] | None = None, gap: int = 0
 ) -> bytes:
     """tensors as (name, dtype name, array) laid out in the given order, `gap` zero bytes before each."""
-    header: Dict[str, object] = {}
+    header: dict[str, object] = {}
     if metadata is not None:
         header["__metadata__"] = metadata
     data = b""
@@ -42,20 +41,20 @@ def safetensors_bytes(
     return len(js).to_bytes(8, "little") + js + data
 
 
-def pack(seqs: List[List[int]]) -> Dict[str, np.ndarray]:
+def pack(seqs: list[list[int]]) -> dict[str, np.ndarray]:
     """The prefix forest in DFS preorder, children by ascending token."""
-    trie: Dict = {}
+    trie: dict = {}
     for s in seqs:
         node = trie
         for tok in s:
             node = node.setdefault(tok, {})
-    input_ids: List[int] = []
-    position_ids: List[int] = []
-    parent: List[int] = []
-    subtree_end: List[int] = []
-    where: Dict[Tuple[int, ...], int] = {}
+    input_ids: list[int] = []
+    position_ids: list[int] = []
+    parent: list[int] = []
+    subtree_end: list[int] = []
+    where: dict[tuple[int, ...], int] = {}
 
-    def visit(node: Dict, par: int, depth: int, prefix: Tuple[int, ...]) -> None:
+    def visit(node: dict, par: int, depth: int, prefix: tuple[int, ...]) -> None:
         for tok in sorted(node):
             p = len(input_ids)
             input_ids.append(tok)
@@ -80,7 +79,7 @@ def pack(seqs: List[List[int]]) -> Dict[str, np.ndarray]:
     }
 
 
-def micro_batch_tensors(seqs: List[List[int]], rnd: random.Random) -> Tuple[List[Tuple[str, str, np.ndarray]], Dict[str, str]]:
+def micro_batch_tensors(seqs: list[list[int]], rnd: random.Random) -> tuple[list[tuple[str, str, np.ndarray]], dict[str, str]]:
     forest = pack(seqs)
     M = len(forest["seq_positions"])
     mask = np.array([0 if t == 0 else rnd.randint(0, 1) for s in seqs for t in range(len(s))], dtype="u1")
@@ -98,8 +97,8 @@ def micro_batch_tensors(seqs: List[List[int]], rnd: random.Random) -> Tuple[List
     return tensors, meta
 
 
-def random_seqs(rnd: random.Random, count: int = 12, max_len: int = 8, alphabet: int = 3) -> List[List[int]]:
-    out: List[List[int]] = []
+def random_seqs(rnd: random.Random, count: int = 12, max_len: int = 8, alphabet: int = 3) -> list[list[int]]:
+    out: list[list[int]] = []
     for _ in range(count):
         if out and rnd.random() < 0.5:
             base = rnd.choice(out)
@@ -117,7 +116,7 @@ def brute_valid(mb: treepack.MicroBatch) -> bool:
     if any(not -1 <= par[p] < p for p in range(N)):
         return False
 
-    def ancestors_or_self(q: int) -> List[int]:
+    def ancestors_or_self(q: int) -> list[int]:
         out = []
         while q >= 0:
             out.append(q)
@@ -259,7 +258,7 @@ class ReaderTest(unittest.TestCase):
 
 
 class InvariantTest(unittest.TestCase):
-    def batch(self, seqs: List[List[int]]) -> treepack.MicroBatch:
+    def batch(self, seqs: list[list[int]]) -> treepack.MicroBatch:
         f = {k: v.copy() for k, v in pack(seqs).items()}
         M = len(f["seq_positions"])
         meta = {"format": "treepack/1", "num_sequences": len(seqs), "num_tokens_naive": M}
@@ -369,7 +368,7 @@ class InvariantTest(unittest.TestCase):
         for _ in range(400):
             mb = self.batch(random_seqs(rnd, count=rnd.randint(2, 6), max_len=5))
             N = len(mb.input_ids)
-            children: Dict[int, List[int]] = {p: [] for p in range(-1, N)}
+            children: dict[int, list[int]] = {p: [] for p in range(-1, N)}
             for p in range(N):
                 children[int(mb.parent[p])].append(p)
             new = np.empty(N, dtype=np.int64)
@@ -394,7 +393,7 @@ class InvariantTest(unittest.TestCase):
 
 
 class ValuesTest(unittest.TestCase):
-    def write(self, d: str, name: str, change: Dict[str, np.ndarray]) -> str:
+    def write(self, d: str, name: str, change: dict[str, np.ndarray]) -> str:
         tensors, meta = micro_batch_tensors([[1, 2, 3], [1, 2], [4, 5]], random.Random(3))
         tensors = [(k, dt, change.get(k, a)) for k, dt, a in tensors]
         tensors.append(("old_logprobs", "F32", change.get("old_logprobs", np.full(7, -1.0, "<f4"))))

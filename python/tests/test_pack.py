@@ -8,7 +8,6 @@ import random
 import unittest
 
 import numpy as np
-
 import treepack
 from treepack import TreepackError
 

@@ -25,6 +25,7 @@
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
 """
 
+from .loss import LossConfig
 from .microbatch import (
     FORMAT,
     MANIFEST_FILE,
@@ -39,8 +40,6 @@ from .microbatch import (
     read_manifest,
     read_safetensors,
 )
-
-from .loss import LossConfig
 from .pack import pack_sequences
 from .plan import MicroBatchPlan, Plan, plan_micro_batches
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from . import _native
 from .microbatch import TreepackError, check_entry, check_invariants, check_values, load, read_manifest
 
 
-def _targets(paths: List[str]) -> Tuple[List[Tuple[str, Optional[Dict[str, Any]]]], bool]:
+def _targets(paths: list[str]) -> tuple[list[tuple[str, dict[str, Any] | None]], bool]:
     """Files to check, each with its manifest entry when it comes from a directory; False if a manifest failed."""
-    out: List[Tuple[str, Optional[Dict[str, Any]]]] = []
+    out: list[tuple[str, dict[str, Any] | None]] = []
     ok = True
     for path in paths:
         if not os.path.isdir(path):
@@ -37,7 +37,7 @@ def _targets(paths: List[str]) -> Tuple[List[Tuple[str, Optional[Dict[str, Any]]
     return out, ok
 
 
-def check(paths: List[str], vocab_size: Optional[int] = None) -> int:
+def check(paths: list[str], vocab_size: int | None = None) -> int:
     targets, ok = _targets(paths)
     failed = not ok
     for path, entry in targets:
@@ -76,7 +76,7 @@ def info() -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treepack", description="treepack micro-batch tools")
     commands = parser.add_subparsers(dest="command", required=True)
     check_cmd = commands.add_parser(

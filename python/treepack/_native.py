@@ -46,7 +46,7 @@ _C_TYPES = {np.dtype(t): c for t, c in ((np.int32, ctypes.c_int32), (np.int64, c
                                          (np.uint32, ctypes.c_uint32), (np.float32, ctypes.c_float), (np.float64, ctypes.c_double))}
 
 
-def _candidates(env: str, name: str, in_package: bool) -> List[str]:
+def _candidates(env: str, name: str, in_package: bool) -> list[str]:
     if os.environ.get(env):
         return [os.environ[env]]
     paths = [os.path.join(_HERE, name)] if in_package else []
@@ -89,9 +89,9 @@ def _open(env: str, name: str, abi_fn: str, signatures: _Signatures, hint: str,
     raise TreepackError("E_BACKEND", f"{name} not loaded ({tried}); {hint} or set {env}", field=env)
 
 
-_core: Optional[ctypes.CDLL] = None
-_cuda: Optional[ctypes.CDLL] = None
-_cuda_error: Optional[TreepackError] = None
+_core: ctypes.CDLL | None = None
+_cuda: ctypes.CDLL | None = None
+_cuda_error: TreepackError | None = None
 
 
 def core() -> ctypes.CDLL:

@@ -27,8 +27,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any
 
 from .microbatch import TreepackError
 
@@ -39,11 +40,11 @@ class FeedMicroBatch:
     ``batch`` as a treepack.torch.PackedBatch, and ``ack()`` to acknowledge it."""
 
     id: str
-    entry: Dict[str, Any]
+    entry: dict[str, Any]
     batch: Any  # treepack.torch.PackedBatch
-    client: "FeedClient"
+    client: FeedClient
 
-    def ack(self) -> Dict[str, Any]:
+    def ack(self) -> dict[str, Any]:
         """Acknowledges this micro-batch (call after the optimizer step that used it)."""
         return self.client.ack(self.id)
 
@@ -53,9 +54,9 @@ class FeedClient:
     the iteration when a poll comes back empty instead of polling again (the producers are done); ``client``: this
     trainer process's id for the service (a step plan's micro-batches go to one client in order), random if None."""
 
-    def __init__(self, url: str, rank: int = 0, dp: Optional[int] = None, token: Optional[str] = None, wait: float = 30.0,
+    def __init__(self, url: str, rank: int = 0, dp: int | None = None, token: str | None = None, wait: float = 30.0,
                  stop_when_idle: bool = False, device: Any = None, pin_memory: bool = False, timeout: float = 60.0,
-                 client: Optional[str] = None) -> None:
+                 client: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.client = uuid.uuid4().hex if client is None else client
         self.rank = rank
@@ -99,7 +100,7 @@ class FeedClient:
                 raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
                                             "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
 
-    def next(self) -> Optional[FeedMicroBatch]:
+    def next(self) -> FeedMicroBatch | None:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""
         from .torch import load_microbatch  # torch is needed only here
 

@@ -2,7 +2,8 @@
 
 The rule (docs/design.md §3): query q attends to key k iff ``k <= q < subtree_end[k]``; a sliding-window layer also
 needs ``position_ids[q] - position_ids[k] < window`` (§8; ``block_arrays_windowed``, ``tree_mask_mod``). ``treepack pack
---masks block:128,slices`` stores its lowerings in the micro-batch file (docs/concepts/prefix-trees.md, "Lowerings of the rule"; tensor names in docs/reference/format.md):
+--masks block:128,slices`` stores its lowerings in the micro-batch file (docs/concepts/prefix-trees.md, "Lowerings of
+the rule"; tensor names in docs/reference/format.md):
 
     >>> import torch, treepack
     >>> from torch.nn.attention.flex_attention import flex_attention
@@ -25,7 +26,7 @@ here from the tree arrays are the C core's (``tp_mask_*`` in libtreepack_core.so
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -102,7 +103,7 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     return BlockArrays(B, kv_num, kv_idx, full_num, full_idx)
 
 
-def _layout(rows: np.ndarray, cols: np.ndarray, nb: int) -> Tuple[np.ndarray, np.ndarray]:
+def _layout(rows: np.ndarray, cols: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
     """FlexAttention's (counts [nb], indices [nb, nb]) of the tiles (rows[t], cols[t]): ascending, 0-padded."""
     order = np.lexsort((cols, rows))
     rows, cols = rows[order], cols[order]
@@ -207,13 +208,13 @@ def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
     return out[: count.value].copy()
 
 
-def magi_ranges(parent: Any, subtree_end: Any) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+def magi_ranges(parent: Any, subtree_end: Any) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """MagiAttention's ``q_ranges``, ``k_ranges`` and ``attn_type_map`` (0 full, 1 causal) built from the tree."""
     s = slices_from_tree(parent, subtree_end)
     return s[:, 0:2].tolist(), s[:, 2:4].tolist(), s[:, 4].tolist()
 
 
-def tree_mask_mod(subtree_end: Any, position_ids: Any = None, window: Optional[int] = None) -> Callable[[Any, Any, Any, Any], Any]:
+def tree_mask_mod(subtree_end: Any, position_ids: Any = None, window: int | None = None) -> Callable[[Any, Any, Any, Any], Any]:
     """FlexAttention ``mask_mod`` of the tree rule, with a sliding window when ``window`` is given (then
     ``position_ids`` too); both torch int tensors on the attention's device."""
 
@@ -260,7 +261,7 @@ def flex_block_mask(mb: MicroBatch, device: str = "cuda") -> Any:
     )
 
 
-def magi_slices(mb: MicroBatch) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+def magi_slices(mb: MicroBatch) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """MagiAttention's ``q_ranges``, ``k_ranges`` and ``attn_type_map`` (0 full, 1 causal) from the stored slices."""
     if "slices" not in mb.extra:
         raise _fail("slices", "no slices in this micro-batch (pack it with --masks slices)")

@@ -21,8 +21,9 @@ where each is found: treepack/_native.py.
 
 Config names, defaults, semantics and validation are those of src/loss/config.ts (docs/concepts/loss.md); every error is a
 TreepackError naming the field. Besides the contract's arrays the batch may carry ``seq_weight`` [S] (a trainer's
-per-sequence weight, docs/concepts/loss.md, "Aggregation and weights"); the turn aggregation reads ``turn_ids`` [M]. Names, defaults, enum codes, status codes and struct layouts come from _abi.py,
-generated from the same table as the C header (src/backend/abi.ts); a library built from other tables is refused.
+per-sequence weight, docs/concepts/loss.md, "Aggregation and weights"); the turn aggregation reads ``turn_ids`` [M].
+Names, defaults, enum codes, status codes and struct layouts come from _abi.py, generated from the same table as the
+C header (src/backend/abi.ts); a library built from other tables is refused.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +45,7 @@ POLICIES = _abi.POLICY_NAMES
 AGGREGATIONS = _abi.AGGREGATION_NAMES
 KL_ESTIMATORS = _abi.KL_NAMES
 TIS_LEVELS = _abi.TIS_NAMES
-DEFAULTS: Dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
+DEFAULTS: dict[str, Any] = dict(_abi.DEFAULTS)  # clip_high None: = clip_low
 
 
 LossConfigStruct = _abi.tp_loss_config  # make_config builds it
@@ -52,8 +54,12 @@ LossConfigStruct = _abi.tp_loss_config  # make_config builds it
 class LossMetrics(_abi.tp_loss_metrics):
     """``tp_loss_metrics`` of the C ABI, read back as a dict."""
 
-    def as_dict(self) -> Dict[str, float]:
-        return {n: getattr(self, n) for n, _ in self._fields_}
+    def as_dict(self) -> dict[str, float]:
+        return {n: getattr(self, n) for n, *_ in self._fields_}
+
+
+# The table's defaults are of mixed types; each field below declares its own, which __post_init__ checks.
+_DEFAULTS: Mapping[str, Any] = _abi.DEFAULTS
 
 
 @dataclass
@@ -69,20 +75,24 @@ class LossConfig:
         treepack.errors.TreepackError: field "clip_low": Expected a number >= 0 for clip_low but received -1
     """
 
-    policy: str = field(default=_abi.DEFAULTS["policy"], metadata={"help": "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; 'cispo': clipped, detached IS weight times lp."})
-    clip_low: float = field(default=_abi.DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
-    clip_high: Optional[float] = field(default=_abi.DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
-    dual_clip: float = field(default=_abi.DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
-    log_ratio_clamp: float = field(default=_abi.DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
-    aggregation: str = field(default=_abi.DEFAULTS["aggregation"], metadata={"help": "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' (Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids)."})
-    norm_constant: float = field(default=_abi.DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
-    global_tokens: float = field(default=_abi.DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
-    global_sequences: float = field(default=_abi.DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
-    loss_scale: float = field(default=_abi.DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
-    kl: str = field(default=_abi.DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
-    kl_coef: float = field(default=_abi.DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
-    tis: str = field(default=_abi.DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
-    tis_cap: float = field(default=_abi.DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
+    policy: str = field(default=_DEFAULTS["policy"], metadata={"help": (
+        "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; "
+        "'cispo': clipped, detached IS weight times lp.")})
+    clip_low: float = field(default=_DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
+    clip_high: float | None = field(default=_DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
+    dual_clip: float = field(default=_DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
+    log_ratio_clamp: float = field(default=_DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
+    aggregation: str = field(default=_DEFAULTS["aggregation"], metadata={"help": (
+        "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' "
+        "(Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids).")})
+    norm_constant: float = field(default=_DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
+    global_tokens: float = field(default=_DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
+    global_sequences: float = field(default=_DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
+    loss_scale: float = field(default=_DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
+    kl: str = field(default=_DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
+    kl_coef: float = field(default=_DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
+    tis: str = field(default=_DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
+    tis_cap: float = field(default=_DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
 
     def __post_init__(self) -> None:
         given = dataclasses.asdict(self)
@@ -91,12 +101,12 @@ class LossConfig:
         for k, v in _resolve(given).items():
             setattr(self, k, v)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict of its fields (JSON-serialisable; what `treepack loss --config` reads)."""
         return dataclasses.asdict(self)
 
 
-def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+def _resolve(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """Defaults filled and every field checked as src/loss/config.ts checks it (TreepackError E_ARG naming the field)."""
     if config is not None and not isinstance(config, Mapping):
         raise TreepackError("E_ARG", f"Expected an object for loss config but received {type(config).__name__}", field="loss config")
@@ -136,14 +146,14 @@ def _resolve(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return c
 
 
-def resolve_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> Dict[str, Any]:
+def resolve_config(config: None | Mapping[str, Any] | LossConfig = None) -> dict[str, Any]:
     """The config (a ``LossConfig``, a dict of the same names, or None for the defaults) as a dict with the defaults
     filled and every field checked (TreepackError naming the field): resolve once and pass the dict when compiling,
     so the compiled code holds only constants."""
     return _resolve(config.to_dict() if isinstance(config, LossConfig) else config)
 
 
-def make_config(config: Union[None, Mapping[str, Any], LossConfig] = None) -> LossConfigStruct:
+def make_config(config: None | Mapping[str, Any] | LossConfig = None) -> LossConfigStruct:
     """The C ABI's struct of a config (a ``LossConfig``, a dict of the same names, or None for the defaults)."""
     c = resolve_config(config)
     codes = {name: table.index(c[name]) for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))}
@@ -184,7 +194,7 @@ def _status_field(rc: int) -> str:
     return {_abi.TP_ERR_INDEX: "seq_positions", _abi.TP_ERR_TURNS: "turn_ids"}.get(rc, "seq_offsets")
 
 
-def _check_weights(sw: Optional[np.ndarray], S: int) -> None:
+def _check_weights(sw: np.ndarray | None, S: int) -> None:
     """seq_weight: one finite weight >= 0 per sequence (the kernels take it as it is)."""
     if sw is None:
         return
@@ -194,7 +204,7 @@ def _check_weights(sw: Optional[np.ndarray], S: int) -> None:
         raise TreepackError("E_INPUT", f"seq_weight[{int(np.flatnonzero(~(np.isfinite(sw) & (sw >= 0)))[0])}] is not a finite number >= 0", field="seq_weight")
 
 
-def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any], LossConfig] = None) -> Tuple[float, np.ndarray, Dict[str, float]]:
+def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | LossConfig = None) -> tuple[float, np.ndarray, dict[str, float]]:
     """Loss, dloss/dlp [N] (float32) and metrics on the CPU core. ``batch`` is a treepack.MicroBatch or a mapping
     with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
     turn_ids) and optionally ``seq_weight`` [S]."""
@@ -207,10 +217,11 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     M, N = pos.shape[0], lp.shape[0]
     if off.shape[0] < 1 or off[-1] != M or mask.shape[0] != M:
-        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
+        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, "
+                            f"but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
     if M and (pos.min() < 0 or pos.max() >= N):
         raise TreepackError("E_INPUT", f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}", field="seq_positions" if pos.min() < 0 else "logprobs")
-    arrays = {}
+    arrays: dict[str, np.ndarray | None] = {}
     for f in _FIELDS:
         a = get(f)
         if a is None:
@@ -218,9 +229,10 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
                 raise TreepackError("E_INPUT", f"the loss config needs {f} but the batch has none", field=f)
             arrays[f] = None
             continue
-        arrays[f] = np.ascontiguousarray(a, dtype=np.float32)
-        if arrays[f].shape[0] != M:
-            raise TreepackError("E_INPUT", f"{f} has {arrays[f].shape[0]} elements, expected M = {M}", field=f)
+        arr = np.ascontiguousarray(a, dtype=np.float32)
+        if arr.shape[0] != M:
+            raise TreepackError("E_INPUT", f"{f} has {arr.shape[0]} elements, expected M = {M}", field=f)
+        arrays[f] = arr
     sw = get("seq_weight")
     sw = None if sw is None else np.ascontiguousarray(sw, dtype=np.float32)
     _check_weights(sw, off.shape[0] - 1)
@@ -232,7 +244,7 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: Union[None, Mapping[str, Any]
         if turn.shape != (M,):
             raise TreepackError("E_INPUT", f"turn_ids has shape {list(turn.shape)}, expected [M = {M}]", field="turn_ids")
     trainable = mask != 0
-    for name, a in (("logprobs", lp[pos]), *((f, arrays[f]) for f in _FIELDS if arrays[f] is not None and _needed(c, f))):
+    for name, a in (("logprobs", lp[pos]), *((f, a) for f, a in arrays.items() if a is not None and _needed(c, f))):
         if not np.isfinite(a[trainable]).all():
             raise TreepackError("E_INPUT", f"{name} has a non-finite value at a trainable position", field=name)
     grad = np.zeros(N, dtype=np.float32)

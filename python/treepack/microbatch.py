@@ -13,7 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
@@ -73,9 +73,9 @@ class SafetensorsFile(NamedTuple):
     """A safetensors file as read: ``tensors`` by name (numpy arrays), their safetensors ``dtypes`` and the header
     ``metadata`` (strings)."""
 
-    tensors: Dict[str, np.ndarray]
-    dtypes: Dict[str, str]  # the safetensors dtype names (BF16 and F8 arrays are raw bits)
-    metadata: Dict[str, str]
+    tensors: dict[str, np.ndarray]
+    dtypes: dict[str, str]  # the safetensors dtype names (BF16 and F8 arrays are raw bits)
+    metadata: dict[str, str]
 
 
 def _is_count(x: Any) -> bool:
@@ -85,7 +85,7 @@ def _is_count(x: Any) -> bool:
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
 
-def _diagnose(data: bytes) -> Optional[Tuple[str, str]]:
+def _diagnose(data: bytes) -> tuple[str, str] | None:
     """(field, message) naming the tensor or metadata key at fault in a file the library refused, when the header
     parses: the library's message does not always say which one."""
     n = int.from_bytes(data[:8], "little")
@@ -143,8 +143,8 @@ def read_safetensors(src: Source) -> SafetensorsFile:
         named = re.search(r"for tensor `(.+)`", str(e))
         fld, message = (named.group(1), str(e)) if named else _diagnose(data) or (_HEADER, str(e))
         raise TreepackError("E_INPUT", f"not a valid safetensors file ({len(data)} bytes): {message}", path, fld) from None
-    tensors: Dict[str, np.ndarray] = {}
-    dtypes: Dict[str, str] = {}
+    tensors: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
     for name, info in entries:
         dtype = info["dtype"]
         if dtype not in _DTYPES:
@@ -170,13 +170,13 @@ class MicroBatch:
     seq_offsets: np.ndarray  # int32 [S+1]
     seq_positions: np.ndarray  # int32 [M]
     loss_mask: np.ndarray  # uint8 [M]
-    meta: Dict[str, Any]  # numbers as int, sequence_ids as a list; other keys as stored
-    extra: Dict[str, np.ndarray] = field(default_factory=dict)  # tensors outside the contract
-    advantages: Optional[np.ndarray] = None  # float32 [M]
-    old_logprobs: Optional[np.ndarray] = None
-    ref_logprobs: Optional[np.ndarray] = None
-    rollout_logprobs: Optional[np.ndarray] = None
-    turn_ids: Optional[np.ndarray] = None  # int32 [M], never decreasing along a sequence
+    meta: dict[str, Any]  # numbers as int, sequence_ids as a list; other keys as stored
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # tensors outside the contract
+    advantages: np.ndarray | None = None  # float32 [M]
+    old_logprobs: np.ndarray | None = None
+    ref_logprobs: np.ndarray | None = None
+    rollout_logprobs: np.ndarray | None = None
+    turn_ids: np.ndarray | None = None  # int32 [M], never decreasing along a sequence
 
     @property
     def num_sequences(self) -> int:
@@ -231,7 +231,7 @@ def load(src: Source) -> MicroBatch:
     if md.get("format") != FORMAT:
         got = "missing" if "format" not in md else json.dumps(md["format"])
         raise fail("format", f"format is {got}, expected {json.dumps(FORMAT)}")
-    meta: Dict[str, Any] = dict(md)
+    meta: dict[str, Any] = dict(md)
     for key in _META_NUMBERS:
         s = md.get(key)
         if s is None or not re.fullmatch(r"0|[1-9][0-9]*", s):
@@ -251,7 +251,8 @@ def load(src: Source) -> MicroBatch:
         meta["vocab_size"] = int(vocab)
     given = [k for k in ("prefix_tokens", "prefix_push", "prefix_release") if k in md]
     if given:
-        # Extension (step plans, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a cached chain; the stack operations.
+        # Extension (step plans, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a cached
+        # chain; the stack operations.
         if len(given) != 3:
             raise fail(given[0], "prefix_tokens, prefix_push and prefix_release go together (a step plan entry)")
         for key in ("prefix_tokens", "prefix_release"):
@@ -274,7 +275,7 @@ def load(src: Source) -> MicroBatch:
     except ValueError:
         raise fail("sequence_ids", "sequence_ids is not JSON") from None
 
-    fields: Dict[str, np.ndarray] = {}
+    fields: dict[str, np.ndarray] = {}
     for name, dtype in _CONTRACT_DTYPES.items():
         if name not in st.tensors:
             if name in OPTIONAL_FIELDS:
@@ -291,7 +292,7 @@ def load(src: Source) -> MicroBatch:
     return mb
 
 
-def _report(out: List[str], mask: np.ndarray, what: str, describe: Callable[[int], str]) -> None:
+def _report(out: list[str], mask: np.ndarray, what: str, describe: Callable[[int], str]) -> None:
     idx = np.flatnonzero(mask)
     if idx.size:
         examples = "; ".join(describe(int(i)) for i in idx[:_EXAMPLES])
@@ -299,7 +300,7 @@ def _report(out: List[str], mask: np.ndarray, what: str, describe: Callable[[int
         out.append(f"{what} ({idx.size}): {examples}{more}")
 
 
-def check_invariants(mb: MicroBatch) -> List[str]:
+def check_invariants(mb: MicroBatch) -> list[str]:
     """docs/design.md §7 invariants 1, 2 and 4, and the padding of ``num_pad_tokens``; an empty list when the micro-batch is
     valid. The lengths are checked here, the rest by the C core's ``tp_forest_check``: parent before child,
     position_ids = depth, subtree_end = the end of each node's contiguous subtree (DFS preorder), seq_offsets CSR,
@@ -316,7 +317,7 @@ def check_invariants(mb: MicroBatch) -> List[str]:
         position_ids not the depth (1): position_ids[2] = 2, expected 1
         position_ids[seq_positions[k]] not t (1): position_ids[seq_positions[3]] = 2, expected 1 (sequence 1, t = 1)
     """
-    out: List[str] = []
+    out: list[str] = []
     N, M = len(mb.input_ids), len(mb.seq_positions)
     for f in NODE_FIELDS[1:]:
         if len(getattr(mb, f)) != N:
@@ -355,11 +356,11 @@ def check_invariants(mb: MicroBatch) -> List[str]:
     return out
 
 
-def check_values(mb: MicroBatch, vocab_size: Optional[int] = None) -> List[str]:
+def check_values(mb: MicroBatch, vocab_size: int | None = None) -> list[str]:
     """What the trainer would read wrong without failing: loss_mask other than 0/1 (a 7 counts as trainable),
     input_ids < 0 or >= vocab_size (when known; an embedding lookup out of range), and non-finite advantages or
     logprobs at trainable occurrences (masked ones never enter the loss). Empty when the values are valid."""
-    out: List[str] = []
+    out: list[str] = []
     ids = mb.input_ids.astype(np.int64)
     _report(out, ids < 0, "input_ids negative", lambda p: f"input_ids[{p}] = {ids[p]}")
     if vocab_size is not None:
@@ -373,11 +374,15 @@ def check_values(mb: MicroBatch, vocab_size: Optional[int] = None) -> List[str]:
     for f in OCCURRENCE_FLOAT_FIELDS:
         a = getattr(mb, f)
         if a is not None and len(a) == M:
-            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", lambda k, a=a, f=f: f"{f}[{k}] = {a[k]}")
+
+            def value(k: int, a: np.ndarray = a, f: str = f) -> str:
+                return f"{f}[{k}] = {a[k]}"
+
+            _report(out, trainable & ~np.isfinite(a), f"{f} not finite at a trainable occurrence", value)
     return out
 
 
-def read_manifest(directory: str) -> Dict[str, Any]:
+def read_manifest(directory: str) -> dict[str, Any]:
     """Reads ``<directory>/manifest.json``, the commit point of the run that wrote the directory, and checks it:
     format, and each ``micro_batches`` entry's ``file`` a relative path inside the directory with its counts.
 
@@ -406,28 +411,27 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     entries = doc.get("micro_batches")
     if not isinstance(entries, list):
         raise fail("micro_batches", "micro_batches is not a list")
-    for i, e in enumerate(entries):
+    for i, entry in enumerate(entries):
         at = f"micro_batches[{i}]"
-        if not isinstance(e, dict):
+        if not isinstance(entry, dict):
             raise fail(at, f"{at} is not an object")
-        f = e.get("file")
-        parts = f.split("/") if isinstance(f, str) else []
-        if not parts or any(p in ("", ".", "..") for p in parts) or "\\" in f or os.path.isabs(f):
-            raise fail(f"{at}.file", f"{at}.file is {json.dumps(f)}, expected a relative path inside the directory")
+        name = entry.get("file")
+        if not isinstance(name, str) or any(p in ("", ".", "..") for p in name.split("/")) or "\\" in name or os.path.isabs(name):
+            raise fail(f"{at}.file", f"{at}.file is {json.dumps(name)}, expected a relative path inside the directory")
         for k in ("sequences", "naive_tokens", "packed_tokens"):
-            if not _is_count(e.get(k)):
-                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(e.get(k))}, expected an integer >= 0")
+            if not _is_count(entry.get(k)):
+                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(entry.get(k))}, expected an integer >= 0")
     return doc
 
 
-def list_microbatches(directory: str) -> List[str]:
+def list_microbatches(directory: str) -> list[str]:
     """Paths of the micro-batch files ``directory``'s committed manifest names, in manifest order
     (``os.path.join(directory, entry["file"])`` for each entry). The way to enumerate a packed directory."""
     directory = os.fspath(directory)
     return [os.path.join(directory, *e["file"].split("/")) for e in read_manifest(directory)["micro_batches"]]
 
 
-def check_entry(mb: MicroBatch, entry: Dict[str, Any], path: str) -> None:
+def check_entry(mb: MicroBatch, entry: dict[str, Any], path: str) -> None:
     """Raises E_INPUT if a loaded file disagrees with its manifest entry (a file of another run)."""
     for k, key in (("sequences", "num_sequences"), ("naive_tokens", "num_tokens_naive"), ("packed_tokens", "num_tokens_packed")):
         if mb.meta[key] != entry[k]:

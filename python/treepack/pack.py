@@ -22,7 +22,8 @@ For the whole pipeline (chat records, templates, timeline merge, budgets) use ``
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -34,18 +35,18 @@ from .microbatch import FORMAT, OCCURRENCE_FLOAT_FIELDS, MicroBatch
 PerToken = Optional[Sequence[Union[Sequence[float], np.ndarray, float]]]
 
 
-def _per_token(field: str, values: Sequence[Any], lengths: List[int], dtype: type, scalar: bool) -> np.ndarray:
+def _per_token(field: str, values: Sequence[Any], lengths: list[int], dtype: type, scalar: bool) -> np.ndarray:
     """``values`` (one entry per sequence) concatenated in occurrence order as ``dtype`` [M]; a scalar entry (when
     ``scalar``) fills its sequence. Errors name the field and the sequence."""
     if len(values) != len(lengths):
         raise TreepackError("E_ARG", f"{field} has {len(values)} entries for {len(lengths)} sequences", field=field)
-    parts = []
+    parts: list[np.ndarray] = []
     for i, (v, n) in enumerate(zip(values, lengths)):
         if scalar and np.ndim(v) == 0:
             parts.append(np.full(n, v, dtype=dtype))
             continue
         try:
-            a = np.asarray(v, dtype=dtype)
+            a: np.ndarray = np.asarray(v, dtype=dtype)
         except (TypeError, ValueError) as e:
             raise TreepackError("E_ARG", f"{field}[{i}] (sequence {i}) is not numbers: {e}", field=field) from None
         if a.shape != (n,):
@@ -54,7 +55,7 @@ def _per_token(field: str, values: Sequence[Any], lengths: List[int], dtype: typ
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def _loss_mask(given: PerToken, lengths: List[int], starts: np.ndarray) -> np.ndarray:
+def _loss_mask(given: PerToken, lengths: list[int], starts: np.ndarray) -> np.ndarray:
     """The given mask, 0/1 and 0 at every t = 0; by default 1 except at t = 0."""
     if given is None:
         mask = np.ones(sum(lengths), dtype=np.uint8)
@@ -81,14 +82,14 @@ def _loss_mask(given: PerToken, lengths: List[int], starts: np.ndarray) -> np.nd
 def pack_sequences(
     sequences: Sequence[Sequence[int]],
     tokenizer: str = "unknown",
-    sequence_ids: Optional[Sequence[str]] = None,
+    sequence_ids: Sequence[str] | None = None,
     *,
     loss_mask: PerToken = None,
     advantages: PerToken = None,
     old_logprobs: PerToken = None,
     ref_logprobs: PerToken = None,
     rollout_logprobs: PerToken = None,
-    turns: Optional[Sequence[Sequence[int]]] = None,
+    turns: Sequence[Sequence[int]] | None = None,
 ) -> MicroBatch:
     """The forest of ``sequences`` (token ids) with the occurrence arrays of the contract (docs/design.md §3).
 
@@ -119,7 +120,7 @@ def pack_sequences(
     mask = _loss_mask(loss_mask, lengths, starts)
     trainable = mask != 0
     seq_of = np.repeat(np.arange(len(lengths)), lengths)
-    floats: Dict[str, Optional[np.ndarray]] = {}
+    floats: dict[str, np.ndarray | None] = {}
     for field, given in zip(OCCURRENCE_FLOAT_FIELDS, (advantages, old_logprobs, ref_logprobs, rollout_logprobs)):
         if given is None:
             floats[field] = None
@@ -150,10 +151,10 @@ def pack_sequences(
     meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
             "sequence_ids": ids}
     return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), **floats)
+                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), extra={}, **floats)
 
 
-def _turn_ids(turns: Optional[Sequence[Sequence[int]]], lengths: Sequence[int]) -> Optional[np.ndarray]:
+def _turn_ids(turns: Sequence[Sequence[int]] | None, lengths: Sequence[int]) -> np.ndarray | None:
     """The turn_ids [M] of per-sequence turn starts (src/pack/turns.ts defines the same from message boundaries)."""
     if turns is None:
         return None

@@ -31,8 +31,8 @@ the budget stands for.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class MicroBatchPlan:
     order, packed, naive and trainable token counts, and where it runs: ``rank`` and ``step`` (0-based on its rank)."""
 
     sequences: np.ndarray  # int64, indices into the window's sequences, ascending
-    groups: List[Hashable]  # in plan order
+    groups: list[Hashable]  # in plan order
     packed_tokens: int
     naive_tokens: int
     trainable_tokens: int
@@ -61,7 +61,7 @@ class Plan:
     ``packed_tokens``, ``optimum_tokens`` (the window as one forest: the lower bound of any split), and the step's
     naive and trainable tokens (what a global token-mean divides by) and sequences."""
 
-    micro_batches: List[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
+    micro_batches: list[MicroBatchPlan]  # step-major: step 0 of ranks 0..dp-1, then step 1, …
     packed_tokens: int  # Σ over micro-batches
     optimum_tokens: int  # the window as one forest: the lower bound of any split
     naive_tokens: int
@@ -83,13 +83,16 @@ def _positive(name: str, v: Optional[int]) -> Optional[int]:
 class _Runs:
     """The groups in forest order with their nodes; packed tokens of contiguous runs, counted with one mark array."""
 
-    def __init__(self, unit_nodes: List[np.ndarray], num_nodes: int):
+    def __init__(self, unit_nodes: list[np.ndarray], num_nodes: int):
         self.nodes = unit_nodes
         self.mark = np.zeros(num_nodes, dtype=bool)
 
-    def cuts(self, limit: float) -> Optional[List[int]]:
-        """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs), or None if a unit alone exceeds it."""
-        ends, used, cur = [], [], 0
+    def cuts(self, limit: float) -> list[int]:
+        """Run ends of the greedy split under ``limit`` packed tokens (the fewest runs); every unit fits alone (the
+        callers' limits are at least the largest unit)."""
+        ends: list[int] = []
+        used: list[np.ndarray] = []
+        cur = 0
         for u, nodes in enumerate(self.nodes):
             new = int(np.count_nonzero(~self.mark[nodes]))
             if cur and cur + new > limit:
@@ -99,9 +102,7 @@ class _Runs:
                 used, cur = [], 0
                 new = len(nodes)
             if new > limit:
-                for n in used:
-                    self.mark[n] = False
-                return None
+                raise ValueError(f"unit {u} alone packs to {new} tokens, over the limit {limit}")
             self.mark[nodes] = True
             used.append(nodes)
             cur += new
@@ -134,10 +135,10 @@ class _Runs:
 
 def plan_micro_batches(
     sequences: Sequence[Sequence[int]],
-    max_tokens: Optional[int] = None,
-    groups: Optional[Sequence[Hashable]] = None,
-    loss_masks: Optional[Sequence[Sequence[int]]] = None,
-    num_micro_batches: Optional[int] = None,
+    max_tokens: int | None = None,
+    groups: Sequence[Hashable] | None = None,
+    loss_masks: Sequence[Sequence[int]] | None = None,
+    num_micro_batches: int | None = None,
     dp: int = 1,
 ) -> Plan:
     """Micro-batches of ``sequences`` (token ids), each group (``groups[i]``: sequence i's key; every sequence its
@@ -172,7 +173,7 @@ def plan_micro_batches(
     forest = pack_sequences(sequences)
     offsets = np.asarray(forest.seq_offsets, dtype=np.int64)
     positions = np.asarray(forest.seq_positions, dtype=np.int64)
-    members: Dict[Hashable, List[int]] = {}
+    members: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
         members.setdefault(k, []).append(i)
     # A group's place in the forest: the preorder position of its first sequence's last token, so groups under one
@@ -189,7 +190,8 @@ def plan_micro_batches(
                             "a group is never split, so raise max_tokens or make the group smaller", field="max_tokens")
     count = num_micro_batches
     if count is None:
-        count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order else dp
+        # Without num_micro_batches, max_tokens is given (checked above).
+        count = -(-len(runs.cuts(max_tokens)) // dp) * dp if order and max_tokens is not None else dp
     if len(order) < count:
         raise TreepackError("E_ARG", f"{count} micro-batches need at least {count} groups, got {len(order)}", field="num_micro_batches")
     limit = float("inf") if max_tokens is None else max_tokens

@@ -24,7 +24,8 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,13 +36,13 @@ import treepack  # noqa: E402
 from treepack import _native  # noqa: E402
 from treepack import loss as tl  # noqa: E402
 
-Arrays = Tuple[np.ndarray, ...]
+Arrays = tuple[np.ndarray, ...]
 
 
-def forests(large: bool) -> Dict[str, List[List[int]]]:
+def forests(large: bool) -> dict[str, list[list[int]]]:
     r = random.Random(7)
     tok = lambda n, v=50: [r.randrange(1, v) for _ in range(n)]  # noqa: E731  (small vocabularies: shared prefixes)
-    out: Dict[str, List[List[int]]] = {"empty": [], "one token": [[5]], "duplicates": [[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3]],
+    out: dict[str, list[list[int]]] = {"empty": [], "one token": [[5]], "duplicates": [[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3]],
                                        "prefix of another": [[1, 2], [1, 2, 3, 4, 5], [1], [1, 2, 3]]}
     deep = [tok(8)]
     for _ in range(40):  # 40 nested branch points: depth of the branching >= 30
@@ -49,7 +50,7 @@ def forests(large: bool) -> Dict[str, List[List[int]]]:
     out["deep (40 nested branches)"] = deep
     out["wide (600 children)"] = [[9, 9, 9, t] + tok(r.randrange(0, 4)) for t in range(1, 601)]
     for i, (count, length) in enumerate(((30, 60), (200, 90))):
-        seqs: List[List[int]] = []
+        seqs: list[list[int]] = []
         for _ in range(count):
             base = r.choice(seqs) if seqs and r.random() < 0.8 else []
             seqs.append(base[: r.randrange(0, len(base) + 1)] + tok(r.randrange(1, length)))
@@ -68,19 +69,19 @@ class Core:
     def __init__(self) -> None:
         self.lib = _native.core()
 
-    def dense(self, parent: np.ndarray, se: np.ndarray) -> Tuple[int, Arrays]:
+    def dense(self, parent: np.ndarray, se: np.ndarray) -> tuple[int, Arrays]:
         out = np.zeros(len(se) * len(se), dtype=np.uint8)
         return self.lib.tp_mask_dense(_p(parent), _p(se), len(se), _p(out)), (out,)
 
-    def bits(self, parent: np.ndarray, se: np.ndarray) -> Tuple[int, Arrays]:
+    def bits(self, parent: np.ndarray, se: np.ndarray) -> tuple[int, Arrays]:
         out = np.zeros(len(se) * ((len(se) + 31) // 32), dtype=np.uint32)
         return self.lib.tp_mask_bits(_p(parent), _p(se), len(se), _p(out)), (out,)
 
-    def blocks(self, se: np.ndarray, B: int) -> Tuple[int, Arrays]:
+    def blocks(self, se: np.ndarray, B: int) -> tuple[int, Arrays]:
         a = _block_arrays(len(se), B)
         return self.lib.tp_mask_blocks(_p(se), len(se), B, *map(_p, a)), a
 
-    def gather(self, src: np.ndarray, idx: np.ndarray) -> Tuple[int, Arrays]:
+    def gather(self, src: np.ndarray, idx: np.ndarray) -> tuple[int, Arrays]:
         ok = (idx >= 0) & (idx < len(src))
         picked = src[np.where(ok, idx, 0)] if len(src) else np.zeros(len(idx), dtype=np.int32)
         return 0, (np.where(ok, picked, 0).astype(np.int32),)
@@ -97,19 +98,19 @@ class Cuda(Core):
     def __init__(self) -> None:
         self.lib = _native.cuda()
 
-    def dense(self, parent: np.ndarray, se: np.ndarray) -> Tuple[int, Arrays]:
+    def dense(self, parent: np.ndarray, se: np.ndarray) -> tuple[int, Arrays]:
         out = np.full(len(se) * len(se), 7, dtype=np.uint8)  # not zeros: every entry must be written
         return self.lib.tp_cuda_mask_dense_host(_p(parent), _p(se), len(se), _p(out), None), (out,)
 
-    def bits(self, parent: np.ndarray, se: np.ndarray) -> Tuple[int, Arrays]:
+    def bits(self, parent: np.ndarray, se: np.ndarray) -> tuple[int, Arrays]:
         out = np.full(len(se) * ((len(se) + 31) // 32), 0xA5A5A5A5, dtype=np.uint32)
         return self.lib.tp_cuda_mask_bits_host(_p(parent), _p(se), len(se), _p(out), None), (out,)
 
-    def blocks(self, se: np.ndarray, B: int) -> Tuple[int, Arrays]:
+    def blocks(self, se: np.ndarray, B: int) -> tuple[int, Arrays]:
         a = _block_arrays(len(se), B, fill=-7)
         return self.lib.tp_cuda_mask_blocks_host(_p(se), len(se), B, *map(_p, a), None), a
 
-    def gather(self, src: np.ndarray, idx: np.ndarray) -> Tuple[int, Arrays]:
+    def gather(self, src: np.ndarray, idx: np.ndarray) -> tuple[int, Arrays]:
         out = np.full(len(idx), -7, dtype=np.int32)
         return self.lib.tp_cuda_gather_i32_host(_p(src), len(src), _p(idx), len(idx), _p(out)), (out,)
 
@@ -125,7 +126,7 @@ def _block_arrays(n: int, B: int, fill: int = 0) -> Arrays:
     return tuple(np.full(k, fill, dtype=np.int32) for k in (nb, nb * nb, nb, nb * nb))
 
 
-LOSS_CONFIGS: List[Tuple[str, Dict[str, Any]]] = [
+LOSS_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("ppo token-mean", {"clip_low": 0.2, "clip_high": 0.28}),
     ("gspo seq-mean-token-mean", {"policy": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"}),
     ("cispo + k3 + token TIS", {"policy": "cispo", "clip_high": 0.28, "kl": "k3", "kl_coef": 0.05, "tis": "token", "tis_cap": 2.0}),
@@ -136,7 +137,7 @@ LOSS_CONFIGS: List[Tuple[str, Dict[str, Any]]] = [
 ]
 
 
-def loss_inputs(seqs: List[List[int]], seed: int) -> Tuple[treepack.MicroBatch, np.ndarray]:
+def loss_inputs(seqs: list[list[int]], seed: int) -> tuple[treepack.MicroBatch, np.ndarray]:
     r = np.random.default_rng(seed)
     turns = [sorted({1} | set(r.integers(1, max(2, len(s)), 2).tolist())) if len(s) > 1 else [] for s in seqs]
     mb = treepack.pack_sequences(seqs, turns=turns)
@@ -149,7 +150,7 @@ def loss_inputs(seqs: List[List[int]], seed: int) -> Tuple[treepack.MicroBatch, 
     return mb, lp
 
 
-def run_loss(impl: Core, mb: treepack.MicroBatch, lp: np.ndarray, config: Dict[str, Any]) -> Tuple[int, Arrays]:
+def run_loss(impl: Core, mb: treepack.MicroBatch, lp: np.ndarray, config: dict[str, Any]) -> tuple[int, Arrays]:
     """tp_loss's arguments (the CUDA host form takes the same) of a packed batch with every field present."""
     config = dict(config)
     sw = np.linspace(0.5, 2.0, len(mb.seq_offsets) - 1).astype(np.float32) if config.pop("seq_weight", False) else None
@@ -200,11 +201,11 @@ def planted(got: Arrays, kind: str) -> Arrays:
 
 class Tally:
     def __init__(self) -> None:
-        self.checks: Dict[str, int] = {}
-        self.failures: List[str] = []
-        self.controls: Dict[str, bool] = {}
+        self.checks: dict[str, int] = {}
+        self.failures: list[str] = []
+        self.controls: dict[str, bool] = {}
 
-    def compare(self, kind: str, what: str, want: Tuple[int, Arrays], got: Tuple[int, Arrays],
+    def compare(self, kind: str, what: str, want: tuple[int, Arrays], got: tuple[int, Arrays],
                 rule: Callable[[Arrays, Arrays], str]) -> None:
         self.checks[kind] = self.checks.get(kind, 0) + 1
         if want[0] != got[0]:
@@ -218,7 +219,7 @@ class Tally:
             self.controls[kind] = bool(rule(want[1], planted(got[1], "loss" if kind.startswith("loss") else kind)))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--self-test", action="store_true",
                     help="no CUDA: the C core against itself (every comparison equal, every planted fault caught)")

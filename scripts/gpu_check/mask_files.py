@@ -16,9 +16,8 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cuda_vs_core import forests  # noqa: E402
-
 import treepack  # noqa: E402  (cuda_vs_core put python/ on sys.path)
+from cuda_vs_core import forests  # noqa: E402
 from treepack.flex import BLOCK_TENSORS, block_arrays_from_tree, slices_from_tree  # noqa: E402
 
 BLOCK = 128

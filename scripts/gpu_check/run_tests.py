@@ -17,12 +17,12 @@ import os
 import re
 import sys
 import unittest
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 DEVICE_SKIP = re.compile(r"cuda|gpu|device", re.IGNORECASE)
 
 
-def load(path: str, patterns: List[str]) -> unittest.TestSuite:
+def load(path: str, patterns: list[str]) -> unittest.TestSuite:
     loader = unittest.TestLoader()
     if patterns:
         loader.testNamePatterns = [f"*{p}*" for p in patterns]
@@ -32,13 +32,13 @@ def load(path: str, patterns: List[str]) -> unittest.TestSuite:
     return loader.discover(start_dir=folder, pattern=os.path.basename(path), top_level_dir=folder)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("-k", dest="patterns", action="append", default=[])
     ap.add_argument("--require-cuda", action="store_true")
     a = ap.parse_args(argv)
-    problems: List[str] = []
+    problems: list[str] = []
     missing = [p for p in a.paths if not os.path.exists(p)]
     problems += [f"{p} not found" for p in missing]
     if a.require_cuda:
@@ -54,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if p not in missing:
             suite.addTests(load(p, a.patterns))
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
-    reasons: Dict[str, int] = {}
+    reasons: dict[str, int] = {}
     for _, why in result.skipped:
         reasons[why] = reasons.get(why, 0) + 1
     # Without --require-cuda a device skip is one skip among others, listed below.

@@ -20,7 +20,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import torch  # noqa: E402
-
 import treepack  # noqa: E402
 import treepack.torch as tpt  # noqa: E402
 
@@ -44,7 +43,7 @@ def _bench_step() -> Any:
 step = _bench_step()
 
 # Qwen3-0.6B's config.json (bench/cost-model.ts QWEN3_SHAPES[0]); tiny: bench/step.ts CPU_SHAPE, for the dry run.
-SHAPES: Dict[str, Dict[str, Any]] = {
+SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {"name": "Qwen3-0.6B", "hidden": 1024, "intermediate": 3072, "layers": 28, "heads": 16, "kv_heads": 8, "head_dim": 128,
                    "vocab": 151936},
     "tiny": {"name": "tiny Qwen3 shape", "hidden": 128, "intermediate": 384, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32,
@@ -58,7 +57,7 @@ with open(os.path.join(ROOT, "bench", "device-peaks.json")) as f:
     PEAKS = [(re.compile(p["match"], re.I), p["name"], float(p["flops"])) for p in json.load(f)["peaks"]]
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> Tuple[Optional[float], str]:
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """The peak MFU divides by, and where it comes from; None where this device and dtype have no entry."""
     if device.type != "cuda":
         return None, "unknown (CPU)"
@@ -69,7 +68,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Tuple[Optional[float
     return None, f"unknown ({name}, {str(dtype).replace('torch.', '')})"
 
 
-def agent_workload(budget: int, vocab: int, seed: int, episodes: int = 8, turns: int = 4) -> Dict[str, Any]:
+def agent_workload(budget: int, vocab: int, seed: int, episodes: int = 8, turns: int = 4) -> dict[str, Any]:
     """One group's calls (sequences), their loss masks and per-call advantages, sized so the packed forest fills
     ~94% of ``budget``: a prompt of 3/8 of it, then ``episodes`` × ``turns`` turns of response + tool output."""
     r = np.random.default_rng(seed)
@@ -94,7 +93,7 @@ def agent_workload(budget: int, vocab: int, seed: int, episodes: int = 8, turns:
     return {"sequences": seqs, "loss_masks": masks, "advantages": adv}
 
 
-def layouts(w: Dict[str, Any], budget: int) -> Dict[str, List[tpt.PackedBatch]]:
+def layouts(w: dict[str, Any], budget: int) -> dict[str, list[tpt.PackedBatch]]:
     """The naive and packed sides' micro-batches (CPU tensors, not yet padded) of a workload under ``budget``."""
     seqs, masks, adv = w["sequences"], w["loss_masks"], w["advantages"]
     plan = treepack.plan_micro_batches(seqs, max_tokens=budget, loss_masks=masks)
@@ -107,10 +106,10 @@ def layouts(w: Dict[str, Any], budget: int) -> Dict[str, List[tpt.PackedBatch]]:
     return {"naive": naive, "packed": packed}
 
 
-def report(result: Dict[str, Any], peak: Optional[float], peak_label: str) -> Dict[str, Any]:
+def report(result: dict[str, Any], peak: float | None, peak_label: str) -> dict[str, Any]:
     """The figures of one timed result: per side the best step, tokens/s and MFU; the speedup; the sides' Δ."""
     figs, sides = result["figures"], result["sides"]
-    out: Dict[str, Any] = {"peak": peak_label, "sides": {}}
+    out: dict[str, Any] = {"peak": peak_label, "sides": {}}
     for k in ("naive", "packed"):
         s, f = sides[k], figs[k]
         flops = step.model_flops(f, result["shape"], result["vocab"])
@@ -133,7 +132,7 @@ def report(result: Dict[str, Any], peak: Optional[float], peak_label: str) -> Di
     return out
 
 
-def summary_line(budget: int, shape: Dict[str, Any], dtype: torch.dtype, r: Dict[str, Any]) -> str:
+def summary_line(budget: int, shape: dict[str, Any], dtype: torch.dtype, r: dict[str, Any]) -> str:
     n, p, d = r["sides"]["naive"], r["sides"]["packed"], r["delta"]
     mfu = lambda s: "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"  # noqa: E731
     return (f"{budget} tokens, {shape['name']} {str(dtype).replace('torch.', '')}: compression {r['compression']:.1f}x; "
@@ -144,7 +143,7 @@ def summary_line(budget: int, shape: Dict[str, Any], dtype: torch.dtype, r: Dict
             f"grad-norm {d['grad_norm']['abs']:.3g} (rel {d['grad_norm']['rel']:.2g})")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, required=True, help="the micro-batch budget every micro-batch is padded to")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -165,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     w = agent_workload(a.tokens, shape["vocab"], a.seed)
     [result] = step.run_layouts({"name": "agent group", "input": 0, "repeats": a.repeats}, layouts(w, a.tokens), [shape], device, dtype,
                                 step.chain_attention(device, "stock"), vocab_size=shape["vocab"], pad=a.tokens)
-    out: Dict[str, Any] = {"budget": a.tokens, "shape": shape, "dtype": a.dtype, "device": str(device), "torch": torch.__version__,
+    out: dict[str, Any] = {"budget": a.tokens, "shape": shape, "dtype": a.dtype, "device": str(device), "torch": torch.__version__,
                            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     ok = "sides" in result and not result.get("mismatches")
     if "sides" in result:

@@ -73,7 +73,8 @@ function packageRoot(): string {
   const here = path.dirname(fileURLToPath(import.meta.url));
   for (let dir = here; ; dir = path.dirname(dir)) {
     try {
-      if (JSON.parse(fs.readFileSync(path.join(dir, 'package.json'), 'utf8')).name === 'treepack') return dir;
+      const pkg = JSON.parse(fs.readFileSync(path.join(dir, 'package.json'), 'utf8')) as { name?: unknown };
+      if (pkg.name === 'treepack') return dir;
     } catch {
       // no package.json here, or not ours: keep walking up
     }
@@ -155,7 +156,7 @@ export type BindingSource<B> = string | B;
 function inject<B extends { init(errorClass: typeof TreepackError): void }>(option: string, source: BindingSource<B>, functions: readonly string[]): Loaded<B> {
   const where = typeof source === 'string' ? path.resolve(source) : 'the given object';
   try {
-    const binding = typeof source === 'string' ? requireAddon(where) : source;
+    const binding: unknown = typeof source === 'string' ? requireAddon(where) : source;
     return { binding: adopt<B>(binding, functions), path: where };
   } catch (e) {
     throw new TreepackError('E_ARG', `${option}: ${where} is not a usable treepack addon: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`, { field: option });

@@ -31,7 +31,7 @@ export function optionValue<T>(parseValue: () => T): T {
 export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string): Parsed {
   try {
     const { values, positionals } = parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
-    return { values: values as Parsed['values'], positionals };
+    return { values: values, positionals };
   } catch (err) {
     throw usageError(`${(err as Error).message}\n\n${usage}`);
   }
@@ -78,7 +78,7 @@ export function packerOptions(values: Parsed['values'], entries: readonly Option
     const stray = entries.find((e) => given(e) && groupOf(e) === group);
     if (stray) throw usageError(`${stray.flag} needs ${need.flag} ${need.metavar} (the ${group} it applies to)`);
   }
-  return o as PackerOptions;
+  return o;
 }
 
 /** One line or more of a --help's option list: the flag, its help, and a note such as `[default: 1]`. */

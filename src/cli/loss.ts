@@ -54,7 +54,7 @@ export async function lossCommand(argv: string[]): Promise<number> {
       throw ioError(err, configFile);
     }
     try {
-      config = JSON.parse(text);
+      config = JSON.parse(text) as Record<string, unknown>;
     } catch (err) {
       throw new TreepackError('E_INPUT', `not valid JSON: ${(err as Error).message}`, { file: configFile });
     }

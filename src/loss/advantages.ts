@@ -125,7 +125,10 @@ function powerOfTwoNear(m: number): number {
   return m === 0 ? 1 : 2 ** Math.floor(Math.log2(m));
 }
 
-/** Token-weighted whitening over the batch (verl's masked_whiten: unbiased variance, `floor` = 1e-8 under the root, in the units of `a`). */
+/**
+ * Token-weighted whitening over the batch (verl's masked_whiten: unbiased variance, `floor` = 1e-8 under the root, in
+ * the units of `a`).
+ */
 function whiten(a: Float64Array, tokens: ArrayLike<number> | undefined, floor: number): void {
   let w = 0;
   let s = 0;

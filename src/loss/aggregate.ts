@@ -35,7 +35,10 @@ function countTrainable(seq_offsets: Int32Array, loss_mask: Uint8Array, cfg: Los
   return { tokens: cfg.global_tokens || tokens, sequences: cfg.global_sequences || sequences };
 }
 
-/** The weight of every trainable token of a sequence with n > 0 trainable tokens, before seq_weight and loss_scale (not for the turn mode). */
+/**
+ * The weight of every trainable token of a sequence with n > 0 trainable tokens, before seq_weight and loss_scale (not
+ * for the turn mode).
+ */
 function sequenceWeight(cfg: LossConfig, n: number, norm: Normalisers): number {
   switch (cfg.aggregation) {
     case 'token-mean':

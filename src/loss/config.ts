@@ -17,7 +17,10 @@ export type TisLevel = (typeof TIS_LEVELS)[number];
 
 /** The loss configuration, as the C ABI, the CLI's `--config` and Python's LossConfig name its fields. */
 export interface LossConfig {
-  /** `ppo`: clipped ratio (asymmetric ε, optional dual clip); `gspo`: sequence-level ratio; `cispo`: clipped, detached IS weight times lp. */
+  /**
+   * `ppo`: clipped ratio (asymmetric ε, optional dual clip); `gspo`: sequence-level ratio; `cispo`: clipped, detached IS
+   * weight times lp.
+   */
   policy: PolicyLoss;
   clip_low: number; // ε_low ≥ 0: the ratio is clipped to [1 − clip_low, 1 + clip_high]
   clip_high: number; // ε_high ≥ 0
@@ -84,7 +87,7 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
       throw new TreepackError('E_ARG', `unknown loss option ${JSON.stringify(key)}; expected one of ${Object.keys(DEFAULT_LOSS_CONFIG).join(', ')}`, { field: key });
     }
   }
-  const cfg = { ...DEFAULT_LOSS_CONFIG, ...(given as Partial<LossConfig>) } as LossConfig;
+  const cfg = { ...DEFAULT_LOSS_CONFIG, ...(given as Partial<LossConfig>) };
   if (given.clip_high === undefined) cfg.clip_high = cfg.clip_low;
   for (const [field, names] of Object.entries(NAMES)) {
     const v = (cfg as unknown as Record<string, unknown>)[field];

@@ -32,7 +32,10 @@ export interface BudgetOptions {
   maxTokens: number;
   /** data-parallel ranks: the number of micro-batches is a multiple of it; default 1 */
   dp?: number;
-  /** pad every micro-batch's packed length (with prefix reuse: its computed nodes past the cached prefix) to a multiple of this; default 1 (no padding) */
+  /**
+   * pad every micro-batch's packed length (with prefix reuse: its computed nodes past the cached prefix) to a multiple
+   * of this; default 1 (no padding)
+   */
   padMultiple?: number;
   cost?: CostModel;
   /** with dp > 1, move subtrees between micro-batches of different ranks to lower the slowest rank; default true */
@@ -70,7 +73,10 @@ export interface MicroBatchPlan {
   cost: number;
   /** with prefix reuse: the micro-batch's stack operations (its first prefix.tokens nodes are cached) */
   prefix?: PrefixOp;
-  /** with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens, padding included), and the prefix tokens pushed before it */
+  /**
+   * with prefix reuse: tokens it computes with grad (packedTokens − prefix.tokens, padding included), and the prefix
+   * tokens pushed before it
+   */
   computedTokens?: number;
   pushedTokens?: number;
 }
@@ -308,7 +314,7 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   const loads = new Float64Array(K);
   for (let b = 0; b < n; b++) loads[rank[b]] += costs[b];
   const step = stepsByCost(costs, rank, K);
-  const microBatches: MicroBatchPlan[] = new Array(n);
+  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(n);
   for (let b = 0; b < n; b++) {
     const sequences = Int32Array.from(members[b], (k) => runs.order[k]).sort();
     let naive = 0;
@@ -373,7 +379,7 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
   for (const p of planned.runs) perRank[p.rank]++;
   const steps = Math.max(1, ...perRank);
   const loads = new Float64Array(K);
-  const microBatches: MicroBatchPlan[] = new Array(steps * K);
+  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(steps * K);
   let pads = 0;
   for (const p of planned.runs) {
     const sequences = Int32Array.from({ length: p.hi - p.lo }, (_, k) => runs.order[p.lo + k]).sort();

@@ -47,8 +47,8 @@ export interface MicroBatchMeta {
    */
   vocab_size?: number;
   /**
-   * Extension (step plans with prefix reuse, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens) are a chain (the first
-   * sorted sequence's root path) that the rank holds cached from an earlier micro-batch of the step; before this
+   * Extension (step plans with prefix reuse, docs/concepts/micro-batching.md, "Step plans"): nodes [0, prefix_tokens)
+   * are a chain (the first sorted sequence's root path) that the rank holds cached from an earlier micro-batch of the step; before this
    * micro-batch the segments ending at the depths `prefix_push` lists are pushed (run without grad, from the stack's
    * depth), after it `prefix_release` segments are popped. All three present together, or none.
    */

@@ -115,7 +115,10 @@ export function packForest(seqs: Sequences): Forest {
   return layoutForest(seqs, sortSequences(seqs));
 }
 
-/** Lays out the forest from checked sequences already sorted, with their adjacent LCPs (see sortSequences): the js backend's packForest kernel. */
+/**
+ * Lays out the forest from checked sequences already sorted, with their adjacent LCPs (see sortSequences): the js
+ * backend's packForest kernel.
+ */
 export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: Int32Array }): Forest {
   const { tokens, offsets } = seqs;
   const { order, lcp } = sorted;

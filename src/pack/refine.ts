@@ -139,11 +139,18 @@ class Bin {
     const { m, L, LP, H, HP } = this, k = m.length;
     let dt = -(L[j] - L[i]) + (H[j - 1] - H[i]);
     let dp = -(LP[j] - LP[i]) + (HP[j - 1] - HP[i]);
-    if (i > 0) (dt += H[i] - H[i - 1]), (dp += HP[i] - HP[i - 1]);
-    if (j < k) (dt += H[j] - H[j - 1]), (dp += HP[j] - HP[j - 1]);
+    if (i > 0) {
+      dt += H[i] - H[i - 1];
+      dp += HP[i] - HP[i - 1];
+    }
+    if (j < k) {
+      dt += H[j] - H[j - 1];
+      dp += HP[j] - HP[j - 1];
+    }
     if (i > 0 && j < k) {
       const x = this.ctx.lcpOf(m[i - 1], m[j]);
-      (dt -= x), (dp -= pathPairs(x));
+      dt -= x;
+      dp -= pathPairs(x);
     }
     d[0] = dt;
     d[1] = dp;
@@ -181,21 +188,25 @@ class Bin {
         dp += pathPairs(len[ys[t]]);
         if (t > g) {
           const x = lcpOf(ys[t - 1], ys[t]);
-          (dt -= x), (dp -= pathPairs(x));
+          dt -= x;
+          dp -= pathPairs(x);
         }
       }
       const p = pi >= 0 ? m[pi] : -1;
       if (p >= 0) {
         const x = lcpOf(p, ys[g]);
-        (dt -= x), (dp -= pathPairs(x));
+        dt -= x;
+        dp -= pathPairs(x);
       }
       if (q >= 0) {
         const x = lcpOf(ys[e - 1], q);
-        (dt -= x), (dp -= pathPairs(x));
+        dt -= x;
+        dp -= pathPairs(x);
       }
       if (p >= 0 && q >= 0) {
         const x = lcpOf(p, q);
-        (dt += x), (dp += pathPairs(x));
+        dt += x;
+        dp += pathPairs(x);
       }
       g = e;
     }
@@ -224,7 +235,7 @@ export function refineBalance(input: RefineInput): Refined {
   let moves = 0, work = 0;
   const dA = new Float64Array(2), dB = new Float64Array(4), dC = new Float64Array(4), dD = new Float64Array(2), intoC = new Float64Array(4);
   // Per unit v of every micro-batch c: its insertion into micro-batch a (4 numbers, as Bin.insertion writes them).
-  const intoA: Float64Array[] = new Array(n);
+  const intoA: Float64Array[] = new Array<Float64Array>(n);
   const untouched = (d: Float64Array, at: number, i: number, j: number) => d[at + 3] < i || d[at + 2] >= j;
   const byLoad = new Int32Array(K);
 
@@ -288,13 +299,15 @@ export function refineBalance(input: RefineInput): Refined {
             let bt = into[4 * k], bp = into[4 * k + 1];
             if (!untouched(into, 4 * k, u.i, u.j)) {
               A.insertion(C.m.subarray(v.i, v.j), u.i, u.j, dB);
-              (bt = dB[0]), (bp = dB[1]);
+              bt = dB[0];
+              bp = dB[1];
               work += v.j - v.i;
             }
             let ct = intoC[0], cp = intoC[1];
             if (!untouched(intoC, 0, v.i, v.j)) {
               C.insertion(xs, v.i, v.j, dC);
-              (ct = dC[0]), (cp = dC[1]);
+              ct = dC[0];
+              cp = dC[1];
               work += xs.length;
             }
             C.removal(v.i, v.j, dD);

@@ -172,7 +172,7 @@ export class PackerCore {
     }
     stats.timelines++;
     stats.timelineTokens += 'kind' in item ? item.tokens.length : timelineLength(item);
-    if (this.#episode.length > 0 && this.#episode[0]!.episode !== rec.episode) this.#flushEpisode();
+    if (this.#episode.length > 0 && this.#episode[0].episode !== rec.episode) this.#flushEpisode();
     this.#episode.push(item);
   }
 

@@ -27,7 +27,10 @@ export interface PackRun extends AsyncIterable<PackedMicroBatch> {
   writeTo(sink: Sink): Promise<Manifest>;
 }
 
-/** Packs the records of `input` into prefix-tree micro-batches with `options` (the packer's option table, docs/reference/cli.md): the library form of `treepack pack`. */
+/**
+ * Packs the records of `input` into prefix-tree micro-batches with `options` (the packer's option table,
+ * docs/reference/cli.md): the library form of `treepack pack`.
+ */
 export function packRecords(input: PackInput, options: PackerOptions = {}): PackRun {
   const opts = resolveOptions(options);
   const jsonl = typeof input === 'string' || input instanceof Readable;

@@ -107,11 +107,14 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
   }
 }
 
-/** Offset of the first byte that does not start or continue a well-formed UTF-8 sequence (RFC 3629: no overlongs, no surrogates, ≤ U+10FFFF). */
+/**
+ * Offset of the first byte that does not start or continue a well-formed UTF-8 sequence (RFC 3629: no overlongs, no
+ * surrogates, ≤ U+10FFFF).
+ */
 export function firstInvalidUtf8(b: Uint8Array): number {
   let i = 0;
   while (i < b.length) {
-    const c = b[i]!;
+    const c = b[i];
     if (c < 0x80) {
       i++;
       continue;

@@ -40,7 +40,10 @@ const MAX_TOKEN_ID = 0x7fffffff;
 /** Logprobs come from float16/bfloat16 kernels: tiny positive values are rounding, larger ones a bug upstream. */
 const LOGPROB_TOLERANCE = 1e-3;
 
-/** The records of JSONL input (a path, `-` for stdin, or a stream), each format detected per line; a bad line throws E_INPUT naming file, line and field. */
+/**
+ * The records of JSONL input (a path, `-` for stdin, or a stream), each format detected per line; a bad line throws
+ * E_INPUT naming file, line and field.
+ */
 export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): AsyncGenerator<TrainRecord> {
   const file = inputName(input, opts.name);
   const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;
@@ -101,7 +104,7 @@ export function checkResponseVocab(rec: ChatRecord, vocabSize: number): void {
 
 function checkIds(t: Int32Array, vocabSize: number, ctx: Ctx, field: string): void {
   for (let i = 0; i < t.length; i++) {
-    if (t[i]! >= vocabSize) throw fail(ctx, `${field}[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
+    if (t[i] >= vocabSize) throw fail(ctx, `${field}[${i}]`, `token id ${t[i]} is outside the vocabulary (size ${vocabSize})`);
   }
 }
 
@@ -135,7 +138,7 @@ function optId(o: Obj, key: string, ctx: Ctx, path = ''): string | undefined {
   const v = o[key];
   if (v === undefined || v === null) return undefined;
   if (typeof v === 'string') return v;
-  if (Number.isInteger(v)) return String(v);
+  if (typeof v === 'number' && Number.isInteger(v)) return String(v);
   throw fail(ctx, path + key, `expected a string or integer id, got ${describeValue(v)}`);
 }
 
@@ -152,10 +155,10 @@ function tokenArray(v: unknown, ctx: Ctx, field: string, vocabSize: number | und
   const out = new Int32Array(n);
   const limit = vocabSize === undefined ? MAX_TOKEN_ID : Math.min(vocabSize - 1, MAX_TOKEN_ID);
   for (let i = 0; i < n; i++) {
-    const x = v[i];
-    if (!Number.isInteger(x) || x < 0 || x > limit) {
+    const x: unknown = v[i];
+    if (typeof x !== 'number' || !Number.isInteger(x) || x < 0 || x > limit) {
       const why =
-        Number.isInteger(x) && x >= 0 && x <= MAX_TOKEN_ID
+        typeof x === 'number' && Number.isInteger(x) && x >= 0 && x <= MAX_TOKEN_ID
           ? `token id ${x} is outside the vocabulary (size ${vocabSize})`
           : `expected a token id (an integer in 0..${MAX_TOKEN_ID}), got ${describeValue(x)}`;
       throw fail(ctx, `${field}[${i}]`, why);
@@ -174,7 +177,7 @@ function maskInto(v: unknown, out: Uint8Array, offset: number, what: string, ctx
   if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of 0/1, got ${describeValue(v)}`);
   checkLength(v, out.length - offset, what, ctx, field);
   for (let i = 0; i < v.length; i++) {
-    const x = v[i];
+    const x: unknown = v[i];
     if (x !== 0 && x !== 1) throw fail(ctx, `${field}[${i}]`, `expected 0 or 1, got ${describeValue(x)}`);
     out[offset + i] = x;
   }
@@ -185,7 +188,7 @@ function floatsInto(v: unknown, out: Float32Array, offset: number, logprob: bool
   if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of numbers, got ${describeValue(v)}`);
   checkLength(v, out.length - offset, what, ctx, field);
   for (let i = 0; i < v.length; i++) {
-    const x = v[i];
+    const x: unknown = v[i];
     if (typeof x !== 'number' || !Number.isFinite(x))
       throw fail(ctx, `${field}[${i}]`, `expected a finite number, got ${describeValue(x)}`);
     if (logprob && x > LOGPROB_TOLERANCE)
@@ -262,11 +265,11 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   if (!Array.isArray(v) || v.length === 0) throw fail(ctx, 'message_offsets', `expected a non-empty array of token offsets, got ${describeValue(v)}`);
   const offsets = new Int32Array(v.length);
   for (let i = 0; i < v.length; i++) {
-    const x = v[i];
-    const prev = i === 0 ? -1 : offsets[i - 1]!;
-    if (!Number.isInteger(x) || (i === 0 ? x !== 0 : x <= prev || x >= n))
+    const x: unknown = v[i];
+    const prev = i === 0 ? -1 : offsets[i - 1];
+    if (typeof x !== 'number' || !Number.isInteger(x) || (i === 0 ? x !== 0 : x <= prev || x >= n))
       throw fail(ctx, `message_offsets[${i}]`, i === 0 ? `the first message starts at 0, got ${describeValue(x)}` : `expected an offset in ${prev + 1}..${n - 1} (increasing, inside the ${n} tokens), got ${describeValue(x)}`);
-    offsets[i] = x as number;
+    offsets[i] = x;
   }
   s.message_offsets = offsets;
   const a = o.message_authors;
@@ -280,8 +283,8 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   // message of another author would be dropped silently when its timeline is absorbed.
   for (let i = 0; i < a.length; i++) {
     if (a[i] === 'llm') continue;
-    const end = i + 1 < offsets.length ? offsets[i + 1]! : n;
-    for (let t = Math.max(offsets[i]!, 1); t < end; t++) {
+    const end = i + 1 < offsets.length ? offsets[i + 1] : n;
+    for (let t = Math.max(offsets[i], 1); t < end; t++) {
       if (s.loss_mask[t]) throw fail(ctx, `message_authors[${i}]`, `message ${i} has a trainable token (loss_mask[${t}] = 1) but its author is ${JSON.stringify(a[i])}; trainable tokens belong to 'llm' messages`);
     }
   }
@@ -295,11 +298,10 @@ function parseSlime(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | und
   const tokens = tokenArray(o.tokens, ctx, 'tokens', vocabSize);
   const n = tokens.length;
   const rl = o.response_length ?? n;
-  if (!Number.isInteger(rl) || (rl as number) < 0)
+  if (typeof rl !== 'number' || !Number.isInteger(rl) || rl < 0)
     throw fail(ctx, 'response_length', `expected a non-negative integer, got ${describeValue(rl)}`);
-  if ((rl as number) > n)
-    throw fail(ctx, 'response_length', `response_length ${rl} is larger than the number of tokens (${n})`);
-  const prompt = n - (rl as number);
+  if (rl > n) throw fail(ctx, 'response_length', `response_length ${rl} is larger than the number of tokens (${n})`);
+  const prompt = n - rl;
   const loss_mask = new Uint8Array(n);
   const what = `one per response token, response_length = ${rl}`;
   if (o.loss_mask === undefined || o.loss_mask === null) loss_mask.fill(1, prompt);
@@ -338,9 +340,9 @@ function parseEpisode(o: Obj, ctx: Ctx, defaultId: string): ChatRecord[] {
   }
   const requests = o.requests;
   if (!Array.isArray(requests)) throw fail(ctx, 'requests', `expected an array of requests, got ${describeValue(requests)}`);
-  const out: ChatRecord[] = new Array(requests.length);
+  const out: ChatRecord[] = new Array<ChatRecord>(requests.length);
   for (let k = 0; k < requests.length; k++) {
-    const r = requests[k];
+    const r: unknown = requests[k];
     const path = `requests[${k}]`;
     ctx.record = `${episode}/${k}`;
     if (!isObject(r)) throw fail(ctx, path, `expected a request object, got ${describeValue(r)}`);
@@ -352,7 +354,7 @@ function parseEpisode(o: Obj, ctx: Ctx, defaultId: string): ChatRecord[] {
 function parseChat(o: Obj, ctx: Ctx, path: string, ids: ChatIds): ChatRecord {
   const messages = o.messages;
   if (!Array.isArray(messages)) throw fail(ctx, path + 'messages', `expected an array of messages, got ${describeValue(messages)}`);
-  const parsed: ChatMessage[] = new Array(messages.length);
+  const parsed: ChatMessage[] = new Array<ChatMessage>(messages.length);
   for (let i = 0; i < messages.length; i++) parsed[i] = parseMessage(messages[i], ctx, `${path}messages[${i}]`, undefined);
   let response: ChatMessage;
   if (typeof o.response === 'string') response = { role: 'assistant', content: o.response };
@@ -415,7 +417,7 @@ function parseContent(v: unknown, ctx: Ctx, field: string): string | null {
   if (!Array.isArray(v)) throw fail(ctx, field, `expected a string, null or an array of text parts, got ${describeValue(v)}`);
   let text = '';
   for (let i = 0; i < v.length; i++) {
-    const part = v[i];
+    const part: unknown = v[i];
     if (!isObject(part) || part.type !== 'text' || typeof part.text !== 'string') {
       const got = isObject(part) ? `a part of type ${JSON.stringify(part.type)}` : describeValue(part);
       throw fail(ctx, `${field}[${i}]`, `expected a text part {"type": "text", "text": string}, got ${got}`);
@@ -427,9 +429,9 @@ function parseContent(v: unknown, ctx: Ctx, field: string): string | null {
 
 function parseToolCalls(v: unknown, ctx: Ctx, field: string): ToolCall[] {
   if (!Array.isArray(v)) throw fail(ctx, field, `expected an array of tool calls, got ${describeValue(v)}`);
-  const out: ToolCall[] = new Array(v.length);
+  const out: ToolCall[] = new Array<ToolCall>(v.length);
   for (let i = 0; i < v.length; i++) {
-    const c = v[i];
+    const c: unknown = v[i];
     const p = `${field}[${i}]`;
     if (!isObject(c)) throw fail(ctx, p, `expected a tool call object, got ${describeValue(c)}`);
     const fn = c.function;
@@ -439,7 +441,7 @@ function parseToolCalls(v: unknown, ctx: Ctx, field: string): ToolCall[] {
     const args = fn.arguments ?? {};
     if (typeof args !== 'string' && !isObject(args))
       throw fail(ctx, p + '.function.arguments', `expected a JSON string or an object, got ${describeValue(args)}`);
-    const call: ToolCall = { function: { name: fn.name, arguments: args as string | Record<string, unknown> } };
+    const call: ToolCall = { function: { name: fn.name, arguments: args } };
     const id = optString(c, 'id', ctx, p + '.');
     if (id !== undefined) call.id = id;
     const type = optString(c, 'type', ctx, p + '.');

@@ -72,7 +72,7 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
       if (e.episode !== undefined ? !dead(e.episode as string) : !pool.groups.get(e.group as string)!.consumed) live.push(e);
     } else if (e.type === 'take' || e.type === 'ack' || e.type === 'handout') {
       const n = e.type === 'take' ? (e.step as number) : Number((e.id as string).split('.')[0]);
-      if (!steps[n]!.done) live.push(e);
+      if (!steps[n].done) live.push(e);
     }
   }
 

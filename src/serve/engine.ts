@@ -176,7 +176,7 @@ export function parseResponse(kind: CallKind, json: unknown, n = 1): EngineOutpu
       const m = c.message;
       if (!isObj(m)) throw new EngineError(`expected a message object, got ${describeValue(m)}`, `${at}.message`);
       if (m.content !== null && m.content !== undefined && typeof m.content !== 'string') throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, `${at}.message.content`);
-      out.message = { role: 'assistant', content: (m.content as string | null | undefined) ?? null };
+      out.message = { role: 'assistant', content: (m.content) ?? null };
       const calls = toolCalls(m.tool_calls, `${at}.message.tool_calls`);
       if (calls && calls.length) out.message.tool_calls = calls;
       const reasoning = m.reasoning_content ?? m.reasoning;
@@ -224,8 +224,9 @@ export class StreamAccumulator {
     if (!isObj(chunk)) throw new EngineError(`expected a JSON object per stream event, got ${describeValue(chunk)}`);
     const prompt = ids(chunk.prompt_token_ids, 'prompt_token_ids');
     if (prompt) this.prompt = prompt;
-    if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return; // usage-only chunk
-    for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) this.addChoice(this.choices[k]!, c, at);
+    // A usage-only chunk.
+    if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return;
+    for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) this.addChoice(this.choices[k], c, at);
   }
 
   private addChoice(s: ChoiceStream, c: Obj, at: string): void {
@@ -238,7 +239,7 @@ export class StreamAccumulator {
     if (lp) (s.logprobs ??= []).push(...lp);
     if (this.kind === 'completion') {
       if (c.text !== undefined && typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, `${at}.text`);
-      s.content += (c.text as string | undefined) ?? '';
+      s.content += (c.text) ?? '';
       return;
     }
     const d = c.delta;

@@ -158,7 +158,7 @@ function planned(slots: MicroBatchSlot[]): boolean {
 function nextPlanned(slots: MicroBatchSlot[], rank: number, client: string | undefined, now: number): MicroBatchSlot | 'restart' | undefined {
   const run = slots.filter((s) => s.rank === rank && !s.acked);
   if (run.length === 0) return undefined;
-  const head = run[0]!;
+  const head = run[0];
   if (head.leasedUntil <= now) return 'restart';
   if (head.client !== client) return undefined;
   return run.find((s) => s.leasedUntil < head.leasedUntil);
@@ -205,14 +205,14 @@ export class Feed implements TrainerFeed {
     const logged = this.append({ type: 'take', step: n, groups, whole: true });
     this.addStep(n, groups, logged);
     const out = read(this.episodesOf(groups));
-    this.completeWhole(this.steps[n]!);
+    this.completeWhole(this.steps[n]);
     await logged;
     return out;
   }
 
   /** The finished episodes of these groups, in group order (abandoned ones are not trained). */
   private episodesOf(groups: number[]): Episode[] {
-    return groups.flatMap((seq) => this.pool.bySeq[seq]!.episodes.map((id) => this.pool.episodes.get(id)!).filter((ep) => ep.finished));
+    return groups.flatMap((seq) => this.pool.bySeq[seq].episodes.map((id) => this.pool.episodes.get(id)!).filter((ep) => ep.finished));
   }
 
   private completeWhole(step: Step): void {
@@ -226,7 +226,7 @@ export class Feed implements TrainerFeed {
     if (e.type === 'take') {
       this.collector.takeGroups(e.groups as number[]);
       this.addStep(e.step as number, e.groups as number[]);
-      if (e.whole) this.completeWhole(this.steps[e.step as number]!);
+      if (e.whole) this.completeWhole(this.steps[e.step as number]);
     }
     // Replayed in log order, the pool holds the groups it held when the flush was logged.
     else if (e.type === 'flush') this.flushBelow = Math.max(this.flushBelow, this.pool.bySeq.length);
@@ -340,16 +340,16 @@ export class Feed implements TrainerFeed {
 
   private async tryNext(rank: number, client: string | undefined): Promise<Handout | undefined> {
     for (;;) {
-      while (this.firstOpen < this.steps.length && this.steps[this.firstOpen]!.done) this.firstOpen++;
+      while (this.firstOpen < this.steps.length && this.steps[this.firstOpen].done) this.firstOpen++;
       const now = Date.now();
       // A client part-way through a step plan gets its next micro-batch before anything else: two plans never interleave.
       for (let k = this.firstOpen; k < this.steps.length; k++) {
-        const slots = this.steps[k]!.slots;
+        const slots = this.steps[k].slots;
         const run = slots && planned(slots) ? nextPlanned(slots, rank, client, now) : undefined;
         if (run && run !== 'restart') return await this.handOut(run, now, client);
       }
       for (let k = this.firstOpen; k < this.steps.length; k++) {
-        const step = this.steps[k]!;
+        const step = this.steps[k];
         if (step.done) continue;
         await this.packStep(step);
         const t = Date.now();
@@ -371,7 +371,7 @@ export class Feed implements TrainerFeed {
     slot.leasedUntil = now + this.opts.leaseMs; // taken now, so a concurrent pull skips it
     slot.client = client;
     await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil, ...(client !== undefined && { client }) });
-    const groups = this.steps[slot.step]!.groups.map((g) => groupName(this.pool.bySeq[g]!.id));
+    const groups = this.steps[slot.step].groups.map((g) => groupName(this.pool.bySeq[g].id));
     const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
     return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
   }
@@ -402,7 +402,7 @@ export class Feed implements TrainerFeed {
           throw err;
         }
         // The same records fail the same way after a replay: the step is dropped, with the reason kept.
-        this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g]!.id)).join(', ')}): ${(err as Error).message}`);
+        this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g].id)).join(', ')}): ${(err as Error).message}`);
         this.metrics.rejected.inc({ reason: 'pack_error' });
         packed = [];
       }
@@ -451,7 +451,7 @@ export class Feed implements TrainerFeed {
     let ready = 0, leased = 0;
     const now = Date.now();
     for (let k = this.firstOpen; k < this.steps.length; k++) {
-      const step = this.steps[k]!;
+      const step = this.steps[k];
       if (!step.slots || step.done) continue;
       for (const s of step.slots) {
         if (s.acked) continue;

@@ -226,10 +226,10 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
         request: t.request,
         n: 1,
         stream: t.stream,
-        complete: (outputs, call) => t.complete(outputs[0]!, call),
+        complete: (outputs, call) => t.complete(outputs[0], call),
         answer: (json, outputs, call) => {
           const c = (json.choices as Obj[]).find((x) => (x.index ?? 0) === 0)!;
-          return whole(outputs[0]!, call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();
+          return whole(outputs[0], call, { logprobs: c.logprobs, usage: json.usage, stopReason: c.stop_reason }).answer();
         },
         writer: (call) => t.writer(call),
         replay: (call) => {
@@ -601,7 +601,7 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     if (b.group !== undefined) checkId('field "group"', b.group as string);
     const key = keyScope(svc, req);
     if (key && b.group !== undefined && b.group !== key.group) throw outOfScope(key, `not group ${JSON.stringify(b.group)}`);
-    return abandon(svc, id, groupOf(svc, id, b.group as string | undefined), 'abandoned');
+    return abandon(svc, id, groupOf(svc, id, b.group), 'abandoned');
   });
 
   /** Gives up a group: its unfinished episodes are abandoned and it is trained with the finished ones it has. */

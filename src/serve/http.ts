@@ -80,14 +80,14 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   // Unknown routes, and URLs the router refuses (too long), answer in the service's own error shape.
   app.setNotFoundHandler((req, reply) => {
     svc.metrics.rejected.inc({ reason: 'http_404' });
-    return reply.code(404).send(make(404, `no route ${req.method} ${req.url.split('?')[0]!.slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
+    return reply.code(404).send(make(404, `no route ${req.method} ${req.url.split('?')[0].slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
   });
 
   // A scoped episode key opens its own episode's routes (SCOPED: calls, token counts, the model list, finish, abandon; each
   // route refuses another episode), nothing else, with or without --token.
   const token = svc.opts.token;
   app.addHook('onRequest', async (req) => {
-    const path = req.url.split('?')[0]!;
+    const path = req.url.split('?')[0];
     if (OPEN_ROUTES.has(path)) return;
     const got = bearer(req);
     if (token !== undefined && got !== undefined && sameSecret(got, token)) return;

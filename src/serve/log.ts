@@ -73,7 +73,7 @@ export class DurableLog {
   private compactAt = Infinity;
   private rewriting: Rewrite | undefined;
   /** a compaction that failed after its rename: every later append fails */
-  private failed: unknown;
+  private failed: Error | undefined;
 
   private constructor(
     readonly path: string,
@@ -209,7 +209,7 @@ export class DurableLog {
       this.fh = fh;
     } catch (err) {
       // The handle may still point at the file renamed over: nothing more may be written through it.
-      this.failed = err;
+      this.failed = err instanceof Error ? err : new Error(String(err));
       return;
     }
     this.bytes = r.size! + tail.length;

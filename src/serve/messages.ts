@@ -151,7 +151,7 @@ function chatMessages(m: unknown, at: string, prior: ReadonlyMap<string, ToolCal
 
 function stringField(b: Obj, f: string, field: string): string {
   if (typeof b[f] !== 'string') throw refuse(field, `expected a string, got ${describeValue(b[f])}`);
-  return b[f] as string;
+  return b[f];
 }
 
 /** The arguments text of a tool_use block's input: the engine's own text where it parses to this input. */

@@ -404,7 +404,7 @@ export class Pool {
       this.noteRound(id);
     }
     for (const [id, seq, finished, shipped, reward, abandoned] of s.dead) {
-      const g = this.bySeq[seq]!;
+      const g = this.bySeq[seq];
       const ep: Episode = { id, group: g.id, agents: new Set(), calls: [], finished: finished === 1, bytes: 0 };
       if (shipped === 1) ep.shipped = true;
       if (reward !== null) ep.reward = reward;
@@ -490,7 +490,7 @@ export class Pool {
 
   /** Frees a consumed group's records (the log keeps them). */
   release(seq: number): void {
-    const g = this.bySeq[seq]!;
+    const g = this.bySeq[seq];
     g.consumed = true;
     this.open.delete(g);
     this.waitingGroups--;
@@ -546,7 +546,7 @@ export function continuing(calls: RecordedCall[], n: number, call: RecordedCall)
   const messages = call.request.messages;
   if (!messages) return call;
   let base: RecordedCall | undefined;
-  for (let i = n - 1; i >= 0 && !base; i--) if (calls[i]!.agent === call.agent && calls[i]!.request.messages) base = calls[i];
+  for (let i = n - 1; i >= 0 && !base; i--) if (calls[i].agent === call.agent && calls[i].request.messages) base = calls[i];
   if (!base) return call;
   const prev = base.request.messages!;
   let keep = 0;
@@ -569,7 +569,7 @@ export function expanded(calls: RecordedCall[], call: RecordedCall, episode: str
   const { from, keep, sameTools, ...rest } = call.request as LoggedRequest;
   if (from === undefined) return call;
   let base: RecordedCall | undefined;
-  for (let i = calls.length - 1; i >= 0 && !base; i--) if (calls[i]!.id === from) base = calls[i];
+  for (let i = calls.length - 1; i >= 0 && !base; i--) if (calls[i].id === from) base = calls[i];
   const prev = base?.request.messages;
   if (!prev || !Number.isSafeInteger(keep) || keep! < 1 || keep! > prev.length || !Array.isArray(rest.messages) || (sameTools && !base!.request.tools)) {
     throw new TreepackError('E_INPUT', `call ${JSON.stringify(call.id)} of episode ${JSON.stringify(episode)} continues call ${JSON.stringify(from)}, which is not before it (or has fewer than ${keep} messages)`);

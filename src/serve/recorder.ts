@@ -158,7 +158,8 @@ export class Recorder {
   private sweep(): void {
     if (this.sweeping || this.broken) return;
     const now = Date.now();
-    for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group); // bounded by the groups active lately
+    // Bounded by the groups active lately.
+    for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group);
     // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
     // agents waited for it.
     const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
@@ -280,8 +281,8 @@ export class Recorder {
       refused = err;
     }
     const e: PoolEvent = { type: 'ship', episode: ep.id };
-    await this.append(e as unknown as LogEvent);
-    this.pool.apply(e as unknown as LogEvent);
+    await this.append(e);
+    this.pool.apply(e);
     if (refused) throw refused;
     return r!;
   }

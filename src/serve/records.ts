@@ -36,14 +36,14 @@ function sameIds(a: ArrayLike<number>, b: ArrayLike<number>): boolean {
 /** The prompt the template renders for a chat record: every turn before the response, and its header. */
 function renderedPrompt(encoder: ChatEncoder, rec: ChatRecord): Int32Array {
   const turns = encoder.encodeTurns(rec);
-  const last = turns.ids[turns.ids.length - 1]!;
+  const last = turns.ids[turns.ids.length - 1];
   let n = turns.trainableFrom;
-  for (let i = 0; i < turns.ids.length - 1; i++) n += turns.ids[i]!.length;
+  for (let i = 0; i < turns.ids.length - 1; i++) n += turns.ids[i].length;
   const out = new Int32Array(n);
   let at = 0;
   for (let i = 0; i < turns.ids.length - 1; i++) {
-    out.set(turns.ids[i]!, at);
-    at += turns.ids[i]!.length;
+    out.set(turns.ids[i], at);
+    at += turns.ids[i].length;
   }
   out.set(last.subarray(0, turns.trainableFrom), at);
   return out;
@@ -95,7 +95,7 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
       if (call.agent !== undefined) req.agent = call.agent;
       if (hasIds) {
         const [rec] = parseRecords({ ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group }, { file: 'episode ' + ep.id, line: k + 1 }) as ChatRecord[];
-        if (!sameIds(renderedPrompt(encoder, rec!), out.promptTokenIds!)) {
+        if (!sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!)) {
           stats.promptDrifted++;
           samples.push(engineSample(ep, sampleId, call, out));
           return;

@@ -163,7 +163,7 @@ type StreamEntry<T = Buffer> = [id: T, fields: T[]];
 function fields<T extends Buffer | string>(entry: StreamEntry<T>): Map<string, T> {
   const m = new Map<string, T>();
   const f = entry[1];
-  for (let i = 0; i + 1 < f.length; i += 2) m.set(f[i]!.toString(), f[i + 1]!);
+  for (let i = 0; i + 1 < f.length; i += 2) m.set(f[i].toString(), f[i + 1]);
   return m;
 }
 
@@ -342,7 +342,7 @@ export class RedisFeed implements TrainerFeed {
     const consumer = `rank-${rank}`;
     const [, claimed] = (await this.redis.callBuffer('XAUTOCLAIM', key, TRAINERS, consumer, this.opts.leaseMs, '0-0', 'COUNT', 1)) as [Buffer, StreamEntry[]];
     await this.readVersion();
-    if (claimed.length > 0) return this.handOut(claimed[0]!, true);
+    if (claimed.length > 0) return this.handOut(claimed[0], true);
     const r = (await this.redis.callBuffer('XREADGROUP', 'GROUP', TRAINERS, consumer, 'COUNT', 1, 'STREAMS', key, '>')) as [Buffer, StreamEntry[]][] | null;
     const fresh = r?.[0]?.[1]?.[0];
     return fresh ? this.handOut(fresh, false) : undefined;
@@ -406,7 +406,7 @@ export class RedisFeed implements TrainerFeed {
     let ready = 0, leased = 0;
     for (let rank = 0; rank < this.opts.dp; rank++) {
       const key = `${PREFIX}mb:${rank}`;
-      const [len, pending] = await Promise.all([this.redis.xlen(key), this.redis.xpending(key, TRAINERS) as Promise<unknown[]>]);
+      const [len, pending] = await Promise.all([this.redis.xlen(key), this.redis.xpending(key, TRAINERS)]);
       const p = Number(pending[0] ?? 0);
       leased += p;
       ready += len - p;

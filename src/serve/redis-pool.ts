@@ -191,7 +191,7 @@ export interface DurabilityOptions {
 async function checkDurability(redis: Redis, url: string, o: DurabilityOptions): Promise<void> {
   let settings: string[];
   try {
-    settings = [...((await redis.config('GET', 'appendonly')) as string[]), ...((await redis.config('GET', 'appendfsync')) as string[])];
+    settings = [...((await redis.config('GET', 'appendonly'))), ...((await redis.config('GET', 'appendfsync')))];
   } catch (err) {
     const why = (err as Error).message;
     if (!/unknown command|NOPERM|no permissions/i.test(why)) throw new TreepackError('E_IO', `the shared pool at ${url} did not answer CONFIG GET: ${why}`);
@@ -318,7 +318,7 @@ export class RedisPool {
 
   /** Runs a script defined here with the key prefix as its first argument. */
   script(name: string, ...args: (string | number | Buffer)[]): Promise<unknown> {
-    return (this.redis as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[name]!(PREFIX, ...args);
+    return (this.redis as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[name](PREFIX, ...args);
   }
 
   /**
@@ -351,7 +351,7 @@ export class RedisPool {
     const [seq, episodes, status] = (await this.script('tpShip', ep.group, ep.id, episodeJson(ep), size)) as number[];
     if (status === -1) throw new PoolError(409, `group ${JSON.stringify(ep.group)} was already consumed by the trainer; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
     if (status === -2) throw new PoolError(409, `group ${JSON.stringify(ep.group)} already has its ${size} episodes in the shared pool; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
-    return { seq: seq!, episodes: episodes! };
+    return { seq: seq, episodes: episodes };
   }
 
   /**

@@ -56,7 +56,7 @@ export function responsesRequest(body: unknown): Translated {
   if (tools.length) chat.tools = tools;
   if (body.tool_choice !== undefined && body.tool_choice !== null) chat.tool_choice = toolChoice(body.tool_choice);
   if (body.text !== undefined && body.text !== null && !isObj(body.text)) throw refuse('text', `expected {"format": …}, got ${describeValue(body.text)}`);
-  const { format, ...textRest } = (body.text ?? {}) as Obj;
+  const { format, ...textRest } = (body.text ?? {});
   for (const [k, v] of Object.entries(textRest)) if (v !== undefined && v !== null) throw refuse(`text.${k}`, 'not available through the gateway (text.format only)');
   if (format !== undefined && format !== null) chat.response_format = responseFormat(format);
   if (body.reasoning !== undefined && body.reasoning !== null) {
@@ -292,7 +292,7 @@ class ResponsesWriter implements ApiWriter {
         return {
           item,
           close: () => {
-            const part = (item.content as Obj[])[0]!;
+            const part = (item.content as Obj[])[0];
             const at = this.output.indexOf(item);
             return this.ev('response.reasoning_text.done', { item_id: item.id, output_index: at, content_index: 0, text: part.text }) + this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) + this.ev('response.output_item.done', { output_index: at, item });
           },
@@ -300,7 +300,7 @@ class ResponsesWriter implements ApiWriter {
       },
       (item) => this.ev('response.content_part.added', { item_id: item.id, output_index: index(), content_index: 0, part: { type: 'reasoning_text', text: '' } }),
     );
-    const part = (item.content as Obj[])[0]!;
+    const part = (item.content as Obj[])[0];
     part.text = (part.text as string) + delta;
     return text + this.ev('response.reasoning_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta });
   }
@@ -315,7 +315,7 @@ class ResponsesWriter implements ApiWriter {
         return {
           item,
           close: () => {
-            const part = (item.content as Obj[])[0]!;
+            const part = (item.content as Obj[])[0];
             const at = this.output.indexOf(item);
             item.status = 'completed';
             return this.ev('response.output_text.done', { item_id: item.id, output_index: at, content_index: 0, text: part.text, logprobs: part.logprobs }) + this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) + this.ev('response.output_item.done', { output_index: at, item });
@@ -324,7 +324,7 @@ class ResponsesWriter implements ApiWriter {
       },
       (item) => this.ev('response.content_part.added', { item_id: item.id, output_index: this.output.length - 1, content_index: 0, part: { type: 'output_text', text: '', annotations: [], logprobs: [] } }),
     );
-    const part = (item.content as Obj[])[0]!;
+    const part = (item.content as Obj[])[0];
     part.text = (part.text as string) + delta;
     (part.logprobs as Obj[]).push(...logprobs);
     return text + this.ev('response.output_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta, logprobs });

@@ -102,7 +102,7 @@ export function joinText(parts: unknown, field: string, text: readonly string[])
       if (!text.includes(p.type)) throw refuse(`${field}[${i}].type`, `content of type ${JSON.stringify(p.type)} is not supported by the gateway (text only: ${text.join(', ')}); see docs/guides/agent-apis.md`);
       const key = p.type === 'refusal' ? 'refusal' : 'text'; // the Responses API's refusal part
       if (typeof p[key] !== 'string') throw refuse(`${field}[${i}].${key}`, `expected a string, got ${describeValue(p[key])}`);
-      return p[key] as string;
+      return p[key];
     })
     .join('\n');
 }

@@ -51,10 +51,10 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
   const opens = new Uint8Array(n);
   let turnsExpected = 0;
   for (let i = 0; i < n; i++) {
-    const m = messages[i]!;
+    const m = messages[i];
     if (m.role === 'tool' && (m.tool_call_id === undefined || m.tool_call_id === ''))
       throw new TreepackError('E_INPUT', 'a tool message needs the id of the call it answers', where(`messages[${i}].tool_call_id`));
-    if (!(m.role === 'tool' && i > 0 && messages[i - 1]!.role === 'tool')) {
+    if (!(m.role === 'tool' && i > 0 && messages[i - 1].role === 'tool')) {
       opens[i] = 1;
       turnsExpected++;
     }
@@ -69,29 +69,29 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
       where('messages'),
     );
   }
-  const out: TimelineMessage[] = new Array(n);
+  const out: TimelineMessage[] = new Array<TimelineMessage>(n);
   let turn = preamble;
   let drifted = false;
   for (let i = 0; i < n; i++) {
-    const m = messages[i]!;
+    const m = messages[i];
     const calls = callsIdentity(m);
     const text = textIdentity(m, calls);
-    let tokens = opens[i] ? turns.ids[turn++]! : new Int32Array(0);
+    let tokens = opens[i] ? turns.ids[turn++] : new Int32Array(0);
     if (i === 0 && preamble) {
-      const joined = new Int32Array(turns.ids[0]!.length + tokens.length);
-      joined.set(turns.ids[0]!);
-      joined.set(tokens, turns.ids[0]!.length);
+      const joined = new Int32Array(turns.ids[0].length + tokens.length);
+      joined.set(turns.ids[0]);
+      joined.set(tokens, turns.ids[0].length);
       tokens = joined;
     }
     if (i < n - 1) {
       out[i] = { author: contextAuthor(m, i), role: m.role, text, calls, tokens, lossMask: new Uint8Array(tokens.length) };
       continue;
     }
-    const offset = i === 0 ? tokens.length - turns.ids[turns.ids.length - 1]!.length : 0;
+    const offset = i === 0 ? tokens.length - turns.ids[turns.ids.length - 1].length : 0;
     const r = engineTokens(tokens, offset + turns.trainableFrom, offset + turns.trainableTo, m, opts.fixRetokenizationDrift, where('response.logprobs'));
     drifted = r.drifted;
     out[i] = { author: 'llm', role: m.role, text, calls, tokens: r.tokens, lossMask: r.lossMask };
-    if (r.logprobs) out[i]!.logprobs = r.logprobs;
+    if (r.logprobs) out[i].logprobs = r.logprobs;
   }
   const timeline: Timeline = {
     id: record.id,
@@ -110,9 +110,9 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
 export function timelineFromSample(s: Sample): Timeline | undefined {
   const offsets = s.message_offsets;
   if (!offsets || UNMERGEABLE_FIELDS.some((f) => s[f] !== undefined)) return undefined;
-  const messages: TimelineMessage[] = new Array(offsets.length);
+  const messages: TimelineMessage[] = new Array<TimelineMessage>(offsets.length);
   for (let i = 0; i < offsets.length; i++) {
-    const from = offsets[i]!, to = i + 1 < offsets.length ? offsets[i + 1]! : s.tokens.length;
+    const from = offsets[i], to = i + 1 < offsets.length ? offsets[i + 1] : s.tokens.length;
     const lossMask = s.loss_mask.subarray(from, to);
     const m: TimelineMessage = {
       author: s.message_authors?.[i] ?? (lossMask.includes(1) ? 'llm' : 'env'),

@@ -30,11 +30,11 @@ export function engineTokens(rendered: Int32Array, from: number, to: number, res
   const engine = response.token_ids;
   const drifted = engine !== undefined && !sameTokens(engine, rendered.subarray(from, to));
   const useEngine = drifted && fix;
-  const generated = useEngine ? engine!.length : to - from;
+  const generated = useEngine ? engine.length : to - from;
   const tokens = useEngine ? new Int32Array(rendered.length - (to - from) + generated) : rendered.slice();
   if (useEngine) {
     tokens.set(rendered.subarray(0, from));
-    tokens.set(engine!, from);
+    tokens.set(engine, from);
     tokens.set(rendered.subarray(to), from + generated);
   }
   const lossMask = new Uint8Array(tokens.length).fill(1, from, from + generated);
@@ -67,7 +67,7 @@ export function compareVersions(a: TimelineMessage, b: TimelineMessage): number 
       continue;
     }
     if (x.length !== y.length) return x.length - y.length;
-    for (let i = 0; i < x.length; i++) if (x[i] !== y[i]) return x[i]! < y[i]! ? -1 : 1;
+    for (let i = 0; i < x.length; i++) if (x[i] !== y[i]) return x[i] < y[i] ? -1 : 1;
   }
   return 0;
 }
@@ -78,9 +78,9 @@ export function compareVersions(a: TimelineMessage, b: TimelineMessage): number 
  * sampled. Most nodes hold one sampled message, so comparisons are rare.
  */
 export function sampledVersions(nodes: number, visit: (f: (node: number, m: TimelineMessage) => void) => void): (TimelineMessage | undefined)[] {
-  const chosen: (TimelineMessage | undefined)[] = new Array(nodes);
+  const chosen: (TimelineMessage | undefined)[] = new Array<(TimelineMessage | undefined)>(nodes);
   visit((n, m) => {
-    if (m.author === 'llm' && (chosen[n] === undefined || compareVersions(m, chosen[n]!) < 0)) chosen[n] = m;
+    if (m.author === 'llm' && (chosen[n] === undefined || compareVersions(m, chosen[n]) < 0)) chosen[n] = m;
   });
   return chosen;
 }

@@ -117,10 +117,10 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
   for (let t = 0; t < ts.length; t++) {
     if (apart[t]) {
       report.apart++;
-      out.push(timelineToSample(ts[t]!));
+      out.push(timelineToSample(ts[t]));
       continue;
     }
-    const leaf = canon[trie.terminal[t]!]!;
+    const leaf = canon[trie.terminal[t]];
     const b = buckets.get(leaf);
     if (b) b.push(t);
     else buckets.set(leaf, [t]);
@@ -129,13 +129,13 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
   for (const [leaf, members] of buckets) {
     let owner = -1;
     for (const t of members) {
-      if (trie.terminal[t] === leaf && (owner < 0 || byId(ts[t]!.id, ts[owner]!.id) < 0)) owner = t;
-      const msgs = ts[t]!.messages;
-      let n = trie.terminal[t]!;
-      for (let i = msgs.length - 1; i >= 0; i--, n = trie.parent[n]!) if (msgs[i]!.author === 'llm') trained[n] = leaf;
+      if (trie.terminal[t] === leaf && (owner < 0 || byId(ts[t].id, ts[owner].id) < 0)) owner = t;
+      const msgs = ts[t].messages;
+      let n = trie.terminal[t];
+      for (let i = msgs.length - 1; i >= 0; i--, n = trie.parent[n]!) if (msgs[i].author === 'llm') trained[n] = leaf;
     }
-    const own = ts[owner]!;
-    const msgs: TimelineMessage[] = new Array(own.messages.length);
+    const own = ts[owner];
+    const msgs: TimelineMessage[] = new Array<TimelineMessage>(own.messages.length);
     let n = leaf;
     for (let i = own.messages.length - 1; i >= 0; i--, n = trie.parent[n]!) {
       const s = chosen[n];
@@ -144,7 +144,7 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
       else msgs[i] = own.messages[i]!;
     }
     const sample = timelineToSample(own, msgs);
-    if (members.length > 1) sample.merged_from = members.filter((t) => t !== owner).map((t) => ts[t]!.id).sort(byId);
+    if (members.length > 1) sample.merged_from = members.filter((t) => t !== owner).map((t) => ts[t].id).sort(byId);
     report.absorbed += members.length - 1;
     out.push(sample);
   }
@@ -159,15 +159,15 @@ function canonicalLeaves(trie: Trie, count: number, kept: (t: number) => boolean
   const live = new Uint8Array(trie.size);
   for (let t = 0; t < count; t++) {
     if (!kept(t)) continue;
-    for (let n = trie.terminal[t]!; n >= 0 && !live[n]; n = trie.parent[n]!) live[n] = 1;
+    for (let n = trie.terminal[t]; n >= 0 && !live[n]; n = trie.parent[n]!) live[n] = 1;
   }
   const best = new Int32Array(trie.size).fill(-1);
   const canon = new Int32Array(trie.size).fill(-1);
   for (let n = trie.size - 1; n >= 0; n--) {
     if (!live[n]) continue;
-    canon[n] = best[n]! < 0 ? n : canon[best[n]!]!;
-    const p = trie.parent[n]!;
-    if (p >= 0 && (best[p]! < 0 || trie.key[n]! < trie.key[best[p]!]!)) best[p] = n;
+    canon[n] = best[n] < 0 ? n : canon[best[n]];
+    const p = trie.parent[n];
+    if (p >= 0 && (best[p] < 0 || trie.key[n] < trie.key[best[p]])) best[p] = n;
   }
   return canon;
 }

@@ -53,36 +53,36 @@ export function addSnaps(summary: SnapSummary, snaps: readonly Snap[], keep = 10
 export function detectSnaps(ts: readonly Timeline[], trie: Trie): Snap[] {
   const { parent, depth, terminal, key } = trie;
   const first = new Int32Array(trie.size).fill(ts.length); // earliest timeline ending at each node
-  for (let t = ts.length - 1; t >= 0; t--) first[terminal[t]!] = t;
+  for (let t = ts.length - 1; t >= 0; t--) first[terminal[t]] = t;
   const snaps: Snap[] = [];
   for (let t = 1; t < ts.length; t++) {
     let extendsEarlier = false;
-    for (let n = terminal[t]!; n > 0 && !extendsEarlier; n = parent[n]!) extendsEarlier = first[n]! < t;
+    for (let n = terminal[t]; n > 0 && !extendsEarlier; n = parent[n]!) extendsEarlier = first[n] < t;
     if (extendsEarlier) continue;
-    const a = terminal[t]!, b = terminal[t - 1]!;
+    const a = terminal[t], b = terminal[t - 1];
     let x = a, y = b;
-    while (depth[x]! > depth[y]!) x = parent[x]!;
-    while (depth[y]! > depth[x]!) y = parent[y]!;
+    while (depth[x] > depth[y]) x = parent[x]!;
+    while (depth[y] > depth[x]) y = parent[y]!;
     while (x !== y) {
       x = parent[x]!;
       y = parent[y]!;
     }
-    const common = depth[x]!;
-    const prev = ts[t - 1]!;
+    const common = depth[x];
+    const prev = ts[t - 1];
     let kind: SnapKind;
     if (common === 0) kind = 'system';
     else if (depth[a] === common) kind = 'rollback';
     else {
       let next = a; // t's node at depth common + 1: its first differing message
-      while (depth[next]! > common + 1) next = parent[next]!;
+      while (depth[next] > common + 1) next = parent[next]!;
       let dropped = false;
-      for (let n = b; depth[n]! > common + 1 && !dropped; n = parent[n]!) dropped = key[n] === key[next];
+      for (let n = b; depth[n] > common + 1 && !dropped; n = parent[n]!) dropped = key[n] === key[next];
       kind = dropped ? 'truncation' : 'rewrite';
     }
     let lostTokens = 0;
-    for (let i = common; i < prev.messages.length; i++) lostTokens += prev.messages[i]!.tokens.length;
-    const snap: Snap = { episode: ts[t]!.episode, record: ts[t]!.id, previous: prev.id, message: common, kind, lostTokens };
-    if (ts[t]!.agent !== undefined) snap.agent = ts[t]!.agent;
+    for (let i = common; i < prev.messages.length; i++) lostTokens += prev.messages[i].tokens.length;
+    const snap: Snap = { episode: ts[t].episode, record: ts[t].id, previous: prev.id, message: common, kind, lostTokens };
+    if (ts[t].agent !== undefined) snap.agent = ts[t].agent;
     snaps.push(snap);
   }
   return snaps;

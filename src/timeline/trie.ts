@@ -45,7 +45,7 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
   const terminal = new Int32Array(timelines.length);
   for (let t = 0; t < timelines.length; t++) {
     let node = 0;
-    for (const m of timelines[t]!.messages) {
+    for (const m of timelines[t].messages) {
       const id = messageIdentity(m, level);
       const list = children[node];
       let child = -1;
@@ -66,13 +66,13 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
         }
         child = size++;
         parent[child] = node;
-        depth[child] = depth[node]! + 1;
+        depth[child] = depth[node] + 1;
         key[child] = id;
         children[child] = undefined;
         if (!list) children[node] = [child];
         else {
           list.push(child);
-          if (list.length === SCAN_CHILDREN + 1) wide.set(node, new Map(list.map((c) => [key[c]!, c])));
+          if (list.length === SCAN_CHILDREN + 1) wide.set(node, new Map(list.map((c) => [key[c], c])));
           else if (list.length > SCAN_CHILDREN + 1) wide.get(node)!.set(id, child);
         }
       }
@@ -86,10 +86,10 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
 /** Calls f(node, message) for every message of every timeline. */
 export function visitMessages(trie: Trie, timelines: readonly Timeline[], f: (node: number, m: TimelineMessage, timeline: number) => void): void {
   for (let t = 0; t < timelines.length; t++) {
-    const msgs = timelines[t]!.messages;
-    let node = trie.terminal[t]!;
+    const msgs = timelines[t].messages;
+    let node = trie.terminal[t];
     for (let i = msgs.length - 1; i >= 0; i--) {
-      f(node, msgs[i]!, t);
+      f(node, msgs[i], t);
       node = trie.parent[node]!;
     }
   }

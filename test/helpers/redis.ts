@@ -30,7 +30,7 @@ function launch(port: number, dir: string, extra: string[]): Promise<ChildProces
   return new Promise((res, rej) => {
     let out = '';
     const t = setTimeout(() => rej(new Error(`redis-server not ready after 20 s: ${out.slice(-2000)}`)), 20_000);
-    createInterface({ input: child.stdout! }).on('line', (line) => {
+    createInterface({ input: child.stdout }).on('line', (line) => {
       out += line + '\n';
       if (line.includes('Ready to accept connections')) {
         clearTimeout(t);

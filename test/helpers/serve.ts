@@ -97,7 +97,7 @@ export async function startServeProcess(args: string[], env: Record<string, stri
   const url = `http://127.0.0.1:${port}`;
   let exited: string | undefined;
   let err = '';
-  child.stderr!.on('data', (d: Buffer) => (err += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (err += d.toString()));
   child.on('exit', (c, s) => (exited = `exited ${c ?? s}: ${err.slice(-2000)}`));
   for (let i = 0; i < 600; i++) {
     if (exited) throw new Error(`treepack serve ${exited}`);
@@ -127,7 +127,7 @@ export interface UrlProcess {
 export async function startScript(file: string, args: string[]): Promise<UrlProcess> {
   const child = spawn(process.execPath, ['--import', 'tsx', file, ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
   const url = await new Promise<string>((res, rej) => {
-    createInterface({ input: child.stdout! }).once('line', res);
+    createInterface({ input: child.stdout }).once('line', res);
     child.once('exit', (code) => rej(new Error(`${file} exited with ${code}`)));
   });
   return { url, child, stop: () => terminate(child) };

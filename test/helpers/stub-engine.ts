@@ -101,7 +101,7 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const lp = (c: Choice, from: number, to: number) => {
         if (stub.mode === 'bad-logprobs') return { content: [{ token: 'x', logprob: 'high' }] };
         if (!wantLp || !c.logprobs) return null;
-        const range = c.ids!.slice(from, to).map((t, i) => ({ token: tok!.decode([t]), logprob: c.logprobs![from + i], bytes: null, top_logprobs: [] }));
+        const range = c.ids!.slice(from, to).map((t, i) => ({ token: tok.decode([t]), logprob: c.logprobs![from + i], bytes: null, top_logprobs: [] }));
         return chat ? { content: range } : { tokens: range.map((r) => r.token), token_logprobs: range.map((r) => r.logprob), top_logprobs: null, text_offset: [] };
       };
       if (req0.stream) {

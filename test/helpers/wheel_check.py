@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import safetensors.numpy
-
 import treepack
 from treepack import TreepackError, _native
 from treepack.flex import block_arrays_from_tree

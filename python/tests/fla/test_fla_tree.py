@@ -51,7 +51,6 @@ if torch is not None and not MISSING:
     from test_hybrid import hybrid_model
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
-
     from treepack.torch import recurrent
 
     # As transformers bound them at import (FLA's, behind its hub wrapper), before prepare() puts treepack's

@@ -162,7 +162,6 @@ class CompiledFlexCpu(unittest.TestCase):
 
     def test_the_compiled_kernel_reads_the_block_lists(self):
         from torch.nn.attention.flex_attention import BlockMask
-
         from treepack.torch import compiled_flex
 
         batch = adversarial()["depth>=30"]
@@ -187,8 +186,11 @@ class CompiledFlexCpu(unittest.TestCase):
         # The full blocks listed as partial ones instead (the mask_mod then decides their pairs): the same output.
         nb = bm.kv_indices.shape[-1]
         width = torch.arange(nb)
-        listed = lambda num, idx: torch.zeros(idx.shape[:-1] + (nb + 1,), dtype=torch.bool).scatter_(  # noqa: E731
-            -1, torch.where(width < num[..., None], idx.long(), nb), True)[..., :nb]
+
+        def listed(num, idx):
+            hit = torch.zeros(idx.shape[:-1] + (nb + 1,), dtype=torch.bool)
+            return hit.scatter_(-1, torch.where(width < num[..., None], idx.long(), nb), True)[..., :nb]
+
         both = listed(bm.kv_num_blocks, bm.kv_indices) | listed(bm.full_kv_num_blocks, bm.full_kv_indices)
         merged_idx = torch.argsort((~both).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         merged = run(both.sum(-1).to(torch.int32), merged_idx, torch.zeros_like(bm.full_kv_num_blocks), bm.full_kv_indices)

@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from stepplan_dir import compare, loss_fn  # noqa: E402
 from support import tiny_model, torch, tpt  # noqa: E402
-
 from treepack.client import FeedClient  # noqa: E402
 from treepack.errors import TreepackError  # noqa: E402
 

@@ -24,7 +24,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from support import CORE_SKIP, TORCH_SKIP, patch_norms_to_input_dtype, tiny_model, torch  # noqa: E402
-
 from treepack.client import FeedClient  # noqa: E402
 
 DIED = 75  # the dying trainer's exit status: the test tells its death from a failure
@@ -64,9 +63,8 @@ def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: boo
     optimizer step (its micro-batches pulled, none acknowledged), its logs so far saved; ``cfg``: more GRPOConfig."""
     from test_trl_grpo import Capture, patch_rope_to_float64
     from transformers import AutoTokenizer
-    from trl import GRPOConfig
-
     from treepack.integrations.trl import TreepackGRPOTrainer
+    from trl import GRPOConfig
 
     k = spec["micro_batches_per_step"]
     args = GRPOConfig(output_dir=os.path.join(spec["work"], name), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=k,
@@ -154,7 +152,8 @@ def prepare(spec: dict, dp: int = 1) -> list:
     ranks = [[list(PackedDataset(d, **({"rank": r, "dp": dp} if dp > 1 else {}))) for d in spec["reference"]] for r in range(dp)]
     counts = {len(step) for steps in ranks for step in steps}
     if len(counts) != 1:
-        raise SystemExit(f"every step must have as many micro-batches per rank for one TRL window each; the reference has {[[len(s) for s in st] for st in ranks]}")
+        per_rank = [[len(s) for s in st] for st in ranks]
+        raise SystemExit(f"every step must have as many micro-batches per rank for one TRL window each; the reference has {per_rank}")
     spec["micro_batches_per_step"] = counts.pop()
     spec["model"] = os.path.join(spec["work"], "model")
     flat = [[b for step in steps for b in step] for steps in ranks]

@@ -24,7 +24,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from feed_trl import RecordingFeed, changed_advantage, diff, param_diff, prepare, result, same_batches, skipped, tokens, trainer  # noqa: E402
+from feed_trl import (  # noqa: E402
+    RecordingFeed,
+    changed_advantage,
+    diff,
+    param_diff,
+    prepare,
+    result,
+    same_batches,
+    skipped,
+    tokens,
+    trainer,
+)
 from support import torch  # noqa: E402
 
 DP = 2

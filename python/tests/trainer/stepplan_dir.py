@@ -17,7 +17,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from support import tiny_model, torch, tpt  # noqa: E402
-
 from treepack.pack import pack_sequences  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import os
 import random
 import sys
 import unittest
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,7 +28,6 @@ except TreepackError as e:  # E_BACKEND: the C core is not built here
 
 try:
     import torch
-
     import treepack.torch as tpt
 
     TORCH_SKIP = ""
@@ -72,7 +71,7 @@ def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: boo
     return mb
 
 
-def forests(vocab: int, seed: int = 0) -> Dict[str, List[List[int]]]:
+def forests(vocab: int, seed: int = 0) -> dict[str, list[list[int]]]:
     """The shapes every equality test runs on: deep and wide branching, duplicates, a sequence that is a prefix of
     another, and a random mix (pad nodes are added by ``pack``)."""
     r = random.Random(seed)
@@ -117,7 +116,7 @@ def tiny_model(family: str, dtype, attn: str = "treepack", vocab: int = 97, seed
 _ST = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32"}
 
 
-def write_microbatch(path: str, mb: MicroBatch, metadata: Optional[Dict[str, str]] = None, dtypes: Optional[Dict[str, str]] = None) -> None:
+def write_microbatch(path: str, mb: MicroBatch, metadata: dict[str, str] | None = None, dtypes: dict[str, str] | None = None) -> None:
     """A micro-batch file as the TypeScript writer lays it out (tests need files they can also break: ``metadata``
     overrides header keys, ``dtypes`` stores a field as another numpy dtype)."""
     import json
@@ -129,7 +128,7 @@ def write_microbatch(path: str, mb: MicroBatch, metadata: Optional[Dict[str, str
         arrays[k] = np.asarray(arrays[k]).astype(dt)
     meta = {k: (json.dumps(v) if k == "sequence_ids" else str(v)) for k, v in mb.meta.items()}
     meta.update(metadata or {})
-    header: Dict[str, object] = {"__metadata__": meta}
+    header: dict[str, object] = {"__metadata__": meta}
     blobs, at = [], 0
     for k, a in arrays.items():
         b = np.ascontiguousarray(a).tobytes()

@@ -5,10 +5,9 @@ the attention's errors. Compiled flex (forward on CPU, backward on CUDA): python
 import unittest
 
 import numpy as np
-
+from mask_reference import block_arrays_from_dense, dense_mask
 from support import forests, needs_torch, pack, torch, tpt
 from treepack import TreepackError
-from mask_reference import block_arrays_from_dense, dense_mask
 
 
 def qkv(n, heads=4, kv_heads=2, dim=8, seed=0, dtype=None):

@@ -15,12 +15,11 @@ import random
 import unittest
 
 import numpy as np
-
+from mask_reference import block_arrays_from_dense, dense_mask, random_forest
 from support import forests, needs_torch, pack, torch, tpt
 from treepack import TreepackError
 from treepack.flex import block_arrays_from_tree, block_arrays_windowed
 from treepack.pack import pack_sequences
-from mask_reference import block_arrays_from_dense, dense_mask, random_forest
 
 if torch is not None:
     from treepack.torch.blocks import block_arrays

@@ -13,6 +13,7 @@ bit; without, its outputs differ at float32 rounding (bounded below). A negative
 packed row without tree execution and must differ."""
 
 import copy
+import functools
 import importlib
 import inspect
 import random
@@ -21,10 +22,9 @@ import sys
 import types
 import unittest
 
-from treepack import TreepackError
-
 from support import needs_torch, pack, torch, tpt
 from test_exactness import objective, unpacked_logprobs
+from treepack import TreepackError
 
 VOCAB = 61
 
@@ -338,7 +338,6 @@ def rule_diffs(batch, device, dtype):
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.nemotron_h import modeling_nemotron_h as nemo
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
-
     from treepack.torch import recurrent
 
     mask = tpt.tree_mask(batch.to(device))
@@ -364,11 +363,11 @@ def rule_diffs(batch, device, dtype):
         for align in (True, False):
             tree = recurrent.Tree(mask, align, name)
             with torch.no_grad():
-                packed = apply(lambda *a, **kw: kind(fn, tree, *a, **kw), lambda t, d=1: t)
+                packed = apply(functools.partial(kind, fn, tree), lambda t, d=1: t)
                 unpacked = []
                 for i in range(batch.num_sequences):
                     pos = seq_positions[int(batch.seq_offsets[i]) : int(batch.seq_offsets[i + 1])]
-                    unpacked.append(apply(fn, lambda t, d=1: t.index_select(d, pos)))
+                    unpacked.append(apply(fn, lambda t, d=1, pos=pos: t.index_select(d, pos)))
             diff = float((packed.index_select(dim, seq_positions) - torch.cat(unpacked, dim)).abs().max())
             yield name, align, align and kind is recurrent.tree_chunk_rule, diff
 

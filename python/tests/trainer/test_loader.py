@@ -8,7 +8,6 @@ import tempfile
 import unittest
 
 import numpy as np
-
 from support import forests, needs_torch, pack, torch, tpt, write_microbatch
 from treepack import TreepackError, load
 

@@ -8,7 +8,6 @@ import unittest
 from support import forests, needs_torch, pack, tiny_model, torch, tpt
 from treepack import TreepackError
 
-
 if torch is not None:
 
     class Wrapped(torch.nn.Module):

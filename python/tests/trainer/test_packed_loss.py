@@ -4,6 +4,7 @@ every config of test/fixtures/loss_reference.json and random configs (seq_weight
 loss, dloss/dlp (the occurrence gradients summed per node) and every metric. Flow-GRPO against its formula on the
 unmerged turns, each turn its own list of tokens. Bad inputs: a TreepackError naming the field."""
 
+import functools
 import json
 import random
 import unittest
@@ -342,11 +343,14 @@ class PackedLossErrors(unittest.TestCase):
             ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"),
         ):
             with self.subTest(cfg=cfg):
-                self.assertField(field, lambda: tpt.packed_loss(self.lp, self.mb, cfg))
+                self.assertField(field, functools.partial(tpt.packed_loss, self.lp, self.mb, cfg))
 
     def test_input_errors_name_the_field(self):
         mb = self.mb
-        as_dict = lambda **kw: {**{k: getattr(mb, k) for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs")}, **kw}  # noqa: E731
+
+        def as_dict(**kw):
+            return {**{k: getattr(mb, k) for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs")}, **kw}
+
         self.assertField("logprobs", lambda: tpt.packed_loss(self.lp[:-1], mb))
         self.assertField("logprobs", lambda: tpt.packed_loss(self.lp.long(), mb))
         bad = self.lp.clone()

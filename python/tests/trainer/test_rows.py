@@ -102,7 +102,6 @@ class RowsTest(unittest.TestCase):
         """Through DistributedDataParallel's own forward (gloo, one process on CPU): the same logprobs, and the
         gradients reach the parameters."""
         import torch.distributed as dist
-
         from treepack.torch import forward_logprobs, from_padded
 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

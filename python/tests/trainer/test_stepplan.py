@@ -11,21 +11,20 @@ chain against its whole run (float64 here, bfloat16 through the CUDA kernels whe
 
 from __future__ import annotations
 
+import functools
 import random
 import unittest
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
-
 from support import needs_torch, tiny_model, torch, tpt, write_microbatch
-
 from treepack import TreepackError
 from treepack.pack import pack_sequences
 
 VOCAB = 97
 
 
-def plan_ops(chains: Sequence[Tuple[int, ...]]) -> List[Tuple[int, List[int], int]]:
+def plan_ops(chains: Sequence[tuple[int, ...]]) -> list[tuple[int, list[int], int]]:
     """(prefix_tokens, push ends, release) per micro-batch from each one's cached chain (token tuple), in run order:
     the stack is cut back to the common prefix of consecutive chains, and every pushed segment is split where a
     later cut will fall."""
@@ -42,7 +41,7 @@ def plan_ops(chains: Sequence[Tuple[int, ...]]) -> List[Tuple[int, List[int], in
     return ops
 
 
-def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> List[Dict[str, np.ndarray]]:
+def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> list[dict[str, np.ndarray]]:
     r = np.random.default_rng(seed)
     out = []
     for s in seqs:
@@ -68,7 +67,7 @@ def loss_fn(lp, batch):
     return (adv * torch.exp(occ - old)).sum() + 0.1 * (occ**2).sum()
 
 
-def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
+def per_sequence(lp, batch) -> dict[str, np.ndarray]:
     occ = tpt.gather_occurrences(lp, batch)
     out = {}
     for i, sid in enumerate(batch.meta["sequence_ids"]):
@@ -78,7 +77,7 @@ def per_sequence(lp, batch) -> Dict[str, np.ndarray]:
     return out
 
 
-def sorted_groups(seqs, sizes) -> List[List[int]]:
+def sorted_groups(seqs, sizes) -> list[list[int]]:
     """Consecutive runs of the given sizes of the sequences in sorted (DFS) order."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     out, at = [], 0
@@ -99,7 +98,7 @@ def one_prefix_feeds_many(seed: int, vocab: int, stem_len: int):
     return seqs, groups, [stem_len if seqs[g[0]][:stem_len] == stem else 5 for g in groups]
 
 
-def chain_of(batch, h: int) -> Tuple[int, ...]:
+def chain_of(batch, h: int) -> tuple[int, ...]:
     return tuple(int(t) for t in batch.input_ids[:h])
 
 
@@ -375,7 +374,6 @@ class StepPlanTest(Checks, unittest.TestCase):
 
     def test_ops_read_from_the_header(self):
         seqs = self.trunk()
-        model = tiny_model("llama", torch.float64, vocab=VOCAB)
         data = occurrence_data(seqs, seed=4)
         groups = sorted_groups(seqs, [3, 4])
         b0 = assemble(seqs, data, groups[0])
@@ -422,9 +420,8 @@ class DataParallelStepPlanTest(unittest.TestCase):
         import os
         import tempfile
 
-        import torch.multiprocessing as mp
-
         import ddp_stepplan
+        import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as out:
             mp.spawn(ddp_stepplan.worker, args=(2, out), nprocs=2, join=True)
@@ -613,11 +610,15 @@ def split_rule_diffs(device, dtype, float64=False):
         "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, x, d, b, c: f(x, d, A, b, c, chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True,
                               dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1, [rnd(1, N, H, D), dt, rnd(1, N, 1, D), rnd(1, N, 1, D)]),
     }
-    for name, (fn, apply, kind, dim, inputs) in cases.items():
+
+    def check(name, fn, apply, kind, dim, inputs):
+        """The case's largest relative differences from the whole-forest run: the split run, the split run with its
+        cache zeroed (which must differ)."""
+
         def run(mask, prefix, xs):
             mask.prefix = prefix
             tree = recurrent.Tree(mask, False, name)
-            return apply(lambda *a, **kw: kind(fn, tree, *a, **kw), *xs)
+            return apply(functools.partial(kind, fn, tree), *xs)
 
         leaves = [x.detach().requires_grad_() for x in inputs]
         whole = run(tpt.tree_mask(batch), None, leaves)
@@ -633,7 +634,10 @@ def split_rule_diffs(device, dtype, float64=False):
             return [out] + list(torch.autograd.grad((out * weight).sum(), leaves))
 
         diff = lambda got: max(float((a - b).detach().abs().max() / max(float(b.detach().abs().max()), 1.0)) for a, b in zip(got, want))  # noqa: E731
-        yield name, diff(split(False)), diff(split(True))
+        return diff(split(False)), diff(split(True))
+
+    for name, case in cases.items():
+        yield (name, *check(name, *case))
 
 
 @needs_torch(transformers=True)

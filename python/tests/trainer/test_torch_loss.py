@@ -233,7 +233,7 @@ class SyncFreeAndCompiled(unittest.TestCase):
             loss, metrics = tpt.packed_loss(x, meta, cfg, validate=False, metrics="tensor")
             loss.backward()
             self.assertEqual((x.grad.device.type, metrics["ratio_mean"].device.type), ("meta", "meta"))
-            with self.assertRaises(Exception):  # the default checks values on the host, which meta tensors cannot give
+            with self.assertRaisesRegex(NotImplementedError, "meta tensor"):  # the default reads values on the host, which meta tensors lack
                 tpt.packed_loss(x, meta, cfg)
 
     def test_structural_checks_hold_without_validation(self):
@@ -267,7 +267,7 @@ def cuda_skip():
         return ""
     except (OSError, TreepackError) as e:
         if os.environ.get("TREEPACK_REQUIRE_CUDA") == "1":
-            raise AssertionError(f"TREEPACK_REQUIRE_CUDA=1 but the CUDA library does not load: {e}")
+            raise AssertionError(f"TREEPACK_REQUIRE_CUDA=1 but the CUDA library does not load: {e}") from e
         return f"the CUDA library does not load: {e}"
 
 

@@ -19,7 +19,7 @@ import os
 import random
 import tempfile
 import unittest
-from typing import Any, Dict, List
+from typing import Any
 
 from support import CORE_SKIP, TORCH_SKIP, needs_torch, patch_norms_to_input_dtype, tiny_model, torch
 
@@ -48,15 +48,15 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>")
 
 
-def rollouts(prompts: List[str], seed: int, max_len: int) -> Dict[str, Any]:
+def rollouts(prompts: list[str], seed: int, max_len: int) -> dict[str, Any]:
     """Rows of groups of G, seeded (random.Random, never hash()): group 0 holds a duplicate, an EOS-only
     completion and a multi-turn row (tool tokens masked) that continues another completion; group 1 a truncated
     row (max_len tokens, no EOS) that is a prefix of another; the rest random with shared stems."""
-    out: Dict[str, List[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
     for at in range(0, len(prompts), G):
         k = int(prompts[at][1:])
         r = random.Random(seed * 1000 + k)
-        tok = lambda n: [r.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+        tok = lambda n, r=r: [r.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
         prompt = SYSTEM + tok(r.randrange(1, 4))
         stem = tok(2)
         if k % 4 == 0:
@@ -153,8 +153,8 @@ class Capture:
 
         class _Capture(TrainerCallback):
             def __init__(self):
-                self.grads: Dict[str, torch.Tensor] = {}
-                self.logs: List[Dict[str, float]] = []
+                self.grads: dict[str, torch.Tensor] = {}
+                self.logs: list[dict[str, float]] = []
 
             def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
                 self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -190,9 +190,8 @@ class TRLGRPOTest(unittest.TestCase):
         and seed; ``forward_only``: packed forwards with TRL's own shuffled split."""
         from datasets import Dataset
         from peft import LoraConfig
-        from trl import GRPOConfig, GRPOTrainer
-
         from treepack.integrations.trl import GroupedBatchesMixin, PackedForwardMixin, TreepackGRPOTrainer
+        from trl import GRPOConfig, GRPOTrainer
 
         attn = "treepack" if packed else "sdpa"
         init = {"attn_implementation": attn, "dtype": dtype, **({"experts_implementation": "eager"} if family == "qwen3_moe" else {})}
@@ -231,7 +230,7 @@ class TRLGRPOTest(unittest.TestCase):
         err = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
         self.assertLessEqual(err, tol * max(1.0, float(b.double().abs().max())), f"{what}: max difference {err:.3g}")
 
-    def assertLogsEqual(self, stock: Dict[str, float], packed: Dict[str, float], tol: float, only: Any = None):
+    def assertLogsEqual(self, stock: dict[str, float], packed: dict[str, float], tol: float, only: Any = None):
         keys = [k for k in stock if "time" not in k and "per_second" not in k and (only is None or k in only)]
         self.assertIn("loss", keys)
         for k in keys:

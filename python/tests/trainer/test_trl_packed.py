@@ -14,10 +14,9 @@ import shutil
 import subprocess
 import tempfile
 import unittest
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
-
 from support import needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch
 from test_trl_grpo import PAD, TRL_SKIP, VOCAB, Capture, patch_rope_to_float64, tokenizer
 
@@ -25,7 +24,7 @@ CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
 CLI_SKIP = "" if os.path.exists(CLI) and shutil.which("node") else f"the treepack CLI is not built ({CLI}: npm install builds it)"
 
 
-def samples(seed: int) -> List[Dict[str, Any]]:
+def samples(seed: int) -> list[dict[str, Any]]:
     """Sequences with a prompt (loss 0), a response, per-token advantages and rollout logprobs; two micro-batches'
     worth, sharing stems; the first holds a multi-turn sequence with a hole (tool tokens) in its loss mask."""
     r = random.Random(seed)
@@ -44,7 +43,7 @@ def samples(seed: int) -> List[Dict[str, Any]]:
     return out
 
 
-def packed_batches(rows: List[Dict[str, Any]], with_old: bool) -> List[Any]:
+def packed_batches(rows: list[dict[str, Any]], with_old: bool) -> list[Any]:
     """One PackedBatch per micro-batch (the C core's forest plus two pad nodes, as the budgeted packer lays them out)."""
     from treepack.torch import from_microbatch
 
@@ -61,7 +60,7 @@ def packed_batches(rows: List[Dict[str, Any]], with_old: bool) -> List[Any]:
     return out
 
 
-def plain_inputs(rows: List[Dict[str, Any]], num_items: int, with_old: bool, holes: bool = True) -> List[Dict[str, Any]]:
+def plain_inputs(rows: list[dict[str, Any]], num_items: int, with_old: bool, holes: bool = True) -> list[dict[str, Any]]:
     """TRL's inputs for each micro-batch, by hand: prompt = tokens before the first trainable one (left-padded),
     completion the rest (right-padded), tool_mask the loss mask there, per-token advantages (float32, as stored)."""
     out = []
@@ -71,7 +70,7 @@ def plain_inputs(rows: List[Dict[str, Any]], num_items: int, with_old: bool, hol
         P = max(cut)
         C = max(len(x["tokens"]) - c for x, c in zip(mine, cut))
 
-        def right(v, c, fill):
+        def right(v, c, fill, C=C):
             return v[c:] + [fill] * (C - len(v) + c)
 
         f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
@@ -95,7 +94,7 @@ def plan_samples(tmp: str, name: str, *flags: str, max_tokens: int = 12):
     r = random.Random(5)
     tok = lambda n: [r.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
     samples = []
-    for g in range(2):
+    for _ in range(2):
         prompt = [2, 3] + tok(12)
         for k in range(5):
             resp = tok(r.randrange(2, 6)) if k else tok(2) + tok(3) + tok(2)
@@ -120,7 +119,7 @@ def Capture_of(step):
 class FeedItem:
     """A stand-in for treepack.client.FeedMicroBatch: the batch, and an ack the test can see."""
 
-    def __init__(self, batch, acks: List[int], i: int):
+    def __init__(self, batch, acks: list[int], i: int):
         self.batch, self.acks, self.i = batch, acks, i
 
     def ack(self):
@@ -143,9 +142,8 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         cls.tmp.cleanup()
 
     def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, rows: Any = None, num_items: Any = None, world: int = 1, **cfg):
-        from trl import GRPOConfig, GRPOTrainer
-
         from treepack.integrations.trl import TreepackGRPOTrainer
+        from trl import GRPOConfig, GRPOTrainer
 
         rows = self.rows if rows is None else rows
         steps = 1 + max(x["mb"] for x in rows)  # micro-batches: one optimizer step over them
@@ -282,9 +280,8 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         without the one all-reduce after the last pops each rank keeps its own gradient (the control)."""
         import socket
 
-        import torch.multiprocessing as mp
-
         import ddp_trl
+        import torch.multiprocessing as mp
 
         samples, out = plan_samples(self.tmp.name, "planned-dp2", "--dp", "2", max_tokens=8)
         with socket.socket() as s:
@@ -311,7 +308,7 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         self.assertGreater(diff, 1e-6)
 
     def test_feed_acks(self):
-        acks: List[int] = []
+        acks: list[int] = []
         feed = [FeedItem(b, acks, i) for i, b in enumerate(packed_batches(self.rows, True))]
         self.run_trainer(True, True, feed=feed)
         self.assertEqual(acks, [0, 1])

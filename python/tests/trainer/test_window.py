@@ -9,8 +9,8 @@ python/tests/gpu/test_flex_compiled.py).
 
 Models (float64, tiny random weights of the real transformers classes): gpt-oss (sliding + full layers, sinks, MoE
 with the "eager" experts, which run float64 where grouped_mm refuses it), Gemma 3 and Gemma 4 text (sliding + full;
-Gemma 4 with a KV-shared layer) and DeepSeek-V3 (MLA, no window: the plain path) run packed (attention "treepack" in block mode with 2-token tiles so
-that partial, full and dropped tiles all occur, in dense mode, and the sdpa/eager dense-mask path of
+Gemma 4 with a KV-shared layer) and DeepSeek-V3 (MLA, no window: the plain path) run packed (attention "treepack" in
+block mode with 2-token tiles so that partial, full and dropped tiles all occur, in dense mode, and the sdpa/eager dense-mask path of
 packed_logprobs) equal the unpacked run (each sequence alone, stock attention): per-token logprobs, entropies, the
 loss, the gradient of every token's input embedding and of every parameter within 1e-10. gpt-oss in float32 with
 the stock grouped_mm experts: within 1e-5 (measured ~5e-7). A negative control: the old dense path (one unwindowed
@@ -22,11 +22,10 @@ import types
 import unittest
 
 import numpy as np
-
-from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
-from treepack import TreepackError
-from test_exactness import objective
 from mask_reference import block_arrays_from_dense
+from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
+from test_exactness import objective
+from treepack import TreepackError
 from treepack.flex import block_arrays_from_tree, block_arrays_windowed
 
 VOCAB = 97

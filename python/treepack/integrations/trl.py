@@ -51,7 +51,8 @@ The mixins override TRL's private methods and read its private state (``_step``,
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -95,6 +96,12 @@ class PackedForwardMixin:
 
     treepack_attention: str = "auto"
 
+    # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
+    # TRL's own type differs between its versions).
+    model: Any
+    temperature: float
+    _metrics: dict[str, Any]
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
                                            compute_aux_loss=False, **multimodal):
         given = sorted(k for k, v in multimodal.items() if v is not None)
@@ -134,7 +141,7 @@ class PackedForwardMixin:
             runner = self._treepack_plan = StepPlanRunner(model, attention=self.treepack_attention, temperature=self.temperature, entropy=True)
         return runner
 
-    def training_step(self, model, inputs, num_items_in_batch):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         """TRL's step (forward, loss, backward), then the releases of a planned micro-batch, under the same autocast
         as its forward; an optimizer step while a prefix is still cached is refused (its gradient is incomplete)."""
         out = super().training_step(model, inputs, num_items_in_batch)
@@ -144,8 +151,9 @@ class PackedForwardMixin:
                 runner.release()
             if self._step % self.current_gradient_accumulation_steps == 0:
                 if runner.stack:
-                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds {runner.depth} cached prefix "
-                                        "tokens: set gradient_accumulation_steps (and steps_per_generation) to a rank's micro-batches of one packing window",
+                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds "
+                                        f"{runner.depth} cached prefix tokens: set gradient_accumulation_steps (and steps_per_generation) "
+                                        "to a rank's micro-batches of one packing window",
                                         field="gradient_accumulation_steps")
                 runner.sync_gradients()  # under DDP: the one all-reduce of the accumulation
         return out
@@ -164,7 +172,7 @@ class PackedForwardMixin:
             base.set_attn_implementation(impl)
 
     @property
-    def treepack_stats(self) -> List[Tuple[int, int]]:
+    def treepack_stats(self) -> list[tuple[int, int]]:
         """(naive tokens, packed nodes) of every packed forward so far: the compression the trainer got."""
         return self.__dict__.setdefault("_treepack_stats", [])
 
@@ -175,7 +183,7 @@ class PackedForwardMixin:
         if self.model.training:
             self._metrics["train"]["treepack/compression"].append(tokens / max(1, nodes))
 
-    def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Tuple[PackedBatch, RowLayout]]:
+    def _treepack_stored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[PackedBatch, RowLayout] | None:
         """The stored forest these rows came from (GroupedBatchesMixin's packed source), so it is reused, not rebuilt."""
         for ids, att, batch, layout in self.__dict__.get("_treepack_forests", ()):
             if ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(att, attention_mask):
@@ -198,8 +206,22 @@ class GroupedBatchesMixin:
     used), the stored forest reused by the forward; feed micro-batches are acknowledged once TRL is done with them
     (when the next window is drawn, and at the end of training)."""
 
-    treepack_max_tokens: Optional[int] = None
-    treepack_packed_batches: Optional[Iterable[Any]] = None
+    treepack_max_tokens: int | None = None
+    treepack_packed_batches: Iterable[Any] | None = None
+
+    # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
+    # TRL's own type differs between its versions).
+    args: Any
+    accelerator: Any
+    model: Any
+    ref_model: Any
+    beta: float
+    num_generations: Any
+    num_iterations: int
+    _tokenizer: Any
+    _get_per_token_logps_and_entropies: Callable[..., Any]
+    # The stored forests of the current window: (input_ids, attention_mask, batch, layout) as TRL's rows hold them.
+    _treepack_forests: list[tuple[torch.Tensor, torch.Tensor, PackedBatch, RowLayout]]
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
@@ -212,7 +234,7 @@ class GroupedBatchesMixin:
                 self._buffered_inputs = self._treepack_window()
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _treepack_split(self, inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def _treepack_split(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         given = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images") if inputs.get(k) is not None)
         if given:
             raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not grouped by treepack", field=given[0])
@@ -223,10 +245,12 @@ class GroupedBatchesMixin:
                                   groups=[i // G for i in range(B)], num_micro_batches=self.args.steps_per_generation)
         return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
 
-    def _treepack_window(self) -> List[Dict[str, Any]]:
+    def _treepack_window(self) -> list[dict[str, Any]]:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
         self.treepack_ack()
         if "_treepack_source" not in self.__dict__:
+            if self.treepack_packed_batches is None:
+                raise TreepackError("E_ARG", "no packed_batches to train on", field="packed_batches")
             self._treepack_source: Iterator[Any] = iter(self.treepack_packed_batches)
         items = []
         for _ in range(self.args.steps_per_generation):
@@ -242,7 +266,7 @@ class GroupedBatchesMixin:
         self._treepack_forests = []
         return [self._treepack_inputs(b.to(device), num_items) for b in batches]
 
-    def _treepack_inputs(self, batch: PackedBatch, num_items: torch.Tensor) -> Dict[str, Any]:
+    def _treepack_inputs(self, batch: PackedBatch, num_items: torch.Tensor) -> dict[str, Any]:
         """One stored micro-batch as TRL's inputs: prompt = the tokens before a sequence's first trainable token,
         ``tool_mask`` = its loss mask over the completion, per-token advantages, stored old / rollout / reference
         logprobs where the batch has them (old and reference computed, on the stored forest, where TRL would)."""
@@ -253,10 +277,10 @@ class GroupedBatchesMixin:
         att = torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1)
         self._treepack_forests.append((ids, att, batch, layout))
 
-        def per_token(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else layout.to_padded(values, of="occurrences", where="all")
 
-        out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        out: dict[str, Any] = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         out.update(tool_mask=rows["loss_mask"], advantages=per_token(batch.advantages), num_items_in_batch=num_items)
         C = rows["completion_ids"].shape[1]
         old, ref, sampled = per_token(batch.old_logprobs), per_token(batch.ref_logprobs), per_token(batch.rollout_logprobs)
@@ -281,9 +305,9 @@ class GroupedBatchesMixin:
             item.ack()
 
 
-def _take(inputs: Dict[str, Any], rows: torch.Tensor, B: int) -> Dict[str, Any]:
+def _take(inputs: dict[str, Any], rows: torch.Tensor, B: int) -> dict[str, Any]:
     """The given rows of every per-row entry (tensors and lists of length B); scalars as they are."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == B:
             out[k] = v.index_select(0, rows)
@@ -305,8 +329,8 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
     ``treepack_attention`` (the TreeMask mode, ``"auto"``), ``packed_batches`` (train on stored micro-batches:
     ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set)."""
 
-    def __init__(self, *args: Any, treepack_max_tokens: Optional[int] = None, treepack_attention: str = "auto",
-                 packed_batches: Optional[Iterable[Any]] = None, **kwargs: Any):
+    def __init__(self, *args: Any, treepack_max_tokens: int | None = None, treepack_attention: str = "auto",
+                 packed_batches: Iterable[Any] | None = None, **kwargs: Any):
         if packed_batches is not None:
             cfg = kwargs.get("args")
             if cfg is None or cfg.max_steps <= 0:

@@ -28,16 +28,27 @@ Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes the
 (packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
 """
 
-from .attention import TreeMask, attend, dense_model_mask, dense_tree_mask, executed_tiles, layer_windows, register, tree_attention, tree_mask, windowed
-from .compiled_flex import flex_compilations, ladder_length
 from ..microbatch import read_manifest
+from .attention import (
+    TreeMask,
+    attend,
+    dense_model_mask,
+    dense_tree_mask,
+    executed_tiles,
+    layer_windows,
+    register,
+    tree_attention,
+    tree_mask,
+    windowed,
+)
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
-from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
+from .compiled_flex import flex_compilations, ladder_length
 from .forward import forward_logprobs, model_tree_mask, unwrap
-from .rows import RowLayout, from_jagged, from_padded, padded_rows
+from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
 from .models import LAYERS, prepare
 from .moe import ROUTERS, RouterOutputs, Routing, load_balancing_loss, occurrence_weights, pack_routed, replay_routes
+from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .segments import Segments, radix_segments, segments_of
 from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op, sync_gradients
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,10 +78,15 @@ class TreeMask(BlockMask):
     forward shares them."""
 
     subtree_end: torch.Tensor
-    position_ids: Optional[torch.Tensor]
-    window: Optional[int]
+    position_ids: torch.Tensor | None
+    window: int | None
     mode: str
-    _cache: Dict[Any, Any]
+    _cache: dict[Any, Any]
+    # Always built with its full blocks (_make_mask): never None here, unlike a bare BlockMask's.
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    # A step plan's cached prefix (stepplan._Prefix), set by its executor on the mask it builds; absent otherwise.
+    prefix: Any
 
     @property
     def ndim(self) -> int:
@@ -105,7 +110,7 @@ def tree_mask(
     batch_or_subtree_end: Any,
     mode: str = "auto",
     block_size: int = 128,
-    device: Optional[Union[str, torch.device]] = None,
+    device: str | torch.device | None = None,
     position_ids: Any = None,
 ) -> TreeMask:
     """The TreeMask of a ``PackedBatch`` (or a ``subtree_end`` tensor / array) on ``device`` (the tensor's by
@@ -131,17 +136,18 @@ def tree_mask(
     return _make_mask(int(block_size), arrays, se, None if pos is None else pos.to(dev, torch.int64), None, mode)
 
 
-def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int],
+def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: torch.Tensor | None, window: int | None,
                mode: str) -> TreeMask:
     n = int(se.shape[0])
+    kv_num, kv_idx, full_num, full_idx = (a[None, None] for a in arrays)
     mask = TreeMask.from_kv_blocks(
-        *(a[None, None] for a in arrays), BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
     )
     mask.subtree_end, mask.position_ids, mask.window, mask.mode, mask._cache = se, pos, window, mode, {}
     return mask
 
 
-def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
+def windowed(mask: TreeMask, window: int | None) -> TreeMask:
     """The TreeMask of the tree rule with a sliding window, derived from a plain one once per window (cached on it);
     ``mask`` itself for ``window=None``."""
     if window is None:
@@ -152,14 +158,15 @@ def windowed(mask: TreeMask, window: Optional[int]) -> TreeMask:
     got = mask._cache.get(("window", window))
     if got is None:
         if mask.position_ids is None:
-            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) or tree_mask(subtree_end, position_ids=...)", field="position_ids")
+            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) "
+                                "or tree_mask(subtree_end, position_ids=...)", field="position_ids")
         B = mask.BLOCK_SIZE[0]
         arrays = block_arrays(mask.subtree_end, B, mask.position_ids, window)
         got = mask._cache[("window", window)] = _make_mask(B, arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
     return got
 
 
-def dense_tree_mask(subtree_end: torch.Tensor, position_ids: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+def dense_tree_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """bool [N, N], row = query (O(N²)): the reference and the ``"dense"`` mode's mask; with ``window`` (and
     ``position_ids``) also ``position_ids[q] - position_ids[k] < window``."""
     n = subtree_end.shape[0]
@@ -180,7 +187,7 @@ def dense_tree_mask(subtree_end: torch.Tensor, position_ids: Optional[torch.Tens
 PLAN_TILES = 256
 
 
-def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
+def _plan_chunks(mask: TreeMask) -> list[tuple[torch.Tensor, int]]:
     """The block path's SDPA calls: (query block ids [G], K) per call, where K is the most kv blocks a row of the call
     sees. Rows are grouped by that count rounded up to a power of two (at most 2× padding), and a group is split so
     that G·K ≤ PLAN_TILES (a row alone may exceed it)."""
@@ -188,7 +195,7 @@ def _plan_chunks(mask: TreeMask) -> List[Tuple[torch.Tensor, int]]:
     if num.numel() == 0:
         return []
     bucket = torch.ceil(torch.log2(num.clamp(min=1).double())).long()
-    chunks = []
+    chunks: list[tuple[torch.Tensor, int]] = []
     for b in torch.unique(bucket).tolist():
         rows = torch.nonzero(bucket == b).flatten()
         K = int(num[rows].max())
@@ -206,7 +213,7 @@ def executed_tiles(mask: TreeMask) -> int:
     return sum(len(rows) * K for rows, K in _plan_chunks(mask))
 
 
-def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per SDPA call (``_plan_chunks``): (query block ids [G], key positions [G, K·B], partial mask [G, B, K·B])."""
     B = mask.BLOCK_SIZE[0]
     se = mask.subtree_end
@@ -220,7 +227,10 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
                        width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
-    pos_pad = None if mask.window is None else torch.cat([mask.position_ids, mask.position_ids.new_zeros(nb * B - n)])
+    window, pos = mask.window, mask.position_ids
+    if window is not None and pos is None:
+        raise TreepackError("E_ARG", f"a sliding-window mask (window {window}) needs position_ids", field="position_ids")
+    pos_pad = None if window is None or pos is None else torch.cat([pos, pos.new_zeros(nb * B - n)])
     plan = []
     r = torch.arange(B)
     for rows, K in _plan_chunks(mask):
@@ -234,8 +244,8 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
         q = rows[:, None] * B + r  # [G, B]
         keys_d, q_d = keys.to(dev), q.to(dev)
         visible = (keys_d[:, None, :] <= q_d[:, :, None]) & (q_d[:, :, None] < se_pad[keys_d][:, None, :])
-        if pos_pad is not None:
-            visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < mask.window
+        if pos_pad is not None and window is not None:
+            visible &= pos_pad[q_d][:, :, None] - pos_pad[keys_d][:, None, :] < window
         # Padded queries (past N, last block only) see their own padded key: no row is empty (SDPA would give NaN).
         visible |= (q_d[:, :, None] >= n) & (keys_d[:, None, :] == q_d[:, :, None])
         visible &= key_ok.to(dev)[:, None, :]
@@ -243,7 +253,7 @@ def _block_plan(mask: TreeMask) -> List[Tuple[torch.Tensor, torch.Tensor, torch.
     return plan
 
 
-def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [1, H, Nq, D+G] and k [1, Hkv, N, D+G] widened so that one more key per kv head, the returned sink key
     [Hkv, D+G], scores exactly ``sinks[h]`` against every query of head h (G = H / Hkv; enable_gqa maps query head h
     to kv head h // G), while every real score is unchanged (the new coordinates add q·0)."""
@@ -257,8 +267,8 @@ def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale:
     return q2, k2, sink_key
 
 
-def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor], skip: int = 0) -> torch.Tensor:
+def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
+                     sinks: torch.Tensor | None, skip: int = 0) -> torch.Tensor:
     plan = mask._cache.get(("block", q.device))
     if plan is None:
         plan = mask._cache[("block", q.device)] = _block_plan(mask)
@@ -310,8 +320,8 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.permute(1, 0, 2, 3).reshape(1, H, (nb - first) * B, -1)[:, :, skip - first * B : n - first * B]
 
 
-def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                     sinks: Optional[torch.Tensor], rows: int = 0) -> torch.Tensor:
+def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
+                     sinks: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
     dense = mask._cache.get("dense")
     if dense is None:
         dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end, mask.position_ids, mask.window)
@@ -325,8 +335,8 @@ def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
 
 
-def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float] = None,
-           window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, rows: int = 0) -> torch.Tensor:
+def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
+           window: int | None = None, sinks: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
     ``window``, only keys within the sliding window (``position_ids[q] - position_ids[k] < window``); with ``sinks``
     [H], each head's sink logit in every row's softmax denominator (gpt-oss). With ``rows``, only query rows
@@ -358,7 +368,7 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
 NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "moe", "sparse", "dense")
 
 
-def _layer_name(model: Optional[torch.nn.Module], module: Optional[torch.nn.Module], index: Optional[int]) -> str:
+def _layer_name(model: torch.nn.Module | None, module: torch.nn.Module | None, index: int | None) -> str:
     """'layer i (Class)' for errors: the attention module's class where it can be found."""
     if module is None and model is not None:
         base = getattr(model, getattr(model, "base_model_prefix", ""), model)
@@ -370,10 +380,11 @@ def _layer_name(model: Optional[torch.nn.Module], module: Optional[torch.nn.Modu
 
 def _check_causal(config: Any, name: str) -> None:
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
-        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; the tree rule is causal", field="use_bidirectional_attention")
+        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; "
+                            "the tree rule is causal", field="use_bidirectional_attention")
 
 
-def _config_window(config: Any, index: int, name: str, attention: bool = True) -> Optional[int]:
+def _config_window(config: Any, index: int, name: str, attention: bool = True) -> int | None:
     """The window ``config.layer_types[index]`` gives the layer: None for full attention (and, unless ``attention``,
     for a layer type that calls no attention), ``config.sliding_window`` for sliding attention; any other type is
     refused."""
@@ -388,7 +399,7 @@ def _config_window(config: Any, index: int, name: str, attention: bool = True) -
     return check_window(window)
 
 
-def _layer_window(module: torch.nn.Module, window: Any) -> Optional[int]:
+def _layer_window(module: torch.nn.Module, window: Any) -> int | None:
     """The window an attention call asked for (``sliding_window=``), checked against the model config, so a sliding
     layer that did not say its window never runs unwindowed (and a full one never windowed)."""
     config = getattr(module, "config", None)
@@ -424,10 +435,10 @@ def tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: Any,
-    scaling: Optional[float] = None,
+    scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
-) -> Tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, None]:
     """The ``"treepack"`` entry of transformers' AttentionInterface: output [1, N, H, Dv] as HF expects. A layer's
     ``sliding_window=`` and ``s_aux=`` (sinks) are applied; attention-logit softcapping is refused, and so is a
     transformers release outside ``treepack.versions.SUPPORTED`` (its calling convention is those releases')."""
@@ -438,7 +449,8 @@ def tree_attention(
         raise TreepackError("E_ARG", f"attention dropout {dropout} is not supported by the tree attention (call model.eval() or set it to 0)", field="dropout")
     window = _layer_window(module, kwargs.get("sliding_window"))
     if kwargs.get("softcap") is not None:
-        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping ({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
+        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping "
+                            f"({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
     # A step plan's micro-batch (stepplan.py): its mask covers the whole forest, the cached prefix's keys come first.
     prefix = getattr(attention_mask, "prefix", None)
     if prefix is not None:
@@ -462,7 +474,16 @@ def _takes_mask_mapping(base: torch.nn.Module) -> bool:
     return re.search(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)", source) is not None
 
 
-def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
+def input_embeddings(model: torch.nn.Module) -> Any:
+    """A Hugging Face model's input embedding, ``get_input_embeddings()`` (looked up by name: torch types a Module's
+    unknown attributes as Tensor | Module)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face model (no get_input_embeddings)", field="model")
+    return get()
+
+
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
     """Each layer's sliding window as the model config gives it: ``config.sliding_window`` for a sliding layer
     (``config.layer_types``; without them, for every layer when the config sets one), None for full attention and
     for layer types that call no attention. A type the tree attention cannot run, or a bidirectional config, is a
@@ -484,7 +505,7 @@ def layer_windows(model: torch.nn.Module) -> List[Optional[int]]:
     return [None if window is None else check_window(window)] * int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
-def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+def dense_model_mask(model: torch.nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
     """What an ``sdpa`` / ``eager`` model takes as ``attention_mask`` for a packed batch: the dense 4-D tree mask
     (bool for sdpa, additive float for eager, which adds its mask to the scores), windowed for sliding layers.
 
@@ -499,9 +520,9 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
     windows = layer_windows(model)
     pos = batch.position_ids
     span = int(pos.max() - pos.min()) if pos.numel() else 0
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = input_embeddings(model).weight.dtype
 
-    def build(window: Optional[int]) -> torch.Tensor:
+    def build(window: int | None) -> torch.Tensor:
         m = dense_tree_mask(batch.subtree_end, pos, window)
         if impl == "eager":
             m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
@@ -514,7 +535,8 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> Union[torch.Tensor, 
         return build(windows[0])
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     if not _takes_mask_mapping(base):
-        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
+        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no "
+                            "per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
     return {"full_attention": build(None), "sliding_attention": build(windows[binding[0]])}
 
 

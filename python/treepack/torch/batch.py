@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ class PackedBatch:
         return int(self.seq_positions.shape[0])
 
     @property
-    def vocab_size(self) -> Optional[int]:
+    def vocab_size(self) -> int | None:
         """One past the largest id of the tokenizer that made the ids (header ``vocab_size``), when the packer knew it."""
         v = self.meta.get("vocab_size")
         return None if v is None else int(v)
@@ -88,7 +89,7 @@ class PackedBatch:
         """The device the tensors are on."""
         return self.input_ids.device
 
-    def _map(self, fn: Any) -> "PackedBatch":
+    def _map(self, fn: Any) -> PackedBatch:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -99,11 +100,11 @@ class PackedBatch:
             values[f.name] = v
         return PackedBatch(**values)
 
-    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor moved to ``device`` (as ``torch.Tensor.to``)."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "PackedBatch":
+    def pin_memory(self) -> PackedBatch:
         """Page-locked copies, for ``to("cuda", non_blocking=True)``; also what DataLoader(pin_memory=True) calls."""
         return self._map(lambda t: t.pin_memory())
 
@@ -134,11 +135,12 @@ def naive_batch(batch: PackedBatch) -> PackedBatch:
         token_index=batch.token_index.clone(),
         meta=meta,
         routes=None if batch.routes is None else batch.routes[:, batch.seq_positions],
+        extra={},
         **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)},
     )
 
 
-def _tensor(a: np.ndarray, dtype: Optional[np.dtype], device: Optional[Union[str, torch.device]], pin: bool) -> torch.Tensor:
+def _tensor(a: np.ndarray, dtype: np.dtype | None, device: str | torch.device | None, pin: bool) -> torch.Tensor:
     # np.array copies: the file's arrays are read-only views on a memory map.
     t = torch.from_numpy(np.array(a, dtype=dtype))
     if pin:
@@ -148,10 +150,10 @@ def _tensor(a: np.ndarray, dtype: Optional[np.dtype], device: Optional[Union[str
 
 def from_microbatch(
     mb: MicroBatch,
-    device: Optional[Union[str, torch.device]] = None,
+    device: str | torch.device | None = None,
     pin_memory: bool = False,
     check: bool = True,
-    file: Optional[str] = None,
+    file: str | None = None,
 ) -> PackedBatch:
     """A numpy ``treepack.MicroBatch`` as a ``PackedBatch`` (see ``load_microbatch``)."""
     if check:
@@ -165,15 +167,16 @@ def from_microbatch(
             elif (np.asarray(mb.seq_positions) >= N - pad).any():
                 problems.append(f"an occurrence maps to one of the last num_pad_tokens = {pad} (padding) nodes")
         if problems:
-            first = re.match(r"[a-z_]*", problems[0]).group(0)  # each problem starts with the field it is about
+            lead = re.match(r"[a-z_]+", problems[0])  # each problem starts with the field it is about
+            first = lead.group(0) if lead else ""
             raise TreepackError("E_INPUT", "not a valid packed micro-batch: " + "; ".join(problems), file,
                                 first if first in INDEX_FIELDS + ("loss_mask",) else "forest")
-    lengths = np.diff(np.asarray(mb.seq_offsets, dtype=np.int64))
-    starts = np.asarray(mb.seq_offsets[:-1], dtype=np.int64)
+    offsets = np.asarray(mb.seq_offsets, dtype=np.int64)
+    lengths, starts = offsets[1:] - offsets[:-1], offsets[:-1]
     seq_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     token_index = np.arange(len(mb.seq_positions), dtype=np.int64) - np.repeat(starts, lengths)
     i64 = np.dtype(np.int64)
-    values: Dict[str, Any] = {f: _tensor(getattr(mb, f), i64, device, pin_memory) for f in INDEX_FIELDS}
+    values: dict[str, Any] = {f: _tensor(getattr(mb, f), i64, device, pin_memory) for f in INDEX_FIELDS}
     values["loss_mask"] = _tensor(mb.loss_mask != 0, None, device, pin_memory)
     values["seq_index"] = _tensor(seq_index, None, device, pin_memory)
     values["token_index"] = _tensor(token_index, None, device, pin_memory)
@@ -186,8 +189,8 @@ def from_microbatch(
 
 
 def load_microbatch(
-    src: Union[Source, MicroBatch],
-    device: Optional[Union[str, torch.device]] = None,
+    src: Source | MicroBatch,
+    device: str | torch.device | None = None,
     pin_memory: bool = False,
     check: bool = True,
 ) -> PackedBatch:
@@ -210,14 +213,14 @@ class PackedDataset(torch.utils.data.IterableDataset):
     disjoint share of that, so ``DataLoader(ds, batch_size=None, num_workers=k)`` yields each micro-batch once.
     """
 
-    def __init__(self, directory: Union[str, "os.PathLike[str]"], rank: Optional[int] = None, dp: Optional[int] = None, check: bool = True):
+    def __init__(self, directory: str | os.PathLike[str], rank: int | None = None, dp: int | None = None, check: bool = True):
         super().__init__()
         self.directory = os.fspath(directory)
         self.manifest = read_manifest(self.directory)
         self.check = check
         if (rank is None) != (dp is None):
             raise TreepackError("E_ARG", "give rank and dp together", field="rank" if rank is None else "dp")
-        entries: List[Dict[str, Any]] = self.manifest["micro_batches"]
+        entries: list[dict[str, Any]] = self.manifest["micro_batches"]
         if dp is not None and rank is not None:
             if not (isinstance(dp, int) and dp >= 1):
                 raise TreepackError("E_ARG", f"dp must be an integer >= 1, got {dp!r}", field="dp")
@@ -235,7 +238,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def files(self) -> List[str]:
+    def files(self) -> list[str]:
         """The micro-batch files, in manifest order (paths joined to the directory)."""
         return [os.path.join(self.directory, *e["file"].split("/")) for e in self.entries]
 

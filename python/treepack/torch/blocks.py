@@ -24,14 +24,14 @@ all B² pairs are visible (padding counts as masked), partial when some are.
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 
 from ..errors import TreepackError
 from ..flex import check_window
 
-Arrays = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Arrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def check_host_tree(se: torch.Tensor) -> None:
@@ -46,7 +46,7 @@ def check_host_tree(se: torch.Tensor) -> None:
         raise TreepackError("E_INPUT", message, field="subtree_end")
 
 
-def _layout(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _layout(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's (counts [nq], indices [nq, nkv]) of a bool [nq, nkv] tile grid: ascending, 0-padded."""
     nq, nkv = sel.shape
     cols = torch.arange(nkv, device=sel.device).expand(nq, nkv)
@@ -84,8 +84,8 @@ def _range_min(pos: torch.Tensor, B: int) -> Any:
 def block_arrays(
     subtree_end: torch.Tensor,
     block_size: int,
-    position_ids: Optional[torch.Tensor] = None,
-    window: Optional[int] = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
     q_start: int = 0,
 ) -> Arrays:
     """(kv_num_blocks [nq], kv_indices [nq, nkv], full_kv_num_blocks [nq], full_kv_indices [nq, nkv]), int32 on

@@ -30,7 +30,7 @@ is refused. Inside a caller's own ``torch.compile`` the flex call is left to tha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +60,8 @@ def ladder_length(n: int, block_size: int) -> int:
     return (3 * p // 4 if 3 * p // 4 >= nb else p) * block_size
 
 
-def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod: Optional[Callable[..., Any]],
-               scale: Optional[float], gqa: bool) -> torch.Tensor:
+def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod: Callable[..., Any] | None,
+               scale: float | None, gqa: bool) -> torch.Tensor:
     # A function of our own, so dynamo's cache entries (and its recompile limit) count this path's variants alone.
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
@@ -85,7 +85,7 @@ def flex_compilations() -> int:
     return len(_debug_get_cache_entry_list(_flex_call.__code__))
 
 
-def _padded_mask(mask: Any, rows: int, sinks: bool) -> Tuple[BlockMask, int, int]:
+def _padded_mask(mask: Any, rows: int, sinks: bool) -> tuple[BlockMask, int, int]:
     """The BlockMask flex runs for query rows [rows, N) of ``mask`` (a TreeMask) and the padded (Q_LEN, KV_LEN):
     the forest padded to its rung with root nodes, the query range starting at ``rows`` (also padded to its rung;
     query rows past the padded forest see nothing), plus the sink block. Cached on the mask."""
@@ -126,20 +126,23 @@ def flex_tiles(mask: Any, rows: int = 0, sinks: bool = False) -> int:
     """The B×B tiles compiled flex computes for query rows [rows, N) of ``mask``: those its padded BlockMask lists
     (with ``sinks``, one more per query block)."""
     block_mask = _padded_mask(mask, rows, sinks)[0]
-    return int(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
+    full = block_mask.full_kv_num_blocks
+    return int(block_mask.kv_num_blocks.sum() + (0 if full is None else full.sum()))
 
 
-def _mask_mod(se: torch.Tensor, pos: Optional[torch.Tensor], window: Optional[int], off: torch.Tensor,
-              sink: Optional[int]) -> Callable[..., Any]:
+def _mask_mod(se: torch.Tensor, pos: torch.Tensor | None, window: int | None, off: torch.Tensor,
+              sink: int | None) -> Callable[..., Any]:
     """The tree rule on the padded forest for query rows offset by ``off`` (a tensor, so a new offset is no new
     compilation), windowed when ``window`` is given, plus key ``sink`` seen by every query. Every captured value is
     a tensor whose shape the rung fixes, or an integer the rung or the layer fixes."""
     last = int(se.shape[0]) - 1
+    if window is not None and pos is None:
+        raise TreepackError("E_ARG", f"a windowed mask (window {window}) needs position_ids", field="position_ids")
 
     def tree(b: Any, h: Any, q: Any, kv: Any) -> Any:
         qa, kc = q + off, kv.clamp(max=last)
         seen = (kv <= qa) & (qa < se[kc])
-        if window is not None:
+        if window is not None and pos is not None:
             seen = seen & (pos[qa.clamp(max=last)] - pos[kc] < window)
         return seen if sink is None else seen | (kv == sink)
 
@@ -153,8 +156,8 @@ def _sink_score(sinks: torch.Tensor, sink: int) -> Callable[..., Any]:
     return score_mod
 
 
-def flex_attend(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], gqa: bool,
-                sinks: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+def flex_attend(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
+                sinks: torch.Tensor | None, rows: int) -> torch.Tensor:
     """Compiled flex for query rows [rows, N) of ``mask`` (a TreeMask, windowed as it says): [1, H, N - rows, Dv]."""
     n = int(mask.subtree_end.shape[0])
     records = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))

@@ -36,13 +36,14 @@ from .logprobs import NodeScores, model_mask, routed, scored_nodes
 from .moe import router_outputs
 
 
-def wrappers(model: torch.nn.Module) -> List[torch.nn.Module]:
+def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``model`` and every module inside its DDP / FSDP1 / DeepSpeed (``.module``) and PEFT (``get_base_model()``)
     wrappers, outermost first; the last is the Hugging Face model."""
     out = [model]
     while True:
-        if hasattr(model, "get_base_model"):
-            inner = model.get_base_model()
+        get_base_model = getattr(model, "get_base_model", None)  # PEFT's (torch types Module attributes as Tensor | Module)
+        if get_base_model is not None:
+            inner = get_base_model()
         elif isinstance(getattr(model, "module", None), torch.nn.Module):
             inner = model.module
         else:
@@ -69,7 +70,7 @@ def model_tree_mask(model: torch.nn.Module, batch: PackedBatch, attention: str =
 def forward_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
-    nodes: Union[str, torch.Tensor] = "trainable",
+    nodes: str | torch.Tensor = "trainable",
     temperature: float = 1.0,
     entropy: bool = False,
     entropy_grad: bool = True,

@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
-from .attention import dense_model_mask, tree_mask
+from .attention import dense_model_mask, input_embeddings, tree_mask
 from .batch import PackedBatch
 from .models import check_dense, prepare
 from .moe import RouterOutputs, replay_routes, router_outputs
@@ -48,7 +48,7 @@ class NodeScores(NamedTuple):
     ``router`` outputs (``treepack.torch.moe``: logits and experts per MoE layer, for ``load_balancing_loss``)."""
 
     logprobs: torch.Tensor  # float32 (or the hidden states' dtype if float64) [N]; NaN where not scored
-    entropy: Optional[torch.Tensor]  # [N], the entropy of the distribution that predicts node p; NaN where not scored
+    entropy: torch.Tensor | None  # [N], the entropy of the distribution that predicts node p; NaN where not scored
     nodes: torch.Tensor  # int64 [K], the scored nodes, ascending
     router: Optional[RouterOutputs] = None  # a MoE model's routing, when routes were replayed or router=True
 
@@ -60,7 +60,7 @@ def gather_occurrences(node_values: torch.Tensor, batch: PackedBatch) -> torch.T
     return node_values.index_select(0, batch.seq_positions.to(node_values.device))
 
 
-def scored_nodes(batch: PackedBatch, nodes: Union[str, torch.Tensor] = "trainable") -> torch.Tensor:
+def scored_nodes(batch: PackedBatch, nodes: str | torch.Tensor = "trainable") -> torch.Tensor:
     """The nodes to score: ``"trainable"`` (mapped to by a trainable occurrence), ``"all"`` (every non-root node),
     or an explicit index tensor (non-root nodes)."""
     if isinstance(nodes, torch.Tensor):
@@ -76,10 +76,13 @@ def scored_nodes(batch: PackedBatch, nodes: Union[str, torch.Tensor] = "trainabl
 
 
 def _head_and_base(model: torch.nn.Module) -> Any:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    base = getattr(model, model.base_model_prefix, None) if hasattr(model, "base_model_prefix") else None
+    # Hugging Face's API, looked up as such: torch types a Module's unknown attributes as Tensor | Module.
+    get_head, prefix = getattr(model, "get_output_embeddings", None), getattr(model, "base_model_prefix", None)
+    head = get_head() if get_head is not None else None
+    base = getattr(model, prefix, None) if isinstance(prefix, str) else None
     if head is None or base is None:
-        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); pass hidden states and lm_head instead", field="model")
+        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); "
+                            "pass hidden states and lm_head instead", field="model")
     return head, base
 
 
@@ -93,7 +96,7 @@ def check_vocabulary(model: torch.nn.Module, batch: PackedBatch) -> None:
     """Refuses (TreepackError E_INPUT) a batch whose ids the model cannot have been trained on: an id outside its
     embedding, or a header ``vocab_size`` (the packing tokenizer's) above the embedding's rows or more than
     ``VOCAB_PADDING`` below them, the sign of ids made by another model's tokenizer."""
-    rows = model.get_input_embeddings().num_embeddings
+    rows = input_embeddings(model).num_embeddings
     outside = (batch.input_ids < 0) | (batch.input_ids >= rows)
     if bool(outside.any()):
         p = int(torch.argmax(outside.to(torch.int8)))
@@ -125,18 +128,18 @@ def model_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "aut
     raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
 
 
-def _softcap(model: Optional[torch.nn.Module]) -> Optional[float]:
+def _softcap(model: torch.nn.Module | None) -> float | None:
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
 def packed_logprobs(
-    model_or_hidden: Union[torch.nn.Module, torch.Tensor],
+    model_or_hidden: torch.nn.Module | torch.Tensor,
     batch: PackedBatch,
     chunk_size: int = 1024,
     entropy: bool = False,
-    nodes: Union[str, torch.Tensor] = "trainable",
-    lm_head: Optional[torch.nn.Module] = None,
+    nodes: str | torch.Tensor = "trainable",
+    lm_head: torch.nn.Module | None = None,
     attention: str = "auto",
     temperature: float = 1.0,
     routes: Optional[torch.Tensor] = None,
@@ -146,9 +149,10 @@ def packed_logprobs(
 
     ``model_or_hidden``: a HF causal LM (its base model runs on the packed batch with the tree mask: a ``TreeMask``
     in mode ``attention`` when the model's attn_implementation is ``"treepack"``, else the dense 4-D tree mask for
-    ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D] with ``lm_head`` (a module mapping D to vocab).
-    Logits are computed in float32 (float64 when the hidden states are float64), softcapped by the model's
-    ``final_logit_softcapping`` when it has one, then divided by ``temperature`` (the order vLLM samples with).
+    ``"sdpa"``/``"eager"``, windowed per layer type: ``dense_model_mask``), or final hidden states [N, D] / [1, N, D]
+    with ``lm_head`` (a module mapping D to vocab). Logits are computed in float32 (float64 when the hidden states are
+    float64), softcapped by the model's ``final_logit_softcapping`` when it has one, then divided by ``temperature``
+    (the order vLLM samples with).
 
     A mixture-of-experts model replays ``routes`` (int [MoE layers, N, k], the experts the engine chose for each
     node; default ``batch.routes``) instead of its routers' top-k (``treepack.torch.replay_routes``); with routes or
@@ -160,8 +164,9 @@ def packed_logprobs(
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {chunk_size!r}", field="chunk_size")
     if not temperature > 0:
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
-    model = model_or_hidden if isinstance(model_or_hidden, torch.nn.Module) else None
-    if model is not None:
+    model: torch.nn.Module | None = None
+    if isinstance(model_or_hidden, torch.nn.Module):
+        model = model_or_hidden
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
         with routed(model, batch, routes, router) as routing:
@@ -222,7 +227,7 @@ def routed(model: torch.nn.Module, batch: PackedBatch, routes: Optional[torch.Te
 class _LogitSpec(NamedTuple):
     dtype: torch.dtype  # of the logits: float32, or float64 for float64 hidden states
     temperature: float
-    cap: Optional[float]  # final_logit_softcapping
+    cap: float | None  # final_logit_softcapping
 
 
 def _finish_logits(z: torch.Tensor, spec: _LogitSpec, inplace: bool) -> torch.Tensor:
@@ -245,7 +250,7 @@ class _Scratch:
     fresh buffer of this size is a new mapping whose pages the kernel zero-fills on first touch."""
 
     def __init__(self) -> None:
-        self.bufs: Dict[str, torch.Tensor] = {}
+        self.bufs: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """A [rows, cols] view, of like's dtype and device."""
@@ -255,7 +260,7 @@ class _Scratch:
         return buf[:rows]
 
 
-def _linear_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: _LogitSpec, scratch: _Scratch) -> torch.Tensor:
+def _linear_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: _LogitSpec, scratch: _Scratch) -> torch.Tensor:
     """The finished logits of rows h, written into scratch's "z" buffer when the head computes in spec.dtype."""
     if weight.dtype != spec.dtype:  # e.g. a bf16 head: its output is cast, as head(h).to(float32) would be
         z = torch.nn.functional.linear(h, weight, bias).to(spec.dtype)
@@ -277,8 +282,8 @@ class _LinearHeadScores(torch.autograd.Function):
     matmul does."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], row_of: torch.Tensor, tokens: torch.Tensor,
-                edges: List[int], bounds: List[int], spec: _LogitSpec, entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_of: torch.Tensor, tokens: torch.Tensor,
+                edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         R = h.shape[0]
         lp = h.new_empty(tokens.shape[0], dtype=spec.dtype)
@@ -307,7 +312,7 @@ class _LinearHeadScores(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_lp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, row_of, tokens, lse, row_entropy = ctx.saved_tensors
         (edges, bounds), spec = ctx.chunks, ctx.spec
         g_lp = g_lp if g_lp is not None else lse.new_zeros(tokens.shape[0])
@@ -348,7 +353,7 @@ class _LinearHeadScores(torch.autograd.Function):
 
 
 def _module_head_scores(head: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor, tokens: torch.Tensor,
-                        edges: List[int], bounds: List[int], spec: _LogitSpec, entropy: bool) -> torch.Tensor:
+                        edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> torch.Tensor:
     """[1 or 2, K] logprobs (and entropies) of the targets through any head module, by autograd."""
 
     def chunk(h: torch.Tensor, local_row: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ occurrences use atomics, so their last bits may vary run to run unless ``torch.u
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Union, cast
 
 import torch
 
@@ -41,7 +42,7 @@ from . import loss_terms as terms
 from .batch import PackedBatch
 from .moe import RouterOutputs, load_balancing_loss
 
-METRICS = tuple(name for name, _ in LossMetrics._fields_)
+METRICS = tuple(name for name, *_ in LossMetrics._fields_)
 
 Tensor = torch.Tensor
 Config = Union[None, Mapping[str, Any], LossConfig]
@@ -52,7 +53,7 @@ def _get(batch: Batch, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
-def _seq_index(batch: Batch) -> Optional[Tensor]:
+def _seq_index(batch: Batch) -> Tensor | None:
     """The loader's sequence of each occurrence, when the batch is a PackedBatch (a mapping's is derived)."""
     return batch.seq_index if isinstance(batch, PackedBatch) else None
 
@@ -61,7 +62,7 @@ def _bad(name: str, message: str) -> TreepackError:
     return TreepackError("E_INPUT", message, field=name)
 
 
-def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> Dict[str, Optional[Tensor]]:
+def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool = True) -> dict[str, Tensor | None]:
     """The batch's tensors the loss reads (None for those the config does not), checked as the C core checks them.
     Presence, shapes, dtypes and devices are read from metadata; with ``validate`` the values too (host copies)."""
     if not isinstance(lp, Tensor) or lp.dim() != 1 or not lp.is_floating_point():
@@ -73,7 +74,7 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)},
              "turn_ids": "index"}
     used = {"seq_weight": True, "turn_ids": _turns(c), **{f: _needed(c, f) for f in _FIELDS}}
-    out: Dict[str, Optional[Tensor]] = {}
+    out: dict[str, Tensor | None] = {}
     for name, kind in kinds.items():
         t = _get(batch, name)
         if t is None or not used.get(name, True):
@@ -108,7 +109,7 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     return out
 
 
-def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
+def _check_values(lp: Tensor, t: dict[str, Tensor | None]) -> None:
     """The value checks of tp_loss, in its order, on host copies (each reads device memory: a sync)."""
     off, pos, mask = t["seq_offsets"].cpu(), t["seq_positions"].cpu(), t["loss_mask"].cpu().bool()  # type: ignore[union-attr]
     N, M = lp.shape[0], pos.shape[0]
@@ -123,14 +124,16 @@ def _check_values(lp: Tensor, t: Dict[str, Optional[Tensor]]) -> None:
         starts[off[:-1][off[:-1] < M].long()] = True
         if bool(((turn[1:] < turn[:-1]) & ~starts[1:]).any()):
             raise _bad("turn_ids", "turn_ids decrease within a sequence (each sequence's turns are numbered in order)")
-    if t["seq_weight"] is not None:
-        _check_weights(t["seq_weight"].cpu().numpy(), off.shape[0] - 1)
-    for name, v in (("logprobs", lp.detach()[t["seq_positions"].long()]),) + tuple((f, t[f]) for f in _FIELDS if t[f] is not None):
+    sw = t["seq_weight"]
+    if sw is not None:
+        _check_weights(sw.cpu().numpy(), off.shape[0] - 1)
+    present = tuple((f, x) for f in _FIELDS if (x := t[f]) is not None)
+    for name, v in (("logprobs", lp.detach()[cast(Tensor, t["seq_positions"]).long()]), *present):
         if not bool(torch.isfinite(v.cpu()[mask]).all()):
             raise _bad(name, f"{name} has a non-finite value at a trainable position")
 
 
-def _loss(lp: Tensor, t: Dict[str, Optional[Tensor]], c: Mapping[str, Any], seq_index: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_index: Tensor | None) -> tuple[Tensor, Tensor]:
     """(loss, metrics [len(METRICS)]) in float64 on lp's device; no host reads, no data-dependent Python."""
     f64 = torch.float64
     off, pos = t["seq_offsets"].long(), t["seq_positions"].long()  # type: ignore[union-attr]

@@ -10,7 +10,6 @@ kernels compute in double and return a float32 gradient. Returns (loss, dloss/dl
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, Tuple
 
 import torch
 
@@ -22,7 +21,7 @@ KERNELS = ("auto", "core", "cuda", "cuda-host")
 
 
 def kernel_loss(lp: torch.Tensor, batch: Batch, config: Config = None, *,
-                kernel: str = "auto") -> Tuple[float, torch.Tensor, Dict[str, float]]:
+                kernel: str = "auto") -> tuple[float, torch.Tensor, dict[str, float]]:
     """(loss, float32 gradient [N] on lp's device, metrics dict) from one of the C ABI's kernels (``KERNELS``; "auto":
     the core for CPU tensors, tp_cuda_loss for CUDA ones)."""
     if kernel not in KERNELS:

@@ -8,7 +8,8 @@ one shape (masked positions already replaced by finite values); ``c`` is a resol
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ def clamped_ratio(log_ratio: Tensor, c: Mapping[str, Any]) -> Tensor:
     return torch.exp(_clamp_keep(log_ratio, -C, C))
 
 
-def clipped_surrogate(log_ratio: Tensor, A: Tensor, c: Mapping[str, Any]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def clipped_surrogate(log_ratio: Tensor, A: Tensor, c: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """ppo / gspo: max(−A·r, −A·clip(r)), then for A < 0 min(·, −A·dual_clip) when dual_clip > 0.
     Returns (value, r detached, clipped high, clipped low, dual clipped)."""
     r = clamped_ratio(log_ratio, c)
@@ -47,7 +48,7 @@ def clipped_surrogate(log_ratio: Tensor, A: Tensor, c: Mapping[str, Any]) -> Tup
     return value, rd, high, low, dual
 
 
-def cispo(lp: Tensor, old: Tensor, A: Tensor, c: Mapping[str, Any]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def cispo(lp: Tensor, old: Tensor, A: Tensor, c: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """−sg(clip(r))·A·lp. Returns (value, r detached, r above the clip, r below it)."""
     r = clamped_ratio(lp.detach() - old, c)
     lo, hi = 1 - c["clip_low"], 1 + c["clip_high"]

@@ -33,7 +33,7 @@ import functools
 import inspect
 import re
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 
@@ -43,11 +43,11 @@ from . import recurrent
 from .attention import TreeMask
 
 # Layer class -> the modeling-module functions its forward calls and how each runs on a tree.
-_GDN = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
-_KDA = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
-_MAMBA2 = {"causal_conv1d_fn": recurrent.tree_conv, "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
+_GDN: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
+_KDA: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
+_MAMBA2: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
            "mamba2_split_conv1d_scan_combined": recurrent.no_fused}
-LAYERS: Dict[str, Dict[str, Callable]] = {
+LAYERS: dict[str, dict[str, Callable]] = {
     "Qwen3_5GatedDeltaNet": _GDN,
     "Qwen3_5MoeGatedDeltaNet": _GDN,
     "Qwen3NextGatedDeltaNet": _GDN,
@@ -84,7 +84,7 @@ class _TreeMasks(dict):
         return True
 
 
-def _tree_of(value: Any) -> Optional[TreeMask]:
+def _tree_of(value: Any) -> TreeMask | None:
     if isinstance(value, TreeMask):
         return value
     if isinstance(value, _TreeMasks):
@@ -92,7 +92,7 @@ def _tree_of(value: Any) -> Optional[TreeMask]:
     return None
 
 
-def _base_pre_hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+def _base_pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, TreeMask):
         if any(isinstance(a, TreeMask) for a in args):
@@ -104,7 +104,7 @@ def _base_pre_hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return args, kwargs
 
 
-def _ensure_dispatch(module_globals: Dict[str, Any], kinds: Dict[str, Callable]) -> None:
+def _ensure_dispatch(module_globals: dict[str, Any], kinds: dict[str, Callable]) -> None:
     """Puts the dispatchers in front of the named functions (again, if something rebound a name since)."""
     for name, kind in kinds.items():
         fn = module_globals.get(name)
@@ -116,25 +116,28 @@ def _ensure_dispatch(module_globals: Dict[str, Any], kinds: Dict[str, Callable])
             module_globals[name] = d
 
 
-_TREE_CLASSES: Dict[type, type] = {}
+_TREE_CLASSES: dict[type, type] = {}
 
 
-def _registered(cls: type) -> Optional[type]:
+def _registered(cls: type) -> type | None:
     """The transformers layer class in ``LAYERS`` that ``cls`` is or derives from (a wrapper's subclass, FSDP2's)."""
     return next((c for c in cls.__mro__ if c.__name__ in LAYERS and c.__module__.startswith("transformers.")), None)
 
 
-def _tree_class(cls: type) -> type:
+def _tree_class(cls: type[torch.nn.Module]) -> type:
     """A subclass of the layer class (same name and module) whose forward runs the tree way on a TreeMask; a class
     rather than a wrapped instance forward, so copies of a prepared model (copy.deepcopy) stay prepared."""
     sub = _TREE_CLASSES.get(cls)
     if sub is not None:
         return sub
     base = _registered(cls)
+    if base is None:
+        raise TreepackError("E_ARG", f"{cls.__name__} is not a layer treepack runs on a tree", field="model")
     kinds = LAYERS[base.__name__]
     module_globals = sys.modules[base.__module__].__dict__  # where its forward looks the functions up
 
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # self: the layer, a transformers module that prepare() gave treepack_name and treepack_chunk_align.
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         mask = _tree_of(kwargs.get("attention_mask"))
         if mask is None:
             if any(_tree_of(a) is not None for a in args):
@@ -154,8 +157,8 @@ def _tree_class(cls: type) -> type:
     return sub
 
 
-@functools.lru_cache(maxsize=None)
-def _uses_attention_interface(cls: type) -> bool:
+@functools.cache
+def _uses_attention_interface(cls: type[torch.nn.Module]) -> bool:
     try:
         src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
@@ -169,13 +172,16 @@ def layer_index(path: str) -> str:
     return m.group(1) if m else "?"
 
 
-def token_mixers(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Module]], List[Tuple[str, torch.nn.Module]]]:
+def token_mixers(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]]]:
     """(recurrent layers treepack runs on a tree, token-mixing modules it does not handle), as (path, module). A
     module looks like a token mixer by type (a Conv1d over the sequence), by name, or as an attention module that
     bypasses the attention interface; one that holds a handled layer (a decoder layer named after its mixer) is not."""
     modules = list(model.named_modules())
     handled = [(p, m) for p, m in modules if _registered(type(m)) is not None]
-    covered = [p for p, _ in handled] + [p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))]
+    # The ignore: classes are hashable, but mypy does not match type[Any] to functools.cache's Hashable.
+    covered = [p for p, _ in handled] + [
+        p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))  # type: ignore[arg-type]
+    ]
     within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
     other = []
     for path, m in modules:
@@ -194,7 +200,7 @@ def _named_mixer(cls: str) -> bool:
     return (bool(_MIXER_NAME.search(cls)) or cls.endswith("Attention")) and not _TOKENWISE_NAME.search(cls)
 
 
-def _refuse(other: List[Tuple[str, torch.nn.Module]], why: str) -> None:
+def _refuse(other: list[tuple[str, torch.nn.Module]], why: str) -> None:
     path, m = other[0]
     more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
     raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and {why}{more}", field="model")
@@ -213,7 +219,7 @@ def check_dense(model: torch.nn.Module) -> None:
     refuse_non_attention(model, "the dense 4-D mask reaches only attention; load the model with attn_implementation='treepack'")
 
 
-def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch.nn.Module:
+def prepare(model: torch.nn.Module, chunk_align: bool | None = None) -> torch.nn.Module:
     """Makes every token-mixing layer of ``model`` (a HF causal LM or base model) run on the TreeMask it is given
     (module docstring); returns the model. ``chunk_align`` None keeps a prepared layer's setting (False the first
     time). Raises TreepackError naming the first layer treepack cannot run.
@@ -234,8 +240,11 @@ def prepare(model: torch.nn.Module, chunk_align: Optional[bool] = None) -> torch
     if handled and not getattr(base, "treepack_prepared", False):
         base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
         base.treepack_prepared = True
-    for path, layer in handled:
+    for path, module in handled:
+        layer: Any = module  # prepare() gives it treepack_* attributes (torch types a Module's as Tensor | Module)
         base_cls = _registered(type(layer))
+        if base_cls is None:  # handled holds registered layers only
+            continue
         _ensure_dispatch(sys.modules[base_cls.__module__].__dict__, LAYERS[base_cls.__name__])
         if not hasattr(type(layer), "treepack_base"):
             layer.__class__ = _tree_class(type(layer))

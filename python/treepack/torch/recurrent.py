@@ -28,7 +28,7 @@ autograd functions take the final state's gradient). ``key`` names the call: (la
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,9 @@ class Tree:
         self.chunk_align = chunk_align
         self.layer = layer
         self.prefix = getattr(mask, "prefix", None)
-        self._calls: Dict[str, int] = {}
+        self._calls: dict[str, int] = {}
 
-    def key(self, kind: str) -> Tuple[str, str, int]:
+    def key(self, kind: str) -> tuple[str, str, int]:
         """The prefix cache's name for this layer's next call of ``kind`` (a layer may call the convolution twice)."""
         i = self._calls.get(kind, 0)
         self._calls[kind] = i + 1
@@ -56,7 +56,7 @@ class Tree:
 
 
 # The tree of the layer now running (None outside a prepared layer's tree forward).
-current: contextvars.ContextVar[Optional[Tree]] = contextvars.ContextVar("treepack_tree", default=None)
+current: contextvars.ContextVar[Tree | None] = contextvars.ContextVar("treepack_tree", default=None)
 
 
 def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
@@ -64,8 +64,8 @@ def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
         raise TreepackError("E_ARG", f"a tree forward runs one packed row of N = {n} tokens; {name} has shape {list(t.shape)}", field="attention_mask")
 
 
-def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              activation: Optional[str] = None, **kwargs: Any) -> torch.Tensor:
+def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              activation: str | None = None, **kwargs: Any) -> torch.Tensor:
     """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N] (under a step plan, nodes [rows, N) only)."""
     if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
@@ -83,7 +83,7 @@ def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: t
     return _conv(orig, sub_forest(tree.mask, rows - t), x, weight, bias, activation)[:, :, t:]
 
 
-def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
     n = int(mask.subtree_end.shape[0])
     _one_row("the convolution input", hidden_states, n, 2)
     out = orig(hidden_states, weight, bias=bias, activation=activation)
@@ -99,11 +99,14 @@ def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.
     return out.index_copy(2, fix.nodes, fixed.t()[None])
 
 
-def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], call: Callable) -> torch.Tensor:
+def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...] (under a step plan, nodes [rows, N): the roots that continue
-    the cached chain start from its state)."""
+    the cached chain start from its state). The first input is always given (the others may be None)."""
     pre, mask = tree.prefix, tree.mask
+    first = inputs[0]
+    if first is None:
+        raise TreepackError("E_ARG", "a recurrence needs its first input", field="inputs")
     if pre is not None:
         key = tree.key("state")
         mask = sub_forest(mask, pre.rows) if pre.rows else mask
@@ -111,10 +114,10 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], cal
     for t in inputs:
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
-    plan = run_plan(mask, chunk if tree.chunk_align else 1, inputs[0].device)
+    plan = run_plan(mask, chunk if tree.chunk_align else 1, first.device)
     # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
     padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
-    finals: List[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
     outs = []
     for c in plan.calls:
         rows = [None if t is None else t.index_select(0, c.nodes.flatten()).view(c.nodes.shape + t.shape[1:]) for t in padded]
@@ -122,7 +125,7 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], cal
         if c.perm is not None:
             parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
             init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
-        if c.hang is not None:
+        if c.hang is not None and pre is not None:  # hanging roots exist only under a step plan
             state = pre.state(key)
             init = state.new_zeros((c.nodes.shape[0],) + state.shape[1:]) if init is None else init
             init = init.index_copy(0, c.hang, state.to(init.dtype).expand((c.hang.shape[0],) + state.shape[1:]))
@@ -130,16 +133,16 @@ def _run(tree: Tree, chunk: int, inputs: Tuple[Optional[torch.Tensor], ...], cal
         finals.append(final)
         outs.append(out.flatten(0, 1))
     if not outs:
-        return inputs[0].new_zeros((1, 0) + inputs[0].shape[2:])
+        return first.new_zeros((1, 0) + first.shape[2:])
     if pre is not None:
-        c, r = plan.last
-        pre.keep(key, finals[c][r : r + 1])
+        last, r = plan.last
+        pre.keep(key, finals[last][r : r + 1])
     return torch.cat(outs).index_select(0, plan.owner)[None]
 
 
 def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    chunk_size: Optional[int] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                    cu_seqlens: Any = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+                    chunk_size: int | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                    cu_seqlens: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A delta rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``: q, k [1, N, H, K], v [1, N, H, V],
     g [1, N, H] or [1, N, H, K], beta [1, N, H]) on the tree: (out [1, N, H, V], None). ``chunk_size`` is passed on
     only when the layer passes it (FLA's kernels take none); the grid is 64 tokens otherwise, theirs and the
@@ -157,9 +160,9 @@ def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.
 
 
 def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                     chunk_size: int, D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, initial_states: Optional[torch.Tensor] = None,
-                     dt_softplus: bool = False, dt_limit: Tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False,
-                     z: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+                     chunk_size: int, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
+                     dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False,
+                     z: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """``mamba2_chunk_scan`` (x [1, N, H, P], dt [1, N, H], B, C [1, N, G, S]) on the tree: y [1, N, H, P].
 
     The step size is finished here, with the same operations the scan applies (bias, softplus, clamp), and passed on

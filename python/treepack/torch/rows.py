@@ -32,8 +32,9 @@ attended tokens in order, at positions 0, 1, …).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Union
 
 import torch
 
@@ -41,7 +42,7 @@ from ..microbatch import TreepackError
 from ..pack import pack_sequences
 from .batch import PackedBatch, from_microbatch
 
-Jagged = Union[Sequence[torch.Tensor], Tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+Jagged = Union[Sequence[torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -54,8 +55,8 @@ class RowLayout:
     batch: PackedBatch
     flat: torch.Tensor  # int64 [M]
     rows: int
-    width: Optional[int] = None
-    offsets: Optional[torch.Tensor] = None  # int64 [rows + 1], jagged outputs only
+    width: int | None = None
+    offsets: torch.Tensor | None = None  # int64 [rows + 1], jagged outputs only
 
     def _scatter(self, values: torch.Tensor, fill: float, of: str, where: str) -> torch.Tensor:
         b = self.batch
@@ -74,7 +75,12 @@ class RowLayout:
         else:
             raise TreepackError("E_ARG", f"expected 'trainable' or 'all', got {where!r}", field="where")
         keep = keep.to(values.device)
-        size = self.rows * self.width if self.offsets is None else int(self.offsets[-1])
+        if self.offsets is not None:
+            size = int(self.offsets[-1])
+        elif self.width is not None:
+            size = self.rows * self.width
+        else:
+            raise TreepackError("E_ARG", "a RowLayout has a width (padded rows) or offsets (jagged rows)", field="width")
         out = values.new_full((size,), fill)
         # index_put (not in-place) so autograd reaches the values; trainable slots get every value, NaN included.
         return out.index_put((self.flat.to(values.device)[keep],), values[keep])
@@ -87,7 +93,7 @@ class RowLayout:
             raise TreepackError("E_ARG", "this layout is jagged: use to_jagged", field="layout")
         return self._scatter(values, fill, of, where).view(self.rows, self.width)
 
-    def to_jagged(self, values: torch.Tensor, fill: float = 0.0, of: str = "nodes", where: str = "trainable") -> Tuple[torch.Tensor, torch.Tensor]:
+    def to_jagged(self, values: torch.Tensor, fill: float = 0.0, of: str = "nodes", where: str = "trainable") -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, offsets)``: row i's outputs at ``values[offsets[i]:offsets[i+1]]``
         (``torch.nested.nested_tensor_from_jagged(values, offsets)`` makes it a nested tensor)."""
         if self.offsets is None:
@@ -95,7 +101,7 @@ class RowLayout:
         return self._scatter(values, fill, of, where), self.offsets
 
 
-def _pack(seqs: List[torch.Tensor], score_from: List[int], trainable: List[torch.Tensor], device: torch.device) -> PackedBatch:
+def _pack(seqs: list[torch.Tensor], score_from: list[int], trainable: list[torch.Tensor], device: torch.device) -> PackedBatch:
     """The forest of ``seqs`` with loss_mask = ``trainable[i]`` on tokens ``score_from[i]`` onward, 0 before."""
     mb = pack_sequences([s.tolist() for s in seqs])
     batch = from_microbatch(mb, device, check=False)  # the C core's packer builds valid forests
@@ -114,9 +120,9 @@ def _pack(seqs: List[torch.Tensor], score_from: List[int], trainable: List[torch
 def from_padded(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    response_mask: Optional[torch.Tensor] = None,
-    response_length: Optional[int] = None,
-) -> Tuple[PackedBatch, RowLayout]:
+    response_mask: torch.Tensor | None = None,
+    response_length: int | None = None,
+) -> tuple[PackedBatch, RowLayout]:
     """Padded rows ``[B, T]`` (0 in ``attention_mask`` at padding) whose last ``R`` columns are the response, as one
     packed batch and the layout of its ``[B, R]`` outputs. Give ``response_mask`` [B, R] (1 = trainable; tool
     tokens 0) or ``response_length`` R (every attended response token trainable).
@@ -138,9 +144,9 @@ def from_padded(
             raise TreepackError("E_ARG", f"expected response_mask [B = {B}, R <= {T}], got {list(response_mask.shape)}", field="response_mask")
         R = response_mask.shape[1]
     else:
+        if not (isinstance(response_length, int) and 0 <= response_length <= T):
+            raise TreepackError("E_ARG", f"expected an integer in [0, {T}], got {response_length!r}", field="response_length")
         R = response_length
-        if not (isinstance(R, int) and 0 <= R <= T):
-            raise TreepackError("E_ARG", f"expected an integer in [0, {T}], got {R!r}", field="response_length")
     attended = attention_mask.bool()
     resp_attended = attended[:, T - R :]
     trainable = resp_attended if response_mask is None else resp_attended & response_mask.bool()
@@ -158,13 +164,13 @@ def from_padded(
     return batch, RowLayout(batch, flat, B, width=R)
 
 
-def _response_occurrences(batch: PackedBatch, score_from: List[int]) -> torch.Tensor:
+def _response_occurrences(batch: PackedBatch, score_from: list[int]) -> torch.Tensor:
     """Occurrences at or after each sequence's ``score_from``, ascending (sequence-major)."""
     start = torch.tensor(score_from, dtype=torch.int64, device=batch.device)
     return torch.nonzero(batch.token_index >= start[batch.seq_index]).flatten()
 
 
-def _jagged_rows(x: Jagged, name: str) -> List[torch.Tensor]:
+def _jagged_rows(x: Jagged, name: str) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor) and x.is_nested:
         return list(x.unbind())
     if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x):
@@ -177,9 +183,9 @@ def _jagged_rows(x: Jagged, name: str) -> List[torch.Tensor]:
 
 def from_jagged(
     input_ids: Jagged,
-    response_start: Union[Sequence[int], torch.Tensor],
-    response_mask: Optional[Jagged] = None,
-) -> Tuple[PackedBatch, RowLayout]:
+    response_start: Sequence[int] | torch.Tensor,
+    response_mask: Jagged | None = None,
+) -> tuple[PackedBatch, RowLayout]:
     """Jagged rows (a nested tensor, ``(values, offsets)`` or a list of 1-D tensors: prompt then response, no
     padding) as one packed batch and the jagged layout of the responses' outputs. ``response_start[i]``: the
     index of row i's first response token; ``response_mask``: jagged over the responses (1 = trainable), all
@@ -215,7 +221,7 @@ def from_jagged(
     return batch, RowLayout(batch, flat, len(seqs), offsets=offsets)
 
 
-def padded_rows(batch: PackedBatch, pad_token_id: int) -> Tuple[Dict[str, torch.Tensor], RowLayout]:
+def padded_rows(batch: PackedBatch, pad_token_id: int) -> tuple[dict[str, torch.Tensor], RowLayout]:
     """A packed batch as TRL-shaped padded rows: each sequence split at its first trainable token into a
     left-padded prompt and a right-padded response. Returns ``prompt_ids``, ``prompt_mask``, ``completion_ids``,
     ``completion_mask`` (1 on the response's tokens) and ``loss_mask`` ([B, R], the response's trainable tokens:

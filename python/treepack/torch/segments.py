@@ -27,7 +27,7 @@ node first - 1) start from the chain's final state instead of zeros (``Call.hang
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ def radix_segments(subtree_end: Any) -> Segments:
     S = len(start)
     parent = np.full(S, -1, dtype=np.int64)
     end = se[start]  # one past the segment's subtree
-    stack: List[int] = []
+    stack: list[int] = []
     # Few segments per micro-batch (about two per branch point): a plain stack walk.
     for k, s in enumerate(start.tolist()):
         while stack and end[stack[-1]] <= s:
@@ -146,9 +146,9 @@ class Call:
     ``hang`` (None: none), which continue a cached chain (``sub_forest``) and start from its final state."""
 
     nodes: torch.Tensor
-    sources: List[Tuple[int, torch.Tensor]]
-    perm: Optional[torch.Tensor]
-    hang: Optional[torch.Tensor] = None
+    sources: list[tuple[int, torch.Tensor]]
+    perm: torch.Tensor | None
+    hang: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +157,13 @@ class RunPlan:
     ``owner`` [N]: where each node's output is, as a flat index into the calls' outputs [G*T] concatenated (one row
     computes it; rows that repeat a token compute the same value)."""
 
-    calls: List[Call]
+    calls: list[Call]
     owner: torch.Tensor
     num_nodes: int
     rows: int  # how many rows in all (a segment's row, or none when aligned and its run is empty)
     tokens: int  # the rows' tokens without padding (>= N; the repeated tails when aligned)
     padded: int  # with padding
-    last: Tuple[int, int]  # (call, row) of the row that ends with node N - 1: its final state is the state after it
+    last: tuple[int, int]  # (call, row) of the row that ends with node N - 1: its final state is the state after it
 
 
 def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
@@ -210,7 +210,7 @@ def sub_forest(mask: Any, first: int) -> SubForest:
     return sub
 
 
-def _groups(ks: np.ndarray, T: np.ndarray) -> List[np.ndarray]:
+def _groups(ks: np.ndarray, T: np.ndarray) -> list[np.ndarray]:
     """The calls of one depth level: rows by decreasing length, a row joining the current call while the call's
     padded size stays within twice its tokens. Work stays O(tokens); each call is a sequential loop over its longest
     row's chunks, so fewer calls than one per length class (the pure-torch rule's cost on small shapes)."""
@@ -226,7 +226,7 @@ def _groups(ks: np.ndarray, T: np.ndarray) -> List[np.ndarray]:
     return groups
 
 
-def _run_plan(seg: Segments, align: int, device: torch.device, hang: Optional[np.ndarray] = None) -> RunPlan:
+def _run_plan(seg: Segments, align: int, device: torch.device, hang: np.ndarray | None = None) -> RunPlan:
     n = len(seg.pred)
     a = seg.offset
     b = a + seg.length
@@ -246,9 +246,9 @@ def _run_plan(seg: Segments, align: int, device: torch.device, hang: Optional[np
     # Source state of each segment's row: its parent's row's final state, or (an empty row) the parent's source.
     row_id = np.full(S, -1, dtype=np.int64)
     source = np.zeros(S, dtype=np.int64)
-    calls_np: List[Tuple[np.ndarray, np.ndarray]] = []
-    call_segs: List[np.ndarray] = []
-    where: List[Tuple[int, int]] = []  # global row -> (call, row in call)
+    calls_np: list[tuple[np.ndarray, np.ndarray]] = []
+    call_segs: list[np.ndarray] = []
+    where: list[tuple[int, int]] = []  # global row -> (call, row in call)
     count = 0
     by_depth = [np.flatnonzero((seg.depth == d) & runs) for d in range(seg.num_levels)]
     for d in range(seg.num_levels):

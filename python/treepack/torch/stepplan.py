@@ -41,8 +41,9 @@ chain's last node (the planner's cuts guarantee it). Other token mixers are refu
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 
@@ -65,7 +66,7 @@ class StepOp(NamedTuple):
     """What one planned micro-batch does with the prefix stack (header keys of the same names)."""
 
     prefix_tokens: int  # nodes [0, prefix_tokens) are the cached chain: the stack's depth when the micro-batch runs
-    push: List[int]  # end depths of the segments pushed before it, ascending, the last = prefix_tokens
+    push: list[int]  # end depths of the segments pushed before it, ascending, the last = prefix_tokens
     release: int  # segments popped (top first) after it
 
 
@@ -100,15 +101,15 @@ class StepResult:
     the tokens computed with grad (``computed_tokens``, popped segments included) and pushed without it
     (``pushed_tokens``), and the most cached at once (``peak_cached_tokens``, ``peak_cached_bytes``)."""
 
-    losses: List[torch.Tensor]  # per micro-batch, detached
-    logprobs: List[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
+    losses: list[torch.Tensor]  # per micro-batch, detached
+    logprobs: list[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
     computed_tokens: int  # nodes run with grad: micro-batches' own nodes plus every popped segment
     pushed_tokens: int  # nodes run without grad to fill the cache
     peak_cached_tokens: int
     peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
 
 
-Key = Tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
+Key = tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
 
 
 class _Segment:
@@ -116,8 +117,8 @@ class _Segment:
     attention layer its keys and values, per recurrent layer its last convolution inputs and final state; the final
     hidden states and node logprobs)."""
 
-    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: Dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor,
-                 ent: Optional[torch.Tensor]) -> None:
+    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor,
+                 ent: torch.Tensor | None) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos = ids, pos
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
@@ -125,7 +126,7 @@ class _Segment:
         self.hidden, self.lp = leaf(hidden), leaf(lp)
         self.ent = None if ent is None else leaf(ent)
 
-    def leaves(self) -> List[torch.Tensor]:
+    def leaves(self) -> list[torch.Tensor]:
         return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
 
     def nbytes(self) -> int:
@@ -138,9 +139,9 @@ class _Prefix:
     computes only the query rows past the cached ones; a recurrent layer reads the cached convolution inputs
     (``tail``) and state (``state``) and leaves its own (``keep``). What each layer computed is ``captured``."""
 
-    def __init__(self, stack: List[_Segment], rows: int) -> None:
+    def __init__(self, stack: list[_Segment], rows: int) -> None:
         self.stack, self.rows = stack, rows
-        self.captured: Dict[Key, torch.Tensor] = {}
+        self.captured: dict[Key, torch.Tensor] = {}
         self.closed = False  # the forward has returned: what layers re-run now (checkpointing) is not captured
 
     def keep(self, key: Key, tensor: torch.Tensor) -> None:
@@ -193,7 +194,7 @@ def check_model(model: torch.nn.Module) -> None:
                                 "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
 
 
-def _data_parallel(model: torch.nn.Module) -> Tuple[torch.nn.Module, Optional[torch.nn.Module]]:
+def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel | None]:
     """The Hugging Face model the executor runs (inside DDP and PEFT wrappers) and the DDP wrapper, if any. FSDP and
     DeepSpeed are refused: the executor calls the model's layers itself, and only their own forward gathers the
     sharded parameters."""
@@ -208,7 +209,7 @@ def _data_parallel(model: torch.nn.Module) -> Tuple[torch.nn.Module, Optional[to
     return levels[-1], ddp
 
 
-def sync_gradients(ddp: torch.nn.Module) -> None:
+def sync_gradients(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     """Averages the gradients of a ``DistributedDataParallel`` model's parameters over its process group in one
     all-reduce, as DDP's backward does at the end of an accumulation (a parameter this rank never reached counts as
     zero, so every rank takes part, an idle one too). The step-plan executor runs outside DDP's forward, so DDP's own
@@ -257,22 +258,24 @@ class StepPlanRunner:
             raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
         if not temperature > 0:
             raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
-        if getattr(model.config, "final_logit_softcapping", None):
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        if softcap:
             raise TreepackError("E_ARG", "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
-                                f"(final_logit_softcapping = {model.config.final_logit_softcapping})", field="final_logit_softcapping")
+                                f"(final_logit_softcapping = {softcap})", field="final_logit_softcapping")
         check_model(model)
         prepare(model)  # recurrent layers run on the tree (idempotent)
         for name, m in model.named_modules():
             # A prefix is run twice (pushed, then popped with grad): both must compute the same values.
             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
-                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs equal (call model.eval() or set p = 0)", field="dropout")
+                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs "
+                                "equal (call model.eval() or set p = 0)", field="dropout")
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.temperature, self.entropy = float(temperature), entropy
         self.recurrent = bool(token_mixers(model)[0])
         self.head, self.base = _head_and_base(model)
-        self.stack: List[_Segment] = []
-        self.keys: Optional[List[Key]] = None  # what every forward caches: fixed by the first one
-        self.pending: Optional[int] = None  # segments the micro-batch forwarded last pops at release()
+        self.stack: list[_Segment] = []
+        self.keys: list[Key] | None = None  # what every forward caches: fixed by the first one
+        self.pending: int | None = None  # segments the micro-batch forwarded last pops at release()
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
 
     @property
@@ -327,7 +330,7 @@ class StepPlanRunner:
             return  # nothing read it: no gradient to carry
         cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.start)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
-        if ent is not None:
+        if ent is not None and seg.ent is not None:
             pairs.append((ent, seg.ent.grad))
         pairs = [(t, g) for t, g in pairs if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -359,7 +362,7 @@ class StepPlanRunner:
         if op.release > len(self.stack) + len(op.push):
             raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments{_ORDER}", field="prefix_release")
 
-    def forward(self, batch: PackedBatch, op: Optional[StepOp] = None) -> NodeScores:
+    def forward(self, batch: PackedBatch, op: StepOp | None = None) -> NodeScores:
         """One micro-batch's pushes and forward: ``NodeScores`` of its trainable nodes ([N], NaN elsewhere), the
         cached chain's own nodes taking the scores computed at push (their leaves gather the gradient). Back-propagate
         the loss, then call ``release()``."""
@@ -386,7 +389,7 @@ class StepPlanRunner:
             old = targets[targets < h]
             lp = lp.index_put((old,), torch.cat([s.lp for s in self.stack])[old])
             if ent is not None:
-                ent = ent.index_put((old,), torch.cat([s.ent for s in self.stack])[old])
+                ent = ent.index_put((old,), torch.cat([cast(torch.Tensor, s.ent) for s in self.stack])[old])
         self.computed += N - h
         return NodeScores(lp, ent, targets)
 
@@ -408,7 +411,7 @@ class StepPlanRunner:
         if self.ddp is not None:
             sync_gradients(self.ddp)
 
-    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: Optional[StepOp] = None) -> Any:
+    def run(self, batch: PackedBatch, loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor], op: StepOp | None = None) -> Any:
         """One micro-batch: its pushes, its forward and backward (``loss_fn(logprobs [N], batch)`` → scalar), its
         releases. Returns (loss, logprobs [N]), detached."""
         scores = self.forward(batch, op)
@@ -433,7 +436,7 @@ class StepPlanRunner:
 
 
 def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
-                  ops: Optional[Sequence[StepOp]] = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
+                  ops: Sequence[StepOp] | None = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
                   temperature: float = 1.0, sync: bool = True) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan

@@ -261,7 +261,10 @@ export function seqChunks(b: LossBatch, s: OccStream, maxOcc: number): SeqChunk[
   return chunks;
 }
 
-/** The compact plan's nodes [n0, n0 + n) as two vec4 arrays: (old, ref, pos weight, neg weight), (bitcast KL weight, n_train, n_pos, n_neg). */
+/**
+ * The compact plan's nodes [n0, n0 + n) as two vec4 arrays: (old, ref, pos weight, neg weight), (bitcast KL weight,
+ * n_train, n_pos, n_neg).
+ */
 export function compactArrays(plan: CompactPlan, n0: number, n: number): { a: Float32Array; b: Uint32Array } {
   const a = new Float32Array(4 * n);
   const b = new Uint32Array(4 * n);

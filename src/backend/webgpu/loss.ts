@@ -116,7 +116,10 @@ class Builder {
   readonly dispatches: Dispatch[] = [];
   readonly outputs: Output[] = [];
   private readonly pipes: Record<Entry, GPUComputePipeline>;
-  /** Stand-ins for bindings an entry point declares but this config never touches: one read-only, one writable (one buffer cannot be both in a dispatch). */
+  /**
+   * Stand-ins for bindings an entry point declares but this config never touches: one read-only, one writable (one
+   * buffer cannot be both in a dispatch).
+   */
   readonly dummy: GPUBuffer;
   readonly dummyWritable: GPUBuffer;
 
@@ -184,11 +187,11 @@ async function errorsOf<T>(device: GPUDevice, what: string, build: () => T, dest
   device.pushErrorScope('validation');
   device.pushErrorScope('out-of-memory');
   let built: T | undefined;
-  let thrown: unknown;
+  let thrown: Error | undefined;
   try {
     built = build();
   } catch (err) {
-    thrown = err;
+    thrown = err instanceof Error ? err : new Error(String(err));
   }
   // Both scopes are popped before any await: another call's scopes pushed meanwhile must not be popped as ours.
   const [oom, invalid] = await Promise.all([device.popErrorScope(), device.popErrorScope()]);
@@ -394,7 +397,10 @@ function metrics(s: Float64Array, cfg: LossConfig): LossMetrics {
   };
 }
 
-/** Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in place between calls. */
+/**
+ * Per-occurrence loss. The prepared layout is cached per batch object and config: do not mutate a batch's arrays in
+ * place between calls.
+ */
 export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
   const dev = await device();
   const limit = chunkBytes(dev, opts.chunkBytes);

@@ -19,7 +19,7 @@ const pipelines = new WeakMap<GPUDevice, Map<string, GPUComputePipeline>>();
 
 function pipeline(device: GPUDevice, code: string): GPUComputePipeline {
   let cache = pipelines.get(device);
-  if (!cache) pipelines.set(device, (cache = new Map()));
+  if (!cache) pipelines.set(device, (cache = new Map<string, GPUComputePipeline>()));
   let p = cache.get(code);
   if (!p) {
     p = device.createComputePipeline({ layout: 'auto', compute: { module: device.createShaderModule({ code }), entryPoint: 'main' } });
