@@ -38,7 +38,6 @@ if importlib.util.find_spec("treepack") is None:
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 import treepack  # noqa: E402
 import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "treepack")
 

@@ -77,18 +77,18 @@ writeFileSync(registerAbsent, `import { register } from 'node:module'; register(
 function cliWithout(args: string[]) {
   const r = spawnSync(process.execPath, ['--import', registerAbsent, join(root, 'dist/src/cli/main.js'), ...args], { cwd: dir, encoding: 'utf8', timeout: 120_000 });
   const packages = new Set<string>();
-  for (const m of r.stderr.matchAll(/^LOADED .*\/node_modules\/((?:@[^/]+\/)?[^/]+)\//gm)) packages.add(m[1]!);
+  for (const m of r.stderr.matchAll(/^LOADED .*\/node_modules\/((?:@[^/]+\/)?[^/]+)\//gm)) packages.add(m[1]);
   return { status: r.status, stdout: r.stdout, stderr: r.stderr.replace(/^LOADED .*\n/gm, ''), packages: [...packages] };
 }
 
 describe('the service as an optional part', () => {
   it('its packages are optional peers (installed for this checkout as devDependencies), not dependencies', () => {
     const pkg = JSON.parse(readFileSync(join(root, 'package.json'), 'utf8')) as Record<string, Record<string, unknown>>;
-    expect(Object.keys(pkg.peerDependencies!).sort()).toEqual([...SERVICE_PACKAGES].sort());
+    expect(Object.keys(pkg.peerDependencies).sort()).toEqual([...SERVICE_PACKAGES].sort());
     for (const name of SERVICE_PACKAGES) {
-      expect(pkg.peerDependenciesMeta![name], name).toEqual({ optional: true });
-      expect(pkg.devDependencies![name], name).toBe(pkg.peerDependencies![name]);
-      expect(pkg.dependencies![name], name).toBeUndefined();
+      expect(pkg.peerDependenciesMeta[name], name).toEqual({ optional: true });
+      expect(pkg.devDependencies[name], name).toBe(pkg.peerDependencies[name]);
+      expect(pkg.dependencies[name], name).toBeUndefined();
       expect(pkg.optionalDependencies?.[name], name).toBeUndefined();
     }
   });

@@ -58,9 +58,9 @@ function bothPools(name: string, redisUrl: () => string | undefined) {
         expect(stub.calls).toBe(calls); // answered from the record, not sent again
         // The engine's id, model and usage are what the first answer carried.
         const chunks = (stream ? text.split('\n\n').filter((l) => l.startsWith('data: {')).map((l) => JSON.parse(l.slice(6))) : [JSON.parse(text)]) as Record<string, unknown>[];
-        expect(chunks[0]!.model).toBe('stub');
+        expect(chunks[0].model).toBe('stub');
         expect(chunks.at(-1)!.usage).toMatchObject({ prompt_tokens: expect.any(Number), total_tokens: expect.any(Number) });
-        expect(String(chunks[0]!.id)).toMatch(/^c\d+$/);
+        expect(String(chunks[0].id)).toMatch(/^c\d+$/);
 
         const other = await fetch(`${base}/v1/chat/completions`, post(chat('something else', { stream }), h));
         expect(other.status).toBe(422);
@@ -197,7 +197,7 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
     socket.on('connect', () => {
       socket.write(head);
       timer = setInterval(() => {
-        if (i < rest.length && socket.writable) socket.write(rest[i++]!);
+        if (i < rest.length && socket.writable) socket.write(rest[i++]);
       }, everyMs);
     });
     socket.on('data', (d) => (got += d.toString()));

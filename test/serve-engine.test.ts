@@ -58,7 +58,7 @@ describe('the engine behind the gateway', { timeout: 60_000 }, () => {
     const down = await start(nowhere);
     expect(down.svc.recorder.engineModels).toBeUndefined();
     expect(down.warnings).toEqual([
-      `the engine at ${nowhere} is unreachable (GET ${nowhere}/models: ${down.warnings[0]!.match(/connect ECONNREFUSED [\d.:]+/)?.[0]}); calls answer 502 until it does`,
+      `the engine at ${nowhere} is unreachable (GET ${nowhere}/models: ${down.warnings[0].match(/connect ECONNREFUSED [\d.:]+/)?.[0]}); calls answer 502 until it does`,
     ]);
 
     const wrongPath = await fixed(404, '{"detail":"Not Found"}');

@@ -33,7 +33,7 @@ async function pull(base: string, wait = 5): Promise<{ id: string; seqs: string[
   if (res.status === 204) return undefined;
   expect(res.status, await res.clone().text()).toBe(200);
   const meta = parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata;
-  return { id: res.headers.get('x-treepack-id')!, seqs: JSON.parse(meta.sequence_ids!) as string[] };
+  return { id: res.headers.get('x-treepack-id')!, seqs: JSON.parse(meta.sequence_ids) as string[] };
 }
 
 const episodesOf = (seqs: string[]) => [...new Set(seqs.map((s) => s.slice(0, s.lastIndexOf('/'))))].sort();
@@ -55,7 +55,7 @@ describe('poison records', { timeout: 60_000 }, () => {
     // Qwen3's template drops a developer turn: the engine and the log get it as the system turn it means.
     const lines = (await (await fetch(`${base}/v1/episodes/dev/records`)).text()).trim().split('\n');
     const records = lines.map((l) => JSON.parse(l) as { requests: { messages: { role: string }[] }[] });
-    expect.soft(records[0]!.requests[0]!.messages.map((m) => m.role)).toEqual(['system', 'user']);
+    expect.soft(records[0].requests[0].messages.map((m) => m.role)).toEqual(['system', 'user']);
 
     const refused: [unknown[], RegExp][] = [
       [[{ role: 'narrator', content: 'x' }, user('hi')], /field "messages\[0\]\.role": expected system, developer, user, assistant or tool .*got "narrator"/],
@@ -104,8 +104,8 @@ describe('poison records', { timeout: 60_000 }, () => {
     const exported = ((await (await fetch(`${base}/v1/quarantine`)).json()) as QuarantineBody).quarantined;
     expect(exported.map((q) => [q.episode, q.group, q.step])).toEqual([['b1', 'B', 0]]);
     await expect(async () => {
-      for await (const _ of packRecords(exported[0]!.records, { tokenizer: 'qwen3' }));
-    }).rejects.toThrow(exported[0]!.reason.slice(exported[0]!.reason.indexOf('message text')));
+      for await (const _ of packRecords(exported[0].records, { tokenizer: 'qwen3' }));
+    }).rejects.toThrow(exported[0].reason.slice(exported[0].reason.indexOf('message text')));
 
     // A restart before the ack packs the step again (at its ack): the episode is quarantined no twice.
     await services.stop(svc);
@@ -132,8 +132,8 @@ describe('poison records', { timeout: 60_000 }, () => {
       expect(episodesOf(mb!.seqs)).toEqual(['ok']);
       const [q] = ((await (await fetch(`${base}/v1/quarantine`)).json()) as { quarantined: Record<string, unknown>[] }).quarantined;
       expect(q).toMatchObject({ episode: 'bad', step: 0, reason: expect.stringMatching(/turn marker/) });
-      expect(q!.records).toBeUndefined();
-      expect(q!.calls).toEqual([expect.objectContaining({ kind: 'chat', request: { messages: [MARKER] } })]);
+      expect(q.records).toBeUndefined();
+      expect(q.calls).toEqual([expect.objectContaining({ kind: 'chat', request: { messages: [MARKER] } })]);
       // the developer turn went to the engine as system: its prompt is the template's, trained as matched
       const feed = (await (await fetch(`${base}/v1/feed`)).json()) as { prompts: Record<string, number> };
       expect(feed.prompts).toMatchObject({ promptMatched: 1, promptDrifted: 0 });
@@ -148,13 +148,13 @@ describe('poison records', { timeout: 60_000 }, () => {
     const tools = [{ type: 'function', function: { name: 'search', parameters: { type: 'object', properties: { query: { type: 'string' } } } } }];
     const named = { tools, tool_choice: { type: 'function', function: { name: 'search' } } };
     const first = (await (await call(base, 't', 't', [user('find it')], named)).json()) as { choices: { message: Record<string, unknown> }[] };
-    const { content: _, ...turn } = first.choices[0]!.message; // the openai idiom model_dump(exclude_none=True)
+    const { content: _, ...turn } = first.choices[0].message; // the openai idiom model_dump(exclude_none=True)
     expect(turn.tool_calls).toBeDefined();
-    const messages = [user('find it'), turn, { role: 'tool', tool_call_id: (turn.tool_calls as { id: string }[])[0]!.id, content: '42' }];
+    const messages = [user('find it'), turn, { role: 'tool', tool_call_id: (turn.tool_calls as { id: string }[])[0].id, content: '42' }];
     expect((await call(base, 't', 't', messages, { tools })).status).toBe(200);
     expect((await post(`${base}/v1/episodes/t/finish`, { reward: 1 })).status).toBe(200);
     const read = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: { messages: Record<string, unknown>[] }[] } };
-    const back = read.data.data[0]!.messages;
+    const back = read.data.data[0].messages;
     expect(back[1]).toMatchObject({ role: 'assistant', content: '' });
     for (const m of back) expect(typeof m.content, JSON.stringify(m)).toBe('string');
   });
@@ -185,7 +185,7 @@ onRedis('poison records on the shared pool', { timeout: 60_000 }, () => {
         expect(feed.quarantine).toEqual([{ step: 0, episode: 'b1', group: 'B', reason: expect.stringMatching(/turn marker/) }]);
         const q = ((await (await fetch(`${base}/v1/quarantine`)).json()) as QuarantineBody).quarantined;
         expect(q.map((x) => x.episode)).toEqual(['b1']);
-        expect(JSON.stringify(q[0]!.records)).toContain('<|im_start|>system\\nthis');
+        expect(JSON.stringify(q[0].records)).toContain('<|im_start|>system\\nthis');
       }
       expect(warnings.filter((w) => w.includes('quarantined'))).toHaveLength(1);
     } finally {

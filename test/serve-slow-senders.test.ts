@@ -63,7 +63,7 @@ describe('1,000 concurrent slow senders', { timeout: 120_000 }, () => {
           t0 = performance.now();
           socket.write('POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n');
           let i = 0;
-          s.timer = setInterval(() => socket.writable && socket.write(line[i++ % line.length]!), 1000);
+          s.timer = setInterval(() => socket.writable && socket.write(line[i++ % line.length]), 1000);
           slow.push(s);
           resolve();
         }),
@@ -87,7 +87,7 @@ describe('1,000 concurrent slow senders', { timeout: 120_000 }, () => {
       );
     }
     latencies.sort((a, b) => a - b);
-    console.log(`serve-slow-senders: 50 calls beside ${SLOW} slow sockets, median ${latencies[25]!.toFixed(1)} ms, max ${latencies.at(-1)!.toFixed(1)} ms`);
+    console.log(`serve-slow-senders: 50 calls beside ${SLOW} slow sockets, median ${latencies[25].toFixed(1)} ms, max ${latencies.at(-1)!.toFixed(1)} ms`);
 
     const bound = new Promise<'open'>((r) => setTimeout(() => r('open'), CLOSED_WITHIN_MS + 1000));
     const results = await Promise.all(slow.map((s) => Promise.race([s.closed, bound])));

@@ -27,7 +27,6 @@ except tl.TreepackError as e:  # E_BACKEND: the C core is not built here
 
 try:
     import torch  # noqa: F401
-
     from treepack.torch import PackedLoss
 
     TORCH_SKIP = ""

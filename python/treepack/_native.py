@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 
@@ -41,7 +41,7 @@ _CHECKOUT = os.path.normpath(os.path.join(_HERE, "..", ".."))
 # Every struct and function signature is read from the C headers by scripts/gen-abi.ts (_abi.py): pointers are typed,
 # so ctypes refuses an array of the wrong element type (pass pointer(a), never a bare address).
 Violation = _abi.tp_violation
-_Signatures = Dict[str, Tuple[Optional[type], List[type]]]
+_Signatures = dict[str, tuple[Optional[type], list[type]]]
 _C_TYPES = {np.dtype(t): c for t, c in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint8, ctypes.c_uint8),
                                          (np.uint32, ctypes.c_uint32), (np.float32, ctypes.c_float), (np.float64, ctypes.c_double))}
 
@@ -142,7 +142,7 @@ def check(rc: int, what: str, field: str) -> None:
         raise TreepackError(code, f"{what}: {status_message(rc)}", field=field)
 
 
-def pointer(a: Optional[np.ndarray]) -> Any:
+def pointer(a: np.ndarray | None) -> Any:
     """A contiguous numpy array as a pointer to its element type (NULL for None); ctypes checks it against the
     argument's type, so an int64 array given for an ``int32_t*`` is an error, not a misread."""
     if a is None:
@@ -152,6 +152,6 @@ def pointer(a: Optional[np.ndarray]) -> Any:
     return a.ctypes.data_as(ctypes.POINTER(_C_TYPES[a.dtype]))
 
 
-def device_pointer(address: Optional[int], ctype: Any) -> Any:
+def device_pointer(address: int | None, ctype: Any) -> Any:
     """A device (or any foreign) address, such as a torch tensor's ``data_ptr()``, as a ``ctype*`` (NULL for None)."""
     return None if address is None else ctypes.cast(address, ctypes.POINTER(ctype))

@@ -113,7 +113,7 @@ class FeedClient:
         batch = load_microbatch(body, device=self.device, pin_memory=self.pin_memory)
         return FeedMicroBatch(id=entry["id"], entry=entry, batch=batch, client=self)
 
-    def ack(self, id: str, retries: int = 5) -> Dict[str, Any]:
+    def ack(self, id: str, retries: int = 5) -> dict[str, Any]:
         """Acknowledges micro-batch ``id`` (POST /v1/batches/{id}/ack): ``{id, step, step_done, trainer_version,
         repeated}``. Retried up to ``retries`` times (backing off 0.25 s to 8 s) when the service does not answer or
         answers 502/503/504: an acknowledgement repeated after a lost answer is answered, ``repeated`` true."""

@@ -74,7 +74,7 @@ class Plan:
 COST_SLACK = 0.03
 
 
-def _positive(name: str, v: Optional[int]) -> Optional[int]:
+def _positive(name: str, v: int | None) -> int | None:
     if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {v!r}", field=name)
     return v
@@ -113,7 +113,7 @@ class _Runs:
     def tokens(self, a: int, b: int) -> int:
         return len(np.unique(np.concatenate(self.nodes[a:b]))) if b > a else 0
 
-    def windows(self, limit: float) -> List[np.ndarray]:
+    def windows(self, limit: float) -> list[np.ndarray]:
         """For each run end j (1..U), the packed tokens of runs [i, j) for i = j-1, j-2, ... while within ``limit``
         (at least the unit alone): entry k is run [j-1-k, j)."""
         out = []
@@ -220,7 +220,7 @@ def _smallest_largest(runs: _Runs, count: int) -> int:
     return lo
 
 
-def _cheapest_cuts(runs: _Runs, count: int, limit: float) -> Optional[List[int]]:
+def _cheapest_cuts(runs: _Runs, count: int, limit: float) -> list[int] | None:
     """Ends of exactly ``count`` contiguous runs (count <= units), each within ``limit``, with the fewest packed tokens
     in all (cheapestCuts of src/pack/budget.ts: one layer per run, ties to the latest start); None if there are none."""
     windows = runs.windows(limit)

@@ -48,7 +48,7 @@ def check_version(package: str, installed: str) -> None:
         _refuse(package, installed, os.environ.get(ALLOW_ENV) == "1")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _supported(package: str, installed: str) -> bool:
     from packaging.specifiers import SpecifierSet  # a dependency of transformers and TRL, the packages checked
 
@@ -56,7 +56,7 @@ def _supported(package: str, installed: str) -> bool:
     return SpecifierSet(SUPPORTED[package]).contains(installed, prereleases=True)
 
 
-@functools.lru_cache(maxsize=None)  # cached only when it returns: the warning is given once per version
+@functools.cache  # cached only when it returns: the warning is given once per version
 def _refuse(package: str, installed: str, allowed: bool) -> None:
     message = (f"{package} {installed} is outside the versions treepack is tested with ({package}{SUPPORTED[package]}): "
                f"install one of them (pip install 'treepack[{_EXTRA[package]}]'), or set {ALLOW_ENV}=1 to run it at your own risk")

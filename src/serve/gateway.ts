@@ -249,7 +249,7 @@ interface Retryable {
 }
 
 function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, retry: Retryable | undefined, meta: CallMeta): RecordedCall {
-  const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0]! };
+  const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0] };
   // n > 1: the other choices share the call's prompt, each one more branch of the episode's tree
   if (outputs.length > 1) call.siblings = outputs.slice(1);
   if (scope.agent !== undefined) call.agent = scope.agent;
@@ -598,7 +598,7 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     confine(svc, req, id);
     const b = (req.body ?? {}) as unknown;
     if (!isObj(b) || (b.group !== undefined && typeof b.group !== 'string')) throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
-    if (b.group !== undefined) checkId('field "group"', b.group as string);
+    if (b.group !== undefined) checkId('field "group"', b.group);
     const key = keyScope(svc, req);
     if (key && b.group !== undefined && b.group !== key.group) throw outOfScope(key, `not group ${JSON.stringify(b.group)}`);
     return abandon(svc, id, groupOf(svc, id, b.group), 'abandoned');

@@ -361,7 +361,7 @@ export class RedisFeed implements TrainerFeed {
     const [status, version] = (await this.shared.guard(this.shared.script('tpAck', id))) as number[];
     if (status === -1) throw new PoolError(404, `unknown micro-batch id ${JSON.stringify(id)}`);
     if (status === -3) throw new PoolError(409, `micro-batch ${id} was not handed out`);
-    this.version = Math.max(this.version, version!);
+    this.version = Math.max(this.version, version);
     const repeated = status === 2 || status === 3;
     if (!repeated) this.metrics.microBatches.inc({ event: 'acked' });
     return { step: Number(m[1]), stepDone: status === 1 || status === 2, trainerVersion: this.version, repeated };

@@ -11,7 +11,6 @@ import json
 import sys
 
 import numpy as np
-
 from treepack import TreepackError, _native
 from treepack import loss as tl
 

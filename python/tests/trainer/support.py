@@ -50,7 +50,7 @@ def needs_torch(transformers: bool = False, cuda: str = ""):
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "test", "fixtures", "loss_reference.json")
 
 
-def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True, packed: Optional[MicroBatch] = None) -> MicroBatch:
+def pack(seqs: Sequence[Sequence[int]], pad: int = 0, seed: int = 0, floats: bool = True, packed: MicroBatch | None = None) -> MicroBatch:
     """``pack_sequences`` (the C core's packer) plus ``pad`` pad nodes appended as the budgeted packer does (roots of
     token 0 that attend only to themselves, ``num_pad_tokens``), random trainable masks and per-occurrence floats.
     ``packed``: the forest of ``seqs`` already packed (another packer's), padded and filled the same way."""

@@ -19,7 +19,6 @@ import unittest
 
 from support import forests, needs_torch, pack, tiny_model, torch, tpt
 from test_exactness import objective, unpacked_logprobs
-
 from treepack import TreepackError
 
 VOCAB = 97

@@ -18,7 +18,6 @@ import re
 import unittest
 
 import numpy as np
-
 from support import forests, needs_torch, pack, patch_norms_to_input_dtype, torch, tpt
 from test_exactness import objective
 from treepack import TreepackError

@@ -16,7 +16,6 @@ import warnings
 from unittest import mock
 
 from support import needs_torch, pack, tiny_model, torch, tpt
-
 from treepack import TreepackError
 from treepack.versions import ALLOW_ENV, SUPPORTED, check_version, require
 
@@ -40,7 +39,6 @@ class SupportedRanges(unittest.TestCase):
         """pyproject.toml's extras, the requirement files and SUPPORTED say the same ranges; the oldest pins are
         their lower bounds (torch's too), so .venv-oldest tests exactly the oldest release allowed."""
         import tomllib
-
         from packaging.requirements import Requirement
         from packaging.version import Version
 

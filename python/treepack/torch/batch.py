@@ -49,14 +49,14 @@ class PackedBatch:
     loss_mask: torch.Tensor  # bool [M]
     seq_index: torch.Tensor  # int64 [M]
     token_index: torch.Tensor  # int64 [M]
-    meta: Dict[str, Any]
-    advantages: Optional[torch.Tensor] = None  # float32 [M]
-    old_logprobs: Optional[torch.Tensor] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    rollout_logprobs: Optional[torch.Tensor] = None
-    turn_ids: Optional[torch.Tensor] = None  # int64 [M], the contract's extension for turn-level aggregation
-    routes: Optional[torch.Tensor] = None  # int [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
-    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any]
+    advantages: torch.Tensor | None = None  # float32 [M]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None  # int64 [M], the contract's extension for turn-level aggregation
+    routes: torch.Tensor | None = None  # int [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:

@@ -26,7 +26,7 @@ point's row serves all its children), so it needs that much memory for them at o
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Union
+from typing import Any
 
 import torch
 
@@ -75,7 +75,7 @@ def forward_logprobs(
     entropy: bool = False,
     entropy_grad: bool = True,
     attention: str = "auto",
-    routes: Optional[torch.Tensor] = None,
+    routes: torch.Tensor | None = None,
     router: bool = False,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes (``scored_nodes``), through ``model(...)`` itself: the wrapper

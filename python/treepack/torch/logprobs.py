@@ -29,7 +29,8 @@ them. Any other head module runs through autograd, each chunk under activation c
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -50,7 +51,7 @@ class NodeScores(NamedTuple):
     logprobs: torch.Tensor  # float32 (or the hidden states' dtype if float64) [N]; NaN where not scored
     entropy: torch.Tensor | None  # [N], the entropy of the distribution that predicts node p; NaN where not scored
     nodes: torch.Tensor  # int64 [K], the scored nodes, ascending
-    router: Optional[RouterOutputs] = None  # a MoE model's routing, when routes were replayed or router=True
+    router: RouterOutputs | None = None  # a MoE model's routing, when routes were replayed or router=True
 
 
 def gather_occurrences(node_values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -142,7 +143,7 @@ def packed_logprobs(
     lm_head: torch.nn.Module | None = None,
     attention: str = "auto",
     temperature: float = 1.0,
-    routes: Optional[torch.Tensor] = None,
+    routes: torch.Tensor | None = None,
     router: bool = False,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes, differentiable.
@@ -213,7 +214,7 @@ def packed_logprobs(
 
 
 @contextlib.contextmanager
-def routed(model: torch.nn.Module, batch: PackedBatch, routes: Optional[torch.Tensor], router: bool) -> Iterator[Any]:
+def routed(model: torch.nn.Module, batch: PackedBatch, routes: torch.Tensor | None, router: bool) -> Iterator[Any]:
     """``replay_routes`` over one packed forward when there are routes (given, or the batch's) or router outputs are
     asked for; else nothing (yields None)."""
     routes = batch.routes if routes is None else routes

@@ -215,9 +215,9 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     return loss, torch.stack([metrics[k] for k in METRICS])
 
 
-def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-                validate: bool = True, metrics: str = "float", router: Optional[RouterOutputs] = None,
-                aux_coef: Optional[float] = None) -> Tuple[Tensor, Dict[str, Any]]:
+def packed_loss(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
+                validate: bool = True, metrics: str = "float", router: RouterOutputs | None = None,
+                aux_coef: float | None = None) -> tuple[Tensor, dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
     a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
@@ -238,7 +238,7 @@ def packed_loss(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config
     return loss, (metrics_to_floats(as_tensors) if metrics == "float" else as_tensors)
 
 
-def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: Optional[float]) -> Tuple[Tensor, Tensor]:
+def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: float | None) -> tuple[Tensor, Tensor]:
     """(loss + coefficient × load-balancing loss, the load-balancing loss)."""
     coef = router.aux_coef if aux_coef is None else aux_coef
     if coef is None:
@@ -247,7 +247,7 @@ def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: Optio
     return loss + float(coef) * aux, aux
 
 
-def metrics_to_floats(metrics: Mapping[str, Tensor]) -> Dict[str, Any]:
+def metrics_to_floats(metrics: Mapping[str, Tensor]) -> dict[str, Any]:
     """The tensor metrics as Python numbers (one host copy): floats, trainable_tokens an int."""
     values = dict(zip(metrics, torch.stack([v.detach().to(torch.float64) for v in metrics.values()]).tolist()))
     if "trainable_tokens" in values:
@@ -261,13 +261,13 @@ class PackedLoss:
     called as ``loss_fn(lp, batch)`` (the form to compile). ``loss_fn(lp, batch, router=scores.router)`` adds a MoE
     router's load-balancing loss times ``aux_coef`` (``packed_loss``); the metrics then end with ``aux_loss``."""
 
-    def __init__(self, config: Union[None, Mapping[str, Any], LossConfig] = None, *, validate: bool = True,
-                 aux_coef: Optional[float] = None) -> None:
+    def __init__(self, config: None | Mapping[str, Any] | LossConfig = None, *, validate: bool = True,
+                 aux_coef: float | None = None) -> None:
         self.config = resolve_config(config)
         self.validate = validate
         self.aux_coef = aux_coef
 
-    def __call__(self, lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], router: Optional[RouterOutputs] = None) -> Tuple[Tensor, Tensor]:
+    def __call__(self, lp: Tensor, batch: PackedBatch | Mapping[str, Any], router: RouterOutputs | None = None) -> tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)], or [len(METRICS) + 1] with ``aux_loss`` last, float64 on lp's device)."""
         loss, values = _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
         if router is None:
@@ -278,8 +278,8 @@ class PackedLoss:
         return loss, values
 
     @staticmethod
-    def apply(lp: Tensor, batch: Union[PackedBatch, Mapping[str, Any]], config: Union[None, Mapping[str, Any], LossConfig] = None, *,
-              validate: bool = True, router: Optional[RouterOutputs] = None, aux_coef: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    def apply(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
+              validate: bool = True, router: RouterOutputs | None = None, aux_coef: float | None = None) -> tuple[Tensor, Tensor]:
         """(loss, metrics float64 on lp's device) for a config given per call."""
         return PackedLoss(config, validate=validate, aux_coef=aux_coef)(lp, batch, router)
 

@@ -39,7 +39,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ _SIGMOID = ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "AXK1TopkRouter", "
             "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter", "Glm4vMoeTextTopkRouter", "Glm5NextTextTopkRouter", "GlmMoeDsaTopkRouter",
             "HYV4TopkRouter", "KimiLinearTopkRouter", "MiMoV2FlashTopkRouter", "NemotronHTopkRouter", "SolarOpenTopkRouter")
 _RENORMALISED = ("Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter")
-ROUTERS: Dict[str, str] = {**{n: "softmax" for n in _SOFTMAX}, **{n: "softmax-renormalised" for n in _RENORMALISED}, "GptOssTopKRouter": "topk-softmax",
+ROUTERS: dict[str, str] = {**{n: "softmax" for n in _SOFTMAX}, **{n: "softmax-renormalised" for n in _RENORMALISED}, "GptOssTopKRouter": "topk-softmax",
                            **{n: "sigmoid" for n in _SIGMOID}}
 
 # A module is a router by its class name, or as a Linear named gate/router inside a mixture-of-experts block.
@@ -68,7 +69,7 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h.reshape(-1, router.hidden_dim), router.weight)
     w = torch.softmax(logits, dim=-1, dtype=_wide(logits.dtype)).gather(1, experts)
     if router.norm_topk_prob if renormalise is None else renormalise:
@@ -76,17 +77,17 @@ def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, re
     return logits, w.to(logits.dtype)
 
 
-def _softmax_renormalised(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _softmax_renormalised(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _softmax(router, h, experts, renormalise=True)
 
 
-def _topk_softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _topk_softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h, router.weight, router.bias)
     picked = logits.gather(1, experts)
     return logits, torch.softmax(picked, dim=1, dtype=picked.dtype)
 
 
-def _sigmoid(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _sigmoid(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = _wide(h.dtype)
     logits = F.linear(h.view(-1, router.hidden_dim).to(dtype), router.weight.to(dtype))
     w = logits.sigmoid().gather(1, experts)
@@ -102,14 +103,14 @@ class Routing:
     """One forward's routing, filled in by the routers while ``replay_routes`` is open: ``logits`` (per MoE layer, in
     model order, the router's logits [tokens, experts]) and the experts each layer used (``experts()``)."""
 
-    def __init__(self, routes: Optional[torch.Tensor], routers: List[torch.nn.Module]):
+    def __init__(self, routes: torch.Tensor | None, routers: list[torch.nn.Module]):
         self.routes = routes
         self.routers = routers
-        self._logits: List[Optional[torch.Tensor]] = [None] * len(routers)
-        self._experts: List[Optional[torch.Tensor]] = [None] * len(routers)
+        self._logits: list[torch.Tensor | None] = [None] * len(routers)
+        self._experts: list[torch.Tensor | None] = [None] * len(routers)
 
     @property
-    def logits(self) -> Tuple[torch.Tensor, ...]:
+    def logits(self) -> tuple[torch.Tensor, ...]:
         """The router logits [tokens, experts] of every MoE layer (differentiable); refused before the forward ran."""
         missing = [i for i, x in enumerate(self._logits) if x is None]
         if missing:
@@ -122,7 +123,7 @@ class Routing:
         return torch.stack(self._experts)  # type: ignore[arg-type]
 
     @property
-    def kinds(self) -> Tuple[str, ...]:
+    def kinds(self) -> tuple[str, ...]:
         """Each MoE layer's router kind (``ROUTERS``)."""
         return tuple(r.treepack_kind for r in self.routers)
 
@@ -133,11 +134,11 @@ class Routing:
         self._logits[index], self._experts[index] = logits, experts
 
 
-_current: contextvars.ContextVar[Optional[Routing]] = contextvars.ContextVar("treepack_routing", default=None)
-_REPLAY_CLASSES: Dict[type, type] = {}
+_current: contextvars.ContextVar[Routing | None] = contextvars.ContextVar("treepack_routing", default=None)
+_REPLAY_CLASSES: dict[type, type] = {}
 
 
-def _handled(cls: type) -> Optional[type]:
+def _handled(cls: type) -> type | None:
     """The transformers router class in ``ROUTERS`` that ``cls`` is or derives from (an FSDP2 subclass, ours)."""
     return next((c for c in cls.__mro__ if c.__name__ in ROUTERS and c.__module__.startswith("transformers.")), None)
 
@@ -173,7 +174,7 @@ def _replay_class(cls: type) -> type:
     return sub
 
 
-def routers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The (path, module) of every MoE router of ``model``, in model order; a router treepack does not replay is
     refused (TreepackError naming its layer)."""
     named = dict(model.named_modules())
@@ -192,7 +193,7 @@ def routers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     return out
 
 
-def prepare_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
+def prepare_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Makes every router of ``model`` (a Hugging Face model, unwrapped) able to replay (idempotent); returns them in
     model order. TreepackError naming the layer for a router treepack cannot replay, or a model without routers."""
     found = routers(model)
@@ -205,7 +206,7 @@ def prepare_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for _, m in found]
 
 
-def check_routes(routes: Any, layers: List[torch.nn.Module], tokens: Optional[int] = None) -> torch.Tensor:
+def check_routes(routes: Any, layers: list[torch.nn.Module], tokens: int | None = None) -> torch.Tensor:
     """``routes`` as int64 [MoE layers, tokens, k], after checking them against the routers (shape, each layer's
     top-k and expert range, no expert twice for a token): TreepackError(E_INPUT, field "routes") naming the layer."""
     if not isinstance(routes, torch.Tensor) or routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
@@ -233,7 +234,7 @@ def check_routes(routes: Any, layers: List[torch.nn.Module], tokens: Optional[in
 
 
 @contextlib.contextmanager
-def replay_routes(model: torch.nn.Module, routes: Optional[torch.Tensor] = None, tokens: Optional[int] = None) -> Iterator[Routing]:
+def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[Routing]:
     """Within the block, one forward of ``model`` (any wrapper: the routers run inside it) routes token t of MoE
     layer l to ``routes[l, t]`` (int [MoE layers, tokens, k], tokens in the order of the forward's flattened input,
     batch by sequence), or, with ``routes=None``, to the router's own top-k; either way the yielded ``Routing``
@@ -262,10 +263,10 @@ class RouterOutputs(NamedTuple):
     the ``experts`` used (int64 [MoE layers, N, k]), each layer's ``kinds`` and the model's ``aux_coef``
     (``router_aux_loss_coef``, None when the model has no load-balancing loss)."""
 
-    logits: Tuple[torch.Tensor, ...]
+    logits: tuple[torch.Tensor, ...]
     experts: torch.Tensor
-    kinds: Tuple[str, ...]
-    aux_coef: Optional[float]
+    kinds: tuple[str, ...]
+    aux_coef: float | None
 
 
 def router_outputs(routing: Routing, model: torch.nn.Module) -> RouterOutputs:
@@ -278,7 +279,7 @@ def router_outputs(routing: Routing, model: torch.nn.Module) -> RouterOutputs:
     return RouterOutputs(routing.logits, routing.experts(), routing.kinds, None if coef is None else float(coef))
 
 
-def occurrence_weights(batch: Any, num_nodes: Optional[int] = None) -> torch.Tensor:
+def occurrence_weights(batch: Any, num_nodes: int | None = None) -> torch.Tensor:
     """float64 [N]: how many (sequence, token) occurrences map to each node (0 at padding): what a node counts for in
     a per-token sum over the unpacked batch. ``batch``: a PackedBatch or a mapping with ``seq_positions``."""
     pos = batch["seq_positions"] if isinstance(batch, Mapping) else batch.seq_positions
@@ -314,7 +315,7 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
     return E * torch.sum((count / total) * (prob / total))
 
 
-def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> Tuple[Any, torch.Tensor]:
+def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> tuple[Any, torch.Tensor]:
     """(``pack_sequences`` micro-batch, int64 routes [MoE layers, N, k]) of ``sequences`` whose token t was routed to
     ``routes[i][l, t]`` (per sequence an int array [MoE layers, len, k]): tokens are shared only where their routes
     agree too, so where two sequences' routes of a shared prefix differ the tree splits there and every sequence
@@ -330,8 +331,8 @@ def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> Tuple[Any, t
 
     if len(routes) != len(sequences):
         raise TreepackError("E_ARG", f"{len(routes)} route arrays for {len(sequences)} sequences", field="routes")
-    keys: Dict[Tuple[int, bytes], int] = {}
-    table: List[Tuple[int, np.ndarray]] = []
+    keys: dict[tuple[int, bytes], int] = {}
+    table: list[tuple[int, np.ndarray]] = []
     composite = []
     for i, (seq, r) in enumerate(zip(sequences, routes)):
         r = np.asarray(r, dtype=np.int64)
