@@ -136,7 +136,7 @@ describe('byteLevelBpe on Qwen3', () => {
     expect(texts.size).toBeGreaterThan(500);
     expect(mismatches(texts, fast)).toEqual([]);
   });
-  if (!existsSync(tauBench)) console.log(`byte-level-bpe.test: the whole tau-bench file skipped (the slice still runs), ${tauBench} not found`);
+  if (!existsSync(tauBench)) console.log(`byte-level-bpe.test: the whole tau-bench file skipped (the slice runs), ${tauBench} not found`);
 
   it('is what loadTokenizer encodes with, and decode still goes through the library', async () => {
     const tok = await loadTokenizer('qwen3');

@@ -17,7 +17,9 @@ import { UNIT_TESTS } from './lanes.js';
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const VITEST = join(ROOT, 'node_modules/vitest/vitest.mjs');
 /** Where no test of this project lives: dependencies, environments, build outputs. */
-const NOT_SOURCE = new Set(['node_modules', '.git', '.venv', '.venv-fla', 'dist', 'build', 'build-cmake', 'build-emu', 'build-emu-asan', '.cache']);
+const NOT_SOURCE = new Set([
+  'node_modules', '.git', '.venv', '.venv-fla', '.cache', 'dist', 'build', 'build-cmake', 'build-emu', 'build-emu-asan',
+]);
 
 /** Every file under the repository named like a test to vitest or to a person (`*.test.*`, `*.spec.*`). */
 function testFilesOnDisk(dir = ROOT): string[] {
@@ -37,9 +39,11 @@ describe('test lanes', () => {
     const dir = mkdtempSync(join(tmpdir(), 'treepack-lanes-'));
     try {
       const json = join(dir, 'files.json');
-      const r = spawnSync(process.execPath, [VITEST, 'list', '--filesOnly', `--json=${json}`], { cwd: ROOT, encoding: 'utf8', timeout: 110_000 });
+      const args = [VITEST, 'list', '--filesOnly', `--json=${json}`];
+      const r = spawnSync(process.execPath, args, { cwd: ROOT, encoding: 'utf8', timeout: 110_000 });
       expect(r.status, r.stderr).toBe(0);
-      const listed = (JSON.parse(readFileSync(json, 'utf8')) as { file: string; projectName: string }[]).map((x) => ({ file: relative(ROOT, x.file), lane: x.projectName }));
+      const found = JSON.parse(readFileSync(json, 'utf8')) as { file: string; projectName: string }[];
+      const listed = found.map((x) => ({ file: relative(ROOT, x.file), lane: x.projectName }));
       const lanes = new Map<string, string[]>();
       for (const { file, lane } of listed) lanes.set(file, [...(lanes.get(file) ?? []), lane]);
       const onDisk = testFilesOnDisk();
@@ -60,7 +64,8 @@ describe('test lanes', () => {
 
   it('sets up the unit lane with the guard, and the guard refuses every way to start a process', async () => {
     const unit = config.test?.projects?.find((p) => typeof p === 'object' && 'test' in p && p.test?.name === 'unit');
-    expect(unit && typeof unit === 'object' && 'test' in unit ? unit.test?.setupFiles : undefined).toEqual(['test/helpers/unit-lane-setup.ts']);
+    const setup = unit && typeof unit === 'object' && 'test' in unit ? unit.test?.setupFiles : undefined;
+    expect(setup).toEqual(['test/helpers/unit-lane-setup.ts']);
     const cp = await import('node:child_process');
     installUnitLaneGuard();
     try {

@@ -23,7 +23,7 @@ export function installUnitLaneGuard(): void {
   for (const k of STARTERS) {
     cp[k] = (command: unknown, args?: unknown) => {
       const what = [command, ...(Array.isArray(args) ? args : [])].map(String).join(' ').slice(0, 200);
-      throw new UnitLaneError(`the unit lane starts no process: child_process.${k}(${what}); move this file to the integration lane (test/lanes.ts)`);
+      throw new UnitLaneError(`the unit lane starts no process: child_process.${k}(${what}); move this file out of test/lanes.ts`);
     };
   }
   syncBuiltinESMExports();
