@@ -4,9 +4,10 @@
  * Per dataset: naive and packed tokens, compression, the time of each stage (read+parse, tokenize, pack), and
  * packer throughput against a plain copy measured in the same run (the machine is shared and noisy: ratios
  * within one run are the figures to trust). First of all, the training step (bench/step.ts): naive, merged and
- * packed steps of a Qwen3-shape model through the PyTorch trainer side. Options: --full (every workload, longer
- * timing; the default run is the short one), --json FILE, --html FILE (default: next to the JSON, else
- * ./bench-report.html), --data FILE (tau-bench JSONL).
+ * packed steps of a Qwen3-shape model through the PyTorch trainer side. Options: --full (every workload and model,
+ * the memory and step-plan sections, longer timing; the default run is the short one, a few minutes on a busy
+ * 2-core laptop: the last line gives each section's seconds), --json FILE, --html FILE (default: next to the JSON,
+ * else ./bench-report.html), --data FILE (tau-bench JSONL).
  */
 import { accessSync, constants, existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -117,6 +118,16 @@ function syntheticTokens(groups: number): Sequences {
 }
 
 const t0 = performance.now();
+/** Wall seconds per section, printed with the total: where the run's time went. */
+const sections: [string, number][] = [];
+async function timed<T>(name: string, run: () => T | Promise<T>): Promise<T> {
+  const t = performance.now();
+  try {
+    return await run();
+  } finally {
+    sections.push([name, (performance.now() - t) / 1000]);
+  }
+}
 console.log(`# treepack bench${quick ? ' (default run; --full for every workload)' : ' (--full)'}  node ${process.version}`);
 const environment = [`node ${process.version}, ${process.platform} ${process.arch}`];
 for (const b of await listBackends()) {
@@ -130,7 +141,10 @@ const tauPresent = existsSync(tauBench);
 // The default file may be absent (skipped, with why); a file the user named with --data must exist: each section
 // that reads it says FAILED naming it, the others still run, and the bench exits 1.
 const tauAbsent = values.data === undefined ? `skipped, ${tauBench} not found (pass --data FILE)` : `FAILED, --data ${tauBench}: no such file`;
-const stepSection: StepSection = await benchStep({ full: !quick, tauBench: tauPresent || values.data !== undefined ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+const stepData = tauPresent || values.data !== undefined ? tauBench : null;
+const stepSection: StepSection = await timed('training step', () =>
+  benchStep({ full: !quick, tauBench: stepData }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] })),
+);
 let step: StepSummary | null = null;
 if (stepSection.skipped) console.log(`\n## training step: skipped, ${stepSection.skipped}`);
 else {
@@ -139,7 +153,9 @@ else {
   environment.push(`training step: ${stepSection.device}, torch ${stepSection.torch}, Python ${stepSection.python}`);
 }
 
-const trlStep: TrlStepSection = await benchTrlStep({ full: !quick, tauBench: tauPresent || values.data !== undefined ? tauBench : null }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] }));
+const trlStep: TrlStepSection = await timed('TRL step', () =>
+  benchTrlStep({ full: !quick, tauBench: stepData }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] })),
+);
 console.log(`\n${trlStep.text ?? `## TRL GRPO step: skipped, ${trlStep.skipped}`}`);
 
 const reports: DatasetReport[] = [];
@@ -148,13 +164,14 @@ try {
   const groups = quick ? 4 : 16;
   const file = join(dir, 'generated.jsonl');
   writeFileSync(file, [...generateJsonlLines({ groups, seed: 1 })].join('\n') + '\n');
-  reports.push(await chatDataset(`generated chat episodes (${groups} groups × 8 episodes, Qwen3 template)`, file));
+  const name = `generated chat episodes (${groups} groups × 8 episodes, Qwen3 template)`;
+  reports.push(await timed('generated dataset', () => chatDataset(name, file)));
 } finally {
   rmSync(dir, { recursive: true, force: true });
 }
 if (tauPresent) {
   // A malformed file is reported (the error names file and line) and the other sections still run.
-  await chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench).then(
+  await timed('tau-bench dataset', () => chatDataset(`tau-bench airline, gpt-4o (${tauBench})`, tauBench)).then(
     (r) => reports.push(r),
     (e: Error) => {
       console.log(`\n## tau-bench: FAILED, ${e.message}`);
@@ -169,7 +186,7 @@ const bigGroups = quick ? 8 : 64;
 const seqs = syntheticTokens(bigGroups);
 const M = seqs.tokens.length;
 console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups} groups × 8 episodes, ${seqs.offsets.length - 1} samples, ${big(M)} naive tokens)`);
-const scale = await measurePacker(seqs, maxTime);
+const scale = await timed('packer at scale', () => measurePacker(seqs, maxTime));
 printThroughput(scale);
 
 /** Timeline merge against the AgentJet-style greedy pairwise merge, on the same timelines (bench/merge.ts). */
@@ -205,17 +222,23 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
   return rows;
 }
 
-const merge = await mergeSection();
-const collectors = benchCollectors();
-const loss = await benchLoss({ quick });
-const masks = await benchMasks(quick, syntheticTokens);
-const memory = await benchMemory(quick);
-const trainer = await benchTrainer(!quick);
-const prefixStep = await benchPrefixStep(!quick);
+const merge = await timed('timeline merge', mergeSection);
+const collectors = await timed('micro-batch collectors', benchCollectors);
+const loss = await timed('loss', () => benchLoss({ quick }));
+const masks = await timed('masks', () => benchMasks(quick, syntheticTokens));
+const memory = await timed('memory', () => benchMemory(quick));
+const trainer = await timed('trainer side', () => benchTrainer(!quick));
+const prefixStep = await timed('step plans', () => benchPrefixStep(!quick));
 await disposeBackends();
 
-console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s`);
-const all = { step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError }, datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale }, merge, collectors, loss, masks, memory, trainer, trlStep, prefixStep };
+const perSection = sections.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(', ');
+console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s (${perSection})`);
+const all = {
+  sectionSeconds: Object.fromEntries(sections),
+  step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError },
+  datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale },
+  merge, collectors, loss, masks, memory, trainer, trlStep, prefixStep,
+};
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(
   {

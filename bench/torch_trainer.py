@@ -8,7 +8,8 @@
    case);
 2. tree attention, forward + backward: the block-sparse path against SDPA with the dense tree mask, N = 4k–32k.
 
-``--quick`` (the default run's): logprobs at N = 512, attention at 4k; else logprobs at 4k, attention at 4k–32k.
+``--quick``: logprobs at N = 512, attention at 4k (seconds); else (`npm run bench -- --full`'s) logprobs at 4k,
+attention at 4k–32k.
 
 Each case runs in its own process, so its peak memory is its own: peak RSS above the set-up (CPU) or
 ``torch.cuda.max_memory_allocated`` above the set-up (CUDA), over a first call and the timed runs. Attention times

@@ -49,16 +49,19 @@ export interface TrlStepSection {
 
 const MAX_TOKENS = 16384;
 
-/** `generated`: the generated workloads (default: the step section's CPU-timed ones, the --full ones only with
- * `full`); `shapes`: the model per device (default the step section's first). */
+/** `generated`: the generated workloads (default: the step section's CPU-timed ones with `full`, else the first of
+ * them, as the TRL section's stock side pads every call); `shapes`: the model per device (default the step section's
+ * first). */
 export async function benchTrlStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes }): Promise<TrlStepSection> {
   const env = await findPython();
   if (!env.torch || !env.python) return { skipped: `no Python with torch: ${env.reason}`, workloads: [] };
   const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-trl-'));
   try {
     const workloads: object[] = [];
-    // The CPU-timed generated workloads (a stock TRL step pads every call to the longest: the biggest ones are --full only).
-    for (const g of (opts.generated ?? GENERATED).filter((g) => (opts.full || !g.full) && !g.devices)) {
+    // The CPU-timed generated workloads (a stock TRL step pads every call to the longest: the biggest ones are --full
+    // only, and the default run times the smallest).
+    const generated = (opts.generated ?? GENERATED).filter((g) => (opts.full || !g.full) && !g.devices);
+    for (const g of opts.full || opts.generated ? generated : generated.slice(0, 1)) {
       const file = join(dir, `generated-${workloads.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;

@@ -1,6 +1,6 @@
 /**
  * The CLI is the library: `treepack pack` (the compiled bin) and `packRecords(...).writeTo(new DirectorySink(...))`
- * write the same files byte for byte, manifest included, on generated and tau-bench data; `treepack stats --json`
+ * write the same files byte for byte, manifest included, on generated and real (tau-bench) data; `treepack stats --json`
  * reports the library's figures; and every input the CLI rejects, the library rejects with the same error.
  */
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -14,9 +14,11 @@ import { cli } from './helpers/cli.js';
 const dir = mkdtempSync(join(tmpdir(), 'treepack-packer-cli-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
+// Real agent trajectories: the slice in the repository always (test/fixtures/README.md), the whole file where present.
+const TAU_SLICE = resolve(__dirname, 'fixtures/tau-bench-airline-slice.jsonl');
 const TAU_BENCH = resolve(__dirname, '../../shared/data/tau_bench_gpt4o_airline.jsonl');
 const tauSkip = existsSync(TAU_BENCH) ? '' : `${TAU_BENCH} not found`;
-if (tauSkip) console.log(`CLI vs library on tau-bench skipped: ${tauSkip}`);
+if (tauSkip) console.log(`CLI vs library on the whole tau-bench file skipped (the slice still runs): ${tauSkip}`);
 
 const episodes = join(dir, 'episodes.jsonl');
 writeFileSync(episodes, generateJsonl({ groups: 3, episodesPerGroup: 4, minTurns: 3, maxTurns: 8, seed: 2 }));
@@ -33,6 +35,9 @@ function files(d: string): Map<string, Buffer> {
       .map((f) => [f, readFileSync(join(d, f))]),
   );
 }
+
+/** A token trie: child by token id. */
+interface Trie extends Map<number, Trie> {}
 
 let runs = 0;
 /**
@@ -103,7 +108,48 @@ describe('treepack pack and packRecords write the same bytes', () => {
     for (const [name, bytes] of a.files) expect(Buffer.from(b.files.get(name)!).equals(Buffer.from(bytes)), name).toBe(true);
   }, 60_000);
 
-  it.skipIf(tauSkip !== '')('tau-bench airline: default options, and a budget over 4 ranks', async () => {
+  it('tau-bench airline slice: default options, and a budget over 4 ranks', async () => {
+    await compare(TAU_SLICE, [], {});
+    await compare(TAU_SLICE, ['--max-tokens', '16384', '--dp', '4', '--pad-multiple', '128'], { budget: { maxTokens: 16384, dp: 4, padMultiple: 128 } });
+  }, 300_000);
+
+  it('tau-bench airline slice: each micro-batch holds one node per distinct token prefix of its samples', async () => {
+    // Counted here with a plain trie, not the packer's sort: the packer's figures on real agent calls, derived apart.
+    for (const merge of [true, false]) {
+      const run = packRecords(TAU_SLICE, { tokenizer: 'qwen3', ...(merge ? {} : { merge: false }) });
+      let packed = 0, naive = 0;
+      for await (const mb of run) {
+        const root: Trie = new Map();
+        let nodes = 0;
+        for (const s of mb.samples) {
+          let at = root;
+          for (const t of s.tokens) {
+            let next = at.get(t);
+            if (!next) {
+              next = new Map();
+              at.set(t, next);
+              nodes++;
+            }
+            at = next;
+          }
+          naive += s.tokens.length;
+        }
+        expect(mb.batch.meta.num_tokens_packed - (mb.batch.meta.num_pad_tokens ?? 0), `micro-batch ${mb.index}`).toBe(nodes);
+        packed += nodes;
+        // Not vacuous: every call opens with the airline policy and the 14 tool schemas, held once per micro-batch.
+        const [first, ...rest] = mb.samples.map((x) => x.tokens);
+        let shared = first!.length;
+        for (const t of rest) for (let i = 0; i < shared; i++) if (t[i] !== first![i]) shared = i;
+        expect(shared).toBeGreaterThan(2000);
+        expect(nodes).toBeLessThanOrEqual(mb.samples.reduce((n, x) => n + x.tokens.length, 0) - rest.length * shared);
+      }
+      const report = run.report();
+      expect(report.packedTokens).toBe(packed);
+      expect(report.naiveTokens).toBe(naive);
+    }
+  }, 300_000);
+
+  it.skipIf(tauSkip !== '')('tau-bench airline, the whole file: default options, and a budget over 4 ranks', async () => {
     await compare(TAU_BENCH, [], {});
     await compare(TAU_BENCH, ['--max-tokens', '32768', '--dp', '4', '--pad-multiple', '128'], { budget: { maxTokens: 32768, dp: 4, padMultiple: 128 } });
   }, 300_000);

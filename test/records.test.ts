@@ -1,10 +1,8 @@
 /** Readers (every input format and every rejection), the streaming line reader, and the rollout generators. */
-import { spawnSync } from 'node:child_process';
 import { createReadStream, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
-import { fileURLToPath } from 'node:url';
 import { afterAll, describe, expect, it } from 'vitest';
 import { TreepackError } from '../src/errors.js';
 import { generateEpisodes, generateJsonl, generateTokenSamples, type EpisodeJson } from '../bench/dataset.js';
@@ -334,20 +332,6 @@ describe('readRecords: streaming', () => {
     const chunks: Buffer[] = [];
     for (let at = 0, i = 0; at < buf.length; i++) chunks.push(buf.subarray(at, (at += 1 + ((i * 7919) % 5000))));
     expect(await collect(readRecords(Readable.from(chunks), { name: file }))).toEqual(fromPath);
-  });
-
-  it('reads stdin when the input is "-"', () => {
-    const read = fileURLToPath(new URL('../src/records/read.ts', import.meta.url));
-    const script = `import { readRecords } from ${JSON.stringify(read)};
-      const ids = []; for await (const r of readRecords('-')) ids.push(r.id + ':' + r.tokens.length);
-      console.log(JSON.stringify(ids));`;
-    const res = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
-      input: '{"tokens": [1, 2, 3]}\n\n{"id": "b", "tokens": [4]}\n',
-      encoding: 'utf8',
-      cwd: fileURLToPath(new URL('..', import.meta.url)),
-    });
-    expect(res.stderr).toBe('');
-    expect(JSON.parse(res.stdout)).toEqual(['line-1:3', 'b:1']);
   });
 });
 
