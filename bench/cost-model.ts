@@ -57,7 +57,16 @@ export interface Work {
 }
 
 /** Qwen3-4B (config.json of the released checkpoint): the second model the step bench trains on CUDA hosts. */
-export const QWEN3_4B: ModelShape = { name: 'Qwen3-4B', hidden: 2560, intermediate: 9728, layers: 36, heads: 32, kv_heads: 8, head_dim: 128, vocab: 151936 };
+export const QWEN3_4B: ModelShape = {
+  name: 'Qwen3-4B',
+  hidden: 2560,
+  intermediate: 9728,
+  layers: 36,
+  heads: 32,
+  kv_heads: 8,
+  head_dim: 128,
+  vocab: 151936,
+};
 
 /** Qwen3 family shapes (config.json of the released checkpoints): the sizes the cost model estimates. */
 export const QWEN3_SHAPES: ModelShape[] = [
@@ -69,13 +78,15 @@ export const QWEN3_SHAPES: ModelShape[] = [
 const FWD_BWD = 3; // backward ≈ 2 × forward for matmuls and attention
 
 export function layerParams(s: ModelShape): number {
-  const q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const q = s.heads * s.head_dim,
+    kv = s.kv_heads * s.head_dim;
   return s.hidden * q + 2 * s.hidden * kv + q * s.hidden + 3 * s.hidden * s.intermediate;
 }
 
 /** A Gated DeltaNet layer's weights: q, k, v, z, b, a and out projections, the MLP. */
 function linearLayerParams(s: ModelShape): number {
-  const k = (s.linear_key_heads ?? 0) * (s.linear_head_dim ?? 0), v = (s.linear_value_heads ?? 0) * (s.linear_head_dim ?? 0);
+  const k = (s.linear_key_heads ?? 0) * (s.linear_head_dim ?? 0),
+    v = (s.linear_value_heads ?? 0) * (s.linear_head_dim ?? 0);
   return s.hidden * (2 * k + 2 * v + 2 * (s.linear_value_heads ?? 0)) + v * s.hidden + 3 * s.hidden * s.intermediate;
 }
 
@@ -88,7 +99,8 @@ function recurrenceFlops(s: ModelShape): number {
 }
 
 export function work(f: SideFigures, s: ModelShape, vocab: number, blockSize: number, dtypeBytes: number): Work {
-  const linear = s.linear_layers ?? 0, attention = s.layers - linear;
+  const linear = s.linear_layers ?? 0,
+    attention = s.layers - linear;
   const perPair = 4 * s.heads * s.head_dim * attention * FWD_BWD; // QKᵀ and PV, multiply-add = 2 FLOPs each
   const perToken = 2 * (layerParams(s) * attention + linearLayerParams(s) * linear) + recurrenceFlops(s) * linear;
   const params = layerParams(s) * attention + linearLayerParams(s) * linear + vocab * s.hidden;
@@ -141,7 +153,8 @@ export function fitRates(points: { work: Work; seconds: number }[]): Rates | nul
   for (let set = 1; set < 8; set++) {
     const idx = [0, 1, 2].filter((i) => set & (1 << i));
     const k = idx.length;
-    const A = Array.from({ length: k }, () => new Float64Array(k)), b = new Float64Array(k);
+    const A = Array.from({ length: k }, () => new Float64Array(k)),
+      b = new Float64Array(k);
     for (const p of points) {
       const x = idx.map((i) => features(p.work)[i] / p.seconds); // relative: divide the row by the target
       for (let i = 0; i < k; i++) {
@@ -161,7 +174,8 @@ export function fitRates(points: { work: Work; seconds: number }[]): Rates | nul
 
 /** Gaussian elimination with partial pivoting; null when singular. */
 function solve(A: Float64Array[], b: Float64Array): number[] | null {
-  const n = b.length, M = A.map((row, i) => [...row, b[i]]);
+  const n = b.length,
+    M = A.map((row, i) => [...row, b[i]]);
   for (let c = 0; c < n; c++) {
     let p = c;
     for (let r = c + 1; r < n; r++) if (Math.abs(M[r][c]) > Math.abs(M[p][c])) p = r;
@@ -180,9 +194,17 @@ function solve(A: Float64Array[], b: Float64Array): number[] | null {
  * An H100 SXM in bf16, assumed (not measured here): 989 TFLOP/s dense peak at 45% for the linear part, 35% for
  * FlexAttention's tiles, 3.35 TB/s at 70%, 5 ms of launches and optimizer-free overhead per micro-batch.
  */
-export const ASSUMED_GPU = { name: 'H100 SXM, bf16 (assumed rates)', linear: 989e12 * 0.45, attention: 989e12 * 0.35, bandwidth: 3.35e12 * 0.7, perMicroBatch: 5e-3 };
+export const ASSUMED_GPU = {
+  name: 'H100 SXM, bf16 (assumed rates)',
+  linear: 989e12 * 0.45,
+  attention: 989e12 * 0.35,
+  bandwidth: 3.35e12 * 0.7,
+  perMicroBatch: 5e-3,
+};
 
 export function gpuSeconds(w: Work): number {
   const g = ASSUMED_GPU;
-  return Math.max(w.linearFlops / g.linear + w.executedAttentionFlops / g.attention, w.bytes / g.bandwidth) + w.microBatches * g.perMicroBatch;
+  return (
+    Math.max(w.linearFlops / g.linear + w.executedAttentionFlops / g.attention, w.bytes / g.bandwidth) + w.microBatches * g.perMicroBatch
+  );
 }

@@ -103,7 +103,23 @@ const WORDS = (
   'important clear simple possible necessary eligible valid invalid correct wrong exact specific general ' +
   'quickly carefully directly politely strictly exactly usually typically generally finally actually really'
 ).split(' ');
-const FIRST = ['mia', 'noah', 'olivia', 'liam', 'emma', 'ethan', 'ava', 'lucas', 'sofia', 'yusuf', 'chen', 'amelia', 'raj', 'isabella', 'omar'];
+const FIRST = [
+  'mia',
+  'noah',
+  'olivia',
+  'liam',
+  'emma',
+  'ethan',
+  'ava',
+  'lucas',
+  'sofia',
+  'yusuf',
+  'chen',
+  'amelia',
+  'raj',
+  'isabella',
+  'omar',
+];
 const LAST = ['li', 'brown', 'garcia', 'kim', 'nguyen', 'patel', 'rossi', 'silva', 'muller', 'ahmed', 'wang', 'taylor', 'lopez', 'sato'];
 const IATA = ['SFO', 'JFK', 'LAX', 'ORD', 'DFW', 'DEN', 'SEA', 'MIA', 'BOS', 'ATL', 'PHX', 'IAH', 'EWR', 'MSP', 'DTW', 'LGA'];
 const CHARS = 'ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789';
@@ -141,14 +157,60 @@ interface ToolSpec {
 const TOOL_SPECS: ToolSpec[] = [
   { name: 'get_user_details', params: [['user_id', 'user']] },
   { name: 'get_reservation_details', params: [['reservation_id', 'reservation']] },
-  { name: 'search_direct_flight', params: [['origin', 'iata'], ['destination', 'iata'], ['date', 'date']] },
-  { name: 'search_onestop_flight', params: [['origin', 'iata'], ['destination', 'iata'], ['date', 'date']] },
+  {
+    name: 'search_direct_flight',
+    params: [
+      ['origin', 'iata'],
+      ['destination', 'iata'],
+      ['date', 'date'],
+    ],
+  },
+  {
+    name: 'search_onestop_flight',
+    params: [
+      ['origin', 'iata'],
+      ['destination', 'iata'],
+      ['date', 'date'],
+    ],
+  },
   { name: 'list_all_airports', params: [] },
-  { name: 'book_reservation', params: [['user_id', 'user'], ['origin', 'iata'], ['destination', 'iata'], ['flight_type', 'text'], ['cabin', 'cabin'], ['total_baggages', 'int'], ['insurance', 'yesno']] },
+  {
+    name: 'book_reservation',
+    params: [
+      ['user_id', 'user'],
+      ['origin', 'iata'],
+      ['destination', 'iata'],
+      ['flight_type', 'text'],
+      ['cabin', 'cabin'],
+      ['total_baggages', 'int'],
+      ['insurance', 'yesno'],
+    ],
+  },
   { name: 'cancel_reservation', params: [['reservation_id', 'reservation']] },
-  { name: 'update_reservation_baggages', params: [['reservation_id', 'reservation'], ['total_baggages', 'int'], ['nonfree_baggages', 'int'], ['payment_id', 'payment']] },
-  { name: 'update_reservation_flights', params: [['reservation_id', 'reservation'], ['cabin', 'cabin'], ['payment_id', 'payment']] },
-  { name: 'send_certificate', params: [['user_id', 'user'], ['amount', 'int']] },
+  {
+    name: 'update_reservation_baggages',
+    params: [
+      ['reservation_id', 'reservation'],
+      ['total_baggages', 'int'],
+      ['nonfree_baggages', 'int'],
+      ['payment_id', 'payment'],
+    ],
+  },
+  {
+    name: 'update_reservation_flights',
+    params: [
+      ['reservation_id', 'reservation'],
+      ['cabin', 'cabin'],
+      ['payment_id', 'payment'],
+    ],
+  },
+  {
+    name: 'send_certificate',
+    params: [
+      ['user_id', 'user'],
+      ['amount', 'int'],
+    ],
+  },
   { name: 'calculate', params: [['expression', 'expr']] },
   { name: 'think', params: [['thought', 'text']] },
   { name: 'transfer_to_human_agents', params: [['summary', 'text']] },
@@ -157,8 +219,7 @@ const TOOL_SPECS: ToolSpec[] = [
 function toolSchemas(rng: Rng): ToolSchema[] {
   return TOOL_SPECS.map((t) => {
     const properties: Record<string, unknown> = {};
-    for (const [p, kind] of t.params)
-      properties[p] = { type: kind === 'int' ? 'integer' : 'string', description: sentence(rng, 8, 24) };
+    for (const [p, kind] of t.params) properties[p] = { type: kind === 'int' ? 'integer' : 'string', description: sentence(rng, 8, 24) };
     return {
       type: 'function',
       function: {
@@ -241,15 +302,18 @@ function toolResult(rng: Rng, name: string, task: Task): string {
       membership: rng.pick(['regular', 'silver', 'gold']),
       reservations: task.reservations,
     });
-  if (name.startsWith('search'))
-    return JSON.stringify(Array.from({ length: rng.int(0, 6) }, () => flight(rng)));
+  if (name.startsWith('search')) return JSON.stringify(Array.from({ length: rng.int(0, 6) }, () => flight(rng)));
   if (rng.chance(0.1)) return `Error: ${sentence(rng, 4, 10)}`;
   return JSON.stringify({
     reservation_id: rng.pick(task.reservations),
     user_id: task.user,
     cabin: rng.pick(['basic_economy', 'economy', 'business']),
     flights: Array.from({ length: rng.int(1, 4) }, () => flight(rng)),
-    passengers: Array.from({ length: rng.int(1, 3) }, () => ({ first_name: rng.pick(FIRST), last_name: rng.pick(LAST), dob: `19${rng.int(50, 99)}-0${rng.int(1, 9)}-1${rng.int(0, 9)}` })),
+    passengers: Array.from({ length: rng.int(1, 3) }, () => ({
+      first_name: rng.pick(FIRST),
+      last_name: rng.pick(LAST),
+      dob: `19${rng.int(50, 99)}-0${rng.int(1, 9)}-1${rng.int(0, 9)}`,
+    })),
     note: paragraph(rng, rng.int(0, 2)),
   });
 }
@@ -275,10 +339,14 @@ function plan(rng: Rng, episode: number, o: Required<GeneratorOptions>): Plan {
 
 function withDefaults(o: GeneratorOptions): Required<GeneratorOptions> {
   const r = { episodesPerGroup: 8, seed: 1, minTurns: 10, maxTurns: 30, truncateEvery: 4, policySections: 10, ...o };
-  if (!Number.isInteger(r.policySections) || r.policySections < 1) throw new TreepackError('E_ARG', `policySections must be a positive integer, got ${r.policySections}`);
-  if (!Number.isInteger(r.groups) || r.groups < 0) throw new TreepackError('E_ARG', `groups must be a non-negative integer, got ${r.groups}`);
-  if (!Number.isInteger(r.minTurns) || r.minTurns < 1) throw new TreepackError('E_ARG', `minTurns must be a positive integer, got ${r.minTurns}`);
-  if (!Number.isInteger(r.maxTurns) || r.maxTurns < r.minTurns) throw new TreepackError('E_ARG', `maxTurns must be an integer >= minTurns (${r.minTurns}), got ${r.maxTurns}`);
+  if (!Number.isInteger(r.policySections) || r.policySections < 1)
+    throw new TreepackError('E_ARG', `policySections must be a positive integer, got ${r.policySections}`);
+  if (!Number.isInteger(r.groups) || r.groups < 0)
+    throw new TreepackError('E_ARG', `groups must be a non-negative integer, got ${r.groups}`);
+  if (!Number.isInteger(r.minTurns) || r.minTurns < 1)
+    throw new TreepackError('E_ARG', `minTurns must be a positive integer, got ${r.minTurns}`);
+  if (!Number.isInteger(r.maxTurns) || r.maxTurns < r.minTurns)
+    throw new TreepackError('E_ARG', `maxTurns must be an integer >= minTurns (${r.minTurns}), got ${r.maxTurns}`);
   return r;
 }
 
@@ -305,7 +373,11 @@ export function* generateEpisodes(opts: GeneratorOptions): Generator<EpisodeJson
           const args: Record<string, unknown> = {};
           for (const [name, kind] of spec.params) args[name] = argValue(rng, kind, task);
           const id = `call_${code(rng, 24, ALNUM)}`;
-          response = { role: 'assistant', content: null, tool_calls: [{ id, type: 'function', function: { name: spec.name, arguments: JSON.stringify(args) } }] };
+          response = {
+            role: 'assistant',
+            content: null,
+            tool_calls: [{ id, type: 'function', function: { name: spec.name, arguments: JSON.stringify(args) } }],
+          };
           next = { role: 'tool', content: toolResult(rng, spec.name, task), tool_call_id: id, name: spec.name };
         } else {
           response = { role: 'assistant', content: paragraph(rng, rng.int(1, 4)) };

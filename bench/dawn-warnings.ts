@@ -12,7 +12,10 @@ const CHILD = 'TREEPACK_BENCH_CHILD';
 /** In the parent: runs this script again as the child, filters its stderr, exits with its status. */
 export async function superviseDawnWarnings(): Promise<void> {
   if (process.env[CHILD] === '1') return;
-  const child = spawn(process.execPath, [...process.execArgv, ...process.argv.slice(1)], { env: { ...process.env, [CHILD]: '1' }, stdio: ['inherit', 'inherit', 'pipe'] });
+  const child = spawn(process.execPath, [...process.execArgv, ...process.argv.slice(1)], {
+    env: { ...process.env, [CHILD]: '1' },
+    stdio: ['inherit', 'inherit', 'pipe'],
+  });
   const counts = new Map<string, number>();
   let current: string | null = null;
   const flush = () => {
@@ -31,7 +34,9 @@ export async function superviseDawnWarnings(): Promise<void> {
     }
   }
   flush();
-  const code: number = await new Promise((res) => (child.exitCode !== null ? res(child.exitCode) : child.on('exit', (c, s) => res(c ?? (s ? 1 : 0)))));
+  const code: number = await new Promise((res) =>
+    child.exitCode !== null ? res(child.exitCode) : child.on('exit', (c, s) => res(c ?? (s ? 1 : 0))),
+  );
   if (counts.size) {
     const total = [...counts.values()].reduce((a, x) => a + x, 0);
     console.log(`\nDawn (WebGPU) printed ${total} warnings, ${counts.size} distinct (each reported once):`);

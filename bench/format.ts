@@ -2,7 +2,8 @@
 
 export const fmt = (x: number, d = 2) => x.toFixed(d);
 
-export const big = (x: number) => (x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x)));
+export const big = (x: number) =>
+  x >= 1e9 ? `${fmt(x / 1e9)}G` : x >= 1e6 ? `${fmt(x / 1e6)}M` : x >= 1e3 ? `${fmt(x / 1e3, 1)}k` : String(Math.round(x));
 
 /** `baseline ÷ value` of a time, in words: "3.10× faster" or "1.80× slower" (than the baseline). */
 export function speed(baselineSeconds: number, seconds: number): string {

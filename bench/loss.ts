@@ -94,11 +94,24 @@ export async function benchLoss(opts: { quick: boolean }): Promise<LossBenchRow[
     const src = new Uint8Array(bytes);
     const dst = new Uint8Array(bytes);
     const copy = await time(() => dst.set(src), minSeconds);
-    const row = (backend: string, mode: LossBenchRow['mode'], seconds: number, moved: number): LossBenchRow => ({ M, N, backend, mode, seconds, occurrencesPerSecond: M / seconds, gbPerSecond: moved / seconds / 1e9 });
+    const row = (backend: string, mode: LossBenchRow['mode'], seconds: number, moved: number): LossBenchRow => ({
+      M,
+      N,
+      backend,
+      mode,
+      seconds,
+      occurrencesPerSecond: M / seconds,
+      gbPerSecond: moved / seconds / 1e9,
+    });
     const add = (r: LossBenchRow) => {
       rows.push(r);
-      const bw = r.mode === 'copy' ? 'baseline' : `${((100 * r.gbPerSecond) / rows.find((x) => x.M === M && x.mode === 'copy')!.gbPerSecond).toFixed(0)}% of copy bandwidth`;
-      console.log(`  M ${(M / 1e6).toFixed(1)}M N ${(N / 1e6).toFixed(2)}M  ${r.backend.padEnd(7)} ${r.mode.padEnd(18)} ${(r.seconds * 1e3).toFixed(2).padStart(9)} ms  ${(r.occurrencesPerSecond / 1e6).toFixed(1).padStart(7)}M occ/s  ${r.gbPerSecond.toFixed(2).padStart(6)} GB/s (${bw})`);
+      const bw =
+        r.mode === 'copy'
+          ? 'baseline'
+          : `${((100 * r.gbPerSecond) / rows.find((x) => x.M === M && x.mode === 'copy')!.gbPerSecond).toFixed(0)}% of copy bandwidth`;
+      console.log(
+        `  M ${(M / 1e6).toFixed(1)}M N ${(N / 1e6).toFixed(2)}M  ${r.backend.padEnd(7)} ${r.mode.padEnd(18)} ${(r.seconds * 1e3).toFixed(2).padStart(9)} ms  ${(r.occurrencesPerSecond / 1e6).toFixed(1).padStart(7)}M occ/s  ${r.gbPerSecond.toFixed(2).padStart(6)} GB/s (${bw})`,
+      );
     };
     add(row('memcpy', 'copy', copy, bytes));
     add(row('ts', 'validate', await time(() => validateLossInputs(batch, lp, cfg), minSeconds), bytes));

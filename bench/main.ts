@@ -15,7 +15,16 @@ import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { ChatEncoder, concatSequences, loadTokenizer, packRecords, toSequences, type PackReport, type Sample, type Sequences } from '../src/index.js';
+import {
+  ChatEncoder,
+  concatSequences,
+  loadTokenizer,
+  packRecords,
+  toSequences,
+  type PackReport,
+  type Sample,
+  type Sequences,
+} from '../src/index.js';
 import { disposeBackends, listBackends } from '../src/ops.js';
 import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
@@ -34,14 +43,19 @@ import { benchTrlStep, type TrlStepSection } from './trl-step.js';
 import { analyzeStep, type StepSummary } from './step-report.js';
 
 await superviseDawnWarnings();
-const { values } = parseArgs({ options: { full: { type: 'boolean' }, json: { type: 'string' }, html: { type: 'string' }, data: { type: 'string' } } });
+const { values } = parseArgs({
+  options: { full: { type: 'boolean' }, json: { type: 'string' }, html: { type: 'string' }, data: { type: 'string' } },
+});
 const quick = values.full !== true;
 const maxTime = quick ? 0.5 : 2;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const tauBench = values.data ?? resolve(root, '../shared/data/tau_bench_gpt4o_airline.jsonl');
 const html = values.html ?? (values.json ? values.json.replace(/(\.json)?$/, '.html') : 'bench-report.html');
 // Report paths are checked before the run, not after it (a --full run takes half an hour): parents are created.
-for (const [flag, file] of [['--json', values.json], ['--html', html]] as const) {
+for (const [flag, file] of [
+  ['--json', values.json],
+  ['--html', html],
+] as const) {
   if (file === undefined) continue;
   try {
     mkdirSync(dirname(resolve(file)), { recursive: true });
@@ -61,7 +75,6 @@ interface DatasetReport {
   microBatching: MicroBatchRow[];
 }
 
-
 /** Runs the pipeline on a file and gathers every sample's tokens for the packer timing. */
 async function pipeline(file: string, merge = true): Promise<{ stats: PackReport; seqs: Sequences }> {
   const run = packRecords(file, { tokenizer: 'qwen3', advantages: 'none', ...(merge ? {} : { merge: false }) });
@@ -76,7 +89,9 @@ function printThroughput(t: Timing[]): void {
   for (const x of t) {
     const vsCopy = x === copy ? 'baseline' : `${speed(copy.seconds, x.seconds)} than the copy`;
     const vsNative = x.name.startsWith('js') && nativeFresh ? `, ${speed(nativeFresh.seconds, x.seconds)} than native` : '';
-    console.log(`    ${x.name.padEnd(28)} ${fmt(x.seconds * 1e3, 3).padStart(10)} ms ±${fmt(x.rme, 1).padStart(4)}%  ${big(x.tokensPerSecond).padStart(8)} tok/s  (${vsCopy}${vsNative})`);
+    console.log(
+      `    ${x.name.padEnd(28)} ${fmt(x.seconds * 1e3, 3).padStart(10)} ms ±${fmt(x.rme, 1).padStart(4)}%  ${big(x.tokensPerSecond).padStart(8)} tok/s  (${vsCopy}${vsNative})`,
+    );
   }
 }
 
@@ -85,14 +100,24 @@ function printDataset(r: Omit<DatasetReport, 'microBatching'>): void {
   console.log(`\n## ${r.name}`);
   console.log(`  records ${s.read.lines}, samples ${s.samples}, micro-batches ${s.microBatches}`);
   const n = (x: number) => x.toLocaleString('en-US');
-  console.log(`  naive tokens ${n(s.timelineTokens)} (every call its own sample), merged ${n(s.naiveTokens)} (${s.timelines} timelines → ${s.samples} samples), packed ${n(s.packedTokens)}`);
-  console.log(`  compression ${fmt(r.compression)}× (naive ÷ packed; the timeline merge alone: ${fmt(s.timelineTokens / Math.max(1, s.naiveTokens))}×)`);
-  console.log(`  stages: read+parse ${fmt(s.seconds.readParse, 3)} s, tokenize ${fmt(s.seconds.tokenize, 3)} s, merge ${fmt(s.seconds.merge, 3)} s, pack ${fmt(s.seconds.pack, 3)} s  (${s.backend})`);
+  console.log(
+    `  naive tokens ${n(s.timelineTokens)} (every call its own sample), merged ${n(s.naiveTokens)} (${s.timelines} timelines → ${s.samples} samples), packed ${n(s.packedTokens)}`,
+  );
+  console.log(
+    `  compression ${fmt(r.compression)}× (naive ÷ packed; the timeline merge alone: ${fmt(s.timelineTokens / Math.max(1, s.naiveTokens))}×)`,
+  );
+  console.log(
+    `  stages: read+parse ${fmt(s.seconds.readParse, 3)} s, tokenize ${fmt(s.seconds.tokenize, 3)} s, merge ${fmt(s.seconds.merge, 3)} s, pack ${fmt(s.seconds.pack, 3)} s  (${s.backend})`,
+  );
   if (s.tokenizerCache) {
     const c = s.tokenizerCache;
-    console.log(`  tokenizer cache: ${c.segments} segments, ${c.unique} tokenized (${fmt((100 * c.encodedChars) / Math.max(1, c.totalChars), 1)}% of ${big(c.totalChars)} chars)`);
+    console.log(
+      `  tokenizer cache: ${c.segments} segments, ${c.unique} tokenized (${fmt((100 * c.encodedChars) / Math.max(1, c.totalChars), 1)}% of ${big(c.totalChars)} chars)`,
+    );
   }
-  console.log(`  packer throughput (tokens in memory → all contract arrays), on the ${big(r.throughputTokens)} naive tokens before the merge:`);
+  console.log(
+    `  packer throughput (tokens in memory → all contract arrays), on the ${big(r.throughputTokens)} naive tokens before the merge:`,
+  );
   printThroughput(r.throughput);
 }
 
@@ -140,7 +165,8 @@ await disposeBackends();
 const tauPresent = existsSync(tauBench);
 // The default file may be absent (skipped, with why); a file the user named with --data must exist: each section
 // that reads it says FAILED naming it, the others still run, and the bench exits 1.
-const tauAbsent = values.data === undefined ? `skipped, ${tauBench} not found (pass --data FILE)` : `FAILED, --data ${tauBench}: no such file`;
+const tauAbsent =
+  values.data === undefined ? `skipped, ${tauBench} not found (pass --data FILE)` : `FAILED, --data ${tauBench}: no such file`;
 const stepData = tauPresent || values.data !== undefined ? tauBench : null;
 const stepSection: StepSection = await timed('training step', () =>
   benchStep({ full: !quick, tauBench: stepData }).catch((e: Error) => ({ skipped: `failed: ${e.message}`, workloads: [] })),
@@ -185,7 +211,9 @@ if (tauPresent) {
 const bigGroups = quick ? 8 : 64;
 const seqs = syntheticTokens(bigGroups);
 const M = seqs.tokens.length;
-console.log(`\n## packer at scale: generated pre-tokenized samples (${bigGroups} groups × 8 episodes, ${seqs.offsets.length - 1} samples, ${big(M)} naive tokens)`);
+console.log(
+  `\n## packer at scale: generated pre-tokenized samples (${bigGroups} groups × 8 episodes, ${seqs.offsets.length - 1} samples, ${big(M)} naive tokens)`,
+);
 const scale = await timed('packer at scale', () => measurePacker(seqs, maxTime));
 printThroughput(scale);
 
@@ -235,9 +263,19 @@ const perSection = sections.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(',
 console.log(`\ntotal bench time ${fmt((performance.now() - t0) / 1000, 1)} s (${perSection})`);
 const all = {
   sectionSeconds: Object.fromEntries(sections),
-  step: stepSection, stepAnalysis: step?.rows, costModel: step && { rates: step.rates, error: step.modelError },
-  datasets: reports, scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale },
-  merge, collectors, loss, masks, memory, trainer, trlStep, prefixStep,
+  step: stepSection,
+  stepAnalysis: step?.rows,
+  costModel: step && { rates: step.rates, error: step.modelError },
+  datasets: reports,
+  scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale },
+  merge,
+  collectors,
+  loss,
+  masks,
+  memory,
+  trainer,
+  trlStep,
+  prefixStep,
 };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(
@@ -247,10 +285,11 @@ const page = await renderHtml(
     environment,
     step: step
       ? {
-        device: `${stepSection.device}, ${stepSection.dtype}, packed: ${stepSection.packedAttention ?? stepSection.attention}, ` +
-          `naive: ${stepSection.naiveAttention ?? stepSection.attention}`,
-        rows: step.rows,
-      }
+          device:
+            `${stepSection.device}, ${stepSection.dtype}, packed: ${stepSection.packedAttention ?? stepSection.attention}, ` +
+            `naive: ${stepSection.naiveAttention ?? stepSection.attention}`,
+          rows: step.rows,
+        }
       : { skipped: stepSection.skipped ?? 'no result' },
     sparsity: masks.sparsity,
     loss,
@@ -263,10 +302,14 @@ console.log(`report: ${resolve(html)}${values.json ? `, ${resolve(values.json)}`
 if ((values.data !== undefined && !tauPresent) || stepSection.workloads.some((w) => w.error)) process.exitCode = 1;
 const trlMismatches = trlStep.workloads.filter((w) => w.mismatch);
 if (trlMismatches.length) {
-  console.error(`bench: TRL's packed step disagrees with its stock step:\n  ${trlMismatches.map((w) => `${w.name}: ${w.mismatch}`).join('\n  ')}`);
+  console.error(
+    `bench: TRL's packed step disagrees with its stock step:\n  ${trlMismatches.map((w) => `${w.name}: ${w.mismatch}`).join('\n  ')}`,
+  );
   process.exitCode = 2;
 }
 if (step?.lossMismatches.length) {
-  console.error(`bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`);
+  console.error(
+    `bench: ${step.lossMismatches.length} packed/merged step(s) disagree with their naive baseline's loss:\n  ${step.lossMismatches.join('\n  ')}`,
+  );
   process.exitCode = 2;
 }

@@ -7,7 +7,17 @@
  * with timeKernels).
  */
 import { performance } from 'node:perf_hooks';
-import { bitsBytes, blockMaskBytes, denseBytes, TreepackError, validateTree, type BackendName, type BlockMask, type Sequences, type TreeArrays } from '../src/index.js';
+import {
+  bitsBytes,
+  blockMaskBytes,
+  denseBytes,
+  TreepackError,
+  validateTree,
+  type BackendName,
+  type BlockMask,
+  type Sequences,
+  type TreeArrays,
+} from '../src/index.js';
 import { listBackends, resolveKernel, timeKernels } from '../src/ops.js';
 import { speed } from './format.js';
 
@@ -46,8 +56,10 @@ function median(xs: number[]): number {
 }
 
 function sparsity(tree: TreeArrays, m: BlockMask): MaskSparsity {
-  const N = tree.parent.length, nb = m.num_blocks;
-  let listed = 0, full = 0;
+  const N = tree.parent.length,
+    nb = m.num_blocks;
+  let listed = 0,
+    full = 0;
   for (let i = 0; i < nb; i++) {
     listed += m.block_kv_num_blocks[i] + m.block_full_kv_num_blocks[i];
     full += m.block_full_kv_num_blocks[i];
@@ -55,10 +67,23 @@ function sparsity(tree: TreeArrays, m: BlockMask): MaskSparsity {
   let visible = 0;
   for (let k = 0; k < N; k++) visible += tree.subtree_end[k] - k;
   const causalBlocks = (nb * (nb + 1)) / 2;
-  return { N, blockSize: m.block_size, causalBlocks, listedBlocks: listed, fullBlocks: full, skippedFraction: 1 - listed / causalBlocks, visibleFraction: visible / ((N * (N + 1)) / 2) };
+  return {
+    N,
+    blockSize: m.block_size,
+    causalBlocks,
+    listedBlocks: listed,
+    fullBlocks: full,
+    skippedFraction: 1 - listed / causalBlocks,
+    visibleFraction: visible / ((N * (N + 1)) / 2),
+  };
 }
 
-type Lowering = { name: string; bytes: (N: number, out?: unknown) => number; run: (backend: BackendName, t: TreeArrays) => Promise<unknown>; maxN: number };
+type Lowering = {
+  name: string;
+  bytes: (N: number, out?: unknown) => number;
+  run: (backend: BackendName, t: TreeArrays) => Promise<unknown>;
+  maxN: number;
+};
 
 const LOWERINGS: Lowering[] = [
   ...[128, 64].map((B) => ({
@@ -67,13 +92,24 @@ const LOWERINGS: Lowering[] = [
     run: async (b: BackendName, t: TreeArrays) => (await resolveKernel('maskBlocks', b)).kernel(t, B),
     maxN: Infinity,
   })),
-  { name: 'slices', bytes: (_N, out) => (out as Int32Array | undefined)?.byteLength ?? NaN, run: async (b, t) => (await resolveKernel('maskSlices', b)).kernel(t), maxN: Infinity },
+  {
+    name: 'slices',
+    bytes: (_N, out) => (out as Int32Array | undefined)?.byteLength ?? NaN,
+    run: async (b, t) => (await resolveKernel('maskSlices', b)).kernel(t),
+    maxN: Infinity,
+  },
   // Dense forms are quadratic: timed where they stay under a few hundred MB, sized everywhere.
   { name: 'bits', bytes: bitsBytes, run: async (b, t) => (await resolveKernel('maskBits', b)).kernel(t), maxN: 32_768 },
   { name: 'dense', bytes: denseBytes, run: async (b, t) => (await resolveKernel('maskDense', b)).kernel(t), maxN: 16_384 },
 ];
 
-const OPS: Record<string, 'maskBlocks' | 'maskSlices' | 'maskBits' | 'maskDense'> = { 'block:128': 'maskBlocks', 'block:64': 'maskBlocks', slices: 'maskSlices', bits: 'maskBits', dense: 'maskDense' };
+const OPS: Record<string, 'maskBlocks' | 'maskSlices' | 'maskBits' | 'maskDense'> = {
+  'block:128': 'maskBlocks',
+  'block:64': 'maskBlocks',
+  slices: 'maskSlices',
+  bits: 'maskBits',
+  dense: 'maskDense',
+};
 
 /** Generator rollouts (pre-tokenized) packed into one forest of at least `N` nodes, on the best forest packer. */
 async function generatorForest(N: number, samples: (groups: number) => Sequences): Promise<TreeArrays> {
@@ -84,7 +120,10 @@ async function generatorForest(N: number, samples: (groups: number) => Sequences
   }
 }
 
-export async function benchMasks(quick: boolean, samples: (groups: number) => Sequences): Promise<{ timings: MaskTiming[]; sparsity: MaskSparsity[] }> {
+export async function benchMasks(
+  quick: boolean,
+  samples: (groups: number) => Sequences,
+): Promise<{ timings: MaskTiming[]; sparsity: MaskSparsity[] }> {
   const reps = quick ? 3 : 7;
   const statuses = (await listBackends()).filter((s) => s.available);
   const full = await generatorForest(MASK_SIZES[MASK_SIZES.length - 1], samples);
@@ -93,7 +132,9 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
   const fmt = (x: number) => (x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2));
   const mb = (x: number) => (Number.isFinite(x) ? `${(x / 2 ** 20).toFixed(x < 2 ** 20 ? 3 : 1)} MiB` : '-');
 
-  console.log(`\n## mask lowerings (forest prefixes of ${full.parent.length.toLocaleString('en-US')} packed generator tokens; median of ${reps} runs; time as called from JS)`);
+  console.log(
+    `\n## mask lowerings (forest prefixes of ${full.parent.length.toLocaleString('en-US')} packed generator tokens; median of ${reps} runs; time as called from JS)`,
+  );
   console.log(`  backends: ${statuses.map((s) => s.name).join(', ')}`);
   for (const N of MASK_SIZES) {
     const tree = prefix(full, N);
@@ -131,7 +172,10 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
       const js = rows.find((r) => r.backend === 'js')?.ms;
       console.log(`    ${low.name.padEnd(9)} ${mb(bytes).padStart(12)}`);
       for (const r of rows) {
-        const detail = r.ms === undefined ? r.error : `${fmt(r.ms)} ms${js && r.backend !== 'js' ? ` (${speed(js, r.ms)} than js)` : ''}${r.kernelMs !== undefined ? `, kernels ${r.kernelMs.toFixed(3)} ms` : ''}`;
+        const detail =
+          r.ms === undefined
+            ? r.error
+            : `${fmt(r.ms)} ms${js && r.backend !== 'js' ? ` (${speed(js, r.ms)} than js)` : ''}${r.kernelMs !== undefined ? `, kernels ${r.kernelMs.toFixed(3)} ms` : ''}`;
         console.log(`      ${r.backend.padEnd(7)} ${detail}`);
       }
       timings.push(...rows);
@@ -139,7 +183,9 @@ export async function benchMasks(quick: boolean, samples: (groups: number) => Se
   }
   console.log('\n  block-sparse (B = 128) vs dense causal, same forests:');
   for (const s of sparsities) {
-    console.log(`    N = ${s.N.toLocaleString('en-US').padStart(9)}: ${s.listedBlocks} of ${s.causalBlocks} causal blocks computed (${s.fullBlocks} full), ${(100 * s.skippedFraction).toFixed(2)}% skipped; visible pairs ${(100 * s.visibleFraction).toFixed(2)}% of causal`);
+    console.log(
+      `    N = ${s.N.toLocaleString('en-US').padStart(9)}: ${s.listedBlocks} of ${s.causalBlocks} causal blocks computed (${s.fullBlocks} full), ${(100 * s.skippedFraction).toFixed(2)}% skipped; visible pairs ${(100 * s.visibleFraction).toFixed(2)}% of causal`,
+    );
   }
   return { timings, sparsity: sparsities };
 }

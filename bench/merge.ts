@@ -10,7 +10,18 @@
  */
 import { performance } from 'node:perf_hooks';
 import { speed } from './format.js';
-import { mergeDefaults, mergeTimelines, packForest, readRecords, timelineFromChat, timelineToSample, toSequences, type ChatEncoder, type Timeline, type TimelineMessage } from '../src/index.js';
+import {
+  mergeDefaults,
+  mergeTimelines,
+  packForest,
+  readRecords,
+  timelineFromChat,
+  timelineToSample,
+  toSequences,
+  type ChatEncoder,
+  type Timeline,
+  type TimelineMessage,
+} from '../src/index.js';
 
 /** A timeline as AgentJet sees it in text mode: the content of each message, nothing else. */
 interface Tracked {
@@ -40,7 +51,10 @@ export async function loadTracked(file: string, encoder: ChatEncoder): Promise<T
   for await (const r of readRecords(file)) {
     if (r.kind !== 'chat') continue;
     const rec = r;
-    out.push({ timeline: timelineFromChat(rec, encoder, policy).timeline, contents: [...rec.messages, rec.response].map((m) => m.content ?? '') });
+    out.push({
+      timeline: timelineFromChat(rec, encoder, policy).timeline,
+      contents: [...rec.messages, rec.response].map((m) => m.content ?? ''),
+    });
   }
   return out;
 }
@@ -55,12 +69,14 @@ function agentJetMerge(group: Tracked[]): { kept: TimelineMessage[][]; owners: T
     if (absorbed[i]) continue;
     for (let j = i + 1; j < rev.length; j++) {
       if (absorbed[j]) continue;
-      const src = rev[i], tgt = rev[j];
+      const src = rev[i],
+        tgt = rev[j];
       if (src.contents.length < tgt.contents.length) continue;
       let all = true;
       for (let k = 0; k < tgt.contents.length && all; k++) all = src.contents[k] === tgt.contents[k];
       if (!all) continue;
-      for (let k = 0; k < tgt.contents.length; k++) if (msgs[j][k].author === 'llm' && msgs[i][k].author !== 'llm') msgs[i][k] = msgs[j][k]!;
+      for (let k = 0; k < tgt.contents.length; k++)
+        if (msgs[j][k].author === 'llm' && msgs[i][k].author !== 'llm') msgs[i][k] = msgs[j][k]!;
       absorbed[j] = 1;
       absorptions.push([src, tgt]);
     }
@@ -100,7 +116,9 @@ function packed(samples: { tokens: Int32Array }[]): { packedTokens: number; naiv
 
 export function compareMerges(dataset: string, tracked: Tracked[], pool: boolean, reps: number): MergeBenchRow {
   // One pool: every timeline in one merge group for both sides (one episode, agent and reward).
-  const input = pool ? tracked.map((t) => ({ ...t, timeline: { ...t.timeline, episode: 'pool', agent: undefined, reward: undefined } })) : tracked;
+  const input = pool
+    ? tracked.map((t) => ({ ...t, timeline: { ...t.timeline, episode: 'pool', agent: undefined, reward: undefined } }))
+    : tracked;
   const timelines = input.map((t) => t.timeline);
   let best = Infinity;
   let ours = mergeTimelines(timelines);

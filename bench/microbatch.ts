@@ -8,7 +8,19 @@
  * Then the streaming collectors on simulated completion times.
  */
 import { performance } from 'node:perf_hooks';
-import { DEFAULT_COST, imbalance, lcpQuery, microBatchCost, pathPairs, planMicroBatches, simulateCollector, sortSequences, type CollectorPolicy, type Plan, type Sequences } from '../src/index.js';
+import {
+  DEFAULT_COST,
+  imbalance,
+  lcpQuery,
+  microBatchCost,
+  pathPairs,
+  planMicroBatches,
+  simulateCollector,
+  sortSequences,
+  type CollectorPolicy,
+  type Plan,
+  type Sequences,
+} from '../src/index.js';
 import { rng } from '../test/helpers/sequences.js';
 
 export interface MicroBatchRow {
@@ -58,7 +70,6 @@ interface Result {
   moves?: number;
 }
 
-
 /**
  * First-fit in input order. With `dedup`, a sequence costs its tokens past the longest prefix it shares with a
  * sequence already in the micro-batch (a trie per micro-batch, kept as sorted ranks with an LCP range-minimum
@@ -74,10 +85,12 @@ function firstFit(seqs: Sequences, T: number, K: number, dedup: boolean): Result
   const lcpOf = lcpQuery(lcp);
   const bins: { ranks: number[]; tokens: number }[] = [];
   for (let s = 0; s < S; s++) {
-    const len = seqs.offsets[s + 1] - seqs.offsets[s], r = rankOf[s];
+    const len = seqs.offsets[s + 1] - seqs.offsets[s],
+      r = rankOf[s];
     let placed = false;
     for (const bin of bins) {
-      let at = 0, hi = bin.ranks.length;
+      let at = 0,
+        hi = bin.ranks.length;
       while (at < hi) {
         const mid = (at + hi) >> 1;
         if (bin.ranks[mid] < r) at = mid + 1;
@@ -112,20 +125,36 @@ function firstFit(seqs: Sequences, T: number, K: number, dedup: boolean): Result
 
 /** The plan and its fastest time of three (the first call of a size also pays for compiling the planner). */
 function timedPrefixPlan(seqs: Sequences, T: number, K: number): PrefixResult {
-  let seconds = Infinity, plan!: Plan;
+  let seconds = Infinity,
+    plan!: Plan;
   for (let rep = 0; rep < 3; rep++) {
     const t0 = performance.now();
-    plan = planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff, prefixBytesPerToken: REFERENCE_CACHE_BYTES_PER_TOKEN });
+    plan = planMicroBatches(seqs, {
+      maxTokens: T,
+      dp: K,
+      prefixCacheTokens: 0x7fffffff,
+      prefixBytesPerToken: REFERENCE_CACHE_BYTES_PER_TOKEN,
+    });
     seconds = Math.min(seconds, (performance.now() - t0) / 1000);
   }
   const p = plan.prefixReuse!;
   const busy = plan.microBatches.filter((m) => m.sequences.length > 0);
   const busyRanks = new Set(busy.map((m) => m.rank)).size;
-  return { computed: p.computedTokens, pushed: p.pushedTokens, peakCachedTokens: p.peakCachedTokens, peakCachedBytes: p.peakCachedBytes!, microBatches: busy.length, busyRanks, imbalance: plan.imbalance, seconds };
+  return {
+    computed: p.computedTokens,
+    pushed: p.pushedTokens,
+    peakCachedTokens: p.peakCachedTokens,
+    peakCachedBytes: p.peakCachedBytes!,
+    microBatches: busy.length,
+    busyRanks,
+    imbalance: plan.imbalance,
+    seconds,
+  };
 }
 
 function timedPlan(seqs: Sequences, T: number, K: number, refine: boolean): Result & { plan: Plan } {
-  let seconds = Infinity, plan!: Plan;
+  let seconds = Infinity,
+    plan!: Plan;
   for (let rep = 0; rep < 3; rep++) {
     const t0 = performance.now();
     plan = planMicroBatches(seqs, { maxTokens: T, dp: K, refine });
@@ -137,7 +166,8 @@ function timedPlan(seqs: Sequences, T: number, K: number, refine: boolean): Resu
 
 export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow[] {
   const S = seqs.offsets.length - 1;
-  let longest = 0, costliest = 0;
+  let longest = 0,
+    costliest = 0;
   for (let i = 0; i < S; i++) {
     const L = seqs.offsets[i + 1] - seqs.offsets[i];
     longest = Math.max(longest, L);
@@ -149,9 +179,15 @@ export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow
   let common = 0;
   if (S > 1) common = lcp.subarray(1).reduce((a, x) => Math.min(a, x), Infinity);
   console.log(`\n## micro-batching under a token budget: ${dataset}`);
-  console.log(`  ${S} sequences, longest ${longest} tokens, single-forest optimum ${optimum.toLocaleString('en-US')} packed tokens, prefix common to all ${common} tokens`);
-  console.log('  contiguous: sorted runs only; refined: then subtrees moved/swapped between ranks (the default). ≥: no plan of that total cost balances better (the costliest sequence alone ÷ mean); plan ms: fastest of 3');
-  console.log('  T      K  | contiguous: ÷opt  mbs  imbal   ms | refined: tokens ÷opt  imbal (≥)    moves    ms | first-fit dedup: ÷opt  mbs  imbal   ms | naive first-fit: ÷opt  mbs  imbal');
+  console.log(
+    `  ${S} sequences, longest ${longest} tokens, single-forest optimum ${optimum.toLocaleString('en-US')} packed tokens, prefix common to all ${common} tokens`,
+  );
+  console.log(
+    '  contiguous: sorted runs only; refined: then subtrees moved/swapped between ranks (the default). ≥: no plan of that total cost balances better (the costliest sequence alone ÷ mean); plan ms: fastest of 3',
+  );
+  console.log(
+    '  T      K  | contiguous: ÷opt  mbs  imbal   ms | refined: tokens ÷opt  imbal (≥)    moves    ms | first-fit dedup: ÷opt  mbs  imbal   ms | naive first-fit: ÷opt  mbs  imbal',
+  );
   const rows: MicroBatchRow[] = [];
   for (const T of [8192, 32768, 131072]) {
     for (const K of [1, 8]) {
@@ -168,11 +204,17 @@ export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow
       row.imbalanceBound = Math.max(1, (costliest * K) / plan.rankCosts.reduce((a, x) => a + x, 0));
       row.firstFit = firstFit(seqs, T, K, true);
       row.naive = firstFit(seqs, T, K, false);
-      const f = (r: Result) => `${(r.tokens / optimum).toFixed(3).padStart(6)} ${String(r.microBatches).padStart(4)} ${r.imbalance.toFixed(3)}`;
+      const f = (r: Result) =>
+        `${(r.tokens / optimum).toFixed(3).padStart(6)} ${String(r.microBatches).padStart(4)} ${r.imbalance.toFixed(3)}`;
       const ms = (r: Result) => (r.seconds * 1e3).toFixed(1).padStart(6);
       const nonEmpty = plan.microBatches.filter((m) => m.sequences.length > 0).length;
       const floor = optimum + (nonEmpty - 1) * common;
-      const tokensGoal = o.tokens <= 1.05 * optimum ? 'met' : floor > 1.05 * optimum ? `MISSED (≥ ${(floor / optimum).toFixed(3)}: ${nonEmpty} micro-batches repeat the common prefix)` : 'MISSED';
+      const tokensGoal =
+        o.tokens <= 1.05 * optimum
+          ? 'met'
+          : floor > 1.05 * optimum
+            ? `MISSED (≥ ${(floor / optimum).toFixed(3)}: ${nonEmpty} micro-batches repeat the common prefix)`
+            : 'MISSED';
       const goals = [
         ...(T >= 4 * longest ? [`tokens ≤1.05×opt ${tokensGoal}`] : []),
         `imbalance ≤1.05 ${o.imbalance <= 1.05 ? 'met' : row.imbalanceBound > 1.05 ? 'MISSED (bound > 1.05)' : 'MISSED'}`,
@@ -184,8 +226,12 @@ export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow
       );
     }
   }
-  console.log(`\n  step plans with prefix reuse (${dataset}): computed = tokens run with grad (micro-batches' own nodes + popped prefix segments, all ranks), pushed = run without grad to fill the caches;`);
-  console.log(`  peak cached = most prefix tokens a rank holds, bytes at ${(REFERENCE_CACHE_BYTES_PER_TOKEN / 1024).toFixed(0)} KiB/token (7B reference: K, V and their gradients, bf16)`);
+  console.log(
+    `\n  step plans with prefix reuse (${dataset}): computed = tokens run with grad (micro-batches' own nodes + popped prefix segments, all ranks), pushed = run without grad to fill the caches;`,
+  );
+  console.log(
+    `  peak cached = most prefix tokens a rank holds, bytes at ${(REFERENCE_CACHE_BYTES_PER_TOKEN / 1024).toFixed(0)} KiB/token (7B reference: K, V and their gradients, bf16)`,
+  );
   console.log('  T      K  | computed ÷opt  pushed ÷opt | peak cached tokens      bytes | mbs  imbal     ms | plain split ÷opt');
   const floorOf = (ranks: number) => optimum + (ranks - 1) * common;
   for (const row of rows) {
@@ -210,7 +256,8 @@ export function benchMicroBatch(dataset: string, seqs: Sequences): MicroBatchRow
 export function benchCollectors(): { policy: string; meanStaleness: number; maxStaleness: number; meanWait: number }[] {
   const r = rng(11);
   const groups = Array.from({ length: 1024 }, (_, i) => {
-    const u = Math.max(1e-12, r()), v = r();
+    const u = Math.max(1e-12, r()),
+      v = r();
     const gen = Math.exp(Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * v));
     return { submitted: i * 0.05, completed: i * 0.05 + gen };
   });
@@ -224,7 +271,9 @@ export function benchCollectors(): { policy: string; meanStaleness: number; maxS
   ];
   for (const [policy, p] of policies) {
     const s = simulateCollector(p, groups, 32);
-    console.log(`  ${policy.padEnd(20)} staleness mean ${s.meanStaleness.toFixed(2)} max ${s.maxStaleness}, finished group waits ${s.meanWait.toFixed(2)} on average`);
+    console.log(
+      `  ${policy.padEnd(20)} staleness mean ${s.meanStaleness.toFixed(2)} max ${s.maxStaleness}, finished group waits ${s.meanWait.toFixed(2)} on average`,
+    );
     out.push({ policy, meanStaleness: s.meanStaleness, maxStaleness: s.maxStaleness, meanWait: s.meanWait });
   }
   return out;

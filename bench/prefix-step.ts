@@ -40,10 +40,16 @@ export async function benchPrefixStep(full: boolean): Promise<PrefixStepResult> 
   const r = JSON.parse(res.stdout.trim().split('\n').pop()!) as Required<PrefixStepResult>;
   const w = r.workload;
   console.log(title);
-  console.log(`  trunk ${w.trunk} + ${w.branches} branches × ${w.branch}: ${w.naive_tokens} naive → ${w.tree_tokens} tree tokens (${w.compression.toFixed(1)}×), T = ${w.max_tokens}; one thread, best of 3 interleaved`);
+  console.log(
+    `  trunk ${w.trunk} + ${w.branches} branches × ${w.branch}: ${w.naive_tokens} naive → ${w.tree_tokens} tree tokens (${w.compression.toFixed(1)}×), T = ${w.max_tokens}; one thread, best of 3 interleaved`,
+  );
   for (const k of ['unsplit', 'plain_split', 'prefix_plan'] as const) {
-    console.log(`  ${k.padEnd(12)} ${r.seconds[k].toFixed(2).padStart(7)} s  ${r.vs_unsplit[k].toFixed(2)}× unsplit  tokens computed ${r.tokens_computed[k]}`);
+    console.log(
+      `  ${k.padEnd(12)} ${r.seconds[k].toFixed(2).padStart(7)} s  ${r.vs_unsplit[k].toFixed(2)}× unsplit  tokens computed ${r.tokens_computed[k]}`,
+    );
   }
-  console.log(`  goal: step plan ≤1.25× unsplit ${r.vs_unsplit.prefix_plan <= 1.25 ? 'met' : 'MISSED'} (${r.tokens_computed.prefix_pushed} trunk tokens pushed without grad)`);
+  console.log(
+    `  goal: step plan ≤1.25× unsplit ${r.vs_unsplit.prefix_plan <= 1.25 ? 'met' : 'MISSED'} (${r.tokens_computed.prefix_pushed} trunk tokens pushed without grad)`,
+  );
   return r;
 }

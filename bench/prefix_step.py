@@ -40,7 +40,19 @@ def pack(seqs, out: str, max_tokens: int, prefix: bool):
         for i, s in enumerate(seqs):
             f.write(json.dumps({"id": f"s{i}", "tokens": s, "group": "g", "advantages": [1.0 - 2.0 * (i % 2)] * len(s)}) + "\n")
     dest = os.path.join(out, "prefix" if prefix else "plain")
-    args = ["node", os.path.join(ROOT, "dist", "src", "cli", "main.js"), "pack", src, "--out", dest, "--max-tokens", str(max_tokens), "--advantages", "none", "--quiet"]
+    args = [
+        "node",
+        os.path.join(ROOT, "dist", "src", "cli", "main.js"),
+        "pack",
+        src,
+        "--out",
+        dest,
+        "--max-tokens",
+        str(max_tokens),
+        "--advantages",
+        "none",
+        "--quiet",
+    ]
     if prefix:
         args += ["--prefix-reuse", str(1 << 30)]
     subprocess.run(args, check=True)
@@ -49,12 +61,28 @@ def pack(seqs, out: str, max_tokens: int, prefix: bool):
 
 
 def model_of(vocab: int, family: str = "qwen3"):
-    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     if family == "qwen3_5":
-        cfg = transformers.Qwen3_5TextConfig(layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-                                             linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, **common)
+        cfg = transformers.Qwen3_5TextConfig(
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            **common,
+        )
         m = transformers.Qwen3_5ForCausalLM(cfg)
     else:
         m = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
@@ -92,8 +120,11 @@ def main() -> None:
         _, whole = pack(seqs, d + "/w", 1 << 30, False)
         plain_manifest, plain = pack(seqs, d, T, False)
         plan_manifest, planned = pack(seqs, d, T, True)
-    runs = {"unsplit": lambda: plain_step(model, whole), "plain_split": lambda: plain_step(model, plain),
-            "prefix_plan": lambda: tpt.run_step_plan(model, planned, loss_fn, attention="block")}
+    runs = {
+        "unsplit": lambda: plain_step(model, whole),
+        "plain_split": lambda: plain_step(model, plain),
+        "prefix_plan": lambda: tpt.run_step_plan(model, planned, loss_fn, attention="block"),
+    }
     for fn in runs.values():  # warm-up
         model.zero_grad(set_to_none=True)
         fn()
@@ -106,16 +137,32 @@ def main() -> None:
             fn()
             results[name] = min(results[name], time.perf_counter() - t0)
     plain_tokens = sum(b.num_nodes for b in plain)
-    print(json.dumps({
-        "model": a.model,
-        "workload": {"trunk": a.trunk, "branches": a.branches, "branch": a.branch, "naive_tokens": naive, "tree_tokens": tree,
-                     "compression": naive / tree, "max_tokens": T},
-        "micro_batches": {"plain_split": len(plain), "prefix_plan": len(planned)},
-        "tokens_computed": {"unsplit": tree, "plain_split": plain_tokens, "prefix_plan": plan_manifest["computed_tokens"], "prefix_pushed": plan_manifest["pushed_tokens"]},
-        "seconds": results,
-        "vs_unsplit": {k: v / results["unsplit"] for k, v in results.items()},
-        "threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": a.model,
+                "workload": {
+                    "trunk": a.trunk,
+                    "branches": a.branches,
+                    "branch": a.branch,
+                    "naive_tokens": naive,
+                    "tree_tokens": tree,
+                    "compression": naive / tree,
+                    "max_tokens": T,
+                },
+                "micro_batches": {"plain_split": len(plain), "prefix_plan": len(planned)},
+                "tokens_computed": {
+                    "unsplit": tree,
+                    "plain_split": plain_tokens,
+                    "prefix_plan": plan_manifest["computed_tokens"],
+                    "prefix_pushed": plan_manifest["pushed_tokens"],
+                },
+                "seconds": results,
+                "vs_unsplit": {k: v / results["unsplit"] for k, v in results.items()},
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ interface Figure {
   skipped?: string;
 }
 
-const WIDTH = 520, HEIGHT = 300;
+const WIDTH = 520,
+  HEIGHT = 300;
 
 function figures(d: ReportData): Figure[] {
   const out: Figure[] = [];
@@ -49,23 +50,39 @@ function figures(d: ReportData): Figure[] {
     out.push({
       id: 'step-speedup',
       title: 'Step speedup vs token compression',
-      caption: `${d.step.device}. The diagonal is the token compression (naive ÷ packed tokens); attention pairs shrink less than tokens ` +
+      caption:
+        `${d.step.device}. The diagonal is the token compression (naive ÷ packed tokens); attention pairs shrink less than tokens ` +
         `on long shared contexts, so the ideal work ratio sits below it; the tile-level ideal counts the 128×128 tiles ` +
         `each side's attention kernel visits.`,
       rows: points.length,
       spec: {
-        width: WIDTH, height: HEIGHT,
+        width: WIDTH,
+        height: HEIGHT,
         layer: [
-          { data: { values: [{ x: 1, y: 1 }, { x: hi, y: hi }] }, mark: { type: 'line', strokeDash: [4, 4], color: '#888' },
-            encoding: { x: { field: 'x', type: 'quantitative', scale: { type: 'log' } }, y: { field: 'y', type: 'quantitative', scale: { type: 'log' } } } },
-          { data: { values: points }, mark: { type: 'point', filled: true, size: 90 },
+          {
+            data: {
+              values: [
+                { x: 1, y: 1 },
+                { x: hi, y: hi },
+              ],
+            },
+            mark: { type: 'line', strokeDash: [4, 4], color: '#888' },
+            encoding: {
+              x: { field: 'x', type: 'quantitative', scale: { type: 'log' } },
+              y: { field: 'y', type: 'quantitative', scale: { type: 'log' } },
+            },
+          },
+          {
+            data: { values: points },
+            mark: { type: 'point', filled: true, size: 90 },
             encoding: {
               x: { field: 'compression', type: 'quantitative', scale: { type: 'log' }, title: 'token compression (naive ÷ packed tokens)' },
               y: { field: 'value', type: 'quantitative', scale: { type: 'log' }, title: 'naive ÷ packed' },
               color: { field: 'series', type: 'nominal', legend: { orient: 'bottom', title: null } },
               shape: { field: 'series', type: 'nominal' },
               tooltip: [{ field: 'workload' }, { field: 'value', format: '.2f' }],
-            } },
+            },
+          },
         ],
       },
     });
@@ -73,7 +90,12 @@ function figures(d: ReportData): Figure[] {
       (['naive', 'merged', 'packed'] as const).flatMap((side) => {
         const s = r.sides[side];
         if (s.sameAsNaive) return []; // naive's figures, not a measurement of its own
-        const parts: [string, number][] = [['masks', s.masks], ['forward', s.forward], ['loss', s.loss], ['backward', s.backward]];
+        const parts: [string, number][] = [
+          ['masks', s.masks],
+          ['forward', s.forward],
+          ['loss', s.loss],
+          ['backward', s.backward],
+        ];
         if (side === 'packed') parts.unshift(['pack', r.packSeconds]);
         return parts.map(([stage, seconds]) => ({ workload: r.name, side, stage, seconds }));
       }),
@@ -87,12 +109,18 @@ function figures(d: ReportData): Figure[] {
         data: { values: stages },
         facet: { row: { field: 'workload', type: 'nominal', header: { labelAngle: 0, labelAlign: 'left', title: null } } },
         spec: {
-          width: WIDTH, height: 60,
+          width: WIDTH,
+          height: 60,
           mark: 'bar',
           encoding: {
             y: { field: 'side', type: 'nominal', sort: ['naive', 'merged', 'packed'], title: null },
             x: { field: 'seconds', type: 'quantitative', title: 'seconds per step' },
-            color: { field: 'stage', type: 'nominal', sort: ['pack', 'masks', 'forward', 'loss', 'backward'], legend: { orient: 'bottom' } },
+            color: {
+              field: 'stage',
+              type: 'nominal',
+              sort: ['pack', 'masks', 'forward', 'loss', 'backward'],
+              legend: { orient: 'bottom' },
+            },
             order: { field: 'stage' },
           },
         },
@@ -110,7 +138,10 @@ function figures(d: ReportData): Figure[] {
     caption: 'Generated agent forests cut at N nodes (bench/masks.ts), js backend.',
     rows: sparsity.length,
     spec: {
-      width: WIDTH, height: HEIGHT, data: { values: sparsity }, mark: { type: 'line', point: true },
+      width: WIDTH,
+      height: HEIGHT,
+      data: { values: sparsity },
+      mark: { type: 'line', point: true },
       encoding: {
         x: { field: 'N', type: 'quantitative', scale: { type: 'log' }, title: 'packed tokens N' },
         y: { field: 'fraction', type: 'quantitative', scale: { domain: [0, 1] } },
@@ -118,14 +149,19 @@ function figures(d: ReportData): Figure[] {
       },
     },
   });
-  const loss = d.loss.filter((r) => r.mode !== 'validate' && r.mode !== 'copy').map((r) => ({ M: r.M, rate: r.occurrencesPerSecond, series: `${r.backend}, ${r.mode}` }));
+  const loss = d.loss
+    .filter((r) => r.mode !== 'validate' && r.mode !== 'copy')
+    .map((r) => ({ M: r.M, rate: r.occurrencesPerSecond, series: `${r.backend}, ${r.mode}` }));
   out.push({
     id: 'loss-throughput',
     title: 'Loss throughput per backend',
     caption: 'Forward + backward of the packed RL loss, occurrences per second (bench/loss.ts); the backend and mode name each line.',
     rows: loss.length,
     spec: {
-      width: WIDTH, height: HEIGHT, data: { values: loss }, mark: { type: 'line', point: true },
+      width: WIDTH,
+      height: HEIGHT,
+      data: { values: loss },
+      mark: { type: 'line', point: true },
       encoding: {
         x: { field: 'M', type: 'quantitative', scale: { type: 'log' }, title: 'occurrences M' },
         y: { field: 'rate', type: 'quantitative', scale: { type: 'log' }, title: 'occurrences per second' },
@@ -143,7 +179,10 @@ function figures(d: ReportData): Figure[] {
     caption: 'Same timelines, same run (bench/merge.ts), js.',
     rows: merge.length,
     spec: {
-      width: WIDTH, height: HEIGHT, data: { values: merge }, mark: { type: 'point', filled: true, size: 80 },
+      width: WIDTH,
+      height: HEIGHT,
+      data: { values: merge },
+      mark: { type: 'point', filled: true, size: 80 },
       encoding: {
         x: { field: 'timelines', type: 'quantitative', scale: { type: 'log' }, title: 'timelines' },
         y: { field: 'seconds', type: 'quantitative', scale: { type: 'log' }, title: 'merge seconds' },
@@ -168,7 +207,9 @@ export async function renderHtml(d: ReportData, tables: string[]): Promise<strin
   const parts: string[] = [];
   for (const f of figures(d)) {
     const body = f.spec && f.rows > 0 ? await svgOf(f.spec) : `<p class="skipped">${escape(f.skipped ?? 'no data in this run')}</p>`;
-    parts.push(`<figure data-figure="${f.id}" data-rows="${f.rows}"><h2>${escape(f.title)}</h2>${body}<figcaption>${escape(f.caption)}</figcaption></figure>`);
+    parts.push(
+      `<figure data-figure="${f.id}" data-rows="${f.rows}"><h2>${escape(f.title)}</h2>${body}<figcaption>${escape(f.caption)}</figcaption></figure>`,
+    );
   }
   return `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>${escape(d.title)}</title>

@@ -48,12 +48,22 @@ const url = new URL(`${engine}/chat/completions`);
 
 function callEngine(body: string): Promise<{ status: number; text: string }> {
   return new Promise((resolve, reject) => {
-    const req = request({ hostname: url.hostname, port: url.port, path: url.pathname, method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body) } }, (res) => {
-      let text = '';
-      res.setEncoding('utf8');
-      res.on('data', (d: string) => (text += d));
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, text }));
-    });
+    const req = request(
+      {
+        hostname: url.hostname,
+        port: url.port,
+        path: url.pathname,
+        method: 'POST',
+        agent,
+        headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body) },
+      },
+      (res) => {
+        let text = '';
+        res.setEncoding('utf8');
+        res.on('data', (d: string) => (text += d));
+        res.on('end', () => resolve({ status: res.statusCode ?? 0, text }));
+      },
+    );
     req.on('socket', (s) => s.setNoDelay(true));
     req.on('error', reject);
     req.end(body);
@@ -69,21 +79,25 @@ const server = createServer((req, res) => {
   const chunks: Buffer[] = [];
   req.on('data', (d: Buffer) => chunks.push(d));
   // The handler catches every error itself: nothing awaits the request's end event.
-  req.on('end', () => void (async () => {
-    try {
-      const body = Buffer.concat(chunks).toString();
-      if (req.url!.endsWith('/finish')) {
-        await append(JSON.stringify({ type: 'finish', url: req.url, body }) + '\n');
-        res.writeHead(200, { 'content-type': 'application/json' }).end('{}');
-        return;
-      }
-      const up = await callEngine(body);
-      await append(JSON.stringify({ type: 'call', request: body, output: up.text }) + '\n');
-      res.writeHead(up.status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(up.text) });
-      res.end(up.text);
-    } catch (err) {
-      res.writeHead(502).end((err as Error).message);
-    }
-  })());
+  req.on(
+    'end',
+    () =>
+      void (async () => {
+        try {
+          const body = Buffer.concat(chunks).toString();
+          if (req.url!.endsWith('/finish')) {
+            await append(JSON.stringify({ type: 'finish', url: req.url, body }) + '\n');
+            res.writeHead(200, { 'content-type': 'application/json' }).end('{}');
+            return;
+          }
+          const up = await callEngine(body);
+          await append(JSON.stringify({ type: 'call', request: body, output: up.text }) + '\n');
+          res.writeHead(up.status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(up.text) });
+          res.end(up.text);
+        } catch (err) {
+          res.writeHead(502).end((err as Error).message);
+        }
+      })(),
+  );
 });
 server.listen(0, '127.0.0.1', () => console.log(`http://127.0.0.1:${(server.address() as { port: number }).port}`));

@@ -27,7 +27,18 @@
  */
 import { spawn } from 'node:child_process';
 import { Agent, request } from 'node:http';
-import { closeSync, existsSync, fdatasyncSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
+import {
+  closeSync,
+  existsSync,
+  fdatasyncSync,
+  mkdtempSync,
+  openSync,
+  readFileSync,
+  rmSync,
+  statSync,
+  writeFileSync,
+  writeSync,
+} from 'node:fs';
 import { loadavg, tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -37,7 +48,15 @@ import { redisAvailable, startRedis, type RedisServer } from '../test/helpers/re
 import { freePort, startScript, terminate, type UrlProcess } from '../test/helpers/serve.js';
 import { speed } from './format.js';
 
-const { values } = parseArgs({ options: { quick: { type: 'boolean' }, json: { type: 'string' }, rate: { type: 'string' }, 'agent-rate': { type: 'string' }, data: { type: 'string' } } });
+const { values } = parseArgs({
+  options: {
+    quick: { type: 'boolean' },
+    json: { type: 'string' },
+    rate: { type: 'string' },
+    'agent-rate': { type: 'string' },
+    data: { type: 'string' },
+  },
+});
 const quick = values.quick === true;
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
 const BIN = join(root, 'dist/src/cli/main.js');
@@ -47,15 +66,24 @@ const quantile = (xs: number[], q: number) => {
   return s[Math.min(s.length - 1, Math.floor(q * s.length))] ?? NaN;
 };
 
-
 async function serve(args: string[]): Promise<UrlProcess> {
   const port = await freePort();
   // The stub engine returns text without token ids: the gateways render it with the built-in Qwen3 template.
-  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), '--tokenizer', 'qwen3', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), '--tokenizer', 'qwen3', ...args], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+  });
   let stderr = '';
   child.stderr.on('data', (d: Buffer) => (stderr = (stderr + d.toString()).slice(-4000)));
   const url = `http://127.0.0.1:${port}`;
-  for (let i = 0; i < 600 && !(await fetch(`${url}/healthz`).then((r) => r.ok, () => false)); i++) {
+  for (
+    let i = 0;
+    i < 600 &&
+    !(await fetch(`${url}/healthz`).then(
+      (r) => r.ok,
+      () => false,
+    ));
+    i++
+  ) {
     if (child.exitCode !== null) throw new Error(`treepack serve ${args.join(' ')} exited with ${child.exitCode}: ${stderr}`);
     await new Promise((r) => setTimeout(r, 100));
   }
@@ -70,10 +98,14 @@ const agent = new Agent({ keepAlive: true, maxSockets: 64 });
 
 function postJson(url: string, body: string, headers: Record<string, string>): Promise<number> {
   return new Promise((res, rej) => {
-    const req = request(url, { method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body), ...headers } }, (r) => {
-      r.resume();
-      r.on('end', () => res(r.statusCode ?? 0));
-    });
+    const req = request(
+      url,
+      { method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body), ...headers } },
+      (r) => {
+        r.resume();
+        r.on('end', () => res(r.statusCode ?? 0));
+      },
+    );
     req.on('error', rej);
     req.end(body);
   });
@@ -95,7 +127,11 @@ const chatBody = (i: number) => JSON.stringify({ model: 'm', messages: [{ role: 
  * Sends `rate` calls/s for `seconds` on a fixed schedule (open loop: a slow answer does not delay the next call);
  * per-call latency in ms and the rate the calls went out at.
  */
-async function openLoop(rate: number, seconds: number, call: (i: number) => Call): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
+async function openLoop(
+  rate: number,
+  seconds: number,
+  call: (i: number) => Call,
+): Promise<{ ms: number[]; failed: number; sentPerS: number }> {
   const n = Math.round(rate * seconds);
   const ms: number[] = [];
   let failed = 0;
@@ -124,7 +160,9 @@ async function openLoop(rate: number, seconds: number, call: (i: number) => Call
 
 /** Calls/s recorded with `clients` agents each calling back to back for `seconds` (a new episode every 4 calls). */
 async function closedLoop(clients: number, seconds: number, call: (i: number) => Call): Promise<{ perS: number; failed: number }> {
-  let done = 0, failed = 0, next = 0;
+  let done = 0,
+    failed = 0,
+    next = 0;
   const start = performance.now();
   const end = start + seconds * 1000;
   await Promise.all(
@@ -155,7 +193,10 @@ function fsyncFloor(dir: string, n: number): { p50: number; p99: number } {
   return { p50: quantile(ms, 0.5), p99: quantile(ms, 0.99) };
 }
 
-const load = () => loadavg().map((x) => x.toFixed(2)).join(' ');
+const load = () =>
+  loadavg()
+    .map((x) => x.toFixed(2))
+    .join(' ');
 const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
 const ms3 = (x: number) => `${x.toFixed(3)} ms`;
 const signed = (x: number) => (x < 0 ? `−${ms3(-x)}` : `+${ms3(x)}`);
@@ -198,11 +239,14 @@ function mainThreadCpuMs(pid: number): number {
 }
 
 /** Scrapes a service's /metrics: the loop-delay gauges reset at each scrape, GC pause sums are cumulative. */
-async function scrape(url: string): Promise<{ loopP99: number; loopMax: number; gcSum: number; gcCount: number; logWrites: Map<string, number> }> {
+async function scrape(
+  url: string,
+): Promise<{ loopP99: number; loopMax: number; gcSum: number; gcCount: number; logWrites: Map<string, number> }> {
   const text = await (await fetch(`${url}/metrics`)).text();
   const logWrites = new Map<string, number>();
   for (const m of text.matchAll(/^treepack_log_write_seconds_bucket\{le="([^"]+)"\} (\S+)$/gm)) logWrites.set(m[1], Number(m[2]));
-  let gcSum = 0, gcCount = 0;
+  let gcSum = 0,
+    gcCount = 0;
   for (const m of text.matchAll(/^treepack_gc_pause_seconds_(sum|count)\{[^}]*\} (\S+)$/gm)) {
     if (m[1] === 'sum') gcSum += Number(m[2]);
     else gcCount += Number(m[2]);
@@ -245,9 +289,17 @@ const loopCpuPerCall = (a: PathTimes) => (a.process.reduce((t, x) => t + x.loopC
  * Warms each path up at `rate` for `warmSeconds`, then runs `rounds` alternating rounds of `seconds / rounds` on
  * each, so every path sees the same machine load; a service's metrics are scraped around each of its rounds.
  */
-async function measure(paths: Path[], rate: number, seconds: number, rounds: number, warmSeconds: number, hooks: { beforeRounds?: () => unknown; betweenRounds?: () => unknown } = {}): Promise<PathTimes[]> {
+async function measure(
+  paths: Path[],
+  rate: number,
+  seconds: number,
+  rounds: number,
+  warmSeconds: number,
+  hooks: { beforeRounds?: () => unknown; betweenRounds?: () => unknown } = {},
+): Promise<PathTimes[]> {
   const acc: PathTimes[] = [];
-  for (const path of paths) acc.push({ ms: [], failed: 0, sent: [], cold: (await openLoop(rate, warmSeconds, path.call(-1))).ms, process: [] });
+  for (const path of paths)
+    acc.push({ ms: [], failed: 0, sent: [], cold: (await openLoop(rate, warmSeconds, path.call(-1))).ms, process: [] });
   await hooks.beforeRounds?.();
   for (let r = 0; r < rounds; r++) {
     for (const [k, path] of paths.entries()) {
@@ -259,7 +311,14 @@ async function measure(paths: Path[], rate: number, seconds: number, rounds: num
         const loopCpuMs = mainThreadCpuMs(gw.child.pid!) - cpu0;
         const after = await scrape(gw.url);
         const logWrites = new Map([...after.logWrites].map(([le, n]) => [le, n - (before!.logWrites.get(le) ?? 0)]));
-        acc[k].process.push({ loopP99: after.loopP99, loopMax: after.loopMax, gcMs: (after.gcSum - before!.gcSum) * 1000, gcPauses: after.gcCount - before!.gcCount, loopCpuMs, logWrites });
+        acc[k].process.push({
+          loopP99: after.loopP99,
+          loopMax: after.loopMax,
+          gcMs: (after.gcSum - before!.gcSum) * 1000,
+          gcPauses: after.gcCount - before!.gcCount,
+          loopCpuMs,
+          logWrites,
+        });
       }
       acc[k].ms.push(...got.ms);
       acc[k].failed += got.failed;
@@ -286,7 +345,9 @@ try {
   const rate = Number(values.rate ?? 1000);
   const seconds = quick ? 2 : 5;
   const warmSeconds = quick ? 1 : 3;
-  const gateways = await Promise.all(pools.map((p, k) => serve(['--engine', stub.url, '--data', join(data, `latency-${p.name}`), '--group-size', '1', ...p.args(1 + k)])));
+  const gateways = await Promise.all(
+    pools.map((p, k) => serve(['--engine', stub.url, '--data', join(data, `latency-${p.name}`), '--group-size', '1', ...p.args(1 + k)])),
+  );
   const floors = await Promise.all([script('serve-floor.ts', [stub.url]), script('serve-floor.ts', [stub.url, join(data, 'floor.jsonl')])]);
   // Each agent makes 4 calls, then finishes its episode once all 4 are answered (on Redis the finish ships it to
   // the shared pool).
@@ -306,7 +367,12 @@ try {
     { name: 'direct', label: 'direct to the engine', call: () => () => ({ base: stub.url, headers: {} }) },
     { name: 'floor_http', label: 'floor, bare node:http proxy', call: (r) => agentCall(floors[0].url, `r${r}`) },
     { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => agentCall(floors[1].url, `r${r}`) },
-    ...gateways.map((gw, k) => ({ name: pools[k].name, label: `treepack serve, ${pools[k].name} pool`, call: (r: number) => agentCall(gw.url, `r${r}-${k}`), service: gw })),
+    ...gateways.map((gw, k) => ({
+      name: pools[k].name,
+      label: `treepack serve, ${pools[k].name} pool`,
+      call: (r: number) => agentCall(gw.url, `r${r}-${k}`),
+      service: gw,
+    })),
   ];
   const floorWrites = async () => (await (await fetch(`${floors[1].url}/writes`)).json()) as number[];
   const rounds = quick ? 4 : 10;
@@ -322,38 +388,84 @@ try {
   });
   const loadAfter = load();
   const floorWriteMs = await floorWrites();
-  const fsync = { p50: quantile(fsyncs.map((f) => f.p50), 0.5), p99: quantile(fsyncs.map((f) => f.p99), 0.5) };
+  const fsync = {
+    p50: quantile(
+      fsyncs.map((f) => f.p50),
+      0.5,
+    ),
+    p99: quantile(
+      fsyncs.map((f) => f.p99),
+      0.5,
+    ),
+  };
   const capacity = [];
   for (const [k, gw] of gateways.entries()) capacity.push(await closedLoop(32, quick ? 1 : 2, agentCall(gw.url, `cap${k}`)));
-  const lat: Record<string, unknown> = { rate, seconds, rounds, warm_seconds: warmSeconds, load_before: loadBefore, load_after: loadAfter, fdatasync_p50_ms: fsync.p50, fdatasync_p99_ms: fsync.p99 };
-  const directP50 = quantile(acc[0].ms, 0.5), directP99 = quantile(acc[0].ms, 0.99);
-  console.log(`latency at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds after ${warmSeconds} s of warm-up each; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`);
-  console.log('  (the stub engine answers at once, in a process of its own; agents of 4 calls, each then finishing its episode, through the floors and the gateways)');
+  const lat: Record<string, unknown> = {
+    rate,
+    seconds,
+    rounds,
+    warm_seconds: warmSeconds,
+    load_before: loadBefore,
+    load_after: loadAfter,
+    fdatasync_p50_ms: fsync.p50,
+    fdatasync_p99_ms: fsync.p99,
+  };
+  const directP50 = quantile(acc[0].ms, 0.5),
+    directP99 = quantile(acc[0].ms, 0.99);
+  console.log(
+    `latency at ${rate} calls/s offered, ${seconds} s per path in ${rounds} alternating rounds after ${warmSeconds} s of warm-up each; load average (1/5/15 min) ${loadBefore} before, ${loadAfter} after (2 cores, shared)`,
+  );
+  console.log(
+    '  (the stub engine answers at once, in a process of its own; agents of 4 calls, each then finishing its episode, through the floors and the gateways)',
+  );
   const byPath: Record<string, { p50: number; p99: number }> = {};
   for (const [k, path] of paths.entries()) {
     const a = acc[k];
-    const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
+    const p50 = quantile(a.ms, 0.5),
+      p99 = quantile(a.ms, 0.99);
     byPath[path.name] = { p50, p99 };
-    const r: Record<string, number> = { sent_per_s: mean(a.sent), calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99, cold_p99_ms: quantile(a.cold, 0.99) };
+    const r: Record<string, number> = {
+      sent_per_s: mean(a.sent),
+      calls: a.ms.length,
+      failed: a.failed,
+      p50_ms: p50,
+      p99_ms: p99,
+      cold_p99_ms: quantile(a.cold, 0.99),
+    };
     if (k > 0) Object.assign(r, { added_p50_ms: p50 - directP50, added_p99_ms: p99 - directP99 });
     lat[path.name] = r;
-    const added = k > 0 ? `; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}` : ''}` : '';
-    console.log(`  ${path.label}: sent at ${r.sent_per_s.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`);
+    const added =
+      k > 0
+        ? `; added p50 ${ms3(r.added_p50_ms)}  p99 ${ms3(r.added_p99_ms)}${path.service ? `   goal p99 <= 1 ms: ${r.added_p99_ms <= 1 ? 'met' : 'NOT met'}` : ''}`
+        : '';
+    console.log(
+      `  ${path.label}: sent at ${r.sent_per_s.toFixed(0)}/s, ${r.calls} answered, ${r.failed} failed; p50 ${ms3(p50)}  p99 ${ms3(p99)}${added}`,
+    );
     console.log(`    its first ${warmSeconds} s at this rate (warm-up, not in the rounds): p99 ${ms3(r.cold_p99_ms)}`);
     if (path.name === 'floor_durable') {
-      Object.assign(r, { log_writes: floorWriteMs.length, log_write_p50_ms: quantile(floorWriteMs, 0.5), log_write_p99_ms: quantile(floorWriteMs, 0.99) });
-      console.log(`    its log's ${floorWriteMs.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms)}  p99 ${ms3(r.log_write_p99_ms)} (write submitted to callback: an answer waits for the one in flight, then its own)`);
+      Object.assign(r, {
+        log_writes: floorWriteMs.length,
+        log_write_p50_ms: quantile(floorWriteMs, 0.5),
+        log_write_p99_ms: quantile(floorWriteMs, 0.99),
+      });
+      console.log(
+        `    its log's ${floorWriteMs.length} durable group-commit writes during the rounds: p50 ${ms3(r.log_write_p50_ms)}  p99 ${ms3(r.log_write_p99_ms)} (write submitted to callback: an answer waits for the one in flight, then its own)`,
+      );
     }
     const gw = path.service;
     if (!gw) continue;
     // The service's own measure of what it adds (everything but the engine wait), from its histogram.
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
-    const bucket = (le: string) => Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
+    const bucket = (le: string) =>
+      Number(metrics.match(new RegExp(`treepack_gateway_seconds_bucket\\{[^}]*le="${le.replace('+', '\\+')}"[^}]*\\} (\\d+)`))?.[1] ?? NaN);
     const c = capacity[gateways.indexOf(gw)];
     Object.assign(r, {
       server_share_within_1ms: bucket('0.001') / bucket('+Inf'),
       // the serve child's event loop during its rounds: a call arriving in a stall waits for it
-      event_loop_delay_p99_ms: quantile(a.process.map((x) => x.loopP99), 0.5),
+      event_loop_delay_p99_ms: quantile(
+        a.process.map((x) => x.loopP99),
+        0.5,
+      ),
       event_loop_delay_max_ms: Math.max(...a.process.map((x) => x.loopMax)),
       gc_pause_ms_per_s: a.process.reduce((t, x) => t + x.gcMs, 0) / seconds,
       gc_pauses: a.process.reduce((t, x) => t + x.gcPauses, 0),
@@ -365,20 +477,32 @@ try {
       saturated_calls_per_s: c.perS,
       saturated_failed: c.failed,
     });
-    console.log(`    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`);
-    console.log(`    its event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`);
-    console.log(`    its log's durable group-commit writes meanwhile: p50 <= ${r.log_write_p50_ms_at_most} ms, p99 <= ${r.log_write_p99_ms_at_most} ms (histogram bucket bounds)`);
+    console.log(
+      `    the service's histogram: ${(r.server_share_within_1ms * 100).toFixed(1)}% of calls had <= 1 ms added by the gateway (parse, record, fsync, answer)`,
+    );
+    console.log(
+      `    its event loop during its rounds: delay p99 ${ms3(r.event_loop_delay_p99_ms)} (median over rounds), max ${ms3(r.event_loop_delay_max_ms)}; GC paused it ${r.gc_pauses} times, ${r.gc_pause_ms_per_s.toFixed(1)} ms per s; its thread ran ${r.loop_cpu_us_per_call.toFixed(0)} µs of CPU per call (${((r.loop_cpu_us_per_call * rate) / 1e4).toFixed(0)}% busy at ${rate}/s)`,
+    );
+    console.log(
+      `    its log's durable group-commit writes meanwhile: p50 <= ${r.log_write_p50_ms_at_most} ms, p99 <= ${r.log_write_p99_ms_at_most} ms (histogram bucket bounds)`,
+    );
     console.log(`    calls/s recorded, saturated (32 agents calling back to back): ${c.perS.toFixed(0)}, ${c.failed} failed`);
   }
-  console.log(`  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(fsync.p50)}  p99 ${ms3(fsync.p99)} (median over rounds; every durable answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`);
+  console.log(
+    `  fdatasync of one small append on the log's disk, alone, between rounds: p50 ${ms3(fsync.p50)}  p99 ${ms3(fsync.p99)} (median over rounds; every durable answer waits for one, or for the rest of the one in flight and its own: group commit shares each between the calls that arrive meanwhile)`,
+  );
   const floor = byPath.floor_durable;
   for (const p of pools) {
     const g = byPath[p.name];
-    console.log(`  treepack serve (${p.name}) against the durable floor: p50 ${speed(floor.p50, g.p50)} (${signed(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (${signed(g.p99 - floor.p99)})`);
+    console.log(
+      `  treepack serve (${p.name}) against the durable floor: p50 ${speed(floor.p50, g.p50)} (${signed(g.p50 - floor.p50)}), p99 ${speed(floor.p99, g.p99)} (${signed(g.p99 - floor.p99)})`,
+    );
   }
   if (byPath.redis) {
     const [l, r] = [byPath['in-process'], byPath.redis];
-    console.log(`  Redis pool against in-process: p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / capacity[0].perS, 1 / capacity[1].perS)}`);
+    console.log(
+      `  Redis pool against in-process: p50 ${speed(l.p50, r.p50)}, p99 ${speed(l.p99, r.p99)}; saturated calls/s ${speed(1 / capacity[0].perS, 1 / capacity[1].perS)}`,
+    );
   }
   report.latency = lat;
   await Promise.all([...gateways, ...floors].map((g) => g.stop()));
@@ -392,36 +516,64 @@ try {
   } else {
     const agentRate = Number(values['agent-rate'] ?? 200);
     type TauEpisode = { episode_id: string; requests: { messages: unknown[]; tools?: unknown[] | null }[] };
-    const episodes = readFileSync(tau, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l) as TauEpisode);
-    const requests = episodes.flatMap((ep) => ep.requests.map((q, k) => ({
-      episode: ep.episode_id,
-      last: k === ep.requests.length - 1,
-      body: JSON.stringify({ model: 'm', messages: q.messages, ...(q.tools && { tools: q.tools }) }),
-    })));
+    const episodes = readFileSync(tau, 'utf8')
+      .split('\n')
+      .filter((l) => l.trim())
+      .map((l) => JSON.parse(l) as TauEpisode);
+    const requests = episodes.flatMap((ep) =>
+      ep.requests.map((q, k) => ({
+        episode: ep.episode_id,
+        last: k === ep.requests.length - 1,
+        body: JSON.stringify({ model: 'm', messages: q.messages, ...(q.tools && { tools: q.tools }) }),
+      })),
+    );
     const meanBody = mean(requests.map((q) => Buffer.byteLength(q.body)));
     const gwData = join(data, 'latency-agent');
     const floorLog = join(data, 'floor-agent.jsonl');
-    const [gw, floor] = await Promise.all([serve(['--engine', stub.url, '--data', gwData, '--group-size', '1']), script('serve-floor.ts', [stub.url, floorLog])]);
+    const [gw, floor] = await Promise.all([
+      serve(['--engine', stub.url, '--data', gwData, '--group-size', '1']),
+      script('serve-floor.ts', [stub.url, floorLog]),
+    ]);
     // Each pass over the file replays its episodes under new ids, each finished after its last call.
-    const replay = (url: string, tag: string) => (i: number): Call => {
-      const q = requests[i % requests.length];
-      const ep = `${tag}-${Math.floor(i / requests.length)}-${q.episode}`;
-      return { base: `${url}/v1`, headers: { 'x-treepack-episode': ep }, body: q.body, then: q.last ? () => postJson(`${url}/v1/episodes/${ep}/finish`, '{"reward":1}', {}) : undefined };
-    };
+    const replay =
+      (url: string, tag: string) =>
+      (i: number): Call => {
+        const q = requests[i % requests.length];
+        const ep = `${tag}-${Math.floor(i / requests.length)}-${q.episode}`;
+        return {
+          base: `${url}/v1`,
+          headers: { 'x-treepack-episode': ep },
+          body: q.body,
+          then: q.last ? () => postJson(`${url}/v1/episodes/${ep}/finish`, '{"reward":1}', {}) : undefined,
+        };
+      };
     const agentPaths: Path[] = [
-      { name: 'direct', label: 'direct to the engine', call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length].body }) },
+      {
+        name: 'direct',
+        label: 'direct to the engine',
+        call: () => (i) => ({ base: stub.url, headers: {}, body: requests[i % requests.length].body }),
+      },
       { name: 'floor_durable', label: 'floor, bare proxy + an O_DSYNC group-commit log', call: (r) => replay(floor.url, `r${r}`) },
       { name: 'in-process', label: 'treepack serve, in-process pool', call: (r) => replay(gw.url, `r${r}`), service: gw },
     ];
     const agentSeconds = quick ? 2 : 6;
     const got = await measure(agentPaths, agentRate, agentSeconds, quick ? 2 : 6, quick ? 1 : 2);
     const answered = (a: PathTimes) => a.ms.length + a.cold.length;
-    const out: Record<string, unknown> = { rate: agentRate, seconds: agentSeconds, requests: requests.length, episodes: episodes.length, mean_request_bytes: meanBody };
-    console.log(`agent-sized calls at ${agentRate} calls/s: the ${requests.length} requests of ${episodes.length} tau-bench episodes (${(meanBody / 1024).toFixed(1)} KiB of request body on average: every call re-sends its context), replayed as new episodes, each finished after its last call`);
+    const out: Record<string, unknown> = {
+      rate: agentRate,
+      seconds: agentSeconds,
+      requests: requests.length,
+      episodes: episodes.length,
+      mean_request_bytes: meanBody,
+    };
+    console.log(
+      `agent-sized calls at ${agentRate} calls/s: the ${requests.length} requests of ${episodes.length} tau-bench episodes (${(meanBody / 1024).toFixed(1)} KiB of request body on average: every call re-sends its context), replayed as new episodes, each finished after its last call`,
+    );
     const d = got[0];
     for (const [k, path] of agentPaths.entries()) {
       const a = got[k];
-      const p50 = quantile(a.ms, 0.5), p99 = quantile(a.ms, 0.99);
+      const p50 = quantile(a.ms, 0.5),
+        p99 = quantile(a.ms, 0.99);
       const r: Record<string, number> = { calls: a.ms.length, failed: a.failed, p50_ms: p50, p99_ms: p99 };
       let extra = '';
       if (k > 0) {
@@ -447,35 +599,78 @@ try {
   const feedRates: Record<string, number> = {};
   report.feed = {};
   for (const [k, p] of pools.entries()) {
-    const feed = await serve(['--engine', stub.url, '--data', join(data, `feed-${p.name}`), '--group-size', '4', '--groups-per-step', '4', '--dp', String(dp), '--max-tokens', '256', '--window', '8', ...p.args(4 + k)]);
-    const post = (path: string, body: unknown) => fetch(`${feed.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const feed = await serve([
+      '--engine',
+      stub.url,
+      '--data',
+      join(data, `feed-${p.name}`),
+      '--group-size',
+      '4',
+      '--groups-per-step',
+      '4',
+      '--dp',
+      String(dp),
+      '--max-tokens',
+      '256',
+      '--window',
+      '8',
+      ...p.args(4 + k),
+    ]);
+    const post = (path: string, body: unknown) =>
+      fetch(`${feed.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
     for (let g = 0; g < groups; g++) {
-      await Promise.all(Array.from({ length: 4 }, (_, e) => post('/buffer/write', {
-        uid: `g${g}-${e}`, instance_id: `g${g}`, reward: e % 2, extra_info: {},
-        messages: [{ role: 'system', content: 'You are a helpful agent. '.repeat(20) }, { role: 'user', content: `task ${g}: ${'details '.repeat(30)}` }, { role: 'assistant', content: `answer ${e} ${'words '.repeat(40)}` }],
-      }).then((r) => r.arrayBuffer())));
+      await Promise.all(
+        Array.from({ length: 4 }, (_, e) =>
+          post('/buffer/write', {
+            uid: `g${g}-${e}`,
+            instance_id: `g${g}`,
+            reward: e % 2,
+            extra_info: {},
+            messages: [
+              { role: 'system', content: 'You are a helpful agent. '.repeat(20) },
+              { role: 'user', content: `task ${g}: ${'details '.repeat(30)}` },
+              { role: 'assistant', content: `answer ${e} ${'words '.repeat(40)}` },
+            ],
+          }).then((r) => r.arrayBuffer()),
+        ),
+      );
     }
     await scrape(feed.url); // resets its loop-delay gauges
     const tf = performance.now();
     let pulled = 0;
-    await Promise.all(Array.from({ length: dp }, async (_, rank) => {
-      for (;;) {
-        const r = await fetch(`${feed.url}/v1/batches/next?rank=${rank}&wait=2`);
-        if (r.status !== 200) return;
-        await r.arrayBuffer();
-        await (await post(`/v1/batches/${r.headers.get('x-treepack-id')}/ack`, {})).arrayBuffer();
-        pulled++;
-      }
-    }));
+    await Promise.all(
+      Array.from({ length: dp }, async (_, rank) => {
+        for (;;) {
+          const r = await fetch(`${feed.url}/v1/batches/next?rank=${rank}&wait=2`);
+          if (r.status !== 200) return;
+          await r.arrayBuffer();
+          await (await post(`/v1/batches/${r.headers.get('x-treepack-id')}/ack`, {})).arrayBuffer();
+          pulled++;
+        }
+      }),
+    );
     const feedSeconds = (performance.now() - tf) / 1000 - 2; // the last poll of each rank waits 2 s for nothing
     const loop = await scrape(feed.url);
     await feed.stop();
     feedRates[p.name] = pulled / feedSeconds;
-    (report.feed as Record<string, unknown>)[p.name] = { dp, groups, micro_batches: pulled, seconds: feedSeconds, micro_batches_per_s: pulled / feedSeconds, event_loop_delay_p99_ms: loop.loopP99, event_loop_delay_max_ms: loop.loopMax };
-    console.log(`trainer feed on the ${p.name} pool, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`);
-    console.log(`  the service's event loop meanwhile (steps pack in a worker thread): delay p99 ${ms3(loop.loopP99)}, max ${ms3(loop.loopMax)}`);
+    (report.feed as Record<string, unknown>)[p.name] = {
+      dp,
+      groups,
+      micro_batches: pulled,
+      seconds: feedSeconds,
+      micro_batches_per_s: pulled / feedSeconds,
+      event_loop_delay_p99_ms: loop.loopP99,
+      event_loop_delay_max_ms: loop.loopMax,
+    };
+    console.log(
+      `trainer feed on the ${p.name} pool, dp = ${dp}: ${pulled} micro-batches from ${groups} groups of 4 in ${feedSeconds.toFixed(2)} s = ${(pulled / feedSeconds).toFixed(1)} micro-batches/s (packing each step included)`,
+    );
+    console.log(
+      `  the service's event loop meanwhile (steps pack in a worker thread): delay p99 ${ms3(loop.loopP99)}, max ${ms3(loop.loopMax)}`,
+    );
   }
-  if (feedRates.redis) console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process'], 1 / feedRates.redis)}`);
+  if (feedRates.redis)
+    console.log(`  Redis pool against in-process: micro-batches/s ${speed(1 / feedRates['in-process'], 1 / feedRates.redis)}`);
 
   // 2b. What the durable hand-out record costs (in-process pool): a pull writes its micro-batch's lease to the log
   // before answering, so an ack after a restart is accepted once. One client at a time (no group commit sharing a
@@ -483,7 +678,18 @@ try {
   // acknowledging (each writes the step's `take` and the micro-batch's `handout`), then their acks (one write each).
   {
     const n = quick ? 40 : 200;
-    const hs = await serve(['--engine', stub.url, '--data', join(data, 'handout'), '--group-size', '1', '--groups-per-step', '1', '--window', String(n)]);
+    const hs = await serve([
+      '--engine',
+      stub.url,
+      '--data',
+      join(data, 'handout'),
+      '--group-size',
+      '1',
+      '--groups-per-step',
+      '1',
+      '--window',
+      String(n),
+    ]);
     const writes = async () => {
       const text = await (await fetch(`${hs.url}/metrics`)).text();
       return { s: sample(text, 'treepack_log_write_seconds_sum'), n: sample(text, 'treepack_log_write_seconds_count') };
@@ -497,7 +703,12 @@ try {
         ms.push(performance.now() - t0);
       }
       const after = await writes();
-      return { p50: quantile(ms, 0.5), p99: quantile(ms, 0.99), writesPerOp: (after.n - before.n) / n, writeMs: ((after.s - before.s) / (after.n - before.n)) * 1000 };
+      return {
+        p50: quantile(ms, 0.5),
+        p99: quantile(ms, 0.99),
+        writesPerOp: (after.n - before.n) / n,
+        writeMs: ((after.s - before.s) / (after.n - before.n)) * 1000,
+      };
     };
     const ok = async (r: Promise<Response>) => {
       const res = await r;
@@ -505,34 +716,67 @@ try {
       if (res.status !== 200) throw new Error(`hand-out bench: HTTP ${res.status}`);
       return res;
     };
-    const call = await phase(async (i) => void (await ok(fetch(`${hs.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': `h${i}` }, body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `task ${i}` }] }) }))));
-    for (let i = 0; i < n; i++) await ok(fetch(`${hs.url}/v1/episodes/h${i}/finish`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{"reward":1}' }));
+    const call = await phase(
+      async (i) =>
+        void (await ok(
+          fetch(`${hs.url}/v1/chat/completions`, {
+            method: 'POST',
+            headers: { 'content-type': 'application/json', 'x-treepack-episode': `h${i}` },
+            body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `task ${i}` }] }),
+          }),
+        )),
+    );
+    for (let i = 0; i < n; i++)
+      await ok(
+        fetch(`${hs.url}/v1/episodes/h${i}/finish`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: '{"reward":1}',
+        }),
+      );
     const ids: string[] = [];
-    const pull = await phase(async () => void ids.push((await ok(fetch(`${hs.url}/v1/batches/next?wait=5`))).headers.get('x-treepack-id')!));
+    const pull = await phase(
+      async () => void ids.push((await ok(fetch(`${hs.url}/v1/batches/next?wait=5`))).headers.get('x-treepack-id')!),
+    );
     const ack = await phase(async (i) => void (await ok(fetch(`${hs.url}/v1/batches/${ids[i]}/ack`, { method: 'POST' }))));
     await hs.stop();
     // A pull's two writes are of the same size class (a line under 100 bytes): the hand-out's is their mean.
     const handoutMs = pull.writeMs;
     const h = {
       operations: n,
-      call_p50_ms: call.p50, call_log_write_mean_ms: call.writeMs, call_log_writes_per_call: call.writesPerOp,
-      pull_p50_ms: pull.p50, pull_p99_ms: pull.p99, pull_log_writes_per_pull: pull.writesPerOp, handout_write_mean_ms: handoutMs,
-      ack_p50_ms: ack.p50, ack_log_write_mean_ms: ack.writeMs,
+      call_p50_ms: call.p50,
+      call_log_write_mean_ms: call.writeMs,
+      call_log_writes_per_call: call.writesPerOp,
+      pull_p50_ms: pull.p50,
+      pull_p99_ms: pull.p99,
+      pull_log_writes_per_pull: pull.writesPerOp,
+      handout_write_mean_ms: handoutMs,
+      ack_p50_ms: ack.p50,
+      ack_log_write_mean_ms: ack.writeMs,
       handout_write_over_call_log_write: handoutMs / call.writeMs,
       pull_p50_over_pull_p50_without_handout_write: pull.p50 / (pull.p50 - handoutMs),
     };
     report.handout_record = h;
-    console.log(`durable hand-out record (in-process pool, one client at a time, ${n} each): call p50 ${ms3(call.p50)} with ${call.writesPerOp.toFixed(2)} log writes of ${ms3(call.writeMs)} mean; pull p50 ${ms3(pull.p50)}, p99 ${ms3(pull.p99)} with ${pull.writesPerOp.toFixed(2)} writes (take, handout) of ${ms3(pull.writeMs)} mean; ack p50 ${ms3(ack.p50)}`);
-    console.log(`  the hand-out write: ${ms3(handoutMs)} = ${h.handout_write_over_call_log_write.toFixed(2)}× the call log write; a pull takes ${h.pull_p50_over_pull_p50_without_handout_write.toFixed(2)}× what it would without it (p50 less one write)`);
+    console.log(
+      `durable hand-out record (in-process pool, one client at a time, ${n} each): call p50 ${ms3(call.p50)} with ${call.writesPerOp.toFixed(2)} log writes of ${ms3(call.writeMs)} mean; pull p50 ${ms3(pull.p50)}, p99 ${ms3(pull.p99)} with ${pull.writesPerOp.toFixed(2)} writes (take, handout) of ${ms3(pull.writeMs)} mean; ack p50 ${ms3(ack.p50)}`,
+    );
+    console.log(
+      `  the hand-out write: ${ms3(handoutMs)} = ${h.handout_write_over_call_log_write.toFixed(2)}× the call log write; a pull takes ${h.pull_p50_over_pull_p50_without_handout_write.toFixed(2)}× what it would without it (p50 less one write)`,
+    );
   }
 
   // 3. Memory under backpressure.
   const bound = 8 << 20;
   const bp = await serve(['--engine', stub.url, '--data', join(data, 'bp'), '--max-pool-bytes', String(bound), '--group-size', '1']);
-  let refused = 0, accepted = 0;
+  let refused = 0,
+    accepted = 0;
   const big = 'x'.repeat(16 << 10);
   for (let i = 0; i < 1200 && refused < 50; i++) {
-    const r = await fetch(`${bp.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': `never-${i}` }, body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: big }] }) });
+    const r = await fetch(`${bp.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'x-treepack-episode': `never-${i}` },
+      body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: big }] }),
+    });
     await r.arrayBuffer();
     if (r.status === 429) refused++;
     else accepted++;
@@ -540,7 +784,9 @@ try {
   const rss = Number(readFileSync(`/proc/${bp.child.pid}/status`, 'utf8').match(/VmRSS:\s+(\d+)/)![1]) * 1024;
   await bp.stop();
   report.backpressure = { pool_bound_bytes: bound, accepted, refused_429: refused, service_rss_bytes: rss };
-  console.log(`backpressure (in-process pool): pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`);
+  console.log(
+    `backpressure (in-process pool): pool bound ${bound >> 20} MiB, ${accepted} calls of 16 KiB accepted, then ${refused} answered 429; service RSS ${(rss / 2 ** 20).toFixed(0)} MiB`,
+  );
 } finally {
   await stub.stop();
   await redis?.stop();

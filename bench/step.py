@@ -72,11 +72,19 @@ def _sequences(b: tpt.PackedBatch, a: int, c: int) -> tpt.PackedBatch:
     lo, hi = int(b.seq_offsets[a]), int(b.seq_offsets[c])
     occ = lambda t: None if t is None else t[lo:hi].clone()  # noqa: E731
     return tpt.PackedBatch(
-        input_ids=b.input_ids[lo:hi].clone(), position_ids=b.position_ids[lo:hi].clone(),
-        parent=torch.where(b.parent[lo:hi] < 0, -1, b.parent[lo:hi] - lo), subtree_end=b.subtree_end[lo:hi] - lo,
-        seq_offsets=b.seq_offsets[a:c + 1] - lo, seq_positions=torch.arange(hi - lo), loss_mask=occ(b.loss_mask),
-        seq_index=b.seq_index[lo:hi] - a, token_index=occ(b.token_index), meta=dict(b.meta),
-        advantages=occ(b.advantages), old_logprobs=occ(b.old_logprobs), ref_logprobs=occ(b.ref_logprobs),
+        input_ids=b.input_ids[lo:hi].clone(),
+        position_ids=b.position_ids[lo:hi].clone(),
+        parent=torch.where(b.parent[lo:hi] < 0, -1, b.parent[lo:hi] - lo),
+        subtree_end=b.subtree_end[lo:hi] - lo,
+        seq_offsets=b.seq_offsets[a : c + 1] - lo,
+        seq_positions=torch.arange(hi - lo),
+        loss_mask=occ(b.loss_mask),
+        seq_index=b.seq_index[lo:hi] - a,
+        token_index=occ(b.token_index),
+        meta=dict(b.meta),
+        advantages=occ(b.advantages),
+        old_logprobs=occ(b.old_logprobs),
+        ref_logprobs=occ(b.ref_logprobs),
         rollout_logprobs=occ(b.rollout_logprobs),
     )
 
@@ -126,9 +134,23 @@ def figures(batches: list[tpt.PackedBatch], path: str) -> dict[str, int]:
     CPU block path: with its padding; "stock", a causal kernel per sequence: causal_tiles), scored rows; for recurrent
     layers, the sequential depth levels (radix segments' depth, summed over micro-batches), the batched calls of one
     layer and the tokens those calls hold with their padding."""
-    f = {"micro_batches": len(batches), "tokens": 0, "pad_tokens": 0, "occurrences": 0, "trainable": 0, "pairs": 0, "blocks": 0,
-         "full_blocks": 0, "executed_blocks": 0, "scored_rows": 0, "max_tokens": 0, "causal_tiles": 0, "levels": 0,
-         "recurrent_calls": 0, "recurrent_padded": 0}
+    f = {
+        "micro_batches": len(batches),
+        "tokens": 0,
+        "pad_tokens": 0,
+        "occurrences": 0,
+        "trainable": 0,
+        "pairs": 0,
+        "blocks": 0,
+        "full_blocks": 0,
+        "executed_blocks": 0,
+        "scored_rows": 0,
+        "max_tokens": 0,
+        "causal_tiles": 0,
+        "levels": 0,
+        "recurrent_calls": 0,
+        "recurrent_padded": 0,
+    }
     for b in batches:
         n = b.num_nodes
         f["tokens"] += n
@@ -173,14 +195,29 @@ def make_model(shape: dict[str, Any], vocab: int, device: torch.device, dtype: t
     """A random-weight Qwen3, or with ``family`` "qwen3_5" a Qwen3.5 text model whose layers are Gated DeltaNet but
     every fourth (``linear_layers`` of ``layers``, as Qwen3.5 interleaves them), prepared for tree execution."""
     torch.manual_seed(0)
-    common = dict(vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
-                  max_position_embeddings=1 << 17, tie_word_embeddings=True, attention_dropout=0.0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=1 << 17,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    )
     if shape.get("family") == "qwen3_5":
         full = shape["layers"] - shape["linear_layers"]
         types = ["full_attention" if (i + 1) * full % shape["layers"] < full else "linear_attention" for i in range(shape["layers"])]
-        cfg = transformers.Qwen3_5TextConfig(layer_types=types, linear_num_key_heads=shape["linear_key_heads"], linear_num_value_heads=shape["linear_value_heads"],
-                                             linear_key_head_dim=shape["linear_head_dim"], linear_value_head_dim=shape["linear_head_dim"], **common)
+        cfg = transformers.Qwen3_5TextConfig(
+            layer_types=types,
+            linear_num_key_heads=shape["linear_key_heads"],
+            linear_num_value_heads=shape["linear_value_heads"],
+            linear_key_head_dim=shape["linear_head_dim"],
+            linear_value_head_dim=shape["linear_head_dim"],
+            **common,
+        )
         model = transformers.Qwen3_5ForCausalLM(cfg)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
@@ -196,6 +233,7 @@ def recurrent_timer(model: torch.nn.Module, device: torch.device) -> dict[str, f
     acc: dict[str, float] = {}
     layers = [m for m in model.modules() if hasattr(type(m), "treepack_base")]
     for layer in layers:
+
         def pre(module: torch.nn.Module, args: Any) -> None:
             sync(device)
             acc["_start"] = time.perf_counter()
@@ -231,8 +269,9 @@ def _malloc_trim() -> None:
         pass
 
 
-def peak_memory(model: torch.nn.Module, batch: tpt.PackedBatch, config: dict[str, Any], device: torch.device,
-                stock: str | None) -> int | None:
+def peak_memory(
+    model: torch.nn.Module, batch: tpt.PackedBatch, config: dict[str, Any], device: torch.device, stock: str | None
+) -> int | None:
     """Peak memory one micro-batch's forward + backward adds to what the process holds (its gradients included), untimed:
     a step with gradient accumulation peaks at its largest micro-batch (see peak_of)."""
     return peak_of(lambda: step(model, [batch], config, device, stock), model, device)
@@ -307,13 +346,15 @@ def side_logprobs(model: torch.nn.Module, b: tpt.PackedBatch, stock: str | None)
         off = b.seq_offsets.tolist()
         if b.num_nodes > off[-1]:
             off.append(b.num_nodes)  # pad nodes past the last sequence (the packer's padding): a segment of their own
-        hidden = torch.cat([base(input_ids=ids[:, a:c], position_ids=pos[:, a:c], use_cache=False).last_hidden_state[0]
-                            for a, c in zip(off, off[1:])])
+        hidden = torch.cat(
+            [base(input_ids=ids[:, a:c], position_ids=pos[:, a:c], use_cache=False).last_hidden_state[0] for a, c in zip(off, off[1:])]
+        )
     return tpt.packed_logprobs(hidden, b, lm_head=head).logprobs
 
 
-def step(model: torch.nn.Module, batches: list[tpt.PackedBatch], config: dict[str, Any], device: torch.device,
-         stock: str | None = None) -> dict[str, float]:
+def step(
+    model: torch.nn.Module, batches: list[tpt.PackedBatch], config: dict[str, Any], device: torch.device, stock: str | None = None
+) -> dict[str, float]:
     """One training step (gradient accumulation over the side's micro-batches), timed per stage; ``stock``: the
     attn_implementation of a chain side (chain_attention), None for tree attention."""
     t = {"masks": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0}
@@ -373,8 +414,9 @@ def largest(batches: list[tpt.PackedBatch]) -> tpt.PackedBatch:
     return max(batches, key=lambda b: int(b.input_ids.numel()))
 
 
-def run_workload(w: dict[str, Any], spec: dict[str, Any], shapes: list[dict[str, Any]], device: torch.device, dtype: torch.dtype,
-                 chain: str | None) -> list[dict[str, Any]]:
+def run_workload(
+    w: dict[str, Any], spec: dict[str, Any], shapes: list[dict[str, Any]], device: torch.device, dtype: torch.dtype, chain: str | None
+) -> list[dict[str, Any]]:
     """The workload's sides, read from its packed directories, timed on a random-weight model of each shape: one
     result per shape; ``chain``: the chain sides' stock attention (chain_attention)."""
     T = w.get("max_tokens", spec["max_tokens"])
@@ -389,9 +431,16 @@ def run_workload(w: dict[str, Any], spec: dict[str, Any], shapes: list[dict[str,
     return run_layouts(w, {k: build[k]() for k in sides}, shapes, device, dtype, chain)
 
 
-def run_layouts(w: dict[str, Any], layouts: dict[str, list[tpt.PackedBatch]], shapes: list[dict[str, Any]], device: torch.device,
-                dtype: torch.dtype, chain: str | None, vocab_size: int | None = None,
-                pad: int | None = None) -> list[dict[str, Any]]:
+def run_layouts(
+    w: dict[str, Any],
+    layouts: dict[str, list[tpt.PackedBatch]],
+    shapes: list[dict[str, Any]],
+    device: torch.device,
+    dtype: torch.dtype,
+    chain: str | None,
+    vocab_size: int | None = None,
+    pad: int | None = None,
+) -> list[dict[str, Any]]:
     """Micro-batches of each side ("naive", optionally "merged", "packed"; CPU tensors) timed on a random-weight
     model of each shape: one result per shape. ``chain``: the chain sides' stock attention (chain_attention; None: tree
     attention); ``vocab_size``: the model's vocabulary, the ids kept (default: the ids remapped to the workload's
@@ -428,8 +477,16 @@ def run_layouts(w: dict[str, Any], layouts: dict[str, list[tpt.PackedBatch]], sh
     return results
 
 
-def time_sides(layouts: dict[str, list[tpt.PackedBatch]], shape: dict[str, Any], vocab: int, config: dict[str, Any], repeats: int,
-               device: torch.device, dtype: torch.dtype, chain: str | None) -> dict[str, Any]:
+def time_sides(
+    layouts: dict[str, list[tpt.PackedBatch]],
+    shape: dict[str, Any],
+    vocab: int,
+    config: dict[str, Any],
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    chain: str | None,
+) -> dict[str, Any]:
     sides = tuple(layouts)
     stock = {k: None if k == "packed" else chain for k in sides}
     model = make_model(shape, vocab, device, dtype)
@@ -445,12 +502,21 @@ def time_sides(layouts: dict[str, list[tpt.PackedBatch]], shape: dict[str, Any],
     best = {k: min(runs[k], key=lambda r: r["step"]) for k in sides}
     if best["naive"]["grad_norm"] == 0:
         # Zero advantages (a group whose rewards are all equal) give a zero loss and zero gradients on every side.
-        return {"error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing"}
+        return {
+            "error": "the loss and its gradients are zero (equal rewards in every group): the sides' equality check would prove nothing"
+        }
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatches = {k: agree(best["naive"], best[k], tol) for k in sides if k != "naive"}
-    out = {k: {**best[k], "steps": [r["step"] for r in runs[k]],
-               "peak_bytes": peak_memory(model, largest(layouts[k]), config, device, stock[k]),
-               "page_faults": max(r["page_faults"] for r in runs[k]), "attention": path_name(stock[k], device)} for k in sides}
+    out = {
+        k: {
+            **best[k],
+            "steps": [r["step"] for r in runs[k]],
+            "peak_bytes": peak_memory(model, largest(layouts[k]), config, device, stock[k]),
+            "page_faults": max(r["page_faults"] for r in runs[k]),
+            "attention": path_name(stock[k], device),
+        }
+        for k in sides
+    }
     if "merged" not in sides:
         out["merged"] = {**out["naive"], "same_as_naive": True}
     return {"sides": out, "mismatches": {k: v for k, v in mismatches.items() if v}}
@@ -471,20 +537,41 @@ def main() -> None:
     for i, w in enumerate(spec["workloads"]):
         t0 = time.perf_counter()
         if device.type not in w["devices"]:
-            results.append({"name": w["name"], "input": i, "shape": shapes[0], "skipped": f"timed on {' and '.join(w['devices'])} hosts only"})
+            results.append(
+                {"name": w["name"], "input": i, "shape": shapes[0], "skipped": f"timed on {' and '.join(w['devices'])} hosts only"}
+            )
             print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}: skipped on {device.type}", file=sys.stderr, flush=True)
             continue
         for r in run_workload({**w, "input": i}, spec, shapes, device, dtype, chain):
             results.append(r)
-            took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive")) if "sides" in r else r.get("error", r.get("skipped", ""))
-            print(f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; "
-                  f"workload took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            took = (
+                ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES if not r["sides"][k].get("same_as_naive"))
+                if "sides" in r
+                else r.get("error", r.get("skipped", ""))
+            )
+            print(
+                f"  step [{i + 1}/{len(spec['workloads'])}] {w['name']}, {r['shape']['name']}: best of {w['repeats']}: {took}; "
+                f"workload took {time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     mode = "flex" if device.type == "cuda" else "block"
-    print(json.dumps({
-        "device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "attention": mode, "block_size": BLOCK,
-        "naive_attention": path_name(chain, device), "packed_attention": path_name(None, device),
-        "torch": torch.__version__, "transformers": transformers.__version__, "workloads": results,
-    }))
+    print(
+        json.dumps(
+            {
+                "device": name,
+                "device_type": device.type,
+                "dtype": str(dtype).replace("torch.", ""),
+                "attention": mode,
+                "block_size": BLOCK,
+                "naive_attention": path_name(chain, device),
+                "packed_attention": path_name(None, device),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "workloads": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import { generateJsonlLines, type EpisodeJson, type GeneratorOptions } from './d
 import { QWEN3_4B, QWEN3_SHAPES, type ModelShape, type SideFigures } from './cost-model.js';
 import { findPython, harnessAllocator, root } from './python.js';
 
-
 export interface StepSide extends Record<string, unknown> {
   step: number;
   masks: number;
@@ -72,12 +71,27 @@ export interface StepSection {
 }
 
 /** The CPU model: small enough for the default run, Qwen3's proportions (GQA 2:1, SwiGLU 3×). */
-export const CPU_SHAPE: ModelShape = { name: 'tiny Qwen3 shape', hidden: 128, intermediate: 384, layers: 2, heads: 4, kv_heads: 2, head_dim: 32 };
+export const CPU_SHAPE: ModelShape = {
+  name: 'tiny Qwen3 shape',
+  hidden: 128,
+  intermediate: 384,
+  layers: 2,
+  heads: 4,
+  kv_heads: 2,
+  head_dim: 32,
+};
 
 /** The hybrid CPU model: Qwen3.5's layout at the CPU model's width, three of every four layers Gated DeltaNet (their
  * recurrence run per radix segment and depth level on the packed side, treepack.torch.prepare). */
 export const CPU_HYBRID_SHAPE: ModelShape = {
-  ...CPU_SHAPE, name: 'tiny Qwen3.5 shape', family: 'qwen3_5', layers: 4, linear_layers: 3, linear_key_heads: 2, linear_value_heads: 4, linear_head_dim: 32,
+  ...CPU_SHAPE,
+  name: 'tiny Qwen3.5 shape',
+  family: 'qwen3_5',
+  layers: 4,
+  linear_layers: 3,
+  linear_key_heads: 2,
+  linear_value_heads: 4,
+  linear_head_dim: 32,
 };
 
 /** The models the step is timed on, by the device the harness finds: every workload runs on each. (No hybrid shape on
@@ -112,14 +126,33 @@ const DEFAULT_REPEATS = 2;
  * forest) is for CUDA hosts only (`devices`), with micro-batches of up to 64k tokens (`maxTokens`; 16k otherwise): its
  * naive step would take ~15 min on this CPU. It is packed everywhere (under a second) and reported skipped on CPU.
  */
-export const GENERATED: { label: string; opts: GeneratorOptions; full?: boolean; repeats: number; maxTokens?: number; devices?: ('cpu' | 'cuda')[] }[] = [
+export const GENERATED: {
+  label: string;
+  opts: GeneratorOptions;
+  full?: boolean;
+  repeats: number;
+  maxTokens?: number;
+  devices?: ('cpu' | 'cuda')[];
+}[] = [
   { label: '≈4×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3 }, repeats: 3 },
   { label: '≈5×', opts: { groups: 1, episodesPerGroup: 2, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, repeats: 3 },
   { label: '≈12×', opts: { groups: 1, episodesPerGroup: 4, minTurns: 4, maxTurns: 6, truncateEvery: 0, seed: 3 }, full: true, repeats: 3 },
   { label: '≈23×', opts: { groups: 1, episodesPerGroup: 16, minTurns: 3, maxTurns: 4, truncateEvery: 0, seed: 3 }, full: true, repeats: 2 },
   { label: '≈30×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 3, maxTurns: 3, truncateEvery: 0, seed: 3 }, full: true, repeats: 1 },
-  { label: '≈38×', opts: { groups: 1, episodesPerGroup: 32, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 40 }, full: true, repeats: 1 },
-  { label: '≈85×', opts: { groups: 1, episodesPerGroup: 64, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 150 }, full: true, repeats: 1, maxTokens: 65536, devices: ['cuda'] },
+  {
+    label: '≈38×',
+    opts: { groups: 1, episodesPerGroup: 32, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 40 },
+    full: true,
+    repeats: 1,
+  },
+  {
+    label: '≈85×',
+    opts: { groups: 1, episodesPerGroup: 64, minTurns: 2, maxTurns: 2, truncateEvery: 0, seed: 3, policySections: 150 },
+    full: true,
+    repeats: 1,
+    maxTokens: 65536,
+    devices: ['cuda'],
+  },
 ];
 
 // The merge compares messages by tokens here, not by text (the library default): with text compare, a later call's
@@ -175,7 +208,8 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
     byTask.set(key, t);
   }
   const kept = [...byTask.values()].filter((t) => t.rewards.size > 1).slice(0, tasks);
-  if (!kept.length) throw new TreepackError('E_INPUT', 'no task has episodes with different rewards (meta.reward): nothing to train on', { file });
+  if (!kept.length)
+    throw new TreepackError('E_INPUT', 'no task has episodes with different rewards (meta.reward): nothing to train on', { file });
   writeFileSync(out, kept.flatMap((t) => t.lines).join('\n') + '\n');
   return kept.reduce((n, t) => n + t.lines.length, 0);
 }
@@ -185,7 +219,12 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
  * `threads`: torch's CPU threads (default: torch's own choice); `naiveAttention`: the chain sides' attention (default
  * 'stock': the stock transformers path a trainer runs today; 'treepack': tree attention on the chains). */
 export async function benchStep(opts: {
-  full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes; repeats?: number; threads?: number;
+  full: boolean;
+  tauBench: string | null;
+  generated?: typeof GENERATED;
+  shapes?: StepShapes;
+  repeats?: number;
+  threads?: number;
   naiveAttention?: 'stock' | 'treepack';
 }): Promise<StepSection> {
   const maxTokens = DEFAULT_MAX_TOKENS;
@@ -199,7 +238,13 @@ export async function benchStep(opts: {
       const file = join(dir, `generated-${inputs.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
-      inputs.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.repeats ?? (opts.full ? g.repeats : DEFAULT_REPEATS), maxTokens: g.maxTokens ?? maxTokens, devices: g.devices });
+      inputs.push({
+        name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`,
+        file,
+        repeats: opts.repeats ?? (opts.full ? g.repeats : DEFAULT_REPEATS),
+        maxTokens: g.maxTokens ?? maxTokens,
+        devices: g.devices,
+      });
     }
     const workloads: StepWorkload[] = [];
     const failed: StepWorkload[] = [];
@@ -214,26 +259,48 @@ export async function benchStep(opts: {
       }
     }
     const spec = {
-      max_tokens: maxTokens, shapes: opts.shapes ?? (opts.full ? STEP_SHAPES : DEFAULT_STEP_SHAPES), threads: opts.threads, naive_attention: opts.naiveAttention,
+      max_tokens: maxTokens,
+      shapes: opts.shapes ?? (opts.full ? STEP_SHAPES : DEFAULT_STEP_SHAPES),
+      threads: opts.threads,
+      naive_attention: opts.naiveAttention,
       workloads: [] as object[],
     };
     for (const [i, w] of inputs.entries()) {
-      const packedDir = join(dir, `packed-${i}`), callsDir = join(dir, `calls-${i}`);
+      const packedDir = join(dir, `packed-${i}`),
+        callsDir = join(dir, `calls-${i}`);
       const t0 = performance.now();
       const report = await packTo(w.file, packedDir, w.maxTokens, true);
       const packSeconds = (performance.now() - t0) / 1000;
       await packTo(w.file, callsDir, w.maxTokens, false);
       workloads.push({ name: w.name, compression: report.timelineTokens / Math.max(1, report.packedTokens), packSeconds, report });
       const mergedIsNaive = report.samples === report.timelines && report.naiveTokens === report.timelineTokens;
-      spec.workloads.push({ name: w.name, packed_dir: packedDir, calls_dir: callsDir, repeats: w.repeats, merged_is_naive: mergedIsNaive, max_tokens: w.maxTokens, devices: w.devices ?? ['cpu', 'cuda'] });
+      spec.workloads.push({
+        name: w.name,
+        packed_dir: packedDir,
+        calls_dir: callsDir,
+        repeats: w.repeats,
+        merged_is_naive: mergedIsNaive,
+        max_tokens: w.maxTokens,
+        devices: w.devices ?? ['cpu', 'cuda'],
+      });
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
     const allocator = harnessAllocator();
-    const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'], env: { ...process.env, ...allocator.env } });
+    const r = spawnSync(env.python, [join(root, 'bench', 'step.py'), specFile], {
+      encoding: 'utf8',
+      maxBuffer: 64 << 20,
+      stdio: ['ignore', 'pipe', 'inherit'],
+      env: { ...process.env, ...allocator.env },
+    });
     if (r.status !== 0) return { skipped: `bench/step.py exited with ${r.status ?? r.signal}`, workloads: [...workloads, ...failed] };
     const out = JSON.parse(r.stdout) as {
-      device: string; device_type: 'cpu' | 'cuda'; dtype: string; attention: string; naive_attention: string; packed_attention: string;
+      device: string;
+      device_type: 'cpu' | 'cuda';
+      dtype: string;
+      attention: string;
+      naive_attention: string;
+      packed_attention: string;
       torch: string;
       workloads: (Partial<StepWorkload> & { input: number; shape: ModelShape })[];
     };
@@ -242,15 +309,29 @@ export async function benchStep(opts: {
     const timed = out.workloads.map((res) => ({
       ...workloads[res.input],
       name: shapes.length > 1 ? `${res.shape.name} · ${workloads[res.input].name}` : workloads[res.input].name,
-      shape: res.shape, figures: res.figures, sides: res.sides, mismatches: res.mismatches, vocab: res.vocab, error: res.error, skipped: res.skipped,
+      shape: res.shape,
+      figures: res.figures,
+      sides: res.sides,
+      mismatches: res.mismatches,
+      vocab: res.vocab,
+      error: res.error,
+      skipped: res.skipped,
     }));
     return {
-      device: out.device, deviceType: out.device_type, dtype: out.dtype, attention: out.attention,
-      naiveAttention: out.naive_attention, packedAttention: out.packed_attention, python: `${env.python} (${env.source})`,
-      allocator: allocator.label, torch: out.torch, shape: shapes[0], maxTokens, workloads: [...timed, ...failed],
+      device: out.device,
+      deviceType: out.device_type,
+      dtype: out.dtype,
+      attention: out.attention,
+      naiveAttention: out.naive_attention,
+      packedAttention: out.packed_attention,
+      python: `${env.python} (${env.source})`,
+      allocator: allocator.label,
+      torch: out.torch,
+      shape: shapes[0],
+      maxTokens,
+      workloads: [...timed, ...failed],
     };
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
 }
-

@@ -21,7 +21,13 @@ function run(cases: [string, () => void][], tokens: number, maxTime: number): Ti
   suite.run({ async: false });
   const out: Timing[] = [];
   suite.forEach((b: Benchmark) => {
-    out.push({ name: b.name!, seconds: b.stats.mean, rme: b.stats.rme, samples: b.stats.sample.length, tokensPerSecond: tokens / b.stats.mean });
+    out.push({
+      name: b.name!,
+      seconds: b.stats.mean,
+      rme: b.stats.rme,
+      samples: b.stats.sample.length,
+      tokensPerSecond: tokens / b.stats.mean,
+    });
   });
   return out;
 }

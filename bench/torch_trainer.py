@@ -137,8 +137,15 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         once()
         sync()
         times.append(time.perf_counter() - t0)
-    return {**case, "packed_tokens": batch.num_nodes, "naive_tokens": batch.num_occurrences, "scored_nodes": int(nodes.numel()),
-            "head_rows": rows, "seconds": statistics.median(times), "peak_bytes": peak()}
+    return {
+        **case,
+        "packed_tokens": batch.num_nodes,
+        "naive_tokens": batch.num_occurrences,
+        "scored_nodes": int(nodes.numel()),
+        "head_rows": rows,
+        "seconds": statistics.median(times),
+        "peak_bytes": peak(),
+    }
 
 
 def main() -> None:
@@ -147,7 +154,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--max-gib", type=float, default=12.0, help="skip a baseline case (dense mask, full logits) whose big tensors alone need more")
+    ap.add_argument(
+        "--max-gib", type=float, default=12.0, help="skip a baseline case (dense mask, full logits) whose big tensors alone need more"
+    )
     ap.add_argument("--kind", choices=("logprobs", "attention"), help="only this kind of case")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -162,22 +171,49 @@ def main() -> None:
     for n in (512,) if args.quick else (4096,):
         for shape in SHAPES:
             for method in ("full logits", "packed_logprobs"):
-                cases.append({"kind": "logprobs", "forest": shape, "method": method, "tokens": n, "hidden": 256, "vocab": 151_936, "chunk": 1024,
-                              "warmup": False, "repeat": 1})
+                cases.append(
+                    {
+                        "kind": "logprobs",
+                        "forest": shape,
+                        "method": method,
+                        "tokens": n,
+                        "hidden": 256,
+                        "vocab": 151_936,
+                        "chunk": 1024,
+                        "warmup": False,
+                        "repeat": 1,
+                    }
+                )
     for n in (4096,) if args.quick else (4096, 8192, 16384, 32768):
         for method in ("dense", "block"):
             # One timed run from 16k, where a case costs tens of seconds on CPU.
-            cases.append({"kind": "attention", "forest": "single-turn", "method": method, "tokens": n, "heads": 4, "head_dim": 64,
-                          "warmup": True, "repeat": 1 if n > 8192 else repeat})
+            cases.append(
+                {
+                    "kind": "attention",
+                    "forest": "single-turn",
+                    "method": method,
+                    "tokens": n,
+                    "heads": 4,
+                    "head_dim": 64,
+                    "warmup": True,
+                    "repeat": 1 if n > 8192 else repeat,
+                }
+            )
     rows: list[dict[str, Any]] = []
     if args.kind in (None, "logprobs"):
-        print(f"logprobs: forward + backward on hidden states ({cases[0]['hidden']} wide), vocabulary {cases[0]['vocab']:,} (Qwen3), "
-              f"packed_logprobs in chunks of at most {cases[0]['chunk']:,} rows; one timed call per case, {dev}", flush=True)
+        print(
+            f"logprobs: forward + backward on hidden states ({cases[0]['hidden']} wide), vocabulary {cases[0]['vocab']:,} (Qwen3), "
+            f"packed_logprobs in chunks of at most {cases[0]['chunk']:,} rows; one timed call per case, {dev}",
+            flush=True,
+        )
     for case in [c for c in cases if args.kind in (None, c["kind"])]:
         case["device"] = dev
         need, what = 0, ""
         if case["kind"] == "attention" and case["method"] == "dense":
-            need, what = case["heads"] * case["tokens"] ** 2 * 4 * 3, "dense attention matrices"  # scores, probabilities, their gradient; float32
+            need, what = (
+                case["heads"] * case["tokens"] ** 2 * 4 * 3,
+                "dense attention matrices",
+            )  # scores, probabilities, their gradient; float32
         if case["kind"] == "logprobs" and case["method"] == "full logits":
             need, what = case["tokens"] * case["vocab"] * 4 * 3, "full logits"  # logits, log_softmax, their gradient; float32
         if need > args.max_gib * 2**30:
@@ -211,17 +247,29 @@ def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if "skipped" in row:
         return f"{what}  skipped: {row['skipped']}"
     if row["kind"] == "logprobs":
-        what += f" (packed {row['packed_tokens']}, {row['scored_nodes'] / row['packed_tokens']:.0%} scored, head at {row['head_rows']} rows)"
+        what += (
+            f" (packed {row['packed_tokens']}, {row['scored_nodes'] / row['packed_tokens']:.0%} scored, head at {row['head_rows']} rows)"
+        )
     else:
         what += f" (packed {row['packed_tokens']}, naive {row['naive_tokens']})"
     base_method = "full logits" if row["kind"] == "logprobs" else "dense"
-    base = next((r for r in rows if (r["kind"], r["forest"], r["tokens"], r["method"]) == (row["kind"], row["forest"], row["tokens"], base_method) and "seconds" in r), None)
+    base = next(
+        (
+            r
+            for r in rows
+            if (r["kind"], r["forest"], r["tokens"], r["method"]) == (row["kind"], row["forest"], row["tokens"], base_method)
+            and "seconds" in r
+        ),
+        None,
+    )
     ratio = ""
     if base is not None and base is not row:
         saved = base["peak_bytes"] - row["peak_bytes"]
-        ratio = (f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, "
-                 f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} "
-                 f"({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)")
+        ratio = (
+            f"  vs {base_method}: {_ratio(base['seconds'], row['seconds'], 'faster', 'slower')}, "
+            f"{_ratio(base['peak_bytes'], row['peak_bytes'], 'less memory', 'more memory')} "
+            f"({'saves' if saved >= 0 else 'costs'} {abs(saved) / 2**20:.0f} MiB)"
+        )
     return f"{what}  {row['seconds'] * 1000:9.1f} ms  peak +{row['peak_bytes'] / 2**20:8.1f} MiB{ratio}"
 
 

@@ -39,7 +39,10 @@ export async function benchTrainer(full: boolean): Promise<TrainerSection> {
     const allocator = harnessAllocator();
     console.log(`harness allocator: ${allocator.label}`);
     // The script prints its own table (ratios against the baseline of the same run) as each case ends.
-    const r = spawnSync(env.python, [join(root, 'bench', 'torch_trainer.py'), '--json', json], { stdio: ['ignore', 'inherit', 'inherit'], env: { ...process.env, ...allocator.env } });
+    const r = spawnSync(env.python, [join(root, 'bench', 'torch_trainer.py'), '--json', json], {
+      stdio: ['ignore', 'inherit', 'inherit'],
+      env: { ...process.env, ...allocator.env },
+    });
     if (r.status !== 0) return { skipped: `bench/torch_trainer.py exited with ${r.status ?? r.signal}` };
     return { ...(JSON.parse(readFileSync(json, 'utf8')) as TrainerSection), allocator: allocator.label };
   } finally {

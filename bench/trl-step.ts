@@ -52,7 +52,12 @@ const MAX_TOKENS = 16384;
 /** `generated`: the generated workloads (default: the step section's CPU-timed ones with `full`, else the first of
  * them, as the TRL section's stock side pads every call); `shapes`: the model per device (default the step section's
  * first). */
-export async function benchTrlStep(opts: { full: boolean; tauBench: string | null; generated?: typeof GENERATED; shapes?: StepShapes }): Promise<TrlStepSection> {
+export async function benchTrlStep(opts: {
+  full: boolean;
+  tauBench: string | null;
+  generated?: typeof GENERATED;
+  shapes?: StepShapes;
+}): Promise<TrlStepSection> {
   const env = await findPython();
   if (!env.torch || !env.python) return { skipped: `no Python with torch: ${env.reason}`, workloads: [] };
   const dir = mkdtempSync(join(tmpdir(), 'treepack-bench-trl-'));
@@ -65,7 +70,11 @@ export async function benchTrlStep(opts: { full: boolean; tauBench: string | nul
       const file = join(dir, `generated-${workloads.length}.jsonl`);
       writeFileSync(file, withMixedRewards([...generateJsonlLines(g.opts)]).join('\n') + '\n');
       const o = g.opts;
-      workloads.push({ name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`, file, repeats: opts.full ? g.repeats : 2 });
+      workloads.push({
+        name: `generated ${g.label} (${o.episodesPerGroup} episodes × ${o.minTurns}–${o.maxTurns} turns)`,
+        file,
+        repeats: opts.full ? g.repeats : 2,
+      });
     }
     if (opts.tauBench && opts.full) {
       const file = join(dir, 'tau-bench.jsonl');
@@ -80,7 +89,12 @@ export async function benchTrlStep(opts: { full: boolean; tauBench: string | nul
     }
     const specFile = join(dir, 'spec.json');
     writeFileSync(specFile, JSON.stringify(spec));
-    const r = spawnSync(env.python, [join(root, 'bench', 'trl_step.py'), specFile], { encoding: 'utf8', maxBuffer: 64 << 20, stdio: ['ignore', 'pipe', 'inherit'], env: { ...process.env, ...harnessAllocator().env } });
+    const r = spawnSync(env.python, [join(root, 'bench', 'trl_step.py'), specFile], {
+      encoding: 'utf8',
+      maxBuffer: 64 << 20,
+      stdio: ['ignore', 'pipe', 'inherit'],
+      env: { ...process.env, ...harnessAllocator().env },
+    });
     if (r.status !== 0) return { skipped: `bench/trl_step.py exited with ${r.status ?? r.signal}`, workloads: [] };
     const section = JSON.parse(r.stdout) as TrlStepSection;
     return { ...section, text: trlStepText(section) };
@@ -93,8 +107,12 @@ export async function benchTrlStep(opts: { full: boolean; tauBench: string | nul
  * the speedup ÷ token compression (1 = the step got as much faster as the tokens got fewer). */
 export function trlStepText(s: TrlStepSection): string {
   const sh = s.shape;
-  const lines = [`## TRL GRPO step (trl ${s.trl}): stock forward vs treepack.integrations.trl, ${sh ? `random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers)` : ''} on ${s.device}, ${s.dtype}; every LLM call a TRL row, micro-batches ≤ ${MAX_TOKENS} tokens (stock: padded B × T; packed: forest nodes), loss dapo`];
-  lines.push('  tokens: naive (every call) / padded (TRL rows, B × T) / packed (forest nodes); peak: largest micro-batch, forward + backward');
+  const lines = [
+    `## TRL GRPO step (trl ${s.trl}): stock forward vs treepack.integrations.trl, ${sh ? `random-weight ${sh.name} (hidden ${sh.hidden}, ${sh.layers} layers)` : ''} on ${s.device}, ${s.dtype}; every LLM call a TRL row, micro-batches ≤ ${MAX_TOKENS} tokens (stock: padded B × T; packed: forest nodes), loss dapo`,
+  ];
+  lines.push(
+    '  tokens: naive (every call) / padded (TRL rows, B × T) / packed (forest nodes); peak: largest micro-batch, forward + backward',
+  );
   for (const w of s.workloads) {
     if (w.skipped || !w.sides) {
       lines.push(`  ${w.name}: skipped: ${w.skipped ?? 'no result'}`);
@@ -105,7 +123,9 @@ export function trlStepText(s: TrlStepSection): string {
     const speedup = stock.step / packed.step;
     const peak = (b: number | null) => (b === null ? 'n/a' : `${mib(b)}`);
     lines.push(`  ${w.name}: tokens ${w.naive_tokens} / ${w.padded_tokens} / ${w.packed_tokens} (${fmt(compression)}× naive ÷ packed)`);
-    lines.push(`    stock ${stock.micro_batches} micro-batches ${fmt(stock.step, 2)} s (${fmt(stock.tokens_per_second, 0)} tokens/s, peak ${peak(stock.peak_bytes)}) · packed ${packed.micro_batches} ${fmt(packed.step, 2)} s (${fmt(packed.tokens_per_second, 0)} tokens/s, peak ${peak(packed.peak_bytes)}) · speedup ${fmt(speedup)}×, ${fmt(speedup / compression, 2)} of the compression${w.mismatch ? ` · LOSS MISMATCH: ${w.mismatch}` : ''}`);
+    lines.push(
+      `    stock ${stock.micro_batches} micro-batches ${fmt(stock.step, 2)} s (${fmt(stock.tokens_per_second, 0)} tokens/s, peak ${peak(stock.peak_bytes)}) · packed ${packed.micro_batches} ${fmt(packed.step, 2)} s (${fmt(packed.tokens_per_second, 0)} tokens/s, peak ${peak(packed.peak_bytes)}) · speedup ${fmt(speedup)}×, ${fmt(speedup / compression, 2)} of the compression${w.mismatch ? ` · LOSS MISMATCH: ${w.mismatch}` : ''}`,
+    );
   }
   return lines.join('\n');
 }

@@ -44,9 +44,12 @@ def tokenizer(vocab: int):
 def trl_inputs(batch: tpt.PackedBatch, num_items: int) -> dict[str, Any]:
     rows, layout = tpt.padded_rows(batch, 0)
     out = {k: rows[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-    out.update(tool_mask=rows["loss_mask"], num_items_in_batch=torch.tensor(num_items, device=batch.device),
-               advantages=layout.to_padded(batch.advantages, of="occurrences", where="all"),
-               old_per_token_logps=layout.to_padded(batch.old_logprobs, of="occurrences", where="all"))
+    out.update(
+        tool_mask=rows["loss_mask"],
+        num_items_in_batch=torch.tensor(num_items, device=batch.device),
+        advantages=layout.to_padded(batch.advantages, of="occurrences", where="all"),
+        old_per_token_logps=layout.to_padded(batch.old_logprobs, of="occurrences", where="all"),
+    )
     return out
 
 
@@ -74,10 +77,24 @@ def trainers(model: torch.nn.Module, vocab: int, out_dir: str) -> dict[str, Any]
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=out_dir, loss_type="dapo", beta=0.0, report_to=[], use_cpu=not torch.cuda.is_available(),
-                      per_device_train_batch_size=2, num_generations=2, bf16=False, disable_tqdm=True)
-    common = dict(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                  train_dataset=Dataset.from_dict({"prompt": ["t1"] * 2}), processing_class=tokenizer(vocab))
+    args = GRPOConfig(
+        output_dir=out_dir,
+        loss_type="dapo",
+        beta=0.0,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    common = dict(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["t1"] * 2}),
+        processing_class=tokenizer(vocab),
+    )
     ts = {"stock": GRPOTrainer(**common), "packed": TreepackGRPOTrainer(**common)}
     for t in ts.values():  # what Trainer's loop sets before compute_loss; dapo's normaliser reads it
         t.current_gradient_accumulation_steps = args.gradient_accumulation_steps
@@ -106,8 +123,10 @@ def run_workload(w: dict[str, Any], shape: dict[str, Any], device: torch.device,
     num_items = sum(int(b.loss_mask.sum()) for b in batches)
     # The packed side takes the packer's micro-batches (forests within the budget); the stock side the same rows in
     # micro-batches within the budget of padded tokens. dapo divides by the step's tokens: the same loss either way.
-    inputs = {"packed": [trl_inputs(b, num_items) for b in batches],
-              "stock": [trl_inputs(c, num_items) for b in batches for c in row_chunks(b, w["max_tokens"])]}
+    inputs = {
+        "packed": [trl_inputs(b, num_items) for b in batches],
+        "stock": [trl_inputs(c, num_items) for b in batches for c in row_chunks(b, w["max_tokens"])],
+    }
     model = make_model(shape, int(vocab.numel()), device, dtype)
     ts = trainers(model, int(vocab.numel()), out_dir)
 
@@ -129,14 +148,28 @@ def run_workload(w: dict[str, Any], shape: dict[str, Any], device: torch.device,
     for k in SIDES:
         best = min(runs[k], key=lambda r: r["step"])
         peak = peak_of(functools.partial(step, ts[k], k, model, [largest[k]], device), model, device)
-        sides[k] = {**best, "steps": [r["step"] for r in runs[k]], "peak_bytes": peak, "tokens_per_second": naive / best["step"],
-                    "micro_batches": len(inputs[k])}
+        sides[k] = {
+            **best,
+            "steps": [r["step"] for r in runs[k]],
+            "peak_bytes": peak,
+            "tokens_per_second": naive / best["step"],
+            "micro_batches": len(inputs[k]),
+        }
     a, b = sides["stock"]["loss_value"], sides["packed"]["loss_value"]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     mismatch = abs(a - b) > tol * max(1.0, abs(a))
-    return {"name": w["name"], "input": w["input"], "shape": shape, "naive_tokens": naive, "padded_tokens": padded,
-            "packed_tokens": packed_nodes, "trainable_tokens": num_items, "vocab": int(vocab.numel()), "sides": sides,
-            "mismatch": f"loss {b} packed vs {a} stock" if mismatch else None}
+    return {
+        "name": w["name"],
+        "input": w["input"],
+        "shape": shape,
+        "naive_tokens": naive,
+        "padded_tokens": padded,
+        "packed_tokens": packed_nodes,
+        "trainable_tokens": num_items,
+        "vocab": int(vocab.numel()),
+        "sides": sides,
+        "mismatch": f"loss {b} packed vs {a} stock" if mismatch else None,
+    }
 
 
 def main() -> None:
@@ -158,12 +191,27 @@ def main() -> None:
             r = {"name": w["name"], "input": i, "skipped": f"out of GPU memory: {str(e).splitlines()[0]}"}
         results.append(r)
         took = ", ".join(f"{k} {r['sides'][k]['step']:.2f} s" for k in SIDES) if "sides" in r else r["skipped"]
-        print(f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; "
-              f"took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"  TRL step [{i + 1}/{len(spec['workloads'])}] {w['name']}: best of {w['repeats']}: {took}; "
+            f"took {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     import trl
 
-    print(json.dumps({"device": name, "device_type": device.type, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
-                      "trl": trl.__version__, "shape": shape, "workloads": results}))
+    print(
+        json.dumps(
+            {
+                "device": name,
+                "device_type": device.type,
+                "dtype": str(dtype).replace("torch.", ""),
+                "torch": torch.__version__,
+                "trl": trl.__version__,
+                "shape": shape,
+                "workloads": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,12 @@ def generated_groups(path: str, groups: int = 2, size: int = 6, vocab: int = 512
                 completion = r.choice(stems) + [r.randrange(vocab) for _ in range(r.randrange(10, 60))]
                 tokens = prompt + completion
                 mask = [0] * len(prompt) + [1] * len(completion)
-                f.write(json.dumps({"id": f"g{g}-{i}", "group": f"g{g}", "tokens": tokens, "loss_mask": mask, "reward": float(r.random() < 0.5)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": f"g{g}-{i}", "group": f"g{g}", "tokens": tokens, "loss_mask": mask, "reward": float(r.random() < 0.5)}
+                    )
+                    + "\n"
+                )
 
 
 def pack(data: str, out: str, max_tokens: int) -> None:
@@ -62,8 +67,17 @@ def make_model(path: str | None, vocab: int) -> torch.nn.Module:
     if path:
         return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="treepack", dtype=torch.float32)
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen3ForCausalLM(cfg)
     model.set_attn_implementation("treepack")
     return model
@@ -109,14 +123,24 @@ def main() -> None:
     loss_u, _, time_u = step(baseline, naive, config)
     drift = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), baseline.parameters()))
     result = {
-        "micro_batches": len(dataset), "sequences": batch.num_sequences, "naive_tokens": batch.num_occurrences, "packed_tokens": batch.num_nodes,
-        "loss_packed": loss_p, "loss_unpacked": loss_u, "step_seconds_packed": time_p, "step_seconds_unpacked": time_u,
-        "speedup": time_u / time_p, "max_weight_difference_after_step": drift, "metrics": metrics,
+        "micro_batches": len(dataset),
+        "sequences": batch.num_sequences,
+        "naive_tokens": batch.num_occurrences,
+        "packed_tokens": batch.num_nodes,
+        "loss_packed": loss_p,
+        "loss_unpacked": loss_u,
+        "step_seconds_packed": time_p,
+        "step_seconds_unpacked": time_u,
+        "speedup": time_u / time_p,
+        "max_weight_difference_after_step": drift,
+        "metrics": metrics,
     }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"micro-batch 1 of {len(dataset)}: {batch.num_sequences} sequences, {batch.num_occurrences} naive → {batch.num_nodes} packed tokens")
+    print(
+        f"micro-batch 1 of {len(dataset)}: {batch.num_sequences} sequences, {batch.num_occurrences} naive → {batch.num_nodes} packed tokens"
+    )
     print(f"packed:   loss {loss_p:.6f}  step {time_p * 1000:.0f} ms")
     print(f"unpacked: loss {loss_u:.6f}  step {time_u * 1000:.0f} ms  ({time_u / time_p:.2f}x the packed step)")
     print(f"weights after the step differ by at most {drift:.2e}; clipfrac {metrics['clipfrac_high'] + metrics['clipfrac_low']:.3f}")

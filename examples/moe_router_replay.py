@@ -49,9 +49,21 @@ CONFIG = {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean"}
 def make_model() -> torch.nn.Module:
     """A 2-layer Qwen3-MoE, 8 experts, 2 per token."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                      norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
     for name, p in model.named_parameters():
         if name.endswith("mlp.gate.weight"):  # the init's zeros would make every route a tie
@@ -157,15 +169,27 @@ def main() -> None:
         batch.routes = None
         lp_own = tpt.gather_occurrences(tpt.packed_logprobs(model.requires_grad_(False), batch, nodes="all").logprobs, batch)
         lp_after = unpacked_logprobs(plain, batch, routes)
-    result = {"calls": batch.num_sequences, "tokens": batch.num_occurrences, "nodes_token_trie": trie_nodes, "nodes_route_split": batch.num_nodes,
-              "aux_loss": m_packed["aux_loss"], "max_diff_logprobs": float((lp_packed[t] - lp_plain[t]).abs().max()),
-              "max_diff_aux_loss": abs(m_packed["aux_loss"] - m_plain["aux_loss"]), "max_diff_loss": abs(m_packed["loss"] - m_plain["loss"]),
-              "max_diff_gradients": grads, "max_diff_weights_after_step": weights,
-              "without_replay_max_diff_logprobs": float((lp_own[t] - lp_after[t]).abs().max())}
-    print(f"{batch.num_sequences} calls, {batch.num_occurrences} tokens: {trie_nodes} nodes sharing by tokens alone, {batch.num_nodes} "
-          "with the tree split where the calls' routes differ")
-    print(f"packed step with replay: loss {m_packed['loss']:.6f} (aux {m_packed['aux_loss']:.6f}); unpacked: {m_plain['loss']:.6f} "
-          f"(aux {m_plain['aux_loss']:.6f})")
+    result = {
+        "calls": batch.num_sequences,
+        "tokens": batch.num_occurrences,
+        "nodes_token_trie": trie_nodes,
+        "nodes_route_split": batch.num_nodes,
+        "aux_loss": m_packed["aux_loss"],
+        "max_diff_logprobs": float((lp_packed[t] - lp_plain[t]).abs().max()),
+        "max_diff_aux_loss": abs(m_packed["aux_loss"] - m_plain["aux_loss"]),
+        "max_diff_loss": abs(m_packed["loss"] - m_plain["loss"]),
+        "max_diff_gradients": grads,
+        "max_diff_weights_after_step": weights,
+        "without_replay_max_diff_logprobs": float((lp_own[t] - lp_after[t]).abs().max()),
+    }
+    print(
+        f"{batch.num_sequences} calls, {batch.num_occurrences} tokens: {trie_nodes} nodes sharing by tokens alone, {batch.num_nodes} "
+        "with the tree split where the calls' routes differ"
+    )
+    print(
+        f"packed step with replay: loss {m_packed['loss']:.6f} (aux {m_packed['aux_loss']:.6f}); unpacked: {m_plain['loss']:.6f} "
+        f"(aux {m_plain['aux_loss']:.6f})"
+    )
     print(f"without replay the packed logprobs would be off by up to {result['without_replay_max_diff_logprobs']:.3g}")
     print(json.dumps(result))
 

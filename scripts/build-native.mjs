@@ -104,8 +104,10 @@ if (result.ok) {
 } else {
   const tail = result.log.trim().split('\n').slice(-20).join('\n');
   if (tail) console.warn(tail);
-  console.warn(`treepack: WARNING: native addon not built: ${result.why}. treepack will use the js backend ` +
-    '(run `npm run build:native` to retry, TREEPACK_SKIP_NATIVE=1 to skip).');
+  console.warn(
+    `treepack: WARNING: native addon not built: ${result.why}. treepack will use the js backend ` +
+      '(run `npm run build:native` to retry, TREEPACK_SKIP_NATIVE=1 to skip).',
+  );
 }
 
 if (!strict) {
@@ -117,8 +119,10 @@ if (!strict) {
     else {
       const tail = cuda.log.trim().split('\n').slice(-20).join('\n');
       if (tail) console.warn(tail);
-      console.warn(`treepack: WARNING: CUDA library not built: ${cuda.why}. treepack runs on its other backends ` +
-        '(run `npm run build:cuda` to retry, TREEPACK_SKIP_CUDA=1 to skip).');
+      console.warn(
+        `treepack: WARNING: CUDA library not built: ${cuda.why}. treepack runs on its other backends ` +
+          '(run `npm run build:cuda` to retry, TREEPACK_SKIP_CUDA=1 to skip).',
+      );
     }
   }
 }

@@ -9,7 +9,15 @@
  */
 import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
-import { ABI_HASH, FOREST_CHECKS, LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_CONSTANTS, LOSS_METRICS_FIELDS, STATUSES } from '../src/backend/abi.js';
+import {
+  ABI_HASH,
+  FOREST_CHECKS,
+  LOSS_CONFIG_ENUMS,
+  LOSS_CONFIG_NUMBERS,
+  LOSS_CONSTANTS,
+  LOSS_METRICS_FIELDS,
+  STATUSES,
+} from '../src/backend/abi.js';
 import { DEFAULT_LOSS_CONFIG } from '../src/loss/config.js';
 import { writeGenerated, type Generated } from './generated.js';
 
@@ -30,7 +38,9 @@ export function renderHeader(): string {
   STATUSES.forEach((s, i) => out.push(`  ${s.name} = ${i}${i + 1 < STATUSES.length ? ',' : ''} /* ${s.message} */`));
   out.push('};', '');
   out.push('/* X(status, message, TreepackError code) for every status, in code order. */', '#define TP_STATUS_TABLE(X) \\');
-  STATUSES.forEach((s, i) => out.push(`  X(${s.name}, ${JSON.stringify(s.message)}, ${JSON.stringify(s.error ?? '')})${i + 1 < STATUSES.length ? ' \\' : ''}`));
+  STATUSES.forEach((s, i) =>
+    out.push(`  X(${s.name}, ${JSON.stringify(s.message)}, ${JSON.stringify(s.error ?? '')})${i + 1 < STATUSES.length ? ' \\' : ''}`),
+  );
   out.push('');
   out.push('/* The message of a status (tp_status_string and tp_cuda_status_string return it); static storage. */');
   out.push('static inline const char* tp_status_message(int code) {', '  switch (code) {');
@@ -45,7 +55,10 @@ export function renderHeader(): string {
   for (const e of LOSS_CONFIG_ENUMS) out.push(`  int32_t ${e.name}; /* enum ${e.cType} */`);
   for (const n of LOSS_CONFIG_NUMBERS) out.push(`  double ${n};`);
   out.push('} tp_loss_config;', '');
-  out.push('/* X(type, field) for tp_loss_config in order (the N-API bindings read a Float64Array of them). */', '#define TP_LOSS_CONFIG_FIELDS(X) \\');
+  out.push(
+    '/* X(type, field) for tp_loss_config in order (the N-API bindings read a Float64Array of them). */',
+    '#define TP_LOSS_CONFIG_FIELDS(X) \\',
+  );
   const fields = [...LOSS_CONFIG_ENUMS.map((e) => `X(int32_t, ${e.name})`), ...LOSS_CONFIG_NUMBERS.map((n) => `X(double, ${n})`)];
   fields.forEach((f, i) => out.push(`  ${f}${i + 1 < fields.length ? ' \\' : ''}`));
   out.push(`#define TP_LOSS_CONFIG_NUM_FIELDS ${fields.length}`, '');
@@ -59,8 +72,19 @@ export function renderHeader(): string {
   out.push('', '/* Violation kinds of tp_forest_check, in code order. */', 'enum tp_check_kind {');
   FOREST_CHECKS.forEach((c, i) => out.push(`  ${c.name} = ${i}${i + 1 < FOREST_CHECKS.length ? ',' : ''} /* ${c.message} */`));
   out.push('};', `#define TP_CHECK_COUNT ${FOREST_CHECKS.length}`, '');
-  out.push('/* One violation of tp_forest_check: the node or occurrence index, the value found, the value expected and, for an', ' * occurrence, its sequence and t (else -1). */');
-  out.push('typedef struct tp_violation {', '  int64_t index;', '  int64_t value;', '  int64_t expected;', '  int64_t seq;', '  int64_t t;', '} tp_violation;');
+  out.push(
+    '/* One violation of tp_forest_check: the node or occurrence index, the value found, the value expected and, for an',
+    ' * occurrence, its sequence and t (else -1). */',
+  );
+  out.push(
+    'typedef struct tp_violation {',
+    '  int64_t index;',
+    '  int64_t value;',
+    '  int64_t expected;',
+    '  int64_t seq;',
+    '  int64_t t;',
+    '} tp_violation;',
+  );
   out.push('', '#endif /* TREEPACK_ABI_H */', '');
   return out.join('\n');
 }
@@ -109,11 +133,15 @@ export function parseFunctions(header: string): CFunction[] {
 export function parseStructs(header: string): CStruct[] {
   const out: CStruct[] = [];
   for (const m of stripComments(header).matchAll(/typedef\s+struct\s+(\w+)\s*\{([^}]*)\}\s*(\w+)\s*;/g)) {
-    const fields = m[2].split(';').map((f) => f.trim()).filter(Boolean).map((f) => {
-      const a = /^(.*?)\[(\d+)\]$/.exec(f);
-      const p = param(a ? a[1] : f);
-      return a ? { ...p, count: Number(a[2]) } : p;
-    });
+    const fields = m[2]
+      .split(';')
+      .map((f) => f.trim())
+      .filter(Boolean)
+      .map((f) => {
+        const a = /^(.*?)\[(\d+)\]$/.exec(f);
+        const p = param(a ? a[1] : f);
+        return a ? { ...p, count: Number(a[2]) } : p;
+      });
     out.push({ name: m[3], fields });
   }
   return out;
@@ -205,7 +233,8 @@ export function renderPython(): string {
   out.push(`METRICS_FIELDS = ${tuple(LOSS_METRICS_FIELDS)}`, '');
   out.push('# src/loss/config.ts DEFAULT_LOSS_CONFIG; clip_high defaults to clip_low when not given.');
   out.push('DEFAULTS = {');
-  for (const [k, v] of Object.entries(DEFAULT_LOSS_CONFIG)) out.push(`    ${JSON.stringify(k)}: ${k === 'clip_high' ? 'None' : typeof v === 'number' ? real(v) : JSON.stringify(v)},`);
+  for (const [k, v] of Object.entries(DEFAULT_LOSS_CONFIG))
+    out.push(`    ${JSON.stringify(k)}: ${k === 'clip_high' ? 'None' : typeof v === 'number' ? real(v) : JSON.stringify(v)},`);
   out.push('}', '');
   out.push('# (name, message, TreepackError code) of every status of the C ABIs, in code order.');
   out.push('STATUSES = (');

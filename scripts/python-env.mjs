@@ -33,7 +33,8 @@ const bin = (dir) => (process.platform === 'win32' ? path.join(dir, 'Scripts', '
 
 /** What `python` can import: 'torch' (torch, transformers and numpy), 'numpy', or an error message. */
 function probe(python) {
-  const code = 'import importlib.util as u, sys\n' +
+  const code =
+    'import importlib.util as u, sys\n' +
     'have = [m for m in ("numpy", "torch", "transformers") if u.find_spec(m)]\n' +
     'print("torch" if len(have) == 3 else "numpy" if "numpy" in have else "none: " + sys.executable)';
   const r = spawnSync(python, ['-c', code], { encoding: 'utf8', timeout: 60_000 });
@@ -142,7 +143,11 @@ export function pythonEnv(opts = {}) {
   const reasons = [];
   let numpyOnly = null;
   const look = () => {
-    for (const [python, source] of [[bin(venv), '.venv'], ['python3', 'PATH'], ['python', 'PATH']]) {
+    for (const [python, source] of [
+      [bin(venv), '.venv'],
+      ['python3', 'PATH'],
+      ['python', 'PATH'],
+    ]) {
       if (source === '.venv' && !fs.existsSync(python)) continue;
       const got = probe(python);
       if (got === 'torch') return { python, torch: true, reason: '', source };
@@ -160,7 +165,9 @@ export function pythonEnv(opts = {}) {
       const made = withLock(() => {
         if (!fs.existsSync(bin(venv))) return createVenv(base);
         // Made meanwhile by another process, or the user's own: never replaced.
-        return probe(bin(venv)) === 'torch' ? '' : `${path.relative(root, venv)} exists without torch (pip install -r ${path.relative(root, requirements)} into it, or remove it)`;
+        return probe(bin(venv)) === 'torch'
+          ? ''
+          : `${path.relative(root, venv)} exists without torch (pip install -r ${path.relative(root, requirements)} into it, or remove it)`;
       });
       if (!made && probe(bin(venv)) === 'torch') return { python: bin(venv), torch: true, reason: '', source: '.venv' };
       if (made) reasons.push(made);
@@ -298,38 +305,62 @@ export function wheelEnv(python) {
   const dir = path.join(wheelCache, key);
   const result = () => {
     const wheel = fs.existsSync(dir) ? fs.readdirSync(dir).find((f) => f.endsWith('.whl')) : undefined;
-    return wheel && fs.existsSync(bin(path.join(dir, 'venv'))) ? { python: bin(path.join(dir, 'venv')), wheel: path.join(dir, wheel), reason: '' } : null;
+    return wheel && fs.existsSync(bin(path.join(dir, 'venv')))
+      ? { python: bin(path.join(dir, 'venv')), wheel: path.join(dir, wheel), reason: '' }
+      : null;
   };
   const ready = result();
   if (ready) return ready;
   fs.mkdirSync(wheelCache, { recursive: true });
-  const failed = withLock(() => {
-    if (result()) return '';
-    // Older installs go once no suite can still be running them (one started before the sources changed).
-    for (const old of fs.readdirSync(wheelCache)) {
-      const stale = Date.now() - fs.statSync(path.join(wheelCache, old)).mtimeMs > 60 * 60_000;
-      if (stale) fs.rmSync(path.join(wheelCache, old), { recursive: true, force: true });
-    }
-    const scratch = `${dir}.building-${process.pid}`;
-    const venvDir = path.join(scratch, 'venv');
-    const pip = ['-m', 'pip', '--disable-pip-version-check', '-q'];
-    // The tests' Python builds the wheel without an isolated build env when it has scikit-build-core (no index
-    // needed); else pip fetches the build backend as for any user.
-    const isolated = spawnSync(python, ['-c', 'import scikit_build_core'], { encoding: 'utf8' }).status !== 0;
-    console.error(`treepack: building the Python wheel into ${path.relative(root, dir)} (sources changed or first use)`);
-    const why =
-      step(python, [...pip, 'wheel', '--no-deps', ...(isolated ? ['--retries', '0', '--timeout', '5'] : ['--no-build-isolation']), '-w', scratch, path.join(root, 'python')]) ||
-      step(python, ['-m', 'venv', venvDir]) ||
-      linkSitePackages(python, bin(venvDir)) ||
-      // Dependencies `python` lacks (safetensors, say) come from the index; those it has are kept.
-      step(bin(venvDir), [...pip, 'install', '--retries', '0', '--timeout', '5', ...fs.readdirSync(scratch).filter((f) => f.endsWith('.whl')).map((f) => path.join(scratch, f))]);
-    if (why) {
-      fs.rmSync(scratch, { recursive: true, force: true });
-      return why;
-    }
-    fs.renameSync(scratch, dir);
-    return '';
-  }, path.join(root, '.cache', 'python-wheel.lock'));
+  const failed = withLock(
+    () => {
+      if (result()) return '';
+      // Older installs go once no suite can still be running them (one started before the sources changed).
+      for (const old of fs.readdirSync(wheelCache)) {
+        const stale = Date.now() - fs.statSync(path.join(wheelCache, old)).mtimeMs > 60 * 60_000;
+        if (stale) fs.rmSync(path.join(wheelCache, old), { recursive: true, force: true });
+      }
+      const scratch = `${dir}.building-${process.pid}`;
+      const venvDir = path.join(scratch, 'venv');
+      const pip = ['-m', 'pip', '--disable-pip-version-check', '-q'];
+      // The tests' Python builds the wheel without an isolated build env when it has scikit-build-core (no index
+      // needed); else pip fetches the build backend as for any user.
+      const isolated = spawnSync(python, ['-c', 'import scikit_build_core'], { encoding: 'utf8' }).status !== 0;
+      console.error(`treepack: building the Python wheel into ${path.relative(root, dir)} (sources changed or first use)`);
+      const why =
+        step(python, [
+          ...pip,
+          'wheel',
+          '--no-deps',
+          ...(isolated ? ['--retries', '0', '--timeout', '5'] : ['--no-build-isolation']),
+          '-w',
+          scratch,
+          path.join(root, 'python'),
+        ]) ||
+        step(python, ['-m', 'venv', venvDir]) ||
+        linkSitePackages(python, bin(venvDir)) ||
+        // Dependencies `python` lacks (safetensors, say) come from the index; those it has are kept.
+        step(bin(venvDir), [
+          ...pip,
+          'install',
+          '--retries',
+          '0',
+          '--timeout',
+          '5',
+          ...fs
+            .readdirSync(scratch)
+            .filter((f) => f.endsWith('.whl'))
+            .map((f) => path.join(scratch, f)),
+        ]);
+      if (why) {
+        fs.rmSync(scratch, { recursive: true, force: true });
+        return why;
+      }
+      fs.renameSync(scratch, dir);
+      return '';
+    },
+    path.join(root, '.cache', 'python-wheel.lock'),
+  );
   return result() ?? { python: null, wheel: '', reason: `cannot build and install the treepack wheel: ${failed}` };
 }
 
@@ -338,8 +369,16 @@ export function wheelEnv(python) {
  * .pth files add too, as in .venv-oldest): its packages are found after the venv's own.
  */
 function linkSitePackages(python, venvPython) {
-  const own = spawnSync(venvPython, ['-c', 'import sysconfig, json; p = sysconfig.get_paths(); print(json.dumps(sorted({p["purelib"], p["platlib"]})))'], { encoding: 'utf8' });
-  const base = spawnSync(python, ['-c', 'import sys, json; print(json.dumps([p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]))'], { encoding: 'utf8' });
+  const own = spawnSync(
+    venvPython,
+    ['-c', 'import sysconfig, json; p = sysconfig.get_paths(); print(json.dumps(sorted({p["purelib"], p["platlib"]})))'],
+    { encoding: 'utf8' },
+  );
+  const base = spawnSync(
+    python,
+    ['-c', 'import sys, json; print(json.dumps([p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]))'],
+    { encoding: 'utf8' },
+  );
   if (base.status !== 0 || own.status !== 0) return `cannot read the site-packages of ${python}: ${base.stderr || own.stderr}`;
   fs.writeFileSync(path.join(JSON.parse(own.stdout)[0], '_treepack_test_deps.pth'), JSON.parse(base.stdout).join('\n') + '\n');
   return '';

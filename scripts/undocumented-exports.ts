@@ -11,7 +11,11 @@ export const ENTRY_POINTS = { treepack: 'src/index.ts', 'treepack/ops': 'src/ops
 
 /** `entry: name` of every export without a doc comment. */
 export function undocumentedExports(): string[] {
-  const config = ts.getParsedCommandLineOfConfigFile(`${root}tsconfig.json`, {}, { ...ts.sys, onUnRecoverableConfigFileDiagnostic: () => {} });
+  const config = ts.getParsedCommandLineOfConfigFile(
+    `${root}tsconfig.json`,
+    {},
+    { ...ts.sys, onUnRecoverableConfigFileDiagnostic: () => {} },
+  );
   if (!config) throw new Error('cannot read tsconfig.json');
   const files = Object.values(ENTRY_POINTS).map((f) => root + f);
   const program = ts.createProgram(files, { ...config.options, noEmit: true });
@@ -23,7 +27,9 @@ export function undocumentedExports(): string[] {
     if (!moduleSymbol) throw new Error(`${file}: not a module`);
     for (const exported of checker.getExportsOfModule(moduleSymbol)) {
       const symbol = exported.flags & ts.SymbolFlags.Alias ? checker.getAliasedSymbol(exported) : exported;
-      const documented = symbol.getDocumentationComment(checker).length > 0 || (symbol.declarations ?? []).some((d) => ts.getJSDocCommentsAndTags(d).length > 0);
+      const documented =
+        symbol.getDocumentationComment(checker).length > 0 ||
+        (symbol.declarations ?? []).some((d) => ts.getJSDocCommentsAndTags(d).length > 0);
       if (!documented) missing.push(`${entry}: ${exported.name}`);
     }
   }

@@ -18,7 +18,7 @@ export const ERROR_CODES = {
   },
   E_USAGE: {
     meaning: 'the command line itself: unknown command or option, a malformed or missing option value (exit status 2)',
-    action: "run the command with --help; the message names the flag",
+    action: 'run the command with --help; the message names the flag',
   },
   E_LIMIT: {
     meaning: 'a size over a documented limit: more than 2^31 - 1 tokens, an output array larger than the backend can hold',

@@ -24,10 +24,33 @@ export { mergeDefaults, AUTHORS, type Author, type MergeOptions, type Timeline, 
 export { timelineFromChat, timelineFromSample, timelineToSample } from './timeline/build.js';
 export { mergeTimelines, snapsOnly, type MergeReport, type MergeResult } from './timeline/merge.js';
 export type { Snap, SnapKind } from './timeline/snap.js';
-export { createPacker, packRecords, manifestHeader, DEFAULT_WINDOW_TOKENS, type Packer, type PackInput, type PackRun, type PackedMicroBatch, type PackerOptions, type BudgetSettings, type PackReport } from './packer/index.js';
+export {
+  createPacker,
+  packRecords,
+  manifestHeader,
+  DEFAULT_WINDOW_TOKENS,
+  type Packer,
+  type PackInput,
+  type PackRun,
+  type PackedMicroBatch,
+  type PackerOptions,
+  type BudgetSettings,
+  type PackReport,
+} from './packer/index.js';
 export { DirectorySink } from './io/directory-sink.js';
 export { MemorySink } from './io/memory-sink.js';
-export { MANIFEST_FILE, MANIFEST_FORMAT, microBatchFileName, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch, type ExtraTensors } from './io/sink.js';
+export {
+  MANIFEST_FILE,
+  MANIFEST_FORMAT,
+  microBatchFileName,
+  manifestBytes,
+  type Manifest,
+  type ManifestEntry,
+  type ManifestHeader,
+  type Sink,
+  type SinkMicroBatch,
+  type ExtraTensors,
+} from './io/sink.js';
 export { microBatchBytes, readMicroBatch, writeMicroBatch, type MicroBatchFile } from './io/microbatch.js';
 export { readManifest, microBatchPaths, readMicroBatches, type DirectoryMicroBatch } from './io/manifest.js';
 export { openPublish, type PublishRun } from './io/publish.js';
@@ -37,7 +60,16 @@ export * from './mask/index.js';
 export { maskTensors, type MaskTensors } from './io/masks.js';
 export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
 export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
-export { assignRanks, attentionPairs, imbalance, microBatchCost, pathPairs, DEFAULT_COST, type CostModel, type RankAssignment } from './pack/balance.js';
+export {
+  assignRanks,
+  attentionPairs,
+  imbalance,
+  microBatchCost,
+  pathPairs,
+  DEFAULT_COST,
+  type CostModel,
+  type RankAssignment,
+} from './pack/balance.js';
 export { lcpQuery } from './pack/lcp.js';
 export { Collector, simulateCollector, type CollectorPolicy, type ScheduleReport, type SimulatedGroup } from './pack/schedule.js';
 export { BACKEND_NAMES, type BackendName } from './backend/index.js';

@@ -46,8 +46,12 @@ describe('the ABI table', () => {
     const core = parseFunctions(readFileSync(root + 'native/core/mask.h', 'utf8')).find((f) => f.name === 'tp_mask_blocks')!;
     expect(core.returns).toBe('int');
     expect(core.params).toEqual([
-      { type: 'int32_t*', name: 'subtree_end' }, { type: 'int64_t', name: 'n' }, { type: 'int32_t', name: 'block_size' },
-      { type: 'int32_t*', name: 'kv_num' }, { type: 'int32_t*', name: 'kv_idx' }, { type: 'int32_t*', name: 'full_num' },
+      { type: 'int32_t*', name: 'subtree_end' },
+      { type: 'int64_t', name: 'n' },
+      { type: 'int32_t', name: 'block_size' },
+      { type: 'int32_t*', name: 'kv_num' },
+      { type: 'int32_t*', name: 'kv_idx' },
+      { type: 'int32_t*', name: 'full_num' },
       { type: 'int32_t*', name: 'full_idx' },
     ]);
   });
@@ -64,7 +68,15 @@ describe('the ABI table', () => {
   });
 
   it('configVector follows the table: enum codes, then numbers', () => {
-    const cfg = resolveLossConfig({ policy: 'cispo', aggregation: 'seq-mean-token-sum-norm', norm_constant: 5, kl: 'k3', kl_coef: 0.5, tis: 'sequence', tis_cap: 3 });
+    const cfg = resolveLossConfig({
+      policy: 'cispo',
+      aggregation: 'seq-mean-token-sum-norm',
+      norm_constant: 5,
+      kl: 'k3',
+      kl_coef: 0.5,
+      tis: 'sequence',
+      tis_cap: 3,
+    });
     expect(Array.from(configVector(cfg))).toEqual([2, 3, 4, 2, 0.2, 0.2, 0, 20, 5, 0, 0, 0.5, 3, 1]);
   });
 });
@@ -110,7 +122,12 @@ function expectEqual(got: LossResult, want: LossResult, tol: number, what: strin
 }
 
 /** Every variant equals js, and for each number field the value changes js's result (else the test proves nothing). */
-function checkFields(list: [string, Partial<LossConfig>][], js: (c: LossConfig) => LossResult, run: (c: LossConfig) => Promise<LossResult>, tol: number) {
+function checkFields(
+  list: [string, Partial<LossConfig>][],
+  js: (c: LossConfig) => LossResult,
+  run: (c: LossConfig) => Promise<LossResult>,
+  tol: number,
+) {
   return async () => {
     const results = new Map<string, LossResult>();
     for (const [name, config] of list) {
@@ -120,7 +137,9 @@ function checkFields(list: [string, Partial<LossConfig>][], js: (c: LossConfig) 
       results.set(name, want);
     }
     for (const n of LOSS_CONFIG_NUMBERS) {
-      const [base, changed] = [...results.entries()].filter(([k]) => k.startsWith(`${n} (base)`) || k.startsWith(`${n}=`)).map(([, r]) => r);
+      const [base, changed] = [...results.entries()]
+        .filter(([k]) => k.startsWith(`${n} (base)`) || k.startsWith(`${n}=`))
+        .map(([, r]) => r);
       expect(differs(base, changed), `${n} changes the js result`).toBe(true);
     }
     for (const e of LOSS_CONFIG_ENUMS) {
@@ -150,7 +169,12 @@ const tolerance = (b: BackendName) => (b === 'webgpu' ? 2e-5 : 1e-6);
 await describeBackends('loss', (backend) => {
   it('every config field, each value, reaches the kernel', async () => {
     const { batch, lp } = lossCase;
-    await checkFields(variants(false), (c) => lossReference(batch, lp, c), async (c) => computeLoss(batch, lp, c, { backend }), tolerance(backend))();
+    await checkFields(
+      variants(false),
+      (c) => lossReference(batch, lp, c),
+      async (c) => computeLoss(batch, lp, c, { backend }),
+      tolerance(backend),
+    )();
   });
 });
 
@@ -164,23 +188,50 @@ await describeBackends('lossCompact', (backend) => {
 
 const pythonEnv = { ...process.env, PYTHONPATH: root + 'python', PYTHONDONTWRITEBYTECODE: '1' };
 function python(request: object): Record<string, unknown> {
-  const r = spawnSync('python3', [root + 'test/helpers/abi_probe.py'], { input: JSON.stringify(request), env: pythonEnv, encoding: 'utf8', maxBuffer: 64 << 20 });
+  const r = spawnSync('python3', [root + 'test/helpers/abi_probe.py'], {
+    input: JSON.stringify(request),
+    env: pythonEnv,
+    encoding: 'utf8',
+    maxBuffer: 64 << 20,
+  });
   if (r.status !== 0) throw new Error(`abi_probe.py failed: ${r.stderr}`);
   return JSON.parse(r.stdout);
 }
 const probe = spawnSync('python3', ['-c', 'from treepack import loss; loss.core_library()'], { env: pythonEnv, encoding: 'utf8' });
-const pySkip = probe.error ? `python3 not runnable (${probe.error.message})` : probe.status !== 0 ? `python3 cannot load the C core through ctypes (${probe.stderr.trim().split('\n').pop()})` : '';
+const pySkip = probe.error
+  ? `python3 not runnable (${probe.error.message})`
+  : probe.status !== 0
+    ? `python3 cannot load the C core through ctypes (${probe.stderr.trim().split('\n').pop()})`
+    : '';
 if (pySkip) console.log(`Python ctypes ABI tests skipped: ${pySkip}`);
 
 describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` : ''}`, () => {
   it('make_config fills the struct as configVector does, and refuses what resolveLossConfig refuses', () => {
-    const good = [{}, { policy: 'gspo', aggregation: 'seq-mean-token-mean', kl: 'k1', kl_coef: 2, tis: 'sequence' }, { clip_low: 0.1, dual_clip: 2.5, global_tokens: 9 }];
-    const bad = [{ policy: 'grpo' }, { clip_low: -1 }, { dual_clip: 1 }, { dual_clip: 2, policy: 'cispo' }, { log_ratio_clamp: 0 }, { tis_cap: 0 }, { global_tokens: -1 }, { kl_coef: Infinity }, { aggregation: 'seq-mean-token-sum-norm' }, { clip_ratio: 0.2 }];
+    const good = [
+      {},
+      { policy: 'gspo', aggregation: 'seq-mean-token-mean', kl: 'k1', kl_coef: 2, tis: 'sequence' },
+      { clip_low: 0.1, dual_clip: 2.5, global_tokens: 9 },
+    ];
+    const bad = [
+      { policy: 'grpo' },
+      { clip_low: -1 },
+      { dual_clip: 1 },
+      { dual_clip: 2, policy: 'cispo' },
+      { log_ratio_clamp: 0 },
+      { tis_cap: 0 },
+      { global_tokens: -1 },
+      { kl_coef: Infinity },
+      { aggregation: 'seq-mean-token-sum-norm' },
+      { clip_ratio: 0.2 },
+    ];
     const res = python({ mode: 'config', configs: [...good, ...bad] }).results as { fields?: Record<string, number>; error?: string }[];
     good.forEach((c, i) => {
       const vec = configVector(resolveLossConfig(c));
       const names = [...LOSS_CONFIG_ENUMS.map((e) => e.name), ...LOSS_CONFIG_NUMBERS];
-      expect(names.map((n) => res[i].fields![n]), JSON.stringify(c)).toEqual(Array.from(vec));
+      expect(
+        names.map((n) => res[i].fields![n]),
+        JSON.stringify(c),
+      ).toEqual(Array.from(vec));
     });
     bad.forEach((c, i) => {
       const err = caught(() => resolveLossConfig(c)) as TreepackError;
@@ -192,8 +243,24 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
   it('every config field, each value, reaches tp_loss through ctypes', () => {
     const { batch, lp } = lossCase;
     const list = variants(false);
-    const arrays = Object.fromEntries(['seq_offsets', 'seq_positions', 'loss_mask', 'advantages', 'old_logprobs', 'ref_logprobs', 'rollout_logprobs', 'seq_weight', 'turn_ids'].map((k) => [k, Array.from(batch[k as keyof typeof batch] as ArrayLike<number>)]));
-    const res = python({ mode: 'loss', batch: arrays, lp: Array.from(lp), configs: list.map(([, c]) => c) }).results as { loss: number; grad: number[]; metrics: LossResult['metrics'] }[];
+    const arrays = Object.fromEntries(
+      [
+        'seq_offsets',
+        'seq_positions',
+        'loss_mask',
+        'advantages',
+        'old_logprobs',
+        'ref_logprobs',
+        'rollout_logprobs',
+        'seq_weight',
+        'turn_ids',
+      ].map((k) => [k, Array.from(batch[k as keyof typeof batch] as ArrayLike<number>)]),
+    );
+    const res = python({ mode: 'loss', batch: arrays, lp: Array.from(lp), configs: list.map(([, c]) => c) }).results as {
+      loss: number;
+      grad: number[];
+      metrics: LossResult['metrics'];
+    }[];
     list.forEach(([name, config], i) => {
       const want = lossReference(batch, lp, resolveLossConfig(config));
       expectEqual({ loss: res[i].loss, grad: Float32Array.from(res[i].grad), metrics: res[i].metrics }, want, 1e-6, `python ${name}`);
@@ -226,7 +293,11 @@ describe.skipIf(pySkip !== '')(`Python ctypes${pySkip ? ` (skipped: ${pySkip})` 
     [{ config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_OK', 'device'],
     [{ set: { turn: [0, 1, 0, 0, 0] }, config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_ERR_TURNS', 'device'],
     [{ set: { turn: [0, 1, 0, 0, 0] } }, 'TP_OK', 'device'], // only the turn mode reads them
-    [{ set: { pos: [0, 1, 2, 0, 9], turn: [0, 1, 0, 0, 0] }, config: { aggregation: 'seq-mean-turn-mean-token-mean' } }, 'TP_ERR_INDEX', 'device'],
+    [
+      { set: { pos: [0, 1, 2, 0, 9], turn: [0, 1, 0, 0, 0] }, config: { aggregation: 'seq-mean-turn-mean-token-mean' } },
+      'TP_ERR_INDEX',
+      'device',
+    ],
   ];
   let answers: Record<string, unknown> | undefined;
   const statusAnswers = () => (answers ??= python({ mode: 'status', calls: calls.map(([c]) => c) }));
@@ -262,7 +333,11 @@ describe('the addons answer bad arguments alike', () => {
     const se = Int32Array.from([3, 3, 3]);
     const badEnd = Int32Array.from([3, 9, 3]);
     for (const [name, b] of addons) {
-      for (const [what, call] of [['maskDense', () => b.maskDense(parent, se)], ['maskBits', () => b.maskBits(parent, se)], ['maskBlocks', () => b.maskBlocks(badEnd, 2)]] as const) {
+      for (const [what, call] of [
+        ['maskDense', () => b.maskDense(parent, se)],
+        ['maskBits', () => b.maskBits(parent, se)],
+        ['maskBlocks', () => b.maskBlocks(badEnd, 2)],
+      ] as const) {
         const err = caught(call) as TreepackError;
         expect(err, `${name} ${what}`).toBeInstanceOf(TreepackError);
         expect(err.code, `${name} ${what}`).toBe('E_INPUT');
@@ -271,21 +346,44 @@ describe('the addons answer bad arguments alike', () => {
     }
   });
 
-  it.skipIf(addons.length === 0)('the loss refuses a config code out of range (E_ARG) and, where it runs, a position out of range (E_INPUT)', () => {
-    const { batch, lp } = randomLossCase([[1, 2, 3], [1, 4]], 2, { maskRate: 0 });
-    const args = (config: Float64Array, pos = batch.seq_positions) => [config, batch.seq_offsets, pos, batch.loss_mask, batch.advantages, batch.old_logprobs, null, null, null, null, lp, new Float32Array(lp.length)];
-    const badCode = configVector(resolveLossConfig({}));
-    badCode[0] = 7;
-    const badPos = batch.seq_positions.slice();
-    badPos[2] = lp.length;
-    for (const [name, b] of addons) {
-      const err = caught(() => b.loss(...args(badCode))) as TreepackError;
-      expect(err.code, name).toBe('E_ARG');
-      expect(err.message, name).toMatch(/invalid argument/);
-      if (name === 'cuda' && !gpu) continue; // positions are checked on the device
-      const pe = caught(() => b.loss(...args(configVector(resolveLossConfig({})), badPos))) as TreepackError;
-      expect(pe.code, name).toBe('E_INPUT');
-      expect(pe.message, name).toMatch(/seq_positions holds a position outside/);
-    }
-  });
+  it.skipIf(addons.length === 0)(
+    'the loss refuses a config code out of range (E_ARG) and, where it runs, a position out of range (E_INPUT)',
+    () => {
+      const { batch, lp } = randomLossCase(
+        [
+          [1, 2, 3],
+          [1, 4],
+        ],
+        2,
+        { maskRate: 0 },
+      );
+      const args = (config: Float64Array, pos = batch.seq_positions) => [
+        config,
+        batch.seq_offsets,
+        pos,
+        batch.loss_mask,
+        batch.advantages,
+        batch.old_logprobs,
+        null,
+        null,
+        null,
+        null,
+        lp,
+        new Float32Array(lp.length),
+      ];
+      const badCode = configVector(resolveLossConfig({}));
+      badCode[0] = 7;
+      const badPos = batch.seq_positions.slice();
+      badPos[2] = lp.length;
+      for (const [name, b] of addons) {
+        const err = caught(() => b.loss(...args(badCode))) as TreepackError;
+        expect(err.code, name).toBe('E_ARG');
+        expect(err.message, name).toMatch(/invalid argument/);
+        if (name === 'cuda' && !gpu) continue; // positions are checked on the device
+        const pe = caught(() => b.loss(...args(configVector(resolveLossConfig({})), badPos))) as TreepackError;
+        expect(pe.code, name).toBe('E_INPUT');
+        expect(pe.message, name).toMatch(/seq_positions holds a position outside/);
+      }
+    },
+  );
 });

@@ -36,13 +36,16 @@ describe('backend registry', () => {
     if (!/software adapter/.test(webgpu.detail)) return ctx.skip(`a hardware adapter: ${webgpu.detail}`);
     const r = await resolveKernel('maskBlocks');
     expect(r.backend).toBe(nativeBuilt ? 'cpu' : 'webgpu');
-    if (nativeBuilt) expect(r.report).toMatch(/skipped cuda: .*; webgpu: .*\(software adapter\), emulated in software, slower than the C\+\+ core\)$/);
+    if (nativeBuilt)
+      expect(r.report).toMatch(/skipped cuda: .*; webgpu: .*\(software adapter\), emulated in software, slower than the C\+\+ core\)$/);
     expect((await resolveKernel('maskBlocks', 'webgpu')).backend).toBe('webgpu');
   });
 
   it('honours an explicit backend, and refuses one that cannot run the op', async () => {
     expect((await resolveKernel('packForest', 'js')).backend).toBe('js');
-    await expect(resolveKernel('packForest', 'webgpu')).rejects.toThrow(/no available backend for 'packForest': webgpu: no 'packForest' kernel/);
+    await expect(resolveKernel('packForest', 'webgpu')).rejects.toThrow(
+      /no available backend for 'packForest': webgpu: no 'packForest' kernel/,
+    );
     const err = await resolveKernel('packForest', 'tpu' as never).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(TreepackError);
     expect((err as TreepackError).code).toBe('E_ARG');

@@ -65,7 +65,10 @@ describe('bench report paths', () => {
   it.each([['--json'], ['--html']])('%s under a file (not a directory) exits 2 naming the flag', (flag) => {
     const file = join(dir, 'a-file');
     writeFileSync(file, '');
-    const r = spawnSync(process.execPath, ['--import', 'tsx', 'bench/main.ts', flag, join(file, 'sub', 'bench.json')], { encoding: 'utf8', timeout: 120_000 });
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'bench/main.ts', flag, join(file, 'sub', 'bench.json')], {
+      encoding: 'utf8',
+      timeout: 120_000,
+    });
     expect(r.status).toBe(2);
     expect(r.stderr).toContain(`bench: ${flag} ${join(file, 'sub', 'bench.json')}: cannot write there`);
     expect(r.stdout).not.toContain('## ');

@@ -20,12 +20,40 @@ if (!have) console.warn(`bench report test: skipped, no Chromium at ${CHROMIUM} 
 
 /** A workload whose packed side holds 1/c of the naive tokens; step times follow a fixed rate per token. */
 function workload(name: string, c: number): StepWorkload {
-  const side = (tokens: number, mbs: number): SideFigures => ({ micro_batches: mbs, tokens, occurrences: tokens, trainable: 500, pairs: tokens * 900, blocks: Math.ceil((tokens * 900) / 128 / 128) + tokens / 128, full_blocks: 0, scored_rows: 500, max_tokens: 16384 });
+  const side = (tokens: number, mbs: number): SideFigures => ({
+    micro_batches: mbs,
+    tokens,
+    occurrences: tokens,
+    trainable: 500,
+    pairs: tokens * 900,
+    blocks: Math.ceil((tokens * 900) / 128 / 128) + tokens / 128,
+    full_blocks: 0,
+    scored_rows: 500,
+    max_tokens: 16384,
+  });
   const f = { naive: side(8000 * c, Math.ceil(c / 2)), merged: side(16000, 1), packed: side(8000, 1) };
-  const time = (s: SideFigures) => ({ step: s.tokens * 1e-4 + s.micro_batches * 0.05, masks: 0.01, forward: s.tokens * 3e-5, loss: 0.001, backward: s.tokens * 6e-5, steps: [1], peak_bytes: s.tokens * 4096, logprob_sum: -1, grad_norm: 1 });
+  const time = (s: SideFigures) => ({
+    step: s.tokens * 1e-4 + s.micro_batches * 0.05,
+    masks: 0.01,
+    forward: s.tokens * 3e-5,
+    loss: 0.001,
+    backward: s.tokens * 6e-5,
+    steps: [1],
+    peak_bytes: s.tokens * 4096,
+    logprob_sum: -1,
+    grad_norm: 1,
+  });
   return {
-    name, compression: c, packSeconds: 0.2, report: { timelines: 8 * c, samples: 8 } as StepWorkload['report'], figures: f,
-    sides: { naive: { ...time(f.naive), loss_value: 0.5 }, merged: { ...time(f.merged), loss_value: 0.5 }, packed: { ...time(f.packed), loss_value: 0.5 } },
+    name,
+    compression: c,
+    packSeconds: 0.2,
+    report: { timelines: 8 * c, samples: 8 } as StepWorkload['report'],
+    figures: f,
+    sides: {
+      naive: { ...time(f.naive), loss_value: 0.5 },
+      merged: { ...time(f.merged), loss_value: 0.5 },
+      packed: { ...time(f.packed), loss_value: 0.5 },
+    },
     mismatches: {},
   };
 }
@@ -33,16 +61,51 @@ function workload(name: string, c: number): StepWorkload {
 describe.skipIf(!have && !required)('bench report in Chromium', () => {
   it('renders every figure with data and no console errors', { timeout: 120_000 }, async () => {
     expect(have, `Chromium required (TREEPACK_REQUIRE_CHROMIUM=1) but ${CHROMIUM} is missing`).toBe(true);
-    const section: StepSection = { device: 'CPU, 2 threads', deviceType: 'cpu', dtype: 'float32', attention: 'block', torch: 'test', shape: CPU_SHAPE, maxTokens: 16384, workloads: [workload('a', 4), workload('b', 9), workload('c', 20)] };
+    const section: StepSection = {
+      device: 'CPU, 2 threads',
+      deviceType: 'cpu',
+      dtype: 'float32',
+      attention: 'block',
+      torch: 'test',
+      shape: CPU_SHAPE,
+      maxTokens: 16384,
+      workloads: [workload('a', 4), workload('b', 9), workload('c', 20)],
+    };
     const step = analyzeStep(section);
     expect(step.rows).toHaveLength(3);
     expect(step.modelError!.max).toBeLessThan(0.05); // times are linear in the model's own features: near exact
     const data: ReportData = {
-      title: 'treepack bench (test)', generated: 'test', environment: ['test'],
+      title: 'treepack bench (test)',
+      generated: 'test',
+      environment: ['test'],
       step: { device: 'CPU (test)', rows: step.rows },
-      sparsity: [1024, 4096, 16384].map((N) => ({ N, blockSize: 128, causalBlocks: 100, listedBlocks: 40, fullBlocks: 10, skippedFraction: 0.6, visibleFraction: 0.3 })),
-      loss: [1e4, 1e5].flatMap((M) => ['js', 'cpu'].map((backend) => ({ M, N: M / 4, backend, mode: 'compact' as const, seconds: 0.01, occurrencesPerSecond: M * 100, gbPerSecond: 1 }))),
-      merge: [10, 100].map((t) => ({ dataset: 'generated', scope: 'one pool' as const, timelines: t, treepack: { samples: 1, packedTokens: 1, naiveTokens: 1, seconds: t * 1e-4, wrongMerges: 0 }, agentjet: { samples: 1, packedTokens: 1, naiveTokens: 1, seconds: t * t * 1e-5, wrongMerges: 0 } })),
+      sparsity: [1024, 4096, 16384].map((N) => ({
+        N,
+        blockSize: 128,
+        causalBlocks: 100,
+        listedBlocks: 40,
+        fullBlocks: 10,
+        skippedFraction: 0.6,
+        visibleFraction: 0.3,
+      })),
+      loss: [1e4, 1e5].flatMap((M) =>
+        ['js', 'cpu'].map((backend) => ({
+          M,
+          N: M / 4,
+          backend,
+          mode: 'compact' as const,
+          seconds: 0.01,
+          occurrencesPerSecond: M * 100,
+          gbPerSecond: 1,
+        })),
+      ),
+      merge: [10, 100].map((t) => ({
+        dataset: 'generated',
+        scope: 'one pool' as const,
+        timelines: t,
+        treepack: { samples: 1, packedTokens: 1, naiveTokens: 1, seconds: t * 1e-4, wrongMerges: 0 },
+        agentjet: { samples: 1, packedTokens: 1, naiveTokens: 1, seconds: t * t * 1e-5, wrongMerges: 0 },
+      })),
     };
     const dir = mkdtempSync(join(tmpdir(), 'treepack-report-'));
     const page = join(dir, 'report.html');
@@ -51,7 +114,14 @@ describe.skipIf(!have && !required)('bench report in Chromium', () => {
     const { chromium } = await import('playwright-core');
     const browser = await chromium.launch({
       executablePath: CHROMIUM,
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update', '--no-first-run'],
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-background-networking',
+        '--disable-component-update',
+        '--no-first-run',
+      ],
     });
     try {
       const tab = await browser.newPage({ viewport: { width: 1280, height: 900 } });
@@ -90,12 +160,25 @@ describe.skipIf(!have && !required)('bench report in Chromium', () => {
 });
 
 describe('training-step analysis', () => {
-  it('reports a merged side that is naive\'s (the merge joined no call) as naive, outside the fit and its error', () => {
+  it("reports a merged side that is naive's (the merge joined no call) as naive, outside the fit and its error", () => {
     const same = (w: StepWorkload): StepWorkload => {
       const sides = w.sides!;
-      return { ...w, figures: { ...w.figures!, merged: w.figures!.naive }, sides: { ...sides, merged: { ...sides.naive, same_as_naive: true } } };
+      return {
+        ...w,
+        figures: { ...w.figures!, merged: w.figures!.naive },
+        sides: { ...sides, merged: { ...sides.naive, same_as_naive: true } },
+      };
     };
-    const section: StepSection = { device: 'CPU', deviceType: 'cpu', dtype: 'float32', attention: 'block', torch: 'test', shape: CPU_SHAPE, maxTokens: 16384, workloads: [same(workload('a', 4)), workload('b', 9), same(workload('c', 20))] };
+    const section: StepSection = {
+      device: 'CPU',
+      deviceType: 'cpu',
+      dtype: 'float32',
+      attention: 'block',
+      torch: 'test',
+      shape: CPU_SHAPE,
+      maxTokens: 16384,
+      workloads: [same(workload('a', 4)), workload('b', 9), same(workload('c', 20))],
+    };
     const step = analyzeStep(section);
     expect(step.text).toContain('(merged = naive)');
     expect(step.text.match(/= naive: the merge joined no call/g)).toHaveLength(2);
@@ -104,8 +187,23 @@ describe('training-step analysis', () => {
   });
 
   it('states the GPU goal on CUDA for workloads of at least 50x compression, and lists skipped workloads', () => {
-    const skipped: StepWorkload = { name: 'z', compression: 85, packSeconds: 0.1, report: { naiveTokens: 3000, packedTokens: 35 } as StepWorkload['report'], skipped: 'timed on cuda hosts only' };
-    const section: StepSection = { device: 'GPU', deviceType: 'cuda', dtype: 'bfloat16', attention: 'flex', torch: 'test', shape: CPU_SHAPE, maxTokens: 16384, workloads: [workload('a', 9), workload('b', 60), skipped] };
+    const skipped: StepWorkload = {
+      name: 'z',
+      compression: 85,
+      packSeconds: 0.1,
+      report: { naiveTokens: 3000, packedTokens: 35 } as StepWorkload['report'],
+      skipped: 'timed on cuda hosts only',
+    };
+    const section: StepSection = {
+      device: 'GPU',
+      deviceType: 'cuda',
+      dtype: 'bfloat16',
+      attention: 'flex',
+      torch: 'test',
+      shape: CPU_SHAPE,
+      maxTokens: 16384,
+      workloads: [workload('a', 9), workload('b', 60), skipped],
+    };
     const step = analyzeStep(section);
     // b: naive 48 s + 30 micro-batches × 0.05 s against packed 0.85 s, about 58×.
     expect(step.text.match(/GPU goal \(≥ 40× step speedup at ≥ 50× compression\): [\d.]+×, met/g)).toHaveLength(1);
@@ -122,8 +220,16 @@ describe('tile-level ideal and MFU', () => {
   // 2·4·10 = 80 per scored row; attention 4·1·4 = 16 per pair forward. Step = 3 × forward.
   const shape: ModelShape = { name: 'hand', hidden: 4, intermediate: 8, layers: 1, heads: 1, kv_heads: 1, head_dim: 4 };
   const fig = (tokens: number, pairs: number, tiles: number, maxTokens: number): SideFigures => ({
-    micro_batches: 1, tokens, occurrences: tokens, trainable: 100, pairs, blocks: tiles, full_blocks: 0, executed_blocks: tiles,
-    scored_rows: 100, max_tokens: maxTokens,
+    micro_batches: 1,
+    tokens,
+    occurrences: tokens,
+    trainable: 100,
+    pairs,
+    blocks: tiles,
+    full_blocks: 0,
+    executed_blocks: tiles,
+    scored_rows: 100,
+    max_tokens: maxTokens,
   });
   // naive: 1000 tokens, 50,000 pairs, 10 tiles; packed: 250 tokens, 20,000 pairs, 4 tiles.
   const naivePairs = 3 * (320 * 1000 + 80 * 100 + 16 * 50_000); // 3,384,000
@@ -135,22 +241,46 @@ describe('tile-level ideal and MFU', () => {
   const NAIVE_S = 1e-8;
   function hand(name: string, packedMaxTokens: number, speedup: number): StepWorkload {
     const side = (step: number, attention: string) => ({
-      step, masks: 0, forward: 0, loss: 0, backward: 0, steps: [step], peak_bytes: null, loss_value: 0.5, logprob_sum: -1, grad_norm: 1,
+      step,
+      masks: 0,
+      forward: 0,
+      loss: 0,
+      backward: 0,
+      steps: [step],
+      peak_bytes: null,
+      loss_value: 0.5,
+      logprob_sum: -1,
+      grad_norm: 1,
       attention,
     });
-    const naive = fig(1000, 50_000, 10, 1000), packed = fig(250, 20_000, 4, packedMaxTokens);
+    const naive = fig(1000, 50_000, 10, 1000),
+      packed = fig(250, 20_000, 4, packedMaxTokens);
     return {
-      name, compression: 4, packSeconds: 0, report: { timelines: 4, samples: 4 } as StepWorkload['report'], shape, vocab: 10,
+      name,
+      compression: 4,
+      packSeconds: 0,
+      report: { timelines: 4, samples: 4 } as StepWorkload['report'],
+      shape,
+      vocab: 10,
       mismatches: {},
       figures: { naive, merged: naive, packed },
       sides: {
-        naive: side(NAIVE_S, 'stock'), merged: { ...side(NAIVE_S, 'stock'), same_as_naive: true }, packed: side(NAIVE_S / speedup, 'tree'),
+        naive: side(NAIVE_S, 'stock'),
+        merged: { ...side(NAIVE_S, 'stock'), same_as_naive: true },
+        packed: side(NAIVE_S / speedup, 'tree'),
       },
     };
   }
   const gpu: StepSection = {
-    device: 'NVIDIA H100 80GB HBM3', deviceType: 'cuda', dtype: 'bfloat16', attention: 'flex', torch: 'test', shape, maxTokens: 16384,
-    naiveAttention: 'transformers sdpa (one sequence per call, is_causal)', packedAttention: 'treepack FlexAttention + BlockMask',
+    device: 'NVIDIA H100 80GB HBM3',
+    deviceType: 'cuda',
+    dtype: 'bfloat16',
+    attention: 'flex',
+    torch: 'test',
+    shape,
+    maxTokens: 16384,
+    naiveAttention: 'transformers sdpa (one sequence per call, is_causal)',
+    packedAttention: 'treepack FlexAttention + BlockMask',
     // 0.85 × the tile ideal in the goal's range; the same below 8k tokens (no goal stated); 0.7 × in range (missed).
     workloads: [hand('in range', 9000, 0.85 * tileIdeal), hand('small', 4000, 0.85 * tileIdeal), hand('slow', 16384, 0.7 * tileIdeal)],
   };
@@ -164,8 +294,10 @@ describe('tile-level ideal and MFU', () => {
     expect(rows[0].goal.ideal).toBe('tiles');
     expect(rows[0].goal.ratio).toBeCloseTo(0.85, 12);
     expect(text).toContain('step 0.85 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: met)');
-    expect(text).toContain('step 0.85 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: not stated: ' +
-      'packed micro-batches of up to 4000 tokens');
+    expect(text).toContain(
+      'step 0.85 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: not stated: ' +
+        'packed micro-batches of up to 4000 tokens',
+    );
     expect(text).toContain('step 0.70 × the tile-level ideal (goal ≥ 0.8 at 8k–32k-token micro-batches: MISSED)');
     expect(text).toContain('naive and merged attention: transformers sdpa (one sequence per call, is_causal)');
   });

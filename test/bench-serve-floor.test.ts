@@ -34,11 +34,18 @@ describe('bench:serve floor proxy', { timeout: 30_000 }, () => {
       }
       expect((await post(`${floor.url}/v1/episodes/e1/finish`, '{"reward":1}')).status).toBe(200);
       // Answered only after the write: the lines are there now, before the floor stops (O_DSYNC: on disk too).
-      const lines = readFileSync(log, 'utf8').trim().split('\n').map((l) => JSON.parse(l) as Record<string, string>);
+      const lines = readFileSync(log, 'utf8')
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l) as Record<string, string>);
       expect(lines.map((l) => l.type)).toEqual(['call', 'call', 'call', 'finish']);
       expect(lines.slice(0, 3).map((l) => l.request)).toEqual(bodies);
       expect(lines.slice(0, 3).map((l) => l.output)).toEqual(answers);
-      expect(answers.map((a) => (JSON.parse(a) as { choices: { message: { content: string } }[] }).choices[0].message.content)).toEqual(['reply 0', 'reply 1', 'reply 2']);
+      expect(answers.map((a) => (JSON.parse(a) as { choices: { message: { content: string } }[] }).choices[0].message.content)).toEqual([
+        'reply 0',
+        'reply 1',
+        'reply 2',
+      ]);
       const writes = (await (await fetch(`${floor.url}/writes`)).json()) as number[];
       expect(writes.length).toBeGreaterThanOrEqual(1);
       expect(writes.length).toBeLessThanOrEqual(4);

@@ -22,7 +22,15 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
   let run: ReturnType<typeof benchStep> | undefined;
   // The second workload is for CUDA hosts only: packed, then reported skipped here.
   const cudaOnly = { ...GENERATED[0], label: 'CUDA only', devices: ['cuda' as const] };
-  const harness = () => (run ??= benchStep({ full: false, tauBench: null, generated: [GENERATED[0], cudaOnly], shapes: { cpu: [CPU_SHAPE, SMALL], cuda: [] }, repeats: 1, threads: 1 }));
+  const harness = () =>
+    (run ??= benchStep({
+      full: false,
+      tauBench: null,
+      generated: [GENERATED[0], cudaOnly],
+      shapes: { cpu: [CPU_SHAPE, SMALL], cuda: [] },
+      repeats: 1,
+      threads: 1,
+    }));
 
   it('times naive and packed to the same loss on each model', { timeout: 600_000 }, async () => {
     const section = await harness();
@@ -67,7 +75,9 @@ describe.skipIf(py.skipReason !== '')('bench step harness', () => {
     const section = await harness();
     const { naive, packed } = section.workloads.find((w) => !w.skipped)!.sides!;
     expect(section.allocator).toMatch(/GLIBC_TUNABLES=/);
-    console.log(`bench-step: page faults in timed steps: naive ${naive.page_faults}, packed ${packed.page_faults}; peak memory added: naive ${naive.peak_bytes}, packed ${packed.peak_bytes}`);
+    console.log(
+      `bench-step: page faults in timed steps: naive ${naive.page_faults}, packed ${packed.page_faults}; peak memory added: naive ${naive.peak_bytes}, packed ${packed.peak_bytes}`,
+    );
     expect(naive.page_faults).toBeLessThan(1000);
     expect(packed.page_faults).toBeLessThan(1000);
   });

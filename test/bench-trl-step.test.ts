@@ -13,7 +13,12 @@ const SMALL = { ...CPU_SHAPE, name: 'one-layer shape', hidden: 64, intermediate:
 
 describe.skipIf(py.skipReason !== '')('bench TRL step harness', () => {
   it('times the stock and packed TRL steps to the same loss', { timeout: 300_000 }, async () => {
-    const section = await benchTrlStep({ full: true, tauBench: null, generated: [{ ...GENERATED[0], repeats: 1 }], shapes: { cpu: [SMALL], cuda: [SMALL] } });
+    const section = await benchTrlStep({
+      full: true,
+      tauBench: null,
+      generated: [{ ...GENERATED[0], repeats: 1 }],
+      shapes: { cpu: [SMALL], cuda: [SMALL] },
+    });
     expect(section.skipped).toBeUndefined();
     expect(section.workloads).toHaveLength(1);
     const [w] = section.workloads;

@@ -42,7 +42,9 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
       await configureBackends({ nativeBinding: copy });
       expect(await cpuDetail()).toBe(`native addon ${copy}`);
       const k = await resolveKernel('packForest', 'cpu');
-      expect(k.kernel({ tokens: Int32Array.from([1, 2, 1, 3]), offsets: Int32Array.from([0, 2, 4]) }).input_ids).toEqual(Int32Array.from([1, 2, 3]));
+      expect(k.kernel({ tokens: Int32Array.from([1, 2, 1, 3]), offsets: Int32Array.from([0, 2, 4]) }).input_ids).toEqual(
+        Int32Array.from([1, 2, 3]),
+      );
     } finally {
       delete process.env.TREEPACK_NATIVE_BINDING;
     }
@@ -83,7 +85,13 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
     // Each lowering reports its own kernel time, as the CUDA addon's cudaEvents would.
     const timed = <T>(data: T, kernelMs: number) => ({ data, kernelMs });
     const standIn: CudaBinding = {
-      deviceInfo: () => ({ code: 0, message: 'no error', runtimeVersion: 13000, driverVersion: 13000, devices: [{ name: 'Stand-in GPU', major: 9, minor: 0, totalGlobalMem: 80e9, multiProcessorCount: 132 }] }),
+      deviceInfo: () => ({
+        code: 0,
+        message: 'no error',
+        runtimeVersion: 13000,
+        driverVersion: 13000,
+        devices: [{ name: 'Stand-in GPU', major: 9, minor: 0, totalGlobalMem: 80e9, multiProcessorCount: 132 }],
+      }),
       gatherI32: (src, idx) => Int32Array.from(idx, (i) => src[i] ?? 0),
       maskDense: (parent, se) => timed(real.maskDense(parent, se), 0.25),
       maskBits: (parent, se) => timed(real.maskBits(parent, se), 0.5),
@@ -101,7 +109,9 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
     const k = await resolveKernel('maskBlocks');
     expect(k.backend).toBe('cuda');
     expect(await k.kernel(tree, 16)).toEqual(maskBlocks(tree, 16));
-    await expect(k.kernel({ parent: tree.parent, subtree_end: tree.subtree_end.map((e) => e + 1) }, 16)).rejects.toMatchObject({ code: 'E_INPUT' });
+    await expect(k.kernel({ parent: tree.parent, subtree_end: tree.subtree_end.map((e) => e + 1) }, 16)).rejects.toMatchObject({
+      code: 'E_INPUT',
+    });
     const { batch, lp } = randomLossCase(randomBatch(2, { count: 10 }), 2);
     const r = await computeLoss(batch, lp, { kl: 'k3', kl_coef: 0.1 }, { backend: 'cuda' });
     close(r.loss, lossReference(batch, lp, resolveLossConfig({ kl: 'k3', kl_coef: 0.1 })).loss, 1e-6, 'loss via the cuda glue');
@@ -114,7 +124,10 @@ describe.skipIf(skip !== '')(`configureBackends${skip ? ` (skipped: ${skip})` : 
     expect(both.kernelMs).toBe(1.75);
     expect(both.wallMs).toBeGreaterThan(0);
     const bits = await resolveKernel('maskBits', 'cuda');
-    const [a, b] = await Promise.all([timeKernels(() => k.kernel(tree, 8)), timeKernels(async () => [await bits.kernel(tree), await bits.kernel(tree)])]);
+    const [a, b] = await Promise.all([
+      timeKernels(() => k.kernel(tree, 8)),
+      timeKernels(async () => [await bits.kernel(tree), await bits.kernel(tree)]),
+    ]);
     expect([a.kernelMs, b.kernelMs]).toEqual([1.5, 1]);
     const js = await resolveKernel('maskBlocks', 'js');
     expect(await timeKernels(() => js.kernel(tree, 16))).not.toHaveProperty('kernelMs');

@@ -37,7 +37,11 @@ function fastOf(j: Json, c: Json = config): ByteLevelBpe {
 }
 
 /** Texts whose ids differ between the two encoders (at most 5, shortened), so a failure shows what broke. */
-function mismatches(texts: Iterable<string>, fast: ByteLevelBpe, lib: { encode(t: string, o: object): { ids: number[] } } = library): string[] {
+function mismatches(
+  texts: Iterable<string>,
+  fast: ByteLevelBpe,
+  lib: { encode(t: string, o: object): { ids: number[] } } = library,
+): string[] {
   const bad: string[] = [];
   for (const t of texts) {
     const want = lib.encode(t, { add_special_tokens: false }).ids;
@@ -49,20 +53,81 @@ function mismatches(texts: Iterable<string>, fast: ByteLevelBpe, lib: { encode(t
 }
 
 const EDGE_CASES = [
-  '', ' ', '  ', '\n', '\n\n', ' \n', '\n ', '\t', '\r\n', ' leading', 'trailing ', '  both  ', '\n\nnewlines\n\n',
-  ' '.repeat(1000), '\n'.repeat(300), ' \t \n \r\n  x  \n', 'a \n\n b', 'x\u00a0y\u3000z\u2003w', '\u2028line\u2029sep',
-  '你好，世界！这是一个测试。', '中文'.repeat(3000), 'mixed 中文 and English,混合text', '日本語のテキスト、カタカナ、ひらがな',
-  '👋🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 ❤️‍🔥', '😀'.repeat(500), 'a😀b😀 😀',
-  '1234567890', '3.14159e-10', '1,000,000.00', '٣٤٥ ١٢', '½ ² ³ ⅞', '0'.repeat(2000), 'v1.2.3-rc4',
-  'def f(x):\n    return x ** 2\n\n\nclass A:\n\tpass\n', 'const re = /^(?:a|b)+$/gu; // ok\n  if (x !== y) { y++; }',
-  '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}', '<div class="x">&amp; &lt;</div>',
-  "I'm, you're, we'LL, it'S, they'VE, he'd", "''''", "'s's 't",
-  'a<|im_end|>b', '<|im_start|><|im_start|>', '<|im_start', '<|im_start|', '<<|im_end|>>', ' <|im_end|> ', '<|endoftext|>',
-  '<think>x</think>', '<think></think>', '<tool_call>\n{}\n</tool_call>', '<tool_response>ok</tool_response>', '<|im_start|>user\nhi<|im_end|>\n',
-  'e\u0301 é Å \u212b \u212a \u2126 \u1100\u1161 \ufb01 \u00c5', 'Caf\u00e9 Cafe\u0301', '\u037e\u1fef',
-  '\ud800', 'a\udc00b', '\ud83d', '\udfff\ud800', '\u0000\u0001\u007f\u0085', '\u200b\u200d\ufeff', '\ufffd',
-  'Привет мир', 'مرحبا بالعالم', 'שלום עולם', 'नमस्ते दुनिया', '한국어 텍스트', 'ελληνικά', 'ᚠᛇᚻ',
-  '='.repeat(5000), '-'.repeat(300) + '\n', '!!!???...', '$$$ %%% ^^^', '  \t\t  foo', 'x'.repeat(4000),
+  '',
+  ' ',
+  '  ',
+  '\n',
+  '\n\n',
+  ' \n',
+  '\n ',
+  '\t',
+  '\r\n',
+  ' leading',
+  'trailing ',
+  '  both  ',
+  '\n\nnewlines\n\n',
+  ' '.repeat(1000),
+  '\n'.repeat(300),
+  ' \t \n \r\n  x  \n',
+  'a \n\n b',
+  'x\u00a0y\u3000z\u2003w',
+  '\u2028line\u2029sep',
+  '你好，世界！这是一个测试。',
+  '中文'.repeat(3000),
+  'mixed 中文 and English,混合text',
+  '日本語のテキスト、カタカナ、ひらがな',
+  '👋🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 ❤️‍🔥',
+  '😀'.repeat(500),
+  'a😀b😀 😀',
+  '1234567890',
+  '3.14159e-10',
+  '1,000,000.00',
+  '٣٤٥ ١٢',
+  '½ ² ³ ⅞',
+  '0'.repeat(2000),
+  'v1.2.3-rc4',
+  'def f(x):\n    return x ** 2\n\n\nclass A:\n\tpass\n',
+  'const re = /^(?:a|b)+$/gu; // ok\n  if (x !== y) { y++; }',
+  '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}',
+  '<div class="x">&amp; &lt;</div>',
+  "I'm, you're, we'LL, it'S, they'VE, he'd",
+  "''''",
+  "'s's 't",
+  'a<|im_end|>b',
+  '<|im_start|><|im_start|>',
+  '<|im_start',
+  '<|im_start|',
+  '<<|im_end|>>',
+  ' <|im_end|> ',
+  '<|endoftext|>',
+  '<think>x</think>',
+  '<think></think>',
+  '<tool_call>\n{}\n</tool_call>',
+  '<tool_response>ok</tool_response>',
+  '<|im_start|>user\nhi<|im_end|>\n',
+  'e\u0301 é Å \u212b \u212a \u2126 \u1100\u1161 \ufb01 \u00c5',
+  'Caf\u00e9 Cafe\u0301',
+  '\u037e\u1fef',
+  '\ud800',
+  'a\udc00b',
+  '\ud83d',
+  '\udfff\ud800',
+  '\u0000\u0001\u007f\u0085',
+  '\u200b\u200d\ufeff',
+  '\ufffd',
+  'Привет мир',
+  'مرحبا بالعالم',
+  'שלום עולם',
+  'नमस्ते दुनिया',
+  '한국어 텍스트',
+  'ελληνικά',
+  'ᚠᛇᚻ',
+  '='.repeat(5000),
+  '-'.repeat(300) + '\n',
+  '!!!???...',
+  '$$$ %%% ^^^',
+  '  \t\t  foo',
+  'x'.repeat(4000),
   'aGVsbG8gd29ybGQ=/+'.repeat(200),
 ];
 
@@ -70,9 +135,50 @@ const EDGE_CASES = [
 function randomTexts(seed: number, count: number): string[] {
   const r = rng(seed);
   const pieces = [
-    'a', 'Z', 'hello', ' world', "'s", "'LL", ' ', '  ', '\n', '\r', '\t', '\u00a0', '1', '42', '3.5', '你', '好的', '。', '，',
-    '😀', '👨‍👩‍👧', '🇫🇷', 'e\u0301', '\u212b', '\ud800', '\udc00', '<', '>', '|', '<|im_start|>', '<|im_end|>', '<think>',
-    '</tool_call>', '<|endoftext|>', '{"k": [1, 2]}', '==', '--', '...', 'Ü', 'ß', 'й', 'ع', '\u0000', '\u200d',
+    'a',
+    'Z',
+    'hello',
+    ' world',
+    "'s",
+    "'LL",
+    ' ',
+    '  ',
+    '\n',
+    '\r',
+    '\t',
+    '\u00a0',
+    '1',
+    '42',
+    '3.5',
+    '你',
+    '好的',
+    '。',
+    '，',
+    '😀',
+    '👨‍👩‍👧',
+    '🇫🇷',
+    'e\u0301',
+    '\u212b',
+    '\ud800',
+    '\udc00',
+    '<',
+    '>',
+    '|',
+    '<|im_start|>',
+    '<|im_end|>',
+    '<think>',
+    '</tool_call>',
+    '<|endoftext|>',
+    '{"k": [1, 2]}',
+    '==',
+    '--',
+    '...',
+    'Ü',
+    'ß',
+    'й',
+    'ع',
+    '\u0000',
+    '\u200d',
   ];
   const out: string[] = [];
   for (let i = 0; i < count; i++) {
@@ -93,7 +199,9 @@ describe('byteLevelBpe on Qwen3', () => {
     // The same texts again: now from the per-pre-token cache.
     expect(mismatches([...EDGE_CASES, ...randomTexts(1, 2000)], fast)).toEqual([]);
     // Sanity of the oracle itself: known ids, and the long whitespace run is many tokens, not dropped.
-    expect(Array.from(fast.encode('<|im_start|>user\nhello 你好<|im_end|>\n'))).toEqual([151644, 872, 198, 14990, 220, 108386, 151645, 198]);
+    expect(Array.from(fast.encode('<|im_start|>user\nhello 你好<|im_end|>\n'))).toEqual([
+      151644, 872, 198, 14990, 220, 108386, 151645, 198,
+    ]);
     expect(fast.encode(' '.repeat(1000)).length).toBeGreaterThan(1);
   });
 
@@ -140,7 +248,8 @@ describe('byteLevelBpe on Qwen3', () => {
 
   it('is what loadTokenizer encodes with, and decode still goes through the library', async () => {
     const tok = await loadTokenizer('qwen3');
-    for (const t of EDGE_CASES.slice(0, 40)) expect(Array.from(tok.encode(t))).toEqual(library.encode(t, { add_special_tokens: false }).ids);
+    for (const t of EDGE_CASES.slice(0, 40))
+      expect(Array.from(tok.encode(t))).toEqual(library.encode(t, { add_special_tokens: false }).ids);
     expect(tok.vocabSize).toBe(151669);
     expect(tok.decode(tok.encode('hello 你好<|im_end|>'))).toBe('hello 你好<|im_end|>');
   });
@@ -163,7 +272,11 @@ describe('byteLevelBpe on edited configurations', () => {
     const demoted = { ...json, model: { ...model, merges: [...merges, ...merges.slice(0, 50)] } };
     expect(Array.from(fastOf(demoted).encode(' the cat'))).not.toEqual(Array.from(fastOf(json).encode(' the cat')));
     expect(same(demoted)).toEqual([]);
-    const added = [...(json.added_tokens as Json[]), { id: 151669, content: 'hello', special: false, normalized: false }, { id: 151670, content: 'Ġworld', special: true }];
+    const added = [
+      ...(json.added_tokens as Json[]),
+      { id: 151669, content: 'hello', special: false, normalized: false },
+      { id: 151670, content: 'Ġworld', special: true },
+    ];
     const withAdded = { ...json, added_tokens: added };
     expect(Array.from(fastOf(withAdded).encode('say hello world'))).toContain(151669);
     expect(same(withAdded)).toEqual([]);

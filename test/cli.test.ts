@@ -16,7 +16,6 @@ import { BIN, cli } from './helpers/cli.js';
 const dir = mkdtempSync(join(tmpdir(), 'treepack-cli-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-
 const tokenLines = [...generateTokenSamples({ groups: 3, seed: 5, minTurns: 3, maxTurns: 6 })].map((s) => JSON.stringify(s));
 const tokenFile = join(dir, 'tokens.jsonl');
 writeFileSync(tokenFile, tokenLines.join('\n') + '\n');
@@ -88,7 +87,9 @@ describe('treepack CLI', () => {
     // No default tokenizer: another model's token ids would train silently wrong.
     const none = cli(['pack', file, '--out', join(dir, 'chat-none')]);
     expect(none.code).toBe(1);
-    expect(none.stderr).toMatch(/chat\.jsonl:1, record "[^"]+", field "tokenizer": chat records need a tokenizer, and none was given: pass a tokenizer directory .*--tokenizer DIR.* or a built-in by name \(qwen3/);
+    expect(none.stderr).toMatch(
+      /chat\.jsonl:1, record "[^"]+", field "tokenizer": chat records need a tokenizer, and none was given: pass a tokenizer directory .*--tokenizer DIR.* or a built-in by name \(qwen3/,
+    );
     expect(existsSync(join(dir, 'chat-none'))).toBe(false);
     const { batch } = readMicroBatch(microBatchPaths(join(dir, 'chat-cpu'))[0]);
     expect(batch.meta.vocab_size).toBe(151_669);
@@ -132,17 +133,19 @@ describe('treepack CLI', () => {
     expect(m.micro_batches.length % 2).toBe(0);
     expect([m.max_tokens, m.dp, m.pad_multiple]).toEqual([T, 2, 128]);
     const ids: string[] = [];
-    m.micro_batches.forEach((e: { file: string; rank: number; step: number; packed_tokens: number; pad_tokens: number; cost: number }, k: number) => {
-      const { batch } = readMicroBatch(join(out, e.file));
-      expect(checkForest(batch)).toEqual([]);
-      expect(batch.input_ids.length).toBe(e.packed_tokens);
-      expect(e.packed_tokens).toBeLessThanOrEqual(T);
-      expect(e.packed_tokens % 128).toBe(0);
-      expect(batch.meta.num_pad_tokens).toBe(e.pad_tokens);
-      expect([e.rank, e.step]).toEqual([k % 2, Math.floor(k / 2)]);
-      expect(e.cost).toBeGreaterThan(0);
-      ids.push(...batch.meta.sequence_ids);
-    });
+    m.micro_batches.forEach(
+      (e: { file: string; rank: number; step: number; packed_tokens: number; pad_tokens: number; cost: number }, k: number) => {
+        const { batch } = readMicroBatch(join(out, e.file));
+        expect(checkForest(batch)).toEqual([]);
+        expect(batch.input_ids.length).toBe(e.packed_tokens);
+        expect(e.packed_tokens).toBeLessThanOrEqual(T);
+        expect(e.packed_tokens % 128).toBe(0);
+        expect(batch.meta.num_pad_tokens).toBe(e.pad_tokens);
+        expect([e.rank, e.step]).toEqual([k % 2, Math.floor(k / 2)]);
+        expect(e.cost).toBeGreaterThan(0);
+        ids.push(...batch.meta.sequence_ids);
+      },
+    );
     expect(ids.sort()).toEqual(tokenLines.map((l) => JSON.parse(l).id).sort());
     expect(m.packed_tokens).toBeGreaterThanOrEqual(m.optimum_tokens);
     expect(m.imbalance).toBeCloseTo((Math.max(...m.rank_costs) * 2) / (m.rank_costs[0] + m.rank_costs[1]), 12);
@@ -152,7 +155,9 @@ describe('treepack CLI', () => {
     expect(small.stderr).toContain(`use a budget of at least ${longest}`);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--dp', '0']).stderr).toMatch(/--dp/);
     expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--dp', '2']).stderr).toMatch(/--dp needs --max-tokens/);
-    expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--balance-slack', '-1']).stderr).toMatch(/--balance-slack/);
+    expect(cli(['pack', tokenFile, '--out', join(dir, 'never2'), '--max-tokens', String(T), '--balance-slack', '-1']).stderr).toMatch(
+      /--balance-slack/,
+    );
     expect(existsSync(join(dir, 'never2'))).toBe(false);
   });
 
@@ -178,7 +183,9 @@ describe('treepack pack: inputs checked beyond their syntax', () => {
   };
 
   it('engine token ids of a chat response are checked against the vocabulary', () => {
-    const f = write('engine.jsonl', [{ messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } }]);
+    const f = write('engine.jsonl', [
+      { messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } },
+    ]);
     const r = cli(['pack', f, '--out', join(dir, 'engine'), '--tokenizer', 'qwen3']);
     expect(r.code).toBe(1);
     expect(r.stderr).toContain(`${f}:1`);
@@ -215,6 +222,8 @@ describe('treepack pack: inputs checked beyond their syntax', () => {
       { id: 'a1', group: 'A', episode: 'e1', reward: 1, tokens: [1, 2, 3] },
       { id: 'a2', group: 'A', episode: 'e1', reward: 0, tokens: [1, 2, 4] },
     ]);
-    expect(cli(['pack', episode, '--out', join(dir, 'episode')]).stderr).toMatch(/episode\.jsonl:2, record "a2", field "reward": episode "e1" has turns with different rewards/);
+    expect(cli(['pack', episode, '--out', join(dir, 'episode')]).stderr).toMatch(
+      /episode\.jsonl:2, record "a2", field "reward": episode "e1" has turns with different rewards/,
+    );
   });
 });

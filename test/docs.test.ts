@@ -67,7 +67,11 @@ function blocksOf(file: string, text: string): Block[] {
     while (j < lines.length && !(lines[j].startsWith(indent + fence) && lines[j].trim() === fence)) j++;
     let k = i - 1;
     while (k >= 0 && lines[k].trim() === '') k--;
-    const needs = /^\s*<!--\s*needs:\s*([^>]*?)\s*-->\s*$/.exec(lines[k] ?? '')?.[1].split(',').map((s) => s.trim()) ?? [];
+    const needs =
+      /^\s*<!--\s*needs:\s*([^>]*?)\s*-->\s*$/
+        .exec(lines[k] ?? '')?.[1]
+        .split(',')
+        .map((s) => s.trim()) ?? [];
     const body = lines.slice(i + 1, j).map((l) => (l.startsWith(indent) ? l.slice(indent.length) : l));
     blocks.push({ file, line: i + 1, lang, code: body.join('\n') + '\n', needs });
     i = j;
@@ -91,7 +95,12 @@ function pages(): string[] {
 
 const python = pythonEnv({ create: false });
 // Its path: the shim put on PATH as `python` must not find itself.
-const pythonPath = python.python === null ? null : python.python.includes('/') ? resolve(root, python.python) : spawnSync('sh', ['-c', `command -v ${python.python}`], { encoding: 'utf8' }).stdout.trim();
+const pythonPath =
+  python.python === null
+    ? null
+    : python.python.includes('/')
+      ? resolve(root, python.python)
+      : spawnSync('sh', ['-c', `command -v ${python.python}`], { encoding: 'utf8' }).stdout.trim();
 const coreBuilt = existsSync(join(root, 'build/Release/libtreepack_core.so')) || existsSync(join(root, 'build-cmake/libtreepack_core.so'));
 let importsSafetensors: boolean | undefined;
 /** Whether that Python reads micro-batch files (treepack reads them with the safetensors library). */
@@ -165,7 +174,10 @@ beforeAll(async () => {
   work = mkdtempSync(join(tmpdir(), 'treepack-docs-'));
   bin = join(work, 'bin');
   mkdirSync(bin);
-  writeFileSync(join(bin, 'treepack'), `#!/bin/sh\nexec ${JSON.stringify(process.execPath)} ${JSON.stringify(join(root, 'dist/src/cli/main.js'))} "$@"\n`);
+  writeFileSync(
+    join(bin, 'treepack'),
+    `#!/bin/sh\nexec ${JSON.stringify(process.execPath)} ${JSON.stringify(join(root, 'dist/src/cli/main.js'))} "$@"\n`,
+  );
   if (pythonPath) {
     for (const name of ['python', 'python3']) writeFileSync(join(bin, name), `#!/bin/sh\nexec ${JSON.stringify(pythonPath)} "$@"\n`);
   }
@@ -176,7 +188,6 @@ afterAll(async () => {
   await stub?.close();
   if (work) rmSync(work, { recursive: true, force: true });
 });
-
 
 /** Runs one block in `dir`; returns what it printed. */
 async function runBlock(block: Block, dir: string, n: number): Promise<Ran> {
@@ -209,34 +220,66 @@ async function runBlock(block: Block, dir: string, n: number): Promise<Ran> {
 
 /** What a page's blocks must have left behind, beyond exiting 0 (the checks the README's examples carried). */
 const after: Record<string, { reads: string; check: (dir: string, out: string[]) => void }> = {
-  'README.md': { reads: 'packed/manifest.json', check: (dir) => {
-    const manifest = readManifest(join(dir, 'packed'));
-    expect(manifest.micro_batches.length).toBeGreaterThan(0);
-    for (const m of manifest.micro_batches) expect(checkForest(readMicroBatch(join(dir, 'packed', m.file)).batch)).toEqual([]);
-  } },
-  'docs/guides/packing.md': { reads: 'packed-lib/manifest.json', check: (dir, out) => {
-    const manifest = JSON.parse(readFileSync(join(dir, 'packed-lib/manifest.json'), 'utf8'));
-    expect(manifest).toMatchObject({ max_tokens: 32768, dp: 8, pad_multiple: 128, masks: ['block:128'] });
-    expect(manifest.micro_batches.length % 8).toBe(0);
-    expect(out.join('')).toContain(`${manifest.naive_tokens} → ${manifest.packed_tokens} tokens in ${manifest.micro_batches.length} micro-batches`);
-    for (const m of manifest.micro_batches) {
-      const { batch, extra, extraMeta } = readMicroBatch(join(dir, 'packed-lib', m.file));
-      expect(checkForest(batch)).toEqual([]);
-      expect(batch.input_ids.length % 128).toBe(0);
-      expect(extra.has('block_kv_indices')).toBe(true);
-      expect(extraMeta.block_size).toBe('128');
-    }
-    // createPacker's micro-batches, pushed one record at a time, are the CLI's files (names and bytes).
-    const cliOut = join(dir, 'cli-100k');
-    const r = cli(['pack', join(dir, 'rollouts.jsonl'), '--out', cliOut, '--max-naive-tokens', '100000', '--tokenizer', 'qwen3', '--quiet']);
-    expect(r.code, r.stderr).toBe(0);
-    const files = readManifest(cliOut).micro_batches.map((m) => `${basename(m.file)} ${readFileSync(join(cliOut, m.file)).length}`);
-    expect(out.map((o) => o.trim().split('\n'))).toContainEqual(files);
-  } },
+  'README.md': {
+    reads: 'packed/manifest.json',
+    check: (dir) => {
+      const manifest = readManifest(join(dir, 'packed'));
+      expect(manifest.micro_batches.length).toBeGreaterThan(0);
+      for (const m of manifest.micro_batches) expect(checkForest(readMicroBatch(join(dir, 'packed', m.file)).batch)).toEqual([]);
+    },
+  },
+  'docs/guides/packing.md': {
+    reads: 'packed-lib/manifest.json',
+    check: (dir, out) => {
+      const manifest = JSON.parse(readFileSync(join(dir, 'packed-lib/manifest.json'), 'utf8'));
+      expect(manifest).toMatchObject({ max_tokens: 32768, dp: 8, pad_multiple: 128, masks: ['block:128'] });
+      expect(manifest.micro_batches.length % 8).toBe(0);
+      expect(out.join('')).toContain(
+        `${manifest.naive_tokens} → ${manifest.packed_tokens} tokens in ${manifest.micro_batches.length} micro-batches`,
+      );
+      for (const m of manifest.micro_batches) {
+        const { batch, extra, extraMeta } = readMicroBatch(join(dir, 'packed-lib', m.file));
+        expect(checkForest(batch)).toEqual([]);
+        expect(batch.input_ids.length % 128).toBe(0);
+        expect(extra.has('block_kv_indices')).toBe(true);
+        expect(extraMeta.block_size).toBe('128');
+      }
+      // createPacker's micro-batches, pushed one record at a time, are the CLI's files (names and bytes).
+      const cliOut = join(dir, 'cli-100k');
+      const r = cli([
+        'pack',
+        join(dir, 'rollouts.jsonl'),
+        '--out',
+        cliOut,
+        '--max-naive-tokens',
+        '100000',
+        '--tokenizer',
+        'qwen3',
+        '--quiet',
+      ]);
+      expect(r.code, r.stderr).toBe(0);
+      const files = readManifest(cliOut).micro_batches.map((m) => `${basename(m.file)} ${readFileSync(join(cliOut, m.file)).length}`);
+      expect(out.map((o) => o.trim().split('\n'))).toContainEqual(files);
+    },
+  },
 };
 
 it('the blocks parser: labels, needs, nesting', () => {
-  const page = ['<!-- needs: torch, redis -->', '```python', 'x = 1', '```', '', '```text', 'not run', '```', '- item:', '', '  ```sh', '  echo hi', '  ```'].join('\n');
+  const page = [
+    '<!-- needs: torch, redis -->',
+    '```python',
+    'x = 1',
+    '```',
+    '',
+    '```text',
+    'not run',
+    '```',
+    '- item:',
+    '',
+    '  ```sh',
+    '  echo hi',
+    '  ```',
+  ].join('\n');
   expect(blocksOf('p.md', page)).toEqual([
     { file: 'p.md', line: 2, lang: 'python', code: 'x = 1\n', needs: ['torch', 'redis'] },
     { file: 'p.md', line: 6, lang: 'text', code: 'not run\n', needs: [] },
@@ -252,22 +295,41 @@ if (needed.has('cuda')) {
   cudaReason = cuda?.available ? '' : `needs the cuda backend: ${cuda?.detail ?? 'not registered'}`;
   afterAll(disposeBackends);
 }
-if (needed.has('redis')) redisReason = redisAvailable('docs blocks that need redis') ? '' : 'needs redis-server (apt-get install redis-server)';
+if (needed.has('redis'))
+  redisReason = redisAvailable('docs blocks that need redis') ? '' : 'needs redis-server (apt-get install redis-server)';
 
 it('every block is labelled as a program or as inert text; Python blocks that import torch say they need it', () => {
-  const bad = all.flatMap(({ blocks }) => blocks.filter((b) => ![...RUN, ...INERT].includes(b.lang)).map((b) => `${b.file}:${b.line} '${b.lang}'`));
+  const bad = all.flatMap(({ blocks }) =>
+    blocks.filter((b) => ![...RUN, ...INERT].includes(b.lang)).map((b) => `${b.file}:${b.line} '${b.lang}'`),
+  );
   expect(bad, `label each block one of ${[...RUN, ...INERT].join(', ')}`).toEqual([]);
   const torch = all.flatMap(({ blocks }) =>
-    blocks.filter((b) => b.lang === 'python' && /^\s*(import|from)\s+(torch|transformers|trl|treepack\.torch|treepack\.integrations)\b/m.test(b.code) && !b.needs.includes('torch')),
+    blocks.filter(
+      (b) =>
+        b.lang === 'python' &&
+        /^\s*(import|from)\s+(torch|transformers|trl|treepack\.torch|treepack\.integrations)\b/m.test(b.code) &&
+        !b.needs.includes('torch'),
+    ),
   );
-  expect(torch.map((b) => `${b.file}:${b.line}`), 'add <!-- needs: torch --> before these blocks').toEqual([]);
+  expect(
+    torch.map((b) => `${b.file}:${b.line}`),
+    'add <!-- needs: torch --> before these blocks',
+  ).toEqual([]);
   const shared = all.flatMap(({ blocks }) => blocks.filter((b) => RUN.includes(b.lang as never) && b.code.includes('../shared')));
-  expect(shared.map((b) => `${b.file}:${b.line}`), 'doc blocks must not need ../shared').toEqual([]);
+  expect(
+    shared.map((b) => `${b.file}:${b.line}`),
+    'doc blocks must not need ../shared',
+  ).toEqual([]);
   expect(all.find((p) => p.file === 'README.md')!.blocks.some((b) => b.lang === 'sh')).toBe(true);
 });
 
 /** GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens. */
-const slug = (heading: string) => heading.trim().toLowerCase().replace(/[^\p{L}\p{N}\- _]/gu, '').replaceAll(' ', '-');
+const slug = (heading: string) =>
+  heading
+    .trim()
+    .toLowerCase()
+    .replace(/[^\p{L}\p{N}\- _]/gu, '')
+    .replaceAll(' ', '-');
 
 /** The relative links of a page (outside code blocks and code spans), as [target path, anchor]. */
 function linksOf(file: string, text: string): { target: string; anchor: string }[] {
@@ -294,7 +356,10 @@ it('every relative link and anchor of README.md and docs/ resolves', (ctx) => {
         if (WRITTEN_APART.some((p) => target.startsWith(p))) unchecked.add(target);
         else broken.push(`${file}: ${target}`);
       } else if (anchor && target.endsWith('.md')) {
-        const headings = readFileSync(join(root, target), 'utf8').split('\n').filter((l) => /^#{1,6} /.test(l)).map((l) => slug(l.replace(/^#+ /, '')));
+        const headings = readFileSync(join(root, target), 'utf8')
+          .split('\n')
+          .filter((l) => /^#{1,6} /.test(l))
+          .map((l) => slug(l.replace(/^#+ /, '')));
         if (!headings.includes(anchor)) broken.push(`${file}: ${target}#${anchor}`);
       }
     }
@@ -334,14 +399,21 @@ for (const { file, blocks } of all) {
         console.log(`${file}:${block.line} ${block.lang} skipped: ${reason}`);
         skipped.push(`${file}:${block.line}`);
       }
-      it.skipIf(reason !== '')(`${file}:${block.line} ${block.lang}${reason ? ` (skipped: ${reason})` : ''}`, async () => {
-        // A page is one script: once a block failed, those after it report that instead of failing for it.
-        expect(failed, 'an earlier block of this page failed').toBe('');
-        const r = await runBlock(block, dir, n);
-        out.push(r.stdout);
-        if (r.code !== 0) failed = `${file}:${block.line}`;
-        expect(r.code, `${file}:${block.line} (${block.lang}) exited ${r.code} in ${relative(root, dir)}\n--- stdout\n${r.stdout}\n--- stderr\n${r.stderr}`).toBe(0);
-      }, 330_000);
+      it.skipIf(reason !== '')(
+        `${file}:${block.line} ${block.lang}${reason ? ` (skipped: ${reason})` : ''}`,
+        async () => {
+          // A page is one script: once a block failed, those after it report that instead of failing for it.
+          expect(failed, 'an earlier block of this page failed').toBe('');
+          const r = await runBlock(block, dir, n);
+          out.push(r.stdout);
+          if (r.code !== 0) failed = `${file}:${block.line}`;
+          expect(
+            r.code,
+            `${file}:${block.line} (${block.lang}) exited ${r.code} in ${relative(root, dir)}\n--- stdout\n${r.stdout}\n--- stderr\n${r.stderr}`,
+          ).toBe(0);
+        },
+        330_000,
+      );
     });
     if (after[file]) {
       const { reads, check } = after[file];

@@ -29,10 +29,18 @@ function unpacked(w: Weights, seqs: Sequences, weight: Float64Array): Run {
   const lp = new Float64Array(M);
   const terms: number[] = [];
   for (let i = 0; i + 1 < seqs.offsets.length; i++) {
-    const off = seqs.offsets[i], L = seqs.offsets[i + 1] - off;
+    const off = seqs.offsets[i],
+      L = seqs.offsets[i + 1] - off;
     if (L === 0) continue;
     const tokens = seqs.tokens.subarray(off, off + L);
-    const logits = forward(tape, w, params, tokens, Int32Array.from({ length: L }, (_, t) => t), (q, k) => k <= q);
+    const logits = forward(
+      tape,
+      w,
+      params,
+      tokens,
+      Int32Array.from({ length: L }, (_, t) => t),
+      (q, k) => k <= q,
+    );
     for (let t = 1; t < L; t++) {
       const node = logprob(tape, logits[t - 1], tokens[t]);
       lp[off + t] = tape.value(node);
@@ -69,7 +77,8 @@ function gradient(tape: ReturnType<typeof tapeWithWeights>['tape'], terms: numbe
 
 /** FlexAttention's reading of a BlockMask: full blocks visible, partial ones through the mask_mod, others masked. */
 function flexVisible(m: BlockMask, subtree_end: Int32Array): (q: number, k: number) => boolean {
-  const nb = m.num_blocks, B = m.block_size;
+  const nb = m.num_blocks,
+    B = m.block_size;
   const kind = new Int8Array(nb * nb);
   for (let i = 0; i < nb; i++) {
     for (let t = 0; t < m.block_kv_num_blocks[i]; t++) kind[i * nb + m.block_kv_indices[i * nb + t]] = 1;
@@ -90,10 +99,27 @@ function maxAbsDiff(a: Float64Array, b: Float64Array): number {
 const cases: [string, number[][]][] = [
   ['empty batch', []],
   ['single tokens and an empty sequence', [[3], [], [3], [5]]],
-  ['duplicates', [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]],
-  ['a sequence that is a prefix of another', [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2]]],
+  [
+    'duplicates',
+    [
+      [1, 2, 3, 4],
+      [1, 2, 3, 4],
+      [1, 2, 3, 4],
+    ],
+  ],
+  [
+    'a sequence that is a prefix of another',
+    [
+      [1, 2, 3],
+      [1, 2, 3, 4, 5, 6],
+      [1, 2],
+    ],
+  ],
   ['wide fan-out', Array.from({ length: 10 }, (_, i) => [7, 8, 9, i % VOCAB, (3 * i) % VOCAB])],
-  ['deep chain with branches', [Array.from({ length: 40 }, (_, i) => (i * 7) % VOCAB), Array.from({ length: 25 }, (_, i) => (i * 7) % VOCAB).concat([0, 1])]],
+  [
+    'deep chain with branches',
+    [Array.from({ length: 40 }, (_, i) => (i * 7) % VOCAB), Array.from({ length: 25 }, (_, i) => (i * 7) % VOCAB).concat([0, 1])],
+  ],
 ];
 for (let seed = 1; seed <= 6; seed++) cases.push([`random forest ${seed}`, randomBatch(seed, { count: 8, maxLen: 14, alphabet: 3 })]);
 

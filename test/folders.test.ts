@@ -15,7 +15,9 @@ const SRC = path.join(ROOT, 'src');
 const BENCH = path.join(ROOT, 'bench');
 
 function files(dir: string): string[] {
-  return readdirSync(dir, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? files(path.join(dir, e.name)) : e.name.endsWith('.ts') ? [path.join(dir, e.name)] : []));
+  return readdirSync(dir, { withFileTypes: true }).flatMap((e) =>
+    e.isDirectory() ? files(path.join(dir, e.name)) : e.name.endsWith('.ts') ? [path.join(dir, e.name)] : [],
+  );
 }
 
 /** Relative specifiers: the files of this checkout an import names. */
@@ -46,8 +48,17 @@ const edges = (graph: Map<string, Map<string, string>>) => new Map([...graph].ma
 
 describe('folder dependencies of src/', () => {
   it('finds every kind of import, and a cycle where there is one', () => {
-    expect(relativeImportsOf(`import a from './a.js';\nimport type { B } from '../b/x.js';\nexport * from './c.js';\nexport { d } from "../d/y.js";\nimport './e.js';\nconst f = await import('../f/z.js');\nimport fs from 'node:fs';`)).toEqual(['./a.js', '../b/x.js', './c.js', '../d/y.js', './e.js', '../f/z.js']);
-    const g = new Map([['a/', new Map([['b/', '']])], ['b/', new Map([['c/', '']])], ['c/', new Map([['a/', '']])], ['d/', new Map([['a/', '']])]]);
+    expect(
+      relativeImportsOf(
+        `import a from './a.js';\nimport type { B } from '../b/x.js';\nexport * from './c.js';\nexport { d } from "../d/y.js";\nimport './e.js';\nconst f = await import('../f/z.js');\nimport fs from 'node:fs';`,
+      ),
+    ).toEqual(['./a.js', '../b/x.js', './c.js', '../d/y.js', './e.js', '../f/z.js']);
+    const g = new Map([
+      ['a/', new Map([['b/', '']])],
+      ['b/', new Map([['c/', '']])],
+      ['c/', new Map([['a/', '']])],
+      ['d/', new Map([['a/', '']])],
+    ]);
     expect(cycles(edges(g))).toEqual([['a/', 'b/', 'c/']]);
   });
 
@@ -63,14 +74,19 @@ describe('folder dependencies of src/', () => {
 });
 
 /** The source of each entry point of package.json "exports" (dist/src/x.js ← src/x.ts). */
-const ENTRY_POINTS = Object.values(JSON.parse(readFileSync(path.join(ROOT, 'package.json'), 'utf8')).exports as Record<string, string | { import: string }>)
-  .flatMap((e) => (typeof e === 'string' ? [] : [e.import.replace(/^\.\/dist\//, '').replace(/\.js$/, '')]));
+const ENTRY_POINTS = Object.values(
+  JSON.parse(readFileSync(path.join(ROOT, 'package.json'), 'utf8')).exports as Record<string, string | { import: string }>,
+).flatMap((e) => (typeof e === 'string' ? [] : [e.import.replace(/^\.\/dist\//, '').replace(/\.js$/, '')]));
 
 /** Why bench file `file` may not import `spec`, or undefined: only the entry points, bench siblings and test helpers. */
 function benchImportProblem(file: string, spec: string): string | undefined {
-  const target = path.relative(ROOT, path.resolve(path.dirname(file), spec)).split(path.sep).join('/');
+  const target = path
+    .relative(ROOT, path.resolve(path.dirname(file), spec))
+    .split(path.sep)
+    .join('/');
   if (ENTRY_POINTS.includes(target.replace(/\.(js|ts)$/, ''))) return undefined;
-  if (target.startsWith('src/')) return `${path.basename(file)} imports ${spec}: an internal module (a user imports an entry point: ${ENTRY_POINTS.join(', ')})`;
+  if (target.startsWith('src/'))
+    return `${path.basename(file)} imports ${spec}: an internal module (a user imports an entry point: ${ENTRY_POINTS.join(', ')})`;
   if (/^(bench|test\/helpers)\/[^/]+$/.test(target)) return undefined;
   return `${path.basename(file)} imports ${spec}: neither an entry point, a bench file nor a test helper`;
 }
@@ -79,7 +95,8 @@ describe('imports of bench/', () => {
   it('tells the public API from internals', () => {
     const f = path.join(BENCH, 'x.ts');
     expect(ENTRY_POINTS).toEqual(['src/index', 'src/ops', 'src/serve/index']);
-    for (const ok of ['../src/index.js', '../src/ops.js', '../src/serve/index.js', './format.js', '../test/helpers/sequences.js']) expect(benchImportProblem(f, ok)).toBeUndefined();
+    for (const ok of ['../src/index.js', '../src/ops.js', '../src/serve/index.js', './format.js', '../test/helpers/sequences.js'])
+      expect(benchImportProblem(f, ok)).toBeUndefined();
     expect(benchImportProblem(f, '../src/backend/native.js')).toMatch(/x\.ts imports \.\.\/src\/backend\/native\.js: an internal module/);
     expect(benchImportProblem(f, '../src/errors.js')).toMatch(/internal module/);
     expect(benchImportProblem(f, '../test/forest.test.js')).toMatch(/neither/);
@@ -88,7 +105,9 @@ describe('imports of bench/', () => {
   it('use only the public API of src/', () => {
     const benchFiles = files(BENCH);
     expect(benchFiles.length).toBeGreaterThan(5);
-    const problems = benchFiles.flatMap((file) => relativeImportsOf(readFileSync(file, 'utf8')).flatMap((spec) => benchImportProblem(file, spec) ?? []));
+    const problems = benchFiles.flatMap((file) =>
+      relativeImportsOf(readFileSync(file, 'utf8')).flatMap((spec) => benchImportProblem(file, spec) ?? []),
+    );
     expect(problems).toEqual([]);
   });
 });

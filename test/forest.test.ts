@@ -54,7 +54,8 @@ function expectMaskMatchesAncestry(f: Forest): void {
   }
 }
 
-const nodeArrays = (f: Forest) => [f.input_ids, f.position_ids, f.parent, f.subtree_end].map((a) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('hex'));
+const nodeArrays = (f: Forest) =>
+  [f.input_ids, f.position_ids, f.parent, f.subtree_end].map((a) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('hex'));
 
 describe('packForest (js reference)', () => {
   it('empty batch', () => {
@@ -64,7 +65,21 @@ describe('packForest (js reference)', () => {
   });
 
   it('one token, empty sequences, duplicates, prefixes', () => {
-    for (const seqs of [[[7]], [[], [], [3]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]], [[1, 2], [1, 2, 3, 4], [1], [1, 2, 3]], [[5, 1], [4, 2], [5, 0]]]) {
+    for (const seqs of [
+      [[7]],
+      [[], [], [3]],
+      [
+        [1, 2, 3],
+        [1, 2, 3],
+        [1, 2, 3],
+      ],
+      [[1, 2], [1, 2, 3, 4], [1], [1, 2, 3]],
+      [
+        [5, 1],
+        [4, 2],
+        [5, 0],
+      ],
+    ]) {
       const f = packForest(csr(seqs));
       expectExactForest(seqs, f);
       expectMaskMatchesAncestry(f);
@@ -94,14 +109,18 @@ describe('packForest (js reference)', () => {
     for (let seed = 1; seed <= 200; seed++) {
       const seqs = randomBatch(seed, { alphabet: 3 });
       const { order, lcp } = sortSequences(csr(seqs));
-      const expected = seqs.map((_, i) => i).sort((a, b) => {
-        const x = seqs[a], y = seqs[b];
-        for (let t = 0; t < Math.min(x.length, y.length); t++) if (x[t] !== y[t]) return x[t] - y[t];
-        return x.length - y.length || a - b;
-      });
+      const expected = seqs
+        .map((_, i) => i)
+        .sort((a, b) => {
+          const x = seqs[a],
+            y = seqs[b];
+          for (let t = 0; t < Math.min(x.length, y.length); t++) if (x[t] !== y[t]) return x[t] - y[t];
+          return x.length - y.length || a - b;
+        });
       expect(Array.from(order)).toEqual(expected);
       for (let k = 1; k < order.length; k++) {
-        const x = seqs[order[k - 1]], y = seqs[order[k]];
+        const x = seqs[order[k - 1]],
+          y = seqs[order[k]];
         let h = 0;
         while (h < x.length && h < y.length && x[h] === y[h]) h++;
         expect(lcp[k]).toBe(h);
@@ -114,7 +133,8 @@ describe('packForest (js reference)', () => {
     const base = Array.from({ length: 20_000 }, (_, i) => (i * 7919) % 1000);
     const at = new Set<number>();
     for (let h = 0; h <= 300; h++) at.add(h);
-    for (let p = 32; p <= 16_384; p *= 2) for (const h of [p - 33, p - 32, p - 31, p - 1, p, p + 1, p + 31, p + 32, p + 33, 3 * p - 1]) at.add(h);
+    for (let p = 32; p <= 16_384; p *= 2)
+      for (const h of [p - 33, p - 32, p - 31, p - 1, p, p + 1, p + 31, p + 32, p + 33, 3 * p - 1]) at.add(h);
     const seqs: number[][] = [base, base.slice(0, 19_999)];
     for (const h of at) {
       if (h >= base.length) continue;
@@ -124,7 +144,8 @@ describe('packForest (js reference)', () => {
     }
     const { order, lcp } = sortSequences(csr(seqs));
     for (let k = 1; k < order.length; k++) {
-      const x = seqs[order[k - 1]], y = seqs[order[k]];
+      const x = seqs[order[k - 1]],
+        y = seqs[order[k]];
       let h = 0;
       while (h < x.length && h < y.length && x[h] === y[h]) h++;
       expect(lcp[k], `lcp[${k}]`).toBe(h);

@@ -42,29 +42,64 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 /** Valid seed files, one line per record. */
 function seeds(): Record<string, string[]> {
   const chat = [...generateEpisodes({ groups: 2, episodesPerGroup: 2, seed: 3, minTurns: 2, maxTurns: 3 })].map((e) => JSON.stringify(e));
-  const tokens = [...generateTokenSamples({ groups: 2, episodesPerGroup: 2, seed: 4, minTurns: 2, maxTurns: 3 })].slice(0, 8).map((s) => JSON.stringify(s));
+  const tokens = [...generateTokenSamples({ groups: 2, episodesPerGroup: 2, seed: 4, minTurns: 2, maxTurns: 3 })]
+    .slice(0, 8)
+    .map((s) => JSON.stringify(s));
   const r = rng(5);
   const slime = Array.from({ length: 6 }, (_, i) => {
     const n = 6 + Math.floor(r() * 10);
     const rl = 1 + Math.floor(r() * (n - 1));
     const toks = Array.from({ length: n }, (_, t) => (t < 3 ? t + 10 : Math.floor(r() * 50)));
     const lp = Array.from({ length: rl }, () => -Math.round(r() * 3000) / 1000);
-    return JSON.stringify({ tokens: toks, response_length: rl, loss_mask: Array(rl).fill(1), rollout_log_probs: lp, reward: Math.round(r() * 4) / 4, index: i, group_index: i >> 1 });
+    return JSON.stringify({
+      tokens: toks,
+      response_length: rl,
+      loss_mask: Array(rl).fill(1),
+      rollout_log_probs: lp,
+      reward: Math.round(r() * 4) / 4,
+      index: i,
+      group_index: i >> 1,
+    });
   });
   return { chat, tokens, slime };
 }
 
-const HOSTILE: unknown[] = [null, -1, 0, 1, 7, 1e39, -1e39, 1e308, -1e308, 2 ** 31, -(2 ** 31) - 1, 1.5, 5e-324, '', 'x', '\u0000', [], {}, true, [1e39], [-1], [[1]], 'ep-dup'];
+const HOSTILE: unknown[] = [
+  null,
+  -1,
+  0,
+  1,
+  7,
+  1e39,
+  -1e39,
+  1e308,
+  -1e308,
+  2 ** 31,
+  -(2 ** 31) - 1,
+  1.5,
+  5e-324,
+  '',
+  'x',
+  '\u0000',
+  [],
+  {},
+  true,
+  [1e39],
+  [-1],
+  [[1]],
+  'ep-dup',
+];
 
 type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
 
 /** Every (container, key) pair of a JSON value, depth first. */
 function slots(v: Json, out: [Json[] | { [k: string]: Json }, string | number][] = []): typeof out {
   if (Array.isArray(v)) v.forEach((x, i) => (out.push([v, i]), slots(x, out)));
-  else if (v !== null && typeof v === 'object') for (const k of Object.keys(v)) {
-    out.push([v, k]);
-    slots(v[k], out);
-  }
+  else if (v !== null && typeof v === 'object')
+    for (const k of Object.keys(v)) {
+      out.push([v, k]);
+      slots(v[k], out);
+    }
   return out;
 }
 
@@ -103,7 +138,11 @@ function mutateBytes(line: Buffer, r: () => number): Buffer {
     case 1:
       return Buffer.concat([line.subarray(0, at), pick(r, INVALID_UTF8), line.subarray(at)]);
     case 2:
-      return Buffer.concat([line.subarray(0, at), Buffer.from(pick(r, ['\r', '\u0000', '\ufeff', '"', '}', ']', ',', '9e99', '\\'])), line.subarray(at)]);
+      return Buffer.concat([
+        line.subarray(0, at),
+        Buffer.from(pick(r, ['\r', '\u0000', '\ufeff', '"', '}', ']', ',', '9e99', '\\'])),
+        line.subarray(at),
+      ]);
     case 3: {
       // a string made invalid UTF-8 inside: the JSON stays well-formed
       const q = line.indexOf(0x22, at);
@@ -160,7 +199,13 @@ function inputProblems(bytes: Buffer): string[] {
       if (!isUtf8(raw)) out.push(`line ${k + 1}: invalid UTF-8 accepted`);
       try {
         const v = JSON.parse(raw.toString('utf8'));
-        if (v && typeof v === 'object' && Array.isArray(v.requests) && v.requests.length > 0 && (typeof v.episode_id === 'string' || Number.isInteger(v.episode_id))) {
+        if (
+          v &&
+          typeof v === 'object' &&
+          Array.isArray(v.requests) &&
+          v.requests.length > 0 &&
+          (typeof v.episode_id === 'string' || Number.isInteger(v.episode_id))
+        ) {
           const id = String(v.episode_id);
           const prev = firstText.get(id);
           if (prev === undefined) firstText.set(id, all[k]);
@@ -184,7 +229,9 @@ function outputProblems(out: string): string[] {
     batch.loss_mask.forEach((x, k) => x > 1 && problems.push(`${entry.file}: loss_mask[${k}] = ${x}`));
     for (const f of OCCURRENCE_FLOAT_FIELDS) {
       const a = batch[f];
-      a?.forEach((x, k) => batch.loss_mask[k] && !Number.isFinite(x) && problems.push(`${entry.file}: ${f}[${k}] = ${x} at a trainable occurrence`));
+      a?.forEach(
+        (x, k) => batch.loss_mask[k] && !Number.isFinite(x) && problems.push(`${entry.file}: ${f}[${k}] = ${x} at a trainable occurrence`),
+      );
     }
   }
   return problems;
@@ -212,51 +259,58 @@ async function runCase(file: string, out: string, extra: string[]): Promise<{ ok
 }
 
 describe('mutation fuzzer', () => {
-  it(`${CASES} mutated chat, pre-tokenized and slime files: accepted with valid output, or rejected in one line naming the line`, { timeout: 300_000 }, async () => {
-    const base = seeds();
-    const kinds = Object.keys(base);
-    const r = rng(20261123);
-    const t: Tally = { cases: 0, accepted: 0, rejected: {}, findings: [], rejections: [] };
-    for (let c = 0; c < CASES; c++) {
-      const kind = kinds[c % kinds.length];
-      const bytes = mutant(base[kind], r);
-      const file = join(dir, `case-${c}.jsonl`);
-      const out = join(dir, `out-${c}`);
-      writeFileSync(file, bytes);
-      // Every third case also through the budgeted planner and without the merge.
-      const extra = c % 3 === 1 ? ['--max-tokens', '100000', '--dp', '2'] : c % 3 === 2 ? ['--no-merge'] : [];
-      const res = await runCase(file, out, extra);
-      t.cases++;
-      if ('ok' in res) {
-        t.accepted++;
-        for (const p of [...inputProblems(bytes), ...outputProblems(out)]) t.findings.push(`case ${c} (${kind}) accepted: ${p}`);
-      } else if (res.err instanceof TreepackError) {
-        const e = res.err;
-        t.rejected[e.code] = (t.rejected[e.code] ?? 0) + 1;
-        if (e.message.includes('\n')) t.findings.push(`case ${c} (${kind}): a rejection of more than one line: ${e.message}`);
-        if (e.where.file !== file || e.where.line === undefined) t.findings.push(`case ${c} (${kind}): a rejection not naming file and line: ${e.message}`);
-        else t.rejections.push({ file, message: e.message });
-      } else {
-        t.findings.push(`case ${c} (${kind}): crash (a stack trace from the CLI): ${(res.err as Error)?.stack ?? String(res.err)}`);
+  it(
+    `${CASES} mutated chat, pre-tokenized and slime files: accepted with valid output, or rejected in one line naming the line`,
+    { timeout: 300_000 },
+    async () => {
+      const base = seeds();
+      const kinds = Object.keys(base);
+      const r = rng(20261123);
+      const t: Tally = { cases: 0, accepted: 0, rejected: {}, findings: [], rejections: [] };
+      for (let c = 0; c < CASES; c++) {
+        const kind = kinds[c % kinds.length];
+        const bytes = mutant(base[kind], r);
+        const file = join(dir, `case-${c}.jsonl`);
+        const out = join(dir, `out-${c}`);
+        writeFileSync(file, bytes);
+        // Every third case also through the budgeted planner and without the merge.
+        const extra = c % 3 === 1 ? ['--max-tokens', '100000', '--dp', '2'] : c % 3 === 2 ? ['--no-merge'] : [];
+        const res = await runCase(file, out, extra);
+        t.cases++;
+        if ('ok' in res) {
+          t.accepted++;
+          for (const p of [...inputProblems(bytes), ...outputProblems(out)]) t.findings.push(`case ${c} (${kind}) accepted: ${p}`);
+        } else if (res.err instanceof TreepackError) {
+          const e = res.err;
+          t.rejected[e.code] = (t.rejected[e.code] ?? 0) + 1;
+          if (e.message.includes('\n')) t.findings.push(`case ${c} (${kind}): a rejection of more than one line: ${e.message}`);
+          if (e.where.file !== file || e.where.line === undefined)
+            t.findings.push(`case ${c} (${kind}): a rejection not naming file and line: ${e.message}`);
+          else t.rejections.push({ file, message: e.message });
+        } else {
+          t.findings.push(`case ${c} (${kind}): crash (a stack trace from the CLI): ${(res.err as Error)?.stack ?? String(res.err)}`);
+        }
+        rmSync(out, { recursive: true, force: true });
       }
-      rmSync(out, { recursive: true, force: true });
-    }
-    const rejected = Object.values(t.rejected).reduce((a, b) => a + b, 0);
-    console.log(`fuzz: ${t.cases} cases, ${t.accepted} accepted, ${rejected} rejected ${JSON.stringify(t.rejected)}, ${t.findings.length} findings`);
-    for (const f of t.findings.slice(0, 20)) console.log(`  ${f.split('\n').slice(0, 3).join(' | ')}`);
-    expect(t.findings).toEqual([]);
-    // Both outcomes occur: the mutations neither break every file nor leave every file valid.
-    expect(t.accepted).toBeGreaterThan(CASES / 10);
-    expect(rejected).toBeGreaterThan(CASES / 10);
+      const rejected = Object.values(t.rejected).reduce((a, b) => a + b, 0);
+      console.log(
+        `fuzz: ${t.cases} cases, ${t.accepted} accepted, ${rejected} rejected ${JSON.stringify(t.rejected)}, ${t.findings.length} findings`,
+      );
+      for (const f of t.findings.slice(0, 20)) console.log(`  ${f.split('\n').slice(0, 3).join(' | ')}`);
+      expect(t.findings).toEqual([]);
+      // Both outcomes occur: the mutations neither break every file nor leave every file valid.
+      expect(t.accepted).toBeGreaterThan(CASES / 10);
+      expect(rejected).toBeGreaterThan(CASES / 10);
 
-    // Through the bin: a rejection is one line on stderr, exit status 1, no stack trace.
-    for (const { file } of t.rejections.filter((_, k) => k % Math.ceil(t.rejections.length / 4) === 0)) {
-      const outDir = join(dir, 'bin-out');
-      mkdirSync(outDir, { recursive: true });
-      const res = cli(['pack', file, '--out', join(outDir, 'x'), '--quiet', '--tokenizer', 'qwen3']);
-      expect(res.code, res.stderr).toBe(1);
-      expect(res.stderr.trimEnd().split('\n'), res.stderr).toHaveLength(1);
-      expect(res.stderr).toMatch(new RegExp(`^treepack pack: ${file.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:\\d+`));
-    }
-  });
+      // Through the bin: a rejection is one line on stderr, exit status 1, no stack trace.
+      for (const { file } of t.rejections.filter((_, k) => k % Math.ceil(t.rejections.length / 4) === 0)) {
+        const outDir = join(dir, 'bin-out');
+        mkdirSync(outDir, { recursive: true });
+        const res = cli(['pack', file, '--out', join(outDir, 'x'), '--quiet', '--tokenizer', 'qwen3']);
+        expect(res.code, res.stderr).toBe(1);
+        expect(res.stderr.trimEnd().split('\n'), res.stderr).toHaveLength(1);
+        expect(res.stderr).toMatch(new RegExp(`^treepack pack: ${file.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:\\d+`));
+      }
+    },
+  );
 });

@@ -16,13 +16,27 @@ import { installed, pythonFor } from './helpers/python.js';
 const root = resolve(__dirname, '..');
 const py = pythonFor('test/gpu-check.test.ts', 'torch');
 const DRY_STEPS = ['env', 'build-core', 'cuda-vs-core-selftest', 'mask-files', 'train-step-tiny'];
-const DEVICE_STEPS = ['build-cuda', 'cuda-vs-core', 'fla-install', 'test-loss', 'test-flex-gpu', 'test-trainer-cuda', 'test-gpu',
-  'test-fla', 'train-step-8k', 'train-step-32k', 'train-exact-f32'];
+const DEVICE_STEPS = [
+  'build-cuda',
+  'cuda-vs-core',
+  'fla-install',
+  'test-loss',
+  'test-flex-gpu',
+  'test-trainer-cuda',
+  'test-gpu',
+  'test-fla',
+  'train-step-8k',
+  'train-step-32k',
+  'train-exact-f32',
+];
 
 /** The summary's step lines: name → [status, figures]. */
 function steps(summary: string): Map<string, [string, string]> {
   const out = new Map<string, [string, string]>();
-  for (const line of summary.split('\n').slice(3).filter((l) => !l.startsWith('result: '))) {
+  for (const line of summary
+    .split('\n')
+    .slice(3)
+    .filter((l) => !l.startsWith('result: '))) {
     const m = /^(\S+)\s+(PASS|FAIL|NEEDS-DEVICE)\s+\S+\s+(.*)$/.exec(line);
     if (m) out.set(m[1], [m[2], m[3]]);
   }
@@ -35,7 +49,10 @@ describe.skipIf(py.skipReason !== '')('scripts/gpu-check.sh --dry', () => {
     const out = mkdtempSync(join(tmpdir(), 'treepack-gpu-check-'));
     dirs.push(out);
     const res = spawnSync('bash', [join(root, 'scripts', 'gpu-check.sh'), '--dry'], {
-      cwd: root, encoding: 'utf8', timeout: 580_000, env: { ...process.env, OUT: out, PYTHON: installed().python!, ...env },
+      cwd: root,
+      encoding: 'utf8',
+      timeout: 580_000,
+      env: { ...process.env, OUT: out, PYTHON: installed().python!, ...env },
     });
     const summary = existsSync(join(out, 'summary.txt')) ? readFileSync(join(out, 'summary.txt'), 'utf8') : '';
     return { res, out, summary };
@@ -72,9 +89,21 @@ describe.skipIf(py.skipReason !== '')('scripts/gpu-check.sh --dry', () => {
   it("counts a step's model FLOPs as the bench's cost model does (bench/step.py model_flops = cost-model.ts work)", () => {
     // gpu-check runs without node, so the formula is restated in Python; this holds the two to one value.
     const shape = QWEN3_SHAPES[0];
-    const f = { micro_batches: 3, tokens: 20_000, pad_tokens: 0, occurrences: 60_000, trainable: 30_000, pairs: 41_000_000, blocks: 0,
-      full_blocks: 0, executed_blocks: 0, scored_rows: 9_000, max_tokens: 8_000 };
-    const code = 'import importlib.util, json, sys\n' +
+    const f = {
+      micro_batches: 3,
+      tokens: 20_000,
+      pad_tokens: 0,
+      occurrences: 60_000,
+      trainable: 30_000,
+      pairs: 41_000_000,
+      blocks: 0,
+      full_blocks: 0,
+      executed_blocks: 0,
+      scored_rows: 9_000,
+      max_tokens: 8_000,
+    };
+    const code =
+      'import importlib.util, json, sys\n' +
       `spec = importlib.util.spec_from_file_location("bench_step", ${JSON.stringify(join(root, 'bench', 'step.py'))})\n` +
       'm = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n' +
       'a = json.loads(sys.argv[1]); print(m.model_flops(a["f"], a["shape"], a["vocab"]))';

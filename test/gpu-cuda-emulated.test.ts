@@ -30,7 +30,10 @@ afterAll(() => rmSync(scratch, { recursive: true, force: true }));
 
 /** '' when cmake and a C++ compiler run here, else why not. */
 function toolchainMissing(): string {
-  for (const [tool, args] of [['cmake', ['--version']], [process.env.CXX ?? 'c++', ['--version']]] as const) {
+  for (const [tool, args] of [
+    ['cmake', ['--version']],
+    [process.env.CXX ?? 'c++', ['--version']],
+  ] as const) {
     if (spawnSync(tool, args, { encoding: 'utf8' }).status !== 0) {
       return `${tool} not found (the emulated CUDA build needs cmake and a C++ compiler)`;
     }
@@ -198,12 +201,16 @@ describe.skipIf(missing !== '')('the CUDA kernels on the CPU emulator', () => {
 
   it('negative control: a dropped __syncthreads and a wrong shuffle offset fail the suites', { timeout: 900_000 }, () => {
     const MERGE = '    if (threadIdx.x < w) sh[threadIdx.x].Merge(sh[threadIdx.x + w]);';
-    const b = mutant('wrong', [
-      // BlockReduce: a thread reads a partial sum before its owner has added the other half into it.
-      ['loss.cu', `${MERGE}\n    __syncthreads();\n`, `${MERGE}\n`],
-      // BlockEndsKernel: lane 0's minimum misses lane 1 (and others), so blocks become full too early.
-      ['mask.cu', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off));', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off + 1));'],
-    ], 'build:cuda-emulated');
+    const b = mutant(
+      'wrong',
+      [
+        // BlockReduce: a thread reads a partial sum before its owner has added the other half into it.
+        ['loss.cu', `${MERGE}\n    __syncthreads();\n`, `${MERGE}\n`],
+        // BlockEndsKernel: lane 0's minimum misses lane 1 (and others), so blocks become full too early.
+        ['mask.cu', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off));', 'lo = min(lo, __shfl_down_sync(0xffffffffu, lo, off + 1));'],
+      ],
+      'build:cuda-emulated',
+    );
     const { tests } = suites(b, SMALL);
     const failed = tests.filter((t) => t.status === 'failed').map((t) => t.fullName);
     console.log(`gpu-cuda-emulated: the mutant fails ${failed.length} of ${tests.length} cuda tests:\n  ${failed.join('\n  ')}`);
@@ -219,15 +226,19 @@ describe.skipIf(missing !== '')('the CUDA kernels on the CPU emulator', () => {
   });
 
   it('negative control: a divergent barrier aborts naming the kernel; a lost bounds check is an ASan error', { timeout: 900_000 }, () => {
-    const b = mutant('divergent', [
-      // Only thread 0 reaches the first barrier of BlockRowsKernel; a GPU would hang or be undefined.
+    const b = mutant(
+      'divergent',
       [
-        'mask.cu',
-        '    if (threadIdx.x == 0) base_part = base_full = 0;\n    __syncthreads();\n',
-        '    if (threadIdx.x == 0) {\n      base_part = base_full = 0;\n      __syncthreads();\n    }\n',
+        // Only thread 0 reaches the first barrier of BlockRowsKernel; a GPU would hang or be undefined.
+        [
+          'mask.cu',
+          '    if (threadIdx.x == 0) base_part = base_full = 0;\n    __syncthreads();\n',
+          '    if (threadIdx.x == 0) {\n      base_part = base_full = 0;\n      __syncthreads();\n    }\n',
+        ],
+        ['gather.cu', 'dst[i] = j >= 0 && j < src_n ? src[j] : 0;', 'dst[i] = src[j];'],
       ],
-      ['gather.cu', 'dst[i] = j >= 0 && j < src_n ? src[j] : 0;', 'dst[i] = src[j];'],
-    ], 'build:cuda-emulated-asan');
+      'build:cuda-emulated-asan',
+    );
     const call = (js: string) =>
       spawnSync(process.execPath, ['-e', `const b = require(${JSON.stringify(b.binding)}); b.init(Error); ${js}`], {
         encoding: 'utf8',

@@ -23,7 +23,16 @@ function sources(dir: string): string[] {
 
 /** Each source file's imports of other files in the same set, resolved as `tsc -p tsconfig.json` resolves them. */
 function importGraph(files: string[]): Map<string, string[]> {
-  const config = ts.getParsedCommandLineOfConfigFile(join(ROOT, 'tsconfig.json'), {}, { ...ts.sys, onUnRecoverableConfigFileDiagnostic: (d) => { throw new Error(ts.flattenDiagnosticMessageText(d.messageText, '\n')); } });
+  const config = ts.getParsedCommandLineOfConfigFile(
+    join(ROOT, 'tsconfig.json'),
+    {},
+    {
+      ...ts.sys,
+      onUnRecoverableConfigFileDiagnostic: (d) => {
+        throw new Error(ts.flattenDiagnosticMessageText(d.messageText, '\n'));
+      },
+    },
+  );
   const options = config!.options;
   const inSet = new Set(files);
   const graph = new Map<string, string[]>();
@@ -47,7 +56,14 @@ describe('import graph of src/', () => {
       ['e', ['e']],
     ]);
     expect(cycles(g)).toEqual([['a', 'b', 'c'], ['e']]);
-    expect(cycles(new Map([['a', ['b']], ['b', []]]))).toEqual([]);
+    expect(
+      cycles(
+        new Map([
+          ['a', ['b']],
+          ['b', []],
+        ]),
+      ),
+    ).toEqual([]);
   });
 
   it('has no import cycles', () => {
@@ -97,7 +113,11 @@ export function pythonImportGraph(pkg: string): Map<string, string[]> {
       }
     };
     for (const m of text.matchAll(/^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)/gm)) {
-      const names = m[3].replace(/[()]/g, ' ').split(',').map((n) => n.trim().split(/\s+/)[0]).filter(Boolean);
+      const names = m[3]
+        .replace(/[()]/g, ' ')
+        .split(',')
+        .map((n) => n.trim().split(/\s+/)[0])
+        .filter(Boolean);
       const dotted = m[2] ? m[2].split('.') : [];
       if (m[1]) add([...pkgParts.slice(0, pkgParts.length - (m[1].length - 1)), ...dotted], names);
       else if (dotted[0] === here[0]) add(dotted, names);
@@ -108,7 +128,10 @@ export function pythonImportGraph(pkg: string): Map<string, string[]> {
         if (f) deps.push(f);
       }
     }
-    graph.set(file, [...new Set(deps)].filter((d) => d !== file));
+    graph.set(
+      file,
+      [...new Set(deps)].filter((d) => d !== file),
+    );
   }
   return graph;
 }

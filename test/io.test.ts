@@ -170,7 +170,10 @@ describe('safetensors layout', () => {
 
   it('rejects bad arguments to the writer', () => {
     const path = tmpFile();
-    const write = (t: Tensor, name = 'x') => () => writeSafetensors(path, new Map([[name, t]]));
+    const write =
+      (t: Tensor, name = 'x') =>
+      () =>
+        writeSafetensors(path, new Map([[name, t]]));
     expect(write({ dtype: 'I32', shape: [3], data: new Int32Array(2) })).toThrow(/shape/);
     expect(write({ dtype: 'F32', shape: [2], data: new Int32Array(2) })).toThrow(/Float32Array/);
     expect(write({ dtype: 'X' as never, shape: [2], data: new Int32Array(2) })).toThrow(/dtype/);
@@ -217,7 +220,9 @@ describe('micro-batch files', () => {
       expect(err.where.field).toBe(field);
     }
     expect(() => writeMicroBatch(path, { ...batch, input_ids: Array.from(batch.input_ids) as never })).toThrow(/batch\.input_ids/);
-    expect(() => writeMicroBatch(path, batch, new Map([['parent', { dtype: 'U8', shape: [0], data: new Uint8Array(0) }]]))).toThrow(/contract/);
+    expect(() => writeMicroBatch(path, batch, new Map([['parent', { dtype: 'U8', shape: [0], data: new Uint8Array(0) }]]))).toThrow(
+      /contract/,
+    );
     expect(readFileSync(path).equals(before)).toBe(true);
   });
 
@@ -324,7 +329,12 @@ describe('micro-batch files', () => {
     it('seq_offsets[S] != M', () => {
       const S = batch.meta.num_sequences;
       const path = corrupt((h, data) => setI32(data, h.seq_offsets.data_offsets[0] + 4 * S, M - 1));
-      expectInputError(() => readMicroBatch(path), path, 'seq_offsets', new RegExp(`seq_offsets\\[S\\] = ${M - 1} but seq_positions has M = ${M}`));
+      expectInputError(
+        () => readMicroBatch(path),
+        path,
+        'seq_offsets',
+        new RegExp(`seq_offsets\\[S\\] = ${M - 1} but seq_positions has M = ${M}`),
+      );
     });
 
     it('missing file is E_IO', () => {
@@ -418,8 +428,16 @@ describe('checkForest', () => {
     ['parent below -1', (f) => (f.parent[0] = -2), /^parent\[0\] = -2/],
     ['position_ids not the depth', (f) => (f.position_ids[3] = 5), /^position_ids\[3\] = 5: expected 2/],
     ['subtree_end wrong', (f) => (f.subtree_end[1] = 3), /^subtree_end\[1\] = 3: expected 4 from parent$/],
-    ['seq_positions out of range', (f) => (f.seq_positions[8] = 6), /^seq_positions\[8\] = 6: not a position in \[0, 6\) \(sequence 3, t = 0\)$/],
-    ['parent chain broken', (f) => (f.seq_positions[2] = 4), /^parent\[seq_positions\[2\]\] = parent\[4\] = 0: expected seq_positions\[1\] = 1/],
+    [
+      'seq_positions out of range',
+      (f) => (f.seq_positions[8] = 6),
+      /^seq_positions\[8\] = 6: not a position in \[0, 6\) \(sequence 3, t = 0\)$/,
+    ],
+    [
+      'parent chain broken',
+      (f) => (f.seq_positions[2] = 4),
+      /^parent\[seq_positions\[2\]\] = parent\[4\] = 0: expected seq_positions\[1\] = 1/,
+    ],
     ['seq_offsets[S] != M', (f) => (f.seq_offsets[4] = 8), /^seq_offsets\[4\] = 8: expected M = 9/],
     ['seq_offsets decreasing', (f) => (f.seq_offsets[2] = 2), /^seq_offsets\[2\] = 2: less than seq_offsets\[1\] = 3/],
     ['node arrays of different lengths', (f) => (f.parent = f.parent.subarray(0, 5)), /^parent has 5 elements: expected N = 6/],
@@ -430,7 +448,10 @@ describe('checkForest', () => {
       breakIt(f);
       const v = checkForest(f);
       expect(v.length).toBeGreaterThan(0);
-      expect(v.some((m) => message.test(m)), v.join('\n')).toBe(true);
+      expect(
+        v.some((m) => message.test(m)),
+        v.join('\n'),
+      ).toBe(true);
     });
   }
 
@@ -439,7 +460,16 @@ describe('checkForest', () => {
     f.seq_positions[5] = 2; // sequence 1 now reads 1 2 3: a valid path, the wrong tokens
     expect(checkForest(f)).toEqual([]);
     expect(checkForest(f, seqs)).toEqual(['input_ids[seq_positions[5]] = input_ids[2] = 3: expected token 4 (sequence 1, t = 2)']);
-    expect(checkForest(base, csr([[1, 2, 3], [1, 2, 4], [1, 5, 7]]))).toContain('seq_offsets differ from the offsets of the given sequences');
+    expect(
+      checkForest(
+        base,
+        csr([
+          [1, 2, 3],
+          [1, 2, 4],
+          [1, 5, 7],
+        ]),
+      ),
+    ).toContain('seq_offsets differ from the offsets of the given sequences');
   });
 
   it('catches a layout that is not a DFS preorder even with subtree_end recomputed from parent', () => {
@@ -466,7 +496,9 @@ describe('checkForest', () => {
     bad.loss_mask[k] = 1;
     expect(checkForest(bad)).toEqual([`loss_mask[${k}] = 1: expected 0 at t = 0 (sequence ${off}, t = 0)`]);
     const M = batch.seq_positions.length;
-    expect(checkForest({ ...batch, old_logprobs: new Float32Array(M + 1) })).toEqual([`old_logprobs has ${M + 1} elements: expected M = ${M} (length of seq_positions)`]);
+    expect(checkForest({ ...batch, old_logprobs: new Float32Array(M + 1) })).toEqual([
+      `old_logprobs has ${M + 1} elements: expected M = ${M} (length of seq_positions)`,
+    ]);
   });
 
   it('caps the report', () => {
@@ -562,7 +594,8 @@ describe('checkForest', () => {
         f.parent[np] = f0.parent[p] < 0 ? -1 : placed[f0.parent[p]];
         f.subtree_end[np] = np + 1;
       }
-      for (let p = N - 1; p >= 0; p--) if (f.parent[p] >= 0) f.subtree_end[f.parent[p]] = Math.max(f.subtree_end[f.parent[p]], f.subtree_end[p]);
+      for (let p = N - 1; p >= 0; p--)
+        if (f.parent[p] >= 0) f.subtree_end[f.parent[p]] = Math.max(f.subtree_end[f.parent[p]], f.subtree_end[p]);
       const valid = bruteValid(f, s);
       if (!valid) nonPreorder++;
       expect(checkForest(f, s).length === 0, `seed ${seed}`).toBe(valid);

@@ -18,7 +18,16 @@ const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const VITEST = join(ROOT, 'node_modules/vitest/vitest.mjs');
 /** Where no test of this project lives: dependencies, environments, build outputs. */
 const NOT_SOURCE = new Set([
-  'node_modules', '.git', '.venv', '.venv-fla', '.cache', 'dist', 'build', 'build-cmake', 'build-emu', 'build-emu-asan',
+  'node_modules',
+  '.git',
+  '.venv',
+  '.venv-fla',
+  '.cache',
+  'dist',
+  'build',
+  'build-cmake',
+  'build-emu',
+  'build-emu-asan',
 ]);
 
 /** Every file under the repository named like a test to vitest or to a person (`*.test.*`, `*.spec.*`). */
@@ -50,7 +59,12 @@ describe('test lanes', () => {
       const wrong = onDisk.filter((f) => (lanes.get(f) ?? []).length !== 1).map((f) => `${f}: ${JSON.stringify(lanes.get(f) ?? [])}`);
       expect(wrong, 'test files in no lane or in both').toEqual([]);
       expect([...lanes.keys()].sort()).toEqual(onDisk);
-      expect(listed.filter((x) => x.lane === 'unit').map((x) => x.file).sort()).toEqual([...UNIT_TESTS].sort());
+      expect(
+        listed
+          .filter((x) => x.lane === 'unit')
+          .map((x) => x.file)
+          .sort(),
+      ).toEqual([...UNIT_TESTS].sort());
       expect(new Set(listed.map((x) => x.lane))).toEqual(new Set(['unit', 'integration']));
     } finally {
       rmSync(dir, { recursive: true, force: true });

@@ -16,7 +16,6 @@ import { cli } from './helpers/cli.js';
 const dir = mkdtempSync(join(tmpdir(), 'treepack-loss-cli-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-
 describe('treepack loss', () => {
   const { batch, lp, unpacked } = randomLossCase(randomBatch(3, { count: 25 }), 3);
   const mb = join(dir, 'mb.safetensors');
@@ -75,7 +74,10 @@ describe('treepack pack writes advantages', () => {
       const std = Math.sqrt(rs.reduce((a, b) => a + (b - mean) ** 2, 0) / (rs.length - 1));
       const want = Math.fround((s.reward - mean) / (std + 1e-6));
       const a = batch.seq_offsets[i];
-      expect(batch.advantages!.subarray(a, batch.seq_offsets[i + 1]).every((x) => x === want), `sample ${i}`).toBe(true);
+      expect(
+        batch.advantages!.subarray(a, batch.seq_offsets[i + 1]).every((x) => x === want),
+        `sample ${i}`,
+      ).toBe(true);
     });
     const none = join(dir, 'packed-none');
     expect(cli(['pack', input, '--out', none, '--quiet', '--advantages', 'none']).code).toBe(0);

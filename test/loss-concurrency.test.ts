@@ -20,7 +20,12 @@ interface Call {
 
 /** Same bits: the gradient byte for byte, the loss and every metric with Object.is (so -0 and NaN count too). */
 function expectSameBits(got: LossResult, want: LossResult, what: string): void {
-  expect(Buffer.from(got.grad.buffer, got.grad.byteOffset, got.grad.byteLength).equals(Buffer.from(want.grad.buffer, want.grad.byteOffset, want.grad.byteLength)), `${what} grad`).toBe(true);
+  expect(
+    Buffer.from(got.grad.buffer, got.grad.byteOffset, got.grad.byteLength).equals(
+      Buffer.from(want.grad.buffer, want.grad.byteOffset, want.grad.byteLength),
+    ),
+    `${what} grad`,
+  ).toBe(true);
   expect(Object.is(got.loss, want.loss), `${what} loss ${got.loss} vs ${want.loss}`).toBe(true);
   for (const k of Object.keys(want.metrics) as (keyof LossResult['metrics'])[]) {
     expect(Object.is(got.metrics[k], want.metrics[k]), `${what} ${k} ${got.metrics[k]} vs ${want.metrics[k]}`).toBe(true);
@@ -30,9 +35,13 @@ function expectSameBits(got: LossResult, want: LossResult, what: string): void {
 function calls(backend: BackendName): Call[] {
   const out: Call[] = [];
   const occ = (b: LossBatch, lp: Float32Array, config: Partial<LossConfig>, chunkBytes?: number) =>
-    backend === 'webgpu' ? () => lossWebGPU(b, lp, resolveLossConfig(config), { chunkBytes }) : () => computeLoss(b, lp, config, { backend });
+    backend === 'webgpu'
+      ? () => lossWebGPU(b, lp, resolveLossConfig(config), { chunkBytes })
+      : () => computeLoss(b, lp, config, { backend });
   const compact = (plan: CompactPlan, lp: Float32Array, config: Partial<LossConfig>, chunkBytes?: number) =>
-    backend === 'webgpu' ? () => lossCompactWebGPU(plan, lp, resolveLossConfig(config), { chunkBytes }) : () => computeLossCompact(plan, lp, config, { backend });
+    backend === 'webgpu'
+      ? () => lossCompactWebGPU(plan, lp, resolveLossConfig(config), { chunkBytes })
+      : () => computeLossCompact(plan, lp, config, { backend });
   const chunk = (k: number) => (backend === 'webgpu' ? [64, 512, undefined][k % 3] : undefined);
   for (let k = 0; k < 6; k++) {
     const seed = 40 + k;
@@ -41,7 +50,15 @@ function calls(backend: BackendName): Call[] {
     out.push({ what: `batch ${k} config ${k % LOSS_CONFIGS.length}`, run: occ(batch, lp, config, chunk(k)) });
     // A second config on the same batch object: the WebGPU layout cache is replaced while the first may run.
     const other = LOSS_CONFIGS[(k + 3) % LOSS_CONFIGS.length];
-    out.push({ what: `batch ${k} config ${(k + 3) % LOSS_CONFIGS.length}`, run: occ(batch, lp.map((x) => x - 0.01), other, chunk(k)) });
+    out.push({
+      what: `batch ${k} config ${(k + 3) % LOSS_CONFIGS.length}`,
+      run: occ(
+        batch,
+        lp.map((x) => x - 0.01),
+        other,
+        chunk(k),
+      ),
+    });
     if (config.policy !== 'gspo') {
       const plan = buildCompactPlan(batch, config);
       out.push({ what: `batch ${k} compact`, run: compact(plan, lp, config, chunk(k + 1)) });

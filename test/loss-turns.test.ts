@@ -77,12 +77,20 @@ function trajectories(seed: number, opts: { count: number; sharedOld?: boolean; 
       const t = copy ? firstTurns[i - 2].slice() : Array.from({ length: 1 + Math.floor(r() * 5) }, () => 10 + Math.floor(r() * 6));
       if (k === 0) firstTurns.push(t);
       ids.push({ author: 'llm', ids: t, holes: r() < 0.15 ? 1 : 0.25 });
-      if (k + 1 < turns) ids.push({ author: 'tool', ids: Array.from({ length: 1 + Math.floor(r() * 3) }, () => 20 + Math.floor(r() * 4)), holes: 0 });
+      if (k + 1 < turns)
+        ids.push({ author: 'tool', ids: Array.from({ length: 1 + Math.floor(r() * 3) }, () => 20 + Math.floor(r() * 4)), holes: 0 });
     }
     const A = Math.fround(r() * 4 - 2);
     const messages = ids.map((m) => ({
       author: m.author,
-      toks: m.ids.map((id) => ({ id, mask: m.author === 'llm' && r() >= m.holes ? 1 : 0, lp: 0, old: (r() - 0.5) * 1.2, ref: r() - 0.5, adv: r() < 0.1 ? 0 : A })),
+      toks: m.ids.map((id) => ({
+        id,
+        mask: m.author === 'llm' && r() >= m.holes ? 1 : 0,
+        lp: 0,
+        old: (r() - 0.5) * 1.2,
+        ref: r() - 0.5,
+        adv: r() < 0.1 ? 0 : A,
+      })),
     }));
     out.push(rekey({ messages, weight: [1, 0, 0.5, 2, 1.25][i % 5] }, opts.sharedOld ?? false));
   }
@@ -209,7 +217,13 @@ function nodeGrad(batch: MicroBatch, perToken: number[]): Float64Array {
   return g;
 }
 
-function expectFlow(got: { loss: number; grad: Float32Array; metrics: { pg_loss: number; kl_loss: number } }, want: Expected, batch: MicroBatch, tol: number, what: string) {
+function expectFlow(
+  got: { loss: number; grad: Float32Array; metrics: { pg_loss: number; kl_loss: number } },
+  want: Expected,
+  batch: MicroBatch,
+  tol: number,
+  what: string,
+) {
   close(got.loss, want.loss, tol, `${what} loss`);
   close(got.metrics.pg_loss, want.pg_loss, tol, `${what} pg_loss`);
   close(got.metrics.kl_loss, want.kl_loss, tol, `${what} kl_loss`);
@@ -260,7 +274,8 @@ describe('Flow-GRPO reference and the packer', () => {
 
   it('refuses what would aggregate wrong: no turn_ids, turn ids that decrease, a negative or non-finite seq_weight', async () => {
     const { batch, lp } = packed(trajectories(4, { count: 3 }));
-    const field = async (b: object, config: Partial<LossConfig> = BASE) => ((await computeLoss(b as MicroBatch, lp, config, { backend: 'js' }).catch((e: unknown) => e)) as TreepackError).where?.field;
+    const field = async (b: object, config: Partial<LossConfig> = BASE) =>
+      ((await computeLoss(b as MicroBatch, lp, config, { backend: 'js' }).catch((e: unknown) => e)) as TreepackError).where?.field;
     expect(await field({ ...batch, turn_ids: undefined })).toBe('turn_ids');
     const down = batch.turn_ids!.slice();
     down[batch.seq_offsets[1] - 1] = -2;
@@ -342,7 +357,13 @@ describe('an episode through the packer', () => {
   }
 
   it('merges each episode into one sequence whose turns give the loss of the unmerged calls', async () => {
-    const records = [...episode(0, [[40, 41, 42], [43], [44, 45, 46, 47]]), ...episode(1, [[40, 41, 42], [50, 51]])];
+    const records = [
+      ...episode(0, [[40, 41, 42], [43], [44, 45, 46, 47]]),
+      ...episode(1, [
+        [40, 41, 42],
+        [50, 51],
+      ]),
+    ];
     expect((await packOne(records)).turn_ids).toBeUndefined(); // stored only when asked for
     const merged = await packOne(records, { turnIds: true });
     expect(merged.meta.num_sequences).toBe(2); // the timeline merge made one sequence per episode
@@ -431,7 +452,9 @@ await describeBackends('loss', (backend) => {
     for (const i of [0, 3]) for (const m of ts[i].messages) for (const x of m.toks) x.mask = 0;
     const { batch, lp } = packed(ts);
     expectFlow(await run(batch, lp, BASE), flowGrpo(ts, resolveLossConfig(BASE)), batch, tol, 'untrainable sequences');
-    const dead = packed(ts.map((t) => ({ ...t, messages: t.messages.map((m) => ({ ...m, toks: m.toks.map((x) => ({ ...x, mask: 0 })) })) })));
+    const dead = packed(
+      ts.map((t) => ({ ...t, messages: t.messages.map((m) => ({ ...m, toks: m.toks.map((x) => ({ ...x, mask: 0 })) })) })),
+    );
     const r = await run(dead.batch, dead.lp, BASE);
     expect(r.loss).toBe(0);
     expect(r.grad.every((g) => g === 0)).toBe(true);

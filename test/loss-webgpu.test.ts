@@ -38,7 +38,8 @@ const TOL = 2e-5; // f32 end to end against a float64 oracle, as in loss.test.ts
 
 function expectEqualsJs(got: LossResult, want: LossResult, tol: number, what: string): void {
   close(got.loss, want.loss, tol, `${what} loss`);
-  for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[]) close(got.metrics[key], want.metrics[key], tol, `${what} ${key}`);
+  for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[])
+    close(got.metrics[key], want.metrics[key], tol, `${what} ${key}`);
   for (let p = 0; p < want.grad.length; p++) close(got.grad[p], want.grad[p], tol, `${what} grad[${p}]`);
 }
 
@@ -103,120 +104,150 @@ describe('chunk layout', () => {
   });
 });
 
-await describeBackends('loss', () => describe('webgpu loss in chunks', () => {
-  /** Checks that this batch really gets a node and a sequence cut between chunks of this size. */
-  function chunked(bytes: number, b: LossBatch, cfg: LossConfig): void {
-    const s = occStream(b, cfg);
-    const chunks = planOccChunks(s.nodeOff, Math.floor(bytes / OCC_BYTES), Math.floor(bytes / 8) - 1);
-    expect(chunks.some((c) => c.o0 > s.nodeOff[c.n0]), 'a node split across chunks').toBe(true);
-    if (cfg.policy === 'gspo') expect(seqChunks(b, s, Math.floor(bytes / 8)).some((c) => c.firstTotal > 0), 'a sequence split across chunks').toBe(true);
-  }
+await describeBackends(
+  'loss',
+  () =>
+    describe('webgpu loss in chunks', () => {
+      /** Checks that this batch really gets a node and a sequence cut between chunks of this size. */
+      function chunked(bytes: number, b: LossBatch, cfg: LossConfig): void {
+        const s = occStream(b, cfg);
+        const chunks = planOccChunks(s.nodeOff, Math.floor(bytes / OCC_BYTES), Math.floor(bytes / 8) - 1);
+        expect(
+          chunks.some((c) => c.o0 > s.nodeOff[c.n0]),
+          'a node split across chunks',
+        ).toBe(true);
+        if (cfg.policy === 'gspo')
+          expect(
+            seqChunks(b, s, Math.floor(bytes / 8)).some((c) => c.firstTotal > 0),
+            'a sequence split across chunks',
+          ).toBe(true);
+      }
 
-  it('random batches, every config, 64- and 512-byte chunks: equal to js and to the unpacked reference', { timeout: 120_000 }, async () => {
-    for (const seed of [1, 2, 3, 4]) {
-      // many duplicates: nodes with many occurrences
-      const { batch, lp, unpacked } = randomLossCase(randomBatch(seed, { count: 60, alphabet: 2 }), seed);
-      for (const [k, config] of LOSS_CONFIGS.entries()) {
-        const cfg = resolveLossConfig(config);
-        const js = lossReference(batch, lp, cfg);
-        for (const bytes of [64, 512]) {
-          chunked(bytes, batch, cfg);
-          const got = await gpu(batch, lp, cfg, bytes);
-          expectEqualsJs(got, js, TOL, `seed ${seed} config ${k} chunk ${bytes}`);
-          const want = unpackedLoss(unpacked, cfg);
-          close(got.loss, want.loss, TOL, `seed ${seed} config ${k} chunk ${bytes} vs unpacked`);
+      it(
+        'random batches, every config, 64- and 512-byte chunks: equal to js and to the unpacked reference',
+        { timeout: 120_000 },
+        async () => {
+          for (const seed of [1, 2, 3, 4]) {
+            // many duplicates: nodes with many occurrences
+            const { batch, lp, unpacked } = randomLossCase(randomBatch(seed, { count: 60, alphabet: 2 }), seed);
+            for (const [k, config] of LOSS_CONFIGS.entries()) {
+              const cfg = resolveLossConfig(config);
+              const js = lossReference(batch, lp, cfg);
+              for (const bytes of [64, 512]) {
+                chunked(bytes, batch, cfg);
+                const got = await gpu(batch, lp, cfg, bytes);
+                expectEqualsJs(got, js, TOL, `seed ${seed} config ${k} chunk ${bytes}`);
+                const want = unpackedLoss(unpacked, cfg);
+                close(got.loss, want.loss, TOL, `seed ${seed} config ${k} chunk ${bytes} vs unpacked`);
+              }
+            }
+          }
+        },
+      );
+
+      it(
+        'adversarial shapes in chunks: one token, a node shared by 300 sequences, a 20k-token gspo sequence',
+        { timeout: 120_000 },
+        async () => {
+          const r = rng(9);
+          const long = Array.from({ length: 20_000 }, () => Math.floor(r() * 50));
+          const shapes: [string, number[][], number][] = [
+            ['one token', [[7, 8]], 64],
+            ['wide', Array.from({ length: 300 }, (_, i) => [0, 1, i % 150, i]), 64],
+            ['long', [long, long.slice(0, 15_000).concat([1, 2, 3])], 4096],
+          ];
+          for (const [name, seqs, bytes] of shapes) {
+            const { batch, lp } = randomLossCase(seqs, 11, { maskRate: 0.1 });
+            for (const config of [LOSS_CONFIGS[1], LOSS_CONFIGS[4], LOSS_CONFIGS[5]]) {
+              const cfg = resolveLossConfig(config);
+              if (name !== 'one token') chunked(bytes, batch, cfg);
+              const got = await gpu(batch, lp, cfg, bytes);
+              expectEqualsJs(got, lossReference(batch, lp, cfg), name === 'long' ? 1e-4 : TOL, `${name} ${cfg.policy}`);
+            }
+          }
+        },
+      );
+
+      it(
+        'the turn mode and seq_weight in 64-byte chunks equal js; a new seq_weight on the same batch is not served a stale layout',
+        { timeout: 60_000 },
+        async () => {
+          const { batch, lp } = randomLossCase(randomBatch(6, { count: 40, alphabet: 2 }), 6);
+          const off = batch.seq_offsets;
+          batch.turn_ids = Int32Array.from(batch.seq_positions, (_, j) => {
+            let i = 0;
+            while (off[i + 1] <= j) i++;
+            return Math.floor((j - off[i]) / (2 + (i % 3)));
+          });
+          const weighted = batch as LossBatch;
+          for (const config of [
+            { aggregation: 'seq-mean-turn-mean-token-mean' as const, kl: 'k3' as const, kl_coef: 0.1, loss_scale: 3 },
+            LOSS_CONFIGS[2],
+          ]) {
+            const cfg = resolveLossConfig(config);
+            chunked(64, batch, cfg);
+            weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [0, 1, 0.5][i % 3]);
+            expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} weighted`);
+            weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [2, 0, 1][i % 3]);
+            expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} reweighted`);
+          }
+        },
+      );
+
+      it('is bit-identical run to run, with a fresh layout too', { timeout: 60_000 }, async () => {
+        const { batch, lp } = randomLossCase(randomBatch(5, { count: 50, alphabet: 3 }), 5);
+        for (const config of [LOSS_CONFIGS[2], LOSS_CONFIGS[4]]) {
+          const a = await gpu(batch, lp, config, 128);
+          const b = await gpu(batch, lp, config, 128);
+          const c = await gpu({ ...batch }, lp, config, 128); // a new object: prepared again
+          for (const other of [b, c]) {
+            expect(Buffer.from(other.grad.buffer).equals(Buffer.from(a.grad.buffer))).toBe(true);
+            expect(other.metrics).toEqual(a.metrics);
+          }
         }
-      }
-    }
-  });
+      });
 
-  it('adversarial shapes in chunks: one token, a node shared by 300 sequences, a 20k-token gspo sequence', { timeout: 120_000 }, async () => {
-    const r = rng(9);
-    const long = Array.from({ length: 20_000 }, () => Math.floor(r() * 50));
-    const shapes: [string, number[][], number][] = [
-      ['one token', [[7, 8]], 64],
-      ['wide', Array.from({ length: 300 }, (_, i) => [0, 1, i % 150, i]), 64],
-      ['long', [long, long.slice(0, 15_000).concat([1, 2, 3])], 4096],
-    ];
-    for (const [name, seqs, bytes] of shapes) {
-      const { batch, lp } = randomLossCase(seqs, 11, { maskRate: 0.1 });
-      for (const config of [LOSS_CONFIGS[1], LOSS_CONFIGS[4], LOSS_CONFIGS[5]]) {
-        const cfg = resolveLossConfig(config);
-        if (name !== 'one token') chunked(bytes, batch, cfg);
-        const got = await gpu(batch, lp, cfg, bytes);
-        expectEqualsJs(got, lossReference(batch, lp, cfg), name === 'long' ? 1e-4 : TOL, `${name} ${cfg.policy}`);
-      }
-    }
-  });
+      it('concurrent calls on one batch give the same results as one at a time', { timeout: 60_000 }, async () => {
+        const { batch, lp } = randomLossCase(randomBatch(8, { count: 40 }), 8);
+        const lp2 = lp.map((x) => x - 0.05);
+        const [a, b] = await Promise.all([
+          computeLoss(batch, lp, {}, { backend: 'webgpu' }),
+          computeLoss(batch, lp2, {}, { backend: 'webgpu' }),
+        ]);
+        expect(a.grad).toEqual((await computeLoss(batch, lp, {}, { backend: 'webgpu' })).grad);
+        expect(b.grad).toEqual((await computeLoss(batch, lp2, {}, { backend: 'webgpu' })).grad);
+      });
 
-  it('the turn mode and seq_weight in 64-byte chunks equal js; a new seq_weight on the same batch is not served a stale layout', { timeout: 60_000 }, async () => {
-    const { batch, lp } = randomLossCase(randomBatch(6, { count: 40, alphabet: 2 }), 6);
-    const off = batch.seq_offsets;
-    batch.turn_ids = Int32Array.from(batch.seq_positions, (_, j) => {
-      let i = 0;
-      while (off[i + 1] <= j) i++;
-      return Math.floor((j - off[i]) / (2 + (i % 3)));
-    });
-    const weighted = batch as LossBatch;
-    for (const config of [{ aggregation: 'seq-mean-turn-mean-token-mean' as const, kl: 'k3' as const, kl_coef: 0.1, loss_scale: 3 }, LOSS_CONFIGS[2]]) {
-      const cfg = resolveLossConfig(config);
-      chunked(64, batch, cfg);
-      weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [0, 1, 0.5][i % 3]);
-      expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} weighted`);
-      weighted.seq_weight = Float32Array.from({ length: off.length - 1 }, (_, i) => [2, 0, 1][i % 3]);
-      expectEqualsJs(await gpu(weighted, lp, cfg, 64), lossReference(weighted, lp, cfg), TOL, `${cfg.aggregation} reweighted`);
-    }
-  });
+      it('compact mode in 64-byte chunks equals js and the per-occurrence mode', { timeout: 120_000 }, async () => {
+        for (const seed of [1, 2, 3]) {
+          const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
+          for (const config of LOSS_CONFIGS.filter((c) => c.policy !== 'gspo')) {
+            const plan = buildCompactPlan(batch, config);
+            const got = await gpuCompact(plan, lp, config, 64);
+            expectEqualsJs(got, lossReference(batch, lp, resolveLossConfig(config)), TOL, `seed ${seed} compact`);
+            expectEqualsJs(got, await gpu(batch, lp, config, 64), TOL, `seed ${seed} compact vs per-occurrence`);
+          }
+        }
+      });
 
-  it('is bit-identical run to run, with a fresh layout too', { timeout: 60_000 }, async () => {
-    const { batch, lp } = randomLossCase(randomBatch(5, { count: 50, alphabet: 3 }), 5);
-    for (const config of [LOSS_CONFIGS[2], LOSS_CONFIGS[4]]) {
-      const a = await gpu(batch, lp, config, 128);
-      const b = await gpu(batch, lp, config, 128);
-      const c = await gpu({ ...batch }, lp, config, 128); // a new object: prepared again
-      for (const other of [b, c]) {
-        expect(Buffer.from(other.grad.buffer).equals(Buffer.from(a.grad.buffer))).toBe(true);
-        expect(other.metrics).toEqual(a.metrics);
-      }
-    }
-  });
-
-  it('concurrent calls on one batch give the same results as one at a time', { timeout: 60_000 }, async () => {
-    const { batch, lp } = randomLossCase(randomBatch(8, { count: 40 }), 8);
-    const lp2 = lp.map((x) => x - 0.05);
-    const [a, b] = await Promise.all([computeLoss(batch, lp, {}, { backend: 'webgpu' }), computeLoss(batch, lp2, {}, { backend: 'webgpu' })]);
-    expect(a.grad).toEqual((await computeLoss(batch, lp, {}, { backend: 'webgpu' })).grad);
-    expect(b.grad).toEqual((await computeLoss(batch, lp2, {}, { backend: 'webgpu' })).grad);
-  });
-
-  it('compact mode in 64-byte chunks equals js and the per-occurrence mode', { timeout: 120_000 }, async () => {
-    for (const seed of [1, 2, 3]) {
-      const { batch, lp } = randomLossCase(randomBatch(seed, { count: 40 }), seed, { sharedOld: true });
-      for (const config of LOSS_CONFIGS.filter((c) => c.policy !== 'gspo')) {
-        const plan = buildCompactPlan(batch, config);
-        const got = await gpuCompact(plan, lp, config, 64);
-        expectEqualsJs(got, lossReference(batch, lp, resolveLossConfig(config)), TOL, `seed ${seed} compact`);
-        expectEqualsJs(got, await gpu(batch, lp, config, 64), TOL, `seed ${seed} compact vs per-occurrence`);
-      }
-    }
-  });
-
-  it('takes the chunk size from the environment, and refuses one below 64 bytes, naming the variable or option', async () => {
-    const { batch, lp } = randomLossCase(randomBatch(3, { count: 30, alphabet: 2 }), 3);
-    const cfg = resolveLossConfig(LOSS_CONFIGS[1]);
-    chunked(64, batch, cfg);
-    const explicit = await gpu(batch, lp, cfg, 64);
-    process.env[CHUNK_BYTES_ENV] = '64';
-    const fromEnv = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
-    expect(Buffer.from(fromEnv.grad.buffer).equals(Buffer.from(explicit.grad.buffer))).toBe(true);
-    process.env[CHUNK_BYTES_ENV] = '8';
-    const err = await computeLoss(batch, lp, {}, { backend: 'webgpu' }).catch((e: unknown) => e);
-    expect(err).toBeInstanceOf(TreepackError);
-    expect((err as TreepackError).where.field).toBe(CHUNK_BYTES_ENV);
-    const opt = await gpu(batch, lp, {}, 8).catch((e: unknown) => e);
-    expect((opt as TreepackError).where.field).toBe('chunkBytes');
-  });
-}), { only: ['webgpu'] });
+      it('takes the chunk size from the environment, and refuses one below 64 bytes, naming the variable or option', async () => {
+        const { batch, lp } = randomLossCase(randomBatch(3, { count: 30, alphabet: 2 }), 3);
+        const cfg = resolveLossConfig(LOSS_CONFIGS[1]);
+        chunked(64, batch, cfg);
+        const explicit = await gpu(batch, lp, cfg, 64);
+        process.env[CHUNK_BYTES_ENV] = '64';
+        const fromEnv = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+        expect(Buffer.from(fromEnv.grad.buffer).equals(Buffer.from(explicit.grad.buffer))).toBe(true);
+        process.env[CHUNK_BYTES_ENV] = '8';
+        const err = await computeLoss(batch, lp, {}, { backend: 'webgpu' }).catch((e: unknown) => e);
+        expect(err).toBeInstanceOf(TreepackError);
+        expect((err as TreepackError).where.field).toBe(CHUNK_BYTES_ENV);
+        const opt = await gpu(batch, lp, {}, 8).catch((e: unknown) => e);
+        expect((opt as TreepackError).where.field).toBe('chunkBytes');
+      });
+    }),
+  { only: ['webgpu'] },
+);
 
 /**
  * 9.4M occurrences (8.4M trainable) in 256 groups of 8 sequences sharing a 1200-token prompt: over the 128 MiB
@@ -256,23 +287,30 @@ function bigBatch(): { batch: LossBatch; lp: Float32Array } {
   return { batch: { input_ids: new Int32Array(N), seq_offsets, seq_positions, loss_mask, advantages, old_logprobs, ref_logprobs }, lp };
 }
 
-await describeBackends('loss', (_, status) => describe('webgpu loss over the real binding limit', () => {
-  it('8.4M trainable occurrences: equals js', { timeout: 300_000 }, async () => {
-    const { batch, lp } = bigBatch();
-    const limit = status.limits!.maxArrayBytes;
-    const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
-    const { nodeOff } = occStream(batch, cfg);
-    const T = nodeOff[nodeOff.length - 1];
-    const chunks = planOccChunks(nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1).length;
-    console.log(`8.4M-occurrence case: ${T} trainable occurrences in ${chunks} chunk(s) of at most ${limit} bytes`);
-    if (T * OCC_BYTES > limit) expect(chunks).toBeGreaterThan(1);
-    const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
-    const want = lossReference(batch, lp, cfg);
-    expect(got.metrics.trainable_tokens).toBe(T);
-    close(got.loss, want.loss, TOL, 'loss');
-    for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[]) close(got.metrics[key], want.metrics[key], 1e-4, key);
-    let worst = 0;
-    for (let p = 0; p < want.grad.length; p++) worst = Math.max(worst, Math.abs(got.grad[p] - want.grad[p]) / Math.max(1, Math.abs(want.grad[p])));
-    expect(worst).toBeLessThanOrEqual(TOL);
-  });
-}), { only: ['webgpu'] });
+await describeBackends(
+  'loss',
+  (_, status) =>
+    describe('webgpu loss over the real binding limit', () => {
+      it('8.4M trainable occurrences: equals js', { timeout: 300_000 }, async () => {
+        const { batch, lp } = bigBatch();
+        const limit = status.limits!.maxArrayBytes;
+        const cfg = resolveLossConfig({ clip_low: 0.2, clip_high: 0.28, dual_clip: 3, kl: 'k3', kl_coef: 0.01 });
+        const { nodeOff } = occStream(batch, cfg);
+        const T = nodeOff[nodeOff.length - 1];
+        const chunks = planOccChunks(nodeOff, Math.floor(limit / OCC_BYTES), Math.floor(limit / 8) - 1).length;
+        console.log(`8.4M-occurrence case: ${T} trainable occurrences in ${chunks} chunk(s) of at most ${limit} bytes`);
+        if (T * OCC_BYTES > limit) expect(chunks).toBeGreaterThan(1);
+        const got = await computeLoss(batch, lp, cfg, { backend: 'webgpu' });
+        const want = lossReference(batch, lp, cfg);
+        expect(got.metrics.trainable_tokens).toBe(T);
+        close(got.loss, want.loss, TOL, 'loss');
+        for (const key of Object.keys(want.metrics) as (keyof LossResult['metrics'])[])
+          close(got.metrics[key], want.metrics[key], 1e-4, key);
+        let worst = 0;
+        for (let p = 0; p < want.grad.length; p++)
+          worst = Math.max(worst, Math.abs(got.grad[p] - want.grad[p]) / Math.max(1, Math.abs(want.grad[p])));
+        expect(worst).toBeLessThanOrEqual(TOL);
+      });
+    }),
+  { only: ['webgpu'] },
+);

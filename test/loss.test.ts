@@ -8,7 +8,14 @@ import { describe, expect, it } from 'vitest';
 import { computeLoss, computeLossCompact, type BackendName } from '../src/backend/index.js';
 import { cudaDeviceInfo } from '../src/backend/native.js';
 import { TreepackError } from '../src/errors.js';
-import { buildCompactPlan, episodeAdvantages, resolveLossConfig, type LossBatch, type LossConfig, type LossMetrics } from '../src/loss/index.js';
+import {
+  buildCompactPlan,
+  episodeAdvantages,
+  resolveLossConfig,
+  type LossBatch,
+  type LossConfig,
+  type LossMetrics,
+} from '../src/loss/index.js';
 import { lossReference } from '../src/loss/reference.js';
 import { FORMAT, type MicroBatch } from '../src/pack/contract.js';
 import { packForest } from '../src/pack/forest.js';
@@ -31,7 +38,13 @@ function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
   const c = csr(seqs);
   const forest = packForest(c);
   const M = c.tokens.length;
-  const f = { loss_mask: new Uint8Array(M), advantages: new Float32Array(M), old_logprobs: new Float32Array(M), ref_logprobs: new Float32Array(M), rollout_logprobs: new Float32Array(M) };
+  const f = {
+    loss_mask: new Uint8Array(M),
+    advantages: new Float32Array(M),
+    old_logprobs: new Float32Array(M),
+    ref_logprobs: new Float32Array(M),
+    rollout_logprobs: new Float32Array(M),
+  };
   const lp = new Float32Array(forest.input_ids.length);
   fx.sequences.forEach((s: Record<string, number[] | number>, i: number) => {
     (s.logprobs as number[]).forEach((_, k) => {
@@ -44,7 +57,14 @@ function fixtureBatch(): { batch: MicroBatch; lp: Float32Array } {
       lp[forest.seq_positions[j]] = (s.logprobs as number[])[k];
     });
   });
-  const meta = { format: FORMAT, num_sequences: seqs.length, num_tokens_naive: M, num_tokens_packed: forest.input_ids.length, tokenizer: 't', sequence_ids: ['a', 'b'] } as const;
+  const meta = {
+    format: FORMAT,
+    num_sequences: seqs.length,
+    num_tokens_naive: M,
+    num_tokens_packed: forest.input_ids.length,
+    tokenizer: 't',
+    sequence_ids: ['a', 'b'],
+  } as const;
   return { batch: { ...forest, ...f, meta: { ...meta, sequence_ids: [...meta.sequence_ids] } }, lp };
 }
 const base = () => ({ clip_low: fx.params.clip_low, clip_high: fx.params.clip_high, log_ratio_clamp: fx.params.log_ratio_clamp });
@@ -52,13 +72,21 @@ const vanilla = () => ({ ...base(), dual_clip: fx.params.dual_clip_c });
 
 describe('the fixture loss_reference.json', () => {
   it('GRPO advantages (unbiased std, ε)', () => {
-    const a = episodeAdvantages(fx.group_rewards, fx.group_rewards.map(() => 'g'), { estimator: 'grpo', epsilon: fx.grpo.eps });
+    const a = episodeAdvantages(
+      fx.group_rewards,
+      fx.group_rewards.map(() => 'g'),
+      { estimator: 'grpo', epsilon: fx.grpo.eps },
+    );
     a.forEach((x, i) => close(x, fx.grpo.advantages[i], 1e-6, `advantage ${i}`));
   });
 });
 
-
-function expectMatchesReference(got: { loss: number; metrics: LossMetrics }, want: ReturnType<typeof unpackedLoss>, tol: number, what: string) {
+function expectMatchesReference(
+  got: { loss: number; metrics: LossMetrics },
+  want: ReturnType<typeof unpackedLoss>,
+  tol: number,
+  what: string,
+) {
   close(got.loss, want.loss, tol, `${what} loss`);
   close(got.metrics.pg_loss, want.pg_loss, tol, `${what} pg_loss`);
   close(got.metrics.kl_loss, want.kl_loss, tol, `${what} kl_loss`);
@@ -82,7 +110,8 @@ describe('random packed batches', () => {
         if (cfg.policy === 'gspo') {
           // verl's GSPO gradient (lp − sg(lp) + sg(mean log ratio) per token) is the derivative of the loss only
           // when the advantage is constant along a sequence, as it is in practice: make it so here.
-          for (let i = 0; i + 1 < batch.seq_offsets.length; i++) batch.advantages!.fill(batch.advantages![batch.seq_offsets[i]], batch.seq_offsets[i], batch.seq_offsets[i + 1]);
+          for (let i = 0; i + 1 < batch.seq_offsets.length; i++)
+            batch.advantages!.fill(batch.advantages![batch.seq_offsets[i]], batch.seq_offsets[i], batch.seq_offsets[i + 1]);
         }
         // lossReference is plain arithmetic on whatever array it gets: a Float64Array lp makes float64 differences possible.
         const lp64 = Float64Array.from(lp) as unknown as Float32Array;
@@ -104,7 +133,14 @@ describe('random packed batches', () => {
 
 describe('compact per-node mode', () => {
   it('refuses batches whose occurrences disagree on old_logprobs, and gspo', () => {
-    const { batch } = randomLossCase([[1, 2, 3], [1, 2, 4]], 1, { maskRate: 0 });
+    const { batch } = randomLossCase(
+      [
+        [1, 2, 3],
+        [1, 2, 4],
+      ],
+      1,
+      { maskRate: 0 },
+    );
     batch.old_logprobs![1] = -0.5;
     batch.old_logprobs![4] = -0.25;
     const err = caught(() => buildCompactPlan(batch)) as TreepackError;
@@ -187,7 +223,14 @@ await describeBackends('loss', (backend) => {
       ['empty batch', []],
       ['empty sequences', [[], []]],
       ['one token', [[7]]],
-      ['duplicates', [[1, 2, 3], [1, 2, 3], [1, 2, 3]]],
+      [
+        'duplicates',
+        [
+          [1, 2, 3],
+          [1, 2, 3],
+          [1, 2, 3],
+        ],
+      ],
       ['prefix of another', [[1, 2], [1, 2, 3, 4], [1]]],
       ['deep', [long.slice(0, 5000), long.slice(0, 3000)]],
       ['wide', Array.from({ length: 300 }, (_, i) => [0, 1, i % 150, i])],
@@ -198,7 +241,12 @@ await describeBackends('loss', (backend) => {
       for (const config of [CONFIGS[1], CONFIGS[4], CONFIGS[5]]) {
         const cfg = resolveLossConfig(config);
         const got = await computeLoss(batch, lp, cfg, { backend });
-        expectMatchesReference(got, unpackedLoss(unpacked, cfg), name === 'long' && backend === 'webgpu' ? 1e-4 : tolerance(backend), `${name} on ${backend}`);
+        expectMatchesReference(
+          got,
+          unpackedLoss(unpacked, cfg),
+          name === 'long' && backend === 'webgpu' ? 1e-4 : tolerance(backend),
+          `${name} on ${backend}`,
+        );
       }
     }
   });
@@ -212,8 +260,14 @@ await describeBackends('loss', (backend) => {
     for (const config of CONFIGS) {
       const res = await computeLoss(batch, lp, config, { backend });
       expect(res.loss, backend).toBe(0);
-      expect(res.grad.every((g) => g === 0), backend).toBe(true);
-      expect(Object.values(res.metrics).every((v) => v === 0), backend).toBe(true);
+      expect(
+        res.grad.every((g) => g === 0),
+        backend,
+      ).toBe(true);
+      expect(
+        Object.values(res.metrics).every((v) => v === 0),
+        backend,
+      ).toBe(true);
     }
     const part = randomLossCase(randomBatch(7), 7);
     const clean = await computeLoss(part.batch, part.lp, CONFIGS[2], { backend: 'js' });
@@ -250,7 +304,14 @@ await describeBackends('lossCompact', (backend) => {
 });
 
 describe('bad input', () => {
-  const { batch, lp } = randomLossCase([[1, 2, 3], [1, 4]], 1, { maskRate: 0 });
+  const { batch, lp } = randomLossCase(
+    [
+      [1, 2, 3],
+      [1, 4],
+    ],
+    1,
+    { maskRate: 0 },
+  );
   const field = async (f: () => unknown) => {
     const err = await (async () => f())().then(
       () => undefined,
@@ -269,7 +330,9 @@ describe('bad input', () => {
     badAdv.advantages[2] = NaN;
     expect(await field(() => computeLoss(badAdv, lp))).toBe('advantages');
     expect(await field(() => computeLoss({ ...batch, ref_logprobs: undefined }, lp, { kl: 'k3', kl_coef: 1 }))).toBe('ref_logprobs');
-    expect(await field(() => computeLoss({ ...batch, rollout_logprobs: new Float32Array(2) }, lp, { tis: 'token' }))).toBe('rollout_logprobs');
+    expect(await field(() => computeLoss({ ...batch, rollout_logprobs: new Float32Array(2) }, lp, { tis: 'token' }))).toBe(
+      'rollout_logprobs',
+    );
     expect(await field(() => resolveLossConfig({ policy: 'grpo' as never }))).toBe('policy');
     expect(await field(() => resolveLossConfig({ aggregation: 'mean' as never }))).toBe('aggregation');
     expect(await field(() => resolveLossConfig({ kl: 'k4' as never }))).toBe('kl');
@@ -279,7 +342,9 @@ describe('bad input', () => {
     expect(await field(() => resolveLossConfig({ dual_clip: 0.5 }))).toBe('dual_clip');
     expect(await field(() => resolveLossConfig({ clip_ratio: 0.2 }))).toBe('clip_ratio');
     expect(await field(() => resolveLossConfig({ aggregation: 'seq-mean-token-sum-norm' }))).toBe('norm_constant');
-    expect(String(caught(() => resolveLossConfig({ dual_clip: 1 })))).toMatch(/Expected a number > 1 .* for dual_clip but received 1 of type number/);
+    expect(String(caught(() => resolveLossConfig({ dual_clip: 1 })))).toMatch(
+      /Expected a number > 1 .* for dual_clip but received 1 of type number/,
+    );
   });
 });
 
@@ -302,4 +367,3 @@ describe('advantages', () => {
     close(rpp.reduce((a, b) => a + b * b, 0) / 5, 1, 1e-6, 'whitened unbiased variance');
   });
 });
-

@@ -66,47 +66,60 @@ function same(actual: unknown, expected: unknown, path = 'result'): void {
 
 const MASK_OPS: OpName[] = ['maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens'];
 
-await describeBackends(MASK_OPS, (name, status) => {
-  const has = (op: OpName) => status.ops.includes(op);
-  const run = async <K extends 'maskDense' | 'maskBits' | 'maskSlices' | 'maskCuSeqlens'>(op: K, t: TreeArrays) => (await resolveKernel(op, name)).kernel(t);
-  const size = SIZES[name as Exclude<BackendName, 'js'>];
+await describeBackends(
+  MASK_OPS,
+  (name, status) => {
+    const has = (op: OpName) => status.ops.includes(op);
+    const run = async <K extends 'maskDense' | 'maskBits' | 'maskSlices' | 'maskCuSeqlens'>(op: K, t: TreeArrays) =>
+      (await resolveKernel(op, name)).kernel(t);
+    const size = SIZES[name as Exclude<BackendName, 'js'>];
 
-  describe(`mask parity: ${name} equals js`, () => {
-    for (const [label, tree] of [...smallForests(), ...largeForests(size.blocks)]) {
-      const N = tree.parent.length;
-      it(label, { timeout: 60_000 }, async () => {
-        if (has('maskBlocks')) {
-          const blocks = (await resolveKernel('maskBlocks', name)).kernel;
-          for (const B of N <= 512 ? [1, 3, 64, 128] : [64, 128]) same(await blocks(tree, B), maskBlocks(tree, B));
-        }
-        if (N <= size.dense) {
-          if (has('maskDense')) same(await run('maskDense', tree), maskDense(tree));
-          if (has('maskBits')) same(await run('maskBits', tree), maskBits(tree));
-        }
-        if (has('maskSlices')) same(await run('maskSlices', tree), maskSlices(tree));
-        if (has('maskCuSeqlens')) {
-          const ref = (() => {
-            try {
-              return maskCuSeqlens(tree);
-            } catch (e) {
-              return e;
-            }
-          })();
-          if (ref instanceof TreepackError) await expect(run('maskCuSeqlens', tree)).rejects.toMatchObject({ code: 'E_INPUT' });
-          else same(await run('maskCuSeqlens', tree), ref);
-        }
-      });
-    }
-
-    it('bad input: the same clear errors as js', async () => {
-      const bad = { parent: Int32Array.from([-1, 0, -1]), subtree_end: Int32Array.from([3, 2, 3]) };
-      for (const op of status.ops.filter((o): o is 'maskDense' | 'maskBits' | 'maskSlices' | 'maskCuSeqlens' => o.startsWith('mask') && o !== 'maskBlocks')) {
-        await expect(run(op, bad)).rejects.toMatchObject({ code: 'E_INPUT', message: expect.stringMatching(/subtree_end\[0\] = 3: expected 2/) });
+    describe(`mask parity: ${name} equals js`, () => {
+      for (const [label, tree] of [...smallForests(), ...largeForests(size.blocks)]) {
+        const N = tree.parent.length;
+        it(label, { timeout: 60_000 }, async () => {
+          if (has('maskBlocks')) {
+            const blocks = (await resolveKernel('maskBlocks', name)).kernel;
+            for (const B of N <= 512 ? [1, 3, 64, 128] : [64, 128]) same(await blocks(tree, B), maskBlocks(tree, B));
+          }
+          if (N <= size.dense) {
+            if (has('maskDense')) same(await run('maskDense', tree), maskDense(tree));
+            if (has('maskBits')) same(await run('maskBits', tree), maskBits(tree));
+          }
+          if (has('maskSlices')) same(await run('maskSlices', tree), maskSlices(tree));
+          if (has('maskCuSeqlens')) {
+            const ref = (() => {
+              try {
+                return maskCuSeqlens(tree);
+              } catch (e) {
+                return e;
+              }
+            })();
+            if (ref instanceof TreepackError) await expect(run('maskCuSeqlens', tree)).rejects.toMatchObject({ code: 'E_INPUT' });
+            else same(await run('maskCuSeqlens', tree), ref);
+          }
+        });
       }
-      if (has('maskBlocks')) await expect((await resolveKernel('maskBlocks', name)).kernel(bad, 0)).rejects.toMatchObject({ code: expect.stringMatching(/E_INPUT|E_ARG/) });
+
+      it('bad input: the same clear errors as js', async () => {
+        const bad = { parent: Int32Array.from([-1, 0, -1]), subtree_end: Int32Array.from([3, 2, 3]) };
+        for (const op of status.ops.filter(
+          (o): o is 'maskDense' | 'maskBits' | 'maskSlices' | 'maskCuSeqlens' => o.startsWith('mask') && o !== 'maskBlocks',
+        )) {
+          await expect(run(op, bad)).rejects.toMatchObject({
+            code: 'E_INPUT',
+            message: expect.stringMatching(/subtree_end\[0\] = 3: expected 2/),
+          });
+        }
+        if (has('maskBlocks'))
+          await expect((await resolveKernel('maskBlocks', name)).kernel(bad, 0)).rejects.toMatchObject({
+            code: expect.stringMatching(/E_INPUT|E_ARG/),
+          });
+      });
     });
-  });
-}, { againstJs: true });
+  },
+  { againstJs: true },
+);
 
 describe('mask backends: limits and fallback', () => {
   it('webgpu refuses outputs over its storage-buffer limit with E_LIMIT, before allocating', async (ctx) => {
@@ -114,13 +127,19 @@ describe('mask backends: limits and fallback', () => {
     if (!webgpu.available) return ctx.skip(`webgpu unavailable: ${webgpu.detail}`);
     const tree = randomTree(1, 100_000, { pop: 0.3 });
     const blocks = (await resolveKernel('maskBlocks', 'webgpu')).kernel;
-    await expect(blocks(tree, 16)).rejects.toMatchObject({ code: 'E_LIMIT', message: expect.stringMatching(/block mask index array for N = 100000 needs 156250000 bytes, over the webgpu storage-buffer/) });
+    await expect(blocks(tree, 16)).rejects.toMatchObject({
+      code: 'E_LIMIT',
+      message: expect.stringMatching(/block mask index array for N = 100000 needs 156250000 bytes, over the webgpu storage-buffer/),
+    });
     await expect((await resolveKernel('maskDense', 'webgpu')).kernel(tree)).rejects.toMatchObject({ code: 'E_LIMIT' });
   });
 
   it('an unavailable backend is refused with its reason when named, and never crashes the process', async () => {
     for (const s of statuses.filter((b) => !b.available)) {
-      await expect(resolveKernel('maskBlocks', s.name)).rejects.toMatchObject({ code: 'E_BACKEND', message: expect.stringContaining(s.detail) });
+      await expect(resolveKernel('maskBlocks', s.name)).rejects.toMatchObject({
+        code: 'E_BACKEND',
+        message: expect.stringContaining(s.detail),
+      });
     }
   });
 
@@ -137,7 +156,11 @@ describe('mask backends: limits and fallback', () => {
   it('the C ABI refuses out-of-range trees even when TS validation is bypassed', (ctx) => {
     const native = loadNative();
     if ('error' in native) return ctx.skip(`native addon not loaded: ${native.error}`);
-    for (const call of [() => native.binding.maskBlocks(Int32Array.from([5, 2]), 64), () => native.binding.maskSlices(Int32Array.from([-1, 3]), Int32Array.from([2, 2])), () => native.binding.maskDense(Int32Array.from([0]), Int32Array.from([1]))]) {
+    for (const call of [
+      () => native.binding.maskBlocks(Int32Array.from([5, 2]), 64),
+      () => native.binding.maskSlices(Int32Array.from([-1, 3]), Int32Array.from([2, 2])),
+      () => native.binding.maskDense(Int32Array.from([0]), Int32Array.from([1])),
+    ]) {
       const err = caught(call) as TreepackError;
       expect(err).toBeInstanceOf(TreepackError);
       expect(err.code).toBe('E_INPUT');

@@ -44,17 +44,42 @@ describe('mask lowerings (js) equal the ancestor relation', () => {
 
   it('slices: one causal slice per radix run, ancestors merged, fan-out leaves share one full slice', () => {
     // Prefix [5, 6] (one run), then 3 leaf children 1, 2, 3: queries 2..4 all see keys 0..1 through one slice.
-    expect(Array.from(maskSlices(packed([[5, 6, 1], [5, 6, 2], [5, 6, 3]])))).toEqual([0, 2, 0, 2, 1, 2, 5, 0, 2, 0, 2, 3, 2, 3, 1, 3, 4, 3, 4, 1, 4, 5, 4, 5, 1]);
+    expect(
+      Array.from(
+        maskSlices(
+          packed([
+            [5, 6, 1],
+            [5, 6, 2],
+            [5, 6, 3],
+          ]),
+        ),
+      ),
+    ).toEqual([0, 2, 0, 2, 1, 2, 5, 0, 2, 0, 2, 3, 2, 3, 1, 3, 4, 3, 4, 1, 4, 5, 4, 5, 1]);
     // Nodes 1 2 | 3 | 4, 8 | 9: runs [0,2) [2,3) [3,4) [4,5) [5,6). Leaves 3 and 4 under node 2 see the merged
     // ancestor range [0,3) through one slice; 9, under node 1, sees [0,2).
-    const s = maskSlices(packed([[1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 8]]));
-    expect(Array.from(s)).toEqual([0, 2, 0, 2, 1, 2, 3, 0, 2, 0, 2, 3, 2, 3, 1, 3, 5, 0, 3, 0, 3, 4, 3, 4, 1, 4, 5, 4, 5, 1, 5, 6, 0, 2, 0, 5, 6, 5, 6, 1]);
+    const s = maskSlices(
+      packed([
+        [1, 2, 3, 4],
+        [1, 2, 9],
+        [1, 2, 3, 8],
+      ]),
+    );
+    expect(Array.from(s)).toEqual([
+      0, 2, 0, 2, 1, 2, 3, 0, 2, 0, 2, 3, 2, 3, 1, 3, 5, 0, 3, 0, 3, 4, 3, 4, 1, 4, 5, 4, 5, 1, 5, 6, 0, 2, 0, 5, 6, 5, 6, 1,
+    ]);
   });
 
   it('cu_seqlens for forests with no sharing, and a clear error otherwise', () => {
     expect(Array.from(maskCuSeqlens(packed([])))).toEqual([0]);
     expect(Array.from(maskCuSeqlens(packed([[3, 1], [1, 2, 3], [1, 2, 3], [9]])))).toEqual([0, 3, 5, 6]);
-    const err = caught(() => maskCuSeqlens(packed([[1, 2], [1, 3]]))) as TreepackError;
+    const err = caught(() =>
+      maskCuSeqlens(
+        packed([
+          [1, 2],
+          [1, 3],
+        ]),
+      ),
+    ) as TreepackError;
     expect(err).toBeInstanceOf(TreepackError);
     expect(err.code).toBe('E_INPUT');
     expect(err.message).toMatch(/node 0 has more than one child/);
@@ -68,7 +93,12 @@ describe('mask lowerings: bad input', () => {
     ['subtree_end of the wrong type', { parent: good.parent, subtree_end: new Uint32Array(50) }, 'E_ARG', /Int32Array for subtree_end/],
     ['lengths differ', { parent: good.parent, subtree_end: good.subtree_end.subarray(1) }, 'E_INPUT', /49 elements but parent has N = 50/],
     ['parent after child', { parent: Int32Array.from([-1, 2, 0]), subtree_end: Int32Array.from([3, 3, 3]) }, 'E_INPUT', /parent\[1\] = 2/],
-    ['subtree_end inconsistent with parent', { parent: Int32Array.from([-1, 0, -1]), subtree_end: Int32Array.from([3, 2, 3]) }, 'E_INPUT', /subtree_end\[0\] = 3: expected 2/],
+    [
+      'subtree_end inconsistent with parent',
+      { parent: Int32Array.from([-1, 0, -1]), subtree_end: Int32Array.from([3, 2, 3]) },
+      'E_INPUT',
+      /subtree_end\[0\] = 3: expected 2/,
+    ],
     ['not a preorder', { parent: Int32Array.from([-1, -1, 0]), subtree_end: Int32Array.from([3, 2, 3]) }, 'E_INPUT', /not contiguous/],
     ['not an object', null, 'E_ARG', /for tree/],
   ];

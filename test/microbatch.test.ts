@@ -72,7 +72,8 @@ function checkWindow(samples: Sample[], maxTokens: number, dp: number, padMultip
   const byId = new Map(samples.map((s, i) => [s.id, i]));
   const seen = new Int32Array(samples.length);
   const trainable = samples.map((s) => new Uint8Array(s.tokens.length));
-  let loss = 0, total = 0;
+  let loss = 0,
+    total = 0;
   const perRank = new Int32Array(dp);
   microBatches.forEach(({ batch, plan: mbPlan }, idx) => {
     const N = batch.input_ids.length;
@@ -118,7 +119,13 @@ describe('micro-batching under a token budget', () => {
       const seqs = randomBatch(seed, { count: 10 + (seed % 30), maxLen: 30 });
       const samples = samplesOf(seqs, seed);
       const L = Math.max(1, longest(seqs));
-      for (const [factor, dp, pad] of [[1, 1, 1], [2, 1, 4], [3, 2, 1], [8, 4, 8], [50, 8, 1]] as const) {
+      for (const [factor, dp, pad] of [
+        [1, 1, 1],
+        [2, 1, 4],
+        [3, 2, 1],
+        [8, 4, 8],
+        [50, 8, 1],
+      ] as const) {
         const P = Math.min(pad, L);
         checkWindow(samples, Math.ceil((L * factor) / P) * P, dp, P);
       }
@@ -129,7 +136,8 @@ describe('micro-batching under a token budget', () => {
     // One tree: a 50-token prompt, 12 branches of 30 tokens, each branch with 4 requests extending each other.
     const prompt = Array.from({ length: 50 }, (_, k) => 1000 + k);
     const seqs: number[][] = [];
-    for (let b = 0; b < 12; b++) for (let q = 1; q <= 4; q++) seqs.push([...prompt, ...Array.from({ length: 30 * q }, (_, k) => b * 1000 + k + 1)]);
+    for (let b = 0; b < 12; b++)
+      for (let q = 1; q <= 4; q++) seqs.push([...prompt, ...Array.from({ length: 30 * q }, (_, k) => b * 1000 + k + 1)]);
     const { microBatches, total, optimum } = checkWindow(samplesOf(seqs, 3), 400, 1, 1);
     expect(optimum).toBe(50 + 12 * 120);
     // A part holds at most 2 branches (50 + 2·120 = 290; a third would need 410), so 6 parts, each with the prompt,
@@ -183,7 +191,8 @@ describe('micro-batching under a token budget', () => {
     for (const { batch, samples } of microBatches) {
       const pad = batch.meta.num_pad_tokens!;
       expect(batch.input_ids.length - pad).toBe(packForest(csr(samples.map((s) => s.tokens))).input_ids.length);
-      for (let p = batch.input_ids.length - pad; p < batch.input_ids.length; p++) expect([batch.parent[p], batch.position_ids[p], batch.subtree_end[p]]).toEqual([-1, 0, p + 1]);
+      for (let p = batch.input_ids.length - pad; p < batch.input_ids.length; p++)
+        expect([batch.parent[p], batch.position_ids[p], batch.subtree_end[p]]).toEqual([-1, 0, p + 1]);
     }
     // A pad node that an occurrence reaches is caught by the invariant check.
     const mb = microBatches.find((m) => (m.batch.meta.num_pad_tokens ?? 0) > 0)!.batch;
@@ -203,7 +212,9 @@ describe('micro-batching under a token budget', () => {
     expect(e.code).toBe('E_ARG');
     expect(e.where.record).toBe('b');
     expect(e.message).toMatch(/at least 130/);
-    expect((caught(() => planMicroBatches(seqs, { maxTokens: 200, padMultiple: 128 })) as Error).message).toMatch(/256 padded to a multiple of 128.*at least 256/);
+    expect((caught(() => planMicroBatches(seqs, { maxTokens: 200, padMultiple: 128 })) as Error).message).toMatch(
+      /256 padded to a multiple of 128.*at least 256/,
+    );
     expect((caught(() => planMicroBatches(seqs, { maxTokens: 200, dp: 0 })) as Error).message).toMatch(/Expected an integer >= 1 for dp/);
     expect((caught(() => planMicroBatches(seqs, { maxTokens: 0 })) as Error).message).toMatch(/maxTokens/);
     expect((caught(() => planMicroBatches(seqs, { maxTokens: 200, cost: { a: 1, b: -1 } })) as Error).message).toMatch(/cost\.b/);
@@ -229,7 +240,10 @@ describe('balancing refinement: subtrees moved between ranks', () => {
     expect(contiguous.imbalance).toBe(17 / 16);
     expect(layout(contiguous).sort()).toEqual([[0], [1, 2, 3]]);
     const refined = planMicroBatches(seqs, opts);
-    expect(layout(refined).sort()).toEqual([[0, 3], [1, 2]]);
+    expect(layout(refined).sort()).toEqual([
+      [0, 3],
+      [1, 2],
+    ]);
     expect(Array.from(refined.rankCosts)).toEqual([16, 16]);
     expect(refined.imbalance).toBe(1);
     expect(refined.moves).toBe(1);
@@ -266,19 +280,34 @@ describe('balancing refinement: subtrees moved between ranks', () => {
   });
 
   it('never worse than the contiguous plan; budget, occurrences, loss and order independence hold', () => {
-    let moved = 0, cases = 0;
+    let moved = 0,
+      cases = 0;
     const branches = { goalKept: 0, noGrowth: 0, slackOnly: 0 };
     for (let seed = 1; seed <= 24; seed++) {
       // Agent-shaped, random, and random behind one long prompt common to all (each micro-batch repeats it).
       const seqs =
         seed % 3 === 1
-          ? toArrays(agentBatch(seed, { groups: 2 + (seed % 4), episodes: 3 + (seed % 5), turns: 2 + (seed % 4), prompt: 20 + seed * 7, step: 5 + (seed % 9) }))
+          ? toArrays(
+              agentBatch(seed, {
+                groups: 2 + (seed % 4),
+                episodes: 3 + (seed % 5),
+                turns: 2 + (seed % 4),
+                prompt: 20 + seed * 7,
+                step: 5 + (seed % 9),
+              }),
+            )
           : seed % 3 === 2
             ? randomBatch(seed, { count: 12 + seed, maxLen: 30, alphabet: 3 })
             : randomBatch(seed, { count: 12 + seed, maxLen: 30, alphabet: 3 }).map((q) => [...prompt(40, 9000), ...q]);
       const samples = samplesOf(seqs, seed);
       const L = Math.max(1, longest(seqs));
-      for (const [factor, dp, pad, slack] of [[1, 2, 1, 0.01], [2, 3, 4, 0], [4, 8, 1, 0.01], [6, 4, 1, 0.2], [20, 8, 8, 0.01]] as const) {
+      for (const [factor, dp, pad, slack] of [
+        [1, 2, 1, 0.01],
+        [2, 3, 4, 0],
+        [4, 8, 1, 0.01],
+        [6, 4, 1, 0.2],
+        [20, 8, 8, 0.01],
+      ] as const) {
         const P = Math.min(pad, L);
         const T = Math.ceil((L * factor) / P) * P;
         const opts = { maxTokens: T, dp, padMultiple: P, balanceSlack: slack, cost: { a: 1, b: 0.01 } };
@@ -312,7 +341,14 @@ describe('balancing refinement: subtrees moved between ranks', () => {
         // The same multiset of sequences in another order gives the same micro-batches on the same ranks.
         const { items } = shuffled(seqs, seed);
         const again = planMicroBatches(csr(items), opts);
-        const contents = (p: Plan, xs: number[][]) => p.microBatches.map((m) => `${m.rank}:` + Array.from(m.sequences, (i) => xs[i].join(',')).sort().join('|'));
+        const contents = (p: Plan, xs: number[][]) =>
+          p.microBatches.map(
+            (m) =>
+              `${m.rank}:` +
+              Array.from(m.sequences, (i) => xs[i].join(','))
+                .sort()
+                .join('|'),
+          );
         expect(contents(again, items)).toEqual(contents(plan, seqs));
       }
     }
@@ -335,7 +371,8 @@ describe('cost model and rank balance', () => {
   it('assignRanks: n/K per rank, never worse than LPT bound and optimal on small cases (brute force)', () => {
     const r = rng(4);
     for (let trial = 0; trial < 60; trial++) {
-      const K = 1 + Math.floor(r() * 3), per = 1 + Math.floor(r() * 3);
+      const K = 1 + Math.floor(r() * 3),
+        per = 1 + Math.floor(r() * 3);
       const costs = Array.from({ length: K * per }, () => Math.floor(r() * 100));
       const { rank, loads } = assignRanks(costs, K);
       const counts = new Array(K).fill(0);
@@ -381,7 +418,8 @@ describe('streaming collectors', () => {
   it('windowed FIFO never takes a group outside [head, head+W) nor one that has not finished', () => {
     for (let seed = 1; seed <= 30; seed++) {
       const groups = groupsOf(seed, 50);
-      const W = 1 + (seed % 9), batch = 1 + (seed % 4);
+      const W = 1 + (seed % 9),
+        batch = 1 + (seed % 4);
       const c = new Collector({ kind: 'windowed-fifo', window: W });
       const order = groups.map((_, i) => i).sort((x, y) => groups[x].completed - groups[y].completed);
       const taken = new Set<number>();

@@ -18,7 +18,12 @@ import { caught } from './helpers/errors.js';
 const dir = mkdtempSync(join(tmpdir(), 'treepack-options-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 const input = join(dir, 'tokens.jsonl');
-writeFileSync(input, [...generateTokenSamples({ groups: 2, episodesPerGroup: 2, minTurns: 2, maxTurns: 3, seed: 4 })].map((s) => JSON.stringify(s)).join('\n') + '\n');
+writeFileSync(
+  input,
+  [...generateTokenSamples({ groups: 2, episodesPerGroup: 2, minTurns: 2, maxTurns: 3, seed: 4 })]
+    .map((s) => JSON.stringify(s))
+    .join('\n') + '\n',
+);
 
 /** A budget large enough for every sequence of `input`: the value given to a group's required option. */
 const BUDGET = 100_000;

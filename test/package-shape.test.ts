@@ -18,7 +18,10 @@ const root = resolve(__dirname, '..');
 const dir = mkdtempSync(join(tmpdir(), 'treepack-shape-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 const hook = join(dir, 'hook.mjs');
-writeFileSync(hook, "export async function resolve(spec, ctx, next) { const r = await next(spec, ctx); process.stderr.write('LOADED ' + r.url + '\\n'); return r; }\n");
+writeFileSync(
+  hook,
+  "export async function resolve(spec, ctx, next) { const r = await next(spec, ctx); process.stderr.write('LOADED ' + r.url + '\\n'); return r; }\n",
+);
 const register = join(dir, 'register.mjs');
 writeFileSync(register, `import { register } from 'node:module'; register(${JSON.stringify(pathToFileURL(hook).href)});\n`);
 
@@ -75,7 +78,11 @@ writeFileSync(registerAbsent, `import { register } from 'node:module'; register(
 
 /** The CLI (dist/) run with the service's packages absent. */
 function cliWithout(args: string[]) {
-  const r = spawnSync(process.execPath, ['--import', registerAbsent, join(root, 'dist/src/cli/main.js'), ...args], { cwd: dir, encoding: 'utf8', timeout: 120_000 });
+  const r = spawnSync(process.execPath, ['--import', registerAbsent, join(root, 'dist/src/cli/main.js'), ...args], {
+    cwd: dir,
+    encoding: 'utf8',
+    timeout: 120_000,
+  });
   const packages = new Set<string>();
   for (const m of r.stderr.matchAll(/^LOADED .*\/node_modules\/((?:@[^/]+\/)?[^/]+)\//gm)) packages.add(m[1]);
   return { status: r.status, stdout: r.stdout, stderr: r.stderr.replace(/^LOADED .*\n/gm, ''), packages: [...packages] };
@@ -104,7 +111,9 @@ describe('the service as an optional part', () => {
     expect(stats.status, stats.stderr).toBe(0);
     const serve = cliWithout(['serve', '--engine', 'http://127.0.0.1:9/v1', '--data', join(dir, 'serve'), '--tokenizer', 'qwen3']);
     expect(serve.status).toBe(1);
-    expect(serve.stderr).toContain(`treepack serve needs packages the packer does not install (missing: ${SERVICE_PACKAGES.join(', ')}): npm install ${SERVICE_PACKAGES.join(' ')}`);
+    expect(serve.stderr).toContain(
+      `treepack serve needs packages the packer does not install (missing: ${SERVICE_PACKAGES.join(', ')}): npm install ${SERVICE_PACKAGES.join(' ')}`,
+    );
     expect(existsSync(join(dir, 'serve'))).toBe(false); // refused before anything was written
   });
 });

@@ -23,7 +23,12 @@ if (tauSkip) console.log(`CLI vs library on the whole tau-bench file skipped (th
 const episodes = join(dir, 'episodes.jsonl');
 writeFileSync(episodes, generateJsonl({ groups: 3, episodesPerGroup: 4, minTurns: 3, maxTurns: 8, seed: 2 }));
 const tokens = join(dir, 'tokens.jsonl');
-writeFileSync(tokens, [...generateTokenSamples({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 9 })].map((s) => JSON.stringify(s)).join('\n') + '\n');
+writeFileSync(
+  tokens,
+  [...generateTokenSamples({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 9 })]
+    .map((s) => JSON.stringify(s))
+    .join('\n') + '\n',
+);
 
 /** Every file under `d` by its path relative to `d` (micro-batches live in the run's generation directory). */
 function files(d: string): Map<string, Buffer> {
@@ -89,14 +94,43 @@ describe('treepack pack and packRecords write the same bytes', () => {
   it('generated chat episodes with windows, a budget over ranks, padding, masks and another estimator', async () => {
     const out = await compare(
       episodes,
-      ['--max-naive-tokens', '20000', '--max-tokens', '16384', '--dp', '2', '--pad-multiple', '64', '--masks', 'block:64,slices', '--mask-backend', 'js', '--advantages', 'rloo', '--timeline-compare-level', 'token'],
-      { windowTokens: 20000, budget: { maxTokens: 16384, dp: 2, padMultiple: 64 }, masks: 'block:64,slices', maskBackend: 'js', advantages: 'rloo', merge: { timelineCompareLevel: 'token' } },
+      [
+        '--max-naive-tokens',
+        '20000',
+        '--max-tokens',
+        '16384',
+        '--dp',
+        '2',
+        '--pad-multiple',
+        '64',
+        '--masks',
+        'block:64,slices',
+        '--mask-backend',
+        'js',
+        '--advantages',
+        'rloo',
+        '--timeline-compare-level',
+        'token',
+      ],
+      {
+        windowTokens: 20000,
+        budget: { maxTokens: 16384, dp: 2, padMultiple: 64 },
+        masks: 'block:64,slices',
+        maskBackend: 'js',
+        advantages: 'rloo',
+        merge: { timelineCompareLevel: 'token' },
+      },
     );
     expect(JSON.parse(out.get('manifest.json')!.toString()).micro_batches.length).toBeGreaterThan(2);
   }, 120_000);
 
   it('pre-tokenized samples, no merge, js backend, vocabulary check', async () => {
-    await compare(tokens, ['--no-merge', '--backend', 'js', '--vocab-size', '200000', '--max-naive-tokens', '5000'], { merge: false, backend: 'js', vocabSize: 200000, windowTokens: 5000 });
+    await compare(tokens, ['--no-merge', '--backend', 'js', '--vocab-size', '200000', '--max-naive-tokens', '5000'], {
+      merge: false,
+      backend: 'js',
+      vocabSize: 200000,
+      windowTokens: 5000,
+    });
   }, 120_000);
 
   it('parsed records from readRecords give the same files as the path', async () => {
@@ -110,14 +144,17 @@ describe('treepack pack and packRecords write the same bytes', () => {
 
   it('tau-bench airline slice: default options, and a budget over 4 ranks', async () => {
     await compare(TAU_SLICE, [], {});
-    await compare(TAU_SLICE, ['--max-tokens', '16384', '--dp', '4', '--pad-multiple', '128'], { budget: { maxTokens: 16384, dp: 4, padMultiple: 128 } });
+    await compare(TAU_SLICE, ['--max-tokens', '16384', '--dp', '4', '--pad-multiple', '128'], {
+      budget: { maxTokens: 16384, dp: 4, padMultiple: 128 },
+    });
   }, 300_000);
 
   it('tau-bench airline slice: each micro-batch holds one node per distinct token prefix of its samples', async () => {
     // Counted here with a plain trie, not the packer's sort: the packer's figures on real agent calls, derived apart.
     for (const merge of [true, false]) {
       const run = packRecords(TAU_SLICE, { tokenizer: 'qwen3', ...(merge ? {} : { merge: false }) });
-      let packed = 0, naive = 0;
+      let packed = 0,
+        naive = 0;
       for await (const mb of run) {
         const root: Trie = new Map();
         let nodes = 0;
@@ -149,10 +186,16 @@ describe('treepack pack and packRecords write the same bytes', () => {
     }
   }, 300_000);
 
-  it.skipIf(tauSkip !== '')('tau-bench airline, the whole file: default options, and a budget over 4 ranks', async () => {
-    await compare(TAU_BENCH, [], {});
-    await compare(TAU_BENCH, ['--max-tokens', '32768', '--dp', '4', '--pad-multiple', '128'], { budget: { maxTokens: 32768, dp: 4, padMultiple: 128 } });
-  }, 300_000);
+  it.skipIf(tauSkip !== '')(
+    'tau-bench airline, the whole file: default options, and a budget over 4 ranks',
+    async () => {
+      await compare(TAU_BENCH, [], {});
+      await compare(TAU_BENCH, ['--max-tokens', '32768', '--dp', '4', '--pad-multiple', '128'], {
+        budget: { maxTokens: 32768, dp: 4, padMultiple: 128 },
+      });
+    },
+    300_000,
+  );
 
   it('stats --json reports the library figures', async () => {
     const r = cli(['stats', episodes, '--json', '--tokenizer', 'qwen3']);
@@ -188,11 +231,27 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
   const tokenLines = readFileSync(tokens, 'utf8').trim().split('\n');
   const shortMask = JSON.parse(tokenLines[2]);
   shortMask.loss_mask = shortMask.loss_mask.slice(1);
-  const cases: { name: string; lines: (object | string)[]; args?: string[]; opts?: PackerOptions; where: { line?: number; record?: string; field?: string } }[] = [
+  const cases: {
+    name: string;
+    lines: (object | string)[];
+    args?: string[];
+    opts?: PackerOptions;
+    where: { line?: number; record?: string; field?: string };
+  }[] = [
     { name: 'malformed JSON', lines: [tokenLines[0], '{"tokens": [1, 2,'], where: { line: 2 } },
-    { name: 'a per-token field of the wrong length', lines: [tokenLines[0], tokenLines[1], shortMask], where: { line: 3, field: 'loss_mask' } },
+    {
+      name: 'a per-token field of the wrong length',
+      lines: [tokenLines[0], tokenLines[1], shortMask],
+      where: { line: 3, field: 'loss_mask' },
+    },
     { name: 'an unknown record format', lines: [tokenLines[0], { prompt: 'hi' }], where: { line: 2 } },
-    { name: 'token ids outside --vocab-size', lines: [{ id: 'a', tokens: [1, 2, 30] }], args: ['--vocab-size', '10'], opts: { vocabSize: 10 }, where: { line: 1, record: 'a' } },
+    {
+      name: 'token ids outside --vocab-size',
+      lines: [{ id: 'a', tokens: [1, 2, 30] }],
+      args: ['--vocab-size', '10'],
+      opts: { vocabSize: 10 },
+      where: { line: 1, record: 'a' },
+    },
     {
       name: 'engine token ids outside the tokenizer vocabulary',
       lines: [{ messages: [{ role: 'user', content: 'hi' }], response: { role: 'assistant', content: 'ok', token_ids: [999_999_999, 5] } }],
@@ -227,7 +286,10 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
     },
     {
       name: 'a mask lowering the forest cannot take',
-      lines: [{ id: 'a', tokens: [1, 2, 3] }, { id: 'b', tokens: [1, 2, 4] }],
+      lines: [
+        { id: 'a', tokens: [1, 2, 3] },
+        { id: 'b', tokens: [1, 2, 4] },
+      ],
       args: ['--masks', 'cu_seqlens', '--mask-backend', 'js'],
       opts: { masks: 'cu_seqlens', maskBackend: 'js' },
       where: {},
@@ -235,40 +297,44 @@ describe('bad input: the library rejects what the CLI rejects, with the same err
   ];
 
   for (const c of cases) {
-    it(c.name, async () => {
-      const f = write(`bad-${cases.indexOf(c)}.jsonl`, c.lines);
-      const out = join(dir, `bad-out-${cases.indexOf(c)}`);
-      const r = cli(['pack', f, '--out', out, '--tokenizer', 'qwen3', ...(c.args ?? [])]);
-      expect(r.code).toBe(1);
-      const printed = r.stderr.trim().split('\n').at(-1);
-      let err: unknown;
-      try {
-        await packRecords(f, { tokenizer: 'qwen3', ...c.opts }).writeTo(new DirectorySink(join(dir, `bad-lib-${cases.indexOf(c)}`)));
-      } catch (e) {
-        err = e;
-      }
-      expect(err).toBeInstanceOf(TreepackError);
-      const e = err as TreepackError;
-      expect(e.code).not.toBe('E_ARG'); // exit code 1, as the CLI's
-      expect(`treepack pack: ${e.message}`).toBe(printed);
-      if (c.where.line !== undefined) expect(e.where.file).toBe(f);
-      expect(e.where).toMatchObject(c.where);
-      // Neither side created its output directory (a failed run leaves --out exactly as it was).
-      expect(existsSync(out)).toBe(false);
-      expect(existsSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toBe(false);
-      // Incremental use, JSON objects pushed line by line, meets the same error (malformed JSON cannot be pushed).
-      if (c.name === 'malformed JSON') return;
-      const packer = createPacker({ tokenizer: 'qwen3', ...c.opts, name: f });
-      let inc: unknown;
-      try {
-        for (const l of c.lines) packer.push(typeof l === 'string' ? JSON.parse(l) : l);
-        await packer.end();
-      } catch (e2) {
-        inc = e2;
-      }
-      expect(inc).toBeInstanceOf(TreepackError);
-      expect((inc as TreepackError).message).toBe(e.message);
-    }, 60_000);
+    it(
+      c.name,
+      async () => {
+        const f = write(`bad-${cases.indexOf(c)}.jsonl`, c.lines);
+        const out = join(dir, `bad-out-${cases.indexOf(c)}`);
+        const r = cli(['pack', f, '--out', out, '--tokenizer', 'qwen3', ...(c.args ?? [])]);
+        expect(r.code).toBe(1);
+        const printed = r.stderr.trim().split('\n').at(-1);
+        let err: unknown;
+        try {
+          await packRecords(f, { tokenizer: 'qwen3', ...c.opts }).writeTo(new DirectorySink(join(dir, `bad-lib-${cases.indexOf(c)}`)));
+        } catch (e) {
+          err = e;
+        }
+        expect(err).toBeInstanceOf(TreepackError);
+        const e = err as TreepackError;
+        expect(e.code).not.toBe('E_ARG'); // exit code 1, as the CLI's
+        expect(`treepack pack: ${e.message}`).toBe(printed);
+        if (c.where.line !== undefined) expect(e.where.file).toBe(f);
+        expect(e.where).toMatchObject(c.where);
+        // Neither side created its output directory (a failed run leaves --out exactly as it was).
+        expect(existsSync(out)).toBe(false);
+        expect(existsSync(join(dir, `bad-lib-${cases.indexOf(c)}`))).toBe(false);
+        // Incremental use, JSON objects pushed line by line, meets the same error (malformed JSON cannot be pushed).
+        if (c.name === 'malformed JSON') return;
+        const packer = createPacker({ tokenizer: 'qwen3', ...c.opts, name: f });
+        let inc: unknown;
+        try {
+          for (const l of c.lines) packer.push(typeof l === 'string' ? JSON.parse(l) : l);
+          await packer.end();
+        } catch (e2) {
+          inc = e2;
+        }
+        expect(inc).toBeInstanceOf(TreepackError);
+        expect((inc as TreepackError).message).toBe(e.message);
+      },
+      60_000,
+    );
   }
 
   it('a failed run leaves the previous output as it was', async () => {

@@ -16,7 +16,21 @@ import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { createPacker, loadTokenizer, manifestHeader, microBatchBytes, packRecords, readMicroBatch, readRecords, TreepackError, writeMicroBatch, type PackedMicroBatch, type PackerOptions, type TextTokenizer, type TrainRecord } from '../src/index.js';
+import {
+  createPacker,
+  loadTokenizer,
+  manifestHeader,
+  microBatchBytes,
+  packRecords,
+  readMicroBatch,
+  readRecords,
+  TreepackError,
+  writeMicroBatch,
+  type PackedMicroBatch,
+  type PackerOptions,
+  type TextTokenizer,
+  type TrainRecord,
+} from '../src/index.js';
 import { Service } from '../src/serve/index.js';
 import { generateJsonlLines, generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
@@ -43,8 +57,14 @@ function byGroup(lines: Line[]): Line[][] {
   return [...groups.values()];
 }
 
-const tokenLines: Line[] = [...generateTokenSamples({ groups: 6, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 4 })].map((s) => ({ text: JSON.stringify(s), group: s.group }));
-const chatLines: Line[] = [...generateJsonlLines({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 6 })].map((text) => ({ text, group: JSON.parse(text).task_id as string }));
+const tokenLines: Line[] = [...generateTokenSamples({ groups: 6, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 4 })].map((s) => ({
+  text: JSON.stringify(s),
+  group: s.group,
+}));
+const chatLines: Line[] = [...generateJsonlLines({ groups: 4, episodesPerGroup: 3, minTurns: 2, maxTurns: 5, seed: 6 })].map((text) => ({
+  text,
+  group: JSON.parse(text).task_id as string,
+}));
 
 const bytes = (mbs: PackedMicroBatch[]) => mbs.map((mb) => Buffer.from(microBatchBytes(mb)).toString('base64'));
 
@@ -77,7 +97,14 @@ function sequences(mbs: PackedMicroBatch[]): Map<string, string> {
       const [s, e] = [b.seq_offsets[i], b.seq_offsets[i + 1]];
       const id = b.meta.sequence_ids[i];
       expect(out.has(id), id).toBe(false);
-      out.set(id, JSON.stringify([Array.from(b.seq_positions.subarray(s, e), (p) => b.input_ids[p]), Array.from(b.loss_mask.subarray(s, e)), Array.from(b.advantages?.subarray(s, e) ?? [])]));
+      out.set(
+        id,
+        JSON.stringify([
+          Array.from(b.seq_positions.subarray(s, e), (p) => b.input_ids[p]),
+          Array.from(b.loss_mask.subarray(s, e)),
+          Array.from(b.advantages?.subarray(s, e) ?? []),
+        ]),
+      );
     }
   }
   return out;
@@ -144,7 +171,15 @@ describe('incremental use: misuse and failures', () => {
 
   it('mixing parsed records and JSON objects is refused, and the packer goes on', async () => {
     const parsed: TrainRecord[] = [];
-    for await (const r of readRecords(Readable.from([tokenLines.slice(0, 2).map((l) => l.text).join('\n')]))) parsed.push(r);
+    for await (const r of readRecords(
+      Readable.from([
+        tokenLines
+          .slice(0, 2)
+          .map((l) => l.text)
+          .join('\n'),
+      ]),
+    ))
+      parsed.push(r);
     const packer = createPacker({});
     packer.push(parsed[0]);
     expect(() => packer.push(samples[1])).toThrow(/a JSON object after parsed records/);
@@ -199,7 +234,15 @@ describe('incremental use: misuse and failures', () => {
 
   it("estimated advantages never touch the caller's records", async () => {
     const parsed: TrainRecord[] = [];
-    for await (const r of readRecords(Readable.from([tokenLines.slice(0, 6).map((l) => l.text).join('\n')]))) parsed.push(r);
+    for await (const r of readRecords(
+      Readable.from([
+        tokenLines
+          .slice(0, 6)
+          .map((l) => l.text)
+          .join('\n'),
+      ]),
+    ))
+      parsed.push(r);
     const run = async () => {
       const packer = createPacker({ merge: false });
       for (const r of parsed) packer.push(r);
@@ -235,16 +278,23 @@ describe('the tokenizer option: a directory, a built-in by name, or a tokenizer 
     }
     expect(encoded).toBeGreaterThan(0);
     // Incremental use (a service building a packer per step) takes it too; the built-in, loaded, packs as its name.
-    expect(bytes((await incremental(chatLines, { tokenizer: counted }, 3)).mbs)).toEqual(bytes((await whole(chatLines, { tokenizer: dir })).mbs));
+    expect(bytes((await incremental(chatLines, { tokenizer: counted }, 3)).mbs)).toEqual(
+      bytes((await whole(chatLines, { tokenizer: dir })).mbs),
+    );
     const qwen3 = await loadTokenizer('qwen3');
     expect(bytes((await whole(chatLines, { tokenizer: qwen3 })).mbs)).toEqual(bytes((await whole(chatLines, { tokenizer: 'qwen3' })).mbs));
   });
 
   it('chat records without a tokenizer are E_ARG naming the record and saying what to pass; pre-tokenized ones need none', async () => {
-    const err = await whole(chatLines, {}).then(() => undefined, (e: unknown) => e);
+    const err = await whole(chatLines, {}).then(
+      () => undefined,
+      (e: unknown) => e,
+    );
     expect(err).toBeInstanceOf(TreepackError);
     expect(err).toMatchObject({ code: 'E_ARG', where: { line: 1, field: 'tokenizer' } });
-    expect((err as TreepackError).message).toMatch(/chat records need a tokenizer, and none was given: pass a tokenizer directory .* or a built-in by name \(qwen3/);
+    expect((err as TreepackError).message).toMatch(
+      /chat records need a tokenizer, and none was given: pass a tokenizer directory .* or a built-in by name \(qwen3/,
+    );
     const packer = createPacker({});
     packer.push(JSON.parse(chatLines[0].text));
     await expect(packer.end()).rejects.toMatchObject({ code: 'E_ARG', where: { record: expect.any(String), field: 'tokenizer' } });
@@ -252,7 +302,7 @@ describe('the tokenizer option: a directory, a built-in by name, or a tokenizer 
     await expect(loadTokenizer('')).rejects.toMatchObject({ code: 'E_ARG', message: expect.stringMatching(/a tokenizer is required/) });
   });
 
-  it('headers carry the vocabulary size: the tokenizer\'s, the caller\'s vocabSize, or none when unknown', async () => {
+  it("headers carry the vocabulary size: the tokenizer's, the caller's vocabSize, or none when unknown", async () => {
     const tok = await loadTokenizer('qwen3');
     const vocab = async (lines: Line[], opts: PackerOptions) => (await whole(lines, opts)).mbs.map((m) => m.batch.meta.vocab_size);
     expect(new Set(await vocab(chatLines, { tokenizer: 'qwen3' }))).toEqual(new Set([tok.vocabSize]));
@@ -271,7 +321,15 @@ describe('the tokenizer option: a directory, a built-in by name, or a tokenizer 
 
   it('anything else is E_ARG naming tokenizer', async () => {
     const tok = await loadTokenizer('qwen3');
-    const cases: [string, unknown][] = [['a number', 42], ['null', null], ['an array', ['dir']], ['an empty object', {}], ['no encode', { ...tok, encode: undefined }], ['a template string', { ...tok, chatTemplate: 'x' }], ['a string vocabSize', { ...tok, vocabSize: '151669' }]];
+    const cases: [string, unknown][] = [
+      ['a number', 42],
+      ['null', null],
+      ['an array', ['dir']],
+      ['an empty object', {}],
+      ['no encode', { ...tok, encode: undefined }],
+      ['a template string', { ...tok, chatTemplate: 'x' }],
+      ['a string vocabSize', { ...tok, vocabSize: '151669' }],
+    ];
     for (const [what, bad] of cases) {
       const err = (() => {
         try {
@@ -282,7 +340,9 @@ describe('the tokenizer option: a directory, a built-in by name, or a tokenizer 
       })();
       expect(err, what).toBeInstanceOf(TreepackError);
       expect((err as TreepackError).code).toBe('E_ARG');
-      expect((err as TreepackError).message).toMatch(/^Expected a directory path, the name of a built-in \(qwen3\) or a tokenizer from loadTokenizer for tokenizer but received /);
+      expect((err as TreepackError).message).toMatch(
+        /^Expected a directory path, the name of a built-in \(qwen3\) or a tokenizer from loadTokenizer for tokenizer but received /,
+      );
     }
     expect(() => packRecords([], { tokenizer: 7 as never })).toThrow(/for tokenizer but received 7 of type number/);
   });
@@ -295,9 +355,14 @@ describe('the tokenizer option: a directory, a built-in by name, or a tokenizer 
       expect(svc.encoder.tokenizer).toBe(tok);
       expect(svc.opts.packer?.tokenizer).toBe(tok);
       await svc.close();
-      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: 5 as never } })).rejects.toThrow(/for tokenizer but received 5 of type number/);
+      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir, packer: { tokenizer: 5 as never } })).rejects.toThrow(
+        /for tokenizer but received 5 of type number/,
+      );
       // A service packs chat episodes: it has no default tokenizer either.
-      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir })).rejects.toMatchObject({ code: 'E_ARG', message: expect.stringMatching(/a tokenizer is required/) });
+      await expect(Service.create({ engineUrl: 'http://127.0.0.1:9/v1', dataDir })).rejects.toMatchObject({
+        code: 'E_ARG',
+        message: expect.stringMatching(/a tokenizer is required/),
+      });
     } finally {
       rmSync(dataDir, { recursive: true, force: true });
     }

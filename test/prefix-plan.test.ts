@@ -75,7 +75,12 @@ function exactlyOnce(plan: Plan, S: number): void {
 
 /** The plan as content: per (rank, step) the sorted token sequences and the stack operations. */
 const content = (seqs: number[][], plan: Plan) =>
-  plan.microBatches.map((m) => ({ rank: m.rank, step: m.step, seqs: Array.from(m.sequences, (i) => seqs[i].join(',')).sort(), prefix: m.prefix }));
+  plan.microBatches.map((m) => ({
+    rank: m.rank,
+    step: m.step,
+    seqs: Array.from(m.sequences, (i) => seqs[i].join(',')).sort(),
+    prefix: m.prefix,
+  }));
 
 describe('prefix-reuse step plans', () => {
   it('replays on the forests, trains every sequence once, holds the budgets, and computes the single forest once per rank', () => {
@@ -138,18 +143,29 @@ describe('prefix-reuse step plans', () => {
 
   it('refuses a plan that needs more cache than allowed, naming the need', () => {
     const seqs = toArrays(agentBatch(2, { groups: 1, episodes: 4, turns: 4, prompt: 200, step: 40 }));
-    const e = caught(() => planMicroBatches(csr(seqs), { maxTokens: 120, prefixCacheTokens: 50 }, seqs.map((_, i) => `s${i}`))) as TreepackError;
+    const e = caught(() =>
+      planMicroBatches(
+        csr(seqs),
+        { maxTokens: 120, prefixCacheTokens: 50 },
+        seqs.map((_, i) => `s${i}`),
+      ),
+    ) as TreepackError;
     expect(e).toBeInstanceOf(TreepackError);
     expect(e.code).toBe('E_ARG');
     expect(e.message).toMatch(/needs \d+ cached prefix tokens on rank 0 .*allows 50/);
-    expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 4, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(/pad multiple 8 is larger than the token budget 4/);
+    expect((caught(() => planMicroBatches(csr(seqs), { maxTokens: 4, padMultiple: 8, prefixCacheTokens: 500 })) as Error).message).toMatch(
+      /pad multiple 8 is larger than the token budget 4/,
+    );
   });
 
-  it('pads each micro-batch\'s computed nodes to a multiple of P within T: the plan of floor(T / P)·P, plus padding', () => {
+  it("pads each micro-batch's computed nodes to a multiple of P within T: the plan of floor(T / P)·P, plus padding", () => {
     for (const seed of [1, 2, 3]) {
       const seqs = randomBatch(300 + seed, { maxLen: 30 });
       for (const K of [1, 2]) {
-        for (const [T, P] of [[20, 8], [33, 4]]) {
+        for (const [T, P] of [
+          [20, 8],
+          [33, 4],
+        ]) {
           const padded = planMicroBatches(csr(seqs), { maxTokens: T, padMultiple: P, dp: K, prefixCacheTokens: 1000 });
           const plain = planMicroBatches(csr(seqs), { maxTokens: Math.floor(T / P) * P, dp: K, prefixCacheTokens: 1000 });
           expect(content(seqs, padded)).toEqual(content(seqs, plain));
@@ -174,22 +190,35 @@ describe('prefix-reuse step plans', () => {
 
   it('writes and reads the step-plan header keys, all three or none, checked', () => {
     const dir = mkdtempSync(join(tmpdir(), 'treepack-prefix-io-'));
-    const seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6]];
+    const seqs = [
+      [1, 2, 3, 4],
+      [1, 2, 3, 5, 6],
+    ];
     const f = packForest(csr(seqs));
     const base: MicroBatch = {
       ...f,
       loss_mask: new Uint8Array(9),
-      meta: { format: 'treepack/1', num_sequences: 2, num_tokens_naive: 9, num_tokens_packed: f.input_ids.length, tokenizer: 't', sequence_ids: ['a', 'b'] },
+      meta: {
+        format: 'treepack/1',
+        num_sequences: 2,
+        num_tokens_naive: 9,
+        num_tokens_packed: f.input_ids.length,
+        tokenizer: 't',
+        sequence_ids: ['a', 'b'],
+      },
     };
     const path = join(dir, 'mb.safetensors');
     writeMicroBatch(path, { ...base, meta: { ...base.meta, prefix_tokens: 3, prefix_push: [1, 3], prefix_release: 2 } });
     expect(readMicroBatch(path).batch.meta).toMatchObject({ prefix_tokens: 3, prefix_push: [1, 3], prefix_release: 2 });
     writeMicroBatch(path, base);
     expect(readMicroBatch(path).batch.meta.prefix_tokens).toBeUndefined();
-    const bad = (meta: Partial<MicroBatch['meta']>) => (caught(() => writeMicroBatch(path, { ...base, meta: { ...base.meta, ...meta } })) as TreepackError).message;
+    const bad = (meta: Partial<MicroBatch['meta']>) =>
+      (caught(() => writeMicroBatch(path, { ...base, meta: { ...base.meta, ...meta } })) as TreepackError).message;
     expect(bad({ prefix_tokens: 3 })).toMatch(/go together/);
     expect(bad({ prefix_tokens: 3, prefix_push: [3, 2], prefix_release: 0 })).toMatch(/ascending depths ending at prefix_tokens = 3/);
-    expect(bad({ prefix_tokens: 30, prefix_push: [], prefix_release: 0 })).toMatch(/prefix_tokens = 30, expected an integer in \[0, N = 6\]/);
+    expect(bad({ prefix_tokens: 30, prefix_push: [], prefix_release: 0 })).toMatch(
+      /prefix_tokens = 30, expected an integer in \[0, N = 6\]/,
+    );
   });
 
   it('walks a chain thousands of levels deep (each request extends the previous one)', () => {
@@ -219,7 +248,10 @@ describe('prefix-reuse step plans', () => {
         for (const K of [2, 3, 5]) {
           const p = planMicroBatches(csr(batch), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20 });
           const floor = dpFloorTokens(csr(batch), p);
-          expect(floor).toBeGreaterThanOrEqual(p.optimumTokens + (batch.length > 1 ? 10 : 0) * (new Set(p.microBatches.filter((m) => m.sequences.length).map((m) => m.rank)).size - 1));
+          expect(floor).toBeGreaterThanOrEqual(
+            p.optimumTokens +
+              (batch.length > 1 ? 10 : 0) * (new Set(p.microBatches.filter((m) => m.sequences.length).map((m) => m.rank)).size - 1),
+          );
           expect(p.prefixReuse!.computedTokens).toBeGreaterThanOrEqual(floor);
         }
       }

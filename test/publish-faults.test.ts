@@ -13,7 +13,17 @@ import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { generateTokenSamples } from '../bench/dataset.js';
 import { rng } from './helpers/sequences.js';
-import { judge, reference, restore, stackTrace, startPack, watchOut, type Normalize, type Reference, type RunResult } from './helpers/faults.js';
+import {
+  judge,
+  reference,
+  restore,
+  stackTrace,
+  startPack,
+  watchOut,
+  type Normalize,
+  type Reference,
+  type RunResult,
+} from './helpers/faults.js';
 
 const SCALE = Math.max(1, Number(process.env.TREEPACK_FAULT_SCALE ?? 1));
 const TRIALS = { kill: 20 * SCALE, killFresh: 6 * SCALE, pause: 6 * SCALE, race: 6 * SCALE };
@@ -114,7 +124,9 @@ async function recover(trial: string, input: string, out: string, want: Referenc
   const v = judge(out, [want, ...also], normGen);
   const parentLeft = readdirSync(join(out, '..')).filter((f) => f !== 'out');
   if (res.code !== 0 || v.outcome !== want.name || v.hidden.length || parentLeft.length) {
-    counts.recoveryFailures.push(`${trial}: exit ${res.code} ${res.stderr.trim()} outcome ${v.outcome} ${v.problems.join('; ')} hidden ${v.hidden.length} parent ${parentLeft.join(',')}`);
+    counts.recoveryFailures.push(
+      `${trial}: exit ${res.code} ${res.stderr.trim()} outcome ${v.outcome} ${v.problems.join('; ')} hidden ${v.hidden.length} parent ${parentLeft.join(',')}`,
+    );
   }
   if (stackTrace(res.stderr)) counts.stackTraces.push(`${trial}: ${res.stderr}`);
 }
@@ -167,7 +179,10 @@ function judgeConcurrent(trial: string, out: string, refs: Reference[], w1: RunR
   const exited = { [names[0]]: w1.code, [names[1]]: w2.code };
   if (v.outcome === 'broken') counts.broken.push(`${trial}: ${v.problems.slice(0, 3).join('; ')}`);
   else if (v.outcome in exited && exited[v.outcome] !== 0) counts.broken.push(`${trial}: --out holds run ${v.outcome}, which failed`);
-  for (const [w, r] of [[names[0], w1], [names[1], w2]] as const) {
+  for (const [w, r] of [
+    [names[0], w1],
+    [names[1], w2],
+  ] as const) {
     if (r.code !== 0 && (stackTrace(r.stderr) || !/^treepack pack: /.test(r.stderr))) counts.stackTraces.push(`${trial} ${w}: ${r.stderr}`);
   }
 }

@@ -22,7 +22,8 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 let seq = 0;
 const fresh = () => join(dir, `case-${seq++}`);
 
-const manifestOf = (run: PublishRun, entries: object[]) => Buffer.from(JSON.stringify({ format: 'treepack/1', generation: run.generation, micro_batches: entries }));
+const manifestOf = (run: PublishRun, entries: object[]) =>
+  Buffer.from(JSON.stringify({ format: 'treepack/1', generation: run.generation, micro_batches: entries }));
 
 /** Writes `n` small micro-batches through `run` and commits; returns the file bytes in manifest order. */
 function publish(run: PublishRun, n: number, seed = 1): Buffer[] {
@@ -30,13 +31,19 @@ function publish(run: PublishRun, n: number, seed = 1): Buffer[] {
   for (let i = 0; i < n; i++) {
     const { batch } = randomMicroBatch(seed * 100 + i);
     const name = `microbatch-${String(i).padStart(5, '0')}.safetensors`;
-    entries.push({ file: run.stage(name, (p) => writeMicroBatch(p, batch)), sequences: batch.meta.num_sequences, naive_tokens: batch.meta.num_tokens_naive, packed_tokens: batch.meta.num_tokens_packed });
+    entries.push({
+      file: run.stage(name, (p) => writeMicroBatch(p, batch)),
+      sequences: batch.meta.num_sequences,
+      naive_tokens: batch.meta.num_tokens_naive,
+      packed_tokens: batch.meta.num_tokens_packed,
+    });
   }
   run.commit(manifestOf(run, entries));
   return microBatchPaths(run.out).map((p) => readFileSync(p));
 }
 
-const ioError = (file: string, message: RegExp) => expect.objectContaining({ code: 'E_IO', where: { file }, message: expect.stringMatching(message) });
+const ioError = (file: string, message: RegExp) =>
+  expect.objectContaining({ code: 'E_IO', where: { file }, message: expect.stringMatching(message) });
 
 /** A pid that surely belongs to no process: one that just exited (and was reaped). */
 function deadPid(): number {
@@ -75,7 +82,13 @@ describe('generations and the commit point', () => {
     mkdirSync(out);
     const { batch } = randomMicroBatch(5);
     writeMicroBatch(join(out, 'microbatch-00000.safetensors'), batch);
-    writeFileSync(join(out, 'manifest.json'), JSON.stringify({ format: 'treepack/1', micro_batches: [{ file: 'microbatch-00000.safetensors', sequences: 1, naive_tokens: 1, packed_tokens: 1 }] }));
+    writeFileSync(
+      join(out, 'manifest.json'),
+      JSON.stringify({
+        format: 'treepack/1',
+        micro_batches: [{ file: 'microbatch-00000.safetensors', sequences: 1, naive_tokens: 1, packed_tokens: 1 }],
+      }),
+    );
     publish(openPublish(out), 1);
     expect(readdirSync(out).sort()).toEqual(['gen-000001', 'manifest.json', 'microbatch-00000.safetensors']);
     publish(openPublish(out), 1);
@@ -110,7 +123,9 @@ describe('concurrent writers', () => {
     const out = fresh();
     publish(openPublish(out), 1);
     const first = openPublish(out);
-    expect(() => openPublish(out)).toThrow(ioError(out, new RegExp(`another treepack run is writing this directory \\(pid ${process.pid} on `)));
+    expect(() => openPublish(out)).toThrow(
+      ioError(out, new RegExp(`another treepack run is writing this directory \\(pid ${process.pid} on `)),
+    );
     publish(first, 2);
     publish(openPublish(out), 1); // released by the commit
   });
@@ -122,7 +137,9 @@ describe('concurrent writers', () => {
     run.stage('a.safetensors', (p) => writeMicroBatch(p, randomMicroBatch(1).batch));
     writeFileSync(join(out, 'manifest.json'), JSON.stringify({ format: 'treepack/1', generation: 1, micro_batches: [] }));
     const before = new Map([...snapshot(out)].filter(([rel]) => !rel.startsWith('.treepack-staging-')));
-    expect(() => run.commit(manifestOf(run, []))).toThrow(ioError(out, /another writer published to this directory while this run was staging/));
+    expect(() => run.commit(manifestOf(run, []))).toThrow(
+      ioError(out, /another writer published to this directory while this run was staging/),
+    );
     expect(differences(snapshot(out), before)).toEqual([]);
   });
 
@@ -153,7 +170,9 @@ describe('what dead writers leave', () => {
     mkdirSync(join(out, 'gen-000002')); // renamed into place, then the writer died before the manifest
     const run = openPublish(out);
     expect(run.generation).toBe(3);
-    expect(run.notes.join('\n')).toMatch(new RegExp(`removed staging left by a dead run \\(pid ${pid} on .*\\.treepack-staging-gen-000002`));
+    expect(run.notes.join('\n')).toMatch(
+      new RegExp(`removed staging left by a dead run \\(pid ${pid} on .*\\.treepack-staging-gen-000002`),
+    );
     expect(run.notes.join('\n')).toMatch(/gen-000002, never committed/);
     expect(readdirSync(out).sort()).toEqual(['.treepack-staging-gen-000003', 'gen-000001', 'manifest.json']);
     publish(run, 1);
@@ -166,7 +185,9 @@ describe('what dead writers leave', () => {
     const other = join(out, '.treepack-staging-gen-000002');
     mkdirSync(other);
     writeFileSync(join(other, 'owner.json'), JSON.stringify({ pid: deadPid(), host: 'elsewhere', since: 'then' }));
-    expect(() => openPublish(out)).toThrow(ioError(out, new RegExp(`pid \\d+ on elsewhere.*remove ${other.replaceAll('.', '\\.')} if that process is gone`)));
+    expect(() => openPublish(out)).toThrow(
+      ioError(out, new RegExp(`pid \\d+ on elsewhere.*remove ${other.replaceAll('.', '\\.')} if that process is gone`)),
+    );
   });
 
   it('a dead run into a new --out: its staging beside --out is removed by the next run', () => {
@@ -189,12 +210,18 @@ describe('the manifest as readers see it', () => {
     const write = (doc: unknown) => writeFileSync(join(out, 'manifest.json'), JSON.stringify(doc));
     for (const file of ['../x.safetensors', '/etc/passwd', './gen-000001/a', 'gen-000001//a', '']) {
       write({ ...m, micro_batches: [{ ...m.micro_batches[0], file }] });
-      expect(() => readManifest(out)).toThrow(expect.objectContaining({ code: 'E_INPUT', where: { file: join(out, 'manifest.json'), field: 'micro_batches[0].file' } }));
+      expect(() => readManifest(out)).toThrow(
+        expect.objectContaining({ code: 'E_INPUT', where: { file: join(out, 'manifest.json'), field: 'micro_batches[0].file' } }),
+      );
     }
     write({ ...m, micro_batches: [{ ...m.micro_batches[0], file: m.micro_batches[1].file }] });
-    expect(() => [...readMicroBatches(out)]).toThrow(expect.objectContaining({ code: 'E_INPUT', message: expect.stringMatching(/a file of another run/) }));
+    expect(() => [...readMicroBatches(out)]).toThrow(
+      expect.objectContaining({ code: 'E_INPUT', message: expect.stringMatching(/a file of another run/) }),
+    );
     write({ format: 'treepack/0', micro_batches: [] });
-    expect(() => readManifest(out)).toThrow(expect.objectContaining({ code: 'E_INPUT', where: { file: join(out, 'manifest.json'), field: 'format' } }));
+    expect(() => readManifest(out)).toThrow(
+      expect.objectContaining({ code: 'E_INPUT', where: { file: join(out, 'manifest.json'), field: 'format' } }),
+    );
     rmSync(join(out, 'manifest.json'));
     expect(() => readManifest(out)).toThrow(ioError(join(out, 'manifest.json'), /cannot read the manifest: ENOENT/));
   });
@@ -230,7 +257,10 @@ function tryMount(target: string, options: string): boolean {
 const unmount = (target: string) => spawnSync('umount', [target]);
 
 const input = join(dir, 'input.jsonl');
-writeFileSync(input, [...generateTokenSamples({ groups: 3, seed: 4, minTurns: 2, maxTurns: 3 })].map((s) => JSON.stringify(s)).join('\n') + '\n');
+writeFileSync(
+  input,
+  [...generateTokenSamples({ groups: 3, seed: 4, minTurns: 2, maxTurns: 3 })].map((s) => JSON.stringify(s)).join('\n') + '\n',
+);
 
 function pack(out: string, opts: { uid?: number; gid?: number; shell?: string } = {}) {
   const args = [BIN, 'pack', input, '--out', out, '--quiet'];
@@ -301,22 +331,32 @@ describe('unusable --out: one line naming the path, exit 1, nothing changed', ()
     }
   });
 
-  it('a full disk (ENOSPC on a 1 MiB tmpfs; else a file-size limit): the earlier run stays whole, staging is gone', { timeout: 60_000 }, () => {
-    const mnt = fresh();
-    const mounted = tryMount(mnt, 'size=1m');
-    // Without a mount, a file-size limit makes writes fail the same way (EFBIG), part way through the run.
-    const limit = mounted ? {} : { shell: 'ulimit -f 64; trap "" XFSZ' };
-    console.log(mounted ? 'full disk: 1 MiB tmpfs' : 'full disk: simulated with ulimit -f (cannot mount a tmpfs here)');
-    try {
-      const out = join(mnt, 'out');
-      mkdirSync(out);
-      publish(openPublish(out), 1, 3); // an earlier run small enough to fit, then one that cannot
-      const before = snapshot(out);
-      const r = pack(out, limit);
-      expectOneLine(r, out, mounted ? /cannot write microbatch-00000\.safetensors: ENOSPC: no space left on device/ : /cannot write microbatch-00000\.safetensors: EFBIG: file too large/);
-      expect(differences(snapshot(out), before)).toEqual([]);
-    } finally {
-      if (mounted) unmount(mnt);
-    }
-  });
+  it(
+    'a full disk (ENOSPC on a 1 MiB tmpfs; else a file-size limit): the earlier run stays whole, staging is gone',
+    { timeout: 60_000 },
+    () => {
+      const mnt = fresh();
+      const mounted = tryMount(mnt, 'size=1m');
+      // Without a mount, a file-size limit makes writes fail the same way (EFBIG), part way through the run.
+      const limit = mounted ? {} : { shell: 'ulimit -f 64; trap "" XFSZ' };
+      console.log(mounted ? 'full disk: 1 MiB tmpfs' : 'full disk: simulated with ulimit -f (cannot mount a tmpfs here)');
+      try {
+        const out = join(mnt, 'out');
+        mkdirSync(out);
+        publish(openPublish(out), 1, 3); // an earlier run small enough to fit, then one that cannot
+        const before = snapshot(out);
+        const r = pack(out, limit);
+        expectOneLine(
+          r,
+          out,
+          mounted
+            ? /cannot write microbatch-00000\.safetensors: ENOSPC: no space left on device/
+            : /cannot write microbatch-00000\.safetensors: EFBIG: file too large/,
+        );
+        expect(differences(snapshot(out), before)).toEqual([]);
+      } finally {
+        if (mounted) unmount(mnt);
+      }
+    },
+  );
 });

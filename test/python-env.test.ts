@@ -17,7 +17,11 @@ it('the Python package version is the npm package version', () => {
 
 it('TREEPACK_PYTHON names the interpreter; a missing one is reported, never replaced', { timeout: 60_000 }, () => {
   const run = (python: string) => {
-    const r = spawnSync(process.execPath, ['scripts/python-env.mjs'], { cwd: root, encoding: 'utf8', env: { ...process.env, TREEPACK_PYTHON: python } });
+    const r = spawnSync(process.execPath, ['scripts/python-env.mjs'], {
+      cwd: root,
+      encoding: 'utf8',
+      env: { ...process.env, TREEPACK_PYTHON: python },
+    });
     expect(r.status, r.stderr).toBe(0);
     return JSON.parse(r.stdout) as { python: string | null; torch: boolean; reason: string; source: string };
   };
@@ -26,20 +30,24 @@ it('TREEPACK_PYTHON names the interpreter; a missing one is reported, never repl
   expect(missing.reason).toMatch(/TREEPACK_PYTHON=\/nonexistent\/python3 not runnable/);
 });
 
-it('a venv it creates works through its own bin/pip: its scripts name the venv, not the folder it was built in', { timeout: 180_000 }, (ctx) => {
-  if (spawnSync('python3', ['-m', 'venv', '--help']).status !== 0) return ctx.skip('python3 with the venv module not found');
-  const dir = mkdtempSync(join(tmpdir(), 'treepack-venv-'));
-  try {
-    const venv = join(dir, '.venv');
-    // pip itself: already in a new venv, so nothing is fetched
-    writeFileSync(join(dir, 'requirements.txt'), 'pip\n');
-    expect(createVenv('python3', venv, join(dir, 'requirements.txt'))).toBe('');
-    expect(readdirSync(dir).sort()).toEqual(['.venv', 'requirements.txt']); // the build folder is gone
-    const pip = spawnSync(join(venv, 'bin', 'pip'), ['--version'], { encoding: 'utf8' });
-    expect(pip.status, pip.stderr).toBe(0);
-    expect(pip.stdout).toContain(join(venv, 'lib'));
-    expect(readFileSync(join(venv, 'bin', 'activate'), 'utf8')).not.toContain('.building-');
-  } finally {
-    rmSync(dir, { recursive: true, force: true });
-  }
-});
+it(
+  'a venv it creates works through its own bin/pip: its scripts name the venv, not the folder it was built in',
+  { timeout: 180_000 },
+  (ctx) => {
+    if (spawnSync('python3', ['-m', 'venv', '--help']).status !== 0) return ctx.skip('python3 with the venv module not found');
+    const dir = mkdtempSync(join(tmpdir(), 'treepack-venv-'));
+    try {
+      const venv = join(dir, '.venv');
+      // pip itself: already in a new venv, so nothing is fetched
+      writeFileSync(join(dir, 'requirements.txt'), 'pip\n');
+      expect(createVenv('python3', venv, join(dir, 'requirements.txt'))).toBe('');
+      expect(readdirSync(dir).sort()).toEqual(['.venv', 'requirements.txt']); // the build folder is gone
+      const pip = spawnSync(join(venv, 'bin', 'pip'), ['--version'], { encoding: 'utf8' });
+      expect(pip.status, pip.stderr).toBe(0);
+      expect(pip.stdout).toContain(join(venv, 'lib'));
+      expect(readFileSync(join(venv, 'bin', 'activate'), 'utf8')).not.toContain('.building-');
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  },
+);

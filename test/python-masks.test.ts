@@ -26,18 +26,32 @@ describe.skipIf(skipReason !== '')('python flex helpers on stored masks', () => 
     for (let seed = 1; seed <= 8; seed++) {
       const seqs = csr(randomBatch(seed, { count: 40, maxLen: 30 }));
       const forest = packForest(seqs);
-      const M = seqs.tokens.length, S = seqs.offsets.length - 1;
+      const M = seqs.tokens.length,
+        S = seqs.offsets.length - 1;
       const batch: MicroBatch = {
         ...forest,
         loss_mask: new Uint8Array(M),
-        meta: { format: FORMAT, num_sequences: S, num_tokens_naive: M, num_tokens_packed: forest.input_ids.length, tokenizer: 't', sequence_ids: Array.from({ length: S }, (_, i) => String(i)) },
+        meta: {
+          format: FORMAT,
+          num_sequences: S,
+          num_tokens_naive: M,
+          num_tokens_packed: forest.input_ids.length,
+          tokenizer: 't',
+          sequence_ids: Array.from({ length: S }, (_, i) => String(i)),
+        },
       };
-      const { tensors, metadata } = await maskTensors(forest, [{ kind: 'blocks', blockSize: seed % 2 ? 16 : 64 }, { kind: 'slices' }], 'js');
+      const { tensors, metadata } = await maskTensors(
+        forest,
+        [{ kind: 'blocks', blockSize: seed % 2 ? 16 : 64 }, { kind: 'slices' }],
+        'js',
+      );
       const path = join(dir, `mb-${seed}.safetensors`);
       writeMicroBatch(path, batch, tensors, metadata);
       files.push(path);
     }
-    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests, '-p', 'test_flex*.py'], { env: { TREEPACK_MASK_FILES: files.join(delimiter) } });
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests, '-p', 'test_flex*.py'], {
+      env: { TREEPACK_MASK_FILES: files.join(delimiter) },
+    });
     expect(res.status, res.stderr).toBe(0);
     expect(res.stderr).toMatch(/test_every_file_agrees_with_the_dense_rule \(.*\) \.\.\. ok/);
     expect(res.stderr).toMatch(/test_python_builders_equal_the_stored_lowerings \(.*\) \.\.\. ok/);

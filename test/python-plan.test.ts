@@ -33,7 +33,18 @@ function cases(): Case[] {
   const fan = Array.from({ length: 9 }, (_, k) => [...prompt, k, k + 1, k + 2]);
   out.push({ name: 'one shared prompt, budget the longest', seqs: fan, maxTokens: 15 });
   out.push({ name: 'one shared prompt, budget two answers', seqs: fan, maxTokens: 18 });
-  out.push({ name: 'duplicates', seqs: [[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 5], [4, 5], [1, 2, 3]], maxTokens: 3 });
+  out.push({
+    name: 'duplicates',
+    seqs: [
+      [1, 2, 3],
+      [1, 2, 3],
+      [1, 2, 3],
+      [4, 5],
+      [4, 5],
+      [1, 2, 3],
+    ],
+    maxTokens: 3,
+  });
   const chain = Array.from({ length: 10 }, (_, k) => Array.from({ length: k + 1 }, (_, t) => t + 1));
   out.push({ name: 'a single chain (each sequence a prefix of the next)', seqs: chain, maxTokens: 10 });
   out.push({ name: 'prefixes and their extensions', seqs: [[1], [1, 2], [1, 2, 3], [1, 4], [5, 6, 7], [5], [5, 6]], maxTokens: 4 });
@@ -52,7 +63,7 @@ for case in json.load(sys.stdin):
 print(json.dumps(out))
 `;
 
-describe.skipIf(py.skipReason !== '')('one micro-batch planner (python/treepack/plan.py runs src/pack/budget.ts\'s cuts)', () => {
+describe.skipIf(py.skipReason !== '')("one micro-batch planner (python/treepack/plan.py runs src/pack/budget.ts's cuts)", () => {
   it('gives the same micro-batches as planMicroBatches with single-sequence groups and one rank', { timeout: 300_000 }, () => {
     const all = cases();
     const res = py.run(['-c', PROGRAM], { input: JSON.stringify(all), timeout: 280_000 });

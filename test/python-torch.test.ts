@@ -15,7 +15,10 @@ const root = fileURLToPath(new URL('..', import.meta.url));
 describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', () => {
   it('every trainer-side suite passes, none skipped', { timeout: 600_000 }, () => {
     // One thread: the models are tiny, and on a shared, busy host more threads only contend.
-    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', join(pythonTests, 'trainer')], { timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', join(pythonTests, 'trainer')], {
+      timeout: 590_000,
+      env: { OMP_NUM_THREADS: '1' },
+    });
     const log = res.stderr;
     expect(res.status, log.slice(-4000)).toBe(0);
     expect(log).toMatch(/\nOK\b/);
@@ -29,25 +32,33 @@ describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', (
     const res = py.run([join(root, 'examples', 'grpo_step.py'), '--json'], { cwd: root, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
     expect(res.status, res.stderr.slice(-4000)).toBe(0);
     const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number>;
-    console.log(`examples/grpo_step.py: ${out.naive_tokens} naive → ${out.packed_tokens} packed tokens, loss ${out.loss_packed} vs ${out.loss_unpacked}, step ${out.step_seconds_packed.toFixed(2)} s vs ${out.step_seconds_unpacked.toFixed(2)} s`);
+    console.log(
+      `examples/grpo_step.py: ${out.naive_tokens} naive → ${out.packed_tokens} packed tokens, loss ${out.loss_packed} vs ${out.loss_unpacked}, step ${out.step_seconds_packed.toFixed(2)} s vs ${out.step_seconds_unpacked.toFixed(2)} s`,
+    );
     expect(out.packed_tokens).toBeLessThan(out.naive_tokens);
     expect(Math.abs(out.loss_packed - out.loss_unpacked)).toBeLessThan(1e-5 * Math.max(1, Math.abs(out.loss_unpacked)));
     expect(out.max_weight_difference_after_step).toBeLessThan(1e-5);
   });
 
-  it('examples/moe_router_replay.py: packed with replay equals unpacked with the same routes; without replay it differs', { timeout: 600_000 }, () => {
-    const res = py.run([join(root, 'examples', 'moe_router_replay.py')], { cwd: root, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
-    expect(res.status, res.stderr.slice(-4000)).toBe(0);
-    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number>;
-    console.log(`examples/moe_router_replay.py: ${out.tokens} tokens, ${out.nodes_token_trie} nodes by tokens, ${out.nodes_route_split} split by routes; ` +
-      `max differences: logprobs ${out.max_diff_logprobs}, aux ${out.max_diff_aux_loss}, gradients ${out.max_diff_gradients}`);
-    // The calls' routes conflict on shared prefixes: the tree splits there, and still shares something.
-    expect(out.nodes_route_split).toBeGreaterThan(out.nodes_token_trie);
-    expect(out.nodes_route_split).toBeLessThan(out.tokens);
-    expect(out.max_diff_logprobs).toBeLessThan(1e-5);
-    expect(out.max_diff_aux_loss).toBeLessThan(1e-6);
-    expect(out.max_diff_gradients).toBeLessThan(1e-5);
-    expect(out.max_diff_weights_after_step).toBeLessThan(1e-6);
-    expect(out.without_replay_max_diff_logprobs).toBeGreaterThan(1e-3);
-  });
+  it(
+    'examples/moe_router_replay.py: packed with replay equals unpacked with the same routes; without replay it differs',
+    { timeout: 600_000 },
+    () => {
+      const res = py.run([join(root, 'examples', 'moe_router_replay.py')], { cwd: root, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+      expect(res.status, res.stderr.slice(-4000)).toBe(0);
+      const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number>;
+      console.log(
+        `examples/moe_router_replay.py: ${out.tokens} tokens, ${out.nodes_token_trie} nodes by tokens, ${out.nodes_route_split} split by routes; ` +
+          `max differences: logprobs ${out.max_diff_logprobs}, aux ${out.max_diff_aux_loss}, gradients ${out.max_diff_gradients}`,
+      );
+      // The calls' routes conflict on shared prefixes: the tree splits there, and still shares something.
+      expect(out.nodes_route_split).toBeGreaterThan(out.nodes_token_trie);
+      expect(out.nodes_route_split).toBeLessThan(out.tokens);
+      expect(out.max_diff_logprobs).toBeLessThan(1e-5);
+      expect(out.max_diff_aux_loss).toBeLessThan(1e-6);
+      expect(out.max_diff_gradients).toBeLessThan(1e-5);
+      expect(out.max_diff_weights_after_step).toBeLessThan(1e-6);
+      expect(out.without_replay_max_diff_logprobs).toBeGreaterThan(1e-3);
+    },
+  );
 });

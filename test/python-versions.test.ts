@@ -54,7 +54,8 @@ function run(args: string[], timeout: number) {
 
 describe.skipIf(skipReason !== '')('the trainer side on the oldest supported transformers and TRL (.venv-oldest)', () => {
   it('runs the pinned oldest releases, not the newest', { timeout: 120_000 }, () => {
-    const code = 'import json, torch, transformers, trl; print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl)}))';
+    const code =
+      'import json, torch, transformers, trl; print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl)}))';
     const res = run(['-c', code], 110_000);
     expect(res.status, res.stderr.slice(-2000)).toBe(0);
     const got = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, string>;
@@ -62,7 +63,11 @@ describe.skipIf(skipReason !== '')('the trainer side on the oldest supported tra
     expect(Object.keys(want).sort()).toEqual(['torch', 'transformers', 'trl']);
     // torch's local label (2.13.0+cpu) is the same release.
     for (const [name, version] of Object.entries(want)) expect(got[name].split('+')[0], name).toBe(version);
-    console.log(`.venv-oldest: ${Object.entries(got).map(([k, v]) => `${k} ${v}`).join(', ')}`);
+    console.log(
+      `.venv-oldest: ${Object.entries(got)
+        .map(([k, v]) => `${k} ${v}`)
+        .join(', ')}`,
+    );
   });
 
   it(`${OLDEST_SUITES.join(', ')} pass there, none skipped but the CUDA-only ones`, { timeout: 900_000 }, () => {
@@ -73,7 +78,9 @@ describe.skipIf(skipReason !== '')('the trainer side on the oldest supported tra
     expect(log).toMatch(/\nOK\b/);
     const ran = Number(/\nRan (\d+) tests?/.exec(log)?.[1] ?? 0);
     const skipped = log.match(/^.* \.\.\. skipped .*$/gm) ?? [];
-    console.log(`.venv-oldest: ${ran} tests of ${OLDEST_SUITES.length} modules in ${((Date.now() - started) / 1000).toFixed(0)} s; skipped: ${skipped.join('; ')}`);
+    console.log(
+      `.venv-oldest: ${ran} tests of ${OLDEST_SUITES.length} modules in ${((Date.now() - started) / 1000).toFixed(0)} s; skipped: ${skipped.join('; ')}`,
+    );
     // Only the tests that need a CUDA device may skip here (as in test/python-torch.test.ts).
     expect(skipped.filter((line) => !/CUDA/.test(line))).toEqual([]);
     // Every named module ran tests (a module that failed to import would be one error, caught above).

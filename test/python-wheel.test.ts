@@ -34,7 +34,8 @@ function missing(): string {
 }
 
 const skipReason = missing();
-if (skipReason && process.env.TREEPACK_REQUIRE_WHEEL === '1') throw new Error(`test/python-wheel.test.ts: TREEPACK_REQUIRE_WHEEL=1 but ${skipReason}`);
+if (skipReason && process.env.TREEPACK_REQUIRE_WHEEL === '1')
+  throw new Error(`test/python-wheel.test.ts: TREEPACK_REQUIRE_WHEEL=1 but ${skipReason}`);
 if (skipReason) console.log(`test/python-wheel.test.ts skipped: ${skipReason}`);
 
 describe.skipIf(skipReason !== '')('the treepack wheel in a clean venv', () => {
@@ -55,7 +56,9 @@ describe.skipIf(skipReason !== '')('the treepack wheel in a clean venv', () => {
     const wheels = readdirSync(join(dir, 'dist')).filter((f) => f.endsWith('.whl'));
     expect(wheels).toHaveLength(1);
     const wheel = join(dir, 'dist', wheels[0]);
-    console.log(`treepack wheel: ${wheels[0]}, ${(statSync(wheel).size / 1024).toFixed(0)} KiB, built in ${seconds.toFixed(1)} s (pip wheel, isolated build)`);
+    console.log(
+      `treepack wheel: ${wheels[0]}, ${(statSync(wheel).size / 1024).toFixed(0)} KiB, built in ${seconds.toFixed(1)} s (pip wheel, isolated build)`,
+    );
     const venv = join(dir, 'venv');
     const python = join(venv, 'bin', 'python');
     run('python3', ['-m', 'venv', venv]);
@@ -63,19 +66,38 @@ describe.skipIf(skipReason !== '')('the treepack wheel in a clean venv', () => {
 
     const seqs = csr(randomBatch(11, { count: 30, maxLen: 20 }));
     const forest = packForest(seqs);
-    const M = seqs.tokens.length, S = seqs.offsets.length - 1;
+    const M = seqs.tokens.length,
+      S = seqs.offsets.length - 1;
     const batch: MicroBatch = {
       ...forest,
       loss_mask: Uint8Array.from({ length: M }, (_, k) => (seqs.offsets.includes(k) ? 0 : 1)),
       advantages: Float32Array.from({ length: M }, (_, k) => (k % 7) / 7 - 0.5),
-      meta: { format: FORMAT, num_sequences: S, num_tokens_naive: M, num_tokens_packed: forest.input_ids.length, tokenizer: 't', sequence_ids: Array.from({ length: S }, (_, i) => String(i)) },
+      meta: {
+        format: FORMAT,
+        num_sequences: S,
+        num_tokens_naive: M,
+        num_tokens_packed: forest.input_ids.length,
+        tokenizer: 't',
+        sequence_ids: Array.from({ length: S }, (_, i) => String(i)),
+      },
     };
     const tsFile = join(dir, 'ts.safetensors');
     writeMicroBatch(tsFile, batch);
-    const tsArrays = Object.fromEntries(['input_ids', 'parent', 'subtree_end', 'seq_offsets', 'seq_positions', 'loss_mask', 'advantages'].map((n) => [n, Array.from(batch[n as keyof MicroBatch] as ArrayLike<number>)]));
+    const tsArrays = Object.fromEntries(
+      ['input_ids', 'parent', 'subtree_end', 'seq_offsets', 'seq_positions', 'loss_mask', 'advantages'].map((n) => [
+        n,
+        Array.from(batch[n as keyof MicroBatch] as ArrayLike<number>),
+      ]),
+    );
     const request = { checkout: root, ts_file: tsFile, ts_arrays: tsArrays, fixture };
     const res = run(python, [join(root, 'test', 'helpers', 'wheel_check.py')], { input: JSON.stringify(request) });
-    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as { module: string; core: string; cuda: string; packed: number[]; fixture_aggregations: number };
+    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as {
+      module: string;
+      core: string;
+      cuda: string;
+      packed: number[];
+      fixture_aggregations: number;
+    };
     console.log(`installed at ${out.module}; CUDA: ${out.cuda}`);
     expect(out.module.startsWith(venv)).toBe(true);
     expect(out.packed[1]).toBeLessThan(out.packed[0]);
@@ -83,7 +105,9 @@ describe.skipIf(skipReason !== '')('the treepack wheel in a clean venv', () => {
 
     // The numpy suites against this install (the torch ones skip: no torch in this venv, by design, so CI's
     // TREEPACK_REQUIRE_TORCH does not apply here; test/python.test.ts runs them where torch is required).
-    const suites = run(python, ['-m', 'unittest', 'discover', '-v', '-s', join(root, 'python', 'tests')], { env: { TREEPACK_REQUIRE_TORCH: '' } });
+    const suites = run(python, ['-m', 'unittest', 'discover', '-v', '-s', join(root, 'python', 'tests')], {
+      env: { TREEPACK_REQUIRE_TORCH: '' },
+    });
     expect(suites.stderr).toMatch(/\nOK\b/);
     expect(suites.stderr).toMatch(/test_values_land_at_their_occurrence .* \.\.\. ok/);
   });

@@ -46,7 +46,7 @@ describe.skipIf(skipReason !== '')('python reader', () => {
   const dir = mkdtempSync(join(tmpdir(), 'treepack-py-'));
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  it('python unit tests and the docstrings\' doctests pass', { timeout: 300_000 }, () => {
+  it("python unit tests and the docstrings' doctests pass", { timeout: 300_000 }, () => {
     // test_doctests.py runs every >>> example of python/treepack (torch's and TRL's too where they import).
     const res = py.run(['-m', 'unittest', 'discover', '-v', '-s', pythonTests], { timeout: 290_000, env: { OMP_NUM_THREADS: '1' } });
     expect(res.status, res.stderr.slice(-8000)).toBe(0);
@@ -59,7 +59,9 @@ describe.skipIf(skipReason !== '')('python reader', () => {
     for (let seed = 0; seed < 12; seed++) {
       const batch = randomMicroBatch(seed);
       const path = join(dir, `mb-${seed}.safetensors`);
-      const extra = new Map<string, Tensor>([['mask_blocks', { dtype: 'I64', shape: [2, 2], data: BigInt64Array.from([1n, 2n, 3n, BigInt(seed)]) }]]);
+      const extra = new Map<string, Tensor>([
+        ['mask_blocks', { dtype: 'I64', shape: [2, 2], data: BigInt64Array.from([1n, 2n, 3n, BigInt(seed)]) }],
+      ]);
       writeMicroBatch(path, batch, extra);
       const fields: Record<string, number[]> = {};
       for (const [k, v] of Object.entries(batch)) if (ArrayBuffer.isView(v)) fields[k] = Array.from(v as Int32Array);
@@ -140,6 +142,8 @@ print("ok", len(json.load(open(sys.argv[1]))))
     writeFileSync(path, Buffer.from([1, 0, 0, 0, 0, 0, 0, 0, 0x7b]));
     const res = python(['-m', 'treepack', 'check', path]);
     expect(res.status).toBe(1);
-    expect(res.stdout).toMatch(/^.*corrupt\.safetensors: error \[E_INPUT\] \(field __header__\): not a valid safetensors file \(9 bytes\): .*invalid JSON in header/);
+    expect(res.stdout).toMatch(
+      /^.*corrupt\.safetensors: error \[E_INPUT\] \(field __header__\): not a valid safetensors file \(9 bytes\): .*invalid JSON in header/,
+    );
   });
 });

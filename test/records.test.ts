@@ -70,9 +70,9 @@ describe('readJsonlLines', () => {
   it('rejects a line over maxLineBytes with E_LIMIT naming the line, and counts a CRLF as no content', async () => {
     const ok = await collect(readJsonlLines(Readable.from(['1234567890\r\n']), { maxLineBytes: 10 }));
     expect(ok).toEqual([{ line: 1, text: '1234567890' }]);
-    const err = await collect(readJsonlLines(Readable.from(['{}\n', 'x'.repeat(5), 'x'.repeat(7), '\n']), { maxLineBytes: 10, name: 's' })).catch(
-      (e: unknown) => e,
-    );
+    const err = await collect(
+      readJsonlLines(Readable.from(['{}\n', 'x'.repeat(5), 'x'.repeat(7), '\n']), { maxLineBytes: 10, name: 's' }),
+    ).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(TreepackError);
     expect((err as TreepackError).code).toBe('E_LIMIT');
     expect((err as TreepackError).message).toMatch(/^s:2: line longer than 10 bytes/);
@@ -109,7 +109,13 @@ describe('readRecords: formats', () => {
     );
     expect(rs).toHaveLength(3);
     const [d, a, e] = rs;
-    expect(d).toMatchObject({ kind: 'sample', id: 't.jsonl:1', group: 't.jsonl:1', episode: 't.jsonl:1', source: { file: 't.jsonl', line: 1 } });
+    expect(d).toMatchObject({
+      kind: 'sample',
+      id: 't.jsonl:1',
+      group: 't.jsonl:1',
+      episode: 't.jsonl:1',
+      source: { file: 't.jsonl', line: 1 },
+    });
     expect(d.tokens).toEqual(new Int32Array([5, 6, 7, 8]));
     expect(d.loss_mask).toEqual(new Uint8Array([0, 1, 1, 1]));
     expect(d.rollout_logprobs).toBeUndefined();
@@ -155,9 +161,19 @@ describe('readRecords: formats', () => {
           episode: 'ep',
           reward: 0,
           messages: [
-            { role: 'system', content: [{ type: 'text', text: 'You are ' }, { type: 'text', text: 'helpful.' }] },
+            {
+              role: 'system',
+              content: [
+                { type: 'text', text: 'You are ' },
+                { type: 'text', text: 'helpful.' },
+              ],
+            },
             { role: 'user', content: 'weather?' },
-            { role: 'assistant', content: null, tool_calls: [{ id: 'x', type: 'function', function: { name: 'w', arguments: { city: 'Paris' } } }] },
+            {
+              role: 'assistant',
+              content: null,
+              tool_calls: [{ id: 'x', type: 'function', function: { name: 'w', arguments: { city: 'Paris' } } }],
+            },
             { role: 'tool', content: '{"t": 20}', tool_call_id: 'x', name: 'w' },
           ],
           tools: [{ type: 'function', function: { name: 'w', parameters: {} } }],
@@ -172,7 +188,12 @@ describe('readRecords: formats', () => {
     expect(c.messages[3]).toEqual({ role: 'tool', content: '{"t": 20}', tool_call_id: 'x', name: 'w' });
     expect(c.response).toEqual({ role: 'assistant', content: 'It is 20 °C.', reasoning_content: 'easy' });
     expect(c.tools).toHaveLength(1);
-    expect(d).toMatchObject({ id: 't.jsonl:2', group: 't.jsonl:2', episode: 't.jsonl:2', response: { role: 'assistant', content: 'hello' } });
+    expect(d).toMatchObject({
+      id: 't.jsonl:2',
+      group: 't.jsonl:2',
+      episode: 't.jsonl:2',
+      response: { role: 'assistant', content: 'hello' },
+    });
     expect(d.reward).toBeUndefined();
   });
 
@@ -197,7 +218,11 @@ describe('readRecords: formats', () => {
       ],
     };
     const stats: ReadStats = { lines: 0, records: 0 };
-    const rs = chats(await readLines([JSON.stringify(episode), JSON.stringify({ ...episode, task_id: undefined, group: 'G', episode_id: undefined })], { stats }));
+    const rs = chats(
+      await readLines([JSON.stringify(episode), JSON.stringify({ ...episode, task_id: undefined, group: 'G', episode_id: undefined })], {
+        stats,
+      }),
+    );
     expect(stats).toEqual({ lines: 2, records: 4 });
     expect(rs.map((r) => [r.id, r.group, r.episode, r.reward, r.agent])).toEqual([
       ['airline-1-trial0/0', 'airline-1', 'airline-1-trial0', 1, 'a'],
@@ -217,17 +242,25 @@ describe('readRecords: formats', () => {
 
   it('parses the generators’ output', async () => {
     const episodes = [...generateEpisodes({ groups: 2, episodesPerGroup: 3, minTurns: 3, maxTurns: 5 })];
-    const rs = chats(await collect(readRecords(Readable.from([generateJsonl({ groups: 2, episodesPerGroup: 3, minTurns: 3, maxTurns: 5 })]))));
+    const rs = chats(
+      await collect(readRecords(Readable.from([generateJsonl({ groups: 2, episodesPerGroup: 3, minTurns: 3, maxTurns: 5 })]))),
+    );
     expect(rs).toHaveLength(episodes.reduce((n, e) => n + e.requests.length, 0));
     expect(rs[0]).toMatchObject({ id: 'task-0-ep0/0', group: 'task-0', episode: 'task-0-ep0', agent: 'airline_agent' });
-    const toks = samples(await readLines([...generateTokenSamples({ groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 3 })].map((s) => JSON.stringify(s)), { vocabSize: 151643 }));
+    const toks = samples(
+      await readLines(
+        [...generateTokenSamples({ groups: 1, episodesPerGroup: 2, minTurns: 2, maxTurns: 3 })].map((s) => JSON.stringify(s)),
+        { vocabSize: 151643 },
+      ),
+    );
     expect(toks[0]).toMatchObject({ id: 'task-0-ep0/0', group: 'task-0', episode: 'task-0-ep0' });
     expect(toks[0].rollout_logprobs).toBeInstanceOf(Float32Array);
   });
 });
 
 describe('readRecords: rejections', () => {
-  const chat = (over: Record<string, unknown>) => JSON.stringify({ messages: [{ role: 'user', content: 'q' }], response: { role: 'assistant', content: 'a' }, ...over });
+  const chat = (over: Record<string, unknown>) =>
+    JSON.stringify({ messages: [{ role: 'user', content: 'q' }], response: { role: 'assistant', content: 'a' }, ...over });
   const msg = (m: unknown) => chat({ messages: [{ role: 'user', content: 'q' }, m] });
   const call = (c: unknown) => msg({ role: 'assistant', content: null, tool_calls: [c] });
   const cases: [name: string, line: string, field: string | undefined, message: RegExp][] = [
@@ -250,16 +283,36 @@ describe('readRecords: rejections', () => {
     ['id type', '{"tokens": [1], "id": {"a": 1}}', 'id', /string or integer id/],
     ['response_length too long', '{"tokens": [1, 2], "response_length": 3}', 'response_length', /larger than the number of tokens \(2\)/],
     ['response_length type', '{"tokens": [1, 2], "response_length": -1}', 'response_length', /non-negative integer/],
-    ['slime mask length', '{"tokens": [1, 2, 3], "response_length": 2, "loss_mask": [1, 1, 1]}', 'loss_mask', /expected 2 values \(one per response token, response_length = 2\), got 3/],
-    ['slime logprobs length', '{"tokens": [1, 2, 3], "response_length": 2, "rollout_log_probs": [-1]}', 'rollout_log_probs', /expected 2 values/],
+    [
+      'slime mask length',
+      '{"tokens": [1, 2, 3], "response_length": 2, "loss_mask": [1, 1, 1]}',
+      'loss_mask',
+      /expected 2 values \(one per response token, response_length = 2\), got 3/,
+    ],
+    [
+      'slime logprobs length',
+      '{"tokens": [1, 2, 3], "response_length": 2, "rollout_log_probs": [-1]}',
+      'rollout_log_probs',
+      /expected 2 values/,
+    ],
     ['messages not an array', chat({ messages: 'hi' }), 'messages', /expected an array of messages/],
     ['message without role', msg({ content: 'x' }), 'messages[1].role', /expected a role string, got undefined/],
     ['bad content', msg({ role: 'user', content: 42 }), 'messages[1].content', /string, null or an array of text parts/],
-    ['image part', msg({ role: 'user', content: [{ type: 'image_url', image_url: {} }] }), 'messages[1].content[0]', /got a part of type "image_url"/],
+    [
+      'image part',
+      msg({ role: 'user', content: [{ type: 'image_url', image_url: {} }] }),
+      'messages[1].content[0]',
+      /got a part of type "image_url"/,
+    ],
     ['tool_calls not an array', msg({ role: 'assistant', content: null, tool_calls: {} }), 'messages[1].tool_calls', /array of tool calls/],
     ['tool call without function', call({ id: 'x' }), 'messages[1].tool_calls[0].function', /expected \{"name", "arguments"\}/],
     ['tool call without name', call({ function: { arguments: '{}' } }), 'messages[1].tool_calls[0].function.name', /function name/],
-    ['tool call bad arguments', call({ function: { name: 'f', arguments: 3 } }), 'messages[1].tool_calls[0].function.arguments', /JSON string or an object/],
+    [
+      'tool call bad arguments',
+      call({ function: { name: 'f', arguments: 3 } }),
+      'messages[1].tool_calls[0].function.arguments',
+      /JSON string or an object/,
+    ],
     ['tool_call_id type', msg({ role: 'tool', content: 'r', tool_call_id: 5 }), 'messages[1].tool_call_id', /expected a string/],
     ['response missing', chat({ response: undefined }), 'response', /expected a message object, got undefined/],
     ['response role', chat({ response: { role: 'user', content: 'x' } }), 'response.role', /expected role "assistant"/],
@@ -267,7 +320,12 @@ describe('readRecords: rejections', () => {
     ['chat reward type', chat({ reward: 'high' }), 'reward', /finite number/],
     ['requests type', '{"episode_id": "e", "requests": {}}', 'requests', /array of requests/],
     ['episode reward type', '{"episode_id": "e", "meta": {"reward": "1"}, "requests": []}', 'meta.reward', /finite number/],
-    ['episode request field', '{"episode_id": "e", "requests": [{"messages": [{"role": "user", "content": "q"}], "response": {"content": 1}}]}', 'requests[0].response.content', /string, null or an array/],
+    [
+      'episode request field',
+      '{"episode_id": "e", "requests": [{"messages": [{"role": "user", "content": "q"}], "response": {"content": 1}}]}',
+      'requests[0].response.content',
+      /string, null or an array/,
+    ],
   ];
 
   it.each(cases)('%s', async (_name, line, field, message) => {
@@ -303,16 +361,24 @@ describe('readRecords: streaming', () => {
   /** 2000 varied lines (every format, blank lines, CRLF) from a seeded generator. */
   function mixedLines(): string {
     let s = 7;
-    const rnd = () => ((s = (Math.imul(s, 1103515245) + 12345) >>> 0) / 2 ** 32);
+    const rnd = () => (s = (Math.imul(s, 1103515245) + 12345) >>> 0) / 2 ** 32;
     const ints = (n: number) => Array.from({ length: n }, () => Math.floor(rnd() * 151643));
     const ep: EpisodeJson = generateEpisodes({ groups: 1, episodesPerGroup: 1, minTurns: 3, maxTurns: 3 }).next().value;
     const out: string[] = [];
     for (let i = 0; out.length < 2000; i++) {
       const k = i % 5;
       const n = 1 + Math.floor(rnd() * 300);
-      if (k === 0) out.push(JSON.stringify({ tokens: ints(n), loss_mask: ints(n).map((x) => x & 1), rollout_logprobs: ints(n).map((x) => -x / 1e5) }));
+      if (k === 0)
+        out.push(JSON.stringify({ tokens: ints(n), loss_mask: ints(n).map((x) => x & 1), rollout_logprobs: ints(n).map((x) => -x / 1e5) }));
       else if (k === 1) out.push(JSON.stringify({ tokens: ints(n), response_length: Math.floor(n / 2), index: i, group_index: i >> 3 }));
-      else if (k === 2) out.push(JSON.stringify({ messages: [{ role: 'user', content: '¿qué? 你好 '.repeat(n) }], response: { role: 'assistant', content: 'ok' }, group: `g${i >> 4}` }));
+      else if (k === 2)
+        out.push(
+          JSON.stringify({
+            messages: [{ role: 'user', content: '¿qué? 你好 '.repeat(n) }],
+            response: { role: 'assistant', content: 'ok' },
+            group: `g${i >> 4}`,
+          }),
+        );
       else if (k === 3) out.push(i % 400 === 3 ? JSON.stringify(ep) : '');
       else out.push(JSON.stringify({ id: `s${i}`, tokens: ints(n) }) + (i % 3 === 0 ? '\r' : ''));
     }

@@ -43,9 +43,11 @@ describe('generated reference pages (npm run gen:docs)', () => {
 
   it('docs/reference/python.md is current', { timeout: 120_000 }, (ctx) => {
     const env = pythonEnv({ create: false });
-    const trl = env.python && env.torch ? spawnSync(env.python, ['-c', 'import trl'], { encoding: 'utf8', timeout: 60_000 }).status === 0 : false;
+    const trl =
+      env.python && env.torch ? spawnSync(env.python, ['-c', 'import trl'], { encoding: 'utf8', timeout: 60_000 }).status === 0 : false;
     if (!env.python || !env.torch || !trl) {
-      const why = !env.python || !env.torch ? env.reason : `${env.python} cannot import trl (treepack.integrations.trl is documented from it)`;
+      const why =
+        !env.python || !env.torch ? env.reason : `${env.python} cannot import trl (treepack.integrations.trl is documented from it)`;
       if (process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(`TREEPACK_REQUIRE_TORCH=1 but ${why}`);
       return ctx.skip(why);
     }
@@ -69,7 +71,9 @@ describe('generated reference pages (npm run gen:docs)', () => {
     const documented = firstColumnNames(section(page('errors.md'), 'TreepackError codes'));
     expect(documented.sort()).toEqual(Object.keys(ERROR_CODES).sort());
     const ts = new Set(sources('src', '.ts').flatMap((f) => [...readFileSync(f, 'utf8').matchAll(/'(E_[A-Z]+)'/g)].map((m) => m[1])));
-    const py = new Set(sources('python/treepack', '.py').flatMap((f) => [...readFileSync(f, 'utf8').matchAll(/"(E_[A-Z]+)"/g)].map((m) => m[1])));
+    const py = new Set(
+      sources('python/treepack', '.py').flatMap((f) => [...readFileSync(f, 'utf8').matchAll(/"(E_[A-Z]+)"/g)].map((m) => m[1])),
+    );
     for (const code of [...ts, ...py]) expect(documented, `${code} is raised but not in ERROR_CODES`).toContain(code);
     for (const code of documented) expect(ts.has(code) || py.has(code), `${code} is documented but never raised`).toBe(true);
     const statuses = tableRows(section(page('errors.md'), 'C ABI status codes'));
@@ -80,7 +84,19 @@ describe('generated reference pages (npm run gen:docs)', () => {
 
 /** Pre-tokenized samples sharing prefixes, each with every per-occurrence field a sample may carry. */
 function samples(shared: boolean) {
-  const seqs = shared ? [[1, 2, 3, 4], [1, 2, 5], [1, 7, 8, 9, 10], [1, 7, 8, 11]] : [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]];
+  const seqs = shared
+    ? [
+        [1, 2, 3, 4],
+        [1, 2, 5],
+        [1, 7, 8, 9, 10],
+        [1, 7, 8, 11],
+      ]
+    : [
+        [1, 2, 3],
+        [4, 5],
+        [6, 7, 8, 9],
+        [10, 11],
+      ];
   return seqs.map((tokens, i) => {
     const lp = tokens.map((_, t) => -0.1 * (t + 1));
     return { id: `s${i}`, group: `g${i >> 1}`, tokens, reward: i % 2, old_logprobs: lp, ref_logprobs: lp, rollout_logprobs: lp };
@@ -154,7 +170,14 @@ describe('format.md', () => {
       ['seq_positions', i32([0, 1])],
       ['loss_mask', { dtype: 'U8' as const, shape: [2], data: Uint8Array.from([0, 1]) }],
     ]);
-    const metadata: Record<string, string> = { format: 'treepack/1', num_sequences: '1', num_tokens_naive: '2', num_tokens_packed: '2', tokenizer: 't', sequence_ids: '["a"]' };
+    const metadata: Record<string, string> = {
+      format: 'treepack/1',
+      num_sequences: '1',
+      num_tokens_naive: '2',
+      num_tokens_packed: '2',
+      tokenizer: 't',
+      sequence_ids: '["a"]',
+    };
     const path = join(dir, 'mb.safetensors');
     writeSafetensors(path, tensors, metadata);
     expect(readMicroBatch(path).batch.input_ids).toEqual(Int32Array.from([5, 6]));
@@ -191,7 +214,10 @@ type Operation = { responses: Record<string, { $ref?: string; content?: Record<s
 interface OpenApi {
   openapi: string;
   paths: Record<string, Record<string, Operation>>;
-  components: { responses: Record<string, { content?: Record<string, { schema: { $ref?: string } }> }>; schemas: { Error: { properties: { error: { properties: { type: { enum: string[] } } } } } } };
+  components: {
+    responses: Record<string, { content?: Record<string, { schema: { $ref?: string } }> }>;
+    schemas: { Error: { properties: { error: { properties: { type: { enum: string[] } } } } } };
+  };
 }
 
 describe('openapi.json and http.md', () => {
@@ -202,7 +228,14 @@ describe('openapi.json and http.md', () => {
 
   beforeAll(async () => {
     // Port 9 (discard) on loopback: nothing listens, so a gateway call fails as an unreachable engine does (502).
-    svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: 'http://127.0.0.1:9/v1', dataDir: mkdtempSync(join(tmpdir(), 'tp-refdocs-serve-')), port: 0, token, engineTimeoutMs: 2000 });
+    svc = await Service.create({
+      packer: { tokenizer: 'qwen3' },
+      engineUrl: 'http://127.0.0.1:9/v1',
+      dataDir: mkdtempSync(join(tmpdir(), 'tp-refdocs-serve-')),
+      port: 0,
+      token,
+      engineTimeoutMs: 2000,
+    });
     await svc.app.ready();
   }, 60_000);
   afterAll(async () => {
@@ -220,12 +253,16 @@ describe('openapi.json and http.md', () => {
       while (stack.length && stack[stack.length - 1].depth >= depth) stack.pop();
       const path = (stack.length ? stack[stack.length - 1].path : '') + m[2];
       stack.push({ depth, path });
-      for (const method of (m[3] ?? '').split(', ').filter((x) => x && x !== 'HEAD')) routes.push(`${method} ${path.replace(/:(\w+)/g, '{$1}')}`);
+      for (const method of (m[3] ?? '').split(', ').filter((x) => x && x !== 'HEAD'))
+        routes.push(`${method} ${path.replace(/:(\w+)/g, '{$1}')}`);
     }
     return routes.sort();
   }
 
-  const documentedRoutes = () => Object.entries(spec.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m.toUpperCase()} ${path}`)).sort();
+  const documentedRoutes = () =>
+    Object.entries(spec.paths)
+      .flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m.toUpperCase()} ${path}`))
+      .sort();
 
   it('is OpenAPI 3.1 and documents exactly the routes the service registers', () => {
     expect(spec.openapi).toBe('3.1.0');
@@ -256,16 +293,29 @@ describe('openapi.json and http.md', () => {
     ['a finish without a reward', 'POST', '/v1/episodes/{id}/finish', 400, { metadata: {} }],
     ['an episode key with a bad field', 'POST', '/v1/episodes', 400, { agent: 7 }],
     ['a chat call without messages', 'POST', '/v1/chat/completions', 400, { model: 'm' }, { 'x-treepack-episode': 'e1' }],
-    ['a chat call the engine cannot answer', 'POST', '/v1/chat/completions', 502, { messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'e2' }],
+    [
+      'a chat call the engine cannot answer',
+      'POST',
+      '/v1/chat/completions',
+      502,
+      { messages: [{ role: 'user', content: 'hi' }] },
+      { 'x-treepack-episode': 'e2' },
+    ],
     ['slime start without a group size', 'POST', '/start_rollout', 400, { task_type: 'math' }],
     ['a group never seen', 'POST', '/v1/groups/{id}/abandon', 404],
     ['no bearer token', 'GET', '/metrics', 401],
   ];
-  const url = (path: string, status: number) => (path === '/v1/batches/next' ? `${path}?rank=99` : path.replace('{id}', status === 404 ? 'nope' : 'e9'));
+  const url = (path: string, status: number) =>
+    path === '/v1/batches/next' ? `${path}?rank=99` : path.replace('{id}', status === 404 ? 'nope' : 'e9');
 
   for (const [what, method, path, status, payload, headers] of errorCases) {
     it(`${what}: ${method} ${path} answers ${status} in the documented error shape`, async () => {
-      const res = await svc!.app.inject({ method: method as 'GET', url: url(path, status), headers: { ...(status === 401 ? {} : auth), ...headers }, payload: payload as object });
+      const res = await svc!.app.inject({
+        method: method as 'GET',
+        url: url(path, status),
+        headers: { ...(status === 401 ? {} : auth), ...headers },
+        payload: payload as object,
+      });
       expect(res.statusCode, res.body).toBe(status);
       expect(documentedSchema(method, path, status), `${status} of ${method} ${path} in openapi.json`).toBe('#/components/schemas/Error');
       const body = res.json<{ error: Record<string, unknown> }>();
@@ -285,7 +335,11 @@ describe('openapi.json and http.md', () => {
 });
 
 /** Every file under `dir`, relative to it, sorted. */
-const tree = (dir: string) => (readdirSync(dir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(dir, join(e.parentPath, e.name))).sort();
+const tree = (dir: string) =>
+  readdirSync(dir, { recursive: true, withFileTypes: true })
+    .filter((e) => e.isFile())
+    .map((e) => relative(dir, join(e.parentPath, e.name)))
+    .sort();
 
 describe('the TypeScript API reference (docs/reference/typescript, npm run docs:ts)', () => {
   it('every export of treepack, treepack/ops and treepack/serve has a doc comment', { timeout: 120_000 }, () => {
@@ -300,11 +354,16 @@ describe('the TypeScript API reference (docs/reference/typescript, npm run docs:
       return ctx.skip('typedoc is not installed (a devDependency of package.json: run npm install)');
     }
     const out = mkdtempSync(join(tmpdir(), 'tp-typedoc-'));
-    const r = spawnSync(process.execPath, [typedoc, '--options', 'typedoc.json', '--out', out, '--treatWarningsAsErrors'], { cwd: root, encoding: 'utf8', timeout: 280_000 });
+    const r = spawnSync(process.execPath, [typedoc, '--options', 'typedoc.json', '--out', out, '--treatWarningsAsErrors'], {
+      cwd: root,
+      encoding: 'utf8',
+      timeout: 280_000,
+    });
     expect(r.status, r.stdout + r.stderr).toBe(0);
     const checkedIn = join(root, 'docs/reference/typescript');
     expect(tree(checkedIn), 'run npm run docs:ts').toEqual(tree(out));
-    for (const f of tree(out)) expect(readFileSync(join(checkedIn, f), 'utf8'), `${f}: run npm run docs:ts`).toBe(readFileSync(join(out, f), 'utf8'));
+    for (const f of tree(out))
+      expect(readFileSync(join(checkedIn, f), 'utf8'), `${f}: run npm run docs:ts`).toBe(readFileSync(join(out, f), 'utf8'));
   });
 });
 
@@ -314,7 +373,11 @@ describe('backends.md', () => {
   it('its ops table is the kernels each backend registers, in the order auto tries them', { timeout: 120_000 }, async () => {
     const rows = tableRows(section(backendsPage, 'Ops per backend'));
     const header = backendsPage.split('\n').find((l) => l.startsWith('| op |'))!;
-    const columns = header.slice(1, -1).split('|').map((c) => c.trim().replace(/`/g, '')).slice(1);
+    const columns = header
+      .slice(1, -1)
+      .split('|')
+      .map((c) => c.trim().replace(/`/g, ''))
+      .slice(1);
     try {
       const statuses = await listBackends();
       expect(statuses.map((s) => s.name)).toEqual(columns);
@@ -329,7 +392,9 @@ describe('backends.md', () => {
   });
 
   it('lists every TREEPACK_* environment variable the code, the scripts and the tests read, and no other', () => {
-    const files = ['src', 'scripts', 'python', 'test', 'bench', '.ci'].flatMap((d) => sources(d, '').filter((f) => /\.(ts|mts|mjs|js|py|sh)$|\/run$/.test(f)));
+    const files = ['src', 'scripts', 'python', 'test', 'bench', '.ci'].flatMap((d) =>
+      sources(d, '').filter((f) => /\.(ts|mts|mjs|js|py|sh)$|\/run$/.test(f)),
+    );
     const read = new Set<string>();
     for (const f of files) {
       if (f === fileURLToPath(import.meta.url)) continue;

@@ -52,7 +52,13 @@ describe('float fields are finite after conversion to float32', () => {
       [sample({ old_logprobs: [0, -1, -1e39, -1] }), 'old_logprobs[2]'],
       [sample({ rollout_logprobs: [0, -1, -1, -3.5e38] }), 'rollout_logprobs[3]'],
       [JSON.stringify({ tokens: [1, 2, 3], response_length: 2, rollout_log_probs: [-1, -1e39], index: 4 }), 'rollout_log_probs[1]'],
-      [JSON.stringify({ messages: [{ role: 'user', content: 'hi' }], response: { content: 'yo', token_ids: [9, 10], logprobs: [-1, -1e39] } }), 'response.logprobs[1]'],
+      [
+        JSON.stringify({
+          messages: [{ role: 'user', content: 'hi' }],
+          response: { content: 'yo', token_ids: [9, 10], logprobs: [-1, -1e39] },
+        }),
+        'response.logprobs[1]',
+      ],
     ];
     for (const [line, field] of cases) {
       const err = await rejection(read([sample({ id: 'ok' }), line]));
@@ -71,7 +77,9 @@ describe('advantages never produce non-finite values', () => {
     const n = rewards.length;
     const mean = rewards.reduce((a, b) => a + b, 0) / n;
     const std = Math.sqrt(rewards.reduce((a, r) => a + (r - mean) ** 2, 0) / (n - 1));
-    return rewards.map((r) => (estimator === 'grpo' ? (r - mean) / (std + 1e-6) : estimator === 'dr-grpo' ? r - mean : ((r - mean) * n) / (n - 1)));
+    return rewards.map((r) =>
+      estimator === 'grpo' ? (r - mean) / (std + 1e-6) : estimator === 'dr-grpo' ? r - mean : ((r - mean) * n) / (n - 1),
+    );
   }
 
   it('is bit-identical to the plain formulas on ordinary rewards (scaling by powers of two is exact)', () => {
@@ -81,8 +89,14 @@ describe('advantages never produce non-finite values', () => {
       const scale = 10 ** Math.floor(r() * 12 - 6);
       const rewards = Array.from({ length: n }, () => (r() - 0.3) * scale);
       for (const est of ['grpo', 'dr-grpo', 'rloo'] as const) {
-        const got = episodeAdvantages(rewards, rewards.map(() => 'g'), { estimator: est });
-        naive(rewards, est).forEach((want, e) => expect(Object.is(got[e], want), `${est} ${rewards.join(',')} ${e}: ${got[e]} vs ${want}`).toBe(true));
+        const got = episodeAdvantages(
+          rewards,
+          rewards.map(() => 'g'),
+          { estimator: est },
+        );
+        naive(rewards, est).forEach((want, e) =>
+          expect(Object.is(got[e], want), `${est} ${rewards.join(',')} ${e}: ${got[e]} vs ${want}`).toBe(true),
+        );
       }
     }
   });
@@ -91,8 +105,16 @@ describe('advantages never produce non-finite values', () => {
     const huge = [1e308, -1e308, 1e308, 0, -1.7e308];
     const small = huge.map((x) => x / 1e300);
     for (const est of ['grpo', 'reinforce++-baseline'] as const) {
-      const a = episodeAdvantages(huge, huge.map(() => 'g'), { estimator: est });
-      const b = episodeAdvantages(small, small.map(() => 'g'), { estimator: est });
+      const a = episodeAdvantages(
+        huge,
+        huge.map(() => 'g'),
+        { estimator: est },
+      );
+      const b = episodeAdvantages(
+        small,
+        small.map(() => 'g'),
+        { estimator: est },
+      );
       a.forEach((x, e) => {
         expect(Number.isFinite(Math.fround(x)), `${est} ${e}`).toBe(true);
         expect(Math.abs(x - b[e]), `${est} ${e}`).toBeLessThan(1e-9);
@@ -103,7 +125,14 @@ describe('advantages never produce non-finite values', () => {
   it('an advantage outside float32 (Dr.GRPO, RLOO on rewards near 1e39) is an error naming the group, line and record', () => {
     const turns = [
       { id: 'e1/0', group: 'task-7', episode: 'e1', reward: 1e39, loss_mask: new Uint8Array([0, 1]), source: { file: 'r.jsonl', line: 3 } },
-      { id: 'e2/0', group: 'task-7', episode: 'e2', reward: -1e39, loss_mask: new Uint8Array([0, 1]), source: { file: 'r.jsonl', line: 4 } },
+      {
+        id: 'e2/0',
+        group: 'task-7',
+        episode: 'e2',
+        reward: -1e39,
+        loss_mask: new Uint8Array([0, 1]),
+        source: { file: 'r.jsonl', line: 4 },
+      },
     ];
     for (const estimator of ['dr-grpo', 'rloo'] as const) {
       let err: unknown;
@@ -168,50 +197,86 @@ describe('invalid UTF-8', () => {
 
   it('firstInvalidUtf8 finds the first malformed sequence (agrees with isUtf8 on random bytes)', () => {
     const r = rng(3);
-    const pieces = [[0x41], [0xc3, 0xa9], [0xe2, 0x82, 0xac], [0xf0, 0x9f, 0x98, 0x80], [0xff], [0xc0, 0x80], [0xed, 0xa0, 0x80], [0xf4, 0x90, 0x80, 0x80], [0x80], [0xe2, 0x82]];
+    const pieces = [
+      [0x41],
+      [0xc3, 0xa9],
+      [0xe2, 0x82, 0xac],
+      [0xf0, 0x9f, 0x98, 0x80],
+      [0xff],
+      [0xc0, 0x80],
+      [0xed, 0xa0, 0x80],
+      [0xf4, 0x90, 0x80, 0x80],
+      [0x80],
+      [0xe2, 0x82],
+    ];
     for (let k = 0; k < 2000; k++) {
       const b = Buffer.from(Array.from({ length: Math.floor(r() * 6) }, () => pieces[Math.floor(r() * pieces.length)]).flat());
       const at = firstInvalidUtf8(b);
       expect(isUtf8(b.subarray(0, at))).toBe(true);
       expect(at === b.length).toBe(isUtf8(b));
-      for (let j = at + 1; j <= Math.min(b.length, at + 4); j++) expect(isUtf8(b.subarray(0, j)), `${b.toString('hex')} at ${at}, prefix ${j}`).toBe(false);
+      for (let j = at + 1; j <= Math.min(b.length, at + 4); j++)
+        expect(isUtf8(b.subarray(0, j)), `${b.toString('hex')} at ${at}, prefix ${j}`).toBe(false);
     }
   });
 });
 
 describe('the loss refuses what a trainer would misread', () => {
-  it('loss_mask other than 0/1 and negative input_ids are E_INPUT naming the field, in the library and in treepack loss', { timeout: 120_000 }, async () => {
-    const { batch, lp } = randomLossCase(randomBatch(4, { count: 10 }), 4);
-    const j = batch.loss_mask.findIndex((m) => m === 1);
-    const seven = { ...batch, loss_mask: batch.loss_mask.slice() };
-    seven.loss_mask[j] = 7;
-    expect((await rejection(computeLoss(seven, lp))).where.field).toBe('loss_mask');
-    const negative = { ...batch, input_ids: batch.input_ids.slice() };
-    negative.input_ids[1] = -1;
-    const err = await rejection(computeLoss(negative, lp));
-    expect(err.where.field).toBe('input_ids');
-    expect(err.message).toMatch(/input_ids\[1\] = -1/);
+  it(
+    'loss_mask other than 0/1 and negative input_ids are E_INPUT naming the field, in the library and in treepack loss',
+    { timeout: 120_000 },
+    async () => {
+      const { batch, lp } = randomLossCase(randomBatch(4, { count: 10 }), 4);
+      const j = batch.loss_mask.findIndex((m) => m === 1);
+      const seven = { ...batch, loss_mask: batch.loss_mask.slice() };
+      seven.loss_mask[j] = 7;
+      expect((await rejection(computeLoss(seven, lp))).where.field).toBe('loss_mask');
+      const negative = { ...batch, input_ids: batch.input_ids.slice() };
+      negative.input_ids[1] = -1;
+      const err = await rejection(computeLoss(negative, lp));
+      expect(err.where.field).toBe('input_ids');
+      expect(err.message).toMatch(/input_ids\[1\] = -1/);
 
-    const mb = join(dir, 'seven.safetensors');
-    writeMicroBatch(mb, { ...seven, meta: { format: 'treepack/1', num_sequences: seven.seq_offsets.length - 1, num_tokens_naive: seven.seq_positions.length, num_tokens_packed: seven.input_ids.length, tokenizer: 't', sequence_ids: Array.from({ length: seven.seq_offsets.length - 1 }, (_, i) => String(i)) } } as never);
-    const lpFile = join(dir, 'lp.safetensors');
-    writeSafetensors(lpFile, new Map([['logprobs', { dtype: 'F32', shape: [lp.length], data: lp }]]));
-    const r = cli(['loss', mb, '--logprobs', lpFile, '--backend', 'js']);
-    expect(r.code).toBe(EXIT_FAILURE);
-    expect(r.stderr).toMatch(/seven\.safetensors, field "loss_mask": loss_mask\[\d+\] = 7/);
-  });
+      const mb = join(dir, 'seven.safetensors');
+      writeMicroBatch(mb, {
+        ...seven,
+        meta: {
+          format: 'treepack/1',
+          num_sequences: seven.seq_offsets.length - 1,
+          num_tokens_naive: seven.seq_positions.length,
+          num_tokens_packed: seven.input_ids.length,
+          tokenizer: 't',
+          sequence_ids: Array.from({ length: seven.seq_offsets.length - 1 }, (_, i) => String(i)),
+        },
+      } as never);
+      const lpFile = join(dir, 'lp.safetensors');
+      writeSafetensors(lpFile, new Map([['logprobs', { dtype: 'F32', shape: [lp.length], data: lp }]]));
+      const r = cli(['loss', mb, '--logprobs', lpFile, '--backend', 'js']);
+      expect(r.code).toBe(EXIT_FAILURE);
+      expect(r.stderr).toMatch(/seven\.safetensors, field "loss_mask": loss_mask\[\d+\] = 7/);
+    },
+  );
 });
 
 describe('one exit-code table', () => {
   it('0 ok, 2 for a wrong command line (every command), 1 for bad input files', { timeout: 180_000 }, () => {
     const input = join(dir, 'one.jsonl');
     writeFileSync(input, sample({ advantage: 1e39 }) + '\n');
-    for (const args of [['pack', input, '--frob'], ['stats', input, '--vocab-size', 'x'], ['loss', 'x.safetensors'], ['doctor', '--frob'], ['serve', '--data', 'd'], ['frob'], []]) {
+    for (const args of [
+      ['pack', input, '--frob'],
+      ['stats', input, '--vocab-size', 'x'],
+      ['loss', 'x.safetensors'],
+      ['doctor', '--frob'],
+      ['serve', '--data', 'd'],
+      ['frob'],
+      [],
+    ]) {
       expect(cli(args).code, args.join(' ')).toBe(EXIT_USAGE);
     }
     const r = cli(['pack', input, '--out', join(dir, 'never')]);
     expect(r.code).toBe(EXIT_FAILURE);
-    expect(r.stderr).toBe(`treepack pack: ${input}:1, record "s", field "advantage": 1e+39 is outside the float32 range (±3.4028234663852886e+38) the micro-batch stores it in\n`);
+    expect(r.stderr).toBe(
+      `treepack pack: ${input}:1, record "s", field "advantage": 1e+39 is outside the float32 range (±3.4028234663852886e+38) the micro-batch stores it in\n`,
+    );
     expect(cli(['loss', join(dir, 'missing.safetensors'), '--logprobs', join(dir, 'missing.safetensors')]).code).toBe(EXIT_FAILURE);
     expect(cli(['help', 'pack']).code).toBe(EXIT_OK);
     expect(readFileSync(input, 'utf8')).toContain('1e+39');

@@ -51,15 +51,28 @@ for f in sys.argv[2:]:
 print(json.dumps(out))`;
     const r = py.run(['-c', script, out, ...files]);
     expect(r.status, r.stderr).toBe(0);
-    const fromPython = JSON.parse(r.stdout) as { ids: string[]; n: number; tokenizer: string; vocab: number; seqs: number[][]; trainable: number }[];
-    const ts = run(process.execPath, ['--import', 'tsx', '-e', `
+    const fromPython = JSON.parse(r.stdout) as {
+      ids: string[];
+      n: number;
+      tokenizer: string;
+      vocab: number;
+      seqs: number[][];
+      trainable: number;
+    }[];
+    const ts = run(process.execPath, [
+      '--import',
+      'tsx',
+      '-e',
+      `
 import { readMicroBatch } from './src/io/microbatch.ts';
 const out = process.argv.slice(1).map((f) => {
   const { batch: b } = readMicroBatch(f);
   const seqs = b.meta.sequence_ids.map((_, i) => Array.from(b.seq_positions.subarray(b.seq_offsets[i], b.seq_offsets[i + 1]), (p) => b.input_ids[p]));
   return { ids: b.meta.sequence_ids, n: b.input_ids.length, tokenizer: b.meta.tokenizer, vocab: b.meta.vocab_size, seqs, trainable: b.loss_mask.reduce((a, x) => a + x, 0) };
 });
-console.log(JSON.stringify(out));`, ...files]);
+console.log(JSON.stringify(out));`,
+      ...files,
+    ]);
     expect(ts.status, ts.stderr).toBe(0);
     expect(fromPython).toEqual(JSON.parse(ts.stdout));
     expect(fromPython.reduce((a, m) => a + m.trainable, 0)).toBeGreaterThan(0);

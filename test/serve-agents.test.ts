@@ -49,7 +49,9 @@ describe('scoped API keys', { timeout: 60_000 }, () => {
       const { base, data } = await service(token ? { token } : {});
       const T: Record<string, string> = token ? { authorization: `Bearer ${token}` } : {};
       expect((await post(`${base}/episodes/victim/v1/chat/completions`, M('hi'), T)).status).toBe(200);
-      const made = (await (await post(`${base}/v1/episodes`, { episode_id: 'attacker', agent: 'planner', group: 'G' }, T)).json()) as { api_key: string };
+      const made = (await (await post(`${base}/v1/episodes`, { episode_id: 'attacker', agent: 'planner', group: 'G' }, T)).json()) as {
+        api_key: string;
+      };
       const K = { authorization: `Bearer ${made.api_key}` };
       const refused = [
         post(`${base}/episodes/victim/v1/chat/completions`, M('injected'), K),
@@ -71,12 +73,17 @@ describe('scoped API keys', { timeout: 60_000 }, () => {
       for (const r of await Promise.all(refused)) expect(r.status, `${r.url}: ${await r.clone().text()}`).toBe(403);
       // Its own episode, by the key alone or by its URL, works.
       expect((await post(`${base}/v1/chat/completions`, M('mine'), K)).status).toBe(200);
-      expect((await post(`${base}/groups/G/episodes/attacker/v1/chat/completions`, M('mine again'), { ...K, 'x-treepack-agent': 'planner' })).status).toBe(200);
+      expect(
+        (await post(`${base}/groups/G/episodes/attacker/v1/chat/completions`, M('mine again'), { ...K, 'x-treepack-agent': 'planner' }))
+          .status,
+      ).toBe(200);
       expect((await fetch(`${base}/episodes/attacker/v1/models`, { headers: K })).status).toBe(200);
       const victim = (await (await fetch(`${base}/v1/episodes/victim`, { headers: T })).json()) as { calls: unknown[]; agents: string[] };
       expect(victim.calls).toHaveLength(1);
       expect(victim.agents).toEqual([]);
-      expect(((await (await fetch(`${base}/v1/episodes/attacker`, { headers: T })).json()) as { group: string; agents: string[] })).toMatchObject({ group: 'G', agents: ['planner'] });
+      expect(
+        (await (await fetch(`${base}/v1/episodes/attacker`, { headers: T })).json()) as { group: string; agents: string[] },
+      ).toMatchObject({ group: 'G', agents: ['planner'] });
       expect((await post(`${base}/v1/episodes/attacker/finish`, { reward: 1 }, K)).status).toBe(200);
 
       // The log is the owner's only and holds the key's hash, not the key.
@@ -91,7 +98,8 @@ describe('scoped API keys', { timeout: 60_000 }, () => {
     const { base, svc } = await service({ token: 't', compactBytes: 1 });
     const T = { authorization: 'Bearer t' };
     const keys: string[] = [];
-    for (const ep of ['a', 'b']) keys.push(((await (await post(`${base}/v1/episodes`, { episode_id: ep }, T)).json()) as { api_key: string }).api_key);
+    for (const ep of ['a', 'b'])
+      keys.push(((await (await post(`${base}/v1/episodes`, { episode_id: ep }, T)).json()) as { api_key: string }).api_key);
     expect((await post(`${base}/v1/chat/completions`, M('a1'), { authorization: `Bearer ${keys[0]}` })).status).toBe(200);
     const again = await restart(svc, { token: 't', compactBytes: 1 });
     expect((await post(`${again}/v1/chat/completions`, M('b1'), { authorization: `Bearer ${keys[1]}` })).status).toBe(200);
@@ -180,19 +188,25 @@ describe('retries', { timeout: 60_000 }, () => {
   it('a call retried with its Idempotency-Key is recorded once and answered as recorded; a finish retried with the same body is 200', async () => {
     const { base, svc } = await service();
     const H = { 'idempotency-key': 'req-1' };
-    const first = (await (await post(`${base}/episodes/e/v1/chat/completions`, M('q'), H)).json()) as { choices: { message: { content: string } }[] };
+    const first = (await (await post(`${base}/episodes/e/v1/chat/completions`, M('q'), H)).json()) as {
+      choices: { message: { content: string } }[];
+    };
     const retry = await post(`${base}/episodes/e/v1/chat/completions`, M('q'), H);
     expect(retry.status).toBe(200);
     expect(retry.headers.get('x-treepack-replayed')).toBe('true');
     expect(((await retry.json()) as typeof first).choices[0].message).toEqual(first.choices[0].message);
     // concurrent duplicates, and a retry after a restart (the answer lost with the process)
-    const answers = await Promise.all([1, 2, 3].map(async () => (await post(`${base}/episodes/e/v1/chat/completions`, M('q2'), { 'idempotency-key': 'req-2' })).text()));
+    const answers = await Promise.all(
+      [1, 2, 3].map(async () => (await post(`${base}/episodes/e/v1/chat/completions`, M('q2'), { 'idempotency-key': 'req-2' })).text()),
+    );
     expect(new Set(answers).size).toBe(1); // one call, one answer, byte for byte
     const again = await restart(svc, {});
     const replayed = await post(`${again}/episodes/e/v1/chat/completions`, M('q2'), { 'idempotency-key': 'req-2' });
     expect(await replayed.text()).toBe(answers[0]);
     // the key with another body (here: streamed) is the client's error, not a replay
-    expect((await post(`${again}/episodes/e/v1/chat/completions`, { ...M('q2'), stream: true }, { 'idempotency-key': 'req-2' })).status).toBe(422);
+    expect(
+      (await post(`${again}/episodes/e/v1/chat/completions`, { ...M('q2'), stream: true }, { 'idempotency-key': 'req-2' })).status,
+    ).toBe(422);
     // without a key, the same request is a new call (an agent may sample twice)
     expect((await post(`${again}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(200);
     const calls = ((await (await fetch(`${again}/v1/episodes/e`)).json()) as { calls: unknown[] }).calls;
@@ -225,6 +239,7 @@ describe('engine', { timeout: 60_000 }, () => {
     await services.stub!.close();
     expect((await post(`${base}/episodes/e/v1/chat/completions`, M('q'))).status).toBe(502);
     const m = await (await fetch(`${base}/metrics`)).text();
-    for (const outcome of ['engine_timeout', 'engine_garbage', 'engine_unreachable']) expect(m).toMatch(new RegExp(`treepack_calls_total\\{endpoint="chat",outcome="${outcome}"\\} 1`));
+    for (const outcome of ['engine_timeout', 'engine_garbage', 'engine_unreachable'])
+      expect(m).toMatch(new RegExp(`treepack_calls_total\\{endpoint="chat",outcome="${outcome}"\\} 1`));
   });
 });

@@ -19,7 +19,11 @@ import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js
 import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
-const post = (body: unknown, headers: Record<string, string> = {}) => ({ method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: typeof body === 'string' ? body : JSON.stringify(body) });
+const post = (body: unknown, headers: Record<string, string> = {}) => ({
+  method: 'POST',
+  headers: { 'content-type': 'application/json', ...headers },
+  body: typeof body === 'string' ? body : JSON.stringify(body),
+});
 const chat = (content = 'hi', extra: Record<string, unknown> = {}) => ({ model: 'm', messages: [{ role: 'user', content }], ...extra });
 type ErrorBody = { error: { message: string; type: string; code: string | null } };
 
@@ -33,7 +37,13 @@ function bothPools(name: string, redisUrl: () => string | undefined) {
     beforeAll(async () => {
       stub = await startStubEngine();
       const url = redisUrl();
-      const opts: ServiceOptions = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-bounds-'), port: 0, maxGroupSize: 8 };
+      const opts: ServiceOptions = {
+        packer: { tokenizer: 'qwen3' },
+        engineUrl: stub.url,
+        dataDir: tempDir('tp-serve-bounds-'),
+        port: 0,
+        maxGroupSize: 8,
+      };
       if (url !== undefined) opts.redis = url;
       svc = await Service.create(opts);
       base = await svc.listen();
@@ -47,17 +57,30 @@ function bothPools(name: string, redisUrl: () => string | undefined) {
       for (const stream of [false, true]) {
         const ep = `idem-${stream}`;
         const h = { 'x-treepack-episode': ep, 'idempotency-key': `k-${stream}` };
-        const first = await fetch(`${base}/v1/chat/completions`, post(chat('hi', { stream, ...(stream && { stream_options: { include_usage: true } }) }), h));
+        const first = await fetch(
+          `${base}/v1/chat/completions`,
+          post(chat('hi', { stream, ...(stream && { stream_options: { include_usage: true } }) }), h),
+        );
         expect(first.status).toBe(200);
         const text = await first.text();
         const calls = stub.calls;
-        const again = await fetch(`${base}/v1/chat/completions`, post(chat('hi', { stream, ...(stream && { stream_options: { include_usage: true } }) }), h));
+        const again = await fetch(
+          `${base}/v1/chat/completions`,
+          post(chat('hi', { stream, ...(stream && { stream_options: { include_usage: true } }) }), h),
+        );
         expect(again.status).toBe(200);
         expect(again.headers.get('x-treepack-replayed')).toBe('true');
         expect(await again.text()).toBe(text);
         expect(stub.calls).toBe(calls); // answered from the record, not sent again
         // The engine's id, model and usage are what the first answer carried.
-        const chunks = (stream ? text.split('\n\n').filter((l) => l.startsWith('data: {')).map((l) => JSON.parse(l.slice(6))) : [JSON.parse(text)]) as Record<string, unknown>[];
+        const chunks = (
+          stream
+            ? text
+                .split('\n\n')
+                .filter((l) => l.startsWith('data: {'))
+                .map((l) => JSON.parse(l.slice(6)))
+            : [JSON.parse(text)]
+        ) as Record<string, unknown>[];
         expect(chunks[0].model).toBe('stub');
         expect(chunks.at(-1)!.usage).toMatchObject({ prompt_tokens: expect.any(Number), total_tokens: expect.any(Number) });
         expect(String(chunks[0].id)).toMatch(/^c\d+$/);
@@ -97,8 +120,12 @@ function bothPools(name: string, redisUrl: () => string | undefined) {
       expect((await fetch(`${base}/v1/chat/completions`, post(chat(), { 'x-treepack-episode': 'big' }))).status).toBe(200);
       const big = await fetch(`${base}/v1/episodes/big/finish`, post({ reward: 1, group_size: 1_000_000_000 }));
       expect(big.status).toBe(400);
-      expect(((await big.json()) as ErrorBody).error.message).toMatch(/"group_size": expected an integer in 1\.\.8 \(the service's --max-group-size\)/);
-      const key = (await (await fetch(`${base}/v1/episodes`, post({ episode_id: 'scoped', group: 'shared-task' }))).json()) as { api_key: string };
+      expect(((await big.json()) as ErrorBody).error.message).toMatch(
+        /"group_size": expected an integer in 1\.\.8 \(the service's --max-group-size\)/,
+      );
+      const key = (await (await fetch(`${base}/v1/episodes`, post({ episode_id: 'scoped', group: 'shared-task' }))).json()) as {
+        api_key: string;
+      };
       const auth = { authorization: `Bearer ${key.api_key}` };
       expect((await fetch(`${base}/v1/chat/completions`, post(chat(), auth))).status).toBe(200);
       const closing = await fetch(`${base}/v1/episodes/scoped/finish`, post({ reward: 1, group_size: 1 }, auth));
@@ -133,7 +160,13 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
 
   beforeAll(async () => {
     stub = await startStubEngine();
-    svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-bounds-'), port: 0, requestTimeoutMs: 1500 });
+    svc = await Service.create({
+      packer: { tokenizer: 'qwen3' },
+      engineUrl: stub.url,
+      dataDir: tempDir('tp-serve-bounds-'),
+      port: 0,
+      requestTimeoutMs: 1500,
+    });
     base = await svc.listen();
     port = Number(new URL(base).port);
   }, 60_000);
@@ -149,14 +182,32 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
 
   it('ids from paths, headers and bodies: capped, no control characters, not blank', async () => {
     const call = (path: string, headers: Record<string, string> = {}) => fetch(`${base}${path}`, post(chat(), headers));
-    await refused(await call('/v1/chat/completions', { 'x-treepack-episode': 'x'.repeat(10_000) }), 400, /header "x-treepack-episode" .*at most 100 characters, got 10000/);
-    await refused(await call('/v1/chat/completions', { 'x-treepack-episode': 'ok', 'x-treepack-group': 'g'.repeat(101) }), 400, /header "x-treepack-group" .*at most 100/);
-    await refused(await call('/v1/chat/completions', { 'x-treepack-episode': 'ok', 'x-treepack-agent': '\t' }), 400, /header "x-treepack-agent" .*blank/);
+    await refused(
+      await call('/v1/chat/completions', { 'x-treepack-episode': 'x'.repeat(10_000) }),
+      400,
+      /header "x-treepack-episode" .*at most 100 characters, got 10000/,
+    );
+    await refused(
+      await call('/v1/chat/completions', { 'x-treepack-episode': 'ok', 'x-treepack-group': 'g'.repeat(101) }),
+      400,
+      /header "x-treepack-group" .*at most 100/,
+    );
+    await refused(
+      await call('/v1/chat/completions', { 'x-treepack-episode': 'ok', 'x-treepack-agent': '\t' }),
+      400,
+      /header "x-treepack-agent" .*blank/,
+    );
     await refused(await call('/episodes/a%00b/v1/chat/completions'), 400, /path parameter "episode" "a\\u0000b": .*control characters/);
     await refused(await call('/groups/%0A/episodes/e/v1/chat/completions'), 400, /path parameter "group" .*(blank|control)/);
     await refused(await call('/episodes/%20%20/v1/chat/completions'), 400, /path parameter "episode" .*blank/);
     await refused(await fetch(`${base}/v1/episodes/a%1Fb/finish`, post({ reward: 1 })), 400, /path parameter "id" .*control characters/);
-    for (const [id, why] of [['a\u0000b', /control/], ['a\nb', /control/], [' ', /blank/], ['', /blank/], ['y'.repeat(101), /at most 100 characters, got 101/]] as const) {
+    for (const [id, why] of [
+      ['a\u0000b', /control/],
+      ['a\nb', /control/],
+      [' ', /blank/],
+      ['', /blank/],
+      ['y'.repeat(101), /at most 100 characters, got 101/],
+    ] as const) {
       await refused(await fetch(`${base}/v1/episodes`, post({ episode_id: id })), 400, new RegExp(`field "episode_id" .*${why.source}`));
     }
     await refused(await fetch(`${base}/v1/episodes`, post({ group: 'a\u007fb' })), 400, /field "group" .*control/);
@@ -176,16 +227,49 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
     // a tool schema 30 levels deep is fine
     let schema: unknown = { type: 'string' };
     for (let i = 0; i < 15; i++) schema = { type: 'object', properties: { p: schema } };
-    expect((await fetch(`${base}/v1/chat/completions`, post(chat('ok', { tools: [{ type: 'function', function: { name: 'f', parameters: schema } }] }), { 'x-treepack-episode': 'schema' }))).status).toBe(200);
+    expect(
+      (
+        await fetch(
+          `${base}/v1/chat/completions`,
+          post(chat('ok', { tools: [{ type: 'function', function: { name: 'f', parameters: schema } }] }), {
+            'x-treepack-episode': 'schema',
+          }),
+        )
+      ).status,
+    ).toBe(200);
 
-    const bad = Buffer.concat([Buffer.from('{"model":"m","messages":[{"role":"user","content":"h'), Buffer.from([0xc3, 0x28]), Buffer.from('i"}]}')]);
-    const u = await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': 'utf8' }, body: bad });
+    const bad = Buffer.concat([
+      Buffer.from('{"model":"m","messages":[{"role":"user","content":"h'),
+      Buffer.from([0xc3, 0x28]),
+      Buffer.from('i"}]}'),
+    ]);
+    const u = await fetch(`${base}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'x-treepack-episode': 'utf8' },
+      body: bad,
+    });
     await refused(u, 400, /invalid UTF-8 at byte 52/);
     expect((await fetch(`${base}/v1/episodes/utf8`)).status).toBe(404); // nothing recorded
-    await refused(await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'text/plain', 'x-treepack-episode': 'tp' }, body: JSON.stringify(chat()) }), 415, /text\/plain/);
+    await refused(
+      await fetch(`${base}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'text/plain', 'x-treepack-episode': 'tp' },
+        body: JSON.stringify(chat()),
+      }),
+      415,
+      /text\/plain/,
+    );
     expect(stub.calls).toBe(calls + 1); // only the good call reached the engine
     // JSON under a +json media type, and a charset parameter, are read
-    expect((await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json; charset=utf-8', 'x-treepack-episode': 'cs' }, body: JSON.stringify(chat()) })).status).toBe(200);
+    expect(
+      (
+        await fetch(`${base}/v1/chat/completions`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json; charset=utf-8', 'x-treepack-episode': 'cs' },
+          body: JSON.stringify(chat()),
+        })
+      ).status,
+    ).toBe(200);
   });
 
   /** A raw socket that sends `head`, then one byte of `rest` every `everyMs`; resolves when the server closes it. */
@@ -202,10 +286,12 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
     });
     socket.on('data', (d) => (got += d.toString()));
     socket.on('error', () => {});
-    const closed = new Promise<string>((resolve) => socket.on('close', () => {
-      clearInterval(timer);
-      resolve(got);
-    }));
+    const closed = new Promise<string>((resolve) =>
+      socket.on('close', () => {
+        clearInterval(timer);
+        resolve(got);
+      }),
+    );
     return { closed, socket };
   }
 
@@ -216,7 +302,8 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
     const slowHeaders = dribble('POST /v1/chat/completions HTTP/1.1\r\n', 'x-treepack-episode: slow\r\n'.repeat(100), 200);
     const slowBody = dribble(head, body, 200);
     // 40 s: far beyond the 1.5 s timeout; the sender would take 200 ms x its bytes, minutes
-    const bound = (p: Promise<string>) => Promise.race([p, new Promise<string>((_, rej) => setTimeout(() => rej(new Error('socket still open 40 s later')), 40_000))]);
+    const bound = (p: Promise<string>) =>
+      Promise.race([p, new Promise<string>((_, rej) => setTimeout(() => rej(new Error('socket still open 40 s later')), 40_000))]);
     expect(await bound(slowHeaders.closed)).toMatch(/^HTTP\/1\.1 408/);
     expect(await bound(slowBody.closed)).toMatch(/^HTTP\/1\.1 408/);
     expect(stub.calls).toBe(calls); // neither reached the engine
@@ -240,7 +327,12 @@ describe('bounds on what a client sends', { timeout: 60_000 }, () => {
       });
     });
     await new Promise<void>((r) => cut.listen(0, '127.0.0.1', r));
-    const other = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: `http://127.0.0.1:${(cut.address() as { port: number }).port}/v1`, dataDir: tempDir('tp-serve-cut-'), port: 0 });
+    const other = await Service.create({
+      packer: { tokenizer: 'qwen3' },
+      engineUrl: `http://127.0.0.1:${(cut.address() as { port: number }).port}/v1`,
+      dataDir: tempDir('tp-serve-cut-'),
+      port: 0,
+    });
     try {
       const url = await other.listen();
       const r = await fetch(`${url}/v1/chat/completions`, post(chat(), { 'x-treepack-episode': 'cut' }));
@@ -275,7 +367,11 @@ describe.skipIf(py.skipReason !== '')('FeedClient.ack after a lost answer', { ti
     // A proxy that delivers the first ack to the service, then drops the connection before its answer.
     let dropped = 0;
     const proxy = createHttpServer(async (req, res) => {
-      const r = await fetch(`${base}${req.url}`, { method: req.method, headers: { 'content-type': 'application/json' }, body: req.method === 'POST' ? '{}' : undefined });
+      const r = await fetch(`${base}${req.url}`, {
+        method: req.method,
+        headers: { 'content-type': 'application/json' },
+        body: req.method === 'POST' ? '{}' : undefined,
+      });
       const text = await r.text();
       if (req.url!.endsWith('/ack') && dropped++ === 0) return res.socket!.destroy();
       res.writeHead(r.status, { 'content-type': 'application/json' });

@@ -27,7 +27,9 @@ async function pull(base: string, wait = 0): Promise<Pulled | undefined> {
   const res = await fetch(`${base}/v1/batches/next?rank=0&wait=${wait}`);
   if (res.status !== 200) return undefined;
   const seqIds = JSON.parse(parseSafetensors(new Uint8Array(await res.arrayBuffer())).metadata.sequence_ids) as string[];
-  const { id, feed_step, groups, trainer_version, policy_version, staleness, packed_tokens } = JSON.parse(res.headers.get('x-treepack-entry')!) as Record<string, unknown>;
+  const { id, feed_step, groups, trainer_version, policy_version, staleness, packed_tokens } = JSON.parse(
+    res.headers.get('x-treepack-entry')!,
+  ) as Record<string, unknown>;
   return { id: id as string, seqIds, entry: { feed_step, groups, trainer_version, policy_version, staleness, packed_tokens } };
 }
 
@@ -44,7 +46,9 @@ afterAll(async () => {
 async function observe(svc: Service, base: string) {
   const pool = svc.pool;
   const groups = pool.bySeq.map((g) => [g.id, g.size, g.consumed, g.finished, g.episodes.length]);
-  const episodes = [...pool.episodes.values()].sort((a, b) => a.id.localeCompare(b.id)).map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]);
+  const episodes = [...pool.episodes.values()]
+    .sort((a, b) => a.id.localeCompare(b.id))
+    .map((ep) => [ep.id, ep.group, ep.finished, ep.reward ?? null, ep.calls.map((c) => c.output)]);
   const feed = (await (await fetch(`${base}/v1/feed`)).json()) as Record<string, unknown>;
   return { groups, episodes, counters: pool.counters, depth: pool.depth(), pendingBytes: pool.pendingBytes, keys: pool.keys.size, feed };
 }
@@ -61,7 +65,16 @@ async function scenario(compactBytes: number) {
 
 async function traffic(engine: StubEngine, compactBytes: number) {
   const dataDir = tempDir('tp-compact-');
-  const opts = { engineUrl: engine.url, dataDir, port: 0, groupSize: 2, compactBytes, packer: { tokenizer: 'qwen3', budget: { maxTokens: 48 } }, groupsPerStep: 2, policy: { kind: 'windowed-fifo' as const, window: 3 } };
+  const opts = {
+    engineUrl: engine.url,
+    dataDir,
+    port: 0,
+    groupSize: 2,
+    compactBytes,
+    packer: { tokenizer: 'qwen3', budget: { maxTokens: 48 } },
+    groupsPerStep: 2,
+    policy: { kind: 'windowed-fifo' as const, window: 3 },
+  };
   let svc = await Service.create(opts);
   open.push(svc);
   let base = await svc.listen();
@@ -72,8 +85,20 @@ async function traffic(engine: StubEngine, compactBytes: number) {
   // Gateway calls under a scoped key and under a header: one episode finished, one left open (one group).
   const key = ((await (await post(`${base}/v1/episodes`, { episode_id: 'agent-a', group: 'ga' })).json()) as { api_key: string }).api_key;
   for (let k = 0; k < 3; k++) {
-    await note(await post(`${base}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `a ${k}` }] }, { authorization: `Bearer ${key}` }));
-    await note(await post(`${base}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `b ${k}` }] }, { 'x-treepack-episode': 'agent-b', 'x-treepack-group': 'ga' }));
+    await note(
+      await post(
+        `${base}/v1/chat/completions`,
+        { model: 'm', messages: [{ role: 'user', content: `a ${k}` }] },
+        { authorization: `Bearer ${key}` },
+      ),
+    );
+    await note(
+      await post(
+        `${base}/v1/chat/completions`,
+        { model: 'm', messages: [{ role: 'user', content: `b ${k}` }] },
+        { 'x-treepack-episode': 'agent-b', 'x-treepack-group': 'ga' },
+      ),
+    );
   }
   await note(await post(`${base}/v1/episodes/agent-a/finish`, { reward: 1 }));
   // The groups finish out of order; the trainer acknowledges all but one micro-batch.
@@ -98,7 +123,13 @@ async function traffic(engine: StubEngine, compactBytes: number) {
   await note(await post(`${base}/buffer/write`, record(0, 2, 0)));
   await note(await post(`${base}/v1/episodes/agent-a/finish`, { reward: 0 }));
   await note(await post(`${base}/v1/batches/0.0/ack`, {}));
-  await note(await post(`${base}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'b 3' }] }, { 'x-treepack-episode': 'agent-b' }));
+  await note(
+    await post(
+      `${base}/v1/chat/completions`,
+      { model: 'm', messages: [{ role: 'user', content: 'b 3' }] },
+      { 'x-treepack-episode': 'agent-b' },
+    ),
+  );
   await note(await post(`${base}/v1/episodes/agent-b/finish`, { reward: 0.5 }));
   for (let g = 9; g < 12; g++) await note(await post(`${base}/buffer/write`, record(g, 1, 0)));
   for (let mb = await pull(base, 1); mb; mb = await pull(base)) {
@@ -112,7 +143,11 @@ async function traffic(engine: StubEngine, compactBytes: number) {
   open.push(svc);
   base = await svc.listen();
   out.push(await observe(svc, base), (await fetch(`${base}/v1/batches/next`)).status);
-  return { out, size: statSync(join(dataDir, 'events.jsonl')).size, first: readFileSync(join(dataDir, 'events.jsonl'), 'utf8').split('\n')[0] };
+  return {
+    out,
+    size: statSync(join(dataDir, 'events.jsonl')).size,
+    first: readFileSync(join(dataDir, 'events.jsonl'), 'utf8').split('\n')[0],
+  };
 }
 
 describe('log compaction', { timeout: 120_000 }, () => {
@@ -123,7 +158,12 @@ describe('log compaction', { timeout: 120_000 }, () => {
     expect(JSON.parse(full.first).type).not.toBe('snapshot');
     expect(compacted.size).toBeLessThan(full.size);
     // Call ids and times differ between runs; everything else must not.
-    const clean = (v: unknown) => JSON.parse(JSON.stringify(v, (k, x) => (k === 'id' && typeof x === 'string' && x.startsWith('chatcmpl') ? 'ID' : k === 'created' || k === 'time' ? 0 : x)));
+    const clean = (v: unknown) =>
+      JSON.parse(
+        JSON.stringify(v, (k, x) =>
+          k === 'id' && typeof x === 'string' && x.startsWith('chatcmpl') ? 'ID' : k === 'created' || k === 'time' ? 0 : x,
+        ),
+      );
     expect(clean(compacted.out)).toEqual(clean(full.out));
   });
 
@@ -159,7 +199,20 @@ describe('log compaction', { timeout: 120_000 }, () => {
       stub ??= await startStubEngine();
       const data = tempDir('tp-compact-kill-');
       // a micro-batch pulled and not acknowledged before the kill stays leased (the trainer may still ack it): 1 s
-      const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3', '--group-size', '1', '--compact-bytes', '4000', '--lease', '1'];
+      const args = [
+        '--engine',
+        stub.url,
+        '--data',
+        data,
+        '--tokenizer',
+        'qwen3',
+        '--group-size',
+        '1',
+        '--compact-bytes',
+        '4000',
+        '--lease',
+        '1',
+      ];
       let proc: ServeProcess = await startServeProcess(args, { TREEPACK_SERVE_COMPACT_FAULT: at });
       const written: string[] = [];
       const acked = new Map<string, string[]>();

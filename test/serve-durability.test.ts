@@ -49,7 +49,9 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
       context.set(ep, [{ role: 'system', content: `the agent of ${ep}` }]);
       for (let k = 0; k < CALLS; k++) {
         const messages = [...context.get(ep)!, { role: 'user', content: `${ep} turn ${k}` }];
-        const r = await post(`${proc!.url}/v1/chat/completions`, { model: 'm', messages }, { 'x-treepack-episode': ep }).catch(() => undefined);
+        const r = await post(`${proc!.url}/v1/chat/completions`, { model: 'm', messages }, { 'x-treepack-episode': ep }).catch(
+          () => undefined,
+        );
         if (r?.status !== 200) return;
         const body = (await r.json().catch(() => undefined)) as { choices: { message: { content: string } }[] } | undefined;
         if (!body) return;
@@ -76,7 +78,10 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
         expect(answered.has(ep)).toBe(false);
         continue;
       }
-      const body = (await r.json()) as { finished: boolean; calls: { request: { messages: unknown[] }; output: { message: { content: string } } }[] };
+      const body = (await r.json()) as {
+        finished: boolean;
+        calls: { request: { messages: unknown[] }; output: { message: { content: string } } }[];
+      };
       const contents = body.calls.map((c) => c.output.message.content);
       // Every answered call is there, in order, with what it sent; a call the engine answered but the client never
       // heard of may be there too (recorded, then killed before the answer), never twice.
@@ -90,7 +95,8 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
       // The agent goes on with the restarted service: one more call, then its finish.
       const messages = [...context.get(ep)!, { role: 'user', content: `${ep} after restart` }];
       expect((await post(`${proc.url}/v1/chat/completions`, { model: 'm', messages }, { 'x-treepack-episode': ep })).status).toBe(200);
-      const calls = ((await (await fetch(`${proc.url}/v1/episodes/${ep}`)).json()) as { calls: { request: { messages: unknown[] } }[] }).calls;
+      const calls = ((await (await fetch(`${proc.url}/v1/episodes/${ep}`)).json()) as { calls: { request: { messages: unknown[] } }[] })
+        .calls;
       expect(calls.at(-1)!.request.messages).toEqual(messages);
       expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 0 })).status).toBe(200);
     }
@@ -126,7 +132,10 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
     }
     await pull(proc.url); // leased, never acknowledged: this trainer dies
     const inFlight = (await pull(proc.url))!;
-    const ackRace = post(`${proc.url}/v1/batches/${inFlight.id}/ack`, {}).then((r) => r.status, () => 0);
+    const ackRace = post(`${proc.url}/v1/batches/${inFlight.id}/ack`, {}).then(
+      (r) => r.status,
+      () => 0,
+    );
     await proc.kill9();
     if ((await ackRace) === 200) acked.set(inFlight.id, inFlight.seq);
 
@@ -153,41 +162,56 @@ describe('durability under kill -9', { timeout: 240_000 }, () => {
   });
 
   const python = enginePython('test/serve-durability.test.ts (treepack.client across a restart)');
-  it.skipIf(!python)('a micro-batch handed out before kill -9 is acknowledged once after it, through treepack.client, and not handed out again', async () => {
-    stub ??= await startStubEngine();
-    const data = tempDir('tp-handout-');
-    const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3'];
-    proc = await startServeProcess(args);
-    for (const ep of ['a', 'b']) {
-      expect((await post(`${proc.url}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] })).status).toBe(200);
-      expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 1 })).status).toBe(200);
-    }
-    const client = (code: string, base: string) =>
-      promisify(execFile)(python!, ['-c', `import json, sys\nfrom treepack.client import FeedClient\nfrom treepack.microbatch import TreepackError\nfeed = FeedClient(sys.argv[1], wait=1)\n${code}`, base], {
-        encoding: 'utf8',
-        env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' },
-        timeout: 120_000,
-      }).then((r) => r.stdout.trim());
-    const pulled = await client('print(feed.next().id)', proc.url); // the trainer runs its step on it...
-    expect(pulled).toBe('0.0');
-    await proc.kill9(); // ...while the service dies
-    proc = await startServeProcess(args);
-    const after = JSON.parse(
-      await client(
-        `acked = feed.ack("${pulled}")
+  it.skipIf(!python)(
+    'a micro-batch handed out before kill -9 is acknowledged once after it, through treepack.client, and not handed out again',
+    async () => {
+      stub ??= await startStubEngine();
+      const data = tempDir('tp-handout-');
+      const args = ['--engine', stub.url, '--data', data, '--tokenizer', 'qwen3'];
+      proc = await startServeProcess(args);
+      for (const ep of ['a', 'b']) {
+        expect((await post(`${proc.url}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] })).status).toBe(
+          200,
+        );
+        expect((await post(`${proc.url}/v1/episodes/${ep}/finish`, { reward: 1 })).status).toBe(200);
+      }
+      const client = (code: string, base: string) =>
+        promisify(execFile)(
+          python!,
+          [
+            '-c',
+            `import json, sys\nfrom treepack.client import FeedClient\nfrom treepack.microbatch import TreepackError\nfeed = FeedClient(sys.argv[1], wait=1)\n${code}`,
+            base,
+          ],
+          {
+            encoding: 'utf8',
+            env: { ...process.env, PYTHONPATH: join(ROOT, 'python'), OMP_NUM_THREADS: '1' },
+            timeout: 120_000,
+          },
+        ).then((r) => r.stdout.trim());
+      const pulled = await client('print(feed.next().id)', proc.url); // the trainer runs its step on it...
+      expect(pulled).toBe('0.0');
+      await proc.kill9(); // ...while the service dies
+      proc = await startServeProcess(args);
+      const after = JSON.parse(
+        await client(
+          `acked = feed.ack("${pulled}")
 twice = feed.ack("${pulled}")
 nxt = feed.next()
 print(json.dumps({"acked": acked, "twice": twice, "next": nxt and nxt.id}))`,
-        proc.url,
-      ),
-    ) as { acked: { step_done: boolean; repeated: boolean }; twice: { step_done: boolean; repeated: boolean }; next: string | null };
-    expect(after.acked).toMatchObject({ step_done: true, repeated: false });
-    expect(after.twice).toMatchObject({ step_done: true, repeated: true }); // a retried ack after the restart
-    expect(after.next).toBe('1.0'); // the next step, not 0.0 again
-    // A service that is down is a TreepackError naming it, not a raw URLError.
-    const down = `http://127.0.0.1:${await freePort()}`;
-    expect(await client('try:\n    feed.next()\nexcept TreepackError as e:\n    print(e)', down)).toMatch(/^GET http:\/\/127\.0\.0\.1:\d+\/v1\/batches\/next\?.*: treepack serve did not answer/);
-  });
+          proc.url,
+        ),
+      ) as { acked: { step_done: boolean; repeated: boolean }; twice: { step_done: boolean; repeated: boolean }; next: string | null };
+      expect(after.acked).toMatchObject({ step_done: true, repeated: false });
+      expect(after.twice).toMatchObject({ step_done: true, repeated: true }); // a retried ack after the restart
+      expect(after.next).toBe('1.0'); // the next step, not 0.0 again
+      // A service that is down is a TreepackError naming it, not a raw URLError.
+      const down = `http://127.0.0.1:${await freePort()}`;
+      expect(await client('try:\n    feed.next()\nexcept TreepackError as e:\n    print(e)', down)).toMatch(
+        /^GET http:\/\/127\.0\.0\.1:\d+\/v1\/batches\/next\?.*: treepack serve did not answer/,
+      );
+    },
+  );
 
   it('a damaged line inside the log refuses to start, naming the line', async () => {
     const dir = tempDir('tp-log-');
@@ -205,27 +229,62 @@ print(json.dumps({"acked": acked, "twice": twice, "next": nxt and nxt.id}))`,
     expect(again).toEqual(['a', 'b', 'd']);
     // A line damaged into other valid JSON is refused where it is, not skipped.
     const data = tempDir('tp-log-type-');
-    const call = (id: string) => JSON.stringify({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output: { finishReason: 'stop' } } });
+    const call = (id: string) =>
+      JSON.stringify({
+        type: 'call',
+        episode: 'e',
+        call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output: { finishReason: 'stop' } },
+      });
     writeFileSync(join(data, 'events.jsonl'), `${call('c0')}\n{"tipe":"call","episode":"e"}\n${call('c1')}\n`);
-    await expect(Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer: 'qwen3' } })).rejects.toThrow(/events\.jsonl:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call/);
+    await expect(Service.create({ engineUrl: 'http://127.0.0.1:1/v1', dataDir: data, packer: { tokenizer: 'qwen3' } })).rejects.toThrow(
+      /events\.jsonl:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call/,
+    );
   });
 
   it('a line of an unknown kind, missing a field its kind needs, or acting on what no line before it records: refused, naming line and field', async () => {
-    const call = (id: string, output: unknown = { finishReason: 'stop' }) => ({ type: 'call', episode: 'e', call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output } });
+    const call = (id: string, output: unknown = { finishReason: 'stop' }) => ({
+      type: 'call',
+      episode: 'e',
+      call: { id, kind: 'chat', time: 1, policyVersion: 0, request: { messages: [] }, output },
+    });
     const { output: _output, ...noOutput } = call('c1').call;
     const cases: [unknown, RegExp][] = [
-      [{ type: 'bogus' }, /:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call, .*flush, got "bogus" of type string$/],
-      [{ type: 'finish', episode: 'e', time: 1 }, /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got nothing$/],
-      [{ type: 'finish', episode: 'e', reward: 'high', time: 1 }, /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got "high" of type string$/],
-      [{ ...call('c1'), call: noOutput }, /:2, field "call\.output": damaged log: a call event needs "call\.output" to be an object, got nothing$/],
-      [{ ...call('c1'), call: { ...call('c1').call, request: { messages: 'hi' } } }, /:2, field "call\.request\.messages": damaged log: a call event needs "call\.request\.messages" to be absent or a list/],
+      [
+        { type: 'bogus' },
+        /:2, field "type": damaged log: expected an event with a "type" of snapshot, key, call, .*flush, got "bogus" of type string$/,
+      ],
+      [
+        { type: 'finish', episode: 'e', time: 1 },
+        /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got nothing$/,
+      ],
+      [
+        { type: 'finish', episode: 'e', reward: 'high', time: 1 },
+        /:2, field "reward": damaged log: a finish event needs "reward" to be a number, got "high" of type string$/,
+      ],
+      [
+        { ...call('c1'), call: noOutput },
+        /:2, field "call\.output": damaged log: a call event needs "call\.output" to be an object, got nothing$/,
+      ],
+      [
+        { ...call('c1'), call: { ...call('c1').call, request: { messages: 'hi' } } },
+        /:2, field "call\.request\.messages": damaged log: a call event needs "call\.request\.messages" to be absent or a list/,
+      ],
       [{ type: 'key', scope: { episode: 'e' } }, /:2, field "hash": damaged log: a key event needs "hash" to be a string, got nothing$/],
-      [{ type: 'key', hash: 'ab', scope: { agent: 'a' } }, /:2, field "scope\.episode": damaged log: a key event needs "scope\.episode" to be a string, got nothing$/],
+      [
+        { type: 'key', hash: 'ab', scope: { agent: 'a' } },
+        /:2, field "scope\.episode": damaged log: a key event needs "scope\.episode" to be a string, got nothing$/,
+      ],
       [{ type: 'ack', id: '0.0' }, /:2, field "of": damaged log: an? ack event needs "of" to be an integer, got nothing$/],
-      [{ type: 'finish', episode: 'ghost', reward: 1, time: 1 }, /:2, field "episode": damaged log: a finish event of episode "ghost", which no line before it records$/],
+      [
+        { type: 'finish', episode: 'ghost', reward: 1, time: 1 },
+        /:2, field "episode": damaged log: a finish event of episode "ghost", which no line before it records$/,
+      ],
       [{ type: 'ship', episode: 'ghost' }, /:2, field "episode": damaged log: a ship event of episode "ghost"/],
       [{ type: 'abandon', group: 'nope', reason: 'x', time: 1 }, /:2, field "group": damaged log: a abandon event of group "nope"/],
-      [{ type: 'take', step: 0, groups: [7] }, /:2, field "groups": damaged log: a take event of group number 7, which no line before it records$/],
+      [
+        { type: 'take', step: 0, groups: [7] },
+        /:2, field "groups": damaged log: a take event of group number 7, which no line before it records$/,
+      ],
     ];
     const tokenizer = await loadTokenizer('qwen3'); // loaded once: the services here stop at their replay
     for (const [line, message] of cases) {

@@ -12,7 +12,8 @@ import { slimeRecord as record, tempDir } from './helpers/serve.js';
 import { rng } from './helpers/sequences.js';
 import { inProcessServices } from './helpers/in-process.js';
 
-const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+const post = (url: string, body: unknown) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
 interface Entry {
   id: string;
@@ -31,7 +32,7 @@ async function service(opts: Partial<ServiceOptions>): Promise<string> {
 /** Pulls and acknowledges micro-batches for every rank until none is ready. */
 async function drain(base: string, dp = 1): Promise<{ entry: Entry; seqIds: string[] }[]> {
   const got = [];
-  for (let more = true; more; ) {
+  for (let more = true; more;) {
     more = false;
     for (let rank = 0; rank < dp; rank++) {
       const res = await fetch(`${base}/v1/batches/next?rank=${rank}`);
@@ -65,7 +66,11 @@ async function runSchedule(policy: CollectorPolicy, seed: number, groups: number
   // The producers are done: what is left forms smaller steps, as the simulated collector's last batches.
   await post(`${base}/v1/feed/flush`, {});
   for (const { entry } of await drain(base)) steps.push(entry.groups.map((id) => Number(id.slice(1))));
-  const sim = simulateCollector(policy, order.map((_, g) => ({ submitted: 0, completed: order.indexOf(g) })), groupsPerStep);
+  const sim = simulateCollector(
+    policy,
+    order.map((_, g) => ({ submitted: 0, completed: order.indexOf(g) })),
+    groupsPerStep,
+  );
   return { steps, sim: sim.batches.map((b) => b.groups), order };
 }
 
@@ -139,8 +144,13 @@ describe('trainer feed', { timeout: 120_000 }, () => {
     expect((await fetch(`${base}/v1/batches/next?rank=2`)).status).toBe(400);
   });
 
-  it('step plans: a rank\'s micro-batches go to one client in plan order; after the lease the run starts over from its first', async () => {
-    const opts = { groupSize: 4, leaseMs: 4000, dataDir: tempDir('tp-feed-plan-'), packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } } };
+  it("step plans: a rank's micro-batches go to one client in plan order; after the lease the run starts over from its first", async () => {
+    const opts = {
+      groupSize: 4,
+      leaseMs: 4000,
+      dataDir: tempDir('tp-feed-plan-'),
+      packer: { budget: { maxTokens: 40, prefixCacheTokens: 4096, dp: 1 } },
+    };
     const first0 = await services.start(opts);
     let base = first0.base;
     // Four episodes of one task under a long shared system prompt: the plan pushes the trunk, then its branches hang from it.
@@ -194,29 +204,47 @@ describe('slime rollout buffer', { timeout: 60_000 }, () => {
   it("start_rollout, buffer/write, get_rollout_data: whole groups in slime's format", async () => {
     const base = await service({ groupSize: 1 });
     const start = await post(`${base}/start_rollout`, {
-      num_process: '100', num_epoch: '3', remote_engine_url: 'http://127.0.0.1:30000', remote_buffer_url: base, task_type: 'math', input_file: 'x.jsonl',
-      num_repeat_per_sample: '2', max_tokens: '1024', sampling_params: { max_tokens: 1024, temperature: 0.8, top_p: 1 }, tokenizer_path: '/m', skip_instance_ids: [],
+      num_process: '100',
+      num_epoch: '3',
+      remote_engine_url: 'http://127.0.0.1:30000',
+      remote_buffer_url: base,
+      task_type: 'math',
+      input_file: 'x.jsonl',
+      num_repeat_per_sample: '2',
+      max_tokens: '1024',
+      sampling_params: { max_tokens: 1024, temperature: 0.8, top_p: 1 },
+      tokenizer_path: '/m',
+      skip_instance_ids: [],
     });
     expect(await start.json()).toEqual({ message: 'Rollout started' });
     const w = await post(`${base}/buffer/write`, record(0, 0, 1));
     expect(await w.json()).toMatchObject({ success: true, data: { data: [{ uid: 'g0-e0' }], meta_info: 'write to buffer' } });
     await post(`${base}/buffer/write`, record(1, 0, 0.5));
     await post(`${base}/buffer/write`, record(0, 1, 0));
-    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as { success: boolean; data: { data: Record<string, unknown>[]; meta_info: Record<string, unknown> } };
+    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as {
+      success: boolean;
+      data: { data: Record<string, unknown>[]; meta_info: Record<string, unknown> };
+    };
     expect(got.success).toBe(true);
     expect(got.data.data.map((r) => r.uid)).toEqual(['g0-e0', 'g0-e1']); // g1 is not whole yet
-    for (const r of got.data.data) for (const k of ['uid', 'instance_id', 'messages', 'reward', 'raw_reward', 'extra_info']) expect(r).toHaveProperty(k);
+    for (const r of got.data.data)
+      for (const k of ['uid', 'instance_id', 'messages', 'reward', 'raw_reward', 'extra_info']) expect(r).toHaveProperty(k);
     expect(got.data.meta_info).toMatchObject({ total_samples: 2, num_groups: 1, avg_group_size: 2, avg_reward: 0.5, finished_groups: [] });
     const none = (await (await post(`${base}/get_rollout_data`, {})).json()) as { success: boolean; message: string };
     expect(none).toMatchObject({ success: false, message: 'No data available to read' });
     await post(`${base}/buffer/write`, record(1, 1, 0));
-    const second = (await (await post(`${base}/get_rollout_data`, { batch_size: 2 })).json()) as { data: { data: { instance_id: string }[] } };
+    const second = (await (await post(`${base}/get_rollout_data`, { batch_size: 2 })).json()) as {
+      data: { data: { instance_id: string }[] };
+    };
     expect(second.data.data.map((r) => r.instance_id)).toEqual(['g1', 'g1']);
   });
 
   it('records read back as written: integer ids stay integers', async () => {
     const base = await service({ groupSize: 1 });
-    const messages = [{ role: 'user', content: 'q' }, { role: 'assistant', content: 'a' }];
+    const messages = [
+      { role: 'user', content: 'q' },
+      { role: 'assistant', content: 'a' },
+    ];
     const w = await post(`${base}/buffer/write`, { uid: 7, instance_id: 0, messages, reward: 1, extra_info: { index: 0 } });
     expect(w.status).toBe(200);
     const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: Record<string, unknown>[] } };
@@ -225,11 +253,17 @@ describe('slime rollout buffer', { timeout: 60_000 }, () => {
 
   it('a gateway episode with a tool-calling turn reads back with content "" where the client sent null', async () => {
     const base = await service({ groupSize: 1 });
-    const toolTurn = { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] };
+    const toolTurn = {
+      role: 'assistant',
+      content: null,
+      tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }],
+    };
     const messages = [{ role: 'user', content: 'go' }, toolTurn, { role: 'tool', tool_call_id: 'c1', content: 'done' }];
     expect((await post(`${base}/episodes/t1/v1/chat/completions`, { model: 'm', messages })).status).toBe(200);
     expect((await post(`${base}/v1/episodes/t1/finish`, { reward: 1 })).status).toBe(200);
-    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: { messages: { role: string; content: unknown }[] }[] } };
+    const got = (await (await post(`${base}/get_rollout_data`, {})).json()) as {
+      data: { data: { messages: { role: string; content: unknown }[] }[] };
+    };
     const read = got.data.data[0].messages;
     expect(read.map((m) => m.role)).toEqual(['user', 'assistant', 'tool', 'assistant']);
     expect(read.every((m) => typeof m.content === 'string')).toBe(true);

@@ -18,7 +18,16 @@ import { enginePython, ROOT, startEngine, tempDir, type Engine } from './helpers
 
 const python = enginePython('test/serve-gateway.test.ts');
 
-const TOOLS = [{ type: 'function' as const, function: { name: 'search', description: 'search the web', parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] } } }];
+const TOOLS = [
+  {
+    type: 'function' as const,
+    function: {
+      name: 'search',
+      description: 'search the web',
+      parameters: { type: 'object', properties: { query: { type: 'string' } }, required: ['query'] },
+    },
+  },
+];
 
 type Msg = OpenAI.Chat.Completions.ChatCompletionMessageParam;
 
@@ -31,7 +40,14 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
   beforeAll(async () => {
     engine = await startEngine(python!);
     dir = tempDir('tp-serve-');
-    svc = await Service.create({ engineUrl: engine.url, dataDir: dir, port: 0, groupSize: 2, policy: { kind: 'windowed-fifo', window: 2 }, packer: { tokenizer: 'qwen3', merge: { timelineCompareLevel: 'token' } } });
+    svc = await Service.create({
+      engineUrl: engine.url,
+      dataDir: dir,
+      port: 0,
+      groupSize: 2,
+      policy: { kind: 'windowed-fifo', window: 2 },
+      packer: { tokenizer: 'qwen3', merge: { timelineCompareLevel: 'token' } },
+    });
     base = await svc.listen();
   }, 180_000);
 
@@ -52,9 +68,23 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     expect(r1.choices[0].logprobs ?? null).toBeNull();
     msgs.push({ role: 'assistant', content: r1.choices[0].message.content }, { role: 'user', content: 'Use the search tool.' });
     // A retry with temporary context (AgentJet's example): a hint added for one call only, then dropped.
-    await a.chat.completions.create({ model: 'tiny', messages: [...msgs, { role: 'user', content: 'Hint: be brief.' }], tools: TOOLS, max_tokens: 4 });
-    const stream = await a.chat.completions.create({ model: 'tiny', messages: msgs, tools: TOOLS, tool_choice: { type: 'function', function: { name: 'search' } }, max_tokens: 5, stream: true });
-    let callName = '', callArgs = '', callId = '';
+    await a.chat.completions.create({
+      model: 'tiny',
+      messages: [...msgs, { role: 'user', content: 'Hint: be brief.' }],
+      tools: TOOLS,
+      max_tokens: 4,
+    });
+    const stream = await a.chat.completions.create({
+      model: 'tiny',
+      messages: msgs,
+      tools: TOOLS,
+      tool_choice: { type: 'function', function: { name: 'search' } },
+      max_tokens: 5,
+      stream: true,
+    });
+    let callName = '',
+      callArgs = '',
+      callId = '';
     for await (const chunk of stream) {
       for (const tc of chunk.choices[0]?.delta.tool_calls ?? []) {
         callName += tc.function?.name ?? '';
@@ -63,7 +93,11 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
       }
     }
     expect(callName).toBe('search');
-    msgs.push({ role: 'assistant', content: null, tool_calls: [{ id: callId, type: 'function', function: { name: callName, arguments: callArgs } }] });
+    msgs.push({
+      role: 'assistant',
+      content: null,
+      tool_calls: [{ id: callId, type: 'function', function: { name: callName, arguments: callArgs } }],
+    });
     msgs.push({ role: 'tool', tool_call_id: callId, content: 'Paris is the capital of France.' });
     const s2 = await a.chat.completions.create({ model: 'tiny', messages: msgs, tools: TOOLS, max_tokens: 6, stream: true });
     let text = '';
@@ -71,13 +105,39 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     expect(text.length).toBeGreaterThan(0);
 
     // Episode B: a scoped API key, two agents (header), and a legacy completion.
-    const key = (await (await fetch(`${base}/v1/episodes`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ episode_id: 'ep-b', group: 'task-1' }) })).json()) as { api_key: string };
+    const key = (await (
+      await fetch(`${base}/v1/episodes`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ episode_id: 'ep-b', group: 'task-1' }),
+      })
+    ).json()) as { api_key: string };
     const planner = new OpenAI({ baseURL: `${base}/v1`, apiKey: key.api_key, defaultHeaders: { 'x-treepack-agent': 'planner' } });
     const coder = new OpenAI({ baseURL: `${base}/v1`, apiKey: key.api_key, defaultHeaders: { 'x-treepack-agent': 'coder' } });
-    const p1 = await planner.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'Plan a trip.' }], max_tokens: 5, logprobs: true });
+    const p1 = await planner.chat.completions.create({
+      model: 'tiny',
+      messages: [{ role: 'user', content: 'Plan a trip.' }],
+      max_tokens: 5,
+      logprobs: true,
+    });
     expect(p1.choices[0].logprobs?.content?.length).toBeGreaterThan(0); // asked for: passed through
-    await coder.chat.completions.create({ model: 'tiny', messages: [{ role: 'system', content: 'You write code.' }, { role: 'user', content: 'Write a loop.' }], max_tokens: 5 });
-    await planner.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'Plan a trip.' }, { role: 'assistant', content: p1.choices[0].message.content }, { role: 'user', content: 'More.' }], max_tokens: 5 });
+    await coder.chat.completions.create({
+      model: 'tiny',
+      messages: [
+        { role: 'system', content: 'You write code.' },
+        { role: 'user', content: 'Write a loop.' },
+      ],
+      max_tokens: 5,
+    });
+    await planner.chat.completions.create({
+      model: 'tiny',
+      messages: [
+        { role: 'user', content: 'Plan a trip.' },
+        { role: 'assistant', content: p1.choices[0].message.content },
+        { role: 'user', content: 'More.' },
+      ],
+      max_tokens: 5,
+    });
     const c = await coder.completions.create({ model: 'tiny', prompt: 'def add(a, b):', max_tokens: 4 });
     expect(typeof c.choices[0].text).toBe('string');
 
@@ -85,16 +145,27 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     const produced = engine.log();
     const recorded = [];
     for (const ep of ['ep-a', 'ep-b']) {
-      const body = (await (await fetch(`${base}/v1/episodes/${ep}`)).json()) as { calls: { agent?: string; output: { promptTokenIds: number[]; tokenIds: number[]; logprobs: number[] } }[] };
+      const body = (await (await fetch(`${base}/v1/episodes/${ep}`)).json()) as {
+        calls: { agent?: string; output: { promptTokenIds: number[]; tokenIds: number[]; logprobs: number[] } }[];
+      };
       recorded.push(...body.calls.map((c) => c.output));
       if (ep === 'ep-b') expect(body.calls.map((c) => c.agent)).toEqual(['planner', 'coder', 'planner', 'coder']);
     }
     expect(recorded).toHaveLength(8);
-    expect(recorded.map((r) => [r.promptTokenIds, r.tokenIds, r.logprobs])).toEqual(produced.map((p) => [p.prompt_token_ids, p.token_ids, p.logprobs]));
+    expect(recorded.map((r) => [r.promptTokenIds, r.tokenIds, r.logprobs])).toEqual(
+      produced.map((p) => [p.prompt_token_ids, p.token_ids, p.logprobs]),
+    );
 
     // Finish the group and pull its micro-batch, and the JSONL the feed packed (until the step is acknowledged).
-    for (const [ep, reward] of [['ep-a', 1], ['ep-b', 0]] as const) {
-      const res = await fetch(`${base}/v1/episodes/${ep}/finish`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ reward }) });
+    for (const [ep, reward] of [
+      ['ep-a', 1],
+      ['ep-b', 0],
+    ] as const) {
+      const res = await fetch(`${base}/v1/episodes/${ep}/finish`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ reward }),
+      });
       expect(res.status).toBe(200);
     }
     const res = await fetch(`${base}/v1/batches/next?rank=0&dp=1&wait=30`);
@@ -103,24 +174,39 @@ describe.skipIf(!python)('recording gateway on a real engine', () => {
     expect(entry.groups).toEqual(['task-1']);
     expect(entry.staleness).toBe(0);
     const bytes = new Uint8Array(await res.arrayBuffer());
-    const jsonl = (await (await fetch(`${base}/v1/episodes/ep-a/records`)).text()) + (await (await fetch(`${base}/v1/episodes/ep-b/records`)).text());
-    const feed = (await (await fetch(`${base}/v1/feed`)).json()) as { prompts: { promptMatched: number; promptDrifted: number; skipped: number } };
+    const jsonl =
+      (await (await fetch(`${base}/v1/episodes/ep-a/records`)).text()) + (await (await fetch(`${base}/v1/episodes/ep-b/records`)).text());
+    const feed = (await (await fetch(`${base}/v1/feed`)).json()) as {
+      prompts: { promptMatched: number; promptDrifted: number; skipped: number };
+    };
     // Every chat call's prompt is what the template renders: the chat path, mergeable (the completion has no messages).
     expect(feed.prompts).toMatchObject({ promptMatched: 7, promptDrifted: 0, skipped: 0 });
 
     // Every call's prompt + generated tokens is a packed sequence's prefix, trained on exactly the generated
     // tokens with the engine's logprobs.
     const t = parseSafetensors(bytes).tensors;
-    const ids = t.get('input_ids')!.data as Int32Array, pos = t.get('seq_positions')!.data as Int32Array, off = t.get('seq_offsets')!.data as Int32Array;
-    const mask = t.get('loss_mask')!.data as Uint8Array, lp = t.get('rollout_logprobs')!.data as Float32Array;
+    const ids = t.get('input_ids')!.data as Int32Array,
+      pos = t.get('seq_positions')!.data as Int32Array,
+      off = t.get('seq_offsets')!.data as Int32Array;
+    const mask = t.get('loss_mask')!.data as Uint8Array,
+      lp = t.get('rollout_logprobs')!.data as Float32Array;
     const seqs = [];
     for (let i = 0; i + 1 < off.length; i++) {
       const idx = Array.from(pos.subarray(off[i], off[i + 1]));
-      seqs.push({ tokens: idx.map((p) => ids[p]), mask: Array.from(mask.subarray(off[i], off[i + 1])), lp: Array.from(lp.subarray(off[i], off[i + 1])) });
+      seqs.push({
+        tokens: idx.map((p) => ids[p]),
+        mask: Array.from(mask.subarray(off[i], off[i + 1])),
+        lp: Array.from(lp.subarray(off[i], off[i + 1])),
+      });
     }
     for (const p of produced) {
       const full = [...p.prompt_token_ids, ...p.token_ids];
-      const hit = seqs.find((s) => s.tokens.length >= full.length && full.every((x, k) => s.tokens[k] === x) && p.token_ids.every((_, k) => s.mask[p.prompt_token_ids.length + k] === 1));
+      const hit = seqs.find(
+        (s) =>
+          s.tokens.length >= full.length &&
+          full.every((x, k) => s.tokens[k] === x) &&
+          p.token_ids.every((_, k) => s.mask[p.prompt_token_ids.length + k] === 1),
+      );
       expect(hit, `a sequence trains call ${JSON.stringify(p.token_ids)}`).toBeDefined();
       expect(hit!.lp.slice(p.prompt_token_ids.length, full.length)).toEqual(p.logprobs.map((x) => Math.fround(x)));
     }
@@ -165,9 +251,20 @@ print(json.dumps(seen))
 `;
     const before = engine.log().length;
     // Async: the service answering the script lives in this process.
-    const r = await promisify(execFile)(python!, ['-c', script, base], { encoding: 'utf8', env: { ...process.env, PYTHONPATH: join(ROOT, 'python') }, timeout: 200_000 });
+    const r = await promisify(execFile)(python!, ['-c', script, base], {
+      encoding: 'utf8',
+      env: { ...process.env, PYTHONPATH: join(ROOT, 'python') },
+      timeout: 200_000,
+    });
     expect(r.stderr).not.toMatch(/Traceback/);
-    const seen = JSON.parse(r.stdout.trim().split('\n').pop()!) as { groups: string[]; dtype: string; sequences: number; trainable: number; advantages: number[]; ack: { step_done: boolean } }[];
+    const seen = JSON.parse(r.stdout.trim().split('\n').pop()!) as {
+      groups: string[];
+      dtype: string;
+      sequences: number;
+      trainable: number;
+      advantages: number[];
+      ack: { step_done: boolean };
+    }[];
     expect(seen).toHaveLength(1);
     expect(seen[0].groups).toEqual(['py-task']);
     expect(seen[0].dtype).toBe('torch.int64');

@@ -17,7 +17,12 @@ import { tempDir } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
 
 type Msg = Record<string, unknown>;
-const TOOLS = [{ type: 'function', function: { name: 'lookup', description: 'find a booking', parameters: { type: 'object', properties: { id: { type: 'string' } } } } }];
+const TOOLS = [
+  {
+    type: 'function',
+    function: { name: 'lookup', description: 'find a booking', parameters: { type: 'object', properties: { id: { type: 'string' } } } },
+  },
+];
 const OTHER_TOOLS = [{ type: 'function', function: { name: 'cancel', parameters: { type: 'object', properties: {} } } }];
 const SYSTEM: Msg = { role: 'system', content: 'You are the airline agent. '.repeat(40) };
 
@@ -27,7 +32,15 @@ function traffic(): [string, string | undefined, Record<string, unknown>][] {
   let ctx: Msg[] = [SYSTEM, { role: 'user', content: 'I want to change my flight.' }];
   for (let k = 0; k < 6; k++) {
     out.push(['e1', undefined, { model: 'm', messages: ctx, tools: TOOLS }]);
-    ctx = [...ctx, { role: 'assistant', content: `answer ${k}`, tool_calls: [{ id: `t${k}`, type: 'function', function: { name: 'lookup', arguments: `{"id":"${k}"}` } }] }, { role: 'tool', tool_call_id: `t${k}`, content: `booking ${k} `.repeat(30) }];
+    ctx = [
+      ...ctx,
+      {
+        role: 'assistant',
+        content: `answer ${k}`,
+        tool_calls: [{ id: `t${k}`, type: 'function', function: { name: 'lookup', arguments: `{"id":"${k}"}` } }],
+      },
+      { role: 'tool', tool_call_id: `t${k}`, content: `booking ${k} `.repeat(30) },
+    ];
   }
   // a retry with a temporary context: shares only the system prompt and the first user message
   out.push(['e1', undefined, { model: 'm', messages: [ctx[0], ctx[1], { role: 'user', content: 'summarise so far' }], tools: TOOLS }]);
@@ -35,10 +48,41 @@ function traffic(): [string, string | undefined, Record<string, unknown>][] {
   out.push(['e1', undefined, { model: 'm', messages: [...ctx, { role: 'user', content: 'go on' }], tools: OTHER_TOOLS }]);
   out.push(['e1', undefined, { model: 'm', messages: [...ctx, { role: 'user', content: 'go on' }, { role: 'user', content: 'and?' }] }]);
   // a second agent in the same episode, with its own context, interleaved
-  out.push(['e1', 'critic', { model: 'm', messages: [{ role: 'system', content: 'You judge.' }, { role: 'user', content: 'judge 1' }] }]);
-  out.push(['e1', 'critic', { model: 'm', messages: [{ role: 'system', content: 'You judge.' }, { role: 'user', content: 'judge 1' }, { role: 'user', content: 'judge 2' }] }]);
+  out.push([
+    'e1',
+    'critic',
+    {
+      model: 'm',
+      messages: [
+        { role: 'system', content: 'You judge.' },
+        { role: 'user', content: 'judge 1' },
+      ],
+    },
+  ]);
+  out.push([
+    'e1',
+    'critic',
+    {
+      model: 'm',
+      messages: [
+        { role: 'system', content: 'You judge.' },
+        { role: 'user', content: 'judge 1' },
+        { role: 'user', content: 'judge 2' },
+      ],
+    },
+  ]);
   // a message whose keys come in another order still matches
-  out.push(['e1', undefined, { model: 'm', messages: [{ content: SYSTEM.content, role: 'system' }, { role: 'user', content: 'new task' }] }]);
+  out.push([
+    'e1',
+    undefined,
+    {
+      model: 'm',
+      messages: [
+        { content: SYSTEM.content, role: 'system' },
+        { role: 'user', content: 'new task' },
+      ],
+    },
+  ]);
   // another episode starts whole
   out.push(['e2', undefined, { model: 'm', messages: [SYSTEM, { role: 'user', content: 'hello' }], tools: TOOLS }]);
   return out;
@@ -46,7 +90,16 @@ function traffic(): [string, string | undefined, Record<string, unknown>][] {
 
 const asSent = (body: Record<string, unknown>) => ({ messages: body.messages, ...(body.tools ? { tools: body.tools } : {}) });
 /** A call's request, keys in one order (a matched message may be the earlier call's object). */
-const canon = (v: unknown): unknown => (Array.isArray(v) ? v.map(canon) : v && typeof v === 'object' ? Object.fromEntries(Object.keys(v).sort().map((k) => [k, canon((v as Msg)[k])])) : v);
+const canon = (v: unknown): unknown =>
+  Array.isArray(v)
+    ? v.map(canon)
+    : v && typeof v === 'object'
+      ? Object.fromEntries(
+          Object.keys(v)
+            .sort()
+            .map((k) => [k, canon((v as Msg)[k])]),
+        )
+      : v;
 
 describe('the log holds what each call adds', { timeout: 30_000 }, () => {
   let stub: StubEngine;
@@ -59,7 +112,11 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     const svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: dir, port: 0 });
     const base = await svc.listen();
     for (const [episode, agent, body] of sent) {
-      const r = await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': episode, ...(agent && { 'x-treepack-agent': agent }) }, body: JSON.stringify(body) });
+      const r = await fetch(`${base}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', 'x-treepack-episode': episode, ...(agent && { 'x-treepack-agent': agent }) },
+        body: JSON.stringify(body),
+      });
       expect(r.status).toBe(200);
     }
     await svc.close();
@@ -75,7 +132,9 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
   };
 
   it('logs a continued call as its new messages, naming the call it continues', () => {
-    const calls = logEvents().filter((e) => e.type === 'call').map((e) => (e.call as RecordedCall).request as Record<string, unknown>);
+    const calls = logEvents()
+      .filter((e) => e.type === 'call')
+      .map((e) => (e.call as RecordedCall).request as Record<string, unknown>);
     expect(calls.map((r) => [r.keep ?? null, r.sameTools ?? null, (r.messages as unknown[]).length, r.tools ? 1 : 0])).toEqual([
       [null, null, 2, 1], // first call: whole
       [2, true, 2, 0],
@@ -111,7 +170,9 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     }
     const pool = new Pool({ groupSize: 1 });
     for (const e of compactEvents(logEvents(), 1)) pool.apply(e);
-    expect(pool.episodes.get('e1')!.calls.map((c) => canon(c.request))).toEqual(sent.filter(([ep]) => ep === 'e1').map(([, , body]) => canon(asSent(body))));
+    expect(pool.episodes.get('e1')!.calls.map((c) => canon(c.request))).toEqual(
+      sent.filter(([ep]) => ep === 'e1').map(([, , body]) => canon(asSent(body))),
+    );
   });
 
   it('a call continuing one the log does not hold: the service refuses to start, naming it', async () => {
@@ -121,6 +182,8 @@ describe('the log holds what each call adds', { timeout: 30_000 }, () => {
     const second = JSON.parse(lines[1]) as { call: { request: { from: string } } };
     second.call.request.from = 'no-such-call';
     appendFileSync(join(broken, 'events.jsonl'), JSON.stringify(second) + '\n');
-    await expect(Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(/events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/);
+    await expect(Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: broken, port: 0 })).rejects.toThrow(
+      /events\.jsonl:2, field "call\.request\.from": damaged log: call .* of episode "e1" continues call "no-such-call"/,
+    );
   });
 });

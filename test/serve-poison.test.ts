@@ -40,8 +40,14 @@ const episodesOf = (seqs: string[]) => [...new Set(seqs.map((s) => s.slice(0, s.
 /** a user turn the template renders, with the turn marker the packer splits turns at: it fails at pack time only */
 const MARKER = user('see <|im_start|>system\nthis');
 
-type FeedBody = { quarantined: number; quarantine: { step: number; episode: string; group: string; reason: string }[]; pack_errors: string[] };
-type QuarantineBody = { quarantined: { episode: string; group: string; step: number; reason: string; records: Record<string, unknown>[] }[] };
+type FeedBody = {
+  quarantined: number;
+  quarantine: { step: number; episode: string; group: string; reason: string }[];
+  pack_errors: string[];
+};
+type QuarantineBody = {
+  quarantined: { episode: string; group: string; step: number; reason: string; records: Record<string, unknown>[] }[];
+};
 
 const services = inProcessServices('tp-poison-');
 
@@ -58,10 +64,19 @@ describe('poison records', { timeout: 60_000 }, () => {
     expect.soft(records[0].requests[0].messages.map((m) => m.role)).toEqual(['system', 'user']);
 
     const refused: [unknown[], RegExp][] = [
-      [[{ role: 'narrator', content: 'x' }, user('hi')], /field "messages\[0\]\.role": expected system, developer, user, assistant or tool .*got "narrator"/],
+      [
+        [{ role: 'narrator', content: 'x' }, user('hi')],
+        /field "messages\[0\]\.role": expected system, developer, user, assistant or tool .*got "narrator"/,
+      ],
       [[user(5)], /field "messages\[0\]\.content": expected a string, null or an array of text parts, got 5/],
-      [[user('q'), { role: 'assistant', content: null, tool_calls: 5 }, user('and?')], /field "messages\[1\]\.tool_calls": expected an array of tool calls/],
-      [[user([{ type: 'image_url', image_url: { url: 'http://x/y.png' } }])], /field "messages\[0\]\.content\[0\]": expected a text part .*"image_url"/],
+      [
+        [user('q'), { role: 'assistant', content: null, tool_calls: 5 }, user('and?')],
+        /field "messages\[1\]\.tool_calls": expected an array of tool calls/,
+      ],
+      [
+        [user([{ type: 'image_url', image_url: { url: 'http://x/y.png' } }])],
+        /field "messages\[0\]\.content\[0\]": expected a text part .*"image_url"/,
+      ],
       [[user('q'), { role: 'tool', content: '42' }], /field "messages\[1\]\.tool_call_id": a tool message needs the id/],
     ];
     const before = stub.calls;
@@ -86,7 +101,12 @@ describe('poison records', { timeout: 60_000 }, () => {
     const dataDir = tempDir('tp-poison-q-');
     const opts = { groupSize: 2, groupsPerStep: 2, dataDir, warn: (m: string) => warnings.push(m) };
     const { base, svc } = await services.start(opts);
-    for (const [g, e, messages] of [['A', 'a0', [user('a')]], ['A', 'a1', [user('b')]], ['B', 'b0', [user('c')]], ['B', 'b1', [MARKER]]] as const) {
+    for (const [g, e, messages] of [
+      ['A', 'a0', [user('a')]],
+      ['A', 'a1', [user('b')]],
+      ['B', 'b0', [user('c')]],
+      ['B', 'b1', [MARKER]],
+    ] as const) {
       expect((await call(base, g, e, [...messages])).status).toBe(200);
       expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
     }
@@ -99,7 +119,9 @@ describe('poison records', { timeout: 60_000 }, () => {
     expect(feed.quarantined).toBe(1);
     expect(feed.quarantine).toEqual([{ step: 0, episode: 'b1', group: 'B', reason: expect.stringMatching(/turn marker/) }]);
     expect(await (await fetch(`${base}/metrics`)).text()).toMatch(/^treepack_quarantined_total 1$/m);
-    expect(warnings.filter((w) => w.includes('quarantined'))).toEqual([expect.stringMatching(/step 0: episode "b1" \(group "B"\) quarantined.*turn marker/)]);
+    expect(warnings.filter((w) => w.includes('quarantined'))).toEqual([
+      expect.stringMatching(/step 0: episode "b1" \(group "B"\) quarantined.*turn marker/),
+    ]);
     // The export's records are what `treepack pack` reads: packing them alone gives the same error.
     const exported = ((await (await fetch(`${base}/v1/quarantine`)).json()) as QuarantineBody).quarantined;
     expect(exported.map((q) => [q.episode, q.group, q.step])).toEqual([['b1', 'B', 0]]);
@@ -117,13 +139,23 @@ describe('poison records', { timeout: 60_000 }, () => {
     expect((await fetch(`${again.base}/v1/quarantine?limit=0`)).status).toBe(400);
   });
 
-  it('with the engine\'s token ids, the poison fails while its records are made: quarantined with its recorded calls', async () => {
+  it("with the engine's token ids, the poison fails while its records are made: quarantined with its recorded calls", async () => {
     const engine = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3') });
     const dataDir = tempDir('tp-poison-ids-');
-    const svc = await Service.create({ engineUrl: engine.url, dataDir, port: 0, groupsPerStep: 2, warn: () => {}, packer: { tokenizer: 'qwen3' } });
+    const svc = await Service.create({
+      engineUrl: engine.url,
+      dataDir,
+      port: 0,
+      groupsPerStep: 2,
+      warn: () => {},
+      packer: { tokenizer: 'qwen3' },
+    });
     try {
       const base = await svc.listen();
-      for (const [e, messages] of [['ok', [{ role: 'developer', content: 'Be brief.' }, user('a')]], ['bad', [MARKER]]] as const) {
+      for (const [e, messages] of [
+        ['ok', [{ role: 'developer', content: 'Be brief.' }, user('a')]],
+        ['bad', [MARKER]],
+      ] as const) {
         expect((await call(base, e, e, [...messages])).status).toBe(200);
         expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
       }
@@ -145,15 +177,21 @@ describe('poison records', { timeout: 60_000 }, () => {
 
   it('N2: a tool-call turn sent without a content key reads back to slime with content ""', async () => {
     const { base } = await services.start({});
-    const tools = [{ type: 'function', function: { name: 'search', parameters: { type: 'object', properties: { query: { type: 'string' } } } } }];
+    const tools = [
+      { type: 'function', function: { name: 'search', parameters: { type: 'object', properties: { query: { type: 'string' } } } } },
+    ];
     const named = { tools, tool_choice: { type: 'function', function: { name: 'search' } } };
-    const first = (await (await call(base, 't', 't', [user('find it')], named)).json()) as { choices: { message: Record<string, unknown> }[] };
+    const first = (await (await call(base, 't', 't', [user('find it')], named)).json()) as {
+      choices: { message: Record<string, unknown> }[];
+    };
     const { content: _, ...turn } = first.choices[0].message; // the openai idiom model_dump(exclude_none=True)
     expect(turn.tool_calls).toBeDefined();
     const messages = [user('find it'), turn, { role: 'tool', tool_call_id: (turn.tool_calls as { id: string }[])[0].id, content: '42' }];
     expect((await call(base, 't', 't', messages, { tools })).status).toBe(200);
     expect((await post(`${base}/v1/episodes/t/finish`, { reward: 1 })).status).toBe(200);
-    const read = (await (await post(`${base}/get_rollout_data`, {})).json()) as { data: { data: { messages: Record<string, unknown>[] }[] } };
+    const read = (await (await post(`${base}/get_rollout_data`, {})).json()) as {
+      data: { data: { messages: Record<string, unknown>[] }[] };
+    };
     const back = read.data.data[0].messages;
     expect(back[1]).toMatchObject({ role: 'assistant', content: '' });
     for (const m of back) expect(typeof m.content, JSON.stringify(m)).toBe('string');
@@ -169,9 +207,17 @@ onRedis('poison records on the shared pool', { timeout: 60_000 }, () => {
     try {
       const warnings: string[] = [];
       const opts = { groupSize: 2, groupsPerStep: 2, redis: redis.url, warn: (m: string) => warnings.push(m) };
-      const [A, B] = [await services.start(opts), await services.start(opts)].map((g) => (gateways.push(g.svc), g.base)) as [string, string];
+      const [A, B] = [await services.start(opts), await services.start(opts)].map((g) => (gateways.push(g.svc), g.base)) as [
+        string,
+        string,
+      ];
       const dev = [{ role: 'developer', content: 'Be brief.' }, user('b')];
-      for (const [base, g, e, messages] of [[A, 'A', 'a0', [user('a')]], [B, 'A', 'a1', dev], [A, 'B', 'b0', [user('c')]], [B, 'B', 'b1', [MARKER]]] as const) {
+      for (const [base, g, e, messages] of [
+        [A, 'A', 'a0', [user('a')]],
+        [B, 'A', 'a1', dev],
+        [A, 'B', 'b0', [user('c')]],
+        [B, 'B', 'b1', [MARKER]],
+      ] as const) {
         expect((await call(base, g, e, [...messages])).status).toBe(200);
         expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
       }

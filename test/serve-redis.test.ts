@@ -70,7 +70,14 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
   async function gateways(opts: Partial<ServiceOptions>): Promise<[string, string, Service, Service]> {
     redis = await startRedis();
     const make = async () => {
-      const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
+      const svc = await Service.create({
+        engineUrl: stub.url,
+        dataDir: tempDir('tp-redis-gw-'),
+        port: 0,
+        redis: redis.url,
+        ...opts,
+        packer: { tokenizer: 'qwen3', ...opts.packer },
+      });
       open.push(svc);
       return svc;
     };
@@ -89,7 +96,10 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
         const headers = { 'x-treepack-episode': ep, 'x-treepack-group': `c${g}` };
         const r = await post(`${base}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: `task ${g}` }] }, headers);
         expect(r.status).toBe(200);
-        const f = (await (await post(`${base}/v1/episodes/${ep}/finish`, { reward: k })).json()) as { group_episodes: number; group_finished: boolean };
+        const f = (await (await post(`${base}/v1/episodes/${ep}/finish`, { reward: k })).json()) as {
+          group_episodes: number;
+          group_finished: boolean;
+        };
         // The group's episodes are counted in Redis, whichever gateway recorded them.
         expect(f).toMatchObject({ group_episodes: k + 1, group_finished: k === 1 });
         expect((await fetch(`${base}/v1/episodes/${ep}/records`)).status).toBe(410); // shipped
@@ -106,7 +116,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     // Two trainer ranks, rank 0 pulling from A and rank 1 from B, acknowledging after each step.
     const got: Got[] = [];
     const trainer = async (base: string, rank: number) => {
-      for (let idle = 0; idle < 3; ) {
+      for (let idle = 0; idle < 3;) {
         const mb = await pull(base, rank, 1);
         if (!mb) {
           idle++;
@@ -126,12 +136,14 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     for (const g of got) for (const s of g.seqIds) expect(g.entry.groups).toContain(episodeOf(s).replace(/-e\d$/, ''));
     // Three steps of two groups each; both services see the trainer at version 3.
     expect(new Set(got.map((g) => g.entry.feed_step))).toEqual(new Set([0, 1, 2]));
-    for (const base of [A, B]) expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(3);
+    for (const base of [A, B])
+      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(3);
   });
 
   it('abandoned episodes and groups, and the idle timeout measured over both gateways: the feed never stalls past it', async () => {
     const [A, B] = await gateways({ groupSize: 2, idleTimeoutMs: 1500 });
-    const call = (base: string, group: string, ep: string) => post(`${base}/groups/${group}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] });
+    const call = (base: string, group: string, ep: string) =>
+      post(`${base}/groups/${group}/episodes/${ep}/v1/chat/completions`, { messages: [{ role: 'user', content: ep }] });
     // Head group H: h1 finishes through A, h2 never calls. Group X: x2's agent finishes without a call (abandoned).
     expect((await call(A, 'H', 'h1')).status).toBe(200);
     expect((await post(`${A}/v1/episodes/h1/finish`, { reward: 1 })).status).toBe(200);
@@ -155,7 +167,7 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     }
     expect((await post(`${B}/v1/episodes/s2/finish`, { reward: 0 })).status).toBe(200);
     const trained: Record<string, string[]> = {};
-    for (let idle = 0; idle < 3; ) {
+    for (let idle = 0; idle < 3;) {
       const mb = await pull(idle % 2 ? A : B, 0, 1);
       if (!mb) {
         idle++;
@@ -181,7 +193,8 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect(await health()).toMatchObject({ status: 200, body: { ok: true, shared_pool: { url: redis.url, connected: true } } });
     await redis.stop();
     const until = async (status: number) => {
-      for (const t0 = Date.now(); Date.now() - t0 < 10_000; await new Promise((r) => setTimeout(r, 100))) if ((await health()).status === status) return health();
+      for (const t0 = Date.now(); Date.now() - t0 < 10_000; await new Promise((r) => setTimeout(r, 100)))
+        if ((await health()).status === status) return health();
       throw new Error(`/healthz never answered ${status}`);
     };
     expect(await until(503)).toMatchObject({ body: { ok: false, shared_pool: { connected: false } } });
@@ -193,7 +206,8 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const token = 'service-token';
     const [A, B] = await gateways({ groupSize: 1, token });
     const auth = (k: string) => ({ authorization: `Bearer ${k}` });
-    const call = (base: string, k: string, prefix = '') => post(`${base}${prefix}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, auth(k));
+    const call = (base: string, k: string, prefix = '') =>
+      post(`${base}${prefix}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, auth(k));
     const minted = await post(`${A}/v1/episodes`, { episode_id: 'keyed', agent: 'ag' }, auth(token));
     const { api_key: key } = (await minted.json()) as { api_key: string };
     // Redis holds the key's SHA-256, never the key.
@@ -210,7 +224,15 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect((await call(B, key, '/episodes/other')).status).toBe(403);
     expect((await fetch(`${B}/v1/feed`, { headers: auth(key) })).status).toBe(403);
     // On a third gateway, started after the key was minted, the key opens the episode too; its calls stay on B.
-    const c = await Service.create({ engineUrl: stub.url, dataDir: tempDir('tp-redis-gw-'), port: 0, redis: redis.url, groupSize: 1, token, packer: { tokenizer: 'qwen3' } });
+    const c = await Service.create({
+      engineUrl: stub.url,
+      dataDir: tempDir('tp-redis-gw-'),
+      port: 0,
+      redis: redis.url,
+      groupSize: 1,
+      token,
+      packer: { tokenizer: 'qwen3' },
+    });
     open.push(c);
     const C = await c.listen();
     const elsewhere = await call(C, key);
@@ -220,7 +242,9 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     // A key no gateway minted, and no credentials at all, are refused with messages that say which.
     const wrong = await call(C, 'tp-' + 'x'.repeat(24));
     expect(wrong.status).toBe(401);
-    expect(((await wrong.json()) as { error: { message: string } }).error.message).toMatch(/wrong bearer token: neither this service's --token nor a scoped API key of its shared pool/);
+    expect(((await wrong.json()) as { error: { message: string } }).error.message).toMatch(
+      /wrong bearer token: neither this service's --token nor a scoped API key of its shared pool/,
+    );
     const none = await post(`${C}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] });
     expect(((await none.json()) as { error: { message: string } }).error.message).toMatch(/^missing credentials/);
     // Redis down: a key a gateway has not seen cannot be checked (503); the keys it knows still open their routes.
@@ -282,10 +306,12 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const writes = Promise.all(Array.from({ length: GROUPS - 6 }, (_, i) => write(i % 2 ? A : B, 6 + i)));
     await redis.restart();
     await writes;
-    for (const base of [A, B]) for (const t0 = Date.now(); (await fetch(`${base}/healthz`)).status !== 200; await new Promise((r) => setTimeout(r, 100))) expect(Date.now() - t0).toBeLessThan(15_000);
+    for (const base of [A, B])
+      for (const t0 = Date.now(); (await fetch(`${base}/healthz`)).status !== 200; await new Promise((r) => setTimeout(r, 100)))
+        expect(Date.now() - t0).toBeLessThan(15_000);
 
     const after: Got[] = [];
-    for (let idle = 0; idle < 2; ) {
+    for (let idle = 0; idle < 2;) {
       const mb = await pull(after.length % 2 ? A : B, 0, 1.5);
       if (!mb) {
         idle++;
@@ -308,7 +334,15 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     // The finish is in the gateway's log but never reached Redis (recorded here without the shared pool).
     const local = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: dir, port: 0 });
     const L = await local.listen();
-    expect((await post(`${L}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'hi' }] }, { 'x-treepack-episode': 'late' })).status).toBe(200);
+    expect(
+      (
+        await post(
+          `${L}/v1/chat/completions`,
+          { model: 'm', messages: [{ role: 'user', content: 'hi' }] },
+          { 'x-treepack-episode': 'late' },
+        )
+      ).status,
+    ).toBe(200);
     expect((await post(`${L}/v1/episodes/late/finish`, { reward: 1 })).status).toBe(200);
     await local.close();
 
@@ -332,12 +366,24 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     expect(JSON.parse(readFileSync(log, 'utf8').trimEnd().split('\n').at(-1)!)).toEqual({ type: 'ship', episode: 'late' });
     expect(await pull(B, 0, 1)).toBeUndefined();
 
-    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(/other feed options.*"groupSize":1/);
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), groupSize: 2 })).rejects.toThrow(
+      /other feed options.*"groupSize":1/,
+    );
     // Packer options compare resolved: the defaults spelled out (as the CLI does) agree with them left out; a
     // real difference is refused, naming the value in use.
-    open.push(await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { tokenizer: 'qwen3', backend: 'auto', advantages: 'grpo', windowTokens: DEFAULT_WINDOW_TOKENS } }));
-    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { tokenizer: 'qwen3', windowTokens: 1000 } })).rejects.toThrow(new RegExp(`other feed options.*"windowTokens":${DEFAULT_WINDOW_TOKENS}`));
-    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(/redis:\/\/127.0.0.1:1 is unreachable/);
+    open.push(
+      await Service.create({
+        ...opts,
+        dataDir: tempDir('tp-redis-gw-'),
+        packer: { tokenizer: 'qwen3', backend: 'auto', advantages: 'grpo', windowTokens: DEFAULT_WINDOW_TOKENS },
+      }),
+    );
+    await expect(
+      Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), packer: { tokenizer: 'qwen3', windowTokens: 1000 } }),
+    ).rejects.toThrow(new RegExp(`other feed options.*"windowTokens":${DEFAULT_WINDOW_TOKENS}`));
+    await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redis: 'redis://127.0.0.1:1' })).rejects.toThrow(
+      /redis:\/\/127.0.0.1:1 is unreachable/,
+    );
   });
 
   it("slime's get_rollout_data: whole groups from the shared pool, each read once, whichever service answers", async () => {
@@ -380,7 +426,15 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     redis = await startRedis();
     const r = new Redis(redis.url);
     try {
-      const opts: Omit<ServiceOptions, 'dataDir'> = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, port: 0, redis: redis.url, groupSize: 1, leaseMs: 1000, policy: { kind: 'windowed-fifo', window: 3 } };
+      const opts: Omit<ServiceOptions, 'dataDir'> = {
+        packer: { tokenizer: 'qwen3' },
+        engineUrl: stub.url,
+        port: 0,
+        redis: redis.url,
+        groupSize: 1,
+        leaseMs: 1000,
+        policy: { kind: 'windowed-fifo', window: 3 },
+      };
       const dirA = tempDir('tp-redis-gw-');
       let a = await Service.create({ ...opts, dataDir: dirA });
       const b = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') });
@@ -388,7 +442,15 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
       let A = await a.listen();
       const B = await b.listen();
       // Group 0 ("slow") is an agent still at work on A; groups 1 and 2 are finished records.
-      expect((await post(`${A}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content: 'slow task' }] }, { 'x-treepack-episode': 'slow' })).status).toBe(200);
+      expect(
+        (
+          await post(
+            `${A}/v1/chat/completions`,
+            { model: 'm', messages: [{ role: 'user', content: 'slow task' }] },
+            { 'x-treepack-episode': 'slow' },
+          )
+        ).status,
+      ).toBe(200);
       for (const g of [1, 2]) expect((await post(`${B}/buffer/write`, record(g, 0, 1))).status).toBe(200);
       expect(await r.xlen('treepack:groups')).toBe(2);
       const first = (await pull(A, 0))!;
@@ -430,7 +492,8 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
       expect(await r.get('treepack:front')).toBe('5');
       expect(await r.scard('treepack:taken')).toBe(0);
       expect(await r.exists('treepack:steps')).toBe(0);
-      for (const base of [A, B]) expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(5);
+      for (const base of [A, B])
+        expect(((await (await fetch(`${base}/v1/feed`)).json()) as { trainer_version: number }).trainer_version).toBe(5);
     } finally {
       r.disconnect();
     }
@@ -439,13 +502,19 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
   it('a Redis that may lose acknowledged writes is refused, naming the settings, unless allowed; one that hides its CONFIG is a warning', async () => {
     redis = await startRedis(['--appendonly', 'no', '--appendfsync', 'everysec']);
     const opts = { packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, port: 0, redis: redis.url };
-    const refused = /shared pool at redis:\/\/127\.0\.0\.1:\d+ may lose what it acknowledges on a crash: appendonly is "no", not yes, appendfsync is "everysec", not always\. Start Redis with --appendonly yes --appendfsync always .*--redis-allow-weak-durability starts anyway/;
+    const refused =
+      /shared pool at redis:\/\/127\.0\.0\.1:\d+ may lose what it acknowledges on a crash: appendonly is "no", not yes, appendfsync is "everysec", not always\. Start Redis with --appendonly yes --appendfsync always .*--redis-allow-weak-durability starts anyway/;
     await expect(Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-') })).rejects.toThrow(refused);
     const r = cli(['serve', '--engine', stub.url, '--data', tempDir('tp-redis-gw-'), '--redis', redis.url, '--tokenizer', 'qwen3']);
     expect(r.code).toBe(1);
     expect(r.stderr).toMatch(refused);
     const warnings: string[] = [];
-    const weak = await Service.create({ ...opts, dataDir: tempDir('tp-redis-gw-'), redisAllowWeakDurability: true, warn: (m) => warnings.push(m) });
+    const weak = await Service.create({
+      ...opts,
+      dataDir: tempDir('tp-redis-gw-'),
+      redisAllowWeakDurability: true,
+      warn: (m) => warnings.push(m),
+    });
     open.push(weak);
     expect(warnings).toHaveLength(1);
     expect(warnings[0]).toMatch(/appendfsync is "everysec", not always.*starting anyway \(--redis-allow-weak-durability\)/);
@@ -461,10 +530,12 @@ run('shared pool on Redis Streams', { timeout: 60_000 }, () => {
     const blind = await Service.create({ ...opts, redis: redis.url, dataDir: tempDir('tp-redis-gw-'), warn: (m) => warnings.push(m) });
     open.push(blind);
     expect(warnings).toHaveLength(1);
-    expect(warnings[0]).toMatch(/cannot check that the shared pool at .* keeps what it acknowledges \(CONFIG GET refused: .*unknown command.*\); it must run with appendonly yes and appendfsync always/);
+    expect(warnings[0]).toMatch(
+      /cannot check that the shared pool at .* keeps what it acknowledges \(CONFIG GET refused: .*unknown command.*\); it must run with appendonly yes and appendfsync always/,
+    );
   });
 
-  it('a service killed -9 while forming a step holds the others up for the form lock\'s lease only', async () => {
+  it("a service killed -9 while forming a step holds the others up for the form lock's lease only", async () => {
     redis = await startRedis();
     const args = ['--engine', stub.url, '--redis', redis.url, '--tokenizer', 'qwen3'];
     const dying = await startServeProcess([...args, '--data', tempDir('tp-redis-gw-')], { TREEPACK_SERVE_FORM_FAULT: 'locked' });

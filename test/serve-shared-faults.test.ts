@@ -16,10 +16,19 @@ import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js
 import { tempDir } from './helpers/serve.js';
 
 /** Every request bounded: one that waits out an outage fails the test instead of hanging it. */
-const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(4000) });
+const post = (url: string, body: unknown) =>
+  fetch(url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(body),
+    signal: AbortSignal.timeout(4000),
+  });
 const get = (url: string) => fetch(url, { signal: AbortSignal.timeout(4000) });
 const chat = (base: string, episode: string, content: string[], group?: string) =>
-  post(`${base}${group ? `/groups/${group}` : ''}/episodes/${episode}/v1/chat/completions`, { model: 'm', messages: content.map((c, i) => ({ role: i % 2 ? 'assistant' : 'user', content: c })) });
+  post(`${base}${group ? `/groups/${group}` : ''}/episodes/${episode}/v1/chat/completions`, {
+    model: 'm',
+    messages: content.map((c, i) => ({ role: i % 2 ? 'assistant' : 'user', content: c })),
+  });
 type ErrorBody = { error: { message: string; code: string | null } };
 
 const run = redisAvailable('serve-shared-faults') ? describe : describe.skip;
@@ -87,13 +96,14 @@ run('shared pool faults', { timeout: 60_000 }, () => {
 
     await redis.stop();
     const until = async (status: number) => {
-      for (const t0 = Date.now(); Date.now() - t0 < 15_000; await new Promise((r) => setTimeout(r, 100))) if ((await get(`${base}/healthz`)).status === status) return;
+      for (const t0 = Date.now(); Date.now() - t0 < 15_000; await new Promise((r) => setTimeout(r, 100)))
+        if ((await get(`${base}/healthz`)).status === status) return;
       throw new Error(`/healthz never answered ${status}`);
     };
     await until(503);
     const metrics = await get(`${base}/metrics`); // still scraped: the shared pool's depths read NaN meanwhile
     expect(metrics.status).toBe(200);
-    expect(await metrics.text()).toMatch(/^treepack_micro_batches_ready nan$/im) // prom-client writes "Nan", which Prometheus parses;
+    expect(await metrics.text()).toMatch(/^treepack_micro_batches_ready nan$/im); // prom-client writes "Nan", which Prometheus parses;
     const fast = async (p: Promise<Response>) => {
       const t0 = Date.now();
       const res = await p;
@@ -106,12 +116,24 @@ run('shared pool faults', { timeout: 60_000 }, () => {
       expect(res.status).toBe(503);
       const body = (await res.json()) as ErrorBody;
       expect(body.error.code).toBe('shared_pool_unavailable');
-      expect(body.error.message).toMatch(new RegExp(`the shared pool at ${redis.url} is unreachable \\(.*\\); retry once GET /healthz answers 200`));
+      expect(body.error.message).toMatch(
+        new RegExp(`the shared pool at ${redis.url} is unreachable \\(.*\\); retry once GET /healthz answers 200`),
+      );
     };
     await unavailable(chat(base, 'n1', ['new episode'])); // a new episode is claimed in Redis first
     await unavailable(get(`${base}/v1/batches/next?wait=2`));
     await unavailable(post(`${base}/v1/batches/${heldId}/ack`, {}));
-    await unavailable(post(`${base}/buffer/write`, { uid: 'w1', instance_id: 'w', messages: [{ role: 'user', content: 'q' }, { role: 'assistant', content: 'a' }], reward: 1 }));
+    await unavailable(
+      post(`${base}/buffer/write`, {
+        uid: 'w1',
+        instance_id: 'w',
+        messages: [
+          { role: 'user', content: 'q' },
+          { role: 'assistant', content: 'a' },
+        ],
+        reward: 1,
+      }),
+    );
     // An episode under way carries on, and its finish is durable in the gateway's log: answered, shipped later.
     expect((await fast(chat(base, 'o1', ['task', 'x', 'more']))).status).toBe(200);
     const fin = await fast(post(`${base}/v1/episodes/o1/finish`, { reward: 0.5 }));

@@ -13,9 +13,16 @@ import { inProcessServices } from './helpers/in-process.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
 import { tempDir } from './helpers/serve.js';
 
-const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+const post = (url: string, body: unknown) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
-type Rec = { uid: string; instance_id: number; messages: { role: string; content: string }[]; reward: number; extra_info: Record<string, unknown> };
+type Rec = {
+  uid: string;
+  instance_id: number;
+  messages: { role: string; content: string }[];
+  reward: number;
+  extra_info: Record<string, unknown>;
+};
 type Read = { success: boolean; data: { data: Rec[] } };
 
 /** slime's producer: each epoch, each instance `n` times with fresh uids (as base_generator.py writes them). */
@@ -23,7 +30,16 @@ function epochs(instances: number, n: number, count: number): Rec[][] {
   return Array.from({ length: count }, (_, e) =>
     Array.from({ length: instances * n }, (_, i) => {
       const inst = Math.floor(i / n);
-      return { uid: `e${e}-i${inst}-r${i % n}`, instance_id: inst, messages: [{ role: 'user', content: `q${inst}` }, { role: 'assistant', content: `epoch ${e} try ${i % n}` }], reward: (i % n) / n, extra_info: { epoch: e } };
+      return {
+        uid: `e${e}-i${inst}-r${i % n}`,
+        instance_id: inst,
+        messages: [
+          { role: 'user', content: `q${inst}` },
+          { role: 'assistant', content: `epoch ${e} try ${i % n}` },
+        ],
+        reward: (i % n) / n,
+        extra_info: { epoch: e },
+      };
     }),
   );
 }
@@ -87,12 +103,16 @@ describe("slime's epochs: each instance written again every epoch, with new uids
     const all = epochs(3, n, 3);
     const dir = tempDir('tp-epochs-');
     let cur = await make({ groupSize: n, dataDir: dir, policy: { kind: 'windowed-fifo', window: 64 } });
-    const reads = await produceAndRead(() => [cur.base], all, async (e) => {
-      if (e !== 1) return;
-      // replayed from its log, the pool places later records in the same rounds the live one would
-      await services.stop(cur.svc);
-      cur = await make({ groupSize: n, dataDir: dir, policy: { kind: 'windowed-fifo', window: 64 } });
-    });
+    const reads = await produceAndRead(
+      () => [cur.base],
+      all,
+      async (e) => {
+        if (e !== 1) return;
+        // replayed from its log, the pool places later records in the same rounds the live one would
+        await services.stop(cur.svc);
+        cur = await make({ groupSize: n, dataDir: dir, policy: { kind: 'windowed-fifo', window: 64 } });
+      },
+    );
     checkReads(reads, all, n);
     // the same uid with another record is a conflict, named
     const other = await post(`${cur.base}/buffer/write`, { ...all[0][0], reward: 0.5 });
@@ -104,13 +124,16 @@ describe("slime's epochs: each instance written again every epoch, with new uids
     expect(await nul.text()).toMatch(/field \\"instance_id\\" .*U\+0000/);
   });
 
-  it.skipIf(!redisAvailable('serve-slime-epochs (shared pool)'))('shared pool: an instance\'s records over two gateways, three epochs, each read once', async () => {
-    redis = await startRedis();
-    const n = 2;
-    const all = epochs(3, n, 3);
-    const a = await make({ groupSize: n, redis: redis.url, policy: { kind: 'windowed-fifo', window: 64 } });
-    const b = await make({ groupSize: n, redis: redis.url, policy: { kind: 'windowed-fifo', window: 64 } });
-    const reads = await produceAndRead(() => [a.base, b.base], all);
-    checkReads(reads, all, n);
-  });
+  it.skipIf(!redisAvailable('serve-slime-epochs (shared pool)'))(
+    "shared pool: an instance's records over two gateways, three epochs, each read once",
+    async () => {
+      redis = await startRedis();
+      const n = 2;
+      const all = epochs(3, n, 3);
+      const a = await make({ groupSize: n, redis: redis.url, policy: { kind: 'windowed-fifo', window: 64 } });
+      const b = await make({ groupSize: n, redis: redis.url, policy: { kind: 'windowed-fifo', window: 64 } });
+      const reads = await produceAndRead(() => [a.base, b.base], all);
+      checkReads(reads, all, n);
+    },
+  );
 });

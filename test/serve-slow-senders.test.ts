@@ -30,7 +30,13 @@ describe('1,000 concurrent slow senders', { timeout: 120_000 }, () => {
 
   beforeAll(async () => {
     stub = await startStubEngine();
-    svc = await Service.create({ packer: { tokenizer: 'qwen3' }, engineUrl: stub.url, dataDir: tempDir('tp-serve-slow-'), port: 0, requestTimeoutMs: TIMEOUT_MS });
+    svc = await Service.create({
+      packer: { tokenizer: 'qwen3' },
+      engineUrl: stub.url,
+      dataDir: tempDir('tp-serve-slow-'),
+      port: 0,
+      requestTimeoutMs: TIMEOUT_MS,
+    });
     base = await svc.listen();
   }, 60_000);
   afterAll(async () => {
@@ -79,7 +85,11 @@ describe('1,000 concurrent slow senders', { timeout: 120_000 }, () => {
       await Promise.all(
         Array.from({ length: 5 }, async (_, j) => {
           const t = performance.now();
-          const r = await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-treepack-episode': `busy-${round}-${j}` }, body: JSON.stringify({ messages: [{ role: 'user', content: 'hi' }] }) });
+          const r = await fetch(`${base}/v1/chat/completions`, {
+            method: 'POST',
+            headers: { 'content-type': 'application/json', 'x-treepack-episode': `busy-${round}-${j}` },
+            body: JSON.stringify({ messages: [{ role: 'user', content: 'hi' }] }),
+          });
           expect(r.status).toBe(200);
           await r.json();
           latencies.push(performance.now() - t);
@@ -87,7 +97,9 @@ describe('1,000 concurrent slow senders', { timeout: 120_000 }, () => {
       );
     }
     latencies.sort((a, b) => a - b);
-    console.log(`serve-slow-senders: 50 calls beside ${SLOW} slow sockets, median ${latencies[25].toFixed(1)} ms, max ${latencies.at(-1)!.toFixed(1)} ms`);
+    console.log(
+      `serve-slow-senders: 50 calls beside ${SLOW} slow sockets, median ${latencies[25].toFixed(1)} ms, max ${latencies.at(-1)!.toFixed(1)} ms`,
+    );
 
     const bound = new Promise<'open'>((r) => setTimeout(() => r('open'), CLOSED_WITHIN_MS + 1000));
     const results = await Promise.all(slow.map((s) => Promise.race([s.closed, bound])));

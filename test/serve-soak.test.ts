@@ -64,7 +64,22 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
     const redis: RedisServer = await startRedis();
     cleanup.push(() => redis.stop());
     const dirs = [tempDir('tp-soak-gw-'), tempDir('tp-soak-gw-')];
-    const args = (dir: string) => ['--engine', stub.url, '--redis', redis.url, '--tokenizer', 'qwen3', '--group-size', '2', '--idle-timeout', String(IDLE_S), '--lease', String(LEASE_S), '--data', dir];
+    const args = (dir: string) => [
+      '--engine',
+      stub.url,
+      '--redis',
+      redis.url,
+      '--tokenizer',
+      'qwen3',
+      '--group-size',
+      '2',
+      '--idle-timeout',
+      String(IDLE_S),
+      '--lease',
+      String(LEASE_S),
+      '--data',
+      dir,
+    ];
     const gateways: (ServeProcess | undefined)[] = [];
     for (const dir of dirs) gateways.push(await startServeProcess(args(dir)));
     cleanup.push(async () => {
@@ -79,13 +94,24 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
     let producing = true;
 
     /** POSTs until the service answers something other than an outage (503, a refused connection), within `budgetMs`. */
-    async function send(path: () => string, body: unknown, headers: Record<string, string>, budgetMs: number, first?: number): Promise<{ status: number; json: Record<string, unknown> } | undefined> {
+    async function send(
+      path: () => string,
+      body: unknown,
+      headers: Record<string, string>,
+      budgetMs: number,
+      first?: number,
+    ): Promise<{ status: number; json: Record<string, unknown> } | undefined> {
       const t0 = Date.now();
       for (let attempt = 0; Date.now() - t0 < budgetMs; attempt++) {
         try {
           // a client that times out early: the call may be recorded, and is retried with the same key
           const signal = AbortSignal.timeout(attempt === 0 && first !== undefined ? first : 10_000);
-          const res = await fetch(path(), { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body), signal });
+          const res = await fetch(path(), {
+            method: 'POST',
+            headers: { 'content-type': 'application/json', ...headers },
+            body: JSON.stringify(body),
+            signal,
+          });
           if (res.status !== 503 && res.status !== 502) return { status: res.status, json: (await res.json()) as Record<string, unknown> };
           await res.body?.cancel();
         } catch {
@@ -116,9 +142,16 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
       for (let k = 0; k < calls; k++) {
         if (r() < 0.08) return void (log.outcome = 'crashed'); // the agent dies; the idle timeout gives it up
         const early = r() < 0.25 ? 1 + Math.floor(r() * 20) : undefined;
-        const res = await send(() => `${url(gw)}/groups/${group}/episodes/${id}/v1/chat/completions`, { model: 'm', messages }, { 'idempotency-key': `${id}/${k}` }, 20_000, early);
+        const res = await send(
+          () => `${url(gw)}/groups/${group}/episodes/${id}/v1/chat/completions`,
+          { model: 'm', messages },
+          { 'idempotency-key': `${id}/${k}` },
+          20_000,
+          early,
+        );
         const refusable = log.poison === 'role' || log.poison === 'content';
-        if (res && (res.status === 400) !== refusable) violations.push(`episode ${id} (${log.poison ?? 'no poison'}): call answered ${res.status}`);
+        if (res && (res.status === 400) !== refusable)
+          violations.push(`episode ${id} (${log.poison ?? 'no poison'}): call answered ${res.status}`);
         if (!res || res.status !== 200) return void (log.outcome = res ? 'refused' : 'crashed');
         log.answered++;
         messages.push((res.json.choices as { message: unknown }[])[0].message, { role: 'user', content: `go on ${k}` });
@@ -221,7 +254,8 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
       }
       const quarantined = new Set((dead ?? []).map((q) => q.episode));
       if (!dead) violations.push('GET /v1/quarantine never answered');
-      for (const q of quarantined) if (episodes.get(q)?.poison !== 'marker') violations.push(`episode ${q} quarantined, but it was sent no pack-time poison`);
+      for (const q of quarantined)
+        if (episodes.get(q)?.poison !== 'marker') violations.push(`episode ${q} quarantined, but it was sent no pack-time poison`);
       const counts = { finished: 0, abandoned: 0, crashed: 0, refused: 0, calls: 0, poisoned: 0, quarantined: quarantined.size };
       for (const ep of episodes.values()) {
         counts[ep.outcome ?? 'crashed']++;
@@ -229,7 +263,8 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         const got = trained.get(ep.id) ?? [];
         if (ep.poison === 'marker') {
           if (got.length) violations.push(`episode ${ep.id} (its text holds the turn marker) trained: ${got.join(', ')}`);
-          if (ep.outcome === 'finished' && !quarantined.has(ep.id)) violations.push(`episode ${ep.id} (its text holds the turn marker) finished, not quarantined`);
+          if (ep.outcome === 'finished' && !quarantined.has(ep.id))
+            violations.push(`episode ${ep.id} (its text holds the turn marker) finished, not quarantined`);
           continue;
         }
         if (ep.outcome !== 'finished') {
@@ -239,13 +274,20 @@ run('soak: agents, a trainer, gateways and Redis killed and restarted', () => {
         counts.calls += ep.answered;
         const seqs = got.map((g) => g.slice(g.indexOf(':') + 1));
         const last = `${ep.id}/${ep.answered - 1}`;
-        if (seqs.filter((s) => s === last).length !== 1) violations.push(`episode ${ep.id}: its last answered call ${last} trained ${seqs.filter((s) => s === last).length} times (${got.join(', ') || 'never'})`);
-        for (const s of seqs) if (Number(s.slice(s.lastIndexOf('/') + 1)) >= ep.answered) violations.push(`episode ${ep.id}: ${s} trained, past its ${ep.answered} answered calls`);
+        if (seqs.filter((s) => s === last).length !== 1)
+          violations.push(
+            `episode ${ep.id}: its last answered call ${last} trained ${seqs.filter((s) => s === last).length} times (${got.join(', ') || 'never'})`,
+          );
+        for (const s of seqs)
+          if (Number(s.slice(s.lastIndexOf('/') + 1)) >= ep.answered)
+            violations.push(`episode ${ep.id}: ${s} trained, past its ${ep.answered} answered calls`);
         if (new Set(seqs).size !== seqs.length) violations.push(`episode ${ep.id}: a sequence trained twice (${got.join(', ')})`);
       }
       let gap = 0;
       for (let i = 1; i < handouts.length; i++) gap = Math.max(gap, handouts[i] - handouts[i - 1]);
-      console.log(`serve-soak: seed ${SEED}: ${JSON.stringify(counts)} episodes, ${acked.size} micro-batches acknowledged, longest gap between hand-outs ${gap} ms, drain ${drain} ms`);
+      console.log(
+        `serve-soak: seed ${SEED}: ${JSON.stringify(counts)} episodes, ${acked.size} micro-batches acknowledged, longest gap between hand-outs ${gap} ms, drain ${drain} ms`,
+      );
       expect(violations, 'violations').toEqual([]);
       expect(counts.finished).toBeGreaterThan(20);
       // The feed never stalls: the gaps run through the drain too, whose length is the backlog the trainer left

@@ -24,7 +24,14 @@ const encoder = new ChatEncoder(await loadTokenizer('qwen3'));
 
 function msg(author: Author, text: string, tokens: number[], logprobs?: number[]): TimelineMessage {
   const lossMask = new Uint8Array(tokens.length).fill(author === 'llm' ? 1 : 0);
-  const m: TimelineMessage = { author, role: author === 'llm' || author === 'env' ? 'assistant' : 'user', text, calls: '', tokens: Int32Array.from(tokens), lossMask };
+  const m: TimelineMessage = {
+    author,
+    role: author === 'llm' || author === 'env' ? 'assistant' : 'user',
+    text,
+    calls: '',
+    tokens: Int32Array.from(tokens),
+    lossMask,
+  };
   if (logprobs) m.logprobs = Float32Array.from(logprobs);
   return m;
 }
@@ -63,7 +70,11 @@ describe('timeline merge scenarios', () => {
 
   it('timelines with and without rollout logprobs merge separately instead of failing as one sample', () => {
     const plain = (k: number) => msg('llm', `b${k}`, [300 + k, 400 + k]);
-    const ts = [tl('e/0', [sys(), user(1), sampled(1)]), tl('e/1', [sys(), user(1), context(1), user(2), plain(2)]), tl('e/2', [sys(), user(1)])];
+    const ts = [
+      tl('e/0', [sys(), user(1), sampled(1)]),
+      tl('e/1', [sys(), user(1), context(1), user(2), plain(2)]),
+      tl('e/2', [sys(), user(1)]),
+    ];
     const { samples, report } = mergeTimelines(ts, { detectTimelineSnap: true });
     // e/2 trains nothing: it joins the logprob kind and is absorbed there.
     expect(samples.map((s) => [s.id, s.merged_from])).toEqual([
@@ -134,7 +145,11 @@ describe('timeline merge scenarios', () => {
 
   it('a message sampled twice with the same text but other tokens is never merged away', () => {
     const other = msg('llm', 'a1', [100 + 1, 201], [-0.75, -0.125]); // same text and tokens, other logprobs
-    const ts = [tl('e/0', [sys(), user(1), sampled(1)]), tl('e/0b', [sys(), user(1), other]), tl('e/1', [sys(), user(1), context(1), user(2), sampled(2)])];
+    const ts = [
+      tl('e/0', [sys(), user(1), sampled(1)]),
+      tl('e/0b', [sys(), user(1), other]),
+      tl('e/1', [sys(), user(1), context(1), user(2), sampled(2)]),
+    ];
     const { samples, report } = mergeTimelines(ts);
     expect(report).toMatchObject({ samples: 2, absorbed: 1, apart: 1 });
     // Both sampled versions are trained, each in one sample.
@@ -162,7 +177,9 @@ describe('timeline merge scenarios', () => {
 });
 
 // Chat records through the real Qwen3 template.
-const tools = (name: string) => [{ type: 'function', function: { name, description: `${name} things`, parameters: { type: 'object', properties: {} } } }];
+const tools = (name: string) => [
+  { type: 'function', function: { name, description: `${name} things`, parameters: { type: 'object', properties: {} } } },
+];
 const call = (name: string, args: string, id: string) => ({ id, type: 'function', function: { name, arguments: args } });
 
 function chat(id: string, value: Record<string, unknown>): ChatRecord {
@@ -178,7 +195,11 @@ const ask = { role: 'user', content: 'Find me a flight to Oslo.' };
 
 describe('timeline merge on chat records (Qwen3 template)', () => {
   it('an unmerged timeline is exactly what ChatEncoder.encode produces', () => {
-    const r = chat('r', { messages: [system, ask], tools: tools('search'), response: { role: 'assistant', content: null, tool_calls: [call('search', '{"to": "OSL"}', 'c1')] } });
+    const r = chat('r', {
+      messages: [system, ask],
+      tools: tools('search'),
+      response: { role: 'assistant', content: null, tool_calls: [call('search', '{"to": "OSL"}', 'c1')] },
+    });
     const s = timelineToSample(chatTimelines([r])[0]);
     const e = encoder.encode(r);
     expect(arr(s.tokens)).toEqual(arr(e.tokens));
@@ -187,7 +208,10 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
 
   it('text compare merges request k into k+1 across the think-block drift; token compare does not', () => {
     const r0 = chat('ep/0', { messages: [system, ask], response: { role: 'assistant', content: 'Which date?' } });
-    const r1 = chat('ep/1', { messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }], response: { role: 'assistant', content: 'Done.' } });
+    const r1 = chat('ep/1', {
+      messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }],
+      response: { role: 'assistant', content: 'Done.' },
+    });
     const ts = chatTimelines([r0, r1]);
     const text = mergeTimelines(ts);
     expect(text.samples.length).toBe(1);
@@ -205,22 +229,36 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
     const lookup = { role: 'assistant', content: null, tool_calls: [call('get_user', '{"id": 1}', 'c1')] };
     const cancel = { role: 'assistant', content: null, tool_calls: [call('cancel', '{"id": 1}', 'c1')] };
     const r0 = chat('ep/0', { messages: [system, ask], response: cancel });
-    const r1 = chat('ep/1', { messages: [system, ask, lookup, { role: 'tool', content: '{}', tool_call_id: 'c1' }], response: { role: 'assistant', content: 'OK.' } });
+    const r1 = chat('ep/1', {
+      messages: [system, ask, lookup, { role: 'tool', content: '{}', tool_call_id: 'c1' }],
+      response: { role: 'assistant', content: 'OK.' },
+    });
     const ts = chatTimelines([r0, r1]);
     // Both assistant turns have content null: AgentJet's text compare would call them equal.
     expect(ts[0].messages[2].calls).not.toBe(ts[1].messages[2].calls);
     expect(mergeTimelines(ts).samples.length).toBe(2);
-    const same = chat('ep/1', { messages: [system, ask, cancel, { role: 'tool', content: '{}', tool_call_id: 'c1' }], response: { role: 'assistant', content: 'OK.' } });
+    const same = chat('ep/1', {
+      messages: [system, ask, cancel, { role: 'tool', content: '{}', tool_call_id: 'c1' }],
+      response: { role: 'assistant', content: 'OK.' },
+    });
     expect(mergeTimelines(chatTimelines([r0, same])).samples.length).toBe(1);
   });
 
   it('tool schema differences are ignored by default and separate timelines with ignoreTools off', () => {
     const r0 = chat('ep/0', { messages: [system, ask], tools: tools('search'), response: { role: 'assistant', content: 'Which date?' } });
-    const r1 = chat('ep/1', { messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }], tools: tools('book'), response: { role: 'assistant', content: 'Done.' } });
+    const r1 = chat('ep/1', {
+      messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }],
+      tools: tools('book'),
+      response: { role: 'assistant', content: 'Done.' },
+    });
     expect(mergeTimelines(chatTimelines([r0, r1])).samples.length).toBe(1);
     const strict = { ignoreTools: false };
     expect(mergeTimelines(chatTimelines([r0, r1], strict), strict).samples.length).toBe(2);
-    const r1same = chat('ep/1', { messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }], tools: tools('search'), response: { role: 'assistant', content: 'Done.' } });
+    const r1same = chat('ep/1', {
+      messages: [system, ask, { role: 'assistant', content: 'Which date?' }, { role: 'user', content: 'Friday.' }],
+      tools: tools('search'),
+      response: { role: 'assistant', content: 'Done.' },
+    });
     expect(mergeTimelines(chatTimelines([r0, r1same], strict), strict).samples.length).toBe(1);
   });
 
@@ -238,7 +276,11 @@ describe('timeline merge on chat records (Qwen3 template)', () => {
     expect(on.map((i) => s.rollout_logprobs![i])).toEqual(logprobs);
     expect(s.tokens.length).toBe(rendered.tokens.length + 1);
     // Same tokens as rendered: no drift, logprobs attached to the rendered tokens.
-    const clean = timelineFromChat(chat('x', { messages: [ask], response: { role: 'assistant', content: 'Yes.', token_ids: gen, logprobs: gen.map(() => -1) } }), encoder, mergeDefaults());
+    const clean = timelineFromChat(
+      chat('x', { messages: [ask], response: { role: 'assistant', content: 'Yes.', token_ids: gen, logprobs: gen.map(() => -1) } }),
+      encoder,
+      mergeDefaults(),
+    );
     expect(clean.drifted).toBe(false);
     // With the fix off the engine's logprobs fit no trained token: a clear error naming the record and field.
     const e = caught(() => timelineFromChat(r, encoder, mergeDefaults({ fixRetokenizationDrift: false }))) as TreepackError;
@@ -253,15 +295,27 @@ describe('bad input', () => {
   it('names the record and field', () => {
     const cases: [unknown, RegExp, string][] = [
       [{ id: 'r', messages: [{ content: 'hi' }], response: 'x' }, /role/, 'messages[0].role'],
-      [{ id: 'r', messages: [ask], response: { role: 'assistant', content: 'x', token_ids: [1, 2], logprobs: [-1] } }, /expected 2 values/, 'response.logprobs'],
-      [{ id: 'r', messages: [ask], response: { role: 'assistant', content: 'x', token_ids: [1, -2] } }, /token id/, 'response.token_ids[1]'],
+      [
+        { id: 'r', messages: [ask], response: { role: 'assistant', content: 'x', token_ids: [1, 2], logprobs: [-1] } },
+        /expected 2 values/,
+        'response.logprobs',
+      ],
+      [
+        { id: 'r', messages: [ask], response: { role: 'assistant', content: 'x', token_ids: [1, -2] } },
+        /token id/,
+        'response.token_ids[1]',
+      ],
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [0, 3] }, /offset in 1\.\.2/, 'message_offsets[1]'],
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [1] }, /starts at 0/, 'message_offsets[0]'],
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [0, 1], message_authors: ['llm', 'robot'] }, /one of llm/, 'message_authors[1]'],
       [{ id: 'r', tokens: [1, 2, 3], message_offsets: [0, 1], message_authors: ['llm'] }, /expected 2 values/, 'message_authors'],
       [{ id: 'r', tokens: [1, 2, 3], message_authors: ['llm'] }, /needs message_offsets/, 'message_authors'],
       // A trainable token outside an 'llm' message would be dropped when its timeline is absorbed.
-      [{ id: 'r', tokens: [1, 2, 3, 4], loss_mask: [0, 0, 1, 1], message_offsets: [0, 2], message_authors: ['user', 'user'] }, /loss_mask\[2\] = 1\) but its author is "user"/, 'message_authors[1]'],
+      [
+        { id: 'r', tokens: [1, 2, 3, 4], loss_mask: [0, 0, 1, 1], message_offsets: [0, 2], message_authors: ['user', 'user'] },
+        /loss_mask\[2\] = 1\) but its author is "user"/,
+        'message_authors[1]',
+      ],
     ];
     for (const [value, re, field] of cases) {
       const e = caught(() => parseRecords(value, where)) as TreepackError;
@@ -272,14 +326,20 @@ describe('bad input', () => {
   });
 
   it('a tool message without a call id', () => {
-    const r = chat('r', { messages: [ask, { role: 'assistant', content: null, tool_calls: [call('f', '{}', 'c1')] }, { role: 'tool', content: '{}' }], response: { role: 'assistant', content: 'ok' } });
+    const r = chat('r', {
+      messages: [ask, { role: 'assistant', content: null, tool_calls: [call('f', '{}', 'c1')] }, { role: 'tool', content: '{}' }],
+      response: { role: 'assistant', content: 'ok' },
+    });
     const e = caught(() => timelineFromChat(r, encoder, mergeDefaults())) as TreepackError;
     expect(e).toBeInstanceOf(TreepackError);
     expect(e.where).toMatchObject({ record: 'r', field: 'messages[2].tool_call_id' });
   });
 
   it('pre-tokenized samples: boundaries make a timeline, other per-token fields pass through', () => {
-    const [s] = parseRecords({ id: 's', tokens: [5, 6, 7, 8], loss_mask: [0, 0, 1, 1], rollout_logprobs: [0, 0, -1, -2], message_offsets: [0, 2] }, where) as Sample[];
+    const [s] = parseRecords(
+      { id: 's', tokens: [5, 6, 7, 8], loss_mask: [0, 0, 1, 1], rollout_logprobs: [0, 0, -1, -2], message_offsets: [0, 2] },
+      where,
+    ) as Sample[];
     const t = timelineFromSample(s)!;
     expect(t.messages.map((m) => [m.author, arr(m.tokens)])).toEqual([
       ['env', [5, 6]],
@@ -293,18 +353,30 @@ describe('bad input', () => {
 describe('timeline snaps', () => {
   const snaps = (ts: Timeline[]) => mergeTimelines(ts, { detectTimelineSnap: true }).report.snaps;
   it('finds where each context broke and the sharing lost', () => {
-    const s = sys(), u1 = user(1), u2 = user(2), u3 = user(3);
+    const s = sys(),
+      u1 = user(1),
+      u2 = user(2),
+      u3 = user(3);
     const truncated = snaps([tl('e/0', [s, u1, context(1), u2, sampled(2)]), tl('e/1', [s, u2, context(2), u3, sampled(3)])]);
     // e/0 = 3+2+2+2+2 tokens; sharing stops after the system prompt, so 8 tokens of it are lost.
     expect(truncated).toEqual([{ episode: 'e', record: 'e/1', previous: 'e/0', message: 1, kind: 'truncation', lostTokens: 8 }]);
-    const newSystem = snaps([tl('e/0', [s, u1, sampled(1)]), tl('e/1', [msg('initialization', 'sys2', [1, 2]), u1, context(1), u2, sampled(2)])]);
+    const newSystem = snaps([
+      tl('e/0', [s, u1, sampled(1)]),
+      tl('e/1', [msg('initialization', 'sys2', [1, 2]), u1, context(1), u2, sampled(2)]),
+    ]);
     expect(newSystem).toMatchObject([{ message: 0, kind: 'system', lostTokens: 7 }]);
     const summary = snaps([tl('e/0', [s, u1, context(1), u2, sampled(2)]), tl('e/1', [s, msg('user', 'summary', [50]), u3, sampled(3)])]);
     expect(summary).toMatchObject([{ message: 1, kind: 'rewrite', lostTokens: 8 }]);
     const rollback = snaps([tl('e/0', [s, u1, context(1), u2, sampled(2)]), tl('e/1', [s, u1])]);
     expect(rollback).toMatchObject([{ message: 2, kind: 'rollback', lostTokens: 6 }]);
     // Extending any earlier context (a retry from an earlier state) is not a snap.
-    expect(snaps([tl('e/0', [s, u1, sampled(1)]), tl('e/1', [s, u1, context(1), u2, sampled(2)]), tl('e/2', [s, u1, context(1), u3, sampled(3)])])).toEqual([]);
+    expect(
+      snaps([
+        tl('e/0', [s, u1, sampled(1)]),
+        tl('e/1', [s, u1, context(1), u2, sampled(2)]),
+        tl('e/2', [s, u1, context(1), u3, sampled(3)]),
+      ]),
+    ).toEqual([]);
   });
 });
 
@@ -317,11 +389,20 @@ function randomTimelines(seed: number, drift: boolean): Timeline[] {
   const r = rng(seed);
   const pick = (n: number) => Math.floor(r() * n);
   const hash = (s: string) => [...s].reduce((h, c) => (Math.imul(h, 31) + c.charCodeAt(0)) >>> 0, 7);
-  const render = (text: string) => [1 + (hash(text) % 50), 1 + (hash(text + '#') % 50), ...Array.from({ length: hash(text) % 3 }, (_, i) => 60 + i)];
+  const render = (text: string) => [
+    1 + (hash(text) % 50),
+    1 + (hash(text + '#') % 50),
+    ...Array.from({ length: hash(text) % 3 }, (_, i) => 60 + i),
+  ];
   const m = (author: Author, text: string): TimelineMessage => msg(author, text, render(text));
   const gen = (text: string): TimelineMessage => {
     const tokens = drift ? [99, ...render(text)] : render(text);
-    return msg('llm', text, tokens, tokens.map((t) => -((t * 7) % 13) / 4));
+    return msg(
+      'llm',
+      text,
+      tokens,
+      tokens.map((t) => -((t * 7) % 13) / 4),
+    );
   };
   const out: Timeline[] = [];
   const episodes = 1 + pick(3);
@@ -333,7 +414,15 @@ function randomTimelines(seed: number, drift: boolean): Timeline[] {
         let state = r() < 0.7 ? states[states.length - 1] : states[pick(states.length)];
         if (r() < 0.1 && state.length > 3) state = [state[0], ...state.slice(2 + pick(state.length - 2))]; // truncation
         const answer = `answer ${pick(4)}`;
-        out.push({ id: `e${e}-${agent}/${k}`, group: 'g', episode: `e${e}`, agent, tools: '', messages: [...state, gen(answer)], source: { file: 'p', line: k } });
+        out.push({
+          id: `e${e}-${agent}/${k}`,
+          group: 'g',
+          episode: `e${e}`,
+          agent,
+          tools: '',
+          messages: [...state, gen(answer)],
+          source: { file: 'p', line: k },
+        });
         states.push([...state, m('env', answer), m('user', `reply ${pick(5)}`)]);
       }
     }
@@ -346,7 +435,11 @@ function randomTimelines(seed: number, drift: boolean): Timeline[] {
  * earlier messages (same text path) takes the sampled tokens.
  */
 function repaired(ts: Timeline[]): Timeline[] {
-  const path = (t: Timeline, i: number) => `${t.episode}|${t.agent}|${t.messages.slice(0, i + 1).map((m) => m.text).join('\u0000')}`;
+  const path = (t: Timeline, i: number) =>
+    `${t.episode}|${t.agent}|${t.messages
+      .slice(0, i + 1)
+      .map((m) => m.text)
+      .join('\u0000')}`;
   const sampledAt = new Map<string, TimelineMessage>();
   for (const t of ts) t.messages.forEach((m, i) => m.author === 'llm' && sampledAt.set(path(t, i), m));
   return ts.map((t) => ({
@@ -362,7 +455,8 @@ function repaired(ts: Timeline[]): Timeline[] {
 function triples(samples: Sample[]): string[] {
   const out: string[] = [];
   for (const s of samples)
-    for (let p = 0; p < s.tokens.length; p++) if (s.loss_mask[p]) out.push(`${s.episode}|${Array.from(s.tokens.subarray(0, p + 1)).join(',')}|${s.rollout_logprobs![p]}`);
+    for (let p = 0; p < s.tokens.length; p++)
+      if (s.loss_mask[p]) out.push(`${s.episode}|${Array.from(s.tokens.subarray(0, p + 1)).join(',')}|${s.rollout_logprobs![p]}`);
   return out.sort();
 }
 
@@ -379,7 +473,14 @@ function forestOf(seqs: ArrayLike<number>[]) {
 
 describe('snap summary', () => {
   it('counts every snap but keeps only the first ones', () => {
-    const snap = (i: number, kind: Snap['kind']): Snap => ({ episode: 'e', record: `r${i}`, previous: `r${i - 1}`, message: 1, kind, lostTokens: i });
+    const snap = (i: number, kind: Snap['kind']): Snap => ({
+      episode: 'e',
+      record: `r${i}`,
+      previous: `r${i - 1}`,
+      message: 1,
+      kind,
+      lostTokens: i,
+    });
     const summary = emptySnapSummary();
     addSnaps(summary, [snap(1, 'truncation'), snap(2, 'rewrite'), snap(3, 'truncation')], 2);
     addSnaps(summary, [snap(4, 'system')], 2);
@@ -431,7 +532,11 @@ describe('timeline merge in the pipeline', () => {
     const { packRecords } = await import('../src/packer/index.js');
     const text = generateJsonl({ groups: 1, seed: 3, minTurns: 3, maxTurns: 8 });
     const run = async (merge: MergeOptions | false) => {
-      const packed = packRecords(Readable.from([text]), { tokenizer: 'qwen3', advantages: 'none', merge: merge === false ? false : { ...merge, detectTimelineSnap: true } });
+      const packed = packRecords(Readable.from([text]), {
+        tokenizer: 'qwen3',
+        advantages: 'none',
+        merge: merge === false ? false : { ...merge, detectTimelineSnap: true },
+      });
       const samples: Sample[] = [];
       for await (const mb of packed) samples.push(...mb.samples);
       return { stats: packed.report(), samples };
@@ -445,7 +550,10 @@ describe('timeline merge in the pipeline', () => {
     expect(merged.stats.snaps.first.every((s) => s.kind === 'truncation')).toBe(true);
     expect(merged.stats.packedTokens).toBeLessThanOrEqual(plain.stats.packedTokens);
     expect(plain.stats.samples).toBe(plain.stats.read.records);
-    const records = text.trim().split('\n').flatMap((l, i) => parseRecords(JSON.parse(l), { file: '<stream>', line: i + 1 }, { defaultId: `line-${i + 1}` })) as ChatRecord[];
+    const records = text
+      .trim()
+      .split('\n')
+      .flatMap((l, i) => parseRecords(JSON.parse(l), { file: '<stream>', line: i + 1 }, { defaultId: `line-${i + 1}` })) as ChatRecord[];
     expect(plain.samples.map((s) => arr(s.tokens))).toEqual(records.map((r) => arr(encoder.encode(r).tokens)));
     expect(plain.samples.map((s) => arr(s.loss_mask))).toEqual(records.map((r) => arr(encoder.encode(r).loss_mask)));
   }, 60_000);

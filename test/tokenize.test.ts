@@ -50,13 +50,23 @@ const weatherTool = {
     parameters: { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer', minimum: 1 } }, required: ['city'] },
   },
 };
-const call = (name: string, args: string | Record<string, unknown>, id = 'call_1') => ({ id, type: 'function', function: { name, arguments: args } });
+const call = (name: string, args: string | Record<string, unknown>, id = 'call_1') => ({
+  id,
+  type: 'function',
+  function: { name, arguments: args },
+});
 
 /** Hand-written conversations and the exact text the policy generated in each. */
 const conversations: [name: string, record: ChatRecord, trainable: string][] = [
   [
     'plain chat with Chinese',
-    rec([{ role: 'system', content: 'You are helpful.' }, { role: 'user', content: 'hello 你好' }], { role: 'assistant', content: 'Hi! 你好呀，有什么可以帮你？' }),
+    rec(
+      [
+        { role: 'system', content: 'You are helpful.' },
+        { role: 'user', content: 'hello 你好' },
+      ],
+      { role: 'assistant', content: 'Hi! 你好呀，有什么可以帮你？' },
+    ),
     '<think>\n\n</think>\n\nHi! 你好呀，有什么可以帮你？<|im_end|>',
   ],
   [
@@ -65,11 +75,19 @@ const conversations: [name: string, record: ChatRecord, trainable: string][] = [
       [
         { role: 'system', content: 'Use tools.' },
         { role: 'user', content: 'Weather in Paris and Tokyo?' },
-        { role: 'assistant', content: null, tool_calls: [call('get_weather', '{"city":"Paris"}'), call('get_weather', { city: 'Tokyo' }, 'call_2')] },
+        {
+          role: 'assistant',
+          content: null,
+          tool_calls: [call('get_weather', '{"city":"Paris"}'), call('get_weather', { city: 'Tokyo' }, 'call_2')],
+        },
         { role: 'tool', content: '{"temp": 20}', tool_call_id: 'call_1' },
         { role: 'tool', content: '{"temp": 25}', tool_call_id: 'call_2' },
       ],
-      { role: 'assistant', content: 'Let me also check Rome.', tool_calls: [call('get_weather', { city: 'Rome', days: 2 }), call('get_weather', '{"city": "Oslo"}')] },
+      {
+        role: 'assistant',
+        content: 'Let me also check Rome.',
+        tool_calls: [call('get_weather', { city: 'Rome', days: 2 }), call('get_weather', '{"city": "Oslo"}')],
+      },
       [weatherTool],
     ),
     '<think>\n\n</think>\n\nLet me also check Rome.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>\n' +
@@ -173,7 +191,10 @@ describe('loadTokenizer', () => {
     expect(err.code).toBe('E_ARG');
     expect(err.message).toMatch(/no chat_template/);
     writeFileSync(join(dir, 'tokenizer_config.json'), '{"chat_template": ');
-    await expect(loadTokenizer(dir)).rejects.toMatchObject({ code: 'E_IO', message: expect.stringMatching(/invalid tokenizer_config\.json/) });
+    await expect(loadTokenizer(dir)).rejects.toMatchObject({
+      code: 'E_IO',
+      message: expect.stringMatching(/invalid tokenizer_config\.json/),
+    });
   });
 });
 
@@ -201,26 +222,33 @@ describe('ChatEncoder', () => {
     const roles = ['system', 'user', 'assistant', 'tool', 'developer', 'narrator'];
     for (const enc of [native, jinja]) expect(roles.map((r) => enc.rendersRole(r))).toEqual([true, true, true, true, false, false]);
     // A template that raises on a role renders none of it.
-    const strict = new ChatEncoder(withTemplate("{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"));
+    const strict = new ChatEncoder(
+      withTemplate(
+        "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+      ),
+    );
     expect([strict.rendersRole('system'), strict.rendersRole('developer')]).toEqual([true, false]);
   });
 
-  it.each(conversations)('%s: encodePrompt is the template with its generation prompt, and the prompt encode trains after', (_name, record) => {
-    // The reference: the whole prompt text as transformers renders it (a tool-calling turn's null content as '').
-    const messages = record.messages.map((m) => ({ ...m, content: m.content ?? '' }));
-    const text = tok.chatTemplate.render({ ...tok.templateVars, messages, tools: record.tools, add_generation_prompt: true });
-    const whole = tok.encode(text);
-    for (const enc of [native, jinja]) {
-      const prompt = enc.encodePrompt(record.messages, record.tools);
-      expect(prompt).toEqual(whole);
-      // what a recorded call with this context is checked against (serve/records.ts): everything before its response
-      const s = enc.encode(record);
-      expect(prompt).toEqual(s.tokens.subarray(0, s.loss_mask.indexOf(1)));
-    }
-    // template variables render through jinja: Qwen3 without thinking closes an empty think block in the prompt
-    const off = native.encodePrompt(record.messages, record.tools, { enable_thinking: false });
-    expect(off).toEqual(tok.encode(text + '<think>\n\n</think>\n\n'));
-  });
+  it.each(conversations)(
+    '%s: encodePrompt is the template with its generation prompt, and the prompt encode trains after',
+    (_name, record) => {
+      // The reference: the whole prompt text as transformers renders it (a tool-calling turn's null content as '').
+      const messages = record.messages.map((m) => ({ ...m, content: m.content ?? '' }));
+      const text = tok.chatTemplate.render({ ...tok.templateVars, messages, tools: record.tools, add_generation_prompt: true });
+      const whole = tok.encode(text);
+      for (const enc of [native, jinja]) {
+        const prompt = enc.encodePrompt(record.messages, record.tools);
+        expect(prompt).toEqual(whole);
+        // what a recorded call with this context is checked against (serve/records.ts): everything before its response
+        const s = enc.encode(record);
+        expect(prompt).toEqual(s.tokens.subarray(0, s.loss_mask.indexOf(1)));
+      }
+      // template variables render through jinja: Qwen3 without thinking closes an empty think block in the prompt
+      const off = native.encodePrompt(record.messages, record.tools, { enable_thinking: false });
+      expect(off).toEqual(tok.encode(text + '<think>\n\n</think>\n\n'));
+    },
+  );
 
   it('renders Qwen3 with Python semantics where the JS jinja interpreter strips all whitespace', () => {
     // str.lstrip('\n') keeps the spaces; @huggingface/jinja 0.5.11 ignores strip's argument.
@@ -248,7 +276,10 @@ describe('ChatEncoder', () => {
 
   it('tokenizes each distinct turn once along a request chain', () => {
     const sys: ChatMessage = { role: 'system', content: 'You are an agent. '.repeat(50) };
-    const turns = [1, 2, 3].map((i) => ({ user: { role: 'user', content: `question ${i}` }, reply: { role: 'assistant', content: `answer ${i}` } }));
+    const turns = [1, 2, 3].map((i) => ({
+      user: { role: 'user', content: `question ${i}` },
+      reply: { role: 'assistant', content: `answer ${i}` },
+    }));
     const chain: ChatRecord[] = [];
     const history: ChatMessage[] = [sys];
     for (const t of turns) {
@@ -294,7 +325,9 @@ describe('ChatEncoder', () => {
       source: { file: 'x.jsonl', line: 4 },
     };
     expect(native.encode(s)).toBe(s);
-    expect(() => new ChatEncoder(tok, { vocabSize: 100 }).encode(s)).toThrow('x.jsonl:4, record "s", field "tokens[1]": token id 200 is outside the vocabulary (size 100)');
+    expect(() => new ChatEncoder(tok, { vocabSize: 100 }).encode(s)).toThrow(
+      'x.jsonl:4, record "s", field "tokens[1]": token id 200 is outside the vocabulary (size 100)',
+    );
   });
 
   it('rejects message text that contains the turn marker, naming the message', () => {
@@ -323,7 +356,9 @@ describe('ChatEncoder', () => {
   });
 
   it('rejects a template without a known turn marker', () => {
-    const t = withTemplate('{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}');
+    const t = withTemplate(
+      '{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}',
+    );
     expect(() => new ChatEncoder(t)).toThrow(/no known turn marker/);
   });
 });

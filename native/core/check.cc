@@ -86,7 +86,8 @@ void CheckOccurrences(const int32_t* pos, const int32_t* parent, int64_t n, int6
     for (int64_t k = off[i]; k < off[i + 1]; k++) {
       const int64_t t = k - off[i], p = sp[k];
       if (t == 0 && mask != nullptr && mask[k] != 0) out.Add(TP_CHECK_LOSS_MASK, k, mask[k], 0, i, t);
-      if (t > 0 && turns != nullptr && turns[k] < turns[k - 1]) out.Add(TP_CHECK_TURN_ORDER, k, turns[k], turns[k - 1], i, t);
+      if (t > 0 && turns != nullptr && turns[k] < turns[k - 1])
+        out.Add(TP_CHECK_TURN_ORDER, k, turns[k], turns[k - 1], i, t);
       if (!(p >= 0 && p < n)) {
         out.Add(TP_CHECK_POSITION_RANGE, k, p, -1, i, t);
         continue;

@@ -132,7 +132,7 @@ inline int64_t key_at(const int32_t* tokens, int32_t start, int32_t len, int32_t
 
 struct Compared {
   int32_t lcp;
-  int64_t key_a, key_b;  // a's and b's keys at lcp
+  int64_t key_a, key_b;                            // a's and b's keys at lcp
   bool a_first() const { return key_a <= key_b; }  // a sorts before b, or they are equal
 };
 
@@ -208,8 +208,8 @@ int32_t find_runs(const int32_t* tokens, const int32_t* offsets, int32_t S, Sort
 // into `out` at lo. hA and hB are the LCPs of the two heads with the last element written and kA, kB their keys:
 // the larger LCP goes first without looking at a token, a tie is decided by the keys, and only a tie of keys too is
 // resolved by scanning the tokens.
-void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo, int32_t mid, int32_t hi,
-           int32_t floor, Sorted out) {
+void merge(const int32_t* tokens, const int32_t* offsets, Sorted in, int32_t lo, int32_t mid, int32_t hi, int32_t floor,
+           Sorted out) {
   int32_t i = lo, j = mid, at = lo;
   int32_t hA = in.lcp[i], hB = in.lcp[j];  // 0: a run's first element
   int64_t kA = in.key[i], kB = in.key[j];
@@ -341,8 +341,7 @@ __attribute__((target("avx2"))) void stream_iota(int32_t* dst, int32_t n, int32_
   int32_t i = whole_lines_from(dst, n);
   iota(dst, i, first);
   const __m256i eight = _mm256_set1_epi32(8);
-  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + i),
-                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i v = _mm256_add_epi32(_mm256_set1_epi32(first + i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (; n - i >= 16; i += 16) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
     v = _mm256_add_epi32(v, eight);
@@ -484,8 +483,8 @@ int tp_plan_create(const int32_t* tokens, int64_t num_tokens, const int32_t* off
   return TP_OK;
 }
 
-int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int32_t* parent,
-                   int32_t* subtree_end, int32_t* seq_positions) {
+int tp_plan_layout(tp_plan* plan, int32_t* input_ids, int32_t* position_ids, int32_t* parent, int32_t* subtree_end,
+                   int32_t* seq_positions) {
   if (plan == nullptr) return TP_ERR_ARG;
   const int32_t S = plan->num_seqs;
   const int32_t* __restrict tokens = plan->tokens;

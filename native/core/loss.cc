@@ -83,8 +83,10 @@ int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* off, int
       }
       if (!mask[j]) continue;
       const int32_t p = pos[j];
-      const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
-      const double g = tl::Occurrence(c, w, tis, seq_log_ratio, lp[p], old[j], adv[j], ref != nullptr ? ref[j] : 0, &sums);
+      const double tis =
+          c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
+      const double g =
+          tl::Occurrence(c, w, tis, seq_log_ratio, lp[p], old[j], adv[j], ref != nullptr ? ref[j] : 0, &sums);
       if (grad != nullptr) acc[p] += g;
     }
   }
@@ -104,8 +106,8 @@ int tp_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const
   tl::Sums sums;
   for (int64_t p = 0; p < N; p++) {
     const double g = n_train[p] == 0 ? 0
-                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p], ref != nullptr ? ref[p] : 0,
-                                                n_train[p], n_pos[p], n_neg[p], &sums);
+                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p],
+                                                ref != nullptr ? ref[p] : 0, n_train[p], n_pos[p], n_neg[p], &sums);
     if (grad != nullptr) grad[p] = static_cast<float>(g);
   }
   sums.Finish(c.kl_coef, out);

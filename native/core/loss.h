@@ -38,9 +38,9 @@ TP_API int tp_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* s
  * loss_scale: loss_scale is not applied again here.
  */
 TP_API int tp_loss_compact(const tp_loss_config* cfg, int64_t num_nodes, const float* lp, const float* old,
-                           const float* ref, const float* pos_weight, const float* neg_weight,
-                           const float* kl_weight, const int32_t* n_train, const int32_t* n_pos,
-                           const int32_t* n_neg, float* grad, tp_loss_metrics* out);
+                           const float* ref, const float* pos_weight, const float* neg_weight, const float* kl_weight,
+                           const int32_t* n_train, const int32_t* n_pos, const int32_t* n_neg, float* grad,
+                           tp_loss_metrics* out);
 
 #ifdef __cplusplus
 }

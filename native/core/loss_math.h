@@ -42,8 +42,9 @@ inline int CheckCompactArgs(const tp_loss_config* c, int64_t N, const float* lp,
                             const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
                             const int32_t* n_pos, const int32_t* n_neg, const tp_loss_metrics* out) {
   if (!ConfigOk(c) || out == nullptr || N < 0 || c->policy == TP_POLICY_GSPO) return TP_ERR_ARG;
-  if (N > 0 && (lp == nullptr || old == nullptr || pos_w == nullptr || neg_w == nullptr || kl_w == nullptr ||
-                n_train == nullptr || n_pos == nullptr || n_neg == nullptr || (c->kl != TP_KL_NONE && ref == nullptr))) {
+  if (N > 0 &&
+      (lp == nullptr || old == nullptr || pos_w == nullptr || neg_w == nullptr || kl_w == nullptr ||
+       n_train == nullptr || n_pos == nullptr || n_neg == nullptr || (c->kl != TP_KL_NONE && ref == nullptr))) {
     return TP_ERR_ARG;
   }
   if (N > INT32_MAX) return TP_ERR_TOO_LARGE;

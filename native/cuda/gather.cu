@@ -57,7 +57,8 @@ int tp_cuda_gather_i32_host(const int32_t* src, int64_t src_n, const int32_t* id
       (err = d_dst.alloc(n)) != cudaSuccess) {
     return Fail(err);
   }
-  const size_t src_bytes = sizeof(int32_t) * static_cast<size_t>(src_n), bytes = sizeof(int32_t) * static_cast<size_t>(n);
+  const size_t src_bytes = sizeof(int32_t) * static_cast<size_t>(src_n),
+               bytes = sizeof(int32_t) * static_cast<size_t>(n);
   if ((src_bytes > 0 && (err = cudaMemcpy(d_src.ptr, src, src_bytes, cudaMemcpyHostToDevice)) != cudaSuccess) ||
       (bytes > 0 && (err = cudaMemcpy(d_idx.ptr, idx, bytes, cudaMemcpyHostToDevice)) != cudaSuccess)) {
     return Fail(err);

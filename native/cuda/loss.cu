@@ -70,7 +70,8 @@ __device__ void SequenceRange(const int32_t* off, int64_t i, int64_t M, int64_t*
 // The turn mode's occurrence counts: trainable[j] = mask[j] != 0 for j < M, 0 at M, so that its exclusive scan
 // `before` [M+1] counts the trainable occurrences in any range [x, y) as before[y] − before[x].
 __global__ void Trainable(const uint8_t* mask, int64_t M, int32_t* trainable) {
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j <= M; j += gridDim.x * static_cast<int64_t>(blockDim.x))
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j <= M;
+       j += gridDim.x * static_cast<int64_t>(blockDim.x))
     trainable[j] = j < M && mask[j] != 0;
 }
 
@@ -78,16 +79,18 @@ __global__ void Trainable(const uint8_t* mask, int64_t M, int32_t* trainable) {
 __device__ int64_t TurnBound(const int32_t* turn, int64_t a, int64_t e, int32_t id, bool upper) {
   while (a < e) {
     const int64_t m = a + (e - a) / 2;
-    if (upper ? turn[m] <= id : turn[m] < id) a = m + 1;
-    else e = m;
+    if (upper ? turn[m] <= id : turn[m] < id)
+      a = m + 1;
+    else
+      e = m;
   }
   return a;
 }
 
 // One block per sequence: trainable count, GSPO's summed log ratio, the sequence-level TIS log weight; in the turn
 // mode also the order check of turn ids, each trainable occurrence's turn size (turn_n) and the turns with any.
-__global__ void SequenceStats(tp_loss_config c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos,
-                              int64_t N, const uint8_t* mask, const float* old, const float* roll, const float* lp,
+__global__ void SequenceStats(tp_loss_config c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos, int64_t N,
+                              const uint8_t* mask, const float* old, const float* roll, const float* lp,
                               const int32_t* turn, const int32_t* before, int32_t* turn_n, int32_t* flags,
                               SeqStats* out) {
   const bool turns = c.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
@@ -130,9 +133,9 @@ __global__ void Normalisers(tp_loss_config c, int64_t S, const SeqStats* seq, do
 // One block per sequence: per-occurrence loss terms; contribution to the gradient per occurrence, metric sums per
 // sequence.
 __global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, int64_t M, const int32_t* pos, int64_t N,
-                            const uint8_t* mask, const float* adv, const float* old, const float* ref, const float* roll,
-                            const float* seq_weight, const int32_t* turn_n, const float* lp, const SeqStats* seq,
-                            const double* norm, double* contrib, tl::Sums* seq_sums) {
+                            const uint8_t* mask, const float* adv, const float* old, const float* ref,
+                            const float* roll, const float* seq_weight, const int32_t* turn_n, const float* lp,
+                            const SeqStats* seq, const double* norm, double* contrib, tl::Sums* seq_sums) {
   const bool turns = c.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
   for (int64_t i = blockIdx.x; i < S; i += gridDim.x) {
     const double n = seq[i].n;
@@ -149,7 +152,8 @@ __global__ void Occurrences(tp_loss_config c, int64_t S, const int32_t* off, int
           contrib[j] = 0;
           continue;
         }
-        const double tis = c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
+        const double tis =
+            c.tis == TP_TIS_TOKEN ? tl::TruncatedWeight(static_cast<double>(old[j]) - roll[j], c) : seq_tis;
         const double w = turns ? tl::TurnWeight(norm[1], seq[i].turns, turn_n[j]) * scale : seq_w;
         const double g = tl::Occurrence(c, w, tis, seq_lr, lp[pos[j]], old[j], adv[j], ref != nullptr ? ref[j] : 0, &s);
         contrib[j] = g;
@@ -171,7 +175,8 @@ __global__ void FinishSums(const tl::Sums* parts, int64_t n, double kl_coef, tp_
 }
 
 __global__ void Iota(int32_t* v, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * static_cast<int64_t>(blockDim.x))
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += gridDim.x * static_cast<int64_t>(blockDim.x))
     v[i] = static_cast<int32_t>(i);
 }
 
@@ -181,15 +186,18 @@ __global__ void Iota(int32_t* v, int64_t n) {
 __device__ int64_t ClampKey(int64_t key, int64_t N) { return key < -1 ? -1 : key > N ? N : key; }
 
 __global__ void SegmentStarts(const int32_t* sorted_key, int64_t M, int64_t N, int32_t* node_off) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k <= M; k += gridDim.x * static_cast<int64_t>(blockDim.x)) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k <= M;
+       k += gridDim.x * static_cast<int64_t>(blockDim.x)) {
     const int64_t prev = k == 0 ? -1 : ClampKey(sorted_key[k - 1], N);
     const int64_t cur = k == M ? N : ClampKey(sorted_key[k], N);
     for (int64_t p = prev + 1; p <= cur; p++) node_off[p] = static_cast<int32_t>(k);
   }
 }
 
-__global__ void SegmentedGrad(const int32_t* node_off, const int32_t* sorted_occ, const double* contrib, int64_t N, float* grad) {
-  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < N; p += gridDim.x * static_cast<int64_t>(blockDim.x)) {
+__global__ void SegmentedGrad(const int32_t* node_off, const int32_t* sorted_occ, const double* contrib, int64_t N,
+                              float* grad) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < N;
+       p += gridDim.x * static_cast<int64_t>(blockDim.x)) {
     double g = 0;
     for (int32_t k = node_off[p]; k < node_off[p + 1]; k++) g += contrib[sorted_occ[k]];
     grad[p] = static_cast<float>(g);
@@ -201,10 +209,11 @@ __global__ void CompactNodes(tp_loss_config c, int64_t N, const float* lp, const
                              const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
                              const int32_t* n_pos, const int32_t* n_neg, float* grad, tl::Sums* block_sums) {
   tl::Sums s;
-  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < N; p += gridDim.x * static_cast<int64_t>(blockDim.x)) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < N;
+       p += gridDim.x * static_cast<int64_t>(blockDim.x)) {
     const double g = n_train[p] == 0 ? 0
-                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p], ref != nullptr ? ref[p] : 0,
-                                                n_train[p], n_pos[p], n_neg[p], &s);
+                                     : tl::Node(c, lp[p], old[p], pos_w[p], neg_w[p], kl_w[p],
+                                                ref != nullptr ? ref[p] : 0, n_train[p], n_pos[p], n_neg[p], &s);
     if (grad) grad[p] = static_cast<float>(g);
   }
   s = BlockReduce(s);
@@ -244,13 +253,14 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
   const bool turns = c.aggregation == TP_AGG_SEQ_MEAN_TURN_MEAN_TOKEN_MEAN;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   size_t sort_bytes = 0, scan_bytes = 0;
-  cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const int32_t*>(nullptr),
-                                                    static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                                    static_cast<int32_t*>(nullptr), static_cast<int>(M), 0, 32, stream);
+  cudaError_t err = cub::DeviceRadixSort::SortPairs(
+      nullptr, sort_bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(M), 0, 32, stream);
   if (err != cudaSuccess) return Fail(err);
   // The scan's count is M + 1 (the end of the last range), int64: M itself may be INT32_MAX.
-  if (turns && (err = cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                                    static_cast<int64_t>(M + 1), stream)) != cudaSuccess) {
+  if (turns && (err = cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
+                                                    static_cast<int32_t*>(nullptr), static_cast<int64_t>(M + 1),
+                                                    stream)) != cudaSuccess) {
     return Fail(err);
   }
   // One allocation: per-sequence stats and sums, normalisers, contributions, the sort's keys/values/scratch,
@@ -262,7 +272,8 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
   const size_t sz_result = Align(sizeof(DeviceResult));
   const size_t sz_turns = turns ? 2 * Align(sizeof(int32_t) * (M + 1)) + sz_idx + Align(scan_bytes) : 0;
   Scratch scratch(stream);
-  if ((err = scratch.alloc(sz_seq + sz_sums + sz_norm + sz_contrib + 3 * sz_idx + sz_off + sz_result + sz_turns + sort_bytes)) != cudaSuccess) {
+  if ((err = scratch.alloc(sz_seq + sz_sums + sz_norm + sz_contrib + 3 * sz_idx + sz_off + sz_result + sz_turns +
+                           sort_bytes)) != cudaSuccess) {
     return Fail(err);
   }
   char* base = static_cast<char*>(scratch.ptr);
@@ -291,24 +302,25 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
   const unsigned seq_blocks = static_cast<unsigned>(S < 1 ? 1 : S < kMaxBlocks ? S : kMaxBlocks);
   if (turns) {
     Trainable<<<BlocksFor(M + 1), kThreads, 0, stream>>>(mask, M, trainable);
-    if ((err = cub::DeviceScan::ExclusiveSum(scan_tmp, scan_bytes, trainable, before, static_cast<int64_t>(M + 1), stream)) != cudaSuccess) {
+    if ((err = cub::DeviceScan::ExclusiveSum(scan_tmp, scan_bytes, trainable, before, static_cast<int64_t>(M + 1),
+                                             stream)) != cudaSuccess) {
       return Fail(err);
     }
   }
   if (S > 0) {
     SequenceStats<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, M, pos, N, mask, old, roll, lp, turn, before, turn_n,
-                                                         &d_result->flags, seq);
+                                                       &d_result->flags, seq);
   }
   Normalisers<<<1, kThreads, 0, stream>>>(c, S, seq, norm);
   if (S > 0) {
-    Occurrences<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, M, pos, N, mask, adv, old, ref, roll, seq_weight, turn_n,
-                                                       lp, seq, norm, contrib, seq_sums);
+    Occurrences<<<seq_blocks, kThreads, 0, stream>>>(c, S, off, M, pos, N, mask, adv, old, ref, roll, seq_weight,
+                                                     turn_n, lp, seq, norm, contrib, seq_sums);
   }
   FinishSums<<<1, kThreads, 0, stream>>>(seq_sums, S, c.kl_coef, &d_result->metrics);
   if (grad != nullptr && N > 0) {
     Iota<<<BlocksFor(M), kThreads, 0, stream>>>(iota, M);
     if (M > 0 && (err = cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, pos, sorted_key, iota, sorted_occ,
-                                                       static_cast<int>(M), 0, 32, stream)) != cudaSuccess) {
+                                                        static_cast<int>(M), 0, 32, stream)) != cudaSuccess) {
       return Fail(err);
     }
     SegmentStarts<<<BlocksFor(M + 1), kThreads, 0, stream>>>(sorted_key, M, N, node_off);
@@ -329,7 +341,8 @@ int tp_cuda_loss(const tp_loss_config* cfg, int64_t S, const int32_t* off, int64
 
 int tp_cuda_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, const float* old, const float* ref,
                          const float* pos_w, const float* neg_w, const float* kl_w, const int32_t* n_train,
-                         const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out, void* stream_ptr) {
+                         const int32_t* n_pos, const int32_t* n_neg, float* grad, tp_loss_metrics* out,
+                         void* stream_ptr) {
   const int rc = tl::CheckCompactArgs(cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, out);
   if (rc != TP_OK) return rc;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -338,8 +351,10 @@ int tp_cuda_loss_compact(const tp_loss_config* cfg, int64_t N, const float* lp, 
   cudaError_t err = scratch.alloc(Align(sizeof(tl::Sums) * blocks) + sizeof(tp_loss_metrics));
   if (err != cudaSuccess) return Fail(err);
   auto* sums = static_cast<tl::Sums*>(scratch.ptr);
-  auto* d_metrics = reinterpret_cast<tp_loss_metrics*>(static_cast<char*>(scratch.ptr) + Align(sizeof(tl::Sums) * blocks));
-  CompactNodes<<<blocks, kThreads, 0, stream>>>(*cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, grad, sums);
+  auto* d_metrics =
+      reinterpret_cast<tp_loss_metrics*>(static_cast<char*>(scratch.ptr) + Align(sizeof(tl::Sums) * blocks));
+  CompactNodes<<<blocks, kThreads, 0, stream>>>(*cfg, N, lp, old, ref, pos_w, neg_w, kl_w, n_train, n_pos, n_neg, grad,
+                                                sums);
   FinishSums<<<1, kThreads, 0, stream>>>(sums, blocks, cfg->kl_coef, d_metrics);
   if ((err = cudaGetLastError()) != cudaSuccess) return Fail(err);
   if ((err = cudaMemcpyAsync(out, d_metrics, sizeof(tp_loss_metrics), cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
@@ -370,10 +385,15 @@ int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t S, const int32_t* off, 
   struct Copy {
     const void* src;
     size_t bytes, room;
-  } copies[] = {{off, sizeof(int32_t) * (S + 1), Align(sizeof(int32_t) * (S + 1))}, {pos, sizeof(int32_t) * M, im},
-                {mask, static_cast<size_t>(M), Align(M)}, {adv, sizeof(float) * M, fm}, {old, sizeof(float) * M, fm},
-                {with_ref ? ref : nullptr, sizeof(float) * M, fm}, {with_roll ? roll : nullptr, sizeof(float) * M, fm},
-                {seq_weight, sizeof(float) * S, fs}, {with_turns ? turn : nullptr, sizeof(int32_t) * M, im},
+  } copies[] = {{off, sizeof(int32_t) * (S + 1), Align(sizeof(int32_t) * (S + 1))},
+                {pos, sizeof(int32_t) * M, im},
+                {mask, static_cast<size_t>(M), Align(M)},
+                {adv, sizeof(float) * M, fm},
+                {old, sizeof(float) * M, fm},
+                {with_ref ? ref : nullptr, sizeof(float) * M, fm},
+                {with_roll ? roll : nullptr, sizeof(float) * M, fm},
+                {seq_weight, sizeof(float) * S, fs},
+                {with_turns ? turn : nullptr, sizeof(int32_t) * M, im},
                 {lp, sizeof(float) * N, fn}};
   void* d[10];
   for (int k = 0; k < 10; k++) {
@@ -385,13 +405,15 @@ int tp_cuda_loss_host(const tp_loss_config* cfg, int64_t S, const int32_t* off, 
     }
   }
   float* d_grad = reinterpret_cast<float*>(base);
-  rc = tp_cuda_loss(cfg, S, static_cast<int32_t*>(d[0]), M, static_cast<int32_t*>(d[1]), static_cast<uint8_t*>(d[2]),
-                    static_cast<float*>(d[3]), static_cast<float*>(d[4]), with_ref ? static_cast<float*>(d[5]) : nullptr,
-                    with_roll ? static_cast<float*>(d[6]) : nullptr, seq_weight ? static_cast<float*>(d[7]) : nullptr,
-                    with_turns ? static_cast<int32_t*>(d[8]) : nullptr, N, static_cast<float*>(d[9]),
-                    grad ? d_grad : nullptr, out, nullptr);
+  rc =
+      tp_cuda_loss(cfg, S, static_cast<int32_t*>(d[0]), M, static_cast<int32_t*>(d[1]), static_cast<uint8_t*>(d[2]),
+                   static_cast<float*>(d[3]), static_cast<float*>(d[4]), with_ref ? static_cast<float*>(d[5]) : nullptr,
+                   with_roll ? static_cast<float*>(d[6]) : nullptr, seq_weight ? static_cast<float*>(d[7]) : nullptr,
+                   with_turns ? static_cast<int32_t*>(d[8]) : nullptr, N, static_cast<float*>(d[9]),
+                   grad ? d_grad : nullptr, out, nullptr);
   if (rc != TP_OK) return rc;
-  if (grad != nullptr && N > 0 && (err = cudaMemcpy(grad, d_grad, sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
+  if (grad != nullptr && N > 0 &&
+      (err = cudaMemcpy(grad, d_grad, sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
     return Fail(err);
   }
   return TP_OK;
@@ -415,13 +437,14 @@ int tp_cuda_loss_compact_host(const tp_loss_config* cfg, int64_t N, const float*
       return Fail(err);
     }
   }
-  rc = tp_cuda_loss_compact(cfg, N, reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]),
-                            src[2] ? reinterpret_cast<float*>(d[2]) : nullptr, reinterpret_cast<float*>(d[3]),
-                            reinterpret_cast<float*>(d[4]), reinterpret_cast<float*>(d[5]), reinterpret_cast<int32_t*>(d[6]),
-                            reinterpret_cast<int32_t*>(d[7]), reinterpret_cast<int32_t*>(d[8]),
-                            grad ? reinterpret_cast<float*>(d[9]) : nullptr, out, nullptr);
+  rc = tp_cuda_loss_compact(
+      cfg, N, reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]),
+      src[2] ? reinterpret_cast<float*>(d[2]) : nullptr, reinterpret_cast<float*>(d[3]), reinterpret_cast<float*>(d[4]),
+      reinterpret_cast<float*>(d[5]), reinterpret_cast<int32_t*>(d[6]), reinterpret_cast<int32_t*>(d[7]),
+      reinterpret_cast<int32_t*>(d[8]), grad ? reinterpret_cast<float*>(d[9]) : nullptr, out, nullptr);
   if (rc != TP_OK) return rc;
-  if (grad != nullptr && N > 0 && (err = cudaMemcpy(grad, d[9], sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
+  if (grad != nullptr && N > 0 &&
+      (err = cudaMemcpy(grad, d[9], sizeof(float) * N, cudaMemcpyDeviceToHost)) != cudaSuccess) {
     return Fail(err);
   }
   return TP_OK;

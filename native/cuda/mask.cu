@@ -132,7 +132,9 @@ struct DeviceBuffer {
   }
   cudaError_t alloc(int64_t bytes) { return cudaMalloc(&ptr, static_cast<size_t>(bytes > 0 ? bytes : 4)); }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr); }
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
 };
 
 struct Events {
@@ -150,8 +152,9 @@ int RunTimed(const int32_t* parent, const int32_t* subtree_end, int64_t n, Devic
   cudaError_t err;
   const size_t bytes = 4 * static_cast<size_t>(n);
   if ((err = d_tree->alloc(8 * n)) != cudaSuccess) return Fail(err);
-  if (n > 0 && ((parent != nullptr && (err = cudaMemcpy(d_tree->ptr, parent, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) ||
-                (err = cudaMemcpy(d_tree->as<int32_t>() + n, subtree_end, bytes, cudaMemcpyHostToDevice)) != cudaSuccess)) {
+  if (n > 0 &&
+      ((parent != nullptr && (err = cudaMemcpy(d_tree->ptr, parent, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) ||
+       (err = cudaMemcpy(d_tree->as<int32_t>() + n, subtree_end, bytes, cudaMemcpyHostToDevice)) != cudaSuccess)) {
     return Fail(err);
   }
   Events ev;
@@ -226,8 +229,9 @@ int tp_cuda_mask_dense_host(const int32_t* parent, const int32_t* subtree_end, i
   DeviceBuffer d_tree, d_out;
   cudaError_t err;
   if ((err = d_out.alloc(n * n)) != cudaSuccess) return Fail(err);
-  rc = RunTimed(parent, subtree_end, n, &d_tree, kernel_ms,
-                [&](const int32_t* p, const int32_t* se) { return tp_cuda_mask_dense(p, se, n, d_out.as<uint8_t>(), nullptr); });
+  rc = RunTimed(parent, subtree_end, n, &d_tree, kernel_ms, [&](const int32_t* p, const int32_t* se) {
+    return tp_cuda_mask_dense(p, se, n, d_out.as<uint8_t>(), nullptr);
+  });
   if (rc != TP_OK) return rc;
   if (n > 0 && (err = cudaMemcpy(out, d_out.ptr, static_cast<size_t>(n * n), cudaMemcpyDeviceToHost)) != cudaSuccess) {
     return Fail(err);
@@ -244,10 +248,12 @@ int tp_cuda_mask_bits_host(const int32_t* parent, const int32_t* subtree_end, in
   DeviceBuffer d_tree, d_out;
   cudaError_t err;
   if ((err = d_out.alloc(bytes)) != cudaSuccess) return Fail(err);
-  rc = RunTimed(parent, subtree_end, n, &d_tree, kernel_ms,
-                [&](const int32_t* p, const int32_t* se) { return tp_cuda_mask_bits(p, se, n, d_out.as<uint32_t>(), nullptr); });
+  rc = RunTimed(parent, subtree_end, n, &d_tree, kernel_ms, [&](const int32_t* p, const int32_t* se) {
+    return tp_cuda_mask_bits(p, se, n, d_out.as<uint32_t>(), nullptr);
+  });
   if (rc != TP_OK) return rc;
-  if (bytes > 0 && (err = cudaMemcpy(out, d_out.ptr, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost)) != cudaSuccess) {
+  if (bytes > 0 &&
+      (err = cudaMemcpy(out, d_out.ptr, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost)) != cudaSuccess) {
     return Fail(err);
   }
   return TP_OK;
@@ -259,7 +265,8 @@ int tp_cuda_mask_blocks_host(const int32_t* subtree_end, int64_t n, int32_t bloc
   if (rc != TP_OK) return rc;
   if (block_size < 1) return TP_ERR_ARG;
   const int64_t nb = (n + block_size - 1) / block_size;
-  if (nb > 0 && (kv_num == nullptr || kv_idx == nullptr || full_num == nullptr || full_idx == nullptr)) return TP_ERR_ARG;
+  if (nb > 0 && (kv_num == nullptr || kv_idx == nullptr || full_num == nullptr || full_idx == nullptr))
+    return TP_ERR_ARG;
   DeviceBuffer d_tree, d_num, d_kv, d_full;
   cudaError_t err;
   if ((err = d_num.alloc(8 * nb)) != cudaSuccess || (err = d_kv.alloc(4 * nb * nb)) != cudaSuccess ||

@@ -87,9 +87,9 @@ TP_API int tp_cuda_mask_blocks_host(const int32_t* subtree_end, int64_t n, int32
  * The RL loss (tp_loss: the same arguments and statuses) on device pointers, enqueued on `stream` (NULL = default
  * stream); returns after synchronising the stream, with the metrics in host memory `out`. Offsets and positions
  * are checked on the device (and turn ids in the turn mode), every read guarded, and the check's result read with
- * the metrics: TP_ERR_OFFSETS / TP_ERR_INDEX / TP_ERR_TURNS as tp_loss gives them (out is then untouched; grad's contents are unspecified). Deterministic: no
- * float atomics, fixed reduction order (bit-identical run to run). grad may be NULL. Scratch is allocated
- * stream-ordered (cudaMallocAsync) and freed before returning.
+ * the metrics: TP_ERR_OFFSETS / TP_ERR_INDEX / TP_ERR_TURNS as tp_loss gives them (out is then untouched; grad's
+ * contents are unspecified). Deterministic: no float atomics, fixed reduction order (bit-identical run to run). grad
+ * may be NULL. Scratch is allocated stream-ordered (cudaMallocAsync) and freed before returning.
  */
 TP_API int tp_cuda_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32_t* seq_offsets, int64_t num_occ,
                         const int32_t* seq_positions, const uint8_t* loss_mask, const float* advantages,
@@ -97,7 +97,8 @@ TP_API int tp_cuda_loss(const tp_loss_config* cfg, int64_t num_seqs, const int32
                         const float* seq_weight, const int32_t* turn_ids, int64_t num_nodes, const float* lp,
                         float* grad, tp_loss_metrics* out, void* stream);
 
-/* The compact per-node form (tp_loss_compact: the same arguments and statuses, ref required with KL) on device pointers. */
+/* The compact per-node form (tp_loss_compact: the same arguments and statuses, ref required with KL) on device
+ * pointers. */
 TP_API int tp_cuda_loss_compact(const tp_loss_config* cfg, int64_t num_nodes, const float* lp, const float* old,
                                 const float* ref, const float* pos_weight, const float* neg_weight,
                                 const float* kl_weight, const int32_t* n_train, const int32_t* n_pos,

@@ -66,17 +66,17 @@ inline Napi::Value Init(const Napi::CallbackInfo& info) {
 }  // namespace treepack
 
 // Throws TreepackError(code, message) and returns from the calling binding function when `cond` is false.
-#define TP_REQUIRE(env, cond, code, message)            \
-  do {                                                  \
-    if (!(cond)) {                                      \
+#define TP_REQUIRE(env, cond, code, message)              \
+  do {                                                    \
+    if (!(cond)) {                                        \
       ::treepack::ThrowTreepackError(env, code, message); \
-      return (env).Undefined();                         \
-    }                                                   \
+      return (env).Undefined();                           \
+    }                                                     \
   } while (0)
 
 // Returns from the calling binding function when a JS call made through node-addon-api left an exception pending.
-#define TP_RETURN_IF_PENDING(env)                          \
-  do {                                                     \
+#define TP_RETURN_IF_PENDING(env)                             \
+  do {                                                        \
     if ((env).IsExceptionPending()) return (env).Undefined(); \
   } while (0)
 

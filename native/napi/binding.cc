@@ -12,8 +12,8 @@
 namespace {
 
 // In the order tp_plan_layout takes them, then seq_offsets, which is a copy of the input offsets.
-const char* const kOutputNames[] = {"input_ids", "position_ids", "parent", "subtree_end", "seq_positions",
-                                    "seq_offsets"};
+const char* const kOutputNames[] = {"input_ids",   "position_ids",  "parent",
+                                    "subtree_end", "seq_positions", "seq_offsets"};
 constexpr size_t kNumOutputs = sizeof kOutputNames / sizeof kOutputNames[0];
 
 struct Output {
@@ -28,8 +28,7 @@ struct Output {
 // length; the others are allocated here and filled directly by the core.
 Napi::Value PackForest(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  TP_REQUIRE(env, info.Length() >= 2 && treepack::IsInt32Array(info[0]), "E_ARG",
-             "Expected an Int32Array for tokens");
+  TP_REQUIRE(env, info.Length() >= 2 && treepack::IsInt32Array(info[0]), "E_ARG", "Expected an Int32Array for tokens");
   TP_REQUIRE(env, treepack::IsInt32Array(info[1]), "E_ARG", "Expected an Int32Array for offsets");
   const bool has_out = info.Length() >= 3 && !info[2].IsUndefined();
   TP_REQUIRE(env, !has_out || info[2].IsObject(), "E_ARG", "Expected an object of Int32Arrays for out");

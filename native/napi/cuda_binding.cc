@@ -71,9 +71,9 @@ Napi::Value Loss(const Napi::CallbackInfo& info) {
   treepack::LossArgs a;
   if (!treepack::ParseLossArgs(info, &a)) return env.Undefined();
   tp_loss_metrics m;
-  const int status = tp_cuda_loss_host(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask,
-                                       a.advantages, a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.seq_weight,
-                                       a.turn_ids, a.N, a.lp, a.grad, &m);
+  const int status =
+      tp_cuda_loss_host(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask, a.advantages, a.old_logprobs,
+                        a.ref_logprobs, a.rollout_logprobs, a.seq_weight, a.turn_ids, a.N, a.lp, a.grad, &m);
   TP_REQUIRE_CUDA_OK(env, status);
   return treepack::LossMetricsObject(env, m);
 }

@@ -10,11 +10,12 @@
 namespace {
 
 // As cuda_binding.cc: a CUDA runtime failure names the CUDA error, any other status its message.
-#define TP_REQUIRE_CUDA(env, status)                                                                              \
-  TP_REQUIRE(env, (status) == TP_OK, treepack::StatusErrorCode(status),                                          \
-             (status) == TP_ERR_DEVICE || (status) == TP_ERR_ALLOC                                               \
-                 ? "CUDA error " + std::to_string(tp_cuda_last_error()) + ": " + tp_cuda_error_string(tp_cuda_last_error()) \
-                 : std::string(tp_cuda_status_string(status)))
+#define TP_REQUIRE_CUDA(env, status)                                                                                 \
+  TP_REQUIRE(                                                                                                        \
+      env, (status) == TP_OK, treepack::StatusErrorCode(status),                                                     \
+      (status) == TP_ERR_DEVICE || (status) == TP_ERR_ALLOC                                                          \
+          ? "CUDA error " + std::to_string(tp_cuda_last_error()) + ": " + tp_cuda_error_string(tp_cuda_last_error()) \
+          : std::string(tp_cuda_status_string(status)))
 
 Napi::Object WithTime(Napi::Env env, Napi::Value data, float ms) {
   Napi::Object result = Napi::Object::New(env);

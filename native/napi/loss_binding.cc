@@ -8,9 +8,9 @@ Napi::Value Loss(const Napi::CallbackInfo& info) {
   treepack::LossArgs a;
   if (!treepack::ParseLossArgs(info, &a)) return env.Undefined();
   tp_loss_metrics m;
-  const int status = tp_loss(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask, a.advantages,
-                             a.old_logprobs, a.ref_logprobs, a.rollout_logprobs, a.seq_weight, a.turn_ids, a.N, a.lp,
-                             a.grad, &m);
+  const int status =
+      tp_loss(&a.config, a.S, a.seq_offsets, a.M, a.seq_positions, a.loss_mask, a.advantages, a.old_logprobs,
+              a.ref_logprobs, a.rollout_logprobs, a.seq_weight, a.turn_ids, a.N, a.lp, a.grad, &m);
   TP_REQUIRE(env, status == TP_OK, treepack::StatusErrorCode(status), tp_status_string(status));
   return treepack::LossMetricsObject(env, m);
 }

@@ -1,6 +1,6 @@
 // Argument plumbing of the loss functions, shared by the CPU addon (loss_binding.cc) and the CUDA addon
-// (cuda_binding.cc): both take the same typed arrays and return the same metrics object. Inputs are validated in TypeScript (src/backend/ops.ts); here only types and
-// lengths are re-checked.
+// (cuda_binding.cc): both take the same typed arrays and return the same metrics object. Inputs are validated in
+// TypeScript (src/backend/ops.ts); here only types and lengths are re-checked.
 #ifndef TREEPACK_NAPI_LOSS_BINDING_H
 #define TREEPACK_NAPI_LOSS_BINDING_H
 
@@ -157,7 +157,6 @@ inline Napi::Value LossMetricsObject(Napi::Env env, const tp_loss_metrics& m) {
 #undef TP_SET_METRIC
   return o;
 }
-
 
 }  // namespace treepack
 

@@ -22,8 +22,9 @@ bool ReadTree(const Napi::CallbackInfo& info, bool with_end, Tree* t) {
   Napi::Env env = info.Env();
   if (info.Length() < (with_end ? 2u : 1u) || !treepack::IsInt32Array(info[0]) ||
       (with_end && !treepack::IsInt32Array(info[1]))) {
-    treepack::ThrowTreepackError(env, "E_ARG",
-                                 with_end ? "Expected Int32Arrays for parent and subtree_end" : "Expected an Int32Array for parent");
+    treepack::ThrowTreepackError(
+        env, "E_ARG",
+        with_end ? "Expected Int32Arrays for parent and subtree_end" : "Expected an Int32Array for parent");
     return false;
   }
   t->parent = info[0].As<Napi::Int32Array>();

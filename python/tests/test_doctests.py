@@ -43,15 +43,43 @@ import treepack
 PACKAGE = os.path.dirname(os.path.abspath(treepack.__file__))
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-SAMPLES = "".join(json.dumps(r) + "\n" for r in [
-    {"id": "a", "group": "g1", "reward": 1, "tokens": [2, 3, 4, 5, 6, 7, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1],
-     "old_logprobs": [0, 0, 0, 0, -4.2, -4.0, -4.2]},
-    {"id": "b", "group": "g1", "reward": 0, "tokens": [2, 3, 4, 5, 8, 9, 1], "loss_mask": [0, 0, 0, 0, 1, 1, 1],
-     "old_logprobs": [0, 0, 0, 0, -4.2, -4.1, -4.1]},
-    {"id": "c", "group": "g2", "reward": 1, "tokens": [2, 3, 10, 11, 12, 1], "loss_mask": [0, 0, 0, 1, 1, 1],
-     "old_logprobs": [0, 0, 0, -4.1, -4.2, -4.0]},
-    {"id": "d", "group": "g2", "reward": 0, "tokens": [2, 3, 10, 13, 1], "loss_mask": [0, 0, 0, 1, 1], "old_logprobs": [0, 0, 0, -4.1, -4.2]},
-])
+SAMPLES = "".join(
+    json.dumps(r) + "\n"
+    for r in [
+        {
+            "id": "a",
+            "group": "g1",
+            "reward": 1,
+            "tokens": [2, 3, 4, 5, 6, 7, 1],
+            "loss_mask": [0, 0, 0, 0, 1, 1, 1],
+            "old_logprobs": [0, 0, 0, 0, -4.2, -4.0, -4.2],
+        },
+        {
+            "id": "b",
+            "group": "g1",
+            "reward": 0,
+            "tokens": [2, 3, 4, 5, 8, 9, 1],
+            "loss_mask": [0, 0, 0, 0, 1, 1, 1],
+            "old_logprobs": [0, 0, 0, 0, -4.2, -4.1, -4.1],
+        },
+        {
+            "id": "c",
+            "group": "g2",
+            "reward": 1,
+            "tokens": [2, 3, 10, 11, 12, 1],
+            "loss_mask": [0, 0, 0, 1, 1, 1],
+            "old_logprobs": [0, 0, 0, -4.1, -4.2, -4.0],
+        },
+        {
+            "id": "d",
+            "group": "g2",
+            "reward": 0,
+            "tokens": [2, 3, 10, 13, 1],
+            "loss_mask": [0, 0, 0, 1, 1],
+            "old_logprobs": [0, 0, 0, -4.1, -4.2],
+        },
+    ]
+)
 PACKS = {
     "packed": ["--max-tokens", "16", "--dp", "2", "--masks", "block:128,slices"],
     "planned": ["--max-tokens", "8", "--prefix-reuse", "64"],
@@ -118,9 +146,19 @@ def workdir(model: bool) -> str:
         transformers.utils.logging.disable_progress_bar()  # loading tiny-model in the examples would draw one each time
         path = os.path.join(_fixtures["dir"], "tiny-model")
         torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
-                             pad_token_id=0, eos_token_id=1)
+        config = Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
         Qwen3ForCausalLM(config).save_pretrained(path)
         words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 64)}}, unk_token="<pad>"))
         words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -158,8 +196,16 @@ def service() -> str:
                 time.sleep(0.1)
         post(url + "/start_rollout", {"num_repeat_per_sample": 2})
         for uid, answer in enumerate(["3", "4"]):
-            post(url + "/buffer/write", {"uid": uid, "instance_id": 0, "reward": uid, "extra_info": {},
-                                         "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]})
+            post(
+                url + "/buffer/write",
+                {
+                    "uid": uid,
+                    "instance_id": 0,
+                    "reward": uid,
+                    "extra_info": {},
+                    "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}],
+                },
+            )
         _fixtures["url"] = url
     return _fixtures["url"]
 

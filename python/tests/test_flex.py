@@ -79,7 +79,9 @@ class TreeBuilders(unittest.TestCase):
                 for B in (1, 2, 3, 8):
                     got, want = block_arrays_windowed(se, pos, W, B), block_arrays_from_dense(dense, B)
                     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-                        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"trial {trial}, W = {W}, B = {B}: {name}")
+                        np.testing.assert_array_equal(
+                            getattr(got, name), getattr(want, name), err_msg=f"trial {trial}, W = {W}, B = {B}: {name}"
+                        )
         for bad in (0, -1, 2.5, True, None):
             with self.assertRaises(treepack.TreepackError) as cm:
                 block_arrays_windowed(np.array([1]), np.array([0]), bad, 1)

@@ -59,7 +59,12 @@ class CoreLossTest(unittest.TestCase):
             self.fx = json.load(f)
         self.batch, self.lp = fixture_batch(self.fx)
         p = self.fx["params"]
-        self.vanilla = {"clip_low": p["clip_low"], "clip_high": p["clip_high"], "dual_clip": p["dual_clip_c"], "log_ratio_clamp": p["log_ratio_clamp"]}
+        self.vanilla = {
+            "clip_low": p["clip_low"],
+            "clip_high": p["clip_high"],
+            "dual_clip": p["dual_clip_c"],
+            "log_ratio_clamp": p["log_ratio_clamp"],
+        }
 
     def test_fixture(self):
         e = self.fx["expected"]
@@ -110,9 +115,15 @@ class TypedConfigTest(unittest.TestCase):
         self.assertIs(treepack.LossConfig, tl.LossConfig)
 
     def test_same_checks_as_the_dict(self):
-        for kwargs, name in (({"policy": "ppo2"}, "policy"), ({"dual_clip": 1}, "dual_clip"), ({"clip_low": -1}, "clip_low"),
-                             ({"loss_scale": -2}, "loss_scale"), ({"loss_scale": float("nan")}, "loss_scale"),
-                             ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"), ({"policy": "cispo", "dual_clip": 2}, "dual_clip")):
+        for kwargs, name in (
+            ({"policy": "ppo2"}, "policy"),
+            ({"dual_clip": 1}, "dual_clip"),
+            ({"clip_low": -1}, "clip_low"),
+            ({"loss_scale": -2}, "loss_scale"),
+            ({"loss_scale": float("nan")}, "loss_scale"),
+            ({"aggregation": "seq-mean-token-sum-norm"}, "norm_constant"),
+            ({"policy": "cispo", "dual_clip": 2}, "dual_clip"),
+        ):
             with self.subTest(kwargs=kwargs):
                 for build in (functools.partial(tl.LossConfig, **kwargs), functools.partial(tl.make_config, kwargs)):
                     with self.assertRaises(tl.TreepackError) as cm:
@@ -149,7 +160,9 @@ class TurnsTest(unittest.TestCase):
         self.assertEqual(self.mb.turn_ids.tolist(), [-1, 0, 0, 1, 1, -1, 0, 0, 0])
         self.assertEqual(treepack.check_invariants(self.mb), [])
         self.mb.turn_ids[3] = -4
-        self.assertEqual(treepack.check_invariants(self.mb), ["turn_ids decreasing along a sequence (1): turn_ids[3] = -4 after 0 (sequence 0, t = 3)"])
+        self.assertEqual(
+            treepack.check_invariants(self.mb), ["turn_ids decreasing along a sequence (1): turn_ids[3] = -4 after 0 (sequence 0, t = 3)"]
+        )
         for turns in ([[3, 1], [1]], [[1, 5], [1]], [[1]]):
             with self.assertRaises(tl.TreepackError) as cm:
                 treepack.pack_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]], turns=turns)
@@ -159,8 +172,11 @@ class TurnsTest(unittest.TestCase):
         mb = treepack.pack_sequences([], turns=[])
         mb.advantages = mb.old_logprobs = np.zeros(0, dtype=np.float32)
         for turn_ids in (mb.turn_ids, None):  # nothing to aggregate: no turn ids needed either
-            loss, grad, m = tl.loss_numpy(dataclasses.replace(mb, turn_ids=turn_ids), np.zeros(0, dtype=np.float32),
-                                          {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3})
+            loss, grad, m = tl.loss_numpy(
+                dataclasses.replace(mb, turn_ids=turn_ids),
+                np.zeros(0, dtype=np.float32),
+                {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3},
+            )
             self.assertEqual((loss, grad.size, m["trainable_tokens"]), (0.0, 0, 0))
 
     def test_refusals_name_the_field(self):
@@ -177,7 +193,9 @@ class TurnsTest(unittest.TestCase):
             self.assertEqual(cm.exception.field, "seq_weight")
         # turn_ids are read by the turn mode only; one turn per sequence there is seq-mean-token-mean.
         one = {**as_dict, "turn_ids": np.zeros_like(self.mb.turn_ids)}
-        self.assertAlmostEqual(tl.loss_numpy(one, self.lp, turns)[0], tl.loss_numpy(one, self.lp, {"aggregation": "seq-mean-token-mean"})[0], delta=1e-7)
+        self.assertAlmostEqual(
+            tl.loss_numpy(one, self.lp, turns)[0], tl.loss_numpy(one, self.lp, {"aggregation": "seq-mean-token-mean"})[0], delta=1e-7
+        )
 
 
 def cuda_device_name(lib):
@@ -222,14 +240,40 @@ class CudaLibraryLossTest(unittest.TestCase):
 
     def cuda_loss(self, entry, mb, lp, config):
         cfg = tl.make_config(config)
-        arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
-            (mb.seq_offsets, np.int32), (mb.seq_positions, np.int32), (mb.loss_mask, np.uint8), (mb.advantages, np.float32),
-            (mb.old_logprobs, np.float32), (mb.ref_logprobs, np.float32), (mb.rollout_logprobs, np.float32), (mb.turn_ids, np.int32))]
+        arrays = [
+            np.ascontiguousarray(a, dtype=t)
+            for a, t in (
+                (mb.seq_offsets, np.int32),
+                (mb.seq_positions, np.int32),
+                (mb.loss_mask, np.uint8),
+                (mb.advantages, np.float32),
+                (mb.old_logprobs, np.float32),
+                (mb.ref_logprobs, np.float32),
+                (mb.rollout_logprobs, np.float32),
+                (mb.turn_ids, np.int32),
+            )
+        ]
         off, pos, mask, adv, old, ref, roll, turn = arrays
         grad, metrics = np.zeros(lp.size, dtype=np.float32), tl.LossMetrics()
         P = _native.pointer
-        args = [ctypes.byref(cfg), off.size - 1, P(off), pos.size, P(pos), P(mask), P(adv), P(old), P(ref), P(roll), None, P(turn),
-                lp.size, P(lp), P(grad), ctypes.byref(metrics)]
+        args = [
+            ctypes.byref(cfg),
+            off.size - 1,
+            P(off),
+            pos.size,
+            P(pos),
+            P(mask),
+            P(adv),
+            P(old),
+            P(ref),
+            P(roll),
+            None,
+            P(turn),
+            lp.size,
+            P(lp),
+            P(grad),
+            ctypes.byref(metrics),
+        ]
         rc = getattr(CUDA_LIB, entry)(*args, *([None] if entry == "tp_cuda_loss" else []))
         self.assertEqual(rc, 0, tl.status_message(rc))
         return metrics.loss, grad, metrics.as_dict()

@@ -23,9 +23,7 @@ from treepack.microbatch import TreepackError
 SAFETENSORS_DTYPE = {np.dtype("<i4"): "I32", np.dtype("u1"): "U8", np.dtype("<f4"): "F32", np.dtype("<i8"): "I64"}
 
 
-def safetensors_bytes(
-    tensors: Sequence[tuple[str, str, np.ndarray]], metadata: dict[str, str] | None = None, gap: int = 0
-) -> bytes:
+def safetensors_bytes(tensors: Sequence[tuple[str, str, np.ndarray]], metadata: dict[str, str] | None = None, gap: int = 0) -> bytes:
     """tensors as (name, dtype name, array) laid out in the given order, `gap` zero bytes before each."""
     header: dict[str, object] = {}
     if metadata is not None:
@@ -243,7 +241,9 @@ class ReaderTest(unittest.TestCase):
             h["position_ids"]["data_offsets"] = [b + 4, e + 4]
 
         self.assert_input_error(rebuilt(overlap), "position_ids", "invalid offset")
-        self.assert_input_error(self.write(safetensors_bytes([t for t in tensors if t[0] != "subtree_end"], meta)), "subtree_end", "missing")
+        self.assert_input_error(
+            self.write(safetensors_bytes([t for t in tensors if t[0] != "subtree_end"], meta)), "subtree_end", "missing"
+        )
         self.assert_input_error(rebuilt(lambda h: h["loss_mask"].update(dtype="I8")), "loss_mask", "expected U8")
         self.assert_input_error(rebuilt(lambda h: h["__metadata__"].update(format="treepack/2")), "format", "treepack/2")
         self.assert_input_error(rebuilt(lambda h: h["__metadata__"].update(num_tokens_packed="9")), "num_tokens_packed", "tensors say 5")
@@ -330,8 +330,9 @@ class InvariantTest(unittest.TestCase):
 
         parent, out, roots = np.array([-1, 0], dtype=np.int64), np.zeros(3, dtype=np.int32), ctypes.c_int64(0)
         with self.assertRaises(ctypes.ArgumentError):
-            _native.core().tp_mask_cu_seqlens(parent.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), 2, _native.pointer(out), 3,
-                                              ctypes.byref(roots))
+            _native.core().tp_mask_cu_seqlens(
+                parent.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), 2, _native.pointer(out), 3, ctypes.byref(roots)
+            )
         with self.assertRaises(ctypes.ArgumentError):
             _native.core().tp_mask_cu_seqlens(_native.pointer(parent), 2, _native.pointer(out), 3, ctypes.byref(roots))
         ok = _native.core().tp_mask_cu_seqlens(_native.pointer(parent.astype(np.int32)), 2, _native.pointer(out), 3, ctypes.byref(roots))
@@ -421,7 +422,8 @@ class ValuesTest(unittest.TestCase):
             old = np.array([np.inf, -1, -np.inf, np.nan, np.nan, 0, -1], "<f4")
             path = self.write(d, "inf.safetensors", {"loss_mask": mask, "old_logprobs": old})
             self.assertEqual(
-                treepack.check_values(treepack.load(path)), ["old_logprobs not finite at a trainable occurrence (1): old_logprobs[2] = -inf"]
+                treepack.check_values(treepack.load(path)),
+                ["old_logprobs not finite at a trainable occurrence (1): old_logprobs[2] = -inf"],
             )
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
@@ -472,8 +474,12 @@ class DirectoryTest(unittest.TestCase):
                     f.write(safetensors_bytes(tensors, meta))
                 if gen == "gen-000002":
                     self.entries.append(
-                        {"file": name, "sequences": len(seqs), "naive_tokens": int(meta["num_tokens_naive"]),
-                         "packed_tokens": int(meta["num_tokens_packed"])}
+                        {
+                            "file": name,
+                            "sequences": len(seqs),
+                            "naive_tokens": int(meta["num_tokens_naive"]),
+                            "packed_tokens": int(meta["num_tokens_packed"]),
+                        }
                     )
         os.makedirs(os.path.join(self.dir, ".treepack-staging-gen-000003", "files"))
         self.write_manifest({"format": "treepack/1", "generation": 2, "micro_batches": self.entries})
@@ -518,7 +524,9 @@ class DirectoryTest(unittest.TestCase):
         self.assertEqual(len(out.getvalue().splitlines()), 2)
         self.assertIn("gen-000002", out.getvalue())
         # An entry naming a file of another run (other counts) fails the check.
-        self.write_manifest({"format": "treepack/1", "micro_batches": [dict(self.entries[0], file="gen-000001/microbatch-00002.safetensors")]})
+        self.write_manifest(
+            {"format": "treepack/1", "micro_batches": [dict(self.entries[0], file="gen-000001/microbatch-00002.safetensors")]}
+        )
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             self.assertEqual(main(["check", self.dir]), 1)

@@ -87,7 +87,10 @@ class PlanTest(unittest.TestCase):
                     self.assertEqual(len(plan.micro_batches), self.fewest(order, seqs, keys, budget))
                     self.assertEqual(plan.packed_tokens, self.cheapest(order, seqs, keys, len(plan.micro_batches), budget))
                     again = plan_micro_batches(seqs, max_tokens=budget, groups=keys, loss_masks=masks)
-                    self.assertEqual([(m.sequences.tolist(), m.groups) for m in again.micro_batches], [(m.sequences.tolist(), m.groups) for m in plan.micro_batches])
+                    self.assertEqual(
+                        [(m.sequences.tolist(), m.groups) for m in again.micro_batches],
+                        [(m.sequences.tolist(), m.groups) for m in plan.micro_batches],
+                    )
 
     def runs(self, order, seqs, keys, ends):
         starts = [0] + ends[:-1]
@@ -116,7 +119,10 @@ class PlanTest(unittest.TestCase):
                     self.check(plan, seqs, keys, masks)
                     self.assertEqual(len(plan.micro_batches), count)
                     order = self.group_order(plan, keys)
-                    best = min(max(self.runs(order, seqs, keys, list(c) + [len(order)])) for c in itertools.combinations(range(1, len(order)), count - 1))
+                    best = min(
+                        max(self.runs(order, seqs, keys, list(c) + [len(order)]))
+                        for c in itertools.combinations(range(1, len(order)), count - 1)
+                    )
                     limit = int(best * 1.03)
                     self.assertLessEqual(max(m.packed_tokens for m in plan.micro_batches), limit)
                     self.assertEqual(plan.packed_tokens, self.cheapest(order, seqs, keys, count, limit))
@@ -134,8 +140,12 @@ class PlanTest(unittest.TestCase):
         plan = plan_micro_batches(seqs, max_tokens=30)
         self.assertEqual(plan.trainable_tokens, sum(len(s) - 1 for s in seqs))
         self.assertTrue(all(m.packed_tokens <= 30 for m in plan.micro_batches))
-        for bad, field in (({"max_tokens": 0}, "max_tokens"), ({}, "max_tokens"), ({"num_micro_batches": 3, "dp": 2}, "num_micro_batches"),
-                           ({"max_tokens": 40, "groups": keys[:-1]}, "groups")):
+        for bad, field in (
+            ({"max_tokens": 0}, "max_tokens"),
+            ({}, "max_tokens"),
+            ({"num_micro_batches": 3, "dp": 2}, "num_micro_batches"),
+            ({"max_tokens": 40, "groups": keys[:-1]}, "groups"),
+        ):
             with self.assertRaises(TreepackError) as e:
                 plan_micro_batches(seqs, **bad)
             self.assertEqual(e.exception.field, field)

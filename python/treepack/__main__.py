@@ -58,10 +58,7 @@ def check(paths: list[str], vocab_size: int | None = None) -> int:
                 print(f"  {v}")
         else:
             m = mb.meta
-            print(
-                f"{path}: OK ({m['num_sequences']} sequences, "
-                f"{m['num_tokens_naive']} naive -> {m['num_tokens_packed']} packed tokens)"
-            )
+            print(f"{path}: OK ({m['num_sequences']} sequences, {m['num_tokens_naive']} naive -> {m['num_tokens_packed']} packed tokens)")
     return 1 if failed else 0
 
 

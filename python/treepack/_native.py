@@ -42,8 +42,17 @@ _CHECKOUT = os.path.normpath(os.path.join(_HERE, "..", ".."))
 # so ctypes refuses an array of the wrong element type (pass pointer(a), never a bare address).
 Violation = _abi.tp_violation
 _Signatures = dict[str, tuple[Optional[type], list[type]]]
-_C_TYPES = {np.dtype(t): c for t, c in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint8, ctypes.c_uint8),
-                                         (np.uint32, ctypes.c_uint32), (np.float32, ctypes.c_float), (np.float64, ctypes.c_double))}
+_C_TYPES = {
+    np.dtype(t): c
+    for t, c in (
+        (np.int32, ctypes.c_int32),
+        (np.int64, ctypes.c_int64),
+        (np.uint8, ctypes.c_uint8),
+        (np.uint32, ctypes.c_uint32),
+        (np.float32, ctypes.c_float),
+        (np.float64, ctypes.c_double),
+    )
+}
 
 
 def _candidates(env: str, name: str, in_package: bool) -> list[str]:
@@ -56,8 +65,7 @@ def _candidates(env: str, name: str, in_package: bool) -> list[str]:
     return paths
 
 
-def _open(env: str, name: str, abi_fn: str, signatures: _Signatures, hint: str,
-          in_package: bool) -> ctypes.CDLL:
+def _open(env: str, name: str, abi_fn: str, signatures: _Signatures, hint: str, in_package: bool) -> ctypes.CDLL:
     errors = []
     for path in _candidates(env, name, in_package):
         if not os.path.exists(path):
@@ -110,8 +118,14 @@ def cuda() -> ctypes.CDLL:
         if _cuda_error is not None:
             raise _cuda_error
         try:
-            _cuda = _open("TREEPACK_CUDA_LIB", CUDA, "tp_cuda_abi", _abi.CUDA_FUNCTIONS,
-                          "build it in a checkout with `npm run build:cuda` (needs nvcc)", in_package=False)
+            _cuda = _open(
+                "TREEPACK_CUDA_LIB",
+                CUDA,
+                "tp_cuda_abi",
+                _abi.CUDA_FUNCTIONS,
+                "build it in a checkout with `npm run build:cuda` (needs nvcc)",
+                in_package=False,
+            )
         except TreepackError as e:
             _cuda_error = e
             raise

@@ -54,9 +54,19 @@ class FeedClient:
     the iteration when a poll comes back empty instead of polling again (the producers are done); ``client``: this
     trainer process's id for the service (a step plan's micro-batches go to one client in order), random if None."""
 
-    def __init__(self, url: str, rank: int = 0, dp: int | None = None, token: str | None = None, wait: float = 30.0,
-                 stop_when_idle: bool = False, device: Any = None, pin_memory: bool = False, timeout: float = 60.0,
-                 client: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        rank: int = 0,
+        dp: int | None = None,
+        token: str | None = None,
+        wait: float = 30.0,
+        stop_when_idle: bool = False,
+        device: Any = None,
+        pin_memory: bool = False,
+        timeout: float = 60.0,
+        client: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.client = uuid.uuid4().hex if client is None else client
         self.rank = rank
@@ -82,7 +92,7 @@ class FeedClient:
                 return urllib.request.urlopen(req, timeout=timeout)
             except urllib.error.HTTPError as e:
                 if attempt < retries and e.code in (502, 503, 504):
-                    time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    time.sleep(min(8.0, 0.25 * 2**attempt))
                     attempt += 1
                     continue
                 try:
@@ -92,19 +102,24 @@ class FeedClient:
                 raise TreepackError("E_IO", f"{method} {path}: HTTP {e.code}: {message}") from None
             except (urllib.error.URLError, OSError) as e:
                 if attempt < retries:
-                    time.sleep(min(8.0, 0.25 * 2 ** attempt))
+                    time.sleep(min(8.0, 0.25 * 2**attempt))
                     attempt += 1
                     continue
                 # down, restarting, or unreachable: the same error type as a refusal, saying which service
                 reason = getattr(e, "reason", e)
-                raise TreepackError("E_IO", f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
-                                            "a micro-batch handed out and not acknowledged is handed out again after the lease") from None
+                raise TreepackError(
+                    "E_IO",
+                    f"{method} {self.url}{path}: treepack serve did not answer ({reason}); "
+                    "a micro-batch handed out and not acknowledged is handed out again after the lease",
+                ) from None
 
     def next(self) -> FeedMicroBatch | None:
         """The next micro-batch of this rank, or None when none came within ``wait`` seconds."""
         from .torch import load_microbatch  # torch is needed only here
 
-        query = f"/v1/batches/next?rank={self.rank}&wait={self.wait:g}&client={urllib.parse.quote(self.client)}" + (f"&dp={self.dp}" if self.dp is not None else "")
+        query = f"/v1/batches/next?rank={self.rank}&wait={self.wait:g}&client={urllib.parse.quote(self.client)}" + (
+            f"&dp={self.dp}" if self.dp is not None else ""
+        )
         with self._request("GET", query, self.timeout + self.wait) as res:
             if res.status == 204:
                 return None

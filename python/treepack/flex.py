@@ -99,7 +99,9 @@ def block_arrays_from_tree(subtree_end: Any, block_size: int = 128) -> BlockArra
     kv_num, full_num = np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32)
     kv_idx, full_idx = np.zeros((nb, nb), dtype=np.int32), np.zeros((nb, nb), dtype=np.int32)
     a = _native.pointer
-    _native.check(_native.core().tp_mask_blocks(a(se), n, B, a(kv_num), a(kv_idx), a(full_num), a(full_idx)), "tp_mask_blocks", "subtree_end")
+    _native.check(
+        _native.core().tp_mask_blocks(a(se), n, B, a(kv_num), a(kv_idx), a(full_num), a(full_idx)), "tp_mask_blocks", "subtree_end"
+    )
     return BlockArrays(B, kv_num, kv_idx, full_num, full_idx)
 
 
@@ -176,8 +178,9 @@ def block_arrays_windowed(subtree_end: Any, position_ids: Any, window: int, bloc
         counts[a : a + step] = seen.sum(axis=(1, 2))
     full = counts == B * B
     part = (counts > 0) & ~full
-    return BlockArrays(B, *_layout(r[part], c[part], nb), *_layout(np.concatenate([full_r, r[full]]), np.concatenate([full_c, c[full]]), nb))
-
+    return BlockArrays(
+        B, *_layout(r[part], c[part], nb), *_layout(np.concatenate([full_r, r[full]]), np.concatenate([full_c, c[full]]), nb)
+    )
 
 
 def cu_seqlens(parent: Any) -> np.ndarray:
@@ -188,7 +191,9 @@ def cu_seqlens(parent: Any) -> np.ndarray:
     out = np.zeros(len(par) + 1, dtype=np.int32)
     roots = ctypes.c_int64(0)
     a = _native.pointer
-    _native.check(_native.core().tp_mask_cu_seqlens(a(par), len(par), a(out), len(out), ctypes.byref(roots)), "tp_mask_cu_seqlens", "parent")
+    _native.check(
+        _native.core().tp_mask_cu_seqlens(a(par), len(par), a(out), len(out), ctypes.byref(roots)), "tp_mask_cu_seqlens", "parent"
+    )
     return out[: roots.value + 1].copy()
 
 

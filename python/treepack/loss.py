@@ -75,23 +75,58 @@ class LossConfig:
         treepack.errors.TreepackError: field "clip_low": Expected a number >= 0 for clip_low but received -1
     """
 
-    policy: str = field(default=_DEFAULTS["policy"], metadata={"help": (
-        "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; "
-        "'cispo': clipped, detached IS weight times lp.")})
-    clip_low: float = field(default=_DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."})
+    policy: str = field(
+        default=_DEFAULTS["policy"],
+        metadata={
+            "help": (
+                "'ppo': clipped ratio (asymmetric clip, optional dual clip); 'gspo': sequence-level ratio; "
+                "'cispo': clipped, detached IS weight times lp."
+            )
+        },
+    )
+    clip_low: float = field(
+        default=_DEFAULTS["clip_low"], metadata={"help": "ε_low >= 0: the ratio is clipped to [1 - clip_low, 1 + clip_high]."}
+    )
     clip_high: float | None = field(default=_DEFAULTS["clip_high"], metadata={"help": "ε_high >= 0; None: equal to clip_low."})
-    dual_clip: float = field(default=_DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."})
-    log_ratio_clamp: float = field(default=_DEFAULTS["log_ratio_clamp"], metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."})
-    aggregation: str = field(default=_DEFAULTS["aggregation"], metadata={"help": (
-        "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' "
-        "(Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids).")})
-    norm_constant: float = field(default=_DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."})
-    global_tokens: float = field(default=_DEFAULTS["global_tokens"], metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."})
-    global_sequences: float = field(default=_DEFAULTS["global_sequences"], metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."})
-    loss_scale: float = field(default=_DEFAULTS["loss_scale"], metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."})
+    dual_clip: float = field(
+        default=_DEFAULTS["dual_clip"], metadata={"help": "Dual-clip constant c > 1 for negative advantages (ppo only); 0 = off."}
+    )
+    log_ratio_clamp: float = field(
+        default=_DEFAULTS["log_ratio_clamp"],
+        metadata={"help": "|lp - old| (and every other log ratio) is clamped to this before exp; > 0."},
+    )
+    aggregation: str = field(
+        default=_DEFAULTS["aggregation"],
+        metadata={
+            "help": (
+                "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm' or 'seq-mean-turn-mean-token-mean' "
+                "(Flow-GRPO: each turn's token mean, averaged over the sequence's turns, then over sequences; reads turn_ids)."
+            )
+        },
+    )
+    norm_constant: float = field(
+        default=_DEFAULTS["norm_constant"], metadata={"help": "The fixed divisor of 'seq-mean-token-sum-norm' (> 0 there)."}
+    )
+    global_tokens: float = field(
+        default=_DEFAULTS["global_tokens"],
+        metadata={"help": "T of token-mean across the global batch; 0 = this micro-batch's trainable tokens."},
+    )
+    global_sequences: float = field(
+        default=_DEFAULTS["global_sequences"],
+        metadata={"help": "G of the seq-mean modes across the global batch; 0 = this micro-batch's sequences with a trainable token."},
+    )
+    loss_scale: float = field(
+        default=_DEFAULTS["loss_scale"],
+        metadata={"help": "Multiplies loss, pg_loss, kl_loss and the gradient (verl's and AReaL's x dp); >= 0."},
+    )
     kl: str = field(default=_DEFAULTS["kl"], metadata={"help": "KL to ref_logprobs as a loss term: 'none', 'k1', 'abs', 'k2' or 'k3'."})
     kl_coef: float = field(default=_DEFAULTS["kl_coef"], metadata={"help": "Coefficient of the KL term (any finite number)."})
-    tis: str = field(default=_DEFAULTS["tis"], metadata={"help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."})
+    tis: str = field(
+        default=_DEFAULTS["tis"],
+        metadata={
+            "help": "Truncated importance weights min(exp(old - rollout), tis_cap) from rollout_logprobs: 'none', 'token' or 'sequence'."
+        },
+    )
     tis_cap: float = field(default=_DEFAULTS["tis_cap"], metadata={"help": "The truncation cap of tis; > 0."})
 
     def __post_init__(self) -> None:
@@ -156,7 +191,10 @@ def resolve_config(config: None | Mapping[str, Any] | LossConfig = None) -> dict
 def make_config(config: None | Mapping[str, Any] | LossConfig = None) -> LossConfigStruct:
     """The C ABI's struct of a config (a ``LossConfig``, a dict of the same names, or None for the defaults)."""
     c = resolve_config(config)
-    codes = {name: table.index(c[name]) for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))}
+    codes = {
+        name: table.index(c[name])
+        for name, table in (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("kl", KL_ESTIMATORS), ("tis", TIS_LEVELS))
+    }
     return LossConfigStruct(**codes, **{k: float(c[k]) for k in _abi.NUMBER_FIELDS})
 
 
@@ -180,8 +218,11 @@ _FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 def _needed(c: Mapping[str, Any], name: str) -> bool:
     """Whether the resolved config ``c`` reads the per-occurrence field ``name``."""
-    return name in ("advantages", "old_logprobs") or (name == "ref_logprobs" and c["kl"] != "none") or (
-        name == "rollout_logprobs" and c["tis"] != "none")
+    return (
+        name in ("advantages", "old_logprobs")
+        or (name == "ref_logprobs" and c["kl"] != "none")
+        or (name == "rollout_logprobs" and c["tis"] != "none")
+    )
 
 
 def _turns(c: Mapping[str, Any]) -> bool:
@@ -199,12 +240,20 @@ def _check_weights(sw: np.ndarray | None, S: int) -> None:
     if sw is None:
         return
     if sw.shape != (S,):
-        raise TreepackError("E_INPUT", f"seq_weight has shape {list(sw.shape)}, expected one weight per sequence [S = {S}]", field="seq_weight")
+        raise TreepackError(
+            "E_INPUT", f"seq_weight has shape {list(sw.shape)}, expected one weight per sequence [S = {S}]", field="seq_weight"
+        )
     if not (np.isfinite(sw) & (sw >= 0)).all():
-        raise TreepackError("E_INPUT", f"seq_weight[{int(np.flatnonzero(~(np.isfinite(sw) & (sw >= 0)))[0])}] is not a finite number >= 0", field="seq_weight")
+        raise TreepackError(
+            "E_INPUT",
+            f"seq_weight[{int(np.flatnonzero(~(np.isfinite(sw) & (sw >= 0)))[0])}] is not a finite number >= 0",
+            field="seq_weight",
+        )
 
 
-def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | LossConfig = None) -> tuple[float, np.ndarray, dict[str, float]]:
+def loss_numpy(
+    batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | LossConfig = None
+) -> tuple[float, np.ndarray, dict[str, float]]:
     """Loss, dloss/dlp [N] (float32) and metrics on the CPU core. ``batch`` is a treepack.MicroBatch or a mapping
     with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
     turn_ids) and optionally ``seq_weight`` [S]."""
@@ -217,10 +266,18 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     M, N = pos.shape[0], lp.shape[0]
     if off.shape[0] < 1 or off[-1] != M or mask.shape[0] != M:
-        raise TreepackError("E_INPUT", f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, "
-                            f"but seq_positions has M = {M}", field="seq_offsets" if mask.shape[0] == M else "loss_mask")
+        raise TreepackError(
+            "E_INPUT",
+            f"seq_offsets ends at {off[-1] if off.shape[0] else None} and loss_mask has {mask.shape[0]} elements, "
+            f"but seq_positions has M = {M}",
+            field="seq_offsets" if mask.shape[0] == M else "loss_mask",
+        )
     if M and (pos.min() < 0 or pos.max() >= N):
-        raise TreepackError("E_INPUT", f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}", field="seq_positions" if pos.min() < 0 else "logprobs")
+        raise TreepackError(
+            "E_INPUT",
+            f"logprobs has {N} elements but seq_positions holds {pos.min() if pos.min() < 0 else pos.max()}",
+            field="seq_positions" if pos.min() < 0 else "logprobs",
+        )
     arrays: dict[str, np.ndarray | None] = {}
     for f in _FIELDS:
         a = get(f)
@@ -239,7 +296,9 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
     turn = get("turn_ids") if _turns(c) else None
     if _turns(c) and (turn is not None or M):
         if turn is None:
-            raise TreepackError("E_INPUT", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none", field="turn_ids")
+            raise TreepackError(
+                "E_INPUT", "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the batch has none", field="turn_ids"
+            )
         turn = np.ascontiguousarray(turn, dtype=np.int32)
         if turn.shape != (M,):
             raise TreepackError("E_INPUT", f"turn_ids has shape {list(turn.shape)}, expected [M = {M}]", field="turn_ids")
@@ -251,9 +310,23 @@ def loss_numpy(batch: Any, lp: np.ndarray, config: None | Mapping[str, Any] | Lo
     metrics = LossMetrics()
     ptr = _native.pointer
     lib = core_library()
-    rc = lib.tp_loss(ctypes.byref(cfg), off.shape[0] - 1, ptr(off), M, ptr(pos), ptr(mask), *(ptr(arrays[f]) for f in _FIELDS), ptr(sw), ptr(turn),
-                     N, ptr(lp), ptr(grad), ctypes.byref(metrics))
+    rc = lib.tp_loss(
+        ctypes.byref(cfg),
+        off.shape[0] - 1,
+        ptr(off),
+        M,
+        ptr(pos),
+        ptr(mask),
+        *(ptr(arrays[f]) for f in _FIELDS),
+        ptr(sw),
+        ptr(turn),
+        N,
+        ptr(lp),
+        ptr(grad),
+        ctypes.byref(metrics),
+    )
     if rc != 0:
-        raise TreepackError(_abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field=_status_field(rc))
+        raise TreepackError(
+            _abi.STATUSES[rc][2] if 0 < rc < len(_abi.STATUSES) else "E_BACKEND", f"tp_loss: {status_message(rc)}", field=_status_field(rc)
+        )
     return metrics.loss, grad, metrics.as_dict()
-

@@ -98,7 +98,7 @@ def _diagnose(data: bytes) -> tuple[str, str] | None:
     if not isinstance(header, dict):
         return None
     meta = header.get(_METADATA)
-    for k, v in (meta.items() if isinstance(meta, dict) else ()):
+    for k, v in meta.items() if isinstance(meta, dict) else ():
         if not isinstance(v, str):
             return k, f"metadata value {json.dumps(k)} is not a string"
     data_len = len(data) - 8 - n
@@ -109,8 +109,13 @@ def _diagnose(data: bytes) -> tuple[str, str] | None:
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _DTYPES:
             return name, f"{label}: unknown dtype {json.dumps(dtype)}"
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and isinstance(offsets, list)
-                and len(offsets) == 2 and all(_is_count(x) for x in offsets)):
+        if not (
+            isinstance(shape, list)
+            and all(_is_count(d) for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(x) for x in offsets)
+        ):
             continue
         begin, end = offsets
         need = math.prod(shape) * _DTYPES[dtype].itemsize
@@ -186,7 +191,9 @@ class MicroBatch:
     def sequence(self, i: int) -> np.ndarray:
         """Tokens of sequence i, gathered from the packed stream (docs/design.md §7 invariant 1)."""
         if not 0 <= i < self.num_sequences:
-            raise TreepackError("E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets")
+            raise TreepackError(
+                "E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets"
+            )
         return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
 
 
@@ -241,7 +248,9 @@ def load(src: Source) -> MicroBatch:
     if pad is not None:
         # Extension (micro-batching under a token budget): the last num_pad_tokens nodes are padding roots.
         if not re.fullmatch(r"0|[1-9][0-9]*", pad) or int(pad) > meta["num_tokens_packed"]:
-            raise fail("num_pad_tokens", f"num_pad_tokens is {json.dumps(pad)}, expected an integer in [0, N = {meta['num_tokens_packed']}]")
+            raise fail(
+                "num_pad_tokens", f"num_pad_tokens is {json.dumps(pad)}, expected an integer in [0, N = {meta['num_tokens_packed']}]"
+            )
         meta["num_pad_tokens"] = int(pad)
     vocab = md.get("vocab_size")
     if vocab is not None:
@@ -338,14 +347,19 @@ def check_invariants(mb: MicroBatch) -> list[str]:
     turns = i32(mb.turn_ids) if mb.turn_ids is not None and len(mb.turn_ids) == M else None
     pad = mb.meta.get("num_pad_tokens", 0) if isinstance(mb.meta, dict) else 0
     h = int(mb.meta.get("prefix_tokens", 0)) if isinstance(mb.meta, dict) else 0
-    if h and (h > N or (np.asarray(mb.parent[:h]) != np.arange(-1, h - 1)).any() or (np.asarray(mb.position_ids[:h]) != np.arange(h)).any()):
-        out.append(f"prefix_tokens = {h}: nodes [0, {h}) are not a chain from a root (parent p - 1, position p), so they cannot be a cached prefix")
+    if h and (
+        h > N or (np.asarray(mb.parent[:h]) != np.arange(-1, h - 1)).any() or (np.asarray(mb.position_ids[:h]) != np.arange(h)).any()
+    ):
+        out.append(
+            f"prefix_tokens = {h}: nodes [0, {h}) are not a chain from a root (parent p - 1, position p), so they cannot be a cached prefix"
+        )
     kinds = len(_abi.FOREST_CHECKS)
     counts = np.zeros(kinds, dtype=np.int64)
     examples = (_native.Violation * (kinds * _EXAMPLES))()
     a = _native.pointer
-    rc = _native.core().tp_forest_check(a(pos), a(parent), a(end), N, pad, a(off), S, a(sp), a(mask), a(turns), M, _EXAMPLES,
-                                        a(counts), examples)
+    rc = _native.core().tp_forest_check(
+        a(pos), a(parent), a(end), N, pad, a(off), S, a(sp), a(mask), a(turns), M, _EXAMPLES, a(counts), examples
+    )
     _native.check(rc, "tp_forest_check", "parent")
     for kind, (_, what, example) in enumerate(_abi.FOREST_CHECKS):
         count = int(counts[kind])

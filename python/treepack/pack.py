@@ -148,10 +148,27 @@ def pack_sequences(
         lib.tp_plan_free(plan)
     _native.check(rc, "tp_plan_layout", "sequences")
     input_ids, position_ids, parent, subtree_end, seq_positions = arrays
-    meta = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens_naive": M, "num_tokens_packed": N, "tokenizer": tokenizer,
-            "sequence_ids": ids}
-    return MicroBatch(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end, seq_offsets=offsets,
-                      seq_positions=seq_positions, loss_mask=mask, meta=meta, turn_ids=_turn_ids(turns, lengths), extra={}, **floats)
+    meta = {
+        "format": FORMAT,
+        "num_sequences": len(lengths),
+        "num_tokens_naive": M,
+        "num_tokens_packed": N,
+        "tokenizer": tokenizer,
+        "sequence_ids": ids,
+    }
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        parent=parent,
+        subtree_end=subtree_end,
+        seq_offsets=offsets,
+        seq_positions=seq_positions,
+        loss_mask=mask,
+        meta=meta,
+        turn_ids=_turn_ids(turns, lengths),
+        extra={},
+        **floats,
+    )
 
 
 def _turn_ids(turns: Sequence[Sequence[int]] | None, lengths: Sequence[int]) -> np.ndarray | None:

@@ -176,6 +176,7 @@ def plan_micro_batches(
     members: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
         members.setdefault(k, []).append(i)
+
     # A group's place in the forest: the preorder position of its first sequence's last token, so groups under one
     # subtree (a shared prompt) are adjacent; ties (a group of empty sequences) keep first-seen order.
     def place(i: int) -> int:
@@ -186,8 +187,12 @@ def plan_micro_batches(
     runs = _Runs(unit_nodes, len(forest.input_ids))
     biggest = max(range(len(order)), key=lambda u: len(unit_nodes[u]), default=None)
     if biggest is not None and max_tokens is not None and len(unit_nodes[biggest]) > max_tokens:
-        raise TreepackError("E_ARG", f"group {order[biggest]!r} alone packs to {len(unit_nodes[biggest])} tokens, over the budget of {max_tokens}; "
-                            "a group is never split, so raise max_tokens or make the group smaller", field="max_tokens")
+        raise TreepackError(
+            "E_ARG",
+            f"group {order[biggest]!r} alone packs to {len(unit_nodes[biggest])} tokens, over the budget of {max_tokens}; "
+            "a group is never split, so raise max_tokens or make the group smaller",
+            field="max_tokens",
+        )
     count = num_micro_batches
     if count is None:
         # Without num_micro_batches, max_tokens is given (checked above).
@@ -199,12 +204,18 @@ def plan_micro_batches(
         limit = min(limit, math.floor(_smallest_largest(runs, count) * (1 + COST_SLACK)))
     ends = _cheapest_cuts(runs, count, limit)
     if ends is None:
-        raise TreepackError("E_ARG", f"{count} micro-batches cannot keep every group whole within {max_tokens} packed tokens", field="max_tokens")
+        raise TreepackError(
+            "E_ARG", f"{count} micro-batches cannot keep every group whole within {max_tokens} packed tokens", field="max_tokens"
+        )
 
     mbs = []
     for j, (a, b) in enumerate(zip([0] + ends[:-1], ends)):
         seqs = np.array(sorted(i for k in order[a:b] for i in members[k]), dtype=np.int64)
-        mbs.append(MicroBatchPlan(seqs, order[a:b], runs.tokens(a, b), int(lengths[seqs].sum()), int(trainable[seqs].sum()), len(seqs), j % dp, j // dp))
+        mbs.append(
+            MicroBatchPlan(
+                seqs, order[a:b], runs.tokens(a, b), int(lengths[seqs].sum()), int(trainable[seqs].sum()), len(seqs), j % dp, j // dp
+            )
+        )
     return Plan(mbs, sum(m.packed_tokens for m in mbs), len(forest.input_ids), int(lengths.sum()), int(trainable.sum()), S)
 
 

@@ -58,8 +58,10 @@ def _supported(package: str, installed: str) -> bool:
 
 @functools.cache  # cached only when it returns: the warning is given once per version
 def _refuse(package: str, installed: str, allowed: bool) -> None:
-    message = (f"{package} {installed} is outside the versions treepack is tested with ({package}{SUPPORTED[package]}): "
-               f"install one of them (pip install 'treepack[{_EXTRA[package]}]'), or set {ALLOW_ENV}=1 to run it at your own risk")
+    message = (
+        f"{package} {installed} is outside the versions treepack is tested with ({package}{SUPPORTED[package]}): "
+        f"install one of them (pip install 'treepack[{_EXTRA[package]}]'), or set {ALLOW_ENV}=1 to run it at your own risk"
+    )
     if not allowed:
         raise TreepackError("E_BACKEND", message, field=package)
     warnings.warn(f"{message}; running it because {ALLOW_ENV}=1", RuntimeWarning, stacklevel=4)

@@ -42,8 +42,12 @@ Arrays = tuple[np.ndarray, ...]
 def forests(large: bool) -> dict[str, list[list[int]]]:
     r = random.Random(7)
     tok = lambda n, v=50: [r.randrange(1, v) for _ in range(n)]  # noqa: E731  (small vocabularies: shared prefixes)
-    out: dict[str, list[list[int]]] = {"empty": [], "one token": [[5]], "duplicates": [[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3]],
-                                       "prefix of another": [[1, 2], [1, 2, 3, 4, 5], [1], [1, 2, 3]]}
+    out: dict[str, list[list[int]]] = {
+        "empty": [],
+        "one token": [[5]],
+        "duplicates": [[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3]],
+        "prefix of another": [[1, 2], [1, 2, 3, 4, 5], [1], [1, 2, 3]],
+    }
     deep = [tok(8)]
     for _ in range(40):  # 40 nested branch points: depth of the branching >= 30
         deep.append(deep[-1][: len(deep[-1]) - r.randrange(1, 3)] + tok(r.randrange(3, 9)))
@@ -130,10 +134,14 @@ LOSS_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("ppo token-mean", {"clip_low": 0.2, "clip_high": 0.28}),
     ("gspo seq-mean-token-mean", {"policy": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"}),
     ("cispo + k3 + token TIS", {"policy": "cispo", "clip_high": 0.28, "kl": "k3", "kl_coef": 0.05, "tis": "token", "tis_cap": 2.0}),
-    ("turn mean + sequence TIS + dual clip",
-     {"aggregation": "seq-mean-turn-mean-token-mean", "tis": "sequence", "tis_cap": 1.5, "dual_clip": 3.0}),
-    ("token-sum-norm + k2 + seq_weight + scale", {"aggregation": "seq-mean-token-sum-norm", "norm_constant": 64, "kl": "k2", "kl_coef": 0.1,
-                                                   "loss_scale": 4.0, "seq_weight": True}),
+    (
+        "turn mean + sequence TIS + dual clip",
+        {"aggregation": "seq-mean-turn-mean-token-mean", "tis": "sequence", "tis_cap": 1.5, "dual_clip": 3.0},
+    ),
+    (
+        "token-sum-norm + k2 + seq_weight + scale",
+        {"aggregation": "seq-mean-token-sum-norm", "norm_constant": 64, "kl": "k2", "kl_coef": 0.1, "loss_scale": 4.0, "seq_weight": True},
+    ),
 ]
 
 
@@ -161,8 +169,21 @@ def run_loss(impl: Core, mb: treepack.MicroBatch, lp: np.ndarray, config: dict[s
     floats = [np.ascontiguousarray(getattr(mb, f), dtype=np.float32) for f in tl._FIELDS]
     grad = np.full(len(lp), np.nan, dtype=np.float32)
     metrics = tl.LossMetrics()
-    rc = impl.loss(ctypes.byref(cfg), len(off) - 1, _p(off), len(pos), _p(pos), _p(mask), *map(_p, floats), _p(sw), _p(turn),
-                   len(lp), _p(lp), _p(grad), ctypes.byref(metrics))
+    rc = impl.loss(
+        ctypes.byref(cfg),
+        len(off) - 1,
+        _p(off),
+        len(pos),
+        _p(pos),
+        _p(mask),
+        *map(_p, floats),
+        _p(sw),
+        _p(turn),
+        len(lp),
+        _p(lp),
+        _p(grad),
+        ctypes.byref(metrics),
+    )
     values = metrics.as_dict()
     return rc, (grad, np.array([values[k] for k in sorted(values)], dtype=np.float64))
 
@@ -205,8 +226,9 @@ class Tally:
         self.failures: list[str] = []
         self.controls: dict[str, bool] = {}
 
-    def compare(self, kind: str, what: str, want: tuple[int, Arrays], got: tuple[int, Arrays],
-                rule: Callable[[Arrays, Arrays], str]) -> None:
+    def compare(
+        self, kind: str, what: str, want: tuple[int, Arrays], got: tuple[int, Arrays], rule: Callable[[Arrays, Arrays], str]
+    ) -> None:
         self.checks[kind] = self.checks.get(kind, 0) + 1
         if want[0] != got[0]:
             self.failures.append(f"{kind} {what}: status {got[0]} ({_native.status_message(got[0])}), core {want[0]}")
@@ -221,8 +243,9 @@ class Tally:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--self-test", action="store_true",
-                    help="no CUDA: the C core against itself (every comparison equal, every planted fault caught)")
+    ap.add_argument(
+        "--self-test", action="store_true", help="no CUDA: the C core against itself (every comparison equal, every planted fault caught)"
+    )
     ap.add_argument("--large", action="store_true", help="add a forest of >= 128k tokens")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -236,8 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc, _ = other.gather(one, one)
     if rc:  # no driver or no device: one line that says so, instead of a failure per comparison
         code = other.lib.tp_cuda_last_error()
-        print(f"SUMMARY: the CUDA library cannot run here: {_native.status_message(rc)}, CUDA error {code}: "
-              f"{other.lib.tp_cuda_error_string(code).decode()}")
+        print(
+            f"SUMMARY: the CUDA library cannot run here: {_native.status_message(rc)}, CUDA error {code}: "
+            f"{other.lib.tp_cuda_error_string(code).decode()}"
+        )
         return 1
     tally = Tally()
     nodes = 0
@@ -269,8 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = ", ".join(f"{k} {v}" for k, v in tally.checks.items())
     verdict = f"{len(tally.failures)} differences, " + (f"{len(missed)} planted faults missed" if missed else "every planted fault caught")
     against = "core vs core (self-test)" if a.self_test else "CUDA vs core"
-    print(f"SUMMARY: {against}: {sum(tally.checks.values())} comparisons ({counts}) on {len(forests(a.large))} forests, {nodes} nodes; "
-          f"{verdict}; {time.perf_counter() - t0:.1f} s")
+    print(
+        f"SUMMARY: {against}: {sum(tally.checks.values())} comparisons ({counts}) on {len(forests(a.large))} forests, {nodes} nodes; "
+        f"{verdict}; {time.perf_counter() - t0:.1f} s"
+    )
     return 1 if tally.failures or missed else 0
 
 

@@ -39,9 +39,16 @@ def write(directory: str) -> list:
         for key, a in zip(BLOCK_TENSORS, arrays[1:]):
             tensors[key] = np.ascontiguousarray(a, dtype=np.int32).reshape((nb,) if a.ndim == 1 else (nb, nb))
         tensors["slices"] = np.ascontiguousarray(slices_from_tree(mb.parent, mb.subtree_end))
-        meta = {"format": treepack.FORMAT, "num_sequences": str(len(seqs)), "num_tokens_naive": str(len(mb.seq_positions)),
-                "num_tokens_packed": str(n), "tokenizer": "none", "sequence_ids": json.dumps([str(j) for j in range(len(seqs))]),
-                "block_size": str(BLOCK), "forest": name}
+        meta = {
+            "format": treepack.FORMAT,
+            "num_sequences": str(len(seqs)),
+            "num_tokens_naive": str(len(mb.seq_positions)),
+            "num_tokens_packed": str(n),
+            "tokenizer": "none",
+            "sequence_ids": json.dumps([str(j) for j in range(len(seqs))]),
+            "block_size": str(BLOCK),
+            "forest": name,
+        }
         path = os.path.join(directory, f"microbatch-{i:05d}.safetensors")
         save_file(tensors, path, metadata=meta)
         paths.append(path)

@@ -44,10 +44,26 @@ step = _bench_step()
 
 # Qwen3-0.6B's config.json (bench/cost-model.ts QWEN3_SHAPES[0]); tiny: bench/step.ts CPU_SHAPE, for the dry run.
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {"name": "Qwen3-0.6B", "hidden": 1024, "intermediate": 3072, "layers": 28, "heads": 16, "kv_heads": 8, "head_dim": 128,
-                   "vocab": 151936},
-    "tiny": {"name": "tiny Qwen3 shape", "hidden": 128, "intermediate": 384, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32,
-             "vocab": 1024},
+    "qwen3-0.6b": {
+        "name": "Qwen3-0.6B",
+        "hidden": 1024,
+        "intermediate": 3072,
+        "layers": 28,
+        "heads": 16,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "vocab": 151936,
+    },
+    "tiny": {
+        "name": "tiny Qwen3 shape",
+        "hidden": 128,
+        "intermediate": 384,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "vocab": 1024,
+    },
 }
 
 # Dense bf16 tensor-core peaks (NVIDIA's data sheets: half their with-sparsity figures), matched in this order against
@@ -100,8 +116,11 @@ def layouts(w: dict[str, Any], budget: int) -> dict[str, list[tpt.PackedBatch]]:
     packed = []
     for mb in plan.micro_batches:
         idx = mb.sequences.tolist()
-        packed.append(tpt.from_microbatch(treepack.pack_sequences([seqs[i] for i in idx], loss_mask=[masks[i] for i in idx],
-                                                                  advantages=[adv[i] for i in idx])))
+        packed.append(
+            tpt.from_microbatch(
+                treepack.pack_sequences([seqs[i] for i in idx], loss_mask=[masks[i] for i in idx], advantages=[adv[i] for i in idx])
+            )
+        )
     naive = step.chains_under_budget([tpt.naive_batch(b) for b in packed], budget)
     return {"naive": naive, "packed": packed}
 
@@ -114,33 +133,46 @@ def report(result: dict[str, Any], peak: float | None, peak_label: str) -> dict[
         s, f = sides[k], figs[k]
         flops = step.model_flops(f, result["shape"], result["vocab"])
         out["sides"][k] = {
-            "step_s": s["step"], "steps_s": s["steps"], "micro_batches": f["micro_batches"], "tokens": f["tokens"],
+            "step_s": s["step"],
+            "steps_s": s["steps"],
+            "micro_batches": f["micro_batches"],
+            "tokens": f["tokens"],
             "pad_tokens": f["pad_tokens"],
-            "occurrences": f["occurrences"], "trainable": f["trainable"], "model_flops": flops,
+            "occurrences": f["occurrences"],
+            "trainable": f["trainable"],
+            "model_flops": flops,
             # Throughput of what the step trains (every call's tokens) and of what it computes (real nodes).
-            "trained_tokens_per_s": f["occurrences"] / s["step"], "computed_tokens_per_s": (f["tokens"] - f["pad_tokens"]) / s["step"],
-            "mfu": None if peak is None else flops / s["step"] / peak, "peak_bytes": s["peak_bytes"],
-            "loss": s["loss_value"], "logprob_sum": s["logprob_sum"], "grad_norm": s["grad_norm"],
+            "trained_tokens_per_s": f["occurrences"] / s["step"],
+            "computed_tokens_per_s": (f["tokens"] - f["pad_tokens"]) / s["step"],
+            "mfu": None if peak is None else flops / s["step"] / peak,
+            "peak_bytes": s["peak_bytes"],
+            "loss": s["loss_value"],
+            "logprob_sum": s["logprob_sum"],
+            "grad_norm": s["grad_norm"],
         }
     n, p = out["sides"]["naive"], out["sides"]["packed"]
     out["speedup"] = n["step_s"] / p["step_s"]
     out["flop_ratio"] = n["model_flops"] / p["model_flops"]  # the speedup at equal MFU on both sides
     out["compression"] = n["occurrences"] / (p["tokens"] - p["pad_tokens"])
     # The pass criterion is bench/step.py's agree(), applied in run_layouts; these are the figures.
-    out["delta"] = {k: {"abs": abs(n[k] - p[k]), "rel": abs(n[k] - p[k]) / max(abs(n[k]), abs(p[k]), 1e-12)}
-                    for k in ("loss", "logprob_sum", "grad_norm")}
+    out["delta"] = {
+        k: {"abs": abs(n[k] - p[k]), "rel": abs(n[k] - p[k]) / max(abs(n[k]), abs(p[k]), 1e-12)}
+        for k in ("loss", "logprob_sum", "grad_norm")
+    }
     return out
 
 
 def summary_line(budget: int, shape: dict[str, Any], dtype: torch.dtype, r: dict[str, Any]) -> str:
     n, p, d = r["sides"]["naive"], r["sides"]["packed"], r["delta"]
     mfu = lambda s: "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"  # noqa: E731
-    return (f"{budget} tokens, {shape['name']} {str(dtype).replace('torch.', '')}: compression {r['compression']:.1f}x; "
-            f"naive {n['step_s']:.3f} s ({n['micro_batches']} mb), packed {p['step_s']:.3f} s ({p['micro_batches']} mb): speedup "
-            f"{r['speedup']:.1f}x (model FLOP ratio {r['flop_ratio']:.1f}x); "
-            f"trained tok/s naive {n['trained_tokens_per_s']:.0f} packed {p['trained_tokens_per_s']:.0f}; "
-            f"MFU naive {mfu(n)} packed {mfu(p)} (peak {r['peak']}); |Δ| loss {d['loss']['abs']:.3g} (rel {d['loss']['rel']:.2g}), "
-            f"grad-norm {d['grad_norm']['abs']:.3g} (rel {d['grad_norm']['rel']:.2g})")
+    return (
+        f"{budget} tokens, {shape['name']} {str(dtype).replace('torch.', '')}: compression {r['compression']:.1f}x; "
+        f"naive {n['step_s']:.3f} s ({n['micro_batches']} mb), packed {p['step_s']:.3f} s ({p['micro_batches']} mb): speedup "
+        f"{r['speedup']:.1f}x (model FLOP ratio {r['flop_ratio']:.1f}x); "
+        f"trained tok/s naive {n['trained_tokens_per_s']:.0f} packed {p['trained_tokens_per_s']:.0f}; "
+        f"MFU naive {mfu(n)} packed {mfu(p)} (peak {r['peak']}); |Δ| loss {d['loss']['abs']:.3g} (rel {d['loss']['rel']:.2g}), "
+        f"grad-norm {d['grad_norm']['abs']:.3g} (rel {d['grad_norm']['rel']:.2g})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.layers:
         shape.update(layers=a.layers, name=f"{shape['name']} at {a.layers} layers")
     w = agent_workload(a.tokens, shape["vocab"], a.seed)
-    [result] = step.run_layouts({"name": "agent group", "input": 0, "repeats": a.repeats}, layouts(w, a.tokens), [shape], device, dtype,
-                                step.chain_attention(device, "stock"), vocab_size=shape["vocab"], pad=a.tokens)
-    out: dict[str, Any] = {"budget": a.tokens, "shape": shape, "dtype": a.dtype, "device": str(device), "torch": torch.__version__,
-                           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    [result] = step.run_layouts(
+        {"name": "agent group", "input": 0, "repeats": a.repeats},
+        layouts(w, a.tokens),
+        [shape],
+        device,
+        dtype,
+        step.chain_attention(device, "stock"),
+        vocab_size=shape["vocab"],
+        pad=a.tokens,
+    )
+    out: dict[str, Any] = {
+        "budget": a.tokens,
+        "shape": shape,
+        "dtype": a.dtype,
+        "device": str(device),
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     ok = "sides" in result and not result.get("mismatches")
     if "sides" in result:
         out.update(report(result, *peak_flops(device, dtype)))

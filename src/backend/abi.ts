@@ -69,8 +69,16 @@ export interface Status {
 /** The status codes of both C ABIs (CPU and CUDA): the code of a status is its index. */
 export const STATUSES: readonly Status[] = [
   { name: 'TP_OK', message: 'ok' },
-  { name: 'TP_ERR_ARG', message: 'invalid argument: a required pointer is null, a count is negative or an option is out of range', error: 'E_ARG' },
-  { name: 'TP_ERR_OFFSETS', message: 'invalid offsets: offsets[0] must be 0, offsets must be non-decreasing and offsets[S] must equal the number of tokens', error: 'E_ARG' },
+  {
+    name: 'TP_ERR_ARG',
+    message: 'invalid argument: a required pointer is null, a count is negative or an option is out of range',
+    error: 'E_ARG',
+  },
+  {
+    name: 'TP_ERR_OFFSETS',
+    message: 'invalid offsets: offsets[0] must be 0, offsets must be non-decreasing and offsets[S] must equal the number of tokens',
+    error: 'E_ARG',
+  },
   { name: 'TP_ERR_TOO_LARGE', message: 'too large: counts and positions must fit in int32', error: 'E_LIMIT' },
   { name: 'TP_ERR_ALLOC', message: 'out of memory', error: 'E_BACKEND' },
   { name: 'TP_ERR_TREE', message: 'not a packed forest: parent[p] must be in [-1, p) and subtree_end[p] in (p, N]', error: 'E_INPUT' },
@@ -98,16 +106,52 @@ export const FOREST_CHECKS: readonly ForestCheck[] = [
   { name: 'TP_CHECK_PARENT', message: 'parent not -1 or a position before the node', example: 'parent[{index}] = {value}' },
   { name: 'TP_CHECK_DEPTH', message: 'position_ids not the depth', example: 'position_ids[{index}] = {value}, expected {expected}' },
   { name: 'TP_CHECK_SUBTREE_RANGE', message: 'subtree_end out of (p, N]', example: 'subtree_end[{index}] = {value}' },
-  { name: 'TP_CHECK_PREORDER', message: 'subtree not contiguous (layout not a DFS preorder)', example: 'the subtree of {index} spans [{index}, {value}) but has {expected} nodes' },
-  { name: 'TP_CHECK_SUBTREE_END', message: 'subtree_end not the end of the subtree parent gives', example: 'subtree_end[{index}] = {value}, expected {expected}' },
-  { name: 'TP_CHECK_PAD', message: 'pad node not a root with no children', example: 'parent[{index}] = {value}, subtree_end[{index}] = {expected}' },
-  { name: 'TP_CHECK_OFFSETS', message: 'seq_offsets is not CSR offsets of M occurrences (0, non-decreasing, ending at M)', example: 'seq_offsets[{index}] = {value}' },
+  {
+    name: 'TP_CHECK_PREORDER',
+    message: 'subtree not contiguous (layout not a DFS preorder)',
+    example: 'the subtree of {index} spans [{index}, {value}) but has {expected} nodes',
+  },
+  {
+    name: 'TP_CHECK_SUBTREE_END',
+    message: 'subtree_end not the end of the subtree parent gives',
+    example: 'subtree_end[{index}] = {value}, expected {expected}',
+  },
+  {
+    name: 'TP_CHECK_PAD',
+    message: 'pad node not a root with no children',
+    example: 'parent[{index}] = {value}, subtree_end[{index}] = {expected}',
+  },
+  {
+    name: 'TP_CHECK_OFFSETS',
+    message: 'seq_offsets is not CSR offsets of M occurrences (0, non-decreasing, ending at M)',
+    example: 'seq_offsets[{index}] = {value}',
+  },
   { name: 'TP_CHECK_LOSS_MASK', message: 'loss_mask not 0 at t = 0', example: 'loss_mask[{index}] = {value} (sequence {seq}, t = {t})' },
-  { name: 'TP_CHECK_POSITION_RANGE', message: 'seq_positions not in [0, N)', example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})' },
-  { name: 'TP_CHECK_POSITION_PAD', message: 'seq_positions at a pad node', example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})' },
-  { name: 'TP_CHECK_PATH', message: 'parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)', example: 'parent[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
-  { name: 'TP_CHECK_POSITION_T', message: 'position_ids[seq_positions[k]] not t', example: 'position_ids[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})' },
-  { name: 'TP_CHECK_TURN_ORDER', message: 'turn_ids decreasing along a sequence', example: 'turn_ids[{index}] = {value} after {expected} (sequence {seq}, t = {t})' },
+  {
+    name: 'TP_CHECK_POSITION_RANGE',
+    message: 'seq_positions not in [0, N)',
+    example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})',
+  },
+  {
+    name: 'TP_CHECK_POSITION_PAD',
+    message: 'seq_positions at a pad node',
+    example: 'seq_positions[{index}] = {value} (sequence {seq}, t = {t})',
+  },
+  {
+    name: 'TP_CHECK_PATH',
+    message: 'parent[seq_positions[k]] not seq_positions[k-1] (-1 at t = 0)',
+    example: 'parent[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})',
+  },
+  {
+    name: 'TP_CHECK_POSITION_T',
+    message: 'position_ids[seq_positions[k]] not t',
+    example: 'position_ids[seq_positions[{index}]] = {value}, expected {expected} (sequence {seq}, t = {t})',
+  },
+  {
+    name: 'TP_CHECK_TURN_ORDER',
+    message: 'turn_ids decreasing along a sequence',
+    example: 'turn_ids[{index}] = {value} after {expected} (sequence {seq}, t = {t})',
+  },
 ];
 
 /** Constants of the loss formulas that every kernel (C++, CUDA, WGSL) restates. */
@@ -136,4 +180,13 @@ function fnv1a(text: string): string {
   return h.toString(16).padStart(8, '0');
 }
 
-export const ABI_HASH = fnv1a(JSON.stringify([LOSS_CONFIG_ENUMS, LOSS_CONFIG_NUMBERS, LOSS_METRICS_FIELDS, STATUSES.map((s) => s.name), LOSS_CONSTANTS, FOREST_CHECKS.map((c) => c.name)]));
+export const ABI_HASH = fnv1a(
+  JSON.stringify([
+    LOSS_CONFIG_ENUMS,
+    LOSS_CONFIG_NUMBERS,
+    LOSS_METRICS_FIELDS,
+    STATUSES.map((s) => s.name),
+    LOSS_CONSTANTS,
+    FOREST_CHECKS.map((c) => c.name),
+  ]),
+);

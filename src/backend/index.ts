@@ -9,7 +9,17 @@ import { layoutForest, sortSequences } from '../pack/forest.js';
 import { addonLoss, addonLossCompact, type LossAddon } from './loss-addon.js';
 import { maskBitsCuda, maskBlocksCuda, maskDenseCuda } from './mask-cuda.js';
 import { maskBitsCpu, maskBlocksCpu, maskCuSeqlensCpu, maskDenseCpu, maskSlicesCpu } from './mask-cpu.js';
-import { cudaDeviceInfo, injectCuda, injectNative, loadCuda, loadNative, type BindingSource, type CudaBinding, type Loaded, type NativeBinding } from './native.js';
+import {
+  cudaDeviceInfo,
+  injectCuda,
+  injectNative,
+  loadCuda,
+  loadNative,
+  type BindingSource,
+  type CudaBinding,
+  type Loaded,
+  type NativeBinding,
+} from './native.js';
 import { registerBackend, registerKernel, resetBackend } from './registry.js';
 import { releaseWebGPU, webgpuContext, type WebGPUContext } from './webgpu/device.js';
 import { lossCompactWebGPU, lossWebGPU } from './webgpu/loss.js';

@@ -83,8 +83,31 @@ function packageRoot(): string {
 }
 
 /** The functions each addon must export: a binding injected by a trainer is checked against them. */
-const NATIVE_FUNCTIONS = ['packForest', 'maskDense', 'maskBits', 'maskBlocks', 'maskSlices', 'maskCuSeqlens', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
-const CUDA_FUNCTIONS = ['deviceInfo', 'gatherI32', 'maskDense', 'maskBits', 'maskBlocks', 'loss', 'lossCompact', 'version', 'abi', 'init'] as const;
+const NATIVE_FUNCTIONS = [
+  'packForest',
+  'maskDense',
+  'maskBits',
+  'maskBlocks',
+  'maskSlices',
+  'maskCuSeqlens',
+  'loss',
+  'lossCompact',
+  'version',
+  'abi',
+  'init',
+] as const;
+const CUDA_FUNCTIONS = [
+  'deviceInfo',
+  'gatherI32',
+  'maskDense',
+  'maskBits',
+  'maskBlocks',
+  'loss',
+  'lossCompact',
+  'version',
+  'abi',
+  'init',
+] as const;
 
 /**
  * Calls init(TreepackError) on a loaded addon after checking it exports every function the backend uses and was
@@ -153,13 +176,21 @@ export function loadCuda(): Loaded<CudaBinding> {
 /** A binding handed over by the caller: an addon file to load, or an addon object already loaded. */
 export type BindingSource<B> = string | B;
 
-function inject<B extends { init(errorClass: typeof TreepackError): void }>(option: string, source: BindingSource<B>, functions: readonly string[]): Loaded<B> {
+function inject<B extends { init(errorClass: typeof TreepackError): void }>(
+  option: string,
+  source: BindingSource<B>,
+  functions: readonly string[],
+): Loaded<B> {
   const where = typeof source === 'string' ? path.resolve(source) : 'the given object';
   try {
     const binding: unknown = typeof source === 'string' ? requireAddon(where) : source;
     return { binding: adopt<B>(binding, functions), path: where };
   } catch (e) {
-    throw new TreepackError('E_ARG', `${option}: ${where} is not a usable treepack addon: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`, { field: option });
+    throw new TreepackError(
+      'E_ARG',
+      `${option}: ${where} is not a usable treepack addon: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`,
+      { field: option },
+    );
   }
 }
 

@@ -71,14 +71,24 @@ export interface LossRun extends LossResult {
 }
 
 /** Loss, dloss/dlp [N] and metrics of node logprobs `lp` [N] on `batch`; `config` is filled with defaults and checked. */
-export async function computeLoss(batch: LossBatch, lp: Float32Array, config: Partial<LossConfig> | LossConfig = {}, opts: LossOptions = {}): Promise<LossRun> {
+export async function computeLoss(
+  batch: LossBatch,
+  lp: Float32Array,
+  config: Partial<LossConfig> | LossConfig = {},
+  opts: LossOptions = {},
+): Promise<LossRun> {
   const cfg = resolveLossConfig(config);
   const k = await resolveKernel('loss', opts.backend);
   return { ...(await k.kernel(batch, lp, cfg)), backend: k.backend, report: k.report };
 }
 
 /** computeLoss from a compact plan built with the same config (buildCompactPlan): O(N) per call instead of O(M). */
-export async function computeLossCompact(plan: CompactPlan, lp: Float32Array, config: Partial<LossConfig> | LossConfig = {}, opts: LossOptions = {}): Promise<LossRun> {
+export async function computeLossCompact(
+  plan: CompactPlan,
+  lp: Float32Array,
+  config: Partial<LossConfig> | LossConfig = {},
+  opts: LossOptions = {},
+): Promise<LossRun> {
   const cfg = resolveLossConfig(config);
   const k = await resolveKernel('lossCompact', opts.backend);
   return { ...(await k.kernel(plan, lp, cfg)), backend: k.backend, report: k.report };

@@ -30,7 +30,12 @@ export function optionValue<T>(parseValue: () => T): T {
 
 export function parse(argv: string[], options: NonNullable<ParseArgsConfig['options']>, usage: string): Parsed {
   try {
-    const { values, positionals } = parseArgs({ args: argv, options: { ...options, help: { type: 'boolean', short: 'h' } }, allowPositionals: true, strict: true });
+    const { values, positionals } = parseArgs({
+      args: argv,
+      options: { ...options, help: { type: 'boolean', short: 'h' } },
+      allowPositionals: true,
+      strict: true,
+    });
     return { values: values, positionals };
   } catch (err) {
     throw usageError(`${(err as Error).message}\n\n${usage}`);
@@ -54,7 +59,8 @@ export function backendOption(v: string | undefined, name = '--backend'): Backen
 }
 
 export function oneInput(positionals: string[], usage: string): string {
-  if (positionals.length !== 1) throw usageError(`expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
+  if (positionals.length !== 1)
+    throw usageError(`expected exactly one input (a JSONL file or - for stdin), got ${positionals.length}\n\n${usage}`);
   return positionals[0];
 }
 
@@ -113,7 +119,11 @@ export function helpLines(rows: readonly HelpRow[]): string {
 export function optionHelp(entries: readonly OptionEntry[]): HelpRow[] {
   return entries.map((e) => {
     const shown = e.metavar && (typeof e.default === 'number' || typeof e.default === 'string') ? String(e.default) : undefined;
-    return { flag: e.metavar ? `${e.flag} ${e.metavar}` : e.flag, help: e.help, note: shown === undefined ? undefined : `[default: ${shown}]` };
+    return {
+      flag: e.metavar ? `${e.flag} ${e.metavar}` : e.flag,
+      help: e.help,
+      note: shown === undefined ? undefined : `[default: ${shown}]`,
+    };
   });
 }
 

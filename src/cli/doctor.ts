@@ -28,7 +28,13 @@ export async function doctorCommand(argv: string[]): Promise<number> {
   const backends = await listBackends();
   // The limits decide the largest mask a WebGPU device can build (one storage buffer per output array).
   const webgpu_limits = backends.find((b) => b.name === 'webgpu')?.limits?.device;
-  const report = { version: VERSION, node: process.version, platform: `${process.platform}-${process.arch}`, backends, ...(webgpu_limits ? { webgpu_limits } : {}) };
+  const report = {
+    version: VERSION,
+    node: process.version,
+    platform: `${process.platform}-${process.arch}`,
+    backends,
+    ...(webgpu_limits ? { webgpu_limits } : {}),
+  };
   if (values.json) {
     console.log(JSON.stringify(report, null, 2));
     return 0;
@@ -38,6 +44,9 @@ export async function doctorCommand(argv: string[]): Promise<number> {
     console.log(`  ${b.name.padEnd(7)} ${b.available ? 'available  ' : 'unavailable'}  ${b.detail}`);
     console.log(`          ops: ${b.ops.join(', ') || 'none'}`);
   }
-  if (webgpu_limits) console.log(`  webgpu limits: maxStorageBufferBindingSize ${webgpu_limits.maxStorageBufferBindingSize} bytes, maxBufferSize ${webgpu_limits.maxBufferSize} bytes`);
+  if (webgpu_limits)
+    console.log(
+      `  webgpu limits: maxStorageBufferBindingSize ${webgpu_limits.maxStorageBufferBindingSize} bytes, maxBufferSize ${webgpu_limits.maxBufferSize} bytes`,
+    );
   return 0;
 }

@@ -28,7 +28,13 @@ Options:
 export async function lossCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
-    { logprobs: { type: 'string' }, config: { type: 'string' }, backend: { type: 'string' }, 'grad-out': { type: 'string' }, json: { type: 'boolean' } },
+    {
+      logprobs: { type: 'string' },
+      config: { type: 'string' },
+      backend: { type: 'string' },
+      'grad-out': { type: 'string' },
+      json: { type: 'boolean' },
+    },
     LOSS_USAGE,
   );
   if (values.help) {
@@ -42,7 +48,11 @@ export async function lossCommand(argv: string[]): Promise<number> {
   const { batch } = readMicroBatch(positionals[0]);
   const lpTensor = readSafetensors(lpFile).tensors.get('logprobs');
   if (!lpTensor || lpTensor.dtype !== 'F32' || lpTensor.shape.length !== 1) {
-    throw new TreepackError('E_INPUT', `expected a tensor "logprobs" of dtype F32 and shape [N]${lpTensor ? `, got ${lpTensor.dtype} [${lpTensor.shape.join(', ')}]` : ', found none'}`, { file: lpFile, field: 'logprobs' });
+    throw new TreepackError(
+      'E_INPUT',
+      `expected a tensor "logprobs" of dtype F32 and shape [N]${lpTensor ? `, got ${lpTensor.dtype} [${lpTensor.shape.join(', ')}]` : ', found none'}`,
+      { file: lpFile, field: 'logprobs' },
+    );
   }
   let config: Record<string, unknown> = {};
   const configFile = values.config as string | undefined;
@@ -71,7 +81,11 @@ export async function lossCommand(argv: string[]): Promise<number> {
     throw err;
   }
   const gradOut = values['grad-out'] as string | undefined;
-  if (gradOut) writeSafetensors(gradOut, new Map([['grad', { dtype: 'F32', shape: [res.grad.length], data: res.grad }]]), { format: 'treepack/1', kind: 'dloss/dlp' });
+  if (gradOut)
+    writeSafetensors(gradOut, new Map([['grad', { dtype: 'F32', shape: [res.grad.length], data: res.grad }]]), {
+      format: 'treepack/1',
+      kind: 'dloss/dlp',
+    });
   if (values.json) {
     console.log(JSON.stringify({ loss: res.loss, metrics: res.metrics, backend: res.backend }));
   } else {

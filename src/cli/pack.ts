@@ -23,7 +23,11 @@ ${helpLines([
 const SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
 
 export async function packCommand(argv: string[]): Promise<number> {
-  const { values, positionals } = parse(argv, { ...optionFlags(OPTION_TABLE), out: { type: 'string' }, quiet: { type: 'boolean' } }, PACK_USAGE);
+  const { values, positionals } = parse(
+    argv,
+    { ...optionFlags(OPTION_TABLE), out: { type: 'string' }, quiet: { type: 'boolean' } },
+    PACK_USAGE,
+  );
   if (values.help) {
     console.log(PACK_USAGE);
     return 0;
@@ -56,8 +60,12 @@ export async function packCommand(argv: string[]): Promise<number> {
     console.error(
       `treepack: ${stats.samples} sequences from ${stats.read.lines} records (${stats.absorbed} of ${stats.timelines} timelines merged into others) → ${microBatches} micro-batch(es) in ${out}: ` +
         `${stats.naiveTokens} naive → ${stats.packedTokens} packed tokens (${ratio}×)` +
-        (stats.budget ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}` : '') +
-        (stats.prefixReuse ? `; prefix reuse: ${stats.prefixReuse.computedTokens} tokens computed (${(stats.prefixReuse.computedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the optimum), ${stats.prefixReuse.pushedTokens} pushed, at most ${stats.prefixReuse.peakCachedTokens} cached per rank` : '') +
+        (stats.budget
+          ? `, ${(stats.packedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the single-forest optimum, rank imbalance ${imbalance(stats.rankCosts).toFixed(3)}`
+          : '') +
+        (stats.prefixReuse
+          ? `; prefix reuse: ${stats.prefixReuse.computedTokens} tokens computed (${(stats.prefixReuse.computedTokens / Math.max(1, stats.optimumTokens)).toFixed(3)}× the optimum), ${stats.prefixReuse.pushedTokens} pushed, at most ${stats.prefixReuse.peakCachedTokens} cached per rank`
+          : '') +
         `; ${stats.backend}`,
     );
   }

@@ -10,7 +10,9 @@ export function progressReporter(enabled = process.stderr.isTTY === true): { upd
     if (now - last < 200) return;
     last = now;
     shown = true;
-    process.stderr.write(`\r\x1b[K  ${s.read.lines} lines, ${s.samples} samples, ${s.naiveTokens} naive tokens, ${s.microBatches} micro-batches`);
+    process.stderr.write(
+      `\r\x1b[K  ${s.read.lines} lines, ${s.samples} samples, ${s.naiveTokens} naive tokens, ${s.microBatches} micro-batches`,
+    );
   };
   const done = () => {
     if (shown) process.stderr.write('\r\x1b[K');

@@ -7,7 +7,17 @@ import { int, optionEntry } from '../packer/option-table.js';
 import { flagValue, optionFlags, optionValue, packerOptions, parse, positiveInt, usageError, wrap } from './args.js';
 
 /** The packer's options that serve takes as flags; its --dp is also the feed's ranks, so it is read apart. */
-export const SERVE_PACKER_OPTIONS = (['tokenizer', 'backend', 'budget.maxTokens', 'budget.padMultiple', 'budget.prefixCacheTokens', 'advantages', 'merge.timelineCompareLevel'] as const).map(optionEntry);
+export const SERVE_PACKER_OPTIONS = (
+  [
+    'tokenizer',
+    'backend',
+    'budget.maxTokens',
+    'budget.padMultiple',
+    'budget.prefixCacheTokens',
+    'advantages',
+    'merge.timelineCompareLevel',
+  ] as const
+).map(optionEntry);
 export const DP = optionEntry('budget.dp');
 
 export const SERVE_USAGE = `Usage: treepack serve --engine URL --data DIR --tokenizer DIR|NAME [options]
@@ -50,7 +60,9 @@ Options:
                           (a Redis crash may then lose acknowledged work), with a warning
 Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
 engine saw):
-${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106).map((l) => `  ${l}`).join('\n')}
+${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106)
+  .map((l) => `  ${l}`)
+  .join('\n')}
   -h, --help              this help`;
 
 function policyOption(policy: string | undefined, window: number | undefined): CollectorPolicy {
@@ -63,9 +75,22 @@ function policyOption(policy: string | undefined, window: number | undefined): C
 
 /** The service's option names as the flags that set them: a usage error names what the user typed. */
 const FLAG_OF: Record<string, string> = {
-  engineUrl: '--engine', dataDir: '--data', token: '--token', redis: '--redis', dp: '--dp',
-  'packer.budget': '--max-tokens', groupSize: '--group-size', groupsPerStep: '--groups-per-step', leaseMs: '--lease',
-  engineTimeoutMs: '--engine-timeout', requestTimeoutMs: '--request-timeout', maxGroupSize: '--max-group-size', maxPoolBytes: '--max-pool-bytes', bodyLimit: '--body-limit', compactBytes: '--compact-bytes', idleTimeoutMs: '--idle-timeout',
+  engineUrl: '--engine',
+  dataDir: '--data',
+  token: '--token',
+  redis: '--redis',
+  dp: '--dp',
+  'packer.budget': '--max-tokens',
+  groupSize: '--group-size',
+  groupsPerStep: '--groups-per-step',
+  leaseMs: '--lease',
+  engineTimeoutMs: '--engine-timeout',
+  requestTimeoutMs: '--request-timeout',
+  maxGroupSize: '--max-group-size',
+  maxPoolBytes: '--max-pool-bytes',
+  bodyLimit: '--body-limit',
+  compactBytes: '--compact-bytes',
+  idleTimeoutMs: '--idle-timeout',
   ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
@@ -74,7 +99,9 @@ function checkOptions(options: ServiceOptions): void {
     optionValue(() => resolveServiceOptions(options));
   } catch (err) {
     if (!(err instanceof TreepackError) || err.code !== 'E_USAGE') throw err;
-    throw usageError(err.detail.replace(/ for ([\w.]+) but received /, (m, name: string) => (FLAG_OF[name] ? ` for ${FLAG_OF[name]} but received ` : m)));
+    throw usageError(
+      err.detail.replace(/ for ([\w.]+) but received /, (m, name: string) => (FLAG_OF[name] ? ` for ${FLAG_OF[name]} but received ` : m)),
+    );
   }
 }
 
@@ -83,9 +110,28 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const { values } = parse(
     argv,
     {
-      engine: S, data: S, host: S, port: S, token: S, 'engine-api-key': S, 'engine-timeout': S, 'group-size': S, policy: S, window: S,
-      'groups-per-step': S, lease: S, 'idle-timeout': S, 'max-pool-bytes': S, 'body-limit': S, 'request-timeout': S, 'max-group-size': S, 'rate-limit': S, 'compact-bytes': S, redis: S,
-      'redis-allow-weak-durability': { type: 'boolean' }, dp: S,
+      engine: S,
+      data: S,
+      host: S,
+      port: S,
+      token: S,
+      'engine-api-key': S,
+      'engine-timeout': S,
+      'group-size': S,
+      policy: S,
+      window: S,
+      'groups-per-step': S,
+      lease: S,
+      'idle-timeout': S,
+      'max-pool-bytes': S,
+      'body-limit': S,
+      'request-timeout': S,
+      'max-group-size': S,
+      'rate-limit': S,
+      'compact-bytes': S,
+      redis: S,
+      'redis-allow-weak-durability': { type: 'boolean' },
+      dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
     SERVE_USAGE,
@@ -97,13 +143,15 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const str = (k: string) => values[k] as string | undefined;
   if (!str('engine') || !str('data')) throw usageError(`--engine URL and --data DIR are required\n\n${SERVE_USAGE}`);
   // The gateway tokenizes every call with it: another model's vocabulary would train silently wrong.
-  if (!str('tokenizer')) throw usageError(`--tokenizer DIR|NAME is required: the engine's tokenizer directory, or a built-in by name (qwen3)\n\n${SERVE_USAGE}`);
+  if (!str('tokenizer'))
+    throw usageError(`--tokenizer DIR|NAME is required: the engine's tokenizer directory, or a built-in by name (qwen3)\n\n${SERVE_USAGE}`);
   const packer = packerOptions(values, SERVE_PACKER_OPTIONS);
   const dp = str('dp') === undefined ? 1 : (flagValue(DP.value, DP.flag, str('dp')!) as number);
   if (dp > 1 && !packer.budget) throw usageError('--dp needs --max-tokens T (ranks come from the budgeted plan)');
   const rate = str('rate-limit');
   const weakDurability = values['redis-allow-weak-durability'] === true;
-  if (weakDurability && str('redis') === undefined) throw usageError('--redis-allow-weak-durability applies to the shared pool: it needs --redis URL');
+  if (weakDurability && str('redis') === undefined)
+    throw usageError('--redis-allow-weak-durability applies to the shared pool: it needs --redis URL');
   const options: ServiceOptions = {
     engineUrl: str('engine')!,
     dataDir: str('data')!,
@@ -117,7 +165,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
     groupsPerStep: positiveInt('--groups-per-step', str('groups-per-step')),
     dp,
     leaseMs: positiveInt('--lease', str('lease'), 600)! * 1000,
-    idleTimeoutMs: (str('idle-timeout') === undefined ? 1800 : (flagValue(int(0), '--idle-timeout', str('idle-timeout')!) as number)) * 1000,
+    idleTimeoutMs:
+      (str('idle-timeout') === undefined ? 1800 : (flagValue(int(0), '--idle-timeout', str('idle-timeout')!) as number)) * 1000,
     maxPoolBytes: positiveInt('--max-pool-bytes', str('max-pool-bytes')),
     bodyLimit: positiveInt('--body-limit', str('body-limit')),
     requestTimeoutMs: positiveInt('--request-timeout', str('request-timeout'), 60)! * 1000,
@@ -132,7 +181,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const { startService } = await loadService();
   const { service, url } = await startService(options);
   const models = service.recorder.engineModels;
-  console.error(`treepack serve: listening on ${url}, engine ${service.opts.engineUrl}${models ? ` (serving ${models.join(', ')})` : ''}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`);
+  console.error(
+    `treepack serve: listening on ${url}, engine ${service.opts.engineUrl}${models ? ` (serving ${models.join(', ')})` : ''}, log ${service.opts.dataDir}${service.shared ? `, shared pool ${service.shared.url}` : ''}`,
+  );
   await new Promise<void>((resolve) => {
     const stop = () => resolve();
     process.once('SIGINT', stop);

@@ -87,7 +87,16 @@ function stepPlans(windows: Sequences[], budgets: number[], ranks: number[]): St
   const rows: StepPlanRow[] = [];
   for (const T of budgets) {
     for (const K of ranks) {
-      const row: StepPlanRow = { max_tokens: T, dp: K, optimum_tokens: 0, dp_floor_tokens: 0, plain_tokens: 0, computed_tokens: 0, pushed_tokens: 0, peak_cached_tokens: 0 };
+      const row: StepPlanRow = {
+        max_tokens: T,
+        dp: K,
+        optimum_tokens: 0,
+        dp_floor_tokens: 0,
+        plain_tokens: 0,
+        computed_tokens: 0,
+        pushed_tokens: 0,
+        peak_cached_tokens: 0,
+      };
       for (const seqs of windows) {
         const planned = planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff });
         const p = planned.prefixReuse!;
@@ -99,7 +108,8 @@ function stepPlans(windows: Sequences[], budgets: number[], ranks: number[]): St
         let longest = 0;
         for (let i = 0; i + 1 < seqs.offsets.length; i++) longest = Math.max(longest, seqs.offsets[i + 1] - seqs.offsets[i]);
         const plain = longest <= T ? planMicroBatches(seqs, { maxTokens: T, dp: K }) : null;
-        row.plain_tokens = plain && row.plain_tokens !== null ? row.plain_tokens + plain.microBatches.reduce((a, m) => a + m.packedTokens, 0) : null;
+        row.plain_tokens =
+          plain && row.plain_tokens !== null ? row.plain_tokens + plain.microBatches.reduce((a, m) => a + m.packedTokens, 0) : null;
       }
       rows.push(row);
     }
@@ -116,7 +126,13 @@ const ratio = (a: number, b: number) => (b > 0 ? a / b : 0);
 export async function statsCommand(argv: string[]): Promise<number> {
   const { values, positionals } = parse(
     argv,
-    { ...optionFlags(STATS_OPTIONS), json: { type: 'boolean' }, groups: { type: 'string' }, 'plan-tokens': { type: 'string' }, 'plan-dp': { type: 'string' } },
+    {
+      ...optionFlags(STATS_OPTIONS),
+      json: { type: 'boolean' },
+      groups: { type: 'string' },
+      'plan-tokens': { type: 'string' },
+      'plan-dp': { type: 'string' },
+    },
     STATS_USAGE,
   );
   if (values.help) {
@@ -197,7 +213,6 @@ export async function statsCommand(argv: string[]): Promise<number> {
   return 0;
 }
 
-
 function formatStats(r: StatsReport, maxGroups: number): string {
   const n = (x: number) => x.toLocaleString('en-US');
   const lines = [
@@ -206,7 +221,9 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     `timelines      ${n(r.timelines)}`,
     `samples        ${n(r.samples)}  (${n(r.absorbed)} timelines merged into others)`,
     `drifted        ${n(r.drifted_messages)} messages (re-rendered tokens differ from the sampled ones)`,
-    `snaps          ${n(r.snaps)}  (${n(r.snap_lost_tokens)} tokens of sharing lost${Object.entries(r.snap_kinds).map(([k, c]) => `; ${k} ${c}`).join('')})`,
+    `snaps          ${n(r.snaps)}  (${n(r.snap_lost_tokens)} tokens of sharing lost${Object.entries(r.snap_kinds)
+      .map(([k, c]) => `; ${k} ${c}`)
+      .join('')})`,
     `naive tokens   ${n(r.naive_tokens)}  (every timeline as its own sample)`,
     `merged tokens  ${n(r.merged_tokens)}  (samples after the timeline merge)`,
     `packed tokens  ${n(r.packed_tokens)}  (${r.micro_batches} micro-batch${r.micro_batches === 1 ? '' : 'es'})`,
@@ -221,7 +238,9 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     const w = Math.max(5, ...top.map((g) => g.group.length));
     lines.push(`  ${'group'.padEnd(w)}  samples      naive     packed  compression`);
     for (const g of top) {
-      lines.push(`  ${g.group.padEnd(w)}  ${String(g.samples).padStart(7)}  ${String(g.naive_tokens).padStart(9)}  ${String(g.packed_tokens).padStart(9)}  ${g.compression.toFixed(2).padStart(10)}×`);
+      lines.push(
+        `  ${g.group.padEnd(w)}  ${String(g.samples).padStart(7)}  ${String(g.naive_tokens).padStart(9)}  ${String(g.packed_tokens).padStart(9)}  ${g.compression.toFixed(2).padStart(10)}×`,
+      );
     }
   }
   if (r.branch_depth_histogram.length) {
@@ -235,13 +254,18 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     }
   }
   if (r.step_plans.length) {
-    lines.push('', 'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank;');
+    lines.push(
+      '',
+      'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank;',
+    );
     lines.push('DP floor: the fewest any plan on these ranks computes, each rank repeating the prefix all sequences share)');
     lines.push('       T    K   plain split   prefix reuse   DP floor   pushed   peak cached');
     for (const p of r.step_plans) {
       const opt = Math.max(1, p.optimum_tokens);
       const plain = p.plain_tokens === null ? 'infeasible' : `${(p.plain_tokens / opt).toFixed(3)}×`;
-      lines.push(`  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.dp_floor_tokens / opt).toFixed(3)}×`.padStart(9)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`);
+      lines.push(
+        `  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.dp_floor_tokens / opt).toFixed(3)}×`.padStart(9)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`,
+      );
     }
   }
   return lines.join('\n');

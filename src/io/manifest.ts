@@ -29,19 +29,29 @@ export function readManifest(dir: string): Manifest {
   } catch (err) {
     throw new TreepackError('E_INPUT', `not JSON: ${(err as Error).message}`, { file: path });
   }
-  if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) throw new TreepackError('E_INPUT', 'not a JSON object', { file: path });
-  if (doc.format !== MANIFEST_FORMAT) throw fail('format', `format is ${JSON.stringify(doc.format)}, expected ${JSON.stringify(MANIFEST_FORMAT)}`);
+  if (doc === null || typeof doc !== 'object' || Array.isArray(doc))
+    throw new TreepackError('E_INPUT', 'not a JSON object', { file: path });
+  if (doc.format !== MANIFEST_FORMAT)
+    throw fail('format', `format is ${JSON.stringify(doc.format)}, expected ${JSON.stringify(MANIFEST_FORMAT)}`);
   if (!Array.isArray(doc.micro_batches)) throw fail('micro_batches', 'micro_batches is not a list');
   doc.micro_batches.forEach((e, i) => {
     const at = `micro_batches[${i}]`;
     if (e === null || typeof e !== 'object') throw fail(at, `${at} is not an object`);
     const f = e.file;
     // A manifest only names files inside its directory: no absolute paths, no way up.
-    if (typeof f !== 'string' || f === '' || isAbsolute(f) || f.includes('\\') || normalize(f) !== f.split('/').join(sep) || f.split('/').includes('..')) {
+    if (
+      typeof f !== 'string' ||
+      f === '' ||
+      isAbsolute(f) ||
+      f.includes('\\') ||
+      normalize(f) !== f.split('/').join(sep) ||
+      f.split('/').includes('..')
+    ) {
       throw fail(`${at}.file`, `${at}.file is ${JSON.stringify(f)}, expected a relative path inside the directory`);
     }
     for (const k of COUNTS) {
-      if (!Number.isSafeInteger(e[k]) || e[k] < 0) throw fail(`${at}.${k}`, `${at}.${k} is ${JSON.stringify(e[k])}, expected an integer >= 0`);
+      if (!Number.isSafeInteger(e[k]) || e[k] < 0)
+        throw fail(`${at}.${k}`, `${at}.${k} is ${JSON.stringify(e[k])}, expected an integer >= 0`);
     }
   });
   return doc;
@@ -70,7 +80,10 @@ export function* readMicroBatches(dir: string): Generator<DirectoryMicroBatch> {
     const got = { sequences: meta.num_sequences, naive_tokens: meta.num_tokens_naive, packed_tokens: meta.num_tokens_packed };
     for (const k of COUNTS) {
       if (got[k] !== entry[k]) {
-        throw new TreepackError('E_INPUT', `the manifest says ${k} = ${entry[k]} but the file has ${got[k]} (a file of another run?)`, { file: path, field: k });
+        throw new TreepackError('E_INPUT', `the manifest says ${k} = ${entry[k]} but the file has ${got[k]} (a file of another run?)`, {
+          file: path,
+          field: k,
+        });
       }
     }
     yield { ...mb, entry, path };

@@ -9,7 +9,8 @@ import { DEFAULT_BLOCK_SIZE, type MaskSpec, type TreeArrays } from '../mask/type
 import { validateBlockSize } from '../mask/validate.js';
 import type { Tensor } from './safetensors.js';
 
-export const MASKS_OPTION_HELP = 'block[:B] (FlexAttention BlockMask, B default 128), slices (MagiAttention), cu_seqlens (forests with no sharing)';
+export const MASKS_OPTION_HELP =
+  'block[:B] (FlexAttention BlockMask, B default 128), slices (MagiAttention), cu_seqlens (forests with no sharing)';
 
 /**
  * Parses `block:128,slices`; each lowering at most once (they share tensor names in the file). Errors name `option`:
@@ -17,7 +18,10 @@ export const MASKS_OPTION_HELP = 'block[:B] (FlexAttention BlockMask, B default 
  */
 export function parseMaskSpecs(text: string, option = '--masks'): MaskSpec[] {
   const specs: MaskSpec[] = [];
-  for (const item of text.split(',').map((s) => s.trim()).filter(Boolean)) {
+  for (const item of text
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean)) {
     const [name, arg, ...rest] = item.split(':');
     let spec: MaskSpec;
     if ((name === 'block' || name === 'blocks') && rest.length === 0) {
@@ -37,7 +41,6 @@ export function parseMaskSpecs(text: string, option = '--masks'): MaskSpec[] {
   }
   return specs;
 }
-
 
 /** Mask lowerings as micro-batch file content: tensors, header keys, and which backend built each. */
 export interface MaskTensors {

@@ -1,6 +1,14 @@
 /** A sink that keeps each micro-batch's file bytes and the manifest in memory: for services and tests. */
 import { microBatchBytes } from './microbatch.js';
-import { MANIFEST_FILE, manifestBytes, type Manifest, type ManifestEntry, type ManifestHeader, type Sink, type SinkMicroBatch } from './sink.js';
+import {
+  MANIFEST_FILE,
+  manifestBytes,
+  type Manifest,
+  type ManifestEntry,
+  type ManifestHeader,
+  type Sink,
+  type SinkMicroBatch,
+} from './sink.js';
 
 /** A sink that keeps the files in memory, byte for byte as DirectorySink writes them. */
 export class MemorySink implements Sink {

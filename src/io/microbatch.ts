@@ -9,7 +9,15 @@
  * invariants (docs/design.md §7) are `checkForest` in src/pack/invariants.ts, which costs a pass over the data.
  */
 import { argError, TreepackError } from '../errors.js';
-import { FORMAT, MAX_TOKENS, NODE_FIELDS, OCCURRENCE_FLOAT_FIELDS, OPTIONAL_OCCURRENCE_FIELDS, type MicroBatch, type MicroBatchMeta } from '../pack/contract.js';
+import {
+  FORMAT,
+  MAX_TOKENS,
+  NODE_FIELDS,
+  OCCURRENCE_FLOAT_FIELDS,
+  OPTIONAL_OCCURRENCE_FIELDS,
+  type MicroBatch,
+  type MicroBatchMeta,
+} from '../pack/contract.js';
 import { readSafetensors, safetensorsChunks, writeSafetensors, type Dtype, type Tensor, type TypedArray } from './safetensors.js';
 import type { ExtraTensors } from './sink.js';
 
@@ -36,7 +44,15 @@ export interface MicroBatchFile {
 
 /** Header keys the contract owns; extra metadata must use others. */
 const PREFIX_META_KEYS = ['prefix_tokens', 'prefix_push', 'prefix_release'] as const;
-const CONTRACT_META_KEYS = new Set<string>(['format', ...META_NUMBERS, 'tokenizer', 'sequence_ids', 'num_pad_tokens', 'vocab_size', ...PREFIX_META_KEYS]);
+const CONTRACT_META_KEYS = new Set<string>([
+  'format',
+  ...META_NUMBERS,
+  'tokenizer',
+  'sequence_ids',
+  'num_pad_tokens',
+  'vocab_size',
+  ...PREFIX_META_KEYS,
+]);
 
 type Fail = (field: string, message: string) => TreepackError;
 
@@ -56,15 +72,21 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
     if (a !== undefined && a.length !== M) throw fail(f, `${f} has ${a.length} elements but seq_positions has M = ${M}`);
   }
   const pad = mb.meta.num_pad_tokens;
-  if (pad !== undefined && !(Number.isSafeInteger(pad) && pad >= 0 && pad <= N)) throw fail('num_pad_tokens', `num_pad_tokens = ${pad}, expected an integer in [0, N = ${N}]`);
+  if (pad !== undefined && !(Number.isSafeInteger(pad) && pad >= 0 && pad <= N))
+    throw fail('num_pad_tokens', `num_pad_tokens = ${pad}, expected an integer in [0, N = ${N}]`);
   const vocab = mb.meta.vocab_size;
-  if (vocab !== undefined && !(Number.isSafeInteger(vocab) && vocab >= 1)) throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
+  if (vocab !== undefined && !(Number.isSafeInteger(vocab) && vocab >= 1))
+    throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
   checkPrefix(mb, fail);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
   }
-  if (!Array.isArray(mb.meta.sequence_ids) || mb.meta.sequence_ids.length !== S || !mb.meta.sequence_ids.every((id) => typeof id === 'string')) {
+  if (
+    !Array.isArray(mb.meta.sequence_ids) ||
+    mb.meta.sequence_ids.length !== S ||
+    !mb.meta.sequence_ids.every((id) => typeof id === 'string')
+  ) {
     throw fail('sequence_ids', `sequence_ids must be a list of ${S} strings`);
   }
   if (typeof mb.meta.tokenizer !== 'string') throw fail('tokenizer', 'tokenizer must be a string');
@@ -83,9 +105,14 @@ function checkPrefix(mb: MicroBatch, fail: Fail): void {
   if (given === 0) return;
   if (given !== 3) throw fail('prefix_tokens', 'prefix_tokens, prefix_push and prefix_release go together (a step plan entry)');
   const N = mb.input_ids.length;
-  if (!(Number.isSafeInteger(h) && h! >= 0 && h! <= N)) throw fail('prefix_tokens', `prefix_tokens = ${h}, expected an integer in [0, N = ${N}]`);
-  if (!(Number.isSafeInteger(release) && release! >= 0)) throw fail('prefix_release', `prefix_release = ${release}, expected an integer >= 0`);
-  const ok = Array.isArray(push) && push.every((e, k) => Number.isSafeInteger(e) && e > (k ? push[k - 1] : 0)) && (push.length === 0 || push[push.length - 1] === h);
+  if (!(Number.isSafeInteger(h) && h! >= 0 && h! <= N))
+    throw fail('prefix_tokens', `prefix_tokens = ${h}, expected an integer in [0, N = ${N}]`);
+  if (!(Number.isSafeInteger(release) && release! >= 0))
+    throw fail('prefix_release', `prefix_release = ${release}, expected an integer >= 0`);
+  const ok =
+    Array.isArray(push) &&
+    push.every((e, k) => Number.isSafeInteger(e) && e > (k ? push[k - 1] : 0)) &&
+    (push.length === 0 || push[push.length - 1] === h);
   if (!ok) throw fail('prefix_push', `prefix_push = ${JSON.stringify(push)}, expected ascending depths ending at prefix_tokens = ${h}`);
 }
 
@@ -93,7 +120,12 @@ function checkPrefix(mb: MicroBatch, fail: Fail): void {
  * Writes `batch` (and `extra` tensors and `extraMeta` header entries, under names outside the contract)
  * atomically. Typed arrays are streamed from their own memory, so a batch of hundreds of MB costs no second copy.
  */
-export function writeMicroBatch(path: string, batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, extraMeta?: Readonly<Record<string, string>>): void {
+export function writeMicroBatch(
+  path: string,
+  batch: MicroBatch,
+  extra?: ReadonlyMap<string, Tensor>,
+  extraMeta?: Readonly<Record<string, string>>,
+): void {
   const { tensors, metadata } = fileContent(batch, extra, extraMeta, path);
   writeSafetensors(path, tensors, metadata);
 }
@@ -151,7 +183,10 @@ export function readMicroBatch(path: string): MicroBatchFile {
   const fail: Fail = (field, message) => new TreepackError('E_INPUT', message, { file: path, field });
   const { tensors, metadata } = readSafetensors(path);
   if (metadata.format !== FORMAT) {
-    throw fail('format', `format is ${metadata.format === undefined ? 'missing' : JSON.stringify(metadata.format)}, expected ${JSON.stringify(FORMAT)}`);
+    throw fail(
+      'format',
+      `format is ${metadata.format === undefined ? 'missing' : JSON.stringify(metadata.format)}, expected ${JSON.stringify(FORMAT)}`,
+    );
   }
   const nums = {} as Record<(typeof META_NUMBERS)[number], number>;
   for (const key of META_NUMBERS) {
@@ -171,7 +206,8 @@ export function readMicroBatch(path: string): MicroBatchFile {
   const meta: MicroBatchMeta = { format: FORMAT, ...nums, tokenizer: metadata.tokenizer, sequence_ids: sequence_ids as string[] };
   const pad = metadata.num_pad_tokens;
   if (pad !== undefined) {
-    if (!/^(0|[1-9][0-9]*)$/.test(pad)) throw fail('num_pad_tokens', `num_pad_tokens is ${JSON.stringify(pad)}, expected a non-negative integer`);
+    if (!/^(0|[1-9][0-9]*)$/.test(pad))
+      throw fail('num_pad_tokens', `num_pad_tokens is ${JSON.stringify(pad)}, expected a non-negative integer`);
     meta.num_pad_tokens = Number(pad);
   }
   const vocab = metadata.vocab_size;

@@ -123,7 +123,12 @@ const fsCall = <T>(path: string, action: string, f: () => T): T => {
 };
 
 /** Recursive removal that reports instead of throwing: cleanup must never hide the error that caused it. */
-function removeQuietly(path: string, notes: string[], what: string, remove = (p: string) => rmSync(p, { recursive: true, force: true })): void {
+function removeQuietly(
+  path: string,
+  notes: string[],
+  what: string,
+  remove = (p: string) => rmSync(p, { recursive: true, force: true }),
+): void {
   try {
     remove(path);
   } catch (err) {
@@ -336,7 +341,11 @@ function openExisting(out: string): PublishRun {
       try {
         const now = scan(out);
         if (now.committed.bytes !== s.committed.bytes || highest(now) > n) {
-          throw new TreepackError('E_IO', 'another writer published to this directory while this run was staging; this run published nothing', { file: out });
+          throw new TreepackError(
+            'E_IO',
+            'another writer published to this directory while this run was staging; this run published nothing',
+            { file: out },
+          );
         }
         fsCall(out, 'write the manifest', () => writeFileAtomic(join(staging, MANIFEST_FILE), manifest));
         fsCall(join(out, genName(n)), 'publish the new generation', () => renameSync(join(staging, 'files'), join(out, genName(n))));
@@ -380,7 +389,8 @@ function collectGarbage(out: string, n: number, previous: Set<string> | undefine
 }
 
 function stageFile(out: string, path: string, name: string, gen: string, write: (path: string) => void): string {
-  if (typeof name !== 'string' || !/^[^/\\]+$/.test(name) || name === '.' || name === '..') throw argError('a staged file name', 'a plain file name', name);
+  if (typeof name !== 'string' || !/^[^/\\]+$/.test(name) || name === '.' || name === '..')
+    throw argError('a staged file name', 'a plain file name', name);
   try {
     write(path);
   } catch (err) {
@@ -401,7 +411,8 @@ function openNew(out: string): PublishRun {
   const notes: string[] = [];
   const parent = existingAncestor(target);
   const ancestorStat = fsCall(parent, 'use the output directory', () => statSync(parent));
-  if (!ancestorStat.isDirectory()) throw new TreepackError('E_IO', `cannot create the output directory: ${parent} is not a directory`, { file: out });
+  if (!ancestorStat.isDirectory())
+    throw new TreepackError('E_IO', `cannot create the output directory: ${parent} is not a directory`, { file: out });
   cleanNewLeftovers(parent, notes);
   const tmp = join(parent, `.treepack-new-${process.pid}-${randomBytes(6).toString('hex')}`);
   let done = false;
@@ -436,7 +447,11 @@ function openNew(out: string): PublishRun {
         } catch (err) {
           const code = (err as NodeJS.ErrnoException).code;
           if (code === 'ENOTEMPTY' || code === 'EEXIST') {
-            throw new TreepackError('E_IO', 'another writer created this directory while this run was staging; this run published nothing', { file: out });
+            throw new TreepackError(
+              'E_IO',
+              'another writer created this directory while this run was staging; this run published nothing',
+              { file: out },
+            );
           }
           throw ioError(err, out, 'create the output directory');
         }

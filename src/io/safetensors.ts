@@ -75,7 +75,8 @@ const METADATA_KEY = '__metadata__';
 const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
 
 function assertLittleEndian(): void {
-  if (!LITTLE_ENDIAN) throw new TreepackError('E_IO', 'safetensors I/O needs a little-endian host (typed arrays are written as they lie in memory)');
+  if (!LITTLE_ENDIAN)
+    throw new TreepackError('E_IO', 'safetensors I/O needs a little-endian host (typed arrays are written as they lie in memory)');
 }
 
 function isDtype(s: unknown): s is Dtype {
@@ -222,22 +223,35 @@ export function parseSafetensors(bytes: Uint8Array, file?: string): SafetensorsC
     const { dtype, shape, data_offsets } = info;
     if (!isDtype(dtype)) throw bad(file, name, `tensor ${JSON.stringify(name)}: unknown dtype ${JSON.stringify(dtype)}`);
     const count = numel(shape);
-    if (count < 0) throw bad(file, name, `tensor ${JSON.stringify(name)}: shape ${JSON.stringify(shape)} is not a list of non-negative integers`);
+    if (count < 0)
+      throw bad(file, name, `tensor ${JSON.stringify(name)}: shape ${JSON.stringify(shape)} is not a list of non-negative integers`);
     if (
       !Array.isArray(data_offsets) ||
       data_offsets.length !== 2 ||
       !data_offsets.every((x) => Number.isSafeInteger(x) && x >= 0) ||
       data_offsets[0] > data_offsets[1]
     ) {
-      throw bad(file, name, `tensor ${JSON.stringify(name)}: data_offsets ${JSON.stringify(data_offsets)} is not [begin, end] with 0 <= begin <= end`);
+      throw bad(
+        file,
+        name,
+        `tensor ${JSON.stringify(name)}: data_offsets ${JSON.stringify(data_offsets)} is not [begin, end] with 0 <= begin <= end`,
+      );
     }
     const [begin, end] = data_offsets as number[];
     if (end > dataLen) {
-      throw bad(file, name, `tensor ${JSON.stringify(name)}: data_offsets [${begin}, ${end}] run past the end of the data (${dataLen} bytes; file truncated?)`);
+      throw bad(
+        file,
+        name,
+        `tensor ${JSON.stringify(name)}: data_offsets [${begin}, ${end}] run past the end of the data (${dataLen} bytes; file truncated?)`,
+      );
     }
     const size = dtypeSize(dtype);
     if (end - begin !== count * size) {
-      throw bad(file, name, `tensor ${JSON.stringify(name)}: shape ${JSON.stringify(shape)} of ${dtype} needs ${count * size} bytes but data_offsets span ${end - begin}`);
+      throw bad(
+        file,
+        name,
+        `tensor ${JSON.stringify(name)}: shape ${JSON.stringify(shape)} of ${dtype} needs ${count * size} bytes but data_offsets span ${end - begin}`,
+      );
     }
     spans.push({ name, begin, end });
     const ctor: ArrayCtor = DTYPES[dtype];
@@ -253,9 +267,14 @@ export function parseSafetensors(bytes: Uint8Array, file?: string): SafetensorsC
   }
   spans.sort((a, b) => a.begin - b.begin || a.end - b.end);
   for (let k = 1; k < spans.length; k++) {
-    const prev = spans[k - 1], cur = spans[k];
+    const prev = spans[k - 1],
+      cur = spans[k];
     if (cur.begin < prev.end) {
-      throw bad(file, cur.name, `tensor ${JSON.stringify(cur.name)}: data_offsets [${cur.begin}, ${cur.end}] overlap tensor ${JSON.stringify(prev.name)} [${prev.begin}, ${prev.end}]`);
+      throw bad(
+        file,
+        cur.name,
+        `tensor ${JSON.stringify(cur.name)}: data_offsets [${cur.begin}, ${cur.end}] overlap tensor ${JSON.stringify(prev.name)} [${prev.begin}, ${prev.end}]`,
+      );
     }
   }
   return { tensors, metadata };

@@ -41,7 +41,12 @@ function groupIndex(groups: readonly string[]): { index: Int32Array; count: numb
  * lies outside float32, the micro-batch's dtype (Dr.GRPO or RLOO on rewards near 1e38), is an E_INPUT naming the
  * group.
  */
-export function episodeAdvantages(rewards: ArrayLike<number>, groups: readonly string[], opts: AdvantageOptions, tokens?: ArrayLike<number>): Float64Array {
+export function episodeAdvantages(
+  rewards: ArrayLike<number>,
+  groups: readonly string[],
+  opts: AdvantageOptions,
+  tokens?: ArrayLike<number>,
+): Float64Array {
   return advantagesOf(rewards, groups, opts, tokens, () => ({}));
 }
 
@@ -53,13 +58,19 @@ function advantagesOf(
   where: (e: number) => ErrorWhere,
 ): Float64Array {
   const E = rewards.length;
-  if (groups.length !== E) throw new TreepackError('E_ARG', `groups has ${groups.length} entries but rewards has ${E}`, { field: 'groups' });
+  if (groups.length !== E)
+    throw new TreepackError('E_ARG', `groups has ${groups.length} entries but rewards has ${E}`, { field: 'groups' });
   if (!(ADVANTAGE_ESTIMATORS as readonly string[]).includes(opts.estimator)) {
-    throw new TreepackError('E_ARG', `Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')} for estimator but received ${describeValue(opts.estimator)}`, { field: 'estimator' });
+    throw new TreepackError(
+      'E_ARG',
+      `Expected one of ${ADVANTAGE_ESTIMATORS.join(', ')} for estimator but received ${describeValue(opts.estimator)}`,
+      { field: 'estimator' },
+    );
   }
   const eps = opts.epsilon ?? 1e-6;
   for (let e = 0; e < E; e++) {
-    if (!Number.isFinite(rewards[e])) throw new TreepackError('E_INPUT', `reward of episode ${e} is ${rewards[e]}`, { ...where(e), field: 'reward' });
+    if (!Number.isFinite(rewards[e]))
+      throw new TreepackError('E_INPUT', `reward of episode ${e} is ${rewards[e]}`, { ...where(e), field: 'reward' });
   }
   const { index, count } = groupIndex(groups);
   const n = new Float64Array(count);
@@ -151,7 +162,14 @@ function whiten(a: Float64Array, tokens: ArrayLike<number> | undefined, floor: n
  * each takes its reward from its samples, which must agree. Returns one advantage per sample.
  */
 export function sampleAdvantages(
-  samples: readonly { id: string; group: string; episode: string; reward?: number; loss_mask: Uint8Array; source?: { file: string; line: number } }[],
+  samples: readonly {
+    id: string;
+    group: string;
+    episode: string;
+    reward?: number;
+    loss_mask: Uint8Array;
+    source?: { file: string; line: number };
+  }[],
   opts: AdvantageOptions,
 ): Float64Array {
   const episodeOf = new Map<string, number>();
@@ -163,7 +181,8 @@ export function sampleAdvantages(
   for (let i = 0; i < samples.length; i++) {
     const s = samples[i];
     const where = { file: s.source?.file, line: s.source?.line, record: s.id };
-    if (s.reward === undefined) throw new TreepackError('E_INPUT', `sample has no reward; advantages need one on every sample`, { ...where, field: 'reward' });
+    if (s.reward === undefined)
+      throw new TreepackError('E_INPUT', `sample has no reward; advantages need one on every sample`, { ...where, field: 'reward' });
     let e = episodeOf.get(s.episode);
     if (e === undefined) {
       episodeOf.set(s.episode, (e = rewards.length));
@@ -172,10 +191,14 @@ export function sampleAdvantages(
       tokens.push(0);
       firstOf.push(i);
     } else if (rewards[e] !== s.reward || groups[e] !== s.group) {
-      throw new TreepackError('E_INPUT', `episode ${JSON.stringify(s.episode)} has turns with different rewards or groups (${rewards[e]} in ${groups[e]}, ${s.reward} in ${s.group})`, {
-        ...where,
-        field: rewards[e] !== s.reward ? 'reward' : 'group',
-      });
+      throw new TreepackError(
+        'E_INPUT',
+        `episode ${JSON.stringify(s.episode)} has turns with different rewards or groups (${rewards[e]} in ${groups[e]}, ${s.reward} in ${s.group})`,
+        {
+          ...where,
+          field: rewards[e] !== s.reward ? 'reward' : 'group',
+        },
+      );
     }
     for (let t = 0; t < s.loss_mask.length; t++) tokens[e] += s.loss_mask[t] ? 1 : 0;
     which[i] = e;
@@ -199,12 +222,16 @@ export function fillAdvantages(samples: Sample[], opts: AdvantageOptions): void 
   const estimated = new Set(todo.map((s) => s.group));
   const given = samples.find((s) => estimated.has(s.group) && (s.advantage !== undefined || s.advantages !== undefined));
   if (given) {
-    throw new TreepackError('E_INPUT', `group ${JSON.stringify(given.group)} mixes samples with their own advantages and samples whose advantages would be estimated from rewards; give advantages for all of the group or none`, {
-      file: given.source.file,
-      line: given.source.line,
-      record: given.id,
-      field: given.advantages !== undefined ? 'advantages' : 'advantage',
-    });
+    throw new TreepackError(
+      'E_INPUT',
+      `group ${JSON.stringify(given.group)} mixes samples with their own advantages and samples whose advantages would be estimated from rewards; give advantages for all of the group or none`,
+      {
+        file: given.source.file,
+        line: given.source.line,
+        record: given.id,
+        field: given.advantages !== undefined ? 'advantages' : 'advantage',
+      },
+    );
   }
   const adv = sampleAdvantages(todo, opts);
   todo.forEach((s, i) => (s.advantage = adv[i]));

@@ -81,14 +81,14 @@ export function occurrenceWeights(b: Pick<LossBatch, 'seq_offsets' | 'loss_mask'
     }
     // Two walks over the runs of equal turn ids: K_i first, then each run's weight from its own count.
     let K = 0;
-    for (let r = a; r < e; ) {
+    for (let r = a; r < e;) {
       let n = 0;
       let q = r;
       for (; q < e && turn![q] === turn![r]; q++) n += mask[q];
       if (n > 0) K++;
       r = q;
     }
-    for (let r = a; r < e; ) {
+    for (let r = a; r < e;) {
       let n = 0;
       let q = r;
       for (; q < e && turn![q] === turn![r]; q++) n += mask[q];

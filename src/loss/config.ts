@@ -6,7 +6,13 @@
 import { describeValue, TreepackError } from '../errors.js';
 
 export const POLICY_LOSSES = ['ppo', 'gspo', 'cispo'] as const;
-export const AGGREGATIONS = ['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm', 'seq-mean-turn-mean-token-mean'] as const;
+export const AGGREGATIONS = [
+  'token-mean',
+  'seq-mean-token-sum',
+  'seq-mean-token-mean',
+  'seq-mean-token-sum-norm',
+  'seq-mean-turn-mean-token-mean',
+] as const;
 export const KL_ESTIMATORS = ['none', 'k1', 'abs', 'k2', 'k3'] as const;
 export const TIS_LEVELS = ['none', 'token', 'sequence'] as const;
 
@@ -84,7 +90,11 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
   const given = input as Record<string, unknown>;
   for (const key of Object.keys(given)) {
     if (!(key in DEFAULT_LOSS_CONFIG)) {
-      throw new TreepackError('E_ARG', `unknown loss option ${JSON.stringify(key)}; expected one of ${Object.keys(DEFAULT_LOSS_CONFIG).join(', ')}`, { field: key });
+      throw new TreepackError(
+        'E_ARG',
+        `unknown loss option ${JSON.stringify(key)}; expected one of ${Object.keys(DEFAULT_LOSS_CONFIG).join(', ')}`,
+        { field: key },
+      );
     }
   }
   const cfg = { ...DEFAULT_LOSS_CONFIG, ...(given as Partial<LossConfig>) };
@@ -107,7 +117,8 @@ export function resolveLossConfig(input: Partial<LossConfig> | Record<string, un
   num('loss_scale', (x) => x >= 0, 'a number ≥ 0');
   num('kl_coef', () => true, 'a finite number');
   num('tis_cap', (x) => x > 0, 'a number > 0');
-  if (cfg.dual_clip !== 0 && cfg.policy !== 'ppo') throw bad('dual_clip', `0 with policy '${cfg.policy}' (dual clip applies to ppo)`, cfg.dual_clip);
+  if (cfg.dual_clip !== 0 && cfg.policy !== 'ppo')
+    throw bad('dual_clip', `0 with policy '${cfg.policy}' (dual clip applies to ppo)`, cfg.dual_clip);
   if (cfg.aggregation === 'seq-mean-token-sum-norm' && cfg.norm_constant <= 0) {
     throw bad('norm_constant', "a number > 0 with aggregation 'seq-mean-token-sum-norm'", cfg.norm_constant);
   }

@@ -17,6 +17,13 @@ export function buildCompactPlan(batch: LossBatch, config: Partial<LossConfig> |
 
 export { resolveLossConfig, DEFAULT_LOSS_CONFIG, POLICY_LOSSES, AGGREGATIONS, KL_ESTIMATORS, TIS_LEVELS } from './config.js';
 export type { LossConfig, PolicyLoss, Aggregation, KlEstimator, TisLevel } from './config.js';
-export { episodeAdvantages, sampleAdvantages, fillAdvantages, ADVANTAGE_ESTIMATORS, type AdvantageEstimator, type AdvantageOptions } from './advantages.js';
+export {
+  episodeAdvantages,
+  sampleAdvantages,
+  fillAdvantages,
+  ADVANTAGE_ESTIMATORS,
+  type AdvantageEstimator,
+  type AdvantageOptions,
+} from './advantages.js';
 export type { CompactPlan, LossBatch, LossMetrics, LossResult } from './types.js';
 export { validateLossInputs };

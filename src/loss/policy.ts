@@ -17,7 +17,15 @@ export function clamp(x: number, lo: number, hi: number): number {
  * r = exp(clamp(logRatio, ±logClamp)). For ppo logRatio is lp − old; for GSPO it is the sequence's mean log ratio,
  * whose per-token derivative (verl's lp − sg(lp) + sg(mean) form) is r too. out = [loss, dloss/dlp, r].
  */
-export function clippedSurrogate(logRatio: number, A: number, epsLow: number, epsHigh: number, logClamp: number, dualClip: number, out: Float64Array): number {
+export function clippedSurrogate(
+  logRatio: number,
+  A: number,
+  epsLow: number,
+  epsHigh: number,
+  logClamp: number,
+  dualClip: number,
+  out: Float64Array,
+): number {
   const x = clamp(logRatio, -logClamp, logClamp);
   const r = Math.exp(x);
   const dr = logRatio >= -logClamp && logRatio <= logClamp ? r : 0;

@@ -92,7 +92,15 @@ export function lossReference(b: LossBatch, lp: Float32Array, cfg: LossConfig): 
       const flags =
         cfg.policy === 'cispo'
           ? cispo(x, old[j], adv[j], cfg.clip_low, cfg.clip_high, cfg.log_ratio_clamp, tmp)
-          : clippedSurrogate(cfg.policy === 'gspo' ? seqLogRatio : x - old[j], adv[j], cfg.clip_low, cfg.clip_high, cfg.log_ratio_clamp, cfg.dual_clip, tmp);
+          : clippedSurrogate(
+              cfg.policy === 'gspo' ? seqLogRatio : x - old[j],
+              adv[j],
+              cfg.clip_low,
+              cfg.clip_high,
+              cfg.log_ratio_clamp,
+              cfg.dual_clip,
+              tmp,
+            );
       sums.pg += w * tis * tmp[0];
       let g = w * tis * tmp[1];
       sums.add(1, flags, tmp[2], old[j] - x);
@@ -150,9 +158,15 @@ export function compactPlan(b: LossBatch, cfg: LossConfig, fail: (field: string,
         plan.old[p] = old[j];
         if (withKl) plan.ref[p] = b.ref_logprobs![j];
       } else if (plan.old[p] !== old[j]) {
-        throw fail('old_logprobs', `occurrences of node ${p} have different old_logprobs (${plan.old[p]} and ${old[j]} at sequence ${i}); use the per-occurrence mode`);
+        throw fail(
+          'old_logprobs',
+          `occurrences of node ${p} have different old_logprobs (${plan.old[p]} and ${old[j]} at sequence ${i}); use the per-occurrence mode`,
+        );
       } else if (withKl && plan.ref[p] !== b.ref_logprobs![j]) {
-        throw fail('ref_logprobs', `occurrences of node ${p} have different ref_logprobs (${plan.ref[p]} and ${b.ref_logprobs![j]} at sequence ${i}); use the per-occurrence mode`);
+        throw fail(
+          'ref_logprobs',
+          `occurrences of node ${p} have different ref_logprobs (${plan.ref[p]} and ${b.ref_logprobs![j]} at sequence ${i}); use the per-occurrence mode`,
+        );
       }
       const tis = cfg.tis === 'token' ? truncatedWeight(old[j] - b.rollout_logprobs![j], cfg.log_ratio_clamp, cfg.tis_cap) : seqTis;
       const A = adv[j];

@@ -5,7 +5,18 @@ import type { MicroBatch } from '../pack/contract.js';
  * The micro-batch fields the loss reads (`input_ids` only gives N; `turn_ids` only for the turn aggregation), and
  * `seq_weight` [S], a trainer's per-sequence weight (docs/concepts/loss.md, "Aggregation and weights"), never stored in the contract.
  */
-export type LossBatch = Pick<MicroBatch, 'input_ids' | 'seq_offsets' | 'seq_positions' | 'loss_mask' | 'advantages' | 'old_logprobs' | 'ref_logprobs' | 'rollout_logprobs' | 'turn_ids'> & {
+export type LossBatch = Pick<
+  MicroBatch,
+  | 'input_ids'
+  | 'seq_offsets'
+  | 'seq_positions'
+  | 'loss_mask'
+  | 'advantages'
+  | 'old_logprobs'
+  | 'ref_logprobs'
+  | 'rollout_logprobs'
+  | 'turn_ids'
+> & {
   seq_weight?: Float32Array;
 };
 

@@ -22,8 +22,12 @@ function requiredFields(cfg: LossConfig): ('advantages' | 'old_logprobs' | 'ref_
 }
 
 function checkLogprobs(lp: unknown, N: number): asserts lp is Float32Array {
-  if (!(lp instanceof Float32Array)) throw new TreepackError('E_ARG', `Expected a Float32Array for logprobs but received ${lp === null ? 'null' : typeof lp}`, { field: 'logprobs' });
-  if (lp.length !== N) throw new TreepackError('E_ARG', `logprobs has ${lp.length} elements but the micro-batch has N = ${N} nodes`, { field: 'logprobs' });
+  if (!(lp instanceof Float32Array))
+    throw new TreepackError('E_ARG', `Expected a Float32Array for logprobs but received ${lp === null ? 'null' : typeof lp}`, {
+      field: 'logprobs',
+    });
+  if (lp.length !== N)
+    throw new TreepackError('E_ARG', `logprobs has ${lp.length} elements but the micro-batch has N = ${N} nodes`, { field: 'logprobs' });
 }
 
 /**
@@ -62,7 +66,8 @@ export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): 
       if (Number.isFinite(s)) continue;
       const where = `at sequence ${i} token ${j - off[i]} (a trainable position)`;
       if (!Number.isFinite(lp[p])) throw fail('logprobs', `logprobs[${p}] is ${lp[p]} ${where}`);
-      for (let k = 0; k < fields.length; k++) if (!Number.isFinite(arrays[k][j])) throw fail(fields[k], `${fields[k]}[${j}] is ${arrays[k][j]} ${where}`);
+      for (let k = 0; k < fields.length; k++)
+        if (!Number.isFinite(arrays[k][j])) throw fail(fields[k], `${fields[k]}[${j}] is ${arrays[k][j]} ${where}`);
     }
   }
   checkNormalisationInputs(b, cfg, fail);
@@ -72,22 +77,36 @@ export function validateLossInputs(b: LossBatch, lp: unknown, cfg: LossConfig): 
  * seq_weight [S] finite and ≥ 0; turn_ids [M], needed by the turn aggregation (when M > 0), never decreasing along a
  * sequence (a turn is a run of equal ids). Offsets are checked before this.
  */
-function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight' | 'turn_ids'>, cfg: LossConfig, fail: (field: string, message: string) => Error): void {
+function checkNormalisationInputs(
+  b: Pick<LossBatch, 'seq_offsets' | 'seq_weight' | 'turn_ids'>,
+  cfg: LossConfig,
+  fail: (field: string, message: string) => Error,
+): void {
   const off = b.seq_offsets;
   const S = off.length - 1;
   const sw = b.seq_weight;
   if (sw !== undefined) {
-    if (!(sw instanceof Float32Array) || sw.length !== S) throw fail('seq_weight', `seq_weight must be a Float32Array with one weight per sequence (S = ${S})`);
-    for (let i = 0; i < S; i++) if (!(sw[i] >= 0 && sw[i] < Infinity)) throw fail('seq_weight', `seq_weight[${i}] = ${sw[i]}: expected a finite number ≥ 0`);
+    if (!(sw instanceof Float32Array) || sw.length !== S)
+      throw fail('seq_weight', `seq_weight must be a Float32Array with one weight per sequence (S = ${S})`);
+    for (let i = 0; i < S; i++)
+      if (!(sw[i] >= 0 && sw[i] < Infinity)) throw fail('seq_weight', `seq_weight[${i}] = ${sw[i]}: expected a finite number ≥ 0`);
   }
   if (cfg.aggregation !== 'seq-mean-turn-mean-token-mean') return;
   const t = b.turn_ids;
   if (!t && off[S] === 0) return; // nothing to aggregate
-  if (!t) throw fail('turn_ids', "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the micro-batch has none (treepack pack --turn-ids writes them)");
+  if (!t)
+    throw fail(
+      'turn_ids',
+      "aggregation 'seq-mean-turn-mean-token-mean' needs turn_ids but the micro-batch has none (treepack pack --turn-ids writes them)",
+    );
   if (!(t instanceof Int32Array) || t.length !== off[S]) throw fail('turn_ids', `turn_ids must be an Int32Array of M = ${off[S]} elements`);
   for (let i = 0; i < S; i++) {
     for (let j = off[i] + 1; j < off[i + 1]; j++) {
-      if (t[j] < t[j - 1]) throw fail('turn_ids', `turn_ids decreases at sequence ${i} token ${j - off[i]} (${t[j - 1]} then ${t[j]}): a turn is a run of equal ids`);
+      if (t[j] < t[j - 1])
+        throw fail(
+          'turn_ids',
+          `turn_ids decreases at sequence ${i} token ${j - off[i]} (${t[j - 1]} then ${t[j]}): a turn is a run of equal ids`,
+        );
     }
   }
 }
@@ -95,7 +114,8 @@ function checkNormalisationInputs(b: Pick<LossBatch, 'seq_offsets' | 'seq_weight
 export function validateCompactInputs(plan: CompactPlan, lp: unknown): asserts lp is Float32Array {
   checkLogprobs(lp, plan.num_nodes);
   for (let p = 0; p < plan.num_nodes; p++) {
-    if (plan.n_train[p] > 0 && !Number.isFinite(lp[p])) throw fail('logprobs', `logprobs[${p}] is ${lp[p]} at a node with trainable occurrences`);
+    if (plan.n_train[p] > 0 && !Number.isFinite(lp[p]))
+      throw fail('logprobs', `logprobs[${p}] is ${lp[p]} at a node with trainable occurrences`);
   }
 }
 

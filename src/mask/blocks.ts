@@ -25,10 +25,13 @@ export function lowerBlocks(tree: TreeArrays, B: number): BlockMask {
   const N = tree.parent.length;
   const se = tree.subtree_end;
   const nb = numBlocks(N, B);
-  const kvNum = new Int32Array(nb), kvIdx = new Int32Array(nb * nb);
-  const fullNum = new Int32Array(nb), fullIdx = new Int32Array(nb * nb);
+  const kvNum = new Int32Array(nb),
+    kvIdx = new Int32Array(nb * nb);
+  const fullNum = new Int32Array(nb),
+    fullIdx = new Int32Array(nb * nb);
   for (let j = 0; j < nb; j++) {
-    let lo = N, hi = 0;
+    let lo = N,
+      hi = 0;
     for (let k = j * B, end = Math.min(N, k + B); k < end; k++) {
       const e = se[k];
       if (e < lo) lo = e;
@@ -37,10 +40,18 @@ export function lowerBlocks(tree: TreeArrays, B: number): BlockMask {
     // Columns are visited in ascending j, so appending keeps every row ascending.
     if (B === 1) fullIdx[j * nb + fullNum[j]++] = j;
     else kvIdx[j * nb + kvNum[j]++] = j;
-    const fullEnd = Math.floor(lo / B), anyEnd = Math.min(nb, Math.ceil(hi / B));
+    const fullEnd = Math.floor(lo / B),
+      anyEnd = Math.min(nb, Math.ceil(hi / B));
     let i = j + 1;
     for (; i < fullEnd; i++) fullIdx[i * nb + fullNum[i]++] = j;
     for (; i < anyEnd; i++) kvIdx[i * nb + kvNum[i]++] = j;
   }
-  return { block_size: B, num_blocks: nb, block_kv_num_blocks: kvNum, block_kv_indices: kvIdx, block_full_kv_num_blocks: fullNum, block_full_kv_indices: fullIdx };
+  return {
+    block_size: B,
+    num_blocks: nb,
+    block_kv_num_blocks: kvNum,
+    block_kv_indices: kvIdx,
+    block_full_kv_num_blocks: fullNum,
+    block_full_kv_indices: fullIdx,
+  };
 }

@@ -19,7 +19,8 @@ class SliceList {
       grown.set(this.data);
       this.data = grown;
     }
-    const d = this.data, o = 5 * this.count;
+    const d = this.data,
+      o = 5 * this.count;
     d[o] = qs;
     d[o + 1] = qe;
     d[o + 2] = ks;
@@ -42,10 +43,14 @@ export function lowerSlices(tree: TreeArrays): Int32Array {
   const out = new SliceList();
   // The path from the root to the current run: its runs, and their ancestor ranges merged (with, per range, the
   // last FULL slice emitted to it, the candidate for extension).
-  const runStart = new Int32Array(N), runEnd = new Int32Array(N);
-  const rangeStart = new Int32Array(N), rangeEnd = new Int32Array(N), rangeSlice = new Int32Array(N);
-  let runs = 0, ranges = 0;
-  for (let a = 0; a < N; ) {
+  const runStart = new Int32Array(N),
+    runEnd = new Int32Array(N);
+  const rangeStart = new Int32Array(N),
+    rangeEnd = new Int32Array(N),
+    rangeSlice = new Int32Array(N);
+  let runs = 0,
+    ranges = 0;
+  for (let a = 0; a < N;) {
     let b = a + 1;
     while (b < N && parent[b] === b - 1 && se[b] === se[b - 1]) b++;
     const x = parent[a];

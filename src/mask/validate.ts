@@ -18,7 +18,9 @@ export function validateTree(tree: TreeArrays): number {
   if (!(parent instanceof Int32Array)) throw argError('parent', 'an Int32Array', parent);
   if (!(subtree_end instanceof Int32Array)) throw argError('subtree_end', 'an Int32Array', subtree_end);
   if (subtree_end.length !== parent.length) {
-    throw new TreepackError('E_INPUT', `subtree_end has ${subtree_end.length} elements but parent has N = ${parent.length}`, { field: 'subtree_end' });
+    throw new TreepackError('E_INPUT', `subtree_end has ${subtree_end.length} elements but parent has N = ${parent.length}`, {
+      field: 'subtree_end',
+    });
   }
   const bad = treeViolations(parent, subtree_end);
   if (bad.length) {
@@ -39,7 +41,11 @@ export function validateBlockSize(blockSize: unknown): number {
 export function checkNoSharing(parent: Int32Array): void {
   for (let p = 0; p < parent.length; p++) {
     if (parent[p] >= 0 && parent[p] !== p - 1) {
-      throw new TreepackError('E_INPUT', `cu_seqlens needs a forest with no sharing, but node ${parent[p]} has more than one child; use the block-sparse or slices lowering`, { field: 'parent' });
+      throw new TreepackError(
+        'E_INPUT',
+        `cu_seqlens needs a forest with no sharing, but node ${parent[p]} has more than one child; use the block-sparse or slices lowering`,
+        { field: 'parent' },
+      );
     }
   }
 }

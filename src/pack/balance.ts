@@ -45,7 +45,8 @@ export const microBatchCost = (tokens: number, pairs: number, cost: CostModel): 
 
 /** max ÷ mean of the per-rank loads (1 for no load at all: nothing is waiting on anything). */
 export function imbalance(loads: ArrayLike<number>): number {
-  let max = 0, sum = 0;
+  let max = 0,
+    sum = 0;
   for (let r = 0; r < loads.length; r++) {
     sum += loads[r];
     if (loads[r] > max) max = loads[r];
@@ -90,7 +91,9 @@ export function assignRanks(costs: ArrayLike<number>, K: number): RankAssignment
   for (let iter = 0; iter < 4 * n; iter++) {
     let hi = 0;
     for (let r = 1; r < K; r++) if (loads[r] > loads[hi]) hi = r;
-    let bestGain = 0, bi = -1, bj = -1;
+    let bestGain = 0,
+      bi = -1,
+      bj = -1;
     for (let i = 0; i < n; i++) {
       if (rank[i] !== hi) continue;
       for (let j = 0; j < n; j++) {

@@ -4,7 +4,15 @@
  */
 import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
-import { FORMAT, MAX_TOKENS, OCCURRENCE_FLOAT_FIELDS, type Forest, type MicroBatch, type OccurrenceFloatField, type Sequences } from './contract.js';
+import {
+  FORMAT,
+  MAX_TOKENS,
+  OCCURRENCE_FLOAT_FIELDS,
+  type Forest,
+  type MicroBatch,
+  type OccurrenceFloatField,
+  type Sequences,
+} from './contract.js';
 import { sampleTurnIds } from './turns.js';
 
 /**

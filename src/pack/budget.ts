@@ -108,7 +108,8 @@ function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly
   const T = positiveInt('maxTokens', opts.maxTokens);
   const P = positiveInt('padMultiple', opts.padMultiple ?? 1);
   if (P > T) throw new TreepackError('E_ARG', `pad multiple ${P} is larger than the token budget ${T}: no micro-batch could hold a token`);
-  let longest = 0, at = -1;
+  let longest = 0,
+    at = -1;
   for (let i = 0; i + 1 < seqOffsets.length; i++) {
     const len = seqOffsets[i + 1] - seqOffsets[i];
     if (len > longest) [longest, at] = [len, i];
@@ -125,7 +126,6 @@ function tokenBudget(seqOffsets: Int32Array, opts: BudgetOptions, ids?: readonly
   // roundUp(n, P) <= T exactly when n <= floor(T / P)·P.
   return { B: Math.floor(T / P) * P, longest };
 }
-
 
 /** Slack on the smallest feasible maximum cost: room for the cut program to move cuts to shallow points. */
 const COST_SLACK = 0.03;
@@ -147,7 +147,10 @@ export class Runs {
   private readonly shared: Float64Array;
   private readonly lenPairs: Float64Array;
   private readonly sharedPairs: Float64Array;
-  constructor(seqs: Sequences, private readonly cost: CostModel) {
+  constructor(
+    seqs: Sequences,
+    private readonly cost: CostModel,
+  ) {
     const { order, lcp } = sortSequences(seqs);
     const S = (this.S = order.length);
     this.order = order;
@@ -181,7 +184,7 @@ export class Runs {
   /** Cuts as late as the limits allow: the fewest runs (optimal for contiguous runs); Infinity if one sequence alone is over U. */
   greedy(B: number, U: number): number[] {
     const cuts: number[] = [];
-    for (let i = 0; i < this.S; ) {
+    for (let i = 0; i < this.S;) {
       if (!this.fits(i, i + 1, B, U)) return [Infinity];
       let j = i + 1;
       while (j < this.S && this.fits(i, j + 1, B, U)) j++;
@@ -211,11 +214,13 @@ function cheapestCuts(runs: Runs, n: number, B: number, U: number): number[] {
   let cur = new Float64Array(S + 1);
   const from: Int32Array[] = [];
   const deque = new Int32Array(S + 1);
-  let bestC = -1, best = Infinity;
+  let bestC = -1,
+    best = Infinity;
   for (let c = 1; c <= n; c++) {
     const choice = new Int32Array(S + 1).fill(-1);
     cur.fill(Infinity);
-    let head = 0, tail = 0;
+    let head = 0,
+      tail = 0;
     for (let j = 1; j <= S; j++) {
       const i = j - 1;
       const g = prev[i] + cutCost(i);
@@ -263,7 +268,8 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   let U = Infinity;
   if (K > 1) {
     // The smallest maximum run cost with at most n runs: feasibility is monotone in the limit.
-    let hi = runs.costOf(0, S), lo = 0;
+    let hi = runs.costOf(0, S),
+      lo = 0;
     for (let k = 0; k < S; k++) lo = Math.max(lo, runs.costOf(k, k + 1));
     if (runs.greedy(B, lo).length > n) {
       for (let it = 0; it < 60 && hi - lo > 1e-9 * hi; it++) {
@@ -300,7 +306,8 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
       // added unless the goal is out of reach anyway: m non-empty micro-batches each repeat the prefix common to
       // every sequence (a shared system prompt), so they hold at least optimum + (m − 1)·common tokens.
       const goal = Math.floor(GOAL_RATIO * optimumTokens);
-      let common = S > 1 ? Infinity : 0, nonEmpty = 0;
+      let common = S > 1 ? Infinity : 0,
+        nonEmpty = 0;
       for (let k = 1; k < S; k++) common = Math.min(common, runs.lcp[k]);
       for (const m of members) if (m.length > 0) nonEmpty++;
       const floor = optimumTokens + (nonEmpty - 1) * common;
@@ -371,7 +378,12 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
   const S = runs.S;
   const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
   if (S === 0) {
-    const prefixReuse = { computedTokens: 0, pushedTokens: 0, peakCachedTokens: 0, ...(opts.prefixBytesPerToken !== undefined && { peakCachedBytes: 0 }) };
+    const prefixReuse = {
+      computedTokens: 0,
+      pushedTokens: 0,
+      peakCachedTokens: 0,
+      ...(opts.prefixBytesPerToken !== undefined && { peakCachedBytes: 0 }),
+    };
     return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1, moves: 0, prefixReuse };
   }
   const planned = planPrefixRuns(runs, B, K, cost, { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken }, ids);
@@ -389,14 +401,32 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
     const pad = roundUp(p.computed, P) - p.computed;
     pads += pad;
     microBatches[p.step * K + p.rank] = {
-      sequences, rank: p.rank, step: p.step, naiveTokens: naive, packedTokens: runs.tokens(p.lo, p.hi) + pad, padTokens: pad,
-      attentionPairs: p.pairs + pad, cost: p.cost, prefix: p.op, computedTokens: p.computed + pad, pushedTokens: p.pushedTokens,
+      sequences,
+      rank: p.rank,
+      step: p.step,
+      naiveTokens: naive,
+      packedTokens: runs.tokens(p.lo, p.hi) + pad,
+      padTokens: pad,
+      attentionPairs: p.pairs + pad,
+      cost: p.cost,
+      prefix: p.op,
+      computedTokens: p.computed + pad,
+      pushedTokens: p.pushedTokens,
     };
   }
   for (let b = 0; b < microBatches.length; b++) {
     microBatches[b] ??= {
-      sequences: new Int32Array(0), rank: b % K, step: Math.floor(b / K), naiveTokens: 0, packedTokens: 0, padTokens: 0,
-      attentionPairs: 0, cost: 0, prefix: { tokens: 0, push: [], release: 0 }, computedTokens: 0, pushedTokens: 0,
+      sequences: new Int32Array(0),
+      rank: b % K,
+      step: Math.floor(b / K),
+      naiveTokens: 0,
+      packedTokens: 0,
+      padTokens: 0,
+      attentionPairs: 0,
+      cost: 0,
+      prefix: { tokens: 0, push: [], release: 0 },
+      computedTokens: 0,
+      pushedTokens: 0,
     };
   }
   const prefixReuse = { ...planned.stats, computedTokens: planned.stats.computedTokens + pads };

@@ -26,13 +26,14 @@ const MAX_BLOCK = 4096;
  * tokens around the first difference, which a short loop finds.
  */
 function lcpFrom(tokens: Int32Array, bytes: Buffer, offsets: Int32Array, a: number, b: number, from: number): number {
-  const sa = offsets[a], sb = offsets[b];
+  const sa = offsets[a],
+    sb = offsets[b];
   const n = Math.min(offsets[a + 1] - sa, offsets[b + 1] - sb);
   let h = from;
   const probe = Math.min(n, h + PROBE);
   while (h < probe && tokens[sa + h] === tokens[sb + h]) h++;
   if (h < probe) return h;
-  for (let step = MAX_BLOCK; step >= PROBE; ) {
+  for (let step = MAX_BLOCK; step >= PROBE;) {
     const equal = h + step <= n && bytes.compare(bytes, 4 * (sb + h), 4 * (sb + h + step), 4 * (sa + h), 4 * (sa + h + step)) === 0;
     if (equal) h += step;
     else step >>= 1;
@@ -56,34 +57,48 @@ export function sortSequences(seqs: Sequences): { order: Int32Array; lcp: Int32A
   let nextLcp = new Int32Array(S);
   for (let width = 1; width < S; width *= 2) {
     for (let lo = 0; lo < S; lo += 2 * width) {
-      const mid = Math.min(lo + width, S), hi = Math.min(lo + 2 * width, S);
+      const mid = Math.min(lo + width, S),
+        hi = Math.min(lo + 2 * width, S);
       if (mid >= hi) {
         nextOrder.set(order.subarray(lo, hi), lo);
         nextLcp.set(lcp.subarray(lo, hi), lo);
         continue;
       }
       // Heads i (left run) and j (right run); hi_/hj are their LCPs with the last element written.
-      let i = lo, j = mid, out = lo;
-      let hA = 0, hB = 0;
+      let i = lo,
+        j = mid,
+        out = lo;
+      let hA = 0,
+        hB = 0;
       while (i < mid && j < hi) {
-        const a = order[i], b = order[j];
+        const a = order[i],
+          b = order[j];
         if (hA > hB) {
-          nextOrder[out] = a; nextLcp[out++] = hA; i++;
+          nextOrder[out] = a;
+          nextLcp[out++] = hA;
+          i++;
           if (i < mid) hA = lcp[i];
         } else if (hA < hB) {
-          nextOrder[out] = b; nextLcp[out++] = hB; j++;
+          nextOrder[out] = b;
+          nextLcp[out++] = hB;
+          j++;
           if (j < hi) hB = lcp[j];
         } else {
           const h = lcpFrom(tokens, bytes, offsets, a, b, hA);
-          const la = offsets[a + 1] - offsets[a], lb = offsets[b + 1] - offsets[b];
+          const la = offsets[a + 1] - offsets[a],
+            lb = offsets[b + 1] - offsets[b];
           // A sequence that ends first is smaller; ties (equal sequences) take the left run for stability.
           const aFirst = h === la ? true : h === lb ? false : tokens[offsets[a] + h] < tokens[offsets[b] + h];
           if (aFirst) {
-            nextOrder[out] = a; nextLcp[out++] = hA; i++;
+            nextOrder[out] = a;
+            nextLcp[out++] = hA;
+            i++;
             hB = h;
             if (i < mid) hA = lcp[i];
           } else {
-            nextOrder[out] = b; nextLcp[out++] = hB; j++;
+            nextOrder[out] = b;
+            nextLcp[out++] = hB;
+            j++;
             hA = h;
             if (j < hi) hB = lcp[j];
           }
@@ -124,7 +139,8 @@ export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: 
   const { order, lcp } = sorted;
   const S = offsets.length - 1;
   const M = offsets[S];
-  let N = 0, maxLen = 0;
+  let N = 0,
+    maxLen = 0;
   for (let k = 0; k < S; k++) {
     const s = order[k];
     N += offsets[s + 1] - offsets[s] - lcp[k];
@@ -143,7 +159,9 @@ export function layoutForest(seqs: Sequences, sorted: { order: Int32Array; lcp: 
   let prevStart = 0; // where the previous sorted sequence's positions start in seq_positions
   for (let k = 0; k < S; k++) {
     const s = order[k];
-    const start = offsets[s], len = offsets[s + 1] - start, h = lcp[k];
+    const start = offsets[s],
+      len = offsets[s + 1] - start,
+      h = lcp[k];
     // The shared prefix reuses the previous sorted sequence's nodes.
     if (h > 0) seq_positions.copyWithin(start, prevStart, prevStart + h);
     // Sequence k adds the chain of nodes pos .. pos + fresh - 1, one per token past the shared prefix.

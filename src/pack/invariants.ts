@@ -43,7 +43,9 @@ function checkTree(parent: Int32Array, subtree_end: Int32Array, out: Violations)
   }
   for (let p = 0; p < N; p++) {
     if (end[p] - p !== size[p]) {
-      out.add(`subtree of ${p} is not contiguous: positions ${p}..${end[p] - 1} hold only ${size[p]} of its nodes (layout is not a DFS preorder)`);
+      out.add(
+        `subtree of ${p} is not contiguous: positions ${p}..${end[p] - 1} hold only ${size[p]} of its nodes (layout is not a DFS preorder)`,
+      );
     }
     if (subtree_end[p] !== end[p]) out.add(`subtree_end[${p}] = ${subtree_end[p]}: expected ${end[p]} from parent`);
   }
@@ -65,7 +67,9 @@ function checkNodes(f: Forest, out: Violations): void {
     if (!(q >= -1 && q < p)) continue;
     const depth = q < 0 ? 0 : position_ids[q] + 1;
     if (position_ids[p] !== depth) {
-      out.add(`position_ids[${p}] = ${position_ids[p]}: expected ${depth} (${q < 0 ? 'a root' : `parent ${q} has position ${position_ids[q]}`})`);
+      out.add(
+        `position_ids[${p}] = ${position_ids[p]}: expected ${depth} (${q < 0 ? 'a root' : `parent ${q} has position ${position_ids[q]}`})`,
+      );
     }
   }
 }
@@ -143,7 +147,8 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
   // Padding (the num_pad_tokens extension) is the tail of the node arrays: roots no sequence reaches.
   const pad = Math.min(N, mb?.meta?.num_pad_tokens ?? 0);
   for (let p = N - pad; p < N; p++) {
-    if (parent[p] !== -1 || subtree_end[p] !== p + 1) out.add(`pad node ${p}: expected a root with no children (parent -1, subtree_end ${p + 1})`);
+    if (parent[p] !== -1 || subtree_end[p] !== p + 1)
+      out.add(`pad node ${p}: expected a root with no children (parent -1, subtree_end ${p + 1})`);
   }
   const S = seq_offsets.length - 1;
   for (let i = 0; i < S; i++) {
@@ -154,7 +159,10 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
       const p = seq_positions[k];
       const at = `(sequence ${i}, t = ${t})`;
       if (lossMask !== undefined && t === 0 && lossMask[k] !== 0) out.add(`loss_mask[${k}] = ${lossMask[k]}: expected 0 at t = 0 ${at}`);
-      if (turns !== undefined && t > 0 && turns[k] < turns[k - 1]) out.add(`turn_ids[${k}] = ${turns[k]}: below turn_ids[${k - 1}] = ${turns[k - 1]} (turn ids never decrease along a sequence) ${at}`);
+      if (turns !== undefined && t > 0 && turns[k] < turns[k - 1])
+        out.add(
+          `turn_ids[${k}] = ${turns[k]}: below turn_ids[${k - 1}] = ${turns[k - 1]} (turn ids never decrease along a sequence) ${at}`,
+        );
       if (!(p >= 0 && p < N)) {
         out.add(`seq_positions[${k}] = ${p}: not a position in [0, ${N}) ${at}`);
         continue;
@@ -162,9 +170,12 @@ export function checkForest(forest: Forest | MicroBatch, seqs?: Sequences): stri
       if (p >= N - pad) out.add(`seq_positions[${k}] = ${p}: a pad node (the last ${pad} nodes are padding) ${at}`);
       const expectedParent = t === 0 ? -1 : seq_positions[k - 1];
       if (parent[p] !== expectedParent) {
-        out.add(`parent[seq_positions[${k}]] = parent[${p}] = ${parent[p]}: expected ${t === 0 ? '-1 (a root)' : `seq_positions[${k - 1}] = ${expectedParent}`} ${at}`);
+        out.add(
+          `parent[seq_positions[${k}]] = parent[${p}] = ${parent[p]}: expected ${t === 0 ? '-1 (a root)' : `seq_positions[${k - 1}] = ${expectedParent}`} ${at}`,
+        );
       }
-      if (position_ids[p] !== t) out.add(`position_ids[seq_positions[${k}]] = position_ids[${p}] = ${position_ids[p]}: expected ${t} ${at}`);
+      if (position_ids[p] !== t)
+        out.add(`position_ids[seq_positions[${k}]] = position_ids[${p}] = ${position_ids[p]}: expected ${t} ${at}`);
       if (tokens !== undefined && input_ids[p] !== tokens[k]) {
         out.add(`input_ids[seq_positions[${k}]] = input_ids[${p}] = ${input_ids[p]}: expected token ${tokens[k]} ${at}`);
       }

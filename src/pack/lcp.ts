@@ -9,12 +9,14 @@ export function lcpQuery(lcp: Int32Array): LcpQuery {
   const S = lcp.length;
   const table: Int32Array[] = [lcp];
   for (let w = 1; 2 * w <= S; w *= 2) {
-    const prev = table[table.length - 1], next = new Int32Array(S);
+    const prev = table[table.length - 1],
+      next = new Int32Array(S);
     for (let i = 0; i + 2 * w <= S; i++) next[i] = Math.min(prev[i], prev[i + w]);
     table.push(next);
   }
   return (a, b) => {
-    const lo = a + 1, k = 31 - Math.clz32(b - lo + 1);
+    const lo = a + 1,
+      k = 31 - Math.clz32(b - lo + 1);
     return Math.min(table[k][lo], table[k][b - (1 << k) + 1]);
   };
 }

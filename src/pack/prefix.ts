@@ -177,7 +177,8 @@ function spans(own: number[], push: (m: number, from: number) => number, down: n
   const n = own.length;
   const fill = (limit: number): number[] | null => {
     const rank = new Array<number>(n);
-    let r = 0, load = 0;
+    let r = 0,
+      load = 0;
     for (let m = 0; m < n; m++) {
       let inc = own[m] + push(m, m > 0 ? down[m] : 0);
       if (m > 0 && load + inc > limit) {
@@ -191,7 +192,8 @@ function spans(own: number[], push: (m: number, from: number) => number, down: n
     }
     return rank;
   };
-  let lo = 0, hi = 0;
+  let lo = 0,
+    hi = 0;
   for (let m = 0; m < n; m++) {
     lo = Math.max(lo, own[m] + push(m, 0));
     hi += own[m] + push(m, 0);
@@ -212,7 +214,14 @@ function spans(own: number[], push: (m: number, from: number) => number, down: n
  * The prefix-reuse plan of sorted runs under B computed tokens per micro-batch, over K ranks; throws when a rank
  * would need more cached tokens than `prefix.cacheTokens`.
  */
-export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: CostModel, prefix: PrefixOptions, ids?: readonly string[]): { runs: PlannedRun[]; stats: PrefixPlanStats } {
+export function planPrefixRuns(
+  runs: SortedRuns,
+  B: number,
+  K: number,
+  cost: CostModel,
+  prefix: PrefixOptions,
+  ids?: readonly string[],
+): { runs: PlannedRun[]; stats: PrefixPlanStats } {
   const C = prefix.cacheTokens;
   if (!Number.isSafeInteger(C) || C < 0) throw argError('prefixCacheTokens', 'an integer >= 0', C);
   const bpt = prefix.bytesPerToken;
@@ -229,8 +238,10 @@ export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: Cos
     const ops = stackOps(items.map(chainOf), lcpAt, B);
     return items.map(([lo, hi, h], step) => {
       const { op, from } = ops[step];
-      const computed = runs.tokens(lo, hi) - h, pairs = runs.pairs(lo, hi) - pathPairs(h);
-      const pushedTokens = h - from, pushedPairs = pathPairs(h) - pathPairs(from);
+      const computed = runs.tokens(lo, hi) - h,
+        pairs = runs.pairs(lo, hi) - pathPairs(h);
+      const pushedTokens = h - from,
+        pushedPairs = pathPairs(h) - pathPairs(from);
       const c = microBatchCost(computed, pairs, cost) + PUSH_COST * microBatchCost(pushedTokens, pushedPairs, cost);
       return { lo, hi, rank, step, op, computed, pairs, pushedTokens, pushedPairs, cost: c };
     });
@@ -241,17 +252,26 @@ export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: Cos
   const total = runs.S > 0 ? runs.tokens(0, runs.S) : 0;
   const budgets = [B];
   if (K > 1) for (let b = Math.floor(B / 2); b >= Math.max(1, Math.ceil(total / (8 * K))); b = Math.floor(b / 2)) budgets.push(b);
-  let out: PlannedRun[] | null = null, bestLoad = Infinity, bestComputed = Infinity;
+  let out: PlannedRun[] | null = null,
+    bestLoad = Infinity,
+    bestComputed = Infinity;
   let need: PlannedRun | null = null; // the deepest chain of the plan that needs the least cache, for the refusal
   for (const b of budgets) {
     const cut = cutTree(runs, b);
     const chains = cut.map(chainOf);
     const own = cut.map(([lo, hi, h]) => microBatchCost(runs.tokens(lo, hi) - h, runs.pairs(lo, hi) - pathPairs(h), cost));
     const down = chains.map((c, m) => (m > 0 ? Math.min(c[1], chains[m - 1][1], lcpAt(chains[m - 1][0], c[0])) : 0));
-    const push = (m: number, from: number) => PUSH_COST * microBatchCost(chains[m][1] - from, pathPairs(chains[m][1]) - pathPairs(from), cost);
+    const push = (m: number, from: number) =>
+      PUSH_COST * microBatchCost(chains[m][1] - from, pathPairs(chains[m][1]) - pathPairs(from), cost);
     const rank = K > 1 ? spans(own, push, down, K) : cut.map(() => 0);
     const planned: PlannedRun[] = [];
-    for (let r = 0; r < K; r++) planned.push(...plannedOn(cut.filter((_, m) => rank[m] === r), r));
+    for (let r = 0; r < K; r++)
+      planned.push(
+        ...plannedOn(
+          cut.filter((_, m) => rank[m] === r),
+          r,
+        ),
+      );
     const loads = new Float64Array(K);
     let computed = 0;
     for (const p of planned) {
@@ -264,7 +284,8 @@ export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: Cos
       if (need === null || deepest.op.tokens < need.op.tokens) need = deepest;
       continue;
     }
-    if (load < bestLoad * (1 - 1e-9) || (load <= bestLoad * (1 + 1e-9) && computed < bestComputed)) [out, bestLoad, bestComputed] = [planned, load, computed];
+    if (load < bestLoad * (1 - 1e-9) || (load <= bestLoad * (1 + 1e-9) && computed < bestComputed))
+      [out, bestLoad, bestComputed] = [planned, load, computed];
   }
   if (out === null) {
     throw new TreepackError(
@@ -273,12 +294,19 @@ export function planPrefixRuns(runs: SortedRuns, B: number, K: number, cost: Cos
       ids ? { record: ids[runs.order[need!.lo]] } : {},
     );
   }
-  let computedTokens = 0, pushedTokens = 0, peak = 0;
+  let computedTokens = 0,
+    pushedTokens = 0,
+    peak = 0;
   for (const p of out) {
     computedTokens += p.computed + p.pushedTokens;
     pushedTokens += p.pushedTokens;
     peak = Math.max(peak, p.op.tokens);
   }
-  const stats: PrefixPlanStats = { computedTokens, pushedTokens, peakCachedTokens: peak, ...(bpt !== undefined && { peakCachedBytes: peak * bpt }) };
+  const stats: PrefixPlanStats = {
+    computedTokens,
+    pushedTokens,
+    peakCachedTokens: peak,
+    ...(bpt !== undefined && { peakCachedBytes: peak * bpt }),
+  };
   return { runs: out, stats };
 }

@@ -87,7 +87,10 @@ class Bin {
   private readonly H: Float64Array; // Σ lcp(m[u-1], m[u]) for u in 1..t
   private readonly HP: Float64Array; // Σ pathPairs(lcp)
   private unitList?: Unit[];
-  constructor(m: Int32Array, private readonly ctx: RefineInput) {
+  constructor(
+    m: Int32Array,
+    private readonly ctx: RefineInput,
+  ) {
     const k = m.length;
     this.m = m;
     this.L = new Float64Array(k + 1);
@@ -114,8 +117,10 @@ class Bin {
    */
   units(): Unit[] {
     if (this.unitList) return this.unitList;
-    const k = this.m.length, out: Unit[] = [];
-    const stackL: number[] = [], stackB: number[] = [];
+    const k = this.m.length,
+      out: Unit[] = [];
+    const stackL: number[] = [],
+      stackB: number[] = [];
     for (let t = 1; t <= k; t++) {
       const cur = t < k ? this.H[t] - this.H[t - 1] : -1;
       let lb = t - 1;
@@ -136,7 +141,8 @@ class Bin {
 
   /** Change in (tokens, pairs) when members [i, j) leave. */
   removal(i: number, j: number, d: Float64Array): void {
-    const { m, L, LP, H, HP } = this, k = m.length;
+    const { m, L, LP, H, HP } = this,
+      k = m.length;
     let dt = -(L[j] - L[i]) + (H[j - 1] - H[i]);
     let dp = -(LP[j] - LP[i]) + (HP[j - 1] - HP[i]);
     if (i > 0) {
@@ -164,18 +170,23 @@ class Bin {
    * result is the same with or without the removal.
    */
   insertion(ys: Int32Array, ei: number, ej: number, d: Float64Array): void {
-    const { m } = this, k = m.length, { len, lcpOf } = this.ctx;
-    let dt = 0, dp = 0;
+    const { m } = this,
+      k = m.length,
+      { len, lcpOf } = this.ctx;
+    let dt = 0,
+      dp = 0;
     d[2] = k;
     d[3] = -1;
-    for (let g = 0; g < ys.length; ) {
-      let lo = 0, hi = k;
+    for (let g = 0; g < ys.length;) {
+      let lo = 0,
+        hi = k;
       while (lo < hi) {
         const mid = (lo + hi) >> 1;
         if (m[mid] < ys[g]) lo = mid + 1;
         else hi = mid;
       }
-      let pi = lo - 1, si = lo;
+      let pi = lo - 1,
+        si = lo;
       d[2] = Math.min(d[2], pi);
       d[3] = Math.max(d[3], si);
       if (pi >= ei && pi < ej) pi = ei - 1;
@@ -232,8 +243,13 @@ export function refineBalance(input: RefineInput): Refined {
   const loads = new Float64Array(K);
   for (let b = 0; b < n; b++) loads[rank[b]] += costs[b];
   let total = bins.reduce((s, b) => s + b.tokens, 0);
-  let moves = 0, work = 0;
-  const dA = new Float64Array(2), dB = new Float64Array(4), dC = new Float64Array(4), dD = new Float64Array(2), intoC = new Float64Array(4);
+  let moves = 0,
+    work = 0;
+  const dA = new Float64Array(2),
+    dB = new Float64Array(4),
+    dC = new Float64Array(4),
+    dD = new Float64Array(2),
+    intoC = new Float64Array(4);
   // Per unit v of every micro-batch c: its insertion into micro-batch a (4 numbers, as Bin.insertion writes them).
   const intoA: Float64Array[] = new Array<Float64Array>(n);
   const untouched = (d: Float64Array, at: number, i: number, j: number) => d[at + 3] < i || d[at + 2] >= j;
@@ -242,7 +258,8 @@ export function refineBalance(input: RefineInput): Refined {
   while (work < MAX_WORK) {
     for (let r = 0; r < K; r++) byLoad[r] = r;
     byLoad.sort((x, y) => loads[y] - loads[x] || x - y);
-    const hi = byLoad[0], maxLoad = loads[hi];
+    const hi = byLoad[0],
+      maxLoad = loads[hi];
     let sum = 0;
     for (let r = 0; r < K; r++) sum += loads[r];
     if (maxLoad * K <= (1 + TOLERANCE) * sum) break;
@@ -253,8 +270,11 @@ export function refineBalance(input: RefineInput): Refined {
       if (ta > budget || tc > budget) return;
       const newTotal = total - bins[a].tokens - bins[c].tokens + ta + tc;
       if (newTotal > maxTotal) return;
-      const ca = costOf(ta, pa), cc = costOf(tc, pc), r = rank[c];
-      const lh = loads[hi] - costs[a] + ca, lr = loads[r] - costs[c] + cc;
+      const ca = costOf(ta, pa),
+        cc = costOf(tc, pc),
+        r = rank[c];
+      const lh = loads[hi] - costs[a] + ca,
+        lr = loads[r] - costs[c] + cc;
       const pairMax = Math.max(lh, lr);
       if (!(pairMax < maxLoad * (1 - 1e-12))) return;
       const globalMax = K > 2 ? Math.max(pairMax, otherMax(r)) : pairMax;
@@ -276,7 +296,9 @@ export function refineBalance(input: RefineInput): Refined {
       const swaps = (c: number) => A.units().length * bins[c].units().length <= MAX_SWAP_PAIRS;
       for (let c = 0; c < n; c++) {
         if (rank[c] === hi || !swaps(c)) continue;
-        const C = bins[c], units = C.units(), into = (intoA[c] = new Float64Array(4 * units.length));
+        const C = bins[c],
+          units = C.units(),
+          into = (intoA[c] = new Float64Array(4 * units.length));
         units.forEach((v, k) => {
           A.insertion(C.m.subarray(v.i, v.j), 0, 0, dB);
           into.set(dB, 4 * k);
@@ -288,7 +310,8 @@ export function refineBalance(input: RefineInput): Refined {
         const xs = A.m.subarray(u.i, u.j);
         for (let c = 0; c < n; c++) {
           if (rank[c] === hi) continue;
-          const C = bins[c], into = intoA[c];
+          const C = bins[c],
+            into = intoA[c];
           C.insertion(xs, 0, 0, intoC);
           work += 1 + xs.length;
           consider(a, u, c, null, A.tokens + dA[0], A.pairs + dA[1], C.tokens + intoC[0], C.pairs + intoC[1]);
@@ -296,14 +319,16 @@ export function refineBalance(input: RefineInput): Refined {
           for (let k = 0; k < units.length; k++) {
             const v = units[k];
             // Most units land in a gap away from the unit they replace: then the insertion priced above holds.
-            let bt = into[4 * k], bp = into[4 * k + 1];
+            let bt = into[4 * k],
+              bp = into[4 * k + 1];
             if (!untouched(into, 4 * k, u.i, u.j)) {
               A.insertion(C.m.subarray(v.i, v.j), u.i, u.j, dB);
               bt = dB[0];
               bp = dB[1];
               work += v.j - v.i;
             }
-            let ct = intoC[0], cp = intoC[1];
+            let ct = intoC[0],
+              cp = intoC[1];
             if (!untouched(intoC, 0, v.i, v.j)) {
               C.insertion(xs, v.i, v.j, dC);
               ct = dC[0];
@@ -320,14 +345,18 @@ export function refineBalance(input: RefineInput): Refined {
     }
     if (pick.best === null) break;
     const { a, u, c, v, ta, pa, tc, pc } = pick.best;
-    const A = bins[a], C = bins[c];
+    const A = bins[a],
+      C = bins[c];
     const xs = A.m.subarray(u.i, u.j);
     const ys = v ? C.m.subarray(v.i, v.j) : new Int32Array(0);
     const nextA = new Bin(replaced(A.m, u.i, u.j, ys), input);
     const nextC = new Bin(replaced(C.m, v ? v.i : 0, v ? v.j : 0, xs), input);
     // The prices above are incremental; the rebuilt micro-batches are counted from scratch.
     if (nextA.tokens !== ta || nextA.pairs !== pa || nextC.tokens !== tc || nextC.pairs !== pc) {
-      throw new TreepackError('E_BACKEND', `balance refinement priced a move at ${ta} + ${tc} packed tokens but the micro-batches hold ${nextA.tokens} + ${nextC.tokens}`);
+      throw new TreepackError(
+        'E_BACKEND',
+        `balance refinement priced a move at ${ta} + ${tc} packed tokens but the micro-batches hold ${nextA.tokens} + ${nextC.tokens}`,
+      );
     }
     total += ta + tc - A.tokens - C.tokens;
     bins[a] = nextA;

@@ -22,7 +22,8 @@ export class Collector {
   constructor(readonly policy: CollectorPolicy) {
     if (policy?.kind === 'windowed-fifo') {
       if (!Number.isSafeInteger(policy.window) || policy.window < 1) throw argError('policy.window', 'an integer >= 1', policy.window);
-    } else if (policy?.kind !== 'async') throw argError('policy.kind', "'windowed-fifo' or 'async'", (policy as { kind?: unknown } | undefined)?.kind);
+    } else if (policy?.kind !== 'async')
+      throw argError('policy.kind', "'windowed-fifo' or 'async'", (policy as { kind?: unknown } | undefined)?.kind);
   }
 
   /**
@@ -149,7 +150,9 @@ export function simulateCollector(policy: CollectorPolicy, groups: readonly Simu
   while (form(end, batchGroups));
   const times = batches.map((b) => b.time);
   const staleness = new Int32Array(groups.length);
-  let sum = 0, max = 0, wait = 0;
+  let sum = 0,
+    max = 0,
+    wait = 0;
   for (let g = 0; g < groups.length; g++) {
     // Versions published by the time of submission: batches formed at or before it.
     let v = 0;

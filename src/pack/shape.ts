@@ -23,6 +23,7 @@ export function branchDepthHistogram(f: Forest, into: DepthHistogram = []): Dept
 
 export function bucketLabel(k: number): string {
   if (k === 0) return '0';
-  const lo = 2 ** (k - 1), hi = 2 ** k - 1;
+  const lo = 2 ** (k - 1),
+    hi = 2 ** k - 1;
   return lo === hi ? `${lo}` : `${lo}-${hi}`;
 }

@@ -12,7 +12,10 @@ export function validateSequences(seqs: Sequences): void {
   const S = offsets.length - 1;
   for (let i = 0; i < S; i++) {
     if (offsets[i + 1] < offsets[i]) {
-      throw new TreepackError('E_ARG', `sequences.offsets must be non-decreasing: offsets[${i + 1}] = ${offsets[i + 1]} < offsets[${i}] = ${offsets[i]}`);
+      throw new TreepackError(
+        'E_ARG',
+        `sequences.offsets must be non-decreasing: offsets[${i + 1}] = ${offsets[i + 1]} < offsets[${i}] = ${offsets[i]}`,
+      );
     }
   }
   if (offsets[S] !== tokens.length) {

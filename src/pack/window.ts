@@ -23,18 +23,26 @@ export interface BudgetedMicroBatch {
 
 /** Cuts a window of samples into micro-batches under a token budget and packs each. */
 export function packWindow(samples: readonly Sample[], opts: WindowOptions): { microBatches: BudgetedMicroBatch[]; plan: Plan } {
-  const plan = planMicroBatches(toSequences(samples), opts, samples.map((s) => s.id));
+  const plan = planMicroBatches(
+    toSequences(samples),
+    opts,
+    samples.map((s) => s.id),
+  );
   const microBatches = plan.microBatches.map((mb) => {
     const members = Array.from(mb.sequences, (i) => samples[i]);
     const batch = assembleMicroBatch(members, opts);
     const unpadded = mb.packedTokens - mb.padTokens;
     // The plan counts tokens from sorted prefixes, the packer builds the forest: a mismatch is a bug in one of them.
     if (batch.meta.num_tokens_packed !== unpadded) {
-      throw new TreepackError('E_BACKEND', `planned ${unpadded} packed tokens for a micro-batch but its forest has ${batch.meta.num_tokens_packed}`);
+      throw new TreepackError(
+        'E_BACKEND',
+        `planned ${unpadded} packed tokens for a micro-batch but its forest has ${batch.meta.num_tokens_packed}`,
+      );
     }
     const padded = mb.padTokens > 0 ? padForest(batch, mb.padTokens, opts.padTokenId ?? 0) : batch;
     if ((opts.padMultiple ?? 1) > 1) padded.meta = { ...padded.meta, num_tokens_packed: mb.packedTokens, num_pad_tokens: mb.padTokens };
-    if (mb.prefix) padded.meta = { ...padded.meta, prefix_tokens: mb.prefix.tokens, prefix_push: mb.prefix.push, prefix_release: mb.prefix.release };
+    if (mb.prefix)
+      padded.meta = { ...padded.meta, prefix_tokens: mb.prefix.tokens, prefix_push: mb.prefix.push, prefix_release: mb.prefix.release };
     return { batch: padded, samples: members, plan: mb };
   });
   return { microBatches, plan };
@@ -45,7 +53,8 @@ export function packWindow(samples: readonly Sample[], opts: WindowOptions): { m
  * sequence and no loss term reads it. The occurrence arrays are untouched.
  */
 export function padForest<F extends Forest>(f: F, count: number, padTokenId: number): F {
-  const N = f.input_ids.length, n = N + count;
+  const N = f.input_ids.length,
+    n = N + count;
   const grow = (a: Int32Array, fill: (p: number) => number) => {
     const out = new Int32Array(n);
     out.set(a);

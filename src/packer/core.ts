@@ -123,13 +123,31 @@ export class PackerCore {
         : undefined;
       if (lowered) this.report.maskBackend = lowered.reports;
       const b = p.batch.meta;
-      const entry: ManifestEntry = { file, sequences: b.num_sequences, naive_tokens: b.num_tokens_naive, packed_tokens: b.num_tokens_packed };
+      const entry: ManifestEntry = {
+        file,
+        sequences: b.num_sequences,
+        naive_tokens: b.num_tokens_naive,
+        packed_tokens: b.num_tokens_packed,
+      };
       const budget = this.#opts.budget;
       if (p.plan && budget) {
         // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
-        Object.assign(entry, { rank: p.plan.rank, step: Math.floor(index / budget.dp), pad_tokens: p.plan.padTokens, attention_pairs: p.plan.attentionPairs, cost: p.plan.cost });
+        Object.assign(entry, {
+          rank: p.plan.rank,
+          step: Math.floor(index / budget.dp),
+          pad_tokens: p.plan.padTokens,
+          attention_pairs: p.plan.attentionPairs,
+          cost: p.plan.cost,
+        });
         const op = p.plan.prefix;
-        if (op) Object.assign(entry, { prefix_tokens: op.tokens, prefix_push: op.push, prefix_release: op.release, computed_tokens: p.plan.computedTokens, pushed_tokens: p.plan.pushedTokens });
+        if (op)
+          Object.assign(entry, {
+            prefix_tokens: op.tokens,
+            prefix_push: op.push,
+            prefix_release: op.release,
+            computed_tokens: p.plan.computedTokens,
+            pushed_tokens: p.plan.pushedTokens,
+          });
       }
       yield { index, batch: p.batch, samples: p.samples, ...(p.plan && { plan: p.plan }), ...(lowered && { masks: lowered }), entry };
     }
@@ -156,7 +174,12 @@ export class PackerCore {
       const t0 = performance.now();
       if (this.#encoder === undefined && this.#opts.tokenizer === undefined) {
         // Token ids of another model's vocabulary would train silently wrong: there is no default tokenizer.
-        throw new TreepackError('E_ARG', `chat records need a tokenizer, and none was given: ${TOKENIZER_HINT}`, { file: rec.source.file, line: rec.source.line, record: rec.id, field: 'tokenizer' });
+        throw new TreepackError('E_ARG', `chat records need a tokenizer, and none was given: ${TOKENIZER_HINT}`, {
+          file: rec.source.file,
+          line: rec.source.line,
+          record: rec.id,
+          field: 'tokenizer',
+        });
       }
       this.#encoder ??= new ChatEncoder(await resolveTokenizer(this.#opts.tokenizer));
       checkResponseVocab(rec, this.#opts.vocabSize ?? this.#encoder.tokenizer.vocabSize);
@@ -193,7 +216,14 @@ export class PackerCore {
       addSnaps(stats.snaps, report.snaps);
     } else {
       samples = items.map((x) => ('kind' in x ? x : timelineToSample(x)));
-      if (this.#policy.detectTimelineSnap) addSnaps(stats.snaps, snapsOnly(items.filter((x): x is Timeline => !('kind' in x)), this.#policy));
+      if (this.#policy.detectTimelineSnap)
+        addSnaps(
+          stats.snaps,
+          snapsOnly(
+            items.filter((x): x is Timeline => !('kind' in x)),
+            this.#policy,
+          ),
+        );
     }
     stats.seconds.merge += (performance.now() - t0) / 1000;
     for (const s of samples) this.#addSample(s);
@@ -230,12 +260,16 @@ export class PackerCore {
       const estimated = pending.filter(needsAdvantage);
       for (const s of estimated) {
         if (this.#flushedGroups.has(s.group)) {
-          throw new TreepackError('E_INPUT', `group ${JSON.stringify(s.group)} appears again after its micro-batch was written: advantages need a group's records to be contiguous in the input`, {
-            file: s.source.file,
-            line: s.source.line,
-            record: s.id,
-            field: 'group',
-          });
+          throw new TreepackError(
+            'E_INPUT',
+            `group ${JSON.stringify(s.group)} appears again after its micro-batch was written: advantages need a group's records to be contiguous in the input`,
+            {
+              file: s.source.file,
+              line: s.source.line,
+              record: s.id,
+              field: 'group',
+            },
+          );
         }
       }
       fillAdvantages(pending, { estimator });

@@ -62,7 +62,11 @@ export class Intake {
       const line = source?.line ?? read.lines + 1;
       const named = source?.file ?? this.#core.report.input;
       // Default ids as readRecords makes them: `file:line` for a named input, `line-N` for a stream.
-      records = parseRecords(value, { file: named, line }, { vocabSize: this.#opts.vocabSize, defaultId: named === '<stream>' ? `line-${line}` : `${named}:${line}` });
+      records = parseRecords(
+        value,
+        { file: named, line },
+        { vocabSize: this.#opts.vocabSize, defaultId: named === '<stream>' ? `line-${line}` : `${named}:${line}` },
+      );
       if (!this.#opts.repeatedEpisodeIds) this.#episodes.check(value, records, JSON.stringify(value), named, line);
     }
     this.#mode = mode;
@@ -80,7 +84,10 @@ export class Intake {
 
   endGroup(group?: string): void {
     if (group !== undefined && group !== this.#lastGroup) {
-      throw new TreepackError('E_ARG', `endGroup(${JSON.stringify(group)}) but the open group is ${this.#lastGroup === undefined ? 'none' : JSON.stringify(this.#lastGroup)}`);
+      throw new TreepackError(
+        'E_ARG',
+        `endGroup(${JSON.stringify(group)}) but the open group is ${this.#lastGroup === undefined ? 'none' : JSON.stringify(this.#lastGroup)}`,
+      );
     }
     this.#core.endGroup();
   }
@@ -108,7 +115,8 @@ export function createPacker(options: PackerOptions = {}): Packer {
   let queue = Promise.resolve<unknown>(undefined);
   const check = (what: string) => {
     if (state === 'ended') throw new TreepackError('E_ARG', `${what} after end(): this packer is finished; create another`);
-    if (typeof state === 'object') throw new TreepackError('E_ARG', `${what} after an error: this packer stopped at ${String(state.failed)}`);
+    if (typeof state === 'object')
+      throw new TreepackError('E_ARG', `${what} after an error: this packer stopped at ${String(state.failed)}`);
   };
   // Work runs one call at a time, in call order, so concurrent drains never interleave.
   const run = (final: boolean): Promise<PackedMicroBatch[]> => {

@@ -38,8 +38,16 @@ export const int = (min: number): ValueKind => ({
   test: (v) => typeof v === 'number' && Number.isSafeInteger(v) && v >= min,
   parse: numberText,
 });
-const nonNegative: ValueKind = { expected: 'a finite number >= 0', test: (v) => typeof v === 'number' && Number.isFinite(v) && v >= 0, parse: numberText };
-const oneOf = (values: readonly string[]): ValueKind => ({ expected: `one of ${values.join(', ')}`, test: (v) => values.includes(v as string), parse: asText });
+const nonNegative: ValueKind = {
+  expected: 'a finite number >= 0',
+  test: (v) => typeof v === 'number' && Number.isFinite(v) && v >= 0,
+  parse: numberText,
+};
+const oneOf = (values: readonly string[]): ValueKind => ({
+  expected: `one of ${values.join(', ')}`,
+  test: (v) => values.includes(v as string),
+  parse: asText,
+});
 export const backendKind = oneOf(['auto', ...BACKEND_NAMES]);
 const bool: ValueKind = { expected: 'true or false', test: (v) => typeof v === 'boolean' };
 
@@ -82,7 +90,11 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
     flag: '--tokenizer',
     metavar: 'DIR|NAME',
     // The library also takes the tokenizer loadTokenizer returned (a caller building a packer per step loads it once).
-    value: { expected: 'a directory path, the name of a built-in (qwen3) or a tokenizer from loadTokenizer', test: (v) => (typeof v === 'string' && v !== '') || isTextTokenizer(v), parse: asText },
+    value: {
+      expected: 'a directory path, the name of a built-in (qwen3) or a tokenizer from loadTokenizer',
+      test: (v) => (typeof v === 'string' && v !== '') || isTextTokenizer(v),
+      parse: asText,
+    },
     help: 'tokenizer.json + tokenizer_config.json, or a built-in by name (qwen3); required for chat records',
     manifest: { key: 'tokenizer', ran: true },
   },
@@ -293,4 +305,5 @@ export function setPath(o: Record<string, unknown>, path: string, value: unknown
 }
 
 /** A copy of nested plain objects, so resolving options never writes into the caller's. */
-export const copyRecords = (v: unknown): unknown => (isRecord(v) ? Object.fromEntries(Object.entries(v).map(([k, x]) => [k, copyRecords(x)])) : v);
+export const copyRecords = (v: unknown): unknown =>
+  isRecord(v) ? Object.fromEntries(Object.entries(v).map(([k, x]) => [k, copyRecords(x)])) : v;

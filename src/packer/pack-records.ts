@@ -45,7 +45,13 @@ export function packRecords(input: PackInput, options: PackerOptions = {}): Pack
     const intake = new Intake(core, opts);
     const feed: (value: unknown) => void = jsonl ? (rec) => core.accept(rec as never) : (value) => intake.push(value);
     const source = jsonl
-      ? readRecords(input, { vocabSize: opts.vocabSize, stats: core.report.read, name: options.name, repeatedEpisodeIds: opts.repeatedEpisodeIds, lossyUtf8: opts.lossyUtf8 })
+      ? readRecords(input, {
+          vocabSize: opts.vocabSize,
+          stats: core.report.read,
+          name: options.name,
+          repeatedEpisodeIds: opts.repeatedEpisodeIds,
+          lossyUtf8: opts.lossyUtf8,
+        })
       : toAsyncIterator(input as Iterable<unknown> | AsyncIterable<unknown>);
     try {
       for (;;) {

@@ -58,7 +58,12 @@ export function manifestHeader(r: PackReport): ManifestHeader {
     sequences: r.samples,
     naive_tokens: r.naiveTokens,
     packed_tokens: r.packedTokens,
-    ...(r.budget && { ...optionFields(r, inBudget), optimum_tokens: r.optimumTokens, rank_costs: r.rankCosts, imbalance: imbalance(r.rankCosts) }),
+    ...(r.budget && {
+      ...optionFields(r, inBudget),
+      optimum_tokens: r.optimumTokens,
+      rank_costs: r.rankCosts,
+      imbalance: imbalance(r.rankCosts),
+    }),
     ...(r.prefixReuse && {
       computed_tokens: r.prefixReuse.computedTokens,
       pushed_tokens: r.prefixReuse.pushedTokens,

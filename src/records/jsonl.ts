@@ -53,11 +53,10 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
   let lineStart = 0; // byte offset of the current line in the input
 
   const tooLong = (): TreepackError =>
-    new TreepackError(
-      'E_LIMIT',
-      `line longer than ${maxLineBytes} bytes (maxLineBytes); is this a JSONL file with one record per line?`,
-      { file, line: line + 1 },
-    );
+    new TreepackError('E_LIMIT', `line longer than ${maxLineBytes} bytes (maxLineBytes); is this a JSONL file with one record per line?`, {
+      file,
+      line: line + 1,
+    });
 
   const finish = (tail: Buffer): JsonlLine | undefined => {
     let total = pendingBytes + tail.length;
@@ -74,7 +73,11 @@ export async function* readJsonlLines(input: JsonlInput, opts: JsonlOptions = {}
     if (start !== 0 || total !== buf.length) buf = buf.subarray(start, total);
     if (!opts.lossyUtf8 && !isUtf8(buf)) {
       const bad = start + firstInvalidUtf8(buf);
-      throw new TreepackError('E_INPUT', `invalid UTF-8 at byte ${bad} of the line (byte ${at + bad} of the input); fix the encoding, or pass --lossy-utf8 (lossyUtf8) to read it as U+FFFD`, { file, line });
+      throw new TreepackError(
+        'E_INPUT',
+        `invalid UTF-8 at byte ${bad} of the line (byte ${at + bad} of the input); fix the encoding, or pass --lossy-utf8 (lossyUtf8) to read it as U+FFFD`,
+        { file, line },
+      );
     }
     const text = buf.toString('utf8');
     return /\S/.test(text) ? { line, text } : undefined;

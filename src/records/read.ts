@@ -6,7 +6,16 @@
 import { TreepackError, describeValue } from '../errors.js';
 import { EpisodeIds } from './episode-ids.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
-import { AUTHORS, type Author, type ChatMessage, type ChatRecord, type Sample, type Source, type ToolCall, type TrainRecord } from './types.js';
+import {
+  AUTHORS,
+  type Author,
+  type ChatMessage,
+  type ChatRecord,
+  type Sample,
+  type Source,
+  type ToolCall,
+  type TrainRecord,
+} from './types.js';
 
 export interface ReadStats {
   lines: number; // non-blank lines parsed
@@ -49,7 +58,11 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
   const named = (typeof input === 'string' && input !== '-') || opts.name !== undefined;
   const stats = opts.stats;
   const episodes = opts.repeatedEpisodeIds ? undefined : new EpisodeIds();
-  for await (const { line, text } of readJsonlLines(input, { name: opts.name, maxLineBytes: opts.maxLineBytes, lossyUtf8: opts.lossyUtf8 })) {
+  for await (const { line, text } of readJsonlLines(input, {
+    name: opts.name,
+    maxLineBytes: opts.maxLineBytes,
+    lossyUtf8: opts.lossyUtf8,
+  })) {
     if (stats) stats.lines++;
     let value: unknown;
     try {
@@ -57,10 +70,14 @@ export async function* readRecords(input: JsonlInput, opts: ReadOptions = {}): A
     } catch (e) {
       throw new TreepackError('E_INPUT', `malformed JSON: ${(e as Error).message}`, { file, line });
     }
-    const parsed = parseRecords(value, { file, line }, {
-      vocabSize: opts.vocabSize,
-      defaultId: named ? `${file}:${line}` : `line-${line}`,
-    });
+    const parsed = parseRecords(
+      value,
+      { file, line },
+      {
+        vocabSize: opts.vocabSize,
+        defaultId: named ? `${file}:${line}` : `line-${line}`,
+      },
+    );
     episodes?.check(value, parsed, text, file, line);
     for (const r of parsed) {
       if (stats) stats.records++;
@@ -80,7 +97,9 @@ export function parseRecords(value: unknown, source: Source, opts: ParseOptions 
     const slime = 'response_length' in value || 'rollout_log_probs' in value;
     return [slime ? parseSlime(value, ctx, defaultId, opts.vocabSize) : parseTokens(value, ctx, defaultId, opts.vocabSize)];
   }
-  const keys = Object.keys(value).slice(0, 8).map((k) => JSON.stringify(k));
+  const keys = Object.keys(value)
+    .slice(0, 8)
+    .map((k) => JSON.stringify(k));
   throw fail(
     ctx,
     undefined,
@@ -262,13 +281,20 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
   }
   const n = s.tokens.length;
   const v = o.message_offsets;
-  if (!Array.isArray(v) || v.length === 0) throw fail(ctx, 'message_offsets', `expected a non-empty array of token offsets, got ${describeValue(v)}`);
+  if (!Array.isArray(v) || v.length === 0)
+    throw fail(ctx, 'message_offsets', `expected a non-empty array of token offsets, got ${describeValue(v)}`);
   const offsets = new Int32Array(v.length);
   for (let i = 0; i < v.length; i++) {
     const x: unknown = v[i];
     const prev = i === 0 ? -1 : offsets[i - 1];
     if (typeof x !== 'number' || !Number.isInteger(x) || (i === 0 ? x !== 0 : x <= prev || x >= n))
-      throw fail(ctx, `message_offsets[${i}]`, i === 0 ? `the first message starts at 0, got ${describeValue(x)}` : `expected an offset in ${prev + 1}..${n - 1} (increasing, inside the ${n} tokens), got ${describeValue(x)}`);
+      throw fail(
+        ctx,
+        `message_offsets[${i}]`,
+        i === 0
+          ? `the first message starts at 0, got ${describeValue(x)}`
+          : `expected an offset in ${prev + 1}..${n - 1} (increasing, inside the ${n} tokens), got ${describeValue(x)}`,
+      );
     offsets[i] = x;
   }
   s.message_offsets = offsets;
@@ -285,7 +311,12 @@ function parseMessageBoundaries(o: Obj, ctx: Ctx, s: Sample): void {
     if (a[i] === 'llm') continue;
     const end = i + 1 < offsets.length ? offsets[i + 1] : n;
     for (let t = Math.max(offsets[i], 1); t < end; t++) {
-      if (s.loss_mask[t]) throw fail(ctx, `message_authors[${i}]`, `message ${i} has a trainable token (loss_mask[${t}] = 1) but its author is ${JSON.stringify(a[i])}; trainable tokens belong to 'llm' messages`);
+      if (s.loss_mask[t])
+        throw fail(
+          ctx,
+          `message_authors[${i}]`,
+          `message ${i} has a trainable token (loss_mask[${t}] = 1) but its author is ${JSON.stringify(a[i])}; trainable tokens belong to 'llm' messages`,
+        );
     }
   }
   s.message_authors = a as Author[];
@@ -360,7 +391,11 @@ function parseChat(o: Obj, ctx: Ctx, path: string, ids: ChatIds): ChatRecord {
   if (typeof o.response === 'string') response = { role: 'assistant', content: o.response };
   else response = parseMessage(o.response, ctx, path + 'response', 'assistant');
   if (response.role !== 'assistant')
-    throw fail(ctx, path + 'response.role', `the response is what the policy generated: expected role "assistant", got ${JSON.stringify(response.role)}`);
+    throw fail(
+      ctx,
+      path + 'response.role',
+      `the response is what the policy generated: expected role "assistant", got ${JSON.stringify(response.role)}`,
+    );
   if (isObject(o.response)) parseEngineOutput(o.response, response, ctx, path + 'response.');
   const tools = o.tools;
   if (tools !== undefined && tools !== null) {

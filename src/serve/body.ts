@@ -43,7 +43,8 @@ export function registerBodyParser(app: FastifyInstance): void {
     }
     json(req, raw.toString('utf8'), (err, body) => {
       const deep = err ? undefined : tooDeep(body);
-      if (deep !== undefined) return done(new PoolError(400, `field "${deep}": nested more than ${MAX_DEPTH} levels deep (lists and objects)`), undefined);
+      if (deep !== undefined)
+        return done(new PoolError(400, `field "${deep}": nested more than ${MAX_DEPTH} levels deep (lists and objects)`), undefined);
       done(err, body);
     });
   });

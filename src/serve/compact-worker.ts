@@ -14,7 +14,7 @@ const { path, upto, tmp, groupSize } = workerData as { path: string; upto: numbe
 const data = Buffer.alloc(upto);
 const src = openSync(path, 'r');
 try {
-  for (let off = 0; off < upto; ) {
+  for (let off = 0; off < upto;) {
     const n = readSync(src, data, off, upto - off, off);
     if (n === 0) throw new Error(`${path}: shorter than its ${upto} committed bytes`);
     off += n;
@@ -24,7 +24,11 @@ try {
 }
 const events: LogEvent[] = [];
 scan(data, path, (e) => events.push(e));
-const out = Buffer.from(compactEvents(events, groupSize).map((e) => JSON.stringify(e) + '\n').join(''));
+const out = Buffer.from(
+  compactEvents(events, groupSize)
+    .map((e) => JSON.stringify(e) + '\n')
+    .join(''),
+);
 const dst = openSync(tmp, 'w', LOG_MODE);
 try {
   writeAll(dst, [out]);

@@ -76,7 +76,16 @@ export function compactEvents(events: LogEvent[], groupSize: number): LogEvent[]
     }
   }
 
-  const snap: SnapshotEvent = { type: 'snapshot', flushBelow, steps: steps.length, version, counters, keyHashes: [...pool.keys], groups: [], dead: [] };
+  const snap: SnapshotEvent = {
+    type: 'snapshot',
+    flushBelow,
+    steps: steps.length,
+    version,
+    counters,
+    keyHashes: [...pool.keys],
+    groups: [],
+    dead: [],
+  };
   if (setSize !== undefined) snap.groupSize = setSize;
   for (const g of pool.bySeq) {
     snap.groups.push([g.id, g.size, g.consumed ? 1 : 0]);

@@ -42,7 +42,9 @@ export async function engineModels(engineUrl: string, apiKey: string | undefined
     res = await fetch(url, { headers: apiKey ? { authorization: `Bearer ${apiKey}` } : {}, signal: AbortSignal.timeout(timeoutMs) });
   } catch (err) {
     const e = err as Error & { cause?: Error };
-    throw new Error(`the engine at ${engineUrl} is unreachable (GET ${url}: ${e.name === 'TimeoutError' ? `no answer within ${timeoutMs} ms` : (e.cause?.message ?? e.message)})`);
+    throw new Error(
+      `the engine at ${engineUrl} is unreachable (GET ${url}: ${e.name === 'TimeoutError' ? `no answer within ${timeoutMs} ms` : (e.cause?.message ?? e.message)})`,
+    );
   }
   const text = await res.text();
   if (!res.ok) {
@@ -55,8 +57,12 @@ export async function engineModels(engineUrl: string, apiKey: string | undefined
   } catch {
     // not JSON: refused below
   }
-  const ids = isObj(json) && Array.isArray(json.data) ? json.data.map((m) => (isObj(m) && typeof m.id === 'string' ? m.id : undefined)) : undefined;
-  if (!ids || ids.includes(undefined)) throw new Error(`the engine at ${engineUrl} answered GET ${url} with no OpenAI model list ({"data": [{"id": …}]}): ${describeValue(text)}`);
+  const ids =
+    isObj(json) && Array.isArray(json.data) ? json.data.map((m) => (isObj(m) && typeof m.id === 'string' ? m.id : undefined)) : undefined;
+  if (!ids || ids.includes(undefined))
+    throw new Error(
+      `the engine at ${engineUrl} answered GET ${url} with no OpenAI model list ({"data": [{"id": …}]}): ${describeValue(text)}`,
+    );
   if (ids.length === 0) throw new Error(`the engine at ${engineUrl} serves no model (GET ${url} lists none)`);
   return ids as string[];
 }
@@ -110,7 +116,8 @@ export function clientView(json: Obj, wants: ClientWants): Obj {
 
 function ids(v: unknown, field: string): number[] | undefined {
   if (v === undefined || v === null) return undefined;
-  if (!Array.isArray(v) || !v.every((x) => Number.isInteger(x) && x >= 0)) throw new EngineError(`expected a list of token ids, got ${describeValue(v)}`, field);
+  if (!Array.isArray(v) || !v.every((x) => Number.isInteger(x) && x >= 0))
+    throw new EngineError(`expected a list of token ids, got ${describeValue(v)}`, field);
   return v as number[];
 }
 
@@ -124,14 +131,16 @@ function logprobList(kind: CallKind, lp: unknown, field: string): number[] | und
     lp.content.forEach((e, i) => out.push(finiteLogprob(isObj(e) ? e.logprob : e, `${field}.content[${i}].logprob`)));
   } else {
     if (lp.token_logprobs === null || lp.token_logprobs === undefined) return undefined;
-    if (!Array.isArray(lp.token_logprobs)) throw new EngineError(`expected a list, got ${describeValue(lp.token_logprobs)}`, `${field}.token_logprobs`);
+    if (!Array.isArray(lp.token_logprobs))
+      throw new EngineError(`expected a list, got ${describeValue(lp.token_logprobs)}`, `${field}.token_logprobs`);
     lp.token_logprobs.forEach((x, i) => out.push(finiteLogprob(x, `${field}.token_logprobs[${i}]`)));
   }
   return out;
 }
 
 function finiteLogprob(x: unknown, field: string): number {
-  if (typeof x !== 'number' || !Number.isFinite(x) || x > 1e-3) throw new EngineError(`expected a finite log-probability <= 0, got ${describeValue(x)}`, field);
+  if (typeof x !== 'number' || !Number.isFinite(x) || x > 1e-3)
+    throw new EngineError(`expected a finite log-probability <= 0, got ${describeValue(x)}`, field);
   return x;
 }
 
@@ -140,8 +149,11 @@ function toolCalls(v: unknown, field: string): ToolCallOut[] | undefined {
   if (!Array.isArray(v)) throw new EngineError(`expected a list of tool calls, got ${describeValue(v)}`, field);
   return v.map((c, i) => {
     const fn = isObj(c) ? c.function : undefined;
-    if (!isObj(c) || !isObj(fn) || typeof fn.name !== 'string') throw new EngineError(`expected {"function": {"name", "arguments"}}, got ${describeValue(c)}`, `${field}[${i}]`);
-    const call: ToolCallOut = { function: { name: fn.name, arguments: typeof fn.arguments === 'string' ? fn.arguments : JSON.stringify(fn.arguments ?? {}) } };
+    if (!isObj(c) || !isObj(fn) || typeof fn.name !== 'string')
+      throw new EngineError(`expected {"function": {"name", "arguments"}}, got ${describeValue(c)}`, `${field}[${i}]`);
+    const call: ToolCallOut = {
+      function: { name: fn.name, arguments: typeof fn.arguments === 'string' ? fn.arguments : JSON.stringify(fn.arguments ?? {}) },
+    };
     if (typeof c.id === 'string') call.id = c.id;
     if (typeof c.type === 'string') call.type = c.type;
     return call;
@@ -175,8 +187,9 @@ export function parseResponse(kind: CallKind, json: unknown, n = 1): EngineOutpu
     if (kind === 'chat') {
       const m = c.message;
       if (!isObj(m)) throw new EngineError(`expected a message object, got ${describeValue(m)}`, `${at}.message`);
-      if (m.content !== null && m.content !== undefined && typeof m.content !== 'string') throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, `${at}.message.content`);
-      out.message = { role: 'assistant', content: (m.content) ?? null };
+      if (m.content !== null && m.content !== undefined && typeof m.content !== 'string')
+        throw new EngineError(`expected a string or null, got ${describeValue(m.content)}`, `${at}.message.content`);
+      out.message = { role: 'assistant', content: m.content ?? null };
       const calls = toolCalls(m.tool_calls, `${at}.message.tool_calls`);
       if (calls && calls.length) out.message.tool_calls = calls;
       const reasoning = m.reasoning_content ?? m.reasoning;
@@ -238,8 +251,9 @@ export class StreamAccumulator {
     const lp = logprobList(this.kind, c.logprobs, `${at}.logprobs`);
     if (lp) (s.logprobs ??= []).push(...lp);
     if (this.kind === 'completion') {
-      if (c.text !== undefined && typeof c.text !== 'string') throw new EngineError(`expected a string, got ${describeValue(c.text)}`, `${at}.text`);
-      s.content += (c.text) ?? '';
+      if (c.text !== undefined && typeof c.text !== 'string')
+        throw new EngineError(`expected a string, got ${describeValue(c.text)}`, `${at}.text`);
+      s.content += c.text ?? '';
       return;
     }
     const d = c.delta;
@@ -252,7 +266,8 @@ export class StreamAccumulator {
     const r = d.reasoning_content ?? d.reasoning;
     if (typeof r === 'string') s.reasoning += r;
     if (d.tool_calls !== undefined && d.tool_calls !== null) {
-      if (!Array.isArray(d.tool_calls)) throw new EngineError(`expected a list, got ${describeValue(d.tool_calls)}`, `${at}.delta.tool_calls`);
+      if (!Array.isArray(d.tool_calls))
+        throw new EngineError(`expected a list, got ${describeValue(d.tool_calls)}`, `${at}.delta.tool_calls`);
       for (const tc of d.tool_calls) {
         if (!isObj(tc)) throw new EngineError(`expected a tool call delta, got ${describeValue(tc)}`, `${at}.delta.tool_calls`);
         const index = Number.isInteger(tc.index) ? (tc.index as number) : s.calls.length;

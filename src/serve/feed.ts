@@ -138,7 +138,17 @@ export function handoutEntry(
   metrics.microBatches.inc({ event: reissued ? 'reissued' : 'handed_out' });
   const staleness = trainerVersion - at.policyVersion;
   metrics.staleness.observe(staleness);
-  return { ...packed, id: at.id, feed_step: at.step, rank: at.rank, groups: at.groups, policy_version: at.policyVersion, trainer_version: trainerVersion, staleness, lease_ms: leaseMs };
+  return {
+    ...packed,
+    id: at.id,
+    feed_step: at.step,
+    rank: at.rank,
+    groups: at.groups,
+    policy_version: at.policyVersion,
+    trainer_version: trainerVersion,
+    staleness,
+    lease_ms: leaseMs,
+  };
 }
 
 /** Whether a step's micro-batches carry a step plan (packed with prefix reuse): they then go out as `nextPlanned` says. */
@@ -155,7 +165,12 @@ function planned(slots: MicroBatchSlot[]): boolean {
  * part-way is replaced by one that starts the plan from its beginning, not from a micro-batch whose prefix only the
  * dead one held. undefined: nothing of this step for this client now.
  */
-function nextPlanned(slots: MicroBatchSlot[], rank: number, client: string | undefined, now: number): MicroBatchSlot | 'restart' | undefined {
+function nextPlanned(
+  slots: MicroBatchSlot[],
+  rank: number,
+  client: string | undefined,
+  now: number,
+): MicroBatchSlot | 'restart' | undefined {
   const run = slots.filter((s) => s.rank === rank && !s.acked);
   if (run.length === 0) return undefined;
   const head = run[0];
@@ -262,7 +277,16 @@ export class Feed implements TrainerFeed {
       this.collector.takeGroups([seq]);
     });
     for (let n = 0; n < s.steps; n++) {
-      this.steps[n] = { n, groups: [], logged: Promise.resolve(), acked: new Set(), leases: new Map(), done: true, slots: [], compacted: true };
+      this.steps[n] = {
+        n,
+        groups: [],
+        logged: Promise.resolve(),
+        acked: new Set(),
+        leases: new Map(),
+        done: true,
+        slots: [],
+        compacted: true,
+      };
     }
   }
 
@@ -355,7 +379,12 @@ export class Feed implements TrainerFeed {
         const t = Date.now();
         if (planned(step.slots!)) {
           const run = nextPlanned(step.slots!, rank, client, t);
-          if (run === 'restart') return await this.handOut(step.slots!.find((s) => s.rank === rank && !s.acked)!, t, client);
+          if (run === 'restart')
+            return await this.handOut(
+              step.slots!.find((s) => s.rank === rank && !s.acked)!,
+              t,
+              client,
+            );
           continue; // a run of this client's would have been continued above
         }
         const slot = step.slots!.find((s) => s.rank === rank && !s.acked && s.leasedUntil <= t);
@@ -373,7 +402,11 @@ export class Feed implements TrainerFeed {
     await this.append({ type: 'handout', id: slot.id, until: slot.leasedUntil, ...(client !== undefined && { client }) });
     const groups = this.steps[slot.step].groups.map((g) => groupName(this.pool.bySeq[g].id));
     const where = { id: slot.id, step: slot.step, rank: slot.rank, groups, policyVersion: slot.minVersion };
-    return { id: slot.id, bytes: slot.out.bytes, entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued) };
+    return {
+      id: slot.id,
+      bytes: slot.out.bytes,
+      entry: handoutEntry(slot.out.entry, where, this.version, this.opts.leaseMs, this.metrics, reissued),
+    };
   }
 
   /** Takes the next step's groups if the policy allows a full step now; true when a step was formed. */
@@ -402,7 +435,9 @@ export class Feed implements TrainerFeed {
           throw err;
         }
         // The same records fail the same way after a replay: the step is dropped, with the reason kept.
-        this.errors.push(`step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g].id)).join(', ')}): ${(err as Error).message}`);
+        this.errors.push(
+          `step ${step.n} (groups ${step.groups.map((g) => JSON.stringify(this.pool.bySeq[g].id)).join(', ')}): ${(err as Error).message}`,
+        );
         this.metrics.rejected.inc({ reason: 'pack_error' });
         packed = [];
       }
@@ -420,7 +455,16 @@ export class Feed implements TrainerFeed {
       step.slots = packed.map((out, i) => {
         const id = `${step.n}.${i}`;
         const lease = step.leases.get(id);
-        return { id, step: step.n, rank: out.entry.rank ?? i % this.opts.dp, out, leasedUntil: lease?.until ?? 0, ...(lease?.client !== undefined && { client: lease.client }), acked: step.acked.has(id), minVersion };
+        return {
+          id,
+          step: step.n,
+          rank: out.entry.rank ?? i % this.opts.dp,
+          out,
+          leasedUntil: lease?.until ?? 0,
+          ...(lease?.client !== undefined && { client: lease.client }),
+          acked: step.acked.has(id),
+          minVersion,
+        };
       });
       this.metrics.microBatches.inc({ event: 'packed' }, packed.length);
       this.maybeComplete(step);
@@ -448,7 +492,8 @@ export class Feed implements TrainerFeed {
   }
 
   async depth(): Promise<{ ready: number; leased: number }> {
-    let ready = 0, leased = 0;
+    let ready = 0,
+      leased = 0;
     const now = Date.now();
     for (let k = this.firstOpen; k < this.steps.length; k++) {
       const step = this.steps[k];

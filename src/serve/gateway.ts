@@ -14,17 +14,39 @@ import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { describeValue } from '../errors.js';
 import type { ChatMessage } from '../records/types.js';
 import { checkChatMessages } from './chat-check.js';
-import { clientView, EngineError, parseResponse, StreamAccumulator, upstreamRequest, type CallKind, type ClientWants, type EngineOutput } from './engine.js';
+import {
+  clientView,
+  EngineError,
+  parseResponse,
+  StreamAccumulator,
+  upstreamRequest,
+  type CallKind,
+  type ClientWants,
+  type EngineOutput,
+} from './engine.js';
 import { messagesPrompt, messagesRequest } from './messages.js';
 import { responsesRequest } from './responses.js';
 import { priorToolCalls, wholeChunk, type ApiWriter, type CallMeta } from './translate.js';
-import { checkId, jsonEqual, Pool, PoolError, recordDigest, type CallRequest, type Episode, type RecordedCall, type Scope } from './pool.js';
+import {
+  checkId,
+  jsonEqual,
+  Pool,
+  PoolError,
+  recordDigest,
+  type CallRequest,
+  type Episode,
+  type RecordedCall,
+  type Scope,
+} from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
 
 /** What the gateway's routes use of the recording core. */
-export type GatewayCore = Pick<Recorder, 'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode'>;
+export type GatewayCore = Pick<
+  Recorder,
+  'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode'
+>;
 /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
 type InFlight = Map<string, Promise<unknown>>;
 
@@ -68,7 +90,10 @@ export function confine(svc: GatewayCore, req: FastifyRequest, episode: string):
 function scopeOf(svc: GatewayCore, req: FastifyRequest): Scope {
   const scope = requestScope(svc, req);
   if (scope === undefined) {
-    throw new PoolError(400, 'no episode for this call: use a base URL /episodes/{id}/v1, the x-treepack-episode header, or an API key from POST /v1/episodes');
+    throw new PoolError(
+      400,
+      'no episode for this call: use a base URL /episodes/{id}/v1, the x-treepack-episode header, or an API key from POST /v1/episodes',
+    );
   }
   return scope;
 }
@@ -83,8 +108,13 @@ function requestScope(svc: GatewayCore, req: FastifyRequest): Scope | undefined 
   const group = params.group ?? header(req, 'x-treepack-group');
   if (keyed) {
     if (episode !== keyed.episode) throw outOfScope(keyed, `not episode ${JSON.stringify(episode)}`);
-    if (group !== undefined && group !== keyed.group) throw outOfScope(keyed, `its group is ${keyed.group === undefined ? 'the episode' : JSON.stringify(keyed.group)}, not ${JSON.stringify(group)}`);
-    if (agent !== undefined && keyed.agent !== undefined && agent !== keyed.agent) throw outOfScope(keyed, `its agent is ${JSON.stringify(keyed.agent)}, not ${JSON.stringify(agent)}`);
+    if (group !== undefined && group !== keyed.group)
+      throw outOfScope(
+        keyed,
+        `its group is ${keyed.group === undefined ? 'the episode' : JSON.stringify(keyed.group)}, not ${JSON.stringify(group)}`,
+      );
+    if (agent !== undefined && keyed.agent !== undefined && agent !== keyed.agent)
+      throw outOfScope(keyed, `its agent is ${JSON.stringify(keyed.agent)}, not ${JSON.stringify(agent)}`);
   }
   const scope: Scope = { episode };
   const a = agent ?? keyed?.agent;
@@ -97,18 +127,26 @@ function requestScope(svc: GatewayCore, req: FastifyRequest): Scope | undefined 
 function checkBody(kind: CallKind, body: unknown): Obj {
   if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(body)}`);
   if (kind === 'chat') {
-    if (!Array.isArray(body.messages) || body.messages.length === 0) throw new PoolError(400, `field "messages": expected a non-empty list of messages, got ${describeValue(body.messages)}`);
+    if (!Array.isArray(body.messages) || body.messages.length === 0)
+      throw new PoolError(400, `field "messages": expected a non-empty list of messages, got ${describeValue(body.messages)}`);
     body.messages.forEach((m, i) => {
       if (!isObj(m)) throw new PoolError(400, `field "messages[${i}]": expected a message object, got ${describeValue(m)}`);
-      if (typeof m.role !== 'string') throw new PoolError(400, `field "messages[${i}].role": expected a string (system, user, assistant, tool), got ${describeValue(m.role)}`);
+      if (typeof m.role !== 'string')
+        throw new PoolError(
+          400,
+          `field "messages[${i}].role": expected a string (system, user, assistant, tool), got ${describeValue(m.role)}`,
+        );
     });
-    if (body.tools !== undefined && body.tools !== null && !Array.isArray(body.tools)) throw new PoolError(400, `field "tools": expected a list of tool schemas, got ${describeValue(body.tools)}`);
+    if (body.tools !== undefined && body.tools !== null && !Array.isArray(body.tools))
+      throw new PoolError(400, `field "tools": expected a list of tool schemas, got ${describeValue(body.tools)}`);
   } else if (typeof body.prompt !== 'string') {
     throw new PoolError(400, `field "prompt": expected a string (one prompt per call is recorded), got ${describeValue(body.prompt)}`);
   }
   // The engine would coerce "yes" or 1 and stream, where the gateway reads JSON: refused, naming the field.
-  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean') throw new PoolError(400, `field "stream": expected true or false, got ${describeValue(body.stream)}`);
-  if (body.n !== undefined && body.n !== null && (!Number.isSafeInteger(body.n) || (body.n as number) < 1 || (body.n as number) > MAX_N)) throw new PoolError(400, `field "n": expected an integer in 1..${MAX_N}, got ${describeValue(body.n)}`);
+  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean')
+    throw new PoolError(400, `field "stream": expected true or false, got ${describeValue(body.stream)}`);
+  if (body.n !== undefined && body.n !== null && (!Number.isSafeInteger(body.n) || (body.n as number) < 1 || (body.n as number) > MAX_N))
+    throw new PoolError(400, `field "n": expected an integer in 1..${MAX_N}, got ${describeValue(body.n)}`);
   return body;
 }
 
@@ -121,7 +159,8 @@ function policyVersion(svc: GatewayCore, req: FastifyRequest): number {
   const v = header(req, 'x-treepack-policy-version');
   if (v === undefined) return svc.feed.version;
   const n = Number(v);
-  if (!Number.isSafeInteger(n) || n < 0) throw new PoolError(400, `header "x-treepack-policy-version": expected an integer >= 0, got ${JSON.stringify(v)}`);
+  if (!Number.isSafeInteger(n) || n < 0)
+    throw new PoolError(400, `header "x-treepack-policy-version": expected an integer >= 0, got ${JSON.stringify(v)}`);
   return n;
 }
 
@@ -137,7 +176,8 @@ async function callEngine(svc: GatewayCore, kind: CallKind, body: Obj): Promise<
 }
 
 function engineFailure(svc: GatewayCore, e: Error): PoolError {
-  if (e.name === 'TimeoutError') return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
+  if (e.name === 'TimeoutError')
+    return new PoolError(504, `the engine at ${svc.opts.engineUrl} did not answer within ${svc.opts.engineTimeoutMs} ms`);
   if (e.name === 'TruncatedError') return new PoolError(502, `the engine at ${svc.opts.engineUrl} ${e.message}`);
   return new PoolError(502, `the engine at ${svc.opts.engineUrl} is unreachable: ${e.message}`);
 }
@@ -212,7 +252,11 @@ function translatedDialect(endpoint: 'responses' | 'messages'): Dialect {
     anthropic: endpoint === 'messages',
     prepare(raw, episode) {
       const t = endpoint === 'responses' ? responsesRequest(raw) : messagesRequest(raw, priorToolCalls(episode?.calls));
-      if (t.chat.n !== undefined && t.chat.n !== null && t.chat.n !== 1) throw new PoolError(400, `field "n": the ${endpoint === 'responses' ? 'Responses' : 'Messages'} API answers one output per call; ask for several through /v1/chat/completions`);
+      if (t.chat.n !== undefined && t.chat.n !== null && t.chat.n !== 1)
+        throw new PoolError(
+          400,
+          `field "n": the ${endpoint === 'responses' ? 'Responses' : 'Messages'} API answers one output per call; ask for several through /v1/chat/completions`,
+        );
       const { body: upstream } = upstreamRequest('chat', t.chat);
       // the usage of a streamed answer comes in a last chunk, on request
       if (t.stream) upstream.stream_options = { include_usage: true };
@@ -248,7 +292,15 @@ interface Retryable {
   answer: { text: string; sse?: true };
 }
 
-function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, outputs: EngineOutput[], version: number, retry: Retryable | undefined, meta: CallMeta): RecordedCall {
+function recordedCall(
+  kind: CallKind,
+  scope: Scope,
+  request: CallRequest,
+  outputs: EngineOutput[],
+  version: number,
+  retry: Retryable | undefined,
+  meta: CallMeta,
+): RecordedCall {
   const call: RecordedCall = { id: meta.id, kind, time: meta.time, policyVersion: version, request, output: outputs[0] };
   // n > 1: the other choices share the call's prompt, each one more branch of the episode's tree
   if (outputs.length > 1) call.siblings = outputs.slice(1);
@@ -260,7 +312,8 @@ function recordedCall(kind: CallKind, scope: Scope, request: CallRequest, output
 /** The client's request id: a retry carrying the same one is answered from the call it recorded. */
 function requestId(req: FastifyRequest): string | undefined {
   const v = header(req, 'idempotency-key');
-  if (v !== undefined && v.length > 256) throw new PoolError(400, `header "Idempotency-Key": expected at most 256 characters, got ${v.length}`);
+  if (v !== undefined && v.length > 256)
+    throw new PoolError(400, `header "Idempotency-Key": expected at most 256 characters, got ${v.length}`);
   return v;
 }
 
@@ -273,11 +326,18 @@ function replayAnswer(kind: CallKind, call: RecordedCall, body: Obj, wants: Clie
     const choice: Obj = { index, finish_reason: o.finishReason, logprobs: null };
     if (kind === 'chat') choice.message = o.message;
     else choice.text = o.text;
-    if (wants.logprobs && o.logprobs) choice.logprobs = kind === 'chat' ? { content: o.logprobs.map((logprob) => ({ logprob })) } : { token_logprobs: o.logprobs };
+    if (wants.logprobs && o.logprobs)
+      choice.logprobs = kind === 'chat' ? { content: o.logprobs.map((logprob) => ({ logprob })) } : { token_logprobs: o.logprobs };
     if (wants.tokenIds && o.tokenIds) choice.token_ids = o.tokenIds;
     return choice;
   });
-  const json: Obj = { id: call.id, object: kind === 'chat' ? 'chat.completion' : 'text_completion', created: Math.floor(call.time / 1000), model: body.model ?? null, choices };
+  const json: Obj = {
+    id: call.id,
+    object: kind === 'chat' ? 'chat.completion' : 'text_completion',
+    created: Math.floor(call.time / 1000),
+    model: body.model ?? null,
+    choices,
+  };
   if (wants.tokenIds && call.output.promptTokenIds) json.prompt_token_ids = call.output.promptTokenIds;
   if (body.stream !== true) return { json };
   if (kind === 'chat') {
@@ -313,7 +373,14 @@ async function proxy(svc: GatewayCore, inflight: InFlight, d: Dialect, req: Fast
   }
 }
 
-async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, reply: FastifyReply, scope: Scope, rid: string | undefined): Promise<unknown> {
+async function proxyOnce(
+  svc: GatewayCore,
+  d: Dialect,
+  req: FastifyRequest,
+  reply: FastifyReply,
+  scope: Scope,
+  rid: string | undefined,
+): Promise<unknown> {
   const endpoint = d.endpoint;
   const t0 = performance.now();
   const version = policyVersion(svc, req);
@@ -333,7 +400,8 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
     }
     svc.metrics.calls.inc({ endpoint, outcome: 'replayed' });
     reply.header('x-treepack-replayed', 'true');
-    if (recorded.answer) return reply.header('content-type', recorded.answer.sse ? 'text/event-stream' : JSON_TYPE).send(recorded.answer.text);
+    if (recorded.answer)
+      return reply.header('content-type', recorded.answer.sse ? 'text/event-stream' : JSON_TYPE).send(recorded.answer.text);
     // recorded by a service that kept no answers: rebuilt from the record
     const r = p.replay(recorded);
     return 'json' in r ? reply.send(r.json) : reply.header('content-type', 'text/event-stream').send(r.sse);
@@ -349,14 +417,22 @@ async function proxyOnce(svc: GatewayCore, d: Dialect, req: FastifyRequest, repl
     svc.metrics.calls.inc({ endpoint, outcome: `engine_${res.status}` });
     const text = await res.text().catch((err: Error) => Promise.reject(engineFailure(svc, err)));
     if (d.anthropic) throw new PoolError(res.status, `the engine refused the call: ${engineMessage(text)}`);
-    return reply.code(res.status).header('content-type', res.contentType ?? 'application/json').send(text);
+    return reply
+      .code(res.status)
+      .header('content-type', res.contentType ?? 'application/json')
+      .send(text);
   }
   const commit = async (outputs: EngineOutput[], answer: () => string) => {
     p.complete(outputs, meta);
     // only a call a client may retry keeps its answer
     const kept = () => (p.stream ? { text: answer(), sse: true as const } : { text: answer() });
     const retry = rid === undefined ? undefined : { requestId: rid, requestDigest: digest!, answer: kept() };
-    await svc.commit({ type: 'call', episode: scope.episode, group: scope.group, call: recordedCall(d.kind, scope, p.request, outputs, version, retry, meta) });
+    await svc.commit({
+      type: 'call',
+      episode: scope.episode,
+      group: scope.group,
+      call: recordedCall(d.kind, scope, p.request, outputs, version, retry, meta),
+    });
     svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
   };
   if (!p.stream) {
@@ -416,7 +492,10 @@ async function stream(
         acc.add(chunk);
         out.push(w.chunk(chunk as Obj));
       } catch (err) {
-        failure = err instanceof EngineError || err instanceof PoolError ? err : new EngineError(`stream event is not JSON: ${describeValue(ev.data)}`);
+        failure =
+          err instanceof EngineError || err instanceof PoolError
+            ? err
+            : new EngineError(`stream event is not JSON: ${describeValue(ev.data)}`);
       }
     },
   });
@@ -435,7 +514,9 @@ async function stream(
       if (failure) break;
     }
   } catch (err) {
-    failure ??= res.timedOut() ? new EngineError(`the engine's stream did not end within ${svc.opts.engineTimeoutMs} ms (--engine-timeout)`) : new EngineError(`the engine's stream broke: ${(err as Error).message}`);
+    failure ??= res.timedOut()
+      ? new EngineError(`the engine's stream did not end within ${svc.opts.engineTimeoutMs} ms (--engine-timeout)`)
+      : new EngineError(`the engine's stream broke: ${(err as Error).message}`);
   }
   const tBack = performance.now();
   if (!failure && !done) failure = new EngineError('the engine closed the stream without data: [DONE]');
@@ -459,8 +540,10 @@ async function stream(
 }
 
 function finishBody(body: unknown, maxGroupSize: number): { reward: number; metadata?: Obj; group_size?: number } {
-  if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object {"reward": number, "metadata"?: object}, got ${describeValue(body)}`);
-  if (typeof body.reward !== 'number' || !Number.isFinite(body.reward)) throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(body.reward)}`);
+  if (!isObj(body))
+    throw new PoolError(400, `request body: expected a JSON object {"reward": number, "metadata"?: object}, got ${describeValue(body)}`);
+  if (typeof body.reward !== 'number' || !Number.isFinite(body.reward))
+    throw new PoolError(400, `field "reward": expected a finite number, got ${describeValue(body.reward)}`);
   const out: { reward: number; metadata?: Obj; group_size?: number } = { reward: body.reward };
   if (body.metadata !== undefined && body.metadata !== null) {
     if (!isObj(body.metadata)) throw new PoolError(400, `field "metadata": expected an object, got ${describeValue(body.metadata)}`);
@@ -468,7 +551,10 @@ function finishBody(body: unknown, maxGroupSize: number): { reward: number; meta
   }
   if (body.group_size !== undefined && body.group_size !== null) {
     if (!Number.isSafeInteger(body.group_size) || (body.group_size as number) < 1 || (body.group_size as number) > maxGroupSize) {
-      throw new PoolError(400, `field "group_size": expected an integer in 1..${maxGroupSize} (the service's --max-group-size), got ${describeValue(body.group_size)}`);
+      throw new PoolError(
+        400,
+        `field "group_size": expected an integer in 1..${maxGroupSize} (the service's --max-group-size), got ${describeValue(body.group_size)}`,
+      );
     }
     out.group_size = body.group_size as number;
   }
@@ -505,7 +591,12 @@ function groupAnswer(svc: GatewayCore, group: string, shared: SharedGroup | unde
   const g = svc.pool.groups.get(group)!;
   // On the shared pool the group's other episodes may come through other gateways: Redis counts them.
   const episodes = shared === undefined ? (svc.shared ? null : g.finished + g.abandoned) : 'episodes' in shared ? shared.episodes : null;
-  return { group: g.id, group_finished: g.complete || (episodes !== null && episodes >= g.size), group_episodes: episodes, group_size: g.size };
+  return {
+    group: g.id,
+    group_finished: g.complete || (episodes !== null && episodes >= g.size),
+    group_episodes: episodes,
+    group_size: g.size,
+  };
 }
 
 const CHAT = openaiDialect('chat');
@@ -525,10 +616,15 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     app.get(`${prefix}/v1/models`, SCOPED, async (req, reply) => {
       if (req.params && (req.params as { episode?: string }).episode !== undefined) scopeOf(svc, req);
       const headers: Record<string, string> = svc.opts.engineApiKey ? { authorization: `Bearer ${svc.opts.engineApiKey}` } : {};
-      const res = await fetch(`${svc.opts.engineUrl}/models`, { headers, signal: AbortSignal.timeout(svc.opts.engineTimeoutMs) }).catch((err: Error) => {
-        throw engineFailure(svc, err);
-      });
-      return reply.code(res.status).header('content-type', 'application/json').send(await res.text());
+      const res = await fetch(`${svc.opts.engineUrl}/models`, { headers, signal: AbortSignal.timeout(svc.opts.engineTimeoutMs) }).catch(
+        (err: Error) => {
+          throw engineFailure(svc, err);
+        },
+      );
+      return reply
+        .code(res.status)
+        .header('content-type', 'application/json')
+        .send(await res.text());
     });
   }
 
@@ -556,7 +652,16 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
     // a call's answer kept for retries is what the client got, not part of the recorded call
     const calls = ep.calls.map(({ answer: _answer, ...call }) => call);
-    return { episode_id: ep.id, group: ep.group, agents: [...ep.agents], finished: ep.finished, abandoned: ep.abandoned ?? null, reward: ep.reward ?? null, metadata: ep.metadata ?? null, calls };
+    return {
+      episode_id: ep.id,
+      group: ep.group,
+      agents: [...ep.agents],
+      finished: ep.finished,
+      abandoned: ep.abandoned ?? null,
+      reward: ep.reward ?? null,
+      metadata: ep.metadata ?? null,
+      calls,
+    };
   });
 
   /** The episode as the JSONL records the trainer feed packs (what `treepack pack` would read for it). */
@@ -564,8 +669,10 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const { id } = req.params as { id: string };
     const ep = svc.pool.episodes.get(id);
     if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
-    if (svc.pool.groups.get(ep.group)!.consumed) throw new PoolError(410, `episode ${JSON.stringify(id)} was consumed; its records are in the log only`);
-    if (ep.shipped) throw new PoolError(410, `episode ${JSON.stringify(id)} was shipped to the shared pool; its records are in the log only`);
+    if (svc.pool.groups.get(ep.group)!.consumed)
+      throw new PoolError(410, `episode ${JSON.stringify(id)} was consumed; its records are in the log only`);
+    if (ep.shipped)
+      throw new PoolError(410, `episode ${JSON.stringify(id)} was shipped to the shared pool; its records are in the log only`);
     const lines = episodeLines(ep, svc.encoder, emptyRecordStats());
     return reply.header('content-type', 'application/x-ndjson').send(lines.map((l) => JSON.stringify(l) + '\n').join(''));
   });
@@ -581,9 +688,15 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     // A group may hold other tenants' episodes: its size is the orchestrator's to set (the service token, or any
     // caller of a loopback service without one), never one agent's.
     const key = keyScope(svc, req);
-    if (key && b.group_size !== undefined) throw outOfScope(key, 'field "group_size" is set by the service token, not by an episode\'s key');
+    if (key && b.group_size !== undefined)
+      throw outOfScope(key, 'field "group_size" is set by the service token, not by an episode\'s key');
     const ep = svc.pool.episodes.get(id);
-    if (ep?.finished && ep.reward === b.reward && jsonEqual(ep.metadata ?? null, b.metadata ?? null) && (b.group_size === undefined || b.group_size === svc.pool.groups.get(ep.group)!.size)) {
+    if (
+      ep?.finished &&
+      ep.reward === b.reward &&
+      jsonEqual(ep.metadata ?? null, b.metadata ?? null) &&
+      (b.group_size === undefined || b.group_size === svc.pool.groups.get(ep.group)!.size)
+    ) {
       return { episode_id: id, ...groupAnswer(svc, ep.group, undefined), abandoned: false };
     }
     if (!ep || ep.abandoned === NO_CALL) return abandon(svc, id, groupOf(svc, id, undefined), NO_CALL);
@@ -597,7 +710,8 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const { id } = req.params as { id: string };
     confine(svc, req, id);
     const b = (req.body ?? {}) as unknown;
-    if (!isObj(b) || (b.group !== undefined && typeof b.group !== 'string')) throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
+    if (!isObj(b) || (b.group !== undefined && typeof b.group !== 'string'))
+      throw new PoolError(400, `request body: expected {"group"?: string}, got ${describeValue(b)}`);
     if (b.group !== undefined) checkId('field "group"', b.group);
     const key = keyScope(svc, req);
     if (key && b.group !== undefined && b.group !== key.group) throw outOfScope(key, `not group ${JSON.stringify(b.group)}`);

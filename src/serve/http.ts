@@ -24,7 +24,10 @@ function sameSecret(a: string, b: string): boolean {
   return x.length === y.length && timingSafeEqual(x, y);
 }
 
-const make = (status: number, message: string, type: string, code: string | null = null) => ({ status, body: { error: { message, type, code } } });
+const make = (status: number, message: string, type: string, code: string | null = null) => ({
+  status,
+  body: { error: { message, type, code } },
+});
 
 /** The error type of a status the service answers itself. */
 function errorType(status: number): string {
@@ -35,12 +38,17 @@ function errorType(status: number): string {
 }
 
 /** Status and message of any error a route throws; the service keeps serving after each. */
-function errorReply(err: unknown, bodyLimit: number): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
+function errorReply(
+  err: unknown,
+  bodyLimit: number,
+): { status: number; body: { error: { message: string; type: string; code: string | null } } } {
   if (err instanceof PoolError) return make(err.status, err.message, errorType(err.status), err.code ?? null);
   if (err instanceof EngineError) return make(502, err.message, 'engine_error');
-  if (err instanceof TreepackError) return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
+  if (err instanceof TreepackError)
+    return make(err.code === 'E_ARG' || err.code === 'E_INPUT' ? 400 : 500, err.message, 'invalid_request_error', err.code);
   const fe = err as FastifyError;
-  if (fe.code === 'FST_ERR_CTP_BODY_TOO_LARGE') return make(413, `request body larger than ${bodyLimit} bytes (the service's --body-limit)`, 'invalid_request_error', fe.code);
+  if (fe.code === 'FST_ERR_CTP_BODY_TOO_LARGE')
+    return make(413, `request body larger than ${bodyLimit} bytes (the service's --body-limit)`, 'invalid_request_error', fe.code);
   if (typeof fe.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
     // Fastify's own refusals (malformed JSON, body too large, rate limit) keep their status and code.
     return make(fe.statusCode, fe.message, fe.statusCode === 429 ? 'rate_limit_error' : 'invalid_request_error', fe.code ?? null);
@@ -50,7 +58,14 @@ function errorReply(err: unknown, bodyLimit: number): { status: number; body: { 
 
 /** An error in the Anthropic Messages API's shape (for `/v1/messages`, whose clients read that one). */
 function anthropicError(status: number, message: string): { type: 'error'; error: { type: string; message: string } } {
-  const types: Record<number, string> = { 400: 'invalid_request_error', 401: 'authentication_error', 403: 'permission_error', 404: 'not_found_error', 413: 'request_too_large', 429: 'rate_limit_error' };
+  const types: Record<number, string> = {
+    400: 'invalid_request_error',
+    401: 'authentication_error',
+    403: 'permission_error',
+    404: 'not_found_error',
+    413: 'request_too_large',
+    429: 'rate_limit_error',
+  };
   return { type: 'error', error: { type: types[status] ?? (status >= 500 ? 'api_error' : 'invalid_request_error'), message } };
 }
 
@@ -60,7 +75,8 @@ function anthropicError(status: number, message: string): { type: 'error'; error
  */
 export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: FastifyReply): void {
   const status = err.code === 'FST_ERR_MAX_PARAM_LENGTH' ? 414 : 400;
-  const why = status === 414 ? 'a path parameter (episode or group id) is longer than 100 characters' : 'the URL is not valid percent-encoding';
+  const why =
+    status === 414 ? 'a path parameter (episode or group id) is longer than 100 characters' : 'the URL is not valid percent-encoding';
   void reply.code(status).send(make(status, why, 'invalid_request_error', err.code).body);
 }
 
@@ -80,7 +96,9 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   // Unknown routes, and URLs the router refuses (too long), answer in the service's own error shape.
   app.setNotFoundHandler((req, reply) => {
     svc.metrics.rejected.inc({ reason: 'http_404' });
-    return reply.code(404).send(make(404, `no route ${req.method} ${req.url.split('?')[0].slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
+    return reply
+      .code(404)
+      .send(make(404, `no route ${req.method} ${req.url.split('?')[0].slice(0, 200)}`, 'invalid_request_error', 'not_found').body);
   });
 
   // A scoped episode key opens its own episode's routes (SCOPED: calls, token counts, the model list, finish, abandon; each
@@ -93,11 +111,21 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     if (token !== undefined && got !== undefined && sameSecret(got, token)) return;
     if (got !== undefined && (await svc.keyScope(got))) {
       if ((req.routeOptions.config as { scoped?: boolean } | undefined)?.scoped) return;
-      throw new PoolError(403, `this API key opens its own episode's calls, token counts, model list, finish and abandon only, not ${req.method} ${path}`);
+      throw new PoolError(
+        403,
+        `this API key opens its own episode's calls, token counts, model list, finish and abandon only, not ${req.method} ${path}`,
+      );
     }
     if (token === undefined) return;
-    if (got === undefined) throw new PoolError(401, 'missing credentials: this service requires Authorization: Bearer <its --token, or a scoped API key from POST /v1/episodes>');
-    throw new PoolError(401, `wrong bearer token: neither this service's --token nor a scoped API key of ${svc.shared ? 'its shared pool' : 'this service'}`);
+    if (got === undefined)
+      throw new PoolError(
+        401,
+        'missing credentials: this service requires Authorization: Bearer <its --token, or a scoped API key from POST /v1/episodes>',
+      );
+    throw new PoolError(
+      401,
+      `wrong bearer token: neither this service's --token nor a scoped API key of ${svc.shared ? 'its shared pool' : 'this service'}`,
+    );
   });
 
   // Every id a request names in its path or headers, checked once for every route (bodies' ids by their routes).
@@ -113,9 +141,19 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
     // On the shared pool, a Redis this service is not connected to is an outage: finishes wait in the log and
     // steps cannot form or be handed out until it is back.
     const redis = svc.shared?.redis.status;
-    const shared = svc.shared === undefined ? null : { url: svc.shared.url, connected: redis === 'ready', status: redis, last_error: svc.shared.lastError ?? null };
+    const shared =
+      svc.shared === undefined
+        ? null
+        : { url: svc.shared.url, connected: redis === 'ready', status: redis, last_error: svc.shared.lastError ?? null };
     const ok = !svc.broken && shared?.connected !== false;
-    const body = { ok, broken: svc.broken ?? null, shared_pool: shared, trainer_version: svc.feed.version, pool_bytes: svc.pool.pendingBytes, pack_errors: svc.feed.errors.length };
+    const body = {
+      ok,
+      broken: svc.broken ?? null,
+      shared_pool: shared,
+      trainer_version: svc.feed.version,
+      pool_bytes: svc.pool.pendingBytes,
+      pack_errors: svc.feed.errors.length,
+    };
     return reply.code(ok ? 200 : 503).send(body);
   });
 
@@ -127,11 +165,21 @@ export function registerHttp(app: FastifyInstance, svc: HttpCore): void {
   app.get('/v1/batches/next', async (req, reply) => {
     const q = req.query as { rank?: string; dp?: string; wait?: string; client?: string };
     const rank = q.rank === undefined ? 0 : Number(q.rank);
-    if (!Number.isInteger(rank) || rank < 0 || rank >= svc.opts.dp) throw new PoolError(400, `query parameter "rank": expected an integer in 0..${svc.opts.dp - 1} (dp = ${svc.opts.dp}), got ${JSON.stringify(q.rank)}`);
-    if (q.dp !== undefined && Number(q.dp) !== svc.opts.dp) throw new PoolError(400, `query parameter "dp": the service packs for dp = ${svc.opts.dp}, got ${JSON.stringify(q.dp)}`);
+    if (!Number.isInteger(rank) || rank < 0 || rank >= svc.opts.dp)
+      throw new PoolError(
+        400,
+        `query parameter "rank": expected an integer in 0..${svc.opts.dp - 1} (dp = ${svc.opts.dp}), got ${JSON.stringify(q.rank)}`,
+      );
+    if (q.dp !== undefined && Number(q.dp) !== svc.opts.dp)
+      throw new PoolError(400, `query parameter "dp": the service packs for dp = ${svc.opts.dp}, got ${JSON.stringify(q.dp)}`);
     const wait = q.wait === undefined ? 0 : Number(q.wait);
-    if (!Number.isFinite(wait) || wait < 0 || wait > 300) throw new PoolError(400, `query parameter "wait": expected seconds in 0..300, got ${JSON.stringify(q.wait)}`);
-    if (q.client !== undefined && !/^[\w.-]{1,128}$/.test(q.client)) throw new PoolError(400, `query parameter "client": expected 1 to 128 letters, digits, '_', '.' or '-', got ${JSON.stringify(q.client)}`);
+    if (!Number.isFinite(wait) || wait < 0 || wait > 300)
+      throw new PoolError(400, `query parameter "wait": expected seconds in 0..300, got ${JSON.stringify(q.wait)}`);
+    if (q.client !== undefined && !/^[\w.-]{1,128}$/.test(q.client))
+      throw new PoolError(
+        400,
+        `query parameter "client": expected 1 to 128 letters, digits, '_', '.' or '-', got ${JSON.stringify(q.client)}`,
+      );
     const h = await svc.feed.next(rank, wait * 1000, q.client);
     if (!h) return reply.code(204).header('retry-after', '1').send();
     return reply

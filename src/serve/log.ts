@@ -82,7 +82,11 @@ export class DurableLog {
   ) {}
 
   /** Opens (creating) the log at `path`, calling `apply` on every committed event in order before returning. */
-  static async open(path: string, apply: (e: LogEvent, line: number, bytes: number) => void, compaction?: CompactOptions): Promise<DurableLog> {
+  static async open(
+    path: string,
+    apply: (e: LogEvent, line: number, bytes: number) => void,
+    compaction?: CompactOptions,
+  ): Promise<DurableLog> {
     // Owner only: the log holds every prompt and answer. A directory made here is private too; one that exists is
     // the operator's to set.
     try {
@@ -179,7 +183,7 @@ export class DurableLog {
       if (this.failed) throw this.failed;
       const src = await open(this.path, 'r');
       try {
-        for (let off = 0; off < tail.length; ) {
+        for (let off = 0; off < tail.length;) {
           const { bytesRead } = await src.read(tail, off, tail.length - off, r.upto + off);
           if (bytesRead === 0) throw new Error('the log is shorter than its committed lines');
           off += bytesRead;
@@ -243,7 +247,11 @@ function replay(path: string, apply: (e: LogEvent, line: number, bytes: number) 
  * Applies every complete line of `data` (with its line number and its size in bytes, newline included); stops
  * before a torn tail and returns the committed sizes.
  */
-export function scan(data: Buffer, path: string, apply: (e: LogEvent, line: number, bytes: number) => void): { bytes: number; events: number } {
+export function scan(
+  data: Buffer,
+  path: string,
+  apply: (e: LogEvent, line: number, bytes: number) => void,
+): { bytes: number; events: number } {
   let start = 0;
   let line = 0;
   let events = 0;

@@ -9,13 +9,45 @@
 import { describeValue } from '../errors.js';
 import type { EngineOutput, ToolCallOut } from './engine.js';
 import { PoolError, jsonEqual, type CallRequest } from './pool.js';
-import { chatToolCall, completeToolCalls, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
+import {
+  chatToolCall,
+  completeToolCalls,
+  isObj,
+  joinText,
+  passThrough,
+  refuse,
+  sse,
+  toolCallId,
+  usageCounts,
+  type ApiWriter,
+  type CallMeta,
+  type Obj,
+  type Translated,
+} from './translate.js';
 
 /** The prefix of the ids given to tool calls that came from the engine without one. */
 const TOOL_USE_ID_PREFIX = 'toolu_';
 
 /** Fields read here; the others go to the engine's chat completions as they are. */
-const HANDLED = new Set(['model', 'messages', 'system', 'max_tokens', 'tools', 'tool_choice', 'stop_sequences', 'stream', 'temperature', 'top_p', 'top_k', 'metadata', 'thinking', 'service_tier', 'container', 'mcp_servers', 'context_management']);
+const HANDLED = new Set([
+  'model',
+  'messages',
+  'system',
+  'max_tokens',
+  'tools',
+  'tool_choice',
+  'stop_sequences',
+  'stream',
+  'temperature',
+  'top_p',
+  'top_k',
+  'metadata',
+  'thinking',
+  'service_tier',
+  'container',
+  'mcp_servers',
+  'context_management',
+]);
 
 const REFUSED: Record<string, string> = {
   container: 'containers belong to server tools, which the gateway does not run',
@@ -33,8 +65,10 @@ type Msg = Obj & { role: string };
  */
 export function messagesRequest(body: unknown, prior: ReadonlyMap<string, ToolCallOut>): Translated {
   const b = requestBody(body);
-  if (b.stream !== undefined && b.stream !== null && typeof b.stream !== 'boolean') throw refuse('stream', `expected true or false, got ${describeValue(b.stream)}`);
-  if (!Number.isSafeInteger(b.max_tokens) || (b.max_tokens as number) < 1) throw refuse('max_tokens', `expected an integer >= 1, got ${describeValue(b.max_tokens)}`);
+  if (b.stream !== undefined && b.stream !== null && typeof b.stream !== 'boolean')
+    throw refuse('stream', `expected true or false, got ${describeValue(b.stream)}`);
+  if (!Number.isSafeInteger(b.max_tokens) || (b.max_tokens as number) < 1)
+    throw refuse('max_tokens', `expected an integer >= 1, got ${describeValue(b.max_tokens)}`);
   const { request, choice } = conversation(b, prior);
   const chat: Obj = { ...passThrough(b, HANDLED), messages: request.messages, max_tokens: b.max_tokens };
   for (const f of ['model', 'temperature', 'top_p', 'top_k', 'stream'] as const) if (b[f] !== undefined && b[f] !== null) chat[f] = b[f];
@@ -51,7 +85,7 @@ export function messagesRequest(body: unknown, prior: ReadonlyMap<string, ToolCa
  * template with its generation prompt, so the count would not be the engine's.
  */
 const UNCOUNTED: Record<string, string> = {
-  chat_template: 'the count renders the service\'s --tokenizer chat template, not one sent with the request',
+  chat_template: "the count renders the service's --tokenizer chat template, not one sent with the request",
   add_generation_prompt: 'the count renders the generation prompt, as a call does',
   continue_final_message: 'the count renders the generation prompt after the last message, as a call does',
 };
@@ -61,11 +95,15 @@ const UNCOUNTED: Record<string, string> = {
  * chat messages and tools `messagesRequest` records for it, refused where it refuses them, and the engine's
  * `chat_template_kwargs` (template variables), which a call passes to the engine.
  */
-export function messagesPrompt(body: unknown, prior: ReadonlyMap<string, ToolCallOut>): { request: CallRequest; templateVars: Obj | undefined } {
+export function messagesPrompt(
+  body: unknown,
+  prior: ReadonlyMap<string, ToolCallOut>,
+): { request: CallRequest; templateVars: Obj | undefined } {
   const b = requestBody(body);
   for (const [f, why] of Object.entries(UNCOUNTED)) if (b[f] !== undefined && b[f] !== null) throw refuse(f, why);
   const vars = b.chat_template_kwargs;
-  if (vars !== undefined && vars !== null && !isObj(vars)) throw refuse('chat_template_kwargs', `expected an object of template variables, got ${describeValue(vars)}`);
+  if (vars !== undefined && vars !== null && !isObj(vars))
+    throw refuse('chat_template_kwargs', `expected an object of template variables, got ${describeValue(vars)}`);
   return { request: conversation(b, prior).request, templateVars: isObj(vars) ? vars : undefined };
 }
 
@@ -74,7 +112,10 @@ function requestBody(body: unknown): Obj {
   if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(body)}`);
   for (const [f, why] of Object.entries(REFUSED)) if (body[f] !== undefined && body[f] !== null) throw refuse(f, why);
   if (isObj(body.thinking) && body.thinking.type === 'enabled') {
-    throw refuse('thinking', 'a thinking budget has no chat-completions counterpart: leave thinking out (or {"type": "disabled"}) and turn the engine\'s reasoning on through its own parameters (e.g. chat_template_kwargs)');
+    throw refuse(
+      'thinking',
+      'a thinking budget has no chat-completions counterpart: leave thinking out (or {"type": "disabled"}) and turn the engine\'s reasoning on through its own parameters (e.g. chat_template_kwargs)',
+    );
   }
   return body;
 }
@@ -82,8 +123,10 @@ function requestBody(body: unknown): Obj {
 /** `system`, the messages and the tools as chat messages and tools (what is recorded), and the chat tool choice. */
 function conversation(body: Obj, prior: ReadonlyMap<string, ToolCallOut>): { request: CallRequest; choice: Obj } {
   const messages: Msg[] = [];
-  if (body.system !== undefined && body.system !== null) messages.push({ role: 'system', content: joinText(body.system, 'system', ['text']) });
-  if (!Array.isArray(body.messages) || body.messages.length === 0) throw refuse('messages', `expected a non-empty list of messages, got ${describeValue(body.messages)}`);
+  if (body.system !== undefined && body.system !== null)
+    messages.push({ role: 'system', content: joinText(body.system, 'system', ['text']) });
+  if (!Array.isArray(body.messages) || body.messages.length === 0)
+    throw refuse('messages', `expected a non-empty list of messages, got ${describeValue(body.messages)}`);
   body.messages.forEach((m, i) => messages.push(...chatMessages(m, `messages[${i}]`, prior)));
   const tools = chatTools(body.tools);
   const choice = body.tool_choice !== undefined && body.tool_choice !== null ? toolChoice(body.tool_choice) : {};
@@ -105,9 +148,11 @@ function chatMessages(m: unknown, at: string, prior: ReadonlyMap<string, ToolCal
   if (!isObj(m)) throw refuse(at, `expected a message, got ${describeValue(m)}`);
   if (m.role !== 'user' && m.role !== 'assistant') throw refuse(`${at}.role`, `expected user or assistant, got ${describeValue(m.role)}`);
   if (typeof m.content === 'string') return [{ role: m.role, content: m.content }];
-  if (!Array.isArray(m.content)) throw refuse(`${at}.content`, `expected a string or a list of content blocks, got ${describeValue(m.content)}`);
+  if (!Array.isArray(m.content))
+    throw refuse(`${at}.content`, `expected a string or a list of content blocks, got ${describeValue(m.content)}`);
   const blocks = m.content.map((b, i) => {
-    if (!isObj(b) || typeof b.type !== 'string') throw refuse(`${at}.content[${i}]`, `expected a content block with a type, got ${describeValue(b)}`);
+    if (!isObj(b) || typeof b.type !== 'string')
+      throw refuse(`${at}.content[${i}]`, `expected a content block with a type, got ${describeValue(b)}`);
     return b;
   });
   const field = (i: number, f: string) => `${at}.content[${i}].${f}`;
@@ -117,13 +162,18 @@ function chatMessages(m: unknown, at: string, prior: ReadonlyMap<string, ToolCal
     const calls: ToolCallOut[] = [];
     blocks.forEach((b, i) => {
       if (b.type === 'text') text.push(stringField(b, 'text', field(i, 'text')));
-      else if (b.type === 'thinking') turn.reasoning_content = ((turn.reasoning_content as string | undefined) ?? '') + stringField(b, 'thinking', field(i, 'thinking'));
+      else if (b.type === 'thinking')
+        turn.reasoning_content = ((turn.reasoning_content as string | undefined) ?? '') + stringField(b, 'thinking', field(i, 'thinking'));
       else if (b.type === 'tool_use') {
         const id = stringField(b, 'id', field(i, 'id'));
         const name = stringField(b, 'name', field(i, 'name'));
         if (!isObj(b.input)) throw refuse(field(i, 'input'), `expected an object, got ${describeValue(b.input)}`);
         calls.push(chatToolCall(id, name, argumentsText(b.input, prior.get(id))));
-      } else throw refuse(field(i, 'type'), `assistant content of type ${JSON.stringify(b.type)} is not supported by the gateway (text, thinking, tool_use); see docs/guides/agent-apis.md`);
+      } else
+        throw refuse(
+          field(i, 'type'),
+          `assistant content of type ${JSON.stringify(b.type)} is not supported by the gateway (text, thinking, tool_use); see docs/guides/agent-apis.md`,
+        );
     });
     if (text.length) turn.content = text.join('\n');
     if (calls.length) turn.tool_calls = calls;
@@ -142,8 +192,16 @@ function chatMessages(m: unknown, at: string, prior: ReadonlyMap<string, ToolCal
       flush();
       const id = stringField(b, 'tool_use_id', field(i, 'tool_use_id'));
       // is_error has no chat counterpart: the tool message holds the result's text (docs/guides/agent-apis.md)
-      out.push({ role: 'tool', tool_call_id: id, content: b.content === undefined ? '' : joinText(b.content, field(i, 'content'), ['text']) });
-    } else throw refuse(field(i, 'type'), `user content of type ${JSON.stringify(b.type)} is not supported by the gateway (text, tool_result); see docs/guides/agent-apis.md`);
+      out.push({
+        role: 'tool',
+        tool_call_id: id,
+        content: b.content === undefined ? '' : joinText(b.content, field(i, 'content'), ['text']),
+      });
+    } else
+      throw refuse(
+        field(i, 'type'),
+        `user content of type ${JSON.stringify(b.type)} is not supported by the gateway (text, tool_result); see docs/guides/agent-apis.md`,
+      );
   });
   flush();
   return out;
@@ -171,9 +229,14 @@ function chatTools(tools: unknown): Obj[] {
   if (!Array.isArray(tools)) throw refuse('tools', `expected a list of tools, got ${describeValue(tools)}`);
   return tools.map((t, i) => {
     if (!isObj(t)) throw refuse(`tools[${i}]`, `expected a tool, got ${describeValue(t)}`);
-    if (t.type !== undefined && t.type !== null && t.type !== 'custom') throw refuse(`tools[${i}].type`, `server and Anthropic-defined tools are not run by the gateway: custom tools only (an input_schema, no type), got ${describeValue(t.type)}`);
+    if (t.type !== undefined && t.type !== null && t.type !== 'custom')
+      throw refuse(
+        `tools[${i}].type`,
+        `server and Anthropic-defined tools are not run by the gateway: custom tools only (an input_schema, no type), got ${describeValue(t.type)}`,
+      );
     if (typeof t.name !== 'string') throw refuse(`tools[${i}].name`, `expected a string, got ${describeValue(t.name)}`);
-    if (!isObj(t.input_schema)) throw refuse(`tools[${i}].input_schema`, `expected a JSON schema object, got ${describeValue(t.input_schema)}`);
+    if (!isObj(t.input_schema))
+      throw refuse(`tools[${i}].input_schema`, `expected a JSON schema object, got ${describeValue(t.input_schema)}`);
     const fn: Obj = { name: t.name };
     if (typeof t.description === 'string') fn.description = t.description;
     fn.parameters = t.input_schema;
@@ -217,7 +280,16 @@ class MessagesWriter implements ApiWriter {
   ) {}
 
   private message(): Obj {
-    return { id: `msg_${this.call.id}`, type: 'message', role: 'assistant', model: this.model, content: [], stop_reason: null, stop_sequence: null, usage: { input_tokens: this.promptIds, output_tokens: 0 } };
+    return {
+      id: `msg_${this.call.id}`,
+      type: 'message',
+      role: 'assistant',
+      model: this.model,
+      content: [],
+      stop_reason: null,
+      stop_sequence: null,
+      usage: { input_tokens: this.promptIds, output_tokens: 0 },
+    };
   }
 
   chunk(chunk: Obj): string {
@@ -236,17 +308,25 @@ class MessagesWriter implements ApiWriter {
     const d = isObj(c.delta) ? c.delta : {};
     const reasoning = d.reasoning_content ?? d.reasoning;
     if (typeof reasoning === 'string' && reasoning !== '') {
-      text += this.delta('thinking', () => ({ type: 'thinking', thinking: '', signature: '' }), (b) => {
-        b.block.thinking = (b.block.thinking as string) + reasoning;
-        return { type: 'thinking_delta', thinking: reasoning };
-      });
+      text += this.delta(
+        'thinking',
+        () => ({ type: 'thinking', thinking: '', signature: '' }),
+        (b) => {
+          b.block.thinking = (b.block.thinking as string) + reasoning;
+          return { type: 'thinking_delta', thinking: reasoning };
+        },
+      );
     }
     const content = d.content;
     if (typeof content === 'string' && content !== '') {
-      text += this.delta('text', () => ({ type: 'text', text: '' }), (b) => {
-        b.block.text = (b.block.text as string) + content;
-        return { type: 'text_delta', text: content };
-      });
+      text += this.delta(
+        'text',
+        () => ({ type: 'text', text: '' }),
+        (b) => {
+          b.block.text = (b.block.text as string) + content;
+          return { type: 'text_delta', text: content };
+        },
+      );
     }
     if (Array.isArray(d.tool_calls)) {
       for (const tc of d.tool_calls) {
@@ -256,7 +336,12 @@ class MessagesWriter implements ApiWriter {
         const args = typeof fn.arguments === 'string' ? fn.arguments : '';
         text += this.delta(
           `tool:${index}`,
-          () => ({ type: 'tool_use', id: typeof tc.id === 'string' ? tc.id : toolCallId(TOOL_USE_ID_PREFIX, this.call.id, index), name: typeof fn.name === 'string' ? fn.name : '', input: {} }),
+          () => ({
+            type: 'tool_use',
+            id: typeof tc.id === 'string' ? tc.id : toolCallId(TOOL_USE_ID_PREFIX, this.call.id, index),
+            name: typeof fn.name === 'string' ? fn.name : '',
+            input: {},
+          }),
           (b) => {
             b.json = (b.json ?? '') + args;
             return args === '' ? undefined : { type: 'input_json_delta', partial_json: args };
@@ -295,7 +380,8 @@ class MessagesWriter implements ApiWriter {
     if (this.finish === 'length') return { stop_reason: 'max_tokens', stop_sequence: null };
     if (this.blocks.some((b) => b.block.type === 'tool_use')) return { stop_reason: 'tool_use', stop_sequence: null };
     // vLLM names the stop string that ended the text in `stop_reason`
-    if (typeof this.stopReason === 'string' && this.stops.includes(this.stopReason)) return { stop_reason: 'stop_sequence', stop_sequence: this.stopReason };
+    if (typeof this.stopReason === 'string' && this.stops.includes(this.stopReason))
+      return { stop_reason: 'stop_sequence', stop_sequence: this.stopReason };
     if (this.finish === 'content_filter') return { stop_reason: 'refusal', stop_sequence: null };
     return { stop_reason: 'end_turn', stop_sequence: null };
   }
@@ -316,7 +402,12 @@ class MessagesWriter implements ApiWriter {
   answer(): Obj {
     this.closeOpen();
     const u = usageCounts(this.usage, this.promptIds, this.outputIds);
-    return { ...this.message(), content: this.blocks.map((b) => b.block), ...this.stop(), usage: { input_tokens: u.input, output_tokens: u.output } };
+    return {
+      ...this.message(),
+      content: this.blocks.map((b) => b.block),
+      ...this.stop(),
+      usage: { input_tokens: u.input, output_tokens: u.output },
+    };
   }
 }
 
@@ -329,6 +420,10 @@ function toolInput(args: string, index: number): Obj {
   } catch {
     v = undefined;
   }
-  if (!isObj(v)) throw new PoolError(502, `the engine's tool call ${index} has arguments that are not a JSON object (${describeValue(args)}): a tool_use block needs an object input`);
+  if (!isObj(v))
+    throw new PoolError(
+      502,
+      `the engine's tool call ${index} has arguments that are not a JSON object (${describeValue(args)}): a tool_use block needs an object input`,
+    );
   return v;
 }

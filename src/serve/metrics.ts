@@ -28,17 +28,42 @@ export interface QueueDepth {
 
 export function createMetrics(depth: () => Promise<QueueDepth>) {
   const registry = new Registry();
-  const calls = new Counter({ name: 'treepack_calls_total', help: 'LLM calls proxied, by endpoint and outcome', labelNames: ['endpoint', 'outcome'], registers: [registry] });
+  const calls = new Counter({
+    name: 'treepack_calls_total',
+    help: 'LLM calls proxied, by endpoint and outcome',
+    labelNames: ['endpoint', 'outcome'],
+    registers: [registry],
+  });
   const episodes = new Counter({ name: 'treepack_episodes_finished_total', help: 'episodes finished', registers: [registry] });
-  const microBatches = new Counter({ name: 'treepack_micro_batches_total', help: 'micro-batches by event (packed, handed_out, reissued, acked)', labelNames: ['event'], registers: [registry] });
-  const rejected = new Counter({ name: 'treepack_rejected_total', help: 'requests refused, by reason', labelNames: ['reason'], registers: [registry] });
+  const microBatches = new Counter({
+    name: 'treepack_micro_batches_total',
+    help: 'micro-batches by event (packed, handed_out, reissued, acked)',
+    labelNames: ['event'],
+    registers: [registry],
+  });
+  const rejected = new Counter({
+    name: 'treepack_rejected_total',
+    help: 'requests refused, by reason',
+    labelNames: ['reason'],
+    registers: [registry],
+  });
   const quarantined = new Counter({
     name: 'treepack_quarantined_total',
     help: 'finished episodes packed out of their step because their records fail to pack (GET /v1/quarantine)',
     registers: [registry],
   });
-  const untokenized = new Counter({ name: 'treepack_engine_untokenized_calls_total', help: 'calls the engine answered without token ids, by kind (chat, completion)', labelNames: ['kind'], registers: [registry] });
-  const prompts = new Counter({ name: 'treepack_prompts_total', help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)', labelNames: ['tokens'], registers: [registry] });
+  const untokenized = new Counter({
+    name: 'treepack_engine_untokenized_calls_total',
+    help: 'calls the engine answered without token ids, by kind (chat, completion)',
+    labelNames: ['kind'],
+    registers: [registry],
+  });
+  const prompts = new Counter({
+    name: 'treepack_prompts_total',
+    help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)',
+    labelNames: ['tokens'],
+    registers: [registry],
+  });
   const latency = new Histogram({
     name: 'treepack_gateway_seconds',
     help: 'time the gateway adds to a call: everything but waiting for the engine (log fsync included)',
@@ -52,8 +77,19 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5],
     registers: [registry],
   });
-  const engine = new Histogram({ name: 'treepack_engine_seconds', help: 'engine time per call', labelNames: ['endpoint'], buckets: [0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120], registers: [registry] });
-  const staleness = new Histogram({ name: 'treepack_staleness_steps', help: 'trainer steps between the policy that generated a micro-batch and the step that takes it', buckets: [0, 1, 2, 4, 8, 16, 64], registers: [registry] });
+  const engine = new Histogram({
+    name: 'treepack_engine_seconds',
+    help: 'engine time per call',
+    labelNames: ['endpoint'],
+    buckets: [0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120],
+    registers: [registry],
+  });
+  const staleness = new Histogram({
+    name: 'treepack_staleness_steps',
+    help: 'trainer steps between the policy that generated a micro-batch and the step that takes it',
+    buckets: [0, 1, 2, 4, 8, 16, 64],
+    registers: [registry],
+  });
   const gauge = (name: string, help: string, key: keyof QueueDepth) =>
     new Gauge({
       name,
@@ -68,7 +104,11 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
   gauge('treepack_pool_bytes', 'bytes of recorded calls held for groups not yet consumed', 'pendingBytes');
   gauge('treepack_micro_batches_ready', 'packed micro-batches not handed out', 'microBatchesReady');
   gauge('treepack_micro_batches_leased', 'micro-batches handed out and not acknowledged', 'microBatchesLeased');
-  gauge('treepack_oldest_open_group_seconds', 'age of the oldest group waiting for its episodes (0: none); the idle timeout abandons groups idle that long', 'oldestOpenGroupSeconds');
+  gauge(
+    'treepack_oldest_open_group_seconds',
+    'age of the oldest group waiting for its episodes (0: none); the idle timeout abandons groups idle that long',
+    'oldestOpenGroupSeconds',
+  );
 
   // A timer of its own, not monitorEventLoopDelay: that one forgets its last tick when reset, so a stall that
   // began less than a tick after a scrape went unrecorded.

@@ -64,7 +64,8 @@ export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
 
 export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions {
-  if (typeof o.engineUrl !== 'string' || !/^https?:\/\//.test(o.engineUrl)) throw argError('engineUrl', 'an http(s) URL of the engine, e.g. http://127.0.0.1:8000/v1', o.engineUrl);
+  if (typeof o.engineUrl !== 'string' || !/^https?:\/\//.test(o.engineUrl))
+    throw argError('engineUrl', 'an http(s) URL of the engine, e.g. http://127.0.0.1:8000/v1', o.engineUrl);
   const r: ResolvedServiceOptions = {
     engineUrl: o.engineUrl.replace(/\/+$/, ''),
     engineTimeoutMs: o.engineTimeoutMs ?? 600_000,
@@ -88,11 +89,13 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
   if (o.token !== undefined) r.token = o.token;
   if (o.redis !== undefined) {
-    if (typeof o.redis !== 'string' || !/^rediss?:\/\//.test(o.redis)) throw argError('redis', 'a Redis URL, e.g. redis://127.0.0.1:6379', o.redis);
+    if (typeof o.redis !== 'string' || !/^rediss?:\/\//.test(o.redis))
+      throw argError('redis', 'a Redis URL, e.g. redis://127.0.0.1:6379', o.redis);
     r.redis = o.redis;
   }
   if (o.redisAllowWeakDurability !== undefined) {
-    if (typeof o.redisAllowWeakDurability !== 'boolean') throw argError('redisAllowWeakDurability', 'true or false', o.redisAllowWeakDurability);
+    if (typeof o.redisAllowWeakDurability !== 'boolean')
+      throw argError('redisAllowWeakDurability', 'true or false', o.redisAllowWeakDurability);
     if (r.redis === undefined) throw new TreepackError('E_ARG', 'redisAllowWeakDurability applies to the shared pool only: it needs redis');
     r.redisAllowWeakDurability = o.redisAllowWeakDurability;
   }
@@ -103,21 +106,42 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
   if (typeof r.dataDir !== 'string' || r.dataDir === '') throw argError('dataDir', 'a directory for the durable log', o.dataDir);
   if (!LOOPBACK.has(r.host) && !r.token) {
     if (r.token !== undefined) throw argError('token', 'a non-empty bearer token', r.token);
-    throw new TreepackError('E_ARG', `a service bound to ${r.host}, not loopback, needs a bearer token (option token; --token T or TREEPACK_SERVE_TOKEN for the CLI): every request must authenticate`);
+    throw new TreepackError(
+      'E_ARG',
+      `a service bound to ${r.host}, not loopback, needs a bearer token (option token; --token T or TREEPACK_SERVE_TOKEN for the CLI): every request must authenticate`,
+    );
   }
-  for (const k of ['groupSize', 'groupsPerStep', 'dp', 'leaseMs', 'engineTimeoutMs', 'maxPoolBytes', 'bodyLimit', 'compactBytes', 'maxGroupSize', 'requestTimeoutMs'] as const) {
+  for (const k of [
+    'groupSize',
+    'groupsPerStep',
+    'dp',
+    'leaseMs',
+    'engineTimeoutMs',
+    'maxPoolBytes',
+    'bodyLimit',
+    'compactBytes',
+    'maxGroupSize',
+    'requestTimeoutMs',
+  ] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }
   if (r.groupSize > r.maxGroupSize) throw argError('groupSize', `an integer <= maxGroupSize (${r.maxGroupSize})`, r.groupSize);
-  if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0) throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
-  if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp) throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
+  if (!Number.isSafeInteger(r.idleTimeoutMs) || r.idleTimeoutMs < 0)
+    throw argError('idleTimeoutMs', 'an integer >= 0 (0: never)', r.idleTimeoutMs);
+  if (r.packer.budget?.dp !== undefined && r.packer.budget.dp !== r.dp)
+    throw argError('dp', `the packer's budget.dp (${r.packer.budget.dp})`, r.dp);
   resolvePackerOptions(r.packer); // a bad packer option fails now, not at the first step
   // Redis Streams hand a rank's expired micro-batches out before its new ones, one at a time: a step plan's order
   // (each micro-batch after the one that pushed its prefix) would not survive a trainer's restart.
   if (r.redis !== undefined && r.packer.budget?.prefixCacheTokens !== undefined) {
-    throw new TreepackError('E_ARG', 'step plans (packer budget.prefixCacheTokens, --prefix-reuse) are served by one service, not through a shared Redis pool: the Redis feed does not keep a plan\'s order when a micro-batch is handed out again', { field: 'redis' });
+    throw new TreepackError(
+      'E_ARG',
+      "step plans (packer budget.prefixCacheTokens, --prefix-reuse) are served by one service, not through a shared Redis pool: the Redis feed does not keep a plan's order when a micro-batch is handed out again",
+      { field: 'redis' },
+    );
   }
-  if (r.dp > 1 && !r.packer.budget) throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
+  if (r.dp > 1 && !r.packer.budget)
+    throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
   return r;
 }
 

@@ -60,17 +60,29 @@ export async function packEpisodes(encoder: ChatEncoder, packer: PackerOptions, 
   }
   let out: PackedOut[];
   try {
-    out = await packLines(packer, built.flatMap((b) => b.lines));
+    out = await packLines(
+      packer,
+      built.flatMap((b) => b.lines),
+    );
   } catch (err) {
     const kept: typeof built = [];
     for (const b of built) {
-      const failed = b.lines.length === 0 ? undefined : await packLines(packer, b.lines).then(() => undefined, (e: unknown) => e);
+      const failed =
+        b.lines.length === 0
+          ? undefined
+          : await packLines(packer, b.lines).then(
+              () => undefined,
+              (e: unknown) => e,
+            );
       if (failed === undefined) kept.push(b);
       else quarantine.push(quarantined(b.ep, failed, b.lines));
     }
     if (kept.length === built.length) throw err;
     built = kept;
-    out = await packLines(packer, built.flatMap((b) => b.lines));
+    out = await packLines(
+      packer,
+      built.flatMap((b) => b.lines),
+    );
   }
   const stats = emptyRecordStats();
   for (const b of built) for (const k of Object.keys(stats) as (keyof RecordStats)[]) stats[k] += b.stats[k];
@@ -107,7 +119,12 @@ function cloneable(v: unknown): boolean {
 export function stepPacker(packer: PackerOptions, encoder: () => Promise<ChatEncoder>): StepPacker {
   if (cloneable(packer)) return new PackThread(packer);
   let here: Promise<ChatEncoder> | undefined;
-  return { threaded: false, pack: async (episodes) => packEpisodes(await (here ??= encoder()), packer, episodes), ready: async () => {}, close: async () => {} };
+  return {
+    threaded: false,
+    pack: async (episodes) => packEpisodes(await (here ??= encoder()), packer, episodes),
+    ready: async () => {},
+    close: async () => {},
+  };
 }
 
 /** A PackFn over `packer` that adds each step's record stats to `totals` and the metrics. */

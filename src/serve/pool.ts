@@ -184,9 +184,11 @@ export const MAX_ID_LENGTH = 100;
  */
 export function checkId(field: string, id: string): string {
   const shown = id.length > 40 ? `${JSON.stringify(id.slice(0, 40))}...` : JSON.stringify(id);
-  if (id.length > MAX_ID_LENGTH) throw new PoolError(400, `${field} ${shown}: an id is at most ${MAX_ID_LENGTH} characters, got ${id.length}`);
+  if (id.length > MAX_ID_LENGTH)
+    throw new PoolError(400, `${field} ${shown}: an id is at most ${MAX_ID_LENGTH} characters, got ${id.length}`);
   if (id.trim() === '') throw new PoolError(400, `${field} ${shown}: an id may not be empty or blank`);
-  if (/\p{Cc}/u.test(id)) throw new PoolError(400, `${field} ${shown}: an id may not hold control characters (U+0000 to U+001F, U+007F to U+009F)`);
+  if (/\p{Cc}/u.test(id))
+    throw new PoolError(400, `${field} ${shown}: an id may not hold control characters (U+0000 to U+001F, U+007F to U+009F)`);
   return id;
 }
 
@@ -255,13 +257,15 @@ export class Pool {
       case 'finish': {
         const ep = this.episodes.get(e.episode);
         if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(e.episode)}: no call was recorded under it`);
-        if (ep.abandoned) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} was abandoned (${ep.abandoned}); its reward is not taken`);
+        if (ep.abandoned)
+          throw new PoolError(409, `episode ${JSON.stringify(e.episode)} was abandoned (${ep.abandoned}); its reward is not taken`);
         if (ep.finished) throw new PoolError(409, `episode ${JSON.stringify(e.episode)} is already finished`);
         return;
       }
       case 'abandon': {
         if (e.episode === undefined) {
-          if (!this.groups.has(e.group)) throw new PoolError(404, `unknown group ${JSON.stringify(e.group)}: no episode of it was recorded`);
+          if (!this.groups.has(e.group))
+            throw new PoolError(404, `unknown group ${JSON.stringify(e.group)}: no episode of it was recorded`);
           return this.checkGroupOpen(e.group, undefined, true);
         }
         const ep = this.episodes.get(e.episode);
@@ -301,7 +305,11 @@ export class Pool {
     }
     if (ep?.abandoned) throw new PoolError(409, `episode ${JSON.stringify(episode)} was abandoned; a new call needs a new episode id`);
     if (ep?.finished) throw new PoolError(409, `episode ${JSON.stringify(episode)} is finished; a new call needs a new episode id`);
-    if (ep && group !== undefined && group !== ep.group) throw new PoolError(409, `episode ${JSON.stringify(episode)} belongs to group ${JSON.stringify(ep.group)}, not ${JSON.stringify(group)}`);
+    if (ep && group !== undefined && group !== ep.group)
+      throw new PoolError(
+        409,
+        `episode ${JSON.stringify(episode)} belongs to group ${JSON.stringify(ep.group)}, not ${JSON.stringify(group)}`,
+      );
     this.checkGroupOpen(group ?? episode, ep);
   }
 
@@ -309,7 +317,8 @@ export class Pool {
     const g = this.groups.get(group);
     if (g?.consumed) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
     if (g?.closed && !(whole || ep)) throw new PoolError(409, `group ${JSON.stringify(group)} was abandoned; it takes no new episodes`);
-    if (g && !ep && !whole && g.episodes.length >= g.size) throw new PoolError(409, `group ${JSON.stringify(group)} already has its ${g.size} episodes`);
+    if (g && !ep && !whole && g.episodes.length >= g.size)
+      throw new PoolError(409, `group ${JSON.stringify(group)} already has its ${g.size} episodes`);
   }
 
   /**
@@ -398,7 +407,19 @@ export class Pool {
     const now = Date.now();
     for (const [id, size, consumed] of s.groups) {
       // a group not consumed is closed again by its `abandon` event, which the compacted log keeps
-      const g: Group = { id, seq: this.bySeq.length, size, episodes: [], finished: 0, abandoned: 0, closed: false, complete: consumed === 1, started: now, active: now, consumed: consumed === 1 };
+      const g: Group = {
+        id,
+        seq: this.bySeq.length,
+        size,
+        episodes: [],
+        finished: 0,
+        abandoned: 0,
+        closed: false,
+        complete: consumed === 1,
+        started: now,
+        active: now,
+        consumed: consumed === 1,
+      };
       this.groups.set(id, g);
       this.bySeq.push(g);
       this.noteRound(id);
@@ -433,7 +454,19 @@ export class Pool {
     }
     let g = this.groups.get(group);
     if (!g) {
-      g = { id: group, seq: this.bySeq.length, size: this.groupSize, episodes: [], finished: 0, abandoned: 0, closed: false, complete: false, started: time, active: time, consumed: false };
+      g = {
+        id: group,
+        seq: this.bySeq.length,
+        size: this.groupSize,
+        episodes: [],
+        finished: 0,
+        abandoned: 0,
+        closed: false,
+        complete: false,
+        started: time,
+        active: time,
+        consumed: false,
+      };
       this.groups.set(group, g);
       this.bySeq.push(g);
       this.open.add(g);
@@ -533,7 +566,8 @@ export function jsonEqual(a: unknown, b: unknown): boolean {
   if (Array.isArray(b)) return false;
   const keys = Object.keys(a);
   if (keys.length !== Object.keys(b).length) return false;
-  for (const k of keys) if (!Object.hasOwn(b, k) || !jsonEqual((a as Record<string, unknown>)[k], (b as Record<string, unknown>)[k])) return false;
+  for (const k of keys)
+    if (!Object.hasOwn(b, k) || !jsonEqual((a as Record<string, unknown>)[k], (b as Record<string, unknown>)[k])) return false;
   return true;
 }
 
@@ -571,8 +605,18 @@ export function expanded(calls: RecordedCall[], call: RecordedCall, episode: str
   let base: RecordedCall | undefined;
   for (let i = calls.length - 1; i >= 0 && !base; i--) if (calls[i].id === from) base = calls[i];
   const prev = base?.request.messages;
-  if (!prev || !Number.isSafeInteger(keep) || keep! < 1 || keep! > prev.length || !Array.isArray(rest.messages) || (sameTools && !base!.request.tools)) {
-    throw new TreepackError('E_INPUT', `call ${JSON.stringify(call.id)} of episode ${JSON.stringify(episode)} continues call ${JSON.stringify(from)}, which is not before it (or has fewer than ${keep} messages)`);
+  if (
+    !prev ||
+    !Number.isSafeInteger(keep) ||
+    keep! < 1 ||
+    keep! > prev.length ||
+    !Array.isArray(rest.messages) ||
+    (sameTools && !base!.request.tools)
+  ) {
+    throw new TreepackError(
+      'E_INPUT',
+      `call ${JSON.stringify(call.id)} of episode ${JSON.stringify(episode)} continues call ${JSON.stringify(from)}, which is not before it (or has fewer than ${keep} messages)`,
+    );
   }
   const request: CallRequest = { ...rest, messages: prev.slice(0, keep).concat(rest.messages) };
   if (sameTools) request.tools = base!.request.tools;

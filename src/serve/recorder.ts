@@ -64,7 +64,13 @@ export class Recorder {
       const f = await this.feed.depth().catch(() => ({ ready: NaN, leased: NaN }));
       const oldest = this.pool.oldestOpen();
       const oldestOpenGroupSeconds = oldest === undefined ? 0 : Math.max(0, Date.now() - oldest) / 1000;
-      return { ...d, pendingBytes: this.pool.pendingBytes, microBatchesReady: f.ready, microBatchesLeased: f.leased, oldestOpenGroupSeconds };
+      return {
+        ...d,
+        pendingBytes: this.pool.pendingBytes,
+        microBatchesReady: f.ready,
+        microBatchesLeased: f.leased,
+        oldestOpenGroupSeconds,
+      };
     });
   }
 
@@ -111,14 +117,23 @@ export class Recorder {
     const warn = (m: string) => this.warn(m);
     const report = (entries: QuarantineEntry[]) => reportQuarantined(entries, this.metrics, warn);
     if (opts.redis) {
-      this.shared = await RedisPool.connect(opts.redis, sharedConfig(opts), { allowWeak: opts.redisAllowWeakDurability === true, warn }, opts.dataDir);
+      this.shared = await RedisPool.connect(
+        opts.redis,
+        sharedConfig(opts),
+        { allowWeak: opts.redisAllowWeakDurability === true, warn },
+        opts.dataDir,
+      );
       this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics, report);
     } else {
       const dead = new QuarantineFile(join(opts.dataDir, 'quarantine.jsonl'));
       this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics, dead, report);
     }
     try {
-      const compaction = { rewrite: (path: string, upto: number, tmp: string) => runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }), compactBytes: opts.compactBytes };
+      const compaction = {
+        rewrite: (path: string, upto: number, tmp: string) =>
+          runWorker<number>('compact-worker', { path, upto, tmp, groupSize: opts.groupSize }),
+        compactBytes: opts.compactBytes,
+      };
       this.log = await DurableLog.open(join(opts.dataDir, 'events.jsonl'), (e, line, bytes) => this.replay(e, line, bytes), compaction);
       this.log.onWrite = (seconds) => this.metrics.logWrite.observe(seconds);
     } catch (err) {
@@ -162,11 +177,14 @@ export class Recorder {
     for (const [group, t] of this.touched) if (now - t >= this.opts.idleTimeoutMs) this.touched.delete(group);
     // Idle since this start at most: a service that was down does not give up, as it starts, the groups whose
     // agents waited for it.
-    const idle = [...this.pool.open].filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs).map((g) => g.id);
+    const idle = [...this.pool.open]
+      .filter((g) => !g.closed && now - Math.max(g.active, this.started) >= this.opts.idleTimeoutMs)
+      .map((g) => g.id);
     if (idle.length === 0) return;
     this.sweeping = true;
     void (async () => {
-      for (const id of idle) await this.abandonGroup(id, `idle for ${this.opts.idleTimeoutMs / 1000} s`, this.opts.idleTimeoutMs).catch(() => {});
+      for (const id of idle)
+        await this.abandonGroup(id, `idle for ${this.opts.idleTimeoutMs / 1000} s`, this.opts.idleTimeoutMs).catch(() => {});
     })().finally(() => (this.sweeping = false));
   }
 
@@ -190,20 +208,30 @@ export class Recorder {
     // is refused where it is, not skipped: skipping it would replay another state than the one clients were told.
     const e = checkEvent(raw, file, line);
     const unknown = this.unknownReference(e);
-    if (unknown) throw new TreepackError('E_INPUT', `damaged log: a ${e.type} event of ${unknown}, which no line before it records`, { file, line, field: { abandon: 'group', take: 'groups' }[e.type as string] ?? 'episode' });
+    if (unknown)
+      throw new TreepackError('E_INPUT', `damaged log: a ${e.type} event of ${unknown}, which no line before it records`, {
+        file,
+        line,
+        field: { abandon: 'group', take: 'groups' }[e.type as string] ?? 'episode',
+      });
     if (e.type === 'snapshot') this.pool.apply(raw);
     else if (!isFeedEvent(e)) {
       try {
         return this.pool.apply(raw, bytes);
       } catch (err) {
         // a call continuing one the log does not hold: named with its line
-        if (err instanceof TreepackError) throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file, line, field: 'call.request.from' });
+        if (err instanceof TreepackError)
+          throw new TreepackError(err.code, `damaged log: ${err.detail}`, { file, line, field: 'call.request.from' });
         throw err;
       }
     }
     if (this.feed instanceof Feed) return this.feed.apply(raw);
     if (e.type === 'snapshot' && e.steps === 0) return;
-    throw new TreepackError('E_ARG', 'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own', { file, line });
+    throw new TreepackError(
+      'E_ARG',
+      'this log holds steps of the in-process trainer feed; a service on the shared pool (--redis) needs a --data directory of its own',
+      { file, line },
+    );
   }
 
   /** The episode or group an event acts on that the pool does not hold (then the log is damaged), else undefined. */
@@ -340,7 +368,10 @@ export class Recorder {
     if (this.broken) throw new PoolError(503, `the service stopped writing: ${this.broken}`);
     if (this.pool.pendingBytes > this.opts.maxPoolBytes) {
       this.metrics.rejected.inc({ reason: 'pool_full' });
-      throw new PoolError(429, `the rollout pool is full (${this.pool.pendingBytes} bytes waiting for the trainer, limit ${this.opts.maxPoolBytes}); retry later`);
+      throw new PoolError(
+        429,
+        `the rollout pool is full (${this.pool.pendingBytes} bytes waiting for the trainer, limit ${this.opts.maxPoolBytes}); retry later`,
+      );
     }
   }
 

@@ -94,7 +94,10 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
       if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
       if (call.agent !== undefined) req.agent = call.agent;
       if (hasIds) {
-        const [rec] = parseRecords({ ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group }, { file: 'episode ' + ep.id, line: k + 1 }) as ChatRecord[];
+        const [rec] = parseRecords(
+          { ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group },
+          { file: 'episode ' + ep.id, line: k + 1 },
+        ) as ChatRecord[];
         if (!sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!)) {
           stats.promptDrifted++;
           samples.push(engineSample(ep, sampleId, call, out));

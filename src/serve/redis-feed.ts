@@ -26,12 +26,25 @@
 import { Collector } from '../pack/schedule.js';
 import { killPoint } from './faults.js';
 import {
-  handoutEntry, oldestPolicy, PackerUnavailable, type Acked, type FeedOptions, type Handout, type PackedOut, type PackFn, type TrainerFeed,
+  handoutEntry,
+  oldestPolicy,
+  PackerUnavailable,
+  type Acked,
+  type FeedOptions,
+  type Handout,
+  type PackedOut,
+  type PackFn,
+  type TrainerFeed,
 } from './feed.js';
 import type { Metrics } from './metrics.js';
 import { groupName, Pool, PoolError, type Episode } from './pool.js';
 import {
-  QUARANTINE_FEED_LIST, QUARANTINE_LIST_MAX, summary, type Quarantined, type QuarantineEntry, type QuarantineSummary,
+  QUARANTINE_FEED_LIST,
+  QUARANTINE_LIST_MAX,
+  summary,
+  type Quarantined,
+  type QuarantineEntry,
+  type QuarantineSummary,
 } from './quarantine.js';
 import { GONE_TTL_S, PREFIX, type RedisPool } from './redis-pool.js';
 
@@ -228,7 +241,14 @@ export class RedisFeed implements TrainerFeed {
    * moment.
    */
   private async sync(): Promise<{ submitted: number; flushBelow: number }> {
-    const [steps, front, taken, finished, submitted, flushBelow] = (await this.shared.script('tpState')) as [string, string, string[], StreamEntry<string>[], string, string];
+    const [steps, front, taken, finished, submitted, flushBelow] = (await this.shared.script('tpState')) as [
+      string,
+      string,
+      string[],
+      StreamEntry<string>[],
+      string,
+      string,
+    ];
     const collector = Collector.startingAt(this.opts.policy, Number(front));
     const groupIds = new Map<number, string>();
     for (const e of finished) {
@@ -252,7 +272,10 @@ export class RedisFeed implements TrainerFeed {
    * `publish` turns their episodes into step n (undefined when another service published step n first: then
    * the step is chosen again). Undefined when no step formed.
    */
-  private async form<T>(choose: (submitted: number, flushBelow: number) => number[], publish: (episodes: Episode[], n: number, seqs: number[]) => Promise<{ value: T } | undefined>): Promise<{ value: T } | undefined> {
+  private async form<T>(
+    choose: (submitted: number, flushBelow: number) => number[],
+    publish: (episodes: Episode[], n: number, seqs: number[]) => Promise<{ value: T } | undefined>,
+  ): Promise<{ value: T } | undefined> {
     const token = Pool.newId();
     if ((await this.redis.set(`${PREFIX}form-lock`, token, 'PX', FORM_LEASE_MS, 'NX')) !== 'OK') return undefined;
     // Renewed while the event loop turns: packing that blocks it past the lease lets another service form the
@@ -265,7 +288,9 @@ export class RedisFeed implements TrainerFeed {
         const seqs = choose(submitted, flushBelow);
         if (seqs.length === 0) return undefined;
         // an abandoned group's abandoned episodes count toward its size, and are not trained
-        const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!)))).flat().filter((ep) => ep.finished);
+        const episodes = (await Promise.all(seqs.map((s) => this.shared.groupEpisodes(this.groupIds.get(s)!))))
+          .flat()
+          .filter((ep) => ep.finished);
         const r = await publish(episodes, this.steps, seqs);
         if (r) return r;
       }
@@ -327,7 +352,10 @@ export class RedisFeed implements TrainerFeed {
     for (;;) {
       const h = await this.claim(rank);
       if (h) return h;
-      const formed = await this.form((submitted, flushBelow) => this.collector.ready(this.opts.groupsPerStep, submitted, flushBelow), (eps, n, seqs) => this.packStep(eps, n, seqs));
+      const formed = await this.form(
+        (submitted, flushBelow) => this.collector.ready(this.opts.groupsPerStep, submitted, flushBelow),
+        (eps, n, seqs) => this.packStep(eps, n, seqs),
+      );
       if (formed) continue;
       const left = deadline - Date.now();
       if (left <= 0) return undefined;
@@ -340,19 +368,34 @@ export class RedisFeed implements TrainerFeed {
   private async claim(rank: number): Promise<Handout | undefined> {
     const key = `${PREFIX}mb:${rank}`;
     const consumer = `rank-${rank}`;
-    const [, claimed] = (await this.redis.callBuffer('XAUTOCLAIM', key, TRAINERS, consumer, this.opts.leaseMs, '0-0', 'COUNT', 1)) as [Buffer, StreamEntry[]];
+    const [, claimed] = (await this.redis.callBuffer('XAUTOCLAIM', key, TRAINERS, consumer, this.opts.leaseMs, '0-0', 'COUNT', 1)) as [
+      Buffer,
+      StreamEntry[],
+    ];
     await this.readVersion();
     if (claimed.length > 0) return this.handOut(claimed[0], true);
-    const r = (await this.redis.callBuffer('XREADGROUP', 'GROUP', TRAINERS, consumer, 'COUNT', 1, 'STREAMS', key, '>')) as [Buffer, StreamEntry[]][] | null;
+    const r = (await this.redis.callBuffer('XREADGROUP', 'GROUP', TRAINERS, consumer, 'COUNT', 1, 'STREAMS', key, '>')) as
+      [Buffer, StreamEntry[]][] | null;
     const fresh = r?.[0]?.[1]?.[0];
     return fresh ? this.handOut(fresh, false) : undefined;
   }
 
   private handOut(e: StreamEntry, reissued: boolean): Handout {
     const f = fields(e);
-    const at = JSON.parse(f.get('entry')!.toString()) as { packed: Record<string, unknown>; id: string; step: number; rank: number; groups: string[]; policyVersion: number };
+    const at = JSON.parse(f.get('entry')!.toString()) as {
+      packed: Record<string, unknown>;
+      id: string;
+      step: number;
+      rank: number;
+      groups: string[];
+      policyVersion: number;
+    };
     const bytes = f.get('bytes')!;
-    return { id: at.id, bytes: new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength), entry: handoutEntry(at.packed, at, this.version, this.opts.leaseMs, this.metrics, reissued) };
+    return {
+      id: at.id,
+      bytes: new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength),
+      entry: handoutEntry(at.packed, at, this.version, this.opts.leaseMs, this.metrics, reissued),
+    };
   }
 
   async ack(id: string): Promise<Acked> {
@@ -368,13 +411,15 @@ export class RedisFeed implements TrainerFeed {
   }
 
   async takeWhole<T>(max: number, read: (episodes: Episode[]) => T): Promise<T | undefined> {
-    const r = await this.shared.guard(this.form(
-      () => this.collector.peek(max),
-      async (episodes, n, seqs) => {
-        const value = read(episodes);
-        return (await this.publish(n, seqs, true, [])) ? { value } : undefined;
-      },
-    ));
+    const r = await this.shared.guard(
+      this.form(
+        () => this.collector.peek(max),
+        async (episodes, n, seqs) => {
+          const value = read(episodes);
+          return (await this.publish(n, seqs, true, [])) ? { value } : undefined;
+        },
+      ),
+    );
     return r?.value;
   }
 
@@ -403,7 +448,8 @@ export class RedisFeed implements TrainerFeed {
   }
 
   private async depthOn(): Promise<{ ready: number; leased: number }> {
-    let ready = 0, leased = 0;
+    let ready = 0,
+      leased = 0;
     for (let rank = 0; rank < this.opts.dp; rank++) {
       const key = `${PREFIX}mb:${rank}`;
       const [len, pending] = await Promise.all([this.redis.xlen(key), this.redis.xpending(key, TRAINERS)]);

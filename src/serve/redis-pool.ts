@@ -175,7 +175,6 @@ return redis.call('GET', ARGV[1] .. 'config')
 `,
 } as const;
 
-
 export interface DurabilityOptions {
   /** start on a Redis that may lose acknowledged writes, with a warning (`--redis-allow-weak-durability`) */
   allowWeak: boolean;
@@ -191,11 +190,14 @@ export interface DurabilityOptions {
 async function checkDurability(redis: Redis, url: string, o: DurabilityOptions): Promise<void> {
   let settings: string[];
   try {
-    settings = [...((await redis.config('GET', 'appendonly'))), ...((await redis.config('GET', 'appendfsync')))];
+    settings = [...(await redis.config('GET', 'appendonly')), ...(await redis.config('GET', 'appendfsync'))];
   } catch (err) {
     const why = (err as Error).message;
-    if (!/unknown command|NOPERM|no permissions/i.test(why)) throw new TreepackError('E_IO', `the shared pool at ${url} did not answer CONFIG GET: ${why}`);
-    o.warn(`cannot check that the shared pool at ${url} keeps what it acknowledges (CONFIG GET refused: ${why}); it must run with appendonly yes and appendfsync always, or a Redis crash may lose acknowledged work`);
+    if (!/unknown command|NOPERM|no permissions/i.test(why))
+      throw new TreepackError('E_IO', `the shared pool at ${url} did not answer CONFIG GET: ${why}`);
+    o.warn(
+      `cannot check that the shared pool at ${url} keeps what it acknowledges (CONFIG GET refused: ${why}); it must run with appendonly yes and appendfsync always, or a Redis crash may lose acknowledged work`,
+    );
     return;
   }
   const value = (name: string) => (settings.includes(name) ? settings[settings.indexOf(name) + 1] : undefined);
@@ -204,7 +206,8 @@ async function checkDurability(redis: Redis, url: string, o: DurabilityOptions):
     .map(([name, want]) => `${name} is ${JSON.stringify(value(name) ?? null)}, not ${want}`);
   if (weak.length === 0) return;
   const message = `the shared pool at ${url} may lose what it acknowledges on a crash: ${weak.join(', ')}. Start Redis with --appendonly yes --appendfsync always (or CONFIG SET appendonly yes, CONFIG SET appendfsync always, then CONFIG REWRITE)`;
-  if (!o.allowWeak) throw new TreepackError('E_ARG', `${message}; --redis-allow-weak-durability starts anyway, without the no-loss guarantee`);
+  if (!o.allowWeak)
+    throw new TreepackError('E_ARG', `${message}; --redis-allow-weak-durability starts anyway, without the no-loss guarantee`);
   o.warn(`${message}; starting anyway (--redis-allow-weak-durability): a Redis crash may lose acknowledged work`);
 }
 
@@ -263,7 +266,11 @@ export class RedisPool {
    */
   unavailable(err: unknown): unknown {
     if (err instanceof PoolError || err instanceof TreepackError || err instanceof ReplyError) return err;
-    return new PoolError(503, `the shared pool at ${this.url} is unreachable (${(err as Error).message}); retry once GET /healthz answers 200`, SHARED_POOL_UNAVAILABLE);
+    return new PoolError(
+      503,
+      `the shared pool at ${this.url} is unreachable (${(err as Error).message}); retry once GET /healthz answers 200`,
+      SHARED_POOL_UNAVAILABLE,
+    );
   }
 
   /** Runs a request on Redis, failing as `unavailable` says. */
@@ -283,14 +290,24 @@ export class RedisPool {
     // RESP2: the stream replies keep the shapes Redis documents (XREAD: [[stream, entries]]) on any server. While
     // Redis is unreachable the client reconnects in the background and every command fails at once (no offline
     // queue, no resend): requests answer 503 for the outage instead of waiting it out.
-    const redis = new Redis(url, { lazyConnect: true, connectTimeout: 5000, protocol: 2, enableOfflineQueue: false, maxRetriesPerRequest: 0, commandTimeout: COMMAND_TIMEOUT_MS });
+    const redis = new Redis(url, {
+      lazyConnect: true,
+      connectTimeout: 5000,
+      protocol: 2,
+      enableOfflineQueue: false,
+      maxRetriesPerRequest: 0,
+      commandTimeout: COMMAND_TIMEOUT_MS,
+    });
     const pool = new RedisPool(url, redis, dataDir);
     redis.on('error', (err: Error) => (pool.lastError = err.message));
     try {
       await redis.connect();
     } catch (err) {
       redis.disconnect();
-      throw new TreepackError('E_IO', `the shared pool at ${url} is unreachable: ${(err as Error).message} (start one: redis-server --port 6379 --appendonly yes --appendfsync always)`);
+      throw new TreepackError(
+        'E_IO',
+        `the shared pool at ${url} is unreachable: ${(err as Error).message} (start one: redis-server --port 6379 --appendonly yes --appendfsync always)`,
+      );
     }
     try {
       await checkDurability(redis, url, durability);
@@ -303,7 +320,10 @@ export class RedisPool {
     const have = (await pool.script('tpConfig', want)) as string;
     if (have !== want) {
       redis.disconnect();
-      throw new TreepackError('E_ARG', `the shared pool at ${url} serves other feed options: ${have}; this service has ${want}. Every service on one pool must be started with the same options`);
+      throw new TreepackError(
+        'E_ARG',
+        `the shared pool at ${url} serves other feed options: ${have}; this service has ${want}. Every service on one pool must be started with the same options`,
+      );
     }
     return pool;
   }
@@ -329,7 +349,12 @@ export class RedisPool {
   async openEpisode(group: string, episode: string): Promise<void> {
     this.identity ??= gatewayIdentity(this.dataDir);
     const [seq, owner] = (await this.guard(this.script('tpOpen', group, episode, this.identity))) as [number, string];
-    if (seq === -4) throw new PoolError(409, `episode ${JSON.stringify(episode)} is recorded by another gateway (${owner}): every call and the finish of an episode go to the gateway of its first call`, EPISODE_ON_ANOTHER_GATEWAY);
+    if (seq === -4)
+      throw new PoolError(
+        409,
+        `episode ${JSON.stringify(episode)} is recorded by another gateway (${owner}): every call and the finish of an episode go to the gateway of its first call`,
+        EPISODE_ON_ANOTHER_GATEWAY,
+      );
     if (seq < 0) throw new PoolError(409, `group ${JSON.stringify(group)} was already consumed`);
   }
 
@@ -349,8 +374,16 @@ export class RedisPool {
    */
   async ship(ep: Episode, size: number): Promise<{ seq: number; episodes: number }> {
     const [seq, episodes, status] = (await this.script('tpShip', ep.group, ep.id, episodeJson(ep), size)) as number[];
-    if (status === -1) throw new PoolError(409, `group ${JSON.stringify(ep.group)} was already consumed by the trainer; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
-    if (status === -2) throw new PoolError(409, `group ${JSON.stringify(ep.group)} already has its ${size} episodes in the shared pool; episode ${JSON.stringify(ep.id)} is recorded but not trained`);
+    if (status === -1)
+      throw new PoolError(
+        409,
+        `group ${JSON.stringify(ep.group)} was already consumed by the trainer; episode ${JSON.stringify(ep.id)} is recorded but not trained`,
+      );
+    if (status === -2)
+      throw new PoolError(
+        409,
+        `group ${JSON.stringify(ep.group)} already has its ${size} episodes in the shared pool; episode ${JSON.stringify(ep.id)} is recorded but not trained`,
+      );
     return { seq: seq, episodes: episodes };
   }
 
@@ -379,7 +412,8 @@ export class RedisPool {
     const json = await this.guard(this.redis.hget(`${PREFIX}keys`, hash));
     if (json === null) return undefined;
     const scope = JSON.parse(json) as Scope;
-    if (typeof scope?.episode !== 'string') throw new TreepackError('E_INPUT', `the shared pool at ${this.url} holds a damaged scoped key: ${json.slice(0, 200)}`);
+    if (typeof scope?.episode !== 'string')
+      throw new TreepackError('E_INPUT', `the shared pool at ${this.url} holds a damaged scoped key: ${json.slice(0, 200)}`);
     return scope;
   }
 
@@ -389,7 +423,8 @@ export class RedisPool {
     if (ids.length === 0) return [];
     const json = await this.redis.hmget(`${PREFIX}eps:${group}`, ...ids);
     return json.map((s, i) => {
-      if (s === null) throw new TreepackError('E_INPUT', `the shared pool lost episode ${JSON.stringify(ids[i])} of group ${JSON.stringify(group)}`);
+      if (s === null)
+        throw new TreepackError('E_INPUT', `the shared pool lost episode ${JSON.stringify(ids[i])} of group ${JSON.stringify(group)}`);
       return episodeFromJson(s);
     });
   }

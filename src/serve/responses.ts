@@ -9,7 +9,21 @@
 import { describeValue } from '../errors.js';
 import type { EngineOutput } from './engine.js';
 import { PoolError, type CallRequest } from './pool.js';
-import { chatToolCall, completeToolCalls, isObj, joinText, passThrough, refuse, sse, toolCallId, usageCounts, type ApiWriter, type CallMeta, type Obj, type Translated } from './translate.js';
+import {
+  chatToolCall,
+  completeToolCalls,
+  isObj,
+  joinText,
+  passThrough,
+  refuse,
+  sse,
+  toolCallId,
+  usageCounts,
+  type ApiWriter,
+  type CallMeta,
+  type Obj,
+  type Translated,
+} from './translate.js';
 
 /** The prefix of the ids given to tool calls that came from the engine without one. */
 const CALL_ID_PREFIX = 'call_';
@@ -17,11 +31,40 @@ const CALL_ID_PREFIX = 'call_';
 const LOGPROBS_INCLUDE = 'message.output_text.logprobs';
 
 /** Fields read here; the others go to the engine's chat completions as they are (e.g. vLLM's top_k). */
-const HANDLED = new Set(['model', 'input', 'instructions', 'tools', 'tool_choice', 'max_output_tokens', 'stream', 'stream_options', 'text', 'reasoning', 'include', 'top_logprobs', 'store', 'metadata', 'truncation', 'previous_response_id', 'conversation', 'prompt', 'background', 'max_tool_calls', 'parallel_tool_calls', 'temperature', 'top_p', 'user', 'service_tier', 'safety_identifier', 'prompt_cache_key']);
+const HANDLED = new Set([
+  'model',
+  'input',
+  'instructions',
+  'tools',
+  'tool_choice',
+  'max_output_tokens',
+  'stream',
+  'stream_options',
+  'text',
+  'reasoning',
+  'include',
+  'top_logprobs',
+  'store',
+  'metadata',
+  'truncation',
+  'previous_response_id',
+  'conversation',
+  'prompt',
+  'background',
+  'max_tool_calls',
+  'parallel_tool_calls',
+  'temperature',
+  'top_p',
+  'user',
+  'service_tier',
+  'safety_identifier',
+  'prompt_cache_key',
+]);
 
 /** Fields whose meaning needs state or services the gateway does not have. */
 const REFUSED: Record<string, string> = {
-  previous_response_id: 'the gateway stores no responses: send the whole conversation as input items (the OpenAI Agents SDK does by default)',
+  previous_response_id:
+    'the gateway stores no responses: send the whole conversation as input items (the OpenAI Agents SDK does by default)',
   conversation: 'the gateway stores no conversations: send the whole conversation as input items',
   prompt: 'stored prompt templates are not available through the gateway: send instructions and input',
   background: 'background responses need stored responses, which the gateway does not keep',
@@ -36,12 +79,15 @@ type Msg = Obj & { role: string };
 export function responsesRequest(body: unknown): Translated {
   if (!isObj(body)) throw new PoolError(400, `request body: expected a JSON object, got ${describeValue(body)}`);
   for (const [f, why] of Object.entries(REFUSED)) if (body[f] !== undefined && body[f] !== null) throw refuse(f, why);
-  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean') throw refuse('stream', `expected true or false, got ${describeValue(body.stream)}`);
-  if (body.truncation !== undefined && body.truncation !== null && body.truncation !== 'disabled') throw refuse('truncation', `the gateway does not truncate context: expected "disabled", got ${describeValue(body.truncation)}`);
+  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== 'boolean')
+    throw refuse('stream', `expected true or false, got ${describeValue(body.stream)}`);
+  if (body.truncation !== undefined && body.truncation !== null && body.truncation !== 'disabled')
+    throw refuse('truncation', `the gateway does not truncate context: expected "disabled", got ${describeValue(body.truncation)}`);
   const include = body.include ?? [];
   if (!Array.isArray(include)) throw refuse('include', `expected a list, got ${describeValue(include)}`);
   include.forEach((x, i) => {
-    if (x !== LOGPROBS_INCLUDE) throw refuse(`include[${i}]`, `only ${JSON.stringify(LOGPROBS_INCLUDE)} is available through the gateway, got ${describeValue(x)}`);
+    if (x !== LOGPROBS_INCLUDE)
+      throw refuse(`include[${i}]`, `only ${JSON.stringify(LOGPROBS_INCLUDE)} is available through the gateway, got ${describeValue(x)}`);
   });
   const messages: Msg[] = [];
   if (body.instructions !== undefined && body.instructions !== null) {
@@ -50,21 +96,25 @@ export function responsesRequest(body: unknown): Translated {
   }
   messages.push(...inputMessages(body.input));
   const chat: Obj = { ...passThrough(body, HANDLED), messages };
-  for (const f of ['model', 'temperature', 'top_p', 'user', 'parallel_tool_calls', 'stream'] as const) if (body[f] !== undefined && body[f] !== null) chat[f] = body[f];
+  for (const f of ['model', 'temperature', 'top_p', 'user', 'parallel_tool_calls', 'stream'] as const)
+    if (body[f] !== undefined && body[f] !== null) chat[f] = body[f];
   if (body.max_output_tokens !== undefined && body.max_output_tokens !== null) chat.max_tokens = body.max_output_tokens;
   const tools = chatTools(body.tools);
   if (tools.length) chat.tools = tools;
   if (body.tool_choice !== undefined && body.tool_choice !== null) chat.tool_choice = toolChoice(body.tool_choice);
-  if (body.text !== undefined && body.text !== null && !isObj(body.text)) throw refuse('text', `expected {"format": …}, got ${describeValue(body.text)}`);
-  const { format, ...textRest } = (body.text ?? {});
-  for (const [k, v] of Object.entries(textRest)) if (v !== undefined && v !== null) throw refuse(`text.${k}`, 'not available through the gateway (text.format only)');
+  if (body.text !== undefined && body.text !== null && !isObj(body.text))
+    throw refuse('text', `expected {"format": …}, got ${describeValue(body.text)}`);
+  const { format, ...textRest } = body.text ?? {};
+  for (const [k, v] of Object.entries(textRest))
+    if (v !== undefined && v !== null) throw refuse(`text.${k}`, 'not available through the gateway (text.format only)');
   if (format !== undefined && format !== null) chat.response_format = responseFormat(format);
   if (body.reasoning !== undefined && body.reasoning !== null) {
     if (!isObj(body.reasoning)) throw refuse('reasoning', `expected an object, got ${describeValue(body.reasoning)}`);
     const { effort, summary, generate_summary, ...rest } = body.reasoning;
     const other = Object.keys(rest)[0];
     if (other !== undefined) throw refuse(`reasoning.${other}`, 'not available through the gateway (reasoning.effort only)');
-    if ((summary ?? generate_summary ?? null) !== null) throw refuse('reasoning.summary', 'the gateway returns the engine\'s reasoning text as it is, not a summary: leave summary out');
+    if ((summary ?? generate_summary ?? null) !== null)
+      throw refuse('reasoning.summary', "the gateway returns the engine's reasoning text as it is, not a summary: leave summary out");
     if (effort !== undefined && effort !== null) chat.reasoning_effort = effort;
   }
   const logprobs = include.length > 0;
@@ -107,7 +157,8 @@ function complete(o: EngineOutput, call: CallMeta): void {
 
 function inputMessages(input: unknown): Msg[] {
   if (typeof input === 'string') return [{ role: 'user', content: input }];
-  if (!Array.isArray(input) || input.length === 0) throw refuse('input', `expected a string or a non-empty list of input items, got ${describeValue(input)}`);
+  if (!Array.isArray(input) || input.length === 0)
+    throw refuse('input', `expected a string or a non-empty list of input items, got ${describeValue(input)}`);
   const out: Msg[] = [];
   // Reasoning, an assistant message and function calls in a row are one assistant turn of chat, as the engine
   // produced them (Response output items come in that order).
@@ -125,7 +176,8 @@ function inputMessages(input: unknown): Msg[] {
     const type = item.type ?? 'message';
     if (type === 'message') {
       const role = item.role;
-      if (role !== 'user' && role !== 'assistant' && role !== 'system' && role !== 'developer') throw refuse(`${at}.role`, `expected user, assistant, system or developer, got ${describeValue(role)}`);
+      if (role !== 'user' && role !== 'assistant' && role !== 'system' && role !== 'developer')
+        throw refuse(`${at}.role`, `expected user, assistant, system or developer, got ${describeValue(role)}`);
       const content = joinText(item.content, `${at}.content`, [...TEXT_PARTS, 'refusal']);
       if (role === 'assistant') {
         if (turn && (turn.content !== null || turn.tool_calls)) turn = undefined;
@@ -138,14 +190,19 @@ function inputMessages(input: unknown): Msg[] {
       return;
     }
     if (type === 'function_call') {
-      for (const f of ['call_id', 'name', 'arguments'] as const) if (typeof item[f] !== 'string') throw refuse(`${at}.${f}`, `expected a string, got ${describeValue(item[f])}`);
+      for (const f of ['call_id', 'name', 'arguments'] as const)
+        if (typeof item[f] !== 'string') throw refuse(`${at}.${f}`, `expected a string, got ${describeValue(item[f])}`);
       const t = assistant();
       ((t.tool_calls ??= []) as unknown[]).push(chatToolCall(item.call_id as string, item.name as string, item.arguments as string));
       return;
     }
     if (type === 'reasoning') {
       const text = Array.isArray(item.content) ? joinText(item.content, `${at}.content`, ['reasoning_text']) : undefined;
-      if (text === undefined) throw refuse(`${at}.content`, 'a reasoning item needs its reasoning text (the gateway cannot read encrypted_content or train on a summary)');
+      if (text === undefined)
+        throw refuse(
+          `${at}.content`,
+          'a reasoning item needs its reasoning text (the gateway cannot read encrypted_content or train on a summary)',
+        );
       if (turn && (turn.content !== null || turn.tool_calls || turn.reasoning_content !== undefined)) turn = undefined;
       assistant().reasoning_content = text;
       return;
@@ -156,8 +213,12 @@ function inputMessages(input: unknown): Msg[] {
       out.push({ role: 'tool', tool_call_id: item.call_id, content: joinText(item.output, `${at}.output`, TEXT_PARTS) });
       return;
     }
-    if (type === 'item_reference') throw refuse(`${at}.type`, 'item references need stored responses, which the gateway does not keep: send the item itself');
-    throw refuse(`${at}.type`, `input items of type ${describeValue(type)} are not supported by the gateway (message, function_call, function_call_output, reasoning); see docs/guides/agent-apis.md`);
+    if (type === 'item_reference')
+      throw refuse(`${at}.type`, 'item references need stored responses, which the gateway does not keep: send the item itself');
+    throw refuse(
+      `${at}.type`,
+      `input items of type ${describeValue(type)} are not supported by the gateway (message, function_call, function_call_output, reasoning); see docs/guides/agent-apis.md`,
+    );
   });
   return out;
 }
@@ -167,7 +228,8 @@ function chatTools(tools: unknown): Obj[] {
   if (!Array.isArray(tools)) throw refuse('tools', `expected a list of tools, got ${describeValue(tools)}`);
   return tools.map((t, i) => {
     if (!isObj(t)) throw refuse(`tools[${i}]`, `expected a tool, got ${describeValue(t)}`);
-    if (t.type !== 'function') throw refuse(`tools[${i}].type`, `built-in tools are not run by the gateway: function tools only, got ${describeValue(t.type)}`);
+    if (t.type !== 'function')
+      throw refuse(`tools[${i}].type`, `built-in tools are not run by the gateway: function tools only, got ${describeValue(t.type)}`);
     if (typeof t.name !== 'string') throw refuse(`tools[${i}].name`, `expected a string, got ${describeValue(t.name)}`);
     const fn: Obj = { name: t.name };
     if (t.description !== undefined && t.description !== null) fn.description = t.description;
@@ -180,7 +242,10 @@ function chatTools(tools: unknown): Obj[] {
 function toolChoice(c: unknown): unknown {
   if (c === 'auto' || c === 'none' || c === 'required') return c;
   if (isObj(c) && c.type === 'function' && typeof c.name === 'string') return { type: 'function', function: { name: c.name } };
-  throw refuse('tool_choice', `expected "auto", "none", "required" or {"type": "function", "name": …} (built-in and allowed-tools choices are not supported), got ${describeValue(c)}`);
+  throw refuse(
+    'tool_choice',
+    `expected "auto", "none", "required" or {"type": "function", "name": …} (built-in and allowed-tools choices are not supported), got ${describeValue(c)}`,
+  );
 }
 
 function responseFormat(f: unknown): unknown {
@@ -229,11 +294,27 @@ class ResponsesWriter implements ApiWriter {
   }
 
   private response(status: string): Obj {
-    const r: Obj = { id: this.id, object: 'response', created_at: Math.floor(this.call.time / 1000), status, error: null, incomplete_details: null, ...this.echo, output: status === 'in_progress' ? [] : this.output };
-    if (status === 'incomplete') r.incomplete_details = { reason: this.finish === 'content_filter' ? 'content_filter' : 'max_output_tokens' };
+    const r: Obj = {
+      id: this.id,
+      object: 'response',
+      created_at: Math.floor(this.call.time / 1000),
+      status,
+      error: null,
+      incomplete_details: null,
+      ...this.echo,
+      output: status === 'in_progress' ? [] : this.output,
+    };
+    if (status === 'incomplete')
+      r.incomplete_details = { reason: this.finish === 'content_filter' ? 'content_filter' : 'max_output_tokens' };
     if (status !== 'in_progress') {
       const u = usageCounts(this.usage, this.promptIds, this.outputIds);
-      r.usage = { input_tokens: u.input, input_tokens_details: { cached_tokens: 0 }, output_tokens: u.output, output_tokens_details: { reasoning_tokens: 0 }, total_tokens: u.input + u.output };
+      r.usage = {
+        input_tokens: u.input,
+        input_tokens_details: { cached_tokens: 0 },
+        output_tokens: u.output,
+        output_tokens_details: { reasoning_tokens: 0 },
+        total_tokens: u.input + u.output,
+      };
     }
     return r;
   }
@@ -245,7 +326,10 @@ class ResponsesWriter implements ApiWriter {
   private start(): string {
     if (this.started) return '';
     this.started = true;
-    return this.ev('response.created', { response: this.response('in_progress') }) + this.ev('response.in_progress', { response: this.response('in_progress') });
+    return (
+      this.ev('response.created', { response: this.response('in_progress') }) +
+      this.ev('response.in_progress', { response: this.response('in_progress') })
+    );
   }
 
   /** Opens the output item `key` (closing the one open), or continues it. */
@@ -255,7 +339,10 @@ class ResponsesWriter implements ApiWriter {
     const it = make();
     this.output.push(it.item);
     this.open = { key, item: it };
-    text += this.ev('response.output_item.added', { output_index: this.output.length - 1, item: { ...it.item, content: Array.isArray(it.item.content) ? [] : it.item.content } });
+    text += this.ev('response.output_item.added', {
+      output_index: this.output.length - 1,
+      item: { ...it.item, content: Array.isArray(it.item.content) ? [] : it.item.content },
+    });
     text += opened(it.item);
     return { text, item: it.item };
   }
@@ -288,21 +375,39 @@ class ResponsesWriter implements ApiWriter {
     const { text, item } = this.item(
       'reasoning',
       () => {
-        const item: Obj = { id: `rs_${this.call.id}_${this.output.length}`, type: 'reasoning', summary: [], content: [{ type: 'reasoning_text', text: '' }] };
+        const item: Obj = {
+          id: `rs_${this.call.id}_${this.output.length}`,
+          type: 'reasoning',
+          summary: [],
+          content: [{ type: 'reasoning_text', text: '' }],
+        };
         return {
           item,
           close: () => {
             const part = (item.content as Obj[])[0];
             const at = this.output.indexOf(item);
-            return this.ev('response.reasoning_text.done', { item_id: item.id, output_index: at, content_index: 0, text: part.text }) + this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) + this.ev('response.output_item.done', { output_index: at, item });
+            return (
+              this.ev('response.reasoning_text.done', { item_id: item.id, output_index: at, content_index: 0, text: part.text }) +
+              this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) +
+              this.ev('response.output_item.done', { output_index: at, item })
+            );
           },
         };
       },
-      (item) => this.ev('response.content_part.added', { item_id: item.id, output_index: index(), content_index: 0, part: { type: 'reasoning_text', text: '' } }),
+      (item) =>
+        this.ev('response.content_part.added', {
+          item_id: item.id,
+          output_index: index(),
+          content_index: 0,
+          part: { type: 'reasoning_text', text: '' },
+        }),
     );
     const part = (item.content as Obj[])[0];
     part.text = (part.text as string) + delta;
-    return text + this.ev('response.reasoning_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta });
+    return (
+      text +
+      this.ev('response.reasoning_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta })
+    );
   }
 
   private textDelta(delta: string, logprobs: Obj[], force = false): string {
@@ -311,23 +416,54 @@ class ResponsesWriter implements ApiWriter {
     const { text, item } = this.item(
       'message',
       () => {
-        const item: Obj = { id: `msg_${this.call.id}_${this.output.length}`, type: 'message', status: 'in_progress', role: 'assistant', content: [{ type: 'output_text', text: '', annotations: [], logprobs: [] }] };
+        const item: Obj = {
+          id: `msg_${this.call.id}_${this.output.length}`,
+          type: 'message',
+          status: 'in_progress',
+          role: 'assistant',
+          content: [{ type: 'output_text', text: '', annotations: [], logprobs: [] }],
+        };
         return {
           item,
           close: () => {
             const part = (item.content as Obj[])[0];
             const at = this.output.indexOf(item);
             item.status = 'completed';
-            return this.ev('response.output_text.done', { item_id: item.id, output_index: at, content_index: 0, text: part.text, logprobs: part.logprobs }) + this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) + this.ev('response.output_item.done', { output_index: at, item });
+            return (
+              this.ev('response.output_text.done', {
+                item_id: item.id,
+                output_index: at,
+                content_index: 0,
+                text: part.text,
+                logprobs: part.logprobs,
+              }) +
+              this.ev('response.content_part.done', { item_id: item.id, output_index: at, content_index: 0, part }) +
+              this.ev('response.output_item.done', { output_index: at, item })
+            );
           },
         };
       },
-      (item) => this.ev('response.content_part.added', { item_id: item.id, output_index: this.output.length - 1, content_index: 0, part: { type: 'output_text', text: '', annotations: [], logprobs: [] } }),
+      (item) =>
+        this.ev('response.content_part.added', {
+          item_id: item.id,
+          output_index: this.output.length - 1,
+          content_index: 0,
+          part: { type: 'output_text', text: '', annotations: [], logprobs: [] },
+        }),
     );
     const part = (item.content as Obj[])[0];
     part.text = (part.text as string) + delta;
     (part.logprobs as Obj[]).push(...logprobs);
-    return text + this.ev('response.output_text.delta', { item_id: item.id, output_index: this.output.indexOf(item), content_index: 0, delta, logprobs });
+    return (
+      text +
+      this.ev('response.output_text.delta', {
+        item_id: item.id,
+        output_index: this.output.indexOf(item),
+        content_index: 0,
+        delta,
+        logprobs,
+      })
+    );
   }
 
   private toolDelta(tc: Obj): string {
@@ -336,14 +472,28 @@ class ResponsesWriter implements ApiWriter {
     const { text, item } = this.item(
       `tool:${index}`,
       () => {
-        const item: Obj = { id: `fc_${this.call.id}_${this.output.length}`, type: 'function_call', status: 'in_progress', call_id: typeof tc.id === 'string' ? tc.id : toolCallId(CALL_ID_PREFIX, this.call.id, index), name: '', arguments: '' };
+        const item: Obj = {
+          id: `fc_${this.call.id}_${this.output.length}`,
+          type: 'function_call',
+          status: 'in_progress',
+          call_id: typeof tc.id === 'string' ? tc.id : toolCallId(CALL_ID_PREFIX, this.call.id, index),
+          name: '',
+          arguments: '',
+        };
         this.toolItems.set(index, item);
         return {
           item,
           close: () => {
             const at = this.output.indexOf(item);
             item.status = 'completed';
-            return this.ev('response.function_call_arguments.done', { item_id: item.id, output_index: at, name: item.name, arguments: item.arguments }) + this.ev('response.output_item.done', { output_index: at, item });
+            return (
+              this.ev('response.function_call_arguments.done', {
+                item_id: item.id,
+                output_index: at,
+                name: item.name,
+                arguments: item.arguments,
+              }) + this.ev('response.output_item.done', { output_index: at, item })
+            );
           },
         };
       },
@@ -352,7 +502,10 @@ class ResponsesWriter implements ApiWriter {
     if (typeof fn.name === 'string') item.name = (item.name as string) + fn.name;
     if (typeof fn.arguments !== 'string' || fn.arguments === '') return text;
     item.arguments = (item.arguments as string) + fn.arguments;
-    return text + this.ev('response.function_call_arguments.delta', { item_id: item.id, output_index: this.output.indexOf(item), delta: fn.arguments });
+    return (
+      text +
+      this.ev('response.function_call_arguments.delta', { item_id: item.id, output_index: this.output.indexOf(item), delta: fn.arguments })
+    );
   }
 
   /** Closes the last item; an answer of empty text and nothing else is an empty message (sent back as a turn). */
@@ -379,6 +532,8 @@ class ResponsesWriter implements ApiWriter {
 /** A chat logprob entry as a Responses one (bytes and top_logprobs always lists). */
 function logprob(e: unknown): Obj {
   const x = isObj(e) ? e : {};
-  const top = Array.isArray(x.top_logprobs) ? x.top_logprobs.filter(isObj).map((t) => ({ token: t.token, logprob: t.logprob, bytes: t.bytes ?? [] })) : [];
+  const top = Array.isArray(x.top_logprobs)
+    ? x.top_logprobs.filter(isObj).map((t) => ({ token: t.token, logprob: t.logprob, bytes: t.bytes ?? [] }))
+    : [];
   return { token: x.token ?? '', logprob: x.logprob, bytes: x.bytes ?? [], top_logprobs: top };
 }

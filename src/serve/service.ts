@@ -35,7 +35,10 @@ export class Service {
       // for the engine's answer is not counted (--engine-timeout bounds it). Node checks open requests on an
       // interval, so a slow sender is cut within the timeout and a quarter of it.
       requestTimeout: requestTimeoutMs,
-      http: { headersTimeout: requestTimeoutMs, connectionsCheckingInterval: Math.max(50, Math.min(30_000, Math.floor(requestTimeoutMs / 4))) },
+      http: {
+        headersTimeout: requestTimeoutMs,
+        connectionsCheckingInterval: Math.max(50, Math.min(30_000, Math.floor(requestTimeoutMs / 4))),
+      },
     });
   }
 
@@ -65,7 +68,12 @@ export class Service {
     const svc = new Service(recorder);
     try {
       // A health probe is never limited: a limited one would report a healthy service down.
-      if (recorder.opts.rateLimit > 0) await svc.app.register(rateLimit, { max: recorder.opts.rateLimit, timeWindow: 60_000, allowList: (req) => req.url.split('?')[0] === '/healthz' });
+      if (recorder.opts.rateLimit > 0)
+        await svc.app.register(rateLimit, {
+          max: recorder.opts.rateLimit,
+          timeWindow: 60_000,
+          allowList: (req) => req.url.split('?')[0] === '/healthz',
+        });
       registerBodyParser(svc.app);
       registerHttp(svc.app, recorder);
       registerGateway(svc.app, recorder);
@@ -85,8 +93,10 @@ export class Service {
       return url;
     } catch (err) {
       const code = (err as NodeJS.ErrnoException).code;
-      if (code === 'EADDRINUSE') throw new TreepackError('E_IO', `port ${port} on ${host} is in use (another service?): choose another with --port`);
-      if (code === 'EADDRNOTAVAIL' || code === 'EACCES') throw new TreepackError('E_IO', `cannot listen on ${host}:${port} (${code}): check --host and --port`);
+      if (code === 'EADDRINUSE')
+        throw new TreepackError('E_IO', `port ${port} on ${host} is in use (another service?): choose another with --port`);
+      if (code === 'EADDRNOTAVAIL' || code === 'EACCES')
+        throw new TreepackError('E_IO', `cannot listen on ${host}:${port} (${code}): check --host and --port`);
       throw err;
     }
   }

@@ -7,7 +7,10 @@ import { Worker } from 'node:worker_threads';
 export function startWorker(module: 'pack-worker' | 'compact-worker', workerData: unknown): Worker {
   if (!import.meta.url.endsWith('.ts')) return new Worker(new URL(`./${module}.js`, import.meta.url), { workerData });
   const url = new URL(`./${module}.ts`, import.meta.url).href;
-  return new Worker(`import('tsx/esm/api').then(({ register }) => { register(); return import(${JSON.stringify(url)}); })`, { eval: true, workerData });
+  return new Worker(`import('tsx/esm/api').then(({ register }) => { register(); return import(${JSON.stringify(url)}); })`, {
+    eval: true,
+    workerData,
+  });
 }
 
 /** Runs a worker that answers once: its message, or its error. */

@@ -98,8 +98,13 @@ export function joinText(parts: unknown, field: string, text: readonly string[])
   if (!Array.isArray(parts)) throw refuse(field, `expected a string or a list of content parts, got ${describeValue(parts)}`);
   return parts
     .map((p, i) => {
-      if (!isObj(p) || typeof p.type !== 'string') throw refuse(`${field}[${i}]`, `expected a content part with a type, got ${describeValue(p)}`);
-      if (!text.includes(p.type)) throw refuse(`${field}[${i}].type`, `content of type ${JSON.stringify(p.type)} is not supported by the gateway (text only: ${text.join(', ')}); see docs/guides/agent-apis.md`);
+      if (!isObj(p) || typeof p.type !== 'string')
+        throw refuse(`${field}[${i}]`, `expected a content part with a type, got ${describeValue(p)}`);
+      if (!text.includes(p.type))
+        throw refuse(
+          `${field}[${i}].type`,
+          `content of type ${JSON.stringify(p.type)} is not supported by the gateway (text only: ${text.join(', ')}); see docs/guides/agent-apis.md`,
+        );
       const key = p.type === 'refusal' ? 'refusal' : 'text'; // the Responses API's refusal part
       if (typeof p[key] !== 'string') throw refuse(`${field}[${i}].${key}`, `expected a string, got ${describeValue(p[key])}`);
       return p[key];
@@ -110,7 +115,9 @@ export function joinText(parts: unknown, field: string, text: readonly string[])
 /** The tool calls an episode's calls produced, by id: a later turn that sends one back is matched against it. */
 export function priorToolCalls(calls: readonly RecordedCall[] | undefined): Map<string, ToolCallOut> {
   const out = new Map<string, ToolCallOut>();
-  for (const c of calls ?? []) for (const o of [c.output, ...(c.siblings ?? [])]) for (const t of o.message?.tool_calls ?? []) if (t.id !== undefined) out.set(t.id, t);
+  for (const c of calls ?? [])
+    for (const o of [c.output, ...(c.siblings ?? [])])
+      for (const t of o.message?.tool_calls ?? []) if (t.id !== undefined) out.set(t.id, t);
   return out;
 }
 
@@ -123,6 +130,7 @@ export function passThrough(body: Obj, handled: ReadonlySet<string>): Obj {
 
 /** Counts of the chat usage object, or of the token ids where the engine sent no usage. */
 export function usageCounts(usage: unknown, promptIds: number, outputIds: number): { input: number; output: number } {
-  if (isObj(usage) && Number.isSafeInteger(usage.prompt_tokens) && Number.isSafeInteger(usage.completion_tokens)) return { input: usage.prompt_tokens as number, output: usage.completion_tokens as number };
+  if (isObj(usage) && Number.isSafeInteger(usage.prompt_tokens) && Number.isSafeInteger(usage.completion_tokens))
+    return { input: usage.prompt_tokens as number, output: usage.completion_tokens as number };
   return { input: promptIds, output: outputIds };
 }

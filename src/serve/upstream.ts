@@ -50,7 +50,12 @@ export function postUpstream(url: string, body: string, headers: Record<string, 
               if (timedOut) throw timeout();
               // the engine (or the network) closed the connection mid-answer: say so, not a bare "aborted"
               const of = res.headers['content-length'] === undefined ? '' : ` of the ${res.headers['content-length']} it announced`;
-              throw Object.assign(new Error(`closed the connection after ${got} bytes of its answer${of} (${(err as Error).message}): the answer is truncated`), { name: 'TruncatedError' });
+              throw Object.assign(
+                new Error(
+                  `closed the connection after ${got} bytes of its answer${of} (${(err as Error).message}): the answer is truncated`,
+                ),
+                { name: 'TruncatedError' },
+              );
             }
             return Buffer.concat(pieces, got).toString('utf8');
           },

@@ -22,7 +22,10 @@ export interface Built {
 function callsIdentity(m: ChatMessage): string {
   if (!m.tool_calls) return '';
   return m.tool_calls
-    .map((c) => `${c.id ?? ''}\u0002${c.function.name}\u0002${typeof c.function.arguments === 'string' ? c.function.arguments : JSON.stringify(c.function.arguments)}`)
+    .map(
+      (c) =>
+        `${c.id ?? ''}\u0002${c.function.name}\u0002${typeof c.function.arguments === 'string' ? c.function.arguments : JSON.stringify(c.function.arguments)}`,
+    )
     .join('\u0003');
 }
 
@@ -88,7 +91,14 @@ export function timelineFromChat(record: ChatRecord, encoder: ChatEncoder, opts:
       continue;
     }
     const offset = i === 0 ? tokens.length - turns.ids[turns.ids.length - 1].length : 0;
-    const r = engineTokens(tokens, offset + turns.trainableFrom, offset + turns.trainableTo, m, opts.fixRetokenizationDrift, where('response.logprobs'));
+    const r = engineTokens(
+      tokens,
+      offset + turns.trainableFrom,
+      offset + turns.trainableTo,
+      m,
+      opts.fixRetokenizationDrift,
+      where('response.logprobs'),
+    );
     drifted = r.drifted;
     out[i] = { author: 'llm', role: m.role, text, calls, tokens: r.tokens, lossMask: r.lossMask };
     if (r.logprobs) out[i].logprobs = r.logprobs;
@@ -112,7 +122,8 @@ export function timelineFromSample(s: Sample): Timeline | undefined {
   if (!offsets || UNMERGEABLE_FIELDS.some((f) => s[f] !== undefined)) return undefined;
   const messages: TimelineMessage[] = new Array<TimelineMessage>(offsets.length);
   for (let i = 0; i < offsets.length; i++) {
-    const from = offsets[i], to = i + 1 < offsets.length ? offsets[i + 1] : s.tokens.length;
+    const from = offsets[i],
+      to = i + 1 < offsets.length ? offsets[i + 1] : s.tokens.length;
     const lossMask = s.loss_mask.subarray(from, to);
     const m: TimelineMessage = {
       author: s.message_authors?.[i] ?? (lossMask.includes(1) ? 'llm' : 'env'),
@@ -149,12 +160,16 @@ export function timelineToSample(t: Timeline, messages: readonly TimelineMessage
     else without ??= m;
   }
   if (withLp && without) {
-    throw new TreepackError('E_INPUT', 'some generated messages of this sample have rollout logprobs and some have none; give them for every response of the episode or none', {
-      file: t.source.file,
-      line: t.source.line,
-      record: t.id,
-      field: 'logprobs',
-    });
+    throw new TreepackError(
+      'E_INPUT',
+      'some generated messages of this sample have rollout logprobs and some have none; give them for every response of the episode or none',
+      {
+        file: t.source.file,
+        line: t.source.line,
+        record: t.id,
+        field: 'logprobs',
+      },
+    );
   }
   if (withLp) logprobs = new Float32Array(total);
   const turns: number[] = [];
@@ -167,7 +182,16 @@ export function timelineToSample(t: Timeline, messages: readonly TimelineMessage
     at += m.tokens.length;
   }
   if (total > 0) loss_mask[0] = 0;
-  const s: Sample = { kind: 'sample', id: t.id, group: t.group, episode: t.episode, tokens, loss_mask, turn_starts: Int32Array.from(turns), source: t.source };
+  const s: Sample = {
+    kind: 'sample',
+    id: t.id,
+    group: t.group,
+    episode: t.episode,
+    tokens,
+    loss_mask,
+    turn_starts: Int32Array.from(turns),
+    source: t.source,
+  };
   if (t.agent !== undefined) s.agent = t.agent;
   if (t.reward !== undefined) s.reward = t.reward;
   if (t.advantage !== undefined) s.advantage = t.advantage;

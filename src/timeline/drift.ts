@@ -26,7 +26,14 @@ export interface EngineResponse {
  * The response turn with the engine's tokens: `rendered` is the turn as re-rendered, [from, to) its generated
  * part. With `fix` off the rendered tokens stay, and the engine's logprobs must then fit them.
  */
-export function engineTokens(rendered: Int32Array, from: number, to: number, response: ChatMessage, fix: boolean, where: Source & { record: string; field: string }): EngineResponse {
+export function engineTokens(
+  rendered: Int32Array,
+  from: number,
+  to: number,
+  response: ChatMessage,
+  fix: boolean,
+  where: Source & { record: string; field: string },
+): EngineResponse {
   const engine = response.token_ids;
   const drifted = engine !== undefined && !sameTokens(engine, rendered.subarray(from, to));
   const useEngine = drifted && fix;
@@ -77,8 +84,11 @@ export function compareVersions(a: TimelineMessage, b: TimelineMessage): number 
  * compareVersions (any fixed rule makes the choice independent of input order); undefined where nothing was
  * sampled. Most nodes hold one sampled message, so comparisons are rare.
  */
-export function sampledVersions(nodes: number, visit: (f: (node: number, m: TimelineMessage) => void) => void): (TimelineMessage | undefined)[] {
-  const chosen: (TimelineMessage | undefined)[] = new Array<(TimelineMessage | undefined)>(nodes);
+export function sampledVersions(
+  nodes: number,
+  visit: (f: (node: number, m: TimelineMessage) => void) => void,
+): (TimelineMessage | undefined)[] {
+  const chosen: (TimelineMessage | undefined)[] = new Array<TimelineMessage | undefined>(nodes);
   visit((n, m) => {
     if (m.author === 'llm' && (chosen[n] === undefined || compareVersions(m, chosen[n]) < 0)) chosen[n] = m;
   });
@@ -86,7 +96,10 @@ export function sampledVersions(nodes: number, visit: (f: (node: number, m: Time
 }
 
 /** Messages (trie nodes) whose re-rendered context copies differ from the tokens sampled for them. */
-export function countContextDrift(chosen: readonly (TimelineMessage | undefined)[], visit: (f: (node: number, m: TimelineMessage) => void) => void): number {
+export function countContextDrift(
+  chosen: readonly (TimelineMessage | undefined)[],
+  visit: (f: (node: number, m: TimelineMessage) => void) => void,
+): number {
   const drifted = new Uint8Array(chosen.length);
   let count = 0;
   visit((n, m) => {

@@ -44,7 +44,13 @@ function emptyMergeReport(): MergeReport {
 export const byId = new Intl.Collator('en', { numeric: true }).compare;
 
 function groupKey(t: Timeline, o: ResolvedMergeOptions): string {
-  return JSON.stringify([t.episode, o.shareAcrossAgents ? null : (t.agent ?? null), t.reward ?? null, t.advantage ?? null, o.ignoreTools ? '' : t.tools]);
+  return JSON.stringify([
+    t.episode,
+    o.shareAcrossAgents ? null : (t.agent ?? null),
+    t.reward ?? null,
+    t.advantage ?? null,
+    o.ignoreTools ? '' : t.tools,
+  ]);
 }
 
 /** Merges timelines; the output is sorted by id and depends only on the set of inputs. */
@@ -140,11 +146,16 @@ function mergeGroup(ts: Timeline[], o: ResolvedMergeOptions, out: Sample[], repo
     for (let i = own.messages.length - 1; i >= 0; i--, n = trie.parent[n]!) {
       const s = chosen[n];
       if (trained[n] === leaf) msgs[i] = s!;
-      else if (s && o.fixRetokenizationDrift) msgs[i] = { ...s, author: 'env', lossMask: new Uint8Array(s.tokens.length), logprobs: undefined };
+      else if (s && o.fixRetokenizationDrift)
+        msgs[i] = { ...s, author: 'env', lossMask: new Uint8Array(s.tokens.length), logprobs: undefined };
       else msgs[i] = own.messages[i]!;
     }
     const sample = timelineToSample(own, msgs);
-    if (members.length > 1) sample.merged_from = members.filter((t) => t !== owner).map((t) => ts[t].id).sort(byId);
+    if (members.length > 1)
+      sample.merged_from = members
+        .filter((t) => t !== owner)
+        .map((t) => ts[t].id)
+        .sort(byId);
     report.absorbed += members.length - 1;
     out.push(sample);
   }

@@ -59,8 +59,10 @@ export function detectSnaps(ts: readonly Timeline[], trie: Trie): Snap[] {
     let extendsEarlier = false;
     for (let n = terminal[t]; n > 0 && !extendsEarlier; n = parent[n]!) extendsEarlier = first[n] < t;
     if (extendsEarlier) continue;
-    const a = terminal[t], b = terminal[t - 1];
-    let x = a, y = b;
+    const a = terminal[t],
+      b = terminal[t - 1];
+    let x = a,
+      y = b;
     while (depth[x] > depth[y]) x = parent[x]!;
     while (depth[y] > depth[x]) y = parent[y]!;
     while (x !== y) {

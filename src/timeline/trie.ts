@@ -50,15 +50,17 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
       const list = children[node];
       let child = -1;
       if (list && list.length <= SCAN_CHILDREN) {
-        for (const c of list) if (key[c] === id) {
-          child = c;
-          break;
-        }
+        for (const c of list)
+          if (key[c] === id) {
+            child = c;
+            break;
+          }
       } else if (list) child = wide.get(node)!.get(id) ?? -1;
       if (child < 0) {
         if (size === cap) {
           cap *= 2;
-          const p = new Int32Array(cap), d = new Int32Array(cap);
+          const p = new Int32Array(cap),
+            d = new Int32Array(cap);
           p.set(parent);
           d.set(depth);
           parent = p;
@@ -84,7 +86,11 @@ export function buildTrie(timelines: readonly Timeline[], level: 'text' | 'token
 }
 
 /** Calls f(node, message) for every message of every timeline. */
-export function visitMessages(trie: Trie, timelines: readonly Timeline[], f: (node: number, m: TimelineMessage, timeline: number) => void): void {
+export function visitMessages(
+  trie: Trie,
+  timelines: readonly Timeline[],
+  f: (node: number, m: TimelineMessage, timeline: number) => void,
+): void {
   for (let t = 0; t < timelines.length; t++) {
     const msgs = timelines[t].messages;
     let node = trie.terminal[t];

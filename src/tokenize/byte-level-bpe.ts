@@ -114,7 +114,8 @@ export function byteLevelBpe(json: Json, config: Json): ByteLevelBpe | string {
     table,
     addedIds,
     remap,
-    ignoreMerges: model.ignore_merges === true ? { ids, byteChars: Array.from({ length: 256 }, (_, b) => byteLevel.byte_encoder[b]) } : undefined,
+    ignoreMerges:
+      model.ignore_merges === true ? { ids, byteChars: Array.from({ length: 256 }, (_, b) => byteLevel.byte_encoder[b]) } : undefined,
     maxVocabId,
   });
 }
@@ -161,7 +162,7 @@ export class ByteLevelBpe {
   encode(text: string): Int32Array {
     this.outLen = 0;
     let start = 0;
-    for (let i = 0; i < text.length; ) {
+    for (let i = 0; i < text.length;) {
       const match = this.addedAt(text, i);
       if (match === undefined) {
         i++;

@@ -84,9 +84,14 @@ export class ChatEncoder {
     if (!open.startsWith(closed) || open.length === closed.length)
       throw new TreepackError('E_ARG', 'unsupported chat template: add_generation_prompt does not append an assistant header');
     this.header = open.slice(closed.length);
-    const marker = TURN_MARKERS.find(([s, e]) => open.includes(s) && tokenizer.addedTokenId(s) !== undefined && tokenizer.addedTokenId(e) !== undefined);
+    const marker = TURN_MARKERS.find(
+      ([s, e]) => open.includes(s) && tokenizer.addedTokenId(s) !== undefined && tokenizer.addedTokenId(e) !== undefined,
+    );
     if (!marker)
-      throw new TreepackError('E_ARG', `unsupported chat template: no known turn marker (${TURN_MARKERS.map((m) => m[0]).join(', ')}) that is a special token`);
+      throw new TreepackError(
+        'E_ARG',
+        `unsupported chat template: no known turn marker (${TURN_MARKERS.map((m) => m[0]).join(', ')}) that is a special token`,
+      );
     this.turnStart = marker[0];
     this.turnEndId = tokenizer.addedTokenId(marker[1])!;
     this.headerIds = tokenizer.encode(this.header);
@@ -143,12 +148,16 @@ export class ChatEncoder {
       for (const field of ['content', 'reasoning_content'] as const) {
         const text = m[field];
         if (typeof text === 'string' && text.includes(this.turnStart)) {
-          throw new TreepackError('E_INPUT', `message text contains the turn marker ${JSON.stringify(this.turnStart)}, which would split the conversation at the wrong place`, {
-            file: record.source.file,
-            line: record.source.line,
-            record: record.id,
-            field: `${path}.${field}`,
-          });
+          throw new TreepackError(
+            'E_INPUT',
+            `message text contains the turn marker ${JSON.stringify(this.turnStart)}, which would split the conversation at the wrong place`,
+            {
+              file: record.source.file,
+              line: record.source.line,
+              record: record.id,
+              field: `${path}.${field}`,
+            },
+          );
         }
       }
     };
@@ -178,7 +187,11 @@ export class ChatEncoder {
    * content as empty text). `vars` are template variables of the request (an engine's `chat_template_kwargs`):
    * given, the template renders through jinja with them. Turns are tokenized through the cache, as `encode` does.
    */
-  encodePrompt(messages: readonly ChatMessage[], tools: readonly unknown[] | null | undefined, vars?: Readonly<Record<string, unknown>>): Int32Array {
+  encodePrompt(
+    messages: readonly ChatMessage[],
+    tools: readonly unknown[] | null | undefined,
+    vars?: Readonly<Record<string, unknown>>,
+  ): Int32Array {
     const t = tools && tools.length > 0 ? [...tools] : undefined;
     let text: string;
     try {
@@ -198,7 +211,10 @@ export class ChatEncoder {
    */
   rendersRole(role: string): boolean {
     const mark = 'treepack role probe';
-    const messages: ChatMessage[] = [{ role, content: mark }, { role: 'user', content: 'x' }];
+    const messages: ChatMessage[] = [
+      { role, content: mark },
+      { role: 'user', content: 'x' },
+    ];
     try {
       return (this.native ? this.native(messages, undefined) : this.renderMessages(messages, undefined, false)).includes(mark);
     } catch {
@@ -222,7 +238,12 @@ export class ChatEncoder {
     return { ...this.counters };
   }
 
-  private renderMessages(messages: unknown[], tools: unknown[] | undefined, addGenerationPrompt: boolean, vars?: Readonly<Record<string, unknown>>): string {
+  private renderMessages(
+    messages: unknown[],
+    tools: unknown[] | undefined,
+    addGenerationPrompt: boolean,
+    vars?: Readonly<Record<string, unknown>>,
+  ): string {
     return this.tokenizer.chatTemplate.render({
       ...this.tokenizer.templateVars,
       ...vars,

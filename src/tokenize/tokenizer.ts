@@ -81,8 +81,17 @@ export function isTextTokenizer(v: unknown): v is TextTokenizer {
   if (v === null || typeof v !== 'object') return false;
   const t = v as Record<string, unknown>;
   const fns = ['encode', 'decode', 'addedTokenId'].every((k) => typeof t[k] === 'function');
-  const template = t.chatTemplate !== null && typeof t.chatTemplate === 'object' && typeof (t.chatTemplate as { render?: unknown }).render === 'function';
-  return fns && template && typeof t.name === 'string' && Number.isSafeInteger(t.vocabSize) && typeof t.chatTemplateSource === 'string' && t.templateVars !== null && typeof t.templateVars === 'object';
+  const template =
+    t.chatTemplate !== null && typeof t.chatTemplate === 'object' && typeof (t.chatTemplate as { render?: unknown }).render === 'function';
+  return (
+    fns &&
+    template &&
+    typeof t.name === 'string' &&
+    Number.isSafeInteger(t.vocabSize) &&
+    typeof t.chatTemplateSource === 'string' &&
+    t.templateVars !== null &&
+    typeof t.templateVars === 'object'
+  );
 }
 
 /** A tokenizer option's tokenizer: the loaded one as given, else loadTokenizer(name or dir); none is an E_ARG. */
@@ -145,7 +154,8 @@ function modelMaxId(json: Record<string, unknown>): number {
   let max = -1;
   const model = json.model as { vocab?: unknown } | undefined;
   const vocab = model?.vocab;
-  if (Array.isArray(vocab)) max = vocab.length - 1; // Unigram: [[piece, score], ...]
+  if (Array.isArray(vocab))
+    max = vocab.length - 1; // Unigram: [[piece, score], ...]
   else if (vocab && typeof vocab === 'object') for (const id of Object.values(vocab)) if (typeof id === 'number' && id > max) max = id;
   return max;
 }
@@ -164,7 +174,10 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
     readJson(path.join(dir, 'tokenizer_config.json'), 'tokenizer_config.json'),
   ]);
   for (const r of read) if (r.status === 'rejected') throw r.reason;
-  const [json, config] = read.map((r) => (r as PromiseFulfilledResult<Record<string, unknown>>).value) as [Record<string, unknown>, Record<string, unknown>];
+  const [json, config] = read.map((r) => (r as PromiseFulfilledResult<Record<string, unknown>>).value) as [
+    Record<string, unknown>,
+    Record<string, unknown>,
+  ];
   const source = await findTemplate(dir, config);
   if (source === undefined)
     throw new TreepackError('E_ARG', 'the tokenizer has no chat_template (in tokenizer_config.json or chat_template.jinja)', {
@@ -174,7 +187,9 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   try {
     chatTemplate = new Template(source);
   } catch (e) {
-    throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, { file: path.join(dir, 'tokenizer_config.json') });
+    throw new TreepackError('E_ARG', `cannot parse the chat template: ${(e as Error).message}`, {
+      file: path.join(dir, 'tokenizer_config.json'),
+    });
   }
   let lib: HfTokenizer | undefined;
   const library = (): HfTokenizer => {
@@ -202,7 +217,9 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
     chatTemplateSource: source,
     templateVars,
     encode:
-      typeof fast === 'string' ? (text) => Int32Array.from(library().encode(text, { add_special_tokens: false }).ids) : (text) => fast.encode(text),
+      typeof fast === 'string'
+        ? (text) => Int32Array.from(library().encode(text, { add_special_tokens: false }).ids)
+        : (text) => fast.encode(text),
     decode: (ids) => library().decode(Array.from(ids)),
     addedTokenId: (content) => added.get(content),
   };

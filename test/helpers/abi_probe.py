@@ -1,9 +1,9 @@
 """The Python side of test/abi.test.ts: reads one JSON request on stdin, answers one JSON object on stdout.
 
-  {"mode": "loss", "batch": {...arrays...}, "lp": [...], "configs": [...]}
-      -> {"results": [{"loss", "grad", "metrics"} | {"error"}]}   loss_numpy per config (ctypes, libtreepack_core.so)
-  {"mode": "config", "configs": [...]} -> {"results": [{"fields": {...}} | {"error"}]}   make_config's struct
-  {"mode": "status", "calls": [...]} -> {"core": [...], "cuda": [...] | str}   statuses of bad calls on both C ABIs
+{"mode": "loss", "batch": {...arrays...}, "lp": [...], "configs": [...]}
+    -> {"results": [{"loss", "grad", "metrics"} | {"error"}]}   loss_numpy per config (ctypes, libtreepack_core.so)
+{"mode": "config", "configs": [...]} -> {"results": [{"fields": {...}} | {"error"}]}   make_config's struct
+{"mode": "status", "calls": [...]} -> {"core": [...], "cuda": [...] | str}   statuses of bad calls on both C ABIs
 """
 
 import ctypes
@@ -60,8 +60,22 @@ elif req["mode"] == "status":
             a[k] = np.array(v, dtype=a[k].dtype) if isinstance(v, list) else v
         for k in call.get("null", []):
             a[k] = None
-        return cfg, (a["S"], P(a["off"]), a["M"], P(a["pos"]), P(a["mask"]), P(a["adv"]), P(a["old"]), P(a["ref"]),
-                     P(a["roll"]), P(a["sw"]), P(a["turn"]), a["N"], P(a["lp"]), P(a["grad"]))
+        return cfg, (
+            a["S"],
+            P(a["off"]),
+            a["M"],
+            P(a["pos"]),
+            P(a["mask"]),
+            P(a["adv"]),
+            P(a["old"]),
+            P(a["ref"]),
+            P(a["roll"]),
+            P(a["sw"]),
+            P(a["turn"]),
+            a["N"],
+            P(a["lp"]),
+            P(a["grad"]),
+        )
 
     core = tl.core_library()
     out["core"] = []

@@ -33,7 +33,11 @@ let disposing = false;
  * Declares `${op} on ${backend}` for every backend that registers `op` (or any op of a list), in priority order.
  * Call it at the top level of a test file, with await.
  */
-export async function describeBackends(op: OpName | readonly OpName[], fn: (backend: BackendName, status: BackendStatus) => void, opts: BackendSuiteOptions = {}): Promise<void> {
+export async function describeBackends(
+  op: OpName | readonly OpName[],
+  fn: (backend: BackendName, status: BackendStatus) => void,
+  opts: BackendSuiteOptions = {},
+): Promise<void> {
   if (!disposing) {
     disposing = true;
     afterAll(disposeBackends);

@@ -134,7 +134,9 @@ export interface Pack {
 /** Starts `treepack pack input --out out ...extra`. */
 export function startPack(input: string, out: string, extra: string[] = []): Pack {
   const t0 = performance.now();
-  const child = spawn(process.execPath, [FAULT_BIN, 'pack', input, '--out', out, '--quiet', ...extra], { stdio: ['ignore', 'ignore', 'pipe'] });
+  const child = spawn(process.execPath, [FAULT_BIN, 'pack', input, '--out', out, '--quiet', ...extra], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+  });
   let stderr = '';
   child.stderr.setEncoding('utf8').on('data', (s: string) => (stderr += s));
   const done = new Promise<RunResult>((resolve, reject) => {

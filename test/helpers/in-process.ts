@@ -29,7 +29,13 @@ export function inProcessServices(prefix: string): InProcess {
     },
     async start(opts = {}) {
       stub ??= await startStubEngine();
-      const svc = await Service.create({ engineUrl: stub.url, dataDir: tempDir(prefix), port: 0, ...opts, packer: { tokenizer: 'qwen3', ...opts.packer } });
+      const svc = await Service.create({
+        engineUrl: stub.url,
+        dataDir: tempDir(prefix),
+        port: 0,
+        ...opts,
+        packer: { tokenizer: 'qwen3', ...opts.packer },
+      });
       open.push(svc);
       return { base: await svc.listen(), svc };
     },

@@ -45,8 +45,19 @@ export function unpackedLoss(seqs: UnpackedSeq[], c: LossConfig): ReferenceOut {
     const idx = s.mask.map((m, t) => (m ? t : -1)).filter((t) => t >= 0);
     const pg: number[] = [];
     const kl: number[] = [];
-    const seqRatio = Math.exp(cl(idx.reduce((a, t) => a + s.lp[t] - s.old[t], 0) / Math.max(1, idx.length), -c.log_ratio_clamp, c.log_ratio_clamp));
-    const seqW = Math.min(Math.exp(cl(idx.reduce((a, t) => a + s.old[t] - s.roll[t], 0), -c.log_ratio_clamp, c.log_ratio_clamp)), c.tis_cap);
+    const seqRatio = Math.exp(
+      cl(idx.reduce((a, t) => a + s.lp[t] - s.old[t], 0) / Math.max(1, idx.length), -c.log_ratio_clamp, c.log_ratio_clamp),
+    );
+    const seqW = Math.min(
+      Math.exp(
+        cl(
+          idx.reduce((a, t) => a + s.old[t] - s.roll[t], 0),
+          -c.log_ratio_clamp,
+          c.log_ratio_clamp,
+        ),
+      ),
+      c.tis_cap,
+    );
     for (const t of idx) {
       const A = s.adv[t];
       const r = c.policy === 'gspo' ? seqRatio : Math.exp(cl(s.lp[t] - s.old[t], -c.log_ratio_clamp, c.log_ratio_clamp));
@@ -66,7 +77,12 @@ export function unpackedLoss(seqs: UnpackedSeq[], c: LossConfig): ReferenceOut {
           L = Math.min(L, -A * c.dual_clip);
         }
       }
-      const w = c.tis === 'token' ? Math.min(Math.exp(cl(s.old[t] - s.roll[t], -c.log_ratio_clamp, c.log_ratio_clamp)), c.tis_cap) : c.tis === 'sequence' ? seqW : 1;
+      const w =
+        c.tis === 'token'
+          ? Math.min(Math.exp(cl(s.old[t] - s.roll[t], -c.log_ratio_clamp, c.log_ratio_clamp)), c.tis_cap)
+          : c.tis === 'sequence'
+            ? seqW
+            : 1;
       pg.push(L * w);
       const d = s.lp[t] - s.ref[t];
       if (c.kl === 'k1') kl.push(d);
@@ -153,7 +169,11 @@ export interface RandomLossCase {
  * otherwise they differ per occurrence. `layout` 'trie' packs with sharing, 'chains' gives every sequence its own
  * nodes (no sharing): both must give the same loss.
  */
-export function randomLossCase(seqs: number[][], seed: number, opts: { sharedOld?: boolean; layout?: 'trie' | 'chains'; maskRate?: number } = {}): RandomLossCase {
+export function randomLossCase(
+  seqs: number[][],
+  seed: number,
+  opts: { sharedOld?: boolean; layout?: 'trie' | 'chains'; maskRate?: number } = {},
+): RandomLossCase {
   const r = rng(seed);
   const s = csr(seqs);
   const M = s.tokens.length;
@@ -201,7 +221,14 @@ export function randomLossCase(seqs: number[][], seed: number, opts: { sharedOld
     old_logprobs: old,
     ref_logprobs: ref,
     rollout_logprobs: roll,
-    meta: { format: FORMAT, num_sequences: seqs.length, num_tokens_naive: M, num_tokens_packed: N, tokenizer: 't', sequence_ids: seqs.map((_, i) => String(i)) },
+    meta: {
+      format: FORMAT,
+      num_sequences: seqs.length,
+      num_tokens_naive: M,
+      num_tokens_packed: N,
+      tokenizer: 't',
+      sequence_ids: seqs.map((_, i) => String(i)),
+    },
   };
   return { batch, lp, unpacked };
 }

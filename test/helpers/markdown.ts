@@ -17,7 +17,12 @@ export function tableRows(lines: readonly string[]): string[][] {
     const l = lines[i];
     if (!l.startsWith('|') || /^\|(\s*:?-+:?\s*\|)+$/.test(l)) continue;
     if (/^\|(\s*:?-+:?\s*\|)+$/.test(lines[i + 1] ?? '')) continue; // a header row
-    rows.push(l.slice(1, -1).split(/(?<!\\)\|/).map((c) => c.trim().replace(/\\\|/g, '|')));
+    rows.push(
+      l
+        .slice(1, -1)
+        .split(/(?<!\\)\|/)
+        .map((c) => c.trim().replace(/\\\|/g, '|')),
+    );
   }
   return rows;
 }

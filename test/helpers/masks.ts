@@ -10,10 +10,14 @@ import type { BlockMask } from '../../src/mask/types.js';
  * visible, partial blocks neither empty nor full, and every visible pair inside a listed block.
  */
 export function blockMaskProblem(m: BlockMask, N: number, visible: (q: number, k: number) => boolean): string {
-  const B = m.block_size, nb = m.num_blocks;
+  const B = m.block_size,
+    nb = m.num_blocks;
   if (nb !== Math.ceil(N / B)) return `num_blocks ${nb} for N = ${N}, B = ${B}`;
   const kind = new Int8Array(nb * nb); // 0 unlisted, 1 partial, 2 full
-  for (const [nums, idx, k] of [[m.block_kv_num_blocks, m.block_kv_indices, 1], [m.block_full_kv_num_blocks, m.block_full_kv_indices, 2]] as const) {
+  for (const [nums, idx, k] of [
+    [m.block_kv_num_blocks, m.block_kv_indices, 1],
+    [m.block_full_kv_num_blocks, m.block_full_kv_indices, 2],
+  ] as const) {
     if (nums.length !== nb || idx.length !== nb * nb) return 'array lengths';
     for (let i = 0; i < nb; i++) {
       for (let t = 0; t < nb; t++) {
@@ -30,7 +34,8 @@ export function blockMaskProblem(m: BlockMask, N: number, visible: (q: number, k
   }
   for (let i = 0; i < nb; i++) {
     for (let j = 0; j < nb; j++) {
-      let seen = 0, total = 0;
+      let seen = 0,
+        total = 0;
       for (let q = i * B; q < Math.min(N, (i + 1) * B); q++) {
         for (let k = j * B; k < Math.min(N, (j + 1) * B); k++) {
           total++;
@@ -39,7 +44,8 @@ export function blockMaskProblem(m: BlockMask, N: number, visible: (q: number, k
       }
       const whole = total === B * B && seen === total;
       const expected = seen === 0 ? 0 : whole ? 2 : 1;
-      if (kind[i * nb + j] !== expected) return `block (${i}, ${j}): listed as ${kind[i * nb + j]}, expected ${expected} (${seen}/${total} visible)`;
+      if (kind[i * nb + j] !== expected)
+        return `block (${i}, ${j}): listed as ${kind[i * nb + j]}, expected ${expected} (${seen}/${total} visible)`;
     }
   }
   return '';

@@ -26,7 +26,11 @@ export interface RedisServer {
 }
 
 function launch(port: number, dir: string, extra: string[]): Promise<ChildProcess> {
-  const child = spawn('redis-server', ['--bind', '127.0.0.1', '--port', String(port), '--dir', dir, '--save', '', '--appendonly', 'yes', '--appendfsync', 'always', ...extra], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(
+    'redis-server',
+    ['--bind', '127.0.0.1', '--port', String(port), '--dir', dir, '--save', '', '--appendonly', 'yes', '--appendfsync', 'always', ...extra],
+    { stdio: ['ignore', 'pipe', 'pipe'] },
+  );
   return new Promise((res, rej) => {
     let out = '';
     const t = setTimeout(() => rej(new Error(`redis-server not ready after 20 s: ${out.slice(-2000)}`)), 20_000);

@@ -54,7 +54,10 @@ export function randomBatch(seed: number, opts: { count?: number; maxLen?: numbe
 }
 
 /** Agent-shaped chains: per episode, request k+1 extends request k; episodes of a group share a long prompt. */
-export function agentBatch(seed: number, opts: { groups: number; episodes: number; turns: number; prompt: number; step: number }): Sequences {
+export function agentBatch(
+  seed: number,
+  opts: { groups: number; episodes: number; turns: number; prompt: number; step: number },
+): Sequences {
   const r = rng(seed);
   const seqs: Int32Array[] = [];
   for (let g = 0; g < opts.groups; g++) {
@@ -80,7 +83,10 @@ export function shuffle<T>(xs: T[], rand: () => number): T[] {
 }
 
 export function shuffled<T>(xs: readonly T[], seed: number): { items: T[]; perm: number[] } {
-  const perm = shuffle(xs.map((_, i) => i), rng(seed));
+  const perm = shuffle(
+    xs.map((_, i) => i),
+    rng(seed),
+  );
   return { items: perm.map((i) => xs[i]), perm };
 }
 

@@ -74,11 +74,22 @@ export async function startEngine(python: string, flags: string[] = []): Promise
   const port = await freePort();
   const dir = mkdtempSync(join(tmpdir(), 'tp-engine-'));
   const logPath = join(dir, 'engine.jsonl');
-  const child = spawn(python, [join(ROOT, 'test/helpers/tiny_engine.py'), '--port', String(port), '--tokenizer', QWEN3_DIR, '--log', logPath, ...flags], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(
+    python,
+    [join(ROOT, 'test/helpers/tiny_engine.py'), '--port', String(port), '--tokenizer', QWEN3_DIR, '--log', logPath, ...flags],
+    { stdio: ['ignore', 'pipe', 'pipe'] },
+  );
   await ready(child, '"ready"', 'tiny engine', 120_000);
   return {
     url: `http://127.0.0.1:${port}/v1`,
-    log: () => (existsSync(logPath) ? readFileSync(logPath, 'utf8').trim().split('\n').filter(Boolean).map((l) => JSON.parse(l) as EngineLogEntry) : []),
+    log: () =>
+      existsSync(logPath)
+        ? readFileSync(logPath, 'utf8')
+            .trim()
+            .split('\n')
+            .filter(Boolean)
+            .map((l) => JSON.parse(l) as EngineLogEntry)
+        : [],
     stop: () => child.kill('SIGKILL'),
   };
 }
@@ -92,7 +103,10 @@ export interface ServeProcess {
 /** `treepack serve` as a child process (the compiled CLI), for tests that kill it. */
 export async function startServeProcess(args: string[], env: Record<string, string> = {}): Promise<ServeProcess> {
   const port = await freePort();
-  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
+  const child = spawn(process.execPath, [BIN, 'serve', '--port', String(port), ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, ...env },
+  });
   // The CLI reports on stderr; readiness is the port answering.
   const url = `http://127.0.0.1:${port}`;
   let exited: string | undefined;
@@ -101,7 +115,13 @@ export async function startServeProcess(args: string[], env: Record<string, stri
   child.on('exit', (c, s) => (exited = `exited ${c ?? s}: ${err.slice(-2000)}`));
   for (let i = 0; i < 600; i++) {
     if (exited) throw new Error(`treepack serve ${exited}`);
-    if (await fetch(`${url}/healthz`).then((r) => r.ok, () => false)) break;
+    if (
+      await fetch(`${url}/healthz`).then(
+        (r) => r.ok,
+        () => false,
+      )
+    )
+      break;
     await new Promise((r) => setTimeout(r, 100));
   }
   return {

@@ -44,7 +44,10 @@ interface Choice {
 /** A logprob for token `t` at position `i`: fixed, so a test can recompute it. */
 export const stubLogprob = (t: number, i: number): number => -((t % 7) + i + 1) / 16;
 
-export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?: TextTokenizer; record?: boolean } = {}): Promise<StubEngine> {
+export async function startStubEngine(
+  mode: StubMode = 'ok',
+  opts: { tokenizer?: TextTokenizer; record?: boolean } = {},
+): Promise<StubEngine> {
   const stub = { calls: 0, mode, requests: [], produced: [] } as unknown as StubEngine;
   const tok = opts.tokenizer;
   const eos = tok?.addedTokenId('<|im_end|>');
@@ -59,8 +62,10 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
         res.writeHead(code, { 'content-type': type, 'content-length': Buffer.byteLength(text) });
         res.end(text);
       };
-      if (stub.apiKey !== undefined && req.headers.authorization !== `Bearer ${stub.apiKey}`) return send(401, JSON.stringify({ error: { message: 'bad engine key' } }));
-      if (req.method === 'GET' && req.url === '/v1/models') return send(200, JSON.stringify({ object: 'list', data: [{ id: 'stub', object: 'model' }] }));
+      if (stub.apiKey !== undefined && req.headers.authorization !== `Bearer ${stub.apiKey}`)
+        return send(401, JSON.stringify({ error: { message: 'bad engine key' } }));
+      if (req.method === 'GET' && req.url === '/v1/models')
+        return send(200, JSON.stringify({ object: 'list', data: [{ id: 'stub', object: 'model' }] }));
       if (stub.mode === 'hang') return; // never answers
       if (stub.mode === 'garbage') return send(200, '<html>oops</html>', 'text/html');
       if (stub.mode === 'error-500') return send(500, JSON.stringify({ error: { message: 'engine overloaded' } }));
@@ -74,7 +79,12 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       if (tok) {
         // As vLLM does: a tool-calling assistant turn's null content is rendered as empty text.
         const text = chat
-          ? tok.chatTemplate.render({ ...tok.templateVars, messages: (req0.messages as Obj[]).map((m) => ({ ...m, content: m.content ?? '' })), tools: (req0.tools as unknown[] | undefined)?.length ? req0.tools : undefined, add_generation_prompt: true })
+          ? tok.chatTemplate.render({
+              ...tok.templateVars,
+              messages: (req0.messages as Obj[]).map((m) => ({ ...m, content: m.content ?? '' })),
+              tools: (req0.tools as unknown[] | undefined)?.length ? req0.tools : undefined,
+              add_generation_prompt: true,
+            })
           : (req0.prompt as string);
         promptIds = [...tok.encode(text)];
       }
@@ -85,11 +95,15 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const choices: Choice[] = [];
       for (let j = 0; j < ((req0.n as number | undefined) ?? 1); j++) {
         const tag = j === 0 ? `${n}` : `${n}.${j}`;
-        const c: Choice = named ? { content: null, call: { id: `call_${tag.replace('.', '_')}`, name: named, arguments: `{"query": "q ${tag}"}` } } : { content: `reply ${tag}` };
+        const c: Choice = named
+          ? { content: null, call: { id: `call_${tag.replace('.', '_')}`, name: named, arguments: `{"query": "q ${tag}"}` } }
+          : { content: `reply ${tag}` };
         if (thinking && !c.call) c.reasoning = `thought ${tag}`;
         if (tok) {
           const think = c.reasoning === undefined ? '' : `<think>\n${c.reasoning}\n</think>\n\n`;
-          const gen = c.call ? `<tool_call>\n{"name": "${c.call.name}", "arguments": ${c.call.arguments}}\n</tool_call>` : think + c.content!;
+          const gen = c.call
+            ? `<tool_call>\n{"name": "${c.call.name}", "arguments": ${c.call.arguments}}\n</tool_call>`
+            : think + c.content!;
           c.ids = chat ? [...tok.encode(gen), eos!] : [...tok.encode(gen)];
           c.logprobs = c.ids.map(stubLogprob);
         }
@@ -101,8 +115,12 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
       const lp = (c: Choice, from: number, to: number) => {
         if (stub.mode === 'bad-logprobs') return { content: [{ token: 'x', logprob: 'high' }] };
         if (!wantLp || !c.logprobs) return null;
-        const range = c.ids!.slice(from, to).map((t, i) => ({ token: tok.decode([t]), logprob: c.logprobs![from + i], bytes: null, top_logprobs: [] }));
-        return chat ? { content: range } : { tokens: range.map((r) => r.token), token_logprobs: range.map((r) => r.logprob), top_logprobs: null, text_offset: [] };
+        const range = c
+          .ids!.slice(from, to)
+          .map((t, i) => ({ token: tok.decode([t]), logprob: c.logprobs![from + i], bytes: null, top_logprobs: [] }));
+        return chat
+          ? { content: range }
+          : { tokens: range.map((r) => r.token), token_logprobs: range.map((r) => r.logprob), top_logprobs: null, text_offset: [] };
       };
       if (req0.stream) {
         res.writeHead(200, { 'content-type': 'text/event-stream' });
@@ -113,7 +131,10 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
         };
         // As vLLM: a chat stream opens with the role and empty text; then each choice in two pieces, the choices'
         // chunks interleaved.
-        if (chat) choices.forEach((_, index) => event({ index, delta: { role: 'assistant', content: '' }, finish_reason: null, logprobs: null }, false));
+        if (chat)
+          choices.forEach((_, index) =>
+            event({ index, delta: { role: 'assistant', content: '' }, finish_reason: null, logprobs: null }, false),
+          );
         const pieces = choices.map((c) => {
           const half = c.ids ? Math.ceil((c.ids.length - 1) / 2) : 0;
           const text = c.call ? c.call.arguments : c.content!;
@@ -123,7 +144,11 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
         pieces.forEach(({ c, half, parts }, index) => {
           const choice: Obj = { index, finish_reason: null, logprobs: lp(c, 0, half) };
           if (!chat) choice.text = parts[0];
-          else if (c.call) choice.delta = { role: 'assistant', tool_calls: [{ index: 0, id: c.call.id, type: 'function', function: { name: c.call.name, arguments: parts[0] } }] };
+          else if (c.call)
+            choice.delta = {
+              role: 'assistant',
+              tool_calls: [{ index: 0, id: c.call.id, type: 'function', function: { name: c.call.name, arguments: parts[0] } }],
+            };
           else if (c.reasoning !== undefined) choice.delta = { role: 'assistant', reasoning_content: c.reasoning };
           else choice.delta = { role: 'assistant', content: parts[0] };
           if (wantIds) choice.token_ids = c.ids!.slice(0, half);
@@ -139,19 +164,37 @@ export async function startStubEngine(mode: StubMode = 'ok', opts: { tokenizer?:
           if (wantIds) choice.token_ids = c.ids!.slice(half);
           event(choice, false);
         });
-        if ((req0.stream_options as Obj | undefined)?.include_usage) res.write(`data: ${JSON.stringify({ id: `c${n}`, choices: [], usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } })}\n\n`);
+        if ((req0.stream_options as Obj | undefined)?.include_usage)
+          res.write(
+            `data: ${JSON.stringify({ id: `c${n}`, choices: [], usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } })}\n\n`,
+          );
         res.end('data: [DONE]\n\n');
         return;
       }
       const out = choices.map((c, index) => {
         const choice: Obj = { index, finish_reason: finish(c), logprobs: lp(c, 0, c.ids?.length ?? 0) };
         if (!chat) choice.text = c.content ?? '';
-        else if (c.call) choice.message = { role: 'assistant', content: null, tool_calls: [{ id: c.call.id, type: 'function', function: { name: c.call.name, arguments: c.call.arguments } }] };
-        else choice.message = c.reasoning === undefined ? { role: 'assistant', content: c.content } : { role: 'assistant', content: c.content, reasoning_content: c.reasoning };
+        else if (c.call)
+          choice.message = {
+            role: 'assistant',
+            content: null,
+            tool_calls: [{ id: c.call.id, type: 'function', function: { name: c.call.name, arguments: c.call.arguments } }],
+          };
+        else
+          choice.message =
+            c.reasoning === undefined
+              ? { role: 'assistant', content: c.content }
+              : { role: 'assistant', content: c.content, reasoning_content: c.reasoning };
         if (wantIds) choice.token_ids = c.ids;
         return choice;
       });
-      const json: Obj = { id: `c${n}`, object: chat ? 'chat.completion' : 'text_completion', model: 'stub', choices: out, usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens } };
+      const json: Obj = {
+        id: `c${n}`,
+        object: chat ? 'chat.completion' : 'text_completion',
+        model: 'stub',
+        choices: out,
+        usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens },
+      };
       if (wantIds) json.prompt_token_ids = promptIds;
       send(200, JSON.stringify(json));
     };

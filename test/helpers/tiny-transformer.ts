@@ -6,11 +6,22 @@
 import { Tape } from './autodiff.js';
 import { rng } from './sequences.js';
 
-export const D = 8, HEADS = 2, HEAD_DIM = D / HEADS, FF = 16, LAYERS = 2;
+export const D = 8,
+  HEADS = 2,
+  HEAD_DIM = D / HEADS,
+  FF = 16,
+  LAYERS = 2;
 const ROPE_BASE = 100; // positions here are small: a low base makes every rotation frequency matter
 
 interface LayerParams {
-  g1: number; wq: number; wk: number; wv: number; wo: number; g2: number; w1: number; w2: number;
+  g1: number;
+  wq: number;
+  wk: number;
+  wv: number;
+  wo: number;
+  g2: number;
+  w1: number;
+  w2: number;
 }
 
 /** Offsets of each weight in the flat parameter vector. */
@@ -21,11 +32,23 @@ export class Weights {
   readonly gf: number;
   readonly unemb: number;
 
-  constructor(readonly vocab: number, seed: number) {
+  constructor(
+    readonly vocab: number,
+    seed: number,
+  ) {
     let n = vocab * D;
     for (let l = 0; l < LAYERS; l++) {
       const at = (size: number) => ((n += size), n - size);
-      this.layers.push({ g1: at(D), wq: at(D * D), wk: at(D * D), wv: at(D * D), wo: at(D * D), g2: at(D), w1: at(D * FF), w2: at(FF * D) });
+      this.layers.push({
+        g1: at(D),
+        wq: at(D * D),
+        wk: at(D * D),
+        wv: at(D * D),
+        wo: at(D * D),
+        g2: at(D),
+        w1: at(D * FF),
+        w2: at(FF * D),
+      });
     }
     this.gf = n;
     n += D;
@@ -34,7 +57,8 @@ export class Weights {
     const r = rng(seed);
     const normal = () => Math.sqrt(-2 * Math.log(1 - r())) * Math.cos(2 * Math.PI * r());
     this.values = Float64Array.from({ length: n }, () => 0.6 * normal());
-    for (const g of [...this.layers.flatMap((l) => [l.g1, l.g2]), this.gf]) for (let i = 0; i < D; i++) this.values[g + i] = 1 + 0.1 * normal();
+    for (const g of [...this.layers.flatMap((l) => [l.g1, l.g2]), this.gf])
+      for (let i = 0; i < D; i++) this.values[g + i] = 1 + 0.1 * normal();
   }
 }
 
@@ -61,7 +85,8 @@ function rope(t: Tape, x: number[], pos: number): number[] {
   for (let h = 0; h < HEADS; h++) {
     for (let m = 0; m < HEAD_DIM / 2; m++) {
       const angle = pos * ROPE_BASE ** ((-2 * m) / HEAD_DIM);
-      const c = Math.cos(angle), s = Math.sin(angle);
+      const c = Math.cos(angle),
+        s = Math.sin(angle);
       const i = h * HEAD_DIM + 2 * m;
       y[i] = t.add(t.affine(x[i], c), t.affine(x[i + 1], -s));
       y[i + 1] = t.add(t.affine(x[i], s), t.affine(x[i + 1], c));
@@ -74,7 +99,14 @@ function rope(t: Tape, x: number[], pos: number): number[] {
  * Logits [n][vocab] (tape nodes) for tokens at the given positions; query q attends to the keys k with
  * visible(q, k), which must include q itself.
  */
-export function forward(t: Tape, w: Weights, params: number[], tokens: ArrayLike<number>, positions: ArrayLike<number>, visible: (q: number, k: number) => boolean): number[][] {
+export function forward(
+  t: Tape,
+  w: Weights,
+  params: number[],
+  tokens: ArrayLike<number>,
+  positions: ArrayLike<number>,
+  visible: (q: number, k: number) => boolean,
+): number[][] {
   const n = tokens.length;
   let x: number[][] = [];
   for (let p = 0; p < n; p++) x.push(params.slice(w.emb + tokens[p] * D, w.emb + tokens[p] * D + D));
@@ -87,7 +119,8 @@ export function forward(t: Tape, w: Weights, params: number[], tokens: ArrayLike
     for (let p = 0; p < n; p++) {
       const heads: number[] = [];
       for (let hd = 0; hd < HEADS; hd++) {
-        const lo = hd * HEAD_DIM, hi = lo + HEAD_DIM;
+        const lo = hd * HEAD_DIM,
+          hi = lo + HEAD_DIM;
         const keys: number[] = [];
         for (let s = 0; s < n; s++) if (visible(p, s)) keys.push(s);
         const scores = keys.map((s) => t.affine(t.dot(q[p].slice(lo, hi), k[s].slice(lo, hi)), 1 / Math.sqrt(HEAD_DIM)));

@@ -13,6 +13,7 @@ call of it, the argument text sampled, the JSON frame forced (like guided decodi
 Every generation is appended to `--log` (JSONL: prompt_token_ids, token_ids, logprobs) so a test can compare
 what the gateway recorded with what the engine produced.
 """
+
 import argparse
 import json
 import re
@@ -35,8 +36,17 @@ args = ap.parse_args()
 
 torch.manual_seed(args.seed)
 tok = AutoTokenizer.from_pretrained(args.tokenizer)
-cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True)
+cfg = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 model = Qwen3ForCausalLM(cfg).eval()
 EOS = tok.convert_tokens_to_ids("<|im_end|>")
 WORD = re.compile(r"^ [a-z]{2,8}$")
@@ -137,24 +147,39 @@ class Handler(BaseHTTPRequestHandler):
         rid = "cmpl-" + uuid.uuid4().hex
         calls = None
         if call_args is not None:
-            calls = [{"id": "call_" + uuid.uuid4().hex[:8], "type": "function", "function": {"name": tool, "arguments": json.dumps(call_args)}}]
+            calls = [
+                {"id": "call_" + uuid.uuid4().hex[:8], "type": "function", "function": {"name": tool, "arguments": json.dumps(call_args)}}
+            ]
         finish = "tool_calls" if calls else "stop"
         if not body.get("stream"):
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls or []}
                 if want_lp:
-                    choice["logprobs"] = {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(ids, lps)]}
+                    choice["logprobs"] = {
+                        "content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(ids, lps)]
+                    }
             else:
                 choice["text"] = tok.decode(ids[:-1])
                 if want_lp:
-                    choice["logprobs"] = {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps, "top_logprobs": None, "text_offset": []}
+                    choice["logprobs"] = {
+                        "tokens": [tok.decode([t]) for t in ids],
+                        "token_logprobs": lps,
+                        "top_logprobs": None,
+                        "text_offset": [],
+                    }
             if want_ids:
                 choice["token_ids"] = ids
                 if not chat:
                     choice["prompt_token_ids"] = prompt_ids
-            out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": "tiny", "choices": [choice],
-                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}}
+            out = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": "tiny",
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)},
+            }
             if want_ids and chat:
                 out["prompt_token_ids"] = prompt_ids
             return self.send_json(200, out)

@@ -18,7 +18,8 @@ export function subtreeEnds(parent: Int32Array): Int32Array {
  */
 export function randomTree(seed: number, N: number, opts: { pop?: number; root?: number } = {}): TreeArrays {
   const r = rng(seed);
-  const pop = opts.pop ?? 0.3, root = opts.root ?? 0.01;
+  const pop = opts.pop ?? 0.3,
+    root = opts.root ?? 0.01;
   const parent = new Int32Array(N);
   const path = new Int32Array(N);
   let depth = 0;
@@ -47,7 +48,14 @@ export function smallForests(): [string, TreeArrays][] {
     ['empty batch', packed([])],
     ['empty sequences only', packed([[], []])],
     ['one token', packed([[7]])],
-    ['duplicates', packed([[1, 2, 3], [1, 2, 3], [1, 2, 3]])],
+    [
+      'duplicates',
+      packed([
+        [1, 2, 3],
+        [1, 2, 3],
+        [1, 2, 3],
+      ]),
+    ],
     ['a sequence that is a prefix of another', packed([[1, 2], [1, 2, 3, 4], [1]])],
     ['deep chain', packed([Array.from({ length: 300 }, (_, i) => i % 5)])],
     ['wide fan-out', packed(Array.from({ length: 200 }, (_, i) => [9, i]))],

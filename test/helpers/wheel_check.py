@@ -38,7 +38,12 @@ assert out["core"] == os.path.join(here, _native.CORE), out["core"]
 # The optional CUDA library: reported, never fatal.
 out["cuda"] = _native.cuda_status()
 assert "libtreepack_cuda.so not loaded" in out["cuda"], out["cuda"]
-info = subprocess.run([sys.executable, "-m", "treepack", "info"], capture_output=True, text=True, env={**os.environ, "TREEPACK_CUDA_LIB": "/nonexistent/libtreepack_cuda.so"})
+info = subprocess.run(
+    [sys.executable, "-m", "treepack", "info"],
+    capture_output=True,
+    text=True,
+    env={**os.environ, "TREEPACK_CUDA_LIB": "/nonexistent/libtreepack_cuda.so"},
+)
 assert info.returncode == 0, info.stderr
 assert "cuda: libtreepack_cuda.so not loaded (tried /nonexistent/libtreepack_cuda.so: not found)" in info.stdout, info.stdout
 
@@ -102,8 +107,14 @@ for name, values in req["ts_arrays"].items():
     assert getattr(ts, name).tolist() == values, name
 assert treepack.check_invariants(ts) == []
 names = ["input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs"]
-meta = {"format": "treepack/1", "num_sequences": str(len(seqs)), "num_tokens_naive": str(len(mb.seq_positions)),
-        "num_tokens_packed": str(len(mb.input_ids)), "tokenizer": "t", "sequence_ids": json.dumps(mb.meta["sequence_ids"])}
+meta = {
+    "format": "treepack/1",
+    "num_sequences": str(len(seqs)),
+    "num_tokens_naive": str(len(mb.seq_positions)),
+    "num_tokens_packed": str(len(mb.input_ids)),
+    "tokenizer": "t",
+    "sequence_ids": json.dumps(mb.meta["sequence_ids"]),
+}
 raw = safetensors.numpy.save({n: np.asarray(getattr(mb, n)) for n in names}, metadata=meta)
 back = treepack.load(raw)
 for n in names:

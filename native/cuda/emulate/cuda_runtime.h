@@ -77,7 +77,8 @@ cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t stream);
 cudaError_t cudaFree(void* ptr);
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = nullptr);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream = nullptr);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream = nullptr);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaEventCreate(cudaEvent_t* event);
@@ -123,7 +124,8 @@ void SyncThreads(const char* file, int line);
 // Every lane of the calling warp deposits `size` (<= 16) bytes at `value` and waits for the others; returns the
 // deposits, lane l's at 16 * l, valid until the caller's next warp-synchronous call. `mask` must name exactly the
 // warp's lanes (what native/cuda does; partial masks are refused).
-const unsigned char* WarpExchange(const char* file, int line, const char* what, unsigned mask, const void* value, size_t size);
+const unsigned char* WarpExchange(const char* file, int line, const char* what, unsigned mask, const void* value,
+                                  size_t size);
 unsigned LaneId();
 
 template <typename T>
@@ -162,10 +164,13 @@ struct Launcher {
       void (*kernel)(P...);
       std::tuple<std::decay_t<P>...> args;
     } call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(a)...)};
-    RunGrid(name, grid, block, shared_bytes, stream, [](void* c) {
-      Call* k = static_cast<Call*>(c);
-      std::apply(k->kernel, k->args);
-    }, &call);
+    RunGrid(
+        name, grid, block, shared_bytes, stream,
+        [](void* c) {
+          Call* k = static_cast<Call*>(c);
+          std::apply(k->kernel, k->args);
+        },
+        &call);
   }
 };
 

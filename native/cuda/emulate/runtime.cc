@@ -131,8 +131,8 @@ thread_local cudaError_t last_error = cudaSuccess;
 std::string Where(const Fiber& f) { return std::string(f.file) + ":" + std::to_string(f.line); }
 
 std::string BlockName() {
-  return "kernel " + std::string(block.kernel) + ", block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) +
-         "," + std::to_string(blockIdx.z) + ")";
+  return "kernel " + std::string(block.kernel) + ", block (" + std::to_string(blockIdx.x) + "," +
+         std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
 }
 
 std::string ThreadName(const Fiber& f) {
@@ -188,7 +188,9 @@ char* TakeStack() {
 }
 
 // Stack tops a power of two apart would share cache sets: each stack's top is moved down by a different amount.
-size_t TopOffset(const char* stack) { return (reinterpret_cast<uintptr_t>(stack) / (kStackBytes + kGuardBytes) % 61) * 64; }
+size_t TopOffset(const char* stack) {
+  return (reinterpret_cast<uintptr_t>(stack) / (kStackBytes + kGuardBytes) % 61) * 64;
+}
 
 void Prepare(Fiber& f) {
   f.stack = TakeStack();
@@ -249,8 +251,8 @@ bool ReleaseWarps() {
     for (unsigned t = lo + 1; t < hi; t++) {
       if (block.fibers[t].line != block.fibers[lo].line || block.fibers[t].file != block.fibers[lo].file) {
         Abort(BlockName() + ": lanes of warp " + std::to_string(w) + " wait at different warp-synchronous calls (" +
-              ThreadName(block.fibers[lo]) + " at " + Where(block.fibers[lo]) + ", " + ThreadName(block.fibers[t]) + " at " +
-              Where(block.fibers[t]) + ")");
+              ThreadName(block.fibers[lo]) + " at " + Where(block.fibers[lo]) + ", " + ThreadName(block.fibers[t]) +
+              " at " + Where(block.fibers[t]) + ")");
       }
     }
     for (unsigned t = lo; t < hi; t++) block.fibers[t].state = kRunnable;
@@ -270,8 +272,9 @@ void ReleaseBarrier() {
       for (unsigned u = t / 32 * 32; u < std::min(block.n, t / 32 * 32 + 32); u++) {
         const Fiber& g = block.fibers[u];
         if (g.state == kAtWarp) continue;
-        Abort(BlockName() + ": " + ThreadName(f) + " waits at " + f.file + ":" + std::to_string(f.line) + " for its warp, but " +
-              ThreadName(g) + (g.state == kDone ? " has exited" : " waits at __syncthreads " + Where(g)) +
+        Abort(BlockName() + ": " + ThreadName(f) + " waits at " + f.file + ":" + std::to_string(f.line) +
+              " for its warp, but " + ThreadName(g) +
+              (g.state == kDone ? " has exited" : " waits at __syncthreads " + Where(g)) +
               " (a divergent warp-synchronous call: on a GPU it hangs or is undefined)");
       }
     }
@@ -280,12 +283,13 @@ void ReleaseBarrier() {
   for (unsigned t = 0; t < block.n; t++) {
     const Fiber& f = block.fibers[t];
     if (f.state == kDone) {
-      Abort(BlockName() + ": " + ThreadName(*waiting) + " waits at __syncthreads " + Where(*waiting) + " but " + ThreadName(f) +
-            " exited without reaching it (a divergent barrier: on a GPU it hangs or is undefined)");
+      Abort(BlockName() + ": " + ThreadName(*waiting) + " waits at __syncthreads " + Where(*waiting) + " but " +
+            ThreadName(f) + " exited without reaching it (a divergent barrier: on a GPU it hangs or is undefined)");
     }
     if (f.line != waiting->line || f.file != waiting->file) {
-      Abort(BlockName() + ": threads wait at different __syncthreads (" + ThreadName(*waiting) + " at " + Where(*waiting) + ", " +
-            ThreadName(f) + " at " + Where(f) + "; a divergent barrier: on a GPU it hangs or is undefined)");
+      Abort(BlockName() + ": threads wait at different __syncthreads (" + ThreadName(*waiting) + " at " +
+            Where(*waiting) + ", " + ThreadName(f) + " at " + Where(f) +
+            "; a divergent barrier: on a GPU it hangs or is undefined)");
     }
   }
   for (unsigned t = 0; t < block.n; t++) block.fibers[t].state = kRunnable;
@@ -335,13 +339,15 @@ void SyncThreads(const char* file, int line) {
 
 unsigned LaneId() { return Self("a warp intrinsic").linear % 32; }
 
-const unsigned char* WarpExchange(const char* file, int line, const char* what, unsigned mask, const void* value, size_t size) {
+const unsigned char* WarpExchange(const char* file, int line, const char* what, unsigned mask, const void* value,
+                                  size_t size) {
   Fiber& f = Self(what);
   const unsigned warp = f.linear / 32, lanes = std::min(32u, block.n - warp * 32);
   const unsigned full = lanes == 32 ? ~0u : (1u << lanes) - 1u;
   if (mask != full) {
-    Abort(BlockName() + ": " + what + " at " + file + ":" + std::to_string(line) + " with mask " + std::to_string(mask) +
-          ": the emulator supports only the mask of the warp's " + std::to_string(lanes) + " lanes");
+    Abort(BlockName() + ": " + what + " at " + file + ":" + std::to_string(line) + " with mask " +
+          std::to_string(mask) + ": the emulator supports only the mask of the warp's " + std::to_string(lanes) +
+          " lanes");
   }
   // Two buffers: a lane can be one call ahead of a lane still reading (the next call's barrier holds it there).
   unsigned char* buf = &block.exchange[(warp * 2 + f.warp_calls % 2) * 32 * 16];
@@ -415,12 +421,18 @@ cudaError_t cudaGetLastError() {
 
 const char* cudaGetErrorString(cudaError_t err) {
   switch (err) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorInvalidDevice: return "invalid device ordinal";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
   }
   return "unrecognized error code";
 }

@@ -149,8 +149,9 @@ class Case:
 
     def packed(self, fn, align):
         x = self.inputs
-        out, _ = recurrent.tree_chunk_rule(fn, recurrent.Tree(self.mask, align, "test"), x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                           use_qk_l2norm_in_kernel=True)
+        out, _ = recurrent.tree_chunk_rule(
+            fn, recurrent.Tree(self.mask, align, "test"), x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True
+        )
         return out[0].index_select(0, self.pos)
 
     def unpacked(self, fn, seqs=None):
@@ -230,8 +231,10 @@ class FlaOnTrees(unittest.TestCase):
         with torch.no_grad():
             moved = case.packed(one_ulp_up(fla), True)
             unaligned = case.packed(fla, False)
-        print(f"\n{name}: aligned packed == unpacked bit for bit; states moved one ulp: {max_diff(moved, unpacked):.3g}; "
-              f"unaligned: {max_diff(unaligned, unpacked):.3g}")
+        print(
+            f"\n{name}: aligned packed == unpacked bit for bit; states moved one ulp: {max_diff(moved, unpacked):.3g}; "
+            f"unaligned: {max_diff(unaligned, unpacked):.3g}"
+        )
         self.assertFalse(torch.equal(moved, unpacked))
         self.assertFalse(torch.equal(unaligned, unpacked))
         self.assertLess(max_diff(unaligned, unpacked), OUT_TOL)
@@ -286,10 +289,15 @@ class FlaInAPreparedModel(unittest.TestCase):
         lp_u[m].sum().backward()
         d_lp = max_diff(lp[m].detach(), lp_u[m].detach())
         grads = dict(plain.named_parameters())
-        d_g = max(max_diff(p.grad, grads[n].grad) / max(float(grads[n].grad.abs().max()), 1e-30)
-                  for n, p in packed.named_parameters() if p.grad is not None)
-        print(f"\nQwen3.5 packed with FLA vs per sequence with the torch reference: logprobs {d_lp:.3g}, "
-              f"parameter gradients {d_g:.3g} (relative)")
+        d_g = max(
+            max_diff(p.grad, grads[n].grad) / max(float(grads[n].grad.abs().max()), 1e-30)
+            for n, p in packed.named_parameters()
+            if p.grad is not None
+        )
+        print(
+            f"\nQwen3.5 packed with FLA vs per sequence with the torch reference: logprobs {d_lp:.3g}, "
+            f"parameter gradients {d_g:.3g} (relative)"
+        )
         self.assertLess(d_lp, LOGPROB_TOL)
         self.assertLess(d_g, max(1e-3, GRAD_TOL))  # test_hybrid's bound for the stock float32 code packed vs per sequence
 

@@ -82,9 +82,14 @@ def qkvs(n: int, seed: int, device: str = "cpu", dim: int = D):
 def block64(batch, q, k, v, **kw):
     """The oracle: the block path in float64."""
     with torch.no_grad():
-        return tpt.attend(tpt.tree_mask(batch, mode="block", block_size=B), q.double(), k.double(), v.double(),
-                          sinks=None if kw.get("sinks") is None else kw["sinks"].double(),
-                          **{a: b for a, b in kw.items() if a != "sinks"})
+        return tpt.attend(
+            tpt.tree_mask(batch, mode="block", block_size=B),
+            q.double(),
+            k.double(),
+            v.double(),
+            sinks=None if kw.get("sinks") is None else kw["sinks"].double(),
+            **{a: b for a, b in kw.items() if a != "sinks"},
+        )
 
 
 @needs_torch()
@@ -308,8 +313,11 @@ def cuda_forests(seed: int = 0):
     for _ in range(30):
         base = r.choice(mixed) if mixed and r.random() < 0.7 else []
         mixed.append(base[: r.randrange(0, len(base) + 1)] + tok(r.randrange(1, 30)))
-    shapes = {"depth>=30": [chain, chain[:150] + tok(60), chain[:290] + tok(30)], "mixed": mixed,
-              "duplicates": [chain[:200]] * 3 + [chain[:100] + tok(50)] * 2}
+    shapes = {
+        "depth>=30": [chain, chain[:150] + tok(60), chain[:290] + tok(30)],
+        "mixed": mixed,
+        "duplicates": [chain[:200]] * 3 + [chain[:100] + tok(50)] * 2,
+    }
     out = {}
     for i, (name, seqs) in enumerate(shapes.items()):
         pad = CUDA_TARGETS[name] - tpt.load_microbatch(pack(seqs)).num_nodes
@@ -332,8 +340,15 @@ class CompiledFlexCuda(unittest.TestCase):
                         results = []
                         for mode in ("flex", "block"):
                             q, k, v, sinks = (x.requires_grad_(True) for x in qkvs(n, 4, "cuda"))
-                            out = tpt.attend(tpt.tree_mask(batch, mode=mode), q, k, v, window=kw.get("window"),
-                                             sinks=sinks if kw.get("sinks") else None, rows=rows)
+                            out = tpt.attend(
+                                tpt.tree_mask(batch, mode=mode),
+                                q,
+                                k,
+                                v,
+                                window=kw.get("window"),
+                                sinks=sinks if kw.get("sinks") else None,
+                                rows=rows,
+                            )
                             out.backward(torch.cos(torch.arange(out.numel(), device="cuda", dtype=out.dtype)).reshape(out.shape))
                             results.append((out.detach(), q.grad, k.grad, v.grad, sinks.grad))
                         self.assertEqual(results[0][0].shape[2], n - rows)

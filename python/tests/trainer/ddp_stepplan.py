@@ -80,7 +80,7 @@ def worker(rank: int, world: int, out: str) -> None:
             if name == "split":
                 for i, b in enumerate(batches):
                     sync = i == len(batches) - 1
-                    with (torch.enable_grad() if sync else ddp.no_sync()):
+                    with torch.enable_grad() if sync else ddp.no_sync():
                         loss_fn(tpt.forward_logprobs(ddp, b, attention="block").logprobs, b).backward()
                 plain = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad(set_to_none=True)

@@ -43,9 +43,22 @@ def main(url: str, dp: str, lease: str, *families: str) -> None:
     report = {
         "first": {"id": first.id, "prefix_push": first.entry["prefix_push"], "prefix_tokens": first.entry["prefix_tokens"]},
         "during_lease": None if during_lease is None else during_lease.id,
-        "ranks": [[{"id": mb.id, "rank": mb.entry["rank"], "step": mb.entry["step"], "feed_step": mb.entry["feed_step"],
-                    "prefix_tokens": mb.entry["prefix_tokens"], "prefix_push": mb.entry["prefix_push"],
-                    "prefix_release": mb.entry["prefix_release"], "nodes": mb.batch.num_nodes} for mb in mine] for mine in ranks],
+        "ranks": [
+            [
+                {
+                    "id": mb.id,
+                    "rank": mb.entry["rank"],
+                    "step": mb.entry["step"],
+                    "feed_step": mb.entry["feed_step"],
+                    "prefix_tokens": mb.entry["prefix_tokens"],
+                    "prefix_push": mb.entry["prefix_push"],
+                    "prefix_release": mb.entry["prefix_release"],
+                    "nodes": mb.batch.num_nodes,
+                }
+                for mb in mine
+            ]
+            for mine in ranks
+        ],
     }
     batches = [[mb.batch for mb in mine] for mine in ranks]
     vocab = next(b.vocab_size for mine in batches for b in mine if b.vocab_size is not None)

@@ -67,11 +67,27 @@ def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: boo
     from trl import GRPOConfig
 
     k = spec["micro_batches_per_step"]
-    args = GRPOConfig(output_dir=os.path.join(spec["work"], name), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=k,
-                      steps_per_generation=k, max_steps=len(spec["reference"]), learning_rate=1e-2, logging_steps=1, report_to=[], seed=0,
-                      use_cpu=True, beta=0.04, loss_type="dapo", temperature=0.7, disable_tqdm=True,
-                      save_strategy="steps" if checkpoint else "no", save_steps=1,
-                      model_init_kwargs={"attn_implementation": "treepack", "dtype": torch.float64}, **cfg)
+    args = GRPOConfig(
+        output_dir=os.path.join(spec["work"], name),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=k,
+        steps_per_generation=k,
+        max_steps=len(spec["reference"]),
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        beta=0.04,
+        loss_type="dapo",
+        temperature=0.7,
+        disable_tqdm=True,
+        save_strategy="steps" if checkpoint else "no",
+        save_steps=1,
+        model_init_kwargs={"attn_implementation": "treepack", "dtype": torch.float64},
+        **cfg,
+    )
     capture = Capture()
 
     class Trainer(TreepackGRPOTrainer):
@@ -82,8 +98,13 @@ def trainer(spec: dict, source, name: str, die_at_step: int = 0, checkpoint: boo
                 os._exit(DIED)
             return super().compute_loss(*a, **kw)
 
-    t = Trainer(model=spec["model"], args=args, processing_class=AutoTokenizer.from_pretrained(spec["tokenizer"]), callbacks=[capture],
-                packed_batches=source)
+    t = Trainer(
+        model=spec["model"],
+        args=args,
+        processing_class=AutoTokenizer.from_pretrained(spec["tokenizer"]),
+        callbacks=[capture],
+        packed_batches=source,
+    )
     for m in (t.model, t.ref_model):
         if m is not None:
             patch_norms_to_input_dtype(m)
@@ -166,16 +187,25 @@ def prepare(spec: dict, dp: int = 1) -> list:
 def tokens(flat: list) -> dict:
     """What the micro-batches hold: tokens naive, packed and pad, sequences (per micro-batch in ``rows``), loss-mask
     holes, and how many hang from a cached prefix of a step plan."""
-    return {"naive": sum(b.num_occurrences for b in flat), "packed": sum(b.num_nodes for b in flat), "pad": sum(b.num_pad_tokens for b in flat),
-            "micro_batches": len(flat), "sequences": sum(b.num_sequences for b in flat), "holes": sum(map(holes, flat)),
-            "rows": [b.num_sequences for b in flat], "hanging": sum(int(b.meta.get("prefix_tokens", 0)) > 0 for b in flat)}
+    return {
+        "naive": sum(b.num_occurrences for b in flat),
+        "packed": sum(b.num_nodes for b in flat),
+        "pad": sum(b.num_pad_tokens for b in flat),
+        "micro_batches": len(flat),
+        "sequences": sum(b.num_sequences for b in flat),
+        "holes": sum(map(holes, flat)),
+        "rows": [b.num_sequences for b in flat],
+        "hanging": sum(int(b.meta.get("prefix_tokens", 0)) > 0 for b in flat),
+    }
 
 
 def same_batches(got: list, want: list) -> bool:
     """The feed handed out exactly the reference's micro-batches, in order (tensors and step-plan headers)."""
     plan = ("prefix_tokens", "prefix_push", "prefix_release")
-    return len(got) == len(want) and all(all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS) and
-                                         [a.meta.get(k) for k in plan] == [b.meta.get(k) for k in plan] for a, b in zip(got, want))
+    return len(got) == len(want) and all(
+        all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS) and [a.meta.get(k) for k in plan] == [b.meta.get(k) for k in plan]
+        for a, b in zip(got, want)
+    )
 
 
 def first(spec: dict) -> None:
@@ -211,9 +241,13 @@ def first(spec: dict) -> None:
     t.train()
     got = result(t, cap)
     out["feed_s"] = time.time() - began
-    out["feed"] = {**diff(ref, got), "events": feed.events,
-                   "same_batches": same_batches(feed.batches, flat),
-                   "nodes": [int(b.num_nodes) for b in feed.batches], "stats": [list(s) for s in t.treepack_stats]}
+    out["feed"] = {
+        **diff(ref, got),
+        "events": feed.events,
+        "same_batches": same_batches(feed.batches, flat),
+        "nodes": [int(b.num_nodes) for b in feed.batches],
+        "stats": [list(s) for s in t.treepack_stats],
+    }
     torch.save({"reference": ref, "out": out}, os.path.join(spec["work"], "first.pt"))
 
     # Service B: the trainer dies in its second step.
@@ -240,8 +274,14 @@ def resume(spec_path: str) -> None:
     t.train(resume_from_checkpoint=os.path.join(work, "restart", "checkpoint-1"))
     got = result(t, cap)
     out["restart_s"] = time.time() - began
-    out["restart"] = {"params": param_diff(ref["params"], got["params"]), "logs": log_diff(ref["logs"], died_logs + got["logs"]),
-                      "died_events": died_events, "resumed_events": feed.events, "died_logs": len(died_logs), "resumed_logs": len(got["logs"])}
+    out["restart"] = {
+        "params": param_diff(ref["params"], got["params"]),
+        "logs": log_diff(ref["logs"], died_logs + got["logs"]),
+        "died_events": died_events,
+        "resumed_events": feed.events,
+        "died_logs": len(died_logs),
+        "resumed_logs": len(got["logs"]),
+    }
     print(json.dumps(out))
 
 

@@ -43,7 +43,9 @@ DP = 2
 
 def ddp_worker(rank: int, spec: dict, port: int) -> None:
     """One rank: the directory reference, the control, the feed; writes its report (and final parameters) to WORK."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_WORLD_SIZE=str(DP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_WORLD_SIZE=str(DP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from treepack.torch import PackedDataset
 
@@ -84,8 +86,12 @@ def ddp(spec: dict) -> None:
     began = time.time()
     mp.spawn(ddp_worker, args=(spec, port), nprocs=DP, join=True)
     saved = [torch.load(os.path.join(spec["work"], f"rank{r}.pt")) for r in range(DP)]
-    out = {"tokens": [tokens(flat) for flat in ranks], "ranks": [s["report"] for s in saved], "processes_s": time.time() - began,
-           "ranks_params": max(param_diff(saved[0]["params"], s["params"]) for s in saved)}  # DDP keeps the ranks' parameters equal
+    out = {
+        "tokens": [tokens(flat) for flat in ranks],
+        "ranks": [s["report"] for s in saved],
+        "processes_s": time.time() - began,
+        "ranks_params": max(param_diff(saved[0]["params"], s["params"]) for s in saved),
+    }  # DDP keeps the ranks' parameters equal
     print(json.dumps(out))
 
 
@@ -96,8 +102,11 @@ def plan(spec: dict) -> None:
 
     [flat] = prepare(spec)
     manifests = [PackedDataset(d).manifest for d in spec["reference"]]
-    out = {"tokens": tokens(flat), "prefix_tokens": [int(b.meta.get("prefix_tokens", 0)) for b in flat],
-           "planned": {k: sum(int(m[k]) for m in manifests) for k in ("pushed_tokens", "computed_tokens")}}
+    out = {
+        "tokens": tokens(flat),
+        "prefix_tokens": [int(b.meta.get("prefix_tokens", 0)) for b in flat],
+        "planned": {k: sum(int(m[k]) for m in manifests) for k in ("pushed_tokens", "computed_tokens")},
+    }
 
     def executed(t) -> dict:
         runner = t.__dict__["_treepack_plan"]

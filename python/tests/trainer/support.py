@@ -47,6 +47,7 @@ def needs_torch(transformers: bool = False, cuda: str = ""):
         reason = cuda
     return unittest.skipIf(bool(reason), reason)
 
+
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "test", "fixtures", "loss_reference.json")
 
 
@@ -96,8 +97,16 @@ def tiny_model(family: str, dtype, attn: str = "treepack", vocab: int = 97, seed
     import torch
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=8, **common)
         cls = transformers.Qwen3ForCausalLM
@@ -121,8 +130,23 @@ def write_microbatch(path: str, mb: MicroBatch, metadata: dict[str, str] | None 
     overrides header keys, ``dtypes`` stores a field as another numpy dtype)."""
     import json
 
-    arrays = {f: getattr(mb, f) for f in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions", "loss_mask",
-                                         "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs") if getattr(mb, f) is not None}
+    arrays = {
+        f: getattr(mb, f)
+        for f in (
+            "input_ids",
+            "position_ids",
+            "parent",
+            "subtree_end",
+            "seq_offsets",
+            "seq_positions",
+            "loss_mask",
+            "advantages",
+            "old_logprobs",
+            "ref_logprobs",
+            "rollout_logprobs",
+        )
+        if getattr(mb, f) is not None
+    }
     arrays.update(mb.extra)
     for k, dt in (dtypes or {}).items():
         arrays[k] = np.asarray(arrays[k]).astype(dt)

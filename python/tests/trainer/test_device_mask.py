@@ -208,8 +208,14 @@ class NoDeviceSync(unittest.TestCase):
     def test_the_meta_device_refuses_every_read_of_a_value(self):
         # The probe's own control: each way a builder could read a value to the host raises on meta.
         x = torch.tensor([3, 1, 3], device="meta")
-        for read in (lambda: x[0].item(), lambda: x.cpu(), lambda: x.tolist(), lambda: torch.nonzero(x), lambda: x[x > 1],
-                     lambda: bool(x.any())):
+        for read in (
+            lambda: x[0].item(),
+            lambda: x.cpu(),
+            lambda: x.tolist(),
+            lambda: torch.nonzero(x),
+            lambda: x[x > 1],
+            lambda: bool(x.any()),
+        ):
             with self.assertRaises((RuntimeError, NotImplementedError)):
                 read()
 

@@ -89,8 +89,12 @@ class PackedEqualsUnpacked(unittest.TestCase):
                     lp_u, _ = unpacked_logprobs(plain_model, batch)
                     # The unpacked batch: one node per occurrence, so the same loss sees no sharing at all.
                     naive = {
-                        "seq_offsets": batch.seq_offsets, "seq_positions": torch.arange(batch.num_occurrences), "loss_mask": batch.loss_mask,
-                        "advantages": batch.advantages, "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs,
+                        "seq_offsets": batch.seq_offsets,
+                        "seq_positions": torch.arange(batch.num_occurrences),
+                        "loss_mask": batch.loss_mask,
+                        "advantages": batch.advantages,
+                        "old_logprobs": batch.old_logprobs,
+                        "ref_logprobs": batch.ref_logprobs,
                     }
                     loss_u, metrics_u = tpt.packed_loss(lp_u, naive, config)
                     self.assertAlmostEqual(float(loss_p), float(loss_u), delta=1e-5)

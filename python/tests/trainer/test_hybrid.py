@@ -41,7 +41,9 @@ def float64_modeling(name: str) -> types.ModuleType:
     code = re.sub(r"\btorch\.float(32)?\b", "torch.float64", inspect.getsource(stock)).replace(".float()", ".double()")
     for other in sorted(set(re.findall(r"from \.\.\.models\.(\w+)\.modeling_\w+ import", code))):
         float64_modeling(other)
-        code = code.replace(f"from ...models.{other}.modeling_{other} import", f"from transformers.models.{other}.modeling_{other}_float64 import")
+        code = code.replace(
+            f"from ...models.{other}.modeling_{other} import", f"from transformers.models.{other}.modeling_{other}_float64 import"
+        )
     mod = types.ModuleType(key)
     mod.__package__ = f"transformers.models.{name}"
     mod.__file__ = stock.__file__
@@ -54,19 +56,57 @@ def _configs():
     import transformers
 
     lin = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    att = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512)
+    att = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     two = ["linear_attention", "full_attention"]
     return {
         "qwen3_5": ("Qwen3_5ForCausalLM", transformers.Qwen3_5TextConfig(num_hidden_layers=2, layer_types=two, **lin, **att)),
-        "qwen3_next": ("Qwen3NextForCausalLM", transformers.Qwen3NextConfig(num_hidden_layers=2, layer_types=two, mlp_only_layers=[0, 1], **lin, **att)),
-        "nemotron_h": ("NemotronHForCausalLM", transformers.NemotronHConfig(
-            layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
-            conv_kernel=4, chunk_size=64, **att)),
-        "kimi_linear": ("KimiLinearForCausalLM", transformers.KimiLinearConfig(
-            vocab_size=VOCAB, pad_token_id=0, bos_token_id=None, eos_token_id=None, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
-            mlp_layer_types=["dense", "dense"], max_position_embeddings=512,
-            linear_attn_config={"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4, "full_attn_layers": [2], "kda_layers": [1]})),
+        "qwen3_next": (
+            "Qwen3NextForCausalLM",
+            transformers.Qwen3NextConfig(num_hidden_layers=2, layer_types=two, mlp_only_layers=[0, 1], **lin, **att),
+        ),
+        "nemotron_h": (
+            "NemotronHForCausalLM",
+            transformers.NemotronHConfig(
+                layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                mamba_num_heads=4,
+                mamba_head_dim=8,
+                ssm_state_size=8,
+                n_groups=2,
+                conv_kernel=4,
+                chunk_size=64,
+                **att,
+            ),
+        ),
+        "kimi_linear": (
+            "KimiLinearForCausalLM",
+            transformers.KimiLinearConfig(
+                vocab_size=VOCAB,
+                pad_token_id=0,
+                bos_token_id=None,
+                eos_token_id=None,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                kv_lora_rank=8,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                v_head_dim=8,
+                qk_nope_head_dim=8,
+                mlp_layer_types=["dense", "dense"],
+                max_position_embeddings=512,
+                linear_attn_config={"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4, "full_attn_layers": [2], "kda_layers": [1]},
+            ),
+        ),
     }
 
 
@@ -77,23 +117,75 @@ def _sharing_configs():
     """Families whose recurrent layers call the same functions as the ones above (forward-checked)."""
     import transformers
 
-    att = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    att = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512
+    )
     mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=64)
     return {
         "bamba": ("BambaForCausalLM", transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], **mamba, **att)),
-        "granitemoehybrid": ("GraniteMoeHybridForCausalLM", transformers.GraniteMoeHybridConfig(
-            num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16, **mamba, **att)),
+        "granitemoehybrid": (
+            "GraniteMoeHybridForCausalLM",
+            transformers.GraniteMoeHybridConfig(
+                num_hidden_layers=2,
+                layer_types=["mamba", "attention"],
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                shared_intermediate_size=16,
+                **mamba,
+                **att,
+            ),
+        ),
         "falcon_h1": ("FalconH1ForCausalLM", transformers.FalconH1Config(num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, **mamba, **att)),
-        "zamba2": ("Zamba2ForCausalLM", transformers.Zamba2Config(
-            num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
-            mamba_headdim=8, n_mamba_heads=8, chunk_size=64, attention_head_dim=16, num_mem_blocks=1, **dict(att, num_key_value_heads=2))),
-        "olmo_hybrid": ("OlmoHybridForCausalLM", transformers.OlmoHybridConfig(
-            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=None, linear_conv_kernel_dim=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, **att)),
-        "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", transformers.Qwen3_5MoeTextConfig(
-            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-            shared_expert_intermediate_size=16, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_num_key_heads=2, linear_num_value_heads=4, **att)),
+        "zamba2": (
+            "Zamba2ForCausalLM",
+            transformers.Zamba2Config(
+                num_hidden_layers=3,
+                layers_block_type=["mamba", "hybrid", "mamba"],
+                mamba_d_state=8,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                mamba_ngroups=2,
+                mamba_headdim=8,
+                n_mamba_heads=8,
+                chunk_size=64,
+                attention_head_dim=16,
+                num_mem_blocks=1,
+                **dict(att, num_key_value_heads=2),
+            ),
+        ),
+        "olmo_hybrid": (
+            "OlmoHybridForCausalLM",
+            transformers.OlmoHybridConfig(
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+                pad_token_id=0,
+                eos_token_id=None,
+                linear_conv_kernel_dim=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                **att,
+            ),
+        ),
+        "qwen3_5_moe": (
+            "Qwen3_5MoeForCausalLM",
+            transformers.Qwen3_5MoeTextConfig(
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+                num_experts=2,
+                num_experts_per_tok=1,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                head_dim=16,
+                linear_conv_kernel_dim=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                **att,
+            ),
+        ),
     }
 
 
@@ -160,7 +252,12 @@ class Segments(unittest.TestCase):
                 self.assertEqual(children[i - 1], 1)
             self.assertTrue(parent[s] < 0 or children[parent[s]] != 1 or parent[s] != s - 1 or s == 0)  # maximal
             p = int(seg.parent[k])
-            self.assertEqual(p, -1 if parent[s] < 0 else int(next(j for j in range(len(seg.start)) if seg.start[j] <= parent[s] < seg.start[j] + seg.length[j])))
+            self.assertEqual(
+                p,
+                -1
+                if parent[s] < 0
+                else int(next(j for j in range(len(seg.start)) if seg.start[j] <= parent[s] < seg.start[j] + seg.length[j])),
+            )
             self.assertEqual(int(seg.offset[k]), int(batch.position_ids[s]))
             self.assertEqual(int(seg.depth[k]), 0 if p < 0 else int(seg.depth[p]) + 1)
         self.assertEqual(sorted(covered), list(range(N)))
@@ -276,8 +373,14 @@ class HybridEqualsUnpacked(unittest.TestCase):
         # unpacked agree to float32 rounding; the bound is printed.
         config = {"clip_low": 0.2, "clip_high": 0.28, "kl": "k3", "kl_coef": 0.01}
         batch = tpt.load_microbatch(pack(stress_forest(seed=2)[:30], pad=2))
-        naive = {"seq_offsets": batch.seq_offsets, "seq_positions": torch.arange(batch.num_occurrences), "loss_mask": batch.loss_mask,
-                 "advantages": batch.advantages, "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
+        naive = {
+            "seq_offsets": batch.seq_offsets,
+            "seq_positions": torch.arange(batch.num_occurrences),
+            "loss_mask": batch.loss_mask,
+            "advantages": batch.advantages,
+            "old_logprobs": batch.old_logprobs,
+            "ref_logprobs": batch.ref_logprobs,
+        }
         for family in FAMILIES:
             with self.subTest(family=family):
                 plain = hybrid_model(family, float64=False, attn="sdpa")
@@ -292,10 +395,15 @@ class HybridEqualsUnpacked(unittest.TestCase):
                 m = batch.loss_mask
                 d_lp = float((tpt.gather_occurrences(lp, batch)[m] - lp_u[m]).detach().abs().max())
                 grads = dict(plain.named_parameters())
-                d_g = max(float((p.grad - grads[n].grad).abs().max()) / max(float(grads[n].grad.abs().max()), 1e-30)
-                          for n, p in packed.named_parameters() if p.grad is not None)
+                d_g = max(
+                    float((p.grad - grads[n].grad).abs().max()) / max(float(grads[n].grad.abs().max()), 1e-30)
+                    for n, p in packed.named_parameters()
+                    if p.grad is not None
+                )
                 d_loss = abs(float((loss_p - loss_u).detach()))
-                print(f"\nstock float32 {family}: max |logprob diff| {d_lp:.2g}, loss diff {d_loss:.2g}, max relative gradient diff {d_g:.2g}")
+                print(
+                    f"\nstock float32 {family}: max |logprob diff| {d_lp:.2g}, loss diff {d_loss:.2g}, max relative gradient diff {d_g:.2g}"
+                )
                 self.assertLess(d_lp, 1e-4)
                 self.assertLess(d_loss, 1e-5)
                 self.assertLess(d_g, 1e-3)
@@ -308,7 +416,9 @@ class HybridEqualsUnpacked(unittest.TestCase):
                 model = hybrid_model(family, attn="sdpa")
                 mask = tpt.dense_tree_mask(self.batch.subtree_end)[None, None]
                 with torch.no_grad():
-                    logits = model(self.batch.input_ids[None], position_ids=self.batch.position_ids[None], attention_mask=mask, use_cache=False).logits[0]
+                    logits = model(
+                        self.batch.input_ids[None], position_ids=self.batch.position_ids[None], attention_mask=mask, use_cache=False
+                    ).logits[0]
                     lp = torch.log_softmax(logits, -1)[self.batch.parent.clamp(min=0), self.batch.input_ids]
                     lp_u, _ = unpacked_logprobs(model, self.batch)
                 t = self.batch.token_index > 0
@@ -351,12 +461,26 @@ def rule_diffs(batch, device, dtype):
     ones = torch.ones(H, device=device)
     cases = {
         "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, t: f(t(x, 2), w, activation="silu"), recurrent.tree_conv, 2),
-        "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, t: f(t(q), t(k), t(v), g=t(decay), beta=t(beta), use_qk_l2norm_in_kernel=True)[0],
-                                         recurrent.tree_chunk_rule, 1),
-        "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, t: f(t(q), t(k), t(v), g=t(decay[..., None].expand(1, N, H, D)), beta=t(beta),
-                                                                                       use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1),
-        "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, t: f(t(v), t(dt), A, t(Bm), t(Cm), chunk_size=64, D=ones, dt_bias=ones,
-                                                                    dt_softplus=True, dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1),
+        "torch_chunk_gated_delta_rule": (
+            qwen.torch_chunk_gated_delta_rule,
+            lambda f, t: f(t(q), t(k), t(v), g=t(decay), beta=t(beta), use_qk_l2norm_in_kernel=True)[0],
+            recurrent.tree_chunk_rule,
+            1,
+        ),
+        "chunk_kimi_delta_attention": (
+            kimi.chunk_kimi_delta_attention,
+            lambda f, t: f(t(q), t(k), t(v), g=t(decay[..., None].expand(1, N, H, D)), beta=t(beta), use_qk_l2norm_in_kernel=True)[0],
+            recurrent.tree_chunk_rule,
+            1,
+        ),
+        "mamba2_chunk_scan": (
+            nemo.mamba2_chunk_scan,
+            lambda f, t: f(
+                t(v), t(dt), A, t(Bm), t(Cm), chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True, dt_limit=(1e-3, float("inf"))
+            ),
+            recurrent.tree_mamba2_scan,
+            1,
+        ),
     }
     seq_positions = batch.seq_positions.to(device)
     for name, (fn, apply, kind, dim) in cases.items():
@@ -395,8 +519,12 @@ class EntryPoints(unittest.TestCase):
                 model = tpt.prepare(hybrid_model(family))
                 keep = torch.unique(batch.parent[batch.parent >= 0])
                 with torch.no_grad():
-                    logits = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tpt.tree_mask(batch),
-                                   logits_to_keep=keep).logits[0]
+                    logits = model(
+                        input_ids=batch.input_ids[None],
+                        position_ids=batch.position_ids[None],
+                        attention_mask=tpt.tree_mask(batch),
+                        logits_to_keep=keep,
+                    ).logits[0]
                     child = torch.nonzero(batch.parent >= 0).flatten()
                     row = torch.searchsorted(keep, batch.parent[child])
                     lp = torch.log_softmax(logits.double(), -1)[row, batch.input_ids[child]]
@@ -418,8 +546,13 @@ class EntryPoints(unittest.TestCase):
         torch.manual_seed(0)
         with tempfile.TemporaryDirectory() as tmp:
             transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(tmp)
-            res = subprocess.run([sys.executable, os.path.join(root, "examples", "grpo_step.py"), "--model", tmp, "--json", "--max-tokens", "2048"],
-                                 capture_output=True, text=True, cwd=root, timeout=300)
+            res = subprocess.run(
+                [sys.executable, os.path.join(root, "examples", "grpo_step.py"), "--model", tmp, "--json", "--max-tokens", "2048"],
+                capture_output=True,
+                text=True,
+                cwd=root,
+                timeout=300,
+            )
         self.assertEqual(res.returncode, 0, res.stderr[-3000:])
         out = json.loads(res.stdout.strip().splitlines()[-1])
         self.assertLess(out["packed_tokens"], out["naive_tokens"])
@@ -429,8 +562,16 @@ class EntryPoints(unittest.TestCase):
     def test_unsupported_layers_are_refused_by_class_and_index(self):
         import transformers
 
-        cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, layer_types=["full_attention", "conv"], max_position_embeddings=128)
+        cfg = transformers.Lfm2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            layer_types=["full_attention", "conv"],
+            max_position_embeddings=128,
+        )
         model = transformers.Lfm2ForCausalLM(cfg).eval()
         model.set_attn_implementation("treepack")
         with self.assertRaisesRegex(ValueError, r"layer 1 .*Lfm2ShortConv mixes tokens"):
@@ -456,7 +597,9 @@ class EntryPoints(unittest.TestCase):
         batch = tpt.load_microbatch(pack([[1, 2, 3, 4], [1, 2, 5]]))
         for family in ("qwen3_5", "nemotron_h"):  # not prepared: a TreeMask is refused, never run as one sequence
             with self.subTest(family=family), self.assertRaisesRegex(ValueError, r"prepare\(model\)"):
-                hybrid_model(family)(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tpt.tree_mask(batch))
+                hybrid_model(family)(
+                    input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tpt.tree_mask(batch)
+                )
         model = tpt.prepare(hybrid_model("qwen3_5"))
         other = tpt.tree_mask(tpt.load_microbatch(pack([[1, 2, 3], [1, 2, 5]])))
         with self.assertRaisesRegex(ValueError, "one packed row of N = 4"):
@@ -464,8 +607,12 @@ class EntryPoints(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "past_key_values"):
             import transformers
 
-            model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=tpt.tree_mask(batch),
-                  past_key_values=transformers.DynamicCache(config=model.config))
+            model(
+                input_ids=batch.input_ids[None],
+                position_ids=batch.position_ids[None],
+                attention_mask=tpt.tree_mask(batch),
+                past_key_values=transformers.DynamicCache(config=model.config),
+            )
         with self.assertRaisesRegex(ValueError, "align"):
             from treepack.torch.segments import run_plan
 

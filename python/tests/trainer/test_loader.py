@@ -27,7 +27,12 @@ class Loader(unittest.TestCase):
     def test_path_bytes_and_microbatch_agree_with_the_file(self):
         with open(self.path, "rb") as f:
             raw = f.read()
-        batches = [tpt.load_microbatch(self.path), tpt.load_microbatch(raw), tpt.load_microbatch(memoryview(raw)), tpt.load_microbatch(load(self.path))]
+        batches = [
+            tpt.load_microbatch(self.path),
+            tpt.load_microbatch(raw),
+            tpt.load_microbatch(memoryview(raw)),
+            tpt.load_microbatch(load(self.path)),
+        ]
         for b in batches:
             for name in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions"):
                 t = getattr(b, name)
@@ -56,7 +61,11 @@ class Loader(unittest.TestCase):
             os.makedirs(os.path.join(self.dir, "gen-1"), exist_ok=True)
             mb = pack(forests(50, i)["wide"], seed=i)
             write_microbatch(os.path.join(self.dir, name), mb)
-            counts = {"sequences": mb.meta["num_sequences"], "naive_tokens": mb.meta["num_tokens_naive"], "packed_tokens": mb.meta["num_tokens_packed"]}
+            counts = {
+                "sequences": mb.meta["num_sequences"],
+                "naive_tokens": mb.meta["num_tokens_naive"],
+                "packed_tokens": mb.meta["num_tokens_packed"],
+            }
             files.append({"file": name, "rank": i % 2, "step": i // 2, **counts})
         files.reverse()
         write_microbatch(os.path.join(self.dir, "stray.safetensors"), self.mb)  # not in the manifest: never read
@@ -66,7 +75,9 @@ class Loader(unittest.TestCase):
         self.assertEqual([os.path.basename(p) for p in ds.files()], [os.path.basename(e["file"]) for e in files])
         seen = [b.num_nodes for b in ds]
         self.assertEqual(len(seen), 5)
-        self.assertEqual([e["file"] for e in tpt.PackedDataset(self.dir, rank=1, dp=2).entries], [e["file"] for e in files if e["rank"] == 1])
+        self.assertEqual(
+            [e["file"] for e in tpt.PackedDataset(self.dir, rank=1, dp=2).entries], [e["file"] for e in files if e["rank"] == 1]
+        )
         with self.assertRaises(TreepackError) as cm:
             tpt.PackedDataset(self.dir, rank=0, dp=4)
         self.assertEqual(cm.exception.field, "dp")
@@ -130,10 +141,20 @@ class Loader(unittest.TestCase):
         n = tpt.naive_batch(b)
         self.assertEqual(n.num_nodes, b.num_occurrences)
         self.assertTrue(torch.equal(n.input_ids, b.input_ids[b.seq_positions]))
-        as_np = MicroBatch(meta=n.meta, **{f: getattr(n, f).numpy().astype(np.int32) for f in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")},
-                           loss_mask=n.loss_mask.numpy().astype(np.uint8))
+        as_np = MicroBatch(
+            meta=n.meta,
+            **{
+                f: getattr(n, f).numpy().astype(np.int32)
+                for f in ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")
+            },
+            loss_mask=n.loss_mask.numpy().astype(np.uint8),
+        )
         self.assertEqual(check_invariants(as_np), [])
-        self.assertTrue(torch.equal(tpt.dense_tree_mask(n.subtree_end), tpt.dense_tree_mask(n.subtree_end) & (n.seq_index[:, None] == n.seq_index[None, :])))
+        self.assertTrue(
+            torch.equal(
+                tpt.dense_tree_mask(n.subtree_end), tpt.dense_tree_mask(n.subtree_end) & (n.seq_index[:, None] == n.seq_index[None, :])
+            )
+        )
         for i in range(b.num_sequences):
             self.assertTrue(torch.equal(n.sequence(i), b.sequence(i)))
 

@@ -29,7 +29,9 @@ class NodeLogprobs(unittest.TestCase):
 
     def full_logits_reference(self, nodes):
         b = self.batch
-        out = self.model(b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b, mode="dense"), use_cache=False)
+        out = self.model(
+            b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b, mode="dense"), use_cache=False
+        )
         logp = torch.log_softmax(out.logits[0], -1)
         lp = logp[b.parent[nodes], b.input_ids[nodes]]
         ent = -(logp.exp() * logp).sum(-1)[b.parent[nodes]]
@@ -66,7 +68,9 @@ class NodeLogprobs(unittest.TestCase):
 
     def test_hidden_state_input(self):
         b = self.batch
-        hidden = self.model.model(input_ids=b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b)).last_hidden_state
+        hidden = self.model.model(
+            input_ids=b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b)
+        ).last_hidden_state
         from_hidden = tpt.packed_logprobs(hidden, b, lm_head=self.model.lm_head, nodes="all", chunk_size=3)
         from_model = tpt.packed_logprobs(self.model, b, nodes="all")
         self.assertTrue(torch.equal(from_hidden.nodes, from_model.nodes))
@@ -96,7 +100,9 @@ class NodeLogprobs(unittest.TestCase):
                     grads = {id(p): p.grad.clone() for p in self.model.parameters()}  # by tensor: wrapping renames the head's
                     self.model.zero_grad()
                     self.model.lm_head = linear
-                    out = self.model(b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b, mode="dense"), use_cache=False)
+                    out = self.model(
+                        b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b, mode="dense"), use_cache=False
+                    )
                     logp = torch.log_softmax(cap * torch.tanh(out.logits[0] / cap) / T, -1)
                     lp = logp[b.parent[want], b.input_ids[want]]
                     ent = -(logp.exp() * logp).sum(-1)[b.parent[want]]
@@ -166,7 +172,12 @@ class NodeLogprobs(unittest.TestCase):
         # fewer rows, or many more, mean another model's tokenizer made the ids (which may all still be in range).
         big = tiny_model("qwen3", torch.float64, vocab=3000)
         b = self.batch
-        for vocab, ok in ((3000, True), (3000 - tpt.logprobs.VOCAB_PADDING, True), (3001, False), (3000 - tpt.logprobs.VOCAB_PADDING - 1, False)):
+        for vocab, ok in (
+            (3000, True),
+            (3000 - tpt.logprobs.VOCAB_PADDING, True),
+            (3001, False),
+            (3000 - tpt.logprobs.VOCAB_PADDING - 1, False),
+        ):
             with self.subTest(vocab=vocab):
                 b.meta["vocab_size"] = vocab
                 if ok:

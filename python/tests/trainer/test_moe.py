@@ -33,26 +33,68 @@ def build(family, dtype=torch.float64 if torch else None, stock_attention=True):
 
     common = dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
     if family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2, num_key_value_heads=1, head_dim=8,
-                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, **common)
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=24,
+            moe_intermediate_size=8,
+            num_hidden_layers=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **common,
+        )
         cls, stock = transformers.Qwen3MoeForCausalLM, "sdpa"
     elif family == "gpt_oss":
-        cfg = transformers.GptOssConfig(intermediate_size=8, num_hidden_layers=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
-                                        num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        cfg = transformers.GptOssConfig(
+            intermediate_size=8,
+            num_hidden_layers=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
         cls, stock = transformers.GptOssForCausalLM, "eager"  # sinks: no sdpa
     elif family == "deepseek_v3":
-        cfg = transformers.DeepseekV3Config(intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2, num_key_value_heads=2,
-                                            first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                            v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, **common)
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=24,
+            moe_intermediate_size=8,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            first_k_dense_replace=1,
+            q_lora_rank=8,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            **common,
+        )
         cls, stock = transformers.DeepseekV3ForCausalLM, "sdpa"
     elif family == "qwen3_5_moe":  # attention layers only: its router is what is tested here
-        cfg = transformers.Qwen3_5MoeTextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2, num_key_value_heads=1, head_dim=8,
-                                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
-                                                **common)
+        cfg = transformers.Qwen3_5MoeTextConfig(
+            num_hidden_layers=2,
+            layer_types=["full_attention"] * 2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+            **common,
+        )
         cls, stock = transformers.Qwen3_5MoeForCausalLM, "sdpa"
     else:  # mixtral: a router treepack does not replay
-        cfg = transformers.MixtralConfig(intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **common)
+        cfg = transformers.MixtralConfig(
+            intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **common
+        )
         cls, stock = transformers.MixtralForCausalLM, "sdpa"
     torch.manual_seed(0)
     model = cls(cfg).to(dtype).eval()

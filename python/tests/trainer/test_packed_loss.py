@@ -16,9 +16,23 @@ from treepack.loss import LossConfig
 
 def plain_loss(lp_occ, batch, cfg):
     """float64 per-occurrence reference; lp_occ [M] a leaf. Returns (loss, metrics dict)."""
-    c = {"policy": "ppo", "clip_low": 0.2, "clip_high": None, "dual_clip": 0.0, "log_ratio_clamp": 20.0, "aggregation": "token-mean",
-         "norm_constant": 0.0, "global_tokens": 0.0, "global_sequences": 0.0, "loss_scale": 1.0, "kl": "none", "kl_coef": 0.0, "tis": "none", "tis_cap": 2.0,
-         **cfg}
+    c = {
+        "policy": "ppo",
+        "clip_low": 0.2,
+        "clip_high": None,
+        "dual_clip": 0.0,
+        "log_ratio_clamp": 20.0,
+        "aggregation": "token-mean",
+        "norm_constant": 0.0,
+        "global_tokens": 0.0,
+        "global_sequences": 0.0,
+        "loss_scale": 1.0,
+        "kl": "none",
+        "kl_coef": 0.0,
+        "tis": "none",
+        "tis_cap": 2.0,
+        **cfg,
+    }
     if c["clip_high"] is None:
         c["clip_high"] = c["clip_low"]
     f = lambda name: batch[name].double()  # noqa: E731
@@ -30,8 +44,12 @@ def plain_loss(lp_occ, batch, cfg):
     T = c["global_tokens"] or float(n.sum())
     G = c["global_sequences"] or float((n > 0).sum())
     agg = c["aggregation"]
-    w_seq = {"token-mean": torch.full((S,), 1 / T if T else 0.0, dtype=torch.float64), "seq-mean-token-sum": torch.full((S,), 1 / G if G else 0.0, dtype=torch.float64),
-             "seq-mean-token-mean": 1 / (G * n.clamp(min=1)), "seq-mean-token-sum-norm": torch.full((S,), 1 / c["norm_constant"] if c["norm_constant"] else 0.0, dtype=torch.float64)}[agg]
+    w_seq = {
+        "token-mean": torch.full((S,), 1 / T if T else 0.0, dtype=torch.float64),
+        "seq-mean-token-sum": torch.full((S,), 1 / G if G else 0.0, dtype=torch.float64),
+        "seq-mean-token-mean": 1 / (G * n.clamp(min=1)),
+        "seq-mean-token-sum-norm": torch.full((S,), 1 / c["norm_constant"] if c["norm_constant"] else 0.0, dtype=torch.float64),
+    }[agg]
     sw = batch["seq_weight"].double() if batch.get("seq_weight") is not None else torch.ones(S, dtype=torch.float64)
     w = w_seq[seq] * sw[seq] * c["loss_scale"] * m
     A, old = f("advantages"), f("old_logprobs")
@@ -75,9 +93,19 @@ def plain_loss(lp_occ, batch, cfg):
     cnt = int(m.sum())
     per = lambda x: float(x[m].double().sum()) / cnt if cnt else 0.0  # noqa: E731
     ratios = r.detach()[m]
-    metrics = {"loss": float(loss), "pg_loss": float(pg), "kl_loss": float(kl), "clipfrac_high": per(high), "clipfrac_low": per(low),
-               "clipfrac_dual": per(dual), "approx_kl": per(old - lp_occ.detach()), "ratio_min": float(ratios.min()) if cnt else 0.0,
-               "ratio_mean": per(r.detach()), "ratio_max": float(ratios.max()) if cnt else 0.0, "trainable_tokens": cnt}
+    metrics = {
+        "loss": float(loss),
+        "pg_loss": float(pg),
+        "kl_loss": float(kl),
+        "clipfrac_high": per(high),
+        "clipfrac_low": per(low),
+        "clipfrac_dual": per(dual),
+        "approx_kl": per(old - lp_occ.detach()),
+        "ratio_min": float(ratios.min()) if cnt else 0.0,
+        "ratio_mean": per(r.detach()),
+        "ratio_max": float(ratios.max()) if cnt else 0.0,
+        "trainable_tokens": cnt,
+    }
     return loss, metrics
 
 
@@ -114,7 +142,9 @@ def fixture_configs(fx):
     e = fx["expected"]
     out = [({**base, "aggregation": agg, "norm_constant": 3}, want) for agg, want in e["loss"].items()]
     out.append(({**base, "kl": "k3", "kl_coef": 1.0}, e["loss"]["token-mean"] + e["k3_token_mean"]))
-    out.append(({"clip_low": p["clip_low"], "clip_high": p["clip_high"], "policy": "gspo", "aggregation": "seq-mean-token-mean"}, e["gspo_loss"]))
+    out.append(
+        ({"clip_low": p["clip_low"], "clip_high": p["clip_high"], "policy": "gspo", "aggregation": "seq-mean-token-mean"}, e["gspo_loss"])
+    )
     out.append(({"clip_low": p["clip_low"], "clip_high": p["clip_high"], "policy": "cispo"}, e["cispo_token_mean"]))
     out.append(({**base, "tis": "token", "tis_cap": p["tis_cap"]}, e["tis_vanilla_token_mean"]))
     return out
@@ -122,10 +152,18 @@ def fixture_configs(fx):
 
 def random_config(r):
     policy = r.choice(["ppo", "gspo", "cispo"])
-    cfg = {"policy": policy, "clip_low": r.choice([0.0, 0.1, 0.2]), "clip_high": r.choice([0.2, 0.28, 1.0]),
-           "aggregation": r.choice(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
-           "norm_constant": r.choice([1.0, 7.5]), "kl": r.choice(["none", "k1", "abs", "k2", "k3"]), "kl_coef": r.choice([0.0, 0.05, 1.0]),
-           "tis": r.choice(["none", "token", "sequence"]), "tis_cap": r.choice([0.5, 2.0]), "log_ratio_clamp": r.choice([0.3, 20.0])}
+    cfg = {
+        "policy": policy,
+        "clip_low": r.choice([0.0, 0.1, 0.2]),
+        "clip_high": r.choice([0.2, 0.28, 1.0]),
+        "aggregation": r.choice(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+        "norm_constant": r.choice([1.0, 7.5]),
+        "kl": r.choice(["none", "k1", "abs", "k2", "k3"]),
+        "kl_coef": r.choice([0.0, 0.05, 1.0]),
+        "tis": r.choice(["none", "token", "sequence"]),
+        "tis_cap": r.choice([0.5, 2.0]),
+        "log_ratio_clamp": r.choice([0.3, 20.0]),
+    }
     if policy == "ppo":
         cfg["dual_clip"] = r.choice([0.0, 3.0])
     if r.random() < 0.3:
@@ -170,7 +208,10 @@ class PackedLossAgainstPlainTorch(unittest.TestCase):
         for seed in range(6):
             for shape, seqs in forests(31, seed).items():
                 mb = tpt.load_microbatch(pack(seqs, pad=seed % 2, seed=seed))
-                batch = {k: getattr(mb, k) for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")}
+                batch = {
+                    k: getattr(mb, k)
+                    for k in ("seq_offsets", "seq_positions", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+                }
                 g = torch.Generator().manual_seed(seed)
                 if seed % 2:  # a trainer's per-sequence weights, zeros among them
                     batch["seq_weight"] = torch.tensor([(0.0, 1.0, 0.25, 3.0)[i % 4] for i in range(mb.num_sequences)])
@@ -263,9 +304,16 @@ class FlowGrpoAgainstUnmergedTurns(unittest.TestCase):
                     turn.append((int(mb.seq_positions[j]), bool(mask[j]), float(old[j]), float(ref[j]), float(adv[j])))
                 as_lists.append(turn)
             unmerged.append(((0.0, 1.0, 0.5, 2.0)[i % 4], as_lists))
-        batch = {"seq_offsets": torch.from_numpy(mb.seq_offsets), "seq_positions": torch.from_numpy(mb.seq_positions), "loss_mask": mask,
-                 "advantages": adv, "old_logprobs": old, "ref_logprobs": ref, "turn_ids": torch.from_numpy(mb.turn_ids),
-                 "seq_weight": torch.tensor([w for w, _ in unmerged])}
+        batch = {
+            "seq_offsets": torch.from_numpy(mb.seq_offsets),
+            "seq_positions": torch.from_numpy(mb.seq_positions),
+            "loss_mask": mask,
+            "advantages": adv,
+            "old_logprobs": old,
+            "ref_logprobs": ref,
+            "turn_ids": torch.from_numpy(mb.turn_ids),
+            "seq_weight": torch.tensor([w for w, _ in unmerged]),
+        }
         lp = -torch.rand(N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
         return batch, lp.float(), unmerged
 
@@ -286,7 +334,9 @@ class FlowGrpoAgainstUnmergedTurns(unittest.TestCase):
             batch, lp, unmerged = self.case(seed, 3 + seed, share=seed % 2 == 1)
             for cfg in ({}, {"loss_scale": 4.0, "dual_clip": 3.0}, {"global_sequences": 30.0, "kl": "k2", "kl_coef": 0.3}):
                 with self.subTest(seed=seed, cfg=cfg):
-                    self.check(batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "clip_low": 0.2, "clip_high": 0.28, **cfg})
+                    self.check(
+                        batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "clip_low": 0.2, "clip_high": 0.28, **cfg}
+                    )
                 cases += 1
         self.assertEqual(cases, 24)
 
@@ -315,7 +365,9 @@ class FlowGrpoAgainstUnmergedTurns(unittest.TestCase):
     def test_cuda_equals_the_formula(self):
         for seed in range(3):
             batch, lp, unmerged = self.case(seed, 6, share=True)
-            self.check(batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3.0, "kl": "k2", "kl_coef": 0.1}, "cuda")
+            self.check(
+                batch, lp, unmerged, {"aggregation": "seq-mean-turn-mean-token-mean", "loss_scale": 3.0, "kl": "k2", "kl_coef": 0.1}, "cuda"
+            )
 
 
 @needs_torch()

@@ -14,18 +14,22 @@ PEFT_SKIP = "" if importlib.util.find_spec("peft") else "peft not importable (pi
 
 # Left-padded prompts, right-padded responses (R = 5): a duplicate row, a row whose response continues another's, a
 # row with a tool token (response mask 0), an EOS-only response, a row with no response tokens.
-IDS = [[0, 0, 5, 6, 7, 8, 9, 1, 0, 0],
-       [0, 0, 5, 6, 7, 8, 9, 1, 0, 0],
-       [0, 0, 5, 6, 7, 8, 9, 1, 3, 4],
-       [0, 5, 6, 7, 2, 8, 11, 12, 13, 1],
-       [0, 0, 0, 5, 6, 1, 0, 0, 0, 0],
-       [0, 0, 0, 5, 6, 0, 0, 0, 0, 0]]
-ATT = [[0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
-       [0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
-       [0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
-       [0, 1, 1, 1, 1, 1, 1, 1, 1, 1],
-       [0, 0, 0, 1, 1, 1, 0, 0, 0, 0],
-       [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
+IDS = [
+    [0, 0, 5, 6, 7, 8, 9, 1, 0, 0],
+    [0, 0, 5, 6, 7, 8, 9, 1, 0, 0],
+    [0, 0, 5, 6, 7, 8, 9, 1, 3, 4],
+    [0, 5, 6, 7, 2, 8, 11, 12, 13, 1],
+    [0, 0, 0, 5, 6, 1, 0, 0, 0, 0],
+    [0, 0, 0, 5, 6, 0, 0, 0, 0, 0],
+]
+ATT = [
+    [0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
+    [0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
+    [0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+    [0, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+    [0, 0, 0, 1, 1, 1, 0, 0, 0, 0],
+    [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+]
 R = 5
 RESP = [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
 
@@ -58,7 +62,10 @@ class RowsTest(unittest.TestCase):
         from treepack.torch import forward_logprobs, from_padded
 
         batch, layout = from_padded(self.ids, self.att, response_mask=self.resp)
-        self.assertEqual(batch.num_nodes, len({tuple(s[: t + 1]) for s in (r[m.bool()].tolist() for r, m in zip(self.ids, self.att)) for t in range(len(s))}))
+        self.assertEqual(
+            batch.num_nodes,
+            len({tuple(s[: t + 1]) for s in (r[m.bool()].tolist() for r, m in zip(self.ids, self.att)) for t in range(len(s))}),
+        )
         scores = forward_logprobs(packed_model, batch, temperature=0.7, entropy=True)
         lp, ent = layout.to_padded(scores.logprobs), layout.to_padded(scores.entropy)
         ref_lp, ref_ent, mask = reference(ref_model, self.ids, self.att, self.resp, 0.7)
@@ -69,7 +76,9 @@ class RowsTest(unittest.TestCase):
         w = torch.linspace(-1, 1, lp.numel(), dtype=torch.float64).view_as(lp)
         params = [p for p in packed_model.parameters() if p.requires_grad]
         g = torch.autograd.grad((lp * w).sum(), params)
-        g_ref = torch.autograd.grad((reference(ref_model, self.ids, self.att, self.resp, 0.7)[0] * w).sum(), [p for p in ref_model.parameters() if p.requires_grad])
+        g_ref = torch.autograd.grad(
+            (reference(ref_model, self.ids, self.att, self.resp, 0.7)[0] * w).sum(), [p for p in ref_model.parameters() if p.requires_grad]
+        )
         for a, b in zip(g, g_ref):
             self.assertLess(float((a - b).abs().max()), 1e-10)
 

@@ -47,7 +47,13 @@ def occurrence_data(seqs: Sequence[Sequence[int]], seed: int) -> list[dict[str, 
     for s in seqs:
         mask = (r.random(len(s)) < 0.8).astype(np.uint8)
         mask[0] = 0
-        out.append({"loss_mask": mask, "advantages": r.standard_normal(len(s)).astype(np.float32), "old_logprobs": (-r.random(len(s)) * 3).astype(np.float32)})
+        out.append(
+            {
+                "loss_mask": mask,
+                "advantages": r.standard_normal(len(s)).astype(np.float32),
+                "old_logprobs": (-r.random(len(s)) * 3).astype(np.float32),
+            }
+        )
     return out
 
 
@@ -135,7 +141,9 @@ class Checks:
         for sid in ref_lp:
             np.testing.assert_allclose(lp[sid], ref_lp[sid], atol=1e-10, rtol=0, err_msg=f"sequence {sid}")
         for n, g in ref_grads.items():
-            self.assertTrue(torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}")
+            self.assertTrue(
+                torch.allclose(grads[n], g, atol=1e-10, rtol=0), f"{family} {n}: max diff {float((grads[n] - g).abs().max()):.3g}"
+            )
         return res
 
     def check_entropy(self, model, seqs, groups, hangs, temperature=0.7):
@@ -174,7 +182,9 @@ class Checks:
             for sid in want:
                 np.testing.assert_allclose(got[sid], want[sid], atol=1e-10, rtol=0, err_msg=f"sequence {sid}")
         for n, p in model.named_parameters():
-            self.assertTrue(torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), f"{n}: max diff {float((p.grad - ref_grads[n]).abs().max()):.3g}")
+            self.assertTrue(
+                torch.allclose(p.grad, ref_grads[n], atol=1e-10, rtol=0), f"{n}: max diff {float((p.grad - ref_grads[n]).abs().max()):.3g}"
+            )
 
 
 @needs_torch(transformers=True)
@@ -340,8 +350,16 @@ class StepPlanTest(Checks, unittest.TestCase):
         anything runs, naming the layer and its class."""
         import transformers
 
-        cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, layer_types=["full_attention", "conv"], max_position_embeddings=128)
+        cfg = transformers.Lfm2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            layer_types=["full_attention", "conv"],
+            max_position_embeddings=128,
+        )
         model = transformers.Lfm2ForCausalLM(cfg).double().eval()
         model.set_attn_implementation("treepack")
         seqs = self.trunk()
@@ -364,7 +382,10 @@ class StepPlanTest(Checks, unittest.TestCase):
             got = treepack.load(path)
             self.assertEqual((got.meta["prefix_tokens"], got.meta["prefix_push"], got.meta["prefix_release"]), (3, [1, 3], 2))
             self.assertEqual(tuple(tpt.step_op(tpt.load_microbatch(path))), (3, [1, 3], 2))
-            for meta, field in (({"prefix_tokens": "3"}, "prefix_tokens"), ({"prefix_tokens": "3", "prefix_push": "[3, 1]", "prefix_release": "0"}, "prefix_push")):
+            for meta, field in (
+                ({"prefix_tokens": "3"}, "prefix_tokens"),
+                ({"prefix_tokens": "3", "prefix_push": "[3, 1]", "prefix_release": "0"}, "prefix_push"),
+            ):
                 write_microbatch(path, mb, meta)
                 with self.assertRaises(TreepackError) as e:
                     treepack.load(path)
@@ -379,7 +400,10 @@ class StepPlanTest(Checks, unittest.TestCase):
         b0 = assemble(seqs, data, groups[0])
         b1 = assemble(seqs, data, groups[1])
         ops = plan_ops([chain_of(b0, 4), chain_of(b1, 4)])
-        heads = [assemble(seqs, data, g, {"prefix_tokens": str(o[0]), "prefix_push": str(o[1]), "prefix_release": str(o[2])}) for g, o in zip(groups, ops)]
+        heads = [
+            assemble(seqs, data, g, {"prefix_tokens": str(o[0]), "prefix_push": str(o[1]), "prefix_release": str(o[2])})
+            for g, o in zip(groups, ops)
+        ]
         self.assertEqual([tuple(tpt.step_op(b)) for b in heads], [(o[0], list(o[1]), o[2]) for o in ops])
 
 
@@ -583,8 +607,10 @@ def split_rule_diffs(device, dtype, float64=False):
 
     from test_hybrid import float64_modeling
 
-    qwen, kimi, nemo = (float64_modeling(n) if float64 else importlib.import_module(f"transformers.models.{n}.modeling_{n}")
-                        for n in ("qwen3_5", "kimi_linear", "nemotron_h"))
+    qwen, kimi, nemo = (
+        float64_modeling(n) if float64 else importlib.import_module(f"transformers.models.{n}.modeling_{n}")
+        for n in ("qwen3_5", "kimi_linear", "nemotron_h")
+    )
 
     from treepack.torch import recurrent
 
@@ -603,12 +629,27 @@ def split_rule_diffs(device, dtype, float64=False):
     ones = torch.ones(H, device=device)
     cases = {  # name: (function, how the layer calls it on node inputs, tree way, node dimension, inputs [1, N, ...] or [1, C, N])
         "causal_conv1d_fn": (qwen.causal_conv1d_fn, lambda f, x: f(x, w, activation="silu"), recurrent.tree_conv, 2, [rnd(1, 3 * D, N)]),
-        "torch_chunk_gated_delta_rule": (qwen.torch_chunk_gated_delta_rule, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg, beta=bb, use_qk_l2norm_in_kernel=True)[0],
-                                         recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
-        "chunk_kimi_delta_attention": (kimi.chunk_kimi_delta_attention, lambda f, q, k, v, gg, bb: f(q, k, v, g=gg[..., None].expand(q.shape), beta=bb,
-                                       use_qk_l2norm_in_kernel=True)[0], recurrent.tree_chunk_rule, 1, [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta]),
-        "mamba2_chunk_scan": (nemo.mamba2_chunk_scan, lambda f, x, d, b, c: f(x, d, A, b, c, chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True,
-                              dt_limit=(1e-3, float("inf"))), recurrent.tree_mamba2_scan, 1, [rnd(1, N, H, D), dt, rnd(1, N, 1, D), rnd(1, N, 1, D)]),
+        "torch_chunk_gated_delta_rule": (
+            qwen.torch_chunk_gated_delta_rule,
+            lambda f, q, k, v, gg, bb: f(q, k, v, g=gg, beta=bb, use_qk_l2norm_in_kernel=True)[0],
+            recurrent.tree_chunk_rule,
+            1,
+            [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta],
+        ),
+        "chunk_kimi_delta_attention": (
+            kimi.chunk_kimi_delta_attention,
+            lambda f, q, k, v, gg, bb: f(q, k, v, g=gg[..., None].expand(q.shape), beta=bb, use_qk_l2norm_in_kernel=True)[0],
+            recurrent.tree_chunk_rule,
+            1,
+            [rnd(1, N, H, D), rnd(1, N, H, D), rnd(1, N, H, D), decay, beta],
+        ),
+        "mamba2_chunk_scan": (
+            nemo.mamba2_chunk_scan,
+            lambda f, x, d, b, c: f(x, d, A, b, c, chunk_size=64, D=ones, dt_bias=ones, dt_softplus=True, dt_limit=(1e-3, float("inf"))),
+            recurrent.tree_mamba2_scan,
+            1,
+            [rnd(1, N, H, D), dt, rnd(1, N, 1, D), rnd(1, N, 1, D)],
+        ),
     }
 
     def check(name, fn, apply, kind, dim, inputs):

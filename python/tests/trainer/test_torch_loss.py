@@ -36,13 +36,15 @@ TIS = ("none", "token", "sequence")
 def every_config():
     """Each policy x aggregation x kl x tis once (225), the numeric options cycling through the values the suites use
     (asymmetric clip, dual clip, a clamp that binds, global counts, loss_scale 0, tis caps that bind)."""
-    extras = itertools.cycle([
-        {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
-        {"clip_low": 0.1, "clip_high": 1.0, "log_ratio_clamp": 0.3, "loss_scale": 8.0},
-        {"clip_low": 0.0, "global_tokens": 1000.0, "global_sequences": 50.0, "tis_cap": 0.5},
-        {"clip_low": 0.2, "dual_clip": 2.5, "loss_scale": 0.0, "tis_cap": 1.5},
-        {"clip_low": 0.2, "clip_high": 0.28, "log_ratio_clamp": 1.0, "global_sequences": 40.0},
-    ])
+    extras = itertools.cycle(
+        [
+            {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
+            {"clip_low": 0.1, "clip_high": 1.0, "log_ratio_clamp": 0.3, "loss_scale": 8.0},
+            {"clip_low": 0.0, "global_tokens": 1000.0, "global_sequences": 50.0, "tis_cap": 0.5},
+            {"clip_low": 0.2, "dual_clip": 2.5, "loss_scale": 0.0, "tis_cap": 1.5},
+            {"clip_low": 0.2, "clip_high": 0.28, "log_ratio_clamp": 1.0, "global_sequences": 40.0},
+        ]
+    )
     for (policy, agg, kl, tis), extra in zip(itertools.product(POLICIES, AGGREGATIONS, KLS, TIS), extras):
         cfg = {"policy": policy, "aggregation": agg, "kl": kl, "tis": tis, "norm_constant": 7.5, "kl_coef": 0.5 * (kl != "none"), **extra}
         if policy != "ppo":
@@ -90,27 +92,44 @@ def shapes():
     for seed in range(2):
         for shape, seqs in forests(31, seed).items():
             out.append((f"{shape}/{seed}", *as_batch(pack(seqs, pad=seed, seed=seed), seed, weights=seed == 1)))
-    empty = {"seq_offsets": torch.zeros(1, dtype=torch.int64), "seq_positions": torch.zeros(0, dtype=torch.int64),
-             "loss_mask": torch.zeros(0, dtype=torch.bool), "turn_ids": torch.zeros(0, dtype=torch.int64),
-             **{f: torch.zeros(0) for f in FIELDS}}
+    empty = {
+        "seq_offsets": torch.zeros(1, dtype=torch.int64),
+        "seq_positions": torch.zeros(0, dtype=torch.int64),
+        "loss_mask": torch.zeros(0, dtype=torch.bool),
+        "turn_ids": torch.zeros(0, dtype=torch.int64),
+        **{f: torch.zeros(0) for f in FIELDS},
+    }
     out.append(("empty", empty, torch.zeros(0, dtype=torch.float64)))
     out.append(("empty sequences", {**empty, "seq_offsets": torch.zeros(3, dtype=torch.int64)}, torch.zeros(2, dtype=torch.float64)))
-    one = {"seq_offsets": torch.tensor([0, 1]), "seq_positions": torch.tensor([0]), "loss_mask": torch.tensor([True]),
-           "turn_ids": torch.tensor([4]), "advantages": torch.tensor([-1.5]), "old_logprobs": torch.tensor([-0.75]),
-           "ref_logprobs": torch.tensor([-2.0]), "rollout_logprobs": torch.tensor([-0.5])}
+    one = {
+        "seq_offsets": torch.tensor([0, 1]),
+        "seq_positions": torch.tensor([0]),
+        "loss_mask": torch.tensor([True]),
+        "turn_ids": torch.tensor([4]),
+        "advantages": torch.tensor([-1.5]),
+        "old_logprobs": torch.tensor([-0.75]),
+        "ref_logprobs": torch.tensor([-2.0]),
+        "rollout_logprobs": torch.tensor([-0.5]),
+    }
     out.append(("one token", one, torch.tensor([-0.25], dtype=torch.float64)))
     b, lp = as_batch(pack([[1, 2, 3], [1, 2, 3], [1, 2], [4, 5, 6, 7]], seed=3), 3)
     off = b["seq_offsets"].tolist()
     b["loss_mask"] = b["loss_mask"].clone()
-    b["loss_mask"][off[1]:off[2]] = False  # sequences with no trainable token
-    b["loss_mask"][off[3]:] = False
+    b["loss_mask"][off[1] : off[2]] = False  # sequences with no trainable token
+    b["loss_mask"][off[3] :] = False
     out.append(("untrainable sequences", b, lp))
     # Log ratios of exactly ±1 (the clamp of one config in five): the kernels pass the derivative at the clamp's ends.
     lp = torch.tensor([-0.5, -1.5, -0.25, -2.0, -1.0], dtype=torch.float64)
-    edge = {"seq_offsets": torch.tensor([0, 2, 5]), "seq_positions": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.bool),
-            "turn_ids": torch.tensor([0, 1, 0, 0, 1]), "advantages": torch.tensor([-1.0, 1.0, -2.0, 0.5, 1.5]),
-            "old_logprobs": torch.tensor([-1.5, -0.5, -1.25, -1.0, -1.0]), "ref_logprobs": torch.tensor([-0.75, -1.5, -0.5, -2.5, -1.0]),
-            "rollout_logprobs": torch.tensor([-1.0, -0.5, -2.25, -1.0, -0.5])}
+    edge = {
+        "seq_offsets": torch.tensor([0, 2, 5]),
+        "seq_positions": torch.arange(5),
+        "loss_mask": torch.ones(5, dtype=torch.bool),
+        "turn_ids": torch.tensor([0, 1, 0, 0, 1]),
+        "advantages": torch.tensor([-1.0, 1.0, -2.0, 0.5, 1.5]),
+        "old_logprobs": torch.tensor([-1.5, -0.5, -1.25, -1.0, -1.0]),
+        "ref_logprobs": torch.tensor([-0.75, -1.5, -0.5, -2.5, -1.0]),
+        "rollout_logprobs": torch.tensor([-1.0, -0.5, -2.25, -1.0, -0.5]),
+    }
     out.append(("clamp ends", edge, lp))
     return out
 
@@ -138,7 +157,6 @@ class SameAsKernel:
 
 @needs_torch()
 class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
-
     def test_every_option_on_every_shape(self):
         """All 225 configs (every policy x aggregation x kl x tis) on the 5 adversarial batches and the weighted mixed
         forest, a fifth of them on each other forest (every config on one or two of them), against tp_loss."""
@@ -220,9 +238,11 @@ class TorchLossAgainstTheCore(SameAsKernel, unittest.TestCase):
 
 @needs_torch()
 class SyncFreeAndCompiled(unittest.TestCase):
-    CONFIGS = ({"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.1, "tis": "token"},
-               {"policy": "gspo", "aggregation": "seq-mean-token-mean", "tis": "sequence", "log_ratio_clamp": 0.3},
-               {"policy": "cispo", "aggregation": "seq-mean-turn-mean-token-mean", "kl": "abs", "kl_coef": 0.5, "loss_scale": 4.0})
+    CONFIGS = (
+        {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.1, "tis": "token"},
+        {"policy": "gspo", "aggregation": "seq-mean-token-mean", "tis": "sequence", "log_ratio_clamp": 0.3},
+        {"policy": "cispo", "aggregation": "seq-mean-turn-mean-token-mean", "kl": "abs", "kl_coef": 0.5, "loss_scale": 4.0},
+    )
 
     def test_meta_tensors_read_no_value(self):
         """validate=False, metrics='tensor' runs on meta tensors (no data): no .item(), .cpu() or data-dependent branch."""
@@ -233,7 +253,9 @@ class SyncFreeAndCompiled(unittest.TestCase):
             loss, metrics = tpt.packed_loss(x, meta, cfg, validate=False, metrics="tensor")
             loss.backward()
             self.assertEqual((x.grad.device.type, metrics["ratio_mean"].device.type), ("meta", "meta"))
-            with self.assertRaisesRegex(NotImplementedError, "meta tensor"):  # the default reads values on the host, which meta tensors lack
+            with self.assertRaisesRegex(
+                NotImplementedError, "meta tensor"
+            ):  # the default reads values on the host, which meta tensors lack
                 tpt.packed_loss(x, meta, cfg)
 
     def test_structural_checks_hold_without_validation(self):

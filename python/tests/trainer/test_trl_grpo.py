@@ -27,8 +27,11 @@ if not TORCH_SKIP:
     import treepack.torch as tpt
     from treepack.torch import unwrap
 
-TRL_SKIP = "" if all(importlib.util.find_spec(m) for m in ("trl", "peft", "datasets", "accelerate")) else \
-    "trl, peft, datasets or accelerate not importable (pip install -r python/requirements-integrations.txt)"
+TRL_SKIP = (
+    ""
+    if all(importlib.util.find_spec(m) for m in ("trl", "peft", "datasets", "accelerate"))
+    else "trl, peft, datasets or accelerate not importable (pip install -r python/requirements-integrations.txt)"
+)
 if TRL_SKIP and not (CORE_SKIP or TORCH_SKIP) and os.environ.get("TREEPACK_REQUIRE_TORCH") == "1":
     raise RuntimeError(f"TREEPACK_REQUIRE_TORCH=1 but {TRL_SKIP}")
 
@@ -102,9 +105,21 @@ def tiny_moe():
     """A 2-layer random-weight Qwen3-MoE (4 experts, 2 per token) in float32, its routers' weights far from ties."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                      norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg)
     for name, p in model.named_parameters():
@@ -184,8 +199,16 @@ class TRLGRPOTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def trainer(self, packed: bool, family: str = "qwen3", dtype=torch.float64, lora: bool = False, forward_only: bool = False,
-                rollout: bool = True, **cfg):
+    def trainer(
+        self,
+        packed: bool,
+        family: str = "qwen3",
+        dtype=torch.float64,
+        lora: bool = False,
+        forward_only: bool = False,
+        rollout: bool = True,
+        **cfg,
+    ):
         """A stock GRPOTrainer (group-whole split, stock forwards) or TreepackGRPOTrainer from the same saved weights
         and seed; ``forward_only``: packed forwards with TRL's own shuffled split."""
         from datasets import Dataset
@@ -195,11 +218,29 @@ class TRLGRPOTest(unittest.TestCase):
 
         attn = "treepack" if packed else "sdpa"
         init = {"attn_implementation": attn, "dtype": dtype, **({"experts_implementation": "eager"} if family == "qwen3_moe" else {})}
-        args = dict(output_dir=self.tmp.name, per_device_train_batch_size=2 * G, gradient_accumulation_steps=2, steps_per_generation=2,
-                    num_generations=G, max_completion_length=8, num_iterations=2, max_steps=1, learning_rate=1e-2, logging_steps=1,
-                    report_to=[], save_strategy="no", seed=0, use_cpu=True, mask_truncated_completions=True, top_entropy_quantile=0.5,
-                    beta=0.0, loss_type="dapo", model_init_kwargs=init, temperature=0.7,
-                    disable_tqdm=True)
+        args = dict(
+            output_dir=self.tmp.name,
+            per_device_train_batch_size=2 * G,
+            gradient_accumulation_steps=2,
+            steps_per_generation=2,
+            num_generations=G,
+            max_completion_length=8,
+            num_iterations=2,
+            max_steps=1,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            use_cpu=True,
+            mask_truncated_completions=True,
+            top_entropy_quantile=0.5,
+            beta=0.0,
+            loss_type="dapo",
+            model_init_kwargs=init,
+            temperature=0.7,
+            disable_tqdm=True,
+        )
         args.update(cfg)
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False) if lora else None
         if forward_only:
@@ -210,9 +251,16 @@ class TRLGRPOTest(unittest.TestCase):
             cls = type("GroupedGRPOTrainer", (GroupedBatchesMixin, GRPOTrainer), {})
         capture = Capture()
         torch.manual_seed(0)  # the LoRA initialisation
-        t = cls(model=self.paths[family], reward_funcs=reward, args=GRPOConfig(**args), train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(4)]}),
-                processing_class=self.tok, peft_config=peft, callbacks=[capture],
-                rollout_func=(lambda prompts, trainer: rollouts(prompts, 0, 8)) if rollout else None)
+        t = cls(
+            model=self.paths[family],
+            reward_funcs=reward,
+            args=GRPOConfig(**args),
+            train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(4)]}),
+            processing_class=self.tok,
+            peft_config=peft,
+            callbacks=[capture],
+            rollout_func=(lambda prompts, trainer: rollouts(prompts, 0, 8)) if rollout else None,
+        )
         if dtype == torch.float64:  # HF computes RMSNorm and RoPE angles in float32 whatever the dtype
             for m in (t.model, t.ref_model):
                 if m is not None:
@@ -259,11 +307,15 @@ class TRLGRPOTest(unittest.TestCase):
 
         import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
 
-        with mock.patch.object(qm.Qwen3MoeTopKRouter, "forward", router_in_input_dtype), mock.patch.object(qm, "load_balancing_loss_func", aux_float64):
+        with (
+            mock.patch.object(qm.Qwen3MoeTopKRouter, "forward", router_in_input_dtype),
+            mock.patch.object(qm, "load_balancing_loss_func", aux_float64),
+        ):
             for loss, beta in (("dapo", 0.04), ("grpo", 0.0)):
                 with self.subTest(loss=loss, beta=beta):
-                    (stock, s_cap), (packed, p_cap) = (self.trained(p, family="qwen3_moe", loss_type=loss, beta=beta, router_aux_loss_coef=0.5)
-                                                       for p in (False, True))
+                    (stock, s_cap), (packed, p_cap) = (
+                        self.trained(p, family="qwen3_moe", loss_type=loss, beta=beta, router_aux_loss_coef=0.5) for p in (False, True)
+                    )
                     self.assertIn("aux_loss", s_cap.logs[0])
                     self.assertLogsEqual(s_cap.logs[0], p_cap.logs[0], 1e-10)
                     for n, g in s_cap.grads.items():
@@ -272,7 +324,10 @@ class TRLGRPOTest(unittest.TestCase):
         # Negative control: each packed node counted once (the tokens the forward saw) gives another aux loss.
         t, _ = self.trainer(True, family="qwen3_moe", router_aux_loss_coef=0.5)
         ids, att, C = self.rows()
-        with torch.no_grad(), mock.patch("treepack.integrations.trl.load_balancing_loss", lambda router, batch: tpt.load_balancing_loss(router)):
+        with (
+            torch.no_grad(),
+            mock.patch("treepack.integrations.trl.load_balancing_loss", lambda router, batch: tpt.load_balancing_loss(router)),
+        ):
             once = t._get_per_token_logps_and_entropies(t.model, ids, att, C, compute_aux_loss=True)[2]
         with torch.no_grad():
             right = t._get_per_token_logps_and_entropies(t.model, ids, att, C, compute_aux_loss=True)[2]
@@ -337,8 +392,12 @@ class TRLGRPOTest(unittest.TestCase):
         sequences = [r[m.bool()].tolist() for r, m in zip(ids, att)]
         prefixes = {tuple(s[: t + 1]) for s in sequences for t in range(len(s))}
         self.assertLess(len(prefixes), sum(map(len, sequences)))
-        for family, dtype, lora in (("qwen3", torch.float32, False), ("qwen3", torch.float64, False), ("qwen3", torch.float32, True),
-                                    ("llama", torch.float64, True)):
+        for family, dtype, lora in (
+            ("qwen3", torch.float32, False),
+            ("qwen3", torch.float64, False),
+            ("qwen3", torch.float32, True),
+            ("llama", torch.float64, True),
+        ):
             with self.subTest(family=family, dtype=dtype, lora=lora):
                 tol = 1e-10 if dtype == torch.float64 else 1e-5
                 t, _ = self.trainer(True, family, dtype, lora)
@@ -363,7 +422,11 @@ class TRLGRPOTest(unittest.TestCase):
         """float32: the packed step's gradients are as close to float64's as the stock step's own (float32 sums
         over tokens in another order), and the loss equal to 1e-5."""
         runs = {}
-        for name, packed, dtype in (("stock64", False, torch.float64), ("stock32", False, torch.float32), ("packed32", True, torch.float32)):
+        for name, packed, dtype in (
+            ("stock64", False, torch.float64),
+            ("stock32", False, torch.float32),
+            ("packed32", True, torch.float32),
+        ):
             t, cap = self.trainer(packed, dtype=dtype, loss_type="dapo", beta=0.04)
             t.train()
             runs[name] = cap
@@ -372,7 +435,9 @@ class TRLGRPOTest(unittest.TestCase):
         for n, g64 in runs["stock64"].grads.items():
             stock_err = float((runs["stock32"].grads[n].double() - g64).abs().max())
             packed_err = float((runs["packed32"].grads[n].double() - g64).abs().max())
-            self.assertLessEqual(packed_err, 2 * stock_err + 1e-6, f"gradient of {n}: packed float32 {packed_err:.3g} off float64, stock {stock_err:.3g}")
+            self.assertLessEqual(
+                packed_err, 2 * stock_err + 1e-6, f"gradient of {n}: packed float32 {packed_err:.3g} off float64, stock {stock_err:.3g}"
+            )
 
     def test_group_whole_split(self):
         """Against TRL's shuffled split (stock _prepare_inputs, packed forwards): fewer packed tokens in all, and the

@@ -38,8 +38,15 @@ def samples(seed: int) -> list[dict[str, Any]]:
             if not k:
                 mask[len(prompt) + 2 : len(prompt) + 5] = [0, 0, 0]
             adv = r.gauss(0, 1)
-            out.append({"mb": mb, "tokens": prompt + resp, "mask": mask, "adv": [adv + 0.1 * r.random() for _ in mask],
-                        "rollout": [-3 * r.random() for _ in mask]})
+            out.append(
+                {
+                    "mb": mb,
+                    "tokens": prompt + resp,
+                    "mask": mask,
+                    "adv": [adv + 0.1 * r.random() for _ in mask],
+                    "rollout": [-3 * r.random() for _ in mask],
+                }
+            )
     return out
 
 
@@ -74,14 +81,16 @@ def plain_inputs(rows: list[dict[str, Any]], num_items: int, with_old: bool, hol
             return v[c:] + [fill] * (C - len(v) + c)
 
         f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-        d = {"prompt_ids": torch.tensor([[PAD] * (P - c) + x["tokens"][:c] for x, c in zip(mine, cut)]),
-             "prompt_mask": torch.tensor([[0] * (P - c) + [1] * c for c in cut]),
-             "completion_ids": torch.tensor([right(x["tokens"], c, PAD) for x, c in zip(mine, cut)]),
-             "completion_mask": torch.tensor([right([1] * len(x["tokens"]), c, 0) for x, c in zip(mine, cut)]),
-             "tool_mask": torch.tensor([right(x["mask"] if holes else [1] * len(x["mask"]), c, 0) for x, c in zip(mine, cut)]),
-             "advantages": f32([right(x["adv"], c, 0.0) for x, c in zip(mine, cut)]),
-             "sampling_per_token_logps": f32([right(x["rollout"], c, 0.0) for x, c in zip(mine, cut)]),
-             "num_items_in_batch": torch.tensor(num_items)}
+        d = {
+            "prompt_ids": torch.tensor([[PAD] * (P - c) + x["tokens"][:c] for x, c in zip(mine, cut)]),
+            "prompt_mask": torch.tensor([[0] * (P - c) + [1] * c for c in cut]),
+            "completion_ids": torch.tensor([right(x["tokens"], c, PAD) for x, c in zip(mine, cut)]),
+            "completion_mask": torch.tensor([right([1] * len(x["tokens"]), c, 0) for x, c in zip(mine, cut)]),
+            "tool_mask": torch.tensor([right(x["mask"] if holes else [1] * len(x["mask"]), c, 0) for x, c in zip(mine, cut)]),
+            "advantages": f32([right(x["adv"], c, 0.0) for x, c in zip(mine, cut)]),
+            "sampling_per_token_logps": f32([right(x["rollout"], c, 0.0) for x, c in zip(mine, cut)]),
+            "num_items_in_batch": torch.tensor(num_items),
+        }
         if with_old:
             d["old_per_token_logps"] = d["sampling_per_token_logps"].clone()
         out.append(d)
@@ -101,13 +110,28 @@ def plan_samples(tmp: str, name: str, *flags: str, max_tokens: int = 12):
             mask = [0] * len(prompt) + [1] * len(resp)
             if not k:
                 mask[len(prompt) + 2 : len(prompt) + 5] = [0, 0, 0]
-            samples.append({"tokens": prompt + resp, "mask": mask, "adv": [r.gauss(0, 1)] * len(mask), "rollout": [-3 * r.random() for _ in mask]})
+            samples.append(
+                {"tokens": prompt + resp, "mask": mask, "adv": [r.gauss(0, 1)] * len(mask), "rollout": [-3 * r.random() for _ in mask]}
+            )
     data, out = os.path.join(tmp, f"{name}.jsonl"), os.path.join(tmp, name)
     with open(data, "w") as f:
         for i, x in enumerate(samples):
-            f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"], "advantages": x["adv"],
-                                "rollout_logprobs": x["rollout"]}) + "\n")
-    subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", str(max_tokens), "--prefix-reuse", "100", "--quiet", *flags], check=True)
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"s{i}",
+                        "group": f"g{i // 5}",
+                        "tokens": x["tokens"],
+                        "loss_mask": x["mask"],
+                        "advantages": x["adv"],
+                        "rollout_logprobs": x["rollout"],
+                    }
+                )
+                + "\n"
+            )
+    subprocess.run(
+        ["node", CLI, "pack", data, "--out", out, "--max-tokens", str(max_tokens), "--prefix-reuse", "100", "--quiet", *flags], check=True
+    )
     return samples, out
 
 
@@ -141,22 +165,53 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def run_trainer(self, packed: bool, with_old: bool, holes: bool = True, feed: Any = None, rows: Any = None, num_items: Any = None, world: int = 1, **cfg):
+    def run_trainer(
+        self,
+        packed: bool,
+        with_old: bool,
+        holes: bool = True,
+        feed: Any = None,
+        rows: Any = None,
+        num_items: Any = None,
+        world: int = 1,
+        **cfg,
+    ):
         from treepack.integrations.trl import TreepackGRPOTrainer
         from trl import GRPOConfig, GRPOTrainer
 
         rows = self.rows if rows is None else rows
         steps = 1 + max(x["mb"] for x in rows)  # micro-batches: one optimizer step over them
-        args = dict(output_dir=self.tmp.name, per_device_train_batch_size=5, gradient_accumulation_steps=steps, steps_per_generation=steps,
-                    num_generations=5, max_completion_length=8, max_steps=1, learning_rate=1e-2, logging_steps=1, report_to=[],
-                    save_strategy="no", seed=0, use_cpu=True, beta=0.04, loss_type="dapo", temperature=0.7, disable_tqdm=True,
-                    model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64})
+        args = dict(
+            output_dir=self.tmp.name,
+            per_device_train_batch_size=5,
+            gradient_accumulation_steps=steps,
+            steps_per_generation=steps,
+            num_generations=5,
+            max_completion_length=8,
+            max_steps=1,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            use_cpu=True,
+            beta=0.04,
+            loss_type="dapo",
+            temperature=0.7,
+            disable_tqdm=True,
+            model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64},
+        )
         args.update(cfg)
         capture = Capture()
         num_items = sum(sum(x["mask"]) for x in rows) if num_items is None else num_items  # over every rank's rows
         if packed:
-            t = TreepackGRPOTrainer(model=self.path, args=GRPOConfig(**args), processing_class=self.tok, callbacks=[capture],
-                                    packed_batches=feed if feed is not None else packed_batches(rows, with_old))
+            t = TreepackGRPOTrainer(
+                model=self.path,
+                args=GRPOConfig(**args),
+                processing_class=self.tok,
+                callbacks=[capture],
+                packed_batches=feed if feed is not None else packed_batches(rows, with_old),
+            )
         else:
             inputs = plain_inputs(rows, num_items, with_old, holes)
 
@@ -177,8 +232,14 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
 
             from datasets import Dataset
 
-            t = Plain(model=self.path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(**args),
-                      train_dataset=Dataset.from_dict({"prompt": [""] * 5 * steps * world}), processing_class=self.tok, callbacks=[capture])
+            t = Plain(
+                model=self.path,
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=GRPOConfig(**args),
+                train_dataset=Dataset.from_dict({"prompt": [""] * 5 * steps * world}),
+                processing_class=self.tok,
+                callbacks=[capture],
+            )
         for m in (t.model, t.ref_model):
             if m is not None:
                 patch_norms_to_input_dtype(m)
@@ -216,8 +277,19 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         data, out = os.path.join(self.tmp.name, "samples.jsonl"), os.path.join(self.tmp.name, "packed")
         with open(data, "w") as f:
             for i, x in enumerate(self.rows):
-                f.write(json.dumps({"id": f"s{i}", "group": f"g{i // 5}", "tokens": x["tokens"], "loss_mask": x["mask"],
-                                    "advantages": x["adv"], "rollout_logprobs": x["rollout"]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"s{i}",
+                            "group": f"g{i // 5}",
+                            "tokens": x["tokens"],
+                            "loss_mask": x["mask"],
+                            "advantages": x["adv"],
+                            "rollout_logprobs": x["rollout"],
+                        }
+                    )
+                    + "\n"
+                )
         subprocess.run(["node", CLI, "pack", data, "--out", out, "--max-tokens", "40", "--quiet"], check=True)
         dataset = PackedDataset(out)
         batches = list(dataset)
@@ -243,7 +315,9 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         samples, out = plan_samples(self.tmp.name, "planned")
         dataset = PackedDataset(out)
         batches = list(dataset)
-        self.assertEqual([int(b.meta["prefix_tokens"]) for b in batches], [14] * len(batches))  # every micro-batch hangs from a cached prompt
+        self.assertEqual(
+            [int(b.meta["prefix_tokens"]) for b in batches], [14] * len(batches)
+        )  # every micro-batch hangs from a cached prompt
         self.assertGreaterEqual(len(batches), 4)
         rows = [dict(samples[int(sid[1:])], mb=mb) for mb, b in enumerate(batches) for sid in b.meta["sequence_ids"]]
         for loss in ("dapo", "grpo"):

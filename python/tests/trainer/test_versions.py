@@ -72,8 +72,10 @@ class SupportedRanges(unittest.TestCase):
             require("trl")
 
     def test_a_version_outside_the_range_is_refused_naming_it_and_the_range(self):
-        cases = {"transformers": (["5.16.2", "5.19.0", "5.19.0.dev0", "6.0.0", "4.57.6"], ["5.17.0", "5.18.0", "5.18.7", "5.18.0.dev0"]),
-                 "trl": (["1.12.1", "1.14.0", "2.0.0"], ["1.13.0", "1.13.4"])}
+        cases = {
+            "transformers": (["5.16.2", "5.19.0", "5.19.0.dev0", "6.0.0", "4.57.6"], ["5.17.0", "5.18.0", "5.18.7", "5.18.0.dev0"]),
+            "trl": (["1.12.1", "1.14.0", "2.0.0"], ["1.13.0", "1.13.4"]),
+        }
         for package, (refused, accepted) in cases.items():
             for version in refused:
                 with self.subTest(package=package, version=version), mock.patch.dict(os.environ, {ALLOW_ENV: ""}):
@@ -120,8 +122,9 @@ class PatchLayerRefuses(unittest.TestCase):
             "packed_logprobs (treepack)": lambda: tpt.packed_logprobs(self.tree, b),
             "packed_logprobs (sdpa)": lambda: tpt.packed_logprobs(self.dense, b),
             "forward_logprobs": lambda: tpt.forward_logprobs(self.tree, b),
-            "the attention function": lambda: self.tree(b.input_ids[None], position_ids=b.position_ids[None],
-                                                        attention_mask=tpt.tree_mask(b)),
+            "the attention function": lambda: self.tree(
+                b.input_ids[None], position_ids=b.position_ids[None], attention_mask=tpt.tree_mask(b)
+            ),
         }
         with mock.patch.object(self.running("transformers"), "__version__", "5.99.0"):
             for name, run in entries.items():

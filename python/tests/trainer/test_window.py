@@ -200,23 +200,64 @@ def build(family, window=5):
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
     if family == "gpt_oss":
-        cfg = transformers.GptOssConfig(intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                                        num_experts_per_tok=2, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
-                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        cfg = transformers.GptOssConfig(
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
         cls, stock = transformers.GptOssForCausalLM, "eager"  # gpt-oss has no sdpa (sinks)
     elif family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-                                            sliding_window=window, layer_types=["sliding_attention", "full_attention"], **common)
+        cfg = transformers.Gemma3TextConfig(
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        )
         cls, stock = transformers.Gemma3ForCausalLM, "sdpa"
     elif family == "gemma4":  # the last layer reads the keys and values of the full layer before it (KV sharing)
-        cfg = transformers.Gemma4TextConfig(intermediate_size=48, num_hidden_layers=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-                                            sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2,
-                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=1, **common)
+        cfg = transformers.Gemma4TextConfig(
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            global_head_dim=16,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            num_kv_shared_layers=1,
+            **common,
+        )
         cls, stock = transformers.Gemma4ForCausalLM, "sdpa"
     else:  # DeepSeek-V3: MLA attention (q/k head dim 12, v head dim 8); both layers dense MLPs
-        cfg = transformers.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_key_value_heads=4,
-                                            first_k_dense_replace=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
-                                            v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, **common)
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            first_k_dense_replace=2,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            **common,
+        )
         cls, stock = transformers.DeepseekV3ForCausalLM, "sdpa"
     torch.manual_seed(0)
     model = cls(copy.deepcopy(cfg)).to(torch.float64).eval()
@@ -308,7 +349,9 @@ class WindowedModels(unittest.TestCase):
                 mode, B = how
                 base = model.model
                 mask = tpt.tree_mask(batch, mode=mode, block_size=B)
-                hidden = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False).last_hidden_state
+                hidden = base(
+                    input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False
+                ).last_hidden_state
                 scores = tpt.packed_logprobs(hidden, batch, lm_head=model.lm_head, nodes="all", entropy=True, chunk_size=7)
             lp, ent = tpt.gather_occurrences(scores.logprobs, batch), tpt.gather_occurrences(scores.entropy, batch)
             loss = objective(lp, ent, batch)
@@ -340,7 +383,9 @@ class WindowedModels(unittest.TestCase):
         win = block_arrays_windowed(batch.subtree_end.numpy(), batch.position_ids.numpy(), window, B)
         self.assertGreater(int(win.kv_num_blocks.sum()), 0)
         self.assertGreater(int(win.full_kv_num_blocks.sum()), 0)
-        self.assertLess(int(win.kv_num_blocks.sum() + win.full_kv_num_blocks.sum()), int(tree.kv_num_blocks.sum() + tree.full_kv_num_blocks.sum()))
+        self.assertLess(
+            int(win.kv_num_blocks.sum() + win.full_kv_num_blocks.sum()), int(tree.kv_num_blocks.sum() + tree.full_kv_num_blocks.sum())
+        )
 
     def test_gpt_oss_sliding_window_sinks_moe(self):
         packed, plain, batch, want = self.check_family("gpt_oss", ("branches", "chain"), (("block", 2), ("dense", 128), "dense-path"))
@@ -351,14 +396,20 @@ class WindowedModels(unittest.TestCase):
         with torch.no_grad():
             rows = torch.unique(batch.parent[batch.parent >= 0])
             mask = tpt.tree_mask(batch, mode="block", block_size=2)
-            logits = packed(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, logits_to_keep=rows).logits[0]
-            hidden = packed.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask).last_hidden_state[0]
+            logits = packed(
+                input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, logits_to_keep=rows
+            ).logits[0]
+            hidden = packed.model(
+                input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask
+            ).last_hidden_state[0]
         self.assertLess(float((logits - packed.lm_head(hidden[rows])).abs().max()), 1e-12)
         # Negative control: the old dense path, one unwindowed tree mask for every layer, differs from unpacked.
         mask = tpt.dense_tree_mask(batch.subtree_end)[None, None]
         additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, torch.finfo(torch.float64).min)
         with torch.no_grad():
-            hidden = plain.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=additive).last_hidden_state
+            hidden = plain.model(
+                input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=additive
+            ).last_hidden_state
             lp = tpt.gather_occurrences(tpt.packed_logprobs(hidden, batch, lm_head=plain.lm_head, nodes="all").logprobs, batch)
         self.assertGreater(float((lp[t] - want[0][t]).abs().max()), 1e-3)
 
@@ -403,8 +454,12 @@ class WindowedModels(unittest.TestCase):
         plain.config.sliding_window = 3
         masks = tpt.dense_model_mask(plain, batch)
         self.assertEqual(set(masks), {"full_attention", "sliding_attention"})
-        self.assertTrue(torch.equal(masks["sliding_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), 3))))
-        self.assertTrue(torch.equal(masks["full_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), None))))
+        self.assertTrue(
+            torch.equal(masks["sliding_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), 3)))
+        )
+        self.assertTrue(
+            torch.equal(masks["full_attention"][0, 0], torch.from_numpy(brute_mask(batch.parent.numpy(), batch.position_ids.numpy(), None)))
+        )
 
     def test_eager_dense_path_takes_an_additive_mask(self):
         # eager adds its mask to the scores: a bool mask there adds 0 or 1 (logprobs off by ~0.1), never masks.
@@ -422,12 +477,20 @@ class WindowedModels(unittest.TestCase):
         packed, plain, _ = build("gpt_oss")
 
         def forward(model, mask=None):
-            return model.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                               attention_mask=tpt.tree_mask(batch) if mask is None else mask, use_cache=False)
+            return model.model(
+                input_ids=batch.input_ids[None],
+                position_ids=batch.position_ids[None],
+                attention_mask=tpt.tree_mask(batch) if mask is None else mask,
+                use_cache=False,
+            )
 
         attn = packed.model.layers[0].self_attn
         n = batch.num_nodes
-        q, k, v = torch.zeros(1, 4, n, 8, dtype=torch.float64), torch.zeros(1, 2, n, 8, dtype=torch.float64), torch.zeros(1, 2, n, 8, dtype=torch.float64)
+        q, k, v = (
+            torch.zeros(1, 4, n, 8, dtype=torch.float64),
+            torch.zeros(1, 2, n, 8, dtype=torch.float64),
+            torch.zeros(1, 2, n, 8, dtype=torch.float64),
+        )
         bad_type = copy.deepcopy(packed)
         bad_type.config.layer_types = ["chunked_attention", "full_attention"]  # gpt-oss's own forward has no mask for it
         bad_attn = bad_type.model.layers[0].self_attn
@@ -444,13 +507,33 @@ class WindowedModels(unittest.TestCase):
         no_mapping = copy.deepcopy(gemma_plain)
         no_mapping.model.__class__ = NoMapping
         cases = [
-            ("layer 0 (GptOssAttention)", "layer_types", lambda: tpt.tree_attention(bad_attn, q, k, v, tpt.tree_mask(batch), sliding_window=5)),
+            (
+                "layer 0 (GptOssAttention)",
+                "layer_types",
+                lambda: tpt.tree_attention(bad_attn, q, k, v, tpt.tree_mask(batch), sliding_window=5),
+            ),
             ("layer 1 (GptOssAttention)", "layer_types", lambda: tpt.packed_logprobs(bad_dense, batch)),
             ("layer 0 (GptOssAttention)", "position_ids", lambda: forward(packed, tpt.tree_mask(batch.subtree_end))),
-            ("layer 0 (GptOssAttention)", "sliding_window", lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=None)),
-            ("layer 0 (GptOssAttention)", "sliding_window", lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=7)),
-            ("layer 0 (GptOssAttention)", "s_aux", lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=5, s_aux=torch.zeros(3))),
-            ("layer 0 (GptOssAttention)", "softcap", lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=5, softcap=30.0)),
+            (
+                "layer 0 (GptOssAttention)",
+                "sliding_window",
+                lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=None),
+            ),
+            (
+                "layer 0 (GptOssAttention)",
+                "sliding_window",
+                lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=7),
+            ),
+            (
+                "layer 0 (GptOssAttention)",
+                "s_aux",
+                lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=5, s_aux=torch.zeros(3)),
+            ),
+            (
+                "layer 0 (GptOssAttention)",
+                "softcap",
+                lambda: tpt.tree_attention(attn, q, k, v, tpt.tree_mask(batch), sliding_window=5, softcap=30.0),
+            ),
             ("layer 0 (Gemma3Attention)", "use_bidirectional_attention", lambda: forward(bidirectional)),
             ("layer 0 (Gemma3Attention)", "attn_implementation", lambda: tpt.packed_logprobs(no_mapping, batch)),
         ]

@@ -102,8 +102,9 @@ class PackedForwardMixin:
     temperature: float
     _metrics: dict[str, Any]
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-                                           compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, compute_aux_loss=False, **multimodal
+    ):
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given:
             raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed by treepack", field=given[0])
@@ -119,18 +120,32 @@ class PackedForwardMixin:
             self._treepack_record(int(att.sum()), batch.num_nodes)
             if "prefix_tokens" in batch.meta and torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model):
                 if compute_aux_loss:
-                    raise TreepackError("E_ARG", "the router's load-balancing loss is not computed through a step plan (router_aux_loss_coef=0)",
-                                        field="router_aux_loss_coef")
+                    raise TreepackError(
+                        "E_ARG",
+                        "the router's load-balancing loss is not computed through a step plan (router_aux_loss_coef=0)",
+                        field="router_aux_loss_coef",
+                    )
                 scores = self._treepack_runner(model).forward(batch)
             else:
-                scores = forward_logprobs(model, batch, temperature=self.temperature, entropy=compute_entropy, router=compute_aux_loss,
-                                          entropy_grad=self._entropy_bonus_enabled, attention=self.treepack_attention)
+                scores = forward_logprobs(
+                    model,
+                    batch,
+                    temperature=self.temperature,
+                    entropy=compute_entropy,
+                    router=compute_aux_loss,
+                    entropy_grad=self._entropy_bonus_enabled,
+                    attention=self.treepack_attention,
+                )
             logps.append(layout.to_padded(scores.logprobs))
             if compute_entropy:
                 entropies.append(layout.to_padded(scores.entropy))
             if compute_aux_loss:  # each row's tokens counted as its padded row counts them (load_balancing_loss)
                 aux.append(load_balancing_loss(scores.router, batch).to(logps[-1].dtype))
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), (torch.stack(aux).mean() if compute_aux_loss else None)
+        return (
+            torch.cat(logps),
+            (torch.cat(entropies) if compute_entropy else None),
+            (torch.stack(aux).mean() if compute_aux_loss else None),
+        )
 
     def _treepack_runner(self, model) -> StepPlanRunner:
         """The policy's step-plan runner, made at its first planned micro-batch."""
@@ -138,7 +153,9 @@ class PackedForwardMixin:
         if runner is None:
             # Under DDP the runner works inside the wrapper (FSDP and DeepSpeed are refused by name), so no backward
             # synchronises; training_step averages the gradients once, after the accumulation's last pops.
-            runner = self._treepack_plan = StepPlanRunner(model, attention=self.treepack_attention, temperature=self.temperature, entropy=True)
+            runner = self._treepack_plan = StepPlanRunner(
+                model, attention=self.treepack_attention, temperature=self.temperature, entropy=True
+            )
         return runner
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -151,10 +168,13 @@ class PackedForwardMixin:
                 runner.release()
             if self._step % self.current_gradient_accumulation_steps == 0:
                 if runner.stack:
-                    raise TreepackError("E_INPUT", f"the optimizer steps after micro-batch {self._step} while the step plan holds "
-                                        f"{runner.depth} cached prefix tokens: set gradient_accumulation_steps (and steps_per_generation) "
-                                        "to a rank's micro-batches of one packing window",
-                                        field="gradient_accumulation_steps")
+                    raise TreepackError(
+                        "E_INPUT",
+                        f"the optimizer steps after micro-batch {self._step} while the step plan holds "
+                        f"{runner.depth} cached prefix tokens: set gradient_accumulation_steps (and steps_per_generation) "
+                        "to a rank's micro-batches of one packing window",
+                        field="gradient_accumulation_steps",
+                    )
                 runner.sync_gradients()  # under DDP: the one all-reduce of the accumulation
         return out
 
@@ -241,8 +261,12 @@ class GroupedBatchesMixin:
         rows = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         keep = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).bool()
         B, G = rows.shape[0], self.num_generations
-        plan = plan_micro_batches([rows[i][keep[i]].tolist() for i in range(B)], max_tokens=self.treepack_max_tokens,
-                                  groups=[i // G for i in range(B)], num_micro_batches=self.args.steps_per_generation)
+        plan = plan_micro_batches(
+            [rows[i][keep[i]].tolist() for i in range(B)],
+            max_tokens=self.treepack_max_tokens,
+            groups=[i // G for i in range(B)],
+            num_micro_batches=self.args.steps_per_generation,
+        )
         return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
 
     def _treepack_window(self) -> list[dict[str, Any]]:
@@ -256,7 +280,9 @@ class GroupedBatchesMixin:
         for _ in range(self.args.steps_per_generation):
             item = next(self._treepack_source, None)
             if item is None:
-                raise TreepackError("E_INPUT", "the packed source ran out; set max_steps to the optimizer steps it holds", field="packed_batches")
+                raise TreepackError(
+                    "E_INPUT", "the packed source ran out; set max_steps to the optimizer steps it holds", field="packed_batches"
+                )
             items.append(item)
         self._treepack_pending = [x for x in items if hasattr(x, "ack")]
         batches = [getattr(x, "batch", x) for x in items]
@@ -329,12 +355,20 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
     ``treepack_attention`` (the TreeMask mode, ``"auto"``), ``packed_batches`` (train on stored micro-batches:
     ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set)."""
 
-    def __init__(self, *args: Any, treepack_max_tokens: int | None = None, treepack_attention: str = "auto",
-                 packed_batches: Iterable[Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        treepack_max_tokens: int | None = None,
+        treepack_attention: str = "auto",
+        packed_batches: Iterable[Any] | None = None,
+        **kwargs: Any,
+    ):
         if packed_batches is not None:
             cfg = kwargs.get("args")
             if cfg is None or cfg.max_steps <= 0:
-                raise TreepackError("E_ARG", "training on stored micro-batches needs args.max_steps > 0 (the dataset is a placeholder)", field="max_steps")
+                raise TreepackError(
+                    "E_ARG", "training on stored micro-batches needs args.max_steps > 0 (the dataset is a placeholder)", field="max_steps"
+                )
             if kwargs.get("train_dataset") is None:
                 from datasets import Dataset
 

@@ -93,8 +93,11 @@ class TreeMask(BlockMask):
         """Refuses: a model with recurrent layers reads it only when treepack.torch.prepare has not made it tree-aware."""
         # transformers reads a mask's ndim to build its recurrent layers' padding mask: a TreeMask gets there only in
         # a hybrid model that treepack.torch.prepare has not made tree-aware (its hook hands the layers the TreeMask).
-        raise NotTreeAware("E_ARG", "this model has recurrent layers: call treepack.torch.prepare(model) before passing it a TreeMask "
-                           "(packed_logprobs does)", field="attention_mask")
+        raise NotTreeAware(
+            "E_ARG",
+            "this model has recurrent layers: call treepack.torch.prepare(model) before passing it a TreeMask (packed_logprobs does)",
+            field="attention_mask",
+        )
 
 
 def _subtree_end_of(batch_or_subtree_end: Any) -> torch.Tensor:
@@ -126,7 +129,11 @@ def tree_mask(
     if pos is not None:
         pos = torch.as_tensor(pos)
         if pos.shape != se.shape or pos.dtype.is_floating_point or pos.dtype == torch.bool:
-            raise TreepackError("E_ARG", f"expected a 1-D integer tensor of N = {se.shape[0]} elements, got {pos.dtype} {list(pos.shape)}", field="position_ids")
+            raise TreepackError(
+                "E_ARG",
+                f"expected a 1-D integer tensor of N = {se.shape[0]} elements, got {pos.dtype} {list(pos.shape)}",
+                field="position_ids",
+            )
     dev = torch.device(device) if device is not None else se.device
     if se.device.type == "cpu" and dev.type != "cpu":  # checked before the upload: block_arrays checks host trees only
         check_host_tree(se)
@@ -136,12 +143,17 @@ def tree_mask(
     return _make_mask(int(block_size), arrays, se, None if pos is None else pos.to(dev, torch.int64), None, mode)
 
 
-def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: torch.Tensor | None, window: int | None,
-               mode: str) -> TreeMask:
+def _make_mask(block_size: int, arrays: Arrays, se: torch.Tensor, pos: torch.Tensor | None, window: int | None, mode: str) -> TreeMask:
     n = int(se.shape[0])
     kv_num, kv_idx, full_num, full_idx = (a[None, None] for a in arrays)
     mask = TreeMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(se, pos, window), seq_lengths=(n, n),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=tree_mask_mod(se, pos, window),
+        seq_lengths=(n, n),
     )
     mask.subtree_end, mask.position_ids, mask.window, mask.mode, mask._cache = se, pos, window, mode, {}
     return mask
@@ -154,12 +166,18 @@ def windowed(mask: TreeMask, window: int | None) -> TreeMask:
         return mask
     window = check_window(window)
     if mask.window is not None:
-        raise TreepackError("E_ARG", f"this mask already has a window of {mask.window}; pass the plain tree_mask(batch)", field="sliding_window")
+        raise TreepackError(
+            "E_ARG", f"this mask already has a window of {mask.window}; pass the plain tree_mask(batch)", field="sliding_window"
+        )
     got = mask._cache.get(("window", window))
     if got is None:
         if mask.position_ids is None:
-            raise TreepackError("E_ARG", f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) "
-                                "or tree_mask(subtree_end, position_ids=...)", field="position_ids")
+            raise TreepackError(
+                "E_ARG",
+                f"a sliding-window layer (window {window}) needs position_ids: build the mask with tree_mask(batch) "
+                "or tree_mask(subtree_end, position_ids=...)",
+                field="position_ids",
+            )
         B = mask.BLOCK_SIZE[0]
         arrays = block_arrays(mask.subtree_end, B, mask.position_ids, window)
         got = mask._cache[("window", window)] = _make_mask(B, arrays, mask.subtree_end, mask.position_ids, window, mask.mode)
@@ -224,8 +242,13 @@ def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     # Every row's kv blocks, partial and full, merged ascending (the order does not change the result).
     kv = torch.cat([mask.kv_indices[0, 0], mask.full_kv_indices[0, 0]], dim=1).cpu()
     width = torch.arange(kv.shape[1])
-    valid = torch.cat([width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
-                       width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None]], dim=1)
+    valid = torch.cat(
+        [
+            width[None, : mask.kv_indices.shape[-1]] < mask.kv_num_blocks[0, 0].cpu()[:, None],
+            width[None, : mask.full_kv_indices.shape[-1]] < mask.full_kv_num_blocks[0, 0].cpu()[:, None],
+        ],
+        dim=1,
+    )
     se_pad = torch.cat([se, torch.zeros(nb * B - n, dtype=se.dtype, device=dev)])
     window, pos = mask.window, mask.position_ids
     if window is not None and pos is None:
@@ -267,8 +290,16 @@ def _with_sink_key(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor, scale:
     return q2, k2, sink_key
 
 
-def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
-                     sinks: torch.Tensor | None, skip: int = 0) -> torch.Tensor:
+def _block_attention(
+    mask: TreeMask,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    gqa: bool,
+    sinks: torch.Tensor | None,
+    skip: int = 0,
+) -> torch.Tensor:
     plan = mask._cache.get(("block", q.device))
     if plan is None:
         plan = mask._cache[("block", q.device)] = _block_plan(mask)
@@ -296,9 +327,13 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
         if sink_plan is None:
             # Every call also gathers the sink row, stored after the padded keys, and every query sees it.
             sink_plan = mask._cache[("block-sink", q.device, first)] = [
-                (rows, torch.cat([keys, keys.new_full((keys.shape[0], 1), nb * B)], dim=1),
-                 torch.cat([visible, visible.new_ones(visible.shape[:2] + (1,))], dim=2))
-                for rows, keys, visible in plan]
+                (
+                    rows,
+                    torch.cat([keys, keys.new_full((keys.shape[0], 1), nb * B)], dim=1),
+                    torch.cat([visible, visible.new_ones(visible.shape[:2] + (1,))], dim=2),
+                )
+                for rows, keys, visible in plan
+            ]
         plan = sink_plan
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     qb = qp[0].reshape(H, nb, B, D)
@@ -320,8 +355,16 @@ def _block_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.permute(1, 0, 2, 3).reshape(1, H, (nb - first) * B, -1)[:, :, skip - first * B : n - first * B]
 
 
-def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
-                     sinks: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
+def _dense_attention(
+    mask: TreeMask,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    gqa: bool,
+    sinks: torch.Tensor | None,
+    rows: int = 0,
+) -> torch.Tensor:
     dense = mask._cache.get("dense")
     if dense is None:
         dense = mask._cache["dense"] = dense_tree_mask(mask.subtree_end, mask.position_ids, mask.window)
@@ -335,21 +378,41 @@ def _dense_attention(mask: TreeMask, q: torch.Tensor, k: torch.Tensor, v: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], scale=scale, enable_gqa=gqa)
 
 
-def attend(mask: TreeMask, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
-           window: int | None = None, sinks: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+def attend(
+    mask: TreeMask,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    rows: int = 0,
+) -> torch.Tensor:
     """Tree attention of q [1, H, N, D], k/v [1, Hkv, N, D] (Hkv dividing H): [1, H, N, Dv], by ``mask.mode``; with
     ``window``, only keys within the sliding window (``position_ids[q] - position_ids[k] < window``); with ``sinks``
     [H], each head's sink logit in every row's softmax denominator (gpt-oss). With ``rows``, only query rows
     [rows, N) are computed and returned (a step plan's cached prefix: its rows are read by nobody)."""
     if not isinstance(mask, TreeMask):
-        raise TreepackError("E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask"
+        )
     n = int(mask.subtree_end.shape[0])
     if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
-        raise TreepackError("E_ARG", f"expected q, k, v of shape [1, H, N = {n}, D] (one packed row, no KV cache), got q {list(query.shape)}, k {list(key.shape)}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG",
+            f"expected q, k, v of shape [1, H, N = {n}, D] (one packed row, no KV cache), got q {list(query.shape)}, k {list(key.shape)}",
+            field="attention_mask",
+        )
     if query.device != mask.subtree_end.device:
-        raise TreepackError("E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", f"the mask is on {mask.subtree_end.device}, the attention inputs on {query.device}", field="attention_mask"
+        )
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
-        raise TreepackError("E_ARG", f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}", field="s_aux")
+        raise TreepackError(
+            "E_ARG",
+            f"expected one sink logit per query head, [{query.shape[1]}], got {getattr(sinks, 'shape', type(sinks).__name__)}",
+            field="s_aux",
+        )
     mask = windowed(mask, window)
     gqa = key.shape[1] != query.shape[1]
     if mask.mode == "dense":
@@ -380,8 +443,12 @@ def _layer_name(model: torch.nn.Module | None, module: torch.nn.Module | None, i
 
 def _check_causal(config: Any, name: str) -> None:
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
-        raise TreepackError("E_ARG", f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; "
-                            "the tree rule is causal", field="use_bidirectional_attention")
+        raise TreepackError(
+            "E_ARG",
+            f"{name}: bidirectional attention (config.use_bidirectional_attention / is_causal) cannot run on a tree; "
+            "the tree rule is causal",
+            field="use_bidirectional_attention",
+        )
 
 
 def _config_window(config: Any, index: int, name: str, attention: bool = True) -> int | None:
@@ -392,7 +459,11 @@ def _config_window(config: Any, index: int, name: str, attention: bool = True) -
     if kind in FULL_LAYER_TYPES or (not attention and kind in NON_ATTENTION_LAYER_TYPES):
         return None
     if kind not in SLIDING_LAYER_TYPES:
-        raise TreepackError("E_ARG", f"{name} has layer type {kind!r}; the tree attention runs {', '.join(FULL_LAYER_TYPES + SLIDING_LAYER_TYPES)} layers", field="layer_types")
+        raise TreepackError(
+            "E_ARG",
+            f"{name} has layer type {kind!r}; the tree attention runs {', '.join(FULL_LAYER_TYPES + SLIDING_LAYER_TYPES)} layers",
+            field="layer_types",
+        )
     window = getattr(config, "sliding_window", None)
     if window is None:
         raise TreepackError("E_ARG", f"{name} is a sliding_attention layer but config.sliding_window is not set", field="sliding_window")
@@ -444,19 +515,31 @@ def tree_attention(
     transformers release outside ``treepack.versions.SUPPORTED`` (its calling convention is those releases')."""
     require("transformers")
     if attention_mask is None:
-        raise TreepackError("E_ARG", "attn_implementation 'treepack' needs attention_mask=treepack.torch.tree_mask(batch)", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", "attn_implementation 'treepack' needs attention_mask=treepack.torch.tree_mask(batch)", field="attention_mask"
+        )
     if dropout:
-        raise TreepackError("E_ARG", f"attention dropout {dropout} is not supported by the tree attention (call model.eval() or set it to 0)", field="dropout")
+        raise TreepackError(
+            "E_ARG",
+            f"attention dropout {dropout} is not supported by the tree attention (call model.eval() or set it to 0)",
+            field="dropout",
+        )
     window = _layer_window(module, kwargs.get("sliding_window"))
     if kwargs.get("softcap") is not None:
-        raise TreepackError("E_ARG", f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping "
-                            f"({kwargs['softcap']}) is not supported by the tree attention", field="softcap")
+        raise TreepackError(
+            "E_ARG",
+            f"{_layer_name(None, module, getattr(module, 'layer_idx', None))}: attention-logit softcapping "
+            f"({kwargs['softcap']}) is not supported by the tree attention",
+            field="softcap",
+        )
     # A step plan's micro-batch (stepplan.py): its mask covers the whole forest, the cached prefix's keys come first.
     prefix = getattr(attention_mask, "prefix", None)
     if prefix is not None:
         query, key, value = prefix.extend(module, query, key, value)
     try:
-        out = attend(attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"), rows=0 if prefix is None else prefix.rows)
+        out = attend(
+            attention_mask, query, key, value, scaling, window=window, sinks=kwargs.get("s_aux"), rows=0 if prefix is None else prefix.rows
+        )
     except TreepackError as e:
         if e.field not in ("s_aux", "position_ids"):
             raise
@@ -535,8 +618,12 @@ def dense_model_mask(model: torch.nn.Module, batch: Any) -> torch.Tensor | dict[
         return build(windows[0])
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     if not _takes_mask_mapping(base):
-        raise TreepackError("E_ARG", f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no "
-                            "per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'", field="attn_implementation")
+        raise TreepackError(
+            "E_ARG",
+            f"{_layer_name(model, None, binding[0])} is a sliding-window layer, and {type(base).__name__} takes no "
+            "per-layer-type mask mapping: the dense path would apply one mask to every layer; use attn_implementation='treepack'",
+            field="attn_implementation",
+        )
     return {"full_attention": build(None), "sliding_attention": build(windows[binding[0]])}
 
 

@@ -169,8 +169,12 @@ def from_microbatch(
         if problems:
             lead = re.match(r"[a-z_]+", problems[0])  # each problem starts with the field it is about
             first = lead.group(0) if lead else ""
-            raise TreepackError("E_INPUT", "not a valid packed micro-batch: " + "; ".join(problems), file,
-                                first if first in INDEX_FIELDS + ("loss_mask",) else "forest")
+            raise TreepackError(
+                "E_INPUT",
+                "not a valid packed micro-batch: " + "; ".join(problems),
+                file,
+                first if first in INDEX_FIELDS + ("loss_mask",) else "forest",
+            )
     offsets = np.asarray(mb.seq_offsets, dtype=np.int64)
     lengths, starts = offsets[1:] - offsets[:-1], offsets[:-1]
     seq_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)

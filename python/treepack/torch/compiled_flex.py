@@ -60,8 +60,15 @@ def ladder_length(n: int, block_size: int) -> int:
     return (3 * p // 4 if 3 * p // 4 >= nb else p) * block_size
 
 
-def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod: Callable[..., Any] | None,
-               scale: float | None, gqa: bool) -> torch.Tensor:
+def _flex_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    score_mod: Callable[..., Any] | None,
+    scale: float | None,
+    gqa: bool,
+) -> torch.Tensor:
     # A function of our own, so dynamo's cache entries (and its recompile limit) count this path's variants alone.
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
@@ -116,9 +123,18 @@ def _padded_mask(mask: Any, rows: int, sinks: bool) -> tuple[BlockMask, int, int
         kv_num = kv_num + 1
     off = torch.full((), rows, dtype=torch.int64, device=dev)  # a fill on the device: no host copy, no sync
     got = mask._cache[key] = (
-        BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None], full_idx[None, None], BLOCK_SIZE=B,
-                                 mask_mod=_mask_mod(se_pad, pos_pad, window, off, L if sinks else None), seq_lengths=(Lq, nbk * B)),
-        Lq, nbk * B)
+        BlockMask.from_kv_blocks(
+            kv_num[None, None],
+            kv_idx[None, None],
+            full_num[None, None],
+            full_idx[None, None],
+            BLOCK_SIZE=B,
+            mask_mod=_mask_mod(se_pad, pos_pad, window, off, L if sinks else None),
+            seq_lengths=(Lq, nbk * B),
+        ),
+        Lq,
+        nbk * B,
+    )
     return got
 
 
@@ -130,8 +146,7 @@ def flex_tiles(mask: Any, rows: int = 0, sinks: bool = False) -> int:
     return int(block_mask.kv_num_blocks.sum() + (0 if full is None else full.sum()))
 
 
-def _mask_mod(se: torch.Tensor, pos: torch.Tensor | None, window: int | None, off: torch.Tensor,
-              sink: int | None) -> Callable[..., Any]:
+def _mask_mod(se: torch.Tensor, pos: torch.Tensor | None, window: int | None, off: torch.Tensor, sink: int | None) -> Callable[..., Any]:
     """The tree rule on the padded forest for query rows offset by ``off`` (a tensor, so a new offset is no new
     compilation), windowed when ``window`` is given, plus key ``sink`` seen by every query. Every captured value is
     a tensor whose shape the rung fixes, or an integer the rung or the layer fixes."""
@@ -156,18 +171,23 @@ def _sink_score(sinks: torch.Tensor, sink: int) -> Callable[..., Any]:
     return score_mod
 
 
-def flex_attend(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool,
-                sinks: torch.Tensor | None, rows: int) -> torch.Tensor:
+def flex_attend(
+    mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool, sinks: torch.Tensor | None, rows: int
+) -> torch.Tensor:
     """Compiled flex for query rows [rows, N) of ``mask`` (a TreeMask, windowed as it says): [1, H, N - rows, Dv]."""
     n = int(mask.subtree_end.shape[0])
     records = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if q.device.type == "cpu":
         if records:
-            raise TreepackError("E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU",
-                                field="mode")
+            raise TreepackError(
+                "E_ARG", "FlexAttention has no backward on CPU; use tree_mask(batch, mode='block') to train on CPU", field="mode"
+            )
         if q.dtype not in CPU_DTYPES:
-            raise TreepackError("E_ARG", f"compiled FlexAttention on CPU runs float32, bfloat16 or float16, not {q.dtype}; "
-                                "use tree_mask(batch, mode='block')", field="mode")
+            raise TreepackError(
+                "E_ARG",
+                f"compiled FlexAttention on CPU runs float32, bfloat16 or float16, not {q.dtype}; use tree_mask(batch, mode='block')",
+                field="mode",
+            )
         # torch refuses requires_grad inputs on CPU even under no_grad, where nothing is recorded anyway.
         q, k, v = q.detach(), k.detach(), v.detach()
         sinks = None if sinks is None else sinks.detach()
@@ -188,7 +208,11 @@ def flex_attend(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                 out = _compiled_flex()(qp, kp, vp, block_mask, score_mod, scale, gqa)
         except FailOnRecompileLimitHit:
             limits = f"{COMPILE_LIMIT} for this function, {torch._dynamo.config.accumulated_recompile_limit} for all"
-            raise TreepackError("E_LIMIT", f"compiled FlexAttention cannot compile padded lengths {Lq} × {Lk}: dynamo's recompile "
-                                f"limit is reached ({limits}), by more lengths, layer kinds or dtypes than a run should have; the "
-                                "uncompiled fall-back is refused (it materialises N × N scores)", field="mode") from None
+            raise TreepackError(
+                "E_LIMIT",
+                f"compiled FlexAttention cannot compile padded lengths {Lq} × {Lk}: dynamo's recompile "
+                f"limit is reached ({limits}), by more lengths, layer kinds or dtypes than a run should have; the "
+                "uncompiled fall-back is refused (it materialises N × N scores)",
+                field="mode",
+            ) from None
     return out[:, :, : n - rows]

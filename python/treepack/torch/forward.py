@@ -93,7 +93,13 @@ def forward_logprobs(
     rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
     mask = model_tree_mask(model, batch, attention)
     with routed(model, batch, routes, router) as routing:
-        out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, logits_to_keep=rows, use_cache=False)
+        out = model(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.position_ids[None],
+            attention_mask=mask,
+            logits_to_keep=rows,
+            use_cache=False,
+        )
     moe = None if routing is None else router_outputs(routing, model)
     logits = out.logits[0]
     logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature

@@ -82,8 +82,12 @@ def _head_and_base(model: torch.nn.Module) -> Any:
     head = get_head() if get_head is not None else None
     base = getattr(model, prefix, None) if isinstance(prefix, str) else None
     if head is None or base is None:
-        raise TreepackError("E_ARG", f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); "
-                            "pass hidden states and lm_head instead", field="model")
+        raise TreepackError(
+            "E_ARG",
+            f"{type(model).__name__} is not a Hugging Face causal LM (no output embeddings / base model); "
+            "pass hidden states and lm_head instead",
+            field="model",
+        )
     return head, base
 
 
@@ -101,7 +105,11 @@ def check_vocabulary(model: torch.nn.Module, batch: PackedBatch) -> None:
     outside = (batch.input_ids < 0) | (batch.input_ids >= rows)
     if bool(outside.any()):
         p = int(torch.argmax(outside.to(torch.int8)))
-        raise TreepackError("E_INPUT", f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {rows})", field="input_ids")
+        raise TreepackError(
+            "E_INPUT",
+            f"input_ids[{p}] = {int(batch.input_ids[p])} is not a token id of the model (vocabulary size {rows})",
+            field="input_ids",
+        )
     vocab, name = batch.vocab_size, batch.meta.get("tokenizer", "?")
     if vocab is not None and not 0 <= rows - vocab <= VOCAB_PADDING:
         raise TreepackError(
@@ -126,7 +134,11 @@ def model_mask(model: torch.nn.Module, batch: PackedBatch, attention: str = "aut
     if impl in ("sdpa", "eager"):
         check_dense(model)
         return dense_model_mask(model, batch)
-    raise TreepackError("E_ARG", f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)", field="attn_implementation")
+    raise TreepackError(
+        "E_ARG",
+        f"attn_implementation {impl!r} cannot take the tree mask; use 'treepack' (or 'sdpa'/'eager' for small batches)",
+        field="attn_implementation",
+    )
 
 
 def _softcap(model: torch.nn.Module | None) -> float | None:
@@ -176,7 +188,11 @@ def packed_logprobs(
         moe = None if routing is None else router_outputs(routing, model)
     else:
         if routes is not None or router:
-            raise TreepackError("E_ARG", "routes and router outputs need the model, not its hidden states", field="routes" if routes is not None else "router")
+            raise TreepackError(
+                "E_ARG",
+                "routes and router outputs need the model, not its hidden states",
+                field="routes" if routes is not None else "router",
+            )
         moe = None
         hidden = model_or_hidden
         head = lm_head
@@ -185,7 +201,9 @@ def packed_logprobs(
         if hidden.dim() == 3 and hidden.shape[0] == 1:
             hidden = hidden[0]
         if hidden.dim() != 2 or hidden.shape[0] != batch.num_nodes:
-            raise TreepackError("E_ARG", f"expected hidden states [N = {batch.num_nodes}, D], got {list(model_or_hidden.shape)}", field="hidden")
+            raise TreepackError(
+                "E_ARG", f"expected hidden states [N = {batch.num_nodes}, D], got {list(model_or_hidden.shape)}", field="hidden"
+            )
     spec = _LogitSpec(torch.float64 if hidden.dtype == torch.float64 else torch.float32, float(temperature), _softcap(model))
 
     targets = scored_nodes(batch, nodes).to(hidden.device)
@@ -202,8 +220,14 @@ def packed_logprobs(
 
     if _is_linear(head):
         if tokens.numel() and int(tokens.max()) >= head.weight.shape[0]:
-            raise TreepackError("E_INPUT", f"token id {int(tokens.max())} is not below the LM head's vocabulary size {head.weight.shape[0]}", field="input_ids")
-        lp, row_entropy = _LinearHeadScores.apply(hidden.index_select(0, rows), head.weight, head.bias, row_of, tokens, edges, bounds, spec, entropy)
+            raise TreepackError(
+                "E_INPUT",
+                f"token id {int(tokens.max())} is not below the LM head's vocabulary size {head.weight.shape[0]}",
+                field="input_ids",
+            )
+        lp, row_entropy = _LinearHeadScores.apply(
+            hidden.index_select(0, rows), head.weight, head.bias, row_of, tokens, edges, bounds, spec, entropy
+        )
         scored = torch.stack([lp, row_entropy[row_of]]) if entropy else lp[None]
     else:
         scored = _module_head_scores(head, hidden, rows, row_of, tokens, edges, bounds, spec, entropy)
@@ -283,8 +307,18 @@ class _LinearHeadScores(torch.autograd.Function):
     matmul does."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_of: torch.Tensor, tokens: torch.Tensor,
-                edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        row_of: torch.Tensor,
+        tokens: torch.Tensor,
+        edges: list[int],
+        bounds: list[int],
+        spec: _LogitSpec,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         R = h.shape[0]
         lp = h.new_empty(tokens.shape[0], dtype=spec.dtype)
@@ -319,7 +353,9 @@ class _LinearHeadScores(torch.autograd.Function):
         g_lp = g_lp if g_lp is not None else lse.new_zeros(tokens.shape[0])
         g_row = lse.new_zeros(lse.shape[0]).index_add_(0, row_of, g_lp)  # a row's logprob gradients, summed
         g_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        g_w = (torch.empty_like if len(edges) > 1 else torch.zeros_like)(weight) if ctx.needs_input_grad[1] else None  # the first chunk writes it
+        g_w = (
+            (torch.empty_like if len(edges) > 1 else torch.zeros_like)(weight) if ctx.needs_input_grad[1] else None
+        )  # the first chunk writes it
         g_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         scratch = _Scratch()
         for c in range(len(edges) - 1):
@@ -353,14 +389,25 @@ class _LinearHeadScores(torch.autograd.Function):
         return g_h, g_w, g_b, None, None, None, None, None, None
 
 
-def _module_head_scores(head: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor, tokens: torch.Tensor,
-                        edges: list[int], bounds: list[int], spec: _LogitSpec, entropy: bool) -> torch.Tensor:
+def _module_head_scores(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    row_of: torch.Tensor,
+    tokens: torch.Tensor,
+    edges: list[int],
+    bounds: list[int],
+    spec: _LogitSpec,
+    entropy: bool,
+) -> torch.Tensor:
     """[1 or 2, K] logprobs (and entropies) of the targets through any head module, by autograd."""
 
     def chunk(h: torch.Tensor, local_row: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         logits = _finish_logits(head(h).to(spec.dtype), spec, inplace=False)
         if tok.numel() and int(tok.max()) >= logits.shape[-1]:
-            raise TreepackError("E_INPUT", f"token id {int(tok.max())} is not below the LM head's vocabulary size {logits.shape[-1]}", field="input_ids")
+            raise TreepackError(
+                "E_INPUT", f"token id {int(tok.max())} is not below the LM head's vocabulary size {logits.shape[-1]}", field="input_ids"
+            )
         lse = torch.logsumexp(logits, dim=-1)
         lp = logits[local_row, tok] - lse[local_row]
         if not entropy:

@@ -71,8 +71,13 @@ def loss_inputs(lp: Tensor, batch: Batch, c: Mapping[str, Any], validate: bool =
     N = lp.shape[0]
     if isinstance(batch, PackedBatch) and batch.num_nodes != N:
         raise _bad("logprobs", f"logprobs has {N} elements but the batch has N = {batch.num_nodes} nodes")
-    kinds = {"seq_offsets": "index", "seq_positions": "index", "loss_mask": "mask", **{f: "float" for f in _FIELDS + ("seq_weight",)},
-             "turn_ids": "index"}
+    kinds = {
+        "seq_offsets": "index",
+        "seq_positions": "index",
+        "loss_mask": "mask",
+        **{f: "float" for f in _FIELDS + ("seq_weight",)},
+        "turn_ids": "index",
+    }
     used = {"seq_weight": True, "turn_ids": _turns(c), **{f: _needed(c, f) for f in _FIELDS}}
     out: dict[str, Tensor | None] = {}
     for name, kind in kinds.items():
@@ -208,16 +213,32 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     r_min = torch.cat([torch.where(m, r, inf), inf]).amin()
     r_max = -torch.cat([torch.where(m, -r, inf), inf]).amin()
     live = cnt > 0
-    metrics = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl_loss": kl.detach(), "clipfrac_high": mean_of(high & m),
-               "clipfrac_low": mean_of(low & m), "clipfrac_dual": mean_of(dual & m), "approx_kl": mean_of(old - x.detach()),
-               "ratio_min": torch.where(live, r_min, zero), "ratio_mean": mean_of(r), "ratio_max": torch.where(live, r_max, zero),
-               "trainable_tokens": cnt}
+    metrics = {
+        "loss": loss.detach(),
+        "pg_loss": pg.detach(),
+        "kl_loss": kl.detach(),
+        "clipfrac_high": mean_of(high & m),
+        "clipfrac_low": mean_of(low & m),
+        "clipfrac_dual": mean_of(dual & m),
+        "approx_kl": mean_of(old - x.detach()),
+        "ratio_min": torch.where(live, r_min, zero),
+        "ratio_mean": mean_of(r),
+        "ratio_max": torch.where(live, r_max, zero),
+        "trainable_tokens": cnt,
+    }
     return loss, torch.stack([metrics[k] for k in METRICS])
 
 
-def packed_loss(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
-                validate: bool = True, metrics: str = "float", router: RouterOutputs | None = None,
-                aux_coef: float | None = None) -> tuple[Tensor, dict[str, Any]]:
+def packed_loss(
+    lp: Tensor,
+    batch: PackedBatch | Mapping[str, Any],
+    config: None | Mapping[str, Any] | LossConfig = None,
+    *,
+    validate: bool = True,
+    metrics: str = "float",
+    router: RouterOutputs | None = None,
+    aux_coef: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
     """The loss (a float64 0-d tensor on lp's device, differentiable w.r.t. lp) and its metrics (docs/concepts/loss.md:
     loss, pg_loss, kl_loss, clip fractions, approx_kl, ratio stats, trainable_tokens). ``batch`` is a ``PackedBatch`` or
     a mapping of the contract's tensors on lp's device (it may add ``seq_weight`` [S]). ``validate=False`` skips the
@@ -261,8 +282,9 @@ class PackedLoss:
     called as ``loss_fn(lp, batch)`` (the form to compile). ``loss_fn(lp, batch, router=scores.router)`` adds a MoE
     router's load-balancing loss times ``aux_coef`` (``packed_loss``); the metrics then end with ``aux_loss``."""
 
-    def __init__(self, config: None | Mapping[str, Any] | LossConfig = None, *, validate: bool = True,
-                 aux_coef: float | None = None) -> None:
+    def __init__(
+        self, config: None | Mapping[str, Any] | LossConfig = None, *, validate: bool = True, aux_coef: float | None = None
+    ) -> None:
         self.config = resolve_config(config)
         self.validate = validate
         self.aux_coef = aux_coef
@@ -278,8 +300,15 @@ class PackedLoss:
         return loss, values
 
     @staticmethod
-    def apply(lp: Tensor, batch: PackedBatch | Mapping[str, Any], config: None | Mapping[str, Any] | LossConfig = None, *,
-              validate: bool = True, router: RouterOutputs | None = None, aux_coef: float | None = None) -> tuple[Tensor, Tensor]:
+    def apply(
+        lp: Tensor,
+        batch: PackedBatch | Mapping[str, Any],
+        config: None | Mapping[str, Any] | LossConfig = None,
+        *,
+        validate: bool = True,
+        router: RouterOutputs | None = None,
+        aux_coef: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(loss, metrics float64 on lp's device) for a config given per call."""
         return PackedLoss(config, validate=validate, aux_coef=aux_coef)(lp, batch, router)
 

@@ -20,8 +20,9 @@ from .loss import Batch, Config, loss_inputs, resolve_config
 KERNELS = ("auto", "core", "cuda", "cuda-host")
 
 
-def kernel_loss(lp: torch.Tensor, batch: Batch, config: Config = None, *,
-                kernel: str = "auto") -> tuple[float, torch.Tensor, dict[str, float]]:
+def kernel_loss(
+    lp: torch.Tensor, batch: Batch, config: Config = None, *, kernel: str = "auto"
+) -> tuple[float, torch.Tensor, dict[str, float]]:
     """(loss, float32 gradient [N] on lp's device, metrics dict) from one of the C ABI's kernels (``KERNELS``; "auto":
     the core for CPU tensors, tp_cuda_loss for CUDA ones)."""
     if kernel not in KERNELS:
@@ -44,8 +45,21 @@ def kernel_loss(lp: torch.Tensor, batch: Batch, config: Config = None, *,
     lib = cuda_library()
     off, pos = a["seq_offsets"], a["seq_positions"]
     assert off is not None and pos is not None
-    args = (ctypes.byref(make_config(config)), off.numel() - 1, ptr(off), pos.numel(), ptr(pos), ptr(a["loss_mask"]),
-            *(ptr(a[f]) for f in _FIELDS), ptr(a["seq_weight"]), ptr(a["turn_ids"]), x.numel(), ptr(x), ptr(grad), ctypes.byref(metrics))
+    args = (
+        ctypes.byref(make_config(config)),
+        off.numel() - 1,
+        ptr(off),
+        pos.numel(),
+        ptr(pos),
+        ptr(a["loss_mask"]),
+        *(ptr(a[f]) for f in _FIELDS),
+        ptr(a["seq_weight"]),
+        ptr(a["turn_ids"]),
+        x.numel(),
+        ptr(x),
+        ptr(grad),
+        ctypes.byref(metrics),
+    )
     if kernel == "cuda-host":
         rc, name = lib.tp_cuda_loss_host(*args), "tp_cuda_loss_host"
     else:

@@ -45,8 +45,11 @@ from .attention import TreeMask
 # Layer class -> the modeling-module functions its forward calls and how each runs on a tree.
 _GDN: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
 _KDA: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
-_MAMBA2: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
-           "mamba2_split_conv1d_scan_combined": recurrent.no_fused}
+_MAMBA2: dict[str, Callable] = {
+    "causal_conv1d_fn": recurrent.tree_conv,
+    "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
+    "mamba2_split_conv1d_scan_combined": recurrent.no_fused,
+}
 LAYERS: dict[str, dict[str, Callable]] = {
     "Qwen3_5GatedDeltaNet": _GDN,
     "Qwen3_5MoeGatedDeltaNet": _GDN,
@@ -61,7 +64,9 @@ LAYERS: dict[str, dict[str, Callable]] = {
 }
 
 # Names of modules that mix tokens without the attention interface; a Conv1d over the sequence is caught by type.
-_MIXER_NAME = re.compile(r"mamba|mixer|deltanet|delta_?attention|linear_?attention|lightning|shortconv|short_conv|ssm|rwkv|retention|hyena|recurren", re.I)
+_MIXER_NAME = re.compile(
+    r"mamba|mixer|deltanet|delta_?attention|linear_?attention|lightning|shortconv|short_conv|ssm|rwkv|retention|hyena|recurren", re.I
+)
 # ... unless the name says it works per token (a family's norms, embeddings and MLPs carry the family's name).
 _TOKENWISE_NAME = re.compile(r"norm|embedding|mlp|rotary", re.I)
 
@@ -99,7 +104,9 @@ def _base_pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
             raise TreepackError("E_ARG", "pass the TreeMask as attention_mask=... (by keyword)", field="attention_mask")
         return None
     if kwargs.get("past_key_values") is not None:
-        raise TreepackError("E_ARG", "a tree forward takes no past_key_values (a forest has no single continuation)", field="past_key_values")
+        raise TreepackError(
+            "E_ARG", "a tree forward takes no past_key_values (a forest has no single continuation)", field="past_key_values"
+        )
     kwargs = dict(kwargs, attention_mask=_TreeMasks(mask), use_cache=False)
     return args, kwargs
 
@@ -109,7 +116,11 @@ def _ensure_dispatch(module_globals: dict[str, Any], kinds: dict[str, Callable])
     for name, kind in kinds.items():
         fn = module_globals.get(name)
         if fn is None:
-            raise TreepackError("E_ARG", f"{module_globals.get('__name__')} has no function {name}: this transformers version is not supported", field="model")
+            raise TreepackError(
+                "E_ARG",
+                f"{module_globals.get('__name__')} has no function {name}: this transformers version is not supported",
+                field="model",
+            )
         if getattr(fn, "treepack_kind", None) is not kind:
             d = recurrent.dispatcher(kind, fn)
             d.treepack_kind = kind  # type: ignore[attr-defined]
@@ -141,7 +152,9 @@ def _tree_class(cls: type[torch.nn.Module]) -> type:
         mask = _tree_of(kwargs.get("attention_mask"))
         if mask is None:
             if any(_tree_of(a) is not None for a in args):
-                raise TreepackError("E_ARG", f"{self.treepack_name}: pass the tree as attention_mask=... (by keyword)", field="attention_mask")
+                raise TreepackError(
+                    "E_ARG", f"{self.treepack_name}: pass the tree as attention_mask=... (by keyword)", field="attention_mask"
+                )
             return cls.forward(self, *args, **kwargs)
         if kwargs.get("cache_params") is not None:
             raise TreepackError("E_ARG", f"{self.treepack_name}: a tree forward takes no cache", field="cache_params")
@@ -152,8 +165,9 @@ def _tree_class(cls: type[torch.nn.Module]) -> type:
         finally:
             recurrent.current.reset(token)
 
-    sub = _TREE_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                           "treepack_base": cls})
+    sub = _TREE_CLASSES[cls] = type(
+        cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "treepack_base": cls}
+    )
     return sub
 
 
@@ -180,7 +194,9 @@ def token_mixers(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Modul
     handled = [(p, m) for p, m in modules if _registered(type(m)) is not None]
     # The ignore: classes are hashable, but mypy does not match type[Any] to functools.cache's Hashable.
     covered = [p for p, _ in handled] + [
-        p for p, m in modules if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))  # type: ignore[arg-type]
+        p
+        for p, m in modules
+        if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))  # type: ignore[arg-type]
     ]
     within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
     other = []

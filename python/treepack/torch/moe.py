@@ -50,14 +50,41 @@ from .models import layer_index
 
 # Router class -> how its forward weighs the experts it picks (see the module docstring); each family is the classes
 # whose forward is its first class's, character for character.
-_SOFTMAX = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter",
-            "MellumTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen4ExpTextTopKRouter")
-_SIGMOID = ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "AXK1TopkRouter", "Dots1TopkRouter", "ExaoneMoeTopkRouter",
-            "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter", "Glm4vMoeTextTopkRouter", "Glm5NextTextTopkRouter", "GlmMoeDsaTopkRouter",
-            "HYV4TopkRouter", "KimiLinearTopkRouter", "MiMoV2FlashTopkRouter", "NemotronHTopkRouter", "SolarOpenTopkRouter")
+_SOFTMAX = (
+    "Qwen3MoeTopKRouter",
+    "Qwen2MoeTopKRouter",
+    "Qwen3NextTopKRouter",
+    "OlmoeTopKRouter",
+    "FlexOlmoTopKRouter",
+    "MellumTopKRouter",
+    "Qwen3OmniMoeThinkerTextTopKRouter",
+    "Qwen3OmniMoeTalkerTextTopKRouter",
+    "Qwen4ExpTextTopKRouter",
+)
+_SIGMOID = (
+    "DeepseekV3TopkRouter",
+    "DeepseekV32TopkRouter",
+    "AXK1TopkRouter",
+    "Dots1TopkRouter",
+    "ExaoneMoeTopkRouter",
+    "Glm4MoeTopkRouter",
+    "Glm4MoeLiteTopkRouter",
+    "Glm4vMoeTextTopkRouter",
+    "Glm5NextTextTopkRouter",
+    "GlmMoeDsaTopkRouter",
+    "HYV4TopkRouter",
+    "KimiLinearTopkRouter",
+    "MiMoV2FlashTopkRouter",
+    "NemotronHTopkRouter",
+    "SolarOpenTopkRouter",
+)
 _RENORMALISED = ("Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter")
-ROUTERS: dict[str, str] = {**{n: "softmax" for n in _SOFTMAX}, **{n: "softmax-renormalised" for n in _RENORMALISED}, "GptOssTopKRouter": "topk-softmax",
-                           **{n: "sigmoid" for n in _SIGMOID}}
+ROUTERS: dict[str, str] = {
+    **{n: "softmax" for n in _SOFTMAX},
+    **{n: "softmax-renormalised" for n in _RENORMALISED},
+    "GptOssTopKRouter": "topk-softmax",
+    **{n: "sigmoid" for n in _SIGMOID},
+}
 
 # A module is a router by its class name, or as a Linear named gate/router inside a mixture-of-experts block.
 _ROUTER_NAME = re.compile(r"(Router|Gating|Gate)$")
@@ -69,7 +96,9 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax(
+    router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h.reshape(-1, router.hidden_dim), router.weight)
     w = torch.softmax(logits, dim=-1, dtype=_wide(logits.dtype)).gather(1, experts)
     if router.norm_topk_prob if renormalise is None else renormalise:
@@ -129,8 +158,11 @@ class Routing:
 
     def _record(self, index: int, logits: torch.Tensor, experts: torch.Tensor) -> None:
         if self._logits[index] is not None:
-            raise TreepackError("E_ARG", f"{self.routers[index].treepack_name} ran twice inside one replay_routes (one forward per context)",
-                                field="routing")
+            raise TreepackError(
+                "E_ARG",
+                f"{self.routers[index].treepack_name} ran twice inside one replay_routes (one forward per context)",
+                field="routing",
+            )
         self._logits[index], self._experts[index] = logits, experts
 
 
@@ -163,14 +195,24 @@ def _replay_class(cls: type) -> type:
         experts = routing.routes[i]
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         if experts.shape[0] != tokens:
-            raise TreepackError("E_INPUT", f"{self.treepack_name}: routes[{i}] has {experts.shape[0]} tokens but the forward has {tokens}",
-                                field="routes")
+            raise TreepackError(
+                "E_INPUT", f"{self.treepack_name}: routes[{i}] has {experts.shape[0]} tokens but the forward has {tokens}", field="routes"
+            )
         logits, weights = _REPLAY[kind](self, hidden_states, experts)
         routing._record(i, logits, experts)
         return logits, weights, experts
 
-    sub = _REPLAY_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                             "treepack_router_base": cls, "treepack_kind": kind})
+    sub = _REPLAY_CLASSES[cls] = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "treepack_router_base": cls,
+            "treepack_kind": kind,
+        },
+    )
     return sub
 
 
@@ -182,13 +224,21 @@ def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     for path, m in named.items():
         cls = type(m).__name__
         parent = named.get(path.rpartition(".")[0]) if "." in path else None
-        linear_gate = (isinstance(m, torch.nn.Linear) and path.rpartition(".")[2] in ("gate", "router") and parent is not None
-                       and bool(_MOE_BLOCK.search(type(parent).__name__)))
+        linear_gate = (
+            isinstance(m, torch.nn.Linear)
+            and path.rpartition(".")[2] in ("gate", "router")
+            and parent is not None
+            and bool(_MOE_BLOCK.search(type(parent).__name__))
+        )
         if not (linear_gate or (_ROUTER_NAME.search(cls) and not _NOT_ROUTER.search(cls))):
             continue
         if _handled(type(m)) is None:
-            raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}): treepack cannot replay the routes of {cls} (supported routers: "
-                                "Qwen3-MoE's, gpt-oss's, DeepSeek-V3's and those sharing their code: treepack.torch.moe.ROUTERS)", field="model")
+            raise TreepackError(
+                "E_ARG",
+                f"layer {layer_index(path)} ({path}): treepack cannot replay the routes of {cls} (supported routers: "
+                "Qwen3-MoE's, gpt-oss's, DeepSeek-V3's and those sharing their code: treepack.torch.moe.ROUTERS)",
+                field="model",
+            )
         out.append((path, m))
     return out
 
@@ -198,7 +248,9 @@ def prepare_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     model order. TreepackError naming the layer for a router treepack cannot replay, or a model without routers."""
     found = routers(model)
     if not found:
-        raise TreepackError("E_ARG", f"{type(model).__name__} has no mixture-of-experts router: there is nothing to replay or record", field="routes")
+        raise TreepackError(
+            "E_ARG", f"{type(model).__name__} has no mixture-of-experts router: there is nothing to replay or record", field="routes"
+        )
     for path, m in found:
         if not hasattr(type(m), "treepack_router_base"):
             m.__class__ = _replay_class(type(m))
@@ -215,21 +267,29 @@ def check_routes(routes: Any, layers: list[torch.nn.Module], tokens: int | None 
     shape = list(routes.shape)
     if routes.dim() != 3 or shape[0] != len(layers) or (tokens is not None and shape[1] != tokens):
         want = f"[{len(layers)}, {'tokens' if tokens is None else tokens}, k]"
-        raise TreepackError("E_INPUT", f"expected routes of shape {want} (one [tokens, k] per MoE layer, in model order), got {shape}", field="routes")
+        raise TreepackError(
+            "E_INPUT", f"expected routes of shape {want} (one [tokens, k] per MoE layer, in model order), got {shape}", field="routes"
+        )
     routes = routes.long()
     for i, r in enumerate(layers):
         if shape[2] != r.top_k:
-            raise TreepackError("E_INPUT", f"{r.treepack_name}: routes[{i}] give {shape[2]} experts per token, the router picks {r.top_k}", field="routes")
+            raise TreepackError(
+                "E_INPUT", f"{r.treepack_name}: routes[{i}] give {shape[2]} experts per token, the router picks {r.top_k}", field="routes"
+            )
         if routes[i].numel():
             lo, hi = int(routes[i].min()), int(routes[i].max())
             if lo < 0 or hi >= r.num_experts:
-                raise TreepackError("E_INPUT", f"{r.treepack_name}: routes[{i}] hold expert {lo if lo < 0 else hi}, outside [0, {r.num_experts})",
-                                    field="routes")
+                raise TreepackError(
+                    "E_INPUT",
+                    f"{r.treepack_name}: routes[{i}] hold expert {lo if lo < 0 else hi}, outside [0, {r.num_experts})",
+                    field="routes",
+                )
             s = routes[i].sort(dim=-1).values
             twice = (s[:, 1:] == s[:, :-1]).any(dim=-1)
             if bool(twice.any()):
-                raise TreepackError("E_INPUT", f"{r.treepack_name}: routes[{i}] give token {int(twice.nonzero()[0])} the same expert twice",
-                                    field="routes")
+                raise TreepackError(
+                    "E_INPUT", f"{r.treepack_name}: routes[{i}] give token {int(twice.nonzero()[0])} the same expert twice", field="routes"
+                )
     return routes
 
 
@@ -246,8 +306,12 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None = None, to
     layers = prepare_routers(hf)
     if routes is not None:
         if getattr(hf, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
-            raise TreepackError("E_ARG", "routes cannot be replayed under gradient checkpointing: its recomputation runs the routers again "
-                                "outside the replay (model.gradient_checkpointing_disable())", field="gradient_checkpointing")
+            raise TreepackError(
+                "E_ARG",
+                "routes cannot be replayed under gradient checkpointing: its recomputation runs the routers again "
+                "outside the replay (model.gradient_checkpointing_disable())",
+                field="gradient_checkpointing",
+            )
         device = layers[0].weight.device
         routes = check_routes(routes, layers, tokens).to(device)
     routing = Routing(routes, layers)
@@ -285,7 +349,9 @@ def occurrence_weights(batch: Any, num_nodes: int | None = None) -> torch.Tensor
     pos = batch["seq_positions"] if isinstance(batch, Mapping) else batch.seq_positions
     n = batch.num_nodes if num_nodes is None else num_nodes
     if pos.numel() and int(pos.max()) >= n:
-        raise TreepackError("E_INPUT", f"seq_positions holds {int(pos.max())}, outside the N = {n} nodes the router saw", field="seq_positions")
+        raise TreepackError(
+            "E_INPUT", f"seq_positions holds {int(pos.max())}, outside the N = {n} nodes the router saw", field="seq_positions"
+        )
     return torch.bincount(pos.long(), minlength=n).to(torch.float64)
 
 
@@ -299,8 +365,12 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
     logits = routing.logits
     experts = routing.experts() if isinstance(routing, Routing) else routing.experts
     if any(k == "sigmoid" for k in routing.kinds):
-        raise TreepackError("E_ARG", "sigmoid routers (DeepSeek-V3's family) have no load-balancing loss in transformers "
-                            "(they balance with e_score_correction_bias)", field="aux_loss")
+        raise TreepackError(
+            "E_ARG",
+            "sigmoid routers (DeepSeek-V3's family) have no load-balancing loss in transformers "
+            "(they balance with e_score_correction_bias)",
+            field="aux_loss",
+        )
     dev = logits[0].device
     n = logits[0].shape[0]
     w = torch.ones(n, dtype=torch.float64, device=dev) if batch is None else occurrence_weights(batch, n).to(dev)
@@ -337,8 +407,11 @@ def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> tuple[Any, t
     for i, (seq, r) in enumerate(zip(sequences, routes)):
         r = np.asarray(r, dtype=np.int64)
         if r.ndim != 3 or r.shape[1] != len(seq) or (table and r.shape[::2] != table[0][1].shape):
-            raise TreepackError("E_INPUT", f"sequence {i}: expected routes [MoE layers, {len(seq)}, k] like the others', got {list(r.shape)}",
-                                field="routes")
+            raise TreepackError(
+                "E_INPUT",
+                f"sequence {i}: expected routes [MoE layers, {len(seq)}, k] like the others', got {list(r.shape)}",
+                field="routes",
+            )
         ids = []
         for t, tok in enumerate(seq):
             step = np.ascontiguousarray(r[:, t])
@@ -355,5 +428,16 @@ def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> tuple[Any, t
     return mb, torch.from_numpy(packed)
 
 
-__all__ = ["ROUTERS", "Routing", "RouterOutputs", "check_routes", "load_balancing_loss", "occurrence_weights", "pack_routed", "prepare_routers", "replay_routes",
-           "router_outputs", "routers"]
+__all__ = [
+    "ROUTERS",
+    "Routing",
+    "RouterOutputs",
+    "check_routes",
+    "load_balancing_loss",
+    "occurrence_weights",
+    "pack_routed",
+    "prepare_routers",
+    "replay_routes",
+    "router_outputs",
+    "routers",
+]

@@ -61,11 +61,20 @@ current: contextvars.ContextVar[Tree | None] = contextvars.ContextVar("treepack_
 
 def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
     if t.shape[0] != 1 or t.shape[dim] != n:
-        raise TreepackError("E_ARG", f"a tree forward runs one packed row of N = {n} tokens; {name} has shape {list(t.shape)}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", f"a tree forward runs one packed row of N = {n} tokens; {name} has shape {list(t.shape)}", field="attention_mask"
+        )
 
 
-def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              activation: str | None = None, **kwargs: Any) -> torch.Tensor:
+def tree_conv(
+    orig: Callable,
+    tree: Tree,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N] (under a step plan, nodes [rows, N) only)."""
     if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
@@ -83,7 +92,9 @@ def tree_conv(orig: Callable, tree: Tree, hidden_states: torch.Tensor, weight: t
     return _conv(orig, sub_forest(tree.mask, rows - t), x, weight, bias, activation)[:, :, t:]
 
 
-def _conv(orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+def _conv(
+    orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
     n = int(mask.subtree_end.shape[0])
     _one_row("the convolution input", hidden_states, n, 2)
     out = orig(hidden_states, weight, bias=bias, activation=activation)
@@ -140,9 +151,20 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
     return torch.cat(outs).index_select(0, plan.owner)[None]
 
 
-def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    chunk_size: int | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                    cu_seqlens: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def tree_chunk_rule(
+    orig: Callable,
+    tree: Tree,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """A delta rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``: q, k [1, N, H, K], v [1, N, H, V],
     g [1, N, H] or [1, N, H, K], beta [1, N, H]) on the tree: (out [1, N, H, V], None). ``chunk_size`` is passed on
     only when the layer passes it (FLA's kernels take none); the grid is 64 tokens otherwise, theirs and the
@@ -159,17 +181,33 @@ def tree_chunk_rule(orig: Callable, tree: Tree, query: torch.Tensor, key: torch.
     return _run(tree, chunk_size or 64, (query, key, value, g, beta), call), None
 
 
-def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                     chunk_size: int, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
-                     dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False,
-                     z: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+def tree_mamba2_scan(
+    orig: Callable,
+    tree: Tree,
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    z: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """``mamba2_chunk_scan`` (x [1, N, H, P], dt [1, N, H], B, C [1, N, G, S]) on the tree: y [1, N, H, P].
 
     The step size is finished here, with the same operations the scan applies (bias, softplus, clamp), and passed on
     finished: a padding token then has dt = 0 and leaves the state unchanged, where the scan's clamp would give it
     the floor dt_limit[0] and decay the state."""
     if initial_states is not None or return_final_states or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
-        raise TreepackError("E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state, seq_idx or cu_seqlens", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", f"{tree.layer}: a tree forward takes no cache, initial state, seq_idx or cu_seqlens", field="attention_mask"
+        )
     if dt.element_size() < 4 and not getattr(orig, "__module__", "").startswith("transformers."):
         dt = dt.float()  # as mamba-ssm's kernel finishes it (transformers' reference: in dt's own dtype)
     if dt_bias is not None:
@@ -179,8 +217,22 @@ def tree_mamba2_scan(orig: Callable, tree: Tree, hidden_states: torch.Tensor, dt
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
 
     def call(x, d, b, c, zz, init):
-        return orig(x, d, A, b, c, chunk_size=chunk_size, D=D, z=zz, dt_bias=None, initial_states=init, dt_softplus=False,
-                    dt_limit=(0.0, float("inf")), return_final_states=True, **kwargs)
+        return orig(
+            x,
+            d,
+            A,
+            b,
+            c,
+            chunk_size=chunk_size,
+            D=D,
+            z=zz,
+            dt_bias=None,
+            initial_states=init,
+            dt_softplus=False,
+            dt_limit=(0.0, float("inf")),
+            return_final_states=True,
+            **kwargs,
+        )
 
     return _run(tree, chunk_size, (hidden_states, dt, B, C, z), call)
 

@@ -93,7 +93,9 @@ class RowLayout:
             raise TreepackError("E_ARG", "this layout is jagged: use to_jagged", field="layout")
         return self._scatter(values, fill, of, where).view(self.rows, self.width)
 
-    def to_jagged(self, values: torch.Tensor, fill: float = 0.0, of: str = "nodes", where: str = "trainable") -> tuple[torch.Tensor, torch.Tensor]:
+    def to_jagged(
+        self, values: torch.Tensor, fill: float = 0.0, of: str = "nodes", where: str = "trainable"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, offsets)``: row i's outputs at ``values[offsets[i]:offsets[i+1]]``
         (``torch.nested.nested_tensor_from_jagged(values, offsets)`` makes it a nested tensor)."""
         if self.offsets is None:
@@ -112,7 +114,9 @@ def _pack(seqs: list[torch.Tensor], score_from: list[int], trainable: list[torch
     first = batch.seq_offsets[:-1][batch.seq_offsets[:-1] < batch.seq_offsets[1:]]
     if bool(mask[first].any()):
         row = int(batch.seq_index[first[mask[first]][0]])
-        raise TreepackError("E_INPUT", f"row {row}: its first token is trainable, but no token precedes it to predict it", field="response_mask")
+        raise TreepackError(
+            "E_INPUT", f"row {row}: its first token is trainable, but no token precedes it to predict it", field="response_mask"
+        )
     batch.loss_mask = mask
     return batch
 
@@ -135,13 +139,19 @@ def from_padded(
         [5, 6, 7, 8, 9]
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise TreepackError("E_ARG", f"expected input_ids and attention_mask of one shape [B, T], got {list(input_ids.shape)} and {list(attention_mask.shape)}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG",
+            f"expected input_ids and attention_mask of one shape [B, T], got {list(input_ids.shape)} and {list(attention_mask.shape)}",
+            field="attention_mask",
+        )
     B, T = input_ids.shape
     if (response_mask is None) == (response_length is None):
         raise TreepackError("E_ARG", "give response_mask or response_length, not both", field="response_mask")
     if response_mask is not None:
         if response_mask.dim() != 2 or response_mask.shape[0] != B or response_mask.shape[1] > T:
-            raise TreepackError("E_ARG", f"expected response_mask [B = {B}, R <= {T}], got {list(response_mask.shape)}", field="response_mask")
+            raise TreepackError(
+                "E_ARG", f"expected response_mask [B = {B}, R <= {T}], got {list(response_mask.shape)}", field="response_mask"
+            )
         R = response_mask.shape[1]
     else:
         if not (isinstance(response_length, int) and 0 <= response_length <= T):
@@ -212,7 +222,9 @@ def from_jagged(
     else:
         train = _jagged_rows(response_mask, "response_mask")
         if [len(m) for m in train] != lengths:
-            raise TreepackError("E_ARG", f"expected response masks of lengths {lengths}, got {[len(m) for m in train]}", field="response_mask")
+            raise TreepackError(
+                "E_ARG", f"expected response masks of lengths {lengths}, got {[len(m) for m in train]}", field="response_mask"
+            )
     batch = _pack(seqs, starts, train, device)
     offsets = torch.tensor([0] + lengths, dtype=torch.int64, device=device).cumsum(0)
     occ = _response_occurrences(batch, starts)
@@ -260,5 +272,11 @@ def padded_rows(batch: PackedBatch, pad_token_id: int) -> tuple[dict[str, torch.
     occ = _response_occurrences(batch, starts)
     flat = torch.full((batch.num_occurrences,), -1, dtype=torch.int64, device=dev)
     flat[occ] = batch.seq_index[occ] * R + batch.token_index[occ] - torch.tensor(starts, device=dev)[batch.seq_index[occ]]
-    rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask, "loss_mask": loss_mask}
+    rows = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "loss_mask": loss_mask,
+    }
     return rows, RowLayout(batch, flat, S, width=R)

@@ -90,7 +90,9 @@ def radix_segments(subtree_end: Any) -> Segments:
 def _cache(mask: Any) -> dict:
     cache = getattr(mask, "_cache", None)
     if cache is None or not hasattr(mask, "subtree_end"):
-        raise TreepackError("E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask")
+        raise TreepackError(
+            "E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask"
+        )
     return cache
 
 
@@ -196,8 +198,12 @@ class SubForest:
             # A root inside the chain's subtree but not its last node's hangs from a chain node above the end.
             above = roots[~self.hang[roots] & (roots + first < se[0])]
             if len(above):
-                raise TreepackError("E_INPUT", f"node {int(above[0]) + first}'s parent is a node of the cached chain [0, {first}) other than its "
-                                    "last: a recurrent layer's cached state exists only at the end of the chain", field="prefix_tokens")
+                raise TreepackError(
+                    "E_INPUT",
+                    f"node {int(above[0]) + first}'s parent is a node of the cached chain [0, {first}) other than its "
+                    "last: a recurrent layer's cached state exists only at the end of the chain",
+                    field="prefix_tokens",
+                )
 
 
 def sub_forest(mask: Any, first: int) -> SubForest:
@@ -297,7 +303,13 @@ def _run_plan(seg: Segments, align: int, device: torch.device, hang: np.ndarray 
             sources.append((c, torch.tensor([where[src[i] - 1][1] for i in picks], dtype=torch.int64, device=device)))
             perm[picks] = at + np.arange(len(picks))
             at += len(picks)
-        calls.append(Call(torch.from_numpy(nodes).to(device), sources, torch.from_numpy(perm).to(device) if sources else None,
-                          torch.from_numpy(hung).to(device) if len(hung) else None))
+        calls.append(
+            Call(
+                torch.from_numpy(nodes).to(device),
+                sources,
+                torch.from_numpy(perm).to(device) if sources else None,
+                torch.from_numpy(hung).to(device) if len(hung) else None,
+            )
+        )
     last = where[row_id[S - 1]] if S else (-1, -1)  # the last segment in DFS order holds node N - 1, a leaf: its row ends there
     return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size), last)

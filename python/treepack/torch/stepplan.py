@@ -58,8 +58,20 @@ from .models import layer_index, prepare, token_mixers
 _ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding", "mlp")
 # Recurrent layer classes whose prefix state (convolution tail, recurrent state) the executor carries; tested in
 # float64 against the unsplit forest (python/tests/trainer/test_stepplan.py).
-RECURRENT = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "KimiLinearDeltaAttention",
-                       "NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer", "Zamba2MambaMixer"})
+RECURRENT = frozenset(
+    {
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3NextGatedDeltaNet",
+        "OlmoHybridGatedDeltaNet",
+        "KimiLinearDeltaAttention",
+        "NemotronHMamba2Mixer",
+        "BambaMixer",
+        "GraniteMoeHybridMambaLayer",
+        "FalconH1Mixer",
+        "Zamba2MambaMixer",
+    }
+)
 
 
 class StepOp(NamedTuple):
@@ -117,8 +129,16 @@ class _Segment:
     attention layer its keys and values, per recurrent layer its last convolution inputs and final state; the final
     hidden states and node logprobs)."""
 
-    def __init__(self, start: int, ids: torch.Tensor, pos: torch.Tensor, cache: dict[Key, torch.Tensor], hidden: torch.Tensor, lp: torch.Tensor,
-                 ent: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        start: int,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache: dict[Key, torch.Tensor],
+        hidden: torch.Tensor,
+        lp: torch.Tensor,
+        ent: torch.Tensor | None,
+    ) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos = ids, pos
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
@@ -148,13 +168,21 @@ class _Prefix:
         if self.closed:
             return
         if key in self.captured:
-            raise TreepackError("E_ARG", f"{key} was reported twice in one forward: the step plan cannot tell which layer's cache is which", field="layer_idx")
+            raise TreepackError(
+                "E_ARG",
+                f"{key} was reported twice in one forward: the step plan cannot tell which layer's cache is which",
+                field="layer_idx",
+            )
         self.captured[key] = tensor
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
-            raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: the step plan cannot tell which layer's cached keys it needs", field="layer_idx")
+            raise TreepackError(
+                "E_ARG",
+                f"{type(module).__name__} has no layer_idx: the step plan cannot tell which layer's cached keys it needs",
+                field="layer_idx",
+            )
         self.keep(("key", layer), key)
         self.keep(("value", layer), value)
         if not self.rows:
@@ -181,17 +209,29 @@ def check_model(model: torch.nn.Module) -> None:
     unsupported = other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in RECURRENT]
     if unsupported:
         path, m = unsupported[0]
-        raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and its prefix state is not carried by the "
-                            "step-plan executor (attention and " + ", ".join(sorted(RECURRENT)) + " are; run these micro-batches in full)", field="model")
+        raise TreepackError(
+            "E_ARG",
+            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and its prefix state is not carried by the "
+            "step-plan executor (attention and " + ", ".join(sorted(RECURRENT)) + " are; run these micro-batches in full)",
+            field="model",
+        )
     recurrent = {layer_index(p) for p, _ in handled}
     for i, kind in enumerate(getattr(model.config, "layer_types", None) or []):
         if kind not in _ATTENTION_TYPES and str(i) not in recurrent:
-            raise TreepackError("E_ARG", f"layer {i} is of type {kind!r} but holds no recurrent layer the step-plan executor knows: it caches attention keys/values "
-                                "and the states of " + ", ".join(sorted(RECURRENT)) + " only (run these micro-batches in full)", field="layer_types")
+            raise TreepackError(
+                "E_ARG",
+                f"layer {i} is of type {kind!r} but holds no recurrent layer the step-plan executor knows: it caches attention keys/values "
+                "and the states of " + ", ".join(sorted(RECURRENT)) + " only (run these micro-batches in full)",
+                field="layer_types",
+            )
     for path, m in handled:
         if getattr(m, "treepack_chunk_align", False):
-            raise TreepackError("E_ARG", f"layer {layer_index(path)} ({path}) was prepared with chunk_align=True: a branch hanging from a cached state starts "
-                                "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)", field="chunk_align")
+            raise TreepackError(
+                "E_ARG",
+                f"layer {layer_index(path)} ({path}) was prepared with chunk_align=True: a branch hanging from a cached state starts "
+                "where the cache ends, off the chunk grid (prepare(model, chunk_align=False) for step plans)",
+                field="chunk_align",
+            )
 
 
 def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel | None]:
@@ -200,11 +240,18 @@ def _data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.pa
     sharded parameters."""
     levels = wrappers(model)
     for m in levels:
-        sharded = next((x for x in m.modules() for c in type(x).__mro__ if c.__name__ in ("FSDPModule", "FullyShardedDataParallel")), None) \
-            if m is levels[-1] else (m if type(m).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine") else None)
+        sharded = (
+            next((x for x in m.modules() for c in type(x).__mro__ if c.__name__ in ("FSDPModule", "FullyShardedDataParallel")), None)
+            if m is levels[-1]
+            else (m if type(m).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine") else None)
+        )
         if sharded is not None:
-            raise TreepackError("E_ARG", f"the step-plan executor runs the model's layers itself, so it cannot run under {type(sharded).__name__}, whose "
-                                "forward gathers the sharded parameters (DistributedDataParallel or one process)", field="model")
+            raise TreepackError(
+                "E_ARG",
+                f"the step-plan executor runs the model's layers itself, so it cannot run under {type(sharded).__name__}, whose "
+                "forward gathers the sharded parameters (DistributedDataParallel or one process)",
+                field="model",
+            )
     ddp = next((m for m in levels if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
     return levels[-1], ddp
 
@@ -237,9 +284,18 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
     """A chain of n nodes as a forest: one sequence through all of them (only its node arrays are read)."""
     n, dev = int(ids.shape[0]), ids.device
     ar = torch.arange(n, device=dev)
-    return PackedBatch(input_ids=ids, position_ids=pos, parent=ar - 1, subtree_end=torch.full((n,), n, device=dev, dtype=torch.int64),
-                       seq_offsets=torch.tensor([0, n], device=dev), seq_positions=ar, loss_mask=torch.zeros(n, dtype=torch.bool, device=dev),
-                       seq_index=torch.zeros(n, dtype=torch.int64, device=dev), token_index=ar, meta={"num_tokens_packed": n})
+    return PackedBatch(
+        input_ids=ids,
+        position_ids=pos,
+        parent=ar - 1,
+        subtree_end=torch.full((n,), n, device=dev, dtype=torch.int64),
+        seq_offsets=torch.tensor([0, n], device=dev),
+        seq_positions=ar,
+        loss_mask=torch.zeros(n, dtype=torch.bool, device=dev),
+        seq_index=torch.zeros(n, dtype=torch.int64, device=dev),
+        token_index=ar,
+        meta={"num_tokens_packed": n},
+    )
 
 
 class StepPlanRunner:
@@ -250,25 +306,44 @@ class StepPlanRunner:
     ``model`` may be wrapped in DistributedDataParallel (and PEFT): the executor runs the model inside, outside DDP's
     forward, so no backward synchronises; ``sync_gradients()`` then averages the gradients once per optimizer step."""
 
-    def __init__(self, model: torch.nn.Module, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
-                 temperature: float = 1.0, entropy: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention: str = "auto",
+        chunk_size: int = 1024,
+        block_size: int = 128,
+        temperature: float = 1.0,
+        entropy: bool = False,
+    ) -> None:
         model, self.ddp = _data_parallel(model)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != "treepack":
-            raise TreepackError("E_ARG", f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}", field="attn_implementation")
+            raise TreepackError(
+                "E_ARG",
+                f"the step-plan executor needs attn_implementation 'treepack' (it extends the tree mask to cached keys), got {impl!r}",
+                field="attn_implementation",
+            )
         if not temperature > 0:
             raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
         softcap = getattr(model.config, "final_logit_softcapping", None)
         if softcap:
-            raise TreepackError("E_ARG", "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
-                                f"(final_logit_softcapping = {softcap})", field="final_logit_softcapping")
+            raise TreepackError(
+                "E_ARG",
+                "the step-plan executor scores hidden states with the LM head and does not softcap final logits "
+                f"(final_logit_softcapping = {softcap})",
+                field="final_logit_softcapping",
+            )
         check_model(model)
         prepare(model)  # recurrent layers run on the tree (idempotent)
         for name, m in model.named_modules():
             # A prefix is run twice (pushed, then popped with grad): both must compute the same values.
             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
-                raise TreepackError("E_ARG", f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs "
-                                "equal (call model.eval() or set p = 0)", field="dropout")
+                raise TreepackError(
+                    "E_ARG",
+                    f"{name} is dropout (p = {m.p}) in training mode: a step plan runs each prefix twice and needs both runs "
+                    "equal (call model.eval() or set p = 0)",
+                    field="dropout",
+                )
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.temperature, self.entropy = float(temperature), entropy
         self.recurrent = bool(token_mixers(model)[0])
@@ -288,19 +363,31 @@ class StepPlanRunner:
         hidden states [N - rows, D] and what each layer would cache for them."""
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
         mask.prefix = ctx = _Prefix(self.stack, rows)
-        out = self.base(input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False)
+        out = self.base(
+            input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False
+        )
         ctx.closed = True  # gradient checkpointing re-runs layers in the backward: they read the cache, capture nothing
         keys = sorted(ctx.captured, key=repr)
         if self.keys is None:
             if not keys:
-                raise TreepackError("E_ARG", "no layer reported keys/values or a recurrent state: the model's layers do not go through treepack's attention", field="attn_implementation")
+                raise TreepackError(
+                    "E_ARG",
+                    "no layer reported keys/values or a recurrent state: the model's layers do not go through treepack's attention",
+                    field="attn_implementation",
+                )
             self.keys = keys
         elif keys != self.keys:
-            raise TreepackError("E_ARG", f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward", field="layer_idx")
+            raise TreepackError(
+                "E_ARG",
+                f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward",
+                field="layer_idx",
+            )
         return out.last_hidden_state[0], ctx.captured
 
     def _scores(self, hidden: torch.Tensor, forest: PackedBatch, nodes: torch.Tensor) -> Any:
-        s = packed_logprobs(hidden, forest, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head, entropy=self.entropy, temperature=self.temperature)
+        s = packed_logprobs(
+            hidden, forest, chunk_size=self.chunk_size, nodes=nodes, lm_head=self.head, entropy=self.entropy, temperature=self.temperature
+        )
         return s.logprobs, s.entropy
 
     def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> Any:
@@ -342,25 +429,45 @@ class StepPlanRunner:
             raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
         ar = torch.arange(h, device=batch.device)
         if h and (not torch.equal(batch.parent[:h], ar - 1) or not torch.equal(batch.position_ids[:h], ar)):
-            raise TreepackError("E_INPUT", f"nodes [0, {h}) are not a chain from a root (parent p - 1, position p): they cannot be a cached prefix", field="prefix_tokens")
+            raise TreepackError(
+                "E_INPUT",
+                f"nodes [0, {h}) are not a chain from a root (parent p - 1, position p): they cannot be a cached prefix",
+                field="prefix_tokens",
+            )
         if self.recurrent and h:
             # A recurrent layer's cached state is the one after the chain's last node: nothing may branch off above it.
             p = batch.parent[h:]
             above = torch.nonzero((p >= 0) & (p < h - 1)).flatten()
             if above.numel():
                 j = int(above[0]) + h
-                raise TreepackError("E_INPUT", f"node {j}'s parent {int(batch.parent[j])} lies inside the cached prefix [0, {h}), not at its last node: "
-                                    "a recurrent layer's cached state exists only at the prefix's end", field="prefix_tokens")
+                raise TreepackError(
+                    "E_INPUT",
+                    f"node {j}'s parent {int(batch.parent[j])} lies inside the cached prefix [0, {h}), not at its last node: "
+                    "a recurrent layer's cached state exists only at the prefix's end",
+                    field="prefix_tokens",
+                )
         depth = self.depth
         if h and depth:
             held = torch.cat([s.ids for s in self.stack])[: min(depth, h)]
             if not torch.equal(held, batch.input_ids[: held.shape[0]]):
-                raise TreepackError("E_INPUT", "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step", field="prefix_push")
+                raise TreepackError(
+                    "E_INPUT",
+                    "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step",
+                    field="prefix_push",
+                )
         ends = [depth] + op.push
         if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
-            raise TreepackError("E_INPUT", f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}{_ORDER}", field="prefix_push")
+            raise TreepackError(
+                "E_INPUT",
+                f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}{_ORDER}",
+                field="prefix_push",
+            )
         if op.release > len(self.stack) + len(op.push):
-            raise TreepackError("E_INPUT", f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments{_ORDER}", field="prefix_release")
+            raise TreepackError(
+                "E_INPUT",
+                f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments{_ORDER}",
+                field="prefix_release",
+            )
 
     def forward(self, batch: PackedBatch, op: StepOp | None = None) -> NodeScores:
         """One micro-batch's pushes and forward: ``NodeScores`` of its trainable nodes ([N], NaN elsewhere), the
@@ -406,8 +513,12 @@ class StepPlanRunner:
         """With DDP, the one all-reduce of an optimizer step (``sync_gradients``): refused while a prefix is cached, whose
         gradient is not complete yet. Nothing to do in one process."""
         if self.pending is not None or self.stack:
-            raise TreepackError("E_INPUT", f"gradients synchronised while the step plan holds {self.depth} cached prefix tokens: their gradient is not "
-                                "complete until they are released (synchronise after the rank's last micro-batch of the step)", field="prefix_release")
+            raise TreepackError(
+                "E_INPUT",
+                f"gradients synchronised while the step plan holds {self.depth} cached prefix tokens: their gradient is not "
+                "complete until they are released (synchronise after the rank's last micro-batch of the step)",
+                field="prefix_release",
+            )
         if self.ddp is not None:
             sync_gradients(self.ddp)
 
@@ -432,12 +543,24 @@ class StepPlanRunner:
             depth = self.depth
             while self.stack:
                 self._pop()
-            raise TreepackError("E_INPUT", f"the step plan ended with {depth} cached prefix tokens never released (their gradients were applied now)", field="prefix_release")
+            raise TreepackError(
+                "E_INPUT",
+                f"the step plan ended with {depth} cached prefix tokens never released (their gradients were applied now)",
+                field="prefix_release",
+            )
 
 
-def run_step_plan(model: torch.nn.Module, batches: Sequence[PackedBatch], loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
-                  ops: Sequence[StepOp] | None = None, attention: str = "auto", chunk_size: int = 1024, block_size: int = 128,
-                  temperature: float = 1.0, sync: bool = True) -> StepResult:
+def run_step_plan(
+    model: torch.nn.Module,
+    batches: Sequence[PackedBatch],
+    loss_fn: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
+    ops: Sequence[StepOp] | None = None,
+    attention: str = "auto",
+    chunk_size: int = 1024,
+    block_size: int = 128,
+    temperature: float = 1.0,
+    sync: bool = True,
+) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
     read from each batch's header; ``attention`` and ``block_size`` are ``tree_mask``'s (the block path skips the query

@@ -55,10 +55,25 @@ async function acquire(): Promise<Acquired> {
       failures.push(`${backend}: no adapter`);
       continue;
     }
-    const device = await adapter.requestDevice({ requiredLimits: { maxStorageBufferBindingSize: adapter.limits.maxStorageBufferBindingSize, maxBufferSize: adapter.limits.maxBufferSize } });
+    const device = await adapter.requestDevice({
+      requiredLimits: {
+        maxStorageBufferBindingSize: adapter.limits.maxStorageBufferBindingSize,
+        maxBufferSize: adapter.limits.maxBufferSize,
+      },
+    });
     const info = adapter.info;
     const description = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(' ') || 'unnamed adapter';
-    return { ok: true, ctx: { gpu, device, adapter, backend, description, isFallbackAdapter: (info as { isFallbackAdapter?: boolean }).isFallbackAdapter === true || backend === 'opengles' } };
+    return {
+      ok: true,
+      ctx: {
+        gpu,
+        device,
+        adapter,
+        backend,
+        description,
+        isFallbackAdapter: (info as { isFallbackAdapter?: boolean }).isFallbackAdapter === true || backend === 'opengles',
+      },
+    };
   }
   return { ok: false, reason: `no WebGPU adapter (${failures.join('; ')})` };
 }

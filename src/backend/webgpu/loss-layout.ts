@@ -242,7 +242,7 @@ export function seqChunks(b: LossBatch, s: OccStream, maxOcc: number): SeqChunk[
     for (let q = 0; q < range.length; q++) range[q] = Math.min(Math.max(s.seqStart[r + q], o0), o1) - o0;
     const pairs = new Float32Array(2 * (o1 - o0));
     const pu = new Uint32Array(pairs.buffer);
-    for (let k = 0; k < o1 - o0; ) {
+    for (let k = 0; k < o1 - o0;) {
       const i = s.seqIndex[rr];
       if (j >= off[i + 1]) {
         rr++;
@@ -256,7 +256,15 @@ export function seqChunks(b: LossBatch, s: OccStream, maxOcc: number): SeqChunk[
       }
       j++;
     }
-    chunks.push({ r0: r, o0, o1, firstTotal: o0 > s.seqStart[r] ? s.seqStart[r + 1] - s.seqStart[r] : 0, lastOpen: o1 < s.seqStart[last + 1], pairs, range });
+    chunks.push({
+      r0: r,
+      o0,
+      o1,
+      firstTotal: o0 > s.seqStart[r] ? s.seqStart[r + 1] - s.seqStart[r] : 0,
+      lastOpen: o1 < s.seqStart[last + 1],
+      pairs,
+      range,
+    });
   }
   return chunks;
 }

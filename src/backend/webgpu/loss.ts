@@ -100,7 +100,8 @@ export function chunkBytes(device: GPUDevice, requested?: number): number {
   if (requested === undefined && (raw === undefined || raw === '')) return limit;
   const v = requested ?? Number(raw);
   const field = requested === undefined ? CHUNK_BYTES_ENV : 'chunkBytes';
-  if (!Number.isInteger(v) || v < 64) throw new TreepackError('E_ARG', `Expected an integer ≥ 64 for ${field} but received ${JSON.stringify(requested ?? raw)}`, { field });
+  if (!Number.isInteger(v) || v < 64)
+    throw new TreepackError('E_ARG', `Expected an integer ≥ 64 for ${field} but received ${JSON.stringify(requested ?? raw)}`, { field });
   return Math.min(v, limit);
 }
 
@@ -153,7 +154,13 @@ class Builder {
   params(count: number, base = 0, firstTotal = 0, lastOpen = 0, perThread = 0): GPUBuffer {
     const c = configCodes(this.cfg);
     const data = new ArrayBuffer(48);
-    new Float32Array(data, 0, 5).set([this.cfg.clip_low, this.cfg.clip_high, this.cfg.dual_clip, this.cfg.log_ratio_clamp, this.cfg.kl_coef]);
+    new Float32Array(data, 0, 5).set([
+      this.cfg.clip_low,
+      this.cfg.clip_high,
+      this.cfg.dual_clip,
+      this.cfg.log_ratio_clamp,
+      this.cfg.kl_coef,
+    ]);
     new Uint32Array(data, 20, 7).set([c.policy, c.kl, count, base, firstTotal, lastOpen, perThread]);
     return this.buffer(48, GPUBufferUsage.UNIFORM, new Uint8Array(data));
   }
@@ -219,7 +226,15 @@ async function device(): Promise<GPUDevice> {
  * replaced synchronously, so concurrent first calls share one build, and a replaced job is kept until its last
  * call has finished.
  */
-async function runCached(owner: object, dev: GPUDevice, key: string, what: string, build: () => Omit<Job, 'tail'>, lp: Float32Array, cfg: LossConfig): Promise<LossResult> {
+async function runCached(
+  owner: object,
+  dev: GPUDevice,
+  key: string,
+  what: string,
+  build: () => Omit<Job, 'tail'>,
+  lp: Float32Array,
+  cfg: LossConfig,
+): Promise<LossResult> {
   let entry = jobs.get(owner);
   if (entry === undefined || entry.key !== key || entry.device !== dev) {
     if (entry) retire(entry);
@@ -258,8 +273,16 @@ function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit
   const stream = occStream(b, cfg);
   const G = stream.seqIndex.length;
   const deviceLimit = Math.min(dev.limits.maxStorageBufferBindingSize, dev.limits.maxBufferSize);
-  if (gspo && 4 * N > deviceLimit) throw new TreepackError('E_LIMIT', `webgpu loss: gspo reads logprobs of any node in one binding: N = ${N} nodes need ${4 * N} bytes, over this adapter's limit of ${deviceLimit}`);
-  if (gspo && 4 * G > deviceLimit) throw new TreepackError('E_LIMIT', `webgpu loss: gspo keeps one ratio per sequence in one binding: ${G} sequences need ${4 * G} bytes, over this adapter's limit of ${deviceLimit}`);
+  if (gspo && 4 * N > deviceLimit)
+    throw new TreepackError(
+      'E_LIMIT',
+      `webgpu loss: gspo reads logprobs of any node in one binding: N = ${N} nodes need ${4 * N} bytes, over this adapter's limit of ${deviceLimit}`,
+    );
+  if (gspo && 4 * G > deviceLimit)
+    throw new TreepackError(
+      'E_LIMIT',
+      `webgpu loss: gspo keeps one ratio per sequence in one binding: ${G} sequences need ${4 * G} bytes, over this adapter's limit of ${deviceLimit}`,
+    );
   const B = new Builder(dev, cfg);
   const withB = cfg.kl !== 'none' || gspo;
   const seqLr = gspo ? B.buffer(4 * G, GPUBufferUsage.STORAGE) : B.dummyWritable;
@@ -271,7 +294,16 @@ function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit
     const n = c.o1 - c.o0;
     return { c, index, threads, occA: B.mapped(OCC_BYTES * n), occB: withB ? B.mapped(8 * n) : B.dummy, L: c.n1 - c.n0 + 1 };
   });
-  fillOccArrays(b, cfg, stream, chunks, outputs.map((o) => ({ a: new Float32Array(o.occA.getMappedRange()), b: withB ? new Float32Array(o.occB.getMappedRange()) : undefined })));
+  fillOccArrays(
+    b,
+    cfg,
+    stream,
+    chunks,
+    outputs.map((o) => ({
+      a: new Float32Array(o.occA.getMappedRange()),
+      b: withB ? new Float32Array(o.occB.getMappedRange()) : undefined,
+    })),
+  );
   for (const o of outputs) {
     o.occA.unmap();
     if (withB) o.occB.unmap();
@@ -281,21 +313,48 @@ function prepareOccurrences(dev: GPUDevice, b: LossBatch, cfg: LossConfig, limit
     const one = chunks.length === 1 && chunks[0].n0 === 0 && chunks[0].n1 === N - 1;
     lpWhole = one || chunks.length === 0 ? undefined : B.buffer(4 * N, GPUBufferUsage.STORAGE);
     const outs: Output[] = [];
-    for (const o of outputs) outs.push(B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]));
+    for (const o of outputs)
+      outs.push(B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]));
     const lpAll = lpWhole ?? outs[0]?.lp ?? B.dummy;
     for (const s of seqChunks(b, stream, Math.floor(limit / SEQ_OCC_BYTES))) {
       const nseq = s.range.length - 1;
-      B.dispatch('gspo_seq', nseq, { 0: B.params(nseq, s.r0, s.firstTotal, s.lastOpen ? 1 : 0), 3: lpAll, 7: seqLr, 8: B.storage(s.pairs), 9: B.storage(s.range) });
+      B.dispatch('gspo_seq', nseq, {
+        0: B.params(nseq, s.r0, s.firstTotal, s.lastOpen ? 1 : 0),
+        3: lpAll,
+        7: seqLr,
+        8: B.storage(s.pairs),
+        9: B.storage(s.range),
+      });
     }
     outputs.forEach((o, i) => occDispatch(B, o, outs[i], seqLr));
   } else {
-    for (const o of outputs) occDispatch(B, o, B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]), seqLr);
+    for (const o of outputs)
+      occDispatch(
+        B,
+        o,
+        B.output(o.c.n0, o.L, Math.ceil(o.threads / WG), o.c.o0 > stream.nodeOff[o.c.n0], o.c.o1 < stream.nodeOff[o.c.n1 + 1]),
+        seqLr,
+      );
   }
   return { device: dev, dispatches: B.dispatches, outputs: B.outputs, lpWhole, buffers: B.buffers };
 }
 
-function occDispatch(B: Builder, o: { index: Uint32Array; threads: number; occA: GPUBuffer; occB: GPUBuffer; L: number }, out: Output, seqLr: GPUBuffer): void {
-  B.dispatch('occ_nodes', Math.ceil(o.threads / WG), { 0: B.params(o.threads, o.L + 1), 1: o.occA, 2: o.occB, 3: out.lp, 4: B.storage(o.index), 5: out.grad, 6: out.partials, 7: seqLr });
+function occDispatch(
+  B: Builder,
+  o: { index: Uint32Array; threads: number; occA: GPUBuffer; occB: GPUBuffer; L: number },
+  out: Output,
+  seqLr: GPUBuffer,
+): void {
+  B.dispatch('occ_nodes', Math.ceil(o.threads / WG), {
+    0: B.params(o.threads, o.L + 1),
+    1: o.occA,
+    2: o.occB,
+    3: out.lp,
+    4: B.storage(o.index),
+    5: out.grad,
+    6: out.partials,
+    7: seqLr,
+  });
 }
 
 function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limit: number): Omit<Job, 'tail'> {
@@ -307,7 +366,14 @@ function prepareCompact(dev: GPUDevice, plan: CompactPlan, cfg: LossConfig, limi
     const { a, b } = compactArrays(plan, n0, L);
     const groups = Math.ceil(L / (WG * per));
     const out = B.output(n0, L, groups);
-    B.dispatch('compact', groups, { 0: B.params(L, 0, 0, 0, per), 3: out.lp, 5: out.grad, 6: out.partials, 10: B.storage(a), 11: B.storage(b) });
+    B.dispatch('compact', groups, {
+      0: B.params(L, 0, 0, 0, per),
+      3: out.lp,
+      5: out.grad,
+      6: out.partials,
+      10: B.storage(a),
+      11: B.storage(b),
+    });
   }
   return { device: dev, dispatches: B.dispatches, outputs: B.outputs, buffers: B.buffers };
 }
@@ -345,7 +411,8 @@ async function execute(job: Job, lp: Float32Array, cfg: LossConfig): Promise<Los
   const mapped = await Promise.allSettled(job.outputs.map((o) => o.staging.mapAsync(GPUMapMode.READ)));
   const err = await invalid;
   if (err) throw new TreepackError('E_BACKEND', `webgpu loss: ${err.message}`);
-  for (const m of mapped) if (m.status === 'rejected') throw new TreepackError('E_BACKEND', `webgpu loss: reading the results failed: ${String(m.reason)}`);
+  for (const m of mapped)
+    if (m.status === 'rejected') throw new TreepackError('E_BACKEND', `webgpu loss: reading the results failed: ${String(m.reason)}`);
   const grad = new Float32Array(lp.length);
   const s = new Float64Array(NSUMS);
   s[8] = Infinity;
@@ -410,7 +477,12 @@ export async function lossWebGPU(b: LossBatch, lp: Float32Array, cfg: LossConfig
 }
 
 /** Compact per-node loss; the uploaded plan is cached per plan object and config. */
-export async function lossCompactWebGPU(plan: CompactPlan, lp: Float32Array, cfg: LossConfig, opts: WebGPULossOptions = {}): Promise<LossResult> {
+export async function lossCompactWebGPU(
+  plan: CompactPlan,
+  lp: Float32Array,
+  cfg: LossConfig,
+  opts: WebGPULossOptions = {},
+): Promise<LossResult> {
   const dev = await device();
   const limit = chunkBytes(dev, opts.chunkBytes);
   return runCached(plan, dev, `${limit} ${JSON.stringify(cfg)}`, 'the compact plan', () => prepareCompact(dev, plan, cfg, limit), lp, cfg);

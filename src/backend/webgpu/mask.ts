@@ -45,7 +45,13 @@ function params(device: GPUDevice, n: number, block: number, nb: number, width: 
 function dispatch(device: GPUDevice, pass: GPUComputePassEncoder, code: string, buffers: GPUBuffer[], invocations: number): void {
   const p = pipeline(device, code);
   pass.setPipeline(p);
-  pass.setBindGroup(0, device.createBindGroup({ layout: p.getBindGroupLayout(0), entries: buffers.map((buffer, binding) => ({ binding, resource: { buffer } })) }));
+  pass.setBindGroup(
+    0,
+    device.createBindGroup({
+      layout: p.getBindGroupLayout(0),
+      entries: buffers.map((buffer, binding) => ({ binding, resource: { buffer } })),
+    }),
+  );
   const groups = Math.ceil(invocations / WORKGROUP_SIZE);
   const maxX = device.limits.maxComputeWorkgroupsPerDimension;
   const x = Math.max(1, Math.min(groups, maxX));
@@ -96,7 +102,9 @@ export async function maskDenseWebGPU(tree: TreeArrays): Promise<Uint8Array> {
   const { device } = await context();
   const words = Math.ceil((N * N) / 4);
   const [bytes] = await run(device, () => {
-    const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * words), P = params(device, N, 0, 0, words);
+    const se = storage(device, 4 * N, tree.subtree_end),
+      out = storage(device, 4 * words),
+      P = params(device, N, 0, 0, words);
     return { encode: (pass) => dispatch(device, pass, DENSE_WGSL, [P, se, out], words), outputs: [[out, N * N]], owned: [se, out, P] };
   });
   return new Uint8Array(bytes);
@@ -107,7 +115,9 @@ export async function maskBitsWebGPU(tree: TreeArrays): Promise<Uint32Array> {
   const { device } = await context();
   const W = bitsWordsPerRow(N);
   const [bytes] = await run(device, () => {
-    const se = storage(device, 4 * N, tree.subtree_end), out = storage(device, 4 * N * W), P = params(device, N, 0, 0, W);
+    const se = storage(device, 4 * N, tree.subtree_end),
+      out = storage(device, 4 * N * W),
+      P = params(device, N, 0, 0, W);
     return { encode: (pass) => dispatch(device, pass, BITS_WGSL, [P, se, out], N * W), outputs: [[out, 4 * N * W]], owned: [se, out, P] };
   });
   return new Uint32Array(bytes);
@@ -118,14 +128,22 @@ export async function maskBlocksWebGPU(tree: TreeArrays, B: number): Promise<Blo
   const { device } = await context();
   const nb = numBlocks(N, B);
   const [numBytes, kvBytes, fullBytes] = await run(device, () => {
-    const se = storage(device, 4 * N, tree.subtree_end), ends = storage(device, 8 * nb), nums = storage(device, 8 * nb);
-    const kvIdx = storage(device, 4 * nb * nb), fullIdx = storage(device, 4 * nb * nb), P = params(device, N, B, nb, 0);
+    const se = storage(device, 4 * N, tree.subtree_end),
+      ends = storage(device, 8 * nb),
+      nums = storage(device, 8 * nb);
+    const kvIdx = storage(device, 4 * nb * nb),
+      fullIdx = storage(device, 4 * nb * nb),
+      P = params(device, N, B, nb, 0);
     return {
       encode: (pass) => {
         dispatch(device, pass, BLOCK_ENDS_WGSL, [P, se, ends], nb);
         dispatch(device, pass, BLOCK_ROWS_WGSL, [P, ends, nums, kvIdx, fullIdx], nb);
       },
-      outputs: [[nums, 8 * nb], [kvIdx, 4 * nb * nb], [fullIdx, 4 * nb * nb]],
+      outputs: [
+        [nums, 8 * nb],
+        [kvIdx, 4 * nb * nb],
+        [fullIdx, 4 * nb * nb],
+      ],
       owned: [se, ends, nums, kvIdx, fullIdx, P],
     };
   });
