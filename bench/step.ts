@@ -215,7 +215,8 @@ export function mixedRewardTasks(file: string, out: string, tasks: number): numb
 }
 
 /** `generated`: the generated workloads to time (default GENERATED, the --full ones only with `full`); `shapes`: the
- * models per device (default STEP_SHAPES with `full`, else DEFAULT_STEP_SHAPES); `repeats`: timings per side of every workload (default: the run's count);
+ * models per device (default STEP_SHAPES with `full`, else DEFAULT_STEP_SHAPES); `repeats`: timings per side of every
+ * workload (default: the run's count);
  * `threads`: torch's CPU threads (default: torch's own choice); `naiveAttention`: the chain sides' attention (default
  * 'stock': the stock transformers path a trainer runs today; 'treepack': tree attention on the chains). */
 export async function benchStep(opts: {

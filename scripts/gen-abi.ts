@@ -208,7 +208,11 @@ function renderSignatures(): string[] {
   }
   out.push('');
   for (const [lib, headers] of Object.entries(C_HEADERS)) {
-    out.push('', `# ${headers.join(', ')}: name -> (restype, argtypes).`, `${lib.toUpperCase()}_FUNCTIONS = {`);
+    out.push(
+      '',
+      `# ${headers.join(', ')}: name -> (restype, argtypes).`,
+      `${lib.toUpperCase()}_FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {`,
+    );
     for (const h of headers) {
       for (const f of parseFunctions(readFileSync(root + h, 'utf8'))) {
         const args = f.params.map((p) => ctype(p.type, names, opaque));

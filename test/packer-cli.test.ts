@@ -42,7 +42,7 @@ function files(d: string): Map<string, Buffer> {
 }
 
 /** A token trie: child by token id. */
-interface Trie extends Map<number, Trie> {}
+type Trie = Map<number, Trie>;
 
 let runs = 0;
 /**
@@ -175,8 +175,8 @@ describe('treepack pack and packRecords write the same bytes', () => {
         packed += nodes;
         // Not vacuous: every call opens with the airline policy and the 14 tool schemas, held once per micro-batch.
         const [first, ...rest] = mb.samples.map((x) => x.tokens);
-        let shared = first!.length;
-        for (const t of rest) for (let i = 0; i < shared; i++) if (t[i] !== first![i]) shared = i;
+        let shared = first.length;
+        for (const t of rest) for (let i = 0; i < shared; i++) if (t[i] !== first[i]) shared = i;
         expect(shared).toBeGreaterThan(2000);
         expect(nodes).toBeLessThanOrEqual(mb.samples.reduce((n, x) => n + x.tokens.length, 0) - rest.length * shared);
       }

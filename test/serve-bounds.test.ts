@@ -7,7 +7,7 @@
  * a truncated engine answer is reported as one.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createServer as createHttpServer, type Server } from 'node:http';
+import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { execFile } from 'node:child_process';
 import { connect, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
@@ -366,7 +366,7 @@ describe.skipIf(py.skipReason !== '')('FeedClient.ack after a lost answer', { ti
     const base = await svc.listen();
     // A proxy that delivers the first ack to the service, then drops the connection before its answer.
     let dropped = 0;
-    const proxy = createHttpServer(async (req, res) => {
+    const forward = async (req: IncomingMessage, res: ServerResponse) => {
       const r = await fetch(`${base}${req.url}`, {
         method: req.method,
         headers: { 'content-type': 'application/json' },
@@ -376,7 +376,8 @@ describe.skipIf(py.skipReason !== '')('FeedClient.ack after a lost answer', { ti
       if (req.url!.endsWith('/ack') && dropped++ === 0) return res.socket!.destroy();
       res.writeHead(r.status, { 'content-type': 'application/json' });
       res.end(text);
-    });
+    };
+    const proxy = createHttpServer((req, res) => void forward(req, res));
     await new Promise<void>((r) => proxy.listen(0, '127.0.0.1', r));
     try {
       expect((await fetch(`${base}/v1/chat/completions`, post(chat(), { 'x-treepack-episode': 'py' }))).status).toBe(200);

@@ -110,7 +110,7 @@ class tp_cuda_device(ctypes.Structure):
 
 
 # native/core/treepack.h, native/core/mask.h, native/core/loss.h, native/core/check.h: name -> (restype, argtypes).
-CORE_FUNCTIONS = {
+CORE_FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "tp_version": (ctypes.c_char_p, []),
     "tp_status_string": (ctypes.c_char_p, [ctypes.c_int]),
     "tp_abi": (ctypes.c_char_p, []),
@@ -150,7 +150,7 @@ CORE_FUNCTIONS = {
 }
 
 # native/cuda/treepack_cuda.h: name -> (restype, argtypes).
-CUDA_FUNCTIONS = {
+CUDA_FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "tp_cuda_error_string": (ctypes.c_char_p, [ctypes.c_int]),
     "tp_cuda_last_error": (ctypes.c_int, []),
     "tp_cuda_status_string": (ctypes.c_char_p, [ctypes.c_int]),

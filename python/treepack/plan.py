@@ -118,7 +118,8 @@ class _Runs:
         (at least the unit alone): entry k is run [j-1-k, j)."""
         out = []
         for j in range(1, len(self.nodes) + 1):
-            sizes, cur, i = [], 0, j - 1
+            sizes: list[int] = []
+            cur, i = 0, j - 1
             while i >= 0:
                 new = int(np.count_nonzero(~self.mark[self.nodes[i]]))
                 if sizes and cur + new > limit:

@@ -44,6 +44,7 @@ export async function engineModels(engineUrl: string, apiKey: string | undefined
     const e = err as Error & { cause?: Error };
     throw new Error(
       `the engine at ${engineUrl} is unreachable (GET ${url}: ${e.name === 'TimeoutError' ? `no answer within ${timeoutMs} ms` : (e.cause?.message ?? e.message)})`,
+      { cause: err },
     );
   }
   const text = await res.text();

@@ -92,13 +92,16 @@ _NOT_ROUTER = re.compile(r"Forget|Norm|MLP|Proj", re.I)
 _MOE_BLOCK = re.compile(r"moe|expert|sparse", re.I)
 
 
+# A transformers router module: its attributes differ per class (weight, bias, top_k, num_experts, norm_topk_prob,
+# hidden_dim, routed_scaling_factor) and prepare_routers adds treepack_name and treepack_kind, so it is typed loosely.
+Router = Any
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _softmax(
-    router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor, renormalise: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax(router: Router, h: torch.Tensor, experts: torch.Tensor, renormalise: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h.reshape(-1, router.hidden_dim), router.weight)
     w = torch.softmax(logits, dim=-1, dtype=_wide(logits.dtype)).gather(1, experts)
     if router.norm_topk_prob if renormalise is None else renormalise:
@@ -106,17 +109,17 @@ def _softmax(
     return logits, w.to(logits.dtype)
 
 
-def _softmax_renormalised(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax_renormalised(router: Router, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _softmax(router, h, experts, renormalise=True)
 
 
-def _topk_softmax(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_softmax(router: Router, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h, router.weight, router.bias)
     picked = logits.gather(1, experts)
     return logits, torch.softmax(picked, dim=1, dtype=picked.dtype)
 
 
-def _sigmoid(router: torch.nn.Module, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sigmoid(router: Router, h: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = _wide(h.dtype)
     logits = F.linear(h.view(-1, router.hidden_dim).to(dtype), router.weight.to(dtype))
     w = logits.sigmoid().gather(1, experts)
@@ -132,7 +135,7 @@ class Routing:
     """One forward's routing, filled in by the routers while ``replay_routes`` is open: ``logits`` (per MoE layer, in
     model order, the router's logits [tokens, experts]) and the experts each layer used (``experts()``)."""
 
-    def __init__(self, routes: torch.Tensor | None, routers: list[torch.nn.Module]):
+    def __init__(self, routes: torch.Tensor | None, routers: list[Router]):
         self.routes = routes
         self.routers = routers
         self._logits: list[torch.Tensor | None] = [None] * len(routers)
@@ -175,13 +178,16 @@ def _handled(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__name__ in ROUTERS and c.__module__.startswith("transformers.")), None)
 
 
-def _replay_class(cls: type) -> type:
+def _replay_class(cls: type[torch.nn.Module]) -> type:
     """A subclass of the router class (same name and module) that replays or records inside ``replay_routes`` and is
     the stock router outside it; a class, so copies of the model stay prepared."""
     sub = _REPLAY_CLASSES.get(cls)
     if sub is not None:
         return sub
-    kind = ROUTERS[_handled(cls).__name__]
+    base = _handled(cls)
+    if base is None:
+        raise TreepackError("E_ARG", f"{cls.__name__} is not a router treepack can replay (ROUTERS)", field="routes")
+    kind = ROUTERS[base.__name__]
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> Any:
         routing = _current.get()
@@ -243,10 +249,10 @@ def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def prepare_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def prepare_routers(model: torch.nn.Module) -> list[Router]:
     """Makes every router of ``model`` (a Hugging Face model, unwrapped) able to replay (idempotent); returns them in
     model order. TreepackError naming the layer for a router treepack cannot replay, or a model without routers."""
-    found = routers(model)
+    found: list[tuple[str, Router]] = routers(model)
     if not found:
         raise TreepackError(
             "E_ARG", f"{type(model).__name__} has no mixture-of-experts router: there is nothing to replay or record", field="routes"
@@ -258,7 +264,7 @@ def prepare_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for _, m in found]
 
 
-def check_routes(routes: Any, layers: list[torch.nn.Module], tokens: int | None = None) -> torch.Tensor:
+def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -> torch.Tensor:
     """``routes`` as int64 [MoE layers, tokens, k], after checking them against the routers (shape, each layer's
     top-k and expert range, no expert twice for a token): TreepackError(E_INPUT, field "routes") naming the layer."""
     if not isinstance(routes, torch.Tensor) or routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
@@ -337,7 +343,7 @@ def router_outputs(routing: Routing, model: torch.nn.Module) -> RouterOutputs:
     """The ``RouterOutputs`` of a finished ``replay_routes`` block over ``model``."""
     from .forward import unwrap
 
-    cfg = unwrap(model).config
+    cfg: Any = unwrap(model).config  # a transformers PretrainedConfig
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     coef = getattr(cfg, "router_aux_loss_coef", None)
     return RouterOutputs(routing.logits, routing.experts(), routing.kinds, None if coef is None else float(coef))
