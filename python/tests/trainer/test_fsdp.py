@@ -6,8 +6,8 @@ causal), averaged over the ranks as FSDP averages. Control: rank 0's sequences a
 both ranks' data is in it. The step-plan executor refuses both wrappers (it calls the layers itself, bypassing
 their parameter gathering).
 
-The ranks are forked (not spawned), so they inherit the imported torch and transformers: about a second each
-instead of half a minute of imports on a busy host."""
+The ranks are spawned, not forked: a fork after this process has run torch's OpenMP thread pool (setUpClass, or any
+suite before this one) leaves the children waiting on that pool forever."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class FullyShardedOverGloo(unittest.TestCase):
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as out:
-            mp.start_processes(worker, args=(kind, out), nprocs=WORLD, join=True, start_method="fork")
+            mp.start_processes(worker, args=(kind, out), nprocs=WORLD, join=True, start_method="spawn")
             with open(os.path.join(out, f"{kind}.json")) as f:
                 return json.load(f)
 

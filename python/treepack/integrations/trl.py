@@ -59,8 +59,8 @@ import torch
 from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
 from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, padded_rows
-from ..torch.forward import unwrap
 from ..torch.moe import load_balancing_loss
+from ..torch.wrappers import unwrap
 from ..versions import require
 
 require("trl")

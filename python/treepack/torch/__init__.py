@@ -43,7 +43,7 @@ from .attention import (
 )
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .compiled_flex import flex_compilations, ladder_length
-from .forward import forward_logprobs, model_tree_mask, unwrap
+from .forward import forward_logprobs, model_tree_mask
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
 from .models import LAYERS, prepare
@@ -51,6 +51,7 @@ from .moe import ROUTERS, RouterOutputs, Routing, load_balancing_loss, occurrenc
 from .rows import RowLayout, from_jagged, from_padded, padded_rows
 from .segments import Segments, radix_segments, segments_of
 from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model, run_step_plan, step_op, sync_gradients
+from .wrappers import unwrap
 
 __all__ = [
     "LAYERS",

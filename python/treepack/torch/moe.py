@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ..microbatch import TreepackError
 from .models import layer_index
+from .wrappers import unwrap
 
 # Router class -> how its forward weighs the experts it picks (see the module docstring); each family is the classes
 # whose forward is its first class's, character for character.
@@ -306,8 +307,6 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None = None, to
     batch by sequence), or, with ``routes=None``, to the router's own top-k; either way the yielded ``Routing``
     records each layer's logits and experts. ``tokens``: the forward's token count, checked up front when known.
     Refused under gradient checkpointing when replaying (the recomputation in backward runs outside the block)."""
-    from .forward import unwrap
-
     hf = unwrap(model)
     layers = prepare_routers(hf)
     if routes is not None:
@@ -341,8 +340,6 @@ class RouterOutputs(NamedTuple):
 
 def router_outputs(routing: Routing, model: torch.nn.Module) -> RouterOutputs:
     """The ``RouterOutputs`` of a finished ``replay_routes`` block over ``model``."""
-    from .forward import unwrap
-
     cfg: Any = unwrap(model).config  # a transformers PretrainedConfig
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     coef = getattr(cfg, "router_aux_loss_coef", None)

@@ -50,9 +50,9 @@ import torch
 from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
-from .forward import wrappers
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers
+from .wrappers import wrappers
 
 # config.layer_types whose layers mix tokens by softmax attention only (or not at all).
 _ATTENTION_TYPES = ("full_attention", "hybrid", "sliding_attention", "hybrid_sliding", "mlp")
