@@ -5,8 +5,11 @@ the attention's errors. Compiled flex (forward on CPU, backward on CUDA): python
 import unittest
 
 import numpy as np
-from mask_reference import block_arrays_from_dense, dense_mask
 from support import forests, needs_torch, pack, torch, tpt
+
+# isort: split
+# support (above) puts python/tests on sys.path, where mask_reference lives
+from mask_reference import block_arrays_from_dense, dense_mask
 from treepack import TreepackError
 
 

@@ -15,8 +15,11 @@ import random
 import unittest
 
 import numpy as np
-from mask_reference import block_arrays_from_dense, dense_mask, random_forest
 from support import forests, needs_torch, pack, torch, tpt
+
+# isort: split
+# support (above) puts python/tests on sys.path, where mask_reference lives
+from mask_reference import block_arrays_from_dense, dense_mask, random_forest
 from treepack import TreepackError
 from treepack.flex import block_arrays_from_tree, block_arrays_windowed
 from treepack.pack import pack_sequences

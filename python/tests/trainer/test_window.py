@@ -22,8 +22,11 @@ import types
 import unittest
 
 import numpy as np
-from mask_reference import block_arrays_from_dense
 from support import forests, needs_torch, pack, patch_norms_to_input_dtype, tiny_model, torch, tpt
+
+# isort: split
+# support (above) puts python/tests on sys.path, where mask_reference lives
+from mask_reference import block_arrays_from_dense
 from test_exactness import objective
 from treepack import TreepackError
 from treepack.flex import block_arrays_from_tree, block_arrays_windowed
