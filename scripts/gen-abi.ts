@@ -228,7 +228,7 @@ function renderSignatures(): string[] {
 export function renderPython(): string {
   const tuple = (xs: readonly string[]) => `(${xs.map((x) => JSON.stringify(x)).join(', ')}${xs.length === 1 ? ',' : ''})`;
   const out: string[] = [];
-  out.push(`"""${NOTICE}."""`, '', 'import ctypes', '');
+  out.push(`"""${NOTICE}."""`, '', 'from __future__ import annotations', '', 'import ctypes', '');
   out.push(`ABI = ${JSON.stringify(ABI_HASH)}`, '');
   out.push('# Names of each enum field of the loss config in code order (the code of a name is its index).');
   for (const e of LOSS_CONFIG_ENUMS) out.push(`${e.name.toUpperCase()}_NAMES = ${tuple(e.names)}`);

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -41,7 +41,7 @@ _CHECKOUT = os.path.normpath(os.path.join(_HERE, "..", ".."))
 # Every struct and function signature is read from the C headers by scripts/gen-abi.ts (_abi.py): pointers are typed,
 # so ctypes refuses an array of the wrong element type (pass pointer(a), never a bare address).
 Violation = _abi.tp_violation
-_Signatures = dict[str, tuple[type | None, list[type]]]
+_Signatures = dict[str, tuple[Optional[type], list[type]]]  # a runtime alias: no `X | None` on Python 3.9
 _C_TYPES = {
     np.dtype(t): c
     for t, c in (
