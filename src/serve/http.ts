@@ -7,7 +7,7 @@ import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from
 import { TreepackError } from '../errors.js';
 import { EngineError } from './engine.js';
 import { bearer } from './gateway.js';
-import { checkId, PoolError } from './pool.js';
+import { checkId, MAX_ID_LENGTH, PoolError } from './pool.js';
 import { QUARANTINE_LIST_MAX } from './quarantine.js';
 import type { Recorder } from './recorder.js';
 
@@ -76,7 +76,9 @@ function anthropicError(status: number, message: string): { type: 'error'; error
 export function frameworkError(err: FastifyError, _req: FastifyRequest, reply: FastifyReply): void {
   const status = err.code === 'FST_ERR_MAX_PARAM_LENGTH' ? 414 : 400;
   const why =
-    status === 414 ? 'a path parameter (episode or group id) is longer than 100 characters' : 'the URL is not valid percent-encoding';
+    status === 414
+      ? `a path parameter (episode or group id) is longer than ${MAX_ID_LENGTH} characters`
+      : 'the URL is not valid percent-encoding';
   void reply.code(status).send(make(status, why, 'invalid_request_error', err.code).body);
 }
 

@@ -12,7 +12,7 @@ import { registerGateway } from './gateway.js';
 import { frameworkError, registerHttp } from './http.js';
 import type { Metrics } from './metrics.js';
 import type { ResolvedServiceOptions, ServiceOptions } from './options.js';
-import type { Pool } from './pool.js';
+import { MAX_ID_LENGTH, type Pool } from './pool.js';
 import { Recorder } from './recorder.js';
 import type { RedisPool } from './redis-pool.js';
 import { registerSlime } from './slime.js';
@@ -31,6 +31,8 @@ export class Service {
       logger: false,
       forceCloseConnections: true,
       frameworkErrors: frameworkError,
+      // Fastify's default (100) made explicit: a longer path id is its 414, the same bound checkId holds ids to.
+      routerOptions: { maxParamLength: MAX_ID_LENGTH },
       // A client has requestTimeoutMs for its headers and body, then gets 408 and its socket is closed; the wait
       // for the engine's answer is not counted (--engine-timeout bounds it). Node checks open requests on an
       // interval, so a slow sender is cut within the timeout and a quarter of it.
