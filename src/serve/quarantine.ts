@@ -7,7 +7,7 @@
  * in the same script (redis-feed.ts). Either way each is counted (`treepack_quarantined_total`) and logged once.
  */
 import { existsSync, readFileSync } from 'node:fs';
-import { appendFile, open } from 'node:fs/promises';
+import { open } from 'node:fs/promises';
 import { LOG_MODE } from './log.js';
 import type { Metrics } from './metrics.js';
 import type { Episode } from './pool.js';
@@ -65,19 +65,11 @@ export class QuarantineFile {
   count = 0;
 
   constructor(private readonly path: string) {
-    if (!existsSync(path)) return;
-    for (const line of readFileSync(path, 'utf8').split('\n')) {
-      if (line === '') continue;
-      try {
-        this.remember(JSON.parse(line) as QuarantineEntry);
-      } catch {
-        // a line torn by a crash mid-append: its step is packed again after the restart, and appends it again
-      }
-    }
+    for (const e of readEntries(path)) this.remember(e);
   }
 
   private remember(e: QuarantineEntry): boolean {
-    const key = `${e.step}/${e.episode}`;
+    const key = entryKey(e);
     if (this.keys.has(key)) return false;
     this.keys.add(key);
     this.count++;
@@ -91,9 +83,9 @@ export class QuarantineFile {
     const added = entries.filter((e) => this.remember(e));
     if (added.length === 0) return added;
     // A torn last line (a crash mid-append) ends at no newline: a leading one keeps the next entry whole.
-    await appendFile(this.path, '\n' + added.map((e) => JSON.stringify(e)).join('\n') + '\n', { mode: LOG_MODE });
-    const fh = await open(this.path, 'r');
+    const fh = await open(this.path, 'a', LOG_MODE);
     try {
+      await fh.appendFile('\n' + added.map((e) => JSON.stringify(e)).join('\n') + '\n');
       await fh.datasync();
     } finally {
       await fh.close();
@@ -107,20 +99,27 @@ export class QuarantineFile {
 
   /** The newest `limit` entries, oldest first. */
   list(limit: number): QuarantineEntry[] {
-    if (!existsSync(this.path)) return [];
-    const out: QuarantineEntry[] = [];
-    const keys = new Set<string>();
-    for (const line of readFileSync(this.path, 'utf8').split('\n')) {
-      if (line === '') continue;
-      try {
-        const e = JSON.parse(line) as QuarantineEntry;
-        const key = `${e.step}/${e.episode}`;
-        if (!keys.has(key)) out.push(e);
-        keys.add(key);
-      } catch {
-        // torn line, see the constructor
-      }
-    }
-    return out.slice(-limit);
+    return readEntries(this.path).slice(-limit);
   }
+}
+
+const entryKey = (e: QuarantineEntry): string => `${e.step}/${e.episode}`;
+
+/** The entries of a quarantine file, each once (a step packed again after a restart may have appended it again). */
+function readEntries(path: string): QuarantineEntry[] {
+  if (!existsSync(path)) return [];
+  const out: QuarantineEntry[] = [];
+  const keys = new Set<string>();
+  for (const line of readFileSync(path, 'utf8').split('\n')) {
+    if (line === '') continue;
+    let e: QuarantineEntry;
+    try {
+      e = JSON.parse(line) as QuarantineEntry;
+    } catch {
+      continue; // a line torn by a crash mid-append: its step is packed again after the restart, and appends it again
+    }
+    if (!keys.has(entryKey(e))) out.push(e);
+    keys.add(entryKey(e));
+  }
+  return out;
 }
