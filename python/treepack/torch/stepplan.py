@@ -469,11 +469,10 @@ class StepPlanRunner:
                     field="prefix_push",
                 )
             # A node is its token and its route: a prefix routed otherwise is another prefix (the planner splits there).
-            n = held.shape[0]
-            routed = [s.routes is not None for s in self.stack] + [batch.routes is not None]
-            if any(routed) and (
-                not all(routed)
-                or not torch.equal(torch.cat([cast(torch.Tensor, s.routes) for s in self.stack], 1)[:, :n], cast(torch.Tensor, batch.routes)[:, :n])
+            n, routes = held.shape[0], [s.routes for s in self.stack] + [batch.routes]
+            if any(r is not None for r in routes) and (
+                any(r is None for r in routes)
+                or not torch.equal(torch.cat(cast(list[torch.Tensor], routes[:-1]), 1)[:, :n], cast(torch.Tensor, batch.routes)[:, :n])
             ):
                 raise TreepackError(
                     "E_INPUT",
