@@ -138,7 +138,10 @@ export function keyByRoutes(samples: readonly Sample[], seqs: Sequences, policy:
     K += maxClass.get(t)! + 1;
   }
   const tokenOf = new Int32Array(K);
-  for (const t of distinct) tokenOf.fill(t, start.get(t)!, start.get(t)! + maxClass.get(t)! + 1);
+  for (const t of distinct) {
+    const from = start.get(t)!;
+    tokenOf.fill(t, from, from + maxClass.get(t)! + 1);
+  }
   const keys = new Int32Array(M);
   for (let o = 0; o < M; o++) keys[o] = start.get(tokens[o])! + cls[o];
   return { seqs: { tokens: keys, offsets }, tokenOf, ...base };
