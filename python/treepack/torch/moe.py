@@ -311,7 +311,8 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
 def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[Routing]:
     """Within the block, one forward of ``model`` (any wrapper: the routers run inside it) routes token t of MoE
     layer l to ``routes[l, t]`` (int [MoE layers, tokens, k], tokens in the order of the forward's flattened input,
-    batch by sequence), or, with ``routes=None``, to the router's own top-k; either way the yielded ``Routing``
+    batch by sequence; a token whose row is all -1, one the engine did not route, takes the router's own top-k), or,
+    with ``routes=None``, every token to the router's own top-k; either way the yielded ``Routing``
     records each layer's logits and experts. ``tokens``: the forward's token count, checked up front when known.
     Refused under gradient checkpointing when replaying (the recomputation in backward runs outside the block)."""
     hf = unwrap(model)
