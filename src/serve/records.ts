@@ -4,7 +4,9 @@
  * to the engine's own prompt tokens (the response carries the engine's `token_ids` and `logprobs`), and one
  * pre-tokenized sample line per call where it does not (drift: the engine's prompt and generated ids, trained
  * on the generated part with their logprobs), so training always sees the tokens the engine saw. Calls without
- * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids.
+ * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids. The
+ * experts the engine routed a call's tokens to go with it as they were recorded (routed-experts.ts): a chat
+ * response's `routes`, a sample's `routes`, over the call's prompt and generated tokens.
  */
 import { parseRecords } from '../records/read.js';
 import type { ChatRecord } from '../records/types.js';
@@ -61,6 +63,7 @@ function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOu
   };
   const lp = out.logprobs;
   if (lp && lp.length === gen.length) line.rollout_logprobs = [...new Array<number>(prompt.length).fill(0), ...lp];
+  if (out.routes) line.routes = out.routes;
   if (call.agent !== undefined) line.agent = call.agent;
   if (ep.reward !== undefined) line.reward = ep.reward;
   return line;
@@ -90,6 +93,8 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
         response.token_ids = out.tokenIds;
         if (out.logprobs && out.logprobs.length === out.tokenIds.length) response.logprobs = out.logprobs;
       }
+      // recorded only with the engine's ids, which the template's prompt then equals (else a sample, below)
+      if (out.routes) response.routes = out.routes;
       const req: Line = { messages: call.request.messages ?? [], response };
       if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
       if (call.agent !== undefined) req.agent = call.agent;

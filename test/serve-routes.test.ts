@@ -1,0 +1,247 @@
+/**
+ * MoE routing replay at the gateway: the experts an engine routed each token to (vLLM's `routed_experts`, SGLang's
+ * `sgl_ext.routed_experts`), streamed or not, recorded with the call token for token, durable across a kill -9 and
+ * through the shared pool, handed to the packer as the records' `routes`, and kept from the agent unless it asked.
+ * Routes that cannot be recorded (another length than the call's tokens, too large, a flat array of no known shape)
+ * leave the call answered and recorded without them, counted and warned about naming the call and the field.
+ */
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { parseRecords } from '../src/records/read.js';
+import { parseRoutes } from '../src/records/routes.js';
+import type { Sample } from '../src/records/types.js';
+import { Service, type ServiceOptions } from '../src/serve/service.js';
+import { loadTokenizer } from '../src/tokenize/tokenizer.js';
+import type { TextTokenizer } from '../src/index.js';
+import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
+import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
+import { startStubEngine, stubRoutes, type StubEngine, type StubRoutes } from './helpers/stub-engine.js';
+
+type Obj = Record<string, unknown>;
+const post = (url: string, body: unknown) =>
+  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+
+const SHAPE = { layers: 3, topK: 2, experts: 8 };
+const VLLM: StubRoutes = { form: 'vllm', ...SHAPE };
+const SGLANG: StubRoutes = { form: 'sglang', ...SHAPE };
+
+interface Output {
+  promptTokenIds: number[];
+  tokenIds: number[];
+  routes?: { dtype: string; shape: number[]; data: string };
+}
+interface Call {
+  id: string;
+  output: Output;
+  siblings?: Output[];
+}
+
+/** The routes an output should carry: every token but the last, as the stub routes them. */
+function expected(o: Output): Obj {
+  const ids = [...o.promptTokenIds, ...o.tokenIds].slice(0, -1);
+  const v = Int16Array.from(stubRoutes(ids, SHAPE));
+  return { dtype: 'int16', shape: [ids.length, SHAPE.layers, SHAPE.topK], data: Buffer.from(v.buffer).toString('base64') };
+}
+
+async function episode(base: string, ep: string): Promise<{ calls: Call[] }> {
+  const r = await fetch(`${base}/v1/episodes/${ep}`);
+  expect(r.status).toBe(200);
+  return (await r.json()) as { calls: Call[] };
+}
+
+/** Drains an SSE answer into its text. */
+const text = (r: Response) => r.text();
+
+describe('routed experts at the gateway', { timeout: 120_000 }, () => {
+  let tok: TextTokenizer;
+  const engines: StubEngine[] = [];
+  const services: Service[] = [];
+  beforeAll(async () => {
+    tok = await loadTokenizer('qwen3');
+  });
+  afterEach(async () => {
+    for (const s of services.splice(0)) await s.close();
+    for (const e of engines.splice(0)) await e.close();
+  });
+
+  async function start(routes: StubRoutes | undefined, opts: Partial<ServiceOptions> = {}) {
+    const stub = await startStubEngine('ok', { tokenizer: tok, record: true, routes });
+    engines.push(stub);
+    const warnings: string[] = [];
+    const svc = await Service.create({
+      engineUrl: stub.url,
+      dataDir: tempDir('tp-routes-'),
+      port: 0,
+      packer: { tokenizer: 'qwen3' },
+      warn: (m) => warnings.push(m),
+      ...opts,
+    });
+    services.push(svc);
+    return { stub, svc, base: await svc.listen(), warnings };
+  }
+
+  async function calls(base: string, ep: string, extra: Obj = {}): Promise<Obj[]> {
+    const msgs = [{ role: 'user', content: `hello ${ep}` }];
+    const answers: Obj[] = [];
+    for (const stream of [false, true]) {
+      const chat = await post(`${base}/episodes/${ep}/v1/chat/completions`, { messages: msgs, stream, n: 2, ...extra });
+      expect(chat.status).toBe(200);
+      const cmpl = await post(`${base}/episodes/${ep}/v1/completions`, { prompt: `count ${ep}`, stream, ...extra });
+      expect(cmpl.status).toBe(200);
+      for (const r of [chat, cmpl]) answers.push(stream ? { sse: await text(r) } : ((await r.json()) as Obj));
+    }
+    return answers;
+  }
+
+  for (const [name, routes, opts] of [
+    ['vLLM (.npy in choices[].routed_experts)', VLLM, {}],
+    ['SGLang (flat int32 in choices[].sgl_ext.routed_experts, asked for)', SGLANG, { recordRoutes: true, routeShape: [3, 2] }],
+  ] as const) {
+    it(`${name}: recorded token for token, streamed and not, every choice; the agent sees none of it`, async () => {
+      const { stub, base, warnings } = await start(routes, opts);
+      const answers = await calls(base, 'ep-r');
+      for (const a of answers) expect(JSON.stringify(a)).not.toMatch(/routed_experts|sgl_ext/);
+      if (routes.form === 'sglang') for (const r of stub.requests) expect(r.return_routed_experts).toBe(true);
+      const { calls: recorded } = await episode(base, 'ep-r');
+      const outputs = recorded.flatMap((c) => [c.output, ...(c.siblings ?? [])]);
+      expect(outputs).toHaveLength(6); // two chat calls of n = 2, two completions
+      for (const o of outputs) expect(o.routes).toEqual(expected(o));
+      expect(warnings).toEqual([]);
+
+      // the packer's input: the chat responses' and the completions' samples' routes, read by the record parser
+      const finish = await post(`${base}/v1/episodes/ep-r/finish`, { reward: 1 });
+      expect(finish.status).toBe(200);
+      const lines = (await (await fetch(`${base}/v1/episodes/ep-r/records`)).text())
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l) as Obj);
+      const chat = lines.find((l) => Array.isArray(l.requests)) as { requests: { response: Obj }[] };
+      expect(chat.requests).toHaveLength(4);
+      const samples = lines.filter((l) => Array.isArray(l.tokens));
+      expect(samples).toHaveLength(2);
+      const chatOutputs = recorded.filter((_, i) => i % 2 === 0).flatMap((c) => [c.output, ...(c.siblings ?? [])]);
+      chat.requests.forEach((r, i) => {
+        const o = chatOutputs[i];
+        expect(r.response.routes).toEqual(expected(o));
+        const parsed = parseRoutes(r.response.routes, o.promptTokenIds.length + o.tokenIds.length, {}, 'response.routes');
+        const want = stubRoutes([...o.promptTokenIds, ...o.tokenIds].slice(0, -1), SHAPE);
+        expect([...parsed.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
+      });
+      for (const line of samples) {
+        const [s] = parseRecords(line, { file: 'records', line: 1 }) as Sample[];
+        const want = stubRoutes([...s.tokens].slice(0, -1), SHAPE);
+        expect(s.routes).toBeDefined();
+        expect([...s.routes!.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
+      }
+    });
+  }
+
+  it('passed on to an agent that asks for them (return_routed_experts)', async () => {
+    const { base } = await start(VLLM);
+    const r = (await (
+      await post(`${base}/episodes/ep-ask/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }], return_routed_experts: true })
+    ).json()) as { choices: Obj[] };
+    expect(typeof r.choices[0].routed_experts).toBe('string');
+  });
+
+  it('routes that cannot be recorded: the call is answered and recorded without them, counted, warned once naming call and field', async () => {
+    // one row short of the call's tokens
+    const short = await start({ ...VLLM, short: true });
+    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }] })).status).toBe(200);
+    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hey' }] })).status).toBe(200);
+    const [c0] = (await episode(short.base, 'ep-s')).calls;
+    expect(c0.output.routes).toBeUndefined();
+    const n = c0.output.promptTokenIds.length + c0.output.tokenIds.length;
+    expect(short.warnings).toEqual([
+      `call ${c0.id}: the engine's routed experts were not recorded (length): field "choices[0].routed_experts.shape[0]": ` +
+        `expected routes for ${n} tokens (or ${n - 1}: the last token unrouted), got ${n - 2}; the call is recorded without them. ` +
+        'treepack_engine_routes_dropped_total counts such outputs',
+    ]);
+    expect(await (await fetch(`${short.base}/metrics`)).text()).toContain('treepack_engine_routes_dropped_total{reason="length"} 2');
+
+    // a flat array (SGLang) with no --route-shape; routes over --max-route-bytes
+    const flat = await start(SGLANG, { recordRoutes: true });
+    expect((await post(`${flat.base}/episodes/ep-f/v1/completions`, { prompt: 'x' })).status).toBe(200);
+    expect(flat.warnings[0]).toMatch(/\(no_shape\): field "choices\[0\]\.sgl_ext\.routed_experts": .*--route-shape LAYERS,TOPK/);
+    const big = await start(VLLM, { maxRouteBytes: 16 });
+    expect((await post(`${big.base}/episodes/ep-b/v1/completions`, { prompt: 'x' })).status).toBe(200);
+    expect(big.warnings[0]).toMatch(/\(too_large\): field "choices\[0\]\.routed_experts": \d+ tokens × 3 layers × 2 experts take \d+ bytes/);
+    for (const [s, ep] of [
+      [flat, 'ep-f'],
+      [big, 'ep-b'],
+    ] as const)
+      expect((await episode(s.base, ep)).calls[0].output.routes).toBeUndefined();
+  });
+
+  it('an engine that returns none records none, and is not asked unless --record-routes', async () => {
+    const { stub, base, warnings } = await start(undefined);
+    await calls(base, 'ep-n');
+    for (const c of (await episode(base, 'ep-n')).calls) expect(c.output.routes).toBeUndefined();
+    for (const r of stub.requests) expect(r.return_routed_experts).toBeUndefined();
+    expect(warnings).toEqual([]);
+  });
+});
+
+describe('routed experts are durable', { timeout: 180_000 }, () => {
+  let stub: StubEngine;
+  let proc: ServeProcess | undefined;
+  beforeAll(async () => {
+    stub = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3'), routes: VLLM });
+  });
+  afterEach(async () => {
+    await proc?.kill9();
+    proc = undefined;
+  });
+  afterAll(async () => {
+    await stub?.close();
+  });
+
+  it('across a kill -9 of the service, token for token', async () => {
+    // a log compacted as it grows: its rewrite keeps the routes too
+    const args = ['--engine', stub.url, '--data', tempDir('tp-routes-kill-'), '--tokenizer', 'qwen3', '--compact-bytes', '1'];
+    proc = await startServeProcess(args);
+    for (let i = 0; i < 3; i++) {
+      const r = await post(`${proc.url}/episodes/ep-k/v1/chat/completions`, { messages: [{ role: 'user', content: `turn ${i}` }], stream: i === 1 });
+      expect(r.status).toBe(200);
+      await r.text();
+    }
+    const before = (await episode(proc.url, 'ep-k')).calls;
+    await proc.kill9();
+    proc = await startServeProcess(args);
+    const after = (await episode(proc.url, 'ep-k')).calls;
+    expect(after).toHaveLength(3);
+    for (const c of after) expect(c.output.routes).toEqual(expected(c.output));
+    expect(after.map((c) => c.output.routes)).toEqual(before.map((c) => c.output.routes));
+  });
+});
+
+describe.skipIf(!redisAvailable('serve-routes (shared pool)'))('routed experts through the shared pool', { timeout: 120_000 }, () => {
+  let redis: RedisServer;
+  let stub: StubEngine;
+  let svc: Service | undefined;
+  beforeAll(async () => {
+    redis = await startRedis();
+    stub = await startStubEngine('ok', { tokenizer: await loadTokenizer('qwen3'), routes: VLLM });
+  });
+  afterAll(async () => {
+    await svc?.close();
+    await stub?.close();
+    await redis?.stop();
+  });
+
+  it('a finished episode shipped to Redis keeps its calls routes', async () => {
+    svc = await Service.create({
+      engineUrl: stub.url,
+      dataDir: tempDir('tp-routes-redis-'),
+      port: 0,
+      redis: redis.url,
+      packer: { tokenizer: 'qwen3' },
+    });
+    const base = await svc.listen();
+    expect((await post(`${base}/episodes/ep-x/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }] })).status).toBe(200);
+    expect((await post(`${base}/v1/episodes/ep-x/finish`, { reward: 1 })).status).toBe(200);
+    const [ep] = await svc.recorder.shared!.groupEpisodes('ep-x');
+    expect(ep.calls).toHaveLength(1);
+    const o = ep.calls[0].output as unknown as Output;
+    expect(o.routes).toEqual(expected(o));
+  });
+});
