@@ -14,7 +14,8 @@ import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import type { TextTokenizer } from '../src/index.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
 import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
-import { startStubEngine, stubRoutes, type StubEngine, type StubRoutes } from './helpers/stub-engine.js';
+import { recordRoutes } from '../src/serve/routed-experts.js';
+import { npyBase64, startStubEngine, stubRoutes, type StubEngine, type StubRoutes } from './helpers/stub-engine.js';
 
 type Obj = Record<string, unknown>;
 const post = (url: string, body: unknown) =>
@@ -96,11 +97,12 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
     ['vLLM (.npy in choices[].routed_experts)', VLLM, {}],
     ['SGLang (flat int32 in choices[].sgl_ext.routed_experts, asked for)', SGLANG, { recordRoutes: true, routeShape: [3, 2] }],
   ] as const) {
-    it(`${name}: recorded token for token, streamed and not, every choice; the agent sees none of it`, async () => {
+    it(`${name}: recorded token for token, streamed and not, every choice; the agent sees them only when it asks`, async () => {
       const { stub, base, warnings } = await start(routes, opts);
       const answers = await calls(base, 'ep-r');
       for (const a of answers) expect(JSON.stringify(a)).not.toMatch(/routed_experts|sgl_ext/);
-      if (routes.form === 'sglang') for (const r of stub.requests) expect(r.return_routed_experts).toBe(true);
+      // asked for with --record-routes only
+      for (const r of stub.requests) expect(r.return_routed_experts).toBe(routes.form === 'sglang' ? true : undefined);
       const { calls: recorded } = await episode(base, 'ep-r');
       const outputs = recorded.flatMap((c) => [c.output, ...(c.siblings ?? [])]);
       expect(outputs).toHaveLength(6); // two chat calls of n = 2, two completions
@@ -126,6 +128,13 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
         const want = stubRoutes([...o.promptTokenIds, ...o.tokenIds].slice(0, -1), SHAPE);
         expect([...parsed.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
       });
+      // an agent that asks sees them
+      const asked = await post(`${base}/episodes/ep-ask/v1/chat/completions`, {
+        messages: [{ role: 'user', content: 'hi' }],
+        return_routed_experts: true,
+      });
+      const choice = ((await asked.json()) as { choices: Obj[] }).choices[0];
+      expect(typeof (routes.form === 'vllm' ? choice.routed_experts : (choice.sgl_ext as Obj).routed_experts)).toBe('string');
       for (const line of samples) {
         const [s] = parseRecords(line, { file: 'records', line: 1 }) as Sample[];
         const want = stubRoutes([...s.tokens].slice(0, -1), SHAPE);
@@ -135,19 +144,15 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
     });
   }
 
-  it('passed on to an agent that asks for them (return_routed_experts)', async () => {
-    const { base } = await start(VLLM);
-    const r = (await (
-      await post(`${base}/episodes/ep-ask/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }], return_routed_experts: true })
-    ).json()) as { choices: Obj[] };
-    expect(typeof r.choices[0].routed_experts).toBe('string');
-  });
-
   it('routes that cannot be recorded: the call is answered and recorded without them, counted, warned once naming call and field', async () => {
     // one row short of the call's tokens
     const short = await start({ ...VLLM, short: true });
-    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }] })).status).toBe(200);
-    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hey' }] })).status).toBe(200);
+    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hi' }] })).status).toBe(
+      200,
+    );
+    expect((await post(`${short.base}/episodes/ep-s/v1/chat/completions`, { messages: [{ role: 'user', content: 'hey' }] })).status).toBe(
+      200,
+    );
     const [c0] = (await episode(short.base, 'ep-s')).calls;
     expect(c0.output.routes).toBeUndefined();
     const n = c0.output.promptTokenIds.length + c0.output.tokenIds.length;
@@ -164,7 +169,9 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
     expect(flat.warnings[0]).toMatch(/\(no_shape\): field "choices\[0\]\.sgl_ext\.routed_experts": .*--route-shape LAYERS,TOPK/);
     const big = await start(VLLM, { maxRouteBytes: 16 });
     expect((await post(`${big.base}/episodes/ep-b/v1/completions`, { prompt: 'x' })).status).toBe(200);
-    expect(big.warnings[0]).toMatch(/\(too_large\): field "choices\[0\]\.routed_experts": \d+ tokens × 3 layers × 2 experts take \d+ bytes/);
+    expect(big.warnings[0]).toMatch(
+      /\(too_large\): field "choices\[0\]\.routed_experts": \d+ tokens × 3 layers × 2 experts take \d+ bytes/,
+    );
     for (const [s, ep] of [
       [flat, 'ep-f'],
       [big, 'ep-b'],
@@ -172,12 +179,13 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
       expect((await episode(s.base, ep)).calls[0].output.routes).toBeUndefined();
   });
 
-  it('an engine that returns none records none, and is not asked unless --record-routes', async () => {
-    const { stub, base, warnings } = await start(undefined);
+  it('an engine that returns none records none: asked with --record-routes, it ignores the field', async () => {
+    const { stub, base, warnings } = await start(undefined, { recordRoutes: true });
     await calls(base, 'ep-n');
     for (const c of (await episode(base, 'ep-n')).calls) expect(c.output.routes).toBeUndefined();
-    for (const r of stub.requests) expect(r.return_routed_experts).toBeUndefined();
+    for (const r of stub.requests) expect(r.return_routed_experts).toBe(true);
     expect(warnings).toEqual([]);
+    expect(await (await fetch(`${base}/metrics`)).text()).not.toMatch(/treepack_engine_routes_dropped_total\{/);
   });
 });
 
@@ -200,7 +208,10 @@ describe('routed experts are durable', { timeout: 180_000 }, () => {
     const args = ['--engine', stub.url, '--data', tempDir('tp-routes-kill-'), '--tokenizer', 'qwen3', '--compact-bytes', '1'];
     proc = await startServeProcess(args);
     for (let i = 0; i < 3; i++) {
-      const r = await post(`${proc.url}/episodes/ep-k/v1/chat/completions`, { messages: [{ role: 'user', content: `turn ${i}` }], stream: i === 1 });
+      const r = await post(`${proc.url}/episodes/ep-k/v1/chat/completions`, {
+        messages: [{ role: 'user', content: `turn ${i}` }],
+        stream: i === 1,
+      });
       expect(r.status).toBe(200);
       await r.text();
     }
@@ -243,5 +254,59 @@ describe.skipIf(!redisAvailable('serve-routes (shared pool)'))('routed experts t
     expect(ep.calls).toHaveLength(1);
     const o = ep.calls[0].output as unknown as Output;
     expect(o.routes).toEqual(expected(o));
+  });
+});
+
+describe('the engines forms of routes', () => {
+  const opts = { maxBytes: 1 << 20 };
+  const ids = [5, 9, 2, 7];
+  const want = stubRoutes(ids.slice(0, 3), SHAPE);
+  const record = (v: Int32Array) => ({
+    dtype: 'int16',
+    shape: [v.length / 6, 3, 2],
+    data: Buffer.from(Int16Array.from(v).buffer).toString('base64'),
+  });
+
+  it("vLLM 0.21's prompt rows apart (prompt_routed_experts) are joined to the generated ones; JSON arrays and int16 .npy read", () => {
+    const npy16 = (v: Int32Array, rows: number) => {
+      const b = Buffer.from(npyBase64(v, [rows, 3, 2]), 'base64');
+      // the same array as int16: descr '<i2', half the data
+      const header = b
+        .subarray(0, b.length - v.length * 4)
+        .toString('latin1')
+        .replace("'<i4'", "'<i2'");
+      return Buffer.concat([Buffer.from(header, 'latin1'), Buffer.from(Int16Array.from(v).buffer)]).toString('base64');
+    };
+    const split = recordRoutes(
+      {
+        value: npy16(want.subarray(12), 1),
+        field: 'choices[0].routed_experts',
+        prompt: { value: npy16(want.subarray(0, 12), 2), field: 'prompt_routed_experts' },
+      },
+      4,
+      opts,
+    );
+    expect(split).toEqual(record(want));
+    const nested = [...Array(3).keys()].map((t) => [...Array(3).keys()].map((l) => [want[t * 6 + l * 2], want[t * 6 + l * 2 + 1]]));
+    expect(recordRoutes({ value: nested, field: 'choices[0].routed_experts' }, 4, opts)).toEqual(record(want));
+  });
+
+  it('refused naming the field: big-endian .npy, an expert int16 cannot hold, a repeated expert', () => {
+    const be = Buffer.from(npyBase64(want, [3, 3, 2]), 'base64')
+      .toString('latin1')
+      .replace("'<i4'", "'>i4'");
+    expect(() => recordRoutes({ value: Buffer.from(be, 'latin1').toString('base64'), field: 'f' }, 4, opts)).toThrow(
+      'field "f": a NumPy array of dtype ">i4": expected little-endian integers',
+    );
+    const big = want.slice();
+    big[7] = 70000;
+    expect(() => recordRoutes({ value: npyBase64(big, [3, 3, 2]), field: 'f' }, 4, opts)).toThrow(
+      /^field "f\[1\]\[0\]\[1\]": expected an expert id \(an integer in 0\.\.32767\), got 70000$/,
+    );
+    const twice = want.slice();
+    twice[1] = twice[0];
+    expect(() => recordRoutes({ value: npyBase64(twice, [3, 3, 2]), field: 'f' }, 4, opts)).toThrow(
+      /^field "f\[0\]\[0\]": expert \d+ is routed twice/,
+    );
   });
 });

@@ -180,7 +180,11 @@ function decodeBase64(s: string, field: string, opts: RouteOptions): Decoded {
     );
   const [layers, topK] = opts.shape;
   if (buf.length % (4 * layers * topK) !== 0)
-    throw new RoutesDropped('invalid', field, `${buf.length} bytes are no whole number of int32 rows of [${layers}, ${topK}] (--route-shape)`);
+    throw new RoutesDropped(
+      'invalid',
+      field,
+      `${buf.length} bytes are no whole number of int32 rows of [${layers}, ${topK}] (--route-shape)`,
+    );
   const values = new Int32Array(buf.length / 4);
   for (let i = 0; i < values.length; i++) values[i] = buf.readInt32LE(4 * i);
   return { rows: values.length / (layers * topK), layers, topK, values };
@@ -222,7 +226,8 @@ function decodeNpy(buf: Buffer, field: string): Decoded {
   const [rows, layers, topK] = dims;
   const [size, get] = read;
   const count = rows * layers * topK;
-  if (buf.length - start !== count * size) throw bad(`of shape (${dims.join(', ')}) needs ${count * size} bytes, has ${buf.length - start}`);
+  if (buf.length - start !== count * size)
+    throw bad(`of shape (${dims.join(', ')}) needs ${count * size} bytes, has ${buf.length - start}`);
   const values = new Int32Array(count);
   for (let i = 0; i < count; i++) {
     const x = get(buf, start + i * size);
