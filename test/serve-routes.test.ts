@@ -5,6 +5,8 @@
  * Routes that cannot be recorded (another length than the call's tokens, too large, a flat array of no known shape)
  * leave the call answered and recorded without them, counted and warned about naming the call and the field.
  */
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { parseRecords } from '../src/records/read.js';
 import { parseRoutes } from '../src/records/routes.js';
@@ -112,6 +114,9 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
       // the packer's input: the chat responses' and the completions' samples' routes, read by the record parser
       const finish = await post(`${base}/v1/episodes/ep-r/finish`, { reward: 1 });
       expect(finish.status).toBe(200);
+      // the feed packs them (the worker reads them with the record parser): no episode quarantined
+      expect((await fetch(`${base}/v1/batches/next?wait=60`)).status).toBe(200);
+      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { quarantined: number }).quarantined).toBe(0);
       const lines = (await (await fetch(`${base}/v1/episodes/ep-r/records`)).text())
         .trim()
         .split('\n')
@@ -205,7 +210,8 @@ describe('routed experts are durable', { timeout: 180_000 }, () => {
 
   it('across a kill -9 of the service, token for token', async () => {
     // a log compacted as it grows: its rewrite keeps the routes too
-    const args = ['--engine', stub.url, '--data', tempDir('tp-routes-kill-'), '--tokenizer', 'qwen3', '--compact-bytes', '1'];
+    const dir = tempDir('tp-routes-kill-');
+    const args = ['--engine', stub.url, '--data', dir, '--tokenizer', 'qwen3', '--compact-bytes', '1'];
     proc = await startServeProcess(args);
     for (let i = 0; i < 3; i++) {
       const r = await post(`${proc.url}/episodes/ep-k/v1/chat/completions`, {
@@ -215,6 +221,13 @@ describe('routed experts are durable', { timeout: 180_000 }, () => {
       expect(r.status).toBe(200);
       await r.text();
     }
+    // a compaction (in a worker) is swapped in at a later write: calls of another episode until it was
+    const compacted = () => readFileSync(join(dir, 'events.jsonl'), 'utf8').startsWith('{"type":"snapshot"');
+    for (let i = 0; i < 100 && !compacted(); i++) {
+      await post(`${proc.url}/episodes/ep-pad/v1/completions`, { prompt: `pad ${i}` }).then((r) => r.text());
+      await new Promise((r) => setTimeout(r, 200));
+    }
+    expect(compacted()).toBe(true);
     const before = (await episode(proc.url, 'ep-k')).calls;
     await proc.kill9();
     proc = await startServeProcess(args);
