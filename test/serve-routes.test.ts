@@ -304,6 +304,15 @@ describe('the engines forms of routes', () => {
     expect(recordRoutes({ value: nested, field: 'choices[0].routed_experts' }, 4, opts)).toEqual(record(want));
   });
 
+  it('a 32k-token call of 48 layers, top-8: recorded (the record parser checks its 32 MiB of base64 in one scan)', () => {
+    const shape = { layers: 48, topK: 8, experts: 128 };
+    const tokens = Array.from({ length: 32768 }, (_, i) => (i * 7919) % 150000);
+    const v = stubRoutes(tokens.slice(0, -1), shape);
+    const r = recordRoutes({ value: npyBase64(v, [32767, 48, 8]), field: 'f' }, 32768, { maxBytes: 64 << 20 });
+    expect(r.shape).toEqual([32767, 48, 8]);
+    expect(Buffer.from(r.data, 'base64').equals(Buffer.from(Int16Array.from(v).buffer))).toBe(true);
+  });
+
   it('refused naming the field: big-endian .npy, an expert int16 cannot hold, a repeated expert', () => {
     const be = Buffer.from(npyBase64(want, [3, 3, 2]), 'base64')
       .toString('latin1')
