@@ -13,6 +13,7 @@
  * Every form ends in one check: the shared record parser (`parseRoutes`) over the call's prompt and generated
  * tokens, so a route the gateway records is one `treepack pack` accepts.
  */
+import { endianness } from 'node:os';
 import { TreepackError } from '../errors.js';
 import { parseRoutes } from '../records/routes.js';
 
@@ -185,8 +186,7 @@ function decodeBase64(s: string, field: string, opts: RouteOptions): Decoded {
       field,
       `${buf.length} bytes are no whole number of int32 rows of [${layers}, ${topK}] (--route-shape)`,
     );
-  const values = new Int32Array(buf.length / 4);
-  for (let i = 0; i < values.length; i++) values[i] = buf.readInt32LE(4 * i);
+  const values = int32s(buf, 0, buf.length / 4);
   return { rows: values.length / (layers * topK), layers, topK, values };
 }
 
@@ -228,10 +228,21 @@ function decodeNpy(buf: Buffer, field: string): Decoded {
   const count = rows * layers * topK;
   if (buf.length - start !== count * size)
     throw bad(`of shape (${dims.join(', ')}) needs ${count * size} bytes, has ${buf.length - start}`);
+  if (descr === '<i4') return { rows, layers, topK, values: int32s(buf, start, count) };
   const values = new Int32Array(count);
   for (let i = 0; i < count; i++) {
     const x = get(buf, start + i * size);
     values[i] = x >= -0x80000000 && x <= 0x7fffffff ? x : -1;
   }
   return { rows, layers, topK, values };
+}
+
+const LITTLE_ENDIAN = endianness() === 'LE';
+
+/** `count` little-endian int32 at `at` in `buf`: one copy (aligned) on a little-endian host, not a read per value. */
+function int32s(buf: Buffer, at: number, count: number): Int32Array {
+  if (LITTLE_ENDIAN) return new Int32Array(buf.buffer.slice(buf.byteOffset + at, buf.byteOffset + at + 4 * count));
+  const values = new Int32Array(count);
+  for (let i = 0; i < count; i++) values[i] = buf.readInt32LE(at + 4 * i);
+  return values;
 }
