@@ -64,6 +64,11 @@ export interface Manifest {
   pushed_tokens?: number;
   peak_cached_tokens?: number;
   peak_cached_bytes?: number;
+  /** with MoE routes: the --route-conflict policy, conflicting occurrences, packed tokens split vs by tokens alone */
+  route_conflict?: 'split' | 'first';
+  route_conflicts?: number;
+  route_split_tokens?: number;
+  route_unsplit_tokens?: number;
   micro_batches: ManifestEntry[];
 }
 

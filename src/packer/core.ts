@@ -278,9 +278,17 @@ export class PackerCore {
     const t0 = performance.now();
     const packForest = this.#kernel!.kernel;
     const budget = this.#opts.budget;
+    const routeStats = { conflicts: 0, unsplitTokens: 0, splitTokens: 0 };
+    const assemble = {
+      ...this.#vocabulary(),
+      packForest,
+      turnIds: this.#opts.turnIds,
+      routeConflict: this.#opts.routeConflict,
+      routeStats,
+    };
     let out: Packed[];
     if (budget) {
-      const w = packWindow(pending, { ...budget, ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds });
+      const w = packWindow(pending, { ...budget, ...assemble });
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
       stats.optimumTokens += w.plan.optimumTokens;
       w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
@@ -293,11 +301,17 @@ export class PackerCore {
         if (pr.peakCachedBytes !== undefined) acc.peakCachedBytes = Math.max(acc.peakCachedBytes ?? 0, pr.peakCachedBytes);
       }
     } else {
-      out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds }), samples: pending }];
+      out = [{ batch: assembleMicroBatch(pending, assemble), samples: pending }];
       stats.optimumTokens += out[0].batch.meta.num_tokens_packed;
     }
     stats.seconds.pack += (performance.now() - t0) / 1000;
     for (const p of out) stats.packedTokens += p.batch.meta.num_tokens_packed;
+    if (out.some((p) => p.batch.routes)) {
+      const r = (stats.routes ??= { policy: this.#opts.routeConflict, conflicts: 0, unsplitTokens: 0, splitTokens: 0 });
+      r.conflicts += routeStats.conflicts;
+      r.unsplitTokens += routeStats.unsplitTokens;
+      r.splitTokens += routeStats.splitTokens;
+    }
     stats.microBatches += out.length;
     this.#pending = [];
     this.#pendingTokens = 0;
