@@ -5,11 +5,11 @@
  * Routes that cannot be recorded (another length than the call's tokens, too large, a flat array of no known shape)
  * leave the call answered and recorded without them, counted and warned about naming the call and the field.
  */
-import { readFileSync } from 'node:fs';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { readMicroBatch } from '../src/io/microbatch.js';
 import { parseRecords } from '../src/records/read.js';
-import { parseRoutes } from '../src/records/routes.js';
 import type { Sample } from '../src/records/types.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
 import { loadTokenizer } from '../src/tokenize/tokenizer.js';
@@ -111,28 +111,39 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
       for (const o of outputs) expect(o.routes).toEqual(expected(o));
       expect(warnings).toEqual([]);
 
-      // the packer's input: the chat responses' and the completions' samples' routes, read by the record parser
+      // the packer's input: every routed call a pre-tokenized sample (the engine's tokens), its routes read by the
+      // record parser
       const finish = await post(`${base}/v1/episodes/ep-r/finish`, { reward: 1 });
       expect(finish.status).toBe(200);
-      // the feed packs them (the worker reads them with the record parser): no episode quarantined
-      expect((await fetch(`${base}/v1/batches/next?wait=60`)).status).toBe(200);
-      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { quarantined: number }).quarantined).toBe(0);
       const lines = (await (await fetch(`${base}/v1/episodes/ep-r/records`)).text())
         .trim()
         .split('\n')
         .map((l) => JSON.parse(l) as Obj);
-      const chat = lines.find((l) => Array.isArray(l.requests)) as { requests: { response: Obj }[] };
-      expect(chat.requests).toHaveLength(4);
-      const samples = lines.filter((l) => Array.isArray(l.tokens));
-      expect(samples).toHaveLength(2);
-      const chatOutputs = recorded.filter((_, i) => i % 2 === 0).flatMap((c) => [c.output, ...(c.siblings ?? [])]);
-      chat.requests.forEach((r, i) => {
-        const o = chatOutputs[i];
-        expect(r.response.routes).toEqual(expected(o));
-        const parsed = parseRoutes(r.response.routes, o.promptTokenIds.length + o.tokenIds.length, {}, 'response.routes');
-        const want = stubRoutes([...o.promptTokenIds, ...o.tokenIds].slice(0, -1), SHAPE);
-        expect([...parsed.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
+      expect(lines).toHaveLength(6);
+      lines.forEach((line, i) => {
+        const [s] = parseRecords(line, { file: 'records', line: i + 1 }) as Sample[];
+        const o = outputs[i];
+        expect([...s.tokens]).toEqual([...o.promptTokenIds, ...o.tokenIds]);
+        const want = stubRoutes([...s.tokens].slice(0, -1), SHAPE);
+        expect([...s.routes!.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
       });
+      // the feed's micro-batch: each node's row is the route of its token at its position, or unrouted (-1)
+      const res = await fetch(`${base}/v1/batches/next?wait=60`);
+      expect(res.status).toBe(200);
+      expect(((await (await fetch(`${base}/v1/feed`)).json()) as { quarantined: number }).quarantined).toBe(0);
+      const file = join(tempDir('tp-routes-mb-'), 'mb.safetensors');
+      writeFileSync(file, Buffer.from(await res.arrayBuffer()));
+      const { batch } = readMicroBatch(file);
+      expect([batch.meta.routes_layers, batch.meta.routes_top_k]).toEqual([SHAPE.layers, SHAPE.topK]);
+      const row = SHAPE.layers * SHAPE.topK;
+      let routed = 0;
+      for (let i = 0; i < batch.input_ids.length; i++) {
+        const got = [...batch.routes!.subarray(i * row, (i + 1) * row)];
+        if (got.every((x) => x === -1)) continue;
+        routed++;
+        expect(got).toEqual([...stubRoutes([batch.input_ids[i]], SHAPE, batch.position_ids[i])]);
+      }
+      expect(routed).toBeGreaterThan(batch.input_ids.length / 2);
       // an agent that asks sees them
       const asked = await post(`${base}/episodes/ep-ask/v1/chat/completions`, {
         messages: [{ role: 'user', content: 'hi' }],
@@ -140,12 +151,6 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
       });
       const choice = ((await asked.json()) as { choices: Obj[] }).choices[0];
       expect(typeof (routes.form === 'vllm' ? choice.routed_experts : (choice.sgl_ext as Obj).routed_experts)).toBe('string');
-      for (const line of samples) {
-        const [s] = parseRecords(line, { file: 'records', line: 1 }) as Sample[];
-        const want = stubRoutes([...s.tokens].slice(0, -1), SHAPE);
-        expect(s.routes).toBeDefined();
-        expect([...s.routes!.experts]).toEqual([...want, ...new Array<number>(SHAPE.layers * SHAPE.topK).fill(-1)]);
-      }
     });
   }
 

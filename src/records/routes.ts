@@ -7,7 +7,7 @@
  *   (SGLang returns its routed experts as base64 int32);
  * - nested JSON: `[[[e, ...] × layers] × T]` (vLLM's `routed_experts` written as JSON).
  *
- * The serve side calls this for a chat response's `routes` too, so both paths refuse the same inputs, each with an
+ * The gateway checks the routes it records with this too, so both paths refuse the same inputs, each with an
  * E_INPUT TreepackError naming the record and field (`routes`, `routes.shape`, `routes[t][l]`, ...).
  */
 import { TreepackError, describeValue, type ErrorWhere } from '../errors.js';

@@ -4,9 +4,10 @@
  * to the engine's own prompt tokens (the response carries the engine's `token_ids` and `logprobs`), and one
  * pre-tokenized sample line per call where it does not (drift: the engine's prompt and generated ids, trained
  * on the generated part with their logprobs), so training always sees the tokens the engine saw. Calls without
- * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids. The
- * experts the engine routed a call's tokens to go with it as they were recorded (routed-experts.ts): a chat
- * response's `routes`, a sample's `routes`, over the call's prompt and generated tokens.
+ * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids. A call
+ * whose output carries the experts the engine routed its tokens to (routed-experts.ts) is a sample too, with
+ * `routes` over its prompt and generated tokens: the packer reads routes from pre-tokenized samples, where they
+ * line up with the engine's own tokens.
  */
 import { parseRecords } from '../records/read.js';
 import type { ChatRecord } from '../records/types.js';
@@ -93,8 +94,6 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
         response.token_ids = out.tokenIds;
         if (out.logprobs && out.logprobs.length === out.tokenIds.length) response.logprobs = out.logprobs;
       }
-      // recorded only with the engine's ids, which the template's prompt then equals (else a sample, below)
-      if (out.routes) response.routes = out.routes;
       const req: Line = { messages: call.request.messages ?? [], response };
       if (call.request.tools && call.request.tools.length) req.tools = call.request.tools;
       if (call.agent !== undefined) req.agent = call.agent;
@@ -103,12 +102,13 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
           { ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group },
           { file: 'episode ' + ep.id, line: k + 1 },
         ) as ChatRecord[];
-        if (!sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!)) {
-          stats.promptDrifted++;
+        const matched = sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!);
+        if (matched) stats.promptMatched++;
+        else stats.promptDrifted++;
+        if (!matched || out.routes) {
           samples.push(engineSample(ep, sampleId, call, out));
           return;
         }
-        stats.promptMatched++;
       } else stats.rendered++;
       requests.push(req);
     });

@@ -44,12 +44,16 @@ export interface StubRoutes {
   short?: boolean;
 }
 
-/** The experts the stub routes token `id` at position `t` to, [layers × topK] per token: fixed, so a test can recompute them. */
-export function stubRoutes(ids: number[], r: Pick<StubRoutes, 'layers' | 'topK' | 'experts'>): Int32Array {
+/**
+ * The experts the stub routes each token of `ids` to ([layers × topK] per token; `from`: the position of `ids[0]` in
+ * its sequence): a function of token and position, so a test can recompute them.
+ */
+export function stubRoutes(ids: number[], r: Pick<StubRoutes, 'layers' | 'topK' | 'experts'>, from = 0): Int32Array {
   const out = new Int32Array(ids.length * r.layers * r.topK);
-  ids.forEach((id, t) => {
+  ids.forEach((id, i) => {
+    const t = from + i;
     for (let l = 0; l < r.layers; l++)
-      for (let j = 0; j < r.topK; j++) out[(t * r.layers + l) * r.topK + j] = (id * 3 + t + l * 5 + j) % r.experts;
+      for (let j = 0; j < r.topK; j++) out[(i * r.layers + l) * r.topK + j] = (id * 3 + t + l * 5 + j) % r.experts;
   });
   return out;
 }
