@@ -392,7 +392,7 @@ async function proxyOnce(
   if (d.kind === 'chat') {
     p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
   }
-  // (the client's own return_routed_experts passes as it is)
+  // SGLang returns routes only when asked, vLLM ignores the field; a client's own ask passes as it is
   if (svc.opts.recordRoutes) p.upstream.return_routed_experts = true;
   const digest = rid === undefined ? undefined : recordDigest(req.body as Obj);
   const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
