@@ -162,7 +162,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   // in parts, and its figures are the sum of its parts: what the micro-batches really hold.
   const closeGroups = () => {
     for (const [group, samples] of groups) {
-      const seqs = keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split').seqs;
+      const seqs = keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', packer.kernel).seqs;
       const g = groupFigures.get(group) ?? { group, samples: 0, naive_tokens: 0, packed_tokens: 0, compression: 0 };
       g.samples += samples.length;
       g.naive_tokens += seqs.tokens.length;
@@ -175,7 +175,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   try {
     for await (const { batch, samples } of run) {
       branchDepthHistogram(batch, histogram);
-      windows.push(keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split').seqs);
+      windows.push(keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', packer.kernel).seqs);
       for (const s of samples) {
         const list = groups.get(s.group);
         if (list) list.push(s);

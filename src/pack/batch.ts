@@ -95,7 +95,7 @@ export interface AssembleOptions {
 /** Packs `samples` into one micro-batch: their forest (by `opts.packForest`) plus the per-occurrence fields in input order. */
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
   const seqs = toSequences(samples);
-  const keyed = keyByRoutes(samples, seqs, opts.routeConflict ?? 'split');
+  const keyed = keyByRoutes(samples, seqs, opts.routeConflict ?? 'split', opts.packForest);
   const forest = opts.packForest(keyed.seqs);
   const { tokenOf } = keyed;
   if (tokenOf) forest.input_ids = forest.input_ids.map((key) => tokenOf[key]);

@@ -14,7 +14,7 @@
  */
 import { TreepackError } from '../errors.js';
 import type { Routes, Sample } from '../records/types.js';
-import type { Sequences } from './contract.js';
+import type { Forest, Sequences } from './contract.js';
 import { packForest } from './forest.js';
 
 /** Where the routes of a shared prefix differ: `split` the forest there (exact), or keep the `first` sequence's. */
@@ -81,9 +81,15 @@ function routeBytes(samples: readonly Sample[]): Buffer[] {
 
 /**
  * The sequences to pack for `samples` (`seqs`, their tokens in CSR form) under `policy`. Without routes, or with
- * no conflict, the keys are the tokens themselves.
+ * no conflict, the keys are the tokens themselves. `pack` builds the token-only forest (default the js reference;
+ * the packer passes its backend's kernel).
  */
-export function keyByRoutes(samples: readonly Sample[], seqs: Sequences, policy: RouteConflictPolicy): RouteKeying {
+export function keyByRoutes(
+  samples: readonly Sample[],
+  seqs: Sequences,
+  policy: RouteConflictPolicy,
+  pack: (seqs: Sequences) => Forest = packForest,
+): RouteKeying {
   const shape = routeShape(samples);
   if (!shape) return { seqs, conflicts: 0, unsplitTokens: 0 };
   const { tokens, offsets } = seqs;
@@ -100,7 +106,7 @@ export function keyByRoutes(samples: readonly Sample[], seqs: Sequences, policy:
       bo = (q - offsets[b]) * rowBytes;
     return bytes[a].compare(bytes[b], bo, bo + rowBytes, ao, ao + rowBytes);
   };
-  const plain = packForest(seqs);
+  const plain = pack(seqs);
   const pos = plain.seq_positions;
   const N = plain.input_ids.length;
   const first = new Int32Array(N).fill(-1);

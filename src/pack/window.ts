@@ -26,7 +26,7 @@ export interface BudgetedMicroBatch {
 export function packWindow(samples: readonly Sample[], opts: WindowOptions): { microBatches: BudgetedMicroBatch[]; plan: Plan } {
   // The plan sees the forest as the packer builds it: split where routes differ (src/pack/routes.ts).
   const plan = planMicroBatches(
-    keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split').seqs,
+    keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', opts.packForest).seqs,
     opts,
     samples.map((s) => s.id),
   );
