@@ -7,7 +7,7 @@
  *   (SGLang returns its routed experts as base64 int32);
  * - nested JSON: `[[[e, ...] × layers] × T]` (vLLM's `routed_experts` written as JSON).
  *
- * The serve side calls this for a chat response's `routes` too, so both paths refuse the same inputs, each with an
+ * The gateway checks the routes it records with this too, so both paths refuse the same inputs, each with an
  * E_INPUT TreepackError naming the record and field (`routes`, `routes.shape`, `routes[t][l]`, ...).
  */
 import { TreepackError, describeValue, type ErrorWhere } from '../errors.js';
@@ -19,8 +19,16 @@ export const MAX_EXPERT = 0x7fff;
 const DTYPE_BYTES = { uint8: 1, int16: 2, int32: 4 } as const;
 type RoutesDtype = keyof typeof DTYPE_BYTES;
 
-/** Standard base64 with its padding: Buffer.from would skip foreign characters silently. */
-const BASE64 = /^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$/;
+/**
+ * Standard base64 with its padding: Buffer.from would skip foreign characters silently. One scan for a foreign
+ * character, then where `=` stands: a regex of repeated 4-character groups backtracks, taking seconds and then
+ * overflowing the stack on routes of a long call (tens of MiB).
+ */
+function isBase64(s: string): boolean {
+  if (s.length % 4 !== 0 || /[^A-Za-z0-9+/=]/.test(s)) return false;
+  const eq = s.indexOf('=');
+  return eq < 0 || (eq >= s.length - 2 && s.endsWith('='.repeat(s.length - eq)));
+}
 
 /**
  * `value` (a record's routes field, either spelling) as Routes over `tokens` tokens; a T of tokens − 1 leaves the
@@ -58,7 +66,7 @@ function parseCompact(o: Record<string, unknown>, tokens: number, fail: Fail): R
   const [rows, layers, topK] = shape as number[];
   checkRows(rows, tokens, fail, '.shape[0]');
   const data = o.data;
-  if (typeof data !== 'string' || !BASE64.test(data))
+  if (typeof data !== 'string' || !isBase64(data))
     throw fail('.data', `expected standard base64 (A-Z a-z 0-9 + /, = padded), got ${describeValue(data)}`);
   const bytes = DTYPE_BYTES[dtype as RoutesDtype];
   const count = rows * layers * topK;
