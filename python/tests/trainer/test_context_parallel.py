@@ -72,7 +72,7 @@ def run_case(model, batch, bounds, attention, config, group):
     loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    cp = tpt.context_parallel(batch, group=group, bounds=bounds)
+    cp = tpt.ContextParallel.of(batch, group=group, bounds=bounds)
     local = tpt.split_batch(batch, cp)
     llp = tpt.packed_logprobs(model, local, attention=attention).logprobs
     lloss, lmetrics = tpt.packed_loss(llp, local, config)
@@ -139,7 +139,7 @@ def main_worker(rank: int, world: int, out: str) -> None:
 
     from test_hybrid import hybrid_model
 
-    cp = tpt.context_parallel(batch, bounds=plan["inside_segments"])
+    cp = tpt.ContextParallel.of(batch, bounds=plan["inside_segments"])
     try:
         tpt.packed_logprobs(hybrid_model("qwen3_5"), tpt.split_batch(batch, cp))
         results["recurrent"] = ""
@@ -168,10 +168,10 @@ def fault_worker(rank: int, world: int, out: str) -> None:
             results[name] = {"error": str(e), "code": e.code}
         results[name]["seconds"] = time.monotonic() - start
 
-    attempt("wrong_size", lambda: tpt.context_parallel(batch, bounds=(0, 10, 20, batch.num_nodes)))
+    attempt("wrong_size", lambda: tpt.ContextParallel.of(batch, bounds=(0, 10, 20, batch.num_nodes)))
     other = tpt.load_microbatch(pack([[1, 2, 3, 4, 5, 6]], seed=1)) if rank == 1 else batch
-    attempt("different_rows", lambda: tpt.split_batch(other, tpt.context_parallel(other, bounds=(0, 3, other.num_nodes))))
-    cp = tpt.context_parallel(batch, bounds=(0, 12, batch.num_nodes))
+    attempt("different_rows", lambda: tpt.split_batch(other, tpt.ContextParallel.of(other, bounds=(0, 3, other.num_nodes))))
+    cp = tpt.ContextParallel.of(batch, bounds=(0, 12, batch.num_nodes))
     local = tpt.split_batch(batch, cp)
     if rank == 1:  # this rank fails before the forward: rank 0 is left alone in its exchange
         results["failed_rank"] = {"error": "simulated failure", "code": "", "seconds": 0.0}
