@@ -102,14 +102,11 @@ CONFIGS = {
 
 def main_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
-
     import treepack.torch.attention as attention
     import treepack.torch.logprobs as logprobs
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     # Blocks of 4: every part's last block is ragged, and a context spans several blocks.
     logprobs.tree_mask = functools.partial(attention.tree_mask, block_size=4)
     results = {}
@@ -121,7 +118,9 @@ def main_worker(rank: int, world: int, out: str) -> None:
         for (name, bounds), cfg in zip(plan.items(), ["token-mean", "seq-mean-token-mean", "gspo", "token-mean", "seq-mean-token-mean"])
     ]
     runs += [("qwen3", "dense", "inside_segments", plan["inside_segments"], "gspo")]
-    runs += [("gpt_oss", mode, name, plan[name], "token-mean") for mode, name in (("block", "inside_segments"), ("dense", "segment_over_three"))]
+    runs += [
+        ("gpt_oss", mode, name, plan[name], "token-mean") for mode, name in (("block", "inside_segments"), ("dense", "segment_over_three"))
+    ]
     runs += [("gpt_oss", "block", "at_branch_points", plan["at_branch_points"], "seq-mean-token-mean")]
     models = {f: build(f) for f in ("qwen3", "gpt_oss")}
     for family, mode, name, bounds, cfg in runs:

@@ -201,9 +201,7 @@ def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device
     for s in torch.unique(owner).tolist():
         sel = owner == s
         slot[sel] = torch.searchsorted(sends[s], mine[sel])
-    return Route(
-        (sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device)
-    )
+    return Route((sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device))
 
 
 class _Fetch(torch.autograd.Function):

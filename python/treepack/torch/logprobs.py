@@ -199,7 +199,9 @@ def packed_logprobs(
     else:
         if batch.context_parallel is not None:
             raise TreepackError(
-                "E_ARG", "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states", field="batch"
+                "E_ARG",
+                "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states",
+                field="batch",
             )
         if routes is not None or router:
             raise TreepackError(
