@@ -5,11 +5,13 @@ local parts, then sum the parameter gradients over the group; every rank also ru
 logprobs of each rank's nodes, the loss and every parameter gradient equal the one-rank run's within 1e-10, for tiny
 Qwen3 (block and dense attention) and gpt-oss (sliding window 4 + sinks, MoE), on forests whose bounds fall inside a
 radix segment, at a branch point (the branch node ending a rank, and starting one), one segment spanning the three
-ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-23 nodes) and pad nodes;
+ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-36 nodes) and pad nodes;
 token-mean, seq-mean-token-mean and GSPO with sequence TIS. Negative control: with the key/value exchange replaced by
-zeros the logprobs differ. A model with recurrent layers is refused on every rank. Two ranks: a group of the wrong
-size and ranks holding different rows are refused on every rank with a TreepackError naming the fault; a rank that
-fails before the exchange makes the other raise TreepackError (E_BACKEND) within the group's 5 s timeout, no hang.
+zeros the logprobs differ. Scoring every node (``nodes="all"``), each rank's local nodes equal the one-rank run's and
+its context nodes are left NaN (their owners score them). A model with recurrent layers is refused on every rank.
+Two ranks: a group of the wrong size and ranks holding different rows are refused on every rank with a TreepackError
+naming the fault; a rank that fails before the exchange makes the other raise TreepackError (E_BACKEND) within the
+group's 5 s timeout, no hang.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 
@@ -126,6 +128,19 @@ def main_worker(rank: int, world: int, out: str) -> None:
     for family, mode, name, bounds, cfg in runs:
         results[f"{family}/{mode}/{name}/{cfg}"] = run_case(models[family], batch, bounds, mode, CONFIGS[cfg], None)
 
+    # Every node scored (nodes="all"): the local ones equal the one-rank run's, the context's are left to their owners.
+    with torch.no_grad():
+        ref = tpt.packed_logprobs(models["qwen3"], batch, nodes="all", attention="block").logprobs
+        cp = tpt.ContextParallel.of(batch, bounds=plan["segment_over_three"])
+        local = tpt.split_batch(batch, cp)
+        got = tpt.packed_logprobs(models["qwen3"], local, nodes="all", attention="block").logprobs
+    A = local.context_parallel.rows
+    results["all_nodes"] = {
+        "lp": float((torch.nan_to_num(ref[cp.lo : cp.hi], nan=7.0) - torch.nan_to_num(got[A:], nan=7.0)).abs().max()),
+        "context_nan": bool(got[:A].isnan().all()),
+        "scored": int((~got[A:].isnan()).sum()),
+    }
+
     # Negative control: the context's keys/values (and hidden rows) replaced by zeros, no exchange.
     from treepack.torch.context_parallel import LocalPart
 
@@ -198,7 +213,7 @@ class ContextParallelOverGloo(unittest.TestCase):
     def test_split_runs_equal_the_one_rank_run(self):
         ranks = spawn(main_worker, 3)
         for name in ranks[0]:
-            if name in ("control", "recurrent"):
+            if name in ("control", "recurrent", "all_nodes"):
                 continue
             for r, res in enumerate(ranks):
                 got = res[name]
@@ -216,6 +231,10 @@ class ContextParallelOverGloo(unittest.TestCase):
             self.assertGreater(ranks[r]["qwen3/block/segment_over_three/token-mean"]["context"], 0)
             self.assertGreater(ranks[r]["qwen3/block/inside_segments/token-mean"]["context"], 0)
         self.assertTrue(any(res["qwen3/block/inside_segments/token-mean"]["local"] % 4 for res in ranks))
+        for res in ranks:
+            self.assertLessEqual(res["all_nodes"]["lp"], TOL)
+            self.assertTrue(res["all_nodes"]["context_nan"])
+            self.assertGreater(res["all_nodes"]["scored"], 0)
         control = max(res["control"]["lp"] for res in ranks)
         self.assertGreater(control, 1e-3, "without the key/value exchange the logprobs must differ")
         self.assertEqual(ranks[0]["control"]["lp"], 0.0)  # rank 0 has no context: nothing to exchange

@@ -178,7 +178,7 @@ def _collective(cp: ContextParallel, what: str, run: Callable[[], Any]) -> None:
         ) from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Route:
     """Rows each rank fetches from the others: this rank sends its local rows ``send`` (to whoever needs them), every
     rank sends ``width`` rows (padded), and this rank's fetched row i is slot ``slot[i]`` of rank ``owner[i]``."""
@@ -236,7 +236,7 @@ class _Fetch(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LocalPart:
     """What a local part (``split_batch``) knows of the split: ``cp``, ``context`` (the global node id of each of its
     first A nodes, the ancestor chain of node ``cp.lo``, ascending), the routes of the context's keys/values (``kv``)
