@@ -314,10 +314,9 @@ class CPForward:
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
     boundary: recurrent layers not in ``RECURRENT_SUPPORTED``, and any mixer treepack does not handle."""
-    from .models import layer_index, token_mixers
+    from .models import layer_index, unsupported_mixers
 
-    handled, other = token_mixers(model)
-    bad = other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in RECURRENT_SUPPORTED]
+    bad = unsupported_mixers(model, RECURRENT_SUPPORTED)
     if bad:
         path, m = bad[0]
         raise TreepackError(
