@@ -43,6 +43,7 @@ from .attention import (
 )
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .compiled_flex import flex_compilations, ladder_length
+from .context_parallel import ContextParallel, LocalPart, balanced_bounds, reduce_gradients, split_batch
 from .forward import forward_logprobs, model_tree_mask
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
@@ -54,6 +55,11 @@ from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model
 from .wrappers import unwrap
 
 __all__ = [
+    "ContextParallel",
+    "LocalPart",
+    "balanced_bounds",
+    "reduce_gradients",
+    "split_batch",
     "LAYERS",
     "ROUTERS",
     "RouterOutputs",

@@ -38,7 +38,8 @@ class PackedBatch:
     lowerings) as they were stored. ``routes`` (int64 [MoE layers, N, k]): the experts an engine chose per node, which
     ``packed_logprobs``, ``forward_logprobs`` and step plans replay (``treepack.torch.replay_routes``); loaded from
     the file's ``routes`` tensor ([N, layers, k], transposed here; -1 rows: the router's own top-k), or set by the
-    caller (e.g. from ``pack_routed``).
+    caller (e.g. from ``pack_routed``). ``context_parallel``: set on a rank's local part
+    of a row split over a context-parallel group (``treepack.torch.split_batch``), None otherwise.
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -58,6 +59,8 @@ class PackedBatch:
     turn_ids: torch.Tensor | None = None  # int64 [M], the contract's extension for turn-level aggregation
     routes: torch.Tensor | None = None  # int64 [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A rank's local part of a row split by context parallelism (treepack.torch.context_parallel.LocalPart), else None.
+    context_parallel: Any = None
 
     @property
     def num_nodes(self) -> int:
