@@ -41,6 +41,8 @@ from .attention import dense_model_mask, input_embeddings, tree_mask
 from .batch import PackedBatch
 from .models import check_dense, prepare
 from .moe import RouterOutputs, replay_routes, router_outputs
+from .vision import has_images, vision_family
+from .vision import hidden_states as vision_hidden_states
 
 
 class NodeScores(NamedTuple):
@@ -157,6 +159,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     routes: torch.Tensor | None = None,
     router: bool = False,
+    image_processor: Any = None,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes, differentiable.
 
@@ -170,6 +173,10 @@ def packed_logprobs(
     A mixture-of-experts model replays ``routes`` (int [MoE layers, N, k], the experts the engine chose for each
     node; default ``batch.routes``) instead of its routers' top-k (``treepack.torch.replay_routes``); with routes or
     ``router=True`` the scores carry ``router`` (``RouterOutputs``) for ``load_balancing_loss``.
+
+    A vision-language model (Qwen2.5-VL, Qwen3-VL) runs its vision encoder once per image of the batch and its
+    language model on the tree with the batch's ``mrope_position_ids`` (``treepack.torch.vision``);
+    ``image_processor`` makes the pixel values (default: one built from the header's settings).
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch (treepack.torch.load_microbatch), got {type(batch).__name__}", field="batch")
@@ -183,8 +190,11 @@ def packed_logprobs(
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
         with routed(model, batch, routes, router) as routing:
-            out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
-        hidden = out.last_hidden_state[0]
+            if vision_family(model) is not None or has_images(batch):
+                hidden = vision_hidden_states(model, batch, mask, image_processor)
+            else:
+                out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
+                hidden = out.last_hidden_state[0]
         moe = None if routing is None else router_outputs(routing, model)
     else:
         if routes is not None or router:

@@ -1,0 +1,178 @@
+"""Vision-language models on packed trees: the vision encoder once per distinct image of a micro-batch, its
+embeddings scattered into the node stream at the image fills, the language model run on the tree with the 3-D
+rotary positions (``mrope_position_ids``) the format carries per node.
+
+``packed_logprobs(model, batch)`` takes this path for a Qwen2.5-VL or Qwen3-VL model (transformers' classes);
+examples/multimodal_tree.py trains one on an agent episode that resends its screenshots.
+
+Pixel values are made by transformers' own image processor from each image's decoded bytes: the one passed as
+``image_processor`` (the engine's, e.g. ``AutoImageProcessor.from_pretrained(model_dir)``), else one built from the
+header's ``image_processor`` settings (``Qwen2VLImageProcessorPil``, which needs Pillow). Each image's grid must be
+the stored ``image_grid_thw``: a mismatch (another processor's settings) is a TreepackError naming the image.
+
+A Qwen3-VL model's deepstack features (added to the first layers' hidden states at the image tokens) take the same
+fills. The vision tower attends within each image, never across the tree, so it keeps (or, when the model was
+loaded with ``attn_implementation="treepack"``, is given) SDPA attention. Any other vision-language model is refused
+by name (``FAMILIES``): its encoder and positions are not known to be exact here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, NamedTuple
+
+import torch
+
+from ..microbatch import TreepackError
+from .batch import PackedBatch, filled_nodes
+
+# model_type -> whether its language model takes deepstack features (Qwen3-VL) beside the merged embeddings.
+FAMILIES = {"qwen2_5_vl": False, "qwen3_vl": True}
+
+# Header image_processor keys passed to the processor's constructor (the others say what the checks read).
+_PROCESSOR_ARGS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_mean", "image_std")
+
+
+def vision_family(model: torch.nn.Module) -> str | None:
+    """The model's family in ``FAMILIES`` (its ``config.model_type``); None for a model without a vision encoder.
+    A vision-language model of another family is refused (TreepackError naming its class)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind in FAMILIES:
+        return str(kind)
+    if getattr(config, "vision_config", None) is not None:
+        raise TreepackError(
+            "E_ARG",
+            f"{type(model).__name__} ({kind}) is a vision-language model treepack does not run on a tree "
+            f"(supported: {', '.join(sorted(FAMILIES))})",
+            field="model",
+        )
+    return None
+
+
+def has_images(batch: PackedBatch) -> bool:
+    """Whether any node of ``batch`` is an image placeholder."""
+    return batch.image_fills is not None and batch.image_fills.shape[0] > 0
+
+
+def refuse_images(batch: PackedBatch, where: str) -> None:
+    """Refuses a batch with image fills or 3-D positions on a path that does not run the vision encoder."""
+    for name in ("image_fills", "mrope_position_ids"):
+        if getattr(batch, name) is not None:
+            raise TreepackError("E_ARG", f"{where} does not run vision-language batches yet ({name}); use packed_logprobs", field=name)
+
+
+@functools.lru_cache(maxsize=8)
+def _processor_from(settings: str) -> Any:
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError as e:
+        raise TreepackError(
+            "E_BACKEND", f"building the image processor from the header needs Pillow ({e}); or pass image_processor=", field="image_processor"
+        ) from e
+    given = json.loads(settings)
+    return Qwen2VLImageProcessorPil(**{k: given[k] for k in _PROCESSOR_ARGS if k in given})
+
+
+def default_processor(batch: PackedBatch) -> Any:
+    """transformers' Qwen2-VL image processor with the header's ``image_processor`` settings (cached per settings)."""
+    settings = batch.meta.get("image_processor")
+    if not isinstance(settings, dict):
+        raise TreepackError("E_INPUT", "the batch has images but no image_processor settings in its header", field="image_processor")
+    return _processor_from(json.dumps(settings, sort_keys=True))
+
+
+def _image_name(batch: PackedBatch, i: int) -> str:
+    hashes = batch.meta.get("image_hashes")
+    return f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")
+
+
+def pixel_values(batch: PackedBatch, processor: Any = None) -> torch.Tensor:
+    """The vision encoder's input for every image of ``batch``, in image order: each image's decoded pixels through
+    ``processor`` (default: ``default_processor``), its grid checked against ``image_grid_thw``."""
+    assert batch.image_grid_thw is not None
+    processor = default_processor(batch) if processor is None else processor
+    parts = []
+    for i in range(batch.num_images):
+        image = batch.image(i).cpu().numpy()
+        out = processor(images=[image], input_data_format="channels_last", return_tensors="pt")
+        made, stored = out["image_grid_thw"][0].tolist(), batch.image_grid_thw[i].tolist()
+        if made != stored:
+            raise TreepackError(
+                "E_INPUT",
+                f"{_image_name(batch, i)}: the image processor makes grid {made} of its {image.shape[0]}x{image.shape[1]} pixels, "
+                f"but image_grid_thw says {stored} (the engine's processor settings differ from this one's)",
+                field="image_grid_thw",
+            )
+        parts.append(out["pixel_values"])
+    return torch.cat(parts).to(batch.device)
+
+
+def fill_index(batch: PackedBatch, merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nodes, rows): each filled node, ascending, and the row of the images' concatenated embeddings it takes
+    (image ``i``'s placeholder ``j`` is row ``offset[i] + j``)."""
+    assert batch.image_fills is not None and batch.image_grid_thw is not None
+    counts = batch.image_grid_thw.prod(1) // (merge_size * merge_size)
+    nodes, images, placeholders = filled_nodes(batch.image_fills)
+    rows = (torch.cumsum(counts, 0) - counts)[images] + placeholders
+    order = torch.argsort(nodes)
+    return nodes[order], rows[order]
+
+
+class Encoded(NamedTuple):
+    """What the vision encoder made of a batch's images: ``embeds`` [placeholders of all images, D] and, for Qwen3-VL,
+    ``deepstack`` (one such tensor per deepstack layer)."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+def encode_images(model: torch.nn.Module, batch: PackedBatch, processor: Any = None) -> Encoded:
+    """Runs the vision encoder once over every distinct image of ``batch`` (one call, all images)."""
+    base: Any = model.model  # type: ignore[union-attr]  # Hugging Face's VL models keep the encoder there
+    assert batch.image_grid_thw is not None
+    pv = pixel_values(batch, processor)
+    out = base.get_image_features(pv, batch.image_grid_thw, return_dict=True)
+    embeds = torch.cat(out.pooler_output)
+    deepstack = [torch.cat(f) for f in getattr(out, "deepstack_features", None) or []]
+    return Encoded(embeds, deepstack)
+
+
+def _vision_attention(model: torch.nn.Module) -> None:
+    # The tower attends within each image (its own block-diagonal split), never through a tree mask.
+    visual: Any = model.model.visual  # type: ignore[union-attr]
+    if getattr(visual.config, "_attn_implementation", None) == "treepack":
+        visual.set_attn_implementation("sdpa")
+
+
+def hidden_states(model: torch.nn.Module, batch: PackedBatch, mask: Any, processor: Any = None) -> torch.Tensor:
+    """The language model's final hidden states [N, D] on the tree: token embeddings with the images' embeddings at
+    their fills, 3-D rotary positions, ``mask`` (the tree's)."""
+    family = vision_family(model)
+    if family is None:
+        raise TreepackError("E_ARG", f"{type(model).__name__} has no vision encoder, but the batch has images", field="image_fills")
+    base: Any = model.model  # type: ignore[union-attr]
+    _vision_attention(model)
+    embeds = base.get_input_embeddings()(batch.input_ids)
+    extra: dict[str, Any] = {}
+    if has_images(batch):
+        if batch.mrope_position_ids is None:
+            raise TreepackError("E_INPUT", "the batch has images but no mrope_position_ids (3-D rotary positions)", field="mrope_position_ids")
+        encoded = encode_images(model, batch, processor)
+        merge = int(model.config.vision_config.spatial_merge_size)
+        nodes, rows = fill_index(batch, merge)
+        if int(rows.max()) >= encoded.embeds.shape[0]:
+            raise TreepackError(
+                "E_INPUT",
+                f"image_fills reach placeholder row {int(rows.max())} but the encoder made {encoded.embeds.shape[0]} (image_grid_thw)",
+                field="image_fills",
+            )
+        embeds = embeds.index_put((nodes,), encoded.embeds[rows].to(embeds.dtype))
+        if FAMILIES[family]:
+            visual = torch.zeros(batch.num_nodes, dtype=torch.bool, device=embeds.device)
+            visual[nodes] = True
+            extra = {"visual_pos_masks": visual[None], "deepstack_visual_embeds": [d[rows].to(embeds.dtype) for d in encoded.deepstack]}
+    positions = batch.mrope_position_ids if batch.mrope_position_ids is not None else batch.position_ids.expand(3, -1)
+    out = base.language_model(inputs_embeds=embeds[None], position_ids=positions[:, None, :], attention_mask=mask, use_cache=False, **extra)
+    return out.last_hidden_state[0]
