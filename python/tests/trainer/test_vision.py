@@ -218,3 +218,202 @@ class VisionExactness(unittest.TestCase):
 
     def test_qwen3_vl(self) -> None:
         self.run_family("qwen3_vl")
+
+
+@needs_torch(transformers=True)
+class VisionLoss(unittest.TestCase):
+    def test_packed_loss_equals_unpacked(self) -> None:
+        """PackedLoss on a VL model's packed logprobs: the loss and every gradient equal the unpacked batch's."""
+        calls, masks = episode()
+        model = tiny_vl("qwen3_vl")
+        model.set_attn_implementation("treepack")
+        mb = treepack.pack_images(calls, screenshots(), PROC, loss_mask=masks, advantages=[0.5, -1.0, 2.0, 0.25, -0.75])
+        mb.old_logprobs = (-np.random.default_rng(2).random(len(mb.seq_positions)) * 3).astype(np.float32)
+        batch = tpt.from_microbatch(mb)
+        loss_fn = tpt.PackedLoss({"clip_low": 0.2, "clip_high": 0.28})
+        results = []
+        for b in (batch, tpt.naive_batch(batch)):
+            model.zero_grad()
+            loss, _ = loss_fn(tpt.packed_logprobs(model, b).logprobs, b)
+            loss.backward()
+            results.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        (packed_loss, packed_grad), (naive_loss, naive_grad) = results
+        self.assertLess(abs(packed_loss - naive_loss), TOL)
+        self.assertGreater(float(packed_grad["model.visual.blocks.0.attn.qkv.weight"].abs().max()), 0)
+        self.assertLess(grad_diff(packed_grad, naive_grad), TOL)
+
+
+@needs_torch(transformers=True)
+class VisionInputs(unittest.TestCase):
+    """Bad inputs name their field; a file round-trips; models that cannot run images are refused by name."""
+
+    def setUp(self) -> None:
+        self.calls, self.masks = episode()
+        self.mb = packed(self.calls, self.masks)
+
+    def problems(self, **changes) -> list[str]:
+        for k, v in changes.items():
+            setattr(self.mb, k, v)
+        return treepack.check_invariants(self.mb)
+
+    def refused_field(self, mb: treepack.MicroBatch) -> str:
+        with self.assertRaises(TreepackError) as e:
+            tpt.from_microbatch(mb)
+        return e.exception.field
+
+    def test_smart_resize_is_transformers(self) -> None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as theirs
+
+        for h, w in [(20, 28), (16, 16), (1, 9), (300, 7), (999, 1000), (33, 65), (8, 1500)]:
+            for lo, hi in [(64, 1024), (56 * 56, 28 * 28 * 1280)]:
+                self.assertEqual(smart_resize(h, w, 8, lo, hi), theirs(h, w, factor=8, min_pixels=lo, max_pixels=hi), (h, w, lo, hi))
+
+    def test_file_round_trip(self) -> None:
+        import os
+        import tempfile
+
+        from support import write_microbatch
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "mb.safetensors")
+            write_microbatch(path, self.mb)
+            back = treepack.load(path)
+            batch = tpt.load_microbatch(path)
+        for f in ("image_pixels", "image_sizes", "image_grid_thw", "image_fills", "mrope_position_ids"):
+            self.assertTrue(np.array_equal(getattr(back, f), getattr(self.mb, f)), f)
+        self.assertEqual(back.meta["image_processor"], PROC)
+        self.assertEqual(back.meta["image_hashes"], self.mb.meta["image_hashes"])
+        self.assertTrue(torch.equal(batch.image(1), torch.from_numpy(screenshots()["b"])))
+        self.assertEqual(batch.mrope_position_ids.shape, (3, batch.num_nodes))
+
+    def test_load_names_the_field(self) -> None:
+        import os
+        import tempfile
+
+        from support import write_microbatch
+
+        cases = [
+            ({"image_fills": None}, {}, {}, "image_fills"),
+            ({}, {}, {"image_sizes": np.int64}, "image_sizes"),
+            ({"mrope_position_ids": np.zeros((2, 3), np.int32)}, {}, {}, "mrope_position_ids"),
+            ({}, {"image_processor": "not json"}, {}, "image_processor"),
+            ({}, {"image_processor": '{"patch_size": 4}'}, {}, "image_processor"),
+        ]
+        with tempfile.TemporaryDirectory() as d:
+            for i, (fields, meta, dtypes, want) in enumerate(cases):
+                mb = packed(self.calls, self.masks)
+                for k, v in fields.items():
+                    setattr(mb, k, v)
+                path = os.path.join(d, f"{i}.safetensors")
+                write_microbatch(path, mb, meta, dtypes)
+                with self.assertRaises(TreepackError) as e:
+                    treepack.load(path)
+                self.assertEqual(e.exception.field, want, str(e.exception))
+
+    def test_valid(self) -> None:
+        self.assertEqual(treepack.check_invariants(self.mb), [])
+
+    def test_placeholder_count_mismatch(self) -> None:
+        # One more image_token_id than the fills cover (a text token that is a placeholder), and one fewer.
+        ids = self.mb.input_ids.copy()
+        text = int(np.flatnonzero(ids == 17)[0])
+        ids[text] = IMG
+        self.assertTrue(any("image_fills miss nodes of image_token_id" in p for p in self.problems(input_ids=ids)))
+        self.assertEqual(self.refused_field(self.mb), "image_fills")
+        self.mb = packed(self.calls, self.masks)
+        fills = self.mb.image_fills.copy()
+        fills[0, 3] += 1  # one node past the image's placeholders
+        self.assertTrue(any(p.startswith("image_fills") for p in self.problems(image_fills=fills)), self.problems())
+        self.assertEqual(self.refused_field(self.mb), "image_fills")
+
+    def test_grid_mismatch(self) -> None:
+        grid = self.mb.image_grid_thw.copy()
+        grid[1] = [1, 8, 2]  # as many patches, another shape
+        problems = self.problems(image_grid_thw=grid)
+        self.assertTrue(problems and problems[0].startswith("image_grid_thw of image 1 (sha256:"), problems)
+        self.assertEqual(self.refused_field(self.mb), "image_grid_thw")
+
+    def test_pixel_bytes(self) -> None:
+        problems = self.problems(image_pixels=self.mb.image_pixels[:-3])
+        self.assertTrue(problems and problems[0].startswith("image_pixels has"), problems)
+        self.assertEqual(self.refused_field(self.mb), "image_pixels")
+
+    def test_processor_mismatch_at_training(self) -> None:
+        """The header's grid is valid, but the processor given makes another one: refused naming the image."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        model = tiny_vl("qwen2_5_vl")
+        model.set_attn_implementation("treepack")
+        other = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=256)
+        with self.assertRaises(TreepackError) as e:
+            tpt.packed_logprobs(model, tpt.from_microbatch(self.mb), image_processor=other)
+        self.assertEqual(e.exception.field, "image_grid_thw")
+        self.assertIn("image 0 (sha256:", str(e.exception))
+
+    def test_models_refused_by_name(self) -> None:
+        import transformers
+
+        from support import tiny_model
+
+        batch = tpt.from_microbatch(self.mb)
+        with self.assertRaises(TreepackError) as e:
+            tpt.packed_logprobs(tiny_model("qwen3", torch.float64, vocab=128), batch)
+        self.assertEqual(e.exception.field, "image_fills")
+        cfg = transformers.Qwen2VLConfig(
+            text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4),
+        )
+        other = transformers.Qwen2VLForConditionalGeneration(cfg)
+        other.set_attn_implementation("treepack")
+        with self.assertRaises(TreepackError) as e:
+            tpt.packed_logprobs(other, batch)
+        self.assertIn("Qwen2VLForConditionalGeneration (qwen2_vl)", str(e.exception))
+        self.assertEqual(e.exception.field, "model")
+
+
+@needs_torch(transformers=True)
+class VisionStepPlan(unittest.TestCase):
+    def test_image_in_a_cached_prefix(self) -> None:
+        """Micro-batches hanging from a cached prefix that holds a screenshot: the step plan's loss and every gradient
+        (the vision tower's included) equal running each micro-batch in full; a prefix whose image differs is refused."""
+        calls, masks = episode()
+        model = tiny_vl("qwen3_vl")
+        model.set_attn_implementation("treepack")
+        h = 11  # [1, 2, 3, START, 7 of a's 8 placeholders]: the cut splits the image's fill
+        plan = [((1, 2), {"prefix_tokens": h, "prefix_push": [h], "prefix_release": 0}),  # pushes the image's prefix
+                ((0, 3), {"prefix_tokens": h, "prefix_push": [], "prefix_release": 1}),  # reads it cached, then pops it
+                ((4,), {"prefix_tokens": 0, "prefix_push": [], "prefix_release": 0})]  # text only
+        batches = []
+        for members, meta in plan:
+            mb = treepack.pack_images([calls[i] for i in members], screenshots(), PROC, loss_mask=[masks[i] for i in members])
+            mb.meta.update(meta)
+            batches.append(tpt.from_microbatch(mb))
+        self.assertEqual(batches[1].input_ids[:h].tolist(), [1, 2, 3, START] + [IMG] * 7)  # the cut falls inside the image
+        weights = [torch.randn(b.num_occurrences, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i, b in enumerate(batches)]
+
+        def loss_fn(lp, b):
+            w = weights[next(i for i, x in enumerate(batches) if x is b)]
+            occ = tpt.gather_occurrences(lp, b)
+            return (w[b.loss_mask] * occ[b.loss_mask]).sum() + 0.1 * (occ[b.loss_mask] ** 2).sum()
+
+        result = tpt.run_step_plan(model, batches, loss_fn, attention="block", block_size=4)
+        planned = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        full = [loss_fn(tpt.packed_logprobs(model, b).logprobs, b) for b in batches]
+        sum(full).backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        self.assertLess(max(abs(float(a) - float(b.detach())) for a, b in zip(result.losses, full)), TOL)
+        self.assertGreater(float(want["model.visual.blocks.0.attn.qkv.weight"].abs().max()), 0)
+        self.assertLess(grad_diff(planned, want), TOL)
+        self.assertEqual(result.pushed_tokens, h)
+        # The same tokens, another screenshot in the prefix: not the cached one.
+        flipped = screenshots()["a"][::-1].copy()
+        other = dict(screenshots(), a=flipped, a_again=flipped)
+        swapped = treepack.pack_images([calls[0], calls[3]], other, PROC, loss_mask=[masks[0], masks[3]])
+        swapped.meta.update(plan[1][1])
+        runner = tpt.StepPlanRunner(model, attention="block", block_size=4)
+        runner.forward(batches[0])
+        runner.release()
+        with self.assertRaises(TreepackError) as e:
+            runner.forward(tpt.from_microbatch(swapped))
+        self.assertEqual(e.exception.field, "prefix_push")

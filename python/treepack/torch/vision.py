@@ -19,6 +19,7 @@ by name (``FAMILIES``): its encoder and positions are not known to be exact here
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from typing import Any, NamedTuple
 
@@ -27,8 +28,8 @@ import torch
 from ..microbatch import TreepackError
 from .batch import PackedBatch, filled_nodes
 
-# model_type -> whether its language model takes deepstack features (Qwen3-VL) beside the merged embeddings.
-FAMILIES = {"qwen2_5_vl": False, "qwen3_vl": True}
+# The config.model_type of the models this module runs (a Qwen3-VL's deepstack features come with its encoder's output).
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 # Header image_processor keys passed to the processor's constructor (the others say what the checks read).
 _PROCESSOR_ARGS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_mean", "image_std")
@@ -45,7 +46,7 @@ def vision_family(model: torch.nn.Module) -> str | None:
         raise TreepackError(
             "E_ARG",
             f"{type(model).__name__} ({kind}) is a vision-language model treepack does not run on a tree "
-            f"(supported: {', '.join(sorted(FAMILIES))})",
+            f"(supported: {', '.join(FAMILIES)})",
             field="model",
         )
     return None
@@ -54,6 +55,28 @@ def vision_family(model: torch.nn.Module) -> str | None:
 def has_images(batch: PackedBatch) -> bool:
     """Whether any node of ``batch`` is an image placeholder."""
     return batch.image_fills is not None and batch.image_fills.shape[0] > 0
+
+
+def image_keys(batch: PackedBatch | None, start: int, end: int) -> list[tuple[str, int] | None]:
+    """Per node of [start, end): (its image's identity, placeholder index) where an image fills it, else None; the
+    identity is the header's image hash, or where the header has none the SHA-256 of the image's size and bytes."""
+    keys: list[tuple[str, int] | None] = [None] * (end - start)
+    if batch is None or not has_images(batch):
+        return keys
+    assert batch.image_fills is not None
+    hashes = batch.meta.get("image_hashes")
+
+    @functools.cache
+    def identity(i: int) -> str:
+        if isinstance(hashes, list):
+            return str(hashes[i])
+        pixels = batch.image(i).cpu().numpy()
+        return "bytes:" + hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).hexdigest()
+
+    for node, image, placeholder in zip(*(t.tolist() for t in filled_nodes(batch.image_fills))):
+        if start <= node < end:
+            keys[node - start] = (identity(image), placeholder)
+    return keys
 
 
 def refuse_images(batch: PackedBatch, where: str) -> None:
@@ -88,13 +111,13 @@ def _image_name(batch: PackedBatch, i: int) -> str:
     return f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")
 
 
-def pixel_values(batch: PackedBatch, processor: Any = None) -> torch.Tensor:
-    """The vision encoder's input for every image of ``batch``, in image order: each image's decoded pixels through
-    ``processor`` (default: ``default_processor``), its grid checked against ``image_grid_thw``."""
+def pixel_values(batch: PackedBatch, processor: Any = None, images: list[int] | None = None) -> torch.Tensor:
+    """The vision encoder's input for ``images`` (default: all) of ``batch``, in that order: each image's decoded
+    pixels through ``processor`` (default: ``default_processor``), its grid checked against ``image_grid_thw``."""
     assert batch.image_grid_thw is not None
     processor = default_processor(batch) if processor is None else processor
     parts = []
-    for i in range(batch.num_images):
+    for i in range(batch.num_images) if images is None else images:
         image = batch.image(i).cpu().numpy()
         out = processor(images=[image], input_data_format="channels_last", return_tensors="pt")
         made, stored = out["image_grid_thw"][0].tolist(), batch.image_grid_thw[i].tolist()
@@ -109,31 +132,20 @@ def pixel_values(batch: PackedBatch, processor: Any = None) -> torch.Tensor:
     return torch.cat(parts).to(batch.device)
 
 
-def fill_index(batch: PackedBatch, merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nodes, rows): each filled node, ascending, and the row of the images' concatenated embeddings it takes
-    (image ``i``'s placeholder ``j`` is row ``offset[i] + j``)."""
-    assert batch.image_fills is not None and batch.image_grid_thw is not None
-    counts = batch.image_grid_thw.prod(1) // (merge_size * merge_size)
-    nodes, images, placeholders = filled_nodes(batch.image_fills)
-    rows = (torch.cumsum(counts, 0) - counts)[images] + placeholders
-    order = torch.argsort(nodes)
-    return nodes[order], rows[order]
-
-
 class Encoded(NamedTuple):
-    """What the vision encoder made of a batch's images: ``embeds`` [placeholders of all images, D] and, for Qwen3-VL,
+    """What the vision encoder made of some images: ``embeds`` [their placeholders, D] and, for Qwen3-VL,
     ``deepstack`` (one such tensor per deepstack layer)."""
 
     embeds: torch.Tensor
     deepstack: list[torch.Tensor]
 
 
-def encode_images(model: torch.nn.Module, batch: PackedBatch, processor: Any = None) -> Encoded:
-    """Runs the vision encoder once over every distinct image of ``batch`` (one call, all images)."""
+def encode_images(model: torch.nn.Module, batch: PackedBatch, images: list[int], processor: Any = None) -> Encoded:
+    """Runs the vision encoder once over ``images`` of ``batch`` (one call, all of them)."""
     base: Any = model.model  # type: ignore[union-attr]  # Hugging Face's VL models keep the encoder there
     assert batch.image_grid_thw is not None
-    pv = pixel_values(batch, processor)
-    out = base.get_image_features(pv, batch.image_grid_thw, return_dict=True)
+    pv = pixel_values(batch, processor, images)
+    out = base.get_image_features(pv, batch.image_grid_thw[images], return_dict=True)
     embeds = torch.cat(out.pooler_output)
     deepstack = [torch.cat(f) for f in getattr(out, "deepstack_features", None) or []]
     return Encoded(embeds, deepstack)
@@ -146,33 +158,52 @@ def _vision_attention(model: torch.nn.Module) -> None:
         visual.set_attn_implementation("sdpa")
 
 
-def hidden_states(model: torch.nn.Module, batch: PackedBatch, mask: Any, processor: Any = None) -> torch.Tensor:
-    """The language model's final hidden states [N, D] on the tree: token embeddings with the images' embeddings at
-    their fills, 3-D rotary positions, ``mask`` (the tree's)."""
-    family = vision_family(model)
-    if family is None:
-        raise TreepackError("E_ARG", f"{type(model).__name__} has no vision encoder, but the batch has images", field="image_fills")
+def _embed(model: torch.nn.Module, batch: PackedBatch, start: int, end: int, processor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Input embeddings [end - start, D] of nodes [start, end): token embeddings, the images' at their fills (only
+    the images filling a node in the range are encoded), and a Qwen3-VL's deepstack arguments for the range."""
     base: Any = model.model  # type: ignore[union-attr]
+    embeds = base.get_input_embeddings()(batch.input_ids[start:end])
+    if not has_images(batch):
+        return embeds, {}
+    assert batch.image_fills is not None and batch.image_grid_thw is not None
+    if batch.mrope_position_ids is None:
+        raise TreepackError("E_INPUT", "the batch has images but no mrope_position_ids (3-D rotary positions)", field="mrope_position_ids")
+    nodes, images, placeholders = filled_nodes(batch.image_fills)
+    inside = (nodes >= start) & (nodes < end)
+    if not bool(inside.any()):
+        return embeds, {}
+    nodes, images, placeholders = nodes[inside], images[inside], placeholders[inside]
+    used = torch.unique(images)
+    encoded = encode_images(model, batch, used.tolist(), processor)
+    merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
+    counts = batch.image_grid_thw[used].prod(1) // (merge * merge)
+    if bool((placeholders >= counts[torch.searchsorted(used, images)]).any()):
+        raise TreepackError("E_INPUT", "image_fills reach past their image's placeholders (image_grid_thw)", field="image_fills")
+    rows = (torch.cumsum(counts, 0) - counts)[torch.searchsorted(used, images)] + placeholders
+    order = torch.argsort(nodes)
+    nodes, rows = nodes[order] - start, rows[order]
+    embeds = embeds.index_put((nodes,), encoded.embeds[rows].to(embeds.dtype))
+    if not encoded.deepstack:
+        return embeds, {}
+    visual = torch.zeros(end - start, dtype=torch.bool, device=embeds.device)
+    visual[nodes] = True
+    return embeds, {"visual_pos_masks": visual[None], "deepstack_visual_embeds": [d[rows].to(embeds.dtype) for d in encoded.deepstack]}
+
+
+def hidden_states(
+    model: torch.nn.Module, batch: PackedBatch, mask: Any, processor: Any = None, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """The language model's final hidden states [end - start, D] of nodes [start, end) (default: all) on the tree:
+    token embeddings with the images' embeddings at their fills, 3-D rotary positions, ``mask`` (the tree's; a step
+    plan's holds nodes [0, start) cached)."""
+    if vision_family(model) is None:
+        raise TreepackError("E_ARG", f"{type(model).__name__} has no vision encoder, but the batch has images", field="image_fills")
+    end = batch.num_nodes if end is None else end
     _vision_attention(model)
-    embeds = base.get_input_embeddings()(batch.input_ids)
-    extra: dict[str, Any] = {}
-    if has_images(batch):
-        if batch.mrope_position_ids is None:
-            raise TreepackError("E_INPUT", "the batch has images but no mrope_position_ids (3-D rotary positions)", field="mrope_position_ids")
-        encoded = encode_images(model, batch, processor)
-        merge = int(model.config.vision_config.spatial_merge_size)
-        nodes, rows = fill_index(batch, merge)
-        if int(rows.max()) >= encoded.embeds.shape[0]:
-            raise TreepackError(
-                "E_INPUT",
-                f"image_fills reach placeholder row {int(rows.max())} but the encoder made {encoded.embeds.shape[0]} (image_grid_thw)",
-                field="image_fills",
-            )
-        embeds = embeds.index_put((nodes,), encoded.embeds[rows].to(embeds.dtype))
-        if FAMILIES[family]:
-            visual = torch.zeros(batch.num_nodes, dtype=torch.bool, device=embeds.device)
-            visual[nodes] = True
-            extra = {"visual_pos_masks": visual[None], "deepstack_visual_embeds": [d[rows].to(embeds.dtype) for d in encoded.deepstack]}
+    embeds, extra = _embed(model, batch, start, end, processor)
     positions = batch.mrope_position_ids if batch.mrope_position_ids is not None else batch.position_ids.expand(3, -1)
-    out = base.language_model(inputs_embeds=embeds[None], position_ids=positions[:, None, :], attention_mask=mask, use_cache=False, **extra)
+    base: Any = model.model  # type: ignore[union-attr]
+    out = base.language_model(
+        inputs_embeds=embeds[None], position_ids=positions[:, None, start:end], attention_mask=mask, use_cache=False, **extra
+    )
     return out.last_hidden_state[0]
