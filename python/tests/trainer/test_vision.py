@@ -7,6 +7,7 @@ field."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import unittest
 
 import numpy as np
@@ -19,6 +20,13 @@ from treepack.microbatch import expected_grid, smart_resize
 IMG, START, END, VIDEO = 120, 121, 122, 123
 PROC = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 64, "max_pixels": 1024, "image_token_id": IMG}
 TOL = 1e-10
+# transformers' Qwen2-VL image processor without torchvision needs Pillow (python/requirements-torch.txt has it);
+# python-torch.test.ts fails on a skipped suite, so CI cannot pass without it.
+PIL_SKIP = "" if importlib.util.find_spec("PIL") else "Pillow not importable (pip install pillow): transformers' image processor needs it"
+
+
+def needs_vision(cls):
+    return unittest.skipIf(bool(PIL_SKIP), PIL_SKIP)(needs_torch(transformers=True)(cls))
 
 
 def screenshots() -> dict[str, np.ndarray]:
@@ -168,7 +176,7 @@ def grad_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@needs_torch(transformers=True)
+@needs_vision
 class VisionExactness(unittest.TestCase):
     def run_family(self, family: str) -> None:
         calls, masks = episode()
@@ -220,7 +228,7 @@ class VisionExactness(unittest.TestCase):
         self.run_family("qwen3_vl")
 
 
-@needs_torch(transformers=True)
+@needs_vision
 class VisionLoss(unittest.TestCase):
     def test_packed_loss_equals_unpacked(self) -> None:
         """PackedLoss on a VL model's packed logprobs: the loss and every gradient equal the unpacked batch's."""
@@ -243,7 +251,7 @@ class VisionLoss(unittest.TestCase):
         self.assertLess(grad_diff(packed_grad, naive_grad), TOL)
 
 
-@needs_torch(transformers=True)
+@needs_vision
 class VisionInputs(unittest.TestCase):
     """Bad inputs name their field; a file round-trips; models that cannot run images are refused by name."""
 
@@ -371,7 +379,7 @@ class VisionInputs(unittest.TestCase):
         self.assertEqual(e.exception.field, "model")
 
 
-@needs_torch(transformers=True)
+@needs_vision
 class VisionStepPlan(unittest.TestCase):
     def test_image_in_a_cached_prefix(self) -> None:
         """Micro-batches hanging from a cached prefix that holds a screenshot: the step plan's loss and every gradient
@@ -417,3 +425,20 @@ class VisionStepPlan(unittest.TestCase):
         with self.assertRaises(TreepackError) as e:
             runner.forward(tpt.from_microbatch(swapped))
         self.assertEqual(e.exception.field, "prefix_push")
+
+
+@needs_vision
+class VisionRefusals(unittest.TestCase):
+    def test_forward_logprobs_refuses_by_name(self) -> None:
+        from support import tiny_model
+
+        calls, masks = episode()
+        batch = tpt.from_microbatch(packed(calls, masks))
+        model = tiny_vl("qwen2_5_vl")
+        model.set_attn_implementation("treepack")
+        with self.assertRaises(TreepackError) as e:
+            tpt.forward_logprobs(model, batch)
+        self.assertIn("Qwen2_5_VLForConditionalGeneration", str(e.exception))
+        with self.assertRaises(TreepackError) as e:
+            tpt.forward_logprobs(tiny_model("qwen3", torch.float64, vocab=128), batch)
+        self.assertEqual(e.exception.field, "image_fills")

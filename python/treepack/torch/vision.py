@@ -80,10 +80,10 @@ def image_keys(batch: PackedBatch | None, start: int, end: int) -> list[tuple[st
 
 
 def refuse_images(batch: PackedBatch, where: str) -> None:
-    """Refuses a batch with image fills or 3-D positions on a path that does not run the vision encoder."""
+    """Refuses, on a path that runs no vision encoder (``where``), a batch with image fills or 3-D positions."""
     for name in ("image_fills", "mrope_position_ids"):
         if getattr(batch, name) is not None:
-            raise TreepackError("E_ARG", f"{where} does not run vision-language batches yet ({name}); use packed_logprobs", field=name)
+            raise TreepackError("E_ARG", f"{where} does not run vision-language batches ({name}): use packed_logprobs", field=name)
 
 
 @functools.lru_cache(maxsize=8)
