@@ -174,7 +174,10 @@ def main() -> None:
     reference = unpacked(stock, calls, shots, batch)
     ref_loss, _ = tpt.packed_loss(reference, naive, CONFIG)
     ref_loss.backward()
-    print(f"vision encoder: {packed_count.images} images encoded packed (once per distinct image), {stock_count.images} unpacked (once per call)")
+    print(
+        f"vision encoder: {packed_count.images} images encoded packed (once per distinct image), "
+        f"{stock_count.images} unpacked (once per call)"
+    )
 
     trained = batch.loss_mask
     occ = tpt.gather_occurrences(lp, batch)

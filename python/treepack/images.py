@@ -100,7 +100,9 @@ def pack_images(
                 t, gh, gw = grids[i][0], grids[i][1] // merge, grids[i][2] // merge
                 n = t * gh * gw
                 if m and loss_mask is not None:
-                    raise TreepackError("E_ARG", f"loss_mask[{s}][{e}] is 1 on image {el!r}: placeholders are not trained", field="loss_mask")
+                    raise TreepackError(
+                        "E_ARG", f"loss_mask[{s}][{e}] is 1 on image {el!r}: placeholders are not trained", field="loss_mask"
+                    )
                 ids += [token] * n
                 key += [-(i << 24 | j) - 1 for j in range(n)]  # negative: apart from every token id
                 mask += [0] * n

@@ -213,7 +213,9 @@ class MicroBatch:
     def image(self, i: int) -> np.ndarray:
         """Image i's decoded pixels, uint8 [H, W, 3] (a view on ``image_pixels``)."""
         if not 0 <= i < self.num_images:
-            raise TreepackError("E_INPUT", f"image {i} is out of range: the micro-batch has I = {self.num_images} images", field="image_sizes")
+            raise TreepackError(
+                "E_INPUT", f"image {i} is out of range: the micro-batch has I = {self.num_images} images", field="image_sizes"
+            )
         assert self.image_sizes is not None and self.image_pixels is not None
         sizes = self.image_sizes.astype(np.int64)
         start = int((sizes[:i, 0] * sizes[:i, 1]).sum()) * 3
@@ -273,9 +275,9 @@ def check_images(mb: MicroBatch) -> list[str]:
     proc = mb.meta.get("image_processor")
     if not isinstance(proc, dict) or any(k not in proc for k in PROCESSOR_KEYS):
         return out + [f"image_processor (metadata) missing or without {', '.join(PROCESSOR_KEYS)}: the images cannot be checked"]
-    I, F = len(mb.image_sizes), len(mb.image_fills)
-    if len(mb.image_grid_thw) != I:
-        return out + [f"image_grid_thw has {len(mb.image_grid_thw)} rows: expected I = {I} (rows of image_sizes)"]
+    n_images, F = len(mb.image_sizes), len(mb.image_fills)
+    if len(mb.image_grid_thw) != n_images:
+        return out + [f"image_grid_thw has {len(mb.image_grid_thw)} rows: expected I = {n_images} (rows of image_sizes)"]
     sizes = mb.image_sizes.astype(np.int64)
     if (sizes <= 0).any():
         return out + [f"image_sizes not positive: image {int(np.flatnonzero((sizes <= 0).any(1))[0])}"]
@@ -285,7 +287,7 @@ def check_images(mb: MicroBatch) -> list[str]:
     hashes = mb.meta.get("image_hashes")
     name = lambda i: f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")  # noqa: E731
     grid = mb.image_grid_thw.astype(np.int64)
-    for i in range(I):
+    for i in range(n_images):
         try:
             want = expected_grid(proc, int(sizes[i, 0]), int(sizes[i, 1]))
         except ValueError as e:
@@ -298,8 +300,8 @@ def check_images(mb: MicroBatch) -> list[str]:
     fills = mb.image_fills.astype(np.int64)
     counts = placeholder_counts(mb)
     img, pos, first, count = (fills[:, k] for k in range(4)) if F else (np.zeros(0, np.int64),) * 4
-    bad = (img < 0) | (img >= I) | (count <= 0) | (pos < 0) | (pos + count > N) | (first < 0)
-    _report(out, bad, "image_fills out of range", lambda f: f"image_fills[{f}] = {fills[f].tolist()} (I = {I}, N = {N})")
+    bad = (img < 0) | (img >= n_images) | (count <= 0) | (pos < 0) | (pos + count > N) | (first < 0)
+    _report(out, bad, "image_fills out of range", lambda f: f"image_fills[{f}] = {fills[f].tolist()} (I = {n_images}, N = {N})")
     if out:
         return out
     _report(
@@ -321,7 +323,10 @@ def check_images(mb: MicroBatch) -> list[str]:
     is_placeholder = mb.input_ids == token
     _report(out, covered > 1, "image_fills overlap", lambda p: f"node {p} is filled {covered[p]} times")
     _report(
-        out, (covered > 0) & ~is_placeholder, f"image_fills over nodes that are not image_token_id {token}", lambda p: f"input_ids[{p}] = {mb.input_ids[p]}"
+        out,
+        (covered > 0) & ~is_placeholder,
+        f"image_fills over nodes that are not image_token_id {token}",
+        lambda p: f"input_ids[{p}] = {mb.input_ids[p]}",
     )
     _report(out, (covered == 0) & is_placeholder, f"image_fills miss nodes of image_token_id {token}", lambda p: f"node {p}")
     return out
@@ -440,7 +445,9 @@ def load(src: Source) -> MicroBatch:
     return mb
 
 
-def _load_images(st: SafetensorsFile, meta: dict[str, Any], fields: dict[str, np.ndarray], fail: Callable[[str, str], TreepackError]) -> None:
+def _load_images(
+    st: SafetensorsFile, meta: dict[str, Any], fields: dict[str, np.ndarray], fail: Callable[[str, str], TreepackError]
+) -> None:
     """The optional image tensors into ``fields``: all four or none, with their dtypes and row widths, the header's
     image_processor (with the settings the checks read) and image_hashes (one per image) beside them."""
     given = [k for k in IMAGE_FIELDS if k in st.tensors]
@@ -467,9 +474,9 @@ def _load_images(st: SafetensorsFile, meta: dict[str, Any], fields: dict[str, np
     if bad:
         raise fail("image_processor", f"image_processor.{bad[0]} is {json.dumps(proc.get(bad[0]))}, expected a positive integer")
     hashes = meta.get("image_hashes")
-    I = len(fields["image_sizes"])
-    if hashes is not None and (len(hashes) != I or not all(isinstance(h, str) for h in hashes)):
-        raise fail("image_hashes", f"image_hashes must be a list of I = {I} strings (one per image)")
+    n_images = len(fields["image_sizes"])
+    if hashes is not None and (len(hashes) != n_images or not all(isinstance(h, str) for h in hashes)):
+        raise fail("image_hashes", f"image_hashes must be a list of I = {n_images} strings (one per image)")
 
 
 def _report(out: list[str], mask: np.ndarray, what: str, describe: Callable[[int], str]) -> None:

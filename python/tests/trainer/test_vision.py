@@ -11,9 +11,8 @@ import importlib.util
 import unittest
 
 import numpy as np
-from support import needs_torch, patch_norms_to_input_dtype, torch, tpt
-
 import treepack
+from support import needs_torch, patch_norms_to_input_dtype, torch, tpt
 from treepack import TreepackError
 from treepack.microbatch import expected_grid, smart_resize
 
@@ -64,7 +63,16 @@ def tiny_vl(family: str, seed: int = 0):
         max_position_embeddings=512,
         head_dim=8,
     )
-    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=24,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     ids = dict(image_token_id=IMG, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     if family == "qwen2_5_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
@@ -83,9 +91,9 @@ def tiny_vl(family: str, seed: int = 0):
 
 
 def processor():
-    from treepack.torch.vision import _processor_from
-
     import json
+
+    from treepack.torch.vision import _processor_from
 
     return _processor_from(json.dumps(PROC, sort_keys=True))
 
@@ -209,7 +217,9 @@ class VisionExactness(unittest.TestCase):
         k = int(torch.argmax(fills[:, 3]))
         img, pos, first, count = fills[k].tolist()
         half = count // 2
-        split = torch.cat([fills[:k], torch.tensor([[img, pos, first, half], [img, pos + half, first + half, count - half]]), fills[k + 1 :]])
+        split = torch.cat(
+            [fills[:k], torch.tensor([[img, pos, first, half], [img, pos + half, first + half, count - half]]), fills[k + 1 :]]
+        )
         s_lp, s_grad = packed_run(model, tpt.PackedBatch(**{**batch.__dict__, "image_fills": split}), weights)
         self.assertLess(max_diff(s_lp, want_lp), TOL)
         self.assertLess(grad_diff(s_grad, want_grad), TOL)
@@ -360,7 +370,6 @@ class VisionInputs(unittest.TestCase):
 
     def test_models_refused_by_name(self) -> None:
         import transformers
-
         from support import tiny_model
 
         batch = tpt.from_microbatch(self.mb)
@@ -368,7 +377,9 @@ class VisionInputs(unittest.TestCase):
             tpt.packed_logprobs(tiny_model("qwen3", torch.float64, vocab=128), batch)
         self.assertEqual(e.exception.field, "image_fills")
         cfg = transformers.Qwen2VLConfig(
-            text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+            text_config=dict(
+                vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+            ),
             vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4),
         )
         other = transformers.Qwen2VLForConditionalGeneration(cfg)
@@ -388,16 +399,20 @@ class VisionStepPlan(unittest.TestCase):
         model = tiny_vl("qwen3_vl")
         model.set_attn_implementation("treepack")
         h = 11  # [1, 2, 3, START, 7 of a's 8 placeholders]: the cut splits the image's fill
-        plan = [((1, 2), {"prefix_tokens": h, "prefix_push": [h], "prefix_release": 0}),  # pushes the image's prefix
-                ((0, 3), {"prefix_tokens": h, "prefix_push": [], "prefix_release": 1}),  # reads it cached, then pops it
-                ((4,), {"prefix_tokens": 0, "prefix_push": [], "prefix_release": 0})]  # text only
+        plan = [
+            ((1, 2), {"prefix_tokens": h, "prefix_push": [h], "prefix_release": 0}),  # pushes the image's prefix
+            ((0, 3), {"prefix_tokens": h, "prefix_push": [], "prefix_release": 1}),  # reads it cached, then pops it
+            ((4,), {"prefix_tokens": 0, "prefix_push": [], "prefix_release": 0}),
+        ]  # text only
         batches = []
         for members, meta in plan:
             mb = treepack.pack_images([calls[i] for i in members], screenshots(), PROC, loss_mask=[masks[i] for i in members])
             mb.meta.update(meta)
             batches.append(tpt.from_microbatch(mb))
         self.assertEqual(batches[1].input_ids[:h].tolist(), [1, 2, 3, START] + [IMG] * 7)  # the cut falls inside the image
-        weights = [torch.randn(b.num_occurrences, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i, b in enumerate(batches)]
+        weights = [
+            torch.randn(b.num_occurrences, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i, b in enumerate(batches)
+        ]
 
         def loss_fn(lp, b):
             w = weights[next(i for i, x in enumerate(batches) if x is b)]

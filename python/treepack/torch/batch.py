@@ -196,17 +196,17 @@ def _naive_images(batch: PackedBatch, meta: dict[str, Any]) -> dict[str, torch.T
     consecutive placeholders of one image."""
     if batch.image_fills is None or batch.image_sizes is None or batch.image_grid_thw is None or batch.image_pixels is None:
         return {}
-    dev, I, M = batch.device, batch.num_images, batch.num_occurrences
+    dev, n_images, M = batch.device, batch.num_images, batch.num_occurrences
     nodes, images, placeholders = filled_nodes(batch.image_fills)
     node_img = torch.full((batch.num_nodes,), -1, dtype=torch.int64, device=dev)
     node_ph = torch.zeros(batch.num_nodes, dtype=torch.int64, device=dev)
     node_img[nodes], node_ph[nodes] = images, placeholders
     occ_img, occ_ph = node_img[batch.seq_positions], node_ph[batch.seq_positions]
     shown = occ_img >= 0
-    key = batch.seq_index * I + occ_img.clamp(min=0)
+    key = batch.seq_index * n_images + occ_img.clamp(min=0)
     keys = torch.unique(key[shown])  # the (sequence, image) pairs shown, each the naive batch's own image
     new_img = torch.searchsorted(keys, key)
-    old = keys % I
+    old = keys % n_images
     k = torch.arange(M, device=dev)
     prev = (k - 1).clamp(min=0)
     continues = shown & (k > 0) & shown[prev] & (new_img[prev] == new_img) & (occ_ph[prev] + 1 == occ_ph) & (batch.token_index > 0)

@@ -69,7 +69,9 @@ def forward_logprobs(
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
     if vision_family(unwrap(model)) is not None:
         raise TreepackError(
-            "E_ARG", f"forward_logprobs does not run {type(unwrap(model)).__name__} (a vision-language model): use packed_logprobs", field="model"
+            "E_ARG",
+            f"forward_logprobs does not run {type(unwrap(model)).__name__} (a vision-language model): use packed_logprobs",
+            field="model",
         )
     refuse_images(batch, "forward_logprobs")
     if not temperature > 0:

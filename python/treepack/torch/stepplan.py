@@ -494,7 +494,9 @@ class StepPlanRunner:
             raise TreepackError("E_ARG", "the previous micro-batch was not released: call release() after its backward", field="release")
         op = step_op(batch) if op is None else op
         if not self.vision and has_images(batch):
-            raise TreepackError("E_ARG", f"{type(self.model).__name__} has no vision encoder, but the batch has images", field="image_fills")
+            raise TreepackError(
+                "E_ARG", f"{type(self.model).__name__} has no vision encoder, but the batch has images", field="image_fills"
+            )
         check_vocabulary(self.model, batch)
         self._check(batch, op)
         for end in op.push:

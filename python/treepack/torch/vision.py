@@ -92,7 +92,9 @@ def _processor_from(settings: str) -> Any:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     except ImportError as e:
         raise TreepackError(
-            "E_BACKEND", f"building the image processor from the header needs Pillow ({e}); or pass image_processor=", field="image_processor"
+            "E_BACKEND",
+            f"building the image processor from the header needs Pillow ({e}); or pass image_processor=",
+            field="image_processor",
         ) from e
     given = json.loads(settings)
     return Qwen2VLImageProcessorPil(**{k: given[k] for k in _PROCESSOR_ARGS if k in given})
@@ -142,7 +144,8 @@ class Encoded(NamedTuple):
 
 def encode_images(model: torch.nn.Module, batch: PackedBatch, images: list[int], processor: Any = None) -> Encoded:
     """Runs the vision encoder once over ``images`` of ``batch`` (one call, all of them)."""
-    base: Any = model.model  # type: ignore[union-attr]  # Hugging Face's VL models keep the encoder there
+    hf: Any = model  # Hugging Face's VL models keep the encoder and language model under .model
+    base = hf.model
     assert batch.image_grid_thw is not None
     pv = pixel_values(batch, processor, images)
     out = base.get_image_features(pv, batch.image_grid_thw[images], return_dict=True)
@@ -153,7 +156,8 @@ def encode_images(model: torch.nn.Module, batch: PackedBatch, images: list[int],
 
 def _vision_attention(model: torch.nn.Module) -> None:
     # The tower attends within each image (its own block-diagonal split), never through a tree mask.
-    visual: Any = model.model.visual  # type: ignore[union-attr]
+    hf: Any = model
+    visual = hf.model.visual
     if getattr(visual.config, "_attn_implementation", None) == "treepack":
         visual.set_attn_implementation("sdpa")
 
@@ -161,7 +165,8 @@ def _vision_attention(model: torch.nn.Module) -> None:
 def _embed(model: torch.nn.Module, batch: PackedBatch, start: int, end: int, processor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """Input embeddings [end - start, D] of nodes [start, end): token embeddings, the images' at their fills (only
     the images filling a node in the range are encoded), and a Qwen3-VL's deepstack arguments for the range."""
-    base: Any = model.model  # type: ignore[union-attr]
+    hf: Any = model
+    base = hf.model
     embeds = base.get_input_embeddings()(batch.input_ids[start:end])
     if not has_images(batch):
         return embeds, {}
@@ -175,7 +180,7 @@ def _embed(model: torch.nn.Module, batch: PackedBatch, start: int, end: int, pro
     nodes, images, placeholders = nodes[inside], images[inside], placeholders[inside]
     used = torch.unique(images)
     encoded = encode_images(model, batch, used.tolist(), processor)
-    merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
+    merge = int(hf.config.vision_config.spatial_merge_size)
     counts = batch.image_grid_thw[used].prod(1) // (merge * merge)
     if bool((placeholders >= counts[torch.searchsorted(used, images)]).any()):
         raise TreepackError("E_INPUT", "image_fills reach past their image's placeholders (image_grid_thw)", field="image_fills")
@@ -202,7 +207,8 @@ def hidden_states(
     _vision_attention(model)
     embeds, extra = _embed(model, batch, start, end, processor)
     positions = batch.mrope_position_ids if batch.mrope_position_ids is not None else batch.position_ids.expand(3, -1)
-    base: Any = model.model  # type: ignore[union-attr]
+    hf: Any = model
+    base = hf.model
     out = base.language_model(
         inputs_embeds=embeds[None], position_ids=positions[:, None, start:end], attention_mask=mask, use_cache=False, **extra
     )
