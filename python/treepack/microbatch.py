@@ -313,8 +313,8 @@ def check_images(mb: MicroBatch) -> list[str]:
     covered = np.zeros(N, dtype=np.int64)
     nodes = np.concatenate([np.arange(p, p + c) for p, c in zip(pos, count)]) if F else np.zeros(0, np.int64)
     np.add.at(covered, nodes, 1)
-    starts = np.repeat(pos, count)
-    inner = nodes[nodes != starts]
+    first_nodes = np.repeat(pos, count)
+    inner = nodes[nodes != first_nodes]
     parent = mb.parent.astype(np.int64)
     broken = inner[parent[inner] != inner - 1]
     if broken.size:
@@ -329,7 +329,57 @@ def check_images(mb: MicroBatch) -> list[str]:
         lambda p: f"input_ids[{p}] = {mb.input_ids[p]}",
     )
     _report(out, (covered == 0) & is_placeholder, f"image_fills miss nodes of image_token_id {token}", lambda p: f"node {p}")
+    if out or mb.mrope_position_ids is None:
+        return out
+    node_img = np.full(N, -1, dtype=np.int64)
+    node_ph = np.zeros(N, dtype=np.int64)
+    node_img[nodes] = np.repeat(img, count)
+    node_ph[nodes] = np.repeat(first, count) + np.arange(len(nodes)) - starts_of(count)
+    merged = np.concatenate([grid[:, :1], grid[:, 1:] // int(proc["merge_size"])], axis=1)  # t, then rows and columns merged
+    _check_mrope(out, mb, node_img, node_ph, merged, name)
     return out
+
+
+def starts_of(count: np.ndarray) -> np.ndarray:
+    """Each element's run start in a concatenation of runs of these lengths (``np.repeat(cumsum - count, count)``)."""
+    return np.repeat(np.cumsum(count) - count, count)
+
+
+def _check_mrope(
+    out: list[str], mb: MicroBatch, node_img: np.ndarray, node_ph: np.ndarray, merged: np.ndarray, name: Callable[[int], str]
+) -> None:
+    """mrope_position_ids by the Qwen2-VL rules (transformers' get_rope_index for images), node by node from its
+    parent's (so by induction from the roots): a text node is (n, n, n) where n is the position after its parent (0
+    at a root; a text parent's + 1; an image's start + max(rows, columns) of its merged grid after its last
+    placeholder); placeholder j of an image starting at s, on a merged grid of w columns, is (s, s + j // w, s + j % w),
+    its first placeholder starting at the position after its parent and every other one following the previous."""
+    pos = mb.mrope_position_ids.astype(np.int64)
+    parent = mb.parent.astype(np.int64)
+    q = np.maximum(parent, 0)
+    root = parent < 0
+    is_img = node_img >= 0
+    img = np.maximum(node_img, 0)
+    rows, cols = merged[img, 1], merged[img, 2]
+    t_img = merged[img, 0]
+    if (t_img[is_img] != 1).any():
+        p = int(np.flatnonzero(is_img & (t_img != 1))[0])
+        out.append(f"mrope_position_ids: {name(int(node_img[p]))} has {t_img[p]} temporal patches: only still images are checked")
+        return
+    # The position after each node: text n + 1; an image's last placeholder start + max(rows, columns); else -1 (none).
+    last = is_img & (node_ph == rows * cols - 1)
+    after = np.where(is_img, np.where(last, pos[0] + np.maximum(rows, cols), -1), pos[0] + 1)
+    nxt = np.where(root, 0, after[q])
+    continues = is_img & (node_ph > 0)
+    start = np.where(continues, pos[0, q], nxt)
+    want = np.where(is_img, np.stack([start, start + node_ph // np.maximum(cols, 1), start + node_ph % np.maximum(cols, 1)]), nxt)
+    ok_parent = ~continues | (~root & (node_img[q] == node_img) & (node_ph[q] == node_ph - 1))
+    bad = (want != pos).any(0) | ((nxt < 0) & ~continues) | ~ok_parent
+    _report(
+        out,
+        bad,
+        "mrope_position_ids not by the get_rope_index rules",
+        lambda p: f"mrope_position_ids[:, {p}] = {pos[:, p].tolist()}, expected {want[:, p].tolist()}",
+    )
 
 
 def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> None:

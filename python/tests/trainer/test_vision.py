@@ -351,6 +351,22 @@ class VisionInputs(unittest.TestCase):
         self.assertTrue(problems and problems[0].startswith("image_grid_thw of image 1 (sha256:"), problems)
         self.assertEqual(self.refused_field(self.mb), "image_grid_thw")
 
+    def test_mrope_rules(self) -> None:
+        """3-D positions are checked node by node: a text node's, a placeholder's, and 1-D positions in their place."""
+        for p in (int(np.flatnonzero(self.mb.input_ids == 17)[0]), int(np.flatnonzero(self.mb.input_ids == IMG)[5])):
+            mb = packed(self.calls, self.masks)
+            mrope = mb.mrope_position_ids.copy()
+            mrope[2, p] += 1
+            mb.mrope_position_ids = mrope
+            problems = treepack.check_invariants(mb)
+            self.assertTrue(
+                problems and problems[0].startswith(f"mrope_position_ids not by the get_rope_index rules (1): mrope_position_ids[:, {p}]"),
+                problems,
+            )
+            self.assertEqual(self.refused_field(mb), "mrope_position_ids")
+        flat = np.repeat(self.mb.position_ids[None], 3, axis=0)
+        self.assertTrue(any(p.startswith("mrope_position_ids not by") for p in self.problems(mrope_position_ids=flat)))
+
     def test_pixel_bytes(self) -> None:
         problems = self.problems(image_pixels=self.mb.image_pixels[:-3])
         self.assertTrue(problems and problems[0].startswith("image_pixels has"), problems)
