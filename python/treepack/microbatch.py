@@ -353,6 +353,7 @@ def _check_mrope(
     at a root; a text parent's + 1; an image's start + max(rows, columns) of its merged grid after its last
     placeholder); placeholder j of an image starting at s, on a merged grid of w columns, is (s, s + j // w, s + j % w),
     its first placeholder starting at the position after its parent and every other one following the previous."""
+    assert mb.mrope_position_ids is not None
     pos = mb.mrope_position_ids.astype(np.int64)
     parent = mb.parent.astype(np.int64)
     q = np.maximum(parent, 0)
