@@ -42,8 +42,17 @@ import treepack.torch as tpt  # noqa: E402  (registers attn_implementation "tree
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 
 IMAGE, START, END, VIDEO = 120, 121, 122, 123
-# The engine's image processor settings (the header's image_processor): 4-pixel patches merged 2x2.
-PROCESSOR = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 64, "max_pixels": 1024, "image_token_id": IMAGE}
+# The engine's image processor settings (the header's image_processor): 4-pixel patches merged 2x2, CLIP's normalisation.
+PROCESSOR = {
+    "patch_size": 4,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "min_pixels": 64,
+    "max_pixels": 1024,
+    "image_token_id": IMAGE,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 CONFIG = {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean"}
 TURNS = 4
 
@@ -60,6 +69,8 @@ def make_model() -> torch.nn.Module:
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=512,
+            bos_token_id=None,
+            eos_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
         ),
         vision_config=dict(

@@ -17,7 +17,17 @@ from treepack import TreepackError
 from treepack.microbatch import expected_grid, smart_resize
 
 IMG, START, END, VIDEO = 120, 121, 122, 123
-PROC = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 64, "max_pixels": 1024, "image_token_id": IMG}
+# The settings the header carries (CLIP's normalisation, Qwen2.5-VL's processor's).
+PROC = {
+    "patch_size": 4,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "min_pixels": 64,
+    "max_pixels": 1024,
+    "image_token_id": IMG,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 TOL = 1e-10
 # transformers' Qwen2-VL image processor without torchvision needs Pillow (python/requirements-torch.txt has it);
 # python-torch.test.ts fails on a skipped suite, so CI cannot pass without it.
@@ -62,6 +72,8 @@ def tiny_vl(family: str, seed: int = 0):
         num_key_value_heads=2,
         max_position_embeddings=512,
         head_dim=8,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     vision = dict(
         depth=2,
@@ -383,6 +395,17 @@ class VisionInputs(unittest.TestCase):
             tpt.packed_logprobs(model, tpt.from_microbatch(self.mb), image_processor=other)
         self.assertEqual(e.exception.field, "image_grid_thw")
         self.assertIn("image 0 (sha256:", str(e.exception))
+
+    def test_processor_settings_not_guessed(self) -> None:
+        """A header without the normalisation: the processor's defaults are one family's, so it is refused by name."""
+        partial = {k: v for k, v in PROC.items() if k not in ("image_mean", "image_std")}
+        batch = tpt.from_microbatch(treepack.pack_images(self.calls, screenshots(), partial, loss_mask=self.masks))
+        model = tiny_vl("qwen2_5_vl")
+        model.set_attn_implementation("treepack")
+        with self.assertRaises(TreepackError) as e:
+            tpt.packed_logprobs(model, batch)
+        self.assertEqual(e.exception.field, "image_processor")
+        self.assertIn("image_mean, image_std", str(e.exception))
 
     def test_models_refused_by_name(self) -> None:
         import transformers

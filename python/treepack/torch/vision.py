@@ -97,14 +97,24 @@ def _processor_from(settings: str) -> Any:
             field="image_processor",
         ) from e
     given = json.loads(settings)
-    return Qwen2VLImageProcessorPil(**{k: given[k] for k in _PROCESSOR_ARGS if k in given})
+    return Qwen2VLImageProcessorPil(**{k: given[k] for k in _PROCESSOR_ARGS})
 
 
 def default_processor(batch: PackedBatch) -> Any:
-    """transformers' Qwen2-VL image processor with the header's ``image_processor`` settings (cached per settings)."""
+    """transformers' Qwen2-VL image processor with the header's ``image_processor`` settings (cached per settings),
+    which must name every one of ``_PROCESSOR_ARGS``: the processor's own defaults are one family's (its
+    normalisation is CLIP's mean and std; Qwen3-VL's is 0.5), so a missing one is refused, not guessed."""
     settings = batch.meta.get("image_processor")
     if not isinstance(settings, dict):
         raise TreepackError("E_INPUT", "the batch has images but no image_processor settings in its header", field="image_processor")
+    missing = [k for k in _PROCESSOR_ARGS if k not in settings]
+    if missing:
+        raise TreepackError(
+            "E_INPUT",
+            f"the header's image_processor lacks {', '.join(missing)}, which the pixel values depend on: write them into it, "
+            "or pass image_processor= (the engine's)",
+            field="image_processor",
+        )
     return _processor_from(json.dumps(settings, sort_keys=True))
 
 
