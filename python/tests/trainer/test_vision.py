@@ -496,3 +496,16 @@ class VisionRefusals(unittest.TestCase):
         with self.assertRaises(TreepackError) as e:
             tpt.forward_logprobs(tiny_model("qwen3", torch.float64, vocab=128), batch)
         self.assertEqual(e.exception.field, "image_fills")
+
+    def test_trl_integration_refuses_images_by_name(self) -> None:
+        if importlib.util.find_spec("trl") is None:
+            self.skipTest("trl not importable")
+        from treepack.integrations.trl import PackedForwardMixin
+
+        ids = torch.tensor([[1, 2, IMG, 3]])
+        with self.assertRaises(TreepackError) as e:
+            PackedForwardMixin._get_per_token_logps_and_entropies(
+                object(), None, ids, torch.ones_like(ids), 1, pixel_values=torch.zeros(4, 96), image_grid_thw=torch.tensor([[1, 2, 2]])
+            )
+        self.assertEqual(e.exception.field, "image_grid_thw")
+        self.assertIn("multimodal inputs (image_grid_thw, pixel_values)", str(e.exception))

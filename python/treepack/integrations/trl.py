@@ -107,7 +107,13 @@ class PackedForwardMixin:
     ):
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given:
-            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed by treepack", field=given[0])
+            raise TreepackError(
+                "E_ARG",
+                f"multimodal inputs ({', '.join(given)}) are not packed by this integration: TRL's rows carry processed pixel "
+                "values, not the images' identity and fills a tree needs; train Qwen2.5-VL / Qwen3-VL on treepack micro-batches "
+                "with treepack.torch.packed_logprobs (docs/guides/pytorch.md, Vision-language models)",
+                field=given[0],
+            )
         if "logits_to_keep" not in self.model_kwarg_keys:
             raise TreepackError("E_ARG", f"{type(unwrap(model)).__name__}.forward takes no logits_to_keep", field="logits_to_keep")
         B = input_ids.size(0)
