@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 import unittest
 
 import numpy as np
@@ -509,3 +510,68 @@ class VisionRefusals(unittest.TestCase):
             )
         self.assertEqual(e.exception.field, "image_grid_thw")
         self.assertIn("multimodal inputs (image_grid_thw, pixel_values)", str(e.exception))
+
+
+@needs_vision
+class VisionWriterFile(unittest.TestCase):
+    """A micro-batch the TypeScript packer wrote (test/fixtures/images_microbatch.safetensors, see its README): it
+    loads and checks, its 3-D positions are the model's own ``get_rope_index``, and a tiny Qwen2.5-VL of the file's
+    processor settings and token ids gives each call's logprobs as its own forward does."""
+
+    FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "test", "fixtures", "images_microbatch.safetensors")
+
+    def test_packed_equals_each_call_alone(self) -> None:
+        import transformers
+
+        mb = treepack.load(self.FILE)
+        self.assertEqual(treepack.check_invariants(mb), [])
+        proc = mb.meta["image_processor"]
+        batch = tpt.from_microbatch(mb)
+        self.assertEqual((batch.num_images, batch.num_pad_tokens), (3, 24))
+        text = dict(
+            vocab_size=151936, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+        )
+        text.update(
+            max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+        )
+        vision = dict(
+            depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=16, window_size=56, fullatt_block_indexes=[0]
+        )
+        vision.update(patch_size=proc["patch_size"], spatial_merge_size=proc["merge_size"], temporal_patch_size=proc["temporal_patch_size"])
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=proc["image_token_id"],
+            video_token_id=151656,
+            vision_start_token_id=proc["vision_start_token_id"],
+            vision_end_token_id=proc["vision_end_token_id"],
+        )
+        torch.manual_seed(0)
+        stock = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float64).eval()
+        patch_norms_to_input_dtype(stock)
+        model = copy.deepcopy(stock)
+        model.set_attn_implementation("treepack")
+        lp = tpt.gather_occurrences(tpt.packed_logprobs(model, batch).logprobs, batch).detach()
+        nodes, images, placeholders = (t.tolist() for t in tpt.batch.filled_nodes(batch.image_fills))
+        first_of = {n: i for n, i, j in zip(nodes, images, placeholders) if j == 0}  # the node where each image starts
+        shown = 0
+        for s in range(batch.num_sequences):
+            a, b = int(batch.seq_offsets[s]), int(batch.seq_offsets[s + 1])
+            pos = batch.seq_positions[a:b]
+            ids = batch.input_ids[pos][None]
+            seq_images = [first_of[p] for p in pos.tolist() if p in first_of]
+            shown += len(seq_images)
+            kw = {}
+            if seq_images:
+                kw = dict(
+                    pixel_values=tpt.vision.pixel_values(batch, None, seq_images).double(),
+                    image_grid_thw=batch.image_grid_thw[seq_images],
+                    mm_token_type_ids=(ids == proc["image_token_id"]).int(),
+                )
+                rope, _ = stock.model.get_rope_index(ids, kw["mm_token_type_ids"], kw["image_grid_thw"])
+                self.assertTrue(torch.equal(rope[:, 0], batch.mrope_position_ids[:, pos]), batch.meta["sequence_ids"][s])
+            with torch.no_grad():
+                ref = stock(input_ids=ids, **kw).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+            m = batch.loss_mask[a + 1 : b]
+            self.assertLess(float((lp[a + 1 : b][m] - ref[m]).abs().max()), TOL, batch.meta["sequence_ids"][s])
+        self.assertEqual(shown, 8)  # 8 images sent over 5 calls (e/1 resends A beside C), 3 distinct
