@@ -147,15 +147,16 @@ def pack_images(
         mb.image_pixels = np.concatenate([p.ravel() for p in pixels])
         mb.image_sizes = np.array([p.shape[:2] for p in pixels], dtype=np.int32)
         mb.image_grid_thw = np.array(grids, dtype=np.int32)
-        mb.image_fills = _fills(node_img, node_ph, mb.parent)
+        mb.image_fills = fills_of(node_img, node_ph, mb.parent)
         mb.meta["image_processor"] = dict(processor)
         mb.meta["image_hashes"] = hashes
     return mb
 
 
-def _fills(node_img: np.ndarray, node_ph: np.ndarray, parent: np.ndarray) -> np.ndarray:
-    """int32 [F, 4]: one fill per run of nodes that chain (parent = previous node) through consecutive placeholders of
-    one image."""
+def fills_of(node_img: np.ndarray, node_ph: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """int32 [F, 4]: the image fills of a forest whose node p is placeholder ``node_ph[p]`` of image ``node_img[p]``
+    (-1: not an image's), one per run of nodes that chain (parent = previous node) through consecutive placeholders
+    of one image."""
     p = np.arange(len(node_img))
     shown = node_img >= 0
     prev = np.maximum(p - 1, 0)

@@ -498,18 +498,112 @@ class VisionRefusals(unittest.TestCase):
             tpt.forward_logprobs(tiny_model("qwen3", torch.float64, vocab=128), batch)
         self.assertEqual(e.exception.field, "image_fills")
 
-    def test_trl_integration_refuses_images_by_name(self) -> None:
+    def test_trl_integration_refuses_what_it_cannot_pack(self) -> None:
         if importlib.util.find_spec("trl") is None:
             self.skipTest("trl not importable")
+        from support import tiny_model
         from treepack.integrations.trl import PackedForwardMixin
 
         ids = torch.tensor([[1, 2, IMG, 3]])
+        images = dict(pixel_values=torch.zeros(4, 96), image_grid_thw=torch.tensor([[1, 2, 2]]), num_images=[1])
+        trainer = fake_trainer(tiny_model("qwen3", torch.float64, vocab=128))
+        with self.assertRaises(TreepackError) as e:
+            PackedForwardMixin._get_per_token_logps_and_entropies(trainer, trainer.model, ids, torch.ones_like(ids), 1, **images)
+        self.assertEqual(e.exception.field, "image_grid_thw")
+        self.assertIn("Qwen3ForCausalLM is not a vision-language model", str(e.exception))
+        trainer = fake_trainer(tiny_vl("qwen2_5_vl"))
         with self.assertRaises(TreepackError) as e:
             PackedForwardMixin._get_per_token_logps_and_entropies(
-                object(), None, ids, torch.ones_like(ids), 1, pixel_values=torch.zeros(4, 96), image_grid_thw=torch.tensor([[1, 2, 2]])
+                trainer, trainer.model, ids, torch.ones_like(ids), 1, image_sizes=torch.tensor([[8, 8]]), **images
             )
-        self.assertEqual(e.exception.field, "image_grid_thw")
-        self.assertIn("multimodal inputs (image_grid_thw, pixel_values)", str(e.exception))
+        self.assertIn("image_sizes are not inputs of the Qwen2-VL family", str(e.exception))
+
+
+def fake_trainer(model):
+    """What TRL's ``_get_per_token_logps_and_entropies`` (stock, and the packed mixin's) read of its trainer: the
+    mixin with the attributes a GRPOTrainer would hold."""
+    import collections
+
+    from treepack.integrations.trl import PackedForwardMixin
+
+    class FakeTrainer(PackedForwardMixin):
+        def __init__(self) -> None:
+            self.model, self.temperature, self.num_generations, self.num_generations_eval = model, 1.0, 2, 2
+            self.model_kwarg_keys = {"input_ids", "attention_mask", "logits_to_keep", "pixel_values", "image_grid_thw"}
+            self._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+            self._entropy_bonus_enabled = True
+
+    return FakeTrainer()
+
+
+@needs_vision
+class VisionTRL(unittest.TestCase):
+    def test_rows_with_images_equal_stock_trl(self) -> None:
+        for family in ("qwen2_5_vl", "qwen3_vl"):
+            with self.subTest(family):
+                self.check_family(family)
+
+    def check_family(self, family: str) -> None:
+        """TRL's rows with images (two groups of two: a screenshot shared by a group, two images in one prompt): the
+        packed mixin's logprobs, entropies and every gradient equal stock TRL's padded forward; the forest shares
+        each group's prompt and encodes each distinct image once."""
+        if importlib.util.find_spec("trl") is None:
+            self.skipTest("trl not importable")
+        from treepack.integrations.trl import PackedForwardMixin
+        from trl import GRPOTrainer
+
+        imgs, proc = screenshots(), processor()
+        prompts = [([1, 2, START, "a", END, 3], ["a"]), ([1, 2, START, "b", END, START, "c", END, 4], ["b", "c"])]
+        completions = [[6, 7, 8], [9, 10], [11, 12, 13], [14]]
+        rows, pv, grids, counts = [], [], [], []
+        for k, completion in enumerate(completions):
+            prompt, names = prompts[k // 2]
+            ids = []
+            for el in prompt:
+                if isinstance(el, str):
+                    out = proc(images=[imgs[el]], input_data_format="channels_last", return_tensors="pt")
+                    pv.append(out["pixel_values"])
+                    grids.append(out["image_grid_thw"])
+                    ids += [IMG] * (int(out["image_grid_thw"].prod()) // 4)
+                else:
+                    ids.append(el)
+            rows.append((ids, completion))
+            counts.append(len(names))
+        P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+        input_ids = torch.tensor([[0] * (P - len(p)) + p + c + [0] * (C - len(c)) for p, c in rows])
+        attention = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (C - len(c)) for p, c in rows])
+        # As TRL's processor gives them (mm_token_type_ids: the model's 3-D positions need it; treepack recomputes it).
+        images = dict(
+            pixel_values=torch.cat(pv).double(),
+            image_grid_thw=torch.cat(grids),
+            num_images=counts,
+            mm_token_type_ids=(input_ids == IMG).int(),
+        )
+        stock = tiny_vl(family)
+        model = copy.deepcopy(stock)
+        model.set_attn_implementation("treepack")
+        encoded = []
+        model.model.visual.register_forward_pre_hook(lambda m, a, kw: encoded.append(int(kw["grid_thw"].shape[0])), with_kwargs=True)
+        w = torch.randn(len(rows), C, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        completion_mask = attention[:, P:].bool()
+        results = []
+        for fn, m in (
+            (GRPOTrainer._get_per_token_logps_and_entropies, stock),
+            (PackedForwardMixin._get_per_token_logps_and_entropies, model),
+        ):
+            trainer = fake_trainer(m)
+            logps, ent, _ = fn(trainer, m, input_ids, attention, C, compute_entropy=True, **images)
+            ((w * logps)[completion_mask].sum() + ent[completion_mask].sum()).backward()
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            results.append((logps[completion_mask].detach(), ent[completion_mask].detach(), grads, trainer))
+        (lp0, ent0, g0, _), (lp1, ent1, g1, packed_trainer) = results
+        self.assertLess(float((lp0 - lp1).abs().max()), TOL)
+        self.assertLess(float((ent0 - ent1).abs().max()), TOL)
+        self.assertIn("model.visual.blocks.0.attn.qkv.weight", g1)
+        self.assertLess(grad_diff(g0, g1), TOL)
+        self.assertEqual(encoded, [3])  # a, b, c once each, in one call (stock encodes 6 images)
+        tokens, nodes = packed_trainer.treepack_stats[-1]
+        self.assertLess(nodes, tokens)
 
 
 @needs_vision

@@ -55,7 +55,9 @@ class PackedBatch:
     image's decoded RGB bytes), ``image_sizes`` [I, 2], ``image_grid_thw`` [I, 3], ``image_fills`` [F, 4] (image,
     first node, first placeholder, count) and ``mrope_position_ids`` [3, N]; ``meta["image_processor"]`` holds the
     processor's settings and ``meta["image_hashes"]`` each image's identity. ``packed_logprobs`` runs the vision
-    encoder once per image and scatters its embeddings at the fills (``treepack.torch.vision``).
+    encoder once per image and scatters its embeddings at the fills (``treepack.torch.vision``). ``pixel_values``
+    (not in the file format; set by ``treepack.torch.vision.from_padded_images``) holds the encoder inputs a
+    trainer's processor already made, image after image, used instead of processing ``image_pixels``.
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -80,11 +82,12 @@ class PackedBatch:
     image_grid_thw: torch.Tensor | None = None  # int64 [I, 3]: the processor's grid in patches
     image_fills: torch.Tensor | None = None  # int64 [F, 4]: nodes [pos, pos + count) are image's placeholders [first, first + count)
     mrope_position_ids: torch.Tensor | None = None  # int64 [3, N]: temporal, height, width rotary positions
+    pixel_values: torch.Tensor | None = None  # float [Σ t·h·w, C]: the images' encoder inputs already made (a trainer's rows)
 
     @property
     def num_images(self) -> int:
         """I, the number of distinct images (0 without images)."""
-        return 0 if self.image_sizes is None else int(self.image_sizes.shape[0])
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
 
     def image(self, i: int) -> torch.Tensor:
         """Image i's decoded pixels, uint8 [H, W, 3] (a view on ``image_pixels``)."""

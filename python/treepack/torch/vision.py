@@ -21,12 +21,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from ..images import fills_of
 from ..microbatch import TreepackError
 from .batch import PackedBatch, filled_nodes
+from .rows import RowLayout, from_padded
 
 # The config.model_type of the models this module runs (a Qwen3-VL's deepstack features come with its encoder's output).
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -127,6 +131,11 @@ def pixel_values(batch: PackedBatch, processor: Any = None, images: list[int] | 
     """The vision encoder's input for ``images`` (default: all) of ``batch``, in that order: each image's decoded
     pixels through ``processor`` (default: ``default_processor``), its grid checked against ``image_grid_thw``."""
     assert batch.image_grid_thw is not None
+    if batch.pixel_values is not None:  # made by the trainer's processor already
+        rows = batch.image_grid_thw.prod(1)
+        starts = (torch.cumsum(rows, 0) - rows).tolist()
+        chosen = range(batch.num_images) if images is None else images
+        return torch.cat([batch.pixel_values[starts[i] : starts[i] + int(rows[i])] for i in chosen])
     processor = default_processor(batch) if processor is None else processor
     parts = []
     for i in range(batch.num_images) if images is None else images:
@@ -223,3 +232,77 @@ def hidden_states(
         inputs_embeds=embeds[None], position_ids=positions[:, None, start:end], attention_mask=mask, use_cache=False, **extra
     )
     return out.last_hidden_state[0]
+
+
+def from_padded_images(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    num_images: Sequence[int],
+) -> tuple[PackedBatch, RowLayout]:
+    """A trainer's padded rows with images (TRL's: the processor's ``pixel_values`` of every row's images, row after
+    row, their ``image_grid_thw`` and ``num_images`` per row) as one packed batch and its layout (``from_padded``).
+    An image's identity is its encoder input (bytes of its pixel rows) and grid, so rows that show the same image
+    after the same prefix share its placeholder nodes; each distinct image is encoded once. The 3-D positions are
+    the model's own ``get_rope_index`` of each row, scattered to its nodes."""
+    hf: Any = model
+    token, merge = int(hf.config.image_token_id), int(hf.config.vision_config.spatial_merge_size)
+    grid = image_grid_thw.to(torch.int64)
+    patches = grid.prod(1)
+    counts = list(num_images)
+    if len(counts) != input_ids.shape[0] or sum(counts) != grid.shape[0]:
+        raise TreepackError(
+            "E_ARG", f"num_images {counts} does not give {grid.shape[0]} images over {input_ids.shape[0]} rows", field="num_images"
+        )
+    if pixel_values.shape[0] != int(patches.sum()):
+        raise TreepackError(
+            "E_ARG", f"pixel_values has {pixel_values.shape[0]} rows, image_grid_thw says {int(patches.sum())}", field="pixel_values"
+        )
+    starts = (torch.cumsum(patches, 0) - patches).tolist()
+    distinct: dict[str, int] = {}
+    first_of: list[int] = []  # each distinct image's first index among the rows' images
+    ident = []
+    for i in range(grid.shape[0]):
+        rows = pixel_values[starts[i] : starts[i] + int(patches[i])].detach().cpu().contiguous()
+        key = hashlib.sha256(grid[i].cpu().numpy().tobytes() + rows.numpy().tobytes()).hexdigest()
+        if key not in distinct:
+            distinct[key] = len(first_of)
+            first_of.append(i)
+        ident.append(distinct[key])
+    # Placeholder j of distinct image d becomes a key above every token id, so only the same image merges.
+    base = max(int(input_ids.max()) + 1, token + 1)
+    keyed = input_ids.to(torch.int64).clone()
+    attended = attention_mask.bool()
+    image = 0
+    for b in range(input_ids.shape[0]):
+        cols = torch.nonzero(attended[b] & (input_ids[b] == token)).flatten()
+        need = [int(patches[i]) // (merge * merge) for i in range(image, image + counts[b])]
+        if sum(need) != cols.numel():
+            raise TreepackError(
+                "E_ARG", f"row {b} has {cols.numel()} image tokens but its {counts[b]} images fill {sum(need)}", field="input_ids"
+            )
+        at = 0
+        for i, n in zip(range(image, image + counts[b]), need):
+            keyed[b, cols[at : at + n]] = base + (ident[i] << 20) + torch.arange(n, device=keyed.device)
+            at += n
+        image += counts[b]
+    batch, layout = from_padded(keyed, attention_mask, response_length=response_length)
+    node_key = batch.input_ids
+    placeholder = node_key >= base
+    node_img = torch.where(placeholder, (node_key - base) >> 20, -1)
+    node_ph = torch.where(placeholder, (node_key - base) & ((1 << 20) - 1), 0)
+    batch.input_ids = torch.where(placeholder, token, node_key)
+    fills = fills_of(node_img.cpu().numpy(), node_ph.cpu().numpy(), batch.parent.cpu().numpy())
+    batch.image_fills = torch.from_numpy(fills.astype(np.int64)).to(batch.device)
+    batch.image_grid_thw = grid[first_of].to(batch.device)
+    batch.pixel_values = torch.cat([pixel_values[starts[i] : starts[i] + int(patches[i])] for i in first_of]) if first_of else None
+    rope, _ = hf.model.get_rope_index(
+        input_ids=input_ids, mm_token_type_ids=(input_ids == token).int(), image_grid_thw=grid, attention_mask=attention_mask
+    )
+    mrope = torch.zeros((3, batch.num_nodes), dtype=torch.int64, device=batch.device)
+    mrope[:, batch.seq_positions] = rope.permute(1, 2, 0)[attended].T.to(batch.device, torch.int64)  # occurrences in row order
+    batch.mrope_position_ids = mrope
+    return batch, layout
