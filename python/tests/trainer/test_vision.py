@@ -605,6 +605,44 @@ class VisionTRL(unittest.TestCase):
         tokens, nodes = packed_trainer.treepack_stats[-1]
         self.assertLess(nodes, tokens)
 
+    def test_groups_split_with_their_images(self) -> None:
+        """The grouping mixin splits a generation batch into micro-batches of whole groups: each keeps its rows'
+        images (num_images, image_grid_thw and pixel_values rows, laid out per image, not per row)."""
+        if importlib.util.find_spec("trl") is None:
+            self.skipTest("trl not importable")
+        import types
+
+        from treepack.integrations.trl import GroupedBatchesMixin
+
+        counts = [1, 1, 2, 2, 0, 0]  # groups of two: one image each; two each; none
+        grid = torch.tensor([[1, 2, 2], [1, 2, 2], [1, 4, 2], [1, 2, 2], [1, 4, 2], [1, 2, 2]])
+        pixels = torch.arange(int(grid.prod(1).sum()), dtype=torch.float64)[:, None].repeat(1, 3)
+        prompt = torch.tensor([[1, IMG, 2], [1, IMG, 2], [1, IMG, 3], [1, IMG, 3], [0, 4, 5], [0, 4, 5]])
+        inputs = dict(
+            prompt_ids=prompt,
+            prompt_mask=(prompt != 0).long(),
+            completion_ids=torch.tensor([[6], [7], [8], [9], [10], [11]]),
+            completion_mask=torch.ones(6, 1, dtype=torch.long),
+            advantages=torch.arange(6.0),
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            num_images=counts,
+        )
+        fake = types.SimpleNamespace(num_generations=2, treepack_max_tokens=None, args=types.SimpleNamespace(steps_per_generation=3))
+        parts = GroupedBatchesMixin._treepack_split(fake, inputs)
+        first = [sum(counts[:r]) for r in range(7)]
+        starts = [0] + torch.cumsum(grid.prod(1), 0).tolist()
+        seen = []
+        for part in parts:
+            rows = [int(a) for a in part["advantages"].tolist()]  # the advantages name the rows here
+            seen += rows
+            want = [i for r in rows for i in range(first[r], first[r + 1])]
+            self.assertEqual(part["num_images"], [counts[r] for r in rows])
+            self.assertTrue(torch.equal(part["image_grid_thw"], grid[want]))
+            expect = torch.cat([pixels[starts[i] : starts[i + 1]] for i in want]) if want else pixels[:0]
+            self.assertTrue(torch.equal(part["pixel_values"], expect))
+        self.assertEqual(sorted(seen), list(range(6)))
+
 
 @needs_vision
 class VisionWriterFile(unittest.TestCase):

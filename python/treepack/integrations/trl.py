@@ -78,6 +78,8 @@ from trl.trainer.utils import use_adapter  # noqa: E402
 
 # TRL's multimodal inputs the Qwen2-VL family's rows carry (mm_token_type_ids: recomputed from the image token).
 _VISION_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+# Those laid out per image, not per row: split with their rows by _take_images.
+_IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "num_images")
 
 
 class PackedForwardMixin:
@@ -315,9 +317,10 @@ class GroupedBatchesMixin:
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _treepack_split(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
-        given = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images") if inputs.get(k) is not None)
-        if given:
-            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not grouped by treepack", field=given[0])
+        images = [k for k in _IMAGE_TENSORS if inputs.get(k) is not None]
+        if images and len(images) != len(_IMAGE_TENSORS):
+            missing = next(k for k in _IMAGE_TENSORS if k not in images)
+            raise TreepackError("E_ARG", f"{', '.join(images)} without {missing}: the rows' images cannot be grouped", field=missing)
         rows = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         keep = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).bool()
         B, G = rows.shape[0], self.num_generations
@@ -327,7 +330,11 @@ class GroupedBatchesMixin:
             groups=[i // G for i in range(B)],
             num_micro_batches=self.args.steps_per_generation,
         )
-        return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
+        split = []
+        for mb in plan.micro_batches:
+            part = _take({k: v for k, v in inputs.items() if k not in _IMAGE_TENSORS}, torch.as_tensor(mb.sequences, device=rows.device), B)
+            split.append({**part, **(_take_images(inputs, mb.sequences) if images else {})})
+        return split
 
     def _treepack_window(self) -> list[dict[str, Any]]:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
@@ -402,6 +409,26 @@ def _take(inputs: dict[str, Any], rows: torch.Tensor, B: int) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def _take_images(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The given rows' images: their ``num_images``, ``image_grid_thw`` rows and ``pixel_values`` rows (each image
+    t·h·w of them), in row order, as TRL lays them out."""
+    counts, grid, pixels = inputs["num_images"], inputs["image_grid_thw"], inputs["pixel_values"]
+    first = [0]
+    for n in counts:
+        first.append(first[-1] + n)
+    patches = grid.prod(1).tolist()
+    at = [0]
+    for n in patches:
+        at.append(at[-1] + n)
+    chosen = [i for r in rows for i in range(first[r], first[r + 1])]
+    parts = [pixels[at[i] : at[i + 1]] for i in chosen]
+    return {
+        "num_images": [counts[r] for r in rows],
+        "image_grid_thw": grid[chosen],
+        "pixel_values": torch.cat(parts) if parts else pixels[:0],
+    }
 
 
 def _no_reward(completions, **kwargs):
