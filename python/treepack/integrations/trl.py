@@ -333,7 +333,7 @@ class GroupedBatchesMixin:
         split = []
         for mb in plan.micro_batches:
             part = _take({k: v for k, v in inputs.items() if k not in _IMAGE_TENSORS}, torch.as_tensor(mb.sequences, device=rows.device), B)
-            split.append({**part, **(_take_images(inputs, mb.sequences) if images else {})})
+            split.append({**part, **(_take_images(inputs, [int(r) for r in mb.sequences]) if images else {})})
         return split
 
     def _treepack_window(self) -> list[dict[str, Any]]:
