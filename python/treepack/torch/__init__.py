@@ -26,6 +26,10 @@ Mixture-of-experts models: ``packed_logprobs(model, batch, routes=...)`` replays
 
 Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
 (packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
+
+Vision-language models (Qwen2.5-VL, Qwen3-VL): ``packed_logprobs`` runs the vision encoder once per distinct image of
+a micro-batch and scatters its embeddings at the batch's image fills, with the 3-D rotary positions it carries
+(``treepack.torch.vision``).
 """
 
 from ..microbatch import read_manifest
