@@ -61,11 +61,21 @@ export function padForest<F extends Forest>(f: F, count: number, padTokenId: num
     for (let p = N; p < n; p++) out[p] = fill(p);
     return out;
   };
+  const mrope = (f as { mrope_position_ids?: Int32Array }).mrope_position_ids;
   return {
     ...f,
     input_ids: grow(f.input_ids, () => padTokenId),
     position_ids: grow(f.position_ids, () => 0),
     parent: grow(f.parent, () => -1),
     subtree_end: grow(f.subtree_end, (p) => p + 1),
+    ...(mrope !== undefined && { mrope_position_ids: growRows(mrope, N, n) }),
   };
+}
+
+/** A [rows, N] array widened to [rows, n], the new columns 0 (a pad node's position). */
+function growRows(a: Int32Array, N: number, n: number): Int32Array {
+  const rows = a.length / N;
+  const out = new Int32Array(rows * n);
+  for (let r = 0; r < rows; r++) out.set(a.subarray(r * N, (r + 1) * N), r * n);
+  return out;
 }

