@@ -21,7 +21,9 @@ import type { Sample } from '../src/records/types.js';
 import { ChatEncoder } from '../src/tokenize/chat.js';
 import { ropeIndex, smartResize } from '../src/tokenize/images.js';
 import { loadTokenizer } from '../src/tokenize/tokenizer.js';
+import { writeImageWorkload } from '../bench/images.js';
 import { describeBackends } from './helpers/backends.js';
+import { cli } from './helpers/cli.js';
 import { dataUrl, imagePart, jpg, png, vlTokenizerDir } from './helpers/images.js';
 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'treepack-images-'));
@@ -218,6 +220,27 @@ await describeBackends('packForest', (backend) => {
     const got = await kernel(seqs);
     const want = packForest(seqs);
     for (const f of ['input_ids', 'position_ids', 'parent', 'subtree_end', 'seq_positions'] as const) expect(got[f]).toEqual(want[f]);
+  });
+});
+
+describe('treepack stats on an image-heavy workload', () => {
+  it('counts image tokens and vision-encoder runs, unpacked and packed', { timeout: 120_000 }, () => {
+    // 2 episodes × 4 calls, call k resending screenshots 0..k: 2 × (1+2+3+4) = 20 image parts, 8 distinct
+    // screenshots of 56 × 84 (6 placeholders each), each under one prefix (its episode's chain).
+    const file = writeImageWorkload(path.join(tmp, 'workload'), { episodes: 2, steps: 4, height: 56, width: 84 });
+    const r = cli(['stats', '--tokenizer', TOK, '--json', file]);
+    expect(r.code, r.stderr).toBe(0);
+    const report = JSON.parse(r.stdout) as { images: Record<string, number>; micro_batches: number };
+    expect(report.micro_batches).toBe(1);
+    expect(report.images).toEqual({
+      encoder_calls_naive: 20,
+      encoder_calls_packed: 8,
+      distinct_images: 8,
+      naive_image_tokens: 120,
+      packed_image_tokens: 48,
+    });
+    const text = cli(['stats', '--tokenizer', TOK, file]);
+    expect(text.stdout).toContain('vision encoder runs 20 unpacked (once per image per call), 8 packed');
   });
 });
 
