@@ -139,6 +139,17 @@ describe('chat records with images', () => {
     expect(plain.input_ids.length).toBeLessThan(prefixes.size); // without identity, A and B would merge
   });
 
+  it('find a VL model\'s template in its processor\'s chat_template.json', async () => {
+    const dir = vlTokenizerDir(path.join(tmp, 'vl-processor-template'));
+    const config = JSON.parse(fs.readFileSync(path.join(dir, 'tokenizer_config.json'), 'utf8')) as Record<string, unknown>;
+    fs.writeFileSync(path.join(dir, 'chat_template.json'), JSON.stringify({ chat_template: config.chat_template }));
+    delete config.chat_template;
+    fs.writeFileSync(path.join(dir, 'tokenizer_config.json'), JSON.stringify(config));
+    const enc = new ChatEncoder(await loadTokenizer(dir));
+    const [rec] = parseRecords(episode()[0], { file: path.join(tmp, 'x.jsonl'), line: 1 });
+    expect(enc.encode(rec).images!.length).toBe(1);
+  });
+
   it('write image tensors: each image once, fills on its nodes, 3-D positions per node', async () => {
     const batches = await pack(episode());
     expect(batches.length).toBe(1);

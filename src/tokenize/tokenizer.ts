@@ -129,7 +129,10 @@ async function readJson(file: string, what: string): Promise<Record<string, unkn
   }
 }
 
-/** HF configs hold the template as a string, as named templates, or (newer exports) in chat_template.jinja. */
+/**
+ * HF configs hold the template as a string, as named templates, or (newer exports) in chat_template.jinja; VL
+ * models' processors keep theirs in chat_template.json.
+ */
 async function findTemplate(dir: string, config: Record<string, unknown>): Promise<string | undefined> {
   const t = config.chat_template;
   if (typeof t === 'string') return t;
@@ -141,8 +144,21 @@ async function findTemplate(dir: string, config: Record<string, unknown>): Promi
   try {
     return await readFile(path.join(dir, 'chat_template.jinja'), 'utf8');
   } catch {
+    // no .jinja: try the processor's file
+  }
+  let text: string;
+  try {
+    text = await readFile(path.join(dir, 'chat_template.json'), 'utf8');
+  } catch {
     return undefined;
   }
+  let processor: { chat_template?: unknown };
+  try {
+    processor = JSON.parse(text) as { chat_template?: unknown };
+  } catch (e) {
+    throw new TreepackError('E_IO', `invalid chat_template.json: ${(e as Error).message}`, { file: path.join(dir, 'chat_template.json') });
+  }
+  return typeof processor.chat_template === 'string' ? processor.chat_template : undefined;
 }
 
 /** Special tokens in configs are strings or AddedToken-like `{content}` objects. */
