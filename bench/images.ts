@@ -74,7 +74,13 @@ export function writeImageWorkload(dir: string, w: ImageWorkload): string {
     for (let k = 0; k < w.steps; k++) {
       const name = `shot-${e}-${k}.png`;
       fs.writeFileSync(path.join(dir, name), png(w.height, w.width, 1000 * e + k));
-      messages.push({ role: 'user', content: [{ type: 'image_url', image_url: { url: name } }, { type: 'text', text: `step ${k}: what next?` }] });
+      messages.push({
+        role: 'user',
+        content: [
+          { type: 'image_url', image_url: { url: name } },
+          { type: 'text', text: `step ${k}: what next?` },
+        ],
+      });
       const action = `tap(${(37 * k + e) % 100}, ${(61 * k) % 100})`;
       requests.push({ messages: [...messages], response: action });
       messages.push({ role: 'assistant', content: action });

@@ -19,7 +19,8 @@ function why(): string {
   return r.status === 0 ? '' : 'pillow is missing from the Python environment (python/requirements-torch.txt lists it)';
 }
 const skipReason = why();
-if (skipReason && process.env.TREEPACK_REQUIRE_TORCH === '1') throw new Error(`test/images-python.test.ts: TREEPACK_REQUIRE_TORCH=1 but ${skipReason}`);
+if (skipReason && process.env.TREEPACK_REQUIRE_TORCH === '1')
+  throw new Error(`test/images-python.test.ts: TREEPACK_REQUIRE_TORCH=1 but ${skipReason}`);
 if (skipReason) console.log(`test/images-python.test.ts skipped: ${skipReason}`);
 
 const SCRIPT = fileURLToPath(new URL('./helpers/vl_processor.py', import.meta.url));

@@ -139,7 +139,7 @@ describe('chat records with images', () => {
     expect(plain.input_ids.length).toBeLessThan(prefixes.size); // without identity, A and B would merge
   });
 
-  it('find a VL model\'s template in its processor\'s chat_template.json', async () => {
+  it("find a VL model's template in its processor's chat_template.json", async () => {
     const dir = vlTokenizerDir(path.join(tmp, 'vl-processor-template'));
     const config = JSON.parse(fs.readFileSync(path.join(dir, 'tokenizer_config.json'), 'utf8')) as Record<string, unknown>;
     fs.writeFileSync(path.join(dir, 'chat_template.json'), JSON.stringify({ chat_template: config.chat_template }));
@@ -189,8 +189,8 @@ describe('chat records with images', () => {
         for (let k = 0; k < fills.length; k += 4) if (fills[k + 1] <= p && p < fills[k + 1] + fills[k + 3]) return fills[k];
       }
     };
-    expect(bytesOf(imageAt(e0)!).equals(Buffer.from(decodeImage(A).rgb))).toBe(true);
-    expect(bytesOf(imageAt(f0)!).equals(Buffer.from(decodeImage(B).rgb))).toBe(true);
+    expect(bytesOf(imageAt(e0)).equals(Buffer.from(decodeImage(A).rgb))).toBe(true);
+    expect(bytesOf(imageAt(f0)).equals(Buffer.from(decodeImage(B).rgb))).toBe(true);
     // Text-only sequences keep position = depth in all three rows; the positions are those of each sequence.
     const g0 = mb.meta.sequence_ids.indexOf('g/0');
     for (let t = 0; t < mb.seq_offsets[g0 + 1] - mb.seq_offsets[g0]; t++) {
@@ -202,7 +202,11 @@ describe('chat records with images', () => {
     writeMicroBatch(file, mb);
     const back = readMicroBatch(file).batch;
     for (const f of ['image_pixels', 'image_sizes', 'image_grid_thw', 'image_fills', 'mrope_position_ids', 'input_ids'] as const)
-      expect(Buffer.from(back[f]!.buffer, back[f]!.byteOffset, back[f]!.byteLength).equals(Buffer.from(mb[f]!.buffer, mb[f]!.byteOffset, mb[f]!.byteLength))).toBe(true);
+      expect(
+        Buffer.from(back[f]!.buffer, back[f]!.byteOffset, back[f]!.byteLength).equals(
+          Buffer.from(mb[f]!.buffer, mb[f]!.byteOffset, mb[f]!.byteLength),
+        ),
+      ).toBe(true);
     expect(back.meta.image_hashes).toEqual(hashes);
     expect(back.meta.image_processor).toEqual(mb.meta.image_processor);
   });
@@ -228,7 +232,7 @@ await describeBackends('packForest', (backend) => {
       .map((r) => enc.encode(r));
     const seqs = toSequences(samples);
     const { kernel } = await resolveKernel('packForest', backend);
-    const got = await kernel(seqs);
+    const got = kernel(seqs);
     const want = packForest(seqs);
     for (const f of ['input_ids', 'position_ids', 'parent', 'subtree_end', 'seq_positions'] as const) expect(got[f]).toEqual(want[f]);
   });
@@ -267,15 +271,30 @@ describe('bad image inputs', () => {
     expect(fs.existsSync(out)).toBe(false);
   };
   it('an undecodable image', () =>
-    expectRefused(one([imagePart(dataUrl(Buffer.from('not an image at all')))]), /messages\[0\]\.content\[0\]\.image_url\.url/, /not a PNG or JPEG/));
+    expectRefused(
+      one([imagePart(dataUrl(Buffer.from('not an image at all')))]),
+      /messages\[0\]\.content\[0\]\.image_url\.url/,
+      /not a PNG or JPEG/,
+    ));
   it('a remote URL', () =>
     expectRefused(one([imagePart('https://example.com/a.png')]), /content\[0\]\.image_url\.url/, /never fetches over the network/));
-  it('a missing file', () => expectRefused(one([imagePart('nowhere.png')]), /content\[0\]\.image_url\.url/, /cannot read image file .*ENOENT/));
+  it('a missing file', () =>
+    expectRefused(one([imagePart('nowhere.png')]), /content\[0\]\.image_url\.url/, /cannot read image file .*ENOENT/));
   it('an image the processor refuses', () =>
-    expectRefused(one([{ type: 'text', text: 'x' }, imagePart(dataUrl(png(1, 250, 4)))]), /content\[1\]\.image_url/, /aspect ratio must be smaller than 200/));
+    expectRefused(
+      one([{ type: 'text', text: 'x' }, imagePart(dataUrl(png(1, 250, 4)))]),
+      /content\[1\]\.image_url/,
+      /aspect ratio must be smaller than 200/,
+    ));
   it('a placeholder count that does not match', () =>
     expectRefused(
-      [{ id: 'bad/0', messages: [{ role: 'user', content: [imagePart(dataUrl(A)), { type: 'text', text: 'see <|image_pad|>' }] }], response: 'ok' }],
+      [
+        {
+          id: 'bad/0',
+          messages: [{ role: 'user', content: [imagePart(dataUrl(A)), { type: 'text', text: 'see <|image_pad|>' }] }],
+          response: 'ok',
+        },
+      ],
       /messages/,
       /rendered 2 image placeholder token\(s\) .* for 1 image/,
     ));

@@ -201,7 +201,8 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     tensors.set(name, { dtype: IMAGE_FIELDS[name as keyof typeof IMAGE_FIELDS][0], shape, data });
   }
   for (const [name, t] of extra ?? []) {
-    if (CONTRACT_DTYPES.has(name) || name in IMAGE_FIELDS) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
+    if (CONTRACT_DTYPES.has(name) || name in IMAGE_FIELDS)
+      throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
     tensors.set(name, t);
   }
   for (const [key, value] of Object.entries(extraMeta ?? {})) {
@@ -222,7 +223,9 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     ...(m.prefix_tokens !== undefined
       ? { prefix_tokens: String(m.prefix_tokens), prefix_push: JSON.stringify(m.prefix_push), prefix_release: String(m.prefix_release) }
       : {}),
-    ...(m.image_hashes !== undefined ? { image_processor: JSON.stringify(m.image_processor), image_hashes: JSON.stringify(m.image_hashes) } : {}),
+    ...(m.image_hashes !== undefined
+      ? { image_processor: JSON.stringify(m.image_processor), image_hashes: JSON.stringify(m.image_hashes) }
+      : {}),
   };
   return { tensors, metadata };
 }

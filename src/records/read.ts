@@ -470,8 +470,7 @@ function parseContent(v: unknown, ctx: Ctx, field: string): { content: string | 
     } else if (isObject(part) && part.type === 'image_url') {
       const ref = part.image_url;
       const url = typeof ref === 'string' ? ref : isObject(ref) ? ref.url : undefined;
-      if (typeof url !== 'string')
-        throw fail(ctx, at + '.image_url.url', `expected an image URL string, got ${describeValue(url)}`);
+      if (typeof url !== 'string') throw fail(ctx, at + '.image_url.url', `expected an image URL string, got ${describeValue(url)}`);
       const baseDir = ctx.file === '-' || ctx.file.startsWith('<') ? process.cwd() : nodePath.dirname(nodePath.resolve(ctx.file));
       let image: DecodedImage;
       try {

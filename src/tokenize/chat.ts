@@ -141,7 +141,7 @@ export class ChatEncoder {
       throw new TreepackError(
         'E_INPUT',
         `the record has images but tokenizer ${this.tokenizer.name} has no image processor: pass a vision-language model's directory (its preprocessor_config.json)`,
-        where(first!.field),
+        where(first.field),
       );
     const inResponse = record.response.parts?.find((p) => p.type === 'image');
     if (inResponse) throw new TreepackError('E_INPUT', 'an image in the response: the policy generates text only', where(inResponse.field));
@@ -151,7 +151,11 @@ export class ChatEncoder {
         img = processImage(p.image, proc);
       } catch (e) {
         if (!(e instanceof ImageRefusedError)) throw e;
-        throw new TreepackError('E_INPUT', `the ${proc.family} image processor refuses the image: ${e.message}`, where(p.field + '.image_url'));
+        throw new TreepackError(
+          'E_INPUT',
+          `the ${proc.family} image processor refuses the image: ${e.message}`,
+          where(p.field + '.image_url'),
+        );
       }
       return this.shared(img);
     });

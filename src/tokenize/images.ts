@@ -157,18 +157,22 @@ async function readOptionalJson(file: string): Promise<Json | undefined> {
  * the family from its `processor_class` or from `config.json`'s `model_type`, the placeholder ids from `config.json`
  * or the tokenizer's added tokens. Undefined when the directory has no preprocessor_config.json (a text model).
  */
-export async function loadImageProcessor(dir: string, addedTokenId: (s: string) => number | undefined): Promise<ImageProcessor | undefined> {
+export async function loadImageProcessor(
+  dir: string,
+  addedTokenId: (s: string) => number | undefined,
+): Promise<ImageProcessor | undefined> {
   const file = path.join(dir, 'preprocessor_config.json');
   const pre = await readOptionalJson(file);
   if (pre === undefined) return undefined;
   const config = (await readOptionalJson(path.join(dir, 'config.json'))) ?? {};
   const bad = (field: string, what: string) => new TreepackError('E_ARG', `${field}: expected ${what}`, { file, field });
   const family =
-    PROCESSOR_CLASSES[String(pre.processor_class)] ??
-    (VL_FAMILIES as readonly string[]).find((f) => f === config.model_type) ??
-    undefined;
+    PROCESSOR_CLASSES[String(pre.processor_class)] ?? (VL_FAMILIES as readonly string[]).find((f) => f === config.model_type) ?? undefined;
   if (family === undefined)
-    throw bad('processor_class', `one of ${Object.keys(PROCESSOR_CLASSES).join(', ')} (or config.json model_type ${VL_FAMILIES.join(', ')})`);
+    throw bad(
+      'processor_class',
+      `one of ${Object.keys(PROCESSOR_CLASSES).join(', ')} (or config.json model_type ${VL_FAMILIES.join(', ')})`,
+    );
   const size = (typeof pre.size === 'object' && pre.size !== null ? pre.size : {}) as Json;
   const int = (v: unknown, field: string, fallback: number): number => {
     if (v === undefined || v === null) return fallback;
@@ -194,7 +198,7 @@ export async function loadImageProcessor(dir: string, addedTokenId: (s: string) 
   if (p.min_pixels > p.max_pixels) throw bad('min_pixels', `at most max_pixels = ${p.max_pixels}`);
   for (const key of ['image_mean', 'image_std'] as const) {
     const v = pre[key];
-    if (Array.isArray(v) && v.every((x) => typeof x === 'number')) p[key] = v as number[];
+    if (Array.isArray(v) && v.every((x) => typeof x === 'number')) p[key] = v;
   }
   if (typeof pre.rescale_factor === 'number') p.rescale_factor = pre.rescale_factor;
   if (typeof pre.resample === 'number') p.resample = pre.resample;
