@@ -14,7 +14,19 @@ import { fmt } from './format.js';
 
 /** The Qwen2-VL / Qwen2.5-VL chat template (chat_template.json of Qwen/Qwen2.5-VL-*-Instruct). */
 export const QWEN2_VL_TEMPLATE =
-  "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  '{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}' +
+  '{% for message in messages %}' +
+  "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" +
+  "{% endif %}<|im_start|>{{ message['role'] }}\n" +
+  "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}" +
+  "{% for content in message['content'] %}" +
+  "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}" +
+  '{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: ' +
+  '{% endif %}<|vision_start|><|image_pad|><|vision_end|>' +
+  "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}" +
+  '{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>' +
+  "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}" +
+  '{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}';
 
 /**
  * A VL tokenizer directory with no download: Qwen's byte-level BPE vocabulary (the built-in qwen3 one, which has
@@ -153,7 +165,8 @@ export async function benchImages(quick: boolean): Promise<ImageBenchRow[]> {
       const r = await measureImageWorkload(file, tok);
       rows.push(r);
       console.log(
-        `  ${r.episodes} episodes × ${r.steps} calls: tokens ${r.naiveTokens} naive → ${r.packedTokens} packed (${fmt(r.naiveTokens / r.packedTokens)}×), ` +
+        `  ${r.episodes} episodes × ${r.steps} calls: tokens ${r.naiveTokens} naive → ${r.packedTokens} packed ` +
+          `(${fmt(r.naiveTokens / r.packedTokens)}×), ` +
           `image tokens ${r.naiveImageTokens} → ${r.packedImageTokens} (${fmt(r.naiveImageTokens / r.packedImageTokens)}×), ` +
           `vision encoder runs ${r.encoderRunsNaive} unpacked → ${r.encoderRunsPacked} packed, ${fmt(r.seconds, 2)} s`,
       );

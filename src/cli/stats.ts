@@ -273,8 +273,10 @@ function formatStats(r: StatsReport, maxGroups: number): string {
   if (r.images) {
     const im = r.images;
     lines.push(
-      `images         ${n(im.distinct_images)} distinct; vision encoder runs ${n(im.encoder_calls_naive)} unpacked (once per image per call), ${n(im.encoder_calls_packed)} packed (once per distinct image per micro-batch)`,
-      `image tokens   ${n(im.naive_image_tokens)} naive, ${n(im.packed_image_tokens)} packed (${ratio(im.naive_image_tokens, im.packed_image_tokens).toFixed(2)}×)`,
+      `images         ${n(im.distinct_images)} distinct; vision encoder runs ${n(im.encoder_calls_naive)} unpacked ` +
+        `(once per image per call), ${n(im.encoder_calls_packed)} packed (once per distinct image per micro-batch)`,
+      `image tokens   ${n(im.naive_image_tokens)} naive, ${n(im.packed_image_tokens)} packed ` +
+        `(${ratio(im.naive_image_tokens, im.packed_image_tokens).toFixed(2)}×)`,
     );
   }
   if (r.groups.length) {

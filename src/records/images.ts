@@ -38,7 +38,8 @@ export function loadImage(url: string, baseDir: string): DecodedImage {
     bytes = Buffer.from(url.slice(m[0].length), 'base64');
   } else if (/^[a-z][a-z0-9+.-]*:\/\//i.test(url)) {
     throw new ImageInputError(
-      `remote image ${JSON.stringify(url.slice(0, 80))} refused: treepack never fetches over the network; inline it as a data URL or a local file path`,
+      `remote image ${JSON.stringify(url.slice(0, 80))} refused: treepack never fetches over the network; ` +
+        'inline it as a data URL or a local file path',
     );
   } else {
     const file = path.resolve(baseDir, url.startsWith('file:') ? url.slice(5) : url);

@@ -140,7 +140,8 @@ export class ChatEncoder {
     if (!proc)
       throw new TreepackError(
         'E_INPUT',
-        `the record has images but tokenizer ${this.tokenizer.name} has no image processor: pass a vision-language model's directory (its preprocessor_config.json)`,
+        `the record has images but tokenizer ${this.tokenizer.name} has no image processor: ` +
+          "pass a vision-language model's directory (its preprocessor_config.json)",
         where(first.field),
       );
     const inResponse = record.response.parts?.find((p) => p.type === 'image');
