@@ -211,6 +211,16 @@ describe('chat records with images', () => {
     expect(back.meta.image_processor).toEqual(mb.meta.image_processor);
   });
 
+  it('padded, give pad nodes position 0 in every rotary row', async () => {
+    const [mb] = await pack(episode(), { budget: { maxTokens: 4096, padMultiple: 64 } });
+    const N = mb.input_ids.length,
+      pad = mb.meta.num_pad_tokens!;
+    expect(pad).toBeGreaterThan(0);
+    expect(mb.mrope_position_ids!.length).toBe(3 * N);
+    for (let d = 0; d < 3; d++) expect(mb.mrope_position_ids!.subarray(d * N + N - pad, (d + 1) * N).every((x) => x === 0)).toBe(true);
+    writeMicroBatch(path.join(tmp, 'padded.safetensors'), mb); // the writer's shape checks hold with padding
+  });
+
   it('cut into budgeted micro-batches, each carries its own images and fills', async () => {
     const whole = (await pack(episode()))[0];
     const cut = await pack(episode(), { budget: { maxTokens: Math.ceil(whole.input_ids.length / 2) + 40 } });
