@@ -211,6 +211,24 @@ describe('chat records with images', () => {
     expect(back.meta.image_processor).toEqual(mb.meta.image_processor);
   });
 
+  it("keep the engine's response tokens and logprobs, and message starts, past the expanded images", async () => {
+    const tok = await loadTokenizer(TOK);
+    const ids = [...tok.encode('click(1)'), 151645];
+    const logprobs = ids.map((_, i) => -0.125 * (i + 1));
+    const rec = { ...episode()[1], response: { role: 'assistant', content: 'click(1)', token_ids: ids, logprobs } };
+    const [mb] = await pack([rec], { turnIds: true });
+    const trained = [...mb.loss_mask.keys()].filter((k) => mb.loss_mask[k] === 1);
+    expect(trained.map((k) => mb.input_ids[mb.seq_positions[k]])).toEqual(ids);
+    expect(trained.map((k) => mb.rollout_logprobs![k])).toEqual(logprobs);
+    // Its one trained turn (the earlier assistant turn is context) starts at the response's header, past the images:
+    // the turn start moved with the expansion.
+    const first = [...mb.turn_ids!].indexOf(0);
+    expect(mb.turn_ids![trained[0]]).toBe(0);
+    const header = [0, 1, 2].map((d) => mb.input_ids[mb.seq_positions[first + d]]);
+    expect(tok.decode(header)).toBe('<|im_start|>assistant\n');
+    expect(trained[0] - first).toBe(3);
+  });
+
   it('padded, give pad nodes position 0 in every rotary row', async () => {
     const [mb] = await pack(episode(), { budget: { maxTokens: 4096, padMultiple: 64 } });
     const N = mb.input_ids.length,

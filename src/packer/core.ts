@@ -183,15 +183,11 @@ export class PackerCore {
       }
       this.#encoder ??= new ChatEncoder(await resolveTokenizer(this.#opts.tokenizer));
       checkResponseVocab(rec, this.#opts.vocabSize ?? this.#encoder.tokenizer.vocabSize);
-      if (hasImages(rec)) {
-        // The message-level merge compares text and tokens, which are alike for two images of one size: a call with
-        // images goes to the forest as it is, where the images' identities keep them apart and share what repeats.
-        item = this.#encoder.encode(rec);
-      } else {
-        const built = timelineFromChat(rec, this.#encoder, this.#policy);
-        if (built.drifted) stats.driftedMessages++;
-        item = built.timeline;
-      }
+      const built = timelineFromChat(rec, this.#encoder, this.#policy);
+      if (built.drifted) stats.driftedMessages++;
+      // The message-level merge compares text and tokens, which are alike for two images of one size: a call with
+      // images goes to the forest as its own sample, where the images' identities keep them apart and share what repeats.
+      item = hasImages(rec) ? this.#encoder.expandImages(rec, timelineToSample(built.timeline)) : built.timeline;
       stats.seconds.tokenize += (performance.now() - t0) / 1000;
       stats.chatSamples++;
       stats.tokenizer = this.#tokenizerName();

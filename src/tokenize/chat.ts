@@ -129,10 +129,11 @@ export class ChatEncoder {
   }
 
   /**
-   * Replaces each image's one placeholder token of the rendered template by as many as the processor makes of it
-   * (the engine's prompt has the same expansion), and records where each image's run lies.
+   * Replaces each image's one placeholder token of the rendered template in `sample` (encoded from `record`) by as
+   * many as the processor makes of it (the engine's prompt has the same expansion), and records where each image's
+   * run lies; per-token arrays widen, message and turn starts move.
    */
-  private expandImages(record: ChatRecord, sample: Sample): Sample {
+  expandImages(record: ChatRecord, sample: Sample): Sample {
     const where = (field: string) => ({ file: record.source.file, line: record.source.line, record: record.id, field });
     const proc = this.tokenizer.imageProcessor;
     const parts = record.messages.flatMap((m) => m.parts ?? []).filter((p) => p.type === 'image');
@@ -173,26 +174,47 @@ export class ChatEncoder {
         where(literal >= 0 ? `messages[${literal}].content` : 'messages'),
       );
     }
+    // Placeholder k (at token at[k]) becomes images[k].tokens tokens: per-token arrays widen there (the new tokens
+    // copy the placeholder's own values: untrained context), token indices past it move.
     let total = tokens.length;
     for (const img of images) total += img.tokens - 1;
-    const outTokens = new Int32Array(total);
-    const outMask = new Uint8Array(total);
+    const widen = <A extends Int32Array | Uint8Array | Float32Array>(a: A, make: (n: number) => A): A => {
+      const out = make(total);
+      let from = 0,
+        to = 0;
+      images.forEach((image, k) => {
+        out.set(a.subarray(from, at[k]), to);
+        to += at[k] - from;
+        out.fill(a[at[k]], to, to + image.tokens);
+        to += image.tokens;
+        from = at[k] + 1;
+      });
+      out.set(a.subarray(from), to);
+      return out;
+    };
+    const moved = (index: Int32Array): Int32Array =>
+      index.map((i) => {
+        let shift = 0;
+        for (let k = 0; k < at.length && at[k] < i; k++) shift += images[k].tokens - 1;
+        return i + shift;
+      });
     const spans: ImageSpan[] = [];
-    let from = 0,
-      to = 0;
-    images.forEach((image, k) => {
-      const n = at[k] - from;
-      outTokens.set(tokens.subarray(from, at[k]), to);
-      outMask.set(loss_mask.subarray(from, at[k]), to);
-      to += n;
-      spans.push({ start: to, image });
-      outTokens.fill(pad, to, to + image.tokens);
-      to += image.tokens;
-      from = at[k] + 1;
-    });
-    outTokens.set(tokens.subarray(from), to);
-    outMask.set(loss_mask.subarray(from), to);
-    return { ...sample, tokens: outTokens, loss_mask: outMask, images: spans };
+    images.forEach((image, k) => spans.push({ start: moved(Int32Array.of(at[k]))[0], image }));
+    const out: Sample = {
+      ...sample,
+      tokens: widen(tokens, (n) => new Int32Array(n)),
+      loss_mask: widen(loss_mask, (n) => new Uint8Array(n)),
+      images: spans,
+    };
+    for (const f of ['rollout_logprobs', 'old_logprobs', 'ref_logprobs', 'advantages'] as const) {
+      const a = sample[f];
+      if (a) out[f] = widen(a, (n) => new Float32Array(n));
+    }
+    for (const f of ['message_offsets', 'turn_starts'] as const) {
+      const a = sample[f];
+      if (a) out[f] = moved(a);
+    }
+    return out;
   }
 
   /** One object per distinct image (by identity), most recent kept. */
