@@ -6,7 +6,7 @@
  * decoder every packer run uses. Remote URLs are refused: packing never reaches the network.
  */
 import { createHash } from 'node:crypto';
-import { readFileSync } from 'node:fs';
+import { readFileSync, statSync } from 'node:fs';
 import path from 'node:path';
 import jpeg from 'jpeg-js';
 import { PNG } from 'pngjs';
@@ -23,6 +23,32 @@ export interface DecodedImage {
 /** Largest decoded image accepted (pixels): a 16k × 16k screenshot; bigger is a corrupt header, not a picture. */
 const MAX_PIXELS = 1 << 28;
 
+/**
+ * Decoded images by reference (a data URL's sha256, a file's path, size and mtime), least recently used first: an
+ * agent resends every earlier screenshot with each call, and decoding is most of reading a record.
+ */
+const decoded = new Map<string, DecodedImage>();
+let decodedBytes = 0;
+const MAX_DECODED_BYTES = 256 << 20;
+
+function remember(key: string, load: () => DecodedImage): DecodedImage {
+  const hit = decoded.get(key);
+  if (hit) {
+    decoded.delete(key);
+    decoded.set(key, hit);
+    return hit;
+  }
+  const img = load();
+  decoded.set(key, img);
+  decodedBytes += img.rgb.length;
+  for (const [k, v] of decoded) {
+    if (decodedBytes <= MAX_DECODED_BYTES || k === key) break;
+    decoded.delete(k);
+    decodedBytes -= v.rgb.length;
+  }
+  return img;
+}
+
 /** Why an image reference cannot be read; the reader turns it into an E_INPUT naming record and field. */
 export class ImageInputError extends Error {}
 
@@ -31,11 +57,11 @@ export class ImageInputError extends Error {}
  * resolved against `baseDir` (the input file's directory). http(s) and other schemes are refused.
  */
 export function loadImage(url: string, baseDir: string): DecodedImage {
-  let bytes: Uint8Array;
   if (url.startsWith('data:')) {
     const m = /^data:(image\/[a-z0-9.+-]+)?(;[^,]*)?,/i.exec(url);
     if (!m || !/;base64$/i.test(m[2] ?? '')) throw new ImageInputError('expected a base64 data URL: data:image/png;base64,...');
-    bytes = Buffer.from(url.slice(m[0].length), 'base64');
+    const key = 'data:' + createHash('sha256').update(url).digest('hex');
+    return remember(key, () => decodeImage(Buffer.from(url.slice(m[0].length), 'base64')));
   } else if (/^[a-z][a-z0-9+.-]*:\/\//i.test(url)) {
     throw new ImageInputError(
       `remote image ${JSON.stringify(url.slice(0, 80))} refused: treepack never fetches over the network; ` +
@@ -43,13 +69,25 @@ export function loadImage(url: string, baseDir: string): DecodedImage {
     );
   } else {
     const file = path.resolve(baseDir, url.startsWith('file:') ? url.slice(5) : url);
+    const unreadable = (e: unknown) =>
+      new ImageInputError(`cannot read image file ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+    let key: string;
     try {
-      bytes = readFileSync(file);
+      const st = statSync(file);
+      key = `file:${st.size}:${st.mtimeMs}:${file}`;
     } catch (e) {
-      throw new ImageInputError(`cannot read image file ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+      throw unreadable(e);
     }
+    return remember(key, () => {
+      let bytes: Uint8Array;
+      try {
+        bytes = readFileSync(file);
+      } catch (e) {
+        throw unreadable(e);
+      }
+      return decodeImage(bytes);
+    });
   }
-  return decodeImage(bytes);
 }
 
 /** PNG or JPEG bytes → RGB; the format is told by its signature, never by a file name or MIME type. */
