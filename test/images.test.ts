@@ -239,6 +239,28 @@ describe('chat records with images', () => {
     writeMicroBatch(path.join(tmp, 'padded.safetensors'), mb); // the writer's shape checks hold with padding
   });
 
+  it('are checked by the writer: all together, shapes from the header, fills inside images and nodes', async () => {
+    const [mb] = await pack(episode());
+    const refused = (bad: MicroBatch, field: string) => {
+      const err = (() => {
+        try {
+          writeMicroBatch(path.join(tmp, 'bad.safetensors'), bad);
+        } catch (e) {
+          return e as TreepackError;
+        }
+      })();
+      expect(err?.code).toBe('E_ARG');
+      expect(err?.where.field).toBe(field);
+      expect(fs.existsSync(path.join(tmp, 'bad.safetensors'))).toBe(false);
+    };
+    refused({ ...mb, image_sizes: undefined }, 'image_sizes');
+    refused({ ...mb, meta: { ...mb.meta, image_hashes: mb.meta.image_hashes!.slice(1) } }, 'image_sizes');
+    const fills = mb.image_fills!.slice();
+    fills[3] = 1000; // a count past the image's placeholders
+    refused({ ...mb, image_fills: fills }, 'image_fills');
+    refused({ ...mb, mrope_position_ids: mb.mrope_position_ids!.subarray(3) }, 'mrope_position_ids');
+  });
+
   it('cut into budgeted micro-batches, each carries its own images and fills', async () => {
     const whole = (await pack(episode()))[0];
     const cut = await pack(episode(), { budget: { maxTokens: Math.ceil(whole.input_ids.length / 2) + 40 } });
