@@ -9,7 +9,8 @@ import { spawnSync } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
 import { pythonEnv } from '../scripts/python-env.mjs';
-import { ImageRefusedError, imageGrid, ropeIndex, type ImageProcessor, type ImageSpan } from '../src/tokenize/images.js';
+import type { ImageProcessor, ImageSpan } from '../src/records/images.js';
+import { ImageRefusedError, imageGrid, ropeIndex } from '../src/tokenize/images.js';
 import { rng } from './helpers/sequences.js';
 
 const env = pythonEnv();

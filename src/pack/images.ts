@@ -9,7 +9,8 @@
  */
 import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
-import { processorKey, ropeIndex, type ImageProcessor, type ProcessedImage } from '../tokenize/images.js';
+import type { ImageProcessor, ProcessedImage } from '../records/images.js';
+import { processorKey, ropeIndex } from '../tokenize/images.js';
 import { MAX_TOKENS, type Forest, type ImageTensors, type MicroBatchMeta, type Sequences } from './contract.js';
 
 /** The distinct images of some samples, by identity, and where each one's keys start. */

@@ -1,5 +1,6 @@
 /**
- * Image content parts of chat records: a data URL or a file path relative to the input file, decoded to RGB bytes.
+ * Image content parts of chat records: a data URL or a file path relative to the input file, decoded to RGB bytes;
+ * and the types of what the processor makes of an image (src/tokenize/images.ts), which samples carry.
  *
  * Decoding is pure JS (pngjs, jpeg-js): no native image library to build, and the bytes are the image's identity
  * (their sha256, with the processor settings: src/tokenize/images.ts), so whatever decoded them must be the one
@@ -127,4 +128,45 @@ export function decodeImage(bytes: Uint8Array): DecodedImage {
   }
   const sha256 = createHash('sha256').update(`${height}x${width}\n`).update(rgb).digest('hex');
   return { height, width, rgb, sha256 };
+}
+
+/** The model families whose processors src/tokenize/images.ts follows. */
+export const VL_FAMILIES = ['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'] as const;
+export type VlFamily = (typeof VL_FAMILIES)[number];
+
+/** A processor's settings: what the micro-batch header carries as `image_processor` (docs/reference/format.md). */
+export interface ImageProcessor {
+  family: VlFamily;
+  patch_size: number;
+  merge_size: number;
+  temporal_patch_size: number;
+  min_pixels: number;
+  max_pixels: number;
+  image_token_id: number;
+  vision_start_token_id: number;
+  vision_end_token_id: number;
+  /** Pixel normalisation of the vision tower (the trainer resizes and normalises the RGB bytes itself). */
+  image_mean?: number[];
+  image_std?: number[];
+  rescale_factor?: number;
+  /** PIL resampling filter of the resize (3 = bicubic). */
+  resample?: number;
+}
+
+/** An image with what the processor makes of it: its identity, its patch grid and its placeholder count. */
+export interface ProcessedImage extends DecodedImage {
+  /** sha256 hex of the decoded bytes and the processor settings: the image's identity in the forest. */
+  hash: string;
+  /** (t, h, w) in patches, the processor's `image_grid_thw` */
+  grid: [number, number, number];
+  /** placeholder tokens: t·h·w / merge_size² */
+  tokens: number;
+  /** the settings it was processed with */
+  processor: ImageProcessor;
+}
+
+/** Where an image's placeholders lie in a token sequence: tokens [start, start + image.tokens). */
+export interface ImageSpan {
+  start: number;
+  image: ProcessedImage;
 }

@@ -1,6 +1,5 @@
 /** What the readers produce: chat records (to be tokenized) and samples (already token ids). */
-import type { ImageSpan } from '../tokenize/images.js';
-import type { DecodedImage } from './images.js';
+import type { DecodedImage, ImageSpan } from './images.js';
 
 /** Where a record came from, for error messages: file name (or "-") and 1-based line. */
 export interface Source {

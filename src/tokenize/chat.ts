@@ -11,7 +11,8 @@ import { createHash } from 'node:crypto';
 import { TreepackError } from '../errors.js';
 import { checkVocab } from '../records/read.js';
 import type { ChatMessage, ChatRecord, Sample, TrainRecord } from '../records/types.js';
-import { ImageRefusedError, processImage, type ImageSpan, type ProcessedImage } from './images.js';
+import type { ImageSpan, ProcessedImage } from '../records/images.js';
+import { ImageRefusedError, processImage } from './images.js';
 import type { TextTokenizer } from './tokenizer.js';
 
 export interface ChatEncoderOptions {

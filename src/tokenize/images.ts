@@ -7,42 +7,14 @@ import { createHash } from 'node:crypto';
 import { readFile } from 'node:fs/promises';
 import path from 'node:path';
 import { TreepackError } from '../errors.js';
-import type { DecodedImage } from '../records/images.js';
-
-/** The model families whose processors this module follows. */
-export const VL_FAMILIES = ['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'] as const;
-export type VlFamily = (typeof VL_FAMILIES)[number];
-
-/** A processor's settings: what the micro-batch header carries as `image_processor` (docs/reference/format.md). */
-export interface ImageProcessor {
-  family: VlFamily;
-  patch_size: number;
-  merge_size: number;
-  temporal_patch_size: number;
-  min_pixels: number;
-  max_pixels: number;
-  image_token_id: number;
-  vision_start_token_id: number;
-  vision_end_token_id: number;
-  /** Pixel normalisation of the vision tower (the trainer resizes and normalises the RGB bytes itself). */
-  image_mean?: number[];
-  image_std?: number[];
-  rescale_factor?: number;
-  /** PIL resampling filter of the resize (3 = bicubic). */
-  resample?: number;
-}
-
-/** An image with what the processor makes of it: its identity, its patch grid and its placeholder count. */
-export interface ProcessedImage extends DecodedImage {
-  /** sha256 hex of the decoded bytes and the processor settings: the image's identity in the forest. */
-  hash: string;
-  /** (t, h, w) in patches, the processor's `image_grid_thw` */
-  grid: [number, number, number];
-  /** placeholder tokens: t·h·w / merge_size² */
-  tokens: number;
-  /** the settings it was processed with */
-  processor: ImageProcessor;
-}
+import {
+  VL_FAMILIES,
+  type DecodedImage,
+  type ImageProcessor,
+  type ImageSpan,
+  type ProcessedImage,
+  type VlFamily,
+} from '../records/images.js';
 
 const PROCESSOR_CLASSES: Readonly<Record<string, VlFamily>> = {
   Qwen2VLProcessor: 'qwen2_vl',
@@ -98,12 +70,6 @@ export function processImage(img: DecodedImage, p: ImageProcessor): ProcessedIma
 /** The settings that change what an image becomes, in a fixed order. */
 export function processorKey(p: ImageProcessor): string {
   return JSON.stringify([p.family, p.patch_size, p.merge_size, p.temporal_patch_size, p.min_pixels, p.max_pixels, p.image_token_id]);
-}
-
-/** Where an image's placeholders lie in a token sequence: tokens [start, start + image.tokens). */
-export interface ImageSpan {
-  start: number;
-  image: ProcessedImage;
 }
 
 /**

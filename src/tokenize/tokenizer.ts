@@ -14,7 +14,8 @@ import { Tokenizer } from '@huggingface/tokenizers';
 import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
-import { loadImageProcessor, type ImageProcessor } from './images.js';
+import type { ImageProcessor } from '../records/images.js';
+import { loadImageProcessor } from './images.js';
 
 /**
  * The part of @huggingface/tokenizers' Tokenizer used here. Its bundled declarations import their modules without
