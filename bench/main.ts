@@ -30,6 +30,7 @@ import { generateJsonlLines, generateTokenSamples } from './dataset.js';
 import { benchMasks } from './masks.js';
 import { benchCollectors, benchMicroBatch, type MicroBatchRow } from './microbatch.js';
 import { benchLoss } from './loss.js';
+import { benchImages } from './images.js';
 import { benchMemory } from './memory.js';
 import { measurePacker, type Timing } from './throughput.js';
 import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from './merge.js';
@@ -253,6 +254,7 @@ async function mergeSection(): Promise<MergeBenchRow[]> {
 
 const merge = await timed('timeline merge', mergeSection);
 const collectors = await timed('micro-batch collectors', benchCollectors);
+const images = await timed('images', () => benchImages(quick));
 const loss = await timed('loss', () => benchLoss({ quick }));
 const masks = await timed('masks', () => benchMasks(quick, syntheticTokens));
 const memory = await timed('memory', () => benchMemory(quick));
@@ -272,6 +274,7 @@ const all = {
   scale: { naiveTokens: M, samples: seqs.offsets.length - 1, throughput: scale },
   merge,
   collectors,
+  images,
   loss,
   masks,
   memory,

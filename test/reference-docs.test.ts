@@ -13,6 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { GENERATED } from '../scripts/gen-docs.js';
 import { undocumentedExports } from '../scripts/undocumented-exports.js';
 import { pythonEnv } from '../scripts/python-env.mjs';
+import { vlTokenizerDir, writeImageWorkload } from '../bench/images.js';
 import { BACKEND_NAMES, disposeBackends, listBackends } from '../src/backend/index.js';
 import { COMMANDS } from '../src/cli/commands.js';
 import { ERROR_CODES, type TreepackError } from '../src/errors.js';
@@ -21,6 +22,7 @@ import { readManifest } from '../src/io/manifest.js';
 import { readMicroBatch } from '../src/io/microbatch.js';
 import { readSafetensors, writeSafetensors, type Tensor } from '../src/io/safetensors.js';
 import { packRecords, type PackerOptions } from '../src/packer/index.js';
+import type { PackInput } from '../src/packer/pack-records.js';
 import { Service } from '../src/serve/index.js';
 import { cli } from './helpers/cli.js';
 import { caught } from './helpers/errors.js';
@@ -113,9 +115,9 @@ interface Written {
 }
 
 /** Packs with `options` into a new directory and collects the names the writer emitted. */
-async function written(opts: PackerOptions, shared: boolean, into: Written, routed = false): Promise<void> {
+async function written(opts: PackerOptions, shared: boolean, into: Written, input: PackInput = samples(shared)): Promise<void> {
   const dir = join(mkdtempSync(join(tmpdir(), 'tp-refdocs-')), 'out');
-  const manifest = await packRecords(samples(shared, routed), { vocabSize: 100, ...opts }).writeTo(new DirectorySink(dir));
+  const manifest = await packRecords(input, { vocabSize: 100, ...opts }).writeTo(new DirectorySink(dir));
   const raw = JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as Record<string, unknown>;
   into.manifest.push(Object.keys(raw));
   for (const k of Object.keys((raw.cost_model as object | undefined) ?? {})) into.costModel.add(k);
@@ -137,7 +139,11 @@ describe('format.md', () => {
     await written({ turnIds: true, masks: 'block:4,slices', maskBackend: 'js', budget: { ...budget, padMultiple: 4 } }, true, w);
     await written({ budget: { maxTokens: 4, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w);
     await written({ masks: 'cu_seqlens', maskBackend: 'js' }, false, w);
-    await written({ budget: { maxTokens: 8, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w, true);
+    await written({ budget: { maxTokens: 8, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w, samples(true, true));
+    // Images: chat calls resending screenshots, for a vision-language tokenizer.
+    const images = mkdtempSync(join(tmpdir(), 'tp-refdocs-images-'));
+    const episodes = writeImageWorkload(images, { episodes: 1, steps: 2, height: 56, width: 56 });
+    await written({ tokenizer: vlTokenizerDir(join(images, 'tokenizer')), vocabSize: undefined }, false, w, episodes);
 
     const tensorRows = tableRows(section(format, 'Tensors'));
     const documentedTensors = new Map(tensorRows.map((r) => [r[0].replace(/`/g, ''), r[1]]));

@@ -68,7 +68,7 @@ describe('poison records', { timeout: 60_000 }, () => {
         [{ role: 'narrator', content: 'x' }, user('hi')],
         /field "messages\[0\]\.role": expected system, developer, user, assistant or tool .*got "narrator"/,
       ],
-      [[user(5)], /field "messages\[0\]\.content": expected a string, null or an array of text parts, got 5/],
+      [[user(5)], /field "messages\[0\]\.content": expected a string, null or an array of content parts, got 5/],
       [
         [user('q'), { role: 'assistant', content: null, tool_calls: 5 }, user('and?')],
         /field "messages\[1\]\.tool_calls": expected an array of tool calls/,

@@ -5,7 +5,7 @@ import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
 import { dpFloorTokens, planMicroBatches } from '../pack/budget.js';
 import { keyByRoutes } from '../pack/routes.js';
-import type { Sequences } from '../pack/contract.js';
+import type { MicroBatch, Sequences } from '../pack/contract.js';
 import type { Sample } from '../records/types.js';
 import { packRecords, type PackReport } from '../packer/index.js';
 import { OPTION_TABLE } from '../packer/option-table.js';
@@ -69,6 +69,34 @@ interface StatsReport {
   /** with MoE routes: what sharing the split costs (packed tokens without padding, split vs by tokens alone) */
   routes?: { policy: string; conflicts: number; split_tokens: number; unsplit_tokens: number };
   step_plans: StepPlanRow[];
+  images?: ImageFigures;
+}
+
+/** The images of the input (present when it has any): what the vision encoder and the language model run. */
+interface ImageFigures {
+  /** image parts over all calls: vision-encoder runs of an unpacked trainer (once per image per call) */
+  encoder_calls_naive: number;
+  /** distinct images summed over micro-batches: the packed trainer's runs (once per distinct image per micro-batch) */
+  encoder_calls_packed: number;
+  /** distinct images of the whole input */
+  distinct_images: number;
+  /** placeholder tokens over all calls, and the nodes holding them in the micro-batches */
+  naive_image_tokens: number;
+  packed_image_tokens: number;
+}
+
+/** Adds a micro-batch's images to `f`: its samples' image parts and tokens, its distinct images and their nodes. */
+function addImageFigures(f: ImageFigures, batch: MicroBatch, samples: readonly Sample[], seen: Set<string>): void {
+  for (const s of samples)
+    for (const { image } of s.images ?? []) {
+      f.encoder_calls_naive++;
+      f.naive_image_tokens += image.tokens;
+    }
+  const hashes = batch.meta.image_hashes ?? [];
+  f.encoder_calls_packed += hashes.length;
+  for (const h of hashes) seen.add(h);
+  f.distinct_images = seen.size;
+  if (batch.image_fills) for (let k = 3; k < batch.image_fills.length; k += 4) f.packed_image_tokens += batch.image_fills[k];
 }
 
 /** Summed over the input's windows. */
@@ -158,6 +186,14 @@ export async function statsCommand(argv: string[]): Promise<number> {
   const run = packRecords(input, { ...opts, advantages: 'none', onProgress: progress.update });
   const packer = await resolveKernel('packForest', opts.backend);
   const groupFigures = new Map<string, GroupStats>();
+  const images: ImageFigures = {
+    encoder_calls_naive: 0,
+    encoder_calls_packed: 0,
+    distinct_images: 0,
+    naive_image_tokens: 0,
+    packed_image_tokens: 0,
+  };
+  const seenImages = new Set<string>();
   // A group's own forest tells how much it shares internally. A group too large for one micro-batch is packed
   // in parts, and its figures are the sum of its parts: what the micro-batches really hold.
   const closeGroups = () => {
@@ -175,6 +211,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   try {
     for await (const { batch, samples } of run) {
       branchDepthHistogram(batch, histogram);
+      addImageFigures(images, batch, samples, seenImages);
       windows.push(keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', packer.kernel).seqs);
       for (const s of samples) {
         const list = groups.get(s.group);
@@ -218,6 +255,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
       },
     }),
     step_plans: stepPlans(windows, planTokens, planDp),
+    ...(images.encoder_calls_naive > 0 && { images }),
   };
   if (values.json) console.log(JSON.stringify(report));
   else console.log(formatStats(report, maxGroups));
@@ -248,6 +286,15 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     `packer         ${r.backend}`,
     `time           ${r.seconds.total.toFixed(2)} s (read+parse ${r.seconds.readParse.toFixed(2)}, tokenize ${r.seconds.tokenize.toFixed(2)}, merge ${r.seconds.merge.toFixed(2)}, pack ${r.seconds.pack.toFixed(2)})`,
   ];
+  if (r.images) {
+    const im = r.images;
+    lines.push(
+      `images         ${n(im.distinct_images)} distinct; vision encoder runs ${n(im.encoder_calls_naive)} unpacked ` +
+        `(once per image per call), ${n(im.encoder_calls_packed)} packed (once per distinct image per micro-batch)`,
+      `image tokens   ${n(im.naive_image_tokens)} naive, ${n(im.packed_image_tokens)} packed ` +
+        `(${ratio(im.naive_image_tokens, im.packed_image_tokens).toFixed(2)}×)`,
+    );
+  }
   if (r.groups.length) {
     const top = [...r.groups].sort((a, b) => b.naive_tokens - a.naive_tokens).slice(0, maxGroups);
     lines.push('', `groups (${r.groups.length}; largest ${top.length} by naive tokens)`);

@@ -11,6 +11,7 @@
 import { argError, TreepackError } from '../errors.js';
 import {
   FORMAT,
+  IMAGE_FIELDS,
   MAX_TOKENS,
   NODE_FIELDS,
   OCCURRENCE_FLOAT_FIELDS,
@@ -56,7 +57,49 @@ const CONTRACT_META_KEYS = new Set<string>([
   'vocab_size',
   ...PREFIX_META_KEYS,
   ...ROUTES_META_KEYS,
+  'image_processor',
+  'image_hashes',
 ]);
+const IMAGE_NAMES = Object.keys(IMAGE_FIELDS) as (keyof typeof IMAGE_FIELDS)[];
+
+/**
+ * The image extension: all five tensors and both header keys, or none; shapes from I (hashes), F, N and the pixel
+ * bytes the sizes add up to. Returns each tensor's shape for the writer.
+ */
+function checkImages(mb: MicroBatch, fail: Fail): Map<string, number[]> | undefined {
+  const present = IMAGE_NAMES.filter((f) => mb[f] !== undefined);
+  const hashes = mb.meta.image_hashes;
+  if (present.length === 0 && hashes === undefined && mb.meta.image_processor === undefined) return undefined;
+  const missing = IMAGE_NAMES.find((f) => mb[f] === undefined);
+  if (missing) throw fail(missing, `${missing} is missing: the image tensors (${IMAGE_NAMES.join(', ')}) go together`);
+  if (!Array.isArray(hashes) || !hashes.every((h) => typeof h === 'string'))
+    throw fail('image_hashes', 'image_hashes must be a list of strings, one per image');
+  const p = mb.meta.image_processor;
+  if (p === null || typeof p !== 'object' || !Number.isSafeInteger(p.image_token_id))
+    throw fail('image_processor', 'image_processor must be an object with the processor settings (image_token_id, ...)');
+  const I = hashes.length;
+  const sizes = mb.image_sizes!;
+  if (sizes.length !== 2 * I) throw fail('image_sizes', `image_sizes has ${sizes.length} elements, expected [I = ${I}, 2]`);
+  let B = 0;
+  for (let i = 0; i < I; i++) B += 3 * sizes[2 * i] * sizes[2 * i + 1];
+  const fills = mb.image_fills!;
+  if (fills.length % 4 !== 0) throw fail('image_fills', `image_fills has ${fills.length} elements, expected [F, 4]`);
+  const dims = { I, F: fills.length / 4, N: mb.input_ids.length, B };
+  const shapes = new Map<string, number[]>();
+  for (const f of IMAGE_NAMES) {
+    const shape = IMAGE_FIELDS[f][1](dims);
+    const n = shape[0] * (shape[1] ?? 1);
+    if (mb[f]!.length !== n) throw fail(f, `${f} has ${mb[f]!.length} elements, expected shape ${JSON.stringify(shape)}`);
+    shapes.set(f, shape);
+  }
+  for (let k = 0; k < dims.F; k++) {
+    const [i, pos, first, count] = fills.subarray(4 * k, 4 * k + 4);
+    const tokens = (mb.image_grid_thw![3 * i] * mb.image_grid_thw![3 * i + 1] * mb.image_grid_thw![3 * i + 2]) / Number(p.merge_size) ** 2;
+    if (!(i >= 0 && i < I && pos >= 0 && count >= 1 && pos + count <= dims.N && first >= 0 && first + count <= tokens))
+      throw fail('image_fills', `image_fills[${k}] = [${i}, ${pos}, ${first}, ${count}] is outside the images or the nodes`);
+  }
+  return shapes;
+}
 
 type Fail = (field: string, message: string) => TreepackError;
 
@@ -83,6 +126,7 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
     throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
   checkPrefix(mb, fail);
   checkRoutes(mb, fail);
+  checkImages(mb, fail);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
@@ -188,15 +232,23 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     tensors.set(name, { dtype, shape: [data.length], data });
   }
   if (batch.routes !== undefined && !(batch.routes instanceof Int16Array)) throw argError('batch.routes', 'an Int16Array', batch.routes);
-  checkShapes(batch, (field, message) => new TreepackError('E_ARG', message, { file, field }));
+  const argFail: Fail = (field, message) => new TreepackError('E_ARG', message, { file, field });
+  checkShapes(batch, argFail);
   if (batch.routes)
     tensors.set(ROUTES, {
       dtype: 'I16',
       shape: [batch.input_ids.length, batch.meta.routes_layers!, batch.meta.routes_top_k!],
       data: batch.routes,
     });
+  for (const [name, shape] of checkImages(batch, argFail) ?? []) {
+    const data = batch[name as keyof typeof IMAGE_FIELDS]!;
+    const ctor = IMAGE_FIELDS[name as keyof typeof IMAGE_FIELDS][0] === 'U8' ? Uint8Array : Int32Array;
+    if (!(data instanceof ctor)) throw argError(`batch.${name}`, `a ${ctor.name}`, data);
+    tensors.set(name, { dtype: IMAGE_FIELDS[name as keyof typeof IMAGE_FIELDS][0], shape, data });
+  }
   for (const [name, t] of extra ?? []) {
-    if (CONTRACT_DTYPES.has(name) || name === ROUTES) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
+    if (CONTRACT_DTYPES.has(name) || name === ROUTES || name in IMAGE_FIELDS)
+      throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
     tensors.set(name, t);
   }
   for (const [key, value] of Object.entries(extraMeta ?? {})) {
@@ -218,6 +270,9 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
       ? { prefix_tokens: String(m.prefix_tokens), prefix_push: JSON.stringify(m.prefix_push), prefix_release: String(m.prefix_release) }
       : {}),
     ...(m.routes_layers !== undefined && { routes_layers: String(m.routes_layers), routes_top_k: String(m.routes_top_k) }),
+    ...(m.image_hashes !== undefined
+      ? { image_processor: JSON.stringify(m.image_processor), image_hashes: JSON.stringify(m.image_hashes) }
+      : {}),
   };
   return { tensors, metadata };
 }
@@ -282,7 +337,23 @@ export function readMicroBatch(path: string): MicroBatchFile {
     }
   }
 
+  for (const key of ['image_processor', 'image_hashes'] as const) {
+    const v = metadata[key];
+    if (v === undefined) continue;
+    try {
+      (meta as unknown as Record<string, unknown>)[key] = JSON.parse(v);
+    } catch {
+      throw fail(key, `${key} is not JSON`);
+    }
+  }
+
   const fields: Record<string, TypedArray> = {};
+  for (const name of IMAGE_NAMES) {
+    const t = tensors.get(name);
+    if (t === undefined) continue;
+    if (t.dtype !== IMAGE_FIELDS[name][0]) throw fail(name, `tensor ${name} has dtype ${t.dtype}, expected ${IMAGE_FIELDS[name][0]}`);
+    fields[name] = t.data;
+  }
   for (const [name, dtype] of CONTRACT_DTYPES) {
     const t = tensors.get(name);
     if (t === undefined) {
@@ -306,7 +377,7 @@ export function readMicroBatch(path: string): MicroBatchFile {
     batch.routes = routes.data as Int16Array;
   }
   checkShapes(batch, fail);
-  const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name) && name !== ROUTES));
+  const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name) && name !== ROUTES && !(name in IMAGE_FIELDS)));
   const extraMeta = Object.fromEntries(Object.entries(metadata).filter(([key]) => !CONTRACT_META_KEYS.has(key)));
   return { batch, extra, extraMeta };
 }

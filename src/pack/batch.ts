@@ -14,6 +14,7 @@ import {
   type Sequences,
 } from './contract.js';
 import { keyByRoutes, nodeRoutes, type RouteConflictPolicy, type RouteStats } from './routes.js';
+import { imageTable, imageTensors, keyImages, type ImageTable } from './images.js';
 import { sampleTurnIds } from './turns.js';
 
 /**
@@ -35,12 +36,17 @@ export function concatSequences(seqs: readonly ArrayLike<number>[], idOf: (i: nu
   return { tokens, offsets };
 }
 
-/** Concatenates sample tokens into CSR form. */
-export function toSequences(samples: readonly Sample[]): Sequences {
-  return concatSequences(
+/**
+ * Concatenates sample tokens into CSR form: the sequences every forest, plan and statistic is built from. Image
+ * placeholders come out as their images' keys (src/pack/images.ts), so an image is part of its nodes' identity.
+ */
+export function toSequences(samples: readonly Sample[], table: ImageTable | undefined = imageTable(samples)): Sequences {
+  const seqs = concatSequences(
     samples.map((s) => s.tokens),
     (i) => samples[i].id,
   );
+  if (table) keyImages(samples, seqs, table);
+  return seqs;
 }
 
 /**
@@ -94,11 +100,14 @@ export interface AssembleOptions {
 
 /** Packs `samples` into one micro-batch: their forest (by `opts.packForest`) plus the per-occurrence fields in input order. */
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
-  const seqs = toSequences(samples);
+  const table = imageTable(samples);
+  const seqs = toSequences(samples, table);
+  // Routes key the image-keyed sequences: a node is its token (or image placeholder) and its route.
   const keyed = keyByRoutes(samples, seqs, opts.routeConflict ?? 'split', opts.packForest);
   const forest = opts.packForest(keyed.seqs);
   const { tokenOf } = keyed;
   if (tokenOf) forest.input_ids = forest.input_ids.map((key) => tokenOf[key]);
+  const images = table && imageTensors(samples, forest, table);
   const M = seqs.tokens.length;
   const loss_mask = new Uint8Array(M);
   for (let i = 0; i < samples.length; i++) {
@@ -118,7 +127,9 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
       tokenizer: opts.tokenizer,
       sequence_ids: samples.map((s) => s.id),
       ...(opts.vocabSize !== undefined && { vocab_size: opts.vocabSize }),
+      ...images?.meta,
     },
+    ...images?.tensors,
   };
   for (const f of OCCURRENCE_FLOAT_FIELDS) {
     const col = floatField(samples, seqs.offsets, f);

@@ -58,10 +58,45 @@ export interface MicroBatchMeta {
   /** Extension (routing replay): the shape of `routes`, [N, routes_layers, routes_top_k]; present exactly with it. */
   routes_layers?: number;
   routes_top_k?: number;
+  /**
+   * Extension (images, docs/reference/format.md "Images"): the image processor's settings (JSON: family, patch_size,
+   * merge_size, temporal_patch_size, min_pixels, max_pixels, image_token_id, vision_start_token_id, ...) and the
+   * identity of each image (sha256 hex of its decoded bytes and those settings), in image order. Present together
+   * with the image tensors.
+   */
+  image_processor?: Record<string, unknown>;
+  image_hashes?: string[];
+}
+
+/**
+ * Extension (images): each distinct image of the micro-batch once, and which nodes it fills. I images, F fills.
+ * Present together, only when the micro-batch has images.
+ */
+export interface ImageTensors {
+  image_pixels: Uint8Array; // [B] RGB bytes (row-major H×W×3) of each image, concatenated in image order
+  image_sizes: Int32Array; // [I, 2] (height, width)
+  image_grid_thw: Int32Array; // [I, 3] the processor's grid in patches
+  image_fills: Int32Array; // [F, 4] (image, first node, first placeholder, count)
+  mrope_position_ids: Int32Array; // [3, N] temporal, height, width rotary positions per node
+}
+
+/** The image tensors: name → [dtype, shape from (I, F, N, B)]. */
+export const IMAGE_FIELDS = {
+  image_pixels: ['U8', (d: ImageDims) => [d.B]],
+  image_sizes: ['I32', (d: ImageDims) => [d.I, 2]],
+  image_grid_thw: ['I32', (d: ImageDims) => [d.I, 3]],
+  image_fills: ['I32', (d: ImageDims) => [d.F, 4]],
+  mrope_position_ids: ['I32', (d: ImageDims) => [3, d.N]],
+} as const;
+export interface ImageDims {
+  I: number;
+  F: number;
+  N: number;
+  B: number;
 }
 
 /** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */
-export interface MicroBatch extends Forest {
+export interface MicroBatch extends Forest, Partial<ImageTensors> {
   loss_mask: Uint8Array; // [M], 0 for t = 0
   advantages?: Float32Array; // [M]
   old_logprobs?: Float32Array; // [M]

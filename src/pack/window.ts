@@ -63,13 +63,14 @@ export function padForest<F extends Forest>(f: F, count: number, padTokenId: num
     for (let p = N; p < n; p++) out[p] = fill(p);
     return out;
   };
-  const { routes, meta } = f as Partial<MicroBatch>;
+  const { routes, meta, mrope_position_ids: mrope } = f as Partial<MicroBatch>;
   const padded = {
     ...f,
     input_ids: grow(f.input_ids, () => padTokenId),
     position_ids: grow(f.position_ids, () => 0),
     parent: grow(f.parent, () => -1),
     subtree_end: grow(f.subtree_end, (p) => p + 1),
+    ...(mrope !== undefined && { mrope_position_ids: growRows(mrope, N, n) }),
   };
   if (routes) {
     // Pad nodes are routed by nobody: −1 rows.
@@ -78,4 +79,12 @@ export function padForest<F extends Forest>(f: F, count: number, padTokenId: num
     (padded as Partial<MicroBatch>).routes = grown;
   }
   return padded;
+}
+
+/** A [rows, N] array widened to [rows, n], the new columns 0 (a pad node's position). */
+function growRows(a: Int32Array, N: number, n: number): Int32Array {
+  const rows = a.length / N;
+  const out = new Int32Array(rows * n);
+  for (let r = 0; r < rows; r++) out.set(a.subarray(r * N, (r + 1) * N), r * n);
+  return out;
 }

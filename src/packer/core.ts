@@ -25,7 +25,7 @@ import { timelineFromChat, timelineFromSample, timelineToSample } from '../timel
 import { byId, mergeTimelines, snapsOnly } from '../timeline/merge.js';
 import { mergeDefaults, timelineLength, type ResolvedMergeOptions, type Timeline } from '../timeline/model.js';
 import { addSnaps } from '../timeline/snap.js';
-import { ChatEncoder } from '../tokenize/chat.js';
+import { ChatEncoder, hasImages } from '../tokenize/chat.js';
 import { resolveTokenizer, TOKENIZER_HINT } from '../tokenize/tokenizer.js';
 import type { ResolvedOptions } from './options.js';
 import { reportOptions, type PackReport } from './report.js';
@@ -185,7 +185,9 @@ export class PackerCore {
       checkResponseVocab(rec, this.#opts.vocabSize ?? this.#encoder.tokenizer.vocabSize);
       const built = timelineFromChat(rec, this.#encoder, this.#policy);
       if (built.drifted) stats.driftedMessages++;
-      item = built.timeline;
+      // The message-level merge compares text and tokens, which are alike for two images of one size: a call with
+      // images goes to the forest as its own sample, where the images' identities keep them apart and share what repeats.
+      item = hasImages(rec) ? this.#encoder.expandImages(rec, timelineToSample(built.timeline)) : built.timeline;
       stats.seconds.tokenize += (performance.now() - t0) / 1000;
       stats.chatSamples++;
       stats.tokenizer = this.#tokenizerName();

@@ -3,7 +3,9 @@
  * Every rejection is an E_INPUT TreepackError naming file, line, record and field, because the data sets this
  * reads are too large to debug by eye.
  */
+import nodePath from 'node:path';
 import { TreepackError, describeValue } from '../errors.js';
+import { ImageInputError, loadImage, type DecodedImage } from './images.js';
 import { EpisodeIds } from './episode-ids.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
 import { parseRoutes } from './routes.js';
@@ -12,6 +14,7 @@ import {
   type Author,
   type ChatMessage,
   type ChatRecord,
+  type ContentPart,
   type Sample,
   type Source,
   type ToolCall,
@@ -437,7 +440,9 @@ function parseMessage(v: unknown, ctx: Ctx, path: string, defaultRole: string | 
   if (!isObject(v)) throw fail(ctx, path, `expected a message object, got ${describeValue(v)}`);
   const role = v.role ?? defaultRole;
   if (typeof role !== 'string') throw fail(ctx, path + '.role', `expected a role string, got ${describeValue(role)}`);
-  const m: ChatMessage = { role, content: parseContent(v.content, ctx, path + '.content') };
+  const { content, parts } = parseContent(v.content, ctx, path + '.content');
+  const m: ChatMessage = { role, content };
+  if (parts) m.parts = parts;
   const p = path + '.';
   if (v.tool_calls !== undefined && v.tool_calls !== null) m.tool_calls = parseToolCalls(v.tool_calls, ctx, p + 'tool_calls');
   for (const key of ['tool_call_id', 'name', 'reasoning_content'] as const) {
@@ -447,21 +452,43 @@ function parseMessage(v: unknown, ctx: Ctx, path: string, defaultRole: string | 
   return m;
 }
 
-/** OpenAI content: a string, null, or parts of which only text can be rendered by a text chat template. */
-function parseContent(v: unknown, ctx: Ctx, field: string): string | null {
-  if (v === undefined || v === null) return null;
-  if (typeof v === 'string') return v;
-  if (!Array.isArray(v)) throw fail(ctx, field, `expected a string, null or an array of text parts, got ${describeValue(v)}`);
+/**
+ * OpenAI content: a string, null, or parts: text, and images (`{"type": "image_url", "image_url": {"url": ...}}`, a
+ * data URL or a path relative to the input file) decoded here, so a bad image fails at its line.
+ */
+function parseContent(v: unknown, ctx: Ctx, field: string): { content: string | null; parts?: ContentPart[] } {
+  if (v === undefined || v === null) return { content: null };
+  if (typeof v === 'string') return { content: v };
+  if (!Array.isArray(v)) throw fail(ctx, field, `expected a string, null or an array of content parts, got ${describeValue(v)}`);
   let text = '';
+  const parts: ContentPart[] = [];
+  let images = 0;
   for (let i = 0; i < v.length; i++) {
     const part: unknown = v[i];
-    if (!isObject(part) || part.type !== 'text' || typeof part.text !== 'string') {
+    const at = `${field}[${i}]`;
+    if (isObject(part) && part.type === 'text' && typeof part.text === 'string') {
+      text += part.text;
+      parts.push({ type: 'text', text: part.text });
+    } else if (isObject(part) && part.type === 'image_url') {
+      const ref = part.image_url;
+      const url = typeof ref === 'string' ? ref : isObject(ref) ? ref.url : undefined;
+      if (typeof url !== 'string') throw fail(ctx, at + '.image_url.url', `expected an image URL string, got ${describeValue(url)}`);
+      const baseDir = ctx.file === '-' || ctx.file.startsWith('<') ? process.cwd() : nodePath.dirname(nodePath.resolve(ctx.file));
+      let image: DecodedImage;
+      try {
+        image = loadImage(url, baseDir);
+      } catch (e) {
+        if (!(e instanceof ImageInputError)) throw e;
+        throw fail(ctx, at + '.image_url.url', e.message);
+      }
+      parts.push({ type: 'image', image, field: at });
+      images++;
+    } else {
       const got = isObject(part) ? `a part of type ${JSON.stringify(part.type)}` : describeValue(part);
-      throw fail(ctx, `${field}[${i}]`, `expected a text part {"type": "text", "text": string}, got ${got}`);
+      throw fail(ctx, at, `expected a text part {"type": "text", "text": string} or an image part {"type": "image_url", ...}, got ${got}`);
     }
-    text += part.text;
   }
-  return text;
+  return images > 0 ? { content: text, parts } : { content: text };
 }
 
 function parseToolCalls(v: unknown, ctx: Ctx, field: string): ToolCall[] {

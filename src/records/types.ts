@@ -1,4 +1,5 @@
 /** What the readers produce: chat records (to be tokenized) and samples (already token ids). */
+import type { DecodedImage, ImageSpan } from './images.js';
 
 /** Where a record came from, for error messages: file name (or "-") and 1-based line. */
 export interface Source {
@@ -13,10 +14,16 @@ export interface ToolCall {
   function: { name: string; arguments: string | Record<string, unknown> };
 }
 
+/** A content part of a message with images (src/records/images.ts): text, or an image decoded from its `image_url`. */
+export type ContentPart = { type: 'text'; text: string } | { type: 'image'; image: DecodedImage; field: string };
+
 /** An OpenAI chat message. `content` may be null on assistant messages that only call tools. */
 export interface ChatMessage {
   role: string;
+  /** The text; for a message with images, its text parts joined (the parts, in order, are in `parts`). */
   content: string | null;
+  /** Present when the content has image parts: every part in order, each image with the record field it came from. */
+  parts?: ContentPart[];
   tool_calls?: ToolCall[];
   tool_call_id?: string;
   name?: string;
@@ -80,6 +87,8 @@ export interface Sample {
   message_authors?: Author[];
   /** Where each assistant turn starts in `tokens` (src/pack/turns.ts): set from the timeline's messages. */
   turn_starts?: Int32Array;
+  /** Image placeholders (a vision-language model's chat record): ascending, each image's tokens one run. */
+  images?: ImageSpan[];
   /** Ids of the records absorbed into this sample by the timeline merge (not including its own). */
   merged_from?: string[];
   source: Source;

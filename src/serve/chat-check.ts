@@ -2,9 +2,9 @@
  * A chat call's messages checked before the engine sees them or anything is recorded, by the rules the packer
  * reads a record with (records/read.ts), so a call answered 200 is one the trainer can pack: roles the packer
  * knows (system, user, assistant, tool), `developer` as the served chat template renders it, content a string,
- * null or text parts, well-formed tool calls, and the id a tool message answers. What fails is a 400 naming the
- * message and field. What the template does with a message only the packing step shows (docs/guides/service.md,
- * "Poison records").
+ * null or text parts (image parts are refused: the gateway does not record images), well-formed tool calls, and
+ * the id a tool message answers. What fails is a 400 naming the message and field. What the template does with a
+ * message only the packing step shows (docs/guides/service.md, "Poison records").
  */
 import { describeValue, TreepackError } from '../errors.js';
 import { parseRecords } from '../records/read.js';
@@ -43,6 +43,17 @@ export function checkChatMessages(messages: readonly unknown[], tools: unknown, 
       const known = developer === undefined ? 'system, user, assistant or tool' : 'system, developer, user, assistant or tool';
       const why = `expected ${known} (the roles the served chat template renders as turns), got ${describeValue(msg.role)}`;
       throw new PoolError(400, `field "messages[${i}].role": ${why}`);
+    }
+    // The packer reads image parts (records/images.ts), but the gateway neither forwards them with the engine's
+    // placeholder expansion nor records their bytes: a call with one would be packed from a log missing its images.
+    if (Array.isArray(msg.content)) {
+      const j = (msg.content as unknown[]).findIndex((p) => (p as Obj | null)?.type === 'image_url');
+      if (j >= 0)
+        throw new PoolError(
+          400,
+          `field "messages[${i}].content[${j}]": expected a text part {"type": "text", "text": string}, ` +
+            'got a part of type "image_url" (the gateway does not record images)',
+        );
     }
     if (msg.role === 'tool' && (typeof msg.tool_call_id !== 'string' || msg.tool_call_id === '')) {
       const why = `a tool message needs the id of the call it answers, got ${describeValue(msg.tool_call_id)}`;

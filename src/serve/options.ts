@@ -63,7 +63,7 @@ export interface ServiceOptions {
    */
   recordRoutes?: boolean;
   /** [layers, experts per token] of the routes an engine sends as a flat array (SGLang) */
-  routeShape?: [layers: number, topK: number];
+  routeShape?: readonly [layers: number, topK: number];
   /** the most bytes (as int16) one output's routes may take; larger ones are not recorded. Default 64 MiB. */
   maxRouteBytes?: number;
 }

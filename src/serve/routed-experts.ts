@@ -23,7 +23,7 @@ const isObj = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !
 /** How the gateway records routes (`--record-routes`, `--route-shape`, `--max-route-bytes`). */
 export interface RouteOptions {
   /** layers and experts per token, for engines that send a flat array (SGLang) */
-  shape?: [layers: number, topK: number];
+  shape?: readonly [layers: number, topK: number];
   /** the most int16 bytes one output's routes may take; more are not recorded */
   maxBytes: number;
 }

@@ -11,6 +11,8 @@ import { createHash } from 'node:crypto';
 import { TreepackError } from '../errors.js';
 import { checkVocab } from '../records/read.js';
 import type { ChatMessage, ChatRecord, Sample, TrainRecord } from '../records/types.js';
+import type { ImageSpan, ProcessedImage } from '../records/images.js';
+import { ImageRefusedError, processImage } from './images.js';
 import type { TextTokenizer } from './tokenizer.js';
 
 export interface ChatEncoderOptions {
@@ -41,6 +43,8 @@ const TURN_MARKERS: readonly [start: string, end: string][] = [
 ];
 
 const DEFAULT_MAX_CACHE_CHARS = 64 * 1024 * 1024;
+/** Distinct images kept so that calls resending one share one copy of its bytes. */
+const MAX_CACHED_IMAGES = 256;
 
 interface Segment {
   key: string; // the cache's own copy of the text, see lookup()
@@ -62,6 +66,7 @@ export class ChatEncoder {
   private readonly headerIds: Int32Array;
   private readonly native: ((messages: ChatMessage[], tools: unknown[] | undefined) => string) | undefined;
   private readonly cache = new Map<string, Segment>();
+  private readonly images = new Map<string, ProcessedImage>();
   private cachedChars = 0;
   private readonly counters: SegmentCacheStats = { segments: 0, unique: 0, encodedChars: 0, totalChars: 0 };
 
@@ -121,7 +126,105 @@ export class ChatEncoder {
       source: record.source,
     };
     if (record.reward !== undefined) sample.reward = record.reward;
-    return sample;
+    return hasImages(record) ? this.expandImages(record, sample) : sample;
+  }
+
+  /**
+   * Replaces each image's one placeholder token of the rendered template in `sample` (encoded from `record`) by as
+   * many as the processor makes of it (the engine's prompt has the same expansion), and records where each image's
+   * run lies; per-token arrays widen, message and turn starts move.
+   */
+  expandImages(record: ChatRecord, sample: Sample): Sample {
+    const where = (field: string) => ({ file: record.source.file, line: record.source.line, record: record.id, field });
+    const proc = this.tokenizer.imageProcessor;
+    const parts = record.messages.flatMap((m) => m.parts ?? []).filter((p) => p.type === 'image');
+    const first = parts[0] ?? record.response.parts?.find((p) => p.type === 'image');
+    if (!proc)
+      throw new TreepackError(
+        'E_INPUT',
+        `the record has images but tokenizer ${this.tokenizer.name} has no image processor: ` +
+          "pass a vision-language model's directory (its preprocessor_config.json)",
+        where(first.field),
+      );
+    const inResponse = record.response.parts?.find((p) => p.type === 'image');
+    if (inResponse) throw new TreepackError('E_INPUT', 'an image in the response: the policy generates text only', where(inResponse.field));
+    const images: ProcessedImage[] = parts.map((p) => {
+      let img: ProcessedImage;
+      try {
+        img = processImage(p.image, proc);
+      } catch (e) {
+        if (!(e instanceof ImageRefusedError)) throw e;
+        throw new TreepackError(
+          'E_INPUT',
+          `the ${proc.family} image processor refuses the image: ${e.message}`,
+          where(p.field + '.image_url'),
+        );
+      }
+      return this.shared(img);
+    });
+    const { tokens, loss_mask } = sample;
+    const pad = proc.image_token_id;
+    const at: number[] = [];
+    for (let i = 0; i < tokens.length; i++) if (tokens[i] === pad) at.push(i);
+    if (at.length !== images.length) {
+      const literal = record.messages.findIndex((m) => (m.content ?? '').includes(this.tokenizer.decode([pad])));
+      throw new TreepackError(
+        'E_INPUT',
+        `the chat template rendered ${at.length} image placeholder token(s) (id ${pad}) for ${images.length} image(s): ` +
+          'the template does not render image parts, or message text contains the placeholder token',
+        where(literal >= 0 ? `messages[${literal}].content` : 'messages'),
+      );
+    }
+    // Placeholder k (at token at[k]) becomes images[k].tokens tokens: per-token arrays widen there (the new tokens
+    // copy the placeholder's own values: untrained context), token indices past it move.
+    let total = tokens.length;
+    for (const img of images) total += img.tokens - 1;
+    const widen = <A extends Int32Array | Uint8Array | Float32Array>(a: A, make: (n: number) => A): A => {
+      const out = make(total);
+      let from = 0,
+        to = 0;
+      images.forEach((image, k) => {
+        out.set(a.subarray(from, at[k]), to);
+        to += at[k] - from;
+        out.fill(a[at[k]], to, to + image.tokens);
+        to += image.tokens;
+        from = at[k] + 1;
+      });
+      out.set(a.subarray(from), to);
+      return out;
+    };
+    const moved = (index: Int32Array): Int32Array =>
+      index.map((i) => {
+        let shift = 0;
+        for (let k = 0; k < at.length && at[k] < i; k++) shift += images[k].tokens - 1;
+        return i + shift;
+      });
+    const spans: ImageSpan[] = [];
+    images.forEach((image, k) => spans.push({ start: moved(Int32Array.of(at[k]))[0], image }));
+    const out: Sample = {
+      ...sample,
+      tokens: widen(tokens, (n) => new Int32Array(n)),
+      loss_mask: widen(loss_mask, (n) => new Uint8Array(n)),
+      images: spans,
+    };
+    for (const f of ['rollout_logprobs', 'old_logprobs', 'ref_logprobs', 'advantages'] as const) {
+      const a = sample[f];
+      if (a) out[f] = widen(a, (n) => new Float32Array(n));
+    }
+    for (const f of ['message_offsets', 'turn_starts'] as const) {
+      const a = sample[f];
+      if (a) out[f] = moved(a);
+    }
+    return out;
+  }
+
+  /** One object per distinct image (by identity), most recent kept. */
+  private shared(img: ProcessedImage): ProcessedImage {
+    const hit = this.images.get(img.hash);
+    if (hit) this.images.delete(img.hash);
+    this.images.set(img.hash, hit ?? img);
+    if (this.images.size > MAX_CACHED_IMAGES) this.images.delete(this.images.keys().next().value!);
+    return hit ?? img;
   }
 
   /**
@@ -169,7 +272,7 @@ export class ChatEncoder {
   render(record: ChatRecord): string {
     const tools = record.tools && record.tools.length > 0 ? record.tools : undefined;
     const messages = [...record.messages, record.response];
-    if (this.native) return this.native(messages, tools);
+    if (this.native && !hasImages(record)) return this.native(messages, tools);
     try {
       return this.renderMessages(messages.map(forTemplate), tools, false);
     } catch (e) {
@@ -317,9 +420,21 @@ export class ChatEncoder {
   }
 }
 
-/** The templates read `content` as a string (`.startswith`, `in`), so tool-call-only turns get ''. */
-function forTemplate(m: ChatMessage): ChatMessage {
+/**
+ * The templates read `content` as a string (`.startswith`, `in`), so tool-call-only turns get ''; a message with
+ * images passes its parts, as a VL template iterates them (`{"type": "image"}` renders the vision placeholder).
+ */
+function forTemplate(m: ChatMessage): unknown {
+  if (m.parts) {
+    const { parts, ...rest } = m; // the decoded bytes stay out of the template's values
+    return { ...rest, content: parts.map((p) => (p.type === 'text' ? { type: 'text', text: p.text } : { type: 'image' })) };
+  }
   return m.content === null ? { ...m, content: '' } : m;
+}
+
+/** Whether a record's messages or response have image parts. */
+export function hasImages(record: ChatRecord): boolean {
+  return record.messages.some((m) => m.parts !== undefined) || record.response.parts !== undefined;
 }
 
 /** Python's str.strip(chars) family; the JS jinja interpreter ignores the argument and strips all whitespace. */

