@@ -25,6 +25,7 @@
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
 """
 
+from .balance import CostModel
 from .loss import LossConfig
 from .microbatch import (
     FORMAT,
@@ -44,6 +45,7 @@ from .pack import pack_sequences
 from .plan import MicroBatchPlan, Plan, plan_micro_batches
 
 __all__ = [
+    "CostModel",
     "FORMAT",
     "LossConfig",
     "MANIFEST_FILE",
