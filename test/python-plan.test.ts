@@ -89,7 +89,11 @@ function costCases(): { name: string; costs: number[]; dp: number }[] {
       const r = rng(seed * 31 + dp);
       const n = dp * (1 + Math.floor(r() * 6));
       const integer = seed % 2 === 0; // integer costs tie often; real ones exercise the rounding of sums
-      out.push({ name: `random ${seed} dp ${dp}`, costs: Array.from({ length: n }, () => (integer ? Math.floor(r() * 5) : r() * 100)), dp });
+      out.push({
+        name: `random ${seed} dp ${dp}`,
+        costs: Array.from({ length: n }, () => (integer ? Math.floor(r() * 5) : r() * 100)),
+        dp,
+      });
     }
     const n = 4 * dp;
     out.push({ name: `all equal dp ${dp}`, costs: Array(n).fill(7), dp });
@@ -106,35 +110,39 @@ function costCases(): { name: string; costs: number[]; dp: number }[] {
 }
 
 describe.skipIf(py.skipReason !== '')("one micro-batch planner (python/treepack/plan.py runs src/pack/budget.ts's rules)", () => {
-  it('gives the same plan as planMicroBatches with single-sequence groups, element for element, dp 1, 2, 3, 8', { timeout: 300_000 }, () => {
-    const plans = cases().flatMap((c) => DP.flatMap((dp) => COSTS.map((cost) => ({ ...c, dp, cost: cost ?? null }))));
-    const ranks = costCases();
-    const res = py.run(['-c', PROGRAM], { input: JSON.stringify({ plans, ranks }), timeout: 280_000 });
-    expect(res.status, res.stderr.slice(-4000)).toBe(0);
-    const got = JSON.parse(res.stdout) as {
-      plans: { micro_batches: Row[]; rank_costs: number[]; packed: number; optimum: number }[];
-      ranks: [number[], number[]][];
-    };
-    expect(got.plans).toHaveLength(plans.length);
-    let split = 0,
-      spread = 0;
-    plans.forEach((c, k) => {
-      const name = `${c.name}, dp ${c.dp}, cost ${JSON.stringify(c.cost)}`;
-      const plan = planMicroBatches(csr(c.seqs), { maxTokens: c.maxTokens, dp: c.dp, refine: false, cost: c.cost ?? undefined });
-      const ts: Row[] = plan.microBatches.map((m) => [Array.from(m.sequences), m.rank, m.step, m.packedTokens, m.attentionPairs, m.cost]);
-      expect(got.plans[k].micro_batches, name).toEqual(ts);
-      expect(got.plans[k].rank_costs, name).toEqual(Array.from(plan.rankCosts));
-      expect(got.plans[k].optimum, name).toBe(plan.optimumTokens);
-      if (plan.microBatches.filter((m) => m.sequences.length > 0).length > 1) split++;
-      if (new Set(plan.microBatches.map((m) => m.rank)).size > 1) spread++;
-    });
-    // the comparison is not vacuous: most windows are cut into several micro-batches, and most plans use several ranks
-    expect(split).toBeGreaterThan(plans.length / 2);
-    expect(spread).toBeGreaterThan(plans.length / 2);
-    ranks.forEach((c, k) => {
-      const { rank, step } = assignRanks(c.costs, c.dp);
-      expect(got.ranks[k], c.name).toEqual([Array.from(rank), Array.from(step)]);
-    });
-    console.log(`python-plan parity: ${plans.length} plans and ${ranks.length} rank assignments equal`);
-  });
+  it(
+    'gives the same plan as planMicroBatches with single-sequence groups, element for element, dp 1, 2, 3, 8',
+    { timeout: 300_000 },
+    () => {
+      const plans = cases().flatMap((c) => DP.flatMap((dp) => COSTS.map((cost) => ({ ...c, dp, cost: cost ?? null }))));
+      const ranks = costCases();
+      const res = py.run(['-c', PROGRAM], { input: JSON.stringify({ plans, ranks }), timeout: 280_000 });
+      expect(res.status, res.stderr.slice(-4000)).toBe(0);
+      const got = JSON.parse(res.stdout) as {
+        plans: { micro_batches: Row[]; rank_costs: number[]; packed: number; optimum: number }[];
+        ranks: [number[], number[]][];
+      };
+      expect(got.plans).toHaveLength(plans.length);
+      let split = 0,
+        spread = 0;
+      plans.forEach((c, k) => {
+        const name = `${c.name}, dp ${c.dp}, cost ${JSON.stringify(c.cost)}`;
+        const plan = planMicroBatches(csr(c.seqs), { maxTokens: c.maxTokens, dp: c.dp, refine: false, cost: c.cost ?? undefined });
+        const ts: Row[] = plan.microBatches.map((m) => [Array.from(m.sequences), m.rank, m.step, m.packedTokens, m.attentionPairs, m.cost]);
+        expect(got.plans[k].micro_batches, name).toEqual(ts);
+        expect(got.plans[k].rank_costs, name).toEqual(Array.from(plan.rankCosts));
+        expect(got.plans[k].optimum, name).toBe(plan.optimumTokens);
+        if (plan.microBatches.filter((m) => m.sequences.length > 0).length > 1) split++;
+        if (new Set(plan.microBatches.map((m) => m.rank)).size > 1) spread++;
+      });
+      // the comparison is not vacuous: most windows are cut into several micro-batches, and most plans use several ranks
+      expect(split).toBeGreaterThan(plans.length / 2);
+      expect(spread).toBeGreaterThan(plans.length / 2);
+      ranks.forEach((c, k) => {
+        const { rank, step } = assignRanks(c.costs, c.dp);
+        expect(got.ranks[k], c.name).toEqual([Array.from(rank), Array.from(step)]);
+      });
+      console.log(`python-plan parity: ${plans.length} plans and ${ranks.length} rank assignments equal`);
+    },
+  );
 });
