@@ -162,7 +162,10 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     T = torch.full((), float(c["global_tokens"]), dtype=f64, device=dev) if c["global_tokens"] > 0 else n.sum()
     G = torch.full((), float(c["global_sequences"]), dtype=f64, device=dev) if c["global_sequences"] > 0 else (n > 0).to(f64).sum()
     one = torch.ones((), dtype=f64, device=dev)
-    safe = lambda d: torch.where(d > 0, d, one)  # noqa: E731  (a zero count only ever weighs masked occurrences)
+
+    def safe(d: torch.Tensor) -> torch.Tensor:  # a zero count only ever weighs masked occurrences
+        return torch.where(d > 0, d, one)
+
     sw = t["seq_weight"]
     scale = (sw.to(f64) if sw is not None else torch.ones(S, dtype=f64, device=dev)) * c["loss_scale"]
     agg = c["aggregation"]
@@ -208,7 +211,10 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     loss = pg + c["kl_coef"] * kl
     # Metrics: per trainable occurrence, unweighted.
     cnt = mf.sum()
-    mean_of = lambda v: (v.to(f64) * mf).sum() / safe(cnt)  # noqa: E731
+
+    def mean_of(v: torch.Tensor) -> torch.Tensor:
+        return (v.to(f64) * mf).sum() / safe(cnt)
+
     inf = torch.full((1,), float("inf"), dtype=f64, device=dev)
     r_min = torch.cat([torch.where(m, r, inf), inf]).amin()
     r_max = -torch.cat([torch.where(m, -r, inf), inf]).amin()
