@@ -11,7 +11,7 @@ import inspect
 import re
 import sys
 
-MODULES = ("treepack", "treepack.torch", "treepack.client", "treepack.integrations.trl", "treepack.versions")
+MODULES = ("treepack", "treepack.balance", "treepack.torch", "treepack.client", "treepack.integrations.trl", "treepack.versions")
 missing: list[str] = []
 
 

@@ -13,6 +13,7 @@ export const UNIT_TESTS: readonly string[] = [
   'test/forest.test.ts',
   'test/import-cycles.test.ts',
   'test/io.test.ts',
+  'test/loss-addon.test.ts',
   'test/loss-concurrency.test.ts',
   'test/loss-turns.test.ts',
   'test/loss-webgpu.test.ts',

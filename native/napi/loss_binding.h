@@ -49,6 +49,9 @@ T* DataOf(const Napi::Value& v) {
 
 // The config as a Float64Array of tp_loss_config's fields in order (configVector in src/backend/abi.ts; the order
 // is abi.h's TP_LOSS_CONFIG_FIELDS, generated from the same table).
+//
+// Every message names the parameter as LossAddon (src/backend/loss-addon.ts) declares it, in the position it
+// declares it: test/loss-addon.test.ts reads that interface and fails on any drift between the two.
 inline bool ReadLossConfig(const Napi::Value& v, tp_loss_config* c) {
   if (!IsTyped(v, napi_float64_array) || Length(v) != TP_LOSS_CONFIG_NUM_FIELDS) return false;
   const double* a = DataOf<double>(v);
@@ -68,7 +71,10 @@ inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
     ThrowTreepackError(env, "E_ARG", m);
     return false;
   };
-  if (info.Length() != 12 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
+  if (info.Length() != 12) return fail("Expected 12 arguments for loss");
+  if (!ReadLossConfig(info[0], &a->config)) {
+    return fail("Expected a Float64Array of the loss config's fields for config");
+  }
   if (!IsTyped(info[1], napi_int32_array) || Length(info[1]) < 1) return fail("Expected an Int32Array for seq_offsets");
   if (!IsTyped(info[2], napi_int32_array)) return fail("Expected an Int32Array for seq_positions");
   a->S = static_cast<int64_t>(Length(info[1])) - 1;
@@ -104,7 +110,7 @@ inline bool ParseLossArgs(const Napi::CallbackInfo& info, LossArgs* a) {
     }
     a->turn_ids = DataOf<int32_t>(info[9]);
   }
-  if (!IsTyped(info[10], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
+  if (!IsTyped(info[10], napi_float32_array)) return fail("Expected a Float32Array for lp");
   a->N = static_cast<int64_t>(Length(info[10]));
   a->lp = DataOf<float>(info[10]);
   if (!info[11].IsNull()) {
@@ -123,21 +129,26 @@ inline bool ParseCompactArgs(const Napi::CallbackInfo& info, CompactArgs* a) {
     ThrowTreepackError(env, "E_ARG", m);
     return false;
   };
-  if (info.Length() != 11 || !ReadLossConfig(info[0], &a->config)) return fail("Expected the packed loss config");
-  if (!IsTyped(info[1], napi_float32_array)) return fail("Expected a Float32Array for logprobs");
+  if (info.Length() != 11) return fail("Expected 11 arguments for lossCompact");
+  if (!ReadLossConfig(info[0], &a->config)) {
+    return fail("Expected a Float64Array of the loss config's fields for config");
+  }
+  if (!IsTyped(info[1], napi_float32_array)) return fail("Expected a Float32Array for lp");
   a->N = static_cast<int64_t>(Length(info[1]));
+  const char* float_names[] = {"lp", "old", "ref", "pos_weight", "neg_weight", "kl_weight"};
   const float** floats[] = {&a->lp, &a->old, &a->ref, &a->pos_weight, &a->neg_weight, &a->kl_weight};
   for (int k = 1; k <= 6; k++) {
     if (k == 3 && info[k].IsNull() && a->config.kl == TP_KL_NONE) continue;
     if (!IsTyped(info[k], napi_float32_array) || static_cast<int64_t>(Length(info[k])) != a->N) {
-      return fail("Expected Float32Arrays of length N for the compact plan");
+      return fail(std::string("Expected a Float32Array of length N for ") + float_names[k - 1]);
     }
     *floats[k - 1] = DataOf<float>(info[k]);
   }
+  const char* int_names[] = {"n_train", "n_pos", "n_neg"};
   const int32_t** ints[] = {&a->n_train, &a->n_pos, &a->n_neg};
   for (int k = 7; k <= 9; k++) {
     if (!IsTyped(info[k], napi_int32_array) || static_cast<int64_t>(Length(info[k])) != a->N) {
-      return fail("Expected Int32Arrays of length N for the compact plan");
+      return fail(std::string("Expected an Int32Array of length N for ") + int_names[k - 7]);
     }
     *ints[k - 7] = DataOf<int32_t>(info[k]);
   }

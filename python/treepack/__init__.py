@@ -25,6 +25,7 @@
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
 """
 
+from .balance import CostModel
 from .images import pack_images
 from .loss import LossConfig
 from .microbatch import (
@@ -46,6 +47,7 @@ from .pack import pack_sequences
 from .plan import MicroBatchPlan, Plan, plan_micro_batches
 
 __all__ = [
+    "CostModel",
     "FORMAT",
     "LossConfig",
     "MANIFEST_FILE",

@@ -133,7 +133,10 @@ class FeedClient:
         repeated}``. Retried up to ``retries`` times (backing off 0.25 s to 8 s) when the service does not answer or
         answers 502/503/504: an acknowledgement repeated after a lost answer is answered, ``repeated`` true."""
         with self._request("POST", f"/v1/batches/{id}/ack", self.timeout, retries) as res:
-            return json.loads(res.read())
+            answer = json.loads(res.read())
+        if not isinstance(answer, dict):
+            raise TreepackError("E_INPUT", f"the service answered an ack with {type(answer).__name__}, expected an object", field="ack")
+        return answer
 
     def __iter__(self) -> Iterator[FeedMicroBatch]:
         while True:

@@ -194,7 +194,8 @@ def cu_seqlens(parent: Any) -> np.ndarray:
     _native.check(
         _native.core().tp_mask_cu_seqlens(a(par), len(par), a(out), len(out), ctypes.byref(roots)), "tp_mask_cu_seqlens", "parent"
     )
-    return out[: roots.value + 1].copy()
+    seqlens: np.ndarray = out[: roots.value + 1].copy()
+    return seqlens
 
 
 def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
@@ -210,7 +211,8 @@ def slices_from_tree(parent: Any, subtree_end: Any) -> np.ndarray:
         out = np.zeros((count.value, 5), dtype=np.int32)
         rc = lib.tp_mask_slices(a(par), a(se), len(par), a(out), out.shape[0], ctypes.byref(count))
     _native.check(rc, "tp_mask_slices", "parent")
-    return out[: count.value].copy()
+    slices: np.ndarray = out[: count.value].copy()
+    return slices
 
 
 def magi_ranges(parent: Any, subtree_end: Any) -> tuple[list[list[int]], list[list[int]], list[int]]:

@@ -227,7 +227,7 @@ def _needed(c: Mapping[str, Any], name: str) -> bool:
 
 def _turns(c: Mapping[str, Any]) -> bool:
     """Whether the resolved config ``c`` aggregates per turn (reads turn_ids)."""
-    return c["aggregation"] == "seq-mean-turn-mean-token-mean"
+    return bool(c["aggregation"] == "seq-mean-turn-mean-token-mean")
 
 
 def _status_field(rc: int) -> str:
@@ -257,7 +257,10 @@ def loss_numpy(
     """Loss, dloss/dlp [N] (float32) and metrics on the CPU core. ``batch`` is a treepack.MicroBatch or a mapping
     with the contract's arrays (seq_offsets, seq_positions, loss_mask, advantages, old/ref/rollout logprobs,
     turn_ids) and optionally ``seq_weight`` [S]."""
-    get = (lambda k: batch.get(k)) if isinstance(batch, Mapping) else (lambda k: getattr(batch, k, None))
+
+    def get(k: str) -> Any:
+        return batch.get(k) if isinstance(batch, Mapping) else getattr(batch, k, None)
+
     c = resolve_config(config)
     cfg = make_config(c)
     off = np.ascontiguousarray(get("seq_offsets"), dtype=np.int32)

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Union
 import numpy as np
 
 from . import _abi, _native
-from .errors import TreepackError
+from .errors import TreepackError as TreepackError  # re-exported: the trainer side imports it from here
 
 FORMAT = "treepack/1"
 MANIFEST_FILE = "manifest.json"
@@ -204,7 +204,8 @@ class MicroBatch:
             raise TreepackError(
                 "E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets"
             )
-        return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
+        tokens: np.ndarray = self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
+        return tokens
 
     @property
     def num_images(self) -> int:
@@ -588,7 +589,10 @@ def check_invariants(mb: MicroBatch) -> list[str]:
     if S < 0:
         out.append("seq_offsets is empty: expected S+1 >= 1 entries")
         return out
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+
+    def i32(a: Any) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.int32)
+
     pos, parent, end, off, sp = (i32(a) for a in (mb.position_ids, mb.parent, mb.subtree_end, mb.seq_offsets, mb.seq_positions))
     mask = np.ascontiguousarray(mb.loss_mask, dtype=np.uint8) if len(mb.loss_mask) == M else None
     turns = i32(mb.turn_ids) if mb.turn_ids is not None and len(mb.turn_ids) == M else None

@@ -1,6 +1,10 @@
 /**
  * The loss on the addons: the CPU addon (C++ core) and the CUDA addon take the same typed arrays (native/napi/
  * loss_binding.h), so one wrapper serves both. Inputs are checked by the dispatch layer (ops.ts).
+ *
+ * LossAddon is what the addons' loss entry points take and return; test/loss-addon.test.ts reads it from this file and
+ * calls the real addon through it (arity, each parameter's name, type and nullability in its position, the metrics
+ * returned), so a change here or in loss_binding.h without the other fails there.
  */
 import type { LossConfig } from '../loss/config.js';
 import type { CompactPlan, LossBatch, LossMetrics, LossResult } from '../loss/types.js';

@@ -280,7 +280,7 @@ class TRLGRPOTest(unittest.TestCase):
 
     def assertLogsEqual(self, stock: dict[str, float], packed: dict[str, float], tol: float, only: Any = None):
         keys = [k for k in stock if "time" not in k and "per_second" not in k and (only is None or k in only)]
-        self.assertIn("loss", keys)
+        self.assertIn("loss", stock)
         for k in keys:
             self.assertAlmostEqual(packed[k], stock[k], delta=tol * max(1.0, abs(stock[k])), msg=f"logged {k}")
 
@@ -446,7 +446,10 @@ class TRLGRPOTest(unittest.TestCase):
         (shuffled, s_cap), (grouped, g_cap) = (self.trainer(True, forward_only=f, top_entropy_quantile=1.0) for f in (True, False))
         shuffled.train()
         grouped.train()
-        self.assertLogsEqual(s_cap.logs[0], g_cap.logs[0], 1e-10, only=["loss", "grad_norm", "reward"])
+        self.assertLogsEqual(s_cap.logs[0], g_cap.logs[0], 1e-10, only=["grad_norm", "reward"])
+        # The Trainer sums the micro-batches' losses into a float32 tensor (_tr_loss) in the order they run, and the
+        # two splits run them in different orders: the logged loss agrees to float32's rounding of that sum.
+        self.assertAlmostEqual(g_cap.logs[0]["loss"], s_cap.logs[0]["loss"], delta=2**-22 * abs(s_cap.logs[0]["loss"]))
         for n, g in s_cap.grads.items():
             self.assertClose(g_cap.grads[n], g, 1e-10, f"gradient of {n}")
         # First the old-logprob forward of the generation batch, in chunks of whole groups (the same in both), then

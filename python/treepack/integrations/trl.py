@@ -275,7 +275,7 @@ class PackedForwardMixin:
 
 class GroupedBatchesMixin:
     """Overrides ``_prepare_inputs`` in training: a generation batch is split into ``steps_per_generation``
-    micro-batches of whole groups (``plan_micro_batches``, balanced by packed tokens, each within
+    micro-batches of whole groups (``plan_micro_batches``, balanced by cost, each within
     ``treepack_max_tokens`` when set) instead of TRL's row shuffle, which scatters a group's shared prompt over
     micro-batches. Group order follows the forest (no shuffle): micro-batches of one generation batch feed the
     same optimizer step unless ``steps_per_generation`` exceeds ``gradient_accumulation_steps``.

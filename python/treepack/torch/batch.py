@@ -308,7 +308,7 @@ def load_microbatch(
     return from_microbatch(load(src), device, pin_memory, check, file)
 
 
-class PackedDataset(torch.utils.data.IterableDataset):
+class PackedDataset(torch.utils.data.IterableDataset["PackedBatch"]):
     """The micro-batches of a packed directory in manifest order, as ``PackedBatch`` on CPU (move them, or let a
     DataLoader pin them). Files are resolved through manifest.json only (its ``micro_batches[i].file``).
 

@@ -97,7 +97,7 @@ def _padded_mask(mask: Any, rows: int, sinks: bool) -> tuple[BlockMask, int, int
     the forest padded to its rung with root nodes, the query range starting at ``rows`` (also padded to its rung;
     query rows past the padded forest see nothing), plus the sink block. Cached on the mask."""
     key = ("flex", rows, sinks)
-    got = mask._cache.get(key)
+    got: tuple[BlockMask, int, int] | None = mask._cache.get(key)
     if got is not None:
         return got
     se, pos, window = mask.subtree_end, mask.position_ids, mask.window

@@ -67,14 +67,16 @@ def scored_nodes(batch: PackedBatch, nodes: str | torch.Tensor = "trainable") ->
     """The nodes to score: ``"trainable"`` (mapped to by a trainable occurrence), ``"all"`` (every non-root node),
     or an explicit index tensor (non-root nodes)."""
     if isinstance(nodes, torch.Tensor):
-        idx = torch.unique(nodes.to(batch.device, torch.int64))
+        idx: torch.Tensor = torch.unique(nodes.to(batch.device, torch.int64))
         if idx.numel() and (idx.min() < 0 or idx.max() >= batch.num_nodes or (batch.parent[idx] < 0).any()):
             raise TreepackError("E_ARG", f"scored nodes must be non-root positions in [0, {batch.num_nodes})", field="nodes")
         return idx
     if nodes == "trainable":
-        return torch.unique(batch.seq_positions[batch.loss_mask])
+        trainable: torch.Tensor = torch.unique(batch.seq_positions[batch.loss_mask])
+        return trainable
     if nodes == "all":
-        return torch.nonzero(batch.parent >= 0).flatten()
+        non_root: torch.Tensor = torch.nonzero(batch.parent >= 0).flatten()
+        return non_root
     raise TreepackError("E_ARG", f"expected 'trainable', 'all' or an index tensor, got {nodes!r}", field="nodes")
 
 

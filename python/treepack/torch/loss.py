@@ -175,7 +175,10 @@ def _loss(
     T = torch.full((), float(c["global_tokens"]), dtype=f64, device=dev) if c["global_tokens"] > 0 else n.sum()
     G = torch.full((), float(c["global_sequences"]), dtype=f64, device=dev) if c["global_sequences"] > 0 else (n > 0).to(f64).sum()
     one = torch.ones((), dtype=f64, device=dev)
-    safe = lambda d: torch.where(d > 0, d, one)  # noqa: E731  (a zero count only ever weighs masked occurrences)
+
+    def safe(d: torch.Tensor) -> torch.Tensor:  # a zero count only ever weighs masked occurrences
+        return torch.where(d > 0, d, one)
+
     sw = t["seq_weight"]
     scale = (sw.to(f64) if sw is not None else torch.ones(S, dtype=f64, device=dev)) * c["loss_scale"]
     agg = c["aggregation"]
@@ -236,7 +239,10 @@ def _loss(
         extremes = part.all_reduce(torch.stack([r_min, -r_max]), "the ratio extremes", op="min")
         r_min, r_max = extremes[0], -extremes[1]
     cnt = sums[3]
-    mean_of = lambda i: sums[4 + i] / safe(cnt)  # noqa: E731
+
+    def mean_of(i: int) -> torch.Tensor:
+        return sums[4 + i] / safe(cnt)
+
     live = cnt > 0
     metrics = {
         "loss": sums[0],

@@ -10,6 +10,7 @@ kernels compute in double and return a float32 gradient. Returns (loss, dloss/dl
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -41,7 +42,10 @@ def kernel_loss(
     grad = torch.zeros_like(x)
     metrics = LossMetrics()
     c_of = {torch.int32: ctypes.c_int32, torch.uint8: ctypes.c_uint8, torch.float32: ctypes.c_float}
-    ptr = lambda v: None if v is None else device_pointer(v.data_ptr(), c_of[v.dtype])  # noqa: E731
+
+    def ptr(v: torch.Tensor | None) -> Any:
+        return None if v is None else device_pointer(v.data_ptr(), c_of[v.dtype])
+
     lib = cuda_library()
     off, pos = a["seq_offsets"], a["seq_positions"]
     assert off is not None and pos is not None

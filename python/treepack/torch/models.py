@@ -43,14 +43,14 @@ from . import recurrent
 from .attention import TreeMask
 
 # Layer class -> the modeling-module functions its forward calls and how each runs on a tree.
-_GDN: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
-_KDA: dict[str, Callable] = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
-_MAMBA2: dict[str, Callable] = {
+_GDN: dict[str, Callable[..., Any]] = {"causal_conv1d_fn": recurrent.tree_conv, "torch_chunk_gated_delta_rule": recurrent.tree_chunk_rule}
+_KDA: dict[str, Callable[..., Any]] = {"causal_conv1d_fn": recurrent.tree_conv, "chunk_kimi_delta_attention": recurrent.tree_chunk_rule}
+_MAMBA2: dict[str, Callable[..., Any]] = {
     "causal_conv1d_fn": recurrent.tree_conv,
     "mamba2_chunk_scan": recurrent.tree_mamba2_scan,
     "mamba2_split_conv1d_scan_combined": recurrent.no_fused,
 }
-LAYERS: dict[str, dict[str, Callable]] = {
+LAYERS: dict[str, dict[str, Callable[..., Any]]] = {
     "Qwen3_5GatedDeltaNet": _GDN,
     "Qwen3_5MoeGatedDeltaNet": _GDN,
     "Qwen3NextGatedDeltaNet": _GDN,
@@ -71,7 +71,7 @@ _MIXER_NAME = re.compile(
 _TOKENWISE_NAME = re.compile(r"norm|embedding|mlp|rotary", re.I)
 
 
-class _TreeMasks(dict):
+class _TreeMasks(dict[str, Any]):
     """The per-layer-type mask dict HF models accept in place of a mask: the TreeMask for every layer type (the
     mask builders would return a 4-D BlockMask unchanged anyway; the recurrent one cannot read it)."""
 
@@ -111,7 +111,7 @@ def _base_pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     return args, kwargs
 
 
-def _ensure_dispatch(module_globals: dict[str, Any], kinds: dict[str, Callable]) -> None:
+def _ensure_dispatch(module_globals: dict[str, Any], kinds: dict[str, Callable[..., Any]]) -> None:
     """Puts the dispatchers in front of the named functions (again, if something rebound a name since)."""
     for name, kind in kinds.items():
         fn = module_globals.get(name)
@@ -198,7 +198,11 @@ def token_mixers(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Modul
         for p, m in modules
         if type(m).__name__.endswith("Attention") and _uses_attention_interface(type(m))  # type: ignore[arg-type]
     ]
-    within = lambda p, q: p != q and (q == "" or p.startswith(q + "."))  # noqa: E731  (module p inside module q; "" is the model)
+
+    def within(p: str, q: str) -> bool:
+        """Whether module p is inside module q ("" is the model)."""
+        return p != q and (q == "" or p.startswith(q + "."))
+
     other = []
     for path, m in modules:
         cls = type(m).__name__

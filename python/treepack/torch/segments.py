@@ -87,8 +87,8 @@ def radix_segments(subtree_end: Any) -> Segments:
     return Segments(start, length, parent, depth, offset, end > start + length, pred)
 
 
-def _cache(mask: Any) -> dict:
-    cache = getattr(mask, "_cache", None)
+def _cache(mask: Any) -> dict[Any, Any]:
+    cache: dict[Any, Any] | None = getattr(mask, "_cache", None)
     if cache is None or not hasattr(mask, "subtree_end"):
         raise TreepackError(
             "E_ARG", f"expected a TreeMask from treepack.torch.tree_mask(batch), got {type(mask).__name__}", field="attention_mask"
@@ -189,7 +189,7 @@ class SubForest:
         se = subtree_end.detach().cpu().numpy().astype(np.int64)
         local = se[first:] - first
         self.subtree_end = torch.from_numpy(local).to(subtree_end.device)
-        self._cache: dict = {}
+        self._cache: dict[Any, Any] = {}
         seg = segments_of(self)
         roots = seg.start[seg.parent < 0]
         self.hang = np.zeros(len(local), dtype=bool)

@@ -152,7 +152,10 @@ class _Segment:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos, self.routes = ids, pos, routes  # routes: [MoE layers, n, k], replayed again at the pop
         self.source = source  # a vision-language model's micro-batch it was pushed from: its images, re-encoded at the pop
-        leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().requires_grad_()
+
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
         self.ent = None if ent is None else leaf(ent)
@@ -425,7 +428,10 @@ class StepPlanRunner:
         hidden, cache = self._forward(chain, start, source)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
         lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
-        zero = lambda t: None if t is None else torch.nan_to_num(t[start:], nan=0.0)  # noqa: E731
+
+        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.nan_to_num(t[start:], nan=0.0)
+
         return cache, hidden, zero(lp), zero(ent)
 
     def _push(self, batch: PackedBatch, end: int) -> None:
