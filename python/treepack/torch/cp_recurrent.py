@@ -309,6 +309,14 @@ class _Send(torch.autograd.Function):
 
 
 def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> tuple[int, int]:
+    """This rank's range [lo, hi), after checking the layer's setting and the input's length (before any message)."""
+    if tree.chunk_align:
+        raise TreepackError(
+            "E_ARG",
+            f"{tree.layer} was prepared with chunk_align=True: under context parallelism a segment cut by a rank boundary restarts "
+            "off the chunk grid (prepare(model, chunk_align=False))",
+            field="chunk_align",
+        )
     g = _global(tree.mask, tree.cp)
     r = int(tree.cp.rank)
     lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
@@ -338,13 +346,6 @@ def conv(
 def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
     """recurrent._run on this rank's nodes: roots hanging from earlier ranks start from the states received from
     them; the final states later ranks hang from are sent to them."""
-    if tree.chunk_align:
-        raise TreepackError(
-            "E_ARG",
-            f"{tree.layer} was prepared with chunk_align=True: under context parallelism a segment cut by a rank boundary restarts "
-            "off the chunk grid (prepare(model, chunk_align=False))",
-            field="chunk_align",
-        )
     first = inputs[0]
     assert first is not None
     _local(tree, "a recurrence input", first, 1)
