@@ -42,6 +42,7 @@ from .attention import (
     windowed,
 )
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
+from .context_parallel import ContextParallel, LocalPart, balanced_bounds, context_parallel, reduce_gradients, split_batch
 from .compiled_flex import flex_compilations, ladder_length
 from .forward import forward_logprobs, model_tree_mask
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
@@ -54,6 +55,12 @@ from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model
 from .wrappers import unwrap
 
 __all__ = [
+    "ContextParallel",
+    "LocalPart",
+    "balanced_bounds",
+    "context_parallel",
+    "reduce_gradients",
+    "split_batch",
     "LAYERS",
     "ROUTERS",
     "RouterOutputs",

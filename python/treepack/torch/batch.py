@@ -37,7 +37,8 @@ class PackedBatch:
     t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask
     lowerings) as they were stored. ``routes`` (int [MoE layers, N, k]; not in the file format yet, so set by the
     caller, e.g. from ``pack_routed``): the experts an engine chose per node, which ``packed_logprobs`` and
-    ``forward_logprobs`` replay (``treepack.torch.replay_routes``).
+    ``forward_logprobs`` replay (``treepack.torch.replay_routes``). ``context_parallel``: set on a rank's local part
+    of a row split over a context-parallel group (``treepack.torch.split_batch``), None otherwise.
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -57,6 +58,8 @@ class PackedBatch:
     turn_ids: torch.Tensor | None = None  # int64 [M], the contract's extension for turn-level aggregation
     routes: torch.Tensor | None = None  # int [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A rank's local part of a row split by context parallelism (treepack.torch.context_parallel.LocalPart), else None.
+    context_parallel: Any = None
 
     @property
     def num_nodes(self) -> int:

@@ -170,6 +170,10 @@ def packed_logprobs(
     A mixture-of-experts model replays ``routes`` (int [MoE layers, N, k], the experts the engine chose for each
     node; default ``batch.routes``) instead of its routers' top-k (``treepack.torch.replay_routes``); with routes or
     ``router=True`` the scores carry ``router`` (``RouterOutputs``) for ``load_balancing_loss``.
+
+    On a rank's local part of a row split by context parallelism (``treepack.torch.split_batch``), the model runs
+    only the local nodes, exchanging keys/values with the other ranks (``LocalPart.run``); scores are those of the
+    local nodes (the context's are NaN). Every rank of the group must call it.
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch (treepack.torch.load_microbatch), got {type(batch).__name__}", field="batch")
@@ -182,11 +186,21 @@ def packed_logprobs(
         model = model_or_hidden
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
-        with routed(model, batch, routes, router) as routing:
-            out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
-        hidden = out.last_hidden_state[0]
-        moe = None if routing is None else router_outputs(routing, model)
+        part = batch.context_parallel
+        if part is not None:  # a rank's local part: the context's keys/values and hidden rows come from their owners
+            if routes is not None or router:
+                raise TreepackError("E_ARG", "routing replay under context parallelism is not supported yet", field="routes")
+            hidden, moe = part.run(model, base, batch, mask), None
+        else:
+            with routed(model, batch, routes, router) as routing:
+                out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
+            hidden = out.last_hidden_state[0]
+            moe = None if routing is None else router_outputs(routing, model)
     else:
+        if batch.context_parallel is not None:
+            raise TreepackError(
+                "E_ARG", "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states", field="batch"
+            )
         if routes is not None or router:
             raise TreepackError(
                 "E_ARG",
