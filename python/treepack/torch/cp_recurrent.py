@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from ..microbatch import TreepackError
 from .recurrent import Tree, run_rows, windows_conv
-from .segments import ancestors, segments_of
+from .context_parallel import _collective
+from .segments import ancestors, radix_segments, segments_of
 
 # Tag offsets of one layer call's messages.
 _CONV, _CONV_GRAD, _HEADER, _STATE, _STATE_GRAD = range(5)
@@ -87,36 +88,26 @@ class ConvPlan:
 
 
 class _Global:
-    """The global forest's arrays every plan reads: ``subtree_end``, ``parent``, the owner rank of each node."""
+    """The whole row's arrays every plan reads: ``subtree_end``, ``parent``, the owner rank of each node."""
 
-    def __init__(self, mask: Any, bounds: np.ndarray):
-        self.subtree_end = mask.subtree_end.detach().cpu().numpy().astype(np.int64)
-        self.seg = segments_of(mask)
+    def __init__(self, part: Any):
+        if part.subtree_end is None:
+            raise TreepackError("E_ARG", "this local part does not carry the whole row's subtree_end (treepack.torch.split_batch sets it)", field="batch")
+        self.subtree_end = part.subtree_end.detach().cpu().numpy().astype(np.int64)
+        self.seg = radix_segments(self.subtree_end)
         self.parent = self.seg.pred  # the previous token on a node's path is its parent
-        self.bounds = bounds
+        self.bounds = np.asarray(part.cp.bounds, dtype=np.int64)
         self.owner = self.rank_of(np.arange(len(self.subtree_end)))
 
     def rank_of(self, nodes: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bounds, nodes, side="right") - 1  # an empty rank owns nothing
+        return np.searchsorted(self.bounds, nodes, side="right") - 1
 
 
-def _bounds(cp: Any, n: int) -> np.ndarray:
-    b = np.asarray(cp.bounds.detach().cpu() if isinstance(cp.bounds, torch.Tensor) else cp.bounds, dtype=np.int64)
-    size = int(cp.size)
-    if b.shape != (size + 1,) or b[0] != 0 or b[-1] != n or (np.diff(b) < 0).any() or not 0 <= int(cp.rank) < size:
-        raise TreepackError(
-            "E_ARG",
-            f"expected {size + 1} non-decreasing bounds from 0 to N = {n} and a rank in [0, {size}), got {b.tolist()} and rank {cp.rank}",
-            field="bounds",
-        )
-    return b
-
-
-def _global(mask: Any, cp: Any) -> _Global:
-    cache = mask._cache
-    g = cache.get("cp-global")
+def _global(mask: Any, part: Any) -> _Global:
+    """``_Global`` of the local part's row, cached on the forward's mask (every layer shares it)."""
+    g = mask._cache.get("cp-global")
     if g is None:
-        g = cache["cp-global"] = _Global(mask, _bounds(cp, int(mask.subtree_end.shape[0])))
+        g = mask._cache["cp-global"] = _Global(part)
     return g
 
 
@@ -136,14 +127,14 @@ def _hangs(g: _Global) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pairs[:, 1], pairs[:, 0], index
 
 
-def state_plan(mask: Any, cp: Any, device: torch.device) -> StatePlan:
-    """``StatePlan`` of rank ``cp.rank`` (cached on the mask)."""
-    key = ("cp-state", int(cp.rank), str(device))
+def state_plan(mask: Any, part: Any, device: torch.device) -> StatePlan:
+    """``StatePlan`` of this rank of the local part ``part`` (cached on the forward's mask)."""
+    key = ("cp-state", str(device))
     plan = mask._cache.get(key)
     if plan is not None:
         return plan
-    g = _global(mask, cp)
-    r = int(cp.rank)
+    g = _global(mask, part)
+    r = int(part.cp.rank)
     lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
     parents, dest, index = _hangs(g)
     forest = LocalForest(g.subtree_end, lo, hi, index[lo:hi], device)
@@ -163,14 +154,14 @@ def state_plan(mask: Any, cp: Any, device: torch.device) -> StatePlan:
     return plan
 
 
-def conv_plan(mask: Any, cp: Any, k: int, device: torch.device) -> ConvPlan:
-    """``ConvPlan`` of rank ``cp.rank`` for kernel size k (cached on the mask)."""
-    key = ("cp-conv", int(cp.rank), k, str(device))
+def conv_plan(mask: Any, part: Any, k: int, device: torch.device) -> ConvPlan:
+    """``ConvPlan`` of this rank of the local part ``part`` for kernel size k (cached on the forward's mask)."""
+    key = ("cp-conv", k, str(device))
     plan = mask._cache.get(key)
     if plan is not None:
         return plan
-    g = _global(mask, cp)
-    r = int(cp.rank)
+    g = _global(mask, part)
+    r = int(part.cp.rank)
     lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
     win = ancestors(g.seg, k)  # [N, k], oldest first
     remote = (win >= 0) & (g.rank_of(np.maximum(win, 0)) != g.owner[:, None])
@@ -197,30 +188,30 @@ def conv_plan(mask: Any, cp: Any, k: int, device: torch.device) -> ConvPlan:
 
 
 class _Comm:
-    """Point-to-point messages of one layer call between the ranks of ``cp.group``, tagged by the call's key."""
+    """Point-to-point messages of one layer call between the ranks of the local part's group, tagged by the call's
+    key; their bytes are counted in ``part.stats`` beside the attention exchanges'."""
 
-    def __init__(self, cp: Any, key: tuple, layer: str):
-        self.group = cp.group
-        self.layer = layer
+    def __init__(self, part: Any, key: tuple, layer: str):
+        self.cp, self.stats, self.layer = part.cp, part.stats, layer
         self.base = (zlib.crc32(repr(key).encode()) % (1 << 24)) * 8
 
     def _peer(self, r: int) -> int:
-        return r if self.group is None or self.group is dist.group.WORLD else dist.get_global_rank(self.group, r)
+        group = self.cp.group
+        return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
 
     # Each message is (peer, work, tensor): the tensor stays referenced until the work is waited on.
     def send(self, t: torch.Tensor, r: int, part: int) -> tuple[int, Any, torch.Tensor]:
         t = t.contiguous()
-        return r, dist.isend(t, self._peer(r), group=self.group, tag=self.base + part), t
+        self.stats["sent_bytes"] = self.stats.get("sent_bytes", 0) + t.numel() * t.element_size()
+        return r, dist.isend(t, self._peer(r), group=self.cp.group, tag=self.base + part), t
 
     def recv(self, t: torch.Tensor, r: int, part: int) -> tuple[int, Any, torch.Tensor]:
-        return r, dist.irecv(t, self._peer(r), group=self.group, tag=self.base + part), t
+        self.stats["received_bytes"] = self.stats.get("received_bytes", 0) + t.numel() * t.element_size()
+        return r, dist.irecv(t, self._peer(r), group=self.cp.group, tag=self.base + part), t
 
     def wait(self, works: list[tuple[int, Any, torch.Tensor]], what: str) -> None:
         for r, w, _ in works:
-            try:
-                w.wait()
-            except RuntimeError as e:
-                raise TreepackError("E_IO", f"{self.layer}: {what} with rank {r} failed (did rank {r} fail or time out?): {e}") from e
+            _collective(self.cp, f"{self.layer}: {what} with rank {r}", w.wait)
 
 
 class _Windows(torch.autograd.Function):
@@ -308,8 +299,8 @@ class _Send(torch.autograd.Function):
         return (grad, None, None, *bufs)
 
 
-def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> tuple[int, int]:
-    """This rank's range [lo, hi), after checking the layer's setting and the input's length (before any message)."""
+def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> None:
+    """Checks the layer's setting and the input's length (before any message)."""
     if tree.chunk_align:
         raise TreepackError(
             "E_ARG",
@@ -317,16 +308,14 @@ def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> tuple[int, int]:
             "off the chunk grid (prepare(model, chunk_align=False))",
             field="chunk_align",
         )
-    g = _global(tree.mask, tree.cp)
-    r = int(tree.cp.rank)
-    lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
+    cp = tree.cp.cp
+    lo, hi = cp.bounds[cp.rank], cp.bounds[cp.rank + 1]
     if t.shape[0] != 1 or t.shape[dim] != hi - lo:
         raise TreepackError(
             "E_ARG",
-            f"{tree.layer}: rank {r} of a context-parallel group runs nodes [{lo}, {hi}) of the packed row; {what} has shape {list(t.shape)}",
+            f"{tree.layer}: rank {cp.rank} of a context-parallel group runs nodes [{lo}, {hi}) of the packed row; {what} has shape {list(t.shape)}",
             field="attention_mask",
         )
-    return lo, hi
 
 
 def conv(

@@ -34,23 +34,24 @@ import torch
 import torch.nn.functional as F
 
 from ..microbatch import TreepackError
+from .context_parallel import CPForward
 from .segments import RunPlan, conv_fix, run_plan, sub_forest
 
 
 class Tree:
     """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors),
-    and a step plan's ``prefix`` (module docstring; None outside one)."""
+    a step plan's ``prefix`` (module docstring; None outside one) and a context-parallel forward's ``cp`` (its
+    LocalPart; None outside one)."""
 
     def __init__(self, mask: Any, chunk_align: bool, layer: str):
         self.mask = mask
         self.chunk_align = chunk_align
         self.layer = layer
-        self.prefix = getattr(mask, "prefix", None)
-        # Context parallelism (python/treepack/torch/cp_recurrent.py): the mask is the whole forest's, the inputs the
-        # rank's nodes.
-        self.cp = getattr(mask, "context_parallel", None)
-        if self.cp is not None and self.prefix is not None:
-            raise TreepackError("E_ARG", f"{layer}: a step plan's prefix cannot be combined with context parallelism", field="attention_mask")
+        prefix = getattr(mask, "prefix", None)
+        # Under context parallelism the mask's prefix is the forward's CPForward: its LocalPart, not a cached chain
+        # (python/treepack/torch/cp_recurrent.py).
+        self.cp = prefix.part if isinstance(prefix, CPForward) else None
+        self.prefix = None if self.cp is not None else prefix
         self._calls: dict[str, int] = {}
 
     def key(self, kind: str) -> tuple[str, str, int]:
