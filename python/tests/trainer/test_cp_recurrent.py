@@ -168,7 +168,6 @@ class CheckedSplits(unittest.TestCase):
 
     def test_unsupported_mixers_are_refused_by_name(self):
         import transformers
-
         from treepack.torch.context_parallel import check_model
 
         torch.manual_seed(0)

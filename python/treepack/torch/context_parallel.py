@@ -66,6 +66,7 @@ from .batch import PackedBatch
 # per-token matmuls (~12·D² multiply-adds) to one pair's (~2·D), for a hidden size D of about 1k. Tune per model.
 DEFAULT_TOKEN_COST = 6144.0
 
+
 def _dist() -> Any:
     import torch.distributed as dist
 

@@ -1,12 +1,13 @@
-"""Recurrent layers (Gated DeltaNet, KDA, Mamba2) under context parallelism: one packed row split over the ranks of a
-group as contiguous ranges of the packed stream (rank r owns nodes [bounds[r], bounds[r + 1])).
+"""Recurrent layers (Gated DeltaNet, KDA, Mamba2) on a rank's local part of a row split by context parallelism
+(python/treepack/torch/context_parallel.py: rank r owns nodes [bounds[r], bounds[r + 1]) of the packed stream).
 
 The single-rank tree execution (python/treepack/torch/recurrent.py) runs every radix segment from its parent's final
-state and reads each token's convolution window through the parent chain. Under context parallelism each rank runs
-the same on its own nodes, as a local forest: the global forest's nodes [lo, hi) with their segments as in the
-global forest (a branch point whose other children lie on later ranks still ends its segment here). Its roots are the global roots in the range (zero start state) and the nodes whose parent lies on an earlier rank
-(DFS order puts every ancestor before its descendants): a segment cut by a rank boundary (possibly spanning three
-ranks) or a branch hanging from a branch point computed elsewhere. Such a root starts from the state after its
+state and reads each token's convolution window through the parent chain. When a prepared layer sees the forward's
+``CPForward`` on its mask, it runs the same on the rank's own nodes as a local forest: the row's nodes [lo, hi) with
+their segments as in the whole row (a branch point whose other children lie on later ranks still ends its segment
+here). Its roots are the row's roots in the range (zero start state) and the nodes whose parent lies on an earlier
+rank (DFS order puts every ancestor before its descendants): a segment cut by a rank boundary (possibly spanning
+three ranks) or a branch hanging from a branch point computed elsewhere. Such a root starts from the state after its
 parent, which the parent's rank computed as the final state of its local segment ending there. A token's window may
 likewise reach up to K-1 ancestors on earlier ranks. What moves, point to point, per layer call:
 
@@ -16,10 +17,10 @@ likewise reach up to K-1 ancestors on earlier ranks. What moves, point to point,
 - backward: the gradients of exactly these, back to the ranks that produced them, where autograd adds them to the
   local gradients (a state read by several ranks' branches gets the sum, as between segments on one rank).
 
-All ranks derive the same exchange lists from the global forest (``subtree_end``) and ``bounds``, so no lists are
-exchanged. The states travel through autograd functions (``_Recv`` before the recurrence, ``_Send`` after it, tied
-to the layer's output so its backward runs whenever the output gets a gradient), the convolution inputs through one
-(``_Windows``) that returns the rank's inputs extended by the imported columns.
+All ranks derive the same exchange lists from the whole row's ``subtree_end`` (``LocalPart.subtree_end``) and the
+bounds, so no lists are exchanged. The states travel through autograd functions (``_Recv`` before the recurrence,
+``_Send`` after it, tied to the layer's output so its backward runs whenever the output gets a gradient), the
+convolution inputs through one (``_Windows``) that returns the rank's inputs extended by the imported columns.
 
 Cost: the work per rank is its own tokens' (O(local tokens), plus at most K-1 columns and one state per hanging
 root); the state hand-over makes each recurrent layer a pipeline over the ranks: rank r's recurrence waits for the
@@ -28,7 +29,9 @@ recurrence (its backward the same in reverse order), like ART's GDN chain over r
 The attention layers of a hybrid model run in parallel between them.
 
 Chunk alignment (``prepare(model, chunk_align=True)``) is refused: a segment cut by a rank boundary restarts off the
-chunk grid. Messages are point to point (``isend`` / ``irecv``) with tags naming the layer call, tested on gloo.
+chunk grid. Messages are point to point (``isend`` / ``irecv``) with tags naming the layer call, tested on gloo; a
+wait that fails (a peer gone, the group's timeout) is the TreepackError (E_BACKEND) of every context-parallel
+exchange, naming the layer and the peer.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ..microbatch import TreepackError
+from .context_parallel import LocalPart, _collective
 from .recurrent import Tree, run_rows, windows_conv
-from .context_parallel import _collective
 from .segments import ancestors, radix_segments, segments_of
 
 # Tag offsets of one layer call's messages.
@@ -90,9 +93,11 @@ class ConvPlan:
 class _Global:
     """The whole row's arrays every plan reads: ``subtree_end``, ``parent``, the owner rank of each node."""
 
-    def __init__(self, part: Any):
+    def __init__(self, part: LocalPart):
         if part.subtree_end is None:
-            raise TreepackError("E_ARG", "this local part does not carry the whole row's subtree_end (treepack.torch.split_batch sets it)", field="batch")
+            raise TreepackError(
+                "E_ARG", "this local part does not carry the whole row's subtree_end (treepack.torch.split_batch sets it)", field="batch"
+            )
         self.subtree_end = part.subtree_end.detach().cpu().numpy().astype(np.int64)
         self.seg = radix_segments(self.subtree_end)
         self.parent = self.seg.pred  # the previous token on a node's path is its parent
@@ -103,7 +108,7 @@ class _Global:
         return np.searchsorted(self.bounds, nodes, side="right") - 1
 
 
-def _global(mask: Any, part: Any) -> _Global:
+def _global(mask: Any, part: LocalPart) -> _Global:
     """``_Global`` of the local part's row, cached on the forward's mask (every layer shares it)."""
     g = mask._cache.get("cp-global")
     if g is None:
@@ -127,7 +132,7 @@ def _hangs(g: _Global) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pairs[:, 1], pairs[:, 0], index
 
 
-def state_plan(mask: Any, part: Any, device: torch.device) -> StatePlan:
+def state_plan(mask: Any, part: LocalPart, device: torch.device) -> StatePlan:
     """``StatePlan`` of this rank of the local part ``part`` (cached on the forward's mask)."""
     key = ("cp-state", str(device))
     plan = mask._cache.get(key)
@@ -154,7 +159,7 @@ def state_plan(mask: Any, part: Any, device: torch.device) -> StatePlan:
     return plan
 
 
-def conv_plan(mask: Any, part: Any, k: int, device: torch.device) -> ConvPlan:
+def conv_plan(mask: Any, part: LocalPart, k: int, device: torch.device) -> ConvPlan:
     """``ConvPlan`` of this rank of the local part ``part`` for kernel size k (cached on the forward's mask)."""
     key = ("cp-conv", k, str(device))
     plan = mask._cache.get(key)
@@ -181,9 +186,7 @@ def conv_plan(mask: Any, part: Any, k: int, device: torch.device) -> ConvPlan:
     row = np.arange(hi - lo, dtype=np.int64)[:, None] - np.arange(k - 1, -1, -1, dtype=np.int64)[None, :]
     row = np.where(row >= 0, row + m, -1)
     nodes = np.flatnonzero((cols != row).any(axis=1))
-    plan = mask._cache[key] = ConvPlan(
-        recv, send, m, torch.from_numpy(nodes).to(device), torch.from_numpy(cols[nodes]).to(device)
-    )
+    plan = mask._cache[key] = ConvPlan(recv, send, m, torch.from_numpy(nodes).to(device), torch.from_numpy(cols[nodes]).to(device))
     return plan
 
 
@@ -191,7 +194,7 @@ class _Comm:
     """Point-to-point messages of one layer call between the ranks of the local part's group, tagged by the call's
     key; their bytes are counted in ``part.stats`` beside the attention exchanges'."""
 
-    def __init__(self, part: Any, key: tuple, layer: str):
+    def __init__(self, part: LocalPart, key: tuple, layer: str):
         self.cp, self.stats, self.layer = part.cp, part.stats, layer
         self.base = (zlib.crc32(repr(key).encode()) % (1 << 24)) * 8
 
@@ -219,7 +222,7 @@ class _Windows(torch.autograd.Function):
     later ranks read. Backward returns the imported columns' gradients to their ranks and adds the exported ones'."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, plan: ConvPlan, comm: _Comm) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, plan: ConvPlan, comm: _Comm) -> torch.Tensor:
         ctx.plan, ctx.comm = plan, comm
         bufs = [x.new_empty((x.shape[1], c)) for _, c in plan.recv]
         works = [comm.recv(b, s, _CONV) for b, (s, _) in zip(bufs, plan.recv)]
@@ -228,7 +231,7 @@ class _Windows(torch.autograd.Function):
         return torch.cat(bufs + [x[0]], 1)[None]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         plan, comm = ctx.plan, ctx.comm
         g = grad[0]
         works, at = [], 0
@@ -250,20 +253,20 @@ class _Recv(torch.autograd.Function):
     way to the parameters, so ``torch.autograd.grad`` over them runs it too."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, plan: StatePlan, comm: _Comm) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: torch.Tensor, plan: StatePlan, comm: _Comm) -> torch.Tensor:
         heads = [torch.zeros(_HEADER_LEN, dtype=torch.int64) for _ in plan.recv]
         comm.wait([comm.recv(h, s, _HEADER) for h, (s, _) in zip(heads, plan.recv)], "the recurrent states' exchange")
         shapes = {(int(h[0]), tuple(h[2 : 2 + int(h[1])].tolist())) for h in heads}
         if len(shapes) != 1:
             raise TreepackError("E_ARG", f"{comm.layer}: the ranks sent states of different shapes {sorted(shapes)}", field="bounds")
-        (dtype, shape), = shapes
+        ((dtype, shape),) = shapes
         bufs = [torch.empty((c,) + shape, dtype=_DTYPES[dtype], device=anchor.device) for _, c in plan.recv]
         comm.wait([comm.recv(b, s, _STATE) for b, (s, _) in zip(bufs, plan.recv)], "the recurrent states' exchange")
         ctx.plan, ctx.comm = plan, comm
         return torch.cat(bufs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         works, at = [], 0
         for s, c in ctx.plan.recv:
             works.append(ctx.comm.send(grad[at : at + c], s, _STATE_GRAD))
@@ -277,7 +280,7 @@ class _Send(torch.autograd.Function):
     roots start from them; backward (run when the layer's output gets its gradient) receives their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, plan: StatePlan, comm: _Comm, *states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, out: torch.Tensor, plan: StatePlan, comm: _Comm, *states: torch.Tensor) -> torch.Tensor:
         works = []
         for st, (d, _) in zip(states, plan.send):
             if st.dtype not in _DTYPES or st.dim() - 1 > _HEADER_LEN - 2:
@@ -292,15 +295,17 @@ class _Send(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.meta]
         works = [ctx.comm.recv(b, d, _STATE_GRAD) for b, (d, _) in zip(bufs, ctx.plan.send)]
         ctx.comm.wait(works, "the recurrent states' gradient exchange")
         return (grad, None, None, *bufs)
 
 
-def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> None:
-    """Checks the layer's setting and the input's length (before any message)."""
+def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> LocalPart:
+    """The tree's LocalPart, after checking the layer's setting and the input's length (before any message)."""
+    part = tree.cp
+    assert part is not None  # recurrent.py calls here only under context parallelism
     if tree.chunk_align:
         raise TreepackError(
             "E_ARG",
@@ -308,27 +313,28 @@ def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> None:
             "off the chunk grid (prepare(model, chunk_align=False))",
             field="chunk_align",
         )
-    cp = tree.cp.cp
+    cp = part.cp
     lo, hi = cp.bounds[cp.rank], cp.bounds[cp.rank + 1]
     if t.shape[0] != 1 or t.shape[dim] != hi - lo:
         raise TreepackError(
             "E_ARG",
-            f"{tree.layer}: rank {cp.rank} of a context-parallel group runs nodes [{lo}, {hi}) of the packed row; {what} has shape {list(t.shape)}",
+            f"{tree.layer}: context-parallel rank {cp.rank} runs nodes [{lo}, {hi}) of the packed row; {what} has shape {list(t.shape)}",
             field="attention_mask",
         )
+    return part
 
 
 def conv(
     orig: Callable, tree: Tree, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
     """``causal_conv1d_fn`` on this rank's nodes: x [1, C, n] -> [1, C, n], windows reaching earlier ranks."""
-    _local(tree, "the convolution input", x, 2)
+    part = _local(tree, "the convolution input", x, 2)
     key = tree.key("conv")
-    plan = conv_plan(tree.mask, tree.cp, int(weight.shape[-1]), x.device)
+    plan = conv_plan(tree.mask, part, int(weight.shape[-1]), x.device)
     if plan.recv or plan.send:
         # The local row is read through the extended tensor too, so its backward (which receives the exported
         # columns' gradients) runs whenever the output gets a gradient.
-        x = _Windows.apply(x, plan, _Comm(tree.cp, key, tree.layer))
+        x = _Windows.apply(x, plan, _Comm(part, key, tree.layer))
     return windows_conv(orig, x[:, :, plan.imports :], x, plan.nodes, plan.windows, weight, bias, activation)
 
 
@@ -337,10 +343,10 @@ def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: C
     them; the final states later ranks hang from are sent to them."""
     first = inputs[0]
     assert first is not None
-    _local(tree, "a recurrence input", first, 1)
+    part = _local(tree, "a recurrence input", first, 1)
     key = tree.key("state")
-    plan = state_plan(tree.mask, tree.cp, first.device)
-    comm = _Comm(tree.cp, key, tree.layer)
+    plan = state_plan(tree.mask, part, first.device)
+    comm = _Comm(part, key, tree.layer)
     starts = None
     if plan.recv:
         starts = _Recv.apply(first, plan, comm)
