@@ -83,7 +83,7 @@ def without(kind: str):
 
     if kind == "state":
         orig = cp_recurrent.state_plan
-        return "state_plan", lambda *a: dataclasses.replace(orig(*a), recv=[], send=[])
+        return cp_recurrent, "state_plan", lambda *a: dataclasses.replace(orig(*a), recv=[], send=[])
     orig_conv = cp_recurrent.conv_plan
 
     def conv_plan(*a):
@@ -91,7 +91,7 @@ def without(kind: str):
         w = torch.where(p.windows < p.imports, -1, p.windows - p.imports)
         return dataclasses.replace(p, recv=[], send=[], imports=0, windows=w)
 
-    return "conv_plan", conv_plan
+    return cp_recurrent, "conv_plan", conv_plan
 
 
 def refused(call) -> str:
@@ -123,8 +123,6 @@ def worker(rank: int, out: str) -> None:
         "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        from treepack.torch import cp_recurrent
-
         sub = dist.new_group([1, 2])
         got: dict = {"runs": {}, "controls": {}}
         for family in FAMILIES:
@@ -135,13 +133,13 @@ def worker(rank: int, out: str) -> None:
                 got["runs"][family, "group"] = run(model, row(), sub, GROUP_SPLIT)
         model = hybrid_model("qwen3_5")
         for kind in ("state", "conv"):
-            name, fn = without(kind)
-            orig = getattr(cp_recurrent, name)
-            setattr(cp_recurrent, name, fn)
+            module, name, fn = without(kind)
+            orig = getattr(module, name)
+            setattr(module, name, fn)
             try:
                 got["controls"][kind] = run(model, row(), None, SPLITS["three"], grad=False)
             finally:
-                setattr(cp_recurrent, name, orig)
+                setattr(module, name, orig)
         batch = row()
         local = tpt.split_batch(batch, tpt.context_parallel(batch, bounds=SPLITS["branch"]))
         got["chunk_align"] = refused(lambda: tpt.packed_logprobs(tpt.prepare(hybrid_model("qwen3_5"), chunk_align=True), local))
