@@ -106,7 +106,7 @@ def main() -> None:
     one_model, cp_model = model(), model()
     lp, loss, grads = step(one_model, batch, None)
 
-    cp = tpt.context_parallel(batch)
+    cp = tpt.ContextParallel.of(batch)
     local = tpt.split_batch(batch, cp)
     local_lp, local_loss, local_grads = step(cp_model, local, cp)
 

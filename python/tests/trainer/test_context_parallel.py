@@ -5,11 +5,13 @@ local parts, then sum the parameter gradients over the group; every rank also ru
 logprobs of each rank's nodes, the loss and every parameter gradient equal the one-rank run's within 1e-10, for tiny
 Qwen3 (block and dense attention) and gpt-oss (sliding window 4 + sinks, MoE), on forests whose bounds fall inside a
 radix segment, at a branch point (the branch node ending a rank, and starting one), one segment spanning the three
-ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-23 nodes) and pad nodes;
+ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-36 nodes) and pad nodes;
 token-mean, seq-mean-token-mean and GSPO with sequence TIS. Negative control: with the key/value exchange replaced by
-zeros the logprobs differ (recurrent layers: test_cp_recurrent.py). Two ranks: a group of the wrong
-size and ranks holding different rows are refused on every rank with a TreepackError naming the fault; a rank that
-fails before the exchange makes the other raise TreepackError (E_BACKEND) within the group's 5 s timeout, no hang.
+zeros the logprobs differ. Scoring every node (``nodes="all"``), each rank's local nodes equal the one-rank run's and
+its context nodes are left NaN (their owners score them). Recurrent layers: test_cp_recurrent.py.
+Two ranks: a group of the wrong size and ranks holding different rows are refused on every rank with a TreepackError
+naming the fault; a rank that fails before the exchange makes the other raise TreepackError (E_BACKEND) within the
+group's 5 s timeout, no hang.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 
@@ -72,7 +74,7 @@ def run_case(model, batch, bounds, attention, config, group):
     loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    cp = tpt.context_parallel(batch, group=group, bounds=bounds)
+    cp = tpt.ContextParallel.of(batch, group=group, bounds=bounds)
     local = tpt.split_batch(batch, cp)
     llp = tpt.packed_logprobs(model, local, attention=attention).logprobs
     lloss, lmetrics = tpt.packed_loss(llp, local, config)
@@ -102,14 +104,11 @@ CONFIGS = {
 
 def main_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
-
     import treepack.torch.attention as attention
     import treepack.torch.logprobs as logprobs
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     # Blocks of 4: every part's last block is ragged, and a context spans several blocks.
     logprobs.tree_mask = functools.partial(attention.tree_mask, block_size=4)
     results = {}
@@ -121,11 +120,26 @@ def main_worker(rank: int, world: int, out: str) -> None:
         for (name, bounds), cfg in zip(plan.items(), ["token-mean", "seq-mean-token-mean", "gspo", "token-mean", "seq-mean-token-mean"])
     ]
     runs += [("qwen3", "dense", "inside_segments", plan["inside_segments"], "gspo")]
-    runs += [("gpt_oss", mode, name, plan[name], "token-mean") for mode, name in (("block", "inside_segments"), ("dense", "segment_over_three"))]
+    runs += [
+        ("gpt_oss", mode, name, plan[name], "token-mean") for mode, name in (("block", "inside_segments"), ("dense", "segment_over_three"))
+    ]
     runs += [("gpt_oss", "block", "at_branch_points", plan["at_branch_points"], "seq-mean-token-mean")]
     models = {f: build(f) for f in ("qwen3", "gpt_oss")}
     for family, mode, name, bounds, cfg in runs:
         results[f"{family}/{mode}/{name}/{cfg}"] = run_case(models[family], batch, bounds, mode, CONFIGS[cfg], None)
+
+    # Every node scored (nodes="all"): the local ones equal the one-rank run's, the context's are left to their owners.
+    with torch.no_grad():
+        ref = tpt.packed_logprobs(models["qwen3"], batch, nodes="all", attention="block").logprobs
+        cp = tpt.ContextParallel.of(batch, bounds=plan["segment_over_three"])
+        local = tpt.split_batch(batch, cp)
+        got = tpt.packed_logprobs(models["qwen3"], local, nodes="all", attention="block").logprobs
+    A = local.context_parallel.rows
+    results["all_nodes"] = {
+        "lp": float((torch.nan_to_num(ref[cp.lo : cp.hi], nan=7.0) - torch.nan_to_num(got[A:], nan=7.0)).abs().max()),
+        "context_nan": bool(got[:A].isnan().all()),
+        "scored": int((~got[A:].isnan()).sum()),
+    }
 
     # Negative control: the context's keys/values (and hidden rows) replaced by zeros, no exchange.
     from treepack.torch.context_parallel import LocalPart
@@ -160,10 +174,10 @@ def fault_worker(rank: int, world: int, out: str) -> None:
             results[name] = {"error": str(e), "code": e.code}
         results[name]["seconds"] = time.monotonic() - start
 
-    attempt("wrong_size", lambda: tpt.context_parallel(batch, bounds=(0, 10, 20, batch.num_nodes)))
+    attempt("wrong_size", lambda: tpt.ContextParallel.of(batch, bounds=(0, 10, 20, batch.num_nodes)))
     other = tpt.load_microbatch(pack([[1, 2, 3, 4, 5, 6]], seed=1)) if rank == 1 else batch
-    attempt("different_rows", lambda: tpt.split_batch(other, tpt.context_parallel(other, bounds=(0, 3, other.num_nodes))))
-    cp = tpt.context_parallel(batch, bounds=(0, 12, batch.num_nodes))
+    attempt("different_rows", lambda: tpt.split_batch(other, tpt.ContextParallel.of(other, bounds=(0, 3, other.num_nodes))))
+    cp = tpt.ContextParallel.of(batch, bounds=(0, 12, batch.num_nodes))
     local = tpt.split_batch(batch, cp)
     if rank == 1:  # this rank fails before the forward: rank 0 is left alone in its exchange
         results["failed_rank"] = {"error": "simulated failure", "code": "", "seconds": 0.0}
@@ -191,7 +205,7 @@ class ContextParallelOverGloo(unittest.TestCase):
     def test_split_runs_equal_the_one_rank_run(self):
         ranks = spawn(main_worker, 3)
         for name in ranks[0]:
-            if name == "control":
+            if name in ("control", "all_nodes"):
                 continue
             for r, res in enumerate(ranks):
                 got = res[name]
@@ -209,6 +223,10 @@ class ContextParallelOverGloo(unittest.TestCase):
             self.assertGreater(ranks[r]["qwen3/block/segment_over_three/token-mean"]["context"], 0)
             self.assertGreater(ranks[r]["qwen3/block/inside_segments/token-mean"]["context"], 0)
         self.assertTrue(any(res["qwen3/block/inside_segments/token-mean"]["local"] % 4 for res in ranks))
+        for res in ranks:
+            self.assertLessEqual(res["all_nodes"]["lp"], TOL)
+            self.assertTrue(res["all_nodes"]["context_nan"])
+            self.assertGreater(res["all_nodes"]["scored"], 0)
         control = max(res["control"]["lp"] for res in ranks)
         self.assertGreater(control, 1e-3, "without the key/value exchange the logprobs must differ")
         self.assertEqual(ranks[0]["control"]["lp"], 0.0)  # rank 0 has no context: nothing to exchange

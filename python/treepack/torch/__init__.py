@@ -42,8 +42,8 @@ from .attention import (
     windowed,
 )
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
-from .context_parallel import ContextParallel, LocalPart, balanced_bounds, context_parallel, reduce_gradients, split_batch
 from .compiled_flex import flex_compilations, ladder_length
+from .context_parallel import ContextParallel, LocalPart, balanced_bounds, reduce_gradients, split_batch
 from .forward import forward_logprobs, model_tree_mask
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
@@ -58,7 +58,6 @@ __all__ = [
     "ContextParallel",
     "LocalPart",
     "balanced_bounds",
-    "context_parallel",
     "reduce_gradients",
     "split_batch",
     "LAYERS",

@@ -3,7 +3,7 @@ the query rows of a contiguous range of the packed stream (gloo on CPU, NCCL on 
 
     import torch.distributed as dist, treepack.torch as tpt
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # torchrun --nproc-per-node K
-    cp = tpt.context_parallel(batch)                  # bounds balanced by the tree mask's work, this rank's place
+    cp = tpt.ContextParallel.of(batch)                # bounds balanced by the tree mask's work, this rank's place
     local = tpt.split_batch(batch, cp)                # this rank's part: an ordinary PackedBatch
     lp = tpt.packed_logprobs(model, local).logprobs   # keys/values exchanged inside every attention layer
     loss, metrics = tpt.packed_loss(lp, local, config)    # global denominators; metrics of the whole row
@@ -93,6 +93,23 @@ class ContextParallel:
         """One past the last packed position this rank owns."""
         return self.bounds[self.rank + 1]
 
+    @classmethod
+    def of(
+        cls, batch: PackedBatch, group: Any = None, bounds: Sequence[int] | None = None, token_cost: float = DEFAULT_TOKEN_COST
+    ) -> ContextParallel:
+        """This process's place in the context-parallel split of ``batch`` over ``group`` (an initialised
+        ``torch.distributed`` group; None: the default one): ``bounds`` as given (checked against the group's size),
+        or ``balanced_bounds``. No collective runs here; ``split_batch`` checks that every rank holds the same row."""
+        dist = _dist()
+        if not dist.is_available() or not dist.is_initialized():
+            raise TreepackError("E_ARG", "context parallelism needs torch.distributed initialised (init_process_group)", field="group")
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise TreepackError("E_ARG", "this process is not a member of the context-parallel group", field="group")
+        n = batch.num_nodes
+        b = balanced_bounds(batch.subtree_end, size, token_cost) if bounds is None else _check_bounds(bounds, size, n)
+        return cls(group, rank, size, b)
+
 
 def row_costs(subtree_end: torch.Tensor, token_cost: float = DEFAULT_TOKEN_COST) -> torch.Tensor:
     """float64 [N]: each query row's work, the keys the tree mask lets it see (its depth + 1) plus ``token_cost``.
@@ -113,8 +130,8 @@ def balanced_bounds(subtree_end: torch.Tensor, size: int, token_cost: float = DE
     """K + 1 bounds splitting the row into ``size`` contiguous ranges of about equal ``row_costs`` (a row goes to the
     range its cost's midpoint falls in), each of at least one node.
 
-    >>> balanced_bounds(torch.tensor([8] * 8), 2, token_cost=0)   # a chain: later rows see more keys
-    (0, 6, 8)
+    >>> balanced_bounds(torch.tensor([6] * 6), 2, token_cost=0)   # a chain: rows see 1, ..., 6 keys
+    (0, 4, 6)
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise TreepackError("E_ARG", f"expected an integer >= 1, got {size!r}", field="size")
@@ -122,8 +139,9 @@ def balanced_bounds(subtree_end: torch.Tensor, size: int, token_cost: float = DE
     if n < size:
         raise TreepackError("E_INPUT", f"a row of N = {n} nodes cannot be split over {size} ranks (one node each at least)", field="size")
     cost = row_costs(subtree_end, token_cost)
-    mid = torch.cumsum(cost, 0) - cost / 2
-    targets = mid[-1].item() * torch.arange(1, size, dtype=torch.float64) / size if n else torch.zeros(size - 1, dtype=torch.float64)
+    cum = torch.cumsum(cost, 0)
+    mid = cum - cost / 2
+    targets = cum[-1].item() * torch.arange(1, size, dtype=torch.float64) / size
     cuts = torch.searchsorted(mid, targets).tolist()
     bounds = [0]
     for r, c in enumerate(cuts, start=1):
@@ -145,23 +163,6 @@ def _check_bounds(bounds: Sequence[int], size: int, n: int) -> tuple[int, ...]:
     return b
 
 
-def context_parallel(
-    batch: PackedBatch, group: Any = None, bounds: Sequence[int] | None = None, token_cost: float = DEFAULT_TOKEN_COST
-) -> ContextParallel:
-    """This process's place in the context-parallel split of ``batch`` over ``group`` (an initialised
-    ``torch.distributed`` group; None: the default one): ``bounds`` as given (checked against the group's size), or
-    ``balanced_bounds``. No collective runs here; ``split_batch`` checks that every rank holds the same row."""
-    dist = _dist()
-    if not dist.is_available() or not dist.is_initialized():
-        raise TreepackError("E_ARG", "context parallelism needs torch.distributed initialised (init_process_group)", field="group")
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
-        raise TreepackError("E_ARG", "this process is not a member of the context-parallel group", field="group")
-    n = batch.num_nodes
-    b = balanced_bounds(batch.subtree_end, size, token_cost) if bounds is None else _check_bounds(bounds, size, n)
-    return ContextParallel(group, rank, size, b)
-
-
 def _collective(cp: ContextParallel, what: str, run: Callable[[], Any]) -> None:
     """Runs one collective; a failure (the group's timeout, a peer gone) becomes a TreepackError naming it."""
     try:
@@ -176,7 +177,7 @@ def _collective(cp: ContextParallel, what: str, run: Callable[[], Any]) -> None:
         ) from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Route:
     """Rows each rank fetches from the others: this rank sends its local rows ``send`` (to whoever needs them), every
     rank sends ``width`` rows (padded), and this rank's fetched row i is slot ``slot[i]`` of rank ``owner[i]``."""
@@ -199,9 +200,7 @@ def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device
     for s in torch.unique(owner).tolist():
         sel = owner == s
         slot[sel] = torch.searchsorted(sends[s], mine[sel])
-    return Route(
-        (sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device)
-    )
+    return Route((sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device))
 
 
 class _Fetch(torch.autograd.Function):
@@ -210,7 +209,7 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, route: Route, cp: ContextParallel, what: str, stats: dict[str, int]) -> torch.Tensor:
-        ctx.route, ctx.cp, ctx.what, ctx.n = route, cp, what, x.shape[0]
+        ctx.route, ctx.cp, ctx.what, ctx.n, ctx.stats = route, cp, what, x.shape[0], stats
         if route.width == 0:
             return x.new_zeros((0,) + tuple(x.shape[1:]))
         buf = x.new_zeros((route.width,) + tuple(x.shape[1:]))
@@ -231,11 +230,12 @@ class _Fetch(torch.autograd.Function):
         buf = g.new_zeros((cp.size, route.width) + tuple(g.shape[1:]))
         buf.index_put_((route.owner, route.slot), g, accumulate=True)
         _collective(cp, f"the all-reduce of the gradients of {ctx.what}", lambda: _dist().all_reduce(buf, group=cp.group))
+        ctx.stats["reduced_bytes"] = ctx.stats.get("reduced_bytes", 0) + buf.numel() * buf.element_size()
         gx.index_add_(0, route.send, buf[cp.rank, : route.send.numel()])
         return gx, None, None, None, None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LocalPart:
     """What a local part (``split_batch``) knows of the split: ``cp``, ``context`` (the global node id of each of its
     first A nodes, the ancestor chain of node ``cp.lo``, ascending), the routes of the context's keys/values (``kv``)
@@ -453,7 +453,6 @@ __all__ = [
     "Route",
     "balanced_bounds",
     "check_model",
-    "context_parallel",
     "reduce_gradients",
     "row_costs",
     "split_batch",

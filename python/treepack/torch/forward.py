@@ -66,6 +66,12 @@ def forward_logprobs(
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
     if not temperature > 0:
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
+    if batch.context_parallel is not None:
+        raise TreepackError(
+            "E_ARG",
+            "a context-parallel local part runs through packed_logprobs (the wrapper's forward cannot exchange keys/values)",
+            field="batch",
+        )
     targets = scored_nodes(batch, nodes)
     rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
     mask = model_tree_mask(model, batch, attention)

@@ -199,7 +199,9 @@ def packed_logprobs(
     else:
         if batch.context_parallel is not None:
             raise TreepackError(
-                "E_ARG", "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states", field="batch"
+                "E_ARG",
+                "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states",
+                field="batch",
             )
         if routes is not None or router:
             raise TreepackError(
@@ -221,6 +223,8 @@ def packed_logprobs(
     spec = _LogitSpec(torch.float64 if hidden.dtype == torch.float64 else torch.float32, float(temperature), _softcap(model))
 
     targets = scored_nodes(batch, nodes).to(hidden.device)
+    if batch.context_parallel is not None:  # the context's nodes are scored on the ranks that own them
+        targets = targets[targets >= batch.context_parallel.rows]
     parents = batch.parent.to(hidden.device)[targets]
     rows, row_of = torch.unique(parents, return_inverse=True)  # each predicting node once; row_of ascending in rows
     order = torch.argsort(row_of, stable=True)

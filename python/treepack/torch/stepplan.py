@@ -476,6 +476,8 @@ class StepPlanRunner:
         if self.pending is not None:
             raise TreepackError("E_ARG", "the previous micro-batch was not released: call release() after its backward", field="release")
         op = step_op(batch) if op is None else op
+        if batch.context_parallel is not None:
+            raise TreepackError("E_ARG", "a step plan cannot run a context-parallel local part (not supported yet)", field="batch")
         check_vocabulary(self.model, batch)
         self._check(batch, op)
         for end in op.push:
