@@ -7,7 +7,8 @@ splits put a rank boundary inside a segment, at a branch point, under a branch p
 segment spanning three ranks whose middle rank holds fewer tokens than the convolution's window; one gives a rank no
 scored token; one runs in a sub-group whose ranks are not the world's. Negative controls: without the state hand-over,
 or without the convolution windows' hand-over, the logprobs differ. A rank that fails: the others raise a
-TreepackError naming it within the group's timeout, no hang; chunk alignment and unsupported mixers are refused."""
+TreepackError naming it within the group's timeout, no hang; chunk alignment, gradient checkpointing and unsupported
+mixers are refused."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def run(model, batch, group=None, bounds=None, grad: bool = True) -> dict:
     model.zero_grad(set_to_none=True)
     local, lo = batch, 0
     if bounds is not None:
-        cp = tpt.context_parallel(batch, group=group, bounds=bounds)
+        cp = tpt.ContextParallel.of(batch, group=group, bounds=bounds)
         local, lo = tpt.split_batch(batch, cp), cp.lo
     with torch.set_grad_enabled(grad):
         lp = tpt.packed_logprobs(model, local, nodes="all").logprobs
@@ -108,7 +109,7 @@ def failing(rank: int) -> str:
 
     group = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=5))
     model, batch = hybrid_model("qwen3_5"), row()
-    local = tpt.split_batch(batch, tpt.context_parallel(batch, group=group, bounds=SPLITS["branch"]))
+    local = tpt.split_batch(batch, tpt.ContextParallel.of(batch, group=group, bounds=SPLITS["branch"]))
     if rank == 1:
         return "rank 1 failed on purpose"
     with torch.no_grad():
@@ -141,8 +142,11 @@ def worker(rank: int, out: str) -> None:
             finally:
                 setattr(module, name, orig)
         batch = row()
-        local = tpt.split_batch(batch, tpt.context_parallel(batch, bounds=SPLITS["branch"]))
+        local = tpt.split_batch(batch, tpt.ContextParallel.of(batch, bounds=SPLITS["branch"]))
         got["chunk_align"] = refused(lambda: tpt.packed_logprobs(tpt.prepare(hybrid_model("qwen3_5"), chunk_align=True), local))
+        model = hybrid_model("qwen3_5").train()
+        model.gradient_checkpointing_enable()
+        got["checkpointing"] = refused(lambda: tpt.packed_logprobs(model, local, nodes="all").logprobs.nansum().backward())
         got["failure"] = failing(rank)
         torch.save(got, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -220,9 +224,10 @@ class RecurrentLayersUnderContextParallelism(unittest.TestCase):
             print(f"without the {kind} hand-over: logprobs differ by {diff:.1e}")
             self.assertGreater(diff, 1e4 * TOL, kind)  # the split runs above agree to ~1e-15
 
-    def test_chunk_alignment_is_refused(self):
+    def test_chunk_alignment_and_gradient_checkpointing_are_refused(self):
         for r in self.ranks:
             self.assertIn("chunk_align=True: under context parallelism", r["chunk_align"])
+            self.assertIn("ran again in the same forward (gradient checkpointing?)", r["checkpointing"])
 
     def test_a_failed_rank_is_named_by_the_others(self):
         self.assertEqual(self.ranks[1]["failure"], "rank 1 failed on purpose")

@@ -29,7 +29,8 @@ recurrence (its backward the same in reverse order), like ART's GDN chain over r
 The attention layers of a hybrid model run in parallel between them.
 
 Chunk alignment (``prepare(model, chunk_align=True)``) is refused: a segment cut by a rank boundary restarts off the
-chunk grid. Messages are point to point (``isend`` / ``irecv``) with tags naming the layer call, tested on gloo; a
+chunk grid. So is a second run of a layer in one forward (gradient checkpointing's recompute), whose messages the
+other ranks would not send again. Messages are point to point (``isend`` / ``irecv``) with tags naming the layer call, tested on gloo; a
 wait that fails (a peer gone, the group's timeout) is the TreepackError (E_BACKEND) of every context-parallel
 exchange, naming the layer and the peer.
 """
@@ -324,12 +325,27 @@ def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> LocalPart:
     return part
 
 
+def _once(tree: Tree, key: tuple) -> None:
+    """Refuses a layer call run twice in one forward (gradient checkpointing re-runs it in the backward), before any
+    message: the other ranks would not send its messages again."""
+    seen = tree.mask._cache.setdefault("cp-calls", set())
+    if key in seen:
+        raise TreepackError(
+            "E_ARG",
+            f"{tree.layer} ran again in the same forward (gradient checkpointing?): under context parallelism a recurrent layer's "
+            "exchanges run once per forward; turn gradient checkpointing off for a context-parallel row",
+            field="gradient_checkpointing",
+        )
+    seen.add(key)
+
+
 def conv(
     orig: Callable, tree: Tree, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
     """``causal_conv1d_fn`` on this rank's nodes: x [1, C, n] -> [1, C, n], windows reaching earlier ranks."""
     part = _local(tree, "the convolution input", x, 2)
     key = tree.key("conv")
+    _once(tree, key)
     plan = conv_plan(tree.mask, part, int(weight.shape[-1]), x.device)
     if plan.recv or plan.send:
         # The local row is read through the extended tensor too, so its backward (which receives the exported
@@ -345,6 +361,7 @@ def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: C
     assert first is not None
     part = _local(tree, "a recurrence input", first, 1)
     key = tree.key("state")
+    _once(tree, key)
     plan = state_plan(tree.mask, part, first.device)
     comm = _Comm(part, key, tree.layer)
     starts = None
