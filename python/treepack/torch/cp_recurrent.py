@@ -133,15 +133,22 @@ def _hangs(g: _Global) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pairs[:, 1], pairs[:, 0], index
 
 
+def _cached(mask: Any, part: LocalPart, key: tuple, build: Callable[[_Global, int, int, int], Any]) -> Any:
+    """``build(row, rank, lo, hi)`` for this rank of ``part``, cached on the forward's mask under ``key``."""
+    plan = mask._cache.get(key)
+    if plan is None:
+        g = _global(mask, part)
+        r = int(part.cp.rank)
+        plan = mask._cache[key] = build(g, r, int(g.bounds[r]), int(g.bounds[r + 1]))
+    return plan
+
+
 def state_plan(mask: Any, part: LocalPart, device: torch.device) -> StatePlan:
     """``StatePlan`` of this rank of the local part ``part`` (cached on the forward's mask)."""
-    key = ("cp-state", str(device))
-    plan = mask._cache.get(key)
-    if plan is not None:
-        return plan
-    g = _global(mask, part)
-    r = int(part.cp.rank)
-    lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
+    return _cached(mask, part, ("cp-state", str(device)), lambda g, r, lo, hi: _state_plan(g, r, lo, hi, device))
+
+
+def _state_plan(g: _Global, r: int, lo: int, hi: int, device: torch.device) -> StatePlan:
     parents, dest, index = _hangs(g)
     forest = LocalForest(g.subtree_end, lo, hi, index[lo:hi], device)
     seg = segments_of(forest)
@@ -156,19 +163,15 @@ def state_plan(mask: Any, part: LocalPart, device: torch.device) -> StatePlan:
             # A parent of a later rank's node ends a local segment: a branch point, or the rank's last node.
             assert (at < len(ends)).all() and (ends[np.minimum(at, len(ends) - 1)] == ps).all()
             send.append((d, at))
-    plan = mask._cache[key] = StatePlan(forest, recv, send)
-    return plan
+    return StatePlan(forest, recv, send)
 
 
 def conv_plan(mask: Any, part: LocalPart, k: int, device: torch.device) -> ConvPlan:
     """``ConvPlan`` of this rank of the local part ``part`` for kernel size k (cached on the forward's mask)."""
-    key = ("cp-conv", k, str(device))
-    plan = mask._cache.get(key)
-    if plan is not None:
-        return plan
-    g = _global(mask, part)
-    r = int(part.cp.rank)
-    lo, hi = int(g.bounds[r]), int(g.bounds[r + 1])
+    return _cached(mask, part, ("cp-conv", k, str(device)), lambda g, r, lo, hi: _conv_plan(g, r, lo, hi, k, device))
+
+
+def _conv_plan(g: _Global, r: int, lo: int, hi: int, k: int, device: torch.device) -> ConvPlan:
     win = ancestors(g.seg, k)  # [N, k], oldest first
     remote = (win >= 0) & (g.rank_of(np.maximum(win, 0)) != g.owner[:, None])
     imports = np.unique(win[lo:hi][remote[lo:hi]])
@@ -187,8 +190,7 @@ def conv_plan(mask: Any, part: LocalPart, k: int, device: torch.device) -> ConvP
     row = np.arange(hi - lo, dtype=np.int64)[:, None] - np.arange(k - 1, -1, -1, dtype=np.int64)[None, :]
     row = np.where(row >= 0, row + m, -1)
     nodes = np.flatnonzero((cols != row).any(axis=1))
-    plan = mask._cache[key] = ConvPlan(recv, send, m, torch.from_numpy(nodes).to(device), torch.from_numpy(cols[nodes]).to(device))
-    return plan
+    return ConvPlan(recv, send, m, torch.from_numpy(nodes).to(device), torch.from_numpy(cols[nodes]).to(device))
 
 
 class _Comm:
