@@ -23,6 +23,10 @@ the chain from ``prefix.state(key)`` ([1, ...]); the layer hands ``prefix.keep(k
 last K-1 convolution inputs and the state after its last node, which a pushed segment caches and a popped one
 back-propagates its gathered gradients through (the state's is the kernels' ``dht``: FLA's and mamba-ssm's
 autograd functions take the final state's gradient). ``key`` names the call: (layer, "conv" | "state", ordinal).
+
+A context-parallel forward (python/treepack/torch/context_parallel.py) sets a ``CPForward`` as the mask's prefix: the
+layer's inputs are then the rank's nodes of a row split over ranks, and python/treepack/torch/cp_recurrent.py runs
+them, with the states and convolution inputs of earlier ranks.
 """
 
 from __future__ import annotations
