@@ -316,9 +316,9 @@ def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
     boundary: any mixer treepack does not run on a tree (the recurrent layers it does, ``LAYERS``, pass their states
     across ranks)."""
-    from .models import LAYERS, layer_index, token_mixers
+    from .models import LAYERS, layer_index, unsupported_mixers
 
-    bad = token_mixers(model)[1]
+    bad = unsupported_mixers(model, frozenset(LAYERS))
     if bad:
         path, m = bad[0]
         raise TreepackError(

@@ -51,7 +51,7 @@ from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
-from .models import layer_index, prepare, token_mixers
+from .models import layer_index, prepare, token_mixers, unsupported_mixers
 from .wrappers import wrappers
 
 # config.layer_types whose layers mix tokens by softmax attention only (or not at all).
@@ -205,8 +205,8 @@ class _Prefix:
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose prefix state the step plan does not carry: anything
     but softmax attention and the recurrent layers of ``RECURRENT``, by layer index and class."""
-    handled, other = token_mixers(model)
-    unsupported = other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in RECURRENT]
+    handled = token_mixers(model)[0]
+    unsupported = unsupported_mixers(model, RECURRENT)
     if unsupported:
         path, m = unsupported[0]
         raise TreepackError(
