@@ -8,7 +8,7 @@ radix segment, at a branch point (the branch node ending a rank, and starting on
 ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-36 nodes) and pad nodes;
 token-mean, seq-mean-token-mean and GSPO with sequence TIS. Negative control: with the key/value exchange replaced by
 zeros the logprobs differ. Scoring every node (``nodes="all"``), each rank's local nodes equal the one-rank run's and
-its context nodes are left NaN (their owners score them). A model with recurrent layers is refused on every rank.
+its context nodes are left NaN (their owners score them). Recurrent layers: test_cp_recurrent.py.
 Two ranks: a group of the wrong size and ranks holding different rows are refused on every rank with a TreepackError
 naming the fault; a rank that fails before the exchange makes the other raise TreepackError (E_BACKEND) within the
 group's 5 s timeout, no hang.
@@ -151,14 +151,6 @@ def main_worker(rank: int, world: int, out: str) -> None:
     finally:
         LocalPart.fetch = real
 
-    from test_hybrid import hybrid_model
-
-    cp = tpt.ContextParallel.of(batch, bounds=plan["inside_segments"])
-    try:
-        tpt.packed_logprobs(hybrid_model("qwen3_5"), tpt.split_batch(batch, cp))
-        results["recurrent"] = ""
-    except TreepackError as e:
-        results["recurrent"] = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -213,7 +205,7 @@ class ContextParallelOverGloo(unittest.TestCase):
     def test_split_runs_equal_the_one_rank_run(self):
         ranks = spawn(main_worker, 3)
         for name in ranks[0]:
-            if name in ("control", "recurrent", "all_nodes"):
+            if name in ("control", "all_nodes"):
                 continue
             for r, res in enumerate(ranks):
                 got = res[name]
@@ -238,9 +230,6 @@ class ContextParallelOverGloo(unittest.TestCase):
         control = max(res["control"]["lp"] for res in ranks)
         self.assertGreater(control, 1e-3, "without the key/value exchange the logprobs must differ")
         self.assertEqual(ranks[0]["control"]["lp"], 0.0)  # rank 0 has no context: nothing to exchange
-        for res in ranks:
-            self.assertIn("GatedDeltaNet", res["recurrent"])
-            self.assertIn("context", res["recurrent"])
 
     def test_faults_are_refused_on_every_rank_without_hanging(self):
         ranks = spawn(fault_worker, 2)

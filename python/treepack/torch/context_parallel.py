@@ -34,10 +34,12 @@ so the gradients of shared keys sum), puts them before the local ones, and pads 
 (``prefix.rows`` = A). The final hidden states of the context nodes that are parents of local nodes are fetched
 the same way, so node p's logprob (from its parent's row) is computed on p's rank.
 
-**Recurrent layers** (Gated DeltaNet, Mamba2, KDA) are refused under context parallelism (``check_model``) until
-their state hand-over exists: it belongs on ``CPForward`` beside ``extend``, as the step plan's ``_Prefix`` has
-``tail``/``state``/``keep``, with ``fetch`` (or point-to-point sends) to move the state over a rank boundary.
-``RECURRENT_SUPPORTED`` lists the classes ``check_model`` lets through.
+**Recurrent layers** (Gated DeltaNet, Mamba2, KDA: every class of ``treepack.torch.LAYERS``) run their tree execution
+on the local nodes (python/treepack/torch/cp_recurrent.py): the recurrent layers see ``CPForward`` on the mask and
+take the states after their roots' parents, and the convolution inputs of the ancestors their windows read, from
+the ranks that computed them (point to point, their gradients returned in backward), reading the whole row's
+forest from ``LocalPart.subtree_end``. Each recurrent layer is a pipeline over the ranks (rank r waits for the
+states of the lower ranks it hangs from). Token mixers treepack does not run on a tree are refused (``check_model``).
 
 **The loss.** ``packed_loss`` / ``PackedLoss`` on a local part all-reduce (SUM) the per-sequence counts and sums the
 aggregation reads (trainable tokens per sequence, hence T and G; GSPO's sequence mean; sequence TIS) and compute
@@ -63,9 +65,6 @@ from .batch import PackedBatch
 # What one token's projections and MLP cost, in keys seen (attention (q, k) pairs): the ratio of a dense layer's
 # per-token matmuls (~12·D² multiply-adds) to one pair's (~2·D), for a hidden size D of about 1k. Tune per model.
 DEFAULT_TOKEN_COST = 6144.0
-
-# Recurrent layer classes whose state crosses a rank boundary (none yet: the cp-rec work adds them).
-RECURRENT_SUPPORTED: frozenset[str] = frozenset()
 
 
 def _dist() -> Any:
@@ -241,7 +240,8 @@ class LocalPart:
     """What a local part (``split_batch``) knows of the split: ``cp``, ``context`` (the global node id of each of its
     first A nodes, the ancestor chain of node ``cp.lo``, ascending), the routes of the context's keys/values (``kv``)
     and of the final hidden states its local nodes' logprobs read (``hidden``: ``hidden_rows`` are their places in
-    the context), ``num_nodes`` (the whole row's N); ``stats`` counts the bytes this rank's exchanges moved."""
+    the context), ``num_nodes`` (the whole row's N); ``stats`` counts the bytes this rank's exchanges moved;
+    ``subtree_end`` is the whole row's, from which the recurrent layers derive every rank's state hand-overs."""
 
     cp: ContextParallel
     context: torch.Tensor
@@ -250,6 +250,7 @@ class LocalPart:
     hidden: Route
     hidden_rows: torch.Tensor
     stats: dict[str, int] = field(default_factory=dict, compare=False)
+    subtree_end: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def rows(self) -> int:
@@ -313,16 +314,17 @@ class CPForward:
 
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
-    boundary: recurrent layers not in ``RECURRENT_SUPPORTED``, and any mixer treepack does not handle."""
-    from .models import layer_index, unsupported_mixers
+    boundary: any mixer treepack does not run on a tree (the recurrent layers it does, ``LAYERS``, pass their states
+    across ranks)."""
+    from .models import LAYERS, layer_index, unsupported_mixers
 
-    bad = unsupported_mixers(model, RECURRENT_SUPPORTED)
+    bad = unsupported_mixers(model, frozenset(LAYERS))
     if bad:
         path, m = bad[0]
         raise TreepackError(
             "E_ARG",
             f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens by a recurrence or convolution whose state context "
-            "parallelism does not pass across ranks yet (softmax attention only): run this row on one rank",
+            "parallelism does not pass across ranks (attention and " + ", ".join(sorted(LAYERS)) + " do): run this row on one rank",
             field="model",
         )
 
@@ -379,6 +381,7 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         kv=_route(contexts, bounds, cp.rank, dev),
         hidden=_route(hneeds, bounds, cp.rank, dev),
         hidden_rows=torch.searchsorted(contexts[cp.rank], hneeds[cp.rank]).to(dev),
+        subtree_end=se,
     )
     pad = batch.num_pad_tokens
     meta = dict(batch.meta)
@@ -447,7 +450,6 @@ __all__ = [
     "ContextParallel",
     "DEFAULT_TOKEN_COST",
     "LocalPart",
-    "RECURRENT_SUPPORTED",
     "Route",
     "balanced_bounds",
     "check_model",

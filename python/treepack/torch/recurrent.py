@@ -23,6 +23,10 @@ the chain from ``prefix.state(key)`` ([1, ...]); the layer hands ``prefix.keep(k
 last K-1 convolution inputs and the state after its last node, which a pushed segment caches and a popped one
 back-propagates its gathered gradients through (the state's is the kernels' ``dht``: FLA's and mamba-ssm's
 autograd functions take the final state's gradient). ``key`` names the call: (layer, "conv" | "state", ordinal).
+
+A context-parallel forward (python/treepack/torch/context_parallel.py) sets a ``CPForward`` as the mask's prefix: the
+layer's inputs are then the rank's nodes of a row split over ranks, and python/treepack/torch/cp_recurrent.py runs
+them, with the states and convolution inputs of earlier ranks.
 """
 
 from __future__ import annotations
@@ -34,18 +38,24 @@ import torch
 import torch.nn.functional as F
 
 from ..microbatch import TreepackError
-from .segments import conv_fix, run_plan, sub_forest
+from .context_parallel import CPForward
+from .segments import RunPlan, conv_fix, run_plan, sub_forest
 
 
 class Tree:
     """What a prepared layer runs on: the TreeMask, whether rows start on the chunk grid, the layer's name (errors),
-    and a step plan's ``prefix`` (module docstring; None outside one)."""
+    a step plan's ``prefix`` (module docstring; None outside one) and a context-parallel forward's ``cp`` (its
+    LocalPart; None outside one)."""
 
     def __init__(self, mask: Any, chunk_align: bool, layer: str):
         self.mask = mask
         self.chunk_align = chunk_align
         self.layer = layer
-        self.prefix = getattr(mask, "prefix", None)
+        prefix = getattr(mask, "prefix", None)
+        # Under context parallelism the mask's prefix is the forward's CPForward: its LocalPart, not a cached chain
+        # (python/treepack/torch/cp_recurrent.py).
+        self.cp = prefix.part if isinstance(prefix, CPForward) else None
+        self.prefix = None if self.cp is not None else prefix
         self._calls: dict[str, int] = {}
 
     def key(self, kind: str) -> tuple[str, str, int]:
@@ -78,6 +88,10 @@ def tree_conv(
     """``causal_conv1d_fn`` on the tree: x [1, C, N] -> [1, C, N] (under a step plan, nodes [rows, N) only)."""
     if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
+    if tree.cp is not None:
+        from . import cp_recurrent  # imports this module
+
+        return cp_recurrent.conv(orig, tree, hidden_states, weight, bias, activation)
     pre, k = tree.prefix, int(weight.shape[-1])
     if pre is None:
         return _conv(orig, tree.mask, hidden_states, weight, bias, activation)
@@ -97,35 +111,70 @@ def _conv(
 ) -> torch.Tensor:
     n = int(mask.subtree_end.shape[0])
     _one_row("the convolution input", hidden_states, n, 2)
-    out = orig(hidden_states, weight, bias=bias, activation=activation)
-    k = int(weight.shape[-1])
-    fix = conv_fix(mask, k, hidden_states.device)
-    if fix.nodes.numel() == 0:
+    fix = conv_fix(mask, int(weight.shape[-1]), hidden_states.device)
+    return windows_conv(orig, hidden_states, hidden_states, fix.nodes, fix.windows, weight, bias, activation)
+
+
+def windows_conv(
+    orig: Callable,
+    row: torch.Tensor,
+    columns: torch.Tensor,
+    nodes: torch.Tensor,
+    windows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor:
+    """The convolution of ``row`` [1, C, n] as one sequence, with the outputs of ``nodes`` [F] recomputed on their true
+    windows ``windows`` [F, k] (columns of ``columns`` [1, C, m], -1 = zero past a root)."""
+    out = orig(row, weight, bias=bias, activation=activation)
+    if nodes.numel() == 0:
         return out
-    # The true windows [F, C, k] (the zero column N past a root) through the same function: its last output sees
+    k, m = int(weight.shape[-1]), int(columns.shape[2])
+    # The true windows [F, C, k] (the zero column m past a root) through the same function: its last output sees
     # exactly the window.
-    x = F.pad(hidden_states[0], (0, 1))
-    win = x.index_select(1, torch.where(fix.windows < 0, n, fix.windows).flatten()).view(x.shape[0], -1, k).transpose(0, 1).contiguous()
+    x = F.pad(columns[0], (0, 1))
+    win = x.index_select(1, torch.where(windows < 0, m, windows).flatten()).view(x.shape[0], -1, k).transpose(0, 1).contiguous()
     fixed = orig(win, weight, bias=bias, activation=activation)[:, :, k - 1]  # [F, C]
-    return out.index_copy(2, fix.nodes, fixed.t()[None])
+    return out.index_copy(2, nodes, fixed.t()[None])
 
 
 def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...] (under a step plan, nodes [rows, N): the roots that continue
-    the cached chain start from its state). The first input is always given (the others may be None)."""
-    pre, mask = tree.prefix, tree.mask
-    first = inputs[0]
-    if first is None:
+    the cached chain start from its state; under context parallelism, the rank's nodes). The first input is always
+    given (the others may be None)."""
+    if inputs[0] is None:
         raise TreepackError("E_ARG", "a recurrence needs its first input", field="inputs")
-    if pre is not None:
-        key = tree.key("state")
-        mask = sub_forest(mask, pre.rows) if pre.rows else mask
+    if tree.cp is not None:
+        from . import cp_recurrent  # imports this module
+
+        return cp_recurrent.run(tree, chunk, inputs, call)
+    pre, mask = tree.prefix, tree.mask
+    if pre is None:
+        return run_rows(mask, chunk if tree.chunk_align else 1, inputs, call, None)[0]
+    key = tree.key("state")
+    mask = sub_forest(mask, pre.rows) if pre.rows else mask
+    out, finals, plan = run_rows(mask, chunk if tree.chunk_align else 1, inputs, call, lambda: pre.state(key))
+    if finals:
+        last, r = plan.last
+        pre.keep(key, finals[last][r : r + 1])
+    return out
+
+
+def run_rows(
+    mask: Any, align: int, inputs: tuple[torch.Tensor | None, ...], call: Callable, starts: Callable[[], torch.Tensor] | None
+) -> tuple[torch.Tensor, list[torch.Tensor], RunPlan]:
+    """``run_plan(mask, align)``'s calls over ``inputs`` ([1, N, ...] each, the first given): (outputs [1, N, ...], the
+    calls' final states, the plan). Rows that hang (``Call.hang``) start from ``starts()`` [H, ...] (asked only when
+    some row hangs), row ``hang_from``."""
+    first = inputs[0]
+    assert first is not None
     n = int(mask.subtree_end.shape[0])
     for t in inputs:
         if t is not None:
             _one_row("a recurrence input", t, n, 1)
-    plan = run_plan(mask, chunk if tree.chunk_align else 1, first.device)
+    plan = run_plan(mask, align, first.device)
     # [N + 1, ...] per input, row N the all-zero padding token; each call gathers its rows from these.
     padded = [None if t is None else torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in inputs]
     finals: list[torch.Tensor] = []
@@ -136,19 +185,16 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
         if c.perm is not None:
             parts = [finals[src].index_select(0, idx) for src, idx in c.sources]
             init = torch.cat([torch.zeros_like(parts[0][:1])] + parts).index_select(0, c.perm)
-        if c.hang is not None and pre is not None:  # hanging roots exist only under a step plan
-            state = pre.state(key)
+        if c.hang is not None and c.hang_from is not None and starts is not None:
+            state = starts()
             init = state.new_zeros((c.nodes.shape[0],) + state.shape[1:]) if init is None else init
-            init = init.index_copy(0, c.hang, state.to(init.dtype).expand((c.hang.shape[0],) + state.shape[1:]))
+            init = init.index_copy(0, c.hang, state.to(init.dtype).index_select(0, c.hang_from))
         out, final = call(*rows, init)
         finals.append(final)
         outs.append(out.flatten(0, 1))
     if not outs:
-        return first.new_zeros((1, 0) + first.shape[2:])
-    if pre is not None:
-        last, r = plan.last
-        pre.keep(key, finals[last][r : r + 1])
-    return torch.cat(outs).index_select(0, plan.owner)[None]
+        return first.new_zeros((1, 0) + first.shape[2:]), finals, plan
+    return torch.cat(outs).index_select(0, plan.owner)[None], finals, plan
 
 
 def tree_chunk_rule(

@@ -21,7 +21,8 @@ between the aligned start and a in the segment's own row: every row then starts 
 
 ``sub_forest(mask, first)`` is nodes [first, N) of a forest whose nodes [0, first) are a chain (a step plan's cached
 prefix, python/treepack/torch/stepplan.py) as a forest of its own: its roots that continue the chain (children of
-node first - 1) start from the chain's final state instead of zeros (``Call.hang``).
+node first - 1) start from the chain's final state instead of zeros (``Call.hang``). Context parallelism's local
+forests (python/treepack/torch/cp_recurrent.py) hang roots the same way from states computed on other ranks.
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ class Call:
     """One batched call of the recurrence: G rows of T tokens, ``nodes`` [G, T] (node ids; ``num_nodes`` stands for a
     zero padding token at a row's end). Row i starts from state ``perm[i]`` of [zeros, then for each (c, rows) in
     ``sources`` the final states of those rows of call c] (``perm`` None: every row starts from zeros), except rows
-    ``hang`` (None: none), which continue a cached chain (``sub_forest``) and start from its final state."""
+    ``hang`` (None: none), which continue a chain computed elsewhere (a cached one, ``sub_forest``, or another rank's)
+    and start from the given start state ``hang_from`` (index into the start states the caller holds)."""
 
     nodes: torch.Tensor
     sources: list[tuple[int, torch.Tensor]]
     perm: torch.Tensor | None
     hang: torch.Tensor | None = None
+    hang_from: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ class RunPlan:
     tokens: int  # the rows' tokens without padding (>= N; the repeated tails when aligned)
     padded: int  # with padding
     last: tuple[int, int]  # (call, row) of the row that ends with node N - 1: its final state is the state after it
+    seg_rows: np.ndarray  # int64 [S, 2]: (call, row) of each segment's row, (-1, -1) where it has none (aligned)
 
 
 def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
@@ -182,8 +186,9 @@ def run_plan(mask: Any, align: int, device: torch.device) -> RunPlan:
 
 class SubForest:
     """Nodes [first, N) of the forest ``subtree_end`` (nodes [0, first) a chain: parent p - 1) as a forest of their
-    own, for the convolution and recurrence plans (``_cache`` as on a TreeMask). ``hang`` [N - first] bool: the local
-    roots whose parent is node first - 1 (they continue the chain); the other roots are the forest's own roots."""
+    own, for the convolution and recurrence plans (``_cache`` as on a TreeMask). ``hang`` [N - first] int: 0 at the
+    local roots whose parent is node first - 1 (they continue the chain from its one state), -1 elsewhere (the forest's
+    own roots start from zeros)."""
 
     def __init__(self, subtree_end: torch.Tensor, first: int):
         se = subtree_end.detach().cpu().numpy().astype(np.int64)
@@ -192,11 +197,12 @@ class SubForest:
         self._cache: dict[Any, Any] = {}
         seg = segments_of(self)
         roots = seg.start[seg.parent < 0]
-        self.hang = np.zeros(len(local), dtype=bool)
+        self.hang = np.full(len(local), -1, dtype=np.int64)
         if first:
-            self.hang[roots] = roots + first < se[first - 1]  # inside the subtree of the chain's last node
+            hung = roots + first < se[first - 1]  # inside the subtree of the chain's last node
+            self.hang[roots[hung]] = 0
             # A root inside the chain's subtree but not its last node's hangs from a chain node above the end.
-            above = roots[~self.hang[roots] & (roots + first < se[0])]
+            above = roots[~hung & (roots + first < se[0])]
             if len(above):
                 raise TreepackError(
                     "E_INPUT",
@@ -291,10 +297,10 @@ def _run_plan(seg: Segments, align: int, device: torch.device, hang: np.ndarray 
     if int(first.sum()) != n:
         raise TreepackError("E_INPUT", "the run plan leaves nodes without an output (not a valid forest)", field="subtree_end")
     # Rows of root segments that continue a cached chain (a root's segment always has a row: r = a = 0).
-    hangs = np.zeros(S, dtype=bool) if hang is None else (seg.parent < 0) & hang[seg.start]
+    hangs = np.full(S, -1, dtype=np.int64) if hang is None else np.where(seg.parent < 0, hang[seg.start], -1)
     calls = []
     for (nodes, src), group in zip(calls_np, call_segs):
-        hung = np.flatnonzero(hangs[group])
+        hung = np.flatnonzero(hangs[group] >= 0)
         # Each row's start state, gathered per earlier call it comes from (few calls, not one gather per row).
         srcs = [where[j - 1] for j in src.tolist() if j > 0]
         sources, perm, at = [], np.zeros(len(src), dtype=np.int64), 1
@@ -309,7 +315,9 @@ def _run_plan(seg: Segments, align: int, device: torch.device, hang: np.ndarray 
                 sources,
                 torch.from_numpy(perm).to(device) if sources else None,
                 torch.from_numpy(hung).to(device) if len(hung) else None,
+                torch.from_numpy(hangs[group][hung]).to(device) if len(hung) else None,
             )
         )
-    last = where[row_id[S - 1]] if S else (-1, -1)  # the last segment in DFS order holds node N - 1, a leaf: its row ends there
-    return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size), last)
+    seg_rows = np.array([where[i] if i >= 0 else (-1, -1) for i in row_id.tolist()], dtype=np.int64).reshape(S, 2)
+    last = tuple(seg_rows[S - 1].tolist()) if S else (-1, -1)  # the last segment in DFS order holds node N - 1, a leaf
+    return RunPlan(calls, torch.from_numpy(owner).to(device), n, count, len(pos), int(flat_nodes.size), last, seg_rows)
