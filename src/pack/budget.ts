@@ -55,6 +55,23 @@ export interface BudgetOptions {
   prefixCacheTokens?: number;
   /** bytes one cached prefix token costs (keys, values and their gradients over all layers), for the plan's report */
   prefixBytesPerToken?: number;
+  /**
+   * with prefix reuse and dp > 1: a prefix held by several ranks is computed once per data-parallel group, in shares
+   * (docs/design.md §11); default true
+   */
+  sharedPrefix?: boolean;
+}
+
+/** A prefix piece computed in shares (docs/design.md §11): depths [start, end) of a sequence's root path. */
+export interface PlannedSharedPiece {
+  /** index of a window sequence (input order) whose root path holds the piece */
+  sequence: number;
+  start: number;
+  end: number;
+  /** the ranks holding it, ascending and contiguous */
+  ranks: number[];
+  /** per rank of `ranks`: the depth range it computes */
+  ranges: [number, number][];
 }
 
 /** One planned micro-batch: its sequences, tokens, rank and step (and its step-plan entry with prefix reuse). */
@@ -94,6 +111,8 @@ export interface Plan {
   moves: number;
   /** with prefix reuse: tokens computed, pushed and cached */
   prefixReuse?: PrefixPlanStats;
+  /** with shared prefixes: the pieces, referred to by index from the micro-batches' `prefix.shared` */
+  sharedPrefixes?: PlannedSharedPiece[];
 }
 
 const positiveInt = (name: string, v: unknown): number => {
@@ -386,11 +405,20 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
     };
     return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1, moves: 0, prefixReuse };
   }
-  const planned = planPrefixRuns(runs, B, K, cost, { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken }, ids);
+  const share = opts.sharedPrefix ?? true;
+  if (typeof share !== 'boolean') throw argError('sharedPrefix', 'a boolean', share);
+  const planned = planPrefixRuns(
+    runs,
+    B,
+    K,
+    cost,
+    { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken, share },
+    ids,
+  );
   const perRank = new Int32Array(K);
   for (const p of planned.runs) perRank[p.rank]++;
   const steps = Math.max(1, ...perRank);
-  const loads = new Float64Array(K);
+  const loads = Float64Array.from(planned.shareLoad);
   const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(steps * K);
   let pads = 0;
   for (const p of planned.runs) {
@@ -424,11 +452,20 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
       padTokens: 0,
       attentionPairs: 0,
       cost: 0,
-      prefix: { tokens: 0, push: [], release: 0 },
+      prefix: { tokens: 0, push: [], release: 0, ...(planned.shared.length > 0 && { shared: [] }) },
       computedTokens: 0,
       pushedTokens: 0,
     };
   }
   const prefixReuse = { ...planned.stats, computedTokens: planned.stats.computedTokens + pads };
-  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves: 0, prefixReuse };
+  const sharedPrefixes = planned.shared.map(({ rep, ...p }) => ({ sequence: runs.order[rep], ...p }));
+  return {
+    microBatches,
+    optimumTokens,
+    rankCosts: loads,
+    imbalance: imbalance(loads),
+    moves: 0,
+    prefixReuse,
+    ...(sharedPrefixes.length > 0 && { sharedPrefixes }),
+  };
 }
