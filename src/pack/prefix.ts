@@ -323,10 +323,11 @@ export function planPrefixRuns(
       [out, bestLoad, bestComputed, bestB] = [planned, load, computed, b];
   }
   if (out === null) {
+    const rep = chainOf([need!.lo, need!.hi, need!.op.tokens])[0];
     throw new TreepackError(
       'E_ARG',
-      `the step plan needs ${need!.op.tokens} cached prefix tokens on rank ${need!.rank} (a prefix shared by the micro-batches under it), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
-      ids ? { record: ids[runs.order[need!.lo]] } : {},
+      `the step plan needs ${need!.op.tokens} cached prefix tokens on rank ${need!.rank} (a prefix shared by the micro-batches under it; the sequence has ${runs.seqLen[rep]} tokens), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
+      ids ? { record: ids[runs.order[rep]] } : {},
     );
   }
   let shared: SharedPiece[] = [];

@@ -69,7 +69,10 @@ export function manifestHeader(r: PackReport): ManifestHeader {
       pushed_tokens: r.prefixReuse.pushedTokens,
       peak_cached_tokens: r.prefixReuse.peakCachedTokens,
       ...(r.prefixReuse.peakCachedBytes !== undefined && { peak_cached_bytes: r.prefixReuse.peakCachedBytes }),
+      ...(r.prefixReuse.sharedTokens !== undefined && { shared_tokens: r.prefixReuse.sharedTokens }),
     }),
+    ...(r.parallelPlans && { parallel_plans: r.parallelPlans }),
+    ...(r.sharedPrefixes && { shared_prefixes: r.sharedPrefixes }),
   };
   // The option fields come from the table, typed there as unknown; ManifestHeader names each one it writes.
   return header as unknown as ManifestHeader;
