@@ -120,9 +120,12 @@ function checkPrefix(mb: MicroBatch, fail: Fail): void {
   const shared = mb.meta.prefix_shared;
   if (
     shared !== undefined &&
-    !(Array.isArray(shared) && shared.length === push!.length && shared.every((x) => x === null || (Number.isSafeInteger(x) && x >= 0)))
+    !(Array.isArray(shared) && shared.length === push.length && shared.every((x) => x === null || (Number.isSafeInteger(x) && x >= 0)))
   )
-    throw fail('prefix_shared', `prefix_shared = ${JSON.stringify(shared)}, expected one piece id (an integer >= 0) or null per prefix_push entry`);
+    throw fail(
+      'prefix_shared',
+      `prefix_shared = ${JSON.stringify(shared)}, expected one piece id (an integer >= 0) or null per prefix_push entry`,
+    );
 }
 
 /** The context-parallel extension: two or more ranks, ascending. */

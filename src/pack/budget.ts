@@ -299,7 +299,8 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   const slack = opts.balanceSlack ?? DEFAULT_BALANCE_SLACK;
   if (typeof slack !== 'number' || !Number.isFinite(slack) || slack < 0) throw argError('balanceSlack', 'a finite number >= 0', slack);
   if (opts.prefixCacheTokens !== undefined) return planWithPrefix(seqs, opts, K, cost, ids);
-  if ((opts.cp ?? 1) !== 1) throw argError('cp', '1 without prefix reuse (context parallelism plans step plans: give prefixCacheTokens)', opts.cp);
+  if ((opts.cp ?? 1) !== 1)
+    throw argError('cp', '1 without prefix reuse (context parallelism plans step plans: give prefixCacheTokens)', opts.cp);
   const { B, longest } = tokenBudget(seqs.offsets, opts, ids);
   const runs = new Runs(seqs, cost);
   const S = runs.S;

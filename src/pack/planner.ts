@@ -114,7 +114,14 @@ export function choosePlan<P>(o: PlannerOptions, build: (mode: ParallelMode, G: 
       maxLoad = Math.max(maxLoad, built.loads[r]);
       maxBytes = Math.max(maxBytes, built.bytes[r]);
     }
-    const report: CandidateReport = { mode, cp: G, computed_tokens: built.computed, max_rank_cost: maxLoad, max_rank_bytes: maxBytes, time };
+    const report: CandidateReport = {
+      mode,
+      cp: G,
+      computed_tokens: built.computed,
+      max_rank_cost: maxLoad,
+      max_rank_bytes: maxBytes,
+      time,
+    };
     candidates.push(report);
     const better =
       best === null ||

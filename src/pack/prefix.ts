@@ -154,7 +154,7 @@ function stackOps(
   chains: [number, number][],
   lcpOf: (a: number, b: number) => number,
   B: number,
-  extra: (m: number) => number[] = () => [],
+  pieces: (m: number) => [number, number][] = () => [],
 ): { op: PrefixOp; from: number }[] {
   const n = chains.length;
   const common = (x: [number, number], y: [number, number]) => Math.min(x[1], y[1], lcpOf(x[0], y[0]));
@@ -167,7 +167,11 @@ function stackOps(
     // Until a later cut goes to down[m] or below (which releases all of them), a cut may fall inside these segments.
     for (let k = m + 1; k < n && down[k] > down[m]; k++) if (down[k] < h) cuts.add(down[k]);
     if (h > down[m]) cuts.add(h);
-    for (const c of extra(m)) if (c > down[m] && c < h) cuts.add(c);
+    // A shared piece on the chain is one segment: its ends are cuts, and nothing inside it is (a cut there comes from a
+    // later chain on another branch: every chain that leaves this path inside a piece's depths split the piece there).
+    const mine = pieces(m);
+    for (const [a, b] of mine) for (const c of [a, b]) if (c > down[m] && c < h) cuts.add(c);
+    for (const c of [...cuts]) if (mine.some(([a, b]) => a < c && c < b)) cuts.delete(c);
     const ends: number[] = [];
     let at = down[m];
     for (const e of [...cuts].sort((x, y) => x - y)) {
@@ -253,7 +257,7 @@ export function planPrefixRuns(
   const plannedOn = (items: [number, number, number][], rank: number, pieces: readonly SharedPiece[] = []): PlannedRun[] => {
     const chains = items.map(chainOf);
     const on = chains.map(([rep, h]) => piecesOn(pieces, rep, h, lcpAt));
-    const ops = stackOps(chains, lcpAt, B, (m) => on[m].flatMap((id) => [pieces[id].start, pieces[id].end]));
+    const ops = stackOps(chains, lcpAt, B, (m) => on[m].map((id): [number, number] => [pieces[id].start, pieces[id].end]));
     return items.map(([lo, hi, h], step) => {
       const { op, from } = ops[step];
       const computed = runs.tokens(lo, hi) - h,
@@ -266,7 +270,8 @@ export function planPrefixRuns(
           const s = k > 0 ? op.push[k - 1] : from;
           const id = on[step].find((i) => pieces[i].start === s && pieces[i].end === e);
           if (id !== undefined) {
-            if (!pieces[id].ranks.includes(rank)) throw new TreepackError('E_BACKEND', `shared prefix: rank ${rank} holds a piece outside its group`);
+            if (!pieces[id].ranks.includes(rank))
+              throw new TreepackError('E_BACKEND', `shared prefix: rank ${rank} holds a piece outside its group`);
             pushedTokens -= e - s;
             pushedPairs -= pathPairs(e) - pathPairs(s);
             return id;

@@ -299,7 +299,13 @@ export class PackerCore {
     let out: Packed[];
     if (budget) {
       const [stepBase, pieceBase] = [this.#steps, this.#pieces];
-      const w = packWindow(pending, { ...budget, ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds, sharedPieceBase: pieceBase });
+      const w = packWindow(pending, {
+        ...budget,
+        ...this.#vocabulary(),
+        packForest,
+        turnIds: this.#opts.turnIds,
+        sharedPieceBase: pieceBase,
+      });
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan, stepBase, pieceBase }));
       const steps = w.plan.microBatches.reduce((a, m) => Math.max(a, m.step + 1), 0);
       this.#steps += steps;
