@@ -19,6 +19,7 @@
  */
 import { TreepackError, argError } from '../errors.js';
 
+/** How a step's ranks share its work: each alone, prefixes computed in shares, or context-parallel groups. */
 export type ParallelMode = 'dp' | 'shared' | 'cp';
 
 /** What one way of planning a step would cost, or why it cannot be used. */
