@@ -37,6 +37,7 @@ import { superviseDawnWarnings } from './dawn-warnings.js';
 import { big, fmt, speed } from './format.js';
 import { renderHtml } from './report.js';
 import { benchPrefixStep } from './prefix-step.js';
+import { benchRoutes } from './routes.js';
 import { benchStep, type StepSection } from './step.js';
 import { benchTrainer } from './trainer.js';
 import { benchTrlStep, type TrlStepSection } from './trl-step.js';
@@ -257,6 +258,7 @@ const masks = await timed('masks', () => benchMasks(quick, syntheticTokens));
 const memory = await timed('memory', () => benchMemory(quick));
 const trainer = await timed('trainer side', () => benchTrainer(!quick));
 const prefixStep = await timed('step plans', () => benchPrefixStep(!quick));
+const routes = await timed('MoE routes', () => benchRoutes(quick));
 await disposeBackends();
 
 const perSection = sections.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(', ');
@@ -276,6 +278,7 @@ const all = {
   trainer,
   trlStep,
   prefixStep,
+  routes,
 };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(

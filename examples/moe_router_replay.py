@@ -7,8 +7,10 @@
    (prompt and generated), then perturbs a few of them, as a real engine's batch-dependent numerics flip near-ties;
    so a token seen by two calls (a GRPO group's shared prompt, an agent's turn re-read by its next call) has two
    route sets;
-3. packs the calls with ``treepack.torch.pack_routed``: tokens are shared only where their routes agree too, so the
-   tree splits where a shared prefix was routed differently and every call replays exactly its own routes;
+3. writes the calls as pre-tokenized JSONL with their ``routes`` (the agent's first call as vLLM returns them: its last
+   token unrouted) and packs them with ``treepack pack``: tokens are shared only where their routes agree too, so the
+   tree splits where a shared prefix was routed differently, the micro-batch carries the routes per node, and
+   ``PackedDataset`` puts them in ``batch.routes``: every call replays exactly its own routes;
 4. one training step packed (tree attention, ``packed_logprobs(routes=...)``, ``packed_loss`` with the router's
    load-balancing loss) and the same step unpacked (each call alone, stock attention, replaying its own routes).
 
@@ -17,8 +19,8 @@ loss, the loss and every parameter's gradient (float32 rounding: about 1e-6 or l
 step, the token and node counts, and the control: how far the packed logprobs are from the unpacked run's when the
 routes are not replayed (the router's own top-k), after the step.
 
-Needs torch and transformers (``node scripts/python-env.mjs`` makes a .venv with them) and the C core
-(``npm install`` builds it).
+Needs torch and transformers (``node scripts/python-env.mjs`` makes a .venv with them) and the built CLI and C core
+(``npm install`` builds them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import importlib.util
 import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +111,22 @@ def calls(rng: random.Random) -> tuple[list[list[int]], list[list[int]], list[fl
     return seqs, masks, rewards
 
 
+def pack(
+    seqs: list[list[int]], masks: list[list[int]], advantages: list[float], routes: list[list[Any]], directory: str
+) -> tpt.PackedBatch:
+    """The calls through ``treepack pack`` (JSONL with ``routes`` [T][MoE layers][k]); the one micro-batch it writes."""
+    cli = os.path.join(ROOT, "dist", "src", "cli", "main.js")
+    if not os.path.exists(cli):
+        sys.exit(f"{cli} not found: run `npm install` (it builds the CLI) first")
+    data, out = os.path.join(directory, "calls.jsonl"), os.path.join(directory, "packed")
+    with open(data, "w") as f:
+        for i, (tokens, mask, adv, r) in enumerate(zip(seqs, masks, advantages, routes)):
+            f.write(json.dumps({"id": f"call{i}", "tokens": tokens, "loss_mask": mask, "advantage": adv, "routes": r}) + "\n")
+    subprocess.run(["node", cli, "pack", data, "--out", out, "--advantages", "none", "--quiet"], check=True)
+    (batch,) = list(tpt.PackedDataset(out))
+    return batch
+
+
 def packed_step(model: torch.nn.Module, batch: tpt.PackedBatch) -> tuple[torch.Tensor, dict]:
     """Per-occurrence logprobs [M] and the metrics of one packed step (gradients left in the parameters)."""
     scores = tpt.packed_logprobs(model, batch, nodes="all")  # replays batch.routes
@@ -146,10 +166,16 @@ def main() -> None:
     model = make_model()
     seqs, masks, rewards = calls(rng)
     routes = [engine_routes(model, s, rng) for s in seqs]  # each call routed by the engine anew
+    # The agent's first call as vLLM returns it: its last token (never fed back) unrouted; replayed as -1, i.e. the
+    # router's own top-k, packed and unpacked alike.
+    given = [r.transpose(0, 1).tolist() for r in routes]
+    given[3] = given[3][:-1]
+    routes[3][:, -1] = -1
     mean = sum(rewards) / len(rewards)
-    mb, packed_routes = tpt.pack_routed(seqs, routes, loss_mask=masks, advantages=[r - mean for r in rewards])
-    batch = tpt.load_microbatch(mb)
-    batch.routes = packed_routes
+    with tempfile.TemporaryDirectory() as directory:
+        batch = pack(seqs, masks, [r - mean for r in rewards], given, directory)
+    order = {f"call{i}": r for i, r in enumerate(routes)}
+    routes = [order[sid] for sid in batch.meta["sequence_ids"]]  # in the micro-batch's sequence order
     with torch.no_grad():  # on-policy: the old logprobs are the current model's
         batch.old_logprobs = tpt.gather_occurrences(tpt.packed_logprobs(model, batch, nodes="all").logprobs, batch).float()
     trie_nodes = len(treepack.pack_sequences(seqs).input_ids)

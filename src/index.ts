@@ -13,7 +13,8 @@
  */
 export { TreepackError, type ErrorCode, type ErrorWhere } from './errors.js';
 export * from './pack/contract.js';
-export type { ChatMessage, ChatRecord, Sample, Source, ToolCall, TrainRecord } from './records/types.js';
+export type { ChatMessage, ChatRecord, Routes, Sample, Source, ToolCall, TrainRecord } from './records/types.js';
+export { parseRoutes } from './records/routes.js';
 export { packForest, sortSequences } from './pack/forest.js';
 export { assembleMicroBatch, concatSequences, toSequences } from './pack/batch.js';
 export { branchDepthHistogram } from './pack/shape.js';

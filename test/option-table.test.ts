@@ -55,6 +55,7 @@ const BAD: Record<string, { flag: string; lib: unknown }> = {
   repeatedEpisodeIds: { flag: 'yes', lib: 'yes' },
   lossyUtf8: { flag: '1', lib: 1 },
   turnIds: { flag: 'yes', lib: 'yes' },
+  routeConflict: { flag: 'last', lib: true },
   advantages: { flag: 'ppo', lib: 'ppo' },
   masks: { flag: 'block:0', lib: 'flash' },
   maskBackend: { flag: 'tpu', lib: 'npu' },

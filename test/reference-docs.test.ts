@@ -83,7 +83,7 @@ describe('generated reference pages (npm run gen:docs)', () => {
 });
 
 /** Pre-tokenized samples sharing prefixes, each with every per-occurrence field a sample may carry. */
-function samples(shared: boolean) {
+function samples(shared: boolean, routed = false) {
   const seqs = shared
     ? [
         [1, 2, 3, 4],
@@ -99,7 +99,8 @@ function samples(shared: boolean) {
       ];
   return seqs.map((tokens, i) => {
     const lp = tokens.map((_, t) => -0.1 * (t + 1));
-    return { id: `s${i}`, group: `g${i >> 1}`, tokens, reward: i % 2, old_logprobs: lp, ref_logprobs: lp, rollout_logprobs: lp };
+    const routes = routed ? tokens.map((_, t) => [[t % 4, (t + 1) % 4]]) : undefined;
+    return { id: `s${i}`, group: `g${i >> 1}`, tokens, reward: i % 2, old_logprobs: lp, ref_logprobs: lp, rollout_logprobs: lp, routes };
   });
 }
 
@@ -112,9 +113,9 @@ interface Written {
 }
 
 /** Packs with `options` into a new directory and collects the names the writer emitted. */
-async function written(opts: PackerOptions, shared: boolean, into: Written): Promise<void> {
+async function written(opts: PackerOptions, shared: boolean, into: Written, routed = false): Promise<void> {
   const dir = join(mkdtempSync(join(tmpdir(), 'tp-refdocs-')), 'out');
-  const manifest = await packRecords(samples(shared), { vocabSize: 100, ...opts }).writeTo(new DirectorySink(dir));
+  const manifest = await packRecords(samples(shared, routed), { vocabSize: 100, ...opts }).writeTo(new DirectorySink(dir));
   const raw = JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as Record<string, unknown>;
   into.manifest.push(Object.keys(raw));
   for (const k of Object.keys((raw.cost_model as object | undefined) ?? {})) into.costModel.add(k);
@@ -139,6 +140,7 @@ describe('format.md', () => {
     await written({ budget: { maxTokens: 2, dp: 2, prefixCacheTokens: 16 } }, true, w);
     await written({ budget: { maxTokens: 2, dp: 2, prefixCacheTokens: 2, cp: 2 } }, true, w);
     await written({ masks: 'cu_seqlens', maskBackend: 'js' }, false, w);
+    await written({ budget: { maxTokens: 8, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w, true);
 
     const tensorRows = tableRows(section(format, 'Tensors'));
     const documentedTensors = new Map(tensorRows.map((r) => [r[0].replace(/`/g, ''), r[1]]));

@@ -256,6 +256,41 @@ class ReaderTest(unittest.TestCase):
             treepack.load(os.path.join(self.dir, "missing.safetensors"))
         self.assertEqual(cm.exception.code, "E_IO")
 
+    def test_routes(self) -> None:
+        """The routing-replay extension: routes I16 [N, layers, k] with routes_layers/routes_top_k; a node's row all -1
+        (unrouted) or distinct experts >= 0 per layer."""
+        seqs = [[1, 2, 3], [1, 2, 4], [5]]  # N = 5
+        tensors, meta = micro_batch_tensors(seqs, random.Random(4))
+        routes = np.array([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 0], [1, 2]], [[-1, -1], [-1, -1]], [[2, 1], [3, 0]]], "<i2")
+        meta = dict(meta, routes_layers="2", routes_top_k="2")
+
+        def with_routes(r: np.ndarray, dtype: str = "I16", **md: str) -> str:
+            m = {k: v for k, v in dict(meta, **md).items() if v != ""}
+            return self.write(safetensors_bytes([*tensors, ("routes", dtype, r)], m))
+
+        mb = treepack.load(with_routes(routes))
+        self.assertEqual(mb.routes.tolist(), routes.tolist())
+        self.assertEqual((mb.meta["routes_layers"], mb.meta["routes_top_k"]), (2, 2))
+        self.assertNotIn("routes", mb.extra)
+        self.assertEqual(treepack.check_invariants(mb), [])
+        self.assert_input_error(with_routes(routes.astype("<i4"), "I32"), "routes", "expected I16")
+        self.assert_input_error(with_routes(routes.reshape(5, 4)), "routes", "expected [N, routes_layers, routes_top_k] = [5, 2, 2]")
+        self.assert_input_error(with_routes(routes, routes_top_k="3"), "routes", "[5, 2, 3]")
+        self.assert_input_error(with_routes(routes, routes_layers="0"), "routes_layers", "positive integer")
+        self.assert_input_error(with_routes(routes, routes_layers=""), "routes", "[5, None, 2]")
+        self.assert_input_error(self.write(safetensors_bytes(tensors, meta)), "routes", "go together")
+        partial, twice = routes.copy(), routes.copy()
+        partial[1, 0, 0] = -1
+        twice[2, 1] = [1, 1]
+        self.assertEqual(
+            treepack.check_invariants(treepack.load(with_routes(partial))),
+            ["routes negative at a routed node (-1 only for a node no occurrence was routed at) (1): routes[1] = [[-1, 2], [0, 3]]"],
+        )
+        self.assertEqual(
+            treepack.check_invariants(treepack.load(with_routes(twice))),
+            ["routes give a node one expert twice in a layer (1): routes[2] = [[3, 0], [1, 1]]"],
+        )
+
 
 class InvariantTest(unittest.TestCase):
     def batch(self, seqs: list[list[int]]) -> treepack.MicroBatch:

@@ -182,6 +182,7 @@ class MicroBatch:
     ref_logprobs: np.ndarray | None = None
     rollout_logprobs: np.ndarray | None = None
     turn_ids: np.ndarray | None = None  # int32 [M], never decreasing along a sequence
+    routes: np.ndarray | None = None  # int16 [N, layers, k]: per node, the experts an MoE engine routed it to; -1: none
 
     @property
     def num_sequences(self) -> int:
@@ -223,6 +224,12 @@ def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> 
         raise fail("seq_offsets", f"seq_offsets decreases at {i + 1}: {off[i]} > {off[i + 1]}")
     if off[S] != M:
         raise fail("seq_offsets", f"seq_offsets[S] = {off[S]} but seq_positions has M = {M} elements")
+    shape = None if mb.routes is None else list(mb.routes.shape)
+    want = [N, mb.meta.get("routes_layers"), mb.meta.get("routes_top_k")]
+    if shape is None and want[1:] != [None, None]:
+        raise fail("routes", "routes_layers and routes_top_k need the routes tensor (they go together)")
+    if shape is not None and shape != want:
+        raise fail("routes", f"tensor routes has shape {shape}, expected [N, routes_layers, routes_top_k] = {want}")
 
 
 def load(src: Source) -> MicroBatch:
@@ -292,6 +299,12 @@ def load(src: Source) -> MicroBatch:
         if not _rank_list(ranks, 2):
             raise fail("cp_ranks", f"cp_ranks is {md['cp_ranks']}, expected two or more ascending rank numbers")
         meta["cp_ranks"] = ranks
+    for key in ("routes_layers", "routes_top_k"):
+        # Extension (MoE routing replay): the shape of the routes tensor.
+        if key in md:
+            if not re.fullmatch(r"[1-9][0-9]*", md[key]):
+                raise fail(key, f"{key} is {json.dumps(md[key])}, expected a positive integer")
+            meta[key] = int(md[key])
     if "tokenizer" not in md:
         raise fail("tokenizer", "tokenizer is missing")
     try:
@@ -310,7 +323,11 @@ def load(src: Source) -> MicroBatch:
         if st.tensors[name].ndim != 1:
             raise fail(name, f"tensor {name} has shape {list(st.tensors[name].shape)}, expected 1-D")
         fields[name] = st.tensors[name]
-    extra = {k: v for k, v in st.tensors.items() if k not in _CONTRACT_DTYPES}
+    if "routes" in st.tensors:
+        if st.dtypes["routes"] != "I16":
+            raise fail("routes", f"tensor routes has dtype {st.dtypes['routes']}, expected I16")
+        fields["routes"] = st.tensors["routes"]
+    extra = {k: v for k, v in st.tensors.items() if k not in _CONTRACT_DTYPES and k != "routes"}
     mb = MicroBatch(meta=meta, extra=extra, **fields)
     _check_shapes(mb, fail)
     return mb
@@ -382,7 +399,28 @@ def check_invariants(mb: MicroBatch) -> list[str]:
             shown = [examples[kind * _EXAMPLES + i] for i in range(min(count, _EXAMPLES))]
             listed = "; ".join(example.format(**{f: getattr(v, f) for f in _abi.VIOLATION_FIELDS}) for v in shown)
             out.append(f"{what} ({count}): {listed}{'; …' if count > _EXAMPLES else ''}")
+    if mb.routes is not None:
+        _check_routes(mb.routes, N, out)
     return out
+
+
+def _check_routes(routes: np.ndarray, N: int, out: list[str]) -> None:
+    """The routes extension: [N, layers, k], each node's row all -1 (no occurrence routed) or, per layer, k distinct
+    experts >= 0 (the same rules as src/io/microbatch.ts)."""
+    if routes.ndim != 3 or routes.shape[0] != N:
+        out.append(f"routes has shape {list(routes.shape)}: expected [N = {N}, layers, k]")
+        return
+    r = routes.astype(np.int64)
+    unrouted = (r == -1).all(axis=(1, 2))
+    _report(
+        out,
+        ~unrouted & (r < 0).any(axis=(1, 2)),
+        "routes negative at a routed node (-1 only for a node no occurrence was routed at)",
+        lambda p: f"routes[{p}] = {r[p].tolist()}",
+    )
+    s = np.sort(r, axis=-1)
+    twice = ~unrouted & (s[..., 1:] == s[..., :-1]).any(axis=(1, 2))
+    _report(out, twice, "routes give a node one expert twice in a layer", lambda p: f"routes[{p}] = {r[p].tolist()}")
 
 
 def check_values(mb: MicroBatch, vocab_size: int | None = None) -> list[str]:

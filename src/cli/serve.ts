@@ -58,6 +58,12 @@ Options:
   --redis-allow-weak-durability
                           start even when Redis is not run with appendonly yes and appendfsync always
                           (a Redis crash may then lose acknowledged work), with a warning
+  --record-routes         ask the engine for the experts it routed each token to (return_routed_experts,
+                          for MoE routing replay; SGLang needs it, vLLM returns them when started with
+                          --enable-return-routed-experts); routes an engine returns are recorded either way
+  --route-shape L,K       layers and experts per token of routes sent as a flat array (SGLang)
+  --max-route-bytes B     routes of one output larger than B bytes (int16) are not recorded
+                                                                                      [default: 64 MiB]
 Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
 engine saw):
 ${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106)
@@ -71,6 +77,13 @@ function policyOption(policy: string | undefined, window: number | undefined): C
   if (policy === 'fifo') return { kind: 'windowed-fifo', window: 1 };
   if (policy === 'async') return { kind: 'async' };
   throw usageError(`Expected windowed-fifo, fifo or async for --policy but received ${JSON.stringify(policy)}`);
+}
+
+/** `--route-shape L,K`: two positive integers. */
+function routeShape(v: string): [number, number] {
+  const m = /^\s*(\d+)\s*,\s*(\d+)\s*$/.exec(v);
+  if (!m) throw usageError(`Expected LAYERS,TOPK (two positive integers) for --route-shape but received ${JSON.stringify(v)}`);
+  return [Number(m[1]), Number(m[2])];
 }
 
 /** The service's option names as the flags that set them: a usage error names what the user typed. */
@@ -91,6 +104,8 @@ const FLAG_OF: Record<string, string> = {
   bodyLimit: '--body-limit',
   compactBytes: '--compact-bytes',
   idleTimeoutMs: '--idle-timeout',
+  routeShape: '--route-shape',
+  maxRouteBytes: '--max-route-bytes',
   ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
@@ -131,6 +146,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
       'compact-bytes': S,
       redis: S,
       'redis-allow-weak-durability': { type: 'boolean' },
+      'record-routes': { type: 'boolean' },
+      'route-shape': S,
+      'max-route-bytes': S,
       dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
@@ -175,6 +193,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
     redis: str('redis'),
     ...(weakDurability && { redisAllowWeakDurability: true }),
     compactBytes: positiveInt('--compact-bytes', str('compact-bytes')),
+    ...(values['record-routes'] === true && { recordRoutes: true }),
+    ...(str('route-shape') !== undefined && { routeShape: routeShape(str('route-shape')!) }),
+    maxRouteBytes: positiveInt('--max-route-bytes', str('max-route-bytes')),
     packer: { ...packer, ...(packer.budget && { budget: { ...packer.budget, dp } }) },
   };
   checkOptions(options); // a bad combination is a usage error, found before starting

@@ -4,6 +4,7 @@ import { helpLines, oneInput, optionFlags, optionHelp, packerOptions, parse, pos
 import { branchDepthHistogram, bucketLabel } from '../pack/shape.js';
 import { toSequences } from '../pack/batch.js';
 import { dpFloorTokens, planMicroBatches } from '../pack/budget.js';
+import { keyByRoutes } from '../pack/routes.js';
 import type { Sequences } from '../pack/contract.js';
 import type { Sample } from '../records/types.js';
 import { packRecords, type PackReport } from '../packer/index.js';
@@ -66,6 +67,8 @@ interface StatsReport {
   groups: GroupStats[];
   branch_depth_histogram: { depth: string; count: number }[];
   tokenizer_cache?: PackReport['tokenizerCache'];
+  /** with MoE routes: what sharing the split costs (packed tokens without padding, split vs by tokens alone) */
+  routes?: { policy: string; conflicts: number; split_tokens: number; unsplit_tokens: number };
   step_plans: StepPlanRow[];
 }
 
@@ -168,7 +171,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   // in parts, and its figures are the sum of its parts: what the micro-batches really hold.
   const closeGroups = () => {
     for (const [group, samples] of groups) {
-      const seqs = toSequences(samples);
+      const seqs = keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', packer.kernel).seqs;
       const g = groupFigures.get(group) ?? { group, samples: 0, naive_tokens: 0, packed_tokens: 0, compression: 0 };
       g.samples += samples.length;
       g.naive_tokens += seqs.tokens.length;
@@ -181,7 +184,7 @@ export async function statsCommand(argv: string[]): Promise<number> {
   try {
     for await (const { batch, samples } of run) {
       branchDepthHistogram(batch, histogram);
-      windows.push(toSequences(samples));
+      windows.push(keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', packer.kernel).seqs);
       for (const s of samples) {
         const list = groups.get(s.group);
         if (list) list.push(s);
@@ -215,6 +218,14 @@ export async function statsCommand(argv: string[]): Promise<number> {
     groups: [...groupFigures.values()],
     branch_depth_histogram: histogram.map((count, k) => ({ depth: bucketLabel(k), count })),
     tokenizer_cache: stats.tokenizerCache,
+    ...(stats.routes && {
+      routes: {
+        policy: stats.routes.policy,
+        conflicts: stats.routes.conflicts,
+        split_tokens: stats.routes.splitTokens,
+        unsplit_tokens: stats.routes.unsplitTokens,
+      },
+    }),
     step_plans: stepPlans(windows, planTokens, planDp),
   };
   if (values.json) console.log(JSON.stringify(report));
@@ -237,6 +248,11 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     `merged tokens  ${n(r.merged_tokens)}  (samples after the timeline merge)`,
     `packed tokens  ${n(r.packed_tokens)}  (${r.micro_batches} micro-batch${r.micro_batches === 1 ? '' : 'es'})`,
     `compression    ${r.compression.toFixed(2)}× (naive ÷ packed)`,
+    ...(r.routes
+      ? [
+          `routes         ${n(r.routes.conflicts)} occurrences routed unlike their node's first; ${r.routes.policy === 'split' ? `split: ${n(r.routes.split_tokens)} packed tokens vs ${n(r.routes.unsplit_tokens)} sharing by tokens alone (+${n(r.routes.split_tokens - r.routes.unsplit_tokens)})` : `first: ${n(r.routes.conflicts)} occurrences replay another sequence's routes`}`,
+        ]
+      : []),
     `tokenizer      ${r.tokenizer}`,
     `packer         ${r.backend}`,
     `time           ${r.seconds.total.toFixed(2)} s (read+parse ${r.seconds.readParse.toFixed(2)}, tokenize ${r.seconds.tokenize.toFixed(2)}, merge ${r.seconds.merge.toFixed(2)}, pack ${r.seconds.pack.toFixed(2)})`,

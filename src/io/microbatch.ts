@@ -44,6 +44,9 @@ export interface MicroBatchFile {
 
 /** Header keys the contract owns; extra metadata must use others. */
 const PREFIX_META_KEYS = ['prefix_tokens', 'prefix_push', 'prefix_release', 'prefix_shared', 'cp_ranks'] as const;
+/** The routing-replay extension: tensor `routes` I16 [N, routes_layers, routes_top_k], both keys with it. */
+const ROUTES = 'routes';
+const ROUTES_META_KEYS = ['routes_layers', 'routes_top_k'] as const;
 const CONTRACT_META_KEYS = new Set<string>([
   'format',
   ...META_NUMBERS,
@@ -52,6 +55,7 @@ const CONTRACT_META_KEYS = new Set<string>([
   'num_pad_tokens',
   'vocab_size',
   ...PREFIX_META_KEYS,
+  ...ROUTES_META_KEYS,
 ]);
 
 type Fail = (field: string, message: string) => TreepackError;
@@ -79,6 +83,7 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
     throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
   checkPrefix(mb, fail);
   checkCpRanks(mb, fail);
+  checkRoutes(mb, fail);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
   for (const key of META_NUMBERS) {
     if (mb.meta[key] !== shapes[key]) throw fail(key, `${key} = ${mb.meta[key]} but the tensors say ${shapes[key]}`);
@@ -137,6 +142,40 @@ function checkCpRanks(mb: MicroBatch, fail: Fail): void {
 }
 
 /**
+ * The routing-replay extension: `routes` with both shape keys or none of them, [N, layers, k] long, each node's row
+ * either all −1 (no occurrence routed) or k distinct experts >= 0 per layer.
+ */
+function checkRoutes(mb: MicroBatch, fail: Fail): void {
+  const { routes } = mb;
+  const { routes_layers: L, routes_top_k: k } = mb.meta;
+  if (routes === undefined && L === undefined && k === undefined) return;
+  if (routes === undefined || L === undefined || k === undefined)
+    throw fail(routes === undefined ? ROUTES : 'routes_layers', 'the routes tensor, routes_layers and routes_top_k go together');
+  for (const [key, v] of [
+    ['routes_layers', L],
+    ['routes_top_k', k],
+  ] as const)
+    if (!(Number.isSafeInteger(v) && v >= 1)) throw fail(key, `${key} = ${v}, expected an integer >= 1`);
+  const N = mb.input_ids.length;
+  if (routes.length !== N * L * k)
+    throw fail(ROUTES, `routes has ${routes.length} elements, expected N × routes_layers × routes_top_k = ${N * L * k}`);
+  for (let p = 0; p < N; p++) {
+    const row = routes.subarray(p * L * k, (p + 1) * L * k);
+    if (row.every((e) => e === -1)) continue;
+    for (let l = 0; l < L; l++)
+      for (let j = 0; j < k; j++) {
+        const e = row[l * k + j];
+        if (e < 0)
+          throw fail(
+            ROUTES,
+            `routes[${p}][${l}][${j}] = ${e}: a routed node needs an expert >= 0 in every slot (−1 only for a node no occurrence was routed at)`,
+          );
+        for (let i = 0; i < j; i++) if (row[l * k + i] === e) throw fail(ROUTES, `routes[${p}][${l}] holds expert ${e} twice`);
+      }
+  }
+}
+
+/**
  * Writes `batch` (and `extra` tensors and `extraMeta` header entries, under names outside the contract)
  * atomically. Typed arrays are streamed from their own memory, so a batch of hundreds of MB costs no second copy.
  */
@@ -168,9 +207,16 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     if (!(data instanceof ctor)) throw argError(`batch.${name}`, `a ${ctor.name}`, data);
     tensors.set(name, { dtype, shape: [data.length], data });
   }
+  if (batch.routes !== undefined && !(batch.routes instanceof Int16Array)) throw argError('batch.routes', 'an Int16Array', batch.routes);
   checkShapes(batch, (field, message) => new TreepackError('E_ARG', message, { file, field }));
+  if (batch.routes)
+    tensors.set(ROUTES, {
+      dtype: 'I16',
+      shape: [batch.input_ids.length, batch.meta.routes_layers!, batch.meta.routes_top_k!],
+      data: batch.routes,
+    });
   for (const [name, t] of extra ?? []) {
-    if (CONTRACT_DTYPES.has(name)) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
+    if (CONTRACT_DTYPES.has(name) || name === ROUTES) throw argError(`extra tensor name`, 'a name outside the micro-batch contract', name);
     tensors.set(name, t);
   }
   for (const [key, value] of Object.entries(extraMeta ?? {})) {
@@ -193,6 +239,7 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
       : {}),
     ...(m.prefix_shared !== undefined ? { prefix_shared: JSON.stringify(m.prefix_shared) } : {}),
     ...(m.cp_ranks !== undefined ? { cp_ranks: JSON.stringify(m.cp_ranks) } : {}),
+    ...(m.routes_layers !== undefined && { routes_layers: String(m.routes_layers), routes_top_k: String(m.routes_top_k) }),
   };
   return { tensors, metadata };
 }
@@ -237,6 +284,12 @@ export function readMicroBatch(path: string): MicroBatchFile {
     if (!/^[1-9][0-9]*$/.test(vocab)) throw fail('vocab_size', `vocab_size is ${JSON.stringify(vocab)}, expected a positive integer`);
     meta.vocab_size = Number(vocab);
   }
+  for (const key of ROUTES_META_KEYS) {
+    const v = metadata[key];
+    if (v === undefined) continue;
+    if (!/^[1-9][0-9]*$/.test(v)) throw fail(key, `${key} is ${JSON.stringify(v)}, expected a positive integer`);
+    meta[key] = Number(v);
+  }
   for (const key of ['prefix_tokens', 'prefix_release'] as const) {
     const v = metadata[key];
     if (v === undefined) continue;
@@ -264,8 +317,19 @@ export function readMicroBatch(path: string): MicroBatchFile {
     fields[name] = t.data;
   }
   const batch = { ...fields, meta } as unknown as MicroBatch;
+  const routes = tensors.get(ROUTES);
+  if (routes !== undefined) {
+    if (routes.dtype !== 'I16') throw fail(ROUTES, `tensor routes has dtype ${routes.dtype}, expected I16`);
+    const want = [nums.num_tokens_packed, meta.routes_layers, meta.routes_top_k];
+    if (JSON.stringify(routes.shape) !== JSON.stringify(want))
+      throw fail(
+        ROUTES,
+        `tensor routes has shape ${JSON.stringify(routes.shape)}, expected [N, routes_layers, routes_top_k] = ${JSON.stringify(want)}`,
+      );
+    batch.routes = routes.data as Int16Array;
+  }
   checkShapes(batch, fail);
-  const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name)));
+  const extra = new Map([...tensors].filter(([name]) => !CONTRACT_DTYPES.has(name) && name !== ROUTES));
   const extraMeta = Object.fromEntries(Object.entries(metadata).filter(([key]) => !CONTRACT_META_KEYS.has(key)));
   return { batch, extra, extraMeta };
 }

@@ -108,6 +108,11 @@ export interface Manifest {
   link_bytes_per_token?: number;
   parallel_plans?: ManifestParallelPlan[];
   shared_prefixes?: ManifestSharedPiece[];
+  /** with MoE routes: the --route-conflict policy, conflicting occurrences, packed tokens split vs by tokens alone */
+  route_conflict?: 'split' | 'first';
+  route_conflicts?: number;
+  route_split_tokens?: number;
+  route_unsplit_tokens?: number;
   micro_batches: ManifestEntry[];
 }
 

@@ -13,6 +13,7 @@ import {
   type OccurrenceFloatField,
   type Sequences,
 } from './contract.js';
+import { keyByRoutes, nodeRoutes, type RouteConflictPolicy, type RouteStats } from './routes.js';
 import { sampleTurnIds } from './turns.js';
 
 /**
@@ -85,12 +86,19 @@ export interface AssembleOptions {
   packForest: (seqs: Sequences) => Forest;
   /** Write `turn_ids` (the packer's `turnIds` option). */
   turnIds?: boolean;
+  /** Where routes of a shared prefix differ (src/pack/routes.ts); default `split`. */
+  routeConflict?: RouteConflictPolicy;
+  /** Accumulates what keying by routes cost, when given. */
+  routeStats?: RouteStats;
 }
 
 /** Packs `samples` into one micro-batch: their forest (by `opts.packForest`) plus the per-occurrence fields in input order. */
 export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOptions): MicroBatch {
   const seqs = toSequences(samples);
-  const forest = opts.packForest(seqs);
+  const keyed = keyByRoutes(samples, seqs, opts.routeConflict ?? 'split', opts.packForest);
+  const forest = opts.packForest(keyed.seqs);
+  const { tokenOf } = keyed;
+  if (tokenOf) forest.input_ids = forest.input_ids.map((key) => tokenOf[key]);
   const M = seqs.tokens.length;
   const loss_mask = new Uint8Array(M);
   for (let i = 0; i < samples.length; i++) {
@@ -117,5 +125,16 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
     if (col) mb[f] = col;
   }
   if (opts.turnIds) mb.turn_ids = turnField(samples, seqs.offsets);
+  const { layers, topK } = keyed;
+  if (layers !== undefined && topK !== undefined) {
+    mb.routes = nodeRoutes(samples, forest.seq_positions, forest.input_ids.length, layers, topK);
+    mb.meta.routes_layers = layers;
+    mb.meta.routes_top_k = topK;
+    if (opts.routeStats) {
+      opts.routeStats.conflicts += keyed.conflicts;
+      opts.routeStats.unsplitTokens += keyed.unsplitTokens;
+      opts.routeStats.splitTokens += forest.input_ids.length;
+    }
+  }
   return mb;
 }

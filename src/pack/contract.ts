@@ -62,6 +62,9 @@ export interface MicroBatchMeta {
   prefix_shared?: (number | null)[];
   /** Extension (context parallelism, docs/design.md §11): the ranks that run this micro-batch together, ascending. */
   cp_ranks?: number[];
+  /** Extension (routing replay): the shape of `routes`, [N, routes_layers, routes_top_k]; present exactly with it. */
+  routes_layers?: number;
+  routes_top_k?: number;
 }
 
 /** One packed micro-batch: the forest plus per-occurrence training fields, in input order. */
@@ -77,6 +80,11 @@ export interface MicroBatch extends Forest {
    * decreasing along a sequence, so a turn is a run of equal ids; absent when no sample had message boundaries.
    */
   turn_ids?: Int32Array; // [M]
+  /**
+   * Extension (MoE routing replay): per node, the experts the engine routed it to at each MoE layer, row-major
+   * [N, routes_layers, routes_top_k]; −1 in every slot of a node no occurrence was routed at (and of padding).
+   */
+  routes?: Int16Array;
   meta: MicroBatchMeta;
 }
 

@@ -5,6 +5,7 @@
 import { TreepackError } from '../errors.js';
 import type { Sample } from '../records/types.js';
 import { assembleMicroBatch, toSequences, type AssembleOptions } from './batch.js';
+import { keyByRoutes } from './routes.js';
 import { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './budget.js';
 import type { Forest, MicroBatch } from './contract.js';
 
@@ -25,8 +26,9 @@ export interface BudgetedMicroBatch {
 
 /** Cuts a window of samples into micro-batches under a token budget and packs each. */
 export function packWindow(samples: readonly Sample[], opts: WindowOptions): { microBatches: BudgetedMicroBatch[]; plan: Plan } {
+  // The plan sees the forest as the packer builds it: split where routes differ (src/pack/routes.ts).
   const plan = planMicroBatches(
-    toSequences(samples),
+    keyByRoutes(samples, toSequences(samples), opts.routeConflict ?? 'split', opts.packForest).seqs,
     opts,
     samples.map((s) => s.id),
   );
@@ -66,11 +68,19 @@ export function padForest<F extends Forest>(f: F, count: number, padTokenId: num
     for (let p = N; p < n; p++) out[p] = fill(p);
     return out;
   };
-  return {
+  const { routes, meta } = f as Partial<MicroBatch>;
+  const padded = {
     ...f,
     input_ids: grow(f.input_ids, () => padTokenId),
     position_ids: grow(f.position_ids, () => 0),
     parent: grow(f.parent, () => -1),
     subtree_end: grow(f.subtree_end, (p) => p + 1),
   };
+  if (routes) {
+    // Pad nodes are routed by nobody: −1 rows.
+    const grown = new Int16Array(meta!.routes_layers! * meta!.routes_top_k! * n).fill(-1);
+    grown.set(routes);
+    (padded as Partial<MicroBatch>).routes = grown;
+  }
+  return padded;
 }

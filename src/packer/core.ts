@@ -296,16 +296,18 @@ export class PackerCore {
     const t0 = performance.now();
     const packForest = this.#kernel!.kernel;
     const budget = this.#opts.budget;
+    const routeStats = { conflicts: 0, unsplitTokens: 0, splitTokens: 0 };
+    const assemble = {
+      ...this.#vocabulary(),
+      packForest,
+      turnIds: this.#opts.turnIds,
+      routeConflict: this.#opts.routeConflict,
+      routeStats,
+    };
     let out: Packed[];
     if (budget) {
       const [stepBase, pieceBase] = [this.#steps, this.#pieces];
-      const w = packWindow(pending, {
-        ...budget,
-        ...this.#vocabulary(),
-        packForest,
-        turnIds: this.#opts.turnIds,
-        sharedPieceBase: pieceBase,
-      });
+      const w = packWindow(pending, { ...budget, ...assemble, sharedPieceBase: pieceBase });
       out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan, stepBase, pieceBase }));
       const steps = w.plan.microBatches.reduce((a, m) => Math.max(a, m.step + 1), 0);
       this.#steps += steps;
@@ -322,11 +324,17 @@ export class PackerCore {
         if (pr.peakCachedBytes !== undefined) acc.peakCachedBytes = Math.max(acc.peakCachedBytes ?? 0, pr.peakCachedBytes);
       }
     } else {
-      out = [{ batch: assembleMicroBatch(pending, { ...this.#vocabulary(), packForest, turnIds: this.#opts.turnIds }), samples: pending }];
+      out = [{ batch: assembleMicroBatch(pending, assemble), samples: pending }];
       stats.optimumTokens += out[0].batch.meta.num_tokens_packed;
     }
     stats.seconds.pack += (performance.now() - t0) / 1000;
     for (const p of out) stats.packedTokens += p.batch.meta.num_tokens_packed;
+    if (out.some((p) => p.batch.routes)) {
+      const r = (stats.routes ??= { policy: this.#opts.routeConflict, conflicts: 0, unsplitTokens: 0, splitTokens: 0 });
+      r.conflicts += routeStats.conflicts;
+      r.unsplitTokens += routeStats.unsplitTokens;
+      r.splitTokens += routeStats.splitTokens;
+    }
     stats.microBatches += out.length;
     this.#pending = [];
     this.#pendingTokens = 0;

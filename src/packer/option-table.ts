@@ -12,6 +12,7 @@ import type { MaskSpec } from '../mask/index.js';
 import { DEFAULT_COST } from '../pack/balance.js';
 import { DEFAULT_BALANCE_SLACK } from '../pack/budget.js';
 import { DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LINK_BYTES_PER_TOKEN } from '../pack/planner.js';
+import { ROUTE_CONFLICT_POLICIES } from '../pack/routes.js';
 import { isTextTokenizer } from '../tokenize/tokenizer.js';
 import type { PackerOptions } from './types.js';
 
@@ -290,6 +291,14 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
     default: false,
     output: true,
     help: "store each occurrence's assistant turn (turn_ids [M]) for turn-level losses such as the Flow-GRPO aggregation (default: not stored)",
+  },
+  {
+    option: 'routeConflict',
+    flag: '--route-conflict',
+    metavar: 'POLICY',
+    value: oneOf(ROUTE_CONFLICT_POLICIES),
+    default: 'split',
+    help: "where samples' MoE routes of a shared prefix differ: split (the forest branches there, so replay is exact) or first (share by tokens, keep the first sequence's routes; counted)",
   },
   {
     option: 'masks',

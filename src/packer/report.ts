@@ -73,6 +73,12 @@ export function manifestHeader(r: PackReport): ManifestHeader {
     }),
     ...(r.parallelPlans && { parallel_plans: r.parallelPlans }),
     ...(r.sharedPrefixes && { shared_prefixes: r.sharedPrefixes }),
+    ...(r.routes && {
+      route_conflict: r.routes.policy,
+      route_conflicts: r.routes.conflicts,
+      route_split_tokens: r.routes.splitTokens,
+      route_unsplit_tokens: r.routes.unsplitTokens,
+    }),
   };
   // The option fields come from the table, typed there as unknown; ManifestHeader names each one it writes.
   return header as unknown as ManifestHeader;

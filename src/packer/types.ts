@@ -3,6 +3,7 @@
  * them (option-table.ts) and fill the report (report.ts): each of those needs another's types, and this module
  * needs none of them, so their imports go one way.
  */
+import type { RouteConflictPolicy, RouteStats } from '../pack/routes.js';
 import type { BackendName } from '../backend/index.js';
 import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { MaskSpec } from '../mask/index.js';
@@ -74,6 +75,11 @@ export interface PackerOptions {
   lossyUtf8?: boolean;
   /** Store `turn_ids` [M] (docs/reference/format.md) for turn-level losses; default off (`--turn-ids`). */
   turnIds?: boolean;
+  /**
+   * Where samples' MoE routes of a shared prefix differ: `split` the forest there (exact replay, the default) or keep
+   * the `first` sequence's routes (counted in the report); see src/pack/routes.ts (`--route-conflict`).
+   */
+  routeConflict?: RouteConflictPolicy;
   /** Called as samples enter a window, with the report so far. */
   onProgress?: (report: PackReport) => void;
 }
@@ -92,6 +98,7 @@ export interface ResolvedOptions {
   repeatedEpisodeIds: boolean;
   lossyUtf8: boolean;
   turnIds: boolean;
+  routeConflict: RouteConflictPolicy;
 }
 
 /** The counters of a packing run: what `treepack stats --json` and the manifest's header show. */
@@ -120,6 +127,12 @@ export interface PackReport {
   sharedPrefixes?: ManifestSharedPiece[];
   /** with prefix reuse: the parallel planner's choice per window (manifest `parallel_plans`) */
   parallelPlans?: ManifestParallelPlan[];
+  /**
+   * with MoE routes: the policy, the occurrences whose route differed from their node's first (token-only forest),
+   * and the micro-batches' packed tokens without padding as packed (`splitTokens`) and sharing by tokens alone
+   * (`unsplitTokens`): what splitting costs is their difference
+   */
+  routes?: { policy: RouteConflictPolicy } & RouteStats;
   seconds: { readParse: number; tokenize: number; merge: number; pack: number };
   tokenizer: string;
   backend: string; // the forest packer: what ran and why

@@ -6,6 +6,7 @@
 import { TreepackError, describeValue } from '../errors.js';
 import { EpisodeIds } from './episode-ids.js';
 import { readJsonlLines, inputName, type JsonlInput } from './jsonl.js';
+import { parseRoutes } from './routes.js';
 import {
   AUTHORS,
   type Author,
@@ -266,6 +267,7 @@ function parseTokens(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | un
   const advantage = optNumber(o, 'advantage', ctx);
   if (advantage !== undefined && !Number.isFinite(Math.fround(advantage))) throw fail(ctx, 'advantage', float32Overflow(advantage));
   if (advantage !== undefined) s.advantage = advantage;
+  if (o.routes !== undefined && o.routes !== null) s.routes = parseRoutes(o.routes, n, { file: ctx.file, line: ctx.line, record: id });
   const agent = optString(o, 'agent', ctx, '');
   if (agent !== undefined) s.agent = agent;
   parseMessageBoundaries(o, ctx, s);

@@ -46,6 +46,17 @@ export type Author = 'llm' | 'user' | 'env' | 'tool' | 'system' | 'initializatio
 /** Every author, in the order the merge options list them. */
 export const AUTHORS: readonly Author[] = ['llm', 'user', 'env', 'tool', 'system', 'initialization'];
 
+/**
+ * The experts an MoE inference engine routed each token to (routing replay): row-major [tokens, layers, topK].
+ * A token the engine did not route (vLLM returns seq_len − 1 rows: the last token has none) holds −1 in all its
+ * slots. Parsed by src/records/routes.ts, the one reader of the record field `routes`.
+ */
+export interface Routes {
+  layers: number;
+  topK: number;
+  experts: Int16Array;
+}
+
 /** A token sequence ready for packing: per-token arrays all as long as `tokens`. */
 export interface Sample {
   kind: 'sample';
@@ -60,6 +71,8 @@ export interface Sample {
   old_logprobs?: Float32Array;
   ref_logprobs?: Float32Array;
   advantages?: Float32Array;
+  /** The engine's routed experts per token (MoE routing replay). */
+  routes?: Routes;
   agent?: string;
   /** Start of each message in `tokens` (first 0, increasing): lets the timeline merge see message boundaries. */
   message_offsets?: Int32Array;

@@ -7,10 +7,12 @@
  *  - prompt ids: `prompt_token_ids` at the top level (chat) or on the choice (completions);
  *  - generated ids: `choices[k].token_ids` (streamed: one list per chunk, concatenated per choice `index`);
  *  - logprobs: `choices[k].logprobs.content[i].logprob` (chat) or `choices[k].logprobs.token_logprobs[i]`
- *    (completions).
+ *    (completions);
+ *  - routed experts (MoE routing replay): routed-experts.ts reads and checks them.
  * Every choice is read (`n` > 1: one output per choice, in `index` order; they share the prompt).
  */
 import { describeValue } from '../errors.js';
+import { choiceRoutes, stripRoutes, type RawRoutes, type RecordedRoutes } from './routed-experts.js';
 
 export type CallKind = 'chat' | 'completion';
 
@@ -29,6 +31,8 @@ export interface EngineOutput {
   promptTokenIds?: number[];
   tokenIds?: number[];
   logprobs?: number[];
+  /** the experts the engine routed the prompt's and the generated tokens to (routed-experts.ts) */
+  routes?: RecordedRoutes;
 }
 
 /**
@@ -72,6 +76,8 @@ export async function engineModels(engineUrl: string, apiKey: string | undefined
 export interface ClientWants {
   logprobs: boolean;
   tokenIds: boolean;
+  /** the engine's routed experts (`return_routed_experts: true`) */
+  routes: boolean;
 }
 
 /** A response the engine sent that cannot be recorded: a 502 to the client, naming the field. */
@@ -92,6 +98,7 @@ export function upstreamRequest(kind: CallKind, body: Obj): { body: Obj; wants: 
   const wants: ClientWants = {
     logprobs: kind === 'chat' ? body.logprobs === true : typeof body.logprobs === 'number' && body.logprobs >= 0,
     tokenIds: body.return_token_ids === true,
+    routes: body.return_routed_experts === true,
   };
   const out: Obj = { ...body, return_token_ids: true };
   if (kind === 'chat') out.logprobs = true;
@@ -101,6 +108,7 @@ export function upstreamRequest(kind: CallKind, body: Obj): { body: Obj; wants: 
 
 /** Strips what the gateway added and the client did not ask for (in place). */
 export function clientView(json: Obj, wants: ClientWants): Obj {
+  if (!wants.routes) stripRoutes(json);
   if (!wants.tokenIds) delete json.prompt_token_ids;
   if (Array.isArray(json.choices)) {
     for (const c of json.choices) {
@@ -210,6 +218,13 @@ export function parseResponse(kind: CallKind, json: unknown, n = 1): EngineOutpu
   return outputs;
 }
 
+/** The routes each of a complete response's `n` choices carries (routed-experts.ts), by choice. */
+export function responseRoutes(json: Obj, n = 1): (RawRoutes | undefined)[] {
+  const out = new Array<RawRoutes | undefined>(n);
+  for (const [k, { c, at }] of choicesByIndex(json, n)) out[k] = choiceRoutes(json, c, at);
+  return out;
+}
+
 /** One choice's stream, folded. */
 class ChoiceStream {
   content = '';
@@ -226,6 +241,8 @@ class ChoiceStream {
 export class StreamAccumulator {
   private readonly choices: ChoiceStream[] = [];
   private prompt: number[] | undefined;
+  /** each choice's routes: from the chunk that carries them (the last one, were there several) */
+  readonly routes: (RawRoutes | undefined)[] = [];
 
   constructor(
     private readonly kind: CallKind,
@@ -240,7 +257,10 @@ export class StreamAccumulator {
     if (prompt) this.prompt = prompt;
     // A usage-only chunk.
     if (chunk.choices === undefined || chunk.choices === null || (Array.isArray(chunk.choices) && chunk.choices.length === 0)) return;
-    for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) this.addChoice(this.choices[k], c, at);
+    for (const [k, { c, at }] of choicesByIndex(chunk, this.n)) {
+      this.addChoice(this.choices[k], c, at);
+      this.routes[k] = choiceRoutes(chunk, c, at) ?? this.routes[k];
+    }
   }
 
   private addChoice(s: ChoiceStream, c: Obj, at: string): void {

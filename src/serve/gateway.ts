@@ -18,6 +18,7 @@ import {
   clientView,
   EngineError,
   parseResponse,
+  responseRoutes,
   StreamAccumulator,
   upstreamRequest,
   type CallKind,
@@ -39,13 +40,14 @@ import {
   type Scope,
 } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
+import { recordRoutes, RoutesDropped, type RawRoutes } from './routed-experts.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
 
 /** What the gateway's routes use of the recording core. */
 export type GatewayCore = Pick<
   Recorder,
-  'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode'
+  'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode' | 'noteRoutesDropped'
 >;
 /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
 type InFlight = Map<string, Promise<unknown>>;
@@ -390,6 +392,8 @@ async function proxyOnce(
   if (d.kind === 'chat') {
     p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
   }
+  // SGLang returns routes only when asked, vLLM ignores the field; a client's own ask passes as it is
+  if (svc.opts.recordRoutes) p.upstream.return_routed_experts = true;
   const digest = rid === undefined ? undefined : recordDigest(req.body as Obj);
   const recorded = rid === undefined ? undefined : episode?.requests?.get(rid);
   if (recorded) {
@@ -422,7 +426,8 @@ async function proxyOnce(
       .header('content-type', res.contentType ?? 'application/json')
       .send(text);
   }
-  const commit = async (outputs: EngineOutput[], answer: () => string) => {
+  const commit = async (outputs: EngineOutput[], answer: () => string, routes: (RawRoutes | undefined)[]) => {
+    attachRoutes(svc, outputs, routes, meta.id);
     p.complete(outputs, meta);
     // only a call a client may retry keeps its answer
     const kept = () => (p.stream ? { text: answer(), sse: true as const } : { text: answer() });
@@ -446,13 +451,33 @@ async function proxyOnce(
       throw new EngineError(`expected JSON, got ${describeValue(text)}`);
     }
     const outputs = parseResponse(d.kind, json, p.n);
+    const routes = responseRoutes(json as Obj, p.n); // read before the answer leaves them out
     // built before the call is recorded: an output the API cannot carry is refused, not recorded
     const answer = JSON.stringify(p.answer(json as Obj, outputs, meta));
-    await commit(outputs, () => answer);
+    await commit(outputs, () => answer, routes);
     svc.metrics.latency.observe({ endpoint }, (performance.now() - tBack + (tEngine - t0)) / 1000);
     return reply.header('content-type', JSON_TYPE).send(answer);
   }
   return stream(svc, new StreamAccumulator(d.kind, p.n), p.writer(meta), res, reply, commit, { t0, tEngine, endpoint });
+}
+
+/**
+ * Puts on each output the routes the engine returned for it, checked against its prompt and generated tokens; routes
+ * that cannot be recorded are counted and left out, and the call is recorded without them.
+ */
+function attachRoutes(svc: GatewayCore, outputs: EngineOutput[], routes: (RawRoutes | undefined)[], callId: string): void {
+  const opts = { shape: svc.opts.routeShape, maxBytes: svc.opts.maxRouteBytes };
+  outputs.forEach((out, k) => {
+    const raw = routes[k];
+    if (!raw) return;
+    const tokens = out.promptTokenIds && out.tokenIds ? out.promptTokenIds.length + out.tokenIds.length : undefined;
+    try {
+      out.routes = recordRoutes(raw, tokens, opts);
+    } catch (err) {
+      if (!(err instanceof RoutesDropped)) throw err;
+      svc.noteRoutesDropped(callId, err);
+    }
+  });
 }
 
 /** The message of an engine's error body (OpenAI's shape), else its text. */
@@ -472,7 +497,7 @@ async function stream(
   w: StreamWriter,
   res: Upstream,
   reply: FastifyReply,
-  commit: (o: EngineOutput[], answer: () => string) => Promise<void>,
+  commit: (o: EngineOutput[], answer: () => string, routes: (RawRoutes | undefined)[]) => Promise<void>,
   t: { t0: number; tEngine: number; endpoint: string },
 ): Promise<void> {
   let done = false;
@@ -524,7 +549,7 @@ async function stream(
   if (!failure) {
     try {
       tail = w.end(); // before the call is recorded: an output the API cannot carry is refused, not recorded
-      await commit(acc.result(), () => sent.join('') + tail);
+      await commit(acc.result(), () => sent.join('') + tail, acc.routes);
     } catch (err) {
       failure = err as Error;
     }

@@ -58,6 +58,12 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     labelNames: ['kind'],
     registers: [registry],
   });
+  const routesDropped = new Counter({
+    name: 'treepack_engine_routes_dropped_total',
+    help: 'outputs whose routed experts the engine returned but the gateway did not record, by reason (invalid, length, too_large, no_shape, untokenized)',
+    labelNames: ['reason'],
+    registers: [registry],
+  });
   const prompts = new Counter({
     name: 'treepack_prompts_total',
     help: 'recorded calls by how their tokens were obtained (matched, drifted, rendered, skipped)',
@@ -151,7 +157,7 @@ export function createMetrics(depth: () => Promise<QueueDepth>) {
     clearInterval(ticker);
     gcObserver.disconnect();
   };
-  const counters = { calls, episodes, microBatches, rejected, quarantined, untokenized, prompts };
+  const counters = { calls, episodes, microBatches, rejected, quarantined, untokenized, routesDropped, prompts };
   return { registry, ...counters, latency, logWrite, engine, staleness, close };
 }
 

@@ -56,9 +56,19 @@ export interface ServiceOptions {
    * generation is never cut); a slower client gets 408 and its socket is closed. Default 60 s.
    */
   requestTimeoutMs?: number;
+  /**
+   * ask the engine for the experts it routed each token to (`return_routed_experts: true`, which SGLang needs;
+   * vLLM returns them whenever it runs with --enable-return-routed-experts). Routes an engine returns are recorded
+   * either way. Default false.
+   */
+  recordRoutes?: boolean;
+  /** [layers, experts per token] of the routes an engine sends as a flat array (SGLang) */
+  routeShape?: [layers: number, topK: number];
+  /** the most bytes (as int16) one output's routes may take; larger ones are not recorded. Default 64 MiB. */
+  maxRouteBytes?: number;
 }
 
-type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn';
+type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn' | 'routeShape';
 export type ResolvedServiceOptions = Required<Omit<ServiceOptions, OptionalKeys>> & Pick<ServiceOptions, OptionalKeys>;
 
 const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost']);
@@ -84,6 +94,8 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     idleTimeoutMs: o.idleTimeoutMs ?? 1_800_000,
     maxGroupSize: o.maxGroupSize ?? 1024,
     requestTimeoutMs: o.requestTimeoutMs ?? 60_000,
+    recordRoutes: o.recordRoutes ?? false,
+    maxRouteBytes: o.maxRouteBytes ?? 64 << 20,
     packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
@@ -98,6 +110,13 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
       throw argError('redisAllowWeakDurability', 'true or false', o.redisAllowWeakDurability);
     if (r.redis === undefined) throw new TreepackError('E_ARG', 'redisAllowWeakDurability applies to the shared pool only: it needs redis');
     r.redisAllowWeakDurability = o.redisAllowWeakDurability;
+  }
+  if (typeof r.recordRoutes !== 'boolean') throw argError('recordRoutes', 'true or false', r.recordRoutes);
+  if (o.routeShape !== undefined) {
+    const s = o.routeShape as unknown;
+    if (!Array.isArray(s) || s.length !== 2 || !s.every((x) => Number.isSafeInteger(x) && (x as number) >= 1 && (x as number) <= 0xffff))
+      throw argError('routeShape', '[layers, experts per token], two integers in 1..65535', s);
+    r.routeShape = [s[0] as number, s[1] as number];
   }
   if (o.warn !== undefined) {
     if (typeof o.warn !== 'function') throw argError('warn', 'a function taking the warning text', o.warn);
@@ -122,6 +141,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     'compactBytes',
     'maxGroupSize',
     'requestTimeoutMs',
+    'maxRouteBytes',
   ] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }

@@ -21,6 +21,7 @@ import { QuarantineFile, reportQuarantined, type QuarantineEntry } from './quara
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
+import type { RoutesDropped } from './routed-experts.js';
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
 export type SharedGroup = { episodes: number } | { pending: true };
@@ -50,6 +51,8 @@ export class Recorder {
   private engineCheck: Promise<string[] | Error> = Promise.resolve([]);
   /** whether a call without token ids was warned about (once: the metric counts them) */
   private warnedUntokenized = false;
+  /** the reasons routes were dropped for that were warned about (once each: the metric counts them) */
+  private warnedRoutes = new Set<string>();
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -166,6 +169,20 @@ export class Recorder {
       `the engine at ${this.opts.engineUrl} answered a ${call.kind} call without token ids (prompt_token_ids, choices[].token_ids; it was asked with return_token_ids: true): ` +
         'chat calls are then trained on the chat template rendering of their text, not on the tokens the engine sampled, and completions are not trained. ' +
         'Serve the policy with an engine that returns token ids (vLLM >= 0.10.2, SGLang); treepack_engine_untokenized_calls_total counts such calls',
+    );
+  }
+
+  /**
+   * Counts an output whose routes the engine returned and the gateway could not record (the call is recorded
+   * without them, and trains without routing replay), and says so once per reason, naming the call and the field.
+   */
+  noteRoutesDropped(callId: string, dropped: RoutesDropped): void {
+    this.metrics.routesDropped.inc({ reason: dropped.reason });
+    if (this.warnedRoutes.has(dropped.reason)) return;
+    this.warnedRoutes.add(dropped.reason);
+    this.warn(
+      `call ${callId}: the engine's routed experts were not recorded (${dropped.reason}): ${dropped.message}; ` +
+        'the call is recorded without them. treepack_engine_routes_dropped_total counts such outputs',
     );
   }
 

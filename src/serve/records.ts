@@ -4,7 +4,10 @@
  * to the engine's own prompt tokens (the response carries the engine's `token_ids` and `logprobs`), and one
  * pre-tokenized sample line per call where it does not (drift: the engine's prompt and generated ids, trained
  * on the generated part with their logprobs), so training always sees the tokens the engine saw. Calls without
- * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids.
+ * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids. A call
+ * whose output carries the experts the engine routed its tokens to (routed-experts.ts) is a sample too, with
+ * `routes` over its prompt and generated tokens: the packer reads routes from pre-tokenized samples, where they
+ * line up with the engine's own tokens.
  */
 import { parseRecords } from '../records/read.js';
 import type { ChatRecord } from '../records/types.js';
@@ -61,6 +64,7 @@ function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOu
   };
   const lp = out.logprobs;
   if (lp && lp.length === gen.length) line.rollout_logprobs = [...new Array<number>(prompt.length).fill(0), ...lp];
+  if (out.routes) line.routes = out.routes;
   if (call.agent !== undefined) line.agent = call.agent;
   if (ep.reward !== undefined) line.reward = ep.reward;
   return line;
@@ -98,12 +102,13 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
           { ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group },
           { file: 'episode ' + ep.id, line: k + 1 },
         ) as ChatRecord[];
-        if (!sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!)) {
-          stats.promptDrifted++;
+        const matched = sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!);
+        if (matched) stats.promptMatched++;
+        else stats.promptDrifted++;
+        if (!matched || out.routes) {
           samples.push(engineSample(ep, sampleId, call, out));
           return;
         }
-        stats.promptMatched++;
       } else stats.rendered++;
       requests.push(req);
     });

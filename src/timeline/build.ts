@@ -11,8 +11,11 @@ import type { ChatEncoder } from '../tokenize/chat.js';
 import { engineTokens } from './drift.js';
 import { timelineLength, type Author, type ResolvedMergeOptions, type Timeline, type TimelineMessage } from './model.js';
 
-/** Per-token fields a timeline cannot carry: samples with them pass the merge untouched. */
-const UNMERGEABLE_FIELDS = ['old_logprobs', 'ref_logprobs', 'advantages'] as const;
+/**
+ * Per-token fields a timeline cannot carry: samples with them pass the merge untouched (routes: a sample's routes
+ * share only where they agree, which the forest decides, src/pack/routes.ts).
+ */
+const UNMERGEABLE_FIELDS = ['old_logprobs', 'ref_logprobs', 'advantages', 'routes'] as const;
 
 export interface Built {
   timeline: Timeline;

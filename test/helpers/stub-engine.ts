@@ -7,7 +7,10 @@
  * under `stream_options.include_usage`, and, given a tokenizer, vLLM's `return_token_ids` (top-level
  * `prompt_token_ids`: the chat template rendered as transformers renders it, a tool-calling turn's null content
  * as empty text; per-choice `token_ids`: the generated text's tokens and the end-of-turn token) with logprobs.
- * Without a tokenizer, replies carry no token ids: the gateway then renders with the chat template.
+ * Without a tokenizer, replies carry no token ids: the gateway then renders with the chat template. With `routes`,
+ * replies carry the experts an MoE engine routed the prompt and generated tokens to (all but the last token), as
+ * vLLM (`choices[k].routed_experts`: base64 of an .npy int32 array) or SGLang (`choices[k].sgl_ext.routed_experts`,
+ * on request `return_routed_experts`: base64 of flat int32) sends them; streamed, on each choice's last chunk.
  */
 import { createServer, type Server } from 'node:http';
 import type { TextTokenizer } from '../../src/index.js';
@@ -32,6 +35,41 @@ export interface StubEngine {
 
 type Obj = Record<string, unknown>;
 
+/** How the stub routes tokens: its layers, experts per token and experts; `short` leaves one more token unrouted. */
+export interface StubRoutes {
+  form: 'vllm' | 'sglang';
+  layers: number;
+  topK: number;
+  experts: number;
+  short?: boolean;
+}
+
+/**
+ * The experts the stub routes each token of `ids` to ([layers × topK] per token; `from`: the position of `ids[0]` in
+ * its sequence): a function of token and position, so a test can recompute them.
+ */
+export function stubRoutes(ids: number[], r: Pick<StubRoutes, 'layers' | 'topK' | 'experts'>, from = 0): Int32Array {
+  const out = new Int32Array(ids.length * r.layers * r.topK);
+  ids.forEach((id, i) => {
+    const t = from + i;
+    for (let l = 0; l < r.layers; l++)
+      for (let j = 0; j < r.topK; j++) out[(i * r.layers + l) * r.topK + j] = (id * 3 + t + l * 5 + j) % r.experts;
+  });
+  return out;
+}
+
+/** base64 of a NumPy .npy (format 1.0) of `values`, int32 [rows, layers, topK], as numpy.save writes it. */
+export function npyBase64(values: Int32Array, shape: [number, number, number]): string {
+  let header = `{'descr': '<i4', 'fortran_order': False, 'shape': (${shape.join(', ')}), }`;
+  header += ' '.repeat(63 - ((10 + header.length) % 64)) + '\n';
+  const head = Buffer.alloc(10);
+  Buffer.from([0x93, 0x4e, 0x55, 0x4d, 0x50, 0x59, 1, 0]).copy(head);
+  head.writeUInt16LE(header.length, 8);
+  return Buffer.concat([head, Buffer.from(header, 'latin1'), Buffer.from(values.buffer, values.byteOffset, values.byteLength)]).toString(
+    'base64',
+  );
+}
+
 interface Choice {
   content: string | null;
   /** with chat_template_kwargs.enable_thinking: what vLLM's reasoning parser returns as reasoning_content */
@@ -46,7 +84,7 @@ export const stubLogprob = (t: number, i: number): number => -((t % 7) + i + 1) 
 
 export async function startStubEngine(
   mode: StubMode = 'ok',
-  opts: { tokenizer?: TextTokenizer; record?: boolean } = {},
+  opts: { tokenizer?: TextTokenizer; record?: boolean; routes?: StubRoutes } = {},
 ): Promise<StubEngine> {
   const stub = { calls: 0, mode, requests: [], produced: [] } as unknown as StubEngine;
   const tok = opts.tokenizer;
@@ -110,6 +148,14 @@ export async function startStubEngine(
         choices.push(c);
         if (opts.record && c.ids) stub.produced.push({ prompt_token_ids: promptIds!, token_ids: c.ids, logprobs: c.logprobs! });
       }
+      const routed = opts.routes;
+      const routesOf = (c: Choice): Obj | undefined => {
+        if (!routed || !c.ids || (routed.form === 'sglang' && req0.return_routed_experts !== true)) return undefined;
+        const ids = [...promptIds!, ...c.ids].slice(0, routed.short ? -2 : -1); // the last token is never fed back
+        const values = stubRoutes(ids, routed);
+        if (routed.form === 'vllm') return { routed_experts: npyBase64(values, [ids.length, routed.layers, routed.topK]) };
+        return { sgl_ext: { routed_experts: Buffer.from(values.buffer, values.byteOffset, values.byteLength).toString('base64') } };
+      };
       const usage = { prompt_tokens: promptIds?.length ?? 0, completion_tokens: choices.reduce((a, c) => a + (c.ids?.length ?? 0), 0) };
       const finish = (c: Choice) => (c.call ? (typeof tc === 'object' ? 'stop' : 'tool_calls') : 'stop'); // vLLM: a named tool choice ends with stop
       const lp = (c: Choice, from: number, to: number) => {
@@ -162,6 +208,7 @@ export async function startStubEngine(
           else if (c.reasoning !== undefined) choice.delta = { content: parts[0] + parts[1] };
           else choice.delta = { content: parts[1] };
           if (wantIds) choice.token_ids = c.ids!.slice(half);
+          Object.assign(choice, routesOf(c));
           event(choice, false);
         });
         if ((req0.stream_options as Obj | undefined)?.include_usage)
@@ -186,6 +233,7 @@ export async function startStubEngine(
               ? { role: 'assistant', content: c.content }
               : { role: 'assistant', content: c.content, reasoning_content: c.reasoning };
         if (wantIds) choice.token_ids = c.ids;
+        Object.assign(choice, routesOf(c));
         return choice;
       });
       const json: Obj = {

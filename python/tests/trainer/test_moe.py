@@ -262,6 +262,36 @@ class Replay(unittest.TestCase):
                 self.assertTrue(torch.equal(replayed, stock))
                 self.assertTrue(torch.equal(again.experts(), own.experts()))
 
+    def test_unrouted_tokens_take_the_routers_own_choice(self):
+        """A token whose row is all -1 (the engine did not route it: vLLM's last token, a node no occurrence routed at)
+        is routed by the router's own top-k; a row with -1 beside experts is refused naming the layer."""
+        ids = torch.tensor([[3, 17, 5, 42, 8]])
+        for family in FAMILIES:
+            with self.subTest(family=family):
+                model = build(family)[1]
+                L, E, k = moe_shape(model)
+                other = random_routes(L, 5, E, k, torch.Generator().manual_seed(1))
+                with torch.no_grad():
+                    with tpt.replay_routes(model) as own:
+                        stock = model(ids).logits
+                    mixed = other.clone()
+                    mixed[:, [1, 4]] = -1  # tokens 1 and 4 unrouted: their own top-k; the others replayed
+                    with tpt.replay_routes(model, mixed) as got:
+                        out = model(ids).logits
+                    expected = other.clone()
+                    expected[:, [1, 4]] = own.experts()[:, [1, 4]]
+                    with tpt.replay_routes(model, expected):
+                        ref = model(ids).logits
+                self.assertTrue(torch.equal(got.experts(), expected))
+                self.assertTrue(torch.equal(out, ref))
+                self.assertFalse(torch.equal(out, stock))
+                partial = other.clone()
+                partial[0, 2, 0] = -1
+                with self.assertRaises(TreepackError) as cm:
+                    with tpt.replay_routes(model, partial):
+                        model(ids)
+                self.assertIn("routes[0] hold expert -1", str(cm.exception))
+
     def test_load_balancing_loss_is_transformers_aux_loss(self):
         """A padded batch of two sequences (one left-padded) through the stock model with output_router_logits: its
         aux_loss (float32) equals load_balancing_loss of the two sequences' forest, node by occurrence count."""

@@ -8,7 +8,7 @@
     ...     print(batch.meta["sequence_ids"], batch.num_nodes)
     ['c', 'd'] 8
 
-Index tensors are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats float32; every
+Index tensors (and ``routes``) are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats float32; every
 tensor is a fresh, writable copy. The forest invariants are checked on load (``check=False`` skips them): a broken
 forest would otherwise index the wrong node silently (torch wraps negative indices).
 """
@@ -35,9 +35,10 @@ class PackedBatch:
 
     Besides the contract's arrays: ``seq_index`` [M] (the sequence of each occurrence) and ``token_index`` [M] (its
     t), so a per-sequence reduction is one ``index_add_``; ``extra`` holds tensors outside the contract (stored mask
-    lowerings) as they were stored. ``routes`` (int [MoE layers, N, k]; not in the file format yet, so set by the
-    caller, e.g. from ``pack_routed``): the experts an engine chose per node, which ``packed_logprobs`` and
-    ``forward_logprobs`` replay (``treepack.torch.replay_routes``).
+    lowerings) as they were stored. ``routes`` (int64 [MoE layers, N, k]): the experts an engine chose per node, which
+    ``packed_logprobs``, ``forward_logprobs`` and step plans replay (``treepack.torch.replay_routes``); loaded from
+    the file's ``routes`` tensor ([N, layers, k], transposed here; -1 rows: the router's own top-k), or set by the
+    caller (e.g. from ``pack_routed``).
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -55,7 +56,7 @@ class PackedBatch:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None  # int64 [M], the contract's extension for turn-level aggregation
-    routes: torch.Tensor | None = None  # int [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
+    routes: torch.Tensor | None = None  # int64 [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -188,6 +189,8 @@ def from_microbatch(
         a = getattr(mb, f)
         values[f] = None if a is None else _tensor(a, np.dtype(np.float32), device, pin_memory)
     values["turn_ids"] = None if mb.turn_ids is None else _tensor(mb.turn_ids, i64, device, pin_memory)
+    # The file stores routes node-major [N, layers, k]; replay takes them layer-major, one [N, k] per MoE layer.
+    values["routes"] = None if mb.routes is None else _tensor(np.asarray(mb.routes).transpose(1, 0, 2), i64, device, pin_memory)
     extra = {k: _tensor(a, None, device, pin_memory) for k, a in mb.extra.items()}
     return PackedBatch(meta=dict(mb.meta), extra=extra, **values)
 

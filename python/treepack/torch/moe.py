@@ -205,6 +205,12 @@ def _replay_class(cls: type[torch.nn.Module]) -> type:
             raise TreepackError(
                 "E_INPUT", f"{self.treepack_name}: routes[{i}] has {experts.shape[0]} tokens but the forward has {tokens}", field="routes"
             )
+        unrouted = experts[:, 0] < 0  # check_routes: a token's row is all -1 or all experts
+        if bool(unrouted.any()):
+            # A token the engine did not route (vLLM's last; a node of an unrouted sequence) takes the router's own
+            # top-k, as the unpacked forward would.
+            own = cls.forward(self, hidden_states)[2].to(experts.dtype)
+            experts = torch.where(unrouted[:, None], own, experts)
         logits, weights = _REPLAY[kind](self, hidden_states, experts)
         routing._record(i, logits, experts)
         return logits, weights, experts
@@ -283,8 +289,9 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
             raise TreepackError(
                 "E_INPUT", f"{r.treepack_name}: routes[{i}] give {shape[2]} experts per token, the router picks {r.top_k}", field="routes"
             )
-        if routes[i].numel():
-            lo, hi = int(routes[i].min()), int(routes[i].max())
+        routed = routes[i][~(routes[i] == -1).all(dim=-1)]  # a row of -1: unrouted, the router's own top-k
+        if routed.numel():
+            lo, hi = int(routed.min()), int(routed.max())
             if lo < 0 or hi >= r.num_experts:
                 raise TreepackError(
                     "E_INPUT",
@@ -292,7 +299,7 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
                     field="routes",
                 )
             s = routes[i].sort(dim=-1).values
-            twice = (s[:, 1:] == s[:, :-1]).any(dim=-1)
+            twice = (s[:, 1:] == s[:, :-1]).any(dim=-1) & (s[:, -1] >= 0)
             if bool(twice.any()):
                 raise TreepackError(
                     "E_INPUT", f"{r.treepack_name}: routes[{i}] give token {int(twice.nonzero()[0])} the same expert twice", field="routes"
@@ -304,7 +311,8 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
 def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[Routing]:
     """Within the block, one forward of ``model`` (any wrapper: the routers run inside it) routes token t of MoE
     layer l to ``routes[l, t]`` (int [MoE layers, tokens, k], tokens in the order of the forward's flattened input,
-    batch by sequence), or, with ``routes=None``, to the router's own top-k; either way the yielded ``Routing``
+    batch by sequence; a token whose row is all -1, one the engine did not route, takes the router's own top-k), or,
+    with ``routes=None``, every token to the router's own top-k; either way the yielded ``Routing``
     records each layer's logits and experts. ``tokens``: the forward's token count, checked up front when known.
     Refused under gradient checkpointing when replaying (the recomputation in backward runs outside the block)."""
     hf = unwrap(model)

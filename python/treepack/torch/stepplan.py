@@ -40,6 +40,7 @@ chain's last node (the planner's cuts guarantee it). Other token mixers are refu
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from .attention import tree_mask
 from .batch import PackedBatch
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers
+from .moe import replay_routes
 from .wrappers import wrappers
 
 # config.layer_types whose layers mix tokens by softmax attention only (or not at all).
@@ -166,9 +168,10 @@ class _Segment:
         hidden: torch.Tensor,
         lp: torch.Tensor,
         ent: torch.Tensor | None,
+        routes: torch.Tensor | None,
     ) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
-        self.ids, self.pos = ids, pos
+        self.ids, self.pos, self.routes = ids, pos, routes  # routes: [MoE layers, n, k], replayed again at the pop
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
@@ -308,8 +311,8 @@ def sync_gradients(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
 _ORDER = ": micro-batches out of plan order (a rank's planned micro-batches of a step run in order, from its first, in one trainer)"
 
 
-def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
-    """A chain of n nodes as a forest: one sequence through all of them (only its node arrays are read)."""
+def _chain_batch(ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None) -> PackedBatch:
+    """A chain of n nodes as a forest: one sequence through all of them (only its node arrays and routes are read)."""
     n, dev = int(ids.shape[0]), ids.device
     ar = torch.arange(n, device=dev)
     return PackedBatch(
@@ -323,6 +326,7 @@ def _chain_batch(ids: torch.Tensor, pos: torch.Tensor) -> PackedBatch:
         seq_index=torch.zeros(n, dtype=torch.int64, device=dev),
         token_index=ar,
         meta={"num_tokens_packed": n},
+        routes=routes,
     )
 
 
@@ -391,9 +395,13 @@ class StepPlanRunner:
         hidden states [N - rows, D] and what each layer would cache for them."""
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
         mask.prefix = ctx = _Prefix(self.stack, rows)
-        out = self.base(
-            input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False
-        )
+        # A MoE model replays the routes of the nodes it computes (a cached node's were replayed when it was pushed).
+        routes = forest.routes
+        replay = contextlib.nullcontext() if routes is None else replay_routes(self.model, routes[:, rows:], tokens=forest.num_nodes - rows)
+        with replay:
+            out = self.base(
+                input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False
+            )
         ctx.closed = True  # gradient checkpointing re-runs layers in the backward: they read the cache, capture nothing
         keys = sorted(ctx.captured, key=repr)
         if self.keys is None:
@@ -418,11 +426,15 @@ class StepPlanRunner:
         )
         return s.logprobs, s.entropy
 
-    def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> Any:
+    def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, start: int) -> Any:
         """Chain nodes [start, start + n) on the stack: what each layer caches for them, hidden states and node
         logprobs and entropies (from the parent's hidden state, the stack's top row for the first node; a root has
         none: 0)."""
-        chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]))
+        below = routes is None or any(s.routes is None for s in self.stack)
+        chain_routes = (
+            None if below else torch.cat([cast(torch.Tensor, s.routes) for s in self.stack] + [cast(torch.Tensor, routes)], dim=1)
+        )
+        chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]), chain_routes)
         hidden, cache = self._forward(chain, start)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
         lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
@@ -432,9 +444,10 @@ class StepPlanRunner:
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.depth
         ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
+        routes = None if batch.routes is None else batch.routes[:, start:end]
         with torch.no_grad():
-            cache, hidden, lp, ent = self._segment_pass(ids, pos, start)
-        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent))
+            cache, hidden, lp, ent = self._segment_pass(ids, pos, routes, start)
+        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent, routes))
         self.pushed += end - start
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
@@ -443,7 +456,7 @@ class StepPlanRunner:
         seg = self.stack.pop()
         if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
-        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.start)
+        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
         if ent is not None and seg.ent is not None:
             pairs.append((ent, seg.ent.grad))
@@ -490,6 +503,17 @@ class StepPlanRunner:
                     "E_INPUT",
                     "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step",
                     field="prefix_push",
+                )
+            # A node is its token and its route: a prefix routed otherwise is another prefix (the planner splits there).
+            n, routes = held.shape[0], [s.routes for s in self.stack] + [batch.routes]
+            if any(r is not None for r in routes) and (
+                any(r is None for r in routes)
+                or not torch.equal(torch.cat(cast(list[torch.Tensor], routes[:-1]), 1)[:, :n], cast(torch.Tensor, batch.routes)[:, :n])
+            ):
+                raise TreepackError(
+                    "E_INPUT",
+                    "the micro-batch's prefix routes differ from those of the prefix this rank holds (or only one has routes)",
+                    field="routes",
                 )
         ends = [depth] + op.push
         if any(b <= a for a, b in zip(ends, ends[1:])) or (op.push and op.push[-1] != h) or (not op.push and depth != h):
