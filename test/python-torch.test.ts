@@ -40,6 +40,19 @@ describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', (
     expect(out.max_weight_difference_after_step).toBeLessThan(1e-5);
   });
 
+  it('examples/context_parallel.py under torchrun (2 gloo ranks): the split step equals the one-rank step', { timeout: 600_000 }, () => {
+    const args = ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2', join(root, 'examples', 'context_parallel.py')];
+    const res = py.run(args, { cwd: root, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    expect(res.status, res.stderr.slice(-4000)).toBe(0);
+    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number | number[]>;
+    console.log(`examples/context_parallel.py: ${JSON.stringify(out)}`);
+    expect(out.ranks).toBe(2);
+    expect((out.rank_context_tokens as number[])[1]).toBeGreaterThan(0); // rank 1 read keys/values of rank 0's nodes
+    for (const key of ['max_diff_logprobs', 'max_diff_loss', 'max_diff_gradients', 'max_diff_weights_after_step']) {
+      expect(out[key], key).toBeLessThan(1e-10);
+    }
+  });
+
   it(
     'examples/moe_router_replay.py: packed with replay equals unpacked with the same routes; without replay it differs',
     { timeout: 600_000 },
@@ -61,4 +74,22 @@ describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', (
       expect(out.without_replay_max_diff_logprobs).toBeGreaterThan(1e-3);
     },
   );
+
+  it('examples/multimodal_tree.py: screenshots encoded once per distinct image, packed equals unpacked', { timeout: 600_000 }, () => {
+    const res = py.run([join(root, 'examples', 'multimodal_tree.py')], { cwd: root, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
+    expect(res.status, res.stderr.slice(-4000)).toBe(0);
+    const out = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, number>;
+    console.log(
+      `examples/multimodal_tree.py: ${out.naive_tokens} tokens in ${out.packed_tokens} nodes, ${out.images_sent} screenshots sent, ` +
+        `encoded ${out.encoded_packed} packed vs ${out.encoded_unpacked} unpacked; max differences: logprobs ${out.max_diff_logprobs}, ` +
+        `gradients ${out.max_diff_gradients}`,
+    );
+    expect(out.packed_tokens).toBeLessThan(out.naive_tokens);
+    expect(out.encoded_packed).toBeLessThan(out.encoded_unpacked);
+    expect(out.encoded_unpacked).toBe(out.images_sent);
+    expect(out.max_diff_logprobs).toBeLessThan(1e-10);
+    expect(out.max_diff_loss).toBeLessThan(1e-10);
+    expect(out.max_diff_gradients).toBeLessThan(1e-10);
+    expect(out.max_diff_vision_gradients).toBeLessThan(1e-10);
+  });
 });

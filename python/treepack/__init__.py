@@ -25,6 +25,7 @@
 ``python -m treepack check FILE|DIR...`` runs the same checks from the shell.
 """
 
+from .images import pack_images
 from .loss import LossConfig
 from .microbatch import (
     FORMAT,
@@ -33,6 +34,7 @@ from .microbatch import (
     SafetensorsFile,
     TreepackError,
     check_entry,
+    check_images,
     check_invariants,
     check_values,
     list_microbatches,
@@ -53,10 +55,12 @@ __all__ = [
     "SafetensorsFile",
     "TreepackError",
     "check_entry",
+    "check_images",
     "check_invariants",
     "check_values",
     "list_microbatches",
     "load",
+    "pack_images",
     "pack_sequences",
     "plan_micro_batches",
     "read_manifest",

@@ -28,6 +28,10 @@ OCCURRENCE_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollou
 # Optional contract tensors: the floats, and the turn ids of turn-level aggregation (docs/reference/format.md).
 OPTIONAL_FIELDS = OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)
 _META_NUMBERS = ("num_sequences", "num_tokens_naive", "num_tokens_packed")
+# Optional image tensors (docs/reference/format.md, "Images"): present together when the micro-batch has images;
+# mrope_position_ids may come alone (a vision-language model's text-only micro-batch). name -> (dtype, ndim).
+IMAGE_FIELDS = {"image_pixels": ("U8", 1), "image_sizes": ("I32", 2), "image_grid_thw": ("I32", 3), "image_fills": ("I32", 4)}
+_MROPE = "mrope_position_ids"
 
 # Contract tensors and their dtypes; OPTIONAL_FIELDS may be absent.
 _CONTRACT_DTYPES = {
@@ -183,6 +187,11 @@ class MicroBatch:
     rollout_logprobs: np.ndarray | None = None
     turn_ids: np.ndarray | None = None  # int32 [M], never decreasing along a sequence
     routes: np.ndarray | None = None  # int16 [N, layers, k]: per node, the experts an MoE engine routed it to; -1: none
+    image_pixels: np.ndarray | None = None  # uint8 [B]: each distinct image's decoded RGB bytes (H×W×3, row-major), in order
+    image_sizes: np.ndarray | None = None  # int32 [I, 2]: (height, width) of each image
+    image_grid_thw: np.ndarray | None = None  # int32 [I, 3]: the processor's grid (t, h, w in patches)
+    image_fills: np.ndarray | None = None  # int32 [F, 4]: (image, first node, first placeholder, count)
+    mrope_position_ids: np.ndarray | None = None  # int32 [3, N]: temporal, height, width rotary positions per node
 
     @property
     def num_sequences(self) -> int:
@@ -196,6 +205,183 @@ class MicroBatch:
                 "E_INPUT", f"sequence {i} is out of range: the micro-batch has S = {self.num_sequences} sequences", field="seq_offsets"
             )
         return self.input_ids[self.seq_positions[self.seq_offsets[i] : self.seq_offsets[i + 1]]]
+
+    @property
+    def num_images(self) -> int:
+        """I, the number of distinct images (0 without images)."""
+        return 0 if self.image_sizes is None else len(self.image_sizes)
+
+    def image(self, i: int) -> np.ndarray:
+        """Image i's decoded pixels, uint8 [H, W, 3] (a view on ``image_pixels``)."""
+        if not 0 <= i < self.num_images:
+            raise TreepackError(
+                "E_INPUT", f"image {i} is out of range: the micro-batch has I = {self.num_images} images", field="image_sizes"
+            )
+        assert self.image_sizes is not None and self.image_pixels is not None
+        sizes = self.image_sizes.astype(np.int64)
+        start = int((sizes[:i, 0] * sizes[:i, 1]).sum()) * 3
+        h, w = (int(x) for x in sizes[i])
+        return self.image_pixels[start : start + h * w * 3].reshape(h, w, 3)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) the Qwen2-VL family's image processor resizes an image to: multiples of ``factor`` (patch
+    size × merge size) with an area in [min_pixels, max_pixels] and the aspect ratio kept as far as it can be
+    (transformers' ``qwen2_vl.image_processing_qwen2_vl.smart_resize``, restated here so the checks need numpy only;
+    python/tests/trainer/test_vision.py compares the two)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# The processor settings the checks read from the header's image_processor (the rest is the processor's business).
+PROCESSOR_KEYS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_token_id")
+
+
+def expected_grid(processor: dict[str, Any], height: int, width: int) -> tuple[int, int, int]:
+    """The grid (t, h, w in patches) the processor makes of a still image of ``height`` × ``width`` pixels (one
+    temporal patch: an image is repeated up to temporal_patch_size frames)."""
+    patch, merge = int(processor["patch_size"]), int(processor["merge_size"])
+    h, w = smart_resize(height, width, patch * merge, int(processor["min_pixels"]), int(processor["max_pixels"]))
+    return 1, h // patch, w // patch
+
+
+def placeholder_counts(mb: MicroBatch) -> np.ndarray:
+    """int64 [I]: how many placeholder tokens each image expands to (t·h·w / merge_size²)."""
+    if mb.image_grid_thw is None:
+        return np.zeros(0, dtype=np.int64)
+    merge = int(mb.meta["image_processor"]["merge_size"])
+    return np.prod(mb.image_grid_thw.astype(np.int64), axis=1) // (merge * merge)
+
+
+def check_images(mb: MicroBatch) -> list[str]:
+    """The image tensors' invariants (docs/reference/format.md, "Images"); empty when valid or when there are none:
+    pixel bytes = Σ H·W·3, grids = the processor's smart_resize of the sizes, fills inside [0, N) and inside their
+    image's placeholders, each fill a chain (node k's parent is node k - 1), the filled nodes exactly the nodes whose
+    input_ids is image_token_id (each once), and mrope_position_ids [3, N]."""
+    out: list[str] = []
+    N = len(mb.input_ids)
+    if mb.mrope_position_ids is not None and mb.mrope_position_ids.shape != (3, N):
+        out.append(f"mrope_position_ids has shape {list(mb.mrope_position_ids.shape)}: expected [3, N = {N}]")
+    if mb.image_fills is None or mb.image_sizes is None or mb.image_grid_thw is None or mb.image_pixels is None:
+        return out
+    proc = mb.meta.get("image_processor")
+    if not isinstance(proc, dict) or any(k not in proc for k in PROCESSOR_KEYS):
+        return out + [f"image_processor (metadata) missing or without {', '.join(PROCESSOR_KEYS)}: the images cannot be checked"]
+    n_images, F = len(mb.image_sizes), len(mb.image_fills)
+    if len(mb.image_grid_thw) != n_images:
+        return out + [f"image_grid_thw has {len(mb.image_grid_thw)} rows: expected I = {n_images} (rows of image_sizes)"]
+    sizes = mb.image_sizes.astype(np.int64)
+    if (sizes <= 0).any():
+        return out + [f"image_sizes not positive: image {int(np.flatnonzero((sizes <= 0).any(1))[0])}"]
+    need = int((sizes[:, 0] * sizes[:, 1]).sum()) * 3
+    if len(mb.image_pixels) != need:
+        out.append(f"image_pixels has {len(mb.image_pixels)} bytes: expected {need} (the sum of H·W·3 over image_sizes)")
+    hashes = mb.meta.get("image_hashes")
+    name = lambda i: f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")  # noqa: E731
+    grid = mb.image_grid_thw.astype(np.int64)
+    for i in range(n_images):
+        try:
+            want = expected_grid(proc, int(sizes[i, 0]), int(sizes[i, 1]))
+        except ValueError as e:
+            out.append(f"image_sizes: {name(i)} cannot be resized: {e}")
+            continue
+        if tuple(int(x) for x in grid[i]) != want:
+            out.append(f"image_grid_thw of {name(i)} is {grid[i].tolist()}, but the processor makes {list(want)} of {sizes[i].tolist()}")
+    if out:
+        return out
+    fills = mb.image_fills.astype(np.int64)
+    counts = placeholder_counts(mb)
+    img, pos, first, count = (fills[:, k] for k in range(4)) if F else (np.zeros(0, np.int64),) * 4
+    bad = (img < 0) | (img >= n_images) | (count <= 0) | (pos < 0) | (pos + count > N) | (first < 0)
+    _report(out, bad, "image_fills out of range", lambda f: f"image_fills[{f}] = {fills[f].tolist()} (I = {n_images}, N = {N})")
+    if out:
+        return out
+    _report(
+        out,
+        first + count > counts[img],
+        "image_fills past their image's placeholders",
+        lambda f: f"image_fills[{f}] = {fills[f].tolist()}: {name(int(img[f]))} has {counts[img[f]]} placeholders",
+    )
+    covered = np.zeros(N, dtype=np.int64)
+    nodes = np.concatenate([np.arange(p, p + c) for p, c in zip(pos, count)]) if F else np.zeros(0, np.int64)
+    np.add.at(covered, nodes, 1)
+    first_nodes = np.repeat(pos, count)
+    inner = nodes[nodes != first_nodes]
+    parent = mb.parent.astype(np.int64)
+    broken = inner[parent[inner] != inner - 1]
+    if broken.size:
+        out.append(f"image_fills not a chain ({broken.size}): node {int(broken[0])}'s parent is {int(parent[broken[0]])}")
+    token = int(proc["image_token_id"])
+    is_placeholder = mb.input_ids == token
+    _report(out, covered > 1, "image_fills overlap", lambda p: f"node {p} is filled {covered[p]} times")
+    _report(
+        out,
+        (covered > 0) & ~is_placeholder,
+        f"image_fills over nodes that are not image_token_id {token}",
+        lambda p: f"input_ids[{p}] = {mb.input_ids[p]}",
+    )
+    _report(out, (covered == 0) & is_placeholder, f"image_fills miss nodes of image_token_id {token}", lambda p: f"node {p}")
+    if out or mb.mrope_position_ids is None:
+        return out
+    node_img = np.full(N, -1, dtype=np.int64)
+    node_ph = np.zeros(N, dtype=np.int64)
+    node_img[nodes] = np.repeat(img, count)
+    node_ph[nodes] = np.repeat(first, count) + np.arange(len(nodes)) - starts_of(count)
+    merged = np.concatenate([grid[:, :1], grid[:, 1:] // int(proc["merge_size"])], axis=1)  # t, then rows and columns merged
+    _check_mrope(out, mb, node_img, node_ph, merged, name)
+    return out
+
+
+def starts_of(count: np.ndarray) -> np.ndarray:
+    """Each element's run start in a concatenation of runs of these lengths (``np.repeat(cumsum - count, count)``)."""
+    return np.repeat(np.cumsum(count) - count, count)
+
+
+def _check_mrope(
+    out: list[str], mb: MicroBatch, node_img: np.ndarray, node_ph: np.ndarray, merged: np.ndarray, name: Callable[[int], str]
+) -> None:
+    """mrope_position_ids by the Qwen2-VL rules (transformers' get_rope_index for images), node by node from its
+    parent's (so by induction from the roots): a text node is (n, n, n) where n is the position after its parent (0
+    at a root; a text parent's + 1; an image's start + max(rows, columns) of its merged grid after its last
+    placeholder); placeholder j of an image starting at s, on a merged grid of w columns, is (s, s + j // w, s + j % w),
+    its first placeholder starting at the position after its parent and every other one following the previous."""
+    assert mb.mrope_position_ids is not None
+    pos = mb.mrope_position_ids.astype(np.int64)
+    parent = mb.parent.astype(np.int64)
+    q = np.maximum(parent, 0)
+    root = parent < 0
+    is_img = node_img >= 0
+    img = np.maximum(node_img, 0)
+    rows, cols = merged[img, 1], merged[img, 2]
+    t_img = merged[img, 0]
+    if (t_img[is_img] != 1).any():
+        p = int(np.flatnonzero(is_img & (t_img != 1))[0])
+        out.append(f"mrope_position_ids: {name(int(node_img[p]))} has {t_img[p]} temporal patches: only still images are checked")
+        return
+    # The position after each node: text n + 1; an image's last placeholder start + max(rows, columns); else -1 (none).
+    last = is_img & (node_ph == rows * cols - 1)
+    after = np.where(is_img, np.where(last, pos[0] + np.maximum(rows, cols), -1), pos[0] + 1)
+    nxt = np.where(root, 0, after[q])
+    continues = is_img & (node_ph > 0)
+    start = np.where(continues, pos[0, q], nxt)
+    want = np.where(is_img, np.stack([start, start + node_ph // np.maximum(cols, 1), start + node_ph % np.maximum(cols, 1)]), nxt)
+    ok_parent = ~continues | (~root & (node_img[q] == node_img) & (node_ph[q] == node_ph - 1))
+    bad = (want != pos).any(0) | ((nxt < 0) & ~continues) | ~ok_parent
+    _report(
+        out,
+        bad,
+        "mrope_position_ids not by the get_rope_index rules",
+        lambda p: f"mrope_position_ids[:, {p}] = {pos[:, p].tolist()}, expected {want[:, p].tolist()}",
+    )
 
 
 def _check_shapes(mb: MicroBatch, fail: Callable[[str, str], TreepackError]) -> None:
@@ -307,6 +493,14 @@ def load(src: Source) -> MicroBatch:
             meta[key] = int(md[key])
     if "tokenizer" not in md:
         raise fail("tokenizer", "tokenizer is missing")
+    for key, kind in (("image_processor", dict), ("image_hashes", list)):
+        if key in md:
+            try:
+                meta[key] = json.loads(md[key])
+            except ValueError:
+                meta[key] = None
+            if not isinstance(meta[key], kind):
+                raise fail(key, f"{key} is {md[key][:80]!r}, expected a JSON {'object' if kind is dict else 'list'}")
     try:
         meta["sequence_ids"] = json.loads(md.get("sequence_ids", "null"))
     except ValueError:
@@ -327,10 +521,45 @@ def load(src: Source) -> MicroBatch:
         if st.dtypes["routes"] != "I16":
             raise fail("routes", f"tensor routes has dtype {st.dtypes['routes']}, expected I16")
         fields["routes"] = st.tensors["routes"]
-    extra = {k: v for k, v in st.tensors.items() if k not in _CONTRACT_DTYPES and k != "routes"}
+    _load_images(st, meta, fields, fail)
+    extra = {k: v for k, v in st.tensors.items() if k not in _CONTRACT_DTYPES and k not in fields}
     mb = MicroBatch(meta=meta, extra=extra, **fields)
     _check_shapes(mb, fail)
     return mb
+
+
+def _load_images(
+    st: SafetensorsFile, meta: dict[str, Any], fields: dict[str, np.ndarray], fail: Callable[[str, str], TreepackError]
+) -> None:
+    """The optional image tensors into ``fields``: all four or none, with their dtypes and row widths, the header's
+    image_processor (with the settings the checks read) and image_hashes (one per image) beside them."""
+    given = [k for k in IMAGE_FIELDS if k in st.tensors]
+    if given and len(given) != len(IMAGE_FIELDS):
+        missing = next(k for k in IMAGE_FIELDS if k not in st.tensors)
+        raise fail(missing, f"{missing} is missing: {', '.join(IMAGE_FIELDS)} go together (a micro-batch with images)")
+    for name, (dtype, width) in list(IMAGE_FIELDS.items()) + [(_MROPE, ("I32", 0))]:
+        if name not in st.tensors:
+            continue
+        a = st.tensors[name]
+        if st.dtypes[name] != dtype:
+            raise fail(name, f"tensor {name} has dtype {st.dtypes[name]}, expected {dtype}")
+        want = "[B]" if width == 1 else "[3, N]" if name == _MROPE else f"[rows, {width}]"
+        ok = a.ndim == 1 if width == 1 else a.ndim == 2 and (a.shape[0] == 3 if name == _MROPE else a.shape[1] == width)
+        if not ok:
+            raise fail(name, f"tensor {name} has shape {list(a.shape)}, expected {want}")
+        fields[name] = a
+    if not given:
+        return
+    proc = meta.get("image_processor")
+    if proc is None:
+        raise fail("image_processor", "image_processor is missing: a micro-batch with images names its processor settings")
+    bad = [k for k in PROCESSOR_KEYS if not (isinstance(proc.get(k), int) and not isinstance(proc.get(k), bool) and proc[k] > 0)]
+    if bad:
+        raise fail("image_processor", f"image_processor.{bad[0]} is {json.dumps(proc.get(bad[0]))}, expected a positive integer")
+    hashes = meta.get("image_hashes")
+    n_images = len(fields["image_sizes"])
+    if hashes is not None and (len(hashes) != n_images or not all(isinstance(h, str) for h in hashes)):
+        raise fail("image_hashes", f"image_hashes must be a list of I = {n_images} strings (one per image)")
 
 
 def _report(out: list[str], mask: np.ndarray, what: str, describe: Callable[[int], str]) -> None:
@@ -347,7 +576,8 @@ def check_invariants(mb: MicroBatch) -> list[str]:
     position_ids = depth, subtree_end = the end of each node's contiguous subtree (DFS preorder), seq_offsets CSR,
     and per occurrence seq_positions in range, parent[seq_positions[t]] = seq_positions[t-1] (-1 at t = 0),
     position_ids[seq_positions[t]] = t, loss_mask 0 at t = 0, turn_ids (when present) never decreasing along a
-    sequence. Each kind of violation is one line: its count and its first few examples.
+    sequence; and the image tensors when there are some (``check_images``). Each kind of violation is one line: its
+    count and its first few examples.
 
         >>> import treepack
         >>> mb = treepack.pack_sequences([[1, 2], [1, 3]])   # nodes 1, 2, 3: 2 and 3 are children of 1
@@ -401,7 +631,7 @@ def check_invariants(mb: MicroBatch) -> list[str]:
             out.append(f"{what} ({count}): {listed}{'; …' if count > _EXAMPLES else ''}")
     if mb.routes is not None:
         _check_routes(mb.routes, N, out)
-    return out
+    return out + check_images(mb)
 
 
 def _check_routes(routes: np.ndarray, N: int, out: list[str]) -> None:

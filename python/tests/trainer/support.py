@@ -144,13 +144,18 @@ def write_microbatch(path: str, mb: MicroBatch, metadata: dict[str, str] | None 
             "old_logprobs",
             "ref_logprobs",
             "rollout_logprobs",
+            "image_pixels",
+            "image_sizes",
+            "image_grid_thw",
+            "image_fills",
+            "mrope_position_ids",
         )
         if getattr(mb, f) is not None
     }
     arrays.update(mb.extra)
     for k, dt in (dtypes or {}).items():
         arrays[k] = np.asarray(arrays[k]).astype(dt)
-    meta = {k: (json.dumps(v) if k == "sequence_ids" else str(v)) for k, v in mb.meta.items()}
+    meta = {k: (json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in mb.meta.items()}
     meta.update(metadata or {})
     header: dict[str, object] = {"__metadata__": meta}
     blobs, at = [], 0

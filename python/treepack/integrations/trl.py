@@ -41,6 +41,10 @@ cached (a rank's micro-batches of one packing window per step). Under DDP each r
 (``FeedClient(rank=...)``, or the directory's entries of its rank) and the gradients are averaged once per
 optimizer step, after the last pops; FSDP and DeepSpeed are refused (the executor calls the layers itself).
 
+A Qwen2.5-VL or Qwen3-VL's rows with images run as one forest whose images are their pixel values' identity
+(``treepack.torch.vision.from_padded_images``; ``packed_logprobs`` on the model itself, so not inside a DDP/FSDP
+wrapper): each distinct image of a chunk is encoded once, and the results are stock TRL's.
+
 Each piece is a mixin over ``GRPOTrainer`` (``PackedForwardMixin``, ``GroupedBatchesMixin``), so a project with
 its own GRPOTrainer subclass can take one of them.
 
@@ -58,8 +62,9 @@ import torch
 
 from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
-from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, padded_rows
+from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, packed_logprobs, padded_rows
 from ..torch.moe import load_balancing_loss
+from ..torch.vision import from_padded_images, vision_family
 from ..torch.wrappers import unwrap
 from ..versions import require
 
@@ -70,6 +75,11 @@ require("transformers")
 from trl import GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
 from trl.trainer.utils import use_adapter  # noqa: E402
+
+# TRL's multimodal inputs the Qwen2-VL family's rows carry (mm_token_type_ids: recomputed from the image token).
+_VISION_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+# Those laid out per image, not per row: split with their rows by _take_images.
+_IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "num_images")
 
 
 class PackedForwardMixin:
@@ -107,7 +117,9 @@ class PackedForwardMixin:
     ):
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given:
-            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed by treepack", field=given[0])
+            return self._treepack_vision(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal
+            )
         if "logits_to_keep" not in self.model_kwarg_keys:
             raise TreepackError("E_ARG", f"{type(unwrap(model)).__name__}.forward takes no logits_to_keep", field="logits_to_keep")
         B = input_ids.size(0)
@@ -146,6 +158,56 @@ class PackedForwardMixin:
             (torch.cat(entropies) if compute_entropy else None),
             (torch.stack(aux).mean() if compute_aux_loss else None),
         )
+
+    def _treepack_vision(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal):
+        """Rows with images (Qwen2.5-VL, Qwen3-VL): each chunk of whole groups one forest in which a row's image is
+        its pixel values' identity (``treepack.torch.vision.from_padded_images``), each distinct image encoded once,
+        run by ``packed_logprobs`` on the model itself. Refused by name: other multimodal inputs and models, a model
+        inside a wrapper (its own forward would place the images by token id), the router's aux loss."""
+        base = unwrap(model)
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        other = [k for k in given if k not in _VISION_INPUTS]
+        why = ""
+        if vision_family(base) is None:
+            why = f"{type(base).__name__} is not a vision-language model treepack runs"
+        elif other:
+            why = f"{', '.join(other)} are not inputs of the Qwen2-VL family"
+        elif compute_aux_loss:
+            why = "the router's load-balancing loss is not computed with images"
+        elif base is not model:
+            why = f"the model is inside {type(model).__name__}, whose own forward places images by token id, not by fill"
+        if why:
+            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed here: {why}", field=given[0])
+        pixels, grid, counts = multimodal.get("pixel_values"), multimodal.get("image_grid_thw"), multimodal.get("num_images")
+        if pixels is None or grid is None or counts is None:
+            missing = next(k for k, v in (("pixel_values", pixels), ("image_grid_thw", grid), ("num_images", counts)) if v is None)
+            raise TreepackError("E_ARG", f"images need pixel_values, image_grid_thw and num_images ({missing} is missing)", field=missing)
+        B = input_ids.size(0)
+        G = self.num_generations if self.model.training else self.num_generations_eval
+        step = B if batch_size is None else -(-batch_size // G) * G
+        image_starts = [0]
+        for n in counts:
+            image_starts.append(image_starts[-1] + n)
+        patch_starts = torch.cat([grid.new_zeros(1), torch.cumsum(grid.prod(1), 0)]).tolist()
+        logps, entropies = [], []
+        for a in range(0, B, step):
+            b = min(a + step, B)
+            i0, i1 = image_starts[a], image_starts[b]
+            batch, layout = from_padded_images(
+                base,
+                input_ids[a:b],
+                attention_mask[a:b],
+                logits_to_keep,
+                pixels[patch_starts[i0] : patch_starts[i1]],
+                grid[i0:i1],
+                counts[a:b],
+            )
+            self._treepack_record(int(attention_mask[a:b].sum()), batch.num_nodes)
+            scores = packed_logprobs(base, batch, entropy=compute_entropy, attention=self.treepack_attention, temperature=self.temperature)
+            logps.append(layout.to_padded(scores.logprobs))
+            if compute_entropy:
+                entropies.append(layout.to_padded(scores.entropy))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
     def _treepack_runner(self, model) -> StepPlanRunner:
         """The policy's step-plan runner, made at its first planned micro-batch."""
@@ -255,9 +317,10 @@ class GroupedBatchesMixin:
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _treepack_split(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
-        given = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images") if inputs.get(k) is not None)
-        if given:
-            raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not grouped by treepack", field=given[0])
+        images = [k for k in _IMAGE_TENSORS if inputs.get(k) is not None]
+        if images and len(images) != len(_IMAGE_TENSORS):
+            missing = next(k for k in _IMAGE_TENSORS if k not in images)
+            raise TreepackError("E_ARG", f"{', '.join(images)} without {missing}: the rows' images cannot be grouped", field=missing)
         rows = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         keep = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).bool()
         B, G = rows.shape[0], self.num_generations
@@ -267,7 +330,11 @@ class GroupedBatchesMixin:
             groups=[i // G for i in range(B)],
             num_micro_batches=self.args.steps_per_generation,
         )
-        return [_take(inputs, torch.as_tensor(mb.sequences, device=rows.device), B) for mb in plan.micro_batches]
+        split = []
+        for mb in plan.micro_batches:
+            part = _take({k: v for k, v in inputs.items() if k not in _IMAGE_TENSORS}, torch.as_tensor(mb.sequences, device=rows.device), B)
+            split.append({**part, **(_take_images(inputs, [int(r) for r in mb.sequences]) if images else {})})
+        return split
 
     def _treepack_window(self) -> list[dict[str, Any]]:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
@@ -342,6 +409,26 @@ def _take(inputs: dict[str, Any], rows: torch.Tensor, B: int) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def _take_images(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The given rows' images: their ``num_images``, ``image_grid_thw`` rows and ``pixel_values`` rows (each image
+    t·h·w of them), in row order, as TRL lays them out."""
+    counts, grid, pixels = inputs["num_images"], inputs["image_grid_thw"], inputs["pixel_values"]
+    first = [0]
+    for n in counts:
+        first.append(first[-1] + n)
+    patches = grid.prod(1).tolist()
+    at = [0]
+    for n in patches:
+        at.append(at[-1] + n)
+    chosen = [i for r in rows for i in range(first[r], first[r + 1])]
+    parts = [pixels[at[i] : at[i + 1]] for i in chosen]
+    return {
+        "num_images": [counts[r] for r in rows],
+        "image_grid_thw": grid[chosen],
+        "pixel_values": torch.cat(parts) if parts else pixels[:0],
+    }
 
 
 def _no_reward(completions, **kwargs):

@@ -26,6 +26,10 @@ Mixture-of-experts models: ``packed_logprobs(model, batch, routes=...)`` replays
 
 Hybrid models (Gated DeltaNet, KDA, Mamba2 layers): ``prepare(model)`` makes their recurrent layers run on the tree
 (packed_logprobs calls it); any token-mixing layer it cannot run is refused by name.
+
+Vision-language models (Qwen2.5-VL, Qwen3-VL): ``packed_logprobs`` runs the vision encoder once per distinct image of
+a micro-batch and scatters its embeddings at the batch's image fills, with the 3-D rotary positions it carries
+(``treepack.torch.vision``).
 """
 
 from ..microbatch import read_manifest
@@ -43,6 +47,7 @@ from .attention import (
 )
 from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch, naive_batch
 from .compiled_flex import flex_compilations, ladder_length
+from .context_parallel import ContextParallel, LocalPart, balanced_bounds, reduce_gradients, split_batch
 from .forward import forward_logprobs, model_tree_mask
 from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
@@ -54,6 +59,11 @@ from .stepplan import RECURRENT, StepOp, StepPlanRunner, StepResult, check_model
 from .wrappers import unwrap
 
 __all__ = [
+    "ContextParallel",
+    "LocalPart",
+    "balanced_bounds",
+    "reduce_gradients",
+    "split_batch",
     "LAYERS",
     "ROUTERS",
     "RouterOutputs",

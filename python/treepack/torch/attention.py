@@ -205,17 +205,17 @@ def dense_tree_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None
 PLAN_TILES = 256
 
 
-def _plan_chunks(mask: TreeMask) -> list[tuple[torch.Tensor, int]]:
-    """The block path's SDPA calls: (query block ids [G], K) per call, where K is the most kv blocks a row of the call
-    sees. Rows are grouped by that count rounded up to a power of two (at most 2× padding), and a group is split so
-    that G·K ≤ PLAN_TILES (a row alone may exceed it)."""
+def _plan_chunks(mask: TreeMask, first: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """The block path's SDPA calls for query blocks [first, nb): (query block ids [G], K) per call, where K is the
+    most kv blocks a row of the call sees. Rows are grouped by that count rounded up to a power of two (at most 2×
+    padding), and a group is split so that G·K ≤ PLAN_TILES (a row alone may exceed it)."""
     num = (mask.kv_num_blocks[0, 0] + mask.full_kv_num_blocks[0, 0]).cpu()
-    if num.numel() == 0:
+    if num.numel() <= first:
         return []
-    bucket = torch.ceil(torch.log2(num.clamp(min=1).double())).long()
+    bucket = torch.ceil(torch.log2(num[first:].clamp(min=1).double())).long()
     chunks: list[tuple[torch.Tensor, int]] = []
     for b in torch.unique(bucket).tolist():
-        rows = torch.nonzero(bucket == b).flatten()
+        rows = torch.nonzero(bucket == b).flatten() + first
         K = int(num[rows].max())
         step = max(1, PLAN_TILES // K)
         chunks.extend((rows[i : i + step], int(num[rows[i : i + step]].max())) for i in range(0, len(rows), step))
@@ -231,8 +231,10 @@ def executed_tiles(mask: TreeMask) -> int:
     return sum(len(rows) * K for rows, K in _plan_chunks(mask))
 
 
-def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per SDPA call (``_plan_chunks``): (query block ids [G], key positions [G, K·B], partial mask [G, B, K·B])."""
+def _block_plan(mask: TreeMask, first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per SDPA call (``_plan_chunks``) of query blocks [first, nb): (query block ids [G], key positions [G, K·B],
+    partial mask [G, B, K·B]). The blocks before ``first`` (a cached prefix's or a context-parallel rank's context
+    rows, read by nobody) get no plan: their masks would cost O(rows²) memory on a long prefix."""
     B = mask.BLOCK_SIZE[0]
     se = mask.subtree_end
     n, dev = int(se.shape[0]), se.device
@@ -256,7 +258,7 @@ def _block_plan(mask: TreeMask) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     pos_pad = None if window is None or pos is None else torch.cat([pos, pos.new_zeros(nb * B - n)])
     plan = []
     r = torch.arange(B)
-    for rows, K in _plan_chunks(mask):
+    for rows, K in _plan_chunks(mask, first):
         # The valid kv blocks of each row first, padded with its diagonal block (always listed; masked out below).
         order = torch.argsort((~valid[rows]).to(torch.int8), dim=1, stable=True)[:, :K]
         blocks = torch.gather(kv[rows], 1, order)
@@ -300,21 +302,11 @@ def _block_attention(
     sinks: torch.Tensor | None,
     skip: int = 0,
 ) -> torch.Tensor:
-    plan = mask._cache.get(("block", q.device))
-    if plan is None:
-        plan = mask._cache[("block", q.device)] = _block_plan(mask)
     B = mask.BLOCK_SIZE[0]
     first = skip // B  # query blocks before it hold only rows nobody reads
-    if first:
-        cut = mask._cache.get(("block", q.device, first))
-        if cut is None:
-            cut = []
-            for r, keys, visible in plan:
-                sel = r >= first
-                if bool(sel.any()):
-                    cut.append((r[sel], keys[sel], visible[sel]))
-            mask._cache[("block", q.device, first)] = cut
-        plan = cut
+    plan = mask._cache.get(("block", q.device, first))
+    if plan is None:
+        plan = mask._cache[("block", q.device, first)] = _block_plan(mask, first)
     _, H, n, D = q.shape
     nb = -(-n // B)
     pad = nb * B - n

@@ -8,9 +8,9 @@
     ...     print(batch.meta["sequence_ids"], batch.num_nodes)
     ['c', 'd'] 8
 
-Index tensors (and ``routes``) are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats float32; every
-tensor is a fresh, writable copy. The forest invariants are checked on load (``check=False`` skips them): a broken
-forest would otherwise index the wrong node silently (torch wraps negative indices).
+Index tensors (and ``routes``) are int64 (what torch indexing takes), ``loss_mask`` is bool, the per-occurrence floats
+float32, the image bytes uint8; every tensor is a fresh, writable copy. The forest invariants are checked on load
+(``check=False`` skips them): a broken forest would otherwise index the wrong node silently (torch wraps negative indices).
 """
 
 from __future__ import annotations
@@ -24,9 +24,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..microbatch import OCCURRENCE_FLOAT_FIELDS, MicroBatch, Source, TreepackError, check_entry, check_invariants, load, read_manifest
+from ..microbatch import (
+    IMAGE_FIELDS,
+    OCCURRENCE_FLOAT_FIELDS,
+    MicroBatch,
+    Source,
+    TreepackError,
+    check_entry,
+    check_invariants,
+    load,
+    read_manifest,
+)
 
 INDEX_FIELDS = ("input_ids", "position_ids", "parent", "subtree_end", "seq_offsets", "seq_positions")
+# The image tensors, int64 on the batch but image_pixels (uint8), and the 3-D rotary positions.
+VISION_FIELDS = tuple(IMAGE_FIELDS) + ("mrope_position_ids",)
 
 
 @dataclass
@@ -38,7 +50,16 @@ class PackedBatch:
     lowerings) as they were stored. ``routes`` (int64 [MoE layers, N, k]): the experts an engine chose per node, which
     ``packed_logprobs``, ``forward_logprobs`` and step plans replay (``treepack.torch.replay_routes``); loaded from
     the file's ``routes`` tensor ([N, layers, k], transposed here; -1 rows: the router's own top-k), or set by the
-    caller (e.g. from ``pack_routed``).
+    caller (e.g. from ``pack_routed``). ``context_parallel``: set on a rank's local part
+    of a row split over a context-parallel group (``treepack.torch.split_batch``), None otherwise.
+
+    A micro-batch with images (docs/reference/format.md, "Images") carries ``image_pixels`` (uint8, each distinct
+    image's decoded RGB bytes), ``image_sizes`` [I, 2], ``image_grid_thw`` [I, 3], ``image_fills`` [F, 4] (image,
+    first node, first placeholder, count) and ``mrope_position_ids`` [3, N]; ``meta["image_processor"]`` holds the
+    processor's settings and ``meta["image_hashes"]`` each image's identity. ``packed_logprobs`` runs the vision
+    encoder once per image and scatters its embeddings at the fills (``treepack.torch.vision``). ``pixel_values``
+    (not in the file format; set by ``treepack.torch.vision.from_padded_images``) holds the encoder inputs a
+    trainer's processor already made, image after image, used instead of processing ``image_pixels``.
     """
 
     input_ids: torch.Tensor  # int64 [N]
@@ -58,6 +79,28 @@ class PackedBatch:
     turn_ids: torch.Tensor | None = None  # int64 [M], the contract's extension for turn-level aggregation
     routes: torch.Tensor | None = None  # int64 [MoE layers, N, k]: the experts an engine chose per node, replayed by the forward
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A rank's local part of a row split by context parallelism (treepack.torch.context_parallel.LocalPart), else None.
+    context_parallel: Any = None
+    image_pixels: torch.Tensor | None = None  # uint8 [B]: the decoded RGB bytes of each distinct image, concatenated
+    image_sizes: torch.Tensor | None = None  # int64 [I, 2]: (height, width)
+    image_grid_thw: torch.Tensor | None = None  # int64 [I, 3]: the processor's grid in patches
+    image_fills: torch.Tensor | None = None  # int64 [F, 4]: nodes [pos, pos + count) are image's placeholders [first, first + count)
+    mrope_position_ids: torch.Tensor | None = None  # int64 [3, N]: temporal, height, width rotary positions
+    pixel_values: torch.Tensor | None = None  # float [Σ t·h·w, C]: the images' encoder inputs already made (a trainer's rows)
+
+    @property
+    def num_images(self) -> int:
+        """I, the number of distinct images (0 without images)."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    def image(self, i: int) -> torch.Tensor:
+        """Image i's decoded pixels, uint8 [H, W, 3] (a view on ``image_pixels``)."""
+        if not 0 <= i < self.num_images:
+            raise TreepackError("E_ARG", f"image {i} out of range [0, {self.num_images})", field="image")
+        assert self.image_sizes is not None and self.image_pixels is not None
+        area = self.image_sizes[:, 0] * self.image_sizes[:, 1] * 3
+        start, h, w = int(area[:i].sum()), int(self.image_sizes[i, 0]), int(self.image_sizes[i, 1])
+        return self.image_pixels[start : start + h * w * 3].view(h, w, 3)
 
     @property
     def num_nodes(self) -> int:
@@ -137,8 +180,59 @@ def naive_batch(batch: PackedBatch) -> PackedBatch:
         meta=meta,
         routes=None if batch.routes is None else batch.routes[:, batch.seq_positions],
         extra={},
+        mrope_position_ids=None if batch.mrope_position_ids is None else batch.mrope_position_ids[:, batch.seq_positions],
+        **_naive_images(batch, meta),
         **{f: (None if getattr(batch, f) is None else getattr(batch, f).clone()) for f in OCCURRENCE_FLOAT_FIELDS + ("turn_ids",)},
     )
+
+
+def filled_nodes(fills: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(node, image, placeholder) of every node ``image_fills`` [F, 4] fills, fill by fill."""
+    img, pos, first, count = fills.unbind(1)
+    step = torch.arange(int(count.sum()), device=fills.device) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    return (
+        torch.repeat_interleave(pos, count) + step,
+        torch.repeat_interleave(img, count),
+        torch.repeat_interleave(first, count) + step,
+    )
+
+
+def _naive_images(batch: PackedBatch, meta: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+    """The image tensors of ``naive_batch``: each sequence its own copy of every image it shows (the vision encoder
+    runs once per sequence and image, as unpacked training does), its fills one per run of occurrences that are
+    consecutive placeholders of one image."""
+    if batch.image_fills is None or batch.image_sizes is None or batch.image_grid_thw is None or batch.image_pixels is None:
+        return {}
+    dev, n_images, M = batch.device, batch.num_images, batch.num_occurrences
+    nodes, images, placeholders = filled_nodes(batch.image_fills)
+    node_img = torch.full((batch.num_nodes,), -1, dtype=torch.int64, device=dev)
+    node_ph = torch.zeros(batch.num_nodes, dtype=torch.int64, device=dev)
+    node_img[nodes], node_ph[nodes] = images, placeholders
+    occ_img, occ_ph = node_img[batch.seq_positions], node_ph[batch.seq_positions]
+    shown = occ_img >= 0
+    key = batch.seq_index * n_images + occ_img.clamp(min=0)
+    keys = torch.unique(key[shown])  # the (sequence, image) pairs shown, each the naive batch's own image
+    new_img = torch.searchsorted(keys, key)
+    old = keys % n_images
+    k = torch.arange(M, device=dev)
+    prev = (k - 1).clamp(min=0)
+    continues = shown & (k > 0) & shown[prev] & (new_img[prev] == new_img) & (occ_ph[prev] + 1 == occ_ph) & (batch.token_index > 0)
+    run_start = torch.nonzero(shown & ~continues).flatten()
+    run_id = torch.cumsum((shown & ~continues).to(torch.int64), 0) - 1
+    run_count = torch.bincount(run_id[shown], minlength=run_start.numel())
+    fills = torch.stack([new_img[run_start], run_start, occ_ph[run_start], run_count], 1)
+    area = batch.image_sizes[:, 0] * batch.image_sizes[:, 1] * 3
+    offsets = torch.cumsum(area, 0) - area
+    pixels = [batch.image_pixels[int(offsets[i]) : int(offsets[i] + area[i])] for i in old.tolist()]
+    hashes = batch.meta.get("image_hashes")
+    if isinstance(hashes, list):
+        meta["image_hashes"] = [hashes[i] for i in old.tolist()]
+    return {
+        "image_pixels": torch.cat(pixels) if pixels else batch.image_pixels[:0].clone(),
+        "image_sizes": batch.image_sizes[old],
+        "image_grid_thw": batch.image_grid_thw[old],
+        "image_fills": fills,
+    }
 
 
 def _tensor(a: np.ndarray, dtype: np.dtype | None, device: str | torch.device | None, pin: bool) -> torch.Tensor:
@@ -174,7 +268,7 @@ def from_microbatch(
                 "E_INPUT",
                 "not a valid packed micro-batch: " + "; ".join(problems),
                 file,
-                first if first in INDEX_FIELDS + ("loss_mask",) else "forest",
+                first if first in INDEX_FIELDS + VISION_FIELDS + ("loss_mask", "image_processor") else "forest",
             )
     offsets = np.asarray(mb.seq_offsets, dtype=np.int64)
     lengths, starts = offsets[1:] - offsets[:-1], offsets[:-1]
@@ -191,6 +285,9 @@ def from_microbatch(
     values["turn_ids"] = None if mb.turn_ids is None else _tensor(mb.turn_ids, i64, device, pin_memory)
     # The file stores routes node-major [N, layers, k]; replay takes them layer-major, one [N, k] per MoE layer.
     values["routes"] = None if mb.routes is None else _tensor(np.asarray(mb.routes).transpose(1, 0, 2), i64, device, pin_memory)
+    for f in VISION_FIELDS:
+        a = getattr(mb, f)
+        values[f] = None if a is None else _tensor(a, None if f == "image_pixels" else i64, device, pin_memory)
     extra = {k: _tensor(a, None, device, pin_memory) for k, a in mb.extra.items()}
     return PackedBatch(meta=dict(mb.meta), extra=extra, **values)
 

@@ -34,6 +34,7 @@ from ..microbatch import TreepackError
 from .batch import PackedBatch
 from .logprobs import NodeScores, model_mask, routed, scored_nodes
 from .moe import router_outputs
+from .vision import refuse_images, vision_family
 from .wrappers import unwrap
 
 
@@ -60,12 +61,27 @@ def forward_logprobs(
     ``logits_to_keep=<rows>``. Logits are float32 (float64 for a float64 model) divided by ``temperature``, as
     TRL and vLLM apply it (a softcapping model softcaps inside its forward). ``entropy_grad=False`` computes the
     entropies without autograd (they feed a mask or a log only). NaN at nodes not scored, as ``packed_logprobs``.
-    ``routes`` / ``router``: a MoE model's routing replay and router outputs, as ``packed_logprobs``.
+    ``routes`` / ``router``: a MoE model's routing replay and router outputs, as ``packed_logprobs``. A
+    vision-language model is refused (its forward would encode the images and place them by token id, not by
+    fill): ``packed_logprobs`` runs it.
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
+    if vision_family(unwrap(model)) is not None:
+        raise TreepackError(
+            "E_ARG",
+            f"forward_logprobs does not run {type(unwrap(model)).__name__} (a vision-language model): use packed_logprobs",
+            field="model",
+        )
+    refuse_images(batch, "forward_logprobs")
     if not temperature > 0:
         raise TreepackError("E_ARG", f"expected a number > 0, got {temperature!r}", field="temperature")
+    if batch.context_parallel is not None:
+        raise TreepackError(
+            "E_ARG",
+            "a context-parallel local part runs through packed_logprobs (the wrapper's forward cannot exchange keys/values)",
+            field="batch",
+        )
     targets = scored_nodes(batch, nodes)
     rows, row_of = torch.unique(batch.parent[targets], return_inverse=True)
     mask = model_tree_mask(model, batch, attention)

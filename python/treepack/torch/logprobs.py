@@ -41,6 +41,8 @@ from .attention import dense_model_mask, input_embeddings, tree_mask
 from .batch import PackedBatch
 from .models import check_dense, prepare
 from .moe import RouterOutputs, replay_routes, router_outputs
+from .vision import has_images, vision_family
+from .vision import hidden_states as vision_hidden_states
 
 
 class NodeScores(NamedTuple):
@@ -157,6 +159,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     routes: torch.Tensor | None = None,
     router: bool = False,
+    image_processor: Any = None,
 ) -> NodeScores:
     """Logprobs (and entropies) of the scored nodes, differentiable.
 
@@ -170,6 +173,13 @@ def packed_logprobs(
     A mixture-of-experts model replays ``routes`` (int [MoE layers, N, k], the experts the engine chose for each
     node; default ``batch.routes``) instead of its routers' top-k (``treepack.torch.replay_routes``); with routes or
     ``router=True`` the scores carry ``router`` (``RouterOutputs``) for ``load_balancing_loss``.
+
+    On a rank's local part of a row split by context parallelism (``treepack.torch.split_batch``), the model runs
+    only the local nodes, exchanging keys/values with the other ranks (``LocalPart.run``); scores are those of the
+    local nodes (the context's are NaN). Every rank of the group must call it.
+    A vision-language model (Qwen2.5-VL, Qwen3-VL) runs its vision encoder once per image of the batch and its
+    language model on the tree with the batch's ``mrope_position_ids`` (``treepack.torch.vision``);
+    ``image_processor`` makes the pixel values (default: one built from the header's settings).
     """
     if not isinstance(batch, PackedBatch):
         raise TreepackError("E_ARG", f"expected a PackedBatch (treepack.torch.load_microbatch), got {type(batch).__name__}", field="batch")
@@ -182,11 +192,28 @@ def packed_logprobs(
         model = model_or_hidden
         head, base = _head_and_base(model)
         mask = model_mask(model, batch, attention)
-        with routed(model, batch, routes, router) as routing:
-            out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
-        hidden = out.last_hidden_state[0]
-        moe = None if routing is None else router_outputs(routing, model)
+        part = batch.context_parallel
+        if part is not None:  # a rank's local part: the context's keys/values and hidden rows come from their owners
+            if routes is not None or router:
+                raise TreepackError("E_ARG", "routing replay under context parallelism is not supported yet", field="routes")
+            if vision_family(model) is not None or has_images(batch):
+                raise TreepackError("E_ARG", "a vision-language model under context parallelism is not supported yet", field="batch")
+            hidden, moe = part.run(model, base, batch, mask), None
+        else:
+            with routed(model, batch, routes, router) as routing:
+                if vision_family(model) is not None or has_images(batch):
+                    hidden = vision_hidden_states(model, batch, mask, image_processor)
+                else:
+                    out = base(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=mask, use_cache=False)
+                    hidden = out.last_hidden_state[0]
+            moe = None if routing is None else router_outputs(routing, model)
     else:
+        if batch.context_parallel is not None:
+            raise TreepackError(
+                "E_ARG",
+                "a context-parallel local part needs the model (its forward exchanges keys/values), not hidden states",
+                field="batch",
+            )
         if routes is not None or router:
             raise TreepackError(
                 "E_ARG",
@@ -207,6 +234,8 @@ def packed_logprobs(
     spec = _LogitSpec(torch.float64 if hidden.dtype == torch.float64 else torch.float32, float(temperature), _softcap(model))
 
     targets = scored_nodes(batch, nodes).to(hidden.device)
+    if batch.context_parallel is not None:  # the context's nodes are scored on the ranks that own them
+        targets = targets[targets >= batch.context_parallel.rows]
     parents = batch.parent.to(hidden.device)[targets]
     rows, row_of = torch.unique(parents, return_inverse=True)  # each predicting node once; row_of ascending in rows
     order = torch.argsort(row_of, stable=True)

@@ -138,8 +138,17 @@ def _check_values(lp: Tensor, t: dict[str, Tensor | None]) -> None:
             raise _bad(name, f"{name} has a non-finite value at a trainable position")
 
 
-def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_index: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(loss, metrics [len(METRICS)]) in float64 on lp's device; no host reads, no data-dependent Python."""
+def _context_parallel(batch: Batch) -> Any:
+    """The LocalPart of a rank's local part of a context-parallel row (treepack.torch.context_parallel), else None."""
+    return batch.context_parallel if isinstance(batch, PackedBatch) else None
+
+
+def _loss(
+    lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_index: Tensor | None, part: Any = None
+) -> tuple[Tensor, Tensor]:
+    """(loss, metrics [len(METRICS)]) in float64 on lp's device; no host reads, no data-dependent Python. On a
+    context-parallel local part (``part``), the per-sequence sums the aggregation reads are all-reduced over the group:
+    the loss is the local occurrences' share of the row's, the metrics are the row's."""
     f64 = torch.float64
     off, pos = t["seq_offsets"].long(), t["seq_positions"].long()  # type: ignore[union-attr]
     S, M = off.shape[0] - 1, pos.shape[0]
@@ -156,9 +165,13 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     def per_seq(x: Tensor) -> Tensor:
         return torch.zeros(S, dtype=f64, device=dev).index_add_(0, seq, x)
 
+    def row_seq(x: Tensor, what: str) -> Tensor:  # a per-sequence sum over the whole row (no gradient flows through it)
+        s = per_seq(x)
+        return s if part is None else part.all_reduce(s, what)
+
     x = torch.where(m, lp.to(f64)[pos], zero)
     A, old = field("advantages"), field("old_logprobs")
-    n = per_seq(mf)  # trainable tokens per sequence
+    n = row_seq(mf, "the trainable tokens per sequence")  # trainable tokens per sequence
     T = torch.full((), float(c["global_tokens"]), dtype=f64, device=dev) if c["global_tokens"] > 0 else n.sum()
     G = torch.full((), float(c["global_sequences"]), dtype=f64, device=dev) if c["global_sequences"] > 0 else (n > 0).to(f64).sum()
     one = torch.ones((), dtype=f64, device=dev)
@@ -175,6 +188,10 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     elif agg == "seq-mean-token-sum-norm":
         w_seq = torch.full((S,), 1 / c["norm_constant"], dtype=f64, device=dev)
     else:  # seq-mean-turn-mean-token-mean
+        if part is not None:
+            raise TreepackError(
+                "E_ARG", "aggregation 'seq-mean-turn-mean-token-mean' under context parallelism is not supported yet", field="aggregation"
+            )
         w_seq = None
     if w_seq is not None:
         w = (w_seq * scale)[seq] * mf
@@ -193,36 +210,44 @@ def _loss(lp: Tensor, t: dict[str, Tensor | None], c: Mapping[str, Any], seq_ind
     else:
         log_ratio = x - old
         if c["policy"] == "gspo":  # GSPO-token: the value of the sequence's mean log ratio, the derivative of each token's
-            mean = per_seq(x.detach() - old) / safe(n)
+            mean = row_seq(x.detach() - old, "GSPO's sequence log ratios") / safe(n)
             log_ratio = mean[seq] + (x - x.detach())
         value, r, high, low, dual = terms.clipped_surrogate(log_ratio, A, c)
     if c["tis"] == "token":
         value = value * terms.truncated_weight(old - field("rollout_logprobs"), c)
     elif c["tis"] == "sequence":
-        value = value * terms.truncated_weight(per_seq(old - field("rollout_logprobs")), c)[seq]
+        value = value * terms.truncated_weight(row_seq(old - field("rollout_logprobs"), "the sequence TIS log weights"), c)[seq]
     pg = (w * torch.where(m, value, zero)).sum()
     if c["kl"] != "none":
         kl = (w * torch.where(m, terms.kl_term(c["kl"], x, field("ref_logprobs")), zero)).sum()
     else:
         kl = zero
     loss = pg + c["kl_coef"] * kl
-    # Metrics: per trainable occurrence, unweighted.
-    cnt = mf.sum()
-    mean_of = lambda v: (v.to(f64) * mf).sum() / safe(cnt)  # noqa: E731
+    # Metrics: per trainable occurrence, unweighted (over the whole row under context parallelism).
     inf = torch.full((1,), float("inf"), dtype=f64, device=dev)
     r_min = torch.cat([torch.where(m, r, inf), inf]).amin()
     r_max = -torch.cat([torch.where(m, -r, inf), inf]).amin()
+    sums = torch.stack(
+        [loss.detach(), pg.detach(), kl.detach(), mf.sum()]
+        + [(v.to(f64) * mf).sum() for v in (high & m, low & m, dual & m, old - x.detach(), r)]
+    )
+    if part is not None:
+        sums = part.all_reduce(sums, "the loss metrics")
+        extremes = part.all_reduce(torch.stack([r_min, -r_max]), "the ratio extremes", op="min")
+        r_min, r_max = extremes[0], -extremes[1]
+    cnt = sums[3]
+    mean_of = lambda i: sums[4 + i] / safe(cnt)  # noqa: E731
     live = cnt > 0
     metrics = {
-        "loss": loss.detach(),
-        "pg_loss": pg.detach(),
-        "kl_loss": kl.detach(),
-        "clipfrac_high": mean_of(high & m),
-        "clipfrac_low": mean_of(low & m),
-        "clipfrac_dual": mean_of(dual & m),
-        "approx_kl": mean_of(old - x.detach()),
+        "loss": sums[0],
+        "pg_loss": sums[1],
+        "kl_loss": sums[2],
+        "clipfrac_high": mean_of(0),
+        "clipfrac_low": mean_of(1),
+        "clipfrac_dual": mean_of(2),
+        "approx_kl": mean_of(3),
         "ratio_min": torch.where(live, r_min, zero),
-        "ratio_mean": mean_of(r),
+        "ratio_mean": mean_of(4),
         "ratio_max": torch.where(live, r_max, zero),
         "trainable_tokens": cnt,
     }
@@ -251,7 +276,7 @@ def packed_loss(
         raise TreepackError("E_ARG", f"metrics is {metrics!r}; expected 'float' or 'tensor'", field="metrics")
     c = resolve_config(config)
     t = loss_inputs(lp, batch, c, validate)
-    loss, values = _loss(lp, t, c, _seq_index(batch))
+    loss, values = _loss(lp, t, c, _seq_index(batch), _context_parallel(batch))
     as_tensors = dict(zip(METRICS, values.unbind(0)))
     if router is not None:
         loss, aux = _with_aux(loss, router, batch, aux_coef)
@@ -261,6 +286,8 @@ def packed_loss(
 
 def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: float | None) -> tuple[Tensor, Tensor]:
     """(loss + coefficient × load-balancing loss, the load-balancing loss)."""
+    if _context_parallel(batch) is not None:
+        raise TreepackError("E_ARG", "the router's load-balancing loss under context parallelism is not supported yet", field="router")
     coef = router.aux_coef if aux_coef is None else aux_coef
     if coef is None:
         raise TreepackError("E_ARG", "the model has no router_aux_loss_coef: pass aux_coef", field="aux_coef")
@@ -291,7 +318,8 @@ class PackedLoss:
 
     def __call__(self, lp: Tensor, batch: PackedBatch | Mapping[str, Any], router: RouterOutputs | None = None) -> tuple[Tensor, Tensor]:
         """(loss, metrics [len(METRICS)], or [len(METRICS) + 1] with ``aux_loss`` last, float64 on lp's device)."""
-        loss, values = _loss(lp, loss_inputs(lp, batch, self.config, self.validate), self.config, _seq_index(batch))
+        t = loss_inputs(lp, batch, self.config, self.validate)
+        loss, values = _loss(lp, t, self.config, _seq_index(batch), _context_parallel(batch))
         if router is None:
             return loss, values
         loss, aux = _with_aux(loss, router, batch, self.aux_coef)

@@ -212,6 +212,13 @@ def token_mixers(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Modul
     return handled, other
 
 
+def unsupported_mixers(model: torch.nn.Module, supported: frozenset[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The token mixers of ``model`` (``token_mixers``) a caller cannot run: every unhandled one, and the handled
+    recurrent layers whose class (``treepack_base`` for a prepared one) is not in ``supported``; as (path, module)."""
+    handled, other = token_mixers(model)
+    return other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in supported]
+
+
 def _named_mixer(cls: str) -> bool:
     return (bool(_MIXER_NAME.search(cls)) or cls.endswith("Attention")) and not _TOKENWISE_NAME.search(cls)
 

@@ -36,6 +36,11 @@ micro-batch's roots that continue the cached chain start from that state, their 
 the cached inputs (python/treepack/torch/recurrent.py), and a pop back-propagates the gathered gradients of both
 (the state's is the recurrence's ``dht``). Every computed node whose parent is cached must then hang from the
 chain's last node (the planner's cuts guarantee it). Other token mixers are refused by name.
+
+A vision-language model (``treepack.torch.vision``) runs its vision encoder, in each pass, on the images that fill a
+node of what that pass computes: an image whose fill lies in a cached prefix is encoded without grad when pushed
+and again, with grad, when popped, so its gradient reaches the vision tower through the gathered leaves. A cached
+prefix matches a micro-batch's only when its tokens and its images (hash and placeholder, node by node) do.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
-from .models import layer_index, prepare, token_mixers
+from .models import layer_index, prepare, token_mixers, unsupported_mixers
 from .moe import replay_routes
+from .vision import has_images, hidden_states, image_keys, vision_family
 from .wrappers import wrappers
 
 # config.layer_types whose layers mix tokens by softmax attention only (or not at all).
@@ -169,9 +175,11 @@ class _Segment:
         lp: torch.Tensor,
         ent: torch.Tensor | None,
         routes: torch.Tensor | None,
+        source: PackedBatch | None,
     ) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos, self.routes = ids, pos, routes  # routes: [MoE layers, n, k], replayed again at the pop
+        self.source = source  # a vision-language model's micro-batch it was pushed from: its images, re-encoded at the pop
         leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
@@ -236,8 +244,8 @@ class _Prefix:
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose prefix state the step plan does not carry: anything
     but softmax attention and the recurrent layers of ``RECURRENT``, by layer index and class."""
-    handled, other = token_mixers(model)
-    unsupported = other + [(p, m) for p, m in handled if getattr(type(m), "treepack_base", type(m)).__name__ not in RECURRENT]
+    handled = token_mixers(model)[0]
+    unsupported = unsupported_mixers(model, RECURRENT)
     if unsupported:
         path, m = unsupported[0]
         raise TreepackError(
@@ -346,6 +354,7 @@ class StepPlanRunner:
         block_size: int = 128,
         temperature: float = 1.0,
         entropy: bool = False,
+        image_processor: Any = None,
     ) -> None:
         model, self.ddp = _data_parallel(model)
         impl = getattr(model.config, "_attn_implementation", None)
@@ -378,6 +387,7 @@ class StepPlanRunner:
                 )
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
         self.temperature, self.entropy = float(temperature), entropy
+        self.vision, self.image_processor = vision_family(model) is not None, image_processor
         self.recurrent = bool(token_mixers(model)[0])
         self.head, self.base = _head_and_base(model)
         self.stack: list[_Segment] = []
@@ -390,18 +400,21 @@ class StepPlanRunner:
         """The depth of the cached prefix stack: tokens held cached for the next micro-batch."""
         return self.stack[-1].end if self.stack else 0
 
-    def _forward(self, forest: PackedBatch, rows: int) -> Any:
+    def _forward(self, forest: PackedBatch, rows: int, source: PackedBatch | None) -> Any:
         """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows)): final
-        hidden states [N - rows, D] and what each layer would cache for them."""
+        hidden states [N - rows, D] and what each layer would cache for them. A vision-language model takes those
+        nodes' images and 3-D positions from ``source``, the micro-batch whose nodes [rows, N) they are."""
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
         mask.prefix = ctx = _Prefix(self.stack, rows)
         # A MoE model replays the routes of the nodes it computes (a cached node's were replayed when it was pushed).
         routes = forest.routes
         replay = contextlib.nullcontext() if routes is None else replay_routes(self.model, routes[:, rows:], tokens=forest.num_nodes - rows)
         with replay:
-            out = self.base(
-                input_ids=forest.input_ids[None, rows:], position_ids=forest.position_ids[None, rows:], attention_mask=mask, use_cache=False
-            )
+            if self.vision and source is not None:
+                hidden = hidden_states(self.model, source, mask, self.image_processor, start=rows, end=forest.num_nodes)
+            else:
+                ids, pos = forest.input_ids[None, rows:], forest.position_ids[None, rows:]
+                hidden = self.base(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).last_hidden_state[0]
         ctx.closed = True  # gradient checkpointing re-runs layers in the backward: they read the cache, capture nothing
         keys = sorted(ctx.captured, key=repr)
         if self.keys is None:
@@ -418,7 +431,7 @@ class StepPlanRunner:
                 f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward",
                 field="layer_idx",
             )
-        return out.last_hidden_state[0], ctx.captured
+        return hidden, ctx.captured
 
     def _scores(self, hidden: torch.Tensor, forest: PackedBatch, nodes: torch.Tensor) -> Any:
         s = packed_logprobs(
@@ -426,7 +439,9 @@ class StepPlanRunner:
         )
         return s.logprobs, s.entropy
 
-    def _segment_pass(self, ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, start: int) -> Any:
+    def _segment_pass(
+        self, ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, start: int, source: PackedBatch | None
+    ) -> Any:
         """Chain nodes [start, start + n) on the stack: what each layer caches for them, hidden states and node
         logprobs and entropies (from the parent's hidden state, the stack's top row for the first node; a root has
         none: 0)."""
@@ -435,7 +450,7 @@ class StepPlanRunner:
             None if below else torch.cat([cast(torch.Tensor, s.routes) for s in self.stack] + [cast(torch.Tensor, routes)], dim=1)
         )
         chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]), chain_routes)
-        hidden, cache = self._forward(chain, start)
+        hidden, cache = self._forward(chain, start, source)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
         lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
         zero = lambda t: None if t is None else torch.nan_to_num(t[start:], nan=0.0)  # noqa: E731
@@ -445,9 +460,10 @@ class StepPlanRunner:
         start = self.depth
         ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
         routes = None if batch.routes is None else batch.routes[:, start:end]
+        source = batch if self.vision else None
         with torch.no_grad():
-            cache, hidden, lp, ent = self._segment_pass(ids, pos, routes, start)
-        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent, routes))
+            cache, hidden, lp, ent = self._segment_pass(ids, pos, routes, start, source)
+        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent, routes, source))
         self.pushed += end - start
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
@@ -456,7 +472,7 @@ class StepPlanRunner:
         seg = self.stack.pop()
         if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
-        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start)
+        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start, seg.source)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
         if ent is not None and seg.ent is not None:
             pairs.append((ent, seg.ent.grad))
@@ -498,7 +514,10 @@ class StepPlanRunner:
         depth = self.depth
         if h and depth:
             held = torch.cat([s.ids for s in self.stack])[: min(depth, h)]
-            if not torch.equal(held, batch.input_ids[: held.shape[0]]):
+            held_images = [k for s in self.stack for k in image_keys(s.source, s.start, s.end)] if self.vision else []
+            if not torch.equal(held, batch.input_ids[: held.shape[0]]) or held_images[: held.shape[0]] != (
+                image_keys(batch, 0, held.shape[0]) if self.vision else []
+            ):
                 raise TreepackError(
                     "E_INPUT",
                     "the micro-batch's prefix is not the one this rank holds: micro-batches out of plan order, or the plan of another step",
@@ -536,6 +555,12 @@ class StepPlanRunner:
         if self.pending is not None:
             raise TreepackError("E_ARG", "the previous micro-batch was not released: call release() after its backward", field="release")
         op = step_op(batch) if op is None else op
+        if batch.context_parallel is not None:
+            raise TreepackError("E_ARG", "a step plan cannot run a context-parallel local part (not supported yet)", field="batch")
+        if not self.vision and has_images(batch):
+            raise TreepackError(
+                "E_ARG", f"{type(self.model).__name__} has no vision encoder, but the batch has images", field="image_fills"
+            )
         check_vocabulary(self.model, batch)
         self._check(batch, op)
         for end in op.push:
@@ -547,7 +572,7 @@ class StepPlanRunner:
             empty = torch.zeros(0, dtype=torch.float64)
             return NodeScores(empty, empty if self.entropy else None, targets)
         if N > h:
-            hidden = self._forward(batch, h)[0]
+            hidden = self._forward(batch, h, batch)[0]
         else:  # every node is cached (sequences that end on the chain): only the loss runs
             hidden = self.stack[-1].hidden.new_zeros((0, self.stack[-1].hidden.shape[1]))
         full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
@@ -620,6 +645,7 @@ def run_step_plan(
     block_size: int = 128,
     temperature: float = 1.0,
     sync: bool = True,
+    image_processor: Any = None,
 ) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
@@ -627,8 +653,11 @@ def run_step_plan(
     blocks that hold only cached rows); ``temperature`` divides the logits. With ``model`` wrapped in
     DistributedDataParallel (every rank calls this with its own micro-batches of the step), the gradients are then
     averaged over the ranks in one all-reduce, as DDP's own accumulation would (``sync=False``: not yet, for a step
-    spread over several calls; ``sync_gradients(model)`` after the last)."""
-    runner = StepPlanRunner(model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature)
+    spread over several calls; ``sync_gradients(model)`` after the last). ``image_processor``: a vision-language
+    model's (``packed_logprobs``')."""
+    runner = StepPlanRunner(
+        model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature, image_processor=image_processor
+    )
     losses, lps = [], []
     for i, batch in enumerate(batches):
         loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])

@@ -1,0 +1,457 @@
+"""Context parallelism for one packed row: its nodes split over a ``torch.distributed`` group, each rank computing
+the query rows of a contiguous range of the packed stream (gloo on CPU, NCCL on GPU; docs/guides/context-parallel.md).
+
+    import torch.distributed as dist, treepack.torch as tpt
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # torchrun --nproc-per-node K
+    cp = tpt.ContextParallel.of(batch)                # bounds balanced by the tree mask's work, this rank's place
+    local = tpt.split_batch(batch, cp)                # this rank's part: an ordinary PackedBatch
+    lp = tpt.packed_logprobs(model, local).logprobs   # keys/values exchanged inside every attention layer
+    loss, metrics = tpt.packed_loss(lp, local, config)    # global denominators; metrics of the whole row
+    loss.backward()
+    tpt.reduce_gradients(model, cp)                   # summed over the group: the one-rank gradients
+
+**The split.** ``ContextParallel.bounds`` (K+1 ints) gives rank r the packed positions [bounds[r], bounds[r+1]) of
+the row: its query rows, its nodes' final hidden states, and the occurrences that map to them. ``balanced_bounds``
+chooses them so that every rank gets about the same work: per row, the keys the tree mask lets it see (its depth
+plus one) plus ``token_cost`` for its projections and MLP. A bound may fall inside a radix segment, at a branch
+point, anywhere; every rank gets at least one node.
+
+**The local part.** Rows [lo, hi) of a tree see, besides each other, exactly the keys k < lo with subtree_end[k] > lo:
+the ancestor chain of node lo (its *context*, A nodes, held by lower ranks). ``split_batch`` returns the forest of
+those A context nodes followed by the n local nodes, renumbered (subtree ends cut at hi), whose tree mask restricted
+to rows [A, A + n) is the global mask's rows [lo, hi) exactly (windows and sinks included: positions are kept). Its
+occurrences are those whose node is local (``seq_positions`` renumbered; every sequence kept, possibly empty, so
+per-sequence sums can be all-reduced); ``input_ids``/``position_ids`` cover context and local nodes; ``routes`` are
+refused (not yet). The batch's ``context_parallel`` field holds a ``LocalPart``: the split, the context's global
+node ids, and the exchange routes.
+
+**The forward** (``packed_logprobs`` does it when ``batch.context_parallel`` is set: ``LocalPart.run``). The base
+model runs on the local nodes only, with the TreeMask of the local forest whose ``prefix`` attribute is a
+``CPForward`` (the hook step plans use, python/treepack/torch/stepplan.py ``_Prefix``): in every attention layer,
+``tree_attention`` calls ``prefix.extend(module, q, k, v)``, which fetches the context's keys and values from their
+owners (``fetch``: an all-gather forward, its backward an all-reduce that returns every rank's dK/dV to the owner,
+so the gradients of shared keys sum), puts them before the local ones, and pads q with A rows that ``attend`` skips
+(``prefix.rows`` = A). The final hidden states of the context nodes that are parents of local nodes are fetched
+the same way, so node p's logprob (from its parent's row) is computed on p's rank.
+
+**Recurrent layers** (Gated DeltaNet, Mamba2, KDA) are refused under context parallelism (``check_model``) until
+their state hand-over exists: it belongs on ``CPForward`` beside ``extend``, as the step plan's ``_Prefix`` has
+``tail``/``state``/``keep``, with ``fetch`` (or point-to-point sends) to move the state over a rank boundary.
+``RECURRENT_SUPPORTED`` lists the classes ``check_model`` lets through.
+
+**The loss.** ``packed_loss`` / ``PackedLoss`` on a local part all-reduce (SUM) the per-sequence counts and sums the
+aggregation reads (trainable tokens per sequence, hence T and G; GSPO's sequence mean; sequence TIS) and compute
+the local occurrences' share of the global loss: the per-rank losses sum to the one-rank loss, and so do their
+parameter gradients (``reduce_gradients``: an all-reduce SUM, not DDP's mean). The metrics are the whole row's.
+
+Every collective runs under the process group's timeout (``init_process_group(timeout=...)``): a rank that failed or
+runs other code makes the others raise TreepackError (E_BACKEND) naming the exchange, never hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..microbatch import TreepackError
+from .batch import PackedBatch
+
+# What one token's projections and MLP cost, in keys seen (attention (q, k) pairs): the ratio of a dense layer's
+# per-token matmuls (~12·D² multiply-adds) to one pair's (~2·D), for a hidden size D of about 1k. Tune per model.
+DEFAULT_TOKEN_COST = 6144.0
+
+# Recurrent layer classes whose state crosses a rank boundary (none yet: the cp-rec work adds them).
+RECURRENT_SUPPORTED: frozenset[str] = frozenset()
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """One packed row split over a context-parallel group: ``rank`` of ``size`` in ``group`` (None: the default
+    group) owns packed positions [bounds[rank], bounds[rank + 1])."""
+
+    group: Any
+    rank: int
+    size: int
+    bounds: tuple[int, ...]
+
+    @property
+    def lo(self) -> int:
+        """First packed position this rank owns."""
+        return self.bounds[self.rank]
+
+    @property
+    def hi(self) -> int:
+        """One past the last packed position this rank owns."""
+        return self.bounds[self.rank + 1]
+
+    @classmethod
+    def of(
+        cls, batch: PackedBatch, group: Any = None, bounds: Sequence[int] | None = None, token_cost: float = DEFAULT_TOKEN_COST
+    ) -> ContextParallel:
+        """This process's place in the context-parallel split of ``batch`` over ``group`` (an initialised
+        ``torch.distributed`` group; None: the default one): ``bounds`` as given (checked against the group's size),
+        or ``balanced_bounds``. No collective runs here; ``split_batch`` checks that every rank holds the same row."""
+        dist = _dist()
+        if not dist.is_available() or not dist.is_initialized():
+            raise TreepackError("E_ARG", "context parallelism needs torch.distributed initialised (init_process_group)", field="group")
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise TreepackError("E_ARG", "this process is not a member of the context-parallel group", field="group")
+        n = batch.num_nodes
+        b = balanced_bounds(batch.subtree_end, size, token_cost) if bounds is None else _check_bounds(bounds, size, n)
+        return cls(group, rank, size, b)
+
+
+def row_costs(subtree_end: torch.Tensor, token_cost: float = DEFAULT_TOKEN_COST) -> torch.Tensor:
+    """float64 [N]: each query row's work, the keys the tree mask lets it see (its depth + 1) plus ``token_cost``.
+
+    >>> row_costs(torch.tensor([5, 5, 4, 4, 5]), token_cost=0).tolist()   # a chain of 2, branches [2, 3] and [4]
+    [1.0, 2.0, 3.0, 4.0, 3.0]
+    """
+    se = subtree_end.detach().to("cpu", torch.int64)
+    n = int(se.shape[0])
+    # Key k is seen by rows [k, se[k]): +1 at k, -1 at se[k], summed.
+    delta = torch.zeros(n + 1, dtype=torch.float64)
+    delta.index_add_(0, torch.arange(n), torch.ones(n, dtype=torch.float64))
+    delta.index_add_(0, se.clamp(0, n), -torch.ones(n, dtype=torch.float64))
+    return torch.cumsum(delta, 0)[:n] + float(token_cost)
+
+
+def balanced_bounds(subtree_end: torch.Tensor, size: int, token_cost: float = DEFAULT_TOKEN_COST) -> tuple[int, ...]:
+    """K + 1 bounds splitting the row into ``size`` contiguous ranges of about equal ``row_costs`` (a row goes to the
+    range its cost's midpoint falls in), each of at least one node.
+
+    >>> balanced_bounds(torch.tensor([6] * 6), 2, token_cost=0)   # a chain: rows see 1, ..., 6 keys
+    (0, 4, 6)
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise TreepackError("E_ARG", f"expected an integer >= 1, got {size!r}", field="size")
+    n = int(subtree_end.shape[0])
+    if n < size:
+        raise TreepackError("E_INPUT", f"a row of N = {n} nodes cannot be split over {size} ranks (one node each at least)", field="size")
+    cost = row_costs(subtree_end, token_cost)
+    cum = torch.cumsum(cost, 0)
+    mid = cum - cost / 2
+    targets = cum[-1].item() * torch.arange(1, size, dtype=torch.float64) / size
+    cuts = torch.searchsorted(mid, targets).tolist()
+    bounds = [0]
+    for r, c in enumerate(cuts, start=1):
+        bounds.append(min(max(int(c), bounds[-1] + 1), n - (size - r)))
+    return tuple(bounds + [n])
+
+
+def _check_bounds(bounds: Sequence[int], size: int, n: int) -> tuple[int, ...]:
+    b = tuple(int(x) for x in bounds)
+    if len(b) != size + 1:
+        raise TreepackError(
+            "E_ARG",
+            f"bounds split the row over {len(b) - 1} ranks but the context-parallel group has {size}: every rank of the group "
+            "must own a part (K + 1 bounds for K ranks)",
+            field="bounds",
+        )
+    if b[0] != 0 or b[-1] != n or any(y <= x for x, y in zip(b, b[1:])):
+        raise TreepackError("E_ARG", f"bounds {list(b)} must rise strictly from 0 to N = {n} (every rank owns a node)", field="bounds")
+    return b
+
+
+def _collective(cp: ContextParallel, what: str, run: Callable[[], Any]) -> None:
+    """Runs one collective; a failure (the group's timeout, a peer gone) becomes a TreepackError naming it."""
+    try:
+        run()
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError (a RuntimeError) on timeouts and lost peers
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TreepackError(
+            "E_BACKEND",
+            f"context-parallel rank {cp.rank} of {cp.size}: {what} failed ({first[:300]}); another rank of the group failed, "
+            "left, or runs a different row or model (the wait is bounded by init_process_group's timeout)",
+            field="context_parallel",
+        ) from None
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """Rows each rank fetches from the others: this rank sends its local rows ``send`` (to whoever needs them), every
+    rank sends ``width`` rows (padded), and this rank's fetched row i is slot ``slot[i]`` of rank ``owner[i]``."""
+
+    send: torch.Tensor  # int64 [s]: local indices of the rows this rank sends
+    width: int  # the most rows any rank sends
+    owner: torch.Tensor  # int64 [F]
+    slot: torch.Tensor  # int64 [F]
+
+
+def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device: torch.device) -> Route:
+    """The route of ``needs[r]`` (global node ids rank r fetches, ascending, each owned by a lower rank)."""
+    size = len(bounds) - 1
+    every = torch.unique(torch.cat(needs)) if needs else torch.zeros(0, dtype=torch.int64)
+    owner_of = torch.searchsorted(torch.tensor(bounds[1:]), every, right=True)
+    sends = [every[owner_of == s] for s in range(size)]
+    mine = needs[rank]
+    owner = torch.searchsorted(torch.tensor(bounds[1:]), mine, right=True)
+    slot = torch.zeros_like(mine)
+    for s in torch.unique(owner).tolist():
+        sel = owner == s
+        slot[sel] = torch.searchsorted(sends[s], mine[sel])
+    return Route((sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device))
+
+
+class _Fetch(torch.autograd.Function):
+    """x [n, ...] (this rank's rows) → [F, ...] (the rows the route fetches); backward returns each fetched row's
+    gradient to its owner, summed over the ranks that fetched it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, route: Route, cp: ContextParallel, what: str, stats: dict[str, int]) -> torch.Tensor:
+        ctx.route, ctx.cp, ctx.what, ctx.n, ctx.stats = route, cp, what, x.shape[0], stats
+        if route.width == 0:
+            return x.new_zeros((0,) + tuple(x.shape[1:]))
+        buf = x.new_zeros((route.width,) + tuple(x.shape[1:]))
+        buf[: route.send.numel()] = x.index_select(0, route.send)
+        parts = [torch.empty_like(buf) for _ in range(cp.size)]
+        _collective(cp, f"the all-gather of {what}", lambda: _dist().all_gather(parts, buf, group=cp.group))
+        stats["sent_bytes"] = stats.get("sent_bytes", 0) + buf.numel() * buf.element_size()
+        stats["received_bytes"] = stats.get("received_bytes", 0) + (cp.size - 1) * buf.numel() * buf.element_size()
+        return torch.stack(parts)[route.owner, route.slot]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        route, cp = ctx.route, ctx.cp
+        gx = g.new_zeros((ctx.n,) + tuple(g.shape[1:]))
+        if route.width == 0:
+            return gx, None, None, None, None
+        buf = g.new_zeros((cp.size, route.width) + tuple(g.shape[1:]))
+        buf.index_put_((route.owner, route.slot), g, accumulate=True)
+        _collective(cp, f"the all-reduce of the gradients of {ctx.what}", lambda: _dist().all_reduce(buf, group=cp.group))
+        ctx.stats["reduced_bytes"] = ctx.stats.get("reduced_bytes", 0) + buf.numel() * buf.element_size()
+        gx.index_add_(0, route.send, buf[cp.rank, : route.send.numel()])
+        return gx, None, None, None, None
+
+
+@dataclass(frozen=True, eq=False)
+class LocalPart:
+    """What a local part (``split_batch``) knows of the split: ``cp``, ``context`` (the global node id of each of its
+    first A nodes, the ancestor chain of node ``cp.lo``, ascending), the routes of the context's keys/values (``kv``)
+    and of the final hidden states its local nodes' logprobs read (``hidden``: ``hidden_rows`` are their places in
+    the context), ``num_nodes`` (the whole row's N); ``stats`` counts the bytes this rank's exchanges moved."""
+
+    cp: ContextParallel
+    context: torch.Tensor
+    num_nodes: int
+    kv: Route
+    hidden: Route
+    hidden_rows: torch.Tensor
+    stats: dict[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def rows(self) -> int:
+        """A: the context nodes before the local ones (not computed on this rank)."""
+        return int(self.context.shape[0])
+
+    def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
+        """``route``'s rows of the group's ``x`` (this rank's [n, ...]), differentiable: [F, ...]. Every rank of the
+        group must call it, in the same order, with the same route's shape."""
+        return _Fetch.apply(x, route, self.cp, what, self.stats)
+
+    def run(self, model: torch.nn.Module, base: torch.nn.Module, batch: PackedBatch, mask: Any) -> torch.Tensor:
+        """The base model on this rank's local nodes against the context: final hidden states [A + n, D] (the
+        context's rows zero except those parents of local nodes, fetched from their owners)."""
+        check_model(model)
+        if getattr(mask, "subtree_end", None) is None:
+            raise TreepackError(
+                "E_ARG",
+                "context parallelism exchanges keys/values inside treepack's attention: load the model with attn_implementation='treepack'",
+                field="attn_implementation",
+            )
+        A = self.rows
+        mask.prefix = CPForward(self)
+        out = base(input_ids=batch.input_ids[None, A:], position_ids=batch.position_ids[None, A:], attention_mask=mask, use_cache=False)
+        hidden = out.last_hidden_state[0]
+        got = self.fetch(hidden, self.hidden, "the final hidden states")
+        context = hidden.new_zeros((A, hidden.shape[1])).index_copy(0, self.hidden_rows, got)
+        return torch.cat([context, hidden])
+
+    def all_reduce(self, t: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
+        """``t`` (no gradient) summed (or ``op`` "min"/"max") over the group, in place."""
+        dist = _dist()
+        rop = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        _collective(self.cp, f"the all-reduce of {what}", lambda: dist.all_reduce(t, op=rop, group=self.cp.group))
+        return t
+
+
+class CPForward:
+    """Set as ``prefix`` on the local part's TreeMask for one forward (the step plans' hook in ``tree_attention``):
+    ``rows`` context rows come first and are not computed; ``extend`` puts the context's keys/values, fetched from
+    their owners, before this rank's. ``keep`` is the step plan's capture hook (nothing to keep here)."""
+
+    def __init__(self, part: LocalPart) -> None:
+        self.part, self.rows = part, part.rows
+
+    def keep(self, key: Any, tensor: torch.Tensor) -> None:
+        """Nothing is cached across forwards under context parallelism."""
+
+    def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
+        """q, k, v [1, H(kv), n, D] → [1, H(kv), A + n, D]: the context's keys/values before the local ones, q padded
+        with A zero rows (``attend`` skips them)."""
+        n, A = key.shape[2], self.rows
+        k2, v2 = key[0].transpose(0, 1).reshape(n, -1), value[0].transpose(0, 1).reshape(n, -1)
+        layer = getattr(module, "layer_idx", "?")
+        got = self.part.fetch(torch.cat([k2, v2], dim=1), self.part.kv, f"layer {layer}'s keys/values")
+        kc = got[:, : k2.shape[1]].reshape(A, key.shape[1], key.shape[3]).transpose(0, 1)[None]
+        vc = got[:, k2.shape[1] :].reshape(A, value.shape[1], value.shape[3]).transpose(0, 1)[None]
+        q = torch.cat([query.new_zeros(query.shape[:2] + (A, query.shape[3])), query], dim=2)
+        return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
+    boundary: recurrent layers not in ``RECURRENT_SUPPORTED``, and any mixer treepack does not handle."""
+    from .models import layer_index, unsupported_mixers
+
+    bad = unsupported_mixers(model, RECURRENT_SUPPORTED)
+    if bad:
+        path, m = bad[0]
+        raise TreepackError(
+            "E_ARG",
+            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens by a recurrence or convolution whose state context "
+            "parallelism does not pass across ranks yet (softmax attention only): run this row on one rank",
+            field="model",
+        )
+
+
+def _context(se: torch.Tensor, lo: int) -> torch.Tensor:
+    """The ancestor chain of node lo: keys k < lo with subtree_end[k] > lo, ascending."""
+    k = torch.arange(lo, device=se.device)
+    return k[se[:lo] > lo]
+
+
+def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> PackedBatch:
+    """This rank's local part of ``batch`` (module docstring): context then local nodes, local occurrences, and
+    ``context_parallel`` set. With ``check`` (one small all-gather), every rank must hold the same row and bounds:
+    a TreepackError on every rank names the ranks that differ."""
+    if not isinstance(batch, PackedBatch):
+        raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
+    if batch.context_parallel is not None:
+        raise TreepackError("E_ARG", "this batch is already a rank's local part", field="batch")
+    if batch.routes is not None:
+        raise TreepackError("E_ARG", "routing replay (routes) under context parallelism is not supported yet", field="routes")
+    N = batch.num_nodes
+    bounds = _check_bounds(cp.bounds, cp.size, N)
+    if check:
+        _check_same_row(batch, cp)
+    dev = batch.device
+    se = batch.subtree_end.to(torch.int64)
+    lo, hi = bounds[cp.rank], bounds[cp.rank + 1]
+    contexts = [_context(se, bounds[r]).cpu() for r in range(cp.size)]
+    context = contexts[cp.rank].to(dev)
+    A = int(context.shape[0])
+    nodes = torch.cat([context, torch.arange(lo, hi, device=dev)])
+
+    def local(g: torch.Tensor) -> torch.Tensor:
+        """Global node ids (each a context or local node, or -1) as local ones."""
+        inside = torch.searchsorted(context, g.clamp(min=0)).clamp(max=max(A - 1, 0))
+        return torch.where(g < 0, g, torch.where(g >= lo, g - lo + A, inside))
+
+    parent = local(batch.parent[nodes])
+    subtree_end = A + se[nodes].clamp(max=hi) - lo
+    occ = (batch.seq_positions >= lo) & (batch.seq_positions < hi)
+    counts = torch.zeros(batch.num_sequences, dtype=torch.int64, device=dev).index_add_(0, batch.seq_index, occ.to(torch.int64))
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+    # The parents in the context of each rank's local nodes: the hidden rows it fetches.
+    def hidden_need(r: int) -> torch.Tensor:
+        p = batch.parent[bounds[r] : bounds[r + 1]].cpu()
+        return torch.unique(p[(p >= 0) & (p < bounds[r])])
+
+    hneeds = [hidden_need(r) for r in range(cp.size)]
+    part = LocalPart(
+        cp=replace(cp, bounds=bounds),
+        context=context,
+        num_nodes=N,
+        kv=_route(contexts, bounds, cp.rank, dev),
+        hidden=_route(hneeds, bounds, cp.rank, dev),
+        hidden_rows=torch.searchsorted(contexts[cp.rank], hneeds[cp.rank]).to(dev),
+    )
+    pad = batch.num_pad_tokens
+    meta = dict(batch.meta)
+    meta["num_tokens_packed"] = A + hi - lo
+    meta["num_pad_tokens"] = max(0, hi - max(lo, N - pad)) if pad else 0
+    opt = lambda t: None if t is None else t[occ]  # noqa: E731
+    return PackedBatch(
+        input_ids=batch.input_ids[nodes],
+        position_ids=batch.position_ids[nodes],
+        parent=parent,
+        subtree_end=subtree_end,
+        seq_offsets=offsets,
+        seq_positions=batch.seq_positions[occ] - lo + A,
+        loss_mask=batch.loss_mask[occ],
+        seq_index=batch.seq_index[occ],
+        token_index=batch.token_index[occ],
+        meta=meta,
+        advantages=opt(batch.advantages),
+        old_logprobs=opt(batch.old_logprobs),
+        ref_logprobs=opt(batch.ref_logprobs),
+        rollout_logprobs=opt(batch.rollout_logprobs),
+        turn_ids=opt(batch.turn_ids),
+        extra={},
+        context_parallel=part,
+    )
+
+
+def _check_same_row(batch: PackedBatch, cp: ContextParallel) -> None:
+    """Every rank holds the same row and bounds (a fingerprint all-gathered), else a TreepackError on every rank."""
+    se, ids = batch.subtree_end.to("cpu", torch.int64), batch.input_ids.to("cpu", torch.int64)
+    w = torch.arange(1, se.shape[0] + 1, dtype=torch.int64)
+    mine = torch.tensor(
+        [batch.num_nodes, batch.num_occurrences, int((se * w).sum()), int((ids * w).sum()), hash(cp.bounds) & (2**62 - 1)],
+        dtype=torch.int64,
+    )
+    dist = _dist()
+    device = batch.device if dist.get_backend(cp.group) == "nccl" else torch.device("cpu")
+    parts = [torch.empty_like(mine, device=device) for _ in range(cp.size)]
+    _collective(cp, "the check that every rank holds the same row", lambda: dist.all_gather(parts, mine.to(device), group=cp.group))
+    differ = [r for r, p in enumerate(parts) if not torch.equal(p.cpu(), parts[0].cpu())]
+    if differ:
+        raise TreepackError(
+            "E_INPUT",
+            f"context-parallel rank(s) {differ} hold a different row or bounds than rank 0 (N, M, tree, ids, bounds differ): every rank "
+            "of the group must split the same packed row",
+            field="context_parallel",
+        )
+
+
+def reduce_gradients(model: torch.nn.Module, cp: ContextParallel) -> None:
+    """Sums every parameter's gradient over the context-parallel group (one all-reduce): each rank's gradient is its
+    local part's share, and their sum is the one-rank gradient. A parameter without a gradient counts as zero."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    _collective(cp, "the all-reduce of the parameter gradients", lambda: _dist().all_reduce(flat, group=cp.group))
+    for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.copy_(g)
+
+
+__all__ = [
+    "CPForward",
+    "ContextParallel",
+    "DEFAULT_TOKEN_COST",
+    "LocalPart",
+    "RECURRENT_SUPPORTED",
+    "Route",
+    "balanced_bounds",
+    "check_model",
+    "reduce_gradients",
+    "row_costs",
+    "split_batch",
+]
