@@ -48,6 +48,8 @@ export {
   type Manifest,
   type ManifestEntry,
   type ManifestHeader,
+  type ManifestParallelPlan,
+  type ManifestSharedPiece,
   type Sink,
   type SinkMicroBatch,
   type ExtraTensors,
@@ -59,7 +61,8 @@ export { readSafetensors, writeSafetensors } from './io/safetensors.js';
 export { checkForest } from './pack/invariants.js';
 export * from './mask/index.js';
 export { maskTensors, type MaskTensors } from './io/masks.js';
-export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan } from './pack/budget.js';
+export { planMicroBatches, type BudgetOptions, type MicroBatchPlan, type Plan, type PlannedSharedPiece } from './pack/budget.js';
+export type { CandidateReport, ParallelMode, StepChoice } from './pack/planner.js';
 export { packWindow, padForest, type BudgetedMicroBatch, type WindowOptions } from './pack/window.js';
 export {
   assignRanks,

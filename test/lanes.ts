@@ -26,6 +26,7 @@ export const UNIT_TESTS: readonly string[] = [
   'test/prefix-plan.test.ts',
   'test/records.test.ts',
   'test/serve-log-delta.test.ts',
+  'test/shared-prefix.test.ts',
   'test/timeline.test.ts',
   'test/tokenize.test.ts',
 ];

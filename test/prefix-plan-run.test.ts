@@ -2,7 +2,7 @@
  * Step plans with prefix reuse through the processes that use them: `treepack stats`'s step-plan table, and a plan
  * written by `treepack pack` run by treepack.torch (the planner's own checks: test/prefix-plan.test.ts).
  */
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -29,6 +29,7 @@ describe('treepack stats: the step-plan table', () => {
       dp_floor_tokens: number;
       plain_tokens: number | null;
       computed_tokens: number;
+      computed_tokens_alone: number;
     }[];
     expect(rows.map((x) => [x.max_tokens, x.dp])).toEqual([
       [longest - 1, 1],
@@ -40,7 +41,9 @@ describe('treepack stats: the step-plan table', () => {
       expect(x.optimum_tokens).toBe(packForest(csr(seqs)).input_ids.length);
       if (x.dp === 1) expect(x.computed_tokens).toBe(x.optimum_tokens);
       if (x.dp === 1) expect(x.dp_floor_tokens).toBe(x.optimum_tokens);
-      expect(x.computed_tokens).toBeGreaterThanOrEqual(x.dp_floor_tokens);
+      expect(x.computed_tokens_alone).toBeGreaterThanOrEqual(x.dp_floor_tokens);
+      // Shared prefixes compute every node once per data-parallel group: the optimum.
+      expect(x.computed_tokens).toBe(x.optimum_tokens);
       expect(x.plain_tokens === null).toBe(x.max_tokens < longest);
     }
   });
@@ -107,15 +110,20 @@ describe.skipIf(py.skipReason !== '')('a written step plan run by treepack.torch
       expect(got.grad_diff).toBeLessThan(1e-10);
       expect(got.pushed_tokens).toBeGreaterThan(0);
       expect(got.pad_tokens > 0).toBe(pad > 1);
-      expect({
-        computed_tokens: got.computed_tokens,
-        pushed_tokens: got.pushed_tokens,
-        peak_cached_tokens: got.peak_cached_tokens,
-      }).toEqual({
-        computed_tokens: got.manifest.computed_tokens,
-        pushed_tokens: got.manifest.pushed_tokens,
-        peak_cached_tokens: got.manifest.peak_cached_tokens,
+      // The plan shares the stem between the two ranks (docs/design.md §11); this executor runs each rank's plan
+      // alone, so each rank computes the shared pieces it holds itself: the manifest's figures, with each piece counted
+      // once per rank of its group instead of once, and the pieces held beside the stack counted in the peak.
+      const manifest = JSON.parse(readFileSync(join(out, 'manifest.json'), 'utf8')) as {
+        shared_tokens: number;
+        shared_prefixes: { start: number; end: number; ranks: number[] }[];
+      };
+      expect(manifest.shared_prefixes.length).toBeGreaterThan(0);
+      const alone = manifest.shared_prefixes.reduce((a, p) => a + (p.end - p.start) * p.ranks.length, 0) - manifest.shared_tokens;
+      expect({ computed_tokens: got.computed_tokens, pushed_tokens: got.pushed_tokens }).toEqual({
+        computed_tokens: got.manifest.computed_tokens + alone,
+        pushed_tokens: got.manifest.pushed_tokens + alone,
       });
+      expect(got.peak_cached_tokens).toBeLessThanOrEqual(got.manifest.peak_cached_tokens);
     },
   );
 });

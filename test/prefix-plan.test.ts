@@ -89,7 +89,7 @@ describe('prefix-reuse step plans', () => {
       const optimum = packForest(csr(seqs)).input_ids.length;
       for (const B of [4, 9, 25, 1000]) {
         for (const K of [1, 3]) {
-          const plan = planMicroBatches(csr(seqs), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20 });
+          const plan = planMicroBatches(csr(seqs), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20, sharedPrefix: false });
           exactlyOnce(plan, seqs.length);
           expect(plan.microBatches.length % K).toBe(0);
           const got = replay(seqs, plan, K, B, 1 << 20);
@@ -106,7 +106,13 @@ describe('prefix-reuse step plans', () => {
     const optimum = packForest(csr(seqs)).input_ids.length;
     const B = Math.ceil(optimum / 8);
     for (const K of [1, 2, 4]) {
-      const plan = planMicroBatches(csr(seqs), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20, prefixBytesPerToken: 10 });
+      const plan = planMicroBatches(csr(seqs), {
+        maxTokens: B,
+        dp: K,
+        prefixCacheTokens: 1 << 20,
+        prefixBytesPerToken: 10,
+        sharedPrefix: false,
+      });
       const got = replay(seqs, plan, K, B, 1 << 20);
       // Each boundary between ranks repeats at most one root path: the chain the next rank's first micro-batch hangs from.
       const longest = Math.max(...seqs.map((s) => s.length));
@@ -229,16 +235,18 @@ describe('prefix-reuse step plans', () => {
     exactlyOnce(plan, S);
   });
 
-  it('never computes fewer tokens than the data-parallel floor, and reaches it where the ranks split a shared prompt', () => {
+  it('never computes fewer tokens than the data-parallel floor with each rank to itself, and reaches it where the ranks split a shared prompt', () => {
     // 8 sequences: a 10-token prompt, then 5 tokens of their own. Optimum 10 + 8·5 = 50; every one of 4 ranks that
     // gets a sequence computes the prompt: floor 50 + 3·10 = 80, which two sequences per rank reach.
     const prompt = Array.from({ length: 10 }, (_, k) => 1000 + k);
     const seqs = Array.from({ length: 8 }, (_, i) => [...prompt, ...Array.from({ length: 5 }, (_, k) => 100 * i + k)]);
-    const plan = planMicroBatches(csr(seqs), { maxTokens: 1000, dp: 4, prefixCacheTokens: 1 << 20 });
+    const plan = planMicroBatches(csr(seqs), { maxTokens: 1000, dp: 4, prefixCacheTokens: 1 << 20, sharedPrefix: false });
     expect(plan.optimumTokens).toBe(50);
     expect(new Set(plan.microBatches.filter((m) => m.sequences.length).map((m) => m.rank)).size).toBe(4);
     expect(dpFloorTokens(csr(seqs), plan)).toBe(80);
     expect(plan.prefixReuse!.computedTokens).toBe(80);
+    // Shared prefixes (docs/design.md §11) go below it: the prompt is computed once, in shares of the four ranks.
+    expect(planMicroBatches(csr(seqs), { maxTokens: 1000, dp: 4, prefixCacheTokens: 1 << 20 }).prefixReuse!.computedTokens).toBe(50);
     // one rank: the floor is the optimum
     expect(dpFloorTokens(csr(seqs), planMicroBatches(csr(seqs), { maxTokens: 1000, prefixCacheTokens: 1 << 20 }))).toBe(50);
     // random batches behind a shared prompt: a floor, never crossed, at every budget and rank count
@@ -246,7 +254,7 @@ describe('prefix-reuse step plans', () => {
       const batch = randomBatch(seed, { maxLen: 30 }).map((x) => [...prompt, ...x]);
       for (const B of [20, 45, 1000]) {
         for (const K of [2, 3, 5]) {
-          const p = planMicroBatches(csr(batch), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20 });
+          const p = planMicroBatches(csr(batch), { maxTokens: B, dp: K, prefixCacheTokens: 1 << 20, sharedPrefix: false });
           const floor = dpFloorTokens(csr(batch), p);
           expect(floor).toBeGreaterThanOrEqual(
             p.optimumTokens +

@@ -138,6 +138,9 @@ describe('format.md', () => {
     const budget = { maxTokens: 8, dp: 2 };
     await written({ turnIds: true, masks: 'block:4,slices', maskBackend: 'js', budget: { ...budget, padMultiple: 4 } }, true, w);
     await written({ budget: { maxTokens: 4, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w);
+    // Shared prefixes (a prompt held by both ranks) and context parallelism (a chain one rank's cache cannot hold).
+    await written({ budget: { maxTokens: 2, dp: 2, prefixCacheTokens: 16 } }, true, w);
+    await written({ budget: { maxTokens: 2, dp: 2, prefixCacheTokens: 2, cp: 2 } }, true, w);
     await written({ masks: 'cu_seqlens', maskBackend: 'js' }, false, w);
     await written({ budget: { maxTokens: 8, prefixCacheTokens: 16, prefixBytesPerToken: 10 } }, true, w, samples(true, true));
     // Images: chat calls resending screenshots, for a vision-language tokenizer.

@@ -241,6 +241,10 @@ describe('service errors', { timeout: 30_000 }, () => {
     expect(() =>
       resolveServiceOptions({ ...base, redis: undefined, packer: { budget: { maxTokens: 64, prefixCacheTokens: 256 } } }),
     ).not.toThrow();
+    // The feed hands a micro-batch to one rank: a context-parallel plan (docs/design.md §11) is not served.
+    expect(() =>
+      resolveServiceOptions({ ...base, redis: undefined, dp: 2, packer: { budget: { maxTokens: 64, prefixCacheTokens: 256, cp: 2 } } }),
+    ).toThrow(/context-parallel group for packer\.budget\.cp/);
   });
 
   it('timelines compare by token unless told, in the library as in `treepack serve`', () => {

@@ -471,6 +471,21 @@ def load(src: Source) -> MicroBatch:
         if not ok or any(b <= a for a, b in zip([0] + push, push)) or (push and push[-1] != h) or h > meta["num_tokens_packed"]:
             raise fail("prefix_push", f"prefix_push is {md['prefix_push']}, expected ascending depths ending at prefix_tokens = {h} (<= N)")
         meta["prefix_push"] = push
+    if "prefix_shared" in md:
+        # Extension (shared prefixes, docs/design.md §11): per pushed segment, the shared piece it is, or null.
+        shared = _json_or_none(md["prefix_shared"])
+        if "prefix_push" not in meta or not _piece_ids(shared) or len(shared) != len(meta["prefix_push"]):
+            raise fail(
+                "prefix_shared",
+                f"prefix_shared is {md['prefix_shared']}, expected one piece id (an integer >= 0) or null per prefix_push entry",
+            )
+        meta["prefix_shared"] = shared
+    if "cp_ranks" in md:
+        # Extension (context parallelism, docs/design.md §11): the ranks that run this micro-batch together.
+        ranks = _json_or_none(md["cp_ranks"])
+        if not _rank_list(ranks, 2):
+            raise fail("cp_ranks", f"cp_ranks is {md['cp_ranks']}, expected two or more ascending rank numbers")
+        meta["cp_ranks"] = ranks
     for key in ("routes_layers", "routes_top_k"):
         # Extension (MoE routing replay): the shape of the routes tensor.
         if key in md:
@@ -668,6 +683,92 @@ def check_values(mb: MicroBatch, vocab_size: int | None = None) -> list[str]:
     return out
 
 
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _piece_ids(x: Any) -> bool:
+    """A list of shared piece ids (integers >= 0) or nulls."""
+    return isinstance(x, list) and all(e is None or (_is_int(e) and e >= 0) for e in x)
+
+
+def _rank_list(x: Any, least: int) -> bool:
+    """At least ``least`` ascending rank numbers."""
+    return isinstance(x, list) and len(x) >= least and all(_is_int(r) and r >= 0 for r in x) and all(b > a for a, b in zip(x, x[1:]))
+
+
+def _check_parallel(doc: dict[str, Any], fail: Callable[[str, str], TreepackError]) -> None:
+    """The shared-prefix and planner extensions of a manifest (docs/design.md §11): each piece's group and ranges,
+    each micro-batch's references to the pieces of its own window and group."""
+    pieces = doc.get("shared_prefixes", [])
+    if not isinstance(pieces, list):
+        raise fail("shared_prefixes", "shared_prefixes is not a list")
+    for i, p in enumerate(pieces):
+        at = f"shared_prefixes[{i}]"
+        if not isinstance(p, dict) or p.get("id") != i:
+            raise fail(at, f"{at} is not an object with id = {i}")
+        for k in ("step", "start", "end"):
+            if not _is_count(p.get(k)):
+                raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(p.get(k))}, expected an integer >= 0")
+        if not isinstance(p.get("sequence"), str):
+            raise fail(f"{at}.sequence", f"{at}.sequence is {json.dumps(p.get('sequence'))}, expected a sequence id")
+        start, end = p["start"], p["end"]
+        ranks: Any = p.get("ranks")
+        ranges: Any = p.get("ranges")
+        if end <= start:
+            raise fail(f"{at}.end", f"{at} covers [{start}, {end}), expected a non-empty depth range")
+        if not _rank_list(ranks, 2) or any(b != a + 1 for a, b in zip(ranks, ranks[1:])):
+            raise fail(f"{at}.ranks", f"{at}.ranks is {json.dumps(ranks)}, expected two or more consecutive rank numbers")
+        dp = doc.get("dp")
+        if _is_int(dp) and ranks[-1] >= dp:
+            raise fail(f"{at}.ranks", f"{at}.ranks is {json.dumps(ranks)}, but dp = {dp}")
+        ok = isinstance(ranges, list) and len(ranges) == len(ranks)
+        bounds = [start]
+        for r in ranges if ok else []:
+            ok = ok and isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and r[0] == bounds[-1] and r[1] >= r[0]
+            bounds.append(r[1] if ok else -1)
+        if not ok or bounds[-1] != end:
+            raise fail(
+                f"{at}.ranges", f"{at}.ranges is {json.dumps(ranges)}, expected one [a, b) per rank, contiguous, covering [{start}, {end})"
+            )
+    plans = doc.get("parallel_plans", [])
+    if not isinstance(plans, list) or not all(
+        isinstance(p, dict) and p.get("mode") in ("dp", "shared", "cp") and _is_int(p.get("cp")) and p["cp"] >= 1 for p in plans
+    ):
+        raise fail("parallel_plans", "parallel_plans is not a list of {mode: dp | shared | cp, cp: integer >= 1, ...}")
+    for i, e in enumerate(doc["micro_batches"]):
+        at = f"micro_batches[{i}]"
+        if "prefix_shared" in e:
+            shared, push = e["prefix_shared"], e.get("prefix_push")
+            if not _piece_ids(shared) or not isinstance(push, list) or len(shared) != len(push):
+                raise fail(
+                    f"{at}.prefix_shared", f"{at}.prefix_shared is {json.dumps(shared)}, expected a piece id or null per prefix_push entry"
+                )
+            for j, pid in enumerate(shared):
+                if pid is None:
+                    continue
+                if pid >= len(pieces):
+                    raise fail(f"{at}.prefix_shared", f"{at}.prefix_shared[{j}] = {pid}, but shared_prefixes has {len(pieces)} pieces")
+                p, start = pieces[pid], (push[j - 1] if j else None)
+                if e.get("rank") not in p["ranks"] or push[j] != p["end"] or (start is not None and start != p["start"]):
+                    raise fail(
+                        f"{at}.prefix_shared",
+                        f"{at}.prefix_shared[{j}] = {pid}: the piece covers [{p['start']}, {p['end']}) on ranks {p['ranks']}, "
+                        f"but the segment ends at {push[j]} on rank {e.get('rank')}",
+                    )
+        if "cp_ranks" in e and (not _rank_list(e["cp_ranks"], 2) or e.get("rank") != e["cp_ranks"][0]):
+            raise fail(
+                f"{at}.cp_ranks", f"{at}.cp_ranks is {json.dumps(e['cp_ranks'])}, expected two or more ascending ranks, the first = rank"
+            )
+
+
 def read_manifest(directory: str) -> dict[str, Any]:
     """Reads ``<directory>/manifest.json``, the commit point of the run that wrote the directory, and checks it:
     format, and each ``micro_batches`` entry's ``file`` a relative path inside the directory with its counts.
@@ -707,6 +808,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
         for k in ("sequences", "naive_tokens", "packed_tokens"):
             if not _is_count(entry.get(k)):
                 raise fail(f"{at}.{k}", f"{at}.{k} is {json.dumps(entry.get(k))}, expected an integer >= 0")
+    _check_parallel(doc, fail)
     return doc
 
 

@@ -22,8 +22,9 @@ Prints records, timelines and samples after the timeline merge, naive and packed
 (naive ÷ packed), drifted messages, timeline snaps (contexts that extend no earlier context of their episode),
 per-group figures, a histogram of the depths at which the prefix trees branch, and step plans: per token budget T
 and rank count K, the tokens a plain split holds and those a step plan with prefix reuse computes (docs/concepts/micro-batching.md, "Step
-plans"), against the single-forest optimum and the data-parallel floor (each rank that trains a sequence computes
-the prefix all sequences share), with the most prefix tokens a rank holds cached.
+plans"), each rank alone and with shared prefixes (docs/design.md §11), against the single-forest optimum and the
+data-parallel floor of plans that keep each rank to itself (each rank that trains a sequence computes the prefix all
+sequences share), with the most prefix tokens a rank holds cached.
 
 Options:
 ${helpLines([
@@ -108,8 +109,13 @@ interface StepPlanRow {
   dp_floor_tokens: number;
   /** packed tokens of the plain split; null where a sequence is longer than T (the plain split refuses it) */
   plain_tokens: number | null;
-  /** with prefix reuse: run with grad, run without grad to fill the caches, most cached on a rank at once */
+  /**
+   * with prefix reuse and shared prefixes (docs/design.md §11, the default): run with grad, run without grad to fill
+   * the caches, most cached on a rank at once
+   */
   computed_tokens: number;
+  /** run with grad by the same step plan with each rank computing the prefixes it hangs from alone (--no-shared-prefix) */
+  computed_tokens_alone: number;
   pushed_tokens: number;
   peak_cached_tokens: number;
 }
@@ -125,15 +131,18 @@ function stepPlans(windows: Sequences[], budgets: number[], ranks: number[]): St
         dp_floor_tokens: 0,
         plain_tokens: 0,
         computed_tokens: 0,
+        computed_tokens_alone: 0,
         pushed_tokens: 0,
         peak_cached_tokens: 0,
       };
       for (const seqs of windows) {
         const planned = planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff });
+        const alone = K > 1 ? planMicroBatches(seqs, { maxTokens: T, dp: K, prefixCacheTokens: 0x7fffffff, sharedPrefix: false }) : planned;
         const p = planned.prefixReuse!;
         row.optimum_tokens += planned.optimumTokens;
-        row.dp_floor_tokens += dpFloorTokens(seqs, planned);
+        row.dp_floor_tokens += dpFloorTokens(seqs, alone);
         row.computed_tokens += p.computedTokens;
+        row.computed_tokens_alone += alone.prefixReuse!.computedTokens;
         row.pushed_tokens += p.pushedTokens;
         row.peak_cached_tokens = Math.max(row.peak_cached_tokens, p.peakCachedTokens);
         let longest = 0;
@@ -317,17 +326,15 @@ function formatStats(r: StatsReport, maxGroups: number): string {
     }
   }
   if (r.step_plans.length) {
-    lines.push(
-      '',
-      'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad, pushed without, most cached per rank;',
-    );
-    lines.push('DP floor: the fewest any plan on these ranks computes, each rank repeating the prefix all sequences share)');
-    lines.push('       T    K   plain split   prefix reuse   DP floor   pushed   peak cached');
+    lines.push('', 'step plans (tokens ÷ the single-forest optimum; prefix reuse: computed with grad by each rank alone, and with shared');
+    lines.push('prefixes (the default: a prefix several ranks hang from computed once, in shares); pushed without grad, most cached');
+    lines.push('per rank; DP floor: the fewest a plan keeping each rank to itself computes, each rank repeating the common prefix)');
+    lines.push('       T    K   plain split   each rank alone   shared   DP floor   pushed   peak cached');
     for (const p of r.step_plans) {
       const opt = Math.max(1, p.optimum_tokens);
       const plain = p.plain_tokens === null ? 'infeasible' : `${(p.plain_tokens / opt).toFixed(3)}×`;
       lines.push(
-        `  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(13)}  ${`${(p.dp_floor_tokens / opt).toFixed(3)}×`.padStart(9)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`,
+        `  ${String(p.max_tokens).padStart(6)}  ${String(p.dp).padStart(3)}  ${plain.padStart(12)}  ${`${(p.computed_tokens_alone / opt).toFixed(3)}×`.padStart(16)}  ${`${(p.computed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${`${(p.dp_floor_tokens / opt).toFixed(3)}×`.padStart(9)}  ${`${(p.pushed_tokens / opt).toFixed(3)}×`.padStart(7)}  ${n(p.peak_cached_tokens).padStart(12)}`,
       );
     }
   }

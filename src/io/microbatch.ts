@@ -44,7 +44,7 @@ export interface MicroBatchFile {
 }
 
 /** Header keys the contract owns; extra metadata must use others. */
-const PREFIX_META_KEYS = ['prefix_tokens', 'prefix_push', 'prefix_release'] as const;
+const PREFIX_META_KEYS = ['prefix_tokens', 'prefix_push', 'prefix_release', 'prefix_shared', 'cp_ranks'] as const;
 /** The routing-replay extension: tensor `routes` I16 [N, routes_layers, routes_top_k], both keys with it. */
 const ROUTES = 'routes';
 const ROUTES_META_KEYS = ['routes_layers', 'routes_top_k'] as const;
@@ -125,6 +125,7 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
   if (vocab !== undefined && !(Number.isSafeInteger(vocab) && vocab >= 1))
     throw fail('vocab_size', `vocab_size = ${vocab}, expected an integer >= 1`);
   checkPrefix(mb, fail);
+  checkCpRanks(mb, fail);
   checkRoutes(mb, fail);
   checkImages(mb, fail);
   const shapes = { num_sequences: S, num_tokens_naive: M, num_tokens_packed: N };
@@ -151,6 +152,8 @@ function checkShapes(mb: MicroBatch, fail: Fail): void {
 function checkPrefix(mb: MicroBatch, fail: Fail): void {
   const { prefix_tokens: h, prefix_push: push, prefix_release: release } = mb.meta;
   const given = [h, push, release].filter((v) => v !== undefined).length;
+  if (given === 0 && mb.meta.prefix_shared !== undefined)
+    throw fail('prefix_shared', 'prefix_shared needs prefix_tokens, prefix_push and prefix_release (a step plan entry)');
   if (given === 0) return;
   if (given !== 3) throw fail('prefix_tokens', 'prefix_tokens, prefix_push and prefix_release go together (a step plan entry)');
   const N = mb.input_ids.length;
@@ -163,6 +166,23 @@ function checkPrefix(mb: MicroBatch, fail: Fail): void {
     push.every((e, k) => Number.isSafeInteger(e) && e > (k ? push[k - 1] : 0)) &&
     (push.length === 0 || push[push.length - 1] === h);
   if (!ok) throw fail('prefix_push', `prefix_push = ${JSON.stringify(push)}, expected ascending depths ending at prefix_tokens = ${h}`);
+  const shared = mb.meta.prefix_shared;
+  if (
+    shared !== undefined &&
+    !(Array.isArray(shared) && shared.length === push.length && shared.every((x) => x === null || (Number.isSafeInteger(x) && x >= 0)))
+  )
+    throw fail(
+      'prefix_shared',
+      `prefix_shared = ${JSON.stringify(shared)}, expected one piece id (an integer >= 0) or null per prefix_push entry`,
+    );
+}
+
+/** The context-parallel extension: two or more ranks, ascending. */
+function checkCpRanks(mb: MicroBatch, fail: Fail): void {
+  const r = mb.meta.cp_ranks;
+  if (r === undefined) return;
+  if (!(Array.isArray(r) && r.length >= 2 && r.every((x, k) => Number.isSafeInteger(x) && x >= 0 && (k === 0 || x > r[k - 1]))))
+    throw fail('cp_ranks', `cp_ranks = ${JSON.stringify(r)}, expected two or more ascending rank numbers`);
 }
 
 /**
@@ -269,6 +289,8 @@ function fileContent(batch: MicroBatch, extra?: ReadonlyMap<string, Tensor>, ext
     ...(m.prefix_tokens !== undefined
       ? { prefix_tokens: String(m.prefix_tokens), prefix_push: JSON.stringify(m.prefix_push), prefix_release: String(m.prefix_release) }
       : {}),
+    ...(m.prefix_shared !== undefined ? { prefix_shared: JSON.stringify(m.prefix_shared) } : {}),
+    ...(m.cp_ranks !== undefined ? { cp_ranks: JSON.stringify(m.cp_ranks) } : {}),
     ...(m.routes_layers !== undefined && { routes_layers: String(m.routes_layers), routes_top_k: String(m.routes_top_k) }),
     ...(m.image_hashes !== undefined
       ? { image_processor: JSON.stringify(m.image_processor), image_hashes: JSON.stringify(m.image_hashes) }
@@ -329,11 +351,12 @@ export function readMicroBatch(path: string): MicroBatchFile {
     if (!/^(0|[1-9][0-9]*)$/.test(v)) throw fail(key, `${key} is ${JSON.stringify(v)}, expected a non-negative integer`);
     meta[key] = Number(v);
   }
-  if (metadata.prefix_push !== undefined) {
+  for (const key of ['prefix_push', 'prefix_shared', 'cp_ranks'] as const) {
+    if (metadata[key] === undefined) continue;
     try {
-      meta.prefix_push = JSON.parse(metadata.prefix_push) as number[];
+      (meta as unknown as Record<string, unknown>)[key] = JSON.parse(metadata[key]);
     } catch {
-      throw fail('prefix_push', 'prefix_push is not JSON');
+      throw fail(key, `${key} is not JSON`);
     }
   }
 

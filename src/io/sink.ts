@@ -5,6 +5,7 @@
  */
 import type { MicroBatch } from '../pack/contract.js';
 import type { CostModel } from '../pack/balance.js';
+import type { CandidateReport } from '../pack/planner.js';
 import type { Tensor } from './safetensors.js';
 
 /** The `format` of manifest.json (docs/reference/format.md, "Versioning"). */
@@ -30,6 +31,40 @@ export interface ManifestEntry {
   prefix_release?: number;
   computed_tokens?: number;
   pushed_tokens?: number;
+  /**
+   * with shared prefixes (docs/design.md §11): per pushed segment of prefix_push, the id of the shared piece (the
+   * manifest's shared_prefixes) it is, or null for a segment its rank computes alone
+   */
+  prefix_shared?: (number | null)[];
+  /** under context parallelism: the ranks that run it together; `rank` is the first */
+  cp_ranks?: number[];
+}
+
+/** A prefix piece computed in shares by a data-parallel group (docs/design.md §11). */
+export interface ManifestSharedPiece {
+  /** referred to by micro-batches' prefix_shared; the index in shared_prefixes */
+  id: number;
+  /** the first step of its window: the group computes it before that step and releases it after the window's last */
+  step: number;
+  /** a sequence whose root path holds it, at depths [start, end) */
+  sequence: string;
+  start: number;
+  end: number;
+  /** the ranks holding it, ascending and contiguous */
+  ranks: number[];
+  /** per rank of `ranks`: the depth range [a, b) it computes; contiguous, together [start, end) */
+  ranges: [number, number][];
+}
+
+/** The parallel planner's choice for one window (docs/design.md §11): its steps, the mode and the figures that decided. */
+export interface ManifestParallelPlan {
+  /** first step of the window and its number of steps */
+  step: number;
+  steps: number;
+  mode: 'dp' | 'shared' | 'cp';
+  cp: number;
+  why: string;
+  candidates: CandidateReport[];
 }
 
 /** manifest.json, keys in the order they are written. */
@@ -64,6 +99,15 @@ export interface Manifest {
   pushed_tokens?: number;
   peak_cached_tokens?: number;
   peak_cached_bytes?: number;
+  /** with shared prefixes: tokens of the shared pieces, each counted once in computed_tokens */
+  shared_tokens?: number;
+  /** with prefix reuse: the planner's options (see the CLI's --no-shared-prefix, --cp, --kv-bytes-per-token, --link-bytes-per-token) */
+  shared_prefix?: boolean;
+  cp?: number;
+  kv_bytes_per_token?: number;
+  link_bytes_per_token?: number;
+  parallel_plans?: ManifestParallelPlan[];
+  shared_prefixes?: ManifestSharedPiece[];
   /** with MoE routes: the --route-conflict policy, conflicting occurrences, packed tokens split vs by tokens alone */
   route_conflict?: 'split' | 'first';
   route_conflicts?: number;

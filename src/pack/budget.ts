@@ -22,6 +22,14 @@ import { assignRanks, checkCostModel, DEFAULT_COST, imbalance, microBatchCost, p
 import type { Sequences } from './contract.js';
 import { sortSequences } from './forest.js';
 import { lcpQuery } from './lcp.js';
+import {
+  checkPlannerOptions,
+  choosePlan,
+  DEFAULT_KV_BYTES_PER_TOKEN,
+  DEFAULT_LINK_BYTES_PER_TOKEN,
+  type Built,
+  type StepChoice,
+} from './planner.js';
 import { planPrefixRuns, type PrefixOp, type PrefixPlanStats } from './prefix.js';
 import { refineBalance } from './refine.js';
 import { validateSequences } from './validate.js';
@@ -55,6 +63,33 @@ export interface BudgetOptions {
   prefixCacheTokens?: number;
   /** bytes one cached prefix token costs (keys, values and their gradients over all layers), for the plan's report */
   prefixBytesPerToken?: number;
+  /**
+   * with prefix reuse and dp > 1: a prefix held by several ranks is computed once per data-parallel group, in shares
+   * (docs/design.md §11); default true
+   */
+  sharedPrefix?: boolean;
+  /**
+   * with prefix reuse: the most ranks of a context-parallel group the planner may use (a divisor of dp); default 1
+   * (none). Each rank of a group of G computes 1/G of micro-batches of up to G·maxTokens computed tokens and holds 1/G
+   * of up to G·prefixCacheTokens cached ones.
+   */
+  cp?: number;
+  /** bytes of keys and values of one token over all layers, for the planner's cost of exchanges (planner.ts) */
+  kvBytesPerToken?: number;
+  /** bytes a link moves while a rank computes one token (forward and backward), for the planner's cost model */
+  linkBytesPerToken?: number;
+}
+
+/** A prefix piece computed in shares (docs/design.md §11): depths [start, end) of a sequence's root path. */
+export interface PlannedSharedPiece {
+  /** index of a window sequence (input order) whose root path holds the piece */
+  sequence: number;
+  start: number;
+  end: number;
+  /** the ranks holding it, ascending and contiguous */
+  ranks: number[];
+  /** per rank of `ranks`: the depth range it computes */
+  ranges: [number, number][];
 }
 
 /** One planned micro-batch: its sequences, tokens, rank and step (and its step-plan entry with prefix reuse). */
@@ -79,6 +114,8 @@ export interface MicroBatchPlan {
    */
   computedTokens?: number;
   pushedTokens?: number;
+  /** under context parallelism: the ranks that run it together (`rank` is the first) */
+  cpRanks?: number[];
 }
 
 /** The plan of a window: its micro-batches, step-major, and the figures the manifest reports. */
@@ -94,6 +131,10 @@ export interface Plan {
   moves: number;
   /** with prefix reuse: tokens computed, pushed and cached */
   prefixReuse?: PrefixPlanStats;
+  /** with shared prefixes: the pieces, referred to by index from the micro-batches' `prefix.shared` */
+  sharedPrefixes?: PlannedSharedPiece[];
+  /** with prefix reuse: the parallel planner's choice for this window and the candidates it weighed */
+  choice?: StepChoice;
 }
 
 const positiveInt = (name: string, v: unknown): number => {
@@ -258,6 +299,8 @@ export function planMicroBatches(seqs: Sequences, opts: BudgetOptions, ids?: rea
   const slack = opts.balanceSlack ?? DEFAULT_BALANCE_SLACK;
   if (typeof slack !== 'number' || !Number.isFinite(slack) || slack < 0) throw argError('balanceSlack', 'a finite number >= 0', slack);
   if (opts.prefixCacheTokens !== undefined) return planWithPrefix(seqs, opts, K, cost, ids);
+  if ((opts.cp ?? 1) !== 1)
+    throw argError('cp', '1 without prefix reuse (context parallelism plans step plans: give prefixCacheTokens)', opts.cp);
   const { B, longest } = tokenBudget(seqs.offsets, opts, ids);
   const runs = new Runs(seqs, cost);
   const S = runs.S;
@@ -365,15 +408,26 @@ export function dpFloorTokens(seqs: Sequences, plan: Plan): number {
 
 /**
  * planMicroBatches with prefix reuse: the cut and stack operations of src/pack/prefix.ts, ranks padded to equal steps
- * with empty micro-batches. With padMultiple P, a micro-batch's computed nodes (the ones past its cached prefix, what
- * its forward runs) are padded to a multiple of P: the cut is planned under floor(T / P)·P computed tokens, so
- * computed plus padding stays within T. Pushed and popped segments are not padded.
+ * with empty micro-batches, made each way the parallel planner weighs (planner.ts) and the fastest kept. With
+ * padMultiple P, a micro-batch's computed nodes (the ones past its cached prefix, what its forward runs) are padded to
+ * a multiple of P: the cut is planned under floor(T / P)·P computed tokens per rank, so computed plus padding stays
+ * within T. Pushed and popped segments are not padded.
  */
 function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: CostModel, ids?: readonly string[]): Plan {
   const T = positiveInt('maxTokens', opts.maxTokens);
   const P = positiveInt('padMultiple', opts.padMultiple ?? 1);
   if (P > T) throw new TreepackError('E_ARG', `pad multiple ${P} is larger than the token budget ${T}: no micro-batch could hold a token`);
   const B = Math.floor(T / P) * P;
+  const share = opts.sharedPrefix ?? true;
+  if (typeof share !== 'boolean') throw argError('sharedPrefix', 'a boolean', share);
+  const planner = {
+    dp: K,
+    cpMax: opts.cp ?? 1,
+    share,
+    kvBytesPerToken: opts.kvBytesPerToken ?? DEFAULT_KV_BYTES_PER_TOKEN,
+    linkBytesPerToken: opts.linkBytesPerToken ?? DEFAULT_LINK_BYTES_PER_TOKEN,
+  };
+  checkPlannerOptions(planner);
   const runs = new Runs(seqs, cost);
   const S = runs.S;
   const optimumTokens = S > 0 ? runs.tokens(0, S) : 0;
@@ -386,23 +440,60 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
     };
     return { microBatches: [], optimumTokens, rankCosts: new Float64Array(K), imbalance: 1, moves: 0, prefixReuse };
   }
-  const planned = planPrefixRuns(runs, B, K, cost, { cacheTokens: opts.prefixCacheTokens!, bytesPerToken: opts.prefixBytesPerToken }, ids);
-  const perRank = new Int32Array(K);
-  for (const p of planned.runs) perRank[p.rank]++;
-  const steps = Math.max(1, ...perRank);
+  const { plan, choice } = choosePlan(planner, (mode, G) =>
+    buildWithPrefix(seqs, runs, { ...opts, share: mode === 'shared', B, P, K, G, kvBytes: planner.kvBytesPerToken }, cost, ids),
+  );
+  return { ...plan, optimumTokens, choice };
+}
+
+/**
+ * One candidate of the planner: the prefix plan over K / G groups of G ranks (G = 1: plain ranks), each group with
+ * G·B computed tokens per micro-batch and G·C cached prefix tokens; its micro-batches are step-major with K / G per
+ * step, a group's on its first rank (`cpRanks` naming all of them when G > 1). Loads and bytes are per rank.
+ */
+function buildWithPrefix(
+  seqs: Sequences,
+  runs: Runs,
+  o: BudgetOptions & { share: boolean; B: number; P: number; K: number; G: number; kvBytes: number },
+  cost: CostModel,
+  ids?: readonly string[],
+): Built<Omit<Plan, 'optimumTokens'>> {
+  const { B, P, K, G } = o;
+  const groups = K / G;
+  const planned = planPrefixRuns(
+    runs,
+    B * G,
+    groups,
+    cost,
+    { cacheTokens: o.prefixCacheTokens! * G, bytesPerToken: o.prefixBytesPerToken, share: o.share },
+    ids,
+  );
+  const perGroup = new Int32Array(groups);
+  for (const p of planned.runs) perGroup[p.rank]++;
+  const steps = Math.max(1, ...perGroup);
   const loads = new Float64Array(K);
-  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(steps * K);
+  const bytes = new Float64Array(K);
+  const spread = (g: number, load: number, moved: number) => {
+    for (let r = g * G; r < (g + 1) * G; r++) [loads[r], bytes[r]] = [loads[r] + load / G, bytes[r] + moved];
+  };
+  planned.shareLoad.forEach((l, g) => spread(g, l, 0));
+  for (const piece of planned.shared) {
+    piece.ranks.forEach((r, i) => (bytes[r] += 3 * (piece.end - piece.start - (piece.ranges[i][1] - piece.ranges[i][0])) * o.kvBytes));
+  }
+  const microBatches: MicroBatchPlan[] = new Array<MicroBatchPlan>(steps * groups);
+  const cpRanks = (g: number) => (G > 1 ? { cpRanks: Array.from({ length: G }, (_, k) => g * G + k) } : {});
   let pads = 0;
   for (const p of planned.runs) {
     const sequences = Int32Array.from({ length: p.hi - p.lo }, (_, k) => runs.order[p.lo + k]).sort();
     let naive = 0;
     for (const i of sequences) naive += seqs.offsets[i + 1] - seqs.offsets[i];
-    loads[p.rank] += p.cost;
     const pad = roundUp(p.computed, P) - p.computed;
     pads += pad;
-    microBatches[p.step * K + p.rank] = {
+    // Under CP a rank receives (G − 1)/G of the K/V its group computes: twice for the micro-batch, three times for a push.
+    spread(p.rank, p.cost, ((G - 1) / G) * (2 * (p.computed + pad) + 3 * p.pushedTokens) * o.kvBytes);
+    microBatches[p.step * groups + p.rank] = {
       sequences,
-      rank: p.rank,
+      rank: p.rank * G,
       step: p.step,
       naiveTokens: naive,
       packedTokens: runs.tokens(p.lo, p.hi) + pad,
@@ -412,23 +503,34 @@ function planWithPrefix(seqs: Sequences, opts: BudgetOptions, K: number, cost: C
       prefix: p.op,
       computedTokens: p.computed + pad,
       pushedTokens: p.pushedTokens,
+      ...cpRanks(p.rank),
     };
   }
   for (let b = 0; b < microBatches.length; b++) {
     microBatches[b] ??= {
       sequences: new Int32Array(0),
-      rank: b % K,
-      step: Math.floor(b / K),
+      rank: (b % groups) * G,
+      step: Math.floor(b / groups),
       naiveTokens: 0,
       packedTokens: 0,
       padTokens: 0,
       attentionPairs: 0,
       cost: 0,
-      prefix: { tokens: 0, push: [], release: 0 },
+      prefix: { tokens: 0, push: [], release: 0, ...(planned.shared.length > 0 && { shared: [] }) },
       computedTokens: 0,
       pushedTokens: 0,
+      ...cpRanks(b % groups),
     };
   }
   const prefixReuse = { ...planned.stats, computedTokens: planned.stats.computedTokens + pads };
-  return { microBatches, optimumTokens, rankCosts: loads, imbalance: imbalance(loads), moves: 0, prefixReuse };
+  const sharedPrefixes = planned.shared.map(({ rep, ...p }) => ({ sequence: runs.order[rep], ...p }));
+  const plan = {
+    microBatches,
+    rankCosts: loads,
+    imbalance: imbalance(loads),
+    moves: 0,
+    prefixReuse,
+    ...(sharedPrefixes.length > 0 && { sharedPrefixes }),
+  };
+  return { plan, computed: prefixReuse.computedTokens, loads, bytes };
 }

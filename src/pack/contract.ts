@@ -55,6 +55,13 @@ export interface MicroBatchMeta {
   prefix_tokens?: number;
   prefix_push?: number[];
   prefix_release?: number;
+  /**
+   * Extension (shared prefixes, docs/design.md §11): per `prefix_push` entry, the id of the shared piece (manifest
+   * `shared_prefixes`) that segment is, which the rank's data-parallel group computes in shares, or null.
+   */
+  prefix_shared?: (number | null)[];
+  /** Extension (context parallelism, docs/design.md §11): the ranks that run this micro-batch together, ascending. */
+  cp_ranks?: number[];
   /** Extension (routing replay): the shape of `routes`, [N, routes_layers, routes_top_k]; present exactly with it. */
   routes_layers?: number;
   routes_top_k?: number;

@@ -19,6 +19,7 @@
 import { TreepackError, argError } from '../errors.js';
 import { microBatchCost, pathPairs, type CostModel } from './balance.js';
 import { lcpQuery } from './lcp.js';
+import { piecesOn, sharedPieces, type Chain, type SharedPiece } from './share.js';
 
 /**
  * The sorted sequences the prefix planner cuts, as budget.ts's `Runs` holds them: sort order, the common prefix
@@ -41,6 +42,11 @@ export interface PrefixOp {
   push: number[];
   /** segments popped (recomputed with grad and back-propagated) after it */
   release: number;
+  /**
+   * with shared prefixes (docs/design.md §11), one per `push` entry: the id of the shared piece that segment is (taken
+   * from the piece's group, neither computed nor recomputed by this micro-batch's rank alone), or null
+   */
+  shared?: (number | null)[];
 }
 
 export interface PrefixPlanStats {
@@ -52,6 +58,8 @@ export interface PrefixPlanStats {
   peakCachedTokens: number;
   /** peakCachedTokens × bytesPerToken, when that is given */
   peakCachedBytes?: number;
+  /** with shared prefixes: tokens of the shared pieces (each counted once in computedTokens and pushedTokens) */
+  sharedTokens?: number;
 }
 
 export interface PrefixOptions {
@@ -59,6 +67,8 @@ export interface PrefixOptions {
   cacheTokens: number;
   /** bytes one cached token costs (keys, values and their gradient buffers over all layers), for reports */
   bytesPerToken?: number;
+  /** with K > 1: compute prefixes held by several ranks once, in shares (docs/design.md §11) */
+  share?: boolean;
 }
 
 export interface PlannedRun {
@@ -140,7 +150,12 @@ function cutTree(runs: SortedRuns, B: number): [number, number, number][] {
 }
 
 /** Stack operations of one rank's micro-batches (DFS order), each given by its chain: [representative sorted position, depth]. */
-function stackOps(chains: [number, number][], lcpOf: (a: number, b: number) => number, B: number): { op: PrefixOp; from: number }[] {
+function stackOps(
+  chains: [number, number][],
+  lcpOf: (a: number, b: number) => number,
+  B: number,
+  pieces: (m: number) => [number, number][] = () => [],
+): { op: PrefixOp; from: number }[] {
   const n = chains.length;
   const common = (x: [number, number], y: [number, number]) => Math.min(x[1], y[1], lcpOf(x[0], y[0]));
   const down = Array.from({ length: n + 1 }, (_, m) => (m > 0 && m < n ? common(chains[m - 1], chains[m]) : 0));
@@ -152,6 +167,11 @@ function stackOps(chains: [number, number][], lcpOf: (a: number, b: number) => n
     // Until a later cut goes to down[m] or below (which releases all of them), a cut may fall inside these segments.
     for (let k = m + 1; k < n && down[k] > down[m]; k++) if (down[k] < h) cuts.add(down[k]);
     if (h > down[m]) cuts.add(h);
+    // A shared piece on the chain is one segment: its ends are cuts, and nothing inside it is (a cut there comes from a
+    // later chain on another branch: every chain that leaves this path inside a piece's depths split the piece there).
+    const mine = pieces(m);
+    for (const [a, b] of mine) for (const c of [a, b]) if (c > down[m] && c < h) cuts.add(c);
+    for (const c of [...cuts]) if (mine.some(([a, b]) => a < c && c < b)) cuts.delete(c);
     const ends: number[] = [];
     let at = down[m];
     for (const e of [...cuts].sort((x, y) => x - y)) {
@@ -221,7 +241,7 @@ export function planPrefixRuns(
   cost: CostModel,
   prefix: PrefixOptions,
   ids?: readonly string[],
-): { runs: PlannedRun[]; stats: PrefixPlanStats } {
+): { runs: PlannedRun[]; stats: PrefixPlanStats; shared: SharedPiece[]; shareLoad: Float64Array } {
   const C = prefix.cacheTokens;
   if (!Number.isSafeInteger(C) || C < 0) throw argError('prefixCacheTokens', 'an integer >= 0', C);
   const bpt = prefix.bytesPerToken;
@@ -234,14 +254,33 @@ export function planPrefixRuns(
     while (rep + 1 < hi && runs.seqLen[rep] < h) rep++;
     return [rep, h];
   };
-  const plannedOn = (items: [number, number, number][], rank: number): PlannedRun[] => {
-    const ops = stackOps(items.map(chainOf), lcpAt, B);
+  const plannedOn = (items: [number, number, number][], rank: number, pieces: readonly SharedPiece[] = []): PlannedRun[] => {
+    const chains = items.map(chainOf);
+    const on = chains.map(([rep, h]) => piecesOn(pieces, rep, h, lcpAt));
+    const ops = stackOps(chains, lcpAt, B, (m) => on[m].map((id): [number, number] => [pieces[id].start, pieces[id].end]));
     return items.map(([lo, hi, h], step) => {
       const { op, from } = ops[step];
       const computed = runs.tokens(lo, hi) - h,
         pairs = runs.pairs(lo, hi) - pathPairs(h);
-      const pushedTokens = h - from,
+      let pushedTokens = h - from,
         pushedPairs = pathPairs(h) - pathPairs(from);
+      if (pieces.length > 0) {
+        // A pushed segment that is a shared piece comes from the piece's group: it is not this rank's own push.
+        op.shared = op.push.map((e, k) => {
+          const s = k > 0 ? op.push[k - 1] : from;
+          const id = on[step].find((i) => pieces[i].start === s && pieces[i].end === e);
+          if (id !== undefined) {
+            if (!pieces[id].ranks.includes(rank))
+              throw new TreepackError('E_BACKEND', `shared prefix: rank ${rank} holds a piece outside its group`);
+            pushedTokens -= e - s;
+            pushedPairs -= pathPairs(e) - pathPairs(s);
+            return id;
+          }
+          if (on[step].some((i) => pieces[i].start < e && pieces[i].end > s))
+            throw new TreepackError('E_BACKEND', `shared prefix: rank ${rank} pushes [${s}, ${e}), which straddles a shared piece`);
+          return null;
+        });
+      }
       const c = microBatchCost(computed, pairs, cost) + PUSH_COST * microBatchCost(pushedTokens, pushedPairs, cost);
       return { lo, hi, rank, step, op, computed, pairs, pushedTokens, pushedPairs, cost: c };
     });
@@ -255,6 +294,7 @@ export function planPrefixRuns(
   let out: PlannedRun[] | null = null,
     bestLoad = Infinity,
     bestComputed = Infinity;
+  let bestB = B;
   let need: PlannedRun | null = null; // the deepest chain of the plan that needs the least cache, for the refusal
   for (const b of budgets) {
     const cut = cutTree(runs, b);
@@ -285,28 +325,75 @@ export function planPrefixRuns(
       continue;
     }
     if (load < bestLoad * (1 - 1e-9) || (load <= bestLoad * (1 + 1e-9) && computed < bestComputed))
-      [out, bestLoad, bestComputed] = [planned, load, computed];
+      [out, bestLoad, bestComputed, bestB] = [planned, load, computed, b];
   }
   if (out === null) {
+    const rep = chainOf([need!.lo, need!.hi, need!.op.tokens])[0];
     throw new TreepackError(
       'E_ARG',
-      `the step plan needs ${need!.op.tokens} cached prefix tokens on rank ${need!.rank} (a prefix shared by the micro-batches under it), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
-      ids ? { record: ids[runs.order[need!.lo]] } : {},
+      `the step plan needs ${need!.op.tokens} cached prefix tokens on rank ${need!.rank} (a prefix shared by the micro-batches under it; the sequence has ${runs.seqLen[rep]} tokens), but the prefix cache allows ${C}; raise --prefix-reuse or plan without prefix reuse`,
+      ids ? { record: ids[runs.order[rep]] } : {},
     );
   }
-  let computedTokens = 0,
-    pushedTokens = 0,
+  let shared: SharedPiece[] = [];
+  if (prefix.share && K > 1) {
+    // Out lists ranks in order, each in DFS order: together the DFS order of the chains.
+    const chains: Chain[] = out.map((p) => ({ rep: chainOf([p.lo, p.hi, p.op.tokens])[0], h: p.op.tokens, rank: p.rank }));
+    shared = sharedPieces(chains, lcpAt, bestB);
+    if (shared.length > 0) {
+      const byRank: [number, number, number][][] = Array.from({ length: K }, () => []);
+      for (const p of out) byRank[p.rank].push([p.lo, p.hi, p.op.tokens]);
+      out = byRank.flatMap((items, r) => plannedOn(items, r, shared));
+    }
+  }
+  // A rank holds its pieces from the start of the step to its end, beside its own stack.
+  const pinned = new Float64Array(K);
+  const shareLoad = new Float64Array(K);
+  let sharedTokens = 0;
+  for (const p of shared) {
+    sharedTokens += p.end - p.start;
+    p.ranks.forEach((r, i) => {
+      const [a, b] = p.ranges[i];
+      pinned[r] += p.end - p.start;
+      shareLoad[r] += PUSH_COST * microBatchCost(b - a, pathPairs(b) - pathPairs(a), cost);
+    });
+  }
+  let computedTokens = sharedTokens,
+    pushedTokens = sharedTokens,
     peak = 0;
   for (const p of out) {
     computedTokens += p.computed + p.pushedTokens;
     pushedTokens += p.pushedTokens;
-    peak = Math.max(peak, p.op.tokens);
+    // Pieces pushed before it on its stack are counted in its chain; the others a rank holds are counted apart.
+    const below = sharedBelow(p, shared, lcpAt, chainOf);
+    peak = Math.max(peak, p.op.tokens - below + pinned[p.rank]);
+  }
+  if (peak > C) {
+    const worst = out.find((p) => p.op.tokens - sharedBelow(p, shared, lcpAt, chainOf) + pinned[p.rank] === peak)!;
+    throw new TreepackError(
+      'E_ARG',
+      `the step plan with shared prefixes needs ${peak} cached prefix tokens on rank ${worst.rank}, but the prefix cache allows ${C}; raise --prefix-reuse or pack with --no-shared-prefix`,
+      ids ? { record: ids[runs.order[worst.lo]] } : {},
+    );
   }
   const stats: PrefixPlanStats = {
     computedTokens,
     pushedTokens,
     peakCachedTokens: peak,
     ...(bpt !== undefined && { peakCachedBytes: peak * bpt }),
+    ...(prefix.share && K > 1 && { sharedTokens }),
   };
-  return { runs: out, stats };
+  return { runs: out, stats, shared, shareLoad };
+}
+
+/** Tokens of the shared pieces on the chain run `p` hangs from (all of them held by its rank). */
+function sharedBelow(
+  p: PlannedRun,
+  shared: readonly SharedPiece[],
+  lcpAt: (a: number, b: number) => number,
+  chainOf: (x: [number, number, number]) => [number, number],
+): number {
+  if (shared.length === 0) return 0;
+  const [rep, h] = chainOf([p.lo, p.hi, p.op.tokens]);
+  return piecesOn(shared, rep, h, lcpAt).reduce((a, id) => a + shared[id].end - shared[id].start, 0);
 }

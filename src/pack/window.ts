@@ -13,6 +13,8 @@ import type { Forest, MicroBatch } from './contract.js';
 export interface WindowOptions extends AssembleOptions, BudgetOptions {
   /** token id of pad nodes; default 0 */
   padTokenId?: number;
+  /** added to the plan's shared piece ids in the headers' prefix_shared: the pieces of earlier windows; default 0 */
+  sharedPieceBase?: number;
 }
 
 /** A micro-batch of a window under a budget: the batch, its samples and its plan. */
@@ -45,6 +47,9 @@ export function packWindow(samples: readonly Sample[], opts: WindowOptions): { m
     if ((opts.padMultiple ?? 1) > 1) padded.meta = { ...padded.meta, num_tokens_packed: mb.packedTokens, num_pad_tokens: mb.padTokens };
     if (mb.prefix)
       padded.meta = { ...padded.meta, prefix_tokens: mb.prefix.tokens, prefix_push: mb.prefix.push, prefix_release: mb.prefix.release };
+    const base = opts.sharedPieceBase ?? 0;
+    if (mb.prefix?.shared) padded.meta = { ...padded.meta, prefix_shared: mb.prefix.shared.map((id) => (id === null ? null : id + base)) };
+    if (mb.cpRanks) padded.meta = { ...padded.meta, cp_ranks: mb.cpRanks };
     return { batch: padded, samples: members, plan: mb };
   });
   return { microBatches, plan };

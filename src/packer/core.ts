@@ -16,7 +16,7 @@ import { microBatchFileName, type ManifestEntry } from '../io/sink.js';
 import { fillAdvantages, needsAdvantage } from '../loss/advantages.js';
 import { maskTensors, type MaskTensors } from '../io/masks.js';
 import { assembleMicroBatch } from '../pack/batch.js';
-import type { MicroBatchPlan } from '../pack/budget.js';
+import type { MicroBatchPlan, Plan } from '../pack/budget.js';
 import { MAX_TOKENS, type MicroBatch } from '../pack/contract.js';
 import { packWindow } from '../pack/window.js';
 import { checkResponseVocab } from '../records/read.js';
@@ -48,6 +48,9 @@ interface Packed {
   batch: MicroBatch;
   samples: Sample[];
   plan?: MicroBatchPlan;
+  /** the global step of its window's first step, and the id of its window's first shared piece */
+  stepBase?: number;
+  pieceBase?: number;
 }
 
 /**
@@ -67,6 +70,8 @@ export class PackerCore {
   #ready: Packed[] = [];
   #flushedGroups = new Set<string>();
   #next = 0;
+  #steps = 0; // steps of the windows planned so far
+  #pieces = 0; // shared pieces of the windows planned so far
 
   constructor(opts: ResolvedOptions, report: PackReport) {
     this.#opts = opts;
@@ -131,10 +136,9 @@ export class PackerCore {
       };
       const budget = this.#opts.budget;
       if (p.plan && budget) {
-        // Every window holds a multiple of K micro-batches, step-major, so the global step is the index ÷ K.
         Object.assign(entry, {
           rank: p.plan.rank,
-          step: Math.floor(index / budget.dp),
+          step: p.stepBase! + p.plan.step,
           pad_tokens: p.plan.padTokens,
           attention_pairs: p.plan.attentionPairs,
           cost: p.plan.cost,
@@ -147,7 +151,9 @@ export class PackerCore {
             prefix_release: op.release,
             computed_tokens: p.plan.computedTokens,
             pushed_tokens: p.plan.pushedTokens,
+            ...(op.shared && { prefix_shared: op.shared.map((id) => (id === null ? null : id + p.pieceBase!)) }),
           });
+        if (p.plan.cpRanks) entry.cp_ranks = p.plan.cpRanks;
       }
       yield { index, batch: p.batch, samples: p.samples, ...(p.plan && { plan: p.plan }), ...(lowered && { masks: lowered }), entry };
     }
@@ -252,6 +258,18 @@ export class PackerCore {
     this.#opts.onProgress?.(this.report);
   }
 
+  /** The planner's choice and the shared pieces of a window, for the manifest's parallel_plans and shared_prefixes. */
+  #recordParallel(plan: Plan, samples: readonly Sample[], step: number, steps: number): void {
+    if (plan.choice) {
+      const { mode, cp, why, candidates } = plan.choice;
+      (this.report.parallelPlans ??= []).push({ step, steps, mode, cp, why, candidates });
+    }
+    for (const piece of plan.sharedPrefixes ?? []) {
+      const { sequence, start, end, ranks, ranges } = piece;
+      (this.report.sharedPrefixes ??= []).push({ id: this.#pieces++, step, sequence: samples[sequence].id, start, end, ranks, ranges });
+    }
+  }
+
   #flushWindow(): void {
     const stats = this.report;
     const estimator = this.#opts.advantages;
@@ -290,8 +308,12 @@ export class PackerCore {
     };
     let out: Packed[];
     if (budget) {
-      const w = packWindow(pending, { ...budget, ...assemble });
-      out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan }));
+      const [stepBase, pieceBase] = [this.#steps, this.#pieces];
+      const w = packWindow(pending, { ...budget, ...assemble, sharedPieceBase: pieceBase });
+      out = w.microBatches.map((mb) => ({ batch: mb.batch, samples: mb.samples, plan: mb.plan, stepBase, pieceBase }));
+      const steps = w.plan.microBatches.reduce((a, m) => Math.max(a, m.step + 1), 0);
+      this.#steps += steps;
+      this.#recordParallel(w.plan, pending, stepBase, steps);
       stats.optimumTokens += w.plan.optimumTokens;
       w.plan.rankCosts.forEach((c, r) => (stats.rankCosts[r] = (stats.rankCosts[r] ?? 0) + c));
       const pr = w.plan.prefixReuse;
@@ -300,6 +322,7 @@ export class PackerCore {
         acc.computedTokens += pr.computedTokens;
         acc.pushedTokens += pr.pushedTokens;
         acc.peakCachedTokens = Math.max(acc.peakCachedTokens, pr.peakCachedTokens);
+        if (pr.sharedTokens !== undefined) acc.sharedTokens = (acc.sharedTokens ?? 0) + pr.sharedTokens;
         if (pr.peakCachedBytes !== undefined) acc.peakCachedBytes = Math.max(acc.peakCachedBytes ?? 0, pr.peakCachedBytes);
       }
     } else {

@@ -11,6 +11,7 @@ import { ADVANTAGE_ESTIMATORS } from '../loss/advantages.js';
 import type { MaskSpec } from '../mask/index.js';
 import { DEFAULT_COST } from '../pack/balance.js';
 import { DEFAULT_BALANCE_SLACK } from '../pack/budget.js';
+import { DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LINK_BYTES_PER_TOKEN } from '../pack/planner.js';
 import { ROUTE_CONFLICT_POLICIES } from '../pack/routes.js';
 import { isTextTokenizer } from '../tokenize/tokenizer.js';
 import type { PackerOptions } from './types.js';
@@ -200,6 +201,46 @@ export const OPTION_TABLE: readonly OptionEntry[] = [
     output: true,
     help: "with --prefix-reuse: bytes one cached token costs (keys, values and their gradients over all layers), for the manifest's peak_cached_bytes",
     manifest: { key: 'prefix_bytes_per_token' },
+  },
+  {
+    option: 'budget.sharedPrefix',
+    flag: '--no-shared-prefix',
+    sets: false,
+    value: bool,
+    default: true,
+    output: true,
+    help: 'with --prefix-reuse and --dp > 1: let every rank compute the prefixes its micro-batches hang from (default: a prefix held by several ranks is computed once per group, in shares; manifest: shared_prefixes, prefix_shared)',
+    manifest: { key: 'shared_prefix' },
+  },
+  {
+    option: 'budget.cp',
+    flag: '--cp',
+    metavar: 'G',
+    value: int(1),
+    default: 1,
+    output: true,
+    help: 'with --prefix-reuse: the planner may run a step over context-parallel groups of up to G ranks (G divides --dp): each rank computes 1/G of micro-batches of G×T tokens and caches 1/G of G×C (manifest: parallel_plans, cp_ranks)',
+    manifest: { key: 'cp' },
+  },
+  {
+    option: 'budget.kvBytesPerToken',
+    flag: '--kv-bytes-per-token',
+    metavar: 'BYTES',
+    value: nonNegative,
+    default: DEFAULT_KV_BYTES_PER_TOKEN,
+    output: true,
+    help: "the planner's cost model: bytes of keys and values of one token over all layers (default: a 7B model in bf16, 28 layers x 2 x 4 heads x 128 x 2)",
+    manifest: { key: 'kv_bytes_per_token' },
+  },
+  {
+    option: 'budget.linkBytesPerToken',
+    flag: '--link-bytes-per-token',
+    metavar: 'BYTES',
+    value: nonNegative,
+    default: DEFAULT_LINK_BYTES_PER_TOKEN,
+    output: true,
+    help: "the planner's cost model: bytes a rank's link moves while it computes one token, forward and backward (default: 50 GB/s against 114 us per 7B token)",
+    manifest: { key: 'link_bytes_per_token' },
   },
   {
     option: 'merge',

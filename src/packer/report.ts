@@ -69,7 +69,10 @@ export function manifestHeader(r: PackReport): ManifestHeader {
       pushed_tokens: r.prefixReuse.pushedTokens,
       peak_cached_tokens: r.prefixReuse.peakCachedTokens,
       ...(r.prefixReuse.peakCachedBytes !== undefined && { peak_cached_bytes: r.prefixReuse.peakCachedBytes }),
+      ...(r.prefixReuse.sharedTokens !== undefined && { shared_tokens: r.prefixReuse.sharedTokens }),
     }),
+    ...(r.parallelPlans && { parallel_plans: r.parallelPlans }),
+    ...(r.sharedPrefixes && { shared_prefixes: r.sharedPrefixes }),
     ...(r.routes && {
       route_conflict: r.routes.policy,
       route_conflicts: r.routes.conflicts,

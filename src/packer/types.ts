@@ -7,6 +7,7 @@ import type { RouteConflictPolicy, RouteStats } from '../pack/routes.js';
 import type { BackendName } from '../backend/index.js';
 import type { AdvantageEstimator } from '../loss/advantages.js';
 import type { MaskSpec } from '../mask/index.js';
+import type { ManifestParallelPlan, ManifestSharedPiece } from '../io/sink.js';
 import type { CostModel } from '../pack/balance.js';
 import type { ReadStats } from '../records/read.js';
 import type { MergeOptions } from '../timeline/model.js';
@@ -31,6 +32,14 @@ export interface BudgetSettings {
   prefixCacheTokens?: number;
   /** bytes one cached prefix token costs, for the manifest's peak_cached_bytes */
   prefixBytesPerToken?: number;
+  /** with prefix reuse and dp > 1: compute a prefix held by several ranks once per group, in shares (docs/design.md §11); default true */
+  sharedPrefix?: boolean;
+  /** with prefix reuse: the most ranks of a context-parallel group the planner may use; default 1 (none) */
+  cp?: number;
+  /** the planner's cost model: bytes of keys and values of one token over all layers; default 57344 (a 7B model, bf16) */
+  kvBytesPerToken?: number;
+  /** the planner's cost model: bytes a link moves while a rank computes one token; default 5.7e6 */
+  linkBytesPerToken?: number;
 }
 
 /** The packer's options: one per row of the option table (docs/reference/cli.md, "Packer options"), plus `name` and `onProgress`. */
@@ -113,7 +122,11 @@ export interface PackReport {
   /** with a budget: the summed cost per rank */
   rankCosts: number[];
   /** with prefix reuse: tokens computed with grad and pushed without it (summed over windows), the most cached at once */
-  prefixReuse?: { computedTokens: number; pushedTokens: number; peakCachedTokens: number; peakCachedBytes?: number };
+  prefixReuse?: { computedTokens: number; pushedTokens: number; peakCachedTokens: number; peakCachedBytes?: number; sharedTokens?: number };
+  /** with prefix reuse: the shared prefix pieces of every window (manifest `shared_prefixes`) */
+  sharedPrefixes?: ManifestSharedPiece[];
+  /** with prefix reuse: the parallel planner's choice per window (manifest `parallel_plans`) */
+  parallelPlans?: ManifestParallelPlan[];
   /**
    * with MoE routes: the policy, the occurrences whose route differed from their node's first (token-only forest),
    * and the micro-batches' packed tokens without padding as packed (`splitTokens`) and sharing by tokens alone

@@ -160,6 +160,9 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
       { field: 'redis' },
     );
   }
+  // The feed hands each micro-batch to the one rank its entry names: a context-parallel group's other ranks would get none.
+  if ((r.packer.budget?.cp ?? 1) !== 1)
+    throw argError('packer.budget.cp', '1: the feed hands a micro-batch to one rank, not to a context-parallel group', r.packer.budget?.cp);
   if (r.dp > 1 && !r.packer.budget)
     throw argError('packer.budget', 'a token budget (maxTokens) when dp > 1: ranks come from the budgeted plan', r.packer.budget);
   return r;

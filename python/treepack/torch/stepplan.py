@@ -88,6 +88,12 @@ class StepOp(NamedTuple):
     prefix_tokens: int  # nodes [0, prefix_tokens) are the cached chain: the stack's depth when the micro-batch runs
     push: list[int]  # end depths of the segments pushed before it, ascending, the last = prefix_tokens
     release: int  # segments popped (top first) after it
+    # shared prefixes (docs/design.md §11): per push, the piece its data-parallel group computes in shares, or None. A
+    # runner of one rank's plan computes such a segment itself, as any other: the same results, the compute of the
+    # plan without sharing.
+    shared: tuple[int | None, ...] = ()
+    # context parallelism (docs/design.md §11): the ranks that run the micro-batch together; () for one rank
+    cp_ranks: tuple[int, ...] = ()
 
 
 def step_op(batch: PackedBatch) -> StepOp:
@@ -112,7 +118,29 @@ def step_op(batch: PackedBatch) -> StepOp:
         push = None
     if not isinstance(push, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in push):
         raise TreepackError("E_INPUT", f"prefix_push is {meta.get('prefix_push')!r}, expected a JSON list of integers", field="prefix_push")
-    return StepOp(num("prefix_tokens"), push, num("prefix_release"))
+
+    def ids(key: str, ok: Callable[[Any], bool], expected: str) -> tuple[Any, ...]:
+        v = meta.get(key)
+        if v is None:
+            return ()
+        try:
+            x = json.loads(v) if isinstance(v, str) else list(v)
+        except (TypeError, ValueError):
+            x = None
+        if not isinstance(x, list) or not ok(x):
+            raise TreepackError("E_INPUT", f"{key} is {v!r}, expected {expected}", field=key)
+        return tuple(x)
+
+    def is_int(e: Any) -> bool:
+        return isinstance(e, int) and not isinstance(e, bool) and e >= 0
+
+    shared = ids(
+        "prefix_shared",
+        lambda x: len(x) == len(push) and all(e is None or is_int(e) for e in x),
+        "a JSON list with a piece id or null per prefix_push entry",
+    )
+    cp = ids("cp_ranks", lambda x: len(x) >= 2 and all(is_int(e) for e in x), "a JSON list of two or more rank numbers")
+    return StepOp(num("prefix_tokens"), push, num("prefix_release"), shared, cp)
 
 
 @dataclass
@@ -460,6 +488,14 @@ class StepPlanRunner:
 
     def _check(self, batch: PackedBatch, op: StepOp) -> None:
         h, N = op.prefix_tokens, batch.num_nodes
+        if op.cp_ranks:
+            # One rank would run what the plan gives a group of them: G times the budget in tokens and cache.
+            raise TreepackError(
+                "E_INPUT",
+                f"the micro-batch is planned for context-parallel ranks {list(op.cp_ranks)} together, and this runner executes one "
+                "rank's plan: pack without --cp for it",
+                field="cp_ranks",
+            )
         if h > N:
             raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
         ar = torch.arange(h, device=batch.device)
