@@ -260,7 +260,8 @@ def placeholder_counts(mb: MicroBatch) -> np.ndarray:
     if mb.image_grid_thw is None:
         return np.zeros(0, dtype=np.int64)
     merge = int(mb.meta["image_processor"]["merge_size"])
-    return np.prod(mb.image_grid_thw.astype(np.int64), axis=1) // (merge * merge)
+    counts: np.ndarray = np.prod(mb.image_grid_thw.astype(np.int64), axis=1) // (merge * merge)
+    return counts
 
 
 def check_images(mb: MicroBatch) -> list[str]:
@@ -287,7 +288,10 @@ def check_images(mb: MicroBatch) -> list[str]:
     if len(mb.image_pixels) != need:
         out.append(f"image_pixels has {len(mb.image_pixels)} bytes: expected {need} (the sum of H·W·3 over image_sizes)")
     hashes = mb.meta.get("image_hashes")
-    name = lambda i: f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")  # noqa: E731
+
+    def name(i: int) -> str:
+        return f"image {i}" + (f" ({hashes[i]})" if isinstance(hashes, list) and i < len(hashes) else "")
+
     grid = mb.image_grid_thw.astype(np.int64)
     for i in range(n_images):
         try:

@@ -260,7 +260,8 @@ class LocalPart:
     def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
         """``route``'s rows of the group's ``x`` (this rank's [n, ...]), differentiable: [F, ...]. Every rank of the
         group must call it, in the same order, with the same route's shape."""
-        return _Fetch.apply(x, route, self.cp, what, self.stats)
+        fetched: torch.Tensor = _Fetch.apply(x, route, self.cp, what, self.stats)
+        return fetched
 
     def run(self, model: torch.nn.Module, base: torch.nn.Module, batch: PackedBatch, mask: Any) -> torch.Tensor:
         """The base model on this rank's local nodes against the context: final hidden states [A + n, D] (the
@@ -371,7 +372,8 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
     # The parents in the context of each rank's local nodes: the hidden rows it fetches.
     def hidden_need(r: int) -> torch.Tensor:
         p = batch.parent[bounds[r] : bounds[r + 1]].cpu()
-        return torch.unique(p[(p >= 0) & (p < bounds[r])])
+        need: torch.Tensor = torch.unique(p[(p >= 0) & (p < bounds[r])])
+        return need
 
     hneeds = [hidden_need(r) for r in range(cp.size)]
     part = LocalPart(
@@ -387,7 +389,10 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
     meta = dict(batch.meta)
     meta["num_tokens_packed"] = A + hi - lo
     meta["num_pad_tokens"] = max(0, hi - max(lo, N - pad)) if pad else 0
-    opt = lambda t: None if t is None else t[occ]  # noqa: E731
+
+    def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[occ]
+
     return PackedBatch(
         input_ids=batch.input_ids[nodes],
         position_ids=batch.position_ids[nodes],

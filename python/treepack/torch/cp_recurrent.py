@@ -65,7 +65,7 @@ class LocalForest:
     def __init__(self, subtree_end: np.ndarray, lo: int, hi: int, hang: np.ndarray, device: torch.device):
         self.subtree_end = torch.from_numpy(subtree_end[lo:hi] - lo).to(device)
         self.hang = hang
-        self._cache: dict = {}
+        self._cache: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class _Global:
 
 def _global(mask: Any, part: LocalPart) -> _Global:
     """``_Global`` of the local part's row, cached on the forward's mask (every layer shares it)."""
-    g = mask._cache.get("cp-global")
+    g: _Global | None = mask._cache.get("cp-global")
     if g is None:
         g = mask._cache["cp-global"] = _Global(part)
     return g
@@ -133,7 +133,7 @@ def _hangs(g: _Global) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pairs[:, 1], pairs[:, 0], index
 
 
-def _cached(mask: Any, part: LocalPart, key: tuple, build: Callable[[_Global, int, int, int], Any]) -> Any:
+def _cached(mask: Any, part: LocalPart, key: tuple[Any, ...], build: Callable[[_Global, int, int, int], Any]) -> Any:
     """``build(row, rank, lo, hi)`` for this rank of ``part``, cached on the forward's mask under ``key``."""
     plan = mask._cache.get(key)
     if plan is None:
@@ -145,7 +145,8 @@ def _cached(mask: Any, part: LocalPart, key: tuple, build: Callable[[_Global, in
 
 def state_plan(mask: Any, part: LocalPart, device: torch.device) -> StatePlan:
     """``StatePlan`` of this rank of the local part ``part`` (cached on the forward's mask)."""
-    return _cached(mask, part, ("cp-state", str(device)), lambda g, r, lo, hi: _state_plan(g, r, lo, hi, device))
+    plan: StatePlan = _cached(mask, part, ("cp-state", str(device)), lambda g, r, lo, hi: _state_plan(g, r, lo, hi, device))
+    return plan
 
 
 def _state_plan(g: _Global, r: int, lo: int, hi: int, device: torch.device) -> StatePlan:
@@ -168,7 +169,8 @@ def _state_plan(g: _Global, r: int, lo: int, hi: int, device: torch.device) -> S
 
 def conv_plan(mask: Any, part: LocalPart, k: int, device: torch.device) -> ConvPlan:
     """``ConvPlan`` of this rank of the local part ``part`` for kernel size k (cached on the forward's mask)."""
-    return _cached(mask, part, ("cp-conv", k, str(device)), lambda g, r, lo, hi: _conv_plan(g, r, lo, hi, k, device))
+    plan: ConvPlan = _cached(mask, part, ("cp-conv", k, str(device)), lambda g, r, lo, hi: _conv_plan(g, r, lo, hi, k, device))
+    return plan
 
 
 def _conv_plan(g: _Global, r: int, lo: int, hi: int, k: int, device: torch.device) -> ConvPlan:
@@ -197,7 +199,7 @@ class _Comm:
     """Point-to-point messages of one layer call between the ranks of the local part's group, tagged by the call's
     key; their bytes are counted in ``part.stats`` beside the attention exchanges'."""
 
-    def __init__(self, part: LocalPart, key: tuple, layer: str):
+    def __init__(self, part: LocalPart, key: tuple[Any, ...], layer: str):
         self.cp, self.stats, self.layer = part.cp, part.stats, layer
         self.base = (zlib.crc32(repr(key).encode()) % (1 << 24)) * 8
 
@@ -327,7 +329,7 @@ def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> LocalPart:
     return part
 
 
-def _once(tree: Tree, key: tuple) -> None:
+def _once(tree: Tree, key: tuple[Any, ...]) -> None:
     """Refuses a layer call run twice in one forward (gradient checkpointing re-runs it in the backward), before any
     message: the other ranks would not send its messages again."""
     seen = tree.mask._cache.setdefault("cp-calls", set())
@@ -342,7 +344,7 @@ def _once(tree: Tree, key: tuple) -> None:
 
 
 def conv(
-    orig: Callable, tree: Tree, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+    orig: Callable[..., Any], tree: Tree, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
     """``causal_conv1d_fn`` on this rank's nodes: x [1, C, n] -> [1, C, n], windows reaching earlier ranks."""
     part = _local(tree, "the convolution input", x, 2)
@@ -356,7 +358,7 @@ def conv(
     return windows_conv(orig, x[:, :, plan.imports :], x, plan.nodes, plan.windows, weight, bias, activation)
 
 
-def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
+def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable[..., Any]) -> torch.Tensor:
     """recurrent._run on this rank's nodes: roots hanging from earlier ranks start from the states received from
     them; the final states later ranks hang from are sent to them."""
     first = inputs[0]

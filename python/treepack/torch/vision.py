@@ -231,7 +231,8 @@ def hidden_states(
     out = base.language_model(
         inputs_embeds=embeds[None], position_ids=positions[:, None, start:end], attention_mask=mask, use_cache=False, **extra
     )
-    return out.last_hidden_state[0]
+    hidden: torch.Tensor = out.last_hidden_state[0]
+    return hidden
 
 
 def from_padded_images(
