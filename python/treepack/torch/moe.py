@@ -304,7 +304,8 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
                 raise TreepackError(
                     "E_INPUT", f"{r.treepack_name}: routes[{i}] give token {int(twice.nonzero()[0])} the same expert twice", field="routes"
                 )
-    return routes
+    checked: torch.Tensor = routes
+    return checked
 
 
 @contextlib.contextmanager
@@ -393,7 +394,8 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
         count = count.index_add(0, used.reshape(-1).to(dev), w.repeat_interleave(used.shape[-1]))
         prob = prob + (p * w[:, None]).sum(0)
     total = w.sum() * len(logits)
-    return E * torch.sum((count / total) * (prob / total))
+    aux: torch.Tensor = E * torch.sum((count / total) * (prob / total))
+    return aux
 
 
 def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> tuple[Any, torch.Tensor]:
