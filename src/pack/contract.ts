@@ -95,6 +95,7 @@ export const IMAGE_FIELDS = {
   image_fills: ['I32', (d: ImageDims) => [d.F, 4]],
   mrope_position_ids: ['I32', (d: ImageDims) => [3, d.N]],
 } as const;
+/** The sizes the image tensors' shapes follow: I images, F fills, N nodes, B pixel bytes. */
 export interface ImageDims {
   I: number;
   F: number;
