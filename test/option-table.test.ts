@@ -151,7 +151,7 @@ describe('the options treepack serve takes from the table', () => {
     }
   });
 
-  it("the route policy is one every service on a shared pool must agree on", () => {
+  it('the route policy is one every service on a shared pool must agree on', () => {
     const base = { engineUrl: 'http://127.0.0.1:1/v1', dataDir: join(dir, 'never') };
     const split = sharedConfig(resolveServiceOptions(base));
     expect(split.routeConflict).toBe('split');

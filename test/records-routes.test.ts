@@ -145,7 +145,19 @@ describe("slime samples' rollout_routed_experts", () => {
       /slime\.jsonl:6, record "7", field "rollout_routed_experts": expected routes for 2 tokens/,
     );
     expect(() =>
-      parseRecords({ ...slime, rollout_routed_experts: [[[1, 1], [0, 2]], ...R.slice(1)] }, { file: 'slime.jsonl', line: 7 }),
+      parseRecords(
+        {
+          ...slime,
+          rollout_routed_experts: [
+            [
+              [1, 1],
+              [0, 2],
+            ],
+            ...R.slice(1),
+          ],
+        },
+        { file: 'slime.jsonl', line: 7 },
+      ),
     ).toThrow(/field "rollout_routed_experts\[0\]\[0\]/);
   });
 });
