@@ -489,7 +489,7 @@ def _layer_window(module: torch.nn.Module, window: Any) -> int | None:
             return None
     if window != want:
         raise TreepackError("E_ARG", f"{name} asked for sliding_window = {window}, but {source}", field="sliding_window")
-    return window
+    return None if window is None else int(window)
 
 
 def tree_attention(

@@ -304,7 +304,8 @@ def check_routes(routes: Any, layers: list[Router], tokens: int | None = None) -
                 raise TreepackError(
                     "E_INPUT", f"{r.treepack_name}: routes[{i}] give token {int(twice.nonzero()[0])} the same expert twice", field="routes"
                 )
-    return routes
+    checked: torch.Tensor = routes
+    return checked
 
 
 @contextlib.contextmanager
@@ -407,7 +408,8 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
     if part is not None:  # f_e and the normalisation are the row's; P_e's sum stays local (the share's gradient)
         both = part.all_reduce(torch.cat([count, total[None]]), "the load-balancing loss's expert counts")
         count, total = both[:-1], both[-1]
-    return E * torch.sum((count / total) * (prob / total))
+    aux: torch.Tensor = E * torch.sum((count / total) * (prob / total))
+    return aux
 
 
 def pack_routed(sequences: Any, routes: Any, **pack_kwargs: Any) -> tuple[Any, torch.Tensor]:

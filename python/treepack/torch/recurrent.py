@@ -77,7 +77,7 @@ def _one_row(name: str, t: torch.Tensor, n: int, dim: int) -> None:
 
 
 def tree_conv(
-    orig: Callable,
+    orig: Callable[..., Any],
     tree: Tree,
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -107,7 +107,12 @@ def tree_conv(
 
 
 def _conv(
-    orig: Callable, mask: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+    orig: Callable[..., Any],
+    mask: Any,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
 ) -> torch.Tensor:
     n = int(mask.subtree_end.shape[0])
     _one_row("the convolution input", hidden_states, n, 2)
@@ -116,7 +121,7 @@ def _conv(
 
 
 def windows_conv(
-    orig: Callable,
+    orig: Callable[..., Any],
     row: torch.Tensor,
     columns: torch.Tensor,
     nodes: torch.Tensor,
@@ -127,7 +132,7 @@ def windows_conv(
 ) -> torch.Tensor:
     """The convolution of ``row`` [1, C, n] as one sequence, with the outputs of ``nodes`` [F] recomputed on their true
     windows ``windows`` [F, k] (columns of ``columns`` [1, C, m], -1 = zero past a root)."""
-    out = orig(row, weight, bias=bias, activation=activation)
+    out: torch.Tensor = orig(row, weight, bias=bias, activation=activation)
     if nodes.numel() == 0:
         return out
     k, m = int(weight.shape[-1]), int(columns.shape[2])
@@ -136,10 +141,11 @@ def windows_conv(
     x = F.pad(columns[0], (0, 1))
     win = x.index_select(1, torch.where(windows < 0, m, windows).flatten()).view(x.shape[0], -1, k).transpose(0, 1).contiguous()
     fixed = orig(win, weight, bias=bias, activation=activation)[:, :, k - 1]  # [F, C]
-    return out.index_copy(2, nodes, fixed.t()[None])
+    patched: torch.Tensor = out.index_copy(2, nodes, fixed.t()[None])
+    return patched
 
 
-def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable) -> torch.Tensor:
+def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: Callable[..., Any]) -> torch.Tensor:
     """Runs ``call(rows..., initial_state or None) -> (out [G, T, ...], final [G, ...])`` over the plan's calls in
     depth order; returns the nodes' outputs [1, N, ...] (under a step plan, nodes [rows, N): the roots that continue
     the cached chain start from its state; under context parallelism, the rank's nodes). The first input is always
@@ -163,7 +169,7 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
 
 
 def run_rows(
-    mask: Any, align: int, inputs: tuple[torch.Tensor | None, ...], call: Callable, starts: Callable[[], torch.Tensor] | None
+    mask: Any, align: int, inputs: tuple[torch.Tensor | None, ...], call: Callable[..., Any], starts: Callable[[], torch.Tensor] | None
 ) -> tuple[torch.Tensor, list[torch.Tensor], RunPlan]:
     """``run_plan(mask, align)``'s calls over ``inputs`` ([1, N, ...] each, the first given): (outputs [1, N, ...], the
     calls' final states, the plan). Rows that hang (``Call.hang``) start from ``starts()`` [H, ...] (asked only when
@@ -198,7 +204,7 @@ def run_rows(
 
 
 def tree_chunk_rule(
-    orig: Callable,
+    orig: Callable[..., Any],
     tree: Tree,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -221,14 +227,14 @@ def tree_chunk_rule(
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
 
-    def call(q, k, v, gg, bb, init):
+    def call(q: Any, k: Any, v: Any, gg: Any, bb: Any, init: Any) -> Any:
         return orig(q, k, v, g=gg, beta=bb, initial_state=init, output_final_state=True, **kwargs)
 
     return _run(tree, chunk_size or 64, (query, key, value, g, beta), call), None
 
 
 def tree_mamba2_scan(
-    orig: Callable,
+    orig: Callable[..., Any],
     tree: Tree,
     hidden_states: torch.Tensor,
     dt: torch.Tensor,
@@ -262,7 +268,7 @@ def tree_mamba2_scan(
         dt = F.softplus(dt)
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
 
-    def call(x, d, b, c, zz, init):
+    def call(x: Any, d: Any, b: Any, c: Any, zz: Any, init: Any) -> Any:
         return orig(
             x,
             d,
@@ -283,13 +289,13 @@ def tree_mamba2_scan(
     return _run(tree, chunk_size, (hidden_states, dt, B, C, z), call)
 
 
-def no_fused(orig: Callable, tree: Tree, *args: Any, **kwargs: Any) -> None:
+def no_fused(orig: Callable[..., Any], tree: Tree, *args: Any, **kwargs: Any) -> None:
     """``mamba2_split_conv1d_scan_combined`` on a tree: None, which makes the layer take its split path (the
     convolution and the scan above); the fused kernel runs the packed row as one sequence."""
     return None
 
 
-def dispatcher(kind: Callable, orig: Callable) -> Callable:
+def dispatcher(kind: Callable[..., Any], orig: Callable[..., Any]) -> Callable[..., Any]:
     """``orig`` with the tree way ``kind`` while a prepared layer runs on a tree."""
 
     def dispatch(*args: Any, **kwargs: Any) -> Any:
