@@ -11,6 +11,8 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { createPacker, loadTokenizer, MemorySink, packRecords, TreepackError } from '../src/index.js';
 import { getPath, groupOf, OPTION_TABLE, setPath, type OptionEntry } from '../src/packer/option-table.js';
 import { resolveOptions } from '../src/packer/options.js';
+import { SERVE_PACKER_OPTIONS } from '../src/cli/serve.js';
+import { resolveServiceOptions, sharedConfig } from '../src/serve/options.js';
 import { generateTokenSamples } from '../bench/dataset.js';
 import { cli } from './helpers/cli.js';
 import { caught } from './helpers/errors.js';
@@ -132,6 +134,29 @@ describe('every option of the table', () => {
     expect(manifest).not.toHaveProperty('mask_backend');
     expect(report.budget).toMatchObject({ padTokenId: 0, balanceSlack: 0.01 });
   }, 60_000);
+});
+
+describe('the options treepack serve takes from the table', () => {
+  it('are listed by serve --help, and a bad value names the flag (exit 2); --route-conflict among them', () => {
+    expect(SERVE_PACKER_OPTIONS.map((e) => e.option)).toContain('routeConflict');
+    const help = cli(['serve', '--help']).stdout.replace(/\s+/g, ' ');
+    const base = ['serve', '--engine', 'http://127.0.0.1:1/v1', '--data', join(dir, 'never'), '--tokenizer', 'qwen3'];
+    for (const e of SERVE_PACKER_OPTIONS) {
+      expect(help, e.flag).toContain(e.metavar ? `${e.flag} ${e.metavar}` : e.flag);
+      if (e.option === 'tokenizer') continue; // its bad value (blank) is the missing tokenizer's own message
+      const beside = requiredBeside(e).flatMap((r) => [r.flag, String(BUDGET)]);
+      const r = cli([...base, ...beside, `${e.flag}=${BAD[e.option].flag}`]);
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr, e.flag).toMatch(new RegExp(`for ${escape(e.flag)} but received`));
+    }
+  });
+
+  it('the route policy is one every service on a shared pool must agree on', () => {
+    const base = { engineUrl: 'http://127.0.0.1:1/v1', dataDir: join(dir, 'never') };
+    const split = sharedConfig(resolveServiceOptions(base));
+    expect(split.routeConflict).toBe('split');
+    expect(sharedConfig(resolveServiceOptions({ ...base, packer: { routeConflict: 'first' } })).routeConflict).toBe('first');
+  });
 });
 
 describe('resolveOptions', () => {

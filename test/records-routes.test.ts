@@ -130,3 +130,34 @@ describe('pre-tokenized samples with routes', () => {
     expect(plain.routes).toBeUndefined();
   });
 });
+
+describe("slime samples' rollout_routed_experts", () => {
+  it('are their routes: numpy [T - 1, layers, k] as JSON lists, the last token unrouted; a bad one names the field', () => {
+    // a slime Sample as JSON: response-only arrays, routes over the prompt and the response but the last token
+    const slime = { index: 7, group_index: 2, tokens: [5, 6, 7, 8], response_length: 2, reward: 1, rollout_routed_experts: R };
+    const [s] = parseRecords(slime, { file: 'slime.jsonl', line: 4 }) as Sample[];
+    expect([s.routes?.layers, s.routes?.topK]).toEqual([2, 2]);
+    expect([...s.routes!.experts]).toEqual([...R.flat(2), -1, -1, -1, -1]);
+    // the compact form too, as a caller that keeps the numpy bytes would send them
+    const [c] = parseRecords({ ...slime, rollout_routed_experts: compact(R, 'int32') }, { file: 'slime.jsonl', line: 5 }) as Sample[];
+    expect(c.routes?.experts).toEqual(s.routes?.experts);
+    expect(() => parseRecords({ ...slime, tokens: [5, 6] }, { file: 'slime.jsonl', line: 6 })).toThrow(
+      /slime\.jsonl:6, record "7", field "rollout_routed_experts": expected routes for 2 tokens/,
+    );
+    expect(() =>
+      parseRecords(
+        {
+          ...slime,
+          rollout_routed_experts: [
+            [
+              [1, 1],
+              [0, 2],
+            ],
+            ...R.slice(1),
+          ],
+        },
+        { file: 'slime.jsonl', line: 7 },
+      ),
+    ).toThrow(/field "rollout_routed_experts\[0\]\[0\]/);
+  });
+});

@@ -70,6 +70,7 @@ describe.skipIf(py.skipReason !== '')('MoE routes through treepack pack into tre
     for (const r of [agree, split, plan]) {
       expect(r.logprob_diff).toBeLessThan(1e-10);
       expect(r.aux_diff).toBeLessThan(1e-10);
+      expect(r.aux_compared).toBeGreaterThan(0); // the plan's too: run_step_plan(..., router=True)
       expect(r.grad_diff).toBeLessThan(1e-10);
     }
     expect(split.nodes).toBeGreaterThan(first.nodes); // the conflicts split the tree

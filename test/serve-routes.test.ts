@@ -154,6 +154,46 @@ describe('routed experts at the gateway', { timeout: 120_000 }, () => {
     });
   }
 
+  it("a routed chat call keeps its messages: each one's start and author, its agent, and its turn in the micro-batch", async () => {
+    const { base } = await start(VLLM, { packer: { tokenizer: 'qwen3', turnIds: true } });
+    const messages = [
+      { role: 'system', content: 'be brief' },
+      { role: 'user', content: 'first question' },
+      { role: 'assistant', content: 'first answer' },
+      { role: 'user', content: 'second question' },
+    ];
+    const r = await fetch(`${base}/episodes/ep-m/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'x-treepack-agent': 'solver' },
+      body: JSON.stringify({ messages }),
+    });
+    expect(r.status).toBe(200);
+    expect((await post(`${base}/v1/episodes/ep-m/finish`, { reward: 1 })).status).toBe(200);
+    const [line] = (await (await fetch(`${base}/v1/episodes/ep-m/records`)).text())
+      .trim()
+      .split('\n')
+      .map((l) => JSON.parse(l) as Obj);
+    const [s] = parseRecords(line, { file: 'records', line: 1 }) as Sample[];
+    expect(s.routes).toBeDefined();
+    expect(s.agent).toBe('solver');
+    // Qwen3's template opens every message's turn with <|im_start|>: the prompt's five of them (the response's
+    // header is the last) are where the messages start
+    const IM_START = 151644;
+    const prompt = [...s.tokens].slice(0, s.loss_mask.indexOf(1));
+    const starts = prompt.flatMap((t, i) => (t === IM_START ? [i] : []));
+    expect(starts).toHaveLength(5);
+    expect([...s.message_offsets!]).toEqual(starts);
+    expect(s.message_authors).toEqual(['initialization', 'user', 'env', 'user', 'llm']);
+    // the micro-batch's turn ids: -1 before the response's turn, 0 from its header on (not one turn throughout)
+    const res = await fetch(`${base}/v1/batches/next?wait=60`);
+    expect(res.status).toBe(200);
+    const file = join(tempDir('tp-routes-turns-'), 'mb.safetensors');
+    writeFileSync(file, Buffer.from(await res.arrayBuffer()));
+    const { batch } = readMicroBatch(file);
+    expect(batch.turn_ids).toBeDefined();
+    expect([...batch.turn_ids!]).toEqual([...s.tokens].map((_, i) => (i < starts[4] ? -1 : 0)));
+  });
+
   it('routes that cannot be recorded: the call is answered and recorded without them, counted, warned once naming call and field', async () => {
     // one row short of the call's tokens
     const short = await start({ ...VLLM, short: true });

@@ -16,6 +16,7 @@ export const SERVE_PACKER_OPTIONS = (
     'budget.prefixCacheTokens',
     'advantages',
     'merge.timelineCompareLevel',
+    'routeConflict',
   ] as const
 ).map(optionEntry);
 export const DP = optionEntry('budget.dp');

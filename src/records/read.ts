@@ -349,6 +349,10 @@ function parseSlime(o: Obj, ctx: Ctx, defaultId: string, vocabSize: number | und
     floatsInto(o.rollout_log_probs, lp, prompt, true, what, ctx, 'rollout_log_probs');
     s.rollout_logprobs = lp;
   }
+  // slime keeps the engine's routes over every token but the last, numpy int32 [T - 1, layers, k]: as JSON, nested lists
+  const routed = o.rollout_routed_experts;
+  if (routed !== undefined && routed !== null)
+    s.routes = parseRoutes(routed, n, { file: ctx.file, line: ctx.line, record: id }, 'rollout_routed_experts');
   return s;
 }
 

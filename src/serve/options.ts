@@ -205,6 +205,7 @@ export function sharedConfig(o: ResolvedServiceOptions): Record<string, unknown>
     merge: p.merge,
     windowTokens: p.windowTokens,
     masks: p.masks,
+    routeConflict: p.routeConflict,
     vocabSize: p.vocabSize ?? null,
   }) as Record<string, unknown>;
 }

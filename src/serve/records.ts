@@ -7,10 +7,16 @@
  * engine ids are rendered by the template (the fallback). A /v1/completions call needs the engine's ids. A call
  * whose output carries the experts the engine routed its tokens to (routed-experts.ts) is a sample too, with
  * `routes` over its prompt and generated tokens: the packer reads routes from pre-tokenized samples, where they
- * line up with the engine's own tokens.
+ * line up with the engine's own tokens. Where its prompt is the template's, it keeps the call's message boundaries
+ * and authors (`message_offsets`, `message_authors`: its turns, as the chat line would have them). Such a sample
+ * passes the timeline merge untouched (src/timeline/build.ts): calls share their common prefix in the forest
+ * instead, and only where their routes agree (src/pack/routes.ts), so no token is trained on another call's route.
  */
+import { TreepackError } from '../errors.js';
 import { parseRecords } from '../records/read.js';
-import type { ChatRecord } from '../records/types.js';
+import type { Author, ChatRecord } from '../records/types.js';
+import { timelineFromChat } from '../timeline/build.js';
+import { mergeDefaults } from '../timeline/model.js';
 import type { ChatEncoder } from '../tokenize/chat.js';
 import type { EngineOutput } from './engine.js';
 import type { Episode, RecordedCall } from './pool.js';
@@ -52,7 +58,32 @@ function renderedPrompt(encoder: ChatEncoder, rec: ChatRecord): Int32Array {
   return out;
 }
 
-function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOutput): Line {
+/**
+ * Where each message of a chat call starts in its rendered tokens, and its author, as the timeline merge reads the
+ * call (timelineFromChat; a message the template renders inside the previous one's turn, such as a second tool
+ * answer, is part of that message). Undefined where the template renders no turn per message, as the merge refuses.
+ */
+function messageBoundaries(rec: ChatRecord, encoder: ChatEncoder): { offsets: number[]; authors: Author[] } | undefined {
+  let messages;
+  try {
+    messages = timelineFromChat(rec, encoder, mergeDefaults()).timeline.messages;
+  } catch (err) {
+    if (err instanceof TreepackError && err.code === 'E_INPUT') return undefined;
+    throw err;
+  }
+  const offsets: number[] = [];
+  const authors: Author[] = [];
+  let at = 0;
+  for (const m of messages) {
+    if (m.tokens.length === 0) continue;
+    offsets.push(at);
+    authors.push(m.author);
+    at += m.tokens.length;
+  }
+  return { offsets, authors };
+}
+
+function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOutput, rec?: ChatRecord, encoder?: ChatEncoder): Line {
   const prompt = out.promptTokenIds!;
   const gen = out.tokenIds!;
   const line: Line = {
@@ -65,6 +96,11 @@ function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOu
   const lp = out.logprobs;
   if (lp && lp.length === gen.length) line.rollout_logprobs = [...new Array<number>(prompt.length).fill(0), ...lp];
   if (out.routes) line.routes = out.routes;
+  const bounds = rec && encoder && messageBoundaries(rec, encoder);
+  if (bounds) {
+    line.message_offsets = bounds.offsets;
+    line.message_authors = bounds.authors;
+  }
   if (call.agent !== undefined) line.agent = call.agent;
   if (ep.reward !== undefined) line.reward = ep.reward;
   return line;
@@ -106,7 +142,8 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
         if (matched) stats.promptMatched++;
         else stats.promptDrifted++;
         if (!matched || out.routes) {
-          samples.push(engineSample(ep, sampleId, call, out));
+          // the template's boundaries are the engine's only where it rendered the engine's prompt
+          samples.push(matched ? engineSample(ep, sampleId, call, out, rec, encoder) : engineSample(ep, sampleId, call, out));
           return;
         }
       } else stats.rendered++;

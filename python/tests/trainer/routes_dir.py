@@ -3,7 +3,8 @@
 the stock-attention twin replaying the routes its JSONL line gave (an unrouted last token: the router's own top-k).
 Prints one JSON list, per directory the largest differences of per-token logprobs, load-balancing loss and parameter
 gradients of a loss using both. ``plan:DIR`` runs the directory's step plan (``--prefix-reuse``) with
-``run_step_plan`` instead (logprobs and gradients). Each directory's input is the one its manifest names. Called by
+``run_step_plan(..., router=True)`` instead (the load-balancing loss of every micro-batch from its router outputs,
+the cached prefix's included). Each directory's input is the one its manifest names. Called by
 test/routes-replay.test.ts.
 
     python routes_dir.py [plan:]DIR ...
@@ -50,22 +51,29 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def compare(model, plain, batches, routes, plan):  # type: ignore[no-untyped-def]
     model.zero_grad(set_to_none=True)
     plain.zero_grad(set_to_none=True)
-    got_lp, ref_lp, aux_diff, pushed = [], [], 0.0, 0
+    got_lp, ref_lp, aux_diff, pushed, auxes = [], [], 0.0, 0, []
     if plan:
-        res = tpt.run_step_plan(model, batches, lambda lp, b: loss_of(tpt.gather_occurrences(lp, b), b.loss_mask))
+
+        def plan_loss(lp, b, router):  # type: ignore[no-untyped-def]
+            aux = tpt.load_balancing_loss(router, b)
+            auxes.append(aux.detach())
+            return loss_of(tpt.gather_occurrences(lp, b), b.loss_mask) + 0.5 * aux
+
+        res = tpt.run_step_plan(model, batches, plan_loss, router=True)
         lps, pushed = res.logprobs, res.pushed_tokens
     for k, batch in enumerate(batches):
         own = [routes[sid] for sid in batch.meta["sequence_ids"]]
         ref, _, ref_router = unpacked(plain, batch, own)
         if plan:
             lp = tpt.gather_occurrences(lps[k], batch)
+            aux_diff = max(aux_diff, abs(float(auxes[k] - tpt.load_balancing_loss(ref_router))))
         else:
             scores = tpt.packed_logprobs(model, batch, nodes="all")
             lp = tpt.gather_occurrences(scores.logprobs, batch)
             aux, ref_aux = tpt.load_balancing_loss(scores.router, batch), tpt.load_balancing_loss(ref_router)
             aux_diff = max(aux_diff, abs(float(aux - ref_aux)))
             (loss_of(lp, batch.loss_mask) + 0.5 * aux).backward()
-        (loss_of(ref, batch.loss_mask) + (0 if plan else 0.5 * ref_aux)).backward()
+        (loss_of(ref, batch.loss_mask) + 0.5 * tpt.load_balancing_loss(ref_router)).backward()
         t = batch.token_index > 0
         got_lp.append(lp[t].detach())
         ref_lp.append(ref[t].detach())
@@ -76,6 +84,7 @@ def compare(model, plain, batches, routes, plan):  # type: ignore[no-untyped-def
         "pushed_tokens": pushed,
         "logprob_diff": float((torch.cat(got_lp) - torch.cat(ref_lp)).abs().max()),
         "aux_diff": aux_diff,
+        "aux_compared": len(auxes) if plan else len(batches),
         "grad_diff": max(float((g[n] - ref_g[n]).abs().max()) for n in ref_g),
     }
 

@@ -156,6 +156,66 @@ def main_worker(rank: int, world: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def moe_worker(rank: int, world: int, out: str) -> None:
+    """Routing replay and the load-balancing loss on local parts: tiny Qwen3-MoE, routes that conflict on shared
+    prefixes (the tree split there), bounds balanced and inside segments."""
+    import torch.distributed as dist
+    from support import forests
+    from test_moe import build as moe_build
+    from test_moe import routed_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    model = moe_build("qwen3_moe")[0]
+    batch, _ = routed_batch(model, forests(VOCAB, seed=5)["mixed"], seed=3, conflicts=True)
+    config = CONFIGS["seq-mean-token-mean"]
+    N = batch.num_nodes
+    results = {}
+    for name, bounds in (("balanced", None), ("inside_segments", (0, N // 3 + 1, 2 * N // 3 - 1, N))):
+        model.zero_grad(set_to_none=True)
+        scores = tpt.packed_logprobs(model, batch, attention="block")
+        loss, metrics = tpt.packed_loss(scores.logprobs, batch, config, router=scores.router, aux_coef=0.5)
+        loss.backward()
+        ref = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        cp = tpt.ContextParallel.of(batch, bounds=bounds)
+        local = tpt.split_batch(batch, cp)
+        A = local.context_parallel.rows
+        lscores = tpt.packed_logprobs(model, local, attention="block")
+        lloss, lmetrics = tpt.packed_loss(lscores.logprobs, local, config, router=lscores.router, aux_coef=0.5)
+        _, values = tpt.PackedLoss(config, aux_coef=0.5)(lscores.logprobs.detach(), local, router=lscores.router)
+        lloss.backward()
+        tpt.reduce_gradients(model, cp)
+        got = [p.grad.clone() for p in model.parameters()]
+        # the per-rank losses (each with its aux share) sum to the one-rank loss
+        total = lloss.detach().clone()
+        dist.all_reduce(total)
+        a, b = torch.nan_to_num(scores.logprobs.detach()[cp.lo : cp.hi], nan=7.0), torch.nan_to_num(lscores.logprobs.detach()[A:], nan=7.0)
+        results[name] = {
+            "lp": float((a - b).abs().max()),
+            "experts": bool(torch.equal(lscores.router.experts, batch.routes[:, cp.lo : cp.hi])),
+            "aux": abs(lmetrics["aux_loss"] - metrics["aux_loss"]),
+            "aux_value": metrics["aux_loss"],
+            "aux_packed_loss_class": abs(float(values[-1]) - metrics["aux_loss"]),
+            "loss": abs(lmetrics["loss"] - metrics["loss"]),
+            "loss_sum": abs(float(total) - float(loss.detach())),
+            "grad": max(float((x - y).abs().max()) for x, y in zip(ref, got)),
+            "grad_scale": max(float(x.abs().max()) for x in ref),
+            "context": A,
+        }
+    # Negative control: the local part without its routes (the routers' own top-k) scores other logprobs.
+    with torch.no_grad():
+        ref = tpt.packed_logprobs(model, batch, attention="block").logprobs
+        cp = tpt.ContextParallel.of(batch)
+        local = tpt.split_batch(batch, cp)
+        local.routes = None
+        got = tpt.packed_logprobs(model, local, attention="block").logprobs[local.context_parallel.rows :]
+    results["control"] = float((torch.nan_to_num(ref[cp.lo : cp.hi], nan=7.0) - torch.nan_to_num(got, nan=7.0)).abs().max())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
 def fault_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -230,6 +290,21 @@ class ContextParallelOverGloo(unittest.TestCase):
         control = max(res["control"]["lp"] for res in ranks)
         self.assertGreater(control, 1e-3, "without the key/value exchange the logprobs must differ")
         self.assertEqual(ranks[0]["control"]["lp"], 0.0)  # rank 0 has no context: nothing to exchange
+
+    def test_moe_routing_replay_and_aux_loss_equal_the_one_rank_run(self):
+        ranks = spawn(moe_worker, 3)
+        for name in ("balanced", "inside_segments"):
+            for r, res in enumerate(ranks):
+                got = res[name]
+                with self.subTest(case=name, rank=r):
+                    self.assertTrue(got["experts"])  # each rank's routers used its local nodes' routes
+                    for k in ("lp", "aux", "aux_packed_loss_class", "loss", "loss_sum"):
+                        self.assertLessEqual(got[k], TOL, k)
+                    self.assertGreater(got["aux_value"], 0.1)
+                    self.assertLessEqual(got["grad"], TOL * max(1.0, got["grad_scale"]))
+                    self.assertGreater(got["grad_scale"], 1e-3)
+            self.assertTrue(any(res[name]["context"] > 0 for res in ranks))
+        self.assertGreater(max(res["control"] for res in ranks), 1e-6, "without replay the local parts' logprobs must differ")
 
     def test_faults_are_refused_on_every_rank_without_hanging(self):
         ranks = spawn(fault_worker, 2)

@@ -202,6 +202,8 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
             model_init_kwargs={"attn_implementation": "treepack" if packed else "sdpa", "dtype": torch.float64},
         )
         args.update(cfg)
+        if self.path.endswith("qwen3_moe"):  # grouped_mm refuses float64
+            args["model_init_kwargs"] = {**args["model_init_kwargs"], "experts_implementation": "eager"}
         capture = Capture()
         num_items = sum(sum(x["mask"]) for x in rows) if num_items is None else num_items  # over every rank's rows
         if packed:
@@ -345,6 +347,39 @@ class TRLOnMicroBatchesTest(unittest.TestCase):
         # An optimizer step inside the plan (after 2 of its micro-batches, the prompt still cached) is refused.
         with self.assertRaisesRegex(ValueError, "gradient_accumulation_steps"):
             self.run_trainer(True, False, feed=dataset, rows=rows, gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2)
+
+    @unittest.skipIf(bool(CLI_SKIP), CLI_SKIP)
+    def test_step_plan_directory_with_the_moe_aux_loss(self):
+        """The step plan above through a tiny Qwen3-MoE with TRL's router load-balancing loss on: the same step (loss,
+        aux_loss, every gradient, the routers' included) as the micro-batches fed as plain inputs; the cached prompts'
+        router logits count in every micro-batch hanging from them (StepPlanRunner(router=True)). The router's softmax
+        and transformers' aux loss run in float64 on both sides (test_trl_grpo.test_moe_aux_loss)."""
+        from unittest import mock
+
+        import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
+        from test_trl_grpo import aux_float64, router_in_input_dtype, tiny_moe
+        from treepack.torch import PackedDataset
+
+        samples, out = plan_samples(self.tmp.name, "planned-moe")
+        dataset = PackedDataset(out)
+        rows = [dict(samples[int(sid[1:])], mb=mb) for mb, b in enumerate(dataset) for sid in b.meta["sequence_ids"]]
+        path, self.path = self.path, os.path.join(self.tmp.name, "qwen3_moe")
+        tiny_moe().save_pretrained(self.path)
+        try:
+            with (
+                mock.patch.object(qm.Qwen3MoeTopKRouter, "forward", router_in_input_dtype),
+                mock.patch.object(qm, "load_balancing_loss_func", aux_float64),
+            ):
+                _, plain = self.run_trainer(False, False, rows=rows, router_aux_loss_coef=0.5)
+                packed, cap = self.run_trainer(True, False, feed=dataset, rows=rows, router_aux_loss_coef=0.5)
+        finally:
+            self.path = path
+        self.assertIn("aux_loss", plain.logs[0])
+        self.assertSameStep(plain, cap)
+        self.assertTrue(any("mlp.gate" in n for n in cap.grads))
+        runner = packed.__dict__["_treepack_plan"]
+        self.assertTrue(runner.router)
+        self.assertGreater(runner.pushed, 0)
 
     @unittest.skipIf(bool(CLI_SKIP), CLI_SKIP)
     def test_step_plan_under_ddp(self):

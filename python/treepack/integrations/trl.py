@@ -97,7 +97,8 @@ class PackedForwardMixin:
     micro-batch in full, which its file holds.
 
     With ``router_aux_loss_coef`` on and a MoE model, the router's load-balancing loss is computed on the forest with
-    each node counted once per row that contains it (``treepack.torch.load_balancing_loss``): stock TRL's value.
+    each node counted once per row that contains it (``treepack.torch.load_balancing_loss``): stock TRL's value; a
+    step plan's micro-batch includes its cached prefix's router logits (``StepPlanRunner(router=True)``).
 
     ``treepack_stats``: (tokens, packed nodes) of the latest forwards (up to ``STATS_KEPT``), in order; each
     training forward also logs ``treepack/compression`` (tokens ÷ nodes) with TRL's metrics."""
@@ -131,13 +132,7 @@ class PackedForwardMixin:
             batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
             self._treepack_record(int(att.sum()), batch.num_nodes)
             if "prefix_tokens" in batch.meta and torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model):
-                if compute_aux_loss:
-                    raise TreepackError(
-                        "E_ARG",
-                        "the router's load-balancing loss is not computed through a step plan (router_aux_loss_coef=0)",
-                        field="router_aux_loss_coef",
-                    )
-                scores = self._treepack_runner(model).forward(batch)
+                scores = self._treepack_runner(model, compute_aux_loss).forward(batch)
             else:
                 scores = forward_logprobs(
                     model,
@@ -209,15 +204,24 @@ class PackedForwardMixin:
                 entropies.append(layout.to_padded(scores.entropy))
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
-    def _treepack_runner(self, model) -> StepPlanRunner:
-        """The policy's step-plan runner, made at its first planned micro-batch."""
+    def _treepack_runner(self, model, router: bool) -> StepPlanRunner:
+        """The policy's step-plan runner, made at its first planned micro-batch; ``router``: it keeps the router
+        logits of what it caches, for the load-balancing loss."""
         runner = self.__dict__.get("_treepack_plan")
         if runner is None:
             # Under DDP the runner works inside the wrapper (FSDP and DeepSpeed are refused by name), so no backward
             # synchronises; training_step averages the gradients once, after the accumulation's last pops.
             runner = self._treepack_plan = StepPlanRunner(
-                model, attention=self.treepack_attention, temperature=self.temperature, entropy=True
+                model, attention=self.treepack_attention, temperature=self.temperature, entropy=True, router=router
             )
+        elif runner.router != router:
+            if runner.stack:
+                raise TreepackError(
+                    "E_ARG",
+                    "the load-balancing loss was switched on or off while the step plan holds a cached prefix",
+                    field="router_aux_loss_coef",
+                )
+            runner.router = router
         return runner
 
     def training_step(self, model, inputs, num_items_in_batch=None):

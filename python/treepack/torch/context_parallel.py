@@ -21,9 +21,9 @@ the ancestor chain of node lo (its *context*, A nodes, held by lower ranks). ``s
 those A context nodes followed by the n local nodes, renumbered (subtree ends cut at hi), whose tree mask restricted
 to rows [A, A + n) is the global mask's rows [lo, hi) exactly (windows and sinks included: positions are kept). Its
 occurrences are those whose node is local (``seq_positions`` renumbered; every sequence kept, possibly empty, so
-per-sequence sums can be all-reduced); ``input_ids``/``position_ids`` cover context and local nodes; ``routes`` are
-refused (not yet). The batch's ``context_parallel`` field holds a ``LocalPart``: the split, the context's global
-node ids, and the exchange routes.
+per-sequence sums can be all-reduced); ``input_ids``/``position_ids`` and ``routes`` (a MoE row's, replayed by
+the routers on the local nodes) cover context and local nodes. The batch's ``context_parallel`` field holds a
+``LocalPart``: the split, the context's global node ids, and the exchange routes.
 
 **The forward** (``packed_logprobs`` does it when ``batch.context_parallel`` is set: ``LocalPart.run``). The base
 model runs on the local nodes only, with the TreeMask of the local forest whose ``prefix`` attribute is a
@@ -45,6 +45,8 @@ states of the lower ranks it hangs from). Token mixers treepack does not run on 
 aggregation reads (trainable tokens per sequence, hence T and G; GSPO's sequence mean; sequence TIS) and compute
 the local occurrences' share of the global loss: the per-rank losses sum to the one-rank loss, and so do their
 parameter gradients (``reduce_gradients``: an all-reduce SUM, not DDP's mean). The metrics are the whole row's.
+A MoE model's load-balancing loss (``router=``) is added the same way: the experts' counts and its normalisation
+all-reduced, each rank's value its share (``treepack.torch.load_balancing_loss``).
 
 Every collective runs under the process group's timeout (``init_process_group(timeout=...)``): a rank that failed or
 runs other code makes the others raise TreepackError (E_BACKEND) naming the exchange, never hang.
@@ -344,8 +346,6 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         raise TreepackError("E_ARG", f"expected a PackedBatch, got {type(batch).__name__}", field="batch")
     if batch.context_parallel is not None:
         raise TreepackError("E_ARG", "this batch is already a rank's local part", field="batch")
-    if batch.routes is not None:
-        raise TreepackError("E_ARG", "routing replay (routes) under context parallelism is not supported yet", field="routes")
     N = batch.num_nodes
     bounds = _check_bounds(cp.bounds, cp.size, N)
     if check:
@@ -409,6 +409,7 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         ref_logprobs=opt(batch.ref_logprobs),
         rollout_logprobs=opt(batch.rollout_logprobs),
         turn_ids=opt(batch.turn_ids),
+        routes=None if batch.routes is None else batch.routes[:, nodes],
         extra={},
         context_parallel=part,
     )

@@ -196,11 +196,11 @@ def packed_logprobs(
         mask = model_mask(model, batch, attention)
         part = batch.context_parallel
         if part is not None:  # a rank's local part: the context's keys/values and hidden rows come from their owners
-            if routes is not None or router:
-                raise TreepackError("E_ARG", "routing replay under context parallelism is not supported yet", field="routes")
             if vision_family(model) is not None or has_images(batch):
                 raise TreepackError("E_ARG", "a vision-language model under context parallelism is not supported yet", field="batch")
-            hidden, moe = part.run(model, base, batch, mask), None
+            with routed(model, batch, routes, router) as routing:  # the routers see the local nodes only
+                hidden = part.run(model, base, batch, mask)
+            moe = None if routing is None else router_outputs(routing, model)
         else:
             with routed(model, batch, routes, router) as routing:
                 if vision_family(model) is not None or has_images(batch):
@@ -271,12 +271,23 @@ def packed_logprobs(
 @contextlib.contextmanager
 def routed(model: torch.nn.Module, batch: PackedBatch, routes: torch.Tensor | None, router: bool) -> Iterator[Any]:
     """``replay_routes`` over one packed forward when there are routes (given, or the batch's) or router outputs are
-    asked for; else nothing (yields None)."""
+    asked for; else nothing (yields None). On a context-parallel local part the forward runs its local nodes: they
+    replay the local rows of the routes ([MoE layers, A + n, k], the context's first)."""
     routes = batch.routes if routes is None else routes
     if routes is None and not router:
         yield None
         return
-    with replay_routes(model, routes, tokens=batch.num_nodes) as routing:
+    A = 0 if batch.context_parallel is None else batch.context_parallel.rows
+    if routes is not None and A:
+        if not (isinstance(routes, torch.Tensor) and routes.dim() == 3 and routes.shape[1] == batch.num_nodes):
+            got = list(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
+            raise TreepackError(
+                "E_INPUT",
+                f"expected routes [MoE layers, {batch.num_nodes}, k] (the local part's nodes, context first), got {got}",
+                field="routes",
+            )
+        routes = routes[:, A:]
+    with replay_routes(model, routes, tokens=batch.num_nodes - A) as routing:
         yield routing
 
 

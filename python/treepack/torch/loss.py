@@ -285,20 +285,24 @@ def packed_loss(
     loss, values = _loss(lp, t, c, _seq_index(batch), _context_parallel(batch))
     as_tensors = dict(zip(METRICS, values.unbind(0)))
     if router is not None:
-        loss, aux = _with_aux(loss, router, batch, aux_coef)
-        as_tensors.update(loss=loss.detach(), aux_loss=aux.detach())
+        loss, aux, coef = _with_aux(loss, router, batch, aux_coef)
+        as_tensors.update(loss=as_tensors["loss"] + coef * aux, aux_loss=aux)
     return loss, (metrics_to_floats(as_tensors) if metrics == "float" else as_tensors)
 
 
-def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: float | None) -> tuple[Tensor, Tensor]:
-    """(loss + coefficient × load-balancing loss, the load-balancing loss)."""
-    if _context_parallel(batch) is not None:
-        raise TreepackError("E_ARG", "the router's load-balancing loss under context parallelism is not supported yet", field="router")
+def _with_aux(loss: Tensor, router: RouterOutputs, batch: Batch, aux_coef: float | None) -> tuple[Tensor, Tensor, float]:
+    """(loss + coefficient × load-balancing loss, the row's load-balancing loss for the metrics (detached), the
+    coefficient). On a context-parallel local part the loss takes this rank's share (``load_balancing_loss``), the
+    metric the row's (the shares summed over the group)."""
     coef = router.aux_coef if aux_coef is None else aux_coef
     if coef is None:
         raise TreepackError("E_ARG", "the model has no router_aux_loss_coef: pass aux_coef", field="aux_coef")
     aux = load_balancing_loss(router, batch).to(loss.device)
-    return loss + float(coef) * aux, aux
+    row = aux.detach()
+    part = _context_parallel(batch)
+    if part is not None:
+        row = part.all_reduce(row.clone(), "the load-balancing loss")
+    return loss + float(coef) * aux, row, float(coef)
 
 
 def metrics_to_floats(metrics: Mapping[str, Tensor]) -> dict[str, Any]:
@@ -328,9 +332,9 @@ class PackedLoss:
         loss, values = _loss(lp, t, self.config, _seq_index(batch), _context_parallel(batch))
         if router is None:
             return loss, values
-        loss, aux = _with_aux(loss, router, batch, self.aux_coef)
-        values = torch.cat([values, aux.detach()[None]])
-        values[METRICS.index("loss")] = loss.detach()  # the total, as packed_loss reports it
+        loss, aux, coef = _with_aux(loss, router, batch, self.aux_coef)
+        values = torch.cat([values, aux[None]])
+        values[METRICS.index("loss")] += coef * aux  # the total, as packed_loss reports it
         return loss, values
 
     @staticmethod

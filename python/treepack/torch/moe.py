@@ -373,7 +373,12 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
     occurrences mapped to it (``occurrence_weights``; every token 1 when ``batch`` is None). ``routing``: a
     ``Routing`` or ``RouterOutputs``; ``f_e`` counts the experts the forward used (the replayed ones). A float64 0-d
     tensor, differentiable through the router logits. Refused for sigmoid routers (DeepSeek-V3 and its family
-    balance without an auxiliary loss in transformers)."""
+    balance without an auxiliary loss in transformers).
+
+    On a rank's local part of a context-parallel row (``treepack.torch.split_batch``; the router saw its local nodes),
+    the experts' counts and the occurrences they are normalised by are all-reduced over the group, and the value is
+    this rank's share of the row's loss (it is linear in the local probabilities once those are global): the ranks'
+    values sum to the one-rank loss, and their gradients too (``reduce_gradients``)."""
     logits = routing.logits
     experts = routing.experts() if isinstance(routing, Routing) else routing.experts
     if any(k == "sigmoid" for k in routing.kinds):
@@ -385,7 +390,13 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
         )
     dev = logits[0].device
     n = logits[0].shape[0]
-    w = torch.ones(n, dtype=torch.float64, device=dev) if batch is None else occurrence_weights(batch, n).to(dev)
+    part = getattr(batch, "context_parallel", None)
+    if batch is None:
+        w = torch.ones(n, dtype=torch.float64, device=dev)
+    elif part is not None:  # the context's nodes (the first A) are routed on the ranks that own them
+        w = occurrence_weights(batch, part.rows + n)[part.rows :].to(dev)
+    else:
+        w = occurrence_weights(batch, n).to(dev)
     E = logits[0].shape[-1]
     count = torch.zeros(E, dtype=torch.float64, device=dev)
     prob = torch.zeros(E, dtype=torch.float64, device=dev)
@@ -394,6 +405,9 @@ def load_balancing_loss(routing: Any, batch: Any = None) -> torch.Tensor:
         count = count.index_add(0, used.reshape(-1).to(dev), w.repeat_interleave(used.shape[-1]))
         prob = prob + (p * w[:, None]).sum(0)
     total = w.sum() * len(logits)
+    if part is not None:  # f_e and the normalisation are the row's; P_e's sum stays local (the share's gradient)
+        both = part.all_reduce(torch.cat([count, total[None]]), "the load-balancing loss's expert counts")
+        count, total = both[:-1], both[-1]
     aux: torch.Tensor = E * torch.sum((count / total) * (prob / total))
     return aux
 

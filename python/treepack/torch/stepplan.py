@@ -37,6 +37,12 @@ the cached inputs (python/treepack/torch/recurrent.py), and a pop back-propagate
 (the state's is the recurrence's ``dht``). Every computed node whose parent is cached must then hang from the
 chain's last node (the planner's cuts guarantee it). Other token mixers are refused by name.
 
+A mixture-of-experts model replays each node's routes (``batch.routes``) in every pass that computes it. With
+``router=True`` a segment also keeps its router logits per MoE layer as leaves, so a micro-batch's ``router``
+(``RouterOutputs`` of all its nodes, the cached ones' included) gives the load-balancing loss of the micro-batch as
+it would be run in full (``load_balancing_loss``), value and gradient: the cached logits' gradient is carried into
+the pop like the keys'.
+
 A vision-language model (``treepack.torch.vision``) runs its vision encoder, in each pass, on the images that fill a
 node of what that pass computes: an image whose fill lies in a cached prefix is encoded without grad when pushed
 and again, with grad, when popped, so its gradient reaches the vision tower through the gathered leaves. A cached
@@ -58,7 +64,7 @@ from .attention import tree_mask
 from .batch import PackedBatch
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers, unsupported_mixers
-from .moe import replay_routes
+from .moe import RouterOutputs, Routing, replay_routes, router_outputs
 from .vision import has_images, hidden_states, image_keys, vision_family
 from .wrappers import wrappers
 
@@ -176,6 +182,7 @@ class _Segment:
         ent: torch.Tensor | None,
         routes: torch.Tensor | None,
         source: PackedBatch | None,
+        routing: Routing | None,
     ) -> None:
         self.start, self.end = start, start + int(ids.shape[0])
         self.ids, self.pos, self.routes = ids, pos, routes  # routes: [MoE layers, n, k], replayed again at the pop
@@ -187,9 +194,17 @@ class _Segment:
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
         self.ent = None if ent is None else leaf(ent)
+        # with router=True: each MoE layer's router logits [n, experts] (leaves) and the experts used [MoE layers, n, k]
+        self.router_logits = None if routing is None else [leaf(t) for t in routing.logits]
+        self.experts = None if routing is None else routing.experts()
 
     def leaves(self) -> list[torch.Tensor]:
-        return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
+        return (
+            list(self.cache.values())
+            + [self.hidden, self.lp]
+            + ([] if self.ent is None else [self.ent])
+            + ([] if self.router_logits is None else self.router_logits)
+        )
 
     def nbytes(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self.leaves())  # each leaf and its gradient
@@ -347,7 +362,9 @@ class StepPlanRunner:
     calls ``forward(batch)`` (its pushes and forward: scores connected to the cached leaves), back-propagates, then
     ``release()`` (its pops). ``temperature`` divides the logits; ``entropy`` also returns (and caches) entropies.
     ``model`` may be wrapped in DistributedDataParallel (and PEFT): the executor runs the model inside, outside DDP's
-    forward, so no backward synchronises; ``sync_gradients()`` then averages the gradients once per optimizer step."""
+    forward, so no backward synchronises; ``sync_gradients()`` then averages the gradients once per optimizer step.
+    ``router=True`` (a MoE model): ``forward`` returns the micro-batch's router outputs (``NodeScores.router``, every
+    node's, the cached prefix's included) and ``run`` calls ``loss_fn(logprobs, batch, router)``."""
 
     def __init__(
         self,
@@ -358,6 +375,7 @@ class StepPlanRunner:
         temperature: float = 1.0,
         entropy: bool = False,
         image_processor: Any = None,
+        router: bool = False,
     ) -> None:
         model, self.ddp = _data_parallel(model)
         impl = getattr(model.config, "_attn_implementation", None)
@@ -389,7 +407,8 @@ class StepPlanRunner:
                     field="dropout",
                 )
         self.model, self.attention, self.chunk_size, self.block_size = model, attention, chunk_size, block_size
-        self.temperature, self.entropy = float(temperature), entropy
+        self.temperature, self.entropy, self.router = float(temperature), entropy, router
+        self.router_meta: tuple[tuple[str, ...], float | None] | None = None  # the routers' kinds and aux coefficient
         self.vision, self.image_processor = vision_family(model) is not None, image_processor
         self.recurrent = bool(token_mixers(model)[0])
         self.head, self.base = _head_and_base(model)
@@ -411,8 +430,10 @@ class StepPlanRunner:
         mask.prefix = ctx = _Prefix(self.stack, rows)
         # A MoE model replays the routes of the nodes it computes (a cached node's were replayed when it was pushed).
         routes = forest.routes
-        replay = contextlib.nullcontext() if routes is None else replay_routes(self.model, routes[:, rows:], tokens=forest.num_nodes - rows)
-        with replay:
+        replay: Any = contextlib.nullcontext()
+        if routes is not None or self.router:
+            replay = replay_routes(self.model, None if routes is None else routes[:, rows:], tokens=forest.num_nodes - rows)
+        with replay as routing:
             if self.vision and source is not None:
                 hidden = hidden_states(self.model, source, mask, self.image_processor, start=rows, end=forest.num_nodes)
             else:
@@ -434,7 +455,11 @@ class StepPlanRunner:
                 f"this forward's layers cached {keys}, the first one's {self.keys}: the step plan needs the same layers in every forward",
                 field="layer_idx",
             )
-        return hidden, ctx.captured
+        if not self.router:
+            return hidden, ctx.captured, None
+        out = router_outputs(routing, self.model)
+        self.router_meta = (out.kinds, out.aux_coef)
+        return hidden, ctx.captured, routing
 
     def _scores(self, hidden: torch.Tensor, forest: PackedBatch, nodes: torch.Tensor) -> Any:
         s = packed_logprobs(
@@ -453,14 +478,14 @@ class StepPlanRunner:
             None if below else torch.cat([cast(torch.Tensor, s.routes) for s in self.stack] + [cast(torch.Tensor, routes)], dim=1)
         )
         chain = _chain_batch(torch.cat([s.ids for s in self.stack] + [ids]), torch.cat([s.pos for s in self.stack] + [pos]), chain_routes)
-        hidden, cache = self._forward(chain, start, source)
+        hidden, cache, routing = self._forward(chain, start, source)
         full = torch.cat([s.hidden for s in self.stack] + [hidden])
         lp, ent = self._scores(full, chain, torch.arange(max(start, 1), chain.num_nodes, device=ids.device))
 
         def zero(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.nan_to_num(t[start:], nan=0.0)
 
-        return cache, hidden, zero(lp), zero(ent)
+        return cache, hidden, zero(lp), zero(ent), routing
 
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.depth
@@ -468,8 +493,8 @@ class StepPlanRunner:
         routes = None if batch.routes is None else batch.routes[:, start:end]
         source = batch if self.vision else None
         with torch.no_grad():
-            cache, hidden, lp, ent = self._segment_pass(ids, pos, routes, start, source)
-        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent, routes, source))
+            cache, hidden, lp, ent, routing = self._segment_pass(ids, pos, routes, start, source)
+        self.stack.append(_Segment(start, ids, pos, cache, hidden, lp, ent, routes, source, routing))
         self.pushed += end - start
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
@@ -478,10 +503,12 @@ class StepPlanRunner:
         seg = self.stack.pop()
         if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
-        cache, hidden, lp, ent = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start, seg.source)
+        cache, hidden, lp, ent, routing = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start, seg.source)
         pairs = [(cache[k], t.grad) for k, t in seg.cache.items()] + [(hidden, seg.hidden.grad), (lp, seg.lp.grad)]
         if ent is not None and seg.ent is not None:
             pairs.append((ent, seg.ent.grad))
+        if routing is not None and seg.router_logits is not None:
+            pairs += [(t, leaf.grad) for t, leaf in zip(routing.logits, seg.router_logits)]
         pairs = [(t, g) for t, g in pairs if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.computed += seg.end - seg.start
@@ -577,8 +604,9 @@ class StepPlanRunner:
         if N == 0:  # an empty step (ranks are padded to equal step counts): nothing to run or to score
             empty = torch.zeros(0, dtype=torch.float64)
             return NodeScores(empty, empty if self.entropy else None, targets)
+        routing = None
         if N > h:
-            hidden = self._forward(batch, h, batch)[0]
+            hidden, _, routing = self._forward(batch, h, batch)
         else:  # every node is cached (sequences that end on the chain): only the loss runs
             hidden = self.stack[-1].hidden.new_zeros((0, self.stack[-1].hidden.shape[1]))
         full = torch.cat([s.hidden for s in self.stack] + [hidden]) if h else hidden
@@ -589,7 +617,19 @@ class StepPlanRunner:
             if ent is not None:
                 ent = ent.index_put((old,), torch.cat([cast(torch.Tensor, s.ent) for s in self.stack])[old])
         self.computed += N - h
-        return NodeScores(lp, ent, targets)
+        return NodeScores(lp, ent, targets, self._router(routing) if self.router else None)
+
+    def _router(self, routing: Routing | None) -> RouterOutputs:
+        """The micro-batch's router outputs: the cached segments' logits (leaves) and experts, then its own."""
+        if any(s.router_logits is None or s.experts is None for s in self.stack):
+            raise TreepackError("E_ARG", "a cached prefix was pushed without its router logits (router=False)", field="router")
+        logits = [cast(list[torch.Tensor], s.router_logits) for s in self.stack]
+        experts = [cast(torch.Tensor, s.experts) for s in self.stack]
+        if routing is not None:
+            logits.append(list(routing.logits))
+            experts.append(routing.experts())
+        kinds, coef = cast(tuple[tuple[str, ...], float | None], self.router_meta)
+        return RouterOutputs(tuple(torch.cat(ls) for ls in zip(*logits)), torch.cat(experts, dim=1), kinds, coef)
 
     def release(self) -> None:
         """The pops of the micro-batch forwarded last (after its loss was back-propagated): each segment recomputed
@@ -620,7 +660,7 @@ class StepPlanRunner:
         if batch.num_nodes == 0:
             self.release()
             return torch.zeros((), dtype=torch.float64), scores.logprobs
-        loss = loss_fn(scores.logprobs, batch)
+        loss = loss_fn(scores.logprobs, batch, scores.router) if self.router else loss_fn(scores.logprobs, batch)  # type: ignore[call-arg]
         if loss.requires_grad:
             loss.backward()
         self.release()
@@ -652,6 +692,7 @@ def run_step_plan(
     temperature: float = 1.0,
     sync: bool = True,
     image_processor: Any = None,
+    router: bool = False,
 ) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
@@ -660,9 +701,18 @@ def run_step_plan(
     DistributedDataParallel (every rank calls this with its own micro-batches of the step), the gradients are then
     averaged over the ranks in one all-reduce, as DDP's own accumulation would (``sync=False``: not yet, for a step
     spread over several calls; ``sync_gradients(model)`` after the last). ``image_processor``: a vision-language
-    model's (``packed_logprobs``')."""
+    model's (``packed_logprobs``'). ``router=True`` (a MoE model): ``loss_fn(logprobs, batch, router)`` gets the
+    micro-batch's ``RouterOutputs``, the cached prefix's included, for the load-balancing loss, e.g.
+    ``lambda lp, b, r: tpt.packed_loss(lp, b, cfg, router=r, aux_coef=0.01)[0]``: value and gradient those of the
+    micro-batch run in full."""
     runner = StepPlanRunner(
-        model, attention=attention, chunk_size=chunk_size, block_size=block_size, temperature=temperature, image_processor=image_processor
+        model,
+        attention=attention,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        temperature=temperature,
+        image_processor=image_processor,
+        router=router,
     )
     losses, lps = [], []
     for i, batch in enumerate(batches):
