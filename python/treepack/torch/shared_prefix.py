@@ -109,7 +109,8 @@ class Share:
         self.stats: dict[str, int] = {}
 
     def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
-        got: torch.Tensor = _Fetch.apply(x, route, self.cp, f"{what} of shared piece {self.piece.id}", self.stats)
+        where = f"{what} of shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)})"
+        got: torch.Tensor = _Fetch.apply(x, route, self.cp, where, self.stats)
         return got
 
     def gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
