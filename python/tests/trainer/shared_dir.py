@@ -76,7 +76,14 @@ def run_mode(rank: int, path: str, mode: str, out: str) -> dict:
     try:
         res = tpt.run_step_plan(model, batches, loss_fn, attention="block", shared_prefixes=pieces, sync=False)
     except (TreepackError, RuntimeError) as e:
-        return {"error": {"code": getattr(e, "code", None), "field": getattr(e, "field", None), "message": str(e), "after_s": time.monotonic() - t0}}
+        return {
+            "error": {
+                "code": getattr(e, "code", None),
+                "field": getattr(e, "field", None),
+                "message": str(e),
+                "after_s": time.monotonic() - t0,
+            }
+        }
     finally:
         runner.release_shared = release
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]

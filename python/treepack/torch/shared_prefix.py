@@ -75,11 +75,14 @@ class Piece:
         if len(p.ranks) < 2 or len(p.ranges) != len(p.ranks) or [a for a, _ in p.ranges] != cuts[:-1] or cuts[-1] != p.end:
             raise TreepackError(
                 "E_INPUT",
-                f"shared_prefixes[{index}]: ranges {list(p.ranges)} must cover [{p.start}, {p.end}) in order, one per rank of {list(p.ranks)}",
+                f"shared_prefixes[{index}]: ranges {list(p.ranges)} must cover [{p.start}, {p.end}) in order, one per rank of "
+                f"{list(p.ranks)}",
                 field=f"shared_prefixes[{index}].ranges",
             )
         if any(b <= a for a, b in p.ranges):
-            raise TreepackError("E_INPUT", f"shared_prefixes[{index}]: every rank's range must be non-empty", field=f"shared_prefixes[{index}].ranges")
+            raise TreepackError(
+                "E_INPUT", f"shared_prefixes[{index}]: every rank's range must be non-empty", field=f"shared_prefixes[{index}].ranges"
+            )
         return p
 
 
@@ -171,7 +174,9 @@ def plan_shares(
                 p = by_id.get(pid)
                 field = "prefix_shared"
                 if p is None:
-                    raise TreepackError("E_INPUT", f"micro-batch {n} pushes shared piece {pid}, which shared_prefixes does not list", field=field)
+                    raise TreepackError(
+                        "E_INPUT", f"micro-batch {n} pushes shared piece {pid}, which shared_prefixes does not list", field=field
+                    )
                 if rank not in p.ranks or (p.start, p.end) != (start, end):
                     raise TreepackError(
                         "E_INPUT",

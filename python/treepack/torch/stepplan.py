@@ -631,7 +631,9 @@ class StepPlanRunner:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise TreepackError("E_ARG", "shared pieces are computed by their ranks together: initialise torch.distributed", field="shared_prefixes")
+            raise TreepackError(
+                "E_ARG", "shared pieces are computed by their ranks together: initialise torch.distributed", field="shared_prefixes"
+            )
         if self.recurrent or self.vision:
             raise TreepackError(
                 "E_ARG",
@@ -687,7 +689,9 @@ class StepPlanRunner:
         owner by the gather's backward). Every member of a piece must call it."""
         if self.stack or self.pending is not None:
             raise TreepackError(
-                "E_INPUT", "shared pieces are released after the window's last micro-batch (the stack still holds segments)", field="prefix_release"
+                "E_INPUT",
+                "shared pieces are released after the window's last micro-batch (the stack still holds segments)",
+                field="prefix_release",
             )
         for pid in reversed(list(self.held)):
             seg, share = self.held.pop(pid), self.shares.pop(pid)
