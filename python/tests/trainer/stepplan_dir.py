@@ -35,12 +35,9 @@ def per_sequence(lp, batch):
     return out
 
 
-def compare(model, ranks, chunk_size=1024):
-    """Each rank's micro-batches (lists, in the plan's order) through ``run_step_plan``, the ranks' gradients summed
-    as an all-reduce would, against every sequence in one unsplit forest: the largest differences, and what the
-    executor computed."""
-    batches = [b for mine in ranks for b in mine]
-    # The unsplit forest of every sequence, with the occurrence fields the micro-batches carry.
+def reference(model, batches, chunk_size=1024):
+    """Every sequence of ``batches`` in one unsplit forest, with the occurrence fields the micro-batches carry: its
+    loss, per-sequence logprobs and parameter gradients (the model's gradients are left zeroed)."""
     seqs, fields = [], {"loss_mask": [], "advantages": []}
     for b in batches:
         for i in range(b.num_sequences):
@@ -57,10 +54,30 @@ def compare(model, ranks, chunk_size=1024):
     lp = tpt.packed_logprobs(model, whole, attention="block", chunk_size=chunk_size).logprobs
     loss = loss_fn(lp, whole)
     loss.backward()
-    ref_lp = per_sequence(lp.detach(), whole)
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-
+    ref = (float(loss.detach()), per_sequence(lp.detach(), whole), {n: p.grad.clone() for n, p in model.named_parameters()})
     model.zero_grad(set_to_none=True)
+    return ref
+
+
+def differences(ref, total, got_lp, grads):
+    """The largest differences of a run (its summed loss, per-sequence logprobs, gradients by name) from ``reference``."""
+    loss, ref_lp, ref_grads = ref
+    same = sorted(got_lp) == sorted(ref_lp)
+    return {
+        "loss": loss,
+        "loss_diff": abs(total - loss),
+        "logprob_diff": max(float(np.abs(got_lp[s] - ref_lp[s]).max()) for s in ref_lp) if same else None,
+        "same_sequences": same,
+        "grad_diff": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+    }
+
+
+def compare(model, ranks, chunk_size=1024):
+    """Each rank's micro-batches (lists, in the plan's order) through ``run_step_plan``, the ranks' gradients summed
+    as an all-reduce would, against every sequence in one unsplit forest: the largest differences, and what the
+    executor computed."""
+    batches = [b for mine in ranks for b in mine]
+    ref = reference(model, batches, chunk_size)
     total, got_lp, stats = 0.0, {}, {"computed": 0, "pushed": 0, "peak": 0}
     for mine in ranks:
         res = tpt.run_step_plan(model, mine, loss_fn, attention="block", chunk_size=chunk_size)
@@ -72,11 +89,7 @@ def compare(model, ranks, chunk_size=1024):
         stats["peak"] = max(stats["peak"], res.peak_cached_tokens)
     grads = {n: p.grad for n, p in model.named_parameters()}
     return {
-        "loss": float(loss.detach()),
-        "loss_diff": abs(total - float(loss.detach())),
-        "logprob_diff": max(float(np.abs(got_lp[s] - ref_lp[s]).max()) for s in ref_lp) if sorted(got_lp) == sorted(ref_lp) else None,
-        "same_sequences": sorted(got_lp) == sorted(ref_lp),
-        "grad_diff": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+        **differences(ref, total, got_lp, grads),
         "computed_tokens": stats["computed"],
         "pushed_tokens": stats["pushed"],
         "peak_cached_tokens": stats["peak"],

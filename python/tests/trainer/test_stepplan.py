@@ -381,7 +381,7 @@ class StepPlanTest(Checks, unittest.TestCase):
             write_microbatch(path, mb, {"prefix_tokens": "3", "prefix_push": "[1, 3]", "prefix_release": "2"})
             got = treepack.load(path)
             self.assertEqual((got.meta["prefix_tokens"], got.meta["prefix_push"], got.meta["prefix_release"]), (3, [1, 3], 2))
-            self.assertEqual(tpt.step_op(tpt.load_microbatch(path))[:3], (3, [1, 3], 2))
+            self.assertEqual(tuple(tpt.step_op(tpt.load_microbatch(path)))[:3], (3, [1, 3], 2))
             for meta, field in (
                 ({"prefix_tokens": "3"}, "prefix_tokens"),
                 ({"prefix_tokens": "3", "prefix_push": "[3, 1]", "prefix_release": "0"}, "prefix_push"),

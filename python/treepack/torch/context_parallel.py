@@ -191,7 +191,8 @@ class Route:
 
 
 def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device: torch.device) -> Route:
-    """The route of ``needs[r]`` (global node ids rank r fetches, ascending, each owned by a lower rank)."""
+    """The route of ``needs[r]`` (global node ids rank r fetches, ascending; a rank may fetch its own rows too, which
+    makes the fetch an all-gather whose backward sums every rank's gradient into the owner's)."""
     size = len(bounds) - 1
     every = torch.unique(torch.cat(needs)) if needs else torch.zeros(0, dtype=torch.int64)
     owner_of = torch.searchsorted(torch.tensor(bounds[1:]), every, right=True)
@@ -305,14 +306,25 @@ class CPForward:
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
         """q, k, v [1, H(kv), n, D] → [1, H(kv), A + n, D]: the context's keys/values before the local ones, q padded
         with A zero rows (``attend`` skips them)."""
-        n, A = key.shape[2], self.rows
-        k2, v2 = key[0].transpose(0, 1).reshape(n, -1), value[0].transpose(0, 1).reshape(n, -1)
+        A = self.rows
         layer = getattr(module, "layer_idx", "?")
-        got = self.part.fetch(torch.cat([k2, v2], dim=1), self.part.kv, f"layer {layer}'s keys/values")
-        kc = got[:, : k2.shape[1]].reshape(A, key.shape[1], key.shape[3]).transpose(0, 1)[None]
-        vc = got[:, k2.shape[1] :].reshape(A, value.shape[1], value.shape[3]).transpose(0, 1)[None]
+        kc, vc = fetch_keys_values(key, value, lambda x: self.part.fetch(x, self.part.kv, f"layer {layer}'s keys/values"))
         q = torch.cat([query.new_zeros(query.shape[:2] + (A, query.shape[3])), query], dim=2)
         return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
+
+
+def fetch_keys_values(
+    key: torch.Tensor, value: torch.Tensor, fetch: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values [1, H(kv), n, D] as rows [n, 2·H·D] through ``fetch`` (a route's ``_Fetch``), back as
+    the fetched keys and values [1, H(kv), F, D]: one message per layer for both."""
+    n = key.shape[2]
+    k2, v2 = key[0].transpose(0, 1).reshape(n, -1), value[0].transpose(0, 1).reshape(n, -1)
+    got = fetch(torch.cat([k2, v2], dim=1))
+    F = got.shape[0]
+    kc = got[:, : k2.shape[1]].reshape(F, key.shape[1], key.shape[3]).transpose(0, 1)[None]
+    vc = got[:, k2.shape[1] :].reshape(F, value.shape[1], value.shape[3]).transpose(0, 1)[None]
+    return kc, vc
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -459,6 +471,7 @@ __all__ = [
     "Route",
     "balanced_bounds",
     "check_model",
+    "fetch_keys_values",
     "reduce_gradients",
     "row_costs",
     "split_batch",

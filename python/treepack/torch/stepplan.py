@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, cast
 
@@ -65,6 +65,7 @@ from .batch import PackedBatch
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers, unsupported_mixers
 from .moe import RouterOutputs, Routing, replay_routes, router_outputs
+from .shared_prefix import GroupPrefix, Piece, Share, group_of, plan_shares
 from .vision import has_images, hidden_states, image_keys, vision_family
 from .wrappers import wrappers
 
@@ -152,8 +153,9 @@ def step_op(batch: PackedBatch) -> StepOp:
 @dataclass
 class StepResult:
     """What run_step_plan returns: per micro-batch ``losses`` and node ``logprobs`` (detached; NaN where not scored),
-    the tokens computed with grad (``computed_tokens``, popped segments included) and pushed without it
-    (``pushed_tokens``), and the most cached at once (``peak_cached_tokens``, ``peak_cached_bytes``)."""
+    the tokens computed with grad (``computed_tokens``, popped segments included; of a shared piece computed in shares,
+    this rank's range) and pushed without it (``pushed_tokens``), the most cached at once (``peak_cached_tokens``,
+    ``peak_cached_bytes``) and the bytes the shared pieces' exchanges received (``exchanged_bytes``)."""
 
     losses: list[torch.Tensor]  # per micro-batch, detached
     logprobs: list[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
@@ -161,6 +163,7 @@ class StepResult:
     pushed_tokens: int  # nodes run without grad to fill the cache
     peak_cached_tokens: int
     peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
+    exchanged_bytes: int = 0  # received by the exchanges of the shared pieces computed in shares
 
 
 Key = tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
@@ -416,18 +419,23 @@ class StepPlanRunner:
         self.keys: list[Key] | None = None  # what every forward caches: fixed by the first one
         self.pending: int | None = None  # segments the micro-batch forwarded last pops at release()
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
+        # shared pieces this rank holds for the window (docs/design.md §11), by id, with its part of each
+        self.held: dict[int, _Segment] = {}
+        self.shares: dict[int, Share] = {}
+        self.exchanged = 0  # bytes received by the shared pieces' exchanges
 
     @property
     def depth(self) -> int:
         """The depth of the cached prefix stack: tokens held cached for the next micro-batch."""
         return self.stack[-1].end if self.stack else 0
 
-    def _forward(self, forest: PackedBatch, rows: int, source: PackedBatch | None) -> Any:
+    def _forward(self, forest: PackedBatch, rows: int, source: PackedBatch | None, ctx: Any = None) -> Any:
         """The base model on nodes [rows, N) of ``forest`` against the stack (which holds nodes [0, rows)): final
         hidden states [N - rows, D] and what each layer would cache for them. A vision-language model takes those
-        nodes' images and 3-D positions from ``source``, the micro-batch whose nodes [rows, N) they are."""
+        nodes' images and 3-D positions from ``source``, the micro-batch whose nodes [rows, N) they are. ``ctx``: the
+        hook that supplies rows [0, rows) (a shared piece's member: ``GroupPrefix``); default the stack's."""
         mask = tree_mask(forest, mode=self.attention, block_size=self.block_size)
-        mask.prefix = ctx = _Prefix(self.stack, rows)
+        mask.prefix = ctx = _Prefix(self.stack, rows) if ctx is None else ctx
         # A MoE model replays the routes of the nodes it computes (a cached node's were replayed when it was pushed).
         routes = forest.routes
         replay: Any = contextlib.nullcontext()
@@ -499,8 +507,22 @@ class StepPlanRunner:
         self.peak_tokens = max(self.peak_tokens, self.depth)
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes() for s in self.stack))
 
+    def _take(self, batch: PackedBatch, seg: _Segment) -> None:
+        """A shared piece pushed from what this rank holds: its leaves gather the gradients of every micro-batch."""
+        if seg.start != self.depth or not torch.equal(seg.ids, batch.input_ids[seg.start : seg.end]):
+            raise TreepackError(
+                "E_INPUT",
+                f"the micro-batch's depths [{seg.start}, {seg.end}) are not the shared piece it names (tokens or stack depth "
+                f"{self.depth} differ){_ORDER}",
+                field="prefix_shared",
+            )
+        self.stack.append(seg)
+        self.peak_tokens = max(self.peak_tokens, self.depth)
+
     def _pop(self) -> None:
         seg = self.stack.pop()
+        if any(seg is held for held in self.held.values()):
+            return  # a shared piece: its group back-propagates it after the window (release_shared)
         if all(leaf.grad is None for leaf in seg.leaves()):
             return  # nothing read it: no gradient to carry
         cache, hidden, lp, ent, routing = self._segment_pass(seg.ids, seg.pos, seg.routes, seg.start, seg.source)
@@ -596,8 +618,12 @@ class StepPlanRunner:
             )
         check_vocabulary(self.model, batch)
         self._check(batch, op)
-        for end in op.push:
-            self._push(batch, end)
+        for j, end in enumerate(op.push):
+            pid = op.shared[j] if op.shared else None
+            if pid is not None and pid in self.held:
+                self._take(batch, self.held[pid])
+            else:
+                self._push(batch, end)
         self.pending = op.release
         h, N = op.prefix_tokens, batch.num_nodes
         targets = scored_nodes(batch)
@@ -631,6 +657,94 @@ class StepPlanRunner:
         kinds, coef = cast(tuple[tuple[str, ...], float | None], self.router_meta)
         return RouterOutputs(tuple(torch.cat(ls) for ls in zip(*logits)), torch.cat(experts, dim=1), kinds, coef)
 
+    def share(self, pieces: Sequence[Mapping[str, Any]], batches: Sequence[PackedBatch], ops: Sequence[StepOp] | None = None) -> None:
+        """Before the window's first micro-batch (python/treepack/torch/shared_prefix.py): ``pieces`` are the window's
+        entries of the manifest's ``shared_prefixes`` (the same list on every rank), ``batches`` this rank's
+        micro-batches of the window, in order. Every rank creates the pieces' process groups; each piece this rank is a
+        member of is computed in shares with its group and held for the window, its gradients returned by
+        ``release_shared()`` after the window's last micro-batch."""
+        if self.stack or self.held or self.pending is not None:
+            raise TreepackError("E_ARG", "share() comes before the window's first micro-batch", field="shared_prefixes")
+        ps = [Piece.of(e, i) for i, e in enumerate(pieces)]
+        if not ps:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise TreepackError(
+                "E_ARG", "shared pieces are computed by their ranks together: initialise torch.distributed", field="shared_prefixes"
+            )
+        if self.recurrent or self.vision:
+            raise TreepackError(
+                "E_ARG",
+                f"{type(self.model).__name__} has recurrent layers or a vision encoder: shared pieces are computed in shares for "
+                "attention-only language models so far (pass shared_prefixes=None: each rank computes the pieces it holds)",
+                field="shared_prefixes",
+            )
+        groups = {p.id: group_of(p.ranks) for p in ps}  # every rank, in list order: dist.new_group's contract
+        rank = dist.get_rank()
+        ops = [step_op(b) for b in batches] if ops is None else list(ops)
+        plan = plan_shares(ps, batches, ops, rank)
+        for p in ps:
+            got = plan.get(p.id)
+            if got is None:
+                continue
+            source, below = got
+            if source.routes is not None:
+                raise TreepackError("E_ARG", "shared pieces with routes (MoE replay) are not computed in shares yet", field="routes")
+            if any(q not in self.held for q in below):
+                raise TreepackError(
+                    "E_INPUT", f"shared piece {p.id} is listed before a piece above it on its chain {below}", field="shared_prefixes"
+                )
+            share = Share(p, groups[p.id], rank, source, below)
+            with torch.no_grad():
+                cache, hidden, lp, ent = self._piece_pass(share)
+            self.shares[p.id] = share
+            ids, pos = source.input_ids[p.start : p.end], source.position_ids[p.start : p.end]
+            self.held[p.id] = _Segment(p.start, ids, pos, cache, hidden, lp, ent, None, None, None)
+            self.pushed += share.b - share.a
+        self.peak_bytes = max(self.peak_bytes, sum(h.nbytes() for h in self.held.values()))
+
+    def _piece_pass(self, share: Share) -> Any:
+        """This rank's range of a shared piece against the pieces below and the ranges before (fetched), gathered into
+        the whole piece: per-layer keys/values, final hidden states, node logprobs and entropies (as ``_segment_pass``)."""
+        p, src = share.piece, share.source
+        stack = [self.held[q] for q in share.below]
+        chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], None)
+        hidden, cache = self._forward(chain, share.a, None, GroupPrefix(stack, share))
+        cache = {k: share.gather(t, f"layer {k[1]}'s {k[0]}s") for k, t in cache.items()}
+        hidden = share.gather(hidden, "the final hidden states")
+        full = torch.cat([s.hidden for s in stack] + [hidden])
+        whole = _chain_batch(src.input_ids[: p.end], src.position_ids[: p.end], None)
+        lp, ent = self._scores(full, whole, torch.arange(max(p.start, 1), p.end, device=full.device))
+
+        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.nan_to_num(t[p.start :], nan=0.0)
+
+        return cache, hidden, zero(lp), zero(ent)
+
+    def release_shared(self) -> None:
+        """After the window's last micro-batch: each held piece, in reverse list order, recomputed by its members with
+        grad and back-propagated with the gradients its leaves gathered on every member (summed into each range's
+        owner by the gather's backward). Every member of a piece must call it."""
+        if self.stack or self.pending is not None:
+            raise TreepackError(
+                "E_INPUT",
+                "shared pieces are released after the window's last micro-batch (the stack still holds segments)",
+                field="prefix_release",
+            )
+        for pid in reversed(list(self.held)):
+            seg, share = self.held.pop(pid), self.shares.pop(pid)
+            cache, hidden, lp, ent = self._piece_pass(share)
+            pairs = [(cache[k], t) for k, t in seg.cache.items()] + [(hidden, seg.hidden), (lp, seg.lp)]
+            if ent is not None and seg.ent is not None:
+                pairs.append((ent, seg.ent))
+            # Every member back-propagates through the same exchanges, a gradient nobody read as zeros.
+            grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs]
+            torch.autograd.backward([t for t, _ in pairs], grads)
+            self.computed += share.b - share.a
+            self.exchanged += share.stats.get("received_bytes", 0)
+
     def release(self) -> None:
         """The pops of the micro-batch forwarded last (after its loss was back-propagated): each segment recomputed
         with grad and back-propagated with the gradients its leaves gathered."""
@@ -643,7 +757,7 @@ class StepPlanRunner:
     def sync_gradients(self) -> None:
         """With DDP, the one all-reduce of an optimizer step (``sync_gradients``): refused while a prefix is cached, whose
         gradient is not complete yet. Nothing to do in one process."""
-        if self.pending is not None or self.stack:
+        if self.pending is not None or self.stack or self.held:
             raise TreepackError(
                 "E_INPUT",
                 f"gradients synchronised while the step plan holds {self.depth} cached prefix tokens: their gradient is not "
@@ -679,6 +793,7 @@ class StepPlanRunner:
                 f"the step plan ended with {depth} cached prefix tokens never released (their gradients were applied now)",
                 field="prefix_release",
             )
+        self.release_shared()
 
 
 def run_step_plan(
@@ -693,6 +808,7 @@ def run_step_plan(
     sync: bool = True,
     image_processor: Any = None,
     router: bool = False,
+    shared_prefixes: Sequence[Mapping[str, Any]] | None = None,
 ) -> StepResult:
     """Runs one rank's planned micro-batches forward and backward, in order; the parameters' ``.grad`` then holds the
     sum of every micro-batch's loss gradient, as with ordinary gradient accumulation. ``ops`` overrides the plan
@@ -704,7 +820,16 @@ def run_step_plan(
     model's (``packed_logprobs``'). ``router=True`` (a MoE model): ``loss_fn(logprobs, batch, router)`` gets the
     micro-batch's ``RouterOutputs``, the cached prefix's included, for the load-balancing loss, e.g.
     ``lambda lp, b, r: tpt.packed_loss(lp, b, cfg, router=r, aux_coef=0.01)[0]``: value and gradient those of the
-    micro-batch run in full."""
+    micro-batch run in full. ``shared_prefixes``: the window's entries of the manifest's ``shared_prefixes``,
+    the same list on every rank (``batches`` are then this rank's micro-batches of that window): the pieces are
+    computed in shares with the other ranks (python/treepack/torch/shared_prefix.py); None: each rank computes the
+    pieces it holds itself (``router=True`` needs that: a piece computed in shares keeps no router outputs)."""
+    if router and shared_prefixes:
+        raise TreepackError(
+            "E_ARG",
+            "the load-balancing loss (router=True) through pieces computed in shares is not supported yet: pass shared_prefixes=None",
+            field="shared_prefixes",
+        )
     runner = StepPlanRunner(
         model,
         attention=attention,
@@ -714,6 +839,8 @@ def run_step_plan(
         image_processor=image_processor,
         router=router,
     )
+    if shared_prefixes:
+        runner.share(shared_prefixes, batches, ops)
     losses, lps = [], []
     for i, batch in enumerate(batches):
         loss, lp = runner.run(batch, loss_fn, None if ops is None else ops[i])
@@ -722,7 +849,7 @@ def run_step_plan(
     runner.finish()
     if sync:
         runner.sync_gradients()
-    return StepResult(losses, lps, runner.computed, runner.pushed, runner.peak_tokens, runner.peak_bytes)
+    return StepResult(losses, lps, runner.computed, runner.pushed, runner.peak_tokens, runner.peak_bytes, runner.exchanged)
 
 
 __all__ = ["RECURRENT", "StepOp", "StepPlanRunner", "StepResult", "check_model", "run_step_plan", "step_op", "sync_gradients"]
