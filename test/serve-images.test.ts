@@ -10,6 +10,8 @@
  *   images over --max-image-bytes (413), none forwarded or recorded; an engine expanding images with other processor
  *   settings (a placeholder count that does not match) gets its episode quarantined, the rest of the step trains.
  * - kill -9 of `treepack serve` after calls with images were answered: the restarted service exports and packs them.
+ * - On the shared pool (Redis), a step recorded by one gateway is packed, images included, by another, which has
+ *   none of them in its own data directory.
  */
 import { createHash } from 'node:crypto';
 import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
@@ -19,6 +21,7 @@ import { parseSafetensors } from '../src/io/safetensors.js';
 import { Service, type ServiceOptions } from '../src/serve/service.js';
 import { loadTokenizer, type TextTokenizer } from '../src/tokenize/tokenizer.js';
 import { cli } from './helpers/cli.js';
+import { redisAvailable, startRedis } from './helpers/redis.js';
 import { dataUrl, imagePart, png, vlTokenizerDir } from './helpers/images.js';
 import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
 import { startStubEngine, type StubEngine } from './helpers/stub-engine.js';
@@ -53,13 +56,13 @@ afterEach(async () => {
   stub = undefined;
 });
 
-async function start(opts: Partial<ServiceOptions> = {}): Promise<{ base: string; data: string }> {
+async function start(opts: Partial<ServiceOptions> = {}): Promise<{ base: string; data: string; svc: Service }> {
   tok ??= await loadTokenizer(TOK);
   stub ??= await startStubEngine('ok', { tokenizer: tok, record: true });
   const data = tempDir('tp-serve-images-data-');
   const svc = await Service.create({ engineUrl: stub.url, dataDir: data, port: 0, ...opts, packer: { tokenizer: TOK } });
   services.push(svc);
-  return { base: await svc.listen(), data };
+  return { base: await svc.listen(), data, svc };
 }
 
 /**
@@ -232,5 +235,28 @@ describe('calls with images through the service', { timeout: 120_000 }, () => {
     expect(JSON.parse(parseSafetensors(bytes).metadata.image_hashes)).toHaveLength(3);
     const finished = await (await fetch(`${proc.url}/v1/episodes/ep-k/records`)).text(); // with its reward
     expect(packCli(finished, 'after-kill').equals(Buffer.from(bytes))).toBe(true);
+  });
+});
+
+const onRedis = redisAvailable('serve-images') ? describe : describe.skip;
+
+onRedis('calls with images on the shared pool', { timeout: 120_000 }, () => {
+  it('a gateway packs the images another gateway recorded', async () => {
+    const redis = await startRedis();
+    try {
+      const { base: A, svc: svcA } = await start({ redis: redis.url });
+      const { base: B, data: dataB } = await start({ redis: redis.url });
+      await agent(A, 'r', 'ep-r', 600, 2);
+      expect((await post(`${A}/v1/episodes/ep-r/finish`, { reward: 1 })).status).toBe(200);
+      await services.splice(services.indexOf(svcA), 1)[0].close(); // B packs the step: A is gone
+      const { bytes } = await pull(B);
+      expect(readdirSync(dataB)).not.toContain('images');
+      const mb = parseSafetensors(bytes);
+      expect(JSON.parse(mb.metadata.image_hashes)).toHaveLength(2);
+      expect(mb.tensors.get('image_pixels')!.data.length).toBe(2 * 56 * 84 * 3);
+    } finally {
+      for (const s of services.splice(0)) await s.close(); // before Redis stops under them
+      await redis.stop();
+    }
   });
 });
