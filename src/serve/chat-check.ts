@@ -9,10 +9,9 @@
  */
 import { describeValue, TreepackError } from '../errors.js';
 import { parseRecords } from '../records/read.js';
-import { ImageInputError, loadImage } from '../records/images.js';
+import { dataUrlBytes, ImageInputError, loadImage } from '../records/images.js';
 import type { ChatEncoder } from '../tokenize/chat.js';
 import { ImageRefusedError, processImage } from '../tokenize/images.js';
-import { dataUrlBytes } from './images.js';
 import { PoolError } from './pool.js';
 
 type Obj = Record<string, unknown>;
@@ -51,7 +50,8 @@ export function checkChatMessages(messages: readonly unknown[], tools: unknown, 
     }
     if (Array.isArray(msg.content))
       (msg.content as unknown[]).forEach((p, j) => {
-        if ((p as Obj | null)?.type === 'image_url') imageBytes += checkImage(p as Obj, `messages[${i}].content[${j}]`, encoder, maxImageBytes - imageBytes);
+        if ((p as Obj | null)?.type === 'image_url')
+          imageBytes += checkImage(p as Obj, `messages[${i}].content[${j}]`, encoder, maxImageBytes - imageBytes);
       });
     if (msg.role === 'tool' && (typeof msg.tool_call_id !== 'string' || msg.tool_call_id === '')) {
       const why = `a tool message needs the id of the call it answers, got ${describeValue(msg.tool_call_id)}`;
@@ -91,7 +91,8 @@ function checkImage(part: Obj, at: string, encoder: ChatEncoder, left: number): 
       `field "${field}": the call's images take more than the service's --max-image-bytes (${bytes.length} bytes here, ${left} left)`,
     );
   const proc = encoder.tokenizer.imageProcessor;
-  if (!proc) throw bad(`tokenizer ${encoder.tokenizer.name} has no image processor (preprocessor_config.json): the served model takes text only`);
+  if (!proc)
+    throw bad(`tokenizer ${encoder.tokenizer.name} has no image processor (preprocessor_config.json): the served model takes text only`);
   try {
     // decoded once per distinct data URL (loadImage's cache), which the record check below reads again
     processImage(loadImage(url, '.'), proc);

@@ -14,6 +14,7 @@ import { mkdirSync } from 'node:fs';
 import { open, readFile, rename, rm } from 'node:fs/promises';
 import path from 'node:path';
 import { ioError, syncDirectory } from '../io/atomic.js';
+import { dataUrlBytes } from '../records/images.js';
 import type { Episode, RecordedCall } from './pool.js';
 
 /** The scheme of a recorded image reference: the sha256 (hex) of the image's bytes follows. */
@@ -25,13 +26,6 @@ type Obj = Record<string, unknown>;
 export interface SharedImages {
   putImage(sha: string, bytes: Buffer): Promise<void>;
   getImage(sha: string): Promise<Buffer | undefined>;
-}
-
-/** The base64 payload of a data URL, or undefined when `url` is no base64 data URL. */
-export function dataUrlBytes(url: string): Buffer | undefined {
-  const m = /^data:(image\/[a-z0-9.+-]+)?(;[^,]*)?,/i.exec(url);
-  if (!m || !/;base64$/i.test(m[2] ?? '')) return undefined;
-  return Buffer.from(url.slice(m[0].length), 'base64');
 }
 
 /** A data URL of image bytes, its type told by their signature (what the packer's decoder reads: PNG or JPEG). */
@@ -53,8 +47,10 @@ function eachImagePart(messages: readonly unknown[] | undefined, f: (part: Obj) 
 function mapImageParts(messages: readonly unknown[], f: (part: Obj) => Obj): unknown[] {
   return messages.map((m) => {
     const content = (m as Obj | null)?.content;
-    if (!Array.isArray(content) || !content.some((p) => (p as Obj | null)?.type === 'image_url')) return m;
-    return { ...(m as Obj), content: content.map((p) => ((p as Obj | null)?.type === 'image_url' ? f(p as Obj) : p)) };
+    if (!Array.isArray(content)) return m;
+    const parts = content as unknown[];
+    if (!parts.some((p) => (p as Obj | null)?.type === 'image_url')) return m;
+    return { ...(m as Obj), content: parts.map((p) => ((p as Obj | null)?.type === 'image_url' ? f(p as Obj) : p)) };
   });
 }
 
@@ -89,7 +85,10 @@ export class ImageStore {
     });
     if (refs.size === 0) return messages as unknown[];
     await Promise.all(pending);
-    return mapImageParts(messages, (part) => ({ ...part, image_url: { ...(part.image_url as Obj), url: refs.get(urlOf(part) as string) } }));
+    return mapImageParts(messages, (part) => ({
+      ...part,
+      image_url: { ...(part.image_url as Obj), url: refs.get(urlOf(part) as string) },
+    }));
   }
 
   /** Writes an image's bytes (to a temporary file, fsync'd, renamed, directory fsync'd) unless already stored. */

@@ -63,7 +63,9 @@ function renderedPrompt(encoder: ChatEncoder, rec: ChatRecord): Int32Array {
  */
 function expandedPrompt(encoder: ChatEncoder, rec: ChatRecord, prompt: Int32Array): { ids: Int32Array; images: number } {
   const proc = encoder.tokenizer.imageProcessor!;
-  const counts = rec.messages.flatMap((m) => m.parts ?? []).flatMap((p) => (p.type === 'image' ? [processImage(p.image, proc).tokens] : []));
+  const counts = rec.messages
+    .flatMap((m) => m.parts ?? [])
+    .flatMap((p) => (p.type === 'image' ? [processImage(p.image, proc).tokens] : []));
   const out: number[] = [];
   let k = 0;
   for (const t of prompt) {
