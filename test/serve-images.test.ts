@@ -8,13 +8,14 @@
  *   is byte for byte what `treepack pack` makes of the exported records.
  * - Bad inputs: a remote URL, a file path, an undecodable image, a text-only served model (400 naming the field),
  *   images over --max-image-bytes (413), none forwarded or recorded; an engine expanding images with other processor
- *   settings (a placeholder count that does not match) gets its episode quarantined, the rest of the step trains.
+ *   settings (a placeholder count that does not match), or an image gone from the store, gets its episode
+ *   quarantined, the rest of the step trains.
  * - kill -9 of `treepack serve` after calls with images were answered: the restarted service exports and packs them.
  * - On the shared pool (Redis), a step recorded by one gateway is packed, images included, by another, which has
  *   none of them in its own data directory.
  */
 import { createHash } from 'node:crypto';
-import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
 import { parseSafetensors } from '../src/io/safetensors.js';
@@ -157,7 +158,8 @@ describe('calls with images through the service', { timeout: 120_000 }, () => {
     expect(fills.length / 4).toBe(4);
 
     // The exported records are what `treepack pack` makes the same micro-batch of.
-    const jsonl = (await (await fetch(`${base}/v1/episodes/ep-a/records`)).text()) + (await (await fetch(`${base}/v1/episodes/ep-b/records`)).text());
+    const jsonl =
+      (await (await fetch(`${base}/v1/episodes/ep-a/records`)).text()) + (await (await fetch(`${base}/v1/episodes/ep-b/records`)).text());
     expect(jsonl).toContain(dataUrl(shot(102)));
     expect(packCli(jsonl, 'round-trip').equals(Buffer.from(bytes))).toBe(true);
   });
@@ -168,13 +170,29 @@ describe('calls with images through the service', { timeout: 120_000 }, () => {
       post(`${base}/groups/g/episodes/${episode}/v1/chat/completions`, { model: 'm', messages: [{ role: 'user', content }] });
     const text = { type: 'text', text: 'look' };
     const refused: [unknown[], number, RegExp][] = [
-      [[text, imagePart('https://example.com/a.png')], 400, /field "messages\[0\]\.content\[1\]\.image_url\.url": expected a base64 data URL .*never fetches/],
+      [
+        [text, imagePart('https://example.com/a.png')],
+        400,
+        /field "messages\[0\]\.content\[1\]\.image_url\.url": expected a base64 data URL .*never fetches/,
+      ],
       [[imagePart('shot.png'), text], 400, /field "messages\[0\]\.content\[0\]\.image_url\.url": expected a base64 data URL/],
-      [[imagePart('data:image/png;base64,iVBORw0KGgoAAAA'), text], 400, /field "messages\[0\]\.content\[0\]\.image_url\.url": undecodable image/],
+      [
+        [imagePart('data:image/png;base64,iVBORw0KGgoAAAA'), text],
+        400,
+        /field "messages\[0\]\.content\[0\]\.image_url\.url": undecodable image/,
+      ],
       [[imagePart(dataUrl(Buffer.from('GIF89a'))), text], 400, /content\[0\]\.image_url\.url": not a PNG or JPEG image/],
-      [[imagePart(dataUrl(png(2, 900, 1))), text], 400, /content\[0\]\.image_url\.url": the qwen2_5_vl image processor refuses the image: absolute aspect ratio/],
+      [
+        [imagePart(dataUrl(png(2, 900, 1))), text],
+        400,
+        /content\[0\]\.image_url\.url": the qwen2_5_vl image processor refuses the image: absolute aspect ratio/,
+      ],
       // two screenshots of ~19 kB each: over the 30 kB the call may carry
-      [[imagePart(dataUrl(shot(1))), imagePart(dataUrl(shot(2))), text], 413, /field "messages\[0\]\.content\[1\]\.image_url\.url": .*--max-image-bytes/],
+      [
+        [imagePart(dataUrl(shot(1))), imagePart(dataUrl(shot(2))), text],
+        413,
+        /field "messages\[0\]\.content\[1\]\.image_url\.url": .*--max-image-bytes/,
+      ],
     ];
     for (const [content, status, why] of refused) {
       const r = await call('bad', content);
@@ -184,7 +202,12 @@ describe('calls with images through the service', { timeout: 120_000 }, () => {
     expect(stub!.calls, 'nothing forwarded').toBe(0);
     expect((await fetch(`${base}/v1/episodes/bad`)).status, 'nor recorded').toBe(404);
 
-    const textOnly = await Service.create({ engineUrl: stub!.url, dataDir: tempDir('tp-serve-images-t-'), port: 0, packer: { tokenizer: 'qwen3' } });
+    const textOnly = await Service.create({
+      engineUrl: stub!.url,
+      dataDir: tempDir('tp-serve-images-t-'),
+      port: 0,
+      packer: { tokenizer: 'qwen3' },
+    });
     services.push(textOnly);
     const r = await post(`${await textOnly.listen()}/groups/g/episodes/e/v1/chat/completions`, {
       model: 'm',
@@ -194,25 +217,30 @@ describe('calls with images through the service', { timeout: 120_000 }, () => {
     expect(await errorOf(r)).toMatch(/content\[0\]\.image_url\.url": tokenizer .* has no image processor/);
   });
 
-  it('quarantines an episode whose engine expands images into another placeholder count; the rest of the step trains', async () => {
+  it('quarantines an episode whose placeholder count does not match, or whose image is gone; the rest of the step trains', async () => {
     const warnings: string[] = [];
-    const { base } = await start({ groupsPerStep: 2, warn: (m) => warnings.push(m) });
+    const { base, data } = await start({ groupsPerStep: 3, warn: (m) => warnings.push(m) });
     await agent(base, 'good', 'good', 300, 2);
+    // An image removed from the store (a damaged data directory) before its episode is packed.
+    await agent(base, 'lost', 'lost', 350, 1);
+    rmSync(join(data, 'images', sha(shot(350))));
     // The engine serves a larger min_pixels than the tokenizer directory says: smart_resize scales the 56 × 84
     // screenshot up to 112 × 140 (√(12544 / 4704) ≈ 1.63, rounded up to multiples of 28), 8 × 10 patches: 20
     // placeholders, not 6.
     stub!.imageSettings = { min_pixels: 28 * 28 * 16 };
     await agent(base, 'bad', 'bad', 400, 1);
-    for (const e of ['good', 'bad']) expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
+    for (const e of ['good', 'lost', 'bad']) expect((await post(`${base}/v1/episodes/${e}/finish`, { reward: 1 })).status).toBe(200);
     const mb = parseSafetensors((await pull(base)).bytes);
     const seqs = JSON.parse(mb.metadata.sequence_ids) as string[];
     expect(new Set(seqs.map((s) => s.split('/')[0]))).toEqual(new Set(['good']));
     const q = (await (await fetch(`${base}/v1/quarantine`)).json()) as { quarantined: { episode: string; reason: string }[] };
-    expect(q.quarantined.map((e) => e.episode)).toEqual(['bad']);
-    expect(q.quarantined[0].reason).toMatch(
+    expect(q.quarantined.map((e) => e.episode).sort()).toEqual(['bad', 'lost']);
+    const reason = (e: string) => q.quarantined.find((x) => x.episode === e)!.reason;
+    expect(reason('bad')).toMatch(
       /episode bad.*prompt_token_ids.*20 image placeholder tokens \(id 151655\) where the qwen2_5_vl processor .* into 6/,
     );
-    expect(warnings.some((w) => w.includes('"bad"') && w.includes('quarantined'))).toBe(true);
+    expect(reason('lost')).toMatch(new RegExp(`recorded image ${sha(shot(350))} is missing`));
+    for (const e of ['"bad"', '"lost"']) expect(warnings.some((w) => w.includes(e) && w.includes('quarantined'))).toBe(true);
   });
 
   it('keeps images answered before a kill -9: the restarted service exports and packs them', async () => {

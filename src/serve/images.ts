@@ -13,6 +13,7 @@ import { createHash, randomBytes } from 'node:crypto';
 import { mkdirSync } from 'node:fs';
 import { open, readFile, rename, rm } from 'node:fs/promises';
 import path from 'node:path';
+import { TreepackError } from '../errors.js';
 import { ioError, syncDirectory } from '../io/atomic.js';
 import { dataUrlBytes } from '../records/images.js';
 import type { Episode, RecordedCall } from './pool.js';
@@ -125,12 +126,15 @@ export class ImageStore {
     }
     const shared = await this.shared?.getImage(sha);
     if (shared) return shared;
-    throw ioError(Object.assign(new Error('no such image'), { code: 'ENOENT' }), file, 'read a recorded image');
+    throw new TreepackError('E_INPUT', `recorded image ${sha} is missing from ${this.dir}${this.shared ? ' and the shared pool' : ''}`, {
+      file,
+    });
   }
 
   /**
    * `ep` with its calls' image references replaced by data URLs (a new episode: the pool's stays as it is). Calls
    * sharing a message object share its copy, so an episode cloned to the packing thread carries each message once.
+   * An image gone from the store is an E_INPUT TreepackError (the episode cannot be trained); others are I/O errors.
    */
   async hydrate(ep: Episode): Promise<Episode> {
     const shas = new Set<string>();

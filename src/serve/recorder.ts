@@ -18,7 +18,7 @@ import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { engineModels } from './engine.js';
 import { checkEvent, isFeedEvent, type ServiceEvent } from './events.js';
 import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope } from './pool.js';
-import { QuarantineFile, reportQuarantined, type QuarantineEntry } from './quarantine.js';
+import { quarantined, QuarantineFile, reportQuarantined, type Quarantined, type QuarantineEntry } from './quarantine.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -153,10 +153,26 @@ export class Recorder {
     if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
   }
 
-  /** The feed's packing: episodes with their images' bytes (recorded by reference) to the step packer. */
+  /**
+   * The feed's packing: episodes with their images' bytes (recorded by reference) to the step packer; one whose
+   * image is gone from the store is quarantined as a poison record is, the rest of its step packed.
+   */
   private pack(): PackFn {
     const pack = countingPack(this.packer, this.metrics, this.recordStats);
-    return async (episodes) => pack(await Promise.all(episodes.map((ep) => this.images.hydrate(ep))));
+    return async (episodes) => {
+      const ready: Episode[] = [];
+      const lost: Quarantined[] = [];
+      for (const ep of episodes) {
+        try {
+          ready.push(await this.images.hydrate(ep));
+        } catch (err) {
+          if (!(err instanceof TreepackError && err.code === 'E_INPUT')) throw err; // I/O: the step is packed again later
+          lost.push(quarantined(ep, err, undefined));
+        }
+      }
+      const packed = await pack(ready);
+      return { out: packed.out, quarantined: [...lost, ...packed.quarantined] };
+    };
   }
 
   /** A warning for the operator: to `opts.warn`, else stderr. */
