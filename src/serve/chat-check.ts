@@ -79,7 +79,7 @@ function checkImage(part: Obj, at: string, encoder: ChatEncoder, left: number): 
   const url = (part.image_url as Obj | null | undefined)?.url;
   const bad = (why: string) => new PoolError(400, `field "${field}": ${why}`);
   if (typeof url !== 'string') throw bad(`expected an image URL string, got ${describeValue(url)}`);
-  const bytes = url.startsWith('data:') ? dataUrlBytes(url) : undefined;
+  const bytes = dataUrlBytes(url);
   if (bytes === undefined)
     throw bad(
       `expected a base64 data URL (data:image/png;base64,...), got ${JSON.stringify(url.slice(0, 60))}: ` +
