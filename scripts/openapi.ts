@@ -111,7 +111,7 @@ const GATEWAY_OPERATIONS: {
     summary: "OpenAI chat completion, forwarded to the engine and recorded (with the engine's token ids and logprobs)",
     body: ref('ChatCompletionRequest'),
     ok: "the engine's answer, unchanged (a text/event-stream when stream is true)",
-    errors: engineErrors,
+    errors: { ...engineErrors, '413': err("the call's images (decoded from their data URLs) take more than --max-image-bytes") },
   },
   {
     path: '/v1/completions',
@@ -582,7 +582,12 @@ const doc: Schema = {
         required: ['messages'],
         description: 'OpenAI chat completion request; other fields go to the engine unchanged',
         properties: {
-          messages: { type: 'array', minItems: 1, items: { type: 'object', required: ['role'], properties: { role: str } } },
+          messages: {
+            type: 'array',
+            minItems: 1,
+            description: 'content: a string, null, or text and image_url parts (images as base64 data URLs only)',
+            items: { type: 'object', required: ['role'], properties: { role: str } },
+          },
           tools: nullable({ type: 'array' }),
           stream: nullable(bool),
           n: nullable({

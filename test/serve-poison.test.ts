@@ -2,7 +2,7 @@
  * Poison records: one tenant's call the packer cannot pack never takes other tenants' work down with it.
  * - A `developer` message (current OpenAI SDKs send it) is rendered as the served template renders it (Qwen3's
  *   drops the role, so it goes to the engine and the log as system); an unknown role, `content: 5`,
- *   `tool_calls: 5`, an image part or a tool message without its call id is a 400 naming the message and field,
+ *   `tool_calls: 5`, a remote image or a tool message without its call id is a 400 naming the message and field,
  *   neither forwarded nor recorded; the step holding the developer call trains every group (defect N1).
  * - An episode whose records fail only at pack time (a turn marker in its text) is quarantined: the rest of the
  *   step, its own group included, is trained; it is listed in `/v1/feed`, counted, logged once and exported by
@@ -75,7 +75,7 @@ describe('poison records', { timeout: 60_000 }, () => {
       ],
       [
         [user([{ type: 'image_url', image_url: { url: 'http://x/y.png' } }])],
-        /field "messages\[0\]\.content\[0\]": expected a text part .*"image_url"/,
+        /field "messages\[0\]\.content\[0\]\.image_url\.url": expected a base64 data URL .*never fetches/,
       ],
       [[user('q'), { role: 'tool', content: '42' }], /field "messages\[1\]\.tool_call_id": a tool message needs the id/],
     ];

@@ -65,6 +65,8 @@ Options:
   --route-shape L,K       layers and experts per token of routes sent as a flat array (SGLang)
   --max-route-bytes B     routes of one output larger than B bytes (int16) are not recorded
                                                                                       [default: 64 MiB]
+  --max-image-bytes B     a chat call whose images (data URLs, decoded) take more than B bytes is refused 413
+                                                                                      [default: 16 MiB]
 Packing, as treepack pack (--timeline-compare-level defaults to token: each call trains in the context the
 engine saw):
 ${wrap([...SERVE_PACKER_OPTIONS, DP].map((e) => `${e.flag} ${e.metavar}`).join(', '), 106)
@@ -107,6 +109,7 @@ const FLAG_OF: Record<string, string> = {
   idleTimeoutMs: '--idle-timeout',
   routeShape: '--route-shape',
   maxRouteBytes: '--max-route-bytes',
+  maxImageBytes: '--max-image-bytes',
   ...Object.fromEntries(SERVE_PACKER_OPTIONS.map((e) => [e.option, e.flag])),
 };
 
@@ -150,6 +153,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
       'record-routes': { type: 'boolean' },
       'route-shape': S,
       'max-route-bytes': S,
+      'max-image-bytes': S,
       dp: S,
       ...optionFlags(SERVE_PACKER_OPTIONS),
     },
@@ -197,6 +201,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     ...(values['record-routes'] === true && { recordRoutes: true }),
     ...(str('route-shape') !== undefined && { routeShape: routeShape(str('route-shape')!) }),
     maxRouteBytes: positiveInt('--max-route-bytes', str('max-route-bytes')),
+    maxImageBytes: positiveInt('--max-image-bytes', str('max-image-bytes')),
     packer: { ...packer, ...(packer.budget && { budget: { ...packer.budget, dp } }) },
   };
   checkOptions(options); // a bad combination is a usage error, found before starting

@@ -50,6 +50,15 @@ function remember(key: string, load: () => DecodedImage): DecodedImage {
   return img;
 }
 
+/** A base64 data URL of an image (or of no stated type), up to its payload. */
+const DATA_URL = /^data:(image\/[a-z0-9.+-]+)?(;[^,]*)?;base64,/i;
+
+/** The bytes of a base64 data URL, or undefined when `url` is none. */
+export function dataUrlBytes(url: string): Buffer | undefined {
+  const m = DATA_URL.exec(url);
+  return m ? Buffer.from(url.slice(m[0].length), 'base64') : undefined;
+}
+
 /** Why an image reference cannot be read; the reader turns it into an E_INPUT naming record and field. */
 export class ImageInputError extends Error {}
 
@@ -59,10 +68,9 @@ export class ImageInputError extends Error {}
  */
 export function loadImage(url: string, baseDir: string): DecodedImage {
   if (url.startsWith('data:')) {
-    const m = /^data:(image\/[a-z0-9.+-]+)?(;[^,]*)?,/i.exec(url);
-    if (!m || !/;base64$/i.test(m[2] ?? '')) throw new ImageInputError('expected a base64 data URL: data:image/png;base64,...');
+    if (!DATA_URL.test(url)) throw new ImageInputError('expected a base64 data URL: data:image/png;base64,...');
     const key = 'data:' + createHash('sha256').update(url).digest('hex');
-    return remember(key, () => decodeImage(Buffer.from(url.slice(m[0].length), 'base64')));
+    return remember(key, () => decodeImage(dataUrlBytes(url)!));
   } else if (/^[a-z][a-z0-9+.-]*:\/\//i.test(url)) {
     throw new ImageInputError(
       `remote image ${JSON.stringify(url.slice(0, 80))} refused: treepack never fetches over the network; ` +

@@ -47,7 +47,18 @@ import type { Recorder, SharedGroup } from './recorder.js';
 /** What the gateway's routes use of the recording core. */
 export type GatewayCore = Pick<
   Recorder,
-  'pool' | 'feed' | 'opts' | 'metrics' | 'encoder' | 'shared' | 'commit' | 'admit' | 'abandonGroup' | 'openEpisode' | 'noteRoutesDropped'
+  | 'pool'
+  | 'feed'
+  | 'opts'
+  | 'metrics'
+  | 'encoder'
+  | 'shared'
+  | 'images'
+  | 'commit'
+  | 'admit'
+  | 'abandonGroup'
+  | 'openEpisode'
+  | 'noteRoutesDropped'
 >;
 /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
 type InFlight = Map<string, Promise<unknown>>;
@@ -390,7 +401,12 @@ async function proxyOnce(
   const p = d.prepare(req.body, episode);
   // Refused before the engine sees it, or recorded as the packer will read it (chat-check.ts).
   if (d.kind === 'chat') {
-    p.request.messages = p.upstream.messages = checkChatMessages(p.request.messages ?? [], p.request.tools, svc.encoder);
+    p.request.messages = p.upstream.messages = checkChatMessages(
+      p.request.messages ?? [],
+      p.request.tools,
+      svc.encoder,
+      svc.opts.maxImageBytes,
+    );
   }
   // SGLang returns routes only when asked, vLLM ignores the field; a client's own ask passes as it is
   if (svc.opts.recordRoutes) p.upstream.return_routed_experts = true;
@@ -432,11 +448,13 @@ async function proxyOnce(
     // only a call a client may retry keeps its answer
     const kept = () => (p.stream ? { text: answer(), sse: true as const } : { text: answer() });
     const retry = rid === undefined ? undefined : { requestId: rid, requestDigest: digest!, answer: kept() };
+    // the images' bytes durable (images.ts) before the line that names them
+    const request = p.request.messages ? { ...p.request, messages: await svc.images.record(p.request.messages) } : p.request;
     await svc.commit({
       type: 'call',
       episode: scope.episode,
       group: scope.group,
-      call: recordedCall(d.kind, scope, p.request, outputs, version, retry, meta),
+      call: recordedCall(d.kind, scope, request, outputs, version, retry, meta),
     });
     svc.metrics.calls.inc({ endpoint, outcome: 'recorded' });
   };
@@ -675,8 +693,8 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
     const { id } = req.params as { id: string };
     const ep = svc.pool.episodes.get(id);
     if (!ep) throw new PoolError(404, `unknown episode ${JSON.stringify(id)}`);
-    // a call's answer kept for retries is what the client got, not part of the recorded call
-    const calls = ep.calls.map(({ answer: _answer, ...call }) => call);
+    // a call's answer kept for retries is what the client got, not part of the recorded call; images as data URLs
+    const calls = (await svc.images.hydrate(ep)).calls.map(({ answer: _answer, ...call }) => call);
     return {
       episode_id: ep.id,
       group: ep.group,
@@ -698,7 +716,7 @@ export function registerGateway(app: FastifyInstance, svc: GatewayCore): void {
       throw new PoolError(410, `episode ${JSON.stringify(id)} was consumed; its records are in the log only`);
     if (ep.shipped)
       throw new PoolError(410, `episode ${JSON.stringify(id)} was shipped to the shared pool; its records are in the log only`);
-    const lines = episodeLines(ep, svc.encoder, emptyRecordStats());
+    const lines = episodeLines(await svc.images.hydrate(ep), svc.encoder, emptyRecordStats());
     return reply.header('content-type', 'application/x-ndjson').send(lines.map((l) => JSON.stringify(l) + '\n').join(''));
   });
 

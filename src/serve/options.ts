@@ -66,6 +66,11 @@ export interface ServiceOptions {
   routeShape?: readonly [layers: number, topK: number];
   /** the most bytes (as int16) one output's routes may take; larger ones are not recorded. Default 64 MiB. */
   maxRouteBytes?: number;
+  /**
+   * the most bytes (decoded from base64) a chat call's images may take together; a call over it is answered 413.
+   * Default 16 MiB.
+   */
+  maxImageBytes?: number;
 }
 
 type OptionalKeys = 'engineApiKey' | 'token' | 'redis' | 'redisAllowWeakDurability' | 'warn' | 'routeShape';
@@ -96,6 +101,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     requestTimeoutMs: o.requestTimeoutMs ?? 60_000,
     recordRoutes: o.recordRoutes ?? false,
     maxRouteBytes: o.maxRouteBytes ?? 64 << 20,
+    maxImageBytes: o.maxImageBytes ?? 16 << 20,
     packer: withServeMerge(o.packer),
   };
   if (o.engineApiKey !== undefined) r.engineApiKey = o.engineApiKey;
@@ -142,6 +148,7 @@ export function resolveServiceOptions(o: ServiceOptions): ResolvedServiceOptions
     'maxGroupSize',
     'requestTimeoutMs',
     'maxRouteBytes',
+    'maxImageBytes',
   ] as const) {
     if (!Number.isSafeInteger(r[k]) || r[k] < 1) throw argError(k, 'an integer >= 1', r[k]);
   }

@@ -8,7 +8,8 @@ import { join } from 'node:path';
 import { TreepackError } from '../errors.js';
 import { ChatEncoder } from '../tokenize/chat.js';
 import { resolveTokenizer } from '../tokenize/tokenizer.js';
-import { Feed, type FeedOptions, type TrainerFeed } from './feed.js';
+import { Feed, type FeedOptions, type PackFn, type TrainerFeed } from './feed.js';
+import { ImageStore } from './images.js';
 import { DurableLog, type LogEvent } from './log.js';
 import { runWorker } from './thread.js';
 import { createMetrics, type Metrics } from './metrics.js';
@@ -17,7 +18,7 @@ import { countingPack, stepPacker, type StepPacker } from './packing.js';
 import { engineModels } from './engine.js';
 import { checkEvent, isFeedEvent, type ServiceEvent } from './events.js';
 import { Pool, PoolError, type Episode, type Group, type PoolEvent, type RecordedCall, type Scope } from './pool.js';
-import { QuarantineFile, reportQuarantined, type QuarantineEntry } from './quarantine.js';
+import { quarantined, QuarantineFile, reportQuarantined, type Quarantined, type QuarantineEntry } from './quarantine.js';
 import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
@@ -33,6 +34,8 @@ export class Recorder {
   shared: RedisPool | undefined;
   readonly metrics: Metrics;
   readonly recordStats = emptyRecordStats();
+  /** the recorded calls' images (images.ts): in the data directory, and the shared pool when there is one */
+  images!: ImageStore;
   /** the reason writes stopped: a failed log write leaves memory ahead of the disk, so the service fails stopped */
   broken: string | undefined;
   private log!: DurableLog;
@@ -116,7 +119,6 @@ export class Recorder {
   private async start(): Promise<void> {
     const opts = this.opts;
     const feedOpts: FeedOptions = { policy: opts.policy, groupsPerStep: opts.groupsPerStep, dp: opts.dp, leaseMs: opts.leaseMs };
-    const pack = countingPack(this.packer, this.metrics, this.recordStats);
     const warn = (m: string) => this.warn(m);
     const report = (entries: QuarantineEntry[]) => reportQuarantined(entries, this.metrics, warn);
     if (opts.redis) {
@@ -126,10 +128,12 @@ export class Recorder {
         { allowWeak: opts.redisAllowWeakDurability === true, warn },
         opts.dataDir,
       );
-      this.feed = await RedisFeed.open(this.shared, feedOpts, pack, this.metrics, report);
+      this.images = new ImageStore(opts.dataDir, this.shared);
+      this.feed = await RedisFeed.open(this.shared, feedOpts, this.pack(), this.metrics, report);
     } else {
+      this.images = new ImageStore(opts.dataDir);
       const dead = new QuarantineFile(join(opts.dataDir, 'quarantine.jsonl'));
-      this.feed = new Feed(this.pool, feedOpts, pack, (e) => this.append(e), this.metrics, dead, report);
+      this.feed = new Feed(this.pool, feedOpts, this.pack(), (e) => this.append(e), this.metrics, dead, report);
     }
     try {
       const compaction = {
@@ -147,6 +151,28 @@ export class Recorder {
     if (this.shared) await this.shipUnshipped();
     this.started = Date.now();
     if (opts.idleTimeoutMs > 0) this.sweeper = setInterval(() => this.sweep(), Math.min(1000, opts.idleTimeoutMs / 4)).unref();
+  }
+
+  /**
+   * The feed's packing: episodes with their images' bytes (recorded by reference) to the step packer; one whose
+   * image is gone from the store is quarantined as a poison record is, the rest of its step packed.
+   */
+  private pack(): PackFn {
+    const pack = countingPack(this.packer, this.metrics, this.recordStats);
+    return async (episodes) => {
+      const ready: Episode[] = [];
+      const lost: Quarantined[] = [];
+      for (const ep of episodes) {
+        try {
+          ready.push(await this.images.hydrate(ep));
+        } catch (err) {
+          if (!(err instanceof TreepackError && err.code === 'E_INPUT')) throw err; // I/O: the step is packed again later
+          lost.push(quarantined(ep, err, undefined));
+        }
+      }
+      const packed = await pack(ready);
+      return { out: packed.out, quarantined: [...lost, ...packed.quarantined] };
+    };
   }
 
   /** A warning for the operator: to `opts.warn`, else stderr. */

@@ -11,6 +11,10 @@
  * and authors (`message_offsets`, `message_authors`: its turns, as the chat line would have them). Such a sample
  * passes the timeline merge untouched (src/timeline/build.ts): calls share their common prefix in the forest
  * instead, and only where their routes agree (src/pack/routes.ts), so no token is trained on another call's route.
+ * A call with images (their data URLs: images.ts) trains from its chat
+ * record only, where the images go with their placeholders: one whose engine prompt is not the template's, with
+ * each image expanded into the placeholders the served processor makes of it, cannot be trained with its images
+ * and fails to pack (its episode is quarantined: packing.ts).
  */
 import { TreepackError } from '../errors.js';
 import { parseRecords } from '../records/read.js';
@@ -18,6 +22,7 @@ import type { Author, ChatRecord } from '../records/types.js';
 import { timelineFromChat } from '../timeline/build.js';
 import { mergeDefaults } from '../timeline/model.js';
 import type { ChatEncoder } from '../tokenize/chat.js';
+import { processImage } from '../tokenize/images.js';
 import type { EngineOutput } from './engine.js';
 import type { Episode, RecordedCall } from './pool.js';
 
@@ -83,6 +88,42 @@ function messageBoundaries(rec: ChatRecord, encoder: ChatEncoder): { offsets: nu
   return { offsets, authors };
 }
 
+/**
+ * The prompt the engine sees for a record with images: `prompt` (the template's, one placeholder token per image)
+ * with each image's placeholder repeated as many times as the served processor expands it.
+ */
+function expandedPrompt(encoder: ChatEncoder, rec: ChatRecord, prompt: Int32Array): { ids: Int32Array; images: number } {
+  const proc = encoder.tokenizer.imageProcessor!;
+  const counts = rec.messages
+    .flatMap((m) => m.parts ?? [])
+    .flatMap((p) => (p.type === 'image' ? [processImage(p.image, proc).tokens] : []));
+  const out: number[] = [];
+  let k = 0;
+  for (const t of prompt) {
+    if (t === proc.image_token_id && k < counts.length) for (let n = counts[k++]; n > 0; n--) out.push(t);
+    else out.push(t);
+  }
+  return { ids: Int32Array.from(out), images: counts.reduce((a, b) => a + b, 0) };
+}
+
+/** Why a call with images cannot be trained: its engine prompt is not the template's with the images expanded. */
+function imageDrift(encoder: ChatEncoder, ep: Episode, call: number, expected: number, engine: Int32Array | number[]): TreepackError {
+  const proc = encoder.tokenizer.imageProcessor!;
+  let got = 0;
+  for (const t of engine) if (t === proc.image_token_id) got++;
+  const why =
+    got !== expected
+      ? `the engine's prompt has ${got} image placeholder tokens (id ${proc.image_token_id}) where the ${proc.family} processor ` +
+        `of the served tokenizer (${encoder.tokenizer.name}) expands the call's images into ${expected}: the engine serves other ` +
+        'image processor settings (min_pixels, max_pixels, patch or merge size) than the tokenizer directory has'
+      : "the engine's prompt is not the chat template's rendering of the call";
+  return new TreepackError('E_INPUT', `${why}; a call with images trains only on the prompt the engine saw`, {
+    file: 'episode ' + ep.id,
+    line: call + 1,
+    field: 'prompt_token_ids',
+  });
+}
+
 function engineSample(ep: Episode, id: string, call: RecordedCall, out: EngineOutput, rec?: ChatRecord, encoder?: ChatEncoder): Line {
   const prompt = out.promptTokenIds!;
   const gen = out.tokenIds!;
@@ -138,7 +179,18 @@ export function episodeLines(ep: Episode, encoder: ChatEncoder, stats: RecordSta
           { ...req, id: `${ep.id}/${k}`, episode: ep.id, group: ep.group },
           { file: 'episode ' + ep.id, line: k + 1 },
         ) as ChatRecord[];
-        const matched = sameIds(renderedPrompt(encoder, rec), out.promptTokenIds!);
+        const withImages = rec.messages.some((m) => m.parts?.some((p) => p.type === 'image'));
+        const rendered = renderedPrompt(encoder, rec);
+        const expanded = withImages ? expandedPrompt(encoder, rec, rendered) : undefined;
+        const matched = sameIds(expanded?.ids ?? rendered, out.promptTokenIds!);
+        // the engine's tokens as a sample would train on its placeholders without the images
+        if (!matched && expanded) throw imageDrift(encoder, ep, k, expanded.images, out.promptTokenIds!);
+        if (expanded && out.routes)
+          throw new TreepackError('E_INPUT', 'routed experts of a call with images: a pre-tokenized sample carries no images', {
+            file: 'episode ' + ep.id,
+            line: k + 1,
+            field: 'routed_experts',
+          });
         if (matched) stats.promptMatched++;
         else stats.promptDrifted++;
         if (!matched || out.routes) {

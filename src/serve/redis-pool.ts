@@ -21,7 +21,8 @@
  * `ep:{episode}` the gateway recording it; `rnd:{instance}` a slime instance's latest round, `rid:{instance}` its
  * records' uids → digest and group (these expire after a week); `groups` stream of finished groups; `config` the
  * feed options every service must share; `keys` scoped API keys' SHA-256 → scope JSON (a key minted by any gateway
- * opens its episode on every one; like the log's `key` events, they do not expire).
+ * opens its episode on every one; like the log's `key` events, they do not expire); `image:{sha256}` a recorded
+ * image's bytes (images.ts: the episodes name them; they do not expire).
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
@@ -405,6 +406,16 @@ export class RedisPool {
   /** Makes a scoped key (by its SHA-256) valid on every gateway of the pool. */
   async addKey(hash: string, scope: Scope): Promise<void> {
     await this.guard(this.redis.hset(`${PREFIX}keys`, hash, JSON.stringify(scope)));
+  }
+
+  /** Stores a recorded image's bytes by their sha256, once (images.ts). */
+  async putImage(sha: string, bytes: Buffer): Promise<void> {
+    await this.guard(this.redis.set(`${PREFIX}image:${sha}`, bytes, 'NX'));
+  }
+
+  /** A recorded image's bytes by their sha256, or undefined. */
+  async getImage(sha: string): Promise<Buffer | undefined> {
+    return (await this.guard(this.redis.getBuffer(`${PREFIX}image:${sha}`))) ?? undefined;
   }
 
   /** The scope of a key minted by any gateway of the pool (by its SHA-256), or undefined. */

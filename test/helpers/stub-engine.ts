@@ -10,10 +10,14 @@
  * Without a tokenizer, replies carry no token ids: the gateway then renders with the chat template. With `routes`,
  * replies carry the experts an MoE engine routed the prompt and generated tokens to (all but the last token), as
  * vLLM (`choices[k].routed_experts`: base64 of an .npy int32 array) or SGLang (`choices[k].sgl_ext.routed_experts`,
- * on request `return_routed_experts`: base64 of flat int32) sends them; streamed, on each choice's last chunk.
+ * on request `return_routed_experts`: base64 of flat int32); streamed, on each choice's last chunk. Given a VL
+ * tokenizer (one with an image processor), each image part's placeholder in `prompt_token_ids` is expanded as vLLM
+ * expands it: into the processor's count for the image (`imageSettings`: the engine serves other settings).
  */
 import { createServer, type Server } from 'node:http';
 import type { TextTokenizer } from '../../src/index.js';
+import { decodeImage, type ImageProcessor } from '../../src/records/images.js';
+import { processImage } from '../../src/tokenize/images.js';
 
 export type StubMode = 'ok' | 'garbage' | 'no-choices' | 'hang' | 'error-500' | 'bad-logprobs' | 'stall-stream';
 
@@ -30,7 +34,22 @@ export interface StubEngine {
   /** with `record`: every chat or completion request body as received, and what each choice generated */
   requests: Record<string, unknown>[];
   produced: { prompt_token_ids: number[]; token_ids: number[]; logprobs: number[] }[];
+  /** with a VL tokenizer: processor settings the engine serves in place of the tokenizer directory's */
+  imageSettings?: Partial<ImageProcessor>;
   close: () => Promise<void>;
+}
+
+/** `ids` with the k-th image placeholder repeated as many times as processor `p` expands the k-th image part of `messages`. */
+function expandImages(ids: number[], messages: Obj[], p: ImageProcessor): number[] {
+  const counts = messages
+    .flatMap((m) => (Array.isArray(m.content) ? (m.content as Obj[]) : []))
+    .filter((part) => part.type === 'image_url')
+    .map((part) => {
+      const url = (part.image_url as { url: string }).url;
+      return processImage(decodeImage(Buffer.from(url.slice(url.indexOf(',') + 1), 'base64')), p).tokens;
+    });
+  let k = 0;
+  return ids.flatMap((t) => (t === p.image_token_id && k < counts.length ? new Array<number>(counts[k++]).fill(t) : [t]));
 }
 
 type Obj = Record<string, unknown>;
@@ -125,6 +144,8 @@ export async function startStubEngine(
             })
           : (req0.prompt as string);
         promptIds = [...tok.encode(text)];
+        if (chat && tok.imageProcessor)
+          promptIds = expandImages(promptIds, req0.messages as Obj[], { ...tok.imageProcessor, ...stub.imageSettings });
       }
       const tools = (req0.tools as { function: { name: string } }[] | undefined) ?? [];
       const tc = req0.tool_choice as { function?: { name: string } } | string | undefined;
