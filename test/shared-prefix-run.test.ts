@@ -88,7 +88,10 @@ describe.skipIf(py.skipReason !== '')('shared prefixes computed in shares over g
       const want = [0, 1, 2].map((rank) => {
         const mine = entries.filter((e) => e.rank === rank);
         const own = mine.reduce((a, e) => a + e.pushed_tokens, 0);
-        const ranges = pieces.reduce((a, p) => (p.ranks.includes(rank) ? a + p.ranges[p.ranks.indexOf(rank)].reduce((x, y) => y - x) : a), 0);
+        const ranges = pieces.reduce(
+          (a, p) => (p.ranks.includes(rank) ? a + p.ranges[p.ranks.indexOf(rank)].reduce((x, y) => y - x) : a),
+          0,
+        );
         return { computed_tokens: mine.reduce((a, e) => a + e.computed_tokens, 0) + own + ranges, pushed_tokens: own + ranges };
       });
       expect(shares.ranks.map((x) => ({ computed_tokens: x.computed_tokens, pushed_tokens: x.pushed_tokens }))).toEqual(want);
