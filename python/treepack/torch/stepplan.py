@@ -711,7 +711,7 @@ class StepPlanRunner:
         p, src = share.piece, share.source
         stack = [self.held[q] for q in share.below]
         chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], None)
-        hidden, cache = self._forward(chain, share.a, None, GroupPrefix(stack, share))
+        hidden, cache, _ = self._forward(chain, share.a, None, GroupPrefix(stack, share))
         cache = {k: share.gather(t, f"layer {k[1]}'s {k[0]}s") for k, t in cache.items()}
         hidden = share.gather(hidden, "the final hidden states")
         full = torch.cat([s.hidden for s in stack] + [hidden])
