@@ -170,7 +170,7 @@ class CheckedSplits(unittest.TestCase):
 
     def test_unsupported_mixers_are_refused_by_name(self):
         import transformers
-        from treepack.torch.context_parallel import check_model
+        from treepack.torch.models import check_context_parallel as check_model
 
         torch.manual_seed(0)
         cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4, conv_kernel=4, expand=2)

@@ -1,7 +1,7 @@
 """Context parallelism for one packed row: its nodes split over a ``torch.distributed`` group, each rank computing
 the query rows of a contiguous range of the packed stream (gloo on CPU, NCCL on GPU; docs/guides/context-parallel.md).
 
-    import torch.distributed as dist, treepack.torch as tpt
+    # with torch.distributed as dist and treepack.torch as tpt:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # torchrun --nproc-per-node K
     cp = tpt.ContextParallel.of(batch)                # bounds balanced by the tree mask's work, this rank's place
     local = tpt.split_batch(batch, cp)                # this rank's part: an ordinary PackedBatch
@@ -39,7 +39,7 @@ on the local nodes (python/treepack/torch/cp_recurrent.py): the recurrent layers
 take the states after their roots' parents, and the convolution inputs of the ancestors their windows read, from
 the ranks that computed them (point to point, their gradients returned in backward), reading the whole row's
 forest from ``LocalPart.subtree_end``. Each recurrent layer is a pipeline over the ranks (rank r waits for the
-states of the lower ranks it hangs from). Token mixers treepack does not run on a tree are refused (``check_model``).
+states of the lower ranks it hangs from). Token mixers treepack does not run on a tree are refused (``models.check_context_parallel``).
 
 **The loss.** ``packed_loss`` / ``PackedLoss`` on a local part all-reduce (SUM) the per-sequence counts and sums the
 aggregation reads (trainable tokens per sequence, hence T and G; GSPO's sequence mean; sequence TIS) and compute
@@ -266,10 +266,11 @@ class LocalPart:
         fetched: torch.Tensor = _Fetch.apply(x, route, self.cp, what, self.stats)
         return fetched
 
-    def run(self, model: torch.nn.Module, base: torch.nn.Module, batch: PackedBatch, mask: Any) -> torch.Tensor:
+    def run(self, base: torch.nn.Module, batch: PackedBatch, mask: Any, recurrent: Any) -> torch.Tensor:
         """The base model on this rank's local nodes against the context: final hidden states [A + n, D] (the
-        context's rows zero except those parents of local nodes, fetched from their owners)."""
-        check_model(model)
+        context's rows zero except those parents of local nodes, fetched from their owners). ``recurrent``: what runs
+        recurrent layers across ranks (python/treepack/torch/cp_recurrent.py, passed in because it imports this
+        module); the caller has checked the model (``models.check_context_parallel``)."""
         if getattr(mask, "subtree_end", None) is None:
             raise TreepackError(
                 "E_ARG",
@@ -277,7 +278,7 @@ class LocalPart:
                 field="attn_implementation",
             )
         A = self.rows
-        mask.prefix = CPForward(self)
+        mask.prefix = CPForward(self, recurrent)
         out = base(input_ids=batch.input_ids[None, A:], position_ids=batch.position_ids[None, A:], attention_mask=mask, use_cache=False)
         hidden = out.last_hidden_state[0]
         got = self.fetch(hidden, self.hidden, "the final hidden states")
@@ -297,8 +298,8 @@ class CPForward:
     ``rows`` context rows come first and are not computed; ``extend`` puts the context's keys/values, fetched from
     their owners, before this rank's. ``keep`` is the step plan's capture hook (nothing to keep here)."""
 
-    def __init__(self, part: LocalPart) -> None:
-        self.part, self.rows = part, part.rows
+    def __init__(self, part: LocalPart, recurrent: Any) -> None:
+        self.part, self.rows, self.recurrent = part, part.rows, recurrent
 
     def keep(self, key: Any, tensor: torch.Tensor) -> None:
         """Nothing is cached across forwards under context parallelism."""
@@ -325,23 +326,6 @@ def fetch_keys_values(
     kc = got[:, : k2.shape[1]].reshape(F, key.shape[1], key.shape[3]).transpose(0, 1)[None]
     vc = got[:, k2.shape[1] :].reshape(F, value.shape[1], value.shape[3]).transpose(0, 1)[None]
     return kc, vc
-
-
-def check_model(model: torch.nn.Module) -> None:
-    """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
-    boundary: any mixer treepack does not run on a tree (the recurrent layers it does, ``LAYERS``, pass their states
-    across ranks)."""
-    from .models import LAYERS, layer_index, unsupported_mixers
-
-    bad = unsupported_mixers(model, frozenset(LAYERS))
-    if bad:
-        path, m = bad[0]
-        raise TreepackError(
-            "E_ARG",
-            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens by a recurrence or convolution whose state context "
-            "parallelism does not pass across ranks (attention and " + ", ".join(sorted(LAYERS)) + " do): run this row on one rank",
-            field="model",
-        )
 
 
 def _context(se: torch.Tensor, lo: int) -> torch.Tensor:
@@ -470,7 +454,6 @@ __all__ = [
     "LocalPart",
     "Route",
     "balanced_bounds",
-    "check_model",
     "fetch_keys_values",
     "reduce_gradients",
     "row_costs",

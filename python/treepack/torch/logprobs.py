@@ -37,9 +37,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..microbatch import TreepackError
+from . import cp_recurrent
 from .attention import dense_model_mask, input_embeddings, tree_mask
 from .batch import PackedBatch
-from .models import check_dense, prepare
+from .models import check_context_parallel, check_dense, prepare
 from .moe import RouterOutputs, replay_routes, router_outputs
 from .vision import has_images, vision_family
 from .vision import hidden_states as vision_hidden_states
@@ -199,7 +200,8 @@ def packed_logprobs(
             if vision_family(model) is not None or has_images(batch):
                 raise TreepackError("E_ARG", "a vision-language model under context parallelism is not supported yet", field="batch")
             with routed(model, batch, routes, router) as routing:  # the routers see the local nodes only
-                hidden = part.run(model, base, batch, mask)
+                check_context_parallel(model)
+                hidden = part.run(base, batch, mask, cp_recurrent)
             moe = None if routing is None else router_outputs(routing, model)
         else:
             with routed(model, batch, routes, router) as routing:

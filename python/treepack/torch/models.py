@@ -280,3 +280,18 @@ def prepare(model: torch.nn.Module, chunk_align: bool | None = None) -> torch.nn
         elif chunk_align is not None:
             layer.treepack_chunk_align = chunk_align
     return model
+
+
+def check_context_parallel(model: torch.nn.Module) -> None:
+    """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
+    boundary: any mixer treepack does not run on a tree (the recurrent layers it does, ``LAYERS``, pass their states
+    across ranks)."""
+    bad = unsupported_mixers(model, frozenset(LAYERS))
+    if bad:
+        path, m = bad[0]
+        raise TreepackError(
+            "E_ARG",
+            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens by a recurrence or convolution whose state context "
+            "parallelism does not pass across ranks (attention and " + ", ".join(sorted(LAYERS)) + " do): run this row on one rank",
+            field="model",
+        )

@@ -55,6 +55,7 @@ class Tree:
         # Under context parallelism the mask's prefix is the forward's CPForward: its LocalPart, not a cached chain
         # (python/treepack/torch/cp_recurrent.py).
         self.cp = prefix.part if isinstance(prefix, CPForward) else None
+        self.cp_layers: Any = prefix.recurrent if isinstance(prefix, CPForward) else None  # the cp_recurrent module
         self.prefix = None if self.cp is not None else prefix
         self._calls: dict[str, int] = {}
 
@@ -89,9 +90,8 @@ def tree_conv(
     if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
         raise TreepackError("E_ARG", f"{tree.layer}: seq_idx / cu_seqlens cannot be combined with a tree", field="attention_mask")
     if tree.cp is not None:
-        from . import cp_recurrent  # imports this module
-
-        return cp_recurrent.conv(orig, tree, hidden_states, weight, bias, activation)
+        across: torch.Tensor = tree.cp_layers.conv(orig, tree, hidden_states, weight, bias, activation)
+        return across
     pre, k = tree.prefix, int(weight.shape[-1])
     if pre is None:
         return _conv(orig, tree.mask, hidden_states, weight, bias, activation)
@@ -153,9 +153,8 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
     if inputs[0] is None:
         raise TreepackError("E_ARG", "a recurrence needs its first input", field="inputs")
     if tree.cp is not None:
-        from . import cp_recurrent  # imports this module
-
-        return cp_recurrent.run(tree, chunk, inputs, call)
+        ran: torch.Tensor = tree.cp_layers.run(tree, chunk, inputs, call)
+        return ran
     pre, mask = tree.prefix, tree.mask
     if pre is None:
         return run_rows(mask, chunk if tree.chunk_align else 1, inputs, call, None)[0]
