@@ -104,7 +104,7 @@ export function assembleMicroBatch(samples: readonly Sample[], opts: AssembleOpt
   const seqs = toSequences(samples, table);
   // Routes key the image-keyed sequences: a node is its token (or image placeholder) and its route.
   const keyed = keyByRoutes(samples, seqs, opts.routeConflict ?? 'split', opts.packForest);
-  const forest = opts.packForest(keyed.seqs);
+  const forest = keyed.forest ?? opts.packForest(keyed.seqs);
   const { tokenOf } = keyed;
   if (tokenOf) forest.input_ids = forest.input_ids.map((key) => tokenOf[key]);
   const images = table && imageTensors(samples, forest, table);

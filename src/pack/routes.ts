@@ -38,6 +38,8 @@ export interface RouteKeying {
   seqs: Sequences;
   /** key → token; absent when the keys are the tokens */
   tokenOf?: Int32Array;
+  /** the forest of `seqs` when keying built it (routes present, keys = tokens): the caller need not build it again */
+  forest?: Forest;
   /** the samples' common shape; absent when no sample has routes */
   layers?: number;
   topK?: number;
@@ -121,7 +123,7 @@ export function keyByRoutes(
     }
   }
   const base = { ...shape, conflicts, unsplitTokens: N };
-  if (conflicts === 0 || policy === 'first') return { seqs, ...base };
+  if (conflicts === 0 || policy === 'first') return { seqs, forest: plain, ...base };
 
   // The class of each occurrence at a conflicted node: the rank of its route among that node's distinct routes.
   const cls = new Int32Array(M);
