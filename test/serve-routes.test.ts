@@ -3,7 +3,8 @@
  * `sgl_ext.routed_experts`), streamed or not, recorded with the call token for token, durable across a kill -9 and
  * through the shared pool, handed to the packer as the records' `routes`, and kept from the agent unless it asked.
  * Routes that cannot be recorded (another length than the call's tokens, too large, a flat array of no known shape)
- * leave the call answered and recorded without them, counted and warned about naming the call and the field.
+ * leave the call answered and recorded without them, counted and warned about naming the call and the field. They are
+ * checked on a thread of their own (routes-thread.ts): the event loop goes on meanwhile.
  */
 import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -16,7 +17,8 @@ import { loadTokenizer } from '../src/tokenize/tokenizer.js';
 import type { TextTokenizer } from '../src/index.js';
 import { redisAvailable, startRedis, type RedisServer } from './helpers/redis.js';
 import { startServeProcess, tempDir, type ServeProcess } from './helpers/serve.js';
-import { recordRoutes } from '../src/serve/routed-experts.js';
+import { recordRoutes, RoutesDropped, type RawRoutes, type RecordedRoutes, type RouteOptions } from '../src/serve/routed-experts.js';
+import { RoutesThread } from '../src/serve/routes-thread.js';
 import { npyBase64, startStubEngine, stubRoutes, type StubEngine, type StubRoutes } from './helpers/stub-engine.js';
 
 type Obj = Record<string, unknown>;
@@ -376,4 +378,90 @@ describe('the engines forms of routes', () => {
       /^field "f\[0\]\[0\]": expert \d+ is routed twice/,
     );
   });
+});
+
+describe('the routes thread: routes checked off the event loop', () => {
+  const shape = { layers: 48, topK: 8, experts: 128 };
+  const tokens = Array.from({ length: 32768 }, (_, i) => (i * 7919) % 150000);
+  const long = { value: npyBase64(stubRoutes(tokens.slice(0, -1), shape), [32767, 48, 8]), field: 'choices[0].routed_experts' };
+  const opts = { maxBytes: 64 << 20 };
+  let thread: RoutesThread;
+  afterEach(() => thread.close());
+
+  /** setImmediate turns the event loop takes while `work` runs: 0 when it held the loop to itself. */
+  async function turnsDuring(work: () => Promise<unknown>): Promise<number> {
+    let turns = 0;
+    let going = true;
+    const tick = () => {
+      turns++;
+      if (going) setImmediate(tick);
+    };
+    setImmediate(tick);
+    await work();
+    going = false;
+    return turns;
+  }
+
+  it(
+    'a 32k-token call of 48 layers, top-8: the same record as recordRoutes, while the event loop goes on',
+    { timeout: 120_000 },
+    async () => {
+      thread = new RoutesThread();
+      let onThread: RecordedRoutes | undefined;
+      expect(await turnsDuring(async () => (onThread = await thread.record(long, 32768, opts)))).toBeGreaterThan(0);
+      // the control: checked on the event loop (as before the thread), the loop takes no turn until it is done
+      let direct: RecordedRoutes | undefined;
+      expect(await turnsDuring(async () => (direct = recordRoutes(long, 32768, opts)))).toBe(0);
+      expect(onThread).toEqual(direct);
+    },
+  );
+
+  it('routes that cannot be recorded come back as RoutesDropped with the reason, field and message', { timeout: 120_000 }, async () => {
+    thread = new RoutesThread();
+    const short = { value: npyBase64(stubRoutes([1, 2], SHAPE), [2, 3, 2]), field: 'choices[0].routed_experts' };
+    const cases: [RawRoutes, number | undefined, RouteOptions][] = [
+      [short, 9, opts], // length
+      [short, undefined, opts], // untokenized
+      [long, 32768, { maxBytes: 1000 }], // too_large
+      [{ value: Buffer.alloc(48).toString('base64'), field: 'f' }, 3, opts], // no_shape
+    ];
+    for (const [raw, n, o] of cases) {
+      const want = (() => {
+        try {
+          recordRoutes(raw, n, o);
+        } catch (err) {
+          return err as RoutesDropped;
+        }
+        throw new Error('expected a refusal');
+      })();
+      const got = await thread.record(raw, n, o).then(
+        () => undefined,
+        (err: Error) => err,
+      );
+      expect(got).toBeInstanceOf(RoutesDropped);
+      const { reason, field, detail, message } = got as RoutesDropped;
+      expect({ reason, field, detail, message }).toEqual({
+        reason: want.reason,
+        field: want.field,
+        detail: want.detail,
+        message: want.message,
+      });
+    }
+  });
+
+  it(
+    'a thread that dies fails the outputs it held, and the next output starts a new one; after close, none',
+    { timeout: 120_000 },
+    async () => {
+      thread = new RoutesThread();
+      const pending = thread.record(long, 32768, opts);
+      const worker = (thread as unknown as { worker: { terminate(): Promise<number> } }).worker;
+      await worker.terminate();
+      await expect(pending).rejects.toThrow(/^the routes thread exited with code 1$/);
+      const again = await thread.record({ value: npyBase64(stubRoutes([1, 2, 3], SHAPE), [3, 3, 2]), field: 'f' }, 4, opts);
+      expect(again.shape).toEqual([3, 3, 2]);
+      await thread.close();
+      await expect(thread.record(long, 32768, opts)).rejects.toThrow('the service is closing');
+    },
+  );
 });

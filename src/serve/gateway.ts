@@ -40,7 +40,7 @@ import {
   type Scope,
 } from './pool.js';
 import { postUpstream, type Upstream } from './upstream.js';
-import { recordRoutes, RoutesDropped, type RawRoutes } from './routed-experts.js';
+import { RoutesDropped, type RawRoutes } from './routed-experts.js';
 import { emptyRecordStats, episodeLines } from './records.js';
 import type { Recorder, SharedGroup } from './recorder.js';
 
@@ -59,6 +59,7 @@ export type GatewayCore = Pick<
   | 'abandonGroup'
   | 'openEpisode'
   | 'noteRoutesDropped'
+  | 'routes'
 >;
 /** gateway calls in flight by episode and Idempotency-Key: a retry waits for the first attempt */
 type InFlight = Map<string, Promise<unknown>>;
@@ -443,7 +444,7 @@ async function proxyOnce(
       .send(text);
   }
   const commit = async (outputs: EngineOutput[], answer: () => string, routes: (RawRoutes | undefined)[]) => {
-    attachRoutes(svc, outputs, routes, meta.id);
+    await attachRoutes(svc, outputs, routes, meta.id);
     p.complete(outputs, meta);
     // only a call a client may retry keeps its answer
     const kept = () => (p.stream ? { text: answer(), sse: true as const } : { text: answer() });
@@ -480,22 +481,24 @@ async function proxyOnce(
 }
 
 /**
- * Puts on each output the routes the engine returned for it, checked against its prompt and generated tokens; routes
- * that cannot be recorded are counted and left out, and the call is recorded without them.
+ * Puts on each output the routes the engine returned for it, checked against its prompt and generated tokens (on the
+ * routes thread); routes that cannot be recorded are counted and left out, and the call is recorded without them.
  */
-function attachRoutes(svc: GatewayCore, outputs: EngineOutput[], routes: (RawRoutes | undefined)[], callId: string): void {
+async function attachRoutes(svc: GatewayCore, outputs: EngineOutput[], routes: (RawRoutes | undefined)[], callId: string): Promise<void> {
   const opts = { shape: svc.opts.routeShape, maxBytes: svc.opts.maxRouteBytes };
-  outputs.forEach((out, k) => {
-    const raw = routes[k];
-    if (!raw) return;
-    const tokens = out.promptTokenIds && out.tokenIds ? out.promptTokenIds.length + out.tokenIds.length : undefined;
-    try {
-      out.routes = recordRoutes(raw, tokens, opts);
-    } catch (err) {
-      if (!(err instanceof RoutesDropped)) throw err;
-      svc.noteRoutesDropped(callId, err);
-    }
-  });
+  await Promise.all(
+    outputs.map(async (out, k) => {
+      const raw = routes[k];
+      if (!raw) return;
+      const tokens = out.promptTokenIds && out.tokenIds ? out.promptTokenIds.length + out.tokenIds.length : undefined;
+      try {
+        out.routes = await svc.routes.record(raw, tokens, opts);
+      } catch (err) {
+        if (!(err instanceof RoutesDropped)) throw err;
+        svc.noteRoutesDropped(callId, err);
+      }
+    }),
+  );
 }
 
 /** The message of an engine's error body (OpenAI's shape), else its text. */

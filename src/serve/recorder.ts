@@ -23,6 +23,7 @@ import { emptyRecordStats } from './records.js';
 import { RedisFeed } from './redis-feed.js';
 import { RedisPool } from './redis-pool.js';
 import type { RoutesDropped } from './routed-experts.js';
+import { RoutesThread } from './routes-thread.js';
 
 /** A finished episode's group in the shared pool: how many of its episodes are there, or not shipped yet. */
 export type SharedGroup = { episodes: number } | { pending: true };
@@ -56,6 +57,8 @@ export class Recorder {
   private warnedUntokenized = false;
   /** the reasons routes were dropped for that were warned about (once each: the metric counts them) */
   private warnedRoutes = new Set<string>();
+  /** checks the engine's routed experts off the event loop (started at the first routed output) */
+  readonly routes = new RoutesThread();
 
   private constructor(
     readonly opts: ResolvedServiceOptions,
@@ -424,6 +427,7 @@ export class Recorder {
     await this.feed.close();
     await this.log.close();
     await this.packer.close();
+    await this.routes.close();
     this.metrics.close();
   }
 }

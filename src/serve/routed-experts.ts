@@ -50,9 +50,9 @@ export class RoutesDropped extends Error {
   constructor(
     readonly reason: DropReason,
     readonly field: string,
-    message: string,
+    readonly detail: string,
   ) {
-    super(`field ${JSON.stringify(field)}: ${message}`);
+    super(`field ${JSON.stringify(field)}: ${detail}`);
   }
 }
 

@@ -4,7 +4,7 @@
  */
 import { Worker } from 'node:worker_threads';
 
-export function startWorker(module: 'pack-worker' | 'compact-worker', workerData: unknown): Worker {
+export function startWorker(module: 'pack-worker' | 'compact-worker' | 'routes-worker', workerData: unknown): Worker {
   if (!import.meta.url.endsWith('.ts')) return new Worker(new URL(`./${module}.js`, import.meta.url), { workerData });
   const url = new URL(`./${module}.ts`, import.meta.url).href;
   return new Worker(`import('tsx/esm/api').then(({ register }) => { register(); return import(${JSON.stringify(url)}); })`, {
