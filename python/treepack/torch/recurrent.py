@@ -23,6 +23,8 @@ the chain from ``prefix.state(key)`` ([1, ...]); the layer hands ``prefix.keep(k
 last K-1 convolution inputs and the state after its last node, which a pushed segment caches and a popped one
 back-propagates its gathered gradients through (the state's is the kernels' ``dht``: FLA's and mamba-ssm's
 autograd functions take the final state's gradient). ``key`` names the call: (layer, "conv" | "state", ordinal).
+A prefix with ``hand_over(key, out, width)`` (a shared piece's member computing one range of it) also gets each
+call's output, to hand the next range what it reads.
 
 A context-parallel forward (python/treepack/torch/context_parallel.py) sets a ``CPForward`` as the mask's prefix: the
 layer's inputs are then the rank's nodes of a row split over ranks, and python/treepack/torch/cp_recurrent.py runs
@@ -100,10 +102,18 @@ def tree_conv(
     pre.keep(key, hidden_states[:, :, max(0, hidden_states.shape[2] - (k - 1)) :])
     t = min(k - 1, rows)
     if not t:
-        return _conv(orig, tree.mask, hidden_states, weight, bias, activation)
+        return _handed(pre, key, _conv(orig, tree.mask, hidden_states, weight, bias, activation), k - 1)
     # The chain's last t nodes before the computed ones: the windows reaching into the cache read the cached inputs.
     x = torch.cat([pre.tail(key, t).to(hidden_states.dtype), hidden_states], 2)
-    return _conv(orig, sub_forest(tree.mask, rows - t), x, weight, bias, activation)[:, :, t:]
+    return _handed(pre, key, _conv(orig, sub_forest(tree.mask, rows - t), x, weight, bias, activation)[:, :, t:], k - 1)
+
+
+def _handed(pre: Any, key: tuple[str, str, int], out: torch.Tensor, width: int | None) -> torch.Tensor:
+    """``out`` of a layer call under a prefix; a shared piece's member (python/treepack/torch/shared_prefix.py,
+    ``GroupPrefix.hand_over``) sends the next range's member what it reads (the last ``width`` convolution inputs, or
+    the state: width None), its gradient returning with ``out``'s. A step plan's cached chain hands nothing over."""
+    hand = getattr(pre, "hand_over", None)
+    return out if hand is None else hand(key, out, width)
 
 
 def _conv(
@@ -164,7 +174,7 @@ def _run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: 
     if finals:
         last, r = plan.last
         pre.keep(key, finals[last][r : r + 1])
-    return out
+    return _handed(pre, key, out, None)
 
 
 def run_rows(

@@ -42,6 +42,7 @@ import torch
 from ..microbatch import TreepackError
 from .batch import PackedBatch
 from .context_parallel import ContextParallel, Route, _Fetch, _route, fetch_keys_values
+from .cp_recurrent import _Comm, _Recv, _Send
 
 # Process groups of the pieces' rank lists, created on every rank in the same order (dist.new_group's contract).
 _GROUPS: dict[tuple[int, ...], Any] = {}
@@ -110,11 +111,28 @@ class Share:
         self.before: Route = _route([torch.arange(bounds[r]) for r in range(G)], bounds, i, dev)
         self.every: Route = _route([torch.arange(L)] * G, bounds, i, dev)
         self.stats: dict[str, int] = {}
+        self.length = L
+        self.from_last: dict[int, Route] = {}  # n -> the route of n rows every member fetches from the last
+        # What the received states' autograd nodes hang from (cp_recurrent's _Recv needs an input that takes a gradient).
+        self.anchor = torch.zeros((), device=dev, requires_grad=True)
 
     def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
         where = f"{what} of shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)})"
         got: torch.Tensor = _Fetch.apply(x, route, self.cp, where, self.stats)
         return got
+
+    def comm(self, key: Any) -> _Comm:
+        """The point-to-point messages of one recurrent layer call between neighbouring members (cp_recurrent's)."""
+        where = f"shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)}), layer {key[0]}"
+        return _Comm(self, key, where)  # type: ignore[arg-type]  # reads .cp and .stats, as on a LocalPart
+
+    def last(self, rows: torch.Tensor, n: int, what: str) -> torch.Tensor:
+        """The last member's ``rows`` [n, ...] on every member (the others pass [0, ...]), differentiable: the
+        backward sums the members' gradients into the last member's."""
+        if n not in self.from_last:
+            G = self.cp.size
+            self.from_last[n] = _route([torch.arange(n)] * G, (0,) * G + (n,), self.cp.rank, rows.device)
+        return self.fetch(rows, self.from_last[n], what)
 
     def gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """The whole piece's ``t`` from every member's range (the range's nodes on dim 2 of a layer's cache, dim 0 of
@@ -125,15 +143,30 @@ class Share:
         return got.reshape((got.shape[0],) + tuple(rows.shape[1:])).movedim(0, dim)
 
 
+class _Neighbours:
+    """A ``StatePlan``'s message lists (what cp_recurrent's ``_Recv`` and ``_Send`` read) for one neighbour."""
+
+    def __init__(self, recv: list[tuple[int, int]], send: list[tuple[int, None]]) -> None:
+        self.recv, self.send = recv, send
+
+
 class GroupPrefix:
     """Set as ``prefix`` on the chain's TreeMask for one member's forward of its range [a, b) (the step plans' hook in
-    ``tree_attention``): before its own keys/values come those of the pieces below (held) and of the piece's ranges
-    before a (fetched from their owners, one message per layer)."""
+    ``tree_attention`` and the recurrent layers'): before its own keys/values come those of the pieces below (held)
+    and of the piece's ranges before a (fetched from their owners, one message per layer). A recurrent layer call
+    starts from the state after node a - 1 and reads the convolution inputs before a: the member before hands them
+    over (``_receive``), each member handing the next its own (``hand_over``) as the layers of a row split by
+    context parallelism do (python/treepack/torch/cp_recurrent.py), their gradients returning the same way; the
+    pieces below give the first member its start. The last member's final state and convolution tail are the
+    piece's, which every member then holds (``whole``)."""
 
     def __init__(self, stack: Sequence[Any], share: Share) -> None:
         self.stack, self.share, self.rows = stack, share, share.a
         self.captured: dict[Any, torch.Tensor] = {}
         self.closed = False
+        self.received: dict[Any, torch.Tensor] = {}  # by recurrent call key: what the member before handed over
+        self.widths: dict[Any, int | None] = {}  # by recurrent call key: the convolution's K - 1, None for a state
+        self.ends: dict[Any, torch.Tensor] = {}  # on the last member: the piece's final convolution inputs and states
 
     def keep(self, key: Any, tensor: torch.Tensor) -> None:
         if not self.closed:
@@ -152,9 +185,63 @@ class GroupPrefix:
         return q, k, v
 
     def tail(self, key: Any, t: int) -> torch.Tensor:
-        raise TreepackError("E_ARG", "shared pieces in shares carry attention keys/values only (recurrent layers: not yet)", field="model")
+        """The convolution inputs of the chain's last t nodes before a [1, C, t]: the pieces below hold theirs, the
+        member before hands over the last K - 1 of this piece's."""
+        cols = [s.cache[key] for s in self.stack] + ([self._receive(key)] if self.share.cp.rank else [])
+        return torch.cat(cols, dim=2)[:, :, -t:]
 
-    state = tail
+    def state(self, key: Any) -> torch.Tensor:
+        """The recurrent state after node a - 1 [1, ...]: the member before's, or the top piece below's."""
+        return self._receive(key) if self.share.cp.rank else self.stack[-1].cache[key]
+
+    def _receive(self, key: Any) -> torch.Tensor:
+        got = self.received.get(key)
+        if got is None:
+            plan = _Neighbours([(self.share.cp.rank - 1, 1)], [])
+            got = self.received[key] = _Recv.apply(self.share.anchor, plan, self.share.comm(key))
+        return got
+
+    def hand_over(self, key: Any, out: torch.Tensor, width: int | None) -> torch.Tensor:
+        """After a recurrent layer call (recurrent.py): its state after this range, or the piece's last ``width``
+        convolution inputs so far, go to the next member, tied to the call's output ``out`` so that their gradient
+        comes back when ``out``'s does; the last member keeps them as the piece's."""
+        if self.closed:
+            raise TreepackError(
+                "E_ARG",
+                "a recurrent layer ran again after the forward (gradient checkpointing?): a shared piece's state hand-overs run "
+                "once per forward",
+                field="gradient_checkpointing",
+            )
+        self.widths[key] = width
+        own = self.captured[key]
+        if width is not None and key in self.received:
+            own = torch.cat([self.received[key].to(own.dtype), own], dim=2)[:, :, -width:]
+        cp = self.share.cp
+        if cp.rank == cp.size - 1:
+            self.ends[key] = own
+            return out
+        sent: torch.Tensor = _Send.apply(out, _Neighbours([], [(cp.rank + 1, None)]), self.share.comm(key), own)
+        return sent
+
+    def whole(self, cache: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+        """What every member holds of the piece, from what this member's forward captured: each attention layer's
+        keys/values of every range, each recurrent call's final state and last K - 1 convolution inputs (the last
+        member's)."""
+        out = {}
+        last = self.share.cp.rank == self.share.cp.size - 1
+        for k, t in cache.items():
+            if k not in self.widths:
+                out[k] = self.share.gather(t, f"layer {k[1]}'s {k[0]}s")
+                continue
+            width, what = self.widths[k], f"layer {k[0]}'s {k[1]} of the piece's end"
+            if width is None:  # a state [1, ...]
+                rows = (self.ends[k] if last else t).reshape(1, -1)
+                out[k] = self.share.last(rows if last else rows[:0], 1, what).reshape(t.shape)
+            else:  # convolution inputs [1, C, n] as rows [n, C]
+                n = min(width, self.share.length)
+                rows = (self.ends[k] if last else t)[0].t()
+                out[k] = self.share.last(rows if last else rows[:0], n, what).t()[None]
+        return out
 
 
 def plan_shares(

@@ -674,12 +674,19 @@ class StepPlanRunner:
             raise TreepackError(
                 "E_ARG", "shared pieces are computed by their ranks together: initialise torch.distributed", field="shared_prefixes"
             )
-        if self.recurrent or self.vision:
+        if self.vision:
             raise TreepackError(
                 "E_ARG",
-                f"{type(self.model).__name__} has recurrent layers or a vision encoder: shared pieces are computed in shares for "
-                "attention-only language models so far (pass shared_prefixes=None: each rank computes the pieces it holds)",
+                f"{type(self.model).__name__} has a vision encoder: shared pieces are computed in shares for language models "
+                "only so far (pass shared_prefixes=None: each rank computes the pieces it holds)",
                 field="shared_prefixes",
+            )
+        if self.recurrent and getattr(self.model, "is_gradient_checkpointing", False):
+            raise TreepackError(
+                "E_ARG",
+                "gradient checkpointing re-runs the recurrent layers in the backward, and a shared piece's state hand-overs "
+                "between its ranks run once per forward: turn it off to compute shared pieces in shares",
+                field="gradient_checkpointing",
             )
         groups = {p.id: group_of(p.ranks) for p in ps}  # every rank, in list order: dist.new_group's contract
         rank = dist.get_rank()
@@ -711,8 +718,9 @@ class StepPlanRunner:
         p, src = share.piece, share.source
         stack = [self.held[q] for q in share.below]
         chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], None)
-        hidden, cache, _ = self._forward(chain, share.a, None, GroupPrefix(stack, share))
-        cache = {k: share.gather(t, f"layer {k[1]}'s {k[0]}s") for k, t in cache.items()}
+        prefix = GroupPrefix(stack, share)
+        hidden, cache, _ = self._forward(chain, share.a, None, prefix)
+        cache = prefix.whole(cache)
         hidden = share.gather(hidden, "the final hidden states")
         full = torch.cat([s.hidden for s in stack] + [hidden])
         whole = _chain_batch(src.input_ids[: p.end], src.position_ids[: p.end], None)
