@@ -134,6 +134,13 @@ class Share:
             self.from_last[n] = _route([torch.arange(n)] * G, (0,) * G + (n,), self.cp.rank, rows.device)
         return self.fetch(rows, self.from_last[n], what)
 
+    def routing(self, routing: Any) -> PieceRouting:
+        """The whole piece's routing from this member's range's (``moe.Routing``): every MoE layer's router logits
+        (differentiable, as ``gather``) and the experts used."""
+        logits = tuple(self.gather(t, f"MoE layer {i}'s router logits") for i, t in enumerate(routing.logits))
+        experts = self.gather(routing.experts().transpose(0, 1), "the experts used").transpose(0, 1)
+        return PieceRouting(logits, experts)
+
     def gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """The whole piece's ``t`` from every member's range (the range's nodes on dim 2 of a layer's cache, dim 0 of
         hidden states): differentiable, its backward summing the members' gradients into each range's owner."""
@@ -141,6 +148,17 @@ class Share:
         rows = t.movedim(dim, 0)
         got = self.fetch(rows.reshape(rows.shape[0], -1), self.every, what)
         return got.reshape((got.shape[0],) + tuple(rows.shape[1:])).movedim(0, dim)
+
+
+class PieceRouting:
+    """A shared piece's routing as a held segment keeps it (the ``moe.Routing`` fields it reads): per MoE layer the
+    router logits [piece tokens, experts], and the experts used [MoE layers, piece tokens, k]."""
+
+    def __init__(self, logits: tuple[torch.Tensor, ...], experts: torch.Tensor) -> None:
+        self.logits, self._experts = logits, experts
+
+    def experts(self) -> torch.Tensor:
+        return self._experts
 
 
 class _Neighbours:

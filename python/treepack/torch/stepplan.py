@@ -674,13 +674,6 @@ class StepPlanRunner:
             raise TreepackError(
                 "E_ARG", "shared pieces are computed by their ranks together: initialise torch.distributed", field="shared_prefixes"
             )
-        if self.vision:
-            raise TreepackError(
-                "E_ARG",
-                f"{type(self.model).__name__} has a vision encoder: shared pieces are computed in shares for language models "
-                "only so far (pass shared_prefixes=None: each rank computes the pieces it holds)",
-                field="shared_prefixes",
-            )
         if self.recurrent and getattr(self.model, "is_gradient_checkpointing", False):
             raise TreepackError(
                 "E_ARG",
@@ -697,30 +690,35 @@ class StepPlanRunner:
             if got is None:
                 continue
             source, below = got
-            if source.routes is not None:
-                raise TreepackError("E_ARG", "shared pieces with routes (MoE replay) are not computed in shares yet", field="routes")
             if any(q not in self.held for q in below):
                 raise TreepackError(
                     "E_INPUT", f"shared piece {p.id} is listed before a piece above it on its chain {below}", field="shared_prefixes"
                 )
             share = Share(p, groups[p.id], rank, source, below)
             with torch.no_grad():
-                cache, hidden, lp, ent = self._piece_pass(share)
+                cache, hidden, lp, ent, routing = self._piece_pass(share)
             self.shares[p.id] = share
             ids, pos = source.input_ids[p.start : p.end], source.position_ids[p.start : p.end]
-            self.held[p.id] = _Segment(p.start, ids, pos, cache, hidden, lp, ent, None, None, None)
+            routes = None if source.routes is None else source.routes[:, p.start : p.end]
+            seen = source if self.vision else None  # its images: a micro-batch's prefix must show the same ones
+            self.held[p.id] = _Segment(p.start, ids, pos, cache, hidden, lp, ent, routes, seen, routing)
             self.pushed += share.b - share.a
         self.peak_bytes = max(self.peak_bytes, sum(h.nbytes() for h in self.held.values()))
 
     def _piece_pass(self, share: Share) -> Any:
         """This rank's range of a shared piece against the pieces below and the ranges before (fetched), gathered into
-        the whole piece: per-layer keys/values, final hidden states, node logprobs and entropies (as ``_segment_pass``)."""
+        the whole piece: per-layer keys/values (recurrent layers: the piece's final states and convolution inputs),
+        final hidden states, node logprobs and entropies, and with ``router=True`` its routing (as ``_segment_pass``;
+        a routed piece's nodes replay their routes; a vision-language model encodes the images that fill a node of
+        the range, an image across two ranges by both members, each its placeholders)."""
         p, src = share.piece, share.source
         stack = [self.held[q] for q in share.below]
-        chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], None)
+        routes = None if src.routes is None else src.routes[:, : share.b]
+        chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], routes)
         prefix = GroupPrefix(stack, share)
-        hidden, cache, _ = self._forward(chain, share.a, None, prefix)
+        hidden, cache, routing = self._forward(chain, share.a, src if self.vision else None, prefix)
         cache = prefix.whole(cache)
+        routing = None if routing is None else share.routing(routing)
         hidden = share.gather(hidden, "the final hidden states")
         full = torch.cat([s.hidden for s in stack] + [hidden])
         whole = _chain_batch(src.input_ids[: p.end], src.position_ids[: p.end], None)
@@ -729,7 +727,7 @@ class StepPlanRunner:
         def zero(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.nan_to_num(t[p.start :], nan=0.0)
 
-        return cache, hidden, zero(lp), zero(ent)
+        return cache, hidden, zero(lp), zero(ent), routing
 
     def release_shared(self) -> None:
         """After the window's last micro-batch: each held piece, in reverse list order, recomputed by its members with
@@ -743,10 +741,12 @@ class StepPlanRunner:
             )
         for pid in reversed(list(self.held)):
             seg, share = self.held.pop(pid), self.shares.pop(pid)
-            cache, hidden, lp, ent = self._piece_pass(share)
+            cache, hidden, lp, ent, routing = self._piece_pass(share)
             pairs = [(cache[k], t) for k, t in seg.cache.items()] + [(hidden, seg.hidden), (lp, seg.lp)]
             if ent is not None and seg.ent is not None:
                 pairs.append((ent, seg.ent))
+            if routing is not None and seg.router_logits is not None:
+                pairs += list(zip(routing.logits, seg.router_logits))
             # Every member back-propagates through the same exchanges, a gradient nobody read as zeros.
             grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs]
             torch.autograd.backward([t for t, _ in pairs], grads)
@@ -831,13 +831,7 @@ def run_step_plan(
     micro-batch run in full. ``shared_prefixes``: the window's entries of the manifest's ``shared_prefixes``,
     the same list on every rank (``batches`` are then this rank's micro-batches of that window): the pieces are
     computed in shares with the other ranks (python/treepack/torch/shared_prefix.py); None: each rank computes the
-    pieces it holds itself (``router=True`` needs that: a piece computed in shares keeps no router outputs)."""
-    if router and shared_prefixes:
-        raise TreepackError(
-            "E_ARG",
-            "the load-balancing loss (router=True) through pieces computed in shares is not supported yet: pass shared_prefixes=None",
-            field="shared_prefixes",
-        )
+    pieces it holds itself (the same results)."""
     runner = StepPlanRunner(
         model,
         attention=attention,
