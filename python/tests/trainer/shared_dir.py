@@ -9,7 +9,8 @@ with grad and pushed without it. Called by test/shared-prefix-run.test.ts.
 MODE: ``shares`` (default); ``no_return`` (negative control: the pieces' gradients are never returned, so the
 gradients must differ); ``fault`` (rank 1 fails at the window's end: every other rank must raise a TreepackError
 naming the exchange and the piece within the group's timeout, reported as ``errors``); ``hybrid`` (a tiny Qwen3.5:
-refused with a TreepackError naming the reason, reported as ``errors``).
+each range of a piece starts from the Gated DeltaNet states and convolution inputs the rank before hands over; against
+the Qwen3.5's unsplit forest).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def model_for(path: str, family: str):
     return tiny_model("qwen3", torch.float64, vocab=vocab)
 
 
+def family(mode: str) -> str:
+    return "qwen3_5" if mode == "hybrid" else "qwen3"
+
+
 def mine(path: str, rank: int):
     """This rank's micro-batches in step order."""
     entries = tpt.read_manifest(path)["micro_batches"]
@@ -54,7 +59,7 @@ def run_mode(rank: int, path: str, mode: str, out: str) -> dict:
     import torch.distributed as dist
 
     result: dict = {}
-    model = model_for(path, "qwen3_5" if mode == "hybrid" else "qwen3")
+    model = model_for(path, family(mode))
     batches = mine(path, rank)
     pieces = tpt.read_manifest(path).get("shared_prefixes", [])
     runner = tpt.stepplan.StepPlanRunner
@@ -135,9 +140,10 @@ def main(path: str, modes: str = "shares") -> None:
         for r in range(world):
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
-        model = model_for(path, "qwen3")
-        ref = reference(model, [b for r in range(world) for b in mine(path, r)])
+        every = [b for r in range(world) for b in mine(path, r)]
+        refs = {f: reference(model_for(path, f), every) for f in {family(m) for m in names}}
         for mode in names:
+            ref = refs[family(mode)]
             got = [r[mode] for r in ranks]
             rep: dict = {"errors": [g.get("error") for g in got]}
             if all("loss" in g for g in got):

@@ -197,12 +197,6 @@ class StepPlanTest(Checks, unittest.TestCase):
         seqs = [mid_a + tok(3), mid_a + tok(4), mid_a[:-2] + tok(3), mid_b + tok(2), mid_b + tok(5), stem[:7] + tok(4), tok(5)]
         return seqs
 
-    def test_router_outputs_through_shared_pieces_are_refused(self):
-        # A piece computed in shares keeps no router outputs: the load-balancing loss would miss its tokens.
-        with self.assertRaises(TreepackError) as e:
-            tpt.run_step_plan(torch.nn.Linear(1, 1), [], lambda lp, b, r: lp.sum(), router=True, shared_prefixes=[{"id": 0}])
-        self.assertEqual(e.exception.field, "shared_prefixes")
-
     def test_split_at_branch_points_and_inside_segments(self):
         seqs = self.trunk()
         for family in ("qwen3", "llama"):

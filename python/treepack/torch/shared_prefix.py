@@ -26,9 +26,13 @@ data-parallel ranks (DDP's all-reduce, or ``reduce_gradients``) they equal the r
 process. Every collective runs under the process group's timeout: a member that fails makes the others raise
 TreepackError (E_BACKEND) naming the piece and the exchange.
 
-Attention layers only for now: a model with recurrent layers (whose state would pass from range to range), routes
-(MoE replay) or images is refused here; it runs the plan with ``shared_prefixes=None``, each rank computing the
-pieces it holds itself (the same results, the cost of the plan without sharing).
+Every family the step plan runs: in a recurrent layer (Gated DeltaNet, Mamba2, KDA) each range starts from the state
+and the convolution inputs the member before hands over (``GroupPrefix``, with python/treepack/torch/cp_recurrent.py's
+point-to-point messages, their gradients returned in the backward), and every member ends holding the last member's
+final state and convolution tail, what a pushed segment holds; a routed piece replays its nodes' routes, and with
+``router=True`` its router logits are gathered like the keys/values (``Share.routing``), leaves whose gradients
+return to their ranges; a vision-language member encodes the images that fill a node of its range. Gradient
+checkpointing on a recurrent model is refused (its recomputation would run the hand-overs again).
 """
 
 from __future__ import annotations
