@@ -8,14 +8,16 @@ ranks, the loss, per-token logprobs and every parameter gradient of the unsplit 
   starts from the state and convolution inputs the rank before handed over, and the pieces end held by every
   member with their final state and convolution tail (the next piece and the micro-batches start from them);
 - Qwen3-MoE with every node's routes replayed, and with ``router=True``: each micro-batch's load-balancing loss
-  (added to its loss) equals its value run in full, gradient included.
+  (added to its loss) equals its value run in full, gradient included;
+- Qwen3-VL (``VL_PLAN``): one piece whose ranges cut a screenshot's fill twice, each member encoding the image for
+  its placeholders (the vision tower's gradients included).
 
 The plan (``PLAN``): piece 0, depths [0, 40) of a 70-token stem over ranks 0, 1, 2 (ranges of 13, 2 and 25 tokens:
 the middle one shorter than the convolution's window, so rank 2's windows reach rank 0's inputs), piece 1,
 [40, 70) above it over ranks 1 and 2 (across the 64-token chunk grid); micro-batches hang from both. Negative
-controls: without the recurrent state hand-over (a zero start state for each range but the first) the logprobs
-differ; so do they with the replayed routes of the pieces dropped. Refusals: gradient checkpointing on a
-recurrent model, a vision-language model."""
+controls: without the recurrent state hand-over (a zero start state for each range but the first), or without the
+convolution inputs', the logprobs differ; so do they with the pieces' routes dropped. Gradient checkpointing on a
+recurrent model is refused."""
 
 from __future__ import annotations
 
@@ -270,13 +272,15 @@ def worker(rank: int, out: str) -> None:
         got["runs"]["qwen3_moe router"] = shares(rank, "qwen3_moe", routed=True, router=True)
         if not PIL_SKIP:
             got["runs"]["qwen3_vl"] = vl_shares(rank)
-        # Negative controls: each range but the first starts from a zero state; the pieces' routes dropped.
+        # Negative controls: each range but the first starts from a zero state, or reads zero convolution inputs
+        # before it (the messages still flow); the pieces' routes dropped.
         receive = shared_prefix.GroupPrefix._receive
-        shared_prefix.GroupPrefix._receive = lambda self, key: receive(self, key) * 0
-        try:
-            got["controls"]["state"] = shares(rank, "qwen3_5")
-        finally:
-            shared_prefix.GroupPrefix._receive = receive
+        for kind in ("state", "conv"):
+            shared_prefix.GroupPrefix._receive = lambda self, key, kind=kind: receive(self, key) * (0 if key[1] == kind else 1)
+            try:
+                got["controls"][kind] = shares(rank, "qwen3_5")
+            finally:
+                shared_prefix.GroupPrefix._receive = receive
         take = shared_prefix.Share.__init__
 
         def unrouted(self, piece, group, r, source, below):
@@ -352,7 +356,7 @@ class SharedPiecesOfEveryFamily(unittest.TestCase):
             self.assertGreater(got["exchanged"], 0)
 
     def test_without_the_hand_overs_the_results_differ(self):
-        for kind, family in (("state", "qwen3_5"), ("routes", "qwen3_moe")):
+        for kind, family in (("state", "qwen3_5"), ("conv", "qwen3_5"), ("routes", "qwen3_moe")):
             d = self.compare(family, [r["controls"][kind] for r in self.ranks])
             print(f"without the {kind} hand-over: logprobs differ by {d['lp']:.1e}")
             self.assertGreater(d["lp"], 1e4 * TOL, kind)
