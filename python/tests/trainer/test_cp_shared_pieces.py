@@ -162,15 +162,20 @@ def reference(family: str, routed: bool, router: bool) -> dict:
 
 
 def shares(rank: int, family: str, routed: bool = False, router: bool = False) -> dict:
-    """This rank's micro-batches through ``run_step_plan`` with the pieces computed in shares; the gradients summed
-    over the ranks."""
-    import torch.distributed as dist
-
+    """This rank's micro-batches through ``run_step_plan`` with the pieces computed in shares (``summed``)."""
     model = model_of(family)
     route = routes_of(model) if routed else None
     batches = [batch_of(ids, op, route) for ids, op in PLAN[rank]]
     fn = loss_fn if router else (lambda lp, b: loss_fn(lp, b))
     res = tpt.run_step_plan(model, batches, fn, attention="block", block_size=4, router=router, shared_prefixes=PIECES, sync=False)
+    return summed(model, batches, res, rank)
+
+
+def summed(model, batches, res, rank: int) -> dict:
+    """A rank's run: its losses summed, its sequences' logprobs, the gradients summed over the ranks (kept on rank 0),
+    the tokens it computed with grad and without, the bytes its exchanges received."""
+    import torch.distributed as dist
+
     grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
     for g in grads.values():
         dist.all_reduce(g)
@@ -235,18 +240,10 @@ def vl_reference() -> dict:
 
 
 def vl_shares(rank: int) -> dict:
-    import torch.distributed as dist
-
     model = vl_model()
     batches = [vl_batch(members, op) for members, op in VL_PLAN[rank]]
     res = tpt.run_step_plan(model, batches, vl_loss, attention="block", block_size=4, shared_prefixes=VL_PIECES, sync=False)
-    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
-    for g in grads.values():
-        dist.all_reduce(g)
-    lps = {}
-    for b, lp in zip(batches, res.logprobs):
-        lps.update(per_sequence(lp, b))
-    return {"loss": float(sum(res.losses)), "lp": lps, "grads": grads if rank == 0 else None, "pushed": res.pushed_tokens}
+    return summed(model, batches, res, rank)
 
 
 def refused(call) -> dict:
