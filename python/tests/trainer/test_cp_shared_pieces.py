@@ -293,9 +293,24 @@ def worker(rank: int, out: str) -> None:
         got["checkpointing"] = refused(
             lambda: tpt.run_step_plan(model, [batch_of(ids, op) for ids, op in PLAN[rank]], loss_fn, shared_prefixes=PIECES)
         )
+        got["failure"] = failing(rank)  # last: it breaks the group
         torch.save(got, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def failing(rank: int) -> dict:
+    """Rank 1 fails before the pieces' first exchange; the others, waiting on its recurrent states or keys, must raise
+    a TreepackError naming the piece within the group's 5 s timeout."""
+    import torch.distributed as dist
+    from treepack.torch import shared_prefix
+
+    for p in PIECES:  # the pieces' groups again, with a short timeout (every rank creates them)
+        shared_prefix._GROUPS[tuple(p["ranks"])] = dist.new_group(p["ranks"], timeout=datetime.timedelta(seconds=5))
+    if rank == 1:
+        return {"message": "rank 1 failed on purpose"}
+    model = model_of("qwen3_5")
+    return refused(lambda: tpt.run_step_plan(model, [batch_of(ids, op) for ids, op in PLAN[rank]], loss_fn, shared_prefixes=PIECES))
 
 
 @needs_torch(transformers=True)
@@ -357,6 +372,15 @@ class SharedPiecesOfEveryFamily(unittest.TestCase):
             d = self.compare(family, [r["controls"][kind] for r in self.ranks])
             print(f"without the {kind} hand-over: logprobs differ by {d['lp']:.1e}")
             self.assertGreater(d["lp"], 1e4 * TOL, kind)
+
+    def test_a_failed_rank_is_named_by_the_others(self):
+        self.assertEqual(self.ranks[1]["failure"]["message"], "rank 1 failed on purpose")
+        for r in (0, 2):
+            got = self.ranks[r]["failure"]
+            print(f"rank {r}: {got.get('message')}")
+            self.assertEqual(got.get("field"), "context_parallel", got)
+            self.assertIn("shared piece 0 (data-parallel ranks [0, 1, 2]), layer 0 (Qwen3_5GatedDeltaNet)", got["message"])
+            self.assertIn("failed", got["message"])
 
     def test_gradient_checkpointing_is_refused(self):
         for r in self.ranks:

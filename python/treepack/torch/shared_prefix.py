@@ -127,7 +127,7 @@ class Share:
 
     def comm(self, key: Any) -> _Comm:
         """The point-to-point messages of one recurrent layer call between neighbouring members (cp_recurrent's)."""
-        where = f"shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)}), layer {key[0]}"
+        where = f"shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)}), {key[0]}"
         return _Comm(self, key, where)  # type: ignore[arg-type]  # reads .cp and .stats, as on a LocalPart
 
     def last(self, rows: torch.Tensor, n: int, what: str) -> torch.Tensor:
@@ -255,7 +255,7 @@ class GroupPrefix:
             if k not in self.widths:
                 out[k] = self.share.gather(t, f"layer {k[1]}'s {k[0]}s")
                 continue
-            width, what = self.widths[k], f"layer {k[0]}'s {k[1]} of the piece's end"
+            width, what = self.widths[k], f"{k[0]}'s final {k[1]}"
             if width is None:  # a state [1, ...]
                 rows = (self.ends[k] if last else t).reshape(1, -1)
                 out[k] = self.share.last(rows if last else rows[:0], 1, what).reshape(t.shape)
