@@ -689,14 +689,14 @@ class StepPlanRunner:
             got = plan.get(p.id)
             if got is None:
                 continue
-            source, below = got
+            source, below, reads = got
             if source.routes is not None:
                 raise TreepackError("E_ARG", "shared pieces with routes (MoE replay) are not computed in shares yet", field="routes")
             if any(q not in self.held for q in below):
                 raise TreepackError(
                     "E_INPUT", f"shared piece {p.id} is listed before a piece above it on its chain {below}", field="shared_prefixes"
                 )
-            share = Share(p, groups[p.id], rank, source, below)
+            share = Share(p, groups[p.id], rank, source, below, reads)
             with torch.no_grad():
                 cache, hidden, lp, ent = self._piece_pass(share)
             self.shares[p.id] = share
@@ -707,21 +707,26 @@ class StepPlanRunner:
 
     def _piece_pass(self, share: Share) -> Any:
         """This rank's range of a shared piece against the pieces below and the ranges before (fetched), gathered into
-        the whole piece: per-layer keys/values, final hidden states, node logprobs and entropies (as ``_segment_pass``)."""
-        p, src = share.piece, share.source
+        the whole piece: per-layer keys/values, final hidden states, node logprobs and entropies (as ``_segment_pass``).
+        Each member scores only its nodes [lo, hi) (``Share``), from the rows it computed (and the first member the
+        piece's first node from the row below): the LM head runs once per piece node in the group."""
+        src = share.source
         stack = [self.held[q] for q in share.below]
         chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], None)
         hidden, cache, _ = self._forward(chain, share.a, None, GroupPrefix(stack, share))
         cache = {k: share.gather(t, f"layer {k[1]}'s {k[0]}s") for k, t in cache.items()}
-        hidden = share.gather(hidden, "the final hidden states")
-        full = torch.cat([s.hidden for s in stack] + [hidden])
-        whole = _chain_batch(src.input_ids[: p.end], src.position_ids[: p.end], None)
-        lp, ent = self._scores(full, whole, torch.arange(max(p.start, 1), p.end, device=full.device))
+        # Rows [lo - 1, hi - 1) as a chain of nodes [lo - 1, hi): the last node's own row is read by nobody.
+        first = max(share.lo - 1, 0)
+        rows = [stack[-1].hidden[-1:]] if first < share.a else []
+        part = torch.cat(rows + [hidden[: share.hi - 1 - share.a], hidden.new_zeros((1, hidden.shape[1]))])
+        own = _chain_batch(src.input_ids[first : share.hi], src.position_ids[first : share.hi], None)
+        lp, ent = self._scores(part, own, torch.arange(max(share.lo, 1) - first, share.hi - first, device=part.device))
+        hidden = share.gather_read(hidden, "the final hidden states")
 
-        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.nan_to_num(t[p.start :], nan=0.0)
+        def gathered(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+            return None if t is None else share.gather(torch.nan_to_num(t[share.lo - first :], nan=0.0), what, share.scored)
 
-        return cache, hidden, zero(lp), zero(ent)
+        return cache, hidden, gathered(lp, "the node logprobs"), gathered(ent, "the node entropies")
 
     def release_shared(self) -> None:
         """After the window's last micro-batch: each held piece, in reverse list order, recomputed by its members with
