@@ -40,7 +40,8 @@ CONFIG = {"clip_low": 0.2, "clip_high": 0.28}
 
 
 def model(dtype: torch.dtype, window: int) -> torch.nn.Module:
-    sliding = {"use_sliding_window": True, "sliding_window": window, "layer_types": ["sliding_attention", "full_attention"]} if window else {}
+    layers = ["sliding_attention", "full_attention"]
+    sliding = {"use_sliding_window": True, "sliding_window": window, "layer_types": layers} if window else {}
     cfg = transformers.Qwen3Config(
         vocab_size=256,
         hidden_size=64,

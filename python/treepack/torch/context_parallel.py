@@ -31,8 +31,10 @@ model runs on the local nodes only, with the TreeMask of the local forest whose 
 ``tree_attention`` calls ``prefix.extend(module, q, k, v)``, which fetches the context's keys and values from their
 owners (``fetch``: an all-gather forward, its backward an all-reduce that returns every rank's dK/dV to the owner,
 so the gradients of shared keys sum), puts them before the local ones, and pads q with A rows that ``attend`` skips
-(``prefix.rows`` = A). The final hidden states of the context nodes that are parents of local nodes are fetched
-the same way, so node p's logprob (from its parent's row) is computed on p's rank.
+(``prefix.rows`` = A). A sliding-window layer fetches only the context keys its window reaches from some local row
+(``LocalPart.window_route``, ``window_context``); the others stay zero rows outside every local row's window. The
+final hidden states of the context nodes that are parents of local nodes are fetched the same way, so node p's
+logprob (from its parent's row) is computed on p's rank.
 
 **Recurrent layers** (Gated DeltaNet, Mamba2, KDA: every class of ``treepack.torch.LAYERS``) run their tree execution
 on the local nodes (python/treepack/torch/cp_recurrent.py): the recurrent layers see ``CPForward`` on the mask and

@@ -8,9 +8,11 @@ the window its micro-batches make) runs them so:
 1. before the window's first micro-batch, for each piece in list order, its members compute it without grad, rank i
    of the group its range [a, b) as the queries of a context-parallel forward (the exchange of
    python/treepack/torch/context_parallel.py: in every attention layer the keys/values of the ranges before it are
-   fetched from their owners and put after those of the pieces above it, which every member holds); then the
-   group all-gathers the piece's per-layer keys/values and final hidden states, and every member scores the piece's
-   nodes itself, so that each holds the whole piece as an ordinary cached segment;
+   fetched from their owners, a sliding-window layer's only those within its window of the range, and put after
+   those of the pieces above it, which every member holds); each member scores the nodes whose parent row it
+   computed; then the group all-gathers the piece's per-layer keys/values, the node scores and the final hidden rows
+   some member's micro-batches read (``hidden_reads``), so that each holds the whole piece as an ordinary cached
+   segment;
 2. a micro-batch's push of a piece takes the held segment instead of computing it, and its pop drops it without
    recomputation: the gradients of the piece's leaves (keys/values, hidden states, node logprobs) accumulate on the
    rank over the window;
