@@ -5,10 +5,8 @@
  * one-rank run's; with a sliding-window layer, the bytes received against a fetch of the whole context. The default
  * run takes a 4k-token tree over 2 ranks; --full the 128k-token tree over 4 ranks (about two minutes per step).
  */
-import { spawnSync } from 'node:child_process';
-import { join } from 'node:path';
 import { fmt } from './format.js';
-import { findPython, harnessAllocator, root } from './python.js';
+import { findPython, runBenchScript } from './python.js';
 
 export interface CpRank {
   tokens: number;
@@ -82,17 +80,9 @@ export async function benchContextParallel(full: boolean, args?: string[]): Prom
     return { skipped: `no Python with torch: ${env.reason}` };
   }
   const argv = args ?? (full ? CP_ARGS.full : CP_ARGS.quick);
-  const res = spawnSync(env.python, [join(root, 'bench', 'context_parallel.py'), ...argv], {
-    cwd: root,
-    encoding: 'utf8',
-    env: { ...process.env, ...harnessAllocator().env, OMP_NUM_THREADS: '1', PYTHONPATH: join(root, 'python') },
-  });
-  if (res.status !== 0) {
-    console.log(`${title}: FAILED\n${res.stderr.slice(-2000)}`);
-    process.exitCode = 1;
-    return { skipped: `failed: ${res.stderr.slice(-500)}`, args: argv };
-  }
-  const result = JSON.parse(res.stdout.trim().split('\n').pop()!) as CpResult;
+  const run = runBenchScript<CpResult>(env.python, title, 'context_parallel.py', argv);
+  if ('failed' in run) return { skipped: run.failed, args: argv };
+  const result = run.result;
   const text = cpText(result);
   console.log(text);
   return { args: argv, result, text };
