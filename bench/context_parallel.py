@@ -1,7 +1,7 @@
 """Context parallelism on CPU: one long tree split over K gloo ranks against the same tree on one rank.
 
     python bench/context_parallel.py                       # 4 ranks, a tree of 131,072 tokens, tiny Qwen3, float32
-    python bench/context_parallel.py --ranks 2 --branches 31
+    python bench/context_parallel.py --ranks 2 --prompt 512 --branches 7 --branch 512 --window 256   # npm run bench's
 
 The tree: a prompt of ``--prompt`` tokens and ``--branches`` answers of ``--branch`` tokens hanging from it. One
 training step (``packed_logprobs``, ``packed_loss``, backward) runs once on one rank and once split over the ranks
@@ -9,7 +9,11 @@ training step (``packed_logprobs``, ``packed_loss``, backward) runs once on one 
 tokens (ancestors whose keys/values it fetched), bytes the exchanges moved (forward all-gathers received, backward
 all-reduces), the bytes autograd saved for backward (saved-tensor hooks; parameters excluded, each storage counted
 once: the activation memory of the step) and the step's wall time. Printed as one JSON line; K/V bytes are the
-whole row's keys and values over all layers, for comparison with the bytes exchanged.
+whole row's keys and values over all layers, for comparison with the bytes exchanged. With ``--window W`` the first
+layer is a sliding-window layer of window W (the second full): it fetches only the context keys within W positions
+of a local query, and each rank also counts what a forward fetching the whole context for every layer would receive
+(``received_bytes_whole``). ``npm run bench`` runs it (bench/context-parallel.ts): a small tree over 2 ranks by
+default, this default with ``--full``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import treepack.torch as tpt  # noqa: E402
 CONFIG = {"clip_low": 0.2, "clip_high": 0.28}
 
 
-def model(dtype: torch.dtype) -> torch.nn.Module:
+def model(dtype: torch.dtype, window: int) -> torch.nn.Module:
+    layers = ["sliding_attention", "full_attention"]
+    sliding = {"use_sliding_window": True, "sliding_window": window, "layer_types": layers} if window else {}
     cfg = transformers.Qwen3Config(
         vocab_size=256,
         hidden_size=64,
@@ -46,6 +52,7 @@ def model(dtype: torch.dtype) -> torch.nn.Module:
         head_dim=16,
         max_position_embeddings=8192,
         tie_word_embeddings=False,
+        **sliding,
     )
     torch.manual_seed(0)
     m = transformers.Qwen3ForCausalLM(cfg).to(dtype).eval()
@@ -112,12 +119,25 @@ def worker(rank: int, args: argparse.Namespace, out: str) -> None:
         "gloo", init_method=f"file://{out}/store", rank=rank, world_size=args.ranks, timeout=datetime.timedelta(seconds=600)
     )
     batch = tree(args.prompt, args.branches, args.branch)
-    m = model(torch.float32)
+    m = model(torch.float32, args.window)
     cp = tpt.ContextParallel.of(batch)
     local = tpt.split_batch(batch, cp)
     dist.barrier()
     saved, seconds = measured_step(m, local)
     part = local.context_parallel
+    whole = None
+    if args.window:
+        from treepack.torch.context_parallel import LocalPart
+
+        # The same forward with every layer fetching the whole context: the bytes the window routes save.
+        again = tpt.split_batch(batch, cp, check=False)
+        real, LocalPart.window_route = LocalPart.window_route, lambda self, window: None
+        try:
+            with torch.no_grad():
+                tpt.packed_logprobs(m, again)
+        finally:
+            LocalPart.window_route = real
+        whole = again.context_parallel.stats.get("received_bytes", 0)
     row = {
         "tokens": cp.hi - cp.lo,
         "context_tokens": part.rows,
@@ -126,6 +146,7 @@ def worker(rank: int, args: argparse.Namespace, out: str) -> None:
         "received_bytes": part.stats.get("received_bytes", 0),
         "sent_bytes": part.stats.get("sent_bytes", 0),
         "reduced_bytes": part.stats.get("reduced_bytes", 0),
+        "received_bytes_whole": whole,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
@@ -138,6 +159,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--branches", type=int, default=127)
     ap.add_argument("--branch", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=0, help="make layer 0 a sliding-window layer of this window (0: none)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -149,7 +171,7 @@ def main() -> None:
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
     batch = tree(args.prompt, args.branches, args.branch)
-    m = model(torch.float32)
+    m = model(torch.float32, args.window)
     one_saved, one_seconds = measured_step(m, batch)
     cfg = m.config
     kv_bytes = batch.num_nodes * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 4
@@ -159,6 +181,7 @@ def main() -> None:
             {
                 "tokens": N,
                 "ranks": args.ranks,
+                "window": args.window or None,
                 "one_rank": {"saved_bytes": one_saved, "seconds": one_seconds},
                 "per_rank": ranks,
                 "token_share_max_over_ideal": max(r["tokens"] for r in ranks) / (N / args.ranks),

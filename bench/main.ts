@@ -37,6 +37,7 @@ import { compareMerges, loadTracked, printMergeRow, type MergeBenchRow } from '.
 import { superviseDawnWarnings } from './dawn-warnings.js';
 import { big, fmt, speed } from './format.js';
 import { renderHtml } from './report.js';
+import { benchContextParallel } from './context-parallel.js';
 import { benchPrefixStep } from './prefix-step.js';
 import { benchRoutes } from './routes.js';
 import { benchStep, type StepSection } from './step.js';
@@ -261,6 +262,7 @@ const memory = await timed('memory', () => benchMemory(quick));
 const trainer = await timed('trainer side', () => benchTrainer(!quick));
 const prefixStep = await timed('step plans', () => benchPrefixStep(!quick));
 const routes = await timed('MoE routes', () => benchRoutes(quick));
+const contextParallel = await timed('context parallel', () => benchContextParallel(!quick));
 await disposeBackends();
 
 const perSection = sections.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(', ');
@@ -282,6 +284,7 @@ const all = {
   trlStep,
   prefixStep,
   routes,
+  contextParallel,
 };
 if (values.json) writeFileSync(values.json, JSON.stringify(all, null, 2));
 const page = await renderHtml(

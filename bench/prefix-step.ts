@@ -4,9 +4,7 @@
  * split and as the step plan with prefix reuse. Minutes (the plain split repeats the trunk in every micro-batch), so
  * only with --full.
  */
-import { spawnSync } from 'node:child_process';
-import { join } from 'node:path';
-import { findPython, harnessAllocator, root } from './python.js';
+import { findPython, runBenchScript } from './python.js';
 
 export interface PrefixStepResult {
   skipped?: string;
@@ -27,17 +25,9 @@ export async function benchPrefixStep(full: boolean): Promise<PrefixStepResult> 
     console.log(`${title}: skipped, no Python with torch: ${env.reason}`);
     return { skipped: env.reason };
   }
-  const res = spawnSync(env.python, [join(root, 'bench', 'prefix_step.py'), '--repeats', '3'], {
-    cwd: root,
-    encoding: 'utf8',
-    env: { ...process.env, ...harnessAllocator().env, OMP_NUM_THREADS: '1', PYTHONPATH: join(root, 'python') },
-  });
-  if (res.status !== 0) {
-    console.log(`${title}: FAILED\n${res.stderr.slice(-2000)}`);
-    process.exitCode = 1;
-    return { skipped: `failed: ${res.stderr.slice(-500)}` };
-  }
-  const r = JSON.parse(res.stdout.trim().split('\n').pop()!) as Required<PrefixStepResult>;
+  const run = runBenchScript<Required<PrefixStepResult>>(env.python, title, 'prefix_step.py', ['--repeats', '3']);
+  if ('failed' in run) return { skipped: run.failed };
+  const r = run.result;
   const w = r.workload;
   console.log(title);
   console.log(

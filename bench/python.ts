@@ -1,5 +1,6 @@
 /** The Python with torch that the bench's trainer-side sections run: scripts/python-env.mjs finds it (TREEPACK_PYTHON,
  * the project .venv, PATH) or makes the project .venv once, and says why when it cannot. */
+import { spawnSync } from 'node:child_process';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 
@@ -32,4 +33,22 @@ export function harnessAllocator(): { env: Record<string, string>; label: string
   if (process.env.GLIBC_TUNABLES) return { env: {}, label: `GLIBC_TUNABLES=${process.env.GLIBC_TUNABLES} (yours)` };
   const tunables = `glibc.malloc.mmap_threshold=${32 << 20}:glibc.malloc.trim_threshold=${2 ** 36}:glibc.malloc.hugetlb=1`;
   return { env: { GLIBC_TUNABLES: tunables }, label: `GLIBC_TUNABLES=${tunables} (freed memory kept for reuse; ignored off glibc)` };
+}
+
+/**
+ * Runs `bench/<script>` with `args` under the harness's allocator, one thread, the checkout's python/ first: its last
+ * stdout line as JSON, or (the failure printed under `title`, the bench's exit code set to 1) why it failed.
+ */
+export function runBenchScript<T>(python: string, title: string, script: string, args: string[]): { result: T } | { failed: string } {
+  const res = spawnSync(python, [join(root, 'bench', script), ...args], {
+    cwd: root,
+    encoding: 'utf8',
+    env: { ...process.env, ...harnessAllocator().env, OMP_NUM_THREADS: '1', PYTHONPATH: join(root, 'python') },
+  });
+  if (res.status !== 0) {
+    console.log(`${title}: FAILED\n${res.stderr.slice(-2000)}`);
+    process.exitCode = 1;
+    return { failed: `failed: ${res.stderr.slice(-500)}` };
+  }
+  return { result: JSON.parse(res.stdout.trim().split('\n').pop()!) as T };
 }

@@ -1,7 +1,9 @@
 /**
  * Shared prefixes executed in shares (docs/design.md §11): a plan written by `treepack pack --prefix-reuse --dp 3`
  * run by treepack.torch on three spawned gloo ranks (python/tests/trainer/shared_dir.py), each piece computed once
- * by its group, each rank its range; against every sequence in one unsplit forest (float64, tiny Qwen3).
+ * by its group, each rank its range; against every sequence in one unsplit forest (float64, tiny Qwen3; a tiny gpt-oss
+ * for the sliding window). Costs: each piece node scored by the LM head once per group per pass, a window layer's
+ * members fetching only the keys in their window (fewer bytes than fetching all the keys before their range).
  */
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -31,7 +33,7 @@ interface Pass {
   logprob_diff: number;
   grad_diff: number;
   same_sequences: boolean;
-  ranks: { computed_tokens: number; pushed_tokens: number; exchanged_bytes: number }[];
+  ranks: { computed_tokens: number; pushed_tokens: number; exchanged_bytes: number; head_rows: number; piece_head_rows: number }[];
 }
 
 /** A stem of 24 tokens under four sub-stems of 16, each under three episodes of two turns: at 24 tokens × 3 ranks the
@@ -70,10 +72,13 @@ describe.skipIf(py.skipReason !== '')('shared prefixes computed in shares over g
       const { entries, pieces, computed } = plan(dir);
       expect(pieces.filter((p) => p.ranks.length === 3).length).toBe(1);
       expect(pieces.filter((p) => p.ranks.length === 2).length).toBeGreaterThanOrEqual(2);
-      const res = py.run([join(pythonTests, 'trainer', 'shared_dir.py'), join(dir, 'out'), 'shares,no_return,hybrid,fault'], {
-        timeout: 590_000,
-        env: { OMP_NUM_THREADS: '1' },
-      });
+      const res = py.run(
+        [join(pythonTests, 'trainer', 'shared_dir.py'), join(dir, 'out'), 'shares,no_return,window,window_whole,hybrid,fault'],
+        {
+          timeout: 590_000,
+          env: { OMP_NUM_THREADS: '1' },
+        },
+      );
       expect(res.status, res.stderr.slice(-4000)).toBe(0);
       const got = JSON.parse(res.stdout.trim().split('\n').pop()!) as Record<string, Pass>;
 
@@ -97,6 +102,34 @@ describe.skipIf(py.skipReason !== '')('shared prefixes computed in shares over g
       expect(shares.ranks.map((x) => ({ computed_tokens: x.computed_tokens, pushed_tokens: x.pushed_tokens }))).toEqual(want);
       expect(shares.ranks.reduce((a, x) => a + x.computed_tokens, 0)).toBe(computed);
       for (const x of shares.ranks) expect(x.exchanged_bytes).toBeGreaterThan(0);
+      // The LM head: member i of a piece scores the nodes whose parent row it computes, [a_i + 1, b_i + 1) (the first
+      // member from the piece's start, a root having no score), twice (push, recomputation): each node once per group.
+      const headRows = [0, 1, 2].map((rank) =>
+        pieces.reduce((sum, p) => {
+          const i = p.ranks.indexOf(rank);
+          if (i < 0) return sum;
+          const lo = i === 0 ? Math.max(p.start, 1) : p.ranges[i][0] + 1;
+          const hi = i === p.ranks.length - 1 ? p.end : p.ranges[i][1] + 1;
+          return sum + 2 * (hi - lo);
+        }, 0),
+      );
+      expect(shares.ranks.map((x) => x.piece_head_rows)).toEqual(headRows);
+      const once = pieces.reduce((a, p) => a + 2 * (p.end - Math.max(p.start, 1)), 0);
+      expect(headRows.reduce((a, x) => a + x, 0)).toBe(once);
+
+      // gpt-oss, a sliding layer of window 4: exact, and fewer bytes than fetching every key before the range.
+      for (const mode of ['window', 'window_whole'] as const) {
+        const w = got[mode];
+        expect(w.errors).toEqual([null, null, null]);
+        expect(w.loss_diff, mode).toBeLessThan(1e-10 * Math.max(1, Math.abs(w.loss)));
+        expect(w.logprob_diff, mode).toBeLessThan(1e-10);
+        expect(w.grad_diff, mode).toBeLessThan(1e-10);
+      }
+      const bytes = (m: Pass) => m.ranks.map((x) => x.exchanged_bytes);
+      console.log(
+        `shared pieces: exchanged bytes per rank ${JSON.stringify({ window: bytes(got.window), whole: bytes(got.window_whole) })}`,
+      );
+      got.window.ranks.forEach((x, r) => expect(x.exchanged_bytes).toBeLessThan(got.window_whole.ranks[r].exchanged_bytes));
 
       // Negative control: pieces dropped after the window instead of back-propagated.
       expect(got.no_return.logprob_diff).toBeLessThan(1e-10);

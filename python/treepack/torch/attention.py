@@ -462,6 +462,20 @@ def _config_window(config: Any, index: int, name: str, attention: bool = True) -
     return check_window(window)
 
 
+def module_window(module: torch.nn.Module) -> int | None:
+    """The sliding window the model config gives an attention module's layer (None: full attention), which
+    ``tree_attention`` holds every call to: ``config.layer_types[layer_idx]``, or without per-layer types
+    ``config.sliding_window`` for every layer (Mistral, Qwen3-MoE; a layer that does not pass it is refused rather than
+    run unwindowed). Context-parallel exchanges read it to fetch only the keys a window layer can see."""
+    config = getattr(module, "config", None)
+    index = getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and isinstance(index, int) and 0 <= index < len(types):
+        return _config_window(config, index, _layer_name(None, module, index))
+    window = getattr(config, "sliding_window", None)
+    return None if window is None else check_window(window)
+
+
 def _layer_window(module: torch.nn.Module, window: Any) -> int | None:
     """The window an attention call asked for (``sliding_window=``), checked against the model config, so a sliding
     layer that did not say its window never runs unwindowed (and a full one never windowed)."""
@@ -476,17 +490,12 @@ def _layer_window(module: torch.nn.Module, window: Any) -> int | None:
             window = check_window(window)
         except TreepackError as e:
             raise TreepackError("E_ARG", f"{name}: {e.reason}", field="sliding_window") from None
+    want = module_window(module)
     types = getattr(config, "layer_types", None)
     if types is not None and isinstance(index, int) and 0 <= index < len(types):
-        want = _config_window(config, index, name)
         source = f"config.layer_types[{index}] = {types[index]!r}" + (f", config.sliding_window = {want}" if want is not None else "")
     else:
-        # No per-layer types: a window in the config holds for every layer (Mistral, Qwen3-MoE); a layer that does not
-        # pass it is refused rather than run unwindowed.
-        want = getattr(config, "sliding_window", None)
-        source = f"config.sliding_window = {want}"
-        if window is None and want is None:
-            return None
+        source = f"config.sliding_window = {getattr(config, 'sliding_window', None)}"
     if window != want:
         raise TreepackError("E_ARG", f"{name} asked for sliding_window = {window}, but {source}", field="sliding_window")
     return None if window is None else int(window)

@@ -31,8 +31,10 @@ model runs on the local nodes only, with the TreeMask of the local forest whose 
 ``tree_attention`` calls ``prefix.extend(module, q, k, v)``, which fetches the context's keys and values from their
 owners (``fetch``: an all-gather forward, its backward an all-reduce that returns every rank's dK/dV to the owner,
 so the gradients of shared keys sum), puts them before the local ones, and pads q with A rows that ``attend`` skips
-(``prefix.rows`` = A). The final hidden states of the context nodes that are parents of local nodes are fetched
-the same way, so node p's logprob (from its parent's row) is computed on p's rank.
+(``prefix.rows`` = A). A sliding-window layer fetches only the context keys its window reaches from some local row
+(``LocalPart.window_route``, ``window_context``); the others stay zero rows outside every local row's window. The
+final hidden states of the context nodes that are parents of local nodes are fetched the same way, so node p's
+logprob (from its parent's row) is computed on p's rank.
 
 **Recurrent layers** (Gated DeltaNet, Mamba2, KDA: every class of ``treepack.torch.LAYERS``) run their tree execution
 on the local nodes (python/treepack/torch/cp_recurrent.py): the recurrent layers see ``CPForward`` on the mask and
@@ -62,6 +64,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..microbatch import TreepackError
+from .attention import module_window
 from .batch import PackedBatch
 
 # What one token's projections and MLP cost, in keys seen (attention (q, k) pairs): the ratio of a dense layer's
@@ -244,7 +247,9 @@ class LocalPart:
     first A nodes, the ancestor chain of node ``cp.lo``, ascending), the routes of the context's keys/values (``kv``)
     and of the final hidden states its local nodes' logprobs read (``hidden``: ``hidden_rows`` are their places in
     the context), ``num_nodes`` (the whole row's N); ``stats`` counts the bytes this rank's exchanges moved;
-    ``subtree_end`` is the whole row's, from which the recurrent layers derive every rank's state hand-overs."""
+    ``subtree_end`` is the whole row's, from which the recurrent layers derive every rank's state hand-overs, and
+    ``position_ids`` the whole row's, from which every rank derives the routes of the sliding-window layers
+    (``window_route``)."""
 
     cp: ContextParallel
     context: torch.Tensor
@@ -254,6 +259,8 @@ class LocalPart:
     hidden_rows: torch.Tensor
     stats: dict[str, int] = field(default_factory=dict, compare=False)
     subtree_end: torch.Tensor | None = field(default=None, compare=False)
+    position_ids: torch.Tensor | None = field(default=None, compare=False)
+    windows: dict[int, tuple[Route, torch.Tensor]] = field(default_factory=dict, compare=False)
 
     @property
     def rows(self) -> int:
@@ -265,6 +272,21 @@ class LocalPart:
         group must call it, in the same order, with the same route's shape."""
         fetched: torch.Tensor = _Fetch.apply(x, route, self.cp, what, self.stats)
         return fetched
+
+    def window_route(self, window: int) -> tuple[Route, torch.Tensor] | None:
+        """The route of the context keys a sliding-window layer can see and their places in the context (rows of
+        [0, A)), or None (no whole-row positions: the layer fetches the whole context). Every rank derives every
+        rank's list from the whole row (``window_context``), once per window."""
+        if self.position_ids is None or self.subtree_end is None or self.position_ids.dim() != 1:
+            return None
+        got = self.windows.get(window)
+        if got is None:
+            se, pos, b = self.subtree_end.cpu(), self.position_ids.cpu(), self.cp.bounds
+            needs = [window_context(se, pos, b[r], b[r + 1], window) for r in range(self.cp.size)]
+            dev = self.context.device
+            rows = torch.searchsorted(self.context.cpu(), needs[self.cp.rank]).to(dev)
+            got = self.windows[window] = (_route(needs, b, self.cp.rank, dev), rows)
+        return got
 
     def run(self, base: torch.nn.Module, batch: PackedBatch, mask: Any, recurrent: Any) -> torch.Tensor:
         """The base model on this rank's local nodes against the context: final hidden states [A + n, D] (the
@@ -296,7 +318,9 @@ class LocalPart:
 class CPForward:
     """Set as ``prefix`` on the local part's TreeMask for one forward (the step plans' hook in ``tree_attention``):
     ``rows`` context rows come first and are not computed; ``extend`` puts the context's keys/values, fetched from
-    their owners, before this rank's. ``keep`` is the step plan's capture hook (nothing to keep here)."""
+    their owners, before this rank's: of a sliding-window layer only the keys some local query's window reaches (the
+    others stay zero rows, outside every local query's window). ``keep`` is the step plan's capture hook (nothing to
+    keep here)."""
 
     def __init__(self, part: LocalPart, recurrent: Any) -> None:
         self.part, self.rows, self.recurrent = part, part.rows, recurrent
@@ -309,7 +333,13 @@ class CPForward:
         with A zero rows (``attend`` skips them)."""
         A = self.rows
         layer = getattr(module, "layer_idx", "?")
-        kc, vc = fetch_keys_values(key, value, lambda x: self.part.fetch(x, self.part.kv, f"layer {layer}'s keys/values"))
+        window = module_window(module)
+        route = None if window is None else self.part.window_route(window)
+        if route is None:
+            kc, vc = fetch_keys_values(key, value, lambda x: self.part.fetch(x, self.part.kv, f"layer {layer}'s keys/values"))
+        else:
+            what = f"layer {layer}'s keys/values in its window"
+            kc, vc = in_rows(fetch_keys_values(key, value, lambda x: self.part.fetch(x, route[0], what)), route[1], A)
         q = torch.cat([query.new_zeros(query.shape[:2] + (A, query.shape[3])), query], dim=2)
         return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
 
@@ -326,6 +356,32 @@ def fetch_keys_values(
     kc = got[:, : k2.shape[1]].reshape(F, key.shape[1], key.shape[3]).transpose(0, 1)[None]
     vc = got[:, k2.shape[1] :].reshape(F, value.shape[1], value.shape[3]).transpose(0, 1)[None]
     return kc, vc
+
+
+def in_rows(kv: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fetched keys and values [1, H(kv), F, D] put at ``rows`` of n zero rows (differentiable): the places a window
+    layer's fetch leaves out are keys no query it computes can see, so their values never count."""
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(t.shape[:2] + (n, t.shape[3])).index_copy(2, rows, t)
+
+    return put(kv[0]), put(kv[1])
+
+
+def window_context(se: torch.Tensor, pos: torch.Tensor, lo: int, hi: int, window: int) -> torch.Tensor:
+    """The context keys (``_context``: ancestors k < lo of node lo) that rows [lo, hi) see through a sliding
+    ``window``: k is an ancestor of the local rows [lo, min(se[k], hi)) (its subtree holds lo), and seen when the least
+    position among them is within the window of k's (``position_ids[q] - position_ids[k] < window``).
+
+    >>> se, pos = torch.tensor([6, 6, 6, 4, 6, 6]), torch.tensor([0, 1, 2, 3, 3, 4])   # a chain of 3 branching at 2
+    >>> window_context(se, pos, 3, 6, 2).tolist(), window_context(se, pos, 4, 6, 2).tolist()
+    ([2], [2])
+    """
+    k = _context(se, lo)
+    if k.numel() == 0:
+        return k
+    least = torch.cummin(pos[lo:hi], 0).values
+    return k[least[se[k].clamp(max=hi) - lo - 1] - pos[k] < window]
 
 
 def _context(se: torch.Tensor, lo: int) -> torch.Tensor:
@@ -380,6 +436,7 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         hidden=_route(hneeds, bounds, cp.rank, dev),
         hidden_rows=torch.searchsorted(contexts[cp.rank], hneeds[cp.rank]).to(dev),
         subtree_end=se,
+        position_ids=batch.position_ids,
     )
     pad = batch.num_pad_tokens
     meta = dict(batch.meta)
@@ -455,7 +512,9 @@ __all__ = [
     "Route",
     "balanced_bounds",
     "fetch_keys_values",
+    "in_rows",
     "reduce_gradients",
     "row_costs",
     "split_batch",
+    "window_context",
 ]

@@ -8,9 +8,11 @@ the window its micro-batches make) runs them so:
 1. before the window's first micro-batch, for each piece in list order, its members compute it without grad, rank i
    of the group its range [a, b) as the queries of a context-parallel forward (the exchange of
    python/treepack/torch/context_parallel.py: in every attention layer the keys/values of the ranges before it are
-   fetched from their owners and put after those of the pieces above it, which every member holds); then the
-   group all-gathers the piece's per-layer keys/values and final hidden states, and every member scores the piece's
-   nodes itself, so that each holds the whole piece as an ordinary cached segment;
+   fetched from their owners, a sliding-window layer's only those within its window of the range, and put after
+   those of the pieces above it, which every member holds); each member scores the nodes whose parent row it
+   computed; then the group all-gathers the piece's per-layer keys/values, the node scores and the final hidden rows
+   some member's micro-batches read (``hidden_reads``), so that each holds the whole piece as an ordinary cached
+   segment;
 2. a micro-batch's push of a piece takes the held segment instead of computing it, and its pop drops it without
    recomputation: the gradients of the piece's leaves (keys/values, hidden states, node logprobs) accumulate on the
    rank over the window;
@@ -44,8 +46,9 @@ from typing import Any
 import torch
 
 from ..microbatch import TreepackError
+from .attention import module_window
 from .batch import PackedBatch
-from .context_parallel import ContextParallel, Route, _Fetch, _route, fetch_keys_values
+from .context_parallel import ContextParallel, Route, _collective, _Fetch, _route, fetch_keys_values, in_rows
 from .cp_recurrent import _Comm, _Recv, _Send
 
 # Process groups of the pieces' rank lists, created on every rank in the same order (dist.new_group's contract).
@@ -101,10 +104,15 @@ def group_of(ranks: tuple[int, ...]) -> Any:
 
 class Share:
     """This rank's part of one piece: its place ``cp`` in the group (bounds relative to the piece's start), the routes
-    of the keys/values before its range (``before``) and of the whole piece (``every``), the micro-batch whose chain
-    holds the piece's tokens, and the pieces below it on that chain."""
+    of the keys/values before its range (``before``), of the whole piece (``every``) and of the node scores
+    (``scored``: member i scores nodes [lo, hi), those whose parent row it computes, the first member also the piece's
+    first node from the row below) and of the final hidden rows the members' micro-batches read (``hidden``, to
+    ``hidden_rows``: ``reads``, this rank's, all-gathered over the group; every row when None), the micro-batch whose
+    chain holds the piece's tokens, and the pieces below it on that chain."""
 
-    def __init__(self, piece: Piece, group: Any, rank: int, source: PackedBatch, below: list[int]) -> None:
+    def __init__(
+        self, piece: Piece, group: Any, rank: int, source: PackedBatch, below: list[int], reads: torch.Tensor | None = None
+    ) -> None:
         self.piece, self.source, self.below = piece, source, below
         i = piece.ranks.index(rank)
         self.a, self.b = piece.ranges[i]
@@ -114,11 +122,48 @@ class Share:
         G, L = len(piece.ranks), piece.end - piece.start
         self.before: Route = _route([torch.arange(bounds[r]) for r in range(G)], bounds, i, dev)
         self.every: Route = _route([torch.arange(L)] * G, bounds, i, dev)
+        # Node j's score reads row j - 1: member i's scores are nodes [a_i + 1, b_i + 1), the first's from the start.
+        cuts = (0,) + tuple(a - piece.start + 1 for a, _ in piece.ranges[1:]) + (L,)
+        self.lo, self.hi = piece.start + cuts[i], piece.start + cuts[i + 1]
+        self.scored: Route = _route([torch.arange(L)] * G, cuts, i, dev)
         self.stats: dict[str, int] = {}
         self.length = L
         self.from_last: dict[int, Route] = {}  # n -> the route of n rows every member fetches from the last
         # What the received states' autograd nodes hang from (cp_recurrent's _Recv needs an input that takes a gradient).
         self.anchor = torch.zeros((), device=dev, requires_grad=True)
+        wanted = [torch.arange(L)] * G if reads is None else self._read_by_each(reads)
+        self.hidden: Route = _route(wanted, bounds, i, dev)
+        self.hidden_rows = wanted[i].to(dev)
+        self.windows: dict[int, tuple[Route, torch.Tensor]] = {}
+
+    def _read_by_each(self, reads: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's rows read (bool [L] each), all-gathered: one small message per piece."""
+        import torch.distributed as dist
+
+        device = self.source.device if dist.get_backend(self.cp.group) == "nccl" else torch.device("cpu")
+        mine = reads.to(device, torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.cp.size)]
+        where = f"the all-gather of the rows read of shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)})"
+        _collective(self.cp, where, lambda: dist.all_gather(parts, mine, group=self.cp.group))
+        self.stats["received_bytes"] = self.stats.get("received_bytes", 0) + (self.cp.size - 1) * mine.numel()
+        return [torch.nonzero(p.cpu()).flatten() for p in parts]
+
+    def gather_read(self, hidden: torch.Tensor, what: str) -> torch.Tensor:
+        """The piece's final hidden states [L, D] from every member's range: the rows some member's micro-batches read
+        (``hidden_rows``), zeros elsewhere; differentiable like ``gather``."""
+        got = self.fetch(hidden, self.hidden, what)
+        return got.new_zeros((self.piece.end - self.piece.start, got.shape[1])).index_copy(0, self.hidden_rows, got)
+
+    def window_route(self, window: int) -> tuple[Route, torch.Tensor]:
+        """The route of the keys before its range that a sliding-window layer's queries of the range can see, and their
+        rows in [0, a - start): a chain's, so those within ``window`` positions of the range's least position."""
+        got = self.windows.get(window)
+        if got is None:
+            b, pos = self.cp.bounds, self.source.position_ids[self.piece.start : self.piece.end].cpu()
+            needs = [torch.arange(b[r])[pos[b[r] : b[r + 1]].min() - pos[: b[r]] < window] for r in range(self.cp.size)]
+            dev = self.source.device
+            got = self.windows[window] = (_route(needs, b, self.cp.rank, dev), needs[self.cp.rank].to(dev))
+        return got
 
     def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
         where = f"{what} of shared piece {self.piece.id} (data-parallel ranks {list(self.piece.ranks)})"
@@ -145,12 +190,13 @@ class Share:
         experts = self.gather(routing.experts().transpose(0, 1), "the experts used").transpose(0, 1)
         return PieceRouting(logits, experts)
 
-    def gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, what: str, route: Route | None = None) -> torch.Tensor:
         """The whole piece's ``t`` from every member's range (the range's nodes on dim 2 of a layer's cache, dim 0 of
-        hidden states): differentiable, its backward summing the members' gradients into each range's owner."""
+        hidden states and scores; ``route`` default ``every``): differentiable, its backward summing the members'
+        gradients into each range's owner."""
         dim = 2 if t.dim() == 4 else 0
         rows = t.movedim(dim, 0)
-        got = self.fetch(rows.reshape(rows.shape[0], -1), self.every, what)
+        got = self.fetch(rows.reshape(rows.shape[0], -1), self.every if route is None else route, what)
         return got.reshape((got.shape[0],) + tuple(rows.shape[1:])).movedim(0, dim)
 
 
@@ -175,12 +221,13 @@ class _Neighbours:
 class GroupPrefix:
     """Set as ``prefix`` on the chain's TreeMask for one member's forward of its range [a, b) (the step plans' hook in
     ``tree_attention`` and the recurrent layers'): before its own keys/values come those of the pieces below (held)
-    and of the piece's ranges before a (fetched from their owners, one message per layer). A recurrent layer call
-    starts from the state after node a - 1 and reads the convolution inputs before a: the member before hands them
-    over (``_receive``), each member handing the next its own (``hand_over``) as the layers of a row split by
-    context parallelism do (python/treepack/torch/cp_recurrent.py), their gradients returning the same way; the
-    pieces below give the first member its start. The last member's final state and convolution tail are the
-    piece's, which every member then holds (``whole``)."""
+    and of the piece's ranges before a (fetched from their owners, one message per layer; a sliding-window layer's
+    only those its range's queries can see, the others left zero rows). A recurrent layer call starts from the state
+    after node a - 1 and reads the convolution inputs before a: the member before hands them over (``_receive``),
+    each member handing the next its own (``hand_over``) as the layers of a row split by context parallelism do
+    (python/treepack/torch/cp_recurrent.py), their gradients returning the same way; the pieces below give the first
+    member its start. The last member's final state and convolution tail are the piece's, which every member then
+    holds (``whole``)."""
 
     def __init__(self, stack: Sequence[Any], share: Share) -> None:
         self.stack, self.share, self.rows = stack, share, share.a
@@ -200,7 +247,14 @@ class GroupPrefix:
             raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: shared pieces cannot name its keys", field="layer_idx")
         self.keep(("key", layer), key)
         self.keep(("value", layer), value)
-        kc, vc = fetch_keys_values(key, value, lambda x: self.share.fetch(x, self.share.before, f"layer {layer}'s keys/values"))
+        window = module_window(module)
+        if window is None:
+            kc, vc = fetch_keys_values(key, value, lambda x: self.share.fetch(x, self.share.before, f"layer {layer}'s keys/values"))
+        else:
+            route, rows = self.share.window_route(window)
+            what = f"layer {layer}'s keys/values in its window"
+            fetched = fetch_keys_values(key, value, lambda x: self.share.fetch(x, route, what))
+            kc, vc = in_rows(fetched, rows, self.rows - self.share.piece.start)
         k = torch.cat([s.cache[("key", layer)] for s in self.stack] + [kc, key], dim=2)
         v = torch.cat([s.cache[("value", layer)] for s in self.stack] + [vc, value], dim=2)
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
@@ -268,12 +322,13 @@ class GroupPrefix:
 
 def plan_shares(
     pieces: Sequence[Piece], batches: Sequence[PackedBatch], ops: Sequence[Any], rank: int
-) -> dict[int, tuple[PackedBatch, list[int]]]:
-    """For each piece this rank holds: the first of its micro-batches that pushes it and the pieces below it on the
-    stack then (all of them pieces: a rank's own segments cannot lie under a piece its group computes). Refuses a
-    plan whose pushes disagree with the pieces."""
+) -> dict[int, tuple[PackedBatch, list[int], torch.Tensor]]:
+    """For each piece this rank holds: the first of its micro-batches that pushes it, the pieces below it on the
+    stack then (all of them pieces: a rank's own segments cannot lie under a piece its group computes) and the rows of
+    its final hidden states this rank reads (bool [end - start]: ``hidden_reads``). Refuses a plan whose pushes
+    disagree with the pieces."""
     by_id = {p.id: p for p in pieces}
-    found: dict[int, tuple[PackedBatch, list[int]]] = {}
+    found: dict[int, tuple[PackedBatch, list[int], torch.Tensor]] = {}
     stack: list[tuple[int, int | None]] = []  # (end depth, piece id or None)
     for n, (batch, op) in enumerate(zip(batches, ops)):
         for j, end in enumerate(op.push):
@@ -300,8 +355,10 @@ def plan_shares(
                         f"shared piece {pid} lies above a segment rank {rank} computes alone: its group cannot compute it in shares",
                         field=field,
                     )
-                found.setdefault(pid, (batch, [int(q) for q in below if q is not None]))
+                found.setdefault(pid, (batch, [int(q) for q in below if q is not None], torch.zeros(p.end - p.start, dtype=torch.bool)))
             stack.append((end, pid))
+        for pid in {q for _, q in stack if q is not None and q in found}:
+            hidden_reads(by_id[pid], batch, op.prefix_tokens, found[pid][2])
         del stack[len(stack) - min(op.release, len(stack)) :]
     missing = [p.id for p in pieces if rank in p.ranks and p.id not in found]
     if missing:
@@ -314,4 +371,15 @@ def plan_shares(
     return found
 
 
-__all__ = ["GroupPrefix", "Piece", "Share", "group_of", "plan_shares"]
+def hidden_reads(piece: Piece, batch: PackedBatch, h: int, reads: torch.Tensor) -> None:
+    """Marks in ``reads`` the rows of ``piece``'s final hidden states that ``batch`` (its cached chain [0, h) holding
+    the piece) reads (docs/design.md §9: a node's score is read from its parent's row): the parents in the piece of
+    its computed nodes, and the piece's last row when a segment lies above it (its first node's parent)."""
+    p = batch.parent[h:].cpu()
+    inside = p[(p >= piece.start) & (p < piece.end)]
+    reads[inside - piece.start] = True
+    if h > piece.end:
+        reads[piece.end - piece.start - 1] = True
+
+
+__all__ = ["GroupPrefix", "Piece", "Share", "group_of", "hidden_reads", "plan_shares"]

@@ -689,12 +689,12 @@ class StepPlanRunner:
             got = plan.get(p.id)
             if got is None:
                 continue
-            source, below = got
+            source, below, reads = got
             if any(q not in self.held for q in below):
                 raise TreepackError(
                     "E_INPUT", f"shared piece {p.id} is listed before a piece above it on its chain {below}", field="shared_prefixes"
                 )
-            share = Share(p, groups[p.id], rank, source, below)
+            share = Share(p, groups[p.id], rank, source, below, reads)
             with torch.no_grad():
                 cache, hidden, lp, ent, routing = self._piece_pass(share)
             self.shares[p.id] = share
@@ -708,10 +708,12 @@ class StepPlanRunner:
     def _piece_pass(self, share: Share) -> Any:
         """This rank's range of a shared piece against the pieces below and the ranges before (fetched), gathered into
         the whole piece: per-layer keys/values (recurrent layers: the piece's final states and convolution inputs),
-        final hidden states, node logprobs and entropies, and with ``router=True`` its routing (as ``_segment_pass``;
-        a routed piece's nodes replay their routes; a vision-language model encodes the images that fill a node of
-        the range, an image across two ranges by both members, each its placeholders)."""
-        p, src = share.piece, share.source
+        the final hidden rows some member's micro-batches read, node logprobs and entropies, and with ``router=True``
+        its routing (as ``_segment_pass``; a routed piece's nodes replay their routes; a vision-language model encodes
+        the images that fill a node of the range, an image across two ranges by both members, each its placeholders).
+        Each member scores only its nodes [lo, hi) (``Share``), from the rows it computed (and the first member the
+        piece's first node from the row below): the LM head runs once per piece node in the group."""
+        src = share.source
         stack = [self.held[q] for q in share.below]
         routes = None if src.routes is None else src.routes[:, : share.b]
         chain = _chain_batch(src.input_ids[: share.b], src.position_ids[: share.b], routes)
@@ -719,15 +721,18 @@ class StepPlanRunner:
         hidden, cache, routing = self._forward(chain, share.a, src if self.vision else None, prefix)
         cache = prefix.whole(cache)
         routing = None if routing is None else share.routing(routing)
-        hidden = share.gather(hidden, "the final hidden states")
-        full = torch.cat([s.hidden for s in stack] + [hidden])
-        whole = _chain_batch(src.input_ids[: p.end], src.position_ids[: p.end], None)
-        lp, ent = self._scores(full, whole, torch.arange(max(p.start, 1), p.end, device=full.device))
+        # Rows [lo - 1, hi - 1) as a chain of nodes [lo - 1, hi): the last node's own row is read by nobody.
+        first = max(share.lo - 1, 0)
+        rows = [stack[-1].hidden[-1:]] if first < share.a else []
+        part = torch.cat(rows + [hidden[: share.hi - 1 - share.a], hidden.new_zeros((1, hidden.shape[1]))])
+        own = _chain_batch(src.input_ids[first : share.hi], src.position_ids[first : share.hi], None)
+        lp, ent = self._scores(part, own, torch.arange(max(share.lo, 1) - first, share.hi - first, device=part.device))
+        hidden = share.gather_read(hidden, "the final hidden states")
 
-        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.nan_to_num(t[p.start :], nan=0.0)
+        def gathered(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+            return None if t is None else share.gather(torch.nan_to_num(t[share.lo - first :], nan=0.0), what, share.scored)
 
-        return cache, hidden, zero(lp), zero(ent), routing
+        return cache, hidden, gathered(lp, "the node logprobs"), gathered(ent, "the node entropies"), routing
 
     def release_shared(self) -> None:
         """After the window's last micro-batch: each held piece, in reverse list order, recomputed by its members with
