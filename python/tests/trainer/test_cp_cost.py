@@ -2,7 +2,7 @@
 
 Sliding-window layers under context parallelism fetch only the keys their window reaches.
 
-Three spawned ranks split test_context_parallel.py's forest (its bounds inside segments, at branch points, one
+Three spawned ranks split test_cp_attention.py's forest (its bounds inside segments, at branch points, one
 segment over the three ranks) and run a tiny gpt-oss (a sliding layer of window 4 with sinks, a full layer, MoE):
 its sliding layer fetches only the context keys within 4 positions of some local query (``LocalPart.window_route``),
 the full layer the whole context. Per-token logprobs, the loss and every parameter gradient equal the one-rank run
@@ -23,7 +23,7 @@ import os
 import unittest
 
 from support import needs_torch, torch, tpt
-from test_context_parallel import CONFIGS, TOL, build, cases, forest, run_case, spawn
+from test_cp_attention import CONFIGS, TOL, build, cases, forest, run_case, spawn
 
 
 def worker(rank: int, world: int, out: str) -> None:

@@ -280,8 +280,8 @@ def worker(rank: int, out: str) -> None:
                 shared_prefix.GroupPrefix._receive = receive
         take = shared_prefix.Share.__init__
 
-        def unrouted(self, piece, group, r, source, below):
-            take(self, piece, group, r, dataclasses.replace(source, routes=None), below)
+        def unrouted(self, piece, group, r, source, below, reads=None):
+            take(self, piece, group, r, dataclasses.replace(source, routes=None), below, reads)
 
         shared_prefix.Share.__init__ = unrouted
         try:
@@ -300,17 +300,27 @@ def worker(rank: int, out: str) -> None:
 
 
 def failing(rank: int) -> dict:
-    """Rank 1 fails before the pieces' first exchange; the others, waiting on its recurrent states or keys, must raise
-    a TreepackError naming the piece within the group's 5 s timeout."""
+    """Rank 1 fails after the piece's rows-read exchange, as its forward starts; the others, waiting on its recurrent
+    states or keys, must raise a TreepackError naming the piece within the group's 5 s timeout."""
     import torch.distributed as dist
     from treepack.torch import shared_prefix
 
     for p in PIECES:  # the pieces' groups again, with a short timeout (every rank creates them)
         shared_prefix._GROUPS[tuple(p["ranks"])] = dist.new_group(p["ranks"], timeout=datetime.timedelta(seconds=5))
-    if rank == 1:
-        return {"message": "rank 1 failed on purpose"}
     model = model_of("qwen3_5")
-    return refused(lambda: tpt.run_step_plan(model, [batch_of(ids, op) for ids, op in PLAN[rank]], loss_fn, shared_prefixes=PIECES))
+    run = lambda: tpt.run_step_plan(model, [batch_of(ids, op) for ids, op in PLAN[rank]], loss_fn, shared_prefixes=PIECES)  # noqa: E731
+    if rank != 1:
+        return refused(run)
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("rank 1 failed on purpose")
+
+    shared_prefix.GroupPrefix.__init__ = fail  # type: ignore[method-assign]
+    try:
+        run()
+    except RuntimeError as e:
+        return {"message": str(e)}
+    return {}
 
 
 @needs_torch(transformers=True)
