@@ -39,6 +39,7 @@ checkpointing on a recurrent model is refused (its recomputation would run the h
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,8 +99,19 @@ def group_of(ranks: tuple[int, ...]) -> Any:
     import torch.distributed as dist
 
     if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
+        # new_group's own default is 30 minutes: a group waits on a failed rank as long as the default group does
+        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=world_timeout())
     return _GROUPS[ranks]
+
+
+def world_timeout() -> Any:
+    """The default process group's timeout (``init_process_group(timeout=...)``), or None where the backend hides it."""
+    import torch.distributed as dist
+
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(RuntimeError, AttributeError):
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+    return None
 
 
 class Share:

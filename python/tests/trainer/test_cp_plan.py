@@ -1,0 +1,233 @@
+"""Step plans over context-parallel groups (treepack.torch.cp_plan): a forest packed by the real CLI with
+``--max-tokens 12 --prefix-reuse 16 --dp 2 --cp 2`` (a stem of 24 tokens no rank can cache alone, so the planner picks ``cp``: each
+micro-batch names ``cp_ranks`` [0, 1]) run on two spawned gloo ranks, float64, each rank taking its micro-batches from
+``treepack.list_microbatches(dir, rank=r)`` (the group's, listed under rank 0).
+
+Against every sequence in one unsplit forest: per-token logprobs (on both ranks), the loss and every parameter
+gradient within 1e-10, for a tiny Qwen3 under DistributedDataParallel (``sync_gradients``' average times the world
+size) and gpt-oss (sliding window 4, sinks, MoE; the ranks' shares summed). What it stresses: the stem's push is
+split inside the segment (each rank holds its half of the chain, the cache spread over both ranks), the 1-token
+segment pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no
+trainable token. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
+differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; a rank that does not run its group's micro-batches
+(it takes only the entries listed under its own rank) is named on the other within the group's 10 s timeout.
+
+The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+import types
+import unittest
+
+from support import needs_torch, torch, tpt
+
+CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "dist", "src", "cli", "main.js")
+TIMEOUT_S = 10
+TOL = 1e-10
+
+
+def write_forest(directory: str) -> str:
+    """A stem of 24 tokens, two sub-stems (one of a single token), three episodes under each; packed at 12 computed
+    and 16 cached tokens per rank over 2 ranks, with context-parallel groups of up to 2."""
+    r = random.Random(5)
+
+    def tok(n: int) -> list[int]:
+        return [r.randrange(1, 60) for _ in range(n)]
+
+    stem, lines = tok(24), []
+    for g, sub in enumerate((8, 1)):
+        head = stem + tok(sub)
+        for e in range(3):
+            seq = head + tok(4) + tok(5)
+            lines.append(json.dumps({"id": f"g{g}e{e}", "tokens": seq, "advantages": [round(r.uniform(-1, 1), 2)] * len(seq)}))
+    src, out = os.path.join(directory, "in.jsonl"), os.path.join(directory, "out")
+    with open(src, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    args = ["--max-tokens", "12", "--prefix-reuse", "16", "--dp", "2", "--cp", "2", "--quiet"]
+    subprocess.run(["node", CLI, "pack", src, "--out", out, *args], check=True)
+    return out
+
+
+def stress(batches):
+    """Rank 0's share of the second micro-batch made untrainable (the same in the reference)."""
+    b = batches[1]
+    h = int(b.meta["prefix_tokens"])
+    lo, hi = tpt.cp_plan.split_bounds(b.subtree_end, h, 2)[:2]
+    b.loss_mask[(b.seq_positions >= lo) & (b.seq_positions < hi)] = False
+    return batches
+
+
+def model_for(family: str):
+    if family == "gpt_oss":
+        from test_moe import build
+
+        return build("gpt_oss")[0]
+    if family == "qwen3_5":
+        from test_hybrid import hybrid_model
+
+        return hybrid_model("qwen3_5", vocab=61)
+    from support import tiny_model
+
+    return tiny_model("qwen3", torch.float64, vocab=61)
+
+
+def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
+    from stepplan_dir import loss_fn, per_sequence
+    from treepack import TreepackError, list_microbatches, read_manifest
+
+    import treepack.torch.cp_plan as cp_plan
+
+    files = list_microbatches(path, rank=rank)
+    if mode == "missing" and rank == 1:
+        # Takes only the entries listed under its own rank: none, every micro-batch being its group's (rank 0's).
+        entries = read_manifest(path)["micro_batches"]
+        files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
+    batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
+    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3")
+    model = model_for(family)
+    init = cp_plan._Hook.__init__
+    if mode == "no_fetch":
+        # Negative control: the cached parts' keys/values every attention layer fetches are zeros.
+        def zeros(self, plan, parts, *rest):
+            parts = [types.SimpleNamespace(cache={k: torch.zeros_like(t) for k, t in p.cache.items()}) for p in parts]
+            init(self, plan, parts, *rest)
+
+        cp_plan._Hook.__init__ = zeros
+    net = model
+    if mode == "qwen3":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    t0 = time.monotonic()
+    try:
+        res = tpt.run_step_plan(net, batches, loss_fn, attention="block", sync=mode == "qwen3")
+    except TreepackError as e:
+        return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
+    finally:
+        cp_plan._Hook.__init__ = init
+    if mode == "missing":
+        time.sleep(TIMEOUT_S + 5)  # rank 1 stays up while rank 0 waits for it
+        return {}
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    if mode == "qwen3":
+        grads = [g * world for g in grads]  # sync_gradients averaged the shares: the sum is the step's gradient
+    else:
+        for g in grads:
+            dist.all_reduce(g)
+    if rank == 0:
+        torch.save({n: g for (n, _), g in zip(model.named_parameters(), grads)}, os.path.join(out, f"grads-{mode}.pt"))
+    return {
+        "loss": float(sum(res.losses)),
+        "logprobs": {s: v.tolist() for b, lp in zip(batches, res.logprobs) for s, v in per_sequence(lp, b).items()},
+        "computed_tokens": res.computed_tokens,
+        "pushed_tokens": res.pushed_tokens,
+        "peak_cached_tokens": res.peak_cached_tokens,
+    }
+
+
+def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
+    results = {}
+    for mode in modes:
+        results[mode] = run_mode(rank, world, path, mode, out)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+
+
+@needs_torch(transformers=True)
+class CPPlanTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import numpy as np
+        import torch.multiprocessing as mp
+        from stepplan_dir import reference
+        from treepack import list_microbatches, read_manifest
+
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.path = write_forest(cls.tmp.name)
+        cls.manifest = read_manifest(cls.path)
+        modes = ["qwen3", "gpt_oss", "no_fetch", "hybrid", "missing"]  # missing last: it breaks the group
+        out = os.path.join(cls.tmp.name, "results")
+        os.makedirs(out)
+        t0 = time.monotonic()
+        args = (2, cls.path, modes, os.path.join(cls.tmp.name, "store"), out)
+        mp.start_processes(worker, args=args, nprocs=2, join=True, start_method="spawn")
+        cls.wall_s = time.monotonic() - t0
+        cls.ranks = []
+        for r in range(2):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                cls.ranks.append(json.load(f))
+        batches = stress([tpt.load_microbatch(f) for f in list_microbatches(cls.path, rank=0)])
+        cls.diffs = {}
+        for mode, family in (("qwen3", "qwen3"), ("gpt_oss", "gpt_oss"), ("no_fetch", "qwen3")):
+            loss, ref_lp, ref_grads = reference(model_for(family), batches)
+            got = [r[mode] for r in cls.ranks]
+            grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
+            cls.diffs[mode] = {
+                "loss": abs(got[0]["loss"] - loss) / max(1.0, abs(loss)),
+                "logprobs": max(float(np.abs(np.array(g["logprobs"][s]) - ref_lp[s]).max()) for g in got for s in ref_lp),
+                "grads": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+                "same_losses": got[0]["loss"] == got[1]["loss"],
+            }
+        print(f"\ntest_cp_plan: two ranks in {cls.wall_s:.1f} s; differences {cls.diffs}", flush=True)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_the_planner_chose_context_parallel_groups(self):
+        plans = self.manifest["parallel_plans"]
+        self.assertTrue(all(p["mode"] == "cp" and p["cp"] == 2 for p in plans), plans)
+        entries = self.manifest["micro_batches"]
+        self.assertTrue(all(e["cp_ranks"] == [0, 1] and e["rank"] == 0 for e in entries))
+        pushes = [end for e in entries for end in e["prefix_push"]]
+        self.assertIn(24, pushes)  # the stem, split over both ranks
+        self.assertTrue(any(b - a == 1 for a, b in zip([0] + pushes, pushes)), pushes)  # a segment shorter than the group
+
+    def test_equal_to_the_unsplit_forest(self):
+        for mode in ("qwen3", "gpt_oss"):
+            d = self.diffs[mode]
+            self.assertLess(d["loss"], TOL, mode)
+            self.assertLess(d["logprobs"], TOL, mode)
+            self.assertLess(d["grads"], TOL, mode)
+            self.assertTrue(d["same_losses"], mode)
+
+    def test_each_rank_computes_its_share(self):
+        got = [r["qwen3"] for r in self.ranks]
+        entries = self.manifest["micro_batches"]
+        # Every computed token once per group: the micro-batches' own nodes and the popped segments (pushed again).
+        want = sum(e["computed_tokens"] for e in entries) + sum(e["pushed_tokens"] for e in entries)
+        self.assertEqual(sum(g["computed_tokens"] for g in got), want)
+        self.assertEqual(sum(g["pushed_tokens"] for g in got), sum(e["pushed_tokens"] for e in entries))
+        for g in got:
+            self.assertLess(g["computed_tokens"], 0.75 * want)
+
+    def test_without_the_cached_keys_the_results_differ(self):
+        self.assertGreater(self.diffs["no_fetch"]["logprobs"], 1e-3)
+
+    def test_a_hybrid_is_refused_by_name(self):
+        for r in self.ranks:
+            e = r["hybrid"]["error"]
+            self.assertEqual((e["code"], e["field"]), ("E_ARG", "cp_ranks"))
+            self.assertRegex(e["message"], r"Qwen3_5ForCausalLM has recurrent layers \(Qwen3_5GatedDeltaNet\).*pack without --cp")
+
+    def test_a_rank_missing_from_the_group_is_named(self):
+        e = self.ranks[0]["missing"]["error"]
+        self.assertEqual((e["code"], e["field"]), ("E_BACKEND", "cp_ranks"))
+        self.assertRegex(e["message"], r"rank\(s\) 1 of ranks \[0, 1\] did not come")
+        self.assertLess(e["after_s"], 3 * TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    unittest.main()
