@@ -79,10 +79,9 @@ def model_for(family: str):
 
 
 def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
+    import treepack.torch.cp_plan as cp_plan
     from stepplan_dir import loss_fn, per_sequence
     from treepack import TreepackError, list_microbatches, read_manifest
-
-    import treepack.torch.cp_plan as cp_plan
 
     files = list_microbatches(path, rank=rank)
     if mode == "missing" and rank == 1:

@@ -70,7 +70,9 @@ def make_groups(ops: Iterable[Any]) -> None:
             continue
         if not dist.is_available() or not dist.is_initialized():
             raise TreepackError(
-                "E_ARG", f"micro-batches planned for context-parallel ranks {list(ranks)} need torch.distributed initialised", field="cp_ranks"
+                "E_ARG",
+                f"micro-batches planned for context-parallel ranks {list(ranks)} need torch.distributed initialised",
+                field="cp_ranks",
             )
         world, G = dist.get_world_size(), len(ranks)
         if world % G or ranks[0] % G or ranks != tuple(range(ranks[0], ranks[0] + G)) or ranks[-1] >= world:
@@ -255,7 +257,9 @@ class _Assemble(torch.autograd.Function):
     on the backward's way even where no loss term reads this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, width: int, owner: torch.Tensor, slot: torch.Tensor, plan: CPPlan, *anchors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, x: torch.Tensor, width: int, owner: torch.Tensor, slot: torch.Tensor, plan: CPPlan, *anchors: torch.Tensor
+    ) -> Any:
         ctx.n, ctx.anchors = x.shape[0], [(a.shape, a.dtype) for a in anchors]
         ctx.mine = torch.nonzero(owner == plan.me).flatten()
         ctx.slots = slot[ctx.mine]
@@ -315,8 +319,8 @@ class CPPlan:
         if differ:
             raise TreepackError(
                 "E_INPUT",
-                f"rank(s) {differ} of cp_ranks {list(self.ranks)} run another micro-batch than rank {self.ranks[self.me]} (N, prefix, tree or "
-                "ids differ): every rank of the group runs the group's micro-batches in the plan's order",
+                f"rank(s) {differ} of cp_ranks {list(self.ranks)} run another micro-batch than rank {self.ranks[self.me]} "
+                "(N, prefix, tree or ids differ): every rank of the group runs the group's micro-batches in the plan's order",
                 field="cp_ranks",
             )
 
@@ -434,7 +438,7 @@ class CPPlan:
         slots = _Slots(self.stack, h, bounds)
         owner, slot = slots.of(torch.arange(N))
         width = max(slots.offsets[-1][i] + bounds[i + 1] - bounds[i] for i in range(self.G))
-        whole = _Assemble.apply(x, width, owner, slot, self, *anchors)
+        whole: torch.Tensor = _Assemble.apply(x, width, owner, slot, self, *anchors)
         scored = torch.zeros(N, dtype=torch.bool)
         scored[targets] = True
         whole = torch.where(scored[:, None].to(whole.device), whole, torch.full_like(whole, float("nan")))

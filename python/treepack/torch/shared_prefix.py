@@ -108,9 +108,10 @@ def world_timeout() -> Any:
     """The default process group's timeout (``init_process_group(timeout=...)``), or None where the backend hides it."""
     import torch.distributed as dist
 
+    world = dist.group.WORLD
     for device in ("cpu", "cuda"):
         with contextlib.suppress(RuntimeError, AttributeError):
-            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+            return None if world is None else world._get_backend(torch.device(device)).options._timeout
     return None
 
 

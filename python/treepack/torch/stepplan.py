@@ -61,8 +61,8 @@ import torch
 
 from ..microbatch import TreepackError
 from .attention import tree_mask
-from .cp_plan import CPPlan, make_groups
 from .batch import PackedBatch
+from .cp_plan import CPPlan, make_groups
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers, unsupported_mixers
 from .moe import RouterOutputs, Routing, replay_routes, router_outputs
@@ -621,7 +621,9 @@ class StepPlanRunner:
             return scores
         if any(p.stack for p in self.cp_plans.values()):
             raise TreepackError(
-                "E_INPUT", f"a micro-batch of this rank alone while a context-parallel group's segments are cached{_ORDER}", field="cp_ranks"
+                "E_INPUT",
+                f"a micro-batch of this rank alone while a context-parallel group's segments are cached{_ORDER}",
+                field="cp_ranks",
             )
         self._check(batch, op)
         for j, end in enumerate(op.push):
@@ -671,7 +673,9 @@ class StepPlanRunner:
             )
         if self.stack or any(p.stack for k, p in self.cp_plans.items() if k != op.cp_ranks):
             raise TreepackError(
-                "E_INPUT", f"a micro-batch of context-parallel ranks {list(op.cp_ranks)} while other segments are cached{_ORDER}", field="cp_ranks"
+                "E_INPUT",
+                f"a micro-batch of context-parallel ranks {list(op.cp_ranks)} while other segments are cached{_ORDER}",
+                field="cp_ranks",
             )
         if op.cp_ranks not in self.cp_plans:
             self.cp_plans[op.cp_ranks] = CPPlan(self, op.cp_ranks, _chain_batch)
