@@ -3,9 +3,10 @@
 micro-batch names ``cp_ranks`` [0, 1]) run on two spawned gloo ranks, float64, each rank taking its micro-batches from
 ``treepack.list_microbatches(dir, rank=r)`` (the group's, listed under rank 0).
 
-Against every sequence in one unsplit forest: per-token logprobs (on both ranks), the loss and every parameter
+Against every sequence in one unsplit forest: per-token logprobs (on every rank), the loss and every parameter
 gradient within 1e-10, for a tiny Qwen3 under DistributedDataParallel (``sync_gradients``' average times the world
-size) and gpt-oss (sliding window 4, sinks, MoE; the ranks' shares summed). What it stresses: the stem's push is
+size) and gpt-oss (sliding window 4, sinks, MoE; the ranks' shares summed); and the same forest twice packed with
+``--dp 4 --cp 2`` on four ranks, two groups of two (Qwen3 under DDP). What it stresses: the stem's push is
 split inside the segment (each rank holds its half of the chain, the cache spread over both ranks), the 1-token
 segment pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no
 trainable token. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
@@ -33,24 +34,26 @@ TIMEOUT_S = 10
 TOL = 1e-10
 
 
-def write_forest(directory: str) -> str:
-    """A stem of 24 tokens, two sub-stems (one of a single token), three episodes under each; packed at 12 computed
-    and 16 cached tokens per rank over 2 ranks, with context-parallel groups of up to 2."""
+def write_forest(directory: str, world: int) -> str:
+    """Per group of two ranks, a stem of 24 tokens, two sub-stems (one of a single token), three episodes under each;
+    packed at 12 computed and 16 cached tokens per rank over ``world`` ranks, with context-parallel groups of up to 2."""
     r = random.Random(5)
 
     def tok(n: int) -> list[int]:
         return [r.randrange(1, 60) for _ in range(n)]
 
-    stem, lines = tok(24), []
-    for g, sub in enumerate((8, 1)):
-        head = stem + tok(sub)
-        for e in range(3):
-            seq = head + tok(4) + tok(5)
-            lines.append(json.dumps({"id": f"g{g}e{e}", "tokens": seq, "advantages": [round(r.uniform(-1, 1), 2)] * len(seq)}))
-    src, out = os.path.join(directory, "in.jsonl"), os.path.join(directory, "out")
+    lines = []
+    for t in range(world // 2):
+        stem = tok(24)
+        for g, sub in enumerate((8, 1)):
+            head = stem + tok(sub)
+            for e in range(3):
+                seq = head + tok(4) + tok(5)
+                lines.append(json.dumps({"id": f"t{t}g{g}e{e}", "tokens": seq, "advantages": [round(r.uniform(-1, 1), 2)] * len(seq)}))
+    src, out = os.path.join(directory, f"in{world}.jsonl"), os.path.join(directory, f"out{world}")
     with open(src, "w") as f:
         f.write("\n".join(lines) + "\n")
-    args = ["--max-tokens", "12", "--prefix-reuse", "16", "--dp", "2", "--cp", "2", "--quiet"]
+    args = ["--max-tokens", "12", "--prefix-reuse", "16", "--dp", str(world), "--cp", "2", "--quiet"]
     subprocess.run(["node", CLI, "pack", src, "--out", out, *args], check=True)
     return out
 
@@ -144,67 +147,91 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
             json.dump(results, f)
 
 
+# Per world size, the modes its spawned ranks run ("missing" last: it breaks the group).
+RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "hybrid", "missing"], 4: ["qwen3"]}
+
+
+def spawn(tmp: str, world: int, modes: list[str]) -> dict:
+    """Packs the forest for ``world`` ranks, runs ``modes`` on that many spawned ranks, and compares each run with the
+    unsplit forest of every micro-batch (each group's, stressed alike)."""
+    import numpy as np
+    import torch.multiprocessing as mp
+    from stepplan_dir import reference
+    from treepack import list_microbatches, read_manifest
+
+    path = write_forest(tmp, world)
+    out = os.path.join(tmp, f"results{world}")
+    os.makedirs(out)
+    t0 = time.monotonic()
+    mp.start_processes(
+        worker, args=(world, path, modes, os.path.join(tmp, f"store{world}"), out), nprocs=world, join=True, start_method="spawn"
+    )
+    run: dict = {"path": path, "manifest": read_manifest(path), "wall_s": time.monotonic() - t0, "ranks": [], "diffs": {}}
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            run["ranks"].append(json.load(f))
+    batches = [b for g in range(0, world, 2) for b in stress([tpt.load_microbatch(f) for f in list_microbatches(path, rank=g)])]
+    for mode in modes:
+        family = {"no_fetch": "qwen3"}.get(mode, mode)
+        if mode in ("hybrid", "missing"):
+            continue
+        loss, ref_lp, ref_grads = reference(model_for(family), batches)
+        got = [r[mode] for r in run["ranks"]]
+        grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
+        run["diffs"][mode] = {
+            "loss": abs(sum(g["loss"] for g in got[::2]) - loss) / max(1.0, abs(loss)),
+            "logprobs": max(float(np.abs(np.array(v) - ref_lp[s]).max()) for g in got for s, v in g["logprobs"].items()),
+            "sequences": sorted({s for g in got for s in g["logprobs"]}) == sorted(ref_lp),
+            "grads": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+            "same_losses": all(got[r]["loss"] == got[r + 1]["loss"] for r in range(0, world, 2)),
+        }
+    return run
+
+
 @needs_torch(transformers=True)
 class CPPlanTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import numpy as np
-        import torch.multiprocessing as mp
-        from stepplan_dir import reference
-        from treepack import list_microbatches, read_manifest
-
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.path = write_forest(cls.tmp.name)
-        cls.manifest = read_manifest(cls.path)
-        modes = ["qwen3", "gpt_oss", "no_fetch", "hybrid", "missing"]  # missing last: it breaks the group
-        out = os.path.join(cls.tmp.name, "results")
-        os.makedirs(out)
-        t0 = time.monotonic()
-        args = (2, cls.path, modes, os.path.join(cls.tmp.name, "store"), out)
-        mp.start_processes(worker, args=args, nprocs=2, join=True, start_method="spawn")
-        cls.wall_s = time.monotonic() - t0
-        cls.ranks = []
-        for r in range(2):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                cls.ranks.append(json.load(f))
-        batches = stress([tpt.load_microbatch(f) for f in list_microbatches(cls.path, rank=0)])
-        cls.diffs = {}
-        for mode, family in (("qwen3", "qwen3"), ("gpt_oss", "gpt_oss"), ("no_fetch", "qwen3")):
-            loss, ref_lp, ref_grads = reference(model_for(family), batches)
-            got = [r[mode] for r in cls.ranks]
-            grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
-            cls.diffs[mode] = {
-                "loss": abs(got[0]["loss"] - loss) / max(1.0, abs(loss)),
-                "logprobs": max(float(np.abs(np.array(g["logprobs"][s]) - ref_lp[s]).max()) for g in got for s in ref_lp),
-                "grads": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
-                "same_losses": got[0]["loss"] == got[1]["loss"],
-            }
-        print(f"\ntest_cp_plan: two ranks in {cls.wall_s:.1f} s; differences {cls.diffs}", flush=True)
+        cls.runs = {world: spawn(cls.tmp.name, world, modes) for world, modes in RUNS.items()}
+        for world, run in cls.runs.items():
+            print(f"\ntest_cp_plan: {world} ranks in {run['wall_s']:.1f} s; differences {run['diffs']}", flush=True)
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
     def test_the_planner_chose_context_parallel_groups(self):
-        plans = self.manifest["parallel_plans"]
-        self.assertTrue(all(p["mode"] == "cp" and p["cp"] == 2 for p in plans), plans)
-        entries = self.manifest["micro_batches"]
-        self.assertTrue(all(e["cp_ranks"] == [0, 1] and e["rank"] == 0 for e in entries))
-        pushes = [end for e in entries for end in e["prefix_push"]]
-        self.assertIn(24, pushes)  # the stem, split over both ranks
-        self.assertTrue(any(b - a == 1 for a, b in zip([0] + pushes, pushes)), pushes)  # a segment shorter than the group
+        from treepack import list_microbatches
+
+        for world, run in self.runs.items():
+            plans = run["manifest"]["parallel_plans"]
+            self.assertTrue(all(p["mode"] == "cp" and p["cp"] == 2 for p in plans), plans)
+            entries = run["manifest"]["micro_batches"]
+            self.assertTrue(all(e["cp_ranks"] == [e["rank"], e["rank"] + 1] and e["rank"] % 2 == 0 for e in entries))
+            self.assertEqual({e["rank"] for e in entries}, set(range(0, world, 2)))
+            pushes = [end for e in entries if e["rank"] == 0 for end in e["prefix_push"]]
+            self.assertIn(24, pushes)  # the stem, split over both ranks
+            self.assertTrue(any(b - a == 1 for a, b in zip([0] + pushes, pushes)), pushes)  # a segment shorter than the group
+            # A rank's micro-batches are its group's, listed under its first rank, in step order (PackedDataset alike).
+            for r in range(world):
+                mine = [e for e in entries if r in e["cp_ranks"]]
+                want = [os.path.join(run["path"], *e["file"].split("/")) for e in mine]
+                self.assertEqual(list_microbatches(run["path"], rank=r), want)
+                self.assertEqual(tpt.PackedDataset(run["path"], rank=r, dp=world).files(), want)
 
     def test_equal_to_the_unsplit_forest(self):
-        for mode in ("qwen3", "gpt_oss"):
-            d = self.diffs[mode]
-            self.assertLess(d["loss"], TOL, mode)
-            self.assertLess(d["logprobs"], TOL, mode)
-            self.assertLess(d["grads"], TOL, mode)
-            self.assertTrue(d["same_losses"], mode)
+        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (4, "qwen3")):
+            d = self.runs[world]["diffs"][mode]
+            self.assertTrue(d["sequences"], (world, mode))
+            self.assertLess(d["loss"], TOL, (world, mode))
+            self.assertLess(d["logprobs"], TOL, (world, mode))
+            self.assertLess(d["grads"], TOL, (world, mode))
+            self.assertTrue(d["same_losses"], (world, mode))
 
     def test_each_rank_computes_its_share(self):
-        got = [r["qwen3"] for r in self.ranks]
-        entries = self.manifest["micro_batches"]
+        got = [r["qwen3"] for r in self.runs[2]["ranks"]]
+        entries = self.runs[2]["manifest"]["micro_batches"]
         # Every computed token once per group: the micro-batches' own nodes and the popped segments (pushed again).
         want = sum(e["computed_tokens"] for e in entries) + sum(e["pushed_tokens"] for e in entries)
         self.assertEqual(sum(g["computed_tokens"] for g in got), want)
@@ -213,16 +240,16 @@ class CPPlanTest(unittest.TestCase):
             self.assertLess(g["computed_tokens"], 0.75 * want)
 
     def test_without_the_cached_keys_the_results_differ(self):
-        self.assertGreater(self.diffs["no_fetch"]["logprobs"], 1e-3)
+        self.assertGreater(self.runs[2]["diffs"]["no_fetch"]["logprobs"], 1e-3)
 
     def test_a_hybrid_is_refused_by_name(self):
-        for r in self.ranks:
+        for r in self.runs[2]["ranks"]:
             e = r["hybrid"]["error"]
             self.assertEqual((e["code"], e["field"]), ("E_ARG", "cp_ranks"))
             self.assertRegex(e["message"], r"Qwen3_5ForCausalLM has recurrent layers \(Qwen3_5GatedDeltaNet\).*pack without --cp")
 
     def test_a_rank_missing_from_the_group_is_named(self):
-        e = self.ranks[0]["missing"]["error"]
+        e = self.runs[2]["ranks"][0]["missing"]["error"]
         self.assertEqual((e["code"], e["field"]), ("E_BACKEND", "cp_ranks"))
         self.assertRegex(e["message"], r"rank\(s\) 1 of ranks \[0, 1\] did not come")
         self.assertLess(e["after_s"], 3 * TIMEOUT_S)
