@@ -885,7 +885,11 @@ def run_step_plan(
     micro-batch run in full. ``shared_prefixes``: the window's entries of the manifest's ``shared_prefixes``,
     the same list on every rank (``batches`` are then this rank's micro-batches of that window): the pieces are
     computed in shares with the other ranks (python/treepack/torch/shared_prefix.py); None: each rank computes the
-    pieces it holds itself (the same results)."""
+    pieces it holds itself (the same results).
+    A micro-batch planned for a context-parallel group (``cp_ranks``; ``treepack.list_microbatches(dir, rank=r)``
+    lists a rank's, its groups' included) runs with every rank of the group (python/treepack/torch/cp_plan.py): the
+    groups are created first on every rank (``make_groups``), and each member's ``losses`` holds the whole
+    micro-batch's loss, its ``.grad`` its share of the gradient."""
     runner = StepPlanRunner(
         model,
         attention=attention,
