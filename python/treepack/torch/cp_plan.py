@@ -182,7 +182,7 @@ class _Slots:
         return owner, slot
 
 
-def _route(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], me: int) -> Route:
+def _route(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], me: int, device: torch.device) -> Route:
     """The ``Route`` of every rank's needed (owner, slot) rows: what each rank sends, and where this rank's rows are."""
     G = len(needs)
     sends = [torch.unique(torch.cat([slot[owner == s] for owner, slot in needs])) for s in range(G)]
@@ -191,12 +191,12 @@ def _route(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], me: int) -> Route
     for s in torch.unique(owner).tolist():
         sel = owner == s
         at[sel] = torch.searchsorted(sends[s], slot[sel])
-    return Route(sends[me], max(int(x.numel()) for x in sends), owner, at)
+    return Route(sends[me].to(device), max(int(x.numel()) for x in sends), owner.to(device), at.to(device))
 
 
 def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) -> PackedBatch:
-    """The context nodes then nodes [lo, hi) of ``forest``, renumbered (``split_batch``'s node arrays; one sequence
-    through them, nothing read but the node arrays)."""
+    """The context nodes then nodes [lo, hi) of ``forest`` (on the host), renumbered (``split_batch``'s node arrays;
+    one sequence through them, nothing read but the node arrays)."""
     A = int(context.shape[0])
     nodes = torch.cat([context, torch.arange(lo, hi)])
     inside = torch.searchsorted(context, forest.parent[nodes].clamp(min=0)).clamp(max=max(A - 1, 0))
@@ -261,6 +261,7 @@ class _Assemble(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, width: int, owner: torch.Tensor, slot: torch.Tensor, plan: CPPlan, *anchors: torch.Tensor
     ) -> Any:
         ctx.n, ctx.anchors = x.shape[0], [(a.shape, a.dtype) for a in anchors]
+        owner, slot = owner.to(x.device), slot.to(x.device)
         ctx.mine = torch.nonzero(owner == plan.me).flatten()
         ctx.slots = slot[ctx.mine]
         buf = x.new_zeros((width,) + tuple(x.shape[1:]))
@@ -333,7 +334,8 @@ class CPPlan:
         slots = _Slots(parts, bounds[0], bounds)
         se = forest.subtree_end.to("cpu", torch.int64)
         contexts = [_context(se, bounds[i]) if bounds[i + 1] > bounds[i] else se.new_zeros(0) for i in range(self.G)]
-        kv = _route([slots.of(c) for c in contexts], self.me)
+        dev = forest.device
+        kv = _route([slots.of(c) for c in contexts], self.me, dev)
         # The parents, outside the rank's own range, of the nodes it scores.
         parent = forest.parent.to("cpu", torch.int64)
 
@@ -344,13 +346,15 @@ class CPPlan:
             return got
 
         needs = [outside(i) for i in range(self.G)]
-        hroute = _route([slots.of(x) for x in needs], self.me)
+        hroute = _route([slots.of(x) for x in needs], self.me, dev)
+        host = forest.to("cpu")
         if hi > lo:
-            local = _local_forest(forest, contexts[self.me], lo, hi)
+            local = _local_forest(host, contexts[self.me], lo, hi)
         else:  # nothing of this pass is this rank's: one throw-away root keeps it in every exchange
-            local = _local_forest(forest, contexts[self.me], bounds[0], bounds[0] + 1)
+            local = _local_forest(host, contexts[self.me], bounds[0], bounds[0] + 1)
             local.parent[:] = -1
             local.position_ids[:] = 0
+        local = local.to(dev)
         A = int(contexts[self.me].shape[0])
         mask = tree_mask(local, mode=r.attention, block_size=r.block_size)
         mask.prefix = hook = _Hook(self, parts, A, kv, self.what)
@@ -360,7 +364,7 @@ class CPPlan:
         held = torch.cat([p.hidden for p in parts] + [hidden])
         got = self.fetch(held, hroute, f"the final hidden states of {self.what}")
         n = hi - lo
-        context = hidden.new_zeros((A, hidden.shape[1])).index_copy(0, torch.searchsorted(contexts[self.me], needs[self.me]), got)
+        context = hidden.new_zeros((A, hidden.shape[1])).index_copy(0, torch.searchsorted(contexts[self.me], needs[self.me]).to(dev), got)
         mine = targets[(targets >= lo) & (targets < hi)] - lo + A
         s = packed_logprobs(
             torch.cat([context, hidden]),
@@ -448,6 +452,7 @@ class CPPlan:
         """``count`` pops (the micro-batch forwarded last's ``prefix_release``), every rank of the group together."""
         for _ in range(count):
             self._pop()
+        self.runner.exchanged += self.stats.pop("received_bytes", 0)  # what this micro-batch's exchanges brought in
 
 
 __all__ = ["CPPlan", "make_groups", "split_bounds"]

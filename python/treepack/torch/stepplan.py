@@ -156,7 +156,9 @@ class StepResult:
     """What run_step_plan returns: per micro-batch ``losses`` and node ``logprobs`` (detached; NaN where not scored),
     the tokens computed with grad (``computed_tokens``, popped segments included; of a shared piece computed in shares,
     this rank's range) and pushed without it (``pushed_tokens``), the most cached at once (``peak_cached_tokens``,
-    ``peak_cached_bytes``) and the bytes the shared pieces' exchanges received (``exchanged_bytes``)."""
+    ``peak_cached_bytes``) and the bytes the exchanges of shared pieces and context-parallel groups received
+    (``exchanged_bytes``). Under context parallelism the tokens are this rank's ranges, the peak tokens the group's
+    chain, the bytes this rank's part."""
 
     losses: list[torch.Tensor]  # per micro-batch, detached
     logprobs: list[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
@@ -164,7 +166,7 @@ class StepResult:
     pushed_tokens: int  # nodes run without grad to fill the cache
     peak_cached_tokens: int
     peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
-    exchanged_bytes: int = 0  # received by the exchanges of the shared pieces computed in shares
+    exchanged_bytes: int = 0  # received by the exchanges of the shared pieces computed in shares and of context-parallel groups
 
 
 Key = tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
