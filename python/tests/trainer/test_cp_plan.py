@@ -1,17 +1,20 @@
-"""Step plans over context-parallel groups (treepack.torch.cp_plan): a forest packed by the real CLI with
-``--max-tokens 12 --prefix-reuse 16 --dp 2 --cp 2`` (a stem of 24 tokens no rank can cache alone, so the planner picks ``cp``: each
-micro-batch names ``cp_ranks`` [0, 1]) run on two spawned gloo ranks, float64, each rank taking its micro-batches from
-``treepack.list_microbatches(dir, rank=r)`` (the group's, listed under rank 0).
+"""Step plans over context-parallel groups (treepack.torch.cp_plan): a forest packed by the real CLI with ``--max-tokens 12
+--prefix-reuse 16 --dp 2 --cp 2`` (a stem of 24 tokens no rank can cache alone, so the planner picks
+``cp``: each micro-batch names ``cp_ranks`` [0, 1]) run on two spawned gloo ranks, float64, each rank taking its
+micro-batches from ``treepack.list_microbatches(dir, rank=r)`` (the group's, listed under rank 0).
 
 Against every sequence in one unsplit forest: per-token logprobs (on every rank), the loss and every parameter
 gradient within 1e-10, for a tiny Qwen3 under DistributedDataParallel (``sync_gradients``' average times the world
 size) and gpt-oss (sliding window 4, sinks, MoE; the ranks' shares summed); and the same forest twice packed with
-``--dp 4 --cp 2`` on four ranks, two groups of two (Qwen3 under DDP). What it stresses: the stem's push is
-split inside the segment (each rank holds its half of the chain, the cache spread over both ranks), the 1-token
-segment pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no
-trainable token. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
-differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; a rank that does not run its group's micro-batches
-(it takes only the entries listed under its own rank) is named on the other within the group's 15 s timeout.
+``--dp 4 --cp 2`` on four ranks, two groups of two (Qwen3 under DDP). What it stresses: the stem's push is split
+inside the segment (each rank holds its half of the chain, the cache spread over both ranks), the 1-token segment
+pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no trainable
+token; each rank's cache peaks at about half of what one rank running the plan alone holds.
+``StepPlanRunner(entropy=True)``: entropies and the gradient of a loss reading them equal one rank running the same
+micro-batches. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
+differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
+them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank) is
+named on the other within the group's 15 s timeout.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 
@@ -81,6 +84,21 @@ def model_for(family: str):
     return tiny_model("qwen3", torch.float64, vocab=61)
 
 
+def entropy_run(model, batches, ops) -> dict:
+    """The micro-batches through ``StepPlanRunner(entropy=True)`` with a loss that reads the entropies too: the
+    per-sequence entropies (the parameters' ``.grad`` left set)."""
+    from stepplan_dir import loss_fn, per_sequence
+
+    runner, got = tpt.StepPlanRunner(model, attention="block", entropy=True), {}
+    for b, op in zip(batches, ops):
+        s = runner.forward(b, op)
+        (loss_fn(s.logprobs, b) + 0.01 * tpt.gather_occurrences(s.entropy, b)[b.loss_mask].sum()).backward()
+        runner.release()
+        got.update({k: v.tolist() for k, v in per_sequence(s.entropy.detach(), b).items()})
+    runner.finish()
+    return got
+
+
 def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
     import treepack.torch.cp_plan as cp_plan
     from stepplan_dir import loss_fn, per_sequence
@@ -102,12 +120,24 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
             init(self, plan, parts, *rest)
 
         cp_plan._Hook.__init__ = zeros
-    net = model
+    net, ops = model, None
     if mode == "qwen3":
         net = torch.nn.parallel.DistributedDataParallel(model)
     t0 = time.monotonic()
+    if mode == "entropy":
+        ops = [tpt.step_op(b) for b in batches]
+        cp_plan.make_groups(ops)
+        got = entropy_run(model, batches, ops)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        for g in grads:
+            torch.distributed.all_reduce(g)
+        if rank == 0:
+            torch.save({n: g for (n, _), g in zip(model.named_parameters(), grads)}, os.path.join(out, f"grads-{mode}.pt"))
+        return {"entropy": got}
+    if mode == "group_of_four":  # cp_ranks naming ranks this world of two does not have
+        ops = [tpt.step_op(b)._replace(cp_ranks=(0, 1, 2, 3)) for b in batches]
     try:
-        res = tpt.run_step_plan(net, batches, loss_fn, attention="block", sync=mode == "qwen3")
+        res = tpt.run_step_plan(net, batches, loss_fn, attention="block", sync=mode == "qwen3", ops=ops)
     except TreepackError as e:
         return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
     finally:
@@ -131,6 +161,7 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         "computed_tokens": res.computed_tokens,
         "pushed_tokens": res.pushed_tokens,
         "peak_cached_tokens": res.peak_cached_tokens,
+        "peak_cached_bytes": res.peak_cached_bytes,
     }
 
 
@@ -148,7 +179,7 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing" last: it breaks the group).
-RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "hybrid", "missing"], 4: ["qwen3"]}
+RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -173,8 +204,25 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
     batches = [b for g in range(0, world, 2) for b in stress([tpt.load_microbatch(f) for f in list_microbatches(path, rank=g)])]
     for mode in modes:
         family = {"no_fetch": "qwen3"}.get(mode, mode)
-        if mode in ("hybrid", "missing"):
+        if mode in ("hybrid", "group_of_four", "missing"):
             continue
+        if mode == "entropy":  # against the same micro-batches run by one rank (cp_ranks dropped)
+            model = model_for("qwen3")
+            ref = entropy_run(model, batches, [tpt.step_op(b)._replace(cp_ranks=()) for b in batches])
+            grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
+            got = {s: v for r in run["ranks"] for s, v in r[mode]["entropy"].items()}
+            run["diffs"][mode] = {
+                "entropy": max(float(np.abs(np.array(v) - np.array(ref[s])).max()) for s, v in got.items()),
+                "sequences": sorted(got) == sorted(ref),
+                "grads": max(float((grads[n] - p.grad).abs().max()) for n, p in model.named_parameters()),
+            }
+            continue
+        if mode == "qwen3":  # the cache one rank would hold running its group's plan alone (cp_ranks dropped)
+            from stepplan_dir import loss_fn
+
+            group0 = batches[: len(list_microbatches(path, rank=0))]
+            ops = [tpt.step_op(b)._replace(cp_ranks=()) for b in group0]
+            run["one_rank_peak_bytes"] = tpt.run_step_plan(model_for(family), group0, loss_fn, ops=ops).peak_cached_bytes
         loss, ref_lp, ref_grads = reference(model_for(family), batches)
         got = [r[mode] for r in run["ranks"]]
         grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
@@ -195,7 +243,12 @@ class CPPlanTest(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.runs = {world: spawn(cls.tmp.name, world, modes) for world, modes in RUNS.items()}
         for world, run in cls.runs.items():
-            print(f"\ntest_cp_plan: {world} ranks in {run['wall_s']:.1f} s; differences {run['diffs']}", flush=True)
+            peaks = [r["qwen3"]["peak_cached_bytes"] for r in run["ranks"]]
+            print(
+                f"\ntest_cp_plan: {world} ranks in {run['wall_s']:.1f} s; differences {run['diffs']}; cached bytes at peak per rank "
+                f"{peaks} (one rank alone: {run.get('one_rank_peak_bytes')})",
+                flush=True,
+            )
 
     @classmethod
     def tearDownClass(cls):
@@ -238,6 +291,24 @@ class CPPlanTest(unittest.TestCase):
         self.assertEqual(sum(g["pushed_tokens"] for g in got), sum(e["pushed_tokens"] for e in entries))
         for g in got:
             self.assertLess(g["computed_tokens"], 0.75 * want)
+        # Each rank holds its part of the cached chain, not the whole: about half of what one rank alone would hold.
+        one = self.runs[2]["one_rank_peak_bytes"]
+        for g in got:
+            self.assertEqual(g["peak_cached_tokens"], 32)
+            self.assertLess(g["peak_cached_bytes"], 0.6 * one)
+        self.assertGreaterEqual(sum(g["peak_cached_bytes"] for g in got), one)
+
+    def test_entropies_and_their_gradient_equal_one_rank_running_the_plan(self):
+        d = self.runs[2]["diffs"]["entropy"]
+        self.assertTrue(d["sequences"])
+        self.assertLess(d["entropy"], TOL)
+        self.assertLess(d["grads"], TOL)
+
+    def test_cp_ranks_beyond_the_world_are_named(self):
+        for r in self.runs[2]["ranks"]:
+            e = r["group_of_four"]["error"]
+            self.assertEqual((e["code"], e["field"]), ("E_INPUT", "cp_ranks"))
+            self.assertIn("rank(s) [2, 3] do not exist", e["message"])
 
     def test_without_the_cached_keys_the_results_differ(self):
         self.assertGreater(self.runs[2]["diffs"]["no_fetch"]["logprobs"], 1e-3)
