@@ -257,7 +257,7 @@ class _Assemble(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, width: int, owner: torch.Tensor, slot: torch.Tensor, plan: CPPlan, *anchors: torch.Tensor
     ) -> Any:
-        ctx.n, ctx.anchors = x.shape[0], [(a.shape, a.dtype) for a in anchors]
+        ctx.n, ctx.anchors = x.shape[0], [(a.shape, a.dtype, a.device) for a in anchors]
         owner, slot = owner.to(x.device), slot.to(x.device)
         ctx.mine = torch.nonzero(owner == plan.me).flatten()
         ctx.slots = slot[ctx.mine]
@@ -272,7 +272,7 @@ class _Assemble(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         gx = g.new_zeros((ctx.n,) + tuple(g.shape[1:]))
         gx[ctx.slots] = g[ctx.mine]
-        return (gx, None, None, None, None) + tuple(torch.zeros(s, dtype=d) for s, d in ctx.anchors)
+        return (gx, None, None, None, None) + tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.anchors)
 
 
 class CPPlan:
@@ -286,6 +286,13 @@ class CPPlan:
                 "E_ARG",
                 f"no process group for cp_ranks {list(ranks)}: create the groups first on every rank (treepack.torch.cp_plan.make_groups, "
                 "which run_step_plan calls)",
+                field="cp_ranks",
+            )
+        if dist.get_rank() not in ranks:
+            raise TreepackError(
+                "E_INPUT",
+                f"rank {dist.get_rank()} is not one of cp_ranks {list(ranks)}: the micro-batch is another group's "
+                "(treepack.list_microbatches(dir, rank=r) lists a rank's own)",
                 field="cp_ranks",
             )
         # runner: the StepPlanRunner (model, scoring settings, counters); chain: its chain-as-forest builder
