@@ -48,7 +48,7 @@ from .attention import tree_mask
 from .batch import PackedBatch
 from .context_parallel import ContextParallel, Route, _collective, _context, _Fetch, balanced_bounds, fetch_keys_values
 from .logprobs import NodeScores, packed_logprobs, scored_nodes
-from .shared_prefix import _GROUPS, GroupPrefix, group_of, world_timeout
+from .shared_prefix import _GROUPS, captured_layer, group_of, world_timeout
 
 
 def _dist() -> Any:
@@ -218,22 +218,22 @@ def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) 
     )
 
 
-class _Hook(GroupPrefix):
-    """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``, ``keep`` capturing
-    what each layer computed as a shared piece's member does): the context's keys/values, fetched from the parts and
-    lower ranks holding them, before this rank's."""
+class _Hook:
+    """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``): the context's
+    keys/values, fetched from the parts and lower ranks holding them, before this rank's; ``captured`` what each layer
+    computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
 
     def __init__(self, plan: CPPlan, parts: Sequence[_Part], rows: int, route: Route, what: str) -> None:
         self.plan, self.parts, self.rows, self.route, self.what = plan, parts, rows, route, what
         self.captured: dict[Any, torch.Tensor] = {}
         self.closed = False
 
+    def keep(self, key: Any, tensor: torch.Tensor) -> None:
+        if not self.closed:
+            self.captured[key] = tensor
+
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: cannot name its cached keys", field="layer_idx")
-        self.keep(("key", layer), key)
-        self.keep(("value", layer), value)
+        layer = captured_layer(self, module, key, value, "context-parallel step plans")
         # Every rank's rows: its parts' keys/values, then those it computes now (_Slots' order).
         held_k = torch.cat([p.cache[("key", layer)] for p in self.parts] + [key], dim=2)
         held_v = torch.cat([p.cache[("value", layer)] for p in self.parts] + [value], dim=2)

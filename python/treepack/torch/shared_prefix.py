@@ -115,6 +115,17 @@ def world_timeout() -> Any:
     return None
 
 
+def captured_layer(prefix: Any, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, who: str) -> int:
+    """The layer index of an attention call under ``prefix`` (a TreepackError saying ``who`` cannot name the keys of
+    a layer without one), its keys and values kept (``prefix.keep``)."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: {who} cannot name its keys", field="layer_idx")
+    prefix.keep(("key", layer), key)
+    prefix.keep(("value", layer), value)
+    return layer
+
+
 class Share:
     """This rank's part of one piece: its place ``cp`` in the group (bounds relative to the piece's start), the routes
     of the keys/values before its range (``before``), of the whole piece (``every``) and of the node scores
@@ -255,11 +266,7 @@ class GroupPrefix:
             self.captured[key] = tensor
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: shared pieces cannot name its keys", field="layer_idx")
-        self.keep(("key", layer), key)
-        self.keep(("value", layer), value)
+        layer = captured_layer(self, module, key, value, "shared pieces")
         window = module_window(module)
         if window is None:
             kc, vc = fetch_keys_values(key, value, lambda x: self.share.fetch(x, self.share.before, f"layer {layer}'s keys/values"))
