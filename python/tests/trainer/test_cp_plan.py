@@ -13,8 +13,8 @@ token; each rank's cache peaks at about half of what one rank running the plan a
 ``StepPlanRunner(entropy=True)``: entropies and the gradient of a loss reading them equal one rank running the same
 micro-batches. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
 differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
-them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank) is
-named on the other within the group's 15 s timeout.
+them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank; on four
+ranks, it makes the groups but does not come) is named on the other within the group's 15 s timeout.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 
@@ -134,6 +134,11 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         if rank == 0:
             torch.save({n: g for (n, _), g in zip(model.named_parameters(), grads)}, os.path.join(out, f"grads-{mode}.pt"))
         return {"entropy": got}
+    if mode == "absent" and rank == 3:
+        # Creates the groups, as run_step_plan does, but never runs its group's micro-batches: rank 2 waits for it.
+        cp_plan.make_groups(tpt.step_op(b) for b in batches)
+        time.sleep(TIMEOUT_S + 5)
+        return {}
     if mode == "group_of_four":  # cp_ranks naming ranks this world of two does not have
         ops = [tpt.step_op(b)._replace(cp_ranks=(0, 1, 2, 3)) for b in batches]
     try:
@@ -145,6 +150,8 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
     if mode == "missing":
         time.sleep(TIMEOUT_S + 5)  # rank 1 stays up while rank 0 waits for it
         return {}
+    if mode == "absent":
+        return {}  # group [0, 1] ran its plan; rank 3's absence is the test
     import torch.distributed as dist
 
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
@@ -178,8 +185,8 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
             json.dump(results, f)
 
 
-# Per world size, the modes its spawned ranks run ("missing" last: it breaks the group).
-RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3"]}
+# Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
+RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -204,7 +211,7 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
     batches = [b for g in range(0, world, 2) for b in stress([tpt.load_microbatch(f) for f in list_microbatches(path, rank=g)])]
     for mode in modes:
         family = {"no_fetch": "qwen3"}.get(mode, mode)
-        if mode in ("hybrid", "group_of_four", "missing"):
+        if mode in ("hybrid", "group_of_four", "missing", "absent"):
             continue
         if mode == "entropy":  # against the same micro-batches run by one rank (cp_ranks dropped)
             model = model_for("qwen3")
@@ -323,6 +330,14 @@ class CPPlanTest(unittest.TestCase):
         e = self.runs[2]["ranks"][0]["missing"]["error"]
         self.assertEqual((e["code"], e["field"]), ("E_BACKEND", "cp_ranks"))
         self.assertRegex(e["message"], r"rank\(s\) 1 of ranks \[0, 1\] did not come")
+        self.assertLess(e["after_s"], 3 * TIMEOUT_S)
+        # In a group of a larger world: rank 3 made the groups but does not run group [2, 3]'s micro-batch; rank 2 names
+        # it (monitored_barrier counts ranks in the group), group [0, 1] runs its plan.
+        got = [r["absent"] for r in self.runs[4]["ranks"]]
+        self.assertEqual([g.get("error") for g in got[:2]], [None, None])
+        e = got[2]["error"]
+        self.assertEqual((e["code"], e["field"]), ("E_BACKEND", "cp_ranks"))
+        self.assertRegex(e["message"], r"rank 2: rank\(s\) 3 of ranks \[2, 3\] did not come to a micro-batch of context-parallel ranks")
         self.assertLess(e["after_s"], 3 * TIMEOUT_S)
 
 

@@ -103,8 +103,10 @@ def _meet(group: Any, ranks: tuple[int, ...], what: str) -> None:
     except RuntimeError as e:
         got = re.search(r"[Rr]anks? ([\d, ]+) failed", str(e))
         me = dist.get_rank()
-        # The group's first rank collects the others and names the missing; the others wait on the first.
-        who = f"rank(s) {got.group(1).strip()}" if got else (f"rank {ranks[0]}" if me != ranks[0] else "a rank")
+        # The group's first rank collects the others and names the missing (by their rank in the group); the others
+        # wait on the first.
+        missing = [ranks[int(x)] for x in got.group(1).replace(",", " ").split()] if got else []
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else (f"rank {ranks[0]}" if me != ranks[0] else "a rank")
         raise TreepackError(
             "E_BACKEND",
             f"rank {me}: {who} of ranks {list(ranks)} did not come to {what} within the process group's timeout: every rank of "
