@@ -816,11 +816,21 @@ def read_manifest(directory: str) -> dict[str, Any]:
     return doc
 
 
-def list_microbatches(directory: str) -> list[str]:
+def list_microbatches(directory: str, rank: int | None = None) -> list[str]:
     """Paths of the micro-batch files ``directory``'s committed manifest names, in manifest order
-    (``os.path.join(directory, entry["file"])`` for each entry). The way to enumerate a packed directory."""
+    (``os.path.join(directory, entry["file"])`` for each entry). The way to enumerate a packed directory.
+
+    ``rank``: only those data-parallel rank ``rank`` runs, in its step order: the entries of that ``rank`` and those
+    of the context-parallel groups it belongs to (``cp_ranks``: listed once, under the group's first rank, run by every
+    rank of the group; docs/design.md §11). An entry without ``rank`` (packed without a budget) counts as rank 0's."""
     directory = os.fspath(directory)
-    return [os.path.join(directory, *e["file"].split("/")) for e in read_manifest(directory)["micro_batches"]]
+    entries = read_manifest(directory)["micro_batches"]
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise TreepackError("E_ARG", f"rank must be an integer >= 0, got {rank!r}", directory, "rank")
+        mine = [e for e in entries if e.get("rank", 0) == rank or rank in e.get("cp_ranks", ())]
+        entries = sorted(mine, key=lambda e: int(e.get("step", 0)))
+    return [os.path.join(directory, *e["file"].split("/")) for e in entries]
 
 
 def check_entry(mb: MicroBatch, entry: dict[str, Any], path: str) -> None:

@@ -334,7 +334,8 @@ class PackedDataset(torch.utils.data.IterableDataset["PackedBatch"]):
             if packed_dp is not None and packed_dp != dp:
                 raise TreepackError("E_ARG", f"the directory was packed for dp = {packed_dp}, not {dp}", self.directory, "dp")
             if packed_dp is not None and all("rank" in e for e in entries):
-                entries = [e for e in entries if e["rank"] == rank]
+                # a context-parallel group's micro-batch is listed under its first rank and run by every rank of cp_ranks
+                entries = [e for e in entries if e["rank"] == rank or rank in e.get("cp_ranks", ())]
             else:
                 entries = entries[rank::dp]
         self.entries = entries

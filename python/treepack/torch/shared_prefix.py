@@ -39,6 +39,7 @@ checkpointing on a recurrent model is refused (its recomputation would run the h
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,8 +99,31 @@ def group_of(ranks: tuple[int, ...]) -> Any:
     import torch.distributed as dist
 
     if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
+        # new_group's own default is 30 minutes: a group waits on a failed rank as long as the default group does
+        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=world_timeout())
     return _GROUPS[ranks]
+
+
+def world_timeout() -> Any:
+    """The default process group's timeout (``init_process_group(timeout=...)``), or None where the backend hides it."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(RuntimeError, AttributeError):
+            return None if world is None else world._get_backend(torch.device(device)).options._timeout
+    return None
+
+
+def captured_layer(prefix: Any, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, who: str) -> int:
+    """The layer index of an attention call under ``prefix`` (a TreepackError saying ``who`` cannot name the keys of
+    a layer without one), its keys and values kept (``prefix.keep``)."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: {who} cannot name its keys", field="layer_idx")
+    prefix.keep(("key", layer), key)
+    prefix.keep(("value", layer), value)
+    return layer
 
 
 class Share:
@@ -242,11 +266,7 @@ class GroupPrefix:
             self.captured[key] = tensor
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise TreepackError("E_ARG", f"{type(module).__name__} has no layer_idx: shared pieces cannot name its keys", field="layer_idx")
-        self.keep(("key", layer), key)
-        self.keep(("value", layer), value)
+        layer = captured_layer(self, module, key, value, "shared pieces")
         window = module_window(module)
         if window is None:
             kc, vc = fetch_keys_values(key, value, lambda x: self.share.fetch(x, self.share.before, f"layer {layer}'s keys/values"))

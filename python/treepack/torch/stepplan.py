@@ -62,6 +62,7 @@ import torch
 from ..microbatch import TreepackError
 from .attention import tree_mask
 from .batch import PackedBatch
+from .cp_plan import CPPlan, make_groups
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
 from .models import layer_index, prepare, token_mixers, unsupported_mixers
 from .moe import RouterOutputs, Routing, replay_routes, router_outputs
@@ -155,7 +156,9 @@ class StepResult:
     """What run_step_plan returns: per micro-batch ``losses`` and node ``logprobs`` (detached; NaN where not scored),
     the tokens computed with grad (``computed_tokens``, popped segments included; of a shared piece computed in shares,
     this rank's range) and pushed without it (``pushed_tokens``), the most cached at once (``peak_cached_tokens``,
-    ``peak_cached_bytes``) and the bytes the shared pieces' exchanges received (``exchanged_bytes``)."""
+    ``peak_cached_bytes``) and the bytes the exchanges of shared pieces and context-parallel groups received
+    (``exchanged_bytes``). Under context parallelism the tokens are this rank's ranges, the peak tokens the group's
+    chain, the bytes this rank's part."""
 
     losses: list[torch.Tensor]  # per micro-batch, detached
     logprobs: list[torch.Tensor]  # per micro-batch [N], detached; NaN where not scored
@@ -163,7 +166,7 @@ class StepResult:
     pushed_tokens: int  # nodes run without grad to fill the cache
     peak_cached_tokens: int
     peak_cached_bytes: int  # keys, values, hidden states, logprobs and their gradient buffers
-    exchanged_bytes: int = 0  # received by the exchanges of the shared pieces computed in shares
+    exchanged_bytes: int = 0  # received by the exchanges of the shared pieces computed in shares and of context-parallel groups
 
 
 Key = tuple[Any, ...]  # ("key" | "value", layer_idx) for attention; (layer, "conv" | "state", ordinal) for recurrent layers
@@ -421,6 +424,9 @@ class StepPlanRunner:
         self.computed = self.pushed = self.peak_tokens = self.peak_bytes = 0
         # shared pieces this rank holds for the window (docs/design.md §11), by id, with its part of each
         self.held: dict[int, _Segment] = {}
+        # context-parallel groups this rank runs micro-batches with (python/treepack/torch/cp_plan.py), by cp_ranks
+        self.cp_plans: dict[tuple[int, ...], CPPlan] = {}
+        self.cp_active: CPPlan | None = None  # the group of the micro-batch forwarded last, if it was one
         self.shares: dict[int, Share] = {}
         self.exchanged = 0  # bytes received by the shared pieces' exchanges
 
@@ -535,16 +541,10 @@ class StepPlanRunner:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.computed += seg.end - seg.start
 
-    def _check(self, batch: PackedBatch, op: StepOp) -> None:
+    def _check(self, batch: PackedBatch, op: StepOp, stack: Sequence[Any] | None = None) -> None:
+        """The micro-batch against the plan and ``stack`` (this rank's own, or a context-parallel group's parts)."""
+        stack = self.stack if stack is None else stack
         h, N = op.prefix_tokens, batch.num_nodes
-        if op.cp_ranks:
-            # One rank would run what the plan gives a group of them: G times the budget in tokens and cache.
-            raise TreepackError(
-                "E_INPUT",
-                f"the micro-batch is planned for context-parallel ranks {list(op.cp_ranks)} together, and this runner executes one "
-                "rank's plan: pack without --cp for it",
-                field="cp_ranks",
-            )
         if h > N:
             raise TreepackError("E_INPUT", f"prefix_tokens = {h} but the micro-batch has N = {N} nodes", field="prefix_tokens")
         ar = torch.arange(h, device=batch.device)
@@ -566,10 +566,10 @@ class StepPlanRunner:
                     "a recurrent layer's cached state exists only at the prefix's end",
                     field="prefix_tokens",
                 )
-        depth = self.depth
+        depth = stack[-1].end if stack else 0
         if h and depth:
-            held = torch.cat([s.ids for s in self.stack])[: min(depth, h)]
-            held_images = [k for s in self.stack for k in image_keys(s.source, s.start, s.end)] if self.vision else []
+            held = torch.cat([s.ids for s in stack])[: min(depth, h)]
+            held_images = [k for s in stack for k in image_keys(s.source, s.start, s.end)] if self.vision else []
             if not torch.equal(held, batch.input_ids[: held.shape[0]]) or held_images[: held.shape[0]] != (
                 image_keys(batch, 0, held.shape[0]) if self.vision else []
             ):
@@ -579,7 +579,7 @@ class StepPlanRunner:
                     field="prefix_push",
                 )
             # A node is its token and its route: a prefix routed otherwise is another prefix (the planner splits there).
-            n, routes = held.shape[0], [s.routes for s in self.stack] + [batch.routes]
+            n, routes = held.shape[0], [s.routes for s in stack] + [batch.routes]
             if any(r is not None for r in routes) and (
                 any(r is None for r in routes)
                 or not torch.equal(torch.cat(cast(list[torch.Tensor], routes[:-1]), 1)[:, :n], cast(torch.Tensor, batch.routes)[:, :n])
@@ -596,10 +596,10 @@ class StepPlanRunner:
                 f"prefix_push = {op.push} does not take the stack from depth {depth} to prefix_tokens = {h}{_ORDER}",
                 field="prefix_push",
             )
-        if op.release > len(self.stack) + len(op.push):
+        if op.release > len(stack) + len(op.push):
             raise TreepackError(
                 "E_INPUT",
-                f"prefix_release = {op.release} but the stack will hold {len(self.stack) + len(op.push)} segments{_ORDER}",
+                f"prefix_release = {op.release} but the stack will hold {len(stack) + len(op.push)} segments{_ORDER}",
                 field="prefix_release",
             )
 
@@ -617,6 +617,16 @@ class StepPlanRunner:
                 "E_ARG", f"{type(self.model).__name__} has no vision encoder, but the batch has images", field="image_fills"
             )
         check_vocabulary(self.model, batch)
+        if op.cp_ranks:
+            scores = self._cp_plan(op).forward(batch, op)
+            self.pending, self.cp_active = op.release, self.cp_plans[op.cp_ranks]
+            return scores
+        if any(p.stack for p in self.cp_plans.values()):
+            raise TreepackError(
+                "E_INPUT",
+                f"a micro-batch of this rank alone while a context-parallel group's segments are cached{_ORDER}",
+                field="cp_ranks",
+            )
         self._check(batch, op)
         for j, end in enumerate(op.push):
             pid = op.shared[j] if op.shared else None
@@ -644,6 +654,34 @@ class StepPlanRunner:
                 ent = ent.index_put((old,), torch.cat([cast(torch.Tensor, s.ent) for s in self.stack])[old])
         self.computed += N - h
         return NodeScores(lp, ent, targets, self._router(routing) if self.router else None)
+
+    def _cp_plan(self, op: StepOp) -> CPPlan:
+        """The group that runs a micro-batch planned for ``op.cp_ranks`` (python/treepack/torch/cp_plan.py)."""
+        refused = (
+            f"{type(self.model).__name__} has recurrent layers ({type(token_mixers(self.model)[0][0][1]).__name__})"
+            if self.recurrent
+            else f"{type(self.model).__name__} has a vision encoder"
+            if self.vision
+            else "the load-balancing loss (router=True) needs every node's router outputs on one rank"
+            if self.router
+            else ""
+        )
+        if refused:
+            raise TreepackError(
+                "E_ARG",
+                f"{refused}: micro-batches planned for context-parallel ranks {list(op.cp_ranks)} run on attention-only language models so "
+                "far (pack without --cp)",
+                field="cp_ranks",
+            )
+        if self.stack or any(p.stack for k, p in self.cp_plans.items() if k != op.cp_ranks):
+            raise TreepackError(
+                "E_INPUT",
+                f"a micro-batch of context-parallel ranks {list(op.cp_ranks)} while other segments are cached{_ORDER}",
+                field="cp_ranks",
+            )
+        if op.cp_ranks not in self.cp_plans:
+            self.cp_plans[op.cp_ranks] = CPPlan(self, op.cp_ranks, _chain_batch)
+        return self.cp_plans[op.cp_ranks]
 
     def _router(self, routing: Routing | None) -> RouterOutputs:
         """The micro-batch's router outputs: the cached segments' logits (leaves) and experts, then its own."""
@@ -763,14 +801,17 @@ class StepPlanRunner:
         with grad and back-propagated with the gradients its leaves gathered."""
         if self.pending is None:
             raise TreepackError("E_ARG", "release() without a forwarded micro-batch", field="release")
-        for _ in range(self.pending):
-            self._pop()
-        self.pending = None
+        if self.cp_active is not None:
+            self.cp_active.release(self.pending)
+        else:
+            for _ in range(self.pending):
+                self._pop()
+        self.pending = self.cp_active = None
 
     def sync_gradients(self) -> None:
         """With DDP, the one all-reduce of an optimizer step (``sync_gradients``): refused while a prefix is cached, whose
         gradient is not complete yet. Nothing to do in one process."""
-        if self.pending is not None or self.stack or self.held:
+        if self.pending is not None or self.stack or self.held or any(p.stack for p in self.cp_plans.values()):
             raise TreepackError(
                 "E_INPUT",
                 f"gradients synchronised while the step plan holds {self.depth} cached prefix tokens: their gradient is not "
@@ -806,6 +847,16 @@ class StepPlanRunner:
                 f"the step plan ended with {depth} cached prefix tokens never released (their gradients were applied now)",
                 field="prefix_release",
             )
+        for ranks, plan in self.cp_plans.items():
+            if plan.stack:
+                depth = plan.stack[-1].end
+                plan.release(len(plan.stack))  # every rank of the group ends the same plan so: they pop together
+                raise TreepackError(
+                    "E_INPUT",
+                    f"the step plan ended with {depth} cached prefix tokens of context-parallel ranks {list(ranks)} never released "
+                    "(their gradients were applied now)",
+                    field="prefix_release",
+                )
         self.release_shared()
 
 
@@ -836,7 +887,11 @@ def run_step_plan(
     micro-batch run in full. ``shared_prefixes``: the window's entries of the manifest's ``shared_prefixes``,
     the same list on every rank (``batches`` are then this rank's micro-batches of that window): the pieces are
     computed in shares with the other ranks (python/treepack/torch/shared_prefix.py); None: each rank computes the
-    pieces it holds itself (the same results)."""
+    pieces it holds itself (the same results).
+    A micro-batch planned for a context-parallel group (``cp_ranks``; ``treepack.list_microbatches(dir, rank=r)``
+    lists a rank's, its groups' included) runs with every rank of the group (python/treepack/torch/cp_plan.py): the
+    groups are created first on every rank (``make_groups``), and each member's ``losses`` holds the whole
+    micro-batch's loss, its ``.grad`` its share of the gradient."""
     runner = StepPlanRunner(
         model,
         attention=attention,
@@ -846,6 +901,8 @@ def run_step_plan(
         image_processor=image_processor,
         router=router,
     )
+    # Every rank creates the context-parallel groups its micro-batches name, and those of the other ranks (cp_plan.py).
+    make_groups(step_op(b) for b in batches) if ops is None else make_groups(ops)
     if shared_prefixes:
         runner.share(shared_prefixes, batches, ops)
     losses, lps = [], []

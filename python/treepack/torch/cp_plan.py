@@ -1,0 +1,464 @@
+"""Step plans over context-parallel groups (docs/design.md §11): the micro-batches the planner gives a group of G ranks
+(header ``cp_ranks``), run by those ranks together, each computing 1/G of every pass and holding 1/G of the cache.
+
+The planner's ``cp`` windows size a group's micro-batch at up to G·T computed tokens hanging from a cached chain of up
+to G·C; the manifest lists it once, under the group's first rank (``treepack.list_microbatches(dir, rank=r)`` gives a
+rank its micro-batches, those of its groups included), and every rank of ``cp_ranks`` runs it, in the same order.
+``run_step_plan`` creates the groups' process groups first (``make_groups``: for each group size, every group of
+that size, on every rank in the same order, as ``dist.new_group`` requires) and hands such micro-batches to ``CPPlan``:
+
+- **a push** of chain depths [s, e) is split over the group at balanced bounds (``context_parallel.balanced_bounds``):
+  rank i runs its range without grad against the keys/values of every depth below it, held by the stack parts of any
+  rank or computed in this pass by lower ranks, fetched from their owners in every attention layer
+  (``context_parallel._Fetch``); it keeps only its range (``_Part``: per layer keys/values, final hidden states,
+  node logprobs, as leaves that gather gradients), so a rank holds 1/G of the cached chain;
+- **the micro-batch's nodes** [prefix_tokens, N) are split the same way; a rank's context (the ancestors of its
+  first node, ``split_batch``'s rule) comes from the parts holding them or from lower ranks, and the final hidden
+  states of the parents its nodes are scored from likewise; the per-node logprobs are then all-gathered, so every
+  rank holds the micro-batch's whole [N] and calls ``loss_fn`` on the whole micro-batch (its global denominators
+  unchanged); the gather's backward keeps each rank's own rows of that (identical) gradient, so each rank
+  back-propagates its share;
+- **a pop** recomputes each rank's range with grad against the parts below and back-propagates its leaves'
+  gradients, complete by then: every fetch's backward sums the gradients of the rows it fetched into their owners.
+
+A rank whose range of a pass is empty (a pass of fewer than G nodes) still takes part in every exchange: it runs one
+throw-away root node, whose results nobody reads (their gradients are zeros). Each rank's parameter gradients are
+its share: the group's sum is the micro-batch's gradient, and the data-parallel all-reduce of ``sync_gradients``
+(a sum divided by the world size) gives the same result whether the planner chose ``dp``, ``shared`` or ``cp``: a
+``cp`` micro-batch's gradient arrives as G shares where a ``dp`` one arrives whole, and both sum the same way. Each
+member returns the micro-batch's whole loss: count it once per group (e.g. on ``cp_ranks[0]``).
+
+Attention-only language models: recurrent layers, routes (MoE replay), the load-balancing loss (``router=True``)
+and images are refused by name (run the plan packed without ``--cp``). Every exchange runs under the process
+group's timeout; a micro-batch's first exchange checks that every rank of ``cp_ranks`` runs the same micro-batch
+and names a rank that does not come (TreepackError, E_BACKEND or E_INPUT), never hangs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..microbatch import TreepackError
+from .attention import tree_mask
+from .batch import PackedBatch
+from .context_parallel import ContextParallel, Route, _collective, _context, _Fetch, balanced_bounds, fetch_keys_values
+from .logprobs import NodeScores, packed_logprobs, scored_nodes
+from .shared_prefix import _GROUPS, captured_layer, group_of, world_timeout
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def make_groups(ops: Iterable[Any]) -> None:
+    """Creates the process groups of every ``cp_ranks`` group size the ops name (``StepOp``s, in plan order): for a
+    size G, the world's ranks in consecutive groups of G (the planner's groups), each created on every rank in the same
+    order (``dist.new_group``'s contract; a group a shared piece already created is reused). Refuses a ``cp_ranks``
+    that is not one of them."""
+    dist = _dist()
+    sizes: list[int] = []
+    for op in ops:
+        ranks = tuple(op.cp_ranks)
+        if not ranks:
+            continue
+        if not dist.is_available() or not dist.is_initialized():
+            raise TreepackError(
+                "E_ARG",
+                f"micro-batches planned for context-parallel ranks {list(ranks)} need torch.distributed initialised",
+                field="cp_ranks",
+            )
+        world, G = dist.get_world_size(), len(ranks)
+        if world % G or ranks[0] % G or ranks != tuple(range(ranks[0], ranks[0] + G)) or ranks[-1] >= world:
+            missing = [r for r in ranks if r >= world]
+            raise TreepackError(
+                "E_INPUT",
+                f"cp_ranks {list(ranks)} is not a context-parallel group of this world of {world} ranks"
+                + (f": rank(s) {missing} do not exist (launch {ranks[-1] + 1} or more ranks)" if missing else "")
+                + " (the planner's groups are consecutive ranks, G of them, G dividing the world size)",
+                field="cp_ranks",
+            )
+        if G not in sizes:
+            sizes.append(G)
+            if any(tuple(range(g * G, (g + 1) * G)) not in _GROUPS for g in range(world // G)):
+                _meet(None, tuple(range(world)), f"creating the process groups of cp_ranks of {G} ranks")
+            for g in range(world // G):
+                group_of(tuple(range(g * G, (g + 1) * G)))
+
+
+def _meet(group: Any, ranks: tuple[int, ...], what: str) -> None:
+    """A barrier of ``ranks`` that names those that do not come within the process group's timeout (gloo's
+    ``monitored_barrier``; other backends have none: nothing to check here, their collectives time out on their own)."""
+    dist = _dist()
+    if dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=world_timeout(), wait_all_ranks=True)
+    except RuntimeError as e:
+        got = re.search(r"[Rr]anks? ([\d, ]+) failed", str(e))
+        me = dist.get_rank()
+        # The group's first rank collects the others and names the missing (by their rank in the group); the others
+        # wait on the first.
+        missing = [ranks[int(x)] for x in got.group(1).replace(",", " ").split()] if got else []
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else (f"rank {ranks[0]}" if me != ranks[0] else "a rank")
+        raise TreepackError(
+            "E_BACKEND",
+            f"rank {me}: {who} of ranks {list(ranks)} did not come to {what} within the process group's timeout: every rank of "
+            "cp_ranks runs the group's micro-batches (treepack.list_microbatches(dir, rank=r) lists a rank's, its groups' included)",
+            field="cp_ranks",
+        ) from None
+
+
+def split_bounds(subtree_end: torch.Tensor, start: int, size: int) -> tuple[int, ...]:
+    """``size`` + 1 bounds splitting nodes [start, N) of a forest (nodes before ``start`` cached) at balanced costs
+    (``balanced_bounds`` of the computed nodes' sub-forest); with fewer nodes than ranks, one node per rank and the last
+    ranks empty.
+
+    >>> split_bounds(torch.tensor([6] * 6), 2, 2), split_bounds(torch.tensor([3, 3, 3]), 2, 2)
+    ((2, 4, 6), (2, 3, 3))
+    """
+    n = int(subtree_end.shape[0]) - start
+    if n >= size:
+        return tuple(start + b for b in balanced_bounds(subtree_end[start:] - start, size))
+    return tuple(start + min(r, n) for r in range(size + 1))
+
+
+class _Part:
+    """This rank's share of a segment its group pushed: chain depths [start, end) split at ``bounds`` (G + 1 depths),
+    this rank holding [bounds[i], bounds[i + 1]) as leaves that gather gradients (per attention layer its keys and
+    values [1, H, n, D], final hidden states [n, D], node logprobs and entropies [n]); ``ids``/``pos`` are the whole
+    segment's, to recompute it at the pop."""
+
+    def __init__(self, start: int, bounds: tuple[int, ...], ids: torch.Tensor, pos: torch.Tensor, got: Any) -> None:
+        self.start, self.end, self.bounds, self.ids, self.pos = start, start + int(ids.shape[0]), bounds, ids, pos
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().requires_grad_()
+
+        cache, hidden, lp, ent = got
+        self.cache = {k: leaf(t) for k, t in cache.items()}
+        self.hidden, self.lp = leaf(hidden), leaf(lp)
+        self.ent = None if ent is None else leaf(ent)
+        # the source/routes a rank's own segment has (StepPlanRunner._check reads them): none under context parallelism
+        self.source = self.routes = None
+
+    def rows(self, r: int) -> int:
+        return self.bounds[r + 1] - self.bounds[r]
+
+    def leaves(self) -> list[torch.Tensor]:
+        return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
+
+    def nbytes(self) -> int:
+        return 2 * sum(t.numel() * t.element_size() for t in self.leaves())
+
+
+class _Slots:
+    """Where the rows of one pass live: rank r's rows are its parts' rows (in stack order), then the rows it computes
+    in the pass; ``of(nodes)`` maps global node ids (cached depths below ``start``, or computed nodes) to (owner,
+    slot)."""
+
+    def __init__(self, parts: Sequence[_Part], start: int, bounds: tuple[int, ...]) -> None:
+        self.parts, self.start, self.bounds = parts, start, bounds
+        G = len(bounds) - 1
+        self.offsets = [[0] * G]  # per part, the slot its rows start at on each rank
+        for p in parts:
+            self.offsets.append([o + p.rows(r) for r, o in enumerate(self.offsets[-1])])
+
+    def of(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owner, slot = torch.zeros_like(nodes), torch.zeros_like(nodes)
+        for j, p in enumerate(self.parts):
+            sel = (nodes >= p.start) & (nodes < p.end)
+            o = torch.searchsorted(torch.tensor(p.bounds[1:]), nodes[sel], right=True)
+            owner[sel] = o
+            slot[sel] = torch.tensor(self.offsets[j])[o] + nodes[sel] - torch.tensor(p.bounds)[o]
+        sel = nodes >= self.start
+        o = torch.searchsorted(torch.tensor(self.bounds[1:]), nodes[sel], right=True)
+        owner[sel] = o
+        slot[sel] = torch.tensor(self.offsets[-1])[o] + nodes[sel] - torch.tensor(self.bounds)[o]
+        return owner, slot
+
+
+def _route(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], me: int, device: torch.device) -> Route:
+    """The ``Route`` of every rank's needed (owner, slot) rows: what each rank sends, and where this rank's rows are."""
+    G = len(needs)
+    sends = [torch.unique(torch.cat([slot[owner == s] for owner, slot in needs])) for s in range(G)]
+    owner, slot = needs[me]
+    at = torch.zeros_like(slot)
+    for s in torch.unique(owner).tolist():
+        sel = owner == s
+        at[sel] = torch.searchsorted(sends[s], slot[sel])
+    return Route(sends[me].to(device), max(int(x.numel()) for x in sends), owner.to(device), at.to(device))
+
+
+def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) -> PackedBatch:
+    """The context nodes then nodes [lo, hi) of ``forest`` (on the host), renumbered (``split_batch``'s node arrays;
+    one sequence through them, nothing read but the node arrays)."""
+    A = int(context.shape[0])
+    nodes = torch.cat([context, torch.arange(lo, hi)])
+    inside = torch.searchsorted(context, forest.parent[nodes].clamp(min=0)).clamp(max=max(A - 1, 0))
+    g = forest.parent[nodes]
+    parent = torch.where(g < 0, g, torch.where(g >= lo, g - lo + A, inside))
+    n = int(nodes.shape[0])
+    ar = torch.arange(n)
+    return PackedBatch(
+        input_ids=forest.input_ids[nodes],
+        position_ids=forest.position_ids[nodes],
+        parent=parent,
+        subtree_end=A + forest.subtree_end[nodes].clamp(max=hi) - lo,
+        seq_offsets=torch.tensor([0, n]),
+        seq_positions=ar,
+        loss_mask=torch.zeros(n, dtype=torch.bool),
+        seq_index=torch.zeros(n, dtype=torch.int64),
+        token_index=ar,
+        meta={"num_tokens_packed": n},
+    )
+
+
+class _Hook:
+    """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``): the context's
+    keys/values, fetched from the parts and lower ranks holding them, before this rank's; ``captured`` what each layer
+    computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
+
+    def __init__(self, plan: CPPlan, parts: Sequence[_Part], rows: int, route: Route, what: str) -> None:
+        self.plan, self.parts, self.rows, self.route, self.what = plan, parts, rows, route, what
+        self.captured: dict[Any, torch.Tensor] = {}
+        self.closed = False
+
+    def keep(self, key: Any, tensor: torch.Tensor) -> None:
+        if not self.closed:
+            self.captured[key] = tensor
+
+    def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
+        layer = captured_layer(self, module, key, value, "context-parallel step plans")
+        # Every rank's rows: its parts' keys/values, then those it computes now (_Slots' order).
+        held_k = torch.cat([p.cache[("key", layer)] for p in self.parts] + [key], dim=2)
+        held_v = torch.cat([p.cache[("value", layer)] for p in self.parts] + [value], dim=2)
+        kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, f"layer {layer}'s keys/values of {self.what}"))
+        q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
+        return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
+
+    def tail(self, key: Any, t: int) -> torch.Tensor:
+        raise TreepackError("E_ARG", "context-parallel step plans carry attention keys/values only", field="model")
+
+    state = tail
+
+
+class _Assemble(torch.autograd.Function):
+    """Every rank's rows x [n_r, C] → the whole [N, C] on every rank (row k: slot ``slot[k]`` of rank ``owner[k]``);
+    backward keeps this rank's own rows of the gradient, which every rank computed alike (the same loss of the same
+    [N]). ``anchors`` (tensors this rank computed in the pass) get zero gradients: every exchange of the pass is then
+    on the backward's way even where no loss term reads this rank's rows."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, width: int, owner: torch.Tensor, slot: torch.Tensor, plan: CPPlan, *anchors: torch.Tensor
+    ) -> Any:
+        ctx.n, ctx.anchors = x.shape[0], [(a.shape, a.dtype, a.device) for a in anchors]
+        owner, slot = owner.to(x.device), slot.to(x.device)
+        ctx.mine = torch.nonzero(owner == plan.me).flatten()
+        ctx.slots = slot[ctx.mine]
+        buf = x.new_zeros((width,) + tuple(x.shape[1:]))
+        buf[: x.shape[0]] = x
+        parts = [torch.empty_like(buf) for _ in range(plan.G)]
+        _collective(plan.cp, f"the all-gather of the logprobs of {plan.what}", lambda: _dist().all_gather(parts, buf, group=plan.group))
+        return torch.stack(parts)[owner, slot]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        gx = g.new_zeros((ctx.n,) + tuple(g.shape[1:]))
+        gx[ctx.slots] = g[ctx.mine]
+        return (gx, None, None, None, None) + tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.anchors)
+
+
+class CPPlan:
+    """The micro-batches of one context-parallel group, run by each of its ranks (``StepPlanRunner`` hands them here):
+    the group's stack of ``_Part``s, pushes and pops split over the group (module docstring)."""
+
+    def __init__(self, runner: Any, ranks: tuple[int, ...], chain: Callable[..., PackedBatch]) -> None:
+        dist = _dist()
+        if ranks not in _GROUPS:
+            raise TreepackError(
+                "E_ARG",
+                f"no process group for cp_ranks {list(ranks)}: create the groups first on every rank (treepack.torch.cp_plan.make_groups, "
+                "which run_step_plan calls)",
+                field="cp_ranks",
+            )
+        if dist.get_rank() not in ranks:
+            raise TreepackError(
+                "E_INPUT",
+                f"rank {dist.get_rank()} is not one of cp_ranks {list(ranks)}: the micro-batch is another group's "
+                "(treepack.list_microbatches(dir, rank=r) lists a rank's own)",
+                field="cp_ranks",
+            )
+        # runner: the StepPlanRunner (model, scoring settings, counters); chain: its chain-as-forest builder
+        self.runner, self.ranks, self.group, self.chain = runner, ranks, _GROUPS[ranks], chain
+        self.G, self.me = len(ranks), ranks.index(dist.get_rank())
+        self.cp = ContextParallel(self.group, self.me, self.G, tuple(range(self.G + 1)))
+        self.stack: list[_Part] = []
+        self.stats: dict[str, int] = {}
+        self.what = f"a micro-batch of context-parallel ranks {list(ranks)}"
+
+    def fetch(self, x: torch.Tensor, route: Route, what: str) -> torch.Tensor:
+        got: torch.Tensor = _Fetch.apply(x, route, self.cp, what, self.stats)
+        return got
+
+    def _join(self, batch: PackedBatch, op: Any) -> None:
+        """Every rank of the group runs this micro-batch: a barrier that names a rank that does not come (gloo), then a
+        fingerprint that names a rank that runs another one."""
+        dist = _dist()
+        _meet(self.group, self.ranks, self.what)
+        se, ids = batch.subtree_end.to("cpu", torch.int64), batch.input_ids.to("cpu", torch.int64)
+        w = torch.arange(1, se.shape[0] + 1, dtype=torch.int64)
+        mine = torch.tensor(
+            [batch.num_nodes, op.prefix_tokens, op.release, int((se * w).sum()), int((ids * w).sum()), hash(tuple(op.push)) & (2**62 - 1)]
+        )
+        dev = batch.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        parts = [torch.empty_like(mine, device=dev) for _ in range(self.G)]
+        _collective(self.cp, f"the check that every rank runs {self.what}", lambda: dist.all_gather(parts, mine.to(dev), group=self.group))
+        differ = [self.ranks[r] for r, p in enumerate(parts) if not torch.equal(p.cpu(), mine)]
+        if differ:
+            raise TreepackError(
+                "E_INPUT",
+                f"rank(s) {differ} of cp_ranks {list(self.ranks)} run another micro-batch than rank {self.ranks[self.me]} "
+                "(N, prefix, tree or ids differ): every rank of the group runs the group's micro-batches in the plan's order",
+                field="cp_ranks",
+            )
+
+    def _pass(self, forest: PackedBatch, parts: Sequence[_Part], bounds: tuple[int, ...], targets: torch.Tensor) -> Any:
+        """Nodes [bounds[0], N) of ``forest`` (those below cached in ``parts``), this rank computing [bounds[me],
+        bounds[me + 1]): what each layer caches for its rows, their final hidden states, and the logprobs (entropies)
+        of ``targets`` among them [n] (NaN elsewhere); ``anchor`` ties every exchange of the pass to the results."""
+        r = self.runner
+        lo, hi = bounds[self.me], bounds[self.me + 1]
+        slots = _Slots(parts, bounds[0], bounds)
+        se = forest.subtree_end.to("cpu", torch.int64)
+        contexts = [_context(se, bounds[i]) if bounds[i + 1] > bounds[i] else se.new_zeros(0) for i in range(self.G)]
+        dev = forest.device
+        kv = _route([slots.of(c) for c in contexts], self.me, dev)
+        # The parents, outside the rank's own range, of the nodes it scores.
+        parent = forest.parent.to("cpu", torch.int64)
+
+        def outside(i: int) -> torch.Tensor:
+            t = targets[(targets >= bounds[i]) & (targets < bounds[i + 1])]
+            p = parent[t]
+            got: torch.Tensor = torch.unique(p[(p >= 0) & (p < bounds[i])])
+            return got
+
+        needs = [outside(i) for i in range(self.G)]
+        hroute = _route([slots.of(x) for x in needs], self.me, dev)
+        host = forest.to("cpu")
+        if hi > lo:
+            local = _local_forest(host, contexts[self.me], lo, hi)
+        else:  # nothing of this pass is this rank's: one throw-away root keeps it in every exchange
+            local = _local_forest(host, contexts[self.me], bounds[0], bounds[0] + 1)
+            local.parent[:] = -1
+            local.position_ids[:] = 0
+        local = local.to(dev)
+        A = int(contexts[self.me].shape[0])
+        mask = tree_mask(local, mode=r.attention, block_size=r.block_size)
+        mask.prefix = hook = _Hook(self, parts, A, kv, self.what)
+        out = r.base(input_ids=local.input_ids[None, A:], position_ids=local.position_ids[None, A:], attention_mask=mask, use_cache=False)
+        hook.closed = True
+        hidden = out.last_hidden_state[0]
+        held = torch.cat([p.hidden for p in parts] + [hidden])
+        got = self.fetch(held, hroute, f"the final hidden states of {self.what}")
+        n = hi - lo
+        context = hidden.new_zeros((A, hidden.shape[1])).index_copy(0, torch.searchsorted(contexts[self.me], needs[self.me]).to(dev), got)
+        mine = targets[(targets >= lo) & (targets < hi)] - lo + A
+        s = packed_logprobs(
+            torch.cat([context, hidden]),
+            local,
+            chunk_size=r.chunk_size,
+            nodes=mine,
+            lm_head=r.head,
+            entropy=r.entropy,
+            temperature=r.temperature,
+        )
+        cache = {k: t[:, :, :n] for k, t in hook.captured.items()}
+        ent = None if s.entropy is None else s.entropy[A : A + n]
+        return cache, hidden[:n], s.logprobs[A : A + n], ent, got.sum() + hidden.sum()
+
+    def _segment(self, parts: Sequence[_Part], ids: torch.Tensor, pos: torch.Tensor, start: int, bounds: tuple[int, ...]) -> Any:
+        """A segment's pass: chain depths [start, start + len(ids)) against ``parts`` below, each node scored from its
+        parent (a root's logprob 0, as a rank's own segment)."""
+        chain = self.chain(torch.cat([p.ids for p in parts] + [ids]), torch.cat([p.pos for p in parts] + [pos]), None)
+        cache, hidden, lp, ent, anchor = self._pass(chain, parts, bounds, torch.arange(max(start, 1), chain.num_nodes))
+
+        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.nan_to_num(t, nan=0.0)
+
+        return (cache, hidden, zero(lp), zero(ent)), anchor
+
+    def _push(self, batch: PackedBatch, end: int) -> None:
+        start = self.stack[-1].end if self.stack else 0
+        ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
+        bounds = split_bounds(torch.full((end,), end), start, self.G)
+        with torch.no_grad():
+            got, _ = self._segment(self.stack, ids, pos, start, bounds)
+        self.stack.append(_Part(start, bounds, ids, pos, got))
+        r = self.runner
+        r.pushed += bounds[self.me + 1] - bounds[self.me]
+        r.peak_tokens = max(r.peak_tokens, self.stack[-1].end)
+        r.peak_bytes = max(r.peak_bytes, sum(p.nbytes() for p in self.stack))
+
+    def _pop(self) -> None:
+        part = self.stack.pop()
+        (cache, hidden, lp, ent), anchor = self._segment(self.stack, part.ids, part.pos, part.start, part.bounds)
+        pairs = [(cache[k], t) for k, t in part.cache.items()] + [(hidden, part.hidden), (cast(torch.Tensor, lp), part.lp)]
+        if ent is not None and part.ent is not None:
+            pairs.append((ent, part.ent))
+        # Every rank back-propagates through the same exchanges; a leaf nobody read counts as zeros.
+        grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs]
+        torch.autograd.backward([t for t, _ in pairs] + [anchor], grads + [torch.zeros_like(anchor)])
+        self.runner.computed += part.rows(self.me)
+
+    def forward(self, batch: PackedBatch, op: Any) -> NodeScores:
+        """The group's micro-batch on this rank (``StepPlanRunner.forward``'s contract): its pushes, this rank's share of
+        its nodes, and the whole micro-batch's ``NodeScores`` [N] (every rank's alike)."""
+        self._join(batch, op)
+        self.runner._check(batch, op, self.stack)
+        for end in op.push:
+            self._push(batch, end)
+        h, N = op.prefix_tokens, batch.num_nodes
+        targets = scored_nodes(batch).cpu()
+        if N == 0:
+            empty = torch.zeros(0, dtype=torch.float64)
+            return NodeScores(empty, empty if self.runner.entropy else None, targets)
+        cols, anchors = [], []
+        bounds = split_bounds(batch.subtree_end.to("cpu", torch.int64), h, self.G) if N > h else (h,) * (self.G + 1)
+        own = [p.lp for p in self.stack]
+        ents = [cast(torch.Tensor, p.ent) for p in self.stack] if self.runner.entropy else []
+        if N > h:
+            _, _, lp, ent, anchor = self._pass(batch, self.stack, bounds, targets[targets >= h])
+            own.append(lp)
+            ents += [] if ent is None else [ent]
+            anchors.append(anchor)
+            self.runner.computed += bounds[self.me + 1] - bounds[self.me]
+        cols.append(torch.cat(own))
+        if self.runner.entropy:
+            cols.append(torch.cat(ents))
+        x = torch.stack(cols, dim=1)
+        slots = _Slots(self.stack, h, bounds)
+        owner, slot = slots.of(torch.arange(N))
+        width = max(slots.offsets[-1][i] + bounds[i + 1] - bounds[i] for i in range(self.G))
+        whole: torch.Tensor = _Assemble.apply(x, width, owner, slot, self, *anchors)
+        scored = torch.zeros(N, dtype=torch.bool)
+        scored[targets] = True
+        whole = torch.where(scored[:, None].to(whole.device), whole, torch.full_like(whole, float("nan")))
+        return NodeScores(whole[:, 0], whole[:, 1] if self.runner.entropy else None, targets)
+
+    def release(self, count: int) -> None:
+        """``count`` pops (the micro-batch forwarded last's ``prefix_release``), every rank of the group together."""
+        for _ in range(count):
+            self._pop()
+        self.runner.exchanged += self.stats.pop("received_bytes", 0)  # what this micro-batch's exchanges brought in
+
+
+__all__ = ["CPPlan", "make_groups", "split_bounds"]
