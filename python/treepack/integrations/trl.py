@@ -41,6 +41,14 @@ cached (a rank's micro-batches of one packing window per step). Under DDP each r
 (``FeedClient(rank=...)``, or the directory's entries of its rank) and the gradients are averaged once per
 optimizer step, after the last pops; FSDP and DeepSpeed are refused (the executor calls the layers itself).
 
+With ``context_parallel=K`` (launched on a multiple of K processes, DDP), each packed row of the policy's training
+forward is split over a context-parallel group of K consecutive ranks (docs/guides/context-parallel.md): a group
+gathers its members' generated rows and trains them together as one data-parallel rank, each member computing its
+local part of every row (keys/values exchanged), TRL's loss run unchanged on every member on the whole row's scores
+(``treepack.torch.logprobs.whole_row``), the gradients summed over the group and averaged over the groups.
+(accelerate's ``ParallelismConfig(cp_size=...)`` does not fit: TRL refuses it for GRPO, and its ring attention runs
+SDPA's causal mask, not a tree.)
+
 A Qwen2.5-VL or Qwen3-VL's rows with images run as one forest whose images are their pixel values' identity
 (``treepack.torch.vision.from_padded_images``; ``packed_logprobs`` on the model itself, so not inside a DDP/FSDP
 wrapper): each distinct image of a chunk is encoded once, and the results are stock TRL's.
@@ -62,7 +70,22 @@ import torch
 
 from ..microbatch import TreepackError
 from ..plan import plan_micro_batches
-from ..torch import PackedBatch, RowLayout, StepPlanRunner, forward_logprobs, from_padded, packed_logprobs, padded_rows
+from ..torch import (
+    ContextParallel,
+    NodeScores,
+    PackedBatch,
+    RowLayout,
+    StepPlanRunner,
+    forward_logprobs,
+    from_padded,
+    packed_logprobs,
+    padded_rows,
+    reduce_gradients,
+    scored_nodes,
+    split_batch,
+    sync_gradients,
+)
+from ..torch.logprobs import whole_row
 from ..torch.moe import load_balancing_loss
 from ..torch.vision import from_padded_images, vision_family
 from ..torch.wrappers import unwrap
@@ -93,7 +116,9 @@ class PackedForwardMixin:
     A stored micro-batch with a step plan (header ``prefix_tokens``) runs, in the policy's training forward,
     through one ``StepPlanRunner`` kept across micro-batches (pushes, then only the nodes past the cached prefix);
     ``training_step`` releases its prefixes after TRL's backward (and, under DDP, averages the gradients at the
-    accumulation's last micro-batch). Old and reference forwards (no grad) run each
+    accumulation's last micro-batch). Under context parallelism (``treepack_cp_size`` > 1) the training forward runs
+    this rank's local part (``_treepack_cp_forward``) and ``training_step`` sums the gradients over the group at the
+    accumulation's last micro-batch, then averages them over the world. Old and reference forwards (no grad) run each
     micro-batch in full, which its file holds.
 
     With ``router_aux_loss_coef`` on and a MoE model, the router's load-balancing loss is computed on the forest with
@@ -106,6 +131,11 @@ class PackedForwardMixin:
     STATS_KEPT = 1024
 
     treepack_attention: str = "auto"
+    # Context parallelism (TreepackGRPOTrainer(context_parallel=K)): K (1: off), this rank's CP group (None: the
+    # default one) and the number of data-parallel groups (the world's ranks / K).
+    treepack_cp_size: int = 1
+    treepack_cp_group: Any = None
+    treepack_dp_size: int = 1
 
     # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
     # TRL's own type differs between its versions).
@@ -131,7 +161,10 @@ class PackedForwardMixin:
             ids, att = input_ids[a : a + step], attention_mask[a : a + step]
             batch, layout = self._treepack_stored(ids, att) or from_padded(ids, att, response_length=logits_to_keep)
             self._treepack_record(int(att.sum()), batch.num_nodes)
-            if "prefix_tokens" in batch.meta and torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model):
+            training = torch.is_grad_enabled() and self.model.training and unwrap(model) is unwrap(self.model)
+            if training and self.treepack_cp_size > 1:
+                scores = self._treepack_cp_forward(model, batch, compute_entropy, compute_aux_loss)
+            elif "prefix_tokens" in batch.meta and training:
                 scores = self._treepack_runner(model, compute_aux_loss).forward(batch)
             else:
                 scores = forward_logprobs(
@@ -154,6 +187,26 @@ class PackedForwardMixin:
             (torch.stack(aux).mean() if compute_aux_loss else None),
         )
 
+    def _treepack_cp_forward(self, model, batch: PackedBatch, entropy: bool, router: bool) -> NodeScores:
+        """The policy's training forward under context parallelism: this rank's local part of the packed rows
+        (``split_batch``, which checks that the group holds the same rows) runs on the model itself, and the scores
+        come back as the whole row's (``whole_row``), so TRL's loss runs on every rank unchanged with the one-rank
+        value while its gradient reaches this rank's nodes only (summed over the group by ``training_step``)."""
+        why = ""
+        if "prefix_tokens" in batch.meta:
+            why = "a step plan's micro-batch (pack it without --prefix-reuse)"
+        elif router:
+            why = "the router's load-balancing loss (router_aux_loss_coef)"
+        if why:
+            raise TreepackError("E_ARG", f"context parallelism in the TRL integration does not run {why} yet", field="context_parallel")
+        cp = self._treepack_cp = ContextParallel.of(batch, group=self.treepack_cp_group)
+        local = split_batch(batch, cp)
+        s = packed_logprobs(unwrap(model), local, temperature=self.temperature, entropy=entropy, attention=self.treepack_attention)
+        ent = None
+        if entropy:  # TRL differentiates the entropies only for its entropy bonus
+            ent = whole_row(s.entropy if self._entropy_bonus_enabled else s.entropy.detach(), local)
+        return NodeScores(whole_row(s.logprobs, local), ent, scored_nodes(batch))
+
     def _treepack_vision(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal):
         """Rows with images (Qwen2.5-VL, Qwen3-VL): each chunk of whole groups one forest in which a row's image is
         its pixel values' identity (``treepack.torch.vision.from_padded_images``), each distinct image encoded once,
@@ -171,6 +224,8 @@ class PackedForwardMixin:
             why = "the router's load-balancing loss is not computed with images"
         elif base is not model:
             why = f"the model is inside {type(model).__name__}, whose own forward places images by token id, not by fill"
+        elif self.treepack_cp_size > 1:
+            why = "context parallelism does not split rows with images yet"
         if why:
             raise TreepackError("E_ARG", f"multimodal inputs ({', '.join(given)}) are not packed here: {why}", field=given[0])
         pixels, grid, counts = multimodal.get("pixel_values"), multimodal.get("image_grid_thw"), multimodal.get("num_images")
@@ -228,6 +283,17 @@ class PackedForwardMixin:
         """TRL's step (forward, loss, backward), then the releases of a planned micro-batch, under the same autocast
         as its forward; an optimizer step while a prefix is still cached is refused (its gradient is incomplete)."""
         out = super().training_step(model, inputs, num_items_in_batch)
+        if self.treepack_cp_size > 1 and self._step % self.current_gradient_accumulation_steps == 0:
+            # The forwards ran on the model itself, so DDP's hooks never fired: each rank holds its local parts' share.
+            reduce_gradients(unwrap(model), self._treepack_cp)  # summed over the CP group: its rows' gradient
+            if self.treepack_dp_size > 1:  # averaged over the world: the average over the data-parallel groups
+                if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                    raise TreepackError(
+                        "E_ARG",
+                        f"several data-parallel groups average their gradients through DistributedDataParallel, not {type(model).__name__}",
+                        field="context_parallel",
+                    )
+                sync_gradients(model)
         runner = self.__dict__.get("_treepack_plan")
         if runner is not None and runner.pending is not None:
             with self.compute_loss_context_manager():
@@ -294,6 +360,8 @@ class GroupedBatchesMixin:
 
     treepack_max_tokens: int | None = None
     treepack_packed_batches: Iterable[Any] | None = None
+    treepack_cp_size: int = 1  # as PackedForwardMixin's
+    treepack_cp_group: Any = None
 
     # Read from the GRPOTrainer the mixin is mixed into (declared for the type checker; no values here; Any where
     # TRL's own type differs between its versions).
@@ -315,7 +383,10 @@ class GroupedBatchesMixin:
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             if self.treepack_packed_batches is None:
-                self._buffered_inputs = self._treepack_split(self._generate_and_score_completions(generation_batch))
+                inputs = self._generate_and_score_completions(generation_batch)
+                if self.treepack_cp_size > 1:
+                    inputs = self._treepack_cp_rows(inputs)
+                self._buffered_inputs = self._treepack_split(inputs)
             else:
                 self._buffered_inputs = self._treepack_window()
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
@@ -339,6 +410,52 @@ class GroupedBatchesMixin:
             part = _take({k: v for k, v in inputs.items() if k not in _IMAGE_TENSORS}, torch.as_tensor(mb.sequences, device=rows.device), B)
             split.append({**part, **(_take_images(inputs, [int(r) for r in mb.sequences]) if images else {})})
         return split
+
+    def _treepack_cp_rows(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The rows of every rank of this rank's context-parallel group (one ``all_gather_object``), in rank order,
+        re-padded to common widths: the group trains them together, as one data-parallel rank with K times the
+        per-device batch. ``num_items_in_batch`` (TRL's gather over the world) is scaled by K: TRL divides it by the
+        world's processes, the group's rows are one data-parallel rank's."""
+        import torch.distributed as dist
+
+        K, G = self.treepack_cp_size, self.num_generations
+        B = inputs["prompt_ids"].shape[0]
+        if B % G:
+            raise TreepackError(
+                "E_ARG",
+                f"a rank's generation batch holds {B} rows, not whole groups of num_generations = {G}: context parallelism gathers "
+                "the group's rows by whole groups (per_device_train_batch_size * steps_per_generation a multiple of num_generations)",
+                field="context_parallel",
+            )
+        images = [k for k in _IMAGE_TENSORS if inputs.get(k) is not None]
+        if images:
+            raise TreepackError("E_ARG", "context parallelism does not split rows with images yet", field=images[0])
+        device = inputs["prompt_ids"].device
+        mine = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        parts: list[Any] = [None] * K
+        dist.all_gather_object(parts, mine, group=self.treepack_cp_group)
+        P = max(p["prompt_ids"].shape[1] for p in parts)
+        C = max(p["completion_ids"].shape[1] for p in parts)
+        pad = self._tokenizer.pad_token_id
+        out: dict[str, Any] = {}
+        for k, v in inputs.items():
+            got = [p[k] for p in parts]
+            if k == "num_items_in_batch":
+                out[k] = v * K
+            elif isinstance(v, torch.Tensor) and v.ndim == 2 and v.shape[0] == B:
+                fill = pad if k in ("prompt_ids", "completion_ids") else 0
+                if k.startswith("prompt_"):  # left-padded
+                    got = [torch.nn.functional.pad(x, (P - x.shape[1], 0), value=fill) for x in got]
+                elif all(x.shape[1] == p["completion_ids"].shape[1] for x, p in zip(got, parts)):  # per completion token
+                    got = [torch.nn.functional.pad(x, (0, C - x.shape[1]), value=fill) for x in got]
+                out[k] = torch.cat(got).to(device)
+            elif isinstance(v, torch.Tensor) and v.ndim == 1 and v.shape[0] == B:
+                out[k] = torch.cat(got).to(device)
+            elif isinstance(v, list) and len(v) == B:
+                out[k] = [x for g in got for x in g]
+            else:
+                out[k] = v
+        return out
 
     def _treepack_window(self) -> list[dict[str, Any]]:
         """The next ``steps_per_generation`` stored micro-batches as TRL inputs; acknowledges the previous window."""
@@ -444,7 +561,9 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
     """``GRPOTrainer`` with packed forwards and group-whole micro-batches (see the mixins). Extra arguments:
     ``treepack_max_tokens`` (packed tokens per micro-batch, refused when a split cannot meet it),
     ``treepack_attention`` (the TreeMask mode, ``"auto"``), ``packed_batches`` (train on stored micro-batches:
-    ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set)."""
+    ``PackedDataset``, ``FeedClient`` or any iterable of ``PackedBatch``; ``max_steps`` must be set),
+    ``context_parallel`` (K > 1: each packed row of the policy's training forward split over consecutive groups of
+    K processes; the module docstring)."""
 
     def __init__(
         self,
@@ -452,6 +571,7 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
         treepack_max_tokens: int | None = None,
         treepack_attention: str = "auto",
         packed_batches: Iterable[Any] | None = None,
+        context_parallel: int = 1,
         **kwargs: Any,
     ):
         if packed_batches is not None:
@@ -469,6 +589,30 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
         self.treepack_max_tokens = treepack_max_tokens
         self.treepack_attention = treepack_attention
         self.treepack_packed_batches = packed_batches
+        self.treepack_cp_size, self.treepack_cp_group, self.treepack_dp_size = self._treepack_cp_groups(context_parallel)
+
+    def _treepack_cp_groups(self, size: int) -> tuple[int, Any, int]:
+        """(K, this rank's context-parallel group, data-parallel groups): the world's ranks in consecutive groups of
+        K (every rank creates every group, in order); K = 1: (1, None, 1)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise TreepackError("E_ARG", f"expected an integer >= 1, got {size!r}", field="context_parallel")
+        if size == 1:
+            return 1, None, 1
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        why = ""
+        if world % size:
+            why = f"the world's {world} processes do not split into groups of {size}: launch a multiple of {size} processes"
+        elif self.treepack_packed_batches is not None:
+            why = "training on stored micro-batches (packed_batches) is not supported under context parallelism yet"
+        elif self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            why = "FSDP and DeepSpeed are not supported: the split forward runs the model's modules itself (use DDP)"
+        if why:
+            raise TreepackError("E_ARG", f"context_parallel={size}: {why}", field="context_parallel")
+        rank = dist.get_rank()
+        groups = [None] if world == size else [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
+        return size, groups[rank // size if world > size else 0], world // size
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         out = super().train(*args, **kwargs)

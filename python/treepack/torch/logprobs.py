@@ -64,6 +64,50 @@ def gather_occurrences(node_values: torch.Tensor, batch: PackedBatch) -> torch.T
     return node_values.index_select(0, batch.seq_positions.to(node_values.device))
 
 
+class _WholeRow(torch.autograd.Function):
+    """A local part's node values [A + n] → the whole row's [N] (each rank's local nodes all-gathered in rank order);
+    backward keeps the gradient of this rank's local nodes and sends nothing: every rank computes the same function
+    of the same whole row, so each owner's slice of it is the one-rank gradient of its nodes."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, part: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from .context_parallel import _collective
+
+        cp, A = part.cp, part.rows
+        ctx.A, ctx.rows, ctx.lo = A, values.shape[0], cp.lo
+        sizes = [b - a for a, b in zip(cp.bounds, cp.bounds[1:])]
+        buf = values.new_zeros(max(sizes))
+        buf[: sizes[cp.rank]] = values[A:]
+        parts = [torch.empty_like(buf) for _ in sizes]
+        _collective(cp, "the all-gather of the row's node scores", lambda: dist.all_gather(parts, buf, group=cp.group))
+        return torch.cat([x[:k] for x, k in zip(parts, sizes)])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        mine = g.new_zeros(ctx.rows)
+        mine[ctx.A :] = g[ctx.lo : ctx.lo + ctx.rows - ctx.A]
+        return mine, None
+
+
+def whole_row(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """On a rank's local part of a context-parallel row (``treepack.torch.split_batch``): its per-node values
+    [A + n] (``packed_logprobs``' logprobs or entropies) as the whole row's [N], the same on every rank of the group
+    (one all-gather; every rank must call it). A loss of the whole row computed on every rank then has the one-rank
+    value, and its gradient flows into this rank's local nodes only: the ranks' parameter gradients sum to the
+    one-rank gradient (``reduce_gradients``). How the TRL integration runs TRL's loss unchanged under context
+    parallelism (``treepack.integrations.trl``); ``packed_loss`` instead takes each rank's share."""
+    part = batch.context_parallel
+    if part is None:
+        raise TreepackError("E_ARG", "whole_row takes a context-parallel local part (treepack.torch.split_batch)", field="batch")
+    if values.shape[0] != batch.num_nodes:
+        raise TreepackError("E_ARG", f"expected {batch.num_nodes} node values (the local part's), got {values.shape[0]}", field="values")
+    out: torch.Tensor = _WholeRow.apply(values, part)
+    return out
+
+
 def scored_nodes(batch: PackedBatch, nodes: str | torch.Tensor = "trainable") -> torch.Tensor:
     """The nodes to score: ``"trainable"`` (mapped to by a trainable occurrence), ``"all"`` (every non-root node),
     or an explicit index tensor (non-root nodes)."""
