@@ -21,81 +21,41 @@ run leaves the children waiting on it."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import tempfile
 import unittest
 from unittest import mock
 
-from support import needs_torch, patch_norms_to_input_dtype, tiny_model, torch
-from test_trl_grpo import TRL_SKIP, VOCAB, Capture, patch_rope_to_float64, reward, rollouts, tokenizer
+from support import needs_torch, tiny_model, torch
+from test_trl_grpo import TRL_SKIP, VOCAB, tokenizer
 
 G = 4
 TOL = 1e-10
 
 
-def trainer(path: str, world: int, prompts: int, loss_type: str, **extra):
-    """A TreepackGRPOTrainer on ``prompts`` prompts of G rows (one generation batch, one optimizer step), split over
-    ``world`` processes' generation; ``extra``: the trainer's treepack arguments. No gradient clipping: the captured
-    gradients keep their scale."""
-    from datasets import Dataset
-    from treepack.integrations.trl import TreepackGRPOTrainer
-    from trl import GRPOConfig
+def step(path: str, world: int, loss_type: str, cp: int = 1) -> dict:
+    """One optimizer step of test_trl_grpo's packed trainer (its four prompts of G rows, two micro-batches of
+    accumulation, num_iterations 2: old logprobs computed at generation) with ``context_parallel=cp``, the generation
+    batch split over ``world`` processes; the KL term on, the top-entropy mask at 0.3 (not the median, which a group's
+    tokens counted twice would keep), no gradient clipping (the gradients keep their scale)."""
+    import treepack.integrations.trl as integration
+    from test_trl_grpo import TRLGRPOTest
 
-    args = GRPOConfig(
-        output_dir=os.path.join(os.path.dirname(path), f"out{os.getpid()}"),
-        per_device_train_batch_size=G * prompts // world,
-        max_grad_norm=0.0,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_generations=G,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        mask_truncated_completions=True,
-        top_entropy_quantile=0.5,
-        beta=0.04,
-        loss_type=loss_type,
-        temperature=0.7,
-        disable_tqdm=True,
-        ddp_backend="gloo" if world > 1 else None,
-        model_init_kwargs={"attn_implementation": "treepack", "dtype": torch.float64},
-    )
-    capture = Capture()
-    t = TreepackGRPOTrainer(
-        model=path,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(4)]}),
-        processing_class=tokenizer(),
-        callbacks=[capture],
-        rollout_func=lambda prompts, trainer: rollouts(prompts, 0, 8),
-        **extra,
-    )
-    for m in (t.model, t.ref_model):  # HF computes RMSNorm and RoPE angles in float32 whatever the dtype
-        if m is not None:
-            patch_norms_to_input_dtype(m)
-            patch_rope_to_float64(m)
-    return t, capture
-
-
-def step(path: str, world: int, prompts: int, loss_type: str, **extra) -> dict:
-    t, cap = trainer(path, world, prompts, loss_type, **extra)
-    t.train()
+    t = TRLGRPOTest("test_loss_types")
+    t.tmp = type("Tmp", (), {"name": os.path.join(os.path.dirname(path), f"out{os.getpid()}")})()
+    t.tok, t.paths = tokenizer(), {"qwen3": path}
+    cfg = dict(per_device_train_batch_size=2 * G // world, max_grad_norm=0.0, beta=0.04, loss_type=loss_type, top_entropy_quantile=0.3)
+    with mock.patch.object(integration, "TreepackGRPOTrainer", functools.partial(integration.TreepackGRPOTrainer, context_parallel=cp)):
+        trainer, cap = t.trained(True, **cfg, **({"ddp_backend": "gloo"} if world > 1 else {}))
     out = {"grads": cap.grads, "logs": cap.logs[0]}
-    cp = t.__dict__.get("_treepack_cp")
-    if cp is not None:
-        out["bounds"] = cp.bounds
-        out["wrapper"] = type(t.model_wrapped).__name__
+    if cp > 1:
+        out["wrapper"] = type(trainer.model_wrapped).__name__
     return out
 
 
-def trl_worker(rank: int, world: int, cp: int, port: int, path: str, out: str) -> None:
+def trl_worker(rank: int, world: int, cp: int, controls: bool, port: int, path: str, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -119,28 +79,49 @@ def trl_worker(rank: int, world: int, cp: int, port: int, path: str, out: str) -
         return split(batch, cp)
 
     with mock.patch.object(integration, "split_batch", recorded):
-        report = {loss: step(path, world, world, loss, context_parallel=cp) for loss in ("dapo", "grpo")}
-    report["split"] = splits[0]
-    if world > cp:  # control: each data-parallel group keeps its own gradient (no average over the groups)
+        report = {loss: step(path, world, loss, cp) for loss in ("dapo", "grpo")}
+    report["splits"] = splits
+    if controls and world > cp:  # control: each data-parallel group keeps its own gradient (no average over the groups)
         with mock.patch.object(integration, "sync_gradients", lambda model: None):
-            report["no_average"] = step(path, world, world, "dapo", context_parallel=cp)
-    else:
+            report["no_average"] = step(path, world, "dapo", cp)
+    elif controls:
         # Controls: the context's keys/values (and hidden rows) zero, no exchange; the gradients left as each rank's
         # share; TRL's token count over the world's processes left as gathered (the group's rows counted once).
         zero = lambda self, x, route, what: x.new_zeros((route.owner.numel(),) + tuple(x.shape[1:]))  # noqa: E731
         with mock.patch.object(LocalPart, "fetch", zero):
-            report["no_exchange"] = step(path, world, world, "dapo", context_parallel=cp)
+            report["no_exchange"] = step(path, world, "dapo", cp)
         with mock.patch.object(integration, "reduce_gradients", lambda model, cp: None):
-            report["no_sum"] = step(path, world, world, "dapo", context_parallel=cp)
+            report["no_sum"] = step(path, world, "dapo", cp)
         rows = integration.GroupedBatchesMixin._treepack_cp_rows
         with mock.patch.object(
             integration.GroupedBatchesMixin,
             "_treepack_cp_rows",
             lambda self, x: {**rows(self, x), "num_items_in_batch": x["num_items_in_batch"]},
         ):
-            report["unscaled_count"] = step(path, world, world, "dapo", context_parallel=cp)
-    torch.save(report, os.path.join(out, f"trl{rank}.pt"))
+            report["unscaled_count"] = step(path, world, "dapo", cp)
+        report["refused"] = refusals(path, world)
+    torch.save(report, os.path.join(out, f"trl{cp}-{rank}.pt"))
     dist.destroy_process_group()
+
+
+def refusals(path: str, world: int) -> dict[str, str]:
+    """What the trainer says to a group size the world does not split into, and to stored micro-batches under CP."""
+    import treepack.integrations.trl as integration
+    from test_trl_grpo import TRLGRPOTest
+    from treepack import TreepackError
+
+    t = TRLGRPOTest("test_loss_types")
+    t.tmp = type("Tmp", (), {"name": os.path.join(os.path.dirname(path), f"out{os.getpid()}")})()
+    t.tok, t.paths = tokenizer(), {"qwen3": path}
+    out = {}
+    for name, extra in (("size", {"context_parallel": world + 1}), ("packed_batches", {"context_parallel": world, "packed_batches": []})):
+        try:
+            with mock.patch.object(integration, "TreepackGRPOTrainer", functools.partial(integration.TreepackGRPOTrainer, **extra)):
+                t.trainer(True, per_device_train_batch_size=2 * G // world, **({"ddp_backend": "gloo"} if world > 1 else {}))
+            out[name] = "accepted"
+        except TreepackError as e:
+            out[name] = f"{e.field}: {e}"
+    return out
 
 
 def free_port() -> int:
@@ -162,35 +143,56 @@ class CPTRLTest(unittest.TestCase):
             self.assertLessEqual(err, TOL * max(1.0, float(g.abs().max())), f"{what}: gradient of {n}")
 
     def run_ranks(self, world: int, cp: int) -> tuple[list[dict], dict]:
-        """Each rank's report of ``world`` spawned processes in groups of ``cp``, and the one-process steps on the
-        same rows (one prompt per process)."""
+        """Each rank's report of ``world`` spawned processes in groups of ``cp``, and the reference steps on the same
+        rows: TRL under DDP over world / cp processes without CP, each with the rows of a group (one process: no
+        DDP)."""
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as out:
             path = os.path.join(out, "qwen3")
             tiny_model("qwen3", torch.float32, attn="sdpa", vocab=VOCAB).save_pretrained(path)
-            mp.spawn(trl_worker, args=(world, cp, free_port(), path, out), nprocs=world, join=True)
-            reports = [torch.load(os.path.join(out, f"trl{r}.pt")) for r in range(world)]
-            refs = {loss: step(path, 1, world, loss) for loss in ("dapo", "grpo")}
+            mp.spawn(trl_worker, args=(world, cp, True, free_port(), path, out), nprocs=world, join=True)
+            reports = [torch.load(os.path.join(out, f"trl{cp}-{r}.pt")) for r in range(world)]
+            if world == cp:
+                refs = {loss: step(path, 1, loss) for loss in ("dapo", "grpo")}
+            else:
+                mp.spawn(trl_worker, args=(world // cp, 1, False, free_port(), path, out), nprocs=world // cp, join=True)
+                refs = torch.load(os.path.join(out, "trl1-0.pt"))
         for rep in reports:
             for loss in ("dapo", "grpo"):
                 self.assertEqual(rep[loss]["wrapper"], "DistributedDataParallel")
         return reports, refs
 
-    def bound_at(self, rep: dict) -> str:
-        """Where the group's bound fell: "segment" (node lo continues lo - 1, its only child), "branch" (node lo
-        starts a branch of an earlier node), else "other"."""
-        parent, bounds = rep["split"]
-        lo = bounds[1]
-        if int(parent[lo]) == lo - 1:
-            return "segment" if int((parent == lo - 1).sum()) == 1 else "other"
-        return "branch" if int(parent[lo]) >= 0 else "other"
+    def test_refused_alone(self):
+        """One process cannot hold a group of two; a group size that is not an integer >= 1 is refused."""
+        from treepack import TreepackError
+
+        with tempfile.TemporaryDirectory() as out:
+            path = os.path.join(out, "qwen3")
+            tiny_model("qwen3", torch.float32, attn="sdpa", vocab=VOCAB).save_pretrained(path)
+            self.assertIn("world's 1 processes do not split into groups of 2", refusals(path, 1)["size"])
+            with self.assertRaises(TreepackError) as e:
+                step(path, 1, "dapo", cp=0)
+            self.assertEqual(e.exception.field, "context_parallel")
+
+    def bounds_at(self, rep: dict) -> set[str]:
+        """Where the rank's splits of its training forwards fell: "segment" (node lo continues lo - 1, its only
+        child), "branch" (node lo starts a branch of an earlier node), "root"."""
+        kinds = set()
+        for parent, bounds in rep["splits"]:
+            lo = bounds[1]
+            if int(parent[lo]) == lo - 1:
+                kinds.add("segment" if int((parent == lo - 1).sum()) == 1 else "branch point's first child")
+            else:
+                kinds.add("branch" if int(parent[lo]) >= 0 else "root")
+        return kinds
 
     def test_one_group(self):
         """Two ranks, one CP group: the one-process step (its logged loss exactly as the float32 sum the Trainer logs
         holds it, every gradient within 1e-10); each control differs."""
         reports, refs = self.run_ranks(2, 2)
-        self.assertEqual([self.bound_at(r) for r in reports], ["segment"] * 2)
+        for rep in reports:
+            self.assertIn("segment", self.bounds_at(rep))
         for rank, rep in enumerate(reports):
             for loss, ref in refs.items():
                 with self.subTest(rank=rank, loss=loss):
@@ -198,23 +200,24 @@ class CPTRLTest(unittest.TestCase):
             for control in ("no_exchange", "no_sum", "unscaled_count"):
                 with self.subTest(rank=rank, control=control), self.assertRaises(AssertionError):
                     self.assertSameStep(refs["dapo"], rep[control], control)
+            self.assertRegex(rep["refused"]["size"], r"^context_parallel: .*world's 2 processes do not split into groups of 3")
+            self.assertRegex(rep["refused"]["packed_batches"], r"^context_parallel: .*stored micro-batches")
             # The token count's control scales the loss and, unclipped, every gradient.
             with self.subTest(rank=rank, control="unscaled_count gradients"), self.assertRaises(AssertionError):
                 self.assertSameStep(refs["dapo"], {**rep["unscaled_count"], "logs": refs["dapo"]["logs"]}, "unscaled_count")
 
     def test_data_parallel_groups(self):
-        """Four ranks, two CP groups of two (each group its own rows): the gradients summed over each group and
-        averaged over the groups are the one-process step's within 1e-10. The logged loss is the Trainer's average
-        over processes of float32 losses, which the one-process run rounds once: equal to float32's rounding
-        (2^-22 relative, as test_trl_grpo holds two splits' logged losses). Without the average the groups differ."""
+        """Four ranks, two CP groups of two (each group its own rows): the step of TRL under DDP over two processes
+        holding the same rows, without CP (logged loss and every gradient within 1e-10): the gradients summed over
+        each group and averaged over the groups. Without the average the groups differ."""
         reports, refs = self.run_ranks(4, 2)
-        self.assertEqual([self.bound_at(r) for r in reports], ["segment"] * 2 + ["branch"] * 2)  # each group its own rows
+        self.assertEqual([sorted(self.bounds_at(r)) for r in reports], [["branch", "segment"]] * 2 + [["segment"]] * 2)
         for rank, rep in enumerate(reports):
-            for loss, ref in refs.items():
+            for loss in ("dapo", "grpo"):
                 with self.subTest(rank=rank, loss=loss):
-                    self.assertSameStep(ref, rep[loss], loss, loss_tol=2**-22)
+                    self.assertSameStep(refs[loss], rep[loss], loss)
             with self.subTest(rank=rank, control="no_average"), self.assertRaises(AssertionError):
-                self.assertSameStep(refs["dapo"], rep["no_average"], "no_average", loss_tol=2**-22)
+                self.assertSameStep(refs["dapo"], rep["no_average"], "no_average")
 
 
 if __name__ == "__main__":

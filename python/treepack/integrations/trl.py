@@ -142,6 +142,7 @@ class PackedForwardMixin:
     model: Any
     temperature: float
     _metrics: dict[str, Any]
+    _entropy_bonus_enabled: bool
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, compute_aux_loss=False, **multimodal
@@ -192,20 +193,33 @@ class PackedForwardMixin:
         (``split_batch``, which checks that the group holds the same rows) runs on the model itself, and the scores
         come back as the whole row's (``whole_row``), so TRL's loss runs on every rank unchanged with the one-rank
         value while its gradient reaches this rank's nodes only (summed over the group by ``training_step``)."""
-        why = ""
-        if "prefix_tokens" in batch.meta:
-            why = "a step plan's micro-batch (pack it without --prefix-reuse)"
-        elif router:
-            why = "the router's load-balancing loss (router_aux_loss_coef)"
-        if why:
-            raise TreepackError("E_ARG", f"context parallelism in the TRL integration does not run {why} yet", field="context_parallel")
+        if router:
+            raise TreepackError(
+                "E_ARG",
+                "context parallelism in the TRL integration does not run the router's load-balancing loss yet (router_aux_loss_coef)",
+                field="context_parallel",
+            )
         cp = self._treepack_cp = ContextParallel.of(batch, group=self.treepack_cp_group)
         local = split_batch(batch, cp)
         s = packed_logprobs(unwrap(model), local, temperature=self.temperature, entropy=entropy, attention=self.treepack_attention)
-        ent = None
-        if entropy:  # TRL differentiates the entropies only for its entropy bonus
-            ent = whole_row(s.entropy if self._entropy_bonus_enabled else s.entropy.detach(), local)
+        ent, e = None, s.entropy
+        if e is not None:  # TRL differentiates the entropies only for its entropy bonus
+            ent = whole_row(e if self._entropy_bonus_enabled else e.detach(), local)
         return NodeScores(whole_row(s.logprobs, local), ent, scored_nodes(batch))
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's top-entropy mask, its quantile over the world's tokens; under context parallelism a group's ranks
+        hold the same rows, so only the group's first rank adds its tokens, and its mask is the group's."""
+        if self.treepack_cp_size == 1:
+            return super().get_high_entropy_mask(entropies, mask, threshold)  # type: ignore[misc]
+        import torch.distributed as dist
+
+        group = self.treepack_cp_group
+        first = dist.get_rank(group) == 0
+        out = super().get_high_entropy_mask(entropies, mask if first else torch.zeros_like(mask), threshold)  # type: ignore[misc]
+        flags = out.to(torch.uint8)
+        dist.broadcast(flags, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        return flags.bool()
 
     def _treepack_vision(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal):
         """Rows with images (Qwen2.5-VL, Qwen3-VL): each chunk of whole groups one forest in which a row's image is
@@ -605,7 +619,7 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
         if world % size:
             why = f"the world's {world} processes do not split into groups of {size}: launch a multiple of {size} processes"
         elif self.treepack_packed_batches is not None:
-            why = "training on stored micro-batches (packed_batches) is not supported under context parallelism yet"
+            why = "training on stored micro-batches (packed_batches, step plans among them) is not supported under it yet"
         elif self.is_fsdp_enabled or self.is_deepspeed_enabled:
             why = "FSDP and DeepSpeed are not supported: the split forward runs the model's modules itself (use DDP)"
         if why:
