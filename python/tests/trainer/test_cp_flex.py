@@ -1,7 +1,8 @@
 """Flex attention under context parallelism, over two spawned gloo ranks on CPU: ``packed_logprobs(...,
 attention="flex")`` on each rank's local part (compiled flex: on CPU forward only, float32) equals the one-rank flex
 run at the rank's nodes, as the block path does; with the keys/values zeroed instead of exchanged it differs; a
-forward that records a gradient is refused by name (FlexAttention has no backward on CPU). The flex backward under
+forward that records a gradient is refused by name (FlexAttention has no backward on CPU). ``whole_row`` refuses a
+batch that is no local part, and values of another length. The flex backward under
 context parallelism runs on CUDA only and is not tested here.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
@@ -47,11 +48,16 @@ def flex_worker(rank: int, world: int, out: str) -> None:
         zero = lambda self, x, route, what: x.new_zeros((route.owner.numel(),) + tuple(x.shape[1:]))  # noqa: E731
         with mock.patch.object(LocalPart, "fetch", zero):
             report["zero_exchange"] = tpt.packed_logprobs(model, local, attention="flex", nodes="all").logprobs[A:]
-    try:
-        tpt.packed_logprobs(model, local, attention="flex")
-        report["grad"] = "ran"
-    except TreepackError as e:
-        report["grad"] = f"{e.code} {e.field}: {e}"
+    for name, run in (
+        ("grad", lambda: tpt.packed_logprobs(model, local, attention="flex")),
+        ("whole_row_length", lambda: tpt.whole_row(torch.zeros(batch.num_nodes), local)),  # the row's N, not the part's
+        ("whole_row_plain", lambda: tpt.whole_row(torch.zeros(batch.num_nodes), batch)),
+    ):
+        try:
+            run()
+            report[name] = "ran"
+        except TreepackError as e:
+            report[name] = f"{e.code} {e.field}: {e}"
     torch.save(report, os.path.join(out, f"flex{rank}.pt"))
     dist.destroy_process_group()
 
@@ -63,7 +69,7 @@ class CPFlexTest(unittest.TestCase):
         same kernel on the same keys, padded and ordered differently, so they differ by float32 rounding of the
         softmax sums; held to 1e-5, as python/tests/gpu/test_flex_compiled.py holds a model's flex logprobs against
         the unpacked run's. The block path is held the same way. Zeroed instead of exchanged, the keys/values move
-        them by far more. A forward that records a gradient is refused on CPU."""
+        them by far more. A forward that records a gradient is refused on CPU, and whole_row's bad inputs."""
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as out:
@@ -79,6 +85,8 @@ class CPFlexTest(unittest.TestCase):
                     self.assertGreater(int(scored.sum()), 0)
                     self.assertLessEqual(float((whole[scored] - part[scored]).abs().max()), 1e-5, mode)
                 self.assertIn("E_ARG mode", rep["grad"])
+                self.assertIn("E_ARG values", rep["whole_row_length"])  # whole_row's input checks
+                self.assertIn("E_ARG batch", rep["whole_row_plain"])
         whole = reports[1]["flex"][0]
         scored = ~whole.isnan()
         self.assertGreater(float((reports[1]["zero_exchange"][scored] - whole[scored]).abs().max()), 1e-2)

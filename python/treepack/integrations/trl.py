@@ -45,7 +45,7 @@ With ``context_parallel=K`` (launched on a multiple of K processes, DDP), each p
 forward is split over a context-parallel group of K consecutive ranks (docs/guides/context-parallel.md): a group
 gathers its members' generated rows and trains them together as one data-parallel rank, each member computing its
 local part of every row (keys/values exchanged), TRL's loss run unchanged on every member on the whole row's scores
-(``treepack.torch.logprobs.whole_row``), the gradients summed over the group and averaged over the groups.
+(``treepack.torch.whole_row``), the gradients summed over the group and averaged over the groups.
 (accelerate's ``ParallelismConfig(cp_size=...)`` does not fit: TRL refuses it for GRPO, and its ring attention runs
 SDPA's causal mask, not a tree.)
 
@@ -84,8 +84,8 @@ from ..torch import (
     scored_nodes,
     split_batch,
     sync_gradients,
+    whole_row,
 )
-from ..torch.logprobs import whole_row
 from ..torch.moe import load_balancing_loss
 from ..torch.vision import from_padded_images, vision_family
 from ..torch.wrappers import unwrap
@@ -117,7 +117,7 @@ class PackedForwardMixin:
     through one ``StepPlanRunner`` kept across micro-batches (pushes, then only the nodes past the cached prefix);
     ``training_step`` releases its prefixes after TRL's backward (and, under DDP, averages the gradients at the
     accumulation's last micro-batch). Under context parallelism (``treepack_cp_size`` > 1) the training forward runs
-    this rank's local part (``_treepack_cp_forward``) and ``training_step`` sums the gradients over the group at the
+    this rank's local part and ``training_step`` sums the gradients over the group at the
     accumulation's last micro-batch, then averages them over the world. Old and reference forwards (no grad) run each
     micro-batch in full, which its file holds.
 

@@ -49,7 +49,7 @@ from .batch import PackedBatch, PackedDataset, from_microbatch, load_microbatch,
 from .compiled_flex import flex_compilations, ladder_length
 from .context_parallel import ContextParallel, LocalPart, balanced_bounds, reduce_gradients, split_batch
 from .forward import forward_logprobs, model_tree_mask
-from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes
+from .logprobs import NodeScores, check_vocabulary, gather_occurrences, packed_logprobs, scored_nodes, whole_row
 from .loss import METRICS, PackedLoss, metrics_to_floats, packed_loss
 from .models import LAYERS, prepare
 from .moe import ROUTERS, RouterOutputs, Routing, load_balancing_loss, occurrence_weights, pack_routed, replay_routes
@@ -81,6 +81,7 @@ __all__ = [
     "packed_loss",
     "metrics_to_floats",
     "scored_nodes",
+    "whole_row",
     "segments_of",
     "PackedBatch",
     "PackedDataset",
