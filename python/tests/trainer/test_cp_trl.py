@@ -2,18 +2,19 @@
 processes on CPU (DDP through accelerate, as ``accelerate launch`` sets it up), float64.
 
 Each process generates its own rows (test_trl_grpo's seeded ``rollout_func``: shared stems, a duplicate, a
-multi-turn row with masked tool tokens, a truncated row, one prompt per process) and a CP group trains its members'
-rows together, as one data-parallel rank. Against the one-process trainer on the same rows, one GRPO step for
-``dapo`` (normalised by the generation batch's tokens) and ``grpo`` (per-row means), with the KL term and the
-top-entropy mask, no gradient clipping:
+multi-turn row with masked tool tokens, a truncated row; two micro-batches of accumulation, old logprobs computed at
+generation) and a CP group trains its members' rows together, as one data-parallel rank. One GRPO step for ``dapo``
+(normalised by the generation batch's tokens) and ``grpo`` (per-row means), with the KL term and the top-entropy
+mask, no gradient clipping:
 
 - two processes, one group, the row split inside a radix segment: logged loss and every parameter gradient within
-  1e-10 (the tolerance test_trl_grpo holds the packed trainer to against stock TRL). Negative controls: without the
-  key/value exchange, without the sum of the gradients over the group, with TRL's token count not scaled to the
-  group, the step differs;
-- four processes, two groups of two (one split inside a segment, one at a branch point): every gradient within
-  1e-10, the logged loss to float32 rounding (the Trainer averages float32 losses over processes). Control: without
-  the average over the groups, the step differs.
+  1e-10 (the tolerance test_trl_grpo holds the packed trainer to against stock TRL), also on test_trl_packed's stored
+  micro-batches given to both. Negative controls: without the key/value exchange, without the sum of the gradients
+  over the group, with TRL's token count not scaled to the group, the step differs. Refused: a step plan's
+  micro-batch, a group size the world does not split into;
+- four processes, two groups of two (splits inside segments and at a branch point): logged loss and every gradient
+  within 1e-10 of TRL under DDP over two processes without CP, each holding one group's rows (the one-process run
+  plans other micro-batches, by definition). Control: without the average over the groups, the step differs.
 
 Flex attention under CP: test_cp_flex.py. The ranks are spawned, not forked: a fork after torch's OpenMP pool has
 run leaves the children waiting on it."""
@@ -99,13 +100,32 @@ def trl_worker(rank: int, world: int, cp: int, controls: bool, port: int, path: 
             lambda self, x: {**rows(self, x), "num_items_in_batch": x["num_items_in_batch"]},
         ):
             report["unscaled_count"] = step(path, world, "dapo", cp)
+        report["stored"] = stored_step(path, world, cp)
         report["refused"] = refusals(path, world)
     torch.save(report, os.path.join(out, f"trl{cp}-{rank}.pt"))
     dist.destroy_process_group()
 
 
+def stored_step(path: str, world: int, cp: int, planned: bool = False) -> dict:
+    """One optimizer step of test_trl_packed's trainer on its two stored micro-batches (pad nodes, a loss mask with
+    holes, stored rollout and old logprobs), every rank of a CP group given the same ones, no gradient clipping;
+    ``planned``: the micro-batches marked as a step plan's."""
+    import treepack.integrations.trl as integration
+    from test_trl_packed import TRLOnMicroBatchesTest, packed_batches, samples
+
+    t = TRLOnMicroBatchesTest("test_feed_acks")
+    t.tmp = type("Tmp", (), {"name": os.path.join(os.path.dirname(path), f"out{os.getpid()}")})()
+    t.tok, t.path, t.rows = tokenizer(), path, samples(0)
+    feed = packed_batches(t.rows, True)
+    for b in feed if planned else []:
+        b.meta["prefix_tokens"] = 1
+    with mock.patch.object(integration, "TreepackGRPOTrainer", functools.partial(integration.TreepackGRPOTrainer, context_parallel=cp)):
+        _, cap = t.run_trainer(True, True, feed=feed, max_grad_norm=0.0, **({"ddp_backend": "gloo"} if world > 1 else {}))
+    return {"grads": cap.grads, "logs": cap.logs[0]}
+
+
 def refusals(path: str, world: int) -> dict[str, str]:
-    """What the trainer says to a group size the world does not split into, and to stored micro-batches under CP."""
+    """What the trainer says to a group size the world does not split into, and to a step plan's micro-batch."""
     import treepack.integrations.trl as integration
     from test_trl_grpo import TRLGRPOTest
     from treepack import TreepackError
@@ -114,13 +134,20 @@ def refusals(path: str, world: int) -> dict[str, str]:
     t.tmp = type("Tmp", (), {"name": os.path.join(os.path.dirname(path), f"out{os.getpid()}")})()
     t.tok, t.paths = tokenizer(), {"qwen3": path}
     out = {}
-    for name, extra in (("size", {"context_parallel": world + 1}), ("packed_batches", {"context_parallel": world, "packed_batches": []})):
+    try:
+        with mock.patch.object(
+            integration, "TreepackGRPOTrainer", functools.partial(integration.TreepackGRPOTrainer, context_parallel=world + 1)
+        ):
+            t.trainer(True, per_device_train_batch_size=2 * G // world, **({"ddp_backend": "gloo"} if world > 1 else {}))
+        out["size"] = "accepted"
+    except TreepackError as e:
+        out["size"] = f"{e.field}: {e}"
+    if world > 1:
         try:
-            with mock.patch.object(integration, "TreepackGRPOTrainer", functools.partial(integration.TreepackGRPOTrainer, **extra)):
-                t.trainer(True, per_device_train_batch_size=2 * G // world, **({"ddp_backend": "gloo"} if world > 1 else {}))
-            out[name] = "accepted"
+            stored_step(path, world, world, planned=True)
+            out["planned"] = "ran"
         except TreepackError as e:
-            out[name] = f"{e.field}: {e}"
+            out["planned"] = f"{e.field}: {e}"
     return out
 
 
@@ -155,6 +182,7 @@ class CPTRLTest(unittest.TestCase):
             reports = [torch.load(os.path.join(out, f"trl{cp}-{r}.pt")) for r in range(world)]
             if world == cp:
                 refs = {loss: step(path, 1, loss) for loss in ("dapo", "grpo")}
+                refs["stored"] = stored_step(path, 1, 1)
             else:
                 mp.spawn(trl_worker, args=(world // cp, 1, False, free_port(), path, out), nprocs=world // cp, join=True)
                 refs = torch.load(os.path.join(out, "trl1-0.pt"))
@@ -188,20 +216,21 @@ class CPTRLTest(unittest.TestCase):
         return kinds
 
     def test_one_group(self):
-        """Two ranks, one CP group: the one-process step (its logged loss exactly as the float32 sum the Trainer logs
-        holds it, every gradient within 1e-10); each control differs."""
+        """Two ranks, one CP group: the one-process step (logged loss and every gradient within 1e-10), on generated
+        rows and on stored micro-batches; each control differs; a step plan's micro-batch and a group size the world
+        does not split into are refused."""
         reports, refs = self.run_ranks(2, 2)
         for rep in reports:
             self.assertIn("segment", self.bounds_at(rep))
         for rank, rep in enumerate(reports):
-            for loss, ref in refs.items():
-                with self.subTest(rank=rank, loss=loss):
-                    self.assertSameStep(ref, rep[loss], loss)
+            for run, ref in refs.items():  # generated rows (dapo, grpo) and stored micro-batches (dapo)
+                with self.subTest(rank=rank, run=run):
+                    self.assertSameStep(ref, rep[run], run)
             for control in ("no_exchange", "no_sum", "unscaled_count"):
                 with self.subTest(rank=rank, control=control), self.assertRaises(AssertionError):
                     self.assertSameStep(refs["dapo"], rep[control], control)
             self.assertRegex(rep["refused"]["size"], r"^context_parallel: .*world's 2 processes do not split into groups of 3")
-            self.assertRegex(rep["refused"]["packed_batches"], r"^context_parallel: .*stored micro-batches")
+            self.assertRegex(rep["refused"]["planned"], r"^context_parallel: .*a step plan's micro-batch")
             # The token count's control scales the loss and, unclipped, every gradient.
             with self.subTest(rank=rank, control="unscaled_count gradients"), self.assertRaises(AssertionError):
                 self.assertSameStep(refs["dapo"], {**rep["unscaled_count"], "logs": refs["dapo"]["logs"]}, "unscaled_count")

@@ -43,11 +43,11 @@ optimizer step, after the last pops; FSDP and DeepSpeed are refused (the executo
 
 With ``context_parallel=K`` (launched on a multiple of K processes, DDP), each packed row of the policy's training
 forward is split over a context-parallel group of K consecutive ranks (docs/guides/context-parallel.md): a group
-gathers its members' generated rows and trains them together as one data-parallel rank, each member computing its
-local part of every row (keys/values exchanged), TRL's loss run unchanged on every member on the whole row's scores
-(``treepack.torch.whole_row``), the gradients summed over the group and averaged over the groups.
-(accelerate's ``ParallelismConfig(cp_size=...)`` does not fit: TRL refuses it for GRPO, and its ring attention runs
-SDPA's causal mask, not a tree.)
+gathers its members' generated rows (stored micro-batches: every member is given the same ones) and trains them
+together as one data-parallel rank, each member computing its local part of every row (keys/values exchanged),
+TRL's loss run unchanged on every member on the whole row's scores (``treepack.torch.whole_row``), the gradients
+summed over the group and averaged over the groups. (accelerate's ``ParallelismConfig(cp_size=...)`` does not fit:
+TRL refuses it for GRPO, and its ring attention runs SDPA's causal mask, not a tree.)
 
 A Qwen2.5-VL or Qwen3-VL's rows with images run as one forest whose images are their pixel values' identity
 (``treepack.torch.vision.from_padded_images``; ``packed_logprobs`` on the model itself, so not inside a DDP/FSDP
@@ -193,12 +193,13 @@ class PackedForwardMixin:
         (``split_batch``, which checks that the group holds the same rows) runs on the model itself, and the scores
         come back as the whole row's (``whole_row``), so TRL's loss runs on every rank unchanged with the one-rank
         value while its gradient reaches this rank's nodes only (summed over the group by ``training_step``)."""
-        if router:
-            raise TreepackError(
-                "E_ARG",
-                "context parallelism in the TRL integration does not run the router's load-balancing loss yet (router_aux_loss_coef)",
-                field="context_parallel",
-            )
+        why = ""
+        if "prefix_tokens" in batch.meta:
+            why = "a step plan's micro-batch (pack it without --prefix-reuse)"
+        elif router:
+            why = "the router's load-balancing loss (router_aux_loss_coef)"
+        if why:
+            raise TreepackError("E_ARG", f"context parallelism in the TRL integration does not run {why} yet", field="context_parallel")
         cp = self._treepack_cp = ContextParallel.of(batch, group=self.treepack_cp_group)
         local = split_batch(batch, cp)
         s = packed_logprobs(unwrap(model), local, temperature=self.temperature, entropy=entropy, attention=self.treepack_attention)
@@ -618,8 +619,6 @@ class TreepackGRPOTrainer(PackedForwardMixin, GroupedBatchesMixin, GRPOTrainer):
         why = ""
         if world % size:
             why = f"the world's {world} processes do not split into groups of {size}: launch a multiple of {size} processes"
-        elif self.treepack_packed_batches is not None:
-            why = "training on stored micro-batches (packed_batches, step plans among them) is not supported under it yet"
         elif self.is_fsdp_enabled or self.is_deepspeed_enabled:
             why = "FSDP and DeepSpeed are not supported: the split forward runs the model's modules itself (use DDP)"
         if why:
