@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 
-def worker(rank: int, world: int, port: int, model_path: str, packed: str, samples: list, out: str) -> None:
+def launch_env(rank: int, world: int, port: int) -> None:
+    """The environment `accelerate launch` (or torchrun) gives rank ``rank`` of ``world`` processes on this host."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -17,6 +18,10 @@ def worker(rank: int, world: int, port: int, model_path: str, packed: str, sampl
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def worker(rank: int, world: int, port: int, model_path: str, packed: str, samples: list, out: str) -> None:
+    launch_env(rank, world, port)
     import torch
     from test_trl_grpo import tokenizer
     from test_trl_packed import TRLOnMicroBatchesTest

@@ -57,15 +57,10 @@ def step(path: str, world: int, loss_type: str, cp: int = 1) -> dict:
 
 
 def trl_worker(rank: int, world: int, cp: int, controls: bool, port: int, path: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
     import torch.distributed as dist
+    from ddp_trl import launch_env
+
+    launch_env(rank, world, port)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # accelerate takes it as it is
