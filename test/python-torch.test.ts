@@ -13,20 +13,20 @@ import { pythonFor, pythonTests } from './helpers/python.js';
 const py = pythonFor('test/python-torch.test.ts', 'torch');
 const root = fileURLToPath(new URL('..', import.meta.url));
 
-// The suites that spawn ranks (test_cp_*.py: context parallelism, shared pieces) run in a case of their own: together
-// with the single-process suites they would come near one case's time limit on a busy host.
+// The suites that spawn ranks (test_cp_*.py: context parallelism, shared pieces) run in a case each: together with
+// the single-process suites, or with each other, they would come near one case's time limit on a busy host.
 const trainerDir = join(pythonTests, 'trainer');
 const suites = readdirSync(trainerDir)
   .filter((f) => /^test_.*\.py$/.test(f))
   .map((f) => f.slice(0, -3))
   .sort();
-const byRanks = {
-  'single-process': suites.filter((m) => !m.startsWith('test_cp_')),
-  'multi-rank (test_cp_*)': suites.filter((m) => m.startsWith('test_cp_')),
-};
+const cases: [string, string[]][] = [
+  ['every single-process suite', suites.filter((m) => !m.startsWith('test_cp_'))],
+  ...suites.filter((m) => m.startsWith('test_cp_')).map((m): [string, string[]] => [m, [m]]),
+];
 
 describe.skipIf(py.skipReason !== '')('treepack.torch (python/tests/trainer)', () => {
-  it.each(Object.entries(byRanks))('every %s trainer-side suite passes, none skipped', { timeout: 600_000 }, (_, modules) => {
+  it.each(cases)('%s passes, none skipped', { timeout: 600_000 }, (_, modules) => {
     expect(modules.length).toBeGreaterThan(0);
     // One thread: the models are tiny, and on a shared, busy host more threads only contend.
     const res = py.run(['-m', 'unittest', '-v', ...modules], { cwd: trainerDir, timeout: 590_000, env: { OMP_NUM_THREADS: '1' } });
