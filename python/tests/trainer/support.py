@@ -184,3 +184,15 @@ def patch_norms_to_input_dtype(model) -> None:
     for m in model.modules():
         if type(m).__name__.endswith("RMSNorm"):
             m.forward = types.MethodType(forward, m)
+
+
+def spawned_ranks(worker, world: int) -> list:
+    """Runs ``worker(rank, out)`` on ``world`` spawned processes, each saving what it found as ``out/rank{rank}.pt``:
+    those, by rank. Spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(worker, args=(out,), nprocs=world, join=True, start_method="spawn")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]

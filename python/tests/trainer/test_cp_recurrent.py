@@ -16,10 +16,9 @@ import dataclasses
 import datetime
 import os
 import random
-import tempfile
 import unittest
 
-from support import needs_torch, pack, torch, tpt
+from support import needs_torch, pack, spawned_ranks, torch, tpt
 from test_hybrid import VOCAB, hybrid_model
 from treepack import TreepackError
 
@@ -183,11 +182,7 @@ class CheckedSplits(unittest.TestCase):
 class RecurrentLayersUnderContextParallelism(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import torch.multiprocessing as mp
-
-        with tempfile.TemporaryDirectory() as out:
-            mp.start_processes(worker, args=(out,), nprocs=WORLD, join=True, start_method="spawn")
-            cls.ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+        cls.ranks = spawned_ranks(worker, WORLD)
         cls.reference = {}
         for family in FAMILIES:
             model = hybrid_model(family)

@@ -25,11 +25,10 @@ import dataclasses
 import datetime
 import os
 import random
-import tempfile
 import unittest
 import zlib
 
-from support import needs_torch, tiny_model, torch, tpt
+from support import needs_torch, spawned_ranks, tiny_model, torch, tpt
 from test_vision import PIL_SKIP
 from treepack import TreepackError
 
@@ -327,11 +326,7 @@ def failing(rank: int) -> dict:
 class SharedPiecesOfEveryFamily(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import torch.multiprocessing as mp
-
-        with tempfile.TemporaryDirectory() as out:
-            mp.start_processes(worker, args=(out,), nprocs=WORLD, join=True, start_method="spawn")
-            cls.ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+        cls.ranks = spawned_ranks(worker, WORLD)
         cls.reference = {f: reference(f, f == "qwen3_moe", False) for f in FAMILIES}
         cls.reference["qwen3_moe router"] = reference("qwen3_moe", True, True)
         if not PIL_SKIP:
