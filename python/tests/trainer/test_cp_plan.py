@@ -20,6 +20,7 @@ The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leav
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -71,10 +72,10 @@ def stress(batches):
 
 
 def model_for(family: str):
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "qwen3_moe"):
         from test_moe import build
 
-        return build("gpt_oss")[0]
+        return build(family)[0]
     if family == "qwen3_5":
         from test_hybrid import hybrid_model
 
@@ -82,6 +83,42 @@ def model_for(family: str):
     from support import tiny_model
 
     return tiny_model("qwen3", torch.float64, vocab=61)
+
+
+def routed(model, batches):
+    """Every node's routes replayed (test_cp_shared_pieces' random routes, a function of the node's token path, so
+    that a node cached by one micro-batch and computed by another routes alike): copies of ``batches``."""
+    from test_cp_shared_pieces import routes_of
+
+    route, out = routes_of(model), []
+    for b in batches:
+        parent, tokens, paths = b.parent.tolist(), b.input_ids.tolist(), []
+        for j, p in enumerate(parent):
+            paths.append((paths[p] if p >= 0 else ()) + (tokens[j],))
+        out.append(dataclasses.replace(b, routes=torch.stack([route(p) for p in paths], dim=1)))
+    return out
+
+
+def router_loss(lp, batch, router):
+    """stepplan_dir's loss plus the micro-batch's load-balancing loss (its occurrences weighing the nodes)."""
+    from stepplan_dir import loss_fn
+
+    return loss_fn(lp, batch) + 0.5 * tpt.load_balancing_loss(router, batch)
+
+
+def whole_batches(model, batches, router: bool):
+    """Each micro-batch run whole in one process (its cached prefix recomputed; routes replayed): the reference of
+    the routed modes, whose load-balancing loss is per micro-batch. Loss summed, per-sequence logprobs, gradients."""
+    from stepplan_dir import loss_fn, per_sequence
+
+    total, lps = 0.0, {}
+    for b in batches:
+        s = tpt.packed_logprobs(model, b, attention="block", router=router)
+        loss = router_loss(s.logprobs, b, s.router) if router else loss_fn(s.logprobs, b)
+        loss.backward()
+        total += float(loss.detach())
+        lps.update(per_sequence(s.logprobs.detach(), b))
+    return total, lps, {n: p.grad for n, p in model.named_parameters()}
 
 
 def entropy_run(model, batches, ops) -> dict:
@@ -110,8 +147,10 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         entries = read_manifest(path)["micro_batches"]
         files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
     batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
-    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3")
+    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5", "routes": "qwen3_moe", "router": "qwen3_moe"}.get(mode, "qwen3")
     model = model_for(family)
+    if family == "qwen3_moe":
+        batches = routed(model, batches)
     init = cp_plan._Hook.__init__
     if mode == "no_fetch":
         # Negative control: the cached parts' keys/values every attention layer fetches are zeros.
@@ -142,7 +181,8 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
     if mode == "group_of_four":  # cp_ranks naming ranks this world of two does not have
         ops = [tpt.step_op(b)._replace(cp_ranks=(0, 1, 2, 3)) for b in batches]
     try:
-        res = tpt.run_step_plan(net, batches, loss_fn, attention="block", sync=mode == "qwen3", ops=ops)
+        fn, router = (router_loss, True) if mode == "router" else (loss_fn, False)
+        res = tpt.run_step_plan(net, batches, fn, attention="block", sync=mode == "qwen3", ops=ops, router=router)
     except TreepackError as e:
         return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
     finally:
@@ -186,7 +226,7 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
-RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
+RUNS = {2: ["qwen3", "gpt_oss", "routes", "router", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -230,7 +270,11 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             group0 = batches[: len(list_microbatches(path, rank=0))]
             ops = [tpt.step_op(b)._replace(cp_ranks=()) for b in group0]
             run["one_rank_peak_bytes"] = tpt.run_step_plan(model_for(family), group0, loss_fn, ops=ops).peak_cached_bytes
-        loss, ref_lp, ref_grads = reference(model_for(family), batches)
+        if mode in ("routes", "router"):
+            model = model_for("qwen3_moe")
+            loss, ref_lp, ref_grads = whole_batches(model, routed(model, batches), mode == "router")
+        else:
+            loss, ref_lp, ref_grads = reference(model_for(family), batches)
         got = [r[mode] for r in run["ranks"]]
         grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
         run["diffs"][mode] = {
@@ -281,7 +325,7 @@ class CPPlanTest(unittest.TestCase):
                 self.assertEqual(tpt.PackedDataset(run["path"], rank=r, dp=world).files(), want)
 
     def test_equal_to_the_unsplit_forest(self):
-        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (4, "qwen3")):
+        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (2, "routes"), (2, "router"), (4, "qwen3")):
             d = self.runs[world]["diffs"][mode]
             self.assertTrue(d["sequences"], (world, mode))
             self.assertLess(d["loss"], TOL, (world, mode))
