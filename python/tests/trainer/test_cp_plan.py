@@ -147,7 +147,7 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         entries = read_manifest(path)["micro_batches"]
         files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
     batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
-    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5", "routes": "qwen3_moe", "router": "qwen3_moe"}.get(mode, "qwen3")
+    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5", "routes": "qwen3_moe", "router": "qwen3_moe", "no_routes": "qwen3_moe"}.get(mode, "qwen3")
     model = model_for(family)
     if family == "qwen3_moe":
         batches = routed(model, batches)
@@ -159,6 +159,18 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
             init(self, plan, parts, *rest)
 
         cp_plan._Hook.__init__ = zeros
+    replay, fetch, fetched = cp_plan.replay_routes, cp_plan.CPPlan.fetch, [0]
+
+    def counted(self, x, route, what):  # the bytes the keys/values and hidden states' fetches bring in
+        before = self.stats.get("received_bytes", 0)
+        got = fetch(self, x, route, what)
+        fetched[0] += self.stats.get("received_bytes", 0) - before
+        return got
+
+    cp_plan.CPPlan.fetch = counted
+    if mode == "no_routes":
+        # Negative control: the routers choose their own experts instead of replaying the nodes' routes.
+        cp_plan.replay_routes = lambda model, routes, tokens: replay(model, None, tokens=tokens)
     net, ops = model, None
     if mode == "qwen3":
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -186,7 +198,7 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
     except TreepackError as e:
         return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
     finally:
-        cp_plan._Hook.__init__ = init
+        cp_plan._Hook.__init__, cp_plan.replay_routes, cp_plan.CPPlan.fetch = init, replay, fetch
     if mode == "missing":
         time.sleep(TIMEOUT_S + 5)  # rank 1 stays up while rank 0 waits for it
         return {}
@@ -209,6 +221,10 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         "pushed_tokens": res.pushed_tokens,
         "peak_cached_tokens": res.peak_cached_tokens,
         "peak_cached_bytes": res.peak_cached_bytes,
+        "exchanged_bytes": res.exchanged_bytes,
+        "fetched_bytes": fetched[0],
+        # the least the logprobs' all-gather brings a rank of two: the other rank's rows, at least half of each [N] (float64)
+        "gathered_at_least": sum(8 * (b.num_nodes // 2) for b in batches),
     }
 
 
@@ -226,7 +242,7 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
-RUNS = {2: ["qwen3", "gpt_oss", "routes", "router", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
+RUNS = {2: ["qwen3", "gpt_oss", "routes", "router", "no_routes", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -270,7 +286,7 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             group0 = batches[: len(list_microbatches(path, rank=0))]
             ops = [tpt.step_op(b)._replace(cp_ranks=()) for b in group0]
             run["one_rank_peak_bytes"] = tpt.run_step_plan(model_for(family), group0, loss_fn, ops=ops).peak_cached_bytes
-        if mode in ("routes", "router"):
+        if mode in ("routes", "router", "no_routes"):
             model = model_for("qwen3_moe")
             loss, ref_lp, ref_grads = whole_batches(model, routed(model, batches), mode == "router")
         else:
@@ -283,6 +299,7 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             "sequences": sorted({s for g in got for s in g["logprobs"]}) == sorted(ref_lp),
             "grads": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
             "same_losses": all(got[r]["loss"] == got[r + 1]["loss"] for r in range(0, world, 2)),
+            "reference_loss": loss,
         }
     return run
 
@@ -363,6 +380,19 @@ class CPPlanTest(unittest.TestCase):
 
     def test_without_the_cached_keys_the_results_differ(self):
         self.assertGreater(self.runs[2]["diffs"]["no_fetch"]["logprobs"], 1e-3)
+
+    def test_routes_are_replayed_and_the_load_balancing_loss_counts(self):
+        diffs = self.runs[2]["diffs"]
+        # The routers left to choose differ from the replayed routes; the load-balancing loss is not zero.
+        self.assertGreater(diffs["no_routes"]["logprobs"], 1e-3)
+        self.assertGreater(abs(diffs["router"]["reference_loss"] - diffs["routes"]["reference_loss"]), 1e-3)
+
+    def test_exchanged_bytes_count_the_logprob_gather(self):
+        # Besides the keys/values and hidden states its contexts fetch, each rank receives the other's rows of every
+        # micro-batch's logprobs.
+        for g in (r["qwen3"] for r in self.runs[2]["ranks"]):
+            self.assertGreater(g["fetched_bytes"], 0)
+            self.assertGreaterEqual(g["exchanged_bytes"] - g["fetched_bytes"], g["gathered_at_least"])
 
     def test_a_hybrid_is_refused_by_name(self):
         for r in self.runs[2]["ranks"]:

@@ -275,6 +275,7 @@ class _Assemble(torch.autograd.Function):
         buf[: x.shape[0]] = x
         parts = [torch.empty_like(buf) for _ in range(plan.G)]
         _collective(plan.cp, f"the all-gather of the logprobs of {plan.what}", lambda: _dist().all_gather(parts, buf, group=plan.group))
+        plan.stats["received_bytes"] = plan.stats.get("received_bytes", 0) + (plan.G - 1) * buf.numel() * buf.element_size()
         return torch.stack(parts)[owner, slot]
 
     @staticmethod
