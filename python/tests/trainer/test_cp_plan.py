@@ -11,8 +11,10 @@ inside the segment (each rank holds its half of the chain, the cache spread over
 pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no trainable
 token; each rank's cache peaks at about half of what one rank running the plan alone holds.
 ``StepPlanRunner(entropy=True)``: entropies and the gradient of a loss reading them equal one rank running the same
-micro-batches. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
-differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
+micro-batches. A tiny Qwen3-MoE replaying every node's routes, and with ``router=True`` (a load-balancing loss per
+micro-batch), against each micro-batch run whole in one process, within 1e-10. ``exchanged_bytes`` counts the
+logprobs' all-gather besides the fetches. Negative controls: with the cached parts' keys/values replaced by zeros in
+the fetch, or with the routers choosing instead of replaying the routes, the logprobs differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
 them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank; on four
 ranks, it makes the groups but does not come) is named on the other within the group's 15 s timeout.
 
@@ -36,6 +38,7 @@ from support import needs_torch, torch, tpt
 CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "dist", "src", "cli", "main.js")
 TIMEOUT_S = 15
 TOL = 1e-10
+ROUTED = ("routes", "router", "no_routes")  # the modes of a tiny Qwen3-MoE replaying every node's routes
 
 
 def write_forest(directory: str, world: int) -> str:
@@ -147,7 +150,7 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         entries = read_manifest(path)["micro_batches"]
         files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
     batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
-    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5", "routes": "qwen3_moe", "router": "qwen3_moe", "no_routes": "qwen3_moe"}.get(mode, "qwen3")
+    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3_moe" if mode in ROUTED else "qwen3")
     model = model_for(family)
     if family == "qwen3_moe":
         batches = routed(model, batches)
@@ -242,7 +245,7 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
-RUNS = {2: ["qwen3", "gpt_oss", "routes", "router", "no_routes", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
+RUNS = {2: ["qwen3", "gpt_oss", *ROUTED, "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -286,7 +289,7 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             group0 = batches[: len(list_microbatches(path, rank=0))]
             ops = [tpt.step_op(b)._replace(cp_ranks=()) for b in group0]
             run["one_rank_peak_bytes"] = tpt.run_step_plan(model_for(family), group0, loss_fn, ops=ops).peak_cached_bytes
-        if mode in ("routes", "router", "no_routes"):
+        if mode in ROUTED:
             model = model_for("qwen3_moe")
             loss, ref_lp, ref_grads = whole_batches(model, routed(model, batches), mode == "router")
         else:

@@ -28,8 +28,11 @@ its share: the group's sum is the micro-batch's gradient, and the data-parallel 
 ``cp`` micro-batch's gradient arrives as G shares where a ``dp`` one arrives whole, and both sum the same way. Each
 member returns the micro-batch's whole loss: count it once per group (e.g. on ``cp_ranks[0]``).
 
-Attention-only language models: recurrent layers, routes (MoE replay), the load-balancing loss (``router=True``)
-and images are refused by name (run the plan packed without ``--cp``). Every exchange runs under the process
+A MoE model replays the routes (``batch.routes``) of the rows each rank computes; with ``router=True`` a part also
+keeps its rows' router logits (leaves) and experts, and the micro-batch's router outputs (every node's: the parts',
+then the computed nodes') are all-gathered with the logprobs, so ``loss_fn`` gets the whole micro-batch's
+``RouterOutputs``. Recurrent layers and images are refused by name (run the plan packed without ``--cp``). Every
+exchange runs under the process
 group's timeout; a micro-batch's first exchange checks that every rank of ``cp_ranks`` runs the same micro-batch
 and names a rank that does not come (TreepackError, E_BACKEND or E_INPUT), never hangs.
 """
