@@ -162,12 +162,15 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
             init(self, plan, parts, *rest)
 
         cp_plan._Hook.__init__ = zeros
-    replay, fetch, fetched = cp_plan.replay_routes, cp_plan.CPPlan.fetch, [0]
+    replay, fetch, fetched, by_layer = cp_plan.replay_routes, cp_plan.CPPlan.fetch, [0], {}
 
-    def counted(self, x, route, what):  # the bytes the keys/values and hidden states' fetches bring in
+    def counted(self, x, route, what):  # the bytes the keys/values and hidden states' fetches bring in (per layer too)
         before = self.stats.get("received_bytes", 0)
         got = fetch(self, x, route, what)
         fetched[0] += self.stats.get("received_bytes", 0) - before
+        layer = what.split("'s keys/values")[0] if "'s keys/values" in what else None
+        if layer is not None:
+            by_layer[layer] = by_layer.get(layer, 0) + self.stats.get("received_bytes", 0) - before
         return got
 
     cp_plan.CPPlan.fetch = counted
@@ -226,6 +229,8 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         "peak_cached_bytes": res.peak_cached_bytes,
         "exchanged_bytes": res.exchanged_bytes,
         "fetched_bytes": fetched[0],
+        "fetched_by_layer": by_layer,
+        "layer_types": getattr(model.config, "layer_types", None),
         # the least the logprobs' all-gather brings a rank of two: the other rank's rows, at least half of each [N] (float64)
         "gathered_at_least": sum(8 * (b.num_nodes // 2) for b in batches),
     }
@@ -389,6 +394,16 @@ class CPPlanTest(unittest.TestCase):
         # The routers left to choose differ from the replayed routes; the load-balancing loss is not zero.
         self.assertGreater(diffs["no_routes"]["logprobs"], 1e-3)
         self.assertGreater(abs(diffs["router"]["reference_loss"] - diffs["routes"]["reference_loss"]), 1e-3)
+
+    def test_a_sliding_window_layer_fetches_only_its_window(self):
+        # gpt-oss alternates sliding (window 4) and full layers of the same key/value size: over the plan, each rank's
+        # sliding layer fetches fewer context keys than its full layer (the results above equal the unsplit forest).
+        for g in (r["gpt_oss"] for r in self.runs[2]["ranks"]):
+            kinds = dict(enumerate(g["layer_types"]))
+            sliding = [b for k, b in g["fetched_by_layer"].items() if kinds[int(k.split()[1])] == "sliding_attention"]
+            full = [b for k, b in g["fetched_by_layer"].items() if kinds[int(k.split()[1])] == "full_attention"]
+            self.assertEqual((len(sliding), len(full)), (1, 1), g["fetched_by_layer"])
+            self.assertLess(sliding[0], 0.8 * full[0], g["fetched_by_layer"])
 
     def test_exchanged_bytes_count_the_logprob_gather(self):
         # Besides the keys/values and hidden states its contexts fetch, each rank receives the other's rows of every

@@ -48,9 +48,19 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..microbatch import TreepackError
-from .attention import tree_mask
+from .attention import module_window, tree_mask
 from .batch import PackedBatch
-from .context_parallel import ContextParallel, Route, _collective, _context, _Fetch, balanced_bounds, fetch_keys_values
+from .context_parallel import (
+    ContextParallel,
+    Route,
+    _collective,
+    _context,
+    _Fetch,
+    balanced_bounds,
+    fetch_keys_values,
+    in_rows,
+    window_context,
+)
 from .logprobs import NodeScores, packed_logprobs, scored_nodes
 from .moe import RouterOutputs, replay_routes, router_outputs
 from .shared_prefix import _GROUPS, captured_layer, group_of, world_timeout
@@ -233,11 +243,20 @@ def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) 
 
 class _Hook:
     """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``): the context's
-    keys/values, fetched from the parts and lower ranks holding them, before this rank's; ``captured`` what each layer
-    computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
+    keys/values, fetched from the parts and lower ranks holding them, before this rank's (a sliding-window layer's
+    only those its queries can see: ``windowed(window)``, their route and rows among the context's); ``captured`` what
+    each layer computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
 
-    def __init__(self, plan: CPPlan, parts: Sequence[_Part], rows: int, route: Route, what: str) -> None:
-        self.plan, self.parts, self.rows, self.route, self.what = plan, parts, rows, route, what
+    def __init__(
+        self,
+        plan: CPPlan,
+        parts: Sequence[_Part],
+        rows: int,
+        route: Route,
+        what: str,
+        windowed: Callable[[int], tuple[Route, torch.Tensor]] | None = None,
+    ) -> None:
+        self.plan, self.parts, self.rows, self.route, self.what, self.windowed = plan, parts, rows, route, what, windowed
         self.captured: dict[Any, torch.Tensor] = {}
         self.closed = False
 
@@ -250,7 +269,14 @@ class _Hook:
         # Every rank's rows: its parts' keys/values, then those it computes now (_Slots' order).
         held_k = torch.cat([p.cache[("key", layer)] for p in self.parts] + [key], dim=2)
         held_v = torch.cat([p.cache[("value", layer)] for p in self.parts] + [value], dim=2)
-        kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, f"layer {layer}'s keys/values of {self.what}"))
+        window = None if self.windowed is None else module_window(module)
+        if window is None:
+            what = f"layer {layer}'s keys/values of {self.what}"
+            kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, what))
+        else:  # the rows left out are keys no query of this rank sees through the window
+            route, rows = self.windowed(window)
+            what = f"layer {layer}'s keys/values in its window of {self.what}"
+            kc, vc = in_rows(fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, route, what)), rows, self.rows)
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
         return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
 
@@ -376,7 +402,18 @@ class CPPlan:
         local = local.to(dev)
         A = int(contexts[self.me].shape[0])
         mask = tree_mask(local, mode=r.attention, block_size=r.block_size)
-        mask.prefix = hook = _Hook(self, parts, A, kv, self.what)
+        positions = forest.position_ids.to("cpu", torch.int64)
+        windows: dict[int, tuple[Route, torch.Tensor]] = {}
+
+        def windowed(w: int) -> tuple[Route, torch.Tensor]:
+            # Per window size: the context keys each rank's rows see through it (window_context), routed like ``kv``.
+            if w not in windows:
+                seen = [window_context(se, positions, bounds[i], bounds[i + 1], w) if len(contexts[i]) else contexts[i] for i in range(self.G)]
+                rows = torch.searchsorted(contexts[self.me], seen[self.me]).to(dev)
+                windows[w] = (_route([slots.of(c) for c in seen], self.me, dev), rows)
+            return windows[w]
+
+        mask.prefix = hook = _Hook(self, parts, A, kv, self.what, windowed)
         replay: Any = contextlib.nullcontext()
         if forest.routes is not None or r.router:
             replay = replay_routes(r.model, None if forest.routes is None else forest.routes[:, a:b], tokens=b - a)
