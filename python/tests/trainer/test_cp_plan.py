@@ -14,9 +14,11 @@ token; each rank's cache peaks at about half of what one rank running the plan a
 micro-batches. A tiny Qwen3-MoE replaying every node's routes, and with ``router=True`` (a load-balancing loss per
 micro-batch), against each micro-batch run whole in one process, within 1e-10. ``exchanged_bytes`` counts the
 logprobs' all-gather besides the fetches. Negative controls: with the cached parts' keys/values replaced by zeros in
-the fetch, or with the routers choosing instead of replaying the routes, the logprobs differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
-them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank; on four
-ranks, it makes the groups but does not come) is named on the other within the group's 15 s timeout.
+the fetch, or with the routers choosing instead of replaying the routes, the logprobs differ. gpt-oss's sliding-window
+layer fetches fewer bytes than its full layer. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks``
+naming ranks the world lacks, naming them; a rank that does not run its group's micro-batches (it takes only the
+entries listed under its own rank; on four ranks, it makes the groups but does not come) is named on the other within
+the group's 15 s timeout.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 

@@ -10,8 +10,9 @@ that size, on every rank in the same order, as ``dist.new_group`` requires) and 
 - **a push** of chain depths [s, e) is split over the group at balanced bounds (``context_parallel.balanced_bounds``):
   rank i runs its range without grad against the keys/values of every depth below it, held by the stack parts of any
   rank or computed in this pass by lower ranks, fetched from their owners in every attention layer
-  (``context_parallel._Fetch``); it keeps only its range (``_Part``: per layer keys/values, final hidden states,
-  node logprobs, as leaves that gather gradients), so a rank holds 1/G of the cached chain;
+  (``context_parallel._Fetch``; a sliding-window layer fetches only those its range sees, ``window_context``); it
+  keeps only its range (``_Part``: per layer keys/values, final hidden states, node logprobs, as leaves that gather
+  gradients), so a rank holds 1/G of the cached chain;
 - **the micro-batch's nodes** [prefix_tokens, N) are split the same way; a rank's context (the ancestors of its
   first node, ``split_batch``'s rule) comes from the parts holding them or from lower ranks, and the final hidden
   states of the parents its nodes are scored from likewise; the per-node logprobs are then all-gathered, so every
@@ -408,7 +409,9 @@ class CPPlan:
         def windowed(w: int) -> tuple[Route, torch.Tensor]:
             # Per window size: the context keys each rank's rows see through it (window_context), routed like ``kv``.
             if w not in windows:
-                seen = [window_context(se, positions, bounds[i], bounds[i + 1], w) if len(contexts[i]) else contexts[i] for i in range(self.G)]
+                seen = [
+                    window_context(se, positions, bounds[i], bounds[i + 1], w) if len(contexts[i]) else contexts[i] for i in range(self.G)
+                ]
                 rows = torch.searchsorted(contexts[self.me], seen[self.me]).to(dev)
                 windows[w] = (_route([slots.of(c) for c in seen], self.me, dev), rows)
             return windows[w]
