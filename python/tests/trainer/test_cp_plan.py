@@ -11,15 +11,20 @@ inside the segment (each rank holds its half of the chain, the cache spread over
 pushes a rank's range empty (its throw-away root), and rank 0's share of the second micro-batch has no trainable
 token; each rank's cache peaks at about half of what one rank running the plan alone holds.
 ``StepPlanRunner(entropy=True)``: entropies and the gradient of a loss reading them equal one rank running the same
-micro-batches. Negative control: with the cached parts' keys/values replaced by zeros in the fetch, the logprobs
-differ. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks`` naming ranks the world lacks, naming
-them; a rank that does not run its group's micro-batches (it takes only the entries listed under its own rank; on four
-ranks, it makes the groups but does not come) is named on the other within the group's 15 s timeout.
+micro-batches. A tiny Qwen3-MoE replaying every node's routes, and with ``router=True`` (a load-balancing loss per
+micro-batch), against each micro-batch run whole in one process, within 1e-10. ``exchanged_bytes`` counts the
+logprobs' all-gather besides the fetches. Negative controls: with the cached parts' keys/values replaced by zeros in
+the fetch, or with the routers choosing instead of replaying the routes, the logprobs differ. gpt-oss's sliding-window
+layer fetches fewer bytes than its full layer. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks``
+naming ranks the world lacks, naming them; a rank that does not run its group's micro-batches (it takes only the
+entries listed under its own rank; on four ranks, it makes the groups but does not come) is named on the other within
+the group's 15 s timeout.
 
 The ranks are spawned, not forked: a fork after torch's OpenMP pool has run leaves the children waiting on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -35,6 +40,7 @@ from support import needs_torch, torch, tpt
 CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "dist", "src", "cli", "main.js")
 TIMEOUT_S = 15
 TOL = 1e-10
+ROUTED = ("routes", "router", "no_routes")  # the modes of a tiny Qwen3-MoE replaying every node's routes
 
 
 def write_forest(directory: str, world: int) -> str:
@@ -71,10 +77,10 @@ def stress(batches):
 
 
 def model_for(family: str):
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "qwen3_moe"):
         from test_moe import build
 
-        return build("gpt_oss")[0]
+        return build(family)[0]
     if family == "qwen3_5":
         from test_hybrid import hybrid_model
 
@@ -82,6 +88,42 @@ def model_for(family: str):
     from support import tiny_model
 
     return tiny_model("qwen3", torch.float64, vocab=61)
+
+
+def routed(model, batches):
+    """Every node's routes replayed (test_cp_shared_pieces' random routes, a function of the node's token path, so
+    that a node cached by one micro-batch and computed by another routes alike): copies of ``batches``."""
+    from test_cp_shared_pieces import routes_of
+
+    route, out = routes_of(model), []
+    for b in batches:
+        parent, tokens, paths = b.parent.tolist(), b.input_ids.tolist(), []
+        for j, p in enumerate(parent):
+            paths.append((paths[p] if p >= 0 else ()) + (tokens[j],))
+        out.append(dataclasses.replace(b, routes=torch.stack([route(p) for p in paths], dim=1)))
+    return out
+
+
+def router_loss(lp, batch, router):
+    """stepplan_dir's loss plus the micro-batch's load-balancing loss (its occurrences weighing the nodes)."""
+    from stepplan_dir import loss_fn
+
+    return loss_fn(lp, batch) + 0.5 * tpt.load_balancing_loss(router, batch)
+
+
+def whole_batches(model, batches, router: bool):
+    """Each micro-batch run whole in one process (its cached prefix recomputed; routes replayed): the reference of
+    the routed modes, whose load-balancing loss is per micro-batch. Loss summed, per-sequence logprobs, gradients."""
+    from stepplan_dir import loss_fn, per_sequence
+
+    total, lps = 0.0, {}
+    for b in batches:
+        s = tpt.packed_logprobs(model, b, attention="block", router=router)
+        loss = router_loss(s.logprobs, b, s.router) if router else loss_fn(s.logprobs, b)
+        loss.backward()
+        total += float(loss.detach())
+        lps.update(per_sequence(s.logprobs.detach(), b))
+    return total, lps, {n: p.grad for n, p in model.named_parameters()}
 
 
 def entropy_run(model, batches, ops) -> dict:
@@ -110,8 +152,10 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         entries = read_manifest(path)["micro_batches"]
         files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
     batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
-    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3")
+    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3_moe" if mode in ROUTED else "qwen3")
     model = model_for(family)
+    if family == "qwen3_moe":
+        batches = routed(model, batches)
     init = cp_plan._Hook.__init__
     if mode == "no_fetch":
         # Negative control: the cached parts' keys/values every attention layer fetches are zeros.
@@ -120,6 +164,21 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
             init(self, plan, parts, *rest)
 
         cp_plan._Hook.__init__ = zeros
+    replay, fetch, fetched, by_layer = cp_plan.replay_routes, cp_plan.CPPlan.fetch, [0], {}
+
+    def counted(self, x, route, what):  # the bytes the keys/values and hidden states' fetches bring in (per layer too)
+        before = self.stats.get("received_bytes", 0)
+        got = fetch(self, x, route, what)
+        fetched[0] += self.stats.get("received_bytes", 0) - before
+        layer = what.split("'s keys/values")[0] if "'s keys/values" in what else None
+        if layer is not None:
+            by_layer[layer] = by_layer.get(layer, 0) + self.stats.get("received_bytes", 0) - before
+        return got
+
+    cp_plan.CPPlan.fetch = counted
+    if mode == "no_routes":
+        # Negative control: the routers choose their own experts instead of replaying the nodes' routes.
+        cp_plan.replay_routes = lambda model, routes, tokens: replay(model, None, tokens=tokens)
     net, ops = model, None
     if mode == "qwen3":
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -142,11 +201,12 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
     if mode == "group_of_four":  # cp_ranks naming ranks this world of two does not have
         ops = [tpt.step_op(b)._replace(cp_ranks=(0, 1, 2, 3)) for b in batches]
     try:
-        res = tpt.run_step_plan(net, batches, loss_fn, attention="block", sync=mode == "qwen3", ops=ops)
+        fn, router = (router_loss, True) if mode == "router" else (loss_fn, False)
+        res = tpt.run_step_plan(net, batches, fn, attention="block", sync=mode == "qwen3", ops=ops, router=router)
     except TreepackError as e:
         return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
     finally:
-        cp_plan._Hook.__init__ = init
+        cp_plan._Hook.__init__, cp_plan.replay_routes, cp_plan.CPPlan.fetch = init, replay, fetch
     if mode == "missing":
         time.sleep(TIMEOUT_S + 5)  # rank 1 stays up while rank 0 waits for it
         return {}
@@ -169,6 +229,12 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         "pushed_tokens": res.pushed_tokens,
         "peak_cached_tokens": res.peak_cached_tokens,
         "peak_cached_bytes": res.peak_cached_bytes,
+        "exchanged_bytes": res.exchanged_bytes,
+        "fetched_bytes": fetched[0],
+        "fetched_by_layer": by_layer,
+        "layer_types": getattr(model.config, "layer_types", None),
+        # the least the logprobs' all-gather brings a rank of two: the other rank's rows, at least half of each [N] (float64)
+        "gathered_at_least": sum(8 * (b.num_nodes // 2) for b in batches),
     }
 
 
@@ -186,7 +252,7 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
-RUNS = {2: ["qwen3", "gpt_oss", "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
+RUNS = {2: ["qwen3", "gpt_oss", *ROUTED, "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -230,7 +296,11 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             group0 = batches[: len(list_microbatches(path, rank=0))]
             ops = [tpt.step_op(b)._replace(cp_ranks=()) for b in group0]
             run["one_rank_peak_bytes"] = tpt.run_step_plan(model_for(family), group0, loss_fn, ops=ops).peak_cached_bytes
-        loss, ref_lp, ref_grads = reference(model_for(family), batches)
+        if mode in ROUTED:
+            model = model_for("qwen3_moe")
+            loss, ref_lp, ref_grads = whole_batches(model, routed(model, batches), mode == "router")
+        else:
+            loss, ref_lp, ref_grads = reference(model_for(family), batches)
         got = [r[mode] for r in run["ranks"]]
         grads = torch.load(os.path.join(out, f"grads-{mode}.pt"))
         run["diffs"][mode] = {
@@ -239,6 +309,7 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             "sequences": sorted({s for g in got for s in g["logprobs"]}) == sorted(ref_lp),
             "grads": max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
             "same_losses": all(got[r]["loss"] == got[r + 1]["loss"] for r in range(0, world, 2)),
+            "reference_loss": loss,
         }
     return run
 
@@ -281,7 +352,7 @@ class CPPlanTest(unittest.TestCase):
                 self.assertEqual(tpt.PackedDataset(run["path"], rank=r, dp=world).files(), want)
 
     def test_equal_to_the_unsplit_forest(self):
-        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (4, "qwen3")):
+        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (2, "routes"), (2, "router"), (4, "qwen3")):
             d = self.runs[world]["diffs"][mode]
             self.assertTrue(d["sequences"], (world, mode))
             self.assertLess(d["loss"], TOL, (world, mode))
@@ -319,6 +390,29 @@ class CPPlanTest(unittest.TestCase):
 
     def test_without_the_cached_keys_the_results_differ(self):
         self.assertGreater(self.runs[2]["diffs"]["no_fetch"]["logprobs"], 1e-3)
+
+    def test_routes_are_replayed_and_the_load_balancing_loss_counts(self):
+        diffs = self.runs[2]["diffs"]
+        # The routers left to choose differ from the replayed routes; the load-balancing loss is not zero.
+        self.assertGreater(diffs["no_routes"]["logprobs"], 1e-3)
+        self.assertGreater(abs(diffs["router"]["reference_loss"] - diffs["routes"]["reference_loss"]), 1e-3)
+
+    def test_a_sliding_window_layer_fetches_only_its_window(self):
+        # gpt-oss alternates sliding (window 4) and full layers of the same key/value size: over the plan, each rank's
+        # sliding layer fetches fewer context keys than its full layer (the results above equal the unsplit forest).
+        for g in (r["gpt_oss"] for r in self.runs[2]["ranks"]):
+            kinds = dict(enumerate(g["layer_types"]))
+            sliding = [b for k, b in g["fetched_by_layer"].items() if kinds[int(k.split()[1])] == "sliding_attention"]
+            full = [b for k, b in g["fetched_by_layer"].items() if kinds[int(k.split()[1])] == "full_attention"]
+            self.assertEqual((len(sliding), len(full)), (1, 1), g["fetched_by_layer"])
+            self.assertLess(sliding[0], 0.8 * full[0], g["fetched_by_layer"])
+
+    def test_exchanged_bytes_count_the_logprob_gather(self):
+        # Besides the keys/values and hidden states its contexts fetch, each rank receives the other's rows of every
+        # micro-batch's logprobs.
+        for g in (r["qwen3"] for r in self.runs[2]["ranks"]):
+            self.assertGreater(g["fetched_bytes"], 0)
+            self.assertGreaterEqual(g["exchanged_bytes"] - g["fetched_bytes"], g["gathered_at_least"])
 
     def test_a_hybrid_is_refused_by_name(self):
         for r in self.runs[2]["ranks"]:

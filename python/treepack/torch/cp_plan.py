@@ -10,8 +10,9 @@ that size, on every rank in the same order, as ``dist.new_group`` requires) and 
 - **a push** of chain depths [s, e) is split over the group at balanced bounds (``context_parallel.balanced_bounds``):
   rank i runs its range without grad against the keys/values of every depth below it, held by the stack parts of any
   rank or computed in this pass by lower ranks, fetched from their owners in every attention layer
-  (``context_parallel._Fetch``); it keeps only its range (``_Part``: per layer keys/values, final hidden states,
-  node logprobs, as leaves that gather gradients), so a rank holds 1/G of the cached chain;
+  (``context_parallel._Fetch``; a sliding-window layer fetches only those its range sees, ``window_context``); it
+  keeps only its range (``_Part``: per layer keys/values, final hidden states, node logprobs, as leaves that gather
+  gradients), so a rank holds 1/G of the cached chain;
 - **the micro-batch's nodes** [prefix_tokens, N) are split the same way; a rank's context (the ancestors of its
   first node, ``split_batch``'s rule) comes from the parts holding them or from lower ranks, and the final hidden
   states of the parents its nodes are scored from likewise; the per-node logprobs are then all-gathered, so every
@@ -28,14 +29,18 @@ its share: the group's sum is the micro-batch's gradient, and the data-parallel 
 ``cp`` micro-batch's gradient arrives as G shares where a ``dp`` one arrives whole, and both sum the same way. Each
 member returns the micro-batch's whole loss: count it once per group (e.g. on ``cp_ranks[0]``).
 
-Attention-only language models: recurrent layers, routes (MoE replay), the load-balancing loss (``router=True``)
-and images are refused by name (run the plan packed without ``--cp``). Every exchange runs under the process
+A MoE model replays the routes (``batch.routes``) of the rows each rank computes; with ``router=True`` a part also
+keeps its rows' router logits (leaves) and experts, and the micro-batch's router outputs (every node's: the parts',
+then the computed nodes') are all-gathered with the logprobs, so ``loss_fn`` gets the whole micro-batch's
+``RouterOutputs``. Recurrent layers and images are refused by name (run the plan packed without ``--cp``). Every
+exchange runs under the process
 group's timeout; a micro-batch's first exchange checks that every rank of ``cp_ranks`` runs the same micro-batch
 and names a rank that does not come (TreepackError, E_BACKEND or E_INPUT), never hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -44,10 +49,21 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..microbatch import TreepackError
-from .attention import tree_mask
+from .attention import module_window, tree_mask
 from .batch import PackedBatch
-from .context_parallel import ContextParallel, Route, _collective, _context, _Fetch, balanced_bounds, fetch_keys_values
+from .context_parallel import (
+    ContextParallel,
+    Route,
+    _collective,
+    _context,
+    _Fetch,
+    balanced_bounds,
+    fetch_keys_values,
+    in_rows,
+    window_context,
+)
 from .logprobs import NodeScores, packed_logprobs, scored_nodes
+from .moe import RouterOutputs, replay_routes, router_outputs
 from .shared_prefix import _GROUPS, captured_layer, group_of, world_timeout
 
 
@@ -132,27 +148,33 @@ def split_bounds(subtree_end: torch.Tensor, start: int, size: int) -> tuple[int,
 class _Part:
     """This rank's share of a segment its group pushed: chain depths [start, end) split at ``bounds`` (G + 1 depths),
     this rank holding [bounds[i], bounds[i + 1]) as leaves that gather gradients (per attention layer its keys and
-    values [1, H, n, D], final hidden states [n, D], node logprobs and entropies [n]); ``ids``/``pos`` are the whole
-    segment's, to recompute it at the pop."""
+    values [1, H, n, D], final hidden states [n, D], node logprobs and entropies [n]; with ``router=True`` each MoE
+    layer's router logits [n, experts] and the experts used [MoE layers, n, k]); ``ids``/``pos``/``routes`` are the
+    whole segment's, to recompute it at the pop (``routes`` [MoE layers, L, k] replayed, None without)."""
 
-    def __init__(self, start: int, bounds: tuple[int, ...], ids: torch.Tensor, pos: torch.Tensor, got: Any) -> None:
+    def __init__(
+        self, start: int, bounds: tuple[int, ...], ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, got: Any
+    ) -> None:
         self.start, self.end, self.bounds, self.ids, self.pos = start, start + int(ids.shape[0]), bounds, ids, pos
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             return t.detach().requires_grad_()
 
-        cache, hidden, lp, ent = got
+        cache, hidden, lp, ent, routed = got
         self.cache = {k: leaf(t) for k, t in cache.items()}
         self.hidden, self.lp = leaf(hidden), leaf(lp)
         self.ent = None if ent is None else leaf(ent)
-        # the source/routes a rank's own segment has (StepPlanRunner._check reads them): none under context parallelism
-        self.source = self.routes = None
+        self.router_logits = None if routed is None else [leaf(t) for t in routed[0]]
+        self.experts = None if routed is None else routed[1]
+        # StepPlanRunner._check compares the routes with the micro-batch's; a group's segments have no source (images)
+        self.routes, self.source = routes, None
 
     def rows(self, r: int) -> int:
         return self.bounds[r + 1] - self.bounds[r]
 
     def leaves(self) -> list[torch.Tensor]:
-        return list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
+        own = list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
+        return own + ([] if self.router_logits is None else self.router_logits)
 
     def nbytes(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self.leaves())
@@ -222,11 +244,20 @@ def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) 
 
 class _Hook:
     """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``): the context's
-    keys/values, fetched from the parts and lower ranks holding them, before this rank's; ``captured`` what each layer
-    computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
+    keys/values, fetched from the parts and lower ranks holding them, before this rank's (a sliding-window layer's
+    only those its queries can see: ``windowed(window)``, their route and rows among the context's); ``captured`` what
+    each layer computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
 
-    def __init__(self, plan: CPPlan, parts: Sequence[_Part], rows: int, route: Route, what: str) -> None:
-        self.plan, self.parts, self.rows, self.route, self.what = plan, parts, rows, route, what
+    def __init__(
+        self,
+        plan: CPPlan,
+        parts: Sequence[_Part],
+        rows: int,
+        route: Route,
+        what: str,
+        windowed: Callable[[int], tuple[Route, torch.Tensor]] | None = None,
+    ) -> None:
+        self.plan, self.parts, self.rows, self.route, self.what, self.windowed = plan, parts, rows, route, what, windowed
         self.captured: dict[Any, torch.Tensor] = {}
         self.closed = False
 
@@ -239,7 +270,14 @@ class _Hook:
         # Every rank's rows: its parts' keys/values, then those it computes now (_Slots' order).
         held_k = torch.cat([p.cache[("key", layer)] for p in self.parts] + [key], dim=2)
         held_v = torch.cat([p.cache[("value", layer)] for p in self.parts] + [value], dim=2)
-        kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, f"layer {layer}'s keys/values of {self.what}"))
+        window = None if self.windowed is None else module_window(module)
+        if window is None:
+            what = f"layer {layer}'s keys/values of {self.what}"
+            kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, what))
+        else:  # the rows left out are keys no query of this rank sees through the window
+            route, rows = self.windowed(window)
+            what = f"layer {layer}'s keys/values in its window of {self.what}"
+            kc, vc = in_rows(fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, route, what)), rows, self.rows)
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
         return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
 
@@ -267,6 +305,7 @@ class _Assemble(torch.autograd.Function):
         buf[: x.shape[0]] = x
         parts = [torch.empty_like(buf) for _ in range(plan.G)]
         _collective(plan.cp, f"the all-gather of the logprobs of {plan.what}", lambda: _dist().all_gather(parts, buf, group=plan.group))
+        plan.stats["received_bytes"] = plan.stats.get("received_bytes", 0) + (plan.G - 1) * buf.numel() * buf.element_size()
         return torch.stack(parts)[owner, slot]
 
     @staticmethod
@@ -333,8 +372,10 @@ class CPPlan:
 
     def _pass(self, forest: PackedBatch, parts: Sequence[_Part], bounds: tuple[int, ...], targets: torch.Tensor) -> Any:
         """Nodes [bounds[0], N) of ``forest`` (those below cached in ``parts``), this rank computing [bounds[me],
-        bounds[me + 1]): what each layer caches for its rows, their final hidden states, and the logprobs (entropies)
-        of ``targets`` among them [n] (NaN elsewhere); ``anchor`` ties every exchange of the pass to the results."""
+        bounds[me + 1]): what each layer caches for its rows, their final hidden states, the logprobs (entropies)
+        of ``targets`` among them [n] (NaN elsewhere), their routing (``router=True``: per MoE layer the router logits
+        [n, experts], and the experts [MoE layers, n, k]; else None); ``anchor`` ties every exchange of the pass to
+        the results. A MoE model replays the routes ``forest.routes`` of the rows it computes."""
         r = self.runner
         lo, hi = bounds[self.me], bounds[self.me + 1]
         slots = _Slots(parts, bounds[0], bounds)
@@ -354,17 +395,34 @@ class CPPlan:
         needs = [outside(i) for i in range(self.G)]
         hroute = _route([slots.of(x) for x in needs], self.me, dev)
         host = forest.to("cpu")
-        if hi > lo:
-            local = _local_forest(host, contexts[self.me], lo, hi)
-        else:  # nothing of this pass is this rank's: one throw-away root keeps it in every exchange
-            local = _local_forest(host, contexts[self.me], bounds[0], bounds[0] + 1)
+        a, b = (lo, hi) if hi > lo else (bounds[0], bounds[0] + 1)
+        local = _local_forest(host, contexts[self.me], a, b)
+        if hi == lo:  # nothing of this pass is this rank's: one throw-away root keeps it in every exchange
             local.parent[:] = -1
             local.position_ids[:] = 0
         local = local.to(dev)
         A = int(contexts[self.me].shape[0])
         mask = tree_mask(local, mode=r.attention, block_size=r.block_size)
-        mask.prefix = hook = _Hook(self, parts, A, kv, self.what)
-        out = r.base(input_ids=local.input_ids[None, A:], position_ids=local.position_ids[None, A:], attention_mask=mask, use_cache=False)
+        positions = forest.position_ids.to("cpu", torch.int64)
+        windows: dict[int, tuple[Route, torch.Tensor]] = {}
+
+        def windowed(w: int) -> tuple[Route, torch.Tensor]:
+            # Per window size: the context keys each rank's rows see through it (window_context), routed like ``kv``.
+            if w not in windows:
+                seen = [
+                    window_context(se, positions, bounds[i], bounds[i + 1], w) if len(contexts[i]) else contexts[i] for i in range(self.G)
+                ]
+                rows = torch.searchsorted(contexts[self.me], seen[self.me]).to(dev)
+                windows[w] = (_route([slots.of(c) for c in seen], self.me, dev), rows)
+            return windows[w]
+
+        mask.prefix = hook = _Hook(self, parts, A, kv, self.what, windowed)
+        replay: Any = contextlib.nullcontext()
+        if forest.routes is not None or r.router:
+            replay = replay_routes(r.model, None if forest.routes is None else forest.routes[:, a:b], tokens=b - a)
+        with replay as routing:
+            ids, pos = local.input_ids[None, A:], local.position_ids[None, A:]
+            out = r.base(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
         hook.closed = True
         hidden = out.last_hidden_state[0]
         held = torch.cat([p.hidden for p in parts] + [hidden])
@@ -383,26 +441,35 @@ class CPPlan:
         )
         cache = {k: t[:, :, :n] for k, t in hook.captured.items()}
         ent = None if s.entropy is None else s.entropy[A : A + n]
-        return cache, hidden[:n], s.logprobs[A : A + n], ent, got.sum() + hidden.sum()
+        routed = None
+        if r.router:
+            whole = router_outputs(routing, r.model)
+            r.router_meta = (whole.kinds, whole.aux_coef)
+            routed = (tuple(t[:n] for t in whole.logits), whole.experts[:, :n])
+        return cache, hidden[:n], s.logprobs[A : A + n], ent, routed, got.sum() + hidden.sum()
 
-    def _segment(self, parts: Sequence[_Part], ids: torch.Tensor, pos: torch.Tensor, start: int, bounds: tuple[int, ...]) -> Any:
+    def _segment(
+        self, parts: Sequence[_Part], ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, start: int, bounds: tuple[int, ...]
+    ) -> Any:
         """A segment's pass: chain depths [start, start + len(ids)) against ``parts`` below, each node scored from its
-        parent (a root's logprob 0, as a rank's own segment)."""
-        chain = self.chain(torch.cat([p.ids for p in parts] + [ids]), torch.cat([p.pos for p in parts] + [pos]), None)
-        cache, hidden, lp, ent, anchor = self._pass(chain, parts, bounds, torch.arange(max(start, 1), chain.num_nodes))
+        parent (a root's logprob 0, as a rank's own segment); ``routes`` its nodes' (every part's below has them too)."""
+        chain_routes = None if routes is None else torch.cat([cast(torch.Tensor, p.routes) for p in parts] + [routes], dim=1)
+        chain = self.chain(torch.cat([p.ids for p in parts] + [ids]), torch.cat([p.pos for p in parts] + [pos]), chain_routes)
+        cache, hidden, lp, ent, routed, anchor = self._pass(chain, parts, bounds, torch.arange(max(start, 1), chain.num_nodes))
 
         def zero(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.nan_to_num(t, nan=0.0)
 
-        return (cache, hidden, zero(lp), zero(ent)), anchor
+        return (cache, hidden, zero(lp), zero(ent), routed), anchor
 
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.stack[-1].end if self.stack else 0
         ids, pos = batch.input_ids[start:end], batch.position_ids[start:end]
+        routes = None if batch.routes is None else batch.routes[:, start:end]
         bounds = split_bounds(torch.full((end,), end), start, self.G)
         with torch.no_grad():
-            got, _ = self._segment(self.stack, ids, pos, start, bounds)
-        self.stack.append(_Part(start, bounds, ids, pos, got))
+            got, _ = self._segment(self.stack, ids, pos, routes, start, bounds)
+        self.stack.append(_Part(start, bounds, ids, pos, routes, got))
         r = self.runner
         r.pushed += bounds[self.me + 1] - bounds[self.me]
         r.peak_tokens = max(r.peak_tokens, self.stack[-1].end)
@@ -410,10 +477,12 @@ class CPPlan:
 
     def _pop(self) -> None:
         part = self.stack.pop()
-        (cache, hidden, lp, ent), anchor = self._segment(self.stack, part.ids, part.pos, part.start, part.bounds)
+        (cache, hidden, lp, ent, routed), anchor = self._segment(self.stack, part.ids, part.pos, part.routes, part.start, part.bounds)
         pairs = [(cache[k], t) for k, t in part.cache.items()] + [(hidden, part.hidden), (cast(torch.Tensor, lp), part.lp)]
         if ent is not None and part.ent is not None:
             pairs.append((ent, part.ent))
+        if routed is not None and part.router_logits is not None:
+            pairs += list(zip(routed[0], part.router_logits))
         # Every rank back-propagates through the same exchanges; a leaf nobody read counts as zeros.
         grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs]
         torch.autograd.backward([t for t, _ in pairs] + [anchor], grads + [torch.zeros_like(anchor)])
@@ -431,28 +500,41 @@ class CPPlan:
         if N == 0:
             empty = torch.zeros(0, dtype=torch.float64)
             return NodeScores(empty, empty if self.runner.entropy else None, targets)
-        cols, anchors = [], []
+        r, anchors = self.runner, []
         bounds = split_bounds(batch.subtree_end.to("cpu", torch.int64), h, self.G) if N > h else (h,) * (self.G + 1)
-        own = [p.lp for p in self.stack]
-        ents = [cast(torch.Tensor, p.ent) for p in self.stack] if self.runner.entropy else []
+        # This rank's rows (its parts', then those it computes) as columns: logprobs, entropies, each MoE layer's router
+        # logits; and the experts used [rows, MoE layers * k] (with router=True).
+        rows: list[list[torch.Tensor]] = [[p.lp[:, None]] for p in self.stack]
+        experts = [p.experts for p in self.stack]
+        for p, row in zip(self.stack, rows):
+            row += [cast(torch.Tensor, p.ent)[:, None]] if r.entropy else []
+            row += [] if p.router_logits is None else p.router_logits
         if N > h:
-            _, _, lp, ent, anchor = self._pass(batch, self.stack, bounds, targets[targets >= h])
-            own.append(lp)
-            ents += [] if ent is None else [ent]
+            _, _, lp, ent, routed, anchor = self._pass(batch, self.stack, bounds, targets[targets >= h])
+            rows.append([lp[:, None]] + ([] if ent is None else [ent[:, None]]) + ([] if routed is None else list(routed[0])))
+            experts.append(None if routed is None else routed[1])
             anchors.append(anchor)
-            self.runner.computed += bounds[self.me + 1] - bounds[self.me]
-        cols.append(torch.cat(own))
-        if self.runner.entropy:
-            cols.append(torch.cat(ents))
-        x = torch.stack(cols, dim=1)
+            r.computed += bounds[self.me + 1] - bounds[self.me]
+        if r.router and any(e is None for e in experts):
+            raise TreepackError("E_ARG", "a cached prefix was pushed without its router logits (router=False)", field="router")
+        x = torch.cat([torch.cat(row, dim=1) for row in rows])
         slots = _Slots(self.stack, h, bounds)
         owner, slot = slots.of(torch.arange(N))
         width = max(slots.offsets[-1][i] + bounds[i + 1] - bounds[i] for i in range(self.G))
         whole: torch.Tensor = _Assemble.apply(x, width, owner, slot, self, *anchors)
+        k = 2 if r.entropy else 1
         scored = torch.zeros(N, dtype=torch.bool)
         scored[targets] = True
-        whole = torch.where(scored[:, None].to(whole.device), whole, torch.full_like(whole, float("nan")))
-        return NodeScores(whole[:, 0], whole[:, 1] if self.runner.entropy else None, targets)
+        scores = torch.where(scored[:, None].to(whole.device), whole[:, :k], torch.full_like(whole[:, :k], float("nan")))
+        router = None
+        if r.router:
+            mine = torch.cat(cast(list[torch.Tensor], experts), dim=1)  # [MoE layers, rows, k]
+            L, _, topk = mine.shape
+            used = _Assemble.apply(mine.permute(1, 0, 2).reshape(-1, L * topk), width, owner, slot, self)
+            logits = whole[:, k:].chunk(L, dim=1)  # the MoE layers' [N, experts] each
+            kinds, coef = cast(tuple[tuple[str, ...], float | None], r.router_meta)
+            router = RouterOutputs(tuple(logits), used.reshape(N, L, topk).permute(1, 0, 2), kinds, coef)
+        return NodeScores(scores[:, 0], scores[:, 1] if r.entropy else None, targets, router)
 
     def release(self, count: int) -> None:
         """``count`` pops (the micro-batch forwarded last's ``prefix_release``), every rank of the group together."""

@@ -662,15 +662,13 @@ class StepPlanRunner:
             if self.recurrent
             else f"{type(self.model).__name__} has a vision encoder"
             if self.vision
-            else "the load-balancing loss (router=True) needs every node's router outputs on one rank"
-            if self.router
             else ""
         )
         if refused:
             raise TreepackError(
                 "E_ARG",
-                f"{refused}: micro-batches planned for context-parallel ranks {list(op.cp_ranks)} run on attention-only language models so "
-                "far (pack without --cp)",
+                f"{refused}: micro-batches planned for context-parallel ranks {list(op.cp_ranks)} run on language models without recurrent "
+                "layers so far (pack without --cp)",
                 field="cp_ranks",
             )
         if self.stack or any(p.stack for k, p in self.cp_plans.items() if k != op.cp_ranks):
