@@ -271,7 +271,7 @@ class _Hook:
         held_k = torch.cat([p.cache[("key", layer)] for p in self.parts] + [key], dim=2)
         held_v = torch.cat([p.cache[("value", layer)] for p in self.parts] + [value], dim=2)
         window = None if self.windowed is None else module_window(module)
-        if window is None:
+        if window is None or self.windowed is None:
             what = f"layer {layer}'s keys/values of {self.what}"
             kc, vc = fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, self.route, what))
         else:  # the rows left out are keys no query of this rank sees through the window
