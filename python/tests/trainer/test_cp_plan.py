@@ -15,7 +15,10 @@ micro-batches. A tiny Qwen3-MoE replaying every node's routes, and with ``router
 micro-batch), against each micro-batch run whole in one process, within 1e-10. ``exchanged_bytes`` counts the
 logprobs' all-gather besides the fetches. Negative controls: with the cached parts' keys/values replaced by zeros in
 the fetch, or with the routers choosing instead of replaying the routes, the logprobs differ. gpt-oss's sliding-window
-layer fetches fewer bytes than its full layer. Refusals: a hybrid (Qwen3.5, Gated DeltaNet) by name; ``cp_ranks``
+layer fetches fewer bytes than its full layer. Hybrids, whose recurrent layers hand states and convolution inputs
+from rank to rank and start from the cached chain's: tiny Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba2) within
+1e-10 of the unsplit forest; started from zeros instead of the chain's state and inputs (control), the logprobs
+differ. Refusals: ``cp_ranks``
 naming ranks the world lacks, naming them; a rank that does not run its group's micro-batches (it takes only the
 entries listed under its own rank; on four ranks, it makes the groups but does not come) is named on the other within
 the group's 15 s timeout.
@@ -41,6 +44,7 @@ CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
 TIMEOUT_S = 15
 TOL = 1e-10
 ROUTED = ("routes", "router", "no_routes")  # the modes of a tiny Qwen3-MoE replaying every node's routes
+HYBRIDS = ("qwen3_5", "nemotron_h")  # Gated DeltaNet, Mamba2 (with attention layers)
 
 
 def write_forest(directory: str, world: int) -> str:
@@ -81,10 +85,10 @@ def model_for(family: str):
         from test_moe import build
 
         return build(family)[0]
-    if family == "qwen3_5":
+    if family in HYBRIDS:
         from test_hybrid import hybrid_model
 
-        return hybrid_model("qwen3_5", vocab=61)
+        return hybrid_model(family, vocab=61)
     from support import tiny_model
 
     return tiny_model("qwen3", torch.float64, vocab=61)
@@ -152,11 +156,16 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         entries = read_manifest(path)["micro_batches"]
         files = [os.path.join(path, e["file"]) for e in entries if e["rank"] == 1]
     batches = stress([tpt.load_microbatch(f) for f in files]) if files else []
-    family = {"gpt_oss": "gpt_oss", "hybrid": "qwen3_5"}.get(mode, "qwen3_moe" if mode in ROUTED else "qwen3")
+    families = {"gpt_oss": "gpt_oss", "no_hand_over": "qwen3_5", **{h: h for h in HYBRIDS}}
+    family = families.get(mode, "qwen3_moe" if mode in ROUTED else "qwen3")
     model = model_for(family)
     if family == "qwen3_moe":
         batches = routed(model, batches)
-    init = cp_plan._Hook.__init__
+    init, state, tail = cp_plan._Hook.__init__, cp_plan._Hook.state, cp_plan._Hook.tail
+    if mode == "no_hand_over":
+        # Negative control: the row's first nodes start from zeros, not from the cached chain's state and inputs.
+        cp_plan._Hook.state = lambda self, key: torch.zeros_like(state(self, key))
+        cp_plan._Hook.tail = lambda self, key, t: torch.zeros_like(tail(self, key, t))
     if mode == "no_fetch":
         # Negative control: the cached parts' keys/values every attention layer fetches are zeros.
         def zeros(self, plan, parts, *rest):
@@ -207,6 +216,7 @@ def run_mode(rank: int, world: int, path: str, mode: str, out: str) -> dict:
         return {"error": {"code": e.code, "field": e.field, "message": str(e), "after_s": time.monotonic() - t0}}
     finally:
         cp_plan._Hook.__init__, cp_plan.replay_routes, cp_plan.CPPlan.fetch = init, replay, fetch
+        cp_plan._Hook.state, cp_plan._Hook.tail = state, tail
     if mode == "missing":
         time.sleep(TIMEOUT_S + 5)  # rank 1 stays up while rank 0 waits for it
         return {}
@@ -252,7 +262,10 @@ def worker(rank: int, world: int, path: str, modes: list[str], store: str, out: 
 
 
 # Per world size, the modes its spawned ranks run ("missing", "absent" last: they break the groups).
-RUNS = {2: ["qwen3", "gpt_oss", *ROUTED, "no_fetch", "entropy", "hybrid", "group_of_four", "missing"], 4: ["qwen3", "absent"]}
+RUNS = {
+    2: ["qwen3", "gpt_oss", *ROUTED, "no_fetch", "entropy", *HYBRIDS, "no_hand_over", "group_of_four", "missing"],
+    4: ["qwen3", "absent"],
+}
 
 
 def spawn(tmp: str, world: int, modes: list[str]) -> dict:
@@ -276,8 +289,8 @@ def spawn(tmp: str, world: int, modes: list[str]) -> dict:
             run["ranks"].append(json.load(f))
     batches = [b for g in range(0, world, 2) for b in stress([tpt.load_microbatch(f) for f in list_microbatches(path, rank=g)])]
     for mode in modes:
-        family = {"no_fetch": "qwen3"}.get(mode, mode)
-        if mode in ("hybrid", "group_of_four", "missing", "absent"):
+        family = {"no_fetch": "qwen3", "no_hand_over": "qwen3_5"}.get(mode, mode)
+        if mode in ("group_of_four", "missing", "absent"):
             continue
         if mode == "entropy":  # against the same micro-batches run by one rank (cp_ranks dropped)
             model = model_for("qwen3")
@@ -352,7 +365,7 @@ class CPPlanTest(unittest.TestCase):
                 self.assertEqual(tpt.PackedDataset(run["path"], rank=r, dp=world).files(), want)
 
     def test_equal_to_the_unsplit_forest(self):
-        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (2, "routes"), (2, "router"), (4, "qwen3")):
+        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (2, "routes"), (2, "router"), (2, "qwen3_5"), (2, "nemotron_h"), (4, "qwen3")):
             d = self.runs[world]["diffs"][mode]
             self.assertTrue(d["sequences"], (world, mode))
             self.assertLess(d["loss"], TOL, (world, mode))
@@ -414,11 +427,10 @@ class CPPlanTest(unittest.TestCase):
             self.assertGreater(g["fetched_bytes"], 0)
             self.assertGreaterEqual(g["exchanged_bytes"] - g["fetched_bytes"], g["gathered_at_least"])
 
-    def test_a_hybrid_is_refused_by_name(self):
-        for r in self.runs[2]["ranks"]:
-            e = r["hybrid"]["error"]
-            self.assertEqual((e["code"], e["field"]), ("E_ARG", "cp_ranks"))
-            self.assertRegex(e["message"], r"Qwen3_5ForCausalLM has recurrent layers \(Qwen3_5GatedDeltaNet\).*pack without --cp")
+    def test_without_the_chains_recurrent_hand_over_the_results_differ(self):
+        # Qwen3.5's Gated DeltaNet layers with the row's first nodes started from zeros instead of the cached chain's
+        # final state and last convolution inputs (the hybrids above, handed over, equal the unsplit forest).
+        self.assertGreater(self.runs[2]["diffs"]["no_hand_over"]["logprobs"], 1e-3)
 
     def test_a_rank_missing_from_the_group_is_named(self):
         e = self.runs[2]["ranks"][0]["missing"]["error"]

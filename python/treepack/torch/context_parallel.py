@@ -325,7 +325,7 @@ class CPForward:
     def __init__(self, part: LocalPart, recurrent: Any) -> None:
         self.part, self.rows, self.recurrent = part, part.rows, recurrent
 
-    def keep(self, key: Any, tensor: torch.Tensor) -> None:
+    def keep(self, key: Any, tensor: torch.Tensor, width: int | None = None) -> None:
         """Nothing is cached across forwards under context parallelism."""
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:

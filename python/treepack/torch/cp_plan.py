@@ -32,8 +32,12 @@ member returns the micro-batch's whole loss: count it once per group (e.g. on ``
 A MoE model replays the routes (``batch.routes``) of the rows each rank computes; with ``router=True`` a part also
 keeps its rows' router logits (leaves) and experts, and the micro-batch's router outputs (every node's: the parts',
 then the computed nodes') are all-gathered with the logprobs, so ``loss_fn`` gets the whole micro-batch's
-``RouterOutputs``. Recurrent layers and images are refused by name (run the plan packed without ``--cp``). Every
-exchange runs under the process
+``RouterOutputs``. Recurrent layers run each pass as a row split over the group (python/treepack/torch/cp_recurrent.py,
+states and convolution inputs handed from rank to rank), the row's first nodes continuing the cached chain: a part
+also keeps, on every rank, per recurrent layer call its segment's final state (the last rank's) and last K-1
+convolution inputs (each rank's own columns, a shorter segment's read after the parts' below), through a sum over
+the group (``CPPlan._ends``) whose gradient, summed likewise, returns at the pop to the ranks that computed them.
+Images are refused by name (run the plan packed without ``--cp``). Every exchange runs under the process
 group's timeout; a micro-batch's first exchange checks that every rank of ``cp_ranks`` runs the same micro-batch
 and names a rank that does not come (TreepackError, E_BACKEND or E_INPUT), never hangs.
 """
@@ -41,6 +45,7 @@ and names a rank that does not come (TreepackError, E_BACKEND or E_INPUT), never
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -49,6 +54,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..microbatch import TreepackError
+from . import cp_recurrent
 from .attention import module_window, tree_mask
 from .batch import PackedBatch
 from .context_parallel import (
@@ -168,12 +174,17 @@ class _Part:
         self.experts = None if routed is None else routed[1]
         # StepPlanRunner._check compares the routes with the micro-batch's; a group's segments have no source (images)
         self.routes, self.source = routes, None
+        # Per recurrent layer call (every rank's alike, ``CPPlan._ends``): the state after the segment's last node
+        # [1, ...] and its last min(K - 1, length) convolution inputs [1, C, t].
+        self.states: dict[Any, torch.Tensor] = {}
+        self.tails: dict[Any, torch.Tensor] = {}
 
     def rows(self, r: int) -> int:
         return self.bounds[r + 1] - self.bounds[r]
 
     def leaves(self) -> list[torch.Tensor]:
         own = list(self.cache.values()) + [self.hidden, self.lp] + ([] if self.ent is None else [self.ent])
+        own += list(self.states.values()) + list(self.tails.values())
         return own + ([] if self.router_logits is None else self.router_logits)
 
     def nbytes(self) -> int:
@@ -242,11 +253,25 @@ def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) 
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """What python/treepack/torch/cp_recurrent.py reads of a pass (a ``LocalPart``'s fields it uses): the pass's split
+    ``cp`` (bounds: global node ids, nodes before ``bounds[0]`` the cached chain, source -1 of its plans), the whole
+    forest's ``subtree_end`` and the bytes counter ``stats``."""
+
+    cp: ContextParallel
+    subtree_end: torch.Tensor
+    stats: dict[str, int]
+
+
 class _Hook:
     """Set as ``prefix`` on the local forest's TreeMask (the step plans' hook in ``tree_attention``): the context's
     keys/values, fetched from the parts and lower ranks holding them, before this rank's (a sliding-window layer's
     only those its queries can see: ``windowed(window)``, their route and rows among the context's); ``captured`` what
-    each layer computed. (Not a ``GroupPrefix``: that one's recurrent hand-overs have no meaning here.)"""
+    each layer computed. Recurrent layers run across the ranks through python/treepack/torch/cp_recurrent.py
+    (``part``, ``recurrent``: None on a rank whose range is empty, whose throw-away root runs alone), the row's first
+    nodes continuing the cached chain from its final state and last convolution inputs (``state``, ``tail``: the top
+    part's, which every rank holds); ``kept`` what each recurrent layer call computed, (tensor, width)."""
 
     def __init__(
         self,
@@ -256,14 +281,27 @@ class _Hook:
         route: Route,
         what: str,
         windowed: Callable[[int], tuple[Route, torch.Tensor]] | None = None,
+        part: Any = None,
     ) -> None:
         self.plan, self.parts, self.rows, self.route, self.what, self.windowed = plan, parts, rows, route, what, windowed
+        self.part, self.recurrent = part, None if part is None else cp_recurrent
         self.captured: dict[Any, torch.Tensor] = {}
+        self.kept: dict[Any, tuple[torch.Tensor, int | None]] = {}
         self.closed = False
 
-    def keep(self, key: Any, tensor: torch.Tensor) -> None:
-        if not self.closed:
+    def keep(self, key: Any, tensor: torch.Tensor, width: int | None = None) -> None:
+        if self.closed:
+            return
+        if len(key) == 3:  # (layer, "conv" | "state", ordinal): a recurrent layer's
+            self.kept[key] = (tensor, width)
+        else:
             self.captured[key] = tensor
+
+    def state(self, key: Any) -> torch.Tensor:
+        return self.parts[-1].states[key]
+
+    def tail(self, key: Any, t: int) -> torch.Tensor:
+        return torch.cat([p.tails[key] for p in self.parts], 2)[:, :, -t:]
 
     def extend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
         layer = captured_layer(self, module, key, value, "context-parallel step plans")
@@ -280,11 +318,6 @@ class _Hook:
             kc, vc = in_rows(fetch_keys_values(held_k, held_v, lambda x: self.plan.fetch(x, route, what)), rows, self.rows)
         q = torch.cat([query.new_zeros(query.shape[:2] + (self.rows, query.shape[3])), query], dim=2)
         return q, torch.cat([kc, key], dim=2), torch.cat([vc, value], dim=2)
-
-    def tail(self, key: Any, t: int) -> torch.Tensor:
-        raise TreepackError("E_ARG", "context-parallel step plans carry attention keys/values only", field="model")
-
-    state = tail
 
 
 class _Assemble(torch.autograd.Function):
@@ -416,7 +449,8 @@ class CPPlan:
                 windows[w] = (_route([slots.of(c) for c in seen], self.me, dev), rows)
             return windows[w]
 
-        mask.prefix = hook = _Hook(self, parts, A, kv, self.what, windowed)
+        row = None if hi == lo else _Row(ContextParallel(self.group, self.me, self.G, bounds), se, self.stats)
+        mask.prefix = hook = _Hook(self, parts, A, kv, self.what, windowed, row)
         replay: Any = contextlib.nullcontext()
         if forest.routes is not None or r.router:
             replay = replay_routes(r.model, None if forest.routes is None else forest.routes[:, a:b], tokens=b - a)
@@ -446,7 +480,7 @@ class CPPlan:
             whole = router_outputs(routing, r.model)
             r.router_meta = (whole.kinds, whole.aux_coef)
             routed = (tuple(t[:n] for t in whole.logits), whole.experts[:, :n])
-        return cache, hidden[:n], s.logprobs[A : A + n], ent, routed, got.sum() + hidden.sum()
+        return cache, hidden[:n], s.logprobs[A : A + n], ent, routed, got.sum() + hidden.sum(), hook.kept
 
     def _segment(
         self, parts: Sequence[_Part], ids: torch.Tensor, pos: torch.Tensor, routes: torch.Tensor | None, start: int, bounds: tuple[int, ...]
@@ -455,12 +489,53 @@ class CPPlan:
         parent (a root's logprob 0, as a rank's own segment); ``routes`` its nodes' (every part's below has them too)."""
         chain_routes = None if routes is None else torch.cat([cast(torch.Tensor, p.routes) for p in parts] + [routes], dim=1)
         chain = self.chain(torch.cat([p.ids for p in parts] + [ids]), torch.cat([p.pos for p in parts] + [pos]), chain_routes)
-        cache, hidden, lp, ent, routed, anchor = self._pass(chain, parts, bounds, torch.arange(max(start, 1), chain.num_nodes))
+        cache, hidden, lp, ent, routed, anchor, kept = self._pass(chain, parts, bounds, torch.arange(max(start, 1), chain.num_nodes))
 
         def zero(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.nan_to_num(t, nan=0.0)
 
-        return (cache, hidden, zero(lp), zero(ent), routed), anchor
+        return (cache, hidden, zero(lp), zero(ent), routed), anchor, kept
+
+    def _ends(self, kept: dict[Any, tuple[torch.Tensor, int | None]], bounds: tuple[int, ...], grads: Any = None) -> Any:
+        """A pushed segment's recurrent ends, on every rank: per layer call the state after its last node (the last
+        rank's, "from last") and its last min(K - 1, length) convolution inputs (each rank's own columns), summed
+        over the group; with ``grads`` (the part's leaves' gradients, by key) the pop's pairs instead: the group's
+        summed gradients, of the state on the last rank and of each rank's own columns on it."""
+        if not kept:
+            return ({}, {}) if grads is None else []
+        dist, start, end = _dist(), bounds[0], bounds[-1]
+        keys = sorted(kept)
+        owner = int(torch.searchsorted(torch.tensor(bounds[1:]), torch.tensor(end - 1), right=True))
+        lo, hi = bounds[self.me], bounds[self.me + 1]
+        # K - 1 per convolution: a rank whose range is empty ran its throw-away root outside cp_recurrent (no width)
+        width = torch.tensor([float(kept[k][1] or 0) for k in keys], dtype=torch.float64, device=kept[keys[0]][0].device)
+        what = f"the convolution widths of {self.what}"
+        _collective(self.cp, what, lambda: dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group))
+        outs, own = [], {}
+        for k, w in zip(keys, width.tolist()):
+            t, _ = kept[k]
+            if k[1] == "state":
+                outs.append(t if self.me == owner else torch.zeros_like(t))
+                continue
+            n = min(int(w), end - start)
+            buf = t.new_zeros((1, t.shape[1], n))
+            a = max(hi - int(t.shape[2]), end - n)  # this rank's columns among the last n depths
+            if hi > lo and hi > a:
+                own[k] = (slice(t.shape[2] - (hi - a), t.shape[2]), slice(a - (end - n), hi - (end - n)))
+                buf[:, :, own[k][1]] = t[:, :, own[k][0]]
+            outs.append(buf)
+        if grads is not None:
+            outs = [torch.zeros_like(o) if grads[k] is None else grads[k] for k, o in zip(keys, outs)]
+        flat = torch.cat([o.detach().flatten() for o in outs])
+        _collective(self.cp, f"the recurrent ends of {self.what}", lambda: dist.all_reduce(flat, group=self.group))
+        got, at = {}, 0
+        for k, o in zip(keys, outs):
+            got[k] = flat[at : at + o.numel()].view_as(o)
+            at += o.numel()
+        if grads is None:
+            return {k: v for k, v in got.items() if k[1] == "state"}, {k: v for k, v in got.items() if k[1] != "state"}
+        pairs = [(kept[k][0], got[k]) for k in keys if k[1] == "state" and self.me == owner]
+        return pairs + [(kept[k][0][:, :, a], got[k][:, :, b]) for k, (a, b) in own.items()]
 
     def _push(self, batch: PackedBatch, end: int) -> None:
         start = self.stack[-1].end if self.stack else 0
@@ -468,8 +543,12 @@ class CPPlan:
         routes = None if batch.routes is None else batch.routes[:, start:end]
         bounds = split_bounds(torch.full((end,), end), start, self.G)
         with torch.no_grad():
-            got, _ = self._segment(self.stack, ids, pos, routes, start, bounds)
-        self.stack.append(_Part(start, bounds, ids, pos, routes, got))
+            got, _, kept = self._segment(self.stack, ids, pos, routes, start, bounds)
+            states, tails = self._ends(kept, bounds)
+        part = _Part(start, bounds, ids, pos, routes, got)
+        part.states = {k: t.detach().requires_grad_() for k, t in states.items()}
+        part.tails = {k: t.detach().requires_grad_() for k, t in tails.items()}
+        self.stack.append(part)
         r = self.runner
         r.pushed += bounds[self.me + 1] - bounds[self.me]
         r.peak_tokens = max(r.peak_tokens, self.stack[-1].end)
@@ -477,15 +556,17 @@ class CPPlan:
 
     def _pop(self) -> None:
         part = self.stack.pop()
-        (cache, hidden, lp, ent, routed), anchor = self._segment(self.stack, part.ids, part.pos, part.routes, part.start, part.bounds)
+        (cache, hidden, lp, ent, routed), anchor, kept = self._segment(self.stack, part.ids, part.pos, part.routes, part.start, part.bounds)
+        leaves = {**part.states, **part.tails}
+        ends = self._ends(kept, part.bounds, {k: t.grad for k, t in leaves.items()})
         pairs = [(cache[k], t) for k, t in part.cache.items()] + [(hidden, part.hidden), (cast(torch.Tensor, lp), part.lp)]
         if ent is not None and part.ent is not None:
             pairs.append((ent, part.ent))
         if routed is not None and part.router_logits is not None:
             pairs += list(zip(routed[0], part.router_logits))
         # Every rank back-propagates through the same exchanges; a leaf nobody read counts as zeros.
-        grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs]
-        torch.autograd.backward([t for t, _ in pairs] + [anchor], grads + [torch.zeros_like(anchor)])
+        grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for _, leaf in pairs] + [g for _, g in ends]
+        torch.autograd.backward([t for t, _ in pairs + ends] + [anchor], grads + [torch.zeros_like(anchor)])
         self.runner.computed += part.rows(self.me)
 
     def forward(self, batch: PackedBatch, op: Any) -> NodeScores:
@@ -510,7 +591,7 @@ class CPPlan:
             row += [cast(torch.Tensor, p.ent)[:, None]] if r.entropy else []
             row += [] if p.router_logits is None else p.router_logits
         if N > h:
-            _, _, lp, ent, routed, anchor = self._pass(batch, self.stack, bounds, targets[targets >= h])
+            _, _, lp, ent, routed, anchor, _ = self._pass(batch, self.stack, bounds, targets[targets >= h])
             rows.append([lp[:, None]] + ([] if ent is None else [ent[:, None]]) + ([] if routed is None else list(routed[0])))
             experts.append(None if routed is None else routed[1])
             anchors.append(anchor)

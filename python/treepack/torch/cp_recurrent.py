@@ -38,7 +38,7 @@ exchange, naming the layer and the peer.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -309,8 +309,10 @@ class _Send(torch.autograd.Function):
 
 def _local(tree: Tree, what: str, t: torch.Tensor, dim: int) -> LocalPart:
     """The tree's LocalPart, after checking the layer's setting and the input's length (before any message)."""
-    part = tree.cp
-    assert part is not None  # recurrent.py calls here only under context parallelism
+    # recurrent.py calls here only under context parallelism; a step plan's pass gives the LocalPart fields read here
+    # (cp, subtree_end, stats: python/treepack/torch/cp_plan.py's _Row)
+    part: LocalPart = tree.cp
+    assert part is not None
     if tree.chunk_align:
         raise TreepackError(
             "E_ARG",
@@ -350,11 +352,19 @@ def conv(
     part = _local(tree, "the convolution input", x, 2)
     key = tree.key("conv")
     _once(tree, key)
-    plan = conv_plan(tree.mask, part, int(weight.shape[-1]), x.device)
+    k = int(weight.shape[-1])
+    plan = conv_plan(tree.mask, part, k, x.device)
+    tree.cp_prefix.keep(key, x[:, :, max(0, x.shape[2] - (k - 1)) :], k - 1)
+    chain = plan.recv[0][1] if plan.recv and plan.recv[0][0] < 0 else 0
+    if chain:  # the cached chain's last inputs (source -1: nodes before the row, python/treepack/torch/cp_plan.py)
+        plan = replace(plan, recv=plan.recv[1:], imports=plan.imports - chain)
     if plan.recv or plan.send:
         # The local row is read through the extended tensor too, so its backward (which receives the exported
         # columns' gradients) runs whenever the output gets a gradient.
         x = _Windows.apply(x, plan, _Comm(part, key, tree.layer))
+    if chain:
+        x = torch.cat([tree.cp_prefix.tail(key, chain).to(x.dtype), x], 2)
+        plan = replace(plan, imports=plan.imports + chain)
     return windows_conv(orig, x[:, :, plan.imports :], x, plan.nodes, plan.windows, weight, bias, activation)
 
 
@@ -368,10 +378,18 @@ def run(tree: Tree, chunk: int, inputs: tuple[torch.Tensor | None, ...], call: C
     _once(tree, key)
     plan = state_plan(tree.mask, part, first.device)
     comm = _Comm(part, key, tree.layer)
-    starts = None
+    starts, chain = None, None
+    if plan.recv and plan.recv[0][0] < 0:  # roots continuing a cached chain (source -1) start from its final state
+        chain = tree.cp_prefix.state(key)
+        plan = replace(plan, recv=plan.recv[1:])
     if plan.recv:
         starts = _Recv.apply(first, plan, comm)
+    if chain is not None:
+        starts = chain if starts is None else torch.cat([chain.to(starts.dtype), starts])
     out, finals, rplan = run_rows(plan.forest, 1, inputs, call, None if starts is None else lambda: starts)
+    if finals:
+        last, i = rplan.last
+        tree.cp_prefix.keep(key, finals[last][i : i + 1], None)  # the state after the rank's last node
     if plan.send:
         states = []
         for _, segs in plan.send:

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from ..microbatch import TreepackError
-from .context_parallel import CPForward
 from .segments import RunPlan, conv_fix, run_plan, sub_forest
 
 
@@ -53,11 +52,16 @@ class Tree:
         self.mask = mask
         self.chunk_align = chunk_align
         self.layer = layer
-        prefix = getattr(mask, "prefix", None)
-        # Under context parallelism the mask's prefix is the forward's CPForward: its LocalPart, not a cached chain
-        # (python/treepack/torch/cp_recurrent.py).
-        self.cp = prefix.part if isinstance(prefix, CPForward) else None
-        self.cp_layers: Any = prefix.recurrent if isinstance(prefix, CPForward) else None  # the cp_recurrent module
+        prefix: Any = getattr(mask, "prefix", None)
+        # Under context parallelism the mask's prefix is the forward's CPForward, or a context-parallel step plan's
+        # hook (python/treepack/torch/cp_plan.py), which names its ``part`` and the ``recurrent`` module: its
+        # LocalPart, not a cached chain (python/treepack/torch/cp_recurrent.py). ``cp_prefix`` is then that hook:
+        # ``keep(key, tensor, width)`` takes the rank's last inputs (width) and state (None), ``tail``/``state`` give
+        # a cached chain's, which the row's first nodes read.
+        across = getattr(prefix, "recurrent", None) is not None
+        self.cp: Any = prefix.part if across else None
+        self.cp_layers: Any = prefix.recurrent if across else None  # the cp_recurrent module
+        self.cp_prefix: Any = prefix if across else None
         self.prefix = None if self.cp is not None else prefix
         self._calls: dict[str, int] = {}
 

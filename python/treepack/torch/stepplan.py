@@ -657,18 +657,11 @@ class StepPlanRunner:
 
     def _cp_plan(self, op: StepOp) -> CPPlan:
         """The group that runs a micro-batch planned for ``op.cp_ranks`` (python/treepack/torch/cp_plan.py)."""
-        refused = (
-            f"{type(self.model).__name__} has recurrent layers ({type(token_mixers(self.model)[0][0][1]).__name__})"
-            if self.recurrent
-            else f"{type(self.model).__name__} has a vision encoder"
-            if self.vision
-            else ""
-        )
-        if refused:
+        if self.vision:
             raise TreepackError(
                 "E_ARG",
-                f"{refused}: micro-batches planned for context-parallel ranks {list(op.cp_ranks)} run on language models without recurrent "
-                "layers so far (pack without --cp)",
+                f"{type(self.model).__name__} has a vision encoder: micro-batches planned for context-parallel ranks {list(op.cp_ranks)} "
+                "run on language models so far (pack without --cp)",
                 field="cp_ranks",
             )
         if self.stack or any(p.stack for k, p in self.cp_plans.items() if k != op.cp_ranks):
