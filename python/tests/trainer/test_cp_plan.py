@@ -18,7 +18,7 @@ the fetch, or with the routers choosing instead of replaying the routes, the log
 layer fetches fewer bytes than its full layer. Hybrids, whose recurrent layers hand states and convolution inputs
 from rank to rank and start from the cached chain's: tiny Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba2) within
 1e-10 of the unsplit forest; started from zeros instead of the chain's state and inputs (control), the logprobs
-differ. Refusals: ``cp_ranks``
+differ. Refusals: a vision-language model (tiny Qwen3-VL) by name, in one process; ``cp_ranks``
 naming ranks the world lacks, naming them; a rank that does not run its group's micro-batches (it takes only the
 entries listed under its own rank; on four ranks, it makes the groups but does not come) is named on the other within
 the group's 15 s timeout.
@@ -445,6 +445,22 @@ class CPPlanTest(unittest.TestCase):
         self.assertEqual((e["code"], e["field"]), ("E_BACKEND", "cp_ranks"))
         self.assertRegex(e["message"], r"rank 2: rank\(s\) 3 of ranks \[2, 3\] did not come to a micro-batch of context-parallel ranks")
         self.assertLess(e["after_s"], 3 * TIMEOUT_S)
+
+
+@needs_torch(transformers=True)
+class CPPlanImagesTest(unittest.TestCase):
+    def test_a_vision_language_model_is_refused_by_name(self):
+        from test_vision import tiny_vl
+        from treepack import TreepackError
+        from treepack.pack import pack_sequences
+
+        model = tiny_vl("qwen3_vl")
+        model.set_attn_implementation("treepack")
+        batch = tpt.from_microbatch(pack_sequences([[1, 2, 3], [1, 2, 4]]))
+        with self.assertRaises(TreepackError) as got:
+            tpt.StepPlanRunner(model).forward(batch, tpt.step_op(batch)._replace(cp_ranks=(0, 1)))
+        self.assertEqual((got.exception.code, got.exception.field), ("E_ARG", "cp_ranks"))
+        self.assertRegex(str(got.exception), r"Qwen3VLForConditionalGeneration has a vision encoder.*pack without --cp")
 
 
 if __name__ == "__main__":
