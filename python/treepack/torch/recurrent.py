@@ -28,7 +28,9 @@ call's output, to hand the next range what it reads.
 
 A context-parallel forward (python/treepack/torch/context_parallel.py) sets a ``CPForward`` as the mask's prefix: the
 layer's inputs are then the rank's nodes of a row split over ranks, and python/treepack/torch/cp_recurrent.py runs
-them, with the states and convolution inputs of earlier ranks.
+them, with the states and convolution inputs of earlier ranks. A context-parallel step plan's pass
+(python/treepack/torch/cp_plan.py) does the same through its hook, whose row continues a cached chain: the first
+nodes read the chain's state and last inputs from the hook (``Tree.cp_prefix``).
 """
 
 from __future__ import annotations
