@@ -1,14 +1,15 @@
 """Context parallelism for one packed row (treepack.torch.context_parallel) over gloo on CPU, float64.
 
 Three spawned ranks split each row at chosen bounds and run ``packed_logprobs`` + ``packed_loss`` + backward on their
-local parts, then sum the parameter gradients over the group; every rank also runs the row alone. Per-token
-logprobs of each rank's nodes, the loss and every parameter gradient equal the one-rank run's within 1e-10, for tiny
-Qwen3 (block and dense attention) and gpt-oss (sliding window 4 + sinks, MoE), on forests whose bounds fall inside a
-radix segment, at a branch point (the branch node ending a rank, and starting one), one segment spanning the three
-ranks, a rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-36 nodes) and pad nodes;
-token-mean, seq-mean-token-mean and GSPO with sequence TIS. Negative control: with the key/value exchange replaced by
-zeros the logprobs differ. Scoring every node (``nodes="all"``), each rank's local nodes equal the one-rank run's and
-its context nodes are left NaN (their owners score them). Recurrent layers: test_cp_recurrent.py.
+local parts, then sum the parameter gradients over the group; every rank also runs the row alone. Per-token logprobs
+of each rank's nodes, the loss and every parameter gradient equal the one-rank run's within 1e-10, for tiny Qwen3
+(block and dense attention) and gpt-oss (sliding window 4 + sinks, MoE), on forests whose bounds fall inside a radix
+segment, at a branch point (the branch node ending a rank, and starting one), one segment spanning the three ranks, a
+rank whose nodes carry no trainable token, ragged blocks (block size 4, parts of 3-36 nodes) and pad nodes;
+token-mean, seq-mean-token-mean, GSPO with sequence TIS and turn-level aggregation (turns cut by a bound). Negative
+control: with the key/value exchange replaced by zeros the logprobs differ. Scoring every node (``nodes="all"``), each
+rank's local nodes equal the one-rank run's and its context nodes are left NaN (their owners score them). Recurrent
+layers: test_cp_recurrent.py.
 Two ranks: a group of the wrong size and ranks holding different rows are refused on every rank with a TreepackError
 naming the fault; a rank that fails before the exchange makes the other raise TreepackError (E_BACKEND) within the
 group's 5 s timeout, no hang.
@@ -99,6 +100,7 @@ CONFIGS = {
     "token-mean": {"clip_low": 0.2, "clip_high": 0.28, "kl": "k3", "kl_coef": 0.1},
     "seq-mean-token-mean": {"clip_low": 0.2, "aggregation": "seq-mean-token-mean"},
     "gspo": {"policy": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "tis": "sequence", "tis_cap": 2.0, "aggregation": "seq-mean-token-sum"},
+    "turn-mean": {"clip_low": 0.2, "aggregation": "seq-mean-turn-mean-token-mean"},
 }
 
 
@@ -115,11 +117,14 @@ def main_worker(rank: int, world: int, out: str) -> None:
     batch = tpt.load_microbatch(forest())
     plan = cases(batch)
     batch.loss_mask[batch.seq_positions < 10] = False  # the prompt is not trained: rank 0 of no_scored_rank0 scores nothing
+    # Turns of 3 tokens: a turn cut by a rank's bound counts once, with its tokens on both ranks.
+    batch.turn_ids = torch.div(batch.token_index + 1, 3, rounding_mode="floor")
     runs = [
         ("qwen3", "block", name, bounds, cfg)
         for (name, bounds), cfg in zip(plan.items(), ["token-mean", "seq-mean-token-mean", "gspo", "token-mean", "seq-mean-token-mean"])
     ]
     runs += [("qwen3", "dense", "inside_segments", plan["inside_segments"], "gspo")]
+    runs += [("qwen3", "block", name, plan[name], "turn-mean") for name in ("inside_segments", "after_branch_points")]
     runs += [
         ("gpt_oss", mode, name, plan[name], "token-mean") for mode, name in (("block", "inside_segments"), ("dense", "segment_over_three"))
     ]
@@ -127,6 +132,16 @@ def main_worker(rank: int, world: int, out: str) -> None:
     models = {f: build(f) for f in ("qwen3", "gpt_oss")}
     for family, mode, name, bounds, cfg in runs:
         results[f"{family}/{mode}/{name}/{cfg}"] = run_case(models[family], batch, bounds, mode, CONFIGS[cfg], None)
+
+    # The turn-mean cases stress what they say: trainable turns whose tokens lie on two ranks.
+    from treepack.torch.loss_terms import turn_runs
+
+    run, _ = turn_runs(batch.seq_offsets, batch.seq_index, batch.turn_ids)
+    trained = batch.loss_mask.bool()
+    for name in ("inside_segments", "after_branch_points"):
+        owner = torch.searchsorted(torch.tensor(plan[name]), batch.seq_positions, right=True) - 1
+        ranks = [set(owner[trained & (run == r)].tolist()) for r in range(int(run.max()) + 1)]
+        results[f"split_turns/{name}"] = sum(len(o) > 1 for o in ranks)
 
     # Every node scored (nodes="all"): the local ones equal the one-rank run's, the context's are left to their owners.
     with torch.no_grad():
@@ -265,7 +280,7 @@ class ContextParallelOverGloo(unittest.TestCase):
     def test_split_runs_equal_the_one_rank_run(self):
         ranks = spawn(main_worker, 3)
         for name in ranks[0]:
-            if name in ("control", "all_nodes"):
+            if name in ("control", "all_nodes") or name.startswith("split_turns/"):
                 continue
             for r, res in enumerate(ranks):
                 got = res[name]
@@ -283,6 +298,8 @@ class ContextParallelOverGloo(unittest.TestCase):
             self.assertGreater(ranks[r]["qwen3/block/segment_over_three/token-mean"]["context"], 0)
             self.assertGreater(ranks[r]["qwen3/block/inside_segments/token-mean"]["context"], 0)
         self.assertTrue(any(res["qwen3/block/inside_segments/token-mean"]["local"] % 4 for res in ranks))
+        self.assertGreater(ranks[0]["split_turns/inside_segments"], 0)
+        self.assertGreater(ranks[0]["split_turns/after_branch_points"], 0)
         for res in ranks:
             self.assertLessEqual(res["all_nodes"]["lp"], TOL)
             self.assertTrue(res["all_nodes"]["context_nan"])

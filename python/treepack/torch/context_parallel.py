@@ -66,6 +66,7 @@ from torch.autograd.function import once_differentiable
 from ..microbatch import TreepackError
 from .attention import module_window
 from .batch import PackedBatch
+from .loss_terms import turn_runs
 
 # What one token's projections and MLP cost, in keys seen (attention (q, k) pairs): the ratio of a dense layer's
 # per-token matmuls (~12·D² multiply-adds) to one pair's (~2·D), for a hidden size D of about 1k. Tune per model.
@@ -249,7 +250,7 @@ class LocalPart:
     the context), ``num_nodes`` (the whole row's N); ``stats`` counts the bytes this rank's exchanges moved;
     ``subtree_end`` is the whole row's, from which the recurrent layers derive every rank's state hand-overs, and
     ``position_ids`` the whole row's, from which every rank derives the routes of the sliding-window layers
-    (``window_route``)."""
+    (``window_route``); ``turns`` (with turn ids) numbers the row's turns for turn-level aggregation."""
 
     cp: ContextParallel
     context: torch.Tensor
@@ -261,6 +262,8 @@ class LocalPart:
     subtree_end: torch.Tensor | None = field(default=None, compare=False)
     position_ids: torch.Tensor | None = field(default=None, compare=False)
     windows: dict[int, tuple[Route, torch.Tensor]] = field(default_factory=dict, compare=False)
+    # turn-level aggregation: each local occurrence's turn and each turn's sequence, numbered over the whole row
+    turns: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
 
     @property
     def rows(self) -> int:
@@ -428,6 +431,10 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         return need
 
     hneeds = [hidden_need(r) for r in range(cp.size)]
+    turns = None
+    if batch.turn_ids is not None:
+        run, run_seq = turn_runs(batch.seq_offsets.long(), batch.seq_index.long(), batch.turn_ids)
+        turns = (run[occ], run_seq[: int(run[-1]) + 1 if run.numel() else 0])
     part = LocalPart(
         cp=replace(cp, bounds=bounds),
         context=context,
@@ -437,6 +444,7 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
         hidden_rows=torch.searchsorted(contexts[cp.rank], hneeds[cp.rank]).to(dev),
         subtree_end=se,
         position_ids=batch.position_ids,
+        turns=turns,
     )
     pad = batch.num_pad_tokens
     meta = dict(batch.meta)

@@ -191,21 +191,17 @@ def _loss(
     elif agg == "seq-mean-token-sum-norm":
         w_seq = torch.full((S,), 1 / c["norm_constant"], dtype=f64, device=dev)
     else:  # seq-mean-turn-mean-token-mean
-        if part is not None:
-            raise TreepackError(
-                "E_ARG", "aggregation 'seq-mean-turn-mean-token-mean' under context parallelism is not supported yet", field="aggregation"
-            )
         w_seq = None
     if w_seq is not None:
         w = (w_seq * scale)[seq] * mf
-    else:  # each run of equal turn ids within a sequence is a turn; a turn's weight 1 / (G·k·n_turn)
-        turn = t["turn_ids"]
-        j = torch.arange(M, device=dev)
-        start = j == off[:-1][seq] if turn is None else (j == off[:-1][seq]) | (turn != torch.cat([turn[:1], turn[:-1]]))
-        run = torch.cumsum(start.long(), 0) - 1
-        n_run = torch.zeros(M, dtype=f64, device=dev).index_add_(0, run, mf)[run]
-        k = per_seq((start & (n_run > 0)).to(f64))
-        w = torch.where(m, scale[seq] / (safe(G) * safe(k)[seq] * safe(n_run)), zero)
+    else:  # a turn's weight 1 / (G·k·n_turn): k the sequence's turns with a trainable token, n_turn the turn's
+        # Under context parallelism the turns are the whole row's (numbered by split_batch), their counts all-reduced.
+        run, run_seq = terms.turn_runs(off, seq, cast(Tensor, t["turn_ids"])) if part is None else part.turns
+        n_turn = torch.zeros(run_seq.shape[0], dtype=f64, device=dev).index_add_(0, run, mf)
+        if part is not None:
+            n_turn = part.all_reduce(n_turn, "the trainable tokens per turn")
+        k = torch.zeros(S, dtype=f64, device=dev).index_add_(0, run_seq, (n_turn > 0).to(f64))
+        w = torch.where(m, scale[seq] / (safe(G) * safe(k)[seq] * safe(n_turn[run])), zero)
     # The policy surrogate per occurrence.
     if c["policy"] == "cispo":
         value, r, high, low = terms.cispo(x, old, A, c)

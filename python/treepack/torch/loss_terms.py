@@ -71,3 +71,12 @@ def kl_term(kind: str, lp: Tensor, ref: Tensor) -> Tensor:
         return 0.5 * diff * diff
     x = _clamp_keep(-diff, -_abi.K3_LOG_CLAMP, _abi.K3_LOG_CLAMP)
     return _clamp_keep(torch.exp(x) - x - 1, -_abi.K3_VALUE_CLAMP, _abi.K3_VALUE_CLAMP)
+
+
+def turn_runs(offsets: Tensor, seq: Tensor, turn: Tensor) -> tuple[Tensor, Tensor]:
+    """The turns of turn-level aggregation: each run of equal turn ids within a sequence is one. (run [M]: each
+    occurrence's turn, numbered over the batch; run_seq [M]: turn r's sequence, for r < the number of turns, 0 after)."""
+    j = torch.arange(seq.shape[0], device=seq.device)
+    start = (j == offsets[:-1][seq]) | (turn != torch.cat([turn[:1], turn[:-1]]))
+    run = torch.cumsum(start.long(), 0) - 1
+    return run, torch.zeros_like(run).scatter_(0, run, seq)
