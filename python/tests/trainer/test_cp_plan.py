@@ -44,7 +44,7 @@ CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
 TIMEOUT_S = 15
 TOL = 1e-10
 ROUTED = ("routes", "router", "no_routes")  # the modes of a tiny Qwen3-MoE replaying every node's routes
-HYBRIDS = ("qwen3_5", "nemotron_h")  # Gated DeltaNet, Mamba2 (with attention layers)
+HYBRIDS = ("qwen3_5", "nemotron_h", "kimi_linear")  # Gated DeltaNet, Mamba2, KDA (with attention layers)
 
 
 def write_forest(directory: str, world: int) -> str:
@@ -365,7 +365,7 @@ class CPPlanTest(unittest.TestCase):
                 self.assertEqual(tpt.PackedDataset(run["path"], rank=r, dp=world).files(), want)
 
     def test_equal_to_the_unsplit_forest(self):
-        for world, mode in ((2, "qwen3"), (2, "gpt_oss"), (2, "routes"), (2, "router"), (2, "qwen3_5"), (2, "nemotron_h"), (4, "qwen3")):
+        for world, mode in [(2, m) for m in ("qwen3", "gpt_oss", "routes", "router", *HYBRIDS)] + [(4, "qwen3")]:
             d = self.runs[world]["diffs"][mode]
             self.assertTrue(d["sequences"], (world, mode))
             self.assertLess(d["loss"], TOL, (world, mode))
