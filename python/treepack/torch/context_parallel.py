@@ -194,20 +194,29 @@ class Route:
     slot: torch.Tensor  # int64 [F]
 
 
-def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device: torch.device) -> Route:
-    """The route of ``needs[r]`` (global node ids rank r fetches, ascending; a rank may fetch its own rows too, which
-    makes the fetch an all-gather whose backward sums every rank's gradient into the owner's)."""
-    size = len(bounds) - 1
-    every = torch.unique(torch.cat(needs)) if needs else torch.zeros(0, dtype=torch.int64)
-    owner_of = torch.searchsorted(torch.tensor(bounds[1:]), every, right=True)
-    sends = [every[owner_of == s] for s in range(size)]
-    mine = needs[rank]
-    owner = torch.searchsorted(torch.tensor(bounds[1:]), mine, right=True)
-    slot = torch.zeros_like(mine)
+def route_rows(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, device: torch.device) -> Route:
+    """The ``Route`` of every rank's needed rows, each given as (owner rank, row on the owner) [F_r] each: what each
+    rank sends, and where this rank's fetched rows are among them."""
+    sends = [torch.unique(torch.cat([slot[owner == s] for owner, slot in needs])) for s in range(len(needs))]
+    owner, slot = needs[rank]
+    at = torch.zeros_like(slot)
     for s in torch.unique(owner).tolist():
         sel = owner == s
-        slot[sel] = torch.searchsorted(sends[s], mine[sel])
-    return Route((sends[rank] - bounds[rank]).to(device), max(int(x.numel()) for x in sends), owner.to(device), slot.to(device))
+        at[sel] = torch.searchsorted(sends[s], slot[sel])
+    return Route(sends[rank].to(device), max(int(x.numel()) for x in sends), owner.to(device), at.to(device))
+
+
+def _route(needs: list[torch.Tensor], bounds: tuple[int, ...], rank: int, device: torch.device) -> Route:
+    """The route of ``needs[r]`` (global node ids rank r fetches, ascending; rank r owns [bounds[r], bounds[r+1])); a
+    rank may fetch its own rows too, which makes the fetch an all-gather whose backward sums every rank's gradient
+    into the owner's)."""
+    ends, starts = torch.tensor(bounds[1:]), torch.tensor(bounds[:-1])
+
+    def located(nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = torch.searchsorted(ends, nodes, right=True)
+        return owner, nodes - starts[owner]
+
+    return route_rows([located(n) for n in needs], rank, device)
 
 
 class _Fetch(torch.autograd.Function):
@@ -393,6 +402,18 @@ def _context(se: torch.Tensor, lo: int) -> torch.Tensor:
     return k[se[:lo] > lo]
 
 
+def local_tree(
+    parent: torch.Tensor, subtree_end: torch.Tensor, context: torch.Tensor, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forest of a rank's ``context`` nodes (ascending global ids) then nodes [lo, hi): their global ids, and their
+    parents and subtree ends renumbered to it (subtree ends cut at hi)."""
+    A = int(context.shape[0])
+    nodes = torch.cat([context, torch.arange(lo, hi, device=context.device)])
+    g = parent[nodes]
+    inside = torch.searchsorted(context, g.clamp(min=0)).clamp(max=max(A - 1, 0))
+    return nodes, torch.where(g < 0, g, torch.where(g >= lo, g - lo + A, inside)), A + subtree_end[nodes].clamp(max=hi) - lo
+
+
 def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> PackedBatch:
     """This rank's local part of ``batch`` (module docstring): context then local nodes, local occurrences, and
     ``context_parallel`` set. With ``check`` (one small all-gather), every rank must hold the same row and bounds:
@@ -411,15 +432,7 @@ def split_batch(batch: PackedBatch, cp: ContextParallel, check: bool = True) -> 
     contexts = [_context(se, bounds[r]).cpu() for r in range(cp.size)]
     context = contexts[cp.rank].to(dev)
     A = int(context.shape[0])
-    nodes = torch.cat([context, torch.arange(lo, hi, device=dev)])
-
-    def local(g: torch.Tensor) -> torch.Tensor:
-        """Global node ids (each a context or local node, or -1) as local ones."""
-        inside = torch.searchsorted(context, g.clamp(min=0)).clamp(max=max(A - 1, 0))
-        return torch.where(g < 0, g, torch.where(g >= lo, g - lo + A, inside))
-
-    parent = local(batch.parent[nodes])
-    subtree_end = A + se[nodes].clamp(max=hi) - lo
+    nodes, parent, subtree_end = local_tree(batch.parent, se, context, lo, hi)
     occ = (batch.seq_positions >= lo) & (batch.seq_positions < hi)
     counts = torch.zeros(batch.num_sequences, dtype=torch.int64, device=dev).index_add_(0, batch.seq_index, occ.to(torch.int64))
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])

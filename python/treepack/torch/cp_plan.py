@@ -66,6 +66,8 @@ from .context_parallel import (
     balanced_bounds,
     fetch_keys_values,
     in_rows,
+    local_tree,
+    route_rows,
     window_context,
 )
 from .logprobs import NodeScores, packed_logprobs, scored_nodes
@@ -217,33 +219,17 @@ class _Slots:
         return owner, slot
 
 
-def _route(needs: Sequence[tuple[torch.Tensor, torch.Tensor]], me: int, device: torch.device) -> Route:
-    """The ``Route`` of every rank's needed (owner, slot) rows: what each rank sends, and where this rank's rows are."""
-    G = len(needs)
-    sends = [torch.unique(torch.cat([slot[owner == s] for owner, slot in needs])) for s in range(G)]
-    owner, slot = needs[me]
-    at = torch.zeros_like(slot)
-    for s in torch.unique(owner).tolist():
-        sel = owner == s
-        at[sel] = torch.searchsorted(sends[s], slot[sel])
-    return Route(sends[me].to(device), max(int(x.numel()) for x in sends), owner.to(device), at.to(device))
-
-
 def _local_forest(forest: PackedBatch, context: torch.Tensor, lo: int, hi: int) -> PackedBatch:
     """The context nodes then nodes [lo, hi) of ``forest`` (on the host), renumbered (``split_batch``'s node arrays;
     one sequence through them, nothing read but the node arrays)."""
-    A = int(context.shape[0])
-    nodes = torch.cat([context, torch.arange(lo, hi)])
-    inside = torch.searchsorted(context, forest.parent[nodes].clamp(min=0)).clamp(max=max(A - 1, 0))
-    g = forest.parent[nodes]
-    parent = torch.where(g < 0, g, torch.where(g >= lo, g - lo + A, inside))
+    nodes, parent, subtree_end = local_tree(forest.parent, forest.subtree_end, context, lo, hi)
     n = int(nodes.shape[0])
     ar = torch.arange(n)
     return PackedBatch(
         input_ids=forest.input_ids[nodes],
         position_ids=forest.position_ids[nodes],
         parent=parent,
-        subtree_end=A + forest.subtree_end[nodes].clamp(max=hi) - lo,
+        subtree_end=subtree_end,
         seq_offsets=torch.tensor([0, n]),
         seq_positions=ar,
         loss_mask=torch.zeros(n, dtype=torch.bool),
@@ -415,7 +401,7 @@ class CPPlan:
         se = forest.subtree_end.to("cpu", torch.int64)
         contexts = [_context(se, bounds[i]) if bounds[i + 1] > bounds[i] else se.new_zeros(0) for i in range(self.G)]
         dev = forest.device
-        kv = _route([slots.of(c) for c in contexts], self.me, dev)
+        kv = route_rows([slots.of(c) for c in contexts], self.me, dev)
         # The parents, outside the rank's own range, of the nodes it scores.
         parent = forest.parent.to("cpu", torch.int64)
 
@@ -426,7 +412,7 @@ class CPPlan:
             return got
 
         needs = [outside(i) for i in range(self.G)]
-        hroute = _route([slots.of(x) for x in needs], self.me, dev)
+        hroute = route_rows([slots.of(x) for x in needs], self.me, dev)
         host = forest.to("cpu")
         a, b = (lo, hi) if hi > lo else (bounds[0], bounds[0] + 1)
         local = _local_forest(host, contexts[self.me], a, b)
@@ -446,7 +432,7 @@ class CPPlan:
                     window_context(se, positions, bounds[i], bounds[i + 1], w) if len(contexts[i]) else contexts[i] for i in range(self.G)
                 ]
                 rows = torch.searchsorted(contexts[self.me], seen[self.me]).to(dev)
-                windows[w] = (_route([slots.of(c) for c in seen], self.me, dev), rows)
+                windows[w] = (route_rows([slots.of(c) for c in seen], self.me, dev), rows)
             return windows[w]
 
         row = None if hi == lo else _Row(ContextParallel(self.group, self.me, self.G, bounds), se, self.stats)

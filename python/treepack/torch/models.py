@@ -282,16 +282,21 @@ def prepare(model: torch.nn.Module, chunk_align: bool | None = None) -> torch.nn
     return model
 
 
+def refuse_unsupported(model: torch.nn.Module, supported: frozenset[str], why: str) -> None:
+    """Refuses (TreepackError naming the first layer) a model with a token mixer a caller cannot run
+    (``unsupported_mixers``), saying ``why``."""
+    bad = unsupported_mixers(model, supported)
+    if bad:
+        _refuse(bad, why)
+
+
 def check_context_parallel(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose state context parallelism does not carry over a rank
     boundary: any mixer treepack does not run on a tree (the recurrent layers it does, ``LAYERS``, pass their states
     across ranks)."""
-    bad = unsupported_mixers(model, frozenset(LAYERS))
-    if bad:
-        path, m = bad[0]
-        raise TreepackError(
-            "E_ARG",
-            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens by a recurrence or convolution whose state context "
-            "parallelism does not pass across ranks (attention and " + ", ".join(sorted(LAYERS)) + " do): run this row on one rank",
-            field="model",
-        )
+    refuse_unsupported(
+        model,
+        frozenset(LAYERS),
+        "its state is not passed across context-parallel ranks (attention and " + ", ".join(sorted(LAYERS)) + " are): "
+        "run this row on one rank",
+    )

@@ -64,7 +64,7 @@ from .attention import tree_mask
 from .batch import PackedBatch
 from .cp_plan import CPPlan, make_groups
 from .logprobs import NodeScores, _head_and_base, check_vocabulary, packed_logprobs, scored_nodes
-from .models import layer_index, prepare, token_mixers, unsupported_mixers
+from .models import layer_index, prepare, refuse_unsupported, token_mixers
 from .moe import RouterOutputs, Routing, replay_routes, router_outputs
 from .shared_prefix import GroupPrefix, Piece, Share, group_of, plan_shares
 from .vision import has_images, hidden_states, image_keys, vision_family
@@ -269,15 +269,12 @@ def check_model(model: torch.nn.Module) -> None:
     """Refuses (TreepackError) a model with a token mixer whose prefix state the step plan does not carry: anything
     but softmax attention and the recurrent layers of ``RECURRENT``, by layer index and class."""
     handled = token_mixers(model)[0]
-    unsupported = unsupported_mixers(model, RECURRENT)
-    if unsupported:
-        path, m = unsupported[0]
-        raise TreepackError(
-            "E_ARG",
-            f"layer {layer_index(path)} ({path}): {type(m).__name__} mixes tokens and its prefix state is not carried by the "
-            "step-plan executor (attention and " + ", ".join(sorted(RECURRENT)) + " are; run these micro-batches in full)",
-            field="model",
-        )
+    refuse_unsupported(
+        model,
+        RECURRENT,
+        "its prefix state is not carried by the step-plan executor (attention and " + ", ".join(sorted(RECURRENT)) + " are; "
+        "run these micro-batches in full)",
+    )
     recurrent = {layer_index(p) for p, _ in handled}
     for i, kind in enumerate(getattr(model.config, "layer_types", None) or []):
         if kind not in _ATTENTION_TYPES and str(i) not in recurrent:
